@@ -1,0 +1,28 @@
+"""The accelerator seam (npu, cuda, cpu).
+
+The only package that names device families, collective libraries and vendor modules.
+Ask it instead: ``get_accelerator().dist_backend``, ``.device()``, ``.ray_resource``, ...
+"""
+
+from mindspeed.device import cpu as _cpu  # noqa: F401  (registers the CPU)
+from mindspeed.device import cuda as _cuda  # noqa: F401  (registers CUDA)
+from mindspeed.device import npu as _npu  # noqa: F401  (registers the NPU; imports nothing vendor-side)
+from mindspeed.device.accelerator import (
+    ACCELERATOR_ENV,
+    ACCELERATORS,
+    Accelerator,
+    available_accelerators,
+    get_accelerator,
+    register_accelerator,
+    set_accelerator,
+)
+
+__all__ = [
+    "ACCELERATOR_ENV",
+    "ACCELERATORS",
+    "Accelerator",
+    "available_accelerators",
+    "get_accelerator",
+    "register_accelerator",
+    "set_accelerator",
+]

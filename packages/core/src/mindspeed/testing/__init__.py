@@ -1,0 +1,1 @@
+"""Test helpers shared by every package: spawned gloo ranks, tiny models, op parity."""

@@ -1,0 +1,10 @@
+"""mindspeed_mm."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("mindspeed-mm")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0"
+
+__all__ = ["__version__"]
