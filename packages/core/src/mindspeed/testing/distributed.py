@@ -1,0 +1,170 @@
+"""Run a function on N real ranks (spawned processes, gloo on the CPU) from a test.
+
+``run_distributed(fn, world_size)`` spawns ``world_size`` processes, initialises
+torch.distributed in each with the accelerator's backend, calls ``fn(rank, world_size, *args)``
+and returns the ranks' return values in rank order. A rank that raises fails the call with
+its traceback; a rank that hangs (a collective nobody joins) fails it after ``timeout``
+seconds instead of hanging CI. Processes are always reaped.
+
+On a 2-core machine each rank costs seconds of imports: check many things inside one group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def find_free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    args: tuple,
+    env: dict[str, str],
+    results: mp.Queue,
+    timeout: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from mindspeed.device import get_accelerator
+
+        # Ranks share the cores: one thread each keeps 2 ranks on 2 cores from thrashing.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        accelerator = get_accelerator()
+        if accelerator.name != "cpu":
+            accelerator.set_device(rank % max(accelerator.device_count(), 1))
+        dist.init_process_group(
+            backend=backend or accelerator.dist_backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, KeyboardInterrupt included, to the parent
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died or hung."""
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of ranks.
+        *args: picklable arguments passed to every rank.
+        timeout: seconds before the whole group is killed and the call fails.
+        backend: torch.distributed backend (default: the accelerator's, gloo on the CPU).
+        env: extra environment variables for the ranks (``OMP_NUM_THREADS`` defaults to 1).
+
+    Returns:
+        The return values of ``fn``, in rank order (they must be picklable).
+
+    Raises:
+        DistributedTestError: with the failing ranks' tracebacks, or naming the ranks that hung.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = find_free_port()
+    rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, backend, args, rank_env, results, timeout),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                hung = sorted(set(range(world_size)) - set(outcomes))
+                raise DistributedTestError(
+                    f"ranks {hung} did not finish within {timeout:.0f} s (a collective that not every "
+                    f"rank joins?); finished: {sorted(outcomes)}" + _failures(outcomes)
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                outcomes[rank] = (ok, value)
+                if not ok:  # one failure: the others would wait on it forever
+                    break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in outcomes]
+                if dead:
+                    # Give its queued message a moment to arrive before declaring a silent death.
+                    time.sleep(0.5)
+                    while not results.empty():
+                        rank, ok, value = results.get_nowait()
+                        outcomes[rank] = (ok, value)
+                    missing = [r for r in dead if r not in outcomes]
+                    if missing:
+                        raise DistributedTestError(
+                            f"ranks {missing} died with exit codes {[procs[r].exitcode for r in missing]}"
+                            + _failures(outcomes)
+                        )
+                    break
+        failures = _failures(outcomes)
+        if failures:
+            raise DistributedTestError("a rank failed" + failures)
+        return [outcomes[rank][1] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+
+
+def _failures(outcomes: dict[int, tuple[bool, Any]]) -> str:
+    return "".join(f"\n--- rank {rank} ---\n{value}" for rank, (ok, value) in sorted(outcomes.items()) if not ok)
