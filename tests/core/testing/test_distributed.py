@@ -50,6 +50,7 @@ def test_failing_rank_reports_its_traceback() -> None:
 @pytest.mark.distributed
 def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
-    with pytest.raises(DistributedTestError, match=r"ranks \[1\] did not finish"):
-        run_distributed(_hang_on_rank_one, 2, timeout=8)
-    assert time.monotonic() - start < 40
+    # Rank 0 usually finishes first; on a loaded machine both may still be starting up.
+    with pytest.raises(DistributedTestError, match=r"ranks \[(0, )?1\] did not finish within 15 s"):
+        run_distributed(_hang_on_rank_one, 2, timeout=15)
+    assert time.monotonic() - start < 60  # killed at the deadline, not after rank 1's 600 s

@@ -1,0 +1,46 @@
+"""The repository keeps its promises: CI runs the README's test command, packages are complete."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"core": "mindspeed", "llm": "mindspeed_llm", "mm": "mindspeed_mm", "rl": "mindspeed_rl"}
+
+
+def _readme_commands() -> list[str]:
+    block = re.search(r"## Two commands\n.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README.md lost its 'Two commands' bash block"
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one() -> None:
+    commands = _readme_commands()
+    assert len(commands) == 2, commands
+    test_command = next(c for c in commands if "pytest" in c)
+    ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    assert test_command.strip() in ci_lines, ".ci/run must run the README's test command verbatim"
+
+
+def test_every_package_has_version_script_and_readme() -> None:
+    for folder, module in PACKAGES.items():
+        meta = tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
+        assert meta["name"] == f"mindspeed-{folder}"
+        assert meta["version"]
+        script = "mindspeed" if folder == "core" else f"mindspeed-{folder}"
+        assert meta["scripts"][script].startswith(f"{module}.cli:")
+        assert (ROOT / "packages" / folder / "src" / module / "__init__.py").is_file()
+        assert (ROOT / "tests" / folder).is_dir(), f"tests/{folder} must mirror packages/{folder}"
+
+
+def test_lock_has_no_machine_paths() -> None:
+    lock = (ROOT / "uv.lock").read_text()
+    assert "file://" not in lock and "/opt/" not in lock and "/root/" not in lock
+    assert re.search(r'name = "torch"\nversion = "2\.13\.\d+"', lock)
+
+
+def test_readme_links_exist() -> None:
+    for link in re.findall(r"\]\(((?:docs|examples)/[^)]+)\)", (ROOT / "README.md").read_text()):
+        assert (ROOT / link).exists(), f"README links to missing {link}"
