@@ -1,1 +1,373 @@
-"""(being written)."""
+"""Scaled dot-product attention: ``attention``.
+
+Layout BSND: ``q`` is ``[batch, seq_q, heads_q, dim]``, ``k`` and ``v`` are
+``[batch, seq_k, heads_kv, dim]`` with ``heads_q % heads_kv == 0``; each kv head serves
+``heads_q // heads_kv`` consecutive q heads (grouped-query attention, as Hugging Face's
+``repeat_kv`` and Megatron do it).
+
+Masks follow flash-attn's conventions so that every backend agrees:
+
+- query ``i`` sits at key position ``i + seq_k - seq_q`` (bottom-right alignment), which is
+  what KV-cache decoding and ring attention need when ``seq_q != seq_k``;
+- ``causal`` keeps keys at or before that position;
+- ``window_size=(left, right)`` keeps keys within ``left`` before and ``right`` after it
+  (``-1``: unbounded); a Mistral sliding window of ``W`` tokens is ``(W - 1, 0)``;
+- ``cu_seqlens`` packs several sequences into one row (``batch == 1``, ``seq_q == seq_k``): a
+  token sees only its own segment, and causal/window apply inside it.
+
+A query row that sees no key outputs zeros and has ``lse = -inf``; its gradients are zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mindspeed.ops.registry import Case, OpSpec, Tolerance, register_kernel, register_op
+
+#: Optional features of the op (see ``Case.features`` and ``KernelImpl.features``).
+FEATURE_LSE = "lse"
+FEATURE_WINDOW = "window"
+FEATURE_VARLEN = "varlen"
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: Sequence[int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Raise ``ValueError`` with the fix when the inputs break the op's contract.
+
+    Args:
+        q: ``[batch, seq_q, heads_q, dim]``.
+        k: ``[batch, seq_k, heads_kv, dim]``.
+        v: same shape as ``k``.
+        window_size: ``(left, right)``, each ``>= -1``.
+        cu_seqlens: packed-sequence boundaries; checking their values reads them on the host
+            (one small sync, only for packed sequences).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects 4-D BSND q, k, v; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    if k.shape != v.shape:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree on batch and head dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
+        raise ValueError(f"window_size must be (left, right) with each >= -1 (-1 = unbounded); got {window_size}")
+    if cu_seqlens is None:
+        return
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor; got {cu_seqlens.dtype}{list(cu_seqlens.shape)}"
+        )
+    if q.shape[0] != 1 or q.shape[1] != k.shape[1]:
+        raise ValueError(
+            "packed sequences (cu_seqlens) need batch == 1 and seq_q == seq_k; "
+            f"got q {list(q.shape)}, k {list(k.shape)}"
+        )
+    bounds = cu_seqlens.tolist()
+    rising = all(a <= b for a, b in zip(bounds, bounds[1:]))
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != q.shape[1] or not rising:
+        raise ValueError(f"cu_seqlens must rise from 0 to seq_len={q.shape[1]}; got {bounds}")
+
+
+def visible_keys_mask(
+    seq_q: int,
+    seq_k: int,
+    *,
+    causal: bool,
+    window_size: Sequence[int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
+    """Which keys each query sees, from index arithmetic.
+
+    Args:
+        seq_q: number of queries.
+        seq_k: number of keys.
+        causal: keep keys at or before the query's (bottom-right aligned) position.
+        window_size: ``(left, right)`` bounds around that position, ``-1`` = unbounded.
+        cu_seqlens: segment boundaries of packed sequences (``seq_q == seq_k``).
+        device: where to build the mask.
+
+    Returns:
+        A bool ``[seq_q, seq_k]`` mask (True = attend), or ``None`` when every key is visible.
+    """
+    left, right = (int(w) for w in window_size)
+    if not causal and left < 0 and right < 0 and cu_seqlens is None:
+        return None
+    q_pos = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    k_pos = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if left >= 0:
+        visible &= k_pos >= q_pos - left
+    if right >= 0:
+        visible &= k_pos <= q_pos + right
+    if cu_seqlens is not None:
+        # Segment id of every token: bucketize against the segment ends.
+        ends = cu_seqlens[1:].to(device=device, dtype=torch.long)
+        segment = torch.bucketize(torch.arange(seq_q, device=device), ends, right=True)
+        visible &= segment[:, None] == segment[None, :]
+    return visible
+
+
+def num_empty_rows(seq_q: int, seq_k: int, *, causal: bool, window_size: Sequence[int] = (-1, -1)) -> int:
+    """How many leading query rows see no key at all (the only rows that can be empty).
+
+    Row ``i`` sees keys up to ``i + seq_k - seq_q + right`` (``right = 0`` under ``causal``),
+    so it is empty exactly when that is negative; a left bound never empties a row.
+    Packed sequences have ``seq_q == seq_k`` per segment and never have empty rows.
+
+    Args:
+        seq_q: number of queries.
+        seq_k: number of keys.
+        causal: whether the causal mask applies.
+        window_size: ``(left, right)``, ``-1`` = unbounded.
+
+    Returns:
+        The number of empty rows; they are rows ``0 .. n - 1``.
+    """
+    right = int(window_size[1])
+    if causal:
+        right = 0
+    elif right < 0:
+        return 0
+    return max(0, min(seq_q, seq_q - seq_k - right))
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: Sequence[int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the whole score matrix materialised, in fp32.
+
+    Args:
+        q: ``[batch, seq_q, heads_q, dim]``.
+        k: ``[batch, seq_k, heads_kv, dim]``, ``heads_q % heads_kv == 0``.
+        v: same shape as ``k``.
+        causal: bottom-right aligned causal mask.
+        softmax_scale: score scale (default ``1 / sqrt(dim)``).
+        window_size: ``(left, right)`` local window, ``-1`` = unbounded.
+        cu_seqlens: ``[num_seqs + 1]`` cumulative boundaries of packed sequences (``batch == 1``).
+        return_lse: also return the log-sum-exp of the scaled scores.
+
+    Returns:
+        The output ``[batch, seq_q, heads_q, dim]`` in ``q``'s dtype, and with ``return_lse``
+        the fp32 ``lse`` ``[batch, heads_q, seq_q]`` (``-inf`` on rows that see no key).
+    """
+    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+    group = heads_q // heads_kv
+
+    # [b, n, s, d] in fp32; kv head h // group serves q head h.
+    q32 = q.float().transpose(1, 2)
+    k32 = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    v32 = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    visible = visible_keys_mask(
+        seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
+    )
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+
+    # Softmax by hand so that rows without keys give 0 (not NaN) forward and backward: the
+    # max of an empty row is -inf, so shift it by 0 instead and guard the division and log.
+    # The shift is detached because the result does not depend on it.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    has_key = total > 0  # the row's max contributes exp(0) = 1 whenever a key is visible
+    total = torch.where(has_key, total, torch.ones_like(total))
+    out = torch.matmul(weights / total, v32).transpose(1, 2).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.where(has_key, row_max + torch.log(total), float("-inf")).squeeze(-1)
+    return out, lse
+
+
+class _LseGrad(torch.autograd.Function):
+    """Identity on a kernel's ``lse`` whose backward adds d lse / d (q, k).
+
+    With ``P = softmax(scale * q k^T)`` (masked), ``d lse_i / d s_ij = P_ij``, so for a
+    cotangent ``g``: ``dq_i = scale * g_i * (P k)_i`` and ``dk = scale * P^T (g * q)``. Both are
+    attention calls: ``P k`` is the attention output with ``v = k``, and ``P^T x`` is that call's
+    gradient with respect to ``v`` for the output cotangent ``x``. Any kernel can so supply the
+    gradient that its own autograd drops.
+    """
+
+    @staticmethod
+    def forward(ctx, lse, q, k, attend, scale):  # type: ignore[override]
+        ctx.save_for_backward(lse, q, k)
+        ctx.attend, ctx.scale = attend, scale
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, grad_lse):  # type: ignore[override]
+        lse, q, k = ctx.saved_tensors
+        # Rows that see no key have no gradient (their lse is -inf; some kernels say +inf).
+        grad_lse = torch.where(torch.isfinite(lse), grad_lse, torch.zeros_like(grad_lse))
+        row_grad = grad_lse.transpose(1, 2).unsqueeze(-1) * ctx.scale  # [b, s, n, 1]
+        with torch.enable_grad():
+            probe = k.detach().requires_grad_(True)
+            pk = ctx.attend(q.detach(), k.detach(), probe)
+            (grad_k,) = torch.autograd.grad(pk, probe, grad_outputs=(row_grad * q.float()).to(pk.dtype))
+        grad_q = (row_grad * pk.detach().float()).to(q.dtype)
+        return None, grad_q, grad_k.to(k.dtype), None, None
+
+
+def attach_lse_grad(
+    lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attend: Attend, softmax_scale: float
+) -> torch.Tensor:
+    """Make a kernel's (non-differentiable) ``lse`` differentiable with respect to ``q`` and ``k``.
+
+    Args:
+        lse: ``[batch, heads_q, seq_q]`` fp32 log-sum-exp from the kernel (``-inf``/``+inf`` on
+            rows without keys get no gradient).
+        q: the query the kernel saw, BSND.
+        k: the key the kernel saw, BSND.
+        attend: ``attend(q, k, v) -> out``, the same kernel with the same mask, differentiable in ``v``.
+        softmax_scale: the scale the kernel applied to the scores.
+
+    Returns:
+        ``lse`` with the same values, whose gradient flows to ``q`` and ``k``.
+    """
+    return _LseGrad.apply(lse.detach(), q, k, attend, softmax_scale)
+
+
+# -- parity cases and benchmark ------------------------------------------------------------
+
+
+def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(batch: int, seq_q: int, seq_k: int, heads_q: int, heads_kv: int, dim: int) -> tuple:
+        def make(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen).to(device, dtype)
+
+        return make(batch, seq_q, heads_q, dim), make(batch, seq_k, heads_kv, dim), make(batch, seq_k, heads_kv, dim)
+
+    def cu(*bounds: int) -> torch.Tensor:
+        return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+    lse, window, varlen = frozenset({FEATURE_LSE}), frozenset({FEATURE_WINDOW}), frozenset({FEATURE_VARLEN})
+    return [
+        Case("causal", qkv(2, 7, 7, 4, 4, 16)),
+        Case("full odd shape", qkv(1, 9, 9, 3, 3, 24), {"causal": False}),
+        Case("gqa causal", qkv(2, 11, 11, 6, 2, 16)),
+        Case("mqa full", qkv(1, 5, 5, 4, 1, 32), {"causal": False}),
+        Case("decode sq<sk causal", qkv(2, 3, 10, 4, 2, 16)),
+        Case("sq>sk causal, empty rows", qkv(1, 6, 4, 2, 2, 16)),
+        Case("cross sq<sk full", qkv(1, 4, 9, 2, 1, 16), {"causal": False, "softmax_scale": 0.3}),
+        Case("sliding window", qkv(1, 13, 13, 2, 2, 16), {"window_size": (3, 0)}, features=window),
+        Case("band window", qkv(2, 10, 10, 4, 2, 16), {"causal": False, "window_size": (2, 3)}, features=window),
+        Case(
+            "window sq>sk, empty rows",
+            qkv(1, 8, 5, 2, 2, 16),
+            {"causal": False, "window_size": (1, 1)},
+            features=window,
+        ),
+        Case("varlen causal", qkv(1, 13, 13, 4, 2, 16), {"cu_seqlens": cu(0, 3, 8, 13)}, features=varlen),
+        Case("varlen full", qkv(1, 9, 9, 2, 2, 16), {"causal": False, "cu_seqlens": cu(0, 4, 4, 9)}, features=varlen),
+        Case(
+            "varlen window",
+            qkv(1, 12, 12, 2, 1, 16),
+            {"window_size": (2, 0), "cu_seqlens": cu(0, 7, 12)},
+            features=window | varlen,
+        ),
+        Case("lse causal", qkv(2, 7, 7, 4, 2, 16), {"return_lse": True}, features=lse),
+        Case("lse full", qkv(1, 5, 8, 3, 3, 16), {"causal": False, "return_lse": True}, features=lse),
+        Case("lse sq>sk, empty rows", qkv(1, 6, 3, 4, 2, 16), {"return_lse": True}, features=lse),
+        Case(
+            "lse varlen window",
+            qkv(1, 10, 10, 2, 2, 16),
+            {"window_size": (3, 0), "cu_seqlens": cu(0, 6, 10), "return_lse": True},
+            features=lse | window | varlen,
+        ),
+    ]
+
+
+def _attention_bench(dtype: torch.dtype, device: torch.device) -> Case:
+    batch, seq, heads, dim = 1, 1024, 8, 64
+    q, k, v = (torch.randn(batch, seq, heads, dim, device=device, dtype=dtype) for _ in range(3))
+    return Case(f"b{batch} s{seq} n{heads} d{dim} causal", (q, k, v))
+
+
+register_op(
+    OpSpec(
+        name="attention",
+        reference=attention_reference,
+        doc="BSND attention with GQA, bottom-right causal, sliding window, packed sequences and lse",
+        cases=_attention_cases,
+        bench_case=_attention_bench,
+        # Fused kernels (FlashAttention, NPU) round the probabilities to bf16 before the
+        # P @ V matmul, one more bf16 rounding than the fp32 reference.
+        tolerances={torch.bfloat16: Tolerance(atol=3e-2, rtol=3e-2)},
+    )
+)
+
+
+@register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN))
+def attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: Sequence[int] = (-1, -1),
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` (fused kernels where torch has them).
+
+    Same arguments as :func:`attention_reference`, without ``return_lse`` (SDPA does not
+    return the log-sum-exp). Plain causal attention with ``seq_q == seq_k`` uses
+    ``is_causal``; windows, packed sequences and bottom-right causal with ``seq_q != seq_k``
+    pass an explicit boolean mask.
+    """
+    if return_lse:
+        raise ValueError("attention impl 'sdpa' cannot return lse; resolve the op with features=('lse',)")
+    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    gqa = q.shape[2] != k.shape[2]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    plain = cu_seqlens is None and tuple(int(w) for w in window_size) == (-1, -1)
+    if plain and (not causal or seq_q == seq_k):
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    mask = visible_keys_mask(
+        seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
+    )
+    empty = num_empty_rows(seq_q, seq_k, causal=causal, window_size=window_size)
+    if empty:
+        # SDPA gives NaN (forward or backward, depending on the kernel) for rows without keys:
+        # let those rows see every key, then zero their output, which also zeroes their gradients.
+        mask[:empty] = True
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
+    out = out.transpose(1, 2)
+    if empty:
+        rows = torch.arange(seq_q, device=q.device) < empty
+        out = out.masked_fill(rows[None, :, None, None], 0)
+    return out
