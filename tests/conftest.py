@@ -11,5 +11,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     present = set(available_accelerators())
     for item in items:
         for marker, device in (("gpu", "cuda"), ("npu", "npu")):
-            if marker in item.keywords and device not in present:
+            if item.get_closest_marker(marker) is not None and device not in present:
                 item.add_marker(pytest.mark.skip(reason=f"needs a {device} device"))
