@@ -97,7 +97,9 @@ class CpuAccelerator(Accelerator):
         pass
 
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        # The generator itself, not torch.manual_seed: that one also seeds every device family,
+        # which would recurse when torch.cuda.manual_seed_all is redirected here.
+        torch.default_generator.manual_seed(seed)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

@@ -1,0 +1,8 @@
+"""The megatron-core adaptor: ``adapt()`` makes megatron-core run on any accelerator.
+
+Importing this package does nothing (megatron-core itself is imported by ``adapt()``).
+"""
+
+from mindspeed.megatron.adaptor import AdaptReport, adapt, adapted, current_report, enter_thread, unadapt
+
+__all__ = ["AdaptReport", "adapt", "adapted", "current_report", "enter_thread", "unadapt"]

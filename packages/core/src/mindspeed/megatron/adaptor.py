@@ -1,0 +1,179 @@
+"""``adapt()``: one explicit call after which megatron-core runs unchanged on any accelerator.
+
+On CUDA nothing is patched (only upstream bugs that hit installs without Transformer Engine
+are fixed). On the CPU (gloo) and on Ascend NPUs (hccl) the ``torch.cuda`` calls megatron-core
+makes are redirected to the accelerator, CUDA device arguments are rewritten by a
+thread-local torch function mode, and a few megatron-core functions with no seam are
+replaced. Everything is undone by :func:`unadapt` (or on leaving :func:`adapted`), which
+leaves torch and megatron-core exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindspeed.device import Accelerator, get_accelerator, set_accelerator
+from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches
+from mindspeed.log import get_logger
+from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
+from mindspeed.patching import PatchError, PatchRecord, PatchSet, installed_version
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class AdaptReport:
+    """What ``adapt()`` changed: the accelerator, the patches and the features applied."""
+
+    accelerator: str
+    megatron_core: str
+    patches: list[PatchRecord] = field(default_factory=list)
+    device_redirect: bool = False
+    features: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for run reports."""
+        return {
+            "accelerator": self.accelerator,
+            "megatron_core": self.megatron_core,
+            "device_redirect": self.device_redirect,
+            "patches": [vars(p) for p in self.patches],
+            "features": self.features.to_dict() if hasattr(self.features, "to_dict") else self.features,
+        }
+
+    def describe(self) -> str:
+        """Human-readable report, one patch per line."""
+        lines = [f"adapted megatron-core {self.megatron_core} to {self.accelerator}"
+                 f" ({len(self.patches)} patches, device redirect {'on' if self.device_redirect else 'off'})"]
+        lines += [f"  - {p.name}: {p.target} [{p.distribution}{p.versions}] {p.reason}" for p in self.patches]
+        return "\n".join(lines)
+
+
+class _RngWarningFilter(logging.Filter):
+    # On a host, the "GPU" generator is the CPU generator, so megatron's tracker warns on every
+    # fork that the CPU state changed; the states are still restored correctly.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+@dataclass
+class _Adaptation:
+    report: AdaptReport
+    patches: PatchSet
+    mode: DeviceRedirectMode | None
+    thread: int
+    rng_filter: _RngWarningFilter
+
+
+_active: _Adaptation | None = None
+_lock = threading.Lock()
+
+
+def check_megatron_version() -> str:
+    """The installed megatron-core version; raises if it is outside the supported range."""
+    version = installed_version("megatron-core")
+    if version is None:
+        raise PatchError("megatron-core is not installed; install mindspeed-core's dependencies")
+    from packaging.specifiers import SpecifierSet
+
+    if version not in SpecifierSet(MEGATRON_VERSIONS):
+        raise PatchError(f"megatron-core {version} is installed but the adaptor supports {MEGATRON_VERSIONS}; "
+                         f"install a supported version (pip install 'megatron-core{MEGATRON_VERSIONS}')")
+    return str(version)
+
+
+def adapt(accelerator: str | Accelerator | None = None, features: Any = None) -> AdaptReport:
+    """Make megatron-core run on ``accelerator`` (default: the detected one).
+
+    Args:
+        accelerator: an accelerator name or object; ``None`` uses ``get_accelerator()``.
+        features: optional features to apply: a ``mindspeed.features`` config, applied with
+            ``apply_features`` and listed in the report.
+
+    Returns:
+        The report of everything changed (also logged).
+
+    Raises:
+        PatchError: megatron-core or torch outside the versions the patches were written for.
+        RuntimeError: if already adapted (call :func:`unadapt` first).
+    """
+    global _active
+    with _lock:
+        if _active is not None:
+            raise RuntimeError("megatron-core is already adapted; call unadapt() first or use adapted()")
+        acc = set_accelerator(accelerator) if accelerator is not None else get_accelerator()
+        version = check_megatron_version()
+        import megatron.core  # noqa: F401  (fail here, with its own message, if it cannot import)
+
+        patches = PatchSet([*cuda_api_patches(), *megatron_patches()])
+        records = patches.apply(acc)
+        mode = None
+        if acc.name != "cuda":
+            mode = DeviceRedirectMode(acc)
+            mode.__enter__()
+        rng_filter = _RngWarningFilter()
+        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(rng_filter)
+        report = AdaptReport(accelerator=acc.name, megatron_core=version, patches=records,
+                             device_redirect=mode is not None)
+        _active = _Adaptation(report, patches, mode, threading.get_ident(), rng_filter)
+    if features is not None:
+        try:
+            report.features = _apply_features(features, acc)
+        except Exception:
+            unadapt()
+            raise
+    logger.info(report.describe())
+    return report
+
+
+def _apply_features(features: Any, acc: Accelerator) -> Any:
+    from mindspeed.features import apply_features
+
+    return apply_features(features, acc)
+
+
+def enter_thread() -> None:
+    """Enter the device redirect in the calling thread (function modes are thread-local).
+
+    Call it at the start of any extra thread that runs megatron-core code.
+    """
+    if _active is not None and _active.mode is not None and threading.get_ident() != _active.thread:
+        DeviceRedirectMode(_active.mode.accelerator).__enter__()
+
+
+def unadapt() -> None:
+    """Undo :func:`adapt`: revert every patch and leave the device redirect.
+
+    Must be called from the thread that called ``adapt()``.
+    """
+    global _active
+    with _lock:
+        if _active is None:
+            return
+        if _active.mode is not None:
+            if threading.get_ident() != _active.thread:
+                raise RuntimeError("unadapt() must run in the thread that called adapt()")
+            _active.mode.__exit__(None, None, None)
+        _active.patches.revert()
+        logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_active.rng_filter)
+        _active = None
+
+
+def current_report() -> AdaptReport | None:
+    """The report of the active adaptation, if any."""
+    return None if _active is None else _active.report
+
+
+@contextlib.contextmanager
+def adapted(accelerator: str | Accelerator | None = None, features: Any = None) -> Iterator[AdaptReport]:
+    """``with adapted(): ...`` adapts for the block and undoes it afterwards."""
+    report = adapt(accelerator, features)
+    try:
+        yield report
+    finally:
+        unadapt()

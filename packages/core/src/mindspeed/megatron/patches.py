@@ -1,0 +1,123 @@
+"""Patches of megatron-core where it has no seam, each version-checked and reversible.
+
+Every patch names the megatron-core versions it was written for; ``adapt()`` refuses to run
+on a version outside the range rather than patch code it has not been checked against.
+The ``torch.cuda`` redirects themselves live in ``mindspeed.device.cuda_shim``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import numpy as np
+import torch
+
+from mindspeed.patching import UpstreamPatch
+
+#: megatron-core versions the adaptor is written and tested for (also pinned in pyproject).
+MEGATRON_VERSIONS = ">=0.16.0,<0.17"
+_NOT_CUDA = ("cpu", "npu")
+
+
+def _te_missing() -> bool:
+    return importlib.util.find_spec("transformer_engine") is None
+
+
+def _rng_get(original: Any, acc: Any) -> Any:
+    def get_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return acc.get_rng_state()
+
+    return get_rng_state
+
+
+def _rng_set(original: Any, acc: Any) -> Any:
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        acc.set_rng_state(new_state)
+
+    return set_rng_state
+
+
+def _move_to_cpu(original: Any, acc: Any) -> Any:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # Upstream only moves tensors whose .is_cuda is true, so split sizes on any other device
+        # (or already on the host) stay tensors and all_to_all_single rejects them.
+        if not torch.is_tensor(tensor):
+            return tensor
+        host = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()
+        return host.numpy() if as_numpy else host
+
+    return maybe_move_tensor_to_cpu
+
+
+def _norm_with_sequence_parallel(original: Any, acc: Any) -> Any:
+    def __new__(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        # torch's norms are token-wise, so they are correct on sequence-parallel shards; only the
+        # gradient of their weights must be all-reduced over TP, which the tag asks for.
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return __new__
+
+
+def _optimizer_state_keys(original: Any, acc: Any) -> Any:
+    def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> None:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        targets = {"param": main_param, **self.optimizer.state[main_param]}
+        # torch.optim.Adam keeps a "step" entry that the checkpoint's tensors do not carry.
+        for key, value in tensors.items():
+            if key in targets:
+                targets[key].copy_(value)
+        return None
+
+    return _set_main_param_and_optimizer_states
+
+
+def megatron_patches() -> list[UpstreamPatch]:
+    """The megatron-core patches, in the order they are applied."""
+    common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS)
+    return [
+        UpstreamPatch("rng-get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", _rng_get,
+                      reason="reads torch.cuda.default_generators", accelerators=_NOT_CUDA, **common),
+        UpstreamPatch("rng-set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", _rng_set,
+                      reason="writes torch.cuda.default_generators through _lazy_call", accelerators=_NOT_CUDA,
+                      **common),
+        UpstreamPatch("moe-splits-to-host", "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+                      _move_to_cpu, reason="only converts tensors with .is_cuda", accelerators=_NOT_CUDA, **common),
+        UpstreamPatch("moe-splits-to-host-dispatcher",
+                      "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+                      _move_to_cpu, reason="imported by name from moe_utils", accelerators=_NOT_CUDA, **common),
+        UpstreamPatch("te-general-gemm-undefined", "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+                      lambda original, acc: None, allow_missing=True,
+                      condition=lambda: _te_missing() and not _has_te_general_gemm(),
+                      reason="upstream bug: the router reads te_general_gemm, defined only when "
+                      "Transformer Engine imports (NameError otherwise)", **common),
+        UpstreamPatch("torch-norm-sequence-parallel", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+                      _norm_with_sequence_parallel,
+                      reason="asserts 'sequence parallel not supported by torch LayerNorm' although token-wise "
+                      "norms are correct on sequence shards", **common),
+        UpstreamPatch("distopt-state-keys",
+                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+                      _optimizer_state_keys,
+                      reason="upstream bug without Apex/TE: KeyError 'step' when loading a fully_reshardable "
+                      "checkpoint into torch.optim.Adam state", **common),
+    ]
+
+
+def _has_te_general_gemm() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return hasattr(moe_utils, "te_general_gemm")
+
+
+__all__ = ["MEGATRON_VERSIONS", "megatron_patches", "np"]
