@@ -1,0 +1,308 @@
+"""Benchmark every kernel implementation of every op against its naive PyTorch version.
+
+For each op in the registry this builds the op's ``bench_case`` on the current accelerator,
+then runs the naive version (``OpSpec.naive``, or the reference where the op has none) and
+every implementation available here, side by side in one process, and reports for each the
+median time of forward + backward (forward only for in-place ops, whose case has
+``grad=False``) and the peak memory the call adds, with both ratios to the naive version.
+
+Usage::
+
+    uv run --frozen python tools/bench/ops.py
+    uv run --frozen python tools/bench/ops.py --ops rms_norm,swiglu --dtype bfloat16 --repeat 10
+    uv run --frozen python tools/bench/ops.py --no-backward --json bench.json
+    uv run --frozen python tools/bench/ops.py --compile   # include impl="compile" (slow on CPU)
+
+An implementation that raises is reported as an error row and the run goes on; the exit
+status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from mindspeed.device import get_accelerator
+from mindspeed.metrics import measure_peak_memory, resolve_method
+from mindspeed.ops import OPS, Case, OpSpec, available_kernels
+from mindspeed.testing.parity import flatten_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NAIVE = "naive"
+COMPILE = "compile"
+MIB = float(1 << 20)
+
+
+@dataclass
+class Row:
+    """One implementation's measurements (``None`` where it could not be measured)."""
+
+    op: str
+    impl: str
+    baseline: bool = False
+    time_ms: float | None = None
+    runs: int = 0
+    peak_mib: float | None = None
+    time_ratio: float | None = None
+    memory_ratio: float | None = None
+    error: str | None = None
+    note: str | None = None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="", help="comma-separated op names (default: every registered op)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the bench inputs")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per implementation (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (at least 1)")
+    parser.add_argument(
+        "--budget-s", type=float, default=3.0,
+        help="stop the timed rounds of an op after about this many seconds per implementation (at least 2 rounds)",
+    )
+    parser.add_argument(
+        "--backward", action=argparse.BooleanOptionalAction, default=True,
+        help="time forward + backward (in-place ops are always forward only)",
+    )
+    parser.add_argument("--compile", action="store_true", help='also run impl="compile" (compiling is slow on CPU)')
+    parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.warmup < 1:
+        parser.error("--repeat and --warmup must be at least 1")
+    return args
+
+
+def select_ops(names: str) -> list[str]:
+    """The ops to run: the comma-separated ``names`` (checked against the registry) or all."""
+    if not names:
+        return [str(op) for op in OPS.keys()]
+    selected = [name.strip() for name in names.split(",") if name.strip()]
+    for name in selected:
+        OPS.get(name)  # raises with the list of known ops
+    return selected
+
+
+def candidates(spec: OpSpec, case: Case, device: str, include_compile: bool) -> list[tuple[str, Callable[..., Any]]]:
+    """``(name, fn)`` pairs to measure, the naive baseline first.
+
+    Where the op has no ``naive`` the reference is the baseline.
+    """
+    impls = [
+        impl for impl in available_kernels(spec.name, device, case.features)
+        if include_compile or impl.name != COMPILE
+    ]
+    impls.sort(key=lambda impl: impl.name != "reference")  # stable: keeps best-first order after it
+    pairs: list[tuple[str, Callable[..., Any]]] = []
+    if spec.naive is not None:
+        pairs.append((NAIVE, spec.naive))
+    pairs += [(impl.name, impl.fn) for impl in impls]
+    return pairs
+
+
+def _clone(value: Any, requires_grad: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone()
+        return copy.requires_grad_(True) if requires_grad and copy.is_floating_point() else copy
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v, requires_grad) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v, requires_grad) for k, v in value.items()}
+    return value
+
+
+class Runner:
+    """Calls one implementation on fresh copies of the case's inputs, with its backward.
+
+    The inputs are cloned before every call (outside the timed region), so in-place ops
+    always see the same values and gradients never accumulate across runs.
+    """
+
+    def __init__(self, fn: Callable[..., Any], case: Case, backward: bool) -> None:
+        self.fn, self.case = fn, case
+        self.backward = backward and case.grad
+        self.cotangents: list[torch.Tensor] | None = None
+
+    def inputs(self) -> tuple[tuple, dict]:
+        return _clone(self.case.args, self.backward), _clone(self.case.kwargs, self.backward)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        out = self.fn(*args, **kwargs)
+        if self.backward:
+            outs = [o for o in flatten_tensors(out) if o.is_floating_point() and o.requires_grad]
+            if self.cotangents is None:  # first (warm-up) call: fixed random output gradients
+                self.cotangents = [torch.randn_like(o) for o in outs]
+            if outs:
+                torch.autograd.backward(outs, grad_tensors=self.cotangents)
+        return out
+
+
+def time_once(runner: Runner) -> float:
+    """Seconds of one call of ``runner`` on fresh inputs (cloning them is not timed)."""
+    accelerator = get_accelerator()
+    args, kwargs = runner.inputs()
+    accelerator.synchronize()
+    start = time.perf_counter()
+    out = runner(args, kwargs)
+    accelerator.synchronize()
+    elapsed = time.perf_counter() - start
+    del out, args, kwargs
+    return elapsed
+
+
+def measure_runner(runner: Runner) -> float:
+    """Peak MiB that one call of ``runner`` (forward and backward) adds."""
+    args, kwargs = runner.inputs()
+    with measure_peak_memory() as mem:
+        out = runner(args, kwargs)
+        del out
+    return mem.peak_bytes / MIB
+
+
+def _short(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:120]}"
+
+
+def bench_op(op: str, dtype: torch.dtype, args: argparse.Namespace) -> tuple[list[Row], str]:
+    """Measure every candidate of ``op``; returns the rows and a description of the case."""
+    spec = OPS.get(op)
+    device = get_accelerator().device()
+    if spec.bench_case is None:
+        return [Row(op=op, impl="-", error="the op declares no bench_case")], "no bench case"
+    torch.manual_seed(0)
+    try:
+        case = spec.bench_case(dtype, device)
+    except Exception as err:  # a broken bench case is reported, the other ops still run
+        return [Row(op=op, impl="-", error=f"bench_case failed: {_short(err)}")], "bench_case failed"
+    mode = "fwd+bwd" if args.backward and case.grad else "fwd"
+    rows: list[Row] = []
+    runners: dict[int, Runner] = {}  # row index -> runner, for the rows that still work
+    for index, (label, fn) in enumerate(candidates(spec, case, device.type, args.compile)):
+        rows.append(Row(op=op, impl=label, baseline=index == 0))
+        runner = Runner(fn, case, args.backward)
+        try:
+            for _ in range(args.warmup):
+                runner(*runner.inputs())
+            runners[index] = runner
+        except Exception as err:  # an implementation that fails is a row, not a crash
+            rows[index].error = _short(err)
+    # Round-robin: every implementation runs once per round, so a load change on the machine
+    # shifts all of them alike and the ratios stay fair.
+    times: dict[int, list[float]] = {index: [] for index in runners}
+    started = time.perf_counter()
+    for round_index in range(args.repeat):
+        for index in list(runners):
+            try:
+                times[index].append(time_once(runners[index]))
+            except Exception as err:
+                rows[index].error = _short(err)
+                del runners[index]
+        if round_index >= 1 and time.perf_counter() - started > args.budget_s * max(1, len(runners)):
+            break
+    for index, runner in runners.items():
+        rows[index].time_ms, rows[index].runs = statistics.median(times[index]) * 1000.0, len(times[index])
+        if rows[index].impl == COMPILE and resolve_method() == "dispatch":
+            # torch.compile steps aside while a dispatch mode is active and runs the reference
+            # eagerly, so the number would be the reference's, not the compiled code's.
+            rows[index].note = "peak n/a: compiled code is not traced by dispatch tracking"
+            continue
+        try:
+            rows[index].peak_mib = measure_runner(runner)
+        except Exception as err:
+            rows[index].error = f"memory: {_short(err)}"
+    base = rows[0] if rows else Row(op=op, impl="-")
+    for row in rows:
+        if base.time_ms and row.time_ms is not None:
+            row.time_ratio = row.time_ms / base.time_ms
+        if base.peak_mib and row.peak_mib is not None:
+            row.memory_ratio = row.peak_mib / base.peak_mib
+    return rows, f"{case.name}, {str(dtype)[6:]}, {device}, {mode}"
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render(console: Console, op: str, description: str, rows: list[Row]) -> None:
+    """Print one op's table."""
+    table = Table(title=f"{op}  ({description})", title_justify="left")
+    table.add_column("impl", no_wrap=True)
+    table.add_column("time ms", justify="right")
+    table.add_column("time / naive", justify="right")
+    table.add_column("peak MiB", justify="right")
+    table.add_column("mem / naive", justify="right")
+    table.add_column("runs", justify="right")
+    table.add_column("note")
+    for row in rows:
+        table.add_row(
+            f"{row.impl} ({NAIVE})" if row.baseline and row.impl != NAIVE else row.impl,
+            _fmt(row.time_ms, ".2f"),
+            _fmt(row.time_ratio, ".2f", "x"),
+            _fmt(row.peak_mib, ".1f"),
+            _fmt(row.memory_ratio, ".2f", "x"),
+            str(row.runs or "-"),
+            row.error or row.note or "",
+            style="red" if row.error else ("bold" if row.baseline else None),
+        )
+    console.print(table)
+
+
+def write_json(path: str, meta: dict[str, Any], rows: list[Row]) -> None:
+    """Write the results atomically: to a temporary name first, then renamed."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as out:
+        json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Piped output gets a fixed width, so that the tables do not wrap at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    try:
+        ops = select_ops(args.ops)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    dtype = DTYPES[args.dtype]
+    accelerator = get_accelerator()
+    meta = {
+        "device": str(accelerator.device()),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "backward": args.backward,
+        "repeat": args.repeat,
+        "memory_method": resolve_method(),
+    }
+    console.print(
+        f"device {meta['device']}, torch {meta['torch']}, {meta['threads']} threads, {args.dtype}, "
+        f"median of up to {args.repeat} runs after {args.warmup} warm-up, peak memory via {meta['memory_method']}"
+    )
+    all_rows: list[Row] = []
+    started = time.perf_counter()
+    for op in ops:
+        rows, description = bench_op(op, dtype, args)
+        render(console, op, description, rows)
+        all_rows += rows
+    console.print(f"done in {time.perf_counter() - started:.1f} s")
+    if args.json:
+        write_json(args.json, meta, all_rows)
+        console.print(f"wrote {args.json}")
+    return 1 if any(row.error for row in all_rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
