@@ -27,7 +27,14 @@ from mindspeed.patching import UpstreamPatch
 
 #: torch versions these redirects were written and checked for.
 TORCH_VERSIONS = ">=2.6,<2.14"
-_NOT_CUDA = ("cpu", "npu")
+#: Accelerators on which CUDA-only code needs the redirects (CUDA itself runs it natively).
+SHIMMED_ACCELERATORS = ("cpu", "npu")
+_NOT_CUDA = SHIMMED_ACCELERATORS
+
+
+def needs_cuda_shim(accelerator: Accelerator) -> bool:
+    """Whether code written for CUDA needs the redirects to run on ``accelerator``."""
+    return accelerator.name in SHIMMED_ACCELERATORS
 
 
 def _redirect(name: str, make: Callable[[Any, Accelerator], Any], reason: str, module: str = "torch.cuda") -> UpstreamPatch:

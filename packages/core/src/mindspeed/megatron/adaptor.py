@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindspeed.device import Accelerator, get_accelerator, set_accelerator
-from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches
+from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches, needs_cuda_shim
 from mindspeed.log import get_logger
 from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
 from mindspeed.patching import PatchError, PatchRecord, PatchSet, installed_version
@@ -113,7 +113,7 @@ def adapt(accelerator: str | Accelerator | None = None, features: Any = None) ->
         patches = PatchSet([*cuda_api_patches(), *megatron_patches()])
         records = patches.apply(acc)
         mode = None
-        if acc.name != "cuda":
+        if needs_cuda_shim(acc):
             mode = DeviceRedirectMode(acc)
             mode.__enter__()
         rng_filter = _RngWarningFilter()

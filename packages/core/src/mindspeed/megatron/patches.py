@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mindspeed.device.cuda_shim import SHIMMED_ACCELERATORS
 from mindspeed.patching import UpstreamPatch
 
 #: megatron-core versions the adaptor is written and tested for (also pinned in pyproject).
 MEGATRON_VERSIONS = ">=0.16.0,<0.17"
-_NOT_CUDA = ("cpu", "npu")
+_NOT_CUDA = SHIMMED_ACCELERATORS
 
 
 def _te_missing() -> bool:

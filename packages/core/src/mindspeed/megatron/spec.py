@@ -1,0 +1,128 @@
+"""Module specs that build megatron-core GPT layers from the kernel registry.
+
+``get_gpt_layer_spec(impls=...)`` returns a ``ModuleSpec`` like megatron's
+``get_gpt_layer_local_spec`` (plain megatron ColumnParallel/RowParallel linears, so TP, SP,
+PP, DDP and checkpoints behave exactly as upstream) with norms, core attention and the
+SwiGLU activation replaced by :mod:`mindspeed.megatron.modules`. Rotary embeddings have no
+spec seam in megatron-core; :func:`rotary_patch` routes them to the registry when the
+``fused_rotary_pos_emb`` feature asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mindspeed.megatron.modules import RegistryAttention, RegistryNorm, RegistrySwiGLU
+from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.ops import resolve_kernel
+from mindspeed.patching import UpstreamPatch
+
+#: Registry ops the spec consumes, with their implementation chosen by ``impls``.
+SPEC_OPS = ("rms_norm", "layer_norm", "attention", "swiglu")
+
+
+class MindSpeedSpecProvider(LocalSpecProvider):
+    """megatron's local backend with registry kernels for norms, attention and activation.
+
+    Args:
+        impls: op name -> implementation ("auto", "reference", or a backend); missing ops use "auto".
+    """
+
+    def __init__(self, impls: Mapping[str, str] | None = None) -> None:
+        self.impls = {op: "auto" for op in SPEC_OPS} | dict(impls or {})
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
+        return ModuleSpec(module=RegistryNorm, params={"impl": self.impls["rms_norm" if rms_norm else "layer_norm"]})
+
+    def core_attention(self) -> ModuleSpec:
+        return ModuleSpec(module=RegistryAttention, params={"impl": self.impls["attention"]})
+
+    def activation_func(self) -> ModuleSpec:
+        return ModuleSpec(module=RegistrySwiGLU, params={"impl": self.impls["swiglu"]})
+
+
+def get_gpt_layer_spec(
+    impls: Mapping[str, str] | None = None,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    normalization: str = "RMSNorm",
+    swiglu: bool = True,
+) -> ModuleSpec:
+    """A GPT transformer-layer spec built from registry kernels.
+
+    Args:
+        impls: op -> implementation for ``rms_norm``, ``layer_norm``, ``attention``, ``swiglu``.
+        num_experts: MoE experts per layer (``None``: dense MLP).
+        moe_grouped_gemm: use megatron's GroupedMLP for experts.
+        qk_layernorm: normalise queries and keys.
+        normalization: "RMSNorm" or "LayerNorm".
+        swiglu: route the gated activation to the registry (the TransformerConfig must then
+            have ``gated_linear_unit=True``, ``activation_func=F.silu`` and
+            ``use_te_activation_func=True``: the flag only tells megatron's MLP to call the
+            spec's activation module, no Transformer Engine is involved).
+    """
+    provider = MindSpeedSpecProvider(impls)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                    qk_layernorm=qk_layernorm, normalization=normalization)
+    norm = provider.layer_norm(rms_norm=normalization == "RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
+    attn = sub.self_attention.submodules
+    attn.core_attention = provider.core_attention()
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = norm
+    if swiglu:
+        mlp_subs = sub.mlp.submodules
+        # Dense: MLPSubmodules; MoE: MoESubmodules whose experts carry the MLP submodules.
+        targets = [mlp_subs] if hasattr(mlp_subs, "activation_func") else []
+        experts = getattr(mlp_subs, "experts", None)
+        if experts is not None and getattr(experts, "submodules", None) is not None:
+            targets.append(experts.submodules)
+        for target in targets:
+            target.activation_func = provider.activation_func()
+    return spec
+
+
+def check_config_for_spec(config: Any, swiglu: bool = True) -> None:
+    """Raise a ``ValueError`` naming the TransformerConfig field the registry spec needs."""
+    if swiglu and not config.use_te_activation_func:
+        raise ValueError("the registry SwiGLU needs TransformerConfig(use_te_activation_func=True) so megatron's MLP "
+                         "calls the spec's activation module (no Transformer Engine is used), or get_gpt_layer_spec(swiglu=False)")
+    if config.attention_dropout:
+        raise ValueError("set TransformerConfig(attention_dropout=0.0): the registry attention kernels have no dropout")
+
+
+def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
+    kernel = resolve_kernel("rotary_pos_emb", impl)
+
+    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: Any = None,
+                             mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
+        # The registry kernel covers the bshd layout; MLA's permuted layout, packed (thd)
+        # sequences and fused TE paths stay with megatron's own implementation.
+        if cu_seqlens is not None or config.multi_latent_attention or config.apply_rope_fusion:
+            return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        cos = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        return kernel(t, cos, sin, interleaved=config.rotary_interleaved)
+
+    return apply_rotary_pos_emb
+
+
+def rotary_patch(impl: str = "auto") -> UpstreamPatch:
+    """Route megatron's rotary embedding in attention to the registry kernel ``impl``."""
+    return UpstreamPatch(
+        name="rotary-pos-emb-kernel",
+        target="megatron.core.transformer.attention.apply_rotary_pos_emb",
+        make=lambda original, acc: _rotary(original, acc, impl),
+        distribution="megatron-core",
+        versions=MEGATRON_VERSIONS,
+        reason="megatron-core has no spec seam for rotary embeddings; attention imports the function by name",
+    )

@@ -1,0 +1,204 @@
+"""adapt(): megatron-core runs on the CPU, registry-kernel specs equal megatron's own layers,
+and unadapt() leaves torch and megatron-core exactly as they were."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches
+from mindspeed.megatron.patches import megatron_patches
+from mindspeed.patching import PatchError, PatchSet, UpstreamPatch
+from mindspeed.testing.distributed import run_distributed
+
+
+def _snapshot() -> dict[str, int]:
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.attention as mattention
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.torch_norm as torch_norm
+
+    watched = {"torch.cuda": torch.cuda, "torch.cuda.random": torch.cuda.random, "torch.Tensor": torch.Tensor,
+               "mrandom": mrandom, "moe_utils": moe_utils, "attention": mattention,
+               "WrappedTorchNorm": torch_norm.WrappedTorchNorm}
+    snap = {}
+    for name, obj in watched.items():
+        for attr in dir(obj):
+            if not attr.startswith("__"):
+                try:
+                    value = getattr(obj, attr)
+                except Exception:
+                    continue
+                # Functions and classes only: megatron's own globals (its RNG tracker) change by design.
+                if callable(value):
+                    snap[f"{name}.{attr}"] = id(value)
+    snap["function_modes"] = torch._C._len_torch_function_stack()
+    return snap
+
+
+def _gpt(spec, spec_activation: bool, vocab: int = 128):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_te_activation_func=spec_activation,
+                            bias_activation_fusion=False)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=64,
+                    position_embedding_type="rope")
+
+
+def _adapt_roundtrip(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mindspeed.device import get_accelerator
+    from mindspeed.megatron import adapt, unadapt
+    from mindspeed.megatron.spec import get_gpt_layer_spec, rotary_patch
+    from mindspeed.patching import PatchSet
+
+    before = _snapshot()
+    report = adapt("cpu")
+    during = _snapshot()
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    ids = torch.randint(0, 128, (2, 24))
+    pos = torch.arange(24).unsqueeze(0).expand(2, -1)
+    results = {}
+    local = _gpt(get_gpt_layer_local_spec(normalization="RMSNorm"), spec_activation=False)
+    local_loss = local(ids, pos, None, labels=ids).float().mean()
+    local_loss.backward()
+    rope = PatchSet([rotary_patch("reference")])
+    for impl in ("reference", "auto"):
+        ours = _gpt(get_gpt_layer_spec(impls={op: impl for op in ("rms_norm", "attention", "swiglu")}), spec_activation=True)
+        missing = ours.load_state_dict(local.state_dict(), strict=True)
+        rope.apply(get_accelerator())
+        try:
+            loss = ours(ids, pos, None, labels=ids).float().mean()
+            loss.backward()
+        finally:
+            rope.revert()
+        grads = dict(local.named_parameters())
+        results[impl] = {
+            "loss_diff": abs(loss.item() - local_loss.item()),
+            "grad_diff": max((p.grad - grads[n].grad).abs().max().item() for n, p in ours.named_parameters()),
+            "kinds": sorted({type(m).__name__ for m in ours.modules() if type(m).__name__.startswith("Registry")}),
+            "missing": len(missing.missing_keys) + len(missing.unexpected_keys),
+        }
+    parallel_state.destroy_model_parallel()
+    unadapt()
+    after = _snapshot()
+    return {
+        "results": results,
+        "patched": sorted(k for k in before if during.get(k) != before[k]),
+        "restored": sorted(k for k in before if after.get(k) != before[k]),
+        "report_patches": [p.name for p in report.patches],
+        "device_redirect": report.device_redirect,
+    }
+
+
+@pytest.mark.distributed
+def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
+    (out,) = run_distributed(_adapt_roundtrip, 1, timeout=240)
+    assert out["device_redirect"] is True
+    assert "torch.cuda.current_device" in out["patched"] and "mrandom._get_cuda_rng_state" in out["patched"]
+    assert "function_modes" in out["patched"]
+    assert out["restored"] == [], f"not restored by unadapt(): {out['restored']}"
+    assert {"rng-get", "distopt-state-keys", "cuda-api:current_device"} <= set(out["report_patches"])
+    for impl, row in out["results"].items():
+        assert row["kinds"] == ["RegistryAttention", "RegistryNorm", "RegistrySwiGLU"], impl
+        assert row["missing"] == 0
+        assert row["loss_diff"] < 1e-5, (impl, row)
+        assert row["grad_diff"] < 1e-5, (impl, row)
+
+
+# -- the patch machinery itself, on a stand-in module (no megatron, no devices) --------------
+
+def _fake_module(monkeypatch):
+    mod = types.ModuleType("fake_upstream")
+    mod.func = lambda: "original"
+
+    class Owner:
+        def method(self):
+            return "original"
+
+    mod.Owner = Owner
+    monkeypatch.setitem(__import__("sys").modules, "fake_upstream", mod)
+    return mod
+
+
+def test_patch_applies_reverts_and_checks_versions(monkeypatch) -> None:
+    mod = _fake_module(monkeypatch)
+    acc = types.SimpleNamespace(name="cpu")
+    good = UpstreamPatch("f", "fake_upstream.func", lambda orig, a: (lambda: "patched:" + orig()), "torch", ">=2.0", "test")
+    method = UpstreamPatch("m", "fake_upstream.Owner.method", lambda orig, a: (lambda self: "patched"), "torch", ">=2.0", "test")
+    added = UpstreamPatch("a", "fake_upstream.new_attr", lambda orig, a: 42, "torch", ">=2.0", "test", allow_missing=True)
+    patches = PatchSet([good, method, added])
+    records = patches.apply(acc)
+    assert [r.name for r in records] == ["f", "m", "a"]
+    assert mod.func() == "patched:original" and mod.Owner().method() == "patched" and mod.new_attr == 42
+    patches.revert()
+    assert mod.func() == "original" and mod.Owner().method() == "original" and not hasattr(mod, "new_attr")
+    old = UpstreamPatch("o", "fake_upstream.func", lambda orig, a: None, "torch", "<1.0", "test")
+    with pytest.raises(PatchError, match=r"targets torch<1.0 but .* is installed"):
+        old.apply(acc)
+    gone = UpstreamPatch("g", "fake_upstream.gone", lambda orig, a: None, "torch", ">=2.0", "test")
+    failing = PatchSet([good, gone])
+    with pytest.raises(PatchError, match="does not exist"):
+        failing.apply(acc)
+    assert mod.func() == "original", "a failed PatchSet must revert what it applied"
+
+
+def test_adaptor_refuses_megatron_outside_range(monkeypatch) -> None:
+    from packaging.version import Version
+
+    from mindspeed.megatron import adaptor
+
+    monkeypatch.setattr(adaptor, "installed_version", lambda dist: Version("0.99.0"))
+    with pytest.raises(PatchError, match=r"megatron-core 0.99.0 is installed but the adaptor supports >=0.16.0,<0.17"):
+        adaptor.check_megatron_version()
+
+
+def test_installed_megatron_is_in_every_patch_range() -> None:
+    for patch in [*cuda_api_patches(), *megatron_patches()]:
+        patch.check_version()  # fails when a dependency upgrade moves outside a patch's range
+
+
+class _FakeNpu:
+    """Stands in for the NPU accelerator: torch_npu is absent here, the patch logic is not."""
+
+    name = "npu"
+
+    def device(self, index=None):
+        return f"npu:{0 if index is None else index}"
+
+
+def test_npu_path_selection_and_redirects() -> None:
+    npu = _FakeNpu()
+    applied = [p.name for p in [*cuda_api_patches(), *megatron_patches()] if p.applies_to("npu")]
+    assert "cuda-api:current_device" in applied and "rng-get" in applied and "moe-splits-to-host" in applied
+    on_cuda = [p.name for p in [*cuda_api_patches(), *megatron_patches()] if p.applies_to("cuda")]
+    assert not any(name.startswith(("cuda-api:", "rng-")) for name in on_cuda), "CUDA must stay untouched"
+    mode = DeviceRedirectMode(npu)
+    assert mode.map_device("cuda") == "npu:0"
+    assert mode.map_device("cuda:3") == "npu:3"
+    assert mode.map_device(torch.device("cuda", 2)) == "npu:2"
+    assert mode.map_device(1) == "npu:1"
+    assert mode.map_device("cpu") == "cpu" and mode.map_device(True) is True
+
+
+def test_cpu_redirect_mode_rewrites_cuda_arguments() -> None:
+    from mindspeed.device import get_accelerator
+
+    with DeviceRedirectMode(get_accelerator()):
+        x = torch.zeros(3, device="cuda")
+        y = torch.ones(2).cuda()
+        z = torch.ones(2).to("cuda:0")
+        name = torch.ones(2).type()
+    assert x.device.type == y.device.type == z.device.type == "cpu"
+    assert name == "torch.cuda.FloatTensor"
+    assert torch.ones(2).type() == "torch.FloatTensor"  # only inside the mode
