@@ -16,6 +16,9 @@ PROBE = textwrap.dedent(
     r'''
     import importlib, json, logging, os, pkgutil, sys, warnings
     import torch, torch.nn.functional, torch.distributed
+    # torch's own lazy initialisation, not ours: importing torch._dynamo (which megatron-core and
+    # torch.compile do) wraps torch.manual_seed. Load it before the snapshot.
+    import torch._dynamo
 
     class WatchedArgv(list):
         reads = 0
