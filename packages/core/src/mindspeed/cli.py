@@ -1,6 +1,7 @@
 """``mindspeed``: information about the core, and the embedded-default demo job.
 
     mindspeed info                   accelerator, packages and the kernel chosen for each op
+    mindspeed features [--json]      every feature: level, flags, default here, what it changes
     mindspeed demo [key=value ...]   train a tiny Llama on generated data (CPU by default)
 """
 
@@ -47,6 +48,48 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _features(args: argparse.Namespace) -> int:
+    import logging
+
+    from mindspeed.features import FEATURES, BuildContext, FeaturesConfig, apply_features
+
+    # The listing is the output: keep the per-change log lines of the dry run off stderr.
+    quiet = [logging.getLogger(name) for name in ("mindspeed.features", "mindspeed.ops")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        ctx = BuildContext()  # this machine's accelerator, model facts unknown
+        report = apply_features(FeaturesConfig(optimization_level=args.optimization_level), ctx)
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    rows = []
+    for name, feature in FEATURES.items():
+        status = report.status(name)
+        changes = report.changes_of(name)
+        rows.append({**feature.info(), "enabled_by_default": status.enabled, "why": status.why,
+                     "changes": [c.to_dict() for c in changes]})
+    if args.json:
+        print(json.dumps({"optimization_level": args.optimization_level, "accelerator": ctx.accelerator,
+                          "features": rows}, indent=2))
+        return 0
+    print(f"features at --optimization-level {args.optimization_level} on {ctx.accelerator} (model facts unknown)")
+    width = max(len(row["name"]) for row in rows)
+    for row in rows:
+        if row["enabled_by_default"]:
+            changes = "sets " + (", ".join(f"{c['target']}={c['after']}" for c in row["changes"]) or "nothing here")
+        else:
+            changes = "would change " + (", ".join(row["targets"]) or "-")
+        links = "".join(f"  {key}: {', '.join(row[key])}" for key in ("requires", "conflicts") if row[key])
+        print(f"{row['name']:<{width}}  level {row['level']}  {'on ' if row['enabled_by_default'] else 'off'}  "
+              f"{' '.join(row['flags'])}{links}")
+        print(f"{'':<{width}}  {row['description']}; {changes}")
+        if not row["enabled_by_default"]:
+            print(f"{'':<{width}}  {row['why']}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from mindspeed.demo import DemoConfig, run_demo
 
@@ -68,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="accelerator, packages and the kernel chosen for each op")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)
+    features = sub.add_parser("features", help="list the features: level, flags, default on this machine, changes")
+    features.add_argument("--optimization-level", type=int, choices=(0, 1, 2), default=2,
+                          help="the level defaults are decided at (default 2)")
+    features.add_argument("--json", action="store_true", help="machine-readable output")
+    features.set_defaults(func=_features)
     demo = sub.add_parser("demo", help="train a tiny Llama on generated data (the embedded default)")
     demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
     demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 impl=reference")

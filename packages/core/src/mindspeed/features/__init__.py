@@ -1,0 +1,58 @@
+"""Features: MindSpeed's feature units, applied by an explicit call instead of import-time patches.
+
+A feature (fused RMSNorm, flash attention, ...) is a small class that owns its config,
+optimization level, flags, requirements, conflicts, validation and changes. Nothing happens
+until a builder calls :func:`apply_features`::
+
+    from mindspeed.features import BuildContext, FeaturesConfig, ModelFacts, apply_features
+
+    ctx = BuildContext(model=ModelFacts(normalization="RMSNorm", swiglu=True))
+    report = apply_features(FeaturesConfig(optimization_level=1), ctx)
+    ctx.kernel_impls        # {"rms_norm": "native", ...}: what the model builder resolves
+    report.write("run/features.json")
+
+Importing this package registers the features listed below into :data:`FEATURES` and does
+nothing else.
+"""
+
+from mindspeed.features import kernels
+from mindspeed.features.base import FEATURES, LEVELS, Change, Feature, FeatureConfig, register_feature
+from mindspeed.features.context import HOOK_POINTS, BuildContext, ModelFacts, ParallelSizes
+from mindspeed.features.manager import FeaturesConfig, apply_features, order_features, resolve_features
+from mindspeed.features.report import FeatureReport, FeatureStatus
+
+# The manifest: every feature of the core, in listing order. A new feature is a class in a
+# module of this package plus one line here.
+_MANIFEST: tuple[type[Feature], ...] = (
+    kernels.FusedRMSNormFeature,
+    kernels.FusedSwiGLUFeature,
+    kernels.FusedRotaryPosEmbFeature,
+    kernels.FlashAttnFeature,
+    kernels.FusedAdamWFeature,
+    kernels.GradientAccumulationFusionFeature,
+    kernels.MoEGroupedGemmFeature,
+    kernels.MoEPermuteFusionFeature,
+)
+
+for _feature in _MANIFEST:
+    register_feature(_feature)
+del _feature
+
+__all__ = [
+    "FEATURES",
+    "HOOK_POINTS",
+    "LEVELS",
+    "BuildContext",
+    "Change",
+    "Feature",
+    "FeatureConfig",
+    "FeatureReport",
+    "FeatureStatus",
+    "FeaturesConfig",
+    "ModelFacts",
+    "ParallelSizes",
+    "apply_features",
+    "order_features",
+    "register_feature",
+    "resolve_features",
+]
