@@ -89,10 +89,26 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
             "kinds": sorted({type(m).__name__ for m in ours.modules() if type(m).__name__.startswith("Registry")}),
             "missing": len(missing.missing_keys) + len(missing.unexpected_keys),
         }
-    parallel_state.destroy_model_parallel()
     unadapt()
     after = _snapshot()
+
+    # Features drive the spec: the kernels they choose are what get_gpt_layer_spec() builds.
+    from mindspeed.features import FeaturesConfig, ModelFacts
+
+    features = FeaturesConfig(optimization_level=2, settings={"fused_rotary_pos_emb": {"enabled": True, "impl": "reference"}})
+    report = adapt("cpu", features=features, model=ModelFacts.from_transformer_config(local.config))
+    ours = _gpt(get_gpt_layer_spec(), spec_activation=True)
+    ours.load_state_dict(local.state_dict(), strict=True)
+    featured_loss = ours(ids, pos, None, labels=ids).float().mean()
+    chosen = {type(m).__name__: m.kernel.name for m in ours.modules() if type(m).__name__.startswith("Registry")}
+    ctx_kernels = dict(report.context.kernel_impls)
+    featured_patches = [p.name for p in report.patches]
+    unadapt()
+    parallel_state.destroy_model_parallel()
     return {
+        "featured": {"loss_diff": abs(featured_loss.item() - local_loss.item()), "chosen": chosen,
+                     "ctx": ctx_kernels, "patches": featured_patches},
+        "restored_after_features": sorted(k for k in before if _snapshot().get(k) != before[k]),
         "results": results,
         "patched": sorted(k for k in before if during.get(k) != before[k]),
         "restored": sorted(k for k in before if after.get(k) != before[k]),
@@ -109,6 +125,12 @@ def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
     assert "function_modes" in out["patched"]
     assert out["restored"] == [], f"not restored by unadapt(): {out['restored']}"
     assert {"rng-get", "distopt-state-keys", "cuda-api:current_device"} <= set(out["report_patches"])
+    featured = out["featured"]
+    assert featured["loss_diff"] < 1e-5
+    assert "rotary-pos-emb-kernel" in featured["patches"] and featured["ctx"]["rotary_pos_emb"] == "reference"
+    assert featured["chosen"] == {"RegistryNorm": featured["ctx"]["rms_norm"], "RegistryAttention": featured["ctx"]["attention"],
+                                  "RegistrySwiGLU": featured["ctx"]["swiglu"]}
+    assert out["restored_after_features"] == []
     for impl, row in out["results"].items():
         assert row["kinds"] == ["RegistryAttention", "RegistryNorm", "RegistrySwiGLU"], impl
         assert row["missing"] == 0

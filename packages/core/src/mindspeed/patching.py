@@ -165,6 +165,13 @@ class PatchSet:
             raise
         return [PatchRecord(p.name, p.target, p.distribution, p.versions, p.reason) for p in self._applied]
 
+    def add(self, patch: UpstreamPatch, accelerator: Any) -> PatchRecord:
+        """Apply one more patch as part of this set (reverted with the others)."""
+        self.patches.append(patch)
+        patch.apply(accelerator)
+        self._applied.append(patch)
+        return PatchRecord(patch.name, patch.target, patch.distribution, patch.versions, patch.reason)
+
     def revert(self) -> None:
         """Revert in reverse order."""
         while self._applied:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from mindspeed.log import get_rank
@@ -36,7 +37,8 @@ def track(iterable: Iterable[T], description: str = "", total: int | None = None
         TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"),
     )
-    with Progress(*columns, transient=False) as progress:
+    # Bars go to standard error: standard output stays for results (JSON reports, tables).
+    with Progress(*columns, transient=False, console=Console(stderr=True)) as progress:
         task = progress.add_task(description, total=total, status="")
         for item in iterable:
             yield item
@@ -53,7 +55,7 @@ class StatusProgress:
         self.disable = get_rank() != 0 if disable is None else disable
         self._progress = None if self.disable else Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"),
+            TextColumn("{task.fields[status]}"), console=Console(stderr=True),
         )
         self._description, self._total, self._task = description, total, None
 

@@ -35,6 +35,7 @@ class AdaptReport:
     patches: list[PatchRecord] = field(default_factory=list)
     device_redirect: bool = False
     features: Any = None
+    context: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for run reports."""
@@ -51,6 +52,8 @@ class AdaptReport:
         lines = [f"adapted megatron-core {self.megatron_core} to {self.accelerator}"
                  f" ({len(self.patches)} patches, device redirect {'on' if self.device_redirect else 'off'})"]
         lines += [f"  - {p.name}: {p.target} [{p.distribution}{p.versions}] {p.reason}" for p in self.patches]
+        if self.features is not None and hasattr(self.features, "render"):
+            lines.append(self.features.render())
         return "\n".join(lines)
 
 
@@ -87,13 +90,21 @@ def check_megatron_version() -> str:
     return str(version)
 
 
-def adapt(accelerator: str | Accelerator | None = None, features: Any = None) -> AdaptReport:
+def adapt(
+    accelerator: str | Accelerator | None = None,
+    features: Any = None,
+    model: Any = None,
+    parallel: Any = None,
+) -> AdaptReport:
     """Make megatron-core run on ``accelerator`` (default: the detected one).
 
     Args:
         accelerator: an accelerator name or object; ``None`` uses ``get_accelerator()``.
-        features: optional features to apply: a ``mindspeed.features`` config, applied with
-            ``apply_features`` and listed in the report.
+        features: a ``mindspeed.features.FeaturesConfig`` to apply (its kernel choices then
+            drive ``get_gpt_layer_spec()``); ``None`` applies none.
+        model: ``mindspeed.features.ModelFacts`` the features validate against (e.g. from
+            ``ModelFacts.from_transformer_config(config)``).
+        parallel: ``mindspeed.features.ParallelSizes`` of the run.
 
     Returns:
         The report of everything changed (also logged).
@@ -123,7 +134,7 @@ def adapt(accelerator: str | Accelerator | None = None, features: Any = None) ->
         _active = _Adaptation(report, patches, mode, threading.get_ident(), rng_filter)
     if features is not None:
         try:
-            report.features = _apply_features(features, acc)
+            _apply_features(report, features, acc, model, parallel)
         except Exception:
             unadapt()
             raise
@@ -131,10 +142,16 @@ def adapt(accelerator: str | Accelerator | None = None, features: Any = None) ->
     return report
 
 
-def _apply_features(features: Any, acc: Accelerator) -> Any:
-    from mindspeed.features import apply_features
+def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model: Any, parallel: Any) -> None:
+    from mindspeed.features import BuildContext, apply_features
+    from mindspeed.megatron.spec import rotary_patch
 
-    return apply_features(features, acc)
+    ctx = BuildContext(accelerator=acc.name, parallel=parallel, model=model)
+    report.features = apply_features(features, ctx)
+    report.context = ctx
+    if "rotary_pos_emb" in ctx.kernel_impls:
+        # megatron-core has no spec seam for RoPE: the feature's kernel goes in by a patch.
+        report.patches.append(_active.patches.add(rotary_patch(ctx.kernel_impls["rotary_pos_emb"]), acc))
 
 
 def enter_thread() -> None:

@@ -84,6 +84,71 @@ def _optimizer_state_keys(original: Any, acc: Any) -> Any:
     return _set_main_param_and_optimizer_states
 
 
+def _p2p_same_peer_order(original: Any, acc: Any) -> Any:
+    def _batched_p2p_ops(*, tensor_send_prev: Any, tensor_recv_prev: Any, tensor_send_next: Any,
+                         tensor_recv_next: Any, group: Any, prev_pipeline_rank: int,
+                         next_pipeline_rank: int) -> list:
+        if prev_pipeline_rank != next_pipeline_rank:
+            return original(tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
+                            tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
+                            prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
+        # Pipeline size 2: the previous and the next stage are one peer, and messages between two
+        # ranks pair up in the order they are posted (gloo and NCCL alike). Upstream posts
+        # send_prev before send_next on both ranks, so the interleaved schedule's gradient lands in
+        # the peer's activation buffer (same shape: no error, wrong numbers). Sending next-then-prev
+        # and receiving prev-then-next pairs each send_next with the peer's recv_prev.
+        import torch.distributed as dist
+
+        ops = [dist.P2POp(op, tensor, peer, group) for op, tensor, peer in (
+            (dist.isend, tensor_send_next, next_pipeline_rank), (dist.irecv, tensor_recv_prev, prev_pipeline_rank),
+            (dist.isend, tensor_send_prev, prev_pipeline_rank), (dist.irecv, tensor_recv_next, next_pipeline_rank),
+        ) if tensor is not None]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    return _batched_p2p_ops
+
+
+def _optimizer_state_dict_fresh(original: Any, acc: Any) -> Any:
+    def state_dict(self: Any) -> dict:
+        # Without Apex/TE, upstream reads Adam's step from the per-parameter state and asserts
+        # there is exactly one value; a fresh torch.optim.Adam has none (it creates "step" on its
+        # first step, and megatron's init_state_fn does not), so building the template to load
+        # a checkpoint into a new optimizer fails. Same result otherwise, with step 0 when fresh.
+        inner = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in inner["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise RuntimeError(f"parameters of one optimizer are at different steps: {sorted(steps)}")
+        step = steps.pop() if steps else 0.0
+        result: dict = {"optimizer": {key: value for key, value in inner.items() if key != "state"}}
+        for group in result["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = step
+        if self.grad_scaler:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    return state_dict
+
+
+def _optimizer_unshared_steps(original: Any, acc: Any) -> Any:
+    def load_state_dict(self: Any, state_dict: dict) -> None:
+        original(self, state_dict)
+        # Without Apex/TE, upstream puts one and the same "step" tensor into every parameter's
+        # torch.optim.Adam state; Adam increments each parameter's step in place, so after a
+        # load the n-th parameter updated with step + n and wrong bias corrections.
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    return load_state_dict
+
+
+def _without_apex_or_te() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
 def megatron_patches() -> list[UpstreamPatch]:
     """The megatron-core patches, in the order they are applied."""
     common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS)
@@ -112,6 +177,21 @@ def megatron_patches() -> list[UpstreamPatch]:
                       _optimizer_state_keys,
                       reason="upstream bug without Apex/TE: KeyError 'step' when loading a fully_reshardable "
                       "checkpoint into torch.optim.Adam state", **common),
+        UpstreamPatch("distopt-fresh-state-dict",
+                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+                      _optimizer_state_dict_fresh, condition=_without_apex_or_te,
+                      reason="upstream bug without Apex/TE: AssertionError (len(steps) == 1) in state_dict() of a "
+                      "DistributedOptimizer that has not stepped, e.g. when loading a checkpoint into it", **common),
+        UpstreamPatch("distopt-unshared-steps",
+                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+                      _optimizer_unshared_steps, condition=_without_apex_or_te,
+                      reason="upstream bug without Apex/TE: load_state_dict gives all parameters one shared Adam "
+                      "step tensor, which every parameter's update increments (wrong bias correction after a load)",
+                      **common),
+        UpstreamPatch("p2p-same-peer-order", "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
+                      _p2p_same_peer_order,
+                      reason="upstream bug (Megatron-LM issues 750, 1450): with pipeline size 2 and the interleaved "
+                      "schedule, batch_p2p_comm crosses activations and gradients between the two stages", **common),
     ]
 
 

@@ -35,7 +35,7 @@ class MindSpeedSpecProvider(LocalSpecProvider):
     """
 
     def __init__(self, impls: Mapping[str, str] | None = None) -> None:
-        self.impls = {op: "auto" for op in SPEC_OPS} | dict(impls or {})
+        self.impls = {op: default_impl(op) for op in SPEC_OPS} | dict(impls or {})
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
         return ModuleSpec(module=RegistryNorm, params={"impl": self.impls["rms_norm" if rms_norm else "layer_norm"]})
@@ -45,6 +45,16 @@ class MindSpeedSpecProvider(LocalSpecProvider):
 
     def activation_func(self) -> ModuleSpec:
         return ModuleSpec(module=RegistrySwiGLU, params={"impl": self.impls["swiglu"]})
+
+
+def default_impl(op: str) -> str:
+    """The implementation of ``op`` chosen by the features of the active ``adapt()``, else "auto"."""
+    from mindspeed.megatron.adaptor import current_report
+
+    report = current_report()
+    if report is not None and report.context is not None:
+        return report.context.kernel_for(op)
+    return "auto"
 
 
 def get_gpt_layer_spec(
@@ -58,7 +68,9 @@ def get_gpt_layer_spec(
     """A GPT transformer-layer spec built from registry kernels.
 
     Args:
-        impls: op -> implementation for ``rms_norm``, ``layer_norm``, ``attention``, ``swiglu``.
+        impls: op -> implementation for ``rms_norm``, ``layer_norm``, ``attention``, ``swiglu``;
+            ops not given follow the features applied by ``adapt(features=...)`` (an op no
+            feature chose uses the reference), or "auto" when no features were applied.
         num_experts: MoE experts per layer (``None``: dense MLP).
         moe_grouped_gemm: use megatron's GroupedMLP for experts.
         qk_layernorm: normalise queries and keys.
