@@ -1,7 +1,7 @@
 """``adapt()``: one explicit call after which megatron-core runs unchanged on any accelerator.
 
-On CUDA nothing is patched (only upstream bugs that hit installs without Transformer Engine
-are fixed). On the CPU (gloo) and on Ascend NPUs (hccl) the ``torch.cuda`` calls megatron-core
+On CUDA no device code is touched: only upstream bugs are fixed (those of installs without
+Transformer Engine/Apex, and the pipeline-parallel message-order bug that hits NCCL too). On the CPU (gloo) and on Ascend NPUs (hccl) the ``torch.cuda`` calls megatron-core
 makes are redirected to the accelerator, CUDA device arguments are rewritten by a
 thread-local torch function mode, and a few megatron-core functions with no seam are
 replaced. Everything is undone by :func:`unadapt` (or on leaving :func:`adapted`), which

@@ -174,7 +174,7 @@ def megatron_patches() -> list[UpstreamPatch]:
                       "norms are correct on sequence shards", **common),
         UpstreamPatch("distopt-state-keys",
                       "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
-                      _optimizer_state_keys,
+                      _optimizer_state_keys, condition=_without_apex_or_te,
                       reason="upstream bug without Apex/TE: KeyError 'step' when loading a fully_reshardable "
                       "checkpoint into torch.optim.Adam state", **common),
         UpstreamPatch("distopt-fresh-state-dict",
