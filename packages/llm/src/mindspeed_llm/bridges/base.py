@@ -1,0 +1,192 @@
+"""The bridge contract and its registries.
+
+A bridge is one small class per model family: the Hugging Face architectures it serves, the
+config-key table that turns a Hugging Face ``config.json`` into a :class:`ModelShape` and back,
+and the parameter rules (:mod:`.rules`). Everything else (planning, sharding, I/O) is generic.
+Bridges register with :func:`register_bridge`; :func:`bridge_for_architectures` finds one from
+``config.json``'s ``architectures`` and :func:`bridge_for_family` from MindSpeed's
+``--model-type-hf`` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mindspeed.registry import Registry
+
+from mindspeed_llm.bridges.rules import ParamRule
+from mindspeed_llm.bridges.shape import ModelShape
+
+_MISSING = object()
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One megatron field read from (and written back to) a Hugging Face config key.
+
+    Attributes:
+        mg: the :class:`ModelShape` field.
+        hf: the config key; dots reach into nested dicts (``rope_parameters.rope_theta``).
+        default: value when the key is absent or null; a callable gets the whole config dict.
+        negate: the megatron flag is the negation of the config's (``tie_word_embeddings``).
+    """
+
+    mg: str
+    hf: str
+    default: Any = _MISSING
+    negate: bool = False
+
+    def read(self, config: Mapping[str, Any]) -> Any:
+        """The megatron value from ``config``; raises ``ValueError`` when required and absent."""
+        value = get_path(config, self.hf)
+        if value is None:
+            if self.default is _MISSING:
+                raise ValueError(f"config.json has no {self.hf!r}, which the bridge needs for {self.mg}")
+            value = self.default(config) if callable(self.default) else self.default
+        return (not value) if self.negate else value
+
+    def write(self, shape: ModelShape, config: dict[str, Any]) -> None:
+        """Put the value of ``shape`` back under the config key (left out when it is the default)."""
+        value = getattr(shape, self.mg)
+        if value is None:
+            return
+        value = (not value) if self.negate else value
+        if callable(self.default) and value == self.default(config):
+            return  # e.g. head_dim == hidden_size / heads: configs that omit it stay without it
+        set_path(config, self.hf, value)
+
+def get_path(config: Mapping[str, Any], path: str) -> Any:
+    """``config["a"]["b"]`` for ``path == "a.b"``; ``None`` when any level is missing."""
+    value: Any = config
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or value.get(part) is None:
+            return None
+        value = value[part]
+    return value
+
+def set_path(config: dict[str, Any], path: str, value: Any) -> None:
+    """Set ``config["a"]["b"] = value`` for ``path == "a.b"``, creating levels as needed."""
+    *parents, last = path.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[last] = value
+
+def head_dim_default(config: Mapping[str, Any]) -> int:
+    """``head_dim`` when the config leaves it out: hidden size over heads."""
+    return config["hidden_size"] // config["num_attention_heads"]
+
+class Bridge:
+    """Base of the per-family bridges; subclasses fill in the class attributes.
+
+    Attributes:
+        family: MindSpeed-LLM's name of the family (``--model-type-hf``), e.g. ``"llama2"``.
+        hf_architectures: ``config.json`` ``architectures`` values served.
+        hf_model_type: transformers' ``model_type`` (to rebuild a config from megatron args).
+        config_keys: the config-key table.
+        constants: :class:`ModelShape` fields fixed by the family (``add_qkv_bias=True``).
+        requires: config keys that must hold a value (what megatron cannot represent), as
+            ``(key, value)``; a missing key counts as holding it.
+        rules: the parameter rules.
+    """
+
+    family: ClassVar[str]
+    hf_architectures: ClassVar[tuple[str, ...]]
+    hf_model_type: ClassVar[str]
+    config_keys: ClassVar[tuple[ConfigKey, ...]] = ()
+    constants: ClassVar[Mapping[str, Any]] = {}
+    requires: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    rules: ClassVar[tuple[ParamRule, ...]] = ()
+
+    def shape_from_hf(self, config: Mapping[str, Any]) -> ModelShape:
+        """The megatron model described by a Hugging Face config dict.
+
+        Args:
+            config: ``config.json`` as transformers normalises it (``PretrainedConfig.to_dict()``).
+
+        Raises:
+            ValueError: a required key is missing or a feature megatron cannot represent is on.
+        """
+        for key, value in self.requires:
+            got = get_path(config, key)
+            if got is not None and got != value:
+                raise ValueError(f"config.json sets {key}={got!r}; the {self.family} bridge supports only {value!r}")
+        values = {key.mg: key.read(config) for key in self.config_keys}
+        values.update(self.constants)
+        values.update(self.shape_extras(config))
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        values.setdefault("params_dtype", str(dtype).removeprefix("torch."))
+        return ModelShape(**values)
+
+    def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields computed from several config keys (MoE layer pattern ...); default none."""
+        return {}
+
+    def hf_extras(self, shape: ModelShape) -> dict[str, Any]:
+        """Config keys computed from several fields (inverse of :meth:`shape_extras`); default none."""
+        return {}
+
+    def hf_config_from_shape(self, shape: ModelShape) -> Any:
+        """A transformers config for ``shape`` (used when no ``config.json`` is at hand).
+
+        Returns:
+            A ``transformers.PretrainedConfig`` with ``architectures`` and ``dtype`` set.
+        """
+        from transformers import AutoConfig
+
+        kwargs: dict[str, Any] = {}
+        for key in self.config_keys:
+            key.write(shape, kwargs)
+        for key, value in self.requires:
+            set_path(kwargs, key, value)
+        kwargs.update(self.hf_extras(shape))
+        config = AutoConfig.for_model(self.hf_model_type, **kwargs)
+        config.architectures = [self.hf_architectures[0]]
+        config.dtype = shape.params_dtype
+        return config
+
+    def param_rules(self) -> tuple[ParamRule, ...]:
+        """The parameter rules (a method so that a family can compose them)."""
+        return self.rules
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(family={self.family!r})"
+
+#: HF architecture -> bridge class.
+BRIDGES: Registry[type[Bridge]] = Registry("model architecture")
+#: MindSpeed-LLM family name (``--model-type-hf``) -> bridge class.
+FAMILIES: Registry[type[Bridge]] = Registry("model family (--model-type-hf)")
+
+def register_bridge(cls: type[Bridge]) -> type[Bridge]:
+    """Class decorator: register ``cls`` under its family and each of its architectures."""
+    FAMILIES.register(cls.family, cls)
+    for arch in cls.hf_architectures:
+        BRIDGES.register(arch, cls)
+    return cls
+
+def bridge_for_architectures(architectures: list[str] | None) -> Bridge:
+    """The bridge serving the first known entry of ``config.json``'s ``architectures``.
+
+    Raises:
+        ValueError: none is registered; the message lists the supported architectures and families.
+    """
+    for arch in architectures or []:
+        if arch in BRIDGES:
+            return BRIDGES.get(arch)()
+    raise ValueError(
+        f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; supported: "
+        f"{', '.join(sorted(map(str, BRIDGES)))} (or pass --model-type-hf, one of {', '.join(sorted(map(str, FAMILIES)))})"
+    )
+
+def bridge_for_family(family: str) -> Bridge:
+    """The bridge of MindSpeed-LLM family name ``family`` (``--model-type-hf``).
+
+    Raises:
+        ValueError: unknown family; the message lists the known ones.
+    """
+    return FAMILIES.get(family)()
+
+def shape_fields() -> set[str]:
+    """Names of the :class:`ModelShape` fields (for checking bridge tables)."""
+    return {f.name for f in dataclasses.fields(ModelShape)}

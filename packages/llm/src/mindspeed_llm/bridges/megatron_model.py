@@ -1,0 +1,105 @@
+"""Build the megatron-core ``GPTModel`` a :class:`ModelShape` describes, on a parallel layout.
+
+The converted checkpoints load into exactly this model (the tests load them strictly and compare
+logits with transformers); training from a converted checkpoint builds its model the same way.
+Needs megatron-core adapted (``mindspeed.megatron.adapt()``) and its parallel state initialised
+for ``layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mindspeed_llm.bridges.layout import ParallelLayout
+from mindspeed_llm.bridges.shape import ModelShape
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def padded_vocab_size(shape: ModelShape, layout: ParallelLayout) -> int:
+    """Embedding rows in megatron: the vocabulary padded to a multiple of the tensor-parallel size."""
+    return -(-shape.vocab_size // layout.tp) * layout.tp
+
+
+def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: Any) -> Any:
+    """The megatron ``TransformerConfig`` (``MLATransformerConfig`` for MLA) of ``shape`` on ``layout``.
+
+    Args:
+        shape: the model.
+        layout: the parallel layout (``num_layer_list`` is not supported here).
+        **overrides: extra config fields.
+    """
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    if layout.num_layer_list:
+        raise ValueError("building a model with --num-layer-list is not supported; use equal pipeline stages")
+    dtype = _DTYPES[shape.params_dtype]
+    fields: dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels, layernorm_epsilon=shape.norm_epsilon, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        # The registry SwiGLU is called through this flag; no Transformer Engine is involved.
+        use_te_activation_func=True, bias_activation_fusion=False, apply_rope_fusion=False,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
+        virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
+    )
+    if shape.num_experts:
+        fields.update(
+            num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_topk=shape.moe_router_topk, moe_layer_freq=list(shape.moe_layer_freq),
+            moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
+            moe_router_enable_expert_bias=shape.moe_router_enable_expert_bias,
+            moe_router_score_function=shape.moe_router_score_function,
+            moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_router_num_groups=shape.moe_router_num_groups,
+            moe_router_group_topk=shape.moe_router_group_topk,
+            moe_router_topk_scaling_factor=shape.moe_router_topk_scaling_factor,
+            moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type="none",
+        )
+    cls = TransformerConfig
+    if shape.multi_latent_attention:
+        cls = MLATransformerConfig
+        fields.update(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
+                      qk_head_dim=shape.qk_head_dim, qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
+                      v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type="rope")
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[str, str] | None = None,
+                     **overrides: Any) -> list[Any]:
+    """This rank's ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
+
+    Args:
+        shape: the model.
+        layout: the layout megatron's parallel state was initialised with.
+        impls: registry kernel choices for ``get_gpt_layer_spec`` (e.g. all ``"reference"``).
+        **overrides: extra ``TransformerConfig`` fields.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from mindspeed.megatron.spec import get_gpt_layer_spec
+
+    config = transformer_config(shape, layout, **overrides)
+    spec = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
+    chunks = []
+    for stage in range(layout.num_chunks(shape)):
+        vp_stage = stage if layout.vpp_layers else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape, layout),
+            max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
+            rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
+            rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage,
+        ))
+    return chunks

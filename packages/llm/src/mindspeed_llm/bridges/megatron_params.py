@@ -1,0 +1,138 @@
+"""Every parameter of a megatron-core ``GPTModel`` (local spec), with its shape and how TP cuts it.
+
+This is the megatron side of every conversion, written once for all families: the names are
+those of the unsharded model (tensor-, pipeline- and expert-parallel sizes 1, global layer and
+expert indices), as ``GPTModel(...).state_dict()`` lists them. A bridge must produce exactly
+this set from a Hugging Face checkpoint (the engine checks it), and :mod:`.layout` cuts each
+entry into the pieces the ranks of a parallel layout hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from mindspeed_llm.bridges.shape import ModelShape
+
+
+class Split(str, Enum):
+    """How a tensor-parallel layout cuts a parameter (megatron's layer types)."""
+
+    #: Every rank holds the whole tensor (norms, routers, row-parallel biases).
+    REPLICATED = "replicated"
+    #: ColumnParallelLinear: rows (output features) are cut in TP equal blocks.
+    COLUMN = "column"
+    #: RowParallelLinear: columns (input features) are cut in TP equal blocks.
+    ROW = "row"
+    #: linear_fc1 of a gated MLP: ``[gate; up]`` with rank r holding ``[gate_r; up_r]``
+    #: (megatron's partition_stride 2), not a contiguous block of the fused tensor.
+    GLU = "glu"
+    #: VocabParallelEmbedding and the output layer: rows cut in TP blocks after padding the
+    #: vocabulary to a multiple of TP.
+    VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class MegatronParam:
+    """One parameter of the unsharded megatron model.
+
+    Attributes:
+        name: the name in the unsharded model's state dict.
+        shape: its shape.
+        split: how tensor parallelism cuts it.
+        layer: the global layer index (``None`` outside the decoder layers).
+        expert: the global expert index (``None`` for non-expert parameters).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    split: Split
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def module(self) -> str:
+        """The owning module's name (the parameter name without ``.weight`` / ``.bias``)."""
+        return self.name.rsplit(".", 1)[0]
+
+
+#: Module suffixes whose megatron linear layers save an ``_extra_state`` entry (None) in
+#: ``state_dict``; a strict ``load_state_dict`` expects it back.
+LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+                  "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "output_layer")
+
+
+def _attention(shape: ModelShape, prefix: str, layer: int) -> list[MegatronParam]:
+    h, heads = shape.hidden_size, shape.num_attention_heads
+    out: list[MegatronParam] = []
+
+    def add(name: str, dims: tuple[int, ...], split: Split) -> None:
+        out.append(MegatronParam(f"{prefix}{name}", dims, split, layer))
+
+    if shape.multi_latent_attention:
+        q_width = shape.qk_head_dim + shape.qk_pos_emb_head_dim
+        if shape.q_lora_rank is None:
+            add("linear_q_proj.weight", (heads * q_width, h), Split.COLUMN)
+        else:
+            add("linear_q_down_proj.weight", (shape.q_lora_rank, h), Split.COLUMN)
+            add("q_layernorm.weight", (shape.q_lora_rank,), Split.REPLICATED)
+            add("linear_q_up_proj.weight", (heads * q_width, shape.q_lora_rank), Split.COLUMN)
+        add("linear_kv_down_proj.weight", (shape.kv_lora_rank + shape.qk_pos_emb_head_dim, h), Split.COLUMN)
+        add("kv_layernorm.weight", (shape.kv_lora_rank,), Split.REPLICATED)
+        add("linear_kv_up_proj.weight", (heads * (shape.qk_head_dim + shape.v_head_dim), shape.kv_lora_rank),
+            Split.COLUMN)
+        add("linear_proj.weight", (h, heads * shape.v_head_dim), Split.ROW)
+        return out
+    d, groups = shape.kv_channels, shape.num_query_groups
+    qkv_rows = (heads + 2 * groups) * d
+    add("linear_qkv.weight", (qkv_rows, h), Split.COLUMN)
+    if shape.add_qkv_bias:
+        add("linear_qkv.bias", (qkv_rows,), Split.COLUMN)
+    if shape.qk_layernorm:
+        add("q_layernorm.weight", (d,), Split.REPLICATED)
+        add("k_layernorm.weight", (d,), Split.REPLICATED)
+    add("linear_proj.weight", (h, heads * d), Split.ROW)
+    return out
+
+
+def _mlp(prefix: str, hidden: int, ffn: int, layer: int, expert: int | None = None) -> list[MegatronParam]:
+    return [MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
+            MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert)]
+
+
+def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
+    """All parameters (and persistent buffers) of the unsharded megatron GPT model.
+
+    Args:
+        shape: the model.
+
+    Returns:
+        name -> :class:`MegatronParam`, in the model's state-dict order.
+    """
+    h = shape.hidden_size
+    params = [MegatronParam("embedding.word_embeddings.weight", (shape.vocab_size, h), Split.VOCAB)]
+    for layer in range(shape.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        params.append(MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer))
+        params += _attention(shape, prefix + "self_attention.", layer)
+        params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
+        if not shape.is_moe_layer(layer):
+            params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+            continue
+        experts = shape.num_experts
+        params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))
+        if shape.moe_router_enable_expert_bias:
+            params.append(MegatronParam(prefix + "mlp.router.expert_bias", (experts,), Split.REPLICATED, layer))
+        for expert in range(experts):
+            params += _mlp(f"{prefix}mlp.experts.local_experts.{expert}.", h, shape.moe_ffn_hidden_size, layer, expert)
+        if shape.moe_shared_expert_intermediate_size:
+            params += _mlp(prefix + "mlp.shared_experts.", h, shape.moe_shared_expert_intermediate_size, layer)
+    params.append(MegatronParam("decoder.final_layernorm.weight", (h,), Split.REPLICATED))
+    if shape.untie_embeddings_and_output_weights:
+        params.append(MegatronParam("output_layer.weight", (shape.vocab_size, h), Split.VOCAB))
+    return {p.name: p for p in params}
+
+
+def has_extra_state(module: str) -> bool:
+    """Whether megatron's module ``module`` (a dotted name) saves an ``_extra_state`` entry."""
+    return module.rsplit(".", 1)[-1] in LINEAR_MODULES

@@ -1,0 +1,237 @@
+"""The parameter-rule vocabulary bridges are written in.
+
+A rule maps one megatron parameter to the Hugging Face tensors it is made of. Names are
+templates: ``{layer}`` stands for the layer index and ``{expert}`` for the expert index, so
+one rule covers every layer (or every expert of every MoE layer). ``layers`` restricts a rule
+to dense layers or MoE layers (DeepSeek's first-k dense layers, Qwen3-MoE's ``mlp_only_layers``).
+
+Each rule converts in both directions (``to_megatron`` / ``to_hf``) and computes shapes without
+data (``megatron_shape`` / ``hf_shapes``), so a conversion is planned and checked before any
+tensor is read.
+
+    Rename("decoder.layers.{layer}.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight")
+    FuseQKV("decoder.layers.{layer}.self_attention.linear_qkv.weight",
+            q="model.layers.{layer}.self_attn.q_proj.weight", k=..., v=...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mindspeed_llm.bridges.shape import ModelShape
+
+Shape = tuple[int, ...]
+
+#: Values of ``ParamRule.layers``: every layer, only layers with a dense MLP, only MoE layers.
+LAYER_SCOPES = ("all", "dense", "moe")
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """Base of all rules: one megatron name template and its Hugging Face name templates.
+
+    Attributes:
+        mg: megatron name template.
+        hf: Hugging Face name templates, in the order ``to_megatron`` takes them.
+        layers: ``"all"``, ``"dense"`` or ``"moe"``; rules with ``{expert}`` imply ``"moe"``.
+    """
+
+    mg: str
+    hf: tuple[str, ...]
+    layers: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.layers not in LAYER_SCOPES:
+            raise ValueError(f"{type(self).__name__}({self.mg!r}): layers={self.layers!r} is not one of {LAYER_SCOPES}")
+
+    def to_megatron(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        """The megatron tensor made of the Hugging Face ``tensors`` (in ``hf`` order)."""
+        raise NotImplementedError
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        """The Hugging Face tensors (in ``hf`` order) made of the megatron ``tensor``."""
+        raise NotImplementedError
+
+    def megatron_shape(self, hf_shapes: list[Shape], shape: ModelShape) -> Shape:
+        """The megatron shape ``to_megatron`` produces; raises ``ValueError`` if the inputs disagree."""
+        raise NotImplementedError
+
+    def hf_shapes(self, mg_shape: Shape, shape: ModelShape) -> list[Shape]:
+        """The Hugging Face shapes ``to_hf`` produces."""
+        raise NotImplementedError
+
+    def optional_hf(self, shape: ModelShape) -> tuple[str, ...]:
+        """Hugging Face templates this rule consumes when present and writes nowhere (default none)."""
+        return ()
+
+    def active(self, shape: ModelShape) -> bool:
+        """Whether the rule produces a megatron tensor for this model (default yes)."""
+        return True
+
+
+class Rename(ParamRule):
+    """One Hugging Face tensor is the megatron tensor, under another name."""
+
+    def __init__(self, mg: str, hf: str, layers: str = "all") -> None:
+        super().__init__(mg, (hf,), layers)
+
+    def to_megatron(self, tensors, shape):
+        return tensors[0]
+
+    def to_hf(self, tensor, shape):
+        return [tensor]
+
+    def megatron_shape(self, hf_shapes, shape):
+        return tuple(hf_shapes[0])
+
+    def hf_shapes(self, mg_shape, shape):
+        return [tuple(mg_shape)]
+
+
+class FuseQKV(ParamRule):
+    """Separate q, k, v projections (weights or biases) fused in megatron's grouped layout.
+
+    megatron's ``linear_qkv`` output is viewed as ``[num_query_groups, (heads_per_group + 2) *
+    head_dim]``: for each query group, its query heads, then its key head, then its value head.
+    Tensor parallelism then gives every rank whole groups (a contiguous block of rows).
+    """
+
+    def __init__(self, mg: str, q: str, k: str, v: str, layers: str = "all") -> None:
+        super().__init__(mg, (q, k, v), layers)
+
+    @staticmethod
+    def _sizes(shape: ModelShape) -> tuple[int, int, int]:
+        groups, d = shape.num_query_groups, shape.kv_channels
+        return groups, shape.num_attention_heads // groups * d, d
+
+    def to_megatron(self, tensors, shape):
+        q, k, v = tensors
+        groups, q_rows, d = self._sizes(shape)
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest),
+                           v.reshape(groups, d, *rest)], dim=1)
+        return fused.reshape(-1, *rest)
+
+    def to_hf(self, tensor, shape):
+        groups, q_rows, d = self._sizes(shape)
+        rest = tensor.shape[1:]
+        q, k, v = tensor.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+        return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
+
+    def megatron_shape(self, hf_shapes, shape):
+        groups, q_rows, d = self._sizes(shape)
+        expected = [(groups * q_rows,), (groups * d,), (groups * d,)]
+        for got, want, role in zip(hf_shapes, expected, "qkv"):
+            if tuple(got[:1]) != want or tuple(got[1:]) != tuple(hf_shapes[0][1:]):
+                raise ValueError(f"{role} has shape {tuple(got)} but num_attention_heads={shape.num_attention_heads}, "
+                                 f"num_key_value_heads={shape.num_query_groups}, head_dim={d} give {want[0]} rows")
+        return (groups * (q_rows + 2 * d), *hf_shapes[0][1:])
+
+    def hf_shapes(self, mg_shape, shape):
+        groups, q_rows, d = self._sizes(shape)
+        rest = tuple(mg_shape[1:])
+        return [(groups * q_rows, *rest), (groups * d, *rest), (groups * d, *rest)]
+
+
+class FuseGateUp(ParamRule):
+    """Gate and up projections stacked as megatron's gated ``linear_fc1``: ``[gate; up]``."""
+
+    def __init__(self, mg: str, gate: str, up: str, layers: str = "all") -> None:
+        super().__init__(mg, (gate, up), layers)
+
+    def to_megatron(self, tensors, shape):
+        return torch.cat(tensors, dim=0)
+
+    def to_hf(self, tensor, shape):
+        return list(tensor.chunk(2, dim=0))
+
+    def megatron_shape(self, hf_shapes, shape):
+        gate, up = (tuple(s) for s in hf_shapes)
+        if gate != up:
+            raise ValueError(f"gate {gate} and up {up} projections differ in shape")
+        return (2 * gate[0], *gate[1:])
+
+    def hf_shapes(self, mg_shape, shape):
+        half = (mg_shape[0] // 2, *mg_shape[1:])
+        return [half, half]
+
+
+class Tie(Rename):
+    """The output layer: a plain rename when untied; when the model ties it to the embedding,
+    megatron stores nothing and a Hugging Face copy (if the checkpoint has one) is dropped."""
+
+    def active(self, shape):
+        return shape.untie_embeddings_and_output_weights
+
+    def optional_hf(self, shape):
+        return () if self.active(shape) else self.hf
+
+
+class Drop(ParamRule):
+    """Hugging Face tensors that carry no weights (old rotary ``inv_freq`` buffers): consumed
+    when present, never written."""
+
+    def __init__(self, hf: str, layers: str = "all") -> None:
+        super().__init__("", (hf,), layers)
+
+    def active(self, shape):
+        return False
+
+    def optional_hf(self, shape):
+        return self.hf
+
+
+@dataclass
+class Task:
+    """One expanded rule: a concrete megatron name and the Hugging Face names it is made of.
+
+    Attributes:
+        rule: the rule.
+        mg_name: the megatron parameter.
+        hf_names: the Hugging Face tensors, in the rule's order.
+        layer: global layer index (``None`` outside the layers).
+        expert: global expert index (``None`` for non-expert tensors).
+    """
+
+    rule: ParamRule
+    mg_name: str
+    hf_names: list[str]
+    layer: int | None = None
+    expert: int | None = None
+
+
+def _layers(rule: ParamRule, shape: ModelShape, template: str) -> list[int | None]:
+    if "{layer}" not in template:
+        return [None]
+    scope = "moe" if "{expert}" in template else rule.layers
+    keep = {"all": lambda i: True, "dense": lambda i: not shape.is_moe_layer(i), "moe": shape.is_moe_layer}[scope]
+    return [i for i in range(shape.num_layers) if keep(i)]
+
+
+def _fill(template: str, layer: int | None, expert: int | None) -> str:
+    return template.format(layer=layer, expert=expert) if "{" in template else template
+
+
+def expand_rule(rule: ParamRule, shape: ModelShape) -> list[Task]:
+    """Every concrete task of ``rule`` for the model ``shape`` (none when inactive)."""
+    if not rule.active(shape):
+        return []
+    tasks = []
+    for layer in _layers(rule, shape, rule.mg):
+        experts = range(shape.num_experts) if "{expert}" in rule.mg else [None]
+        for expert in experts:
+            tasks.append(Task(rule, _fill(rule.mg, layer, expert), [_fill(t, layer, expert) for t in rule.hf],
+                              layer, expert))
+    return tasks
+
+
+def expand_optional(rule: ParamRule, shape: ModelShape) -> list[str]:
+    """The concrete Hugging Face names ``rule`` consumes when present and writes nowhere."""
+    names = []
+    for template in rule.optional_hf(shape):
+        for layer in _layers(rule, shape, template):
+            experts = range(shape.num_experts or 0) if "{expert}" in template else [None]
+            names += [_fill(template, layer, expert) for expert in experts]
+    return names

@@ -1,0 +1,146 @@
+"""The model as megatron-core sees it: one typed value shared by bridges, layouts and formats.
+
+:class:`ModelShape` holds what decides the names and shapes of a megatron-core ``GPTModel``'s
+parameters (local spec): sizes, attention variant, MoE layout. Its field names are megatron's
+argument names, so it is written into and read back from the ``args`` of a Megatron checkpoint
+without a translation table. Bridges translate Hugging Face configs to and from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Sizes and variants of a GPT model, with megatron's argument names.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width.
+        ffn_hidden_size: width of the dense MLP.
+        num_attention_heads: query heads.
+        num_query_groups: key/value heads (GQA groups).
+        kv_channels: width of one attention head.
+        vocab_size: rows of the embedding in the Hugging Face checkpoint.
+        max_position_embeddings: longest sequence of the rotary tables.
+        norm_epsilon: epsilon of every RMSNorm.
+        rotary_base: rope theta.
+        use_rope_scaling: Llama 3.1's rope frequency scaling (megatron's ``--use-rope-scaling``).
+        rope_scaling_factor: its factor.
+        untie_embeddings_and_output_weights: the output layer has its own weights.
+        add_qkv_bias: the fused QKV projection has a bias.
+        qk_layernorm: queries and keys are RMS-normalised per head (Qwen3).
+        num_experts: routed experts of MoE layers (``None``: dense model).
+        moe_ffn_hidden_size: width of one routed expert.
+        moe_router_topk: experts per token.
+        moe_layer_freq: one flag per layer, 1 for MoE layers, 0 for dense ones.
+        moe_shared_expert_intermediate_size: width of the shared experts (``None``: none).
+        moe_router_enable_expert_bias: the router has a per-expert score bias (DeepSeek-V3).
+        moe_router_score_function: ``softmax`` or ``sigmoid``.
+        moe_router_pre_softmax: softmax over all experts before top-k (no renormalisation).
+        moe_router_num_groups: expert groups of group-limited routing (``None``: off).
+        moe_router_group_topk: groups chosen per token.
+        moe_router_topk_scaling_factor: scale of the routing weights (``None``: 1).
+        multi_latent_attention: DeepSeek's MLA instead of grouped-query attention.
+        q_lora_rank: rank of MLA's query down-projection (``None``: a full query projection).
+        kv_lora_rank: rank of MLA's key/value down-projection.
+        qk_head_dim: MLA query/key width without the rotary part.
+        qk_pos_emb_head_dim: MLA rotary width.
+        v_head_dim: MLA value width.
+        params_dtype: dtype of the weights ("float32", "bfloat16", "float16").
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    norm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    untie_embeddings_and_output_weights: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_layer_freq: tuple[int, ...] | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    params_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_experts and self.moe_layer_freq is None:
+            object.__setattr__(self, "moe_layer_freq", (1,) * self.num_layers)
+        if self.moe_layer_freq is not None:
+            object.__setattr__(self, "moe_layer_freq", tuple(int(x) for x in self.moe_layer_freq))
+            if len(self.moe_layer_freq) != self.num_layers:
+                raise ValueError(f"moe_layer_freq has {len(self.moe_layer_freq)} entries for {self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) has routed experts."""
+        return bool(self.num_experts and self.moe_layer_freq and self.moe_layer_freq[layer])
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """The output layer reuses the embedding."""
+        return not self.untie_embeddings_and_output_weights
+
+    def to_args(self) -> dict[str, Any]:
+        """The megatron arguments this shape implies (plain values, for a checkpoint's ``args``)."""
+        args = dataclasses.asdict(self)
+        args["moe_layer_freq"] = list(self.moe_layer_freq) if self.moe_layer_freq else 1
+        args.update(
+            group_query_attention=self.num_query_groups != self.num_attention_heads,
+            normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+            rotary_interleaved=False, rotary_percent=1.0, use_rotary_position_embeddings=True,
+            add_position_embedding=False, moe_grouped_gemm=False,
+            bf16=self.params_dtype == "bfloat16", fp16=self.params_dtype == "float16",
+        )
+        return args
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | dict[str, Any]) -> "ModelShape":
+        """The shape recorded in a Megatron checkpoint's ``args``.
+
+        Raises:
+            ValueError: a required field (``num_layers``, ``hidden_size`` ...) is missing.
+        """
+        values = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        names = {f.name for f in dataclasses.fields(cls)}
+        picked = {k: v for k, v in values.items() if k in names and v is not None}
+        if "params_dtype" not in picked or not isinstance(picked["params_dtype"], str):
+            picked["params_dtype"] = "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
+        if isinstance(picked.get("moe_layer_freq"), int):
+            freq = picked.pop("moe_layer_freq")
+            picked["moe_layer_freq"] = tuple(int(i % freq == 0) for i in range(picked.get("num_layers", 0)))
+        if "num_query_groups" not in picked and "num_attention_heads" in picked:
+            picked["num_query_groups"] = picked["num_attention_heads"]
+        if "kv_channels" not in picked and "hidden_size" in picked and "num_attention_heads" in picked:
+            picked["kv_channels"] = picked["hidden_size"] // picked["num_attention_heads"]
+        if "vocab_size" not in picked and "padded_vocab_size" in values:
+            picked["vocab_size"] = values["padded_vocab_size"]
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in picked]
+        if missing:
+            raise ValueError(f"the checkpoint's args lack {', '.join(missing)}; pass --hf-cfg-dir with the model's config.json")
+        return cls(**picked)

@@ -1,0 +1,1 @@
+"""Test helpers of the LLM suite: tiny random-weight models of every bridged family."""

@@ -1,0 +1,115 @@
+"""One tiny transformers config per bridged family, built in code (no downloads).
+
+The registry :data:`TINY_CONFIGS` is keyed by the bridge family name; a test checks that every
+registered bridge has an entry here and the other way round. The sizes are small enough to
+convert and run in milliseconds and large enough to exercise every layout the tests use:
+4 layers (PP 2, VPP 2 x 1), 4 query heads in 2 groups (TP 2), even MLP widths, 4 experts (EP 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from mindspeed.registry import Registry
+
+#: family -> function returning a ``transformers.PretrainedConfig``.
+TINY_CONFIGS: Registry[Callable[[], Any]] = Registry("tiny model config")
+
+#: Shape shared by the dense families.
+_DENSE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+@TINY_CONFIGS.register("llama2")
+def tiny_llama() -> Any:
+    """Llama 3.1-style: untied, rope scaling 'llama3'."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(**{**_DENSE, "max_position_embeddings": 131072}, vocab_size=128, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+
+
+@TINY_CONFIGS.register("mistral")
+def tiny_mistral() -> Any:
+    """Mistral without a sliding window (the window is a runtime setting, not a weight)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(**_DENSE, vocab_size=128, sliding_window=None, architectures=["MistralForCausalLM"])
+
+
+@TINY_CONFIGS.register("qwen25")
+def tiny_qwen2() -> Any:
+    """Qwen2.5-style: q/k/v biases, tied embeddings, and a vocabulary TP 2 must pad (131 rows)."""
+    from transformers import Qwen2Config
+
+    dense = {k: v for k, v in _DENSE.items() if k != "head_dim"}
+    return Qwen2Config(**dense, vocab_size=131, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+                       architectures=["Qwen2ForCausalLM"])
+
+
+@TINY_CONFIGS.register("qwen3")
+def tiny_qwen3() -> Any:
+    """Qwen3-style: QK norm, head_dim independent of hidden_size / heads."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**_DENSE, "head_dim": 24}, vocab_size=128, architectures=["Qwen3ForCausalLM"])
+
+
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """A tiny random-weight ``AutoModelForCausalLM`` of ``family``.
+
+    Every parameter gets noise on top of transformers' init, so that norm weights, biases and
+    router biases are not the constants a wrong mapping could get away with.
+
+    Args:
+        family: a key of :data:`TINY_CONFIGS`.
+        seed: torch seed of the weights.
+        dtype: parameter dtype.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = TINY_CONFIGS.get(family)()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.to(dtype).eval()
+
+
+def save_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         max_shard_size: str = "64KB") -> Any:
+    """Write a tiny Hugging Face checkpoint of ``family`` (sharded safetensors, tokenizer, generation config).
+
+    Args:
+        family: a key of :data:`TINY_CONFIGS`.
+        path: the directory to write.
+        seed: torch seed of the weights.
+        dtype: parameter dtype.
+        max_shard_size: safetensors shard size (small, so that tensors spread over several files).
+
+    Returns:
+        The model that was saved.
+    """
+    model = build_tiny_model(family, seed, dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    write_tiny_tokenizer(path)
+    return model
+
+
+def write_tiny_tokenizer(path: str | Path) -> None:
+    """A small word-level fast tokenizer (tokenizer.json + tokenizer_config.json) in ``path``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(60)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
