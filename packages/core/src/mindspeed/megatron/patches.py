@@ -154,9 +154,9 @@ def megatron_patches() -> list[UpstreamPatch]:
     common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS)
     return [
         UpstreamPatch("rng-get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", _rng_get,
-                      reason="reads torch.cuda.default_generators", accelerators=_NOT_CUDA, **common),
+                      reason="reads the CUDA default generators", accelerators=_NOT_CUDA, **common),
         UpstreamPatch("rng-set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", _rng_set,
-                      reason="writes torch.cuda.default_generators through _lazy_call", accelerators=_NOT_CUDA,
+                      reason="writes the CUDA default generators through a lazy CUDA call", accelerators=_NOT_CUDA,
                       **common),
         UpstreamPatch("moe-splits-to-host", "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
                       _move_to_cpu, reason="only converts tensors with .is_cuda", accelerators=_NOT_CUDA, **common),

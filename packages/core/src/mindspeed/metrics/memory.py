@@ -197,7 +197,7 @@ def measure_peak_memory(method: str = "auto") -> Iterator[PeakMemory]:
         with measure_peak_memory() as mem:
             loss = model(x).sum()
             loss.backward()
-        print(mem.peak_bytes)
+        peak = mem.peak_bytes  # bytes above the level at entry
 
     Args:
         method: ``"auto"`` (the allocator's counters where the accelerator has a caching
