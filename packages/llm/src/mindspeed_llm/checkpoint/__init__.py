@@ -1,0 +1,1 @@
+"""Checkpoint formats and the ``convert-ckpt`` conversion (see :mod:`.convert`)."""

@@ -1,0 +1,264 @@
+"""``convert-ckpt``: Hugging Face <-> Megatron conversion, planned, streamed, written atomically.
+
+:func:`convert_checkpoint` opens the source (:class:`HFSource` or :class:`MegatronSource`),
+plans the whole conversion with the family's bridge (every tensor matched on both sides, shapes
+checked), checks the target layout, and only then writes: into a temporary directory next to
+the target, one tensor in memory at a time, each output file finished as soon as its last tensor
+arrives, renamed onto the target at the end. A failure at any point leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mindspeed.log import get_logger
+from mindspeed.progress import StatusProgress
+
+from mindspeed_llm.bridges import ParallelLayout, plan_conversion
+from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
+
+logger = get_logger(__name__)
+
+#: Files of a Hugging Face directory that are weights (everything else there is config, tokenizer, docs).
+_WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.msgpack|\.h5|\.safetensors\.index\.json|\.bin\.index\.json)$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+#: Where a conversion from Hugging Face keeps the source's config and tokenizer inside a Megatron checkpoint.
+HF_ASSETS = "hf_config"
+
+
+@dataclass(kw_only=True)
+class ConvertConfig:
+    """Every ``convert-ckpt`` option (the CLI flags are these names with dashes).
+
+    Attributes:
+        load_model_type: ``hf`` or ``mg``.
+        save_model_type: ``mg`` or ``hf``.
+        load_dir: the source checkpoint directory.
+        save_dir: the output directory (created; must be empty unless ``overwrite``).
+        target_tensor_parallel_size: TP of a Megatron output.
+        target_pipeline_parallel_size: PP of a Megatron output.
+        target_expert_parallel_size: EP of a Megatron output.
+        num_layers_per_virtual_pipeline_stage: virtual pipeline stage size of a Megatron output.
+        num_layer_list: comma-separated layers per pipeline stage of a Megatron output.
+        model_type_hf: family override (MindSpeed-LLM's names: llama2, qwen25, qwen3 ...).
+        hf_cfg_dir: directory with config.json and tokenizer files for a Hugging Face output.
+        max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
+        dry_run: plan and report, write nothing.
+        overwrite: replace a non-empty ``save_dir``.
+        progress: draw a progress bar.
+    """
+
+    load_model_type: str = "hf"
+    save_model_type: str = "mg"
+    load_dir: Path
+    save_dir: Path
+    target_tensor_parallel_size: int = 1
+    target_pipeline_parallel_size: int = 1
+    target_expert_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_layer_list: str | None = None
+    model_type_hf: str | None = None
+    hf_cfg_dir: Path | None = None
+    max_shard_size: str = "5GB"
+    dry_run: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def target_layout(self) -> ParallelLayout:
+        """The Megatron layout the ``target_*`` options describe."""
+        layers = None
+        if self.num_layer_list:
+            try:
+                layers = tuple(int(x) for x in self.num_layer_list.split(","))
+            except ValueError:
+                raise ValueError(f"--num-layer-list {self.num_layer_list!r} is not a comma-separated list of "
+                                 "integers") from None
+        return ParallelLayout(tp=self.target_tensor_parallel_size, pp=self.target_pipeline_parallel_size,
+                              ep=self.target_expert_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
+                              num_layer_list=layers)
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion does (or, with ``--dry-run``, would do).
+
+    Attributes:
+        source: the source, in words.
+        target: the target, in words.
+        family: the bridge family.
+        tensors_read: megatron tensors assembled (one per conversion task).
+        dropped: source tensors deliberately not converted.
+        files: every output file with its tensor count and bytes.
+        written: whether anything was written.
+    """
+
+    source: str
+    target: str
+    family: str
+    tensors_read: int
+    dropped: list[str] = field(default_factory=list)
+    files: list[OutputFile] = field(default_factory=list)
+    written: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all output files' tensors."""
+        return sum(f.nbytes for f in self.files)
+
+    def describe(self) -> str:
+        """The plan as text: one line per output file."""
+        lines = [f"{'converted' if self.written else 'plan'}: {self.source} -> {self.target}",
+                 f"family {self.family}: {self.tensors_read} megatron tensors, {len(self.files)} output files, "
+                 f"{self.total_bytes / 1e6:.3f} MB"]
+        if self.dropped:
+            lines.append(f"dropped (no weights): {', '.join(self.dropped)}")
+        lines += [f"  {f.path}: {f.tensors} tensors, {f.nbytes / 1e6:.3f} MB" for f in self.files]
+        return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"5GB"``, ``"500MiB"``, ``"64KB"`` or a plain integer.
+
+    Raises:
+        ValueError: unreadable size.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def check_paths(config: ConvertConfig) -> None:
+    """Fail early on directories that cannot work (before any reading).
+
+    Raises:
+        ValueError: a missing source, an unknown model type, a target inside the source, or a
+            non-empty target without ``overwrite``.
+    """
+    for flag, value, allowed in (("--load-model-type", config.load_model_type, ("hf", "mg")),
+                                 ("--save-model-type", config.save_model_type, ("mg", "hf"))):
+        if value not in allowed:
+            raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if config.load_model_type == "hf" and config.save_model_type == "hf":
+        raise ValueError("--load-model-type hf with --save-model-type hf converts nothing; save to mg")
+    load, save = Path(config.load_dir).resolve(), Path(config.save_dir).resolve()
+    if not load.is_dir():
+        raise ValueError(f"--load-dir {config.load_dir} is not a directory")
+    if save == load or load in save.parents:
+        raise ValueError(f"--save-dir {config.save_dir} must not be --load-dir or inside it")
+    if save.exists() and not save.is_dir():
+        raise ValueError(f"--save-dir {config.save_dir} is a file")
+    if save.is_dir() and any(save.iterdir()) and not config.overwrite:
+        raise ValueError(f"--save-dir {config.save_dir} is not empty; pass --overwrite to replace it")
+    if config.hf_cfg_dir is not None and not (Path(config.hf_cfg_dir) / "config.json").is_file():
+        raise ValueError(f"--hf-cfg-dir {config.hf_cfg_dir} has no config.json")
+
+
+@contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to ``target``; on success it replaces ``target``.
+
+    On an exception the temporary directory is removed and ``target`` is left as it was.
+    """
+    target = Path(target).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        yield temp
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        target.rename(old)
+        temp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        temp.rename(target)
+
+
+def copy_assets(source: Path | None, destination: Path) -> list[str]:
+    """Copy the non-weight top-level files of ``source`` (config, tokenizer ...) into ``destination``."""
+    if source is None:
+        return []
+    destination.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(Path(source).iterdir()):
+        if path.is_file() and not _WEIGHT_FILE.search(path.name):
+            shutil.copy2(path, destination / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None) -> None:
+    copied = copy_assets(hf_cfg_dir or source.assets, directory)
+    if "config.json" in copied:
+        return
+    # No config.json anywhere: rebuild one from the checkpoint's recorded model.
+    config = source.bridge.hf_config_from_shape(source.shape)
+    config.save_pretrained(str(directory))
+    if "generation_config.json" not in copied:
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(str(directory))
+    logger.warning("no config.json for the Hugging Face output: wrote one derived from the checkpoint's args; "
+                   "pass --hf-cfg-dir to copy the original config and tokenizer files")
+
+
+def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
+    """Run (or with ``dry_run`` only plan) one conversion.
+
+    Args:
+        config: the options.
+
+    Returns:
+        The report (files, tensor counts, bytes).
+
+    Raises:
+        ValueError: bad input of any kind, with a message naming it; nothing is written then.
+    """
+    check_paths(config)
+    load = Path(config.load_dir)
+    hf_cfg_dir = Path(config.hf_cfg_dir) if config.hf_cfg_dir else None
+    if config.load_model_type == "hf":
+        source = HFSource(load, config.model_type_hf)
+    else:
+        source = MegatronSource(load, config.model_type_hf, hf_cfg_dir)
+    plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
+    if config.save_model_type == "mg":
+        layout = config.target_layout()
+        layout.check(plan.shape)
+        sink = MegatronSink(plan, layout, source)
+    else:
+        sink = HFSink(plan, source, parse_size(config.max_shard_size))
+    report = ConversionReport(source.describe(), sink.describe(), plan.bridge.family, len(plan.tasks),
+                              plan.dropped_hf, sink.files)
+    if config.dry_run:
+        return report
+    with atomic_directory(Path(config.save_dir)) as temp:
+        sink.open(temp)
+        written = 0
+        with StatusProgress("convert-ckpt", total=len(plan.tasks), disable=None if config.progress else True) as bar:
+            for task in plan.tasks:
+                full = source.read(task, plan)
+                sink.put(task, full)
+                written += full.nbytes
+                bar.update(status=f"{written / 1e9:.2f} GB")
+        sink.finish()
+        if config.save_model_type == "hf":
+            _write_hf_assets(source, temp, hf_cfg_dir)
+        else:
+            copy_assets(hf_cfg_dir or source.assets, temp / HF_ASSETS)
+    report.written = True
+    logger.info(report.describe())
+    return report

@@ -1,0 +1,317 @@
+"""The two ends of a conversion: where full megatron tensors come from, and where they go.
+
+A source yields, for every task of a :class:`~mindspeed_llm.bridges.engine.ConversionPlan`, the
+unsharded megatron tensor (read from Hugging Face shards through the bridge's rule, or glued
+together from a Megatron checkpoint's rank files); a sink takes it and writes it (cut into the
+target layout's rank files, or turned back into Hugging Face tensors). Any source feeds any
+sink, which gives hf -> mg, mg -> hf and mg -> mg with one loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+
+from mindspeed_llm.bridges import (
+    Bridge, ModelShape, ParallelLayout, RankKey, bridge_for_architectures, bridge_for_family, megatron_params,
+    merge_tensors, split_tensor,
+)
+from mindspeed_llm.bridges.engine import ConversionPlan, list_names
+from mindspeed_llm.bridges.layout import piece_shape
+from mindspeed_llm.bridges.megatron_model import padded_vocab_size
+from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
+from mindspeed_llm.bridges.rules import Task
+from mindspeed_llm.checkpoint.megatron_legacy import (
+    Entries, LegacyCheckpointReader, LegacyCheckpointWriter, checkpoint_args, rank_dir,
+)
+from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
+
+logger = get_logger(__name__)
+
+#: Fields that decide tensor names and shapes; a config.json given for a Megatron checkpoint must agree on them.
+_WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "num_experts", "moe_ffn_hidden_size", "untie_embeddings_and_output_weights",
+                  "add_qkv_bias", "qk_layernorm")
+
+
+def read_hf_config(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config.json`` of ``directory``: the raw dict and transformers' normalised dict.
+
+    Raises:
+        ValueError: no ``config.json``.
+    """
+    from transformers import AutoConfig
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory} has no config.json")
+    raw = json.loads(path.read_text())
+    return raw, AutoConfig.from_pretrained(str(directory)).to_dict()
+
+
+def pick_bridge(family: str | None, architectures: list[str] | None) -> Bridge:
+    """``--model-type-hf`` when given, else the bridge of ``architectures``."""
+    return bridge_for_family(family) if family else bridge_for_architectures(architectures)
+
+
+class HFSource:
+    """A Hugging Face checkpoint directory as a source.
+
+    Args:
+        path: the directory.
+        family: ``--model-type-hf`` override (else ``config.json`` ``architectures`` decides).
+    """
+
+    kind = "hf"
+
+    def __init__(self, path: Path, family: str | None = None) -> None:
+        self.path = path
+        raw, config = read_hf_config(path)
+        self.bridge = pick_bridge(family, raw.get("architectures"))
+        known = [a for a in raw.get("architectures") or [] if a in self.bridge.hf_architectures]
+        self.architecture = known[0] if known else self.bridge.hf_architectures[0]
+        self.checkpoint = HFCheckpoint(path)
+        shape = self.bridge.shape_from_hf(config)
+        # The weights' own dtype wins over config.json's (which may be stale or absent).
+        by_dtype = collections.Counter()
+        for info in self.checkpoint.tensors.values():
+            by_dtype[info.dtype] += info.nbytes
+        dtype = str(by_dtype.most_common(1)[0][0]).removeprefix("torch.") if by_dtype else shape.params_dtype
+        self.shape = dataclasses.replace(shape, params_dtype=dtype)
+        self.assets = path
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor in the checkpoint."""
+        return self.checkpoint.shapes()
+
+    def dtypes(self, plan: ConversionPlan) -> dict[str, torch.dtype]:
+        """Megatron name -> dtype of the tensor each task produces."""
+        return {task.mg_name: self.checkpoint.tensors[task.hf_names[0]].dtype for task in plan.tasks}
+
+    def read(self, task: Task, plan: ConversionPlan) -> torch.Tensor:
+        """The unsharded megatron tensor of ``task``."""
+        return task.rule.to_megatron([self.checkpoint.read(name) for name in task.hf_names], plan.shape)
+
+    def describe(self) -> str:
+        """One line for the report."""
+        return f"hf {self.path} ({self.architecture}, {len(self.checkpoint.tensors)} tensors)"
+
+
+class MegatronSource:
+    """A per-rank Megatron checkpoint as a source; its layout comes from the recorded args.
+
+    Args:
+        path: the checkpoint directory.
+        family: ``--model-type-hf`` override.
+        hf_cfg_dir: a directory with the model's ``config.json`` (``--hf-cfg-dir``); by default the
+            ``hf_config`` folder a conversion from Hugging Face leaves in the checkpoint.
+    """
+
+    kind = "mg"
+
+    def __init__(self, path: Path, family: str | None = None, hf_cfg_dir: Path | None = None) -> None:
+        self.path = path
+        self.reader = LegacyCheckpointReader(path)
+        self.layout: ParallelLayout = self.reader.layout
+        args = self.reader.args
+        self.assets = hf_cfg_dir or (path / "hf_config" if (path / "hf_config" / "config.json").is_file() else None)
+        raw, config = read_hf_config(self.assets) if self.assets else ({}, None)
+        family = family or getattr(args, "model_type_hf", None)
+        if not family and not raw.get("architectures"):
+            raise ValueError(f"cannot tell the model family of {path}: pass --model-type-hf or --hf-cfg-dir "
+                             "with the model's config.json")
+        self.bridge = pick_bridge(family, raw.get("architectures"))
+        self.architecture = getattr(args, "hf_architecture", None) or self.bridge.hf_architectures[0]
+        if config is None:
+            shape = ModelShape.from_args(args)
+        else:
+            shape = self.bridge.shape_from_hf(config)
+            recorded = vars(args)
+            differ = [f"{f} {getattr(shape, f)} vs {recorded[f]}" for f in _WEIGHT_FIELDS
+                      if recorded.get(f) is not None and recorded[f] != getattr(shape, f)]
+            if differ:
+                raise ValueError(f"{self.assets / 'config.json'} describes another model than {path}'s args "
+                                 f"(config vs checkpoint): {'; '.join(differ)}")
+        self.layout.check(shape)
+        self.params = megatron_params(shape)
+        self.pieces = {name: self._source_pieces(param, shape) for name, param in self.params.items()}
+        first = self.pieces["embedding.word_embeddings.weight"][0]
+        dtype = self.reader.tensor(first.rank, first.chunk, first.name, self.layout.num_chunks(shape)).dtype
+        self.shape = dataclasses.replace(shape, params_dtype=str(dtype).removeprefix("torch."))
+        self._check_files()
+
+    def _source_pieces(self, param: MegatronParam, shape: ModelShape) -> list:
+        placed = self.layout.place(param, shape)
+        # One copy: the first expert-parallel rank listed, at the parameter's own stage (not the
+        # tied output layer's copy on the last stage).
+        first = placed[0]
+        return [p for p in placed if p.rank.ep == first.rank.ep and (p.rank.pp, p.chunk) == (first.rank.pp, first.chunk)]
+
+    def _check_files(self) -> None:
+        chunks = self.layout.num_chunks(self.shape)
+        expected: dict[tuple[RankKey, int, str], MegatronParam] = {}
+        for param in self.params.values():
+            for piece in self.layout.place(param, self.shape):
+                expected[(piece.rank, piece.chunk, piece.name)] = param
+        found = set()
+        for rank in self.layout.ranks():
+            for chunk, state in enumerate(self.reader.chunks(rank, chunks)):
+                for name, value in state.items():
+                    if not name.endswith("._extra_state"):
+                        found.add((rank, chunk, name))
+                        param = expected.get((rank, chunk, name))
+                        want = piece_shape(param, self.layout.tp) if param else None
+                        got = tuple(value.shape)
+                        if param is not None and param.split is Split.VOCAB and got[1:] == want[1:] and got[0] >= want[0]:
+                            continue  # a vocabulary padded further than TP needs (megatron's divisible-by 128)
+                        if param is not None and got != want:
+                            raise ValueError(f"shape mismatch: {rank_dir(rank, self.layout)} {name} is "
+                                             f"{tuple(value.shape)}, the model implies {want}")
+        label = lambda key: f"{rank_dir(key[0], self.layout)}/{'model%d:' % key[1] if chunks > 1 else ''}{key[2]}"
+        missing, extra = set(expected) - found, found - set(expected)
+        if extra:
+            raise ValueError(f"{self.path} holds tensors the {self.bridge.family} model does not have: "
+                             f"{list_names([label(k) for k in extra])}")
+        if missing:
+            raise ValueError(f"{self.path} lacks tensors of the {self.bridge.family} model: "
+                             f"{list_names([label(k) for k in missing])}")
+
+    def hf_shapes(self) -> None:
+        """No Hugging Face side to check."""
+        return None
+
+    def dtypes(self, plan: ConversionPlan) -> dict[str, torch.dtype]:
+        """Megatron name -> dtype as stored."""
+        chunks = self.layout.num_chunks(self.shape)
+        return {name: self.reader.tensor(p[0].rank, p[0].chunk, p[0].name, chunks).dtype
+                for name, p in self.pieces.items()}
+
+    def read(self, task: Task, plan: ConversionPlan) -> torch.Tensor:
+        """The unsharded tensor of ``task``, glued from its tensor-parallel pieces."""
+        chunks = self.layout.num_chunks(self.shape)
+        pieces = sorted(self.pieces[task.mg_name], key=lambda p: p.tp_index)
+        loaded = [self.reader.tensor(p.rank, p.chunk, p.name, chunks).load() for p in pieces]
+        return merge_tensors(self.params[task.mg_name], loaded)
+
+    def describe(self) -> str:
+        """One line for the report."""
+        return f"mg {self.path} ({self.bridge.family}, {self.layout.describe()})"
+
+
+@dataclasses.dataclass
+class OutputFile:
+    """One planned output file: its relative path, tensor count and bytes."""
+
+    path: str
+    tensors: int = 0
+    nbytes: int = 0
+
+
+class MegatronSink:
+    """Cuts every unsharded tensor into the target layout's rank files.
+
+    Args:
+        plan: the conversion plan.
+        layout: the target layout (already checked).
+        source: the source (for the family, architecture and dtypes).
+    """
+
+    def __init__(self, plan: ConversionPlan, layout: ParallelLayout, source: Any) -> None:
+        self.plan, self.layout, self.shape = plan, layout, plan.shape
+        dtypes = source.dtypes(plan)
+        self.entries: dict[RankKey, Entries] = {rank: [] for rank in layout.ranks()}
+        files = {rank: OutputFile(f"iter_0000001/{rank_dir(rank, layout)}/model_optim_rng.pt") for rank in layout.ranks()}
+        for task in plan.tasks:
+            param = plan.params[task.mg_name]
+            nbytes = dtypes[task.mg_name].itemsize
+            for dim in piece_shape(param, layout.tp):
+                nbytes *= dim
+            for piece in layout.place(param, self.shape):
+                self.entries[piece.rank].append((piece.chunk, piece.name))
+                files[piece.rank].tensors += 1
+                files[piece.rank].nbytes += nbytes
+        self.files = list(files.values())
+        self.args = checkpoint_args(self.shape, layout, plan.bridge.family, source.architecture,
+                                    padded_vocab_size(self.shape, layout))
+        self.writer: LegacyCheckpointWriter | None = None
+
+    def open(self, directory: Path) -> None:
+        """Start writing into ``directory``."""
+        self.writer = LegacyCheckpointWriter(directory, self.layout, self.shape, self.args, self.entries)
+
+    def put(self, task: Task, full: torch.Tensor) -> None:
+        """Write the pieces of one unsharded tensor."""
+        param = self.plan.params[task.mg_name]
+        pieces = split_tensor(param, full, self.layout.tp)
+        for piece in self.layout.place(param, self.shape):
+            self.writer.write(piece.rank, piece.chunk, piece.name, pieces[piece.tp_index])
+
+    def finish(self) -> None:
+        """Write the tracker."""
+        self.writer.finish()
+
+    def describe(self) -> str:
+        """One line for the report."""
+        return f"mg ({self.layout.describe()}, {len(self.files)} rank files)"
+
+
+class HFSink:
+    """Turns every unsharded tensor back into Hugging Face tensors in sharded safetensors.
+
+    Args:
+        plan: the conversion plan.
+        source: the source (for dtypes).
+        max_shard_bytes: safetensors shard size limit.
+    """
+
+    def __init__(self, plan: ConversionPlan, source: Any, max_shard_bytes: int) -> None:
+        self.plan, self.max_shard_bytes = plan, max_shard_bytes
+        dtypes = source.dtypes(plan)
+        self.tensors = []
+        for task in plan.tasks:
+            shapes = task.rule.hf_shapes(plan.params[task.mg_name].shape, plan.shape)
+            self.tensors += [(name, dtypes[task.mg_name], shape) for name, shape in zip(task.hf_names, shapes)]
+        self.writer: SafetensorsShardWriter | None = None
+        self.files = self._plan_files()
+
+    def _plan_files(self) -> list[OutputFile]:
+        # The same grouping the writer will do, without creating files (for --dry-run).
+        files: list[OutputFile] = []
+        size = 0
+        for _, dtype, shape in self.tensors:
+            nbytes = dtype.itemsize
+            for dim in shape:
+                nbytes *= dim
+            if not files or (files[-1].tensors and size + nbytes > self.max_shard_bytes):
+                files.append(OutputFile(""))
+                size = 0
+            files[-1].tensors += 1
+            files[-1].nbytes += nbytes
+            size += nbytes
+        for number, file in enumerate(files, 1):
+            file.path = f"model-{number:05d}-of-{len(files):05d}.safetensors"
+        return files
+
+    def open(self, directory: Path) -> None:
+        """Create the shards in ``directory``."""
+        self.writer = SafetensorsShardWriter(directory, self.tensors, self.max_shard_bytes)
+
+    def put(self, task: Task, full: torch.Tensor) -> None:
+        """Write the Hugging Face tensors made of one unsharded tensor."""
+        for name, tensor in zip(task.hf_names, task.rule.to_hf(full, self.plan.shape)):
+            self.writer.write(name, tensor)
+
+    def finish(self) -> None:
+        """Write the index."""
+        self.writer.finish()
+
+    def describe(self) -> str:
+        """One line for the report."""
+        return f"hf ({len(self.files)} safetensors shards)"

@@ -1,0 +1,217 @@
+"""``torch.save`` files written tensor by tensor, and read lazily without unpickling code.
+
+A ``torch.save`` file is a zip archive: ``data.pkl`` (the object, with every tensor storage
+replaced by a persistent id) and one record ``data/<key>`` per storage. Nothing requires the
+pickle to be written first, so :class:`StreamingTorchWriter` appends each tensor's bytes as soon
+as the tensor exists and writes the pickle last: a Megatron rank file is produced with one
+tensor in memory at a time, and ``torch.load`` reads it like any other.
+
+:class:`LazyTorchFile` is the reverse: it unpickles ``data.pkl`` with an allow-list (tensors,
+containers, ``argparse.Namespace``, dtypes); every other class becomes an inert placeholder, so
+no code from the file runs; tensors stay on disk as :class:`LazyTensor` until ``load()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import collections
+import io
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: dtype -> name of its legacy typed-storage class (``FloatStorage`` ...), the tag torch.save pickles.
+_STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_NAMES.items()}
+_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in _STORAGE_NAMES}
+
+
+class _StoragePid:
+    """Stands for one written storage in the pickle (turned into a persistent id)."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class StoredTensor:
+    """A tensor already written to a :class:`StreamingTorchWriter`; pickles as that tensor."""
+
+    def __init__(self, pid: _StoragePid, shape: tuple[int, ...]) -> None:
+        self.pid, self.shape = pid, tuple(shape)
+
+    def __reduce__(self):
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.insert(0, step)
+            step *= max(size, 1)
+        return torch._utils._rebuild_tensor_v2, (self.pid, 0, self.shape, tuple(stride), False, collections.OrderedDict())
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StoragePid):
+            # The same tuple torch.save writes: ("storage", typed-storage class, key, location, numel).
+            return "storage", getattr(torch, _STORAGE_NAMES[obj.dtype]), obj.key, "cpu", obj.numel
+        return None
+
+
+class StreamingTorchWriter:
+    """Write a ``torch.save``-compatible file one tensor at a time.
+
+    Usage: ``ref = writer.add(tensor)`` for each tensor (its bytes go to disk now), then
+    ``writer.close(obj)`` where ``obj`` holds the refs in place of the tensors.
+
+    Args:
+        path: the file to create.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._zip = torch._C.PyTorchFileWriter(str(self.path))
+        self._count = 0
+        self.bytes_written = 0
+
+    def add(self, tensor: torch.Tensor) -> StoredTensor:
+        """Write ``tensor``'s data; returns the reference to put in the object passed to :meth:`close`."""
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # a view: the record holds exactly this tensor's bytes
+        key = str(self._count)
+        self._count += 1
+        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)
+        self.bytes_written += tensor.nbytes
+        return StoredTensor(_StoragePid(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
+
+    def close(self, obj: Any) -> None:
+        """Pickle ``obj`` (refs from :meth:`add` stand for tensors) and finish the archive."""
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=2).dump(obj)
+        data = buffer.getvalue()
+        self._zip.write_record("data.pkl", data, len(data))
+        for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", "little")):
+            self._zip.write_record(name, value, len(value))
+        self._zip.write_end_of_file()
+
+
+@dataclass
+class LazyTensor:
+    """A tensor still on disk in a :class:`LazyTorchFile`.
+
+    Attributes:
+        file: the file holding it.
+        key: its storage record.
+        dtype: element type.
+        numel: elements in the storage.
+        offset: storage offset of the tensor, in elements.
+        shape: tensor shape.
+        stride: tensor strides.
+    """
+
+    file: "LazyTorchFile"
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's elements."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+    def load(self) -> torch.Tensor:
+        """Read the tensor (a fresh, contiguous CPU tensor)."""
+        return self.file.read(self)
+
+
+class _Inert:
+    """Placeholder for any class outside the allow-list: records its arguments, runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _StorageTag:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, file: "LazyTorchFile") -> None:
+        super().__init__(io.BytesIO(data))
+        self._file = file
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage":
+            raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+        dtype = storage_type.dtype if isinstance(storage_type, _StorageTag) else torch.uint8
+        return (key, dtype, numel)
+
+    def _rebuild_tensor(self, storage: Any, offset: int, shape: Any, stride: Any, *_: Any) -> LazyTensor:
+        key, dtype, numel = storage
+        return LazyTensor(self._file, key, dtype, numel, offset, tuple(shape), tuple(stride))
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, *_: data
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("argparse", "Namespace"):
+            return argparse.Namespace
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageTag(_STORAGE_DTYPES[name])
+        if module == "torch" and name == "UntypedStorage":
+            return _StorageTag(torch.uint8)
+        if module == "torch" and name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex", "range"):
+            return getattr(builtins, name)
+        return type(name, (_Inert,), {"__module__": f"inert:{module}"})
+
+
+class LazyTorchFile:
+    """A ``torch.save`` file opened without loading its tensors.
+
+    Args:
+        path: the file.
+
+    Attributes:
+        obj: the unpickled object; tensors in it are :class:`LazyTensor` s.
+
+    Raises:
+        ValueError: the file is not a readable ``torch.save`` archive (truncated, say).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._reader = torch._C.PyTorchFileReader(str(self.path))
+            data = self._reader.get_record("data.pkl")
+        except RuntimeError as err:
+            raise ValueError(f"{self.path} is not a readable torch checkpoint ({str(err).splitlines()[0]}); "
+                             "is it truncated? re-create it") from None
+        self.obj = _Unpickler(data, self).load()
+
+    def read(self, tensor: LazyTensor) -> torch.Tensor:
+        """Load one tensor of this file."""
+        nbytes = tensor.numel * tensor.dtype.itemsize
+        try:
+            raw = self._reader.get_storage_from_record(f"data/{tensor.key}", nbytes, torch.uint8)
+        except RuntimeError as err:
+            raise ValueError(f"{self.path}: cannot read tensor record {tensor.key} ({str(err).splitlines()[0]})") from None
+        out = torch.empty(0, dtype=tensor.dtype).set_(raw.untyped_storage(), tensor.offset, tensor.shape, tensor.stride)
+        return out if out.is_contiguous() and out.numel() == tensor.numel else out.contiguous()
