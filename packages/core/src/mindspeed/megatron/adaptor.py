@@ -152,6 +152,12 @@ def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model:
     if "rotary_pos_emb" in ctx.kernel_impls:
         # megatron-core has no spec seam for RoPE: the feature's kernel goes in by a patch.
         report.patches.append(_active.patches.add(rotary_patch(ctx.kernel_impls["rotary_pos_emb"]), acc))
+    if "moe_permute" in ctx.kernel_impls or "moe_unpermute" in ctx.kernel_impls:
+        # The token dispatchers have no seam either: moe_permute_fusion's kernels go in by patches.
+        from mindspeed.megatron.moe import moe_permute_patches
+
+        for patch in moe_permute_patches(ctx.kernel_for("moe_permute"), ctx.kernel_for("moe_unpermute")):
+            report.patches.append(_active.patches.add(patch, acc))
 
 
 def enter_thread() -> None:

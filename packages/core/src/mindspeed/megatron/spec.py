@@ -3,7 +3,8 @@
 ``get_gpt_layer_spec(impls=...)`` returns a ``ModuleSpec`` like megatron's
 ``get_gpt_layer_local_spec`` (plain megatron ColumnParallel/RowParallel linears, so TP, SP,
 PP, DDP and checkpoints behave exactly as upstream) with norms, core attention and the
-SwiGLU activation replaced by :mod:`mindspeed.megatron.modules`. Rotary embeddings have no
+SwiGLU activation replaced by :mod:`mindspeed.megatron.modules`, and MoE experts optionally as
+one grouped matmul (:class:`~mindspeed.megatron.moe.RegistryGroupedMLP`). Rotary embeddings have no
 spec seam in megatron-core; :func:`rotary_patch` routes them to the registry when the
 ``fused_rotary_pos_emb`` feature asks for it.
 """
@@ -16,9 +17,11 @@ from typing import Any
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mindspeed.megatron.modules import RegistryAttention, RegistryNorm, RegistrySwiGLU
+from mindspeed.megatron.moe import RegistryGroupedMLP, grouped_gemm_enabled
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.ops import resolve_kernel
 from mindspeed.patching import UpstreamPatch
@@ -46,6 +49,21 @@ class MindSpeedSpecProvider(LocalSpecProvider):
     def activation_func(self) -> ModuleSpec:
         return ModuleSpec(module=RegistrySwiGLU, params={"impl": self.impls["swiglu"]})
 
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool) -> tuple:
+        """Grouped experts on the registry (``RegistryGroupedMLP``), else megatron's ``SequentialMLP``.
+
+        No Transformer Engine or ``grouped_gemm`` package is needed for either; the legacy flag
+        changes nothing here. The grouped module's kernel follows the active features.
+        """
+        if not moe_use_grouped_gemm:
+            return super().grouped_mlp_modules(False, moe_use_legacy_grouped_gemm)
+        return RegistryGroupedMLP, MLPSubmodules(activation_func=self.activation_func())
+
+    def grouped_experts(self) -> ModuleSpec:
+        """The spec of grouped experts with this provider's ``grouped_matmul`` and ``swiglu`` kernels."""
+        impl = self.impls.get("grouped_matmul", default_impl("grouped_matmul"))
+        return ModuleSpec(module=RegistryGroupedMLP, params={"impl": impl, "swiglu_impl": self.impls["swiglu"]})
+
 
 def default_impl(op: str) -> str:
     """The implementation of ``op`` chosen by the features of the active ``adapt()``, else "auto"."""
@@ -60,7 +78,7 @@ def default_impl(op: str) -> str:
 def get_gpt_layer_spec(
     impls: Mapping[str, str] | None = None,
     num_experts: int | None = None,
-    moe_grouped_gemm: bool = False,
+    moe_grouped_gemm: bool | None = None,
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     swiglu: bool = True,
@@ -72,7 +90,13 @@ def get_gpt_layer_spec(
             ops not given follow the features applied by ``adapt(features=...)`` (an op no
             feature chose uses the reference), or "auto" when no features were applied.
         num_experts: MoE experts per layer (``None``: dense MLP).
-        moe_grouped_gemm: use megatron's GroupedMLP for experts.
+        moe_grouped_gemm: ``True``: experts as one grouped matmul over the local experts
+            (``RegistryGroupedMLP``, the ``grouped_matmul`` kernel from ``impls`` or the features);
+            ``False``: megatron's ``SequentialMLP``; ``None`` (default): grouped when the
+            ``moe_grouped_gemm`` feature is on in the active ``adapt()``, else sequential. The
+            two have different parameter names (``experts.weight1``/``weight2`` against
+            ``experts.local_experts.<i>.linear_fc*``); megatron's distributed checkpoints load
+            into either.
         qk_layernorm: normalise queries and keys.
         normalization: "RMSNorm" or "LayerNorm".
         swiglu: route the gated activation to the registry (the TransformerConfig must then
@@ -81,7 +105,9 @@ def get_gpt_layer_spec(
             spec's activation module, no Transformer Engine is involved).
     """
     provider = MindSpeedSpecProvider(impls)
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+    # Always megatron's local spec with SequentialMLP: its GroupedMLP needs the grouped_gemm
+    # package; grouped experts are swapped in below.
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=qk_layernorm, normalization=normalization)
     norm = provider.layer_norm(rms_norm=normalization == "RMSNorm")
     sub = spec.submodules
@@ -98,8 +124,13 @@ def get_gpt_layer_spec(
         experts = getattr(mlp_subs, "experts", None)
         if experts is not None and getattr(experts, "submodules", None) is not None:
             targets.append(experts.submodules)
+        shared = getattr(mlp_subs, "shared_experts", None)
+        if shared is not None and getattr(shared, "submodules", None) is not None:
+            targets.append(shared.submodules)
         for target in targets:
             target.activation_func = provider.activation_func()
+    if num_experts and (grouped_gemm_enabled() if moe_grouped_gemm is None else moe_grouped_gemm):
+        sub.mlp.submodules.experts = provider.grouped_experts()
     return spec
 
 

@@ -17,6 +17,9 @@ same data, same loss and gradients. This module holds the pieces such tests shar
 - :func:`run_reference` / :func:`check_layout`: the single-rank run, and one layout compared
   with it (loss and every gradient) into a :class:`Comparison`; :func:`merge_summaries`
   joins the ranks' reports.
+- MoE: :func:`grouped_expert_state` (a SequentialMLP state in the grouped-experts layout),
+  :func:`train_steps` (several steps with megatron's auxiliary losses, :func:`read_aux_losses`),
+  :func:`split_microbatches` and :func:`expert_biases`.
 
 Every function assumes megatron-core has been adapted (``mindspeed.megatron.adapt()``) and
 torch.distributed is initialised.
@@ -36,6 +39,8 @@ import torch.distributed as dist
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: Local expert index in a SequentialMLP (``experts.local_experts.<j>.``).
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+#: The two weights of grouped experts (megatron's GroupedMLP layout, RegistryGroupedMLP).
+_GROUPED_EXPERTS = re.compile(r"\.experts\.weight([12])$")
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class ParallelSizes:
         vpp: virtual pipeline stages per rank (``None``: no interleaving).
         ep: expert-parallel size.
         sequence_parallel: shard activations along the sequence in the tensor-parallel region.
+        etp: expert-tensor-parallel size (``None``: megatron's default, the tensor-parallel size).
     """
 
     tp: int = 1
@@ -88,6 +94,7 @@ class ParallelSizes:
     vpp: int | None = None
     ep: int = 1
     sequence_parallel: bool = False
+    etp: int | None = None
 
     @property
     def name(self) -> str:
@@ -97,6 +104,7 @@ class ParallelSizes:
         parts += [f"pp{self.pp}"] if self.pp > 1 else []
         parts += [f"vpp{self.vpp}"] if self.vpp else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp is not None else []
         return "-".join(parts) or "single"
 
 
@@ -115,6 +123,7 @@ def init_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
         pipeline_model_parallel_size=sizes.pp,
         virtual_pipeline_model_parallel_size=sizes.vpp,
         expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -146,6 +155,8 @@ def transformer_config(model: TinyGPTConfig, sizes: ParallelSizes, **overrides: 
                    moe_token_dispatcher_type=model.moe_token_dispatcher_type, moe_grouped_gemm=False,
                    # A zero coefficient keeps the loss the plain LM loss, so layouts compare exactly.
                    moe_aux_loss_coeff=0.0, expert_model_parallel_size=sizes.ep)
+        if sizes.etp is not None:
+            moe["expert_tensor_parallel_size"] = sizes.etp
     fields = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -159,7 +170,7 @@ def transformer_config(model: TinyGPTConfig, sizes: ParallelSizes, **overrides: 
     return TransformerConfig(**fields)
 
 
-def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None,
+def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None, layer_spec: Any = None,
               **config_overrides: Any) -> list[Any]:
     """This rank's model chunks of the tiny GPT, each wrapped in megatron's DDP.
 
@@ -172,6 +183,8 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
         model: the model shape.
         sizes: the layout, already initialised with :func:`init_parallel`.
         ddp_config: a ``DistributedDataParallelConfig`` (default: no overlap, no distributed optimizer).
+        layer_spec: the transformer-layer ``ModuleSpec`` (default: megatron's local spec with
+            ``SequentialMLP`` experts).
         **config_overrides: extra ``TransformerConfig`` fields.
 
     Returns:
@@ -183,8 +196,8 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(model, sizes, **config_overrides)
-    spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False,
-                                    normalization="RMSNorm")
+    spec = layer_spec or get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False,
+                                                  normalization="RMSNorm")
     ddp_config = ddp_config or DistributedDataParallelConfig()
     chunks = []
     for stage in range(sizes.vpp or 1):
@@ -269,6 +282,13 @@ def param_shards(chunks: list[Any], model: TinyGPTConfig) -> list[ParamShard]:
                 # Local expert j on expert-parallel rank r is global expert r * E / ep + j.
                 index = ep_rank * (model.num_moe_experts // ep_size) + int(expert.group(1))
                 name = name[:expert.start()] + f".experts.local_experts.{index}." + name[expert.end():]
+            grouped = _GROUPED_EXPERTS.search(name)
+            if grouped:
+                # Grouped experts hold all local experts in one tensor: cut experts, then ETP.
+                take = _grouped_slicer(int(grouped.group(1)), model.num_moe_experts, ep_rank, ep_size, *etp,
+                                       gated=gpt.config.gated_linear_unit)
+                shards.append(ParamShard(name, param, lambda full, take=take, shape=param.shape: take(full, shape)))
+                continue
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 # The last stage's copy of the tied embedding.
                 name = "embedding.word_embeddings.weight"
@@ -588,10 +608,160 @@ def broadcast_state(chunks: list[Any]) -> None:
                 dist.broadcast(param.data, src=0)
 
 
+# -- MoE: grouped experts, and training several steps with auxiliary losses ---------------------
+
+
+def _grouped_slicer(which: int, num_experts: int, ep_rank: int, ep_size: int, etp_rank: int, etp_size: int,
+                    gated: bool) -> Callable[[torch.Tensor, torch.Size], torch.Tensor]:
+    local = num_experts // ep_size
+    experts = slice(ep_rank * local, (ep_rank + 1) * local)
+
+    def take(full: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        # weight1 [hidden, E * F] holds [E, hidden, F] (F = [gate | up] when gated) and weight2
+        # [E * ffn, hidden] holds [E, ffn, hidden]; an ETP rank r has blocks r (and r + etp of a
+        # gated F) of every expert, as megatron's GroupedMLP.sharded_state_dict reads them.
+        if which == 1:
+            view, dim, stride = full.reshape(num_experts, full.shape[0], -1)[experts], 2, 2 if gated else 1
+        else:
+            view, dim, stride = full.reshape(num_experts, -1, full.shape[1])[experts], 1, 1
+        blocks = torch.split(view, view.shape[dim] // (etp_size * stride), dim=dim)
+        return torch.cat(blocks[etp_rank::etp_size], dim=dim).reshape(shape)
+
+    return take
+
+
+_SEQUENTIAL_FC = re.compile(r"^((?:.*\.)?experts)\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
+def grouped_expert_state(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """A single-rank state of a ``SequentialMLP`` model with its experts in the grouped layout.
+
+    ``experts.local_experts.<e>.linear_fc1.weight`` (``[F, hidden]`` each) become
+    ``experts.weight1`` and the ``linear_fc2`` weights ``experts.weight2``, laid out as megatron's
+    ``GroupedMLP`` (and ``RegistryGroupedMLP``) hold them. Works for parameters and gradients
+    alike (the map is a permutation); other entries are kept.
+
+    Raises:
+        ValueError: a layer does not have all ``num_experts`` experts.
+    """
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = _SEQUENTIAL_FC.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            groups.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = tensor
+    for (prefix, which), experts in groups.items():
+        if sorted(experts) != list(range(num_experts)):
+            raise ValueError(f"{prefix}: experts {sorted(experts)} are not 0..{num_experts - 1}")
+        stacked = torch.stack([experts[e].t() for e in range(num_experts)])  # [E, in, out]
+        shape = (stacked.shape[1], -1) if which == "1" else (-1, stacked.shape[2])
+        out[f"{prefix}.weight{which}"] = stacked.reshape(shape)
+    return out
+
+
+def split_microbatches(batches: list[dict[str, torch.Tensor]], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Every microbatch cut into ``parts`` row blocks (microbatch 0's blocks first).
+
+    These are the microbatches ``parts`` data-parallel ranks run, all on one rank: quantities
+    computed per microbatch (MoE auxiliary losses) then equal the data-parallel run's.
+    """
+    return [shard_batches([batch], rank, parts)[0] for batch in batches for rank in range(parts)]
+
+
+def reset_aux_losses() -> None:
+    """Empty megatron's MoE auxiliary-loss tracker (its entries hold the process groups of a layout)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+def read_aux_losses(num_microbatches: int) -> dict[str, float]:
+    """The auxiliary losses megatron tracked since the last read, then cleared.
+
+    Each is summed over layers, reduced over pipeline stages and megatron's reduce group (the
+    tensor-parallel shards of a sequence), averaged over data-parallel ranks and divided by the
+    microbatches this rank ran: the per-microbatch mean of the whole batch. Collective.
+
+    Returns:
+        name (``"load_balancing_loss"``, ...) -> value, without the coefficient.
+    """
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = sorted(tracker)
+    reduce_aux_losses_tracker_across_ranks(names)
+    values = {name: tracker[name]["values"].sum().item() / num_microbatches for name in names}
+    clear_aux_losses_tracker()
+    return values
+
+
+@dataclass
+class TrainHistory:
+    """What :func:`train_steps` saw at every step.
+
+    Attributes:
+        losses: the whole batch's LM loss. aux_losses: :func:`read_aux_losses` of the step.
+        grad_norms: the norm the optimizer clipped with.
+    """
+
+    losses: list[float] = field(default_factory=list)
+    aux_losses: list[dict[str, float]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def train_steps(chunks: list[Any], optimizer: Any, steps: list[list[dict[str, torch.Tensor]]],
+                after_backward: Callable[[int], None] | None = None) -> TrainHistory:
+    """Several training steps (megatron's schedule, then ``optimizer.step()``), recording losses.
+
+    Args:
+        chunks: this rank's model chunks.
+        optimizer: megatron's optimizer of the chunks.
+        steps: per step, the microbatches this rank runs.
+        after_backward: called with the step index after the backward (gradients reduced,
+            router biases updated) and before the optimizer step.
+
+    Raises:
+        RuntimeError: the optimizer skipped a step (non-finite gradients).
+    """
+    history = TrainHistory()
+    reset_aux_losses()
+    for index, batches in enumerate(steps):
+        optimizer.zero_grad()
+        history.losses.append(global_loss(run_forward_backward(chunks, batches)))
+        history.aux_losses.append(read_aux_losses(len(batches)))
+        if after_backward is not None:
+            after_backward(index)
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"the optimizer skipped step {index} (non-finite gradients)")
+        history.grad_norms.append(float(grad_norm))
+    return history
+
+
+def expert_biases(chunks: list[Any]) -> dict[str, torch.Tensor]:
+    """The routers' expert-bias buffers (aux-loss-free balancing), cloned, by single-rank name."""
+    biases = {}
+    for chunk in chunks:
+        gpt = unwrap(chunk)
+        for name, buffer in gpt.named_buffers():
+            layer = _LAYER.match(name)
+            if layer and name.endswith(".router.expert_bias"):
+                number = gpt.decoder.layers[int(layer.group(1))].layer_number
+                biases[f"decoder.layers.{number - 1}." + name[layer.end():]] = buffer.detach().clone()
+    return biases
+
+
 __all__ = [
     "Comparison", "ParallelSizes", "ParamShard", "Reference", "TinyGPTConfig", "broadcast_state", "build_gpt",
     "check_layout", "compare_with_full", "destroy_parallel", "full_grads", "full_state", "global_loss",
     "init_parallel", "load_full_state", "local_batches", "local_grad", "make_batches", "merge_summaries",
     "param_shards", "run_forward_backward", "run_reference", "shard_batches", "train_step", "transformer_config",
-    "unwrap",
+    "unwrap", "TrainHistory", "expert_biases", "grouped_expert_state", "read_aux_losses", "reset_aux_losses",
+    "split_microbatches", "train_steps",
 ]
