@@ -1,8 +1,8 @@
 """Proofs (a) and (c) of convert-ckpt on every family's tiny checkpoint, and transformers loading the output.
 
-(a) hf -> mg (TP2 PP2; VPP, uneven stages and bf16 for some families) -> hf gives bit-identical
+(a) hf -> mg (TP2 PP2, EP2 for MoE; VPP, uneven stages and bf16 for some) -> hf gives bit-identical
     tensors, the same config.json and the same tokenizer and generation files.
-(c) resharding a Megatron checkpoint (TP2 PP2 -> TP1 PP1, and back to TP2 PP2 VPP) gives exactly
+(c) resharding a Megatron checkpoint (TP2 PP2 [EP2] -> TP1 PP1, and to TP2 PP2 VPP) gives exactly
     the files a direct conversion to that layout gives.
 """
 
@@ -25,6 +25,8 @@ ROUND_TRIPS = {
     "mistral": {"num_layer_list": "3,1"},
     "qwen25": {},
     "qwen3": {},
+    "mixtral": {"target_expert_parallel_size": 2},
+    "qwen3-moe": {"target_expert_parallel_size": 2},
 }
 
 
@@ -96,10 +98,11 @@ def test_megatron_files_record_layout_and_model(tiny_checkpoints, tmp_path) -> N
     assert (mg / "hf_config" / "config.json").read_bytes() == (tiny_checkpoints["llama2"] / "config.json").read_bytes()
 
 
-@pytest.mark.parametrize("family", ["qwen25", "llama2"])
-def test_reshard_equals_direct_conversion(tiny_checkpoints, tmp_path, family: str) -> None:
+@pytest.mark.parametrize("family,ep", [("qwen25", 1), ("llama2", 1), ("qwen3-moe", 2)])
+def test_reshard_equals_direct_conversion(tiny_checkpoints, tmp_path, family: str, ep: int) -> None:
     source = tiny_checkpoints[family]
-    tp2pp2 = convert(source, tmp_path / "tp2pp2", target_tensor_parallel_size=2, target_pipeline_parallel_size=2)
+    tp2pp2 = convert(source, tmp_path / "tp2pp2", target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
+                     target_expert_parallel_size=ep)
     layouts = {"tp1pp1": {}, "tp2pp2vpp": dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
                                                  num_layers_per_virtual_pipeline_stage=1)}
     for name, options in layouts.items():

@@ -1,7 +1,7 @@
 """Proof (b): converted checkpoints give the transformers model's logits in megatron-core.
 
 Every family's tiny checkpoint is converted to its target layout (TP2 PP2 for dense families,
-also PP2 x VPP for Llama), then loaded strictly into megatron-core ``GPTModel`` s built with
+also PP2 x VPP for Llama, TP2 EP2 for MoE families), then loaded strictly into megatron-core ``GPTModel`` s built with
 ``mindspeed.megatron.spec.get_gpt_layer_spec`` (reference kernels) on 4 real gloo ranks, one
 rank file each. Megatron's own pipeline schedule computes the logits, which must equal the
 transformers model's to 1e-5 (fp32) on the same tokens.
@@ -24,6 +24,8 @@ CASES = {
     "mistral-tp2pp2": ("mistral", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
     "qwen25-tp2pp2": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
     "qwen3-tp2pp2": ("qwen3", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
+    "mixtral-tp2ep2": ("mixtral", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
+    "qwen3-moe-tp2ep2": ("qwen3-moe", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
 }
 WORLD_SIZE = 4
 

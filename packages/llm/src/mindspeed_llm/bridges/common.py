@@ -80,3 +80,19 @@ LLAMA_REQUIRES: tuple[tuple[str, object], ...] = (
     ("hidden_act", "silu"),
     ("rope_parameters.rope_type", "default"),
 )
+
+
+def moe_rules(hf_mlp: str, router: str, gate: str, up: str, down: str) -> tuple[ParamRule, ...]:
+    """A routed-experts MLP: the router plus one gated MLP per expert (``{expert}`` in the names).
+
+    Args:
+        hf_mlp: Hugging Face MoE block prefix (``model.layers.{layer}.mlp.``).
+        router: the router's module name under ``hf_mlp`` (``gate``).
+        gate: an expert's gate projection name (``gate_proj`` or Mixtral's ``w1``).
+        up: an expert's up projection name.
+        down: an expert's down projection name.
+    """
+    return (
+        Rename(MG + "mlp.router.weight", f"{hf_mlp}{router}.weight", layers="moe"),
+        *gated_mlp_rules(MG + "mlp.experts.local_experts.{expert}.", hf_mlp + "experts.{expert}.", gate, up, down),
+    )

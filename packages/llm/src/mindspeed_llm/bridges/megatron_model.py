@@ -60,8 +60,10 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: A
             moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_router_num_groups=shape.moe_router_num_groups,
             moe_router_group_topk=shape.moe_router_group_topk,
             moe_router_topk_scaling_factor=shape.moe_router_topk_scaling_factor,
-            moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
             moe_router_load_balancing_type="none",
+            # megatron refuses MoE with tensor parallelism unless activations are sequence-parallel.
+            sequence_parallel=layout.tp > 1,
         )
     cls = TransformerConfig
     if shape.multi_latent_attention:
@@ -71,6 +73,19 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: A
                       v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type="rope")
     fields.update(overrides)
     return cls(**fields)
+
+
+def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:
+    # This chunk's slice of the per-layer specs (dense and MoE layers mixed), the way megatron's
+    # get_gpt_decoder_block_spec cuts it, with megatron's default final norm.
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + count], layer_norm=LayerNormImpl)
 
 
 def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[str, str] | None = None,
@@ -89,12 +104,15 @@ def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[s
     from mindspeed.megatron.spec import get_gpt_layer_spec
 
     config = transformer_config(shape, layout, **overrides)
-    spec = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
+    dense = get_gpt_layer_spec(impls=impls, qk_layernorm=shape.qk_layernorm)
+    moe = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
+    layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
     chunks = []
     for stage in range(layout.num_chunks(shape)):
         vp_stage = stage if layout.vpp_layers else None
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape, layout),
+            config=config, transformer_layer_spec=_block_spec(config, layer_specs, vp_stage),
+            vocab_size=padded_vocab_size(shape, layout),
             max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
             rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
             rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,

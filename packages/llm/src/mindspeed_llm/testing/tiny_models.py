@@ -59,6 +59,25 @@ def tiny_qwen3() -> Any:
     return Qwen3Config(**{**_DENSE, "head_dim": 24}, vocab_size=128, architectures=["Qwen3ForCausalLM"])
 
 
+@TINY_CONFIGS.register("mixtral")
+def tiny_mixtral() -> Any:
+    """Mixtral-style: 4 experts, top-2, every layer MoE."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**_DENSE, "intermediate_size": 48}, vocab_size=128, num_local_experts=4,
+                         num_experts_per_tok=2, sliding_window=None, architectures=["MixtralForCausalLM"])
+
+
+@TINY_CONFIGS.register("qwen3-moe")
+def tiny_qwen3_moe() -> Any:
+    """Qwen3-MoE-style: QK norm, 4 experts top-2 without renormalisation, layer 0 dense."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_DENSE, vocab_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=False,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A tiny random-weight ``AutoModelForCausalLM`` of ``family``.
 
