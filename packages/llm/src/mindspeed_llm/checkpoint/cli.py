@@ -78,7 +78,7 @@ def run_convert_ckpt(args: argparse.Namespace) -> int:
     """Run ``convert-ckpt`` from parsed arguments; returns the exit status."""
     names = {f.name for f in dataclasses.fields(ConvertConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
-    for key in ("load_dir", "save_dir", "hf_cfg_dir"):
+    for key in ("load_dir", "save_dir", "hf_cfg_dir", "lora_load"):
         if values.get(key) is not None:
             values[key] = Path(values[key])
     # A ValueError (bad input, nothing written) becomes one line on stderr and exit status 2 (suite_cli).

@@ -22,6 +22,7 @@ from mindspeed.progress import StatusProgress
 
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
 from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
+from mindspeed_llm.checkpoint.lora import LoraCheckpoint, LoraMergedSource, export_peft_adapter
 
 logger = get_logger(__name__)
 
@@ -50,6 +51,10 @@ class ConvertConfig:
         num_layer_list: comma-separated layers per pipeline stage of a Megatron output.
         model_type_hf: family override (MindSpeed-LLM's names: llama2, qwen25, qwen3 ...).
         hf_cfg_dir: directory with config.json and tokenizer files for a Hugging Face output.
+        lora_load: a Megatron LoRA checkpoint to merge into the base weights (or to export).
+        save_lora_to_hf: write the LoRA weights as a PEFT adapter instead of merged weights.
+        lora_r: LoRA rank when the LoRA checkpoint's args do not record it.
+        lora_alpha: LoRA alpha when the LoRA checkpoint's args do not record it.
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
         dry_run: plan and report, write nothing.
         overwrite: replace a non-empty ``save_dir``.
@@ -67,6 +72,10 @@ class ConvertConfig:
     num_layer_list: str | None = None
     model_type_hf: str | None = None
     hf_cfg_dir: Path | None = None
+    lora_load: Path | None = None
+    save_lora_to_hf: bool = False
+    lora_r: int | None = None
+    lora_alpha: float | None = None
     max_shard_size: str = "5GB"
     dry_run: bool = False
     overwrite: bool = False
@@ -215,6 +224,24 @@ def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None) -> None:
                    "pass --hf-cfg-dir to copy the original config and tokenizer files")
 
 
+def _export_lora(config: ConvertConfig, source, plan, lora) -> ConversionReport:
+    if lora is None:
+        raise ValueError("--save-lora-to-hf exports the weights of --lora-load; pass --lora-load")
+    if config.save_model_type != "hf":
+        raise ValueError("--save-lora-to-hf writes a PEFT adapter; pass --save-model-type hf")
+    count = sum(len(task.hf_names) for task in plan.tasks if task.mg_name.rsplit(".", 1)[0] in lora.targets)
+    report = ConversionReport(f"{source.describe()} + LoRA {config.lora_load}", "hf (PEFT adapter)", plan.bridge.family,
+                              2 * len(lora.targets), files=[OutputFile("adapter_model.safetensors", 2 * count)])
+    if config.dry_run:
+        return report
+    with atomic_directory(Path(config.save_dir)) as temp:
+        export_peft_adapter(plan, lora, temp, str(config.load_dir))
+        report.files[0].nbytes = (temp / "adapter_model.safetensors").stat().st_size
+    report.written = True
+    logger.info(report.describe())
+    return report
+
+
 def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     """Run (or with ``dry_run`` only plan) one conversion.
 
@@ -235,6 +262,11 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     else:
         source = MegatronSource(load, config.model_type_hf, hf_cfg_dir)
     plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
+    lora = LoraCheckpoint(Path(config.lora_load), source.shape, config.lora_r, config.lora_alpha) if config.lora_load else None
+    if config.save_lora_to_hf:
+        return _export_lora(config, source, plan, lora)
+    if lora is not None:
+        source = LoraMergedSource(source, lora)
     if config.save_model_type == "mg":
         layout = config.target_layout()
         layout.check(plan.shape)

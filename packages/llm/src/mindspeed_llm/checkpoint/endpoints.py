@@ -61,6 +61,16 @@ def pick_bridge(family: str | None, architectures: list[str] | None) -> Bridge:
     return bridge_for_family(family) if family else bridge_for_architectures(architectures)
 
 
+def source_pieces(layout: ParallelLayout, param: MegatronParam, shape: ModelShape) -> list:
+    """The pieces of ``param`` to read back from a checkpoint of ``layout``: one copy, from the
+    first expert-parallel rank listed and the parameter's own stage (not the tied output layer's
+    copy on the last stage), in tensor-parallel order."""
+    placed = layout.place(param, shape)
+    first = placed[0]
+    own = [p for p in placed if p.rank.ep == first.rank.ep and (p.rank.pp, p.chunk) == (first.rank.pp, first.chunk)]
+    return sorted(own, key=lambda p: p.tp_index)
+
+
 class HFSource:
     """A Hugging Face checkpoint directory as a source.
 
@@ -148,11 +158,7 @@ class MegatronSource:
         self._check_files()
 
     def _source_pieces(self, param: MegatronParam, shape: ModelShape) -> list:
-        placed = self.layout.place(param, shape)
-        # One copy: the first expert-parallel rank listed, at the parameter's own stage (not the
-        # tied output layer's copy on the last stage).
-        first = placed[0]
-        return [p for p in placed if p.rank.ep == first.rank.ep and (p.rank.pp, p.chunk) == (first.rank.pp, first.chunk)]
+        return source_pieces(self.layout, param, shape)
 
     def _check_files(self) -> None:
         chunks = self.layout.num_chunks(self.shape)
