@@ -1,0 +1,43 @@
+"""Context parallelism: attention over a sequence sharded across ranks.
+
+Three algorithms under MindSpeed's names (``context_parallel_algo``):
+
+- ``ulysses_cp_algo``: all-to-all from sequence shards to head shards and back;
+- ``megatron_cp_algo``: ring attention over zig-zag shards, online-softmax merge;
+- ``hybrid_cp_algo``: Ulysses inside each ring step's shard (``ulysses_degree_in_cp``).
+
+All are plain torch.distributed code with process groups passed as values, usable from a
+megatron-core attention module and from plain PyTorch modules. See docs/core/context-parallel.md.
+"""
+
+from mindspeed.parallel.context_parallel.api import ContextParallelAttention, context_parallel_attention
+from mindspeed.parallel.context_parallel.config import ContextParallelConfig
+from mindspeed.parallel.context_parallel.groups import ContextParallelGroups, build_context_parallel_groups
+from mindspeed.parallel.context_parallel.layout import (
+    ALGOS,
+    HYBRID,
+    RING,
+    ULYSSES,
+    gather_from_context_parallel,
+    positions_for_context_parallel,
+    shard_lengths,
+    shard_ranges,
+    split_for_context_parallel,
+)
+
+__all__ = [
+    "ALGOS",
+    "HYBRID",
+    "RING",
+    "ULYSSES",
+    "ContextParallelAttention",
+    "ContextParallelConfig",
+    "ContextParallelGroups",
+    "build_context_parallel_groups",
+    "context_parallel_attention",
+    "gather_from_context_parallel",
+    "positions_for_context_parallel",
+    "shard_lengths",
+    "shard_ranges",
+    "split_for_context_parallel",
+]

@@ -1,0 +1,78 @@
+"""The process groups of context parallelism, as values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mindspeed.parallel.context_parallel.layout import HYBRID, RING, ULYSSES, check_degrees
+
+
+@dataclass(frozen=True)
+class ContextParallelGroups:
+    """The groups one rank's CP attention uses.
+
+    Attributes:
+        cp_group: the whole CP group.
+        ulysses_group: the group that splits heads (the CP group for Ulysses, ``U``
+            consecutive CP ranks for hybrid, ``None`` for ring).
+        ring_group: the ring (the CP group for ring, the CP ranks with this rank's Ulysses rank
+            for hybrid, ``None`` for Ulysses).
+    """
+
+    cp_group: dist.ProcessGroup
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's CP rank: the one to pass to ``split_for_context_parallel``."""
+        return dist.get_rank(self.cp_group)
+
+    @property
+    def cp_size(self) -> int:
+        """The CP degree."""
+        return dist.get_world_size(self.cp_group)
+
+
+def build_context_parallel_groups(
+    cp_group: dist.ProcessGroup, algo: str, ulysses_degree: int | None = None
+) -> ContextParallelGroups:
+    """The Ulysses and ring groups of ``cp_group`` for ``algo``.
+
+    For ``hybrid_cp_algo`` the CP ranks ``0 .. C-1`` form Ulysses groups of ``U`` consecutive
+    ranks and ring groups of stride ``U`` (MindSpeed's arrangement), so CP rank ``c`` is ring
+    rank ``c // U`` and Ulysses rank ``c % U``. Only the members of a new group create it
+    (``use_local_synchronization``), so each CP group can build its own sub-groups
+    independently of the others.
+
+    Args:
+        cp_group: this rank's CP group.
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` or ``hybrid_cp_algo``.
+        ulysses_degree: ``U`` for ``hybrid_cp_algo``.
+
+    Returns:
+        The groups of this rank.
+    """
+    cp_size = dist.get_world_size(cp_group)
+    check_degrees(cp_size, algo, ulysses_degree or 1)
+    if algo == ULYSSES:
+        return ContextParallelGroups(cp_group, ulysses_group=cp_group)
+    if algo == RING:
+        return ContextParallelGroups(cp_group, ring_group=cp_group)
+    assert algo == HYBRID
+    if ulysses_degree is None:
+        raise ValueError("hybrid_cp_algo needs ulysses_degree (ulysses_degree_in_cp)")
+    ranks = dist.get_process_group_ranks(cp_group)
+    ring_rank, ulysses_rank = divmod(dist.get_rank(cp_group), ulysses_degree)
+    ulysses_ranks = ranks[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
+    ring_ranks = ranks[ulysses_rank::ulysses_degree]
+
+    def subgroup(members: list[int]) -> dist.ProcessGroup:
+        if members == ranks:
+            return cp_group
+        return dist.new_group(members, use_local_synchronization=True)
+
+    # Every rank creates its Ulysses group first, then its ring group: members agree on the order.
+    return ContextParallelGroups(cp_group, ulysses_group=subgroup(ulysses_ranks), ring_group=subgroup(ring_ranks))
