@@ -44,7 +44,9 @@ def _config(**fields: Any) -> Any:
     base = dict(num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=48, num_attention_heads=4,
                 num_moe_experts=NUM_EXPERTS, moe_router_topk=2, use_cpu_initialization=True, add_bias_linear=False,
                 use_te_activation_func=True, bias_activation_fusion=False, moe_token_dispatcher_type="alltoall",
-                moe_aux_loss_coeff=0.0, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm")
+                moe_aux_loss_coeff=0.0, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                # Weights of std 0.5 give outputs of order 1, so the tolerances below are relative ones.
+                init_method_std=0.5)
     return TransformerConfig(**{**base, **fields})
 
 
@@ -277,9 +279,9 @@ def test_grouped_experts_equal_sequential(megatron_results: dict[str, Any], case
     row = megatron_results["layers"][case]
     assert row["experts"] == "RegistryGroupedMLP"
     assert row["kernel"] == ("reference" if case.endswith("reference") else "native")
-    assert row["scale"] > 1e-3, "the layer output is zero: the comparison proves nothing"
-    for key in ("out", "dx", "grads"):
-        assert row[key] < 1e-6, (case, key, row[key])
+    assert row["scale"] > 0.1, "the layer output is about zero: the comparison proves little"
+    for key in ("out", "dx", "grads"):  # 0 on the CPU; fp32 rounding of other kernels elsewhere
+        assert row[key] < 1e-6 * row["scale"], (case, key, row[key])
 
 
 @pytest.mark.distributed
