@@ -140,3 +140,19 @@ def test_transformers_loads_the_output_without_warnings(tiny_checkpoints, tmp_pa
             assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), (family, label, info)
             with torch.no_grad():
                 assert torch.equal(model.eval()(tokens).logits, want), (family, label)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3-moe"])
+def test_torch_dist_round_trip_and_reshard(tiny_checkpoints, tmp_path, family: str) -> None:
+    # megatron-core writes and reads the dist checkpoint (in this process, on one gloo rank).
+    source = tiny_checkpoints[family]
+    dist = convert(source, tmp_path / "dist", target_tensor_parallel_size=2, ckpt_format="torch_dist")
+    assert (dist / "iter_0000001" / "metadata.json").is_file()
+    assert_same_hf(convert(dist, tmp_path / "hf", "mg", "hf"), source)
+    # dist -> per-rank TP2 PP2 equals the direct conversion.
+    options = dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)
+    resharded = megatron_files(convert(dist, tmp_path / "re", "mg", "mg", **options))
+    direct = megatron_files(convert(source, tmp_path / "direct", **options))
+    for file, state in direct.items():
+        for name, tensor in state["model"].items():
+            assert (tensor is None and resharded[file]["model"][name] is None) or torch.equal(resharded[file]["model"][name], tensor)

@@ -26,6 +26,9 @@ CASES = {
     "qwen3-tp2pp2": ("qwen3", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
     "mixtral-tp2ep2": ("mixtral", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     "qwen3-moe-tp2ep2": ("qwen3-moe", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
+    # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.
+    "qwen25-torch_dist": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
+                                         ckpt_format="torch_dist")),
 }
 WORLD_SIZE = 4
 
@@ -35,18 +38,18 @@ def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], token
     # The transformers logits come from the parent: the ranks never import transformers (seconds each).
     from mindspeed.megatron import adapt, unadapt
 
-    from mindspeed_llm.checkpoint.megatron_legacy import LegacyCheckpointReader
-    from mindspeed_llm.bridges import ModelShape
-    from mindspeed_llm.testing.megatron_logits import destroy_layout, init_layout, load_rank_chunks, megatron_logits
+    from mindspeed_llm.testing.megatron_logits import (
+        checkpoint_model, destroy_layout, init_layout, load_rank_chunks, megatron_logits,
+    )
 
     adapt("cpu")
     out = {}
     try:
         for label, mg_dir in cases:
-            reader = LegacyCheckpointReader(mg_dir)
-            init_layout(reader.layout, ModelShape.from_args(reader.args))
+            shape, layout, _ = checkpoint_model(mg_dir)
+            init_layout(layout, shape)
             try:
-                chunks, shape, _ = load_rank_chunks(mg_dir)
+                chunks = load_rank_chunks(mg_dir)
                 logits = megatron_logits(chunks, tokens)
             finally:
                 destroy_layout()
@@ -77,6 +80,7 @@ def test_every_family_is_checked() -> None:
     assert {family for family, _ in CASES.values()} == set(TINY_CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_converted_logits_equal_transformers(tiny_checkpoints, tmp_path) -> None:
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

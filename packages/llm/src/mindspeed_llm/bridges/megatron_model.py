@@ -89,13 +89,16 @@ def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> An
 
 
 def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[str, str] | None = None,
-                     **overrides: Any) -> list[Any]:
+                     vocab_size: int | None = None, megatron_modules: bool = False, **overrides: Any) -> list[Any]:
     """This rank's ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
 
     Args:
         shape: the model.
         layout: the layout megatron's parallel state was initialised with.
         impls: registry kernel choices for ``get_gpt_layer_spec`` (e.g. all ``"reference"``).
+        vocab_size: embedding rows (default: the vocabulary padded to a multiple of TP).
+        megatron_modules: build megatron's own local spec instead of the registry kernels (same
+            parameters; for checkpoint I/O: megatron's ``sharded_state_dict`` walks every module).
         **overrides: extra ``TransformerConfig`` fields.
     """
     from megatron.core import parallel_state as ps
@@ -103,16 +106,25 @@ def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[s
 
     from mindspeed.megatron.spec import get_gpt_layer_spec
 
-    config = transformer_config(shape, layout, **overrides)
-    dense = get_gpt_layer_spec(impls=impls, qk_layernorm=shape.qk_layernorm)
-    moe = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
+    if megatron_modules:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        overrides.setdefault("use_te_activation_func", False)
+        config = transformer_config(shape, layout, **overrides)
+        dense = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+        moe = get_gpt_layer_local_spec(num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm,
+                                       normalization="RMSNorm")
+    else:
+        config = transformer_config(shape, layout, **overrides)
+        dense = get_gpt_layer_spec(impls=impls, qk_layernorm=shape.qk_layernorm)
+        moe = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
     layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
     chunks = []
     for stage in range(layout.num_chunks(shape)):
         vp_stage = stage if layout.vpp_layers else None
         chunks.append(GPTModel(
             config=config, transformer_layer_spec=_block_spec(config, layer_specs, vp_stage),
-            vocab_size=padded_vocab_size(shape, layout),
+            vocab_size=vocab_size or padded_vocab_size(shape, layout),
             max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
             rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
             rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,

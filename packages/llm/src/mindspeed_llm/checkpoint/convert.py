@@ -23,6 +23,7 @@ from mindspeed.progress import StatusProgress
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
 from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, LoraMergedSource, export_peft_adapter
+from mindspeed_llm.checkpoint.megatron_dist import DistSink, DistSource, is_dist_checkpoint
 
 logger = get_logger(__name__)
 
@@ -55,6 +56,8 @@ class ConvertConfig:
         save_lora_to_hf: write the LoRA weights as a PEFT adapter instead of merged weights.
         lora_r: LoRA rank when the LoRA checkpoint's args do not record it.
         lora_alpha: LoRA alpha when the LoRA checkpoint's args do not record it.
+        ckpt_format: Megatron output format: ``torch`` (per-rank files) or ``torch_dist``
+            (megatron-core dist checkpoint); a Megatron source's format is detected.
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
         dry_run: plan and report, write nothing.
         overwrite: replace a non-empty ``save_dir``.
@@ -76,6 +79,7 @@ class ConvertConfig:
     save_lora_to_hf: bool = False
     lora_r: int | None = None
     lora_alpha: float | None = None
+    ckpt_format: str = "torch"
     max_shard_size: str = "5GB"
     dry_run: bool = False
     overwrite: bool = False
@@ -153,7 +157,8 @@ def check_paths(config: ConvertConfig) -> None:
             non-empty target without ``overwrite``.
     """
     for flag, value, allowed in (("--load-model-type", config.load_model_type, ("hf", "mg")),
-                                 ("--save-model-type", config.save_model_type, ("mg", "hf"))):
+                                 ("--save-model-type", config.save_model_type, ("mg", "hf")),
+                                 ("--ckpt-format", config.ckpt_format, ("torch", "torch_dist"))):
         if value not in allowed:
             raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     if config.load_model_type == "hf" and config.save_model_type == "hf":
@@ -259,6 +264,8 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     hf_cfg_dir = Path(config.hf_cfg_dir) if config.hf_cfg_dir else None
     if config.load_model_type == "hf":
         source = HFSource(load, config.model_type_hf)
+    elif is_dist_checkpoint(load):
+        source = DistSource(load, config.model_type_hf, hf_cfg_dir)
     else:
         source = MegatronSource(load, config.model_type_hf, hf_cfg_dir)
     plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
@@ -270,7 +277,7 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     if config.save_model_type == "mg":
         layout = config.target_layout()
         layout.check(plan.shape)
-        sink = MegatronSink(plan, layout, source)
+        sink = (DistSink if config.ckpt_format == "torch_dist" else MegatronSink)(plan, layout, source)
     else:
         sink = HFSink(plan, source, parse_size(config.max_shard_size))
     report = ConversionReport(source.describe(), sink.describe(), plan.bridge.family, len(plan.tasks),

@@ -114,6 +114,37 @@ class HFSource:
         return f"hf {self.path} ({self.architecture}, {len(self.checkpoint.tensors)} tensors)"
 
 
+def resolve_megatron_model(path: Path, args: Any, family: str | None,
+                           hf_cfg_dir: Path | None) -> tuple[Bridge, str, ModelShape, Path | None]:
+    """Bridge, architecture, model shape and Hugging Face asset directory of a Megatron checkpoint.
+
+    The model comes from ``config.json`` when one is at hand (``--hf-cfg-dir``, else the
+    ``hf_config`` folder a conversion from Hugging Face leaves), checked against the recorded
+    args; otherwise from the args alone.
+
+    Raises:
+        ValueError: the family cannot be told, or the config describes another model than the args.
+    """
+    assets = hf_cfg_dir or (path / "hf_config" if (path / "hf_config" / "config.json").is_file() else None)
+    raw, config = read_hf_config(assets) if assets else ({}, None)
+    family = family or getattr(args, "model_type_hf", None)
+    if not family and not raw.get("architectures"):
+        raise ValueError(f"cannot tell the model family of {path}: pass --model-type-hf or --hf-cfg-dir "
+                         "with the model's config.json")
+    bridge = pick_bridge(family, raw.get("architectures"))
+    architecture = getattr(args, "hf_architecture", None) or bridge.hf_architectures[0]
+    if config is None:
+        return bridge, architecture, ModelShape.from_args(args), assets
+    shape = bridge.shape_from_hf(config)
+    recorded = vars(args)
+    differ = [f"{f} {getattr(shape, f)} vs {recorded[f]}" for f in _WEIGHT_FIELDS
+              if recorded.get(f) is not None and recorded[f] != getattr(shape, f)]
+    if differ:
+        raise ValueError(f"{assets / 'config.json'} describes another model than {path}'s args "
+                         f"(config vs checkpoint): {'; '.join(differ)}")
+    return bridge, architecture, shape, assets
+
+
 class MegatronSource:
     """A per-rank Megatron checkpoint as a source; its layout comes from the recorded args.
 
@@ -130,25 +161,8 @@ class MegatronSource:
         self.path = path
         self.reader = LegacyCheckpointReader(path)
         self.layout: ParallelLayout = self.reader.layout
-        args = self.reader.args
-        self.assets = hf_cfg_dir or (path / "hf_config" if (path / "hf_config" / "config.json").is_file() else None)
-        raw, config = read_hf_config(self.assets) if self.assets else ({}, None)
-        family = family or getattr(args, "model_type_hf", None)
-        if not family and not raw.get("architectures"):
-            raise ValueError(f"cannot tell the model family of {path}: pass --model-type-hf or --hf-cfg-dir "
-                             "with the model's config.json")
-        self.bridge = pick_bridge(family, raw.get("architectures"))
-        self.architecture = getattr(args, "hf_architecture", None) or self.bridge.hf_architectures[0]
-        if config is None:
-            shape = ModelShape.from_args(args)
-        else:
-            shape = self.bridge.shape_from_hf(config)
-            recorded = vars(args)
-            differ = [f"{f} {getattr(shape, f)} vs {recorded[f]}" for f in _WEIGHT_FIELDS
-                      if recorded.get(f) is not None and recorded[f] != getattr(shape, f)]
-            if differ:
-                raise ValueError(f"{self.assets / 'config.json'} describes another model than {path}'s args "
-                                 f"(config vs checkpoint): {'; '.join(differ)}")
+        self.bridge, self.architecture, shape, self.assets = resolve_megatron_model(path, self.reader.args, family,
+                                                                                     hf_cfg_dir)
         self.layout.check(shape)
         self.params = megatron_params(shape)
         self.pieces = {name: self._source_pieces(param, shape) for name, param in self.params.items()}

@@ -14,9 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed_llm.bridges import ModelShape, ParallelLayout
+from mindspeed_llm.bridges import ModelShape, ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
-from mindspeed_llm.checkpoint.megatron_legacy import LegacyCheckpointReader, model_keys, rank_dir
+from mindspeed_llm.checkpoint.megatron_dist import is_dist_checkpoint
+from mindspeed_llm.checkpoint.megatron_legacy import (
+    TRACKER, LegacyCheckpointReader, iteration_dir, layout_from_args, model_keys, rank_dir,
+)
 
 #: Every registry kernel of the spec at its pure-PyTorch reference.
 REFERENCE_IMPLS = {"rms_norm": "reference", "layer_norm": "reference", "attention": "reference", "swiglu": "reference"}
@@ -37,29 +40,50 @@ def init_layout(layout: ParallelLayout, shape: ModelShape, seed: int = 1234) -> 
     model_parallel_cuda_manual_seed(seed)
 
 
-def load_rank_chunks(checkpoint: str | Path, impls: dict[str, str] | None = None) -> tuple[list[Any], ModelShape, ParallelLayout]:
-    """Build this rank's model chunks for a converted checkpoint and load its file strictly.
+def checkpoint_model(checkpoint: str | Path) -> tuple[ModelShape, ParallelLayout, Any]:
+    """The model shape, the recorded layout and the args of a converted checkpoint (either format)."""
+    checkpoint = Path(checkpoint)
+    if is_dist_checkpoint(checkpoint):
+        from megatron.core import dist_checkpointing
 
-    The checkpoint's args give the model and the layout; megatron's parallel state must already
-    be initialised for that layout (:func:`init_layout`).
+        text = (checkpoint / TRACKER).read_text().strip()
+        args = dist_checkpointing.load_common_state_dict(str(checkpoint / iteration_dir(int(text))))["args"]
+    else:
+        args = LegacyCheckpointReader(checkpoint).args
+    return ModelShape.from_args(args), layout_from_args(args), args
 
-    Returns:
-        The chunks, the model shape and the layout.
+
+def load_rank_chunks(checkpoint: str | Path, impls: dict[str, str] | None = None) -> list[Any]:
+    """Build this rank's model chunks for a converted checkpoint and load it strictly.
+
+    Megatron's parallel state must already be initialised (:func:`init_layout`); a per-rank
+    checkpoint must have been written for that layout, a dist checkpoint loads at any layout
+    (through megatron's own modules: ``sharded_state_dict`` walks every module).
     """
     from megatron.core import parallel_state as ps
 
-    reader = LegacyCheckpointReader(checkpoint)
-    shape, layout = ModelShape.from_args(reader.args), reader.layout
-    chunks = build_gpt_chunks(shape, layout, impls or REFERENCE_IMPLS)
-    rank = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_expert_model_parallel_rank())
-    from mindspeed_llm.bridges.layout import RankKey
+    checkpoint = Path(checkpoint)
+    shape, recorded, args = checkpoint_model(checkpoint)
+    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                            ep=ps.get_expert_model_parallel_world_size(), vpp_layers=recorded.vpp_layers)
+    if is_dist_checkpoint(checkpoint):
+        from megatron.core import dist_checkpointing
 
-    path = reader.iter_path / rank_dir(RankKey(*rank), layout) / "model_optim_rng.pt"
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    for chunk, key in zip(chunks, model_keys(len(chunks))):
+        chunks = build_gpt_chunks(shape, layout, vocab_size=args.padded_vocab_size, megatron_modules=True)
+        keys = model_keys(len(chunks))
+        text = (checkpoint / TRACKER).read_text().strip()
+        state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)},
+                                        str(checkpoint / iteration_dir(int(text))))
+    else:
+        chunks = build_gpt_chunks(shape, layout, impls or REFERENCE_IMPLS)
+        keys = model_keys(len(chunks))
+        rank = RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                       ps.get_expert_model_parallel_rank())
+        state = torch.load(checkpoint / iteration_dir(1) / rank_dir(rank, layout) / "model_optim_rng.pt",
+                           map_location="cpu", weights_only=False)
+    for chunk, key in zip(chunks, keys):
         chunk.load_state_dict(state[key], strict=True)
-    return chunks, shape, layout
+    return chunks
 
 
 def megatron_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | None:
