@@ -7,6 +7,7 @@ it in place of megatron's own; the kernel is resolved once at construction (``im
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -15,6 +16,23 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from mindspeed.ops import resolve_kernel
+from mindspeed.ops.attention import FEATURE_LSE
+from mindspeed.parallel.context_parallel import (
+    HYBRID,
+    RING,
+    ULYSSES,
+    ContextParallelGroups,
+    build_context_parallel_groups,
+    context_parallel_attention,
+    shard_ranges,
+)
+from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
+
+#: megatron-core's ``cp_comm_type`` (the per-layer CP setting it hands to core attention) ->
+#: MindSpeed's ``context_parallel_algo``. ``None`` is megatron's default, the ring ("p2p").
+CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID}
+#: The reverse, for the ``context_parallel`` feature.
+CP_ALGO_COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p"}
 
 
 class RegistryNorm(nn.Module):
@@ -63,8 +81,11 @@ class RegistryAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` on the registry's attention kernel.
 
     Takes megatron's ``[s, b, heads, dim]`` layout, supports causal and unmasked attention,
-    GQA, ``config.window_size`` and ``config.softmax_scale``; packed sequences come with the
-    context-parallel work.
+    GQA, ``config.window_size`` and ``config.softmax_scale``. With
+    ``config.context_parallel_size > 1`` it runs :mod:`mindspeed.parallel.context_parallel` over
+    the CP group of ``pg_collection``, the algorithm chosen by megatron's own ``cp_comm_type``
+    (:data:`CP_COMM_TYPES`; hybrid's Ulysses degree is
+    ``config.hierarchical_context_parallel_sizes[0]``). Packed sequences are not supported yet.
     """
 
     def __init__(
@@ -84,13 +105,20 @@ class RegistryAttention(MegatronModule):
         if dropout:
             raise ValueError(f"attention_dropout={dropout} is not supported by the registry attention kernels; "
                              "set attention_dropout=0.0 (usual for LLMs) or use megatron's DotProductAttention")
-        if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs mindspeed's CP attention, not RegistryAttention")
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         window = getattr(config, "window_size", None)
         self.window_size = tuple(window) if window is not None else (-1, -1)
         features = ("window",) if window is not None else ()
+        self.impl = impl
+        self.cp: _ContextParallel | None = None
+        if config.context_parallel_size > 1:
+            if window is not None:
+                raise ValueError("window_size is not supported under context parallelism; unset it or use "
+                                 "context_parallel_size=1")
+            self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
+            # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
+            features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
         self.kernel = resolve_kernel("attention", impl, features=features)
 
     def forward(
@@ -112,6 +140,12 @@ class RegistryAttention(MegatronModule):
         if not causal and mask_type != AttnMaskType.no_mask and attention_mask is not None:
             raise ValueError(f"attention mask type {mask_type} with an explicit mask is not supported; "
                              "use causal or no_mask")
+        if self.cp is not None:
+            if not causal and attention_mask is not None:
+                raise ValueError("an explicit attention mask is not supported under context parallelism")
+            out = self.cp.attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                                 causal=causal, softmax_scale=self.softmax_scale, kernel=self.kernel, impl=self.impl)
+            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         # [s, b, n, d] -> [b, s, n, d] for the kernel, and back to megatron's [s, b, n * d].
         out = self.kernel(
             query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
@@ -119,3 +153,103 @@ class RegistryAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
+
+
+#: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
+#: ``new_group`` is collective, so they are created once (at the first layer's construction).
+_HYBRID_GROUPS: dict[tuple[int, int], ContextParallelGroups] = {}
+
+
+def _hybrid_groups(cp_group: Any, degree: int) -> ContextParallelGroups:
+    key = (id(cp_group), degree)
+    groups = _HYBRID_GROUPS.get(key)
+    if groups is None or groups.cp_group is not cp_group:  # an id reused after a group was destroyed
+        groups = _HYBRID_GROUPS[key] = build_context_parallel_groups(cp_group, HYBRID, degree)
+    return groups
+
+
+class _ContextParallel:
+    """The CP side of :class:`RegistryAttention`: groups, algorithm and the layout fix-up.
+
+    Layout. Inside megatron-core the data is split by megatron's zig-zag rule for EVERY
+    algorithm: megatron's ``RotaryEmbedding`` cuts the rope frequencies with
+    ``get_pos_emb_on_this_cp_rank`` (chunks ``r`` and ``2C - 1 - r`` of ``2C``), and it has no
+    seam to do otherwise. That is exactly ``megatron_cp_algo``'s layout, so the ring runs as
+    is. Ulysses (and hybrid's Ulysses stage) all-to-alls the shards of its group back into one
+    sequence whose order is the concatenation of the members' zig-zag shards: a permutation
+    known in advance. Attention is permutation-equivariant in the rows as long as the mask is
+    applied by true position, so the gathered rows are sorted into ascending position (one
+    ``index_select`` of q, k, v, and its inverse on the output), attended, and put back. For
+    Ulysses the sorted rows are the whole sequence in natural order; for hybrid they are
+    exactly ring rank ``rho``'s zig-zag shard over the ``R`` ring ranks (the ``U`` CP ranks of
+    ring rank ``rho`` hold chunks ``rho U .. rho U + U - 1`` and their mirrors, i.e. ring chunks
+    ``rho`` and ``2R - 1 - rho``), in the ring's ascending local order. No extra communication
+    and no change to rope or the data loader.
+    """
+
+    def __init__(self, config: Any, cp_comm_type: str | None, pg_collection: Any) -> None:
+        if cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported by RegistryAttention; "
+                             f"use one of {sorted(k for k in CP_COMM_TYPES if k)} (p2p: ring, a2a: Ulysses, "
+                             "a2a+p2p: hybrid)")
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group, self.cp_size = cp_group, config.context_parallel_size
+        if cp_group.size() != self.cp_size:
+            raise ValueError(f"the CP group has {cp_group.size()} ranks but context_parallel_size is {self.cp_size}")
+        self.algo = CP_COMM_TYPES[cp_comm_type]
+        self.ulysses_group: Any = None
+        self.ring_group: Any = None
+        if self.algo == ULYSSES:
+            self.ulysses_group = cp_group
+        elif self.algo == HYBRID:
+            sizes = config.hierarchical_context_parallel_sizes
+            if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp_size:
+                raise ValueError(f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[U, R] with "
+                                 f"U * R = context_parallel_size ({self.cp_size}); got {sizes}")
+            groups = _hybrid_groups(cp_group, sizes[0])
+            self.ulysses_group, self.ring_group = groups.ulysses_group, groups.ring_group
+        self._orders: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sort, unsort)`` of the rows the Ulysses all-to-all gathers (see the class doc)."""
+        if seq_len not in self._orders:
+            degree = self.ulysses_group.size()
+            first = self.cp_group.rank() // degree * degree  # the Ulysses group is U consecutive CP ranks
+            positions = torch.cat([torch.arange(start, stop) for member in range(first, first + degree)
+                                   for start, stop in shard_ranges(seq_len, member, self.cp_size, RING)])
+            sort = torch.argsort(positions)
+            self._orders[seq_len] = (sort, torch.argsort(sort))
+        sort, unsort = self._orders[seq_len]
+        return sort.to(device), unsort.to(device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+               softmax_scale: float | None, kernel: Any, impl: str) -> torch.Tensor:
+        """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out."""
+        seq_len = q.shape[1] * self.cp_size
+        if seq_len % (2 * self.cp_size):
+            raise ValueError(f"sequence length {seq_len} must be divisible by 2 * context_parallel_size "
+                             f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs")
+        if self.algo == RING:
+            return context_parallel_attention(q, k, v, algo=RING, cp_group=self.cp_group, causal=causal,
+                                              softmax_scale=softmax_scale, seq_len=seq_len, impl=impl)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        sort, unsort = self._order(seq_len, q.device)
+        ring_group = self.ring_group
+
+        def attend_sorted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                          softmax_scale: float, cu_seqlens: Any = None) -> torch.Tensor:
+            q, k, v = (t.index_select(1, sort) for t in (q, k, v))
+            if ring_group is None or ring_group.size() == 1:
+                out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            else:
+                out = context_parallel_attention(q, k, v, algo=RING, cp_group=ring_group, causal=causal,
+                                                 softmax_scale=softmax_scale, seq_len=seq_len, impl=impl)
+            return out.index_select(1, unsort)
+
+        gathered = seq_len // (1 if ring_group is None else ring_group.size())
+        return ulysses_attention(q, k, v, group=self.ulysses_group, seq_len=gathered, causal=causal,
+                                 softmax_scale=scale, cu_seqlens=None, attend=attend_sorted)
