@@ -1,0 +1,267 @@
+"""Training checkpoints in megatron-core's distributed format, written atomically.
+
+Layout, as megatron's own training writes it::
+
+    SAVE/latest_checkpointed_iteration.txt     the newest complete step
+    SAVE/iter_0000100/                         dist_checkpointing (torch_dist) + config.yaml
+
+One checkpoint holds the model (``model``, or ``model0``, ``model1`` ... with virtual pipeline
+stages), the optimizer (``fully_reshardable``: loadable at another TP/PP/DP layout), the
+learning-rate schedule, every rank's random-number generators, the data position (consumed
+samples) and the recipe. It is written into ``iter_XXXXXXX.tmp`` and renamed when every rank
+has finished; the tracker file is then replaced (temporary file + rename). A run killed at
+any moment therefore leaves the previous checkpoint and a tracker that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from mindspeed.config import to_dict
+from mindspeed.log import get_logger
+from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.model import unwrap
+
+logger = get_logger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+#: Optimizer sharding that megatron-core 0.16 can reshard across TP / PP / DP (its default
+#: type is deprecated and fails with "ShardedTensor.flattened_range is not supported").
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass
+class TrainState:
+    """Where training stands: everything besides tensors that a resume needs.
+
+    Attributes:
+        step: optimizer steps taken (skipped non-finite steps included).
+        consumed_train_samples: global samples read so far (the data position).
+        skipped_steps: steps skipped for a non-finite loss.
+        nonfinite_streak: consecutive skipped steps at the end.
+    """
+
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_steps: int = 0
+    nonfinite_streak: int = 0
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """``root/iter_0000123`` for step 123."""
+    return Path(root) / f"iter_{step:07d}"
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint ``path`` names: a ``save`` directory (its tracker's step) or one ``iter_*`` directory."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit() and (checkpoint_dir(path, int(text)) / "metadata.json").is_file():
+            return checkpoint_dir(path, int(text))
+    return None
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _ITER.match(p.name) and (p / "metadata.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from mindspeed.device import get_accelerator
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "device": get_accelerator().get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from mindspeed.device import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["device"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_state(chunks: list[Any]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _layout(config: PretrainConfig) -> dict[str, Any]:
+    p = config.parallel
+    return {"world_size": dist.get_world_size(), "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep,
+            "distributed_optimizer": p.distributed_optimizer}
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    # dist_checkpointing's writer forks one process per file bucket, even for a synchronous save;
+    # daemonic processes (ranks started by a process pool or a test harness) may not have
+    # children. The writers are joined before save() returns.
+    process = multiprocessing.current_process()
+    daemon = process.daemon
+    if daemon:
+        process.daemon = False
+    try:
+        yield
+    finally:
+        if daemon:
+            process.daemon = True
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    # Rename first: a directory half removed by a kill must not look like a checkpoint.
+    if path.exists():
+        doomed = path.with_name(path.name + ".deleting")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], optimizer: Any, scheduler: Any,
+                    config: PretrainConfig) -> Path:
+    """Save everything a resume needs as ``root/iter_<step>``; atomic, collective.
+
+    Args:
+        root: the ``checkpoint.save`` directory.
+        state: the train state to record.
+        chunks: this rank's model chunks.
+        optimizer: megatron's optimizer.
+        scheduler: the learning-rate scheduler.
+        config: the recipe (stored as ``config.yaml`` and in the common state).
+
+    Returns:
+        The checkpoint directory.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
+    final = checkpoint_dir(root, state.step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("iter_*.tmp"):  # left by a run killed while saving
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    sharded = _model_state(chunks)
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
+    sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    sharded.update(train_state=asdict(state), opt_param_scheduler=scheduler.state_dict(), layout=_layout(config),
+                   config=to_dict(config))
+    with _children_allowed():
+        dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
+    dist.barrier()
+    if rank == 0:
+        (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        if final.exists():  # the same step saved again (a resumed run that re-reached it)
+            _remove(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+        tracker = root / (TRACKER + ".tmp")
+        tracker.write_text(f"{state.step}\n")
+        os.replace(tracker, root / TRACKER)
+        _fsync_dir(root)
+        keep = config.checkpoint.keep_last
+        if keep:
+            for old in list_checkpoints(root)[:-keep]:
+                _remove(old)
+    dist.barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, config: PretrainConfig,
+                    weights_only: bool = False) -> TrainState:
+    """Restore a checkpoint written by :func:`save_checkpoint` (or any megatron dist checkpoint's model).
+
+    Args:
+        path: the ``iter_*`` directory.
+        chunks: this rank's model chunks (any layout: the weights are resharded).
+        optimizer: restored unless ``weights_only`` or ``checkpoint.load_optimizer`` is false.
+        scheduler: its position is restored with the optimizer.
+        config: the recipe.
+        weights_only: take only the model weights and return a fresh :class:`TrainState`.
+
+    Returns:
+        The restored train state.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    ck = config.checkpoint
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    template = _model_state(chunks)
+    with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
+    if with_optimizer:
+        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
+    layout = common.get("layout", {})
+    with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
+    if with_rng:
+        template["rng_state"] = ShardedObject("rng_state", None, (dist.get_world_size(),), (dist.get_rank(),),
+                                              replica_id=0)
+    elif not weights_only and ck.load_rng:
+        logger.warning("checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
+                       path, layout.get("world_size", "an unknown number of"), dist.get_world_size())
+    loaded = dist_checkpointing.load(template, str(path))
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if weights_only:
+        logger.info("loaded model weights from %s", path)
+        return TrainState()
+    if with_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if with_rng:
+        _set_rng_state(loaded["rng_state"])
+    state = TrainState(**loaded.get("train_state", {}))
+    logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
+    return state
+
+
+def _saved_keys(common: dict[str, Any]) -> set[str]:
+    # The common state lists what this trainer saved; other writers' checkpoints hold a model only.
+    return {"optimizer"} if "opt_param_scheduler" in common else set()

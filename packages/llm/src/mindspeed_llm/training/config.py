@@ -1,0 +1,435 @@
+"""Typed configs of ``mindspeed-llm pretrain``: one dataclass per section of a YAML recipe.
+
+``PretrainConfig`` is the single source of truth: a recipe is a YAML mapping of its fields and
+``key=value`` overrides use dotted paths (``train.lr=1e-3``); unknown keys are errors with a
+suggestion (:func:`mindspeed.config.load_config`). :meth:`PretrainConfig.check` then checks
+the values against each other and the world size, and names the key and the fix of anything
+that does not fit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from mindspeed.config import ConfigError, load_config
+from mindspeed.features.manager import FeaturesConfig
+
+#: Names of the sections of a recipe, in the order they are documented.
+SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT (Llama-like by default: RMSNorm, SwiGLU, rope, no biases).
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width.
+        ffn_hidden_size: MLP width (default ``4 * hidden_size``).
+        num_attention_heads: query heads.
+        num_query_groups: key/value heads for grouped-query attention (default: as many as heads).
+        kv_channels: head dimension (default ``hidden_size // num_attention_heads``).
+        vocab_size: tokenizer vocabulary (default: read from ``data.tokenizer``).
+        make_vocab_size_divisible_by: the embedding is padded to a multiple of this and of the
+            tensor-parallel size (the least common multiple, so every layout pads alike).
+        normalization: ``RMSNorm`` or ``LayerNorm``.
+        norm_epsilon: epsilon of the norms.
+        swiglu: gated SiLU MLP (Llama); false: a plain GeLU MLP.
+        position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
+        rotary_base: rope base frequency.
+        max_position_embeddings: positions of a learned embedding (default ``data.seq_length``).
+        tie_embeddings: share the input embedding with the output layer.
+        add_bias_linear: biases in all linear layers.
+        add_qkv_bias: biases in the query/key/value projection only (Qwen2).
+        qk_layernorm: normalise queries and keys (Qwen3).
+        hidden_dropout: dropout after attention and MLP.
+        init_method_std: standard deviation of the normal weight initialisation.
+        num_moe_experts: experts per MoE layer (default: dense MLPs).
+        moe_router_topk: experts per token.
+        moe_ffn_hidden_size: expert MLP width (default ``ffn_hidden_size``).
+        moe_aux_loss_coeff: load-balancing loss coefficient.
+        moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
+        recompute_granularity: ``full`` or ``selective`` activation recomputation (default none).
+        recompute_num_layers: layers per recomputed block with ``recompute_granularity=full``.
+        megatron: more ``TransformerConfig`` fields, passed through as they are.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = True
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    rotary_base: int = 10000
+    max_position_embeddings: int | None = None
+    tie_embeddings: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_num_layers: int = 1
+    megatron: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout; the data-parallel size is what the world size leaves over.
+
+    Attributes:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        vpp: virtual pipeline stages per pipeline rank (interleaved 1F1B; default none).
+        ep: expert-parallel size.
+        etp: expert tensor-parallel size (default: megatron's, the tensor-parallel size).
+        cp: context-parallel size (only 1 is supported by this trainer for now).
+        sequence_parallel: shard activations along the sequence inside tensor-parallel regions.
+        distributed_optimizer: shard optimizer state and master weights over data-parallel ranks.
+        overlap_grad_reduce: reduce gradient buckets while the backward runs.
+        overlap_param_gather: gather distributed-optimizer parameters in the next forward.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batches, optimizer and learning-rate schedule.
+
+    Attributes:
+        steps: optimizer steps to train (the last step number).
+        micro_batch_size: sequences per microbatch on one data-parallel rank.
+        global_batch_size: sequences per step over all ranks (default ``micro_batch_size`` x
+            data-parallel size); gradients are accumulated over
+            ``global / (micro x data-parallel)`` microbatches.
+        seed: seed of the weights, megatron's RNG tracker and the data order.
+        precision: ``fp32`` or ``bf16`` (bf16 weights with fp32 master weights in the optimizer).
+        optimizer: ``adam`` (AdamW: decoupled weight decay) or ``sgd``.
+        lr: peak learning rate.
+        min_lr: learning rate at the end of the decay.
+        lr_warmup_init: learning rate at step 0 of the warmup.
+        lr_warmup_steps: linear warmup steps.
+        lr_decay_style: ``cosine``, ``linear``, ``constant`` or ``inverse-square-root`` after the warmup.
+        lr_decay_steps: steps from 0 to the end of the decay (default ``steps``).
+        weight_decay: AdamW weight decay.
+        adam_beta1: Adam beta1.
+        adam_beta2: Adam beta2.
+        adam_eps: Adam epsilon.
+        sgd_momentum: SGD momentum.
+        clip_grad: clip the global gradient norm to this (0: no clipping).
+        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss (each is skipped).
+    """
+
+    steps: int = 100
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_init: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["cosine", "linear", "constant", "inverse-square-root"] = "cosine"
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    max_nonfinite_steps: int = 3
+
+
+@dataclass
+class DataConfig:
+    """Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``), blended and split.
+
+    Attributes:
+        prefixes: dataset prefixes (the path without ``.bin``/``.idx``), e.g.
+            ``data/wiki_text_document``.
+        weights: blending weights, one per prefix (default: proportional to their sizes).
+        split: train,valid,test weights of every dataset's documents, e.g. ``969,30,1``.
+        seq_length: tokens per sequence.
+        tokenizer: a Hugging Face tokenizer directory: gives ``model.vocab_size`` and the
+            end-of-document token when they are not set.
+        eod_token_id: end-of-document token (for ``reset_position_ids`` / ``eod_mask_loss``).
+        reset_position_ids: restart positions after each end-of-document token.
+        eod_mask_loss: no loss on end-of-document tokens.
+        cache_dir: where megatron caches its sample indices (default: next to the data).
+        mock: synthetic random tokens instead of files (benchmarks, smoke tests).
+    """
+
+    prefixes: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    split: str = "969,30,1"
+    seq_length: int = 128
+    tokenizer: str | None = None
+    eod_token_id: int | None = None
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    cache_dir: str | None = None
+    mock: bool = False
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the validation split.
+
+    Attributes:
+        interval: evaluate every this many steps (default: never during training).
+        iters: global batches per evaluation; the same first samples of the split each time,
+            so evaluations are comparable.
+        at_end: evaluate after the last step too.
+    """
+
+    interval: int | None = None
+    iters: int = 2
+    at_end: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron-core distributed checkpoints (``SAVE/iter_0000100``, ``latest_checkpointed_iteration.txt``).
+
+    Attributes:
+        save: directory of the checkpoints (default: none are written).
+        interval: save every this many steps (default: only at the end).
+        save_at_end: save after the last step.
+        keep_last: keep only this many newest checkpoints (default: all).
+        resume: continue from the newest checkpoint in ``save`` when there is one.
+        load: a checkpoint to start from (a ``save`` directory or one ``iter_*`` directory);
+            takes precedence over ``resume``.
+        finetune: from ``load``, take the model weights only (step 0, fresh optimizer and data).
+        load_optimizer: restore the optimizer state (and learning-rate schedule).
+        load_rng: restore the random-number generators (same world size only).
+    """
+
+    save: str | None = None
+    interval: int | None = None
+    save_at_end: bool = True
+    keep_last: int | None = None
+    resume: bool = True
+    load: str | None = None
+    finetune: bool = False
+    load_optimizer: bool = True
+    load_rng: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """What the run shows and writes.
+
+    Attributes:
+        dir: where ``metrics.jsonl``, TensorBoard events and the loss curve go (default:
+            ``checkpoint.save``; none when both are unset).
+        interval: log a line every this many steps.
+        progress: draw a progress bar (rank 0, on standard error).
+        peak_tflops: peak TFLOP/s of one device, the MFU denominator (default: the table in
+            :mod:`mindspeed.metrics.peak`).
+    """
+
+    dir: str | None = None
+    interval: int = 1
+    progress: bool = True
+    peak_tflops: float | None = None
+
+
+@dataclass
+class PretrainConfig:
+    """A pretraining recipe: model, layout, optimisation, data, evaluation, checkpoints, features.
+
+    Attributes:
+        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
+        data: :class:`DataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`CheckpointConfig`.
+        logging: :class:`LoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size ``world_size`` leaves over the model-parallel sizes."""
+        p = self.parallel
+        return world_size // (p.tp * p.pp * p.cp)
+
+    def num_microbatches(self, world_size: int) -> int:
+        """Microbatches per step on one data-parallel rank (gradient accumulation)."""
+        dp = self.data_parallel_size(world_size)
+        return self.global_batch_size(world_size) // (self.train.micro_batch_size * dp)
+
+    def global_batch_size(self, world_size: int) -> int:
+        """Sequences per step over all data-parallel ranks."""
+        dp = self.data_parallel_size(world_size)
+        return self.train.global_batch_size or self.train.micro_batch_size * dp
+
+    def log_dir(self) -> Path | None:
+        """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""
+        target = self.logging.dir or self.checkpoint.save
+        return Path(target) if target else None
+
+    def check(self, world_size: int) -> None:
+        """Check the values against each other and against ``world_size``.
+
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        _check_positive(self)
+        m, p, t, d = self.model, self.parallel, self.train, self.data
+        model_parallel = p.tp * p.pp * p.cp
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+                              f"{model_parallel}; change the layout or the number of processes")
+        dp = world_size // model_parallel
+        if p.cp != 1:
+            raise ConfigError("parallel.cp > 1 is not supported by the pretrain trainer yet; set parallel.cp=1")
+        if p.vpp is not None and p.pp == 1:
+            raise ConfigError("parallel.vpp needs pipeline parallelism; set parallel.pp > 1 or unset parallel.vpp")
+        if m.num_layers % (p.pp * (p.vpp or 1)):
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
+                              f"{p.pp * (p.vpp or 1)}; change one of them")
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % groups:
+            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                              f"model.num_query_groups={groups}")
+        if m.num_attention_heads % p.tp or groups % p.tp:
+            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups={groups} "
+                              f"must be divisible by parallel.tp={p.tp}; lower parallel.tp")
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                              f"{m.num_attention_heads}; set model.kv_channels or change the shape")
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
+        if p.sequence_parallel and d.seq_length % p.tp:
+            raise ConfigError(f"data.seq_length={d.seq_length} must be divisible by parallel.tp={p.tp} with "
+                              "sequence parallelism")
+        if p.ep > 1 and not m.num_moe_experts:
+            raise ConfigError("parallel.ep > 1 needs an MoE model; set model.num_moe_experts or parallel.ep=1")
+        if m.num_moe_experts:
+            if m.num_moe_experts % p.ep:
+                raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by parallel.ep={p.ep}")
+            if (p.tp * dp) % (p.ep * (p.etp or p.tp)):
+                raise ConfigError(f"parallel.ep x parallel.etp = {p.ep * (p.etp or p.tp)} must divide parallel.tp x "
+                                  f"data-parallel size = {p.tp * dp}")
+        if p.overlap_param_gather and not p.distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true")
+        micro_dp = t.micro_batch_size * dp
+        gbs = self.global_batch_size(world_size)
+        if gbs % micro_dp:
+            raise ConfigError(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size x "
+                              f"data-parallel size = {t.micro_batch_size} x {dp}; use a multiple of {micro_dp}")
+        if p.vpp is not None and (gbs // micro_dp) % p.pp:
+            raise ConfigError(f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
+                              f"multiple of parallel.pp={p.pp}; raise train.global_batch_size")
+        if t.lr < t.min_lr or t.lr_warmup_init > t.lr:
+            raise ConfigError(f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
+                              f"(got {t.lr_warmup_init}, {t.min_lr}, {t.lr})")
+        decay = t.lr_decay_steps or t.steps
+        if t.steps and t.lr_warmup_steps and t.lr_warmup_steps >= decay:
+            raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must be below train.lr_decay_steps "
+                              f"(default train.steps) = {decay}")
+        if not d.prefixes and not d.mock:
+            raise ConfigError("data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
+                              "as written by `mindspeed-llm preprocess-data`), or set data.mock=true")
+        for prefix in d.prefixes:
+            missing = [prefix + suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
+            if missing:
+                raise ConfigError(f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
+                                  "PREFIX.idx: preprocess-data's --output-prefix followed by _text_document)")
+        if d.weights is not None and len(d.weights) != len(d.prefixes):
+            raise ConfigError(f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes; "
+                              "give one weight per prefix")
+        _check_split(d.split)
+        if m.vocab_size is None and d.tokenizer is None:
+            raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
+        if (d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id is None and d.tokenizer is None:
+            raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
+        if self.checkpoint.finetune and not self.checkpoint.load:
+            raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
+        _check_megatron_fields(m.megatron)
+
+
+def _check_positive(config: PretrainConfig) -> None:
+    names = {"model": ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by"),
+             "parallel": ("tp", "pp", "ep", "cp"), "train": ("micro_batch_size",),
+             "data": ("seq_length",), "eval": ("iters",), "logging": ("interval",)}
+    for section, keys in names.items():
+        for key in keys:
+            value = getattr(getattr(config, section), key)
+            if value < 1:
+                raise ConfigError(f"{section}.{key}={value} must be at least 1")
+    for key, value in (("train.steps", config.train.steps), ("train.max_nonfinite_steps", config.train.max_nonfinite_steps)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative")
+    for key, value in (("train.global_batch_size", config.train.global_batch_size), ("parallel.vpp", config.parallel.vpp),
+                       ("eval.interval", config.eval.interval), ("checkpoint.interval", config.checkpoint.interval),
+                       ("checkpoint.keep_last", config.checkpoint.keep_last), ("model.vocab_size", config.model.vocab_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
+
+
+def _check_split(split: str) -> None:
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(x < 0 or math.isnan(x) for x in parts) or parts[0] <= 0:
+        raise ConfigError(f"data.split={split!r} must be up to three non-negative train,valid,test weights with a "
+                          "positive train weight, e.g. '969,30,1'")
+
+
+def _check_megatron_fields(extra: dict[str, Any]) -> None:
+    if not extra:
+        return
+    from megatron.core.transformer import TransformerConfig
+
+    known = [f.name for f in fields(TransformerConfig)]
+    for key in extra:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.megatron.{key} is not a megatron TransformerConfig field{hint}")
+
+
+def load_pretrain_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PretrainConfig:
+    """Read a recipe and apply ``key=value`` overrides (strict: unknown keys are errors).
+
+    Args:
+        path: YAML recipe (``None``: defaults only).
+        overrides: dotted ``key=value`` strings, e.g. ``["train.steps=10", "parallel.tp=2"]``.
+
+    Raises:
+        ConfigError: naming the key and suggesting the closest known one.
+    """
+    return load_config(PretrainConfig, path, overrides)

@@ -1,0 +1,165 @@
+"""Training and validation data: megatron-core's GPT datasets over indexed datasets, and batches.
+
+The datasets are megatron-core's own: ``BlendedMegatronDatasetBuilder`` builds ``GPTDataset``
+splits (``data.split``) of every prefix and blends them by ``data.weights``. Batches follow
+megatron's pretraining sampler: step ``k`` reads the global samples
+``[consumed, consumed + global_batch)``, microbatch ``m`` of data-parallel rank ``r`` the
+``micro_batch_size`` samples at ``consumed + (m * dp + r) * micro_batch_size``. The position
+in the data is therefore one number, the consumed samples, which checkpoints store.
+Every rank reads its own samples from the memory-mapped files (tensor- and pipeline-parallel
+ranks read the same ones), so no broadcast is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.config import ConfigError
+from mindspeed.log import get_logger
+from mindspeed_llm.training.config import PretrainConfig
+
+logger = get_logger(__name__)
+
+#: Fields of a batch the forward step uses.
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """What megatron's GPT datasets ask of a tokenizer: the vocabulary size and the end-of-document id.
+
+    Megatron reads ``pad`` in a ``try`` and falls back to an id that never occurs (-1): these
+    datasets hold no padding, so there is no ``pad`` attribute.
+    """
+
+    vocab_size: int
+    eod: int
+
+    @property
+    def eos(self) -> int:
+        """The end-of-sequence id (the end-of-document id)."""
+        return self.eod
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """What megatron hashes into the names of its cached sample indices."""
+        return {"class": "TokenIds", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+def read_tokenizer(config: PretrainConfig) -> TokenIds:
+    """Vocabulary size and end-of-document id from the recipe, else from ``data.tokenizer``.
+
+    Raises:
+        ConfigError: when the tokenizer directory cannot be read.
+    """
+    vocab, eod = config.model.vocab_size, config.data.eod_token_id
+    if config.data.tokenizer and (vocab is None or eod is None):
+        path = Path(config.data.tokenizer)
+        if not path.is_dir():
+            raise ConfigError(f"data.tokenizer={str(path)!r} is not a directory (a Hugging Face tokenizer folder)")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        vocab = vocab if vocab is not None else len(tokenizer)
+        if eod is None:
+            eod = tokenizer.eos_token_id
+    if vocab is None:
+        raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer")
+    return TokenIds(vocab_size=vocab, eod=eod if eod is not None else 0)
+
+
+def build_datasets(config: PretrainConfig, world_size: int, ids: TokenIds) -> tuple[Any, Any]:
+    """The train and validation datasets (validation ``None`` when no evaluation is asked for).
+
+    Collective: every rank must call it (megatron builds on rank 0 first, then the others read
+    its cached indices).
+
+    Raises:
+        ConfigError: a split without documents, or too little data for the run.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    d = config.data
+    gbs = config.global_batch_size(world_size)
+    evaluates = config.eval.interval is not None or config.eval.at_end
+    sizes = [max(config.train.steps, 1) * gbs, config.eval.iters * gbs if evaluates else 0, 0]
+    blend = None if d.mock else (list(d.prefixes), list(d.weights) if d.weights is not None else None)
+    dataset_config = GPTDatasetConfig(
+        random_seed=config.train.seed, sequence_length=d.seq_length, blend=blend, split=d.split,
+        path_to_cache=_cache_dir(config), tokenizer=ids, reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    # Megatron loops forever on a split without documents (it counts epochs until their tokens
+    # cover the request); unused splits are dropped from the matrix, which leaves the bookends of
+    # the others, and so the documents each split gets, unchanged.
+    matrix = dataset_config.split_matrix
+    for index, needed in enumerate((True, evaluates, False)):
+        if not needed:
+            matrix[index] = None
+        elif not d.mock:
+            _check_split_documents(d.prefixes, matrix[index], ("train", "validation")[index])
+    cls = MockGPTDataset if d.mock else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, dataset_config).build()
+    if train is None or len(train) < sizes[0]:
+        raise ConfigError(f"the train split has {0 if train is None else len(train)} samples, fewer than the "
+                          f"{sizes[0]} the run needs; check data.split and data.prefixes")
+    if evaluates and (valid is None or len(valid) < sizes[1]):
+        raise ConfigError(f"evaluation needs {sizes[1]} validation samples (eval.iters x global batch) but the "
+                          f"validation split has {0 if valid is None else len(valid)}; give data.split a larger "
+                          "valid part, lower eval.iters, or add data")
+    logger.info("data: %d train samples%s of %d tokens", len(train),
+                f", {len(valid)} validation samples" if valid is not None and evaluates else "", d.seq_length)
+    return train, (valid if evaluates else None)
+
+
+def _cache_dir(config: PretrainConfig) -> str | None:
+    # Megatron caches the sample indices of each dataset next to it by default, but those of a
+    # blend nowhere; one directory for both lets every rank after rank 0 read rather than rebuild.
+    if config.data.cache_dir:
+        return config.data.cache_dir
+    if config.data.mock or not config.data.prefixes:
+        return None
+    return str(Path(config.data.prefixes[0]).parent / "cache")
+
+
+def _check_split_documents(prefixes: list[str], bookends: tuple[float, float] | None, name: str) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        count = len(IndexedDataset(prefix).sequence_lengths)
+        begin, end = (0, 0) if bookends is None else (round(bookends[0] * count), round(bookends[1] * count))
+        if end <= begin:
+            raise ConfigError(f"data.split={','.join(map(str, bookends or ()))!s}: the {name} split of {prefix} gets none "
+                              f"of its {count} documents; give that split a larger share or add documents")
+
+
+class MicrobatchReader:
+    """This data-parallel rank's microbatches of a dataset, by consumed-sample position.
+
+    Args:
+        dataset: a megatron GPT dataset (indexable, dict samples).
+        micro_batch_size: sequences per microbatch.
+        dp_rank: this rank's data-parallel index.
+        dp_size: the data-parallel size.
+        device: where the batches go.
+    """
+
+    def __init__(self, dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, device: torch.device) -> None:
+        self.dataset = dataset
+        self.micro_batch_size, self.dp_rank, self.dp_size, self.device = micro_batch_size, dp_rank, dp_size, device
+
+    def microbatch(self, consumed: int, index: int) -> dict[str, torch.Tensor]:
+        """Microbatch ``index`` of the step that starts at global sample ``consumed``."""
+        start = consumed + (index * self.dp_size + self.dp_rank) * self.micro_batch_size
+        samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
+        return {key: torch.stack([s[key] for s in samples]).to(self.device) for key in BATCH_KEYS}
+
+    def step(self, consumed: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
+        """All microbatches of the step that starts at global sample ``consumed``."""
+        return [self.microbatch(consumed, m) for m in range(num_microbatches)]

@@ -1,0 +1,223 @@
+"""Starting the ranks of a run: under torchrun, in this process, or as spawned local processes.
+
+``launch(target, args, nproc_per_node)`` calls ``target(*args)`` on every rank with
+torch.distributed initialised (the accelerator's backend: gloo on the CPU) and returns rank 0's
+return value:
+
+- under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank; torchrun
+  owns the other ranks, the nodes and the restarts;
+- with one process, the run happens here;
+- otherwise ``nproc_per_node`` processes are spawned. The first rank that fails stops the
+  others (SIGTERM, then SIGKILL after a grace period); SIGINT and SIGTERM sent to the launcher
+  reach the ranks; ranks die with their launcher (``PR_SET_PDEATHSIG`` on Linux, a watchdog
+  elsewhere), so ``kill -9`` of the launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+#: Seconds ranks get to exit after SIGTERM before they are killed.
+GRACE_S = 10.0
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank failed; the message holds its error."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (or compatible) launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    from mindspeed.device import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.name != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(accelerator.device_count(), 1))
+    dist.init_process_group(backend=accelerator.dist_backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        return target(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _die_with_parent(parent: int) -> None:
+    # The kernel kills this rank when its launcher dies (even by SIGKILL); elsewhere a thread polls.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the launcher died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
+def _spawned_main(target: Callable[..., Any], args: tuple, env: dict[str, str], parent: int, threads: int,
+                  timeout_s: float, log_level: str | None, results: mp.Queue) -> None:
+    _die_with_parent(parent)
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    if log_level is not None:  # a spawned interpreter starts without the launcher's logging setup
+        from mindspeed.log import setup_logging
+
+        setup_logging(log_level)
+    try:
+        import torch
+
+        # Ranks of one host share its cores: an even share each keeps them from thrashing.
+        torch.set_num_threads(threads)
+        value = _run_rank(target, args, timeout_s)
+        results.put((rank, "ok", value if rank == 0 else None))
+    except ValueError as err:  # a user error: one line, the launcher re-raises it
+        results.put((rank, "value_error", str(err)))
+        sys.exit(2)
+    except BaseException:  # everything else with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+        sys.exit(1)
+
+
+def launch(target: Callable[..., Any], args: tuple = (), nproc_per_node: int = 1, timeout_s: float = 1800.0,
+           log_level: str | None = None) -> Any:
+    """Run ``target(*args)`` on every rank and return rank 0's result (``None`` on other torchrun ranks).
+
+    Args:
+        target: a module-level (picklable) function; torch.distributed is initialised around it.
+        args: picklable arguments.
+        nproc_per_node: processes to spawn here when not under torchrun.
+        timeout_s: collective timeout of the process group.
+        log_level: set up ``mindspeed.log`` at this level in spawned ranks (``None``: leave it).
+
+    Raises:
+        ValueError: a rank raised one (a user error), re-raised with its message.
+        RankFailure: a rank failed otherwise, or was killed.
+    """
+    if under_torchrun():
+        if nproc_per_node > 1 and str(nproc_per_node) != os.environ.get("LOCAL_WORLD_SIZE", str(nproc_per_node)):
+            logger.warning("--nproc-per-node %d is ignored under torchrun (LOCAL_WORLD_SIZE=%s)", nproc_per_node,
+                           os.environ.get("LOCAL_WORLD_SIZE"))
+        return _run_rank(target, args, timeout_s)
+    port = str(_free_port())
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc_per_node),
+            "LOCAL_WORLD_SIZE": str(nproc_per_node)}
+    if nproc_per_node == 1:
+        saved = {key: os.environ.get(key) for key in (*base, "RANK", "LOCAL_RANK")}
+        os.environ.update(base, RANK="0", LOCAL_RANK="0")
+        try:
+            return _run_rank(target, args, timeout_s)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return _spawn(target, args, nproc_per_node, base, timeout_s, log_level)
+
+
+def _spawn(target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, str], timeout_s: float,
+           log_level: str | None) -> Any:
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    procs = []
+    for rank in range(nproc):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": str(threads)}
+        # Not daemonic: ranks start processes of their own (checkpoint writers).
+        proc = ctx.Process(target=_spawned_main, name=f"rank{rank}", daemon=False,
+                           args=(target, args, env, os.getpid(), threads, timeout_s, log_level, results))
+        proc.start()
+        procs.append(proc)
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        forwarded.append(signum)
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    outcomes: dict[int, tuple[str, Any]] = {}
+    try:
+        pending = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+        while pending:
+            for sentinel in wait(list(pending), timeout=1.0):
+                rank = pending.pop(sentinel)
+                procs[rank].join()
+                _drain(results, outcomes)
+                if procs[rank].exitcode != 0 and not forwarded:
+                    _stop(procs)
+                    forwarded.append(signal.SIGTERM)
+        _drain(results, outcomes)
+    finally:
+        _stop(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _result(procs, outcomes)
+
+
+def _drain(results: mp.Queue, outcomes: dict[int, tuple[str, Any]]) -> None:
+    while True:
+        try:
+            rank, kind, value = results.get(timeout=0.2)
+        except Exception:  # queue.Empty, or a queue closed by a dead writer
+            return
+        outcomes[rank] = (kind, value)
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
+    errors = sorted((rank, kind, value) for rank, (kind, value) in outcomes.items() if kind != "ok")
+    for rank, kind, value in errors:
+        if kind == "value_error":
+            raise ValueError(value)
+    if errors:
+        rank, _, value = errors[0]
+        raise RankFailure(f"rank {rank} failed:\n{value}")
+    dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    if dead:
+        raise RankFailure("ranks died without a report (killed?): " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
+    return outcomes.get(0, ("ok", None))[1]

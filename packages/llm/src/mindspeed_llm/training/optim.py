@@ -1,0 +1,59 @@
+"""Optimizer and learning-rate schedule: megatron-core's own, configured from :class:`TrainConfig`.
+
+The optimizer is ``get_megatron_optimizer`` (AdamW or SGD; fp32 master weights for bf16; the
+distributed optimizer when ``parallel.distributed_optimizer``), the schedule megatron's
+``OptimizerParamScheduler`` counted in optimizer steps: linear warmup from
+``lr_warmup_init`` to ``lr`` over ``lr_warmup_steps``, then ``cosine`` / ``linear`` decay to
+``min_lr`` at ``lr_decay_steps`` (or ``constant`` / ``inverse-square-root``). As in megatron,
+step ``k`` (counting from 1) trains with the learning rate of scheduler position ``k - 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspeed_llm.training.config import PretrainConfig
+
+
+def build_optimizer(config: PretrainConfig, chunks: list[Any]) -> Any:
+    """megatron's optimizer over the parameters of ``chunks``."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = config.train
+    bf16 = t.precision == "bf16"
+    optimizer_config = OptimizerConfig(
+        optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
+        clip_grad=t.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
+        overlap_param_gather=config.parallel.overlap_param_gather,
+    )
+    return get_megatron_optimizer(optimizer_config, chunks)
+
+
+def build_scheduler(config: PretrainConfig, optimizer: Any) -> Any:
+    """megatron's ``OptimizerParamScheduler`` for ``optimizer`` (anything with ``param_groups``).
+
+    The recipe's values win over a checkpoint's when they differ (only the position is
+    restored), so a resumed run follows the schedule of the recipe it was started with.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = config.train
+    # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
+    decay_steps = max(t.lr_decay_steps or t.steps, t.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
+        end_wd=t.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(optimizer: Any) -> float:
+    """The learning rate the next optimizer step uses (of the first parameter group)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(lr if lr is not None else optimizer.param_groups[0]["lr"])

@@ -1,0 +1,256 @@
+"""The pretraining loop over megatron-core: build, (re)load, train, evaluate, checkpoint, report.
+
+:func:`pretrain` runs on every rank of an initialised torch.distributed group (see
+:mod:`mindspeed_llm.training.launch`). It adapts megatron-core to the accelerator with the
+recipe's features (``mindspeed.megatron.adapt``), initialises megatron's parallel state, and
+undoes both on return, so several runs can follow each other in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mindspeed.config import ConfigError
+from mindspeed.log import get_logger
+from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.data import MicrobatchReader, build_datasets, read_tokenizer
+from mindspeed_llm.training.metrics import MetricsLog
+from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
+from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
+from mindspeed_llm.training.progress import RunReporter
+from mindspeed_llm.training.steps import LossTransform, evaluate, forward_backward
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class TrainerHooks:
+    """Python-only seams of the loop (tests and experiments; recipes cannot set them).
+
+    Attributes:
+        loss_transform: ``(step, per-token losses) -> per-token losses`` inside the loss.
+    """
+
+    loss_transform: LossTransform | None = None
+
+
+@dataclass
+class TrainResult:
+    """What a run did, the same on every rank.
+
+    Attributes:
+        records: one dict per step (step, loss, lr, grad_norm, skipped, ...).
+        evals: one dict per evaluation (step, loss).
+        state: the final :class:`TrainState` as a dict.
+        stopped: why the run stopped early (``None``: it reached ``train.steps``).
+        num_parameters: parameters of the whole model.
+    """
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)
+    stopped: str | None = None
+    num_parameters: int = 0
+
+
+def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:
+    """Pretrain a GPT as ``config`` says, on the current torch.distributed group.
+
+    Raises:
+        ConfigError: the recipe does not fit the world size, the data or the checkpoint.
+    """
+    from mindspeed.features import ModelFacts
+    from mindspeed.features.context import ParallelSizes
+    from mindspeed.megatron import adapt, unadapt
+
+    world = dist.get_world_size()
+    config.check(world)
+    ids = read_tokenizer(config)
+    vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
+    facts = ModelFacts.from_transformer_config(transformer_config(config, vocab),
+                                               position_embedding_type=config.model.position_embedding_type)
+    p = config.parallel
+    sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
+    report = adapt(features=config.features, model=facts, parallel=sizes)
+    try:
+        return _Run(config, ids, vocab, report, hooks or TrainerHooks()).run()
+    finally:
+        unadapt()
+
+
+def _seed(seed: int) -> None:
+    # Megatron's seeding: one seed per pipeline stage for the host generators, and the tracker's
+    # tensor-parallel streams derived from the base seed.
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mindspeed.device import get_accelerator
+
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    get_accelerator().manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+class _Run:
+    def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks) -> None:
+        self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
+        self.world = dist.get_world_size()
+        ctx = report.context
+        self.feature_hooks = dict(ctx.hooks) if ctx is not None else {}
+        self.overrides = dict(ctx.config_overrides) if ctx is not None else {}
+
+    def run(self) -> TrainResult:
+        from megatron.core import parallel_state as ps
+
+        p = self.config.parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                     virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
+                                     expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
+        try:
+            _seed(self.config.train.seed)
+            self._build()
+            return self._train()
+        finally:
+            ps.destroy_model_parallel()
+
+    def _build(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from mindspeed.device import get_accelerator
+
+        config = self.config
+        self.transformer = transformer_config(config, self.vocab, self.overrides)
+        self.chunks = build_model(config, self.transformer, self.vocab)
+        for hook in self.feature_hooks.get("post_model_build", ()):
+            hook(self.chunks)
+        self.optimizer = build_optimizer(config, self.chunks)
+        for hook in self.feature_hooks.get("post_optimizer_build", ()):
+            self.optimizer = hook(self.optimizer) or self.optimizer
+        self.scheduler = build_scheduler(config, self.optimizer)
+        self.transformer.grad_scale_func = self.optimizer.scale_loss
+        self.num_parameters = count_parameters(self.chunks)
+        self.state = self._load()
+        train, valid = build_datasets(config, self.world, self.ids)
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        device = get_accelerator().device()
+        mbs = config.train.micro_batch_size
+        self.train_reader = MicrobatchReader(train, mbs, dp_rank, dp_size, device)
+        self.valid_reader = MicrobatchReader(valid, mbs, dp_rank, dp_size, device) if valid is not None else None
+
+    def _load(self) -> TrainState:
+        ck = self.config.checkpoint
+        if ck.load:
+            source = find_checkpoint(ck.load)
+            if source is None:
+                raise ConfigError(f"checkpoint.load={ck.load!r} holds no checkpoint (neither an iter_* directory "
+                                  "with metadata.json nor a directory with latest_checkpointed_iteration.txt)")
+            return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config,
+                                   weights_only=ck.finetune)
+        if ck.resume and ck.save and (source := find_checkpoint(ck.save)) is not None:
+            return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config)
+        return TrainState()
+
+    def _train(self) -> TrainResult:
+        config, state = self.config, self.state
+        t = config.train
+        gbs, num_micro = config.global_batch_size(self.world), config.num_microbatches(self.world)
+        result = TrainResult(num_parameters=self.num_parameters)
+        rank0 = dist.get_rank() == 0
+        metrics = MetricsLog(config.log_dir(), state.step, enabled=rank0)
+        reporter = RunReporter(config, self.transformer, self.vocab, self.world, self.num_parameters, start=state.step)
+        try:
+            with reporter:
+                while state.step < t.steps:
+                    record = self._step(state, gbs, num_micro)
+                    reporter.step(record)
+                    metrics.write(record)
+                    result.records.append(record)
+                    step = state.step
+                    if config.eval.interval and step % config.eval.interval == 0:
+                        result.evals.append(self._evaluate(step, metrics, reporter))
+                    if state.nonfinite_streak >= max(t.max_nonfinite_steps, 1):
+                        result.stopped = (f"{state.nonfinite_streak} consecutive steps with a non-finite loss "
+                                          f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last at step {step}")
+                        logger.error("stopping: %s", result.stopped)
+                        break
+                    if self._save_due(step):
+                        save_checkpoint(config.checkpoint.save, state, self.chunks, self.optimizer, self.scheduler,
+                                        config)
+                if result.stopped is None:
+                    self._finish(result, metrics, reporter)
+        finally:
+            metrics.close()
+        result.state = asdict(state)
+        return result
+
+    def _save_due(self, step: int) -> bool:
+        ck = self.config.checkpoint
+        return bool(ck.save and ck.interval and step % ck.interval == 0)
+
+    def _finish(self, result: TrainResult, metrics: MetricsLog, reporter: RunReporter) -> None:
+        config, step = self.config, self.state.step
+        if config.eval.at_end and not (config.eval.interval and step % config.eval.interval == 0 and result.records):
+            result.evals.append(self._evaluate(step, metrics, reporter))
+        ck = config.checkpoint
+        saved = self._save_due(step) and bool(result.records)
+        if ck.save and ck.save_at_end and not saved:
+            save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config)
+        reporter.finish(result.records)
+
+    def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
+        step = state.step + 1
+        start = time.perf_counter()
+        batches = self.train_reader.step(state.consumed_train_samples, num_micro)
+        for hook in self.feature_hooks.get("pre_step", ()):
+            hook(step)
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        hook = self.hooks.loss_transform
+        transform = (lambda losses: hook(step, losses)) if hook is not None else None
+        lr = current_lr(self.optimizer)
+        loss, tokens = forward_backward(self.chunks, batches, transform=transform)
+        grad_norm = None
+        skipped = not math.isfinite(loss)
+        if skipped:
+            # The gradients of a NaN/Inf loss are garbage: no update, no schedule step (as megatron
+            # does for an overflow); the batch is consumed, so the next step sees new data.
+            state.skipped_steps += 1
+            state.nonfinite_streak += 1
+            logger.warning("step %d: loss is %s; step skipped (%d in a row, limit %d)", step, loss,
+                           state.nonfinite_streak, self.config.train.max_nonfinite_steps)
+        else:
+            ok, norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(1)
+            grad_norm = float(norm) if norm is not None else None
+            state.nonfinite_streak = 0
+        for hook in self.feature_hooks.get("post_step", ()):
+            hook(step)
+        state.step = step
+        state.consumed_train_samples += gbs
+        return {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                "tokens": tokens, "consumed_samples": state.consumed_train_samples,
+                "step_time_s": time.perf_counter() - start}
+
+    def _evaluate(self, step: int, metrics: MetricsLog, reporter: RunReporter) -> dict[str, Any]:
+        gbs, num_micro = self.config.global_batch_size(self.world), self.config.num_microbatches(self.world)
+        steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
+        loss, tokens = evaluate(self.chunks, steps)
+        record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens,
+                  "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss}
+        metrics.write(record)
+        reporter.evaluation(record)
+        return record

@@ -1,0 +1,125 @@
+"""Recipes: strict keys with suggestions, cross-field checks naming key and fix, the CLI's exit status, the LR schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from mindspeed.config import ConfigError
+from mindspeed_llm.cli import main
+from mindspeed_llm.training.config import PretrainConfig, load_pretrain_config
+from mindspeed_llm.training.model import padded_vocab_size
+from mindspeed_llm.training.optim import build_scheduler
+from tests.llm.training.datasets import write_indexed_dataset
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_indexed_dataset(tmp_path_factory.mktemp("cfg") / "d", 40, seed=0)
+
+
+def _config(prefix: str, *overrides: str) -> PretrainConfig:
+    return load_pretrain_config(None, [f"data.prefixes=[{prefix}]", "model.vocab_size=128", *overrides])
+
+
+def test_recipe_and_overrides(tmp_path: Path, prefix: str) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{num_layers: 4, hidden_size: 32}}\ndata: {{prefixes: [{prefix}], seq_length: 16}}\n"
+                      "train: {lr: 1e-3}\nfeatures: {optimization_level: 0}\n")
+    config = load_pretrain_config(recipe, ["train.lr=2e-3", "parallel.tp=2", "model.vocab_size=64"])
+    assert (config.model.num_layers, config.model.hidden_size, config.data.seq_length) == (4, 32, 16)
+    assert (config.train.lr, config.parallel.tp, config.features.optimization_level) == (2e-3, 2, 0)
+    config.check(world_size=4)
+    assert config.data_parallel_size(4) == 2 and config.global_batch_size(4) == 2 and config.num_microbatches(4) == 1
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.stpes=3", "did you mean 'train.steps'"),
+    ("paralel.tp=2", "did you mean 'parallel'"),
+    ("train.precision=fp8", "is not one of"),
+    ("model.megatron={num_layer: 2}", "did you mean 'num_layers'"),
+])
+def test_unknown_keys_and_values_are_errors_with_a_suggestion(prefix: str, override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config = _config(prefix, override)
+        config.check(1)
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    (["parallel.tp=2"], 3, "not divisible by parallel.tp x parallel.pp"),
+    (["parallel.pp=2", "parallel.vpp=2"], 2, r"model.num_layers=2 is not divisible by parallel.pp x parallel.vpp"),
+    (["train.micro_batch_size=2", "train.global_batch_size=6"], 2, "use a multiple of 4"),
+    (["parallel.pp=2", "parallel.vpp=1", "model.num_layers=4", "train.global_batch_size=3"], 2,
+     "microbatches per step .3. to be a multiple of parallel.pp=2"),
+    (["parallel.sequence_parallel=true"], 1, "needs parallel.tp > 1"),
+    (["model.num_attention_heads=6", "model.hidden_size=60", "parallel.tp=4"], 4, "must be divisible by parallel.tp=4"),
+    (["data.prefixes=[]"], 1, "data.prefixes is empty"),
+    (["data.prefixes=[/nonexistent/x]"], 1, "/nonexistent/x.bin and /nonexistent/x.idx not found"),
+    (["data.weights=[0.5,0.5]"], 1, "2 entries for 1 data.prefixes"),
+    (["data.split=0,1,0"], 1, "positive train weight"),
+    (["model.vocab_size=null"], 1, "model.vocab_size is unset"),
+    (["train.steps=5", "train.lr_warmup_steps=5"], 1, "must be below train.lr_decay_steps"),
+    (["checkpoint.finetune=true"], 1, "checkpoint.finetune needs checkpoint.load"),
+    (["parallel.cp=2"], 2, "parallel.cp > 1 is not supported"),
+    (["parallel.ep=2"], 2, "needs an MoE model"),
+])
+def test_inconsistent_values_name_the_key_and_the_fix(prefix: str, overrides: list[str], world: int,
+                                                      message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(prefix, *overrides).check(world)
+
+
+def test_cli_reports_a_bad_recipe_in_one_line_without_starting_ranks(prefix: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["pretrain", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mindspeed-llm: error: unknown config key 'train.stpes'")
+    assert main(["pretrain", "--nproc-per-node", "3", f"data.prefixes=[{prefix}]", "model.vocab_size=128",
+                 "parallel.tp=2"]) == 2
+    assert "world size 3 is not divisible" in capsys.readouterr().err
+
+
+def test_print_config_round_trips(tmp_path: Path, prefix: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["pretrain", "--print-config", f"data.prefixes=[{prefix}]", "train.lr=5e-4"]) == 0
+    recipe = tmp_path / "printed.yaml"
+    recipe.write_text(capsys.readouterr().out)
+    assert load_pretrain_config(recipe) == load_pretrain_config(None, [f"data.prefixes=[{prefix}]", "train.lr=5e-4"])
+
+
+def test_vocab_padding_is_the_same_at_every_tensor_parallel_size() -> None:
+    assert [padded_vocab_size(100, 128, tp) for tp in (1, 2, 4, 8)] == [128] * 4
+    assert padded_vocab_size(1000, 128, 3) == 1152 and padded_vocab_size(128, 128, 1) == 128
+
+
+class _Groups:
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+def test_lr_schedule_warmup_then_decay(style: str) -> None:
+    config = load_pretrain_config(None, ["train.steps=20", "train.lr=1e-2", "train.min_lr=1e-4",
+                                         "train.lr_warmup_steps=4", "train.lr_warmup_init=1e-3",
+                                         f"train.lr_decay_style={style}", "train.weight_decay=0.1"])
+    optimizer = _Groups()
+    scheduler = build_scheduler(config, optimizer)
+    seen = []
+    for _ in range(25):
+        seen.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(1)
+
+    def expected(k: int) -> float:  # written from the definition, not from megatron's code
+        if k <= 4:
+            return 1e-3 + (1e-2 - 1e-3) * k / 4
+        if k > 20:
+            return 1e-4
+        ratio = (k - 4) / 16
+        coeff = 0.5 * (1 + math.cos(math.pi * ratio)) if style == "cosine" else 1 - ratio
+        return 1e-4 + coeff * (1e-2 - 1e-4)
+
+    assert seen == pytest.approx([expected(k) for k in range(25)], rel=1e-12)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
+    restored = build_scheduler(config, _Groups())
+    restored.load_state_dict(scheduler.state_dict())
+    assert restored.optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
