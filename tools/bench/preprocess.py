@@ -1,0 +1,150 @@
+"""Benchmark ``preprocess-data`` throughput with 1 worker and with more.
+
+Builds an input by repeating the shipped demo corpus (or the demo Alpaca set) until it holds
+``--records`` records, then runs :func:`mindspeed_llm.data.preprocess_data` with each worker
+count, round-robin, ``--repeats`` times, and reports the median time of the processing phase
+(reading, tokenizing, writing; the one-off imports and tokenizer load are excluded and shown
+apart), records/s, tokens/s and the speed-up over one worker, next to the "machine ceiling":
+what the same number of processes gains on pure CPU work at that moment (other jobs on a
+shared machine take cores). It also checks that every run wrote the same bytes. Usage::
+
+    uv run --frozen python tools/bench/preprocess.py
+    uv run --frozen python tools/bench/preprocess.py --handler AlpacaStyleInstructionHandler --workers 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from mindspeed_llm.data import PreprocessConfig, preprocess_data
+from mindspeed_llm.tokenizer import DEMO_ALPACA, DEMO_CORPUS
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--handler", default="GeneralPretrainHandler",
+                        choices=["GeneralPretrainHandler", "AlpacaStyleInstructionHandler"])
+    parser.add_argument("--records", type=int, default=20000, help="records in the generated input")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare (first: baseline)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per worker count (the median is reported)")
+    parser.add_argument("--tokenizer", default="demo", help="tokenizer directory, or demo")
+    parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    return parser.parse_args(argv)
+
+
+def make_input(path: Path, handler: str, records: int) -> Path:
+    """``records`` lines cycled from the shipped data, each made unique by a numbered suffix."""
+    source = DEMO_CORPUS if handler == "GeneralPretrainHandler" else DEMO_ALPACA
+    lines = [json.loads(line) for line in source.read_text().splitlines()]
+    field = "text" if handler == "GeneralPretrainHandler" else "output"
+    with open(path, "w") as out:
+        for i in range(records):
+            row = dict(lines[i % len(lines)])
+            row[field] = f"{row[field]} ({i})"
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def _burn(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def machine_speedup(workers: int, n: int = 3_000_000) -> float:
+    """What ``workers`` processes gain over one on pure CPU work right now (the ceiling for us).
+
+    On a shared machine other jobs take cores; this puts the measured speed-up in context.
+    """
+    import multiprocessing
+
+    start = time.perf_counter()
+    for _ in range(workers):
+        _burn(n)
+    serial = time.perf_counter() - start
+    with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(workers) as pool:
+        start = time.perf_counter()
+        pool.map(_burn, [n] * workers)
+        parallel = time.perf_counter() - start
+    return serial / parallel
+
+
+def digest(prefix: str) -> str:
+    folder = Path(prefix).parent
+    sha = hashlib.sha256()
+    for path in sorted(folder.glob(Path(prefix).name + "*")):
+        sha.update(path.read_bytes())
+    return sha.hexdigest()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    times: dict[int, list[float]] = {w: [] for w in args.workers}
+    setup: dict[int, list[float]] = {w: [] for w in args.workers}
+    digests: set[str] = set()
+    ceilings: dict[int, list[float]] = {w: [] for w in args.workers}
+    report = None
+    with tempfile.TemporaryDirectory() as tmp:
+        source = make_input(Path(tmp) / "input.jsonl", args.handler, args.records)
+        for repeat in range(args.repeats + 1):  # round 0 warms the page cache and the demo tokenizer
+            for workers in args.workers:
+                prefix = str(Path(tmp) / f"out-{workers}" / "data")
+                config = PreprocessConfig(input=str(source), tokenizer_name_or_path=args.tokenizer, output_prefix=prefix,
+                                          handler_name=args.handler, append_eod=True, workers=workers, log_interval=10**9)
+                start = time.perf_counter()
+                report = preprocess_data(config)
+                total = time.perf_counter() - start
+                digests.add(digest(prefix))
+                if repeat:
+                    times[workers].append(report.process_seconds)
+                    setup[workers].append(total - report.process_seconds)
+                    ceilings[workers].append(machine_speedup(workers) if workers > 1 else 1.0)
+    base = statistics.median(times[args.workers[0]])
+    table = Table(title=f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
+                        f"{os.cpu_count()} CPUs, median of {args.repeats}")
+    for column in ("workers", "process s", "records/s", "tokens/s", "speed-up", "machine ceiling", "setup s"):
+        table.add_column(column, justify="right")
+    rows = []
+    for workers in args.workers:
+        median = statistics.median(times[workers])
+        row = {"workers": workers, "seconds": median, "records_per_s": args.records / median,
+               "tokens_per_s": report.tokens / median, "speedup": base / median,
+               "machine_ceiling": statistics.median(ceilings[workers]), "setup_s": statistics.median(setup[workers])}
+        rows.append(row)
+        table.add_row(str(workers), f"{median:.2f}", f"{row['records_per_s']:.0f}", f"{row['tokens_per_s']:.0f}",
+                      f"{row['speedup']:.2f}x", f"{row['machine_ceiling']:.2f}x", f"{row['setup_s']:.2f}")
+    console.print(table)
+    console.print(f"identical output for every worker count: {len(digests) == 1}")
+    # Other processes on the machine steal the cores the workers need: show how busy it was.
+    console.print(f"load average (1/5/15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if len(args.workers) > 1:
+        last = rows[-1]
+        console.print(f"ratio {args.workers[-1]} vs {args.workers[0]} workers: {last['speedup']:.2f}x "
+                      f"(pure CPU work in {args.workers[-1]} processes gained {last['machine_ceiling']:.2f}x on this machine meanwhile)")
+    if args.json:
+        meta = {**vars(args), "cpus": os.cpu_count(), "python": platform.python_version(), "tokens": report.tokens,
+                "loadavg": os.getloadavg()}
+        with open(args.json + ".tmp", "w") as out:
+            json.dump({"meta": meta, "rows": rows}, out, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+        console.print(f"wrote {args.json}")
+    return 0 if len(digests) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
