@@ -83,7 +83,10 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
         finally:
             rope.revert()
         grads = dict(local.named_parameters())
+        # dist checkpointing walks every submodule: the registry modules must take part.
+        sharded = ours.sharded_state_dict()
         results[impl] = {
+            "sharded_ok": len(sharded) >= len(list(ours.parameters())),
             "loss_diff": abs(loss.item() - local_loss.item()),
             "grad_diff": max((p.grad - grads[n].grad).abs().max().item() for n, p in ours.named_parameters()),
             "kinds": sorted({type(m).__name__ for m in ours.modules() if type(m).__name__.startswith("Registry")}),
@@ -134,6 +137,7 @@ def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
     for impl, row in out["results"].items():
         assert row["kinds"] == ["RegistryAttention", "RegistryNorm", "RegistrySwiGLU"], impl
         assert row["missing"] == 0
+        assert row["sharded_ok"], (impl, row)
         assert row["loss_diff"] < 1e-5, (impl, row)
         assert row["grad_diff"] < 1e-5, (impl, row)
 
@@ -221,6 +225,8 @@ def test_cpu_redirect_mode_rewrites_cuda_arguments() -> None:
         y = torch.ones(2).cuda()
         z = torch.ones(2).to("cuda:0")
         name = torch.ones(2).type()
+        pinned = torch.tensor([1, 2], pin_memory=True)  # megatron's CP rope slice asks for pinning
+    assert pinned.tolist() == [1, 2]
     assert x.device.type == y.device.type == z.device.type == "cpu"
     assert name == "torch.cuda.FloatTensor"
     assert torch.ones(2).type() == "torch.FloatTensor"  # only inside the mode

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from mindspeed.testing.distributed import run_distributed
 from mindspeed.testing.megatron import (
@@ -40,22 +39,6 @@ ALGOS: dict[str, dict[str, Any]] = {
     "hybrid-u2r1": {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 2},
     "hybrid-u1r2": {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 1},
 }
-
-
-class _NoPinMemory(TorchFunctionMode):
-    """Drop ``pin_memory=True`` of factory calls on a CPU-only host.
-
-    megatron's ``get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True``,
-    which needs a CUDA driver; the adaptor's device redirect does not cover the flag yet (it
-    belongs in ``mindspeed.device.cuda_shim``). Pinning only speeds host-to-device copies, so
-    dropping it changes no value.
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
 
 
 def _cp_overrides(settings: dict[str, Any]) -> dict[str, Any]:
@@ -142,20 +125,19 @@ def _check(rank: int, world_size: int) -> list[dict[str, Any]]:
 
     adapt()
     try:
-        with _NoPinMemory():
-            steps = [make_batches(MODEL, NUM_MICROBATCHES, MICRO_BATCH_SIZE, seed=step) for step in range(STEPS)]
-            ref_losses, initial, final = _run({}, steps, None)
-            summaries = []
-            for label, settings in ALGOS.items():
-                losses, _, params = _run(_cp_overrides(settings), steps, initial)
-                comparison = Comparison(label, atol=2e-5, rtol=1e-4)
-                for step, (loss, expected) in enumerate(zip(losses, ref_losses)):
-                    comparison.add(f"loss step {step}", loss, expected, atol=1e-5, rtol=1e-6)
-                assert params.keys() == final.keys()
-                for name, value in params.items():
-                    comparison.add(f"param {name}", value, final[name])
-                comparison.extra["moved"] = max((final[n] - initial[n]).abs().max().item() for n in final)
-                summaries.append(comparison.summary())
+        steps = [make_batches(MODEL, NUM_MICROBATCHES, MICRO_BATCH_SIZE, seed=step) for step in range(STEPS)]
+        ref_losses, initial, final = _run({}, steps, None)
+        summaries = []
+        for label, settings in ALGOS.items():
+            losses, _, params = _run(_cp_overrides(settings), steps, initial)
+            comparison = Comparison(label, atol=2e-5, rtol=1e-4)
+            for step, (loss, expected) in enumerate(zip(losses, ref_losses)):
+                comparison.add(f"loss step {step}", loss, expected, atol=1e-5, rtol=1e-6)
+            assert params.keys() == final.keys()
+            for name, value in params.items():
+                comparison.add(f"param {name}", value, final[name])
+            comparison.extra["moved"] = max((final[n] - initial[n]).abs().max().item() for n in final)
+            summaries.append(comparison.summary())
     finally:
         unadapt()
     return summaries

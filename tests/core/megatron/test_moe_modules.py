@@ -201,7 +201,7 @@ def _checkpoint_crosses_modules(directory: str) -> dict[str, float]:
     for first, second in ((False, True), (True, False)):
         built = {}
         for grouped in (first, second):
-            # swiglu=False: megatron's MLP activation (RegistrySwiGLU has no sharded_state_dict).
+            # swiglu=False: the toolkit config keeps megatron's own glu activation (use_te_activation_func off).
             spec = get_gpt_layer_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped, swiglu=False)
             torch.manual_seed(11 if grouped == first else 12)  # different initial weights
             built[grouped] = unwrap(build_gpt(model, Sizes(), layer_spec=spec)[0])

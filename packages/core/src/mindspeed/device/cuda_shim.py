@@ -129,6 +129,10 @@ class DeviceRedirectMode(TorchFunctionMode):
             return "torch.cuda." + name[len(self._type_prefix):] if name.startswith(self._type_prefix) else name
         if "device" in kwargs:
             kwargs["device"] = self.map_device(kwargs["device"])
+        if kwargs.get("pin_memory") and not self.accelerator.supports("pinned_memory"):
+            # Pinning only speeds host-to-device copies; without a device it would need a CUDA
+            # driver (megatron's CP rope slice asks for it), so drop it: no value changes.
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], self.map_device(args[1]), *args[2:])
         return func(*args, **kwargs)

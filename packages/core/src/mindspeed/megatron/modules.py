@@ -76,6 +76,10 @@ class RegistrySwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """No parameters, nothing to checkpoint (megatron's MLP asks every submodule)."""
+        return {}
+
 
 class RegistryAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` on the registry's attention kernel.
