@@ -36,4 +36,4 @@ def test_a_bad_record_stops_the_pool_with_its_location(tmp_path, run) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
     with pytest.raises(ValueError, match=r"in.jsonl:301: missing key 'text'"):
         run(tmp_path / "in.jsonl", workers=2)
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out").exists()

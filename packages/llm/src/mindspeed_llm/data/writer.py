@@ -8,6 +8,7 @@ failed run leaves no ``.bin``/``.idx`` behind (and leaves any previous output un
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import shutil
@@ -57,6 +58,7 @@ class IndexedOutputs:
 
         self.prefixes = dict(prefixes)
         first = Path(next(iter(self.prefixes.values())))
+        self.created_dir = None if first.parent.exists() else first.parent
         first.parent.mkdir(parents=True, exist_ok=True)
         self.tmp_dir = first.parent / f".{first.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.tmp_dir.mkdir()
@@ -91,6 +93,9 @@ class IndexedOutputs:
         for builder in self.builders.values():
             builder.data_file.close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        if self.created_dir is not None:
+            with contextlib.suppress(OSError):  # only if still empty: someone may have written there meanwhile
+                self.created_dir.rmdir()
 
 
 def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
