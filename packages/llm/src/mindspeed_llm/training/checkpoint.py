@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import queue
 import random
 import re
 import shutil
@@ -33,6 +34,8 @@ import yaml
 
 from mindspeed.config import to_dict
 from mindspeed.log import get_logger
+from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.model import unwrap
 
@@ -122,6 +125,31 @@ def _layout(config: PretrainConfig) -> dict[str, Any]:
             "distributed_optimizer": p.distributed_optimizer}
 
 
+def _local_results_queue() -> UpstreamPatch:
+    return UpstreamPatch(
+        name="checkpoint-local-results-queue",
+        target="megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+        make=lambda original, accelerator: queue.Queue(),
+        distribution="megatron-core", versions=MEGATRON_VERSIONS,
+        reason="megatron collects the writers' results through a queue served by a spawned Manager process, "
+               "which outlives a rank killed with SIGKILL; a synchronous save collects them in the rank itself",
+    )
+
+
+@contextlib.contextmanager
+def _synchronous_save() -> Iterator[None]:
+    """The conditions of a synchronous ``dist_checkpointing.save`` from any rank (see the two helpers)."""
+    from mindspeed.device import get_accelerator
+
+    patches = PatchSet([_local_results_queue()])
+    patches.apply(get_accelerator())
+    try:
+        with _children_allowed():
+            yield
+    finally:
+        patches.revert()
+
+
 @contextlib.contextmanager
 def _children_allowed() -> Iterator[None]:
     # dist_checkpointing's writer forks one process per file bucket, even for a synchronous save;
@@ -189,7 +217,7 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     sharded.update(train_state=asdict(state), opt_param_scheduler=scheduler.state_dict(), layout=_layout(config),
                    config=to_dict(config))
-    with _children_allowed():
+    with _synchronous_save():
         dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
     dist.barrier()
     if rank == 0:
