@@ -11,7 +11,8 @@ optimizer, 6 steps, checkpoints every 3 steps, keep the last one, evaluation eve
    schedule, RNG, data position) and finishes.
 
 Every logged record of run 3's ``metrics.jsonl`` (losses, learning rates, gradient norms,
-validation losses) must equal run 1's exactly, and only the last checkpoint may remain.
+validation losses) must equal run 1's exactly, and only the last checkpoint may remain;
+TensorBoard's scalars of both runs are the same curve and both drew ``loss.png``.
 """
 
 from __future__ import annotations
@@ -98,3 +99,20 @@ def test_kill_during_save_then_resume_is_bit_identical(tmp_path: Path) -> None:
     assert expected[0]["lr"] != expected[2]["lr"] and expected[-2]["loss"] < expected[0]["loss"]
     assert [p.name for p in list_checkpoints(resumed)] == ["iter_0000006"]
     assert not list(resumed.glob("*.tmp")) and not list(resumed.glob("*.deleting"))
+    # TensorBoard shows one continuous run too (the killed run's steps 4-6 are purged), and the
+    # loss curve of the whole run is drawn.
+    for run in (uninterrupted, resumed):
+        for kind in ("train", "eval"):
+            steps, values = _scalars(run / "tensorboard", f"{kind}/loss")
+            assert steps == [r["step"] for r in expected if r["kind"] == kind]
+            assert values == pytest.approx([r["loss"] for r in expected if r["kind"] == kind], rel=1e-6)
+        assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _scalars(directory: Path, tag: str) -> tuple[list[int], list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    scalars = events.Scalars(tag)
+    return [event.step for event in scalars], [event.value for event in scalars]

@@ -250,6 +250,8 @@ class LoggingConfig:
             ``checkpoint.save``; none when both are unset).
         interval: log a line every this many steps.
         progress: draw a progress bar (rank 0, on standard error).
+        tensorboard: write TensorBoard event files to ``dir/tensorboard``.
+        loss_curve: draw ``dir/loss.png`` at the end.
         peak_tflops: peak TFLOP/s of one device, the MFU denominator (default: the table in
             :mod:`mindspeed.metrics.peak`).
     """
@@ -257,6 +259,8 @@ class LoggingConfig:
     dir: str | None = None
     interval: int = 1
     progress: bool = True
+    tensorboard: bool = True
+    loss_curve: bool = True
     peak_tflops: float | None = None
 
 

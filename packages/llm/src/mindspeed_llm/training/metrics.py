@@ -1,8 +1,11 @@
-"""What a run writes about itself: ``metrics.jsonl`` (one JSON record per step and evaluation).
+"""What a run writes about itself: ``metrics.jsonl``, TensorBoard events and ``loss.png``.
 
-Only rank 0 writes. Each line is flushed when written, so a killed run keeps every step it
-logged. A resumed run first drops the records after its checkpoint's step (they belong to the
-steps it is about to redo), so the file always reads as one continuous run.
+Only rank 0 writes. Each JSONL line is flushed when written, so a killed run keeps every step
+it logged. A resumed run first drops the records after its checkpoint's step (they belong to
+the steps it is about to redo), so the file always reads as one continuous run; TensorBoard
+is told the same (``purge_step``). The loss curve is drawn from the JSONL file at the end, so
+it shows the whole run across resumes. TensorBoard and the PNG need the ``tensorboard`` and
+``matplotlib`` packages; without them a warning says so and the JSONL file is still written.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from mindspeed.log import get_logger
 logger = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LOSS_CURVE = "loss.png"
+#: Record fields that become TensorBoard scalars, per record kind.
+_SCALARS = {"train": ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"), "eval": ("loss", "perplexity")}
 
 
 def _plain(value: Any) -> Any:
@@ -48,11 +55,14 @@ class MetricsLog:
         enabled: whether this rank writes (rank 0).
     """
 
-    def __init__(self, directory: Path | None, resume_step: int, enabled: bool) -> None:
+    def __init__(self, directory: Path | None, resume_step: int, enabled: bool, tensorboard: bool = True) -> None:
         self.path = directory / METRICS_FILE if directory is not None and enabled else None
         self._file = None
+        self._board = None
         if self.path is None:
             return
+        if tensorboard:
+            self._board = _tensorboard(directory / TENSORBOARD_DIR, resume_step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step > 0 and self.path.exists():
@@ -63,13 +73,68 @@ class MetricsLog:
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record and flush it."""
+        """Append one record and flush it (and add its scalars to TensorBoard)."""
         if self._file is not None:
             self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
             self._file.flush()
+        if self._board is not None:
+            kind = record.get("kind", "train")
+            for name in _SCALARS.get(kind, ()):
+                value = record.get(name)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._board.add_scalar(f"{kind}/{name}", value, record["step"])
+            self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the files."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def _tensorboard(directory: Path, resume_step: int) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        logger.warning("tensorboard is not installed: no TensorBoard event files (pip install tensorboard)")
+        return None
+    # purge_step: TensorBoard hides the killed run's events from this step on.
+    return SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
+
+
+def write_loss_curve(metrics: Path, target: Path) -> Path | None:
+    """Draw train and validation loss against the step from a ``metrics.jsonl`` into a PNG.
+
+    Returns:
+        The PNG's path, or ``None`` when matplotlib is missing or there is nothing to draw.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: render to a file
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        return None
+    records = read_metrics(metrics) if metrics.is_file() else []
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and isinstance(r.get("loss"), float)]
+    valid = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval" and isinstance(r.get("loss"), float)]
+    if not train:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    axes.plot(*zip(*train), label="train", linewidth=1.2)
+    if valid:
+        axes.plot(*zip(*valid), "o-", label="validation", linewidth=1.2)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    tmp = target.with_name(target.stem + ".tmp.png")
+    figure.savefig(tmp)
+    plt.close(figure)
+    os.replace(tmp, target)
+    return target

@@ -23,7 +23,7 @@ from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data import MicrobatchReader, build_datasets, read_tokenizer
-from mindspeed_llm.training.metrics import MetricsLog
+from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
@@ -168,7 +168,8 @@ class _Run:
         gbs, num_micro = config.global_batch_size(self.world), config.num_microbatches(self.world)
         result = TrainResult(num_parameters=self.num_parameters)
         rank0 = dist.get_rank() == 0
-        metrics = MetricsLog(config.log_dir(), state.step, enabled=rank0)
+        log_dir = config.log_dir()
+        metrics = MetricsLog(log_dir, state.step, enabled=rank0, tensorboard=config.logging.tensorboard)
         reporter = RunReporter(config, self.transformer, self.vocab, self.world, self.num_parameters, start=state.step)
         try:
             with reporter:
@@ -192,6 +193,10 @@ class _Run:
                     self._finish(result, metrics, reporter)
         finally:
             metrics.close()
+        if rank0 and log_dir is not None and config.logging.loss_curve and metrics.path is not None:
+            curve = write_loss_curve(metrics.path, log_dir / LOSS_CURVE)
+            if curve is not None:
+                logger.info("loss curve: %s", curve)
         result.state = asdict(state)
         return result
 

@@ -1,0 +1,79 @@
+"""Model FLOPs from the shape equal the matmul FLOPs torch counts; the peak table and MFU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mindspeed.device import get_accelerator
+from mindspeed.metrics.flops import TransformerShape, forward_flops_per_token, training_flops_per_token
+from mindspeed.metrics.peak import Peak, cpu_peak, lookup_peak, mfu, peak_flops
+from mindspeed.testing.models import TinyModelConfig
+from mindspeed.testing.tiny_llama import TinyLlama
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_formula_equals_counted_matmul_flops_forward_and_backward(kv_heads: int) -> None:
+    cfg = TinyModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=kv_heads)
+    torch.manual_seed(0)
+    model = TinyLlama(cfg, impl="reference")
+    batch, seq = 2, 24
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    shape = TransformerShape(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                             num_query_groups=kv_heads, kv_channels=16, vocab_size=96, seq_length=seq)
+    with FlopCounterMode(display=False) as forward:
+        logits = model(ids)
+    assert forward.get_total_flops() == forward_flops_per_token(shape) * batch * seq
+    with FlopCounterMode(display=False) as both:
+        model(ids).sum().backward()
+    assert both.get_total_flops() == training_flops_per_token(shape) * batch * seq
+    assert logits.shape == (batch, seq, 96)
+
+
+def test_moe_and_plain_mlp_terms_by_hand() -> None:
+    dense = TransformerShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                             num_query_groups=1, kv_channels=4, vocab_size=10, seq_length=5, gated_mlp=False)
+    # qkv 2*8*(8+2*4) + proj 2*8*8 + attention 4*5*8 + mlp 2*8*16*2 + logits 2*8*10
+    assert forward_flops_per_token(dense) == 256 + 128 + 160 + 512 + 160
+    moe = TransformerShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                           num_query_groups=1, kv_channels=4, vocab_size=10, seq_length=5, num_moe_experts=4,
+                           moe_router_topk=2, moe_ffn_hidden_size=6, moe_layers=1)
+    attention = 256 + 128 + 160
+    expert = 2 * 8 * 6 * 3
+    assert forward_flops_per_token(moe) == 2 * attention + 2 * 8 * 16 * 3 + (2 * expert + 2 * 8 * 4) + 160
+
+
+def test_shape_from_a_megatron_style_config() -> None:
+    config = SimpleNamespace(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=8,
+                             num_query_groups=None, kv_channels=None, gated_linear_unit=True, num_moe_experts=None)
+    shape = TransformerShape.from_transformer_config(config, vocab_size=1024, seq_length=64)
+    assert (shape.num_query_groups, shape.kv_channels, shape.num_moe_experts) == (8, 16, None)
+    config.num_moe_experts, config.moe_layer_freq, config.moe_router_topk = 8, [1, 0, 1, 0], 2
+    assert TransformerShape.from_transformer_config(config, 1024, 64).moe_layers == 2
+
+
+@pytest.mark.parametrize(("name", "dtype", "tflops"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A10", "bf16", 125.0), ("NVIDIA L40S", "fp32", 91.6),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA H200", "fp32", 66.9),
+])
+def test_peak_table_matches_the_specific_row_first(name: str, dtype: str, tflops: float) -> None:
+    peak = lookup_peak(name, dtype)
+    assert peak is not None and peak.tflops == tflops and peak.source
+
+
+def test_unknown_device_override_and_mfu() -> None:
+    assert lookup_peak("Some Accelerator 9000", "bf16") is None
+    assert lookup_peak("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 on V100
+    peak = peak_flops("bf16", override_tflops=100.0)
+    assert peak.source == "override" and "100 TFLOP/s per device" in peak.describe()
+    assert mfu(50e12, peak, num_devices=2) == pytest.approx(0.25)
+    assert mfu(1.0, None, 1) is None
+    tflops, formula = cpu_peak(threads=2)
+    assert tflops > 0 and "2 threads" in formula
+    if get_accelerator().name == "cpu":  # a host always has its estimate; devices need a table row
+        assert isinstance(peak_flops("fp32"), Peak) and peak_flops("fp32").source.startswith("host estimate")
