@@ -6,7 +6,9 @@ count, round-robin, ``--repeats`` times, and reports the median time of the proc
 (reading, tokenizing, writing; the one-off imports and tokenizer load are excluded and shown
 apart), records/s, tokens/s and the speed-up over one worker, next to the "machine ceiling":
 what the same number of processes gains on pure CPU work at that moment (other jobs on a
-shared machine take cores). It also checks that every run wrote the same bytes. Usage::
+shared machine take cores), and the CPU seconds spent by the main process and by the workers
+(which show how the work splits whatever the load). It also checks that every run wrote the
+same bytes. Usage::
 
     uv run --frozen python tools/bench/preprocess.py
     uv run --frozen python tools/bench/preprocess.py --handler AlpacaStyleInstructionHandler --workers 1 2 4
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -83,6 +86,12 @@ def machine_speedup(workers: int, n: int = 3_000_000) -> float:
     return serial / parallel
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process and of its finished children (the pool's workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def digest(prefix: str) -> str:
     folder = Path(prefix).parent
     sha = hashlib.sha256()
@@ -98,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup: dict[int, list[float]] = {w: [] for w in args.workers}
     digests: set[str] = set()
     ceilings: dict[int, list[float]] = {w: [] for w in args.workers}
+    cpu: dict[int, list[tuple[float, float]]] = {w: [] for w in args.workers}
     report = None
     with tempfile.TemporaryDirectory() as tmp:
         source = make_input(Path(tmp) / "input.jsonl", args.handler, args.records)
@@ -106,28 +116,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefix = str(Path(tmp) / f"out-{workers}" / "data")
                 config = PreprocessConfig(input=str(source), tokenizer_name_or_path=args.tokenizer, output_prefix=prefix,
                                           handler_name=args.handler, append_eod=True, workers=workers, log_interval=10**9)
+                cpu_self, cpu_children = _cpu()
                 start = time.perf_counter()
                 report = preprocess_data(config)
                 total = time.perf_counter() - start
+                cpu_self, cpu_children = (a - b for a, b in zip(_cpu(), (cpu_self, cpu_children)))
                 digests.add(digest(prefix))
                 if repeat:
                     times[workers].append(report.process_seconds)
                     setup[workers].append(total - report.process_seconds)
+                    cpu[workers].append((cpu_self, cpu_children))
                     ceilings[workers].append(machine_speedup(workers) if workers > 1 else 1.0)
     base = statistics.median(times[args.workers[0]])
     table = Table(title=f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
                         f"{os.cpu_count()} CPUs, median of {args.repeats}")
-    for column in ("workers", "process s", "records/s", "tokens/s", "speed-up", "machine ceiling", "setup s"):
+    for column in ("workers", "process s", "records/s", "tokens/s", "speed-up", "machine ceiling", "CPU s main",
+                   "CPU s workers", "setup s"):
         table.add_column(column, justify="right")
     rows = []
     for workers in args.workers:
         median = statistics.median(times[workers])
         row = {"workers": workers, "seconds": median, "records_per_s": args.records / median,
                "tokens_per_s": report.tokens / median, "speedup": base / median,
-               "machine_ceiling": statistics.median(ceilings[workers]), "setup_s": statistics.median(setup[workers])}
+               "machine_ceiling": statistics.median(ceilings[workers]), "setup_s": statistics.median(setup[workers]),
+               "cpu_main_s": statistics.median(c[0] for c in cpu[workers]),
+               "cpu_workers_s": statistics.median(c[1] for c in cpu[workers])}
         rows.append(row)
         table.add_row(str(workers), f"{median:.2f}", f"{row['records_per_s']:.0f}", f"{row['tokens_per_s']:.0f}",
-                      f"{row['speedup']:.2f}x", f"{row['machine_ceiling']:.2f}x", f"{row['setup_s']:.2f}")
+                      f"{row['speedup']:.2f}x", f"{row['machine_ceiling']:.2f}x", f"{row['cpu_main_s']:.2f}",
+                      f"{row['cpu_workers_s']:.2f}", f"{row['setup_s']:.2f}")
     console.print(table)
     console.print(f"identical output for every worker count: {len(digests) == 1}")
     # Other processes on the machine steal the cores the workers need: show how busy it was.

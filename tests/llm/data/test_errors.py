@@ -135,3 +135,18 @@ def test_a_failed_run_keeps_the_previous_output(tmp_path, run) -> None:
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         run(bad)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
+def test_a_chat_template_that_refuses_a_record(tmp_path, tok_dir) -> None:
+    strict = tmp_path / "tok"
+    shutil.copytree(tok_dir, strict)
+    template = (strict / "chat_template.jinja").read_text()
+    refuse = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    (strict / "chat_template.jinja").write_text(refuse + template)
+    rows = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d", "system": "be terse"}]
+    config = PreprocessConfig(input=str(write_jsonl(tmp_path / "in.jsonl", rows)), tokenizer_name_or_path=str(strict),
+                              output_prefix=str(tmp_path / "out" / "x"), handler_name="AlpacaStyleInstructionHandler")
+    with pytest.raises(ValueError, match=r"in.jsonl:2: the tokenizer's chat template refused .*System role not supported"):
+        preprocess_data(config)
+    config.skip_bad_records = True
+    assert preprocess_data(config).skipped_bad == 1

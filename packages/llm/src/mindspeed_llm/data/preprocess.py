@@ -11,6 +11,7 @@ under temporary names and renamed only at the end.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import os
@@ -143,6 +144,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(config: PreprocessConfig, tokenizer_path: str) -> None:
+    if "handler" in _WORKER:  # forked: the parent's handler came along
+        return
     handler_cls = HANDLERS.get(config.handler_name)
     _WORKER["handler"] = handler_cls(load_tokenizer(tokenizer_path), config)
 
@@ -167,17 +170,26 @@ def _process_chunk(chunk: list[RawRecord], handler: DatasetHandler | None = None
 
 
 @contextlib.contextmanager
-def _worker_pool(workers: int, config: PreprocessConfig, tokenizer_path: str) -> Iterator[Any]:
-    # Fork where it is safe (Linux): workers start in milliseconds instead of re-importing
-    # transformers. Setting TOKENIZERS_PARALLELISM keeps the Rust library from printing a
-    # warning in every child when this process has trained or batch-encoded before.
+def _worker_pool(workers: int, config: PreprocessConfig, tokenizer_path: str, handler: DatasetHandler) -> Iterator[Any]:
+    # Fork where it is safe (Linux): workers start in milliseconds with the parent's handler
+    # instead of re-importing transformers and reloading the tokenizer. gc.freeze() keeps the
+    # children's garbage collector from touching (and so copying) the parent's whole heap.
+    # Setting TOKENIZERS_PARALLELISM keeps the Rust library from printing a warning in every
+    # child when this process has trained or batch-encoded before.
     method = "fork" if sys.platform == "linux" else "spawn"
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if method == "fork":
+        _WORKER["handler"] = handler
+        gc.freeze()
     try:
         with multiprocessing.get_context(method).Pool(workers, _init_worker, (config, tokenizer_path)) as pool:
+            if method == "fork":
+                gc.unfreeze()
             yield pool
     finally:
+        _WORKER.pop("handler", None)
+        gc.unfreeze()
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
@@ -197,7 +209,7 @@ def _results(config: PreprocessConfig, handler: DatasetHandler, tokenizer_path: 
         for chunk in chunks:
             yield from _process_chunk(chunk, handler)
         return
-    with _worker_pool(config.workers, config, tokenizer_path) as pool:
+    with _worker_pool(config.workers, config, tokenizer_path, handler) as pool:
         window: deque = deque()
         for chunk in chunks:
             window.append(pool.apply_async(_process_chunk, (chunk,)))

@@ -164,7 +164,11 @@ class ConversationEncoder:
         return input_ids, labels
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # noqa: BLE001 -- templates raise jinja errors for conversations they refuse
+            raise BadRecordError(f"the tokenizer's chat template refused the conversation ({type(err).__name__}: {err}); "
+                                 "fix the record or pass --prompt-type") from err
         return encode_text(self.tokenizer, text)
 
     def _encode_chat_template(self, system: str, messages: list[dict[str, str]], train_last_only: bool) -> tuple[list[int], list[int]]:
