@@ -68,3 +68,5 @@ def run_pretrain(args: argparse.Namespace) -> int:
 
 
 COMMANDS.register("pretrain", add_pretrain)
+
+import mindspeed_llm.training.quickstart  # noqa: E402,F401  (registers quickstart)

@@ -176,8 +176,8 @@ class DataConfig:
         weights: blending weights, one per prefix (default: proportional to their sizes).
         split: train,valid,test weights of every dataset's documents, e.g. ``969,30,1``.
         seq_length: tokens per sequence.
-        tokenizer: a Hugging Face tokenizer directory: gives ``model.vocab_size`` and the
-            end-of-document token when they are not set.
+        tokenizer: a local Hugging Face tokenizer directory, or ``demo``: gives
+            ``model.vocab_size`` and the end-of-document token when they are not set.
         eod_token_id: end-of-document token (for ``reset_position_ids`` / ``eod_mask_loss``).
         reset_position_ids: restart positions after each end-of-document token.
         eod_mask_loss: no loss on end-of-document tokens.

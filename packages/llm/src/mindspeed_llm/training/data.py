@@ -53,17 +53,20 @@ class TokenIds:
 def read_tokenizer(config: PretrainConfig) -> TokenIds:
     """Vocabulary size and end-of-document id from the recipe, else from ``data.tokenizer``.
 
+    ``data.tokenizer`` is a local Hugging Face tokenizer directory or ``demo`` (the demo BPE,
+    see :mod:`mindspeed_llm.tokenizer`).
+
     Raises:
-        ConfigError: when the tokenizer directory cannot be read.
+        ConfigError: when the tokenizer cannot be opened.
     """
     vocab, eod = config.model.vocab_size, config.data.eod_token_id
     if config.data.tokenizer and (vocab is None or eod is None):
-        path = Path(config.data.tokenizer)
-        if not path.is_dir():
-            raise ConfigError(f"data.tokenizer={str(path)!r} is not a directory (a Hugging Face tokenizer folder)")
-        from transformers import AutoTokenizer
+        from mindspeed_llm.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        try:
+            tokenizer = load_tokenizer(config.data.tokenizer)
+        except ValueError as err:
+            raise ConfigError(f"data.tokenizer: {err}") from err
         vocab = vocab if vocab is not None else len(tokenizer)
         if eod is None:
             eod = tokenizer.eos_token_id

@@ -117,7 +117,6 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int) -> li
             rotary_base=m.rotary_base, vp_stage=vp_stage,
         )
         gpt.to(device)
-        _give_stateless_modules_a_sharded_state(gpt)
         module = Float16Module(transformer, gpt) if transformer.bf16 else gpt
         # Megatron buckets only the first chunk's gradients; the others use one bucket each.
         chunks.append(DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0))
@@ -131,21 +130,6 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int) -> li
         grads = [chunk.start_grad_sync for chunk in chunks]
         transformer.grad_sync_func = grads if len(grads) > 1 else grads[0]
     return chunks
-
-
-def _empty_sharded_state(prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict[str, Any]:
-    return {}
-
-
-def _give_stateless_modules_a_sharded_state(model: torch.nn.Module) -> None:
-    # megatron's MLP.sharded_state_dict calls sharded_state_dict() on every child, its activation
-    # module included; the registry SwiGLU is a plain nn.Module without state (and without that
-    # method), so a checkpoint save fails. A stateless module's sharded state is empty.
-    # TODO: drop once mindspeed.megatron.modules.RegistrySwiGLU defines it.
-    for module in model.modules():
-        stateless = next(module.parameters(), None) is None and next(module.buffers(), None) is None
-        if stateless and not hasattr(module, "sharded_state_dict"):
-            module.sharded_state_dict = _empty_sharded_state
 
 
 def unwrap(chunk: Any) -> torch.nn.Module:
