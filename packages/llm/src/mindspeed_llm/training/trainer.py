@@ -206,11 +206,13 @@ class _Run:
 
     def _finish(self, result: TrainResult, metrics: MetricsLog, reporter: RunReporter) -> None:
         config, step = self.config, self.state.step
-        if config.eval.at_end and not (config.eval.interval and step % config.eval.interval == 0 and result.records):
+        if not result.records and step > 0:  # resumed from a checkpoint of the last step
+            logger.info("nothing to train: the checkpoint is already at step %d of %d", step, config.train.steps)
+            return
+        if config.eval.at_end and not (config.eval.interval and step % config.eval.interval == 0):
             result.evals.append(self._evaluate(step, metrics, reporter))
         ck = config.checkpoint
-        saved = self._save_due(step) and bool(result.records)
-        if ck.save and ck.save_at_end and not saved:
+        if ck.save and ck.save_at_end and not self._save_due(step):
             save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config)
         reporter.finish(result.records)
 
