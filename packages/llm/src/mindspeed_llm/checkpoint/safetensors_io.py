@@ -1,11 +1,10 @@
 """Hugging Face safetensors checkpoints, read tensor by tensor and written as tensors arrive.
 
 Reading: :class:`HFCheckpoint` parses the index and every shard's header up front (so a missing
-or truncated shard fails before any work) and reads one tensor at a time with a positioned read
-into a fresh buffer. Memory-mapping (``safe_open``) would do as well for speed, but every page
-touched stays resident in the process until the shard is closed, so converting a model
-would count the whole model against the process's memory; plain reads keep only the tensors in
-flight.
+or truncated shard fails before any work) and maps one tensor's bytes at a time. Mapping whole
+shards (``safe_open``) would keep every page touched resident until the shard is closed, so
+converting a model would count the whole model against the process's memory; a mapping per
+tensor is unmapped with the tensor, so only the tensors in flight are resident.
 
 Writing: :class:`SafetensorsShardWriter` knows every tensor's name, dtype and shape in advance
 (from the conversion plan), so it writes each shard's header first and then each tensor at its
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from mindspeed_llm.checkpoint.torch_files import map_file_range
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -126,19 +127,9 @@ class HFCheckpoint:
         return {name: info.shape for name, info in self.tensors.items()}
 
     def read(self, name: str) -> torch.Tensor:
-        """Read one tensor into a fresh CPU tensor."""
+        """One tensor, mapped from its shard (a private mapping of just its bytes, freed with it)."""
         info = self.tensors[name]
-        buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-        with info.file.open("rb", buffering=0) as handle:
-            handle.seek(info.start)
-            view = memoryview(buffer.numpy())
-            got = 0
-            while got < info.nbytes:
-                count = handle.readinto(view[got:])
-                if not count:
-                    raise ValueError(f"shard {info.file} ended while reading {name}; re-download it")
-                got += count
-        return buffer.view(info.dtype).reshape(info.shape)
+        return map_file_range(info.file, info.start, info.nbytes, info.dtype).reshape(info.shape)
 
     @property
     def total_bytes(self) -> int:

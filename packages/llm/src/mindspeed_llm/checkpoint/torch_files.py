@@ -17,6 +17,8 @@ import argparse
 import builtins
 import collections
 import io
+import mmap
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,28 @@ import torch
 _STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 _STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_NAMES.items()}
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in _STORAGE_NAMES}
+
+
+def map_file_range(path: str | Path, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` of ``path`` from ``offset`` as a 1-D ``dtype`` tensor backed by a private file mapping.
+
+    Reading through the page cache's own pages saves a copy and the page faults of a fresh
+    buffer; the mapping lives as long as the tensor (or a view of it) and is unmapped with it,
+    so resident memory stays the tensors in flight, not the files read.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Copy-on-write: the tensor is writable (no warning) without ever writing to the file.
+        mapping = mmap.mmap(fd, offset - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
+    if (offset - start) % dtype.itemsize:
+        raw = raw.clone()  # misaligned for the element type: one aligned copy
+    return raw.view(dtype)
 
 
 class _StoragePid:
@@ -71,18 +95,23 @@ class StreamingTorchWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._zip = torch._C.PyTorchFileWriter(str(self.path))
+        # No CRC32 (torch.save's ``config.save.compute_crc32 = False``): torch.load does not check it,
+        # and computing it costs as much as writing to the page cache.
+        self._zip = torch._C.PyTorchFileWriter(str(self.path), False)
         self._count = 0
         self.bytes_written = 0
 
     def add(self, tensor: torch.Tensor) -> StoredTensor:
         """Write ``tensor``'s data; returns the reference to put in the object passed to :meth:`close`."""
         tensor = tensor.detach().cpu().contiguous()
-        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.clone()  # a view: the record holds exactly this tensor's bytes
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        if start or storage.nbytes() != tensor.nbytes:
+            # A view (a tensor-parallel slice): a storage slice shares its memory, no copy.
+            storage = storage[start:start + tensor.nbytes]
         key = str(self._count)
         self._count += 1
-        self._zip.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)
+        self._zip.write_record(f"data/{key}", storage, tensor.nbytes)
         self.bytes_written += tensor.nbytes
         return StoredTensor(_StoragePid(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
 
@@ -128,8 +157,16 @@ class LazyTensor:
         return count * self.dtype.itemsize
 
     def load(self) -> torch.Tensor:
-        """Read the tensor (a fresh, contiguous CPU tensor)."""
+        """The tensor (backed by a private mapping of its record, see :func:`map_file_range`)."""
         return self.file.read(self)
+
+    def read_into(self, out: torch.Tensor, start: int = 0) -> None:
+        """Copy elements ``[start, start + out.numel())`` of this (contiguous) tensor into ``out``.
+
+        One kernel copy from the page cache into ``out`` (no intermediate buffer): how
+        tensor-parallel pieces are glued into a preallocated full tensor.
+        """
+        self.file.read_into(self, out, start)
 
 
 class _Inert:
@@ -206,12 +243,36 @@ class LazyTorchFile:
                              "is it truncated? re-create it") from None
         self.obj = _Unpickler(data, self).load()
 
+    def read_into(self, tensor: LazyTensor, out: torch.Tensor, start: int = 0) -> None:
+        """Copy elements ``[start, start + out.numel())`` of ``tensor`` into the contiguous ``out``.
+
+        Raises:
+            ValueError: ``tensor`` is not a plain contiguous record, or the file ends early.
+        """
+        contiguous = torch.empty(tensor.shape, dtype=torch.uint8, device="meta").stride() == tensor.stride
+        if not contiguous or out.dtype != tensor.dtype or not out.is_contiguous():
+            raise ValueError(f"{self.path}: record {tensor.key} cannot be read in place")
+        offset = self._reader.get_record_offset(f"data/{tensor.key}") + (tensor.offset + start) * tensor.dtype.itemsize
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(offset)
+            done = 0
+            while done < len(view):
+                count = handle.readinto(view[done:])
+                if not count:
+                    raise ValueError(f"{self.path} is truncated: tensor record {tensor.key} ends early")
+                done += count
+
     def read(self, tensor: LazyTensor) -> torch.Tensor:
         """Load one tensor of this file."""
         nbytes = tensor.numel * tensor.dtype.itemsize
+        name = f"data/{tensor.key}"
         try:
-            raw = self._reader.get_storage_from_record(f"data/{tensor.key}", nbytes, torch.uint8)
+            offset = self._reader.get_record_offset(name)
         except RuntimeError as err:
             raise ValueError(f"{self.path}: cannot read tensor record {tensor.key} ({str(err).splitlines()[0]})") from None
-        out = torch.empty(0, dtype=tensor.dtype).set_(raw.untyped_storage(), tensor.offset, tensor.shape, tensor.stride)
-        return out if out.is_contiguous() and out.numel() == tensor.numel else out.contiguous()
+        if offset + nbytes > self.path.stat().st_size:
+            raise ValueError(f"{self.path} is truncated: tensor record {tensor.key} ends past the end of the file")
+        # Records are stored uncompressed, so the tensor is a plain byte range of the file.
+        storage = map_file_range(self.path, offset, nbytes, tensor.dtype)
+        return storage.as_strided(tensor.shape, tensor.stride, tensor.offset)
