@@ -82,6 +82,16 @@ def test_unmatched_tensors_are_listed(tiny_checkpoints) -> None:
     assert plan.dropped_hf == ["model.layers.2.self_attn.rotary_emb.inv_freq"]
 
 
+def test_multi_token_prediction_layers_are_dropped(tiny_checkpoints) -> None:
+    # DeepSeek-V3 checkpoints append MTP layers after the decoder layers; transformers ignores them.
+    path = tiny_checkpoints["deepseek3"]
+    _, state = _load(path)
+    mtp = {"model.layers.4.eh_proj.weight": torch.zeros(64, 128), "model.layers.4.enorm.weight": torch.zeros(64)}
+    plan, _ = _plan(path, dict(state, **mtp))
+    assert plan.dropped_hf == sorted(mtp)
+    assert plan.shape.moe_layer_freq == (0, 1, 1, 1) and plan.shape.moe_shared_expert_intermediate_size == 32
+
+
 def test_shape_mismatch_names_the_tensor(tiny_checkpoints) -> None:
     path = tiny_checkpoints["qwen3"]
     _, state = _load(path)

@@ -27,6 +27,7 @@ ROUND_TRIPS = {
     "qwen3": {},
     "mixtral": {"target_expert_parallel_size": 2},
     "qwen3-moe": {"target_expert_parallel_size": 2},
+    "deepseek3": {"target_expert_parallel_size": 2},
 }
 
 

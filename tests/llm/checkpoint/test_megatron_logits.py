@@ -26,6 +26,7 @@ CASES = {
     "qwen3-tp2pp2": ("qwen3", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
     "mixtral-tp2ep2": ("mixtral", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     "qwen3-moe-tp2ep2": ("qwen3-moe", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
+    "deepseek3-tp2ep2": ("deepseek3", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.
     "qwen25-torch_dist": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
                                          ckpt_format="torch_dist")),

@@ -17,7 +17,7 @@ from mindspeed_llm.bridges.megatron_params import MegatronParam, Split, megatron
 from mindspeed_llm.bridges.shape import ModelShape
 
 #: The family modules; each registers its bridge when imported.
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 
 for _module in FAMILY_MODULES:
     importlib.import_module(f"{__name__}.{_module}")

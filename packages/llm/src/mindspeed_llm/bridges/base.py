@@ -31,12 +31,15 @@ class ConfigKey:
         hf: the config key; dots reach into nested dicts (``rope_parameters.rope_theta``).
         default: value when the key is absent or null; a callable gets the whole config dict.
         negate: the megatron flag is the negation of the config's (``tie_word_embeddings``).
+        omit_default: leave the key out of a rebuilt config when it equals the default (for keys
+            transformers derives when absent, like ``head_dim``).
     """
 
     mg: str
     hf: str
     default: Any = _MISSING
     negate: bool = False
+    omit_default: bool = False
 
     def read(self, config: Mapping[str, Any]) -> Any:
         """The megatron value from ``config``; raises ``ValueError`` when required and absent."""
@@ -53,7 +56,7 @@ class ConfigKey:
         if value is None:
             return
         value = (not value) if self.negate else value
-        if callable(self.default) and value == self.default(config):
+        if self.omit_default and callable(self.default) and value == self.default(config):
             return  # e.g. head_dim == hidden_size / heads: configs that omit it stay without it
         set_path(config, self.hf, value)
 

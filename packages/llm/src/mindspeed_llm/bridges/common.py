@@ -67,7 +67,7 @@ LLAMA_CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("ffn_hidden_size", "intermediate_size"),
     ConfigKey("num_attention_heads", "num_attention_heads"),
     ConfigKey("num_query_groups", "num_key_value_heads", default=lambda c: c["num_attention_heads"]),
-    ConfigKey("kv_channels", "head_dim", default=head_dim_default),
+    ConfigKey("kv_channels", "head_dim", default=head_dim_default, omit_default=True),
     ConfigKey("vocab_size", "vocab_size"),
     ConfigKey("max_position_embeddings", "max_position_embeddings"),
     ConfigKey("norm_epsilon", "rms_norm_eps"),

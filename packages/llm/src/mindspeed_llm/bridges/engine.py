@@ -115,7 +115,10 @@ def _check_hf_side(plan: ConversionPlan, hf_shapes: Mapping[str, Shape]) -> None
     absent = [name for name in used if name not in hf_shapes]
     if absent:
         raise ValueError(f"the checkpoint lacks tensors the {family} bridge needs for this config: {list_names(absent)}")
-    optional = {name for rule in plan.bridge.param_rules() for name in expand_optional(rule, plan.shape)}
+    rules = plan.bridge.param_rules()
+    optional = {name for rule in rules for name in expand_optional(rule, plan.shape)}
+    optional |= {name for name in hf_shapes if name not in used
+                 and any(rule.drops(name, plan.shape) for rule in rules if hasattr(rule, "drops"))}
     plan.dropped_hf = sorted(name for name in hf_shapes if name not in used and name in optional)
     leftover = [name for name in hf_shapes if name not in used and name not in optional]
     if leftover:

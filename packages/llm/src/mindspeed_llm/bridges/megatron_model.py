@@ -8,6 +8,7 @@ for ``layout``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,9 +71,89 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: A
         cls = MLATransformerConfig
         fields.update(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
                       qk_head_dim=shape.qk_head_dim, qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
-                      v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type="rope")
+                      v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type=shape.rope_type,
+                      rotary_scaling_factor=shape.rotary_scaling_factor, mscale=shape.mscale,
+                      mscale_all_dim=shape.mscale_all_dim, beta_fast=shape.beta_fast, beta_slow=shape.beta_slow,
+                      original_max_position_embeddings=shape.original_max_position_embeddings)
     fields.update(overrides)
     return cls(**fields)
+
+
+def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, str] | None,
+                megatron_modules: bool) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mindspeed.megatron.spec import MindSpeedSpecProvider, get_gpt_layer_spec
+
+    if not shape.multi_latent_attention:
+        if megatron_modules:
+            return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=shape.qk_layernorm,
+                                            normalization="RMSNorm")
+        return get_gpt_layer_spec(impls=impls, num_experts=num_experts, qk_layernorm=shape.qk_layernorm)
+    # MLA: megatron's local spec (its q/kv norms need qk_layernorm), with a core attention that
+    # takes MLA's distinct value width; norms and activation from the registry unless asked not to.
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True,
+                                    normalization="RMSNorm")
+    provider = MindSpeedSpecProvider(impls)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = ModuleSpec(module=mla_core_attention(), params={"impl": provider.impls["attention"]})
+    if not megatron_modules:
+        norm = provider.layer_norm(rms_norm=True)
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+        attention.q_layernorm = attention.kv_layernorm = norm
+        mlp = spec.submodules.mlp.submodules
+        for target in [mlp] + [getattr(mlp, name) for name in ("experts", "shared_experts") if getattr(mlp, name, None)]:
+            subs = getattr(target, "submodules", target)
+            if hasattr(subs, "activation_func"):
+                subs.activation_func = provider.activation_func()
+    return spec
+
+
+def mla_without_te_patch() -> Any:
+    """megatron-core 0.16's ``MLASelfAttention`` tests ``isinstance(linear_proj, TELinear)`` whenever
+    its Transformer Engine import succeeded, which on installs without Transformer Engine gives a
+    mock class and a TypeError; while models are built, this tells it Transformer Engine is absent."""
+    import importlib.util
+
+    from mindspeed.patching import UpstreamPatch
+
+    return UpstreamPatch(
+        name="mla-no-te-probe", target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
+        make=lambda original, accelerator: False, distribution="megatron-core", versions=">=0.16.0,<0.17",
+        reason="isinstance() against a mocked TELinear without Transformer Engine",
+        condition=lambda: importlib.util.find_spec("transformer_engine") is None,
+    )
+
+
+@functools.cache
+def mla_core_attention() -> type:
+    """The registry attention for MLA: accepts megatron's ``k_channels`` / ``v_channels`` and
+    attends with values narrower than queries and keys (zero-padded, then cut back: exact)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed.megatron.modules import RegistryAttention
+
+    class MLARegistryAttention(RegistryAttention):
+        """RegistryAttention taking MLA's head widths (values may be narrower than keys)."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("MLARegistryAttention supports neither packed sequences nor attention_bias")
+            width = value.shape[-1]
+            if width != key.shape[-1]:
+                value = torch.nn.functional.pad(value, (0, key.shape[-1] - width))
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            out = self.kernel(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), causal=causal,
+                              softmax_scale=self.softmax_scale, window_size=self.window_size)[..., :width]
+            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    return MLARegistryAttention
 
 
 def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:
@@ -101,35 +182,36 @@ def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[s
             parameters; for checkpoint I/O: megatron's ``sharded_state_dict`` walks every module).
         **overrides: extra ``TransformerConfig`` fields.
     """
+    from mindspeed.device import get_accelerator
+    from mindspeed.patching import PatchSet
+
+    if megatron_modules:
+        overrides.setdefault("use_te_activation_func", False)
+    config = transformer_config(shape, layout, **overrides)
+    dense = _layer_spec(shape, None, impls, megatron_modules)
+    moe = _layer_spec(shape, shape.num_experts, impls, megatron_modules)
+    layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
+    patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
+    patches.apply(get_accelerator())
+    try:
+        return [_build_chunk(shape, layout, config, layer_specs, stage, vocab_size) for stage in range(layout.num_chunks(shape))]
+    finally:
+        patches.revert()
+
+
+def _build_chunk(shape: ModelShape, layout: ParallelLayout, config: Any, layer_specs: list[Any], stage: int,
+                 vocab_size: int | None) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from mindspeed.megatron.spec import get_gpt_layer_spec
-
-    if megatron_modules:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        overrides.setdefault("use_te_activation_func", False)
-        config = transformer_config(shape, layout, **overrides)
-        dense = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
-        moe = get_gpt_layer_local_spec(num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm,
-                                       normalization="RMSNorm")
-    else:
-        config = transformer_config(shape, layout, **overrides)
-        dense = get_gpt_layer_spec(impls=impls, qk_layernorm=shape.qk_layernorm)
-        moe = get_gpt_layer_spec(impls=impls, num_experts=shape.num_experts, qk_layernorm=shape.qk_layernorm)
-    layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
-    chunks = []
-    for stage in range(layout.num_chunks(shape)):
-        vp_stage = stage if layout.vpp_layers else None
-        chunks.append(GPTModel(
-            config=config, transformer_layer_spec=_block_spec(config, layer_specs, vp_stage),
-            vocab_size=vocab_size or padded_vocab_size(shape, layout),
-            max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
-            rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
-            rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage,
-        ))
-    return chunks
+    vp_stage = stage if layout.vpp_layers else None
+    return GPTModel(
+        config=config, transformer_layer_spec=_block_spec(config, layer_specs, vp_stage),
+        vocab_size=vocab_size or padded_vocab_size(shape, layout),
+        max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
+        rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
+        rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage,
+    )

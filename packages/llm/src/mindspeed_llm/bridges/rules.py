@@ -183,6 +183,29 @@ class Drop(ParamRule):
         return self.hf
 
 
+class DropExtraLayers(ParamRule):
+    """Every Hugging Face tensor of a layer past the model's decoder layers, dropped: the
+    multi-token-prediction layers DeepSeek-V3 checkpoints append (transformers ignores them too).
+
+    Args:
+        prefix: the layers' name prefix (``model.layers.``).
+    """
+
+    def __init__(self, prefix: str = "model.layers.") -> None:
+        super().__init__("", (prefix,), "all")
+
+    def active(self, shape):
+        return False
+
+    def drops(self, name: str, shape: ModelShape) -> bool:
+        """Whether ``name`` belongs to a layer index at or past ``shape.num_layers``."""
+        prefix = self.hf[0]
+        if not name.startswith(prefix):
+            return False
+        index = name[len(prefix):].split(".", 1)[0]
+        return index.isdigit() and int(index) >= shape.num_layers
+
+
 @dataclass
 class Task:
     """One expanded rule: a concrete megatron name and the Hugging Face names it is made of.

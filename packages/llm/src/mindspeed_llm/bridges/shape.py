@@ -51,6 +51,13 @@ class ModelShape:
         qk_head_dim: MLA query/key width without the rotary part.
         qk_pos_emb_head_dim: MLA rotary width.
         v_head_dim: MLA value width.
+        rope_type: MLA rotary variant, ``rope`` or ``yarn`` (with the five fields below).
+        rotary_scaling_factor: YaRN factor.
+        mscale: YaRN mscale.
+        mscale_all_dim: YaRN mscale_all_dim.
+        beta_fast: YaRN beta_fast.
+        beta_slow: YaRN beta_slow.
+        original_max_position_embeddings: YaRN's original context length.
         params_dtype: dtype of the weights ("float32", "bfloat16", "float16").
     """
 
@@ -86,6 +93,13 @@ class ModelShape:
     qk_head_dim: int | None = None
     qk_pos_emb_head_dim: int | None = None
     v_head_dim: int | None = None
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 4096
     params_dtype: str = "float32"
 
     def __post_init__(self) -> None:

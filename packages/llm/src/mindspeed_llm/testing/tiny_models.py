@@ -78,6 +78,20 @@ def tiny_qwen3_moe() -> Any:
                           architectures=["Qwen3MoeForCausalLM"])
 
 
+@TINY_CONFIGS.register("deepseek3")
+def tiny_deepseek_v3() -> Any:
+    """DeepSeek-V3-style: MLA, layer 0 dense, 4 sigmoid-routed experts in 2 groups, a shared expert
+    (rms_norm_eps 1e-6 as released: transformers' MLA norms always use 1e-6)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, architectures=["DeepseekV3ForCausalLM"])
+
+
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A tiny random-weight ``AutoModelForCausalLM`` of ``family``.
 
