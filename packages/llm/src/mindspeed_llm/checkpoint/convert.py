@@ -50,7 +50,8 @@ class ConvertConfig:
         target_expert_parallel_size: EP of a Megatron output.
         num_layers_per_virtual_pipeline_stage: virtual pipeline stage size of a Megatron output.
         num_layer_list: comma-separated layers per pipeline stage of a Megatron output.
-        model_type_hf: family override (MindSpeed-LLM's names: llama2, qwen25, qwen3 ...).
+        model_type_hf: family override (MindSpeed-LLM's names: llama2, mistral, qwen25, qwen3, mixtral,
+            qwen3-moe, deepseek3).
         hf_cfg_dir: directory with config.json and tokenizer files for a Hugging Face output.
         lora_load: a Megatron LoRA checkpoint to merge into the base weights (or to export).
         save_lora_to_hf: write the LoRA weights as a PEFT adapter instead of merged weights.
