@@ -40,5 +40,5 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     try:
         return int(args.func(args) or 0)
     except ValueError as err:  # user errors name the input and the fix
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 2
