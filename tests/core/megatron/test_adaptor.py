@@ -217,6 +217,24 @@ def test_npu_path_selection_and_redirects() -> None:
     assert mode.map_device("cpu") == "cpu" and mode.map_device(True) is True
 
 
+def test_stream_and_event_redirects_stay_types() -> None:
+    import typing
+
+    from mindspeed.device import get_accelerator
+
+    patches = PatchSet([p for p in cuda_api_patches() if p.name in ("cuda-api:Stream", "cuda-api:Event")])
+    patches.apply(get_accelerator())
+    try:
+        assert isinstance(torch.cuda.Stream, type) and isinstance(torch.cuda.Event, type)
+        typing.Optional[torch.cuda.Stream]  # transformers annotates with it at import time
+        stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(stream)
+        event.record()
+    finally:
+        patches.revert()
+    assert torch.cuda.Stream.__module__.startswith("torch")
+
+
 def test_cpu_redirect_mode_rewrites_cuda_arguments() -> None:
     from mindspeed.device import get_accelerator
 

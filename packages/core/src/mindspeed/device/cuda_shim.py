@@ -71,10 +71,10 @@ def cuda_api_patches() -> list[UpstreamPatch]:
                   "megatron's _get_cuda_rng_state calls torch.cuda.random.get_rng_state", module="torch.cuda.random"),
         _redirect("current_stream", lambda o, acc: (lambda device=None: acc.current_stream()), "stream ordering"),
         _redirect("default_stream", lambda o, acc: (lambda device=None: acc.current_stream()), "stream ordering"),
-        _redirect("Stream", lambda o, acc: (lambda *args, **kwargs: acc.stream()),
+        _redirect("Stream", lambda o, acc: _factory_type("Stream", lambda *args, **kwargs: acc.stream()),
                   "the MoE alltoall dispatcher and overlap code create side streams"),
         _redirect("stream", lambda o, acc: (lambda stream: acc.use_stream(stream)), "stream context"),
-        _redirect("Event", lambda o, acc: (lambda enable_timing=False, **kwargs: acc.event(enable_timing)),
+        _redirect("Event", lambda o, acc: _factory_type("Event", lambda enable_timing=False, **kwargs: acc.event(enable_timing)),
                   "timers and stream ordering"),
         _redirect("memory_allocated", _memory("allocated"), "memory reports"),
         _redirect("max_memory_allocated", _memory("peak_allocated"), "memory reports"),
@@ -82,6 +82,13 @@ def cuda_api_patches() -> list[UpstreamPatch]:
         _redirect("reset_peak_memory_stats", lambda o, acc: (lambda device=None: acc.reset_peak_memory_stats()),
                   "memory reports"),
     ]
+
+
+def _factory_type(name: str, make: Callable[..., Any]) -> type:
+    """A class whose construction returns ``make(...)``: code that uses ``torch.cuda.Stream``
+    as a type (annotations such as ``Optional[torch.cuda.Stream]`` in transformers) keeps working."""
+    return type(name, (), {"__new__": staticmethod(lambda cls, *args, **kwargs: make(*args, **kwargs)),
+                           "__doc__": f"Stands in for torch.cuda.{name} on another accelerator."})
 
 
 def _index(device: Any) -> int:
