@@ -89,7 +89,8 @@ class RegistryAttention(MegatronModule):
     ``config.context_parallel_size > 1`` it runs :mod:`mindspeed.parallel.context_parallel` over
     the CP group of ``pg_collection``, the algorithm chosen by megatron's own ``cp_comm_type``
     (:data:`CP_COMM_TYPES`; hybrid's Ulysses degree is
-    ``config.hierarchical_context_parallel_sizes[0]``). Packed sequences are not supported yet.
+    ``config.hierarchical_context_parallel_sizes[0]``). Packed sequences (``qkv_format='thd'``)
+    attend within their ``cu_seqlens`` segments (without context parallelism).
     """
 
     def __init__(
@@ -135,8 +136,6 @@ class RegistryAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences are not supported by RegistryAttention yet")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by RegistryAttention")
         mask_type = attn_mask_type or self.attn_mask_type
@@ -144,6 +143,8 @@ class RegistryAttention(MegatronModule):
         if not causal and mask_type != AttnMaskType.no_mask and attention_mask is not None:
             raise ValueError(f"attention mask type {mask_type} with an explicit mask is not supported; "
                              "use causal or no_mask")
+        if packed_seq_params is not None:
+            return self._attend_packed(query, key, value, packed_seq_params, causal)
         if self.cp is not None:
             if not causal and attention_mask is not None:
                 raise ValueError("an explicit attention mask is not supported under context parallelism")
@@ -157,6 +158,23 @@ class RegistryAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
+
+    def _attend_packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
+                       causal: bool) -> torch.Tensor:
+        # THD: megatron hands [t, n, d] (the batch of one squeezed out) and reshapes [t, n * d]
+        # back itself; the sequences attend only within their cu_seqlens segment.
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
+                             "RegistryAttention; use qkv_format='thd'")
+        if self.cp is not None:
+            raise ValueError("packed (thd) sequences are not supported under context parallelism yet; "
+                             "use context_parallel_size=1")
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+            raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
+        out = self.kernel(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), causal=causal,
+                          softmax_scale=self.softmax_scale, window_size=self.window_size, cu_seqlens=cu_q)
+        return out.squeeze(0).reshape(query.shape[0], -1)
 
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
