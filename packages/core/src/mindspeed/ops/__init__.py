@@ -21,10 +21,11 @@ from mindspeed.ops import (  # noqa: F401
     matmul_add,
     moe_permute,
     norms,
+    quant,
     ring_attention,
     rotary,
 )
-from mindspeed.ops.backends import cuda_attention, npu_attention, npu_basic, npu_moe  # noqa: F401
+from mindspeed.ops.backends import bnb_quant, cuda_attention, npu_attention, npu_basic, npu_moe  # noqa: F401
 from mindspeed.ops.backends.compile import register_compiled_kernels
 from mindspeed.ops.registry import (
     KERNELS,
