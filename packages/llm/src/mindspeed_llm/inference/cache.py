@@ -1,0 +1,177 @@
+"""The KV cache and the three ways a forward pass reaches keys and values.
+
+:class:`KVCache` preallocates keys and values for ``num_slots`` sequences of up to ``max_len``
+tokens, every layer in one tensor ``[layers, slots, max_len, kv_heads, head_dim + 1]``. Running
+sequences occupy slots ``0 .. n-1`` (the engine keeps them packed), so one decode step attends
+over the plain slice ``[:n, :kv_len]``.
+
+Sequences in a batch have different lengths, and the registry's attention op takes no per-row
+key mask. The cache closes that gap with one extra channel: a key's last channel is 0 where
+the position holds a key and ``-inf`` where it does not (past the sequence's end, or out of its
+sliding window), and a decode query gets a last channel of 1. ``q . k`` then gains exactly 0
+on visible keys and ``-inf`` on the others, so the unmasked kernel (whatever backend
+``resolve_kernel("attention")`` chose) computes the masked attention of every row at once;
+the score is scaled explicitly by ``1 / sqrt(head_dim)``.
+
+The steps (:class:`CausalStep`, :class:`PrefillStep`, :class:`DecodeStep`) are what a layer
+calls with its queries, keys and values; the model code is the same for all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Attention = Callable[..., torch.Tensor]
+
+
+class KVCache:
+    """Keys and values of up to ``num_slots`` sequences, every layer in one tensor.
+
+    Args:
+        num_layers: decoder layers.
+        num_slots: sequences held at once.
+        max_len: tokens per sequence.
+        num_kv_heads: key/value heads.
+        head_dim: width of one head.
+        windows: per layer, its sliding window (``None``: full attention).
+        dtype: dtype of the cache (the model's).
+        device: where it lives.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 windows: Sequence[int | None], dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots, self.max_len, self.head_dim = num_slots, max_len, head_dim
+        size = (num_layers, num_slots, max_len, num_kv_heads, head_dim + 1)
+        self.keys = torch.zeros(size, dtype=dtype, device=device)
+        self.values = torch.zeros(size, dtype=dtype, device=device)
+        self.keys[..., head_dim] = float("-inf")  # every position starts empty
+        # window -> the layers that use it (masking is one indexed write per window size)
+        self.window_layers: dict[int, torch.Tensor] = {}
+        for window in sorted({w for w in windows if w}):
+            layers = [i for i, w in enumerate(windows) if w == window]
+            self.window_layers[window] = torch.tensor(layers, device=device)
+
+    def fits(self, num_slots: int, max_len: int, dtype: torch.dtype) -> bool:
+        """Whether this cache can serve ``num_slots`` sequences of ``max_len`` tokens in ``dtype``."""
+        return self.num_slots >= num_slots and self.max_len >= max_len and self.keys.dtype == dtype
+
+    def close_rows(self, start: int, lengths: Sequence[int]) -> None:
+        """After a prefill into slots ``start ..``: positions past each sequence's length hold no key,
+        and positions already out of a sliding window of the next query are masked."""
+        bias = self.keys[..., self.head_dim]
+        for offset, length in enumerate(lengths):
+            bias[:, start + offset, length:] = float("-inf")
+            for window, layers in self.window_layers.items():
+                if length > window:
+                    bias[layers, start + offset, : length - window] = float("-inf")
+
+    def slide_windows(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Before a decode step whose queries sit at ``positions``: the key ``window`` places back
+        leaves the window of each windowed layer."""
+        for window, layers in self.window_layers.items():
+            leaving = positions - window
+            keep = leaving >= 0
+            if bool(keep.any()):
+                self.keys[layers[:, None], rows[keep][None, :], leaving[keep][None, :], :, self.head_dim] = float("-inf")
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``source`` into slot ``target`` (which is then
+        that sequence's slot); the rest of ``target`` is marked empty."""
+        self.keys[:, target, :length] = self.keys[:, source, :length]
+        self.values[:, target, :length] = self.values[:, source, :length]
+        self.keys[:, target, length:, :, self.head_dim] = float("-inf")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values."""
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+class CausalStep:
+    """No cache: each row of the batch is one sequence (right-padded), causal attention.
+
+    Right padding needs no mask: a real token's causal window holds only real tokens.
+
+    Args:
+        attention: the registry attention kernel.
+        windows: per layer, its sliding window.
+        scale: softmax scale.
+    """
+
+    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float) -> None:
+        self.attention, self.windows, self.scale = attention, windows, scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one layer.
+
+        Args:
+            layer: the layer index.
+            q: ``[rows, seq, kv_heads, group, head_dim]``.
+            k: ``[rows, seq, kv_heads, head_dim]``.
+            v: same as ``k``.
+
+        Returns:
+            ``[rows, seq, heads * head_dim]``.
+        """
+        rows, seq, kv_heads, group, dim = q.shape
+        window = self.windows[layer]
+        out = self.attention(q.reshape(rows, seq, kv_heads * group, dim), k, v, causal=True, softmax_scale=self.scale,
+                             window_size=(window - 1, 0) if window else (-1, -1))
+        return out.reshape(rows, seq, kv_heads * group * dim)
+
+
+class PrefillStep(CausalStep):
+    """Causal attention over new prompts (right-padded rows) that also fills their cache slots.
+
+    Args:
+        attention: the registry attention kernel.
+        windows: per layer, its sliding window.
+        scale: softmax scale.
+        cache: the cache.
+        start: slot of the first row (rows go to ``start, start + 1, ...``).
+    """
+
+    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float, cache: KVCache,
+                 start: int) -> None:
+        super().__init__(attention, windows, scale)
+        self.cache, self.start = cache, start
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows, seq = k.shape[:2]
+        # Padding positions are written too and closed afterwards (KVCache.close_rows).
+        self.cache.keys[layer, self.start:self.start + rows, :seq] = F.pad(k, (0, 1))
+        self.cache.values[layer, self.start:self.start + rows, :seq] = F.pad(v, (0, 1))
+        return super().attend(layer, q, k, v)
+
+
+class DecodeStep:
+    """One new token per running slot ``0 .. rows-1``, attending to its cached keys.
+
+    Args:
+        attention: the registry attention kernel.
+        scale: softmax scale.
+        cache: the cache.
+        positions: ``[rows]`` position of each new token (= tokens already cached in its slot).
+    """
+
+    def __init__(self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor) -> None:
+        self.attention, self.scale, self.cache = attention, scale, cache
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        self.positions = positions
+        self.kv_len = int(positions.max()) + 1
+        cache.slide_windows(self.rows, positions)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows, _, kv_heads, group, dim = q.shape
+        cache = self.cache
+        cache.keys[layer].index_put_((self.rows, self.positions), F.pad(k[:, 0], (0, 1)))
+        cache.values[layer].index_put_((self.rows, self.positions), F.pad(v[:, 0], (0, 1)))
+        # The group's query heads play the role of query positions ([rows, group, kv_heads, dim]):
+        # each kv head then serves its own queries without repeating keys and values.
+        query = F.pad(q[:, 0].transpose(1, 2), (0, 1), value=1.0)
+        out = self.attention(query, cache.keys[layer, :rows, :self.kv_len], cache.values[layer, :rows, :self.kv_len],
+                             causal=False, softmax_scale=self.scale)
+        return out[..., :dim].transpose(1, 2).reshape(rows, 1, kv_heads * group * dim)

@@ -1,0 +1,335 @@
+"""The built-in inference engine: batched generation with a KV cache and continuous batching.
+
+One loop serves every request: while slots are free, waiting requests are admitted and their
+prompts prefilled together (right-padded rows, causal attention, keys and values written into
+their cache slots); then every running request advances by one token in a single batched
+decode step. A request that stops frees its slot at once (the last running slot moves into
+it, so running requests always occupy slots ``0 .. n-1``) and the next waiting request takes
+it on the following iteration. The same engine scores sequences (log-probabilities for RL) and
+takes new weights as Hugging Face-named tensors (RL weight sync through the bridges).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.device import get_accelerator
+from mindspeed.log import get_logger
+from mindspeed_llm.bridges import Bridge
+from mindspeed_llm.inference.cache import CausalStep, DecodeStep, KVCache, PrefillStep
+from mindspeed_llm.inference.model import Decoder
+from mindspeed_llm.inference.sampling import Sampler, SamplingParams
+from mindspeed_llm.inference.spec import build_spec, stop_token_ids
+from mindspeed_llm.inference.weights import WeightLoader
+
+logger = get_logger(__name__)
+
+#: Cache lengths are rounded up to a multiple of this (fewer reallocations across calls).
+_CACHE_ROUND = 64
+#: Positions per logits call in :meth:`InferenceEngine.score` (bounds the ``[tokens, vocab]`` buffer).
+_SCORE_CHUNK = 1024
+
+Stream = Callable[[int, int], None]
+
+
+@dataclass
+class GenerationOutput:
+    """What one request produced.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        token_ids: the generated tokens (a stop token, when one ended the request, included).
+        logprobs: per generated token, its log-probability under the model's distribution (the
+            log-softmax of the logits before temperature, top-k and top-p).
+        finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_new_tokens`` or the
+            engine's ``max_seq_len`` reached).
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stops: frozenset[int]
+    limit: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def cached(self) -> int:
+        """Positions holding keys in the cache (all but the newest token)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class InferenceEngine:
+    """Generation, scoring and weight updates on one device.
+
+    Args:
+        model: the decoder.
+        bridge: the family's bridge (maps Hugging Face tensor names in :meth:`load_weights`).
+        config: the transformers config.
+        tokenizer: the transformers tokenizer, or ``None``.
+        eos_token_ids: ids that end a request unless ``ignore_eos``.
+        max_batch_size: requests decoded at once (cache slots).
+        max_seq_len: prompt plus generated tokens per request (default: the model's
+            ``max_position_embeddings``); the cache is allocated for what a call needs, up to this.
+        max_prefill_tokens: padded prompt tokens prefilled in one forward (at least one request).
+    """
+
+    def __init__(self, model: Decoder, bridge: Bridge, config: Any, tokenizer: Any = None,
+                 eos_token_ids: Sequence[int] = (), max_batch_size: int = 8, max_seq_len: int | None = None,
+                 max_prefill_tokens: int = 8192) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model, self.bridge, self.config, self.tokenizer = model, bridge, config, tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = int(max_seq_len or model.spec.shape.max_position_embeddings)
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.sampler = Sampler(model.device)
+        self.cache: KVCache | None = None
+        self._loader: WeightLoader | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, max_batch_size: int = 8,
+                        max_seq_len: int | None = None, *, hf_cfg_dir: str | Path | None = None,
+                        model_type_hf: str | None = None, device: str | torch.device | None = None,
+                        kernels: dict[str, str] | None = None) -> "InferenceEngine":
+        """An engine on the weights of a Hugging Face directory or a Megatron checkpoint.
+
+        Args:
+            path: Hugging Face directory (config.json + safetensors) or Megatron checkpoint
+                (per-rank ``mp_rank_*`` or ``torch_dist``, any TP/PP/EP/VPP layout).
+            dtype: compute dtype (``None``: the weights' dtype).
+            max_batch_size: requests decoded at once.
+            max_seq_len: tokens per request (default: the model's ``max_position_embeddings``).
+            hf_cfg_dir: directory with config.json and tokenizer files (Megatron checkpoints
+                without the ``hf_config`` folder convert-ckpt leaves; tokenizer for any).
+            model_type_hf: family override (``llama2``, ``mistral``, ``qwen25``, ``qwen3``, ``mixtral``, ``qwen3-moe``).
+            device: where to run (default: the current accelerator, the CPU without one).
+            kernels: registry implementation per op (default ``auto``).
+
+        Raises:
+            ValueError: a missing or unreadable checkpoint, an unsupported family or dtype.
+        """
+        from mindspeed_llm.inference.loading import open_checkpoint, parse_dtype
+
+        started = time.perf_counter()
+        opened = open_checkpoint(path, hf_cfg_dir, model_type_hf)
+        spec = build_spec(opened.bridge, opened.shape, opened.config)
+        torch_dtype = parse_dtype(dtype) or getattr(torch, opened.shape.params_dtype)
+        model = Decoder(spec, torch_dtype, torch.device(device) if device else get_accelerator().device(), kernels)
+        with torch.no_grad():
+            opened.read_into(model.tensors())
+        tokenizer = opened.tokenizer()
+        eos = stop_token_ids(opened.generation_config(), opened.config, tokenizer)
+        logger.info("inference engine: %s -> %s %s on %s in %.2f s", opened.description, spec.family,
+                    str(torch_dtype).removeprefix("torch."), model.device, time.perf_counter() - started)
+        return cls(model, opened.bridge, opened.config, tokenizer, eos, max_batch_size, max_seq_len)
+
+    # -- generation -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stream: Stream | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt, ``max_batch_size`` at a time with continuous batching.
+
+        Args:
+            prompts: token ids of each prompt.
+            params: settings for all prompts, or one per prompt (default greedy, 64 tokens).
+            stream: called as ``stream(prompt_index, token_id)`` as each token is produced.
+
+        Returns:
+            One output per prompt, in order.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that
+                leaves no room in ``max_seq_len``.
+        """
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        requests = [self._request(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+        if not requests:
+            return []
+        longest = max(len(r.prompt) + r.limit - 1 for r in requests)
+        self._ensure_cache(min(len(requests), self.max_batch_size), longest)
+        waiting, running = collections.deque(requests), []
+        while waiting or running:
+            if waiting and len(running) < self.max_batch_size:
+                admitted = self._admit(waiting, self.max_batch_size - len(running))
+                self._prefill(admitted, start=len(running), stream=stream)
+                running += admitted
+                self._retire(running)
+            if running:
+                self._decode(running, stream)
+                self._retire(running)
+        return [GenerationOutput(list(r.prompt), r.tokens, r.logprobs, r.finish_reason or "length") for r in requests]
+
+    def _request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> _Request:
+        tokens = [int(t) for t in prompt]
+        vocab = self.model.spec.vocab_size
+        if not tokens:
+            raise ValueError(f"prompt {index} is empty; give at least one token")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {vocab})")
+        if len(tokens) >= self.max_seq_len:
+            raise ValueError(f"prompt {index} has {len(tokens)} tokens, which leaves no room for generation within "
+                             f"max_seq_len={self.max_seq_len}; shorten it or raise --max-seq-len")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        limit = min(params.max_new_tokens, self.max_seq_len - len(tokens))
+        return _Request(index, tokens, params, self.sampler.generator(params), frozenset(stops), limit)
+
+    def _ensure_cache(self, slots: int, length: int) -> None:
+        length = min(self.max_seq_len, -(-length // _CACHE_ROUND) * _CACHE_ROUND)
+        if self.cache is not None and self.cache.fits(slots, length, self.model.dtype):
+            return
+        if self.cache is not None:  # grow to cover both the old and the new need
+            slots, length = max(slots, self.cache.num_slots), max(length, self.cache.max_len)
+        spec = self.model.spec
+        self.cache = None  # free the old one first
+        self.cache = KVCache(spec.num_layers, slots, length, spec.num_kv_heads, spec.head_dim, spec.windows,
+                             self.model.dtype, self.model.device)
+        logger.debug("KV cache: %d slots x %d tokens, %.1f MB", slots, length, self.cache.nbytes / 1e6)
+
+    def _admit(self, waiting: collections.deque, free: int) -> list[_Request]:
+        admitted = [waiting.popleft()]
+        longest = len(admitted[0].prompt)
+        while waiting and len(admitted) < free:
+            longest = max(longest, len(waiting[0].prompt))
+            if longest * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            admitted.append(waiting.popleft())
+        return admitted
+
+    def _prefill(self, requests: list[_Request], start: int, stream: Stream | None) -> None:
+        device = self.model.device
+        lengths = [len(r.prompt) for r in requests]
+        tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for row, request in enumerate(requests):
+            tokens[row, : lengths[row]] = torch.tensor(request.prompt)
+        tokens = tokens.to(device)
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        model = self.model
+        step = PrefillStep(model.attention, model.spec.windows, model.scale, self.cache, start)
+        hidden = model.hidden(tokens, positions, step)
+        self.cache.close_rows(start, lengths)
+        last = torch.tensor(lengths, device=device) - 1
+        self._advance(requests, model.logits(hidden[torch.arange(len(requests), device=device), last]), stream)
+
+    def _decode(self, running: list[_Request], stream: Stream | None) -> None:
+        device = self.model.device
+        tokens = torch.tensor([[r.tokens[-1]] for r in running], device=device)
+        positions = torch.tensor([[r.cached] for r in running], device=device)
+        model = self.model
+        step = DecodeStep(model.attention, model.scale, self.cache, positions[:, 0])
+        self._advance(running, model.logits(model.hidden(tokens, positions, step)[:, 0]), stream)
+
+    def _advance(self, requests: list[_Request], logits: torch.Tensor, stream: Stream | None) -> None:
+        tokens, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        for request, token, logprob in zip(requests, tokens, logprobs):
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            if stream is not None:
+                stream(request.index, token)
+            if token in request.stops:
+                request.finish_reason = "stop"
+            elif len(request.tokens) >= request.limit:
+                request.finish_reason = "length"
+
+    def _retire(self, running: list[_Request]) -> None:
+        # Finished requests leave; the last running request moves into each hole, so the
+        # running ones stay in slots 0 .. n-1 (a decode step attends over one plain slice).
+        index = 0
+        while index < len(running):
+            if running[index].finish_reason is None:
+                index += 1
+                continue
+            last = len(running) - 1
+            if index != last:
+                self.cache.move(last, index, running[last].cached)
+                running[index] = running[last]
+            running.pop()
+
+    # -- scoring and reference forward -------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """fp32 logits ``[n, vocab]`` of one sequence from a full causal forward without a cache.
+
+        This is the reference path: the KV-cache generation must agree with it.
+        """
+        tokens = torch.tensor([list(token_ids)], device=self.model.device)
+        positions = torch.arange(tokens.shape[1], device=self.model.device)[None]
+        step = CausalStep(self.model.attention, self.model.spec.windows, self.model.scale)
+        return self.model.logits(self.model.hidden(tokens, positions, step))[0]
+
+    @torch.inference_mode()
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probability of every token given the ones before it, batched.
+
+        Args:
+            sequences: token ids of each sequence.
+
+        Returns:
+            Per sequence of ``n`` tokens, a float32 CPU tensor of ``n - 1`` values: ``log p(x_t | x_<t)``
+            for ``t = 1 .. n-1``.
+        """
+        model, device = self.model, self.model.device
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths pad less
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
+        step = CausalStep(model.attention, model.spec.windows, model.scale)
+        for first in range(0, len(order), self.max_batch_size):
+            group = order[first:first + self.max_batch_size]
+            longest = max(len(sequences[i]) for i in group)
+            tokens = torch.zeros(len(group), max(longest, 1), dtype=torch.long)
+            for row, i in enumerate(group):
+                tokens[row, : len(sequences[i])] = torch.tensor(list(sequences[i]), dtype=torch.long)
+            tokens = tokens.to(device)
+            hidden = model.hidden(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens), step)
+            for row, i in enumerate(group):
+                n = len(sequences[i])
+                pieces = []
+                for begin in range(0, n - 1, _SCORE_CHUNK):
+                    end = min(n - 1, begin + _SCORE_CHUNK)
+                    logprobs = model.logits(hidden[row, begin:end]).log_softmax(dim=-1)
+                    pieces.append(logprobs.gather(1, tokens[row, begin + 1:end + 1, None])[:, 0])
+                out[i] = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
+        return out
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Replace weights from Hugging Face-named tensors (RL weight sync), through the family's bridge.
+
+        Any subset of the model's tensors may be given, in one call or spread over several
+        (buckets); a fused weight (q/k/v, gate/up) changes once all of its parts have arrived.
+
+        Args:
+            hf_state: Hugging Face name -> tensor (any dtype or device; converted on copy).
+
+        Raises:
+            ValueError: a name the model does not have, or a shape that does not match.
+        """
+        if self._loader is None:
+            self._loader = WeightLoader(self.bridge, self.model.spec.shape, self.model.tensors())
+        self._loader.load(hf_state)

@@ -1,0 +1,164 @@
+"""The single-device decoder the inference engine runs: Llama-like families, dense or MoE.
+
+Weights are held under megatron-core's names and in its fused layouts (``linear_qkv`` in the
+grouped ``[group: q heads, k, v]`` layout, ``linear_fc1`` as ``[gate; up]``), which is what
+the bridges produce from Hugging Face tensors and what a Megatron checkpoint stores: both load
+by plain copies (:meth:`Decoder.tensors`). Experts of a layer are stacked in one tensor (each
+expert's megatron name is a view of it).
+
+Every kernel comes from the registry (``rms_norm``, ``rotary_pos_emb``, ``attention``,
+``swiglu``), resolved once when the model is built, so vendor kernels plug in unchanged. The
+attention of a forward is delegated to a step object (:mod:`.cache`): no cache, prefill into
+cache slots, or one decode token per slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mindspeed.ops import resolve_kernel
+
+from mindspeed_llm.bridges import megatron_params
+from mindspeed_llm.inference.spec import DecoderSpec
+
+#: Registry ops the decoder uses.
+KERNEL_OPS = ("rms_norm", "rotary_pos_emb", "attention", "swiglu")
+
+
+class DecoderLayer:
+    """One layer's weights (views into the model's tensors) and its forward.
+
+    Args:
+        model: the decoder that owns the kernels.
+        index: the layer index.
+        weights: megatron name -> tensor of the whole model.
+    """
+
+    def __init__(self, model: "Decoder", index: int, weights: dict[str, torch.Tensor]) -> None:
+        prefix = f"decoder.layers.{index}."
+        get = lambda name: weights.get(prefix + name)  # noqa: E731
+        self.model, self.index = model, index
+        self.attn_norm = get("input_layernorm.weight")
+        self.qkv_weight = get("self_attention.linear_qkv.weight")
+        self.qkv_bias = get("self_attention.linear_qkv.bias")
+        self.q_norm = get("self_attention.q_layernorm.weight")
+        self.k_norm = get("self_attention.k_layernorm.weight")
+        self.proj = get("self_attention.linear_proj.weight")
+        self.mlp_norm = get("pre_mlp_layernorm.weight")
+        self.fc1 = get("mlp.linear_fc1.weight")
+        self.fc2 = get("mlp.linear_fc2.weight")
+        self.router = get("mlp.router.weight")
+        if self.router is not None:
+            self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+        """``x`` ``[rows, seq, hidden]`` -> the layer's output, same shape."""
+        m, spec = self.model, self.model.spec
+        rows, seq = x.shape[:2]
+        kv_heads, group, dim = spec.num_kv_heads, spec.group_size, spec.head_dim
+        h = m.rms_norm(x, self.attn_norm, eps=spec.norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(rows, seq, kv_heads, group + 2, dim)
+        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+        if self.q_norm is not None:
+            q = m.rms_norm(q, self.q_norm, eps=spec.norm_eps)
+            k = m.rms_norm(k, self.k_norm, eps=spec.norm_eps)
+        q = m.rotary(q, cos[:, :, None, None], sin[:, :, None, None])
+        k = m.rotary(k, cos[:, :, None], sin[:, :, None])
+        x = x + F.linear(step.attend(self.index, q, k, v), self.proj)
+        h = m.rms_norm(x, self.mlp_norm, eps=spec.norm_eps)
+        return x + (self._experts(h) if self.router is not None else F.linear(m.swiglu(F.linear(h, self.fc1)), self.fc2))
+
+    def _experts(self, h: torch.Tensor) -> torch.Tensor:
+        # Softmax over all experts in fp32, top-k, optional renormalisation: transformers' routing.
+        spec, m = self.model.spec, self.model
+        tokens = h.reshape(-1, h.shape[-1])
+        probs = torch.softmax(F.linear(tokens, self.router).float(), dim=-1)
+        weights, chosen = torch.topk(probs, spec.shape.moe_router_topk, dim=-1)
+        if spec.renormalize_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        counts = torch.bincount(chosen.flatten(), minlength=self.fc1.shape[0]).tolist()
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            y = F.linear(m.swiglu(F.linear(tokens[token], self.fc1[expert])), self.fc2[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out.view_as(h)
+
+
+class Decoder:
+    """A Llama-like decoder (dense or MoE) on one device, weights under megatron names.
+
+    Args:
+        spec: the model.
+        dtype: parameter and activation dtype.
+        device: where weights and activations live.
+        kernels: op -> registry implementation (default ``"auto"`` for each of :data:`KERNEL_OPS`).
+    """
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device,
+                 kernels: dict[str, str] | None = None) -> None:
+        self.spec, self.dtype, self.device = spec, dtype, device
+        impls = {op: "auto" for op in KERNEL_OPS} | (kernels or {})
+        self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"])
+        self.rotary = resolve_kernel("rotary_pos_emb", impls["rotary_pos_emb"])
+        self.attention = resolve_kernel("attention", impls["attention"])
+        self.swiglu = resolve_kernel("swiglu", impls["swiglu"])
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.inv_freq = spec.inv_freq.to(device)
+        self._weights = self._allocate()
+        self.embedding = self._weights["embedding.word_embeddings.weight"]
+        self.final_norm = self._weights["decoder.final_layernorm.weight"]
+        self.output = self._weights.get("output_layer.weight", self.embedding)
+        self.layers = [DecoderLayer(self, i, self._weights) for i in range(spec.num_layers)]
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        shape = self.spec.shape
+        empty = lambda size: torch.zeros(size, dtype=self.dtype, device=self.device)  # noqa: E731
+        params = megatron_params(shape)
+        weights: dict[str, torch.Tensor] = {}
+        # Experts of a layer share one stacked tensor; their megatron names are views of it.
+        self.expert_fc1: dict[int, torch.Tensor] = {}
+        self.expert_fc2: dict[int, torch.Tensor] = {}
+        for name, param in params.items():
+            if param.expert is None:
+                weights[name] = empty(param.shape)
+                continue
+            stack = self.expert_fc1 if name.endswith("linear_fc1.weight") else self.expert_fc2
+            if param.layer not in stack:
+                stack[param.layer] = empty((shape.num_experts, *param.shape))
+            weights[name] = stack[param.layer][param.expert]
+        return weights
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Megatron name -> the tensor holding it (copy into it to change the weights)."""
+        return dict(self._weights)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[*positions.shape, head_dim]`` in the model dtype (transformers' arithmetic)."""
+        angles = positions[..., None].float() * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        scale = self.spec.rope_scale
+        return (angles.cos() * scale).to(self.dtype), (angles.sin() * scale).to(self.dtype)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        """Final hidden states (before the last norm) of ``tokens`` ``[rows, seq]`` at ``positions``.
+
+        Args:
+            tokens: token ids ``[rows, seq]``.
+            positions: their positions, same shape.
+            step: how attention reaches keys and values (:mod:`.cache`).
+        """
+        x = F.embedding(tokens, self.embedding)
+        cos, sin = self.rope(positions)
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, step)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[..., vocab]`` of final hidden states."""
+        return F.linear(self.rms_norm(hidden, self.final_norm, eps=self.spec.norm_eps), self.output).float()

@@ -1,0 +1,163 @@
+"""What the inference decoder needs to know about a model, read once from its bridge and config.
+
+:class:`DecoderSpec` is built from the family's :class:`~mindspeed_llm.bridges.ModelShape` (sizes,
+attention variant, MoE layout: the same value convert-ckpt plans with) and the transformers config
+(rotary frequencies, sliding windows, stop tokens), and refuses what the decoder does not
+implement with a message naming the supported families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mindspeed_llm.bridges import Bridge, ModelShape
+
+#: Families the decoder runs (MindSpeed-LLM's ``--model-type-hf`` names).
+SUPPORTED_FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Sizes and variants of a Llama-like decoder, as the inference model runs it.
+
+    Attributes:
+        family: the bridge family.
+        shape: the megatron shape (parameter names and sizes come from it).
+        num_layers: decoder layers.
+        hidden_size: model width.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (query groups).
+        head_dim: width of one head.
+        vocab_size: embedding rows.
+        norm_eps: RMSNorm epsilon.
+        inv_freq: rotary inverse frequencies ``[head_dim / 2]`` (fp32).
+        rope_scale: factor on cos/sin (transformers' ``attention_scaling``; 1 for default and llama3).
+        windows: per layer, the sliding window in tokens (``None``: full causal attention).
+        moe_layers: per layer, whether its MLP is routed experts.
+        renormalize_topk: the top-k routing weights are renormalised to sum to one.
+    """
+
+    family: str
+    shape: ModelShape
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    norm_eps: float
+    inv_freq: torch.Tensor
+    rope_scale: float
+    windows: tuple[int | None, ...]
+    moe_layers: tuple[bool, ...]
+    renormalize_topk: bool
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """The output layer is the embedding."""
+        return self.shape.tie_embeddings
+
+
+def check_supported(bridge: Bridge, shape: ModelShape) -> None:
+    """Raise ``ValueError`` for a model the decoder does not implement.
+
+    Raises:
+        ValueError: multi-latent attention, or a router feature beyond softmax top-k, named with
+            the families that are supported.
+    """
+    supported = f"the inference engine supports the families {', '.join(SUPPORTED_FAMILIES)}"
+    if shape.multi_latent_attention:
+        raise ValueError(f"{bridge.family} uses multi-latent attention, which the inference engine does not implement "
+                         f"yet; {supported}")
+    extras = {"moe_router_score_function": shape.moe_router_score_function != "softmax",
+              "moe_router_enable_expert_bias": shape.moe_router_enable_expert_bias,
+              "moe_router_num_groups": bool(shape.moe_router_num_groups),
+              "moe_shared_expert_intermediate_size": bool(shape.moe_shared_expert_intermediate_size),
+              "moe_router_topk_scaling_factor": shape.moe_router_topk_scaling_factor not in (None, 1, 1.0)}
+    used = [name for name, on in extras.items() if on]
+    if used:
+        raise ValueError(f"{bridge.family}: the inference engine does not implement {', '.join(used)}; {supported}")
+
+
+def rotary_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of the model's rotary embedding, as transformers computes them.
+
+    Args:
+        config: the transformers config (``rope_parameters`` decides the variant).
+        head_dim: width of one head (all channels rotate).
+
+    Returns:
+        ``(inv_freq [head_dim / 2] fp32, scale)``.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        base = float(params.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"config.json's rope_type {kind!r} is not supported; use one of default, "
+                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+def sliding_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer, the sliding window of its attention (``None``: full), following transformers.
+
+    Models with ``layer_types`` (Qwen2/3) window the ``sliding_attention`` layers; models without
+    (Mistral, Mixtral) window every layer when ``sliding_window`` is set.
+    """
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return (None,) * num_layers
+    if types:
+        return tuple(int(window) if kind == "sliding_attention" else None for kind in types[:num_layers])
+    return (int(window),) * num_layers
+
+
+def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
+    """The :class:`DecoderSpec` of a model.
+
+    Args:
+        bridge: the family's bridge.
+        shape: the megatron shape (from the checkpoint or ``bridge.shape_from_hf``).
+        config: the transformers config of the model.
+
+    Raises:
+        ValueError: the model uses something the decoder does not implement.
+    """
+    check_supported(bridge, shape)
+    inv_freq, scale = rotary_frequencies(config, shape.kv_channels)
+    moe = tuple(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    return DecoderSpec(
+        family=bridge.family, shape=shape, num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_heads=shape.num_attention_heads, num_kv_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        vocab_size=shape.vocab_size, norm_eps=float(shape.norm_epsilon), inv_freq=inv_freq, rope_scale=scale,
+        windows=sliding_windows(config, shape.num_layers), moe_layers=moe,
+        # megatron's pre-softmax routing is softmax over all experts without renormalisation
+        # (Qwen3-MoE's norm_topk_prob=False); otherwise the top-k weights sum to one (Mixtral).
+        renormalize_topk=not shape.moe_router_pre_softmax,
+    )
+
+
+def stop_token_ids(generation_config: Mapping[str, Any] | None, config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: ``generation_config.json``'s, else the model config's, else the tokenizer's."""
+    for value in ((generation_config or {}).get("eos_token_id"), getattr(config, "eos_token_id", None)):
+        if value is not None:
+            return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()
