@@ -1,0 +1,168 @@
+"""GSM8K: grade-school math word problems, scored by greedy generation and answer extraction.
+
+Data: JSON Lines with ``question`` and ``answer`` (the worked solution ending in
+``#### <number>``), as in the original release: a ``.jsonl`` file, or a directory holding
+``test.jsonl``. Few-shot examples (``--shots``, default 0) are the first records of
+``train.jsonl`` next to it.
+
+The prompt is ``Question: <question>\\nAnswer:``, examples are followed by their full solution
+and a blank line. Generation is greedy and stops at ``Question:`` (the model starting the next
+problem), EOS, or ``--max-new-tokens``. The predicted number is the one after ``####`` when the
+model wrote one, otherwise the last number of the text; it is compared numerically (commas
+dropped, ``5.0`` equals ``5``) with the reference. The metric is exact-match accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from mindspeed_llm.evaluation.lm import encode_context
+from mindspeed_llm.evaluation.tasks import (TASKS, EvalSettings, TaskResult, call_in_chunks, iter_jsonl, limit,
+                                            require_path)
+
+#: Text that ends a generation: the model moving on to a new question.
+STOP = ["Question:", "</s>", "<|im_end|>"]
+#: A number: an optional minus (not a dash joining two numbers, as in ``3-4``), digits with
+#: optional thousands commas (``1,234`` but not ``1,2``), an optional decimal part; ``.5`` too.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_MARKER = "####"
+
+
+@dataclasses.dataclass(frozen=True)
+class MathProblem:
+    """One GSM8K record.
+
+    Attributes:
+        question: the problem.
+        answer: the reference solution text (ending in ``#### <number>``).
+        target: the reference number.
+    """
+
+    question: str
+    answer: str
+    target: float
+
+
+@dataclasses.dataclass
+class GSM8KData:
+    """Loaded GSM8K files.
+
+    Attributes:
+        path: the test file.
+        problems: the test problems.
+        examples: few-shot examples (the first ``shots`` training records).
+    """
+
+    path: Path
+    problems: list[MathProblem]
+    examples: list[MathProblem]
+
+
+def parse_number(text: str) -> float | None:
+    """``text`` as a number, commas removed (``"1,234.50"`` -> 1234.5); ``None`` if it is not one."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str) -> float | None:
+    """The number a solution ends with: the first after ``####`` if present, else the last in the text.
+
+    Args:
+        text: generated or reference solution.
+
+    Returns:
+        The number, or ``None`` when there is none.
+    """
+    if _MARKER in text:
+        found = _NUMBER.search(text.split(_MARKER, 1)[1])
+        if found:
+            return parse_number(found.group())
+    numbers = _NUMBER.findall(text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def is_correct(prediction: float | None, target: float) -> bool:
+    """Numeric equality up to float rounding of the decimal text."""
+    return prediction is not None and abs(prediction - target) <= 1e-6 * max(1.0, abs(target))
+
+
+def read_gsm8k(path: Path) -> list[MathProblem]:
+    """The problems of a GSM8K JSON Lines file.
+
+    Raises:
+        ValueError: a record without ``question``/``answer`` strings or without ``#### <number>``, naming file and line.
+    """
+    problems = []
+    for number, record in iter_jsonl(path):
+        question, answer = record.get("question"), record.get("answer")
+        if not isinstance(question, str) or not isinstance(answer, str):
+            raise ValueError(f"{path}:{number}: expected string fields 'question' and 'answer', got keys {sorted(record)}")
+        found = _NUMBER.search(answer.split(_MARKER, 1)[1]) if _MARKER in answer else None
+        if found is None:
+            raise ValueError(f"{path}:{number}: the answer must end with '#### <number>' (the GSM8K format), "
+                             f"got {answer[-40:]!r}")
+        problems.append(MathProblem(question, answer, float(found.group().replace(",", ""))))
+    return problems
+
+
+def format_problem(problem: MathProblem, with_answer: bool) -> str:
+    """``Question: ...\\nAnswer:``, followed by the solution and a blank line for a few-shot example."""
+    text = f"Question: {problem.question}\nAnswer:"
+    return f"{text} {problem.answer}\n\n" if with_answer else text
+
+
+def build_prompt(examples: list[MathProblem], problem: MathProblem) -> str:
+    """The few-shot examples, then ``problem``."""
+    return "".join(format_problem(example, True) for example in examples) + format_problem(problem, False)
+
+
+class GSM8KTask:
+    """The ``gsm8k`` task (see the module docstring)."""
+
+    default_shots = 0
+
+    def load(self, path: Path, settings: EvalSettings) -> GSM8KData:
+        """Read the test file (``path`` or ``path/test.jsonl``) and, for few-shot, ``train.jsonl`` beside it.
+
+        Raises:
+            ValueError: a missing file, too few training records, or a malformed record.
+        """
+        path = Path(path)
+        fix = "pass a GSM8K .jsonl file or a directory holding test.jsonl"
+        require_path(path, "GSM8K data", fix)
+        test_file = require_path(path / "test.jsonl", "GSM8K test file", fix) if path.is_dir() else path
+        problems = limit(read_gsm8k(test_file), settings.max_samples)
+        if not problems:
+            raise ValueError(f"{test_file} holds no problems")
+        shots = self.default_shots if settings.shots is None else settings.shots
+        examples: list[MathProblem] = []
+        if shots:
+            train_file = require_path(test_file.parent / "train.jsonl", "GSM8K train file",
+                                      f"the {shots}-shot examples come from it; add it or pass --shots 0")
+            examples = read_gsm8k(train_file)[:shots]
+            if len(examples) < shots:
+                raise ValueError(f"{train_file} has {len(examples)} problems, fewer than --shots {shots}")
+        return GSM8KData(test_file, problems, examples)
+
+    def run(self, lm: Any, data: GSM8KData, settings: EvalSettings) -> TaskResult:
+        """Generate a solution per problem and compare its final number with the reference."""
+        prompts = [encode_context(lm.tokenizer, build_prompt(data.examples, p)) for p in data.problems]
+        texts = call_in_chunks(lambda part: lm.generate(part, settings.max_new_tokens, STOP), prompts, lm, "gsm8k", settings)
+        samples = []
+        for index, (problem, text) in enumerate(zip(data.problems, texts)):
+            prediction = extract_answer(text)
+            samples.append({"index": index, "generation": text, "prediction": prediction, "target": problem.target,
+                            "correct": is_correct(prediction, problem.target)})
+        accuracy = sum(s["correct"] for s in samples) / len(samples)
+        return TaskResult(task="gsm8k", metric="exact_match", value=accuracy, n=len(samples),
+                          metrics={"exact_match": accuracy}, samples=samples,
+                          settings={"data": str(data.path), "shots": len(data.examples),
+                                    "max_new_tokens": settings.max_new_tokens, "stop": STOP})
+
+
+TASKS.register("gsm8k", GSM8KTask())
