@@ -311,8 +311,13 @@ class EngineLM:
             max_seq_len: evaluation window, passed to the engine.
             engine_kwargs: further ``from_pretrained`` arguments (``hf_cfg_dir`` for a Megatron checkpoint).
         """
-        from mindspeed_llm.inference import InferenceEngine
-
+        try:
+            from mindspeed_llm.inference import InferenceEngine
+        except ModuleNotFoundError as err:
+            if err.name != "mindspeed_llm.inference":
+                raise
+            raise ValueError("--backend engine: this install has no mindspeed_llm.inference; "
+                             "pass --backend transformers for a Hugging Face directory") from err
         engine = InferenceEngine.from_pretrained(str(path), dtype=dtype, max_batch_size=batch_size, max_seq_len=max_seq_len,
                                                  **engine_kwargs)
         return cls(engine, tokenizer, batch_size, max_seq_len)
