@@ -1,4 +1,4 @@
-"""``mindspeed-llm pretrain --config recipe.yaml [key=value ...]``: the pretraining command.
+"""``mindspeed-llm pretrain|sft|dpo --config recipe.yaml [key=value ...]``: the training commands.
 
 The recipe and the overrides build a :class:`~mindspeed_llm.training.config.PretrainConfig`
 (strict: an unknown key is an error with a suggestion), which is checked against the world
@@ -9,6 +9,7 @@ the command is one rank of the torchrun launch (multi-node included).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -21,19 +22,47 @@ from mindspeed_llm.cli import COMMANDS
 logger = get_logger(__name__)
 
 
-def add_pretrain(sub: argparse._SubParsersAction) -> None:
-    """Add ``pretrain`` to the ``mindspeed-llm`` subcommands."""
-    parser = sub.add_parser(
-        "pretrain", help="pretrain a GPT on megatron-core (any TP/PP/VPP/DP/EP layout, CPU included)",
-        description="Pretrain a GPT with megatron-core from a YAML recipe and key=value overrides "
-                    "(e.g. train.steps=100 parallel.tp=2). Checkpoints are megatron-core distributed "
-                    "checkpoints; a run resumes from the newest one in checkpoint.save.")
+#: command -> (help, description) of the training commands; all share one recipe format.
+_COMMANDS = {
+    "pretrain": ("pretrain a GPT on megatron-core (any TP/PP/VPP/DP/EP layout, CPU included)",
+                 "Pretrain a GPT with megatron-core from a YAML recipe and key=value overrides "
+                 "(e.g. train.steps=100 parallel.tp=2). Checkpoints are megatron-core distributed "
+                 "checkpoints; a run resumes from the newest one in checkpoint.save."),
+    "sft": ("supervised fine-tuning on instruction data (full or LoRA/QLoRA; packed sequences)",
+            "Fine-tune on instruction data from preprocess-data (data.prefixes = its --output-prefix): the loss is "
+            "on response tokens only, samples are packed with attention reset at their boundaries. Start from a "
+            "Hugging Face directory with checkpoint.load_hf=DIR; export with checkpoint.save_hf=DIR."),
+    "dpo": ("direct preference optimisation on pairwise data, against a frozen reference model",
+            "Train with DPO on pairwise data from preprocess-data (AlpacaStylePairwiseHandler ...): dpo.beta, "
+            "dpo.label_smoothing, dpo.loss_type; the reference is the starting model (checkpoint.load_hf or "
+            "checkpoint.load) unless dpo.ref_model names another."),
+}
+
+
+def _add_training_command(sub: argparse._SubParsersAction, stage: str) -> None:
+    help_text, description = _COMMANDS[stage]
+    parser = sub.add_parser(stage, help=help_text, description=description)
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn on this machine (ignored under torchrun; default 1)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-3")
-    parser.set_defaults(func=run_pretrain)
+    parser.set_defaults(func=run_pretrain, stage=stage)
+
+
+def add_pretrain(sub: argparse._SubParsersAction) -> None:
+    """Add ``pretrain`` to the ``mindspeed-llm`` subcommands."""
+    _add_training_command(sub, "pretrain")
+
+
+def add_sft(sub: argparse._SubParsersAction) -> None:
+    """Add ``sft`` to the ``mindspeed-llm`` subcommands."""
+    _add_training_command(sub, "sft")
+
+
+def add_dpo(sub: argparse._SubParsersAction) -> None:
+    """Add ``dpo`` to the ``mindspeed-llm`` subcommands."""
+    _add_training_command(sub, "dpo")
 
 
 def _world_size(nproc_per_node: int) -> int:
@@ -55,7 +84,16 @@ def run_pretrain(args: argparse.Namespace) -> int:
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    from mindspeed.config import ConfigError
+    from mindspeed_llm.training.hf import apply_load_hf
+
+    stage = getattr(args, "stage", "pretrain")
     config = load_pretrain_config(args.config, args.overrides)
+    if config.stage not in ("pretrain", stage):
+        raise ConfigError(f"the recipe says stage: {config.stage}; run it with `mindspeed-llm {config.stage}` "
+                          f"rather than `{stage}`")
+    config = dataclasses.replace(config, stage=stage)
+    config = apply_load_hf(config)
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
@@ -68,5 +106,7 @@ def run_pretrain(args: argparse.Namespace) -> int:
 
 
 COMMANDS.register("pretrain", add_pretrain)
+COMMANDS.register("sft", add_sft)
+COMMANDS.register("dpo", add_dpo)
 
 import mindspeed_llm.training.quickstart  # noqa: E402,F401  (registers quickstart)

@@ -19,7 +19,10 @@ from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
-SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features")
+SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features", "lora", "dpo")
+
+#: What a recipe trains: the command that runs it (``mindspeed-llm pretrain|sft|dpo``) sets it.
+STAGES = ("pretrain", "sft", "dpo")
 
 
 @dataclass
@@ -41,6 +44,8 @@ class ModelConfig:
         swiglu: gated SiLU MLP (Llama); false: a plain GeLU MLP.
         position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
         rotary_base: rope base frequency.
+        rope_scaling: Llama 3.1's rope frequency scaling.
+        rope_scaling_factor: its factor.
         max_position_embeddings: positions of a learned embedding (default ``data.seq_length``).
         tie_embeddings: share the input embedding with the output layer.
         add_bias_linear: biases in all linear layers.
@@ -70,7 +75,9 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     swiglu: bool = True
     position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    rotary_base: int = 10000
+    rotary_base: float = 10000
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     max_position_embeddings: int | None = None
     tie_embeddings: bool = False
     add_bias_linear: bool = False
@@ -183,6 +190,13 @@ class DataConfig:
         eod_mask_loss: no loss on end-of-document tokens.
         cache_dir: where megatron caches its sample indices (default: next to the data).
         mock: synthetic random tokens instead of files (benchmarks, smoke tests).
+        variable_seq_lengths: sft/dpo: pad each microbatch only to a multiple of
+            ``pad_to_multiple_of`` rather than to ``micro_batch_size x seq_length`` tokens.
+        pad_to_multiple_of: sft/dpo with ``variable_seq_lengths``: the padding multiple.
+
+    For ``sft`` and ``dpo`` a prefix is preprocess-data's ``--output-prefix`` of instruction
+    (``PREFIX_packed_input_ids_document`` ...) or pairwise data; ``seq_length`` is then the
+    longest sample (longer ones are cut) and the row length of packed data.
     """
 
     prefixes: list[str] = field(default_factory=list)
@@ -195,6 +209,8 @@ class DataConfig:
     eod_mask_loss: bool = False
     cache_dir: str | None = None
     mock: bool = False
+    variable_seq_lengths: bool = False
+    pad_to_multiple_of: int = 8
 
 
 @dataclass
@@ -228,6 +244,11 @@ class CheckpointConfig:
         finetune: from ``load``, take the model weights only (step 0, fresh optimizer and data).
         load_optimizer: restore the optimizer state (and learning-rate schedule).
         load_rng: restore the random-number generators (same world size only).
+        load_hf: a Hugging Face model directory to start from (step 0): the model section, the
+            tokenizer and the weights come from it (converted on the fly by the bridges).
+            Ignored when resuming from ``save``; ``load`` takes precedence.
+        save_hf: write the final model as a Hugging Face directory here (config, tokenizer,
+            sharded safetensors) at the end of the run.
     """
 
     save: str | None = None
@@ -239,6 +260,26 @@ class CheckpointConfig:
     finetune: bool = False
     load_optimizer: bool = True
     load_rng: bool = True
+    load_hf: str | None = None
+    save_hf: str | None = None
+
+
+@dataclass
+class DpoConfig:
+    """Direct preference optimisation (``mindspeed-llm dpo``), MindSpeed-LLM's ``--dpo-*`` settings.
+
+    Attributes:
+        beta: the KL strength (``--dpo-beta``).
+        label_smoothing: the assumed label noise of the sigmoid loss (``--dpo-label-smoothing``).
+        loss_type: ``sigmoid`` (DPO), ``hinge`` (SLiC) or ``ipo`` (``--dpo-loss-type``).
+        ref_model: the frozen reference (a Hugging Face directory or a Megatron checkpoint);
+            default: the weights the policy starts from (``--ref-model``).
+    """
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = "sigmoid"
+    ref_model: str | None = None
 
 
 @dataclass
@@ -272,6 +313,7 @@ class PretrainConfig:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
         data: :class:`DataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`CheckpointConfig`.
         logging: :class:`LoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
+        dpo: :class:`DpoConfig`. stage: ``pretrain``, ``sft`` or ``dpo`` (set by the command).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -282,6 +324,8 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    stage: Literal["pretrain", "sft", "dpo"] = "pretrain"
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size ``world_size`` leaves over the model-parallel sizes."""
@@ -302,6 +346,25 @@ class PretrainConfig:
         """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""
         target = self.logging.dir or self.checkpoint.save
         return Path(target) if target else None
+
+    def _check_finetune(self) -> None:
+        d, p = self.data, self.parallel
+        if d.mock:
+            raise ConfigError(f"data.mock is for pretraining; {self.stage} needs preprocessed data in data.prefixes")
+        if d.weights is not None:
+            raise ConfigError(f"data.weights: {self.stage} reads every prefix in full; remove data.weights")
+        _check_finetune_data(self)
+        if d.pad_to_multiple_of < 1:
+            raise ConfigError(f"data.pad_to_multiple_of={d.pad_to_multiple_of} must be at least 1")
+        if p.sequence_parallel and (d.pad_to_multiple_of % p.tp if d.variable_seq_lengths else
+                                    (self.train.micro_batch_size * d.seq_length) % p.tp):
+            raise ConfigError(f"sequence parallelism needs microbatches of a multiple of parallel.tp={p.tp} tokens; "
+                              "make data.pad_to_multiple_of (with variable_seq_lengths) or data.seq_length a multiple")
+        if self.stage == "dpo":
+            if self.dpo.beta <= 0:
+                raise ConfigError(f"dpo.beta={self.dpo.beta} must be positive")
+            if not 0 <= self.dpo.label_smoothing < 0.5:
+                raise ConfigError(f"dpo.label_smoothing={self.dpo.label_smoothing} must be in [0, 0.5)")
 
     def check(self, world_size: int) -> None:
         """Check the values against each other and against ``world_size``.
@@ -366,7 +429,7 @@ class PretrainConfig:
         if not d.prefixes and not d.mock:
             raise ConfigError("data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
                               "as written by `mindspeed-llm preprocess-data`), or set data.mock=true")
-        for prefix in d.prefixes:
+        for prefix in d.prefixes if self.stage == "pretrain" else ():
             missing = [prefix + suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
             if missing:
                 raise ConfigError(f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
@@ -379,6 +442,8 @@ class PretrainConfig:
             raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
         if (d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id is None and d.tokenizer is None:
             raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
+        if self.stage != "pretrain":
+            self._check_finetune()
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
         _check_megatron_fields(m.megatron)
@@ -401,6 +466,18 @@ def _check_positive(config: PretrainConfig) -> None:
                        ("checkpoint.keep_last", config.checkpoint.keep_last), ("model.vocab_size", config.model.vocab_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
+
+
+def _check_finetune_data(config: PretrainConfig) -> None:
+    from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
+
+    keys = PAIRWISE_KEYS if config.stage == "dpo" else INSTRUCTION_KEYS
+    kind = "pairwise (AlpacaStylePairwiseHandler ...)" if config.stage == "dpo" else "instruction (AlpacaStyleInstructionHandler ...)"
+    for prefix in config.data.prefixes:
+        path = f"{prefix}_packed_{keys[0]}_document"
+        if not (Path(path + ".bin").is_file() and Path(path + ".idx").is_file()):
+            raise ConfigError(f"data.prefixes: {path}.bin/.idx not found; {config.stage} reads {kind} data: give the "
+                              "--output-prefix preprocess-data wrote it with")
 
 
 def _check_split(split: str) -> None:

@@ -10,7 +10,7 @@ silently diverge). Needs ``mindspeed.megatron.adapt()`` and megatron's parallel 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -63,6 +63,12 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
     )
     if p.etp is not None:
         fields["expert_tensor_parallel_size"] = p.etp
+    if config.stage != "pretrain":
+        # Fine-tuning batches hold different numbers of trained tokens (and DPO pairs): the
+        # gradients are divided by the step's total count, not averaged per microbatch.
+        fields["calculate_per_token_loss"] = True
+        if config.data.variable_seq_lengths and p.pp > 1:
+            fields["variable_seq_lengths"] = True
     if m.recompute_granularity == "full":
         fields.update(recompute_method="uniform", recompute_num_layers=m.recompute_num_layers)
     if m.num_moe_experts:
@@ -77,13 +83,19 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
     return TransformerConfig(**fields)
 
 
-def build_model(config: PretrainConfig, transformer: Any, vocab_size: int) -> list[Any]:
+def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
+                prepare: Callable[[Any], None] | None = None, trainable: bool = True) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
         config: the recipe.
         transformer: the ``TransformerConfig`` from :func:`transformer_config`.
         vocab_size: the padded vocabulary (:func:`padded_vocab_size`).
+        prepare: called on each bare ``GPTModel`` before it is wrapped (LoRA adds its factors
+            and freezes the base here: megatron's DDP keeps gradient buffers only for the
+            parameters that require a gradient when it wraps).
+        trainable: ``False`` builds a frozen model for forward passes only (DPO's reference):
+            no DDP, no gradient hooks, and ``transformer`` is left untouched.
 
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
@@ -98,8 +110,12 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int) -> li
 
     m, p = config.model, config.parallel
     check_config_for_spec(transformer, swiglu=m.swiglu)
+    # Hugging Face weights come in and go out through the bridges, which name experts as
+    # megatron's SequentialMLP does; otherwise the moe_grouped_gemm feature decides.
+    bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
     spec = get_gpt_layer_spec(num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
-                              normalization=m.normalization, swiglu=m.swiglu)
+                              normalization=m.normalization, swiglu=m.swiglu,
+                              moe_grouped_gemm=False if bridged else None)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.train.precision != "fp32", overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
@@ -114,12 +130,21 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int) -> li
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
-            rotary_base=m.rotary_base, vp_stage=vp_stage,
+            rotary_base=m.rotary_base, rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+            vp_stage=vp_stage,
         )
         gpt.to(device)
+        if prepare is not None:
+            prepare(gpt)
         module = Float16Module(transformer, gpt) if transformer.bf16 else gpt
+        if not trainable:
+            module.requires_grad_(False)
+            chunks.append(module)
+            continue
         # Megatron buckets only the first chunk's gradients; the others use one bucket each.
         chunks.append(DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0))
+    if not trainable:
+        return chunks
     transformer.finalize_model_grads_func = finalize_model_grads
     no_sync = [chunk.no_sync for chunk in chunks]
     transformer.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]

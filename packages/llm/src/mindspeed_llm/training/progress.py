@@ -68,7 +68,7 @@ class RunReporter:
     def step(self, record: dict[str, Any]) -> None:
         """Add throughput and MFU to a step's record, advance the bar, log every ``logging.interval`` steps."""
         seconds = record["step_time_s"]
-        tokens_per_s = self.tokens_per_step / seconds if seconds > 0 else None
+        tokens_per_s = record.get("step_tokens", self.tokens_per_step) / seconds if seconds > 0 else None
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = mfu(tokens_per_s * self.flops_per_token, self.peak, self.world_size) if tokens_per_s else None
         status = (f"loss {_fmt(record['loss'], '.4f')} lr {_fmt(record['lr'], '.3g')} "
@@ -81,8 +81,11 @@ class RunReporter:
 
     def evaluation(self, record: dict[str, Any]) -> None:
         """Log an evaluation."""
-        logger.info("step %d: validation loss %.4f (perplexity %.4g, %d tokens)", record["step"], record["loss"],
-                    record["perplexity"], record["tokens"])
+        if "perplexity" in record:
+            logger.info("step %d: validation loss %.4f (perplexity %.4g, %d tokens)", record["step"], record["loss"],
+                        record["perplexity"], record["tokens"])
+        else:
+            logger.info("step %d: validation loss %.4f (%d samples)", record["step"], record["loss"], record["tokens"])
 
     def finish(self, records: list[dict[str, Any]]) -> None:
         """Log a summary of the run's steps."""

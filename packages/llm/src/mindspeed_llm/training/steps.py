@@ -21,84 +21,126 @@ import torch.distributed as dist
 LossTransform = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def _loss_func(loss_mask: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor] | None,
-               output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    losses = output.float().reshape(-1)
-    if transform is not None:
-        losses = transform(losses)
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask)
-    tokens = mask.sum()
-    return loss, tokens.to(torch.int), {"lm loss": torch.stack([loss.detach().clone(), tokens.detach()])}
+#: ``(batch, per-token losses) -> (loss sum, count, {metric: [sum, count]})``: what a stage
+#: trains on (megatron divides the sum by the count, or, with ``calculate_per_token_loss``,
+#: the gradients by the count summed over the whole step). Its ``metrics`` attribute names
+#: the metrics it reports.
+LossFunc = Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+#: The metric key of the language-model loss.
+LM_LOSS = "lm loss"
 
 
-def _forward_step(transform: Callable[[torch.Tensor], torch.Tensor] | None, data_iterator: Iterator[dict[str, Any]],
-                  model: Any) -> tuple[torch.Tensor, Callable]:
+def lm_loss(transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LossFunc:
+    """The masked per-token cross-entropy (pretraining and SFT), ``transform`` applied first."""
+
+    def loss_func(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        losses = output.float().reshape(-1)
+        if transform is not None:
+            losses = transform(losses)
+        mask = batch["loss_mask"].reshape(-1).float()
+        loss = torch.sum(losses * mask)
+        tokens = mask.sum()
+        return loss, tokens.to(torch.int), {LM_LOSS: torch.stack([loss.detach().clone(), tokens.detach()])}
+
+    loss_func.metrics = (LM_LOSS,)
+    return loss_func
+
+
+def packed_seq_params(batch: dict[str, Any]) -> Any:
+    """Megatron's ``PackedSeqParams`` (THD) of a microbatch with ``cu_seqlens``, else ``None``."""
+    if "cu_seqlens" not in batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=batch["max_seqlen"],
+                           max_seqlen_kv=batch["max_seqlen"])
+
+
+def _forward_step(loss_fn: LossFunc, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Callable]:
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"], transform)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=packed_seq_params(batch))
+    return output, partial(loss_fn, batch)
 
 
-def reduce_loss(outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-    """The global batch's mean per-token loss and its token count, on every rank (collective).
+def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...] = (LM_LOSS,)) -> dict[str, tuple[float, int]]:
+    """Every metric's mean over the global batch and its count, on every rank (collective).
 
     Args:
-        outputs: what the schedule returned (the microbatches' ``[loss sum, tokens]`` on the
+        outputs: what the schedule returned (per microbatch ``{metric: [sum, count]}`` on the
             last pipeline stage, nothing elsewhere).
+        names: the metrics (known on every stage, so that all join the same reductions).
     """
     from megatron.core import parallel_state as ps
 
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(len(names), 2, dtype=torch.float64)
     for item in outputs:
-        total += item["lm loss"].to(torch.float64).cpu()
+        for row, name in enumerate(names):
+            total[row] += item[name].to(torch.float64).cpu()
     # The last stage holds the sums; the others add zeros. gloo has no AVG: sum, then divide.
     dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     dist.all_reduce(total, group=ps.get_data_parallel_group())
-    loss_sum, tokens = total.tolist()
-    return (loss_sum / tokens if tokens else float("nan")), int(tokens)
+    return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in zip(names, total.tolist())}
 
 
-def forward_backward(chunks: list[Any], batches: list[dict[str, torch.Tensor]], forward_only: bool = False,
-                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, int]:
+def reduce_loss(outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """The global batch's mean per-token loss and its token count, on every rank (collective)."""
+    metrics = reduce_metrics(outputs)
+    return metrics.get(LM_LOSS, (float("nan"), 0))
+
+
+def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc,
+                 forward_only: bool = False) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.
 
     Args:
         chunks: this rank's model chunks.
         batches: the microbatches (every pipeline stage and virtual stage reads the same list).
+        loss_fn: the stage's loss.
         forward_only: evaluation (no backward, no gradient reduction).
-        transform: applied to the per-token losses before masking.
 
     Returns:
-        :func:`reduce_loss` of the pass.
+        :func:`reduce_metrics` of the pass.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, transform), data_iterator=[iter(batches) for _ in chunks],
+        forward_step_func=partial(_forward_step, loss_fn), data_iterator=[iter(batches) for _ in chunks],
         model=chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-    return reduce_loss(outputs or [])
+    return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)))
 
 
-def evaluate(chunks: list[Any], steps: list[list[dict[str, torch.Tensor]]]) -> tuple[float, int]:
-    """Mean per-token loss over several global batches of validation data (collective).
+def forward_backward(chunks: list[Any], batches: list[dict[str, Any]], forward_only: bool = False,
+                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, int]:
+    """The language-model loss pass of :func:`run_schedule`: ``(mean per-token loss, tokens)``."""
+    return run_schedule(chunks, batches, lm_loss(transform), forward_only)[LM_LOSS]
+
+
+def evaluate(chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: LossFunc | None = None,
+             key: str = LM_LOSS) -> tuple[float, int]:
+    """Mean of the metric ``key`` over several global batches of validation data (collective).
 
     Args:
         chunks: this rank's model chunks (put back in training mode afterwards).
         steps: per global batch, this rank's microbatches.
+        loss_fn: the stage's loss (default: the language-model loss).
+        key: the metric to average.
     """
     for chunk in chunks:
         chunk.eval()
-    loss_sum, tokens = 0.0, 0
+    loss_sum, count = 0.0, 0
     try:
         with torch.no_grad():
             for batches in steps:
-                loss, count = forward_backward(chunks, batches, forward_only=True)
-                loss_sum += loss * count
-                tokens += count
+                loss, n = run_schedule(chunks, batches, loss_fn or lm_loss(), forward_only=True)[key]
+                loss_sum += loss * n
+                count += n
     finally:
         for chunk in chunks:
             chunk.train()
-    return (loss_sum / tokens if tokens else float("nan")), tokens
+    return (loss_sum / count if count else float("nan")), count

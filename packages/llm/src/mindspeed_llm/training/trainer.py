@@ -1,6 +1,7 @@
-"""The pretraining loop over megatron-core: build, (re)load, train, evaluate, checkpoint, report.
+"""The training loop over megatron-core: build, (re)load, train, evaluate, checkpoint, report.
 
-:func:`pretrain` runs on every rank of an initialised torch.distributed group (see
+One loop serves pretraining, supervised fine-tuning and DPO; the recipe's ``stage`` picks the
+data, microbatches and loss (:mod:`mindspeed_llm.training.stages`). :func:`pretrain` runs on every rank of an initialised torch.distributed group (see
 :mod:`mindspeed_llm.training.launch`). It adapts megatron-core to the accelerator with the
 recipe's features (``mindspeed.megatron.adapt``), initialises megatron's parallel state, and
 undoes both on return, so several runs can follow each other in one process.
@@ -22,12 +23,14 @@ from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.data import MicrobatchReader, build_datasets, read_tokenizer
+from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
-from mindspeed_llm.training.steps import LossTransform, evaluate, forward_backward
+from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, save_hf
+from mindspeed_llm.training.stages import get_stage
+from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate, run_schedule
 
 logger = get_logger(__name__)
 
@@ -63,7 +66,7 @@ class TrainResult:
 
 
 def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:
-    """Pretrain a GPT as ``config`` says, on the current torch.distributed group.
+    """Train a GPT as ``config`` says (its ``stage``: pretrain, sft or dpo) on the current torch.distributed group.
 
     Raises:
         ConfigError: the recipe does not fit the world size, the data or the checkpoint.
@@ -73,6 +76,7 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     from mindspeed.megatron import adapt, unadapt
 
     world = dist.get_world_size()
+    config = apply_load_hf(config)
     config.check(world)
     ids = read_tokenizer(config)
     vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
@@ -107,6 +111,8 @@ class _Run:
     def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks) -> None:
         self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
         self.world = dist.get_world_size()
+        self.stage = get_stage(config.stage)
+        self.reference: list[Any] | None = None
         ctx = report.context
         self.feature_hooks = dict(ctx.hooks) if ctx is not None else {}
         self.overrides = dict(ctx.config_overrides) if ctx is not None else {}
@@ -133,6 +139,10 @@ class _Run:
         config = self.config
         self.transformer = transformer_config(config, self.vocab, self.overrides)
         self.chunks = build_model(config, self.transformer, self.vocab)
+        if self.stage.needs_reference:
+            # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
+            frozen = transformer_config(config, self.vocab, {**self.overrides, "perform_initialization": False})
+            self.reference = build_model(config, frozen, self.vocab, trainable=False)
         for hook in self.feature_hooks.get("post_model_build", ()):
             hook(self.chunks)
         self.optimizer = build_optimizer(config, self.chunks)
@@ -142,12 +152,14 @@ class _Run:
         self.transformer.grad_scale_func = self.optimizer.scale_loss
         self.num_parameters = count_parameters(self.chunks)
         self.state = self._load()
-        train, valid = build_datasets(config, self.world, self.ids)
+        if self.reference is not None:
+            self._load_reference()
+        train, valid = self.stage.datasets(config, self.world, self.ids)
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         device = get_accelerator().device()
-        mbs = config.train.micro_batch_size
-        self.train_reader = MicrobatchReader(train, mbs, dp_rank, dp_size, device)
-        self.valid_reader = MicrobatchReader(valid, mbs, dp_rank, dp_size, device) if valid is not None else None
+        read = lambda dataset: self.stage.reader(dataset, config, dp_rank, dp_size, device, self.ids.eod)
+        self.train_reader = read(train)
+        self.valid_reader = read(valid) if valid is not None else None
 
     def _load(self) -> TrainState:
         ck = self.config.checkpoint
@@ -156,11 +168,47 @@ class _Run:
             if source is None:
                 raise ConfigError(f"checkpoint.load={ck.load!r} holds no checkpoint (neither an iter_* directory "
                                   "with metadata.json nor a directory with latest_checkpointed_iteration.txt)")
-            return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config,
-                                   weights_only=ck.finetune)
+            state = load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config,
+                                    weights_only=ck.finetune)
+            if ck.finetune or not ck.load_optimizer:
+                self._refresh_master_weights()
+            return state
         if ck.resume and ck.save and (source := find_checkpoint(ck.save)) is not None:
             return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config)
+        if ck.load_hf:
+            self._load_hf(self.chunks, ck.load_hf)
         return TrainState()
+
+    def _load_hf(self, chunks: list[Any], path: str) -> None:
+        load_hf_weights(chunks, self.config, path, self.vocab)
+        if chunks is self.chunks:
+            self._refresh_master_weights()
+
+    def _refresh_master_weights(self) -> None:
+        # Megatron's mixed-precision optimizers keep fp32 master copies of the weights they were
+        # built with: weights loaded afterwards (without optimizer state) must reach them too.
+        self.optimizer.reload_model_params()
+
+    def _load_reference(self) -> None:
+        """The DPO reference: ``dpo.ref_model``, else the weights the policy started from."""
+        ck, source = self.config.checkpoint, self.config.dpo.ref_model
+        if source is None and not (ck.load_hf or ck.load):
+            raise ConfigError("dpo needs the model to start from: set checkpoint.load_hf or checkpoint.load "
+                              "(or dpo.ref_model for the reference)")
+        if source is None:
+            source = ck.load_hf or ck.load
+            hf = bool(ck.load_hf) and not ck.load
+        else:
+            from pathlib import Path
+
+            hf = (Path(source) / "config.json").is_file()
+        if hf:
+            self._load_hf(self.reference, source)
+            return
+        found = find_checkpoint(source)
+        if found is None:
+            raise ConfigError(f"dpo reference {source!r} is neither a Hugging Face directory nor a checkpoint")
+        load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
 
     def _train(self) -> TrainResult:
         config, state = self.config, self.state
@@ -214,6 +262,8 @@ class _Run:
         ck = config.checkpoint
         if ck.save and ck.save_at_end and not self._save_due(step):
             save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config)
+        if ck.save_hf:
+            save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab)
         reporter.finish(result.records)
 
     def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
@@ -228,7 +278,9 @@ class _Run:
         hook = self.hooks.loss_transform
         transform = (lambda losses: hook(step, losses)) if hook is not None else None
         lr = current_lr(self.optimizer)
-        loss, tokens = forward_backward(self.chunks, batches, transform=transform)
+        self.stage.prepare(self.reference, batches)
+        metrics = run_schedule(self.chunks, batches, self.stage.loss_fn(self.config, transform))
+        loss, tokens = metrics[self.stage.metric]
         grad_norm = None
         skipped = not math.isfinite(loss)
         if skipped:
@@ -248,16 +300,31 @@ class _Run:
             hook(step)
         state.step = step
         state.consumed_train_samples += gbs
-        return {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
-                "tokens": tokens, "consumed_samples": state.consumed_train_samples,
-                "step_time_s": time.perf_counter() - start}
+        record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                  "tokens": tokens, "consumed_samples": state.consumed_train_samples,
+                  "step_time_s": time.perf_counter() - start}
+        record.update({name: value for name, (value, _) in metrics.items() if name not in (LM_LOSS, self.stage.metric)})
+        if "sequence_index" in batches[0]:
+            record["step_tokens"] = self._step_tokens(batches)
+        return record
+
+    def _step_tokens(self, batches: list[dict[str, Any]]) -> int:
+        # Tokens the step processed (padding excluded), over the data-parallel ranks.
+        from megatron.core import parallel_state as ps
+
+        local = torch.tensor([sum(int((b["sequence_index"] >= 0).sum()) for b in batches)], dtype=torch.float64)
+        dist.all_reduce(local, group=ps.get_data_parallel_group())
+        return int(local.item())
 
     def _evaluate(self, step: int, metrics: MetricsLog, reporter: RunReporter) -> dict[str, Any]:
         gbs, num_micro = self.config.global_batch_size(self.world), self.config.num_microbatches(self.world)
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
-        loss, tokens = evaluate(self.chunks, steps)
-        record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens,
-                  "perplexity": math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss}
+        for batches in steps:
+            self.stage.prepare(self.reference, batches)
+        loss, tokens = evaluate(self.chunks, steps, self.stage.loss_fn(self.config), self.stage.metric)
+        record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
+        if self.stage.metric == LM_LOSS:
+            record["perplexity"] = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
         metrics.write(record)
         reporter.evaluation(record)
         return record

@@ -1,0 +1,144 @@
+"""What each training stage brings to the one loop: its data, its microbatches and its loss.
+
+``pretrain`` reads megatron-core's GPT datasets (documents concatenated into fixed-length
+samples) and trains the language-model loss on every token; ``sft`` reads instruction data
+as packed THD microbatches and trains the same loss on the response tokens only; ``dpo``
+reads preference pairs and trains a DPO loss against a frozen reference model, whose
+log-probabilities are computed over the same microbatches before each step. Stages are
+registered by name in :data:`STAGES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mindspeed.config import ConfigError
+from mindspeed.log import get_logger
+from mindspeed.registry import Registry
+from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.steps import LM_LOSS, LossFunc, lm_loss
+
+logger = get_logger(__name__)
+
+
+class Stage:
+    """A training stage (subclasses set the class attributes and the methods).
+
+    Attributes:
+        name: the stage (``PretrainConfig.stage``).
+        metric: the metric reported as ``loss``.
+        needs_reference: builds a frozen reference model (DPO).
+    """
+
+    name = ""
+    metric = LM_LOSS
+    needs_reference = False
+
+    def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
+        """``(train, validation or None)``; collective."""
+        raise NotImplementedError
+
+    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
+               pad_id: int) -> Any:
+        """A reader with ``step(consumed, num_microbatches) -> microbatches``."""
+        raise NotImplementedError
+
+    def loss_fn(self, config: PretrainConfig, transform: Any = None) -> LossFunc:
+        """The loss of one microbatch."""
+        return lm_loss(transform)
+
+    def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
+        """Work on a step's microbatches before the training pass (collective)."""
+
+
+#: stage name -> :class:`Stage` subclass.
+STAGES: Registry[type[Stage]] = Registry("training stage")
+
+
+@STAGES.register("pretrain")
+class PretrainStage(Stage):
+    """Megatron GPT datasets and the language-model loss on every token."""
+
+    name = "pretrain"
+
+    def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
+        from mindspeed_llm.training.data import build_datasets
+
+        return build_datasets(config, world_size, ids)
+
+    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
+               pad_id: int) -> Any:
+        from mindspeed_llm.training.data import MicrobatchReader
+
+        return MicrobatchReader(dataset, config.train.micro_batch_size, dp_rank, dp_size, device)
+
+
+class _FinetuneStage(Stage):
+    pairwise = False
+
+    def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
+        from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS, DocumentDataset
+
+        keys = PAIRWISE_KEYS if self.pairwise else INSTRUCTION_KEYS
+        d = config.data
+        train = DocumentDataset(d.prefixes, keys, d.split, 0, config.train.seed, shuffle=True)
+        if not len(train):
+            raise ConfigError(f"data.split={d.split!r} leaves no training samples in {d.prefixes}")
+        evaluates = config.eval.interval is not None or config.eval.at_end
+        valid = DocumentDataset(d.prefixes, keys, d.split, 1, config.train.seed, shuffle=False) if evaluates else None
+        if valid is not None and not len(valid):
+            raise ConfigError(f"evaluation needs validation samples but data.split={d.split!r} leaves none; give the "
+                              "split a valid part (e.g. '95,5,0') or unset eval.interval/eval.at_end")
+        logger.info("data: %d %s for training%s", len(train), "pairs" if self.pairwise else "samples",
+                    f", {len(valid)} for validation" if valid is not None else "")
+        return train, valid
+
+    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
+               pad_id: int) -> Any:
+        from mindspeed_llm.training.finetune_data import PackedMicrobatchReader, PackSettings
+
+        d = config.data
+        settings = PackSettings(d.seq_length, config.train.micro_batch_size, d.variable_seq_lengths,
+                                d.pad_to_multiple_of, pad_id)
+        return PackedMicrobatchReader(dataset, settings, self.pairwise, dp_rank, dp_size, device)
+
+
+@STAGES.register("sft")
+class SftStage(_FinetuneStage):
+    """Instruction data in packed microbatches; the loss on response tokens only."""
+
+    name = "sft"
+
+
+@STAGES.register("dpo")
+class DpoStage(_FinetuneStage):
+    """Preference pairs; the DPO loss against a frozen reference model."""
+
+    name = "dpo"
+    pairwise = True
+    needs_reference = True
+
+    @property
+    def metric(self) -> str:  # type: ignore[override]
+        from mindspeed_llm.training.dpo import DPO_LOSS
+
+        return DPO_LOSS
+
+    def loss_fn(self, config: PretrainConfig, transform: Any = None) -> LossFunc:
+        from mindspeed_llm.training.dpo import dpo_loss_func
+
+        if transform is not None:
+            raise ValueError("loss transforms apply to the language-model loss, not to dpo")
+        return dpo_loss_func(config.dpo.beta, config.dpo.label_smoothing, config.dpo.loss_type)
+
+    def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
+        from mindspeed_llm.training.dpo import reference_logps
+
+        reference_logps(reference, batches)
+
+
+def get_stage(name: str) -> Stage:
+    """The stage ``name`` (an instance)."""
+    return STAGES.get(name)()
