@@ -134,10 +134,20 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
-def stop_strings(tokenizer: Any, stop: Sequence[str]) -> list[str]:
-    """``stop`` plus the tokenizer's EOS text, which ends a decoded generation too."""
-    eos = getattr(tokenizer, "eos_token", None)
-    return list(stop) + ([eos] if eos and eos not in stop else [])
+def eos_token_ids(tokenizer: Any, *more: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS id and any further ids or lists of ids (a generation config's), deduplicated, in order."""
+    ids: list[int] = []
+    for value in (getattr(tokenizer, "eos_token_id", None), *more):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and int(item) not in ids:
+                ids.append(int(item))
+    return tuple(ids)
+
+
+def stop_strings(tokenizer: Any, stop: Sequence[str], eos_ids: Sequence[int]) -> list[str]:
+    """``stop`` plus the text of every EOS token, which ends a decoded generation too."""
+    texts = [tokenizer.decode([i]) for i in eos_ids]
+    return list(stop) + [t for t in texts if t and t not in stop]
 
 
 def model_max_seq_len(config: Any, requested: int | None) -> int:
@@ -178,8 +188,11 @@ class TransformersLM:
         self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size
         self.max_seq_len = model_max_seq_len(model.config, max_seq_len)
         self.device = next(model.parameters()).device
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = int(pad) if pad is not None else 0
+        generation_config = getattr(model, "generation_config", None)
+        #: ids that end a generation: the tokenizer's EOS and the checkpoint's generation config's.
+        self.eos_token_ids = eos_token_ids(tokenizer, getattr(generation_config, "eos_token_id", None))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids or [0])[0]
+        self.pad_id = int(pad)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None,
@@ -227,13 +240,15 @@ class TransformersLM:
                 ids[r, :len(row)] = torch.tensor(row)
                 mask[r, :len(row)] = 1
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
             for r, row in enumerate(rows):
+                # Normalise only the positions that are scored: [batch, length, vocab] fp32 would not fit for big vocabularies.
+                first = min(len(fitted[i][0]) - 1 - fitted[i][1] for i in groups[row])
+                logprobs = torch.log_softmax(logits[r, first:len(row)].float(), dim=-1).cpu()
                 for index in groups[row]:
                     sequence, n = fitted[index]
-                    positions = torch.arange(len(sequence) - 1 - n, len(sequence) - 1)
+                    positions = torch.arange(len(sequence) - 1 - n, len(sequence) - 1) - first
                     targets = torch.tensor(sequence[-n:])
-                    out[index] = float(logprobs[r, positions, targets].sum())
+                    out[index] = float(logprobs[positions, targets].sum())
         return out
 
     @torch.no_grad()
@@ -241,7 +256,7 @@ class TransformersLM:
         """See :meth:`LM.generate`. Each batch stops early once every row has hit a stop string."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        stops = stop_strings(self.tokenizer, stop)
+        stops = stop_strings(self.tokenizer, stop, self.eos_token_ids)
         fitted = [fit_prompt(p, max_new_tokens, self.max_seq_len) for p in prompts]
         order = sorted(range(len(fitted)), key=lambda i: len(fitted[i]), reverse=True)
         out = [""] * len(prompts)
@@ -263,10 +278,12 @@ class TransformersLM:
             for r, i in enumerate(batch):  # left padding: every row's next token sits in the last column
                 ids[r, width - len(fitted[i]):] = torch.tensor(fitted[i])
                 mask[r, width - len(fitted[i]):] = 1
+            # Plain argmax: settings a checkpoint's generation config may carry (sampling, repetition
+            # penalty, n-gram blocking, a minimum length) are overridden, as generate() would apply them.
             generated = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
-                do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad_id,
+                do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
+                no_repeat_ngram_size=0, min_length=0, eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_id,
                 stopping_criteria=StoppingCriteriaList([_StopOnStrings(width)]))
             for r, i in enumerate(batch):
                 out[i] = truncate_at_stop(tokenizer.decode(generated[r, width:].tolist()), stops)
@@ -292,6 +309,10 @@ class EngineLM:
             raise ValueError(f"--evaluation-batch-size must be at least 1, got {batch_size}")
         self.engine, self.batch_size = engine, batch_size
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the checkpoint has no tokenizer files; pass --tokenizer-name-or-path (or --hf-cfg-dir with them)")
+        #: ids that end a generation: the engine's (from the generation config) and the tokenizer's EOS.
+        self.eos_token_ids = eos_token_ids(self.tokenizer, list(getattr(engine, "eos_token_ids", ())))
         config = getattr(engine, "config", None) or getattr(getattr(engine, "model", None), "config", None)
         engine_limit = getattr(engine, "max_seq_len", None)
         self.max_seq_len = model_max_seq_len(config, max_seq_len)
@@ -339,10 +360,9 @@ class EngineLM:
         """See :meth:`LM.generate`."""
         from mindspeed_llm.inference import SamplingParams
 
-        stops = stop_strings(self.tokenizer, stop)
-        eos = self.tokenizer.eos_token_id
+        stops = stop_strings(self.tokenizer, stop, self.eos_token_ids)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
-                                stop_token_ids=(eos,) if eos is not None else ())
+                                stop_token_ids=self.eos_token_ids)
         fitted = [fit_prompt(p, max_new_tokens, self.max_seq_len) for p in prompts]
         order = sorted(range(len(fitted)), key=lambda i: len(fitted[i]), reverse=True)
         out = [""] * len(prompts)
