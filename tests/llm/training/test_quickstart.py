@@ -45,3 +45,9 @@ def test_quickstart_trains_on_the_demo_corpus_and_the_loss_falls(tmp_path: Path)
     assert evals[1] < evals[0]
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["iter_0000030"]
     assert (out / "loss.png").is_file() and (out / "data" / "demo_text_document.bin").is_file()
+    # The trained model, exported for transformers (and the engine that continued the prompt).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert AutoTokenizer.from_pretrained(out / "hf")("The river")["input_ids"]

@@ -263,6 +263,10 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         for key, chunk in zip(keys, chunks):
             state[key] = {name: tensor.detach().cpu() for name, tensor in unwrap(chunk).state_dict().items()
                           if not name.endswith("_extra_state")}
+            if layout.tp == 1:  # one piece: drop the padding rows here (several pieces are glued, then cut)
+                for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    if name in state[key]:
+                        state[key][name] = state[key][name][:vocab_size].clone()
         folder = staging / iteration_dir(step) / rank_dir(_my_rank(), layout)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(state, folder / "model_optim_rng.pt")

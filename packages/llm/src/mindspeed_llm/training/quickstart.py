@@ -1,9 +1,11 @@
 """``mindspeed-llm quickstart``: raw text to a trained tiny Llama in a few minutes, on a laptop CPU.
 
-Two steps, each an ordinary command of the suite: ``preprocess-data`` tokenizes the demo corpus
-shipped with the package with the demo tokenizer (skipped when its output is already there), then
+Each step is an ordinary piece of the suite: ``preprocess-data`` tokenizes the demo corpus
+shipped with the package with the demo tokenizer (skipped when its output is already there),
 ``pretrain`` trains the packaged ``tiny_cpu.yaml`` recipe (the same file as
-``examples/llm/tiny_cpu.yaml``) on it. Everything goes under one output directory.
+``examples/llm/tiny_cpu.yaml``) on it and exports the result as a Hugging Face directory
+(``checkpoint.save_hf``), and the built-in inference engine continues a prompt with it.
+Everything goes under one output directory: ``data/``, ``checkpoints/``, ``hf/`` and the metrics.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def run_quickstart(args: argparse.Namespace) -> int:
     load_pretrain_config(TINY_CPU_RECIPE, args.overrides)
     dataset = prepare_demo_data(out)
     config = load_pretrain_config(TINY_CPU_RECIPE, [f"data.prefixes=[{dataset}]", f"checkpoint.save={out / 'checkpoints'}",
-                                                    f"logging.dir={out}", *args.overrides])
+                                                    f"checkpoint.save_hf={out / 'hf'}", f"logging.dir={out}",
+                                                    *args.overrides])
     config.check(args.nproc_per_node)
     result = launch(pretrain, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     if result.stopped:
@@ -73,7 +76,24 @@ def run_quickstart(args: argparse.Namespace) -> int:
                     f"; validation loss {result.evals[-1]['loss']:.3f}" if result.evals else "")
     logger.info("quickstart: checkpoints in %s, metrics in %s (and TensorBoard events), loss curve %s",
                 out / "checkpoints", out / "metrics.jsonl", out / "loss.png")
+    hf = Path(config.checkpoint.save_hf)
+    if (hf / "config.json").is_file():
+        logger.info("quickstart: Hugging Face model in %s; %r continues as %r", hf, PROMPT, continue_prompt(hf, PROMPT))
     return 0
+
+
+#: The prompt the quickstart's model continues at the end.
+PROMPT = "The river"
+
+
+def continue_prompt(model_dir: Path, prompt: str, max_new_tokens: int = 24) -> str:
+    """Greedy continuation of ``prompt`` by the model in ``model_dir`` (the built-in inference engine)."""
+    from mindspeed_llm.inference import InferenceEngine, SamplingParams
+
+    engine = InferenceEngine.from_pretrained(model_dir, max_batch_size=1)
+    ids = engine.tokenizer(prompt)["input_ids"]
+    (out,) = engine.generate([ids], SamplingParams(max_new_tokens=max_new_tokens))
+    return engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
 COMMANDS.register("quickstart", add_quickstart)
