@@ -93,3 +93,14 @@ def test_shipped_sample_data_parses() -> None:
     assert {1800.0, -7.0, 2.25} <= {p.target for p in gsm8k.problems}
     ppl = TASKS.get("ppl").load(DEMO_DATA_DIR / "ppl", EvalSettings())
     assert len(ppl.documents) == 1 and len(ppl.documents[0]) > 1000
+
+
+def test_settings_the_window_cannot_hold_exit_2_before_any_task_runs(tiny_model_dir, capsys) -> None:
+    args = ["evaluate", "--load-dir", str(tiny_model_dir), "--backend", "transformers", "--task", "ppl,gsm8k",
+            "--task-data-path", "demo", "--max-seq-len", "16"]
+    assert main([*args, "--max-new-tokens", "16"]) == 2
+    captured = capsys.readouterr()
+    assert "--max-new-tokens 16 leaves no room for a prompt in the model's window of 16 tokens" in captured.err
+    assert captured.out == ""  # ppl, the first task, did not run
+    assert main([*args, "--ppl-stride", "15", "--max-new-tokens", "8", "--max-seq-len", "15"]) == 2
+    assert "--ppl-stride 15 must be below --max-seq-len 15" in capsys.readouterr().err

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_llm.evaluation.lm import encode_context
-from mindspeed_llm.evaluation.tasks import (TASKS, EvalSettings, TaskResult, call_in_chunks, iter_jsonl, limit,
-                                            require_path)
+from mindspeed_llm.evaluation.tasks import (DEFAULT_MAX_NEW_TOKENS, TASKS, EvalSettings, TaskResult, call_in_chunks,
+                                            iter_jsonl, limit, require_path)
 
 #: Text that ends a generation: the model moving on to a new question.
 STOP = ["Question:", "</s>", "<|im_end|>"]
@@ -149,10 +149,27 @@ class GSM8KTask:
                 raise ValueError(f"{train_file} has {len(examples)} problems, fewer than --shots {shots}")
         return GSM8KData(test_file, problems, examples)
 
+    @staticmethod
+    def max_new_tokens(lm: Any, settings: EvalSettings) -> int:
+        """``--max-new-tokens``, else the default capped at half the model's window."""
+        return settings.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, lm.max_seq_len // 2)
+
+    def check(self, lm: Any, settings: EvalSettings) -> None:
+        """The generation budget must leave room for a prompt in the window.
+
+        Raises:
+            ValueError: ``--max-new-tokens`` not below ``max_seq_len``.
+        """
+        budget = self.max_new_tokens(lm, settings)
+        if budget >= lm.max_seq_len:
+            raise ValueError(f"--max-new-tokens {budget} leaves no room for a prompt in the model's window of "
+                             f"{lm.max_seq_len} tokens; pass a smaller --max-new-tokens")
+
     def run(self, lm: Any, data: GSM8KData, settings: EvalSettings) -> TaskResult:
         """Generate a solution per problem and compare its final number with the reference."""
+        budget = self.max_new_tokens(lm, settings)
         prompts = [encode_context(lm.tokenizer, build_prompt(data.examples, p)) for p in data.problems]
-        texts = call_in_chunks(lambda part: lm.generate(part, settings.max_new_tokens, STOP), prompts, lm, "gsm8k", settings)
+        texts = call_in_chunks(lambda part: lm.generate(part, budget, STOP), prompts, lm, "gsm8k", settings)
         samples = []
         for index, (problem, text) in enumerate(zip(data.problems, texts)):
             prediction = extract_answer(text)
@@ -162,7 +179,7 @@ class GSM8KTask:
         return TaskResult(task="gsm8k", metric="exact_match", value=accuracy, n=len(samples),
                           metrics={"exact_match": accuracy}, samples=samples,
                           settings={"data": str(data.path), "shots": len(data.examples),
-                                    "max_new_tokens": settings.max_new_tokens, "stop": STOP})
+                                    "max_new_tokens": budget, "stop": STOP})
 
 
 TASKS.register("gsm8k", GSM8KTask())

@@ -92,6 +92,14 @@ class PerplexityTask:
             raise ValueError(f"perplexity data {str(path)!r} holds no text (.txt files or .jsonl 'text' fields)")
         return TextData(path, documents)
 
+    def check(self, lm: Any, settings: EvalSettings) -> None:
+        """The stride must fit the window.
+
+        Raises:
+            ValueError: ``--ppl-stride`` not below ``max_seq_len``.
+        """
+        windows(2, lm.max_seq_len, settings.ppl_stride or lm.max_seq_len - 1)
+
     def run(self, lm: Any, data: TextData, settings: EvalSettings) -> TaskResult:
         """Sum the NLL of every scored token; report perplexity, mean NLL and the token count."""
         stride = settings.ppl_stride or lm.max_seq_len - 1

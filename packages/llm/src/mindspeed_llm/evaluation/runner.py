@@ -37,7 +37,7 @@ class EvaluateConfig:
         tokenizer_name_or_path: tokenizer directory (or 'demo') instead of the model's own.
         backend: 'engine' (the suite's inference engine) or 'transformers' (the reference path).
         shots: few-shot examples: N for every task, or task=N pairs (mmlu=5,gsm8k=8); default mmlu 5, gsm8k 0.
-        max_new_tokens: generation budget per GSM8K answer.
+        max_new_tokens: generation budget per GSM8K answer (default 256, at most half the model's window).
         evaluation_batch_size: sequences per model call.
         max_samples: at most this many items per task (per subject for MMLU, documents for ppl).
         max_seq_len: longest sequence fed to the model (default: the model's limit, at most 4096).
@@ -54,7 +54,7 @@ class EvaluateConfig:
     tokenizer_name_or_path: str | None = None
     backend: str = "engine"
     shots: str | None = None
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
     evaluation_batch_size: int = 8
     max_samples: int | None = None
     max_seq_len: int | None = None
@@ -157,7 +157,13 @@ def prepare(config: EvaluateConfig) -> tuple[list[str], dict[str, EvalSettings],
 
 
 def run_tasks(lm: Any, tasks: list[str], settings: dict[str, EvalSettings], data: dict[str, Any]) -> list[TaskResult]:
-    """Run each task on ``lm``; the result's settings gain the wall time."""
+    """Run each task on ``lm``; the result's settings gain the wall time.
+
+    Raises:
+        ValueError: a setting the model's window cannot hold (checked for every task before any runs).
+    """
+    for task in tasks:
+        TASKS.get(task).check(lm, settings[task])
     results = []
     for task in tasks:
         start = time.perf_counter()

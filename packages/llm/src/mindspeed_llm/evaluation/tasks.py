@@ -17,20 +17,25 @@ from typing import Any, Protocol
 from mindspeed.registry import Registry
 
 
+#: Generation budget when ``--max-new-tokens`` is not given (lm-evaluation-harness's GSM8K setting).
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
 @dataclasses.dataclass
 class EvalSettings:
     """Knobs shared by the tasks (the CLI flags of the same names).
 
     Attributes:
         shots: few-shot examples per prompt; ``None`` takes each task's default (MMLU 5, GSM8K 0).
-        max_new_tokens: generation budget of generative tasks.
+        max_new_tokens: generation budget of generative tasks; ``None``: :data:`DEFAULT_MAX_NEW_TOKENS`, at most
+            half the model's window.
         max_samples: at most this many items per task (per subject for MMLU); ``None`` for all.
         ppl_stride: tokens scored per perplexity window; ``None`` for chunked windows (the window length minus one).
         show_progress: draw progress bars on standard error.
     """
 
     shots: int | None = None
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
     max_samples: int | None = None
     ppl_stride: int | None = None
     show_progress: bool = True
@@ -89,6 +94,14 @@ class EvalTask(Protocol):
 
         Raises:
             ValueError: missing files or malformed records, naming the file, the line and the fix.
+        """
+        ...
+
+    def check(self, lm: Any, settings: EvalSettings) -> None:
+        """Check the settings against the loaded model, before any task runs.
+
+        Raises:
+            ValueError: a setting the model's window cannot hold, naming the flag and the fix.
         """
         ...
 
