@@ -41,6 +41,8 @@ NF4_ZERO_CODE = 7
 #: writes can be dequantised by every backend).
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 ABSMAX_BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+#: Values (de)quantised per step (a multiple of every block size).
+CHUNK = 1 << 16
 
 
 class NF4Weight(NamedTuple):
@@ -86,6 +88,13 @@ def _nf4_table(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    # Byte b -> (NF4[b >> 4], NF4[b & 15]): one lookup decodes both values of a byte.
+    table = _nf4_table(device)
+    return torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)
+
+
+@functools.cache
 def _dynamic_map(device: torch.device) -> torch.Tensor:
     # Signed, 7 exponent bits: for each decade 10^-6 .. 10^0 the midpoints of 2^i equal steps of
     # [0.1, 1], both signs, then 0 and 1 (bitsandbytes' create_dynamic_map, computed in fp32 so
@@ -110,16 +119,27 @@ def _check_block_size(name: str, value: int, allowed: Sequence[int]) -> None:
 
 
 def _blockwise_codes(flat: torch.Tensor, block_size: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest-value indices of ``flat / blockmax`` in the sorted ``table``, and the block maxima."""
-    numel = flat.numel()
-    blocks = -(-numel // block_size)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block_size - numel)).view(blocks, block_size)
-    absmax = padded.abs().amax(dim=1)
-    # A block of zeros keeps absmax 0 (it dequantises to zeros); the clamp only avoids 0/0.
-    scaled = (padded * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)).clamp(-1.0, 1.0)
+    """Nearest-value indices of ``flat / blockmax`` in the sorted ``table``, and the block maxima.
+
+    Works through :data:`CHUNK` values at a time, so the fp32 temporaries of a large weight
+    stay bounded.
+    """
     midpoints = (table[:-1] + table[1:]) / 2
-    codes = torch.bucketize(scaled.reshape(-1)[:numel], midpoints).to(torch.uint8)
-    return codes, absmax
+    codes, maxima = [], []
+    step = max(CHUNK - CHUNK % block_size, block_size)
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step].float()
+        numel = part.numel()
+        blocks = -(-numel // block_size)
+        if numel % block_size:
+            part = torch.nn.functional.pad(part, (0, blocks * block_size - numel))
+        part = part.view(blocks, block_size)
+        absmax = part.abs().amax(dim=1)
+        # A block of zeros keeps absmax 0 (it dequantises to zeros); the clamp only avoids 0/0.
+        scaled = (part * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)).clamp_(-1.0, 1.0)
+        codes.append(torch.bucketize(scaled.view(-1)[:numel], midpoints, out_int32=True).to(torch.uint8))
+        maxima.append(absmax)
+    return torch.cat(codes), torch.cat(maxima)
 
 
 def nf4_quantize_reference(weight: torch.Tensor, block_size: int = 64, double_quant: bool = True,
@@ -142,7 +162,7 @@ def nf4_quantize_reference(weight: torch.Tensor, block_size: int = 64, double_qu
         raise ValueError(f"nf4_quantize needs a non-empty floating tensor, got {weight.dtype}{list(weight.shape)}")
     _check_block_size("block_size", block_size, BLOCK_SIZES)
     _check_block_size("absmax_block_size", absmax_block_size, ABSMAX_BLOCK_SIZES)
-    flat = weight.detach().reshape(-1).float()
+    flat = weight.detach().reshape(-1)
     codes, absmax = _blockwise_codes(flat, block_size, _nf4_table(flat.device))
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_full((1,), NF4_ZERO_CODE)])
@@ -154,9 +174,12 @@ def nf4_quantize_reference(weight: torch.Tensor, block_size: int = 64, double_qu
     return NF4Weight(packed, absmax, scale, offset, tuple(weight.shape), block_size, absmax_block_size)
 
 
-def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, block_size: int, inplace: bool = False) -> torch.Tensor:
     numel = values.numel()
     blocks = scales.numel()
+    if numel == blocks * block_size:
+        blocked = values.view(blocks, block_size)
+        return (blocked.mul_(scales.unsqueeze(1)) if inplace else blocked * scales.unsqueeze(1)).view(-1)
     padded = torch.nn.functional.pad(values, (0, blocks * block_size - numel)).view(blocks, block_size)
     return (padded * scales.unsqueeze(1)).reshape(-1)[:numel]
 
@@ -199,11 +222,19 @@ def nf4_dequantize_reference(codes: torch.Tensor, absmax: torch.Tensor, shape: S
         raise ValueError(f"an NF4 state of shape {tuple(shape)} and block size {block_size} needs "
                          f"{(numel + 1) // 2} uint8 codes and {blocks} maxima, got {codes.dtype}{list(codes.shape)} "
                          f"and {absmax.numel()}")
-    flat = codes.reshape(-1)
-    indices = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:numel].long()
-    values = _nf4_table(codes.device)[indices]
     maxima = dequantize_absmax(absmax, absmax_scale, absmax_offset, absmax_block_size)
-    return _scale_blocks(values, maxima, block_size).view(tuple(shape)).to(dtype)
+    pairs = _nf4_pairs(codes.device)
+    flat = codes.reshape(-1)
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    # Chunks of whole blocks bound the fp32 temporaries (a forward dequantises every weight).
+    step = max(CHUNK - CHUNK % block_size, block_size)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        values = torch.nn.functional.embedding(flat[start // 2:(stop + 1) // 2].int(), pairs).view(-1)[:stop - start]
+        first = start // block_size
+        out[start:stop] = _scale_blocks(values, maxima[first:first + -(-(stop - start) // block_size)], block_size,
+                                        inplace=True)
+    return out.view(tuple(shape))
 
 
 # -- registry ---------------------------------------------------------------------------------
