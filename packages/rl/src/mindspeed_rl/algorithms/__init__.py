@@ -1,0 +1,29 @@
+"""RL algorithms as registries: advantage estimators, KL estimators, policy losses, shaping."""
+
+from __future__ import annotations
+
+from mindspeed_rl.algorithms.advantages import ADVANTAGES, broadcast_to_tokens, compute_advantages
+from mindspeed_rl.algorithms.functional import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+)
+from mindspeed_rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from mindspeed_rl.algorithms.losses import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    PolicyLossOutput,
+    compute_policy_loss,
+    policy_loss_config,
+)
+from mindspeed_rl.algorithms.shaping import DynamicSampler, constant_groups, overlong_penalty, truncated_importance_weights
+
+__all__ = [
+    "ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES", "DynamicSampler", "PolicyLossConfig",
+    "PolicyLossInputs", "PolicyLossOutput", "aggregate_loss", "broadcast_to_tokens", "compute_advantages",
+    "compute_policy_loss", "constant_groups", "entropy_from_logits", "kl_penalty", "logprobs_from_logits",
+    "masked_mean", "overlong_penalty", "policy_loss_config", "truncated_importance_weights",
+]
