@@ -1,13 +1,13 @@
 """LoRA on megatron-core: the same logits as peft on the transformers model, the same factor
-gradients at TP1, TP2 (sequence parallel, megatron DDP + finalize_model_grads) and PP2, and
+gradients at TP1, TP2 (sequence parallel, megatron DDP + finalize_model_grads) and PP2 x VPP, and
 adapters that convert-ckpt merges and peft loads to the same logits.
 
 One spawned 2-rank gloo group runs three layouts of a tiny Qwen2.5 (q/k/v biases, tied
 embeddings, a vocabulary TP2 pads) with the same non-zero factors: TP1 (each rank the whole
 model), TP2 with sequence parallelism wrapped in megatron's DistributedDataParallel, and PP2
-through megatron's pipeline schedule. The references come from the parent: transformers + peft
-with the same factors exported by the checkpoint converter (tests/llm/checkpoint/test_lora.py
-proves that path against merged weights).
+with two virtual stages per rank through megatron's interleaved pipeline schedule. The
+references come from the parent: transformers + peft with the same factors exported by the
+checkpoint converter (tests/llm/checkpoint/test_lora.py proves that path against merged weights).
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ def _run_tp2_sequence_parallel(paths: dict, shape, factors, tokens, cotangent) -
         destroy_layout()
 
 
-def _run_pp2(paths: dict, shape, factors, tokens, cotangent) -> dict:
+def _run_pp2_vpp(paths: dict, shape, factors, tokens, cotangent) -> dict:
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
@@ -192,51 +191,62 @@ def _run_pp2(paths: dict, shape, factors, tokens, cotangent) -> dict:
     from mindspeed_llm.training.lora import set_lora_factors, split_lora_state
     from mindspeed_llm.training.lora_io import save_lora_adapter
 
-    layout = ParallelLayout(pp=2)
+    layout = ParallelLayout(pp=2, vpp_layers=1)  # two chunks of one layer per rank, interleaved schedule
     settings = LoraSettings(r=R, alpha=ALPHA)
+
+    def lora_chunks(chunks: list, **options) -> list:
+        for chunk in chunks:
+            apply_lora(chunk, LoraSettings(**{**vars(settings), **options}))
+        return chunks
+
+    def state_dicts(chunks: list) -> list:
+        return [{n: t for n, t in c.state_dict().items() if isinstance(t, torch.Tensor)} for c in chunks]
+
     init_layout(layout, shape)
     try:
-        chunks = load_rank_chunks(paths["mg_pp2"])
-        apply_lora(chunks[0], settings)
-        set_lora_factors(chunks[0], factors)
-        kept = {}
+        chunks = lora_chunks(load_rank_chunks(paths["mg_pp2"]))
+        for chunk in chunks:
+            set_lora_factors(chunk, factors)
+        kept = []
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
+            batch, cot = next(data_iterator)
             output = model(batch, torch.arange(SEQ).unsqueeze(0), None)
 
             def loss_func(out):
-                kept["logits"] = out.detach().clone()
-                return _loss(out, cotangent), {}
+                kept.append(out.detach().clone())
+                return _loss(out, cot) * BATCH, {}  # the schedule divides by the microbatch count
 
             return output, loss_func
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter([tokens])], model=chunks,
-                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+        micro = [(tokens[i:i + 1], cotangent[i:i + 1]) for i in range(BATCH)]
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks],
+                                    model=chunks, num_microbatches=BATCH, seq_length=SEQ, micro_batch_size=1,
+                                    forward_only=False)
         grads = _full_tensors(chunks, shape, lambda p: p.grad)
         save_lora_adapter(chunks, paths["adapter_pp2"], shape, None, settings)
-        # The TP2 dist checkpoint (base + LoRA) restores at PP2 into a model of other weights.
-        fresh = build_gpt_chunks(shape, layout, REFERENCE_IMPLS)
-        apply_lora(fresh[0], LoraSettings(r=R, alpha=ALPHA, seed=99))
-        loaded = dist_checkpointing.load({"model": fresh[0].sharded_state_dict()}, paths["lora_ckpt"])
-        fresh[0].load_state_dict(loaded["model"], strict=True)
+        # The TP2 dist checkpoint (base + LoRA) restores here into a model of other weights.
+        fresh = lora_chunks(build_gpt_chunks(shape, layout, REFERENCE_IMPLS), seed=99)
+        loaded = dist_checkpointing.load({f"model{i}": c.sharded_state_dict() for i, c in enumerate(fresh)},
+                                         paths["lora_ckpt"])
+        for i, chunk in enumerate(fresh):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
         restored = _full_tensors(fresh, shape, lambda p: p)
-        same_base = all(torch.equal(a, b) for (n, a), (_, b) in zip(chunks[0].state_dict().items(),
-                                                                    fresh[0].state_dict().items())
-                        if isinstance(a, torch.Tensor) and not _FACTOR.match(n))
+        want = state_dicts(chunks)
+        same_base = all(torch.equal(a[n], b[n]) for a, b in zip(want, state_dicts(fresh)) for n in a)
         # A checkpoint saved without LoRA loads into a LoRA model: only the factors are missing.
-        plain = build_gpt_chunks(shape, layout, REFERENCE_IMPLS)
-        apply_lora(plain[0], settings)
-        base_part, lora_part = split_lora_state(plain[0].sharded_state_dict())
-        loaded = dist_checkpointing.load({"model": base_part}, paths["base_ckpt"])
-        result = plain[0].load_state_dict(loaded["model"], strict=False)
-        base_loads = (sorted(result.missing_keys) == sorted(lora_part) and not result.unexpected_keys
-                      and all(torch.equal(a, b) for (n, a), (_, b) in zip(chunks[0].state_dict().items(),
-                                                                          plain[0].state_dict().items())
-                              if isinstance(a, torch.Tensor) and not _FACTOR.match(n)))
-        return {"trainable": _trainable_is_lora_only(chunks[0]), "logits": kept.get("logits"), "grads": grads,
-                "restored": restored, "restored_base": same_base, "base_loads": base_loads,
-                "last_stage": ps.is_pipeline_last_stage()}
+        plain = lora_chunks(build_gpt_chunks(shape, layout, REFERENCE_IMPLS))
+        parts = [split_lora_state(c.sharded_state_dict()) for c in plain]
+        loaded = dist_checkpointing.load({f"model{i}": base for i, (base, _) in enumerate(parts)}, paths["base_ckpt"])
+        base_loads = True
+        for i, (chunk, (_, lora_part)) in enumerate(zip(plain, parts)):
+            result = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+            base_loads &= sorted(result.missing_keys) == sorted(lora_part) and not result.unexpected_keys
+        got = state_dicts(plain)
+        base_loads &= all(torch.equal(a[n], b[n]) for a, b in zip(want, got) for n in a if not _FACTOR.match(n))
+        return {"trainable": all(_trainable_is_lora_only(c) for c in chunks), "logits": torch.cat(kept) if kept else None,
+                "grads": grads, "restored": restored, "restored_base": same_base, "base_loads": base_loads,
+                "last_stage": bool(kept)}
     finally:
         destroy_layout()
 
@@ -249,7 +259,7 @@ def _rank_main(rank: int, world_size: int, paths: dict, factors, tokens, cotange
         shape = _shape(Path(paths["hf"]))
         out = {"tp1": _run_tp1(paths, shape, factors, tokens, cotangent),
                "tp2": _run_tp2_sequence_parallel(paths, shape, factors, tokens, cotangent),
-               "pp2": _run_pp2(paths, shape, factors, tokens, cotangent)}
+               "pp2": _run_pp2_vpp(paths, shape, factors, tokens, cotangent)}
     finally:
         unadapt()
     # Tensors through the result queue would travel as shared-memory handles that die with the rank.
@@ -279,7 +289,7 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     shape = _shape(hf)
     paths = {"hf": str(hf)}
     for label, options in (("mg_tp1", {}), ("mg_tp2", {"target_tensor_parallel_size": 2}),
-                           ("mg_pp2", {"target_pipeline_parallel_size": 2})):
+                           ("mg_pp2", {"target_pipeline_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1})):
         paths[label] = str(tmp_path / label)
         convert_checkpoint(ConvertConfig(load_dir=hf, save_dir=tmp_path / label, progress=False, **options))
     for label in ("base_ckpt", "lora_ckpt"):
@@ -309,13 +319,13 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     assert tp2["ddp_params_are_lora"], "megatron DDP must hold exactly the LoRA factors"
     # Logits: every layout equals peft on the transformers model.
     assert _close(peft_logits, base_logits) > 1e-2, "the adapter must change the model"
-    for label, run in (("tp1", tp1), ("tp2+sp", tp2), ("pp2", pp2)):
+    for label, run in (("tp1", tp1), ("tp2+sp", tp2), ("pp2+vpp", pp2)):
         assert _close(run["logits"][..., :VOCAB], peft_logits) < 1e-5, label
     # Factor gradients: TP2 (after finalize_model_grads) and PP2 equal TP1; TP1 equals peft where
     # the modules map one to one (o_proj / down_proj; q/k/v and gate/up are fused in megatron).
     assert sorted(tp1["grads"]) == sorted(factors) == sorted(tp2["grads"]) == sorted(pp2["grads"])
     scale = max(g.abs().max().item() for g in tp1["grads"].values())
-    for label, run in (("tp2+sp", tp2), ("pp2", pp2)):
+    for label, run in (("tp2+sp", tp2), ("pp2+vpp", pp2)):
         worst = max(_close(run["grads"][k], tp1["grads"][k]) for k in factors)
         assert worst < 1e-5 * scale, (label, worst, scale)
     for layer in range(shape.num_layers):
