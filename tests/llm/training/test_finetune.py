@@ -48,6 +48,12 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for name, layout in SFT_LAYOUTS.items():
         extra = ["eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported"] if name == "tp2" else []
         out[name] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", *layout, *extra)
+    lora = ["lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "lora.r=4", "lora.alpha=8"]
+    out["lora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", "parallel.tp=2",
+                         "train.lr=1e-2", *lora, "eval.at_end=true", "eval.iters=1", f"lora.save_peft={root}/peft",
+                         f"checkpoint.save_hf={root}/merged")
+    out["qlora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=2", "train.lr=1e-2",
+                          *lora, "lora.qlora=true", "eval.at_end=true", "eval.iters=1", f"lora.save_peft={root}/qpeft")
     out["dpo"] = _train(root, "stage=dpo", f"data.prefixes=[{root}/pairs]", "train.steps=2", "parallel.tp=2",
                         f"dpo.ref_model={root}/ref", f"dpo.beta={BETA}", f"dpo.label_smoothing={SMOOTH}")
     return out
@@ -156,3 +162,44 @@ def test_first_dpo_loss_equals_trl_formula(setup: dict[str, Any]) -> None:
     assert first["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert first["rewards/accuracies"] == pytest.approx(sum(wins) / len(wins))
     assert abs(first["loss"] - math.log(2)) > 1e-3, "policy and reference agree: the test proves little"
+
+
+@pytest.mark.distributed
+def test_lora_trains_only_adapters_and_exports_to_peft_and_merged(setup: dict[str, Any]) -> None:
+    from peft import PeftModel
+
+    from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS
+
+    root, run = setup["root"], setup["runs"]["lora"]
+    rows = _samples(root / "packed", INSTRUCTION_KEYS, 1, False, GBS)
+    (evaluation,) = run["evals"]
+    # The first step starts from the base model (B = 0): the loss is the full model's.
+    assert run["records"][0]["loss"] == pytest.approx(setup["runs"]["tp2"]["records"][0]["loss"], rel=1e-6)
+    peft_model = PeftModel.from_pretrained(_hf(root / "hf"), root / "peft").eval()
+    merged = _hf(root / "merged")
+    assert _sft_loss(peft_model, rows) == pytest.approx(evaluation["loss"], rel=1e-5)
+    assert _sft_loss(merged, rows) == pytest.approx(evaluation["loss"], rel=1e-5)
+    base = _hf(root / "hf")
+    assert _sft_loss(base, rows) != pytest.approx(evaluation["loss"], rel=1e-3), "the adapter changed nothing"
+    # Only the adapted linears changed in the merged weights; norms and embeddings did not.
+    merged_state, base_state = merged.state_dict(), base.state_dict()
+    changed = {n for n in base_state if not torch.equal(base_state[n], merged_state[n])}
+    assert changed and all(n.endswith(("proj.weight",)) for n in changed), sorted(changed)[:5]
+
+
+@pytest.mark.distributed
+def test_qlora_trains_on_an_nf4_base_and_exports_an_adapter(setup: dict[str, Any]) -> None:
+    from peft import PeftModel
+
+    from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS
+
+    root, run = setup["root"], setup["runs"]["qlora"]
+    full_first = setup["runs"]["tp2"]["records"][0]["loss"]
+    # NF4 rounding of the base moves the first loss a little, not a lot.
+    assert run["records"][0]["loss"] == pytest.approx(full_first, rel=2e-2)
+    assert run["records"][0]["loss"] != pytest.approx(full_first, rel=1e-7)
+    rows = _samples(root / "packed", INSTRUCTION_KEYS, 1, False, GBS)
+    (evaluation,) = run["evals"]
+    peft_loss = _sft_loss(PeftModel.from_pretrained(_hf(root / "hf"), root / "qpeft").eval(), rows)
+    # The adapter was trained over the NF4 base; over the exact base it gives nearly the same loss.
+    assert peft_loss == pytest.approx(evaluation["loss"], rel=2e-2)

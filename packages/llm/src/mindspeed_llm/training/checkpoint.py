@@ -260,6 +260,11 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
     ck = config.checkpoint
     common = dist_checkpointing.load_common_state_dict(str(path))
     template = _model_state(chunks)
+    if weights_only:
+        # A base checkpoint has no LoRA factors: they keep their initial values.
+        from mindspeed_llm.training.lora import split_lora_state
+
+        template = {key: split_lora_state(state)[0] for key, state in template.items()}
     with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
     if with_optimizer:
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
@@ -272,11 +277,8 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
         logger.warning("checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
                        path, layout.get("world_size", "an unknown number of"), dist.get_world_size())
     loaded = dist_checkpointing.load(template, str(path))
-    if len(chunks) == 1:
-        unwrap(chunks[0]).load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        _load_model_state(unwrap(chunk), loaded[key])
     if weights_only:
         logger.info("loaded model weights from %s", path)
         return TrainState()
@@ -288,6 +290,20 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
     state = TrainState(**loaded.get("train_state", {}))
     logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
     return state
+
+
+def _model_keys(count: int) -> list[str]:
+    return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
+
+
+def _load_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    # Strict, except for LoRA factors a base checkpoint does not hold.
+    from mindspeed_llm.training.lora import is_lora_key
+
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not is_lora_key(k) and not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
 
 
 def _saved_keys(common: dict[str, Any]) -> set[str]:

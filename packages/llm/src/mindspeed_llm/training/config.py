@@ -265,6 +265,40 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA / QLoRA fine-tuning, MindSpeed-LLM's ``--lora-*`` settings; off while ``target_modules`` is empty.
+
+    Attributes:
+        target_modules: megatron linears to adapt: ``linear_qkv``, ``linear_proj``,
+            ``linear_fc1``, ``linear_fc2`` (``--lora-target-modules``). Everything else is frozen.
+        r: rank of the factors (``--lora-r``).
+        alpha: the update is scaled by ``alpha / r`` (``--lora-alpha``).
+        dropout: dropout on the LoRA input while training.
+        qlora: keep the frozen base weights of the adapted linears in 4-bit NF4 with double
+            quantisation (``--qlora``); needs ``checkpoint.load_hf``.
+        qlora_all_linears: with ``qlora``, quantise the other decoder linears too.
+        save_peft: at the end, write the adapter as a PEFT adapter directory for the Hugging
+            Face model of ``checkpoint.load_hf`` (``peft.PeftModel.from_pretrained`` loads it).
+        save_adapter: at the end, write the adapter alone as a Megatron LoRA checkpoint
+            (what ``convert-ckpt --lora-load`` merges or exports).
+    """
+
+    target_modules: list[str] = field(default_factory=list)
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    qlora: bool = False
+    qlora_all_linears: bool = False
+    save_peft: str | None = None
+    save_adapter: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether LoRA is on."""
+        return bool(self.target_modules)
+
+
+@dataclass
 class DpoConfig:
     """Direct preference optimisation (``mindspeed-llm dpo``), MindSpeed-LLM's ``--dpo-*`` settings.
 
@@ -313,7 +347,7 @@ class PretrainConfig:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
         data: :class:`DataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`CheckpointConfig`.
         logging: :class:`LoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
-        dpo: :class:`DpoConfig`. stage: ``pretrain``, ``sft`` or ``dpo`` (set by the command).
+        lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. stage: ``pretrain``, ``sft`` or ``dpo`` (set by the command).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -324,6 +358,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     stage: Literal["pretrain", "sft", "dpo"] = "pretrain"
 
@@ -346,6 +381,26 @@ class PretrainConfig:
         """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""
         target = self.logging.dir or self.checkpoint.save
         return Path(target) if target else None
+
+    def _check_lora(self) -> None:
+        lora, ck = self.lora, self.checkpoint
+        if not lora.enabled:
+            for key in ("qlora", "save_peft", "save_adapter"):
+                if getattr(lora, key):
+                    raise ConfigError(f"lora.{key} needs LoRA: set lora.target_modules (e.g. [linear_qkv, linear_proj, "
+                                      "linear_fc1, linear_fc2])")
+            return
+        from mindspeed_llm.training.lora import LoraSettings
+
+        try:
+            LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                         target_modules=tuple(lora.target_modules)).validate()
+        except ValueError as err:
+            raise ConfigError(f"lora: {err}") from err
+        if lora.qlora and not ck.load_hf:
+            raise ConfigError("lora.qlora quantises the base weights as they are loaded: start from checkpoint.load_hf")
+        if lora.save_peft and not ck.load_hf:
+            raise ConfigError("lora.save_peft writes an adapter for a Hugging Face base model: set checkpoint.load_hf")
 
     def _check_finetune(self) -> None:
         d, p = self.data, self.parallel
@@ -444,6 +499,7 @@ class PretrainConfig:
             raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
         if self.stage != "pretrain":
             self._check_finetune()
+        self._check_lora()
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
         _check_megatron_fields(m.megatron)

@@ -222,7 +222,44 @@ def model_shape(config: PretrainConfig, vocab_size: int) -> Any:
     return ModelShape(**values)
 
 
-def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: int, vocab_rows: int) -> Path:
+def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str, Path | None]:
+    """``(bridge, shape, architecture, assets)`` of the trained model for export.
+
+    From ``checkpoint.load_hf`` when the run started there (its config and tokenizer files are
+    the assets), else from the recipe's model (a family inferred from its options).
+    """
+    dtype = "bfloat16" if config.train.precision == "bf16" else "float32"
+    if config.checkpoint.load_hf:
+        bridge, shape, architecture = read_hf_shape(config.checkpoint.load_hf)
+        return bridge, dataclasses.replace(shape, params_dtype=dtype), architecture, Path(config.checkpoint.load_hf)
+    from mindspeed_llm.bridges import bridge_for_family
+
+    bridge = bridge_for_family(_infer_family(config.model))
+    return bridge, model_shape(config, vocab_size), bridge.hf_architectures[0], None
+
+
+def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tensor]:
+    # The base weights as megatron names them: QLoRA's NF4 weights dequantised (they have no
+    # state-dict entry), LoRA factors left out (they are merged by the converter).
+    from mindspeed_llm.training.lora import is_lora_key
+    from mindspeed_llm.training.model import unwrap
+
+    model = unwrap(chunk)
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()
+             if not name.endswith("_extra_state") and not is_lora_key(name)}
+    dtype = next(p for p in model.parameters()).dtype
+    for name, module in model.named_modules():
+        if hasattr(module, "dequantized_weight"):
+            state[f"{name}.weight"] = module.dequantized_weight(dtype).detach().cpu()
+    if tp == 1:  # one piece: drop the padding rows here (several pieces are glued, then cut)
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if name in state:
+                state[name] = state[name][:vocab_size].clone()
+    return state
+
+
+def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: int, vocab_rows: int,
+            lora: Any = None) -> Path:
     """Write the model as a Hugging Face directory at ``checkpoint.save_hf`` (collective).
 
     Args:
@@ -231,22 +268,14 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         step: recorded as the iteration.
         vocab_size: the tokenizer's vocabulary (the Hugging Face embedding rows).
         vocab_rows: the padded rows of the megatron embedding.
+        lora: the run's ``LoraSettings``: the adapter is merged into the exported weights (in
+            float32 math, stored in the weights' dtype).
     """
     from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
     from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
-    from mindspeed_llm.training.model import unwrap
 
     target = Path(config.checkpoint.save_hf)
-    if config.checkpoint.load_hf:
-        bridge, shape, architecture = read_hf_shape(config.checkpoint.load_hf)
-        dtype = "bfloat16" if config.train.precision == "bf16" else "float32"
-        shape = dataclasses.replace(shape, params_dtype=dtype)
-        assets = Path(config.checkpoint.load_hf)
-    else:
-        from mindspeed_llm.bridges import bridge_for_family
-
-        bridge = bridge_for_family(_infer_family(config.model))
-        shape, architecture, assets = model_shape(config, vocab_size), bridge.hf_architectures[0], None
+    bridge, shape, architecture, assets = export_shape(config, vocab_size)
     layout = _layout(config)
     staging = target.with_name(target.name + ".megatron-tmp")
     rank0 = dist.get_rank() == 0
@@ -261,27 +290,31 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         keys = model_keys(len(chunks))
         state = {"args": args, "checkpoint_version": 3.0, "iteration": step}
         for key, chunk in zip(keys, chunks):
-            state[key] = {name: tensor.detach().cpu() for name, tensor in unwrap(chunk).state_dict().items()
-                          if not name.endswith("_extra_state")}
-            if layout.tp == 1:  # one piece: drop the padding rows here (several pieces are glued, then cut)
-                for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    if name in state[key]:
-                        state[key][name] = state[key][name][:vocab_size].clone()
+            state[key] = _export_state(chunk, vocab_size, layout.tp)
         folder = staging / iteration_dir(step) / rank_dir(_my_rank(), layout)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(state, folder / "model_optim_rng.pt")
     dist.barrier()
+    adapter = None
+    if lora is not None:
+        from mindspeed_llm.training.lora_io import save_lora_adapter
+
+        adapter = staging.with_name(staging.name + "-lora")
+        save_lora_adapter(chunks, adapter, shape, None, lora)
     if rank0:
         try:
             (staging / TRACKER).write_text(f"{step}\n")
             convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=staging,
-                                             save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False))
+                                             save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False,
+                                             lora_load=adapter))
             if assets is None and config.data.tokenizer:
                 from mindspeed_llm.tokenizer import load_tokenizer
 
                 load_tokenizer(config.data.tokenizer).save_pretrained(str(target))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            if adapter is not None:
+                shutil.rmtree(adapter, ignore_errors=True)
         logger.info("saved the model as a Hugging Face directory: %s", target)
     dist.barrier()
     return target

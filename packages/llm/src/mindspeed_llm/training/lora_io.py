@@ -9,6 +9,7 @@ factors must agree across ranks) and writes; a failure there is raised on every 
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -141,8 +142,6 @@ def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape:
     Raises:
         ValueError: on every rank: a base checkpoint of another model, or any failure of rank 0.
     """
-    import dataclasses
-
     from mindspeed_llm.bridges import plan_conversion
     from mindspeed_llm.checkpoint.convert import atomic_directory
     from mindspeed_llm.checkpoint.endpoints import HFSource

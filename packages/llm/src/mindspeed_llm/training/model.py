@@ -84,16 +84,17 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
 
 
 def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
-                prepare: Callable[[Any], None] | None = None, trainable: bool = True) -> list[Any]:
+                prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
         config: the recipe.
         transformer: the ``TransformerConfig`` from :func:`transformer_config`.
         vocab_size: the padded vocabulary (:func:`padded_vocab_size`).
-        prepare: called on each bare ``GPTModel`` before it is wrapped (LoRA adds its factors
-            and freezes the base here: megatron's DDP keeps gradient buffers only for the
-            parameters that require a gradient when it wraps).
+        prepare: called with this rank's bare ``GPTModel`` chunks before they are wrapped
+            (base weights are loaded and LoRA adds its factors and freezes the base here:
+            megatron's DDP keeps gradient buffers only for the parameters that require a
+            gradient when it wraps, and QLoRA quantises the loaded weights).
         trainable: ``False`` builds a frozen model for forward passes only (DPO's reference):
             no DDP, no gradient hooks, and ``transformer`` is left untouched.
 
@@ -121,7 +122,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
     )
     device = get_accelerator().device()
-    chunks = []
+    models = []
     for stage in range(p.vpp or 1):
         vp_stage = stage if p.vpp else None
         gpt = GPTModel(
@@ -133,9 +134,11 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             rotary_base=m.rotary_base, rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=vp_stage,
         )
-        gpt.to(device)
-        if prepare is not None:
-            prepare(gpt)
+        models.append(gpt.to(device))
+    if prepare is not None:
+        prepare(models)
+    chunks = []
+    for stage, gpt in enumerate(models):
         module = Float16Module(transformer, gpt) if transformer.bf16 else gpt
         if not trainable:
             module.requires_grad_(False)

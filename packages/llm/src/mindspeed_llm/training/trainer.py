@@ -138,7 +138,7 @@ class _Run:
 
         config = self.config
         self.transformer = transformer_config(config, self.vocab, self.overrides)
-        self.chunks = build_model(config, self.transformer, self.vocab)
+        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare)
         if self.stage.needs_reference:
             # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
             frozen = transformer_config(config, self.vocab, {**self.overrides, "perform_initialization": False})
@@ -175,14 +175,29 @@ class _Run:
             return state
         if ck.resume and ck.save and (source := find_checkpoint(ck.save)) is not None:
             return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config)
-        if ck.load_hf:
-            self._load_hf(self.chunks, ck.load_hf)
         return TrainState()
 
-    def _load_hf(self, chunks: list[Any], path: str) -> None:
-        load_hf_weights(chunks, self.config, path, self.vocab)
-        if chunks is self.chunks:
-            self._refresh_master_weights()
+    def _prepare(self, models: list[Any]) -> None:
+        """Base weights and LoRA on the bare chunks, before DDP wraps them and the optimizer sees them."""
+        ck, lora = self.config.checkpoint, self.config.lora
+        # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
+        # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
+        if ck.load_hf and not ck.load:
+            load_hf_weights(models, self.config, ck.load_hf, self.vocab)
+        if lora.enabled:
+            from mindspeed_llm.training.lora import apply_lora
+
+            settings = self.lora_settings()
+            for model in models:
+                apply_lora(model, settings)
+
+    def lora_settings(self) -> Any:
+        """The :class:`~mindspeed_llm.training.lora.LoraSettings` of the recipe."""
+        from mindspeed_llm.training.lora import LoraSettings
+
+        lora = self.config.lora
+        return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules),
+                            qlora=lora.qlora, qlora_all_linears=lora.qlora_all_linears, seed=self.config.train.seed)
 
     def _refresh_master_weights(self) -> None:
         # Megatron's mixed-precision optimizers keep fp32 master copies of the weights they were
@@ -203,7 +218,7 @@ class _Run:
 
             hf = (Path(source) / "config.json").is_file()
         if hf:
-            self._load_hf(self.reference, source)
+            load_hf_weights(self.reference, self.config, source, self.vocab)
             return
         found = find_checkpoint(source)
         if found is None:
@@ -263,8 +278,22 @@ class _Run:
         if ck.save and ck.save_at_end and not self._save_due(step):
             save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config)
         if ck.save_hf:
-            save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab)
+            save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab,
+                    lora=self.lora_settings() if config.lora.enabled else None)
+        if config.lora.save_adapter or config.lora.save_peft:
+            self._save_lora()
         reporter.finish(result.records)
+
+    def _save_lora(self) -> None:
+        from mindspeed_llm.training.hf import export_shape
+        from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
+
+        lora, settings = self.config.lora, self.lora_settings()
+        _, shape, _, _ = export_shape(self.config, self.ids.vocab_size)
+        if lora.save_adapter:
+            save_lora_adapter(self.chunks, lora.save_adapter, shape, None, settings)
+        if lora.save_peft:
+            export_peft(self.chunks, lora.save_peft, shape, self.config.checkpoint.load_hf, settings)
 
     def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
         step = state.step + 1
