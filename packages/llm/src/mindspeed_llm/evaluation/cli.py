@@ -37,7 +37,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
                     "(multiple choice by log-likelihood), GSM8K (greedy generation, final number) and perplexity. "
                     "Prints a table; --output writes JSON. '--task-data-path demo' uses the tiny shipped samples.")
 
-    def flag(name: str, extra: str = "", **kwargs) -> None:
+    def flag(name: str, extra: str = "", aliases: tuple[str, ...] = (), **kwargs) -> None:
         default = _FIELDS[name].default
         text = helps.get(name, "") + extra
         if default is dataclasses.MISSING:
@@ -46,7 +46,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
             kwargs["default"] = default
             if default is not None:
                 text += f" (default {default})"
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, help=text, **kwargs)
+        parser.add_argument("--" + name.replace("_", "-"), *aliases, dest=name, help=text, **kwargs)
 
     known = ", ".join(map(str, TASKS.keys()))
     flag("load_dir", metavar="DIR")
@@ -58,7 +58,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     flag("shots", metavar="N|TASK=N")
     flag("max_new_tokens", type=int, metavar="N")
     flag("evaluation_batch_size", type=int, metavar="N")
-    flag("max_samples", type=int, metavar="N")
+    flag("max_samples", type=int, metavar="N", aliases=("--max-eval-samples",))  # MindSpeed-LLM's name
     flag("max_seq_len", type=int, metavar="N")
     flag("ppl_stride", type=int, metavar="N")
     flag("dtype", choices=DTYPES)
