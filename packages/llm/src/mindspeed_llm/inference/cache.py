@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 Attention = Callable[..., torch.Tensor]
 
@@ -91,7 +90,7 @@ class KVCache:
 
 
 class CausalStep:
-    """No cache: each row of the batch is one sequence (right-padded), causal attention.
+    """No cache: the tokens are ``rows`` sequences of ``seq`` tokens (right-padded), causal attention.
 
     Right padding needs no mask: a real token's causal window holds only real tokens.
 
@@ -99,28 +98,39 @@ class CausalStep:
         attention: the registry attention kernel.
         windows: per layer, its sliding window.
         scale: softmax scale.
+        rows: sequences.
+        seq: tokens per sequence (padded).
     """
 
-    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float) -> None:
-        self.attention, self.windows, self.scale = attention, windows, scale
+    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float, rows: int, seq: int) -> None:
+        self.attention, self.windows, self.scale, self.rows, self.seq = attention, windows, scale, rows, seq
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def split(self, qk: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """BSND ``q``, ``k``, ``v`` from the flat ``qk`` ``[tokens, kv_heads, group + 1, dim]`` and ``v``."""
+        kv_heads, group, dim = qk.shape[1], qk.shape[2] - 1, qk.shape[3]
+        qk = qk.view(self.rows, self.seq, kv_heads, group + 1, dim)
+        q = qk[:, :, :, :group].reshape(self.rows, self.seq, kv_heads * group, dim)
+        return q, qk[:, :, :, group], v.reshape(self.rows, self.seq, kv_heads, dim)
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one layer.
 
         Args:
             layer: the layer index.
-            q: ``[rows, seq, kv_heads, group, head_dim]``.
-            k: ``[rows, seq, kv_heads, head_dim]``.
-            v: same as ``k``.
+            qk: rotated queries and keys ``[tokens, kv_heads, group + 1, head_dim]`` (each group's
+                query heads, then its key head).
+            v: values ``[tokens, kv_heads, head_dim]``.
 
         Returns:
-            ``[rows, seq, heads * head_dim]``.
+            ``[tokens, heads * head_dim]``.
         """
-        rows, seq, kv_heads, group, dim = q.shape
+        return self._attend(layer, *self.split(qk, v))
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         window = self.windows[layer]
-        out = self.attention(q.reshape(rows, seq, kv_heads * group, dim), k, v, causal=True, softmax_scale=self.scale,
+        out = self.attention(q, k, v, causal=True, softmax_scale=self.scale,
                              window_size=(window - 1, 0) if window else (-1, -1))
-        return out.reshape(rows, seq, kv_heads * group * dim)
+        return out.reshape(self.rows * self.seq, -1)
 
 
 class PrefillStep(CausalStep):
@@ -130,21 +140,24 @@ class PrefillStep(CausalStep):
         attention: the registry attention kernel.
         windows: per layer, its sliding window.
         scale: softmax scale.
+        rows: prompts.
+        seq: tokens per prompt (padded).
         cache: the cache.
         start: slot of the first row (rows go to ``start, start + 1, ...``).
     """
 
-    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float, cache: KVCache,
-                 start: int) -> None:
-        super().__init__(attention, windows, scale)
+    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float, rows: int, seq: int,
+                 cache: KVCache, start: int) -> None:
+        super().__init__(attention, windows, scale, rows, seq)
         self.cache, self.start = cache, start
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rows, seq = k.shape[:2]
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(qk, v)
+        end = self.start + self.rows
         # Padding positions are written too and closed afterwards (KVCache.close_rows).
-        self.cache.keys[layer, self.start:self.start + rows, :seq] = F.pad(k, (0, 1))
-        self.cache.values[layer, self.start:self.start + rows, :seq] = F.pad(v, (0, 1))
-        return super().attend(layer, q, k, v)
+        self.cache.keys[layer, self.start:end, :self.seq] = torch.constant_pad_nd(k, (0, 1))
+        self.cache.values[layer, self.start:end, :self.seq] = torch.constant_pad_nd(v, (0, 1))
+        return self._attend(layer, q, k, v)
 
 
 class DecodeStep:
@@ -155,23 +168,27 @@ class DecodeStep:
         scale: softmax scale.
         cache: the cache.
         positions: ``[rows]`` position of each new token (= tokens already cached in its slot).
+        kv_len: one more than the largest position.
     """
 
-    def __init__(self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor) -> None:
-        self.attention, self.scale, self.cache = attention, scale, cache
-        self.rows = torch.arange(positions.shape[0], device=positions.device)
-        self.positions = positions
-        self.kv_len = int(positions.max()) + 1
-        cache.slide_windows(self.rows, positions)
+    def __init__(self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor,
+                 kv_len: int) -> None:
+        rows = positions.shape[0]
+        self.attention, self.scale = attention, scale
+        self.index = (torch.arange(rows, device=positions.device), positions)
+        cache.slide_windows(self.index[0], positions)
+        # Per layer, the [rows, kv_len] block every query of this step attends over (views).
+        self.keys = cache.keys[:, :rows, :kv_len].unbind(0)
+        self.values = cache.values[:, :rows, :kv_len].unbind(0)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rows, _, kv_heads, group, dim = q.shape
-        cache = self.cache
-        cache.keys[layer].index_put_((self.rows, self.positions), F.pad(k[:, 0], (0, 1)))
-        cache.values[layer].index_put_((self.rows, self.positions), F.pad(v[:, 0], (0, 1)))
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one layer (same contract as :meth:`CausalStep.attend`, one token per row)."""
+        rows, kv_heads, group, dim = qk.shape[0], qk.shape[1], qk.shape[2] - 1, qk.shape[3]
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_put_(self.index, torch.constant_pad_nd(qk[:, :, group], (0, 1)))
+        values.index_put_(self.index, torch.constant_pad_nd(v, (0, 1)))
         # The group's query heads play the role of query positions ([rows, group, kv_heads, dim]):
         # each kv head then serves its own queries without repeating keys and values.
-        query = F.pad(q[:, 0].transpose(1, 2), (0, 1), value=1.0)
-        out = self.attention(query, cache.keys[layer, :rows, :self.kv_len], cache.values[layer, :rows, :self.kv_len],
-                             causal=False, softmax_scale=self.scale)
-        return out[..., :dim].transpose(1, 2).reshape(rows, 1, kv_heads * group * dim)
+        query = torch.constant_pad_nd(qk[:, :, :group].transpose(1, 2), (0, 1), 1.0)
+        out = self.attention(query, keys, values, causal=False, softmax_scale=self.scale)
+        return out[..., :dim].transpose(1, 2).reshape(rows, kv_heads * group * dim)

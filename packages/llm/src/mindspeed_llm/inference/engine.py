@@ -221,27 +221,26 @@ class InferenceEngine:
         return admitted
 
     def _prefill(self, requests: list[_Request], start: int, stream: Stream | None) -> None:
-        device = self.model.device
+        model, device = self.model, self.model.device
         lengths = [len(r.prompt) for r in requests]
-        tokens = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        seq = max(lengths)
+        tokens = torch.zeros(len(requests), seq, dtype=torch.long)
         for row, request in enumerate(requests):
             tokens[row, : lengths[row]] = torch.tensor(request.prompt)
-        tokens = tokens.to(device)
-        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        model = self.model
-        step = PrefillStep(model.attention, model.spec.windows, model.scale, self.cache, start)
-        hidden = model.hidden(tokens, positions, step)
+        positions = torch.arange(seq).repeat(len(requests))
+        step = PrefillStep(model.attention, model.spec.windows, model.scale, len(requests), seq, self.cache, start)
+        hidden = model.hidden(tokens.view(-1).to(device), positions.to(device), step)
         self.cache.close_rows(start, lengths)
-        last = torch.tensor(lengths, device=device) - 1
-        self._advance(requests, model.logits(hidden[torch.arange(len(requests), device=device), last]), stream)
+        last = torch.tensor([row * seq + length - 1 for row, length in enumerate(lengths)], device=device)
+        self._advance(requests, model.logits(hidden[last]), stream)
 
     def _decode(self, running: list[_Request], stream: Stream | None) -> None:
-        device = self.model.device
-        tokens = torch.tensor([[r.tokens[-1]] for r in running], device=device)
-        positions = torch.tensor([[r.cached] for r in running], device=device)
-        model = self.model
-        step = DecodeStep(model.attention, model.scale, self.cache, positions[:, 0])
-        self._advance(running, model.logits(model.hidden(tokens, positions, step)[:, 0]), stream)
+        model, device = self.model, self.model.device
+        tokens = torch.tensor([r.tokens[-1] for r in running], device=device)
+        cached = [r.cached for r in running]
+        positions = torch.tensor(cached, device=device)
+        step = DecodeStep(model.attention, model.scale, self.cache, positions, max(cached) + 1)
+        self._advance(running, model.logits(model.hidden(tokens, positions, step)), stream)
 
     def _advance(self, requests: list[_Request], logits: torch.Tensor, stream: Stream | None) -> None:
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
@@ -277,10 +276,10 @@ class InferenceEngine:
 
         This is the reference path: the KV-cache generation must agree with it.
         """
-        tokens = torch.tensor([list(token_ids)], device=self.model.device)
-        positions = torch.arange(tokens.shape[1], device=self.model.device)[None]
-        step = CausalStep(self.model.attention, self.model.spec.windows, self.model.scale)
-        return self.model.logits(self.model.hidden(tokens, positions, step))[0]
+        token_ids = list(token_ids)
+        model, device = self.model, self.model.device
+        step = CausalStep(model.attention, model.spec.windows, model.scale, 1, len(token_ids))
+        return model.logits(model.hidden(torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device), step))
 
     @torch.inference_mode()
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -296,15 +295,16 @@ class InferenceEngine:
         model, device = self.model, self.model.device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths pad less
         out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
-        step = CausalStep(model.attention, model.spec.windows, model.scale)
         for first in range(0, len(order), self.max_batch_size):
             group = order[first:first + self.max_batch_size]
-            longest = max(len(sequences[i]) for i in group)
-            tokens = torch.zeros(len(group), max(longest, 1), dtype=torch.long)
+            seq = max(1, max(len(sequences[i]) for i in group))
+            tokens = torch.zeros(len(group), seq, dtype=torch.long)
             for row, i in enumerate(group):
                 tokens[row, : len(sequences[i])] = torch.tensor(list(sequences[i]), dtype=torch.long)
             tokens = tokens.to(device)
-            hidden = model.hidden(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens), step)
+            step = CausalStep(model.attention, model.spec.windows, model.scale, len(group), seq)
+            positions = torch.arange(seq, device=device).repeat(len(group))
+            hidden = model.hidden(tokens.view(-1), positions, step).view(len(group), seq, -1)
             for row, i in enumerate(group):
                 n = len(sequences[i])
                 pieces = []

@@ -55,26 +55,25 @@ class DecoderLayer:
             self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
-        """``x`` ``[rows, seq, hidden]`` -> the layer's output, same shape."""
+        """``x`` ``[tokens, hidden]`` -> the layer's output, same shape (``cos``/``sin`` ``[tokens, 1, 1, dim]``)."""
         m, spec = self.model, self.model.spec
-        rows, seq = x.shape[:2]
-        kv_heads, group, dim = spec.num_kv_heads, spec.group_size, spec.head_dim
-        h = m.rms_norm(x, self.attn_norm, eps=spec.norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(rows, seq, kv_heads, group + 2, dim)
-        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+        group = spec.group_size
+        h = m.rms_norm(x, self.attn_norm, spec.norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(x.shape[0], spec.num_kv_heads, group + 2, spec.head_dim)
+        # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
+        qk = qkv[:, :, : group + 1]
         if self.q_norm is not None:
-            q = m.rms_norm(q, self.q_norm, eps=spec.norm_eps)
-            k = m.rms_norm(k, self.k_norm, eps=spec.norm_eps)
-        q = m.rotary(q, cos[:, :, None, None], sin[:, :, None, None])
-        k = m.rotary(k, cos[:, :, None], sin[:, :, None])
-        x = x + F.linear(step.attend(self.index, q, k, v), self.proj)
-        h = m.rms_norm(x, self.mlp_norm, eps=spec.norm_eps)
+            qk = torch.cat((m.rms_norm(qk[:, :, :group], self.q_norm, spec.norm_eps),
+                            m.rms_norm(qk[:, :, group:], self.k_norm, spec.norm_eps)), dim=2)
+        qk = m.rotary(qk, cos, sin)
+        x = x + F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
+        h = m.rms_norm(x, self.mlp_norm, spec.norm_eps)
         return x + (self._experts(h) if self.router is not None else F.linear(m.swiglu(F.linear(h, self.fc1)), self.fc2))
 
     def _experts(self, h: torch.Tensor) -> torch.Tensor:
         # Softmax over all experts in fp32, top-k, optional renormalisation: transformers' routing.
         spec, m = self.model.spec, self.model
-        tokens = h.reshape(-1, h.shape[-1])
+        tokens = h
         probs = torch.softmax(F.linear(tokens, self.router).float(), dim=-1)
         weights, chosen = torch.topk(probs, spec.shape.moe_router_topk, dim=-1)
         if spec.renormalize_topk:
@@ -87,7 +86,7 @@ class DecoderLayer:
             token, slot = (chosen == expert).nonzero(as_tuple=True)
             y = F.linear(m.swiglu(F.linear(tokens[token], self.fc1[expert])), self.fc2[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out.view_as(h)
+        return out
 
 
 class Decoder:
@@ -104,10 +103,10 @@ class Decoder:
                  kernels: dict[str, str] | None = None) -> None:
         self.spec, self.dtype, self.device = spec, dtype, device
         impls = {op: "auto" for op in KERNEL_OPS} | (kernels or {})
-        self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"])
-        self.rotary = resolve_kernel("rotary_pos_emb", impls["rotary_pos_emb"])
-        self.attention = resolve_kernel("attention", impls["attention"])
-        self.swiglu = resolve_kernel("swiglu", impls["swiglu"])
+        self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"]).fn
+        self.rotary = resolve_kernel("rotary_pos_emb", impls["rotary_pos_emb"]).fn
+        self.attention = resolve_kernel("attention", impls["attention"]).fn
+        self.swiglu = resolve_kernel("swiglu", impls["swiglu"]).fn
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.inv_freq = spec.inv_freq.to(device)
         self._weights = self._allocate()
@@ -146,19 +145,20 @@ class Decoder:
         return (angles.cos() * scale).to(self.dtype), (angles.sin() * scale).to(self.dtype)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
-        """Final hidden states (before the last norm) of ``tokens`` ``[rows, seq]`` at ``positions``.
+        """Final hidden states (before the last norm) ``[tokens, hidden]``.
 
         Args:
-            tokens: token ids ``[rows, seq]``.
-            positions: their positions, same shape.
+            tokens: token ids ``[tokens]`` (the step knows how they form sequences).
+            positions: their positions ``[tokens]``.
             step: how attention reaches keys and values (:mod:`.cache`).
         """
         x = F.embedding(tokens, self.embedding)
         cos, sin = self.rope(positions)
+        cos, sin = cos[:, None, None], sin[:, None, None]  # against [tokens, kv_heads, group + 1, dim]
         for layer in self.layers:
             x = layer.forward(x, cos, sin, step)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[..., vocab]`` of final hidden states."""
-        return F.linear(self.rms_norm(hidden, self.final_norm, eps=self.spec.norm_eps), self.output).float()
+        return F.linear(self.rms_norm(hidden, self.final_norm, self.spec.norm_eps), self.output).float()
