@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 import torch
 
 from mindspeed.testing.distributed import run_distributed
@@ -168,6 +169,7 @@ def _rank_main(rank: int, world_size: int, paths: dict, factors, tokens, cotange
     return buffer.getvalue()
 
 
+@pytest.mark.distributed
 def test_qlora_equals_lora_over_dequantised_weights(tmp_path) -> None:
     hf = tmp_path / "hf"
     save_tiny_checkpoint("qwen25", hf)
