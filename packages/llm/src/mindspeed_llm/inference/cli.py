@@ -117,9 +117,9 @@ def run_generate(args: argparse.Namespace) -> int:
         return _chat_loop(engine, params, config)
     prompts = [encode_prompt(tokenizer, record, config.chat, config.system) for record in records]
     started = time.perf_counter()
-    printer = _StreamPrinter(tokenizer) if config.stream and len(prompts) == 1 else None
-    if printer is not None and not config.chat:
-        _write(prompt_text(records[0]))
+    # The prompt is echoed with the first token: a prompt the engine refuses prints nothing.
+    echo = "" if config.chat else prompt_text(records[0])
+    printer = _StreamPrinter(tokenizer, echo) if config.stream and len(prompts) == 1 else None
     outputs = engine.generate(prompts, params, stream=printer)
     elapsed = time.perf_counter() - started
     completions = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
@@ -172,10 +172,12 @@ class _StreamPrinter:
     """Prints one request's text as its tokens arrive (decoding the whole reply each time, so that
     multi-byte characters split over tokens appear once complete)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+    def __init__(self, tokenizer: Any, echo: str = "") -> None:
+        self.tokenizer, self.echo, self.ids, self.shown = tokenizer, echo, [], ""
 
     def __call__(self, index: int, token: int) -> None:
+        if not self.ids and self.echo:
+            _write(self.echo)
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):

@@ -1,0 +1,64 @@
+"""Megatron checkpoints (per-rank at TP2 PP2, EP2 for MoE; megatron-core dist) generate what the
+Hugging Face directory they were converted from generates, with nothing written by the engine."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
+from mindspeed_llm.inference import InferenceEngine, SamplingParams
+
+from tests.llm.inference.conftest import random_prompts
+
+
+def convert(source: Path, target: Path, **options) -> Path:
+    convert_checkpoint(ConvertConfig(load_model_type="hf", save_model_type="mg", load_dir=source, save_dir=target,
+                                     progress=False, **options))
+    return target
+
+
+def files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize(("family", "options"), [
+    ("qwen25", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2}),
+    ("qwen3-moe", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2,
+                   "target_expert_parallel_size": 2}),
+    ("llama2", {"target_tensor_parallel_size": 2, "ckpt_format": "torch_dist"}),
+])
+def test_megatron_checkpoint_generates_like_the_hf_directory(engine, tiny_checkpoints, tmp_path, family: str,
+                                                            options: dict) -> None:
+    mg = convert(tiny_checkpoints[family], tmp_path / "mg", **options)
+    before = files(mg)
+    loaded = InferenceEngine.from_pretrained(mg, max_batch_size=2)
+    assert files(mg) == before  # read in memory, nothing written
+    prompts = random_prompts((6, 3, 9), seed=30)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = engine(family, max_batch_size=2).generate(prompts, params)
+    assert [o.token_ids for o in loaded.generate(prompts, params)] == [o.token_ids for o in want]
+    torch.testing.assert_close(loaded.forward_logits(prompts[2]), engine(family).forward_logits(prompts[2]),
+                               atol=0, rtol=0)
+    assert loaded.tokenizer is not None and loaded.eos_token_ids == (2,)  # from the hf_config folder
+
+
+def test_megatron_checkpoint_without_hf_config_takes_hf_cfg_dir(engine, tiny_checkpoints, tmp_path) -> None:
+    mg = convert(tiny_checkpoints["qwen3"], tmp_path / "mg", target_pipeline_parallel_size=2)
+    shutil.rmtree(mg / "hf_config")
+    bare = InferenceEngine.from_pretrained(mg)  # the model from the args alone, no tokenizer
+    assert bare.tokenizer is None
+    tokens = random_prompts((7,), seed=31)[0]
+    torch.testing.assert_close(bare.forward_logits(tokens), engine("qwen3").forward_logits(tokens), atol=0, rtol=0)
+    with_cfg = InferenceEngine.from_pretrained(mg, hf_cfg_dir=tiny_checkpoints["qwen3"])
+    assert with_cfg.tokenizer is not None
+
+
+def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a directory"):
+        InferenceEngine.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="neither a Hugging Face directory .* nor a Megatron checkpoint"):
+        InferenceEngine.from_pretrained(tmp_path)
