@@ -127,7 +127,7 @@ def test_failure_while_writing_leaves_the_target_untouched(source, tmp_path, cap
     save.mkdir()
     (save / "keep.txt").write_text("old")
     calls = []
-    original = endpoints.HFSource.read
+    original = endpoints.HFSource.read_blocks
 
     def failing_read(self, task, plan):
         calls.append(task.mg_name)
@@ -135,7 +135,7 @@ def test_failure_while_writing_leaves_the_target_untouched(source, tmp_path, cap
             raise ValueError("disk on fire")
         return original(self, task, plan)
 
-    monkeypatch.setattr(endpoints.HFSource, "read", failing_read)
+    monkeypatch.setattr(endpoints.HFSource, "read_blocks", failing_read)
     code, _, err = run(capsys, "--load-dir", str(source), "--save-dir", str(save), "--overwrite", "--no-progress")
     assert code == 2 and "disk on fire" in err
     assert sorted(p.name for p in save.iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []

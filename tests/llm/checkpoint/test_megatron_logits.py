@@ -5,6 +5,11 @@ also PP2 x VPP for Llama, TP2 EP2 for MoE families), then loaded strictly into m
 ``mindspeed.megatron.spec.get_gpt_layer_spec`` (reference kernels) on 4 real gloo ranks, one
 rank file each. Megatron's own pipeline schedule computes the logits, which must equal the
 transformers model's to 1e-5 (fp32) on the same tokens.
+
+DeepSeek-V3 with its multi-token-prediction layers (``--mtp-num-layers``) at TP2 PP2: megatron's
+``GPTModel`` with the MTP block on the last stage (and the embedding copy it needs there) loads
+the rank files strictly; the logits compared are the main model's (megatron runs the MTP block
+only to compute a training loss from labels).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from mindspeed.testing.distributed import run_distributed
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
 
+from .conftest import MTP_LAYERS
+
+#: The source of the MTP case (the ``tiny_mtp_checkpoint`` fixture), beside the families' tiny checkpoints.
+MTP_SOURCE = "deepseek3+mtp"
 #: label -> (family, target layout options).
 CASES = {
     "llama2-tp2pp2": ("llama2", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
@@ -27,6 +36,8 @@ CASES = {
     "mixtral-tp2ep2": ("mixtral", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     "qwen3-moe-tp2ep2": ("qwen3-moe", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     "deepseek3-tp2ep2": ("deepseek3", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
+    "deepseek3-mtp-tp2pp2": (MTP_SOURCE, dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
+                                              mtp_num_layers=MTP_LAYERS)),
     # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.
     "qwen25-torch_dist": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
                                          ckpt_format="torch_dist")),
@@ -51,6 +62,13 @@ def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], token
             init_layout(layout, shape)
             try:
                 chunks = load_rank_chunks(mg_dir)
+                if shape.mtp_num_layers:
+                    # Loaded strictly with the MTP block; its forward needs labels (it only adds a loss),
+                    # so the main model's logits are computed with it switched off.
+                    assert any(getattr(chunk, "mtp_process", False) for chunk in chunks) == (layout.pp - 1 == _pp_rank())
+                    for chunk in chunks:
+                        chunk.mtp_process = False
+                        chunk.config.mtp_num_layers = None
                 logits = megatron_logits(chunks, tokens)
             finally:
                 destroy_layout()
@@ -62,15 +80,21 @@ def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], token
     return out
 
 
-def _convert_all(tiny_checkpoints, root, tokens: torch.Tensor) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
+def _pp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank()
+
+
+def _convert_all(sources: dict, root, tokens: torch.Tensor) -> tuple[list[tuple[str, str]], dict[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     cases, reference = [], {}
     for label, (family, options) in CASES.items():
         save = root / label
-        convert_checkpoint(ConvertConfig(load_dir=tiny_checkpoints[family], save_dir=save, progress=False, **options))
+        convert_checkpoint(ConvertConfig(load_dir=sources[family], save_dir=save, progress=False, **options))
         cases.append((label, str(save)))
-        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(sources[family], dtype=torch.float32,
                                                      attn_implementation="eager")
         with torch.no_grad():
             reference[label] = model.eval()(tokens).logits
@@ -78,14 +102,14 @@ def _convert_all(tiny_checkpoints, root, tokens: torch.Tensor) -> tuple[list[tup
 
 
 def test_every_family_is_checked() -> None:
-    assert {family for family, _ in CASES.values()} == set(TINY_CONFIGS)
+    assert {family for family, _ in CASES.values()} == set(TINY_CONFIGS) | {MTP_SOURCE}
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_converted_logits_equal_transformers(tiny_checkpoints, tmp_path) -> None:
+def test_converted_logits_equal_transformers(tiny_checkpoints, tiny_mtp_checkpoint, tmp_path) -> None:
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    cases, reference = _convert_all(tiny_checkpoints, tmp_path, tokens)
+    cases, reference = _convert_all({**tiny_checkpoints, MTP_SOURCE: tiny_mtp_checkpoint}, tmp_path, tokens)
     per_rank = run_distributed(_rank_logits, WORLD_SIZE, cases, tokens, reference, timeout=600)
     diffs = {}
     for result in per_rank:

@@ -92,6 +92,8 @@ class Bridge:
         requires: config keys that must hold a value (what megatron cannot represent), as
             ``(key, value)``; a missing key counts as holding it.
         rules: the parameter rules.
+        mtp_config_key: the config key counting the checkpoint's multi-token-prediction layers
+            (``None``: the family has none); they are converted only on request.
     """
 
     family: ClassVar[str]
@@ -101,6 +103,7 @@ class Bridge:
     constants: ClassVar[Mapping[str, Any]] = {}
     requires: ClassVar[tuple[tuple[str, Any], ...]] = ()
     rules: ClassVar[tuple[ParamRule, ...]] = ()
+    mtp_config_key: ClassVar[str | None] = None
 
     def shape_from_hf(self, config: Mapping[str, Any]) -> ModelShape:
         """The megatron model described by a Hugging Face config dict.
@@ -148,6 +151,29 @@ class Bridge:
         config.architectures = [self.hf_architectures[0]]
         config.dtype = shape.params_dtype
         return config
+
+    def with_mtp_layers(self, shape: ModelShape, config: Mapping[str, Any], count: int) -> ModelShape:
+        """``shape`` with ``count`` multi-token-prediction layers of the checkpoint converted.
+
+        Args:
+            shape: the model without them.
+            config: the Hugging Face config dict.
+            count: how many (``--mtp-num-layers``); 0 converts none.
+
+        Raises:
+            ValueError: the family has no such layers, or the checkpoint has fewer.
+        """
+        if count < 0:
+            raise ValueError(f"--mtp-num-layers must be 0 or more, got {count}")
+        if not count:
+            return dataclasses.replace(shape, mtp_num_layers=None)
+        if self.mtp_config_key is None:
+            raise ValueError(f"--mtp-num-layers {count}: the {self.family} bridge has no multi-token-prediction layers")
+        available = get_path(config, self.mtp_config_key) or 0
+        if count > available:
+            raise ValueError(f"--mtp-num-layers {count}: config.json's {self.mtp_config_key} is {available}; "
+                             f"pass at most {available}")
+        return dataclasses.replace(shape, mtp_num_layers=count)
 
     def param_rules(self) -> tuple[ParamRule, ...]:
         """The parameter rules (a method so that a family can compose them)."""

@@ -7,10 +7,14 @@ transformers decoder models; ``{layer}`` and ``{expert}`` are filled in by the e
 from __future__ import annotations
 
 from mindspeed_llm.bridges.base import ConfigKey, head_dim_default
-from mindspeed_llm.bridges.rules import Drop, FuseGateUp, FuseQKV, ParamRule, Rename, Tie
+from mindspeed_llm.bridges.rules import CopyOf, Drop, FuseGateUp, FuseQKV, ParamRule, Rename, Tie, for_mtp
 
 MG = "decoder.layers.{layer}."
 HF = "model.layers.{layer}."
+#: A multi-token-prediction layer in megatron (``MultiTokenPredictionBlock``) and where DeepSeek-V3
+#: checkpoints put it: after the decoder layers, as layer ``num_hidden_layers + index``.
+MG_MTP = "mtp.layers.{mtp}."
+HF_MTP = "model.layers.{mtp_layer}."
 
 #: Embedding, final norm and output layer (tied or not).
 EMBEDDING_RULES: tuple[ParamRule, ...] = (
@@ -95,4 +99,25 @@ def moe_rules(hf_mlp: str, router: str, gate: str, up: str, down: str) -> tuple[
     return (
         Rename(MG + "mlp.router.weight", f"{hf_mlp}{router}.weight", layers="moe"),
         *gated_mlp_rules(MG + "mlp.experts.local_experts.{expert}.", hf_mlp + "experts.{expert}.", gate, up, down),
+    )
+
+
+def mtp_rules(layer_rules: tuple[ParamRule, ...]) -> tuple[ParamRule, ...]:
+    """DeepSeek-V3-style multi-token-prediction layers, in the checkpoint layout transformers'
+    ``MtpModel`` reads: ``enorm`` (embedding norm), ``hnorm`` (hidden-state norm), ``eh_proj``
+    (over ``[embedding; hidden]``, megatron's order too), a decoder layer under the same prefix
+    (``layer_rules`` rewritten), ``shared_head.norm`` (megatron's ``final_layernorm``), and
+    copies of the embedding and the output head, which megatron shares with the main model.
+
+    Args:
+        layer_rules: the family's rules; those of a decoder layer (``MG`` prefix) are reused.
+    """
+    return (
+        Rename(MG_MTP + "enorm.weight", HF_MTP + "enorm.weight"),
+        Rename(MG_MTP + "hnorm.weight", HF_MTP + "hnorm.weight"),
+        Rename(MG_MTP + "eh_proj.weight", HF_MTP + "eh_proj.weight"),
+        *for_mtp(layer_rules, MG, HF, MG_MTP + "transformer_layer.", HF_MTP),
+        Rename(MG_MTP + "final_layernorm.weight", HF_MTP + "shared_head.norm.weight"),
+        CopyOf(HF_MTP + "embed_tokens.weight", of="model.embed_tokens.weight"),
+        CopyOf(HF_MTP + "shared_head.head.weight", of="lm_head.weight", of_tied="model.embed_tokens.weight"),
     )

@@ -1,5 +1,6 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention, sigmoid-routed experts with a score
-bias, shared experts, the first k layers dense, multi-token-prediction layers dropped."""
+bias, shared experts, the first k layers dense, multi-token-prediction layers converted on request
+(``--mtp-num-layers``), else dropped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
-from mindspeed_llm.bridges.common import EMBEDDING_RULES, HF, MG, gated_mlp_rules, moe_rules
+from mindspeed_llm.bridges.common import EMBEDDING_RULES, HF, MG, gated_mlp_rules, moe_rules, mtp_rules
 from mindspeed_llm.bridges.rules import DropExtraLayers, Rename
 from mindspeed_llm.bridges.shape import ModelShape
 
@@ -25,6 +26,15 @@ MLA_RULES = (
     Rename(A + "linear_kv_up_proj.weight", H + "kv_b_proj.weight"),
     Rename(A + "linear_proj.weight", H + "o_proj.weight"),
     Rename(MG + "pre_mlp_layernorm.weight", HF + "post_attention_layernorm.weight"),
+)
+
+#: One decoder layer: MLA, then a dense MLP (first k layers) or routed + shared experts.
+LAYER_RULES = (
+    *MLA_RULES,
+    *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
+    *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"),
+    Rename(MG + "mlp.router.expert_bias", HF + "mlp.gate.e_score_correction_bias", layers="moe"),
+    *gated_mlp_rules(MG + "mlp.shared_experts.", HF + "mlp.shared_experts.", layers="moe"),
 )
 
 #: YaRN settings of megatron's MLA config and their Hugging Face ``rope_parameters`` keys.
@@ -74,14 +84,8 @@ class DeepseekV3Bridge(Bridge):
     # megatron renormalises sigmoid top-k weights always; the MLA rope is de-interleaved by
     # megatron exactly as transformers does with rope_interleave.
     requires = (("hidden_act", "silu"), ("norm_topk_prob", True), ("rope_interleave", True), ("attention_bias", False))
-    rules = (
-        *EMBEDDING_RULES, *MLA_RULES,
-        *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
-        *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"),
-        Rename(MG + "mlp.router.expert_bias", HF + "mlp.gate.e_score_correction_bias", layers="moe"),
-        *gated_mlp_rules(MG + "mlp.shared_experts.", HF + "mlp.shared_experts.", layers="moe"),
-        DropExtraLayers(),
-    )
+    mtp_config_key = "num_nextn_predict_layers"
+    rules = (*EMBEDDING_RULES, *LAYER_RULES, *mtp_rules(LAYER_RULES), DropExtraLayers())
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
         dense = config.get("first_k_dense_replace") or 0
@@ -105,7 +109,8 @@ class DeepseekV3Bridge(Bridge):
         freq = shape.moe_layer_freq
         out: dict[str, Any] = {"first_k_dense_replace": freq.index(1) if 1 in freq else len(freq), "moe_layer_freq": 1,
                                "n_shared_experts": (shape.moe_shared_expert_intermediate_size or 0) // shape.moe_ffn_hidden_size,
-                               "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+                               "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                               "num_nextn_predict_layers": shape.mtp_num_layers or 0}
         if shape.rope_type == "yarn":
             out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": shape.rotary_base,
                                       **{hf: getattr(shape, mg) for mg, hf in _YARN.items()}}

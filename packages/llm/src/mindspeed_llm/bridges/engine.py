@@ -45,6 +45,9 @@ class ConversionPlan:
         tasks: one per megatron parameter, in the megatron model's order (layer by layer).
         params: the megatron parameters by name.
         dropped_hf: Hugging Face tensors present in the source that are deliberately not converted.
+        hf_copies: Hugging Face name -> the names of its copies (tensors a Hugging Face checkpoint
+            repeats and megatron holds once, see :class:`~mindspeed_llm.bridges.rules.CopyOf`):
+            checked against the original when read, written with the original's bytes.
     """
 
     bridge: Bridge
@@ -52,6 +55,7 @@ class ConversionPlan:
     tasks: list[Task]
     params: dict[str, MegatronParam]
     dropped_hf: list[str] = field(default_factory=list)
+    hf_copies: dict[str, list[str]] = field(default_factory=dict)
 
     def hf_names(self) -> list[str]:
         """Every Hugging Face tensor the plan reads or writes, in task order."""
@@ -99,6 +103,12 @@ def plan_conversion(bridge: Bridge, shape: ModelShape, hf_shapes: Mapping[str, S
     order = {name: index for index, name in enumerate(params)}
     tasks.sort(key=lambda task: order[task.mg_name])
     plan = ConversionPlan(bridge, shape, tasks, params)
+    produced_hf = {name for task in tasks for name in task.hf_names}
+    for rule in bridge.param_rules():
+        for copy, original in (rule.copies(shape) if hasattr(rule, "copies") else {}).items():
+            if original not in produced_hf:
+                raise ValueError(f"the {bridge.family} bridge copies {original} into {copy}, but no rule makes {original}")
+            plan.hf_copies.setdefault(original, []).append(copy)
     if hf_shapes is not None:
         _check_hf_side(plan, hf_shapes)
     return plan
@@ -115,11 +125,16 @@ def _check_hf_side(plan: ConversionPlan, hf_shapes: Mapping[str, Shape]) -> None
     absent = [name for name in used if name not in hf_shapes]
     if absent:
         raise ValueError(f"the checkpoint lacks tensors the {family} bridge needs for this config: {list_names(absent)}")
+    copies = {copy: original for original, names in plan.hf_copies.items() for copy in names}
+    for copy, original in copies.items():
+        if copy in hf_shapes and tuple(hf_shapes[copy]) != tuple(hf_shapes[original]):
+            raise ValueError(f"shape mismatch: {copy} {tuple(hf_shapes[copy])} should repeat {original} "
+                             f"{tuple(hf_shapes[original])}")
     rules = plan.bridge.param_rules()
-    optional = {name for rule in rules for name in expand_optional(rule, plan.shape)}
+    optional = {name for rule in rules for name in expand_optional(rule, plan.shape)} | set(copies)
     optional |= {name for name in hf_shapes if name not in used
                  and any(rule.drops(name, plan.shape) for rule in rules if hasattr(rule, "drops"))}
-    plan.dropped_hf = sorted(name for name in hf_shapes if name not in used and name in optional)
+    plan.dropped_hf = sorted(name for name in hf_shapes if name not in used and name in optional and name not in copies)
     leftover = [name for name in hf_shapes if name not in used and name not in optional]
     if leftover:
         raise ValueError(f"no rule of the {family} bridge matches these checkpoint tensors (does config.json describe "

@@ -12,7 +12,9 @@ following megatron's own rules:
 - pipeline stages own consecutive layer ranges (``num_layer_list`` or equal shares); with
   virtual stages, model chunk i of pipeline rank p owns global chunk ``i * pp + p``;
 - expert-parallel rank e owns experts ``[e * E / ep, (e + 1) * E / ep)``, renumbered from 0;
-- a tied output layer is a copy of the embedding on the last stage when PP > 1.
+- a tied output layer is a copy of the embedding on the last stage when PP > 1;
+- multi-token-prediction layers (``mtp.layers.N``) sit on the last stage, with a copy of the
+  embedding there when PP > 1.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.shape import ModelShape
 
@@ -92,6 +95,8 @@ class ParallelLayout:
             dims = {"num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups}
         if any(not shape.is_moe_layer(i) for i in range(shape.num_layers)):
             dims["intermediate_size"] = shape.ffn_hidden_size
+        if shape.mtp_num_layers:
+            dims["hidden_size (multi-token-prediction eh_proj)"] = shape.hidden_size
         if shape.num_experts:
             dims["moe_intermediate_size"] = shape.moe_ffn_hidden_size
             if shape.moe_shared_expert_intermediate_size:
@@ -179,10 +184,14 @@ class ParallelLayout:
             eps = [owner]
             name = _EXPERT.sub(f".local_experts.{local_expert}.", name, count=1)
         pieces = [Piece(RankKey(t, stage, e), chunk, name, t) for e in eps for t in range(self.tp)]
-        if name == "embedding.word_embeddings.weight" and shape.tie_embeddings and self.pp > 1:
-            # megatron keeps a copy of the tied embedding as the last stage's output layer.
+        if name == "embedding.word_embeddings.weight" and self.pp > 1:
             stage, chunk = self.last_stage(shape)
-            pieces += [Piece(RankKey(t, stage, e), chunk, "output_layer.weight", t) for e in eps for t in range(self.tp)]
+            copies = ["output_layer.weight"] if shape.tie_embeddings else []
+            if shape.mtp_num_layers:
+                copies.append(name)
+            # megatron keeps a copy of the tied embedding as the last stage's output layer, and the
+            # multi-token-prediction layers (on the last stage) a copy of the embedding.
+            pieces += [Piece(RankKey(t, stage, e), chunk, copy, t) for copy in copies for e in eps for t in range(self.tp)]
         return pieces
 
     def describe(self) -> str:
@@ -238,6 +247,57 @@ def merge_tensors(param: MegatronParam, pieces: list[torch.Tensor]) -> torch.Ten
         halves = [piece.chunk(2, dim=0) for piece in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(pieces, dim=1 if param.split is Split.ROW else 0)
+
+
+def split_blocks(param: MegatronParam, blocks: Blocks, tp: int) -> list[Blocks]:
+    """:func:`split_tensor` as views: the ``tp`` pieces of the full tensor given as ``blocks``.
+
+    Raises:
+        ValueError: the split dimension is not divisible by ``tp``.
+    """
+    if tp == 1 or param.split is Split.REPLICATED:
+        return [blocks] * tp
+    rows = blocks.shape[0]
+    if param.split is Split.VOCAB:
+        per = _padded_rows(rows, tp) // tp
+        pieces = []
+        for index in range(tp):
+            piece = blocks.rows(min(index * per, rows), min((index + 1) * per, rows))
+            if piece.shape[0] < per:  # the padding rows megatron adds to the last ranks, zeros
+                pad = torch.zeros((per - piece.shape[0], *blocks.shape[1:]), dtype=blocks.dtype)
+                piece = Blocks.stack([piece, Blocks.of(pad)])
+            pieces.append(piece)
+        return pieces
+    dim = 1 if param.split is Split.ROW else 0
+    if blocks.shape[dim] % (2 * tp if param.split is Split.GLU else tp):
+        raise ValueError(f"{param.name}: dim {dim} of size {blocks.shape[dim]} cannot be cut in {tp} tensor-parallel pieces")
+    if param.split is Split.ROW:
+        per = blocks.shape[1] // tp
+        return [blocks.columns(index * per, (index + 1) * per) for index in range(tp)]
+    if param.split is Split.GLU:
+        half = rows // 2
+        per = half // tp
+        return [Blocks.stack([blocks.rows(index * per, (index + 1) * per), blocks.rows(half + index * per, half + (index + 1) * per)])
+                for index in range(tp)]
+    per = rows // tp
+    return [blocks.rows(index * per, (index + 1) * per) for index in range(tp)]
+
+
+def merge_blocks(param: MegatronParam, pieces: list[torch.Tensor]) -> Blocks:
+    """:func:`merge_tensors` as views: the full tensor of ``param`` glued from its ``pieces``.
+
+    Raises:
+        ValueError: replicated pieces differ (the checkpoint's ranks disagree).
+    """
+    if len(pieces) == 1 or param.split is Split.REPLICATED:
+        return Blocks.of(merge_tensors(param, pieces))
+    if param.split is Split.ROW:
+        return Blocks([pieces])
+    if param.split is Split.GLU:
+        halves = [piece.chunk(2, dim=0) for piece in pieces]
+        return Blocks([[h[0]] for h in halves] + [[h[1]] for h in halves])
+    blocks = Blocks([[piece] for piece in pieces])
+    return blocks.rows(0, param.shape[0]) if param.split is Split.VOCAB else blocks
 
 
 def piece_shape(param: MegatronParam, tp: int) -> tuple[int, ...]:

@@ -51,6 +51,8 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: A
         pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
         virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
     )
+    if shape.mtp_num_layers:
+        fields["mtp_num_layers"] = shape.mtp_num_layers
     if shape.num_experts:
         fields.update(
             num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -205,8 +207,19 @@ def _build_chunk(shape: ModelShape, layout: ParallelLayout, config: Any, layer_s
     from megatron.core.models.gpt import GPTModel
 
     vp_stage = stage if layout.vpp_layers else None
+    block = _block_spec(config, layer_specs, vp_stage)
+    mtp = None
+    if shape.mtp_num_layers:
+        # megatron's own helper: on the last stage (the last chunk), MTP layers built like the last
+        # decoder layer, with its local norms and projection; None on the other stages.
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        last = TransformerBlockSubmodules(layer_specs=[layer_specs[-1]])
+        mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=_block_spec(config, layer_specs, vp_stage),
+        config=config, transformer_layer_spec=block, mtp_block_spec=mtp,
         vocab_size=vocab_size or padded_vocab_size(shape, layout),
         max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,

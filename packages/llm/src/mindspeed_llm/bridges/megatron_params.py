@@ -40,7 +40,8 @@ class MegatronParam:
         name: the name in the unsharded model's state dict.
         shape: its shape.
         split: how tensor parallelism cuts it.
-        layer: the global layer index (``None`` outside the decoder layers).
+        layer: the global decoder layer index (``None`` outside the decoder layers, e.g. in the
+            multi-token-prediction layers).
         expert: the global expert index (``None`` for non-expert parameters).
     """
 
@@ -59,10 +60,10 @@ class MegatronParam:
 #: Module suffixes whose megatron linear layers save an ``_extra_state`` entry (None) in
 #: ``state_dict``; a strict ``load_state_dict`` expects it back.
 LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
-                  "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "output_layer")
+                  "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "output_layer", "eh_proj")
 
 
-def _attention(shape: ModelShape, prefix: str, layer: int) -> list[MegatronParam]:
+def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[MegatronParam]:
     h, heads = shape.hidden_size, shape.num_attention_heads
     out: list[MegatronParam] = []
 
@@ -95,9 +96,45 @@ def _attention(shape: ModelShape, prefix: str, layer: int) -> list[MegatronParam
     return out
 
 
-def _mlp(prefix: str, hidden: int, ffn: int, layer: int, expert: int | None = None) -> list[MegatronParam]:
+def _mlp(prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None) -> list[MegatronParam]:
     return [MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
             MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert)]
+
+
+def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list[MegatronParam]:
+    # One transformer layer: a decoder layer (``layer`` its index) or the transformer layer of a
+    # multi-token-prediction layer (``layer`` None: it sits with the output layer, see .layout).
+    h = shape.hidden_size
+    params = [MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer)]
+    params += _attention(shape, prefix + "self_attention.", layer)
+    params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
+    if not moe:
+        return params + _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+    experts = shape.num_experts
+    params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))
+    if shape.moe_router_enable_expert_bias:
+        params.append(MegatronParam(prefix + "mlp.router.expert_bias", (experts,), Split.REPLICATED, layer))
+    for expert in range(experts):
+        params += _mlp(f"{prefix}mlp.experts.local_experts.{expert}.", h, shape.moe_ffn_hidden_size, layer, expert)
+    if shape.moe_shared_expert_intermediate_size:
+        params += _mlp(prefix + "mlp.shared_experts.", h, shape.moe_shared_expert_intermediate_size, layer)
+    return params
+
+
+def mtp_params(shape: ModelShape) -> list[MegatronParam]:
+    """The parameters of megatron's ``MultiTokenPredictionBlock`` (``mtp.layers.N.``): per layer
+    the two input norms, the ``[embedding; hidden]`` projection, a transformer layer and a final
+    norm (the embedding and the output layer are the main model's)."""
+    h = shape.hidden_size
+    params: list[MegatronParam] = []
+    for index in range(shape.mtp_num_layers or 0):
+        prefix = f"mtp.layers.{index}."
+        params += [MegatronParam(prefix + "enorm.weight", (h,), Split.REPLICATED),
+                   MegatronParam(prefix + "hnorm.weight", (h,), Split.REPLICATED),
+                   MegatronParam(prefix + "eh_proj.weight", (h, 2 * h), Split.COLUMN)]
+        params += _layer(shape, prefix + "transformer_layer.", None, shape.mtp_is_moe)
+        params.append(MegatronParam(prefix + "final_layernorm.weight", (h,), Split.REPLICATED))
+    return params
 
 
 def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
@@ -112,22 +149,9 @@ def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
     h = shape.hidden_size
     params = [MegatronParam("embedding.word_embeddings.weight", (shape.vocab_size, h), Split.VOCAB)]
     for layer in range(shape.num_layers):
-        prefix = f"decoder.layers.{layer}."
-        params.append(MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer))
-        params += _attention(shape, prefix + "self_attention.", layer)
-        params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
-        if not shape.is_moe_layer(layer):
-            params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
-            continue
-        experts = shape.num_experts
-        params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))
-        if shape.moe_router_enable_expert_bias:
-            params.append(MegatronParam(prefix + "mlp.router.expert_bias", (experts,), Split.REPLICATED, layer))
-        for expert in range(experts):
-            params += _mlp(f"{prefix}mlp.experts.local_experts.{expert}.", h, shape.moe_ffn_hidden_size, layer, expert)
-        if shape.moe_shared_expert_intermediate_size:
-            params += _mlp(prefix + "mlp.shared_experts.", h, shape.moe_shared_expert_intermediate_size, layer)
+        params += _layer(shape, f"decoder.layers.{layer}.", layer, shape.is_moe_layer(layer))
     params.append(MegatronParam("decoder.final_layernorm.weight", (h,), Split.REPLICATED))
+    params += mtp_params(shape)
     if shape.untie_embeddings_and_output_weights:
         params.append(MegatronParam("output_layer.weight", (shape.vocab_size, h), Split.VOCAB))
     return {p.name: p for p in params}

@@ -4,10 +4,13 @@ A rule maps one megatron parameter to the Hugging Face tensors it is made of. Na
 templates: ``{layer}`` stands for the layer index and ``{expert}`` for the expert index, so
 one rule covers every layer (or every expert of every MoE layer). ``layers`` restricts a rule
 to dense layers or MoE layers (DeepSeek's first-k dense layers, Qwen3-MoE's ``mlp_only_layers``).
+Multi-token-prediction layers use ``{mtp}`` (their index, megatron's ``mtp.layers.{mtp}``) and
+``{mtp_layer}`` (the decoder layer count plus that index: where DeepSeek-V3 checkpoints put them).
 
 Each rule converts in both directions (``to_megatron`` / ``to_hf``) and computes shapes without
 data (``megatron_shape`` / ``hf_shapes``), so a conversion is planned and checked before any
-tensor is read.
+tensor is read. ``to_megatron_blocks`` / ``to_hf_blocks`` do the same conversion as views
+(:class:`~mindspeed_llm.bridges.blocks.Blocks`), for writers that stream bytes to files.
 
     Rename("decoder.layers.{layer}.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight")
     FuseQKV("decoder.layers.{layer}.self_attention.linear_qkv.weight",
@@ -16,10 +19,12 @@ tensor is read.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
+from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.shape import ModelShape
 
 Shape = tuple[int, ...]
@@ -54,6 +59,14 @@ class ParamRule:
         """The Hugging Face tensors (in ``hf`` order) made of the megatron ``tensor``."""
         raise NotImplementedError
 
+    def to_megatron_blocks(self, tensors: list[torch.Tensor], shape: ModelShape) -> Blocks:
+        """:meth:`to_megatron` as views of ``tensors`` (default: the materialised tensor)."""
+        return Blocks.of(self.to_megatron(tensors, shape))
+
+    def to_hf_blocks(self, blocks: Blocks, shape: ModelShape) -> list[Blocks]:
+        """:meth:`to_hf` on a megatron tensor given as views (default: through the materialised tensor)."""
+        return [Blocks.of(tensor) for tensor in self.to_hf(blocks.tensor(), shape)]
+
     def megatron_shape(self, hf_shapes: list[Shape], shape: ModelShape) -> Shape:
         """The megatron shape ``to_megatron`` produces; raises ``ValueError`` if the inputs disagree."""
         raise NotImplementedError
@@ -82,6 +95,12 @@ class Rename(ParamRule):
 
     def to_hf(self, tensor, shape):
         return [tensor]
+
+    def to_megatron_blocks(self, tensors, shape):
+        return Blocks.of(tensors[0])
+
+    def to_hf_blocks(self, blocks, shape):
+        return [blocks]
 
     def megatron_shape(self, hf_shapes, shape):
         return tuple(hf_shapes[0])
@@ -120,6 +139,18 @@ class FuseQKV(ParamRule):
         q, k, v = tensor.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
         return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
 
+    def to_megatron_blocks(self, tensors, shape):
+        q, k, v = tensors
+        groups, q_rows, d = self._sizes(shape)
+        return Blocks([block for g in range(groups) for block in
+                       ([q[g * q_rows:(g + 1) * q_rows]], [k[g * d:(g + 1) * d]], [v[g * d:(g + 1) * d]])])
+
+    def to_hf_blocks(self, blocks, shape):
+        groups, q_rows, d = self._sizes(shape)
+        width = q_rows + 2 * d
+        return [Blocks.stack([blocks.rows(g * width + start, g * width + start + size) for g in range(groups)])
+                for start, size in ((0, q_rows), (q_rows, d), (q_rows + d, d))]
+
     def megatron_shape(self, hf_shapes, shape):
         groups, q_rows, d = self._sizes(shape)
         expected = [(groups * q_rows,), (groups * d,), (groups * d,)]
@@ -146,6 +177,13 @@ class FuseGateUp(ParamRule):
 
     def to_hf(self, tensor, shape):
         return list(tensor.chunk(2, dim=0))
+
+    def to_megatron_blocks(self, tensors, shape):
+        return Blocks([[tensors[0]], [tensors[1]]])
+
+    def to_hf_blocks(self, blocks, shape):
+        half = blocks.shape[0] // 2
+        return [blocks.rows(0, half), blocks.rows(half, 2 * half)]
 
     def megatron_shape(self, hf_shapes, shape):
         gate, up = (tuple(s) for s in hf_shapes)
@@ -184,8 +222,9 @@ class Drop(ParamRule):
 
 
 class DropExtraLayers(ParamRule):
-    """Every Hugging Face tensor of a layer past the model's decoder layers, dropped: the
-    multi-token-prediction layers DeepSeek-V3 checkpoints append (transformers ignores them too).
+    """Every Hugging Face tensor of a layer past the model's decoder layers (and past the
+    multi-token-prediction layers being converted), dropped: the multi-token-prediction layers
+    DeepSeek-V3 checkpoints append, unless asked for (transformers ignores them too).
 
     Args:
         prefix: the layers' name prefix (``model.layers.``).
@@ -198,12 +237,38 @@ class DropExtraLayers(ParamRule):
         return False
 
     def drops(self, name: str, shape: ModelShape) -> bool:
-        """Whether ``name`` belongs to a layer index at or past ``shape.num_layers``."""
+        """Whether ``name`` belongs to a layer index at or past the layers converted."""
         prefix = self.hf[0]
         if not name.startswith(prefix):
             return False
         index = name[len(prefix):].split(".", 1)[0]
-        return index.isdigit() and int(index) >= shape.num_layers
+        return index.isdigit() and int(index) >= shape.num_layers + (shape.mtp_num_layers or 0)
+
+
+class CopyOf(ParamRule):
+    """A Hugging Face tensor that repeats another one and has no megatron tensor of its own:
+    DeepSeek-V3's multi-token-prediction layers keep copies of the embedding and the output head,
+    which megatron shares with the main model. Read, the copy must equal the original (checked
+    by the source); written, it gets the original's bytes.
+
+    Args:
+        hf: the copy's name template.
+        of: the original's name.
+        of_tied: the original when the model ties its output layer to the embedding.
+    """
+
+    def __init__(self, hf: str, of: str, of_tied: str | None = None) -> None:
+        super().__init__("", (hf,), "all")
+        object.__setattr__(self, "of", of)
+        object.__setattr__(self, "of_tied", of_tied or of)
+
+    def active(self, shape):
+        return False
+
+    def copies(self, shape: ModelShape) -> dict[str, str]:
+        """Copy name -> original name, for this model."""
+        original = self.of_tied if shape.tie_embeddings else self.of
+        return {name: original for name in expand_names(self, shape, self.hf[0])}
 
 
 @dataclass
@@ -214,8 +279,9 @@ class Task:
         rule: the rule.
         mg_name: the megatron parameter.
         hf_names: the Hugging Face tensors, in the rule's order.
-        layer: global layer index (``None`` outside the layers).
+        layer: global decoder layer index (``None`` outside the decoder layers).
         expert: global expert index (``None`` for non-expert tensors).
+        mtp: multi-token-prediction layer index (``None`` outside those layers).
     """
 
     rule: ParamRule
@@ -223,18 +289,35 @@ class Task:
     hf_names: list[str]
     layer: int | None = None
     expert: int | None = None
+    mtp: int | None = None
 
 
-def _layers(rule: ParamRule, shape: ModelShape, template: str) -> list[int | None]:
-    if "{layer}" not in template:
-        return [None]
+def _slots(rule: ParamRule, shape: ModelShape, template: str) -> list[tuple[int | None, int | None]]:
+    # (decoder layer, multi-token-prediction layer) pairs a template expands over.
     scope = "moe" if "{expert}" in template else rule.layers
+    if "{mtp}" in template or "{mtp_layer}" in template:
+        if (scope == "moe" and not shape.mtp_is_moe) or (scope == "dense" and shape.mtp_is_moe):
+            return []
+        return [(None, index) for index in range(shape.mtp_num_layers or 0)]
+    if "{layer}" not in template:
+        return [(None, None)]
     keep = {"all": lambda i: True, "dense": lambda i: not shape.is_moe_layer(i), "moe": shape.is_moe_layer}[scope]
-    return [i for i in range(shape.num_layers) if keep(i)]
+    return [(i, None) for i in range(shape.num_layers) if keep(i)]
 
 
-def _fill(template: str, layer: int | None, expert: int | None) -> str:
-    return template.format(layer=layer, expert=expert) if "{" in template else template
+def _fill(template: str, shape: ModelShape, layer: int | None, expert: int | None, mtp: int | None) -> str:
+    if "{" not in template:
+        return template
+    return template.format(layer=layer, expert=expert, mtp=mtp, mtp_layer=None if mtp is None else shape.num_layers + mtp)
+
+
+def expand_names(rule: ParamRule, shape: ModelShape, template: str) -> list[str]:
+    """Every concrete name of ``template`` (a name template of ``rule``) for the model ``shape``."""
+    names = []
+    for layer, mtp in _slots(rule, shape, template):
+        experts = range(shape.num_experts or 0) if "{expert}" in template else [None]
+        names += [_fill(template, shape, layer, expert, mtp) for expert in experts]
+    return names
 
 
 def expand_rule(rule: ParamRule, shape: ModelShape) -> list[Task]:
@@ -242,19 +325,36 @@ def expand_rule(rule: ParamRule, shape: ModelShape) -> list[Task]:
     if not rule.active(shape):
         return []
     tasks = []
-    for layer in _layers(rule, shape, rule.mg):
+    for layer, mtp in _slots(rule, shape, rule.mg):
         experts = range(shape.num_experts) if "{expert}" in rule.mg else [None]
         for expert in experts:
-            tasks.append(Task(rule, _fill(rule.mg, layer, expert), [_fill(t, layer, expert) for t in rule.hf],
-                              layer, expert))
+            tasks.append(Task(rule, _fill(rule.mg, shape, layer, expert, mtp),
+                              [_fill(t, shape, layer, expert, mtp) for t in rule.hf], layer, expert, mtp))
     return tasks
 
 
 def expand_optional(rule: ParamRule, shape: ModelShape) -> list[str]:
     """The concrete Hugging Face names ``rule`` consumes when present and writes nowhere."""
-    names = []
-    for template in rule.optional_hf(shape):
-        for layer in _layers(rule, shape, template):
-            experts = range(shape.num_experts or 0) if "{expert}" in template else [None]
-            names += [_fill(template, layer, expert) for expert in experts]
-    return names
+    return [name for template in rule.optional_hf(shape) for name in expand_names(rule, shape, template)]
+
+
+def for_mtp(rules: tuple[ParamRule, ...], mg_layer: str, hf_layer: str, mg_mtp: str, hf_mtp: str) -> tuple[ParamRule, ...]:
+    """The decoder-layer rules among ``rules`` rewritten for the transformer layer of a
+    multi-token-prediction layer (the same parameters under other prefixes).
+
+    Args:
+        rules: rules; those whose megatron name starts with ``mg_layer`` are rewritten, the rest left out.
+        mg_layer: the decoder layer prefix in megatron names (``decoder.layers.{layer}.``).
+        hf_layer: the decoder layer prefix in Hugging Face names (``model.layers.{layer}.``).
+        mg_mtp: its replacement in megatron names (``mtp.layers.{mtp}.transformer_layer.``).
+        hf_mtp: its replacement in Hugging Face names (``model.layers.{mtp_layer}.``).
+    """
+    out = []
+    for rule in rules:
+        if not rule.mg.startswith(mg_layer):
+            continue
+        clone = copy.copy(rule)
+        object.__setattr__(clone, "mg", mg_mtp + rule.mg[len(mg_layer):])
+        object.__setattr__(clone, "hf", tuple(t.replace(hf_layer, hf_mtp, 1) for t in rule.hf))
+        out.append(clone)
+    return tuple(out)

@@ -58,6 +58,8 @@ class ModelShape:
         beta_fast: YaRN beta_fast.
         beta_slow: YaRN beta_slow.
         original_max_position_embeddings: YaRN's original context length.
+        mtp_num_layers: multi-token-prediction layers after the decoder (``None``: none); each is
+            a transformer layer of the last decoder layer's kind (megatron's ``--mtp-num-layers``).
         params_dtype: dtype of the weights ("float32", "bfloat16", "float16").
     """
 
@@ -100,9 +102,12 @@ class ModelShape:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 4096
+    mtp_num_layers: int | None = None
     params_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if not self.mtp_num_layers:
+            object.__setattr__(self, "mtp_num_layers", None)
         if self.num_experts and self.moe_layer_freq is None:
             object.__setattr__(self, "moe_layer_freq", (1,) * self.num_layers)
         if self.moe_layer_freq is not None:
@@ -113,6 +118,12 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) has routed experts."""
         return bool(self.num_experts and self.moe_layer_freq and self.moe_layer_freq[layer])
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the multi-token-prediction layers have routed experts (megatron builds them
+        with the last decoder layer's spec)."""
+        return self.is_moe_layer(self.num_layers - 1)
 
     @property
     def tie_embeddings(self) -> bool:

@@ -57,6 +57,9 @@ class ConvertConfig:
         save_lora_to_hf: write the LoRA weights as a PEFT adapter instead of merged weights.
         lora_r: LoRA rank when the LoRA checkpoint's args do not record it.
         lora_alpha: LoRA alpha when the LoRA checkpoint's args do not record it.
+        mtp_num_layers: multi-token-prediction layers of a Hugging Face checkpoint to convert into
+            megatron's MTP block (DeepSeek-V3's num_nextn_predict_layers; default: none, they are
+            dropped); a Megatron source converts the ones its args record.
         ckpt_format: Megatron output format: ``torch`` (per-rank files) or ``torch_dist``
             (megatron-core dist checkpoint); a Megatron source's format is detected.
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
@@ -80,6 +83,7 @@ class ConvertConfig:
     save_lora_to_hf: bool = False
     lora_r: int | None = None
     lora_alpha: float | None = None
+    mtp_num_layers: int | None = None
     ckpt_format: str = "torch"
     max_shard_size: str = "5GB"
     dry_run: bool = False
@@ -264,12 +268,18 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     load = Path(config.load_dir)
     hf_cfg_dir = Path(config.hf_cfg_dir) if config.hf_cfg_dir else None
     if config.load_model_type == "hf":
-        source = HFSource(load, config.model_type_hf)
+        source = HFSource(load, config.model_type_hf, config.mtp_num_layers)
     elif is_dist_checkpoint(load):
         source = DistSource(load, config.model_type_hf, hf_cfg_dir)
     else:
         source = MegatronSource(load, config.model_type_hf, hf_cfg_dir)
+    if config.load_model_type == "mg" and config.mtp_num_layers is not None and \
+            config.mtp_num_layers != (source.shape.mtp_num_layers or 0):
+        raise ValueError(f"--mtp-num-layers {config.mtp_num_layers}: {load} holds {source.shape.mtp_num_layers or 0} "
+                         "multi-token-prediction layers (a Megatron source converts those; leave the flag out)")
     plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
+    if hasattr(source, "check_copies"):
+        source.check_copies(plan)
     lora = LoraCheckpoint(Path(config.lora_load), source.shape, config.lora_r, config.lora_alpha) if config.lora_load else None
     if config.save_lora_to_hf:
         return _export_lora(config, source, plan, lora)
@@ -285,16 +295,23 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
                               plan.dropped_hf, sink.files)
     if config.dry_run:
         return report
+    # Sources that can hand out views do (see mindspeed_llm.bridges.blocks): the sinks then
+    # write every byte straight from the source files' mappings into the output files.
+    read = getattr(source, "read_blocks", source.read)
     with atomic_directory(Path(config.save_dir)) as temp:
         sink.open(temp)
-        written = 0
-        with StatusProgress("convert-ckpt", total=len(plan.tasks), disable=None if config.progress else True) as bar:
-            for task in plan.tasks:
-                full = source.read(task, plan)
-                sink.put(task, full)
-                written += full.nbytes
-                bar.update(status=f"{written / 1e9:.2f} GB")
-        sink.finish()
+        try:
+            written = 0
+            with StatusProgress("convert-ckpt", total=len(plan.tasks), disable=None if config.progress else True) as bar:
+                for task in plan.tasks:
+                    full = read(task, plan)
+                    sink.put(task, full)
+                    written += full.nbytes
+                    bar.update(status=f"{written / 1e9:.2f} GB")
+            sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
         if config.save_model_type == "hf":
             _write_hf_assets(source, temp, hf_cfg_dir)
         else:

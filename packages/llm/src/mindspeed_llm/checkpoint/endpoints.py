@@ -21,10 +21,11 @@ from mindspeed.log import get_logger
 
 from mindspeed_llm.bridges import (
     Bridge, ModelShape, ParallelLayout, RankKey, bridge_for_architectures, bridge_for_family, megatron_params,
-    merge_tensors, split_tensor,
+    merge_tensors,
 )
+from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan, list_names
-from mindspeed_llm.bridges.layout import piece_shape
+from mindspeed_llm.bridges.layout import merge_blocks, piece_shape, split_blocks
 from mindspeed_llm.bridges.megatron_model import padded_vocab_size
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.rules import Task
@@ -77,11 +78,12 @@ class HFSource:
     Args:
         path: the directory.
         family: ``--model-type-hf`` override (else ``config.json`` ``architectures`` decides).
+        mtp_num_layers: multi-token-prediction layers to convert (``--mtp-num-layers``; default none).
     """
 
     kind = "hf"
 
-    def __init__(self, path: Path, family: str | None = None) -> None:
+    def __init__(self, path: Path, family: str | None = None, mtp_num_layers: int | None = None) -> None:
         self.path = path
         raw, config = read_hf_config(path)
         self.bridge = pick_bridge(family, raw.get("architectures"))
@@ -95,6 +97,8 @@ class HFSource:
             by_dtype[info.dtype] += info.nbytes
         dtype = str(by_dtype.most_common(1)[0][0]).removeprefix("torch.") if by_dtype else shape.params_dtype
         self.shape = dataclasses.replace(shape, params_dtype=dtype)
+        if mtp_num_layers is not None:
+            self.shape = self.bridge.with_mtp_layers(self.shape, config, mtp_num_layers)
         self.assets = path
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -105,9 +109,28 @@ class HFSource:
         """Megatron name -> dtype of the tensor each task produces."""
         return {task.mg_name: self.checkpoint.tensors[task.hf_names[0]].dtype for task in plan.tasks}
 
+    def check_copies(self, plan: ConversionPlan) -> None:
+        """Every copy the checkpoint holds (``plan.hf_copies``) equals its original, bit for bit:
+        megatron keeps one tensor for both, so a copy that differs cannot be converted.
+
+        Raises:
+            ValueError: a copy differs from its original.
+        """
+        for original, copies in plan.hf_copies.items():
+            for copy in copies:
+                if copy in self.checkpoint.tensors and not torch.equal(self.checkpoint.read(copy),
+                                                                       self.checkpoint.read(original)):
+                    raise ValueError(f"{copy} differs from {original}; megatron shares one tensor for both, so this "
+                                     "checkpoint's multi-token-prediction layers cannot be converted (leave out "
+                                     "--mtp-num-layers to drop them)")
+
     def read(self, task: Task, plan: ConversionPlan) -> torch.Tensor:
         """The unsharded megatron tensor of ``task``."""
         return task.rule.to_megatron([self.checkpoint.read(name) for name in task.hf_names], plan.shape)
+
+    def read_blocks(self, task: Task, plan: ConversionPlan) -> Blocks:
+        """:meth:`read` as views of the mapped Hugging Face tensors (nothing copied)."""
+        return task.rule.to_megatron_blocks([self.checkpoint.read(name) for name in task.hf_names], plan.shape)
 
     def describe(self) -> str:
         """One line for the report."""
@@ -135,7 +158,8 @@ def resolve_megatron_model(path: Path, args: Any, family: str | None,
     architecture = getattr(args, "hf_architecture", None) or bridge.hf_architectures[0]
     if config is None:
         return bridge, architecture, ModelShape.from_args(args), assets
-    shape = bridge.shape_from_hf(config)
+    # The multi-token-prediction layers the checkpoint holds are in its args, not in config.json.
+    shape = dataclasses.replace(bridge.shape_from_hf(config), mtp_num_layers=getattr(args, "mtp_num_layers", None))
     recorded = vars(args)
     differ = [f"{f} {getattr(shape, f)} vs {recorded[f]}" for f in _WEIGHT_FIELDS
               if recorded.get(f) is not None and recorded[f] != getattr(shape, f)]
@@ -222,6 +246,12 @@ class MegatronSource:
             return _glue_rows(param, lazy)
         return merge_tensors(param, [t.load() for t in lazy])
 
+    def read_blocks(self, task: Task, plan: ConversionPlan) -> Blocks:
+        """:meth:`read` as views of the mapped tensor-parallel pieces (nothing copied)."""
+        chunks = self.layout.num_chunks(self.shape)
+        pieces = [self.reader.tensor(p.rank, p.chunk, p.name, chunks).load() for p in self.pieces[task.mg_name]]
+        return merge_blocks(self.params[task.mg_name], pieces)
+
     def describe(self) -> str:
         """One line for the report."""
         return f"mg {self.path} ({self.bridge.family}, {self.layout.describe()})"
@@ -285,16 +315,21 @@ class MegatronSink:
         """Start writing into ``directory``."""
         self.writer = LegacyCheckpointWriter(directory, self.layout, self.shape, self.args, self.entries)
 
-    def put(self, task: Task, full: torch.Tensor) -> None:
-        """Write the pieces of one unsharded tensor."""
+    def put(self, task: Task, full: torch.Tensor | Blocks) -> None:
+        """Write the pieces of one unsharded tensor (or of the views it is made of)."""
         param = self.plan.params[task.mg_name]
-        pieces = split_tensor(param, full, self.layout.tp)
+        pieces = split_blocks(param, full if isinstance(full, Blocks) else Blocks.of(full), self.layout.tp)
         for piece in self.layout.place(param, self.shape):
             self.writer.write(piece.rank, piece.chunk, piece.name, pieces[piece.tp_index])
 
     def finish(self) -> None:
         """Write the tracker."""
         self.writer.finish()
+
+    def abort(self) -> None:
+        """Close the open files (after a failure; the caller removes the directory)."""
+        if self.writer is not None:
+            self.writer.abort()
 
     def describe(self) -> str:
         """One line for the report."""
@@ -316,7 +351,8 @@ class HFSink:
         self.tensors = []
         for task in plan.tasks:
             shapes = task.rule.hf_shapes(plan.params[task.mg_name].shape, plan.shape)
-            self.tensors += [(name, dtypes[task.mg_name], shape) for name, shape in zip(task.hf_names, shapes)]
+            for name, shape in zip(task.hf_names, shapes):
+                self.tensors += [(copy, dtypes[task.mg_name], shape) for copy in [name, *plan.hf_copies.get(name, [])]]
         self.writer: SafetensorsShardWriter | None = None
         self.files = self._plan_files()
 
@@ -342,14 +378,21 @@ class HFSink:
         """Create the shards in ``directory``."""
         self.writer = SafetensorsShardWriter(directory, self.tensors, self.max_shard_bytes)
 
-    def put(self, task: Task, full: torch.Tensor) -> None:
-        """Write the Hugging Face tensors made of one unsharded tensor."""
-        for name, tensor in zip(task.hf_names, task.rule.to_hf(full, self.plan.shape)):
-            self.writer.write(name, tensor)
+    def put(self, task: Task, full: torch.Tensor | Blocks) -> None:
+        """Write the Hugging Face tensors made of one unsharded tensor (or of the views it is made of)."""
+        blocks = full if isinstance(full, Blocks) else Blocks.of(full)
+        for name, tensor in zip(task.hf_names, task.rule.to_hf_blocks(blocks, self.plan.shape)):
+            for copy in [name, *self.plan.hf_copies.get(name, [])]:
+                self.writer.write(copy, tensor)
 
     def finish(self) -> None:
         """Write the index."""
         self.writer.finish()
+
+    def abort(self) -> None:
+        """Close the open shards (after a failure; the caller removes the directory)."""
+        if self.writer is not None:
+            self.writer.abort()
 
     def describe(self) -> str:
         """One line for the report."""

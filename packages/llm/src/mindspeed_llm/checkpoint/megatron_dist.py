@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mindspeed.log import get_logger
 
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, megatron_params
+from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks, padded_vocab_size
 from mindspeed_llm.bridges.megatron_params import Split, has_extra_state
@@ -183,8 +184,10 @@ class DistSink:
         """Start collecting; the checkpoint goes into ``directory``."""
         self.directory = directory
 
-    def put(self, task: Task, full: torch.Tensor) -> None:
+    def put(self, task: Task, full: torch.Tensor | Blocks) -> None:
         """Keep one unsharded tensor (embedding rows padded to the recorded vocabulary size)."""
+        if isinstance(full, Blocks):
+            full = full.tensor()
         if self.plan.params[task.mg_name].split is Split.VOCAB and full.shape[0] < self.rows:
             full = torch.cat([full, full.new_zeros((self.rows - full.shape[0], *full.shape[1:]))])
         self.state[task.mg_name] = full
@@ -192,6 +195,10 @@ class DistSink:
     def finish(self) -> None:
         """Write the dist checkpoint."""
         save_dist_checkpoint(self.directory, self.shape, self.args, self.state, self.rows)
+        self.state = {}
+
+    def abort(self) -> None:
+        """Drop what was collected."""
         self.state = {}
 
     def describe(self) -> str:

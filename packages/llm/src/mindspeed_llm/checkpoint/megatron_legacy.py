@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_params import has_extra_state
 from mindspeed_llm.bridges.shape import ModelShape
@@ -192,8 +193,9 @@ class LegacyCheckpointWriter:
         """Where ``rank``'s file goes."""
         return self.path / iteration_dir(self.iteration) / rank_dir(rank, self.layout) / MODEL_FILE
 
-    def write(self, rank: RankKey, chunk: int, name: str, tensor: torch.Tensor) -> bool:
-        """Write one local tensor; returns True when it completed (and closed) the rank's file.
+    def write(self, rank: RankKey, chunk: int, name: str, tensor: torch.Tensor | Blocks) -> bool:
+        """Write one local tensor (or the views it is made of); returns True when it completed
+        (and closed) the rank's file.
 
         Raises:
             ValueError: the tensor was not planned for this rank or was written twice.
@@ -238,5 +240,7 @@ class LegacyCheckpointWriter:
         (self.path / TRACKER).write_text(f"{self.iteration}\n")
 
     def abort(self) -> None:
-        """Drop the open writers (the caller removes the directory)."""
+        """Close the open files unfinished (the caller removes the directory)."""
+        for writer in self._writers.values():
+            writer.abort()
         self._writers.clear()

@@ -14,13 +14,14 @@ offset the moment it is produced, in any order.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed_llm.checkpoint.block_io import write_blocks
 from mindspeed_llm.checkpoint.torch_files import map_file_range
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -195,8 +196,10 @@ class SafetensorsShardWriter:
         offsets = {name: (base + header[name]["data_offsets"][0], nbytes) for name, _, _, nbytes in group}
         return _Shard(path, offsets, set(offsets), handle)
 
-    def write(self, name: str, tensor: torch.Tensor) -> bool:
-        """Write one planned tensor; returns True when this completed (and closed) its shard.
+    def write(self, name: str, tensor: torch.Tensor | Blocks) -> bool:
+        """Write one planned tensor (or the views it is made of, see
+        :func:`~mindspeed_llm.checkpoint.block_io.write_blocks`); returns True when this
+        completed (and closed) its shard.
 
         Raises:
             ValueError: ``name`` was not planned, was written twice, or has another byte size.
@@ -205,13 +208,10 @@ class SafetensorsShardWriter:
         if shard is None or name not in shard.remaining:
             raise ValueError(f"{name} is not a pending tensor of this checkpoint")
         start, nbytes = shard.offsets[name]
-        data = tensor.detach().cpu().contiguous()
+        data = tensor if isinstance(tensor, Blocks) else Blocks.of(tensor.detach().cpu())
         if data.nbytes != nbytes:
             raise ValueError(f"{name}: {data.nbytes} bytes, planned {nbytes}")
-        view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < nbytes:  # pwrite may write less than asked (at most ~2 GiB per call on Linux)
-            done += os.pwrite(shard.handle.fileno(), view[done:], start + done)
+        write_blocks(shard.handle.fileno(), start, data)
         shard.remaining.discard(name)
         if not shard.remaining:
             shard.handle.close()

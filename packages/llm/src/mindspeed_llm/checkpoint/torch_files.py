@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed_llm.checkpoint.block_io import pwrite_all, write_blocks
+
 #: dtype -> name of its legacy typed-storage class (``FloatStorage`` ...), the tag torch.save pickles.
 _STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 _STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_NAMES.items()}
@@ -83,11 +86,60 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+class _FileSink:
+    """The file object :class:`StreamingTorchWriter` gives torch's zip writer.
+
+    torch writes every header through :meth:`write`; for a record announced with
+    ``write_record_metadata`` it skips the data with a relative :meth:`seek`, which tells us
+    where that record's bytes go (:attr:`hole`); we write them there ourselves.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.position = 0
+        self.hole = -1
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.fd < 0:
+            # Closed after a failure: torch's writer still finishes the archive when it is freed
+            # (an exception there would abort the process); the file is being removed anyway.
+            return len(view)
+        # The view is into torch's memory and only valid during this call: write it now.
+        written = pwrite_all(self.fd, [view], self.position)
+        self.position += written
+        return written
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != os.SEEK_CUR:
+            raise OSError("the zip writer is expected to skip forward only")
+        self.hole = self.position
+        self.position += offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class StreamingTorchWriter:
     """Write a ``torch.save``-compatible file one tensor at a time.
 
     Usage: ``ref = writer.add(tensor)`` for each tensor (its bytes go to disk now), then
-    ``writer.close(obj)`` where ``obj`` holds the refs in place of the tensors.
+    ``writer.close(obj)`` where ``obj`` holds the refs in place of the tensors. torch's own zip
+    writer lays out the archive (headers, 64-byte aligned records, central directory); the
+    tensor bytes are written by :func:`~mindspeed_llm.checkpoint.block_io.write_blocks` into the
+    record's place, straight from the views a tensor is made of.
 
     Args:
         path: the file to create.
@@ -95,25 +147,26 @@ class StreamingTorchWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._file = _FileSink(self.path)
         # No CRC32 (torch.save's ``config.save.compute_crc32 = False``): torch.load does not check it,
         # and computing it costs as much as writing to the page cache.
-        self._zip = torch._C.PyTorchFileWriter(str(self.path), False)
+        self._zip = torch._C.PyTorchFileWriter(self._file, False, 64)
         self._count = 0
         self.bytes_written = 0
 
-    def add(self, tensor: torch.Tensor) -> StoredTensor:
+    def add(self, tensor: torch.Tensor | Blocks) -> StoredTensor:
         """Write ``tensor``'s data; returns the reference to put in the object passed to :meth:`close`."""
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage()
-        start = tensor.storage_offset() * tensor.element_size()
-        if start or storage.nbytes() != tensor.nbytes:
-            # A view (a tensor-parallel slice): a storage slice shares its memory, no copy.
-            storage = storage[start:start + tensor.nbytes]
+        data = tensor if isinstance(tensor, Blocks) else Blocks.of(tensor.detach().cpu())
         key = str(self._count)
         self._count += 1
-        self._zip.write_record(f"data/{key}", storage, tensor.nbytes)
-        self.bytes_written += tensor.nbytes
-        return StoredTensor(_StoragePid(key, tensor.dtype, tensor.numel()), tuple(tensor.shape))
+        self._file.hole = -1
+        self._zip.write_record_metadata(f"data/{key}", data.nbytes)
+        if data.nbytes:
+            if self._file.hole < 0:
+                raise RuntimeError("torch's zip writer did not leave room for the record's data")
+            write_blocks(self._file.fd, self._file.hole, data)
+        self.bytes_written += data.nbytes
+        return StoredTensor(_StoragePid(key, data.dtype, data.numel), tuple(data.shape))
 
     def close(self, obj: Any) -> None:
         """Pickle ``obj`` (refs from :meth:`add` stand for tensors) and finish the archive."""
@@ -124,6 +177,12 @@ class StreamingTorchWriter:
         for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", "little")):
             self._zip.write_record(name, value, len(value))
         self._zip.write_end_of_file()
+        self._file.close()
+
+    def abort(self) -> None:
+        """Close the file unfinished (the caller removes it)."""
+        self._file.close()
+        self._zip = None  # freed now, finishing into the closed file (a no-op)
 
 
 @dataclass

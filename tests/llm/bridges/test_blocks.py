@@ -1,0 +1,78 @@
+"""Views in place of copies: every Blocks operation equals its materialising counterpart
+(split_tensor, merge_tensors, the rules' to_megatron / to_hf), and write_blocks writes exactly
+the bytes of the materialised tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_llm.bridges import MegatronParam, ModelShape, Split, merge_tensors, split_tensor
+from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed_llm.bridges.layout import merge_blocks, split_blocks
+from mindspeed_llm.bridges.rules import FuseGateUp, FuseQKV, Rename
+from mindspeed_llm.checkpoint import block_io
+
+SHAPE = ModelShape(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=4, vocab_size=50)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("split", list(Split))
+def test_split_and_merge_as_views_equal_the_copies(split: Split, tp: int) -> None:
+    rows = 50 if split is Split.VOCAB else 48
+    full = torch.randn(rows, 16)
+    param = MegatronParam("p", tuple(full.shape), split)
+    want = split_tensor(param, full, tp)
+    # Through blocks made of several views (as a fused source hands them over).
+    for blocks in (Blocks.of(full), Blocks([[full[:7]], [full[7:30]], [full[30:]]])):
+        got = split_blocks(param, blocks, tp)
+        assert len(got) == tp
+        for mine, theirs in zip(got, want):
+            assert mine.shape == tuple(theirs.shape) and torch.equal(mine.tensor(), theirs)
+    merged = merge_blocks(param, [piece.contiguous() for piece in want])
+    assert merged.shape == tuple(full.shape) and torch.equal(merged.tensor(), merge_tensors(param, want))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rules_as_views_equal_the_copies(bias: bool) -> None:
+    width = () if bias else (16,)
+    q, k, v = torch.randn(16, *width), torch.randn(8, *width), torch.randn(8, *width)
+    gate, up = torch.randn(24, *width), torch.randn(24, *width)
+    for rule, inputs in ((FuseQKV("m", "q", "k", "v"), [q, k, v]), (FuseGateUp("m", "g", "u"), [gate, up]),
+                         (Rename("m", "h"), [q])):
+        fused = rule.to_megatron(inputs, SHAPE)
+        assert torch.equal(rule.to_megatron_blocks(inputs, SHAPE).tensor(), fused)
+        # Back, from a fused tensor given as tensor-parallel pieces (views of each piece).
+        pieces = list(fused.chunk(2))
+        for mine, theirs in zip(rule.to_hf_blocks(Blocks([[p] for p in pieces]), SHAPE), rule.to_hf(fused, SHAPE)):
+            assert torch.equal(mine.tensor(), theirs)
+
+
+def test_views_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        Blocks([[torch.zeros(2, 3)], [torch.zeros(2, 4)]])
+    with pytest.raises(ValueError, match="rows"):
+        Blocks.of(torch.zeros(4, 2)).rows(3, 5)
+
+
+@pytest.mark.parametrize("min_run", [4, 10**6])
+def test_write_blocks_writes_the_tensor_bytes(tmp_path, monkeypatch, min_run: int) -> None:
+    # Rows written from where they lie (min_run 4) or gathered (10**6) through a tiny gather
+    # buffer, with tiny pwritev calls, so that batching and chunking are exercised.
+    monkeypatch.setattr(block_io, "MIN_RUN_BYTES", min_run)
+    monkeypatch.setattr(block_io, "SCRATCH_BYTES", 40)
+    monkeypatch.setattr(block_io, "_IOV_MAX", 3)
+    monkeypatch.setattr(block_io, "_CALL_BYTES", 64)
+    monkeypatch.setattr(block_io, "_scratch", None)
+    a, b, c = (torch.randn(*size).to(torch.bfloat16) for size in ((6, 10), (6, 4), (3, 6)))
+    # Contiguous views, strided views, views side by side, in any order.
+    blocks = Blocks([[a[:2, :6]], [a[2:4, 3:9]], [c], [a[4:, :2], b[4:]], [c[1:]], [b[:5, :1], a[:5, 5:10]]])
+    for data in (blocks, a[:, 1:5], torch.tensor(3.0), torch.arange(40)):
+        path = tmp_path / "out.bin"
+        path.write_bytes(b"\xff" * 5)
+        with path.open("r+b") as handle:
+            expected = data.tensor() if isinstance(data, Blocks) else data
+            written = block_io.write_blocks(handle.fileno(), 5, data)
+        raw = expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert written == len(raw) and path.read_bytes() == b"\xff" * 5 + raw
