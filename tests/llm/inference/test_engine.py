@@ -45,6 +45,7 @@ def test_stop_tokens_and_length_limits(engine) -> None:
     free = eng.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
     stop = free[0].token_ids[3]
     first = free[0].token_ids.index(stop)
+    eng.free_cache()  # the next call allocates a fresh one
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=10, stop_token_ids=(stop,), ignore_eos=True))
     assert outs[0].token_ids == free[0].token_ids[: first + 1] and outs[0].finish_reason == "stop"
     other = free[1].token_ids

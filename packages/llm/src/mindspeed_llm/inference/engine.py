@@ -210,6 +210,11 @@ class InferenceEngine:
                              self.model.dtype, self.model.device)
         logger.debug("KV cache: %d slots x %d tokens, %.1f MB", slots, length, self.cache.nbytes / 1e6)
 
+    def free_cache(self) -> None:
+        """Release the KV cache (e.g. before training steps share the device); the next call allocates
+        one again."""
+        self.cache = None
+
     def _admit(self, waiting: collections.deque, free: int) -> list[_Request]:
         admitted = [waiting.popleft()]
         longest = len(admitted[0].prompt)

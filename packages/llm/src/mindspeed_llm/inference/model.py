@@ -106,7 +106,12 @@ class Decoder:
         self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"]).fn
         self.rotary = resolve_kernel("rotary_pos_emb", impls["rotary_pos_emb"]).fn
         self.attention = resolve_kernel("attention", impls["attention"]).fn
-        self.swiglu = resolve_kernel("swiglu", impls["swiglu"]).fn
+        swiglu = resolve_kernel("swiglu", impls["swiglu"])
+        if swiglu.name == "native" and impls["swiglu"] == "auto":
+            # 'native' is the reference's math behind a custom autograd function that saves
+            # activation memory for the backward pass; without a backward it only adds overhead.
+            swiglu = resolve_kernel("swiglu", "reference")
+        self.swiglu = swiglu.fn
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.inv_freq = spec.inv_freq.to(device)
         self._weights = self._allocate()
