@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
-from mindspeed_llm.checkpoint.cli import add_dataclass_flags
 from mindspeed_llm.cli import COMMANDS
 from mindspeed_llm.inference.prompts import encode_prompt, prompt_text, read_prompts
 
@@ -75,6 +74,9 @@ class GenerateConfig:
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the ``mindspeed-llm`` subcommands."""
+    # Imported here: checkpoint.cli imports mindspeed_llm.cli, which imports this module.
+    from mindspeed_llm.checkpoint.cli import add_dataclass_flags
+
     parser = sub.add_parser(
         "generate", help="generate text with a Hugging Face or Megatron checkpoint (KV cache, continuous batching)",
         description="Generate completions with the built-in inference engine. One prompt streams to the terminal; "
