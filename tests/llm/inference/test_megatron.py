@@ -3,6 +3,7 @@ Hugging Face directory they were converted from generates, with nothing written 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -61,4 +62,13 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="is not a directory"):
         InferenceEngine.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match="neither a Hugging Face directory .* nor a Megatron checkpoint"):
+        InferenceEngine.from_pretrained(tmp_path)
+    # A megatron-core dist checkpoint whose common state has no args (what pretrain saves).
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "iter_0000005" / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+         "common_backend_version": 1}))
+    torch.save({"config": {}}, tmp_path / "iter_0000005" / "common.pt")
+    with pytest.raises(ValueError, match="records no model args .* checkpoint.save_hf"):
         InferenceEngine.from_pretrained(tmp_path)

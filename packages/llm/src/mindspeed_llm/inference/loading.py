@@ -131,7 +131,13 @@ def open_checkpoint(path: str | Path, hf_cfg_dir: str | Path | None = None, fami
     if not (path / TRACKER).is_file():
         raise ValueError(f"--load-dir {path} is neither a Hugging Face directory (config.json + *.safetensors) nor a "
                          f"Megatron checkpoint ({TRACKER})")
-    source = (DistSource if is_dist_checkpoint(path) else MegatronSource)(path, family, cfg_dir)
+    try:
+        source = (DistSource if is_dist_checkpoint(path) else MegatronSource)(path, family, cfg_dir)
+    except KeyError as err:  # a dist checkpoint whose common state records no megatron args
+        if err.args != ("args",):
+            raise
+        raise ValueError(f"{path} records no model args (a pretrain checkpoint?): load the Hugging Face export of the "
+                         "run instead (checkpoint.save_hf), or convert-ckpt output") from None
     assets = source.assets
     config = _hf_config(assets) if assets is not None else source.bridge.hf_config_from_shape(source.shape)
     if assets is None:
