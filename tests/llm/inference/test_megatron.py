@@ -70,5 +70,5 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}))
     torch.save({"config": {}}, tmp_path / "iter_0000005" / "common.pt")
-    with pytest.raises(ValueError, match="records no model args .* checkpoint.save_hf"):
+    with pytest.raises(ValueError, match="records no model args.*checkpoint.save_hf"):
         InferenceEngine.from_pretrained(tmp_path)
