@@ -76,3 +76,20 @@ def test_write_blocks_writes_the_tensor_bytes(tmp_path, monkeypatch, min_run: in
             written = block_io.write_blocks(handle.fileno(), 5, data)
         raw = expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert written == len(raw) and path.read_bytes() == b"\xff" * 5 + raw
+
+
+def test_short_writes_are_resumed(tmp_path, monkeypatch) -> None:
+    real = block_io.os.pwritev
+
+    def short_pwritev(fd, buffers, offset):  # the kernel may write less than asked
+        data = b"".join(bytes(b) for b in buffers)[:7]
+        return real(fd, [data], offset)
+
+    monkeypatch.setattr(block_io.os, "pwritev", short_pwritev)
+    monkeypatch.setattr(block_io, "_CALL_BYTES", 10)
+    buffers = [memoryview(bytes(range(i, i + size))) for i, size in ((0, 3), (10, 25), (50, 0), (60, 9))]
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"")
+    with path.open("r+b") as handle:
+        assert block_io.pwrite_all(handle.fileno(), buffers, 2) == 37
+    assert path.read_bytes() == b"\0\0" + b"".join(bytes(b) for b in buffers)

@@ -12,7 +12,6 @@ resident, never a fresh allocation per tensor.
 from __future__ import annotations
 
 import os
-from collections import deque
 
 import torch
 
@@ -68,31 +67,38 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
 
 def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> int:
     """Write ``buffers`` back to back at ``offset`` of ``fd`` (short writes resumed); returns the bytes."""
-    total = 0
-    pending = deque(b for b in buffers if len(b))
-    while pending:
-        batch, size = [], 0
-        while pending and len(batch) < _IOV_MAX and size < _CALL_BYTES:
-            head = pending.popleft()
-            if size + len(head) > _CALL_BYTES:
-                head, rest = head[:_CALL_BYTES - size], head[_CALL_BYTES - size:]
-                pending.appendleft(rest)
-            batch.append(head)
-            size += len(head)
+    pending = [b for b in buffers if len(b)]
+    total, index = 0, 0
+    while index < len(pending):
+        batch = pending[index:index + _IOV_MAX]
+        size = sum(map(len, batch))
+        if size > _CALL_BYTES:  # keep one call under the kernel's limit
+            batch, size = _trim(batch)
         done = os.pwritev(fd, batch, offset + total)
         total += done
-        if done < size:  # a short write: put back what was not written
-            for buffer in reversed([b[max(0, done - start):] for b, start in _starts(batch) if start + len(b) > done]):
-                pending.appendleft(buffer)
+        if done == size and len(batch[-1]) == len(pending[index + len(batch) - 1]):
+            index += len(batch)
+            continue
+        # A short write, or a buffer cut by _trim: resume after the last byte written.
+        for _ in batch:
+            if done < len(pending[index]):
+                pending[index] = pending[index][done:]
+                break
+            done -= len(pending[index])
+            index += 1
     return total
 
 
-def _starts(batch: list[memoryview]) -> list[tuple[memoryview, int]]:
-    out, start = [], 0
-    for buffer in batch:
-        out.append((buffer, start))
-        start += len(buffer)
-    return out
+def _trim(batch: list[memoryview]) -> tuple[list[memoryview], int]:
+    # The longest prefix of ``batch`` within _CALL_BYTES (its first buffer cut when it alone is longer).
+    size = 0
+    for count, buffer in enumerate(batch):
+        if size + len(buffer) > _CALL_BYTES:
+            if count == 0:
+                return [buffer[:_CALL_BYTES]], _CALL_BYTES
+            return batch[:count], size
+        size += len(buffer)
+    return batch, size
 
 
 def write_blocks(fd: int, offset: int, data: Blocks | torch.Tensor) -> int:
