@@ -15,6 +15,8 @@ from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``.
 COMMANDS: Registry[AddCommand] = Registry("mindspeed-rl command")
 
+import mindspeed_rl.data.cli  # noqa: E402,F401  (registers make-data)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed-rl`` argument parser."""
