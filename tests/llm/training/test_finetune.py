@@ -32,6 +32,7 @@ SEQ, MBS, GBS, BETA, SMOOTH = 32, 2, 4, 0.5, 0.1
 COMMON = [f"data.seq_length={SEQ}", "data.split=80,20,0", f"train.micro_batch_size={MBS}", f"train.global_batch_size={GBS}",
           "train.lr=2e-3", "train.clip_grad=1.0", "logging.progress=false", "logging.tensorboard=false",
           "logging.loss_curve=false"]
+ALPACA = Path(__file__).resolve().parents[3] / "packages" / "llm" / "src" / "mindspeed_llm" / "assets" / "demo_alpaca.jsonl"
 SFT_LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": []}
 
 
@@ -54,6 +55,9 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
                          f"checkpoint.save_hf={root}/merged")
     out["qlora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=2", "train.lr=1e-2",
                           *lora, "lora.qlora=true", "eval.at_end=true", "eval.iters=1", f"lora.save_peft={root}/qpeft")
+    raw = ["stage=sft", "train.steps=2", "data.seq_length=64"]
+    out["online"] = _train(root, *raw, f"data.input={ALPACA}", "data.prompt_type=alpaca", f"data.cache_dir={root}/cache")
+    out["offline"] = _train(root, *raw, f"data.prefixes=[{root}/alpaca]")
     out["dpo"] = _train(root, "stage=dpo", f"data.prefixes=[{root}/pairs]", "train.steps=2", "parallel.tp=2",
                         f"dpo.ref_model={root}/ref", f"dpo.beta={BETA}", f"dpo.label_smoothing={SMOOTH}")
     return out
@@ -68,6 +72,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_tiny_checkpoint("llama2", root / "ref", seed=1)
     write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
     write_pairwise(str(root / "pairs"), 40, seed=0, vocab=128)
+    from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
+
+    preprocess_data(PreprocessConfig(input=str(ALPACA), tokenizer_name_or_path=str(root / "hf"), output_prefix=str(root / "alpaca"),
+                                     handler_name="AlpacaStyleInstructionHandler", seq_length=64, pack=True,
+                                     prompt_type="alpaca"))
     runs = run_distributed(_group, 2, str(root), timeout=600)[0]
     return {"root": root, "runs": runs}
 
@@ -203,3 +212,10 @@ def test_qlora_trains_on_an_nf4_base_and_exports_an_adapter(setup: dict[str, Any
     peft_loss = _sft_loss(PeftModel.from_pretrained(_hf(root / "hf"), root / "qpeft").eval(), rows)
     # The adapter was trained over the NF4 base; over the exact base it gives nearly the same loss.
     assert peft_loss == pytest.approx(evaluation["loss"], rel=2e-2)
+
+
+@pytest.mark.distributed
+def test_raw_records_are_tokenized_online_like_preprocess_data(setup: dict[str, Any]) -> None:
+    online, offline = setup["runs"]["online"]["records"], setup["runs"]["offline"]["records"]
+    assert [r["loss"] for r in online] == [r["loss"] for r in offline]
+    assert list((setup["root"] / "cache").glob("demo_alpaca-*_packed_input_ids_document.bin"))

@@ -190,6 +190,13 @@ class DataConfig:
         eod_mask_loss: no loss on end-of-document tokens.
         cache_dir: where megatron caches its sample indices (default: next to the data).
         mock: synthetic random tokens instead of files (benchmarks, smoke tests).
+        input: sft/dpo: raw instruction or pairwise records (a jsonl/json/parquet/... file or a
+            directory, as ``preprocess-data --input``) tokenized through the same handlers at the
+            start of the run (once: the result is cached under ``cache_dir``) instead of
+            ``prefixes``.
+        handler_name: the handler of ``input`` (default: the stage's Alpaca-style one).
+        prompt_type: the conversation template of ``input`` (default: the tokenizer's chat template).
+        map_keys: column names per handler attribute of ``input``, e.g. ``{"prompt": "question"}``.
         variable_seq_lengths: sft/dpo: pad each microbatch only to a multiple of
             ``pad_to_multiple_of`` rather than to ``micro_batch_size x seq_length`` tokens.
         pad_to_multiple_of: sft/dpo with ``variable_seq_lengths``: the padding multiple.
@@ -209,6 +216,10 @@ class DataConfig:
     eod_mask_loss: bool = False
     cache_dir: str | None = None
     mock: bool = False
+    input: str | None = None
+    handler_name: str | None = None
+    prompt_type: str | None = None
+    map_keys: dict[str, Any] | None = None
     variable_seq_lengths: bool = False
     pad_to_multiple_of: int = 8
 
@@ -408,7 +419,16 @@ class PretrainConfig:
             raise ConfigError(f"data.mock is for pretraining; {self.stage} needs preprocessed data in data.prefixes")
         if d.weights is not None:
             raise ConfigError(f"data.weights: {self.stage} reads every prefix in full; remove data.weights")
-        _check_finetune_data(self)
+        if d.input is not None:
+            if d.prefixes:
+                raise ConfigError("give data.input (raw records) or data.prefixes (preprocessed data), not both")
+            if not Path(d.input).exists():
+                raise ConfigError(f"data.input={d.input!r} does not exist")
+            if not d.tokenizer and not self.checkpoint.load_hf:
+                raise ConfigError("data.input is tokenized at the start of the run: set data.tokenizer (or "
+                                  "checkpoint.load_hf, whose tokenizer is used)")
+        else:
+            _check_finetune_data(self)
         if d.pad_to_multiple_of < 1:
             raise ConfigError(f"data.pad_to_multiple_of={d.pad_to_multiple_of} must be at least 1")
         if p.sequence_parallel and (d.pad_to_multiple_of % p.tp if d.variable_seq_lengths else
@@ -481,7 +501,7 @@ class PretrainConfig:
         if t.steps and t.lr_warmup_steps and t.lr_warmup_steps >= decay:
             raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must be below train.lr_decay_steps "
                               f"(default train.steps) = {decay}")
-        if not d.prefixes and not d.mock:
+        if not d.prefixes and not d.mock and not (d.input and self.stage != "pretrain"):
             raise ConfigError("data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
                               "as written by `mindspeed-llm preprocess-data`), or set data.mock=true")
         for prefix in d.prefixes if self.stage == "pretrain" else ():
@@ -499,6 +519,9 @@ class PretrainConfig:
             raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
         if self.stage != "pretrain":
             self._check_finetune()
+        elif d.input is not None:
+            raise ConfigError("data.input (raw records tokenized at the start) is for sft and dpo; pretraining reads "
+                              "preprocessed data.prefixes")
         self._check_lora()
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")

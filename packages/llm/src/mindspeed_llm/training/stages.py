@@ -83,17 +83,56 @@ class _FinetuneStage(Stage):
 
         keys = PAIRWISE_KEYS if self.pairwise else INSTRUCTION_KEYS
         d = config.data
-        train = DocumentDataset(d.prefixes, keys, d.split, 0, config.train.seed, shuffle=True)
+        prefixes = [self._tokenize_input(config)] if d.input else list(d.prefixes)
+        train = DocumentDataset(prefixes, keys, d.split, 0, config.train.seed, shuffle=True)
         if not len(train):
-            raise ConfigError(f"data.split={d.split!r} leaves no training samples in {d.prefixes}")
+            raise ConfigError(f"data.split={d.split!r} leaves no training samples in {prefixes}")
         evaluates = config.eval.interval is not None or config.eval.at_end
-        valid = DocumentDataset(d.prefixes, keys, d.split, 1, config.train.seed, shuffle=False) if evaluates else None
+        valid = DocumentDataset(prefixes, keys, d.split, 1, config.train.seed, shuffle=False) if evaluates else None
         if valid is not None and not len(valid):
             raise ConfigError(f"evaluation needs validation samples but data.split={d.split!r} leaves none; give the "
                               "split a valid part (e.g. '95,5,0') or unset eval.interval/eval.at_end")
         logger.info("data: %d %s for training%s", len(train), "pairs" if self.pairwise else "samples",
                     f", {len(valid)} for validation" if valid is not None else "")
         return train, valid
+
+    def _tokenize_input(self, config: PretrainConfig) -> str:
+        """Run ``data.input`` through preprocess-data's handler once (rank 0; cached); returns the prefix."""
+        import hashlib
+        import json
+        import tempfile
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
+
+        d = config.data
+        source = Path(d.input)
+        stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted([source, *source.rglob("*")])
+                 if p.is_file()]
+        handler = d.handler_name or ("AlpacaStylePairwiseHandler" if self.pairwise else "AlpacaStyleInstructionHandler")
+        tokenizer = d.tokenizer or config.checkpoint.load_hf
+        settings = dict(files=stamp, tokenizer=str(tokenizer), handler=handler, prompt_type=d.prompt_type,
+                        map_keys=d.map_keys, seq_length=d.seq_length, pack=not self.pairwise)
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        root = Path(d.cache_dir) if d.cache_dir else (Path(config.checkpoint.save) / "data" if config.checkpoint.save
+                                                      else Path(tempfile.gettempdir()) / "mindspeed-finetune-data")
+        prefix = root / f"{source.stem}-{key}"
+        marker = Path(f"{prefix}.done")
+        if dist.get_rank() == 0 and not marker.is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                report = preprocess_data(PreprocessConfig(
+                    input=str(source), tokenizer_name_or_path=str(tokenizer), output_prefix=str(prefix),
+                    handler_name=handler, seq_length=d.seq_length, pack=not self.pairwise, prompt_type=d.prompt_type,
+                    map_keys=d.map_keys))
+            except ValueError as err:
+                raise ConfigError(f"data.input: {err}") from err
+            marker.write_text(json.dumps(settings, default=str))
+            logger.info("data.input: %s", report.describe())
+        dist.barrier()
+        return str(prefix)
 
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
