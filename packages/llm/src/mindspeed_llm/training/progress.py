@@ -74,6 +74,9 @@ class RunReporter:
         status = (f"loss {_fmt(record['loss'], '.4f')} lr {_fmt(record['lr'], '.3g')} "
                   f"gnorm {_fmt(record['grad_norm'], '.3f')} {_fmt(tokens_per_s, ',.0f')} tok/s "
                   f"MFU {_fmt(None if record['mfu'] is None else 100 * record['mfu'], '.2f')}%")
+        if "rewards/accuracies" in record:  # DPO
+            status += (f" acc {_fmt(record['rewards/accuracies'], '.2f')} "
+                       f"margin {_fmt(record['rewards/margins'], '.3f')}")
         self.bar.update(status=status)
         if record["step"] % self.config.logging.interval == 0 or record["skipped"]:
             logger.info("step %d/%d: %s%s", record["step"], self.config.train.steps, status,
