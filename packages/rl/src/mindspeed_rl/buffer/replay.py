@@ -8,8 +8,9 @@ the trainer) never talk to each other: they read and write named columns of rows
 - A consumer asks for rows whose columns it needs are all written with
   :meth:`~ReplayBuffer.wait_ready` (each row goes to each named consumer once), reads them with
   :meth:`~ReplayBuffer.get`, and the trainer frees them with :meth:`~ReplayBuffer.mark_consumed`.
-- The trainer bumps the policy version with :meth:`~ReplayBuffer.advance_version` after each
-  update.
+- The trainer bumps the policy version with :meth:`~ReplayBuffer.advance_version` once per
+  step, after the update(s) on that step's rows (mini-batch updates within a step do not count:
+  a version is one rollout batch's worth of training).
 
 Staleness (``max_staleness`` = s, ``rows_per_step`` = R, trainer version t) is enforced twice:
 
