@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from mindspeed_rl.cli import main
 from mindspeed_rl.data import generate_arithmetic, load_prompts
@@ -31,3 +33,11 @@ def test_bad_knobs_exit_2(tmp_path, capsys) -> None:
     assert main(["make-data", "--output", str(out), "--num", "100", "--max-operand", "2", "--operators", "+"]) == 2
     assert "distinct problems" in capsys.readouterr().err
     assert not out.exists()  # nothing half-written
+
+
+def test_python_dash_m_sees_the_subcommand(tmp_path) -> None:
+    out = tmp_path / "m.jsonl"
+    run = subprocess.run([sys.executable, "-m", "mindspeed_rl.cli", "make-data", "--output", str(out), "--num", "3"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert len(out.read_text().splitlines()) == 3
