@@ -33,4 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under ``python -m`` this file runs as __main__, a second copy of the module: the
+    # subcommand modules register into mindspeed_llm.cli.COMMANDS, so run that copy's main.
+    from mindspeed_llm.cli import main as registered_main
+
+    sys.exit(registered_main())
