@@ -20,10 +20,20 @@ calls with its queries, keys and values; the model code is the same for all thre
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 Attention = Callable[..., torch.Tensor]
+
+
+class AttentionStep(Protocol):
+    """What a layer hands its rotated queries and keys and its values to."""
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[tokens, heads * head_dim]`` of ``qk`` ``[tokens, kv_heads, group + 1, head_dim]``
+        (each group's query heads, then its key head) and ``v`` ``[tokens, kv_heads, head_dim]``."""
+        ...
 
 
 class KVCache:

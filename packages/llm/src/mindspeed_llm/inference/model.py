@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from mindspeed.ops import resolve_kernel
 
 from mindspeed_llm.bridges import megatron_params
+from mindspeed_llm.inference.cache import AttentionStep
 from mindspeed_llm.inference.spec import DecoderSpec
 
 #: Registry ops the decoder uses.
@@ -54,7 +55,7 @@ class DecoderLayer:
         if self.router is not None:
             self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` -> the layer's output, same shape (``cos``/``sin`` ``[tokens, 1, 1, dim]``)."""
         m, spec = self.model, self.model.spec
         group = spec.group_size
@@ -70,10 +71,9 @@ class DecoderLayer:
         h = m.rms_norm(x, self.mlp_norm, spec.norm_eps)
         return x + (self._experts(h) if self.router is not None else F.linear(m.swiglu(F.linear(h, self.fc1)), self.fc2))
 
-    def _experts(self, h: torch.Tensor) -> torch.Tensor:
+    def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
         # Softmax over all experts in fp32, top-k, optional renormalisation: transformers' routing.
         spec, m = self.model.spec, self.model
-        tokens = h
         probs = torch.softmax(F.linear(tokens, self.router).float(), dim=-1)
         weights, chosen = torch.topk(probs, spec.shape.moe_router_topk, dim=-1)
         if spec.renormalize_topk:
@@ -149,7 +149,7 @@ class Decoder:
         scale = self.spec.rope_scale
         return (angles.cos() * scale).to(self.dtype), (angles.sin() * scale).to(self.dtype)
 
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """Final hidden states (before the last norm) ``[tokens, hidden]``.
 
         Args:
