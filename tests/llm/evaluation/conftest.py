@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -12,6 +13,19 @@ import torch
 
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
 from mindspeed_llm.tokenizer import demo_tokenizer_path
+
+
+@pytest.fixture
+def restore_logging():
+    """Undo the CLI's ``setup_logging``: its handler holds this test's captured stderr, closed afterwards."""
+    from mindspeed.log import _HANDLER_NAME, PACKAGE_LOGGERS
+
+    yield
+    for name in PACKAGE_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
+            logger.removeHandler(handler)
+        logger.propagate, logger.level = True, logging.NOTSET
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from mindspeed_llm.evaluation.runner import DEMO_DATA_DIR, parse_shots
 
 from .conftest import write_gsm8k, write_mmlu, write_text
 
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
 
 def test_evaluate_all_tasks(tmp_path, tiny_model_dir, tiny_hf, capsys) -> None:
     root = tmp_path / "data"

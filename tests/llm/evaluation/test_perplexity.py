@@ -55,7 +55,7 @@ def test_whole_documents_match_transformers_loss(tmp_path, tiny_hf) -> None:
 def test_sliding_windows_match_masked_transformers_loss(tmp_path, tiny_hf, stride) -> None:
     model, tok = tiny_hf
     max_seq_len = 16
-    data = PerplexityTask().load(write_text(tmp_path / "docs.jsonl", n_docs=3, words=80), EvalSettings())
+    data = PerplexityTask().load(write_text(tmp_path / "docs.jsonl", n_docs=2, words=80), EvalSettings())
     settings = EvalSettings(ppl_stride=stride, show_progress=False)
     result = PerplexityTask().run(TransformersLM(model, tok, batch_size=4, max_seq_len=max_seq_len), data, settings)
     step = stride or max_seq_len - 1
