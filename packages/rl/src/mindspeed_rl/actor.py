@@ -1,0 +1,327 @@
+"""The GRPO actor: a megatron-core policy on the current torch.distributed group.
+
+The actor is built from a Hugging Face directory with the LLM suite's trainer pieces
+(``apply_load_hf``, ``build_model``, ``load_hf_weights``, megatron's optimizer). Sequences are
+``(prompt ids, response ids)`` pairs packed into THD microbatches; megatron's GPTModel with
+``labels`` returns the per-token cross-entropy, so the log-prob of a response token is minus
+that output. The policy loss is a megatron ``LossFunc`` that gathers the response tokens of
+each sequence into ``[sequences, max response length]`` and calls the registered
+:func:`~mindspeed_rl.algorithms.compute_policy_loss` with ``num_tokens=1`` / ``num_seqs=1``:
+the loss is then a *sum* (over tokens, or over sequences), returned with its count, and with
+``calculate_per_token_loss`` megatron divides the gradients by the count of the whole step:
+the gradients of the global batch's aggregated loss, however it is split into microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_rl.algorithms.losses import PolicyLossConfig, PolicyLossInputs, compute_policy_loss
+
+logger = get_logger(__name__)
+
+#: Metrics the update reports (token-weighted means over the step, except ``loss``).
+UPDATE_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean")
+IGNORE_INDEX = -100
+
+Pair = tuple[Sequence[int], Sequence[int]]
+
+
+@dataclass
+class ActorSettings:
+    """Optimizer and batching settings of the actor.
+
+    Attributes:
+        lr: learning rate (constant). weight_decay: AdamW decay. clip_grad: global norm clip (0: off).
+        adam_beta1, adam_beta2: Adam betas. precision: ``fp32`` or ``bf16``.
+        micro_batch_size: sequences per microbatch. seed: megatron's seed.
+        loss: a key of ``POLICY_LOSSES``. loss_config: its settings (default: the loss's).
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    precision: str = "fp32"
+    micro_batch_size: int = 4
+    seed: int = 1234
+    loss: str = "ppo_clip"
+    loss_config: PolicyLossConfig | None = None
+
+
+def _ensure_megatron(config: Any, vocab: int) -> None:
+    """Adapt megatron-core and initialise its parallel state once per process."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed.megatron import adaptor
+
+    if adaptor._active is None:  # noqa: SLF001  (adapt() refuses a second call)
+        adaptor.adapt()
+    if not ps.model_parallel_is_initialized():
+        p = config.parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+        from mindspeed_llm.training.trainer import _seed
+
+        _seed(config.train.seed)
+
+
+class Actor:
+    """A megatron-core policy (or a frozen reference) built from a Hugging Face directory.
+
+    Args:
+        hf_dir: the Hugging Face model directory.
+        settings: optimizer/batching settings.
+        trainable: False builds a frozen model for log-probs only (the KL reference).
+        tp, pp: the layout (``hf_state`` and ``forward_logits`` need tp = pp = 1).
+
+    Raises:
+        ConfigError: an unreadable directory or an unsupported model.
+    """
+
+    def __init__(self, hf_dir: str, settings: ActorSettings | None = None, trainable: bool = True,
+                 tp: int = 1, pp: int = 1) -> None:
+        from mindspeed_llm.training.config import load_pretrain_config
+        from mindspeed_llm.training.data import read_tokenizer
+        from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
+        from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
+        from mindspeed_llm.training.optim import build_optimizer
+
+        self.settings = s = settings or ActorSettings()
+        self.hf_dir, self.trainable = str(hf_dir), trainable
+        # stage=sft: calculate_per_token_loss (gradients divided by the step's total count).
+        config = load_pretrain_config(None, [
+            f"checkpoint.load_hf={hf_dir}", "stage=sft", f"parallel.tp={tp}", f"parallel.pp={pp}",
+            f"train.lr={s.lr}", f"train.min_lr={s.lr}", "train.lr_decay_style=constant",
+            f"train.weight_decay={s.weight_decay}", f"train.clip_grad={s.clip_grad}",
+            f"train.adam_beta1={s.adam_beta1}", f"train.adam_beta2={s.adam_beta2}", f"train.precision={s.precision}",
+            f"train.seed={s.seed}", f"train.micro_batch_size={s.micro_batch_size}", "data.seq_length=4096",
+        ])
+        self.config = config = apply_load_hf(config)
+        ids = read_tokenizer(config)
+        self.hf_vocab = ids.vocab_size
+        self.vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, tp)
+        _ensure_megatron(config, self.vocab)
+        self.transformer = transformer_config(config, self.vocab, {} if trainable else {"perform_initialization": False})
+        load = partial(load_hf_weights, config=config, path=self.hf_dir, vocab_rows=self.vocab)
+        if trainable:
+            self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models))
+            self.optimizer = build_optimizer(config, self.chunks)
+            self.transformer.grad_scale_func = self.optimizer.scale_loss
+        else:
+            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False)
+            load(self.chunks)
+            self.optimizer = None
+        self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
+        self.version = 0
+
+    # -- batching ------------------------------------------------------------------------------
+
+    def _microbatches(self, pairs: Sequence[Pair], width: int,
+                      extra: dict[str, torch.Tensor] | None = None) -> list[dict[str, Any]]:
+        """THD microbatches of ``pairs`` with ``resp_index`` [n, width] into the packed tokens.
+
+        ``extra`` holds per-pair tensors ``[len(pairs), width]`` (old log-probs, advantages,
+        ...) that are cut into the microbatches alongside.
+        """
+        from mindspeed.device import get_accelerator
+        from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
+
+        device = get_accelerator().device()
+        mbs = self.settings.micro_batch_size
+        longest = max(len(p) + len(r) for p, r in pairs)
+        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=True)
+        out = []
+        for first in range(0, len(pairs), mbs):
+            group = pairs[first:first + mbs]
+            seqs, index, mask = [], torch.zeros(len(group), width, dtype=torch.long), torch.zeros(len(group), width)
+            offset = 0
+            for row, (prompt, response) in enumerate(group):
+                ids = np.asarray([*prompt, *response], dtype=np.int64)
+                labels = ids.copy()
+                labels[: len(prompt)] = IGNORE_INDEX
+                seqs.append((ids, labels))
+                # Position t predicts token t + 1: response token j sits at len(prompt) - 1 + j.
+                n = len(response)
+                index[row, :n] = offset + len(prompt) - 1 + torch.arange(n)
+                mask[row, :n] = 1.0
+                offset += len(ids)
+            batch = pack_microbatch(seqs, settings)
+            batch["resp_index"], batch["resp_mask"] = index, mask
+            for key, value in (extra or {}).items():
+                batch[key] = value[first:first + mbs]
+            out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
+        return out
+
+    def _schedule(self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from mindspeed_llm.training.steps import packed_seq_params
+
+        def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
+            batch = next(data_iterator)
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           packed_seq_params=packed_seq_params(batch))
+            return output, partial(loss_fn, batch)
+
+        micro, seq = batches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in self.chunks], model=self.chunks,
+            num_microbatches=len(batches), seq_length=seq, micro_batch_size=micro, forward_only=forward_only) or []
+
+    # -- log-probs ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _gather(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+        logp = -output.float().reshape(-1)
+        return logp[batch["resp_index"]] * batch["resp_mask"]
+
+    def compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
+        """Per-token log-probs of each response given its prompt (forward only, collective).
+
+        Args:
+            pairs: ``(prompt ids, response ids)`` per sequence (responses non-empty).
+
+        Returns:
+            Per pair, a float32 CPU tensor ``[len(response)]`` (on the last pipeline stage;
+            empty tensors elsewhere).
+        """
+        width = max(len(r) for _, r in pairs)
+        batches = self._microbatches(pairs, width)
+
+        def collect(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": self._gather(batch, output).detach()}
+
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                outputs = self._schedule(batches, collect, forward_only=True)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        if not outputs:
+            return [torch.zeros(0) for _ in pairs]
+        rows = torch.cat([item["logp"].cpu() for item in outputs])
+        return [rows[i, : len(r)].clone() for i, (_, r) in enumerate(pairs)]
+
+    # -- update ------------------------------------------------------------------------------
+
+    def _policy_loss(self, config: PolicyLossConfig, batch: dict[str, Any],
+                     output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch["resp_mask"]
+        inputs = PolicyLossInputs(logp=self._gather(batch, output), old_logp=batch["old_logp"],
+                                  advantages=batch["advantages"], mask=mask, ref_logp=batch.get("ref_logp"),
+                                  num_tokens=1.0, num_seqs=1.0)
+        out = compute_policy_loss(self.settings.loss, inputs, config)
+        tokens = mask.sum()
+        count = tokens if config.loss_agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
+        metrics = {"loss": torch.stack([out.loss.detach().float().cpu(), count.float().cpu()])}
+        for name in UPDATE_METRICS[1:]:
+            if name in out.metrics:
+                value = out.metrics[name].float().cpu()
+                # pg_loss / kl_loss are sums like the loss; the others are per-token means.
+                weight = count.float().cpu() if name in ("pg_loss", "kl_loss") else tokens.float().cpu()
+                total = value if name in ("pg_loss", "kl_loss") else value * weight
+                metrics[name] = torch.stack([total, weight])
+        return out.loss, count.to(torch.int), metrics
+
+    def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor, advantages: torch.Tensor,
+               ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step of the policy loss over all ``pairs`` (collective).
+
+        Args:
+            pairs: ``(prompt ids, response ids)`` per sequence.
+            old_logp: ``[n, width]`` log-probs of the responses under the policy that sampled
+                them (zero-padded; ``width`` = the longest response).
+            advantages: ``[n]`` or ``[n, width]``.
+            ref_logp: ``[n, width]`` reference log-probs (with a KL penalty).
+
+        Returns:
+            ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
+            batch's tokens, ``grad_norm`` and ``update_tokens``.
+
+        Raises:
+            ValueError: a frozen actor, or tensors that do not match the pairs.
+        """
+        from mindspeed_rl.algorithms.losses import POLICY_LOSSES
+
+        if self.optimizer is None:
+            raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
+        width = old_logp.shape[-1]
+        if old_logp.shape[0] != len(pairs) or width < max(len(r) for _, r in pairs):
+            raise ValueError(f"old_logp {tuple(old_logp.shape)} does not fit {len(pairs)} responses")
+        adv = advantages if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
+        extra = {"old_logp": old_logp.float(), "advantages": adv.float()}
+        if ref_logp is not None:
+            extra["ref_logp"] = ref_logp.float()
+        config = self.settings.loss_config or POLICY_LOSSES.get(self.settings.loss).defaults
+        if ref_logp is None and config.kl_coef:
+            raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
+        batches = self._microbatches(pairs, width, extra)
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._schedule(batches, partial(self._policy_loss, config), forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.version += 1
+        totals: dict[str, list[float]] = {}
+        for item in outputs:
+            for name, pair in item.items():
+                acc = totals.setdefault(name, [0.0, 0.0])
+                acc[0] += float(pair[0])
+                acc[1] += float(pair[1])
+        metrics = {name: (s / n if n else float("nan")) for name, (s, n) in totals.items()}
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
+        return metrics
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _check_single(self, what: str) -> None:
+        p = self.config.parallel
+        if p.tp != 1 or p.pp != 1:
+            raise ValueError(f"{what} needs tp=1 and pp=1 (this actor has tp={p.tp}, pp={p.pp}); "
+                             "gathering sharded weights is not implemented yet")
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights under Hugging Face names (for the rollout engine's weight sync).
+
+        Raises:
+            ValueError: a sharded layout (tp or pp above 1).
+        """
+        from mindspeed_llm.bridges import megatron_to_hf, plan_conversion
+        from mindspeed_llm.training.model import unwrap
+
+        self._check_single("hf_state")
+        model = unwrap(self.chunks[0])
+        state = {name: t.detach() for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if name in state:  # the padded vocabulary rows are not in the Hugging Face model
+                state[name] = state[name][: self.hf_vocab]
+        return megatron_to_hf(plan_conversion(self.bridge, self.shape), state)
+
+    def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""
+        from mindspeed.device import get_accelerator
+        from mindspeed_llm.training.model import unwrap
+
+        self._check_single("forward_logits")
+        model = unwrap(self.chunks[0])
+        device = get_accelerator().device()
+        tokens = torch.tensor([list(token_ids)], device=device)
+        positions = torch.arange(len(token_ids), device=device)[None]
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(tokens, positions, None)
+        finally:
+            model.train()
+        return logits[0, :, : self.hf_vocab].float().cpu()
