@@ -32,8 +32,10 @@ def test_bad_stride_and_files(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         PerplexityTask().load(tmp_path / "missing.txt", EvalSettings())
     (tmp_path / "b.csv").write_text("x")
-    with pytest.raises(ValueError, match="reads .txt files"):
+    with pytest.raises(ValueError, match="reads .txt/.raw files"):
         read_documents(tmp_path / "b.csv")
+    (tmp_path / "wiki.test.raw").write_text(" = Title = \n\n Line one .\n")
+    assert read_documents(tmp_path / "wiki.test.raw") == [" = Title = \n\n Line one .\n"]
 
 
 def test_whole_documents_match_transformers_loss(tmp_path, tiny_hf) -> None:

@@ -1,7 +1,8 @@
 """Perplexity of a model on local text: token-level, over windows no longer than the model's.
 
-Data: a ``.txt`` file (the whole file is one document), a ``.jsonl`` file (one document per
-line, in its ``text`` field), or a directory of such files (read in name order).
+Data: a ``.txt`` or ``.raw`` file (the whole file is one document, as WikiText's
+``wiki.test.raw``), a ``.jsonl`` file (one document per line, in its ``text`` field), or a
+directory of such files (read in name order).
 
 Each document is tokenized with the tokenizer's special prefix (BOS where the tokenizer adds
 one). Every token after the first is scored exactly once. Tokens are scored in blocks of
@@ -20,7 +21,8 @@ from typing import Any
 from mindspeed_llm.evaluation.lm import encode_context
 from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult, call_in_chunks, iter_jsonl, limit, require_path
 
-_SUFFIXES = (".txt", ".jsonl")
+_TEXT_SUFFIXES = (".txt", ".raw")
+_SUFFIXES = (*_TEXT_SUFFIXES, ".jsonl")
 
 
 @dataclasses.dataclass
@@ -37,16 +39,16 @@ class TextData:
 
 
 def read_documents(path: Path) -> list[str]:
-    """The documents of one ``.txt`` or ``.jsonl`` file.
+    """The documents of one ``.txt``/``.raw`` or ``.jsonl`` file.
 
     Raises:
         ValueError: another suffix, or a JSON line without a string ``text``, naming file and line.
     """
-    if path.suffix == ".txt":
+    if path.suffix in _TEXT_SUFFIXES:
         text = path.read_text(encoding="utf-8")
         return [text] if text.strip() else []
     if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: perplexity reads .txt files (one document each) or .jsonl files with a 'text' field")
+        raise ValueError(f"{path}: perplexity reads .txt/.raw files (one document each) or .jsonl files with a 'text' field")
     documents = []
     for number, record in iter_jsonl(path):
         if not isinstance(record.get("text"), str):
@@ -84,12 +86,12 @@ class PerplexityTask:
             ValueError: a missing path, no documents, or a malformed file.
         """
         path = Path(path)
-        require_path(path, "perplexity data", "pass a .txt file, a .jsonl file with a 'text' field, or a directory of them")
+        require_path(path, "perplexity data", "pass a .txt/.raw file, a .jsonl file with a 'text' field, or a directory of them")
         files = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES) if path.is_dir() else [path]
         documents = [doc for file in files for doc in read_documents(file)]
         documents = limit(documents, settings.max_samples)
         if not documents:
-            raise ValueError(f"perplexity data {str(path)!r} holds no text (.txt files or .jsonl 'text' fields)")
+            raise ValueError(f"perplexity data {str(path)!r} holds no text (.txt/.raw files or .jsonl 'text' fields)")
         return TextData(path, documents)
 
     def check(self, lm: Any, settings: EvalSettings) -> None:
