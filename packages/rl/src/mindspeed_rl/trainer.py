@@ -1,0 +1,216 @@
+"""GRPO in one process: rollout with the built-in engine, rewards, advantages, the megatron update, weight sync.
+
+One step (:func:`grpo_step`)::
+
+    prompts -> engine.generate (rollout.n samples each) -> rewards (verifiers) -> advantages
+            -> actor old log-probs (and the frozen reference's, with a KL penalty)
+            -> policy update(s) (mini-batches x ppo_epochs) -> engine.load_weights(actor.hf_state())
+
+:func:`train_grpo` runs ``train.steps`` of them from a :class:`~mindspeed_rl.config.GRPOConfig`.
+Everything runs in the calling process on its torch.distributed group (a one-rank gloo group
+is started when there is none); Ray workers, co-location offload and the asynchronous buffer
+come on top of these pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_rl.actor import Actor, ActorSettings
+from mindspeed_rl.algorithms import compute_advantages
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
+from mindspeed_rl.rewards import WeightedReward, build_reward
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class GRPOContext:
+    """What a GRPO step works with.
+
+    Attributes:
+        config: the recipe.
+        actor: the policy being trained.
+        engine: the rollout engine (``generate``, ``load_weights``).
+        tokenizer: the Hugging Face tokenizer of the policy.
+        reward: the reward functions.
+        records: the prompt records.
+        sampler: draws ``train.global_batch`` record indices per step.
+        prompt_format: how a record becomes the prompt text.
+        reference: the frozen reference actor (with a KL penalty).
+        step: steps done.
+    """
+
+    config: GRPOConfig
+    actor: Actor
+    engine: Any
+    tokenizer: Any
+    reward: WeightedReward
+    records: list[PromptRecord]
+    sampler: PromptSampler
+    prompt_format: PromptFormat
+    reference: Actor | None = None
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def _rollout(ctx: GRPOContext) -> tuple[list[tuple[list[int], list[int]]], list[str], list[str | None], list[Any]]:
+    from mindspeed_llm.inference.sampling import SamplingParams
+
+    cfg, r = ctx.config, ctx.config.rollout
+    chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
+    texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in chosen]
+    ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
+                               add_special_tokens=ctx.prompt_format.style == "plain")
+    if not ids:
+        raise ValueError(f"every prompt of step {ctx.step + 1} is longer than rollout.max_prompt_length="
+                         f"{r.max_prompt_length}; raise it")
+    prompts = [ids[k] for k in range(len(kept)) for _ in range(r.n)]
+    base = cfg.train.seed * 1_000_003 + ctx.step * 65_537
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                             seed=base + i) for i in range(len(prompts))]
+    outputs = ctx.engine.generate(prompts, params)
+    pairs = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outputs)]
+    prompt_texts = [texts[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
+    references = [chosen[kept[k]].reference for k in range(len(kept)) for _ in range(r.n)]
+    return pairs, prompt_texts, references, outputs
+
+
+def grpo_step(ctx: GRPOContext) -> dict[str, float]:
+    """One GRPO step (collective over the actor's group).
+
+    Returns:
+        Metrics: ``reward_mean``/``reward_std`` (and per reward function), ``response_length``,
+        the update's loss metrics (``loss``, ``pg_clipfrac``, ``kl_loss``, ...), ``rollout_logp_diff``
+        (mean |engine - actor| log-prob of the samples: the sync's health), ``time/<phase>``
+        seconds and ``rollout_tps``, ``update_tps``, ``e2e_tps`` (tokens per second).
+
+    Raises:
+        ValueError: no prompt fits ``rollout.max_prompt_length``.
+    """
+    cfg = ctx.config
+    n, algo = cfg.rollout.n, cfg.algorithm
+    times: dict[str, float] = {}
+    start = mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        times[f"time/{name}"] = now - mark
+        mark = now
+
+    pairs, prompt_texts, references, outputs = _rollout(ctx)
+    lap("rollout")
+    responses = [ctx.tokenizer.decode(r, skip_special_tokens=True) for _, r in pairs]
+    rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
+    advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
+    lap("reward")
+    width = max(len(r) for _, r in pairs)
+    old = ctx.actor.compute_logprobs(pairs)
+    old_logp = _pad(old, width)
+    ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
+    lap("old_logp")
+    rollout_logp = _pad([torch.tensor(o.logprobs) for o in outputs], width)
+    mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
+    mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
+    update: dict[str, list[float]] = {}
+    for _ in range(cfg.actor.ppo_epochs):
+        for first in range(0, len(pairs), mini):
+            part = slice(first, first + mini)
+            metrics = ctx.actor.update(pairs[part], old_logp[part], advantages[part],
+                                       None if ref_logp is None else ref_logp[part])
+            for key, value in metrics.items():
+                update.setdefault(key, []).append(value)
+    lap("update")
+    ctx.engine.load_weights(ctx.actor.hf_state())
+    lap("weight_sync")
+    ctx.step += 1
+    total = time.perf_counter() - start
+    generated = sum(len(r) for _, r in pairs)
+    lengths = torch.tensor([float(len(r)) for _, r in pairs])
+    record: dict[str, float] = {
+        "step": float(ctx.step), "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "response_length": float(lengths.mean()), "response_length_max": float(lengths.max()),
+        "rollout_logp_diff": float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum()),
+        "policy_version": float(ctx.actor.version),
+    }
+    record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
+    record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
+    record.update(times)
+    record["time/step"] = total
+    record["rollout_tps"] = generated / max(times["time/rollout"], 1e-9)
+    record["update_tps"] = sum(update.get("update_tokens", [0.0])) / max(times["time/update"], 1e-9)
+    record["e2e_tps"] = sum(len(p) + len(r) for p, r in pairs) / max(total, 1e-9)
+    ctx.history.append(record)
+    return record
+
+
+def _ensure_group() -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def build_context(config: GRPOConfig) -> GRPOContext:
+    """Actor, reference, rollout engine, tokenizer, reward and prompts of a recipe (collective).
+
+    Raises:
+        ConfigError / ValueError: the recipe's first problem (see :meth:`GRPOConfig.check`).
+    """
+    from transformers import AutoTokenizer
+
+    from mindspeed_llm.inference import InferenceEngine
+
+    config.check()
+    _ensure_group()
+    a, algo, d = config.actor, config.algorithm, config.data
+    settings = ActorSettings(lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
+                             adam_beta2=a.adam_beta2, precision=a.precision, micro_batch_size=a.micro_batch_size,
+                             seed=config.train.seed, loss=algo.loss, loss_config=algo.loss_config())
+    actor = Actor(a.model, settings, tp=a.tp, pp=a.pp)
+    reference = Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp) \
+        if config.needs_reference() else None
+    engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
+    tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
+    records = load_prompts(d.path, d.map_keys or None)
+    sampler = PromptSampler(len(records), config.train.global_batch, config.train.seed, d.shuffle)
+    fmt = PromptFormat(style=d.prompt_format, template=d.prompt_template, instruction=d.instruction, system=d.system)
+    r = config.reward
+    reward = build_reward(r.verifiers, r.weights, r.options)
+    return GRPOContext(config, actor, engine, tokenizer, reward, records, sampler, fmt, reference)
+
+
+def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
+    """Run ``train.steps`` GRPO steps of ``config`` in this process.
+
+    Returns:
+        The metrics of every step (see :func:`grpo_step`).
+    """
+    ctx = build_context(config)
+    for _ in range(config.train.steps):
+        record = grpo_step(ctx)
+        if ctx.step % max(config.logging.interval, 1) == 0:
+            logger.info("step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s", ctx.step, record["reward_mean"],
+                        record["reward_std"], record["response_length"], record.get("loss", float("nan")),
+                        record["time/step"])
+    return ctx.history
