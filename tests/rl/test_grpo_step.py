@@ -8,7 +8,10 @@ One spawned single-rank group:
   and clipping is active. The parent recomputes each update's loss with
   ``compute_policy_loss`` on the whole batch as ``[batch, len]`` tensors from the actor's
   log-probs before that update: equal losses prove the per-microbatch sums, counts and
-  megatron's per-token-loss reduction add up to the algorithm's aggregation;
+  megatron's per-token-loss reduction add up to the algorithm's aggregation. The gradient
+  norm megatron's optimizer reports must equal the norm of transformers' autograd gradient of
+  that loss (the HF model holding the actor's weights of that moment): the gradient scaling
+  by the step's total count is right, not only the reported number;
 - runs ``train_grpo`` for two steps on the shipped arithmetic set with a tiny Llama (KL to a
   frozen reference on): every metric is finite and the weights the engine generates with are
   the actor's (the engine's sampled log-probs equal the actor's old log-probs of them).
@@ -55,8 +58,10 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         mask = _pad([torch.ones(len(r)) for _, r in PAIRS], width)
         old = (now + 0.4 * torch.randn(now.shape, generator=gen)) * mask
         ref = (now + 0.3 * torch.randn(now.shape, generator=gen)) * mask
+        weights = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
         metrics = actor.update(PAIRS, old, torch.tensor(ADV), ref)
-        out[name] = {"now": now.numpy(), "old": old.numpy(), "ref": ref.numpy(), "mask": mask.numpy(), "metrics": metrics}
+        out[name] = {"now": now.numpy(), "old": old.numpy(), "ref": ref.numpy(), "mask": mask.numpy(), "metrics": metrics,
+                     "weights": weights}
     config = load_grpo_config(None, [
         f"actor.model={root}/hf", "actor.lr=1e-3", "actor.micro_batch_size=4", "data.path=demo",
         "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=6", "rollout.max_prompt_length=64",
@@ -71,7 +76,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root: Path = tmp_path_factory.mktemp("grpo")
     save_tiny_checkpoint("llama2", root / "hf", seed=0)
-    return run_distributed(_group, 1, str(root), timeout=400)[0]
+    out = run_distributed(_group, 1, str(root), timeout=400)[0]
+    out["root"] = root
+    return out
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -90,6 +97,30 @@ def test_update_loss_equals_direct_computation(run: dict[str, Any], mode: str) -
     assert math.isclose(metrics["pg_clipfrac"], float(want.metrics["pg_clipfrac"]), abs_tol=1e-6)
     if MODES[mode]["kl_coef"]:
         assert math.isclose(metrics["kl_loss"], float(want.metrics["kl_loss"]), rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_update_gradient_equals_autograd(run: dict[str, Any], mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_rl.algorithms import PolicyLossInputs, compute_policy_loss, policy_loss_config
+
+    got = run[mode]
+    model = AutoModelForCausalLM.from_pretrained(run["root"] / "hf", dtype=torch.float32)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in got["weights"].items()})
+    width = got["now"].shape[1]
+    rows = []
+    for prompt, response in PAIRS:
+        logits = model(torch.tensor([[*prompt, *response]])).logits[0]
+        logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(response)[:, None])[:, 0]
+        rows.append(torch.nn.functional.pad(logp, (0, width - len(response))))
+    t = {k: torch.from_numpy(got[k]) for k in ("old", "ref", "mask")}
+    inputs = PolicyLossInputs(logp=torch.stack(rows), old_logp=t["old"], advantages=torch.tensor(ADV), mask=t["mask"],
+                              ref_logp=t["ref"])
+    loss = compute_policy_loss("ppo_clip", inputs, policy_loss_config("ppo_clip", **MODES[mode])).loss
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
+    assert math.isclose(got["metrics"]["grad_norm"], float(norm), rel_tol=1e-4)
 
 
 def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
