@@ -19,6 +19,7 @@ One spawned single-rank group:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     config = load_grpo_config(None, [
         f"actor.model={root}/hf", "actor.lr=1e-3", "actor.micro_batch_size=4", "data.path=demo",
         "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=6", "rollout.max_prompt_length=64",
-        "train.global_batch=2", "train.steps=2", "algorithm.kl_coef=0.01", "logging.progress=false"])
+        "train.global_batch=2", "train.steps=2", "algorithm.kl_coef=0.01", "logging.progress=false",
+        f"logging.dir={root}/logs"])
     out["e2e"] = train_grpo(config)
     return out
 
@@ -133,3 +135,5 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
         # The engine sampled with the actor's weights (synced after step 1): same log-probs.
         assert record["rollout_logp_diff"] < 1e-4, record
     assert records[-1]["policy_version"] == 2
+    lines = (run["root"] / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1.0, 2.0]

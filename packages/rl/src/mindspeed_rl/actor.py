@@ -57,14 +57,14 @@ class ActorSettings:
     loss_config: PolicyLossConfig | None = None
 
 
-def _ensure_megatron(config: Any, vocab: int) -> None:
+def _ensure_megatron(config: Any) -> None:
     """Adapt megatron-core and initialise its parallel state once per process."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed.megatron import adaptor
+    from mindspeed.megatron import adapt, current_report
 
-    if adaptor._active is None:  # noqa: SLF001  (adapt() refuses a second call)
-        adaptor.adapt()
+    if current_report() is None:  # adapt() refuses a second call: a trainer in this process may have adapted
+        adapt()
     if not ps.model_parallel_is_initialized():
         p = config.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
@@ -108,7 +108,7 @@ class Actor:
         ids = read_tokenizer(config)
         self.hf_vocab = ids.vocab_size
         self.vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-        _ensure_megatron(config, self.vocab)
+        _ensure_megatron(config)
         self.transformer = transformer_config(config, self.vocab, {} if trainable else {"perform_initialization": False})
         load = partial(load_hf_weights, config=config, path=self.hf_dir, vocab_rows=self.vocab)
         if trainable:
@@ -121,6 +121,8 @@ class Actor:
             self.optimizer = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
         self.version = 0
+        logger.info("actor (%s) from %s: %s, tp=%d pp=%d", "trainable" if trainable else "frozen", self.hf_dir,
+                    self.bridge.family, tp, pp)
 
     # -- batching ------------------------------------------------------------------------------
 

@@ -204,11 +204,20 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
     """Run ``train.steps`` GRPO steps of ``config`` in this process.
 
     Returns:
-        The metrics of every step (see :func:`grpo_step`).
+        The metrics of every step (see :func:`grpo_step`); with a log directory
+        (:meth:`GRPOConfig.log_dir`) also appended to its ``metrics.jsonl``, one line a step.
     """
+    import json
+
     ctx = build_context(config)
+    log_dir = config.log_dir()
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(config.train.steps):
         record = grpo_step(ctx)
+        if log_dir is not None:
+            with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
+                sink.write(json.dumps(record) + "\n")
         if ctx.step % max(config.logging.interval, 1) == 0:
             logger.info("step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s", ctx.step, record["reward_mean"],
                         record["reward_std"], record["response_length"], record.get("loss", float("nan")),
