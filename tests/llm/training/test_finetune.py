@@ -47,7 +47,8 @@ def _train(root: str, *overrides: str) -> dict[str, Any]:
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out = {}
     for name, layout in SFT_LAYOUTS.items():
-        extra = ["eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported"] if name == "tp2" else []
+        extra = ["eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported",
+                 f"checkpoint.save={root}/ckpt"] if name == "tp2" else []
         out[name] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", *layout, *extra)
     lora = ["lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "lora.r=4", "lora.alpha=8"]
     out["lora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", "parallel.tp=2",
@@ -219,3 +220,19 @@ def test_raw_records_are_tokenized_online_like_preprocess_data(setup: dict[str, 
     online, offline = setup["runs"]["online"]["records"], setup["runs"]["offline"]["records"]
     assert [r["loss"] for r in online] == [r["loss"] for r in offline]
     assert list((setup["root"] / "cache").glob("demo_alpaca-*_packed_input_ids_document.bin"))
+
+
+@pytest.mark.distributed
+def test_training_checkpoints_convert_like_save_hf(setup: dict[str, Any]) -> None:
+    # The trainer's dist checkpoints record the model in their args, as converted ones do.
+    from safetensors.torch import load_file
+
+    from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
+
+    root = setup["root"]
+    convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=root / "ckpt",
+                                     save_dir=root / "converted", progress=False))
+    read = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+    converted, exported = read(root / "converted"), read(root / "exported")
+    assert converted.keys() == exported.keys()
+    assert all(torch.equal(converted[k], exported[k]) for k in exported)

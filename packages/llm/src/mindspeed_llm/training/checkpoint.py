@@ -186,7 +186,7 @@ def _remove(path: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], optimizer: Any, scheduler: Any,
-                    config: PretrainConfig) -> Path:
+                    config: PretrainConfig, args: Any = None) -> Path:
     """Save everything a resume needs as ``root/iter_<step>``; atomic, collective.
 
     Args:
@@ -196,6 +196,9 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
         optimizer: megatron's optimizer.
         scheduler: the learning-rate scheduler.
         config: the recipe (stored as ``config.yaml`` and in the common state).
+        args: megatron-style ``args`` naming the model (bridge family, shape, layout), stored in
+            the common state as converted checkpoints store them, so that ``convert-ckpt`` and
+            the inference engine read the trainer's checkpoints too.
 
     Returns:
         The checkpoint directory.
@@ -217,6 +220,12 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     sharded.update(train_state=asdict(state), opt_param_scheduler=scheduler.state_dict(), layout=_layout(config),
                    config=to_dict(config))
+    if args is not None:
+        import copy
+
+        args = copy.copy(args)
+        args.iteration = state.step
+        sharded["args"] = args
     with _synchronous_save():
         dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
     dist.barrier()

@@ -238,6 +238,24 @@ def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str
     return bridge, model_shape(config, vocab_size), bridge.hf_architectures[0], None
 
 
+def checkpoint_args_of(config: PretrainConfig, vocab_size: int, vocab_rows: int) -> Any:
+    """The megatron ``args`` the trainer's checkpoints record (``None`` for a model no bridge exports).
+
+    With them ``convert-ckpt --load-model-type mg`` and the inference engine read a training
+    checkpoint as they read a converted one (dense models; LoRA factors and grouped experts are
+    not in the bridges' names).
+    """
+    from mindspeed_llm.checkpoint.megatron_legacy import checkpoint_args
+
+    try:
+        bridge, shape, architecture, _ = export_shape(config, vocab_size)
+    except (ConfigError, ValueError):
+        return None
+    args = checkpoint_args(shape, _layout(config), bridge.family, architecture, vocab_rows)
+    args.ckpt_format = "torch_dist"
+    return args
+
+
 def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tensor]:
     # The base weights as megatron names them: QLoRA's NF4 weights dequantised (they have no
     # state-dict entry), LoRA factors left out (they are merged by the converter).

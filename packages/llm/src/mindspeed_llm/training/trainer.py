@@ -28,7 +28,7 @@ from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_cu
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
-from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, save_hf
+from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, load_hf_weights, save_hf
 from mindspeed_llm.training.stages import get_stage
 from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate, run_schedule
 
@@ -151,6 +151,7 @@ class _Run:
         self.scheduler = build_scheduler(config, self.optimizer)
         self.transformer.grad_scale_func = self.optimizer.scale_loss
         self.num_parameters = count_parameters(self.chunks)
+        self.checkpoint_args = checkpoint_args_of(config, self.ids.vocab_size, self.vocab)
         self.state = self._load()
         if self.reference is not None:
             self._load_reference()
@@ -251,7 +252,7 @@ class _Run:
                         break
                     if self._save_due(step):
                         save_checkpoint(config.checkpoint.save, state, self.chunks, self.optimizer, self.scheduler,
-                                        config)
+                                        config, self.checkpoint_args)
                 if result.stopped is None:
                     self._finish(result, metrics, reporter)
         finally:
@@ -276,7 +277,7 @@ class _Run:
             result.evals.append(self._evaluate(step, metrics, reporter))
         ck = config.checkpoint
         if ck.save and ck.save_at_end and not self._save_due(step):
-            save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config)
+            save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config, self.checkpoint_args)
         if ck.save_hf:
             save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab,
                     lora=self.lora_settings() if config.lora.enabled else None)
