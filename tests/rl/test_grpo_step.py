@@ -2,9 +2,9 @@
 
 One spawned single-rank group:
 
-- runs two actor updates over 5 sequences in microbatches of 2 (so a microbatch of 1): PPO-clip
+- runs three actor updates over 5 sequences in microbatches of 2 (so a microbatch of 1): PPO-clip
   with token-mean aggregation, then with seq-mean-token-mean and a k3 KL penalty to a
-  reference. Old log-probs are the actor's own shifted by noise, so the ratio is far from 1
+  reference, then with dual clip and truncated importance sampling against rollout log-probs. Old log-probs are the actor's own shifted by noise, so the ratio is far from 1
   and clipping is active. The parent recomputes each update's loss with
   ``compute_policy_loss`` on the whole batch as ``[batch, len]`` tensors from the actor's
   log-probs before that update: equal losses prove the per-microbatch sums, counts and
@@ -33,7 +33,8 @@ PAIRS = [([1, 5, 9], [20, 21, 7, 8]), ([3, 4], [30, 31]), ([8, 9, 10, 11], [40, 
          ([12], [13, 14, 15]), ([16, 17], [18])]
 ADV = [1.0, -0.5, 0.7, -1.2, 0.3]
 MODES = {"token": dict(loss_agg_mode="token-mean", kl_coef=0.0),
-         "seq": dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3")}
+         "seq": dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3"),
+         "tis": dict(loss_agg_mode="token-mean", kl_coef=0.0, tis_cap=1.2, clip_ratio_c=3.0)}
 
 
 def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -59,14 +60,15 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         mask = _pad([torch.ones(len(r)) for _, r in PAIRS], width)
         old = (now + 0.4 * torch.randn(now.shape, generator=gen)) * mask
         ref = (now + 0.3 * torch.randn(now.shape, generator=gen)) * mask
+        rollout = (old + 0.3 * torch.randn(now.shape, generator=gen)) * mask
         weights = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
-        metrics = actor.update(PAIRS, old, torch.tensor(ADV), ref)
-        out[name] = {"now": now.numpy(), "old": old.numpy(), "ref": ref.numpy(), "mask": mask.numpy(), "metrics": metrics,
+        metrics = actor.update(PAIRS, old, torch.tensor(ADV), ref, rollout)
+        out[name] = {"now": now.numpy(), "old": old.numpy(), "ref": ref.numpy(), "rollout": rollout.numpy(), "mask": mask.numpy(), "metrics": metrics,
                      "weights": weights}
     config = load_grpo_config(None, [
         f"actor.model={root}/hf", "actor.lr=1e-3", "actor.micro_batch_size=4", "data.path=demo",
         "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=6", "rollout.max_prompt_length=64",
-        "train.global_batch=2", "train.steps=2", "algorithm.kl_coef=0.01", "logging.progress=false",
+        "train.global_batch=2", "train.steps=2", "algorithm.kl_coef=0.01", "algorithm.overlong_buffer=2", "logging.progress=false",
         f"logging.dir={root}/logs"])
     out["e2e"] = train_grpo(config)
     return out
@@ -88,15 +90,18 @@ def test_update_loss_equals_direct_computation(run: dict[str, Any], mode: str) -
     from mindspeed_rl.algorithms import PolicyLossInputs, compute_policy_loss, policy_loss_config
 
     got = run[mode]
-    t = {k: torch.from_numpy(got[k]) for k in ("now", "old", "ref", "mask")}
+    t = {k: torch.from_numpy(got[k]) for k in ("now", "old", "ref", "rollout", "mask")}
     inputs = PolicyLossInputs(logp=t["now"], old_logp=t["old"], advantages=torch.tensor(ADV), mask=t["mask"],
-                              ref_logp=t["ref"])
+                              ref_logp=t["ref"], rollout_logp=t["rollout"])
     want = compute_policy_loss("ppo_clip", inputs, policy_loss_config("ppo_clip", **MODES[mode]))
     metrics = got["metrics"]
     assert want.metrics["pg_clipfrac"] > 0  # the clip is exercised
     assert math.isclose(metrics["loss"], float(want.loss), rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(metrics["pg_loss"], float(want.metrics["pg_loss"]), rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(metrics["pg_clipfrac"], float(want.metrics["pg_clipfrac"]), abs_tol=1e-6)
+    if MODES[mode].get("tis_cap"):
+        assert want.metrics["tis_clipfrac"] > 0
+        assert math.isclose(metrics["tis_clipfrac"], float(want.metrics["tis_clipfrac"]), abs_tol=1e-6)
     if MODES[mode]["kl_coef"]:
         assert math.isclose(metrics["kl_loss"], float(want.metrics["kl_loss"]), rel_tol=1e-5, abs_tol=1e-6)
 
@@ -116,9 +121,9 @@ def test_update_gradient_equals_autograd(run: dict[str, Any], mode: str) -> None
         logits = model(torch.tensor([[*prompt, *response]])).logits[0]
         logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(response)[:, None])[:, 0]
         rows.append(torch.nn.functional.pad(logp, (0, width - len(response))))
-    t = {k: torch.from_numpy(got[k]) for k in ("old", "ref", "mask")}
+    t = {k: torch.from_numpy(got[k]) for k in ("old", "ref", "rollout", "mask")}
     inputs = PolicyLossInputs(logp=torch.stack(rows), old_logp=t["old"], advantages=torch.tensor(ADV), mask=t["mask"],
-                              ref_logp=t["ref"])
+                              ref_logp=t["ref"], rollout_logp=t["rollout"])
     loss = compute_policy_loss("ppo_clip", inputs, policy_loss_config("ppo_clip", **MODES[mode])).loss
     loss.backward()
     norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
@@ -129,7 +134,7 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
     records = run["e2e"]
     assert len(records) == 2
     for record in records:
-        for key in ("reward_mean", "reward_std", "response_length", "loss", "kl_loss", "pg_clipfrac", "rollout_tps",
+        for key in ("reward/overlong", "reward_mean", "reward_std", "response_length", "loss", "kl_loss", "pg_clipfrac", "rollout_tps",
                     "update_tps", "e2e_tps", "time/rollout", "time/update", "time/weight_sync"):
             assert math.isfinite(record[key]), (key, record)
         # The engine sampled with the actor's weights (synced after step 1): same log-probs.

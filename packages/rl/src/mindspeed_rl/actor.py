@@ -28,7 +28,8 @@ from mindspeed_rl.algorithms.losses import PolicyLossConfig, PolicyLossInputs, c
 logger = get_logger(__name__)
 
 #: Metrics the update reports (token-weighted means over the step, except ``loss``).
-UPDATE_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean")
+UPDATE_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean", "tis_weight_mean",
+                  "tis_clipfrac", "pg_clipfrac_lower")
 IGNORE_INDEX = -100
 
 Pair = tuple[Sequence[int], Sequence[int]]
@@ -221,7 +222,7 @@ class Actor:
         mask = batch["resp_mask"]
         inputs = PolicyLossInputs(logp=self._gather(batch, output), old_logp=batch["old_logp"],
                                   advantages=batch["advantages"], mask=mask, ref_logp=batch.get("ref_logp"),
-                                  num_tokens=1.0, num_seqs=1.0)
+                                  rollout_logp=batch.get("rollout_logp"), num_tokens=1.0, num_seqs=1.0)
         out = compute_policy_loss(self.settings.loss, inputs, config)
         tokens = mask.sum()
         count = tokens if config.loss_agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
@@ -236,7 +237,7 @@ class Actor:
         return out.loss, count.to(torch.int), metrics
 
     def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor, advantages: torch.Tensor,
-               ref_logp: torch.Tensor | None = None) -> dict[str, float]:
+               ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step of the policy loss over all ``pairs`` (collective).
 
         Args:
@@ -245,6 +246,8 @@ class Actor:
                 them (zero-padded; ``width`` = the longest response).
             advantages: ``[n]`` or ``[n, width]``.
             ref_logp: ``[n, width]`` reference log-probs (with a KL penalty).
+            rollout_logp: ``[n, width]`` the rollout engine's log-probs of the samples (with
+                truncated importance sampling, ``tis_cap``).
 
         Returns:
             ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
@@ -264,6 +267,8 @@ class Actor:
         extra = {"old_logp": old_logp.float(), "advantages": adv.float()}
         if ref_logp is not None:
             extra["ref_logp"] = ref_logp.float()
+        if rollout_logp is not None:
+            extra["rollout_logp"] = rollout_logp.float()
         config = self.settings.loss_config or POLICY_LOSSES.get(self.settings.loss).defaults
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")

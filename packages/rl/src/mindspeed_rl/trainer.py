@@ -22,7 +22,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_rl.actor import Actor, ActorSettings
-from mindspeed_rl.algorithms import compute_advantages
+from mindspeed_rl.algorithms import compute_advantages, overlong_penalty
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.rewards import WeightedReward, build_reward
@@ -116,6 +116,11 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
     lap("rollout")
     responses = [ctx.tokenizer.decode(r, skip_special_tokens=True) for _, r in pairs]
     rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
+    if algo.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifiers
+        lengths = torch.tensor([len(r) for _, r in pairs], dtype=torch.float32)
+        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        parts["overlong"] = penalty
+        rewards = rewards + penalty
     advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
     lap("reward")
     width = max(len(r) for _, r in pairs)
@@ -131,7 +136,7 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
         for first in range(0, len(pairs), mini):
             part = slice(first, first + mini)
             metrics = ctx.actor.update(pairs[part], old_logp[part], advantages[part],
-                                       None if ref_logp is None else ref_logp[part])
+                                       None if ref_logp is None else ref_logp[part], rollout_logp[part])
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
     lap("update")
