@@ -1,9 +1,9 @@
 """The KV cache and the three ways a forward pass reaches keys and values.
 
 :class:`KVCache` preallocates keys and values for ``num_slots`` sequences of up to ``max_len``
-tokens, every layer in one tensor ``[layers, slots, max_len, kv_heads, head_dim + 1]``. Running
-sequences occupy slots ``0 .. n-1`` (the engine keeps them packed), so one decode step attends
-over the plain slice ``[:n, :kv_len]``.
+tokens, every layer in one tensor ``[layers, slots, max_len, kv_heads, head_dim + 1]`` (a view of
+head-major storage). Running sequences occupy slots ``0 .. n-1`` (the engine keeps them packed),
+so one decode step attends over the plain slice ``[:n, :kv_len]``.
 
 Sequences in a batch have different lengths, and the registry's attention op takes no per-row
 key mask. The cache closes that gap with one extra channel: a key's last channel is 0 where
@@ -39,6 +39,8 @@ class AttentionStep(Protocol):
 class KVCache:
     """Keys and values of up to ``num_slots`` sequences, every layer in one tensor.
 
+    ``keys`` and ``values`` are ``[layers, slots, max_len, kv_heads, head_dim + 1]`` views.
+
     Args:
         num_layers: decoder layers.
         num_slots: sequences held at once.
@@ -53,9 +55,11 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  windows: Sequence[int | None], dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots, self.max_len, self.head_dim = num_slots, max_len, head_dim
-        size = (num_layers, num_slots, max_len, num_kv_heads, head_dim + 1)
-        self.keys = torch.zeros(size, dtype=dtype, device=device)
-        self.values = torch.zeros(size, dtype=dtype, device=device)
+        # Stored head-major ([..., kv_heads, max_len, dim]: one head's keys are contiguous, as
+        # attention kernels read them) and used through sequence-major views, the op's BSND layout.
+        size = (num_layers, num_slots, num_kv_heads, max_len, head_dim + 1)
+        self.keys = torch.zeros(size, dtype=dtype, device=device).transpose(2, 3)
+        self.values = torch.zeros(size, dtype=dtype, device=device).transpose(2, 3)
         self.keys[..., head_dim] = float("-inf")  # every position starts empty
         # window -> the layers that use it (masking is one indexed write per window size)
         self.window_layers: dict[int, torch.Tensor] = {}
