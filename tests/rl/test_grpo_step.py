@@ -142,3 +142,44 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
     assert records[-1]["policy_version"] == 2
     lines = (run["root"] / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1.0, 2.0]
+
+
+class _Out:
+    def __init__(self, prompt: list[int], seed: int) -> None:
+        # A reward-relevant token that depends on the request's seed: groups of 2 agree or not.
+        self.prompt_token_ids, self.token_ids, self.logprobs = prompt, [seed % 3, 7], [-0.5, -0.25]
+
+
+class _Engine:
+    def generate(self, prompts: list[list[int]], params: list[Any]) -> list[_Out]:
+        return [_Out(p, q.seed) for p, q in zip(prompts, params)]
+
+
+class _Tokenizer:
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [len(text) % 50 + 3, 1]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def test_dynamic_sampling_keeps_only_informative_groups() -> None:
+    from mindspeed_rl.config import load_grpo_config
+    from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler
+    from mindspeed_rl.rewards import WeightedReward
+    from mindspeed_rl.trainer import GRPOContext, collect_rollout
+
+    config = load_grpo_config(None, ["rollout.n=2", "train.global_batch=3", "algorithm.dynamic_sampling=true",
+                                     "algorithm.dynamic_sampling_max_rounds=20"])
+    records = [PromptRecord(f"question {i}" + "x" * i, str(i), i) for i in range(12)]
+    reward = WeightedReward({"zero": lambda prompt, response, ref: float(response.startswith("0"))})
+    ctx = GRPOContext(config, None, _Engine(), _Tokenizer(), reward, records, PromptSampler(12, 3, seed=0),  # type: ignore[arg-type]
+                      PromptFormat(style="plain"))
+    batch = collect_rollout(ctx)
+    assert len(batch.pairs) == 6 and batch.rewards.shape == (6,)
+    groups = batch.rewards.view(3, 2)
+    assert bool((groups[:, 0] != groups[:, 1]).all())  # every kept group carries a signal
+    # Rows stay aligned: each reward is the verifier's verdict on that row's own response.
+    assert [float(response[0] == 0) for _, response in batch.pairs] == batch.rewards.tolist()
+    assert batch.metrics["dynamic_sampling/rounds"] >= 1
+    assert batch.metrics["dynamic_sampling/dropped_groups"] > 0

@@ -22,7 +22,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_rl.actor import Actor, ActorSettings
-from mindspeed_rl.algorithms import compute_advantages, overlong_penalty
+from mindspeed_rl.algorithms import DynamicSampler, compute_advantages, overlong_penalty
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.rewards import WeightedReward, build_reward
@@ -67,10 +67,39 @@ def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def _rollout(ctx: GRPOContext) -> tuple[list[tuple[list[int], list[int]]], list[str], list[str | None], list[Any]]:
+@dataclass
+class RolloutBatch:
+    """One step's experience: ``rollout.n`` consecutive rows per prompt.
+
+    Attributes:
+        pairs: ``(prompt ids, response ids)`` per row.
+        prompts: the prompt text of each row. references: its reference answer.
+        rollout_logp: per row, the engine's log-probs of the response tokens.
+        rewards: ``[rows]`` total rewards. parts: each reward function's scores.
+        metrics: dynamic-sampling counters (empty without it).
+    """
+
+    pairs: list[tuple[list[int], list[int]]]
+    prompts: list[str]
+    references: list[str | None]
+    rollout_logp: list[torch.Tensor]
+    rewards: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def select(self, groups: list[int], n: int) -> "RolloutBatch":
+        """The rows of the given prompt groups, in that order."""
+        rows = [g * n + j for g in groups for j in range(n)]
+        pick = torch.tensor(rows, dtype=torch.long)
+        return RolloutBatch([self.pairs[i] for i in rows], [self.prompts[i] for i in rows],
+                            [self.references[i] for i in rows], [self.rollout_logp[i] for i in rows],
+                            self.rewards[pick], {k: v[pick] for k, v in self.parts.items()})
+
+
+def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
     from mindspeed_llm.inference.sampling import SamplingParams
 
-    cfg, r = ctx.config, ctx.config.rollout
+    cfg, r, algo = ctx.config, ctx.config.rollout, ctx.config.algorithm
     chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
     texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in chosen]
     ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
@@ -79,14 +108,49 @@ def _rollout(ctx: GRPOContext) -> tuple[list[tuple[list[int], list[int]]], list[
         raise ValueError(f"every prompt of step {ctx.step + 1} is longer than rollout.max_prompt_length="
                          f"{r.max_prompt_length}; raise it")
     prompts = [ids[k] for k in range(len(kept)) for _ in range(r.n)]
-    base = cfg.train.seed * 1_000_003 + ctx.step * 65_537
+    # Every request its own seed (step, round, row): repeatable, and different across rounds.
+    base = cfg.train.seed * 1_000_003 + ctx.step * 65_537 + round_index * 4_099
     params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                              seed=base + i) for i in range(len(prompts))]
     outputs = ctx.engine.generate(prompts, params)
     pairs = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outputs)]
     prompt_texts = [texts[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
     references = [chosen[kept[k]].reference for k in range(len(kept)) for _ in range(r.n)]
-    return pairs, prompt_texts, references, outputs
+    responses = [ctx.tokenizer.decode(resp, skip_special_tokens=True) for _, resp in pairs]
+    rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
+    if algo.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifiers
+        lengths = torch.tensor([len(resp) for _, resp in pairs], dtype=torch.float32)
+        penalty = overlong_penalty(lengths, r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        parts["overlong"] = penalty
+        rewards = rewards + penalty
+    return RolloutBatch(pairs, prompt_texts, references, [torch.tensor(o.logprobs, dtype=torch.float32) for o in outputs],
+                        rewards, parts)
+
+
+def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
+    """Generate and score one step's experience (no actor involved).
+
+    With ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped
+    and further prompt batches are generated until ``train.global_batch`` groups are kept.
+
+    Raises:
+        ValueError: no prompt fits ``rollout.max_prompt_length``.
+        RuntimeError: dynamic sampling found too few groups in ``dynamic_sampling_max_rounds``.
+    """
+    cfg, n = ctx.config, ctx.config.rollout.n
+    if not cfg.algorithm.dynamic_sampling:
+        return _one_round(ctx, 0)
+    sampler = DynamicSampler(cfg.train.global_batch, n, cfg.algorithm.dynamic_sampling_max_rounds)
+    rounds: list[RolloutBatch] = []
+    while not sampler.done:
+        rounds.append(_one_round(ctx, len(rounds)))
+        sampler.add(rounds[-1].rewards)
+    picked = [rounds[r].select([g], n) for r, g in sampler.selection()]
+    merged = RolloutBatch([p for b in picked for p in b.pairs], [t for b in picked for t in b.prompts],
+                          [t for b in picked for t in b.references], [t for b in picked for t in b.rollout_logp],
+                          torch.cat([b.rewards for b in picked]),
+                          {k: torch.cat([b.parts[k] for b in picked]) for k in picked[0].parts}, sampler.metrics())
+    return merged
 
 
 def grpo_step(ctx: GRPOContext) -> dict[str, float]:
@@ -112,23 +176,16 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
         times[f"time/{name}"] = now - mark
         mark = now
 
-    pairs, prompt_texts, references, outputs = _rollout(ctx)
-    lap("rollout")
-    responses = [ctx.tokenizer.decode(r, skip_special_tokens=True) for _, r in pairs]
-    rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
-    if algo.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifiers
-        lengths = torch.tensor([len(r) for _, r in pairs], dtype=torch.float32)
-        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
-        parts["overlong"] = penalty
-        rewards = rewards + penalty
+    batch = collect_rollout(ctx)
+    pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
+    lap("rollout")  # generation and the verifiers (which are cheap next to it)
     advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
-    lap("reward")
     width = max(len(r) for _, r in pairs)
     old = ctx.actor.compute_logprobs(pairs)
     old_logp = _pad(old, width)
     ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
     lap("old_logp")
-    rollout_logp = _pad([torch.tensor(o.logprobs) for o in outputs], width)
+    rollout_logp = _pad(batch.rollout_logp, width)
     mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
     mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
     update: dict[str, list[float]] = {}
@@ -153,6 +210,7 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
         "policy_version": float(ctx.actor.version),
     }
     record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
+    record.update(batch.metrics)
     record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
     record.update(times)
     record["time/step"] = total
