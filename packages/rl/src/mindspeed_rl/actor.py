@@ -295,25 +295,45 @@ class Actor:
     def _check_single(self, what: str) -> None:
         p = self.config.parallel
         if p.tp != 1 or p.pp != 1:
-            raise ValueError(f"{what} needs tp=1 and pp=1 (this actor has tp={p.tp}, pp={p.pp}); "
-                             "gathering sharded weights is not implemented yet")
+            raise ValueError(f"{what} needs tp=1 and pp=1 (this actor has tp={p.tp}, pp={p.pp})")
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights under Hugging Face names (for the rollout engine's weight sync).
 
+        Tensor-parallel pieces are gathered over the tensor-parallel group (collective there)
+        and merged by the bridges' rules; every rank of the group returns the full state.
+
         Raises:
-            ValueError: a sharded layout (tp or pp above 1).
+            ValueError: pipeline parallelism (pp above 1; stages are not gathered yet).
         """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
         from mindspeed_llm.bridges import megatron_to_hf, plan_conversion
+        from mindspeed_llm.bridges.layout import merge_tensors
         from mindspeed_llm.training.model import unwrap
 
-        self._check_single("hf_state")
+        if self.config.parallel.pp != 1:
+            raise ValueError(f"hf_state needs pp=1 (this actor has pp={self.config.parallel.pp}); gathering pipeline "
+                             "stages is not implemented yet")
+        plan = plan_conversion(self.bridge, self.shape)
         model = unwrap(self.chunks[0])
-        state = {name: t.detach() for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+        local = {name: t.detach() for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+        tp = self.config.parallel.tp
+        full: dict[str, torch.Tensor] = {}
+        for name, param in plan.params.items():
+            piece = local[name].contiguous()
+            if tp == 1:
+                pieces = [piece]
+            else:
+                pieces = [torch.empty_like(piece) for _ in range(tp)]
+                dist.all_gather(pieces, piece, group=ps.get_tensor_model_parallel_group())
+            # merge_tensors cuts the vocabulary's padding rows off (to the Hugging Face vocabulary).
+            full[name] = merge_tensors(param, pieces) if tp > 1 else piece
         for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if name in state:  # the padded vocabulary rows are not in the Hugging Face model
-                state[name] = state[name][: self.hf_vocab]
-        return megatron_to_hf(plan_conversion(self.bridge, self.shape), state)
+            if name in full:  # the padded vocabulary rows are not in the Hugging Face model
+                full[name] = full[name][: self.hf_vocab]
+        return megatron_to_hf(plan, full)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""
