@@ -16,7 +16,21 @@ from tests.llm.inference.conftest import FAMILIES, random_prompts
 
 def test_every_supported_family_is_tested() -> None:
     assert sorted(FAMILIES) == sorted(SUPPORTED_FAMILIES)
-    assert set(TINY_CONFIGS) - set(FAMILIES) == {"deepseek3"}  # MLA: refused with a message (below)
+
+
+@pytest.mark.parametrize("family", sorted(set(TINY_CONFIGS) - set(FAMILIES)))
+def test_other_bridged_families_are_refused_or_right(hf_model, tiny_checkpoints, family: str) -> None:
+    """A bridged family outside SUPPORTED_FAMILIES either loads and computes transformers' logits
+    (a Llama-like newcomer) or is refused with the list of supported families (DeepSeek-V3's MLA)."""
+    try:
+        engine = InferenceEngine.from_pretrained(tiny_checkpoints[family])
+    except ValueError as err:
+        assert ", ".join(SUPPORTED_FAMILIES) in str(err)
+        return
+    (tokens,) = random_prompts((9,), seed=1)
+    with torch.no_grad():
+        want = hf_model(family)(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(engine.forward_logits(tokens), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
