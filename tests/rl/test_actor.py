@@ -8,6 +8,10 @@ One spawned single-rank group builds the actor from a tiny Llama's Hugging Face 
 - pushes ``hf_state()`` into an ``InferenceEngine`` loaded from a *different* checkpoint and
   compares the engine's logits with the actor's, before and after an update step (the update
   must move the logits, and the engine must follow).
+
+A second, two-rank group builds the actor at TP2: its gathered ``hf_state()`` equals the
+checkpoint's tensors exactly, and after an update the engine's scores of the sequences equal
+the actor's log-probs.
 """
 
 from __future__ import annotations
@@ -81,3 +85,39 @@ def test_weight_sync_engine_equals_actor(run: dict[str, Any]) -> None:
     # The update moved the weights, and the engine followed.
     assert (run["actor1"] - run["actor0"]).abs().max() > 1e-3
     assert torch.isfinite(torch.tensor(run["metrics"]["loss"]))
+
+
+def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from mindspeed_llm.inference import InferenceEngine
+
+    from mindspeed_rl.actor import Actor, ActorSettings
+
+    actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
+    out: dict[str, Any] = {"state0": {k: v.clone().numpy() for k, v in actor.hf_state().items()}}
+    width = max(len(r) for _, r in PAIRS)
+    old = torch.zeros(len(PAIRS), width)
+    for i, lp in enumerate(actor.compute_logprobs(PAIRS)):
+        old[i, : len(lp)] = lp
+    actor.update(PAIRS, old, torch.tensor([1.0, -1.0, 0.5]))
+    engine = InferenceEngine.from_pretrained(f"{root}/other")
+    engine.load_weights(actor.hf_state())
+    scores = engine.score([[*p, *r] for p, r in PAIRS])
+    out["engine"] = [s[len(p) - 1:].numpy() for s, (p, _) in zip(scores, PAIRS)]
+    out["actor"] = [t.numpy() for t in actor.compute_logprobs(PAIRS)]
+    out["old"] = [old[i, : len(r)].numpy() for i, (_, r) in enumerate(PAIRS)]
+    return out
+
+
+def test_tp2_weight_sync(run: dict[str, Any]) -> None:
+    """At TP2 the gathered HF state is the checkpoint itself, and after an update the engine follows."""
+    from transformers import AutoModelForCausalLM
+
+    root = run["root"]
+    out = run_distributed(_group_tp2, 2, str(root), timeout=300)[0]
+    want = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
+    assert set(out["state0"]) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(torch.from_numpy(out["state0"][name]), tensor, atol=0, rtol=0)
+    for engine, actor, old in zip(out["engine"], out["actor"], out["old"]):
+        torch.testing.assert_close(torch.from_numpy(engine), torch.from_numpy(actor), atol=1e-5, rtol=1e-5)
+    assert max(float(abs(a - o).max()) for a, o in zip(out["actor"], out["old"])) > 1e-3  # the update moved them
