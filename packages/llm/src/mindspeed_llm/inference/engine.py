@@ -144,6 +144,37 @@ class InferenceEngine:
                     str(torch_dtype).removeprefix("torch."), model.device, time.perf_counter() - started)
         return cls(model, opened.bridge, opened.config, tokenizer, eos, max_batch_size, max_seq_len)
 
+    @classmethod
+    def from_config(cls, config: Any, dtype: str | torch.dtype = torch.float32, max_batch_size: int = 8,
+                    max_seq_len: int | None = None, *, tokenizer: Any = None, eos_token_ids: Sequence[int] | None = None,
+                    device: str | torch.device | None = None, kernels: dict[str, str] | None = None) -> "InferenceEngine":
+        """An engine with zero weights for a transformers config; fill it with :meth:`load_weights`.
+
+        This is how a rollout engine starts when its weights come from a trainer rather than a file.
+
+        Args:
+            config: a transformers ``PretrainedConfig`` (its ``architectures`` pick the bridge).
+            dtype: compute dtype.
+            max_batch_size: requests decoded at once.
+            max_seq_len: tokens per request (default: the model's ``max_position_embeddings``).
+            tokenizer: the tokenizer to expose as :attr:`tokenizer`.
+            eos_token_ids: stop ids (default: the config's, else the tokenizer's).
+            device: where to run (default: the current accelerator).
+            kernels: registry implementation per op (default ``auto``).
+
+        Raises:
+            ValueError: an unsupported architecture or configuration.
+        """
+        from mindspeed_llm.bridges import bridge_for_architectures
+        from mindspeed_llm.inference.loading import parse_dtype
+
+        bridge = bridge_for_architectures(getattr(config, "architectures", None))
+        shape = bridge.shape_from_hf(config.to_dict())
+        model = Decoder(build_spec(bridge, shape, config), parse_dtype(dtype),
+                        torch.device(device) if device else get_accelerator().device(), kernels)
+        eos = tuple(eos_token_ids) if eos_token_ids is not None else stop_token_ids(None, config, tokenizer)
+        return cls(model, bridge, config, tokenizer, eos, max_batch_size, max_seq_len)
+
     # -- generation -------------------------------------------------------------------------
 
     @torch.inference_mode()
