@@ -63,7 +63,7 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
         InferenceEngine.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match="neither a Hugging Face directory .* nor a Megatron checkpoint"):
         InferenceEngine.from_pretrained(tmp_path)
-    # A megatron-core dist checkpoint whose common state has no args (what pretrain saves).
+    # A megatron-core dist checkpoint whose common state has no args (another trainer's, or an old one).
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
     (tmp_path / "iter_0000005").mkdir()
     (tmp_path / "iter_0000005" / "metadata.json").write_text(json.dumps(

@@ -136,7 +136,7 @@ def open_checkpoint(path: str | Path, hf_cfg_dir: str | Path | None = None, fami
     except KeyError as err:  # a dist checkpoint whose common state records no megatron args
         if err.args != ("args",):
             raise
-        raise ValueError(f"{path} records no model args (a pretrain checkpoint?): load the Hugging Face export of the "
+        raise ValueError(f"{path} records no model args (another trainer's checkpoint?): load the Hugging Face export of the "
                          "run instead (checkpoint.save_hf), or convert-ckpt output") from None
     assets = source.assets
     config = _hf_config(assets) if assets is not None else source.bridge.hf_config_from_shape(source.shape)
