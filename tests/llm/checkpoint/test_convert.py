@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mindspeed_llm.checkpoint import block_io
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, save_tiny_checkpoint
 
@@ -70,6 +71,22 @@ def test_round_trip_through_megatron_is_bit_identical(tiny_checkpoints, tmp_path
     assert_same_hf(back, source)
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "expected a sharded output"
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3-moe"])
+def test_rows_written_from_the_mappings_give_the_same_files(tiny_checkpoints, tmp_path, monkeypatch, family: str) -> None:
+    # The tiny models' rows are shorter than block_io.MIN_RUN_BYTES, so the round trips above
+    # gather row-parallel pieces; here every row goes from the source mapping to the file.
+    source, options = tiny_checkpoints[family], dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)
+    gathered = megatron_files(convert(source, tmp_path / "gathered", **options))
+    monkeypatch.setattr(block_io, "MIN_RUN_BYTES", 1)
+    direct = convert(source, tmp_path / "direct", **options)
+    files = megatron_files(direct)
+    assert sorted(files) == sorted(gathered)
+    for file, state in gathered.items():
+        for name, tensor in state["model"].items():
+            assert (tensor is None and files[file]["model"][name] is None) or torch.equal(files[file]["model"][name], tensor)
+    assert_same_hf(convert(direct, tmp_path / "hf", "mg", "hf"), source)
 
 
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path) -> None:
