@@ -17,12 +17,19 @@ CPU with the same number of threads:
   once into memory and fed in order, with ``shift_labels`` so that both predict the same
   targets.
 
-Every run is a fresh process (so its peak RSS is its own: ``VmHWM``); the runs alternate and are
+Every run is a fresh process (so its peak RSS is its own: ``VmHWM``) with the same
+``OMP_NUM_THREADS`` and ``torch.set_num_threads`` (``--threads``); the runs alternate and are
 repeated ``--repeats`` times; the median counts. Time is the loop period: from the start of one
 step to the start of the next (data, forward, backward, optimizer, logging: everything the loop
 does), timed from inside each loop (the first microbatch's loss of a step on our side, a
-``TrainerCallback.on_step_begin`` on Hugging Face's), over the steps after ``--warmup`` ones.
-The final losses of both are printed as a check that they trained the same thing. Usage::
+``TrainerCallback.on_step_begin`` on Hugging Face's), over the steps after ``--warmup`` ones,
+in wall time (tokens/s) and in CPU time of the process (all threads): on a shared machine the
+wall time also measures the neighbours and the scheduler, the CPU time mostly the work.
+With shared initial weights the per-step losses of both agree to float rounding (the table shows
+the largest difference): both trained the same thing. ``--profile`` writes a CPU-time cProfile
+of each variant's timed steps. Usage::
+
+Usage::
 
     uv run --frozen python tools/bench/pretrain.py                    # tiny_cpu shape, 3 repeats
     uv run --frozen python tools/bench/pretrain.py --size small       # 8 layers, hidden 512
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -367,7 +375,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, 1 repeat, the first level only")
-    parser.add_argument("--workdir", default=None, help="data, initial weights and logs (default: a temporary directory)")
+    parser.add_argument("--workdir", default=None, help="data, initial weights, logs and profiles (default: a temporary "
+                        "directory, removed at the end unless --profile is given)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
@@ -426,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report(results, header)
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs}, indent=2))
+    if not (args.workdir or args.profile):
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
