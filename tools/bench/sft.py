@@ -18,15 +18,16 @@ gradient clipping and fp32, on the CPU with the same number of threads:
   microbatch holding exactly the samples of our microbatch (read back from the indexed datasets
   with our ``DocumentDataset`` in our order: same ``input_ids``, labels -100 on prompts), once
   with a padding collator (each microbatch padded to its longest sample, the usual setup) and
-  once with ``DataCollatorWithFlattening`` (padding-free: one row, positions restart, SDPA masks
-  across samples). QLoRA needs bitsandbytes, which is not installed (and has no CPU 4-bit
+  once with ``DataCollatorWithFlattening`` (padding-free: one row, positions restart, SDPA with a
+  block-diagonal mask over the row). QLoRA needs bitsandbytes, which is not installed (and has no CPU 4-bit
   path): that row reads n/a.
 
 Tokens/s counts non-padding tokens only (the same on every side: the samples' tokens), over the
 timed steps (after ``--warmup``); what each side actually computes, padding included, is in
 the table. Time is the loop period (start of a step to the start of the next: data, forward,
 backward, optimizer, everything). Every run is a fresh process, so its peak RSS (``VmHWM``) is
-its own; the runs alternate, ``--repeats`` times, and the medians count. The first-step losses
+its own; the runs alternate, ``--repeats`` times; a run's rate is its median step's, a variant's
+its best run's (neighbours on a busy machine only ever slow a run down). The first-step losses
 must agree (B = 0, so both are the base model's loss on the same tokens); later ones differ a
 little (the LoRA A factors start from different random draws, and ours shares one A across
 q/k/v and gate/up). The load average is recorded by every run: on a shared machine absolute
@@ -90,7 +91,8 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     config = LlamaConfig(vocab_size=2048, max_position_embeddings=max(spec["seq_length"], 256), rms_norm_eps=1e-5,
                          tie_word_embeddings=False, use_cache=False, **SIZES[spec["size"]])
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(model_dir)
     load_tokenizer("demo").save_pretrained(model_dir)
     prefix = str(work / f"alpaca_{spec['seq_length']}")
     preprocess_data(PreprocessConfig(input=str(DEMO_ALPACA), tokenizer_name_or_path=str(model_dir),
@@ -116,7 +118,7 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
         "samples_per_step": statistics.mean(sum(map(len, step)) for step in steps),
         "ours_computed": mbs * seq * accum,  # every microbatch padded to micro_batch x seq_length
         "hf_pad_computed": statistics.mean(sum(len(mb) * max(mb) for mb in step) for step in steps),
-        "base_parameters": sum(p.numel() for p in LlamaForCausalLM(config).parameters()),
+        "base_parameters": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -302,14 +304,15 @@ def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
 
 
 def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list[float]) -> dict[str, Any]:
-    """Medians over the repeats of one variant; tokens/s over the non-padding tokens of the timed steps."""
+    """One variant over its repeats: tokens/s (non-padding tokens) of a run is the median over its
+    timed steps, of the variant the best run's (a busy machine only ever slows a run down)."""
     def rate(run: dict[str, Any], key: str) -> float:
-        return sum(facts["step_tokens"][s - 1] for s in run["timed_steps"]) / sum(run[key])
+        return statistics.median(facts["step_tokens"][s - 1] / p for s, p in zip(run["timed_steps"], run[key]))
 
     losses = runs[0]["losses"]
     return {
-        "tokens_per_s": statistics.median(rate(r, "periods") for r in runs),
-        "cpu_tokens_per_s": statistics.median(rate(r, "cpu_periods") for r in runs),
+        "tokens_per_s": max(rate(r, "periods") for r in runs),
+        "cpu_tokens_per_s": max(rate(r, "cpu_periods") for r in runs),
         "step_s": statistics.median(statistics.median(r["periods"]) for r in runs),
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
@@ -408,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.seq_length} ({facts['rows']} rows); {args.steps} steps ({args.warmup} untimed) of {args.micro_batch} "
               f"rows x {args.grad_accum} microbatches = {facts['samples_per_step']:.1f} samples, {steps_tokens:.0f} "
               f"non-padding tokens per step; torch threads {args.threads} on "
-              f"{os.cpu_count()} cores; median of {args.repeats} run(s); HF optimizer {runs[HF_PAD][0]['optim']}; torch "
+              f"{os.cpu_count()} cores; best of {args.repeats} run(s) of the median step; HF optimizer "
+              f"{runs[HF_PAD][0]['optim']}; torch "
               f"{version('torch')}, transformers {version('transformers')}, peft {version('peft')}; first-step losses "
               f"agree to {first:.1e} (relative); load average "
               f"{load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}")
