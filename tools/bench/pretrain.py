@@ -164,15 +164,22 @@ def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
             "samples": count}
 
 
-def _periods(starts: dict[int, tuple[float, float]], warmup: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds (all threads) from the start of each step after ``warmup`` to the start of the next."""
+def _periods(starts: dict[int, tuple[float, ...]], warmup: int) -> dict[str, list[float]]:
+    """Per step after ``warmup``, from its start to the next one's: wall seconds (``periods``), CPU
+    seconds of the process (``cpu_periods``) and seconds the training thread was runnable but
+    waited for a core (``wait_periods``)."""
     steps = sorted(starts)
     pairs = [(starts[a], starts[b]) for a, b in zip(steps, steps[1:]) if a > warmup]
-    return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
+    return {key: [b[i] - a[i] for a, b in pairs] for i, key in enumerate(("periods", "cpu_periods", "wait_periods"))}
 
 
-def _now() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
+def _now() -> tuple[float, float, float]:
+    """Wall clock, process CPU time, and the calling thread's run-queue wait (Linux; else 0)."""
+    try:
+        wait = int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        wait = 0.0
+    return time.perf_counter(), time.process_time(), wait
 
 
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 
     base = memory_status()
-    starts: dict[int, tuple[float, float]] = {}
+    starts: dict[int, tuple[float, ...]] = {}
     threads: list[int] = []
     profiler = StepProfiler(spec)
 
@@ -201,8 +208,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     config = load_config(spec, spec["steps"], spec["level"], spec.get("full_logging", False))
     result = launch(pretrain, (config, TrainerHooks(loss_transform=stamp)), nproc_per_node=1)
     records = [r for r in result.records if r["kind"] == "train"]
-    periods, cpu = _periods(starts, spec["warmup"])
-    return {"periods": periods, "cpu_periods": cpu, "losses": [r["loss"] for r in records],
+    return {**_periods(starts, spec["warmup"]), "losses": [r["loss"] for r in records],
             "inner_s": [r["step_time_s"] for r in records[spec["warmup"]:]], "threads": max(threads),
             "import_rss_mb": base["rss_mb"], **memory_status()}
 
@@ -226,7 +232,7 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
             for i in range(len(labels)):
                 yield {"input_ids": data["tokens"][i], "labels": labels[i], "shift_labels": labels[i]}
 
-    starts: dict[int, tuple[float, float]] = {}
+    starts: dict[int, tuple[float, ...]] = {}
     profiler = StepProfiler(spec)
     inner: list[float] = []
     losses: list[float] = []
@@ -274,8 +280,7 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     )
     trainer = LossTrainer(model=model, args=args, train_dataset=Samples(), callbacks=[Timer()])
     trainer.train()
-    periods, cpu = _periods(starts, spec["warmup"])
-    return {"periods": periods, "cpu_periods": cpu, "losses": losses, "inner_s": inner, "threads": max(threads),
+    return {**_periods(starts, spec["warmup"]), "losses": losses, "inner_s": inner, "threads": max(threads),
             "optim": getattr(args.optim, "value", str(args.optim)), "import_rss_mb": base["rss_mb"], **memory_status()}
 
 
@@ -345,6 +350,7 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
     return {
         "tokens_per_s": tokens_per_step / period, "step_s": period,
         "cpu_step_s": statistics.median(statistics.median(r["cpu_periods"]) for r in runs),
+        "wait_step_s": statistics.median(statistics.median(r["wait_periods"]) for r in runs),
         "inner_step_s": statistics.median(statistics.median(r["inner_s"]) for r in runs),
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
@@ -445,12 +451,13 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
     hf = results[HF]
     write = sys.stdout.write
     write(header + "\n\n")
-    write("| run | tokens/s | step s | CPU s / step | peak RSS MB | RSS after imports MB | tokens/s ours/HF "
+    write("| run | tokens/s | step s | CPU s / step | wait s / step | peak RSS MB | RSS after imports MB | tokens/s ours/HF "
           "| CPU s / step ours/HF | peak RSS ours/HF | loss step 1 | final loss | max loss diff to HF "
           "| tokens/s of each run |\n")
-    write("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for name, r in results.items():
-        write(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['cpu_step_s']:.3f} | {r['peak_rss_mb']:.0f} "
+        write(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['cpu_step_s']:.3f} | {r['wait_step_s']:.3f} "
+              f"| {r['peak_rss_mb']:.0f} "
               f"| {r['import_rss_mb']:.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
               f"| {r['cpu_step_s'] / hf['cpu_step_s']:.2f} "
               f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} "
