@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ class GRPOContext:
         prompt_format: how a record becomes the prompt text.
         reference: the frozen reference actor (with a KL penalty).
         step: steps done.
+        history: the records of the steps done.
+        weight_sync: pushes the actor's weights into the engine (default: ``engine.load_weights(actor.hf_state())``).
     """
 
     config: GRPOConfig
@@ -58,6 +61,7 @@ class GRPOContext:
     reference: Actor | None = None
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    weight_sync: Callable[[], None] | None = None
 
 
 def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -153,22 +157,16 @@ def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
     return merged
 
 
-def grpo_step(ctx: GRPOContext) -> dict[str, float]:
-    """One GRPO step (collective over the actor's group).
+def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
+    """Advantages, old/reference log-probs and the policy update(s) on one rollout batch (collective).
 
     Returns:
-        Metrics: ``reward_mean``/``reward_std`` (and per reward function), ``response_length``,
-        the update's loss metrics (``loss``, ``pg_clipfrac``, ``kl_loss``, ...), ``rollout_logp_diff``
-        (mean |engine - actor| log-prob of the samples: the sync's health), ``time/<phase>``
-        seconds and ``rollout_tps``, ``update_tps``, ``e2e_tps`` (tokens per second).
-
-    Raises:
-        ValueError: no prompt fits ``rollout.max_prompt_length``.
+        The step's metrics without the rollout and weight-sync timings (see :func:`grpo_step`).
     """
     cfg = ctx.config
     n, algo = cfg.rollout.n, cfg.algorithm
     times: dict[str, float] = {}
-    start = mark = time.perf_counter()
+    mark = time.perf_counter()
 
     def lap(name: str) -> None:
         nonlocal mark
@@ -176,13 +174,10 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
         times[f"time/{name}"] = now - mark
         mark = now
 
-    batch = collect_rollout(ctx)
     pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
-    lap("rollout")  # generation and the verifiers (which are cheap next to it)
     advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
     width = max(len(r) for _, r in pairs)
-    old = ctx.actor.compute_logprobs(pairs)
-    old_logp = _pad(old, width)
+    old_logp = _pad(ctx.actor.compute_logprobs(pairs), width)
     ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
     lap("old_logp")
     rollout_logp = _pad(batch.rollout_logp, width)
@@ -197,14 +192,9 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
     lap("update")
-    ctx.engine.load_weights(ctx.actor.hf_state())
-    lap("weight_sync")
-    ctx.step += 1
-    total = time.perf_counter() - start
-    generated = sum(len(r) for _, r in pairs)
     lengths = torch.tensor([float(len(r)) for _, r in pairs])
     record: dict[str, float] = {
-        "step": float(ctx.step), "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "response_length": float(lengths.mean()), "response_length_max": float(lengths.max()),
         "rollout_logp_diff": float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum()),
         "policy_version": float(ctx.actor.version),
@@ -213,12 +203,52 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
     record.update(batch.metrics)
     record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
     record.update(times)
-    record["time/step"] = total
-    record["rollout_tps"] = generated / max(times["time/rollout"], 1e-9)
     record["update_tps"] = sum(update.get("update_tokens", [0.0])) / max(times["time/update"], 1e-9)
+    return record
+
+
+def sync_weights(ctx: GRPOContext) -> None:
+    """Push the actor's weights into the rollout engine (``ctx.weight_sync`` when set)."""
+    if ctx.weight_sync is not None:
+        ctx.weight_sync()
+    else:
+        ctx.engine.load_weights(ctx.actor.hf_state())
+
+
+def finish_record(ctx: GRPOContext, batch: RolloutBatch, record: dict[str, float], total: float) -> dict[str, float]:
+    """Add the step number, ``time/step`` and the throughputs to a step's record; keep it in the history."""
+    pairs = batch.pairs
+    ctx.step += 1
+    record["step"] = float(ctx.step)
+    record["time/step"] = total
+    generated = sum(len(r) for _, r in pairs)
+    record["rollout_tps"] = generated / max(record.get("time/rollout", 0.0), 1e-9)
     record["e2e_tps"] = sum(len(p) + len(r) for p, r in pairs) / max(total, 1e-9)
     ctx.history.append(record)
     return record
+
+
+def grpo_step(ctx: GRPOContext) -> dict[str, float]:
+    """One GRPO step (collective over the actor's group).
+
+    Returns:
+        Metrics: ``reward_mean``/``reward_std`` (and per reward function), ``response_length``,
+        the update's loss metrics (``loss``, ``pg_clipfrac``, ``kl_loss``, ...), ``rollout_logp_diff``
+        (mean |engine - actor| log-prob of the samples: the sync's health), ``time/<phase>``
+        seconds and ``rollout_tps``, ``update_tps``, ``e2e_tps`` (tokens per second).
+
+    Raises:
+        ValueError: no prompt fits ``rollout.max_prompt_length``.
+    """
+    start = time.perf_counter()
+    batch = collect_rollout(ctx)
+    rollout_time = time.perf_counter() - start  # generation and the verifiers (which are cheap next to it)
+    record = train_on_batch(ctx, batch)
+    record["time/rollout"] = rollout_time
+    mark = time.perf_counter()
+    sync_weights(ctx)
+    record["time/weight_sync"] = time.perf_counter() - mark
+    return finish_record(ctx, batch, record, time.perf_counter() - start)
 
 
 def _ensure_group() -> None:
@@ -234,6 +264,23 @@ def _ensure_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
+def actor_settings(config: GRPOConfig) -> ActorSettings:
+    """The actor's optimizer/batching/loss settings from a recipe."""
+    a, algo = config.actor, config.algorithm
+    return ActorSettings(lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
+                         adam_beta2=a.adam_beta2, precision=a.precision, micro_batch_size=a.micro_batch_size,
+                         seed=config.train.seed, loss=algo.loss, loss_config=algo.loss_config())
+
+
+def prompt_pieces(config: GRPOConfig) -> tuple[list[PromptRecord], PromptSampler, PromptFormat, WeightedReward]:
+    """The prompt records, their sampler, the prompt format and the reward functions of a recipe."""
+    d, r = config.data, config.reward
+    records = load_prompts(d.path, d.map_keys or None)
+    sampler = PromptSampler(len(records), config.train.global_batch, config.train.seed, d.shuffle)
+    fmt = PromptFormat(style=d.prompt_format, template=d.prompt_template, instruction=d.instruction, system=d.system)
+    return records, sampler, fmt, build_reward(r.verifiers, r.weights, r.options)
+
+
 def build_context(config: GRPOConfig) -> GRPOContext:
     """Actor, reference, rollout engine, tokenizer, reward and prompts of a recipe (collective).
 
@@ -246,20 +293,14 @@ def build_context(config: GRPOConfig) -> GRPOContext:
 
     config.check()
     _ensure_group()
-    a, algo, d = config.actor, config.algorithm, config.data
-    settings = ActorSettings(lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                             adam_beta2=a.adam_beta2, precision=a.precision, micro_batch_size=a.micro_batch_size,
-                             seed=config.train.seed, loss=algo.loss, loss_config=algo.loss_config())
+    a = config.actor
+    settings = actor_settings(config)
     actor = Actor(a.model, settings, tp=a.tp, pp=a.pp)
     reference = Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp) \
         if config.needs_reference() else None
     engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
-    records = load_prompts(d.path, d.map_keys or None)
-    sampler = PromptSampler(len(records), config.train.global_batch, config.train.seed, d.shuffle)
-    fmt = PromptFormat(style=d.prompt_format, template=d.prompt_template, instruction=d.instruction, system=d.system)
-    r = config.reward
-    reward = build_reward(r.verifiers, r.weights, r.options)
+    records, sampler, fmt, reward = prompt_pieces(config)
     return GRPOContext(config, actor, engine, tokenizer, reward, records, sampler, fmt, reference)
 
 
