@@ -1,0 +1,368 @@
+"""Benchmark one GRPO step of ``mindspeed_rl`` against TRL's ``GRPOTrainer`` (CPU, same work).
+
+Both sides train the same random-weight Llama (a Hugging Face directory built here, with the
+demo BPE tokenizer and its ChatML template) on the shipped arithmetic prompts (``data.path=demo``),
+rewarded by our ``math`` verifier (wrapped as a TRL reward function on the TRL side), with:
+
+- the same prompts in the same order: our ``PromptSampler`` draws each step's prompts, and the
+  TRL dataset is those records in that order (``shuffle_dataset=False``), each rendered by the
+  same chat template (TRL's ``apply_chat_template`` and ours give the same prompt ids);
+- the same group size (``rollout.n`` = ``num_generations``), prompts per step (``train.global_batch``
+  = ``per_device_train_batch_size x gradient_accumulation_steps / num_generations``), micro batch
+  (``actor.micro_batch_size`` = ``per_device_train_batch_size``), one optimizer step per rollout
+  batch (fully on-policy: ``steps_per_generation`` = ``gradient_accumulation_steps``,
+  ``num_iterations`` = ``ppo_epochs`` = 1), temperature 1, no top-k/top-p, constant learning
+  rate, AdamW betas, gradient clipping 1.0, PPO clip 0.2, token-mean loss (TRL's ``dapo``), fp32;
+- the same KL setting: ``--beta 0`` (default) builds no reference on either side, ``--beta``
+  > 0 gives both a frozen reference and a k3 KL penalty;
+- the same number of generated tokens: every response is exactly ``--max-new-tokens`` long,
+  ours with ``SamplingParams.ignore_eos`` (set by wrapping the engine's ``generate``), TRL with
+  ``generation_kwargs={"min_new_tokens": max_new_tokens}`` (the EOS logit is masked until
+  then). A random-weight model stops at EOS at random, which would make the two sides do
+  different work; ``--allow-eos`` turns this off (the table then reports tokens/s as well).
+
+Each side runs in a fresh interpreter, one after the other, with the same torch thread count
+(``--threads``, default 1) and ``OMP_NUM_THREADS``. The first ``--warmup`` steps are not timed; a
+side's step time is the median over the timed steps of the period from the start of one step
+to the start of the next (generation, scoring, log-prob passes, update, our weight sync, TRL's
+bookkeeping: everything). Generation time is measured around the generate call of each side
+(our engine's ``generate``; TRL's ``model.generate``); "rollout" is generation plus scoring
+(TRL: its whole ``_generate_and_score_completions``). Peak RSS is the child's ``VmHWM``. The
+load average is recorded: on a shared machine absolute numbers are noisy; ratios of runs taken
+back to back less so (``--repeats`` alternates the sides and keeps each side's best run).
+
+Usage::
+
+    uv run --frozen python tools/bench/grpo.py            # default: ~5 min on 2 cores
+    uv run --frozen python tools/bench/grpo.py --quick    # a smoke run (~1 min)
+
+Asynchronous vs synchronous rollout (``buffer.mode``) through the Ray driver: TODO, see
+``docs/rl/benchmark.md`` (the driver was not in the tree when this bench was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+#: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's).
+SIZES = {
+    "tiny": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
+             "num_key_value_heads": 4},
+    "micro": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
+}
+MARK = "BENCH-RESULT "
+MB = 1e6
+SIDES = ("ours", "trl")
+
+
+# ----------------------------------------------------------------------------- preparation
+
+def prepare(spec: dict[str, Any]) -> dict[str, Any]:
+    """Write the model directory and each step's prompt records (in our sampler's order)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mindspeed_llm.tokenizer import load_tokenizer
+    from mindspeed_rl.data import PromptSampler, load_prompts
+
+    model_dir = Path(spec["workdir"]) / f"model_{spec['size']}"
+    config = LlamaConfig(vocab_size=2048, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         **SIZES[spec["size"]])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(model_dir)
+    tokenizer = load_tokenizer("demo")
+    tokenizer.save_pretrained(model_dir)
+    records = load_prompts("demo")
+    sampler = PromptSampler(len(records), spec["global_batch"], spec["seed"], shuffle=True)
+    steps = [[records[i] for i in sampler.next_batch()] for _ in range(spec["steps"])]
+    prompt_tokens = [len(tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=True,
+                                                       add_generation_prompt=True, return_dict=True)["input_ids"])
+                     for step in steps for r in step]
+    return {"model_dir": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
+            "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
+            "prompt_tokens_mean": statistics.mean(prompt_tokens)}
+
+
+# ----------------------------------------------------------------------------- children
+
+def memory_status() -> dict[str, float]:
+    """Current and peak resident set size of this process in MB (``VmRSS``, ``VmHWM``)."""
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) * 1024 / MB
+    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"]}
+
+
+def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    """``build_context`` + ``grpo_step`` in this process (a one-rank gloo group)."""
+    import dataclasses
+
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from mindspeed_rl.config import load_grpo_config
+    from mindspeed_rl.trainer import build_context, grpo_step
+
+    base, load = memory_status(), os.getloadavg()[0]
+    config = load_grpo_config(None, [
+        f"actor.model={spec['model_dir']}", f"actor.lr={spec['lr']}", f"actor.micro_batch_size={spec['micro_batch']}",
+        "actor.clip_grad=1.0", "actor.lr_decay_style=constant", f"rollout.n={spec['n']}",
+        f"rollout.max_new_tokens={spec['max_new_tokens']}", "rollout.temperature=1.0", "rollout.max_prompt_length=512",
+        f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}", f"train.global_batch={spec['global_batch']}",
+        f"train.steps={spec['steps']}", f"train.seed={spec['seed']}", f"algorithm.kl_coef={spec['beta']}",
+        "algorithm.kl_estimator=k3", "algorithm.loss_agg_mode=token-mean", "data.path=demo", "data.prompt_format=chat",
+        "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false"])
+    ctx = build_context(config)
+    generate, gen_times, gen_tokens = ctx.engine.generate, [], []
+
+    def timed_generate(prompts: Any, params: Any) -> Any:
+        if not spec["allow_eos"]:
+            params = [dataclasses.replace(p, ignore_eos=True) for p in params]
+        start = time.perf_counter()
+        outputs = generate(prompts, params)
+        gen_times.append(time.perf_counter() - start)
+        gen_tokens.append(sum(len(o.token_ids) for o in outputs))
+        return outputs
+
+    ctx.engine.generate = timed_generate
+    starts, records, prompts_seen = [], [], []
+    for step in range(spec["steps"] + 1):  # one more start than steps: the last period's end
+        starts.append(time.perf_counter())
+        if step == spec["steps"]:
+            break
+        records.append(grpo_step(ctx))
+    phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
+    return {"periods": [b - a for a, b in zip(starts, starts[1:])], "gen_times": gen_times, "gen_tokens": gen_tokens,
+            "rollout_times": phases["time/rollout"], "phases": phases, "reward_mean": [r["reward_mean"] for r in records],
+            "threads": torch.get_num_threads(), "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]],
+            **memory_status()}
+
+
+def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer`` (transformers generation, no vLLM) on the same records."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mindspeed_rl.rewards import build_reward
+
+    base, load = memory_status(), os.getloadavg()[0]
+    reward = build_reward(["math"])
+
+    def math_reward(prompts: list[Any], completions: list[Any], reference: list[str], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        total, _parts = reward.score_batch([str(p) for p in prompts], texts, reference)
+        return total.tolist()
+
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "reference": r["reference"]}
+            for step in spec["records"] for r in step]
+    rows_per_step = spec["global_batch"] * spec["n"]
+    args = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl_out"), max_steps=spec["steps"], learning_rate=spec["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        max_grad_norm=1.0, per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=rows_per_step // spec["micro_batch"], num_generations=spec["n"],
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=spec["beta"],
+        num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
+        generation_kwargs=None if spec["allow_eos"] else {"min_new_tokens": spec["max_new_tokens"]},
+        use_vllm=False, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=spec["seed"], dataloader_num_workers=0, dataloader_pin_memory=False)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    starts, gen_times, gen_tokens, rollout_times = {}, [], [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            starts.setdefault(state.global_step, time.perf_counter())
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            starts[state.global_step] = time.perf_counter()  # the end of the last step
+
+    class TimedTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            rollout_times.append(time.perf_counter() - start)
+            return out
+
+    trainer = TimedTrainer(model=model, reward_funcs=math_reward, args=args, train_dataset=Dataset.from_list(rows),
+                           processing_class=tokenizer, callbacks=[Clock()])
+    generate, prompt_width = trainer.model.generate, []
+
+    def timed_generate(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        out = generate(*a, **kw)
+        gen_times.append(time.perf_counter() - start)
+        prompt_width.append(kw["input_ids"].shape[1])
+        completion = out[:, kw["input_ids"].shape[1]:]
+        # Tokens up to and including the first EOS (what TRL keeps), padding after it excluded.
+        is_eos = torch.isin(completion, torch.tensor(trainer.eos_token_ids))
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.shape[1])
+        gen_tokens.append(int(first.sum()))
+        return out
+
+    trainer.model.generate = timed_generate
+    trainer.train()
+    ends = [starts[s] for s in sorted(starts)]
+    return {"periods": [b - a for a, b in zip(ends, ends[1:])], "gen_times": gen_times, "gen_tokens": gen_tokens,
+            "rollout_times": rollout_times, "prompt_width": prompt_width, "threads": torch.get_num_threads(),
+            "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]], **memory_status()}
+
+
+CHILDREN = {"ours": child_ours, "trl": child_trl}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
+           "TOKENIZERS_PARALLELISM": "false"}
+    spec_file = log.with_suffix(".json")
+    spec_file.write_text(json.dumps(spec))
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--child-spec", str(spec_file)],
+                              stdout=subprocess.PIPE, stderr=out, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """A side over its runs: per run the median timed step; the side's best run (noise only slows)."""
+    def one(run: dict[str, Any]) -> dict[str, float]:
+        timed = slice(warmup, None)
+        step = statistics.median(run["periods"][timed])
+        gen = statistics.median(run["gen_times"][timed])
+        tokens = statistics.median(run["gen_tokens"][timed])
+        return {"step_s": step, "gen_s": gen, "rollout_s": statistics.median(run["rollout_times"][timed]),
+                "gen_tokens": tokens, "gen_tps": tokens / gen, "step_tps": tokens / step}
+
+    per_run = [one(r) for r in runs]
+    best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
+    result = {**per_run[best], "peak_rss_mb": runs[best]["peak_rss_mb"], "import_rss_mb": runs[best]["import_rss_mb"],
+              "runs_step_s": [round(p["step_s"], 2) for p in per_run], "threads": runs[best]["threads"],
+              "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)]}
+    if "phases" in runs[best]:
+        result["phases"] = {k.split("/", 1)[1]: statistics.median(v[warmup:]) for k, v in runs[best]["phases"].items()}
+    return result
+
+
+def report(results: dict[str, dict[str, Any]], header: str) -> None:
+    """The side-by-side table (TRL / ours ratios) and where each side's step goes."""
+    ours, trl, write = results["ours"], results["trl"], sys.stdout.write
+    rows = [("step time s (median)", "step_s", "{:.2f}", True), ("generation s", "gen_s", "{:.2f}", True),
+            ("rollout s (generation + scoring)", "rollout_s", "{:.2f}", True),
+            ("generated tokens per step", "gen_tokens", "{:.0f}", False),
+            ("generated tokens/s in generation", "gen_tps", "{:.0f}", False),
+            ("generated tokens/s of the step", "step_tps", "{:.0f}", False),
+            ("peak RSS MB", "peak_rss_mb", "{:.0f}", True)]
+    write(header + "\n\n| | ours | TRL | TRL / ours |\n|---|---|---|---|\n")
+    for label, key, fmt, _ in rows:
+        write(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {trl[key] / ours[key]:.2f} |\n")
+    write(f"| step time of each run s | {ours['runs_step_s']} | {trl['runs_step_s']} | |\n")
+    write(f"| load average (min start - max end) | {ours['load'][0]:.1f}-{ours['load'][1]:.1f} "
+          f"| {trl['load'][0]:.1f}-{trl['load'][1]:.1f} | |\n")
+    phases = ours.get("phases", {})
+    write("\nWhere the step goes (median s): ours " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+          + f" (of which generation {ours['gen_s']:.2f}); TRL rollout {trl['rollout_s']:.2f} (of which generation "
+          f"{trl['gen_s']:.2f}), the rest (log-prob forward, backward, optimizer, bookkeeping) "
+          f"{trl['step_s'] - trl['rollout_s']:.2f}\n")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                        help="tiny: 4 layers, hidden 256, ffn 688 (default); micro: 2 layers, hidden 64 (tests)")
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (default 6)")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timing (default 1)")
+    parser.add_argument("--global-batch", type=int, default=4, help="prompts per step (default 4)")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt, the group size (default 8)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="response length (default 64)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="learning rate, constant (default 1e-5)")
+    parser.add_argument("--beta", type=float, default=0.0,
+                        help="KL coefficient (default 0: no reference model on either side)")
+    parser.add_argument("--allow-eos", action="store_true",
+                        help="let responses stop at EOS (default: every response is --max-new-tokens long)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (and OMP_NUM_THREADS) of every run "
+                                                               "(default 1)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens")
+    parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--child-spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.global_batch, args.n, args.micro_batch, args.max_new_tokens = 3, 1, 2, 4, 4, 16
+    for name in ("steps", "global_batch", "n", "micro_batch", "max_new_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    if args.n < 2:
+        parser.error(f"--n={args.n}: GRPO needs at least 2 responses per prompt")
+    if (args.global_batch * args.n) % args.micro_batch:
+        parser.error(f"--micro-batch={args.micro_batch} must divide --global-batch x --n = "
+                     f"{args.global_batch * args.n}")
+    if args.warmup < 0 or args.steps < args.warmup + 1:
+        parser.error(f"--steps={args.steps} leaves no timed step after --warmup={args.warmup}")
+    if args.beta < 0:
+        parser.error(f"--beta={args.beta} must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print the table (or, with ``--child``, one side of it)."""
+    args = parse_args(argv)
+    if args.child:
+        result = CHILDREN[args.child](json.loads(Path(args.child_spec).read_text()))
+        sys.stdout.write(MARK + json.dumps(result) + "\n")
+        return 0
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-grpo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "global_batch": args.global_batch,
+            "n": args.n, "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
+            "beta": args.beta, "allow_eos": args.allow_eos, "threads": args.threads, "seed": 1234}
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    facts = prepare(spec)
+    spec.update(model_dir=facts["model_dir"], records=facts["records"])
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for repeat in range(args.repeats):
+        for side in SIDES:
+            runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
+    results = {side: summarize(r, args.warmup) for side, r in runs.items()}
+    header = (f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
+              f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
+              f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
+              f"tokens on average; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+              f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
+              f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
+              f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
+              f"{time.perf_counter() - started:.0f} s; workdir {work}")
+    report(results, header)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
