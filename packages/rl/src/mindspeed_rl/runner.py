@@ -1,0 +1,324 @@
+"""The GRPO driver on Ray: worker pools, the replay buffer, sync and async pipelines, checkpoints.
+
+One driver process (this one) starts Ray (or joins ``ray.address``), places the workers in
+resource pools (:mod:`mindspeed_rl.workers.pools`) and runs the steps::
+
+    producer:  prompts -> rollout engines -> rewards -> buffer.allocate/put   (policy version v)
+    trainer:   buffer.wait_ready -> advantages, old/ref log-probs, update(s)
+               -> buffer.advance_version -> weights to the rollout engines     (version v + 1)
+
+Every row goes through the replay buffer (:class:`~mindspeed_rl.buffer.ReplayBuffer`, a Ray
+actor). ``buffer.mode=sync``: the producer and the trainer take turns, so the trainer only sees
+rows of its current version (on-policy). ``buffer.mode=async``: the producer runs in its own
+thread on the separated rollout pool and generates the next batches while the actor trains,
+at most ``buffer.max_staleness`` versions ahead (the buffer enforces it; a producer with stale
+weights loads the newest before it goes on); the update corrects for the lag with truncated
+importance sampling (``algorithm.tis_cap``, default 2 in async mode).
+
+Checkpoints (``checkpoint.save``) hold the actor (weights, optimizer, scheduler, RNG: the LLM
+suite's format) plus ``rl_state.json`` (step, policy version, prompt-sampler position); a run
+started again with the same recipe continues from the newest one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.trainer import (GRPOContext, RolloutBatch, collect_rollout, finish_record, prompt_pieces,
+                                  train_on_batch)
+
+logger = get_logger(__name__)
+
+#: Columns of the replay buffer: one per piece of a row of experience.
+COLUMNS = ("pair", "prompt", "reference", "rollout_logp", "reward", "parts", "batch_metrics", "sampler_state")
+RL_STATE = "rl_state.json"
+#: Default importance-sampling cap of the asynchronous mode (when ``algorithm.tis_cap`` is unset).
+ASYNC_TIS_CAP = 2.0
+
+
+def resolve_model(config: GRPOConfig) -> str:
+    """The actor's model directory (``demo`` is built once and cached; see :mod:`mindspeed_rl.demo_model`)."""
+    model = config.actor.model
+    if model == "demo":
+        from mindspeed_rl.demo_model import resolve_model as resolve_demo
+
+        return str(resolve_demo(model))
+    return str(model)
+
+
+class GRPORunner:
+    """A GRPO run on Ray.
+
+    Args:
+        config: the recipe (checked here, before any worker starts).
+
+    Raises:
+        ConfigError: the recipe's first problem.
+    """
+
+    def __init__(self, config: GRPOConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from mindspeed_rl.buffer import create_buffer_actor
+        from mindspeed_rl.ray_runtime import init_ray
+        from mindspeed_rl.workers.group import ActorGroup, ColocatedRollout, ReferenceView, RolloutPool
+        from mindspeed_rl.workers.pools import ResourcePool, local_cpus
+
+        if config.actor.model == "demo":
+            config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
+        config.check()
+        if config.buffer.mode == "async" and config.algorithm.tis_cap is None:
+            config = replace(config, algorithm=replace(config.algorithm, tis_cap=ASYNC_TIS_CAP))
+            logger.info("async mode: truncated importance sampling against the rollout's log-probs, "
+                        "algorithm.tis_cap=%s", ASYNC_TIS_CAP)
+        self.config = config
+        model_dir = str(config.actor.model)
+        r = config.rollout
+        workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0)
+        init_ray(config.ray.address, num_cpus=local_cpus(workers) if config.ray.address is None else None)
+        self.pools = [ResourcePool("actor", config.actor_world_size()).create()]
+        self.group = ActorGroup(config, model_dir, self.pools[0])
+        if r.colocate:
+            self.rollout: Any = ColocatedRollout(self.group)
+        else:
+            self.pools.append(ResourcePool("rollout", r.num_devices).create())
+            self.rollout = RolloutPool(config, model_dir, self.pools[1])
+        tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
+        records, sampler, fmt, reward = prompt_pieces(config)
+        reference = ReferenceView(self.group) if config.needs_reference() else None
+        self.ctx = GRPOContext(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
+        self.rows = config.rows_per_step()
+        self.buffer_handle = create_buffer_actor(COLUMNS, self.rows, config.buffer.staleness(), config.buffer.mode)
+        from mindspeed_rl.buffer import BufferClient
+
+        self.buffer = BufferClient(self.buffer_handle)
+        self.version = 0
+        self.sampler_state = sampler.state_dict()
+        self._latest: tuple[list[Any], int] | None = None
+        self._stop = threading.Event()
+        self._producer_error: BaseException | None = None
+        self._maybe_resume()
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def _push_weights(self) -> float:
+        """Weights of the actor's current version to the rollout engines (co-located: in place)."""
+        start = time.perf_counter()
+        if self.config.rollout.colocate:
+            self.rollout.sync(self.version)
+        else:
+            self._latest = (self.group.call("export_weights")[0], self.version)
+            if self.config.buffer.mode == "sync":
+                self.rollout.load_weights(*self._latest)
+        return time.perf_counter() - start
+
+    def produce(self, pctx: GRPOContext, version: int) -> float:
+        """Generate and score one batch with weights of ``version`` and write it to the buffer; seconds taken."""
+        start = time.perf_counter()
+        rows = self.buffer.allocate(self.rows, version)
+        batch = collect_rollout(pctx)
+        after = pctx.sampler.state_dict()
+        n = len(batch.pairs)
+        if n != self.rows:
+            raise RuntimeError(f"the rollout returned {n} rows for a step of {self.rows}: every prompt of a step must "
+                               "fit rollout.max_prompt_length (raise it)")
+        put = self.buffer.put
+        put("pair", rows, batch.pairs)
+        put("prompt", rows, batch.prompts)
+        put("reference", rows, batch.references)
+        put("rollout_logp", rows, batch.rollout_logp)
+        put("parts", rows, [{k: float(v[i]) for k, v in batch.parts.items()} for i in range(n)])
+        put("batch_metrics", rows, [dict(batch.metrics, **{"time/rollout": time.perf_counter() - start})] * n)
+        put("sampler_state", rows, [after] * n)
+        put("reward", rows, [float(x) for x in batch.rewards])  # last: makes the rows ready
+        pctx.step += 1
+        return time.perf_counter() - start
+
+    def _producer_loop(self, pctx: GRPOContext, count: int) -> None:
+        from mindspeed_rl.buffer.replay import StalenessError
+
+        loaded = self.version
+        try:
+            for _ in range(count):
+                while not self._stop.is_set():
+                    latest = self._latest
+                    if latest is not None and latest[1] > loaded:
+                        self.rollout.load_weights(*latest)
+                        loaded = latest[1]
+                    try:
+                        self.produce(pctx, loaded)
+                        break
+                    except StalenessError:  # the trainer moved on: take its newer weights first
+                        while not self._stop.is_set() and (self._latest is None or self._latest[1] <= loaded):
+                            time.sleep(0.01)
+                if self._stop.is_set():
+                    return
+        except BaseException as err:  # surfaced by the trainer's loop
+            self._producer_error = err
+            self.buffer.close()
+
+    # -- training ----------------------------------------------------------------------------
+
+    def consume(self) -> tuple[RolloutBatch, list[int], dict[str, Any]]:
+        """The oldest full batch of ready rows (blocks until there is one)."""
+        rows = self.buffer.wait_ready(list(COLUMNS), self.rows, "trainer")
+        got = self.buffer.get(list(COLUMNS) + ["version"], rows)
+        parts = {k: torch.tensor([p[k] for p in got["parts"]]) for k in got["parts"][0]}
+        batch = RolloutBatch([tuple(p) for p in got["pair"]], got["prompt"], got["reference"], got["rollout_logp"],
+                             torch.tensor(got["reward"], dtype=torch.float32), parts,
+                             {k: v for k, v in got["batch_metrics"][0].items() if k != "time/rollout"})
+        lag = [self.version - v for v in got["version"]]
+        info = {"sampler_state": got["sampler_state"][-1], "time/rollout": got["batch_metrics"][0]["time/rollout"],
+                "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
+        return batch, rows, info
+
+    def train_step(self, wait_start: float) -> dict[str, float]:
+        """Take one batch from the buffer, update the actor, advance the version, push the weights."""
+        mark = time.perf_counter()
+        batch, rows, info = self.consume()
+        waited = time.perf_counter() - mark
+        record = train_on_batch(self.ctx, batch)
+        self.buffer.mark_consumed(rows)
+        self.version += 1
+        self.buffer.advance_version(self.version)
+        self.sampler_state = info.pop("sampler_state")
+        record.update(info)
+        record["time/wait_rollout"] = waited
+        record["time/weight_sync"] = self._push_weights()
+        record.update(self.group.phase_stats())
+        if not self.config.rollout.colocate:
+            record.update(self.rollout.phase_stats())
+        record = finish_record(self.ctx, batch, record, time.perf_counter() - wait_start)
+        record["policy_version"] = float(self.version)
+        return record
+
+    def step(self) -> dict[str, float]:
+        """One synchronous step: produce a batch with the current weights, then train on it."""
+        start = time.perf_counter()
+        self.produce(self.ctx_for_producer(), self.version)
+        return self.train_step(start)
+
+    def ctx_for_producer(self) -> GRPOContext:
+        """The producer's view of the context: its own step counter (the batch index, which seeds sampling)."""
+        if not hasattr(self, "_pctx"):
+            self._pctx = copy.copy(self.ctx)
+            self._pctx.step = self.ctx.step
+        return self._pctx
+
+    def run(self, steps: int | None = None, on_step: Any = None) -> list[dict[str, float]]:
+        """Run until ``train.steps`` (or ``steps`` more); saves checkpoints as the recipe says.
+
+        Args:
+            steps: steps to run now (default: the rest of ``train.steps``).
+            on_step: called with each step's record.
+
+        Returns:
+            The records of the steps run.
+        """
+        total = self.config.train.steps
+        count = min(steps if steps is not None else total, total - self.ctx.step)
+        records = []
+        producer = None
+        if self.config.buffer.mode == "async" and count > 0:
+            producer = threading.Thread(target=self._producer_loop, args=(self.ctx_for_producer(), count),
+                                        name="rollout-producer", daemon=True)
+            producer.start()
+        try:
+            for _ in range(count):
+                start = time.perf_counter()
+                if producer is None:
+                    record = self.step()
+                else:
+                    try:
+                        record = self.train_step(start)
+                    except Exception:
+                        if self._producer_error is not None:
+                            raise self._producer_error from None
+                        raise
+                records.append(record)
+                if on_step is not None:
+                    on_step(record)
+                self._maybe_save()
+        finally:
+            self._stop.set()
+            if producer is not None:
+                self.buffer.close()
+                producer.join(timeout=60)
+        return records
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _maybe_save(self) -> None:
+        c = self.config.checkpoint
+        if c.save is None:
+            return
+        step = self.ctx.step
+        if step == self.config.train.steps or (c.interval and step % c.interval == 0):
+            self.save(c.save)
+
+    def save(self, root: str | Path) -> Path:
+        """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``); prunes to ``checkpoint.keep_last``."""
+        from mindspeed_llm.training.checkpoint import list_checkpoints
+
+        path = Path(self.group.call("save", str(root), self.ctx.step)[0])
+        state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state,
+                 "producer_step": self.ctx.step}
+        tmp = path / f".{RL_STATE}.tmp"
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(tmp, path / RL_STATE)
+        keep = self.config.checkpoint.keep_last
+        if keep:
+            import shutil
+
+            for old in [p for p in list_checkpoints(root) if (p / RL_STATE).is_file()][:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved %s", path)
+        return path
+
+    def _maybe_resume(self) -> None:
+        c = self.config.checkpoint
+        if c.save is None or not c.resume or not Path(c.save).is_dir():
+            return
+        from mindspeed_llm.training.checkpoint import list_checkpoints
+
+        done = [p for p in list_checkpoints(c.save) if (p / RL_STATE).is_file()]
+        if not done:
+            return
+        path = done[-1]
+        state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
+        self.group.call("load", str(path))
+        self.ctx.step = self.ctx_for_producer().step = int(state["step"])
+        self.version = int(state["version"])
+        self.sampler_state = state["sampler"]
+        self.ctx.sampler.load_state_dict(state["sampler"])
+        self.buffer.advance_version(self.version)
+        self._push_weights()
+        logger.info("resumed from %s (step %d)", path, self.ctx.step)
+
+    def save_hf(self, target: str | Path) -> str:
+        """Write the current policy as a Hugging Face directory."""
+        return self.group.call("save_hf", str(target))[0]
+
+    def shutdown(self) -> None:
+        """Stop the workers and give the pools back (Ray itself keeps running)."""
+        import ray
+
+        self._stop.set()
+        for worker in self.group.workers:
+            ray.kill(worker)
+        for worker in getattr(self.rollout, "workers", []):
+            ray.kill(worker, no_restart=True)
+        ray.kill(self.buffer_handle)
+        for pool in self.pools:
+            pool.remove()

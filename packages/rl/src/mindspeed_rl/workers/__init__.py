@@ -1,0 +1,5 @@
+"""Ray workers of a GRPO run: resource pools, the actor group, rollout engines (see :mod:`mindspeed_rl.runner`)."""
+
+from mindspeed_rl.workers.pools import ResourcePool, bundle, device_resource
+
+__all__ = ["ResourcePool", "bundle", "device_resource"]

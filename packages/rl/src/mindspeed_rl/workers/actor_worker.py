@@ -1,0 +1,234 @@
+"""The actor worker: one rank of the policy's torch.distributed group, in its own Ray process.
+
+Every worker holds its shard of the trainable policy (megatron-core, any TP/PP/DP layout), the
+frozen reference's shard when the recipe has a KL penalty (co-located: same device), and, in
+co-located mode, a rollout engine on the first rank of each data-parallel replica. Methods that
+touch the model are collective: the driver calls them on every worker at once
+(:class:`~mindspeed_rl.workers.group.ActorGroup`).
+
+Co-location: while the engine generates, the actor's optimizer state and gradients are moved
+to host memory (``actor.offload_optimizer`` / ``offload_grad``) and brought back afterwards;
+the time and the memory of each phase are recorded in :meth:`ActorWorker.phase_stats`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _host_rss() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def memory_snapshot() -> dict[str, float]:
+    """Device bytes allocated / peak (when the accelerator counts them) and the host RSS, in GiB."""
+    from mindspeed.device import get_accelerator
+
+    acc = get_accelerator()
+    out = {"host_rss_gib": _host_rss() / 2**30}
+    try:
+        out["device_allocated_gib"] = float(acc.memory_allocated()) / 2**30
+        out["device_peak_gib"] = float(acc.max_memory_allocated()) / 2**30
+    except (AttributeError, NotImplementedError, RuntimeError):
+        pass
+    return out
+
+
+class ActorWorker:
+    """One rank of the actor group (wrapped by ``ray.remote`` when the pool starts it).
+
+    Args:
+        rank: the global rank in the actor group. world_size: the group's size.
+        config: the GRPO recipe (:class:`~mindspeed_rl.config.GRPOConfig`).
+        model_dir: the resolved actor model directory.
+    """
+
+    def __init__(self, rank: int, world_size: int, config: Any, model_dir: str) -> None:
+        self.rank, self.world_size, self.config, self.model_dir = rank, world_size, config, model_dir
+        self.actor: Any = None
+        self.reference: Any = None
+        self.engine: Any = None
+        self.scheduler: Any = None
+        self.stats: dict[str, float] = {}
+
+    def address(self) -> tuple[str, int]:
+        """A host and free port for the group's rendezvous (asked of rank 0)."""
+        return socket.gethostbyname(socket.gethostname()), _free_port()
+
+    def setup(self, host: str, port: int) -> dict[str, int]:
+        """Join the process group and build the actor, the reference and the co-located engine (collective).
+
+        Returns:
+            This rank's place: ``rank``, ``dp_rank``, ``tp_rank``, ``pp_rank``, ``engine`` (1 if it
+            holds a rollout engine).
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from mindspeed.device import get_accelerator
+        from mindspeed_llm.training.optim import build_scheduler
+        from mindspeed_rl.actor import Actor
+        from mindspeed_rl.trainer import actor_settings
+
+        cfg = self.config
+        acc = get_accelerator()
+        if acc.ray_resource:  # Ray made one device visible to this process: it is index 0
+            acc.set_device(0)
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        if not dist.is_initialized():
+            dist.init_process_group(acc.dist_backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                    world_size=self.world_size)
+        a = cfg.actor
+        settings = actor_settings(cfg)
+        self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp)
+        self.scheduler = build_scheduler(self.actor.config, self.actor.optimizer)
+        if cfg.needs_reference():
+            self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp)
+        place = {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
+                 "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+        holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
+        if holds:
+            from mindspeed_rl.workers.rollout_worker import build_engine
+
+            self.engine = build_engine(cfg, self.model_dir)
+        place["engine"] = int(holds)
+        return place
+
+    # -- training ----------------------------------------------------------------------------
+
+    def compute_logprobs(self, pairs: Sequence[tuple[list[int], list[int]]], reference: bool = False
+                         ) -> list[torch.Tensor]:
+        """This data-parallel rank's log-probs of ``pairs`` (collective; see ``Actor.compute_logprobs``)."""
+        model = self.reference if reference else self.actor
+        if model is None:
+            raise ValueError("this run has no reference model (the KL coefficient is 0)")
+        start = time.perf_counter()
+        out = model.compute_logprobs(pairs)
+        self.stats["time/" + ("ref_logp" if reference else "old_logp") + "_worker"] = time.perf_counter() - start
+        return out
+
+    def update(self, pairs: Sequence[tuple[list[int], list[int]]], old_logp: torch.Tensor, advantages: torch.Tensor,
+               ref_logp: torch.Tensor | None, rollout_logp: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch (collective)."""
+        metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+        self.scheduler.step(increment=1)
+        metrics["lr"] = float(self.actor.optimizer.param_groups[0]["lr"])
+        self.stats.update({f"memory/update_{k}": v for k, v in memory_snapshot().items()})
+        return metrics
+
+    def version(self) -> int:
+        """Updates the actor has taken."""
+        return int(self.actor.version)
+
+    # -- rollout (co-located) --------------------------------------------------------------
+
+    def _offload(self) -> None:
+        r, a = self.config.rollout, self.config.actor
+        offload = getattr(self.actor, "offload", None)
+        if r.colocate and offload is not None and (a.offload_optimizer or a.offload_grad):
+            offload(optimizer=a.offload_optimizer, grad=a.offload_grad)
+
+    def _onload(self) -> None:
+        onload = getattr(self.actor, "onload", None)
+        if onload is not None:
+            onload()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+        """Generate with the co-located engine (the actor's training state offloaded meanwhile)."""
+        if self.engine is None:
+            raise ValueError(f"actor rank {self.rank} holds no rollout engine")
+        start = time.perf_counter()
+        self._offload()
+        self.stats["time/offload"] = time.perf_counter() - start
+        try:
+            outputs = self.engine.generate(list(prompts), list(params))
+            self.stats.update({f"memory/rollout_{k}": v for k, v in memory_snapshot().items()})
+        finally:
+            free = getattr(self.engine, "sleep", None) or getattr(self.engine, "free_cache", None)
+            if free is not None:
+                free()
+            mark = time.perf_counter()
+            self._onload()
+            self.stats["time/onload"] = time.perf_counter() - mark
+        return outputs
+
+    def sync_weights(self) -> float:
+        """Load the actor's current weights into the co-located engine (collective: ``hf_state`` gathers)."""
+        start = time.perf_counter()
+        state = self.actor.hf_state()
+        if self.engine is not None:
+            self.engine.load_weights(state)
+        return time.perf_counter() - start
+
+    def export_weights(self) -> list[Any]:
+        """The actor's weights for a separated rollout pool (collective); rank 0 returns ``[ObjectRef]``.
+
+        The state goes into Ray's object store once, from here; rollout workers read it from
+        there, so the driver never holds the weights.
+        """
+        import ray
+
+        state = self.actor.hf_state()
+        if self.rank != 0:
+            return []
+        return [ray.put({k: v.detach().cpu() for k, v in state.items()})]
+
+    def phase_stats(self) -> dict[str, float]:
+        """Timings and memory of the last phases this worker ran."""
+        return dict(self.stats)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, root: str, step: int) -> str:
+        """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective)."""
+        from mindspeed_llm.training.checkpoint import TrainState, save_checkpoint
+
+        path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer, self.scheduler,
+                               self.actor.config)
+        return str(path)
+
+    def load(self, path: str) -> int:
+        """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
+        from pathlib import Path
+
+        from mindspeed_llm.training.checkpoint import load_checkpoint
+
+        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.scheduler, self.actor.config)
+        self.actor.version = int(state.step)
+        return int(state.step)
+
+    def save_hf(self, target: str) -> str | None:
+        """Write the policy as a Hugging Face directory (collective gather; rank 0 writes)."""
+        from mindspeed_rl.workers.hf_export import write_hf_dir
+
+        state = self.actor.hf_state()
+        if self.rank != 0:
+            return None
+        return str(write_hf_dir(state, self.model_dir, target))
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,42 @@
+"""Writing the trained policy as a Hugging Face directory (``checkpoint.save_hf``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+#: Files of the starting model directory that travel with the weights (config, tokenizer, template).
+_CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+            "added_tokens.json")
+
+
+def write_hf_dir(state: Mapping[str, torch.Tensor], source: str | Path, target: str | Path) -> Path:
+    """Write ``state`` (Hugging Face names) as ``target/model.safetensors`` next to ``source``'s config and tokenizer.
+
+    The directory is written under a temporary name and renamed into place, so a crash never
+    leaves a half-written model where ``target`` was; an existing ``target`` is replaced.
+
+    Returns:
+        The target directory.
+    """
+    from safetensors.torch import save_file
+
+    source, target = Path(source), Path(target)
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in _CARRIED:
+        if (source / name).is_file():
+            shutil.copy2(source / name, staging / name)
+    # Tied weights share storage: safetensors refuses aliases, so every tensor is its own copy.
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(staging / "model.safetensors"),
+              metadata={"format": "pt"})
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    return target
