@@ -304,6 +304,8 @@ class GRPORunner:
         self.ctx.sampler.load_state_dict(state["sampler"])
         self.buffer.advance_version(self.version)
         self._push_weights()
+        if not self.config.rollout.colocate and self.config.buffer.mode == "async":
+            self.rollout.load_weights(*self._latest)  # the producer starts from the resumed version
         logger.info("resumed from %s (step %d)", path, self.ctx.step)
 
     def save_hf(self, target: str | Path) -> str:
