@@ -10,6 +10,17 @@ each sequence into ``[sequences, max response length]`` and calls the registered
 the loss is then a *sum* (over tokens, or over sequences), returned with its count, and with
 ``calculate_per_token_loss`` megatron divides the gradients by the count of the whole step:
 the gradients of the global batch's aggregated loss, however it is split into microbatches.
+
+When the update wants the policy's entropy (``compute_entropy``, or an entropy bonus), the model
+runs without labels and the loss computes log-probs and entropy from the (vocab-parallel)
+logits of the response positions (:mod:`mindspeed_rl.actor_parallel`); ``compute_logprobs``
+keeps megatron's fused cross-entropy unless the embedding has padding rows.
+
+Co-location (:meth:`Actor.offload` / :meth:`Actor.onload`): the optimizer state, the DDP
+gradient buffers and the weights can move to host memory while a rollout engine uses the
+device (:mod:`mindspeed_rl.memory`). Calls that need them bring them back themselves:
+``update`` onloads everything, ``compute_logprobs`` / ``hf_state`` / ``forward_logits`` only
+the weights (the optimizer state and gradients stay on the host).
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ logger = get_logger(__name__)
 
 #: Metrics the update reports (token-weighted means over the step, except ``loss``).
 UPDATE_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean", "tis_weight_mean",
-                  "tis_clipfrac", "pg_clipfrac_lower")
+                  "tis_clipfrac", "pg_clipfrac_lower", "entropy")
+#: Categories :meth:`Actor.offload` moves, in the order their storages are claimed.
+OFFLOAD_CATEGORIES = ("grad", "weights", "optimizer")
 IGNORE_INDEX = -100
 
 Pair = tuple[Sequence[int], Sequence[int]]
@@ -44,6 +57,8 @@ class ActorSettings:
         adam_beta1, adam_beta2: Adam betas. precision: ``fp32`` or ``bf16``.
         micro_batch_size: sequences per microbatch. seed: megatron's seed.
         loss: a key of ``POLICY_LOSSES``. loss_config: its settings (default: the loss's).
+        compute_entropy: report the policy's mean token entropy in ``update`` (costs the
+            logits of the response positions; an entropy bonus computes it regardless).
     """
 
     lr: float = 1e-6
@@ -56,6 +71,7 @@ class ActorSettings:
     seed: int = 1234
     loss: str = "ppo_clip"
     loss_config: PolicyLossConfig | None = None
+    compute_entropy: bool = True
 
 
 def _ensure_megatron(config: Any) -> None:
@@ -81,7 +97,7 @@ class Actor:
         hf_dir: the Hugging Face model directory.
         settings: optimizer/batching settings.
         trainable: False builds a frozen model for log-probs only (the KL reference).
-        tp, pp: the layout (``hf_state`` and ``forward_logits`` need tp = pp = 1).
+        tp, pp: the layout (``forward_logits`` needs tp = pp = 1).
 
     Raises:
         ConfigError: an unreadable directory or an unsupported model.
@@ -95,6 +111,9 @@ class Actor:
         from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
         from mindspeed_llm.training.optim import build_optimizer
 
+        from mindspeed.device import get_accelerator
+        from mindspeed_rl.memory import StorageOffloader
+
         self.settings = s = settings or ActorSettings()
         self.hf_dir, self.trainable = str(hf_dir), trainable
         # stage=sft: calculate_per_token_loss (gradients divided by the step's total count).
@@ -104,6 +123,8 @@ class Actor:
             f"train.weight_decay={s.weight_decay}", f"train.clip_grad={s.clip_grad}",
             f"train.adam_beta1={s.adam_beta1}", f"train.adam_beta2={s.adam_beta2}", f"train.precision={s.precision}",
             f"train.seed={s.seed}", f"train.micro_batch_size={s.micro_batch_size}", "data.seq_length=4096",
+            # Microbatches are packed to their own length: pipeline stages exchange the shapes.
+            *(["data.variable_seq_lengths=true"] if pp > 1 else []),
         ])
         self.config = config = apply_load_hf(config)
         ids = read_tokenizer(config)
@@ -122,6 +143,8 @@ class Actor:
             self.optimizer = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
         self.version = 0
+        acc = get_accelerator()
+        self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
         logger.info("actor (%s) from %s: %s, tp=%d pp=%d", "trainable" if trainable else "frozen", self.hf_dir,
                     self.bridge.family, tp, pp)
 
@@ -163,14 +186,17 @@ class Actor:
             out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
         return out
 
-    def _schedule(self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool) -> list[dict[str, Any]]:
+    def _schedule(self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool,
+                  logits: bool = False) -> list[dict[str, Any]]:
+        """Run megatron's schedule; the last stage's output is the per-token CE, or the
+        (vocab-parallel) logits ``[1, T, V_local]`` with ``logits``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from mindspeed_llm.training.steps import packed_seq_params
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+            output = model(batch["tokens"], batch["position_ids"], None, labels=None if logits else batch["labels"],
                            packed_seq_params=packed_seq_params(batch))
             return output, partial(loss_fn, batch)
 
@@ -186,6 +212,33 @@ class Actor:
         logp = -output.float().reshape(-1)
         return logp[batch["resp_index"]] * batch["resp_mask"]
 
+    def _logp_entropy(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, width]`` log-probs and entropies of the response tokens from the model's logits."""
+        from megatron.core import parallel_state as ps
+
+        from mindspeed_rl.actor_parallel import vocab_parallel_logp_entropy
+
+        local = logits.shape[-1]
+        rows = logits.reshape(-1, local)[batch["resp_index"]]
+        targets = batch["labels"].reshape(-1)[batch["resp_index"]]
+        tp = self.config.parallel.tp
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        start = ps.get_tensor_model_parallel_rank() * local if tp > 1 else 0
+        logp, entropy = vocab_parallel_logp_entropy(rows, targets, start, self.hf_vocab, group)
+        mask = batch["resp_mask"]
+        return logp * mask, entropy * mask
+
+    def _broadcast_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` of the last pipeline stage on every stage (same shape and dtype everywhere)."""
+        from megatron.core import parallel_state as ps
+
+        from mindspeed_rl.actor_parallel import broadcast_from_stage
+
+        pp = self.config.parallel.pp
+        if pp == 1:
+            return tensor
+        return broadcast_from_stage(tensor, pp - 1, ps.get_pipeline_model_parallel_group())
+
     def compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
         """Per-token log-probs of each response given its prompt (forward only, collective).
 
@@ -193,34 +246,47 @@ class Actor:
             pairs: ``(prompt ids, response ids)`` per sequence (responses non-empty).
 
         Returns:
-            Per pair, a float32 CPU tensor ``[len(response)]`` (on the last pipeline stage;
-            empty tensors elsewhere).
+            Per pair, a float32 CPU tensor ``[len(response)]``, on every rank (the last pipeline
+            stage broadcasts them). Offloaded weights are onloaded first (the optimizer state
+            and gradients stay where they are).
         """
+        from mindspeed.device import get_accelerator
+
+        self._onload_categories(("weights",))
         width = max(len(r) for _, r in pairs)
         batches = self._microbatches(pairs, width)
+        # Megatron's fused cross-entropy runs over the whole embedding; with padding rows the
+        # log-softmax must leave them out, which needs the logits.
+        padded = self.vocab != self.hf_vocab
 
         def collect(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": self._gather(batch, output).detach()}
+            logp = self._logp_entropy(batch, output)[0] if padded else self._gather(batch, output)
+            return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": logp.detach()}
 
         for chunk in self.chunks:
             chunk.eval()
         try:
             with torch.no_grad():
-                outputs = self._schedule(batches, collect, forward_only=True)
+                outputs = self._schedule(batches, collect, forward_only=True, logits=padded)
         finally:
             for chunk in self.chunks:
                 chunk.train()
-        if not outputs:
-            return [torch.zeros(0) for _ in pairs]
-        rows = torch.cat([item["logp"].cpu() for item in outputs])
+        if outputs:
+            rows = torch.cat([item["logp"] for item in outputs]).float()
+        else:  # not the last pipeline stage: receive them
+            rows = torch.empty(len(pairs), width, device=get_accelerator().device())
+        rows = self._broadcast_last_stage(rows.contiguous()).cpu()
         return [rows[i, : len(r)].clone() for i, (_, r) in enumerate(pairs)]
 
     # -- update ------------------------------------------------------------------------------
 
-    def _policy_loss(self, config: PolicyLossConfig, batch: dict[str, Any],
+    def _policy_loss(self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any],
                      output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["resp_mask"]
-        inputs = PolicyLossInputs(logp=self._gather(batch, output), old_logp=batch["old_logp"],
+        logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
+        if entropy is not None and not config.entropy_coef:
+            entropy = entropy.detach()  # a metric only: no graph through it
+        inputs = PolicyLossInputs(logp=logp, old_logp=batch["old_logp"], entropy=entropy,
                                   advantages=batch["advantages"], mask=mask, ref_logp=batch.get("ref_logp"),
                                   rollout_logp=batch.get("rollout_logp"), num_tokens=1.0, num_seqs=1.0)
         out = compute_policy_loss(self.settings.loss, inputs, config)
@@ -251,7 +317,9 @@ class Actor:
 
         Returns:
             ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
-            batch's tokens, ``grad_norm`` and ``update_tokens``.
+            batch's tokens (``entropy``: the policy's mean token entropy, with
+            ``compute_entropy`` or an entropy bonus), ``grad_norm`` and ``update_tokens``; the
+            same on every rank. Whatever was offloaded is onloaded first.
 
         Raises:
             ValueError: a frozen actor, or tensors that do not match the pairs.
@@ -260,6 +328,7 @@ class Actor:
 
         if self.optimizer is None:
             raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
+        self.onload()
         width = old_logp.shape[-1]
         if old_logp.shape[0] != len(pairs) or width < max(len(r) for _, r in pairs):
             raise ValueError(f"old_logp {tuple(old_logp.shape)} does not fit {len(pairs)} responses")
@@ -273,22 +342,37 @@ class Actor:
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
         batches = self._microbatches(pairs, width, extra)
+        logits = self.settings.compute_entropy or bool(config.entropy_coef) or self.vocab != self.hf_vocab
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._schedule(batches, partial(self._policy_loss, config), forward_only=False)
+        outputs = self._schedule(batches, partial(self._policy_loss, config, logits), forward_only=False, logits=logits)
         _, grad_norm, _ = self.optimizer.step()
         self.version += 1
+        totals = self._metric_totals(outputs)
+        metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
+        return metrics
+
+    def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
+        """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
         totals: dict[str, list[float]] = {}
         for item in outputs:
             for name, pair in item.items():
                 acc = totals.setdefault(name, [0.0, 0.0])
                 acc[0] += float(pair[0])
                 acc[1] += float(pair[1])
-        metrics = {name: (s / n if n else float("nan")) for name, (s, n) in totals.items()}
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
-        return metrics
+        pp = self.config.parallel.pp
+        if pp > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            box = [totals]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, pp - 1), group=group)
+            totals = box[0]
+        return totals
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -300,40 +384,15 @@ class Actor:
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights under Hugging Face names (for the rollout engine's weight sync).
 
-        Tensor-parallel pieces are gathered over the tensor-parallel group (collective there)
-        and merged by the bridges' rules; every rank of the group returns the full state.
-
-        Raises:
-            ValueError: pipeline parallelism (pp above 1; stages are not gathered yet).
+        Tensor-parallel pieces are gathered over the tensor-parallel group and merged by the
+        bridges' rules, pipeline stages broadcast theirs over the pipeline group (collective
+        over both): every rank returns the full state. Offloaded weights are onloaded first.
         """
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        from mindspeed_rl.actor_parallel import gather_hf_state
 
-        from mindspeed_llm.bridges import megatron_to_hf, plan_conversion
-        from mindspeed_llm.bridges.layout import merge_tensors
-        from mindspeed_llm.training.model import unwrap
-
-        if self.config.parallel.pp != 1:
-            raise ValueError(f"hf_state needs pp=1 (this actor has pp={self.config.parallel.pp}); gathering pipeline "
-                             "stages is not implemented yet")
-        plan = plan_conversion(self.bridge, self.shape)
-        model = unwrap(self.chunks[0])
-        local = {name: t.detach() for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
-        tp = self.config.parallel.tp
-        full: dict[str, torch.Tensor] = {}
-        for name, param in plan.params.items():
-            piece = local[name].contiguous()
-            if tp == 1:
-                pieces = [piece]
-            else:
-                pieces = [torch.empty_like(piece) for _ in range(tp)]
-                dist.all_gather(pieces, piece, group=ps.get_tensor_model_parallel_group())
-            # merge_tensors cuts the vocabulary's padding rows off (to the Hugging Face vocabulary).
-            full[name] = merge_tensors(param, pieces) if tp > 1 else piece
-        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if name in full:  # the padded vocabulary rows are not in the Hugging Face model
-                full[name] = full[name][: self.hf_vocab]
-        return megatron_to_hf(plan, full)
+        self._onload_categories(("weights",))
+        p = self.config.parallel
+        return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""
@@ -341,6 +400,7 @@ class Actor:
         from mindspeed_llm.training.model import unwrap
 
         self._check_single("forward_logits")
+        self._onload_categories(("weights",))
         model = unwrap(self.chunks[0])
         device = get_accelerator().device()
         tokens = torch.tensor([list(token_ids)], device=device)
@@ -352,3 +412,98 @@ class Actor:
         finally:
             model.train()
         return logits[0, :, : self.hf_vocab].float().cpu()
+
+    # -- co-location memory ----------------------------------------------------------------
+
+    def _category_tensors(self, category: str) -> list[torch.Tensor]:
+        """The tensors of one offload category (storages are deduplicated by the offloader)."""
+        if category == "weights":
+            return [p for chunk in self.chunks for p in chunk.parameters()]
+        if category == "grad":
+            # megatron's DDP keeps its ParamAndGradBuffers in list attributes (a bare module's
+            # ``buffers`` is nn.Module's method: a frozen model has no gradient buffers).
+            buffers = [b for chunk in self.chunks for attr in ("buffers", "expert_parallel_buffers")
+                       for b in (vars(chunk).get(attr) or [])]
+            grads = [b.grad_data for b in buffers]
+            grads += [getattr(p, "main_grad", None) for chunk in self.chunks for p in chunk.parameters()]
+            return grads + [p.grad for chunk in self.chunks for p in chunk.parameters()]
+        # optimizer: fp32 master copies (when not the model's own parameters), their gradients,
+        # and the per-parameter state (Adam's exp_avg / exp_avg_sq, ...) of every inner optimizer.
+        if self.optimizer is None:
+            return []
+        tensors: list[torch.Tensor] = []
+        for megatron_opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(megatron_opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    tensors += [param, param.grad]
+                    tensors += [v for v in inner.state.get(param, {}).values() if torch.is_tensor(v)]
+        return tensors
+
+    def _refresh_categories(self) -> None:
+        # Optimizer state appears at the first step and master gradients change every step:
+        # re-collect what is on the device now, in a fixed order so a shared storage (a
+        # master param that is the model's own parameter) always lands in the same category.
+        for category in OFFLOAD_CATEGORIES:
+            if not self._offloader.is_offloaded(category):
+                self._offloader.clear(category)
+                self._offloader.register(category, self._category_tensors(category))
+
+    def offload(self, optimizer: bool = True, grad: bool = True, weights: bool = False) -> dict[str, int]:
+        """Move the chosen tensors to host memory and free their device storage (idempotent).
+
+        For co-location with a rollout engine on the same device: the storages are copied
+        (into pinned buffers where the accelerator supports them) and resized to 0, so views
+        into them stay valid and :meth:`onload` restores them bit for bit. ``update`` onloads
+        everything itself; ``compute_logprobs``, ``hf_state`` and ``forward_logits`` onload
+        the weights only.
+
+        Args:
+            optimizer: the optimizer's state (Adam moments, fp32 master weights and their
+                gradients; nothing for a frozen actor).
+            grad: the DDP gradient buffers (``grad_data``, which ``param.main_grad`` views).
+            weights: the model's parameters (e.g. the frozen reference while the actor trains).
+
+        Returns:
+            The bytes moved to the host by this call, per category.
+        """
+        from mindspeed.device import get_accelerator
+
+        self._refresh_categories()
+        chosen = [name for name, on in (("grad", grad), ("weights", weights), ("optimizer", optimizer)) if on]
+        moved = {name: self._offloader.offload(name) for name in chosen}
+        get_accelerator().empty_cache()  # hand the freed blocks back to the device for the engine
+        logger.debug("offloaded %s", moved)
+        return moved
+
+    def onload(self) -> dict[str, int]:
+        """Bring back everything :meth:`offload` moved (idempotent).
+
+        Returns:
+            The bytes moved back to the device by this call, per category.
+        """
+        return self._onload_categories(OFFLOAD_CATEGORIES)
+
+    def _onload_categories(self, categories: Sequence[str]) -> dict[str, int]:
+        return {name: self._offloader.onload(name) for name in categories}
+
+    def memory(self) -> dict[str, int]:
+        """Memory of this rank in bytes, for per-phase logs.
+
+        Returns:
+            ``device_allocated`` and ``device_peak`` (the accelerator's counters; on the CPU
+            the process' resident set and its peak), ``host_rss``, ``offloaded_bytes`` (on the
+            host now, all categories) and ``offloaded_<category>`` for ``grad``, ``weights``
+            and ``optimizer``.
+        """
+        from mindspeed.device import get_accelerator
+        from mindspeed_rl.memory import read_host_rss
+
+        stats = get_accelerator().memory_stats()
+        offloaded = self._offloader.offloaded_bytes()
+        out = {"device_allocated": int(stats.get("allocated", 0)), "device_peak": int(stats.get("peak_allocated", 0)),
+               "host_rss": read_host_rss(), "offloaded_bytes": sum(offloaded.values())}
+        out.update({f"offloaded_{name}": offloaded.get(name, 0) for name in OFFLOAD_CATEGORIES})
+        return out

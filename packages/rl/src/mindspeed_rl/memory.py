@@ -1,0 +1,149 @@
+"""Co-location memory: move an actor's tensors to host memory and back (verl / MindSpeed-RL style).
+
+When the rollout engine generates on the same device as the actor, the actor's optimizer state,
+gradient buffers and (for a frozen reference) weights only take room. :class:`StorageOffloader`
+copies each tensor *storage* to a host buffer (pinned where the accelerator supports it) and
+frees the device storage with ``untyped_storage().resize_(0)``; onloading resizes it back and
+copies the bytes in. Working on storages rather than tensors keeps every view valid (megatron's
+``param.main_grad`` and bucket views into ``grad_data``, parameters that are views of a
+distributed optimizer's ``param_data``), frees the memory on every device the same way (on the
+CPU too, where it is observable in tests), and restores the bytes exactly.
+
+Storages are grouped in named categories (``optimizer``, ``grad``, ``weights``); a storage
+belongs to the first category that registered it, so a tensor shared by two is moved once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Entry:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor | None = None  # uint8 [nbytes] while offloaded
+
+
+@dataclass
+class _Category:
+    entries: list[_Entry] = field(default_factory=list)
+    offloaded: bool = False
+
+
+def read_host_rss() -> int:
+    """Resident set size of this process in bytes (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class StorageOffloader:
+    """Named groups of device storages that can be moved to host memory and back.
+
+    Args:
+        device: the device whose storages are managed (tensors elsewhere are skipped: e.g.
+            torch's Adam keeps its ``step`` counter on the host).
+        pin: copy into pinned host buffers (faster transfers; needs accelerator support).
+    """
+
+    def __init__(self, device: torch.device, pin: bool = False) -> None:
+        self.device, self.pin = torch.device(device), pin
+        self._categories: dict[str, _Category] = {}
+        self._owner: dict[int, str] = {}
+
+    def register(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Add the storages of ``tensors`` to ``category`` (skipping None, other devices, empty
+        storages and storages already registered).
+
+        Raises:
+            RuntimeError: registering into a category that is offloaded now.
+        """
+        group = self._categories.setdefault(category, _Category())
+        if group.offloaded:
+            raise RuntimeError(f"cannot register tensors into the offloaded category {category!r}")
+        for tensor in tensors:
+            if tensor is None or tensor.device.type != self.device.type:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata  # the storage object itself: stable across resize_
+            if key in self._owner or storage.nbytes() == 0:
+                continue
+            self._owner[key] = category
+            group.entries.append(_Entry(storage, storage.nbytes()))
+
+    def clear(self, category: str) -> None:
+        """Forget ``category``'s storages (onload it first; e.g. to re-register after a rebuild)."""
+        group = self._categories.pop(category, None)
+        if group is None:
+            return
+        if group.offloaded:
+            raise RuntimeError(f"onload {category!r} before clearing it")
+        for entry in group.entries:
+            self._owner.pop(entry.storage._cdata, None)
+
+    def offload(self, category: str) -> int:
+        """Copy ``category``'s storages to host memory and free them on the device (idempotent).
+
+        Returns:
+            The bytes moved by this call (0 when it was offloaded already or is unknown).
+        """
+        group = self._categories.get(category)
+        if group is None or group.offloaded:
+            return 0
+        moved = 0
+        for entry in group.entries:
+            host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            host.copy_(self._bytes(entry))
+            entry.host = host
+            entry.storage.resize_(0)
+            moved += entry.nbytes
+        group.offloaded = True
+        return moved
+
+    def onload(self, category: str) -> int:
+        """Restore ``category``'s storages on the device with their bytes (idempotent).
+
+        Returns:
+            The bytes moved by this call.
+        """
+        group = self._categories.get(category)
+        if group is None or not group.offloaded:
+            return 0
+        moved = 0
+        for entry in group.entries:
+            entry.storage.resize_(entry.nbytes)
+            self._bytes(entry).copy_(entry.host)
+            entry.host = None
+            moved += entry.nbytes
+        group.offloaded = False
+        return moved
+
+    def is_offloaded(self, category: str) -> bool:
+        """Whether ``category`` lives on the host now."""
+        group = self._categories.get(category)
+        return bool(group and group.offloaded)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Per category, the bytes held on the host now (0 for categories on the device)."""
+        return {name: (sum(e.nbytes for e in g.entries) if g.offloaded else 0) for name, g in self._categories.items()}
+
+    def registered_bytes(self) -> dict[str, int]:
+        """Per category, the bytes of its storages (wherever they are)."""
+        return {name: sum(e.nbytes for e in g.entries) for name, g in self._categories.items()}
+
+    def _bytes(self, entry: _Entry) -> torch.Tensor:
+        # A flat byte tensor over the whole storage: copies cover every view into it.
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(entry.storage, 0, (entry.nbytes,))
