@@ -12,10 +12,20 @@ One spawned single-rank group builds the actor from a tiny Llama's Hugging Face 
 A second, two-rank group builds the actor at TP2: its gathered ``hf_state()`` equals the
 checkpoint's tensors exactly, and after an update the engine's scores of the sequences equal
 the actor's log-probs.
+
+Entropy: at TP1 and TP2 (vocab-parallel logits) the actor runs two updates with the learning
+rate at 0 (the weights stay the checkpoint's), without and with an entropy bonus. The reported
+entropy equals the mean token entropy of transformers' logits; the loss moves by exactly
+``-coef * entropy``; both gradient norms equal the norms of transformers' autograd gradients of
+the same losses (the bonus's gradient flows through the vocab-parallel statistics).
+
+A third, two-rank group builds the actor at PP2: every rank's ``hf_state()`` is the checkpoint,
+every rank gets the TP1 log-probs, and an update reports the TP1 numbers on both ranks.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +35,33 @@ import torch
 from mindspeed.testing.distributed import run_distributed
 
 PAIRS = [([1, 5, 9, 14], [20, 21, 7]), ([3, 4], [30, 31, 32, 33, 2]), ([8, 9, 10, 11, 12], [40])]
+ADV = [1.0, -1.0, 0.5]
+ENTROPY_COEF = 0.1
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(rows), max(len(r) for _, r in PAIRS))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def _entropy_updates(actor: Any, old: torch.Tensor) -> dict[str, Any]:
+    """Two updates at learning rate 0 (weights unchanged): without, then with an entropy bonus."""
+    from mindspeed_rl.algorithms import policy_loss_config
+
+    lrs = [group["lr"] for group in actor.optimizer.param_groups]
+    for group in actor.optimizer.param_groups:
+        group["lr"] = 0.0
+    out = {}
+    for key, coef in (("ent0", 0.0), ("ent1", ENTROPY_COEF)):
+        actor.settings.loss_config = policy_loss_config("dapo", entropy_coef=coef)
+        out[key] = actor.update(PAIRS, old, torch.tensor(ADV))
+    actor.settings.loss_config = None
+    for group, lr in zip(actor.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    out["old"] = old.numpy()
+    return out
 
 
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -34,6 +71,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"))
     out: dict[str, Any] = {"logp": actor.compute_logprobs(PAIRS)}
+    out["entropy"] = _entropy_updates(actor, _pad(out["logp"]))
     engine = InferenceEngine.from_pretrained(f"{root}/other")
     probe = [*PAIRS[0][0], *PAIRS[0][1]]
     out["engine_before_sync"] = engine.forward_logits(probe).cpu()
@@ -49,6 +87,44 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # Plain arrays: tensors would travel through shared memory that dies with the rank.
     return {k: ([t.numpy() for t in v] if isinstance(v, list) else v.numpy() if torch.is_tensor(v) else v)
             for k, v in out.items()}
+
+
+def _check_entropy(root: Path, got: dict[str, Any]) -> None:
+    """The entropy updates of one layout against transformers' model of the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_rl.algorithms import PolicyLossInputs, compute_policy_loss, policy_loss_config
+
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    width = max(len(r) for _, r in PAIRS)
+    mask = _pad([torch.ones(len(r)) for _, r in PAIRS])
+    logits = torch.zeros(len(PAIRS), width, model.config.vocab_size)
+    hf_entropy = torch.zeros(len(PAIRS), width)
+    with torch.no_grad():
+        for i, (prompt, response) in enumerate(PAIRS):
+            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            p = torch.softmax(rows, -1)
+            hf_entropy[i, : len(response)] = -(p * torch.log_softmax(rows, -1)).sum(-1)
+    want = float((hf_entropy * mask).sum() / mask.sum())
+    assert math.isclose(got["ent0"]["entropy"], want, abs_tol=1e-5), (got["ent0"]["entropy"], want)
+    assert math.isclose(got["ent1"]["entropy"], want, abs_tol=1e-5)
+    # The bonus: loss - coef * (token-mean entropy), exactly.
+    assert math.isclose(got["ent1"]["loss"], got["ent0"]["loss"] - ENTROPY_COEF * got["ent0"]["entropy"], abs_tol=1e-6)
+    for key, coef in (("ent0", 0.0), ("ent1", ENTROPY_COEF)):
+        model.zero_grad()
+        rows, logp = [], []
+        for prompt, response in PAIRS:
+            out = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            lp = torch.log_softmax(out, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+            logp.append(torch.nn.functional.pad(lp, (0, width - len(response))))
+            rows.append(torch.nn.functional.pad(out, (0, 0, 0, width - len(response))))
+        inputs = PolicyLossInputs(logp=torch.stack(logp), old_logp=torch.from_numpy(got["old"]),
+                                  advantages=torch.tensor(ADV), mask=mask, logits=torch.stack(rows))
+        loss = compute_policy_loss("dapo", inputs, policy_loss_config("dapo", entropy_coef=coef)).loss
+        loss.backward()
+        norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
+        assert math.isclose(got[key]["grad_norm"], float(norm), rel_tol=1e-4), (key, got[key]["grad_norm"], float(norm))
+    assert abs(got["ent1"]["grad_norm"] - got["ent0"]["grad_norm"]) > 1e-4  # the bonus has a gradient
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +153,10 @@ def test_logprobs_match_transformers(run: dict[str, Any]) -> None:
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_entropy_tp1_matches_transformers(run: dict[str, Any]) -> None:
+    _check_entropy(run["root"], run["entropy"])
+
+
 def test_weight_sync_engine_equals_actor(run: dict[str, Any]) -> None:
     # The engine started from other weights: equality after the sync is the sync's doing.
     assert (run["engine_before_sync"] - run["actor0"]).abs().max() > 1e-2
@@ -94,11 +174,9 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
     out: dict[str, Any] = {"state0": {k: v.clone().numpy() for k, v in actor.hf_state().items()}}
-    width = max(len(r) for _, r in PAIRS)
-    old = torch.zeros(len(PAIRS), width)
-    for i, lp in enumerate(actor.compute_logprobs(PAIRS)):
-        old[i, : len(lp)] = lp
-    actor.update(PAIRS, old, torch.tensor([1.0, -1.0, 0.5]))
+    old = _pad(actor.compute_logprobs(PAIRS))
+    out["entropy"] = _entropy_updates(actor, old)
+    actor.update(PAIRS, old, torch.tensor(ADV))
     engine = InferenceEngine.from_pretrained(f"{root}/other")
     engine.load_weights(actor.hf_state())
     scores = engine.score([[*p, *r] for p, r in PAIRS])
@@ -121,3 +199,37 @@ def test_tp2_weight_sync(run: dict[str, Any]) -> None:
     for engine, actor, old in zip(out["engine"], out["actor"], out["old"]):
         torch.testing.assert_close(torch.from_numpy(engine), torch.from_numpy(actor), atol=1e-5, rtol=1e-5)
     assert max(float(abs(a - o).max()) for a, o in zip(out["actor"], out["old"])) > 1e-3  # the update moved them
+    _check_entropy(root, out["entropy"])
+
+
+def _group_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from mindspeed_rl.actor import Actor, ActorSettings
+
+    actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), pp=2)
+    out: dict[str, Any] = {"state0": {k: v.clone().numpy() for k, v in actor.hf_state().items()}}
+    logp = actor.compute_logprobs(PAIRS)
+    out["logp"] = [t.numpy() for t in logp]
+    out["metrics"] = actor.update(PAIRS, _pad(logp), torch.tensor(ADV))
+    out["state1"] = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
+    return out
+
+
+def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any]) -> None:
+    """At PP2 every rank holds the full HF state and the log-probs; the update matches TP1's."""
+    from transformers import AutoModelForCausalLM
+
+    root = run["root"]
+    outs = run_distributed(_group_pp2, 2, str(root), timeout=300)
+    want = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
+    tp1 = run["entropy"]["ent0"]  # the same loss from the same weights at TP1
+    for out in outs:
+        assert set(out["state0"]) == set(want)
+        for name, tensor in want.items():
+            torch.testing.assert_close(torch.from_numpy(out["state0"][name]), tensor, atol=0, rtol=0)
+        for got, ref in zip(out["logp"], run["logp"]):
+            torch.testing.assert_close(torch.from_numpy(got), ref, atol=1e-5, rtol=0)
+        for key in ("loss", "entropy", "grad_norm", "pg_clipfrac"):
+            assert math.isclose(out["metrics"][key], tp1[key], rel_tol=1e-4, abs_tol=1e-6), (key, out["metrics"], tp1)
+        for name in want:  # after the update both ranks still agree on the whole state
+            assert (outs[0]["state1"][name] == out["state1"][name]).all(), name
+    assert any((outs[0]["state1"][n] != outs[0]["state0"][n]).any() for n in want)

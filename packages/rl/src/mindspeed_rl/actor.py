@@ -123,8 +123,6 @@ class Actor:
             f"train.weight_decay={s.weight_decay}", f"train.clip_grad={s.clip_grad}",
             f"train.adam_beta1={s.adam_beta1}", f"train.adam_beta2={s.adam_beta2}", f"train.precision={s.precision}",
             f"train.seed={s.seed}", f"train.micro_batch_size={s.micro_batch_size}", "data.seq_length=4096",
-            # Microbatches are packed to their own length: pipeline stages exchange the shapes.
-            *(["data.variable_seq_lengths=true"] if pp > 1 else []),
         ])
         self.config = config = apply_load_hf(config)
         ids = read_tokenizer(config)
@@ -163,7 +161,10 @@ class Actor:
         device = get_accelerator().device()
         mbs = self.settings.micro_batch_size
         longest = max(len(p) + len(r) for p, r in pairs)
-        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=True)
+        # Pipeline stages exchange activations of one fixed shape: with pp > 1 every microbatch
+        # is padded to mbs * longest tokens (megatron's variable_seq_lengths would need the
+        # alltoall token dispatcher, and a shape handshake per microbatch).
+        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=self.config.parallel.pp == 1)
         out = []
         for first in range(0, len(pairs), mbs):
             group = pairs[first:first + mbs]
@@ -415,41 +416,16 @@ class Actor:
 
     # -- co-location memory ----------------------------------------------------------------
 
-    def _category_tensors(self, category: str) -> list[torch.Tensor]:
-        """The tensors of one offload category (storages are deduplicated by the offloader)."""
-        if category == "weights":
-            return [p for chunk in self.chunks for p in chunk.parameters()]
-        if category == "grad":
-            # megatron's DDP keeps its ParamAndGradBuffers in list attributes (a bare module's
-            # ``buffers`` is nn.Module's method: a frozen model has no gradient buffers).
-            buffers = [b for chunk in self.chunks for attr in ("buffers", "expert_parallel_buffers")
-                       for b in (vars(chunk).get(attr) or [])]
-            grads = [b.grad_data for b in buffers]
-            grads += [getattr(p, "main_grad", None) for chunk in self.chunks for p in chunk.parameters()]
-            return grads + [p.grad for chunk in self.chunks for p in chunk.parameters()]
-        # optimizer: fp32 master copies (when not the model's own parameters), their gradients,
-        # and the per-parameter state (Adam's exp_avg / exp_avg_sq, ...) of every inner optimizer.
-        if self.optimizer is None:
-            return []
-        tensors: list[torch.Tensor] = []
-        for megatron_opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(megatron_opt, "optimizer", None)
-            if inner is None:
-                continue
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    tensors += [param, param.grad]
-                    tensors += [v for v in inner.state.get(param, {}).values() if torch.is_tensor(v)]
-        return tensors
-
     def _refresh_categories(self) -> None:
+        from mindspeed_rl.memory import collect_offload_tensors
+
         # Optimizer state appears at the first step and master gradients change every step:
         # re-collect what is on the device now, in a fixed order so a shared storage (a
         # master param that is the model's own parameter) always lands in the same category.
         for category in OFFLOAD_CATEGORIES:
             if not self._offloader.is_offloaded(category):
                 self._offloader.clear(category)
-                self._offloader.register(category, self._category_tensors(category))
+                self._offloader.register(category, collect_offload_tensors(self.chunks, self.optimizer, category))
 
     def offload(self, optimizer: bool = True, grad: bool = True, weights: bool = False) -> dict[str, int]:
         """Move the chosen tensors to host memory and free their device storage (idempotent).

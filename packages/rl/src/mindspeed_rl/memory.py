@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -147,3 +148,42 @@ class StorageOffloader:
     def _bytes(self, entry: _Entry) -> torch.Tensor:
         # A flat byte tensor over the whole storage: copies cover every view into it.
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(entry.storage, 0, (entry.nbytes,))
+
+
+def collect_offload_tensors(chunks: list[Any], optimizer: Any, category: str) -> list[torch.Tensor]:
+    """The tensors of one offload category of a megatron model and optimizer.
+
+    Args:
+        chunks: the model chunks (DDP-wrapped or bare).
+        optimizer: megatron's optimizer (None for a frozen model).
+        category: ``weights`` (the parameters), ``grad`` (DDP ``grad_data`` buffers,
+            ``param.main_grad`` and ``param.grad``) or ``optimizer`` (fp32 master copies and
+            their gradients, and the per-parameter state: Adam's ``exp_avg`` / ``exp_avg_sq``).
+
+    Returns:
+        The tensors (possibly sharing storages, possibly None; :meth:`StorageOffloader.register`
+        deduplicates).
+    """
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    if category == "weights":
+        return params
+    if category == "grad":
+        # megatron's DDP keeps its ParamAndGradBuffers in list attributes (a bare module's
+        # ``buffers`` is nn.Module's method: a frozen model has no gradient buffers).
+        buffers = [b for chunk in chunks for attr in ("buffers", "expert_parallel_buffers")
+                   for b in (vars(chunk).get(attr) or [])]
+        return [b.grad_data for b in buffers] + [getattr(p, "main_grad", None) for p in params] + [p.grad for p in params]
+    if category != "optimizer":
+        raise ValueError(f"unknown offload category {category!r}; use weights, grad or optimizer")
+    if optimizer is None:
+        return []
+    tensors: list[torch.Tensor] = []
+    for megatron_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(megatron_opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                tensors += [param, param.grad]
+                tensors += [v for v in inner.state.get(param, {}).values() if torch.is_tensor(v)]
+    return tensors
