@@ -57,6 +57,31 @@ def resolve_model(config: GRPOConfig) -> str:
     return str(model)
 
 
+def ray_remote(cls: type) -> Any:
+    """``ray.remote(cls)`` (imported late: Ray is started by :func:`~mindspeed_rl.ray_runtime.init_ray`)."""
+    import ray
+
+    return ray.remote(cls)
+
+
+class RemoteScorer:
+    """A reward model in a Ray worker, called like a local one (``score_batch``)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def score_batch(self, prompts: list[str], responses: list[str], references: list[str | None] | None = None
+                    ) -> list[float]:
+        """The worker's scores of ``prompt + response`` for each pair."""
+        import ray
+
+        return ray.get(self.handle.score_batch.remote(list(prompts), list(responses), references))
+
+    def __call__(self, prompt: str, response: str, reference: str | None) -> float:
+        """The score of one pair."""
+        return self.score_batch([prompt], [response], [reference])[0]
+
+
 class GRPORunner:
     """A GRPO run on Ray.
 
@@ -95,7 +120,14 @@ class GRPORunner:
             self.pools.append(ResourcePool("rollout", r.num_devices).create())
             self.rollout = RolloutPool(config, model_dir, self.pools[1])
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
-        records, sampler, fmt, reward = prompt_pieces(config)
+        self.reward_worker = None
+        if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
+            from mindspeed_rl.rewards import RewardModel
+
+            self.reward_worker = ray_remote(RewardModel).options(num_cpus=1).remote(
+                config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
+        remote = RemoteScorer(self.reward_worker) if self.reward_worker is not None else None
+        records, sampler, fmt, reward = prompt_pieces(config, remote)
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = GRPOContext(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
         self.rows = config.rows_per_step()
@@ -322,5 +354,7 @@ class GRPORunner:
         for worker in getattr(self.rollout, "workers", []):
             ray.kill(worker, no_restart=True)
         ray.kill(self.buffer_handle)
+        if self.reward_worker is not None:
+            ray.kill(self.reward_worker)
         for pool in self.pools:
             pool.remove()

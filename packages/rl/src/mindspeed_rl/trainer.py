@@ -272,13 +272,28 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
                          seed=config.train.seed, loss=algo.loss, loss_config=algo.loss_config())
 
 
-def prompt_pieces(config: GRPOConfig) -> tuple[list[PromptRecord], PromptSampler, PromptFormat, WeightedReward]:
-    """The prompt records, their sampler, the prompt format and the reward functions of a recipe."""
+def prompt_pieces(config: GRPOConfig, reward_model: Any = None
+                  ) -> tuple[list[PromptRecord], PromptSampler, PromptFormat, WeightedReward]:
+    """The prompt records, their sampler, the prompt format and the reward functions of a recipe.
+
+    Args:
+        config: the recipe.
+        reward_model: the scorer of ``reward.model`` (anything with ``score_batch``; default: a
+            local :class:`~mindspeed_rl.rewards.RewardModel` on the host CPU when the recipe names one).
+    """
     d, r = config.data, config.reward
     records = load_prompts(d.path, d.map_keys or None)
     sampler = PromptSampler(len(records), config.train.global_batch, config.train.seed, d.shuffle)
     fmt = PromptFormat(style=d.prompt_format, template=d.prompt_template, instruction=d.instruction, system=d.system)
-    return records, sampler, fmt, build_reward(r.verifiers, r.weights, r.options)
+    extra, weights = {}, r.weights
+    if r.model is not None:
+        if reward_model is None:
+            from mindspeed_rl.rewards import RewardModel
+
+            reward_model = RewardModel(r.model, device="cpu", batch_size=r.model_batch_size)
+        extra = {"model": reward_model}
+        weights = [*(r.weights or [1.0] * len(r.verifiers)), r.model_weight]
+    return records, sampler, fmt, build_reward(r.verifiers, weights, r.options, extra)
 
 
 def build_context(config: GRPOConfig) -> GRPOContext:

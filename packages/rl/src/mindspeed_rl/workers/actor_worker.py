@@ -164,9 +164,7 @@ class ActorWorker:
             outputs = self.engine.generate(list(prompts), list(params))
             self.stats.update({f"memory/rollout_{k}": v for k, v in memory_snapshot().items()})
         finally:
-            free = getattr(self.engine, "sleep", None) or getattr(self.engine, "free_cache", None)
-            if free is not None:
-                free()
+            self.engine.sleep()  # the KV cache (vLLM: also the weights) leaves the device for the update
             mark = time.perf_counter()
             self._onload()
             self.stats["time/onload"] = time.perf_counter() - mark

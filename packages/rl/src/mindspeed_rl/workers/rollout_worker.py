@@ -23,14 +23,9 @@ def build_engine(config: Any, model_dir: str) -> Any:
     Raises:
         ValueError: an engine this version cannot build (naming ``rollout.engine``).
     """
+    from mindspeed_rl.rollout import build_rollout
+
     r = config.rollout
-    if r.engine == "builtin":
-        from mindspeed_llm.inference import InferenceEngine
-
-        return InferenceEngine.from_pretrained(model_dir, max_batch_size=r.max_num_seqs,
-                                               max_seq_len=r.max_prompt_length + r.max_new_tokens)
-    from mindspeed_rl.rollout import build_rollout  # the optional engines (vllm) and their errors
-
     return build_rollout(r.engine, model_dir, max_num_seqs=r.max_num_seqs, tp=r.tp,
                          gpu_memory_utilization=r.gpu_memory_utilization, seed=config.train.seed,
                          max_model_len=r.max_prompt_length + r.max_new_tokens)
