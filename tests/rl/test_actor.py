@@ -9,7 +9,7 @@ One spawned single-rank group builds the actor from a tiny Llama's Hugging Face 
   compares the engine's logits with the actor's, before and after an update step (the update
   must move the logits, and the engine must follow).
 
-A second, two-rank group builds the actor at TP2: its gathered ``hf_state()`` equals the
+A two-rank group builds the actor at TP2: its gathered ``hf_state()`` equals the
 checkpoint's tensors exactly, and after an update the engine's scores of the sequences equal
 the actor's log-probs.
 
@@ -19,7 +19,7 @@ entropy equals the mean token entropy of transformers' logits; the loss moves by
 ``-coef * entropy``; both gradient norms equal the norms of transformers' autograd gradients of
 the same losses (the bonus's gradient flows through the vocab-parallel statistics).
 
-A third, two-rank group builds the actor at PP2: every rank's ``hf_state()`` is the checkpoint,
+The same two-rank group then builds the actor at PP2: every rank's ``hf_state()`` is the checkpoint,
 every rank gets the TP1 log-probs, and an update reports the TP1 numbers on both ranks.
 """
 
@@ -186,12 +186,28 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def test_tp2_weight_sync(run: dict[str, Any]) -> None:
+def _group_two(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    # One spawned group for both layouts (the imports cost more than the work): TP2, then
+    # megatron's parallel state is torn down and the PP2 actor builds a new one.
+    from megatron.core import parallel_state as ps
+
+    out = {"tp2": _group_tp2(rank, world_size, root)}
+    ps.destroy_model_parallel()
+    out["pp2"] = _group_pp2(rank, world_size, root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run2(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return run_distributed(_group_two, 2, str(run["root"]), timeout=400)
+
+
+def test_tp2_weight_sync(run: dict[str, Any], run2: list[dict[str, Any]]) -> None:
     """At TP2 the gathered HF state is the checkpoint itself, and after an update the engine follows."""
     from transformers import AutoModelForCausalLM
 
     root = run["root"]
-    out = run_distributed(_group_tp2, 2, str(root), timeout=300)[0]
+    out = run2[0]["tp2"]
     want = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
     assert set(out["state0"]) == set(want)
     for name, tensor in want.items():
@@ -214,12 +230,12 @@ def _group_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any]) -> None:
+def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any], run2: list[dict[str, Any]]) -> None:
     """At PP2 every rank holds the full HF state and the log-probs; the update matches TP1's."""
     from transformers import AutoModelForCausalLM
 
     root = run["root"]
-    outs = run_distributed(_group_pp2, 2, str(root), timeout=300)
+    outs = [out["pp2"] for out in run2]
     want = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
     tp1 = run["entropy"]["ent0"]  # the same loss from the same weights at TP1
     for out in outs:
