@@ -134,6 +134,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root: Path = tmp_path_factory.mktemp("actor")
     save_tiny_checkpoint("llama2", root / "hf", seed=0)
     save_tiny_checkpoint("llama2", root / "other", seed=3)
+    save_tiny_checkpoint("qwen25", root / "qwen", seed=1)
     out = run_distributed(_group, 1, str(root), timeout=300)[0]
     out = {k: ([torch.from_numpy(a) for a in v] if isinstance(v, list) else
                torch.from_numpy(v) if not isinstance(v, dict) else v) for k, v in out.items()}
@@ -183,6 +184,11 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["engine"] = [s[len(p) - 1:].numpy() for s, (p, _) in zip(scores, PAIRS)]
     out["actor"] = [t.numpy() for t in actor.compute_logprobs(PAIRS)]
     out["old"] = [old[i, : len(r)].numpy() for i, (_, r) in enumerate(PAIRS)]
+    # Qwen2.5's 131 rows are padded to 132 at TP2: the padding column must not count.
+    qwen = Actor(f"{root}/qwen", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
+    logp = qwen.compute_logprobs(PAIRS)
+    out["qwen_logp"] = [t.numpy() for t in logp]
+    out["qwen_entropy"] = qwen.update(PAIRS, _pad(logp), torch.tensor(ADV))["entropy"]
     return out
 
 
@@ -216,6 +222,22 @@ def test_tp2_weight_sync(run: dict[str, Any], run2: list[dict[str, Any]]) -> Non
         torch.testing.assert_close(torch.from_numpy(engine), torch.from_numpy(actor), atol=1e-5, rtol=1e-5)
     assert max(float(abs(a - o).max()) for a, o in zip(out["actor"], out["old"])) > 1e-3  # the update moved them
     _check_entropy(root, out["entropy"])
+
+
+def test_tp2_padded_vocabulary(run: dict[str, Any], run2: list[dict[str, Any]]) -> None:
+    """A vocabulary TP2 pads (131 -> 132 rows): log-probs and entropy are the HF model's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run["root"] / "qwen", dtype=torch.float32).eval()
+    out, entropies = run2[0]["tp2"], []
+    for (prompt, response), got in zip(PAIRS, out["qwen_logp"]):
+        with torch.no_grad():
+            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+        lsm = torch.log_softmax(rows, -1)
+        torch.testing.assert_close(torch.from_numpy(got), lsm.gather(1, torch.tensor(response)[:, None])[:, 0],
+                                   atol=1e-5, rtol=0)
+        entropies.append(-(lsm.exp() * lsm).sum(-1))
+    assert math.isclose(out["qwen_entropy"], float(torch.cat(entropies).mean()), abs_tol=1e-5)
 
 
 def _group_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
