@@ -388,6 +388,11 @@ class Actor:
         Tensor-parallel pieces are gathered over the tensor-parallel group and merged by the
         bridges' rules, pipeline stages broadcast theirs over the pipeline group (collective
         over both): every rank returns the full state. Offloaded weights are onloaded first.
+
+        Returns:
+            Hugging Face name -> tensor on the actor's device. Tensors of a TP1 stage may be
+            views of the live parameters: load them into the engine before the next ``update``
+            or ``offload(weights=True)`` (which frees those storages).
         """
         from mindspeed_rl.actor_parallel import gather_hf_state
 
