@@ -24,3 +24,21 @@ def test_unknown_command_fails_cleanly() -> None:
     out = subprocess.run([sys.executable, "-m", "mindspeed_rl.cli", "no-such-command"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
+
+
+@pytest.mark.parametrize("args, names", [
+    (["actor.model=/no/such/dir"], "actor.model"),
+    (["actor.modle=x"], "actor.modle"),
+    (["rollout.n=1", "actor.model=."], "rollout.n"),
+    (["buffer.mode=async", "actor.model=."], "buffer.mode"),
+])
+def test_grpo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path, args: list[str], names: str) -> None:
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+
+    save_tiny_checkpoint("llama2", tmp_path / "hf", seed=0)
+    args = [a.replace("actor.model=.", f"actor.model={tmp_path / 'hf'}") for a in args]
+    assert main(["grpo", *args, f"checkpoint.save={tmp_path / 'ckpt'}"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and names in err
+    assert not (tmp_path / "ckpt").exists()  # nothing written
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()  # refused before Ray started
