@@ -107,11 +107,13 @@ class ReferenceConfig:
 
     Attributes:
         model: its weights (default: ``actor.model``).
-        colocate: share the actor's devices (offloaded while the actor trains).
+        colocate: share the actor's devices.
+        offload: keep its weights in host memory except while it computes log-probs (co-location).
     """
 
     model: str | None = None
     colocate: bool = True
+    offload: bool = True
 
 
 @dataclass

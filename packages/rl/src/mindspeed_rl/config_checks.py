@@ -153,6 +153,10 @@ def _check_buffer(config: GRPOConfig) -> None:
     if b.mode == "async" and b.staleness() == 0:
         raise ConfigError("buffer.mode=async with buffer.max_staleness=0 is synchronous; set buffer.max_staleness >= 1 "
                           "or buffer.mode=sync")
+    if not config.reference.colocate:
+        raise ConfigError("reference.colocate=false (a reference on its own devices) is not supported yet; the reference "
+                          "shares the actor's workers: set reference.colocate=true (reference.offload keeps its weights "
+                          "in host memory between uses)")
     if b.mode == "async" and config.rollout.colocate:
         raise ConfigError("buffer.mode=async needs the rollout on its own devices (it generates while the actor "
                           "trains): set rollout.colocate=false and rollout.num_devices")

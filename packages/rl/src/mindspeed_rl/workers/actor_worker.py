@@ -124,6 +124,10 @@ class ActorWorker:
             raise ValueError("this run has no reference model (the KL coefficient is 0)")
         start = time.perf_counter()
         out = model.compute_logprobs(pairs)
+        if reference and self.config.reference.offload:
+            # Co-location: the frozen weights wait in host memory until the next step needs them.
+            moved = model.offload(optimizer=False, grad=False, weights=True)
+            self.stats["memory/reference_offloaded_gib"] = sum(moved.values()) / 2**30
         self.stats["time/" + ("ref_logp" if reference else "old_logp") + "_worker"] = time.perf_counter() - start
         return out
 
@@ -160,6 +164,7 @@ class ActorWorker:
         start = time.perf_counter()
         self._offload()
         self.stats["time/offload"] = time.perf_counter() - start
+        self.stats["memory/actor_offloaded_gib"] = self.actor.memory()["offloaded_bytes"] / 2**30
         try:
             outputs = self.engine.generate(list(prompts), list(params))
             self.stats.update({f"memory/rollout_{k}": v for k, v in memory_snapshot().items()})
