@@ -36,8 +36,10 @@ Usage::
     uv run --frozen python tools/bench/grpo.py            # default: ~5 min on 2 cores
     uv run --frozen python tools/bench/grpo.py --quick    # a smoke run (~1 min)
 
-Asynchronous vs synchronous rollout (``buffer.mode``) through the Ray driver: TODO, see
-``docs/rl/benchmark.md`` (the driver was not in the tree when this bench was written).
+A second table runs the same recipe through the Ray driver (``mindspeed_rl.runner.GRPORunner``:
+the actor and a separate rollout worker) with ``buffer.mode=sync`` and ``async``
+(``max_staleness`` 1) and reports the asynchronous speed-up per step (``--no-buffer-modes``
+skips it).
 """
 
 from __future__ import annotations
@@ -105,7 +107,65 @@ def memory_status() -> dict[str, float]:
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             values[key] = int(rest.split()[0]) * 1024 / MB
-    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"]}
+    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"], "affinity": sorted(os.sched_getaffinity(0)),
+            "nice": os.nice(0), "thread_cpu_s": thread_cpu()}
+
+
+def thread_cpu() -> list[tuple[str, float]]:
+    """CPU seconds of this process's busiest threads (name, user + system), busiest first."""
+    tick, out = os.sysconf("SC_CLK_TCK"), []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{task}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out.append((name, (int(fields[11]) + int(fields[12])) / tick))
+    return sorted(out, key=lambda item: -item[1])[:4]
+
+
+def _now() -> tuple[float, float, float]:
+    """Wall clock, process CPU time, and the calling thread's run-queue wait (Linux; else 0)."""
+    try:
+        wait = int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        wait = 0.0
+    return time.perf_counter(), time.process_time(), wait
+
+
+class Profiler:
+    """A CPU-time cProfile of the timed steps when ``spec["profile"]`` is set (else does nothing)."""
+
+    def __init__(self, spec: dict[str, Any], side: str) -> None:
+        import cProfile
+
+        self.path = Path(spec["workdir"]) / f"profile_{side}" if spec.get("profile") else None
+        self.profile = cProfile.Profile(time.process_time) if self.path else None
+
+    def start(self) -> None:
+        """Start recording (at the first timed step)."""
+        if self.profile is not None:
+            self.profile.enable()
+
+    def stop(self) -> None:
+        """Stop, and write ``profile_<side>.prof`` and the top functions by own time as text."""
+        import io
+        import pstats
+
+        if self.profile is None:
+            return
+        self.profile.disable()
+        self.profile.dump_stats(f"{self.path}.prof")
+        text = io.StringIO()
+        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(30)
+        Path(f"{self.path}.txt").write_text(text.getvalue())
+
+
+def _periods(marks: list[tuple[float, float, float]]) -> dict[str, list[float]]:
+    """Step periods between consecutive marks: wall, CPU and run-queue wait."""
+    pairs = list(zip(marks, marks[1:]))
+    return {"periods": [b[0] - a[0] for a, b in pairs], "cpu_periods": [b[1] - a[1] for a, b in pairs],
+            "wait_periods": [b[2] - a[2] for a, b in pairs]}
 
 
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -133,21 +193,24 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     def timed_generate(prompts: Any, params: Any) -> Any:
         if not spec["allow_eos"]:
             params = [dataclasses.replace(p, ignore_eos=True) for p in params]
-        start = time.perf_counter()
+        start = _now()
         outputs = generate(prompts, params)
-        gen_times.append(time.perf_counter() - start)
+        gen_times.append([b - a for a, b in zip(start, _now())])
         gen_tokens.append(sum(len(o.token_ids) for o in outputs))
         return outputs
 
     ctx.engine.generate = timed_generate
-    starts, records, prompts_seen = [], [], []
-    for step in range(spec["steps"] + 1):  # one more start than steps: the last period's end
-        starts.append(time.perf_counter())
+    marks, records, profiler = [], [], Profiler(spec, "ours")
+    for step in range(spec["steps"] + 1):  # one more mark than steps: the last period's end
+        marks.append(_now())
+        if step == spec["warmup"]:
+            profiler.start()
         if step == spec["steps"]:
             break
         records.append(grpo_step(ctx))
+    profiler.stop()
     phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
-    return {"periods": [b - a for a, b in zip(starts, starts[1:])], "gen_times": gen_times, "gen_tokens": gen_tokens,
+    return {**_periods(marks), "gen_times": gen_times, "gen_tokens": gen_tokens,
             "rollout_times": phases["time/rollout"], "phases": phases, "reward_mean": [r["reward_mean"] for r in records],
             "threads": torch.get_num_threads(), "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]],
             **memory_status()}
@@ -183,18 +246,23 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=spec["beta"],
         num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
         generation_kwargs=None if spec["allow_eos"] else {"min_new_tokens": spec["max_new_tokens"]},
-        use_vllm=False, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_strategy="no",
+        # TRL turns gradient checkpointing on by default; ours recomputes nothing: same work.
+        gradient_checkpointing=False, use_vllm=False, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_strategy="no",
         disable_tqdm=True, seed=spec["seed"], dataloader_num_workers=0, dataloader_pin_memory=False)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     starts, gen_times, gen_tokens, rollout_times = {}, [], [], []
+    profiler = Profiler(spec, "trl")
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            starts.setdefault(state.global_step, time.perf_counter())
+            starts.setdefault(state.global_step, _now())
+            if state.global_step == spec["warmup"]:
+                profiler.start()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            starts[state.global_step] = time.perf_counter()  # the end of the last step
+            starts[state.global_step] = _now()  # the end of the last step
 
     class TimedTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs: Any) -> Any:
@@ -208,9 +276,9 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     generate, prompt_width = trainer.model.generate, []
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
-        start = time.perf_counter()
+        start = _now()
         out = generate(*a, **kw)
-        gen_times.append(time.perf_counter() - start)
+        gen_times.append([b - a for a, b in zip(start, _now())])
         prompt_width.append(kw["input_ids"].shape[1])
         completion = out[:, kw["input_ids"].shape[1]:]
         # Tokens up to and including the first EOS (what TRL keeps), padding after it excluded.
@@ -221,13 +289,84 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
     trainer.model.generate = timed_generate
     trainer.train()
+    profiler.stop()
     ends = [starts[s] for s in sorted(starts)]
-    return {"periods": [b - a for a, b in zip(ends, ends[1:])], "gen_times": gen_times, "gen_tokens": gen_tokens,
+    return {**_periods(ends), "gen_times": gen_times, "gen_tokens": gen_tokens,
             "rollout_times": rollout_times, "prompt_width": prompt_width, "threads": torch.get_num_threads(),
             "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]], **memory_status()}
 
 
-CHILDREN = {"ours": child_ours, "trl": child_trl}
+def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
+    """The same recipe through the Ray driver (``GRPORunner``), rollout on its own worker, ``buffer.mode`` as given.
+
+    The actor (one rank) and the rollout engine (one worker) are separate Ray processes, so the
+    asynchronous mode can generate the next batch while the actor trains on this one. Responses
+    may stop at EOS here (the engine lives in a worker process: no ``ignore_eos`` hook), so the
+    generated tokens per step are reported next to the times.
+    """
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from mindspeed_rl.config import load_grpo_config
+    from mindspeed_rl.runner import GRPORunner
+
+    load = os.getloadavg()[0]
+    config = load_grpo_config(None, [
+        f"actor.model={spec['model_dir']}", f"actor.lr={spec['lr']}", f"actor.micro_batch_size={spec['micro_batch']}",
+        "actor.clip_grad=1.0", f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['max_new_tokens']}",
+        "rollout.temperature=1.0", "rollout.max_prompt_length=512",
+        f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
+        "rollout.colocate=false", "rollout.num_devices=1", f"buffer.mode={spec['buffer_mode']}",
+        f"buffer.max_staleness={int(spec['buffer_mode'] == 'async')}",
+        f"train.global_batch={spec['global_batch']}", f"train.steps={spec['steps']}", f"train.seed={spec['seed']}",
+        f"algorithm.kl_coef={spec['beta']}", "algorithm.kl_estimator=k3", "data.path=demo", "data.prompt_format=chat",
+        "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false"])
+    runner = GRPORunner(config)
+    marks = [_now()]
+    try:
+        records = runner.run(on_step=lambda record: marks.append(_now()))
+    finally:
+        runner.shutdown()
+    rows = spec["global_batch"] * spec["n"]
+    return {**_periods(marks), "records": records, "gen_tokens": [r["response_length"] * rows for r in records],
+            "load": [load, os.getloadavg()[0]], **memory_status()}
+
+
+def summarize_runner(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """A buffer mode over its runs: the best run's median step period and what its steps waited for."""
+    def one(run: dict[str, Any]) -> dict[str, float]:
+        timed = run["records"][warmup:]
+        return {"step_s": statistics.median(run["periods"][warmup:]),
+                "wait_s": statistics.median(r.get("time/wait_rollout", 0.0) for r in timed),
+                "rollout_s": statistics.median(r.get("time/rollout", 0.0) for r in timed),
+                "staleness": statistics.mean(r.get("staleness_mean", 0.0) for r in timed),
+                "gen_tokens": statistics.median(run["gen_tokens"][warmup:])}
+
+    per_run = [one(r) for r in runs]
+    best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
+    return {**per_run[best], "runs_step_s": [round(p["step_s"], 2) for p in per_run],
+            "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)]}
+
+
+def report_runner(results: dict[str, dict[str, Any]]) -> None:
+    """Sync vs async through the Ray driver."""
+    sync, asyn, write = results["sync"], results["async"], sys.stdout.write
+    write("\nRay driver, rollout on its own worker (actor 1 rank + rollout 1 worker), buffer.max_staleness 1:\n\n"
+          "| | sync | async | sync / async |\n|---|---|---|---|\n")
+    for label, key, fmt in (("step time s (median)", "step_s", "{:.2f}"),
+                            ("trainer waited for the buffer s (async; sync: 0)", "wait_s", "{:.2f}"),
+                            ("rollout s (generation + scoring, producer side)", "rollout_s", "{:.2f}"),
+                            ("generated tokens per step", "gen_tokens", "{:.0f}")):
+        ratio = sync[key] / asyn[key] if asyn[key] else float("nan")
+        write(f"| {label} | {fmt.format(sync[key])} | {fmt.format(asyn[key])} | {ratio:.2f} |\n")
+    write(f"| mean staleness of the trained rows (versions) | {sync['staleness']:.2f} | {asyn['staleness']:.2f} | |\n")
+    write(f"| step time of each run s | {sync['runs_step_s']} | {asyn['runs_step_s']} | |\n")
+    write(f"| load average (min start - max end) | {sync['load'][0]:.1f}-{sync['load'][1]:.1f} "
+          f"| {asyn['load'][0]:.1f}-{asyn['load'][1]:.1f} | |\n")
+    write(f"\nasync speed-up (sync step / async step): {sync['step_s'] / asyn['step_s']:.2f}x\n")
+
+
+CHILDREN = {"ours": child_ours, "trl": child_trl, "runner": child_runner}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -252,10 +391,14 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     def one(run: dict[str, Any]) -> dict[str, float]:
         timed = slice(warmup, None)
         step = statistics.median(run["periods"][timed])
-        gen = statistics.median(run["gen_times"][timed])
+        gen = statistics.median(g[0] for g in run["gen_times"][timed])
         tokens = statistics.median(run["gen_tokens"][timed])
-        return {"step_s": step, "gen_s": gen, "rollout_s": statistics.median(run["rollout_times"][timed]),
-                "gen_tokens": tokens, "gen_tps": tokens / gen, "step_tps": tokens / step}
+        return {"step_s": step, "cpu_step_s": statistics.median(run["cpu_periods"][timed]),
+                "wait_step_s": statistics.median(run["wait_periods"][timed]), "gen_s": gen,
+                "cpu_gen_s": statistics.median(g[1] for g in run["gen_times"][timed]),
+                "wait_gen_s": statistics.median(g[2] for g in run["gen_times"][timed]),
+                "rollout_s": statistics.median(run["rollout_times"][timed]), "gen_tokens": tokens,
+                "gen_tps": tokens / gen, "step_tps": tokens / step}
 
     per_run = [one(r) for r in runs]
     best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
@@ -270,7 +413,11 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 def report(results: dict[str, dict[str, Any]], header: str) -> None:
     """The side-by-side table (TRL / ours ratios) and where each side's step goes."""
     ours, trl, write = results["ours"], results["trl"], sys.stdout.write
-    rows = [("step time s (median)", "step_s", "{:.2f}", True), ("generation s", "gen_s", "{:.2f}", True),
+    rows = [("step time s (median)", "step_s", "{:.2f}", True), ("CPU time per step s", "cpu_step_s", "{:.2f}", True),
+            ("run-queue wait per step s (main thread)", "wait_step_s", "{:.2f}", True),
+            ("generation s", "gen_s", "{:.2f}", True),
+            ("CPU time in generation s", "cpu_gen_s", "{:.2f}", True),
+            ("run-queue wait in generation s", "wait_gen_s", "{:.2f}", True),
             ("rollout s (generation + scoring)", "rollout_s", "{:.2f}", True),
             ("generated tokens per step", "gen_tokens", "{:.0f}", False),
             ("generated tokens/s in generation", "gen_tps", "{:.0f}", False),
@@ -304,10 +451,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="KL coefficient (default 0: no reference model on either side)")
     parser.add_argument("--allow-eos", action="store_true",
                         help="let responses stop at EOS (default: every response is --max-new-tokens long)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating (default 1)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating (default 2)")
+    parser.add_argument("--buffer-modes", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the Ray driver with buffer.mode=sync and async (default: on)")
+    parser.add_argument("--trl-first", action="store_true", help="run TRL before ours in every repeat")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (and OMP_NUM_THREADS) of every run "
                                                                "(default 1)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens")
+    parser.add_argument("--profile", action="store_true",
+                        help="write a CPU-time cProfile of each side's timed steps to the workdir (profile_<side>.prof "
+                             "and .txt; slows both sides down: use the numbers of a run without it)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -315,6 +468,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.global_batch, args.n, args.micro_batch, args.max_new_tokens = 3, 1, 2, 4, 4, 16
+        args.repeats = 1
     for name in ("steps", "global_batch", "n", "micro_batch", "max_new_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
@@ -341,15 +495,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "global_batch": args.global_batch,
             "n": args.n, "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-            "beta": args.beta, "allow_eos": args.allow_eos, "threads": args.threads, "seed": 1234}
+            "beta": args.beta, "allow_eos": args.allow_eos, "threads": args.threads, "seed": 1234,
+            "warmup": args.warmup, "profile": args.profile}
     started, load = time.perf_counter(), os.getloadavg()[0]
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], records=facts["records"])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for repeat in range(args.repeats):
-        for side in SIDES:
+        for side in (SIDES[::-1] if args.trl_first else SIDES):
             runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
     results = {side: summarize(r, args.warmup) for side, r in runs.items()}
+    modes: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    if args.buffer_modes:
+        for repeat in range(args.repeats):
+            for mode in modes:
+                log = work / f"run_{repeat}_{mode}.log"
+                modes[mode].append(run_child("runner", {**spec, "buffer_mode": mode}, log))
     header = (f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
               f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
               f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
@@ -359,8 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
               f"{time.perf_counter() - started:.0f} s; workdir {work}")
     report(results, header)
+    runner_results = {mode: summarize_runner(r, args.warmup) for mode, r in modes.items() if r}
+    if runner_results:
+        report_runner(runner_results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs}, indent=2))
+        Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs,
+                                               "buffer_modes": runner_results, "runner_runs": modes}, indent=2))
     return 0
 
 
