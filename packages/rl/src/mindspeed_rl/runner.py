@@ -111,6 +111,7 @@ class GRPORunner:
         model_dir = str(config.actor.model)
         r = config.rollout
         workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0)
+        workers += 1 if config.reward.model is not None else 0  # the reward model's worker takes a CPU slot
         init_ray(config.ray.address, num_cpus=local_cpus(workers) if config.ray.address is None else None)
         self.pools = [ResourcePool("actor", config.actor_world_size()).create()]
         self.group = ActorGroup(config, model_dir, self.pools[0])
