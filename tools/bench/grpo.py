@@ -452,6 +452,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-eos", action="store_true",
                         help="let responses stop at EOS (default: every response is --max-new-tokens long)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating (default 2)")
+    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the comparison with TRL (default: on; --no-trl runs only the buffer modes)")
     parser.add_argument("--buffer-modes", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the Ray driver with buffer.mode=sync and async (default: on)")
     parser.add_argument("--trl-first", action="store_true", help="run TRL before ours in every repeat")
@@ -501,10 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], records=facts["records"])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats if args.trl else 0):
         for side in (SIDES[::-1] if args.trl_first else SIDES):
             runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
-    results = {side: summarize(r, args.warmup) for side, r in runs.items()}
+    results = {side: summarize(r, args.warmup) for side, r in runs.items() if r}
     modes: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     if args.buffer_modes:
         for repeat in range(args.repeats):
@@ -519,7 +521,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
               f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
               f"{time.perf_counter() - started:.0f} s; workdir {work}")
-    report(results, header)
+    if results:
+        report(results, header)
+    else:
+        sys.stdout.write(header + "\n")
     runner_results = {mode: summarize_runner(r, args.warmup) for mode, r in modes.items() if r}
     if runner_results:
         report_runner(runner_results)
