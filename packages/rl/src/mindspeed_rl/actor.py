@@ -109,7 +109,7 @@ class Actor:
         from mindspeed_llm.training.data import read_tokenizer
         from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
         from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
-        from mindspeed_llm.training.optim import build_optimizer
+        from mindspeed_llm.training.optim import build_optimizer, use_adamw_kernel
 
         from mindspeed.device import get_accelerator
         from mindspeed_rl.memory import StorageOffloader
@@ -134,6 +134,7 @@ class Actor:
         if trainable:
             self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models))
             self.optimizer = build_optimizer(config, self.chunks)
+            use_adamw_kernel(self.optimizer, "auto")  # the registry's fused AdamW (3-5x faster step on the CPU)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
             self.chunks = build_model(config, self.transformer, self.vocab, trainable=False)
@@ -287,7 +288,10 @@ class Actor:
         logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
         if entropy is not None and not config.entropy_coef:
             entropy = entropy.detach()  # a metric only: no graph through it
-        inputs = PolicyLossInputs(logp=logp, old_logp=batch["old_logp"], entropy=entropy,
+        old = batch.get("old_logp")
+        if old is None:  # on-policy: the policy before this update is the current one (ratio 1)
+            old = logp.detach()
+        inputs = PolicyLossInputs(logp=logp, old_logp=old, entropy=entropy,
                                   advantages=batch["advantages"], mask=mask, ref_logp=batch.get("ref_logp"),
                                   rollout_logp=batch.get("rollout_logp"), num_tokens=1.0, num_seqs=1.0)
         out = compute_policy_loss(self.settings.loss, inputs, config)
@@ -301,16 +305,22 @@ class Actor:
                 weight = count.float().cpu() if name in ("pg_loss", "kl_loss") else tokens.float().cpu()
                 total = value if name in ("pg_loss", "kl_loss") else value * weight
                 metrics[name] = torch.stack([total, weight])
+        if batch.get("rollout_logp") is not None:  # engine vs actor on the samples: the weight sync's health
+            diff = ((batch["rollout_logp"] - old.detach()).abs() * mask).sum()
+            metrics["rollout_logp_diff"] = torch.stack([diff.float().cpu(), tokens.float().cpu()])
         return out.loss, count.to(torch.int), metrics
 
-    def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor, advantages: torch.Tensor,
+    def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor | None, advantages: torch.Tensor,
                ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step of the policy loss over all ``pairs`` (collective).
 
         Args:
             pairs: ``(prompt ids, response ids)`` per sequence.
-            old_logp: ``[n, width]`` log-probs of the responses under the policy that sampled
-                them (zero-padded; ``width`` = the longest response).
+            old_logp: ``[n, width]`` log-probs of the responses under the policy before this
+                update (zero-padded; ``width`` = the longest response); None: the update is the
+                first on these samples (one epoch, one mini-batch), so they are the current
+                log-probs, taken detached from this forward (as TRL and verl do) and no separate
+                log-prob pass is needed.
             advantages: ``[n]`` or ``[n, width]``.
             ref_logp: ``[n, width]`` reference log-probs (with a KL penalty).
             rollout_logp: ``[n, width]`` the rollout engine's log-probs of the samples (with
@@ -330,11 +340,16 @@ class Actor:
         if self.optimizer is None:
             raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
         self.onload()
-        width = old_logp.shape[-1]
-        if old_logp.shape[0] != len(pairs) or width < max(len(r) for _, r in pairs):
+        longest = max(len(r) for _, r in pairs)
+        padded = [t for t in (old_logp, ref_logp, rollout_logp, advantages if advantages.dim() == 2 else None)
+                  if t is not None]
+        width = padded[0].shape[-1] if padded else longest
+        if old_logp is not None and (old_logp.shape[0] != len(pairs) or width < longest):
             raise ValueError(f"old_logp {tuple(old_logp.shape)} does not fit {len(pairs)} responses")
         adv = advantages if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
-        extra = {"old_logp": old_logp.float(), "advantages": adv.float()}
+        extra = {"advantages": adv.float()}
+        if old_logp is not None:
+            extra["old_logp"] = old_logp.float()
         if ref_logp is not None:
             extra["ref_logp"] = ref_logp.float()
         if rollout_logp is not None:

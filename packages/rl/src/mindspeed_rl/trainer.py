@@ -177,17 +177,20 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
     advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
     width = max(len(r) for _, r in pairs)
-    old_logp = _pad(ctx.actor.compute_logprobs(pairs), width)
+    mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
+    # One update on the whole batch: the policy before it is the current one, so the update
+    # takes the old log-probs detached from its own forward and a separate pass is skipped.
+    on_policy = cfg.actor.ppo_epochs == 1 and mini >= len(pairs)
+    old_logp = None if on_policy else _pad(ctx.actor.compute_logprobs(pairs), width)
     ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
     lap("old_logp")
     rollout_logp = _pad(batch.rollout_logp, width)
     mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
-    mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
     update: dict[str, list[float]] = {}
     for _ in range(cfg.actor.ppo_epochs):
         for first in range(0, len(pairs), mini):
             part = slice(first, first + mini)
-            metrics = ctx.actor.update(pairs[part], old_logp[part], advantages[part],
+            metrics = ctx.actor.update(pairs[part], None if old_logp is None else old_logp[part], advantages[part],
                                        None if ref_logp is None else ref_logp[part], rollout_logp[part])
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
@@ -196,12 +199,13 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     record: dict[str, float] = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "response_length": float(lengths.mean()), "response_length_max": float(lengths.max()),
-        "rollout_logp_diff": float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum()),
         "policy_version": float(ctx.actor.version),
     }
     record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
     record.update(batch.metrics)
     record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
+    if old_logp is not None:  # the first mini-batch's number is the one before any update of this step
+        record["rollout_logp_diff"] = float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum())
     record.update(times)
     record["update_tps"] = sum(update.get("update_tokens", [0.0])) / max(times["time/update"], 1e-9)
     return record

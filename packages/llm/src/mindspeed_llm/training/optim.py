@@ -29,7 +29,47 @@ def build_optimizer(config: PretrainConfig, chunks: list[Any]) -> Any:
         use_distributed_optimizer=config.parallel.distributed_optimizer,
         overlap_param_gather=config.parallel.overlap_param_gather,
     )
-    return get_megatron_optimizer(optimizer_config, chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, chunks)
+    if t.optimizer == "adam":
+        use_adamw_kernel(optimizer)
+    return optimizer
+
+
+def use_adamw_kernel(optimizer: Any, impl: str | None = None) -> str | None:
+    """Run megatron's AdamW step with a registry kernel: ``impl``, or the ``fused_adamw`` feature's choice.
+
+    Args:
+        optimizer: what ``get_megatron_optimizer`` returned.
+        impl: ``auto`` (the registry's best kernel on this device), ``fused``, ``foreach``; None
+            takes the kernel the ``fused_adamw`` feature chose in ``adapt(features=...)`` (none
+            when the feature is off: megatron's default loop is kept).
+
+    Returns:
+        The kernel now used (None: megatron's default).
+
+    Without Apex / Transformer Engine megatron builds ``torch.optim.AdamW`` with its default
+    per-tensor loop. The registry's ``fused`` kernel is torch's single-kernel
+    ``_fused_adamw_`` and its ``foreach`` kernel the multi-tensor one: torch's AdamW runs the
+    same kernels when a parameter group says ``fused`` / ``foreach``, so the group flags are
+    set and the optimizer object, its state and its checkpoints stay megatron's.
+    """
+    from mindspeed.megatron import current_report
+    from mindspeed.ops.registry import resolve_kernel
+
+    if impl is None:
+        features = getattr(current_report(), "features", None)  # the feature report of adapt(features=...)
+        impl = getattr(features, "kernel_impls", {}).get("adamw")
+    if impl == "auto":
+        impl = resolve_kernel("adamw", "auto").name
+    if impl not in ("fused", "foreach"):
+        return None
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for torch_optimizer in inner:
+        if torch_optimizer is None or type(torch_optimizer).__name__ not in ("AdamW", "Adam"):
+            continue
+        for group in torch_optimizer.param_groups:
+            group["fused"], group["foreach"] = impl == "fused", impl == "foreach"
+    return impl
 
 
 def build_scheduler(config: PretrainConfig, optimizer: Any) -> Any:
