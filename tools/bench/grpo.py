@@ -33,8 +33,11 @@ back to back less so (``--repeats`` alternates the sides and keeps each side's b
 
 Usage::
 
-    uv run --frozen python tools/bench/grpo.py            # default: ~5 min on 2 cores
-    uv run --frozen python tools/bench/grpo.py --quick    # a smoke run (~1 min)
+    uv run --frozen python tools/bench/grpo.py              # default: ~8 min on 2 cores (both tables)
+    uv run --frozen python tools/bench/grpo.py --quick      # a smoke run (~2 min)
+    uv run --frozen python tools/bench/grpo.py --no-trl     # sync vs async only
+
+Results and their reading: ``docs/rl/benchmark.md``.
 
 A second table runs the same recipe through the Ray driver (``mindspeed_rl.runner.GRPORunner``:
 the actor and a separate rollout worker) with ``buffer.mode=sync`` and ``async``
@@ -211,7 +214,8 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     profiler.stop()
     phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
     return {**_periods(marks), "gen_times": gen_times, "gen_tokens": gen_tokens,
-            "rollout_times": phases["time/rollout"], "phases": phases, "reward_mean": [r["reward_mean"] for r in records],
+            "rollout_times": phases["time/rollout"], "phases": phases,
+            "reward_mean": [r["reward_mean"] for r in records],
             "threads": torch.get_num_threads(), "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]],
             **memory_status()}
 
@@ -506,6 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(args.repeats if args.trl else 0):
         for side in (SIDES[::-1] if args.trl_first else SIDES):
             runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
+    if not args.allow_eos:  # the equal-work premise: every response exactly --max-new-tokens long on both sides
+        want = args.global_batch * args.n * args.max_new_tokens
+        for side, side_runs in runs.items():
+            if any(tokens != want for run in side_runs for tokens in run["gen_tokens"]):
+                raise SystemExit(f"{side} generated {[run['gen_tokens'] for run in side_runs]} tokens per step, not "
+                                 f"{want}: the sides did not do the same work; see {work}")
     results = {side: summarize(r, args.warmup) for side, r in runs.items() if r}
     modes: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     if args.buffer_modes:
