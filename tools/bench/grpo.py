@@ -34,7 +34,8 @@ back to back less so (``--repeats`` alternates the sides and keeps each side's b
 Usage::
 
     uv run --frozen python tools/bench/grpo.py              # default: ~8 min on 2 cores (both tables)
-    uv run --frozen python tools/bench/grpo.py --quick      # a smoke run (~2 min)
+    uv run --frozen python tools/bench/grpo.py --quick --no-buffer-modes  # a smoke run (~1 min)
+    uv run --frozen python tools/bench/grpo.py --quick      # both tables (~2 to 4 min: Ray start-up)
     uv run --frozen python tools/bench/grpo.py --no-trl     # sync vs async only
 
 Results and their reading: ``docs/rl/benchmark.md``.
