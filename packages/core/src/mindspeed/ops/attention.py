@@ -295,6 +295,17 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
             {"window_size": (2, 0), "cu_seqlens": cu(0, 7, 12)},
             features=window | varlen,
         ),
+        # Unequal lengths, an empty segment and trailing padding as its own segment: the SDPA
+        # backend pads these into batches by length.
+        Case(
+            "varlen gqa unequal", qkv(1, 24, 24, 4, 2, 16), {"cu_seqlens": cu(0, 1, 3, 10, 10, 19, 24)}, features=varlen
+        ),
+        Case(
+            "varlen band unequal",
+            qkv(1, 17, 17, 3, 1, 16),
+            {"causal": False, "window_size": (1, 2), "softmax_scale": 0.3, "cu_seqlens": cu(0, 9, 11, 17)},
+            features=window | varlen,
+        ),
         Case("lse causal", qkv(2, 7, 7, 4, 2, 16), {"return_lse": True}, features=lse),
         Case("lse full", qkv(1, 5, 8, 3, 3, 16), {"causal": False, "return_lse": True}, features=lse),
         Case("lse sq>sk, empty rows", qkv(1, 6, 3, 4, 2, 16), {"return_lse": True}, features=lse),
@@ -327,6 +338,110 @@ register_op(
 )
 
 
+#: Fixed cost of one segment-wise SDPA call (gathers, mask, launch, autograd nodes) in
+#: multiply-adds; a score element costs ``heads_q * dim``. Forward + backward on one CPU
+#: thread (tools/bench/packed_attention.py): ~0.3 ms a call, ~0.75 ns a multiply-add.
+_CALL_COST = 1 << 19
+#: A dense-mask score element against a segment's own: on the CPU the masked and the
+#: ``is_causal`` kernels run at the same rate per element (causal skips no work there).
+_DENSE_COST = 1.0
+
+
+def _segment_groups(bounds: Sequence[int], call_cost: float) -> list[list[int]]:
+    """Group the non-empty segments, longest first, into right-padded batches (one call each).
+
+    A segment joins the current group when padding it to the group's longest ``M``
+    (``M**2 - L**2`` score elements) costs no more than another call.
+
+    Args:
+        bounds: the packed row's segment boundaries.
+        call_cost: the fixed cost of one call, in score elements.
+
+    Returns:
+        Lists of segment indices, longest first.
+    """
+    lengths = [(end - start, i) for i, (start, end) in enumerate(zip(bounds, bounds[1:])) if end > start]
+    groups: list[list[int]] = []
+    group_max = 0
+    for length, i in sorted(lengths, reverse=True):
+        if not groups or group_max * group_max - length * length > call_cost:
+            groups.append([])
+            group_max = length
+        groups[-1].append(i)
+    return groups
+
+
+def _segmented_cost(bounds: Sequence[int], groups: list[list[int]], call_cost: float) -> float:
+    """Estimated work of the segment-wise path in score elements (``call_cost`` per call)."""
+    cost = 0.0
+    for group in groups:
+        longest = max(bounds[i + 1] - bounds[i] for i in group)
+        cost += len(group) * longest * longest + call_cost
+    return cost
+
+
+def _attention_segmented(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: Sequence[int],
+    groups: list[list[int]],
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: Sequence[int],
+) -> torch.Tensor:
+    """Packed attention one padded batch of segments at a time (see :func:`attention_sdpa`).
+
+    Each group gathers its segments into ``[segments, longest, heads, dim]``, right-padded with
+    a zero token. Causal attention needs no mask: a padded key sits after every real query of
+    its segment. Otherwise keys are masked by validity, and padded queries see every key so
+    that no row is empty (SDPA would give NaN, which the backward spreads to the real keys);
+    their outputs are dropped, so they get and give no gradient.
+    """
+    seq, device, gqa = q.shape[1], q.device, q.shape[2] != k.shape[2]
+    windowed = tuple(int(w) for w in window_size) != (-1, -1)
+    starts_all = torch.tensor(bounds[:-1], dtype=torch.long)
+    lengths_all = torch.tensor(bounds[1:], dtype=torch.long) - starts_all
+    padded = None  # q, k, v with a zero token appended at index ``seq``, built on first need
+    pieces, inverse, offset = [], torch.empty(seq, dtype=torch.long), 0
+    for group in groups:
+        members = torch.tensor(group, dtype=torch.long)
+        starts, lengths = starts_all[members], lengths_all[members]
+        longest = int(lengths.max())
+        cols = torch.arange(longest)
+        valid = cols[None, :] < lengths[:, None]  # [segments, longest]
+        index = starts[:, None] + cols[None, :]
+        ragged = not bool(valid.all())
+        if ragged:
+            index = torch.where(valid, index, seq)
+            if padded is None:
+                padded = tuple(torch.cat([x[0], x.new_zeros(1, *x.shape[2:])]) for x in (q, k, v))
+            source = padded
+        else:
+            source = (q[0], k[0], v[0])
+        flat = index.flatten()
+        # Where each real token's output lands in the concatenation of the groups' outputs.
+        inverse[flat[valid.flatten()]] = offset + torch.arange(flat.numel())[valid.flatten()]
+        offset += flat.numel()
+        flat = flat.to(device)
+        qg, kg, vg = (x.index_select(0, flat).view(len(group), longest, *x.shape[1:]).transpose(1, 2) for x in source)
+        mask = None
+        if windowed:
+            mask = visible_keys_mask(longest, longest, causal=causal, window_size=window_size, device=device)
+            if ragged and mask is not None:  # never None under a window
+                ok = valid.to(device)
+                mask = ((mask[None] & ok[:, None, :]) | ~ok[:, :, None])[:, None]
+        elif not causal and ragged:
+            mask = valid.to(device)[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, is_causal=causal and not windowed, scale=softmax_scale, enable_gqa=gqa
+        )
+        pieces.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [tokens, heads, dim]
+    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return joined.index_select(0, inverse.to(device)).unsqueeze(0)
+
+
 @register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN))
 def attention_sdpa(
     q: torch.Tensor,
@@ -343,14 +458,24 @@ def attention_sdpa(
 
     Same arguments as :func:`attention_reference`, without ``return_lse`` (SDPA does not
     return the log-sum-exp). Plain causal attention with ``seq_q == seq_k`` uses
-    ``is_causal``; windows, packed sequences and bottom-right causal with ``seq_q != seq_k``
-    pass an explicit boolean mask.
+    ``is_causal``; windows and bottom-right causal with ``seq_q != seq_k`` pass an explicit
+    boolean mask. Packed sequences run segment by segment, batched by similar length, with
+    ``is_causal`` (a mask only for windows and padding); a dense block-diagonal mask over the
+    whole row costs ``seq ** 2`` and is used only where the estimate says it is cheaper.
     """
     if return_lse:
         raise ValueError("attention impl 'sdpa' cannot return lse; resolve the op with features=('lse',)")
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     seq_q, seq_k = q.shape[1], k.shape[1]
     gqa = q.shape[2] != k.shape[2]
+    if cu_seqlens is not None:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        call_cost = _CALL_COST / (q.shape[2] * q.shape[3])
+        groups = _segment_groups(bounds, call_cost)
+        if _segmented_cost(bounds, groups, call_cost) < _DENSE_COST * seq_q * seq_k:
+            return _attention_segmented(
+                q, k, v, bounds, groups, causal=causal, softmax_scale=softmax_scale, window_size=window_size
+            )
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     plain = cu_seqlens is None and tuple(int(w) for w in window_size) == (-1, -1)
     if plain and (not causal or seq_q == seq_k):
