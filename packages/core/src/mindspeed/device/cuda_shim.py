@@ -99,6 +99,10 @@ def _index(device: Any) -> int:
     return int(device)
 
 
+#: Functions whose positional arguments may name a device or a CUDA type.
+_REWRITTEN = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+
+
 class DeviceRedirectMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to ``accelerator``'s device (thread-local; enter per thread).
 
@@ -125,6 +129,8 @@ class DeviceRedirectMode(TorchFunctionMode):
         return device
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not kwargs and func not in _REWRITTEN:  # most calls (every op of a forward): nothing to rewrite
+            return func(*args)
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             tensor = args[0]
