@@ -248,3 +248,30 @@ def test_cpu_redirect_mode_rewrites_cuda_arguments() -> None:
     assert x.device.type == y.device.type == z.device.type == "cpu"
     assert name == "torch.cuda.FloatTensor"
     assert torch.ones(2).type() == "torch.FloatTensor"  # only inside the mode
+
+
+def test_redirect_suspended_leaves_only_the_redirect() -> None:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from mindspeed.device import get_accelerator
+    from mindspeed.device.cuda_shim import DeviceRedirectMode, redirect_suspended
+
+    kind = get_accelerator().device().type
+    with redirect_suspended():  # no mode: nothing to do
+        assert torch._C._len_torch_function_stack() == 0
+    with DeviceRedirectMode(get_accelerator()):
+        depth = torch._C._len_torch_function_stack()
+        assert torch.zeros(1, device="cuda").device.type == kind
+        with redirect_suspended():
+            assert torch._C._len_torch_function_stack() == depth - 1
+        assert torch._C._len_torch_function_stack() == depth
+        assert torch.zeros(1, device="cuda").device.type == kind
+
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201
+            return func(*args, **(kwargs or {}))
+
+    with Other():  # another mode on top is never removed
+        with redirect_suspended():
+            assert torch._C._len_torch_function_stack() == 1

@@ -16,7 +16,8 @@ On CUDA itself nothing is needed and nothing is applied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,3 +150,25 @@ class DeviceRedirectMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], self.map_device(args[1]), *args[2:])
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def redirect_suspended() -> Iterator[None]:
+    """Leave the calling thread's :class:`DeviceRedirectMode` for the duration (no-op without one).
+
+    The redirect sees every torch call (~10 us each in Python): code that never names a CUDA
+    device (the inference engine's decode loop, registry kernels) runs much faster outside it.
+    Only a redirect at the top of the thread's function-mode stack is left; any other mode stays.
+    """
+    mode = None
+    if torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if isinstance(top, DeviceRedirectMode):
+            mode = top
+        else:
+            torch._C._push_on_torch_function_stack(top)
+    try:
+        yield
+    finally:
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
