@@ -23,8 +23,11 @@ MASKS = {
     "causal": {"causal": True},
     "full": {"causal": False},
     "sliding window": {"causal": True, "window_size": (2, 0)},
+    # Wider than the shorter segments (dropped there) and narrower than the longest.
+    "wide window": {"causal": True, "window_size": (6, 0)},
     "band": {"causal": False, "window_size": (1, 2)},
     "left only": {"causal": False, "window_size": (0, -1)},
+    "right bound 0": {"causal": False, "window_size": (-1, 0)},  # causal by another name
 }
 
 
@@ -108,6 +111,13 @@ def test_segments_batch_by_length_with_is_causal(monkeypatch: pytest.MonkeyPatch
     attention_sdpa(q, k, v, cu_seqlens=torch.tensor(bounds))
     assert [(c["q"], c["mask"], c["is_causal"]) for c in calls] == [
         ((3, 4, 9, 8), None, True),
+        ((3, 4, 3, 8), None, True),
+    ]
+    # A window of 8 tokens hides keys only in the group of 9s, and the 8 there is padded.
+    calls.clear()
+    attention_sdpa(q, k, v, cu_seqlens=torch.tensor(bounds), window_size=(7, 0))
+    assert [(c["q"], c["mask"], c["is_causal"]) for c in calls] == [
+        ((3, 4, 9, 8), (3, 1, 9, 9), False),
         ((3, 4, 3, 8), None, True),
     ]
 

@@ -373,11 +373,8 @@ def _segment_groups(bounds: Sequence[int], call_cost: float) -> list[list[int]]:
 
 def _segmented_cost(bounds: Sequence[int], groups: list[list[int]], call_cost: float) -> float:
     """Estimated work of the segment-wise path in score elements (``call_cost`` per call)."""
-    cost = 0.0
-    for group in groups:
-        longest = max(bounds[i + 1] - bounds[i] for i in group)
-        cost += len(group) * longest * longest + call_cost
-    return cost
+    longest = [max(bounds[i + 1] - bounds[i] for i in group) for group in groups]
+    return sum(len(group) * m * m + call_cost for group, m in zip(groups, longest))
 
 
 def _attention_segmented(
@@ -400,14 +397,12 @@ def _attention_segmented(
     their outputs are dropped, so they get and give no gradient.
     """
     seq, device, gqa = q.shape[1], q.device, q.shape[2] != k.shape[2]
-    windowed = tuple(int(w) for w in window_size) != (-1, -1)
     starts_all = torch.tensor(bounds[:-1], dtype=torch.long)
     lengths_all = torch.tensor(bounds[1:], dtype=torch.long) - starts_all
     padded = None  # q, k, v with a zero token appended at index ``seq``, built on first need
     pieces, inverse, offset = [], torch.empty(seq, dtype=torch.long), 0
     for group in groups:
-        members = torch.tensor(group, dtype=torch.long)
-        starts, lengths = starts_all[members], lengths_all[members]
+        starts, lengths = starts_all[group], lengths_all[group]
         longest = int(lengths.max())
         cols = torch.arange(longest)
         valid = cols[None, :] < lengths[:, None]  # [segments, longest]
@@ -426,16 +421,20 @@ def _attention_segmented(
         offset += flat.numel()
         flat = flat.to(device)
         qg, kg, vg = (x.index_select(0, flat).view(len(group), longest, *x.shape[1:]).transpose(1, 2) for x in source)
-        mask = None
+        # A bound as wide as the group's longest segment hides nothing, nor does a right bound
+        # under causal; a lone right bound of 0 is causal. Dropping them drops the mask.
+        left, right = (-1 if w >= longest - 1 else int(w) for w in window_size)
+        is_causal = causal or (left, right) == (-1, 0)
+        window = (left, -1 if is_causal else right)
+        windowed, valid = window != (-1, -1), valid.to(device)
         if windowed:
-            mask = visible_keys_mask(longest, longest, causal=causal, window_size=window_size, device=device)
+            mask = visible_keys_mask(longest, longest, causal=is_causal, window_size=window, device=device)
             if ragged and mask is not None:  # never None under a window
-                ok = valid.to(device)
-                mask = ((mask[None] & ok[:, None, :]) | ~ok[:, :, None])[:, None]
-        elif not causal and ragged:
-            mask = valid.to(device)[:, None, None, :]
+                mask = ((mask[None] & valid[:, None, :]) | ~valid[:, :, None])[:, None]
+        else:
+            mask = valid[:, None, None, :] if ragged and not is_causal else None
         out = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=mask, is_causal=causal and not windowed, scale=softmax_scale, enable_gqa=gqa
+            qg, kg, vg, attn_mask=mask, is_causal=is_causal and not windowed, scale=softmax_scale, enable_gqa=gqa
         )
         pieces.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [tokens, heads, dim]
     joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
