@@ -6,9 +6,11 @@ safetensors, a character-level tokenizer) whose weights are warm-started by a sh
 fit on the shipped training prompts (:data:`~mindspeed_rl.data.arithmetic.DEMO_TRAIN`): it
 answers in GSM8K's ``#### N`` form that the ``math`` verifier reads and is right on a fraction
 of the prompts, which leaves the reward room to rise. The build is deterministic in its seed
-and takes a few seconds on one CPU core.
+and takes about a minute on one idle CPU core (the fit has a phase change: at 400 steps it is
+right on ~20 % of the training prompts greedily, at 700 on ~80 %, ~35 % when sampled).
 
-The tokenizer has one token per character (digits one by one, as the arithmetic needs) and a
+The tokenizer has one token per digit (as the arithmetic needs), per other character, and per
+frequent piece of the prompts (``What is ``, `` #### ``, ...), and a
 chat template that renders exactly the plain format ``<s>Question: {prompt}\\nAnswer:``, so
 ``data.prompt_format`` ``plain`` and ``chat`` give the same token ids.
 
@@ -38,7 +40,7 @@ DEMO_MODEL = "demo"
 #: Where :func:`resolve_model` caches the demo policy when no directory is given.
 DEFAULT_CACHE_DIR = Path("runs/rl-demo-model")
 #: Bumped whenever the builder's output changes, so stale caches are not reused.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 #: The plain prompt format the policy is fitted on (``data.prompt_template``'s default).
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -70,7 +72,7 @@ class DemoPolicySettings:
     intermediate_size: int = 256
     num_layers: int = 2
     num_heads: int = 4
-    fit_steps: int = 400
+    fit_steps: int = 700
     batch_size: int = 256
     lr: float = 3e-3
     weight_decay: float = 0.0

@@ -18,7 +18,7 @@ def add_make_demo_model(sub: argparse._SubParsersAction) -> None:
     """Add ``make-demo-model`` to the ``mindspeed-rl`` subcommands."""
     parser = sub.add_parser("make-demo-model", help="write the tiny demo starting policy (Hugging Face directory)",
                             description="Fit a tiny Llama on the shipped arithmetic prompts for a few hundred steps "
-                                        "(seconds on one CPU core) so that GRPO starts from a policy that is right "
+                                        "(about a minute on one CPU core) so that GRPO starts from a policy that is right "
                                         "some of the time. Same seed, same weights. Written atomically.")
     parser.add_argument("--out", required=True, help="the directory to write (new or empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the fit (default 0)")
