@@ -399,28 +399,30 @@ def _attention_segmented(
     seq, device, gqa = q.shape[1], q.device, q.shape[2] != k.shape[2]
     starts_all = torch.tensor(bounds[:-1], dtype=torch.long)
     lengths_all = torch.tensor(bounds[1:], dtype=torch.long) - starts_all
-    padded = None  # q, k, v with a zero token appended at index ``seq``, built on first need
-    pieces, inverse, offset = [], torch.empty(seq, dtype=torch.long), 0
+    # One gather for all groups and one scatter back: every indexing op's backward allocates
+    # a zero tensor the size of the whole row, which per group would cost more than the attention.
+    shapes, valids, indices = [], [], []
     for group in groups:
         starts, lengths = starts_all[group], lengths_all[group]
-        longest = int(lengths.max())
-        cols = torch.arange(longest)
+        cols = torch.arange(int(lengths.max()))
         valid = cols[None, :] < lengths[:, None]  # [segments, longest]
-        index = starts[:, None] + cols[None, :]
+        indices.append(torch.where(valid, starts[:, None] + cols[None, :], seq).flatten())
+        shapes.append(valid.shape)
+        valids.append(valid)
+    index = torch.cat(indices)
+    real = torch.cat([valid.flatten() for valid in valids])
+    # Where each real token's output lands in the concatenation of the groups' outputs.
+    inverse = torch.empty(seq, dtype=torch.long)
+    inverse[index[real]] = torch.arange(index.numel())[real]
+    sources = (q[0], k[0], v[0])
+    if not bool(real.all()):  # padding reads a zero token appended at index ``seq``
+        sources = tuple(torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in sources)
+    index = index.to(device)
+    gathered = [x.index_select(0, index).split([n * m for n, m in shapes]) for x in sources]
+    pieces = []
+    for (n, longest), valid, qg, kg, vg in zip(shapes, valids, *gathered):
+        qg, kg, vg = (x.view(n, longest, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))
         ragged = not bool(valid.all())
-        if ragged:
-            index = torch.where(valid, index, seq)
-            if padded is None:
-                padded = tuple(torch.cat([x[0], x.new_zeros(1, *x.shape[2:])]) for x in (q, k, v))
-            source = padded
-        else:
-            source = (q[0], k[0], v[0])
-        flat = index.flatten()
-        # Where each real token's output lands in the concatenation of the groups' outputs.
-        inverse[flat[valid.flatten()]] = offset + torch.arange(flat.numel())[valid.flatten()]
-        offset += flat.numel()
-        flat = flat.to(device)
-        qg, kg, vg = (x.index_select(0, flat).view(len(group), longest, *x.shape[1:]).transpose(1, 2) for x in source)
         # A bound as wide as the group's longest segment hides nothing, nor does a right bound
         # under causal; a lone right bound of 0 is causal. Dropping them drops the mask.
         left, right = (-1 if w >= longest - 1 else int(w) for w in window_size)
