@@ -24,6 +24,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,18 +58,23 @@ def segment_lengths(count: int, mean: int, spread: float, gen: torch.Generator) 
     return torch.randint(low, high + 1, (count,), generator=gen).tolist()
 
 
-def time_call(fn: Callable[[], torch.Tensor], grad: torch.Tensor, warmup: int, repeat: int) -> float:
-    """Best (minimum) milliseconds of ``fn()`` forward + backward over ``repeat`` runs."""
-    times = []
+def time_calls(fns: dict[str, Callable[[], torch.Tensor]], grad: torch.Tensor, warmup: int, repeat: int
+               ) -> dict[str, float]:
+    """Best (minimum) milliseconds of each ``fn()`` forward + backward over ``repeat`` runs.
+
+    The functions take turns, so that a burst of load from other processes hits them alike.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for step in range(warmup + repeat):
-        started = time.perf_counter()
-        fn().backward(grad)
-        if step >= warmup:
-            times.append((time.perf_counter() - started) * 1e3)
-    return min(times)
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn().backward(grad)
+            if step >= warmup:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: min(values) for name, values in times.items()}
 
 
-def bench_shape(lengths: list[int], args: argparse.Namespace, gen: torch.Generator) -> dict[str, float]:
+def bench_shape(lengths: list[int], args: argparse.Namespace, gen: torch.Generator) -> dict[str, Any]:
     """Time dense, segmented and loop on one packing; raise if the two sdpa paths disagree."""
     tokens, dim = sum(lengths), args.hidden // args.heads
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -80,7 +86,7 @@ def bench_shape(lengths: list[int], args: argparse.Namespace, gen: torch.Generat
 
     def sdpa(dense: bool) -> torch.Tensor:
         saved = attention_module._DENSE_COST
-        # 0 makes the estimate always prefer the segments; a huge value, the dense mask.
+        # A huge dense weight makes the cost estimate always pick the segments; 0, the dense mask.
         attention_module._DENSE_COST = 1e30 if not dense else 0.0
         try:
             return attention_module.attention_sdpa(q, k, v, window_size=window, cu_seqlens=cu)
@@ -104,13 +110,15 @@ def bench_shape(lengths: list[int], args: argparse.Namespace, gen: torch.Generat
     error = max(float((a - b).abs().max()) for a, b in zip(results["dense"], results["segmented"]))
     if error > 1e-4:
         raise RuntimeError(f"dense and segmented disagree by {error:.2e} on lengths {lengths}")
-    times = {
-        "dense": time_call(lambda: sdpa(True), grad, args.warmup, args.repeat),
-        "segmented": time_call(lambda: sdpa(False), grad, args.warmup, args.repeat),
-        "max_error": error,
-    }
+    fns = {"dense": lambda: sdpa(True), "segmented": lambda: sdpa(False)}
     if args.window <= 0:
-        times["loop"] = time_call(loop, grad, args.warmup, args.repeat)
+        fns["loop"] = loop
+    times: dict[str, Any] = {**time_calls(fns, grad, args.warmup, args.repeat), "max_error": error}
+    # Which path attention_sdpa's cost model takes by default.
+    calls = attention_module._CALL_COST / (args.heads * dim)
+    groups = attention_module._segment_groups(bounds, calls)
+    segmented = attention_module._segmented_cost(bounds, groups, calls) < attention_module._DENSE_COST * tokens**2
+    times["auto"] = f"segmented ({len(groups)} calls)" if segmented else "dense"
     return times
 
 
@@ -118,14 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 150)
     table = Table(title=(
         f"packed causal attention, fwd+bwd ms, best of {args.repeat} (hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
         f"{args.threads} thread{'s' if args.threads > 1 else ''}, spread {args.spread}"
         f"{f', window {args.window}' if args.window > 0 else ''})"
     ))
-    for column in ("packing", "tokens", "dense", "segmented", "loop", "dense / segmented", "max |diff|"):
-        table.add_column(column, justify="left" if column == "packing" else "right")
+    columns = ("packing", "tokens", "dense", "segmented", "loop", "dense / segmented", "max |diff|", "default path")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("packing", "default path") else "right")
     for shape in args.shapes.split(","):
         count, mean = (int(part) for part in shape.lower().split("x"))
         lengths = segment_lengths(count, mean, args.spread, gen)
@@ -133,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = f"{times['loop']:.2f}" if "loop" in times else "-"
         table.add_row(
             f"{count} x {mean}", str(sum(lengths)), f"{times['dense']:.2f}", f"{times['segmented']:.2f}", loop,
-            f"{times['dense'] / times['segmented']:.2f}x", f"{times['max_error']:.1e}",
+            f"{times['dense'] / times['segmented']:.2f}x", f"{times['max_error']:.1e}", times["auto"],
         )
     console.print(table)
     return 0

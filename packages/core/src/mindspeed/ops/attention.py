@@ -342,28 +342,22 @@ register_op(
 #: multiply-adds; a score element costs ``heads_q * dim``. Forward + backward on one CPU
 #: thread (tools/bench/packed_attention.py): ~0.3 ms a call, ~0.75 ns a multiply-add.
 _CALL_COST = 1 << 19
-#: A dense-mask score element against a segment's own: on the CPU the masked and the
-#: ``is_causal`` kernels run at the same rate per element (causal skips no work there).
-_DENSE_COST = 1.0
+#: A dense-mask score element against a segment's own: on the CPU the masked kernel is a
+#: little slower per element than ``is_causal`` (it builds and reads the mask).
+_DENSE_COST = 1.25
 
 
 def _segment_groups(bounds: Sequence[int], call_cost: float) -> list[list[int]]:
     """Group the non-empty segments, longest first, into right-padded batches (one call each).
 
     A segment joins the current group when padding it to the group's longest ``M``
-    (``M**2 - L**2`` score elements) costs no more than another call.
-
-    Args:
-        bounds: the packed row's segment boundaries.
-        call_cost: the fixed cost of one call, in score elements.
-
-    Returns:
-        Lists of segment indices, longest first.
+    (``M**2 - L**2`` score elements) costs no more than another call (``call_cost`` elements).
+    Returns lists of segment indices.
     """
     lengths = [(end - start, i) for i, (start, end) in enumerate(zip(bounds, bounds[1:])) if end > start]
     groups: list[list[int]] = []
     group_max = 0
-    for length, i in sorted(lengths, reverse=True):
+    for length, i in sorted(lengths, key=lambda item: (-item[0], item[1])):  # ties keep row order
         if not groups or group_max * group_max - length * length > call_cost:
             groups.append([])
             group_max = length
@@ -415,10 +409,13 @@ def _attention_segmented(
     inverse = torch.empty(seq, dtype=torch.long)
     inverse[index[real]] = torch.arange(index.numel())[real]
     sources = (q[0], k[0], v[0])
+    # Segments already in row order without padding (equal lengths, or one) need no gathers.
+    in_place = index.numel() == seq and bool((index == torch.arange(seq)).all())
     if not bool(real.all()):  # padding reads a zero token appended at index ``seq``
         sources = tuple(torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in sources)
     index = index.to(device)
-    gathered = [x.index_select(0, index).split([n * m for n, m in shapes]) for x in sources]
+    sizes = [n * m for n, m in shapes]
+    gathered = [(x if in_place else x.index_select(0, index)).split(sizes) for x in sources]
     pieces = []
     for (n, longest), valid, qg, kg, vg in zip(shapes, valids, *gathered):
         qg, kg, vg = (x.view(n, longest, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))
@@ -440,7 +437,7 @@ def _attention_segmented(
         )
         pieces.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [tokens, heads, dim]
     joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return joined.index_select(0, inverse.to(device)).unsqueeze(0)
+    return (joined if in_place else joined.index_select(0, inverse.to(device))).unsqueeze(0)
 
 
 @register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN))
