@@ -238,7 +238,12 @@ def resolve_model(path_or_demo: str, cache_dir: str | Path | None = None, seed: 
     target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"demo-policy-v{BUILDER_VERSION}-seed{seed}"
     if not (target / "config.json").is_file():
         logger.info("building the demo policy into %s (once)", target)
-        build_demo_policy(target, seed=seed)
+        try:
+            build_demo_policy(target, seed=seed)
+        except (OSError, ValueError):
+            # Another process (a second rank, a parallel run) finished the same build first.
+            if not (target / "config.json").is_file():
+                raise
     return str(target)
 
 
