@@ -57,6 +57,30 @@ def resolve_model(config: GRPOConfig) -> str:
     return str(model)
 
 
+def _absolute(value: str | None) -> str | None:
+    return None if value is None else str(Path(value).expanduser().absolute())
+
+
+def absolute_paths(config: GRPOConfig) -> GRPOConfig:
+    """The recipe with its file and directory paths made absolute (Ray workers do not share the driver's cwd)."""
+    a, d = config.actor, config.data
+
+    def data_path(value: str | None) -> str | None:
+        return _absolute(value) if value is not None and Path(value).exists() else value  # keeps demo / demo-test
+
+    return replace(
+        config,
+        actor=replace(a, model=_absolute(a.model), tokenizer=a.tokenizer if a.tokenizer in (None, "demo")
+                      else _absolute(a.tokenizer)),
+        reference=replace(config.reference, model=_absolute(config.reference.model)),
+        reward=replace(config.reward, model=_absolute(config.reward.model)),
+        data=replace(d, path=data_path(d.path), eval_path=data_path(d.eval_path)),
+        logging=replace(config.logging, dir=_absolute(config.logging.dir)),
+        checkpoint=replace(config.checkpoint, save=_absolute(config.checkpoint.save),
+                           save_hf=_absolute(config.checkpoint.save_hf)),
+    )
+
+
 def ray_remote(cls: type) -> Any:
     """``ray.remote(cls)`` (imported late: Ray is started by :func:`~mindspeed_rl.ray_runtime.init_ray`)."""
     import ray
@@ -103,6 +127,7 @@ class GRPORunner:
         if config.actor.model == "demo":
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()
+        config = absolute_paths(config)
         if config.buffer.mode == "async" and config.algorithm.tis_cap is None:
             config = replace(config, algorithm=replace(config.algorithm, tis_cap=ASYNC_TIS_CAP))
             logger.info("async mode: truncated importance sampling against the rollout's log-probs, "
