@@ -151,11 +151,13 @@ def test_async_dp2_runs_ahead_within_the_bound(ray_session: Any, root: Path,
     _close(records[0], reference[0], 1e-4)
 
 
-def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    demo_policy_cache: Path) -> None:
     """``mindspeed-rl grpo --config examples/rl/grpo_tiny_cpu.yaml`` (the README's RL example), 2 steps.
 
-    From a fresh working directory: ``actor.model: demo`` builds the demo policy into
-    ``runs/rl-demo-model`` there; the run writes its metrics, TensorBoard events, the reward
+    From a fresh working directory: ``actor.model: demo`` finds the demo policy in
+    ``runs/rl-demo-model`` there (copied from the session's build: the build itself is the
+    demo model's own test); the run writes its metrics, TensorBoard events, the reward
     curve and the final policy as a Hugging Face directory that transformers loads, whose
     weights moved away from the starting policy's.
     """
@@ -167,6 +169,9 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
     from mindspeed_rl.cli import main
 
     recipe = Path(__file__).resolve().parents[2] / "examples" / "rl" / "grpo_tiny_cpu.yaml"
+    import shutil
+
+    shutil.copytree(demo_policy_cache, tmp_path / "runs" / "rl-demo-model")
     monkeypatch.chdir(tmp_path)
     assert main(["grpo", "--config", str(recipe), "train.steps=2", "checkpoint.save_hf=runs/policy"]) == 0
     logs = tmp_path / "runs" / "grpo-tiny-cpu"
