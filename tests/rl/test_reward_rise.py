@@ -23,13 +23,13 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "rl" / "grpo_tiny_cp
 K = 5  # steps averaged at each end of the reward curve
 
 
-def _run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _run(rank: int, world_size: int, root: str, cache: str) -> dict[str, Any]:
     from mindspeed_rl.config import load_grpo_config
     from mindspeed_rl.data import load_prompts
     from mindspeed_rl.demo_model import evaluate_accuracy, resolve_model
     from mindspeed_rl.trainer import build_context, grpo_step
 
-    model = resolve_model("demo", f"{root}/cache")
+    model = resolve_model("demo", cache)
     config = load_grpo_config(RECIPE, [f"actor.model={model}", f"logging.dir={root}/logs"])
     ctx = build_context(config)
     held_out = load_prompts(config.data.eval_path)
@@ -45,8 +45,8 @@ def _run(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_reward_of_the_demo_policy(tmp_path: Path) -> None:
-    out = run_distributed(_run, 1, str(tmp_path), timeout=1500)[0]
+def test_grpo_raises_the_reward_of_the_demo_policy(tmp_path: Path, demo_policy_cache: Path) -> None:
+    out = run_distributed(_run, 1, str(tmp_path), str(demo_policy_cache), timeout=1500)[0]
     rewards = [record["reward_mean"] for record in out["history"]]
     first, last = sum(rewards[:K]) / K, sum(rewards[-K:]) / K
     assert last > first + 0.1, rewards
