@@ -53,7 +53,9 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.actor import Actor, ActorSettings
 
-    settings = ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.5, loss="dapo")
+    # A warmup + cosine schedule (megatron's scheduler inside the actor, one position per update).
+    settings = ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.5, loss="dapo", lr_warmup_steps=2,
+                             lr_decay_style="cosine", lr_decay_steps=STEPS + 1, min_lr=1e-3)
     plain, offl = Actor(f"{root}/hf", settings), Actor(f"{root}/hf", settings)
     out: dict[str, Any] = {"plain": [], "offl": [], "checks": []}
     for step in range(STEPS):
@@ -152,3 +154,16 @@ def test_reference_weights_offload(run: dict[str, Any]) -> None:
     assert all(size == 0 for size in ref["sizes"])
     assert ref["moved"] == ref["mem"]["offloaded_weights"] == ref["mem"]["offloaded_bytes"] == ref["param_bytes"]
     assert ref["equal"]
+
+
+def test_learning_rate_follows_warmup_then_cosine(run: dict[str, Any]) -> None:
+    import math
+
+    def expected(k: int) -> float:  # update k (from 0) uses the schedule's position k
+        if k < 2:
+            return 1e-2 * k / 2
+        progress = (k - 2) / (STEPS + 1 - 2)
+        return 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    got = [m["lr"] for m in run["plain"]]
+    assert all(math.isclose(g, expected(k), rel_tol=1e-9, abs_tol=1e-12) for k, g in enumerate(got)), got

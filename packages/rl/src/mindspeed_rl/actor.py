@@ -53,7 +53,11 @@ class ActorSettings:
     """Optimizer and batching settings of the actor.
 
     Attributes:
-        lr: learning rate (constant). weight_decay: AdamW decay. clip_grad: global norm clip (0: off).
+        lr: peak learning rate. min_lr: at the end of the decay (default ``lr``).
+        lr_warmup_steps: linear warmup over this many updates. lr_decay_style: ``constant``,
+        ``linear`` or ``cosine`` (megatron's scheduler, one position per update).
+        lr_decay_steps: updates to the end of the decay (default: the warmup + 1).
+        weight_decay: AdamW decay. clip_grad: global norm clip (0: off).
         adam_beta1, adam_beta2: Adam betas. precision: ``fp32`` or ``bf16``.
         micro_batch_size: sequences per microbatch. seed: megatron's seed.
         loss: a key of ``POLICY_LOSSES``. loss_config: its settings (default: the loss's).
@@ -62,6 +66,10 @@ class ActorSettings:
     """
 
     lr: float = 1e-6
+    min_lr: float | None = None
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -109,7 +117,7 @@ class Actor:
         from mindspeed_llm.training.data import read_tokenizer
         from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
         from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
-        from mindspeed_llm.training.optim import build_optimizer, use_adamw_kernel
+        from mindspeed_llm.training.optim import build_optimizer, build_scheduler, use_adamw_kernel
 
         from mindspeed.device import get_accelerator
         from mindspeed_rl.memory import StorageOffloader
@@ -119,7 +127,9 @@ class Actor:
         # stage=sft: calculate_per_token_loss (gradients divided by the step's total count).
         config = load_pretrain_config(None, [
             f"checkpoint.load_hf={hf_dir}", "stage=sft", f"parallel.tp={tp}", f"parallel.pp={pp}",
-            f"train.lr={s.lr}", f"train.min_lr={s.lr}", "train.lr_decay_style=constant",
+            f"train.lr={s.lr}", f"train.min_lr={s.lr if s.min_lr is None else s.min_lr}",
+            f"train.lr_decay_style={s.lr_decay_style}", f"train.lr_warmup_steps={s.lr_warmup_steps}",
+            f"train.steps={max(s.lr_decay_steps or 0, s.lr_warmup_steps + 1)}",
             f"train.weight_decay={s.weight_decay}", f"train.clip_grad={s.clip_grad}",
             f"train.adam_beta1={s.adam_beta1}", f"train.adam_beta2={s.adam_beta2}", f"train.precision={s.precision}",
             f"train.seed={s.seed}", f"train.micro_batch_size={s.micro_batch_size}", "data.seq_length=4096",
@@ -135,11 +145,12 @@ class Actor:
             self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models))
             self.optimizer = build_optimizer(config, self.chunks)
             use_adamw_kernel(self.optimizer, "auto")  # the registry's fused AdamW (3-5x faster step on the CPU)
+            self.scheduler = build_scheduler(config, self.optimizer)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
             self.chunks = build_model(config, self.transformer, self.vocab, trainable=False)
             load(self.chunks)
-            self.optimizer = None
+            self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
         self.version = 0
         acc = get_accelerator()
@@ -329,7 +340,8 @@ class Actor:
         Returns:
             ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
             batch's tokens (``entropy``: the policy's mean token entropy, with
-            ``compute_entropy`` or an entropy bonus), ``grad_norm`` and ``update_tokens``; the
+            ``compute_entropy`` or an entropy bonus), ``grad_norm``, ``lr`` (this update's) and
+            ``update_tokens``; the
             same on every rank. Whatever was offloaded is onloaded first.
 
         Raises:
@@ -363,11 +375,14 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._schedule(batches, partial(self._policy_loss, config, logits), forward_only=False, logits=logits)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)  # the next update's learning rate
         self.version += 1
         totals = self._metric_totals(outputs)
         metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = lr
         metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
         return metrics
 

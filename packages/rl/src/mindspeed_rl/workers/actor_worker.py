@@ -68,7 +68,6 @@ class ActorWorker:
         self.actor: Any = None
         self.reference: Any = None
         self.engine: Any = None
-        self.scheduler: Any = None
         self.stats: dict[str, float] = {}
 
     def address(self) -> tuple[str, int]:
@@ -86,7 +85,6 @@ class ActorWorker:
         from megatron.core import parallel_state as ps
 
         from mindspeed.device import get_accelerator
-        from mindspeed_llm.training.optim import build_scheduler
         from mindspeed_rl.actor import Actor
         from mindspeed_rl.trainer import actor_settings
 
@@ -101,7 +99,6 @@ class ActorWorker:
         a = cfg.actor
         settings = actor_settings(cfg)
         self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp)
-        self.scheduler = build_scheduler(self.actor.config, self.actor.optimizer)
         if cfg.needs_reference():
             self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp)
         place = {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
@@ -135,8 +132,6 @@ class ActorWorker:
                ref_logp: torch.Tensor | None, rollout_logp: torch.Tensor | None) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (collective)."""
         metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
-        self.scheduler.step(increment=1)
-        metrics["lr"] = float(self.actor.optimizer.param_groups[0]["lr"])
         self.stats.update({f"memory/update_{k}": v for k, v in memory_snapshot().items()})
         return metrics
 
@@ -206,8 +201,8 @@ class ActorWorker:
         """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective)."""
         from mindspeed_llm.training.checkpoint import TrainState, save_checkpoint
 
-        path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer, self.scheduler,
-                               self.actor.config)
+        path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer,
+                               self.actor.scheduler, self.actor.config)
         return str(path)
 
     def load(self, path: str) -> int:
@@ -216,7 +211,8 @@ class ActorWorker:
 
         from mindspeed_llm.training.checkpoint import load_checkpoint
 
-        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.scheduler, self.actor.config)
+        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler,
+                                self.actor.config)
         self.actor.version = int(state.step)
         return int(state.step)
 
