@@ -159,7 +159,8 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
     ``runs/rl-demo-model`` there (copied from the session's build: the build itself is the
     demo model's own test); the run writes its metrics, TensorBoard events, the reward
     curve and the final policy as a Hugging Face directory that transformers loads, whose
-    weights moved away from the starting policy's.
+    weights moved away from the starting policy's; the step-2 held-out evaluation equals an
+    independent scoring of that exported policy.
     """
     import json
 
@@ -173,7 +174,8 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
 
     shutil.copytree(demo_policy_cache, tmp_path / "runs" / "rl-demo-model")
     monkeypatch.chdir(tmp_path)
-    assert main(["grpo", "--config", str(recipe), "train.steps=2", "checkpoint.save_hf=runs/policy"]) == 0
+    assert main(["grpo", "--config", str(recipe), "train.steps=2", "train.eval_interval=2",
+                 "checkpoint.save_hf=runs/policy"]) == 0
     logs = tmp_path / "runs" / "grpo-tiny-cpu"
     lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and all(0 <= r["reward_mean"] <= 1 for r in lines)
@@ -183,3 +185,14 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "policy")
     moved = [name for name, p in trained.state_dict().items() if not torch.equal(p, start.state_dict()[name])]
     assert moved and set(trained.state_dict()) == set(start.state_dict())
+    # The step-2 evaluation (greedy, held-out) equals the demo model's own scorer on the exported policy.
+    from transformers import AutoTokenizer
+
+    from mindspeed_llm.inference import InferenceEngine
+    from mindspeed_rl.data import load_prompts
+    from mindspeed_rl.demo_model import evaluate_accuracy
+
+    engine = InferenceEngine.from_pretrained(tmp_path / "runs" / "policy", max_batch_size=64)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "runs" / "policy")
+    want = evaluate_accuracy(engine, tokenizer, load_prompts("demo-test"), max_new_tokens=5)
+    assert "eval/reward_mean" not in lines[0] and lines[1]["eval/reward_mean"] == pytest.approx(want, abs=1e-9)

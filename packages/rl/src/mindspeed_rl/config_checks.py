@@ -84,6 +84,9 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
     if a.max_tokens_per_micro_batch is not None and a.max_tokens_per_micro_batch < longest:
         raise ConfigError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below the longest "
                           f"sequence (rollout.max_prompt_length + rollout.max_new_tokens = {longest}); raise it")
+    if a.max_tokens_per_micro_batch is not None:
+        raise ConfigError("actor.max_tokens_per_micro_batch (micro-batches balanced by tokens) is not supported by the "
+                          "actor yet; unset it and size actor.micro_batch_size instead")
     world = config.actor_world_size()
     if r.colocate:
         if world % r.tp:
@@ -105,6 +108,9 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
 
 def _check_rollout(config: GRPOConfig) -> None:
     r = config.rollout
+    if r.stop:
+        raise ConfigError(f"rollout.stop={r.stop!r}: stop strings are not supported by the rollout engines yet; "
+                          "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop")
     if r.n < 2:
         raise ConfigError(f"rollout.n={r.n}: group-relative advantages compare several responses per prompt; "
                           "set rollout.n >= 2 (e.g. 8)")

@@ -35,7 +35,8 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_rl.config import GRPOConfig
-from mindspeed_rl.trainer import (GRPOContext, RolloutBatch, collect_rollout, finish_record, prompt_pieces,
+from mindspeed_rl.data import load_prompts
+from mindspeed_rl.trainer import (GRPOContext, RolloutBatch, collect_rollout, evaluate, finish_record, prompt_pieces,
                                   train_on_batch)
 
 logger = get_logger(__name__)
@@ -154,6 +155,8 @@ class GRPORunner:
                 config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
         remote = RemoteScorer(self.reward_worker) if self.reward_worker is not None else None
         records, sampler, fmt, reward = prompt_pieces(config, remote)
+        d = config.data
+        self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = GRPOContext(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
         self.rows = config.rows_per_step()
@@ -304,6 +307,8 @@ class GRPORunner:
                         if self._producer_error is not None:
                             raise self._producer_error from None
                         raise
+                if self.held_out and self.ctx.step % self.config.train.eval_interval == 0:
+                    record.update(evaluate(self.ctx, self.held_out))  # the engine's weights of this moment
                 records.append(record)
                 if on_step is not None:
                     on_step(record)

@@ -255,6 +255,33 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
     return finish_record(ctx, batch, record, time.perf_counter() - start)
 
 
+def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
+    """Greedy responses of the rollout engine to held-out prompts, scored by the run's rewards.
+
+    Returns:
+        ``eval/reward_mean`` (and ``eval/reward/<fn>`` per reward function) and
+        ``eval/response_length`` over the prompts that fit ``rollout.max_prompt_length``.
+
+    Raises:
+        ValueError: no held-out prompt fits ``rollout.max_prompt_length``.
+    """
+    from mindspeed_llm.inference.sampling import SamplingParams
+
+    r = ctx.config.rollout
+    texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in records]
+    ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
+                               add_special_tokens=ctx.prompt_format.style == "plain")
+    if not ids:
+        raise ValueError(f"no held-out prompt fits rollout.max_prompt_length={r.max_prompt_length}; raise it")
+    outputs = ctx.engine.generate(ids, [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)] * len(ids))
+    responses = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    rewards, parts = ctx.reward.score_batch([texts[k] for k in kept], responses, [records[k].reference for k in kept])
+    out = {"eval/reward_mean": float(rewards.mean()),
+           "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs)}
+    out.update({f"eval/reward/{name}": float(v.mean()) for name, v in parts.items()})
+    return out
+
+
 def _ensure_group() -> None:
     import socket
 
@@ -336,11 +363,14 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
     import json
 
     ctx = build_context(config)
+    held_out = load_prompts(config.data.eval_path, config.data.map_keys or None) if config.train.eval_interval else []
     log_dir = config.log_dir()
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(config.train.steps):
         record = grpo_step(ctx)
+        if held_out and ctx.step % config.train.eval_interval == 0:
+            record.update(evaluate(ctx, held_out))
         if log_dir is not None:
             with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
                 sink.write(json.dumps(record) + "\n")
