@@ -21,7 +21,7 @@ Written for the V1 engine of vLLM 0.11 and later (the range the ``vllm`` extra l
 built-in engine and the trainer compute: the log-softmax of the model's logits before
 temperature, top-k and top-p.
 
-On Ascend the same class runs with ``vllm-ascend`` installed next to ``torch_npu``: it registers
+On Ascend the same class runs with ``vllm-ascend`` installed next to ``torch-npu`` (the Ascend adapter): it registers
 itself as a vLLM platform plugin, and ``LLM`` then runs on NPUs with no change here (sleep mode
 needs a vllm-ascend build with it, see its sleep-mode guide). vLLM is imported only when the
 engine is built; without it the error names the extra to install and the ``builtin`` engine.
@@ -61,7 +61,7 @@ def import_vllm() -> ModuleType:
     except ImportError as exc:
         raise ValueError(
             "rollout.engine=vllm needs vLLM, which is not installed: run `uv sync --extra vllm` "
-            "(or `pip install mindspeed-rl[vllm]`; on Ascend also install vllm-ascend next to torch_npu), "
+            "(or `pip install mindspeed-rl[vllm]`; on Ascend also install vllm-ascend next to torch-npu), "
             f"or set rollout.engine=builtin ({exc})") from exc
 
 
