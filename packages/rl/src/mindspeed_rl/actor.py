@@ -93,9 +93,9 @@ def _ensure_megatron(config: Any) -> None:
     if not ps.model_parallel_is_initialized():
         p = config.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
-        from mindspeed_llm.training.trainer import _seed
+        from mindspeed_llm.training.trainer import seed_everything
 
-        _seed(config.train.seed)
+        seed_everything(config.train.seed)
 
 
 class Actor:

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from mindspeed.log import get_logger
 from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, read_metrics
-from mindspeed_llm.training.metrics import _tensorboard as open_tensorboard
+from mindspeed_llm.training.metrics import open_tensorboard
 
 logger = get_logger(__name__)
 

@@ -64,7 +64,7 @@ class MetricsLog:
         if self.path is None:
             return
         if tensorboard:
-            self._board = _tensorboard(directory / TENSORBOARD_DIR, resume_step)
+            self._board = open_tensorboard(directory / TENSORBOARD_DIR, resume_step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step > 0 and self.path.exists():
@@ -97,7 +97,9 @@ class MetricsLog:
             self._board = None
 
 
-def _tensorboard(directory: Path, resume_step: int) -> Any:
+def open_tensorboard(directory: Path, resume_step: int) -> Any:
+    """A TensorBoard ``SummaryWriter`` in ``directory`` that hides events after ``resume_step``
+    (``purge_step``), or None without the ``tensorboard`` package (a warning says so)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:

@@ -91,9 +91,9 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         unadapt()
 
 
-def _seed(seed: int) -> None:
-    # Megatron's seeding: one seed per pipeline stage for the host generators, and the tracker's
-    # tensor-parallel streams derived from the base seed.
+def seed_everything(seed: int) -> None:
+    """Seed as megatron does: one seed per pipeline stage for the host generators (python, numpy,
+    torch, the accelerator), and the tracker's tensor-parallel streams derived from the base seed."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -125,7 +125,7 @@ class _Run:
                                      virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
                                      expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
         try:
-            _seed(self.config.train.seed)
+            seed_everything(self.config.train.seed)
             self._build()
             return self._train()
         finally:
