@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
+
 #: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's).
 SIZES = {
     "tiny": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
@@ -68,8 +69,6 @@ SIZES = {
     "micro": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2},
 }
-MARK = "BENCH-RESULT "
-MB = 1e6
 SIDES = ("ours", "trl")
 
 
@@ -105,14 +104,9 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- children
 
 def memory_status() -> dict[str, float]:
-    """Current and peak resident set size of this process in MB (``VmRSS``, ``VmHWM``)."""
-    values = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) * 1024 / MB
-    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"], "affinity": sorted(os.sched_getaffinity(0)),
-            "nice": os.nice(0), "thread_cpu_s": thread_cpu()}
+    """:func:`_child.memory_status` plus CPU affinity, nice and per-thread CPU seconds."""
+    return {**_child.memory_status(), "affinity": sorted(os.sched_getaffinity(0)), "nice": os.nice(0),
+            "thread_cpu_s": thread_cpu()}
 
 
 def thread_cpu() -> list[tuple[str, float]]:
@@ -378,17 +372,7 @@ CHILDREN = {"ours": child_ours, "trl": child_trl, "runner": child_runner}
 
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
-           "TOKENIZERS_PARALLELISM": "false"}
-    spec_file = log.with_suffix(".json")
-    spec_file.write_text(json.dumps(spec))
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--child-spec", str(spec_file)],
-                              stdout=subprocess.PIPE, stderr=out, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(lines[-1][len(MARK):])
+    return _child.run_child(__file__, kind, spec, log, {"TOKENIZERS_PARALLELISM": "false"})
 
 
 def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -495,9 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table (or, with ``--child``, one side of it)."""
     args = parse_args(argv)
     if args.child:
-        result = CHILDREN[args.child](json.loads(Path(args.child_spec).read_text()))
-        sys.stdout.write(MARK + json.dumps(result) + "\n")
-        return 0
+        return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
     spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "global_batch": args.global_batch,

@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,9 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
+from _child import memory_status
 
 #: Model shapes of ``--size`` (recipe overrides; ``tiny`` is examples/llm/tiny_cpu.yaml's).
 SIZES = {
@@ -63,27 +65,9 @@ STEPS = {"tiny": 40, "small": 12}
 #: The name of the Hugging Face run in the table.
 HF = "Hugging Face Trainer"
 #: The line a child prints its result on.
-MARK = "BENCH-RESULT "
-MB = 1e6
 
 
 # ----------------------------------------------------------------------------- children
-
-def memory_status() -> dict[str, float]:
-    """Current and peak resident set size of this process in MB (``VmRSS``, ``VmHWM``)."""
-    values = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024 / MB  # kB
-    except OSError:  # not Linux: the peak from getrusage (KiB on Linux, bytes on macOS)
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        values = {"VmRSS": float("nan"), "VmHWM": peak * (1 if sys.platform == "darwin" else 1024) / MB}
-    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"]}
-
 
 def recipe_overrides(spec: dict[str, Any], steps: int, level: int, full_logging: bool = False) -> list[str]:
     """The ``key=value`` overrides of the tiny_cpu recipe for a run of ``steps`` steps."""
@@ -315,15 +299,7 @@ CHILDREN = {"prepare": child_prepare, "ours": child_ours, "hf": child_hf}
 
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
-           "OMP_WAIT_POLICY": wait_policy()}
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--child-spec", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=out, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(lines[-1][len(MARK):])
+    return _child.run_child(__file__, kind, spec, log, {"OMP_WAIT_POLICY": wait_policy()})
 
 
 def wait_policy() -> str:
@@ -406,9 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table (or, with ``--child``, one side of it)."""
     args = parse_args(argv)
     if args.child:
-        result = CHILDREN[args.child](json.loads(args.child_spec))
-        sys.stdout.write(MARK + json.dumps(result) + "\n")
-        return 0
+        return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pretrain-"))
     work.mkdir(parents=True, exist_ok=True)
     spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "warmup": args.warmup,

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,9 @@ from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
+from _child import MB, memory_status
 
 #: Model shapes of ``--size`` (the vocabulary is 2048 for all: the demo tokenizer's 1746 fit).
 SIZES = {
@@ -68,8 +70,6 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 OUR_TARGETS = "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"
 DEMO_ALPACA = Path(__file__).resolve().parents[2] / "packages/llm/src/mindspeed_llm/assets/demo_alpaca.jsonl"
 HF_PAD, HF_FLAT = "HF Trainer + peft LoRA, padding collator", "HF Trainer + peft LoRA, flattened (no padding)"
-MARK = "BENCH-RESULT "
-MB = 1e6
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -123,16 +123,6 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- children
-
-def memory_status() -> dict[str, float]:
-    """Current and peak resident set size of this process in MB (``VmRSS``, ``VmHWM``)."""
-    values = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) * 1024 / MB
-    return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"]}
-
 
 def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
@@ -293,14 +283,7 @@ CHILDREN = {"ours": child_ours, "hf": child_hf}
 
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--child-spec", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=out, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(lines[-1][len(MARK):])
+    return _child.run_child(__file__, kind, spec, log, None)
 
 
 def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list[float]) -> dict[str, Any]:
@@ -371,9 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table (or, with ``--child``, one side of it)."""
     args = parse_args(argv)
     if args.child:
-        result = CHILDREN[args.child](json.loads(args.child_spec))
-        sys.stdout.write(MARK + json.dumps(result) + "\n")
-        return 0
+        return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-sft-"))
     work.mkdir(parents=True, exist_ok=True)
     train = {"lr": 2e-3, "min_lr": 2e-4, "lr_warmup_steps": min(5, args.steps // 4), "weight_decay": 0.0,
