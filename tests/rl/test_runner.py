@@ -136,7 +136,8 @@ def test_colocated_tp2_actor_tp1_engine(ray_session: Any, root: Path, reference:
     for got, want in zip(records, reference):
         _close(got, want, 1e-4)
         assert got["rollout_logp_diff"] < 1e-4  # the engine holds the actor's weights after each sync
-        assert got["time/offload"] >= 0 and "memory/rollout_host_rss_gib" in got
+        # co-location: the optimizer state and grads really left during generation
+        assert got["memory/actor_offloaded_gib"] > 0 and got["memory/rollout_host_rss_gib"] > 0
 
 
 def test_async_dp2_runs_ahead_within_the_bound(ray_session: Any, root: Path,

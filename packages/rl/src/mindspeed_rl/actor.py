@@ -509,12 +509,9 @@ class Actor:
             host now, all categories) and ``offloaded_<category>`` for ``grad``, ``weights``
             and ``optimizer``.
         """
-        from mindspeed.device import get_accelerator
-        from mindspeed_rl.memory import read_host_rss
+        from mindspeed_rl.memory import memory_snapshot
 
-        stats = get_accelerator().memory_stats()
         offloaded = self._offloader.offloaded_bytes()
-        out = {"device_allocated": int(stats.get("allocated", 0)), "device_peak": int(stats.get("peak_allocated", 0)),
-               "host_rss": read_host_rss(), "offloaded_bytes": sum(offloaded.values())}
+        out = {**memory_snapshot(), "offloaded_bytes": sum(offloaded.values())}
         out.update({f"offloaded_{name}": offloaded.get(name, 0) for name in OFFLOAD_CATEGORIES})
         return out

@@ -51,6 +51,16 @@ def read_host_rss() -> int:
     return 0
 
 
+def memory_snapshot() -> dict[str, int]:
+    """Bytes in use now: ``device_allocated`` and ``device_peak`` (the accelerator's counters; on
+    the CPU the process' resident set and its peak) and ``host_rss``."""
+    from mindspeed.device import get_accelerator
+
+    stats = get_accelerator().memory_stats()
+    return {"device_allocated": int(stats.get("allocated", 0)), "device_peak": int(stats.get("peak_allocated", 0)),
+            "host_rss": read_host_rss()}
+
+
 class StorageOffloader:
     """Named groups of device storages that can be moved to host memory and back.
 

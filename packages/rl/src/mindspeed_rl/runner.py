@@ -159,6 +159,8 @@ class GRPORunner:
         self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = GRPOContext(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
+        # The producer's view: its own step counter (the batch index, which seeds sampling), shared sampler.
+        self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()
         self.buffer_handle = create_buffer_actor(COLUMNS, self.rows, config.buffer.staleness(), config.buffer.mode)
         from mindspeed_rl.buffer import BufferClient
@@ -267,15 +269,8 @@ class GRPORunner:
     def step(self) -> dict[str, float]:
         """One synchronous step: produce a batch with the current weights, then train on it."""
         start = time.perf_counter()
-        self.produce(self.ctx_for_producer(), self.version)
+        self.produce(self.pctx, self.version)
         return self.train_step(start)
-
-    def ctx_for_producer(self) -> GRPOContext:
-        """The producer's view of the context: its own step counter (the batch index, which seeds sampling)."""
-        if not hasattr(self, "_pctx"):
-            self._pctx = copy.copy(self.ctx)
-            self._pctx.step = self.ctx.step
-        return self._pctx
 
     def run(self, steps: int | None = None, on_step: Any = None) -> list[dict[str, float]]:
         """Run until ``train.steps`` (or ``steps`` more); saves checkpoints as the recipe says.
@@ -292,7 +287,7 @@ class GRPORunner:
         records = []
         producer = None
         if self.config.buffer.mode == "async" and count > 0:
-            producer = threading.Thread(target=self._producer_loop, args=(self.ctx_for_producer(), count),
+            producer = threading.Thread(target=self._producer_loop, args=(self.pctx, count),
                                         name="rollout-producer", daemon=True)
             producer.start()
         try:
@@ -335,8 +330,7 @@ class GRPORunner:
         from mindspeed_llm.training.checkpoint import list_checkpoints
 
         path = Path(self.group.call("save", str(root), self.ctx.step)[0])
-        state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state,
-                 "producer_step": self.ctx.step}
+        state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
         tmp = path / f".{RL_STATE}.tmp"
         tmp.write_text(json.dumps(state), encoding="utf-8")
         os.replace(tmp, path / RL_STATE)
@@ -361,7 +355,7 @@ class GRPORunner:
         path = done[-1]
         state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
         self.group.call("load", str(path))
-        self.ctx.step = self.ctx_for_producer().step = int(state["step"])
+        self.ctx.step = self.pctx.step = int(state["step"])
         self.version = int(state["version"])
         self.sampler_state = state["sampler"]
         self.ctx.sampler.load_state_dict(state["sampler"])

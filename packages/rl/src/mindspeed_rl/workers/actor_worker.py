@@ -32,26 +32,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _host_rss() -> int:
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+def memory_gib() -> dict[str, float]:
+    """:func:`~mindspeed_rl.memory.memory_snapshot` in GiB, keys suffixed ``_gib`` (for the metrics)."""
+    from mindspeed_rl.memory import memory_snapshot
 
-
-def memory_snapshot() -> dict[str, float]:
-    """Device bytes allocated / peak (when the accelerator counts them) and the host RSS, in GiB."""
-    from mindspeed.device import get_accelerator
-
-    acc = get_accelerator()
-    out = {"host_rss_gib": _host_rss() / 2**30}
-    try:
-        out["device_allocated_gib"] = float(acc.memory_allocated()) / 2**30
-        out["device_peak_gib"] = float(acc.max_memory_allocated()) / 2**30
-    except (AttributeError, NotImplementedError, RuntimeError):
-        pass
-    return out
+    return {f"{k}_gib": v / 2**30 for k, v in memory_snapshot().items()}
 
 
 class ActorWorker:
@@ -132,7 +117,7 @@ class ActorWorker:
                ref_logp: torch.Tensor | None, rollout_logp: torch.Tensor | None) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (collective)."""
         metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
-        self.stats.update({f"memory/update_{k}": v for k, v in memory_snapshot().items()})
+        self.stats.update({f"memory/update_{k}": v for k, v in memory_gib().items()})
         return metrics
 
     def version(self) -> int:
@@ -162,7 +147,7 @@ class ActorWorker:
         self.stats["memory/actor_offloaded_gib"] = self.actor.memory()["offloaded_bytes"] / 2**30
         try:
             outputs = self.engine.generate(list(prompts), list(params))
-            self.stats.update({f"memory/rollout_{k}": v for k, v in memory_snapshot().items()})
+            self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
         finally:
             self.engine.sleep()  # the KV cache (vLLM: also the weights) leaves the device for the update
             mark = time.perf_counter()

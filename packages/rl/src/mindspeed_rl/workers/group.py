@@ -138,7 +138,7 @@ class ReferenceView:
 def _generate_over(workers: Sequence[Any], prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
     import ray
 
-    shares = [s for s in _shares(len(prompts), len(workers))]
+    shares = _shares(len(prompts), len(workers))
     refs = [w.generate.remote([prompts[i] for i in s], [params[i] for i in s]) for w, s in zip(workers, shares) if s]
     return [out for part in ray.get(refs) for out in part]
 

@@ -56,10 +56,6 @@ class RolloutWorker:
         """The policy version of the weights loaded (answers once the engine is built)."""
         return self.version
 
-    def pid(self) -> int:
-        """The worker's process id (for tests that kill it)."""
-        return os.getpid()
-
     def load_weights(self, state: list[Any], version: int) -> float:
         """Load weights from ``[ObjectRef]`` (from ``ActorWorker.export_weights``); returns the seconds it took."""
         import ray
@@ -73,10 +69,10 @@ class RolloutWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """Generate one response per prompt with the loaded weights."""
-        from mindspeed_rl.workers.actor_worker import memory_snapshot
+        from mindspeed_rl.workers.actor_worker import memory_gib
 
         outputs = self.engine.generate(list(prompts), list(params))
-        self.stats.update({f"memory/rollout_{k}": v for k, v in memory_snapshot().items()})
+        self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
         return outputs
 
     def phase_stats(self) -> dict[str, float]:
