@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed_llm.evaluation.math_answer import reference_answer
 
 logger = get_logger(__name__)
 
@@ -111,8 +112,6 @@ def build_tokenizer() -> Any:
 
 def answer_text(reference: str) -> str:
     """The response the policy is fitted to give for a GSM8K-style reference: `` #### N``."""
-    from mindspeed_rl.rewards.math import reference_answer
-
     return f" #### {reference_answer(reference)}"
 
 

@@ -7,28 +7,26 @@ Data: JSON Lines with ``question`` and ``answer`` (the worked solution ending in
 
 The prompt is ``Question: <question>\\nAnswer:``, examples are followed by their full solution
 and a blank line. Generation is greedy and stops at ``Question:`` (the model starting the next
-problem), EOS, or ``--max-new-tokens``. The predicted number is the one after ``####`` when the
-model wrote one, otherwise the last number of the text; it is compared numerically (commas
-dropped, ``5.0`` equals ``5``) with the reference. The metric is exact-match accuracy.
+problem), EOS, or ``--max-new-tokens``. The prediction is read and compared by the suite's one
+math-answer grader (:mod:`mindspeed_llm.evaluation.math_answer`, the RL ``math`` reward's too):
+the last ``\\boxed{}``, else the first ``#### <number>`` (lm-evaluation-harness strict-match),
+else the last number; equal by value (commas dropped, ``5.0`` equals ``5``, ``0.5`` equals
+``1/2``). The metric is exact-match accuracy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 from mindspeed_llm.evaluation.lm import encode_context
+from mindspeed_llm.evaluation.math_answer import answers_equal, extract_answer, extract_marked, parse_number
 from mindspeed_llm.evaluation.tasks import (DEFAULT_MAX_NEW_TOKENS, TASKS, EvalSettings, TaskResult, call_in_chunks,
                                             iter_jsonl, limit, require_path)
 
 #: Text that ends a generation: the model moving on to a new question.
 STOP = ["Question:", "</s>", "<|im_end|>"]
-#: A number: an optional minus (not a dash joining two numbers, as in ``3-4``), digits with
-#: optional thousands commas (``1,234`` but not ``1,2``), an optional decimal part; ``.5`` too.
-_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
-_MARKER = "####"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +36,13 @@ class MathProblem:
     Attributes:
         question: the problem.
         answer: the reference solution text (ending in ``#### <number>``).
+        reference: the reference answer (the text of its ``#### <number>``).
         target: the reference number.
     """
 
     question: str
     answer: str
+    reference: str
     target: float
 
 
@@ -61,36 +61,6 @@ class GSM8KData:
     examples: list[MathProblem]
 
 
-def parse_number(text: str) -> float | None:
-    """``text`` as a number, commas removed (``"1,234.50"`` -> 1234.5); ``None`` if it is not one."""
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def extract_answer(text: str) -> float | None:
-    """The number a solution ends with: the first after ``####`` if present, else the last in the text.
-
-    Args:
-        text: generated or reference solution.
-
-    Returns:
-        The number, or ``None`` when there is none.
-    """
-    if _MARKER in text:
-        found = _NUMBER.search(text.split(_MARKER, 1)[1])
-        if found:
-            return parse_number(found.group())
-    numbers = _NUMBER.findall(text)
-    return parse_number(numbers[-1]) if numbers else None
-
-
-def is_correct(prediction: float | None, target: float) -> bool:
-    """Numeric equality up to float rounding of the decimal text."""
-    return prediction is not None and abs(prediction - target) <= 1e-6 * max(1.0, abs(target))
-
-
 def read_gsm8k(path: Path) -> list[MathProblem]:
     """The problems of a GSM8K JSON Lines file.
 
@@ -102,11 +72,12 @@ def read_gsm8k(path: Path) -> list[MathProblem]:
         question, answer = record.get("question"), record.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
             raise ValueError(f"{path}:{number}: expected string fields 'question' and 'answer', got keys {sorted(record)}")
-        found = _NUMBER.search(answer.split(_MARKER, 1)[1]) if _MARKER in answer else None
-        if found is None:
+        reference = extract_marked(answer)
+        value = None if reference is None else parse_number(reference)
+        if value is None:
             raise ValueError(f"{path}:{number}: the answer must end with '#### <number>' (the GSM8K format), "
                              f"got {answer[-40:]!r}")
-        problems.append(MathProblem(question, answer, float(found.group().replace(",", ""))))
+        problems.append(MathProblem(question, answer, reference, float(value)))
     return problems
 
 
@@ -173,8 +144,9 @@ class GSM8KTask:
         samples = []
         for index, (problem, text) in enumerate(zip(data.problems, texts)):
             prediction = extract_answer(text)
+            correct = prediction is not None and answers_equal(prediction, problem.reference)
             samples.append({"index": index, "generation": text, "prediction": prediction, "target": problem.target,
-                            "correct": is_correct(prediction, problem.target)})
+                            "correct": correct})
         accuracy = sum(s["correct"] for s in samples) / len(samples)
         return TaskResult(task="gsm8k", metric="exact_match", value=accuracy, n=len(samples),
                           metrics={"exact_match": accuracy}, samples=samples,
