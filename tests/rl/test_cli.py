@@ -31,6 +31,7 @@ def test_unknown_command_fails_cleanly() -> None:
     (["actor.modle=x"], "actor.modle"),
     (["rollout.n=1", "actor.model=."], "rollout.n"),
     (["buffer.mode=async", "actor.model=."], "buffer.mode"),
+    (["actor.lr=-1e-6", "actor.model=."], "actor.lr=-1e-06 must be positive"),
 ])
 def test_grpo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path, args: list[str], names: str) -> None:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
@@ -42,3 +43,11 @@ def test_grpo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path, args: list[
     assert "error:" in err and names in err
     assert not (tmp_path / "ckpt").exists()  # nothing written
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()  # refused before Ray started
+
+
+def test_grpo_overrides_are_accepted_anywhere_on_the_line() -> None:
+    from mindspeed.suite_cli import parse_suite_args
+    from mindspeed_rl.cli import build_parser
+
+    args = parse_suite_args(build_parser(), ["grpo", "rollout.n=4", "--config", "r.yaml", "train.steps=2"])
+    assert args.config == "r.yaml" and args.overrides == ["rollout.n=4", "train.steps=2"]

@@ -38,6 +38,20 @@ def test_malformed_json_line_names_file_and_line_and_leaves_nothing(tmp_path, ru
     assert_nothing_written(tmp_path / "out")  # 49 samples were tokenized before the failure
 
 
+@pytest.mark.parametrize(("text", "problem"), [
+    ('{"a": "unterminated', "Unterminated string starting at column 7"),
+    ('{"a": "tab\there"}', "Invalid control character at column 11"),
+    ('{"a": 1', "Expecting ',' delimiter at column 8"),
+])
+def test_json_error_says_at_column_once(text: str, problem: str) -> None:
+    """json's own messages of some problems end in "at": no "at at column" in ours."""
+    from mindspeed_llm.data.readers import describe_json_error
+
+    with pytest.raises(json.JSONDecodeError) as err:
+        json.loads(text)
+    assert describe_json_error(err.value) == problem
+
+
 @pytest.mark.parametrize(("record", "message"), [
     ({"instruction": "no output"}, r"missing key 'output' \(the record has: instruction\)"),
     ({"instruction": 3, "output": "x"}, "key 'instruction' must be str, got int"),

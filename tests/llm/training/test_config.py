@@ -64,6 +64,11 @@ def test_unknown_keys_and_values_are_errors_with_a_suggestion(prefix: str, overr
     (["checkpoint.finetune=true"], 1, "checkpoint.finetune needs checkpoint.load"),
     (["parallel.cp=2"], 2, "parallel.cp > 1 is not supported"),
     (["parallel.ep=2"], 2, "needs an MoE model"),
+    (["train.lr=-1e-3"], 1, r"train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"),
+    (["train.lr=0"], 1, r"train.lr=0.0 must be positive"),
+    (["train.min_lr=-1e-5"], 1, r"train.min_lr=-1e-05 must not be negative"),
+    (["train.weight_decay=-0.1"], 1, r"train.weight_decay=-0.1 must not be negative"),
+    (["train.adam_beta2=1.0"], 1, r"train.adam_beta2=1.0 must be in \[0, 1\)"),
 ])
 def test_inconsistent_values_name_the_key_and_the_fix(prefix: str, overrides: list[str], world: int,
                                                       message: str) -> None:
@@ -78,6 +83,11 @@ def test_cli_reports_a_bad_recipe_in_one_line_without_starting_ranks(prefix: str
     assert main(["pretrain", "--nproc-per-node", "3", f"data.prefixes=[{prefix}]", "model.vocab_size=128",
                  "parallel.tp=2"]) == 2
     assert "world size 3 is not divisible" in capsys.readouterr().err
+    # torch would say "Invalid learning rate: -0.001" from deep inside the optimizer
+    assert main(["pretrain", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "train.lr=-1e-3",
+                 "train.min_lr=-1e-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mindspeed-llm: error: train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"]
 
 
 def test_print_config_round_trips(tmp_path: Path, prefix: str, capsys: pytest.CaptureFixture) -> None:

@@ -1,8 +1,10 @@
 """The shape every suite's command line shares: ``mindspeed-<suite> COMMAND [options]``.
 
 A suite keeps a :class:`~mindspeed.registry.Registry` of commands; each entry is a function
-that adds its subparser (and sets ``func``) to the subparsers it is given. Errors that are
-the user's (``ValueError``) end with one line on standard error and exit code 2.
+that adds its subparser (and sets ``func``) to the subparsers it is given. A command with an
+``overrides`` positional (``key=value ...``) takes them anywhere on the line, between and after
+its options too. Errors that are the user's (``ValueError``) end with one line on standard error
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -30,9 +32,30 @@ def build_suite_parser(prog: str, description: str, commands: Registry[AddComman
     return parser
 
 
+def is_override(arg: str) -> bool:
+    """``key=value`` (not an option): what a command's ``overrides`` positional collects."""
+    return not arg.startswith("-") and "=" in arg
+
+
+def parse_suite_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args`` that also accepts ``key=value`` overrides after later options.
+
+    argparse fills a ``nargs="*"`` positional from its first run of values only, so in
+    ``--config X a=1 --nproc-per-node 2 b=2`` it would reject ``b=2``. The overrides left over
+    are appended, in order, to the command's ``overrides``; anything else left over is the
+    usual "unrecognized arguments" error (exit 2).
+    """
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if not hasattr(args, "overrides") or not all(map(is_override, extras)):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*(args.overrides or []), *extras]
+    return args
+
+
 def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; help when none is given."""
-    args = parser.parse_args(argv)
+    args = parse_suite_args(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0

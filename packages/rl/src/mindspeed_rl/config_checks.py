@@ -62,6 +62,11 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
                      "e.g. actor.model=/models/Qwen2.5-0.5B-Instruct")
     if a.tokenizer not in (None, "demo"):
         _check_model_dir("actor.tokenizer", a.tokenizer, True, "give a tokenizer directory, demo, or leave it unset")
+    if not a.lr > 0:
+        raise ConfigError(f"actor.lr={a.lr} must be positive; give a learning rate such as actor.lr=1e-6")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(a, key) < 1:
+            raise ConfigError(f"actor.{key}={getattr(a, key)} must be in [0, 1), e.g. 0.9")
     if not 0 <= a.min_lr <= a.lr:
         raise ConfigError(f"need 0 <= actor.min_lr <= actor.lr (got {a.min_lr} and {a.lr})")
     if a.lr_warmup_steps < 0 or (a.lr_warmup_steps and a.lr_warmup_steps >= t.steps):

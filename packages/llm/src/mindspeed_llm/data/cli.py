@@ -16,6 +16,7 @@ import sys
 from mindspeed_llm.cli import COMMANDS
 from mindspeed_llm.data.handlers import HANDLERS
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
+from mindspeed_llm.data.readers import describe_json_error
 from mindspeed_llm.data.templates import PROMPT_TYPES
 
 _FIELDS = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
@@ -35,7 +36,7 @@ def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg} at column {err.colno}): {text!r}") from err
+        raise argparse.ArgumentTypeError(f"not valid JSON ({describe_json_error(err)}): {text!r}") from err
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
     return value

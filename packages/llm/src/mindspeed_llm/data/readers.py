@@ -70,6 +70,11 @@ def list_input_files(input_path: str | Path) -> list[Path]:
     return files
 
 
+def describe_json_error(err: json.JSONDecodeError) -> str:
+    """``"<problem> at column N"`` (json's own messages of some problems already end in "at")."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
 def _is_json_array(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
@@ -85,7 +90,7 @@ def _read_json_lines(path: Path) -> Iterator[RawRecord]:
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as err:
-                yield RawRecord(location, error=f"malformed JSON ({err.msg} at column {err.colno})")
+                yield RawRecord(location, error=f"malformed JSON ({describe_json_error(err)})")
                 continue
             if not isinstance(data, dict):
                 yield RawRecord(location, error=f"expected a JSON object, got {type(data).__name__}")
@@ -98,7 +103,7 @@ def _json_error_position(path: Path) -> str:
     try:
         json.loads(path.read_text(encoding="utf-8", errors="replace"))
     except json.JSONDecodeError as err:
-        return f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})"
+        return f"{path}:{err.lineno}: malformed JSON ({describe_json_error(err)})"
     return str(path)
 
 

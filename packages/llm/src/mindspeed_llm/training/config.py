@@ -494,6 +494,7 @@ class PretrainConfig:
         if p.vpp is not None and (gbs // micro_dp) % p.pp:
             raise ConfigError(f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
                               f"multiple of parallel.pp={p.pp}; raise train.global_batch_size")
+        _check_optimizer(t)
         if t.lr < t.min_lr or t.lr_warmup_init > t.lr:
             raise ConfigError(f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
                               f"(got {t.lr_warmup_init}, {t.min_lr}, {t.lr})")
@@ -545,6 +546,20 @@ def _check_positive(config: PretrainConfig) -> None:
                        ("checkpoint.keep_last", config.checkpoint.keep_last), ("model.vocab_size", config.model.vocab_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """The optimizer's numbers, named by their recipe keys (torch would say only "Invalid learning rate")."""
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive; give a learning rate such as train.lr=3e-4")
+    for key in ("min_lr", "lr_warmup_init", "weight_decay", "adam_eps", "sgd_momentum", "clip_grad"):
+        value = getattr(t, key)
+        if not value >= 0:
+            raise ConfigError(f"train.{key}={value} must not be negative; give 0 or more")
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(t, key)
+        if not 0 <= value < 1:
+            raise ConfigError(f"train.{key}={value} must be in [0, 1), e.g. 0.9")
 
 
 def _check_finetune_data(config: PretrainConfig) -> None:
