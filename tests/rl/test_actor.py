@@ -66,7 +66,6 @@ def _entropy_updates(actor: Any, old: torch.Tensor) -> dict[str, Any]:
 
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_llm.inference import InferenceEngine
-
     from mindspeed_rl.actor import Actor, ActorSettings
 
     actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"))
@@ -98,7 +97,6 @@ def _check_entropy(root: Path, got: dict[str, Any]) -> None:
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
     width = max(len(r) for _, r in PAIRS)
     mask = _pad([torch.ones(len(r)) for _, r in PAIRS])
-    logits = torch.zeros(len(PAIRS), width, model.config.vocab_size)
     hf_entropy = torch.zeros(len(PAIRS), width)
     with torch.no_grad():
         for i, (prompt, response) in enumerate(PAIRS):
@@ -170,7 +168,6 @@ def test_weight_sync_engine_equals_actor(run: dict[str, Any]) -> None:
 
 def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_llm.inference import InferenceEngine
-
     from mindspeed_rl.actor import Actor, ActorSettings
 
     actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
@@ -218,7 +215,7 @@ def test_tp2_weight_sync(run: dict[str, Any], run2: list[dict[str, Any]]) -> Non
     assert set(out["state0"]) == set(want)
     for name, tensor in want.items():
         torch.testing.assert_close(torch.from_numpy(out["state0"][name]), tensor, atol=0, rtol=0)
-    for engine, actor, old in zip(out["engine"], out["actor"], out["old"]):
+    for engine, actor in zip(out["engine"], out["actor"]):
         torch.testing.assert_close(torch.from_numpy(engine), torch.from_numpy(actor), atol=1e-5, rtol=1e-5)
     assert max(float(abs(a - o).max()) for a, o in zip(out["actor"], out["old"])) > 1e-3  # the update moved them
     _check_entropy(root, out["entropy"])

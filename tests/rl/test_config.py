@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from mindspeed.config import ConfigError, to_dict
 
+from mindspeed.config import ConfigError, to_dict
 from mindspeed_rl.config import SECTIONS, GRPOConfig, load_grpo_config
 
 RECIPE = """

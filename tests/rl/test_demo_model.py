@@ -12,8 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mindspeed_rl.demo_model import (DemoPolicySettings, PROMPT_TEMPLATE, answer_text, build_demo_policy,
-                                     build_tokenizer, resolve_model)
+from mindspeed_rl.demo_model import (
+    PROMPT_TEMPLATE,
+    DemoPolicySettings,
+    answer_text,
+    build_demo_policy,
+    build_tokenizer,
+    resolve_model,
+)
 
 QUICK = DemoPolicySettings(hidden_size=32, intermediate_size=64, num_heads=2, fit_steps=3, batch_size=8)
 

@@ -226,7 +226,7 @@ def test_stream_and_event_redirects_stay_types() -> None:
     patches.apply(get_accelerator())
     try:
         assert isinstance(torch.cuda.Stream, type) and isinstance(torch.cuda.Event, type)
-        typing.Optional[torch.cuda.Stream]  # transformers annotates with it at import time
+        typing.Optional[torch.cuda.Stream]  # noqa: UP045  transformers annotates with it at import time
         stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
         stream.wait_stream(stream)
         event.record()

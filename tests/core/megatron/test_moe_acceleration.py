@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
 
 from mindspeed.testing.distributed import run_distributed
 from mindspeed.testing.megatron import (
@@ -208,7 +207,7 @@ def _check(rank: int, world_size: int) -> dict[str, Any]:
              for step in range(NUM_STEPS)]
     adapt("cpu")
     try:
-        references = {parts: _reference(steps, parts) for parts in sorted({l.dp_parts for l in LAYOUTS.values()})}
+        references = {parts: _reference(steps, parts) for parts in sorted({layout.dp_parts for layout in LAYOUTS.values()})}
     finally:
         unadapt()
     summaries = [_run_layout(label, layout, steps, references[layout.dp_parts]) for label, layout in LAYOUTS.items()]

@@ -192,9 +192,9 @@ def _children_allowed() -> Iterator[None]:
 def _checkpoint_crosses_modules(directory: str) -> dict[str, float]:
     from megatron.core import dist_checkpointing
 
-    from mindspeed.testing.megatron import TinyGPTConfig, build_gpt, full_state, grouped_expert_state, unwrap
-    from mindspeed.testing.megatron import ParallelSizes as Sizes
     from mindspeed.megatron.spec import get_gpt_layer_spec
+    from mindspeed.testing.megatron import ParallelSizes as Sizes
+    from mindspeed.testing.megatron import TinyGPTConfig, build_gpt, full_state, grouped_expert_state, unwrap
 
     model = TinyGPTConfig(num_layers=2, num_moe_experts=NUM_EXPERTS)
     diffs = {}

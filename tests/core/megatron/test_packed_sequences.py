@@ -24,7 +24,14 @@ def _check(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
     from mindspeed.megatron import adapt, unadapt
     from mindspeed.megatron.spec import get_gpt_layer_spec
-    from mindspeed.testing.megatron import ParallelSizes, TinyGPTConfig, build_gpt, destroy_parallel, init_parallel, unwrap
+    from mindspeed.testing.megatron import (
+        ParallelSizes,
+        TinyGPTConfig,
+        build_gpt,
+        destroy_parallel,
+        init_parallel,
+        unwrap,
+    )
 
     model, sizes = TinyGPTConfig(num_layers=2), ParallelSizes()
     adapt()

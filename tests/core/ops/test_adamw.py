@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mindspeed.device import get_accelerator
-from mindspeed.ops.registry import available_kernels
 from mindspeed.ops.adamw import FusedAdamW, adamw_reference
+from mindspeed.ops.registry import available_kernels
 
 SHAPES = [(7,), (3, 5), (2, 3, 4), (1,), (33, 17)]
 IMPLS = [impl.name for impl in available_kernels("adamw", get_accelerator().name)]

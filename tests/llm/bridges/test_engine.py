@@ -9,7 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mindspeed_llm.bridges import bridge_for_architectures, hf_to_megatron, megatron_params, megatron_to_hf, plan_conversion
+from mindspeed_llm.bridges import (
+    bridge_for_architectures,
+    hf_to_megatron,
+    megatron_params,
+    megatron_to_hf,
+    plan_conversion,
+)
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
 
 

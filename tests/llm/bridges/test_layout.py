@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_llm.bridges import MegatronParam, ModelShape, ParallelLayout, Split, megatron_params, merge_tensors, split_tensor
+from mindspeed_llm.bridges import (
+    MegatronParam,
+    ModelShape,
+    ParallelLayout,
+    Split,
+    megatron_params,
+    merge_tensors,
+    split_tensor,
+)
 from mindspeed_llm.bridges.layout import piece_shape
 
 SHAPE = ModelShape(num_layers=8, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,

@@ -56,7 +56,9 @@ def test_merge_equals_peft(setup) -> None:
     _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=root / "adapter",
              lora_load=setup["lora"], save_lora_to_hf=True)
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    def load(path: str) -> AutoModelForCausalLM:
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
     with torch.no_grad():
         base = load(setup["hf"])(tokens).logits
         merged = load(root / "merged")(tokens).logits

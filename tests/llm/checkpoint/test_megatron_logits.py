@@ -49,9 +49,12 @@ def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], token
                  reference: dict[str, torch.Tensor]) -> dict[str, float]:
     # The transformers logits come from the parent: the ranks never import transformers (seconds each).
     from mindspeed.megatron import adapt, unadapt
-
     from mindspeed_llm.testing.megatron_logits import (
-        checkpoint_model, destroy_layout, init_layout, load_rank_chunks, megatron_logits,
+        checkpoint_model,
+        destroy_layout,
+        init_layout,
+        load_rank_chunks,
+        megatron_logits,
     )
 
     adapt("cpu")

@@ -142,7 +142,7 @@ def test_packing_keeps_every_sample_and_its_boundaries(tmp_path, run) -> None:
         for s in range(1, n_segments + 1):
             where = segments == s
             found.append((tuple(input_ids[where]), tuple(labels[where])))
-    assert sorted(found) == sorted((tuple(i), tuple(l)) for i, l in samples)
+    assert sorted(found) == sorted((tuple(ids), tuple(labels)) for ids, labels in samples)
     # Any-fit packing: no two rows could have been one.
     loads.sort()
     assert len(loads) < 2 or loads[0] + loads[1] > seq

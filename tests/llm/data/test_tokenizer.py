@@ -7,9 +7,19 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from mindspeed_llm.tokenizer import (DEMO_ALPACA, DEMO_CORPUS, DEMO_PAIRWISE, DEMO_SHAREGPT, DEMO_VOCAB_SIZE, EOS_TOKEN,
-                                     PAD_TOKEN, demo_tokenizer_path, iter_corpus_texts, load_tokenizer,
-                                     train_demo_tokenizer)
+from mindspeed_llm.tokenizer import (
+    DEMO_ALPACA,
+    DEMO_CORPUS,
+    DEMO_PAIRWISE,
+    DEMO_SHAREGPT,
+    DEMO_VOCAB_SIZE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    demo_tokenizer_path,
+    iter_corpus_texts,
+    load_tokenizer,
+    train_demo_tokenizer,
+)
 
 
 def test_shipped_assets_are_ascii_jsonl_of_the_promised_size() -> None:

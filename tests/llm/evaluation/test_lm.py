@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed_llm.evaluation.lm import (encode_context, encode_pair, eos_token_ids, fit_prompt, fit_request,
-                                         special_prefix, stop_strings, truncate_at_stop)
+from mindspeed_llm.evaluation.lm import (
+    encode_context,
+    encode_pair,
+    eos_token_ids,
+    fit_prompt,
+    fit_request,
+    special_prefix,
+    stop_strings,
+    truncate_at_stop,
+)
 
 
 def _word_tokenizer(bos: bool):

@@ -8,8 +8,14 @@ from fractions import Fraction
 import pytest
 
 from mindspeed_llm.evaluation.gsm8k import GSM8KTask
-from mindspeed_llm.evaluation.math_answer import (answers_equal, extract_answer, extract_boxed, grade_answer,
-                                                  parse_number, reference_answer)
+from mindspeed_llm.evaluation.math_answer import (
+    answers_equal,
+    extract_answer,
+    extract_boxed,
+    grade_answer,
+    parse_number,
+    reference_answer,
+)
 from mindspeed_llm.evaluation.tasks import EvalSettings
 
 MINUS = "\u2212"

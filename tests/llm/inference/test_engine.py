@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
 from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
-
 from tests.llm.inference.conftest import random_prompts, regrown_greedy, teacher_forced_greedy
 
 #: Five prompts of different lengths on two slots: requests wait and join as others finish.

@@ -12,7 +12,6 @@ import torch
 
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
-
 from tests.llm.inference.conftest import random_prompts
 
 

@@ -10,7 +10,6 @@ import torch
 
 from mindspeed_llm.inference import SUPPORTED_FAMILIES, InferenceEngine
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
-
 from tests.llm.inference.conftest import FAMILIES, random_prompts
 
 

@@ -8,7 +8,6 @@ import torch
 
 from mindspeed_llm.inference import SamplingParams
 from mindspeed_llm.inference.sampling import Sampler, filter_logits
-
 from tests.llm.inference.conftest import random_prompts
 
 
@@ -16,7 +15,9 @@ from tests.llm.inference.conftest import random_prompts
                                                              (0.9, 12, 0.85), (2.0, 1, 0.3)])
 def test_filters_equal_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
     from transformers.generation.logits_process import (
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3

@@ -232,7 +232,9 @@ def test_training_checkpoints_convert_like_save_hf(setup: dict[str, Any]) -> Non
     root = setup["root"]
     convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=root / "ckpt",
                                      save_dir=root / "converted", progress=False))
-    read = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+    def read(d: Any) -> dict:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
     converted, exported = read(root / "converted"), read(root / "exported")
     assert converted.keys() == exported.keys()
     assert all(torch.equal(converted[k], exported[k]) for k in exported)

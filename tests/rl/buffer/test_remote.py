@@ -15,6 +15,7 @@ import torch
 
 from mindspeed_rl.buffer import BufferClient, StalenessError, create_buffer_actor
 
+
 @pytest.fixture(scope="module")
 def ray_local():
     if importlib.util.find_spec("ray") is None:  # not importorskip: ray must not be imported before init_ray
@@ -64,4 +65,4 @@ def test_buffer_actor_round_trip_errors_and_blocking(ray_local) -> None:
     stats = buffer.stats()
     assert stats["version"] == 2 and stats["consumed"] == 2 and stats["expired"] == 2 and stats["discarded"] == 2
     with pytest.raises(AttributeError, match="no method"):
-        buffer.not_a_method
+        _ = buffer.not_a_method

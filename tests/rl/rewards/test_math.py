@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from mindspeed_rl.rewards import MathVerifier
-
 from tests.llm.evaluation.test_math_answer import GRADES
 
 

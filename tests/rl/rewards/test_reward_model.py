@@ -10,8 +10,9 @@ from mindspeed_rl.rewards import RewardModel, build_reward, score_batch
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory):
-    from mindspeed_llm.tokenizer import load_tokenizer
     from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from mindspeed_llm.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("demo")
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -59,7 +59,7 @@ class StatusProgress:
         )
         self._description, self._total, self._task = description, total, None
 
-    def __enter__(self) -> "StatusProgress":
+    def __enter__(self) -> StatusProgress:
         if self._progress is not None:
             self._progress.__enter__()
             self._task = self._progress.add_task(self._description, total=self._total, status="")

@@ -16,10 +16,10 @@ from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 COMMANDS: Registry[AddCommand] = Registry("mindspeed-llm command")
 
 import mindspeed_llm.checkpoint.cli  # noqa: E402,F401  (registers convert-ckpt)
-import mindspeed_llm.training.cli  # noqa: E402,F401  (registers pretrain)
 import mindspeed_llm.data.cli  # noqa: E402,F401  (registers preprocess-data)
-import mindspeed_llm.inference.cli  # noqa: E402,F401  (registers generate)
 import mindspeed_llm.evaluation.cli  # noqa: E402,F401  (registers evaluate)
+import mindspeed_llm.inference.cli  # noqa: E402,F401  (registers generate)
+import mindspeed_llm.training.cli  # noqa: E402,F401  (registers pretrain)
 
 
 def build_parser() -> argparse.ArgumentParser:

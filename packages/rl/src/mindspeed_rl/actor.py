@@ -113,13 +113,12 @@ class Actor:
 
     def __init__(self, hf_dir: str, settings: ActorSettings | None = None, trainable: bool = True,
                  tp: int = 1, pp: int = 1) -> None:
+        from mindspeed.device import get_accelerator
         from mindspeed_llm.training.config import load_pretrain_config
         from mindspeed_llm.training.data import read_tokenizer
         from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
         from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
         from mindspeed_llm.training.optim import build_optimizer, build_scheduler, use_adamw_kernel
-
-        from mindspeed.device import get_accelerator
         from mindspeed_rl.memory import StorageOffloader
 
         self.settings = s = settings or ActorSettings()

@@ -16,8 +16,8 @@ from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 COMMANDS: Registry[AddCommand] = Registry("mindspeed-rl command")
 
 import mindspeed_rl.data.cli  # noqa: E402,F401  (registers make-data)
-import mindspeed_rl.grpo_cli  # noqa: E402,F401  (registers grpo)
 import mindspeed_rl.demo_model_cli  # noqa: E402,F401  (registers make-demo-model)
+import mindspeed_rl.grpo_cli  # noqa: E402,F401  (registers grpo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
-
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
 
 #: Names of the sections of a recipe, in the order they are documented.

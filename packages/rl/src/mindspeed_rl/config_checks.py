@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mindspeed.config import ConfigError
-
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
 

@@ -263,7 +263,6 @@ def evaluate_accuracy(engine: Any, tokenizer: Any, records: Sequence[Any], tempe
         The fraction of correct answers.
     """
     from mindspeed_llm.inference.sampling import SamplingParams
-
     from mindspeed_rl.data import PromptFormat, encode_prompts
     from mindspeed_rl.rewards.math import MathVerifier
 

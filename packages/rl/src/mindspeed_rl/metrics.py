@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mindspeed.log import get_logger
-from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, read_metrics
-from mindspeed_llm.training.metrics import open_tensorboard
+from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
 
 logger = get_logger(__name__)
 
@@ -167,7 +166,7 @@ class ProgressLine:
             self._progress.stop()
             self._progress = None
 
-    def __enter__(self) -> "ProgressLine":
+    def __enter__(self) -> ProgressLine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,7 +243,7 @@ class RLMetricsLog:
             return write_reward_curve(self.path, self.log_dir / REWARD_CURVE)
         return None
 
-    def __enter__(self) -> "RLMetricsLog":
+    def __enter__(self) -> RLMetricsLog:
         return self
 
     def __exit__(self, *exc: object) -> None:

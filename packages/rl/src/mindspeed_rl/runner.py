@@ -36,8 +36,15 @@ import torch
 from mindspeed.log import get_logger
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import load_prompts
-from mindspeed_rl.trainer import (GRPOContext, RolloutBatch, collect_rollout, evaluate, finish_record, prompt_pieces,
-                                  train_on_batch)
+from mindspeed_rl.trainer import (
+    GRPOContext,
+    RolloutBatch,
+    collect_rollout,
+    evaluate,
+    finish_record,
+    prompt_pieces,
+    train_on_batch,
+)
 
 logger = get_logger(__name__)
 

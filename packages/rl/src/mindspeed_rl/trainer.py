@@ -15,8 +15,8 @@ come on top of these pieces.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,7 +91,7 @@ class RolloutBatch:
     parts: dict[str, torch.Tensor]
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def select(self, groups: list[int], n: int) -> "RolloutBatch":
+    def select(self, groups: list[int], n: int) -> RolloutBatch:
         """The rows of the given prompt groups, in that order."""
         rows = [g * n + j for g in groups for j in range(n)]
         pick = torch.tensor(rows, dtype=torch.long)

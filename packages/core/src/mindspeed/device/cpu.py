@@ -20,7 +20,7 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_NullEvent":
+    def record_event(self, event: Any = None) -> _NullEvent:
         return event or _NullEvent()
 
     def synchronize(self) -> None:
@@ -50,7 +50,7 @@ class _NullEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "_NullEvent") -> float:
+    def elapsed_time(self, end: _NullEvent) -> float:
         """Milliseconds between this event and ``end``."""
         return (end._time - self._time) * 1000.0
 

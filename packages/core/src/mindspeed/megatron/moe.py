@@ -25,9 +25,9 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from mindspeed.device import get_accelerator

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed.ops.registry import Case, OpSpec, register_kernel, register_op
+from mindspeed.ops.registry import Case, OpSpec, register_op
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 

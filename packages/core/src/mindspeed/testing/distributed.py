@@ -75,7 +75,7 @@ def _rank_main(
         results.put((rank, True, value))
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         results.put((rank, False, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 class DistributedTestError(RuntimeError):
@@ -150,7 +150,7 @@ def run_distributed(
                         raise DistributedTestError(
                             f"ranks {missing} died with exit codes {[procs[r].exitcode for r in missing]}"
                             + _failures(outcomes)
-                        )
+                        ) from None
                     break
         failures = _failures(outcomes)
         if failures:

@@ -35,7 +35,7 @@ class TinyModelConfig:
         """Per-head width (hidden / heads)."""
         return self.hidden_size // self.num_attention_heads
 
-    def with_(self, **changes: Any) -> "TinyModelConfig":
+    def with_(self, **changes: Any) -> TinyModelConfig:
         """A copy with some fields changed."""
         return replace(self, **changes)
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 import importlib
 
 from mindspeed_llm.bridges.base import (
-    BRIDGES, FAMILIES, Bridge, ConfigKey, bridge_for_architectures, bridge_for_family, register_bridge,
+    BRIDGES,
+    FAMILIES,
+    Bridge,
+    ConfigKey,
+    bridge_for_architectures,
+    bridge_for_family,
+    register_bridge,
 )
 from mindspeed_llm.bridges.engine import ConversionPlan, hf_to_megatron, megatron_to_hf, plan_conversion
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey, merge_tensors, split_tensor

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mindspeed.registry import Registry
-
 from mindspeed_llm.bridges.rules import ParamRule
 from mindspeed_llm.bridges.shape import ModelShape
 

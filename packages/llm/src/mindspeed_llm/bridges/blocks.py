@@ -56,12 +56,12 @@ class Blocks:
         return (first[0], sum(view.shape[1] for view in block), *first[2:])
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Blocks":
+    def of(cls, tensor: torch.Tensor) -> Blocks:
         """One tensor as a single block."""
         return cls([[tensor]])
 
     @classmethod
-    def stack(cls, items: Sequence["Blocks"]) -> "Blocks":
+    def stack(cls, items: Sequence[Blocks]) -> Blocks:
         """``items`` stacked along dim 0 (``torch.cat`` without the copy)."""
         return cls([block for item in items for block in item.parts])
 
@@ -78,7 +78,7 @@ class Blocks:
         """Bytes of the elements."""
         return self.numel * self.dtype.itemsize
 
-    def rows(self, start: int, stop: int) -> "Blocks":
+    def rows(self, start: int, stop: int) -> Blocks:
         """Rows ``[start, stop)`` (dim 0), as views."""
         if not 0 <= start <= stop <= self.shape[0]:
             raise ValueError(f"rows [{start}, {stop}) of a tensor with {self.shape[0]} rows")
@@ -91,7 +91,7 @@ class Blocks:
             offset += rows
         return Blocks(out or [[view[:0] for view in self.parts[0]]])
 
-    def columns(self, start: int, stop: int) -> "Blocks":
+    def columns(self, start: int, stop: int) -> Blocks:
         """Columns ``[start, stop)`` (dim 1) of every row, as (strided) views."""
         if len(self.shape) < 2 or not 0 <= start <= stop <= self.shape[1]:
             raise ValueError(f"columns [{start}, {stop}) of a tensor of shape {self.shape}")

@@ -162,7 +162,9 @@ def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> An
     # This chunk's slice of the per-layer specs (dense and MoE layers mixed), the way megatron's
     # get_gpt_decoder_block_spec cuts it, with megatron's default final norm.
     from megatron.core.transformer.transformer_block import (
-        LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -213,7 +215,6 @@ def _build_chunk(shape: ModelShape, layout: ParallelLayout, config: Any, layer_s
         # megatron's own helper: on the last stage (the last chunk), MTP layers built like the last
         # decoder layer, with its local norms and projection; None on the other stages.
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         last = TransformerBlockSubmodules(layer_specs=[layer_specs[-1]])

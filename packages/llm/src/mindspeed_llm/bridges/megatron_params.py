@@ -15,7 +15,7 @@ from enum import Enum
 from mindspeed_llm.bridges.shape import ModelShape
 
 
-class Split(str, Enum):
+class Split(str, Enum):  # noqa: UP042  (StrEnum would change str(): kept as is)
     """How a tensor-parallel layout cuts a parameter (megatron's layer types)."""
 
     #: Every rank holds the whole tensor (norms, routers, row-parallel biases).

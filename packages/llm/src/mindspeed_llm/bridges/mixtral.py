@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
-from mindspeed_llm.bridges.common import ATTENTION_RULES, EMBEDDING_RULES, HF, LLAMA_CONFIG_KEYS, LLAMA_REQUIRES, moe_rules
+from mindspeed_llm.bridges.common import (
+    ATTENTION_RULES,
+    EMBEDDING_RULES,
+    HF,
+    LLAMA_CONFIG_KEYS,
+    LLAMA_REQUIRES,
+    moe_rules,
+)
 
 
 @register_bridge

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from mindspeed_llm.bridges.base import Bridge, register_bridge
 from mindspeed_llm.bridges.common import (
-    ATTENTION_RULES, EMBEDDING_RULES, HF, LLAMA_CONFIG_KEYS, LLAMA_REQUIRES, MG, QK_NORM_RULES, gated_mlp_rules,
+    ATTENTION_RULES,
+    EMBEDDING_RULES,
+    HF,
+    LLAMA_CONFIG_KEYS,
+    LLAMA_REQUIRES,
+    MG,
+    QK_NORM_RULES,
+    gated_mlp_rules,
 )
 
 

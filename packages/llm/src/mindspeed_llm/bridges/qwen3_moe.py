@@ -7,7 +7,14 @@ from typing import Any
 
 from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
 from mindspeed_llm.bridges.common import (
-    ATTENTION_RULES, EMBEDDING_RULES, HF, LLAMA_CONFIG_KEYS, LLAMA_REQUIRES, MG, QK_NORM_RULES, gated_mlp_rules,
+    ATTENTION_RULES,
+    EMBEDDING_RULES,
+    HF,
+    LLAMA_CONFIG_KEYS,
+    LLAMA_REQUIRES,
+    MG,
+    QK_NORM_RULES,
+    gated_mlp_rules,
     moe_rules,
 )
 from mindspeed_llm.bridges.shape import ModelShape

@@ -144,7 +144,7 @@ class ModelShape:
         return args
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace | dict[str, Any]) -> "ModelShape":
+    def from_args(cls, args: argparse.Namespace | dict[str, Any]) -> ModelShape:
         """The shape recorded in a Megatron checkpoint's ``args``.
 
         Raises:

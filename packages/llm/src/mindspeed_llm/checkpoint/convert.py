@@ -19,7 +19,6 @@ from pathlib import Path
 
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
-
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
 from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, LoraMergedSource, export_peft_adapter

@@ -18,9 +18,14 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
-
 from mindspeed_llm.bridges import (
-    Bridge, ModelShape, ParallelLayout, RankKey, bridge_for_architectures, bridge_for_family, megatron_params,
+    Bridge,
+    ModelShape,
+    ParallelLayout,
+    RankKey,
+    bridge_for_architectures,
+    bridge_for_family,
+    megatron_params,
     merge_tensors,
 )
 from mindspeed_llm.bridges.blocks import Blocks
@@ -30,7 +35,11 @@ from mindspeed_llm.bridges.megatron_model import padded_vocab_size
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.rules import Task
 from mindspeed_llm.checkpoint.megatron_legacy import (
-    Entries, LegacyCheckpointReader, LegacyCheckpointWriter, checkpoint_args, rank_dir,
+    Entries,
+    LegacyCheckpointReader,
+    LegacyCheckpointWriter,
+    checkpoint_args,
+    rank_dir,
 )
 from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 
@@ -218,7 +227,10 @@ class MegatronSource:
                         if param is not None and got != want:
                             raise ValueError(f"shape mismatch: {rank_dir(rank, self.layout)} {name} is "
                                              f"{tuple(value.shape)}, the model implies {want}")
-        label = lambda key: f"{rank_dir(key[0], self.layout)}/{'model%d:' % key[1] if chunks > 1 else ''}{key[2]}"
+
+        def label(key: tuple) -> str:
+            return f"{rank_dir(key[0], self.layout)}/{f'model{key[1]}:' if chunks > 1 else ''}{key[2]}"
+
         missing, extra = set(expected) - found, found - set(expected)
         if extra:
             raise ValueError(f"{self.path} holds tensors the {self.bridge.family} model does not have: "

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.log import get_logger
-
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, megatron_params
 from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan

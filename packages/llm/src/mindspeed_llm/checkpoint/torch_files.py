@@ -199,7 +199,7 @@ class LazyTensor:
         stride: tensor strides.
     """
 
-    file: "LazyTorchFile"
+    file: LazyTorchFile
     key: str
     dtype: torch.dtype
     numel: int
@@ -244,7 +244,7 @@ class _StorageTag:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, file: "LazyTorchFile") -> None:
+    def __init__(self, data: bytes, file: LazyTorchFile) -> None:
         super().__init__(io.BytesIO(data))
         self._file = file
 

@@ -20,7 +20,7 @@ from mindspeed.registry import Registry
 from mindspeed_llm.data.templates import BadRecordError, ConversationEncoder, encode_text
 
 #: ``--handler-name`` -> handler class.
-HANDLERS: Registry[type["DatasetHandler"]] = Registry("dataset handler")
+HANDLERS: Registry[type[DatasetHandler]] = Registry("dataset handler")
 
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "system_tag": "system", "observation_tag": "observation", "function_tag": "function_call"}

@@ -22,8 +22,16 @@ from typing import Any
 
 from mindspeed_llm.evaluation.lm import encode_context
 from mindspeed_llm.evaluation.math_answer import answers_equal, extract_answer, extract_marked, parse_number
-from mindspeed_llm.evaluation.tasks import (DEFAULT_MAX_NEW_TOKENS, TASKS, EvalSettings, TaskResult, call_in_chunks,
-                                            iter_jsonl, limit, require_path)
+from mindspeed_llm.evaluation.tasks import (
+    DEFAULT_MAX_NEW_TOKENS,
+    TASKS,
+    EvalSettings,
+    TaskResult,
+    call_in_chunks,
+    iter_jsonl,
+    limit,
+    require_path,
+)
 
 #: Text that ends a generation: the model moving on to a new question.
 STOP = ["Question:", "</s>", "<|im_end|>"]

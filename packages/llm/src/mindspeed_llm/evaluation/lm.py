@@ -196,7 +196,7 @@ class TransformersLM:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None,
-                        batch_size: int = 8, max_seq_len: int | None = None) -> "TransformersLM":
+                        batch_size: int = 8, max_seq_len: int | None = None) -> TransformersLM:
         """Load a local Hugging Face directory (nothing is downloaded) on the accelerator.
 
         Args:
@@ -321,7 +321,7 @@ class EngineLM:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None,
-                        batch_size: int = 8, max_seq_len: int | None = None, **engine_kwargs: Any) -> "EngineLM":
+                        batch_size: int = 8, max_seq_len: int | None = None, **engine_kwargs: Any) -> EngineLM:
         """Open a Hugging Face directory or Megatron checkpoint with ``InferenceEngine.from_pretrained``.
 
         Args:

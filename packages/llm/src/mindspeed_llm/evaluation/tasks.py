@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 from mindspeed.registry import Registry
 
-
 #: Generation budget when ``--max-new-tokens`` is not given (lm-evaluation-harness's GSM8K setting).
 DEFAULT_MAX_NEW_TOKENS = 256
 

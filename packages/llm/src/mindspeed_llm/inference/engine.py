@@ -12,13 +12,12 @@ takes new weights as Hugging Face-named tensors (RL weight sync through the brid
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import functools
 
 import torch
 
@@ -126,7 +125,7 @@ class InferenceEngine:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, max_batch_size: int = 8,
                         max_seq_len: int | None = None, *, hf_cfg_dir: str | Path | None = None,
                         model_type_hf: str | None = None, device: str | torch.device | None = None,
-                        kernels: dict[str, str] | None = None) -> "InferenceEngine":
+                        kernels: dict[str, str] | None = None) -> InferenceEngine:
         """An engine on the weights of a Hugging Face directory or a Megatron checkpoint.
 
         Args:
@@ -162,7 +161,7 @@ class InferenceEngine:
     @classmethod
     def from_config(cls, config: Any, dtype: str | torch.dtype = torch.float32, max_batch_size: int = 8,
                     max_seq_len: int | None = None, *, tokenizer: Any = None, eos_token_ids: Sequence[int] | None = None,
-                    device: str | torch.device | None = None, kernels: dict[str, str] | None = None) -> "InferenceEngine":
+                    device: str | torch.device | None = None, kernels: dict[str, str] | None = None) -> InferenceEngine:
         """An engine with zero weights for a transformers config; fill it with :meth:`load_weights`.
 
         This is how a rollout engine starts when its weights come from a trainer rather than a file.

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.ops import resolve_kernel
-
 from mindspeed_llm.bridges import megatron_params
 from mindspeed_llm.inference.cache import AttentionStep
 from mindspeed_llm.inference.spec import DecoderSpec
@@ -38,7 +37,7 @@ class DecoderLayer:
         weights: megatron name -> tensor of the whole model.
     """
 
-    def __init__(self, model: "Decoder", index: int, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: Decoder, index: int, weights: dict[str, torch.Tensor]) -> None:
         prefix = f"decoder.layers.{index}."
         get = lambda name: weights.get(prefix + name)  # noqa: E731
         self.model, self.index = model, index

@@ -18,7 +18,12 @@ from mindspeed_llm.bridges import ModelShape, ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
 from mindspeed_llm.checkpoint.megatron_dist import is_dist_checkpoint
 from mindspeed_llm.checkpoint.megatron_legacy import (
-    TRACKER, LegacyCheckpointReader, iteration_dir, layout_from_args, model_keys, rank_dir,
+    TRACKER,
+    LegacyCheckpointReader,
+    iteration_dir,
+    layout_from_args,
+    model_keys,
+    rank_dir,
 )
 
 #: Every registry kernel of the spec at its pure-PyTorch reference.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mindspeed.registry import Registry
 
 #: family -> function returning a ``transformers.PretrainedConfig``.

@@ -211,7 +211,7 @@ def _stop(procs: list[Any]) -> None:
 
 def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
     errors = sorted((rank, kind, value) for rank, (kind, value) in outcomes.items() if kind != "ok")
-    for rank, kind, value in errors:
+    for _rank, kind, value in errors:
         if kind == "value_error":
             raise ValueError(value)
     if errors:

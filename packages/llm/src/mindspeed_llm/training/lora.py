@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.log import get_logger
-from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.layout import split_tensor
+from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.checkpoint.lora import lora_param
 
 logger = get_logger(__name__)

@@ -24,11 +24,11 @@ from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data import read_tokenizer
+from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, load_hf_weights, save_hf
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
-from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, load_hf_weights, save_hf
 from mindspeed_llm.training.stages import get_stage
 from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate, run_schedule
 
@@ -158,7 +158,10 @@ class _Run:
         train, valid = self.stage.datasets(config, self.world, self.ids)
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         device = get_accelerator().device()
-        read = lambda dataset: self.stage.reader(dataset, config, dp_rank, dp_size, device, self.ids.eod)
+
+        def read(dataset: Any) -> Any:
+            return self.stage.reader(dataset, config, dp_rank, dp_size, device, self.ids.eod)
+
         self.train_reader = read(train)
         self.valid_reader = read(valid) if valid is not None else None
 

@@ -19,7 +19,12 @@ from mindspeed_rl.algorithms.losses import (
     compute_policy_loss,
     policy_loss_config,
 )
-from mindspeed_rl.algorithms.shaping import DynamicSampler, constant_groups, overlong_penalty, truncated_importance_weights
+from mindspeed_rl.algorithms.shaping import (
+    DynamicSampler,
+    constant_groups,
+    overlong_penalty,
+    truncated_importance_weights,
+)
 
 __all__ = [
     "ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES", "DynamicSampler", "PolicyLossConfig",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from mindspeed.registry import Registry
 
 AdvantageFn = Callable[[torch.Tensor, int, float], torch.Tensor]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from mindspeed.registry import Registry
 
 KlFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from mindspeed.registry import Registry
 
+from mindspeed.registry import Registry
 from mindspeed_rl.algorithms.functional import LOSS_AGG_MODES, aggregate_loss, entropy_from_logits, masked_mean
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 

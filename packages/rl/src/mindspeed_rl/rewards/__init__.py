@@ -9,7 +9,14 @@ from mindspeed_llm.evaluation.math_answer import (
     parse_number,
     reference_answer,
 )
-from mindspeed_rl.rewards.base import VERIFIERS, RewardFunction, WeightedReward, build_reward, build_verifier, score_batch
+from mindspeed_rl.rewards.base import (
+    VERIFIERS,
+    RewardFunction,
+    WeightedReward,
+    build_reward,
+    build_verifier,
+    score_batch,
+)
 from mindspeed_rl.rewards.format import FORMAT_PRESETS, FormatVerifier
 from mindspeed_rl.rewards.math import MathVerifier
 from mindspeed_rl.rewards.model import RewardModel

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from mindspeed.registry import Registry
 
+from mindspeed.registry import Registry
 from mindspeed_rl.rewards.format import FormatVerifier
 from mindspeed_rl.rewards.math import MathVerifier
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
 from mindspeed.registry import Registry
 from mindspeed_llm.inference import GenerationOutput, SamplingParams
 

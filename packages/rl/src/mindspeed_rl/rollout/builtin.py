@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mindspeed_llm.inference import InferenceEngine, SamplingParams
 
+from mindspeed_llm.inference import InferenceEngine, SamplingParams
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutOutput, check_params
 
 
@@ -41,7 +41,7 @@ class BuiltinRollout:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, max_num_seqs: int = 64, tp: int = 1,
                         gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                        **options: Any) -> "BuiltinRollout":
+                        **options: Any) -> BuiltinRollout:
         """The engine on a Hugging Face directory or Megatron checkpoint (see :func:`build_rollout`).
 
         ``gpu_memory_utilization`` is accepted for a uniform signature and not used: the built-in

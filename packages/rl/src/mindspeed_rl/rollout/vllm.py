@@ -36,9 +36,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
 from mindspeed.log import get_logger
 from mindspeed_llm.inference import SamplingParams
-
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutOutput, check_params
 
 logger = get_logger(__name__)
@@ -147,7 +147,7 @@ class VLLMRollout:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, max_num_seqs: int = 64, tp: int = 1,
                         gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                        sleep_level: int = 1, **options: Any) -> "VLLMRollout":
+                        sleep_level: int = 1, **options: Any) -> VLLMRollout:
         """``vllm.LLM`` on a Hugging Face directory (see :func:`~mindspeed_rl.rollout.base.build_rollout`).
 
         Args:

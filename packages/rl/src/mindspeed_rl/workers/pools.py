@@ -43,7 +43,7 @@ class ResourcePool:
     size: int
     group: Any = None
 
-    def create(self, timeout: float = 120.0) -> "ResourcePool":
+    def create(self, timeout: float = 120.0) -> ResourcePool:
         """Reserve the pool's resources (waits up to ``timeout`` seconds).
 
         Raises:
