@@ -9,8 +9,9 @@ import torch
 
 from mindspeed_llm.inference import InferenceEngine
 
-#: Every family the engine supports (tied embeddings: qwen25; MoE: mixtral, qwen3-moe; llama3 rope: llama2).
-FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe")
+#: Every family the engine supports (tied embeddings: qwen25; MoE: mixtral, qwen3-moe; llama3 rope: llama2;
+#: MLA, sigmoid routing, shared experts: deepseek3).
+FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe", "deepseek3")
 
 
 @pytest.fixture(autouse=True)

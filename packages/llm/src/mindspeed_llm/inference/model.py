@@ -1,4 +1,6 @@
-"""The single-device decoder the inference engine runs: Llama-like families, dense or MoE.
+"""The single-device decoder the inference engine runs: Llama-like families, dense or MoE, and
+DeepSeek-V3 (multi-latent attention, :mod:`.mla`; sigmoid routing, :mod:`.routing`; shared experts;
+dense first layers).
 
 Weights are held under megatron-core's names and in its fused layouts (``linear_qkv`` in the
 grouped ``[group: q heads, k, v]`` layout, ``linear_fc1`` as ``[gate; up]``), which is what
@@ -14,14 +16,14 @@ cache slots, or one decode token per slot.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from mindspeed.ops import resolve_kernel
 from mindspeed_llm.bridges import megatron_params
 from mindspeed_llm.inference.cache import AttentionStep
+from mindspeed_llm.inference.mla import MLAAttention
+from mindspeed_llm.inference.routing import route
 from mindspeed_llm.inference.spec import DecoderSpec
 
 #: Registry ops the decoder uses.
@@ -51,40 +53,51 @@ class DecoderLayer:
         self.fc1 = get("mlp.linear_fc1.weight")
         self.fc2 = get("mlp.linear_fc2.weight")
         self.router = get("mlp.router.weight")
+        self.expert_bias = get("mlp.router.expert_bias")
+        self.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight")
+        self.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight")
         if self.router is not None:
             self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
+        self.mla = MLAAttention(model, get) if model.spec.shape.multi_latent_attention else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` -> the layer's output, same shape (``cos``/``sin`` ``[tokens, 1, 1, dim]``)."""
         m, spec = self.model, self.model.spec
-        group = spec.group_size
         h = m.rms_norm(x, self.attn_norm, spec.norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(x.shape[0], spec.num_kv_heads, group + 2, spec.head_dim)
+        attention = self.mla.forward(h, cos, sin, self.index, step) if self.mla else self._attention(h, cos, sin, step)
+        x = x + attention
+        h = m.rms_norm(x, self.mlp_norm, spec.norm_eps)
+        return x + (self._experts(h) if self.router is not None else self._mlp(h, self.fc1, self.fc2))
+
+    def _mlp(self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.model.swiglu(F.linear(h, fc1)), fc2)
+
+    def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        m, spec = self.model, self.model.spec
+        group = spec.group_size
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(h.shape[0], spec.num_kv_heads, group + 2, spec.head_dim)
         # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
         qk = qkv[:, :, : group + 1]
         if self.q_norm is not None:
             qk = torch.cat((m.rms_norm(qk[:, :, :group], self.q_norm, spec.norm_eps),
                             m.rms_norm(qk[:, :, group:], self.k_norm, spec.norm_eps)), dim=2)
         qk = m.rotary(qk, cos, sin)
-        x = x + F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
-        h = m.rms_norm(x, self.mlp_norm, spec.norm_eps)
-        return x + (self._experts(h) if self.router is not None else F.linear(m.swiglu(F.linear(h, self.fc1)), self.fc2))
+        return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
 
     def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
-        # Softmax over all experts in fp32, top-k, optional renormalisation: transformers' routing.
-        spec, m = self.model.spec, self.model
-        probs = torch.softmax(F.linear(tokens, self.router).float(), dim=-1)
-        weights, chosen = torch.topk(probs, spec.shape.moe_router_topk, dim=-1)
-        if spec.renormalize_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts.
+        m = self.model
+        weights, chosen = route(tokens, self.router, self.expert_bias, m.spec.shape)
         out = torch.zeros_like(tokens)
         counts = torch.bincount(chosen.flatten(), minlength=self.fc1.shape[0]).tolist()
         for expert, count in enumerate(counts):
             if not count:
                 continue
             token, slot = (chosen == expert).nonzero(as_tuple=True)
-            y = F.linear(m.swiglu(F.linear(tokens[token], self.fc1[expert])), self.fc2[expert])
+            y = self._mlp(tokens[token], self.fc1[expert], self.fc2[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        if self.shared_fc1 is not None:
+            out = out + self._mlp(tokens, self.shared_fc1, self.shared_fc2)
         return out
 
 
@@ -111,7 +124,7 @@ class Decoder:
             # activation memory for the backward pass; without a backward it only adds overhead.
             swiglu = resolve_kernel("swiglu", "reference")
         self.swiglu = swiglu.fn
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale = spec.softmax_scale
         self.inv_freq = spec.inv_freq.to(device)
         self._weights = self._allocate()
         self.embedding = self._weights["embedding.word_embeddings.weight"]
@@ -158,7 +171,7 @@ class Decoder:
         """
         x = F.embedding(tokens, self.embedding)
         cos, sin = self.rope(positions)
-        cos, sin = cos[:, None, None], sin[:, None, None]  # against [tokens, kv_heads, group + 1, dim]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # against [tokens, kv_heads, group + 1, rotary dim]
         for layer in self.layers:
             x = layer.forward(x, cos, sin, step)
         return x

@@ -8,6 +8,7 @@ implement with a message naming the supported families.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 
 from mindspeed_llm.bridges import Bridge, ModelShape
+from mindspeed_llm.inference.mla import mla_cache_width, mla_softmax_scale
 
 #: Families the decoder runs (MindSpeed-LLM's ``--model-type-hf`` names).
-SUPPORTED_FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe")
+SUPPORTED_FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe", "deepseek3")
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,18 @@ class DecoderSpec:
         num_layers: decoder layers.
         hidden_size: model width.
         num_heads: query heads.
-        num_kv_heads: key/value heads (query groups).
-        head_dim: width of one head.
+        num_kv_heads: key/value heads (query groups); 1 with multi-latent attention (the latent
+            is one key/value head shared by every query head, :mod:`.mla`).
+        head_dim: width of one head (with MLA: of the cached latent and rotary key).
         vocab_size: embedding rows.
         norm_eps: RMSNorm epsilon.
-        inv_freq: rotary inverse frequencies ``[head_dim / 2]`` (fp32).
+        inv_freq: rotary inverse frequencies ``[rotary dim / 2]`` (fp32; the rotary dim is
+            ``head_dim``, or MLA's ``qk_pos_emb_head_dim``).
         rope_scale: factor on cos/sin (transformers' ``attention_scaling``; 1 for default and llama3).
         windows: per layer, the sliding window in tokens (``None``: full causal attention).
         moe_layers: per layer, whether its MLP is routed experts.
         renormalize_topk: the top-k routing weights are renormalised to sum to one.
+        softmax_scale: the attention's score scale (``1 / sqrt(head_dim)``; MLA's own, :mod:`.mla`).
     """
 
     family: str
@@ -55,6 +60,7 @@ class DecoderSpec:
     windows: tuple[int | None, ...]
     moe_layers: tuple[bool, ...]
     renormalize_topk: bool
+    softmax_scale: float
 
     @property
     def group_size(self) -> int:
@@ -71,18 +77,15 @@ def check_supported(bridge: Bridge, shape: ModelShape) -> None:
     """Raise ``ValueError`` for a model the decoder does not implement.
 
     Raises:
-        ValueError: multi-latent attention, or a router feature beyond softmax top-k, named with
-            the families that are supported.
+        ValueError: a router the decoder does not implement (softmax with an expert bias,
+            groups or a scaling factor), named with the families that are supported.
     """
     supported = f"the inference engine supports the families {', '.join(SUPPORTED_FAMILIES)}"
-    if shape.multi_latent_attention:
-        raise ValueError(f"{bridge.family} uses multi-latent attention, which the inference engine does not implement "
-                         f"yet; {supported}")
-    extras = {"moe_router_score_function": shape.moe_router_score_function != "softmax",
-              "moe_router_enable_expert_bias": shape.moe_router_enable_expert_bias,
-              "moe_router_num_groups": bool(shape.moe_router_num_groups),
-              "moe_shared_expert_intermediate_size": bool(shape.moe_shared_expert_intermediate_size),
-              "moe_router_topk_scaling_factor": shape.moe_router_topk_scaling_factor not in (None, 1, 1.0)}
+    softmax = shape.moe_router_score_function == "softmax"
+    extras = {"moe_router_score_function": shape.moe_router_score_function not in ("softmax", "sigmoid"),
+              "moe_router_enable_expert_bias": softmax and shape.moe_router_enable_expert_bias,
+              "moe_router_num_groups": softmax and bool(shape.moe_router_num_groups),
+              "moe_router_topk_scaling_factor": softmax and shape.moe_router_topk_scaling_factor not in (None, 1, 1.0)}
     used = [name for name, on in extras.items() if on]
     if used:
         raise ValueError(f"{bridge.family}: the inference engine does not implement {', '.join(used)}; {supported}")
@@ -140,16 +143,19 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
         ValueError: the model uses something the decoder does not implement.
     """
     check_supported(bridge, shape)
-    inv_freq, scale = rotary_frequencies(config, shape.kv_channels)
+    mla = shape.multi_latent_attention
+    inv_freq, scale = rotary_frequencies(config, shape.qk_pos_emb_head_dim if mla else shape.kv_channels)
     moe = tuple(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    head_dim = mla_cache_width(shape) if mla else shape.kv_channels
     return DecoderSpec(
         family=bridge.family, shape=shape, num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_heads=shape.num_attention_heads, num_kv_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        num_heads=shape.num_attention_heads, num_kv_heads=1 if mla else shape.num_query_groups, head_dim=head_dim,
         vocab_size=shape.vocab_size, norm_eps=float(shape.norm_epsilon), inv_freq=inv_freq, rope_scale=scale,
         windows=sliding_windows(config, shape.num_layers), moe_layers=moe,
         # megatron's pre-softmax routing is softmax over all experts without renormalisation
         # (Qwen3-MoE's norm_topk_prob=False); otherwise the top-k weights sum to one (Mixtral).
         renormalize_topk=not shape.moe_router_pre_softmax,
+        softmax_scale=mla_softmax_scale(shape) if mla else 1.0 / math.sqrt(head_dim),
     )
 
 
