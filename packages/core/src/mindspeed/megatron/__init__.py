@@ -3,6 +3,7 @@
 Importing this package does nothing (megatron-core itself is imported by ``adapt()``).
 """
 
-from mindspeed.megatron.adaptor import AdaptReport, adapt, adapted, current_report, enter_thread, unadapt
+from mindspeed.megatron.active import current_report
+from mindspeed.megatron.adaptor import AdaptReport, adapt, adapted, enter_thread, unadapt
 
 __all__ = ["AdaptReport", "adapt", "adapted", "current_report", "enter_thread", "unadapt"]

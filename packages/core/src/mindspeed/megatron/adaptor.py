@@ -19,7 +19,9 @@ from typing import Any
 
 from mindspeed.device import Accelerator, get_accelerator, set_accelerator
 from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches, needs_cuda_shim
+from mindspeed.features import BuildContext, apply_features
 from mindspeed.log import get_logger
+from mindspeed.megatron.active import set_current_report
 from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
 from mindspeed.patching import PatchError, PatchRecord, PatchSet, installed_version
 
@@ -132,6 +134,7 @@ def adapt(
         report = AdaptReport(accelerator=acc.name, megatron_core=version, patches=records,
                              device_redirect=mode is not None)
         _active = _Adaptation(report, patches, mode, threading.get_ident(), rng_filter)
+        set_current_report(report)
     if features is not None:
         try:
             _apply_features(report, features, acc, model, parallel)
@@ -143,7 +146,8 @@ def adapt(
 
 
 def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model: Any, parallel: Any) -> None:
-    from mindspeed.features import BuildContext, apply_features
+    # Lazy: spec and moe import megatron-core, which importing mindspeed.megatron must not do.
+    from mindspeed.megatron.moe import moe_permute_patches
     from mindspeed.megatron.spec import rotary_patch
 
     ctx = BuildContext(accelerator=acc.name, parallel=parallel, model=model)
@@ -154,8 +158,6 @@ def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model:
         report.patches.append(_active.patches.add(rotary_patch(ctx.kernel_impls["rotary_pos_emb"]), acc))
     if "moe_permute" in ctx.kernel_impls or "moe_unpermute" in ctx.kernel_impls:
         # The token dispatchers have no seam either: moe_permute_fusion's kernels go in by patches.
-        from mindspeed.megatron.moe import moe_permute_patches
-
         for patch in moe_permute_patches(ctx.kernel_for("moe_permute"), ctx.kernel_for("moe_unpermute")):
             report.patches.append(_active.patches.add(patch, acc))
 
@@ -185,11 +187,7 @@ def unadapt() -> None:
         _active.patches.revert()
         logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_active.rng_filter)
         _active = None
-
-
-def current_report() -> AdaptReport | None:
-    """The report of the active adaptation, if any."""
-    return None if _active is None else _active.report
+        set_current_report(None)
 
 
 @contextlib.contextmanager

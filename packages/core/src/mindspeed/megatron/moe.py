@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import build_module
 
 from mindspeed.device import get_accelerator
+from mindspeed.megatron.active import default_impl
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.moe_permute import permuted_probs_of
@@ -74,7 +75,7 @@ class RegistryGroupedMLP(MegatronModule):
         self.expert_parallel = config.expert_model_parallel_size > 1
         pg_collection = pg_collection if pg_collection is not None else get_default_pg_collection()
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
-        self.kernel = resolve_kernel("grouped_matmul", impl if impl is not None else _feature_impl("grouped_matmul"))
+        self.kernel = resolve_kernel("grouped_matmul", impl if impl is not None else default_impl("grouped_matmul"))
         self.activation_func = self._build_activation(config, submodules, swiglu_impl)
         self.activation_recompute = (config.recompute_granularity == "selective"
                                      and "moe_act" in config.recompute_modules)
@@ -90,7 +91,7 @@ class RegistryGroupedMLP(MegatronModule):
         if spec is not None:
             return build_module(spec, config=config)
         if config.activation_func is F.silu:
-            return resolve_kernel("swiglu", swiglu_impl if swiglu_impl is not None else _feature_impl("swiglu"))
+            return resolve_kernel("swiglu", swiglu_impl if swiglu_impl is not None else default_impl("swiglu"))
 
         def glu(x: torch.Tensor) -> torch.Tensor:
             gate, up = torch.chunk(x, 2, dim=-1)
@@ -189,20 +190,6 @@ def _ignore_extra_state(module: torch.nn.Module, incompatible_keys: Any) -> None
     for key in deepcopy(incompatible_keys.unexpected_keys):
         if "_extra_state" in key:
             incompatible_keys.unexpected_keys.remove(key)
-
-
-def _feature_impl(op: str) -> str:
-    from mindspeed.megatron.spec import default_impl
-
-    return default_impl(op)
-
-
-def grouped_gemm_enabled() -> bool:
-    """Whether the active ``adapt()`` turned the ``moe_grouped_gemm`` feature on."""
-    from mindspeed.megatron.adaptor import current_report
-
-    report = current_report()
-    return report is not None and report.context is not None and "grouped_matmul" in report.context.kernel_impls
 
 
 # -- fused token permutation ----------------------------------------------------------------------

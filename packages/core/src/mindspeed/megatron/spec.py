@@ -20,8 +20,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mindspeed.megatron.active import default_impl, grouped_gemm_enabled
 from mindspeed.megatron.modules import RegistryAttention, RegistryNorm, RegistrySwiGLU
-from mindspeed.megatron.moe import RegistryGroupedMLP, grouped_gemm_enabled
+from mindspeed.megatron.moe import RegistryGroupedMLP
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.ops import resolve_kernel
 from mindspeed.patching import UpstreamPatch
@@ -63,16 +64,6 @@ class MindSpeedSpecProvider(LocalSpecProvider):
         """The spec of grouped experts with this provider's ``grouped_matmul`` and ``swiglu`` kernels."""
         impl = self.impls.get("grouped_matmul", default_impl("grouped_matmul"))
         return ModuleSpec(module=RegistryGroupedMLP, params={"impl": impl, "swiglu_impl": self.impls["swiglu"]})
-
-
-def default_impl(op: str) -> str:
-    """The implementation of ``op`` chosen by the features of the active ``adapt()``, else "auto"."""
-    from mindspeed.megatron.adaptor import current_report
-
-    report = current_report()
-    if report is not None and report.context is not None:
-        return report.context.kernel_for(op)
-    return "auto"
 
 
 def get_gpt_layer_spec(
