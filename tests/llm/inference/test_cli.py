@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import re
 import shutil
 import sys
@@ -118,6 +119,38 @@ def test_text_prompts_file_and_interactive_chat(model_dir, tmp_path, capsys, mon
     assert code == 0 and out.count("model> ") == 2
 
 
+def test_chat_and_prompts_from_a_pipe(model_dir, reference, capsys, monkeypatch) -> None:
+    """``printf ... | generate --chat``: a turn per line until EOF; ``--prompts-file -`` and ``/dev/stdin``."""
+    import io
+
+    params = SamplingParams(max_new_tokens=3)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first prompt\n\nsecond prompt\n"))
+    code, out, _ = run(capsys, "--load-dir", str(model_dir), "--chat", "--max-new-tokens", "3")
+    replies = out.splitlines()
+    assert code == 0 and len(replies) == 2 and "model>" not in out and "you>" not in out
+    from mindspeed_llm.inference.prompts import encode_prompt
+
+    tok = reference.tokenizer
+    (want,) = reference.generate([encode_prompt(tok, "first prompt", True, None)], params)
+    assert replies[0] == tok.decode(want.token_ids, skip_special_tokens=True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first prompt\n\nsecond prompt\n"))
+    code, out, _ = run(capsys, "--load-dir", str(model_dir), "--prompts-file", "-", "--max-new-tokens", "3")
+    assert code == 0 and "--- prompt 0 ---\nfirst prompt\n" in out and "--- prompt 1 ---\nsecond prompt\n" in out
+    # /dev/stdin is a pipe here, not a regular file (file descriptor 0 made a real pipe for the call)
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"first prompt\n\nsecond prompt\n")
+    os.close(write_end)
+    saved = os.dup(0)
+    try:
+        os.dup2(read_end, 0)
+        code, out, _ = run(capsys, "--load-dir", str(model_dir), "--prompts-file", "/dev/stdin", "--max-new-tokens", "3")
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(read_end)
+    assert code == 0 and "--- prompt 0 ---\nfirst prompt\n" in out and "--- prompt 1 ---\nsecond prompt\n" in out
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--load-dir", "{missing}", "--prompt", "hi"], "--load-dir {missing} is not a directory"),
     (["--load-dir", "{model}", "--prompt", "a b c d e f g", "--max-seq-len", "4"], "prompt 0 has 7 tokens"),
@@ -126,17 +159,26 @@ def test_text_prompts_file_and_interactive_chat(model_dir, tmp_path, capsys, mon
     (["--load-dir", "{model}", "--prompt", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
     (["--load-dir", "{model}", "--prompts-file", "{missing}"], "--prompts-file {missing} does not exist"),
     (["--load-dir", "{bad_arch}", "--prompt", "hi"], "unsupported architecture GPT2LMHeadModel"),
+    (["--load-dir", "{bad_type}", "--prompt", "hi"],
+     r"{bad_type}/config.json: unsupported model_type 'foobar' \(FoobarForCausalLM\); .*supported: .*Qwen3ForCausalLM"),
+    (["--load-dir", "{model}", "--prompts-file", "{model}"], "--prompts-file {model} is a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(model_dir, tmp_path, capsys, flags: list[str], message: str) -> None:
     bad_arch = tmp_path / "bad"
     shutil.copytree(model_dir, bad_arch)
     config = json.loads((bad_arch / "config.json").read_text())
     (bad_arch / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    names = {"missing": str(tmp_path / "missing"), "model": str(model_dir), "bad_arch": str(bad_arch)}
+    bad_type = tmp_path / "bad_type"
+    shutil.copytree(model_dir, bad_type)
+    (bad_type / "config.json").write_text(json.dumps({**config, "model_type": "foobar",
+                                                      "architectures": ["FoobarForCausalLM"]}))
+    names = {"missing": str(tmp_path / "missing"), "model": str(model_dir), "bad_arch": str(bad_arch),
+             "bad_type": str(bad_type)}
     output = tmp_path / "out.jsonl"
     code, out, err = run(capsys, *[f.format(**names) for f in flags], "--output", str(output))
     assert code == 2 and out == ""
     errors = [line for line in err.splitlines() if "error" in line]  # (stderr also carries the log)
     assert len(errors) == 1 and errors[0] == err.splitlines()[-1] and errors[0].startswith("mindspeed-llm: error: ")
     assert re.search(message.format(**names), errors[0])
+    assert "pip install" not in err  # our message, not transformers' advice to upgrade it
     assert not output.exists()

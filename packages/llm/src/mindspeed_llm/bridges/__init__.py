@@ -16,6 +16,7 @@ from mindspeed_llm.bridges.base import (
     bridge_for_architectures,
     bridge_for_family,
     register_bridge,
+    supported_models,
 )
 from mindspeed_llm.bridges.engine import ConversionPlan, hf_to_megatron, megatron_to_hf, plan_conversion
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey, merge_tensors, split_tensor
@@ -32,4 +33,5 @@ __all__ = [
     "BRIDGES", "FAMILIES", "FAMILY_MODULES", "Bridge", "ConfigKey", "ConversionPlan", "MegatronParam", "ModelShape",
     "ParallelLayout", "RankKey", "Split", "bridge_for_architectures", "bridge_for_family", "hf_to_megatron",
     "megatron_params", "megatron_to_hf", "merge_tensors", "plan_conversion", "register_bridge", "split_tensor",
+    "supported_models",
 ]

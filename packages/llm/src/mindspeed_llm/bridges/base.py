@@ -202,10 +202,13 @@ def bridge_for_architectures(architectures: list[str] | None) -> Bridge:
     for arch in architectures or []:
         if arch in BRIDGES:
             return BRIDGES.get(arch)()
-    raise ValueError(
-        f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; supported: "
-        f"{', '.join(sorted(map(str, BRIDGES)))} (or pass --model-type-hf, one of {', '.join(sorted(map(str, FAMILIES)))})"
-    )
+    raise ValueError(f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; "
+                     f"{supported_models()}")
+
+def supported_models(families: bool = True) -> str:
+    """The registered architectures (and families), for error messages."""
+    text = f"supported: {', '.join(sorted(map(str, BRIDGES)))}"
+    return text + (f" (or pass --model-type-hf, one of {', '.join(sorted(map(str, FAMILIES)))})" if families else "")
 
 def bridge_for_family(family: str) -> Bridge:
     """The bridge of MindSpeed-LLM family name ``family`` (``--model-type-hf``).

@@ -27,6 +27,7 @@ from mindspeed_llm.bridges import (
     bridge_for_family,
     megatron_params,
     merge_tensors,
+    supported_models,
 )
 from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan, list_names
@@ -57,13 +58,31 @@ def read_hf_config(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     Raises:
         ValueError: no ``config.json``.
     """
-    from transformers import AutoConfig
-
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{directory} has no config.json")
     raw = json.loads(path.read_text())
-    return raw, AutoConfig.from_pretrained(str(directory)).to_dict()
+    return raw, load_auto_config(directory, raw).to_dict()
+
+
+def load_auto_config(directory: Path, raw: dict[str, Any] | None = None) -> Any:
+    """transformers' config of ``directory`` (local files only).
+
+    Raises:
+        ValueError: a ``model_type`` transformers does not know, with the architectures the
+            bridges support (not transformers' advice to upgrade it).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if raw is None:
+        raw = json.loads((directory / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        architectures = ", ".join(raw.get("architectures") or []) or "no architectures"
+        raise ValueError(f"{directory / 'config.json'}: unsupported model_type {model_type!r} ({architectures}); "
+                         f"give a model of an architecture the suite converts ({supported_models(families=False)})")
+    return AutoConfig.from_pretrained(str(directory), local_files_only=True)
 
 
 def pick_bridge(family: str | None, architectures: list[str] | None) -> Bridge:

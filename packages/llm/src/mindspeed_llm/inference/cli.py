@@ -3,7 +3,9 @@
 Flags come from :class:`GenerateConfig` (``max_new_tokens`` -> ``--max-new-tokens``) plus the
 repeatable ``--prompt``. A single prompt streams its tokens to the terminal as they are made;
 several are generated together (continuous batching) and printed when done. ``--chat`` applies
-the tokenizer's chat template, and without prompts in a terminal opens a conversation. Bad input
+the tokenizer's chat template, and without prompts holds a conversation: in a terminal, or a turn
+per line of standard input when it is a pipe. ``--prompts-file -`` reads prompts from standard
+input. Bad input
 (a missing directory, an unknown family, a prompt longer than ``--max-seq-len``) ends with one
 line on standard error and exit status 2, before anything is written.
 """
@@ -37,8 +39,10 @@ class GenerateConfig:
             without the hf_config folder convert-ckpt leaves in it, or to take another tokenizer).
         model_type_hf: family override (llama2, mistral, qwen25, qwen3, mixtral, qwen3-moe).
         prompts_file: prompts, one per line (.txt) or one JSON value per line (.jsonl: a string,
-            or an object with prompt, text, instruction (+ input) or messages).
-        chat: apply the tokenizer's chat template; with no prompt in a terminal, chat interactively.
+            or an object with prompt, text, instruction (+ input) or messages); ``-`` (or
+            ``/dev/stdin``) reads text lines from standard input.
+        chat: apply the tokenizer's chat template; with no prompt, a conversation: interactive in a
+            terminal, else a turn per line of standard input until its end.
         system: system message of --chat conversations.
         max_new_tokens: tokens to generate per prompt at most.
         temperature: 0 for greedy decoding, else the sampling temperature.
@@ -80,7 +84,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "generate", help="generate text with a Hugging Face or Megatron checkpoint (KV cache, continuous batching)",
         description="Generate completions with the built-in inference engine. One prompt streams to the terminal; "
-                    "several are batched. --chat without a prompt opens a conversation in a terminal.")
+                    "several are batched. --chat without a prompt holds a conversation (a turn per line when standard "
+                    "input is a pipe); --prompts-file - reads prompts from standard input.")
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     add_dataclass_flags(parser, GenerateConfig)
     parser.set_defaults(func=run_generate)
@@ -103,9 +108,10 @@ def run_generate(args: argparse.Namespace) -> int:
     records: list[Any] = list(args.prompt)
     if config.prompts_file is not None:
         records += read_prompts(config.prompts_file)
-    interactive = not records and config.chat and sys.stdin.isatty()
-    if not records and not interactive:
-        raise ValueError("nothing to generate: give --prompt TEXT, --prompts-file FILE, or --chat in a terminal")
+    conversation = not records and config.chat
+    if not records and not conversation:
+        raise ValueError("nothing to generate: give --prompt TEXT, --prompts-file FILE (- for standard input), "
+                         "or --chat")
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                             top_p=config.top_p, seed=config.seed, ignore_eos=config.ignore_eos)
     if config.output is not None and config.output.is_dir():
@@ -115,8 +121,8 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError(f"{config.load_dir} has no tokenizer files; pass --hf-cfg-dir with the model's tokenizer")
-    if interactive:
-        return _chat_loop(engine, params, config)
+    if conversation:
+        return _chat_loop(engine, params, config, sys.stdin.isatty())
     prompts = [encode_prompt(tokenizer, record, config.chat, config.system) for record in records]
     started = time.perf_counter()
     # The prompt is echoed with the first token: a prompt the engine refuses prints nothing.
@@ -142,16 +148,30 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_loop(engine: Any, params: Any, config: GenerateConfig) -> int:
-    messages = [{"role": "system", "content": config.system}] if config.system else []
-    _write("chat with the model: an empty line or /exit ends, /reset clears the conversation\n")
-    while True:
+def _next_turn(interactive: bool) -> str | None:
+    """The user's next line; ``None`` at the end (EOF, or an empty line in a terminal)."""
+    if interactive:
         try:
             line = input("you> ").strip()
         except EOFError:
             _write("\n")
-            return 0
-        if line in ("", "/exit", "/quit"):
+            return None
+        return line or None
+    while line := sys.stdin.readline():  # a pipe: every non-empty line is a turn, until EOF
+        if line.strip():
+            return line.strip()
+    return None
+
+
+def _chat_loop(engine: Any, params: Any, config: GenerateConfig, interactive: bool) -> int:
+    """One conversation, a turn per line: from the terminal (``you>`` / ``model>``), or from a pipe
+    (standard input until EOF; the replies are printed one per line)."""
+    messages = [{"role": "system", "content": config.system}] if config.system else []
+    if interactive:
+        _write("chat with the model: an empty line or /exit ends, /reset clears the conversation\n")
+    while True:
+        line = _next_turn(interactive)
+        if line is None or line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
             messages = messages[:1] if config.system else []
@@ -160,7 +180,8 @@ def _chat_loop(engine: Any, params: Any, config: GenerateConfig) -> int:
         try:
             prompt = encode_prompt(engine.tokenizer, {"messages": messages}, True, None)
             printer = _StreamPrinter(engine.tokenizer)
-            _write("model> ")
+            if interactive:
+                _write("model> ")
             (output,) = engine.generate([prompt], params, stream=printer)
         except ValueError as err:  # e.g. the conversation outgrew --max-seq-len: say so, keep the session
             messages.pop()

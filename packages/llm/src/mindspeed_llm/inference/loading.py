@@ -18,6 +18,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import Bridge, ModelShape, plan_conversion
+from mindspeed_llm.checkpoint.endpoints import load_auto_config
 from mindspeed_llm.checkpoint.megatron_legacy import TRACKER
 from mindspeed_llm.inference.weights import copy_checked
 
@@ -92,9 +93,7 @@ class OpenedCheckpoint:
 
 
 def _hf_config(directory: Path) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    return load_auto_config(directory)
 
 
 def is_hf_directory(path: Path) -> bool:

@@ -9,6 +9,7 @@ records with ``messages`` always do.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,13 @@ _TEXT_KEYS = ("prompt", "text", "instruction")
 def read_prompts(path: Path) -> list[Any]:
     """Prompt records of ``path``: one JSON value per line for ``.jsonl``/``.json``, else one text per line.
 
+    ``-`` is standard input; pipes and other non-regular files (``/dev/stdin``, ``<(...)``) are read too.
+
     Raises:
         ValueError: a missing file, an unreadable JSON line, a record without text, or no prompts at all.
     """
-    if not path.is_file():
-        raise ValueError(f"--prompts-file {path} does not exist")
+    lines = _read_lines(path)
     records: list[Any] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
     as_json = path.suffix in (".jsonl", ".json")
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -45,6 +46,18 @@ def read_prompts(path: Path) -> list[Any]:
     if not records:
         raise ValueError(f"--prompts-file {path} holds no prompts")
     return records
+
+
+def _read_lines(path: Path) -> list[str]:
+    if str(path) == "-":
+        return sys.stdin.read().splitlines()
+    if not path.exists():
+        raise ValueError(f"--prompts-file {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"--prompts-file {path} is a directory; give a file with one prompt per line, or - for "
+                         "standard input")
+    with open(path, encoding="utf-8") as lines:  # not read_text: a pipe (/dev/stdin) is no regular file
+        return lines.read().splitlines()
 
 
 def prompt_text(record: Any) -> str:
