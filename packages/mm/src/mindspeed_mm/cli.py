@@ -15,6 +15,8 @@ from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``.
 COMMANDS: Registry[AddCommand] = Registry("mindspeed-mm command")
 
+import mindspeed_mm.train_cli  # noqa: E402,F401  (registers train)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed-mm`` argument parser."""
@@ -27,4 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under ``python -m`` this file runs as __main__, a second copy of the module: the
+    # subcommand modules register into mindspeed_mm.cli.COMMANDS, so run that copy's main.
+    from mindspeed_mm.cli import main as registered_main
+
+    sys.exit(registered_main())

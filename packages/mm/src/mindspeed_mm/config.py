@@ -1,0 +1,293 @@
+"""Typed configs of ``mindspeed-mm train``: one dataclass per section of a YAML recipe.
+
+:class:`MMConfig` is the single source of truth: a recipe is a YAML mapping of its fields and
+``key=value`` overrides use dotted paths (``train.lr=1e-5``); unknown keys are errors with a
+suggestion (:func:`mindspeed.config.load_config`). :meth:`MMConfig.check` then checks the
+values against each other and the world size, naming the key and the fix.
+
+The sections follow MindSpeed-MM's native FSDP2 YAML (``model``, ``parallel``, ``data``,
+``training``, ``features``) with the LLM suite's names (``train``, ``checkpoint``, ``logging``,
+``lora``), so one recipe format serves every suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mindspeed.config import ConfigError, load_config
+from mindspeed.features.manager import FeaturesConfig
+
+#: Names of the sections of a recipe, in the order they are documented.
+SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "features", "lora")
+
+#: Parts of a vision-language model that ``model.freeze`` names (MindSpeed-MM's ``freeze`` switches).
+PARTS = ("vision_tower", "projector", "language_model")
+
+
+@dataclass
+class ModelConfig:
+    """The model: a local Hugging Face directory, its family found by ``architectures``.
+
+    Attributes:
+        path: a local Hugging Face model directory (config.json, safetensors, tokenizer, image
+            processor, chat template); nothing is downloaded.
+        freeze: parts to keep fixed: ``vision_tower``, ``projector``, ``language_model``, or
+            module-name prefixes (``model.visual.blocks.0``).
+        attn_implementation: transformers' attention function (``sdpa``, ``eager``, or one
+            registered in transformers' attention-function registry).
+    """
+
+    path: str | None = None
+    freeze: list[str] = field(default_factory=list)
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class ParallelConfig:
+    """Data parallelism through torch FSDP2 (``fully_shard``).
+
+    Attributes:
+        dp_replicate: replicas (HSDP's outer axis); the shard axis is what the world size
+            leaves over (``world_size / dp_replicate``).
+        fsdp_plan: module-name patterns wrapped as their own FSDP2 units, innermost first
+            (``{*}`` or ``*`` matches one name part, as MindSpeed-MM's ``fsdp_plan.apply_modules``);
+            the root is always wrapped. Default: the model family's plan.
+        reshard_after_forward: free the gathered parameters after each unit's forward (ZeRO-3);
+            false keeps them until the backward (ZeRO-2 like, more memory, less communication).
+    """
+
+    dp_replicate: int = 1
+    fsdp_plan: list[str] | None = None
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batches, optimizer, schedule, precision, loss and recompute.
+
+    Attributes:
+        steps: optimizer steps to train (the last step number).
+        micro_batch_size: samples per microbatch on one rank, packed into one sequence.
+        gradient_accumulation_steps: microbatches per optimizer step on one rank.
+        seed: seed of the data order and of the random number generators.
+        precision: ``fp32``, or ``bf16`` (bf16 compute parameters, fp32 sharded master
+            parameters, fp32 gradient reduction: FSDP2's mixed-precision policy).
+        lr: peak learning rate.
+        min_lr: learning rate at the end of the decay.
+        lr_warmup_steps: linear warmup from 0 to ``lr`` over this many steps.
+        lr_decay_style: ``constant``, ``linear`` or ``cosine`` after the warmup (to ``min_lr`` at ``steps``).
+        weight_decay: AdamW decoupled weight decay (not applied to biases and norms).
+        adam_beta1: Adam beta1.
+        adam_beta2: Adam beta2.
+        adam_eps: Adam epsilon.
+        optimizer_impl: the ``adamw`` kernel of ``mindspeed.ops`` (``auto``, ``reference``,
+            ``foreach``, ``fused``).
+        clip_grad: clip the global gradient norm to this (0: no clipping).
+        loss_type: MindSpeed-MM's loss reductions: ``default`` (token mean per microbatch, mean
+            over microbatches and ranks, as Hugging Face), ``per_sample`` (token mean per sample,
+            mean over the global batch's samples), ``per_token`` (sum over the global batch /
+            its answer tokens).
+        recompute_modules: module-name patterns whose activations are recomputed in the backward
+            (activation checkpointing), e.g. ``model.language_model.layers.{*}``.
+    """
+
+    steps: int = 100
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "bf16"
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    optimizer_impl: str = "auto"
+    clip_grad: float = 1.0
+    loss_type: Literal["default", "per_sample", "per_token"] = "default"
+    recompute_modules: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    """mllm_format data (LLaMA-Factory / MindSpeed-MM): ``messages`` with ``<image>`` placeholders plus ``images``.
+
+    Attributes:
+        files: JSON (a list of samples) or JSONL (one sample a line) files.
+        image_dir: folder relative image paths are read from (default: the data file's folder).
+        cutoff_len: samples longer than this many tokens are cut (their images must fit before it).
+        image_max_pixels: images are resized to at most this many pixels.
+        image_min_pixels: and to at least this many.
+        train_on_prompt: compute the loss on the prompts too (not only the answers).
+        mask_history: loss on the last answer only.
+        shuffle: a new order of the samples each epoch (seeded by ``train.seed``).
+        max_samples: use only the first this many samples.
+    """
+
+    files: list[str] = field(default_factory=list)
+    image_dir: str | None = None
+    cutoff_len: int = 2048
+    image_max_pixels: int = 262144
+    image_min_pixels: int = 3136
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    shuffle: bool = True
+    max_samples: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Training checkpoints (torch DCP, sharded as trained) and the Hugging Face export.
+
+    Attributes:
+        save: directory of the checkpoints (``SAVE/step_00000010``); none are written when unset.
+        interval: save every this many steps (default: only at the end).
+        save_at_end: save after the last step.
+        keep_last: keep only this many newest checkpoints (default: all).
+        resume: continue from the newest complete checkpoint in ``save`` when there is one.
+        save_hf: write the final model as a Hugging Face directory here (config, safetensors,
+            tokenizer, image processor, chat template).
+    """
+
+    save: str | None = None
+    interval: int | None = None
+    save_at_end: bool = True
+    keep_last: int | None = None
+    resume: bool = True
+    save_hf: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    """What the run shows and writes.
+
+    Attributes:
+        dir: where ``metrics.jsonl``, TensorBoard events and ``loss.png`` go (default:
+            ``checkpoint.save``; none when both are unset).
+        interval: log a line every this many steps.
+        progress: draw a progress bar (rank 0, on standard error).
+        tensorboard: write TensorBoard event files to ``dir/tensorboard``.
+        loss_curve: draw ``dir/loss.png`` at the end.
+    """
+
+    dir: str | None = None
+    interval: int = 1
+    progress: bool = True
+    tensorboard: bool = True
+    loss_curve: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """LoRA through peft; off while ``target_modules`` is empty (not in this version yet).
+
+    Attributes:
+        target_modules: module names to adapt (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ...).
+        r: rank of the factors.
+        alpha: the update is scaled by ``alpha / r``.
+        dropout: dropout on the LoRA input while training.
+    """
+
+    target_modules: list[str] = field(default_factory=list)
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether LoRA is on."""
+        return bool(self.target_modules)
+
+
+@dataclass
+class MMConfig:
+    """A ``mindspeed-mm train`` recipe.
+
+    Attributes:
+        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
+        data: :class:`DataConfig`. checkpoint: :class:`CheckpointConfig`. logging: :class:`LoggingConfig`.
+        features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def log_dir(self) -> Path | None:
+        """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""
+        target = self.logging.dir or self.checkpoint.save
+        return Path(target) if target else None
+
+    def samples_per_step(self, world_size: int) -> int:
+        """Samples in one optimizer step over all ranks."""
+        t = self.train
+        return t.micro_batch_size * t.gradient_accumulation_steps * world_size
+
+    def check(self, world_size: int) -> None:
+        """Check the values against each other and against ``world_size``.
+
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        m, p, t, d = self.model, self.parallel, self.train, self.data
+        for key, value in (("train.micro_batch_size", t.micro_batch_size),
+                           ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
+                           ("parallel.dp_replicate", p.dp_replicate), ("data.cutoff_len", d.cutoff_len),
+                           ("logging.interval", self.logging.interval), ("lora.r", self.lora.r)):
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be at least 1")
+        for key, value in (("checkpoint.interval", self.checkpoint.interval),
+                           ("checkpoint.keep_last", self.checkpoint.keep_last), ("data.max_samples", d.max_samples)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
+        if t.steps < 0:
+            raise ConfigError(f"train.steps={t.steps} must not be negative")
+        if world_size % p.dp_replicate:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
+                              "change one of them")
+        if m.path is None:
+            raise ConfigError("model.path is unset: give a local Hugging Face model directory (config.json with "
+                              "`architectures`, weights, tokenizer, image processor)")
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
+        if not d.files:
+            raise ConfigError("data.files is empty: give mllm_format JSON/JSONL files (messages with <image> "
+                              "placeholders plus images)")
+        for name in d.files:
+            if not Path(name).is_file():
+                raise ConfigError(f"data.files: {name!r} does not exist")
+        if d.image_min_pixels > d.image_max_pixels:
+            raise ConfigError(f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
+                              f"{d.image_max_pixels}; lower it")
+        if t.lr < t.min_lr:
+            raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")
+        if t.clip_grad < 0:
+            raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
+        if self.lora.enabled:
+            raise ConfigError("lora.target_modules: LoRA is not in mindspeed-mm yet; fine-tune fully (remove "
+                              "lora.target_modules) or freeze parts with model.freeze")
+        if self.features.settings:
+            raise ConfigError(f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm "
+                              "yet; remove them")
+
+
+def load_mm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MMConfig:
+    """Read a recipe and apply ``key=value`` overrides (strict: unknown keys are errors).
+
+    Args:
+        path: YAML recipe (``None``: defaults only).
+        overrides: dotted ``key=value`` strings, e.g. ``["train.steps=10", "train.lr=1e-4"]``.
+
+    Raises:
+        ConfigError: naming the key and suggesting the closest known one.
+    """
+    return load_config(MMConfig, path, overrides)

@@ -1,0 +1,80 @@
+"""What a vision-language family declares, and the registry of families by ``architectures``.
+
+A family is the one description of a transformers VLM class that the suite needs: the module
+prefixes of its parts (what ``model.freeze`` names), its default FSDP2 wrapping plan, its
+placeholder and special tokens, how its multimodal rotary positions are computed for one
+sample, and how to write its tiny test model. Every other view (loading, freezing, sharding,
+packing) is derived from it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.registry import Registry
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """One transformers vision-language model class.
+
+    Attributes:
+        architecture: the ``architectures`` entry of its config.json.
+        model_class: the transformers class, as ``module:Name`` (imported when used).
+        parts: part name -> module-name prefixes (``vision_tower``, ``projector``, ``language_model``).
+        fsdp_plan: module-name patterns wrapped as FSDP2 units (innermost first; ``{*}`` matches one name part).
+        image_placeholder: what replaces ``<image>`` in a message before the chat template.
+        image_token: the token that the placeholder holds once per image feature.
+        positions: ``(model, input_ids [1, L], mm_token_type_ids [1, L], image_grid_thw [n, 3] or None)
+            -> [3, 1, L]`` rotary positions of one sample (the model's own rule).
+        write_tiny: ``(directory, seed) -> None`` writes a tiny model of the family (config,
+            random weights, tokenizer, image processor, chat template).
+    """
+
+    architecture: str
+    model_class: str
+    parts: dict[str, tuple[str, ...]]
+    fsdp_plan: tuple[str, ...]
+    image_placeholder: str
+    image_token: str
+    positions: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    write_tiny: Callable[[Path, int], None]
+
+    def load_class(self) -> type:
+        """The transformers model class."""
+        import importlib
+
+        module, name = self.model_class.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+#: ``architectures`` name -> family.
+FAMILIES: Registry[VLMFamily] = Registry("vision-language model family")
+
+
+def register_family(family: VLMFamily) -> VLMFamily:
+    """Add ``family`` to :data:`FAMILIES` under its architecture name."""
+    FAMILIES.register(family.architecture, family)
+    return family
+
+
+def family_of(path: str | Path) -> VLMFamily:
+    """The family of the Hugging Face directory ``path``, from its config.json's ``architectures``.
+
+    Raises:
+        ValueError: no config.json, no ``architectures``, or an architecture not registered.
+    """
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; give a local Hugging Face model directory")
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{config} has no `architectures`; add the model class name, e.g. "
+                         "[\"Qwen2_5_VLForConditionalGeneration\"]")
+    return FAMILIES.get(architectures[0])

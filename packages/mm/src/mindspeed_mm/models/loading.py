@@ -1,0 +1,68 @@
+"""Loading a family's model, tokenizer and image processor from a local directory, and freezing parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_mm.config import PARTS
+from mindspeed_mm.models.family import VLMFamily
+
+logger = get_logger(__name__)
+
+
+def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "sdpa") -> Any:
+    """The family's transformers model with the weights of ``path``, in fp32 (the master copy FSDP2 shards)."""
+    cls = family.load_class()
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn_implementation,
+                                local_files_only=True)
+    model.config.use_cache = False  # training: no KV cache (and packed masks need none)
+    return model
+
+
+def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
+    """The tokenizer (with its chat template) and the image processor of ``path``, images kept within the pixel bounds.
+
+    Raises:
+        ValueError: the directory lacks a chat template.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{path}: the tokenizer has no chat template; add chat_template.jinja (or the "
+                         "tokenizer_config.json entry) to the model directory")
+    processor = AutoImageProcessor.from_pretrained(
+        str(path), local_files_only=True, size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+    return tokenizer, processor
+
+
+def freeze_parts(model: torch.nn.Module, family: VLMFamily, freeze: list[str]) -> list[str]:
+    """Turn off the gradients of the named parts (or module-name prefixes); returns the frozen parameter names.
+
+    Raises:
+        ValueError: a name that is neither a part of the family nor a prefix of any parameter.
+    """
+    prefixes: list[str] = []
+    for name in freeze:
+        if name in family.parts:
+            prefixes.extend(family.parts[name])
+        else:
+            prefixes.append(name)
+    names = [name for name, _ in model.named_parameters()]
+    for prefix, item in zip(prefixes, [p for name in freeze for p in ([name] * len(family.parts.get(name, (name,))))]):
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            raise ValueError(f"model.freeze: {item!r} matches no parameter of {family.architecture}; use one of "
+                             f"{', '.join(PARTS)} or a module-name prefix such as {names[0].rsplit('.', 2)[0]!r}")
+    frozen = []
+    for name, param in model.named_parameters():
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            param.requires_grad_(False)
+            frozen.append(name)
+    if frozen:
+        logger.info("frozen: %s (%d tensors, %.3f M parameters)", ", ".join(freeze), len(frozen),
+                    sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6)
+    return frozen

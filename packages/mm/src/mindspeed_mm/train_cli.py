@@ -1,0 +1,58 @@
+"""``mindspeed-mm train --config recipe.yaml [key=value ...]``: fine-tune a vision-language model under FSDP2.
+
+The recipe and the overrides build a :class:`~mindspeed_mm.config.MMConfig` (strict: an unknown
+key is an error with a suggestion), checked against the world size before any rank starts.
+``--nproc-per-node N`` spawns N local ranks; under ``torchrun`` the command is one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import yaml
+
+from mindspeed.config import to_dict
+from mindspeed_mm.cli import COMMANDS
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    """Add ``train`` to the ``mindspeed-mm`` subcommands."""
+    parser = sub.add_parser(
+        "train", help="fine-tune a vision-language model (Hugging Face classes under FSDP2)",
+        description="Fine-tune a transformers vision-language model from a local directory on mllm_format data "
+                    "(messages with <image> placeholders plus images), under torch FSDP2. Checkpoints are torch DCP "
+                    "in checkpoint.save (a run resumes from the newest); checkpoint.save_hf exports the result.")
+    parser.add_argument("--config", help="YAML recipe (default: all defaults)")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks to spawn on this machine (ignored under torchrun; default 1)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-5")
+    parser.set_defaults(func=run_train)
+
+
+def _rank_main(config: object) -> object:
+    from mindspeed_mm.trainer.loop import train
+
+    return train(config)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``train`` from parsed arguments; returns the exit status."""
+    from mindspeed_llm.training.launch import launch
+    from mindspeed_mm.config import load_mm_config
+
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    config = load_mm_config(args.config, args.overrides)
+    if args.print_config:
+        sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return 0
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
+    config.check(world)
+    launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    return 0
+
+
+COMMANDS.register("train", add_train)

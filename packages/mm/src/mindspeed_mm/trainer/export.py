@@ -1,0 +1,49 @@
+"""``checkpoint.save_hf``: the trained model as a Hugging Face directory transformers loads as it is.
+
+The full (unsharded) state dict is gathered to rank 0 on the CPU, written by the model's own
+``save_pretrained`` (so names and layout are transformers' own), and the tokenizer, image
+processor and chat template files of the source directory are copied next to it. The
+directory appears complete or not at all (written under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+#: Files of the source directory that the export does not copy (the export writes its own).
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+_OWN = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def save_hf(model: torch.nn.Module, source: str | Path, target: str | Path) -> Path | None:
+    """Write ``model`` (FSDP2-sharded or not) as a Hugging Face directory at ``target`` (a collective).
+
+    Returns:
+        ``target`` on rank 0, None on the other ranks.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    target = Path(target)
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state)
+    for item in Path(source).iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
+            shutil.copy2(item, tmp / item.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    logger.info("saved Hugging Face model to %s", target)
+    dist.barrier()
+    return target

@@ -1,0 +1,105 @@
+"""FSDP2 for a Hugging Face model: the data-parallel mesh, wrapping plans by module-name pattern, recompute.
+
+The mesh comes from the accelerator seam (gloo ranks on the CPU, one device per rank
+elsewhere): ``(dp_shard,)``, or ``(dp_replicate, dp_shard)`` for HSDP. A plan is a list of
+module-name patterns (MindSpeed-MM's ``fsdp_plan.apply_modules``: ``{*}`` or ``*`` matches one
+name part); every matching module becomes one FSDP2 unit, innermost first, then the root,
+which holds what is left (embeddings and head, so tied weights stay in one unit).
+Activation checkpointing wraps the forward of matching modules in
+``torch.utils.checkpoint`` (non-reentrant) in place, so parameter names, checkpoints and
+exports are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mindspeed.device import get_accelerator
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def build_mesh(world_size: int, dp_replicate: int = 1) -> DeviceMesh:
+    """The data-parallel mesh of ``world_size`` ranks on the accelerator's device type."""
+    device_type = get_accelerator().device().type
+    if dp_replicate == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dp_replicate, world_size // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A module-name pattern as a regular expression: ``{*}`` and ``*`` match one dotted name part."""
+    parts = [re.escape(part).replace(r"\{\*\}", "[^.]+").replace(r"\*", "[^.]+") for part in pattern.split(".")]
+    return re.compile(r"\.".join(parts) + r"\Z")
+
+
+def match_modules(model: torch.nn.Module, patterns: list[str] | tuple[str, ...], what: str) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every module matching a pattern, deepest first.
+
+    Raises:
+        ValueError: a pattern that matches no module (naming ``what`` it was for).
+    """
+    names = [(name, module) for name, module in model.named_modules() if name]
+    matched: dict[str, torch.nn.Module] = {}
+    for pattern in patterns:
+        regex = pattern_regex(pattern)
+        hits = [(name, module) for name, module in names if regex.match(name)]
+        if not hits:
+            example = next((n for n, _ in names if n.count(".") == 2), names[0][0])
+            raise ValueError(f"{what}: pattern {pattern!r} matches no module of {type(model).__name__}; module "
+                             f"names look like {example!r} ({{*}} matches one part)")
+        matched.update(hits)
+    return sorted(matched.items(), key=lambda item: -item[0].count("."))
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's policy: bf16 compute parameters with fp32 gradient reduction, or None for fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: torch.nn.Module, plan: list[str] | tuple[str, ...], mesh: DeviceMesh, precision: str,
+               reshard_after_forward: bool = True) -> list[str]:
+    """Shard ``model`` in place: one FSDP2 unit per module matching ``plan`` (innermost first), then the root.
+
+    Returns:
+        The wrapped module names (the root last, as ``""``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision(precision)
+    units = match_modules(model, plan, "parallel.fsdp_plan")
+    for _, module in units:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    logger.info("FSDP2: %d units over mesh %s (%s), precision %s", len(units) + 1, tuple(mesh.shape),
+                ", ".join(mesh.mesh_dim_names or ()), precision)
+    return [name for name, _ in units] + [""]
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_recompute(model: torch.nn.Module, patterns: list[str]) -> list[str]:
+    """Recompute the activations of every module matching ``patterns`` in the backward; returns their names."""
+    if not patterns:
+        return []
+    matched = match_modules(model, patterns, "train.recompute_modules")
+    names = {name for name, _ in matched}
+    for name, module in matched:
+        if any(name.startswith(other + ".") for other in names):
+            continue  # inside a module that is recomputed as a whole already
+        module.forward = functools.partial(_checkpointed, module.forward)
+    logger.info("recompute: %d modules (%s)", len(matched), ", ".join(patterns))
+    return sorted(names)

@@ -1,0 +1,71 @@
+"""AdamW through the core kernel registry, the learning-rate schedule, and gradient clipping over shards."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed.ops.adamw import FusedAdamW
+from mindspeed_mm.config import TrainConfig
+
+logger = get_logger(__name__)
+
+
+def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW:
+    """AdamW over the trainable (sharded) parameters; biases and norms (1-D tensors) get no weight decay.
+
+    Raises:
+        ValueError: nothing is trainable.
+    """
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError("every parameter is frozen (model.freeze); leave at least one part trainable")
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = FusedAdamW([g for g in groups if g["params"]], lr=lr_at(train, 1), betas=(train.adam_beta1, train.adam_beta2),
+                           eps=train.adam_eps, impl=train.optimizer_impl)
+    logger.info("optimizer: AdamW, kernel %s", optimizer.kernel.name)
+    return optimizer
+
+
+def lr_at(train: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (counting from 1).
+
+    Linear warmup reaches ``lr`` at step ``lr_warmup_steps``; then ``constant``, or ``linear`` /
+    ``cosine`` decay that reaches ``min_lr`` at ``steps``.
+    """
+    warmup = train.lr_warmup_steps
+    if step <= warmup:
+        return train.lr * step / warmup
+    if train.lr_decay_style == "constant" or train.steps <= warmup:
+        return train.lr
+    progress = min(1.0, (step - warmup) / (train.steps - warmup))
+    if train.lr_decay_style == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return train.min_lr + (train.lr - train.min_lr) * factor
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> float:
+    """The global gradient norm over all shards and ranks; gradients are scaled to ``max_norm`` if above (0: never)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    total: Any = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):  # DTensor: the norm of the whole (sharded) gradient
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return float(total)

@@ -1,0 +1,16 @@
+"""A tiny Qwen2.5-VL directory and a small image-question data set, written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> tuple[Path, Path]:
+    """(model directory, data.jsonl): 8 samples, every 4th without an image, image sizes varying."""
+    root = tmp_path_factory.mktemp("tiny-vlm")
+    return write_tiny_model(root / "qwen2_5_vl"), write_tiny_dataset(root / "data", num_samples=8)

@@ -1,0 +1,45 @@
+"""The recipe: strict sections with suggestions, --print-config, checks naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from mindspeed.config import ConfigError
+from mindspeed_mm.cli import main
+from mindspeed_mm.config import SECTIONS, MMConfig, load_mm_config
+
+
+def test_sections_and_overrides(tmp_path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  lr: 2e-5\n  loss_type: per_token\nmodel:\n  freeze: [vision_tower]\n")
+    config = load_mm_config(recipe, ["train.steps=7", "parallel.fsdp_plan=[model.visual]"])
+    assert (config.train.lr, config.train.loss_type, config.train.steps) == (2e-5, "per_token", 7)
+    assert config.model.freeze == ["vision_tower"] and config.parallel.fsdp_plan == ["model.visual"]
+    assert tuple(f for f in MMConfig.__dataclass_fields__) == SECTIONS
+
+
+def test_unknown_keys_suggest(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'train.micro_batch_size'"):
+        load_mm_config(None, ["train.micro_batch=2"])
+    with pytest.raises(ConfigError, match="is not one of"):
+        load_mm_config(None, ["train.loss_type=mean"])
+
+
+def test_print_config(capsys, tmp_path) -> None:
+    assert main(["train", "--print-config", "train.steps=3", "data.cutoff_len=64"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert list(printed) == list(SECTIONS) and printed["train"]["steps"] == 3 and printed["data"]["cutoff_len"] == 64
+
+
+def test_checks_name_the_key(tmp_path, capsys) -> None:
+    assert main(["train", "train.steps=1"]) == 2
+    assert "model.path is unset" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    config = load_mm_config(None, [f"model.path={tmp_path}", "parallel.dp_replicate=3", f"data.files=[{tmp_path / 'config.json'}]"])
+    with pytest.raises(ConfigError, match="parallel.dp_replicate=3"):
+        config.check(2)
+    config = load_mm_config(None, [f"model.path={tmp_path}", f"data.files=[{tmp_path / 'config.json'}]",
+                                   "lora.target_modules=[q_proj]"])
+    with pytest.raises(ConfigError, match="LoRA is not in mindspeed-mm yet"):
+        config.check(1)

@@ -1,0 +1,94 @@
+"""The first training loss (and gradient norm) equals transformers' own, computed sample by sample.
+
+The reference runs the Hugging Face model on each sample alone (its own multimodal positions
+from ``mm_token_type_ids``, its own label shift and loss) and combines the per-sample losses as
+each reduction defines. The trainer packs the same samples into one sequence per microbatch.
+Two broken variants of the packed batch (text positions on the rotary axes; no sample
+boundaries) are shown to miss the reference, so the equality is not an accident.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_llm.training.launch import launch
+from mindspeed_mm.config import load_mm_config
+from mindspeed_mm.data import encode_sample, pack_samples, read_mllm_files
+from mindspeed_mm.models import family_of, load_model, load_processing
+from mindspeed_mm.trainer.loop import train
+from mindspeed_mm.trainer.loss import token_losses
+
+SAMPLES = 4  # samples 0-3: three with images of different sizes, one text-only
+
+
+def _reference(model_dir, data):
+    """Per sample: (Hugging Face loss, predicted tokens, grads of loss x tokens), plus the encoded samples."""
+    family = family_of(model_dir)
+    tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
+    model = load_model(model_dir, family)
+    encoded = [encode_sample(s, tokenizer, processor, family, cutoff_len=1024)
+               for s in read_mllm_files([str(data)])[:SAMPLES]]
+    losses, counts, grads = [], [], []
+    for sample in encoded:
+        inputs = {"input_ids": sample.input_ids[None], "labels": sample.labels[None],
+                  "mm_token_type_ids": sample.mm_token_type_ids[None], "use_cache": False}
+        if sample.pixel_values is not None:
+            inputs.update(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
+        model.zero_grad()
+        loss = model(**inputs).loss
+        (loss * sample.num_label_tokens).backward()
+        losses.append(float(loss.detach()))
+        counts.append(sample.num_label_tokens)
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()])
+    return model, family, encoded, losses, counts, grads
+
+
+def _norm(grads):
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def _first_step(model_dir, data, tmp_path, **train):
+    overrides = [f"model.path={model_dir}", f"data.files=[{data}]", "data.shuffle=false", "train.steps=1",
+                 "train.precision=fp32", "train.clip_grad=0", "logging.progress=false",
+                 "data.image_min_pixels=784", "data.image_max_pixels=12544", f"logging.dir={tmp_path}"]
+    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    return launch(train_rank, (load_mm_config(None, overrides),)).records[0]
+
+
+def train_rank(config):
+    return train(config)
+
+
+def test_first_loss_equals_transformers_sample_by_sample(tiny_vlm, tmp_path) -> None:
+    model_dir, data = tiny_vlm
+    model, family, encoded, losses, counts, grads = _reference(model_dir, data)
+    n = sum(counts)
+    per_token = sum(l * c for l, c in zip(losses, counts)) / n
+    expected = {
+        # one microbatch of 4 packed samples: the token mean (= per_token here)
+        ("default", 4, 1): (per_token, [sum(g[i] for g in grads) / n for i in range(len(grads[0]))]),
+        # two microbatches of 2: the mean of their token means
+        ("per_token", 2, 2): (per_token, None),
+        ("per_sample", 2, 2): (sum(losses) / SAMPLES, None),
+    }
+    for (loss_type, micro, accumulation), (loss, grad) in expected.items():
+        record = _first_step(model_dir, data, tmp_path, loss_type=loss_type, micro_batch_size=micro,
+                             gradient_accumulation_steps=accumulation)
+        assert record["loss"] == pytest.approx(loss, rel=1e-6), (loss_type, micro, accumulation)
+        if grad is not None:
+            assert record["grad_norm"] == pytest.approx(_norm(grad), rel=1e-4)
+
+    # The same comparison fails without the multimodal positions or without the sample boundaries.
+    batch = pack_samples(encoded, model, family)
+    with torch.no_grad():
+        def packed_loss(position_ids):
+            inputs = {**batch.model_inputs(torch.device("cpu")), "position_ids": position_ids}
+            losses = token_losses(model(**inputs).logits[0], batch.targets)
+            return float(losses.sum() / batch.num_label_tokens)
+
+        assert packed_loss(batch.position_ids) == pytest.approx(per_token, rel=1e-6)
+        one_d = abs(packed_loss(batch.position_ids[:1].expand(4, -1, -1)) - per_token)
+        unbounded = abs(packed_loss(batch.position_ids[1:]) - per_token)  # attention across samples
+        print(f"packed loss {per_token:.6f}; error with 1-D positions {one_d:.2e}, without boundaries {unbounded:.2e}")
+        assert one_d > 1e-4 and unbounded > 1e-4
