@@ -64,7 +64,7 @@ def test_first_loss_equals_transformers_sample_by_sample(tiny_vlm, tmp_path) -> 
     model_dir, data = tiny_vlm
     model, family, encoded, losses, counts, grads = _reference(model_dir, data)
     n = sum(counts)
-    per_token = sum(l * c for l, c in zip(losses, counts)) / n
+    per_token = sum(loss * c for loss, c in zip(losses, counts)) / n
     expected = {
         # one microbatch of 4 packed samples: the token mean (= per_token here)
         ("default", 4, 1): (per_token, [sum(g[i] for g in grads) / n for i in range(len(grads[0]))]),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.training.metrics import METRICS_FILE, LOSS_CURVE, MetricsLog, write_loss_curve
+from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.encode import EncodedSample, encode_sample
 from mindspeed_mm.data.mllm import read_mllm_files
