@@ -164,31 +164,33 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import megatron.core.models.gpt  # noqa: F401  (imported before the baseline RSS, like transformers there)
     import megatron.core.optimizer  # noqa: F401
 
-    import mindspeed_llm.training.lora as lora_module
+    import mindspeed_llm.training.trainer as trainer_module
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.launch import launch
+    from mindspeed_llm.training.qlora import quantized_bytes
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 
     base, load = memory_status(), os.getloadavg()[0]
     clock, facts = StepClock(spec), {}
-    apply_lora = lora_module.apply_lora
 
-    def counting_apply_lora(model: Any, settings: Any) -> list[str]:
-        # The trainer imports apply_lora at call time: this wrapper sees the bare chunk.
-        from mindspeed_llm.training.qlora import quantized_bytes
+    def counting(apply: Any) -> Any:
+        # The trainer calls apply_lora / apply_qlora on each bare chunk: the wrapper sees it.
+        def counted(model: Any, settings: Any) -> list[str]:
+            adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in settings.target_modules]
+            facts["adapted_weight_numel"] = sum(m.weight.numel() for m in adapted)
+            names = apply(model, settings)
+            facts["nf4_bytes"] = quantized_bytes(model)
+            facts["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            return names
 
-        adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in settings.target_modules]
-        facts["adapted_weight_numel"] = sum(m.weight.numel() for m in adapted)
-        names = apply_lora(model, settings)
-        facts["nf4_bytes"] = quantized_bytes(model)
-        facts["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return names
+        return counted
 
     def stamp(step: int, losses: torch.Tensor) -> torch.Tensor:
         clock.step_started(step)
         return losses
 
-    lora_module.apply_lora = counting_apply_lora
+    trainer_module.apply_lora = counting(trainer_module.apply_lora)
+    trainer_module.apply_qlora = counting(trainer_module.apply_qlora)
     t = spec["train"]
     config = load_pretrain_config(None, [
         "stage=sft", f"checkpoint.load_hf={spec['model_dir']}", f"data.prefixes=[{spec['prefix']}]",

@@ -15,7 +15,6 @@ import torch
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
 from mindspeed_llm.inference.mla import mla_cache_width
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, write_tiny_tokenizer
-
 from tests.llm.inference.conftest import random_prompts
 
 #: YaRN as DeepSeek-V3 ships it (smaller numbers): factor, mscale, mscale_all_dim all matter.

@@ -205,14 +205,20 @@ def test_qlora_trains_on_an_nf4_base_and_exports_an_adapter(setup: dict[str, Any
 
     root, run = setup["root"], setup["runs"]["qlora"]
     full_first = setup["runs"]["tp2"]["records"][0]["loss"]
-    # NF4 rounding of the base moves the first loss a little, not a lot.
-    assert run["records"][0]["loss"] == pytest.approx(full_first, rel=2e-2)
+    # NF4 rounding of the base moves the first loss a little (measured 1.4e-4 relative), not a lot.
+    assert run["records"][0]["loss"] == pytest.approx(full_first, rel=1e-3)
     assert run["records"][0]["loss"] != pytest.approx(full_first, rel=1e-7)
+    assert run["records"][1]["loss"] < run["records"][0]["loss"]  # only the adapter trains: it learned
     rows = _samples(root / "packed", INSTRUCTION_KEYS, 1, False, GBS)
     (evaluation,) = run["evals"]
     peft_loss = _sft_loss(PeftModel.from_pretrained(_hf(root / "hf"), root / "qpeft").eval(), rows)
-    # The adapter was trained over the NF4 base; over the exact base it gives nearly the same loss.
-    assert peft_loss == pytest.approx(evaluation["loss"], rel=2e-2)
+    base_loss = _sft_loss(_hf(root / "hf"), rows)
+    # The exported adapter changes the model: it lowers the validation loss (by 0.013 as measured;
+    # a missing or zero adapter would leave it where the base is).
+    assert base_loss - peft_loss > 5e-3, (base_loss, peft_loss)
+    # Trained over the NF4 base, over the exact base it gives nearly the run's loss (0.012 apart as
+    # measured, within the adapter's own effect: an adapter scaled twice would be 0.025 off).
+    assert abs(peft_loss - evaluation["loss"]) < 0.02, (peft_loss, evaluation["loss"])
 
 
 @pytest.mark.distributed

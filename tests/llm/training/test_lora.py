@@ -365,3 +365,5 @@ def test_bad_settings_are_clear_errors() -> None:
         wrapper = torch.nn.Module()
         wrapper.module = model
         apply_lora(wrapper, LoraSettings())
+    with pytest.raises(ValueError, match="call mindspeed_llm.training.qlora.apply_qlora"):
+        apply_lora(model, LoraSettings(qlora=True))

@@ -53,7 +53,7 @@ def _pair(mg_dir: str, layout: ParallelLayout, shape, factors, settings: LoraSet
     from mindspeed_llm.checkpoint.megatron_legacy import iteration_dir, rank_dir
     from mindspeed_llm.testing.megatron_logits import REFERENCE_IMPLS
     from mindspeed_llm.training.lora import apply_lora, set_lora_factors
-    from mindspeed_llm.training.qlora import NF4Linear
+    from mindspeed_llm.training.qlora import NF4Linear, apply_qlora
 
     key = RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
     state = torch.load(Path(mg_dir) / iteration_dir(1) / rank_dir(key, layout) / "model_optim_rng.pt",
@@ -62,7 +62,7 @@ def _pair(mg_dir: str, layout: ParallelLayout, shape, factors, settings: LoraSet
     for qlora in (True, False):
         model = build_gpt_chunks(shape, layout, REFERENCE_IMPLS, **overrides)[0]
         model.load_state_dict(state, strict=True)
-        apply_lora(model, LoraSettings(**{**vars(settings), "qlora": qlora}))
+        (apply_qlora if qlora else apply_lora)(model, LoraSettings(**{**vars(settings), "qlora": qlora}))
         set_lora_factors(model, factors)
         models.append(model)
     quantized, plain = models
@@ -96,8 +96,7 @@ def _run_tp1(paths, shape, factors, tokens, cotangent) -> dict:
     from mindspeed.metrics.memory import measure_peak_memory
     from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
     from mindspeed_llm.testing.megatron_logits import REFERENCE_IMPLS, destroy_layout, init_layout
-    from mindspeed_llm.training.lora import apply_lora
-    from mindspeed_llm.training.qlora import NF4_BUFFERS, NF4Linear, quantized_bytes
+    from mindspeed_llm.training.qlora import NF4_BUFFERS, NF4Linear, apply_qlora, quantized_bytes
 
     init_layout(ParallelLayout(), shape)
     try:
@@ -130,7 +129,7 @@ def _run_tp1(paths, shape, factors, tokens, cotangent) -> dict:
         # qlora_all_linears: LoRA on linear_qkv only, every decoder linear in NF4.
         apply_all = LoraSettings(r=R, alpha=ALPHA, target_modules=("linear_qkv",), qlora=True, qlora_all_linears=True)
         model = build_gpt_chunks(shape, ParallelLayout(), REFERENCE_IMPLS)[0]
-        apply_lora(model, apply_all)
+        apply_qlora(model, apply_all)
         kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, NF4Linear)})
         out["all_linears"] = kinds == ["LoraNF4ColumnParallelLinear", "NF4ColumnParallelLinear", "NF4RowParallelLinear"]
         out["all_linears_count"] = sum(isinstance(m, NF4Linear) for m in model.modules())

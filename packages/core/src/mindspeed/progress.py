@@ -2,47 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
-
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mindspeed.log import get_rank
-
-T = TypeVar("T")
-
-
-def track(iterable: Iterable[T], description: str = "", total: int | None = None, disable: bool | None = None) -> Iterator[T]:
-    """Iterate over ``iterable`` with a progress bar drawn by rank 0 only.
-
-    Args:
-        iterable: what to iterate over.
-        description: text left of the bar.
-        total: number of items when ``iterable`` has no ``len``.
-        disable: force the bar off (``None``: off on ranks other than 0).
-    """
-    if disable is None:
-        disable = get_rank() != 0
-    if disable:
-        yield from iterable
-        return
-    if total is None and hasattr(iterable, "__len__"):
-        total = len(iterable)  # type: ignore[arg-type]
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
-    )
-    # Bars go to standard error: standard output stays for results (JSON reports, tables).
-    with Progress(*columns, transient=False, console=Console(stderr=True)) as progress:
-        task = progress.add_task(description, total=total, status="")
-        for item in iterable:
-            yield item
-            progress.advance(task)
 
 
 class StatusProgress:

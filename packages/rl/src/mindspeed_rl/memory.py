@@ -151,10 +151,6 @@ class StorageOffloader:
         """Per category, the bytes held on the host now (0 for categories on the device)."""
         return {name: (sum(e.nbytes for e in g.entries) if g.offloaded else 0) for name, g in self._categories.items()}
 
-    def registered_bytes(self) -> dict[str, int]:
-        """Per category, the bytes of its storages (wherever they are)."""
-        return {name: sum(e.nbytes for e in g.entries) for name, g in self._categories.items()}
-
     def _bytes(self, entry: _Entry) -> torch.Tensor:
         # A flat byte tensor over the whole storage: copies cover every view into it.
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(entry.storage, 0, (entry.nbytes,))

@@ -135,10 +135,6 @@ class Accelerator:
         return self.torch_module.Event(enable_timing=enable_timing)
 
     # -- distributed and placement -------------------------------------------------------
-    def visible_devices(self) -> str | None:
-        """The value of the visible-devices variable, if this family has one and it is set."""
-        return os.environ.get(self.visible_devices_env) if self.visible_devices_env else None
-
     def supports(self, capability: str) -> bool:
         """Whether a capability ("bf16", "fp8", "streams", "pinned_memory") is usable."""
         return capability in self.capabilities()

@@ -89,11 +89,6 @@ class WeightLoader:
             written.append(mg_name)
         return written
 
-    def waiting_for(self) -> list[str]:
-        """Hugging Face names still missing for fused parameters that have some of their parts."""
-        return sorted(name for mg_name, parts in self.pending.items()
-                      for name in self.plan_task(mg_name).hf_names if name not in parts)
-
     def plan_task(self, mg_name: str) -> Task:
         """The plan's task producing ``mg_name``."""
         return next(task for task in self.plan.tasks if task.mg_name == mg_name)

@@ -266,6 +266,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
             DDP-wrapped model, a target matching no linear of the model, or LoRA applied twice.
     """
     settings.validate()
+    if settings.qlora:
+        raise ValueError("apply_lora leaves the base weights as they are; for LoraSettings(qlora=True) call "
+                         "mindspeed_llm.training.qlora.apply_qlora")
     if hasattr(model, "module"):
         raise ValueError("apply_lora needs the bare GPTModel chunk: apply LoRA before wrapping it in "
                          "Float16Module / DistributedDataParallel (DDP only gives gradient buffers to trainable params)")
@@ -292,23 +295,11 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
                          f"known: {', '.join(LORA_TARGETS)}")
     for name, param in model.named_parameters():
         param.requires_grad_(bool(LORA_KEY.search(name)))
-    if settings.qlora:
-        from mindspeed_llm.training.qlora import quantize_base_weights
-
-        quantize_base_weights(model, settings)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(f"LoRA r={settings.r} alpha={settings.alpha} on {len(wrapped)} linears "
                 f"({', '.join(settings.target_modules)}): {trainable} trainable parameters on this chunk"
-                + (f"; {experts} expert linears left frozen" if experts else "")
-                + (" (QLoRA: NF4 base)" if settings.qlora else ""))
+                + (f"; {experts} expert linears left frozen" if experts else ""))
     return wrapped
-
-
-def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's LoRA factors of one chunk, keyed as ``model.state_dict()`` keys them
-    (``decoder.layers.<local>.self_attention.linear_qkv.lora_A.default.weight``)."""
-    model = unwrap_model(model)
-    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if LORA_KEY.search(k)}
 
 
 def set_lora_factors(model: torch.nn.Module, factors: Mapping[str, torch.Tensor]) -> int:

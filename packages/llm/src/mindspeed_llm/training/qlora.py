@@ -1,6 +1,7 @@
 """QLoRA: the frozen base weights of megatron linears stored in NF4, dequantised on the fly.
 
-:func:`quantize_base_weights` (called by ``apply_lora`` when ``settings.qlora``) replaces the
+:func:`apply_qlora` is :func:`~mindspeed_llm.training.lora.apply_lora` followed by
+:func:`quantize_base_weights`, which replaces the
 ``weight`` parameter of each adapted linear (and, with ``qlora_all_linears``, of the other
 decoder linears) by NF4 buffers from the kernel registry's ``nf4_quantize``: packed 4-bit codes
 plus double-quantised block maxima, about a quarter of the bf16 bytes. Each rank quantises its
@@ -14,19 +15,20 @@ mappings around it: the output equals LoRA over the dequantised weight bit for b
 dequantised weight is not kept for the backward; it is dequantised again there.
 
 The quantised weight has no state-dict entry (its buffers are not persistent): load the base
-weights before ``apply_lora``, and save / resume only the other parameters. Its buffers keep
+weights before ``apply_qlora``, and save / resume only the other parameters. Its buffers keep
 their dtypes when the module is cast (``Float16Module`` calls ``.bfloat16()``), only device
 moves apply to them.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_llm.training.lora import LORA_TARGETS, LoraSettings, add_layer_mixin
+from mindspeed_llm.training.lora import LORA_TARGETS, LoraLinear, LoraSettings, add_layer_mixin, apply_lora
 
 logger = get_logger(__name__)
 
@@ -116,12 +118,25 @@ def quantize_linear(module: torch.nn.Module, settings: LoraSettings) -> int:
     return weight.numel() * 2
 
 
+def apply_qlora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
+    """QLoRA on one bare ``GPTModel`` chunk: LoRA on the target linears, then their frozen base in NF4.
+
+    Args:
+        model: a ``GPTModel`` (not wrapped by DDP) with its base weights loaded.
+        settings: the LoRA settings (``qlora_all_linears`` quantises the other decoder linears too).
+
+    Returns:
+        The local names of the modules that got LoRA.
+    """
+    names = apply_lora(model, replace(settings, qlora=False))
+    quantize_base_weights(model, settings)
+    return names
+
+
 def quantize_base_weights(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """Quantise the frozen base weights of one chunk's adapted linears (all decoder linears of
     :data:`LORA_TARGETS` with ``settings.qlora_all_linears``); returns the quantised modules' names."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from mindspeed_llm.training.lora import LoraLinear
 
     names, bf16_bytes = [], 0
     for name, module in list(model.named_modules()):

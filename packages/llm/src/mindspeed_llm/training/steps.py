@@ -85,12 +85,6 @@ def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...
     return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in zip(names, total.tolist())}
 
 
-def reduce_loss(outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-    """The global batch's mean per-token loss and its token count, on every rank (collective)."""
-    metrics = reduce_metrics(outputs)
-    return metrics.get(LM_LOSS, (float("nan"), 0))
-
-
 def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc,
                  forward_only: bool = False) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.

@@ -25,10 +25,12 @@ from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, load_hf_weights, save_hf
+from mindspeed_llm.training.lora import LoraSettings, apply_lora
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
+from mindspeed_llm.training.qlora import apply_qlora
 from mindspeed_llm.training.stages import get_stage
 from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate, run_schedule
 
@@ -189,16 +191,12 @@ class _Run:
         if ck.load_hf and not ck.load:
             load_hf_weights(models, self.config, ck.load_hf, self.vocab)
         if lora.enabled:
-            from mindspeed_llm.training.lora import apply_lora
-
             settings = self.lora_settings()
             for model in models:
-                apply_lora(model, settings)
+                (apply_qlora if settings.qlora else apply_lora)(model, settings)
 
     def lora_settings(self) -> Any:
         """The :class:`~mindspeed_llm.training.lora.LoraSettings` of the recipe."""
-        from mindspeed_llm.training.lora import LoraSettings
-
         lora = self.config.lora
         return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules),
                             qlora=lora.qlora, qlora_all_linears=lora.qlora_all_linears, seed=self.config.train.seed)
