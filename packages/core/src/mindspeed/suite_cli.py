@@ -1,7 +1,9 @@
 """The shape every suite's command line shares: ``mindspeed-<suite> COMMAND [options]``.
 
-A suite keeps a :class:`~mindspeed.registry.Registry` of commands; each entry is a function
-that adds its subparser (and sets ``func``) to the subparsers it is given. A command with an
+A suite's ``cli.py`` holds a literal table of its commands: name -> a function that adds the
+subparser (and sets ``func``) to the subparsers it is given. The subcommand modules define those
+functions and never import the suite's ``cli.py``. Flags derived from a dataclass config take
+their help text from its docstring (:func:`field_help`, :func:`add_dataclass_flags`). A command with an
 ``overrides`` positional (``key=value ...``) takes them anywhere on the line, between and after
 its options too. Errors that are the user's (``ValueError``) end with one line on standard error
 and exit code 2.
@@ -10,19 +12,21 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
+import re
 import sys
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping, Sequence
 
 from mindspeed.log import setup_logging
-from mindspeed.registry import Registry
 
 #: What a suite registers: a function that adds one subcommand to the subparsers.
 AddCommand = Callable[[argparse._SubParsersAction], None]
 
 
-def build_suite_parser(prog: str, description: str, commands: Registry[AddCommand]) -> argparse.ArgumentParser:
-    """The parser of ``prog`` with ``--version``, ``--log-level`` and every registered command."""
+def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCommand]) -> argparse.ArgumentParser:
+    """The parser of ``prog`` with ``--version``, ``--log-level`` and every command of ``commands``."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version(prog)}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
@@ -65,3 +69,57 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     except ValueError as err:  # user errors name the input and the fix
         sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 2
+
+
+_ATTRIBUTE = re.compile(r"^\s{8}(\w+): (.*)$")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """``name -> text`` from the ``Attributes:`` section of ``cls``'s (Google-style) docstring.
+
+    An attribute's continuation lines are joined to it; ``%`` is doubled, so the text is ready
+    for an argparse ``help=``.
+    """
+    text = (cls.__doc__ or "").split("Attributes:", 1)[-1]
+    helps: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        match = _ATTRIBUTE.match(line)
+        if match:
+            name, helps[match.group(1)] = match.group(1), match.group(2).strip()
+        elif name and line.strip():
+            helps[name] += " " + line.strip()
+    return {key: value.replace("%", "%%") for key, value in helps.items()}
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
+                        choices: Mapping[str, Sequence[str]] | None = None) -> None:
+    """One ``--flag`` per field of dataclass ``cls`` (``load_dir`` -> ``--load-dir``), help from its docstring.
+
+    Bools are switches (``--no-<name>`` for those on by default); a field without a default is a
+    required flag; ``X | None`` fields take an ``X``.
+
+    Args:
+        parser: the (sub)parser to add to.
+        cls: the config dataclass.
+        choices: field name -> its allowed values.
+    """
+    helps = field_help(cls)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        options = typing.get_args(hint)
+        kind = next((t for t in options if t is not type(None)), hint) if options else hint
+        required = field.default is dataclasses.MISSING
+        text = helps.get(field.name, "").replace("``", "")
+        if kind is bool:
+            if field.default is True:  # on by default: the flag turns it off
+                parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false", help=f"do not {text}")
+            else:
+                parser.add_argument(flag, action="store_true", help=text)
+            continue
+        if not required and field.default is not None:
+            text += f" (default {str(field.default).replace('%', '%%')})"
+        parser.add_argument(flag, type=kind, required=required, default=None if required else field.default,
+                            choices=(choices or {}).get(field.name), help=text)

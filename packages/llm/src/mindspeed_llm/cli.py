@@ -1,6 +1,6 @@
 """``mindspeed-llm``: the LLM suite: checkpoint conversion, data preprocessing, pretraining, fine-tuning, generation, evaluation.
 
-Subcommands are registered in :data:`COMMANDS` by the modules imported below;
+Subcommands are the literal table :data:`COMMANDS` (their modules never import this one);
 ``mindspeed-llm --help`` lists the ones this version has.
 """
 
@@ -9,17 +9,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed.registry import Registry
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
+from mindspeed_llm.checkpoint.cli import add_convert_ckpt
+from mindspeed_llm.data.cli import add_preprocess_data
+from mindspeed_llm.evaluation.cli import add_evaluate
+from mindspeed_llm.inference.cli import add_generate
+from mindspeed_llm.training.cli import add_dpo, add_pretrain, add_sft
+from mindspeed_llm.training.quickstart import add_quickstart
 
-#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``.
-COMMANDS: Registry[AddCommand] = Registry("mindspeed-llm command")
-
-import mindspeed_llm.checkpoint.cli  # noqa: E402,F401  (registers convert-ckpt)
-import mindspeed_llm.data.cli  # noqa: E402,F401  (registers preprocess-data)
-import mindspeed_llm.evaluation.cli  # noqa: E402,F401  (registers evaluate)
-import mindspeed_llm.inference.cli  # noqa: E402,F401  (registers generate)
-import mindspeed_llm.training.cli  # noqa: E402,F401  (registers pretrain)
+#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
+COMMANDS: dict[str, AddCommand] = {
+    "convert-ckpt": add_convert_ckpt,
+    "preprocess-data": add_preprocess_data,
+    "evaluate": add_evaluate,
+    "generate": add_generate,
+    "pretrain": add_pretrain,
+    "sft": add_sft,
+    "dpo": add_dpo,
+    "quickstart": add_quickstart,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under ``python -m`` this file runs as __main__, a second copy of the module: the
-    # subcommand modules register into mindspeed_llm.cli.COMMANDS, so run that copy's main.
-    from mindspeed_llm.cli import main as registered_main
-
-    sys.exit(registered_main())
+    sys.exit(main())

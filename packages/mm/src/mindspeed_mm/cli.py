@@ -1,6 +1,6 @@
 """``mindspeed-mm``: the multimodal suite: vision-language and video/image generation training.
 
-Subcommands are registered in :data:`COMMANDS` by the modules imported below;
+Subcommands are the literal table :data:`COMMANDS` (their modules never import this one);
 ``mindspeed-mm --help`` lists the ones this version has.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed.registry import Registry
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
+from mindspeed_mm.train_cli import add_train
 
-#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``.
-COMMANDS: Registry[AddCommand] = Registry("mindspeed-mm command")
-
-import mindspeed_mm.train_cli  # noqa: E402,F401  (registers train)
+#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
+COMMANDS: dict[str, AddCommand] = {
+    "train": add_train,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +29,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under ``python -m`` this file runs as __main__, a second copy of the module: the
-    # subcommand modules register into mindspeed_mm.cli.COMMANDS, so run that copy's main.
-    from mindspeed_mm.cli import main as registered_main
-
-    sys.exit(registered_main())
+    sys.exit(main())

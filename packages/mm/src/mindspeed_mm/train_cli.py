@@ -14,7 +14,6 @@ import sys
 import yaml
 
 from mindspeed.config import to_dict
-from mindspeed_mm.cli import COMMANDS
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -54,5 +53,3 @@ def run_train(args: argparse.Namespace) -> int:
     launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     return 0
 
-
-COMMANDS.register("train", add_train)

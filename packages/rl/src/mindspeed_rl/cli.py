@@ -1,6 +1,6 @@
 """``mindspeed-rl``: the RL suite: GRPO and friends on Ray.
 
-Subcommands are registered in :data:`COMMANDS` by the modules imported below;
+Subcommands are the literal table :data:`COMMANDS` (their modules never import this one);
 ``mindspeed-rl --help`` lists the ones this version has.
 """
 
@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed.registry import Registry
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
+from mindspeed_rl.data.cli import add_make_data
+from mindspeed_rl.demo_model_cli import add_make_demo_model
+from mindspeed_rl.grpo_cli import add_grpo
 
-#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``.
-COMMANDS: Registry[AddCommand] = Registry("mindspeed-rl command")
-
-import mindspeed_rl.data.cli  # noqa: E402,F401  (registers make-data)
-import mindspeed_rl.demo_model_cli  # noqa: E402,F401  (registers make-demo-model)
-import mindspeed_rl.grpo_cli  # noqa: E402,F401  (registers grpo)
+#: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
+COMMANDS: dict[str, AddCommand] = {
+    "make-data": add_make_data,
+    "make-demo-model": add_make_demo_model,
+    "grpo": add_grpo,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,8 +33,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under ``python -m`` this file runs as __main__, a second copy of the module: the
-    # subcommand modules register into mindspeed_rl.cli.COMMANDS, so run that copy's main.
-    from mindspeed_rl.cli import main as registered_main
-
-    sys.exit(registered_main())
+    sys.exit(main())

@@ -11,8 +11,6 @@ import argparse
 import sys
 import time
 
-from mindspeed_rl.cli import COMMANDS
-
 
 def add_make_demo_model(sub: argparse._SubParsersAction) -> None:
     """Add ``make-demo-model`` to the ``mindspeed-rl`` subcommands."""
@@ -43,5 +41,3 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
     sys.stdout.write(f"wrote the demo policy to {out} in {time.perf_counter() - started:.1f} s\n")
     return 0
 
-
-COMMANDS.register("make-demo-model", add_make_demo_model)

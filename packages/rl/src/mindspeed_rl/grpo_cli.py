@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed_rl.cli import COMMANDS
-
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
     """Add ``grpo`` to the ``mindspeed-rl`` subcommands."""
@@ -74,5 +72,3 @@ def run_grpo(args: argparse.Namespace) -> int:
         sys.stdout.write(f"nothing to do: the run is already at train.steps={config.train.steps}\n")
     return 0
 
-
-COMMANDS.register("grpo", add_grpo)

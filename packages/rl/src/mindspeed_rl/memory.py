@@ -61,6 +61,11 @@ def memory_snapshot() -> dict[str, int]:
             "host_rss": read_host_rss()}
 
 
+def memory_gib() -> dict[str, float]:
+    """:func:`memory_snapshot` in GiB, keys suffixed ``_gib`` (the workers' phase metrics)."""
+    return {f"{k}_gib": v / 2**30 for k, v in memory_snapshot().items()}
+
+
 class StorageOffloader:
     """Named groups of device storages that can be moved to host memory and back.
 

@@ -13,23 +13,13 @@ import dataclasses
 import json
 import sys
 
-from mindspeed_llm.cli import COMMANDS
+from mindspeed.suite_cli import field_help
 from mindspeed_llm.data.handlers import HANDLERS
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.data.readers import describe_json_error
 from mindspeed_llm.data.templates import PROMPT_TYPES
 
 _FIELDS = {f.name: f for f in dataclasses.fields(PreprocessConfig)}
-
-
-def _field_help() -> dict[str, str]:
-    text = (PreprocessConfig.__doc__ or "").split("Attributes:", 1)[-1]
-    helps = {}
-    for line in text.splitlines():
-        name, _, rest = line.strip().partition(": ")
-        if name in _FIELDS:
-            helps[name] = rest.replace("%", "%%")
-    return helps
 
 
 def _json_object(text: str) -> dict:
@@ -44,7 +34,7 @@ def _json_object(text: str) -> dict:
 
 def add_preprocess_data(sub: argparse._SubParsersAction) -> None:
     """Add ``preprocess-data`` to the ``mindspeed-llm`` subcommands."""
-    helps = _field_help()
+    helps = field_help(PreprocessConfig)
     parser = sub.add_parser(
         "preprocess-data", help="tokenize raw data into Megatron indexed datasets (pretraining, instruction, pairwise)",
         description="Tokenize jsonl/json/parquet/arrow/csv/txt records with a local tokenizer (or 'demo') and write "
@@ -88,5 +78,3 @@ def run_preprocess_data(args: argparse.Namespace) -> int:
     sys.stdout.write(report.describe() + "\n")
     return 0
 
-
-COMMANDS.register("preprocess-data", add_preprocess_data)

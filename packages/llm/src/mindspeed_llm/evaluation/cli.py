@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 
-from mindspeed_llm.cli import COMMANDS
+from mindspeed.suite_cli import field_help
 from mindspeed_llm.evaluation import gsm8k, mmlu, perplexity  # noqa: F401  (register the tasks)
 from mindspeed_llm.evaluation.report import format_table
 from mindspeed_llm.evaluation.runner import BACKENDS, DTYPES, EvaluateConfig, evaluate
@@ -22,15 +21,9 @@ from mindspeed_llm.evaluation.tasks import TASKS
 _FIELDS = {f.name: f for f in dataclasses.fields(EvaluateConfig)}
 
 
-def _field_help() -> dict[str, str]:
-    """``name -> text`` from the ``Attributes:`` section of :class:`EvaluateConfig`'s docstring."""
-    text = (EvaluateConfig.__doc__ or "").split("Attributes:", 1)[-1]
-    return {m.group(1): m.group(2).replace("%", "%%") for m in re.finditer(r"^\s{8}(\w+): (.*)$", text, re.MULTILINE)}
-
-
 def add_evaluate(sub: argparse._SubParsersAction) -> None:
     """Add ``evaluate`` to the ``mindspeed-llm`` subcommands."""
-    helps = _field_help()
+    helps = field_help(EvaluateConfig)
     parser = sub.add_parser(
         "evaluate", help="score a model on MMLU, GSM8K and perplexity from local data files",
         description="Evaluate a Hugging Face or Megatron checkpoint on local data in the public formats: MMLU "
@@ -77,5 +70,3 @@ def run_evaluate(args: argparse.Namespace) -> int:
         sys.stdout.write(f"wrote {config.output}\n")
     return 0
 
-
-COMMANDS.register("evaluate", add_evaluate)

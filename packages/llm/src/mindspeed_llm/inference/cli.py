@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
-from mindspeed_llm.cli import COMMANDS
+from mindspeed.suite_cli import add_dataclass_flags
 from mindspeed_llm.inference.prompts import encode_prompt, prompt_text, read_prompts
 
 logger = get_logger(__name__)
@@ -78,9 +78,6 @@ class GenerateConfig:
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the ``mindspeed-llm`` subcommands."""
-    # Imported here: checkpoint.cli imports mindspeed_llm.cli, which imports this module.
-    from mindspeed_llm.checkpoint.cli import add_dataclass_flags
-
     parser = sub.add_parser(
         "generate", help="generate text with a Hugging Face or Megatron checkpoint (KV cache, continuous batching)",
         description="Generate completions with the built-in inference engine. One prompt streams to the terminal; "
@@ -227,5 +224,3 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(temp, path)
 
-
-COMMANDS.register("generate", add_generate)

@@ -17,7 +17,6 @@ import yaml
 
 from mindspeed.config import to_dict
 from mindspeed.log import get_logger
-from mindspeed_llm.cli import COMMANDS
 
 logger = get_logger(__name__)
 
@@ -104,9 +103,3 @@ def run_pretrain(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-COMMANDS.register("pretrain", add_pretrain)
-COMMANDS.register("sft", add_sft)
-COMMANDS.register("dpo", add_dpo)
-
-import mindspeed_llm.training.quickstart  # noqa: E402,F401  (registers quickstart)

@@ -14,7 +14,6 @@ import argparse
 from pathlib import Path
 
 from mindspeed.log import get_logger
-from mindspeed_llm.cli import COMMANDS
 
 logger = get_logger(__name__)
 
@@ -95,5 +94,3 @@ def continue_prompt(model_dir: Path, prompt: str, max_new_tokens: int = 24) -> s
     (out,) = engine.generate([ids], SamplingParams(max_new_tokens=max_new_tokens))
     return engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
-
-COMMANDS.register("quickstart", add_quickstart)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed_rl.cli import COMMANDS
 from mindspeed_rl.data.arithmetic import OPERATORS, generate_arithmetic, write_jsonl
 
 
@@ -50,5 +49,3 @@ def run_make_data(args: argparse.Namespace) -> int:
         sys.stdout.write(f"wrote {test_num} records to {args.test_output}\n")
     return 0
 
-
-COMMANDS.register("make-data", add_make_data)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed_rl.memory import memory_gib
 
 logger = get_logger(__name__)
 
@@ -30,13 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
-
-
-def memory_gib() -> dict[str, float]:
-    """:func:`~mindspeed_rl.memory.memory_snapshot` in GiB, keys suffixed ``_gib`` (for the metrics)."""
-    from mindspeed_rl.memory import memory_snapshot
-
-    return {f"{k}_gib": v / 2**30 for k, v in memory_snapshot().items()}
 
 
 class ActorWorker:

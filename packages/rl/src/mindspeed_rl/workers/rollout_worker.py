@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mindspeed_rl.memory import memory_gib
+
 
 def build_engine(config: Any, model_dir: str) -> Any:
     """The rollout engine of a recipe, with the weights in ``model_dir``.
@@ -69,8 +71,6 @@ class RolloutWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """Generate one response per prompt with the loaded weights."""
-        from mindspeed_rl.workers.actor_worker import memory_gib
-
         outputs = self.engine.generate(list(prompts), list(params))
         self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
         return outputs
