@@ -14,3 +14,14 @@ def tiny_vlm(tmp_path_factory) -> tuple[Path, Path]:
     """(model directory, data.jsonl): 8 samples, every 4th without an image, image sizes varying."""
     root = tmp_path_factory.mktemp("tiny-vlm")
     return write_tiny_model(root / "qwen2_5_vl"), write_tiny_dataset(root / "data", num_samples=8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny models' ops are far faster without OpenMP contention on a shared 2-core host."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -35,6 +35,10 @@ class VLMFamily:
             -> [3, 1, L]`` rotary positions of one sample (the model's own rule).
         write_tiny: ``(directory, seed) -> None`` writes a tiny model of the family (config,
             random weights, tokenizer, image processor, chat template).
+        vision_module: the vision tower's module name (run on a dummy image by ranks whose
+            microbatch has none, so every rank joins its FSDP2 collectives).
+        language_module: the language model's module name (its input is where the dummy output is added).
+        dummy_vision_inputs: ``model config -> kwargs`` of the smallest vision-tower input.
     """
 
     architecture: str
@@ -45,6 +49,9 @@ class VLMFamily:
     image_token: str
     positions: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     write_tiny: Callable[[Path, int], None]
+    vision_module: str
+    language_module: str
+    dummy_vision_inputs: Callable[[Any], dict[str, torch.Tensor]]
 
     def load_class(self) -> type:
         """The transformers model class."""

@@ -32,6 +32,14 @@ def rope_positions(model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch
     return positions
 
 
+def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
+    """One merged patch: a 2 x 2 grid of zero patches (the vision tower's smallest input)."""
+    vision = config.vision_config
+    width = vision.in_chans * vision.temporal_patch_size * vision.patch_size**2
+    merge = vision.spatial_merge_size
+    return {"hidden_states": torch.zeros(merge * merge, width), "grid_thw": torch.tensor([[1, merge, merge]])}
+
+
 def write_tiny(directory: Path, seed: int = 0) -> None:
     """A tiny Qwen2.5-VL (about 0.2 M parameters) with a byte tokenizer and a small image processor."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -71,4 +79,7 @@ QWEN2_5_VL = register_family(VLMFamily(
     image_token="<|image_pad|>",
     positions=rope_positions,
     write_tiny=write_tiny,
+    vision_module="model.visual",
+    language_module="model.language_model",
+    dummy_vision_inputs=dummy_vision_inputs,
 ))

@@ -29,6 +29,7 @@ from mindspeed_mm.trainer.export import save_hf
 from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
 from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from mindspeed_mm.trainer.vision_sync import VisionSync
 
 logger = get_logger(__name__)
 
@@ -56,6 +57,7 @@ class _Batches:
     def __init__(self, config: MMConfig, family: Any, model: torch.nn.Module, world: int) -> None:
         d = config.data
         self.config, self.family, self.model = config, family, model
+        self.vision_sync = VisionSync(model, family) if world > 1 else None
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
         self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
         t = config.train
@@ -153,6 +155,8 @@ def _train_step(config: MMConfig, step: int, rank: int, world: int, model: torch
     set_lr(optimizer, lr)
     reported = torch.zeros((), dtype=torch.float32, device=device)
     for batch in micro:
+        if batches.vision_sync is not None:
+            batches.vision_sync.needed = batch.pixel_values is None
         logits = model(**batch.model_inputs(device)).logits[0]
         targets = batch.targets.to(device)
         losses = token_losses(logits, targets)

@@ -1,0 +1,48 @@
+"""Every rank runs the vision tower in every microbatch, so FSDP2's collectives match across ranks.
+
+A microbatch without images skips the vision tower inside the Hugging Face forward; under
+FSDP2 the ranks whose microbatch has images would then wait in the tower's all-gathers (and
+reduce-scatters in the backward) for a rank that never comes. A forward pre-hook on the
+language model runs the tower on the family's smallest dummy input when the microbatch has
+no images (the same place in the order of collectives as the real call, which precedes the
+language model) and adds ``0 x`` its output to the language model's input embeddings, so the
+backward passes through the tower too. The loss and the gradients are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mindspeed_mm.models.family import VLMFamily
+
+
+class VisionSync:
+    """The pre-hook; set :attr:`needed` before each microbatch's forward.
+
+    Args:
+        model: the (sharded) model.
+        family: its family (module names and dummy input).
+    """
+
+    def __init__(self, model: torch.nn.Module, family: VLMFamily) -> None:
+        self.vision = model.get_submodule(family.vision_module)
+        self.inputs = family.dummy_vision_inputs(model.config)
+        self.needed = False
+        language = model.get_submodule(family.language_module)
+        self.handle = language.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not self.needed or kwargs.get("inputs_embeds") is None:
+            return None
+        embeds = kwargs["inputs_embeds"]
+        out = self.vision(**{k: v.to(embeds.device) for k, v in self.inputs.items()})
+        tensors = [t for t in (getattr(out, "last_hidden_state", None), getattr(out, "pooler_output", None))
+                   if isinstance(t, torch.Tensor)] or [out]
+        zero = sum(t.float().sum() for t in tensors) * 0.0
+        return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def remove(self) -> None:
+        """Remove the hook."""
+        self.handle.remove()
