@@ -20,12 +20,27 @@ def test_mutations_go_through_recording_methods() -> None:
     with ctx.applying("demo"):
         first = ctx.set_kernel("rms_norm", "native", reason="r")
         second = ctx.set_kernel("rms_norm", "compile")
-    user = ctx.set_optimizer("offload", True)
+    user = ctx.set_config("offload", True)
     assert ctx.kernel_for("rms_norm") == "compile"
     assert (first.feature, first.before, first.after) == ("demo", "reference", "native")
     assert (second.before, second.after) == ("native", "compile")
     assert user.feature == "user"
     assert ctx.changes == (first, second, user)
+    assert not hasattr(ctx, "set_optimizer")  # the seam without a reader is gone
+
+
+def test_kernel_choices_are_a_value() -> None:
+    from mindspeed.features import KernelChoices
+
+    ctx = BuildContext(accelerator="cpu")
+    ctx.set_kernel("rms_norm", "native")
+    choices = ctx.kernel_choices()
+    ctx.set_kernel("swiglu", "native")  # later changes do not reach a value already handed out
+    assert dict(choices) == {"rms_norm": "native"}
+    assert (choices.kernel_for("rms_norm"), choices.kernel_for("swiglu")) == ("native", "reference")
+    plain = KernelChoices.of({"attention": "sdpa"})  # a mapping: "auto" for the ops it does not name
+    assert (plain.kernel_for("attention"), plain.kernel_for("rms_norm")) == ("sdpa", "auto")
+    assert KernelChoices.of(choices) is choices and KernelChoices() == KernelChoices({}, "auto")
 
 
 def test_hooks_and_facts() -> None:

@@ -17,7 +17,7 @@ def make_report() -> FeatureReport:
         level = 2
 
         def apply(self, cfg, ctx):
-            return [ctx.add_hook("post_step", print, reason="toy hook"), ctx.set_optimizer("offload", True),
+            return [ctx.add_hook("post_step", print, reason="toy hook"), ctx.set_config("offload", True),
                     ctx.set_kernel("rms_norm", "native"), ctx.set_config("dtype", object())]
 
     context = BuildContext(accelerator="cpu", parallel=ParallelSizes(tp=2, dp=4),
@@ -29,7 +29,7 @@ def make_report() -> FeatureReport:
 def test_report_lists_every_change_and_status() -> None:
     report = make_report()
     assert report.order == ["plain", "hooked"]
-    assert [c.target for c in report.changes] == ["config_overrides.plain", "hooks.post_step", "optimizer.offload",
+    assert [c.target for c in report.changes] == ["config_overrides.plain", "hooks.post_step", "config_overrides.offload",
                                                   "kernel_impls.rms_norm", "config_overrides.dtype"]
     text = report.render()
     assert "on  plain" in text and "off off" in text and "opt-in" in text

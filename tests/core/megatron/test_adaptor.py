@@ -100,11 +100,11 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
 
     features = FeaturesConfig(optimization_level=2, settings={"fused_rotary_pos_emb": {"enabled": True, "impl": "reference"}})
     report = adapt("cpu", features=features, model=ModelFacts.from_transformer_config(local.config))
-    ours = _gpt(get_gpt_layer_spec(), spec_activation=True)
+    ours = _gpt(get_gpt_layer_spec(report.kernels), spec_activation=True)
     ours.load_state_dict(local.state_dict(), strict=True)
     featured_loss = ours(ids, pos, None, labels=ids).float().mean()
     chosen = {type(m).__name__: m.kernel.name for m in ours.modules() if type(m).__name__.startswith("Registry")}
-    ctx_kernels = dict(report.context.kernel_impls)
+    ctx_kernels = dict(report.kernels)
     featured_patches = [p.name for p in report.patches]
     unadapt()
     parallel_state.destroy_model_parallel()

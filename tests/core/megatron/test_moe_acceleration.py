@@ -159,7 +159,7 @@ def _run_layout(label: str, layout: Layout, steps: list[list[dict]], reference: 
         sizes = ParallelSizes(tp=layout.tp, ep=ep, etp=etp, sequence_parallel=layout.tp > 1)
         fields = {name: value for name, value in overrides.items() if name not in EXPERT_LAYOUT_FIELDS}
         init_parallel(sizes, model.seed)
-        chunks = build_gpt(model, sizes, layer_spec=get_gpt_layer_spec(num_experts=NUM_EXPERTS),
+        chunks = build_gpt(model, sizes, layer_spec=get_gpt_layer_spec(report.kernels, num_experts=NUM_EXPERTS),
                            use_te_activation_func=True, bias_activation_fusion=False, **fields)
         load_full_state(chunks, model, grouped_expert_state(reference["initial"], NUM_EXPERTS))
         for hook in ctx.hooks["post_model_build"]:

@@ -152,8 +152,9 @@ def _spec_follows_features() -> dict[str, Any]:
     from mindspeed.megatron import adapt, current_report, unadapt
     from mindspeed.megatron.spec import MindSpeedSpecProvider, get_gpt_layer_spec
 
-    def experts(**kwargs: Any) -> str:
-        return get_gpt_layer_spec(num_experts=NUM_EXPERTS, **kwargs).submodules.mlp.submodules.experts.module.__name__
+    def experts(kernels: Any = None, **kwargs: Any) -> str:
+        spec = get_gpt_layer_spec(kernels, num_experts=NUM_EXPERTS, **kwargs)
+        return spec.submodules.mlp.submodules.experts.module.__name__
 
     facts = ModelFacts(num_moe_experts=NUM_EXPERTS, moe_token_dispatcher_type="alltoall")
     out = {"no features": experts(), "explicit": experts(moe_grouped_gemm=True)}
@@ -161,17 +162,20 @@ def _spec_follows_features() -> dict[str, Any]:
     unadapt()  # the caller's plain adapt(); re-adapted below with features
     try:
         report = adapt("cpu", features=FeaturesConfig(optimization_level=1), model=facts)
-        out["level 1"] = experts()
-        out["level 1, explicit False"] = experts(moe_grouped_gemm=False)
-        out["level 1 params"] = get_gpt_layer_spec(num_experts=NUM_EXPERTS).submodules.mlp.submodules.experts.params
+        # The spec follows the kernels it is given, never the adaptor's state.
+        out["level 1, not passed"] = experts()
+        out["level 1"] = experts(report.kernels)
+        out["level 1, explicit False"] = experts(report.kernels, moe_grouped_gemm=False)
+        out["level 1 params"] = get_gpt_layer_spec(report.kernels,
+                                                   num_experts=NUM_EXPERTS).submodules.mlp.submodules.experts.params
         out["level 1 patches"] = [p.name for p in report.patches if "permute" in p.name]
         out["patched"] = token_dispatcher.permute.__module__
-        backend = get_moe_module_spec_for_backend(MindSpeedSpecProvider(), num_experts=NUM_EXPERTS,
+        backend = get_moe_module_spec_for_backend(MindSpeedSpecProvider(report.kernels), num_experts=NUM_EXPERTS,
                                                   moe_grouped_gemm=True)
         out["backend"] = backend.submodules.experts.module.__name__
         unadapt()
-        adapt("cpu", features=FeaturesConfig(settings={"moe_grouped_gemm": False}), model=facts)
-        out["grouped off"] = experts()
+        off = adapt("cpu", features=FeaturesConfig(settings={"moe_grouped_gemm": False}), model=facts)
+        out["grouped off"] = experts(off.kernels)
     finally:
         unadapt()
         adapt("cpu")
@@ -303,6 +307,7 @@ def test_spec_follows_moe_grouped_gemm_feature(megatron_results: dict[str, Any])
     spec = megatron_results["spec"]
     assert spec["no features"] == "SequentialMLP" and spec["explicit"] == "RegistryGroupedMLP"
     assert spec["level 1"] == "RegistryGroupedMLP" and spec["level 1, explicit False"] == "SequentialMLP"
+    assert spec["level 1, not passed"] == "SequentialMLP"  # no kernels given: nothing read from adapt()
     assert spec["level 1 params"] == {"impl": "native", "swiglu_impl": "native"}
     assert spec["level 1 patches"] == ["moe-permute-kernel", "moe-unpermute-kernel"]
     assert spec["patched"] == "mindspeed.megatron.moe"
@@ -334,6 +339,8 @@ MOE = ModelFacts(num_moe_experts=8, moe_token_dispatcher_type="alltoall", extra=
 def _apply(settings: dict[str, Any], parallel: ParallelSizes = ParallelSizes(), model: ModelFacts = MOE,
            level: int = 2) -> BuildContext:
     ctx = BuildContext(accelerator="cpu", parallel=parallel, model=model)
+    # Only the MoE features' config fields are under test here (fusion sets its own flag).
+    settings = {"gradient_accumulation_fusion": False, **settings}
     apply_features(FeaturesConfig(optimization_level=level, settings=settings), ctx)
     return ctx
 

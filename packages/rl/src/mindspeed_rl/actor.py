@@ -32,8 +32,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from mindspeed.features import FeaturesConfig
 from mindspeed.log import get_logger
+from mindspeed.megatron import AdaptReport
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 
 logger = get_logger(__name__)
@@ -82,20 +85,39 @@ class ActorSettings:
     compute_entropy: bool = True
 
 
-def _ensure_megatron(config: Any) -> None:
-    """Adapt megatron-core and initialise its parallel state once per process."""
+def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: int) -> tuple[AdaptReport, bool]:
+    """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
+
+    Returns:
+        The adaptation (its kernels and config fields go to the builders) and whether this call
+        made it (the actor that adapted undoes it in :meth:`Actor.close`).
+
+    Raises:
+        ValueError: megatron-core is already adapted in this process with other features.
+    """
     from megatron.core import parallel_state as ps
 
+    from mindspeed.features import ModelFacts, ParallelSizes
     from mindspeed.megatron import adapt, current_report
+    from mindspeed_llm.training.model import transformer_config
+    from mindspeed_llm.training.trainer import seed_everything
 
-    if current_report() is None:  # adapt() refuses a second call: a trainer in this process may have adapted
-        adapt()
+    report, made = current_report(), False
+    if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
+        p = config.parallel
+        facts = ModelFacts.from_transformer_config(transformer_config(config, vocab),
+                                                   position_embedding_type=config.model.position_embedding_type)
+        sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
+        report, made = adapt(features=features, model=facts, parallel=sizes), True
+    elif report.features_config != features:
+        raise ValueError(f"megatron-core is already adapted in this process with features {report.features_config}, "
+                         f"not {features}; build every actor of a process with the same features section "
+                         "(or close() the actor that adapted first)")
     if not ps.model_parallel_is_initialized():
         p = config.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
-        from mindspeed_llm.training.trainer import seed_everything
-
         seed_everything(config.train.seed)
+    return report, made
 
 
 class Actor:
@@ -106,19 +128,24 @@ class Actor:
         settings: optimizer/batching settings.
         trainable: False builds a frozen model for log-probs only (the KL reference).
         tp, pp: the layout (``forward_logits`` needs tp = pp = 1).
+        features: the optimization level and feature settings (the recipe's ``features:``
+            section; default: ``FeaturesConfig()``, level 2, as an LLM recipe). The first actor
+            of a process adapts megatron-core with them (:meth:`close` undoes it); the others
+            must name the same. The kernels, config fields and hooks they choose build the
+            model and the optimizer; :attr:`features` is their report.
 
     Raises:
         ConfigError: an unreadable directory or an unsupported model.
     """
 
     def __init__(self, hf_dir: str, settings: ActorSettings | None = None, trainable: bool = True,
-                 tp: int = 1, pp: int = 1) -> None:
+                 tp: int = 1, pp: int = 1, features: FeaturesConfig | None = None) -> None:
         from mindspeed.device import get_accelerator
         from mindspeed_llm.training.config import load_pretrain_config
         from mindspeed_llm.training.data import read_tokenizer
         from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
         from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
-        from mindspeed_llm.training.optim import build_optimizer, build_scheduler, use_adamw_kernel
+        from mindspeed_llm.training.optim import build_optimizer, build_scheduler
         from mindspeed_rl.memory import StorageOffloader
 
         self.settings = s = settings or ActorSettings()
@@ -137,17 +164,24 @@ class Actor:
         ids = read_tokenizer(config)
         self.hf_vocab = ids.vocab_size
         self.vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-        _ensure_megatron(config)
-        self.transformer = transformer_config(config, self.vocab, {} if trainable else {"perform_initialization": False})
+        self.adaptation, self._adapted = _ensure_megatron(config, features or FeaturesConfig(), self.vocab,
+                                                          dist.get_world_size())
+        kernels, hooks = self.adaptation.kernels, self.adaptation.hooks
+        overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
+        self.transformer = transformer_config(config, self.vocab, overrides)
         load = partial(load_hf_weights, config=config, path=self.hf_dir, vocab_rows=self.vocab)
         if trainable:
-            self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models))
-            self.optimizer = build_optimizer(config, self.chunks)
-            use_adamw_kernel(self.optimizer, "auto")  # the registry's fused AdamW (3-5x faster step on the CPU)
+            self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models),
+                                      kernels=kernels)
+            for hook in hooks.get("post_model_build", ()):
+                hook(self.chunks)
+            self.optimizer = build_optimizer(config, self.chunks, kernels)
+            for hook in hooks.get("post_optimizer_build", ()):
+                self.optimizer = hook(self.optimizer) or self.optimizer
             self.scheduler = build_scheduler(config, self.optimizer)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
-            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False)
+            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False, kernels=kernels)
             load(self.chunks)
             self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
@@ -156,6 +190,19 @@ class Actor:
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
         logger.info("actor (%s) from %s: %s, tp=%d pp=%d", "trainable" if trainable else "frozen", self.hf_dir,
                     self.bridge.family, tp, pp)
+
+    @property
+    def features(self) -> Any:
+        """The ``FeatureReport`` of the adaptation this actor was built with (what is on, and why)."""
+        return self.adaptation.features
+
+    def close(self) -> None:
+        """Undo the adaptation of megatron-core if this actor made it (call it last, after the other actors)."""
+        from mindspeed.megatron import unadapt
+
+        if self._adapted:
+            unadapt()
+            self._adapted = False
 
     # -- batching ------------------------------------------------------------------------------
 
@@ -370,6 +417,9 @@ class Actor:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
         batches = self._microbatches(pairs, width, extra)
         logits = self.settings.compute_entropy or bool(config.entropy_coef) or self.vocab != self.hf_vocab
+        hooks = self.adaptation.hooks
+        for hook in hooks.get("pre_step", ()):
+            hook(self.version + 1)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -378,6 +428,8 @@ class Actor:
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)  # the next update's learning rate
         self.version += 1
+        for hook in hooks.get("post_step", ()):
+            hook(self.version)
         totals = self._metric_totals(outputs)
         metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -387,7 +439,6 @@ class Actor:
 
     def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
         """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         totals: dict[str, list[float]] = {}

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
+from mindspeed.features import FeaturesConfig
+
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("actor", "rollout", "reference", "reward", "algorithm", "buffer", "data", "ray", "train", "logging",
-            "checkpoint")
+            "checkpoint", "features")
 
 
 @dataclass
@@ -304,6 +306,8 @@ class GRPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: The actor's (and reference's) optimization level and feature settings, as an LLM recipe's.
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
     def actor_world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""

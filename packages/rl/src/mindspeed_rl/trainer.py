@@ -344,9 +344,9 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     _ensure_group()
     a = config.actor
     settings = actor_settings(config)
-    actor = Actor(a.model, settings, tp=a.tp, pp=a.pp)
-    reference = Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp) \
-        if config.needs_reference() else None
+    actor = Actor(a.model, settings, tp=a.tp, pp=a.pp, features=config.features)
+    reference = Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp,
+                      features=config.features) if config.needs_reference() else None
     engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     records, sampler, fmt, reward = prompt_pieces(config)
@@ -367,15 +367,18 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
     log_dir = config.log_dir()
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(config.train.steps):
-        record = grpo_step(ctx)
-        if held_out and ctx.step % config.train.eval_interval == 0:
-            record.update(evaluate(ctx, held_out))
-        if log_dir is not None:
-            with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
-                sink.write(json.dumps(record) + "\n")
-        if ctx.step % max(config.logging.interval, 1) == 0:
-            logger.info("step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s", ctx.step, record["reward_mean"],
-                        record["reward_std"], record["response_length"], record.get("loss", float("nan")),
-                        record["time/step"])
+    try:
+        for _ in range(config.train.steps):
+            record = grpo_step(ctx)
+            if held_out and ctx.step % config.train.eval_interval == 0:
+                record.update(evaluate(ctx, held_out))
+            if log_dir is not None:
+                with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
+                    sink.write(json.dumps(record) + "\n")
+            if ctx.step % max(config.logging.interval, 1) == 0:
+                logger.info("step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s", ctx.step,
+                            record["reward_mean"], record["reward_std"], record["response_length"],
+                            record.get("loss", float("nan")), record["time/step"])
+    finally:
+        ctx.actor.close()  # undo the adaptation of megatron-core (the reference shares it)
     return ctx.history

@@ -17,7 +17,7 @@ nothing else.
 
 from mindspeed.features import context_parallel, kernels, moe
 from mindspeed.features.base import FEATURES, LEVELS, Change, Feature, FeatureConfig, register_feature
-from mindspeed.features.context import HOOK_POINTS, BuildContext, ModelFacts, ParallelSizes
+from mindspeed.features.context import HOOK_POINTS, BuildContext, KernelChoices, ModelFacts, ParallelSizes
 from mindspeed.features.manager import FeaturesConfig, apply_features, order_features, resolve_features
 from mindspeed.features.report import FeatureReport, FeatureStatus
 
@@ -55,6 +55,7 @@ __all__ = [
     "FeatureReport",
     "FeatureStatus",
     "FeaturesConfig",
+    "KernelChoices",
     "ModelFacts",
     "ParallelSizes",
     "apply_features",

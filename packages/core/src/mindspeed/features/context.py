@@ -1,16 +1,15 @@
 """What a feature may read and change: the :class:`BuildContext`.
 
 Features never patch modules or read globals. They read the facts of the run (accelerator,
-parallel sizes, model facts) and change four explicit seams, each through a method that
+parallel sizes, model facts) and change three explicit seams, each through a method that
 records a :class:`~mindspeed.features.base.Change`:
 
 - ``kernel_impls``: op name -> kernel implementation name of :mod:`mindspeed.ops`. The
-  megatron spec provider and our own models resolve each op with
-  ``resolve_kernel(op, ctx.kernel_for(op))``; an op that no feature set means ``"reference"``.
+  builders (megatron spec, optimizer, our own models) receive them as a value,
+  :meth:`BuildContext.kernel_choices` (a :class:`KernelChoices`), and resolve each op with
+  ``resolve_kernel(op, kernels.kernel_for(op))``; an op that no feature set means ``"reference"``.
 - ``config_overrides``: field name -> value to set on megatron-core's ``TransformerConfig``
   or on our model configs, applied by whoever builds the model.
-- ``optimizer``: optimizer-level settings (wrappers, state placement) for the optimizer
-  builder. The AdamW *kernel* is in ``kernel_impls["adamw"]``, not here.
 - ``hooks``: callables the trainer calls at fixed points (see :data:`HOOK_POINTS`).
 
 The mappings are read-only views; only the methods change them.
@@ -39,6 +38,52 @@ USER = "user"
 
 #: Position-embedding types that use rotary embeddings (megatron-core's names).
 ROPE_TYPES = ("rope", "mrope", "yarn")
+
+
+class KernelChoices(Mapping[str, str]):
+    """The kernel implementation of every op, as a value the builders take.
+
+    A read-only mapping of the ops chosen explicitly (op -> implementation name), plus the
+    implementation of every other op: ``"reference"`` after features were applied (a feature
+    that is off leaves its op on the reference), ``"auto"`` when no features were applied.
+
+    Args:
+        impls: op -> implementation name.
+        default: the implementation of an op not in ``impls``.
+    """
+
+    def __init__(self, impls: Mapping[str, str] | None = None, default: str = "auto") -> None:
+        self._impls = dict(impls or {})
+        self.default = default
+
+    def kernel_for(self, op: str) -> str:
+        """The implementation name to resolve ``op`` with."""
+        return self._impls.get(op, self.default)
+
+    def __getitem__(self, op: str) -> str:
+        return self._impls[op]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._impls)
+
+    def __len__(self) -> int:
+        return len(self._impls)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KernelChoices):
+            return self._impls == other._impls and self.default == other.default
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self._impls.items())), self.default))
+
+    def __repr__(self) -> str:
+        return f"KernelChoices({self._impls!r}, default={self.default!r})"
+
+    @classmethod
+    def of(cls, kernels: Mapping[str, str] | None) -> KernelChoices:
+        """``kernels`` as choices: a :class:`KernelChoices` as is, a mapping with ``"auto"`` for the rest."""
+        return kernels if isinstance(kernels, KernelChoices) else cls(kernels, "auto")
 
 
 @dataclass(frozen=True)
@@ -131,7 +176,6 @@ class BuildContext:
         self._model = model or ModelFacts()
         self._kernel_impls: dict[str, str] = {}
         self._config_overrides: dict[str, Any] = {}
-        self._optimizer: dict[str, Any] = {}
         self._hooks: dict[str, list[Callable[..., Any]]] = {point: [] for point in HOOK_POINTS}
         self._changes: list[Change] = []
         self._owner = USER
@@ -165,11 +209,6 @@ class BuildContext:
         return MappingProxyType(self._config_overrides)
 
     @property
-    def optimizer(self) -> Mapping[str, Any]:
-        """Optimizer settings."""
-        return MappingProxyType(self._optimizer)
-
-    @property
     def hooks(self) -> Mapping[str, tuple[Callable[..., Any], ...]]:
         """Hook point -> callables, in the order features added them."""
         return MappingProxyType({point: tuple(fns) for point, fns in self._hooks.items()})
@@ -183,6 +222,10 @@ class BuildContext:
         """The implementation name to resolve ``op`` with: the one a feature set, else ``"reference"``."""
         return self._kernel_impls.get(op, "reference")
 
+    def kernel_choices(self) -> KernelChoices:
+        """The kernels chosen so far, as the value the builders take (unset ops: ``"reference"``)."""
+        return KernelChoices(self._kernel_impls, default="reference")
+
     # The only mutations.
     def set_kernel(self, op: str, impl: str, reason: str = "") -> Change:
         """Use implementation ``impl`` (a name in :mod:`mindspeed.ops`) for ``op``."""
@@ -194,12 +237,6 @@ class BuildContext:
         """Override model-config field ``name`` with ``value``."""
         change = self._record(f"config_overrides.{name}", self._config_overrides.get(name), value, reason)
         self._config_overrides[name] = value
-        return change
-
-    def set_optimizer(self, name: str, value: Any, reason: str = "") -> Change:
-        """Set optimizer setting ``name`` to ``value``."""
-        change = self._record(f"optimizer.{name}", self._optimizer.get(name), value, reason)
-        self._optimizer[name] = value
         return change
 
     def add_hook(self, point: str, fn: Callable[..., Any], reason: str = "") -> Change:

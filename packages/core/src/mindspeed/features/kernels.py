@@ -163,12 +163,24 @@ class FusedAdamWFeature(KernelFeature):
 
 
 class GradientAccumulationFusionFeature(KernelFeature):
-    """``--gradient-accumulation-fusion``: weight-gradient GEMM fused with the fp32 accumulation."""
+    """``--gradient-accumulation-fusion``: weight-gradient GEMM fused with the fp32 accumulation.
+
+    Sets the kernel and megatron's ``TransformerConfig.gradient_accumulation_fusion``: the
+    backward of megatron's linear layers then accumulates ``grad_output^T @ input`` into the
+    parameter's ``main_grad`` through the kernel (``mindspeed.megatron.grad_accum``, put in
+    by ``adapt()``) instead of materialising the weight gradient and adding it afterwards.
+    """
 
     name = "gradient_accumulation_fusion"
     flags = ("--gradient-accumulation-fusion",)
     ops = ("matmul_add_fp32",)
     description = "weight-gradient GEMM accumulated into the fp32 main_grad in one kernel"
+    targets = ("kernel_impls.matmul_add_fp32", "config_overrides.gradient_accumulation_fusion")
+
+    def apply(self, cfg: KernelConfig, ctx: BuildContext) -> list[Change]:
+        """The kernel, and megatron's flag that routes the linear layers' weight gradients to it."""
+        return [*super().apply(cfg, ctx),
+                ctx.set_config("gradient_accumulation_fusion", True, reason="weight gradients into main_grad")]
 
 
 class MoEFeature(KernelFeature):

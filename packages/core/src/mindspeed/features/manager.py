@@ -241,7 +241,6 @@ def apply_features(cfg: FeaturesConfig, ctx: BuildContext, *, registry: Registry
         changes=list(ctx.changes),
         kernel_impls=dict(ctx.kernel_impls),
         config_overrides=dict(ctx.config_overrides),
-        optimizer=dict(ctx.optimizer),
         hooks={point: [_qualname(fn) for fn in fns] for point, fns in ctx.hooks.items() if fns},
     )
 

@@ -42,7 +42,7 @@ class FeatureReport:
         statuses: one entry per registered feature, in registration order.
         order: the enabled features in the order they were applied.
         changes: every change, in order.
-        kernel_impls, config_overrides, optimizer, hooks: the seams after all features ran
+        kernel_impls, config_overrides, hooks: the seams after all features ran
             (hooks by qualified name).
     """
 
@@ -53,7 +53,6 @@ class FeatureReport:
     changes: list[Change]
     kernel_impls: dict[str, str] = field(default_factory=dict)
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    optimizer: dict[str, Any] = field(default_factory=dict)
     hooks: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -86,7 +85,6 @@ class FeatureReport:
             "changes": [c.to_dict() for c in self.changes],
             "kernel_impls": dict(self.kernel_impls),
             "config_overrides": to_jsonable(self.config_overrides),
-            "optimizer": to_jsonable(self.optimizer),
             "hooks": to_jsonable(self.hooks),
         }
 
@@ -101,7 +99,6 @@ class FeatureReport:
             changes=[Change.from_dict(c) for c in data["changes"]],
             kernel_impls=dict(data.get("kernel_impls", {})),
             config_overrides=dict(data.get("config_overrides", {})),
-            optimizer=dict(data.get("optimizer", {})),
             hooks={k: list(v) for k, v in data.get("hooks", {}).items()},
         )
 

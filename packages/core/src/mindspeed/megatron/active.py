@@ -1,7 +1,8 @@
-"""The report of the active ``adapt()`` and the kernel defaults it implies for specs and MoE modules.
+"""The report of the active ``adapt()``: whether megatron-core is adapted in this process.
 
-A leaf module: ``adaptor`` records the report here, ``spec`` and ``moe`` read it, so neither of
-them imports the adaptor (which imports both to install their patches).
+A leaf module the adaptor records its report in. Builders never read it: they take the
+report's ``kernels`` as an argument (``get_gpt_layer_spec(report.kernels)``); it answers only
+"is megatron-core adapted, and with which features" (one adaptation per process).
 """
 
 from __future__ import annotations
@@ -20,15 +21,3 @@ def set_current_report(report: Any) -> None:
 def current_report() -> Any:
     """The :class:`~mindspeed.megatron.adaptor.AdaptReport` of the active adaptation, if any."""
     return _report
-
-
-def default_impl(op: str) -> str:
-    """The implementation of ``op`` chosen by the features of the active ``adapt()``, else "auto"."""
-    if _report is not None and _report.context is not None:
-        return _report.context.kernel_for(op)
-    return "auto"
-
-
-def grouped_gemm_enabled() -> bool:
-    """Whether the active ``adapt()`` turned the ``moe_grouped_gemm`` feature on."""
-    return _report is not None and _report.context is not None and "grouped_matmul" in _report.context.kernel_impls

@@ -20,6 +20,7 @@ from typing import Any
 from mindspeed.device import Accelerator, get_accelerator, set_accelerator
 from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches, needs_cuda_shim
 from mindspeed.features import BuildContext, apply_features
+from mindspeed.features.context import KernelChoices
 from mindspeed.log import get_logger
 from mindspeed.megatron.active import set_current_report
 from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
@@ -30,7 +31,21 @@ logger = get_logger(__name__)
 
 @dataclass
 class AdaptReport:
-    """What ``adapt()`` changed: the accelerator, the patches and the features applied."""
+    """What ``adapt()`` changed: the accelerator, the patches and the features applied.
+
+    It is also the handle the builders take: pass :attr:`kernels` to
+    ``get_gpt_layer_spec`` / ``build_model`` / ``build_optimizer`` and
+    :attr:`config_overrides` to the ``TransformerConfig``; nothing reads them from a global.
+
+    Attributes:
+        accelerator: the accelerator's name. megatron_core: its installed version.
+        patches: every patch in place. device_redirect: whether CUDA device arguments are rewritten.
+        features: the ``FeatureReport`` (``None`` without features).
+        context: the features' ``BuildContext`` (``None`` without features).
+        features_config: the ``FeaturesConfig`` applied (``None`` without features).
+        kernels: the kernel of every op (``"auto"`` for all without features, else the
+            features' choices with ``"reference"`` for the ops no feature chose).
+    """
 
     accelerator: str
     megatron_core: str
@@ -38,6 +53,18 @@ class AdaptReport:
     device_redirect: bool = False
     features: Any = None
     context: Any = None
+    features_config: Any = None
+    kernels: KernelChoices = field(default_factory=KernelChoices)
+
+    @property
+    def config_overrides(self) -> dict[str, Any]:
+        """``TransformerConfig`` fields the features set (empty without features)."""
+        return dict(self.context.config_overrides) if self.context is not None else {}
+
+    @property
+    def hooks(self) -> dict[str, tuple]:
+        """Hook point -> callables the features attached (empty without features)."""
+        return dict(self.context.hooks) if self.context is not None else {}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for run reports."""
@@ -102,8 +129,8 @@ def adapt(
 
     Args:
         accelerator: an accelerator name or object; ``None`` uses ``get_accelerator()``.
-        features: a ``mindspeed.features.FeaturesConfig`` to apply (its kernel choices then
-            drive ``get_gpt_layer_spec()``); ``None`` applies none.
+        features: a ``mindspeed.features.FeaturesConfig`` to apply; ``None`` applies none.
+            The report's ``kernels`` and ``config_overrides`` carry its choices to the builders.
         model: ``mindspeed.features.ModelFacts`` the features validate against (e.g. from
             ``ModelFacts.from_transformer_config(config)``).
         parallel: ``mindspeed.features.ParallelSizes`` of the run.
@@ -148,11 +175,19 @@ def adapt(
 def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model: Any, parallel: Any) -> None:
     # Lazy: spec and moe import megatron-core, which importing mindspeed.megatron must not do.
     from mindspeed.megatron.moe import moe_permute_patches
+    from mindspeed.megatron.grad_accum import gradient_accumulation_fusion_patches
     from mindspeed.megatron.spec import rotary_patch
 
     ctx = BuildContext(accelerator=acc.name, parallel=parallel, model=model)
     report.features = apply_features(features, ctx)
     report.context = ctx
+    report.features_config = features
+    report.kernels = ctx.kernel_choices()
+    if "matmul_add_fp32" in ctx.kernel_impls:
+        # megatron's gradient_accumulation_fusion calls Apex's fused_weight_gradient_mlp_cuda by
+        # module name: the registry kernel goes in there (the feature turns the config flag on).
+        for patch in gradient_accumulation_fusion_patches(ctx.kernel_for("matmul_add_fp32")):
+            report.patches.append(_active.patches.add(patch, acc))
     if "rotary_pos_emb" in ctx.kernel_impls:
         # megatron-core has no spec seam for RoPE: the feature's kernel goes in by a patch.
         report.patches.append(_active.patches.add(rotary_patch(ctx.kernel_impls["rotary_pos_emb"]), acc))

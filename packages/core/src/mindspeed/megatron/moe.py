@@ -31,7 +31,6 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import build_module
 
 from mindspeed.device import get_accelerator
-from mindspeed.megatron.active import default_impl
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.moe_permute import permuted_probs_of
@@ -56,8 +55,8 @@ class RegistryGroupedMLP(MegatronModule):
         submodules: optional ``MLPSubmodules`` whose ``activation_func`` spec builds the gated
             activation (as for ``TEGroupedMLP``); linear submodules are ignored.
         pg_collection: megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``).
-        impl: ``grouped_matmul`` implementation; ``None`` follows the active ``adapt()`` features.
-        swiglu_impl: ``swiglu`` implementation when no activation submodule is given.
+        impl: ``grouped_matmul`` implementation (``None``: "auto"); the spec passes its kernels' choice.
+        swiglu_impl: ``swiglu`` implementation when no activation submodule is given (``None``: "auto").
 
     Raises:
         ValueError: for a config this module does not support, naming the field.
@@ -75,7 +74,7 @@ class RegistryGroupedMLP(MegatronModule):
         self.expert_parallel = config.expert_model_parallel_size > 1
         pg_collection = pg_collection if pg_collection is not None else get_default_pg_collection()
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
-        self.kernel = resolve_kernel("grouped_matmul", impl if impl is not None else default_impl("grouped_matmul"))
+        self.kernel = resolve_kernel("grouped_matmul", impl or "auto")
         self.activation_func = self._build_activation(config, submodules, swiglu_impl)
         self.activation_recompute = (config.recompute_granularity == "selective"
                                      and "moe_act" in config.recompute_modules)
@@ -91,7 +90,7 @@ class RegistryGroupedMLP(MegatronModule):
         if spec is not None:
             return build_module(spec, config=config)
         if config.activation_func is F.silu:
-            return resolve_kernel("swiglu", swiglu_impl if swiglu_impl is not None else default_impl("swiglu"))
+            return resolve_kernel("swiglu", swiglu_impl or "auto")
 
         def glu(x: torch.Tensor) -> torch.Tensor:
             gate, up = torch.chunk(x, 2, dim=-1)

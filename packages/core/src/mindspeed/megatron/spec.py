@@ -1,10 +1,12 @@
 """Module specs that build megatron-core GPT layers from the kernel registry.
 
-``get_gpt_layer_spec(impls=...)`` returns a ``ModuleSpec`` like megatron's
+``get_gpt_layer_spec(kernels)`` returns a ``ModuleSpec`` like megatron's
 ``get_gpt_layer_local_spec`` (plain megatron ColumnParallel/RowParallel linears, so TP, SP,
 PP, DDP and checkpoints behave exactly as upstream) with norms, core attention and the
 SwiGLU activation replaced by :mod:`mindspeed.megatron.modules`, and MoE experts optionally as
-one grouped matmul (:class:`~mindspeed.megatron.moe.RegistryGroupedMLP`). Rotary embeddings have no
+one grouped matmul (:class:`~mindspeed.megatron.moe.RegistryGroupedMLP`). The kernels are a value,
+``adapt(features=...)``'s ``report.kernels`` (or any op -> implementation mapping), passed in;
+nothing is read from the adaptor's state. Rotary embeddings have no
 spec seam in megatron-core; :func:`rotary_patch` routes them to the registry when the
 ``fused_rotary_pos_emb`` feature asks for it.
 """
@@ -20,7 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mindspeed.megatron.active import default_impl, grouped_gemm_enabled
+from mindspeed.features.context import KernelChoices
 from mindspeed.megatron.modules import RegistryAttention, RegistryNorm, RegistrySwiGLU
 from mindspeed.megatron.moe import RegistryGroupedMLP
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
@@ -35,11 +37,14 @@ class MindSpeedSpecProvider(LocalSpecProvider):
     """megatron's local backend with registry kernels for norms, attention and activation.
 
     Args:
-        impls: op name -> implementation ("auto", "reference", or a backend); missing ops use "auto".
+        impls: the kernels: a :class:`~mindspeed.features.KernelChoices` (``report.kernels``
+            of ``adapt()``), or op name -> implementation ("auto", "reference", or a backend)
+            with "auto" for the ops it does not name.
     """
 
     def __init__(self, impls: Mapping[str, str] | None = None) -> None:
-        self.impls = {op: default_impl(op) for op in SPEC_OPS} | dict(impls or {})
+        self.kernels = KernelChoices.of(impls)
+        self.impls = {op: self.kernels.kernel_for(op) for op in SPEC_OPS}
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
         return ModuleSpec(module=RegistryNorm, params={"impl": self.impls["rms_norm" if rms_norm else "layer_norm"]})
@@ -54,15 +59,15 @@ class MindSpeedSpecProvider(LocalSpecProvider):
         """Grouped experts on the registry (``RegistryGroupedMLP``), else megatron's ``SequentialMLP``.
 
         No Transformer Engine or ``grouped_gemm`` package is needed for either; the legacy flag
-        changes nothing here. The grouped module's kernel follows the active features.
+        changes nothing here. The grouped module's kernel is this provider's ``grouped_matmul``.
         """
         if not moe_use_grouped_gemm:
             return super().grouped_mlp_modules(False, moe_use_legacy_grouped_gemm)
-        return RegistryGroupedMLP, MLPSubmodules(activation_func=self.activation_func())
+        return self.grouped_experts().module, MLPSubmodules(activation_func=self.activation_func())
 
     def grouped_experts(self) -> ModuleSpec:
         """The spec of grouped experts with this provider's ``grouped_matmul`` and ``swiglu`` kernels."""
-        impl = self.impls.get("grouped_matmul", default_impl("grouped_matmul"))
+        impl = self.kernels.kernel_for("grouped_matmul")
         return ModuleSpec(module=RegistryGroupedMLP, params={"impl": impl, "swiglu_impl": self.impls["swiglu"]})
 
 
@@ -77,14 +82,16 @@ def get_gpt_layer_spec(
     """A GPT transformer-layer spec built from registry kernels.
 
     Args:
-        impls: op -> implementation for ``rms_norm``, ``layer_norm``, ``attention``, ``swiglu``;
-            ops not given follow the features applied by ``adapt(features=...)`` (an op no
-            feature chose uses the reference), or "auto" when no features were applied.
+        impls: the kernels: ``adapt(features=...)``'s ``report.kernels`` (a
+            :class:`~mindspeed.features.KernelChoices`: the features' choices, the reference
+            for ops no feature chose), or op -> implementation for ``rms_norm``,
+            ``layer_norm``, ``attention``, ``swiglu``, ``grouped_matmul`` with "auto" for the
+            ops it does not name; ``None``: "auto" for every op.
         num_experts: MoE experts per layer (``None``: dense MLP).
         moe_grouped_gemm: ``True``: experts as one grouped matmul over the local experts
-            (``RegistryGroupedMLP``, the ``grouped_matmul`` kernel from ``impls`` or the features);
-            ``False``: megatron's ``SequentialMLP``; ``None`` (default): grouped when the
-            ``moe_grouped_gemm`` feature is on in the active ``adapt()``, else sequential. The
+            (``RegistryGroupedMLP``, the ``grouped_matmul`` kernel of ``impls``);
+            ``False``: megatron's ``SequentialMLP``; ``None`` (default): grouped when ``impls``
+            chooses a ``grouped_matmul`` kernel (the ``moe_grouped_gemm`` feature), else sequential. The
             two have different parameter names (``experts.weight1``/``weight2`` against
             ``experts.local_experts.<i>.linear_fc*``); megatron's distributed checkpoints load
             into either.
@@ -120,7 +127,7 @@ def get_gpt_layer_spec(
             targets.append(shared.submodules)
         for target in targets:
             target.activation_func = provider.activation_func()
-    if num_experts and (grouped_gemm_enabled() if moe_grouped_gemm is None else moe_grouped_gemm):
+    if num_experts and ("grouped_matmul" in provider.kernels if moe_grouped_gemm is None else moe_grouped_gemm):
         sub.mlp.submodules.experts = provider.grouped_experts()
     return spec
 

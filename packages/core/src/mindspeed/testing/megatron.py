@@ -194,6 +194,7 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(model, sizes, **config_overrides)
     spec = layer_spec or get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False,
@@ -209,6 +210,8 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=model.share_embeddings_and_output_weights, vp_stage=vp_stage,
         )
+        if config.bf16 or config.fp16:  # half-precision weights: megatron casts inputs and outputs
+            gpt = Float16Module(config, gpt)
         # Megatron's training loop buckets only the first chunk's gradients; the others use one bucket.
         chunks.append(DistributedDataParallel(config, ddp_config, gpt, disable_bucketing=stage > 0))
     config.finalize_model_grads_func = finalize_model_grads
@@ -233,8 +236,10 @@ class ParamShard:
 
 
 def unwrap(chunk: Any) -> torch.nn.Module:
-    """The ``GPTModel`` inside a DDP wrapper (or the module itself)."""
-    return chunk.module if hasattr(chunk, "module") else chunk
+    """The ``GPTModel`` inside DDP and ``Float16Module`` wrappers (or the module itself)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def _tp_slicer(param: torch.Tensor, rank: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -84,7 +84,8 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
 
 
 def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
-                prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True) -> list[Any]:
+                prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True,
+                kernels: Mapping[str, str] | None = None) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
@@ -97,6 +98,8 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             gradient when it wraps, and QLoRA quantises the loaded weights).
         trainable: ``False`` builds a frozen model for forward passes only (DPO's reference):
             no DDP, no gradient hooks, and ``transformer`` is left untouched.
+        kernels: the registry kernels of the layers, ``adapt(features=...)``'s ``report.kernels``
+            (``None``: "auto" for every op; see ``get_gpt_layer_spec``).
 
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
@@ -114,7 +117,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
     # Hugging Face weights come in and go out through the bridges, which name experts as
     # megatron's SequentialMLP does; otherwise the moe_grouped_gemm feature decides.
     bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
-    spec = get_gpt_layer_spec(num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
+    spec = get_gpt_layer_spec(kernels, num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
                               normalization=m.normalization, swiglu=m.swiglu,
                               moe_grouped_gemm=False if bridged else None)
     ddp_config = DistributedDataParallelConfig(

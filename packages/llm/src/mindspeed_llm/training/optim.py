@@ -10,13 +10,23 @@ step ``k`` (counting from 1) trains with the learning rate of scheduler position
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from mindspeed.ops.registry import resolve_kernel
 from mindspeed_llm.training.config import PretrainConfig
 
 
-def build_optimizer(config: PretrainConfig, chunks: list[Any]) -> Any:
-    """megatron's optimizer over the parameters of ``chunks``."""
+def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[str, str] | None = None) -> Any:
+    """megatron's optimizer over the parameters of ``chunks``.
+
+    Args:
+        config: the recipe (its ``train`` and ``parallel`` sections).
+        chunks: the model chunks.
+        kernels: the registry kernels, ``adapt(features=...)``'s ``report.kernels``: its
+            ``adamw`` choice runs the AdamW step (:func:`use_adamw_kernel`); ``None`` or an
+            ``adamw`` left on the reference keeps megatron's default loop.
+    """
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -30,19 +40,19 @@ def build_optimizer(config: PretrainConfig, chunks: list[Any]) -> Any:
         overlap_param_gather=config.parallel.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(optimizer_config, chunks)
-    if t.optimizer == "adam":
-        use_adamw_kernel(optimizer)
+    impl = kernels.get("adamw") if kernels is not None else None
+    if t.optimizer == "adam" and impl is not None:
+        use_adamw_kernel(optimizer, impl)
     return optimizer
 
 
-def use_adamw_kernel(optimizer: Any, impl: str | None = None) -> str | None:
-    """Run megatron's AdamW step with a registry kernel: ``impl``, or the ``fused_adamw`` feature's choice.
+def use_adamw_kernel(optimizer: Any, impl: str) -> str | None:
+    """Run megatron's AdamW step with the registry kernel ``impl``.
 
     Args:
         optimizer: what ``get_megatron_optimizer`` returned.
-        impl: ``auto`` (the registry's best kernel on this device), ``fused``, ``foreach``; None
-            takes the kernel the ``fused_adamw`` feature chose in ``adapt(features=...)`` (none
-            when the feature is off: megatron's default loop is kept).
+        impl: ``auto`` (the registry's best kernel on this device), ``fused``, ``foreach``;
+            anything else (``reference``) keeps megatron's default loop.
 
     Returns:
         The kernel now used (None: megatron's default).
@@ -53,12 +63,6 @@ def use_adamw_kernel(optimizer: Any, impl: str | None = None) -> str | None:
     same kernels when a parameter group says ``fused`` / ``foreach``, so the group flags are
     set and the optimizer object, its state and its checkpoints stay megatron's.
     """
-    from mindspeed.megatron import current_report
-    from mindspeed.ops.registry import resolve_kernel
-
-    if impl is None:
-        features = getattr(current_report(), "features", None)  # the feature report of adapt(features=...)
-        impl = getattr(features, "kernel_impls", {}).get("adamw")
     if impl == "auto":
         impl = resolve_kernel("adamw", "auto").name
     if impl not in ("fused", "foreach"):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.config import ConfigError
+from mindspeed.features.moe import expert_layout
 from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
@@ -58,6 +59,8 @@ class TrainResult:
         state: the final :class:`TrainState` as a dict.
         stopped: why the run stopped early (``None``: it reached ``train.steps``).
         num_parameters: parameters of the whole model.
+        features: the run report of the features (``FeatureReport.to_dict()``: what was on and
+            why, every change); empty when none were applied.
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -65,6 +68,7 @@ class TrainResult:
     state: dict[str, Any] = field(default_factory=dict)
     stopped: str | None = None
     num_parameters: int = 0
+    features: dict[str, Any] = field(default_factory=dict)
 
 
 def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:
@@ -115,17 +119,20 @@ class _Run:
         self.world = dist.get_world_size()
         self.stage = get_stage(config.stage)
         self.reference: list[Any] | None = None
-        ctx = report.context
-        self.feature_hooks = dict(ctx.hooks) if ctx is not None else {}
-        self.overrides = dict(ctx.config_overrides) if ctx is not None else {}
+        # The adaptation is a value: its kernels, config fields and hooks go to the builders.
+        self.kernels = report.kernels
+        self.feature_hooks = report.hooks
+        self.overrides = report.config_overrides
 
     def run(self) -> TrainResult:
         from megatron.core import parallel_state as ps
 
         p = self.config.parallel
+        # Features may change the expert layout (moe_tp_extend_ep): the groups must be the config's.
+        ep, etp = expert_layout(self.overrides, p.ep, p.etp)
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
                                      virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
-                                     expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         try:
             seed_everything(self.config.train.seed)
             self._build()
@@ -140,14 +147,14 @@ class _Run:
 
         config = self.config
         self.transformer = transformer_config(config, self.vocab, self.overrides)
-        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare)
+        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare, kernels=self.kernels)
         if self.stage.needs_reference:
             # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
             frozen = transformer_config(config, self.vocab, {**self.overrides, "perform_initialization": False})
-            self.reference = build_model(config, frozen, self.vocab, trainable=False)
+            self.reference = build_model(config, frozen, self.vocab, trainable=False, kernels=self.kernels)
         for hook in self.feature_hooks.get("post_model_build", ()):
             hook(self.chunks)
-        self.optimizer = build_optimizer(config, self.chunks)
+        self.optimizer = build_optimizer(config, self.chunks, self.kernels)
         for hook in self.feature_hooks.get("post_optimizer_build", ()):
             self.optimizer = hook(self.optimizer) or self.optimizer
         self.scheduler = build_scheduler(config, self.optimizer)
@@ -231,7 +238,8 @@ class _Run:
         config, state = self.config, self.state
         t = config.train
         gbs, num_micro = config.global_batch_size(self.world), config.num_microbatches(self.world)
-        result = TrainResult(num_parameters=self.num_parameters)
+        features = self.report.features
+        result = TrainResult(num_parameters=self.num_parameters, features=features.to_dict() if features else {})
         rank0 = dist.get_rank() == 0
         log_dir = config.log_dir()
         metrics = MetricsLog(log_dir, state.step, enabled=rank0, tensorboard=config.logging.tensorboard)

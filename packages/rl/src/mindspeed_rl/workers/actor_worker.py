@@ -77,9 +77,10 @@ class ActorWorker:
                                     world_size=self.world_size)
         a = cfg.actor
         settings = actor_settings(cfg)
-        self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp)
+        self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp, features=cfg.features)
         if cfg.needs_reference():
-            self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp)
+            self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp,
+                                   features=cfg.features)
         place = {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
                  "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
         holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
@@ -205,8 +206,10 @@ class ActorWorker:
         return str(write_hf_dir(state, self.model_dir, target))
 
     def shutdown(self) -> None:
-        """Leave the process group."""
+        """Undo the actor's adaptation of megatron-core and leave the process group."""
         import torch.distributed as dist
 
+        if self.actor is not None:
+            self.actor.close()
         if dist.is_initialized():
             dist.destroy_process_group()
