@@ -30,8 +30,18 @@ def _train(precision: str, fused: bool, kernels: Any) -> dict[str, Any]:
     from mindspeed.megatron.spec import get_gpt_layer_spec
     from mindspeed.testing.kernels import count_kernel_calls
     from mindspeed.testing.megatron import (
-        ParallelSizes, TinyGPTConfig, build_gpt, destroy_parallel, global_loss, init_parallel, local_batches,
-        local_grad, make_batches, run_forward_backward, train_step, unwrap,
+        ParallelSizes,
+        TinyGPTConfig,
+        build_gpt,
+        destroy_parallel,
+        global_loss,
+        init_parallel,
+        local_batches,
+        local_grad,
+        make_batches,
+        run_forward_backward,
+        train_step,
+        unwrap,
     )
 
     model = TinyGPTConfig(num_layers=LAYERS)

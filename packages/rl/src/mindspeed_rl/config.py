@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features import FeaturesConfig
-
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
 
 #: Names of the sections of a recipe, in the order they are documented.

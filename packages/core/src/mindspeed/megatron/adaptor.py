@@ -174,8 +174,8 @@ def adapt(
 
 def _apply_features(report: AdaptReport, features: Any, acc: Accelerator, model: Any, parallel: Any) -> None:
     # Lazy: spec and moe import megatron-core, which importing mindspeed.megatron must not do.
-    from mindspeed.megatron.moe import moe_permute_patches
     from mindspeed.megatron.grad_accum import gradient_accumulation_fusion_patches
+    from mindspeed.megatron.moe import moe_permute_patches
     from mindspeed.megatron.spec import rotary_patch
 
     ctx = BuildContext(accelerator=acc.name, parallel=parallel, model=model)
