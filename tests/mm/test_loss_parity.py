@@ -44,6 +44,11 @@ def _reference(model_dir, data):
     return model, family, encoded, losses, counts, grads
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_vlm):
+    return _reference(*tiny_vlm)
+
+
 def _norm(grads):
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
 
@@ -60,9 +65,9 @@ def train_rank(config):
     return train(config)
 
 
-def test_first_loss_equals_transformers_sample_by_sample(tiny_vlm, tmp_path) -> None:
+def test_first_loss_equals_transformers_sample_by_sample(tiny_vlm, reference, tmp_path) -> None:
     model_dir, data = tiny_vlm
-    model, family, encoded, losses, counts, grads = _reference(model_dir, data)
+    model, family, encoded, losses, counts, grads = reference
     n = sum(counts)
     per_token = sum(loss * c for loss, c in zip(losses, counts)) / n
     expected = {
@@ -92,3 +97,24 @@ def test_first_loss_equals_transformers_sample_by_sample(tiny_vlm, tmp_path) -> 
         unbounded = abs(packed_loss(batch.position_ids[1:]) - per_token)  # attention across samples
         print(f"packed loss {per_token:.6f}; error with 1-D positions {one_d:.2e}, without boundaries {unbounded:.2e}")
         assert one_d > 1e-4 and unbounded > 1e-4
+
+
+def test_bf16_and_frozen_parts(tiny_vlm, reference, tmp_path) -> None:
+    """bf16 compute parameters (fp32 master and reduction) stay near the fp32 loss; frozen parts do not move."""
+    from safetensors.torch import load_file
+
+    model_dir, data = tiny_vlm
+    _, _, _, losses, counts, _ = reference
+    per_token = sum(loss * c for loss, c in zip(losses, counts)) / sum(counts)
+    record = _first_step(model_dir, data, tmp_path, micro_batch_size=4, precision="bf16", lr=0.01)
+    assert record["loss"] == pytest.approx(per_token, rel=2e-2) and record["loss"] != pytest.approx(per_token, rel=1e-6)
+    config = load_mm_config(None, [f"model.path={model_dir}", f"data.files=[{data}]", "data.shuffle=false",
+                                   "train.steps=1", "train.micro_batch_size=4", "train.lr=0.01", "train.precision=bf16",
+                                   "model.freeze=[vision_tower, projector]", f"checkpoint.save_hf={tmp_path / 'hf'}",
+                                   "logging.progress=false", "data.image_max_pixels=12544"])
+    launch(train_rank, (config,))
+    before, after = load_file(model_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(before) == set(after)
+    for name in before:  # names on disk are the hub's (``visual.*``), which save_pretrained writes
+        same = torch.equal(before[name], after[name])
+        assert same == name.startswith("visual."), name

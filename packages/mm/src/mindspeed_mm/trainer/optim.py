@@ -36,15 +36,17 @@ def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW:
 def lr_at(train: TrainConfig, step: int) -> float:
     """The learning rate of optimizer step ``step`` (counting from 1).
 
-    Linear warmup reaches ``lr`` at step ``lr_warmup_steps``; then ``constant``, or ``linear`` /
-    ``cosine`` decay that reaches ``min_lr`` at ``steps``.
+    Linear warmup reaches ``lr`` at step ``lr_warmup_steps``; the step after it trains with
+    ``lr``, and ``linear`` / ``cosine`` decay from there would reach ``min_lr`` one step after
+    ``steps`` (as megatron, whose step ``k`` uses the schedule's position ``k - 1``), so no step
+    is wasted at the end; ``constant`` keeps ``lr``.
     """
     warmup = train.lr_warmup_steps
     if step <= warmup:
         return train.lr * step / warmup
     if train.lr_decay_style == "constant" or train.steps <= warmup:
         return train.lr
-    progress = min(1.0, (step - warmup) / (train.steps - warmup))
+    progress = min(1.0, (step - 1 - warmup) / (train.steps - warmup))
     if train.lr_decay_style == "linear":
         factor = 1.0 - progress
     else:
