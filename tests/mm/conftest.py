@@ -16,6 +16,13 @@ def tiny_vlm(tmp_path_factory) -> tuple[Path, Path]:
     return write_tiny_model(root / "qwen2_5_vl"), write_tiny_dataset(root / "data", num_samples=8)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory, tiny_vlm) -> tuple[Path, Path]:
+    """(Qwen3-VL model directory, the same data.jsonl)."""
+    root = tmp_path_factory.mktemp("tiny-qwen3-vl")
+    return write_tiny_model(root / "qwen3_vl", "Qwen3VLForConditionalGeneration"), tiny_vlm[1]
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """One intra-op thread: the tiny models' ops are far faster without OpenMP contention on a shared 2-core host."""

@@ -35,7 +35,8 @@ def rope_positions(model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch
 def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
     """One merged patch: a 2 x 2 grid of zero patches (the vision tower's smallest input)."""
     vision = config.vision_config
-    width = vision.in_chans * vision.temporal_patch_size * vision.patch_size**2
+    channels = getattr(vision, "in_chans", None) or vision.in_channels
+    width = channels * vision.temporal_patch_size * vision.patch_size**2
     merge = vision.spatial_merge_size
     return {"hidden_states": torch.zeros(merge * merge, width), "grid_thw": torch.tensor([[1, merge, merge]])}
 

@@ -18,6 +18,17 @@ import torch
 from mindspeed_mm.models.family import VLMFamily
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a model output (DeepStack feature lists included), so every parameter used gets a gradient."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):  # transformers' ModelOutput is a dict
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
 class VisionSync:
     """The pre-hook; set :attr:`needed` before each microbatch's forward.
 
@@ -38,9 +49,7 @@ class VisionSync:
             return None
         embeds = kwargs["inputs_embeds"]
         out = self.vision(**{k: v.to(embeds.device) for k, v in self.inputs.items()})
-        tensors = [t for t in (getattr(out, "last_hidden_state", None), getattr(out, "pooler_output", None))
-                   if isinstance(t, torch.Tensor)] or [out]
-        zero = sum(t.float().sum() for t in tensors) * 0.0
+        zero = sum(t.float().sum() for t in _tensors(out)) * 0.0
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
     def remove(self) -> None:
