@@ -69,6 +69,9 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     except ValueError as err:  # user errors name the input and the fix
         sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns 130 itself)
+        sys.stderr.write(f"{parser.prog}: interrupted\n")
+        return 130
 
 
 _ATTRIBUTE = re.compile(r"^\s{8}(\w+): (.*)$")

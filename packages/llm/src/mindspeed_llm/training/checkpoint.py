@@ -9,18 +9,19 @@ One checkpoint holds the model (``model``, or ``model0``, ``model1`` ... with vi
 stages), the optimizer (``fully_reshardable``: loadable at another TP/PP/DP layout), the
 learning-rate schedule, every rank's random-number generators, the data position (consumed
 samples) and the recipe. It is written into ``iter_XXXXXXX.tmp`` and renamed when every rank
-has finished; the tracker file is then replaced (temporary file + rename). A run killed at
-any moment therefore leaves the previous checkpoint and a tracker that names it.
+has finished; the tracker file is then replaced (temporary file + rename). The rank-0 process
+writes ``complete.json`` (every file with its size, :mod:`mindspeed.checkpointing`) last,
+before the rename: a resumed run takes the newest checkpoint whose files all match it, skipping
+(with one warning each) any newer one that was damaged, and never trusts the tracker alone.
+Megatron's writer forks processes; they die with their trainer (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import queue
 import random
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -32,7 +33,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from mindspeed.config import to_dict
+from mindspeed.checkpointing import (MARKER, TRACKER, checkpoint_dir, damage_of, fault_point, find_resume,
+                                     forked_children_die_with_me, list_complete, remove_tree, rotate, write_marker,
+                                     write_tracker)
+from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import get_logger
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.patching import PatchSet, UpstreamPatch
@@ -41,11 +45,11 @@ from mindspeed_llm.training.model import unwrap
 
 logger = get_logger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
+__all__ = ["TRACKER", "TrainState", "checkpoint_dir", "find_checkpoint", "list_checkpoints", "load_checkpoint",
+           "save_checkpoint"]
 #: Optimizer sharding that megatron-core 0.16 can reshard across TP / PP / DP (its default
 #: type is deprecated and fails with "ShardedTensor.flattened_range is not supported").
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-_ITER = re.compile(r"^iter_(\d{7})$")
 
 
 @dataclass
@@ -65,31 +69,55 @@ class TrainState:
     nonfinite_streak: int = 0
 
 
-def checkpoint_dir(root: str | Path, step: int) -> Path:
-    """``root/iter_0000123`` for step 123."""
-    return Path(root) / f"iter_{step:07d}"
+def find_checkpoint(path: str | Path, what: str = "checkpoint.load") -> Path:
+    """The checkpoint ``path`` names: one ``iter_*`` directory, or a save directory's newest complete one.
 
+    A damaged newest checkpoint of a save directory is skipped with one warning. Checkpoints of
+    other writers (``convert-ckpt``, megatron itself) have no completeness marker: in a
+    directory without any marked checkpoint, the tracker's step is taken as megatron does.
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint ``path`` names: a ``save`` directory (its tracker's step) or one ``iter_*`` directory."""
+    Args:
+        path: the directory.
+        what: the setting that named it, for error messages.
+
+    Raises:
+        ValueError: ``path`` is not a checkpoint, or a damaged one (the message names the
+            damage and the newest complete checkpoint next to it).
+    """
     path = Path(path)
     if (path / "metadata.json").is_file():
+        if (path / MARKER).is_file() and (why := damage_of(path)) is not None:
+            raise ConfigError(f"{what}={str(path)!r} is damaged: {why}; {_complete_hint(path.parent, what)}")
         return path
+    if not path.is_dir():
+        raise ConfigError(f"{what}={str(path)!r} does not exist; name a checkpoint directory (iter_*) or a "
+                          "checkpoint.save directory that holds one")
+    found = find_resume(path)
+    if found.path is not None:
+        return found.path
     tracker = path / TRACKER
-    if tracker.is_file():
+    if tracker.is_file() and not any((p / MARKER).is_file() for p in path.glob("iter_*")):
         text = tracker.read_text().strip()
         if text.isdigit() and (checkpoint_dir(path, int(text)) / "metadata.json").is_file():
             return checkpoint_dir(path, int(text))
-    return None
+    if found.skipped:
+        damaged, why = found.skipped[0]
+        raise ConfigError(f"{what}={str(path)!r} holds no complete checkpoint ({damaged.name}: {why}); "
+                          "name an intact one or start without it")
+    raise ConfigError(f"{what}={str(path)!r} is not a checkpoint: it holds neither an iter_* directory with "
+                      f"metadata.json nor {TRACKER}; name a checkpoint directory or a checkpoint.save directory")
+
+
+def _complete_hint(root: Path, what: str) -> str:
+    complete = list_complete(root)
+    if complete:
+        return f"the newest complete checkpoint next to it is {complete[-1]}: set {what} to it"
+    return "no complete checkpoint is next to it"
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _ITER.match(p.name) and (p / "metadata.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    """Complete checkpoints under ``root`` (their marker lists every file at its size), oldest first."""
+    return list_complete(root)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -166,27 +194,9 @@ def _children_allowed() -> Iterator[None]:
             process.daemon = True
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    # Rename first: a directory half removed by a kill must not look like a checkpoint.
-    if path.exists():
-        doomed = path.with_name(path.name + ".deleting")
-        if doomed.exists():
-            shutil.rmtree(doomed)
-        path.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-
 def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], optimizer: Any, scheduler: Any,
-                    config: PretrainConfig, args: Any = None) -> Path:
+                    config: PretrainConfig, args: Any = None, extra_files: dict[str, str] | None = None,
+                    keep_last: int | None = None) -> Path:
     """Save everything a resume needs as ``root/iter_<step>``; atomic, collective.
 
     Args:
@@ -199,6 +209,10 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
         args: megatron-style ``args`` naming the model (bridge family, shape, layout), stored in
             the common state as converted checkpoints store them, so that ``convert-ckpt`` and
             the inference engine read the trainer's checkpoints too.
+        extra_files: ``{name: text}`` written into the checkpoint before it is marked complete
+            (the RL driver's run state).
+        keep_last: rotation (default ``config.checkpoint.keep_last``): only complete
+            checkpoints are counted and deleted, never the newest complete one nor this one.
 
     Returns:
         The checkpoint directory.
@@ -215,6 +229,7 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
+    fault_point("save.start", state.step)
     sharded = _model_state(chunks)
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -226,30 +241,29 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
         args = copy.copy(args)
         args.iteration = state.step
         sharded["args"] = args
-    with _synchronous_save():
+    with _synchronous_save(), forked_children_die_with_me():
         dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
     dist.barrier()
+    fault_point("save.written", state.step)
     if rank == 0:
         (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        if final.exists():  # the same step saved again (a resumed run that re-reached it)
-            _remove(final)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        write_marker(tmp, state.step)  # last: from here on the checkpoint is complete
+        if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
+            remove_tree(final)
         tmp.rename(final)
-        _fsync_dir(root)
-        tracker = root / (TRACKER + ".tmp")
-        tracker.write_text(f"{state.step}\n")
-        os.replace(tracker, root / TRACKER)
-        _fsync_dir(root)
-        keep = config.checkpoint.keep_last
-        if keep:
-            for old in list_checkpoints(root)[:-keep]:
-                _remove(old)
+        fault_point("save.renamed", state.step)
+        write_tracker(root, state.step)
+        fault_point("save.tracker", state.step)
+        rotate(root, config.checkpoint.keep_last if keep_last is None else keep_last, final)
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
 
 
 def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, config: PretrainConfig,
-                    weights_only: bool = False) -> TrainState:
+                    weights_only: bool = False, family: str | None = None) -> TrainState:
     """Restore a checkpoint written by :func:`save_checkpoint` (or any megatron dist checkpoint's model).
 
     Args:
@@ -259,16 +273,27 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
         scheduler: its position is restored with the optimizer.
         config: the recipe.
         weights_only: take only the model weights and return a fresh :class:`TrainState`.
+        family: the recipe's model family, checked against the one the checkpoint records.
 
     Returns:
         The restored train state.
+
+    Raises:
+        ValueError: the checkpoint is of another model family, or a parameter's shape differs
+            from the recipe's (one line naming both).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ck = config.checkpoint
     common = dist_checkpointing.load_common_state_dict(str(path))
+    saved_family = getattr(common.get("args"), "model_type_hf", None)
+    if family is not None and saved_family is not None and saved_family != family:
+        raise ConfigError(f"checkpoint {path} holds a {saved_family} model and this recipe builds a {family} model; "
+                          f"use a {family} checkpoint or the recipe the checkpoint was trained with "
+                          f"({path / 'config.yaml'})")
     template = _model_state(chunks)
+    check_shapes(path, template)
     if weights_only:
         # A base checkpoint has no LoRA factors: they keep their initial values.
         from mindspeed_llm.training.lora import split_lora_state
@@ -299,6 +324,23 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
     state = TrainState(**loaded.get("train_state", {}))
     logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
     return state
+
+
+def check_shapes(path: Path, template: dict[str, Any]) -> None:
+    """Raise one line naming the first parameter whose shape in checkpoint ``path`` differs from ``template``'s."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = load_tensors_metadata(str(path))
+    for tensor in nested_values(template):
+        if not isinstance(tensor, ShardedTensor) or tensor.key not in saved:
+            continue
+        theirs, ours = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+        if theirs != ours:
+            raise ConfigError(f"checkpoint {path}: parameter {tensor.key} has shape {list(theirs)} there and "
+                              f"{list(ours)} in this recipe; train with the recipe the checkpoint was saved with "
+                              f"({path / 'config.yaml'}) or set checkpoint.save to a new directory")
 
 
 def _model_keys(count: int) -> list[str]:

@@ -101,5 +101,5 @@ def run_pretrain(args: argparse.Namespace) -> int:
     if result is not None and result.stopped:
         logger.error("pretrain stopped early: %s", result.stopped)
         return 1
-    return 0
+    return result.exit_code if result is not None else 0
 

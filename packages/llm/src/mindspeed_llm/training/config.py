@@ -150,6 +150,9 @@ class TrainConfig:
         sgd_momentum: SGD momentum.
         clip_grad: clip the global gradient norm to this (0: no clipping).
         max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss (each is skipped).
+        exit_duration_mins: stop after this many minutes of training (megatron's
+            ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
+            the command exits 0; the same command resumes.
     """
 
     steps: int = 100
@@ -171,6 +174,7 @@ class TrainConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     max_nonfinite_steps: int = 3
+    exit_duration_mins: float | None = None
 
 
 @dataclass
@@ -248,10 +252,13 @@ class CheckpointConfig:
         save: directory of the checkpoints (default: none are written).
         interval: save every this many steps (default: only at the end).
         save_at_end: save after the last step.
-        keep_last: keep only this many newest checkpoints (default: all).
-        resume: continue from the newest checkpoint in ``save`` when there is one.
+        keep_last: keep only this many newest complete checkpoints (default: all); damaged
+            ones are neither counted nor deleted.
+        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones
+            are skipped with a warning). A ``save`` directory that holds checkpoints but no
+            complete one is an error unless this is false; false trains from step 1 there.
         load: a checkpoint to start from (a ``save`` directory or one ``iter_*`` directory);
-            takes precedence over ``resume``.
+            a run whose ``save`` holds a complete checkpoint resumes from that instead.
         finetune: from ``load``, take the model weights only (step 0, fresh optimizer and data).
         load_optimizer: restore the optimizer state (and learning-rate schedule).
         load_rng: restore the random-number generators (same world size only).

@@ -8,20 +8,20 @@ return value:
   owns the other ranks, the nodes and the restarts;
 - with one process, the run happens here;
 - otherwise ``nproc_per_node`` processes are spawned. The first rank that fails stops the
-  others (SIGTERM, then SIGKILL after a grace period); SIGINT and SIGTERM sent to the launcher
-  reach the ranks; ranks die with their launcher (``PR_SET_PDEATHSIG`` on Linux, a watchdog
-  elsewhere), so ``kill -9`` of the launcher leaves no orphans.
+  others (SIGTERM, then SIGKILL after a grace period); SIGTERM sent to the launcher reaches the
+  ranks, its first SIGINT reaches them as :data:`~mindspeed.checkpointing.LAUNCHER_INTERRUPT`
+  (ranks ignore SIGINT itself, which a terminal sends to every process of the group) and a
+  second one kills them at once; ranks die with their launcher (``PR_SET_PDEATHSIG`` on Linux,
+  a watchdog elsewhere), so ``kill -9`` of the launcher leaves no orphans.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -29,6 +29,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
+from mindspeed.checkpointing import EXIT_SIGINT, LAUNCHER_INTERRUPT, die_with_parent, interrupts_come_from_launcher
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -67,28 +68,10 @@ def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
         dist.destroy_process_group()
 
 
-def _die_with_parent(parent: int) -> None:
-    # The kernel kills this rank when its launcher dies (even by SIGKILL); elsewhere a thread polls.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the launcher died before the line above
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
-
-
 def _spawned_main(target: Callable[..., Any], args: tuple, env: dict[str, str], parent: int, threads: int,
                   timeout_s: float, log_level: str | None, results: mp.Queue) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
+    interrupts_come_from_launcher()
     os.environ.update(env)
     rank = int(env["RANK"])
     if log_level is not None:  # a spawned interpreter starts without the launcher's logging setup
@@ -163,10 +146,17 @@ def _spawn(target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, 
     forwarded: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in forwarded:  # the second Ctrl-C: stop now
+            for proc in procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+            logger.error("interrupted twice: ranks stopped at once without saving; the same command resumes from "
+                         "the newest complete checkpoint")
+            os._exit(EXIT_SIGINT)
         forwarded.append(signum)
         for proc in procs:
             if proc.is_alive():
-                os.kill(proc.pid, signum)
+                os.kill(proc.pid, LAUNCHER_INTERRUPT if signum == signal.SIGINT else signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     outcomes: dict[int, tuple[str, Any]] = {}

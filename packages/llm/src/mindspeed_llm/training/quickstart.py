@@ -68,6 +68,8 @@ def run_quickstart(args: argparse.Namespace) -> int:
     if result.stopped:
         logger.error("quickstart: training stopped early: %s", result.stopped)
         return 1
+    if result.preempted:
+        return result.exit_code
     trained = [r for r in result.records if not r["skipped"]]
     if trained:
         logger.info("quickstart: loss %.3f at step %d -> %.3f at step %d%s", trained[0]["loss"], trained[0]["step"],

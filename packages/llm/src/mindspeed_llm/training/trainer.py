@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing import (Preemption, StopRequest, checkpoint_dir, fault_point, find_resume,
+                                     holds_checkpoints, resume_hint)
 from mindspeed.config import ConfigError
 from mindspeed.features.moe import expert_layout
 from mindspeed.log import get_logger
@@ -57,10 +59,14 @@ class TrainResult:
         records: one dict per step (step, loss, lr, grad_norm, skipped, ...).
         evals: one dict per evaluation (step, loss).
         state: the final :class:`TrainState` as a dict.
-        stopped: why the run stopped early (``None``: it reached ``train.steps``).
+        stopped: why the run stopped early on an error (``None``: it did not).
         num_parameters: parameters of the whole model.
         features: the run report of the features (``FeatureReport.to_dict()``: what was on and
             why, every change); empty when none were applied.
+        preempted: ``"SIGTERM"``, ``"SIGINT"`` or ``"time limit"`` when the run stopped for one
+            (after saving a checkpoint); ``None`` otherwise.
+        exit_code: the exit status the command should end with (0; 143 / 130 after a signal).
+        checkpoint: the newest checkpoint the run wrote or resumed from.
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -69,6 +75,9 @@ class TrainResult:
     stopped: str | None = None
     num_parameters: int = 0
     features: dict[str, Any] = field(default_factory=dict)
+    preempted: str | None = None
+    exit_code: int = 0
+    checkpoint: str | None = None
 
 
 def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:
@@ -92,7 +101,9 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
     report = adapt(features=config.features, model=facts, parallel=sizes)
     try:
-        return _Run(config, ids, vocab, report, hooks or TrainerHooks()).run()
+        # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
+        with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+            return _Run(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
     finally:
         unadapt()
 
@@ -114,8 +125,11 @@ def seed_everything(seed: int) -> None:
 
 
 class _Run:
-    def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks) -> None:
+    def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks,
+                 preemption: Preemption) -> None:
         self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
+        self.preemption = preemption
+        self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
         self.world = dist.get_world_size()
         self.stage = get_stage(config.stage)
         self.reference: list[Any] | None = None
@@ -176,18 +190,30 @@ class _Run:
 
     def _load(self) -> TrainState:
         ck = self.config.checkpoint
+        rank0 = dist.get_rank() == 0
+        family = getattr(self.checkpoint_args, "model_type_hf", None)
+        if ck.save and ck.resume:
+            # The newest complete checkpoint of this run wins over checkpoint.load (where it started).
+            found = find_resume(ck.save, warn=rank0)
+            if found.path is not None:
+                self.saved_step = found.step
+                return load_checkpoint(found.path, self.chunks, self.optimizer, self.scheduler, self.config,
+                                       family=family)
+            if holds_checkpoints(ck.save):
+                damaged = "; ".join(f"{path.name}: {why}" for path, why in found.skipped) or "no iter_* directory"
+                raise ConfigError(f"checkpoint.save={ck.save!r} holds checkpoints but none is complete ({damaged}); "
+                                  "set checkpoint.resume=false to train from step 1 there (its checkpoints are "
+                                  "replaced as the run saves) or set checkpoint.save to a new directory")
+        elif ck.save and holds_checkpoints(ck.save) and rank0:
+            logger.warning("checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as "
+                           "this run saves", ck.save)
         if ck.load:
             source = find_checkpoint(ck.load)
-            if source is None:
-                raise ConfigError(f"checkpoint.load={ck.load!r} holds no checkpoint (neither an iter_* directory "
-                                  "with metadata.json nor a directory with latest_checkpointed_iteration.txt)")
             state = load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config,
-                                    weights_only=ck.finetune)
+                                    weights_only=ck.finetune, family=family)
             if ck.finetune or not ck.load_optimizer:
                 self._refresh_master_weights()
             return state
-        if ck.resume and ck.save and (source := find_checkpoint(ck.save)) is not None:
-            return load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config)
         return TrainState()
 
     def _prepare(self, models: list[Any]) -> None:
@@ -229,9 +255,7 @@ class _Run:
         if hf:
             load_hf_weights(self.reference, self.config, source, self.vocab)
             return
-        found = find_checkpoint(source)
-        if found is None:
-            raise ConfigError(f"dpo reference {source!r} is neither a Hugging Face directory nor a checkpoint")
+        found = find_checkpoint(source, what="dpo.ref_model")
         load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
 
     def _train(self) -> TrainResult:
@@ -247,6 +271,11 @@ class _Run:
         try:
             with reporter:
                 while state.step < t.steps:
+                    stop = self._stop_request()
+                    if stop is not None:
+                        self._preempt(stop, result)
+                        break
+                    fault_point("train.step_start", state.step + 1)
                     record = self._step(state, gbs, num_micro)
                     reporter.step(record)
                     metrics.write(record)
@@ -259,10 +288,10 @@ class _Run:
                                           f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last at step {step}")
                         logger.error("stopping: %s", result.stopped)
                         break
+                    fault_point("train.step_end", step)
                     if self._save_due(step):
-                        save_checkpoint(config.checkpoint.save, state, self.chunks, self.optimizer, self.scheduler,
-                                        config, self.checkpoint_args)
-                if result.stopped is None:
+                        self._save()
+                if result.stopped is None and result.preempted is None:
                     self._finish(result, metrics, reporter)
         finally:
             metrics.close()
@@ -271,7 +300,34 @@ class _Run:
             if curve is not None:
                 logger.info("loss curve: %s", curve)
         result.state = asdict(state)
+        if result.checkpoint is None and config.checkpoint.save and self.saved_step is not None:
+            result.checkpoint = str(checkpoint_dir(config.checkpoint.save, self.saved_step))
         return result
+
+    def _save(self) -> None:
+        ck = self.config.checkpoint
+        save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config,
+                        self.checkpoint_args)
+        self.saved_step = self.state.step
+
+    def _stop_request(self) -> StopRequest | None:
+        from mindspeed.device import get_accelerator
+
+        return self.preemption.agree(device=get_accelerator().device())
+
+    def _preempt(self, stop: StopRequest, result: TrainResult) -> None:
+        """Stop for a signal or the time limit: save this step unless it is saved, and say where."""
+        config, step = self.config, self.state.step
+        save = config.checkpoint.save
+        if save and step > 0 and self.saved_step != step:
+            self._save()
+        where = str(checkpoint_dir(save, self.saved_step)) if save and self.saved_step is not None else None
+        result.preempted, result.exit_code, result.checkpoint = stop.reason, stop.exit_code, where
+        cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+                 if stop.reason == "time limit" else stop.reason)
+        if dist.get_rank() == 0:
+            logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps,
+                           resume_hint(where))
 
     def _save_due(self, step: int) -> bool:
         ck = self.config.checkpoint
@@ -286,7 +342,7 @@ class _Run:
             result.evals.append(self._evaluate(step, metrics, reporter))
         ck = config.checkpoint
         if ck.save and ck.save_at_end and not self._save_due(step):
-            save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, config, self.checkpoint_args)
+            self._save()
         if ck.save_hf:
             save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab,
                     lora=self.lora_settings() if config.lora.enabled else None)

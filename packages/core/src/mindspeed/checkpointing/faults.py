@@ -1,0 +1,43 @@
+"""Fault points: named places where a test can have a run killed with SIGKILL, deterministically.
+
+The reliability tests set ``MINDSPEED_FAULT=<point>@<step>`` (for example
+``save.renamed@4``); the process that reaches that point at that step kills itself with
+SIGKILL, exactly as ``kill -9`` from outside would. ``<point>@<step>=SIGTERM`` (or ``SIGINT``,
+``SIGINTx2``) sends that signal instead (twice for ``x2``), as a scheduler or a Ctrl-C would. Without the variable a fault point is a
+no-op (one dictionary lookup). Points: ``train.step_start``, ``train.step_end``,
+``save.start``, ``save.written``, ``save.renamed``, ``save.tracker`` (the trainer), ``rl.step_end``
+(the RL driver) and ``save.writer``: a forked checkpoint writer kills its trainer and then
+keeps writing for a while, so that a writer that does not die with its trainer is caught.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+#: The environment variable that arms a fault point.
+FAULT_ENV = "MINDSPEED_FAULT"
+_step: list[int] = [-1]  # the step of the save in progress, for the forked writers
+
+
+def _armed(name: str, step: int) -> bool:
+    return os.environ.get(FAULT_ENV, "").split("=")[0] == f"{name}@{step}"
+
+
+def fault_point(name: str, step: int) -> None:
+    """Kill this process with SIGKILL (or send it the signal named) if ``MINDSPEED_FAULT`` is ``name@step[=SIGNAL]``."""
+    _step[0] = step
+    if FAULT_ENV in os.environ and _armed(name, step):
+        action = os.environ[FAULT_ENV].partition("=")[2] or "SIGKILL"
+        sig, _, times = action.partition("x")
+        for _ in range(int(times or 1)):
+            os.kill(os.getpid(), getattr(signal, sig))
+            time.sleep(0.2)  # one signal at a time: Python runs a handler once per pending signal
+
+
+def child_fault(name: str) -> None:
+    """In a forked child: kill the parent if ``MINDSPEED_FAULT`` is ``name@<step of the save>``, then linger."""
+    if FAULT_ENV in os.environ and _armed(name, _step[0]):
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(20.0)  # a writer that survives its trainer is still here when the test looks
