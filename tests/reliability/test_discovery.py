@@ -7,8 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed.checkpointing import (TRACKER, Preemption, checkpoint_dir, damage_of, find_resume, holds_checkpoints,
-                                     list_complete, rotate, write_marker, write_tracker)
+from mindspeed.checkpointing import (
+    TRACKER,
+    Preemption,
+    checkpoint_dir,
+    damage_of,
+    find_resume,
+    holds_checkpoints,
+    list_complete,
+    rotate,
+    write_marker,
+    write_tracker,
+)
 
 pytestmark = pytest.mark.faults
 

@@ -88,7 +88,7 @@ class Preemption:
         self._code = _NONE
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         self.start = time.monotonic()
         if threading.current_thread() is threading.main_thread():
             interrupt = LAUNCHER_INTERRUPT if _interrupt_from_launcher[0] else signal.SIGINT

@@ -33,9 +33,20 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from mindspeed.checkpointing import (MARKER, TRACKER, checkpoint_dir, damage_of, fault_point, find_resume,
-                                     forked_children_die_with_me, list_complete, remove_tree, rotate, write_marker,
-                                     write_tracker)
+from mindspeed.checkpointing import (
+    MARKER,
+    TRACKER,
+    checkpoint_dir,
+    damage_of,
+    fault_point,
+    find_resume,
+    forked_children_die_with_me,
+    list_complete,
+    remove_tree,
+    rotate,
+    write_marker,
+    write_tracker,
+)
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import get_logger
 from mindspeed.megatron.patches import MEGATRON_VERSIONS

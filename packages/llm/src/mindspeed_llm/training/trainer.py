@@ -19,8 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mindspeed.checkpointing import (Preemption, StopRequest, checkpoint_dir, fault_point, find_resume,
-                                     holds_checkpoints, resume_hint)
+from mindspeed.checkpointing import (
+    Preemption,
+    StopRequest,
+    checkpoint_dir,
+    fault_point,
+    find_resume,
+    holds_checkpoints,
+    resume_hint,
+)
 from mindspeed.config import ConfigError
 from mindspeed.features.moe import expert_layout
 from mindspeed.log import get_logger
