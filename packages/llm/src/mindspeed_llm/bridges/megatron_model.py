@@ -81,8 +81,9 @@ def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: A
     return cls(**fields)
 
 
-def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, str] | None,
+def _layer_spec(shape: ModelShape | Any, num_experts: int | None, impls: Mapping[str, str] | None,
                 megatron_modules: bool) -> Any:
+    # ``shape``: a ModelShape or a TransformerConfig (both name multi_latent_attention and qk_layernorm).
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -131,7 +132,8 @@ def mla_without_te_patch() -> Any:
 @functools.cache
 def mla_core_attention() -> type:
     """The registry attention for MLA: accepts megatron's ``k_channels`` / ``v_channels`` and
-    attends with values narrower than queries and keys (zero-padded, then cut back: exact)."""
+    attends with values narrower than queries and keys (zero-padded, then cut back: exact), on
+    padded batches or packed (THD) sequences."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from mindspeed.megatron.modules import RegistryAttention
@@ -145,17 +147,36 @@ def mla_core_attention() -> type:
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                     attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("MLARegistryAttention supports neither packed sequences nor attention_bias")
+            if attention_bias is not None:
+                raise ValueError("MLARegistryAttention does not support attention_bias")
             width = value.shape[-1]
             if width != key.shape[-1]:
                 value = torch.nn.functional.pad(value, (0, key.shape[-1] - width))
             causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            if packed_seq_params is not None:  # THD: [t, heads, dim] in, [t, heads * width] out
+                out = self._attend_packed(query, key, value, packed_seq_params, causal)
+                return out.view(query.shape[0], query.shape[1], -1)[..., :width].reshape(query.shape[0], -1)
             out = self.kernel(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), causal=causal,
                               softmax_scale=self.softmax_scale, window_size=self.window_size)[..., :width]
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     return MLARegistryAttention
+
+
+def layer_specs(config: Any, impls: Mapping[str, str] | None = None) -> list[Any]:
+    """One layer spec per decoder layer of a megatron ``TransformerConfig``: MLA or grouped-query
+    attention, a dense MLP or experts as ``moe_layer_freq`` says (registry kernels; the trainer's
+    path for DeepSeek-V3-like models)."""
+    freq = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else \
+        [int(i % config.moe_layer_freq == 0) for i in range(config.num_layers)]
+    dense = _layer_spec(config, None, impls, False)
+    moe = _layer_spec(config, config.num_moe_experts, impls, False) if config.num_moe_experts else dense
+    return [moe if config.num_moe_experts and flag else dense for flag in freq]
+
+
+def block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:
+    """This chunk's block spec: its slice of the per-layer specs (see :func:`layer_specs`)."""
+    return _block_spec(config, layer_specs, vp_stage)
 
 
 def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:

@@ -594,9 +594,10 @@ def _check_split(split: str) -> None:
 def _check_megatron_fields(extra: dict[str, Any]) -> None:
     if not extra:
         return
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    known = [f.name for f in fields(TransformerConfig)]
+    # multi_latent_attention: the fields of megatron's MLATransformerConfig are known too.
+    known = [f.name for f in fields(MLATransformerConfig if extra.get("multi_latent_attention") else TransformerConfig)]
     for key in extra:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)

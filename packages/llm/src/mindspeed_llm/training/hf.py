@@ -57,17 +57,25 @@ def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
     return bridge, bridge.shape_from_hf(config), (known[0] if known else bridge.hf_architectures[0])
 
 
-def _unsupported(shape: Any) -> list[str]:
-    reasons = []
+#: ModelShape fields with no ModelConfig field, passed to megatron through ``model.megatron``
+#: (MLA, DeepSeek's router, dense layers between MoE layers, shared experts).
+_MOE_FIELDS = ("moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
+               "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_topk_scaling_factor")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+               "rotary_base", "rotary_scaling_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow",
+               "original_max_position_embeddings")
+
+
+def shape_megatron_fields(shape: Any) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``shape`` that the recipe's ``model`` section has no field for."""
+    fields: dict[str, Any] = {}
+    if shape.num_experts:
+        fields.update({name: getattr(shape, name) for name in _MOE_FIELDS if getattr(shape, name) is not None})
+        fields["moe_layer_freq"] = list(shape.moe_layer_freq)
     if shape.multi_latent_attention:
-        reasons.append("multi-latent attention")
-    if shape.moe_shared_expert_intermediate_size:
-        reasons.append("shared experts")
-    if shape.num_experts and not all(shape.moe_layer_freq):
-        reasons.append("dense layers between MoE layers")
-    if shape.moe_router_enable_expert_bias or shape.moe_router_num_groups or shape.moe_router_score_function != "softmax":
-        reasons.append("a sigmoid / grouped / biased router")
-    return reasons
+        fields.update(multi_latent_attention=True, **{name: getattr(shape, name) for name in _MLA_FIELDS})
+    return fields
 
 
 def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
@@ -85,11 +93,6 @@ def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
     if not path:
         return config
     bridge, shape, _ = read_hf_shape(path)
-    reasons = _unsupported(shape)
-    if reasons:
-        raise ConfigError(f"checkpoint.load_hf: the {bridge.family} model uses {', '.join(reasons)}, which the trainer "
-                          "does not build yet; convert it with convert-ckpt for inspection, or pick a Llama/Qwen/Mistral/"
-                          "Mixtral-style model")
     default, model = ModelConfig(), config.model
     values = {dst: getattr(shape, src) for src, dst in _SHAPE_TO_MODEL.items()}
     values.update(tie_embeddings=shape.tie_embeddings, normalization="RMSNorm", swiglu=True,
@@ -99,9 +102,7 @@ def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
         if mine != getattr(default, key) and mine != value:
             raise ConfigError(f"model.{key}={mine!r} contradicts checkpoint.load_hf's config ({value!r}); remove it "
                               "from the recipe")
-    megatron = dict(model.megatron)
-    if shape.num_experts:
-        megatron.setdefault("moe_router_pre_softmax", shape.moe_router_pre_softmax)
+    megatron = shape_megatron_fields(shape) | dict(model.megatron)
     divisible = 1 if model.make_vocab_size_divisible_by == default.make_vocab_size_divisible_by else \
         model.make_vocab_size_divisible_by
     new_model = dataclasses.replace(model, **values, megatron=megatron, make_vocab_size_divisible_by=divisible)
@@ -303,7 +304,10 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
     dist.barrier()
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() == 0:
+    # One writer per (tp, pp, ep) piece: with expert parallelism the expert ranks > 0 sit at
+    # data-parallel ranks > 0 (their dense weights are the data-parallel replicas' own).
+    writer = ps.get_expert_data_parallel_rank() == 0 if layout.ep > 1 else ps.get_data_parallel_rank() == 0
+    if writer:
         args = checkpoint_args(shape, layout, bridge.family, architecture, vocab_rows, iteration=step)
         keys = model_keys(len(chunks))
         state = {"args": args, "checkpoint_version": 3.0, "iteration": step}

@@ -38,7 +38,7 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
         overrides: fields set by features (``BuildContext.config_overrides``); the recipe's
             ``model.megatron`` entries are applied last and win.
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     m, p, t = config.model, config.parallel, config.train
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -80,7 +80,7 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
     del vocab_size  # the vocabulary lives in GPTModel, not in the TransformerConfig
     fields.update(overrides or {})
     fields.update(m.megatron)
-    return TransformerConfig(**fields)
+    return (MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig)(**fields)
 
 
 def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
@@ -111,6 +111,8 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
 
     from mindspeed.device import get_accelerator
     from mindspeed.megatron.spec import check_config_for_spec, get_gpt_layer_spec
+    from mindspeed.patching import PatchSet
+    from mindspeed_llm.bridges.megatron_model import block_spec, layer_specs, mla_without_te_patch
 
     m, p = config.model, config.parallel
     check_config_for_spec(transformer, swiglu=m.swiglu)
@@ -120,16 +122,19 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
     spec = get_gpt_layer_spec(kernels, num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
                               normalization=m.normalization, swiglu=m.swiglu,
                               moe_grouped_gemm=False if bridged else None)
+    per_layer = layer_specs(transformer) if _needs_layer_specs(transformer) else None
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.train.precision != "fp32", overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
     )
     device = get_accelerator().device()
     models = []
+    patches = PatchSet([mla_without_te_patch()] if transformer.multi_latent_attention else [])
+    patches.apply(get_accelerator())
     for stage in range(p.vpp or 1):
         vp_stage = stage if p.vpp else None
         gpt = GPTModel(
-            config=transformer, transformer_layer_spec=spec, vocab_size=vocab_size,
+            config=transformer, transformer_layer_spec=spec if per_layer is None else block_spec(transformer, per_layer, vp_stage), vocab_size=vocab_size,
             max_sequence_length=m.max_position_embeddings or config.data.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -138,6 +143,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             vp_stage=vp_stage,
         )
         models.append(gpt.to(device))
+    patches.revert()
     if prepare is not None:
         prepare(models)
     chunks = []
@@ -161,6 +167,11 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
         grads = [chunk.start_grad_sync for chunk in chunks]
         transformer.grad_sync_func = grads if len(grads) > 1 else grads[0]
     return chunks
+
+
+def _needs_layer_specs(transformer: Any) -> bool:
+    # MLA, or dense layers between MoE layers: one spec per layer (DeepSeek-V3).
+    return bool(transformer.multi_latent_attention or isinstance(transformer.moe_layer_freq, list))
 
 
 def unwrap(chunk: Any) -> torch.nn.Module:
