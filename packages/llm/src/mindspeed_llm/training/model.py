@@ -122,7 +122,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
     spec = get_gpt_layer_spec(kernels, num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
                               normalization=m.normalization, swiglu=m.swiglu,
                               moe_grouped_gemm=False if bridged else None)
-    per_layer = layer_specs(transformer) if _needs_layer_specs(transformer) else None
+    per_layer = layer_specs(transformer, kernels) if _needs_layer_specs(transformer) else None
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.train.precision != "fp32", overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
@@ -133,8 +133,9 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
     patches.apply(get_accelerator())
     for stage in range(p.vpp or 1):
         vp_stage = stage if p.vpp else None
+        layers = spec if per_layer is None else block_spec(transformer, per_layer, vp_stage)
         gpt = GPTModel(
-            config=transformer, transformer_layer_spec=spec if per_layer is None else block_spec(transformer, per_layer, vp_stage), vocab_size=vocab_size,
+            config=transformer, transformer_layer_spec=layers, vocab_size=vocab_size,
             max_sequence_length=m.max_position_embeddings or config.data.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -143,7 +144,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             vp_stage=vp_stage,
         )
         models.append(gpt.to(device))
-    patches.revert()
+    patches.revert()  # megatron reads the patched flag only while it builds
     if prepare is not None:
         prepare(models)
     chunks = []
