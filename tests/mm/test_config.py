@@ -43,3 +43,11 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
                                    "lora.target_modules=[q_proj]"])
     with pytest.raises(ConfigError, match="LoRA is not in mindspeed-mm yet"):
         config.check(1)
+
+
+def test_shipped_recipes_parse() -> None:
+    from pathlib import Path
+
+    for recipe in sorted((Path(__file__).resolve().parents[2] / "examples" / "mm").glob("*.yaml")):
+        config = load_mm_config(recipe)
+        assert config.model.path and config.data.files, recipe

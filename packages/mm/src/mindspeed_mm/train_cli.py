@@ -41,10 +41,11 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``train`` from parsed arguments; returns the exit status."""
     from mindspeed_llm.training.launch import launch
     from mindspeed_mm.config import load_mm_config
+    from mindspeed_mm.demo import resolve_demo
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
-    config = load_mm_config(args.config, args.overrides)
+    config = resolve_demo(load_mm_config(args.config, args.overrides))
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
