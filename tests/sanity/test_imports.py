@@ -3,9 +3,9 @@
 Read from the source with ``ast`` (nothing is imported). Every ``import`` counts, those inside
 functions too (a lazy import hides a dependency, it does not remove it); only imports under
 ``if TYPE_CHECKING:`` are left out. ``from a.b import c`` depends on the module ``a.b.c`` when
-there is one, else on ``a.b`` (its ``__init__.py`` for a package). A package's submodule does
-not count as importing its parent package (Python imports it first, but the parent's
-``__init__`` is what hands its submodules' names on).
+there is one, else on ``a.b`` (its ``__init__.py`` for a package), and on the packages it runs
+first (``a``, ``a.b``) unless the importing module is inside them (its own packages are being
+imported already; counting them would make every re-exporting ``__init__`` a cycle).
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int
         for target in targets:
             while target and target not in modules:  # "import a.b.c" of a name inside a module
                 target = target.rpartition(".")[0]
-            if target and target != name:
-                found[target] = min(found.get(target, node.lineno), node.lineno)
+            # Importing a.b.c runs a/__init__ and a/b/__init__ first, unless this module is inside them.
+            parts = target.split(".")
+            for loaded in [".".join(parts[:i]) for i in range(1, len(parts))] + [target]:
+                if loaded in modules and loaded != name and not name.startswith(loaded + "."):
+                    found[loaded] = min(found.get(loaded, node.lineno), node.lineno)
     return found
 
 
@@ -158,3 +161,7 @@ def test_the_checker_sees_cycles_and_relative_imports(tmp_path) -> None:
     assert imports_of("p.b", tmp_path / "b.py", modules) == {"p.a": 1}
     (tmp_path / "c.py").write_text("def f():\n    import p.a.x\nif TYPE_CHECKING:\n    import p.b\n")
     assert imports_of("p.c", tmp_path / "c.py", modules) == {"p.a": 2}
+    # from outside the package, its __init__ runs first: q.d -> p -> ... is an edge to p too
+    modules["q.d"] = tmp_path / "d.py"
+    (tmp_path / "d.py").write_text("from p.a import thing\n")
+    assert imports_of("q.d", tmp_path / "d.py", modules) == {"p": 1, "p.a": 1}

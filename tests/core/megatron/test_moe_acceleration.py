@@ -114,7 +114,7 @@ def _optimizer(chunks: list[Any]) -> Any:
 
 def _reference(steps: list[list[dict]], dp_parts: int) -> dict[str, Any]:
     """megatron's own model trained on every rank with the whole batch (microbatches cut in dp_parts)."""
-    from mindspeed.megatron.moe_metrics import ExpertLoadTracker
+    from mindspeed.metrics.moe import ExpertLoadTracker
 
     model = _model("alltoall")
     init_parallel(ParallelSizes(), model.seed)

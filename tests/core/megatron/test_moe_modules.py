@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from mindspeed.features import BuildContext, FeaturesConfig, ModelFacts, ParallelSizes, apply_features
 from mindspeed.features.moe import expert_layout
-from mindspeed.megatron.moe_metrics import ExpertLoad
+from mindspeed.metrics.moe import ExpertLoad
 from mindspeed.testing.distributed import run_distributed
 
 NUM_EXPERTS, HIDDEN = 4, 32
@@ -223,7 +223,7 @@ def _checkpoint_crosses_modules(directory: str) -> dict[str, float]:
 
 
 def _tracker_counts() -> dict[str, Any]:
-    from mindspeed.megatron.moe_metrics import ExpertLoadTracker
+    from mindspeed.metrics.moe import ExpertLoadTracker
 
     out = {}
     for label, fields in {"plain": {}, "moe recompute": dict(recompute_granularity="selective",

@@ -17,6 +17,7 @@ from mindspeed.log import setup_logging
 
 
 def _info(args: argparse.Namespace) -> int:
+    # Lazy: keeps torch out of the start-up of mindspeed.cli.
     import torch
 
     from mindspeed.device import available_accelerators, get_accelerator
@@ -49,6 +50,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _features(args: argparse.Namespace) -> int:
+    # Lazy: keeps torch out of the start-up of mindspeed.cli.
     import logging
 
     from mindspeed.features import FEATURES, BuildContext, FeaturesConfig, apply_features
@@ -91,6 +93,7 @@ def _features(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # Lazy: keeps torch out of the start-up of mindspeed.cli.
     from mindspeed.demo import DemoConfig, run_demo
 
     cfg = load_config(DemoConfig, args.config, args.overrides)

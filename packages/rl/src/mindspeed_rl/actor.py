@@ -34,10 +34,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mindspeed.features import FeaturesConfig
+from mindspeed.device import get_accelerator
+from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
-from mindspeed.megatron import AdaptReport
-from mindspeed_rl.algorithms.losses import PolicyLossConfig, PolicyLossInputs, compute_policy_loss
+from mindspeed.megatron import AdaptReport, adapt, current_report, unadapt
+from mindspeed_llm.training.config import load_pretrain_config
+from mindspeed_llm.training.data import read_tokenizer
+from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
+from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
+from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config, unwrap
+from mindspeed_llm.training.optim import build_optimizer, build_scheduler
+from mindspeed_llm.training.steps import packed_seq_params
+from mindspeed_llm.training.trainer import seed_everything
+from mindspeed_rl.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy
+from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
+from mindspeed_rl.memory import StorageOffloader, collect_offload_tensors, memory_snapshot
 
 logger = get_logger(__name__)
 
@@ -97,10 +108,6 @@ def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: i
     """
     from megatron.core import parallel_state as ps
 
-    from mindspeed.features import ModelFacts, ParallelSizes
-    from mindspeed.megatron import adapt, current_report
-    from mindspeed_llm.training.model import transformer_config
-    from mindspeed_llm.training.trainer import seed_everything
 
     report, made = current_report(), False
     if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
@@ -140,14 +147,6 @@ class Actor:
 
     def __init__(self, hf_dir: str, settings: ActorSettings | None = None, trainable: bool = True,
                  tp: int = 1, pp: int = 1, features: FeaturesConfig | None = None) -> None:
-        from mindspeed.device import get_accelerator
-        from mindspeed_llm.training.config import load_pretrain_config
-        from mindspeed_llm.training.data import read_tokenizer
-        from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
-        from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
-        from mindspeed_llm.training.optim import build_optimizer, build_scheduler
-        from mindspeed_rl.memory import StorageOffloader
-
         self.settings = s = settings or ActorSettings()
         self.hf_dir, self.trainable = str(hf_dir), trainable
         # stage=sft: calculate_per_token_loss (gradients divided by the step's total count).
@@ -198,8 +197,6 @@ class Actor:
 
     def close(self) -> None:
         """Undo the adaptation of megatron-core if this actor made it (call it last, after the other actors)."""
-        from mindspeed.megatron import unadapt
-
         if self._adapted:
             unadapt()
             self._adapted = False
@@ -213,9 +210,6 @@ class Actor:
         ``extra`` holds per-pair tensors ``[len(pairs), width]`` (old log-probs, advantages,
         ...) that are cut into the microbatches alongside.
         """
-        from mindspeed.device import get_accelerator
-        from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
-
         device = get_accelerator().device()
         mbs = self.settings.micro_batch_size
         longest = max(len(p) + len(r) for p, r in pairs)
@@ -251,7 +245,6 @@ class Actor:
         (vocab-parallel) logits ``[1, T, V_local]`` with ``logits``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from mindspeed_llm.training.steps import packed_seq_params
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
@@ -275,7 +268,6 @@ class Actor:
         """``[n, width]`` log-probs and entropies of the response tokens from the model's logits."""
         from megatron.core import parallel_state as ps
 
-        from mindspeed_rl.actor_parallel import vocab_parallel_logp_entropy
 
         local = logits.shape[-1]
         rows = logits.reshape(-1, local)[batch["resp_index"]]
@@ -291,7 +283,6 @@ class Actor:
         """``tensor`` of the last pipeline stage on every stage (same shape and dtype everywhere)."""
         from megatron.core import parallel_state as ps
 
-        from mindspeed_rl.actor_parallel import broadcast_from_stage
 
         pp = self.config.parallel.pp
         if pp == 1:
@@ -309,8 +300,6 @@ class Actor:
             stage broadcasts them). Offloaded weights are onloaded first (the optimizer state
             and gradients stay where they are).
         """
-        from mindspeed.device import get_accelerator
-
         self._onload_categories(("weights",))
         width = max(len(r) for _, r in pairs)
         batches = self._microbatches(pairs, width)
@@ -393,8 +382,6 @@ class Actor:
         Raises:
             ValueError: a frozen actor, or tensors that do not match the pairs.
         """
-        from mindspeed_rl.algorithms.losses import POLICY_LOSSES
-
         if self.optimizer is None:
             raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
         self.onload()
@@ -474,17 +461,12 @@ class Actor:
             views of the live parameters: load them into the engine before the next ``update``
             or ``offload(weights=True)`` (which frees those storages).
         """
-        from mindspeed_rl.actor_parallel import gather_hf_state
-
         self._onload_categories(("weights",))
         p = self.config.parallel
         return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""
-        from mindspeed.device import get_accelerator
-        from mindspeed_llm.training.model import unwrap
-
         self._check_single("forward_logits")
         self._onload_categories(("weights",))
         model = unwrap(self.chunks[0])
@@ -502,8 +484,6 @@ class Actor:
     # -- co-location memory ----------------------------------------------------------------
 
     def _refresh_categories(self) -> None:
-        from mindspeed_rl.memory import collect_offload_tensors
-
         # Optimizer state appears at the first step and master gradients change every step:
         # re-collect what is on the device now, in a fixed order so a shared storage (a
         # master param that is the model's own parameter) always lands in the same category.
@@ -530,8 +510,6 @@ class Actor:
         Returns:
             The bytes moved to the host by this call, per category.
         """
-        from mindspeed.device import get_accelerator
-
         self._refresh_categories()
         chosen = [name for name, on in (("grad", grad), ("weights", weights), ("optimizer", optimizer)) if on]
         moved = {name: self._offloader.offload(name) for name in chosen}
@@ -559,8 +537,6 @@ class Actor:
             host now, all categories) and ``offloaded_<category>`` for ``grad``, ``weights``
             and ``optimizer``.
         """
-        from mindspeed_rl.memory import memory_snapshot
-
         offloaded = self._offloader.offloaded_bytes()
         out = {**memory_snapshot(), "offloaded_bytes": sum(offloaded.values())}
         out.update({f"offloaded_{name}": offloaded.get(name, 0) for name in OFFLOAD_CATEGORIES})

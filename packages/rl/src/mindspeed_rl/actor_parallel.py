@@ -22,6 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, plan_conversion
+from mindspeed_llm.bridges.layout import merge_tensors
+from mindspeed_llm.training.model import unwrap
+
 
 def vocab_parallel_logp_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
                                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +92,6 @@ def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int
     """
     from megatron.core import parallel_state as ps
 
-    from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, plan_conversion
-    from mindspeed_llm.bridges.layout import merge_tensors
-    from mindspeed_llm.training.model import unwrap
 
     plan = plan_conversion(bridge, shape)
     layout = ParallelLayout(tp=tp, pp=pp)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features import FeaturesConfig
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
+from mindspeed_rl.config_checks import check_config
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("actor", "rollout", "reference", "reward", "algorithm", "buffer", "data", "ray", "train", "logging",
@@ -334,8 +335,6 @@ class GRPOConfig:
         Raises:
             ConfigError: naming the key and the fix of the first problem found.
         """
-        from mindspeed_rl.config_checks import check_config
-
         check_config(self, num_devices)
 
 

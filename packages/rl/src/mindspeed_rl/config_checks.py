@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
+from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
+from mindspeed_rl.rewards.base import build_reward
 
 if TYPE_CHECKING:
     from mindspeed_rl.config import GRPOConfig
@@ -173,8 +175,6 @@ def _check_buffer(config: GRPOConfig) -> None:
 
 
 def _check_reward(config: GRPOConfig) -> None:
-    from mindspeed_rl.rewards.base import build_reward
-
     rw = config.reward
     if not rw.verifiers and rw.model is None:
         raise ConfigError("no reward: set reward.verifiers (e.g. [math]) and/or reward.model")
@@ -192,8 +192,6 @@ def _check_reward(config: GRPOConfig) -> None:
 
 
 def _check_data(config: GRPOConfig) -> None:
-    from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
-
     d = config.data
     for key in ("path", "eval_path"):
         value = getattr(d, key)

@@ -33,6 +33,9 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_llm.evaluation.math_answer import reference_answer
+from mindspeed_llm.inference.sampling import SamplingParams
+from mindspeed_rl.data import PromptFormat, encode_prompts, load_prompts
+from mindspeed_rl.rewards.math import MathVerifier
 
 logger = get_logger(__name__)
 
@@ -154,7 +157,6 @@ def fit_demo_policy(seed: int = 0, settings: DemoPolicySettings | None = None) -
     """
     from transformers import LlamaForCausalLM
 
-    from mindspeed_rl.data import load_prompts
 
     s = settings or DemoPolicySettings()
     tokenizer = build_tokenizer()
@@ -262,10 +264,6 @@ def evaluate_accuracy(engine: Any, tokenizer: Any, records: Sequence[Any], tempe
     Returns:
         The fraction of correct answers.
     """
-    from mindspeed_llm.inference.sampling import SamplingParams
-    from mindspeed_rl.data import PromptFormat, encode_prompts
-    from mindspeed_rl.rewards.math import MathVerifier
-
     fmt = PromptFormat(style="plain", template=PROMPT_TEMPLATE)
     ids, kept = encode_prompts([fmt.render(r.prompt) for r in records], tokenizer, add_special_tokens=True)
     prompts = [ids[k] for k in range(len(kept)) for _ in range(n)]

@@ -27,6 +27,7 @@ def add_make_demo_model(sub: argparse._SubParsersAction) -> None:
 
 def run_make_demo_model(args: argparse.Namespace) -> int:
     """Build and write the policy; returns the exit status."""
+    # Lazy: keeps torch out of the start-up of mindspeed_rl.cli.
     from dataclasses import replace
 
     from mindspeed_rl.demo_model import DemoPolicySettings, build_demo_policy

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mindspeed.config import ConfigError
+
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
     """Add ``grpo`` to the ``mindspeed-rl`` subcommands."""
@@ -27,7 +29,7 @@ def add_grpo(sub: argparse._SubParsersAction) -> None:
 
 def run_grpo(args: argparse.Namespace) -> int:
     """Run the recipe; returns the exit status."""
-    from mindspeed.config import ConfigError
+    # Lazy: keeps torch out of the start-up of mindspeed_rl.cli.
     from mindspeed_rl.config import load_grpo_config
     from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
     from mindspeed_rl.runner import GRPORunner

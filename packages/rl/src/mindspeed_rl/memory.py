@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -54,8 +55,6 @@ def read_host_rss() -> int:
 def memory_snapshot() -> dict[str, int]:
     """Bytes in use now: ``device_allocated`` and ``device_peak`` (the accelerator's counters; on
     the CPU the process' resident set and its peak) and ``host_rss``."""
-    from mindspeed.device import get_accelerator
-
     stats = get_accelerator().memory_stats()
     return {"device_allocated": int(stats.get("allocated", 0)), "device_peak": int(stats.get("peak_allocated", 0)),
             "host_rss": read_host_rss()}

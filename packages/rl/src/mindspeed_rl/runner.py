@@ -34,8 +34,14 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed_llm.training.checkpoint import list_checkpoints
+from mindspeed_rl.buffer import BufferClient, create_buffer_actor
+from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import load_prompts
+from mindspeed_rl.demo_model import resolve_model as resolve_demo
+from mindspeed_rl.ray_runtime import init_ray
+from mindspeed_rl.rewards import RewardModel
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
@@ -45,6 +51,8 @@ from mindspeed_rl.trainer import (
     prompt_pieces,
     train_on_batch,
 )
+from mindspeed_rl.workers.group import ActorGroup, ColocatedRollout, ReferenceView, RolloutPool
+from mindspeed_rl.workers.pools import ResourcePool, local_cpus
 
 logger = get_logger(__name__)
 
@@ -59,8 +67,6 @@ def resolve_model(config: GRPOConfig) -> str:
     """The actor's model directory (``demo`` is built once and cached; see :mod:`mindspeed_rl.demo_model`)."""
     model = config.actor.model
     if model == "demo":
-        from mindspeed_rl.demo_model import resolve_model as resolve_demo
-
         return str(resolve_demo(model))
     return str(model)
 
@@ -127,10 +133,6 @@ class GRPORunner:
     def __init__(self, config: GRPOConfig) -> None:
         from transformers import AutoTokenizer
 
-        from mindspeed_rl.buffer import create_buffer_actor
-        from mindspeed_rl.ray_runtime import init_ray
-        from mindspeed_rl.workers.group import ActorGroup, ColocatedRollout, ReferenceView, RolloutPool
-        from mindspeed_rl.workers.pools import ResourcePool, local_cpus
 
         if config.actor.model == "demo":
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
@@ -156,7 +158,6 @@ class GRPORunner:
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
         self.reward_worker = None
         if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
-            from mindspeed_rl.rewards import RewardModel
 
             self.reward_worker = ray_remote(RewardModel).options(num_cpus=1).remote(
                 config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
@@ -170,7 +171,6 @@ class GRPORunner:
         self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()
         self.buffer_handle = create_buffer_actor(COLUMNS, self.rows, config.buffer.staleness(), config.buffer.mode)
-        from mindspeed_rl.buffer import BufferClient
 
         self.buffer = BufferClient(self.buffer_handle)
         self.version = 0
@@ -216,8 +216,6 @@ class GRPORunner:
         return time.perf_counter() - start
 
     def _producer_loop(self, pctx: GRPOContext, count: int) -> None:
-        from mindspeed_rl.buffer.replay import StalenessError
-
         loaded = self.version
         try:
             for _ in range(count):
@@ -334,8 +332,6 @@ class GRPORunner:
 
     def save(self, root: str | Path) -> Path:
         """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``); prunes to ``checkpoint.keep_last``."""
-        from mindspeed_llm.training.checkpoint import list_checkpoints
-
         path = Path(self.group.call("save", str(root), self.ctx.step)[0])
         state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
         tmp = path / f".{RL_STATE}.tmp"
@@ -354,7 +350,6 @@ class GRPORunner:
         c = self.config.checkpoint
         if c.save is None or not c.resume or not Path(c.save).is_dir():
             return
-        from mindspeed_llm.training.checkpoint import list_checkpoints
 
         done = [p for p in list_checkpoints(c.save) if (p / RL_STATE).is_file()]
         if not done:

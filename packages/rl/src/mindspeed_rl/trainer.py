@@ -22,11 +22,13 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed_llm.inference import InferenceEngine
+from mindspeed_llm.inference.sampling import SamplingParams
 from mindspeed_rl.actor import Actor, ActorSettings
 from mindspeed_rl.algorithms import DynamicSampler, compute_advantages, overlong_penalty
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
-from mindspeed_rl.rewards import WeightedReward, build_reward
+from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
 
 logger = get_logger(__name__)
 
@@ -101,8 +103,6 @@ class RolloutBatch:
 
 
 def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
-    from mindspeed_llm.inference.sampling import SamplingParams
-
     cfg, r, algo = ctx.config, ctx.config.rollout, ctx.config.algorithm
     chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
     texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in chosen]
@@ -265,8 +265,6 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     Raises:
         ValueError: no held-out prompt fits ``rollout.max_prompt_length``.
     """
-    from mindspeed_llm.inference.sampling import SamplingParams
-
     r = ctx.config.rollout
     texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in records]
     ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
@@ -322,8 +320,6 @@ def prompt_pieces(config: GRPOConfig, reward_model: Any = None
     extra, weights = {}, r.weights
     if r.model is not None:
         if reward_model is None:
-            from mindspeed_rl.rewards import RewardModel
-
             reward_model = RewardModel(r.model, device="cpu", batch_size=r.model_batch_size)
         extra = {"model": reward_model}
         weights = [*(r.weights or [1.0] * len(r.verifiers)), r.model_weight]
@@ -338,7 +334,6 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     """
     from transformers import AutoTokenizer
 
-    from mindspeed_llm.inference import InferenceEngine
 
     config.check()
     _ensure_group()

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from mindspeed.device import get_accelerator
 from mindspeed.features.base import Change, to_jsonable
 
 #: Where a hook can be attached, and what the trainer passes to it.
@@ -168,8 +169,6 @@ class BuildContext:
     def __init__(self, accelerator: str | None = None, parallel: ParallelSizes | None = None,
                  model: ModelFacts | None = None) -> None:
         if accelerator is None:
-            from mindspeed.device import get_accelerator
-
             accelerator = get_accelerator().name
         self._accelerator = accelerator
         self._parallel = parallel or ParallelSizes()

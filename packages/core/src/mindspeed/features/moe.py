@@ -14,6 +14,7 @@ from typing import Any
 
 from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
+from mindspeed.metrics.moe import ExpertLoadTracker
 
 #: megatron-core 0.16's load-balancing strategies.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -259,7 +260,7 @@ class MoEExpertLoadMetricsFeature(MoEModelFeature):
     """``--print-expert-load``: tokens per expert per layer in the logs, with max/mean imbalance.
 
     Adds two hooks: ``post_model_build`` attaches an
-    :class:`~mindspeed.megatron.moe_metrics.ExpertLoadTracker` to the routers (forward hooks,
+    :class:`~mindspeed.metrics.moe.ExpertLoadTracker` to the routers (forward hooks,
     nothing patched) and ``post_step`` logs on rank 0 (a collective: every rank must call it).
     """
 
@@ -278,8 +279,6 @@ class MoEExpertLoadMetricsFeature(MoEModelFeature):
 
     def apply(self, cfg: ExpertLoadMetricsConfig, ctx: BuildContext) -> list[Change]:
         """Attach the tracker after the model is built and log after steps."""
-        from mindspeed.megatron.moe_metrics import ExpertLoadTracker
-
         tracker = ExpertLoadTracker(interval=cfg.interval, per_layer=cfg.per_layer)
         return [ctx.add_hook("post_model_build", tracker.attach, "forward hooks on the MoE routers"),
                 ctx.add_hook("post_step", tracker.log_step, f"every {cfg.interval} step(s), rank 0")]

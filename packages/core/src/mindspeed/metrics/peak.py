@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mindspeed.device import get_accelerator
+
 
 @dataclass(frozen=True)
 class PeakEntry:
@@ -71,8 +73,6 @@ class Peak:
 
 def device_name(accelerator: Any = None) -> str:
     """The name the accelerator reports for its current device (the CPU's model name on a host)."""
-    from mindspeed.device import get_accelerator
-
     accelerator = accelerator or get_accelerator()
     if accelerator.name == "cpu":
         return _cpuinfo().get("model name", "cpu")
@@ -138,8 +138,6 @@ def peak_flops(dtype: str = "bf16", override_tflops: float | None = None, accele
     Returns:
         The peak, or ``None`` when the device is not in the table (MFU is then not reported).
     """
-    from mindspeed.device import get_accelerator
-
     accelerator = accelerator or get_accelerator()
     name = device_name(accelerator)
     if override_tflops is not None:

@@ -52,6 +52,7 @@ def _rank_main(
         }
     )
     try:
+        # Imported in the rank, after its environment (threads, rendezvous) is set above.
         import torch
         import torch.distributed as dist
 

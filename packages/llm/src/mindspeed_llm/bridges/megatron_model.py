@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
+from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.bridges.layout import ParallelLayout
 from mindspeed_llm.bridges.shape import ModelShape
 
@@ -119,7 +121,6 @@ def mla_without_te_patch() -> Any:
     mock class and a TypeError; while models are built, this tells it Transformer Engine is absent."""
     import importlib.util
 
-    from mindspeed.patching import UpstreamPatch
 
     return UpstreamPatch(
         name="mla-no-te-probe", target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
@@ -134,6 +135,7 @@ def mla_core_attention() -> type:
     """The registry attention for MLA: accepts megatron's ``k_channels`` / ``v_channels`` and
     attends with values narrower than queries and keys (zero-padded, then cut back: exact), on
     padded batches or packed (THD) sequences."""
+    # Lazy: keeps megatron out of the start-up of mindspeed_llm.cli.
     from megatron.core.transformer.enums import AttnMaskType
 
     from mindspeed.megatron.modules import RegistryAttention
@@ -207,9 +209,6 @@ def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[s
             parameters; for checkpoint I/O: megatron's ``sharded_state_dict`` walks every module).
         **overrides: extra ``TransformerConfig`` fields.
     """
-    from mindspeed.device import get_accelerator
-    from mindspeed.patching import PatchSet
-
     if megatron_modules:
         overrides.setdefault("use_te_activation_func", False)
     config = transformer_config(shape, layout, **overrides)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.log import get_logger
+from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, megatron_params
 from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan
@@ -53,7 +54,6 @@ def single_rank_megatron() -> Iterator[None]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from mindspeed.megatron import adapt, unadapt
 
     created = not dist.is_initialized()
     if created:

@@ -16,7 +16,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed_llm.inference import SamplingParams
+from mindspeed_llm.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -211,8 +214,6 @@ class TransformersLM:
         """
         from transformers import AutoModelForCausalLM
 
-        from mindspeed.device import get_accelerator
-        from mindspeed_llm.tokenizer import load_tokenizer
 
         path = Path(path)
         if not (path / "config.json").is_file():
@@ -332,7 +333,7 @@ class EngineLM:
             max_seq_len: evaluation window, passed to the engine.
             engine_kwargs: further ``from_pretrained`` arguments (``hf_cfg_dir`` for a Megatron checkpoint).
         """
-        try:
+        try:  # the engine backend only: the transformers backend never loads it
             from mindspeed_llm.inference import InferenceEngine
         except ModuleNotFoundError as err:
             if err.name != "mindspeed_llm.inference":
@@ -358,8 +359,6 @@ class EngineLM:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop: list[str]) -> list[str]:
         """See :meth:`LM.generate`."""
-        from mindspeed_llm.inference import SamplingParams
-
         stops = stop_strings(self.tokenizer, stop, self.eos_token_ids)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
                                 stop_token_ids=self.eos_token_ids)

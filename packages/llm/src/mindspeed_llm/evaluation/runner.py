@@ -15,6 +15,7 @@ from mindspeed.log import get_logger
 from mindspeed_llm.evaluation.lm import EngineLM, TransformersLM
 from mindspeed_llm.evaluation.report import build_report, write_json
 from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult
+from mindspeed_llm.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -114,7 +115,6 @@ def load_lm(config: EvaluateConfig) -> Any:
     """The model behind ``config.backend``."""
     import torch
 
-    from mindspeed_llm.tokenizer import load_tokenizer
 
     if config.backend not in BACKENDS:
         raise ValueError(f"--backend {config.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from mindspeed.progress import StatusProgress
 from mindspeed.registry import Registry
 
 #: Generation budget when ``--max-new-tokens`` is not given (lm-evaluation-harness's GSM8K setting).
@@ -158,8 +159,6 @@ def call_in_chunks(fn: Any, items: list[Any], lm: Any, description: str, setting
         description: text of the progress bar.
         settings: ``show_progress`` switches the bar.
     """
-    from mindspeed.progress import StatusProgress
-
     chunk = 4 * max(1, int(getattr(lm, "batch_size", 8)))
     out: list[Any] = []
     with StatusProgress(description, total=len(items), disable=None if settings.show_progress else True) as bar:

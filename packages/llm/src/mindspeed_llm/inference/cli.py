@@ -24,6 +24,7 @@ from typing import Any
 
 from mindspeed.log import get_logger
 from mindspeed.suite_cli import add_dataclass_flags
+from mindspeed_llm.inference import InferenceEngine, SamplingParams
 from mindspeed_llm.inference.prompts import encode_prompt, prompt_text, read_prompts
 
 logger = get_logger(__name__)
@@ -99,8 +100,6 @@ def _config(args: argparse.Namespace) -> GenerateConfig:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``generate`` from parsed arguments; returns the exit status."""
-    from mindspeed_llm.inference import InferenceEngine, SamplingParams
-
     config = _config(args)
     records: list[Any] = list(args.prompt)
     if config.prompts_file is not None:

@@ -24,8 +24,9 @@ import torch
 from mindspeed.device import get_accelerator
 from mindspeed.device.cuda_shim import redirect_suspended
 from mindspeed.log import get_logger
-from mindspeed_llm.bridges import Bridge
+from mindspeed_llm.bridges import Bridge, bridge_for_architectures
 from mindspeed_llm.inference.cache import CausalStep, DecodeStep, KVCache, PrefillStep
+from mindspeed_llm.inference.loading import open_checkpoint, parse_dtype
 from mindspeed_llm.inference.model import Decoder
 from mindspeed_llm.inference.sampling import Sampler, SamplingParams
 from mindspeed_llm.inference.spec import build_spec, stop_token_ids
@@ -143,8 +144,6 @@ class InferenceEngine:
         Raises:
             ValueError: a missing or unreadable checkpoint, an unsupported family or dtype.
         """
-        from mindspeed_llm.inference.loading import open_checkpoint, parse_dtype
-
         started = time.perf_counter()
         opened = open_checkpoint(path, hf_cfg_dir, model_type_hf)
         spec = build_spec(opened.bridge, opened.shape, opened.config)
@@ -179,9 +178,6 @@ class InferenceEngine:
         Raises:
             ValueError: an unsupported architecture or configuration.
         """
-        from mindspeed_llm.bridges import bridge_for_architectures
-        from mindspeed_llm.inference.loading import parse_dtype
-
         bridge = bridge_for_architectures(getattr(config, "architectures", None))
         shape = bridge.shape_from_hf(config.to_dict())
         model = Decoder(build_spec(bridge, shape, config), parse_dtype(dtype),

@@ -18,9 +18,11 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import Bridge, ModelShape, plan_conversion
-from mindspeed_llm.checkpoint.endpoints import load_auto_config
+from mindspeed_llm.checkpoint.endpoints import HFSource, MegatronSource, load_auto_config
+from mindspeed_llm.checkpoint.megatron_dist import DistSource, is_dist_checkpoint
 from mindspeed_llm.checkpoint.megatron_legacy import TRACKER
 from mindspeed_llm.inference.weights import copy_checked
+from mindspeed_llm.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -82,7 +84,6 @@ class OpenedCheckpoint:
         """The transformers tokenizer of the assets directory, or ``None`` when it has none."""
         if self.assets is None or not any((self.assets / name).is_file() for name in TOKENIZER_FILES):
             return None
-        from mindspeed_llm.tokenizer import load_tokenizer
 
         return load_tokenizer(self.assets)
 
@@ -114,9 +115,6 @@ def open_checkpoint(path: str | Path, hf_cfg_dir: str | Path | None = None, fami
         ValueError: a missing directory, a directory that is neither format, an unsupported
             family, or tensors that do not match the model.
     """
-    from mindspeed_llm.checkpoint.endpoints import HFSource, MegatronSource
-    from mindspeed_llm.checkpoint.megatron_dist import DistSource, is_dist_checkpoint
-
     path = Path(path)
     cfg_dir = Path(hf_cfg_dir) if hf_cfg_dir is not None else None
     if not path.is_dir():

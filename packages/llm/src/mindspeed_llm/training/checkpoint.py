@@ -48,6 +48,7 @@ from mindspeed.checkpointing import (
     write_tracker,
 )
 from mindspeed.config import ConfigError, to_dict
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.patching import PatchSet, UpstreamPatch
@@ -134,7 +135,6 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from mindspeed.device import get_accelerator
 
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "device": get_accelerator().get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
@@ -143,7 +143,6 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from mindspeed.device import get_accelerator
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -178,8 +177,6 @@ def _local_results_queue() -> UpstreamPatch:
 @contextlib.contextmanager
 def _synchronous_save() -> Iterator[None]:
     """The conditions of a synchronous ``dist_checkpointing.save`` from any rank (see the two helpers)."""
-    from mindspeed.device import get_accelerator
-
     patches = PatchSet([_local_results_queue()])
     patches.apply(get_accelerator())
     try:

@@ -15,8 +15,12 @@ import sys
 
 import yaml
 
-from mindspeed.config import to_dict
+from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import get_logger
+from mindspeed_llm.training.config import load_pretrain_config
+from mindspeed_llm.training.hf import apply_load_hf
+from mindspeed_llm.training.launch import launch
+from mindspeed_llm.training.trainer import pretrain
 
 logger = get_logger(__name__)
 
@@ -71,20 +75,13 @@ def _world_size(nproc_per_node: int) -> int:
 
 
 def _rank_main(config: object) -> object:
-    from mindspeed_llm.training.trainer import pretrain
-
     return pretrain(config)
 
 
 def run_pretrain(args: argparse.Namespace) -> int:
     """Run ``pretrain`` from parsed arguments; returns the exit status."""
-    from mindspeed_llm.training.config import load_pretrain_config
-    from mindspeed_llm.training.launch import launch
-
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
-    from mindspeed.config import ConfigError
-    from mindspeed_llm.training.hf import apply_load_hf
 
     stage = getattr(args, "stage", "pretrain")
     config = load_pretrain_config(args.config, args.overrides)

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
+from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
+from mindspeed_llm.training.lora import LoraSettings
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features", "lora", "dpo")
@@ -408,7 +410,6 @@ class PretrainConfig:
                     raise ConfigError(f"lora.{key} needs LoRA: set lora.target_modules (e.g. [linear_qkv, linear_proj, "
                                       "linear_fc1, linear_fc2])")
             return
-        from mindspeed_llm.training.lora import LoraSettings
 
         try:
             LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
@@ -570,8 +571,6 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 
 def _check_finetune_data(config: PretrainConfig) -> None:
-    from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
-
     keys = PAIRWISE_KEYS if config.stage == "dpo" else INSTRUCTION_KEYS
     kind = "pairwise (AlpacaStylePairwiseHandler ...)" if config.stage == "dpo" else "instruction (AlpacaStyleInstructionHandler ...)"
     for prefix in config.data.prefixes:

@@ -20,6 +20,7 @@ import torch
 
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.training.config import PretrainConfig
 
 logger = get_logger(__name__)
@@ -61,8 +62,6 @@ def read_tokenizer(config: PretrainConfig) -> TokenIds:
     """
     vocab, eod = config.model.vocab_size, config.data.eod_token_id
     if config.data.tokenizer and (vocab is None or eod is None):
-        from mindspeed_llm.tokenizer import load_tokenizer
-
         try:
             tokenizer = load_tokenizer(config.data.tokenizer)
         except ValueError as err:

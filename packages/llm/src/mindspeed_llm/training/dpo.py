@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from mindspeed_llm.training.steps import packed_seq_params
+
 #: The metrics a DPO step reports (TRL's names), each averaged over the pairs.
 DPO_LOSS = "dpo loss"
 DPO_METRICS = (DPO_LOSS, "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -114,8 +116,6 @@ def _collect_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.T
 
 
 def _forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
-    from mindspeed_llm.training.steps import packed_seq_params
-
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=packed_seq_params(batch))

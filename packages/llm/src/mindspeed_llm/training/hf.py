@@ -22,7 +22,22 @@ import torch.distributed as dist
 
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed_llm.bridges import (
+    ModelShape,
+    ParallelLayout,
+    RankKey,
+    Split,
+    bridge_for_family,
+    plan_conversion,
+    split_tensor,
+)
+from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
+from mindspeed_llm.checkpoint.endpoints import HFSource, pick_bridge, read_hf_config
+from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
+from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.training.config import ModelConfig, PretrainConfig
+from mindspeed_llm.training.lora_io import save_lora_adapter
+from mindspeed_llm.training.model import unwrap
 
 logger = get_logger(__name__)
 
@@ -43,8 +58,6 @@ def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
     Raises:
         ConfigError: no ``config.json``, or an architecture no bridge knows.
     """
-    from mindspeed_llm.checkpoint.endpoints import pick_bridge, read_hf_config
-
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise ConfigError(f"checkpoint.load_hf={path!r} has no config.json; give a Hugging Face model directory")
@@ -126,8 +139,6 @@ def _eos_token_id(directory: Path) -> int | None:
 
 
 def _layout(config: PretrainConfig) -> Any:
-    from mindspeed_llm.bridges import ParallelLayout
-
     p, m = config.parallel, config.model
     return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=m.num_layers // (p.pp * p.vpp) if p.vpp else None)
 
@@ -135,7 +146,6 @@ def _layout(config: PretrainConfig) -> Any:
 def _my_rank() -> Any:
     from megatron.core import parallel_state as ps
 
-    from mindspeed_llm.bridges import RankKey
 
     return RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                    ps.get_expert_model_parallel_rank())
@@ -154,10 +164,6 @@ def load_hf_weights(chunks: list[Any], config: PretrainConfig, path: str | Path,
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
             this rank's model unset.
     """
-    from mindspeed_llm.bridges import Split, plan_conversion, split_tensor
-    from mindspeed_llm.checkpoint.endpoints import HFSource
-    from mindspeed_llm.training.model import unwrap
-
     try:
         source = HFSource(Path(path))
         plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
@@ -203,8 +209,6 @@ def _infer_family(model: ModelConfig) -> str:
 
 def model_shape(config: PretrainConfig, vocab_size: int) -> Any:
     """The :class:`~mindspeed_llm.bridges.ModelShape` of the recipe's model (for export)."""
-    from mindspeed_llm.bridges import ModelShape
-
     m = config.model
     values = {src: getattr(m, dst) for src, dst in _SHAPE_TO_MODEL.items()}
     values.update(
@@ -233,7 +237,6 @@ def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str
     if config.checkpoint.load_hf:
         bridge, shape, architecture = read_hf_shape(config.checkpoint.load_hf)
         return bridge, dataclasses.replace(shape, params_dtype=dtype), architecture, Path(config.checkpoint.load_hf)
-    from mindspeed_llm.bridges import bridge_for_family
 
     bridge = bridge_for_family(_infer_family(config.model))
     return bridge, model_shape(config, vocab_size), bridge.hf_architectures[0], None
@@ -246,8 +249,6 @@ def checkpoint_args_of(config: PretrainConfig, vocab_size: int, vocab_rows: int)
     checkpoint as they read a converted one (dense models; LoRA factors and grouped experts are
     not in the bridges' names).
     """
-    from mindspeed_llm.checkpoint.megatron_legacy import checkpoint_args
-
     try:
         bridge, shape, architecture, _ = export_shape(config, vocab_size)
     except (ConfigError, ValueError):
@@ -261,7 +262,6 @@ def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tenso
     # The base weights as megatron names them: QLoRA's NF4 weights dequantised (they have no
     # state-dict entry), LoRA factors left out (they are merged by the converter).
     from mindspeed_llm.training.lora import is_lora_key
-    from mindspeed_llm.training.model import unwrap
 
     model = unwrap(chunk)
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()
@@ -290,9 +290,6 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         lora: the run's ``LoraSettings``: the adapter is merged into the exported weights (in
             float32 math, stored in the weights' dtype).
     """
-    from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
-    from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
-
     target = Path(config.checkpoint.save_hf)
     bridge, shape, architecture, assets = export_shape(config, vocab_size)
     layout = _layout(config)
@@ -319,8 +316,6 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
     dist.barrier()
     adapter = None
     if lora is not None:
-        from mindspeed_llm.training.lora_io import save_lora_adapter
-
         adapter = staging.with_name(staging.name + "-lora")
         save_lora_adapter(chunks, adapter, shape, None, lora)
     if rank0:
@@ -330,8 +325,6 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
                                              save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False,
                                              lora_load=adapter))
             if assets is None and config.data.tokenizer:
-                from mindspeed_llm.tokenizer import load_tokenizer
-
                 load_tokenizer(config.data.tokenizer).save_pretrained(str(target))
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -30,6 +30,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from mindspeed.checkpointing import EXIT_SIGINT, LAUNCHER_INTERRUPT, die_with_parent, interrupts_come_from_launcher
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -56,7 +57,6 @@ def _free_port() -> int:
 def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
     import torch.distributed as dist
 
-    from mindspeed.device import get_accelerator
 
     accelerator = get_accelerator()
     if accelerator.name != "cpu":

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.log import get_logger
-from mindspeed_llm.bridges import ModelShape, ParallelLayout, merge_tensors
-from mindspeed_llm.checkpoint.lora import lora_param, write_lora_checkpoint
+from mindspeed_llm.bridges import ModelShape, ParallelLayout, merge_tensors, plan_conversion
+from mindspeed_llm.checkpoint.convert import atomic_directory
+from mindspeed_llm.checkpoint.endpoints import HFSource
+from mindspeed_llm.checkpoint.lora import LoraCheckpoint, export_peft_adapter, lora_param, write_lora_checkpoint
 from mindspeed_llm.training.lora import LoraSettings, lora_layers, unwrap_model
 
 logger = get_logger(__name__)
@@ -109,8 +111,6 @@ def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, 
     Raises:
         ValueError: on every rank, if rank 0 failed (its error in the message).
     """
-    from mindspeed_llm.checkpoint.convert import atomic_directory
-
     layout = layout or training_layout(chunks, shape)
     factors = gather_lora_factors(chunks)
 
@@ -142,11 +142,6 @@ def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape:
     Raises:
         ValueError: on every rank: a base checkpoint of another model, or any failure of rank 0.
     """
-    from mindspeed_llm.bridges import plan_conversion
-    from mindspeed_llm.checkpoint.convert import atomic_directory
-    from mindspeed_llm.checkpoint.endpoints import HFSource
-    from mindspeed_llm.checkpoint.lora import LoraCheckpoint, export_peft_adapter
-
     factors = gather_lora_factors(chunks)
 
     def write() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed_llm.training.config import PretrainConfig
 
 
@@ -104,12 +105,12 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
     """
+    # Lazy: keeps megatron out of the start-up of mindspeed_llm.cli.
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    from mindspeed.device import get_accelerator
     from mindspeed.megatron.spec import check_config_for_spec, get_gpt_layer_spec
     from mindspeed.patching import PatchSet
     from mindspeed_llm.bridges.megatron_model import block_spec, layer_specs, mla_without_te_patch

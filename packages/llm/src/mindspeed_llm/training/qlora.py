@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed.ops import resolve_kernel
 from mindspeed_llm.training.lora import LORA_TARGETS, LoraLinear, LoraSettings, add_layer_mixin, apply_lora
 
 logger = get_logger(__name__)
@@ -102,8 +103,6 @@ class NF4Linear:
 
 def quantize_linear(module: torch.nn.Module, settings: LoraSettings) -> int:
     """Replace ``module.weight`` by NF4 buffers; returns the bytes of its bf16 equivalent."""
-    from mindspeed.ops import resolve_kernel
-
     if getattr(module, "gather_output", False):
         raise ValueError("QLoRA does not quantise a linear that gathers its output")
     weight = module.weight.detach()

@@ -14,6 +14,12 @@ import argparse
 from pathlib import Path
 
 from mindspeed.log import get_logger
+from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
+from mindspeed_llm.inference import InferenceEngine, SamplingParams
+from mindspeed_llm.tokenizer import DEMO_CORPUS, DEMO_TOKENIZER_NAME
+from mindspeed_llm.training.config import load_pretrain_config
+from mindspeed_llm.training.launch import launch
+from mindspeed_llm.training.trainer import pretrain
 
 logger = get_logger(__name__)
 
@@ -23,9 +29,6 @@ TINY_CPU_RECIPE = Path(__file__).resolve().parent / "recipes" / "tiny_cpu.yaml"
 
 def prepare_demo_data(output_dir: Path) -> str:
     """Tokenize the shipped demo corpus into ``output_dir/data`` (once); returns the dataset prefix."""
-    from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
-    from mindspeed_llm.tokenizer import DEMO_CORPUS, DEMO_TOKENIZER_NAME
-
     prefix = output_dir / "data" / "demo"
     dataset = f"{prefix}_text_document"
     if Path(dataset + ".bin").is_file() and Path(dataset + ".idx").is_file():
@@ -52,10 +55,6 @@ def add_quickstart(sub: argparse._SubParsersAction) -> None:
 
 def run_quickstart(args: argparse.Namespace) -> int:
     """Run ``quickstart`` from parsed arguments; returns the exit status."""
-    from mindspeed_llm.training.config import load_pretrain_config
-    from mindspeed_llm.training.launch import launch
-    from mindspeed_llm.training.trainer import pretrain
-
     out = Path(args.output_dir)
     # Check the overrides before spending time on the data.
     load_pretrain_config(TINY_CPU_RECIPE, args.overrides)
@@ -89,8 +88,6 @@ PROMPT = "The river"
 
 def continue_prompt(model_dir: Path, prompt: str, max_new_tokens: int = 24) -> str:
     """Greedy continuation of ``prompt`` by the model in ``model_dir`` (the built-in inference engine)."""
-    from mindspeed_llm.inference import InferenceEngine, SamplingParams
-
     engine = InferenceEngine.from_pretrained(model_dir, max_batch_size=1)
     ids = engine.tokenizer(prompt)["input_ids"]
     (out,) = engine.generate([ids], SamplingParams(max_new_tokens=max_new_tokens))

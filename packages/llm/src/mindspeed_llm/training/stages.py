@@ -17,7 +17,17 @@ import torch
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed.registry import Registry
+from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.data import MicrobatchReader, build_datasets
+from mindspeed_llm.training.dpo import DPO_LOSS, dpo_loss_func, reference_logps
+from mindspeed_llm.training.finetune_data import (
+    INSTRUCTION_KEYS,
+    PAIRWISE_KEYS,
+    DocumentDataset,
+    PackedMicrobatchReader,
+    PackSettings,
+)
 from mindspeed_llm.training.steps import LM_LOSS, LossFunc, lm_loss
 
 logger = get_logger(__name__)
@@ -64,14 +74,10 @@ class PretrainStage(Stage):
     name = "pretrain"
 
     def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
-        from mindspeed_llm.training.data import build_datasets
-
         return build_datasets(config, world_size, ids)
 
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
-        from mindspeed_llm.training.data import MicrobatchReader
-
         return MicrobatchReader(dataset, config.train.micro_batch_size, dp_rank, dp_size, device)
 
 
@@ -79,8 +85,6 @@ class _FinetuneStage(Stage):
     pairwise = False
 
     def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
-        from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS, DocumentDataset
-
         keys = PAIRWISE_KEYS if self.pairwise else INSTRUCTION_KEYS
         d = config.data
         prefixes = [self._tokenize_input(config)] if d.input else list(d.prefixes)
@@ -105,7 +109,6 @@ class _FinetuneStage(Stage):
 
         import torch.distributed as dist
 
-        from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 
         d = config.data
         source = Path(d.input)
@@ -136,8 +139,6 @@ class _FinetuneStage(Stage):
 
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
-        from mindspeed_llm.training.finetune_data import PackedMicrobatchReader, PackSettings
-
         d = config.data
         settings = PackSettings(d.seq_length, config.train.micro_batch_size, d.variable_seq_lengths,
                                 d.pad_to_multiple_of, pad_id)
@@ -161,20 +162,14 @@ class DpoStage(_FinetuneStage):
 
     @property
     def metric(self) -> str:  # type: ignore[override]
-        from mindspeed_llm.training.dpo import DPO_LOSS
-
         return DPO_LOSS
 
     def loss_fn(self, config: PretrainConfig, transform: Any = None) -> LossFunc:
-        from mindspeed_llm.training.dpo import dpo_loss_func
-
         if transform is not None:
             raise ValueError("loss transforms apply to the language-model loss, not to dpo")
         return dpo_loss_func(config.dpo.beta, config.dpo.label_smoothing, config.dpo.loss_type)
 
     def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
-        from mindspeed_llm.training.dpo import reference_logps
-
         reference_logps(reference, batches)
 
 

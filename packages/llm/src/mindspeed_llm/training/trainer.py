@@ -29,13 +29,18 @@ from mindspeed.checkpointing import (
     resume_hint,
 )
 from mindspeed.config import ConfigError
+from mindspeed.device import get_accelerator
+from mindspeed.features import ModelFacts
+from mindspeed.features.context import ParallelSizes
 from mindspeed.features.moe import expert_layout
 from mindspeed.log import get_logger
+from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data import read_tokenizer
-from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, load_hf_weights, save_hf
+from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, export_shape, load_hf_weights, save_hf
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
+from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
@@ -93,10 +98,6 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     Raises:
         ConfigError: the recipe does not fit the world size, the data or the checkpoint.
     """
-    from mindspeed.features import ModelFacts
-    from mindspeed.features.context import ParallelSizes
-    from mindspeed.megatron import adapt, unadapt
-
     world = dist.get_world_size()
     config = apply_load_hf(config)
     config.check(world)
@@ -121,7 +122,6 @@ def seed_everything(seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from mindspeed.device import get_accelerator
 
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
@@ -164,7 +164,6 @@ class _Run:
     def _build(self) -> None:
         from megatron.core import parallel_state as ps
 
-        from mindspeed.device import get_accelerator
 
         config = self.config
         self.transformer = transformer_config(config, self.vocab, self.overrides)
@@ -358,9 +357,6 @@ class _Run:
         reporter.finish(result.records)
 
     def _save_lora(self) -> None:
-        from mindspeed_llm.training.hf import export_shape
-        from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
-
         lora, settings = self.config.lora, self.lora_settings()
         _, shape, _, _ = export_shape(self.config, self.ids.vocab_size)
         if lora.save_adapter:

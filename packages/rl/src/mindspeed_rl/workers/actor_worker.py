@@ -21,8 +21,14 @@ from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from mindspeed_rl.actor import Actor
 from mindspeed_rl.memory import memory_gib
+from mindspeed_rl.trainer import actor_settings
+from mindspeed_rl.workers.hf_export import write_hf_dir
+from mindspeed_rl.workers.rollout_worker import build_engine
 
 logger = get_logger(__name__)
 
@@ -63,9 +69,6 @@ class ActorWorker:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from mindspeed.device import get_accelerator
-        from mindspeed_rl.actor import Actor
-        from mindspeed_rl.trainer import actor_settings
 
         cfg = self.config
         acc = get_accelerator()
@@ -85,8 +88,6 @@ class ActorWorker:
                  "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
         holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
         if holds:
-            from mindspeed_rl.workers.rollout_worker import build_engine
-
             self.engine = build_engine(cfg, self.model_dir)
         place["engine"] = int(holds)
         return place
@@ -179,8 +180,6 @@ class ActorWorker:
 
     def save(self, root: str, step: int) -> str:
         """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective)."""
-        from mindspeed_llm.training.checkpoint import TrainState, save_checkpoint
-
         path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer,
                                self.actor.scheduler, self.actor.config)
         return str(path)
@@ -189,7 +188,6 @@ class ActorWorker:
         """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
         from pathlib import Path
 
-        from mindspeed_llm.training.checkpoint import load_checkpoint
 
         state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler,
                                 self.actor.config)
@@ -198,8 +196,6 @@ class ActorWorker:
 
     def save_hf(self, target: str) -> str | None:
         """Write the policy as a Hugging Face directory (collective gather; rank 0 writes)."""
-        from mindspeed_rl.workers.hf_export import write_hf_dir
-
         state = self.actor.hf_state()
         if self.rank != 0:
             return None

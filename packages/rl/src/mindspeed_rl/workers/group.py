@@ -23,7 +23,9 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_rl.buffer.balance import balanced_partitions
+from mindspeed_rl.workers.actor_worker import ActorWorker
 from mindspeed_rl.workers.pools import ResourcePool
+from mindspeed_rl.workers.rollout_worker import RolloutWorker
 
 logger = get_logger(__name__)
 
@@ -47,7 +49,6 @@ class ActorGroup:
     def __init__(self, config: Any, model_dir: str, pool: ResourcePool) -> None:
         import ray
 
-        from mindspeed_rl.workers.actor_worker import ActorWorker
 
         self.config, self.dp = config, config.actor.dp
         world = config.actor_world_size()
@@ -171,7 +172,6 @@ class RolloutPool:
     def __init__(self, config: Any, model_dir: str, pool: ResourcePool, max_recoveries: int = 3) -> None:
         import ray
 
-        from mindspeed_rl.workers.rollout_worker import RolloutWorker
 
         worker_class = ray.remote(RolloutWorker)
         self.workers = [worker_class.options(max_restarts=-1, max_task_retries=0, **pool.options(i)).remote(

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed_rl.memory import memory_gib
+from mindspeed_rl.rollout import build_rollout
 
 
 def build_engine(config: Any, model_dir: str) -> Any:
@@ -25,8 +27,6 @@ def build_engine(config: Any, model_dir: str) -> Any:
     Raises:
         ValueError: an engine this version cannot build (naming ``rollout.engine``).
     """
-    from mindspeed_rl.rollout import build_rollout
-
     r = config.rollout
     return build_rollout(r.engine, model_dir, max_num_seqs=r.max_num_seqs, tp=r.tp,
                          gpu_memory_utilization=r.gpu_memory_utilization, seed=config.train.seed,
@@ -43,8 +43,6 @@ class RolloutWorker:
     """
 
     def __init__(self, index: int, config: Any, model_dir: str) -> None:
-        from mindspeed.device import get_accelerator
-
         acc = get_accelerator()
         if acc.ray_resource:
             acc.set_device(0)

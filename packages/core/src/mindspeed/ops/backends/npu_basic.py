@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.device.npu import import_torch_npu
 from mindspeed.log import get_logger, log_once
 from mindspeed.ops.activations import check_swiglu_input
 from mindspeed.ops.matmul_add import flatten_matmul_add_inputs
@@ -29,8 +30,6 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 def _torch_npu() -> Any:
     """The torch_npu module (imported on first use; the probes ran before any call)."""
-    from mindspeed.device.npu import import_torch_npu
-
     module = import_torch_npu()
     if module is None:
         raise RuntimeError("torch_npu is not importable; resolve the kernel with impl='auto' or 'reference'")
@@ -42,8 +41,6 @@ def _has(name: str) -> Callable[[], bool]:
 
     @functools.cache
     def probe() -> bool:
-        from mindspeed.device.npu import import_torch_npu
-
         module = import_torch_npu()
         return module is not None and hasattr(module, name)
 
@@ -155,8 +152,6 @@ def rotary_pos_emb_npu(
 @functools.cache
 def _matmul_add_op() -> Callable[..., Any] | None:
     """torch_npu's in-place ``C += x^T @ weight`` (ATB LinearOperation), or ``None``."""
-    from mindspeed.device.npu import import_torch_npu
-
     module = import_torch_npu()
     if module is None:
         return None
