@@ -31,7 +31,7 @@ from typing import Any
 
 from mindspeed.checkpointing import EXIT_SIGINT, LAUNCHER_INTERRUPT, die_with_parent, interrupts_come_from_launcher
 from mindspeed.device import get_accelerator
-from mindspeed.log import get_logger
+from mindspeed.log import get_logger, setup_logging
 
 logger = get_logger(__name__)
 
@@ -75,7 +75,6 @@ def _spawned_main(target: Callable[..., Any], args: tuple, env: dict[str, str], 
     os.environ.update(env)
     rank = int(env["RANK"])
     if log_level is not None:  # a spawned interpreter starts without the launcher's logging setup
-        from mindspeed.log import setup_logging
 
         setup_logging(log_level)
     try:

@@ -317,8 +317,6 @@ class _Run:
         self.saved_step = self.state.step
 
     def _stop_request(self) -> StopRequest | None:
-        from mindspeed.device import get_accelerator
-
         return self.preemption.agree(device=get_accelerator().device())
 
     def _preempt(self, stop: StopRequest, result: TrainResult) -> None:
