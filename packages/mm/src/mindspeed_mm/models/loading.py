@@ -23,6 +23,17 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
     return model
 
 
+def build_meta_model(path: str | Path, family: VLMFamily, attn_implementation: str = "sdpa") -> Any:
+    """The family's model with the configuration of ``path`` on the meta device (no memory, no weights)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        model = family.load_class()._from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
 def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
     """The tokenizer (with its chat template) and the image processor of ``path``, images kept within the pixel bounds.
 

@@ -24,6 +24,7 @@ from mindspeed_mm.data.mllm import read_mllm_files
 from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
 from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing
+from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.trainer.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
 from mindspeed_mm.trainer.export import save_hf
 from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh
@@ -78,18 +79,46 @@ class _Batches:
 
 
 def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
-    """The family and its model, frozen, recomputed and sharded as the recipe says."""
-    family = family_of(config.model.path)
-    model = load_model(config.model.path, family, config.model.attn_implementation)
-    freeze_parts(model, family, config.model.freeze)
-    model.to(get_accelerator().device())
+    """The family and its model, frozen, recomputed and sharded as the recipe says.
+
+    With several ranks only rank 0 reads the weights (on the host); every rank builds the model
+    on the meta device, shards it, and receives its shards from rank 0 (the buffers, such as
+    rotary frequencies that are in no checkpoint, too), so no other rank holds a full copy.
+    """
+    m, p = config.model, config.parallel
+    family = family_of(m.path)
+    device = get_accelerator().device()
+    full_state, buffers = None, None
+    if world == 1:
+        model = load_model(m.path, family, m.attn_implementation).to(device)
+    else:
+        if dist.get_rank() == 0:
+            loaded = load_model(m.path, family, m.attn_implementation)
+            full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+            del loaded
+        model = build_meta_model(m.path, family, m.attn_implementation)
+    freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
-    p = config.parallel
     mesh = build_mesh(world, p.dp_replicate)
     apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
                p.reshard_after_forward)
+    if world > 1:
+        _load_from_rank0(model, full_state, buffers, device)
     model.train()
     return family, model
+
+
+def _load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None,
+                     buffers: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if buffers is not None:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
 
 
 def _step_counts(batches: list[PackedBatch], device: torch.device) -> tuple[int, int, int]:
