@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mindspeed.device import get_accelerator
 from mindspeed.metrics.flops import TransformerShape, forward_flops_per_token, training_flops_per_token
-from mindspeed.metrics.peak import Peak, cpu_peak, lookup_peak, mfu, peak_flops
+from mindspeed.metrics.peak import PEAK_TFLOPS, Peak, cpu_peak, lookup_peak, mfu, peak_flops
 from mindspeed.testing.models import TinyModelConfig
 from mindspeed.testing.tiny_llama import TinyLlama
 
@@ -56,14 +56,36 @@ def test_shape_from_a_megatron_style_config() -> None:
     assert TransformerShape.from_transformer_config(config, 1024, 64).moe_layers == 2
 
 
-@pytest.mark.parametrize(("name", "dtype", "tflops"), [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A10", "bf16", 125.0), ("NVIDIA L40S", "fp32", 91.6),
-    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA H200", "fp32", 66.9),
-])
-def test_peak_table_matches_the_specific_row_first(name: str, dtype: str, tflops: float) -> None:
+# Peaks from the architecture, not from the table: streaming multiprocessors x dense FLOP per clock
+# per SM x boost clock (GHz), as the vendors' whitepapers give them. bf16/fp16 run on the tensor
+# cores (Hopper 4096, Ampere GA100 2048, GA10x/Ada/Volta 1024 FLOP/clock/SM, no sparsity); fp32 on
+# the CUDA cores (2 FLOP per FMA: 128 or 64 cores per SM). (device name as torch reports it,
+# dtype, SMs, FLOP/clock/SM, GHz)
+ARCHITECTURE = [
+    ("NVIDIA H100 80GB HBM3", "bf16", 132, 4096, 1.830), ("NVIDIA H100 80GB HBM3", "fp32", 132, 256, 1.980),
+    ("NVIDIA H100 PCIe", "bf16", 114, 4096, 1.620), ("NVIDIA H100 PCIe", "fp32", 114, 256, 1.755),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 108, 2048, 1.410), ("NVIDIA A100-SXM4-80GB", "fp32", 108, 128, 1.410),
+    ("NVIDIA A10", "bf16", 72, 1024, 1.695), ("NVIDIA A10", "fp32", 72, 256, 1.695),
+    ("NVIDIA L4", "fp16", 58, 1024, 2.040), ("NVIDIA L4", "fp32", 58, 256, 2.040),
+    ("Tesla V100-SXM2-32GB", "fp16", 80, 1024, 1.530), ("Tesla V100-SXM2-32GB", "fp32", 80, 128, 1.530),
+]
+
+
+@pytest.mark.parametrize(("name", "dtype", "sms", "per_clock", "ghz"), ARCHITECTURE)
+def test_peak_table_agrees_with_the_architecture(name: str, dtype: str, sms: int, per_clock: int, ghz: float) -> None:
     peak = lookup_peak(name, dtype)
-    assert peak is not None and peak.tflops == tflops and peak.source
+    assert peak is not None and peak.source
+    assert peak.tflops == pytest.approx(sms * per_clock * ghz / 1000, rel=0.01)
+
+
+def test_every_row_is_reachable_and_names_resolve_to_the_most_specific_row() -> None:
+    # A row shadowed by an earlier, shorter fragment ("A10" before "A100") would never be used.
+    for row in PEAK_TFLOPS:
+        for dtype, tflops in row.tflops.items():
+            peak = lookup_peak(f"NVIDIA {row.match} 80GB", dtype)
+            assert peak is not None and (peak.tflops, peak.source) == (tflops, row.source), row.match
+    assert lookup_peak("NVIDIA H100 PCIe", "bf16").source != lookup_peak("NVIDIA H100 SXM5", "bf16").source
+    assert lookup_peak("NVIDIA A100 PCIe", "bf16").tflops != lookup_peak("NVIDIA A10", "bf16").tflops
 
 
 def test_unknown_device_override_and_mfu() -> None:

@@ -20,6 +20,18 @@ from mindspeed.testing.distributed import run_distributed
 from mindspeed_llm.training.metrics import read_metrics
 from tests.llm.training.datasets import write_indexed_dataset
 
+#: The MFU denominator the runs are given (one device).
+PEAK_TFLOPS = 0.5
+
+
+def _training_flops_per_token(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int,
+                              seq: int) -> int:
+    """Megatron's count, written out: 3 x forward (backward = 2 x forward); per layer the QKV and
+    output projections, scores and values (4 s h), the gated MLP (three h x ffn matmuls); then the logits."""
+    head_dim = hidden // heads
+    layer = 2 * hidden * (hidden + 2 * groups * head_dim) + 2 * hidden * hidden + 4 * seq * hidden + 3 * 2 * hidden * ffn
+    return 3 * (layers * layer + 2 * hidden * vocab)
+
 
 class _NanAt:
     def __init__(self, steps: set[int] | None = None, from_step: int | None = None) -> None:
@@ -36,7 +48,7 @@ def _runs(rank: int, world_size: int, prefix: str, out: str) -> dict[str, Any]:
 
     common = [f"data.prefixes=[{prefix}]", "data.seq_length=16", "data.split=1", "model.vocab_size=128",
               "train.steps=6", "train.micro_batch_size=2", "train.global_batch_size=4", "train.lr=1e-3",
-              "train.lr_decay_style=linear", "logging.progress=false"]
+              "train.lr_decay_style=linear", "logging.progress=false", f"logging.peak_tflops={PEAK_TFLOPS}"]
     once = pretrain(load_pretrain_config(None, [*common, f"logging.dir={out}/once"]), TrainerHooks(_NanAt({3})))
     stuck = pretrain(load_pretrain_config(None, [*common, f"logging.dir={out}/stuck", "train.max_nonfinite_steps=2"]),
                      TrainerHooks(_NanAt(from_step=2)))
@@ -62,7 +74,14 @@ def test_one_bad_step_is_skipped_and_training_goes_on(runs: tuple[dict[str, Any]
     assert state["skipped_steps"] == 1 and state["nonfinite_streak"] == 0
     logged = [r for r in read_metrics(root / "once" / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["loss"] for r in logged][2] == "nan" and logged[2]["skipped"] is True
-    assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in logged)
+    # Throughput and MFU against the step times, the batch and a FLOP count written out here: the
+    # default model (2 layers, hidden 64, 4 heads, MLP 4 x hidden), vocabulary 128, 16 tokens.
+    flops = _training_flops_per_token(layers=2, hidden=64, heads=4, groups=4, ffn=256, vocab=128, seq=16)
+    for record in records:
+        assert record["tokens_per_s"] == pytest.approx(4 * 16 / record["step_time_s"], rel=1e-9)
+        assert record["mfu"] == pytest.approx(record["tokens_per_s"] * flops / (PEAK_TFLOPS * 1e12), rel=1e-9)
+    assert [r["tokens_per_s"] for r in logged] == pytest.approx([r["tokens_per_s"] for r in records])
+    assert [r["mfu"] for r in logged] == pytest.approx([r["mfu"] for r in records])
 
 
 def test_consecutive_bad_steps_stop_the_run(runs: tuple[dict[str, Any], Path]) -> None:
