@@ -1,0 +1,46 @@
+"""What a kind of model brings to the shared FSDP2 trainer: its sharded model, its microbatches, its loss.
+
+The trainer (:mod:`mindspeed_mm.trainer.loop`) owns everything else: the optimizer, the
+schedule, gradient accumulation, clipping, checkpoints, resume, metrics, the progress bar and
+the export. A task for another kind of model (a diffusion transformer, ...) implements
+:class:`TrainTask` and is registered in :data:`TASKS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from mindspeed.registry import Registry
+
+
+class TrainTask(Protocol):
+    """One kind of training.
+
+    Attributes:
+        model: the model, already sharded with FSDP2 (:func:`mindspeed_mm.trainer.fsdp.apply_fsdp`).
+        source: the Hugging Face directory the model came from (its non-weight files go into the export).
+    """
+
+    model: torch.nn.Module
+    source: Path
+
+    def microbatches(self, step: int, rank: int) -> list[Any]:
+        """This rank's microbatches of optimizer step ``step`` (from 1); a function of the step alone."""
+
+    def counts(self, microbatches: list[Any]) -> torch.Tensor:
+        """This rank's float64 counts over ``microbatches`` (the trainer sums them over ranks before the losses)."""
+
+    def loss(self, microbatch: Any, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(backward_loss, reported_share)`` of one microbatch: the reported loss of the step is the sum of
+        the shares over microbatches and ranks; FSDP2 averages gradients over ranks."""
+
+    def step_tokens(self, totals: torch.Tensor) -> int:
+        """Tokens the step processed over all ranks (for tokens/s)."""
+
+
+#: task name -> ``(config, world_size) -> TrainTask``.
+TASKS: Registry[Callable[[Any, int], TrainTask]] = Registry("training task")

@@ -1,0 +1,127 @@
+"""The vision-language task: mllm_format data packed per microbatch, the model's logits, MindSpeed-MM's loss reductions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mindspeed.device import get_accelerator
+from mindspeed_mm.config import MMConfig
+from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
+from mindspeed_mm.data.mllm import read_mllm_files
+from mindspeed_mm.data.order import SampleOrder
+from mindspeed_mm.data.packing import PackedBatch, pack_samples
+from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing
+from mindspeed_mm.models.loading import build_meta_model
+from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh
+from mindspeed_mm.trainer.loss import reduce_loss, token_losses
+from mindspeed_mm.trainer.task import TASKS
+from mindspeed_mm.trainer.vision_sync import VisionSync
+
+
+def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
+    """The family and its model, frozen, recomputed and sharded as the recipe says.
+
+    With several ranks only rank 0 reads the weights (on the host); every rank builds the model
+    on the meta device, shards it, and receives its shards from rank 0 (the buffers, such as
+    rotary frequencies that are in no checkpoint, too), so no other rank holds a full copy.
+    """
+    m, p = config.model, config.parallel
+    family = family_of(m.path)
+    device = get_accelerator().device()
+    full_state, buffers = None, None
+    if world == 1:
+        model = load_model(m.path, family, m.attn_implementation).to(device)
+    else:
+        if dist.get_rank() == 0:
+            loaded = load_model(m.path, family, m.attn_implementation)
+            full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+            del loaded
+        model = build_meta_model(m.path, family, m.attn_implementation)
+    freeze_parts(model, family, m.freeze)
+    apply_recompute(model, config.train.recompute_modules)
+    mesh = build_mesh(world, p.dp_replicate)
+    apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
+               p.reshard_after_forward)
+    if world > 1:
+        _load_from_rank0(model, full_state, buffers, device)
+    model.train()
+    return family, model
+
+
+def _load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None,
+                     buffers: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if buffers is not None:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+
+
+class VLMTask:
+    """Vision-language fine-tuning (:class:`~mindspeed_mm.trainer.task.TrainTask`).
+
+    Samples are checked when the task is built and encoded on first use; each microbatch packs
+    ``train.micro_batch_size`` samples into one row. Counts: predicted tokens, samples with
+    predicted tokens, tokens.
+    """
+
+    def __init__(self, config: MMConfig, world: int) -> None:
+        d, t = config.data, config.train
+        self.config, self.world = config, world
+        self.source = Path(config.model.path)
+        self.family, self.model = build_model(config, world)
+        self.device = get_accelerator().device()
+        self.vision_sync = VisionSync(self.model, self.family) if world > 1 else None
+        self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
+        self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
+        self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed,
+                                 d.shuffle)
+        self._encoded: dict[int, EncodedSample] = {}
+
+    def _sample(self, index: int) -> EncodedSample:
+        if index not in self._encoded:
+            d = self.config.data
+            self._encoded[index] = encode_sample(self.samples[index], self.tokenizer, self.processor, self.family,
+                                                 d.cutoff_len, d.train_on_prompt, d.mask_history)
+        return self._encoded[index]
+
+    def microbatches(self, step: int, rank: int) -> list[PackedBatch]:
+        """This rank's packed microbatches of ``step``."""
+        return [pack_samples([self._sample(i) for i in self.order.indices(step, rank, j)], self.model, self.family)
+                for j in range(self.config.train.gradient_accumulation_steps)]
+
+    def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
+        """[predicted tokens, samples with predicted tokens, tokens] of this rank."""
+        counts = torch.zeros(3, dtype=torch.float64)
+        for batch in microbatches:
+            mask = batch.targets != IGNORE_INDEX
+            per_sample = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
+            counts += torch.tensor([float(mask.sum()), float((per_sample > 0).sum()), float(batch.input_ids.numel())],
+                                   dtype=torch.float64)
+        return counts.to(self.device)
+
+    def loss(self, batch: PackedBatch, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The microbatch's loss under ``train.loss_type``."""
+        t = self.config.train
+        if self.vision_sync is not None:
+            self.vision_sync.needed = batch.pixel_values is None
+        logits = self.model(**batch.model_inputs(self.device)).logits[0]
+        targets = batch.targets.to(self.device)
+        losses = token_losses(logits, targets)
+        return reduce_loss(losses, targets, batch.sample_index.to(self.device), batch.num_samples, t.loss_type,
+                           t.gradient_accumulation_steps, self.world, int(totals[0]), int(totals[1]))
+
+    def step_tokens(self, totals: torch.Tensor) -> int:
+        """Tokens of the step over all ranks."""
+        return int(totals[2])
+
+
+TASKS.register("vlm", VLMTask)
