@@ -48,7 +48,7 @@ def test_labels_only_on_answers_and_image_tokens_per_patch(tiny_vlm) -> None:
     encoded = encode_sample(sample, tokenizer, processor, family, cutoff_len=1024)
     image_id = tokenizer.convert_tokens_to_ids(family.image_token)
     merge = processor.merge_size
-    assert int((encoded.input_ids == image_id).sum()) == int(encoded.image_grid_thw.prod()) // merge**2 > 0
+    assert int((encoded.input_ids == image_id).sum()) == int(encoded.vision['image_grid_thw'].prod()) // merge**2 > 0
     assert encoded.mm_token_type_ids.tolist() == (encoded.input_ids == image_id).int().tolist()
     learned = tokenizer.decode(encoded.input_ids[encoded.labels != IGNORE_INDEX])
     assert learned == "It is red.<|im_end|>\nYes.<|im_end|>\n"

@@ -33,8 +33,7 @@ def _reference(model_dir, data):
     for sample in encoded:
         inputs = {"input_ids": sample.input_ids[None], "labels": sample.labels[None],
                   "mm_token_type_ids": sample.mm_token_type_ids[None], "use_cache": False}
-        if sample.pixel_values is not None:
-            inputs.update(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
+        inputs.update(sample.vision)
         model.zero_grad()
         loss = model(**inputs).loss
         (loss * sample.num_label_tokens).backward()

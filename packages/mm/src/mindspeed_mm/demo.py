@@ -124,8 +124,7 @@ def choice_accuracy(model_dir: str | Path, data_file: str | Path, max_samples: i
             encoded = encode_sample(MllmSample(messages, sample.images, sample.source), tokenizer, processor, family, 4096)
             with torch.no_grad():
                 out = model(input_ids=encoded.input_ids[None], labels=encoded.labels[None], use_cache=False,
-                            mm_token_type_ids=encoded.mm_token_type_ids[None], pixel_values=encoded.pixel_values,
-                            image_grid_thw=encoded.image_grid_thw)
+                            mm_token_type_ids=encoded.mm_token_type_ids[None], **encoded.vision)
             scores.append(float(out.loss) * encoded.num_label_tokens)
         right[kind].append(choices[scores.index(min(scores))] == sample.messages[1]["content"])
     return {kind: sum(hits) / max(len(hits), 1) for kind, hits in right.items()}

@@ -4,8 +4,8 @@ The conversation is rendered with the tokenizer's chat template one turn at a ti
 the first k turns is a prefix of the text of the first k + 1), so each assistant answer is a
 known span: its tokens are the labels, everything else is -100 (``train_on_prompt`` labels the
 prompts too, ``mask_history`` only the last answer). ``<image>`` becomes the family's
-placeholder, whose image token is then repeated once per merged image patch, as the
-processor of the family does.
+placeholder, whose image token is then repeated as many times as the family's processor
+does (once per merged patch for Qwen-VL, ``image_seq_length`` per tile for InternVL).
 """
 
 from __future__ import annotations
@@ -29,17 +29,20 @@ class EncodedSample:
         input_ids: [L] token ids.
         labels: [L] the token itself where it is learned, -100 elsewhere (not shifted).
         mm_token_type_ids: [L] 0 text, 1 image token.
-        pixel_values: [patches, C*T*P*P] image patches (None: no images).
-        image_grid_thw: [images, 3] patch grid per image (None: no images).
+        vision: the model's vision inputs (``pixel_values``, and ``image_grid_thw`` for Qwen-VL); empty: no images.
         source: where the sample came from.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     mm_token_type_ids: torch.Tensor
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None
+    vision: dict[str, torch.Tensor]
     source: str
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        """The image input (None: no images)."""
+        return self.vision.get("pixel_values")
 
     @property
     def num_label_tokens(self) -> int:
@@ -78,7 +81,7 @@ def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, fami
     """
     from PIL import Image
 
-    pixel_values = grid = None
+    vision: dict[str, torch.Tensor] = {}
     counts: list[int] = []
     if sample.images:
         images = []
@@ -88,10 +91,7 @@ def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, fami
                     images.append(image.convert("RGB"))
             except OSError as err:
                 raise ValueError(f"{sample.source}: image {path} cannot be read ({err}); fix or remove it") from err
-        out = image_processor(images=images, return_tensors="pt")
-        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
-        merge = int(getattr(image_processor, "merge_size", 1))
-        counts = [int(g.prod()) // merge**2 for g in grid]
+        vision, counts = family.image_inputs(image_processor(images=images, return_tensors="pt"), image_processor)
     messages = [{"role": m["role"], "content": m["content"].replace(IMAGE_PLACEHOLDER, family.image_placeholder)}
                 for m in sample.messages]
     segments = _segments(messages, tokenizer, sample.source)
@@ -117,4 +117,4 @@ def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, fami
                          f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels")
     input_ids, target = input_ids[:cutoff_len], torch.tensor(labels[:cutoff_len], dtype=torch.long)
     return EncodedSample(input_ids=input_ids, labels=target, mm_token_type_ids=(input_ids == image_id).to(torch.int32),
-                         pixel_values=pixel_values, image_grid_thw=grid, source=sample.source)
+                         vision=vision, source=sample.source)

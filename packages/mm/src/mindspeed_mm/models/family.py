@@ -31,14 +31,17 @@ class VLMFamily:
         fsdp_plan: module-name patterns wrapped as FSDP2 units (innermost first; ``{*}`` matches one name part).
         image_placeholder: what replaces ``<image>`` in a message before the chat template.
         image_token: the token that the placeholder holds once per image feature.
-        positions: ``(model, input_ids [1, L], mm_token_type_ids [1, L], image_grid_thw [n, 3] or None)
-            -> [3, 1, L]`` rotary positions of one sample (the model's own rule).
+        image_inputs: ``(image processor output, image processor) -> (vision inputs of the model's
+            forward, image tokens per image)``.
+        positions: ``(model, encoded sample) -> position_ids`` of one sample whose first row is the
+            text position (0 .. L-1), so packed samples restart there: ``[4, 1, L]`` for M-RoPE
+            (text row, then the model's own three axes), ``[1, L]`` for 1-D positions.
         write_tiny: ``(directory, seed) -> None`` writes a tiny model of the family (config,
             random weights, tokenizer, image processor, chat template).
-        vision_module: the vision tower's module name (run on a dummy image by ranks whose
-            microbatch has none, so every rank joins its FSDP2 collectives).
-        language_module: the language model's module name (its input is where the dummy output is added).
-        dummy_vision_inputs: ``model config -> kwargs`` of the smallest vision-tower input.
+        language_module: the language model's module name (ranks whose microbatch has no image run
+            ``model.model.get_image_features`` on a dummy input before it, so every rank joins the
+            vision tower's FSDP2 collectives).
+        dummy_vision_inputs: ``model config -> kwargs`` of ``get_image_features`` for the smallest image.
     """
 
     architecture: str
@@ -47,9 +50,9 @@ class VLMFamily:
     fsdp_plan: tuple[str, ...]
     image_placeholder: str
     image_token: str
-    positions: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    image_inputs: Callable[[Any, Any], tuple[dict[str, torch.Tensor], list[int]]]
+    positions: Callable[[Any, Any], torch.Tensor]
     write_tiny: Callable[[Path, int], None]
-    vision_module: str
     language_module: str
     dummy_vision_inputs: Callable[[Any], dict[str, torch.Tensor]]
 

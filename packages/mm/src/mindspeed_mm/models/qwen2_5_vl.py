@@ -24,12 +24,20 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|image_pad|>", "<|video_pad|>"]
 
 
-def rope_positions(model: Any, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor,
-                   image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """[3, 1, L] M-RoPE positions of one sample, by transformers' own ``get_rope_index``."""
-    inner = model.model
-    positions, _ = inner.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
-    return positions
+def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Patches and grids; one image token per merged patch (``t * h * w / merge^2``)."""
+    merge = int(getattr(image_processor, "merge_size", 1))
+    grid = out["image_grid_thw"]
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, [int(g.prod()) // merge**2 for g in grid]
+
+
+def rope_positions(model: Any, sample: Any) -> torch.Tensor:
+    """[4, 1, L]: the text positions, then the M-RoPE positions of transformers' own ``get_rope_index``."""
+    ids = sample.input_ids[None]
+    rope, _ = model.model.get_rope_index(ids, sample.mm_token_type_ids[None],
+                                         image_grid_thw=sample.vision.get("image_grid_thw"))
+    text = torch.arange(ids.shape[1], dtype=rope.dtype).view(1, 1, -1)
+    return torch.cat([text, rope.to("cpu")], dim=0)
 
 
 def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
@@ -38,7 +46,7 @@ def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
     channels = getattr(vision, "in_chans", None) or vision.in_channels
     width = channels * vision.temporal_patch_size * vision.patch_size**2
     merge = vision.spatial_merge_size
-    return {"hidden_states": torch.zeros(merge * merge, width), "grid_thw": torch.tensor([[1, merge, merge]])}
+    return {"pixel_values": torch.zeros(merge * merge, width), "image_grid_thw": torch.tensor([[1, merge, merge]])}
 
 
 def write_tiny(directory: Path, seed: int = 0) -> None:
@@ -78,9 +86,9 @@ QWEN2_5_VL = register_family(VLMFamily(
     fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
     image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
     image_token="<|image_pad|>",
+    image_inputs=image_inputs,
     positions=rope_positions,
     write_tiny=write_tiny,
-    vision_module="model.visual",
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
 ))

@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from mindspeed_mm.models.family import VLMFamily, register_family
-from mindspeed_mm.models.qwen2_5_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, dummy_vision_inputs, rope_positions
+from mindspeed_mm.models.qwen2_5_vl import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    dummy_vision_inputs,
+    image_inputs,
+    rope_positions,
+)
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 
 
@@ -55,9 +61,9 @@ QWEN3_VL = register_family(VLMFamily(
     fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
     image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
     image_token="<|image_pad|>",
+    image_inputs=image_inputs,
     positions=rope_positions,
     write_tiny=write_tiny,
-    vision_module="model.visual",
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
 ))

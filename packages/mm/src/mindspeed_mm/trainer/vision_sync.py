@@ -3,7 +3,8 @@
 A microbatch without images skips the vision tower inside the Hugging Face forward; under
 FSDP2 the ranks whose microbatch has images would then wait in the tower's all-gathers (and
 reduce-scatters in the backward) for a rank that never comes. A forward pre-hook on the
-language model runs the tower on the family's smallest dummy input when the microbatch has
+language model runs the model's ``get_image_features`` (tower and projector) on the family's
+smallest dummy input when the microbatch has
 no images (the same place in the order of collectives as the real call, which precedes the
 language model) and adds ``0 x`` its output to the language model's input embeddings, so the
 backward passes through the tower too. The loss and the gradients are unchanged.
@@ -38,7 +39,7 @@ class VisionSync:
     """
 
     def __init__(self, model: torch.nn.Module, family: VLMFamily) -> None:
-        self.vision = model.get_submodule(family.vision_module)
+        self.image_features = model.model.get_image_features  # the model's own image path (tower and projector)
         self.inputs = family.dummy_vision_inputs(model.config)
         self.needed = False
         language = model.get_submodule(family.language_module)
@@ -48,7 +49,7 @@ class VisionSync:
         if not self.needed or kwargs.get("inputs_embeds") is None:
             return None
         embeds = kwargs["inputs_embeds"]
-        out = self.vision(**{k: v.to(embeds.device) for k, v in self.inputs.items()})
+        out = self.image_features(**{k: v.to(embeds.device) for k, v in self.inputs.items()})
         zero = sum(t.float().sum() for t in _tensors(out)) * 0.0
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 

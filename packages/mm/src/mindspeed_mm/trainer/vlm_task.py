@@ -112,7 +112,7 @@ class VLMTask:
         """The microbatch's loss under ``train.loss_type``."""
         t = self.config.train
         if self.vision_sync is not None:
-            self.vision_sync.needed = batch.pixel_values is None
+            self.vision_sync.needed = not batch.vision
         logits = self.model(**batch.model_inputs(self.device)).logits[0]
         targets = batch.targets.to(self.device)
         losses = token_losses(logits, targets)
