@@ -3,11 +3,13 @@
 The tiny DeepSeek-V3 (MLA with a q LoRA, sigmoid routing with an expert bias and group-limited
 top-k, routed scaling factor, a shared expert, a dense first layer) trains in one spawned gloo
 group of four ranks: tensor parallelism 2 (with sequence parallelism, which megatron requires
-for MoE under TP) times data parallelism 2, its experts split over expert parallelism 2. The
+for MoE under TP) times data parallelism 2, its experts split over expert parallelism 2 (and
+expert TP 2) behind megatron's alltoall token dispatcher. The
 parent recomputes with transformers:
 
 - the logits of the model the trainer builds and loads (``build_model`` + ``load_hf_weights``),
-  gathered over TP, equal transformers' on the same tokens;
+  gathered over TP, equal transformers' on the same tokens, with default rope and with YaRN
+  (megatron's ``YarnRotaryEmbedding`` and MLA's mscale, on the CPU through the adaptor);
 - the first training loss is transformers' token-weighted mean cross-entropy over the same
   global batch (the samples are read back from the run's dataset);
 - the loss falls over the steps;
@@ -33,13 +35,13 @@ from tests.llm.training.datasets import write_indexed_dataset
 from tests.llm.training.finetune_data import make_samples, write_instruction
 
 SEQ, MBS, GBS, STEPS = 32, 2, 8, 3
-# megatron's alltoall dispatcher gathers uneven token counts over the expert-TP group, which gloo
-# refuses ("invalid tensor size"); the allgather dispatcher is the one that runs on the CPU at ETP 2.
-LAYOUT = ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "model.moe_token_dispatcher_type=allgather"]
+# The default alltoall dispatcher: at expert-TP 2 it gathers uneven token counts, which gloo takes
+# through the adaptor's gloo-uneven-* patches.
+LAYOUT = ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]
 
 
-def _overrides(root: str, *extra: str) -> list[str]:
-    return [f"checkpoint.load_hf={root}/hf", f"data.prefixes=[{root}/data]", f"data.seq_length={SEQ}",
+def _overrides(root: str, *extra: str, hf: str = "hf") -> list[str]:
+    return [f"checkpoint.load_hf={root}/{hf}", f"data.prefixes=[{root}/data]", f"data.seq_length={SEQ}",
             "data.split=80,20,0", f"train.micro_batch_size={MBS}", f"train.global_batch_size={GBS}", "train.lr=3e-3",
             "train.clip_grad=1.0", "logging.progress=false", "logging.tensorboard=false", "logging.loss_curve=false",
             *LAYOUT, *extra]
@@ -89,6 +91,7 @@ def _group(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> dict[
     from mindspeed_llm.training.trainer import pretrain
 
     logits = _logits(load_pretrain_config(None, _overrides(root)), tokens)
+    yarn = _logits(load_pretrain_config(None, _overrides(root, hf="hf-yarn")), tokens)
     config = load_pretrain_config(None, _overrides(root, f"train.steps={STEPS}", "eval.at_end=true", "eval.iters=1",
                                                    f"checkpoint.save_hf={root}/exported"))
     result = pretrain(config)
@@ -100,8 +103,29 @@ def _group(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> dict[
     sft = pretrain(load_pretrain_config(None, _overrides(root, "stage=sft", f"data.prefixes=[{root}/packed]",
                                                         "train.steps=1")))
     records.append({"sft_loss": sft.records[0]["loss"]})
-    return {"logits": None if logits is None else logits.numpy(), "records": records, "evals": result.evals, "train": _batch(train),
+    return {"logits": logits.numpy(), "yarn_logits": yarn.numpy(), "records": records, "evals": result.evals, "train": _batch(train),
             "valid": _batch(valid)}
+
+
+#: YaRN as DeepSeek-V3 ships it (smaller numbers): megatron's YarnRotaryEmbedding and MLA's mscale.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _save_yarn(path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, write_tiny_tokenizer
+
+    config = TINY_CONFIGS.get("deepseek3")()
+    config.rope_parameters = dict(YARN)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +134,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root: Path = tmp_path_factory.mktemp("deepseek3")
     save_tiny_checkpoint("deepseek3", root / "hf", seed=0)
+    _save_yarn(root / "hf-yarn")
     write_indexed_dataset(root / "data", 120, seed=1)
     write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -132,11 +157,12 @@ def _loss(model: Any, batch: dict[str, np.ndarray]) -> float:
 
 
 @pytest.mark.distributed
-def test_logits_of_the_loaded_model_equal_transformers(run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_logits_of_the_loaded_model_equal_transformers(run: dict[str, Any], rope: str) -> None:
     with torch.no_grad():
-        want = _hf(run["root"] / "hf")(run["tokens"]).logits
+        want = _hf(run["root"] / ("hf" if rope == "default" else "hf-yarn"))(run["tokens"]).logits
     for rank in run["ranks"]:
-        got = torch.from_numpy(rank["logits"])[..., : want.shape[-1]]
+        got = torch.from_numpy(rank["logits" if rope == "default" else "yarn_logits"])[..., : want.shape[-1]]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

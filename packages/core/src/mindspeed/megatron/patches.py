@@ -143,6 +143,40 @@ def _optimizer_unshared_steps(original: Any, acc: Any) -> Any:
     return load_state_dict
 
 
+def _is_gloo(group: Any) -> bool:
+    return torch.distributed.get_backend(group) == "gloo"
+
+
+def _gather_uneven_on_gloo(original: Any, acc: Any) -> Any:
+    def _gather_along_first_dim(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                                use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1 or not _is_gloo(group):
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's all_gather takes equal sizes only: pad every piece to the longest, then trim.
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:size] for piece, size in zip(pieces, output_split_sizes)])
+
+    return _gather_along_first_dim
+
+
+def _reduce_scatter_uneven_on_gloo(original: Any, acc: Any) -> Any:
+    def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                                        use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1 or not _is_gloo(group):
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        # gloo has no list reduce_scatter: sum the whole tensor, keep this rank's rows.
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].contiguous()
+
+    return _reduce_scatter_along_first_dim
+
+
 def _without_apex_or_te() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
@@ -188,6 +222,15 @@ def megatron_patches() -> list[UpstreamPatch]:
                       reason="upstream bug without Apex/TE: load_state_dict gives all parameters one shared Adam "
                       "step tensor, which every parameter's update increments (wrong bias correction after a load)",
                       **common),
+        UpstreamPatch("gloo-uneven-all-gather", "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+                      _gather_uneven_on_gloo,
+                      reason="gloo's all_gather takes equal sizes only; the MoE alltoall dispatcher gathers uneven "
+                      "token counts over the expert tensor-parallel group ('invalid tensor size')", **common),
+        UpstreamPatch("gloo-uneven-reduce-scatter",
+                      "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+                      _reduce_scatter_uneven_on_gloo,
+                      reason="gloo has no reduce_scatter of a tensor list; the MoE alltoall dispatcher's backward "
+                      "scatters uneven token counts", **common),
         UpstreamPatch("p2p-same-peer-order", "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
                       _p2p_same_peer_order,
                       reason="upstream bug (Megatron-LM issues 750, 1450): with pipeline size 2 and the interleaved "
