@@ -181,6 +181,7 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
     lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and all(0 <= r["reward_mean"] <= 1 for r in lines)
     assert (logs / "reward.png").stat().st_size > 0 and any((logs / "tensorboard").iterdir())
+    assert (logs / "report.txt").stat().st_size > 0  # the driver's full log
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "rl-demo-model" / next(
         p.name for p in (tmp_path / "runs" / "rl-demo-model").iterdir() if (p / "config.json").is_file()))
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "policy")

@@ -3,10 +3,11 @@
 A suite's ``cli.py`` holds a literal table of its commands: name -> a function that adds the
 subparser (and sets ``func``) to the subparsers it is given. The subcommand modules define those
 functions and never import the suite's ``cli.py``. Flags derived from a dataclass config take
-their help text from its docstring (:func:`field_help`, :func:`add_dataclass_flags`). A command with an
-``overrides`` positional (``key=value ...``) takes them anywhere on the line, between and after
-its options too. Errors that are the user's (``ValueError``) end with one line on standard error
-and exit code 2.
+their help text from its docstring (:func:`field_help`, :func:`add_dataclass_flags`). A command
+with an ``overrides`` positional (``key=value ...``) takes them anywhere on the line, between and
+after its options too; so is ``--verbose`` (the console shows the detail the run's report file
+keeps). Errors that are the user's (``ValueError``) end with one line on standard error and exit
+code 2.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import os
 import re
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
-from mindspeed.log import setup_logging
+from mindspeed.log import VERBOSE_ENV, setup_logging
 
 #: What a suite registers: a function that adds one subcommand to the subparsers.
 AddCommand = Callable[[argparse._SubParsersAction], None]
@@ -30,10 +32,17 @@ def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCo
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version(prog)}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also show the detail on the console: the adaptor's patches, the features table, kernel "
+                             "choices and other libraries' warnings (always in the run's report.txt); anywhere on "
+                             "the line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _, add_command in commands.items():
         add_command(sub)
     return parser
+
+
+_VERBOSE = ("--verbose", "-v")
 
 
 def is_override(arg: str) -> bool:
@@ -50,6 +59,9 @@ def parse_suite_args(parser: argparse.ArgumentParser, argv: list[str] | None = N
     usual "unrecognized arguments" error (exit 2).
     """
     args, extras = parser.parse_known_args(argv)
+    if any(arg in _VERBOSE for arg in extras):  # --verbose after the command
+        args.verbose = True
+        extras = [arg for arg in extras if arg not in _VERBOSE]
     if extras:
         if not hasattr(args, "overrides") or not all(map(is_override, extras)):
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
@@ -63,6 +75,8 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     if args.command is None:
         parser.print_help()
         return 0
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # spawned ranks inherit it
     setup_logging(args.log_level)
     try:
         return int(args.func(args) or 0)

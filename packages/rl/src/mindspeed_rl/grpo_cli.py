@@ -11,9 +11,11 @@ policy as a Hugging Face directory to ``checkpoint.save_hf``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from mindspeed.config import ConfigError
+from mindspeed.log import RUN_LOG_FILE, open_run_log
 
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +51,8 @@ def run_grpo(args: argparse.Namespace) -> int:
     if log_dir is not None:
         sink = RLMetricsLog(log_dir, tensorboard=config.logging.tensorboard, reward_curve=config.logging.reward_curve,
                             resume_step=runner.ctx.step)
-    progress = ProgressLine(config.train.steps, bar=config.logging.progress, interval=config.logging.interval)
+    progress = ProgressLine(config.train.steps, bar=config.logging.progress, interval=config.logging.interval,
+                            stage="grpo")
 
     def on_step(record: dict[str, float]) -> None:
         record = per_device(record, devices)
@@ -57,15 +60,17 @@ def run_grpo(args: argparse.Namespace) -> int:
         if sink is not None:
             sink.log(record)
 
-    try:
-        records = runner.run(on_step=on_step)
-        if config.checkpoint.save_hf:
-            path = runner.save_hf(config.checkpoint.save_hf)
-            sys.stdout.write(f"policy written to {path}\n")
-    finally:
-        progress.close()
-        curve = sink.close() if sink is not None else None
-        runner.shutdown()
+    # The driver's full log (detail and other libraries' warnings included) goes to logging.dir/report.txt.
+    with open_run_log(log_dir / RUN_LOG_FILE) if log_dir is not None else contextlib.nullcontext():
+        try:
+            records = runner.run(on_step=on_step)
+            if config.checkpoint.save_hf:
+                path = runner.save_hf(config.checkpoint.save_hf)
+                sys.stdout.write(f"policy written to {path}\n")
+        finally:
+            progress.close()
+            curve = sink.close() if sink is not None else None
+            runner.shutdown()
     if records:
         first, last = records[0], records[-1]
         sys.stdout.write(f"{len(records)} steps: reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"

@@ -121,9 +121,11 @@ class ProgressLine:
         bar: ``True`` for a bar when ``stream`` is a terminal, ``False`` for plain lines.
         stream: where the bar draws (default ``sys.stderr``).
         interval: log every ``interval``-th step in plain-line mode (the bar updates every step).
+        stage: the name the bar starts with (``grpo``, ``dapo``, ...).
     """
 
-    def __init__(self, total_steps: int, *, bar: bool = True, stream: TextIO | None = None, interval: int = 1) -> None:
+    def __init__(self, total_steps: int, *, bar: bool = True, stream: TextIO | None = None, interval: int = 1,
+                 stage: str = "grpo") -> None:
         self.total_steps = total_steps
         self.interval = max(int(interval), 1)
         self._progress: Any = None
@@ -134,8 +136,10 @@ class ProgressLine:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             console = Console(file=stream, force_terminal=True)
-            self._progress = Progress(BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                      TextColumn("{task.description}"), console=console, transient=False)
+            # The stage's name, the steps and the time left, then the step's line.
+            self._progress = Progress(TextColumn(stage), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                                      TimeRemainingColumn(), TextColumn("{task.description}"), console=console,
+                                      transient=False)
             self._task = self._progress.add_task("", total=total_steps or None)
             self._progress.start()
 

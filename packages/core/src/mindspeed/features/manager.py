@@ -18,7 +18,7 @@ from mindspeed.config import from_dict
 from mindspeed.features.base import FEATURES, LEVELS, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
 from mindspeed.features.report import FeatureReport, FeatureStatus
-from mindspeed.log import get_logger
+from mindspeed.log import DETAIL, get_logger
 from mindspeed.registry import Registry
 
 logger = get_logger(__name__)
@@ -230,9 +230,9 @@ def apply_features(cfg: FeaturesConfig, ctx: BuildContext, *, registry: Registry
             raise RuntimeError(f"feature {name!r}: apply() returned {len(returned or [])} changes but made "
                                f"{len(made)}; return exactly the Changes the BuildContext methods gave back")
         for change in made:
-            logger.info(change.describe())
+            logger.info(change.describe(), extra=DETAIL)
     logger.info("features at optimization level %d on %s: %s", cfg.optimization_level, ctx.accelerator,
-                ", ".join(order) or "none enabled")
+                ", ".join(order) or "none enabled", extra=DETAIL)
     return FeatureReport(
         optimization_level=cfg.optimization_level,
         facts=ctx.facts(),

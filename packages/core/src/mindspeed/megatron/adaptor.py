@@ -21,7 +21,7 @@ from mindspeed.device import Accelerator, get_accelerator, set_accelerator
 from mindspeed.device.cuda_shim import DeviceRedirectMode, cuda_api_patches, needs_cuda_shim
 from mindspeed.features import BuildContext, apply_features
 from mindspeed.features.context import KernelChoices
-from mindspeed.log import get_logger
+from mindspeed.log import DETAIL, get_logger, run_log_path
 from mindspeed.megatron.active import set_current_report
 from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
 from mindspeed.patching import PatchError, PatchRecord, PatchSet, installed_version
@@ -75,6 +75,14 @@ class AdaptReport:
             "patches": [vars(p) for p in self.patches],
             "features": self.features.to_dict() if hasattr(self.features, "to_dict") else self.features,
         }
+
+    def summary(self) -> str:
+        """One line: the version, the accelerator, how many patches and which features."""
+        features = getattr(self.features, "enabled", None)
+        where = run_log_path()
+        return (f"adapted megatron-core {self.megatron_core} to {self.accelerator}: {len(self.patches)} patches"
+                + (f", features {', '.join(features) or 'none'}" if features is not None else "")
+                + (f" (the list: {where})" if where is not None else " (the list: --verbose)"))
 
     def describe(self) -> str:
         """Human-readable report, one patch per line."""
@@ -168,7 +176,9 @@ def adapt(
         except Exception:
             unadapt()
             raise
-    logger.info(report.describe())
+    # The console gets one line; the patch list and the features table are detail (the run log).
+    logger.info("%s", report.summary())
+    logger.info("%s", report.describe(), extra=DETAIL)
     return report
 
 

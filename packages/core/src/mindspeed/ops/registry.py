@@ -219,7 +219,7 @@ def resolve_kernel(op: str, impl: str = "auto", *, device: str | None = None, fe
     features = tuple(features)
     if impl == "auto":
         chosen = available_kernels(op, device, features)[0]  # the reference is always there
-        log_once(logger, f"kernel {op}: using {chosen.name!r} on {device} (auto)")
+        log_once(logger, f"kernel {op}: using {chosen.name!r} on {device} (auto)", detail=True)
         return chosen
     chosen = KERNELS.get((op, impl)) if (op, impl) in KERNELS else None
     if chosen is None:
@@ -240,5 +240,5 @@ def resolve_kernel(op: str, impl: str = "auto", *, device: str | None = None, fe
             f"implementation {impl!r} of op {op!r} is not available here (its library is missing or "
             f"fails to load); use impl='auto' or one of: {', '.join(k.name for k in available_kernels(op, device))}"
         )
-    log_once(logger, f"kernel {op}: using {chosen.name!r} on {device}")
+    log_once(logger, f"kernel {op}: using {chosen.name!r} on {device}", detail=True)
     return chosen

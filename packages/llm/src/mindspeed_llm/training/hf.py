@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.config import ConfigError
-from mindspeed.log import get_logger
+from mindspeed.log import get_logger, logged_as_detail
 from mindspeed_llm.bridges import (
     ModelShape,
     ParallelLayout,
@@ -321,9 +321,10 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
     if rank0:
         try:
             (staging / TRACKER).write_text(f"{step}\n")
-            convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=staging,
-                                             save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False,
-                                             lora_load=adapter))
+            with logged_as_detail("mindspeed_llm.checkpoint.convert"):  # its report is the run log's
+                convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=staging,
+                                                 save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False,
+                                                 lora_load=adapter))
             if assets is None and config.data.tokenizer:
                 load_tokenizer(config.data.tokenizer).save_pretrained(str(target))
         finally:

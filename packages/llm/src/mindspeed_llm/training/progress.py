@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mindspeed.log import get_logger
+from mindspeed.log import DETAIL, get_logger
 from mindspeed.metrics.flops import TransformerShape, training_flops_per_token
 from mindspeed.metrics.peak import mfu, peak_flops
 from mindspeed.progress import StatusProgress
@@ -46,20 +46,19 @@ class RunReporter:
             TransformerShape.from_transformer_config(transformer, vocab_size, seq))
         self.peak = peak_flops(config.train.precision, config.logging.peak_tflops)
         rank0 = dist.get_rank() == 0
-        self.bar = StatusProgress("pretrain", total=config.train.steps,
-                                  disable=not (rank0 and config.logging.progress))
+        # The bar names the stage and shows the time left; on rank 0 in a terminal only.
+        self.bar = StatusProgress(config.stage, total=config.train.steps, completed=start,
+                                  disable=None if rank0 and config.logging.progress else True)
         logger.info("model: %.3f M parameters, %.4g GFLOPs per token (training, 3 x forward); global batch %d x %d "
                     "tokens; %d microbatch(es) per step", num_parameters / 1e6, self.flops_per_token / 1e9,
                     config.global_batch_size(world_size), seq, config.num_microbatches(world_size))
         if self.peak is None:
             logger.info("MFU: no peak FLOP/s known for this device; set logging.peak_tflops to report it")
         else:
-            logger.info("MFU denominator: %d device(s) x %s", world_size, self.peak.describe())
+            logger.info("MFU denominator: %d device(s) x %s", world_size, self.peak.describe(), extra=DETAIL)
 
     def __enter__(self) -> RunReporter:
         self.bar.__enter__()
-        if self.start:
-            self.bar.update(advance=self.start, status="resumed")
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -5,14 +5,20 @@ shipped with the package with the demo tokenizer (skipped when its output is alr
 ``pretrain`` trains the packaged ``tiny_cpu.yaml`` recipe (the same file as
 ``examples/llm/tiny_cpu.yaml``) on it and exports the result as a Hugging Face directory
 (``checkpoint.save_hf``), and the built-in inference engine continues a prompt with it.
-Everything goes under one output directory: ``data/``, ``checkpoints/``, ``hf/`` and the metrics.
+Everything goes under one output directory: ``data/``, ``checkpoints/``, ``hf/``, the metrics
+and ``report.txt`` (the run's full log).
+
+Run again in the same directory, it continues that run: ``train.steps`` above the saved step
+resumes and trains on to it; at or below, nothing is trained and one line says so (exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
+from mindspeed.checkpointing import find_resume
 from mindspeed.log import get_logger
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
@@ -45,7 +51,9 @@ def add_quickstart(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "quickstart", help="preprocess the demo corpus and pretrain a tiny Llama on it (a few minutes on a CPU)",
         description="Tokenize the demo corpus shipped with mindspeed-llm, then pretrain the tiny_cpu recipe on it. "
-                    "Overrides go to the recipe, e.g. train.steps=100.")
+                    "Overrides go to the recipe, e.g. train.steps=100. Run again with the same --output-dir, it "
+                    "continues that run: train.steps above the saved step trains on to it, at or below it trains "
+                    "nothing and says so.")
     parser.add_argument("--output-dir", default="runs/quickstart", help="where data, checkpoints and metrics go "
                         "(default runs/quickstart)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to spawn (default 1)")
@@ -63,12 +71,24 @@ def run_quickstart(args: argparse.Namespace) -> int:
                                                     f"checkpoint.save_hf={out / 'hf'}", f"logging.dir={out}",
                                                     *args.overrides])
     config.check(args.nproc_per_node)
+    steps = config.train.steps
+    # The step the trainer would resume from (the same discovery), without building anything.
+    saved = find_resume(config.checkpoint.save, warn=False).step if config.checkpoint.resume else None
+    if saved is not None and saved >= steps and not config.checkpoint.load:
+        _say_nothing_to_train(config, saved)
+        return 0
     result = launch(pretrain, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     if result.stopped:
         logger.error("quickstart: training stopped early: %s", result.stopped)
         return 1
     if result.preempted:
         return result.exit_code
+    if not result.records:  # resumed at or past train.steps after all
+        _say_nothing_to_train(config, int(result.state.get("step", 0)))
+        return 0
+    if result.records[0]["step"] > 1:
+        logger.info("quickstart: resumed the run in %s at step %d and trained on to train.steps=%d",
+                    out / "checkpoints", result.records[0]["step"] - 1, steps)
     trained = [r for r in result.records if not r["skipped"]]
     if trained:
         logger.info("quickstart: loss %.3f at step %d -> %.3f at step %d%s", trained[0]["loss"], trained[0]["step"],
@@ -80,6 +100,14 @@ def run_quickstart(args: argparse.Namespace) -> int:
     if (hf / "config.json").is_file():
         logger.info("quickstart: Hugging Face model in %s; %r continues as %r", hf, PROMPT, continue_prompt(hf, PROMPT))
     return 0
+
+
+def _say_nothing_to_train(config: Any, reached: int) -> None:
+    """The run in the output directory is at or past train.steps: one line, rather than a stale summary."""
+    steps = config.train.steps
+    logger.info("quickstart: %s already holds step %d, at or past train.steps=%d: nothing to train. Give "
+                "train.steps above %d to train on, or a new --output-dir for a fresh run (the model is in %s)",
+                config.checkpoint.save, reached, steps, reached, config.checkpoint.save_hf)
 
 
 #: The prompt the quickstart's model continues at the end.

@@ -9,6 +9,7 @@ undoes both on return, so several runs can follow each other in one process.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -33,7 +34,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.features import ModelFacts
 from mindspeed.features.context import ParallelSizes
 from mindspeed.features.moe import expert_layout
-from mindspeed.log import get_logger
+from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
@@ -107,13 +108,16 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
                                                position_embedding_type=config.model.position_embedding_type)
     p = config.parallel
     sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
-    report = adapt(features=config.features, model=facts, parallel=sizes)
-    try:
-        # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
-        with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
-            return _Run(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
-    finally:
-        unadapt()
+    log_dir = config.log_dir()
+    # The run log (log_dir/report.txt) gets the patch list, the features and third-party warnings.
+    with open_run_log(log_dir / RUN_LOG_FILE) if log_dir is not None else contextlib.nullcontext():
+        report = adapt(features=config.features, model=facts, parallel=sizes)
+        try:
+            # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
+            with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+                return _Run(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
+        finally:
+            unadapt()
 
 
 def seed_everything(seed: int) -> None:
