@@ -23,6 +23,13 @@ def tiny_qwen3_vl(tmp_path_factory, tiny_vlm) -> tuple[Path, Path]:
     return write_tiny_model(root / "qwen3_vl", "Qwen3VLForConditionalGeneration"), tiny_vlm[1]
 
 
+@pytest.fixture(scope="session")
+def tiny_internvl(tmp_path_factory, tiny_vlm) -> tuple[Path, Path]:
+    """(InternVL model directory, the same data.jsonl)."""
+    root = tmp_path_factory.mktemp("tiny-internvl")
+    return write_tiny_model(root / "internvl", "InternVLForConditionalGeneration"), tiny_vlm[1]
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """One intra-op thread: the tiny models' ops are far faster without OpenMP contention on a shared 2-core host."""

@@ -2,7 +2,8 @@
 
 - DP2 (one microbatch per rank, language layers recomputed) equals DP1 (two accumulated
   microbatches, no recompute) step by step: losses and gradient norms over 4 steps (Qwen2.5-VL)
-  and 2 steps (Qwen3-VL, whose DeepStack mergers the dummy vision pass must reach too).
+  and 2 steps each for Qwen3-VL (whose DeepStack mergers the dummy vision pass must reach too)
+  and InternVL (whose projector sits outside the vision tower).
 - A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit.
 - The Hugging Face export loads in transformers with no missing or unexpected keys and holds
   exactly the weights of the last DCP checkpoint.
@@ -32,7 +33,7 @@ def _overrides(model_dir: Path, data: Path, accumulation: int) -> list[str]:
             "data.image_min_pixels=784", "data.image_max_pixels=12544"]
 
 
-def _dp2(rank: int, world: int, base: list[str], root: Path, qwen3: list[str]) -> dict | None:
+def _dp2(rank: int, world: int, base: list[str], root: Path, others: list[list[str]]) -> dict | None:
     full = train(load_mm_config(None, base + [f"checkpoint.save={root / 'full'}", "checkpoint.interval=2",
                                               f"checkpoint.save_hf={root / 'hf'}",
                                               "train.recompute_modules=[model.language_model.layers.*]"]))
@@ -40,8 +41,8 @@ def _dp2(rank: int, world: int, base: list[str], root: Path, qwen3: list[str]) -
         shutil.copytree(root / "full" / "step_00000002", root / "resumed" / "step_00000002")
     dist.barrier()
     resumed = train(load_mm_config(None, base + [f"checkpoint.save={root / 'resumed'}", "checkpoint.save_at_end=false"]))
-    other = train(load_mm_config(None, qwen3))
-    return ({"full": full.records, "resumed": resumed.records, "start": resumed.start_step, "qwen3": other.records}
+    other = [record for overrides in others for record in train(load_mm_config(None, overrides)).records]
+    return ({"full": full.records, "resumed": resumed.records, "start": resumed.start_step, "others": other}
             if rank == 0 else None)
 
 
@@ -49,14 +50,15 @@ def _dp1(config):
     return train(config)
 
 
-def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tmp_path) -> None:
+def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tmp_path) -> None:
     model_dir, data = tiny_vlm
-    qwen3 = _overrides(*tiny_qwen3_vl, 1) + ["train.steps=2"]
-    dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, qwen3, timeout=300)[0]
+    others = [_overrides(*tiny, 1) + ["train.steps=2"] for tiny in (tiny_qwen3_vl, tiny_internvl)]
+    dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, others, timeout=300)[0]
     dp1 = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2)),)).records
-    dp1_qwen3 = launch(_dp1, (load_mm_config(None, _overrides(*tiny_qwen3_vl, 2) + ["train.steps=2"]),)).records
-    assert [r["step"] for r in dp2["full"]] == [r["step"] for r in dp1] == list(range(1, STEPS + 1))
-    for one, two in zip(dp1 + dp1_qwen3, dp2["full"] + dp2["qwen3"], strict=True):
+    for tiny in (tiny_qwen3_vl, tiny_internvl):
+        dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"]),)).records
+    assert [r["step"] for r in dp2["full"]] == [r["step"] for r in dp1[:STEPS]] == list(range(1, STEPS + 1))
+    for one, two in zip(dp1, dp2["full"] + dp2["others"], strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
     assert dp1[-1]["loss"] < dp1[0]["loss"]  # it learns

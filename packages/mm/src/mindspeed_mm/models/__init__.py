@@ -5,7 +5,7 @@ Importing this package registers the families listed below; each module declares
 multimodal positions and its tiny test model.
 """
 
-from mindspeed_mm.models import qwen2_5_vl, qwen3_vl  # noqa: F401  (register their architectures)
+from mindspeed_mm.models import internvl, qwen2_5_vl, qwen3_vl  # noqa: F401  (register their architectures)
 from mindspeed_mm.models.family import FAMILIES, VLMFamily, family_of
 from mindspeed_mm.models.loading import freeze_parts, load_model, load_processing
 

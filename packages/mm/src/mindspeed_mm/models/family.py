@@ -42,6 +42,8 @@ class VLMFamily:
             ``model.model.get_image_features`` on a dummy input before it, so every rank joins the
             vision tower's FSDP2 collectives).
         dummy_vision_inputs: ``model config -> kwargs`` of ``get_image_features`` for the smallest image.
+        processor_overrides: ``(min_pixels, max_pixels) -> kwargs`` for the image processor
+            (Qwen-VL: the pixel bounds; default none, e.g. fixed-size tiles).
     """
 
     architecture: str
@@ -55,6 +57,7 @@ class VLMFamily:
     write_tiny: Callable[[Path, int], None]
     language_module: str
     dummy_vision_inputs: Callable[[Any], dict[str, torch.Tensor]]
+    processor_overrides: Callable[[int, int], dict[str, Any]] = lambda min_pixels, max_pixels: {}
 
     def load_class(self) -> type:
         """The transformers model class."""

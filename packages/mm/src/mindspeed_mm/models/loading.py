@@ -37,17 +37,27 @@ def build_meta_model(path: str | Path, family: VLMFamily, attn_implementation: s
 def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
     """The tokenizer (with its chat template) and the image processor of ``path``, images kept within the pixel bounds.
 
+    The image processor gets ``image_seq_length`` from config.json when the model has one
+    (InternVL: image tokens per tile).
+
     Raises:
         ValueError: the directory lacks a chat template.
     """
+    import json
+
     from transformers import AutoImageProcessor, AutoTokenizer
+
+    from mindspeed_mm.models.family import family_of
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{path}: the tokenizer has no chat template; add chat_template.jinja (or the "
                          "tokenizer_config.json entry) to the model directory")
-    processor = AutoImageProcessor.from_pretrained(
-        str(path), local_files_only=True, size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+    processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True,
+                                                   **family_of(path).processor_overrides(min_pixels, max_pixels))
+    seq_length = json.loads((Path(path) / "config.json").read_text()).get("image_seq_length")
+    if seq_length is not None:
+        processor.image_seq_length = int(seq_length)
     return tokenizer, processor
 
 

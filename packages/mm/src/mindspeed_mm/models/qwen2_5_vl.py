@@ -49,6 +49,11 @@ def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.zeros(merge * merge, width), "image_grid_thw": torch.tensor([[1, merge, merge]])}
 
 
+def pixel_bounds(min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    """Images are resized so their pixel count lies within the bounds."""
+    return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
+
+
 def write_tiny(directory: Path, seed: int = 0) -> None:
     """A tiny Qwen2.5-VL (about 0.2 M parameters) with a byte tokenizer and a small image processor."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -91,4 +96,5 @@ QWEN2_5_VL = register_family(VLMFamily(
     write_tiny=write_tiny,
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
+    processor_overrides=pixel_bounds,
 ))

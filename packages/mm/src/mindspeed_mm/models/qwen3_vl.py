@@ -17,6 +17,7 @@ from mindspeed_mm.models.qwen2_5_vl import (
     SPECIAL_TOKENS,
     dummy_vision_inputs,
     image_inputs,
+    pixel_bounds,
     rope_positions,
 )
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
@@ -66,4 +67,5 @@ QWEN3_VL = register_family(VLMFamily(
     write_tiny=write_tiny,
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
+    processor_overrides=pixel_bounds,
 ))

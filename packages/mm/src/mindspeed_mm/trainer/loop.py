@@ -63,6 +63,21 @@ def train(config: MMConfig, task_name: str = "vlm") -> TrainResult:
     log_dir = config.log_dir()
     metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
     bar = StatusProgress("train", total=t.steps, disable=not (rank == 0 and config.logging.progress))
+    try:
+        _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result)
+    finally:
+        metrics.close()
+    if ck.save_hf:
+        exported = save_hf(task.model, task.source, ck.save_hf)
+        result.save_hf = str(exported) if exported is not None else None
+    if rank == 0 and log_dir is not None and config.logging.loss_curve:
+        write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
+    return result
+
+
+def _run_steps(config: MMConfig, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,
+               trainable: list[torch.Tensor], metrics: MetricsLog, bar: StatusProgress, result: TrainResult) -> None:
+    t, ck = config.train, config.checkpoint
     with bar:
         if result.start_step:
             bar.update(advance=result.start_step, status="resumed")
@@ -76,13 +91,6 @@ def train(config: MMConfig, task_name: str = "vlm") -> TrainResult:
                 logger.info("step %d/%d: %s %.0f tok/s", step, t.steps, status, record["tokens_per_s"] or 0.0)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
                 result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last))
-    metrics.close()
-    if ck.save_hf:
-        exported = save_hf(task.model, task.source, ck.save_hf)
-        result.save_hf = str(exported) if exported is not None else None
-    if rank == 0 and log_dir is not None and config.logging.loss_curve:
-        write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
-    return result
 
 
 def _train_step(config: MMConfig, step: int, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,
