@@ -44,6 +44,16 @@ def test_overrides_are_accepted_anywhere_on_the_line(verb: str, options: list[st
     assert exit_info.value.code == 2
 
 
+def test_verbose_before_or_after_the_command() -> None:
+    from mindspeed.suite_cli import parse_suite_args
+    from mindspeed_llm.cli import build_parser
+
+    for line in (["--verbose", "pretrain", "a=1"], ["pretrain", "a=1", "--verbose"], ["pretrain", "-v", "a=1"]):
+        args = parse_suite_args(build_parser(), line)
+        assert args.verbose and args.overrides == ["a=1"], line
+    assert not parse_suite_args(build_parser(), ["pretrain", "a=1"]).verbose
+
+
 def test_pretrain_takes_overrides_after_nproc(capsys) -> None:
     """The issue's line: ``--config X parallel.tp=2 --nproc-per-node 2 train.steps=5``."""
     from mindspeed_llm.training.quickstart import TINY_CPU_RECIPE
