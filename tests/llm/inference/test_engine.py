@@ -83,20 +83,21 @@ def test_load_weights_switches_to_the_new_model(tiny_checkpoints, tmp_path) -> N
     torch.testing.assert_close(eng.forward_logits(tokens), want, atol=1e-5, rtol=0)
 
 
-def test_from_config_then_load_weights_is_the_checkpoint(engine, hf_model, tiny_checkpoints) -> None:
+@pytest.mark.parametrize("family", ["mixtral", "deepseek3"])
+def test_from_config_then_load_weights_is_the_checkpoint(engine, hf_model, tiny_checkpoints, family: str) -> None:
     """A rollout engine built from a config alone, weights pushed in: the same model as loading the files."""
-    model = hf_model("mixtral")
+    model = hf_model(family)
     fresh = InferenceEngine.from_config(model.config, max_batch_size=2)
-    assert fresh.eos_token_ids == (2,)
+    assert fresh.eos_token_ids == (model.config.eos_token_id,)
     state = {}
-    for file in sorted(tiny_checkpoints["mixtral"].glob("*.safetensors")):
+    for file in sorted(tiny_checkpoints[family].glob("*.safetensors")):
         state.update(load_file(file))
     fresh.load_weights(state)
     prompts = random_prompts((4, 8, 6), seed=14)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert [o.token_ids for o in fresh.generate(prompts, params)] == \
-        [o.token_ids for o in engine("mixtral").generate(prompts, params)]
-    torch.testing.assert_close(fresh.forward_logits(prompts[1]), engine("mixtral").forward_logits(prompts[1]),
+        [o.token_ids for o in engine(family).generate(prompts, params)]
+    torch.testing.assert_close(fresh.forward_logits(prompts[1]), engine(family).forward_logits(prompts[1]),
                                atol=0, rtol=0)
 
 

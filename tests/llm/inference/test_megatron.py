@@ -1,4 +1,4 @@
-"""Megatron checkpoints (per-rank at TP2 PP2, EP2 for MoE; megatron-core dist) generate what the
+"""Megatron checkpoints (per-rank at TP2 PP2, EP2 for MoE and DeepSeek-V3; megatron-core dist) generate what the
 Hugging Face directory they were converted from generates, with nothing written by the engine."""
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def files(path: Path) -> list[str]:
     ("qwen3-moe", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2,
                    "target_expert_parallel_size": 2}),
     ("llama2", {"target_tensor_parallel_size": 2, "ckpt_format": "torch_dist"}),
+    ("deepseek3", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2,
+                   "target_expert_parallel_size": 2}),
 ])
 def test_megatron_checkpoint_generates_like_the_hf_directory(engine, tiny_checkpoints, tmp_path, family: str,
                                                             options: dict) -> None:
@@ -43,7 +45,7 @@ def test_megatron_checkpoint_generates_like_the_hf_directory(engine, tiny_checkp
     assert [o.token_ids for o in loaded.generate(prompts, params)] == [o.token_ids for o in want]
     torch.testing.assert_close(loaded.forward_logits(prompts[2]), engine(family).forward_logits(prompts[2]),
                                atol=0, rtol=0)
-    assert loaded.tokenizer is not None and loaded.eos_token_ids == (2,)  # from the hf_config folder
+    assert loaded.tokenizer is not None and loaded.eos_token_ids == engine(family).eos_token_ids  # from hf_config
 
 
 def test_megatron_checkpoint_without_hf_config_takes_hf_cfg_dir(engine, tiny_checkpoints, tmp_path) -> None:

@@ -34,6 +34,9 @@ from mindspeed.testing.distributed import run_distributed
 from tests.llm.training.datasets import write_indexed_dataset
 from tests.llm.training.finetune_data import make_samples, write_instruction
 
+#: Four spawned ranks importing megatron-core: over 20 s on the 2-core machine.
+pytestmark = pytest.mark.slow
+
 SEQ, MBS, GBS, STEPS = 32, 2, 8, 3
 # The default alltoall dispatcher: at expert-TP 2 it gathers uneven token counts, which gloo takes
 # through the adaptor's gloo-uneven-* patches.
