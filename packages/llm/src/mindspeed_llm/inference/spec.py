@@ -42,7 +42,6 @@ class DecoderSpec:
         rope_scale: factor on cos/sin (transformers' ``attention_scaling``; 1 for default and llama3).
         windows: per layer, the sliding window in tokens (``None``: full causal attention).
         moe_layers: per layer, whether its MLP is routed experts.
-        renormalize_topk: the top-k routing weights are renormalised to sum to one.
         softmax_scale: the attention's score scale (``1 / sqrt(head_dim)``; MLA's own, :mod:`.mla`).
     """
 
@@ -59,7 +58,6 @@ class DecoderSpec:
     rope_scale: float
     windows: tuple[int | None, ...]
     moe_layers: tuple[bool, ...]
-    renormalize_topk: bool
     softmax_scale: float
 
     @property
@@ -152,9 +150,6 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
         num_heads=shape.num_attention_heads, num_kv_heads=1 if mla else shape.num_query_groups, head_dim=head_dim,
         vocab_size=shape.vocab_size, norm_eps=float(shape.norm_epsilon), inv_freq=inv_freq, rope_scale=scale,
         windows=sliding_windows(config, shape.num_layers), moe_layers=moe,
-        # megatron's pre-softmax routing is softmax over all experts without renormalisation
-        # (Qwen3-MoE's norm_topk_prob=False); otherwise the top-k weights sum to one (Mixtral).
-        renormalize_topk=not shape.moe_router_pre_softmax,
         softmax_scale=mla_softmax_scale(shape) if mla else 1.0 / math.sqrt(head_dim),
     )
 
