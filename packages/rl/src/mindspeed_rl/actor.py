@@ -42,7 +42,7 @@ from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
 from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
-from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config, unwrap
+from mindspeed_llm.training.model import build_model, default_groups, padded_vocab_size, transformer_config, unwrap
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler
 from mindspeed_llm.training.steps import packed_seq_params
 from mindspeed_llm.training.trainer import seed_everything
@@ -96,12 +96,13 @@ class ActorSettings:
     compute_entropy: bool = True
 
 
-def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: int) -> tuple[AdaptReport, bool]:
+def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: int) -> tuple[AdaptReport, bool, Any]:
     """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
 
     Returns:
-        The adaptation (its kernels and config fields go to the builders) and whether this call
-        made it (the actor that adapted undoes it in :meth:`Actor.close`).
+        The adaptation (its kernels and config fields go to the builders), whether this call
+        made it (the actor that adapted undoes it in :meth:`Actor.close`), and megatron's
+        process groups as one value (read once here; the actor passes them on).
 
     Raises:
         ValueError: megatron-core is already adapted in this process with other features.
@@ -123,8 +124,8 @@ def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: i
     if not ps.model_parallel_is_initialized():
         p = config.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
-        seed_everything(config.train.seed)
-    return report, made
+        seed_everything(config.train.seed, default_groups())
+    return report, made, default_groups()
 
 
 class Actor:
@@ -163,24 +164,25 @@ class Actor:
         ids = read_tokenizer(config)
         self.hf_vocab = ids.vocab_size
         self.vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-        self.adaptation, self._adapted = _ensure_megatron(config, features or FeaturesConfig(), self.vocab,
-                                                          dist.get_world_size())
+        self.adaptation, self._adapted, self.groups = _ensure_megatron(config, features or FeaturesConfig(),
+                                                                       self.vocab, dist.get_world_size())
         kernels, hooks = self.adaptation.kernels, self.adaptation.hooks
         overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
         self.transformer = transformer_config(config, self.vocab, overrides)
         load = partial(load_hf_weights, config=config, path=self.hf_dir, vocab_rows=self.vocab)
         if trainable:
             self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models),
-                                      kernels=kernels)
+                                      kernels=kernels, groups=self.groups)
             for hook in hooks.get("post_model_build", ()):
                 hook(self.chunks)
-            self.optimizer = build_optimizer(config, self.chunks, kernels)
+            self.optimizer = build_optimizer(config, self.chunks, kernels, self.groups)
             for hook in hooks.get("post_optimizer_build", ()):
                 self.optimizer = hook(self.optimizer) or self.optimizer
             self.scheduler = build_scheduler(config, self.optimizer)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
-            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False, kernels=kernels)
+            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False, kernels=kernels,
+                                      groups=self.groups)
             load(self.chunks)
             self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
@@ -244,6 +246,7 @@ class Actor:
         """Run megatron's schedule; the last stage's output is the per-token CE, or the
         (vocab-parallel) logits ``[1, T, V_local]`` with ``logits``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
@@ -253,9 +256,12 @@ class Actor:
             return output, partial(loss_fn, batch)
 
         micro, seq = batches[0]["tokens"].shape
-        return get_forward_backward_func()(
+        schedule = get_forward_backward_func(pp_size=self.groups.pp.size())
+        return schedule(
             forward_step_func=forward_step, data_iterator=[iter(batches) for _ in self.chunks], model=self.chunks,
-            num_microbatches=len(batches), seq_length=seq, micro_batch_size=micro, forward_only=forward_only) or []
+            num_microbatches=len(batches), seq_length=seq, micro_batch_size=micro, forward_only=forward_only,
+            pg_collection=self.groups, p2p_communicator=P2PCommunicator(pp_group=self.groups.pp, config=self.transformer),
+        ) or []
 
     # -- log-probs ---------------------------------------------------------------------------
 
@@ -266,28 +272,24 @@ class Actor:
 
     def _logp_entropy(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n, width]`` log-probs and entropies of the response tokens from the model's logits."""
-        from megatron.core import parallel_state as ps
-
 
         local = logits.shape[-1]
         rows = logits.reshape(-1, local)[batch["resp_index"]]
         targets = batch["labels"].reshape(-1)[batch["resp_index"]]
         tp = self.config.parallel.tp
-        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        start = ps.get_tensor_model_parallel_rank() * local if tp > 1 else 0
+        group = self.groups.tp if tp > 1 else None
+        start = self.groups.tp.rank() * local if tp > 1 else 0
         logp, entropy = vocab_parallel_logp_entropy(rows, targets, start, self.hf_vocab, group)
         mask = batch["resp_mask"]
         return logp * mask, entropy * mask
 
     def _broadcast_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` of the last pipeline stage on every stage (same shape and dtype everywhere)."""
-        from megatron.core import parallel_state as ps
-
 
         pp = self.config.parallel.pp
         if pp == 1:
             return tensor
-        return broadcast_from_stage(tensor, pp - 1, ps.get_pipeline_model_parallel_group())
+        return broadcast_from_stage(tensor, pp - 1, self.groups.pp)
 
     def compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
         """Per-token log-probs of each response given its prompt (forward only, collective).
@@ -426,8 +428,6 @@ class Actor:
 
     def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
         """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all."""
-        from megatron.core import parallel_state as ps
-
         totals: dict[str, list[float]] = {}
         for item in outputs:
             for name, pair in item.items():
@@ -436,7 +436,7 @@ class Actor:
                 acc[1] += float(pair[1])
         pp = self.config.parallel.pp
         if pp > 1:
-            group = ps.get_pipeline_model_parallel_group()
+            group = self.groups.pp
             box = [totals]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, pp - 1), group=group)
             totals = box[0]
@@ -463,7 +463,7 @@ class Actor:
         """
         self._onload_categories(("weights",))
         p = self.config.parallel
-        return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab)
+        return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""

@@ -76,7 +76,8 @@ def broadcast_from_stage(tensor: torch.Tensor, stage: int, group: Any) -> torch.
     return tensor
 
 
-def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int) -> dict[str, torch.Tensor]:
+def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int,
+                    groups: Any) -> dict[str, torch.Tensor]:
     """The full model under Hugging Face names on every rank (collective over TP and PP).
 
     Each stage merges the tensor-parallel pieces of the parameters it holds (by the bridges'
@@ -89,13 +90,12 @@ def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int
         bridge, shape: the model's bridge and shape (``read_hf_shape``).
         tp, pp: the layout.
         hf_vocab: the tokenizer's vocabulary (padding rows are cut off).
+        groups: the process groups (a megatron ``ProcessGroupCollection``: ``tp``, ``pp``).
     """
-    from megatron.core import parallel_state as ps
-
 
     plan = plan_conversion(bridge, shape)
     layout = ParallelLayout(tp=tp, pp=pp)
-    stage = ps.get_pipeline_model_parallel_rank() if pp > 1 else 0
+    stage = groups.pp.rank() if pp > 1 else 0
     states = [{n: t.detach() for n, t in unwrap(c).state_dict().items() if not n.endswith("_extra_state")}
               for c in chunks]
     owners = {name: layout.place(param, shape)[0] for name, param in plan.params.items()}
@@ -109,14 +109,14 @@ def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int
             full = local
         else:
             pieces = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(pieces, local, group=ps.get_tensor_model_parallel_group())
+            dist.all_gather(pieces, local, group=groups.tp)
             full = merge_tensors(param, pieces)  # cuts the vocabulary's padding rows off
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[:hf_vocab]
         mine[name] = full
     if pp == 1:
         return megatron_to_hf(plan, mine)
-    group = ps.get_pipeline_model_parallel_group()
+    group = groups.pp
     metas: list[Any] = [None] * pp
     dist.all_gather_object(metas, {n: (tuple(t.shape), t.dtype) for n, t in mine.items()}, group=group)
     full_state: dict[str, torch.Tensor] = {}

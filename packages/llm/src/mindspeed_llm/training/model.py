@@ -84,9 +84,21 @@ def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mappi
     return (MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig)(**fields)
 
 
+def default_groups() -> Any:
+    """megatron's process groups of the initialised parallel state, as one value.
+
+    The one read of megatron's ``parallel_state`` the builders need: a runner calls it once
+    after ``initialize_model_parallel`` and passes the result (a ``ProcessGroupCollection``)
+    to :func:`build_model`, the optimizer, the schedule and the metrics.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
 def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
                 prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True,
-                kernels: Mapping[str, str] | None = None) -> list[Any]:
+                kernels: Mapping[str, str] | None = None, groups: Any = None) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
@@ -101,14 +113,20 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             no DDP, no gradient hooks, and ``transformer`` is left untouched.
         kernels: the registry kernels of the layers, ``adapt(features=...)``'s ``report.kernels``
             (``None``: "auto" for every op; see ``get_gpt_layer_spec``).
+        groups: the process groups (:func:`default_groups`; ``None``: read them here), given
+            to ``GPTModel`` and megatron's DDP and deciding the pipeline stages.
 
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
     """
-    # Lazy: keeps megatron out of the start-up of mindspeed_llm.cli.
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
     from megatron.core.transformer.module import Float16Module
 
     from mindspeed.megatron.spec import check_config_for_spec, get_gpt_layer_spec
@@ -128,6 +146,7 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
         grad_reduce_in_fp32=config.train.precision != "fp32", overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
     )
+    groups = groups if groups is not None else default_groups()
     device = get_accelerator().device()
     models = []
     patches = PatchSet([mla_without_te_patch()] if transformer.multi_latent_attention else [])
@@ -138,11 +157,11 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
         gpt = GPTModel(
             config=transformer, transformer_layer_spec=layers, vocab_size=vocab_size,
             max_sequence_length=m.max_position_embeddings or config.data.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, p.vpp),
+            post_process=is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, p.vpp),
             share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
             rotary_base=m.rotary_base, rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
-            vp_stage=vp_stage,
+            vp_stage=vp_stage, pg_collection=groups,
         )
         models.append(gpt.to(device))
     patches.revert()  # megatron reads the patched flag only while it builds
@@ -156,7 +175,8 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             chunks.append(module)
             continue
         # Megatron buckets only the first chunk's gradients; the others use one bucket each.
-        chunks.append(DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0))
+        chunks.append(DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0,
+                                              pg_collection=groups))
     if not trainable:
         return chunks
     transformer.finalize_model_grads_func = finalize_model_grads
@@ -183,14 +203,15 @@ def unwrap(chunk: Any) -> torch.nn.Module:
     return chunk
 
 
-def count_parameters(chunks: list[Any]) -> int:
+def count_parameters(chunks: list[Any], groups: Any = None) -> int:
     """Parameters of the whole model (summed over tensor and pipeline ranks; collective).
 
     The tied output layer of the last stage is counted once, experts on every expert rank.
+    ``groups``: the process groups (:func:`default_groups`; ``None``: read them here).
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
+    groups = groups if groups is not None else default_groups()
     local = 0
     for chunk in chunks:
         gpt = unwrap(chunk)
@@ -198,7 +219,7 @@ def count_parameters(chunks: list[Any]) -> int:
             if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights and not gpt.pre_process:
                 continue
             is_expert = not getattr(param, "allreduce", True)
-            local += param.numel() * (ps.get_expert_model_parallel_world_size() if is_expert else 1)
+            local += param.numel() * (groups.ep.size() if is_expert else 1)
     total = torch.tensor([local], dtype=torch.float64)
-    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    dist.all_reduce(total, group=groups.mp)
     return int(total.item())

@@ -17,7 +17,8 @@ from mindspeed.ops.registry import resolve_kernel
 from mindspeed_llm.training.config import PretrainConfig
 
 
-def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[str, str] | None = None) -> Any:
+def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[str, str] | None = None,
+                    groups: Any = None) -> Any:
     """megatron's optimizer over the parameters of ``chunks``.
 
     Args:
@@ -26,6 +27,7 @@ def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[
         kernels: the registry kernels, ``adapt(features=...)``'s ``report.kernels``: its
             ``adamw`` choice runs the AdamW step (:func:`use_adamw_kernel`); ``None`` or an
             ``adamw`` left on the reference keeps megatron's default loop.
+        groups: the process groups (``model.default_groups()``); ``None``: megatron reads its own.
     """
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -39,7 +41,10 @@ def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[
         use_distributed_optimizer=config.parallel.distributed_optimizer,
         overlap_param_gather=config.parallel.overlap_param_gather,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, chunks)
+    # Megatron's separate gloo groups are for host copies of a distributed optimizer's state
+    # (dp-zero checkpoints we do not write); it refuses them with process groups given as values.
+    optimizer = get_megatron_optimizer(optimizer_config, chunks, pg_collection=groups,
+                                       use_gloo_process_groups=groups is None)
     impl = kernels.get("adamw") if kernels is not None else None
     if t.optimizer == "adam" and impl is not None:
         use_adamw_kernel(optimizer, impl)

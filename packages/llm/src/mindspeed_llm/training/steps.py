@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_llm.training.model import default_groups
+
 #: ``(step, per-token losses) -> per-token losses``: a seam for tests (inject a NaN) and experiments.
 LossTransform = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -65,28 +67,29 @@ def _forward_step(loss_fn: LossFunc, data_iterator: Iterator[dict[str, Any]], mo
     return output, partial(loss_fn, batch)
 
 
-def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...] = (LM_LOSS,)) -> dict[str, tuple[float, int]]:
+def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...] = (LM_LOSS,),
+                   groups: Any = None) -> dict[str, tuple[float, int]]:
     """Every metric's mean over the global batch and its count, on every rank (collective).
 
     Args:
         outputs: what the schedule returned (per microbatch ``{metric: [sum, count]}`` on the
             last pipeline stage, nothing elsewhere).
         names: the metrics (known on every stage, so that all join the same reductions).
+        groups: the process groups (``model.default_groups()``; ``None``: read them here).
     """
-    from megatron.core import parallel_state as ps
-
+    groups = groups if groups is not None else default_groups()
     total = torch.zeros(len(names), 2, dtype=torch.float64)
     for item in outputs:
         for row, name in enumerate(names):
             total[row] += item[name].to(torch.float64).cpu()
     # The last stage holds the sums; the others add zeros. gloo has no AVG: sum, then divide.
-    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    dist.all_reduce(total, group=groups.pp)
+    dist.all_reduce(total, group=groups.dp)
     return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in zip(names, total.tolist())}
 
 
 def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc,
-                 forward_only: bool = False) -> dict[str, tuple[float, int]]:
+                 forward_only: bool = False, groups: Any = None) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.
 
     Args:
@@ -94,29 +97,37 @@ def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: Loss
         batches: the microbatches (every pipeline stage and virtual stage reads the same list).
         loss_fn: the stage's loss.
         forward_only: evaluation (no backward, no gradient reduction).
+        groups: the process groups (``model.default_groups()``; ``None``: read them here): the
+            schedule, its pipeline messages and the gradient finalisation use them.
 
     Returns:
         :func:`reduce_metrics` of the pass.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
 
+    groups = groups if groups is not None else default_groups()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
-    outputs = get_forward_backward_func()(
+    schedule = get_forward_backward_func(pp_size=groups.pp.size(), vp_size=len(chunks) if len(chunks) > 1 else None)
+    outputs = schedule(
         forward_step_func=partial(_forward_step, loss_fn), data_iterator=[iter(batches) for _ in chunks],
         model=chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
+        forward_only=forward_only, pg_collection=groups,
+        p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=get_model_config(chunks[0])),
     )
-    return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)))
+    return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)), groups)
 
 
 def forward_backward(chunks: list[Any], batches: list[dict[str, Any]], forward_only: bool = False,
-                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, int]:
+                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     groups: Any = None) -> tuple[float, int]:
     """The language-model loss pass of :func:`run_schedule`: ``(mean per-token loss, tokens)``."""
-    return run_schedule(chunks, batches, lm_loss(transform), forward_only)[LM_LOSS]
+    return run_schedule(chunks, batches, lm_loss(transform), forward_only, groups)[LM_LOSS]
 
 
 def evaluate(chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: LossFunc | None = None,
-             key: str = LM_LOSS) -> tuple[float, int]:
+             key: str = LM_LOSS, groups: Any = None) -> tuple[float, int]:
     """Mean of the metric ``key`` over several global batches of validation data (collective).
 
     Args:
@@ -124,6 +135,7 @@ def evaluate(chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: Loss
         steps: per global batch, this rank's microbatches.
         loss_fn: the stage's loss (default: the language-model loss).
         key: the metric to average.
+        groups: the process groups (``model.default_groups()``; ``None``: read them here).
     """
     for chunk in chunks:
         chunk.eval()
@@ -131,7 +143,7 @@ def evaluate(chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: Loss
     try:
         with torch.no_grad():
             for batches in steps:
-                loss, n = run_schedule(chunks, batches, loss_fn or lm_loss(), forward_only=True)[key]
+                loss, n = run_schedule(chunks, batches, loss_fn or lm_loss(), forward_only=True, groups=groups)[key]
                 loss_sum += loss * n
                 count += n
     finally:

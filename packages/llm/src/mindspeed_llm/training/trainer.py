@@ -43,7 +43,13 @@ from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, export_
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
 from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
-from mindspeed_llm.training.model import build_model, count_parameters, padded_vocab_size, transformer_config
+from mindspeed_llm.training.model import (
+    build_model,
+    count_parameters,
+    default_groups,
+    padded_vocab_size,
+    transformer_config,
+)
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
 from mindspeed_llm.training.qlora import apply_qlora
@@ -120,14 +126,17 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
             unadapt()
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, groups: Any = None) -> None:
     """Seed as megatron does: one seed per pipeline stage for the host generators (python, numpy,
-    torch, the accelerator), and the tracker's tensor-parallel streams derived from the base seed."""
-    from megatron.core import parallel_state as ps
+    torch, the accelerator), and the tracker's tensor-parallel streams derived from the base seed.
+
+    ``groups``: the process groups (``model.default_groups()``; ``None``: read them here).
+    Megatron's RNG tracker itself is a module global of megatron (``model_parallel_cuda_manual_seed``).
+    """
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-
-    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    groups = groups if groups is not None else default_groups()
+    stage_seed = seed + 100 * groups.pp.rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
@@ -159,37 +168,38 @@ class _Run:
                                      virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         try:
-            seed_everything(self.config.train.seed)
+            # Read once: everything below takes the groups as a value.
+            self.groups = default_groups()
+            seed_everything(self.config.train.seed, self.groups)
             self._build()
             return self._train()
         finally:
             ps.destroy_model_parallel()
 
     def _build(self) -> None:
-        from megatron.core import parallel_state as ps
-
-
         config = self.config
         self.transformer = transformer_config(config, self.vocab, self.overrides)
-        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare, kernels=self.kernels)
+        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare, kernels=self.kernels,
+                                  groups=self.groups)
         if self.stage.needs_reference:
             # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
             frozen = transformer_config(config, self.vocab, {**self.overrides, "perform_initialization": False})
-            self.reference = build_model(config, frozen, self.vocab, trainable=False, kernels=self.kernels)
+            self.reference = build_model(config, frozen, self.vocab, trainable=False, kernels=self.kernels,
+                                         groups=self.groups)
         for hook in self.feature_hooks.get("post_model_build", ()):
             hook(self.chunks)
-        self.optimizer = build_optimizer(config, self.chunks, self.kernels)
+        self.optimizer = build_optimizer(config, self.chunks, self.kernels, self.groups)
         for hook in self.feature_hooks.get("post_optimizer_build", ()):
             self.optimizer = hook(self.optimizer) or self.optimizer
         self.scheduler = build_scheduler(config, self.optimizer)
         self.transformer.grad_scale_func = self.optimizer.scale_loss
-        self.num_parameters = count_parameters(self.chunks)
+        self.num_parameters = count_parameters(self.chunks, self.groups)
         self.checkpoint_args = checkpoint_args_of(config, self.ids.vocab_size, self.vocab)
         self.state = self._load()
         if self.reference is not None:
             self._load_reference()
         train, valid = self.stage.datasets(config, self.world, self.ids)
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        dp_rank, dp_size = self.groups.dp.rank(), self.groups.dp.size()
         device = get_accelerator().device()
 
         def read(dataset: Any) -> Any:
@@ -379,7 +389,7 @@ class _Run:
         transform = (lambda losses: hook(step, losses)) if hook is not None else None
         lr = current_lr(self.optimizer)
         self.stage.prepare(self.reference, batches)
-        metrics = run_schedule(self.chunks, batches, self.stage.loss_fn(self.config, transform))
+        metrics = run_schedule(self.chunks, batches, self.stage.loss_fn(self.config, transform), groups=self.groups)
         loss, tokens = metrics[self.stage.metric]
         grad_norm = None
         skipped = not math.isfinite(loss)
@@ -410,10 +420,8 @@ class _Run:
 
     def _step_tokens(self, batches: list[dict[str, Any]]) -> int:
         # Tokens the step processed (padding excluded), over the data-parallel ranks.
-        from megatron.core import parallel_state as ps
-
         local = torch.tensor([sum(int((b["sequence_index"] >= 0).sum()) for b in batches)], dtype=torch.float64)
-        dist.all_reduce(local, group=ps.get_data_parallel_group())
+        dist.all_reduce(local, group=self.groups.dp)
         return int(local.item())
 
     def _evaluate(self, step: int, metrics: MetricsLog, reporter: RunReporter) -> dict[str, Any]:
@@ -421,7 +429,7 @@ class _Run:
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
         for batches in steps:
             self.stage.prepare(self.reference, batches)
-        loss, tokens = evaluate(self.chunks, steps, self.stage.loss_fn(self.config), self.stage.metric)
+        loss, tokens = evaluate(self.chunks, steps, self.stage.loss_fn(self.config), self.stage.metric, self.groups)
         record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
         if self.stage.metric == LM_LOSS:
             record["perplexity"] = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss

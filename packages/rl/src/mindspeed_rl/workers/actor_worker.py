@@ -67,7 +67,6 @@ class ActorWorker:
             holds a rollout engine).
         """
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
 
         cfg = self.config
@@ -84,8 +83,9 @@ class ActorWorker:
         if cfg.needs_reference():
             self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp,
                                    features=cfg.features)
-        place = {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
-                 "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+        groups = self.actor.groups
+        place = {"rank": self.rank, "dp_rank": groups.dp.rank(), "tp_rank": groups.tp.rank(),
+                 "pp_rank": groups.pp.rank()}
         holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
         if holds:
             self.engine = build_engine(cfg, self.model_dir)
