@@ -47,7 +47,8 @@ def _cp_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     facts = ModelFacts(extra={"num_attention_heads": MODEL.num_attention_heads,
                               "num_query_groups": MODEL.num_query_groups})
     ctx = BuildContext(parallel=ParallelSizes(cp=2), model=facts)
-    apply_features(FeaturesConfig(settings={"context_parallel": {"enabled": True, **settings}}), ctx)
+    apply_features(FeaturesConfig(optimization_level=0,
+                                  settings={"context_parallel": {"enabled": True, **settings}}), ctx)
     return dict(ctx.config_overrides)
 
 

@@ -87,7 +87,7 @@ def test_npu_wrapper_argument_order(monkeypatch: pytest.MonkeyPatch) -> None:
         c.add_(x.double().t().matmul(weight.double()).float())
 
     fake = types.SimpleNamespace(npu_matmul_add_fp32=npu_matmul_add_fp32)
-    monkeypatch.setattr("mindspeed.device.npu.import_torch_npu", lambda: fake)
+    monkeypatch.setattr("mindspeed.ops.backends.npu_basic.import_torch_npu", lambda: fake)
     npu_basic._matmul_add_op.cache_clear()
     try:
         for dtype in (torch.bfloat16, torch.float32):

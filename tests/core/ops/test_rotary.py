@@ -136,7 +136,7 @@ def test_npu_wrapper_slices_reshapes_and_falls_back(monkeypatch: pytest.MonkeyPa
         return r1 * x + r2 * rotated
 
     fake = types.SimpleNamespace(npu_rotary_mul=npu_rotary_mul)
-    monkeypatch.setattr("mindspeed.device.npu.import_torch_npu", lambda: fake)
+    monkeypatch.setattr("mindspeed.ops.backends.npu_basic.import_torch_npu", lambda: fake)
     monkeypatch.setattr(npu_basic, "_rotary_has_interleave", lambda: True)
     x = torch.randn(2, 5, 3, 24, generator=_gen(11))  # [b, s, n, d], 16 of 24 channels rotated
     for interleaved in (False, True):
