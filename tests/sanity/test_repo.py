@@ -44,3 +44,27 @@ def test_lock_has_no_machine_paths() -> None:
 def test_readme_links_exist() -> None:
     for link in re.findall(r"\]\(((?:docs|examples)/[^)]+)\)", (ROOT / "README.md").read_text()):
         assert (ROOT / link).exists(), f"README links to missing {link}"
+
+
+def _feature_rows() -> list[list[str]]:
+    """The README feature table's rows, split into cells (escaped pipes kept inside a cell)."""
+    text = (ROOT / "README.md").read_text()
+    table = re.search(r"\| feature \| status \| docs \| code \| test \|\n\| [-| ]+\|\n((?:\|.*\n?)+)", text)
+    assert table, "README.md's feature table lost its header 'feature | status | docs | code | test'"
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in table.group(1).splitlines()]
+
+
+def test_readme_feature_rows_link_existing_docs_code_and_tests() -> None:
+    """Every feature names its docs page, the code and the test that proves it, and they exist."""
+    rows = _feature_rows()
+    assert len(rows) >= 15
+    missing = []
+    for row in rows:
+        assert len(row) == 5, f"a feature row needs 5 cells: {row[0][:60]}"
+        for column, cell in zip(("docs", "code", "test"), row[2:]):
+            targets = re.findall(r"\]\(([^)#]+)\)", cell)
+            assert targets, f"{row[0][:60]}: no link in the {column} column"
+            if column == "test":
+                assert all(t.startswith("tests/") for t in targets), f"{row[0][:60]}: test links {targets}"
+            missing += [f"{row[0][:40]} -> {t}" for t in targets if not (ROOT / t).exists()]
+    assert not missing, "README feature table links to paths that do not exist:\n" + "\n".join(missing)
