@@ -3,7 +3,8 @@
 - DP2 (one microbatch per rank, language layers recomputed) equals DP1 (two accumulated
   microbatches, no recompute) step by step: losses and gradient norms over 4 steps (Qwen2.5-VL)
   and 2 steps each for Qwen3-VL (whose DeepStack mergers the dummy vision pass must reach too)
-  and InternVL (whose projector sits outside the vision tower).
+  and InternVL (whose projector sits outside the vision tower), and LoRA on Qwen2.5-VL (its
+  factors initialised on rank 0 and broadcast with the weights).
 - A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit.
 - The Hugging Face export loads in transformers with no missing or unexpected keys and holds
   exactly the weights of the last DCP checkpoint.
@@ -52,16 +53,18 @@ def _dp1(config):
 
 def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tmp_path) -> None:
     model_dir, data = tiny_vlm
-    others = [_overrides(*tiny, 1) + ["train.steps=2"] for tiny in (tiny_qwen3_vl, tiny_internvl)]
+    lora = ["lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4"]
+    others = [_overrides(*tiny, 1) + ["train.steps=2"] + extra
+              for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora))]
     dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, others, timeout=300)[0]
     dp1 = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2)),)).records
-    for tiny in (tiny_qwen3_vl, tiny_internvl):
-        dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"]),)).records
+    for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora)):
+        dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"] + extra),)).records
     assert [r["step"] for r in dp2["full"]] == [r["step"] for r in dp1[:STEPS]] == list(range(1, STEPS + 1))
     for one, two in zip(dp1, dp2["full"] + dp2["others"], strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
-    assert dp1[-1]["loss"] < dp1[0]["loss"]  # it learns
+    assert dp1[STEPS - 1]["loss"] < dp1[0]["loss"]  # it learns
 
     assert dp2["start"] == 2 and [r["step"] for r in dp2["resumed"]] == [3, 4]
     for resumed, full in zip(dp2["resumed"], dp2["full"][2:]):

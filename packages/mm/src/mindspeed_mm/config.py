@@ -183,19 +183,30 @@ class LoggingConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA through peft; off while ``target_modules`` is empty (not in this version yet).
+    """LoRA through peft (MindSpeed-MM's ``--lora-*``); off while ``target_modules`` is empty.
+
+    Everything but the LoRA factors is frozen; ``checkpoint.save_hf`` then writes the merged model.
 
     Attributes:
-        target_modules: module names to adapt (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ...).
+        target_modules: names of the linears to adapt, matched on the last parts of a module's
+            name: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
+            ``down_proj`` (MindSpeed-MM's set for the language model), or ``self_attn.q_proj``.
+        parts: where the targets are looked for: parts of the family (``language_model``,
+            ``vision_tower``, ``projector``) or module-name prefixes. Default: the language
+            model (MindSpeed-MM's LoRA leaves the vision side frozen).
         r: rank of the factors.
         alpha: the update is scaled by ``alpha / r``.
         dropout: dropout on the LoRA input while training.
+        save_peft: at the end, write the adapter as a PEFT directory
+            (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``).
     """
 
     target_modules: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=lambda: ["language_model"])
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
+    save_peft: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -272,9 +283,17 @@ class MMConfig:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")
         if t.clip_grad < 0:
             raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
-        if self.lora.enabled:
-            raise ConfigError("lora.target_modules: LoRA is not in mindspeed-mm yet; fine-tune fully (remove "
-                              "lora.target_modules) or freeze parts with model.freeze")
+        if self.lora.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.lora.alpha} must be positive (the update is scaled by alpha / r)")
+        if not 0 <= self.lora.dropout < 1:
+            raise ConfigError(f"lora.dropout={self.lora.dropout} must be in [0, 1)")
+        if self.lora.enabled and not self.lora.parts:
+            raise ConfigError("lora.parts is empty: name where the targets are (e.g. [language_model])")
+        if self.lora.save_peft and not self.lora.enabled:
+            raise ConfigError("lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])")
+        if self.lora.enabled and m.freeze:
+            raise ConfigError("model.freeze with LoRA: everything but the LoRA factors is frozen already; remove "
+                              "model.freeze")
         if self.features.settings:
             raise ConfigError(f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm "
                               "yet; remove them")

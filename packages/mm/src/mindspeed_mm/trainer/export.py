@@ -25,13 +25,27 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _OWN = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
 
-def save_hf(model: torch.nn.Module, source: str | Path, target: str | Path) -> Path | None:
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole (unsharded) state dict on rank 0's host (a collective; None on the other ranks)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist.get_rank() == 0 else None
+
+
+def save_hf(model: torch.nn.Module, source: str | Path, target: str | Path,
+            state: dict[str, torch.Tensor] | None = None) -> Path | None:
     """Write ``model`` (FSDP2-sharded or not) as a Hugging Face directory at ``target`` (a collective).
+
+    Args:
+        model: the model (its ``save_pretrained`` writes the files).
+        source: the directory it came from (tokenizer, processor and template files are copied).
+        target: the new directory.
+        state: the full state dict to write instead of the model's own (rank 0; e.g. merged LoRA weights).
 
     Returns:
         ``target`` on rank 0, None on the other ranks.
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if state is None:
+        state = full_state(model)
     target = Path(target)
     if dist.get_rank() != 0:
         dist.barrier()

@@ -23,7 +23,6 @@ from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog,
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.trainer import vlm_task  # noqa: F401  (registers the "vlm" task)
 from mindspeed_mm.trainer.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
-from mindspeed_mm.trainer.export import save_hf
 from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from mindspeed_mm.trainer.task import TASKS, TrainTask
 
@@ -39,12 +38,14 @@ class TrainResult:
         start_step: the step the run resumed after (0: a fresh run).
         checkpoint: the last checkpoint written (None: none).
         save_hf: the Hugging Face export (None: none).
+        exports: every export written, by kind (``save_hf``, ``save_peft``).
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
     start_step: int = 0
     checkpoint: str | None = None
     save_hf: str | None = None
+    exports: dict[str, str] = field(default_factory=dict)
 
 
 def train(config: MMConfig, task_name: str = "vlm") -> TrainResult:
@@ -67,9 +68,8 @@ def train(config: MMConfig, task_name: str = "vlm") -> TrainResult:
         _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result)
     finally:
         metrics.close()
-    if ck.save_hf:
-        exported = save_hf(task.model, task.source, ck.save_hf)
-        result.save_hf = str(exported) if exported is not None else None
+    result.exports = task.export()
+    result.save_hf = result.exports.get("save_hf")
     if rank == 0 and log_dir is not None and config.logging.loss_curve:
         write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
     return result

@@ -41,6 +41,9 @@ class TrainTask(Protocol):
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens the step processed over all ranks (for tokens/s)."""
 
+    def export(self) -> dict[str, str]:
+        """Write the exports the recipe asks for at the end (a collective); rank 0 returns ``{kind: path}``."""
+
 
 #: task name -> ``(config, world_size) -> TrainTask``.
 TASKS: Registry[Callable[[Any, int], TrainTask]] = Registry("training task")

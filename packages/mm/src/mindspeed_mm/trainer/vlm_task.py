@@ -16,6 +16,8 @@ from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
 from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing
 from mindspeed_mm.models.loading import build_meta_model
+from mindspeed_mm.models.lora import apply_lora, merged_state, write_peft_adapter
+from mindspeed_mm.trainer.export import full_state, save_hf
 from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
 from mindspeed_mm.trainer.task import TASKS
@@ -28,26 +30,33 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     With several ranks only rank 0 reads the weights (on the host); every rank builds the model
     on the meta device, shards it, and receives its shards from rank 0 (the buffers, such as
     rotary frequencies that are in no checkpoint, too), so no other rank holds a full copy.
+    With LoRA, peft's layers go in before sharding (on rank 0's loaded copy too, so the initial
+    factors are rank 0's) and everything but the factors is frozen.
     """
     m, p = config.model, config.parallel
     family = family_of(m.path)
     device = get_accelerator().device()
-    full_state, buffers = None, None
+    weights, buffers = None, None
+    lora = config.lora
     if world == 1:
         model = load_model(m.path, family, m.attn_implementation).to(device)
     else:
         if dist.get_rank() == 0:
             loaded = load_model(m.path, family, m.attn_implementation)
-            full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+            if lora.enabled:  # the factors' initial values come from rank 0 like the weights
+                apply_lora(loaded, lora, family)
+            weights, buffers = loaded.state_dict(), dict(loaded.named_buffers())
             del loaded
         model = build_meta_model(m.path, family, m.attn_implementation)
+    if lora.enabled:
+        apply_lora(model, lora, family)
     freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
     mesh = build_mesh(world, p.dp_replicate)
     apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
                p.reshard_after_forward)
     if world > 1:
-        _load_from_rank0(model, full_state, buffers, device)
+        _load_from_rank0(model, weights, buffers, device)
     model.train()
     return family, model
 
@@ -122,6 +131,26 @@ class VLMTask:
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens of the step over all ranks."""
         return int(totals[2])
+
+    def export(self) -> dict[str, str]:
+        """``checkpoint.save_hf`` (merged with LoRA) and ``lora.save_peft``."""
+        ck, lora = self.config.checkpoint, self.config.lora
+        if not ck.save_hf and not lora.save_peft:
+            return {}
+        state = full_state(self.model)
+        written: dict[str, str] = {}
+        if lora.save_peft and state is not None:
+            written["save_peft"] = str(write_peft_adapter(state, lora, self.family, self.source, lora.save_peft))
+        if ck.save_hf:
+            if lora.enabled:  # the merged weights under the model's own names, written by a plain model
+                plain = build_meta_model(self.source, self.family, self.config.model.attn_implementation)
+                merged = merged_state(state, lora) if state is not None else None
+                target = save_hf(plain, self.source, ck.save_hf, state=merged if merged is not None else {})
+            else:
+                target = save_hf(self.model, self.source, ck.save_hf, state=state if state is not None else {})
+            if target is not None:
+                written["save_hf"] = str(target)
+        return written
 
 
 TASKS.register("vlm", VLMTask)

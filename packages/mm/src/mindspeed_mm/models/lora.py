@@ -1,0 +1,182 @@
+"""LoRA on a transformers model through peft, with the model's own module names kept.
+
+peft's ``inject_adapter_in_model`` replaces each targeted ``nn.Linear`` (``q_proj``, ...) by a
+LoRA layer holding the frozen ``base_layer`` and the trainable ``lora_A`` / ``lora_B``, without
+wrapping the model in a ``PeftModel``, so FSDP2 plans, freezing and checkpoints see the same
+names as without LoRA (plus ``.base_layer``). The targets are found by name inside the parts
+``lora.parts`` names (the language model by default), as one regular expression that peft
+matches against full module names.
+
+Names of one adapted linear ``P`` (e.g. ``model.language_model.layers.0.self_attn.q_proj``):
+
+| where | base weight | factors |
+| --- | --- | --- |
+| the trained model, its DCP checkpoints | ``P.base_layer.weight`` | ``P.lora_A.default.weight``, ``P.lora_B.default.weight`` |
+| a PEFT adapter (``adapter_model.safetensors``) | (the base model's) | ``base_model.model.P.lora_A.weight``, ``...lora_B.weight`` |
+| a merged Hugging Face model | ``P.weight`` + (alpha / r) B A | none |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.models.family import VLMFamily
+
+logger = get_logger(__name__)
+
+#: peft's adapter name inside the trained model.
+ADAPTER = "default"
+#: The prefix of every tensor name in a PEFT adapter file.
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_FACTOR = re.compile(rf"^(?P<module>.+)\.lora_(?P<which>[AB])\.{ADAPTER}\.weight$")
+
+
+def scope_prefixes(lora: LoraConfig, family: VLMFamily) -> list[str]:
+    """The module-name prefixes ``lora.parts`` stands for (a part's prefixes, or the entry itself)."""
+    return [prefix for part in lora.parts for prefix in family.parts.get(part, (part,))]
+
+
+def target_regex(lora: LoraConfig, family: VLMFamily) -> str:
+    """The regular expression of the module names to adapt (peft ``fullmatch``es it against each name)."""
+    names = "|".join(re.escape(name) for name in lora.target_modules)
+    prefixes = "|".join(re.escape(prefix) for prefix in scope_prefixes(lora, family))
+    return rf"(?:{prefixes})\.(?:.*\.)?(?:{names})"
+
+
+def peft_config(lora: LoraConfig, target_modules: str | list[str]) -> Any:
+    """peft's ``LoraConfig`` of the recipe's ``lora`` section over ``target_modules`` (a regex or a list)."""
+    import peft
+
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules)
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> list[str]:
+    """Freeze ``model`` and add LoRA factors to the target modules; returns the adapted module names.
+
+    Raises:
+        ValueError: no module matches ``lora.target_modules`` inside ``lora.parts``.
+    """
+    from peft import inject_adapter_in_model
+
+    modules = dict(model.named_modules())
+    for part, prefixes in ((part, family.parts.get(part, (part,))) for part in lora.parts):
+        if not any(prefix in modules for prefix in prefixes):
+            raise ValueError(f"lora.parts: {part!r} is not a part of {family.architecture} ({', '.join(family.parts)}) "
+                             f"or a module name such as {next(n for n in modules if n.count('.') == 1)!r}")
+    model.requires_grad_(False)
+    try:
+        inject_adapter_in_model(peft_config(lora, target_regex(lora, family)), model, adapter_name=ADAPTER)
+    except ValueError:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                         if isinstance(module, torch.nn.Linear) and not name.rsplit(".", 1)[-1].isdigit()})
+        raise ValueError(f"lora.target_modules={lora.target_modules}: no linear of {family.architecture} inside "
+                         f"lora.parts={lora.parts} has that name; its linears are named {', '.join(leaves)}") from None
+    adapted = adapted_modules(dict(model.named_parameters()))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("LoRA r=%d alpha=%g on %d linears (%s in %s): %d trainable parameters of %d (%.3f%%)", lora.r,
+                lora.alpha, len(adapted), ", ".join(lora.target_modules), ", ".join(lora.parts), trainable,
+                sum(p.numel() for p in model.parameters()), 100 * trainable / max(1, sum(p.numel() for p in model.parameters())))
+    return adapted
+
+
+def adapted_modules(names: dict[str, Any] | list[str]) -> list[str]:
+    """The names of the adapted linears among the tensor names of a trained model (or its checkpoint)."""
+    return sorted({m.group("module") for name in names if (m := _FACTOR.match(name)) and m.group("which") == "A"})
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight + scale * b @ a``, computed in fp32, in ``weight``'s dtype (what peft's ``merge`` gives)."""
+    return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+
+
+def peft_adapter_state(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LoRA factors of a full state dict under PEFT's file names."""
+    out = {}
+    for name, value in full.items():
+        match = _FACTOR.match(name)
+        if match:
+            out[f"{PEFT_PREFIX}{match.group('module')}.lora_{match.group('which')}.weight"] = value.contiguous()
+    return out
+
+
+def merged_state(full: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The model's own state dict with each LoRA update folded into its base weight."""
+    scale = lora.alpha / lora.r
+    out = {}
+    for name, value in full.items():
+        if _FACTOR.match(name):
+            continue
+        if ".base_layer." in name:
+            prefix, leaf = name.rsplit(".base_layer.", 1)
+            if leaf == "weight":
+                value = merge_weight(value, full[f"{prefix}.lora_A.{ADAPTER}.weight"],
+                                     full[f"{prefix}.lora_B.{ADAPTER}.weight"], scale)
+            name = f"{prefix}.{leaf}"
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """What ``adapter_config.json`` records and a merge needs.
+
+    Attributes:
+        r: rank.
+        alpha: scale numerator (the update is ``alpha / r * B A``).
+        target_modules: peft's ``target_modules`` (a regex string or a list of names).
+        dropout: LoRA dropout (training only).
+    """
+
+    r: int
+    alpha: float
+    target_modules: str | list[str]
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r``."""
+        return self.alpha / self.r
+
+
+def adapter_config(settings: AdapterSettings, base: str | Path | None) -> dict[str, Any]:
+    """The ``adapter_config.json`` content peft writes for these settings."""
+    import peft
+
+    config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                             target_modules=settings.target_modules).to_dict()
+    config["base_model_name_or_path"] = str(base) if base is not None else None
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+
+
+def write_peft_adapter(full: dict[str, torch.Tensor], lora: LoraConfig, family: VLMFamily, base: str | Path,
+                       target: str | Path) -> Path:
+    """Write the adapter of a trained model's full state dict as a PEFT directory, atomically.
+
+    ``adapter_model.safetensors`` holds the factors under PEFT's names, ``adapter_config.json``
+    the recipe's settings (targets as the regular expression the run used).
+    """
+    from safetensors.torch import save_file
+
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(peft_adapter_state(full), tmp / ADAPTER_WEIGHTS)
+    settings = AdapterSettings(lora.r, lora.alpha, target_regex(lora, family), lora.dropout)
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(settings, base), indent=2, default=str) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    logger.info("saved the PEFT adapter to %s", target)
+    return target
