@@ -7,11 +7,15 @@ values against each other and the world size, naming the key and the fix.
 
 The sections follow MindSpeed-MM's native FSDP2 YAML (``model``, ``parallel``, ``data``,
 ``training``, ``features``) with the LLM suite's names (``train``, ``checkpoint``, ``logging``,
-``lora``), so one recipe format serves every suite.
+``lora``), so one recipe format serves every suite. The model directory picks the task
+(:meth:`MMConfig.task`): a transformers ``config.json`` (``architectures``) trains a
+vision-language model, a diffusers one (``_class_name``) a diffusion transformer, whose
+flow-matching settings are the ``diffusion`` section (MindSpeed-MM's ``diffusion`` block).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -20,7 +24,7 @@ from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
-SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "features", "lora")
+SECTIONS = ("model", "parallel", "train", "data", "diffusion", "checkpoint", "logging", "features", "lora")
 
 #: Parts of a vision-language model that ``model.freeze`` names (MindSpeed-MM's ``freeze`` switches).
 PARTS = ("vision_tower", "projector", "language_model")
@@ -126,6 +130,10 @@ class DataConfig:
         mask_history: loss on the last answer only.
         shuffle: a new order of the samples each epoch (seeded by ``train.seed``).
         max_samples: use only the first this many samples.
+        features: a feature cache (latents and text embeddings, :mod:`mindspeed_mm.data.features`)
+            that a diffusion transformer trains from, instead of ``files``.
+        text_len: text embeddings are zero-padded to this many tokens, as the pipelines pad them
+            (default: the model family's, 512 for Wan and FLUX).
     """
 
     files: list[str] = field(default_factory=list)
@@ -137,6 +145,68 @@ class DataConfig:
     mask_history: bool = False
     shuffle: bool = True
     max_samples: int | None = None
+    features: str | None = None
+    text_len: int | None = None
+
+
+@dataclass
+class DiffusionConfig:
+    """Flow matching of a diffusion transformer (``x_t = (1 - s) x0 + s noise``, target ``noise - x0``).
+
+    Timesteps are drawn on the grid of diffusers' ``FlowMatchEulerDiscreteScheduler``:
+    ``num_train_timesteps`` sigmas from 1 down to ``1 / num_train_timesteps``, shifted as
+    ``shift s / (1 + (shift - 1) s)`` (the same grid as MindSpeed-MM's Wan scheduler). A number
+    ``u`` in [0, 1) from ``timestep_sampling`` picks grid index ``floor(u N)`` (0: pure noise).
+    MindSpeed-MM's Wan recipes: ``shift: 5``, ``timestep_sampling: uniform``,
+    ``timestep_per: microbatch``, ``loss_weighting: bsmntw``; diffusers' examples draw per
+    sample (``logit_normal`` or ``uniform``) with ``none`` / ``sigma_sqrt`` / ``cosmap`` weights.
+
+    Attributes:
+        num_train_timesteps: grid points.
+        shift: the grid's shift (1: none).
+        timestep_sampling: ``uniform``, ``logit_normal`` (``sigmoid(N(logit_mean, logit_std))``) or
+            ``mode`` (SD3's mode sampling with ``mode_scale``), as diffusers'
+            ``compute_density_for_timestep_sampling``.
+        logit_mean: mean of ``logit_normal``.
+        logit_std: standard deviation of ``logit_normal``.
+        mode_scale: scale of ``mode``.
+        timestep_per: one timestep per ``sample`` (diffusers) or per ``microbatch`` (MindSpeed-MM).
+        min_timestep_boundary: ``u`` is mapped into [min, max) of the grid (Wan2.2's experts:
+            the high-noise one trains [0, 0.417), the low-noise one [0.417, 1)).
+        max_timestep_boundary: see ``min_timestep_boundary``.
+        loss_weighting: ``none``, ``sigma_sqrt`` (1/sigma^2), ``cosmap`` (SD3), or ``bsmntw``
+            (MindSpeed-MM's / DiffSynth's Gaussian bump over the grid, mean 1).
+        text_dropout: probability that a sample's text embedding is replaced by the empty
+            caption's (classifier-free guidance); MindSpeed-MM's ``cfg``.
+        guidance_scale: the guidance a guidance-distilled model (FLUX.1-dev) is trained with.
+    """
+
+    num_train_timesteps: int = 1000
+    shift: float = 1.0
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    timestep_per: Literal["sample", "microbatch"] = "sample"
+    min_timestep_boundary: float = 0.0
+    max_timestep_boundary: float = 1.0
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap", "bsmntw"] = "none"
+    text_dropout: float = 0.0
+    guidance_scale: float = 1.0
+
+    def check(self) -> None:
+        """Check the values (raises ``ConfigError`` naming the key and the fix)."""
+        if self.num_train_timesteps < 1:
+            raise ConfigError(f"diffusion.num_train_timesteps={self.num_train_timesteps} must be at least 1")
+        if self.shift <= 0:
+            raise ConfigError(f"diffusion.shift={self.shift} must be positive (1: no shift)")
+        if not 0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1:
+            raise ConfigError(f"diffusion.min_timestep_boundary={self.min_timestep_boundary} and "
+                              f"max_timestep_boundary={self.max_timestep_boundary} must satisfy 0 <= min < max <= 1")
+        if not 0 <= self.text_dropout <= 1:
+            raise ConfigError(f"diffusion.text_dropout={self.text_dropout} must be in [0, 1]")
+        if self.logit_std <= 0:
+            raise ConfigError(f"diffusion.logit_std={self.logit_std} must be positive")
 
 
 @dataclass
@@ -220,7 +290,8 @@ class MMConfig:
 
     Attributes:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
-        data: :class:`DataConfig`. checkpoint: :class:`CheckpointConfig`. logging: :class:`LoggingConfig`.
+        data: :class:`DataConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
+        checkpoint: :class:`CheckpointConfig`. logging: :class:`LoggingConfig`.
         features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
     """
 
@@ -228,6 +299,7 @@ class MMConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -237,6 +309,14 @@ class MMConfig:
         """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""
         target = self.logging.dir or self.checkpoint.save
         return Path(target) if target else None
+
+    def task(self) -> str:
+        """The training task the model directory calls for: ``dit`` for a diffusers directory (its
+        config.json names ``_class_name``), else ``vlm``."""
+        config = Path(self.model.path or "") / "config.json"
+        if self.model.path and config.is_file() and "_class_name" in json.loads(config.read_text()):
+            return "dit"
+        return "vlm"
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all ranks."""
@@ -270,7 +350,9 @@ class MMConfig:
                               "`architectures`, weights, tokenizer, image processor)")
         if not (Path(m.path) / "config.json").is_file():
             raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
-        if not d.files:
+        if self.task() == "dit":
+            self._check_dit()
+        elif not d.files:
             raise ConfigError("data.files is empty: give mllm_format JSON/JSONL files (messages with <image> "
                               "placeholders plus images)")
         for name in d.files:
@@ -297,6 +379,26 @@ class MMConfig:
         if self.features.settings:
             raise ConfigError(f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm "
                               "yet; remove them")
+
+
+    def _check_dit(self) -> None:
+        d = self.data
+        if d.features is None:
+            raise ConfigError(f"data.features is unset: {self.model.path} is a diffusion transformer, which trains "
+                              "from a feature cache (latents and text embeddings); give its directory")
+        if not (Path(d.features) / "index.jsonl").is_file():
+            raise ConfigError(f"data.features={d.features!r} has no index.jsonl; give a feature cache directory")
+        if d.files:
+            raise ConfigError("data.files: a diffusion transformer trains from data.features; remove data.files")
+        if self.checkpoint.save_hf:
+            raise ConfigError("checkpoint.save_hf: the diffusers export of a diffusion transformer is not in this "
+                              "version yet; remove it (checkpoint.save keeps the DCP checkpoints)")
+        if self.lora.enabled:
+            raise ConfigError("lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
+                              "remove lora.target_modules")
+        if d.text_len is not None and d.text_len < 1:
+            raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
+        self.diffusion.check()
 
 
 def load_mm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MMConfig:

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mindspeed.device import get_accelerator
@@ -85,6 +86,24 @@ def apply_fsdp(model: torch.nn.Module, plan: list[str] | tuple[str, ...], mesh: 
     logger.info("FSDP2: %d units over mesh %s (%s), precision %s", len(units) + 1, tuple(mesh.shape),
                 ", ".join(mesh.mesh_dim_names or ()), precision)
     return [name for name, _ in units] + [""]
+
+
+def load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None,
+                    buffers: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Fill a sharded model built on the meta device with rank 0's weights and buffers (a collective).
+
+    Rank 0 passes its full state dict and named buffers (buffers such as rotary frequencies are in
+    no checkpoint); the other ranks pass None and receive only their shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if buffers is not None:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,7 @@ from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
 from mindspeed_mm.config import MMConfig
-from mindspeed_mm.trainer import vlm_task  # noqa: F401  (registers the "vlm" task)
+from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
 from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from mindspeed_mm.trainer.task import TASKS, TrainTask
@@ -48,13 +48,16 @@ class TrainResult:
     exports: dict[str, str] = field(default_factory=dict)
 
 
-def train(config: MMConfig, task_name: str = "vlm") -> TrainResult:
-    """Train as ``config`` says on the ranks of the current process group; returns rank 0's :class:`TrainResult`."""
+def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
+    """Train as ``config`` says on the ranks of the current process group; returns rank 0's :class:`TrainResult`.
+
+    The task is ``task_name`` (default: the one the model directory calls for, :meth:`MMConfig.task`).
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     config.check(world)
     t, ck = config.train, config.checkpoint
     torch.manual_seed(t.seed)
-    task = TASKS.get(task_name)(config, world)
+    task = TASKS.get(task_name or config.task())(config, world)
     optimizer = build_optimizer(t, task.model)
     trainable = [p for p in task.model.parameters() if p.requires_grad]
     result = TrainResult()

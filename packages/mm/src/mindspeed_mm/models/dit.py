@@ -1,0 +1,109 @@
+"""What a diffusion-transformer family declares, and the registry of families by diffusers' ``_class_name``.
+
+A family is the one description of a diffusers transformer class that the suite needs: its
+FSDP2 wrapping plan, the layout of its latents, how the noisy latents, timesteps and text
+embeddings become the arguments of its ``forward`` (and its output the velocity in the latents'
+layout), its default text length, and its tiny configuration. Models are diffusers' own
+classes loaded from diffusers directories (``config.json`` with ``_class_name`` plus
+``diffusion_pytorch_model.safetensors``), so checkpoints stay diffusers checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.registry import Registry
+
+
+@dataclass(frozen=True)
+class DiTFamily:
+    """One diffusers transformer class.
+
+    Attributes:
+        architecture: the ``_class_name`` of its config.json.
+        model_class: the diffusers class, as ``module:Name`` (imported when used).
+        fsdp_plan: module-name patterns wrapped as FSDP2 units (innermost first; ``{*}`` matches one name part).
+        latent_dims: dimensions of one sample's latents: 4 (``C, F, H, W``, video) or 3 (``C, H, W``, image).
+        model_inputs: ``(model config, noisy latents [B, ...], sigmas [B], text [B, L, D], pooled [B, P] or
+            None, guidance scale) -> forward kwargs``.
+        prediction: ``(model output, latents' shape) -> velocity in the latents' layout``.
+        tokens: ``(model config, one sample's latent shape) -> tokens`` the transformer sees.
+        tiny_config: the constructor arguments of a tiny model (CPU tests and demos).
+        text_len: text embeddings are zero-padded to this many tokens by default.
+        needs_pooled: the model takes a pooled text embedding (FLUX's CLIP projection).
+        fp32_inputs: ``forward`` arguments kept in float32 under bf16 mixed precision (timesteps:
+            rounding 999.0 to bf16 moves it by up to 4 steps of the grid).
+        parts: named parts for ``model.freeze`` (none: module-name prefixes only).
+    """
+
+    architecture: str
+    model_class: str
+    fsdp_plan: tuple[str, ...]
+    latent_dims: int
+    model_inputs: Callable[..., dict[str, Any]]
+    prediction: Callable[[Any, tuple[int, ...]], torch.Tensor]
+    tokens: Callable[[Any, tuple[int, ...]], int]
+    tiny_config: dict[str, Any]
+    text_len: int = 512
+    needs_pooled: bool = False
+    fp32_inputs: tuple[str, ...] = ("timestep",)
+    parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def load_class(self) -> type:
+        """The diffusers model class."""
+        module, name = self.model_class.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+#: ``_class_name`` -> family.
+DIT_FAMILIES: Registry[DiTFamily] = Registry("diffusion transformer family")
+
+
+def register_dit(family: DiTFamily) -> DiTFamily:
+    """Add ``family`` to :data:`DIT_FAMILIES` under its class name."""
+    DIT_FAMILIES.register(family.architecture, family)
+    return family
+
+
+def dit_family_of(path: str | Path) -> DiTFamily:
+    """The family of the diffusers directory ``path``, from its config.json's ``_class_name``.
+
+    Raises:
+        ValueError: no config.json, no ``_class_name``, or a class not registered.
+    """
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; give a local diffusers model directory (the "
+                         "transformer folder of a pipeline)")
+    name = json.loads(config.read_text()).get("_class_name")
+    if not name:
+        raise ValueError(f"{config} has no `_class_name`; give a diffusers transformer directory")
+    return DIT_FAMILIES.get(name)
+
+
+def load_dit(path: str | Path, family: DiTFamily) -> Any:
+    """The family's model with the weights of ``path``, in fp32 (the master copy FSDP2 shards)."""
+    return family.load_class().from_pretrained(str(path), torch_dtype=torch.float32, local_files_only=True)
+
+
+def build_meta_dit(path: str | Path, family: DiTFamily) -> Any:
+    """The family's model with the configuration of ``path`` on the meta device (no memory, no weights)."""
+    cls = family.load_class()
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(str(path)))
+
+
+def write_tiny_dit(directory: str | Path, architecture: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random model of the family (diffusers' ``save_pretrained`` layout) into ``directory``."""
+    family = DIT_FAMILIES.get(architecture)
+    torch.manual_seed(seed)
+    model = family.load_class()(**{**family.tiny_config, **overrides})
+    model.save_pretrained(str(directory))
+    return Path(directory)

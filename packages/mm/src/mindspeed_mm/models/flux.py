@@ -1,0 +1,63 @@
+"""FLUX.1 text-to-image: diffusers' ``FluxTransformer2DModel``.
+
+Latents ``[B, C, H, W]`` are packed into 2x2 patches (``[B, H/2 x W/2, 4C]``, as ``FluxPipeline``
+packs them) with their image ids; the timestep is the sigma itself (the model scales it by
+1000); the T5 text embeddings come with zero text ids, the CLIP pooled embedding as
+``pooled_projections``; a guidance-distilled model (``guidance_embeds``, FLUX.1-dev) is given
+``diffusion.guidance_scale``. FSDP2 wraps each double- and single-stream block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mindspeed_mm.models.dit import DiTFamily, register_dit
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W] -> [B, H/2 x W/2, 4C]``: 2x2 patches, channels fastest-inner (``FluxPipeline._pack_latents``)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_latents` for latents of ``height x width``."""
+    b, _, channels = packed.shape
+    return (packed.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+            .reshape(b, channels // 4, height, width))
+
+
+def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[H/2 x W/2, 3]`` positions of the packed patches: ``(0, row, column)``."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor | None,
+            guidance: float) -> dict[str, Any]:
+    _, _, height, width = noisy.shape
+    inputs = {"hidden_states": pack_latents(noisy), "encoder_hidden_states": text, "pooled_projections": pooled,
+              "timestep": sigmas, "img_ids": image_ids(height, width, noisy.device, noisy.dtype),
+              "txt_ids": torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype), "return_dict": False}
+    inputs["guidance"] = torch.full_like(sigmas, guidance) if config.guidance_embeds else None
+    return inputs
+
+
+FLUX = register_dit(DiTFamily(
+    architecture="FluxTransformer2DModel",
+    model_class="diffusers:FluxTransformer2DModel",
+    fsdp_plan=("transformer_blocks.{*}", "single_transformer_blocks.{*}"),
+    latent_dims=3,
+    model_inputs=_inputs,
+    prediction=lambda output, shape: unpack_latents(output[0], shape[-2], shape[-1]),
+    tokens=lambda config, shape: (shape[1] // 2) * (shape[2] // 2),
+    tiny_config={"patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 1, "num_single_layers": 1,
+                 "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+                 "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": (4, 4, 8)},
+    needs_pooled=True,
+    fp32_inputs=("timestep", "guidance"),
+))

@@ -1,0 +1,40 @@
+"""Wan2.1 / Wan2.2 text-to-video: diffusers' ``WanTransformer3DModel``.
+
+Latents ``[B, C, F, H, W]`` go in as they are; the timestep is ``sigma x 1000`` (the grid's
+timestep, as ``WanPipeline`` passes it); the UMT5 text embeddings are zero-padded to 512 tokens
+as ``WanPipeline`` pads them. FSDP2 wraps each block (MindSpeed-MM's Wan2.2 plan
+``predictor.blocks.{*}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mindspeed_mm.models.dit import DiTFamily, register_dit
+
+
+def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor | None,
+            guidance: float) -> dict[str, Any]:
+    return {"hidden_states": noisy, "timestep": sigmas * 1000.0, "encoder_hidden_states": text, "return_dict": False}
+
+
+def _tokens(config: Any, shape: tuple[int, ...]) -> int:
+    p_t, p_h, p_w = config.patch_size
+    return (shape[1] // p_t) * (shape[2] // p_h) * (shape[3] // p_w)
+
+
+WAN = register_dit(DiTFamily(
+    architecture="WanTransformer3DModel",
+    model_class="diffusers:WanTransformer3DModel",
+    fsdp_plan=("blocks.{*}",),
+    latent_dims=4,
+    model_inputs=_inputs,
+    prediction=lambda output, shape: output[0],
+    tokens=_tokens,
+    # diffusers' own test configuration of the class (tests/models/transformers/test_models_transformer_wan.py)
+    tiny_config={"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4,
+                 "out_channels": 4, "text_dim": 16, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2,
+                 "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32},
+))

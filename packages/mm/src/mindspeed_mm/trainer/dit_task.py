@@ -1,0 +1,196 @@
+"""The diffusion-transformer task: flow matching on cached latents and text embeddings (Wan, FLUX).
+
+Each microbatch stacks ``train.micro_batch_size`` cached samples of one latent shape, pads their
+text embeddings with zeros to ``data.text_len`` (as the pipelines do), and draws its timesteps,
+noise and text dropout from a generator seeded by the step and its place in the step
+(:class:`~mindspeed_mm.diffusion.FlowMatching`). The loss is the weighted mean squared error of
+the predicted velocity against ``noise - x0``: per sample over its elements, then the mean over
+the microbatch, the microbatches and the ranks (every sample has as many elements, so this is
+the mean over the global batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mindspeed.device import get_accelerator
+from mindspeed.log import get_logger
+from mindspeed_mm.config import MMConfig
+from mindspeed_mm.data.features import FeatureSet
+from mindspeed_mm.data.order import SampleOrder
+from mindspeed_mm.diffusion import FlowDraw, FlowMatching
+from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
+from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
+from mindspeed_mm.models.loading import freeze_parts
+from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, load_from_rank0
+from mindspeed_mm.trainer.task import TASKS
+
+logger = get_logger(__name__)
+
+
+def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]:
+    """The family and its diffusers model, frozen, recomputed and sharded as the recipe says.
+
+    With several ranks only rank 0 reads the weights; the others build the model on the meta
+    device and receive their shards (and the buffers) from rank 0.
+    """
+    m, p = config.model, config.parallel
+    family = dit_family_of(m.path)
+    device = get_accelerator().device()
+    full_state, buffers = None, None
+    if world == 1:
+        model = load_dit(m.path, family).to(device)
+    else:
+        if dist.get_rank() == 0:
+            loaded = load_dit(m.path, family)
+            full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+            del loaded
+        model = build_meta_dit(m.path, family)
+    if m.freeze:
+        freeze_parts(model, family, m.freeze)
+    apply_recompute(model, config.train.recompute_modules)
+    mesh = build_mesh(world, p.dp_replicate)
+    apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
+               p.reshard_after_forward)
+    if world > 1:
+        load_from_rank0(model, full_state, buffers, device)
+    model.train()
+    return family, model
+
+
+@dataclass
+class DiTBatch:
+    """One microbatch of cached samples and its draws.
+
+    Attributes:
+        indices: the samples' indices in the feature cache.
+        latents: clean latents ``x0`` ``[B, ...]``.
+        text: text embeddings zero-padded to the text length ``[B, L, D]`` (before the dropout).
+        pooled: pooled text embeddings ``[B, P]`` (models that take one), else None.
+        draw: the timesteps' grid indices, the noise and the text dropout.
+        tokens: tokens the transformer sees over the microbatch.
+    """
+
+    indices: list[int]
+    latents: torch.Tensor
+    text: torch.Tensor
+    pooled: torch.Tensor | None
+    draw: FlowDraw
+    tokens: int
+
+
+class DiTTask:
+    """Flow-matching training of a diffusers transformer (:class:`~mindspeed_mm.trainer.task.TrainTask`).
+
+    Counts: samples, tokens.
+    """
+
+    def __init__(self, config: MMConfig, world: int) -> None:
+        d, t = config.data, config.train
+        self.config, self.world = config, world
+        self.source = Path(config.model.path)
+        self.family, self.model = build_dit(config, world)
+        self.device = get_accelerator().device()
+        self.features = FeatureSet(d.features)
+        self.flow = FlowMatching(config.diffusion)
+        self.text_len = d.text_len or self.family.text_len
+        self.order = SampleOrder(len(self.features), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed,
+                                 d.shuffle)
+        self.null = self._null_text()
+        self._fp32: dict[str, torch.Tensor] = {}
+        # Runs after FSDP2's own pre-forward hook, which casts every float input to bf16.
+        self.model.register_forward_pre_hook(self._restore_fp32_inputs, with_kwargs=True)
+
+    def _null_text(self) -> dict[str, torch.Tensor]:
+        null = self.features.null()
+        if null is None:
+            if self.config.diffusion.text_dropout > 0:
+                logger.warning("%s has no null.safetensors: text dropout uses zero text embeddings",
+                               self.features.directory)
+            first = self.features[0]
+            null = {key: torch.zeros_like(first[key][:0] if key == "text" else first[key])
+                    for key in ("text", "pooled") if key in first}
+        if "text" in null:
+            null["text"] = self._pad(null["text"], "null.safetensors")
+        return null
+
+    def _pad(self, text: torch.Tensor, name: str) -> torch.Tensor:
+        if text.shape[0] > self.text_len:
+            raise ValueError(f"{self.features.directory}: the text embedding of {name} has {text.shape[0]} tokens, "
+                             f"more than data.text_len={self.text_len}; raise data.text_len")
+        return torch.cat([text, text.new_zeros(self.text_len - text.shape[0], text.shape[1])])
+
+    def _restore_fp32_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs.update(self._fp32)
+        self._fp32 = {}
+        return args, kwargs
+
+    def _batch(self, indices: list[int], microbatch: int) -> DiTBatch:
+        samples = [self.features[i] for i in indices]
+        shape = tuple(samples[0]["latents"].shape)
+        for i, sample in zip(indices, samples):
+            if tuple(sample["latents"].shape) != shape:
+                raise ValueError(f"{self.features.directory}: sample {self.features.entries[i]['id']} has latents "
+                                 f"{tuple(sample['latents'].shape)}, another in its microbatch {shape}; use "
+                                 "train.micro_batch_size=1 or a cache of one resolution and frame count")
+            if len(shape) != self.family.latent_dims:
+                raise ValueError(f"{self.features.directory}: latents of {len(shape)} dimensions; "
+                                 f"{self.family.architecture} takes {self.family.latent_dims}")
+        latents = torch.stack([s["latents"].float() for s in samples])
+        text = torch.stack([self._pad(s["text"].float(), self.features.entries[i]["id"])
+                            for i, s in zip(indices, samples)])
+        pooled = None
+        if self.family.needs_pooled:
+            if any("pooled" not in s for s in samples):
+                raise ValueError(f"{self.features.directory}: {self.family.architecture} needs pooled text "
+                                 "embeddings (`ID.pooled`); extract features for this model")
+            pooled = torch.stack([s["pooled"].float() for s in samples])
+        draw = self.flow.draw(self.flow.generator(self.config.train.seed, microbatch), tuple(latents.shape))
+        tokens = self.family.tokens(self.model.config, shape) * len(indices)
+        return DiTBatch(indices, latents, text, pooled, draw, tokens)
+
+    def microbatches(self, step: int, rank: int) -> list[DiTBatch]:
+        """This rank's microbatches of ``step``."""
+        accumulation = self.config.train.gradient_accumulation_steps
+        first = ((step - 1) * self.world + rank) * accumulation  # global microbatch number
+        return [self._batch(self.order.indices(step, rank, j), first + j) for j in range(accumulation)]
+
+    def counts(self, microbatches: list[DiTBatch]) -> torch.Tensor:
+        """[samples, tokens] of this rank."""
+        return torch.tensor([float(sum(len(b.indices) for b in microbatches)),
+                             float(sum(b.tokens for b in microbatches))], dtype=torch.float64, device=self.device)
+
+    def model_text(self, batch: DiTBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The text (and pooled) embeddings after the text dropout, on the device."""
+        drop = batch.draw.drop.to(self.device)
+        text = torch.where(drop[:, None, None], self.null["text"].to(self.device), batch.text.to(self.device))
+        pooled = batch.pooled
+        if pooled is not None:
+            pooled = torch.where(drop[:, None], self.null["pooled"].to(self.device), pooled.to(self.device))
+        return text, pooled
+
+    def loss(self, batch: DiTBatch, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The microbatch's mean weighted flow-matching loss (scaled for accumulation) and its reported share."""
+        accumulation = self.config.train.gradient_accumulation_steps
+        latents, noise = batch.latents.to(self.device), batch.draw.noise.to(self.device)
+        indices = batch.draw.indices
+        noisy = self.flow.noisy(latents, noise, indices)
+        sigmas = self.flow.sigmas[indices].to(self.device)
+        text, pooled = self.model_text(batch)
+        inputs = self.family.model_inputs(self.model.config, noisy, sigmas, text, pooled,
+                                          self.config.diffusion.guidance_scale)
+        self._fp32 = {name: inputs[name].float() for name in self.family.fp32_inputs if inputs.get(name) is not None}
+        prediction = self.family.prediction(self.model(**inputs), tuple(latents.shape))
+        loss = self.flow.loss(prediction, latents, noise, indices).mean()
+        return loss / accumulation, loss.detach() / (accumulation * self.world)
+
+    def step_tokens(self, totals: torch.Tensor) -> int:
+        """Tokens of the step over all ranks."""
+        return int(totals[1])
+
+
+TASKS.register("dit", DiTTask)

@@ -1,0 +1,218 @@
+"""The diffusion-transformer task against diffusers: grid, draws, noising, model call, target, weights, loss.
+
+- The timestep grid equals ``FlowMatchEulerDiscreteScheduler``'s training sigmas and timesteps
+  for several shifts; the draws of ``u`` equal diffusers' ``compute_density_for_timestep_sampling``
+  with the same generator; the weights equal ``compute_loss_weighting_for_sd3`` and MindSpeed-MM's
+  bsmntw formula.
+- A training microbatch's loss and every parameter's gradient equal a reference computed with a
+  separately loaded diffusers model as diffusers' training scripts write it (the scheduler's
+  ``scale_noise``, ``WanPipeline``'s zero padding of the text, ``FluxPipeline``'s packing and
+  image ids, ``noise - x0``), on the same latents, noise and timesteps: Wan with MindSpeed-MM's
+  recipe (shift 5, one uniform timestep per microbatch, bsmntw) and with diffusers' (logit-normal
+  per sample, sigma_sqrt, text dropout), FLUX with guidance and text dropout.
+- Under bf16 the timestep reaches the model in float32.
+- FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed.testing.distributed import run_distributed
+from mindspeed_llm.training.launch import launch
+from mindspeed_mm.config import DiffusionConfig, load_mm_config
+from mindspeed_mm.diffusion import FlowMatching, sample_density, sigma_grid
+from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
+from mindspeed_mm.trainer.loop import train
+from mindspeed_mm.trainer.task import TASKS
+
+TEXT_LEN = 8
+WAN, FLUX = "WanTransformer3DModel", "FluxTransformer2DModel"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> dict[str, tuple]:
+    root = tmp_path_factory.mktemp("tiny-dit")
+    return {arch: write_tiny_dit_run(root / arch, arch) for arch in (WAN, FLUX)}
+
+
+def test_grid_draws_and_weights_equal_diffusers() -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    for shift in (1.0, 3.0, 5.0):
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        torch.testing.assert_close(sigma_grid(1000, shift), scheduler.sigmas, rtol=1e-6, atol=0)
+        torch.testing.assert_close(FlowMatching(DiffusionConfig(shift=shift)).timesteps, scheduler.timesteps,
+                                   rtol=1e-6, atol=0)
+    for scheme in ("uniform", "logit_normal", "mode"):
+        ours = sample_density(scheme, 64, torch.Generator().manual_seed(3), 0.2, 0.8, 1.29)
+        theirs = compute_density_for_timestep_sampling(scheme, 64, 0.2, 0.8, 1.29,
+                                                       generator=torch.Generator().manual_seed(3))
+        assert torch.equal(ours, theirs), scheme
+    indices = torch.tensor([0, 17, 417, 999])
+    for scheme in ("sigma_sqrt", "cosmap", "none"):
+        flow = FlowMatching(DiffusionConfig(shift=3.0, loss_weighting=scheme))
+        expected = compute_loss_weighting_for_sd3(scheme, flow.sigmas[indices])
+        torch.testing.assert_close(flow.weights(indices), expected.float() * torch.ones(4), rtol=1e-6, atol=0)
+    flow = FlowMatching(DiffusionConfig(shift=5.0, loss_weighting="bsmntw"))
+    assert flow.bsmntw.mean().item() == pytest.approx(1.0, rel=1e-5) and flow.bsmntw.min().item() == 0.0
+    # Wan2.2's expert boundary: grid index 417 at shift 5 is sigma 0.875 (its boundary_ratio)
+    assert flow.sigmas[417].item() == pytest.approx(0.875, abs=1e-3)
+
+
+def _pipeline_text(features, indices, null, drop) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Text as WanPipeline / FluxPipeline give it: zero-padded to the max length, the empty caption where dropped."""
+    def pad(u):
+        return torch.cat([u, u.new_zeros(TEXT_LEN - u.size(0), u.size(1))])
+
+    text = torch.stack([pad(null["text"]) if d else pad(features[i]["text"]) for i, d in zip(indices, drop)])
+    if "pooled" not in null:
+        return text, None
+    return text, torch.stack([null["pooled"] if d else features[i]["pooled"] for i, d in zip(indices, drop)])
+
+
+def _reference(arch, model_dir, diffusion: DiffusionConfig, task, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients as diffusers' training scripts compute them, with the task's draws."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel, WanTransformer3DModel
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    c = diffusion
+    latents, noise = batch.latents, batch.draw.noise
+    b = latents.shape[0]
+    # the same draws from the same generator: u as diffusers draws it, then the noise
+    generator = task.flow.generator(task.config.train.seed, 0)
+    u = compute_density_for_timestep_sampling(c.timestep_sampling, b if c.timestep_per == "sample" else 1,
+                                              c.logit_mean, c.logit_std, c.mode_scale, generator=generator)
+    u = c.min_timestep_boundary + u * (c.max_timestep_boundary - c.min_timestep_boundary)
+    indices = (u * 1000).long().expand(b)
+    assert torch.equal(indices, batch.draw.indices)
+    assert torch.equal(torch.randn(latents.shape, generator=generator), noise)
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
+    timesteps = scheduler.timesteps[indices]
+    sigmas = scheduler.sigmas[indices]
+    noisy = scheduler.scale_noise(latents, timesteps, noise)
+    text, pooled = _pipeline_text(task.features, batch.indices, task.features.null(), batch.draw.drop.tolist())
+    if arch == WAN:
+        model = WanTransformer3DModel.from_pretrained(model_dir)
+        pred = model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=text).sample
+    else:
+        model = FluxTransformer2DModel.from_pretrained(model_dir)
+        _, channels, height, width = latents.shape
+        pred = model(hidden_states=FluxPipeline._pack_latents(noisy, b, channels, height, width),
+                     timestep=timesteps / 1000, guidance=torch.full((b,), c.guidance_scale),
+                     pooled_projections=pooled, encoder_hidden_states=text, txt_ids=torch.zeros(TEXT_LEN, 3),
+                     img_ids=FluxPipeline._prepare_latent_image_ids(b, height // 2, width // 2, "cpu",
+                                                                     torch.float32)).sample
+        pred = FluxPipeline._unpack_latents(pred, height * 8, width * 8, 8)
+    if c.loss_weighting == "bsmntw":  # MindSpeed-MM's WanFlowMatchScheduler.training_weight
+        y = torch.exp(-2 * ((scheduler.timesteps - 500) / 1000) ** 2)
+        y = y - y.min()
+        weighting = (y * (1000 / y.sum()))[indices]
+    else:
+        weighting = compute_loss_weighting_for_sd3(c.loss_weighting, sigmas) * torch.ones(b)
+    weighting = weighting.reshape(b, *[1] * (latents.ndim - 1))
+    target = noise - latents
+    loss = torch.mean((weighting.float() * (pred.float() - target.float()) ** 2).reshape(b, -1), 1).mean()
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+CASES = [
+    (WAN, {"shift": 5.0, "timestep_per": "microbatch", "loss_weighting": "bsmntw"}, 2),  # MindSpeed-MM's Wan
+    (WAN, {"shift": 3.0, "timestep_sampling": "logit_normal", "logit_std": 1.5, "loss_weighting": "sigma_sqrt",
+           "text_dropout": 0.5}, 3),
+    (WAN, {"shift": 5.0, "timestep_sampling": "mode", "min_timestep_boundary": 0.417, "loss_weighting": "cosmap"}, 2),
+    (FLUX, {"timestep_sampling": "logit_normal", "guidance_scale": 3.5, "text_dropout": 0.5}, 3),
+]
+
+
+def _overrides(model_dir, features, **extra) -> list[str]:
+    return [f"model.path={model_dir}", f"data.features={features}", f"data.text_len={TEXT_LEN}", "data.shuffle=false",
+            "train.precision=fp32", "logging.progress=false", *[f"{k}={v}" for k, v in extra.items()]]
+
+
+def _parity(cases, runs) -> list[dict]:
+    results = []
+    for arch, diffusion, micro in cases:
+        model_dir, features = runs[arch]
+        config = load_mm_config(None, _overrides(model_dir, features, **{"train.micro_batch_size": micro}) +
+                                [f"diffusion.{k}={v}" for k, v in diffusion.items()])
+        task = TASKS.get("dit")(config, 1)
+        batch = task.microbatches(1, 0)[0]
+        loss, _ = task.loss(batch, torch.zeros(2))
+        loss.backward()
+        ours = {name: p.grad.full_tensor() for name, p in task.model.named_parameters()}
+        expected, grads = _reference(arch, model_dir, config.diffusion, task, batch)
+        error = max(float((ours[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads.items())
+        results.append({"arch": arch, "loss": float(loss), "expected": expected, "grad_error": error,
+                        "names": set(ours) == set(grads), "dropped": int(batch.draw.drop.sum()),
+                        "indices": batch.draw.indices.tolist()})
+    # bf16: the timestep reaches the time embedding in float32, exactly the grid's
+    model_dir, features = runs[WAN]
+    task = TASKS.get("dit")(load_mm_config(None, _overrides(model_dir, features, **{"train.precision": "bf16"})), 1)
+    seen = {}
+    task.model.condition_embedder.register_forward_pre_hook(lambda m, args: seen.update(timestep=args[0]))
+    batch = task.microbatches(1, 0)[0]
+    task.loss(batch, torch.zeros(2))
+    results.append({"bf16_timestep": seen["timestep"], "grid": task.flow.timesteps[batch.draw.indices]})
+    return results
+
+
+def test_loss_and_gradients_equal_diffusers_reference(tiny_runs) -> None:
+    results = launch(_parity, (CASES, tiny_runs))
+    for result, (arch, diffusion, _) in zip(results, CASES):
+        assert result["names"], arch
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), (arch, diffusion)
+        assert result["grad_error"] < 1e-5, (arch, diffusion, result["grad_error"])
+        print(f"{arch} {diffusion}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
+              f"gradient error {result['grad_error']:.1e}, timesteps {result['indices']}, dropped {result['dropped']}")
+    assert len(set(results[0]["indices"])) == 1 and min(results[2]["indices"]) >= 417  # per microbatch; boundary
+    assert any(r["dropped"] for r in results[:4])  # the dropout path was exercised
+    bf16 = results[-1]
+    assert bf16["bf16_timestep"].dtype == torch.float32 and torch.equal(bf16["bf16_timestep"], bf16["grid"])
+
+
+def _dp2(rank: int, world: int, runs) -> list[dict] | None:
+    records = [r for arch in (WAN, FLUX) for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1))).records]
+    return records if rank == 0 else None
+
+
+def _dp1(runs) -> list[dict]:
+    return [r for arch in (WAN, FLUX) for r in train(load_mm_config(None, _dp_overrides(runs[arch], 2))).records]
+
+
+def _dp_overrides(run, accumulation: int) -> list[str]:
+    return _overrides(*run, **{"train.steps": 2, "train.micro_batch_size": 2, "train.lr": 1e-3,
+                               "train.gradient_accumulation_steps": accumulation, "data.shuffle": "true",
+                               "diffusion.shift": 3.0, "diffusion.timestep_sampling": "logit_normal",
+                               "diffusion.text_dropout": 0.3, "train.recompute_modules": "[blocks.*]"
+                               if run[0].parent.name == WAN else "[]"})
+
+
+def test_dp2_equals_dp1(tiny_runs) -> None:
+    dp2 = run_distributed(_dp2, 2, tiny_runs, timeout=300)[0]
+    dp1 = launch(_dp1, (tiny_runs,))
+    assert len(dp2) == len(dp1) == 4
+    for one, two in zip(dp1, dp2):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
+        assert two["tokens"] == one["tokens"]
+
+
+def test_config_errors(tiny_runs, tmp_path) -> None:
+    model_dir, features = tiny_runs[WAN]
+    base = [f"model.path={model_dir}"]
+    config = load_mm_config(None, base)
+    assert config.task() == "dit"
+    with pytest.raises(ValueError, match="data.features is unset"):
+        config.check(1)
+    with pytest.raises(ValueError, match="has no index.jsonl"):
+        load_mm_config(None, base + [f"data.features={tmp_path}"]).check(1)
+    for key, value, message in (("shift", 0, "diffusion.shift"), ("text_dropout", 1.5, "diffusion.text_dropout"),
+                                ("min_timestep_boundary", 1.0, "min < max"),
+                                ("timestep_sampling", "beta", "timestep_sampling")):
+        with pytest.raises(ValueError, match=message):
+            load_mm_config(None, base + [f"data.features={features}", f"diffusion.{key}={value}"]).check(1)
