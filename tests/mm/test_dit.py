@@ -11,7 +11,9 @@
   recipe (shift 5, one uniform timestep per microbatch, bsmntw) and with diffusers' (logit-normal
   per sample, sigma_sqrt, text dropout), FLUX with guidance and text dropout.
 - Under bf16 the timestep reaches the model in float32.
-- FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps.
+- FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps;
+  ``checkpoint.save_hf`` writes a diffusers directory that ``from_pretrained`` loads with no missing
+  or unexpected keys, holding exactly the last DCP checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -175,8 +177,11 @@ def test_loss_and_gradients_equal_diffusers_reference(tiny_runs) -> None:
     assert bf16["bf16_timestep"].dtype == torch.float32 and torch.equal(bf16["bf16_timestep"], bf16["grid"])
 
 
-def _dp2(rank: int, world: int, runs) -> list[dict] | None:
-    records = [r for arch in (WAN, FLUX) for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1))).records]
+def _dp2(rank: int, world: int, runs, root) -> list[dict] | None:
+    export = [f"checkpoint.save={root / 'ckpt'}", f"checkpoint.save_hf={root / 'hf'}"]
+    records = [r for arch in (WAN, FLUX)
+               for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1) + (export if arch == WAN else [])))
+               .records]
     return records if rank == 0 else None
 
 
@@ -192,14 +197,28 @@ def _dp_overrides(run, accumulation: int) -> list[str]:
                                if run[0].parent.name == WAN else "[]"})
 
 
-def test_dp2_equals_dp1(tiny_runs) -> None:
-    dp2 = run_distributed(_dp2, 2, tiny_runs, timeout=300)[0]
+def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
+    dp2 = run_distributed(_dp2, 2, tiny_runs, tmp_path, timeout=300)[0]
     dp1 = launch(_dp1, (tiny_runs,))
     assert len(dp2) == len(dp1) == 4
     for one, two in zip(dp1, dp2):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
         assert two["tokens"] == one["tokens"]
+
+    # the export is a diffusers directory holding exactly the weights of the last DCP checkpoint
+    from diffusers import WanTransformer3DModel
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    exported, info = WanTransformer3DModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    dcp_to_torch_save(tmp_path / "ckpt" / "step_00000002", tmp_path / "last.pt")
+    trained = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
+    weights = exported.state_dict()
+    assert set(trained) == set(weights)
+    assert all(torch.equal(weights[name], value) for name, value in trained.items())
+    before = WanTransformer3DModel.from_pretrained(tiny_runs[WAN][0]).state_dict()
+    assert not all(torch.equal(before[name], value) for name, value in trained.items())  # it trained
 
 
 def test_config_errors(tiny_runs, tmp_path) -> None:

@@ -390,9 +390,6 @@ class MMConfig:
             raise ConfigError(f"data.features={d.features!r} has no index.jsonl; give a feature cache directory")
         if d.files:
             raise ConfigError("data.files: a diffusion transformer trains from data.features; remove data.files")
-        if self.checkpoint.save_hf:
-            raise ConfigError("checkpoint.save_hf: the diffusers export of a diffusion transformer is not in this "
-                              "version yet; remove it (checkpoint.save keeps the DCP checkpoints)")
         if self.lora.enabled:
             raise ConfigError("lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
                               "remove lora.target_modules")

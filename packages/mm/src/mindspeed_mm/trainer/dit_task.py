@@ -26,6 +26,7 @@ from mindspeed_mm.diffusion import FlowDraw, FlowMatching
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
 from mindspeed_mm.models.loading import freeze_parts
+from mindspeed_mm.trainer.dit_export import save_diffusers
 from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, load_from_rank0
 from mindspeed_mm.trainer.task import TASKS
 
@@ -191,6 +192,14 @@ class DiTTask:
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens of the step over all ranks."""
         return int(totals[1])
+
+    def export(self) -> dict[str, str]:
+        """``checkpoint.save_hf``: the trained transformer as a diffusers directory."""
+        target = self.config.checkpoint.save_hf
+        if not target:
+            return {}
+        written = save_diffusers(self.model, self.family, self.source, target)
+        return {"save_hf": str(written)} if written is not None else {}
 
 
 TASKS.register("dit", DiTTask)

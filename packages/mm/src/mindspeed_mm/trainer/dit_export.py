@@ -1,0 +1,52 @@
+"""``checkpoint.save_hf`` for a diffusion transformer: a diffusers directory that ``from_pretrained`` loads as it is.
+
+The full state dict is gathered to rank 0 on the host, assigned to a model of the source's
+configuration built on the meta device (no second copy), and written by diffusers' own
+``save_pretrained`` (``config.json`` plus ``diffusion_pytorch_model.safetensors``, sharded as
+diffusers shards). Other non-weight files of the source are copied. The directory appears
+complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mindspeed.log import get_logger
+from mindspeed_mm.models.dit import DiTFamily, build_meta_dit
+from mindspeed_mm.trainer.export import full_state
+
+logger = get_logger(__name__)
+
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+_OWN = ("config.json", "diffusion_pytorch_model.safetensors.index.json")
+
+
+def save_diffusers(model: torch.nn.Module, family: DiTFamily, source: str | Path, target: str | Path) -> Path | None:
+    """Write the (FSDP2-sharded) ``model`` as a diffusers directory at ``target`` (a collective).
+
+    Returns:
+        ``target`` on rank 0, None on the other ranks.
+    """
+    state = full_state(model)
+    target = Path(target)
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    plain = build_meta_dit(source, family)
+    plain.load_state_dict(state, strict=True, assign=True)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(str(tmp))
+    for item in Path(source).iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
+            shutil.copy2(item, tmp / item.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    logger.info("saved diffusers model to %s", target)
+    dist.barrier()
+    return target
