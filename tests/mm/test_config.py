@@ -46,6 +46,10 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
                            (["lora.alpha=0"], "lora.alpha=0.0 must be positive")):
         with pytest.raises(ConfigError, match=message):
             load_mm_config(None, base + extra).check(1)
+    with pytest.raises(ConfigError, match="parallel.dp_replicate=1 x parallel.ulysses_parallel_size=4"):
+        load_mm_config(None, base + ["parallel.ulysses_parallel_size=4"]).check(2)
+    with pytest.raises(ConfigError, match="needs model.attn_implementation=mindspeed"):
+        load_mm_config(None, base + ["parallel.ulysses_parallel_size=2", "model.attn_implementation=sdpa"]).check(2)
 
 
 def test_shipped_recipes_parse() -> None:

@@ -26,7 +26,7 @@ def _reference(model_dir, data):
     """Per sample: (Hugging Face loss, predicted tokens, grads of loss x tokens), plus the encoded samples."""
     family = family_of(model_dir)
     tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
-    model = load_model(model_dir, family)
+    model = load_model(model_dir, family, "sdpa")  # transformers' own attention is the reference
     encoded = [encode_sample(s, tokenizer, processor, family, cutoff_len=1024)
                for s in read_mllm_files([str(data)])[:SAMPLES]]
     losses, counts, grads = [], [], []

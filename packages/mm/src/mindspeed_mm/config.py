@@ -39,22 +39,27 @@ class ModelConfig:
             processor, chat template); nothing is downloaded.
         freeze: parts to keep fixed: ``vision_tower``, ``projector``, ``language_model``, or
             module-name prefixes (``model.visual.blocks.0``).
-        attn_implementation: transformers' attention function (``sdpa``, ``eager``, or one
-            registered in transformers' attention-function registry).
+        attn_implementation: transformers' attention function: ``mindspeed`` (the core kernel
+            registry's attention, registered in transformers' attention-function registry: packed
+            samples without a dense mask, and Ulysses sequence parallelism), ``sdpa``, ``eager``, or
+            any other registered name.
     """
 
     path: str | None = None
     freeze: list[str] = field(default_factory=list)
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "mindspeed"
 
 
 @dataclass
 class ParallelConfig:
-    """Data parallelism through torch FSDP2 (``fully_shard``).
+    """Data parallelism through torch FSDP2 (``fully_shard``) and Ulysses sequence parallelism.
 
     Attributes:
         dp_replicate: replicas (HSDP's outer axis); the shard axis is what the world size
             leaves over (``world_size / dp_replicate``).
+        ulysses_parallel_size: ranks that share each packed microbatch and split its language-model
+            sequence (Ulysses all-to-all in the attention; MindSpeed-MM's name). Data-parallel
+            ranks are ``world_size / ulysses_parallel_size``; the attention heads must divide by it.
         fsdp_plan: module-name patterns wrapped as their own FSDP2 units, innermost first
             (``{*}`` or ``*`` matches one name part, as MindSpeed-MM's ``fsdp_plan.apply_modules``);
             the root is always wrapped. Default: the model family's plan.
@@ -63,6 +68,7 @@ class ParallelConfig:
     """
 
     dp_replicate: int = 1
+    ulysses_parallel_size: int = 1
     fsdp_plan: list[str] | None = None
     reshard_after_forward: bool = True
 
@@ -319,9 +325,9 @@ class MMConfig:
         return "vlm"
 
     def samples_per_step(self, world_size: int) -> int:
-        """Samples in one optimizer step over all ranks."""
+        """Samples in one optimizer step over all ranks (sequence-parallel ranks share theirs)."""
         t = self.train
-        return t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        return t.micro_batch_size * t.gradient_accumulation_steps * (world_size // self.parallel.ulysses_parallel_size)
 
     def check(self, world_size: int) -> None:
         """Check the values against each other and against ``world_size``.
@@ -333,6 +339,7 @@ class MMConfig:
         for key, value in (("train.micro_batch_size", t.micro_batch_size),
                            ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
                            ("parallel.dp_replicate", p.dp_replicate), ("data.cutoff_len", d.cutoff_len),
+                           ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
                            ("logging.interval", self.logging.interval), ("lora.r", self.lora.r)):
             if value < 1:
                 raise ConfigError(f"{key}={value} must be at least 1")
@@ -345,6 +352,12 @@ class MMConfig:
         if world_size % p.dp_replicate:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
                               "change one of them")
+        if world_size % (p.dp_replicate * p.ulysses_parallel_size):
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
+                              f"parallel.ulysses_parallel_size={p.ulysses_parallel_size}; change one of them")
+        if p.ulysses_parallel_size > 1 and m.attn_implementation != "mindspeed":
+            raise ConfigError(f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} needs "
+                              f"model.attn_implementation=mindspeed (got {m.attn_implementation!r})")
         if m.path is None:
             raise ConfigError("model.path is unset: give a local Hugging Face model directory (config.json with "
                               "`architectures`, weights, tokenizer, image processor)")
@@ -393,6 +406,9 @@ class MMConfig:
         if self.lora.enabled:
             raise ConfigError("lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
                               "remove lora.target_modules")
+        if self.parallel.ulysses_parallel_size > 1:
+            raise ConfigError("parallel.ulysses_parallel_size: sequence parallelism for diffusion transformers is not in "
+                              "this version yet; set it to 1")
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()

@@ -9,13 +9,18 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_mm.config import PARTS
+from mindspeed_mm.models.attention import register_attention
 from mindspeed_mm.models.family import VLMFamily
 
 logger = get_logger(__name__)
 
 
-def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "sdpa") -> Any:
-    """The family's transformers model with the weights of ``path``, in fp32 (the master copy FSDP2 shards)."""
+def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "mindspeed") -> Any:
+    """The family's transformers model with the weights of ``path``, in fp32 (the master copy FSDP2 shards).
+
+    ``mindspeed`` attention (:mod:`mindspeed_mm.models.attention`) is registered with transformers first.
+    """
+    register_attention()
     cls = family.load_class()
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn_implementation,
                                 local_files_only=True)
@@ -23,10 +28,11 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
     return model
 
 
-def build_meta_model(path: str | Path, family: VLMFamily, attn_implementation: str = "sdpa") -> Any:
+def build_meta_model(path: str | Path, family: VLMFamily, attn_implementation: str = "mindspeed") -> Any:
     """The family's model with the configuration of ``path`` on the meta device (no memory, no weights)."""
     from transformers import AutoConfig
 
+    register_attention()
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     with torch.device("meta"):
         model = family.load_class()._from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)

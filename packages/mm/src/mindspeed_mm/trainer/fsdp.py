@@ -1,7 +1,8 @@
 """FSDP2 for a Hugging Face model: the data-parallel mesh, wrapping plans by module-name pattern, recompute.
 
 The mesh comes from the accelerator seam (gloo ranks on the CPU, one device per rank
-elsewhere): ``(dp_shard,)``, or ``(dp_replicate, dp_shard)`` for HSDP. A plan is a list of
+elsewhere): ``(dp_shard,)``, or ``(dp_replicate, dp_shard)`` for HSDP; sequence-parallel
+ranks belong to the shard axis, and their Ulysses groups come from the ``(dp, sp)`` mesh. A plan is a list of
 module-name patterns (MindSpeed-MM's ``fsdp_plan.apply_modules``: ``{*}`` or ``*`` matches one
 name part); every matching module becomes one FSDP2 unit, innermost first, then the root,
 which holds what is left (embeddings and head, so tied weights stay in one unit).
@@ -26,13 +27,25 @@ from mindspeed.log import get_logger
 logger = get_logger(__name__)
 
 
-def build_mesh(world_size: int, dp_replicate: int = 1) -> DeviceMesh:
-    """The data-parallel mesh of ``world_size`` ranks on the accelerator's device type."""
+def build_mesh(world_size: int, dp_replicate: int = 1, sp: int = 1) -> DeviceMesh:
+    """The FSDP2 mesh of ``world_size`` ranks on the accelerator's device type.
+
+    Parameters are sharded over every rank of a replica, sequence-parallel ranks included (they
+    hold the same parameters and each computes a part of every gradient): ``(dp_shard,)``, or
+    ``(dp_replicate, dp_shard)`` for HSDP, where ``dp_shard`` spans ``world_size / dp_replicate``
+    ranks (named ``dp_shard_sp`` when ``sp > 1``).
+    """
     device_type = get_accelerator().device().type
+    shard = "dp_shard_sp" if sp > 1 else "dp_shard"
     if dp_replicate == 1:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=(shard,))
     return init_device_mesh(device_type, (dp_replicate, world_size // dp_replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+                            mesh_dim_names=("dp_replicate", shard))
+
+
+def build_sp_mesh(world_size: int, sp: int) -> DeviceMesh:
+    """The ``(dp, sp)`` mesh: consecutive ranks form a sequence-parallel (Ulysses) group, ``mesh["sp"]``."""
+    return init_device_mesh(get_accelerator().device().type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:

@@ -18,8 +18,9 @@ from mindspeed_mm.models import family_of, freeze_parts, load_model, load_proces
 from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
-from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh
+from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, build_sp_mesh
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
+from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 from mindspeed_mm.trainer.task import TASKS
 from mindspeed_mm.trainer.vision_sync import VisionSync
 
@@ -52,7 +53,7 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
         apply_lora(model, lora, family)
     freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
-    mesh = build_mesh(world, p.dp_replicate)
+    mesh = build_mesh(world, p.dp_replicate, p.ulysses_parallel_size)
     apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
                p.reshard_after_forward)
     if world > 1:
@@ -80,19 +81,29 @@ class VLMTask:
     Samples are checked when the task is built and encoded on first use; each microbatch packs
     ``train.micro_batch_size`` samples into one row. Counts: predicted tokens, samples with
     predicted tokens, tokens.
+
+    With ``parallel.ulysses_parallel_size = U`` the ``U`` consecutive ranks of a group get the
+    same microbatches (data-parallel rank ``rank // U``) and each computes the loss of its
+    shard of the row (:mod:`mindspeed_mm.trainer.sequence_parallel`); the counts are of the
+    shard (samples counted on the group's first rank), so their sum over ranks is the step's.
     """
 
     def __init__(self, config: MMConfig, world: int) -> None:
         d, t = config.data, config.train
         self.config, self.world = config, world
+        self.sp = config.parallel.ulysses_parallel_size
         self.source = Path(config.model.path)
         self.family, self.model = build_model(config, world)
         self.device = get_accelerator().device()
         self.vision_sync = VisionSync(self.model, self.family) if world > 1 else None
+        group = build_sp_mesh(world, self.sp)["sp"].get_group() if self.sp > 1 else None
+        if group is not None:
+            _check_heads(self.model.config, self.sp)
+        self.sequence = SequenceParallel(self.model, self.family, group)
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
         self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
-        self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed,
-                                 d.shuffle)
+        self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps,
+                                 world // self.sp, t.seed, d.shuffle)
         self._encoded: dict[int, EncodedSample] = {}
 
     def _sample(self, index: int) -> EncodedSample:
@@ -104,29 +115,35 @@ class VLMTask:
 
     def microbatches(self, step: int, rank: int) -> list[PackedBatch]:
         """This rank's packed microbatches of ``step``."""
-        return [pack_samples([self._sample(i) for i in self.order.indices(step, rank, j)], self.model, self.family)
+        dp_rank = rank // self.sp
+        return [pack_samples([self._sample(i) for i in self.order.indices(step, dp_rank, j)], self.model, self.family)
                 for j in range(self.config.train.gradient_accumulation_steps)]
 
     def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
-        """[predicted tokens, samples with predicted tokens, tokens] of this rank."""
+        """[predicted tokens, samples with predicted tokens, tokens] of this rank's shards."""
         counts = torch.zeros(3, dtype=torch.float64)
         for batch in microbatches:
             mask = batch.targets != IGNORE_INDEX
             per_sample = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
-            counts += torch.tensor([float(mask.sum()), float((per_sample > 0).sum()), float(batch.input_ids.numel())],
-                                   dtype=torch.float64)
+            start, end = self.sequence.begin(batch.sample_index)
+            samples = float((per_sample > 0).sum()) if self.sequence.rank == 0 else 0.0
+            counts += torch.tensor([float(mask[start:end].sum()), samples, float(end - start)], dtype=torch.float64)
         return counts.to(self.device)
 
     def loss(self, batch: PackedBatch, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The microbatch's loss under ``train.loss_type``."""
+        """The loss of the microbatch (of this rank's shard of it) under ``train.loss_type``."""
         t = self.config.train
         if self.vision_sync is not None:
             self.vision_sync.needed = not batch.vision
+        start, end = self.sequence.begin(batch.sample_index)
         logits = self.model(**batch.model_inputs(self.device)).logits[0]
-        targets = batch.targets.to(self.device)
+        mask = batch.targets != IGNORE_INDEX
+        sample_tokens = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
+        targets = batch.targets[start:end].to(self.device)
         losses = token_losses(logits, targets)
-        return reduce_loss(losses, targets, batch.sample_index.to(self.device), batch.num_samples, t.loss_type,
-                           t.gradient_accumulation_steps, self.world, int(totals[0]), int(totals[1]))
+        return reduce_loss(losses, targets, batch.sample_index[start:end].to(self.device), batch.num_samples,
+                           t.loss_type, t.gradient_accumulation_steps, self.world, int(totals[0]), int(totals[1]),
+                           sp=self.sp, microbatch_tokens=int(mask.sum()), sample_tokens=sample_tokens)
 
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens of the step over all ranks."""
@@ -151,6 +168,15 @@ class VLMTask:
             if target is not None:
                 written["save_hf"] = str(target)
         return written
+
+
+def _check_heads(config: Any, sp: int) -> None:
+    """Ulysses splits the language model's query heads over the group (kv heads are replicated where fewer)."""
+    text = getattr(config, "text_config", config)
+    heads = int(text.num_attention_heads)
+    if heads % sp:
+        raise ValueError(f"parallel.ulysses_parallel_size={sp} does not divide the language model's {heads} attention "
+                         "heads; use a divisor of the head count")
 
 
 TASKS.register("vlm", VLMTask)

@@ -1,0 +1,101 @@
+"""Ulysses sequence parallelism equals data parallelism, in one spawned group of two gloo ranks.
+
+SP2 (both ranks share each packed microbatch, each holds half of the language model's sequence,
+two accumulated microbatches) and DP2 (one microbatch per rank) see the same samples per step,
+so their losses, gradient norms and gradients must agree:
+
+- Qwen2.5-VL (M-RoPE positions, split with the tokens), ``default`` loss, 3 steps;
+- InternVL (1-D positions), ``per_token`` loss, 2 steps;
+- Qwen3-VL (DeepStack visual embeddings, split with the tokens), ``per_sample`` loss, 2 steps;
+- the gradients of one step (embeddings, a vision block, an attention projection, the head)
+  gathered from the FSDP2 shards.
+
+The Ulysses all-to-all must have run in every language-model attention call of the SP runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindspeed.testing.distributed import run_distributed
+from mindspeed_mm.config import load_mm_config
+from mindspeed_mm.trainer.loop import train
+
+#: A few parameters whose gradients are compared (by name suffix).
+GRADS = ("embed_tokens.weight", "blocks.0.attn.qkv.weight", "layers.1.self_attn.q_proj.weight", "lm_head.weight")
+
+
+def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str) -> list[str]:
+    return [f"model.path={model_dir}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=2",
+            f"train.gradient_accumulation_steps={sp}", f"parallel.ulysses_parallel_size={sp}",
+            f"train.loss_type={loss_type}", "train.precision=fp32", "train.lr=1e-3", "train.lr_warmup_steps=1",
+            "train.clip_grad=1.0", "logging.progress=false", "data.image_min_pixels=784",
+            "data.image_max_pixels=12544"]
+
+
+def _step_grads(config) -> dict[str, np.ndarray]:
+    """Gradients of step 1, gathered from the shards (numpy: tensors do not outlive the spawned rank)."""
+    from mindspeed_mm.trainer.task import TASKS
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config.check(world)
+    task = TASKS.get("vlm")(config, world)
+    micro = task.microbatches(1, rank)
+    totals = task.counts(micro)
+    dist.all_reduce(totals)
+    for batch in micro:
+        task.loss(batch, totals)[0].backward()
+    return {name: param.grad.full_tensor().numpy() for name, param in task.model.named_parameters()
+            if name.endswith(GRADS) and param.grad is not None}
+
+
+def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dict:
+    import mindspeed_mm.models.attention as attention
+
+    calls = {"ulysses": 0}
+    original = attention.ulysses_attention
+
+    def counted(*args, **kwargs):
+        calls["ulysses"] += 1
+        return original(*args, **kwargs)
+
+    attention.ulysses_attention = counted
+    out: dict = {"sp": [], "dp": [], "calls": []}
+    try:
+        for sp, dp in runs:
+            before = calls["ulysses"]
+            out["sp"].append(train(load_mm_config(None, sp)).records)
+            out["calls"].append(calls["ulysses"] - before)
+            out["dp"].append(train(load_mm_config(None, dp)).records)
+            assert calls["ulysses"] == before + out["calls"][-1]  # DP2 never calls it
+        sp, dp = runs[0]
+        out["grads"] = (_step_grads(load_mm_config(None, sp)), _step_grads(load_mm_config(None, dp)))
+    finally:
+        attention.ulysses_attention = original
+    return out
+
+
+def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl) -> None:
+    cases = [(tiny_vlm, 3, "default"), (tiny_internvl, 2, "per_token"), (tiny_qwen3_vl, 2, "per_sample")]
+    runs = [(_overrides(*tiny, 2, steps, loss), _overrides(*tiny, 1, steps, loss)) for tiny, steps, loss in cases]
+    out = run_distributed(_both, 2, runs, timeout=300)
+    for rank_out, (_, steps, _) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
+        assert rank_out == 2 * 2 * steps
+    result = out[0]
+    for (_, steps, loss), sp, dp in zip(cases, result["sp"], result["dp"], strict=True):
+        assert [r["step"] for r in sp] == [r["step"] for r in dp] == list(range(1, steps + 1))
+        for one, two in zip(dp, sp, strict=True):
+            assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), (loss, one["step"])
+            assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), (loss, one["step"])
+            assert two["tokens"] == one["tokens"]
+    sp_grads, dp_grads = result["grads"]
+    assert len(sp_grads) == len(GRADS) and set(sp_grads) == set(dp_grads)
+    for name, grad in sp_grads.items():
+        torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6,
+                                   msg=name)
+        assert np.abs(grad).sum() > 0, name
