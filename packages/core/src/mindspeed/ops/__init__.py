@@ -17,6 +17,7 @@ from mindspeed.ops import (  # noqa: F401
     activations,
     adamw,
     attention,
+    ema_adamw,
     grouped_matmul,
     matmul_add,
     moe_permute,

@@ -1,5 +1,5 @@
-"""torch_npu kernels for the elementwise and GEMM ops: rms_norm, swiglu, rotary_pos_emb,
-matmul_add_fp32.
+"""torch_npu kernels for the elementwise, GEMM and optimizer ops: rms_norm, swiglu, rotary_pos_emb,
+matmul_add_fp32, ema_adamw.
 
 Each registers for the ``npu`` accelerator with a probe that imports torch_npu only when the
 registry resolves a kernel, never at import time. The wrappers keep the semantics of the
@@ -18,6 +18,7 @@ import torch
 from mindspeed.device.npu import import_torch_npu
 from mindspeed.log import get_logger, log_once
 from mindspeed.ops.activations import check_swiglu_input
+from mindspeed.ops.ema_adamw import ema_adamw_reference
 from mindspeed.ops.matmul_add import flatten_matmul_add_inputs
 from mindspeed.ops.registry import register_kernel
 from mindspeed.ops.rotary import check_rotary_inputs, rotary_pos_emb_reference
@@ -182,3 +183,46 @@ def matmul_add_fp32_npu(
     else:
         main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
     return main_grad
+
+
+# -- ema_adamw --------------------------------------------------------------------------------
+
+
+@register_kernel("ema_adamw", "npu", devices=_NPU, priority=20, available=_has("npu_apply_fused_ema_adamw"))
+def ema_adamw_npu(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    ema_params: list[torch.Tensor],
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    ema_decay: float,
+    maximize: bool = False,
+) -> tuple[list[torch.Tensor], ...]:
+    """``torch_npu.npu_apply_fused_ema_adamw`` per tensor (MindSpeed's fused_ema_adamw, AdamW mode 1).
+
+    The kernel takes fp32 tensors of one shape and an int64 step of shape (1,); other dtypes go
+    through the reference. Its outputs are copied back where it did not update in place.
+    """
+    npu = _torch_npu()
+    for param, grad, exp_avg, exp_avg_sq, ema in zip(params, grads, exp_avgs, exp_avg_sqs, ema_params, strict=True):
+        tensors = (param, exp_avg, exp_avg_sq, ema)
+        if any(t.dtype != torch.float32 for t in (*tensors, grad)):
+            ema_adamw_reference([param], [grad], [exp_avg], [exp_avg_sq], [ema], step, lr=lr, beta1=beta1,
+                                beta2=beta2, eps=eps, weight_decay=weight_decay, ema_decay=ema_decay,
+                                maximize=maximize)
+            continue
+        step_tensor = torch.full((1,), step, dtype=torch.int64, device=param.device)
+        outputs = npu.npu_apply_fused_ema_adamw(-grad if maximize else grad, param, exp_avg, exp_avg_sq, ema,
+                                                step_tensor, lr, ema_decay, beta1, beta2, eps, 1, True,
+                                                weight_decay)
+        for target, out in zip(tensors, outputs, strict=True):
+            if out.data_ptr() != target.data_ptr():
+                target.copy_(out)
+    return params, exp_avgs, exp_avg_sqs, ema_params
