@@ -30,6 +30,32 @@ def tiny_internvl(tmp_path_factory, tiny_vlm) -> tuple[Path, Path]:
     return write_tiny_model(root / "internvl", "InternVLForConditionalGeneration"), tiny_vlm[1]
 
 
+def _train(config):
+    from mindspeed_mm.trainer.loop import train
+
+    return train(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
+    """A 2-step LoRA run on the tiny Qwen2.5-VL (r 4, alpha 8, q_proj/v_proj of the language model and the
+    vision tower's qkv): ``ckpt/step_00000002`` (DCP), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
+    from mindspeed_llm.training.launch import launch
+    from mindspeed_mm.config import load_mm_config
+
+    model_dir, data = tiny_vlm
+    root = tmp_path_factory.mktemp("tiny-lora-run")
+    config = load_mm_config(None, [
+        f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2", "train.micro_batch_size=4",
+        "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
+        "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
+        "lora.alpha=8", f"lora.save_peft={root / 'peft'}",
+        f"checkpoint.save={root / 'ckpt'}", f"checkpoint.save_hf={root / 'merged'}"])
+    result = launch(_train, (config,))
+    assert set(result.exports) == {"save_hf", "save_peft"}
+    return root
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """One intra-op thread: the tiny models' ops are far faster without OpenMP contention on a shared 2-core host."""

@@ -14,18 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mindspeed_llm.training.launch import launch
-from mindspeed_mm.config import LoraConfig, load_mm_config
+from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.data import encode_sample, read_mllm_files
 from mindspeed_mm.models import family_of, load_model, load_processing
 from mindspeed_mm.models.lora import apply_lora
-from mindspeed_mm.trainer.loop import train
 
 LORA = LoraConfig(target_modules=["q_proj", "v_proj", "qkv"], parts=["language_model", "vision_tower"], r=4, alpha=8.0)
-
-
-def _train(config):
-    return train(config)
 
 
 def _losses(model, encoded) -> list[float]:
@@ -50,25 +44,17 @@ def test_targets_by_name_inside_parts(tiny_vlm) -> None:
         apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"], parts=["vision"]), family)
 
 
-def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tmp_path) -> None:
+def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_lora_run, tmp_path) -> None:
     from peft import PeftModel
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model_dir, data = tiny_vlm
-    config = load_mm_config(None, [
-        f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2", "train.micro_batch_size=4",
-        "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
-        "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
-        "lora.alpha=8", f"lora.save_peft={tmp_path / 'peft'}",
-        f"checkpoint.save={tmp_path / 'ckpt'}", f"checkpoint.save_hf={tmp_path / 'merged'}"])
-    result = launch(_train, (config,))
-    assert set(result.exports) == {"save_hf", "save_peft"}
-
+    run = tiny_lora_run
     family = family_of(model_dir)
     tokenizer, processor = load_processing(model_dir, 784, 12544)
     encoded = [encode_sample(s, tokenizer, processor, family, 1024) for s in read_mllm_files([str(data)])]
-    dcp_to_torch_save(tmp_path / "ckpt" / "step_00000002", tmp_path / "last.pt")
+    dcp_to_torch_save(run / "ckpt" / "step_00000002", tmp_path / "last.pt")
     state = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
     trained = load_model(model_dir, family)
     apply_lora(trained, LORA, family)
@@ -82,13 +68,13 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tmp_pa
     assert all(torch.equal(value, hub[name.replace(".base_layer.", ".")])
                for name, value in state.items() if ".lora_" not in name)
 
-    peft_model = PeftModel.from_pretrained(load_model(model_dir, family), tmp_path / "peft")
+    peft_model = PeftModel.from_pretrained(load_model(model_dir, family), run / "peft")
     assert _losses(peft_model, encoded) == pytest.approx(expected, rel=1e-6, abs=0)
-    merged, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    merged, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert _losses(merged, encoded) == pytest.approx(expected, rel=1e-5, abs=0)
 
-    after = load_file(tmp_path / "merged" / "model.safetensors")
+    after = load_file(run / "merged" / "model.safetensors")
     assert set(before) == set(after)
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight", "qkv.weight")) for name in changed)

@@ -10,11 +10,13 @@ import argparse
 import sys
 
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
+from mindspeed_mm.convert_cli import add_convert
 from mindspeed_mm.train_cli import add_train
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
 COMMANDS: dict[str, AddCommand] = {
     "train": add_train,
+    "convert": add_convert,
 }
 
 

@@ -1,0 +1,43 @@
+"""The options of ``mindspeed-mm convert`` (no torch import: the CLI builds its flags from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("dcp", "hf", "peft")
+#: (load format, save format) -> what it does.
+CONVERSIONS = {("dcp", "hf"): "model (LoRA merged)", ("hf", "dcp"): "model", ("dcp", "peft"): "LoRA adapter",
+               ("peft", "dcp"): "base + adapter", ("peft", "hf"): "merge"}
+NEEDS_BASE = {("dcp", "hf"), ("peft", "dcp"), ("peft", "hf")}
+
+
+@dataclass(kw_only=True)
+class ConvertConfig:
+    """Every ``mindspeed-mm convert`` option (the CLI flags are these names with dashes).
+
+    Attributes:
+        load_format: ``dcp`` (a training checkpoint: SAVE/step_XXXXXXXX, or SAVE for its newest),
+            ``hf`` (a Hugging Face model directory) or ``peft`` (a PEFT LoRA adapter directory).
+        save_format: ``hf``, ``dcp`` or ``peft``.
+        load_dir: the source directory.
+        save_dir: the output directory (created; must be empty unless ``overwrite``).
+        base_dir: the base Hugging Face model directory: its config names the tensors, its
+            tokenizer, image processor and chat template go into a Hugging Face output, and its
+            weights are the base under a PEFT adapter (needed for dcp -> hf, peft -> dcp, peft -> hf).
+        lora_alpha: LoRA alpha of a DCP checkpoint with LoRA factors (the recipe's lora.alpha;
+            DCP checkpoints record the rank in the factors' shapes, not alpha).
+        max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
+        overwrite: replace a non-empty ``save_dir``.
+        progress: draw a progress bar.
+    """
+
+    load_format: str
+    save_format: str
+    load_dir: Path
+    save_dir: Path
+    base_dir: Path | None = None
+    lora_alpha: float | None = None
+    max_shard_size: str = "5GB"
+    overwrite: bool = False
+    progress: bool = True
