@@ -14,12 +14,18 @@
 - FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps;
   ``checkpoint.save_hf`` writes a diffusers directory that ``from_pretrained`` loads with no missing
   or unexpected keys, holding exactly the last DCP checkpoint's weights.
+- ``train.ema`` (EMA-AdamW under FSDP2 DP2): the checkpointed averages equal the moving average of
+  the initial and the checkpointed weights, the export holds them, and a run resumed from step 1
+  exports the same averages bit for bit.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from mindspeed.testing.distributed import run_distributed
 from mindspeed_llm.training.launch import launch
@@ -182,6 +188,15 @@ def _dp2(rank: int, world: int, runs, root) -> list[dict] | None:
     records = [r for arch in (WAN, FLUX)
                for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1) + (export if arch == WAN else [])))
                .records]
+    # train.ema: EMA-AdamW, a checkpoint per step, the averages exported; then a run resumed from step 1
+    ema = _dp_overrides(runs[WAN], 1) + ["train.ema=0.9", "checkpoint.interval=1"]
+    train(load_mm_config(None, ema + [f"checkpoint.save={root / 'ema'}", f"checkpoint.save_hf={root / 'hf_ema'}"]))
+    if rank == 0:
+        shutil.copytree(root / "ema" / "step_00000001", root / "ema_resumed" / "step_00000001")
+    dist.barrier()
+    resumed = train(load_mm_config(None, ema + [f"checkpoint.save={root / 'ema_resumed'}",
+                                                f"checkpoint.save_hf={root / 'hf_ema_resumed'}"]))
+    assert resumed.start_step == 1
     return records if rank == 0 else None
 
 
@@ -219,6 +234,24 @@ def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
     assert all(torch.equal(weights[name], value) for name, value in trained.items())
     before = WanTransformer3DModel.from_pretrained(tiny_runs[WAN][0]).state_dict()
     assert not all(torch.equal(before[name], value) for name, value in trained.items())  # it trained
+
+    # EMA: the exported weights are the averages of the last checkpoint, which equal
+    # d (d p0 + (1 - d) p1) + (1 - d) p2 over the initial weights and the checkpoints' weights
+    decay = 0.9
+    steps = []
+    for step in (1, 2):
+        dcp_to_torch_save(tmp_path / "ema" / f"step_{step:08d}", tmp_path / f"ema{step}.pt")
+        steps.append(torch.load(tmp_path / f"ema{step}.pt", weights_only=False))
+    averages = {name: state["ema"] for name, state in steps[1]["optim"]["state"].items()}
+    assert set(averages) == set(before)
+    exported = WanTransformer3DModel.from_pretrained(tmp_path / "hf_ema").state_dict()
+    resumed = WanTransformer3DModel.from_pretrained(tmp_path / "hf_ema_resumed").state_dict()
+    for name, average in averages.items():
+        p1, p2 = steps[0]["model"][name], steps[1]["model"][name]
+        expected = decay * (decay * before[name] + (1 - decay) * p1) + (1 - decay) * p2
+        torch.testing.assert_close(average, expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(exported[name], average) and torch.equal(resumed[name], average), name
+        assert not torch.equal(average, p2)
 
 
 def test_config_errors(tiny_runs, tmp_path) -> None:

@@ -95,6 +95,10 @@ class TrainConfig:
         optimizer_impl: the ``adamw`` kernel of ``mindspeed.ops`` (``auto``, ``reference``,
             ``foreach``, ``fused``).
         clip_grad: clip the global gradient norm to this (0: no clipping).
+        ema: decay of an exponential moving average of the weights (MindSpeed's ``fused_ema_adamw``
+            with ``--ema-decay``, e.g. 0.9999; 0: none). The optimizer becomes EMA-AdamW (the
+            ``ema_adamw`` kernel, ``optimizer_impl`` picks it), the averages travel in the
+            checkpoints, and ``checkpoint.save_hf`` exports the averages.
         loss_type: MindSpeed-MM's loss reductions: ``default`` (token mean per microbatch, mean
             over microbatches and ranks, as Hugging Face), ``per_sample`` (token mean per sample,
             mean over the global batch's samples), ``per_token`` (sum over the global batch /
@@ -118,6 +122,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     optimizer_impl: str = "auto"
     clip_grad: float = 1.0
+    ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
 
@@ -376,6 +381,8 @@ class MMConfig:
                               f"{d.image_max_pixels}; lower it")
         if t.lr < t.min_lr:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")
+        if not 0 <= t.ema < 1:
+            raise ConfigError(f"train.ema={t.ema} must lie in [0, 1) (0: no moving average; e.g. 0.9999)")
         if t.clip_grad < 0:
             raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
         if self.lora.alpha <= 0:

@@ -23,7 +23,7 @@ from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog,
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
-from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, export_weights, lr_at, set_lr
 from mindspeed_mm.trainer.task import TASKS, TrainTask
 
 logger = get_logger(__name__)
@@ -71,7 +71,8 @@ def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
         _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result)
     finally:
         metrics.close()
-    result.exports = task.export()
+    with export_weights(optimizer):  # train.ema: the moving averages
+        result.exports = task.export()
     result.save_hf = result.exports.get("save_hf")
     if rank == 0 and log_dir is not None and config.logging.loss_curve:
         write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)

@@ -1,7 +1,8 @@
-"""AdamW through the core kernel registry, the learning-rate schedule, and gradient clipping over shards."""
+"""AdamW (or EMA-AdamW) through the core kernel registry, the learning-rate schedule, and gradient clipping over shards."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -9,12 +10,13 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed.ops.adamw import FusedAdamW
+from mindspeed.ops.ema_adamw import FusedEMAAdamW
 from mindspeed_mm.config import TrainConfig
 
 logger = get_logger(__name__)
 
 
-def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW:
+def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW | FusedEMAAdamW:
     """AdamW over the trainable (sharded) parameters; biases and norms (1-D tensors) get no weight decay.
 
     Raises:
@@ -27,9 +29,15 @@ def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW:
     if not decay and not no_decay:
         raise ValueError("every parameter is frozen (model.freeze); leave at least one part trainable")
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = FusedAdamW([g for g in groups if g["params"]], lr=lr_at(train, 1), betas=(train.adam_beta1, train.adam_beta2),
-                           eps=train.adam_eps, impl=train.optimizer_impl)
-    logger.info("optimizer: AdamW, kernel %s", optimizer.kernel.name)
+    hyper = {"lr": lr_at(train, 1), "betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_eps,
+             "impl": train.optimizer_impl}
+    groups = [g for g in groups if g["params"]]
+    if train.ema > 0:
+        optimizer = FusedEMAAdamW(groups, ema_decay=train.ema, **hyper)
+        logger.info("optimizer: EMA-AdamW (ema decay %g), kernel %s", train.ema, optimizer.kernel.name)
+    else:
+        optimizer = FusedAdamW(groups, **hyper)
+        logger.info("optimizer: AdamW, kernel %s", optimizer.kernel.name)
     return optimizer
 
 
@@ -71,3 +79,11 @@ def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> float:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return float(total)
+
+
+def export_weights(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """What the exports write: inside the block the parameters hold their moving averages under
+    ``train.ema``, else their own values."""
+    if isinstance(optimizer, FusedEMAAdamW):
+        return optimizer.ema_weights()
+    return contextlib.nullcontext()
