@@ -11,11 +11,15 @@ import sys
 
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 from mindspeed_mm.convert_cli import add_convert
+from mindspeed_mm.evaluate_cli import add_evaluate
+from mindspeed_mm.generate_cli import add_generate
 from mindspeed_mm.train_cli import add_train
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
 COMMANDS: dict[str, AddCommand] = {
     "train": add_train,
+    "generate": add_generate,
+    "evaluate": add_evaluate,
     "convert": add_convert,
 }
 

@@ -35,8 +35,11 @@ class MllmSample:
     source: str
 
 
-def read_mllm_files(files: list[str], image_dir: str | None = None, max_samples: int | None = None) -> list[MllmSample]:
+def read_mllm_files(files: list[str], image_dir: str | None = None, max_samples: int | None = None,
+                    require_answer: bool = True) -> list[MllmSample]:
     """Read and check every sample of ``files`` (in order).
+
+    ``require_answer=False`` accepts samples without an assistant turn (prompts for ``generate``).
 
     Raises:
         ValueError: naming the file, the line and the fix of the first malformed sample.
@@ -46,7 +49,7 @@ def read_mllm_files(files: list[str], image_dir: str | None = None, max_samples:
         path = Path(name)
         base = Path(image_dir) if image_dir else path.resolve().parent
         for where, record in _records(path):
-            samples.append(_check(record, where, base))
+            samples.append(_check(record, where, base, require_answer))
             if max_samples is not None and len(samples) >= max_samples:
                 return samples
     if not samples:
@@ -74,7 +77,7 @@ def _records(path: Path) -> list[tuple[str, Any]]:
     return records
 
 
-def _check(record: Any, where: str, base: Path) -> MllmSample:
+def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> MllmSample:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a sample must be an object with `messages` (and `images`), got "
                          f"{type(record).__name__}")
@@ -90,7 +93,7 @@ def _check(record: Any, where: str, base: Path) -> MllmSample:
             raise ValueError(f"{where}: messages[{i}] has a <video> placeholder; videos are not supported yet, "
                              "remove the sample or turn its frames into images")
         checked.append({"role": message["role"], "content": message["content"]})
-    if not any(m["role"] == "assistant" for m in checked):
+    if require_answer and not any(m["role"] == "assistant" for m in checked):
         raise ValueError(f"{where}: no assistant turn; a training sample needs at least one answer")
     images = record.get("images") or []
     if isinstance(images, str):

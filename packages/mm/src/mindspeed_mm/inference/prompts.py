@@ -1,0 +1,103 @@
+"""Prompts of ``generate``: conversations with images, encoded exactly as the trainer encodes a sample.
+
+A prompt is a conversation in mllm_format (``messages`` with ``<image>`` placeholders, plus
+``images``). Its tokens are those the trainer gives the same conversation up to the start of an
+answer (:func:`mindspeed_mm.data.encode.encode_sample` with an empty last answer, cut where that
+answer starts): the chat template rendered turn by turn with its generation prompt, each
+``<image>`` expanded to the family's image tokens, the image processor's vision inputs and
+``mm_token_type_ids``. A prompt whose last turn is the assistant's keeps that turn as the
+reference answer (so a training or held-out file is a prompts file as it is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
+from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, MllmSample, read_mllm_files
+from mindspeed_mm.inference.loading import InferenceModel
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One conversation to continue.
+
+    Attributes:
+        messages: the turns, the last one the user's (``<image>`` placeholders in the contents).
+        images: image paths, in placeholder order.
+        reference: the assistant turn that followed in the prompts file (None: none).
+        source: where it came from (``file:line``, or ``--prompt``).
+    """
+
+    messages: tuple[dict[str, str], ...]
+    images: tuple[str, ...] = ()
+    reference: str | None = None
+    source: str = "--prompt"
+
+
+def prompt_from_text(text: str, images: list[str], system: str | None = None) -> Prompt:
+    """A one-turn prompt; images without an ``<image>`` in ``text`` are put before it (as LLaMA-Factory does).
+
+    Raises:
+        ValueError: an image that does not exist, or more placeholders than images.
+    """
+    for image in images:
+        if not Path(image).is_file():
+            raise ValueError(f"--image {image!r} does not exist; give the path of an image file")
+    placeholders = text.count(IMAGE_PLACEHOLDER)
+    if placeholders == 0:
+        text = IMAGE_PLACEHOLDER * len(images) + text
+    elif placeholders != len(images):
+        raise ValueError(f"--prompt has {placeholders} <image> placeholder(s) but {len(images)} --image; give one "
+                         "--image per placeholder (or no placeholder: the images go first)")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return Prompt(messages=tuple(messages), images=tuple(str(Path(i).resolve()) for i in images))
+
+
+def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples: int | None = None) -> list[Prompt]:
+    """Prompts of an mllm_format ``.jsonl`` / ``.json`` file; a last assistant turn becomes the reference.
+
+    Raises:
+        ValueError: a missing file or a malformed sample (file, line and fix).
+    """
+    if not Path(path).is_file():
+        raise ValueError(f"--prompts-file {str(path)!r} does not exist; give an mllm_format .jsonl or .json file")
+    prompts = []
+    for sample in read_mllm_files([str(path)], image_dir, max_samples, require_answer=False):
+        messages, reference = sample.messages, None
+        if messages[-1]["role"] == "assistant":
+            messages, reference = messages[:-1], messages[-1]["content"]
+        if not messages or messages[-1]["role"] != "user":
+            raise ValueError(f"{sample.source}: the conversation must end with a user turn (optionally followed by "
+                             "the reference answer); add the question")
+        prompts.append(Prompt(messages=messages, images=sample.images, reference=reference, source=sample.source))
+    return prompts
+
+
+def encode_prompt(prompt: Prompt, loaded: InferenceModel, max_len: int = 1 << 30) -> EncodedSample:
+    """The prompt's tokens up to the start of the answer, its vision inputs and ``mm_token_type_ids``.
+
+    Raises:
+        ValueError: an image that cannot be read, or a chat template that does not render turn by turn.
+    """
+    return encode_with_answer(prompt, "", loaded, max_len)[0]
+
+
+def encode_with_answer(prompt: Prompt, answer: str, loaded: InferenceModel,
+                       max_len: int = 1 << 30) -> tuple[EncodedSample, EncodedSample]:
+    """``(prompt part, whole sample)`` of the conversation followed by the assistant turn ``answer``.
+
+    The whole sample's labels are the answer's tokens (the template's end of turn included), as the
+    trainer labels them; the prompt part is the whole sample cut where the answer starts.
+    """
+    messages = prompt.messages + ({"role": "assistant", "content": answer},)
+    whole = encode_sample(MllmSample(messages, prompt.images, prompt.source), loaded.tokenizer, loaded.processor,
+                          loaded.family, max_len, mask_history=True)
+    learned = (whole.labels != IGNORE_INDEX).nonzero()
+    start = int(learned[0]) if len(learned) else whole.input_ids.numel()
+    part = EncodedSample(input_ids=whole.input_ids[:start], labels=torch.full((start,), IGNORE_INDEX),
+                         mm_token_type_ids=whole.mm_token_type_ids[:start], vision=whole.vision, source=whole.source)
+    return part, whole
