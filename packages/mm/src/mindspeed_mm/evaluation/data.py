@@ -27,6 +27,7 @@ import binascii
 import csv
 import io
 import json
+import os
 import string
 import sys
 from dataclasses import dataclass, field
@@ -254,7 +255,7 @@ def write_mmbench_tsv(path: str | Path, rows: list[dict[str, str]]) -> Path:
                             restval="")
     writer.writeheader()
     writer.writerows(rows)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # per process: two first uses may race
     tmp.write_text(buffer.getvalue(), encoding="utf-8")
     tmp.replace(path)
     return path

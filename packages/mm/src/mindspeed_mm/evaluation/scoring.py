@@ -84,8 +84,8 @@ def extract_choice(reply: str, options: dict[str, str]) -> str | None:
     """The option letter a free-form reply chose (None: none can be read), by the first rule that applies.
 
     1. The normalized reply equals one option's normalized text (``Red.`` for ``red``).
-    2. The reply is an option letter (``B``, ``(B)``, ``B.``), or starts with one and a separator
-       (``B. cat``, ``B: cat``, ``B) cat``).
+    2. The reply is an option letter (``B``, ``(B)``, ``b.``), or starts with a capital one and a
+       separator (``B. cat``, ``B: cat``, ``B) cat``).
     3. Exactly one option's normalized text occurs as words in the normalized reply
        (``It is a red square`` for ``red``).
     4. Exactly one option letter occurs as a word of the reply (``The answer is B``).
@@ -95,8 +95,10 @@ def extract_choice(reply: str, options: dict[str, str]) -> str | None:
     exact = [letter for letter, text in texts.items() if text and text == said]
     if len(exact) == 1:
         return exact[0]
-    stripped = reply.strip()
-    lead = re.match(r"^\(?([A-Z])(?:\)|\.|:|\]|$)", stripped)
+    bare = reply.strip(string.punctuation + string.whitespace)
+    if len(bare) == 1 and bare.upper() in options:
+        return bare.upper()
+    lead = re.match(r"^\(?([A-Z])(?:\)|\.|:|\]|$)", reply.strip())
     if lead and lead.group(1) in options:
         return lead.group(1)
     found = [letter for letter, text in texts.items() if text and re.search(rf"\b{re.escape(text)}\b", said)]

@@ -1,0 +1,153 @@
+"""``mindspeed-mm evaluate`` against a scoring written here, question by question.
+
+An MMBench-style TSV (base64 images, a hint, a row that reuses another row's image, a question
+with three options, two categories) and a JSON file (options as a list with the answer as text,
+and short answers) are scored on the tiny Qwen2.5-VL. The test scores every question itself:
+the MMBench prompt written out, each letter's log-likelihood from a transformers forward on
+tokens built with the tokenizer and image processor alone, the short answers by greedy
+``generate`` and a match decided by construction. Accuracy, per-category accuracy, predictions
+and log-likelihoods must agree; the answer extraction of generated replies is checked on
+hand-labelled replies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mindspeed_mm.cli import main
+from mindspeed_mm.evaluation.data import encode_image_base64, write_mmbench_tsv
+from mindspeed_mm.evaluation.scoring import extract_choice, normalize_answer
+from tests.mm.test_generate import PIXELS, _images, _reference_inputs, _transformers_generate
+
+INSTRUCTION = "Answer with the option's letter from the given choices directly."
+
+
+def _letter_prompt(row: dict) -> str:
+    text = (f"{row['hint']}\n" if row.get("hint") else "") + row["question"]
+    text += "".join(f"\n{letter}. {row[letter]}" for letter in "ABCD" if row.get(letter))
+    return "<image>" + text + "\n" + INSTRUCTION
+
+
+def _loglikelihood(model, model_dir, user: str, image, answer: str) -> float:
+    """log p(answer turn | prompt) from a transformers forward on inputs built without our code."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    user_turn = [{"role": "user", "content": user}]
+    prompt_text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(user_turn + [{"role": "assistant", "content": answer}], tokenize=False)
+    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    inputs = _reference_inputs(model_dir, user_turn, [image])
+    ids = torch.cat([inputs["input_ids"], torch.tensor([answer_ids])], dim=1)
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(answer_ids),
+                                                                                          dtype=torch.int32)], dim=1))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+    start = ids.shape[1] - len(answer_ids)
+    return float(sum(logprobs[start + i - 1, token] for i, token in enumerate(answer_ids)))
+
+
+def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model_dir, data = tiny_vlm
+    images = _images(data)
+    rows = [
+        {"index": "10", "question": "What colour is it?", "A": "red", "B": "green", "C": "blue", "D": "grey",
+         "answer": "A", "image": encode_image_base64(images[0]), "category": "colour"},
+        {"index": "11", "question": "What colour is it?", "hint": "Look closely.", "A": "green", "B": "red",
+         "C": "blue", "D": "grey", "answer": "B", "image": encode_image_base64(images[1]), "category": "colour"},
+        {"index": "12", "question": "Which shape?", "A": "square", "B": "circle", "C": "triangle",
+         "answer": "C", "image": "10", "category": "shape"},  # three options; the image of row 10
+        {"index": "13", "question": "Is it bright?", "A": "yes", "B": "no", "answer": "A",
+         "image": encode_image_base64(images[2]), "category": "shape"},
+    ]
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    encoded = [encode_image_base64(i) for i in images]
+    expected = []
+    for number, row in enumerate(rows):
+        image = images[0] if row["image"] == "10" else images[encoded.index(row["image"])]
+        letters = [letter for letter in "ABCD" if row.get(letter)]
+        scores = {letter: _loglikelihood(model, model_dir, _letter_prompt(row), image, letter) for letter in letters}
+        best = max(letters, key=lambda letter: scores[letter])  # the first on a tie
+        row["answer"] = best if number % 2 == 0 else next(x for x in letters if x != best)  # rows 0 and 2 right
+        expected.append((scores, best))
+    tsv = write_mmbench_tsv(tmp_path / "bench.tsv", rows)
+    out = tmp_path / "results.json"
+    assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tsv), "--output", str(out),
+                 "--log-samples", *PIXELS]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    right = {"colour": [], "shape": []}
+    for row, sample, (scores, best) in zip(rows, result["samples"], expected, strict=True):
+        assert sample["loglikelihoods"] == pytest.approx(scores, rel=1e-5, abs=1e-4)
+        assert sample["prediction"] == best
+        right[row["category"]].append(best == row["answer"])
+        assert sample["correct"] == right[row["category"]][-1]
+    hits = right["colour"] + right["shape"]
+    assert result["metric"] == "acc" and result["value"] == sum(hits) / len(hits) and result["n"] == len(rows)
+    for category, values in right.items():
+        assert result["groups"][category] == {"acc": sum(values) / len(values), "n": len(values)}
+    print(f"MMBench TSV: acc {result['value']} ({sum(hits)}/{len(hits)}), groups {result['groups']}")
+
+    # JSON: options as a list with the answer as text; short answers by normalized exact match.
+    reply = _transformers_generate(model_dir, [{"role": "user", "content": "<image>What colour is it?"}],
+                                                 [images[1]], max_new_tokens=16)
+    from transformers import AutoTokenizer
+
+    said = AutoTokenizer.from_pretrained(model_dir).decode(reply[1], skip_special_tokens=True)
+    records = [{"image": str(images[1]), "question": "What colour is it?", "answer": f"The {said}."},  # right
+               {"image": str(images[1]), "question": "What colour is it?", "answer": ["not this", "nor this"]},
+               {"image": str(images[0]), "question": "What colour is it?", "options": ["red", "green", "blue"],
+                "answer": "red"}]
+    (tmp_path / "vqa.json").write_text(json.dumps(records))
+    assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tmp_path / "vqa.json"),
+                 "--output", str(out), "--log-samples", "--choice-prompt", "cloze", *PIXELS]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    short = [s for s in result["samples"] if s["kind"] == "short_answer"]
+    assert [s["reply"] for s in short] == [said, said] and [s["correct"] for s in short] == [True, False]
+    (choice,) = [s for s in result["samples"] if s["kind"] == "multiple_choice"]
+    cloze = {letter: _loglikelihood(model, model_dir, "<image>What colour is it?", images[0], text)
+             for letter, text in zip("ABC", ["red", "green", "blue"])}
+    assert choice["loglikelihoods"] == pytest.approx(cloze, rel=1e-5, abs=1e-4)
+    choice_right = max(cloze, key=cloze.get) == "A"
+    assert result["metrics"] == {"acc": (1 + choice_right) / 3, "acc_multiple_choice": float(choice_right),
+                                 "exact_match": 0.5}
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("B", "B"), ("(B)", "B"), ("B.", "B"), ("B: a cat", "B"), ("C) the dog", "C"), ("  a  ", "A"),
+    ("The answer is B", "B"), ("Answer: D", "D"), ("red", "A"), ("Red.", "A"), ("It is a green square", "B"),
+    ("A red square", "A"), ("B or C", None), ("purple", None), ("", None), ("E", None),
+    ("green and red", None), ("I think so", None),
+])
+def test_answer_extraction(reply, expected) -> None:
+    assert extract_choice(reply, {"A": "red", "B": "green", "C": "blue", "D": "yellow"}) == expected
+
+
+def test_normalization() -> None:
+    assert normalize_answer("  The Red, square! ") == "red square" == normalize_answer("red square")
+    assert normalize_answer("an apple") == "apple" and normalize_answer("Theatre") == "theatre"
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "C", "image": "aGk="}],
+     "bench.tsv:2: the answer must be the letter of a given option (A, B), got 'C'"),
+    ([{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "A", "image": "not base64!"}],
+     "bench.tsv:2: the image cell is not base64"),
+    ([{"index": "1", "question": "q", "A": "x", "B": "", "answer": "A", "image": "aGk="}],
+     "bench.tsv:2: fewer than 2 options"),
+    ([{"index": "1", "question": "q", "A": "x", "answer": "A", "image": "aGk="}],
+     "bench.tsv:1: missing column(s) B"),
+])
+def test_bad_input_is_one_line_and_exit_2(rows, message, tiny_vlm, tmp_path, capsys) -> None:
+    write_mmbench_tsv(tmp_path / "bench.tsv", rows)
+    assert main(["evaluate", "--load-dir", str(tiny_vlm[0]), "--task-data-path", str(tmp_path / "bench.tsv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mindspeed-mm: error: ") and message in err and "\n" not in err
+    (tmp_path / "q.csv").write_text("x")
+    assert main(["evaluate", "--load-dir", str(tiny_vlm[0]), "--task-data-path", str(tmp_path / "q.csv")]) == 2
+    assert "unknown format '.csv'" in capsys.readouterr().err
