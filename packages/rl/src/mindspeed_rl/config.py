@@ -244,12 +244,16 @@ class TrainConfig:
         global_batch: prompts per step (each sampled ``rollout.n`` times).
         seed: seeds the prompt order, the sampling and the weights of a fresh model.
         eval_interval: evaluate on ``data.eval_path`` every this many steps (default: never).
+        exit_duration_mins: stop after this many minutes (megatron's ``--exit-duration-in-mins``):
+            the current step finishes, a checkpoint is saved and the command exits 0; the same
+            command resumes.
     """
 
     steps: int = 100
     global_batch: int = 8
     seed: int = 1234
     eval_interval: int | None = None
+    exit_duration_mins: float | None = None
 
 
 @dataclass
@@ -279,8 +283,10 @@ class CheckpointConfig:
     Attributes:
         save: directory of the checkpoints (default: none are written).
         interval: save every this many steps (default: only at the end).
-        keep_last: keep only this many newest checkpoints (default: all).
-        resume: continue from the newest checkpoint in ``save`` when there is one.
+        keep_last: keep only this many newest complete checkpoints (default: all).
+        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones are
+            skipped with a warning); a ``save`` holding checkpoints but no complete one is an
+            error unless this is false.
         save_hf: write the final policy as a Hugging Face directory here.
     """
 

@@ -4,8 +4,10 @@ The recipe (:class:`~mindspeed_rl.config.GRPOConfig`) is read, overridden and ch
 any worker starts; a bad key or value exits 2 with the key and the fix. The run logs one line
 (or a progress bar on a terminal) per step, writes ``metrics.jsonl``, TensorBoard events and
 ``reward.png`` to ``logging.dir`` (default ``checkpoint.save``), saves checkpoints to
-``checkpoint.save`` and continues from the newest one when started again, and writes the final
-policy as a Hugging Face directory to ``checkpoint.save_hf``.
+``checkpoint.save`` and continues from the newest complete one when started again, and writes
+the final policy as a Hugging Face directory to ``checkpoint.save_hf``. SIGTERM, the first
+Ctrl-C and ``train.exit_duration_mins`` finish the step, save and exit 143 / 130 / 0 with one
+line naming the checkpoint (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import argparse
 import contextlib
 import sys
 
+from mindspeed.checkpointing import Preemption, resume_hint
 from mindspeed.config import ConfigError
-from mindspeed.log import RUN_LOG_FILE, open_run_log
+from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
+
+logger = get_logger(__name__)
 
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +68,16 @@ def run_grpo(args: argparse.Namespace) -> int:
     # The driver's full log (detail and other libraries' warnings included) goes to logging.dir/report.txt.
     with open_run_log(log_dir / RUN_LOG_FILE) if log_dir is not None else contextlib.nullcontext():
         try:
-            records = runner.run(on_step=on_step)
+            with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+                records = runner.run(on_step=on_step, preemption=preemption)
+            stop = runner.stopped
+            if stop is not None:
+                where = runner.checkpoint_path()
+                cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+                         if stop.reason == "time limit" else stop.reason)
+                logger.warning("stopped by %s after step %d of %d: %s", cause, runner.ctx.step, config.train.steps,
+                               resume_hint(str(where) if where is not None else None))
+                return stop.exit_code
             if config.checkpoint.save_hf:
                 path = runner.save_hf(config.checkpoint.save_hf)
                 sys.stdout.write(f"policy written to {path}\n")

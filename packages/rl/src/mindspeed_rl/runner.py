@@ -16,15 +16,17 @@ weights loads the newest before it goes on); the update corrects for the lag wit
 importance sampling (``algorithm.tis_cap``, default 2 in async mode).
 
 Checkpoints (``checkpoint.save``) hold the actor (weights, optimizer, scheduler, RNG: the LLM
-suite's format) plus ``rl_state.json`` (step, policy version, prompt-sampler position); a run
-started again with the same recipe continues from the newest one.
+suite's format) plus ``rl_state.json`` (step, policy version, prompt-sampler position), marked
+complete last; a run started again with the same recipe continues from the newest complete one
+(:mod:`mindspeed.checkpointing`: damaged newer ones are skipped with one warning). A
+:class:`~mindspeed.checkpointing.Preemption` passed to :meth:`GRPORunner.run` stops the run
+after a step, with a checkpoint, on SIGTERM, Ctrl-C or its time limit.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import threading
 import time
 from dataclasses import replace
@@ -33,8 +35,9 @@ from typing import Any
 
 import torch
 
+from mindspeed.checkpointing import Preemption, StopRequest, checkpoint_dir, fault_point, find_resume, holds_checkpoints
+from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
-from mindspeed_llm.training.checkpoint import list_checkpoints
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
@@ -178,6 +181,8 @@ class GRPORunner:
         self._latest: tuple[list[Any], int] | None = None
         self._stop = threading.Event()
         self._producer_error: BaseException | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
+        self.stopped: StopRequest | None = None  # why the last run() stopped early (a signal, the time limit)
         self._maybe_resume()
 
     # -- producing ---------------------------------------------------------------------------
@@ -277,12 +282,15 @@ class GRPORunner:
         self.produce(self.pctx, self.version)
         return self.train_step(start)
 
-    def run(self, steps: int | None = None, on_step: Any = None) -> list[dict[str, float]]:
+    def run(self, steps: int | None = None, on_step: Any = None, preemption: Preemption | None = None
+            ) -> list[dict[str, float]]:
         """Run until ``train.steps`` (or ``steps`` more); saves checkpoints as the recipe says.
 
         Args:
             steps: steps to run now (default: the rest of ``train.steps``).
             on_step: called with each step's record.
+            preemption: asked after every step; when it requests a stop, the run saves (unless
+                this step is saved) and returns, with :attr:`stopped` set.
 
         Returns:
             The records of the steps run.
@@ -312,7 +320,13 @@ class GRPORunner:
                 records.append(record)
                 if on_step is not None:
                     on_step(record)
+                fault_point("rl.step_end", self.ctx.step)
                 self._maybe_save()
+                if preemption is not None and (stop := preemption.requested()) is not None:
+                    self.stopped = stop
+                    if self.config.checkpoint.save is not None and self.saved_step != self.ctx.step:
+                        self.save(self.config.checkpoint.save)
+                    break
         finally:
             self._stop.set()
             if producer is not None:
@@ -331,33 +345,37 @@ class GRPORunner:
             self.save(c.save)
 
     def save(self, root: str | Path) -> Path:
-        """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``); prunes to ``checkpoint.keep_last``."""
-        path = Path(self.group.call("save", str(root), self.ctx.step)[0])
+        """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);
+        rotates complete checkpoints to ``checkpoint.keep_last``."""
         state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
-        tmp = path / f".{RL_STATE}.tmp"
-        tmp.write_text(json.dumps(state), encoding="utf-8")
-        os.replace(tmp, path / RL_STATE)
-        keep = self.config.checkpoint.keep_last
-        if keep:
-            import shutil
-
-            for old in [p for p in list_checkpoints(root) if (p / RL_STATE).is_file()][:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        path = Path(self.group.call("save", str(root), self.ctx.step, {RL_STATE: json.dumps(state)},
+                                    self.config.checkpoint.keep_last)[0])
+        self.saved_step = self.ctx.step
         logger.info("saved %s", path)
         return path
+
+    def checkpoint_path(self) -> Path | None:
+        """The newest checkpoint this run saved or resumed from (``None``: none)."""
+        save = self.config.checkpoint.save
+        return checkpoint_dir(save, self.saved_step) if save is not None and self.saved_step is not None else None
 
     def _maybe_resume(self) -> None:
         c = self.config.checkpoint
         if c.save is None or not c.resume or not Path(c.save).is_dir():
             return
-
-        done = [p for p in list_checkpoints(c.save) if (p / RL_STATE).is_file()]
-        if not done:
+        found = find_resume(c.save)
+        if found.path is None or not (found.path / RL_STATE).is_file():
+            if holds_checkpoints(c.save):
+                why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
+                raise ConfigError(f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
+                                  f"({why}); set checkpoint.resume=false to start from step 1 there or set "
+                                  "checkpoint.save to a new directory")
             return
-        path = done[-1]
+        path = found.path
         state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
         self.group.call("load", str(path))
         self.ctx.step = self.pctx.step = int(state["step"])
+        self.saved_step = self.ctx.step
         self.version = int(state["version"])
         self.sampler_state = state["sampler"]
         self.ctx.sampler.load_state_dict(state["sampler"])

@@ -49,7 +49,7 @@ from mindspeed.checkpointing import (
 )
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
-from mindspeed.log import get_logger
+from mindspeed.log import get_logger, get_rank
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
@@ -104,7 +104,7 @@ def find_checkpoint(path: str | Path, what: str = "checkpoint.load") -> Path:
     if not path.is_dir():
         raise ConfigError(f"{what}={str(path)!r} does not exist; name a checkpoint directory (iter_*) or a "
                           "checkpoint.save directory that holds one")
-    found = find_resume(path)
+    found = find_resume(path, warn=get_rank() == 0)
     if found.path is not None:
         return found.path
     tracker = path / TRACKER

@@ -178,10 +178,15 @@ class ActorWorker:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save(self, root: str, step: int) -> str:
-        """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective)."""
+    def save(self, root: str, step: int, extra_files: dict[str, str] | None = None, keep_last: int | None = None
+             ) -> str:
+        """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective).
+
+        ``extra_files`` (the driver's run state) are written into the checkpoint before it is
+        marked complete; ``keep_last`` rotates complete checkpoints.
+        """
         path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer,
-                               self.actor.scheduler, self.actor.config)
+                               self.actor.scheduler, self.actor.config, extra_files=extra_files, keep_last=keep_last)
         return str(path)
 
     def load(self, path: str) -> int:
