@@ -188,6 +188,43 @@ def test_training_checkpoint_generates_what_its_export_generates(tiny_vlm, tmp_p
     assert outputs[0] == outputs[1] and len(outputs[0]) == NEW_TOKENS
 
 
+def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(tiny_vlm, tmp_path, capsys) -> None:
+    """A LoRA run: its DCP checkpoint (merged with --lora-alpha) and its PEFT adapter (merged into the base the
+    adapter names) hold exactly the weights of the run's merged save_hf export and generate its tokens."""
+    model_dir, data = tiny_vlm
+    config = load_mm_config(None, [f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2",
+                                   "train.precision=fp32", "train.lr=5e-2", "logging.progress=false",
+                                   "lora.target_modules=[q_proj, v_proj]", "lora.r=4", "lora.alpha=8",
+                                   f"lora.save_peft={tmp_path / 'adapter'}", f"checkpoint.save={tmp_path / 'ckpt'}",
+                                   f"checkpoint.save_hf={tmp_path / 'merged'}",
+                                   "data.image_min_pixels=784", "data.image_max_pixels=12544"])
+    launch(_train_two_steps, (config,))
+    merged = load_inference_model(tmp_path / "merged").model.state_dict()
+    untrained = load_inference_model(model_dir).model.state_dict()
+    for loaded in (load_inference_model(tmp_path / "ckpt", hf_cfg_dir=model_dir, lora_alpha=8.0),
+                   load_inference_model(tmp_path / "adapter")):
+        state = loaded.model.state_dict()
+        assert set(state) == set(merged)
+        for name, value in merged.items():
+            assert torch.equal(state[name], value), (loaded.weights, name)
+    adapted = [name for name in merged if not torch.equal(merged[name], untrained[name])]
+    assert adapted and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name in adapted)
+
+    image = _images(data)[1]
+    outputs = []
+    for load in (["--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir), "--lora-alpha", "8"],
+                 ["--load-dir", str(tmp_path / "adapter")], ["--load-dir", str(tmp_path / "merged")]):
+        out = tmp_path / f"{len(outputs)}.jsonl"
+        assert main(["generate", *load, "--image", str(image), "--prompt", "What colour is it?", "--output", str(out),
+                     "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", *PIXELS]) == 0
+        outputs.append(_rows(out)[0]["token_ids"])
+    assert outputs[0] == outputs[1] == outputs[2]
+    capsys.readouterr()
+    assert main(["generate", "--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir),
+                 "--prompt", "hi"]) == 2
+    assert "is a LoRA run's checkpoint (4 adapted linears); pass --lora-alpha" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--load-dir", "/no/such/dir", "--prompt", "hi"], "--load-dir '/no/such/dir' is not a directory"),
     (["--prompt", "hi", "--image", "/no/such.png"], "--image '/no/such.png' does not exist"),

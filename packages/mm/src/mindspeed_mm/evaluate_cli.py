@@ -42,6 +42,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--image-max-pixels", type=int, default=262144, metavar="N",
                         help=text["image_max_pixels"] + " (default 262144)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=text["dtype"])
+    parser.add_argument("--lora-alpha", type=float, metavar="A", help=text["lora_alpha"])
     parser.add_argument("--output", metavar="FILE", help=text["output"])
     parser.add_argument("--log-samples", action="store_true", help=text["log_samples"])
     parser.set_defaults(func=run_evaluate)

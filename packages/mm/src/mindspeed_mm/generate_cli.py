@@ -32,7 +32,8 @@ class GenerateConfig:
 
     Attributes:
         load_dir: the model: a Hugging Face directory, a mindspeed-mm training checkpoint (checkpoint.save
-            or one of its step_* folders; needs --hf-cfg-dir), or demo (the demo's untrained model).
+            or one of its step_* folders; needs --hf-cfg-dir), a PEFT LoRA adapter (merged into its base), or
+            demo (the demo's untrained model).
         hf_cfg_dir: the Hugging Face directory a training checkpoint was trained from (config, tokenizer,
             image processor, chat template); demo for the demo model.
         prompts_file: mllm_format .jsonl / .json prompts (messages with <image> placeholders plus images;
@@ -51,6 +52,8 @@ class GenerateConfig:
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
+        lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint (DCP does not
+            record it).
         output: write the results here as JSON Lines (messages, completion, token ids, reference).
         stream: print a single prompt's reply as it is produced.
     """
@@ -71,6 +74,7 @@ class GenerateConfig:
     image_min_pixels: int = 3136
     image_max_pixels: int = 262144
     dtype: str | None = None
+    lora_alpha: float | None = None
     output: str | None = None
     stream: bool = True
 
@@ -118,7 +122,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if config.output is not None and Path(config.output).is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
     loaded = load_inference_model(config.load_dir, config.hf_cfg_dir, config.dtype, config.image_min_pixels,
-                                  config.image_max_pixels)
+                                  config.image_max_pixels, config.lora_alpha)
     if conversation:
         return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty())
     return _generate_all(loaded, prompts, settings, config)

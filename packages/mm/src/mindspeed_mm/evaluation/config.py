@@ -15,7 +15,8 @@ class EvaluateConfig:
 
     Attributes:
         load_dir: the model: a Hugging Face directory, a mindspeed-mm training checkpoint (checkpoint.save
-            or one of its step_* folders; needs --hf-cfg-dir), or demo (the demo's untrained model).
+            or one of its step_* folders; needs --hf-cfg-dir), a PEFT LoRA adapter (merged into its base), or
+            demo (the demo's untrained model).
         task_data_path: data files: MMBench-style .tsv (base64 images), .json / .jsonl (image paths), or demo
             (an MMBench TSV of the demo's held-out questions); repeatable.
         hf_cfg_dir: the Hugging Face directory a training checkpoint was trained from; demo for the demo model.
@@ -29,6 +30,8 @@ class EvaluateConfig:
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
+        lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint (DCP does not
+            record it).
         output: write the results as JSON here (written under a temporary name, then renamed).
         log_samples: add every question (prompt, prediction, answer, correct, log-likelihoods or reply) to the JSON.
     """
@@ -44,6 +47,7 @@ class EvaluateConfig:
     image_min_pixels: int = 3136
     image_max_pixels: int = 262144
     dtype: str | None = None
+    lora_alpha: float | None = None
     output: str | None = None
     log_samples: bool = False
 

@@ -45,7 +45,7 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
             data.append((task, path, read_vqa_file(path, Path(images) / str(len(data)), config.image_dir,
                                                    config.max_samples)))
         loaded = load_inference_model(config.load_dir, config.hf_cfg_dir, config.dtype, config.image_min_pixels,
-                                      config.image_max_pixels)
+                                      config.image_max_pixels, config.lora_alpha)
         results = [score_file(loaded, task, path, items, config) for task, path, items in data]
     report = build_report(results, asdict(config), with_samples=config.log_samples)
     if config.output:

@@ -7,7 +7,12 @@
 - a training checkpoint of ``mindspeed-mm train`` (torch DCP: ``SAVE/step_00000150``), or the
   ``checkpoint.save`` folder itself (its newest complete step is taken). A DCP checkpoint holds
   weights only, so ``hf_cfg_dir`` names the Hugging Face directory it was trained from (config,
-  tokenizer, image processor); the checkpoint's model tensors must match that model's exactly;
+  tokenizer, image processor); the checkpoint's model tensors must match that model's exactly.
+  A LoRA run's checkpoint holds the base weights and the factors: they are merged
+  (``W + alpha / r * B A``, :func:`mindspeed_mm.models.lora.merged_state`) with ``lora_alpha``,
+  the recipe's ``lora.alpha``, which DCP does not record;
+- a PEFT LoRA adapter directory (``adapter_config.json``, e.g. a run's ``lora.save_peft``),
+  merged into its base model: ``hf_cfg_dir``, else the adapter's ``base_model_name_or_path``;
 - ``demo``: the embedded demo's untrained model (``mindspeed_mm.demo``).
 
 The model is the family's transformers class (the registry :data:`~mindspeed_mm.models.FAMILIES`),
@@ -16,6 +21,8 @@ in eval mode on the accelerator of :func:`mindspeed.device.get_accelerator`.
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +32,12 @@ import torch.distributed.checkpoint as dcp
 
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.convert.peft_io import read_peft_adapter
 from mindspeed_mm.demo import DEMO, demo_paths
 from mindspeed_mm.models import family_of, load_processing
 from mindspeed_mm.models.family import VLMFamily
+from mindspeed_mm.models.lora import ADAPTER_CONFIG, adapted_modules, merge_weight, merged_state
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -74,7 +84,8 @@ def find_dcp_checkpoint(path: Path) -> Path | None:
 
 
 def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = None, dtype: str | None = None,
-                         min_pixels: int = 3136, max_pixels: int = 262144) -> InferenceModel:
+                         min_pixels: int = 3136, max_pixels: int = 262144,
+                         lora_alpha: float | None = None) -> InferenceModel:
     """The model of ``load_dir`` (see the module docstring), its tokenizer and image processor.
 
     Args:
@@ -84,63 +95,103 @@ def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = N
         dtype: ``float32``, ``bfloat16`` or ``float16`` (default: the directory's dtype; float32 for DCP).
         min_pixels: images are resized to at least this many pixels.
         max_pixels: and to at most this many.
+        lora_alpha: the LoRA scale numerator of a LoRA run's DCP checkpoint (the recipe's ``lora.alpha``).
 
     Raises:
-        ValueError: a missing directory, a directory that is neither format, an unregistered
-            family, a DCP checkpoint without ``hf_cfg_dir`` or whose tensors do not match its model.
+        ValueError: a missing directory, a directory that is none of the formats, an unregistered
+            family, a DCP checkpoint without ``hf_cfg_dir`` or whose tensors do not match its model,
+            a LoRA checkpoint without ``lora_alpha``, an adapter that is not plain LoRA.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     load = resolve_model_dir(load_dir)
     if not load.is_dir():
         raise ValueError(f"--load-dir {str(load_dir)!r} is not a directory; give a Hugging Face model directory, a "
-                         "mindspeed-mm training checkpoint (checkpoint.save or one of its step_* folders), or demo")
-    checkpoint = None if (load / "config.json").is_file() else find_dcp_checkpoint(load)
-    if checkpoint is None and not (load / "config.json").is_file():
-        raise ValueError(f"--load-dir {str(load_dir)!r} has neither config.json (a Hugging Face directory) nor a DCP "
-                         "checkpoint (.metadata, or step_* folders); give one of them")
+                         "mindspeed-mm training checkpoint (checkpoint.save or one of its step_* folders), a PEFT "
+                         "adapter, or demo")
+    adapter = (load / ADAPTER_CONFIG).is_file()
+    checkpoint = None if adapter or (load / "config.json").is_file() else find_dcp_checkpoint(load)
+    if checkpoint is None and not adapter and not (load / "config.json").is_file():
+        raise ValueError(f"--load-dir {str(load_dir)!r} has neither config.json (a Hugging Face directory), "
+                         "adapter_config.json (a PEFT adapter) nor a DCP checkpoint (.metadata, or step_* folders); "
+                         "give one of them")
     if checkpoint is not None and hf_cfg_dir is None:
         raise ValueError(f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
                          "--hf-cfg-dir with the Hugging Face directory it was trained from (model.path of the recipe)")
+    if adapter and hf_cfg_dir is None:
+        hf_cfg_dir = json.loads((load / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if not hf_cfg_dir:
+            raise ValueError(f"{load / ADAPTER_CONFIG} names no base model; pass --hf-cfg-dir with the model "
+                             "directory the adapter was trained on")
     source = resolve_model_dir(hf_cfg_dir) if hf_cfg_dir is not None else load
     if not (source / "config.json").is_file():
         raise ValueError(f"--hf-cfg-dir {str(hf_cfg_dir)!r} has no config.json; give the Hugging Face directory the "
-                         "checkpoint was trained from")
+                         "weights were trained from")
     family = family_of(source)
     tokenizer, processor = load_processing(source, min_pixels, max_pixels)
     device = get_accelerator().device()
-    if checkpoint is None:
-        model = family.load_class().from_pretrained(str(load), dtype=DTYPES[dtype] if dtype else "auto",
-                                                    local_files_only=True)
+    weights = checkpoint or load
+    if checkpoint is not None:
+        model = _load_dcp(checkpoint, source, family, DTYPES[dtype or "float32"], lora_alpha)
     else:
-        model = _load_dcp(checkpoint, source, family, DTYPES[dtype or "float32"])
+        base = source if adapter else load  # an HF directory's weights are its own; an adapter's its base's
+        model = family.load_class().from_pretrained(str(base), dtype=DTYPES[dtype] if dtype else "auto",
+                                                    local_files_only=True)
+        if adapter:
+            _merge_adapter(model, load)
     model = model.to(device).eval()
-    logger.info("loaded %s from %s (%s, %.2f M parameters) on %s", family.architecture, checkpoint or load,
+    logger.info("loaded %s from %s (%s, %.2f M parameters) on %s", family.architecture, weights,
                 next(model.parameters()).dtype, sum(p.numel() for p in model.parameters()) / 1e6, device)
     return InferenceModel(family=family, model=model, tokenizer=tokenizer, processor=processor, source=source,
-                          weights=checkpoint or load, device=device)
+                          weights=weights, device=device)
 
 
-def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dtype) -> Any:
+def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dtype, lora_alpha: float | None) -> Any:
     """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes must match)."""
     from transformers import AutoConfig
 
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    saved = {}
+    for key, meta in metadata.items():
+        if key.startswith("model.") and hasattr(meta, "size"):
+            saved[key[len("model."):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
+    lora = adapted_modules(saved)
+    if lora:
+        if lora_alpha is None:
+            raise ValueError(f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears); pass "
+                             "--lora-alpha with the recipe's lora.alpha to merge the factors")
+        saved = merged_state(saved, LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]),
+                                               alpha=lora_alpha))
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
     model = family.load_class()._from_config(config, dtype=torch.float32)
     state = model.state_dict()
-    saved = {key[len("model."):]: meta for key, meta in
-             dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items()
-             if key.startswith("model.")}
     missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
     if missing or unexpected:
         raise ValueError(f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}); pass the --hf-cfg-dir the run "
                          "trained from")
     for name, value in state.items():
-        if tuple(saved[name].size) != tuple(value.shape):
-            raise ValueError(f"{checkpoint}: {name} has shape {tuple(saved[name].size)}, {source}'s model "
+        if saved[name].shape != value.shape:
+            raise ValueError(f"{checkpoint}: {name} has shape {tuple(saved[name].shape)}, {source}'s model "
                              f"{tuple(value.shape)}; pass the --hf-cfg-dir the run trained from")
-    # Ties (e.g. tied embeddings) are one tensor in the state dict: DCP fills it in place.
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state)
+    model.load_state_dict(saved)
     return model.to(dtype)
+
+
+def _merge_adapter(model: Any, adapter_dir: Path) -> None:
+    """Fold a PEFT LoRA adapter into ``model``'s weights (``W + alpha / r * B A`` in fp32, as peft merges)."""
+    adapter = read_peft_adapter(adapter_dir)
+    state = model.state_dict()
+    unknown = [module for module in adapter.factors if f"{module}.weight" not in state]
+    if unknown:
+        raise ValueError(f"{adapter_dir}: the adapter adapts {unknown[0]}, which the base model has no linear of "
+                         f"({len(unknown)} such); pass the --hf-cfg-dir the adapter was trained on")
+    with torch.no_grad():
+        for module, (a, b) in adapter.factors.items():
+            weight = state[f"{module}.weight"]
+            weight.copy_(merge_weight(weight, a.to(weight.device), b.to(weight.device), adapter.settings.scale))
+    logger.info("merged the LoRA adapter %s (%d linears, r=%d, alpha=%g)", adapter_dir, len(adapter.factors),
+                adapter.settings.r, adapter.settings.alpha)
