@@ -68,7 +68,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_llm.inference import InferenceEngine
     from mindspeed_rl.actor import Actor, ActorSettings
 
-    actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"))
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"))
     out: dict[str, Any] = {"logp": actor.compute_logprobs(PAIRS)}
     out["entropy"] = _entropy_updates(actor, _pad(out["logp"]))
     engine = InferenceEngine.from_pretrained(f"{root}/other")
@@ -170,7 +170,7 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_llm.inference import InferenceEngine
     from mindspeed_rl.actor import Actor, ActorSettings
 
-    actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
     out: dict[str, Any] = {"state0": {k: v.clone().numpy() for k, v in actor.hf_state().items()}}
     old = _pad(actor.compute_logprobs(PAIRS))
     out["entropy"] = _entropy_updates(actor, old)
@@ -182,7 +182,7 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["actor"] = [t.numpy() for t in actor.compute_logprobs(PAIRS)]
     out["old"] = [old[i, : len(r)].numpy() for i, (_, r) in enumerate(PAIRS)]
     # Qwen2.5's 131 rows are padded to 132 at TP2: the padding column must not count.
-    qwen = Actor(f"{root}/qwen", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
+    qwen = Actor(f"{root}/qwen", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), tp=2)
     logp = qwen.compute_logprobs(PAIRS)
     out["qwen_logp"] = [t.numpy() for t in logp]
     out["qwen_entropy"] = qwen.update(PAIRS, _pad(logp), torch.tensor(ADV))["entropy"]
@@ -240,7 +240,7 @@ def test_tp2_padded_vocabulary(run: dict[str, Any], run2: list[dict[str, Any]]) 
 def _group_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.actor import Actor, ActorSettings
 
-    actor = Actor(f"{root}/hf", ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), pp=2)
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"), pp=2)
     out: dict[str, Any] = {"state0": {k: v.clone().numpy() for k, v in actor.hf_state().items()}}
     logp = actor.compute_logprobs(PAIRS)
     out["logp"] = [t.numpy() for t in logp]

@@ -44,7 +44,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed.megatron import current_report
     from mindspeed_rl.actor import Actor, ActorSettings
 
-    settings = ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo", compute_entropy=False)
+    settings = ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo", compute_entropy=False)
     chosen = FeaturesConfig(optimization_level=0, settings={name: True for name in ON})
     actor = Actor(f"{root}/hf", settings, features=chosen)
     out = {"featured": _update(actor)}

@@ -54,7 +54,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.actor import Actor, ActorSettings
 
     # A warmup + cosine schedule (megatron's scheduler inside the actor, one position per update).
-    settings = ActorSettings(lr=1e-2, micro_batch_size=2, clip_grad=0.5, loss="dapo", lr_warmup_steps=2,
+    settings = ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.5, loss="dapo", lr_warmup_steps=2,
                              lr_decay_style="cosine", lr_decay_steps=STEPS + 1, min_lr=1e-3)
     plain, offl = Actor(f"{root}/hf", settings), Actor(f"{root}/hf", settings)
     out: dict[str, Any] = {"plain": [], "offl": [], "checks": []}

@@ -50,7 +50,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.config import load_grpo_config
     from mindspeed_rl.trainer import train_grpo
 
-    actor = Actor(f"{root}/hf", ActorSettings(lr=5e-3, micro_batch_size=2, clip_grad=0.0))
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=5e-3, micro_batch_size=2, clip_grad=0.0))
     width = max(len(r) for _, r in PAIRS)
     gen = torch.Generator().manual_seed(0)
     out: dict[str, Any] = {}

@@ -49,7 +49,7 @@ DP_LAYOUTS = {
     "dp2-distopt-overlap-grad-reduce": dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4096),
 }
 MOE_LAYOUTS = {
-    f"ep2-{dispatcher}": TinyGPTConfig(num_layers=2, num_moe_experts=4, moe_router_topk=2,
+    f"ep2-{dispatcher}": TinyGPTConfig(num_layers=2, num_experts=4, moe_router_topk=2,
                                        moe_token_dispatcher_type=dispatcher)
     for dispatcher in ("alltoall", "allgather")
 }

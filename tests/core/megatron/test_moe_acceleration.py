@@ -102,7 +102,7 @@ LAYOUTS = {
 
 
 def _model(dispatcher: str) -> TinyGPTConfig:
-    return TinyGPTConfig(num_layers=2, num_moe_experts=NUM_EXPERTS, moe_router_topk=2,
+    return TinyGPTConfig(num_layers=2, num_experts=NUM_EXPERTS, moe_router_topk=2,
                          moe_token_dispatcher_type=dispatcher)
 
 

@@ -200,7 +200,7 @@ def _checkpoint_crosses_modules(directory: str) -> dict[str, float]:
     from mindspeed.testing.megatron import ParallelSizes as Sizes
     from mindspeed.testing.megatron import TinyGPTConfig, build_gpt, full_state, grouped_expert_state, unwrap
 
-    model = TinyGPTConfig(num_layers=2, num_moe_experts=NUM_EXPERTS)
+    model = TinyGPTConfig(num_layers=2, num_experts=NUM_EXPERTS)
     diffs = {}
     for first, second in ((False, True), (True, False)):
         built = {}

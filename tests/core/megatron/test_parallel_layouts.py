@@ -26,7 +26,7 @@ from mindspeed.testing.megatron import (
 )
 
 MODEL = TinyGPTConfig(num_layers=4)
-TIED = TinyGPTConfig(num_layers=4, share_embeddings_and_output_weights=True)
+TIED = TinyGPTConfig(num_layers=4, untie_embeddings_and_output_weights=False)
 NUM_MICROBATCHES, MICRO_BATCH_SIZE = 4, 2
 
 #: label -> (model, sizes, TransformerConfig overrides, schedule megatron must pick).

@@ -1,59 +1,63 @@
-"""Model FLOPs from the shape equal the matmul FLOPs torch counts; the peak table and MFU."""
+"""Model FLOPs from the model description (ModelShape) equal the matmul FLOPs torch counts; the peak table and MFU."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mindspeed.device import get_accelerator
-from mindspeed.metrics.flops import TransformerShape, forward_flops_per_token, training_flops_per_token
+from mindspeed.metrics.flops import forward_flops_per_token, training_flops_per_token
 from mindspeed.metrics.peak import PEAK_TFLOPS, Peak, cpu_peak, lookup_peak, mfu, peak_flops
-from mindspeed.testing.models import TinyModelConfig
+from mindspeed.model import ModelShape
 from mindspeed.testing.tiny_llama import TinyLlama
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_formula_equals_counted_matmul_flops_forward_and_backward(kv_heads: int) -> None:
-    cfg = TinyModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=kv_heads)
+    # One description: the model that runs and the formula read the same ModelShape.
+    shape = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                       num_query_groups=kv_heads, vocab_size=96)
     torch.manual_seed(0)
-    model = TinyLlama(cfg, impl="reference")
+    model = TinyLlama(shape, impl="reference")
     batch, seq = 2, 24
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    shape = TransformerShape(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                             num_query_groups=kv_heads, kv_channels=16, vocab_size=96, seq_length=seq)
+    ids = torch.randint(0, shape.vocab_size, (batch, seq))
     with FlopCounterMode(display=False) as forward:
         logits = model(ids)
-    assert forward.get_total_flops() == forward_flops_per_token(shape) * batch * seq
+    assert forward.get_total_flops() == forward_flops_per_token(shape, seq) * batch * seq
     with FlopCounterMode(display=False) as both:
         model(ids).sum().backward()
-    assert both.get_total_flops() == training_flops_per_token(shape) * batch * seq
+    assert both.get_total_flops() == training_flops_per_token(shape, seq) * batch * seq
     assert logits.shape == (batch, seq, 96)
 
 
 def test_moe_and_plain_mlp_terms_by_hand() -> None:
-    dense = TransformerShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                             num_query_groups=1, kv_channels=4, vocab_size=10, seq_length=5, gated_mlp=False)
+    dense = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                       num_query_groups=1, kv_channels=4, vocab_size=10, swiglu=False)
     # qkv 2*8*(8+2*4) + proj 2*8*8 + attention 4*5*8 + mlp 2*8*16*2 + logits 2*8*10
-    assert forward_flops_per_token(dense) == 256 + 128 + 160 + 512 + 160
-    moe = TransformerShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                           num_query_groups=1, kv_channels=4, vocab_size=10, seq_length=5, num_moe_experts=4,
-                           moe_router_topk=2, moe_ffn_hidden_size=6, moe_layers=1)
+    assert forward_flops_per_token(dense, 5) == 256 + 128 + 160 + 512 + 160
+    assert forward_flops_per_token(dense, 5, vocab_size=16) == 256 + 128 + 160 + 512 + 2 * 8 * 16
+    moe = ModelShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                     kv_channels=4, vocab_size=10, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6,
+                     moe_layer_freq=(0, 1))
     attention = 256 + 128 + 160
     expert = 2 * 8 * 6 * 3
-    assert forward_flops_per_token(moe) == 2 * attention + 2 * 8 * 16 * 3 + (2 * expert + 2 * 8 * 4) + 160
+    assert forward_flops_per_token(moe, 5) == 2 * attention + 2 * 8 * 16 * 3 + (2 * expert + 2 * 8 * 4) + 160
+    # a gated shared expert of width 12 adds its MLP and a 2 h gate to the MoE layer
+    shared = ModelShape(**{**moe.__dict__, "moe_shared_expert_intermediate_size": 12, "moe_shared_expert_gate": True})
+    assert forward_flops_per_token(shared, 5) - forward_flops_per_token(moe, 5) == 2 * 8 * 12 * 3 + 2 * 8
 
 
-def test_shape_from_a_megatron_style_config() -> None:
-    config = SimpleNamespace(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=8,
-                             num_query_groups=None, kv_channels=None, gated_linear_unit=True, num_moe_experts=None)
-    shape = TransformerShape.from_transformer_config(config, vocab_size=1024, seq_length=64)
-    assert (shape.num_query_groups, shape.kv_channels, shape.num_moe_experts) == (8, 16, None)
-    config.num_moe_experts, config.moe_layer_freq, config.moe_router_topk = 8, [1, 0, 1, 0], 2
-    assert TransformerShape.from_transformer_config(config, 1024, 64).moe_layers == 2
+def test_mla_terms_by_hand() -> None:
+    # h 8, 2 heads, q rank 4, kv rank 3, nope 2 + rope 1 per head, v 2, s 5, one dense layer
+    mla = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, vocab_size=10,
+                     multi_latent_attention=True, q_lora_rank=4, kv_lora_rank=3, qk_head_dim=2,
+                     qk_pos_emb_head_dim=1, v_head_dim=2)
+    q = 2 * 8 * 4 + 2 * 4 * 2 * 3
+    kv = 2 * 8 * (3 + 1) + 2 * 3 * 2 * (2 + 2)
+    out = 2 * 2 * 2 * 8
+    scores = 2 * 5 * 2 * 3 + 2 * 5 * 2 * 2
+    assert forward_flops_per_token(mla, 5) == q + kv + out + scores + 2 * 8 * 16 * 3 + 2 * 8 * 10
 
 
 # Peaks from the architecture, not from the table: streaming multiprocessors x dense FLOP per clock

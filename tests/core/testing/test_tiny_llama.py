@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mindspeed.testing.models import TINY_CONFIGS
+from mindspeed.testing.models import TINY_CONFIGS, hf_llama_kwargs
 from mindspeed.testing.tiny_llama import TinyLlama
 
 
@@ -16,7 +16,7 @@ def test_logits_and_grads_equal_hf(preset: str, impl: str) -> None:
     cfg = TINY_CONFIGS.get(preset)
     torch.manual_seed(0)
     ours = TinyLlama(cfg, impl=impl)
-    hf = LlamaForCausalLM(LlamaConfig(**cfg.to_hf_llama_dict(), attn_implementation="eager"))
+    hf = LlamaForCausalLM(LlamaConfig(**hf_llama_kwargs(cfg), attn_implementation="eager"))
     hf.load_state_dict(ours.state_dict(), strict=True)
     ids = torch.randint(cfg.vocab_size, (2, 37))
     ours_logits = ours(ids)
@@ -33,8 +33,8 @@ def test_sliding_window_matches_full_attention_when_window_covers_sequence() -> 
     cfg = TINY_CONFIGS.get("llama-tiny")
     torch.manual_seed(0)
     full = TinyLlama(cfg, impl="reference")
-    wide = TinyLlama(cfg.with_(sliding_window=64), impl="reference")
-    narrow = TinyLlama(cfg.with_(sliding_window=4), impl="reference")
+    wide = TinyLlama(cfg, impl="reference", sliding_window=64)
+    narrow = TinyLlama(cfg, impl="reference", sliding_window=4)
     wide.load_state_dict(full.state_dict())
     narrow.load_state_dict(full.state_dict())
     ids = torch.randint(cfg.vocab_size, (1, 32))

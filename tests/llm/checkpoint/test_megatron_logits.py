@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mindspeed.testing.distributed import run_distributed
+from mindspeed_llm.bridges import bridge_for_family
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
 
@@ -25,17 +26,18 @@ from .conftest import MTP_LAYERS
 
 #: The source of the MTP case (the ``tiny_mtp_checkpoint`` fixture), beside the families' tiny checkpoints.
 MTP_SOURCE = "deepseek3+mtp"
+def _family_case(family: str) -> tuple[str, tuple[str, dict]]:
+    # Every family at its default layout: TP2 PP2 for dense families, TP2 EP2 for MoE families.
+    if bridge_for_family(family).capabilities.moe:
+        return f"{family}-tp2ep2", (family, dict(target_tensor_parallel_size=2, target_expert_parallel_size=2))
+    return f"{family}-tp2pp2", (family, dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2))
+
+
 #: label -> (family, target layout options).
 CASES = {
-    "llama2-tp2pp2": ("llama2", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
+    **dict(_family_case(family) for family in TINY_CONFIGS),
     "llama2-pp2vpp": ("llama2", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
                                      num_layers_per_virtual_pipeline_stage=1)),
-    "mistral-tp2pp2": ("mistral", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
-    "qwen25-tp2pp2": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
-    "qwen3-tp2pp2": ("qwen3", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)),
-    "mixtral-tp2ep2": ("mixtral", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
-    "qwen3-moe-tp2ep2": ("qwen3-moe", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
-    "deepseek3-tp2ep2": ("deepseek3", dict(target_tensor_parallel_size=2, target_expert_parallel_size=2)),
     "deepseek3-mtp-tp2pp2": (MTP_SOURCE, dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
                                               mtp_num_layers=MTP_LAYERS)),
     # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.

@@ -7,11 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from mindspeed_llm.bridges import families_with
 from mindspeed_llm.inference import InferenceEngine
 
-#: Every family the engine supports (tied embeddings: qwen25; MoE: mixtral, qwen3-moe; llama3 rope: llama2;
-#: MLA, sigmoid routing, shared experts: deepseek3).
-FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe", "deepseek3")
+#: Every family whose bridge declares ``infers`` (tied embeddings: qwen25; MoE: mixtral, qwen3-moe;
+#: llama3 rope: llama2; MLA, sigmoid routing, shared experts: deepseek3), each proven against transformers.
+FAMILIES = families_with("infers")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from tests.llm.inference.conftest import FAMILIES, random_prompts
 
 def test_every_supported_family_is_tested() -> None:
     assert sorted(FAMILIES) == sorted(SUPPORTED_FAMILIES)
+    assert set(FAMILIES) <= set(TINY_CONFIGS), "every family that declares infers needs a tiny config"
 
 
 @pytest.mark.parametrize("family", sorted(set(TINY_CONFIGS) - set(FAMILIES)))

@@ -107,13 +107,22 @@ class _Groups:
         self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
 
 
+def test_train_section_gives_the_optimizer_and_scheduler_sections() -> None:
+    from mindspeed_llm.training.config import OptimizerConfig, SchedulerConfig
+
+    t = load_pretrain_config(None, ["train.lr=1e-2", "train.min_lr=1e-4", "train.optimizer=sgd",
+                                    "train.lr_decay_steps=7", "train.adam_eps=1e-6"]).train
+    assert t.optimizer_config() == OptimizerConfig(optimizer="sgd", lr=1e-2, min_lr=1e-4, adam_eps=1e-6)
+    assert t.scheduler_config() == SchedulerConfig(lr=1e-2, min_lr=1e-4, lr_decay_steps=7)
+
+
 @pytest.mark.parametrize("style", ["cosine", "linear"])
 def test_lr_schedule_warmup_then_decay(style: str) -> None:
     config = load_pretrain_config(None, ["train.steps=20", "train.lr=1e-2", "train.min_lr=1e-4",
                                          "train.lr_warmup_steps=4", "train.lr_warmup_init=1e-3",
                                          f"train.lr_decay_style={style}", "train.weight_decay=0.1"])
     optimizer = _Groups()
-    scheduler = build_scheduler(config, optimizer)
+    scheduler = build_scheduler(config.train.scheduler_config(), optimizer, config.train.steps)
     seen = []
     for _ in range(25):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -130,6 +139,6 @@ def test_lr_schedule_warmup_then_decay(style: str) -> None:
 
     assert seen == pytest.approx([expected(k) for k in range(25)], rel=1e-12)
     assert optimizer.param_groups[0]["weight_decay"] == 0.1
-    restored = build_scheduler(config, _Groups())
+    restored = build_scheduler(config.train.scheduler_config(), _Groups(), config.train.steps)
     restored.load_state_dict(scheduler.state_dict())
     assert restored.optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]

@@ -57,8 +57,8 @@ def _logits(config: Any, tokens: torch.Tensor) -> torch.Tensor | None:
 
     from mindspeed.megatron import adapt, unadapt
     from mindspeed_llm.testing.megatron_logits import megatron_logits
-    from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights
-    from mindspeed_llm.training.model import build_model, padded_vocab_size, transformer_config
+    from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, model_shape
+    from mindspeed_llm.training.model import build_model, padded_vocab_size, recipe_transformer_config
     from mindspeed_llm.training.trainer import seed_everything
 
     config = apply_load_hf(config)
@@ -69,9 +69,11 @@ def _logits(config: Any, tokens: torch.Tensor) -> torch.Tensor | None:
                                  create_gloo_process_groups=False)
     try:
         seed_everything(config.train.seed)
-        transformer = transformer_config(config, vocab)
-        chunks = build_model(config, transformer, vocab, trainable=False,
-                             prepare=lambda models: load_hf_weights(models, config, config.checkpoint.load_hf, vocab))
+        shape = model_shape(config, config.model.vocab_size)
+        transformer = recipe_transformer_config(config, shape)
+        chunks = build_model(shape, config.parallel, transformer, vocab, trainable=False, bridged=True,
+                             prepare=lambda models: load_hf_weights(models, config.checkpoint.load_hf, config.parallel,
+                                                                    vocab))
         logits = megatron_logits(chunks, tokens)
     finally:
         ps.destroy_model_parallel()

@@ -1,7 +1,10 @@
 """The GRPO actor: a megatron-core policy on the current torch.distributed group.
 
-The actor is built from a Hugging Face directory with the LLM suite's trainer pieces
-(``apply_load_hf``, ``build_model``, ``load_hf_weights``, megatron's optimizer). Sequences are
+The actor is built from a Hugging Face directory with the LLM suite's section-scoped builders,
+never a recipe: the model from its shape and a parallel layout (``hf_model_shape``,
+``build_transformer_config``, ``build_model``, ``load_hf_weights``), the optimizer from an
+:class:`~mindspeed_llm.training.config.OptimizerConfig`, the schedule from a
+:class:`~mindspeed_llm.training.config.SchedulerConfig` and a step count. Sequences are
 ``(prompt ids, response ids)`` pairs packed into THD microbatches; megatron's GPTModel with
 ``labels`` returns the per-token cross-entropy, so the log-prob of a response token is minus
 that output. The policy loss is a megatron ``LossFunc`` that gathers the response tokens of
@@ -26,7 +29,7 @@ the weights (the optimizer state and gradients stay on the host).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -38,11 +41,23 @@ from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
 from mindspeed.megatron import AdaptReport, adapt, current_report, unadapt
-from mindspeed_llm.training.config import load_pretrain_config
-from mindspeed_llm.training.data import read_tokenizer
+from mindspeed.model.shape import ModelShape
+from mindspeed_llm.training.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PretrainConfig,
+    SchedulerConfig,
+)
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
-from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, read_hf_shape
-from mindspeed_llm.training.model import build_model, default_groups, padded_vocab_size, transformer_config, unwrap
+from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
+from mindspeed_llm.training.model import (
+    build_model,
+    build_transformer_config,
+    default_groups,
+    padded_vocab_size,
+    unwrap,
+)
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler
 from mindspeed_llm.training.steps import packed_seq_params
 from mindspeed_llm.training.trainer import seed_everything
@@ -64,30 +79,24 @@ Pair = tuple[Sequence[int], Sequence[int]]
 
 @dataclass
 class ActorSettings:
-    """Optimizer and batching settings of the actor.
+    """Optimizer, schedule and batching settings of the actor.
 
     Attributes:
-        lr: peak learning rate. min_lr: at the end of the decay (default ``lr``).
-        lr_warmup_steps: linear warmup over this many updates. lr_decay_style: ``constant``,
-        ``linear`` or ``cosine`` (megatron's scheduler, one position per update).
-        lr_decay_steps: updates to the end of the decay (default: the warmup + 1).
-        weight_decay: AdamW decay. clip_grad: global norm clip (0: off).
-        adam_beta1, adam_beta2: Adam betas. precision: ``fp32`` or ``bf16``.
+        optimizer: the LLM suite's optimizer section (AdamW; its step kernel: ``kernel``, else the
+            ``fused_adamw`` feature's choice of the actor's ``features``).
+        scheduler: the LLM suite's schedule section (``constant``, ``linear`` or ``cosine``; one
+            position per update; the decay ends at ``lr_decay_steps``, default: the warmup + 1).
+        precision: ``fp32`` or ``bf16`` (bf16 weights with fp32 master weights).
         micro_batch_size: sequences per microbatch. seed: megatron's seed.
         loss: a key of ``POLICY_LOSSES``. loss_config: its settings (default: the loss's).
         compute_entropy: report the policy's mean token entropy in ``update`` (costs the
             logits of the response positions; an entropy bonus computes it regardless).
     """
 
-    lr: float = 1e-6
-    min_lr: float | None = None
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        lr=1e-6, min_lr=1e-6, weight_decay=0.0, adam_beta2=0.999))
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
+        lr=1e-6, min_lr=1e-6, lr_decay_style="constant", weight_decay=0.0))
     precision: str = "fp32"
     micro_batch_size: int = 4
     seed: int = 1234
@@ -95,8 +104,29 @@ class ActorSettings:
     loss_config: PolicyLossConfig | None = None
     compute_entropy: bool = True
 
+    @classmethod
+    def adamw(cls, lr: float = 1e-6, min_lr: float | None = None, lr_warmup_steps: int = 0,
+              lr_decay_style: str = "constant", lr_decay_steps: int | None = None, weight_decay: float = 0.0,
+              clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
+              **settings: Any) -> ActorSettings:
+        """Settings of an AdamW actor whose schedule goes from ``lr`` to ``min_lr`` (default ``lr``).
 
-def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: int) -> tuple[AdaptReport, bool, Any]:
+        Args:
+            lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps, weight_decay: the schedule.
+            clip_grad, adam_beta1, adam_beta2: the optimizer.
+            **settings: the other fields (``precision``, ``micro_batch_size``, ``loss`` ...).
+        """
+        floor = lr if min_lr is None else min_lr
+        optimizer = OptimizerConfig(optimizer="adam", lr=lr, min_lr=floor, weight_decay=weight_decay,
+                                    adam_beta1=adam_beta1, adam_beta2=adam_beta2, clip_grad=clip_grad)
+        scheduler = SchedulerConfig(lr=lr, min_lr=floor, lr_warmup_steps=lr_warmup_steps,
+                                    lr_decay_style=lr_decay_style, lr_decay_steps=lr_decay_steps,
+                                    weight_decay=weight_decay)
+        return cls(optimizer=optimizer, scheduler=scheduler, **settings)
+
+
+def _ensure_megatron(shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig,
+                     world: int) -> tuple[AdaptReport, bool, Any]:
     """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
 
     Returns:
@@ -109,12 +139,11 @@ def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: i
     """
     from megatron.core import parallel_state as ps
 
-
     report, made = current_report(), False
     if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
-        p = config.parallel
-        facts = ModelFacts.from_transformer_config(transformer_config(config, vocab),
-                                                   position_embedding_type=config.model.position_embedding_type)
+        p = parallel
+        facts = ModelFacts.from_transformer_config(build_transformer_config(shape, parallel, per_token_loss=True),
+                                                   position_embedding_type=shape.position_embedding_type)
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True
     elif report.features_config != features:
@@ -122,9 +151,8 @@ def _ensure_megatron(config: Any, features: FeaturesConfig, vocab: int, world: i
                          f"not {features}; build every actor of a process with the same features section "
                          "(or close() the actor that adapted first)")
     if not ps.model_parallel_is_initialized():
-        p = config.parallel
-        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
-        seed_everything(config.train.seed, default_groups())
+        ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp)
+        seed_everything(seed, default_groups())
     return report, made, default_groups()
 
 
@@ -150,39 +178,35 @@ class Actor:
                  tp: int = 1, pp: int = 1, features: FeaturesConfig | None = None) -> None:
         self.settings = s = settings or ActorSettings()
         self.hf_dir, self.trainable = str(hf_dir), trainable
-        # stage=sft: calculate_per_token_loss (gradients divided by the step's total count).
-        config = load_pretrain_config(None, [
-            f"checkpoint.load_hf={hf_dir}", "stage=sft", f"parallel.tp={tp}", f"parallel.pp={pp}",
-            f"train.lr={s.lr}", f"train.min_lr={s.lr if s.min_lr is None else s.min_lr}",
-            f"train.lr_decay_style={s.lr_decay_style}", f"train.lr_warmup_steps={s.lr_warmup_steps}",
-            f"train.steps={max(s.lr_decay_steps or 0, s.lr_warmup_steps + 1)}",
-            f"train.weight_decay={s.weight_decay}", f"train.clip_grad={s.clip_grad}",
-            f"train.adam_beta1={s.adam_beta1}", f"train.adam_beta2={s.adam_beta2}", f"train.precision={s.precision}",
-            f"train.seed={s.seed}", f"train.micro_batch_size={s.micro_batch_size}", "data.seq_length=4096",
-        ])
-        self.config = config = apply_load_hf(config)
-        ids = read_tokenizer(config)
-        self.hf_vocab = ids.vocab_size
-        self.vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-        self.adaptation, self._adapted, self.groups = _ensure_megatron(config, features or FeaturesConfig(),
-                                                                       self.vocab, dist.get_world_size())
+        self.parallel = parallel = ParallelConfig(tp=tp, pp=pp)
+        #: What the actor's checkpoints record as their recipe (the layout and the source model).
+        self.config = PretrainConfig(stage="sft", parallel=parallel, checkpoint=CheckpointConfig(load_hf=self.hf_dir))
+        shape = hf_model_shape(self.hf_dir, s.precision)
+        # The Hugging Face embedding's rows, padded only as tensor parallelism needs (the logits
+        # are then the Hugging Face model's).
+        self.hf_vocab = shape.vocab_size
+        self.vocab = padded_vocab_size(shape.vocab_size, 1, tp)
+        self.adaptation, self._adapted, self.groups = _ensure_megatron(
+            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size())
         kernels, hooks = self.adaptation.kernels, self.adaptation.hooks
         overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
-        self.transformer = transformer_config(config, self.vocab, overrides)
-        load = partial(load_hf_weights, config=config, path=self.hf_dir, vocab_rows=self.vocab)
+        # Per-token loss: the gradients are divided by the step's total count of trained tokens.
+        self.transformer = build_transformer_config(shape, parallel, per_token_loss=True, overrides=overrides)
+        load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab)
         if trainable:
-            self.chunks = build_model(config, self.transformer, self.vocab, prepare=lambda models: load(models),
-                                      kernels=kernels, groups=self.groups)
+            self.chunks = build_model(shape, parallel, self.transformer, self.vocab, prepare=lambda models: load(models),
+                                      bridged=True, kernels=kernels, groups=self.groups)
             for hook in hooks.get("post_model_build", ()):
                 hook(self.chunks)
-            self.optimizer = build_optimizer(config, self.chunks, kernels, self.groups)
+            self.optimizer = build_optimizer(s.optimizer, self.chunks, parallel, kernels, self.groups)
             for hook in hooks.get("post_optimizer_build", ()):
                 self.optimizer = hook(self.optimizer) or self.optimizer
-            self.scheduler = build_scheduler(config, self.optimizer)
+            # One scheduler position per update; the decay ends at lr_decay_steps (default: warmup + 1).
+            self.scheduler = build_scheduler(s.scheduler, self.optimizer, s.scheduler.lr_warmup_steps + 1)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
-            self.chunks = build_model(config, self.transformer, self.vocab, trainable=False, kernels=kernels,
-                                      groups=self.groups)
+            self.chunks = build_model(shape, parallel, self.transformer, self.vocab, trainable=False, bridged=True,
+                                      kernels=kernels, groups=self.groups)
             load(self.chunks)
             self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
@@ -218,7 +242,7 @@ class Actor:
         # Pipeline stages exchange activations of one fixed shape: with pp > 1 every microbatch
         # is padded to mbs * longest tokens (megatron's variable_seq_lengths would need the
         # alltoall token dispatcher, and a shape handshake per microbatch).
-        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=self.config.parallel.pp == 1)
+        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=self.parallel.pp == 1)
         out = []
         for first in range(0, len(pairs), mbs):
             group = pairs[first:first + mbs]
@@ -276,7 +300,7 @@ class Actor:
         local = logits.shape[-1]
         rows = logits.reshape(-1, local)[batch["resp_index"]]
         targets = batch["labels"].reshape(-1)[batch["resp_index"]]
-        tp = self.config.parallel.tp
+        tp = self.parallel.tp
         group = self.groups.tp if tp > 1 else None
         start = self.groups.tp.rank() * local if tp > 1 else 0
         logp, entropy = vocab_parallel_logp_entropy(rows, targets, start, self.hf_vocab, group)
@@ -286,7 +310,7 @@ class Actor:
     def _broadcast_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` of the last pipeline stage on every stage (same shape and dtype everywhere)."""
 
-        pp = self.config.parallel.pp
+        pp = self.parallel.pp
         if pp == 1:
             return tensor
         return broadcast_from_stage(tensor, pp - 1, self.groups.pp)
@@ -434,7 +458,7 @@ class Actor:
                 acc = totals.setdefault(name, [0.0, 0.0])
                 acc[0] += float(pair[0])
                 acc[1] += float(pair[1])
-        pp = self.config.parallel.pp
+        pp = self.parallel.pp
         if pp > 1:
             group = self.groups.pp
             box = [totals]
@@ -445,7 +469,7 @@ class Actor:
     # -- weights -----------------------------------------------------------------------------
 
     def _check_single(self, what: str) -> None:
-        p = self.config.parallel
+        p = self.parallel
         if p.tp != 1 or p.pp != 1:
             raise ValueError(f"{what} needs tp=1 and pp=1 (this actor has tp={p.tp}, pp={p.pp})")
 
@@ -462,7 +486,7 @@ class Actor:
             or ``offload(weights=True)`` (which frees those storages).
         """
         self._onload_categories(("weights",))
-        p = self.config.parallel
+        p = self.parallel
         return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

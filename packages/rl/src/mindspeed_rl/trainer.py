@@ -298,10 +298,11 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
     a, algo = config.actor, config.algorithm
     mini = a.mini_batch_size or config.train.global_batch
     updates = config.train.steps * (config.train.global_batch // mini) * a.ppo_epochs
-    return ActorSettings(lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps, lr_decay_style=a.lr_decay_style,
-                         lr_decay_steps=updates, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-                         adam_beta2=a.adam_beta2, precision=a.precision, micro_batch_size=a.micro_batch_size,
-                         seed=config.train.seed, loss=algo.loss, loss_config=algo.loss_config())
+    return ActorSettings.adamw(lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps,
+                               lr_decay_style=a.lr_decay_style, lr_decay_steps=updates, weight_decay=a.weight_decay,
+                               clip_grad=a.clip_grad, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
+                               precision=a.precision, micro_batch_size=a.micro_batch_size, seed=config.train.seed,
+                               loss=algo.loss, loss_config=algo.loss_config())
 
 
 def prompt_pieces(config: GRPOConfig, reward_model: Any = None

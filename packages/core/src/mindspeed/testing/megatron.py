@@ -4,7 +4,10 @@ The proof that megatron-core runs correctly on an accelerator (the CPU with gloo
 that every parallel layout reproduces the single-rank run of the same model: same weights,
 same data, same loss and gradients. This module holds the pieces such tests share:
 
-- :class:`TinyGPTConfig` and :class:`ParallelSizes`: the model and the layout, as typed values.
+- :class:`TinyGPTConfig` (a :class:`~mindspeed.model.ModelShape` with tiny defaults) and
+  :class:`~mindspeed.megatron.config.ParallelSizes`: the model and the layout, as typed values;
+  megatron's ``TransformerConfig`` comes from the core's one builder
+  (:func:`mindspeed.megatron.config.transformer_config`).
 - :func:`init_parallel` / :func:`destroy_parallel`: megatron's ``parallel_state`` and RNG.
 - :func:`build_gpt`: the model chunks of this rank (one per virtual pipeline stage), wrapped in
   megatron's ``DistributedDataParallel`` with ``finalize_model_grads`` and ``no_sync`` set.
@@ -35,6 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.megatron.config import ParallelSizes, transformer_config
+from mindspeed.model.shape import ModelShape
+
 #: Layer index in megatron's local parameter names (``decoder.layers.<i>.``).
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: Local expert index in a SequentialMLP (``experts.local_experts.<j>.``).
@@ -43,69 +49,31 @@ _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERTS = re.compile(r"\.experts\.weight([12])$")
 
 
-@dataclass(frozen=True)
-class TinyGPTConfig:
-    """Shape of the tiny GPT (Llama-like: RMSNorm, SwiGLU, rope, GQA, no bias, fp32).
+@dataclass(frozen=True, kw_only=True)
+class TinyGPTConfig(ModelShape):
+    """The tiny GPT: a :class:`~mindspeed.model.ModelShape` with tiny defaults (Llama-like: RMSNorm,
+    SwiGLU, rope, GQA, no bias, fp32) and the three settings of a test run.
 
     Attributes:
-        num_layers: transformer layers (divisible by pp * vpp of every layout it runs on).
-        hidden_size: model width.
-        ffn_hidden_size: MLP width (per expert for MoE).
-        num_attention_heads: query heads.
-        num_query_groups: key/value heads (GQA).
-        vocab_size: vocabulary (divisible by the tensor-parallel size).
         seq_length: tokens per sequence (divisible by tp when sequence parallel).
-        num_moe_experts: experts per MoE layer; ``None`` builds dense MLPs.
-        moe_router_topk: experts per token.
         moe_token_dispatcher_type: ``"alltoall"`` or ``"allgather"``.
-        share_embeddings_and_output_weights: tie the output layer to the embedding.
         seed: seed of the weights and of megatron's RNG tracker.
+
+    The shape's defaults: 4 layers (divisible by pp * vpp of every layout it runs on), width 64,
+    MLP width 128 (per expert for MoE), 4 query heads in 2 groups, a vocabulary of 128
+    (divisible by the tensor-parallel size), untied, RMSNorm epsilon 1e-5.
     """
 
     num_layers: int = 4
     hidden_size: int = 64
     ffn_hidden_size: int = 128
     num_attention_heads: int = 4
-    num_query_groups: int = 2
+    num_query_groups: int | None = 2
     vocab_size: int = 128
+    norm_epsilon: float = 1e-5
     seq_length: int = 32
-    num_moe_experts: int | None = None
-    moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "alltoall"
-    share_embeddings_and_output_weights: bool = False
     seed: int = 1234
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """A parallel layout; the data-parallel size is what the world size leaves over.
-
-    Attributes:
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size.
-        vpp: virtual pipeline stages per rank (``None``: no interleaving).
-        ep: expert-parallel size.
-        sequence_parallel: shard activations along the sequence in the tensor-parallel region.
-        etp: expert-tensor-parallel size (``None``: megatron's default, the tensor-parallel size).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    sequence_parallel: bool = False
-    etp: int | None = None
-
-    @property
-    def name(self) -> str:
-        """Short label, e.g. ``tp2-sp`` or ``pp2-vpp2``."""
-        parts = [f"tp{self.tp}"] if self.tp > 1 else []
-        parts += ["sp"] if self.sequence_parallel else []
-        parts += [f"pp{self.pp}"] if self.pp > 1 else []
-        parts += [f"vpp{self.vpp}"] if self.vpp else []
-        parts += [f"ep{self.ep}"] if self.ep > 1 else []
-        parts += [f"etp{self.etp}"] if self.etp is not None else []
-        return "-".join(parts) or "single"
 
 
 def init_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
@@ -136,40 +104,6 @@ def destroy_parallel() -> None:
     ps.destroy_model_parallel()
 
 
-def transformer_config(model: TinyGPTConfig, sizes: ParallelSizes, **overrides: Any) -> Any:
-    """The megatron ``TransformerConfig`` of ``model`` on layout ``sizes``.
-
-    Args:
-        model: the model shape.
-        sizes: the layout (megatron reads the sizes from the config as well).
-        **overrides: extra ``TransformerConfig`` fields.
-
-    Returns:
-        A ``megatron.core.transformer.TransformerConfig``.
-    """
-    from megatron.core.transformer import TransformerConfig
-
-    moe: dict[str, Any] = {}
-    if model.num_moe_experts:
-        moe = dict(num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
-                   moe_token_dispatcher_type=model.moe_token_dispatcher_type, moe_grouped_gemm=False,
-                   # A zero coefficient keeps the loss the plain LM loss, so layouts compare exactly.
-                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=sizes.ep)
-        if sizes.etp is not None:
-            moe["expert_tensor_parallel_size"] = sizes.etp
-    fields = dict(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-        virtual_pipeline_model_parallel_size=sizes.vpp, sequence_parallel=sizes.sequence_parallel, **moe,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
 def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None, layer_spec: Any = None,
               **config_overrides: Any) -> list[Any]:
     """This rank's model chunks of the tiny GPT, each wrapped in megatron's DDP.
@@ -196,8 +130,14 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config(model, sizes, **config_overrides)
-    spec = layer_spec or get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False,
+    # A zero auxiliary-loss coefficient (the builder's default) keeps the loss the plain LM loss,
+    # so layouts compare exactly; megatron's local spec calls its own activation function.
+    config_overrides.setdefault("use_te_activation_func", False)
+    if model.num_experts:  # megatron's default balancing (its losses are tracked; the coefficient is 0)
+        config_overrides.setdefault("moe_router_load_balancing_type", "aux_loss")
+    config = transformer_config(model, sizes, moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+                                **config_overrides)
+    spec = layer_spec or get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
                                                   normalization="RMSNorm")
     ddp_config = ddp_config or DistributedDataParallelConfig()
     chunks = []
@@ -208,7 +148,7 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
             max_sequence_length=model.seq_length, position_embedding_type="rope",
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=model.share_embeddings_and_output_weights, vp_stage=vp_stage,
+            share_embeddings_and_output_weights=model.tie_embeddings, vp_stage=vp_stage,
         )
         if config.bf16 or config.fp16:  # half-precision weights: megatron casts inputs and outputs
             gpt = Float16Module(config, gpt)
@@ -285,16 +225,16 @@ def param_shards(chunks: list[Any], model: TinyGPTConfig) -> list[ParamShard]:
             expert = _EXPERT.search(name)
             if expert:
                 # Local expert j on expert-parallel rank r is global expert r * E / ep + j.
-                index = ep_rank * (model.num_moe_experts // ep_size) + int(expert.group(1))
+                index = ep_rank * (model.num_experts // ep_size) + int(expert.group(1))
                 name = name[:expert.start()] + f".experts.local_experts.{index}." + name[expert.end():]
             grouped = _GROUPED_EXPERTS.search(name)
             if grouped:
                 # Grouped experts hold all local experts in one tensor: cut experts, then ETP.
-                take = _grouped_slicer(int(grouped.group(1)), model.num_moe_experts, ep_rank, ep_size, *etp,
+                take = _grouped_slicer(int(grouped.group(1)), model.num_experts, ep_rank, ep_size, *etp,
                                        gated=gpt.config.gated_linear_unit)
                 shards.append(ParamShard(name, param, lambda full, take=take, shape=param.shape: take(full, shape)))
                 continue
-            if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            if name == "output_layer.weight" and model.tie_embeddings:
                 # The last stage's copy of the tied embedding.
                 name = "embedding.word_embeddings.weight"
             rank, size = etp if expert else tp

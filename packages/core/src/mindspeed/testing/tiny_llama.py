@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mindspeed.model.shape import ModelShape
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.rotary import rotary_cos_sin
-from mindspeed.testing.models import TinyModelConfig
 
 
 class _Norm(nn.Module):
@@ -27,17 +27,17 @@ class _Norm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: TinyModelConfig, impl: str) -> None:
+    def __init__(self, cfg: ModelShape, impl: str, sliding_window: int | None) -> None:
         super().__init__()
-        d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        d, nq, nkv = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
         self.nq, self.nkv, self.d = nq, nkv, d
-        self.q_proj = nn.Linear(cfg.hidden_size, nq * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, nkv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, nkv * d, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, nq * d, bias=cfg.add_qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * d, bias=cfg.add_qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * d, bias=cfg.add_qkv_bias)
         self.o_proj = nn.Linear(nq * d, cfg.hidden_size, bias=False)
-        self.window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else (-1, -1)
+        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         self.rope = resolve_kernel("rotary_pos_emb", impl)
-        self.attn = resolve_kernel("attention", impl, features=("window",) if cfg.sliding_window else ())
+        self.attn = resolve_kernel("attention", impl, features=("window",) if sliding_window else ())
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -52,11 +52,11 @@ class _Attention(nn.Module):
 
 
 class _Mlp(nn.Module):
-    def __init__(self, cfg: TinyModelConfig, impl: str) -> None:
+    def __init__(self, cfg: ModelShape, impl: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
         self.swiglu = resolve_kernel("swiglu", impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,11 +64,11 @@ class _Mlp(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg: TinyModelConfig, impl: str) -> None:
+    def __init__(self, cfg: ModelShape, impl: str, sliding_window: int | None) -> None:
         super().__init__()
-        self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, impl)
-        self.self_attn = _Attention(cfg, impl)
-        self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, impl)
+        self.input_layernorm = _Norm(cfg.hidden_size, cfg.norm_epsilon, impl)
+        self.self_attn = _Attention(cfg, impl, sliding_window)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.norm_epsilon, impl)
         self.mlp = _Mlp(cfg, impl)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,27 +77,29 @@ class _Layer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: TinyModelConfig, impl: str) -> None:
+    def __init__(self, cfg: ModelShape, impl: str, sliding_window: int | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_Layer(cfg, impl) for _ in range(cfg.num_hidden_layers))
-        self.norm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, impl)
+        self.layers = nn.ModuleList(_Layer(cfg, impl, sliding_window) for _ in range(cfg.num_layers))
+        self.norm = _Norm(cfg.hidden_size, cfg.norm_epsilon, impl)
 
 
 class TinyLlama(nn.Module):
     """Llama decoder (RMSNorm, RoPE, GQA attention, SwiGLU) on registry kernels.
 
     Args:
-        cfg: the shape.
+        cfg: the shape (a dense Llama-like :class:`~mindspeed.model.ModelShape`; ``add_qkv_bias``
+            gives q/k/v biases).
         impl: kernel choice for every op ("auto", "reference", or a backend name).
+        sliding_window: attend to this many most recent tokens (a run setting; default: all).
     """
 
-    def __init__(self, cfg: TinyModelConfig, impl: str = "auto") -> None:
+    def __init__(self, cfg: ModelShape, impl: str = "auto", sliding_window: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = _Body(cfg, impl)
+        self.model = _Body(cfg, impl, sliding_window)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
 
@@ -114,7 +116,7 @@ class TinyLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``."""
         cos, sin = rotary_cos_sin(
-            input_ids.shape[1], self.cfg.head_dim, base=self.cfg.rope_theta, device=input_ids.device
+            input_ids.shape[1], self.cfg.kv_channels, base=self.cfg.rotary_base, device=input_ids.device
         )
         x = self.model.embed_tokens(input_ids)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

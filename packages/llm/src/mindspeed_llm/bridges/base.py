@@ -75,6 +75,48 @@ def set_path(config: dict[str, Any], path: str, value: Any) -> None:
         config = config.setdefault(part, {})
     config[last] = value
 
+#: What each capability means: the part of the project that runs a family's models.
+USES = {
+    "converts": "convert-ckpt",
+    "trains": "training from a Hugging Face directory (checkpoint.load_hf, the RL actor)",
+    "infers": "the built-in inference engine (generate, evaluate, the RL rollout)",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family is made of and what the project does with it, declared once by its bridge.
+
+    Every refusal of a family ("not supported yet") reads these; a test checks the architecture
+    flags against the family's tiny config and every claimed use against transformers.
+
+    Attributes:
+        converts: ``convert-ckpt`` converts its checkpoints (every registered bridge does).
+        trains: the trainer builds it from a Hugging Face directory (``checkpoint.load_hf``), and
+            so does the RL actor.
+        infers: the built-in inference engine runs it.
+        moe: it has routed experts.
+        shared_experts: its MoE layers have shared experts.
+        mla: it uses multi-latent attention.
+        mtp: it has multi-token-prediction layers (converted on request).
+    """
+
+    converts: bool = True
+    trains: bool = True
+    infers: bool = True
+    moe: bool = False
+    shared_experts: bool = False
+    mla: bool = False
+    mtp: bool = False
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Names of the architecture features the family has (for messages)."""
+        names = {"moe": "MoE", "shared_experts": "shared experts", "mla": "multi-latent attention",
+                 "mtp": "multi-token prediction"}
+        return tuple(label for name, label in names.items() if getattr(self, name))
+
+
 def head_dim_default(config: Mapping[str, Any]) -> int:
     """``head_dim`` when the config leaves it out: hidden size over heads."""
     return config["hidden_size"] // config["num_attention_heads"]
@@ -93,6 +135,7 @@ class Bridge:
         rules: the parameter rules.
         mtp_config_key: the config key counting the checkpoint's multi-token-prediction layers
             (``None``: the family has none); they are converted only on request.
+        capabilities: what the family is made of and what the project does with it.
     """
 
     family: ClassVar[str]
@@ -103,6 +146,7 @@ class Bridge:
     requires: ClassVar[tuple[tuple[str, Any], ...]] = ()
     rules: ClassVar[tuple[ParamRule, ...]] = ()
     mtp_config_key: ClassVar[str | None] = None
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def shape_from_hf(self, config: Mapping[str, Any]) -> ModelShape:
         """The megatron model described by a Hugging Face config dict.
@@ -221,3 +265,61 @@ def bridge_for_family(family: str) -> Bridge:
 def shape_fields() -> set[str]:
     """Names of the :class:`ModelShape` fields (for checking bridge tables)."""
     return {f.name for f in dataclasses.fields(ModelShape)}
+
+
+def families_with(use: str) -> tuple[str, ...]:
+    """The registered families whose bridge declares ``use`` (``converts``, ``trains``, ``infers``),
+    in registration order."""
+    if use not in USES:
+        raise ValueError(f"unknown capability {use!r}; use one of {', '.join(USES)}")
+    return tuple(str(family) for family in FAMILIES if getattr(FAMILIES.get(family).capabilities, use))
+
+
+def require_capability(bridge: Bridge, use: str) -> None:
+    """Refuse a family whose bridge does not declare ``use``.
+
+    Raises:
+        ValueError: naming the family, what it is made of, and the families that are supported.
+    """
+    caps = bridge.capabilities
+    if getattr(caps, use):
+        return
+    made_of = f" ({', '.join(caps.features)})" if caps.features else ""
+    raise ValueError(f"the {bridge.family} family{made_of} is not supported by {USES[use]} yet; supported families: "
+                     f"{', '.join(families_with(use))}")
+
+
+#: Shape fields that tell families apart (besides the capability flags), with the value a
+#: family that does not set them has.
+_DISTINGUISHING = {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+                   "position_embedding_type": "rope"}
+
+
+def bridge_for_shape(shape: ModelShape) -> Bridge:
+    """The first registered family that writes ``shape`` (for exporting a model trained from scratch).
+
+    A family fits when the shape has its constants (``add_qkv_bias``, ``qk_layernorm`` ...) and
+    no other family's, and the same MoE / shared-expert / MLA layout as its capabilities.
+
+    Raises:
+        ValueError: no family fits; the message lists them.
+    """
+    bridges = [FAMILIES.get(family)() for family in FAMILIES]
+    fields = dict(_DISTINGUISHING)
+    for bridge in bridges:
+        for name in bridge.constants:
+            fields.setdefault(name, _shape_default(name))
+    for bridge in bridges:
+        caps = bridge.capabilities
+        if (caps.moe, caps.shared_experts, caps.mla) != (bool(shape.num_experts),
+                                                          bool(shape.moe_shared_expert_intermediate_size),
+                                                          shape.multi_latent_attention):
+            continue
+        if all(getattr(shape, name) == bridge.constants.get(name, default) for name, default in fields.items()):
+            return bridge
+    raise ValueError(f"no model family writes this model (a Llama-style model with RMSNorm, swiglu, rope and no "
+                     f"linear biases, in the layout of one of {', '.join(map(str, FAMILIES))})")
+
+
+def _shape_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(ModelShape) if f.name == name)

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from mindspeed.device import get_accelerator
+from mindspeed.megatron.config import ParallelSizes, transformer_config
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.bridges.layout import ParallelLayout
 from mindspeed_llm.bridges.shape import ModelShape
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def padded_vocab_size(shape: ModelShape, layout: ParallelLayout) -> int:
@@ -27,65 +26,18 @@ def padded_vocab_size(shape: ModelShape, layout: ParallelLayout) -> int:
     return -(-shape.vocab_size // layout.tp) * layout.tp
 
 
-def transformer_config(shape: ModelShape, layout: ParallelLayout, **overrides: Any) -> Any:
-    """The megatron ``TransformerConfig`` (``MLATransformerConfig`` for MLA) of ``shape`` on ``layout``.
-
-    Args:
-        shape: the model.
-        layout: the parallel layout (``num_layer_list`` is not supported here).
-        **overrides: extra config fields.
-    """
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
+def parallel_sizes(shape: ModelShape, layout: ParallelLayout) -> ParallelSizes:
+    """The core's :class:`ParallelSizes` of a checkpoint layout (megatron refuses MoE with tensor
+    parallelism unless activations are sequence-parallel, so MoE at TP > 1 gets it)."""
     if layout.num_layer_list:
         raise ValueError("building a model with --num-layer-list is not supported; use equal pipeline stages")
-    dtype = _DTYPES[shape.params_dtype]
-    fields: dict[str, Any] = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, layernorm_epsilon=shape.norm_epsilon, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        # The registry SwiGLU is called through this flag; no Transformer Engine is involved.
-        use_te_activation_func=True, bias_activation_fusion=False, apply_rope_fusion=False,
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
-        virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
-    )
-    if shape.mtp_num_layers:
-        fields["mtp_num_layers"] = shape.mtp_num_layers
-    if shape.num_experts:
-        fields.update(
-            num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-            moe_router_topk=shape.moe_router_topk, moe_layer_freq=list(shape.moe_layer_freq),
-            moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
-            moe_router_enable_expert_bias=shape.moe_router_enable_expert_bias,
-            moe_router_score_function=shape.moe_router_score_function,
-            moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_router_num_groups=shape.moe_router_num_groups,
-            moe_router_group_topk=shape.moe_router_group_topk,
-            moe_router_topk_scaling_factor=shape.moe_router_topk_scaling_factor,
-            moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none",
-            # megatron refuses MoE with tensor parallelism unless activations are sequence-parallel.
-            sequence_parallel=layout.tp > 1,
-        )
-    cls = TransformerConfig
-    if shape.multi_latent_attention:
-        cls = MLATransformerConfig
-        fields.update(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
-                      qk_head_dim=shape.qk_head_dim, qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
-                      v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type=shape.rope_type,
-                      rotary_scaling_factor=shape.rotary_scaling_factor, mscale=shape.mscale,
-                      mscale_all_dim=shape.mscale_all_dim, beta_fast=shape.beta_fast, beta_slow=shape.beta_slow,
-                      original_max_position_embeddings=shape.original_max_position_embeddings)
-    fields.update(overrides)
-    return cls(**fields)
+    return ParallelSizes(tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                         vpp=layout.num_chunks(shape) if layout.vpp_layers else None,
+                         sequence_parallel=bool(shape.num_experts) and layout.tp > 1)
 
 
-def _layer_spec(shape: ModelShape | Any, num_experts: int | None, impls: Mapping[str, str] | None,
-                megatron_modules: bool) -> Any:
-    # ``shape``: a ModelShape or a TransformerConfig (both name multi_latent_attention and qk_layernorm).
+def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, str] | None,
+                megatron_modules: bool, moe_grouped_gemm: bool | None = None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -94,8 +46,10 @@ def _layer_spec(shape: ModelShape | Any, num_experts: int | None, impls: Mapping
     if not shape.multi_latent_attention:
         if megatron_modules:
             return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=shape.qk_layernorm,
-                                            normalization="RMSNorm")
-        return get_gpt_layer_spec(impls=impls, num_experts=num_experts, qk_layernorm=shape.qk_layernorm)
+                                            normalization=shape.normalization)
+        return get_gpt_layer_spec(impls=impls, num_experts=num_experts, qk_layernorm=shape.qk_layernorm,
+                                  normalization=shape.normalization, swiglu=shape.swiglu,
+                                  moe_grouped_gemm=moe_grouped_gemm)
     # MLA: megatron's local spec (its q/kv norms need qk_layernorm), with a core attention that
     # takes MLA's distinct value width; norms and activation from the registry unless asked not to.
     spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True,
@@ -165,23 +119,7 @@ def mla_core_attention() -> type:
     return MLARegistryAttention
 
 
-def layer_specs(config: Any, impls: Mapping[str, str] | None = None) -> list[Any]:
-    """One layer spec per decoder layer of a megatron ``TransformerConfig``: MLA or grouped-query
-    attention, a dense MLP or experts as ``moe_layer_freq`` says (registry kernels; the trainer's
-    path for DeepSeek-V3-like models)."""
-    freq = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else \
-        [int(i % config.moe_layer_freq == 0) for i in range(config.num_layers)]
-    dense = _layer_spec(config, None, impls, False)
-    moe = _layer_spec(config, config.num_moe_experts, impls, False) if config.num_moe_experts else dense
-    return [moe if config.num_moe_experts and flag else dense for flag in freq]
-
-
-def block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:
-    """This chunk's block spec: its slice of the per-layer specs (see :func:`layer_specs`)."""
-    return _block_spec(config, layer_specs, vp_stage)
-
-
-def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> Any:
+def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None, pp_rank: int | None = None) -> Any:
     # This chunk's slice of the per-layer specs (dense and MoE layers mixed), the way megatron's
     # get_gpt_decoder_block_spec cuts it, with megatron's default final norm.
     from megatron.core.transformer.transformer_block import (
@@ -191,45 +129,75 @@ def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None) -> An
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + count], layer_norm=LayerNormImpl)
 
 
-def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout, impls: Mapping[str, str] | None = None,
-                     vocab_size: int | None = None, megatron_modules: bool = False, **overrides: Any) -> list[Any]:
-    """This rank's ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
+def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout | ParallelSizes, impls: Mapping[str, str] | None = None,
+                     vocab_size: int | None = None, megatron_modules: bool = False, transformer: Any = None,
+                     moe_grouped_gemm: bool | None = None, groups: Any = None, **overrides: Any) -> list[Any]:
+    """This rank's bare ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
+
+    The one place a megatron ``GPTModel`` is put together from a shape: converted checkpoints
+    load into it, and the trainer and the RL actor wrap it (:func:`mindspeed_llm.training.model.build_model`).
 
     Args:
         shape: the model.
-        layout: the layout megatron's parallel state was initialised with.
+        layout: the layout megatron's parallel state was initialised with (a checkpoint's
+            :class:`ParallelLayout` or the core's :class:`ParallelSizes`).
         impls: registry kernel choices for ``get_gpt_layer_spec`` (e.g. all ``"reference"``).
         vocab_size: embedding rows (default: the vocabulary padded to a multiple of TP).
         megatron_modules: build megatron's own local spec instead of the registry kernels (same
             parameters; for checkpoint I/O: megatron's ``sharded_state_dict`` walks every module).
-        **overrides: extra ``TransformerConfig`` fields.
+        transformer: the ``TransformerConfig`` to build with (default: the core builder's for
+            ``shape`` on ``layout`` with ``overrides``).
+        moe_grouped_gemm: experts as one grouped GEMM (``None``: the ``moe_grouped_gemm`` feature decides).
+        groups: the process groups (a ``ProcessGroupCollection``) given to ``GPTModel`` and deciding
+            the pipeline stages (``None``: megatron's parallel state).
+        **overrides: extra ``TransformerConfig`` fields (without ``transformer``).
     """
-    if megatron_modules:
-        overrides.setdefault("use_te_activation_func", False)
-    config = transformer_config(shape, layout, **overrides)
-    dense = _layer_spec(shape, None, impls, megatron_modules)
-    moe = _layer_spec(shape, shape.num_experts, impls, megatron_modules)
+    sizes = layout if isinstance(layout, ParallelSizes) else parallel_sizes(shape, layout)
+    if transformer is None:
+        if megatron_modules:
+            overrides.setdefault("use_te_activation_func", False)
+        # The dispatcher the converted checkpoints were proven with (logits equal transformers').
+        overrides.setdefault("moe_token_dispatcher_type", "allgather")
+        transformer = transformer_config(shape, sizes, **overrides)
+    dense = _layer_spec(shape, None, impls, megatron_modules, moe_grouped_gemm)
+    moe = _layer_spec(shape, shape.num_experts, impls, megatron_modules, moe_grouped_gemm)
     layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
+    rows = vocab_size or -(-shape.vocab_size // sizes.tp) * sizes.tp
     patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
     patches.apply(get_accelerator())
     try:
-        return [_build_chunk(shape, layout, config, layer_specs, stage, vocab_size) for stage in range(layout.num_chunks(shape))]
+        return [_build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups)
+                for stage in range(sizes.vpp or 1)]
     finally:
         patches.revert()
 
 
-def _build_chunk(shape: ModelShape, layout: ParallelLayout, config: Any, layer_specs: list[Any], stage: int,
-                 vocab_size: int | None) -> Any:
+def _build_chunk(shape: ModelShape, sizes: ParallelSizes, config: Any, layer_specs: list[Any], stage: int,
+                 vocab_size: int, groups: Any = None) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
 
-    vp_stage = stage if layout.vpp_layers else None
-    block = _block_spec(config, layer_specs, vp_stage)
+    vp_stage = stage if sizes.vpp else None
+    if groups is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        extra = {}
+    else:
+        pre_process = is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, sizes.vpp)
+        post_process = is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, sizes.vpp)
+        extra = {"pg_collection": groups}
+    block = _block_spec(config, layer_specs, vp_stage, None if groups is None else groups.pp.rank())
     mtp = None
     if shape.mtp_num_layers:
         # megatron's own helper: on the last stage (the last chunk), MTP layers built like the last
@@ -240,12 +208,10 @@ def _build_chunk(shape: ModelShape, layout: ParallelLayout, config: Any, layer_s
         last = TransformerBlockSubmodules(layer_specs=[layer_specs[-1]])
         mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=block, mtp_block_spec=mtp,
-        vocab_size=vocab_size or padded_vocab_size(shape, layout),
-        max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
+        config=config, transformer_layer_spec=block, mtp_block_spec=mtp, vocab_size=vocab_size,
+        max_sequence_length=shape.max_position_embeddings, position_embedding_type=shape.position_embedding_type,
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage, **extra,
     )

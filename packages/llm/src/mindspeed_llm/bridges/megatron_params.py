@@ -118,6 +118,8 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
         params += _mlp(f"{prefix}mlp.experts.local_experts.{expert}.", h, shape.moe_ffn_hidden_size, layer, expert)
     if shape.moe_shared_expert_intermediate_size:
         params += _mlp(prefix + "mlp.shared_experts.", h, shape.moe_shared_expert_intermediate_size, layer)
+        if shape.moe_shared_expert_gate:  # sigmoid(x @ gate_weight.T) scales the shared experts' output
+            params.append(MegatronParam(prefix + "mlp.shared_experts.gate_weight", (1, h), Split.REPLICATED, layer))
     return params
 
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.bridges import Bridge, ModelShape
+from mindspeed_llm.bridges import Bridge, ModelShape, families_with, require_capability
 from mindspeed_llm.inference.mla import mla_cache_width, mla_softmax_scale
 
-#: Families the decoder runs (MindSpeed-LLM's ``--model-type-hf`` names).
-SUPPORTED_FAMILIES = ("llama2", "mistral", "qwen25", "qwen3", "mixtral", "qwen3-moe", "deepseek3")
+#: Families the decoder runs (MindSpeed-LLM's ``--model-type-hf`` names): those whose bridge
+#: declares ``infers``.
+SUPPORTED_FAMILIES = families_with("infers")
 
 
 @dataclass(frozen=True)
@@ -72,21 +73,14 @@ class DecoderSpec:
 
 
 def check_supported(bridge: Bridge, shape: ModelShape) -> None:
-    """Raise ``ValueError`` for a model the decoder does not implement.
+    """Raise ``ValueError`` for a model the decoder does not implement: its bridge does not declare ``infers``.
 
     Raises:
-        ValueError: a router the decoder does not implement (softmax with an expert bias,
-            groups or a scaling factor), named with the families that are supported.
+        ValueError: naming the family, what it is made of (MLA, shared experts ...) and the
+            supported families.
     """
-    supported = f"the inference engine supports the families {', '.join(SUPPORTED_FAMILIES)}"
-    softmax = shape.moe_router_score_function == "softmax"
-    extras = {"moe_router_score_function": shape.moe_router_score_function not in ("softmax", "sigmoid"),
-              "moe_router_enable_expert_bias": softmax and shape.moe_router_enable_expert_bias,
-              "moe_router_num_groups": softmax and bool(shape.moe_router_num_groups),
-              "moe_router_topk_scaling_factor": softmax and shape.moe_router_topk_scaling_factor not in (None, 1, 1.0)}
-    used = [name for name, on in extras.items() if on]
-    if used:
-        raise ValueError(f"{bridge.family}: the inference engine does not implement {', '.join(used)}; {supported}")
+    del shape  # what a family is made of is its bridge's declaration
+    require_capability(bridge, "infers")
 
 
 def rotary_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

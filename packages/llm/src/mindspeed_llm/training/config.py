@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
+from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from mindspeed_llm.training.lora import LoraSettings
 
@@ -95,6 +96,47 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_num_layers: int = 1
     megatron: dict[str, Any] = field(default_factory=dict)
+
+    def to_shape(self, vocab_size: int, seq_length: int, precision: str = "fp32") -> ModelShape:
+        """The :class:`~mindspeed.model.ModelShape` this section writes (defaults resolved).
+
+        Args:
+            vocab_size: the vocabulary (the tokenizer's, or this section's ``vocab_size``).
+            seq_length: ``data.seq_length`` (the default of ``max_position_embeddings``).
+            precision: ``train.precision`` (the weights' dtype).
+        """
+        values = {shape: getattr(self, mine) for mine, shape in SHAPE_FIELDS.items()}
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        values.update(
+            ffn_hidden_size=ffn, vocab_size=vocab_size,
+            max_position_embeddings=self.max_position_embeddings or seq_length,
+            untie_embeddings_and_output_weights=not self.tie_embeddings,
+            params_dtype="bfloat16" if precision == "bf16" else "float32",
+            moe_ffn_hidden_size=(self.moe_ffn_hidden_size or ffn) if self.num_moe_experts else None,
+            moe_router_pre_softmax=bool(self.megatron.get("moe_router_pre_softmax", False)),
+        )
+        return ModelShape(**values)
+
+    @classmethod
+    def shape_values(cls, shape: ModelShape) -> dict[str, Any]:
+        """The fields of this section that ``shape`` decides (the inverse of :meth:`to_shape`)."""
+        values = {mine: getattr(shape, theirs) for mine, theirs in SHAPE_FIELDS.items()}
+        values["tie_embeddings"] = shape.tie_embeddings
+        return values
+
+
+#: ModelConfig field -> ModelShape field, for the fields that carry over one to one (the one
+#: table between the recipe's ``model`` section and the model description).
+SHAPE_FIELDS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels", "vocab_size": "vocab_size", "norm_epsilon": "norm_epsilon",
+    "rotary_base": "rotary_base", "rope_scaling": "use_rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
+    "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm", "num_moe_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",
+    "normalization": "normalization", "swiglu": "swiglu", "add_bias_linear": "add_bias_linear",
+    "position_embedding_type": "position_embedding_type",
+}
 
 
 @dataclass
@@ -177,6 +219,75 @@ class TrainConfig:
     clip_grad: float = 1.0
     max_nonfinite_steps: int = 3
     exit_duration_mins: float | None = None
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """The optimizer section of these settings."""
+        return _section(OptimizerConfig, self)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The learning-rate schedule section of these settings."""
+        return _section(SchedulerConfig, self)
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer section: what :func:`mindspeed_llm.training.optim.build_optimizer` takes.
+
+    A recipe's ``train`` section carries these fields (:meth:`TrainConfig.optimizer_config`);
+    other users (the RL actor) fill the section directly.
+
+    Attributes:
+        optimizer: ``adam`` (AdamW: decoupled weight decay) or ``sgd``.
+        lr: peak learning rate (the scheduler moves it).
+        min_lr: learning rate at the end of the decay.
+        weight_decay: AdamW weight decay.
+        adam_beta1: Adam beta1.
+        adam_beta2: Adam beta2.
+        adam_eps: Adam epsilon.
+        sgd_momentum: SGD momentum.
+        clip_grad: clip the global gradient norm to this (0: no clipping).
+        kernel: the AdamW step's registry kernel: ``auto``, ``fused`` or ``foreach`` (default: the features'
+            ``fused_adamw`` feature's choice, else megatron's per-tensor loop).
+    """
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    kernel: str | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule section: what :func:`mindspeed_llm.training.optim.build_scheduler` takes.
+
+    Attributes:
+        lr: peak learning rate.
+        min_lr: learning rate at the end of the decay.
+        lr_warmup_init: learning rate at step 0 of the warmup.
+        lr_warmup_steps: linear warmup steps.
+        lr_decay_style: ``cosine``, ``linear``, ``constant`` or ``inverse-square-root`` after the warmup.
+        lr_decay_steps: steps from 0 to the end of the decay (default: the run's step count).
+        weight_decay: weight decay (constant over the run).
+    """
+
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_init: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["cosine", "linear", "constant", "inverse-square-root"] = "cosine"
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.01
+
+
+def _section(cls: type, source: Any) -> Any:
+    # The fields of section ``cls`` that ``source`` has under the same names.
+    return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
 
 
 @dataclass

@@ -23,34 +23,23 @@ import torch.distributed as dist
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger, logged_as_detail
 from mindspeed_llm.bridges import (
-    ModelShape,
     ParallelLayout,
     RankKey,
     Split,
-    bridge_for_family,
+    bridge_for_shape,
     plan_conversion,
+    require_capability,
     split_tensor,
 )
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.checkpoint.endpoints import HFSource, pick_bridge, read_hf_config
 from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
 from mindspeed_llm.tokenizer import load_tokenizer
-from mindspeed_llm.training.config import ModelConfig, PretrainConfig
+from mindspeed_llm.training.config import ModelConfig, ParallelConfig, PretrainConfig
 from mindspeed_llm.training.lora_io import save_lora_adapter
 from mindspeed_llm.training.model import unwrap
 
 logger = get_logger(__name__)
-
-#: ModelShape field -> ModelConfig field, for the fields that carry over one to one.
-_SHAPE_TO_MODEL = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
-    "kv_channels": "kv_channels", "vocab_size": "vocab_size", "norm_epsilon": "norm_epsilon",
-    "rotary_base": "rotary_base", "use_rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
-    "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm", "num_experts": "num_moe_experts",
-    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",
-}
-
 
 def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
     """``(bridge, ModelShape, architecture)`` of a Hugging Face directory.
@@ -70,25 +59,18 @@ def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
     return bridge, bridge.shape_from_hf(config), (known[0] if known else bridge.hf_architectures[0])
 
 
-#: ModelShape fields with no ModelConfig field, passed to megatron through ``model.megatron``
-#: (MLA, DeepSeek's router, dense layers between MoE layers, shared experts).
-_MOE_FIELDS = ("moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
-               "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
-               "moe_router_topk_scaling_factor")
-_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
-               "rotary_base", "rotary_scaling_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow",
-               "original_max_position_embeddings")
+def hf_model_shape(path: str | Path, precision: str = "fp32") -> Any:
+    """The :class:`~mindspeed.model.ModelShape` of a Hugging Face directory, for training in ``precision``.
 
-
-def shape_megatron_fields(shape: Any) -> dict[str, Any]:
-    """The ``TransformerConfig`` fields of ``shape`` that the recipe's ``model`` section has no field for."""
-    fields: dict[str, Any] = {}
-    if shape.num_experts:
-        fields.update({name: getattr(shape, name) for name in _MOE_FIELDS if getattr(shape, name) is not None})
-        fields["moe_layer_freq"] = list(shape.moe_layer_freq)
-    if shape.multi_latent_attention:
-        fields.update(multi_latent_attention=True, **{name: getattr(shape, name) for name in _MLA_FIELDS})
-    return fields
+    Raises:
+        ConfigError: an unreadable directory, or a family whose bridge does not declare ``trains``.
+    """
+    bridge, shape, _ = read_hf_shape(path)
+    try:
+        require_capability(bridge, "trains")
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}") from err
+    return dataclasses.replace(shape, params_dtype="bfloat16" if precision == "bf16" else "float32")
 
 
 def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
@@ -106,19 +88,20 @@ def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
     if not path:
         return config
     bridge, shape, _ = read_hf_shape(path)
+    try:
+        require_capability(bridge, "trains")
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.load_hf: {err}; convert it with convert-ckpt for inspection") from err
     default, model = ModelConfig(), config.model
-    values = {dst: getattr(shape, src) for src, dst in _SHAPE_TO_MODEL.items()}
-    values.update(tie_embeddings=shape.tie_embeddings, normalization="RMSNorm", swiglu=True,
-                  position_embedding_type="rope", add_bias_linear=False)
+    values = ModelConfig.shape_values(shape)
     for key, value in values.items():
         mine = getattr(model, key)
         if mine != getattr(default, key) and mine != value:
             raise ConfigError(f"model.{key}={mine!r} contradicts checkpoint.load_hf's config ({value!r}); remove it "
                               "from the recipe")
-    megatron = shape_megatron_fields(shape) | dict(model.megatron)
     divisible = 1 if model.make_vocab_size_divisible_by == default.make_vocab_size_divisible_by else \
         model.make_vocab_size_divisible_by
-    new_model = dataclasses.replace(model, **values, megatron=megatron, make_vocab_size_divisible_by=divisible)
+    new_model = dataclasses.replace(model, **values, make_vocab_size_divisible_by=divisible)
     data = config.data
     if not data.tokenizer and any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         data = dataclasses.replace(data, tokenizer=str(path))
@@ -139,8 +122,11 @@ def _eos_token_id(directory: Path) -> int | None:
 
 
 def _layout(config: PretrainConfig) -> Any:
-    p, m = config.parallel, config.model
-    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=m.num_layers // (p.pp * p.vpp) if p.vpp else None)
+    return _parallel_layout(config.parallel, config.model.num_layers)
+
+
+def _parallel_layout(p: ParallelConfig, num_layers: int) -> Any:
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=num_layers // (p.pp * p.vpp) if p.vpp else None)
 
 
 def _my_rank() -> Any:
@@ -157,8 +143,14 @@ def _vocab_pieces(full: torch.Tensor, rows: int, tp: int) -> list[torch.Tensor]:
     return list(full.chunk(tp, dim=0))
 
 
-def load_hf_weights(chunks: list[Any], config: PretrainConfig, path: str | Path, vocab_rows: int) -> None:
+def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
+
+    Args:
+        chunks: this rank's model chunks (bare or wrapped) of the directory's model.
+        path: the Hugging Face directory.
+        parallel: the layout the chunks were built for.
+        vocab_rows: the padded rows of the embedding.
 
     Raises:
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
@@ -169,7 +161,7 @@ def load_hf_weights(chunks: list[Any], config: PretrainConfig, path: str | Path,
         plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
     except ValueError as err:
         raise ConfigError(f"checkpoint.load_hf: {err}") from err
-    layout, me = _layout(config), _my_rank()
+    layout, me = _parallel_layout(parallel, source.shape.num_layers), _my_rank()
     states = [unwrap(chunk).state_dict(keep_vars=True) for chunk in chunks]
     expected = {(i, name) for i, state in enumerate(states) for name in state if not name.endswith("_extra_state")}
     loaded = set()
@@ -196,50 +188,37 @@ def load_hf_weights(chunks: list[Any], config: PretrainConfig, path: str | Path,
     logger.info("loaded %d tensors of %s (%s) into this rank's model", len(loaded), path, source.bridge.family)
 
 
-def _infer_family(model: ModelConfig) -> str:
-    if model.normalization != "RMSNorm" or not model.swiglu or model.add_bias_linear or \
-            model.position_embedding_type != "rope":
-        raise ConfigError("checkpoint.save_hf needs a Llama-style model (RMSNorm, swiglu, rope, no linear biases)")
-    if model.num_moe_experts:
-        return "qwen3-moe" if model.qk_layernorm else "mixtral"
-    if model.qk_layernorm:
-        return "qwen3"
-    return "qwen25" if model.add_qkv_bias else "llama2"
-
-
 def model_shape(config: PretrainConfig, vocab_size: int) -> Any:
-    """The :class:`~mindspeed_llm.bridges.ModelShape` of the recipe's model (for export)."""
-    m = config.model
-    values = {src: getattr(m, dst) for src, dst in _SHAPE_TO_MODEL.items()}
-    values.update(
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, num_query_groups=m.num_query_groups or m.num_attention_heads,
-        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads, vocab_size=vocab_size,
-        max_position_embeddings=m.max_position_embeddings or config.data.seq_length,
-        untie_embeddings_and_output_weights=not m.tie_embeddings,
-        params_dtype="bfloat16" if config.train.precision == "bf16" else "float32",
-    )
-    if m.num_moe_experts:
-        values.update(moe_ffn_hidden_size=m.moe_ffn_hidden_size or values["ffn_hidden_size"],
-                      moe_layer_freq=(1,) * m.num_layers,
-                      moe_router_pre_softmax=bool(m.megatron.get("moe_router_pre_softmax", False)))
-    else:
-        values.update(num_experts=None, moe_ffn_hidden_size=None)
-    return ModelShape(**values)
+    """The :class:`~mindspeed.model.ModelShape` the recipe trains (the one description every view derives from).
+
+    ``checkpoint.load_hf``'s model as its family's bridge reads it (every feature the bridge
+    knows: MLA, shared experts, dense layers between MoE layers ...) in the run's precision, else
+    the recipe's ``model`` section.
+
+    Args:
+        config: the recipe (after :func:`apply_load_hf`).
+        vocab_size: the tokenizer's vocabulary.
+    """
+    if config.checkpoint.load_hf:
+        return hf_model_shape(config.checkpoint.load_hf, config.train.precision)
+    return config.model.to_shape(vocab_size, config.data.seq_length, config.train.precision)
 
 
 def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str, Path | None]:
     """``(bridge, shape, architecture, assets)`` of the trained model for export.
 
     From ``checkpoint.load_hf`` when the run started there (its config and tokenizer files are
-    the assets), else from the recipe's model (a family inferred from its options).
+    the assets), else from the recipe's model (the first family whose bridge writes its shape).
     """
-    dtype = "bfloat16" if config.train.precision == "bf16" else "float32"
     if config.checkpoint.load_hf:
-        bridge, shape, architecture = read_hf_shape(config.checkpoint.load_hf)
-        return bridge, dataclasses.replace(shape, params_dtype=dtype), architecture, Path(config.checkpoint.load_hf)
-
-    bridge = bridge_for_family(_infer_family(config.model))
-    return bridge, model_shape(config, vocab_size), bridge.hf_architectures[0], None
+        bridge, _, architecture = read_hf_shape(config.checkpoint.load_hf)
+        return bridge, model_shape(config, vocab_size), architecture, Path(config.checkpoint.load_hf)
+    shape = model_shape(config, vocab_size)
+    try:
+        bridge = bridge_for_shape(shape)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.save_hf: {err}") from err
+    return bridge, shape, bridge.hf_architectures[0], None
 
 
 def checkpoint_args_of(config: PretrainConfig, vocab_size: int, vocab_rows: int) -> Any:

@@ -1,7 +1,8 @@
-"""The megatron-core GPT of a :class:`PretrainConfig`, on this rank's part of the layout.
+"""The megatron-core GPT of a :class:`~mindspeed.model.ModelShape`, on this rank's part of the layout.
 
 Built the way megatron's own training builds it: ``GPTModel`` chunks (one per virtual pipeline
-stage) from the adaptor's registry spec (``mindspeed.megatron.spec.get_gpt_layer_spec``), cast
+stage, put together by :func:`mindspeed_llm.bridges.megatron_model.build_gpt_chunks` from the
+adaptor's registry spec and the core's one ``TransformerConfig`` builder), cast
 by ``Float16Module`` for bf16, wrapped in megatron's ``DistributedDataParallel``, with
 ``finalize_model_grads`` and ``no_sync`` set on the config (without them data-parallel ranks
 silently diverge). Needs ``mindspeed.megatron.adapt()`` and megatron's parallel state.
@@ -16,7 +17,10 @@ from typing import Any
 import torch
 
 from mindspeed.device import get_accelerator
-from mindspeed_llm.training.config import PretrainConfig
+from mindspeed.megatron.config import ParallelSizes, transformer_config
+from mindspeed.model.shape import ModelShape
+from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
+from mindspeed_llm.training.config import ModelConfig, ParallelConfig, PretrainConfig
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -30,58 +34,36 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(config: PretrainConfig, vocab_size: int, overrides: Mapping[str, Any] | None = None) -> Any:
-    """The megatron ``TransformerConfig`` of ``config`` (model shape, layout, precision).
+def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
+    """The core's :class:`~mindspeed.megatron.config.ParallelSizes` of the recipe's ``parallel`` section."""
+    return ParallelSizes(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, etp=parallel.etp,
+                         cp=parallel.cp, sequence_parallel=parallel.sequence_parallel)
+
+
+def run_settings(model: ModelConfig, shape: ModelShape, per_token_loss: bool = False,
+                 variable_seq_lengths: bool = False) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a training run that are not the model's shape.
 
     Args:
-        config: the recipe.
-        vocab_size: the tokenizer's vocabulary (not padded).
-        overrides: fields set by features (``BuildContext.config_overrides``); the recipe's
-            ``model.megatron`` entries are applied last and win.
+        model: the recipe's ``model`` section (dropout, initialisation, recompute, MoE losses and
+            dispatcher; its ``megatron`` entries are applied by :func:`build_transformer_config`).
+        shape: the model (whether it has experts).
+        per_token_loss: divide gradients by the step's total token count instead of averaging per
+            microbatch (fine-tuning batches hold different numbers of trained tokens).
+        variable_seq_lengths: microbatches of different lengths through the pipeline.
     """
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    m, p, t = config.model, config.parallel, config.train
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    fields: dict[str, Any] = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups or m.num_attention_heads,
-        kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu,
-        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-        # The registry SwiGLU is reached through this flag; no Transformer Engine is involved.
-        use_te_activation_func=m.swiglu, bias_activation_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
-        hidden_dropout=m.hidden_dropout, attention_dropout=0.0, init_method_std=m.init_method_std,
-        # Building every weight in full on the host and slicing it makes a tensor-parallel model
-        # equal to the single-rank one of the same seed (and is what works without a device RNG).
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel,
-        context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
-        recompute_granularity=m.recompute_granularity,
-    )
-    if p.etp is not None:
-        fields["expert_tensor_parallel_size"] = p.etp
-    if config.stage != "pretrain":
-        # Fine-tuning batches hold different numbers of trained tokens (and DPO pairs): the
-        # gradients are divided by the step's total count, not averaged per microbatch.
+    fields: dict[str, Any] = dict(hidden_dropout=model.hidden_dropout, init_method_std=model.init_method_std,
+                                  recompute_granularity=model.recompute_granularity)
+    if per_token_loss:
         fields["calculate_per_token_loss"] = True
-        if config.data.variable_seq_lengths and p.pp > 1:
-            fields["variable_seq_lengths"] = True
-    if m.recompute_granularity == "full":
-        fields.update(recompute_method="uniform", recompute_num_layers=m.recompute_num_layers)
-    if m.num_moe_experts:
-        fields.update(num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-                      moe_ffn_hidden_size=m.moe_ffn_hidden_size or fields["ffn_hidden_size"],
-                      moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                      moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff else "none",
-                      moe_grouped_gemm=False)
-    del vocab_size  # the vocabulary lives in GPTModel, not in the TransformerConfig
-    fields.update(overrides or {})
-    fields.update(m.megatron)
-    return (MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig)(**fields)
+    if variable_seq_lengths:
+        fields["variable_seq_lengths"] = True
+    if model.recompute_granularity == "full":
+        fields.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
+    if shape.num_experts:
+        fields.update(moe_aux_loss_coeff=model.moe_aux_loss_coeff, moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+                      moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none")
+    return fields
 
 
 def default_groups() -> Any:
@@ -96,14 +78,54 @@ def default_groups() -> Any:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
+def build_transformer_config(shape: ModelShape, parallel: ParallelConfig, run: ModelConfig | None = None, *,
+                             per_token_loss: bool = False, variable_seq_lengths: bool = False,
+                             overrides: Mapping[str, Any] | None = None) -> Any:
+    """megatron's ``TransformerConfig`` of ``shape`` on ``parallel`` (the core's one builder).
+
+    Args:
+        shape: the model.
+        parallel: the layout.
+        run: the run settings of a ``model`` section (dropout, initialisation, recompute, MoE
+            losses and dispatcher, ``megatron`` entries; default: none of them).
+        per_token_loss: divide gradients by the step's total token count (fine-tuning, RL).
+        variable_seq_lengths: microbatches of different lengths through the pipeline.
+        overrides: fields set by features or the caller; ``run.megatron`` entries win over them.
+    """
+    run = run or ModelConfig()
+    settings = run_settings(run, shape, per_token_loss=per_token_loss, variable_seq_lengths=variable_seq_lengths)
+    return transformer_config(shape, parallel_sizes(parallel), **{**settings, **(overrides or {}), **run.megatron})
+
+
+def recipe_transformer_config(config: PretrainConfig, shape: ModelShape, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The ``TransformerConfig`` a recipe trains ``shape`` with (:func:`build_transformer_config` of its sections).
+
+    Args:
+        config: the recipe (its ``parallel`` section, the stage and the ``model`` run settings).
+        shape: the model (:func:`mindspeed_llm.training.hf.model_shape`).
+        overrides: fields set by features (``BuildContext.config_overrides``); the recipe's
+            ``model.megatron`` entries win over them.
+    """
+    # Fine-tuning batches hold different numbers of trained tokens (and DPO pairs): the
+    # gradients are divided by the step's total count, not averaged per microbatch.
+    fine_tune = config.stage != "pretrain"
+    return build_transformer_config(
+        shape, config.parallel, config.model, per_token_loss=fine_tune,
+        variable_seq_lengths=fine_tune and config.data.variable_seq_lengths and config.parallel.pp > 1,
+        overrides=overrides)
+
+
+def build_model(shape: ModelShape, parallel: ParallelConfig, transformer: Any, vocab_size: int,
                 prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True,
-                kernels: Mapping[str, str] | None = None, groups: Any = None) -> list[Any]:
+                bridged: bool = False, kernels: Mapping[str, str] | None = None,
+                groups: Any = None) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
-        config: the recipe.
-        transformer: the ``TransformerConfig`` from :func:`transformer_config`.
+        shape: the model.
+        parallel: the layout and its data-parallel options (distributed optimizer, overlaps).
+        transformer: the ``TransformerConfig`` (:func:`mindspeed.megatron.config.transformer_config`
+            of ``shape``, or :func:`recipe_transformer_config`).
         vocab_size: the padded vocabulary (:func:`padded_vocab_size`).
         prepare: called with this rank's bare ``GPTModel`` chunks before they are wrapped
             (base weights are loaded and LoRA adds its factors and freezes the base here:
@@ -113,58 +135,31 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
             no DDP, no gradient hooks, and ``transformer`` is left untouched.
         kernels: the registry kernels of the layers, ``adapt(features=...)``'s ``report.kernels``
             (``None``: "auto" for every op; see ``get_gpt_layer_spec``).
+        bridged: Hugging Face weights come in or go out through the bridges, which name experts
+            as megatron's SequentialMLP does (otherwise the ``moe_grouped_gemm`` feature decides).
         groups: the process groups (:func:`default_groups`; ``None``: read them here), given
             to ``GPTModel`` and megatron's DDP and deciding the pipeline stages.
 
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
     """
+    # Lazy: keeps megatron out of the start-up of mindspeed_llm.cli.
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel.utils import (
-        is_pp_first_stage,
-        is_pp_last_stage,
-        is_vp_first_stage,
-        is_vp_last_stage,
-    )
     from megatron.core.transformer.module import Float16Module
 
-    from mindspeed.megatron.spec import check_config_for_spec, get_gpt_layer_spec
-    from mindspeed.patching import PatchSet
-    from mindspeed_llm.bridges.megatron_model import block_spec, layer_specs, mla_without_te_patch
+    from mindspeed.megatron.spec import check_config_for_spec
 
-    m, p = config.model, config.parallel
-    check_config_for_spec(transformer, swiglu=m.swiglu)
-    # Hugging Face weights come in and go out through the bridges, which name experts as
-    # megatron's SequentialMLP does; otherwise the moe_grouped_gemm feature decides.
-    bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
-    spec = get_gpt_layer_spec(kernels, num_experts=m.num_moe_experts, qk_layernorm=m.qk_layernorm,
-                              normalization=m.normalization, swiglu=m.swiglu,
-                              moe_grouped_gemm=False if bridged else None)
-    per_layer = layer_specs(transformer, kernels) if _needs_layer_specs(transformer) else None
+    p = parallel
+    check_config_for_spec(transformer, swiglu=shape.swiglu)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=config.train.precision != "fp32", overlap_grad_reduce=p.overlap_grad_reduce,
+        grad_reduce_in_fp32=shape.params_dtype != "float32", overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
     )
     groups = groups if groups is not None else default_groups()
     device = get_accelerator().device()
-    models = []
-    patches = PatchSet([mla_without_te_patch()] if transformer.multi_latent_attention else [])
-    patches.apply(get_accelerator())
-    for stage in range(p.vpp or 1):
-        vp_stage = stage if p.vpp else None
-        layers = spec if per_layer is None else block_spec(transformer, per_layer, vp_stage)
-        gpt = GPTModel(
-            config=transformer, transformer_layer_spec=layers, vocab_size=vocab_size,
-            max_sequence_length=m.max_position_embeddings or config.data.seq_length,
-            pre_process=is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, p.vpp),
-            post_process=is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, p.vpp),
-            share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
-            rotary_base=m.rotary_base, rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
-            vp_stage=vp_stage, pg_collection=groups,
-        )
-        models.append(gpt.to(device))
-    patches.revert()  # megatron reads the patched flag only while it builds
+    models = build_gpt_chunks(shape, parallel_sizes(p), kernels, vocab_size=vocab_size, transformer=transformer,
+                              moe_grouped_gemm=False if bridged else None, groups=groups)
+    models = [gpt.to(device) for gpt in models]
     if prepare is not None:
         prepare(models)
     chunks = []
@@ -189,11 +184,6 @@ def build_model(config: PretrainConfig, transformer: Any, vocab_size: int,
         grads = [chunk.start_grad_sync for chunk in chunks]
         transformer.grad_sync_func = grads if len(grads) > 1 else grads[0]
     return chunks
-
-
-def _needs_layer_specs(transformer: Any) -> bool:
-    # MLA, or dense layers between MoE layers: one spec per layer (DeepSeek-V3).
-    return bool(transformer.multi_latent_attention or isinstance(transformer.moe_layer_freq, list))
 
 
 def unwrap(chunk: Any) -> torch.nn.Module:

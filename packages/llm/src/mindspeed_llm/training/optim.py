@@ -1,7 +1,13 @@
-"""Optimizer and learning-rate schedule: megatron-core's own, configured from :class:`TrainConfig`.
+"""Optimizer and learning-rate schedule: megatron-core's own, built from their config sections.
 
-The optimizer is ``get_megatron_optimizer`` (AdamW or SGD; fp32 master weights for bf16; the
-distributed optimizer when ``parallel.distributed_optimizer``), the schedule megatron's
+:func:`build_optimizer` takes an :class:`~mindspeed_llm.training.config.OptimizerConfig`, the model
+chunks and the ``parallel`` section; :func:`build_scheduler` a
+:class:`~mindspeed_llm.training.config.SchedulerConfig`, the optimizer and a step count. A recipe's
+``train`` section gives both (``TrainConfig.optimizer_config()`` / ``scheduler_config()``); the RL
+actor fills them from its own recipe.
+
+The optimizer is ``get_megatron_optimizer`` (AdamW or SGD; fp32 master weights for bf16 models;
+the distributed optimizer when ``parallel.distributed_optimizer``), the schedule megatron's
 ``OptimizerParamScheduler`` counted in optimizer steps: linear warmup from
 ``lr_warmup_init`` to ``lr`` over ``lr_warmup_steps``, then ``cosine`` / ``linear`` decay to
 ``min_lr`` at ``lr_decay_steps`` (or ``constant`` / ``inverse-square-root``). As in megatron,
@@ -14,41 +20,50 @@ from collections.abc import Mapping
 from typing import Any
 
 from mindspeed.ops.registry import resolve_kernel
-from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.config import OptimizerConfig, ParallelConfig, SchedulerConfig
 
 
-def build_optimizer(config: PretrainConfig, chunks: list[Any], kernels: Mapping[str, str] | None = None,
-                    groups: Any = None) -> Any:
+def build_optimizer(optim: OptimizerConfig, chunks: list[Any], parallel: ParallelConfig,
+                    kernels: Mapping[str, str] | None = None, groups: Any = None) -> Any:
     """megatron's optimizer over the parameters of ``chunks``.
 
     Args:
-        config: the recipe (its ``train`` and ``parallel`` sections).
-        chunks: the model chunks.
-        kernels: the registry kernels, ``adapt(features=...)``'s ``report.kernels``: its
-            ``adamw`` choice runs the AdamW step (:func:`use_adamw_kernel`); ``None`` or an
-            ``adamw`` left on the reference keeps megatron's default loop.
+        optim: the optimizer section.
+        chunks: this rank's model chunks (their ``TransformerConfig`` says whether the weights are
+            bf16: the optimizer then keeps fp32 master weights).
+        parallel: the layout's data-parallel options (distributed optimizer, parameter-gather overlap).
+        kernels: the registry kernels, ``adapt(features=...)``'s ``report.kernels``: its ``adamw``
+            choice runs the AdamW step (:func:`use_adamw_kernel`) unless ``optim.kernel`` names
+            one; neither (or an ``adamw`` left on the reference) keeps megatron's default loop.
         groups: the process groups (``model.default_groups()``); ``None``: megatron reads its own.
     """
     import torch
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    t = config.train
-    bf16 = t.precision == "bf16"
-    optimizer_config = OptimizerConfig(
-        optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
-        clip_grad=t.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=config.parallel.distributed_optimizer,
-        overlap_param_gather=config.parallel.overlap_param_gather,
+    bf16 = bool(_model_config(chunks[0]).bf16)
+    optimizer_config = MegatronOptimizerConfig(
+        optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        sgd_momentum=optim.sgd_momentum, clip_grad=optim.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=parallel.distributed_optimizer, overlap_param_gather=parallel.overlap_param_gather,
     )
     # Megatron's separate gloo groups are for host copies of a distributed optimizer's state
     # (dp-zero checkpoints we do not write); it refuses them with process groups given as values.
     optimizer = get_megatron_optimizer(optimizer_config, chunks, pg_collection=groups,
                                        use_gloo_process_groups=groups is None)
-    impl = kernels.get("adamw") if kernels is not None else None
-    if t.optimizer == "adam" and impl is not None:
+    impl = optim.kernel or (kernels.get("adamw") if kernels is not None else None)
+    if optim.optimizer == "adam" and impl is not None:
         use_adamw_kernel(optimizer, impl)
     return optimizer
+
+
+def _model_config(chunk: Any) -> Any:
+    # The TransformerConfig of a (DDP / Float16Module wrapped) GPTModel chunk.
+    while not hasattr(chunk, "config") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk.config
 
 
 def use_adamw_kernel(optimizer: Any, impl: str) -> str | None:
@@ -81,21 +96,25 @@ def use_adamw_kernel(optimizer: Any, impl: str) -> str | None:
     return impl
 
 
-def build_scheduler(config: PretrainConfig, optimizer: Any) -> Any:
+def build_scheduler(sched: SchedulerConfig, optimizer: Any, steps: int) -> Any:
     """megatron's ``OptimizerParamScheduler`` for ``optimizer`` (anything with ``param_groups``).
 
-    The recipe's values win over a checkpoint's when they differ (only the position is
-    restored), so a resumed run follows the schedule of the recipe it was started with.
+    Args:
+        sched: the schedule section.
+        optimizer: what :func:`build_optimizer` returned.
+        steps: the run's optimizer steps (the end of the decay unless ``sched.lr_decay_steps``).
+
+    The section's values win over a checkpoint's when they differ (only the position is
+    restored), so a resumed run follows the schedule it was started with.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = config.train
     # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
-    decay_steps = max(t.lr_decay_steps or t.steps, t.lr_warmup_steps + 1)
+    decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
-        optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
-        lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        optimizer, init_lr=sched.lr_warmup_init, max_lr=sched.lr, min_lr=sched.min_lr,
+        lr_warmup_steps=sched.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=sched.lr_decay_style,
+        start_wd=sched.weight_decay, end_wd=sched.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
 

@@ -13,8 +13,9 @@ from typing import Any
 import torch.distributed as dist
 
 from mindspeed.log import DETAIL, get_logger
-from mindspeed.metrics.flops import TransformerShape, training_flops_per_token
+from mindspeed.metrics.flops import training_flops_per_token
 from mindspeed.metrics.peak import mfu, peak_flops
+from mindspeed.model.shape import ModelShape
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.config import PretrainConfig
 
@@ -30,20 +31,19 @@ class RunReporter:
 
     Args:
         config: the recipe.
-        transformer: megatron's ``TransformerConfig`` of the model (for its FLOPs).
+        shape: the model (for its FLOPs).
         vocab_size: the padded vocabulary.
         world_size: ranks of the run (devices in the MFU denominator).
         num_parameters: parameters of the model (logged).
         start: the step the run starts after (a resumed run's bar starts there).
     """
 
-    def __init__(self, config: PretrainConfig, transformer: Any, vocab_size: int, world_size: int,
+    def __init__(self, config: PretrainConfig, shape: ModelShape, vocab_size: int, world_size: int,
                  num_parameters: int, start: int = 0) -> None:
         self.config, self.world_size, self.start = config, world_size, start
         seq = config.data.seq_length
         self.tokens_per_step = config.global_batch_size(world_size) * seq
-        self.flops_per_token = training_flops_per_token(
-            TransformerShape.from_transformer_config(transformer, vocab_size, seq))
+        self.flops_per_token = training_flops_per_token(shape, seq, vocab_size)
         self.peak = peak_flops(config.train.precision, config.logging.peak_tflops)
         rank0 = dist.get_rank() == 0
         # The bar names the stage and shows the time left; on rank 0 in a terminal only.

@@ -39,7 +39,14 @@ from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data import read_tokenizer
-from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, export_shape, load_hf_weights, save_hf
+from mindspeed_llm.training.hf import (
+    apply_load_hf,
+    checkpoint_args_of,
+    export_shape,
+    load_hf_weights,
+    model_shape,
+    save_hf,
+)
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
 from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
 from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
@@ -48,7 +55,7 @@ from mindspeed_llm.training.model import (
     count_parameters,
     default_groups,
     padded_vocab_size,
-    transformer_config,
+    recipe_transformer_config,
 )
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
 from mindspeed_llm.training.progress import RunReporter
@@ -110,8 +117,9 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     config.check(world)
     ids = read_tokenizer(config)
     vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
-    facts = ModelFacts.from_transformer_config(transformer_config(config, vocab),
-                                               position_embedding_type=config.model.position_embedding_type)
+    shape = model_shape(config, ids.vocab_size)
+    facts = ModelFacts.from_transformer_config(recipe_transformer_config(config, shape),
+                                               position_embedding_type=shape.position_embedding_type)
     p = config.parallel
     sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
     log_dir = config.log_dir()
@@ -121,7 +129,7 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         try:
             # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
-                return _Run(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
+                return Trainer(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
         finally:
             unadapt()
 
@@ -144,7 +152,37 @@ def seed_everything(seed: int, groups: Any = None) -> None:
     model_parallel_cuda_manual_seed(stage_seed)
 
 
-class _Run:
+class Trainer:
+    """One training run of a recipe on the current torch.distributed group (what :func:`pretrain` runs).
+
+    Args:
+        config: the recipe (after ``apply_load_hf`` and ``check``).
+        ids: the tokenizer's vocabulary size and end-of-document id.
+        vocab: the padded vocabulary (embedding rows).
+        report: what ``mindspeed.megatron.adapt(features=...)`` returned (the features' config
+            overrides and hooks).
+        hooks: the caller's hooks (a loss transform).
+        preemption: the run's preemption watch (SIGTERM / Ctrl-C / ``train.exit_duration_mins``).
+
+    Components, built by :meth:`build` from the recipe's sections with the section-scoped
+    builders, in this order:
+
+    - ``groups``: megatron's process groups as one value (``training.model.default_groups``),
+      read once and given to every builder, the schedule and the metric reductions;
+    - ``shape``: the :class:`~mindspeed.model.ModelShape` (``training.hf.model_shape``);
+    - ``transformer``: megatron's ``TransformerConfig`` (``training.model.recipe_transformer_config``);
+    - ``chunks``: this rank's model chunks (``training.model.build_model``); ``reference``: DPO's
+      frozen reference model, else ``None``;
+    - ``optimizer``: from ``train.optimizer_config()`` (``training.optim.build_optimizer``);
+    - ``scheduler``: from ``train.scheduler_config()`` and ``train.steps`` (``training.optim.build_scheduler``);
+    - ``state``: the :class:`~mindspeed_llm.training.checkpoint.TrainState` (restored from a
+      checkpoint or fresh);
+    - ``train_reader`` / ``valid_reader``: the stage's microbatch readers.
+
+    :meth:`run` initialises megatron's parallel state, builds and trains; :meth:`train` runs the
+    loop on built components.
+    """
+
     def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks,
                  preemption: Preemption) -> None:
         self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
@@ -153,12 +191,14 @@ class _Run:
         self.world = dist.get_world_size()
         self.stage = get_stage(config.stage)
         self.reference: list[Any] | None = None
+        self.groups: Any = None  # megatron's process groups (a ProcessGroupCollection), read once
         # The adaptation is a value: its kernels, config fields and hooks go to the builders.
         self.kernels = report.kernels
         self.feature_hooks = report.hooks
         self.overrides = report.config_overrides
 
     def run(self) -> TrainResult:
+        """Initialise megatron's parallel state for ``parallel``, :meth:`build`, :meth:`train`, tear down."""
         from megatron.core import parallel_state as ps
 
         p = self.config.parallel
@@ -171,27 +211,33 @@ class _Run:
             # Read once: everything below takes the groups as a value.
             self.groups = default_groups()
             seed_everything(self.config.train.seed, self.groups)
-            self._build()
-            return self._train()
+            self.build()
+            return self.train()
         finally:
             ps.destroy_model_parallel()
 
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Build every component (collective; megatron's parallel state must be initialised)."""
+        if self.groups is None:
+            self.groups = default_groups()
         config = self.config
-        self.transformer = transformer_config(config, self.vocab, self.overrides)
-        self.chunks = build_model(config, self.transformer, self.vocab, prepare=self._prepare, kernels=self.kernels,
-                                  groups=self.groups)
+        self.shape = shape = model_shape(config, self.ids.vocab_size)
+        bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
+        self.transformer = recipe_transformer_config(config, shape, self.overrides)
+        self.chunks = build_model(shape, config.parallel, self.transformer, self.vocab, prepare=self._prepare,
+                                  bridged=bridged, kernels=self.kernels, groups=self.groups)
         if self.stage.needs_reference:
             # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
-            frozen = transformer_config(config, self.vocab, {**self.overrides, "perform_initialization": False})
-            self.reference = build_model(config, frozen, self.vocab, trainable=False, kernels=self.kernels,
-                                         groups=self.groups)
+            frozen = recipe_transformer_config(config, shape, {**self.overrides, "perform_initialization": False})
+            self.reference = build_model(shape, config.parallel, frozen, self.vocab, trainable=False, bridged=bridged,
+                                         kernels=self.kernels, groups=self.groups)
         for hook in self.feature_hooks.get("post_model_build", ()):
             hook(self.chunks)
-        self.optimizer = build_optimizer(config, self.chunks, self.kernels, self.groups)
+        self.optimizer = build_optimizer(config.train.optimizer_config(), self.chunks, config.parallel, self.kernels,
+                                         self.groups)
         for hook in self.feature_hooks.get("post_optimizer_build", ()):
             self.optimizer = hook(self.optimizer) or self.optimizer
-        self.scheduler = build_scheduler(config, self.optimizer)
+        self.scheduler = build_scheduler(config.train.scheduler_config(), self.optimizer, config.train.steps)
         self.transformer.grad_scale_func = self.optimizer.scale_loss
         self.num_parameters = count_parameters(self.chunks, self.groups)
         self.checkpoint_args = checkpoint_args_of(config, self.ids.vocab_size, self.vocab)
@@ -242,7 +288,7 @@ class _Run:
         # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
         # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
         if ck.load_hf and not ck.load:
-            load_hf_weights(models, self.config, ck.load_hf, self.vocab)
+            load_hf_weights(models, ck.load_hf, self.config.parallel, self.vocab)
         if lora.enabled:
             settings = self.lora_settings()
             for model in models:
@@ -273,12 +319,13 @@ class _Run:
 
             hf = (Path(source) / "config.json").is_file()
         if hf:
-            load_hf_weights(self.reference, self.config, source, self.vocab)
+            load_hf_weights(self.reference, source, self.config.parallel, self.vocab)
             return
         found = find_checkpoint(source, what="dpo.ref_model")
         load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
 
-    def _train(self) -> TrainResult:
+    def train(self) -> TrainResult:
+        """Train to ``train.steps`` (evaluating and saving as the recipe says) on built components."""
         config, state = self.config, self.state
         t = config.train
         gbs, num_micro = config.global_batch_size(self.world), config.num_microbatches(self.world)
@@ -287,7 +334,7 @@ class _Run:
         rank0 = dist.get_rank() == 0
         log_dir = config.log_dir()
         metrics = MetricsLog(log_dir, state.step, enabled=rank0, tensorboard=config.logging.tensorboard)
-        reporter = RunReporter(config, self.transformer, self.vocab, self.world, self.num_parameters, start=state.step)
+        reporter = RunReporter(config, self.shape, self.vocab, self.world, self.num_parameters, start=state.step)
         try:
             with reporter:
                 while state.step < t.steps:

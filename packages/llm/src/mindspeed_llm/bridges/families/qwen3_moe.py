@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
+from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
 from mindspeed_llm.bridges.common import (
     ATTENTION_RULES,
     EMBEDDING_RULES,
@@ -38,6 +38,7 @@ class Qwen3MoeBridge(Bridge):
     )
     constants = {"qk_layernorm": True}
     requires = (*LLAMA_REQUIRES, ("attention_bias", False))
+    capabilities = Capabilities(moe=True)
     rules = (*EMBEDDING_RULES, *ATTENTION_RULES, *QK_NORM_RULES,
              *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
              *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"))

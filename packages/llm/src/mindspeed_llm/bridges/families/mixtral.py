@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
+from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
 from mindspeed_llm.bridges.common import (
     ATTENTION_RULES,
     EMBEDDING_RULES,
@@ -28,5 +28,6 @@ class MixtralBridge(Bridge):
         ConfigKey("moe_ffn_hidden_size", "intermediate_size"),
     )
     requires = LLAMA_REQUIRES
+    capabilities = Capabilities(moe=True)
     rules = (*EMBEDDING_RULES, *ATTENTION_RULES,
              *moe_rules(HF + "block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mindspeed_llm.bridges.base import Bridge, ConfigKey, register_bridge
+from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
 from mindspeed_llm.bridges.common import EMBEDDING_RULES, HF, MG, gated_mlp_rules, moe_rules, mtp_rules
 from mindspeed_llm.bridges.rules import DropExtraLayers, Rename
 from mindspeed_llm.bridges.shape import ModelShape
@@ -85,6 +85,7 @@ class DeepseekV3Bridge(Bridge):
     # megatron exactly as transformers does with rope_interleave.
     requires = (("hidden_act", "silu"), ("norm_topk_prob", True), ("rope_interleave", True), ("attention_bias", False))
     mtp_config_key = "num_nextn_predict_layers"
+    capabilities = Capabilities(moe=True, shared_experts=True, mla=True, mtp=True)
     rules = (*EMBEDDING_RULES, *LAYER_RULES, *mtp_rules(LAYER_RULES), DropExtraLayers())
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
