@@ -79,6 +79,18 @@ def tiny_qwen3_moe() -> Any:
                           architectures=["Qwen3MoeForCausalLM"])
 
 
+@TINY_CONFIGS.register("qwen2-moe")
+def tiny_qwen2_moe() -> Any:
+    """Qwen2-MoE-style: q/k/v biases, 4 experts top-2 without renormalisation, a gated shared
+    expert of its own width, layer 0 dense."""
+    from transformers import Qwen2MoeConfig
+
+    dense = {k: v for k, v in _DENSE.items() if k != "head_dim"}
+    return Qwen2MoeConfig(**dense, vocab_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, mlp_only_layers=[0], decoder_sparse_step=1,
+                          norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+
+
 @TINY_CONFIGS.register("deepseek3")
 def tiny_deepseek_v3() -> Any:
     """DeepSeek-V3-style: MLA, layer 0 dense, 4 sigmoid-routed experts in 2 groups, a shared expert
