@@ -11,6 +11,8 @@
   recipe (shift 5, one uniform timestep per microbatch, bsmntw) and with diffusers' (logit-normal
   per sample, sigma_sqrt, text dropout), FLUX with guidance and text dropout.
 - Under bf16 the timestep reaches the model in float32.
+- Buckets: every microbatch of a cache of two latent shapes is of one shape; DP2 sees the
+  microbatches DP1 accumulates; no sample twice in an epoch.
 - FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps;
   ``checkpoint.save_hf`` writes a diffusers directory that ``from_pretrained`` loads with no missing
   or unexpected keys, holding exactly the last DCP checkpoint's weights.
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from mindspeed.testing.distributed import run_distributed
 from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import DiffusionConfig, load_mm_config
+from mindspeed_mm.data.buckets import BucketOrder
 from mindspeed_mm.diffusion import FlowMatching, sample_density, sigma_grid
 from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.trainer.loop import train
@@ -42,7 +45,9 @@ WAN, FLUX = "WanTransformer3DModel", "FluxTransformer2DModel"
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory) -> dict[str, tuple]:
     root = tmp_path_factory.mktemp("tiny-dit")
-    return {arch: write_tiny_dit_run(root / arch, arch) for arch in (WAN, FLUX)}
+    runs = {arch: write_tiny_dit_run(root / arch, arch) for arch in (WAN, FLUX)}
+    runs["mixed"] = write_tiny_dit_run(root / "mixed", WAN, num_samples=9, latent_shapes=[(4, 3, 4, 4), (4, 2, 6, 4)])
+    return runs
 
 
 def test_grid_draws_and_weights_equal_diffusers() -> None:
@@ -166,6 +171,14 @@ def _parity(cases, runs) -> list[dict]:
     batch = task.microbatches(1, 0)[0]
     task.loss(batch, torch.zeros(2))
     results.append({"bf16_timestep": seen["timestep"], "grid": task.flow.timesteps[batch.draw.indices]})
+    # a cache of two latent shapes: every microbatch is of one shape, and the loss runs on both
+    task = TASKS.get("dit")(load_mm_config(None, _overrides(*runs["mixed"], **{"train.micro_batch_size": 2})), 1)
+    shapes = set()
+    for step in range(1, 5):
+        batch = task.microbatches(step, 0)[0]
+        shapes.add(tuple(batch.latents.shape))
+        assert torch.isfinite(task.loss(batch, torch.zeros(2))[0])
+    results.append({"mixed_shapes": shapes})
     return results
 
 
@@ -179,8 +192,29 @@ def test_loss_and_gradients_equal_diffusers_reference(tiny_runs) -> None:
               f"gradient error {result['grad_error']:.1e}, timesteps {result['indices']}, dropped {result['dropped']}")
     assert len(set(results[0]["indices"])) == 1 and min(results[2]["indices"]) >= 417  # per microbatch; boundary
     assert any(r["dropped"] for r in results[:4])  # the dropout path was exercised
-    bf16 = results[-1]
+    assert results[-1]["mixed_shapes"] == {(2, 4, 3, 4, 4), (2, 4, 2, 6, 4)}
+    bf16 = results[-2]
     assert bf16["bf16_timestep"].dtype == torch.float32 and torch.equal(bf16["bf16_timestep"], bf16["grid"])
+
+
+def test_bucket_order() -> None:
+    keys = ["a", "b", "a", "c", "a", "b", "b", "a", "a", "b", "c"]  # a: 5, b: 4, c: 2
+    one = BucketOrder(keys, micro=2, accumulation=4, world=1, seed=3, shuffle=True)
+    two = BucketOrder(keys, micro=2, accumulation=2, world=2, seed=3, shuffle=True)
+    assert one.per_epoch == 5  # a: 2, b: 2, c: 1 (one "a" left out each epoch)
+    seen = []
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            for j in (0, 1):
+                indices = two.indices(step, rank, j)
+                assert indices == one.indices(step, 0, rank * 2 + j)  # DP2 sees what DP1 accumulates
+                assert len(indices) == 2 and keys[indices[0]] == keys[indices[1]]
+                seen.append(indices)
+    first_epoch = [i for indices in seen[:5] for i in indices]
+    assert len(set(first_epoch)) == 10  # no sample twice in an epoch
+    assert seen[:5] != seen[5:10]  # each epoch its own order
+    with pytest.raises(ValueError, match="lower train.micro_batch_size"):
+        BucketOrder(keys, micro=6, accumulation=1, world=1, seed=0, shuffle=False)
 
 
 def _dp2(rank: int, world: int, runs, root) -> list[dict] | None:

@@ -1,4 +1,4 @@
-"""``mindspeed-mm train --config recipe.yaml [key=value ...]``: fine-tune a vision-language model under FSDP2.
+"""``mindspeed-mm train --config recipe.yaml [key=value ...]``: train a VLM or a diffusion transformer under FSDP2.
 
 The recipe and the overrides build a :class:`~mindspeed_mm.config.MMConfig` (strict: an unknown
 key is an error with a suggestion), checked against the world size before any rank starts.
@@ -19,10 +19,12 @@ from mindspeed.config import to_dict
 def add_train(sub: argparse._SubParsersAction) -> None:
     """Add ``train`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "train", help="fine-tune a vision-language model (Hugging Face classes under FSDP2)",
+        "train", help="train a vision-language model or a diffusion transformer (library classes under FSDP2)",
         description="Fine-tune a transformers vision-language model from a local directory on mllm_format data "
-                    "(messages with <image> placeholders plus images), under torch FSDP2. Checkpoints are torch DCP "
-                    "in checkpoint.save (a run resumes from the newest); checkpoint.save_hf exports the result.")
+                    "(messages with <image> placeholders plus images), or train a diffusers transformer (Wan, FLUX) "
+                    "with flow matching on a feature cache (data.features), under torch FSDP2; the model directory's "
+                    "config.json picks which. Checkpoints are torch DCP in checkpoint.save (a run resumes from the "
+                    "newest); checkpoint.save_hf exports the result.")
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn on this machine (ignored under torchrun; default 1)")

@@ -95,6 +95,11 @@ class FeatureSet:
         prefix = entry["id"] + "."
         return {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
 
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each sample's latent shape (from the index; read from the shard where a line has none)."""
+        return [tuple(entry["shape"]) if "shape" in entry else tuple(self[i]["latents"].shape)
+                for i, entry in enumerate(self.entries)]
+
     def null(self) -> dict[str, torch.Tensor] | None:
         """The empty caption's ``text`` (and ``pooled``), or None when the cache has none."""
         path = self.directory / NULL

@@ -12,23 +12,24 @@ from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
 
 
 def write_tiny_dit_run(directory: str | Path, architecture: str, num_samples: int = 8,
-                       latent_shape: tuple[int, ...] | None = None, seed: int = 0) -> tuple[Path, Path]:
+                       latent_shapes: list[tuple[int, ...]] | None = None, seed: int = 0) -> tuple[Path, Path]:
     """``(model directory, feature cache)``: a tiny random model of ``architecture`` and ``num_samples``
-    random samples for it (latents of one shape, text embeddings of 2-5 tokens, pooled embeddings
-    where the model takes them, and an empty caption's embedding of 1 token).
+    random samples for it (latents of the shapes of ``latent_shapes`` in turn, default one shape;
+    text embeddings of 2-5 tokens; pooled embeddings where the model takes them; an empty
+    caption's embedding of 1 token).
     """
     directory = Path(directory)
     family = DIT_FAMILIES.get(architecture)
     model_dir = write_tiny_dit(directory / "transformer", architecture, seed)
     config = family.tiny_config
     text_dim = config.get("text_dim") or config["joint_attention_dim"]
-    if latent_shape is None:
+    if latent_shapes is None:
         channels = config["in_channels"] if family.latent_dims == 4 else config["in_channels"] // 4
-        latent_shape = (channels, 3, 4, 4) if family.latent_dims == 4 else (channels, 4, 4)
+        latent_shapes = [(channels, 3, 4, 4) if family.latent_dims == 4 else (channels, 4, 4)]
     gen = torch.Generator().manual_seed(seed + 1)
     samples = []
     for i in range(num_samples):
-        sample = {"latents": torch.randn(latent_shape, generator=gen),
+        sample = {"latents": torch.randn(latent_shapes[i % len(latent_shapes)], generator=gen),
                   "text": torch.randn(2 + i % 4, text_dim, generator=gen)}
         if family.needs_pooled:
             sample["pooled"] = torch.randn(config["pooled_projection_dim"], generator=gen)

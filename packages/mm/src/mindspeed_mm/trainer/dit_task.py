@@ -1,6 +1,7 @@
 """The diffusion-transformer task: flow matching on cached latents and text embeddings (Wan, FLUX).
 
-Each microbatch stacks ``train.micro_batch_size`` cached samples of one latent shape, pads their
+Each microbatch stacks ``train.micro_batch_size`` cached samples of one latent shape
+(:class:`~mindspeed_mm.data.buckets.BucketOrder`), pads their
 text embeddings with zeros to ``data.text_len`` (as the pipelines do), and draws its timesteps,
 noise and text dropout from a generator seeded by the step and its place in the step
 (:class:`~mindspeed_mm.diffusion.FlowMatching`). The loss is the weighted mean squared error of
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import MMConfig
+from mindspeed_mm.data.buckets import BucketOrder
 from mindspeed_mm.data.features import FeatureSet
-from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.diffusion import FlowDraw, FlowMatching
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
@@ -99,8 +100,8 @@ class DiTTask:
         self.features = FeatureSet(d.features)
         self.flow = FlowMatching(config.diffusion)
         self.text_len = d.text_len or self.family.text_len
-        self.order = SampleOrder(len(self.features), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed,
-                                 d.shuffle)
+        self.order = BucketOrder(self.features.shapes(), t.micro_batch_size, t.gradient_accumulation_steps, world,
+                                 t.seed, d.shuffle)
         self.null = self._null_text()
         self._fp32: dict[str, torch.Tensor] = {}
         # Runs after FSDP2's own pre-forward hook, which casts every float input to bf16.
@@ -136,8 +137,8 @@ class DiTTask:
         for i, sample in zip(indices, samples):
             if tuple(sample["latents"].shape) != shape:
                 raise ValueError(f"{self.features.directory}: sample {self.features.entries[i]['id']} has latents "
-                                 f"{tuple(sample['latents'].shape)}, another in its microbatch {shape}; use "
-                                 "train.micro_batch_size=1 or a cache of one resolution and frame count")
+                                 f"{tuple(sample['latents'].shape)} but its index line says another shape; "
+                                 "rewrite the cache")
             if len(shape) != self.family.latent_dims:
                 raise ValueError(f"{self.features.directory}: latents of {len(shape)} dimensions; "
                                  f"{self.family.architecture} takes {self.family.latent_dims}")
@@ -156,9 +157,8 @@ class DiTTask:
 
     def microbatches(self, step: int, rank: int) -> list[DiTBatch]:
         """This rank's microbatches of ``step``."""
-        accumulation = self.config.train.gradient_accumulation_steps
-        first = ((step - 1) * self.world + rank) * accumulation  # global microbatch number
-        return [self._batch(self.order.indices(step, rank, j), first + j) for j in range(accumulation)]
+        return [self._batch(self.order.indices(step, rank, j), self.order.number(step, rank, j))
+                for j in range(self.config.train.gradient_accumulation_steps)]
 
     def counts(self, microbatches: list[DiTBatch]) -> torch.Tensor:
         """[samples, tokens] of this rank."""

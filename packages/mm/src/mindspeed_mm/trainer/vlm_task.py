@@ -18,7 +18,7 @@ from mindspeed_mm.models import family_of, freeze_parts, load_model, load_proces
 from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
-from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, build_sp_mesh
+from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, build_sp_mesh, load_from_rank0
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
 from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 from mindspeed_mm.trainer.task import TASKS
@@ -57,22 +57,9 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
                p.reshard_after_forward)
     if world > 1:
-        _load_from_rank0(model, weights, buffers, device)
+        load_from_rank0(model, weights, buffers, device)
     model.train()
     return family, model
-
-
-def _load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None,
-                     buffers: dict[str, torch.Tensor] | None, device: torch.device) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    set_model_state_dict(model, full_state or {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, buffer in model.named_buffers():
-        if buffers is not None:
-            buffer.copy_(buffers[name])
-        dist.broadcast(buffer, src=0)
 
 
 class VLMTask:
