@@ -98,17 +98,19 @@ def test_greedy_equals_transformers_generate(fixture, request, tmp_path) -> None
     prompts = tmp_path / "prompts.jsonl"
     history = [{"role": "user", "content": "<image>What colour is it?"}, {"role": "assistant", "content": "red"},
                {"role": "user", "content": "And this one?<image>"}]
+    text_only = [{"role": "user", "content": "Say hello."}]
     prompts.write_text(json.dumps({"messages": history + [{"role": "assistant", "content": "blue"}],
-                                   "images": [str(i) for i in images]}) + "\n")
+                                   "images": [str(i) for i in images]}) + "\n" + json.dumps({"messages": text_only}) + "\n")
     argv = ["generate", "--load-dir", str(model_dir), "--image", str(images[0]), "--prompt", "Describe the picture.",
             "--prompt", "Say hello.", "--prompts-file", str(prompts), "--max-new-tokens", str(NEW_TOKENS),
-            "--output", str(out), *PIXELS]
+            "--output", str(out), "--batch-size", "2", *PIXELS]  # a batch of 2 (left-padded), then 1
     assert main(argv) == 0
     rows = _rows(out)
     cases = [([{"role": "user", "content": "<image>Describe the picture."}], images[:1]),
              ([{"role": "user", "content": "<image>Say hello."}], images[:1]),
-             (history, images)]  # two turns, two images, the second after the text; the reference answer dropped
-    assert [r["reference"] for r in rows] == [None, None, "blue"]
+             (history, images),  # two turns, two images, the second after the text; the reference answer dropped
+             (text_only, [])]  # batched with the two-image prompt
+    assert [r["reference"] for r in rows] == [None, None, "blue", None]
     for row, (messages, pictures) in zip(rows, cases, strict=True):
         prompt, new = _transformers_generate(model_dir, messages, pictures)
         assert row["prompt_token_ids"] == prompt

@@ -49,6 +49,8 @@ class GenerateConfig:
         top_p: sample among the most likely tokens whose probability reaches p (1: all).
         seed: seed of each prompt's random stream (sampling is repeatable with it).
         ignore_eos: keep generating past the end-of-sequence token.
+        batch_size: prompts decoded together (left-padded); greedy replies do not depend on it, a seeded
+            sampling run repeats for the same batch size (1: every prompt its own seeded stream).
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
@@ -71,6 +73,7 @@ class GenerateConfig:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    batch_size: int = 8
     image_min_pixels: int = 3136
     image_max_pixels: int = 262144
     dtype: str | None = None
@@ -109,6 +112,8 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_k, config.top_p, config.seed,
                                 config.ignore_eos)
     settings.check()
+    if config.batch_size < 1:
+        raise ValueError(f"--batch-size {config.batch_size} must be at least 1")
     prompts = [prompt_from_text(text, args.image, config.system) for text in args.prompt]
     if config.prompts_file is not None:
         prompts += read_prompt_file(config.prompts_file, config.image_dir, config.max_samples)
@@ -130,17 +135,21 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate_all(loaded: Any, prompts: list[Any], settings: Any, config: GenerateConfig) -> int:
     from mindspeed_mm.inference import TextStreamer, encode_prompt, generate_tokens
+    from mindspeed_mm.inference.generation import generate_batch
 
     encoded = [encode_prompt(prompt, loaded) for prompt in prompts]  # every prompt checked before generating
-    single = config.stream and len(prompts) == 1
     started = time.perf_counter()
+    if config.stream and len(prompts) == 1:
+        replies = [generate_tokens(loaded, encoded[0], settings, TextStreamer(loaded.tokenizer, _write))]
+    else:
+        replies = []
+        for start in range(0, len(encoded), config.batch_size):
+            replies += generate_batch(loaded, encoded[start:start + config.batch_size], settings)
     rows = []
-    for index, (prompt, sample) in enumerate(zip(prompts, encoded)):
-        streamer = TextStreamer(loaded.tokenizer, _write) if single else None
-        tokens = generate_tokens(loaded, sample, settings, streamer)
+    for index, (prompt, sample, tokens) in enumerate(zip(prompts, encoded, replies)):
         text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
         reason = "stop" if tokens and not settings.ignore_eos and tokens[-1] in _eos(loaded) else "length"
-        if not single:
+        if not (config.stream and len(prompts) == 1):
             reference = f"\n--- reference {index} ---\n{prompt.reference}" if prompt.reference is not None else ""
             _write(f"--- prompt {index} ({prompt.source}) ---\n{prompt.messages[-1]['content']}\n"
                    f"--- completion {index} ({reason}, {len(tokens)} tokens) ---\n{text}{reference}\n")

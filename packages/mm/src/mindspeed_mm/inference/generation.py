@@ -126,3 +126,48 @@ class TextStreamer:
     def end(self) -> None:
         """Called by ``generate`` once the reply is complete."""
         self.write("\n")
+
+
+def batch_inputs(encoded: list[EncodedSample], loaded: InferenceModel) -> dict[str, Any]:
+    """Keyword arguments of ``generate`` for several prompts: left-padded rows, their vision inputs concatenated."""
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    length = max(sample.input_ids.numel() for sample in encoded)
+    ids = torch.full((len(encoded), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    types = torch.zeros((len(encoded), length), dtype=torch.int32)
+    vision: dict[str, list[torch.Tensor]] = {}
+    for row, sample in enumerate(encoded):
+        n = sample.input_ids.numel()
+        ids[row, length - n:], mask[row, length - n:] = sample.input_ids, 1
+        types[row, length - n:] = sample.mm_token_type_ids
+        for key, value in sample.vision.items():
+            vision.setdefault(key, []).append(value)
+    inputs: dict[str, Any] = {"input_ids": ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
+    if "mm_token_type_ids" in inspect.signature(loaded.model.forward).parameters:
+        inputs["mm_token_type_ids"] = types.to(loaded.device)
+    floating = next(loaded.model.parameters()).dtype
+    for key, values in vision.items():
+        value = torch.cat(values)
+        inputs[key] = value.to(loaded.device, dtype=floating if value.is_floating_point() else value.dtype)
+    return inputs
+
+
+def generate_batch(loaded: InferenceModel, encoded: list[EncodedSample], settings: SamplingSettings) -> list[list[int]]:
+    """The new token ids of several prompts decoded together (left padding), each cut after its end-of-sequence token.
+
+    Greedy decoding gives each prompt the tokens it gets alone (``tests/mm/test_generate.py``); a seeded
+    sampling run repeats for the same batch (one random stream per batch).
+    """
+    if len(encoded) == 1:
+        return [generate_tokens(loaded, encoded[0], settings)]
+    if settings.seed is not None:
+        torch.manual_seed(settings.seed)
+    inputs = batch_inputs(encoded, loaded)
+    with torch.no_grad():
+        out = loaded.model.generate(**inputs, generation_config=generation_config(loaded, settings))
+    eos = set() if settings.ignore_eos else set(eos_token_ids(loaded))
+    replies = []
+    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        replies.append([int(t) for t in row[:end]])
+    return replies
