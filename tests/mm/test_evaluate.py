@@ -93,29 +93,39 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
         assert result["groups"][category] == {"acc": sum(values) / len(values), "n": len(values)}
     print(f"MMBench TSV: acc {result['value']} ({sum(hits)}/{len(hits)}), groups {result['groups']}")
 
-    # JSON: options as a list with the answer as text; short answers by normalized exact match.
-    reply = _transformers_generate(model_dir, [{"role": "user", "content": "<image>What colour is it?"}],
-                                                 [images[1]], max_new_tokens=16)
+    # JSON: options as a list with the answer as text; short answers by normalized exact match. Generated
+    # replies are decoded two at a time: a short answer beside the longer multiple-choice question (padding).
     from transformers import AutoTokenizer
 
-    said = AutoTokenizer.from_pretrained(model_dir).decode(reply[1], skip_special_tokens=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    greedy = {question: tokenizer.decode(_transformers_generate(model_dir, [{"role": "user", "content": f"<image>{question}"}],
+                                                                [image], max_new_tokens=16)[1], skip_special_tokens=True)
+              for question, image in (("What colour is it?", images[1]), ("Which colour is shown here?", images[0]))}
+    said = greedy["What colour is it?"]
     records = [{"image": str(images[1]), "question": "What colour is it?", "answer": f"The {said}."},  # right
-               {"image": str(images[1]), "question": "What colour is it?", "answer": ["not this", "nor this"]},
-               {"image": str(images[0]), "question": "What colour is it?", "options": ["red", "green", "blue"],
-                "answer": "red"}]
+               {"image": str(images[0]), "question": "Which colour is shown here?", "options": ["red", "green", "blue"],
+                "answer": "red"},
+               {"image": str(images[1]), "question": "What colour is it?", "answer": ["not this", "nor this"]}]
     (tmp_path / "vqa.json").write_text(json.dumps(records))
-    assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tmp_path / "vqa.json"),
-                 "--output", str(out), "--log-samples", "--choice-prompt", "cloze", *PIXELS]) == 0
-    (result,) = json.loads(out.read_text())["results"]
-    short = [s for s in result["samples"] if s["kind"] == "short_answer"]
-    assert [s["reply"] for s in short] == [said, said] and [s["correct"] for s in short] == [True, False]
-    (choice,) = [s for s in result["samples"] if s["kind"] == "multiple_choice"]
-    cloze = {letter: _loglikelihood(model, model_dir, "<image>What colour is it?", images[0], text)
+    cloze = {letter: _loglikelihood(model, model_dir, "<image>Which colour is shown here?", images[0], text)
              for letter, text in zip("ABC", ["red", "green", "blue"])}
-    assert choice["loglikelihoods"] == pytest.approx(cloze, rel=1e-5, abs=1e-4)
-    choice_right = max(cloze, key=cloze.get) == "A"
-    assert result["metrics"] == {"acc": (1 + choice_right) / 3, "acc_multiple_choice": float(choice_right),
-                                 "exact_match": 0.5}
+    for scoring in ("likelihood", "generate"):
+        assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tmp_path / "vqa.json"),
+                     "--output", str(out), "--log-samples", "--choice-prompt", "cloze", "--choice-scoring", scoring,
+                     "--evaluation-batch-size", "2", *PIXELS]) == 0
+        (result,) = json.loads(out.read_text())["results"]
+        short = [s for s in result["samples"] if s["kind"] == "short_answer"]
+        assert [s["reply"] for s in short] == [said, said] and [s["correct"] for s in short] == [True, False]
+        (choice,) = [s for s in result["samples"] if s["kind"] == "multiple_choice"]
+        if scoring == "likelihood":
+            assert choice["loglikelihoods"] == pytest.approx(cloze, rel=1e-5, abs=1e-4)
+            choice_right = max(cloze, key=cloze.get) == "A"
+        else:
+            assert choice["reply"] == greedy["Which colour is shown here?"]
+            choice_right = choice["prediction"] == "A"
+            assert choice["prediction"] == extract_choice(choice["reply"], {"A": "red", "B": "green", "C": "blue"})
+        assert result["metrics"] == {"acc": (1 + choice_right) / 3, "acc_multiple_choice": float(choice_right),
+                                     "exact_match": 0.5}
 
 
 @pytest.mark.parametrize("reply, expected", [

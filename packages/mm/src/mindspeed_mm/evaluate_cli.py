@@ -34,6 +34,8 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--choice-prompt", default="letter", choices=CHOICE_PROMPTS,
                         help=text["choice_prompt"] + " (default letter)")
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help=text["max_new_tokens"] + " (default 16)")
+    parser.add_argument("--evaluation-batch-size", type=int, default=8, metavar="N",
+                        help=text["evaluation_batch_size"] + " (default 8)")
     parser.add_argument("--max-samples", "--max-eval-samples", dest="max_samples", type=int, metavar="N",
                         help=text["max_samples"])
     parser.add_argument("--image-dir", metavar="DIR", help=text["image_dir"])

@@ -25,6 +25,8 @@ class EvaluateConfig:
         choice_prompt: letter: the options are listed and the answer is their letter (MMBench); cloze: the
             question alone, the answer is the option's text.
         max_new_tokens: generation budget of short answers and of --choice-scoring generate.
+        evaluation_batch_size: generated replies decoded together (left-padded; greedy replies do not
+            depend on it).
         max_samples: the first N questions of each file only.
         image_dir: folder the image paths of .json / .jsonl files are relative to (default: the file's folder).
         image_min_pixels: images are resized to at least this many pixels.
@@ -42,6 +44,7 @@ class EvaluateConfig:
     choice_scoring: str = "likelihood"
     choice_prompt: str = "letter"
     max_new_tokens: int = 16
+    evaluation_batch_size: int = 8
     max_samples: int | None = None
     image_dir: str | None = None
     image_min_pixels: int = 3136
@@ -61,6 +64,8 @@ class EvaluateConfig:
             raise ValueError(f"--choice-prompt {self.choice_prompt!r} is not one of {', '.join(CHOICE_PROMPTS)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+        if self.evaluation_batch_size < 1:
+            raise ValueError(f"--evaluation-batch-size {self.evaluation_batch_size} must be at least 1")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"--max-samples {self.max_samples} must be at least 1")
         if self.output is not None and Path(self.output).is_dir():

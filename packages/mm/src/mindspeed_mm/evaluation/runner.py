@@ -29,7 +29,8 @@ from mindspeed_mm.evaluation.scoring import (
     score_choice_by_likelihood,
     short_answer_correct,
 )
-from mindspeed_mm.inference import SamplingSettings, encode_prompt, generate_tokens, load_inference_model
+from mindspeed_mm.inference import SamplingSettings, encode_prompt, load_inference_model
+from mindspeed_mm.inference.generation import generate_batch
 from mindspeed_mm.inference.loading import InferenceModel
 
 logger = get_logger(__name__)
@@ -53,15 +54,21 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
     return results, report
 
 
-def score_item(loaded: InferenceModel, item: VQAItem, config: EvaluateConfig) -> dict[str, Any]:
-    """One question's record: ``index``, ``category``, ``prediction``, ``answer``, ``correct`` (and how it was read)."""
+def generated(item: VQAItem, config: EvaluateConfig) -> bool:
+    """Whether ``item`` is answered by generation (short answers; multiple choice under ``generate`` scoring)."""
+    return not item.multiple_choice or config.choice_scoring == "generate"
+
+
+def score_item(loaded: InferenceModel, item: VQAItem, config: EvaluateConfig, reply: str | None = None) -> dict[str, Any]:
+    """One question's record: ``index``, ``category``, ``prediction``, ``answer``, ``correct`` (and how it was read).
+
+    ``reply``: the greedy reply of a generated item (generated here when not given).
+    """
     record: dict[str, Any] = {"index": item.index, "category": item.category}
-    if item.multiple_choice and config.choice_scoring == "likelihood":
+    if not generated(item, config):
         record.update(score_choice_by_likelihood(loaded, item, config.choice_prompt))
     else:
-        settings = SamplingSettings(max_new_tokens=config.max_new_tokens)
-        tokens = generate_tokens(loaded, encode_prompt(item_prompt(item, config.choice_prompt), loaded), settings)
-        record["reply"] = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+        record["reply"] = reply if reply is not None else generate_replies(loaded, [item], config)[0]
         record["prediction"] = (extract_choice(record["reply"], item.options) if item.multiple_choice
                                 else record["reply"])
     if item.multiple_choice:
@@ -72,16 +79,28 @@ def score_item(loaded: InferenceModel, item: VQAItem, config: EvaluateConfig) ->
     return record
 
 
+def generate_replies(loaded: InferenceModel, items: list[VQAItem], config: EvaluateConfig) -> list[str]:
+    """Greedy replies of ``items``, decoded together (left-padded; each the reply it gets alone)."""
+    settings = SamplingSettings(max_new_tokens=config.max_new_tokens)
+    encoded = [encode_prompt(item_prompt(item, config.choice_prompt), loaded) for item in items]
+    return [loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+            for tokens in generate_batch(loaded, encoded, settings)]
+
+
 def score_file(loaded: InferenceModel, task: str, path: Path, items: list[VQAItem],
                config: EvaluateConfig) -> TaskResult:
-    """The :class:`TaskResult` of one file."""
+    """The :class:`TaskResult` of one file (generated items in batches of ``evaluation_batch_size``)."""
     started = time.perf_counter()
     samples = []
     with StatusProgress(f"evaluate {task}", total=len(items)) as bar:
-        for item in items:
-            samples.append(score_item(loaded, item, config))
-            right = sum(s["correct"] for s in samples)
-            bar.update(status=f"acc {right / len(samples):.3f}")
+        for start in range(0, len(items), config.evaluation_batch_size):
+            chunk = items[start:start + config.evaluation_batch_size]
+            asked = [item for item in chunk if generated(item, config)]
+            replies = dict(zip(map(id, asked), generate_replies(loaded, asked, config))) if asked else {}
+            for item in chunk:
+                samples.append(score_item(loaded, item, config, replies.get(id(item))))
+                right = sum(s["correct"] for s in samples)
+                bar.update(status=f"acc {right / len(samples):.3f}")
     metrics = {"acc": _mean(samples)}
     kinds = {s["kind"] for s in samples}
     if kinds == {"short_answer"}:
