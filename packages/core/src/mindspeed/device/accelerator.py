@@ -117,6 +117,10 @@ class Accelerator:
         """Give cached, unused device memory back to the driver."""
         self.torch_module.empty_cache()
 
+    def empty_host(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor for copies to and from the device (pinned where supported)."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.supports("pinned_memory"))
+
     # -- streams ------------------------------------------------------------------------
     def stream(self) -> Any:
         """A new side stream (for overlap and swapping)."""

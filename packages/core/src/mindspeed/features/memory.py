@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
+from mindspeed.memory.fp32_reuse import ReuseFp32Param
 from mindspeed.memory.recompute import ACTIVATION, NORM, LayerRecompute
+from mindspeed.memory.swap_optimizer import DEFAULT_TIMES, SwapOptimizer
 
 
 @dataclass
@@ -81,8 +83,84 @@ class RecomputeNormFeature(_LayerRecomputeFeature):
     description = "output-discarding recompute of input_layernorm and pre_mlp_layernorm"
 
 
+class ReuseFp32ParamFeature(Feature):
+    """``--reuse-fp32-param``: bf16 weights + 16-bit remainders instead of a resident fp32 master.
+
+    Saves 2 bytes per parameter (per data-parallel shard with the distributed optimizer); the
+    masters are rebuilt bit for bit at the step, so training equals megatron's bf16 optimizer.
+    The model facts may say ``extra["precision"]``; anything but ``bf16`` is refused.
+    """
+
+    name = "reuse_fp32_param"
+    level = 2
+    flags = ("--reuse-fp32-param",)
+    conflicts = ("swap_optimizer",)
+    description = "fp32 masters kept as bf16 weight + int16 remainder between steps (saves 2 bytes/param)"
+    targets = ("hooks.post_optimizer_build",)
+
+    def validate(self, cfg: FeatureConfig, ctx: BuildContext) -> None:
+        """bf16 training (when the facts say the precision)."""
+        precision = ctx.model.extra.get("precision")
+        if precision is not None and precision != "bf16":
+            raise self.invalid(f"the run trains in {precision}, which has no fp32 master copy to save",
+                               "train in bf16 (train.precision=bf16)")
+
+    def apply(self, cfg: FeatureConfig, ctx: BuildContext) -> list[Change]:
+        """Wrap megatron's optimizer once it is built."""
+        return [ctx.add_hook("post_optimizer_build", ReuseFp32Param().install,
+                             "masters as int16 remainders, rebuilt one parameter at a time at the step")]
+
+
+@dataclass
+class SwapOptimizerConfig(FeatureConfig):
+    """Settings of the optimizer swap.
+
+    Attributes:
+        enabled: see :class:`FeatureConfig`.
+        swap_optimizer_times: chunks the state goes through the device in at each step
+            (``--swap-optimizer-times``); the step holds about ``1 / times`` of the state.
+    """
+
+    swap_optimizer_times: int = DEFAULT_TIMES
+
+
+class SwapOptimizerFeature(Feature):
+    """``--swap-optimizer``: the distributed optimizer's fp32 master and Adam moments live on the host.
+
+    Frees 12 bytes per parameter of the rank's shard (8 in fp32 training) from the device
+    between steps; the step streams them through the device in ``swap_optimizer_times``
+    chunks. Needs the distributed optimizer (the model facts may say
+    ``extra["distributed_optimizer"]``; the hook checks the optimizer itself too).
+    """
+
+    name = "swap_optimizer"
+    Config = SwapOptimizerConfig
+    level = 2
+    flags = ("--swap-optimizer", "--swap-optimizer-times")
+    conflicts = ("reuse_fp32_param",)
+    description = "distributed optimizer's fp32 state in host memory, streamed through the device in chunks"
+    targets = ("hooks.post_optimizer_build",)
+
+    def validate(self, cfg: SwapOptimizerConfig, ctx: BuildContext) -> None:
+        """At least one chunk, and the distributed optimizer (when the facts say)."""
+        if cfg.swap_optimizer_times < 1:
+            raise self.invalid(f"swap_optimizer_times={cfg.swap_optimizer_times} is not positive",
+                               "use 1 or more chunks (16 is MindSpeed's default)")
+        if ctx.model.extra.get("distributed_optimizer") is False:
+            raise self.invalid("the run does not use the distributed optimizer, whose state shard it swaps",
+                               "set parallel.distributed_optimizer=true")
+
+    def apply(self, cfg: SwapOptimizerConfig, ctx: BuildContext) -> list[Change]:
+        """Move the optimizer's state to the host once it is built."""
+        hook = SwapOptimizer(times=cfg.swap_optimizer_times)
+        return [ctx.add_hook("post_optimizer_build", hook.install,
+                             f"{cfg.swap_optimizer_times} chunks per step through the device")]
+
+
 #: The features of this module, in the order the manifest registers them.
 MEMORY_FEATURES: tuple[type[Feature], ...] = (
     RecomputeActivationFunctionFeature,
     RecomputeNormFeature,
+    ReuseFp32ParamFeature,
+    SwapOptimizerFeature,
 )

@@ -6,4 +6,10 @@ features of :mod:`mindspeed.features.memory` attach them through the trainers' h
 
 - :mod:`~mindspeed.memory.recompute`: output-discarding recompute of the MLP activation and of
   the norms (``--recompute-activation-function``, ``--recompute-norm``).
+- :mod:`~mindspeed.memory.fp32_reuse`: fp32 masters kept as bf16 weight + int16 remainder
+  between steps (``--reuse-fp32-param``).
+- :mod:`~mindspeed.memory.swap_optimizer`: the distributed optimizer's fp32 state in host
+  memory, streamed through the device at the step (``--swap-optimizer``).
+- :mod:`~mindspeed.memory.optimizer_step`: what the two share: megatron's optimizer step run
+  chunk by chunk over its (main, model) parameter pairs.
 """

@@ -31,6 +31,13 @@ _MIB = float(1 << 20)
 #: Ops whose tensor argument was just built outside the dispatcher (by ``torch.tensor``).
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 
+#: Host buffers tagged by :func:`mark_host` (``StorageImpl`` address -> its finalizer): on the
+#: CPU the :class:`StorageTracker` stands in for a device allocator and never counts them, so
+#: what it measures is the "device pool" (tensors that would live on an accelerator).
+_HOST_STORAGES: dict[int, weakref.finalize] = {}
+#: Trackers inside their block, told when a storage they counted turns out to be a host buffer.
+_TRACKERS: weakref.WeakSet = weakref.WeakSet()
+
 
 @dataclass
 class PeakMemory:
@@ -91,12 +98,14 @@ class StorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> StorageTracker:
         self._active = True
+        _TRACKERS.add(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
+            _TRACKERS.discard(self)
             with self._lock:
                 self._active = False
                 # Storages that outlive the block must not call back into a finished tracker.
@@ -117,6 +126,13 @@ class StorageTracker(TorchDispatchMode):
             return out
         inputs = self._storages(tree_leaves((args, kwargs)))
         input_sizes = {key: storage.nbytes() for key, storage in inputs.items()}
+        with self._lock:
+            # A storage resized outside the dispatcher (``untyped_storage().resize_``, which
+            # output-discarding recompute and swapping use) counts its new size from the next
+            # op that reads it, at the latest.
+            for key, nbytes in input_sizes.items():
+                if key in self._sizes and self._sizes[key] != nbytes - self._before.get(key, 0):
+                    self._resize(key, nbytes - self._before.get(key, 0))
         out = func(*args, **kwargs)
         with self._lock:
             for key, storage in inputs.items():
@@ -136,9 +152,27 @@ class StorageTracker(TorchDispatchMode):
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 storage = _storage_of(leaf)
-                if storage is not None:
+                if storage is not None and storage._cdata not in _HOST_STORAGES:
                     found.setdefault(storage._cdata, storage)
         return found
+
+    def _resized(self, storage: torch.UntypedStorage, old: int, new: int) -> None:
+        # resize_storage() told us: count the new size now.
+        with self._lock:
+            key = storage._cdata
+            if key in _HOST_STORAGES:
+                return
+            if key not in self._sizes:
+                self._watch_existing(key, storage, old)
+            self._resize(key, new - self._before.get(key, 0))
+
+    def _forget(self, key: int) -> None:
+        # A storage counted so far is a host buffer (mark_host): it leaves the device pool.
+        with self._lock:
+            if key in self._sizes:
+                self.live_bytes -= self._sizes.pop(key)
+                self._before.pop(key, None)
+                self._finalizers.pop(key).detach()
 
     def _add(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> None:
         self._sizes[key] = nbytes
@@ -166,6 +200,50 @@ class StorageTracker(TorchDispatchMode):
             if self._active:
                 self.live_bytes -= self._before.pop(key, 0) + self._sizes.pop(key, 0)
                 self._finalizers.pop(key, None)
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Tag ``tensor``'s storage as host memory: the dispatch tracker no longer counts it.
+
+    On an accelerator the device allocator never sees host buffers; on the CPU the
+    :class:`StorageTracker` is the allocator's stand-in, and this keeps host copies (swap
+    buffers) out of its "device pool". Create the buffer inside :func:`untracked` so its
+    allocation is not counted either.
+
+    Returns:
+        ``tensor``.
+    """
+    storage = _storage_of(tensor)
+    if storage is None:
+        return tensor
+    key = storage._cdata
+    if key not in _HOST_STORAGES:
+        _HOST_STORAGES[key] = weakref.finalize(storage, _HOST_STORAGES.pop, key, None)
+    for tracker in list(_TRACKERS):
+        tracker._forget(key)
+    return tensor
+
+
+def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    r"""Resize ``tensor``'s storage to ``nbytes`` (0 frees it, the tensor keeps its shape), counted at once.
+
+    ``untyped_storage().resize_`` bypasses the dispatcher; active :class:`StorageTracker`\ s
+    are told directly, so a peak measured on the CPU sees the bytes go and come back.
+    """
+    storage = tensor.untyped_storage()
+    old = storage.nbytes()
+    storage.resize_(nbytes)
+    for tracker in list(_TRACKERS):
+        tracker._resized(storage, old, nbytes)
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Run a block outside any :class:`StorageTracker` (allocate host buffers here, then :func:`mark_host`)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def resolve_method(method: str = "auto") -> str:
