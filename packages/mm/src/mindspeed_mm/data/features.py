@@ -47,16 +47,21 @@ def write_features(directory: str | Path, samples: list[dict[str, torch.Tensor]]
         for i in range(start, min(start + shard_size, len(samples))):
             sample_id = f"{i:06d}"
             for key, value in samples[i].items():
-                tensors[f"{sample_id}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{sample_id}.{key}"] = _own(value)
             lines.append({"id": sample_id, "shard": shard, "caption": captions[i] if captions else "",
                           "shape": list(samples[i]["latents"].shape)})
         save_file(tensors, str(tmp / shard))
     if null is not None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in null.items()}, str(tmp / NULL))
+        save_file({k: _own(v) for k, v in null.items()}, str(tmp / NULL))
     (tmp / INDEX).write_text("".join(json.dumps(line) + "\n" for line in lines))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return directory
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    # A contiguous copy with its own storage: safetensors refuses views that share one (rows of a batch).
+    return tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
 
 
 class FeatureSet:

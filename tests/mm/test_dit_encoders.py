@@ -1,0 +1,80 @@
+"""Feature extraction's encoders against WanPipeline: what the cache holds is what the pipeline feeds the transformer.
+
+- Text: UMT5's outputs for the real tokens, zero-padded by the trainer, equal
+  ``WanPipeline.encode_prompt`` (the pipeline's own cleaning, padding and truncation).
+- Latents: un-normalised as ``WanPipeline`` does before decoding, the cached latents give back the
+  VAE posterior's mode.
+- A cache written from them trains (one step, finite loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mindspeed_llm.training.launch import launch
+from mindspeed_mm.config import load_mm_config
+from mindspeed_mm.data.features import write_features
+from mindspeed_mm.diffusion.encoders import encode_latents, encode_umt5
+from mindspeed_mm.models.dit import write_tiny_dit
+from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
+from mindspeed_mm.trainer.loop import train
+
+MAX_LEN = 12
+
+
+def _tiny_encoders():
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = build_byte_tokenizer(["<pad>", "</s>"], eos_token="</s>", pad_token="<pad>", chat_template="")
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                          num_heads=2, pad_token_id=tokenizer.pad_token_id)).eval()
+    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                           latents_std=[1.5, 0.5, 2.0, 1.0]).eval()
+    return tokenizer, encoder, vae
+
+
+def _train(config):
+    return train(config).records
+
+
+def test_wan_features_equal_pipeline_inputs(tmp_path) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer, encoder, vae = _tiny_encoders()
+    model_dir = write_tiny_dit(tmp_path / "transformer", "WanTransformer3DModel")
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                       transformer=WanTransformer3DModel.from_pretrained(model_dir))
+    captions = ["a red  square moves left", "  blue circle &amp; up ", "", "x" * 40]
+    texts = encode_umt5(tokenizer, encoder, captions, MAX_LEN)
+    assert [t.shape[0] for t in texts] == [min(len(" ".join(c.split()).replace("&amp;", "&")), MAX_LEN)
+                                           for c in captions]
+    padded = torch.stack([torch.cat([t, t.new_zeros(MAX_LEN - t.shape[0], t.shape[1])]) for t in texts])
+    expected, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LEN)
+    torch.testing.assert_close(padded, expected.detach(), rtol=1e-5, atol=1e-6)  # 5e-7 apart (grad vs no_grad)
+    assert torch.equal(padded == 0, expected == 0)  # the same zero padding
+
+    video = torch.rand(2, 3, 9, 16, 16) * 2 - 1
+    latents = encode_latents(vae, video)
+    assert latents.shape == (2, 4, 3, 2, 2)
+    # WanPipeline's un-normalisation before vae.decode gives back the posterior's mode
+    mean = torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 4, 1, 1, 1)
+    with torch.no_grad():
+        mode = vae.encode(video).latent_dist.mode()
+    torch.testing.assert_close(latents / inverse_std + mean, mode, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(latents, mode)
+
+    samples = [{"latents": latents[i % 2], "text": texts[i]} for i in range(4)]
+    null = {"text": encode_umt5(tokenizer, encoder, [""], MAX_LEN)[0]}
+    cache = write_features(tmp_path / "features", samples, captions, null)
+    config = load_mm_config(None, [f"model.path={model_dir}", f"data.features={cache}", f"data.text_len={MAX_LEN}",
+                                   "train.steps=1", "train.micro_batch_size=2", "train.precision=fp32",
+                                   "diffusion.text_dropout=0.5", "logging.progress=false"])
+    records = launch(_train, (config,))
+    assert math.isfinite(records[0]["loss"]) and records[0]["loss"] > 0
