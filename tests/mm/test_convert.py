@@ -3,8 +3,8 @@
 - hf -> dcp -> hf gives the source's tensors (names, dtypes, bytes) for Qwen2.5-VL and InternVL
   (whose hub names differ from the module names everywhere), and the DCP holds the model's own
   state dict (module names) bit for bit.
-- From the LoRA run's checkpoint (tests/mm/conftest.py: tiny_lora_run): dcp -> peft equals the
-  run's ``lora.save_peft`` adapter; dcp -> hf (merged) and peft -> hf (merge onto the base)
+- From the LoRA run's checkpoint (tests/mm/conftest.py: tiny_lora_run): dcp -> peft (alpha from
+  the adapter_config.json the run keeps next to its checkpoints) equals the run's ``lora.save_peft`` adapter; dcp -> hf (merged) and peft -> hf (merge onto the base)
   equal the run's merged ``checkpoint.save_hf``; peft -> dcp rebuilds the checkpoint's model
   state bit for bit.
 """
@@ -57,7 +57,8 @@ def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lor
 
     run, base = tiny_lora_run, tiny_vlm[0]
     lora = ("--lora-alpha", "8", "--base-dir", str(base))
-    assert _convert(capsys, "dcp", "peft", run / "ckpt", tmp_path / "peft", *lora)[0] == 0  # SAVE: its newest step
+    # SAVE: its newest step; alpha from the adapter_config.json the run wrote there
+    assert _convert(capsys, "dcp", "peft", run / "ckpt", tmp_path / "peft", "--base-dir", str(base))[0] == 0
     _same(load_file(run / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors"))
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["lora_alpha"] == 8
     from peft import PeftModel  # the converted adapter (targets as a list of module names) loads in peft
@@ -82,6 +83,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(capsys, tiny_vlm, tiny
     tensors = load_file(odd / "model.safetensors")
     tensors["extra.weight"] = tensors.pop("lm_head.weight")
     save_file(tensors, odd / "model.safetensors", metadata={"format": "pt"})
+    bare = tmp_path / "bare-dcp"  # a LoRA checkpoint away from the run's adapter_config.json
+    shutil.copytree(run / "ckpt" / "step_00000002", bare)
     damaged = tmp_path / "damaged-dcp"
     shutil.copytree(run / "ckpt" / "step_00000002", damaged)
     data = sorted(damaged.glob("*.distcp"))[0]
@@ -98,7 +101,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(capsys, tiny_vlm, tiny
         (("hf", "dcp", tmp_path / "nowhere"), (), "--load-dir", "is not a directory"),
         (("hf", "peft", base), (), "--save-format peft", "is not a conversion; use one of dcp -> hf"),
         (("dcp", "hf", run / "ckpt"), (), "dcp -> hf", "needs --base-dir"),
-        (("dcp", "hf", run / "ckpt"), ("--base-dir", str(base)), "LoRA factors on", "pass --lora-alpha"),
+        (("dcp", "hf", bare), ("--base-dir", str(base)), "LoRA factors on 6 linears and no adapter_config.json",
+         "pass --lora-alpha"),
+        (("dcp", "peft", run / "ckpt"), ("--lora-alpha", "16"), "--lora-alpha 16.0 differs from the run's lora_alpha 8.0"),
         (("dcp", "hf", full), ("--base-dir", str(tiny_internvl[0])), "matching no tensor of InternVLForConditional",
          "model.visual.blocks.0.attn.proj.bias"),
         (("hf", "dcp", odd), (), "has 1 tensor matching no tensor of Qwen2_5_VLForConditionalGeneration: extra.weight; ",

@@ -10,6 +10,8 @@ with LoRA: tests/mm/test_fsdp.py.)
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -68,6 +70,8 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_l
     assert all(torch.equal(value, hub[name.replace(".base_layer.", ".")])
                for name, value in state.items() if ".lora_" not in name)
 
+    recorded = json.loads((run / "ckpt" / "adapter_config.json").read_text())  # for convert: alpha
+    assert recorded == json.loads((run / "peft" / "adapter_config.json").read_text()) and recorded["lora_alpha"] == 8
     peft_model = PeftModel.from_pretrained(load_model(model_dir, family), run / "peft")
     assert _losses(peft_model, encoded) == pytest.approx(expected, rel=1e-6, abs=0)
     merged, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "merged", output_loading_info=True)

@@ -25,8 +25,8 @@ class ConvertConfig:
         base_dir: the base Hugging Face model directory: its config names the tensors, its
             tokenizer, image processor and chat template go into a Hugging Face output, and its
             weights are the base under a PEFT adapter (needed for dcp -> hf, peft -> dcp, peft -> hf).
-        lora_alpha: LoRA alpha of a DCP checkpoint with LoRA factors (the recipe's lora.alpha;
-            DCP checkpoints record the rank in the factors' shapes, not alpha).
+        lora_alpha: LoRA alpha of a DCP checkpoint with LoRA factors (the recipe's lora.alpha);
+            default: what the run recorded in adapter_config.json next to its checkpoints.
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
         overwrite: replace a non-empty ``save_dir``.
         progress: draw a progress bar.

@@ -18,6 +18,7 @@ next to ``save_dir``, renamed at the end; a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from mindspeed_mm.convert.config import CONVERSIONS, FORMATS, NEEDS_BASE, Conver
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
 from mindspeed_mm.convert.names import ModelNames, model_names
 from mindspeed_mm.convert.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
-from mindspeed_mm.models.lora import ADAPTER, AdapterSettings, adapted_modules, merge_weight
+from mindspeed_mm.models.lora import ADAPTER, ADAPTER_CONFIG, AdapterSettings, adapted_modules, merge_weight
 
 logger = get_logger(__name__)
 
@@ -181,13 +182,34 @@ def _write_hf(config: ConvertConfig, plan: list[tuple[str, torch.dtype, tuple[in
     return report
 
 
+def lora_alpha(config: ConvertConfig, checkpoint: Path) -> float | None:
+    """``--lora-alpha``, else the alpha the run recorded in ``adapter_config.json`` next to its checkpoints.
+
+    Raises:
+        ValueError: both are there and differ.
+    """
+    recorded = next((p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None)
+    alpha = None
+    if recorded is not None:
+        try:
+            alpha = float(json.loads(recorded.read_text())["lora_alpha"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
+    if config.lora_alpha is not None and alpha is not None and config.lora_alpha != alpha:
+        raise ValueError(f"--lora-alpha {config.lora_alpha} differs from the run's lora_alpha {alpha} ({recorded}); "
+                         "leave --lora-alpha out")
+    return config.lora_alpha if config.lora_alpha is not None else alpha
+
+
 def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
     source = DCPModel(config.load_dir)
     names = model_names(config.base_dir)
     adapted = set(adapted_modules(source.tensors))
-    if adapted and config.lora_alpha is None:
-        raise ValueError(f"{source.path} holds LoRA factors on {len(adapted)} linears: pass --lora-alpha (the recipe's "
-                         "lora.alpha) to merge them, or --save-format peft for the adapter alone")
+    alpha = lora_alpha(config, source.path) if adapted else None
+    if adapted and alpha is None:
+        raise ValueError(f"{source.path} holds LoRA factors on {len(adapted)} linears and no adapter_config.json "
+                         "records alpha: pass --lora-alpha (the recipe's lora.alpha) to merge them, or "
+                         "--save-format peft for the adapter alone")
     want = {trained_name(name, adapted) for name in names.shapes} | {f for m in adapted for f in factor_names(m)}
     _match(set(source.tensors), want, str(source.path), names.architecture,
            optional={trained_name(name, adapted) for name in names.tied})
@@ -204,7 +226,7 @@ def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
                 prefix, leaf = name.rsplit(".", 1)
                 if prefix in adapted and leaf == "weight":
                     r = factors[factor_names(prefix)[0]].shape[0]
-                    tensor = merge_weight(tensor, *(factors[f] for f in factor_names(prefix)), config.lora_alpha / r)
+                    tensor = merge_weight(tensor, *(factors[f] for f in factor_names(prefix)), alpha / r)
                 yield names.hub[name], tensor
 
     what = f"DCP {source.path}" + (f" (LoRA on {len(adapted)} linears merged)" if adapted else "")
@@ -234,14 +256,16 @@ def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
     if not adapted:
         raise ValueError(f"{source.path} holds no LoRA factors (lora_A / lora_B); it is a full fine-tuning "
                          "checkpoint: convert it with --save-format hf")
-    if config.lora_alpha is None:
-        raise ValueError(f"{source.path}: pass --lora-alpha (the recipe's lora.alpha); DCP checkpoints do not record it")
+    alpha = lora_alpha(config, source.path)
+    if alpha is None:
+        raise ValueError(f"{source.path}: no adapter_config.json records alpha; pass --lora-alpha (the recipe's "
+                         "lora.alpha)")
     factors = source.read(sorted(f for m in adapted for f in factor_names(m)))
     pairs = {m: (factors[factor_names(m)[0]], factors[factor_names(m)[1]]) for m in adapted}
     ranks = sorted({a.shape[0] for a, _ in pairs.values()})
     if len(ranks) != 1:
         raise ValueError(f"{source.path}: the LoRA factors have ranks {ranks}; a PEFT adapter here has one rank")
-    adapter = Adapter(AdapterSettings(ranks[0], float(config.lora_alpha), list(adapted)), pairs)
+    adapter = Adapter(AdapterSettings(ranks[0], alpha, list(adapted)), pairs)
     if config.base_dir is not None:
         _check_adapter(adapter, model_names(config.base_dir), str(source.path))
     with atomic_directory(Path(config.save_dir)) as temp:

@@ -160,6 +160,20 @@ def adapter_config(settings: AdapterSettings, base: str | Path | None) -> dict[s
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
 
+def write_adapter_config(lora: LoraConfig, family: VLMFamily, base: str | Path, directory: str | Path) -> Path:
+    """Write the run's ``adapter_config.json`` into ``directory`` (atomically); returns its path.
+
+    A LoRA run writes it next to its DCP checkpoints too, so ``mindspeed-mm convert`` knows alpha.
+    """
+    settings = AdapterSettings(lora.r, lora.alpha, target_regex(lora, family), lora.dropout)
+    target = Path(directory) / ADAPTER_CONFIG
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(adapter_config(settings, base), indent=2, default=str) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
 def write_peft_adapter(full: dict[str, torch.Tensor], lora: LoraConfig, family: VLMFamily, base: str | Path,
                        target: str | Path) -> Path:
     """Write the adapter of a trained model's full state dict as a PEFT directory, atomically.
@@ -174,8 +188,7 @@ def write_peft_adapter(full: dict[str, torch.Tensor], lora: LoraConfig, family: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(peft_adapter_state(full), tmp / ADAPTER_WEIGHTS)
-    settings = AdapterSettings(lora.r, lora.alpha, target_regex(lora, family), lora.dropout)
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(settings, base), indent=2, default=str) + "\n")
+    write_adapter_config(lora, family, base, tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     logger.info("saved the PEFT adapter to %s", target)

@@ -16,7 +16,7 @@ from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
 from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing
 from mindspeed_mm.models.loading import build_meta_model
-from mindspeed_mm.models.lora import apply_lora, merged_state, write_peft_adapter
+from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
 from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, build_sp_mesh, load_from_rank0
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
@@ -92,6 +92,9 @@ class VLMTask:
         self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps,
                                  world // self.sp, t.seed, d.shuffle)
         self._encoded: dict[int, EncodedSample] = {}
+        if config.lora.enabled and config.checkpoint.save and dist.get_rank() == 0:
+            # DCP checkpoints record the factors' rank in their shapes, not alpha: convert reads it here.
+            write_adapter_config(config.lora, self.family, self.source, config.checkpoint.save)
 
     def _sample(self, index: int) -> EncodedSample:
         if index not in self._encoded:
