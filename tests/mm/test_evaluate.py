@@ -20,7 +20,7 @@ import torch
 from mindspeed_mm.cli import main
 from mindspeed_mm.evaluation.data import encode_image_base64, write_mmbench_tsv
 from mindspeed_mm.evaluation.scoring import extract_choice, normalize_answer
-from tests.mm.test_generate import PIXELS, _images, _reference_inputs, _transformers_generate
+from tests.mm.hf_reference import PIXELS, images_by_size, reference_inputs, transformers_generate
 
 INSTRUCTION = "Answer with the option's letter from the given choices directly."
 
@@ -40,7 +40,7 @@ def _loglikelihood(model, model_dir, user: str, image, answer: str) -> float:
     prompt_text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
     full_text = tokenizer.apply_chat_template(user_turn + [{"role": "assistant", "content": answer}], tokenize=False)
     answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
-    inputs = _reference_inputs(model_dir, user_turn, [image])
+    inputs = reference_inputs(model_dir, user_turn, [image])
     ids = torch.cat([inputs["input_ids"], torch.tensor([answer_ids])], dim=1)
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
                   mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(answer_ids),
@@ -55,7 +55,7 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model_dir, data = tiny_vlm
-    images = _images(data)
+    images = images_by_size(data)
     rows = [
         {"index": "10", "question": "What colour is it?", "A": "red", "B": "green", "C": "blue", "D": "grey",
          "answer": "A", "image": encode_image_base64(images[0]), "category": "colour"},
@@ -98,7 +98,7 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    greedy = {question: tokenizer.decode(_transformers_generate(model_dir, [{"role": "user", "content": f"<image>{question}"}],
+    greedy = {question: tokenizer.decode(transformers_generate(model_dir, [{"role": "user", "content": f"<image>{question}"}],
                                                                 [image], max_new_tokens=16)[1], skip_special_tokens=True)
               for question, image in (("What colour is it?", images[1]), ("Which colour is shown here?", images[0]))}
     said = greedy["What colour is it?"]

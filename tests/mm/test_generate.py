@@ -17,73 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from mindspeed_llm.training.launch import launch
 from mindspeed_mm.cli import main
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.inference import load_inference_model
 from mindspeed_mm.trainer.loop import train
-
-NEW_TOKENS = 12
-PIXELS = ["--image-min-pixels", "784", "--image-max-pixels", "12544"]  # the tiny processors' own bounds
-#: architecture -> (text that stands for one image, the token the processor repeats)
-PLACEHOLDERS = {"Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
-                "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
-                "InternVLForConditionalGeneration": ("<img><IMG_CONTEXT></img>", "<IMG_CONTEXT>")}
-
-
-def _reference_inputs(model_dir: Path, messages: list[dict], images: list[Path]) -> dict:
-    """Model inputs built with transformers only (the family's token count rule written out here)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    config = json.loads((model_dir / "config.json").read_text())
-    placeholder, token = PLACEHOLDERS[config["architectures"][0]]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    messages = [{**m, "content": m["content"].replace("<image>", placeholder)} for m in messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = {}
-    if images:
-        out = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(p).convert("RGB") for p in images],
-                                                             return_tensors="pt")
-        if "image_grid_thw" in out:  # Qwen-VL: one token per 2 x 2 merged patch
-            counts = [int(g.prod()) // 4 for g in out["image_grid_thw"]]
-            inputs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-        else:  # InternVL: image_seq_length tokens per tile
-            counts = [config["image_seq_length"] * int(n) for n in out["num_patches"]]
-            inputs.update(pixel_values=out["pixel_values"])
-        pieces = text.split(token)
-        text = pieces[0] + "".join(token * n + piece for n, piece in zip(counts, pieces[1:]))
-    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
-    if "image_grid_thw" in inputs or not images and "Qwen" in config["architectures"][0]:
-        inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(token)).int()
-    return inputs
-
-
-def _transformers_generate(model_dir: Path, messages: list[dict], images: list[Path], max_new_tokens: int = NEW_TOKENS,
-                           **sampling) -> tuple[list, list]:
-    """(prompt ids, new ids) of transformers' own generate."""
-    import transformers
-
-    config = json.loads((model_dir / "config.json").read_text())
-    model = getattr(transformers, config["architectures"][0]).from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = _reference_inputs(model_dir, messages, images)
-    if sampling:
-        torch.manual_seed(sampling.pop("seed"))
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=bool(sampling), **sampling)
-    prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
-
-
-def _images(data: Path) -> list[Path]:
-    """The dataset's images, largest first (several merged patches: M-RoPE positions differ from 1-D ones)."""
-    def pixels(path: Path) -> int:
-        with Image.open(path) as image:
-            return image.size[0] * image.size[1]
-
-    return sorted((data.parent / "images").glob("*.png"), key=lambda path: (-pixels(path), path.name))
+from tests.mm.hf_reference import NEW_TOKENS, PIXELS, images_by_size, reference_inputs, transformers_generate
 
 
 def _rows(path: Path) -> list[dict]:
@@ -91,9 +31,9 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
-def test_greedy_equals_transformers_generate(fixture, request, tmp_path) -> None:
+def test_greedy_equalstransformers_generate(fixture, request, tmp_path) -> None:
     model_dir, data = request.getfixturevalue(fixture)
-    images = _images(data)[1::-1]  # 56 x 84, then 84 x 84
+    images = images_by_size(data)[1::-1]  # 56 x 84, then 84 x 84
     out = tmp_path / "out.jsonl"
     prompts = tmp_path / "prompts.jsonl"
     history = [{"role": "user", "content": "<image>What colour is it?"}, {"role": "assistant", "content": "red"},
@@ -112,7 +52,7 @@ def test_greedy_equals_transformers_generate(fixture, request, tmp_path) -> None
              (text_only, [])]  # batched with the two-image prompt
     assert [r["reference"] for r in rows] == [None, None, "blue", None]
     for row, (messages, pictures) in zip(rows, cases, strict=True):
-        prompt, new = _transformers_generate(model_dir, messages, pictures)
+        prompt, new = transformers_generate(model_dir, messages, pictures)
         assert row["prompt_token_ids"] == prompt
         assert row["token_ids"] == new and len(new) == NEW_TOKENS
         print(f"{fixture}: {len(prompt)} prompt tokens, the same {len(new)} new tokens as transformers")
@@ -121,7 +61,7 @@ def test_greedy_equals_transformers_generate(fixture, request, tmp_path) -> None
 
         architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
         model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).eval()
-        inputs = _reference_inputs(model_dir, *cases[0])
+        inputs = reference_inputs(model_dir, *cases[0])
         del inputs["mm_token_type_ids"]  # transformers falls back to 1-D positions
         with torch.no_grad():
             one_d = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(rows[0]["prompt_token_ids"]):]
@@ -130,7 +70,7 @@ def test_greedy_equals_transformers_generate(fixture, request, tmp_path) -> None
 
 def test_sampling_streaming_and_chat_from_a_pipe(tiny_vlm, tmp_path, capsys, monkeypatch) -> None:
     model_dir, data = tiny_vlm
-    image = _images(data)[1]
+    image = images_by_size(data)[1]
     messages = [{"role": "user", "content": "<image>What colour is it?"}]
     sampling = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}
     argv = ["generate", "--load-dir", str(model_dir), "--image", str(image), "--prompt", "What colour is it?",
@@ -140,9 +80,9 @@ def test_sampling_streaming_and_chat_from_a_pipe(tiny_vlm, tmp_path, capsys, mon
     streamed = capsys.readouterr().out
     assert main(argv[:-len(PIXELS) - 1] + [str(tmp_path / "b.jsonl"), *PIXELS]) == 0
     (a,), (b,) = _rows(tmp_path / "a.jsonl"), _rows(tmp_path / "b.jsonl")
-    assert a["token_ids"] == b["token_ids"] == _transformers_generate(model_dir, messages, [image], **sampling)[1]
+    assert a["token_ids"] == b["token_ids"] == transformers_generate(model_dir, messages, [image], **sampling)[1]
     assert streamed.rstrip("\n").endswith(a["completion"]) and a["completion"]
-    greedy = _transformers_generate(model_dir, messages, [image])[1]
+    greedy = transformers_generate(model_dir, messages, [image])[1]
     assert a["token_ids"] != greedy  # it sampled
 
     # A conversation from a pipe: a turn per line, one reply a line; the second turn sees the first reply.
@@ -154,7 +94,7 @@ def test_sampling_streaming_and_chat_from_a_pipe(tiny_vlm, tmp_path, capsys, mon
     loaded = load_inference_model(model_dir, min_pixels=784, max_pixels=12544)
     first = loaded.tokenizer.decode(greedy, skip_special_tokens=True)
     assert replies[0] == first
-    second = _transformers_generate(model_dir, messages + [{"role": "assistant", "content": first},
+    second = transformers_generate(model_dir, messages + [{"role": "assistant", "content": first},
                                                            {"role": "user", "content": "And now?"}], [image])[1]
     assert replies[1] == loaded.tokenizer.decode(second, skip_special_tokens=True)
 
@@ -179,7 +119,7 @@ def test_training_checkpoint_generates_what_its_export_generates(tiny_vlm, tmp_p
         assert torch.equal(value, same[name]), name
     assert any(not torch.equal(value, changed[name]) for name, value in same.items())
 
-    image = _images(data)[1]
+    image = images_by_size(data)[1]
     outputs = []
     for load in (["--load-dir", str(tmp_path / "ckpt" / "step_00000002"), "--hf-cfg-dir", str(model_dir)],
                  ["--load-dir", str(tmp_path / "hf")]):
@@ -212,7 +152,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
     adapted = [name for name in merged if not torch.equal(merged[name], untrained[name])]
     assert adapted and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name in adapted)
 
-    image = _images(data)[1]
+    image = images_by_size(data)[1]
     outputs = []
     for load in (["--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir), "--lora-alpha", "8"],
                  ["--load-dir", str(tmp_path / "adapter")], ["--load-dir", str(tmp_path / "merged")]):
@@ -239,7 +179,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tiny_vlm, tmp_path, capsys) -> None:
     model_dir, data = tiny_vlm
-    image = str(_images(data)[1])
+    image = str(images_by_size(data)[1])
     checkpoint = tmp_path / "step_00000001"
     checkpoint.mkdir()
     (checkpoint / ".metadata").write_bytes(b"")
