@@ -1,10 +1,13 @@
-"""Feature extraction's encoders against WanPipeline: what the cache holds is what the pipeline feeds the transformer.
+"""Feature extraction's encoders against WanPipeline and FluxPipeline: what the cache holds is what the pipeline
+feeds the transformer.
 
 - Text: UMT5's outputs for the real tokens, zero-padded by the trainer, equal
   ``WanPipeline.encode_prompt`` (the pipeline's own cleaning, padding and truncation).
 - Latents: un-normalised as ``WanPipeline`` does before decoding, the cached latents give back the
   VAE posterior's mode.
 - A cache written from them trains (one step, finite loss).
+- FLUX: T5 (padding included) and CLIP pooled outputs equal ``FluxPipeline.encode_prompt``; the
+  latents, un-normalised as ``FluxPipeline`` does, give back ``AutoencoderKL``'s mode.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.data.features import write_features
-from mindspeed_mm.diffusion.encoders import encode_latents, encode_umt5
+from mindspeed_mm.diffusion.encoders import encode_latents, encode_t5_clip, encode_umt5
 from mindspeed_mm.models.dit import write_tiny_dit
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 from mindspeed_mm.trainer.loop import train
@@ -78,3 +81,45 @@ def test_wan_features_equal_pipeline_inputs(tmp_path) -> None:
                                    "diffusion.text_dropout=0.5", "logging.progress=false"])
     records = launch(_train, (config,))
     assert math.isfinite(records[0]["loss"]) and records[0]["loss"] > 0
+
+
+def test_flux_features_equal_pipeline_inputs(tmp_path) -> None:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+
+    def tokenizer(max_length: int):
+        built = build_byte_tokenizer(["<pad>", "</s>"], eos_token="</s>", pad_token="<pad>", chat_template="")
+        built.model_max_length = max_length
+        return built
+
+    clip_tokenizer, t5_tokenizer = tokenizer(10), tokenizer(MAX_LEN)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(clip_tokenizer), hidden_size=32, intermediate_size=37,
+                                        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=10,
+                                        eos_token_id=clip_tokenizer.eos_token_id,
+                                        pad_token_id=clip_tokenizer.pad_token_id)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1,
+                                 num_heads=2, pad_token_id=t5_tokenizer.pad_token_id)).eval()
+    vae = AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                        shift_factor=0.1159, scaling_factor=0.3611).eval()
+    model_dir = write_tiny_dit(tmp_path / "transformer", "FluxTransformer2DModel")
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
+                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer,
+                        transformer=FluxTransformer2DModel.from_pretrained(model_dir))
+    captions = ["a red square", "", "a very long caption that T5 and CLIP both cut"]
+    ours = encode_t5_clip(clip_tokenizer, clip, t5_tokenizer, t5, captions, MAX_LEN)
+    text, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=MAX_LEN)
+    torch.testing.assert_close(torch.stack([o["text"] for o in ours]), text.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack([o["pooled"] for o in ours]), pooled.detach(), rtol=1e-5, atol=1e-6)
+    assert ours[0]["text"].shape == (MAX_LEN, 32) and ours[0]["pooled"].shape == (32,)
+
+    image = torch.rand(2, 3, 16, 16) * 2 - 1
+    latents = encode_latents(vae, image)
+    with torch.no_grad():
+        mode = vae.encode(image).latent_dist.mode()
+    # FluxPipeline's un-normalisation before vae.decode
+    torch.testing.assert_close(latents / vae.config.scaling_factor + vae.config.shift_factor, mode,
+                               rtol=1e-6, atol=1e-6)
+    assert latents.shape == (2, 4, 8, 8)

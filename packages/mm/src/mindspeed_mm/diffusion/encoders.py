@@ -7,7 +7,9 @@ The cache (:mod:`mindspeed_mm.data.features`) holds exactly what training feeds 
   Wan's VAE (MindSpeed-MM's ``channel_specified_shift_scale``), ``(z - shift_factor) x
   scaling_factor`` for FLUX's ``AutoencoderKL``;
 - Wan text: UMT5's output for the caption's real tokens (``WanPipeline`` pads the rest with zeros,
-  which the trainer does from ``data.text_len``).
+  which the trainer does from ``data.text_len``);
+- FLUX text: T5's output over all ``max_length`` tokens, padding included and no attention mask
+  (as ``FluxPipeline``), and CLIP's pooled output over its tokenizer's ``model_max_length``.
 """
 
 from __future__ import annotations
@@ -48,3 +50,16 @@ def encode_umt5(tokenizer: Any, encoder: Any, captions: list[str], max_length: i
     mask = inputs.attention_mask
     hidden = encoder(inputs.input_ids.to(device), mask.to(device)).last_hidden_state
     return [h[:n] for h, n in zip(hidden, mask.gt(0).sum(dim=1).tolist())]
+
+
+@torch.no_grad()
+def encode_t5_clip(clip_tokenizer: Any, clip: Any, t5_tokenizer: Any, t5: Any, captions: list[str],
+                   max_length: int = 512) -> list[dict[str, torch.Tensor]]:
+    """Per caption ``{"text": [max_length, D], "pooled": [P]}`` as ``FluxPipeline.encode_prompt`` computes them."""
+    clip_inputs = clip_tokenizer(captions, padding="max_length", max_length=clip_tokenizer.model_max_length,
+                                 truncation=True, return_tensors="pt")
+    pooled = clip(clip_inputs.input_ids.to(next(clip.parameters()).device), output_hidden_states=False).pooler_output
+    t5_inputs = t5_tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
+                             return_tensors="pt")
+    text = t5(t5_inputs.input_ids.to(next(t5.parameters()).device), output_hidden_states=False)[0]
+    return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
