@@ -303,6 +303,21 @@ def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
         assert not torch.equal(average, p2)
 
 
+def test_feature_cache_errors(tmp_path) -> None:
+    from mindspeed_mm.data.features import FeatureSet, write_features
+
+    cache = write_features(tmp_path / "broken", [{"latents": torch.zeros(4, 1, 2, 2), "text": torch.zeros(2, 16)},
+                                                 {"latents": torch.zeros(4, 1, 2, 2)}])
+    features = FeatureSet(cache)
+    assert len(features) == 2 and features.shapes() == [(4, 1, 2, 2)] * 2 and features.null() is None
+    assert set(features[0]) == {"latents", "text"}
+    with pytest.raises(ValueError, match="sample 000001 has no 000001.text; re-extract"):
+        features[1]
+    (cache / "index.jsonl").write_text('{"id": "000000"}\n')
+    with pytest.raises(ValueError, match="index.jsonl:1: a line needs `id` and `shard`"):
+        FeatureSet(cache)
+
+
 def test_config_errors(tiny_runs, tmp_path) -> None:
     model_dir, features = tiny_runs[WAN]
     base = [f"model.path={model_dir}"]

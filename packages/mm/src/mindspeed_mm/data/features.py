@@ -92,13 +92,22 @@ class FeatureSet:
         return len(self.entries)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index``'s tensors (``latents``, ``text``, maybe ``pooled``)."""
+        """Sample ``index``'s tensors (``latents``, ``text``, maybe ``pooled``).
+
+        Raises:
+            ValueError: the shard lacks the sample's latents or text (naming the shard and the sample).
+        """
         entry = self.entries[index]
         if self._open is None or self._open[0] != entry["shard"]:
             self._open = (entry["shard"], safe_open(str(self.directory / entry["shard"]), framework="pt"))
         handle = self._open[1]
         prefix = entry["id"] + "."
-        return {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+        sample = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+        missing = [key for key in ("latents", "text") if key not in sample]
+        if missing:
+            raise ValueError(f"{self.directory / entry['shard']}: sample {entry['id']} has no "
+                             f"{', '.join(entry['id'] + '.' + key for key in missing)}; re-extract its features")
+        return sample
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each sample's latent shape (from the index; read from the shard where a line has none)."""
