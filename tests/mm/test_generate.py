@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,8 +132,9 @@ def test_training_checkpoint_generates_what_its_export_generates(tiny_vlm, tmp_p
 
 
 def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(tiny_vlm, tmp_path, capsys) -> None:
-    """A LoRA run: its DCP checkpoint (merged with --lora-alpha) and its PEFT adapter (merged into the base the
-    adapter names) hold exactly the weights of the run's merged save_hf export and generate its tokens."""
+    """A LoRA run: its DCP checkpoint (merged with the alpha the run recorded beside it, or --lora-alpha once moved
+    away) and its PEFT adapter (merged into the base the adapter names) hold exactly the weights of the run's
+    merged save_hf export and generate its tokens."""
     model_dir, data = tiny_vlm
     config = load_mm_config(None, [f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2",
                                    "train.precision=fp32", "train.lr=5e-2", "logging.progress=false",
@@ -143,7 +145,10 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
     launch(_train_two_steps, (config,))
     merged = load_inference_model(tmp_path / "merged").model.state_dict()
     untrained = load_inference_model(model_dir).model.state_dict()
-    for loaded in (load_inference_model(tmp_path / "ckpt", hf_cfg_dir=model_dir, lora_alpha=8.0),
+    moved = tmp_path / "moved" / "step_00000002"
+    shutil.copytree(tmp_path / "ckpt" / "step_00000002", moved)  # without the run's adapter_config.json
+    for loaded in (load_inference_model(tmp_path / "ckpt", hf_cfg_dir=model_dir),
+                   load_inference_model(moved, hf_cfg_dir=model_dir, lora_alpha=8.0),
                    load_inference_model(tmp_path / "adapter")):
         state = loaded.model.state_dict()
         assert set(state) == set(merged)
@@ -154,7 +159,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
 
     image = images_by_size(data)[1]
     outputs = []
-    for load in (["--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir), "--lora-alpha", "8"],
+    for load in (["--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir)],
                  ["--load-dir", str(tmp_path / "adapter")], ["--load-dir", str(tmp_path / "merged")]):
         out = tmp_path / f"{len(outputs)}.jsonl"
         assert main(["generate", *load, "--image", str(image), "--prompt", "What colour is it?", "--output", str(out),
@@ -162,9 +167,11 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
         outputs.append(_rows(out)[0]["token_ids"])
     assert outputs[0] == outputs[1] == outputs[2]
     capsys.readouterr()
-    assert main(["generate", "--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir),
+    assert main(["generate", "--load-dir", str(moved), "--hf-cfg-dir", str(model_dir), "--prompt", "hi"]) == 2
+    assert "is a LoRA run's checkpoint (4 adapted linears) and no adapter_config.json" in capsys.readouterr().err
+    assert main(["generate", "--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir), "--lora-alpha", "4",
                  "--prompt", "hi"]) == 2
-    assert "is a LoRA run's checkpoint (4 adapted linears); pass --lora-alpha" in capsys.readouterr().err
+    assert "--lora-alpha 4.0 differs from the run's lora_alpha 8.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -54,8 +54,8 @@ class GenerateConfig:
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
-        lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint (DCP does not
-            record it).
+        lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint moved away from
+            its save folder (default: the alpha the run recorded there).
         output: write the results here as JSON Lines (messages, completion, token ids, reference).
         stream: print a single prompt's reply as it is produced.
     """

@@ -9,8 +9,9 @@
   weights only, so ``hf_cfg_dir`` names the Hugging Face directory it was trained from (config,
   tokenizer, image processor); the checkpoint's model tensors must match that model's exactly.
   A LoRA run's checkpoint holds the base weights and the factors: they are merged
-  (``W + alpha / r * B A``, :func:`mindspeed_mm.models.lora.merged_state`) with ``lora_alpha``,
-  the recipe's ``lora.alpha``, which DCP does not record;
+  (``W + alpha / r * B A``, :func:`mindspeed_mm.models.lora.merged_state`) with the alpha the run
+  recorded in ``adapter_config.json`` next to its checkpoints (DCP records the rank, not alpha),
+  or ``lora_alpha`` (the recipe's ``lora.alpha``) for a checkpoint moved away from it;
 - a PEFT LoRA adapter directory (``adapter_config.json``, e.g. a run's ``lora.save_peft``),
   merged into its base model: ``hf_cfg_dir``, else the adapter's ``base_model_name_or_path``;
 - ``demo``: the embedded demo's untrained model (``mindspeed_mm.demo``).
@@ -37,7 +38,7 @@ from mindspeed_mm.convert.peft_io import read_peft_adapter
 from mindspeed_mm.demo import DEMO, demo_paths
 from mindspeed_mm.models import family_of, load_processing
 from mindspeed_mm.models.family import VLMFamily
-from mindspeed_mm.models.lora import ADAPTER_CONFIG, adapted_modules, merge_weight, merged_state
+from mindspeed_mm.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapted_modules, merge_weight, merged_state
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -109,7 +110,7 @@ def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = N
         raise ValueError(f"--load-dir {str(load_dir)!r} is not a directory; give a Hugging Face model directory, a "
                          "mindspeed-mm training checkpoint (checkpoint.save or one of its step_* folders), a PEFT "
                          "adapter, or demo")
-    adapter = (load / ADAPTER_CONFIG).is_file()
+    adapter = (load / ADAPTER_CONFIG).is_file() and (load / ADAPTER_WEIGHTS).is_file()
     checkpoint = None if adapter or (load / "config.json").is_file() else find_dcp_checkpoint(load)
     if checkpoint is None and not adapter and not (load / "config.json").is_file():
         raise ValueError(f"--load-dir {str(load_dir)!r} has neither config.json (a Hugging Face directory), "
@@ -160,9 +161,10 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
         dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
     lora = adapted_modules(saved)
     if lora:
+        lora_alpha = _run_lora_alpha(checkpoint, lora_alpha)
         if lora_alpha is None:
-            raise ValueError(f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears); pass "
-                             "--lora-alpha with the recipe's lora.alpha to merge the factors")
+            raise ValueError(f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
+                             f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha")
         saved = merged_state(saved, LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]),
                                                alpha=lora_alpha))
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
@@ -179,6 +181,25 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
                              f"{tuple(value.shape)}; pass the --hf-cfg-dir the run trained from")
     model.load_state_dict(saved)
     return model.to(dtype)
+
+
+def _run_lora_alpha(checkpoint: Path, given: float | None) -> float | None:
+    """``given``, else the alpha a LoRA run recorded in ``adapter_config.json`` in the step or its save folder.
+
+    Raises:
+        ValueError: both are there and differ, or the recorded file is damaged.
+    """
+    recorded = next((p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None)
+    if recorded is None:
+        return given
+    try:
+        alpha = float(json.loads(recorded.read_text())["lora_alpha"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
+    if given is not None and given != alpha:
+        raise ValueError(f"--lora-alpha {given} differs from the run's lora_alpha {alpha} ({recorded}); leave "
+                         "--lora-alpha out")
+    return alpha
 
 
 def _merge_adapter(model: Any, adapter_dir: Path) -> None:
