@@ -39,7 +39,7 @@ def _train(config):
 @pytest.fixture(scope="session")
 def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
     """A 2-step LoRA run on the tiny Qwen2.5-VL (r 4, alpha 8, q_proj/v_proj of the language model and the
-    vision tower's qkv): ``ckpt/step_00000002`` (DCP), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
+    vision tower's qkv): ``ckpt/step_0000000{1,2}`` (DCP; metrics.jsonl), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
     from mindspeed_llm.training.launch import launch
     from mindspeed_mm.config import load_mm_config
 
@@ -50,7 +50,7 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
         "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
         "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
         "lora.alpha=8", f"lora.save_peft={root / 'peft'}",
-        f"checkpoint.save={root / 'ckpt'}", f"checkpoint.save_hf={root / 'merged'}"])
+        f"checkpoint.save={root / 'ckpt'}", "checkpoint.interval=1", f"checkpoint.save_hf={root / 'merged'}"])
     result = launch(_train, (config,))
     assert set(result.exports) == {"save_hf", "save_peft"}
     return root

@@ -1,25 +1,30 @@
-"""LoRA: the PEFT adapter (loaded by peft over the base model) and the merged export reproduce the trained model.
+"""LoRA: targets by name inside parts; the PEFT adapter and the merged export reproduce the trained model.
 
-The reference is the trained state itself: the last DCP checkpoint loaded into the base model
+MindSpeed-MM's seven targets adapt the language model only, for the three families (InternVL's
+vision tower has q_proj / k_proj / v_proj too). The reference is the trained state itself: the last DCP checkpoint loaded into the base model
 with the same LoRA layers. Its loss on the samples (computed by transformers, sample by sample)
 must equal that of ``PeftModel.from_pretrained(base, save_peft)`` and that of the merged
 ``save_hf`` directory; only the targeted weights differ from the base in the merged export, and
 the frozen base weights in the checkpoint are the base model's, bit for bit. (DP2 equals DP1
-with LoRA: tests/mm/test_fsdp.py.)
+with LoRA: tests/mm/test_fsdp.py.) A run resumed from the step-1 checkpoint repeats step 2
+exactly (the optimizer state of the factors restored).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from mindspeed_mm.config import LoraConfig
+from mindspeed_llm.training.launch import launch
+from mindspeed_mm.config import LoraConfig, load_mm_config
 from mindspeed_mm.data import encode_sample, read_mllm_files
 from mindspeed_mm.models import family_of, load_model, load_processing
 from mindspeed_mm.models.lora import apply_lora
+from mindspeed_mm.trainer.loop import train
 
 LORA = LoraConfig(target_modules=["q_proj", "v_proj", "qkv"], parts=["language_model", "vision_tower"], r=4, alpha=8.0)
 
@@ -30,7 +35,23 @@ def _losses(model, encoded) -> list[float]:
                             mm_token_type_ids=s.mm_token_type_ids[None], **s.vision).loss) for s in encoded]
 
 
-def test_targets_by_name_inside_parts(tiny_vlm) -> None:
+def _train(config):
+    return train(config)
+
+
+MINDSPEED_MM_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) -> None:
+    for model_dir in (tiny_vlm[0], tiny_qwen3_vl[0], tiny_internvl[0]):  # 2 layers x 7 linears, language model only
+        family = family_of(model_dir)
+        adapted = apply_lora(load_model(model_dir, family), LoraConfig(target_modules=MINDSPEED_MM_TARGETS), family)
+        assert len(adapted) == 14 and all(n.startswith("model.language_model.layers.") for n in adapted), adapted
+    family = family_of(tiny_internvl[0])  # its vision tower has q_proj / k_proj / v_proj too: adapted when asked
+    adapted = apply_lora(load_model(tiny_internvl[0], family), LoraConfig(target_modules=["q_proj"], parts=["vision_tower"]),
+                         family)
+    assert adapted and all(n.startswith("model.vision_tower.") for n in adapted), adapted
+
     model_dir, _ = tiny_vlm
     family = family_of(model_dir)
     model = load_model(model_dir, family)
@@ -82,3 +103,16 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_l
     assert set(before) == set(after)
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight", "qkv.weight")) for name in changed)
+
+
+def test_lora_resume_repeats_the_run(tiny_vlm, tiny_lora_run, tmp_path) -> None:
+    model_dir, data = tiny_vlm
+    shutil.copytree(tiny_lora_run / "ckpt" / "step_00000001", tmp_path / "step_00000001")
+    resumed = launch(_train, (load_mm_config(None, [
+        f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2", "train.micro_batch_size=4",
+        "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
+        "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
+        "lora.alpha=8", f"checkpoint.save={tmp_path}"]),))
+    records = [json.loads(line) for line in (tiny_lora_run / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed.start_step == 1 and [r["step"] for r in resumed.records] == [2]
+    assert (resumed.records[0]["loss"], resumed.records[0]["grad_norm"]) == (records[1]["loss"], records[1]["grad_norm"])
