@@ -41,6 +41,15 @@ class DiTFamily:
         fp32_inputs: ``forward`` arguments kept in float32 under bf16 mixed precision (timesteps:
             rounding 999.0 to bf16 moves it by up to 4 steps of the grid).
         parts: named parts for ``model.freeze`` (none: module-name prefixes only).
+        timestep_divisor: sampling passes ``scheduler timestep / timestep_divisor`` as ``timestep`` (the
+            pipeline's own arithmetic: Wan 1, FLUX 1000).
+        scheduler: the pipeline's default sampling scheduler, ``(diffusers class name, config)``, used
+            when a pipeline directory has no ``scheduler`` folder.
+        timestep_kwargs: ``(scheduler config, steps, latent shape) -> set_timesteps kwargs`` beyond the
+            step count, as the pipeline computes them (FLUX: its sigmas and resolution-dependent ``mu``).
+        encode_prompts: ``(pipeline parts, captions, text length) -> (text [B, L, D], pooled [B, P] or
+            None)`` as the pipeline encodes prompts (the parts are the pipeline directory's text
+            encoders and tokenizers, by folder name).
     """
 
     architecture: str
@@ -55,6 +64,10 @@ class DiTFamily:
     needs_pooled: bool = False
     fp32_inputs: tuple[str, ...] = ("timestep",)
     parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    timestep_divisor: float = 1.0
+    scheduler: tuple[str, dict[str, Any]] = ("FlowMatchEulerDiscreteScheduler", {})
+    timestep_kwargs: Callable[[Any, int, tuple[int, ...]], dict[str, Any]] = lambda config, steps, shape: {}
+    encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def load_class(self) -> type:
         """The diffusers model class."""

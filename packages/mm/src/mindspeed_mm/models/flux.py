@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from mindspeed_mm.models.dit import DiTFamily, register_dit
@@ -47,6 +48,26 @@ def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.
     return inputs
 
 
+def _timestep_kwargs(config: Any, steps: int, shape: tuple[int, ...]) -> dict[str, Any]:
+    """``FluxPipeline``'s sigmas (``linspace(1, 1/N, N)``, none for flow-sigma schedulers) and ``mu`` of the image size."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift((shape[-2] // 2) * (shape[-1] // 2), config.get("base_image_seq_len", 256),
+                         config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                         config.get("max_shift", 1.15))
+    sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+    return {"sigmas": sigmas, "mu": mu}
+
+
+def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5's output over ``text_len`` tokens and CLIP's pooled output (``FluxPipeline.encode_prompt``)."""
+    from mindspeed_mm.diffusion.encoders import encode_t5_clip
+
+    rows = encode_t5_clip(parts["tokenizer"], parts["text_encoder"], parts["tokenizer_2"], parts["text_encoder_2"],
+                          captions, text_len)
+    return torch.stack([r["text"] for r in rows]), torch.stack([r["pooled"] for r in rows])
+
+
 FLUX = register_dit(DiTFamily(
     architecture="FluxTransformer2DModel",
     model_class="diffusers:FluxTransformer2DModel",
@@ -60,4 +81,11 @@ FLUX = register_dit(DiTFamily(
                  "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": (4, 4, 8)},
     needs_pooled=True,
     fp32_inputs=("timestep", "guidance"),
+    timestep_divisor=1000.0,
+    # FLUX.1's scheduler_config.json.
+    scheduler=("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0,
+                                                   "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                                                   "base_image_seq_len": 256, "max_image_seq_len": 4096}),
+    timestep_kwargs=_timestep_kwargs,
+    encode_prompts=_encode,
 ))

@@ -20,6 +20,14 @@ def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.
     return {"hidden_states": noisy, "timestep": sigmas * 1000.0, "encoder_hidden_states": text, "return_dict": False}
 
 
+def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, None]:
+    """UMT5's output of each caption's real tokens, zero-padded to ``text_len`` (``WanPipeline.encode_prompt``)."""
+    from mindspeed_mm.diffusion.encoders import encode_umt5
+
+    rows = encode_umt5(parts["tokenizer"], parts["text_encoder"], captions, text_len)
+    return torch.stack([torch.cat([r, r.new_zeros(text_len - r.shape[0], r.shape[1])]) for r in rows]), None
+
+
 def _tokens(config: Any, shape: tuple[int, ...]) -> int:
     p_t, p_h, p_w = config.patch_size
     return (shape[1] // p_t) * (shape[2] // p_h) * (shape[3] // p_w)
@@ -37,4 +45,9 @@ WAN = register_dit(DiTFamily(
     tiny_config={"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4,
                  "out_channels": 4, "text_dim": 16, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2,
                  "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32},
+    # The scheduler of Wan2.1's diffusers pipelines (and MindSpeed-MM's Wan inference recipes).
+    scheduler=("UniPCMultistepScheduler", {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                                           "flow_shift": 3.0, "num_train_timesteps": 1000, "solver_order": 2,
+                                           "solver_type": "bh2", "final_sigmas_type": "zero"}),
+    encode_prompts=_encode,
 ))

@@ -1,0 +1,144 @@
+"""Sampling a diffusion transformer: diffusers' flow-matching schedulers, classifier-free guidance, decoding.
+
+The loop is the one ``WanPipeline`` and ``FluxPipeline`` run, written once over the family
+description (:class:`~mindspeed_mm.models.dit.DiTFamily`), so that the same code serves every
+family and, later, sequence-parallel sampling:
+
+1. ``scheduler.set_timesteps(steps, **family.timestep_kwargs(...))`` (FLUX: its sigmas and ``mu``);
+2. per timestep ``t``: the model's velocity for the text, and with guidance (``guidance_scale > 1``
+   and a negative text) for the negative text, combined as ``uncond + g (cond - uncond)``;
+3. ``scheduler.step``; the model sees ``t / family.timestep_divisor`` (Wan ``t``, FLUX ``t / 1000``).
+
+The schedulers are diffusers' own: Euler (``FlowMatchEulerDiscreteScheduler``) and UniPC
+(``UniPCMultistepScheduler`` with ``prediction_type=flow_prediction, use_flow_sigmas=True``, as
+Wan's pipelines ship it). :func:`decode_latents` un-normalises the latents as the pipelines do and
+runs the VAE's decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed_mm.models.dit import DiTFamily
+
+#: ``--sampler`` name -> diffusers scheduler class.
+SAMPLERS = {"euler": "FlowMatchEulerDiscreteScheduler", "unipc": "UniPCMultistepScheduler"}
+#: UniPC in flow mode, as Wan's diffusers pipelines and MindSpeed-MM's Wan inference recipes configure it.
+UNIPC_FLOW = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "solver_order": 2, "solver_type": "bh2",
+              "final_sigmas_type": "zero"}
+
+
+def scheduler_config(family: DiTFamily, pipeline_dir: str | Path | None) -> tuple[str, dict[str, Any]]:
+    """``(class name, config)``: the pipeline directory's ``scheduler/scheduler_config.json``, else the family's."""
+    path = Path(pipeline_dir) / "scheduler" / "scheduler_config.json" if pipeline_dir is not None else None
+    if path is None or not path.is_file():
+        return family.scheduler[0], dict(family.scheduler[1])
+    config = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_") or k == "_class_name"}
+    return config.pop("_class_name"), config
+
+
+def build_scheduler(family: DiTFamily, pipeline_dir: str | Path | None = None, sampler: str | None = None,
+                    flow_shift: float | None = None) -> Any:
+    """The sampling scheduler.
+
+    Args:
+        family: the model's family (its default scheduler when the pipeline has none).
+        pipeline_dir: a diffusers pipeline directory whose ``scheduler`` folder is used as it is.
+        sampler: ``euler`` or ``unipc`` to switch the class (keeping the shift), None to keep it.
+        flow_shift: a fixed shift of the sigmas (replaces the config's, and FLUX's resolution-dependent one).
+
+    Raises:
+        ValueError: an unknown sampler, or a pipeline scheduler that is not a flow-matching one of these.
+    """
+    import diffusers
+
+    if sampler is not None and sampler not in SAMPLERS:
+        raise ValueError(f"--sampler {sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
+    name, config = scheduler_config(family, pipeline_dir)
+    if name not in SAMPLERS.values():
+        raise ValueError(f"{pipeline_dir}/scheduler is a {name}; give --sampler {' or '.join(SAMPLERS)} "
+                         "(flow-matching schedulers)")
+    target = SAMPLERS[sampler] if sampler is not None else name
+    shift = flow_shift if flow_shift is not None else config.get("flow_shift", config.get("shift", 1.0))
+    if target != name:  # another class: keep what both understand
+        config = {"num_train_timesteps": config.get("num_train_timesteps", 1000)}
+    if target == SAMPLERS["unipc"]:
+        config = {**UNIPC_FLOW, **config, "flow_shift": shift}
+    else:
+        config = {**config, "shift": shift}
+        if flow_shift is not None:
+            config["use_dynamic_shifting"] = False
+    return getattr(diffusers, target).from_config(config)
+
+
+@torch.no_grad()
+def sample_latents(model: Any, family: DiTFamily, scheduler: Any, latents: torch.Tensor, text: torch.Tensor,
+                   steps: int, pooled: torch.Tensor | None = None, negative_text: torch.Tensor | None = None,
+                   negative_pooled: torch.Tensor | None = None, guidance_scale: float = 1.0,
+                   distilled_guidance: float = 1.0) -> torch.Tensor:
+    """Denoise ``latents`` (pure noise, ``[B, ...]`` in the family's latent layout) into clean latents.
+
+    Args:
+        model: the diffusers transformer (eval mode).
+        family: its family.
+        scheduler: a diffusers flow-matching scheduler (:func:`build_scheduler`).
+        latents: the initial noise (float32, as the pipelines keep the latents).
+        text: text embeddings ``[B, L, D]`` as the model was trained with (Wan: zero-padded).
+        steps: inference steps.
+        pooled: pooled text embeddings ``[B, P]`` (FLUX).
+        negative_text: the negative prompt's embeddings (guidance when ``guidance_scale > 1``).
+        negative_pooled: the negative prompt's pooled embeddings (FLUX).
+        guidance_scale: classifier-free guidance (Wan's ``guidance_scale``, FLUX's ``true_cfg_scale``).
+        distilled_guidance: the guidance value given to a guidance-distilled model (FLUX.1-dev's
+            ``guidance_scale``); ignored by models without a guidance embedding.
+    """
+    shape = tuple(latents.shape)
+    scheduler.set_timesteps(steps, device=latents.device, **family.timestep_kwargs(scheduler.config, steps, shape))
+    scheduler.set_begin_index(0)
+    dtype = next(model.parameters()).dtype
+    guided = guidance_scale > 1.0 and negative_text is not None
+    for t in scheduler.timesteps:
+        timestep = t.expand(shape[0]).to(torch.float32) / family.timestep_divisor
+        velocity = _velocity(model, family, latents.to(dtype), timestep, text, pooled, distilled_guidance)
+        if guided:
+            uncond = _velocity(model, family, latents.to(dtype), timestep, negative_text, negative_pooled,
+                               distilled_guidance)
+            velocity = uncond + guidance_scale * (velocity - uncond)
+        latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    return latents
+
+
+def _velocity(model: Any, family: DiTFamily, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+              pooled: torch.Tensor | None, guidance: float) -> torch.Tensor:
+    dtype = latents.dtype
+    inputs = family.model_inputs(model.config, latents, timestep, text.to(dtype),
+                                 pooled.to(dtype) if pooled is not None else None, guidance)
+    inputs["timestep"] = timestep
+    return family.prediction(model(**inputs), tuple(latents.shape))
+
+
+@torch.no_grad()
+def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Pixels in [0, 1] of normalised ``latents``: ``[B, F, 3, H, W]`` for video, ``[B, 3, H, W]`` for images.
+
+    The inverse of :func:`mindspeed_mm.diffusion.encoders.encode_latents` followed by the VAE's
+    decoder, with the pipelines' arithmetic (Wan: ``z / (1 / std) + mean``; ``AutoencoderKL``:
+    ``z / scaling_factor + shift_factor``) and their post-processing (``x / 2 + 0.5`` clamped).
+    """
+    config = vae.config
+    dtype = next(vae.parameters()).dtype
+    latents = latents.to(dtype)
+    if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+        view = (1, -1) + (1,) * (latents.ndim - 2)
+        mean = torch.tensor(config.latents_mean).view(view).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(view).to(latents.device, latents.dtype)
+        latents = latents / inverse_std + mean
+    else:
+        latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+    pixels = vae.decode(latents, return_dict=False)[0]
+    pixels = (pixels * 0.5 + 0.5).clamp(0, 1)
+    return pixels.transpose(1, 2) if pixels.ndim == 5 else pixels
