@@ -21,6 +21,10 @@ TP rank):
   the norm's upcast separates the uses. Held bytes fall by ``L x 2 x (T x h x 4 + T x 4)`` (both
   norms' outputs and fp32 rstd), exactly.
 
+- ``swap_attention`` (``self_attention``): losses, grad norms and gradients bit-identical; held
+  bytes fall by at least two of the reference attention's ``[b, n/tp, s, s]`` matrices per layer
+  and by no more than the hooks copied to the host.
+
 Optimizer state (DP2, 2 layers, 4 Adam steps of 2 microbatches; the device pool measured from
 before the optimizer is built, host buffers excluded):
 
@@ -99,6 +103,7 @@ def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
             loss = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
             gc.collect()  # a small tensor in a reference cycle would otherwise be freed at a random time
             held = tracker.live_bytes
+            swapped = getattr(installed, "swapped_bytes", 0)  # by this forward
             loss.backward()
         grads = {name: local_grad(p).float().clone() for name, p in gpt.named_parameters()}
         for chunk in chunks:
@@ -109,8 +114,8 @@ def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
         history = train_steps(chunks, optimizer, steps)
         return {"loss": loss.item(), "held": held, "peak": tracker.peak_bytes, "grads": grads,
                 "losses": history.losses, "grad_norms": history.grad_norms,
-                "pairs": len(installed.pairs) if installed else 0, "layers": installed.layers if installed else 0,
-                "discarded": installed.discarded if installed else 0}
+                "pairs": len(getattr(installed, "pairs", ())), "layers": getattr(installed, "layers", 0),
+                "discarded": getattr(installed, "discarded", 0), "swapped": swapped}
     finally:
         destroy_parallel()
 
@@ -124,7 +129,8 @@ def _compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
             "grads_equal": all(torch.equal(on["grads"][n], g) for n, g in off["grads"].items()),
             "grad_diff": max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale,
             "held_saving": off["held"] - on["held"], "peak_saving": off["peak"] - on["peak"],
-            "pairs": on["pairs"], "layers": on["layers"], "discarded": on["discarded"], "losses": on["losses"]}
+            "pairs": on["pairs"], "layers": on["layers"], "discarded": on["discarded"], "losses": on["losses"],
+            "swapped": on["swapped"]}
 
 
 def _recompute(report: Any) -> dict[str, Any]:
@@ -136,6 +142,8 @@ def _recompute(report: Any) -> dict[str, Any]:
         out[f"norm-{tag}"] = _compare(off, _recompute_run(_hooks(report, "norm"), bf16))
         if not bf16:
             out["act-2-layers"] = _compare(off, _recompute_run(_hooks(report, "activation", 2), bf16))
+            swap = next(h for h in report.hooks["post_model_build"] if type(h.__self__).__name__ == "SwapAttention")
+            out["swap-attention"] = _compare(off, _recompute_run(swap, bf16))
     return out
 
 
@@ -143,7 +151,8 @@ def _memory_features(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.features import FeaturesConfig
     from mindspeed.megatron import adapt, unadapt
 
-    settings = {"recompute_activation_function": True, "recompute_norm": True}
+    settings = {"recompute_activation_function": True, "recompute_norm": True,
+                "swap_attention": {"enabled": True, "swap_modules": ["self_attention"]}}
     report = adapt("cpu", features=FeaturesConfig(optimization_level=0, settings=settings))
     try:
         out = {"enabled": report.features.enabled, "recompute": _recompute(report)}
@@ -370,3 +379,18 @@ def test_swap_optimizer_trains_identically_and_frees_the_state_shard(outs) -> No
             formula = bytes_per_param * row["state_elements"]  # master (bf16 only) + Adam's two moments
             assert abs(row["held_saving"] - formula) <= SLACK, (name, row["held_saving"], formula)
             assert abs(row["peak_saving"] - formula) <= 0.1 * formula, (name, row["peak_saving"], formula)
+
+
+@pytest.mark.distributed
+def test_swap_attention_trains_identically_and_moves_the_attention_activations_off_the_device(outs) -> None:
+    heads_per_rank = 4 // TP
+    score_matrix = MICRO_BATCH * heads_per_rank * SEQ * SEQ * 4  # one [b, n/tp, s, s] fp32 matrix
+    for out in outs:
+        row = out["recompute"]["swap-attention"]
+        assert row["loss_equal"] and row["grads_equal"] and row["losses_equal"] and row["grad_norms_equal"], row
+        # The reference attention saves three [b, n/tp, s, s] matrices (masked scores, exp,
+        # probabilities) besides q, k, v, its input and output; the swap frees at least two per
+        # layer, and never more than it copied (rope tables and the causal mask it copies are
+        # shared, so they stay).
+        assert LAYERS * 2 * score_matrix <= row["held_saving"] <= row["swapped"], (row["held_saving"], row["swapped"])
+        assert row["peak_saving"] > 0

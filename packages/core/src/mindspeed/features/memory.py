@@ -14,6 +14,7 @@ from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
 from mindspeed.memory.fp32_reuse import ReuseFp32Param
 from mindspeed.memory.recompute import ACTIVATION, NORM, LayerRecompute
+from mindspeed.memory.swap_attention import DEFAULT_MODULES, MODULE_NAMES, SwapAttention
 from mindspeed.memory.swap_optimizer import DEFAULT_TIMES, SwapOptimizer
 
 
@@ -81,6 +82,48 @@ class RecomputeNormFeature(_LayerRecomputeFeature):
     kind = NORM
     flags = ("--recompute-norm", "--recompute-norm-num-layers")
     description = "output-discarding recompute of input_layernorm and pre_mlp_layernorm"
+
+
+@dataclass
+class SwapAttentionConfig(FeatureConfig):
+    """Settings of the activation swap.
+
+    Attributes:
+        enabled: see :class:`FeatureConfig`.
+        swap_modules: MindSpeed's ``--swap-modules`` names whose saved activations go to the
+            host: ``input_norm``, ``self_attention``, ``post_attention_norm``.
+        min_bytes: saved tensors smaller than this stay on the device.
+    """
+
+    swap_modules: tuple[str, ...] = DEFAULT_MODULES
+    min_bytes: int = 1 << 14
+
+
+class SwapAttentionFeature(Feature):
+    """``--swap-attention``: the chosen modules' saved activations go to the host in the forward.
+
+    Device -> host on the accelerator's side stream in the forward, host -> device one layer
+    ahead in the backward; the values are copied, not recomputed, so training is unchanged.
+    """
+
+    name = "swap_attention"
+    Config = SwapAttentionConfig
+    level = 2
+    flags = ("--swap-attention", "--swap-modules")
+    description = "saved activations of attention (and its norms) swapped to host memory, prefetched a layer ahead"
+    targets = ("hooks.post_model_build",)
+
+    def validate(self, cfg: SwapAttentionConfig, ctx: BuildContext) -> None:
+        """Known module names, at least one."""
+        unknown = [m for m in cfg.swap_modules if m not in MODULE_NAMES]
+        if unknown or not cfg.swap_modules:
+            raise self.invalid(f"swap_modules={list(cfg.swap_modules)} names no or unknown modules {unknown}",
+                               f"use some of {sorted(MODULE_NAMES)}")
+
+    def apply(self, cfg: SwapAttentionConfig, ctx: BuildContext) -> list[Change]:
+        """Install the swap on the built chunks."""
+        hook = SwapAttention(modules=tuple(cfg.swap_modules), min_bytes=cfg.min_bytes)
+        return [ctx.add_hook("post_model_build", hook.install, f"swap {', '.join(cfg.swap_modules)} to the host")]
 
 
 class ReuseFp32ParamFeature(Feature):
@@ -161,6 +204,7 @@ class SwapOptimizerFeature(Feature):
 MEMORY_FEATURES: tuple[type[Feature], ...] = (
     RecomputeActivationFunctionFeature,
     RecomputeNormFeature,
+    SwapAttentionFeature,
     ReuseFp32ParamFeature,
     SwapOptimizerFeature,
 )

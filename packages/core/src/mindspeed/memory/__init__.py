@@ -6,6 +6,8 @@ features of :mod:`mindspeed.features.memory` attach them through the trainers' h
 
 - :mod:`~mindspeed.memory.recompute`: output-discarding recompute of the MLP activation and of
   the norms (``--recompute-activation-function``, ``--recompute-norm``).
+- :mod:`~mindspeed.memory.swap_attention`: saved activations of attention and its norms to host
+  memory in the forward, prefetched a layer ahead in the backward (``--swap-attention``).
 - :mod:`~mindspeed.memory.fp32_reuse`: fp32 masters kept as bf16 weight + int16 remainder
   between steps (``--reuse-fp32-param``).
 - :mod:`~mindspeed.memory.swap_optimizer`: the distributed optimizer's fp32 state in host
