@@ -24,3 +24,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory, dataset: str) -> Path:
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in harness.numerics(out / "metrics.jsonl")] == list(range(1, harness.STEPS + 1))
     return out
+
+
+@pytest.fixture(scope="session")
+def mm_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a tiny Qwen2.5-VL directory, an 8-sample image-question data.jsonl)."""
+    from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model
+
+    root = tmp_path_factory.mktemp("faults-mm")
+    return write_tiny_model(root / "qwen2_5_vl"), write_tiny_dataset(root / "data", num_samples=8)
+

@@ -1,4 +1,4 @@
-"""Running real ``mindspeed-llm pretrain`` processes and checking what they leave behind.
+"""Running real ``mindspeed-llm pretrain`` (and ``mindspeed-mm train``) processes and checking what they leave behind.
 
 Every run is a subprocess in a session of its own (its process group: the trainer, its ranks,
 their forked checkpoint writers), so that "no process of the run is left alive" is a look at
@@ -39,6 +39,19 @@ def command(*overrides: str, nproc: int = 1) -> list[str]:
     """``mindspeed-llm --log-level INFO pretrain --nproc-per-node N overrides...``."""
     exe = str(Path(sys.executable).parent / "mindspeed-llm")
     return [exe, "--log-level", "INFO", "pretrain", "--nproc-per-node", str(nproc), *overrides]
+
+
+def mm_recipe(model: Path, data: Path, out: Path, steps: int = 4) -> list[str]:
+    """The overrides of the tiny multimodal run: a tiny Qwen2.5-VL, ``steps`` steps of 2 samples, a checkpoint every 2."""
+    return [f"model.path={model}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=2",
+            "train.precision=fp32", "train.lr=1e-3", "data.image_min_pixels=784", "data.image_max_pixels=12544",
+            f"checkpoint.save={out}", f"checkpoint.interval={INTERVAL}", "logging.progress=false",
+            "logging.tensorboard=false", "logging.loss_curve=false"]
+
+
+def mm_command(*overrides: str) -> list[str]:
+    """``mindspeed-mm --log-level INFO train overrides...``."""
+    return [str(Path(sys.executable).parent / "mindspeed-mm"), "--log-level", "INFO", "train", *overrides]
 
 
 @dataclass

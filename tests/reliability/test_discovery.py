@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mindspeed.checkpointing import (
+    STEP,
     TRACKER,
     Preemption,
     checkpoint_dir,
@@ -16,6 +17,7 @@ from mindspeed.checkpointing import (
     holds_checkpoints,
     list_complete,
     rotate,
+    step_of,
     write_marker,
     write_tracker,
 )
@@ -66,6 +68,24 @@ def test_rotation_counts_and_deletes_complete_checkpoints_only(tmp_path: Path) -
     _checkpoint(tmp_path, 2)
     assert rotate(tmp_path, 1, low) == [checkpoint_dir(tmp_path, 6)]
     assert [p.name for p in list_complete(tmp_path)] == ["iter_0000002", "iter_0000010"]
+
+
+def test_another_layout_sees_only_its_own_directories(tmp_path: Path) -> None:
+    """The multimodal trainer's ``step_00000004``: found, rotated and named in its layout; ``iter_*`` are not its."""
+    assert STEP.step_of("step_00000004") == 4 and STEP.step_of("iter_0000004") is None
+    assert STEP.step_of("step_0000004") is None and step_of("step_00000004") is None
+    for step in (2, 4, 6):
+        path = checkpoint_dir(tmp_path, step, STEP)
+        path.mkdir(parents=True)
+        (path / "__0_0.distcp").write_bytes(b"x" * 8)
+        write_marker(path, step)
+    _checkpoint(tmp_path, 8)  # an iter_* directory: not a checkpoint of this layout
+    found = find_resume(tmp_path, layout=STEP)
+    assert found.path == tmp_path / "step_00000006" and found.step == 6
+    assert rotate(tmp_path, 1, found.path, STEP) == [tmp_path / "step_00000002", tmp_path / "step_00000004"]
+    assert [p.name for p in list_complete(tmp_path, STEP)] == ["step_00000006"]
+    assert [p.name for p in list_complete(tmp_path)] == ["iter_0000008"]
+    assert holds_checkpoints(tmp_path / "empty", STEP) is False
 
 
 def test_time_limit_and_single_process_agreement() -> None:

@@ -105,6 +105,9 @@ class TrainConfig:
             its answer tokens).
         recompute_modules: module-name patterns whose activations are recomputed in the backward
             (activation checkpointing), e.g. ``model.language_model.layers.{*}``.
+        exit_duration_mins: stop after this many minutes of training (megatron's
+            ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
+            the command exits 0; the same command resumes.
     """
 
     steps: int = 100
@@ -125,6 +128,7 @@ class TrainConfig:
     ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
+    exit_duration_mins: float | None = None
 
 
 @dataclass
@@ -225,11 +229,14 @@ class CheckpointConfig:
     """Training checkpoints (torch DCP, sharded as trained) and the Hugging Face export.
 
     Attributes:
-        save: directory of the checkpoints (``SAVE/step_00000010``); none are written when unset.
+        save: directory of the checkpoints (``SAVE/step_00000010``, marked complete last); none are
+            written when unset.
         interval: save every this many steps (default: only at the end).
         save_at_end: save after the last step.
-        keep_last: keep only this many newest checkpoints (default: all).
-        resume: continue from the newest complete checkpoint in ``save`` when there is one.
+        keep_last: keep only this many newest complete checkpoints (default: all).
+        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones are
+            skipped with a warning); a ``save`` holding checkpoints but no complete one is an
+            error unless this is false.
         save_hf: write the final model as a Hugging Face directory here (config, safetensors,
             tokenizer, image processor, chat template).
     """
@@ -352,6 +359,8 @@ class MMConfig:
                            ("checkpoint.keep_last", self.checkpoint.keep_last), ("data.max_samples", d.max_samples)):
             if value is not None and value < 1:
                 raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
+        if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
+            raise ConfigError(f"train.exit_duration_mins={t.exit_duration_mins} must be positive (or unset)")
         if t.steps < 0:
             raise ConfigError(f"train.steps={t.steps} must not be negative")
         if world_size % p.dp_replicate:

@@ -24,7 +24,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                     "(messages with <image> placeholders plus images), or train a diffusers transformer (Wan, FLUX) "
                     "with flow matching on a feature cache (data.features), under torch FSDP2; the model directory's "
                     "config.json picks which. Checkpoints are torch DCP in checkpoint.save (a run resumes from the "
-                    "newest); checkpoint.save_hf exports the result.")
+                    "newest complete one; SIGTERM and Ctrl-C save and exit 143 / 130); checkpoint.save_hf exports the "
+                    "result.")
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to spawn on this machine (ignored under torchrun; default 1)")
@@ -55,6 +56,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
     config.check(world)
-    launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
-    return 0
+    result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    # 143 / 130 after SIGTERM / Ctrl-C (saved first; the same command resumes), else 0.
+    return result.exit_code if result is not None else 0
 

@@ -4,8 +4,11 @@ and the fault points the reliability tests use. See ``docs/reliability.md``.
 """
 
 from mindspeed.checkpointing.discovery import (
+                                               ITER,
                                                MARKER,
+                                               STEP,
                                                TRACKER,
+                                               Layout,
                                                ResumePoint,
                                                checkpoint_dir,
                                                damage_of,
@@ -33,7 +36,8 @@ from mindspeed.checkpointing.preemption import (
                                                resume_hint,
 )
 
-__all__ = ["EXIT_SIGINT", "EXIT_SIGTERM", "FAULT_ENV", "LAUNCHER_INTERRUPT", "MARKER", "TRACKER", "Preemption",
+__all__ = ["EXIT_SIGINT", "EXIT_SIGTERM", "FAULT_ENV", "ITER", "LAUNCHER_INTERRUPT", "MARKER", "STEP", "TRACKER",
+           "Layout", "Preemption",
            "ResumePoint", "StopRequest", "checkpoint_dir", "damage_of", "die_with_parent", "fault_point",
            "find_resume", "forked_children_die_with_me", "holds_checkpoints", "interrupts_come_from_launcher",
            "is_complete", "list_complete", "list_step_dirs", "remove_tree", "resume_hint", "rotate", "step_of",

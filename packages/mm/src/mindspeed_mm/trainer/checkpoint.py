@@ -1,17 +1,20 @@
-"""Training checkpoints: torch DCP (every rank writes its shards), one directory per step, written atomically.
+"""Training checkpoints: torch DCP (every rank writes its shards), one directory per step, through the core's
+shared checkpoint reliability (:mod:`mindspeed.checkpointing`, see docs/reliability.md).
 
-``SAVE/step_00000010/`` holds the model's and the optimizer's sharded state (DCP's files) and
-``trainer_state.pt`` (the step and the random-number state; the data order and the learning
-rate follow from the step). Ranks write into ``step_00000010.tmp`` and rank 0 renames it once
-every rank is done, so a directory without the suffix is complete; the newest complete one is
-what a run resumes from. Kept small and separate from the loop: the core's shared checkpoint
-discovery and preemption handling replaces the discovery here once it lands.
+``SAVE/step_00000010/`` holds the model's and the optimizer's sharded state (DCP's files),
+``trainer_state.pt`` (the step, the random-number state and the model's class; the data order
+and the learning rate follow from the step) and, written last, ``complete.json`` (every file
+with its size). Ranks write into ``step_00000010.tmp``; once every rank is done rank 0 marks it
+complete, renames it and moves the tracker (``latest_checkpointed_iteration.txt``), as the LLM
+trainer does. A run resumes from the newest *complete* checkpoint found by scanning ``SAVE``:
+damaged newer ones are skipped with one warning each, and a ``SAVE`` holding checkpoints but no
+complete one is an error unless ``checkpoint.resume`` is false. Rotation (``keep_last``) counts
+and deletes complete checkpoints only.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,64 +24,149 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mindspeed.checkpointing import (
+    STEP,
+    fault_point,
+    find_resume,
+    holds_checkpoints,
+    remove_tree,
+    rotate,
+    write_marker,
+    write_tracker,
+)
+from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
 
 STATE_FILE = "trainer_state.pt"
-_NAME = re.compile(r"step_(\d{8})\Z")
+#: ``step_00000010``: the step directories' names.
+LAYOUT = STEP
 
 
 def step_dir(save: str | Path, step: int) -> Path:
     """The directory of step ``step``'s checkpoint."""
-    return Path(save) / f"step_{step:08d}"
+    return LAYOUT.dir(save, step)
 
 
 def newest_checkpoint(save: str | Path | None) -> Path | None:
-    """The complete checkpoint of the highest step in ``save`` (None: there is none)."""
+    """The newest complete checkpoint in ``save`` (None: there is none); damaged newer ones are skipped with a warning."""
     if save is None or not Path(save).is_dir():
         return None
-    done = [p for p in Path(save).iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(_NAME.match(p.name).group(1)), default=None)
+    return find_resume(save, warn=dist.get_rank() == 0 if dist.is_initialized() else True, layout=LAYOUT).path
+
+
+def model_class(source: str | Path) -> str | None:
+    """The class a model directory's ``config.json`` names (transformers' ``architectures``, diffusers' ``_class_name``)."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("_class_name") or (config.get("architectures") or [None])[0] or config.get("model_type")
+
+
+def find_resume_checkpoint(save: str | None, resume: bool) -> Path | None:
+    """The checkpoint a run resumes from: the newest complete one in ``save`` (``None``: start at step 1).
+
+    Raises:
+        ConfigError: ``save`` holds checkpoints but none is complete, and ``resume`` is true.
+    """
+    if not save:
+        return None
+    rank0 = dist.get_rank() == 0
+    if not resume:
+        if holds_checkpoints(save, LAYOUT) and rank0:
+            logger.warning("checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as "
+                           "this run saves", save)
+        return None
+    found = find_resume(save, warn=rank0, layout=LAYOUT)
+    if found.path is None and holds_checkpoints(save, LAYOUT):
+        damaged = "; ".join(f"{path.name}: {why}" for path, why in found.skipped) or "no step_* directory"
+        raise ConfigError(f"checkpoint.save={save!r} holds checkpoints but none is complete ({damaged}); set "
+                          "checkpoint.resume=false to train from step 1 there (its checkpoints are replaced as the "
+                          "run saves) or set checkpoint.save to a new directory")
+    return found.path
 
 
 def save_checkpoint(save: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    keep_last: int | None = None) -> Path:
-    """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory."""
-    final = step_dir(save, step)
+                    keep_last: int | None = None, source: str | Path | None = None) -> Path:
+    """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
+
+    ``source`` is the model directory the run started from: its model class is recorded, so that a
+    resume with another model is one clear error.
+    """
+    root = Path(save)
+    final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
     if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{LAYOUT.prefix}*.tmp"):  # left by a run killed while saving
+            shutil.rmtree(stale)
+        tmp.mkdir()
     dist.barrier()
+    fault_point("save.start", step)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    dist.barrier()
+    fault_point("save.written", step)
     if rank0:
-        torch.save({"step": step, "rng": torch.get_rng_state()}, tmp / STATE_FILE)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _prune(Path(save), keep_last)
+        state = {"step": step, "rng": torch.get_rng_state(),
+                 "model_class": model_class(source) if source is not None else None}
+        torch.save(state, tmp / STATE_FILE)
+        write_marker(tmp, step)  # last: from here on the checkpoint is complete
+        if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
+            remove_tree(final)
+        tmp.rename(final)
+        fault_point("save.renamed", step)
+        write_tracker(root, step)
+        fault_point("save.tracker", step)
+        rotate(root, keep_last, final, LAYOUT)
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore the model and optimizer from ``path`` (a collective); returns its trainer state."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    source: str | Path | None = None) -> dict[str, Any]:
+    """Restore the model and optimizer from ``path`` (a collective); returns its trainer state.
+
+    Raises:
+        ConfigError: the checkpoint holds another model (its class, a parameter it lacks, or a
+            parameter of another shape), or cannot be read (one line naming it and the fix).
+    """
     trainer_state = torch.load(path / STATE_FILE, weights_only=False)
+    saved, recipe = trainer_state.get("model_class"), model_class(source) if source is not None else None
+    if saved and recipe and saved != recipe:
+        raise ConfigError(f"checkpoint {path} holds a {saved} model and model.path={str(source)!r} is a {recipe}; "
+                          "set checkpoint.save to a new directory (or checkpoint.resume=false) to train this model, "
+                          "or model.path to the one the checkpoint was trained from")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    _check_shapes(path, model_state)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as err:  # DCP's CheckpointException carries every rank's traceback: keep its last line
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"checkpoint {path} cannot be read ({last}); delete it to resume from the previous "
+                          "complete checkpoint, or set checkpoint.resume=false") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(trainer_state["rng"])
-    logger.info("resumed from %s (step %d)", path, trainer_state["step"])
+    logger.info("resumed from %s at step %d", path, trainer_state["step"])
     return trainer_state
 
 
-def _prune(save: Path, keep_last: int | None) -> None:
-    if keep_last is None:
-        return
-    done = sorted((p for p in save.iterdir() if _NAME.match(p.name)), key=lambda p: p.name)
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _check_shapes(path: Path, model_state: dict[str, Any]) -> None:
+    """One line naming the first parameter the checkpoint lacks or holds with another (global) shape."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, value in model_state.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise ConfigError(f"checkpoint {path} holds no parameter {name}: it is a checkpoint of another model "
+                              "or recipe (LoRA, frozen parts); set checkpoint.save to a new directory or restore "
+                              "the recipe it was trained with")
+        shape = list(getattr(meta, "size", []))
+        if torch.is_tensor(value) and shape != list(value.shape):
+            raise ConfigError(f"checkpoint {path}: parameter {name} has shape {shape} there and "
+                              f"{list(value.shape)} in this recipe; set checkpoint.save to a new directory or "
+                              "model.path to the model the checkpoint was trained from")

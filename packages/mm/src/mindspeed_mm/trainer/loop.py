@@ -4,7 +4,9 @@ Order of construction (as torchtitan): the task builds its model (loaded in fp32
 recomputed, sharded with FSDP2 over the data-parallel mesh), then the optimizer over the
 sharded trainable parameters; resume from the newest complete checkpoint; train; export.
 The task (:mod:`mindspeed_mm.trainer.task`) brings the microbatches and the loss; everything
-else is here.
+else is here. SIGTERM, the first Ctrl-C and ``train.exit_duration_mins`` stop the run after a
+step with a checkpoint and one line (:class:`~mindspeed.checkpointing.Preemption`, as the LLM
+trainer; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume_hint
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
-from mindspeed_mm.trainer.checkpoint import load_checkpoint, newest_checkpoint, save_checkpoint
+from mindspeed_mm.trainer.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, step_dir
 from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, export_weights, lr_at, set_lr
 from mindspeed_mm.trainer.task import TASKS, TrainTask
 
@@ -39,6 +42,9 @@ class TrainResult:
         checkpoint: the last checkpoint written (None: none).
         save_hf: the Hugging Face export (None: none).
         exports: every export written, by kind (``save_hf``, ``save_peft``).
+        preempted: ``"SIGTERM"``, ``"SIGINT"`` or ``"time limit"`` when the run stopped for one
+            (after saving; no export then).
+        exit_code: the exit status the command should end with (0; 143 / 130 after a signal).
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -46,6 +52,8 @@ class TrainResult:
     checkpoint: str | None = None
     save_hf: str | None = None
     exports: dict[str, str] = field(default_factory=dict)
+    preempted: str | None = None
+    exit_code: int = 0
 
 
 def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
@@ -53,26 +61,33 @@ def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
 
     The task is ``task_name`` (default: the one the model directory calls for, :meth:`MMConfig.task`).
     """
+    config.check(dist.get_world_size())
+    # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
+    with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+        return _train(config, task_name, preemption)
+
+
+def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> TrainResult:
     world, rank = dist.get_world_size(), dist.get_rank()
-    config.check(world)
     t, ck = config.train, config.checkpoint
+    resume_from = find_resume_checkpoint(ck.save, ck.resume)  # before the model: a save directory error is quick
     torch.manual_seed(t.seed)
     task = TASKS.get(task_name or config.task())(config, world)
     optimizer = build_optimizer(t, task.model)
     trainable = [p for p in task.model.parameters() if p.requires_grad]
     result = TrainResult()
-    resume_from = newest_checkpoint(ck.save) if ck.resume else None
     if resume_from is not None:
-        result.start_step = int(load_checkpoint(resume_from, task.model, optimizer)["step"])
+        result.start_step = int(load_checkpoint(resume_from, task.model, optimizer, task.source)["step"])
     log_dir = config.log_dir()
     metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
     bar = StatusProgress("train", total=t.steps, disable=not (rank == 0 and config.logging.progress))
     try:
-        _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result)
+        _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result, preemption)
     finally:
         metrics.close()
-    with export_weights(optimizer):  # train.ema: the moving averages
-        result.exports = task.export()
+    if result.preempted is None:  # a stopped run is not finished: no export
+        with export_weights(optimizer):  # train.ema: the moving averages
+            result.exports = task.export()
     result.save_hf = result.exports.get("save_hf")
     if rank == 0 and log_dir is not None and config.logging.loss_curve:
         write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
@@ -80,12 +95,18 @@ def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
 
 
 def _run_steps(config: MMConfig, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,
-               trainable: list[torch.Tensor], metrics: MetricsLog, bar: StatusProgress, result: TrainResult) -> None:
+               trainable: list[torch.Tensor], metrics: MetricsLog, bar: StatusProgress, result: TrainResult,
+               preemption: Preemption) -> None:
     t, ck = config.train, config.checkpoint
+    saved = result.start_step or None  # the step of the newest checkpoint in ck.save (the resumed one)
     with bar:
         if result.start_step:
             bar.update(advance=result.start_step, status="resumed")
         for step in range(result.start_step + 1, t.steps + 1):
+            stop = preemption.agree(device=get_accelerator().device())
+            if stop is not None:
+                _preempt(config, step - 1, saved, stop, task, optimizer, result)
+                return
             record = _train_step(config, step, rank, task, optimizer, trainable)
             metrics.write(record)
             result.records.append(record)
@@ -93,8 +114,26 @@ def _run_steps(config: MMConfig, rank: int, task: TrainTask, optimizer: torch.op
             bar.update(status=status)
             if step % config.logging.interval == 0:
                 logger.info("step %d/%d: %s %.0f tok/s", step, t.steps, status, record["tokens_per_s"] or 0.0)
+            fault_point("train.step_end", step)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
-                result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last))
+                result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last,
+                                                        task.source))
+                saved = step
+
+
+def _preempt(config: MMConfig, step: int, saved: int | None, stop: StopRequest, task: TrainTask,
+             optimizer: torch.optim.Optimizer, result: TrainResult) -> None:
+    """Stop for a signal or the time limit: save step ``step`` unless it is saved, and say where."""
+    ck = config.checkpoint
+    if ck.save and step > 0 and saved != step:
+        result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source))
+        saved = step
+    where = str(step_dir(ck.save, saved)) if ck.save and saved is not None else None
+    result.preempted, result.exit_code = stop.reason, stop.exit_code
+    cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+             if stop.reason == "time limit" else stop.reason)
+    if dist.get_rank() == 0:
+        logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps, resume_hint(where))
 
 
 def _train_step(config: MMConfig, step: int, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,

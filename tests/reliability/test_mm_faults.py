@@ -1,0 +1,162 @@
+"""Faults injected into ``mindspeed-mm train`` (a tiny Qwen2.5-VL, 1 rank, 4 steps, a checkpoint every 2).
+
+The multimodal trainer goes through the same shared machinery as the LLM trainer
+(:mod:`mindspeed.checkpointing`), so these cases are few and cheap. One run directory lives
+through a chain of real processes: a first Ctrl-C after step 1 (saved although no interval
+step, exit 130), ``kill -9`` after step 2's shards are written but before ``complete.json``,
+SIGTERM after step 3 (saved, exit 143), then a run to the end. After each: no process of the run
+is alive, no complete checkpoint was deleted, the next run resumes from the newest complete
+checkpoint; at the end the losses, learning rates and gradient norms equal the uninterrupted
+run's bit for bit. In this process: a damaged newest checkpoint (its shard truncated, the
+tracker deleted) is skipped with one warning and the resumed steps equal the reference's; the
+time limit stops after a step, exit 0; unusable checkpoints are one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed.checkpointing import STEP, TRACKER, list_complete
+from tests.reliability import harness
+
+pytestmark = [pytest.mark.faults, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")]
+
+#: Steps trained again after each fault of the chain (docs/reliability.md's fault table).
+MEASURED = {"SIGINT": 0, "save.written": 1, "SIGTERM": 0}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The in-process runs use one thread, as the spawned ones (OMP_NUM_THREADS=1): the same numerics."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _main(capsys: pytest.CaptureFixture, overrides: list[str]) -> tuple[int, str]:
+    from mindspeed_mm.cli import main
+
+    code = main(["--log-level", "WARNING", "train", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def mm_reference(tmp_path_factory: pytest.TempPathFactory, mm_model: tuple[Path, Path]) -> Path:
+    """The uninterrupted run (in this process, one thread): its save directory."""
+    from mindspeed_mm.cli import main
+
+    out = tmp_path_factory.mktemp("faults-mm-reference") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["--log-level", "WARNING", "train", *harness.mm_recipe(*mm_model, out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["step"] for r in harness.numerics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    return out
+
+
+def _names(out: Path) -> list[str]:
+    return [p.name for p in list_complete(out, STEP)]
+
+
+def _stop_line(done: harness.Finished, cause: str, step: int, out: Path) -> None:
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = done.lines("stopped by")
+    assert f"stopped by {cause} after step {step} of 4" in line, line
+    assert f"checkpoint {out / f'step_{step:08d}'}; run the same command to resume" in line, line
+
+
+def test_mm_signals_and_kills_resume_to_the_uninterrupted_run(tmp_path: Path, mm_model: tuple[Path, Path],
+                                                              mm_reference: Path) -> None:
+    out = tmp_path / "run"
+    args = harness.mm_command(*harness.mm_recipe(*mm_model, out))
+    lost = {}
+    # The first Ctrl-C: step 1 finishes and is saved (not an interval step), exit 130.
+    done = harness.run(args, fault="train.step_end@1=SIGINT")
+    assert done.returncode == 130 and done.resumed_step == 0, done.stderr[-3000:]
+    _stop_line(done, "SIGINT", 1, out)
+    assert _names(out) == ["step_00000001"]
+    lost["SIGINT"] = 0
+    # kill -9 once step 2's shards are written, before complete.json: step 2 is trained again.
+    done = harness.run(args, fault="save.written@2")
+    assert done.returncode == -signal.SIGKILL and done.resumed_step == 1, done.stderr[-3000:]
+    assert _names(out) == ["step_00000001"] and (out / "step_00000002.tmp").is_dir()
+    lost["save.written"] = 2 - done.resumed_step
+    # SIGTERM at the end of step 3: saved, exit 143; the stale step_00000002.tmp is gone.
+    done = harness.run(args, fault="train.step_end@3=SIGTERM")
+    assert done.returncode == 143 and done.resumed_step == 1, done.stderr[-3000:]
+    _stop_line(done, "SIGTERM", 3, out)
+    assert _names(out) == ["step_00000001", "step_00000002", "step_00000003"]
+    lost["SIGTERM"] = 0
+    done = harness.run(args)
+    assert done.returncode == 0 and done.resumed_step == 3, done.stderr[-3000:]
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(mm_reference / "metrics.jsonl")
+    assert _names(out) == [f"step_{s:08d}" for s in range(1, 5)] and not list(out.glob("*.tmp"))
+    assert lost == MEASURED, lost
+
+
+def _copy(reference: Path, out: Path) -> Path:
+    shutil.copytree(reference, out)
+    (out / "metrics.jsonl").unlink()
+    return out
+
+
+def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(tmp_path: Path, mm_model: tuple[Path, Path],
+                                                               mm_reference: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    model, data = mm_model
+    full = harness.numerics(mm_reference / "metrics.jsonl")
+
+    # The newest checkpoint's shard truncated and the tracker deleted: one warning, resumed from step 2.
+    out = _copy(mm_reference, tmp_path / "damaged")
+    (out / TRACKER).unlink()
+    shard = next((out / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, err = _main(capsys, harness.mm_recipe(model, data, out))
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    (warning,) = [line for line in err.splitlines() if "is damaged and skipped" in line]
+    assert f"{out / 'step_00000004'} is damaged and skipped: file {shard.name} is truncated" in warning
+    assert "resuming from step_00000002" in warning
+    assert harness.numerics(out / "metrics.jsonl") == full[2:]
+    assert _names(out) == ["step_00000002", "step_00000004"]
+
+    # The time limit: stops before step 5, with the step-4 checkpoint named; exit 0.
+    out = _copy(mm_reference, tmp_path / "limited")
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=5), "train.exit_duration_mins=1e-6"])
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "stopped by" in line]
+    assert "stopped by the time limit (train.exit_duration_mins=1e-06) after step 4 of 5" in line
+    assert f"checkpoint {out / 'step_00000004'}; run the same command to resume" in line
+
+    # A save directory with checkpoints but no complete one: never trained over silently.
+    out = tmp_path / "incomplete"
+    shutil.copytree(mm_reference / "step_00000002", out / "step_00000002")
+    (out / "step_00000002" / "complete.json").unlink()
+    code, err = _main(capsys, harness.mm_recipe(model, data, out))
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert "holds checkpoints but none is complete (step_00000002: it has no complete.json" in line
+    assert "checkpoint.resume=false" in line
+
+    # Another model (LoRA adds parameters the checkpoint lacks; another class): one line each.
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, mm_reference), "lora.target_modules=[q_proj]"])
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert f"checkpoint {mm_reference / 'step_00000004'} holds no parameter " in line
+    assert "q_proj.base_layer.weight" in line and "set checkpoint.save to a new directory" in line
+    from mindspeed_mm.testing import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "qwen3_vl", "Qwen3VLForConditionalGeneration")
+    code, err = _main(capsys, harness.mm_recipe(other, data, mm_reference))
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert "holds a Qwen2_5_VLForConditionalGeneration model" in line and "is a Qwen3VLForConditionalGeneration" in line
+    assert _names(mm_reference) == [f"step_{s:08d}" for s in (2, 4)]  # the reference was not touched
