@@ -5,7 +5,7 @@
   state dict (module names) bit for bit.
 - From the LoRA run's checkpoint (tests/mm/conftest.py: tiny_lora_run): dcp -> peft (alpha from
   the adapter_config.json the run keeps next to its checkpoints) equals the run's ``lora.save_peft`` adapter; dcp -> hf (merged) and peft -> hf (merge onto the base)
-  equal the run's merged ``checkpoint.save_hf``; peft -> dcp rebuilds the checkpoint's model
+  equal the run's merged ``checkpoint.save_hf`` (``--dtype bfloat16``: its bf16 cast); peft -> dcp rebuilds the checkpoint's model
   state bit for bit.
 """
 
@@ -67,6 +67,8 @@ def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lor
     assert len(loaded.targeted_module_names) == 6
     assert _convert(capsys, "dcp", "hf", run / "ckpt" / "step_00000002", tmp_path / "merged", *lora)[0] == 0
     _same(_hf(run / "merged"), _hf(tmp_path / "merged"))
+    assert _convert(capsys, "dcp", "hf", run / "ckpt", tmp_path / "bf16", "--dtype", "bfloat16", "--base-dir", str(base))[0] == 0
+    _same({name: t.to(torch.bfloat16) for name, t in _hf(run / "merged").items()}, _hf(tmp_path / "bf16"))  # merged in fp32
     assert _convert(capsys, "peft", "hf", tmp_path / "peft", tmp_path / "merged2", "--base-dir", str(base))[0] == 0
     _same(_hf(run / "merged"), _hf(tmp_path / "merged2"))
     assert _convert(capsys, "peft", "dcp", tmp_path / "peft", tmp_path / "dcp", "--base-dir", str(base))[0] == 0

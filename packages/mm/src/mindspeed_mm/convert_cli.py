@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mindspeed.suite_cli import add_dataclass_flags
-from mindspeed_mm.convert.config import FORMATS, ConvertConfig
+from mindspeed_mm.convert.config import DTYPES, FORMATS, ConvertConfig
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         description="dcp -> hf (LoRA merged), hf -> dcp, dcp -> peft, peft -> dcp, peft -> hf (merge). Every tensor "
                     "is matched on both sides first (an unmatched one is an error naming it); the output is written "
                     "to a temporary directory and renamed at the end.")
-    add_dataclass_flags(parser, ConvertConfig, {"load_format": FORMATS, "save_format": FORMATS})
+    add_dataclass_flags(parser, ConvertConfig, {"load_format": FORMATS, "save_format": FORMATS, "dtype": DTYPES})
     parser.set_defaults(func=run_convert)
 
 

@@ -10,6 +10,7 @@ FORMATS = ("dcp", "hf", "peft")
 CONVERSIONS = {("dcp", "hf"): "model (LoRA merged)", ("hf", "dcp"): "model", ("dcp", "peft"): "LoRA adapter",
                ("peft", "dcp"): "base + adapter", ("peft", "hf"): "merge"}
 NEEDS_BASE = {("dcp", "hf"), ("peft", "dcp"), ("peft", "hf")}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(kw_only=True)
@@ -27,6 +28,8 @@ class ConvertConfig:
             weights are the base under a PEFT adapter (needed for dcp -> hf, peft -> dcp, peft -> hf).
         lora_alpha: LoRA alpha of a DCP checkpoint with LoRA factors (the recipe's lora.alpha);
             default: what the run recorded in adapter_config.json next to its checkpoints.
+        dtype: store floating-point tensors in this type (``bfloat16``, ``float16``, ``float32``;
+            default: as the source stores them; LoRA merges are computed in fp32 first).
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
         overwrite: replace a non-empty ``save_dir``.
         progress: draw a progress bar.
@@ -38,6 +41,7 @@ class ConvertConfig:
     save_dir: Path
     base_dir: Path | None = None
     lora_alpha: float | None = None
+    dtype: str | None = None
     max_shard_size: str = "5GB"
     overwrite: bool = False
     progress: bool = True

@@ -28,7 +28,7 @@ from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.checkpoint.convert import atomic_directory, copy_assets, parse_size
 from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
-from mindspeed_mm.convert.config import CONVERSIONS, FORMATS, NEEDS_BASE, ConvertConfig
+from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE, ConvertConfig
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
 from mindspeed_mm.convert.names import ModelNames, model_names
 from mindspeed_mm.convert.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
@@ -64,6 +64,8 @@ def check_config(config: ConvertConfig) -> None:
     for flag, value in (("--load-format", config.load_format), ("--save-format", config.save_format)):
         if value not in FORMATS:
             raise ValueError(f"{flag} must be one of {', '.join(FORMATS)}, got {value!r}")
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     pair = (config.load_format, config.save_format)
     if pair not in CONVERSIONS:
         known = ", ".join(f"{a} -> {b}" for a, b in CONVERSIONS)
@@ -165,11 +167,13 @@ def _check_adapter(adapter: Adapter, names: ModelNames, where: str) -> None:
 def _write_hf(config: ConvertConfig, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
               tensors, report: ConvertReport) -> ConvertReport:
     """Stream ``tensors`` (an iterator of ``(hub name, tensor)``) into a Hugging Face directory."""
+    plan = [(name, _cast_to(config, dtype), shape) for name, dtype, shape in plan]
     with atomic_directory(Path(config.save_dir)) as temp:
         writer = SafetensorsShardWriter(temp, plan, parse_size(config.max_shard_size))
         try:
             with StatusProgress("convert", total=len(plan), disable=None if config.progress else True) as bar:
                 for hub, tensor in tensors:
+                    tensor = tensor.to(_cast_to(config, tensor.dtype))
                     writer.write(hub, tensor.contiguous())
                     report.tensors += 1
                     report.nbytes += tensor.numel() * tensor.element_size()
@@ -242,10 +246,16 @@ def _hf_to_dcp(config: ConvertConfig) -> ConvertReport:
     return _save_dcp(config, specs, lambda name: checkpoint.read(keys[name]), f"hf {config.load_dir}")
 
 
+def _cast_to(config: ConvertConfig, dtype: torch.dtype) -> torch.dtype:
+    """``--dtype`` for floating-point tensors (others keep theirs)."""
+    return getattr(torch, config.dtype) if config.dtype and dtype.is_floating_point else dtype
+
+
 def _save_dcp(config: ConvertConfig, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read,
               source: str) -> ConvertReport:
+    specs = {name: (_cast_to(config, dtype), shape) for name, (dtype, shape) in specs.items()}
     with atomic_directory(Path(config.save_dir)) as temp:
-        write_dcp(specs, read, temp)
+        write_dcp(specs, lambda name: read(name).to(specs[name][0]), temp)
     return ConvertReport(source, f"dcp {config.save_dir}", len(specs),
                          sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values()))
 
@@ -260,7 +270,8 @@ def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
     if alpha is None:
         raise ValueError(f"{source.path}: no adapter_config.json records alpha; pass --lora-alpha (the recipe's "
                          "lora.alpha)")
-    factors = source.read(sorted(f for m in adapted for f in factor_names(m)))
+    factors = {name: t.to(_cast_to(config, t.dtype))
+               for name, t in source.read(sorted(f for m in adapted for f in factor_names(m))).items()}
     pairs = {m: (factors[factor_names(m)[0]], factors[factor_names(m)[1]]) for m in adapted}
     ranks = sorted({a.shape[0] for a, _ in pairs.values()})
     if len(ranks) != 1:
