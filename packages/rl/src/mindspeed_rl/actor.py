@@ -192,7 +192,7 @@ class Actor:
         overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
         # Per-token loss: the gradients are divided by the step's total count of trained tokens.
         self.transformer = build_transformer_config(shape, parallel, per_token_loss=True, overrides=overrides)
-        load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab)
+        load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab, groups=self.groups)
         if trainable:
             self.chunks = build_model(shape, parallel, self.transformer, self.vocab, prepare=lambda models: load(models),
                                       bridged=True, kernels=kernels, groups=self.groups)

@@ -37,7 +37,7 @@ from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, i
 from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.training.config import ModelConfig, ParallelConfig, PretrainConfig
 from mindspeed_llm.training.lora_io import save_lora_adapter
-from mindspeed_llm.training.model import unwrap
+from mindspeed_llm.training.model import default_groups, unwrap
 
 logger = get_logger(__name__)
 
@@ -129,12 +129,8 @@ def _parallel_layout(p: ParallelConfig, num_layers: int) -> Any:
     return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=num_layers // (p.pp * p.vpp) if p.vpp else None)
 
 
-def _my_rank() -> Any:
-    from megatron.core import parallel_state as ps
-
-
-    return RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_expert_model_parallel_rank())
+def _my_rank(groups: Any) -> Any:
+    return RankKey(groups.tp.rank(), groups.pp.rank(), groups.ep.rank())
 
 
 def _vocab_pieces(full: torch.Tensor, rows: int, tp: int) -> list[torch.Tensor]:
@@ -143,7 +139,8 @@ def _vocab_pieces(full: torch.Tensor, rows: int, tp: int) -> list[torch.Tensor]:
     return list(full.chunk(tp, dim=0))
 
 
-def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int) -> None:
+def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int,
+                    groups: Any = None) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
 
     Args:
@@ -151,6 +148,8 @@ def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfi
         path: the Hugging Face directory.
         parallel: the layout the chunks were built for.
         vocab_rows: the padded rows of the embedding.
+        groups: the process groups (``training.model.default_groups()``; ``None``: read them
+            here): which pieces are this rank's.
 
     Raises:
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
@@ -161,7 +160,8 @@ def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfi
         plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
     except ValueError as err:
         raise ConfigError(f"checkpoint.load_hf: {err}") from err
-    layout, me = _parallel_layout(parallel, source.shape.num_layers), _my_rank()
+    groups = groups if groups is not None else default_groups()
+    layout, me = _parallel_layout(parallel, source.shape.num_layers), _my_rank(groups)
     states = [unwrap(chunk).state_dict(keep_vars=True) for chunk in chunks]
     expected = {(i, name) for i, state in enumerate(states) for name in state if not name.endswith("_extra_state")}
     loaded = set()
@@ -257,7 +257,7 @@ def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tenso
 
 
 def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: int, vocab_rows: int,
-            lora: Any = None) -> Path:
+            lora: Any = None, groups: Any = None) -> Path:
     """Write the model as a Hugging Face directory at ``checkpoint.save_hf`` (collective).
 
     Args:
@@ -268,7 +268,9 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         vocab_rows: the padded rows of the megatron embedding.
         lora: the run's ``LoraSettings``: the adapter is merged into the exported weights (in
             float32 math, stored in the weights' dtype).
+        groups: the process groups (``training.model.default_groups()``; ``None``: read them here).
     """
+    groups = groups if groups is not None else default_groups()
     target = Path(config.checkpoint.save_hf)
     bridge, shape, architecture, assets = export_shape(config, vocab_size)
     layout = _layout(config)
@@ -278,25 +280,23 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
-    from megatron.core import parallel_state as ps
-
     # One writer per (tp, pp, ep) piece: with expert parallelism the expert ranks > 0 sit at
     # data-parallel ranks > 0 (their dense weights are the data-parallel replicas' own).
-    writer = ps.get_expert_data_parallel_rank() == 0 if layout.ep > 1 else ps.get_data_parallel_rank() == 0
+    writer = (groups.expt_dp if layout.ep > 1 else groups.dp).rank() == 0
     if writer:
         args = checkpoint_args(shape, layout, bridge.family, architecture, vocab_rows, iteration=step)
         keys = model_keys(len(chunks))
         state = {"args": args, "checkpoint_version": 3.0, "iteration": step}
         for key, chunk in zip(keys, chunks):
             state[key] = _export_state(chunk, vocab_size, layout.tp)
-        folder = staging / iteration_dir(step) / rank_dir(_my_rank(), layout)
+        folder = staging / iteration_dir(step) / rank_dir(_my_rank(groups), layout)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(state, folder / "model_optim_rng.pt")
     dist.barrier()
     adapter = None
     if lora is not None:
         adapter = staging.with_name(staging.name + "-lora")
-        save_lora_adapter(chunks, adapter, shape, None, lora)
+        save_lora_adapter(chunks, adapter, shape, None, lora, groups)
     if rank0:
         try:
             (staging / TRACKER).write_text(f"{step}\n")

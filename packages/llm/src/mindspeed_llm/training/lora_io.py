@@ -24,18 +24,21 @@ from mindspeed_llm.checkpoint.convert import atomic_directory
 from mindspeed_llm.checkpoint.endpoints import HFSource
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, export_peft_adapter, lora_param, write_lora_checkpoint
 from mindspeed_llm.training.lora import LoraSettings, lora_layers, unwrap_model
+from mindspeed_llm.training.model import default_groups
 
 logger = get_logger(__name__)
 
 
 def gather_lora_factors(chunks: Sequence[torch.nn.Module],
-                        tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None
-                        ) -> dict[str, torch.Tensor] | None:
+                        tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+                        groups: Any = None) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) LoRA factors of the whole model, on global rank 0 (collective).
 
     Args:
         chunks: this rank's model chunks (wrapped or not).
         tensor_of: what to gather of each factor (default: its value; e.g. ``lambda p: p.main_grad``).
+        groups: the process groups (``training.model.default_groups()``; ``None``: read them here):
+            only the first data-parallel (and context-parallel) replica sends its factors.
 
     Returns:
         On rank 0, ``<module with global layer number>.lora_A.default.weight`` -> tensor (CPU,
@@ -44,11 +47,10 @@ def gather_lora_factors(chunks: Sequence[torch.nn.Module],
     Raises:
         ValueError: replicated factors that differ across tensor-parallel ranks.
     """
-    from megatron.core import parallel_state as ps
-
     tensor_of = tensor_of or (lambda p: p)
+    groups = groups if groups is not None else default_groups()
     local: list[tuple[Any, int, torch.Tensor]] = []
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+    if groups.dp_cp.rank() == 0:
         for chunk in chunks:
             for layer in lora_layers(unwrap_model(chunk)).values():
                 rank = layer.lora_A["default"].weight.shape[0]
@@ -84,17 +86,17 @@ def _on_rank0(work: Callable[[], None]) -> None:
         raise ValueError(box[0])
 
 
-def training_layout(chunks: Sequence[torch.nn.Module], shape: ModelShape) -> ParallelLayout:
-    """The tensor/pipeline (and virtual pipeline) layout of the running job."""
-    from megatron.core import parallel_state as ps
-
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+def training_layout(chunks: Sequence[torch.nn.Module], shape: ModelShape, groups: Any = None) -> ParallelLayout:
+    """The tensor/pipeline (and virtual pipeline) layout of the running job (``groups``: its
+    process groups, ``training.model.default_groups()``; ``None``: read them here)."""
+    groups = groups if groups is not None else default_groups()
+    tp, pp = groups.tp.size(), groups.pp.size()
     vpp_layers = shape.num_layers // (pp * len(chunks)) if len(chunks) > 1 else None
     return ParallelLayout(tp=tp, pp=pp, vpp_layers=vpp_layers)
 
 
 def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, shape: ModelShape,
-                      layout: ParallelLayout | None, settings: LoraSettings) -> None:
+                      layout: ParallelLayout | None, settings: LoraSettings, groups: Any = None) -> None:
     """Write the adapter as a Megatron LoRA checkpoint (per-rank files holding only the factors,
     global layer numbers, ``lora_r`` / ``lora_alpha`` in the args), atomically (collective).
 
@@ -107,12 +109,13 @@ def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, 
         shape: the model (:class:`ModelShape` of the base checkpoint).
         layout: the layout of the files (``None``: the training layout).
         settings: the LoRA settings (r, alpha).
+        groups: the process groups (``training.model.default_groups()``; ``None``: read them here).
 
     Raises:
         ValueError: on every rank, if rank 0 failed (its error in the message).
     """
-    layout = layout or training_layout(chunks, shape)
-    factors = gather_lora_factors(chunks)
+    layout = layout or training_layout(chunks, shape, groups)
+    factors = gather_lora_factors(chunks, groups=groups)
 
     def write() -> None:
         layout.check(shape)
@@ -124,7 +127,7 @@ def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, 
 
 
 def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape: ModelShape,
-                hf_base_dir: str | Path, settings: LoraSettings) -> None:
+                hf_base_dir: str | Path, settings: LoraSettings, groups: Any = None) -> None:
     """Write the adapter as a PEFT adapter directory (``adapter_config.json`` +
     ``adapter_model.safetensors``) for the Hugging Face model in ``hf_base_dir`` (collective).
 
@@ -138,11 +141,12 @@ def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape:
         shape: the model.
         hf_base_dir: the base Hugging Face checkpoint (recorded as ``base_model_name_or_path``).
         settings: the LoRA settings.
+        groups: the process groups (``training.model.default_groups()``; ``None``: read them here).
 
     Raises:
         ValueError: on every rank: a base checkpoint of another model, or any failure of rank 0.
     """
-    factors = gather_lora_factors(chunks)
+    factors = gather_lora_factors(chunks, groups=groups)
 
     def write() -> None:
         source = HFSource(Path(hf_base_dir))

@@ -288,7 +288,7 @@ class Trainer:
         # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
         # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
         if ck.load_hf and not ck.load:
-            load_hf_weights(models, ck.load_hf, self.config.parallel, self.vocab)
+            load_hf_weights(models, ck.load_hf, self.config.parallel, self.vocab, self.groups)
         if lora.enabled:
             settings = self.lora_settings()
             for model in models:
@@ -319,7 +319,7 @@ class Trainer:
 
             hf = (Path(source) / "config.json").is_file()
         if hf:
-            load_hf_weights(self.reference, source, self.config.parallel, self.vocab)
+            load_hf_weights(self.reference, source, self.config.parallel, self.vocab, self.groups)
             return
         found = find_checkpoint(source, what="dpo.ref_model")
         load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
@@ -410,7 +410,7 @@ class Trainer:
             self._save()
         if ck.save_hf:
             save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab,
-                    lora=self.lora_settings() if config.lora.enabled else None)
+                    lora=self.lora_settings() if config.lora.enabled else None, groups=self.groups)
         if config.lora.save_adapter or config.lora.save_peft:
             self._save_lora()
         reporter.finish(result.records)
@@ -419,9 +419,9 @@ class Trainer:
         lora, settings = self.config.lora, self.lora_settings()
         _, shape, _, _ = export_shape(self.config, self.ids.vocab_size)
         if lora.save_adapter:
-            save_lora_adapter(self.chunks, lora.save_adapter, shape, None, settings)
+            save_lora_adapter(self.chunks, lora.save_adapter, shape, None, settings, self.groups)
         if lora.save_peft:
-            export_peft(self.chunks, lora.save_peft, shape, self.config.checkpoint.load_hf, settings)
+            export_peft(self.chunks, lora.save_peft, shape, self.config.checkpoint.load_hf, settings, self.groups)
 
     def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
         step = state.step + 1
