@@ -1,0 +1,221 @@
+"""Benchmark the memory features: peak device memory and step time of one GPT training step each.
+
+One rank trains the same megatron-core GPT (bf16 weights, fp32 masters, the distributed
+optimizer, Adam) with no memory feature, with megatron's full recompute (uniform, one layer per
+checkpoint) and with each memory feature of :mod:`mindspeed.features.memory` and a few
+combinations, installed through the features' own hooks. Per variant:
+
+- peak device memory of a steady-state step (forward + backward + optimizer step), counted from
+  before the optimizer is built, so the optimizer state is in it: on an accelerator the
+  caching allocator's peak, on the CPU the dispatch-level tracker's "device pool" (host buffers
+  of the swaps excluded);
+- the median wall time of a step (timed without the tracker; variants round-robin, so a load
+  change on a shared machine shifts all of them alike), and both as ratios to "none".
+
+Usage::
+
+    uv run --frozen python tools/bench/memory.py
+    uv run --frozen python tools/bench/memory.py --layers 8 --hidden 512 --seq 1024 --json memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from mindspeed.device import get_accelerator
+
+#: Variant name -> (feature settings, extra TransformerConfig fields).
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "none": ({}, {}),
+    "megatron full recompute": ({}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                                     "recompute_num_layers": 1}),
+    "recompute_activation_function": ({"recompute_activation_function": True}, {}),
+    "recompute_norm": ({"recompute_norm": True}, {}),
+    "swap_attention": ({"swap_attention": True}, {}),
+    "reuse_fp32_param": ({"reuse_fp32_param": True}, {}),
+    "swap_optimizer (4 chunks)": ({"swap_optimizer": {"enabled": True, "swap_optimizer_times": 4}}, {}),
+    "activation + norm recompute + reuse_fp32": ({"recompute_activation_function": True, "recompute_norm": True,
+                                                  "reuse_fp32_param": True}, {}),
+    "activation recompute + swap_attention + swap_optimizer": (
+        {"recompute_activation_function": True, "swap_attention": True,
+         "swap_optimizer": {"enabled": True, "swap_optimizer_times": 4}}, {}),
+}
+
+
+@dataclass
+class Row:
+    """One variant's measurements."""
+
+    variant: str
+    peak_mib: float = 0.0
+    peak_ratio: float = 1.0
+    step_ms: float = 0.0
+    time_ratio: float = 1.0
+    loss: float = 0.0
+    runs: int = 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--ffn", type=int, default=768, help="MLP width")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length")
+    parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch")
+    parser.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="stop timing after about this many seconds")
+    parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    return parser.parse_args(argv)
+
+
+def _build(args: argparse.Namespace, settings: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mindspeed.features import BuildContext, FeaturesConfig, apply_features
+    from mindspeed.megatron.spec import get_gpt_layer_spec
+    from mindspeed.metrics.memory import StorageTracker, resolve_method
+    from mindspeed.testing.megatron import ParallelSizes, TinyGPTConfig, build_gpt, make_batches
+
+    context = BuildContext()
+    apply_features(FeaturesConfig(optimization_level=0, settings=settings), context)
+    kernels = {op: "reference" for op in ("rms_norm", "layer_norm", "attention", "swiglu")}
+    model = TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+                          num_attention_heads=max(1, args.hidden // 64), num_query_groups=max(1, args.hidden // 128),
+                          vocab_size=1024, seq_length=args.seq)
+    torch.manual_seed(model.seed)  # every variant starts from the same weights (same losses)
+    model_parallel_cuda_manual_seed(model.seed)
+    chunks = build_gpt(model, ParallelSizes(), DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                             use_distributed_optimizer=True),
+                       layer_spec=get_gpt_layer_spec(kernels), use_te_activation_func=True, bf16=True,
+                       params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **overrides)
+    for hook in context.hooks["post_model_build"]:
+        hook(chunks)
+    # The optimizer state is part of the peak: on the CPU it is counted from here.
+    tracker = StorageTracker() if resolve_method() == "dispatch" else None
+    if tracker is not None:
+        tracker.__enter__()
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                       params_dtype=torch.bfloat16, clip_grad=1.0,
+                                                       use_distributed_optimizer=True), chunks)
+    for hook in context.hooks["post_optimizer_build"]:
+        optimizer = hook(optimizer) or optimizer
+    batches = make_batches(model, args.microbatches, args.micro_batch_size)
+    return {"chunks": chunks, "optimizer": optimizer, "batches": batches, "tracker": tracker}
+
+
+def _peak_of_step(variant: dict[str, Any]) -> tuple[int, float]:
+    """Absolute peak bytes of one steady-state step and its loss (the first step is a warm-up)."""
+    from mindspeed.metrics.memory import measure_peak_memory
+    from mindspeed.testing.megatron import train_step
+
+    accelerator = get_accelerator()
+    train_step(variant["chunks"], variant["optimizer"], variant["batches"])
+    outer = variant.pop("tracker")
+    if outer is not None:  # CPU: what lives now (weights, state) + the step's own peak, then stop counting
+        base = outer.live_bytes
+        with measure_peak_memory("dispatch") as mem:
+            loss, _ = train_step(variant["chunks"], variant["optimizer"], variant["batches"])
+        outer.__exit__(None, None, None)
+        return base + mem.peak_bytes, loss
+    accelerator.synchronize()
+    accelerator.reset_peak_memory_stats()
+    loss, _ = train_step(variant["chunks"], variant["optimizer"], variant["batches"])
+    accelerator.synchronize()
+    return accelerator.memory_stats()["peak_allocated"], loss
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Measure every variant; rows in :data:`VARIANTS` order."""
+    from mindspeed.testing.megatron import train_step
+
+    accelerator = get_accelerator()
+    rows: dict[str, Row] = {}
+    variants: dict[str, dict[str, Any]] = {}
+    for name, (settings, overrides) in VARIANTS.items():
+        variant = _build(args, settings, overrides)
+        peak, loss = _peak_of_step(variant)
+        rows[name] = Row(name, peak_mib=peak / 2**20, loss=loss)
+        variants[name] = variant
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    started = time.perf_counter()
+    for round_index in range(args.repeat):
+        for name, variant in variants.items():
+            accelerator.synchronize()
+            start = time.perf_counter()
+            train_step(variant["chunks"], variant["optimizer"], variant["batches"])
+            accelerator.synchronize()
+            times[name].append(time.perf_counter() - start)
+        if round_index >= 1 and time.perf_counter() - started > args.budget_s:
+            break
+    base = rows["none"]
+    for name, row in rows.items():
+        row.step_ms, row.runs = statistics.median(times[name]) * 1e3, len(times[name])
+    for row in rows.values():
+        row.peak_ratio, row.time_ratio = row.peak_mib / base.peak_mib, row.step_ms / base.step_ms
+    return list(rows.values())
+
+
+def render(console: Console, title: str, rows: list[Row]) -> None:
+    """Print the table, one variant per line, with ratios to "none"."""
+    table = Table(title=title, title_justify="left")
+    for column in ("variant", "peak MiB", "peak / none", "step ms", "time / none", "loss (2nd step)", "runs"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for row in rows:
+        table.add_row(row.variant, f"{row.peak_mib:.2f}", f"{row.peak_ratio:.3f}x", f"{row.step_ms:.1f}",
+                      f"{row.time_ratio:.2f}x", f"{row.loss:.6f}", str(row.runs),
+                      style="bold" if row.variant == "none" else None)
+    console.print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    from mindspeed.megatron import adapt, unadapt
+    from mindspeed.testing.distributed import find_free_port
+    from mindspeed.testing.megatron import ParallelSizes, destroy_parallel, init_parallel
+
+    accelerator = get_accelerator()
+    adapt()
+    dist.init_process_group(accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}",
+                            rank=0, world_size=1)
+    init_parallel(ParallelSizes())
+    try:
+        rows = run(args)
+    finally:
+        destroy_parallel()
+        dist.destroy_process_group()
+        unadapt()
+    title = (f"GPT training step (bf16, distributed optimizer, Adam) per memory feature: {args.layers} layers, "
+             f"hidden {args.hidden}, ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x "
+             f"{args.seq} tokens, {accelerator.device()}, {torch.get_num_threads()} threads")
+    render(console, title, rows)
+    if args.json:
+        meta = {**vars(args), "device": str(accelerator.device()), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "python": platform.python_version()}
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as out:
+            json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
+        os.replace(tmp, args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
