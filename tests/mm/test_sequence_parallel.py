@@ -10,7 +10,8 @@ so their losses, gradient norms and gradients must agree:
 - the gradients of one step (embeddings, a vision block, an attention projection, the head)
   gathered from the FSDP2 shards.
 
-The Ulysses all-to-all must have run in every language-model attention call of the SP runs.
+The Ulysses all-to-all must have run in every language-model attention call of the SP runs, and
+the vision encoders' work must have been shared (microbatches with two images: one per rank).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ GRADS = ("embed_tokens.weight", "blocks.0.attn.qkv.weight", "layers.1.self_attn.
 
 
 def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str) -> list[str]:
-    return [f"model.path={model_dir}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=2",
+    return [f"model.path={model_dir}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=3",
             f"train.gradient_accumulation_steps={sp}", f"parallel.ulysses_parallel_size={sp}",
             f"train.loss_type={loss_type}", "train.precision=fp32", "train.lr=1e-3", "train.lr_warmup_steps=1",
             "train.clip_grad=1.0", "logging.progress=false", "data.image_min_pixels=784",
@@ -56,15 +57,20 @@ def _step_grads(config) -> dict[str, np.ndarray]:
 
 def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dict:
     import mindspeed_mm.models.attention as attention
+    from mindspeed_mm.trainer.vision_balance import VisionBalance
 
-    calls = {"ulysses": 0}
-    original = attention.ulysses_attention
+    calls = {"ulysses": 0, "shared": 0}
+    original, split = attention.ulysses_attention, VisionBalance._split
 
     def counted(*args, **kwargs):
         calls["ulysses"] += 1
         return original(*args, **kwargs)
 
-    attention.ulysses_attention = counted
+    def shared(self, module, args, kwargs):
+        calls["shared"] += self.active
+        return split(self, module, args, kwargs)
+
+    attention.ulysses_attention, VisionBalance._split = counted, shared
     out: dict = {"sp": [], "dp": [], "calls": []}
     try:
         for sp, dp in runs:
@@ -76,7 +82,8 @@ def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dic
         sp, dp = runs[0]
         out["grads"] = (_step_grads(load_mm_config(None, sp)), _step_grads(load_mm_config(None, dp)))
     finally:
-        attention.ulysses_attention = original
+        attention.ulysses_attention, VisionBalance._split = original, split
+    out["shared"] = calls["shared"]
     return out
 
 
@@ -86,6 +93,7 @@ def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl) -> None:
     out = run_distributed(_both, 2, runs, timeout=300)
     for rank_out, (_, steps, _) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
         assert rank_out == 2 * 2 * steps
+    assert out[0]["shared"] > 0 and out[0]["shared"] == out[1]["shared"]  # the same microbatches on both ranks
     result = out[0]
     for (_, steps, loss), sp, dp in zip(cases, result["sp"], result["dp"], strict=True):
         assert [r["step"] for r in sp] == [r["step"] for r in dp] == list(range(1, steps + 1))
@@ -99,3 +107,14 @@ def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl) -> None:
         torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6,
                                    msg=name)
         assert np.abs(grad).sum() > 0, name
+
+
+def test_vision_shares() -> None:
+    from mindspeed_mm.trainer.vision_balance import shares
+
+    assert shares([4, 4, 4, 4], 2) == [(0, 2), (2, 4)]
+    assert shares([16, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert shares([1, 1, 16], 2) == [(0, 2), (2, 3)]
+    assert shares([5, 5, 5], 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="2 items cannot be shared by 3 ranks"):
+        shares([1, 1], 3)

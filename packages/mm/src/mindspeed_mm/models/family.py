@@ -44,6 +44,9 @@ class VLMFamily:
         dummy_vision_inputs: ``model config -> kwargs`` of ``get_image_features`` for the smallest image.
         processor_overrides: ``(min_pixels, max_pixels) -> kwargs`` for the image processor
             (Qwen-VL: the pixel bounds; default none, e.g. fixed-size tiles).
+        vision_module: the vision encoder's module name, whose input rows (``pixel_values``, and
+            ``grid_thw`` where it takes one) a Ulysses group shares out image by image
+            (:mod:`mindspeed_mm.trainer.vision_balance`); empty: every rank encodes every image.
     """
 
     architecture: str
@@ -58,6 +61,7 @@ class VLMFamily:
     language_module: str
     dummy_vision_inputs: Callable[[Any], dict[str, torch.Tensor]]
     processor_overrides: Callable[[int, int], dict[str, Any]] = lambda min_pixels, max_pixels: {}
+    vision_module: str = ""
 
     def load_class(self) -> type:
         """The transformers model class."""

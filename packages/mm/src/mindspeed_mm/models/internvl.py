@@ -79,4 +79,5 @@ INTERNVL = register_family(VLMFamily(
     write_tiny=write_tiny,
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
+    vision_module="model.vision_tower",
 ))

@@ -96,5 +96,6 @@ QWEN2_5_VL = register_family(VLMFamily(
     write_tiny=write_tiny,
     language_module="model.language_model",
     dummy_vision_inputs=dummy_vision_inputs,
+    vision_module="model.visual",
     processor_overrides=pixel_bounds,
 ))

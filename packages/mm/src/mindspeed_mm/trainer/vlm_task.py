@@ -22,6 +22,7 @@ from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, b
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
 from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 from mindspeed_mm.trainer.task import TASKS
+from mindspeed_mm.trainer.vision_balance import VisionBalance
 from mindspeed_mm.trainer.vision_sync import VisionSync
 
 
@@ -87,6 +88,8 @@ class VLMTask:
         if group is not None:
             _check_heads(self.model.config, self.sp)
         self.sequence = SequenceParallel(self.model, self.family, group)
+        self.vision_balance = (VisionBalance(self.model, self.family, group)
+                               if group is not None and self.family.vision_module else None)
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
         self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
         self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps,
@@ -126,6 +129,8 @@ class VLMTask:
         if self.vision_sync is not None:
             self.vision_sync.needed = not batch.vision
         start, end = self.sequence.begin(batch.sample_index)
+        if self.vision_balance is not None:
+            self.vision_balance.begin(batch.vision)
         logits = self.model(**batch.model_inputs(self.device)).logits[0]
         mask = batch.targets != IGNORE_INDEX
         sample_tokens = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
