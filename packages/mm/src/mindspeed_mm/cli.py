@@ -12,6 +12,7 @@ import sys
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 from mindspeed_mm.convert_cli import add_convert
 from mindspeed_mm.evaluate_cli import add_evaluate
+from mindspeed_mm.extract_cli import add_extract_features
 from mindspeed_mm.generate_cli import add_generate
 from mindspeed_mm.train_cli import add_train
 
@@ -21,6 +22,7 @@ COMMANDS: dict[str, AddCommand] = {
     "generate": add_generate,
     "evaluate": add_evaluate,
     "convert": add_convert,
+    "extract-features": add_extract_features,
 }
 
 

@@ -137,7 +137,8 @@ class DataConfig:
 
     Attributes:
         files: JSON (a list of samples) or JSONL (one sample a line) files.
-        image_dir: folder relative image paths are read from (default: the data file's folder).
+        image_dir: folder relative image (and video) paths are read from (default: the data file's folder;
+            MindSpeed-MM's ``data_folder``).
         cutoff_len: samples longer than this many tokens are cut (their images must fit before it).
         image_max_pixels: images are resized to at most this many pixels.
         image_min_pixels: and to at least this many.
@@ -146,9 +147,23 @@ class DataConfig:
         shuffle: a new order of the samples each epoch (seeded by ``train.seed``).
         max_samples: use only the first this many samples.
         features: a feature cache (latents and text embeddings, :mod:`mindspeed_mm.data.features`)
-            that a diffusion transformer trains from, instead of ``files``.
+            that a diffusion transformer trains from; ``mindspeed-mm extract-features`` writes it from
+            ``files``. Unset: a diffusion transformer trains straight from the media of ``files``.
         text_len: text embeddings are zero-padded to this many tokens, as the pipelines pad them
             (default: the model family's, 512 for Wan and FLUX).
+        encoders: a diffusers pipeline directory holding the VAE and text encoder(s) (``vae``,
+            ``text_encoder``, ``tokenizer``, and FLUX's ``text_encoder_2``, ``tokenizer_2``) that turn
+            media of ``files`` into features (default: the folder above ``model.path``).
+        resolutions: ``[height, width]`` buckets for media (MindSpeed-MM's video/image JSON): each
+            sample is resized to cover the bucket of the closest aspect ratio and centre-cropped to
+            it. Empty: each sample's own size, floored to multiples of ``hw_stride``.
+        hw_stride: heights and widths are multiples of this (the VAE's and the patch's strides).
+        frame_counts: frame-count buckets of a video: it takes the largest it can fill at ``fps``
+            (a video model's VAE needs ``k x its time stride + 1``, 4k+1 for Wan). An image is one frame.
+        fps: frames are sampled at this rate (MindSpeed-MM's ``train_fps``; 0: every source frame).
+        skip_bad: skip unreadable media, videos too short and samples without a caption, with a
+            count in the log (else the first one is an error naming its file and line).
+        shard_size: samples per shard of a feature cache that ``extract-features`` writes.
     """
 
     files: list[str] = field(default_factory=list)
@@ -162,6 +177,13 @@ class DataConfig:
     max_samples: int | None = None
     features: str | None = None
     text_len: int | None = None
+    encoders: str | None = None
+    resolutions: list[list[int]] = field(default_factory=list)
+    hw_stride: int = 16
+    frame_counts: list[int] = field(default_factory=lambda: [81])
+    fps: float = 16.0
+    skip_bad: bool = False
+    shard_size: int = 64
 
 
 @dataclass
@@ -412,13 +434,13 @@ class MMConfig:
 
     def _check_dit(self) -> None:
         d = self.data
-        if d.features is None:
-            raise ConfigError(f"data.features is unset: {self.model.path} is a diffusion transformer, which trains "
-                              "from a feature cache (latents and text embeddings); give its directory")
-        if not (Path(d.features) / "index.jsonl").is_file():
-            raise ConfigError(f"data.features={d.features!r} has no index.jsonl; give a feature cache directory")
-        if d.files:
-            raise ConfigError("data.files: a diffusion transformer trains from data.features; remove data.files")
+        if d.features is None and not d.files:
+            raise ConfigError(f"data.features is unset and data.files is empty: {self.model.path} is a diffusion "
+                              "transformer, which trains from a feature cache or video/image + caption files; give one")
+        if d.features is not None and not (Path(d.features) / "index.jsonl").is_file():
+            raise ConfigError(f"data.features={d.features!r} has no index.jsonl; run `mindspeed-mm extract-features` "
+                              "or give a feature cache directory")
+        self.check_media()
         if self.lora.enabled:
             raise ConfigError("lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
                               "remove lora.target_modules")
@@ -428,6 +450,24 @@ class MMConfig:
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()
+
+
+    def check_media(self) -> None:
+        """Check the media keys of ``data`` (video/image + caption files of a diffusion transformer).
+
+        Raises:
+            ConfigError: naming the key and the fix.
+        """
+        d = self.data
+        if d.hw_stride < 1 or d.shard_size < 1 or d.fps < 0:
+            raise ConfigError(f"data.hw_stride={d.hw_stride} and data.shard_size={d.shard_size} must be at least 1, "
+                              f"data.fps={d.fps} not negative")
+        if not d.frame_counts or min(d.frame_counts) < 1:
+            raise ConfigError(f"data.frame_counts={d.frame_counts} must list positive frame counts, e.g. [81]")
+        for hw in d.resolutions:
+            if len(hw) != 2 or min(hw) < 1 or hw[0] % d.hw_stride or hw[1] % d.hw_stride:
+                raise ConfigError(f"data.resolutions: {hw} must be [height, width], multiples of "
+                                  f"data.hw_stride={d.hw_stride}")
 
 
 def load_mm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MMConfig:

@@ -23,6 +23,7 @@ from mindspeed.log import get_logger
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.buckets import BucketOrder
 from mindspeed_mm.data.features import FeatureSet
+from mindspeed_mm.data.media_features import MediaFeatures
 from mindspeed_mm.diffusion import FlowDraw, FlowMatching
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
@@ -97,7 +98,8 @@ class DiTTask:
         self.source = Path(config.model.path)
         self.family, self.model = build_dit(config, world)
         self.device = get_accelerator().device()
-        self.features = FeatureSet(d.features)
+        # A feature cache, or the encoders run on the raw media of data.files as samples are read.
+        self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
         self.flow = FlowMatching(config.diffusion)
         self.text_len = d.text_len or self.family.text_len
         self.order = BucketOrder(self.features.shapes(), t.micro_batch_size, t.gradient_accumulation_steps, world,

@@ -1,0 +1,199 @@
+"""Video/image + caption data for diffusion transformers (MindSpeed-MM's generation data format).
+
+A data file is MindSpeed-MM's video/image JSON (a list of samples) or JSON Lines (one sample a
+line, the image-caption layout)::
+
+    {"path": "videos/x.mp4", "cap": "a red square moves left", "num_frames": 81, "fps": 24,
+     "resolution": {"height": 480, "width": 832}}
+    {"path": "images/y.png", "cap": "a blue circle"}
+
+``path`` is relative to ``data.image_dir`` (default: the data file's folder); ``cap`` (or
+``caption``) is the caption. The listed ``num_frames``, ``fps`` and ``resolution`` describe the
+source; the file's own header is what counts (:func:`probe_media`), the listing fills in what a
+header lacks. :func:`plan_media` then fixes each sample's target shape from the recipe, so the
+buckets are known before anything is decoded:
+
+- frames: the largest of ``data.frame_counts`` that the video fills at ``data.fps`` (frames taken
+  every ``source fps / data.fps`` source frames from the first); an image is one frame;
+- resolution: the ``data.resolutions`` bucket of the closest aspect ratio (or the source's size
+  floored to ``data.hw_stride``), reached by resizing to cover it and cropping the centre.
+
+A bad sample (unreadable file, too few frames, no caption) is an error naming the data file and
+line, or, with ``data.skip_bad``, left out and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+#: File suffixes read as still images (everything else is opened as a video container).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class BadSample(ValueError):
+    """A sample that cannot be used; the message names its data file and line."""
+
+
+@dataclass(frozen=True)
+class MediaSample:
+    """One listed sample and its target shape.
+
+    Attributes:
+        path: the media file.
+        caption: its caption.
+        where: ``data file:line`` (line: the JSON list's item number for a JSON file, from 1).
+        is_image: a still image (one frame).
+        frames: source frame indices to take (``[0]`` for an image).
+        height: target height. width: target width.
+    """
+
+    path: Path
+    caption: str
+    where: str
+    is_image: bool
+    frames: tuple[int, ...]
+    height: int
+    width: int
+
+    def key(self) -> tuple[int, int, int]:
+        """The bucket: ``(frames, height, width)``."""
+        return (len(self.frames), self.height, self.width)
+
+
+def read_listing(files: list[str], media_dir: str | None) -> list[tuple[dict, Path, str]]:
+    """``(record, media path, "file:line")`` of every sample of ``files`` (JSON lists or JSON Lines).
+
+    Raises:
+        ValueError: a file that is neither (naming it), or a record that is not a mapping with ``path``.
+    """
+    listed = []
+    for name in files:
+        path = Path(name)
+        text = path.read_text()
+        if path.suffix == ".json":
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not JSON ({error}); give a JSON list of samples or a .jsonl file") from None
+            if not isinstance(records, list):
+                raise ValueError(f"{path}: a JSON data file is a list of samples; give a list or a .jsonl file")
+            numbered = list(enumerate(records, 1))
+        else:
+            numbered = []
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        numbered.append((number, json.loads(line)))
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"{path}:{number}: not a JSON line ({error}); fix the line") from None
+        base = Path(media_dir) if media_dir else path.parent
+        for number, record in numbered:
+            where = f"{path}:{number}"
+            if not isinstance(record, dict) or not record.get("path"):
+                raise ValueError(f"{where}: a sample needs `path` (and `cap`); fix the line")
+            listed.append((record, base / record["path"], where))
+    return listed
+
+
+def probe_media(path: Path, record: dict) -> tuple[bool, int, float, int, int]:
+    """``(is_image, frames, fps, height, width)`` of a media file from its header (the record fills gaps).
+
+    Raises:
+        BadSample: the file does not exist or cannot be read as an image or a video.
+    """
+    if not path.is_file():
+        raise BadSample(f"{path} does not exist")
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        from PIL import Image
+
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except Exception as error:  # noqa: BLE001  (any decoder failure means an unreadable image)
+            raise BadSample(f"{path} is not a readable image ({type(error).__name__}: {error})") from None
+        return True, 1, 0.0, height, width
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise BadSample(f"{path} has no video stream")
+            stream = container.streams.video[0]
+            frames = stream.frames or int(record.get("num_frames") or 0)
+            fps = float(stream.average_rate or record.get("fps") or 0)
+            if not frames:  # no count in the header: count by decoding
+                frames = sum(1 for _ in container.decode(stream))
+            height, width = stream.codec_context.height, stream.codec_context.width
+    except BadSample:
+        raise
+    except Exception as error:  # noqa: BLE001  (any container or codec failure means an unreadable video)
+        raise BadSample(f"{path} is not a readable video ({type(error).__name__}: {error})") from None
+    return False, frames, fps, height, width
+
+
+def sample_frames(source_frames: int, source_fps: float, counts: list[int], fps: float) -> tuple[int, ...] | None:
+    """Source frame indices for the largest of ``counts`` a video of ``source_frames`` fills at ``fps``
+    (every ``source_fps / fps`` frames from the first; ``fps`` 0 or an unknown source rate: every
+    frame); None when even the smallest does not fit."""
+    stride = source_fps / fps if fps > 0 and source_fps > 0 else 1.0
+    for count in sorted(counts, reverse=True):
+        indices = tuple(int(round(i * stride)) for i in range(count))
+        if indices[-1] < source_frames:
+            return indices
+    return None
+
+
+def pick_resolution(height: int, width: int, resolutions: list[list[int]], stride: int) -> tuple[int, int]:
+    """The bucket of the closest aspect ratio (the first on a tie), or the size floored to ``stride``."""
+    if resolutions:
+        best = min(resolutions, key=lambda hw: abs(math.log((hw[0] / hw[1]) / (height / width))))
+        return int(best[0]), int(best[1])
+    return max(stride, height // stride * stride), max(stride, width // stride * stride)
+
+
+def plan_media(files: list[str], media_dir: str | None, resolutions: list[list[int]], stride: int,
+               frame_counts: list[int], fps: float, skip_bad: bool, images_only: bool = False) -> list[MediaSample]:
+    """Every usable sample of ``files`` with its target shape (see the module docstring).
+
+    Args:
+        images_only: the model takes images (FLUX): a video is a bad sample.
+
+    Raises:
+        BadSample: the first bad sample, naming its file and line (unless ``skip_bad``).
+        ValueError: no usable sample at all.
+    """
+    samples, bad = [], 0
+    for record, path, where in read_listing(files, media_dir):
+        try:
+            caption = record.get("cap", record.get("caption"))
+            if isinstance(caption, list):  # MindSpeed-MM allows several captions; the first is used
+                caption = caption[0] if caption else None
+            if not isinstance(caption, str) or not caption.strip():
+                raise BadSample(f"{path} has no caption (`cap`)")
+            is_image, count, source_fps, height, width = probe_media(path, record)
+            if images_only and not is_image:
+                raise BadSample(f"{path} is a video; this model trains on images")
+            frames = (0,) if is_image else sample_frames(count, source_fps, frame_counts, fps)
+            if frames is None:
+                raise BadSample(f"{path} has {count} frames at {source_fps:g} fps: too few for "
+                                f"{min(frame_counts)} frames at data.fps={fps:g}")
+        except BadSample as error:
+            if not skip_bad:
+                raise BadSample(f"{where}: {error}; fix or remove the sample, or set data.skip_bad=true") from None
+            bad += 1
+            logger.warning("skipping %s: %s", where, error)
+            continue
+        target = pick_resolution(height, width, resolutions, stride)
+        samples.append(MediaSample(path, caption, where, is_image, frames, *target))
+    if bad:
+        logger.warning("data.skip_bad: %d of %d samples skipped", bad, bad + len(samples))
+    if not samples:
+        raise ValueError(f"data.files={files}: no usable sample; check the paths and captions")
+    return samples

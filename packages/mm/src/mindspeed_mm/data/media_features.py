@@ -1,0 +1,73 @@
+"""Features computed from raw media as they are read: what a feature cache holds, without the cache.
+
+:class:`MediaFeatures` has :class:`~mindspeed_mm.data.features.FeatureSet`'s reading interface
+(``len``, ``[i]``, ``shapes``, ``null``, ``entries``, ``directory``), so the DiT task trains straight
+from ``data.files`` when ``data.features`` is unset; ``extract-features`` writes its samples to a
+cache. Sample ``i``'s latents are the VAE's of its decoded pixels, its text the text encoders' of
+its caption, each encoded alone (so a cache and the raw run hold the same numbers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mindspeed.device import get_accelerator
+from mindspeed_mm.config import MMConfig
+from mindspeed_mm.data.decode import load_pixels
+from mindspeed_mm.data.media import MediaSample, plan_media
+from mindspeed_mm.diffusion.encoder_set import EncoderSet
+from mindspeed_mm.models.dit import DiTFamily
+
+
+def encoders_dir(config: MMConfig) -> Path:
+    """``data.encoders``, else the folder above ``model.path`` (a pipeline's ``transformer`` folder)."""
+    return Path(config.data.encoders) if config.data.encoders else Path(config.model.path).parent
+
+
+class MediaFeatures:
+    """The samples of ``data.files``, planned up front (buckets known), encoded when read.
+
+    Raises:
+        ValueError: a frame count the VAE cannot take (``data.frame_counts``), or what
+            :func:`~mindspeed_mm.data.media.plan_media` raises.
+    """
+
+    def __init__(self, config: MMConfig, family: DiTFamily) -> None:
+        d = config.data
+        self.family = family
+        self.directory = encoders_dir(config)
+        self.encoders = EncoderSet(self.directory, family.architecture, d.text_len or family.text_len,
+                                   get_accelerator().device())
+        images_only = family.latent_dims == 3
+        stride = self.encoders.time_stride()
+        if not images_only:
+            wrong = [n for n in d.frame_counts if n < 1 or (n - 1) % stride]
+            if wrong:
+                raise ValueError(f"data.frame_counts={d.frame_counts}: {wrong} are not k x {stride} + 1 frames, which "
+                                 f"{self.directory / 'vae'} needs (its time stride is {stride}); e.g. {4 * stride + 1}")
+        self.samples: list[MediaSample] = plan_media(d.files, d.image_dir, d.resolutions, d.hw_stride, d.frame_counts,
+                                                     d.fps, d.skip_bad, images_only)
+        self.entries = [{"id": f"{i:06d}", "caption": s.caption, "where": s.where} for i, s in enumerate(self.samples)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def pixels(self, index: int) -> torch.Tensor:
+        """Sample ``index``'s pixels as the VAE takes them (``[3, F, H, W]``, or ``[3, H, W]`` for an image model)."""
+        pixels = load_pixels(self.samples[index])
+        return pixels[:, 0] if self.family.latent_dims == 3 else pixels
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``'s ``latents``, ``text`` (and ``pooled``)."""
+        return {"latents": self.encoders.encode_pixels(self.pixels(index)),
+                **self.encoders.encode_text(self.samples[index].caption)}
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each sample's bucket ``(frames, height, width)`` (one bucket per latent shape)."""
+        return [s.key() for s in self.samples]
+
+    def null(self) -> dict[str, torch.Tensor]:
+        """The empty caption's ``text`` (and ``pooled``)."""
+        return self.encoders.encode_text("")

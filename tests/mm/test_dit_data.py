@@ -1,0 +1,183 @@
+"""Video/image + caption data for diffusion transformers: listing, decoding, frame sampling, buckets, bad samples;
+``extract-features`` (split over ranks, resumable); training from the cache equals training from the raw media.
+
+- Frames are taken at the target rate from lossless videos and come back with their exact pixel values.
+- Bad samples (missing caption, unreadable file, missing file, too few frames, a video for an image model)
+  are errors naming the data file and line, or skipped with ``data.skip_bad``.
+- Wan: a 1-rank extraction (the CLI) and a 2-rank extraction whose rank 1 was SIGKILLed after a shard,
+  then resumed at 2 ranks, hold the same tensors bit for bit; the resumed run skipped the recorded shards.
+- The first losses of training from the cache equal those of training from the raw media (Wan, FLUX).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file
+
+from mindspeed_llm.training.launch import RankFailure, launch
+from mindspeed_mm.cli import main
+from mindspeed_mm.config import load_mm_config
+from mindspeed_mm.data.decode import load_pixels
+from mindspeed_mm.data.extract import extract_features
+from mindspeed_mm.data.media import BadSample, plan_media
+from mindspeed_mm.testing.media_fixtures import write_image, write_tiny_pipeline, write_video
+from mindspeed_mm.trainer.loop import train
+
+
+def _ramp(frames: int, height: int, width: int) -> np.ndarray:
+    video = np.zeros((frames, height, width, 3), np.uint8)
+    for k in range(frames):
+        video[k] = 10 * k
+    return video
+
+
+def _noise(seed: int, *shape: int) -> np.ndarray:
+    return (np.random.RandomState(seed).rand(*shape) * 255).astype(np.uint8)
+
+
+def test_media_listing_sampling_and_bad_samples(tmp_path) -> None:
+    write_video(tmp_path / "v/a.mov", _ramp(12, 20, 28), fps=8)
+    write_video(tmp_path / "v/b.mkv", _ramp(20, 16, 32), fps=8, codec="ffv1")  # no frame count in the header
+    write_image(tmp_path / "i/c.png", np.full((30, 20, 3), 200, np.uint8))
+    (tmp_path / "data.json").write_text(json.dumps([
+        {"path": "v/a.mov", "cap": "a", "num_frames": 12, "fps": 8, "resolution": {"height": 20, "width": 28}},
+        {"path": "v/b.mkv", "cap": ["b", "another"]}]))
+    (tmp_path / "images.jsonl").write_text(json.dumps({"path": "i/c.png", "cap": "c"}) + "\n")
+    files = [str(tmp_path / "data.json"), str(tmp_path / "images.jsonl")]
+    samples = plan_media(files, None, [[16, 16], [16, 32]], 16, [5, 9], 4.0, False)
+    assert [(s.frames, s.height, s.width, s.caption) for s in samples] == [
+        ((0, 2, 4, 6, 8), 16, 16, "a"), ((0, 2, 4, 6, 8, 10, 12, 14, 16), 16, 32, "b"), ((0,), 16, 16, "c")]
+    pixels = load_pixels(samples[0])
+    assert pixels.shape == (3, 5, 16, 16)
+    torch.testing.assert_close(pixels, (torch.tensor([0, 20, 40, 60, 80.0]) / 127.5 - 1).view(1, 5, 1, 1).expand_as(pixels))
+    values = load_pixels(samples[1])[0, :, 3, 5].add(1).mul(127.5)  # ffv1 in yuv420p: within 2 levels
+    torch.testing.assert_close(values, torch.arange(0, 180, 20.0), rtol=0, atol=2.0)
+    image = load_pixels(samples[2])  # 30 x 20 covers 16 x 16 at 24 x 16, centre crop
+    torch.testing.assert_close(image, torch.full((3, 1, 16, 16), 200 / 127.5 - 1))
+    every = plan_media(files[:1], None, [], 16, [3], 0.0, False)  # fps 0: consecutive frames; own size floored
+    assert every[0].frames == (0, 1, 2) and (every[0].height, every[0].width) == (16, 16)
+
+    write_video(tmp_path / "v/short.mov", _ramp(3, 16, 16), fps=8)
+    (tmp_path / "v/broken.mp4").write_bytes(b"not a video at all")
+    bad = [{"path": "v/a.mov"}, {"path": "v/broken.mp4", "cap": "x"}, {"path": "v/gone.mp4", "cap": "x"},
+           {"path": "v/short.mov", "cap": "x"}]
+    reasons = ["has no caption", "is not a readable video", "does not exist", "has 3 frames at 8 fps: too few"]
+    for number, (record, reason) in enumerate(zip(bad, reasons), 2):
+        listing = tmp_path / f"bad{number}.json"
+        listing.write_text(json.dumps([{"path": "v/a.mov", "cap": "good"}, record]))
+        with pytest.raises(BadSample, match=f"bad{number}.json:2: .*{reason}.*data.skip_bad=true"):
+            plan_media([str(listing)], None, [], 16, [5], 4.0, False)
+    (tmp_path / "all.json").write_text(json.dumps([{"path": "v/a.mov", "cap": "good"}, *bad]))
+    kept = plan_media([str(tmp_path / "all.json")], None, [], 16, [5], 4.0, True)
+    assert [s.caption for s in kept] == ["good"]
+    with pytest.raises(BadSample, match="images.jsonl:1: .*c.png.*|data.json:1: .*a.mov is a video"):
+        plan_media(files, None, [], 16, [5], 4.0, False, images_only=True)
+
+
+def _wan_data(tmp_path) -> list[str]:
+    records = []
+    for i in range(4):  # 12 frames at 8 fps: 5 frames at 4 fps, 16 x 16
+        write_video(tmp_path / f"media/a{i}.mov", _noise(i, 12, 16, 16, 3), fps=8)
+        records.append({"path": f"a{i}.mov", "cap": f"clip {i} moves left", "num_frames": 12, "fps": 8})
+    for i in range(2):  # 20 frames: 9 frames, 16 x 24 -> the 16 x 32 bucket
+        write_video(tmp_path / f"media/b{i}.mov", _noise(10 + i, 20, 16, 24, 3), fps=8)
+        records.append({"path": f"b{i}.mov", "cap": f"wide clip {i}"})
+    records.append({"path": "a0.mov"})  # no caption: skipped
+    (tmp_path / "videos.json").write_text(json.dumps(records))
+    for i in range(2):
+        write_image(tmp_path / f"media/c{i}.png", _noise(20 + i, 18, 18, 3))
+    (tmp_path / "images.jsonl").write_text("".join(json.dumps({"path": f"c{i}.png", "cap": f"still {i}"}) + "\n"
+                                                   for i in range(2)))
+    return [str(tmp_path / "videos.json"), str(tmp_path / "images.jsonl")]
+
+
+def _extract(config):
+    return extract_features(config)
+
+
+def _extract_killed(config):
+    def stop(shard: int) -> None:
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return extract_features(config, after_shard=stop)
+
+
+def _train(config):
+    return [r["loss"] for r in train(config).records]
+
+
+def _cache(directory) -> tuple[str, dict[str, torch.Tensor]]:
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update({f"{name}/{k}": v for k, v in load_file(str(directory / name)).items()})
+    return (directory / "index.jsonl").read_text(), tensors
+
+
+def _equal(a, b) -> None:
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys()
+    for key in a[1]:
+        assert torch.equal(a[1][key], b[1][key]), key
+
+
+TRAIN = ["train.steps=2", "train.micro_batch_size=2", "train.precision=fp32", "train.lr=1e-3",
+         "diffusion.text_dropout=0.5", "logging.progress=false"]
+
+
+def test_wan_extract_ranks_resume_and_raw_training(tmp_path) -> None:
+    pipeline = write_tiny_pipeline(tmp_path / "wan", "WanTransformer3DModel")
+    recipe = {"model": {"path": str(pipeline / "transformer")},
+              "data": {"files": _wan_data(tmp_path), "image_dir": str(tmp_path / "media"),
+                       "resolutions": [[16, 16], [16, 32]], "frame_counts": [5, 9], "fps": 4, "text_len": 12,
+                       "shard_size": 2, "skip_bad": True, "features": str(tmp_path / "one")}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["extract-features", "--config", str(tmp_path / "recipe.yaml")]) == 0
+    one = _cache(tmp_path / "one")
+    index = [json.loads(line) for line in one[0].splitlines()]
+    assert [e["shape"] for e in index] == [[4, 2, 2, 2]] * 4 + [[4, 3, 2, 4]] * 2 + [[4, 1, 2, 2]] * 2
+    assert index[5]["source"].endswith("videos.json:6") and index[6]["caption"] == "still 0"
+    assert one[1]["null.safetensors/text"].shape[1] == 16  # the byte tokenizer adds no token to ""
+
+    two = tmp_path / "two"
+    config = load_mm_config(tmp_path / "recipe.yaml", [f"data.features={two}"])
+    with pytest.raises(RankFailure):
+        launch(_extract_killed, (config,), nproc_per_node=2)
+    assert not (two / "index.jsonl").exists() and (two / "shard-00001.json").is_file()
+    (two / "shard-00003.safetensors").write_bytes(b"torn")  # a partial write without its record
+    result = launch(_extract, (config,), nproc_per_node=2)
+    assert result.samples == 8 and result.shards == 4 and 1 <= result.written <= 3
+    _equal(_cache(two), one)
+    with pytest.raises(ValueError, match="holds an extraction with other"):
+        launch(_extract, (load_mm_config(tmp_path / "recipe.yaml", [f"data.features={two}", "data.fps=8"]),))
+
+    cached = launch(_train, (load_mm_config(tmp_path / "recipe.yaml", TRAIN),))
+    raw = launch(_train, (load_mm_config(tmp_path / "recipe.yaml", [*TRAIN, "data.features=null"]),))
+    assert cached == raw and all(np.isfinite(cached))
+
+
+def test_flux_raw_training_equals_cached(tmp_path) -> None:
+    pipeline = write_tiny_pipeline(tmp_path / "flux", "FluxTransformer2DModel")
+    for i in range(4):
+        write_image(tmp_path / f"media/{i}.png", _noise(i, 20, 20 + 8 * i, 3))
+    (tmp_path / "images.jsonl").write_text("".join(json.dumps({"path": f"media/{i}.png", "cap": f"image {i}"}) + "\n"
+                                                   for i in range(4)))
+    args = [f"model.path={pipeline / 'transformer'}", f"data.files=[{tmp_path / 'images.jsonl'}]",
+            "data.resolutions=[[16,16],[16,32]]", "data.text_len=12"]
+    cache = tmp_path / "features"
+    result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
+    assert result.samples == 4 and result.written == 1
+    shapes = [json.loads(line)["shape"] for line in (cache / "index.jsonl").read_text().splitlines()]
+    assert shapes == [[4, 8, 8]] * 2 + [[4, 8, 16]] * 2
+    cached = launch(_train, (load_mm_config(None, [*args, *TRAIN, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
+    assert cached == raw and all(np.isfinite(cached))
