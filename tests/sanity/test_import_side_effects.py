@@ -19,6 +19,9 @@ PROBE = textwrap.dedent(
     # torch's own lazy initialisation, not ours: importing torch._dynamo (which megatron-core and
     # torch.compile do) wraps torch.manual_seed. Load it before the snapshot.
     import torch._dynamo
+    # Third-party import-time filters are theirs, not ours: diffusers' Wan pipeline module (the
+    # DiT encoders take its prompt cleaner) pulls in libraries that add warnings filters.
+    import diffusers.pipelines.wan.pipeline_wan
 
     class WatchedArgv(list):
         reads = 0
