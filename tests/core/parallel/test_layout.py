@@ -88,3 +88,16 @@ def test_bad_layout_arguments_name_the_fix() -> None:
         shard_ranges(8, 0, 4, HYBRID, ulysses_degree=3)
     with pytest.raises(ValueError, match="outside the CP group"):
         shard_ranges(8, 2, 2, RING)
+
+
+def test_packed_shard_ranges_split_every_sequence_zigzag() -> None:
+    from mindspeed.parallel.context_parallel.layout import packed_shard_ranges, split_packed_for_context_parallel
+
+    bounds = (0, 8, 12, 20)  # three sequences of 8, 4 and 8 tokens, CP 2: chunks of 2, 1, 2
+    assert packed_shard_ranges(bounds, 0, 2) == ((0, 2), (6, 8), (8, 9), (11, 12), (12, 14), (18, 20))
+    assert packed_shard_ranges(bounds, 1, 2) == ((2, 4), (4, 6), (9, 10), (10, 11), (14, 16), (16, 18))
+    row = torch.arange(20).unsqueeze(0)
+    shards = [split_packed_for_context_parallel(row, 1, bounds, r, 2) for r in range(2)]
+    assert sorted(torch.cat(shards, dim=1).squeeze(0).tolist()) == list(range(20))
+    with pytest.raises(ValueError, match="not a multiple of 2 \\* context_parallel_size = 4"):
+        packed_shard_ranges((0, 6), 0, 2)

@@ -62,7 +62,7 @@ def test_unknown_keys_and_values_are_errors_with_a_suggestion(prefix: str, overr
     (["model.vocab_size=null"], 1, "model.vocab_size is unset"),
     (["train.steps=5", "train.lr_warmup_steps=5"], 1, "must be below train.lr_decay_steps"),
     (["checkpoint.finetune=true"], 1, "checkpoint.finetune needs checkpoint.load"),
-    (["parallel.cp=2"], 2, "parallel.cp > 1 is not supported"),
+    (["parallel.cp=2", "data.seq_length=34"], 2, r"data.seq_length=34 must be divisible by 2 x parallel.cp = 4"),
     (["parallel.ep=2"], 2, "needs an MoE model"),
     (["train.lr=-1e-3"], 1, r"train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"),
     (["train.lr=0"], 1, r"train.lr=0.0 must be positive"),

@@ -2,8 +2,9 @@
 
 One spawned 2-rank group runs ``pretrain`` for 2 steps of a tiny MoE GPT at TP2 with every
 feature of optimization levels 1 and 2 enabled explicitly (and the level-0 MoE features), except
-``context_parallel``: the pretrain trainer refuses ``parallel.cp > 1``, without which the
-feature has nothing to shard (it stays off, and the report says so). While the run trains,
+``context_parallel``: this TP2 run on two ranks has no context-parallel group, without which the
+feature has nothing to shard (it stays off, and the report says so; CP runs are proven in
+``test_context_parallel.py``). While the run trains,
 
 - every registry kernel call is counted by ``(op, implementation)``
   (:func:`mindspeed.testing.kernels.count_kernel_calls`: the model's modules, the patched
@@ -30,7 +31,7 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 
 LEVEL_0_MOE = ("moe_shared_experts", "moe_expert_load_metrics")
-NOT_IN_PRETRAIN = {"context_parallel": "the pretrain trainer refuses parallel.cp > 1",
+NOT_IN_PRETRAIN = {"context_parallel": "TP2 on two ranks leaves no CP group (see test_context_parallel.py)",
                    # Proven in tests/core/memory; this fp32 recipe without the distributed optimizer has
                    # no master copy to reuse or swap (and the two conflict).
                    "reuse_fp32_param": "needs bf16 training", "swap_optimizer": "needs the distributed optimizer"}

@@ -53,6 +53,14 @@ class ContextParallelFeature(Feature):
     targets = ("config_overrides.context_parallel_size", "config_overrides.cp_comm_type",
                "config_overrides.hierarchical_context_parallel_sizes")
 
+    def default_enabled(self, ctx: BuildContext) -> bool:
+        """On whenever the build shards sequences (``parallel.cp > 1``): its settings pick the algorithm."""
+        return ctx.parallel.cp > 1
+
+    def why_off_by_default(self, ctx: BuildContext) -> str:
+        """The build has no context parallelism."""
+        return "parallel cp is 1: no sequence to shard"
+
     def _size(self, cfg: ContextParallelFeatureConfig, ctx: BuildContext) -> int:
         return ctx.parallel.cp if cfg.context_parallel_size is None else cfg.context_parallel_size
 

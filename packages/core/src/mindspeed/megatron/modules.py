@@ -15,8 +15,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
-from mindspeed.ops.attention import FEATURE_LSE
+from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
     HYBRID,
     RING,
@@ -26,6 +27,9 @@ from mindspeed.parallel.context_parallel import (
     context_parallel_attention,
     shard_ranges,
 )
+from mindspeed.parallel.context_parallel.api import _kernel
+from mindspeed.parallel.context_parallel.layout import packed_shard_ranges
+from mindspeed.parallel.context_parallel.ring import ring_attention
 from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
 
 #: megatron-core's ``cp_comm_type`` (the per-layer CP setting it hands to core attention) ->
@@ -90,7 +94,9 @@ class RegistryAttention(MegatronModule):
     the CP group of ``pg_collection``, the algorithm chosen by megatron's own ``cp_comm_type``
     (:data:`CP_COMM_TYPES`; hybrid's Ulysses degree is
     ``config.hierarchical_context_parallel_sizes[0]``). Packed sequences (``qkv_format='thd'``)
-    attend within their ``cu_seqlens`` segments (without context parallelism).
+    attend within their ``cu_seqlens`` segments; under context parallelism every segment is
+    split zig-zag on its own (megatron's THD layout, ``cu_seqlens`` global, each length a
+    multiple of ``2 * C``).
     """
 
     def __init__(
@@ -166,12 +172,13 @@ class RegistryAttention(MegatronModule):
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
                              "RegistryAttention; use qkv_format='thd'")
-        if self.cp is not None:
-            raise ValueError("packed (thd) sequences are not supported under context parallelism yet; "
-                             "use context_parallel_size=1")
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
+        if self.cp is not None:
+            out = self.cp.attend_packed(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), cu_q, causal=causal,
+                                        softmax_scale=self.softmax_scale, kernel=self.kernel, impl=self.impl)
+            return out.squeeze(0).reshape(query.shape[0], -1)
         out = self.kernel(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), causal=causal,
                           softmax_scale=self.softmax_scale, window_size=self.window_size, cu_seqlens=cu_q)
         return out.squeeze(0).reshape(query.shape[0], -1)
@@ -270,6 +277,58 @@ class _ContextParallel:
             else:
                 out = context_parallel_attention(q, k, v, algo=RING, cp_group=ring_group, causal=causal,
                                                  softmax_scale=softmax_scale, seq_len=seq_len, impl=impl)
+            return out.index_select(1, unsort)
+
+        gathered = seq_len // (1 if ring_group is None else ring_group.size())
+        return ulysses_attention(q, k, v, group=self.ulysses_group, seq_len=gathered, causal=causal,
+                                 softmax_scale=scale, cu_seqlens=None, attend=attend_sorted)
+
+    def _packed_order(self, bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sort, unsort)`` of the rows the Ulysses all-to-all gathers from per-sequence zig-zag shards.
+
+        Not cached: every packed microbatch has its own boundaries.
+        """
+        degree = self.ulysses_group.size()
+        first = self.cp_group.rank() // degree * degree
+        positions = torch.cat([torch.arange(start, stop) for member in range(first, first + degree)
+                               for start, stop in packed_shard_ranges(bounds, member, self.cp_size)])
+        sort = torch.argsort(positions)
+        return sort.to(device), torch.argsort(sort).to(device)
+
+    def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                      causal: bool, softmax_scale: float | None, kernel: Any, impl: str) -> torch.Tensor:
+        """Packed (THD) attention; ``[1, t_local, n, d]`` shards split zig-zag per sequence (megatron's layout).
+
+        The ring runs on the per-sequence shards directly (they ascend in global position). Ulysses
+        gathers its group's shards, sorts them into position order (the whole row for Ulysses;
+        for hybrid, ring rank ``rho``'s per-sequence zig-zag shard over the ``R`` ring ranks, as
+        every sequence's ``2C`` chunks group into ``2R`` ring chunks of ``U``), attends and unsorts.
+        """
+        bounds = tuple(int(b) for b in cu_seqlens.tolist())
+        seq_len = bounds[-1]
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        device = get_accelerator().name
+        ring_group = self.cp_group if self.algo == RING else self.ring_group
+        lse_kernel = update = None
+        if ring_group is not None and ring_group.size() > 1:  # only the ring merges blocks by their lse
+            lse_kernel = _kernel("attention", impl, (FEATURE_LSE, FEATURE_VARLEN), device)
+            update = _kernel("ring_attention_update", "auto", (), device)
+        if self.algo == RING:
+            return ring_attention(q, k, v, group=self.cp_group, seq_len=seq_len, causal=causal, softmax_scale=scale,
+                                  bounds=bounds, attend=lse_kernel, update=update, per_sequence=True)
+        sort, unsort = self._packed_order(bounds, q.device)
+        varlen = _kernel("attention", impl, (FEATURE_VARLEN,), device)
+
+        def attend_sorted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                          softmax_scale: float, cu_seqlens: Any = None) -> torch.Tensor:
+            q, k, v = (t.index_select(1, sort) for t in (q, k, v))
+            if ring_group is None or ring_group.size() == 1:
+                out = varlen(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                             cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=q.device))
+            else:
+                out = ring_attention(q, k, v, group=ring_group, seq_len=seq_len, causal=causal,
+                                     softmax_scale=softmax_scale, bounds=bounds, attend=lse_kernel, update=update,
+                                     per_sequence=True)
             return out.index_select(1, unsort)
 
         gathered = seq_len // (1 if ring_group is None else ring_group.size())

@@ -149,7 +149,9 @@ class ParallelConfig:
         vpp: virtual pipeline stages per pipeline rank (interleaved 1F1B; default none).
         ep: expert-parallel size.
         etp: expert tensor-parallel size (default: megatron's, the tensor-parallel size).
-        cp: context-parallel size (only 1 is supported by this trainer for now).
+        cp: context-parallel size: every sequence is split over ``cp`` ranks (zig-zag); the
+            algorithm is ``features.settings.context_parallel.context_parallel_algo``
+            (``megatron_cp_algo``, the ring, by default). See docs/llm/long-sequence.md.
         sequence_parallel: shard activations along the sequence inside tensor-parallel regions.
         distributed_optimizer: shard optimizer state and master weights over data-parallel ranks.
         overlap_grad_reduce: reduce gradient buckets while the backward runs.
@@ -573,8 +575,8 @@ class PretrainConfig:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
                               f"{model_parallel}; change the layout or the number of processes")
         dp = world_size // model_parallel
-        if p.cp != 1:
-            raise ConfigError("parallel.cp > 1 is not supported by the pretrain trainer yet; set parallel.cp=1")
+        if p.cp > 1:
+            _check_context_parallel(self)
         if p.vpp is not None and p.pp == 1:
             raise ConfigError("parallel.vpp needs pipeline parallelism; set parallel.pp > 1 or unset parallel.vpp")
         if m.num_layers % (p.pp * (p.vpp or 1)):
@@ -646,6 +648,22 @@ class PretrainConfig:
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
         _check_megatron_fields(m.megatron)
+
+
+def _check_context_parallel(config: PretrainConfig) -> None:
+    """What ``parallel.cp > 1`` needs of the rest of the recipe."""
+    p, d = config.parallel, config.data
+    if config.stage == "dpo":
+        raise ConfigError("dpo does not support parallel.cp > 1 yet; set parallel.cp=1")
+    if d.seq_length % (2 * p.cp):
+        raise ConfigError(f"data.seq_length={d.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp} "
+                          "(each rank holds two of 2 x cp chunks of every sequence); change one of them")
+    if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
+        raise ConfigError(f"data.seq_length / parallel.cp = {d.seq_length // p.cp} must be divisible by parallel.tp="
+                          f"{p.tp} with sequence parallelism; change data.seq_length")
+    if config.stage != "pretrain" and p.pp > 1 and not d.variable_seq_lengths:
+        raise ConfigError("packed sequences under parallel.cp > 1 are padded to multiples of 2 x cp, so microbatches "
+                          "change length: with parallel.pp > 1 set data.variable_seq_lengths=true")
 
 
 def _check_positive(config: PretrainConfig) -> None:

@@ -19,6 +19,7 @@ sample where that token's label is not -100, so nothing is learnt across a bound
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ class PackSettings:
         variable: pad each microbatch only to a multiple of ``pad_to_multiple_of``.
         pad_to_multiple_of: the multiple (tensor parallelism with sequence parallelism needs tp).
         pad_id: the token padding is filled with.
+        segment_multiple: pad every sample to a multiple of this inside its own segment (context
+            parallelism splits each packed sequence into ``2 x cp`` equal chunks); the padding
+            is never trained and, at the end of its sample, changes nothing the sample's tokens see.
     """
 
     seq_length: int
@@ -120,6 +124,7 @@ class PackSettings:
     variable: bool = False
     pad_to_multiple_of: int = 8
     pad_id: int = 0
+    segment_multiple: int = 1
 
 
 def _segments(sample: dict[str, np.ndarray], prefix: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
@@ -153,15 +158,19 @@ def pack_microbatch(sequences: list[tuple[np.ndarray, np.ndarray]], settings: Pa
         ids, labels = ids[: settings.seq_length], labels[: settings.seq_length]
         shifted = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
         shifted[:-1] = labels[1:]
-        tokens.append(ids)
-        targets.append(shifted)
-        positions.append(np.arange(len(ids)))
-        index.append(np.full(len(ids), number if sequence_ids is None else sequence_ids[number]))
-        bounds.append(bounds[-1] + len(ids))
+        extra = -len(ids) % settings.segment_multiple
+        tokens.append(np.concatenate([ids, np.full(extra, settings.pad_id, dtype=ids.dtype)]))
+        targets.append(np.concatenate([shifted, np.full(extra, IGNORE_INDEX, dtype=np.int64)]))
+        positions.append(np.arange(len(ids) + extra))
+        index.append(np.concatenate([np.full(len(ids), number if sequence_ids is None else sequence_ids[number]),
+                                     np.full(extra, -1)]))
+        bounds.append(bounds[-1] + len(ids) + extra)
     used = bounds[-1]
     if settings.variable:
-        multiple = settings.pad_to_multiple_of
+        multiple = math.lcm(settings.pad_to_multiple_of, settings.segment_multiple)
         total = max(-(-used // multiple) * multiple, multiple)
+    if used > total and settings.segment_multiple > 1:
+        total = used  # samples padded for context parallelism overflow the row: this microbatch is longer
     if used > total:  # cannot happen with samples cut to seq_length; a guard for callers
         raise ValueError(f"{used} tokens do not fit a microbatch of {total}")
     if used < total:  # the padding is one more segment, attended only by itself, never trained

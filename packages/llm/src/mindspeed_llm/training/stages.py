@@ -140,8 +140,9 @@ class _FinetuneStage(Stage):
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
         d = config.data
+        cp = config.parallel.cp
         settings = PackSettings(d.seq_length, config.train.micro_batch_size, d.variable_seq_lengths,
-                                d.pad_to_multiple_of, pad_id)
+                                d.pad_to_multiple_of, pad_id, segment_multiple=2 * cp if cp > 1 else 1)
         return PackedMicrobatchReader(dataset, settings, self.pairwise, dp_rank, dp_size, device)
 
 

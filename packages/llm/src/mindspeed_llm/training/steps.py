@@ -83,8 +83,9 @@ def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...
         for row, name in enumerate(names):
             total[row] += item[name].to(torch.float64).cpu()
     # The last stage holds the sums; the others add zeros. gloo has no AVG: sum, then divide.
+    # Context-parallel ranks hold shards of the same sequences: their sums and counts add up too.
     dist.all_reduce(total, group=groups.pp)
-    dist.all_reduce(total, group=groups.dp)
+    dist.all_reduce(total, group=groups.dp_cp)
     return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in zip(names, total.tolist())}
 
 

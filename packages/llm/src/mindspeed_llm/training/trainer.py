@@ -38,6 +38,11 @@ from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.context_parallel import (
+    ContextParallelReader,
+    context_parallel_facts,
+    context_parallel_loss,
+)
 from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.hf import (
     apply_load_hf,
@@ -120,6 +125,8 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     shape = model_shape(config, ids.vocab_size)
     facts = ModelFacts.from_transformer_config(recipe_transformer_config(config, shape),
                                                position_embedding_type=shape.position_embedding_type)
+    if config.parallel.cp > 1:
+        facts = context_parallel_facts(facts, config, shape)
     p = config.parallel
     sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
     log_dir = config.log_dir()
@@ -248,8 +255,12 @@ class Trainer:
         dp_rank, dp_size = self.groups.dp.rank(), self.groups.dp.size()
         device = get_accelerator().device()
 
+        cp = self.groups.cp
+
         def read(dataset: Any) -> Any:
-            return self.stage.reader(dataset, config, dp_rank, dp_size, device, self.ids.eod)
+            reader = self.stage.reader(dataset, config, dp_rank, dp_size, device, self.ids.eod)
+            # Context parallelism: every rank of a CP group reads the same microbatches and keeps its shard.
+            return ContextParallelReader(reader, cp.rank(), cp.size()) if cp.size() > 1 else reader
 
         self.train_reader = read(train)
         self.valid_reader = read(valid) if valid is not None else None
@@ -436,7 +447,7 @@ class Trainer:
         transform = (lambda losses: hook(step, losses)) if hook is not None else None
         lr = current_lr(self.optimizer)
         self.stage.prepare(self.reference, batches)
-        metrics = run_schedule(self.chunks, batches, self.stage.loss_fn(self.config, transform), groups=self.groups)
+        metrics = run_schedule(self.chunks, batches, self._loss_fn(transform), groups=self.groups)
         loss, tokens = metrics[self.stage.metric]
         grad_norm = None
         skipped = not math.isfinite(loss)
@@ -465,10 +476,18 @@ class Trainer:
             record["step_tokens"] = self._step_tokens(batches)
         return record
 
+    def _loss_fn(self, transform: Any = None) -> Any:
+        """The stage's loss; under CP, rescaled where megatron averages per microbatch (pretraining)."""
+        loss_fn = self.stage.loss_fn(self.config, transform)
+        if self.groups.cp.size() > 1 and not self.transformer.calculate_per_token_loss:
+            loss_fn = context_parallel_loss(loss_fn, self.groups.cp)
+        return loss_fn
+
     def _step_tokens(self, batches: list[dict[str, Any]]) -> int:
-        # Tokens the step processed (padding excluded), over the data-parallel ranks.
+        # Tokens the step processed (padding excluded), over the data- and context-parallel ranks
+        # (each CP rank holds its shard of the same sequences: the sum counts every token once).
         local = torch.tensor([sum(int((b["sequence_index"] >= 0).sum()) for b in batches)], dtype=torch.float64)
-        dist.all_reduce(local, group=self.groups.dp)
+        dist.all_reduce(local, group=self.groups.dp_cp)
         return int(local.item())
 
     def _evaluate(self, step: int, metrics: MetricsLog, reporter: RunReporter) -> dict[str, Any]:
@@ -476,7 +495,7 @@ class Trainer:
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
         for batches in steps:
             self.stage.prepare(self.reference, batches)
-        loss, tokens = evaluate(self.chunks, steps, self.stage.loss_fn(self.config), self.stage.metric, self.groups)
+        loss, tokens = evaluate(self.chunks, steps, self._loss_fn(), self.stage.metric, self.groups)
         record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
         if self.stage.metric == LM_LOSS:
             record["perplexity"] = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss

@@ -257,6 +257,39 @@ def positions_for_context_parallel(
     return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in ranges])
 
 
+def packed_shard_ranges(bounds: Sequence[int], cp_rank: int, cp_size: int) -> Ranges:
+    """The global ranges CP rank ``cp_rank`` holds of a packed row split sequence by sequence.
+
+    Megatron's THD layout under context parallelism (what its rope assumes): every packed
+    sequence ``[b_i, b_{i+1})`` is cut into ``2 * C`` equal chunks and rank ``r`` holds chunks
+    ``r`` and ``2 * C - 1 - r`` of each, sequence after sequence. The ranges ascend, so local
+    order is global order.
+
+    Args:
+        bounds: global boundaries of the packed sequences (``cu_seqlens``); every length must be
+            a multiple of ``2 * cp_size``.
+        cp_rank: rank in the CP group.
+        cp_size: CP degree ``C``.
+
+    Raises:
+        ValueError: a sequence length is not a multiple of ``2 * cp_size``.
+    """
+    ranges: list[tuple[int, int]] = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if (stop - start) % (2 * cp_size):
+            raise ValueError(f"packed sequence [{start}, {stop}) has {stop - start} tokens, not a multiple of "
+                             f"2 * context_parallel_size = {2 * cp_size}; pad every packed sequence to a multiple")
+        ranges.extend((lo + start, hi + start) for lo, hi in zigzag_ranges(stop - start, cp_rank, cp_size)
+                      if hi > lo)
+    return tuple(ranges)
+
+
+def split_packed_for_context_parallel(tensor: torch.Tensor, dim: int, bounds: Sequence[int], cp_rank: int,
+                                      cp_size: int) -> torch.Tensor:
+    """This rank's shard of a packed (THD) row: :func:`packed_shard_ranges` of ``bounds``, concatenated."""
+    return _narrow_cat(tensor, dim, packed_shard_ranges(tuple(int(b) for b in bounds), cp_rank, cp_size))
+
+
 def check_cu_seqlens(cu_seqlens: Sequence[int], seq_len: int) -> tuple[int, ...]:
     """Validate global packed-sequence boundaries and return them as a tuple.
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mindspeed.parallel.context_parallel.blocks import Block, plan_blocks
 from mindspeed.parallel.context_parallel.comm import RingExchange
-from mindspeed.parallel.context_parallel.layout import ranges_length, zigzag_ranges
+from mindspeed.parallel.context_parallel.layout import packed_shard_ranges, ranges_length, zigzag_ranges
 
 _KV_TAG, _DKV_TAG = 11, 12
 
@@ -58,7 +58,8 @@ class RingPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_ring(seq_len: int, rank: int, size: int, causal: bool, bounds: tuple[int, ...] | None) -> RingPlan:
+def plan_ring(seq_len: int, rank: int, size: int, causal: bool, bounds: tuple[int, ...] | None,
+              per_sequence: bool = False) -> RingPlan:
     """The :class:`RingPlan` of ring rank ``rank`` of ``size`` for a zig-zag sharded sequence.
 
     Args:
@@ -67,8 +68,13 @@ def plan_ring(seq_len: int, rank: int, size: int, causal: bool, bounds: tuple[in
         size: ring degree ``R``.
         causal: causal mask.
         bounds: global packed-sequence boundaries, or ``None``.
+        per_sequence: the shards are zig-zag per packed sequence (megatron's THD layout,
+            :func:`~mindspeed.parallel.context_parallel.layout.packed_shard_ranges`), not of the whole row.
     """
-    shards = [zigzag_ranges(seq_len, s, size) for s in range(size)]
+    if per_sequence and bounds is not None:
+        shards = [packed_shard_ranges(bounds, s, size) for s in range(size)]
+    else:
+        shards = [zigzag_ranges(seq_len, s, size) for s in range(size)]
     steps = tuple(
         tuple(plan_blocks(shards[rank], shards[(rank - i) % size], seq_len=seq_len, causal=causal, bounds=bounds))
         for i in range(size)
@@ -204,6 +210,7 @@ def ring_attention(
     attend: Callable,
     update: Callable,
     overlap: bool = True,
+    per_sequence: bool = False,
 ) -> torch.Tensor:
     """Ring attention over a zig-zag sharded sequence.
 
@@ -219,13 +226,14 @@ def ring_attention(
         attend: the ``attention`` kernel; must support ``return_lse`` (and ``cu_seqlens`` when packed).
         update: the ``ring_attention_update`` kernel.
         overlap: post each transfer before the compute it overlaps (``False``: wait first).
+        per_sequence: packed sequences are each split zig-zag (megatron's THD layout), not the row.
 
     Returns:
         ``[b, s_local, heads_q, d]``: the local rows of attention over the whole sequence.
     """
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
-    plan = plan_ring(seq_len, rank, size, causal, bounds)
+    plan = plan_ring(seq_len, rank, size, causal, bounds, per_sequence)
     if q.shape[1] != plan.lengths[rank]:
         raise ValueError(
             f"ring rank {rank} of {size} holds {q.shape[1]} positions, but the zig-zag layout of a {seq_len}-token "

@@ -1,0 +1,116 @@
+"""``pretrain`` and ``sft`` at context parallelism 2 reproduce the CP1 run, and checkpoints move between CP sizes.
+
+One spawned group of two gloo ranks writes the tiny model's initial weights (a run of 0 steps
+that saves its checkpoint), trains 4 steps from them at CP1 (two data-parallel ranks: the
+reference), then the same 4 steps at CP2 under every algorithm of the ``context_parallel``
+feature (``megatron_cp_algo``, ``ulysses_cp_algo``, ``hybrid_cp_algo`` as Ulysses 2 x ring 1
+and Ulysses 1 x ring 2), through the real trainer:
+
+- pretraining with ``data.eod_mask_loss`` (the loss masks of the two CP shards hold different
+  token counts, so a loss averaged per shard would be wrong);
+- SFT on packed instruction rows (THD: every sample is its own ``cu_seqlens`` segment, padded
+  to a multiple of 2 x CP and split zig-zag sample by sample);
+- resume across CP sizes: a CP2 run saves at step 2 and a CP1 run resumes it to step 4, and the
+  reverse; steps 3 and 4 must be the reference's.
+
+Per-step losses and gradient norms must agree to rel 1e-5, and the token counts must be the
+same (CP does not multiply them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mindspeed.testing.distributed import run_distributed
+from tests.llm.training.datasets import write_indexed_dataset
+from tests.llm.training.finetune_data import make_samples, write_instruction
+
+STEPS = 4
+ALGOS = {
+    "ring": ["features.settings.context_parallel.context_parallel_algo=megatron_cp_algo"],
+    "ulysses": ["features.settings.context_parallel.context_parallel_algo=ulysses_cp_algo"],
+    "hybrid-u2r1": ["features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
+                    "features.settings.context_parallel.ulysses_degree_in_cp=2"],
+    "hybrid-u1r2": ["features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
+                    "features.settings.context_parallel.ulysses_degree_in_cp=1"],
+}
+MODEL = ["model.vocab_size=128", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+         "model.num_query_groups=2", "model.ffn_hidden_size=128", "train.micro_batch_size=2",
+         "train.global_batch_size=8", "train.lr=3e-3", f"train.lr_decay_steps={STEPS}", "train.clip_grad=0.5", "logging.progress=false",
+         "logging.tensorboard=false", "logging.loss_curve=false"]
+
+
+def _pretrain_data(data: str) -> list[str]:
+    return [f"data.prefixes=[{data}]", "data.seq_length=32", "data.split=90,10,0", "data.eod_token_id=0",
+            "data.eod_mask_loss=true"]
+
+
+def _sft_data(data: str) -> list[str]:
+    return ["stage=sft", f"data.prefixes=[{data}]", "data.seq_length=32", "data.split=100,0,0"]
+
+
+def _run(*overrides: str) -> list[dict[str, Any]]:
+    from mindspeed_llm.training.config import load_pretrain_config
+    from mindspeed_llm.training.trainer import pretrain
+
+    result = pretrain(load_pretrain_config(None, [*MODEL, *overrides]))
+    keep = ("step", "loss", "grad_norm", "tokens", "step_tokens")
+    return [{k: r[k] for k in keep if k in r} for r in result.records]
+
+
+def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: str) -> dict[str, Any]:
+    init = f"{root}/init"
+    _run(*_pretrain_data(pretrain_data), "train.steps=0", f"checkpoint.save={init}")
+    start = [f"checkpoint.load={init}", "checkpoint.finetune=true", f"train.steps={STEPS}"]
+    out: dict[str, Any] = {}
+    for stage, data in (("pretrain", _pretrain_data(pretrain_data)), ("sft", _sft_data(sft_data))):
+        out[f"{stage}/cp1"] = _run(*data, *start)
+        for name, algo in ALGOS.items():
+            out[f"{stage}/{name}"] = _run(*data, *start, "parallel.cp=2", *algo)
+    # Resume across CP sizes: save at step 2 at one size, finish at the other.
+    data = _pretrain_data(pretrain_data)
+    for first, second in ((["parallel.cp=2", *ALGOS["ring"]], []), ([], ["parallel.cp=2", *ALGOS["ulysses"]])):
+        save = f"{root}/resume-{'cp2' if first else 'cp1'}"
+        _run(*data, *start[:2], "train.steps=2", f"checkpoint.save={save}", *first)
+        out[f"resume/{'cp2-to-cp1' if first else 'cp1-to-cp2'}"] = _run(
+            *data, f"train.steps={STEPS}", f"checkpoint.save={save}", "checkpoint.save_at_end=false", *second)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root: Path = tmp_path_factory.mktemp("cp")
+    pretrain_data = write_indexed_dataset(root / "data" / "docs", 120, seed=3)
+    sft_data = write_instruction(str(root / "data" / "sft"), make_samples(64, seed=4, vocab=128, max_len=24),
+                                 pack_to=32)
+    results = run_distributed(_group, 2, str(root), pretrain_data, sft_data, timeout=900)
+    assert results[0] == results[1], "ranks disagree on the logged metrics"
+    return results[0]
+
+
+def _same(got: list[dict[str, Any]], ref: list[dict[str, Any]], label: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref], label
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), f"{label} step {b['step']}: loss"
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), f"{label} step {b['step']}: grad norm"
+        assert a["tokens"] == b["tokens"], f"{label} step {b['step']}: tokens"
+        assert a.get("step_tokens") == b.get("step_tokens"), f"{label} step {b['step']}: step tokens"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_cp2_matches_cp1(runs: dict[str, Any], stage: str, algo: str) -> None:
+    ref = runs[f"{stage}/cp1"]
+    assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn"
+    _same(runs[f"{stage}/{algo}"], ref, f"{stage} {algo}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["cp2-to-cp1", "cp1-to-cp2"])
+def test_resume_across_cp_sizes(runs: dict[str, Any], case: str) -> None:
+    got = runs[f"resume/{case}"]
+    _same(got, runs["pretrain/cp1"][2:], case)
