@@ -161,6 +161,7 @@ def test_wan_extract_ranks_resume_and_raw_training(tmp_path) -> None:
     result = launch(_extract, (config,))  # resumed on 1 rank: shards 0 and 1 (and maybe 2) are not redone
     assert result.samples == 8 and result.shards == 4 and 1 <= result.written <= 2
     _equal(_cache(two), one)
+    assert not list(two.glob("*.tmp"))
     with pytest.raises(ValueError, match="holds an extraction with other"):
         launch(_extract, (load_mm_config(tmp_path / "recipe.yaml", [f"data.features={two}", "data.fps=8"]),))
 

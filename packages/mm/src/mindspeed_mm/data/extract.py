@@ -150,6 +150,8 @@ def extract_features(config: MMConfig, after_shard: Callable[[int], None] | None
         save_file(null, str(directory / (NULL + ".tmp")))
         os.replace(directory / (NULL + ".tmp"), directory / NULL)
         _write_atomic(directory / INDEX, "".join(json.dumps(line) + "\n" for line in lines))
+        for leftover in directory.glob("*.tmp"):  # writes a killed run left half done
+            leftover.unlink()
         result.samples = len(lines)
         logger.info("%s: %d samples in %d shards (%d written now, %d skipped as bad)", directory, result.samples,
                     shards, result.written, result.bad)
