@@ -63,6 +63,10 @@ def test_media_listing_sampling_and_bad_samples(tmp_path) -> None:
     torch.testing.assert_close(values, torch.arange(0, 180, 20.0), rtol=0, atol=2.0)
     image = load_pixels(samples[2])  # 30 x 20 covers 16 x 16 at 24 x 16, centre crop
     torch.testing.assert_close(image, torch.full((3, 1, 16, 16), 200 / 127.5 - 1))
+    (tmp_path / "data.txt").write_text(f"{tmp_path / 'v'},data.json\n\n{tmp_path},images.jsonl\n")
+    (tmp_path / "data.json").write_text(json.dumps([{"path": "a.mov", "cap": "a"}, {"path": "b.mkv", "cap": "b"}]))
+    assert plan_media([str(tmp_path / "data.txt")], None, [[16, 16], [16, 32]], 16, [5, 9], 4.0, False) == samples
+    (tmp_path / "data.json").write_text(json.dumps([{"path": "v/a.mov", "cap": "a"}]))
     every = plan_media(files[:1], None, [], 16, [3], 0.0, False)  # fps 0: consecutive frames; own size floored
     assert every[0].frames == (0, 1, 2) and (every[0].height, every[0].width) == (16, 16)
 

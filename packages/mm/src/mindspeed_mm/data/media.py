@@ -1,7 +1,7 @@
 """Video/image + caption data for diffusion transformers (MindSpeed-MM's generation data format).
 
-A data file is MindSpeed-MM's video/image JSON (a list of samples) or JSON Lines (one sample a
-line, the image-caption layout)::
+A data file is MindSpeed-MM's video/image JSON (a list of samples), JSON Lines (one sample a
+line, the image-caption layout), or MindSpeed-MM's ``data.txt`` (``media folder,data file`` lines)::
 
     {"path": "videos/x.mp4", "cap": "a red square moves left", "num_frames": 81, "fps": 24,
      "resolution": {"height": 480, "width": 832}}
@@ -68,7 +68,8 @@ class MediaSample:
 
 
 def read_listing(files: list[str], media_dir: str | None) -> list[tuple[dict, Path, str]]:
-    """``(record, media path, "file:line")`` of every sample of ``files`` (JSON lists or JSON Lines).
+    """``(record, media path, "file:line")`` of every sample of ``files`` (JSON lists, JSON Lines, or
+    MindSpeed-MM's ``data.txt`` of ``media folder,data file`` lines, relative to the .txt's folder).
 
     Raises:
         ValueError: a file that is neither (naming it), or a record that is not a mapping with ``path``.
@@ -77,6 +78,16 @@ def read_listing(files: list[str], media_dir: str | None) -> list[tuple[dict, Pa
     for name in files:
         path = Path(name)
         text = path.read_text()
+        if path.suffix == ".txt":  # MindSpeed-MM's data.txt: one `media folder,data file` a line
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                parts = [part.strip() for part in line.split(",")]
+                if len(parts) != 2 or not all(parts):
+                    raise ValueError(f"{path}:{number}: a data.txt line is `media folder,data file`; fix the line")
+                folder, listing = (path.parent / part for part in parts)
+                listed += read_listing([str(listing)], str(folder))
+            continue
         if path.suffix == ".json":
             try:
                 records = json.loads(text)
