@@ -188,6 +188,16 @@ def test_flux_raw_training_equals_cached(tmp_path) -> None:
     assert result.samples == 4 and result.written == 1
     shapes = [json.loads(line)["shape"] for line in (cache / "index.jsonl").read_text().splitlines()]
     assert shapes == [[4, 8, 8]] * 2 + [[4, 8, 16]] * 2
+    half = tmp_path / "bf16"
+    launch(_extract, (load_mm_config(None, [*args, f"data.features={half}", "data.vae_dtype=bfloat16",
+                                            "data.text_encoder_dtype=bfloat16"]),))
+    worst = 0.0
+    for key, value in _cache(cache)[1].items():  # bf16 encoders: float32 features within bf16's rounding
+        low = _cache(half)[1][key]
+        assert low.dtype == torch.float32
+        worst = max(worst, float((low - value).abs().max() / value.abs().max()))
+    assert worst < 0.05
+    print("bf16 encoders: largest error / largest value", worst)
     cached = launch(_train, (load_mm_config(None, [*args, *TRAIN, f"data.features={cache}"]),))
     raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
     assert cached == raw and all(np.isfinite(cached))

@@ -164,6 +164,9 @@ class DataConfig:
         skip_bad: skip unreadable media, videos too short and samples without a caption, with a
             count in the log (else the first one is an error naming its file and line).
         shard_size: samples per shard of a feature cache that ``extract-features`` writes.
+        vae_dtype: ``float32`` or ``bfloat16``: the VAE's weights and compute (diffusers runs Wan's VAE in float32).
+        text_encoder_dtype: ``float32`` or ``bfloat16``: the text encoders' (Wan's UMT5 ships in bfloat16).
+            Features are stored in float32 either way.
     """
 
     files: list[str] = field(default_factory=list)
@@ -184,6 +187,8 @@ class DataConfig:
     fps: float = 16.0
     skip_bad: bool = False
     shard_size: int = 64
+    vae_dtype: Literal["float32", "bfloat16"] = "float32"
+    text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass

@@ -64,7 +64,8 @@ def _manifest(config: MMConfig, architecture: str) -> dict:
     d = config.data
     digests = {name: hashlib.sha256(Path(name).read_bytes()).hexdigest() for name in d.files}
     settings = {key: getattr(d, key) for key in ("image_dir", "resolutions", "hw_stride", "frame_counts", "fps",
-                                                   "skip_bad", "shard_size", "text_len")}
+                                                   "skip_bad", "shard_size", "text_len", "vae_dtype",
+                                                   "text_encoder_dtype")}
     return {"architecture": architecture, "encoders": str(encoders_dir(config).resolve()), "files": digests,
             "data": settings}
 

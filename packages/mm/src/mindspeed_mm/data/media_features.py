@@ -39,7 +39,8 @@ class MediaFeatures:
         self.family = family
         self.directory = encoders_dir(config)
         self.encoders = EncoderSet(self.directory, family.architecture, d.text_len or family.text_len,
-                                   get_accelerator().device())
+                                   get_accelerator().device(), getattr(torch, d.vae_dtype),
+                                   getattr(torch, d.text_encoder_dtype))
         images_only = family.latent_dims == 3
         stride = self.encoders.time_stride()
         if not images_only:

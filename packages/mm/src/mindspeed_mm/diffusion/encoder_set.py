@@ -48,7 +48,7 @@ TEXT_ENCODINGS.register("FluxTransformer2DModel", TextEncoding(
     (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")), encode_t5_clip))
 
 
-def _load_diffusers(directory: Path) -> Any:
+def _load_diffusers(directory: Path, dtype: torch.dtype) -> Any:
     config = directory / "config.json"
     if not config.is_file():
         raise ValueError(f"{directory} has no config.json; data.encoders must hold the pipeline's vae folder")
@@ -56,10 +56,10 @@ def _load_diffusers(directory: Path) -> Any:
     cls = getattr(importlib.import_module("diffusers"), name or "", None)
     if cls is None:
         raise ValueError(f"{config}: `_class_name` {name!r} is not a diffusers class; give a diffusers VAE folder")
-    return cls.from_pretrained(str(directory), torch_dtype=torch.float32, local_files_only=True)
+    return cls.from_pretrained(str(directory), torch_dtype=dtype, local_files_only=True)
 
 
-def _load_transformers(directory: Path) -> Any:
+def _load_transformers(directory: Path, dtype: torch.dtype) -> Any:
     import transformers
 
     config = directory / "config.json"
@@ -69,7 +69,7 @@ def _load_transformers(directory: Path) -> Any:
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
         raise ValueError(f"{config}: `architectures` {names} names no transformers class; give a text encoder folder")
-    return cls.from_pretrained(str(directory), torch_dtype=torch.float32, local_files_only=True)
+    return cls.from_pretrained(str(directory), torch_dtype=dtype, local_files_only=True)
 
 
 class EncoderSet:
@@ -79,24 +79,26 @@ class EncoderSet:
         directory: the pipeline directory (``data.encoders``).
         architecture: the transformer's ``_class_name`` (picks the text encoders).
         max_length: text tokens (``data.text_len``).
+        vae_dtype: the VAE's dtype. text_dtype: the text encoders'.
 
     Raises:
         ValueError: a missing folder or an unknown class (naming the path).
     """
 
-    def __init__(self, directory: str | Path, architecture: str, max_length: int, device: torch.device) -> None:
+    def __init__(self, directory: str | Path, architecture: str, max_length: int, device: torch.device,
+                 vae_dtype: torch.dtype = torch.float32, text_dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoTokenizer
 
         self.directory, self.max_length, self.device = Path(directory), max_length, device
         self.encoding = TEXT_ENCODINGS.get(architecture)
-        self.vae = _load_diffusers(self.directory / "vae").to(device).eval()
+        self.vae = _load_diffusers(self.directory / "vae", vae_dtype).to(device).eval()
         self.text_parts: list[Any] = []
         for encoder, tokenizer in self.encoding.folders:
             if not (self.directory / tokenizer).is_dir():
                 raise ValueError(f"{self.directory / tokenizer} does not exist; data.encoders must hold the "
                                  f"pipeline's {tokenizer} folder")
             self.text_parts += [AutoTokenizer.from_pretrained(str(self.directory / tokenizer), local_files_only=True),
-                                _load_transformers(self.directory / encoder).to(device).eval()]
+                                _load_transformers(self.directory / encoder, text_dtype).to(device).eval()]
 
     def time_stride(self) -> int:
         """Frames the VAE folds into one latent frame (4 for Wan's; 1 for an image VAE)."""
@@ -105,11 +107,11 @@ class EncoderSet:
 
     @torch.no_grad()
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised latents of one sample's pixels ``[3, F, H, W]`` (or ``[3, H, W]``), on the CPU."""
-        return encode_latents(self.vae, pixels[None].to(self.device))[0].cpu()
+        """Normalised float32 latents of one sample's pixels ``[3, F, H, W]`` (or ``[3, H, W]``), on the CPU."""
+        return encode_latents(self.vae, pixels[None].to(self.device, self.vae.dtype))[0].float().cpu()
 
     @torch.no_grad()
     def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
-        """``{"text": [L, D], maybe "pooled": [P]}`` of one caption, on the CPU."""
+        """``{"text": [L, D], maybe "pooled": [P]}`` of one caption, float32 on the CPU."""
         out = self.encoding.encode(*self.text_parts, [caption], self.max_length)[0]
-        return {key: value.cpu() for key, value in out.items()}
+        return {key: value.float().cpu() for key, value in out.items()}
