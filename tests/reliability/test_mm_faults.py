@@ -2,14 +2,14 @@
 
 The multimodal trainer goes through the same shared machinery as the LLM trainer
 (:mod:`mindspeed.checkpointing`), so these cases are few and cheap. One run directory lives
-through a chain of real processes: a first Ctrl-C after step 1 (saved although no interval
-step, exit 130), ``kill -9`` after step 2's shards are written but before ``complete.json``,
-SIGTERM after step 3 (saved, exit 143), then a run to the end. After each: no process of the run
-is alive, no complete checkpoint was deleted, the next run resumes from the newest complete
-checkpoint; at the end the losses, learning rates and gradient norms equal the uninterrupted
-run's bit for bit. In this process: a damaged newest checkpoint (its shard truncated, the
-tracker deleted) is skipped with one warning and the resumed steps equal the reference's; the
-time limit stops after a step, exit 0; unusable checkpoints are one line and exit 2.
+through a chain of real processes: SIGTERM after step 1 (saved although no interval step, exit
+143), ``kill -9`` after step 2's shards are written but before ``complete.json``, then a run to
+the end. After each: no process of the run is alive, no complete checkpoint was deleted, the
+next run resumes from the newest complete checkpoint; at the end the losses, learning rates and
+gradient norms equal the uninterrupted run's bit for bit. In this process: the first Ctrl-C
+saves and exits 130; a damaged newest checkpoint (its shard truncated, the tracker deleted) is
+skipped with one warning and the resumed steps equal the reference's; the time limit stops after
+a step, exit 0; unusable checkpoints are one line and exit 2.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed.checkpointing import STEP, TRACKER, list_complete
+from mindspeed.checkpointing import FAULT_ENV, STEP, TRACKER, list_complete
 from tests.reliability import harness
 
 pytestmark = [pytest.mark.faults, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")]
 
 #: Steps trained again after each fault of the chain (docs/reliability.md's fault table).
-MEASURED = {"SIGINT": 0, "save.written": 1, "SIGTERM": 0}
+MEASURED = {"SIGTERM": 0, "save.written": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +40,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _main(capsys: pytest.CaptureFixture, overrides: list[str]) -> tuple[int, str]:
+def _main(capsys: pytest.CaptureFixture, overrides: list[str], fault: str | None = None) -> tuple[int, str]:
     from mindspeed_mm.cli import main
 
-    code = main(["--log-level", "WARNING", "train", *overrides])
+    with pytest.MonkeyPatch.context() as patch:
+        if fault is not None:
+            patch.setenv(FAULT_ENV, fault)
+        code = main(["--log-level", "WARNING", "train", *overrides])
     return code, capsys.readouterr().err
 
 
@@ -67,10 +70,10 @@ def _names(out: Path) -> list[str]:
     return [p.name for p in list_complete(out, STEP)]
 
 
-def _stop_line(done: harness.Finished, cause: str, step: int, out: Path) -> None:
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    (line,) = done.lines("stopped by")
-    assert f"stopped by {cause} after step {step} of 4" in line, line
+def _stop_line(stderr: str, cause: str, step: int, steps: int, out: Path) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if "stopped by" in line]
+    assert f"stopped by {cause} after step {step} of {steps}" in line, line
     assert f"checkpoint {out / f'step_{step:08d}'}; run the same command to resume" in line, line
 
 
@@ -79,27 +82,22 @@ def test_mm_signals_and_kills_resume_to_the_uninterrupted_run(tmp_path: Path, mm
     out = tmp_path / "run"
     args = harness.mm_command(*harness.mm_recipe(*mm_model, out))
     lost = {}
-    # The first Ctrl-C: step 1 finishes and is saved (not an interval step), exit 130.
-    done = harness.run(args, fault="train.step_end@1=SIGINT")
-    assert done.returncode == 130 and done.resumed_step == 0, done.stderr[-3000:]
-    _stop_line(done, "SIGINT", 1, out)
+    # SIGTERM at the end of step 1: step 1 is saved (not an interval step), exit 143.
+    done = harness.run(args, fault="train.step_end@1=SIGTERM")
+    assert done.returncode == 143 and done.resumed_step == 0, done.stderr[-3000:]
+    _stop_line(done.stderr, "SIGTERM", 1, 4, out)
     assert _names(out) == ["step_00000001"]
-    lost["SIGINT"] = 0
+    lost["SIGTERM"] = 0
     # kill -9 once step 2's shards are written, before complete.json: step 2 is trained again.
     done = harness.run(args, fault="save.written@2")
     assert done.returncode == -signal.SIGKILL and done.resumed_step == 1, done.stderr[-3000:]
     assert _names(out) == ["step_00000001"] and (out / "step_00000002.tmp").is_dir()
     lost["save.written"] = 2 - done.resumed_step
-    # SIGTERM at the end of step 3: saved, exit 143; the stale step_00000002.tmp is gone.
-    done = harness.run(args, fault="train.step_end@3=SIGTERM")
-    assert done.returncode == 143 and done.resumed_step == 1, done.stderr[-3000:]
-    _stop_line(done, "SIGTERM", 3, out)
-    assert _names(out) == ["step_00000001", "step_00000002", "step_00000003"]
-    lost["SIGTERM"] = 0
+    # To the end: resumed from SIGTERM's checkpoint; the stale step_00000002.tmp is gone.
     done = harness.run(args)
-    assert done.returncode == 0 and done.resumed_step == 3, done.stderr[-3000:]
+    assert done.returncode == 0 and done.resumed_step == 1, done.stderr[-3000:]
     assert harness.numerics(out / "metrics.jsonl") == harness.numerics(mm_reference / "metrics.jsonl")
-    assert _names(out) == [f"step_{s:08d}" for s in range(1, 5)] and not list(out.glob("*.tmp"))
+    assert _names(out) == ["step_00000001", "step_00000002", "step_00000004"] and not list(out.glob("*.tmp"))
     assert lost == MEASURED, lost
 
 
@@ -127,6 +125,13 @@ def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(tmp_path: Path, m
     assert "resuming from step_00000002" in warning
     assert harness.numerics(out / "metrics.jsonl") == full[2:]
     assert _names(out) == ["step_00000002", "step_00000004"]
+
+    # The first Ctrl-C after step 5 of 6: step 5 is saved (not an interval step), exit 130.
+    out = _copy(mm_reference, tmp_path / "interrupted")
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=6)], fault="train.step_end@5=SIGINT")
+    assert code == 130, err[-3000:]
+    _stop_line(err, "SIGINT", 5, 6, out)
+    assert _names(out) == ["step_00000002", "step_00000004", "step_00000005"]
 
     # The time limit: stops before step 5, with the step-4 checkpoint named; exit 0.
     out = _copy(mm_reference, tmp_path / "limited")

@@ -42,6 +42,13 @@ def _with_marker(marker: str) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 def _grpo(root: Path, out: Path, *extra: str, fault: str | None = None) -> tuple[subprocess.CompletedProcess, str]:
     marker = f"MINDSPEED_RL_FAULT_TEST={uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_FAULT"}
@@ -55,12 +62,14 @@ def _grpo(root: Path, out: Path, *extra: str, fault: str | None = None) -> tuple
             "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false",
             f"checkpoint.save={out}", "checkpoint.interval=1", "checkpoint.keep_last=1", *extra]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
-    deadline = time.monotonic() + 30
+    # Ray's processes notice the driver's death by polling (2-3 s here; longer on a loaded host).
+    deadline = time.monotonic() + 60
     while (alive := _with_marker(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    names = {pid: _cmdline(pid) for pid in alive}
     for pid in alive:
         os.kill(pid, 9)
-    assert not alive, f"processes {alive} of the run outlived its driver"
+    assert not alive, f"processes of the run outlived its driver by 60 s: {names}"
     return done, marker
 
 
