@@ -163,7 +163,7 @@ def test_wan_extract_ranks_resume_and_raw_training(tmp_path) -> None:
     assert not (two / "shard-00003.json").exists()
     (two / "shard-00003.safetensors").write_bytes(b"torn")  # a partial write without its record
     result = launch(_extract, (config,))  # resumed on 1 rank: shards 0 and 1 (and maybe 2) are not redone
-    assert result.samples == 8 and result.shards == 4 and 1 <= result.written <= 2
+    assert result.samples == 8 and result.shards == 4 and 1 <= result.written <= 2 and result.bad == 1
     _equal(_cache(two), one)
     assert not list(two.glob("*.tmp"))
     with pytest.raises(ValueError, match="holds an extraction with other"):

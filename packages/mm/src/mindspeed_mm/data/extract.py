@@ -140,7 +140,7 @@ def extract_features(config: MMConfig, after_shard: Callable[[int], None] | None
             after_shard(shard)
     counts = torch.tensor([written, bad], dtype=torch.float64)
     dist.all_reduce(counts)
-    result = ExtractResult(str(directory), shards=shards, written=int(counts[0]))
+    result = ExtractResult(str(directory), shards=shards, written=int(counts[0]), bad=media.skipped)
     if rank == 0:
         lines = []
         for shard in range(shards):

@@ -16,7 +16,7 @@ import torch
 from mindspeed.device import get_accelerator
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.decode import load_pixels
-from mindspeed_mm.data.media import MediaSample, plan_media
+from mindspeed_mm.data.media import MediaSample, plan_media, read_listing
 from mindspeed_mm.diffusion.encoder_set import EncoderSet
 from mindspeed_mm.models.dit import DiTFamily
 
@@ -51,6 +51,8 @@ class MediaFeatures:
         self.samples: list[MediaSample] = plan_media(d.files, d.image_dir, d.resolutions, d.hw_stride, d.frame_counts,
                                                      d.fps, d.skip_bad, images_only)
         self.entries = [{"id": f"{i:06d}", "caption": s.caption, "where": s.where} for i, s in enumerate(self.samples)]
+        #: listed samples left out by ``data.skip_bad`` before decoding
+        self.skipped = len(read_listing(d.files, d.image_dir)) - len(self.samples)
 
     def __len__(self) -> int:
         return len(self.samples)
