@@ -10,6 +10,8 @@ and Ulysses 1 x ring 2), through the real trainer:
   token counts, so a loss averaged per shard would be wrong);
 - SFT on packed instruction rows (THD: every sample is its own ``cu_seqlens`` segment, padded
   to a multiple of 2 x CP and split zig-zag sample by sample);
+- EOD-reset pretraining (``data.reset_attention_mask``: documents packed as THD sequences, each
+  padded to a multiple of 2 x CP) under the ring and Ulysses;
 - resume across CP sizes: a CP2 run saves at step 2 and a CP1 run resumes it to step 4, and the
   reverse; steps 3 and 4 must be the reference's.
 
@@ -37,6 +39,8 @@ ALGOS = {
     "hybrid-u1r2": ["features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
                     "features.settings.context_parallel.ulysses_degree_in_cp=1"],
 }
+#: EOD-reset pretraining (packed documents, THD) at CP2 is checked under these.
+RESET_ALGOS = ("ring", "ulysses")
 MODEL = ["model.vocab_size=128", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.ffn_hidden_size=128", "train.micro_batch_size=2",
          "train.global_batch_size=8", "train.lr=3e-3", f"train.lr_decay_steps={STEPS}", "train.clip_grad=0.5", "logging.progress=false",
@@ -66,10 +70,13 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
     _run(*_pretrain_data(pretrain_data), "train.steps=0", f"checkpoint.save={init}")
     start = [f"checkpoint.load={init}", "checkpoint.finetune=true", f"train.steps={STEPS}"]
     out: dict[str, Any] = {}
-    for stage, data in (("pretrain", _pretrain_data(pretrain_data)), ("sft", _sft_data(sft_data))):
+    reset = [*_pretrain_data(pretrain_data), "data.reset_attention_mask=true", "data.reset_position_ids=true"]
+    for stage, data in (("pretrain", _pretrain_data(pretrain_data)), ("sft", _sft_data(sft_data)),
+                        ("eod-reset", reset)):
         out[f"{stage}/cp1"] = _run(*data, *start)
         for name, algo in ALGOS.items():
-            out[f"{stage}/{name}"] = _run(*data, *start, "parallel.cp=2", *algo)
+            if stage != "eod-reset" or name in RESET_ALGOS:
+                out[f"{stage}/{name}"] = _run(*data, *start, "parallel.cp=2", *algo)
     # Resume across CP sizes: save at step 2 at one size, finish at the other.
     data = _pretrain_data(pretrain_data)
     for first, second in ((["parallel.cp=2", *ALGOS["ring"]], []), ([], ["parallel.cp=2", *ALGOS["ulysses"]])):
@@ -107,6 +114,12 @@ def test_cp2_matches_cp1(runs: dict[str, Any], stage: str, algo: str) -> None:
     ref = runs[f"{stage}/cp1"]
     assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn"
     _same(runs[f"{stage}/{algo}"], ref, f"{stage} {algo}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("algo", RESET_ALGOS)
+def test_eod_reset_cp2_matches_cp1(runs: dict[str, Any], algo: str) -> None:
+    _same(runs[f"eod-reset/{algo}"], runs["eod-reset/cp1"], f"eod reset {algo}")
 
 
 @pytest.mark.distributed

@@ -304,8 +304,16 @@ class DataConfig:
         seq_length: tokens per sequence.
         tokenizer: a local Hugging Face tokenizer directory, or ``demo``: gives
             ``model.vocab_size`` and the end-of-document token when they are not set.
-        eod_token_id: end-of-document token (for ``reset_position_ids`` / ``eod_mask_loss``).
-        reset_position_ids: restart positions after each end-of-document token.
+        eod_token_id: end-of-document token (for ``reset_attention_mask`` / ``reset_position_ids`` /
+            ``eod_mask_loss``).
+        reset_attention_mask: pretrain: the documents packed into a sample attend only within
+            themselves (megatron's ``--reset-attention-mask``, MindSpeed's EOD reset): each
+            microbatch becomes one packed (THD) row whose sequences end after each end-of-document
+            token; with rotary embeddings their positions restart at 0, so set
+            ``reset_position_ids`` too.
+        reset_position_ids: restart positions after each end-of-document token (with rotary
+            embeddings only together with ``reset_attention_mask``: megatron's rope ignores
+            position ids, the packed documents restart it).
         eod_mask_loss: no loss on end-of-document tokens.
         cache_dir: where megatron caches its sample indices (default: next to the data).
         mock: synthetic random tokens instead of files (benchmarks, smoke tests).
@@ -331,6 +339,7 @@ class DataConfig:
     seq_length: int = 128
     tokenizer: str | None = None
     eod_token_id: int | None = None
+    reset_attention_mask: bool = False
     reset_position_ids: bool = False
     eod_mask_loss: bool = False
     cache_dir: str | None = None
@@ -639,6 +648,7 @@ class PretrainConfig:
             raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
         if (d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id is None and d.tokenizer is None:
             raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
+        _check_eod_reset(self)
         if self.stage != "pretrain":
             self._check_finetune()
         elif d.input is not None:
@@ -648,6 +658,23 @@ class PretrainConfig:
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
         _check_megatron_fields(m.megatron)
+
+
+def _check_eod_reset(config: PretrainConfig) -> None:
+    """``data.reset_attention_mask`` / ``data.reset_position_ids`` against the stage, the model and the layout."""
+    d, p = config.data, config.parallel
+    if d.reset_attention_mask and d.eod_token_id is None and d.tokenizer is None:
+        raise ConfigError("data.reset_attention_mask needs data.eod_token_id or data.tokenizer")
+    if d.reset_attention_mask and config.stage != "pretrain":
+        raise ConfigError(f"data.reset_attention_mask is for pretraining; {config.stage} already keeps samples apart: "
+                          "remove it")
+    rope = config.model.position_embedding_type == "rope"
+    if rope and d.reset_attention_mask != d.reset_position_ids:
+        raise ConfigError("with rotary embeddings data.reset_attention_mask and data.reset_position_ids go together "
+                          "(each document is its own packed sequence, so its rotary positions restart at 0): set both")
+    if d.reset_attention_mask and p.cp > 1 and p.pp > 1:
+        raise ConfigError("data.reset_attention_mask under parallel.cp > 1 pads every document to a multiple of "
+                          "2 x cp, so microbatches change length, which parallel.pp > 1 cannot take; use pp=1")
 
 
 def _check_context_parallel(config: PretrainConfig) -> None:

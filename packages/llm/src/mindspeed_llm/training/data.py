@@ -165,3 +165,64 @@ class MicrobatchReader:
     def step(self, consumed: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
         """All microbatches of the step that starts at global sample ``consumed``."""
         return [self.microbatch(consumed, m) for m in range(num_microbatches)]
+
+
+def pack_documents(batch: dict[str, torch.Tensor], eod: int, segment_multiple: int = 1) -> dict[str, Any]:
+    """A ``[b, s]`` pretraining microbatch as one packed (THD) row whose sequences are its documents.
+
+    Megatron's ``reset_attention_mask`` / ``reset_position_ids``: a document ends after each
+    end-of-document token (the token stays with the document before it, and still predicts the
+    next document's first token unless ``eod_mask_loss`` masks it); every sample starts a new
+    sequence. Attention stays inside each ``cu_seqlens`` segment and positions restart at 0 in
+    each (megatron's rope does so for THD rows).
+
+    Args:
+        batch: ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` of ``[b, s]``.
+        eod: the end-of-document token.
+        segment_multiple: pad each document (inside its segment, never trained) to a multiple of
+            this (``2 x cp`` under context parallelism).
+
+    Returns:
+        ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of ``[1, T]``, ``cu_seqlens``
+        (int32) and ``max_seqlen``.
+    """
+    tokens = batch["tokens"]
+    device = tokens.device
+    lengths: list[int] = []
+    for row in tokens.cpu():
+        ends = (row == eod).nonzero().flatten().add(1).tolist()
+        cuts = [0, *[e for e in ends if e < len(row)], len(row)]
+        lengths += [b - a for a, b in zip(cuts, cuts[1:])]
+    flat = {key: batch[key].reshape(-1) for key in ("tokens", "labels", "loss_mask")}
+    pieces: dict[str, list[torch.Tensor]] = {key: [] for key in (*flat, "position_ids")}
+    bounds, start = [0], 0
+    for length in lengths:
+        pad = -length % segment_multiple
+        for key, value in flat.items():
+            piece = value[start:start + length]
+            filler = torch.zeros(pad, dtype=value.dtype, device=device)
+            pieces[key].append(torch.cat([piece, filler]) if pad else piece)
+        pieces["position_ids"].append(torch.arange(length + pad, device=device))
+        bounds.append(bounds[-1] + length + pad)
+        start += length
+    out: dict[str, Any] = {key: torch.cat(value).unsqueeze(0) for key, value in pieces.items()}
+    out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    out["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return out
+
+
+class DocumentResetReader:
+    """A pretraining reader whose microbatches are packed documents (:func:`pack_documents`).
+
+    Args:
+        reader: the :class:`MicrobatchReader`.
+        eod: the end-of-document token.
+        segment_multiple: see :func:`pack_documents`.
+    """
+
+    def __init__(self, reader: MicrobatchReader, eod: int, segment_multiple: int = 1) -> None:
+        self.reader, self.eod, self.segment_multiple = reader, eod, segment_multiple
+
+    def step(self, consumed: int, num_microbatches: int) -> list[dict[str, Any]]:
+        """The step's microbatches, each one packed row."""
+        return [pack_documents(b, self.eod, self.segment_multiple) for b in self.reader.step(consumed, num_microbatches)]

@@ -19,7 +19,7 @@ from mindspeed.log import get_logger
 from mindspeed.registry import Registry
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.data import MicrobatchReader, build_datasets
+from mindspeed_llm.training.data import DocumentResetReader, MicrobatchReader, build_datasets
 from mindspeed_llm.training.dpo import DPO_LOSS, dpo_loss_func, reference_logps
 from mindspeed_llm.training.finetune_data import (
     INSTRUCTION_KEYS,
@@ -52,7 +52,7 @@ class Stage:
 
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
-        """A reader with ``step(consumed, num_microbatches) -> microbatches``."""
+        """A reader with ``step(consumed, num_microbatches) -> microbatches``; ``pad_id`` is the end-of-document token."""
         raise NotImplementedError
 
     def loss_fn(self, config: PretrainConfig, transform: Any = None) -> LossFunc:
@@ -78,7 +78,11 @@ class PretrainStage(Stage):
 
     def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
                pad_id: int) -> Any:
-        return MicrobatchReader(dataset, config.train.micro_batch_size, dp_rank, dp_size, device)
+        reader = MicrobatchReader(dataset, config.train.micro_batch_size, dp_rank, dp_size, device)
+        if config.data.reset_attention_mask:
+            cp = config.parallel.cp
+            return DocumentResetReader(reader, pad_id, segment_multiple=2 * cp if cp > 1 else 1)
+        return reader
 
 
 class _FinetuneStage(Stage):
