@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed.memory.optimizer_step import ChunkedStep, MasterPair, master_pairs, split_chunks, sub_optimizers
+from mindspeed.memory.optimizer_step import (
+    ChunkedStep,
+    MasterPair,
+    master_pairs,
+    materialize_before_state_methods,
+    split_chunks,
+    sub_optimizers,
+)
 from mindspeed.metrics.memory import resize_storage
 
 logger = get_logger(__name__)
@@ -106,12 +113,16 @@ class ReuseFp32Param:
             for pair in pairs:
                 self._release(pair)
             self.steps.append(ChunkedStep(sub, split_chunks(pairs, self.times), self._rebuild_all, self._release_all))
-            for name in ("state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params"):
-                if hasattr(sub, name):
-                    setattr(sub, name, _refuse_checkpoint(name))
+            materialize_before_state_methods(sub, self.materialize)
         logger.info("reuse_fp32_param: %d masters kept as bf16 + int16 remainders",
                     sum(len(p) for s in self.steps for p in s.chunks))
         return optimizer
+
+    def materialize(self) -> None:
+        """Rebuild every master; they stay until the next step (checkpoints read and write them)."""
+        for step in self.steps:
+            for chunk in step.chunks:
+                self._rebuild_all(chunk)
 
     def _release(self, pair: MasterPair) -> None:
         with torch.no_grad():
@@ -122,7 +133,9 @@ class ReuseFp32Param:
         resize_storage(pair.main, 0)
 
     def _rebuild(self, pair: MasterPair) -> None:
-        kept = self._kept.pop(id(pair.main))
+        kept = self._kept.pop(id(pair.main), None)
+        if kept is None:  # resident already (materialized for a checkpoint)
+            return
         resize_storage(pair.main, pair.main.numel() * pair.main.element_size())
         with torch.no_grad():
             merge_fp32(pair.model, kept.remainder, kept.ties, pair.main.detach())
@@ -141,16 +154,11 @@ class ReuseFp32Param:
         for step in self.steps:
             for chunk in step.chunks:
                 for pair in chunk:
-                    kept = self._kept[id(pair.main)]
+                    kept = self._kept.get(id(pair.main))
+                    if kept is None:
+                        out.append(pair.main.detach().clone())
+                        continue
                     target = torch.empty(pair.main.shape, dtype=torch.float32, device=pair.model.device)
                     out.append(merge_fp32(pair.model, kept.remainder, kept.ties, target))
         return out
 
-
-def _refuse_checkpoint(name: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"the optimizer's {name}() is not supported with reuse_fp32_param or swap_optimizer yet "
-                         "(the fp32 state is not resident); turn the feature off for runs that save or load "
-                         "optimizer checkpoints")
-
-    return refuse

@@ -159,6 +159,29 @@ class ChunkedStep:
         """megatron's main -> model copy after the inner step: already done chunk by chunk."""
 
     def remove(self) -> None:
-        """Restore the inner step and megatron's copy."""
+        """Restore the inner step, megatron's copy and the checkpoint methods."""
         self.inner.step = self._inner_step
-        self.sub.__dict__.pop("_copy_main_params_to_model_params", None)
+        for name in ("_copy_main_params_to_model_params", *STATE_METHODS):
+            self.sub.__dict__.pop(name, None)
+
+
+#: The megatron optimizer methods that read or write the whole state (checkpoints, reloads).
+STATE_METHODS = ("state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params")
+
+
+def materialize_before_state_methods(sub: Any, materialize: Callable[[], None]) -> None:
+    """Make ``sub``'s checkpoint methods bring the whole fp32 state back first.
+
+    The state then stays resident (a checkpoint save reads it after the call returns) until the
+    next ``step()``, whose chunks send it away again; a load writes into resident tensors.
+    """
+    for name in STATE_METHODS:
+        original = getattr(sub, name, None)
+        if original is None:
+            continue
+
+        def call(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            materialize()
+            return _original(*args, **kwargs)
+
+        setattr(sub, name, call)

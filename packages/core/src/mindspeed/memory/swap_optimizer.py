@@ -23,12 +23,12 @@ import torch
 
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed.memory.fp32_reuse import _refuse_checkpoint
 from mindspeed.memory.optimizer_step import (
     ChunkedStep,
     MasterPair,
     is_distributed,
     master_pairs,
+    materialize_before_state_methods,
     split_chunks,
     sub_optimizers,
 )
@@ -86,9 +86,7 @@ class SwapOptimizer:
                 if pair.model is not None:  # the fp32 master; in fp32 training it is the weight itself
                     self._send_out([pair.main], wait=True)
             self.steps.append(ChunkedStep(sub, split_chunks(pairs, self.times), self._bring_in, self._send_out_chunk))
-            for name in ("state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params"):
-                if hasattr(sub, name):
-                    setattr(sub, name, _refuse_checkpoint(name))
+            materialize_before_state_methods(sub, self.materialize)
         logger.info("swap_optimizer: %d chunks per step, %d bytes of state on the host",
                     sum(len(s.chunks) for s in self.steps), self.device_bytes_swapped)
         return optimizer
@@ -105,7 +103,9 @@ class SwapOptimizer:
         for pair in chunk:
             for tensor in self._state_tensors(pair):
                 host = self._host.get(id(tensor))
-                if host is not None:  # None: state this step creates (Adam's moments at the first step)
+                # None: state this step creates (Adam's moments at the first step, or tensors a
+                # checkpoint load put in); a non-empty storage is resident already (materialized).
+                if host is not None and tensor.untyped_storage().nbytes() == 0:
                     # Allocated on the compute stream, which uses it; the side stream only fills it.
                     resize_storage(tensor, tensor.numel() * tensor.element_size())
                     arriving.append((tensor, host))
@@ -116,6 +116,12 @@ class SwapOptimizer:
                     tensor.copy_(host, non_blocking=True)
             arrived = self._side.record_event()
         compute.wait_event(arrived)
+
+    def materialize(self) -> None:
+        """Bring the whole state back; it stays until the next step (checkpoints read and write it)."""
+        for step in self.steps:
+            for chunk in step.chunks:
+                self._bring_in(chunk)
 
     def _send_out_chunk(self, chunk: list[MasterPair]) -> None:
         self._send_out([t for pair in chunk for t in self._state_tensors(pair)], wait=True)
