@@ -47,6 +47,7 @@ def _numerics(records: list[dict]) -> list[dict]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_memory_features_train_and_resume_like_the_run_without_them(tmp_path: Path) -> None:
     prefix = write_indexed_dataset(tmp_path / "data" / "d", 200, seed=3)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

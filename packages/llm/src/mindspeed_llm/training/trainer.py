@@ -123,8 +123,11 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     ids = read_tokenizer(config)
     vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
     shape = model_shape(config, ids.vocab_size)
+    # The memory features check the precision, the optimizer and the layer count against these.
     facts = ModelFacts.from_transformer_config(recipe_transformer_config(config, shape),
-                                               position_embedding_type=shape.position_embedding_type)
+                                               position_embedding_type=shape.position_embedding_type,
+                                               precision=config.train.precision, num_layers=shape.num_layers,
+                                               distributed_optimizer=config.parallel.distributed_optimizer)
     if config.parallel.cp > 1:
         facts = context_parallel_facts(facts, config, shape)
     p = config.parallel
