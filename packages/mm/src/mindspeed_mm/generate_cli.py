@@ -1,4 +1,8 @@
-"""``mindspeed-mm generate``: answer questions about images with a vision-language model.
+"""``mindspeed-mm generate``: answer questions about images with a vision-language model, or sample a DiT.
+
+A diffusers ``--load-dir`` (pipeline, transformer directory, or a DiT training checkpoint with a
+diffusers ``--hf-cfg-dir``) is handed to :mod:`mindspeed_mm.dit_generate`, which writes pictures
+and videos; everything below is about vision-language models.
 
 The model comes from a Hugging Face directory or a ``mindspeed-mm train`` checkpoint (torch DCP,
 with ``--hf-cfg-dir``), the prompts from ``--prompt`` (with ``--image``), an mllm_format
@@ -22,6 +26,7 @@ from typing import Any
 
 from mindspeed.log import get_logger
 from mindspeed.suite_cli import add_dataclass_flags
+from mindspeed_mm.dit_generate import DiTSampleConfig
 
 logger = get_logger(__name__)
 
@@ -95,19 +100,26 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                         help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
                              "else the images come first)")
     add_dataclass_flags(parser, GenerateConfig)
+    dit = parser.add_argument_group("diffusion transformers (a diffusers --load-dir: text to video / image files)")
+    add_dataclass_flags(dit, DiTSampleConfig, choices={"sampler": ["euler", "unipc"]})
     parser.set_defaults(func=run_generate)
 
 
-def _config(args: argparse.Namespace) -> GenerateConfig:
-    names = {f.name for f in dataclasses.fields(GenerateConfig)}
-    return GenerateConfig(**{k: v for k, v in vars(args).items() if k in names})
+def _config(args: argparse.Namespace, cls: type = GenerateConfig) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``generate`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch and transformers out of the start-up of mindspeed_mm.cli.
+    from mindspeed_mm.diffusion.pipeline import is_dit_source
     from mindspeed_mm.inference import SamplingSettings, load_inference_model, prompt_from_text, read_prompt_file
 
+    if is_dit_source(args.load_dir, args.hf_cfg_dir):  # a diffusers model: text to video / image files
+        from mindspeed_mm.dit_generate import run_dit_generate
+
+        return run_dit_generate(args, _config(args, DiTSampleConfig))
     config = _config(args)
     settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_k, config.top_p, config.seed,
                                 config.ignore_eos)

@@ -1,0 +1,185 @@
+"""``mindspeed-mm generate`` for diffusion transformers: text to video (Wan) or image (FLUX) files.
+
+``generate_cli.run_generate`` hands over here when ``--load-dir`` (or ``--hf-cfg-dir``) is a
+diffusers model (:func:`~mindspeed_mm.diffusion.pipeline.is_dit_source`). Each prompt is encoded
+with the pipeline's text encoder(s) as the pipeline encodes it, starts from noise drawn with
+``seed + its index``, is denoised by :func:`~mindspeed_mm.diffusion.sampler.sample_latents`
+(Euler or UniPC, classifier-free guidance against the negative prompt) and decoded by the
+pipeline's VAE. ``--output-dir`` receives ``NNN-<words>.png`` per image or ``.gif`` (and ``.mp4``
+where PyAV is installed) per video, ``contact_sheet.png`` (and ``contact_sheet.gif`` for videos)
+of all prompts, and ``samples.jsonl`` (prompt, seed, settings, files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(kw_only=True)
+class DiTSampleConfig:
+    """The ``generate`` options of diffusion transformers (besides ``--load-dir``, ``--hf-cfg-dir``, ``--prompt``,
+    ``--prompts-file``, ``--max-samples``, ``--seed``, ``--dtype`` and ``--batch-size``).
+
+    Attributes:
+        pipeline_dir: diffusers pipeline directory whose VAE, text encoder(s), tokenizer(s) and scheduler are
+            used (default: --load-dir when it is one, else the transformer directory's parent when that is one;
+            demo-t2v for the demo's).
+        output_dir: where the pictures, videos, contact sheets and samples.jsonl go.
+        negative_prompt: what classifier-free guidance steers away from (default: the empty prompt).
+        sampler: euler or unipc (diffusers' flow-matching schedulers; default: the pipeline's scheduler, else the
+            model family's: UniPC for Wan, Euler for FLUX).
+        num_inference_steps: denoising steps.
+        guidance_scale: classifier-free guidance scale (1: none; Wan's guidance_scale, FLUX's true_cfg_scale;
+            default 5 for video, 1 for images).
+        distilled_guidance: the guidance value a guidance-distilled model (FLUX.1-dev) is given.
+        flow_shift: a fixed shift of the sampling sigmas (default: the scheduler's).
+        height: pixels (default: 480 for video, 1024 for images).
+        width: pixels (default: 832 for video, 1024 for images).
+        num_frames: frames of a video (frames - 1 a multiple of the VAE's temporal stride).
+        text_len: text embeddings padded to this many tokens, as the model was trained (data.text_len).
+        fps: frames per second of the written videos.
+        scale: enlarge the written pictures this many times (nearest neighbour; for tiny models).
+    """
+
+    pipeline_dir: str | None = None
+    output_dir: str = "samples"
+    negative_prompt: str = ""
+    sampler: str | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None
+    distilled_guidance: float = 3.5
+    flow_shift: float | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int = 81
+    text_len: int | None = None
+    fps: int = 16
+    scale: int = 1
+
+
+def read_prompts(path: str, max_samples: int | None) -> list[str]:
+    """Prompts of a ``.txt`` file (one a line) or a ``.json`` / ``.jsonl`` file (``cap`` or ``caption`` of each
+    entry, MindSpeed-MM's data.json); ``demo-t2v``: the demo's held-out captions.
+
+    Raises:
+        ValueError: a missing file, or an entry without ``cap`` / ``caption`` (naming the line).
+    """
+    from mindspeed_mm.diffusion.demo import DEMOS, demo_paths
+
+    file = demo_paths()["heldout"] if path in DEMOS else Path(path)
+    if not file.is_file():
+        raise ValueError(f"--prompts-file {path!r} does not exist; give a .txt (one prompt a line) or .json/.jsonl file")
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".txt":
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        entries = json.loads(text) if file.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
+        prompts = []
+        for number, entry in enumerate(entries, 1):
+            value = entry.get("cap", entry.get("caption")) if isinstance(entry, dict) else None
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if not isinstance(value, str):
+                raise ValueError(f"{file}: entry {number} has no `cap` or `caption` text; add one")
+            prompts.append(value)
+    return prompts[:max_samples] if max_samples is not None else prompts
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:48] or "prompt"
+
+
+def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
+    """Sample every prompt and write the files (see the module docstring); returns the exit status."""
+    import torch  # lazy: keeps torch out of the start-up of mindspeed_mm.cli
+
+    from mindspeed_mm.diffusion import media
+    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.loading import DTYPES
+
+    prompts = list(args.prompt) + (read_prompts(args.prompts_file, args.max_samples) if args.prompts_file else [])
+    if not prompts:
+        raise ValueError("nothing to generate: give --prompt TEXT or --prompts-file FILE")
+    if args.image:
+        raise ValueError("--image: a diffusion transformer generates from text only; remove --image")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    for key in ("num_inference_steps", "num_frames", "fps", "scale"):
+        if getattr(sample, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+    loaded = load_dit_pipeline(args.load_dir, args.hf_cfg_dir, sample.pipeline_dir, DTYPES[args.dtype or "float32"])
+    if not loaded.parts:
+        raise ValueError(f"{loaded.weights} has no pipeline beside it (VAE, text encoder); pass --pipeline-dir")
+    family, video = loaded.family, loaded.family.latent_dims == 4
+    if family.encode_prompts is None:
+        raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
+    height = sample.height or (480 if video else 1024)
+    width = sample.width or (832 if video else 1024)
+    shape = latent_shape(loaded.parts["vae"], family, sample.num_frames, height, width)
+    guidance = sample.guidance_scale if sample.guidance_scale is not None else (5.0 if video else 1.0)
+    text_len = sample.text_len or family.text_len
+    seed = args.seed if args.seed is not None else 0
+    output = Path(sample.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    negative = family.encode_prompts(loaded.parts, [sample.negative_prompt], text_len) if guidance > 1 else None
+    pixels_all, rows = [], []
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start:start + args.batch_size]
+        text, pooled = family.encode_prompts(loaded.parts, batch, text_len)
+        noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i))
+                             for i in range(len(batch))]).to(loaded.device)
+        scheduler = build_scheduler(family, loaded.pipeline_dir, sample.sampler, sample.flow_shift)
+        neg_text = negative[0].expand(len(batch), -1, -1) if negative is not None else None
+        neg_pooled = negative[1].expand(len(batch), -1) if negative is not None and negative[1] is not None else None
+        latents = sample_latents(loaded.model, family, scheduler, noise, text, sample.num_inference_steps, pooled,
+                                 neg_text, neg_pooled, guidance, sample.distilled_guidance)
+        pixels = decode_latents(loaded.parts["vae"], latents).float().cpu()
+        for i, (prompt, item) in enumerate(zip(batch, pixels)):
+            index = start + i
+            files = _write_sample(output / f"{index:03d}-{_slug(prompt)}", item, sample, media)
+            pixels_all.append(item)
+            rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
+    sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
+    settings = {**asdict(sample), "guidance_scale": guidance, "height": height, "width": width, "text_len": text_len,
+                "scheduler": type(scheduler).__name__, "weights": str(loaded.weights)}
+    _write_jsonl(output / "samples.jsonl", [{**row, "settings": settings} for row in rows])
+    logger.info("generate: %d %s in %.2f s into %s (%s)", len(prompts), "videos" if video else "images",
+                time.perf_counter() - started, output, ", ".join(p.name for p in sheets))
+    return 0
+
+
+def _write_sample(stem: Path, pixels: Any, sample: DiTSampleConfig, media: Any) -> list[Path]:
+    import torch
+
+    if pixels.ndim == 3:
+        image = pixels
+        if sample.scale > 1:
+            image = torch.nn.functional.interpolate(image[None], scale_factor=sample.scale, mode="nearest")[0]
+        return [media.write_png(stem.with_suffix(".png"), image)]
+    files = [media.write_gif(stem.with_suffix(".gif"), pixels, sample.fps, sample.scale)]
+    if media.mp4_available():
+        frames = pixels
+        if sample.scale > 1:
+            frames = torch.nn.functional.interpolate(frames, scale_factor=sample.scale, mode="nearest")
+        files.append(media.write_mp4(stem.with_suffix(".mp4"), frames, sample.fps))
+    return files
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)
