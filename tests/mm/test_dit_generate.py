@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from mindspeed_mm.cli import main
 from mindspeed_mm.diffusion.demo import write_demo_pipeline
+from mindspeed_mm.diffusion.media import mp4_available
 
 FLAGS = ["--num-frames", "3", "--height", "8", "--width", "8", "--num-inference-steps", "2", "--text-len", "8",
          "--guidance-scale", "3", "--seed", "7", "--prompt", "a red square moving left", "--prompt",
@@ -44,6 +45,11 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
     first = _gif_frames(tmp_path / "a" / "000-a-red-square-moving-left.gif")
     assert first.shape == (3, 8, 8, 3)
     assert (tmp_path / "a" / "contact_sheet.png").is_file() and (tmp_path / "a" / "contact_sheet.gif").is_file()
+    if mp4_available():  # PyAV: an H.264 file of 3 frames
+        import av
+
+        with av.open(str(tmp_path / "a" / "000-a-red-square-moving-left.mp4")) as video:
+            assert sum(1 for _ in video.decode(video=0)) == 3
 
     # the same video by hand from the library: seed 7's noise, the prompt and the empty negative prompt encoded
     loaded = load_dit_pipeline(pipe)
@@ -61,14 +67,14 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
                  str(tmp_path / "b"), *FLAGS]) == 0
     state = {f"{k}": v for k, v in loaded.model.state_dict().items()}
     dcp.save({"model": state}, checkpoint_id=str(tmp_path / "save" / "step_00000001"), no_dist=True)
-    (tmp_path / "save" / "step_00000001" / "trainer_state.pt").write_bytes(b"")
-    assert main(["generate", "--load-dir", str(tmp_path / "save"), "--hf-cfg-dir", str(pipe / "transformer"),
+    assert main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--hf-cfg-dir", str(pipe / "transformer"),
                  "--output-dir", str(tmp_path / "c"), *FLAGS]) == 0
     for other in ("b", "c"):
-        for name in ("000-a-red-square-moving-left.gif", "001-a-blue-circle-moving-up.gif", "contact_sheet.png"):
+        for name in ("000-a-red-square-moving-left.gif", "001-a-blue-circle-moving-up.gif", "contact_sheet.png",
+                     "contact_sheet.gif"):
             assert (tmp_path / other / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), (other, name)
 
-    assert main(["generate", "--load-dir", str(tmp_path / "save"), "--pipeline-dir", str(pipe), *FLAGS]) == 2
+    assert main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--pipeline-dir", str(pipe), *FLAGS]) == 2
     assert "--hf-cfg-dir" in capsys.readouterr().err
     assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "d"), *FLAGS, "--height", "6"]) == 2
     assert "multiples of 4" in capsys.readouterr().err
