@@ -33,7 +33,7 @@ from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import RING, ULYSSES, split_for_context_parallel
 from mindspeed.parallel.context_parallel.layout import split_packed_for_context_parallel
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.steps import LossFunc
+from mindspeed_llm.training.steps import LM_LOSS, LossFunc
 
 #: Per-token tensors of a microbatch that are split along the sequence (``[b, s]``, or ``[s]``).
 SPLIT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "sequence_index")
@@ -116,5 +116,5 @@ def context_parallel_loss(loss_fn: LossFunc, cp_group: Any) -> LossFunc:
         scale = size * count.to(torch.float64) / total.clamp_min(1)
         return loss * scale.to(loss.dtype), count, metrics
 
-    loss_func.metrics = getattr(loss_fn, "metrics", ())
+    loss_func.metrics = getattr(loss_fn, "metrics", (LM_LOSS,))
     return loss_func
