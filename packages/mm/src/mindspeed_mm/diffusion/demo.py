@@ -230,3 +230,24 @@ def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
             step = (int(np.sign(dx)), 0) if abs(dx) >= abs(dy) else (0, int(np.sign(dy)))
             right["direction"] += directions.get(step) == words[-1]
     return {key: value / max(len(captions), 1) for key, value in right.items()}
+
+
+def sample_heldout(load_dir: str | Path, seeds: int = 2, steps: int = 20, guidance_scale: float = 4.0,
+                   combinations: list[tuple[str, str, str]] | None = None) -> tuple[torch.Tensor, list[str]]:
+    """Videos ``[N, F, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
+    the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
+    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+
+    pipeline = demo_paths()["pipeline"]
+    loaded = load_dit_pipeline(load_dir, hf_cfg_dir=pipeline / "transformer", pipeline_dir=pipeline)
+    family = loaded.family
+    captions = [caption(*c) for c in (combinations or heldout_combinations()) for _ in range(seeds)]
+    shape = latent_shape(loaded.parts["vae"], family, NUM_FRAMES, SIZE, SIZE)
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(i % seeds))
+                         for i in range(len(captions))])
+    text, _ = family.encode_prompts(loaded.parts, captions, TEXT_LEN)
+    negative, _ = family.encode_prompts(loaded.parts, [""], TEXT_LEN)
+    latents = sample_latents(loaded.model, family, build_scheduler(family, pipeline), noise, text, steps,
+                             negative_text=negative.expand(len(captions), -1, -1), guidance_scale=guidance_scale)
+    return decode_latents(loaded.parts["vae"], latents), captions
