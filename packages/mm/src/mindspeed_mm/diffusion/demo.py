@@ -194,6 +194,11 @@ def demo_pipeline(name: str) -> Path:
     return demo_paths()["pipeline"]
 
 
+def resolve_demo_dir(path: str | None) -> str | None:
+    """``path``, or the demo's pipeline directory (built on first use) when ``path`` names a demo."""
+    return str(demo_pipeline(path)) if path is not None and str(path) in DEMOS else path
+
+
 def resolve_dit_demo(config: MMConfig) -> MMConfig:
     """``model.path: demo-t2v`` and ``data.features: demo-t2v`` replaced by the demo's paths (built on first use)."""
     if config.model.path not in DEMOS and config.data.features not in DEMOS:

@@ -10,7 +10,8 @@
 - a ``mindspeed-mm train`` checkpoint (torch DCP: ``SAVE/step_00000150``, or ``SAVE`` for its
   newest step), weights only: ``hf_cfg_dir`` names the transformer (or pipeline) directory it
   was trained from, whose config builds the model; the checkpoint's tensors must match it exactly;
-- a demo name (:data:`mindspeed_mm.diffusion.demo.DEMOS`): the embedded demo's untrained pipeline.
+- a demo name (:data:`mindspeed_mm.diffusion.demo.DEMOS`), resolved by ``generate`` before it calls this module
+  (:func:`mindspeed_mm.diffusion.demo.resolve_demo_dir`): the embedded demo's untrained pipeline.
 """
 
 from __future__ import annotations
@@ -70,17 +71,12 @@ def transformer_dir(path: Path) -> Path | None:
 
 def is_dit_source(load_dir: str | Path, hf_cfg_dir: str | Path | None = None) -> bool:
     """Whether ``generate`` should sample a diffusion transformer for these ``--load-dir`` / ``--hf-cfg-dir``."""
-    from mindspeed_mm.diffusion.demo import DEMOS
-
-    if str(load_dir) in DEMOS or (hf_cfg_dir is not None and str(hf_cfg_dir) in DEMOS):
-        return True
     return any(p is not None and transformer_dir(Path(p)) is not None for p in (load_dir, hf_cfg_dir))
 
 
 def _resolve(path: str | Path) -> Path:
-    from mindspeed_mm.diffusion.demo import DEMOS, demo_pipeline
-
-    return demo_pipeline(str(path)) if str(path) in DEMOS else Path(path)
+    # Demo names (mindspeed_mm.diffusion.demo.DEMOS) are resolved by the caller: the demo builds on this module.
+    return Path(path)
 
 
 def _pipeline_of(transformer: Path, given: str | Path | None) -> Path | None:
