@@ -10,12 +10,21 @@ where the environment does not set it already):
 - ``RAY_USAGE_STATS_ENABLED=0``: no usage report (no network).
 - ``RAY_AUTH_MODE=disabled`` for a local instance: Ray 2.60 otherwise writes a token file under
   the home directory and warns on every start.
+
+A local instance dies with its driver, even one killed by ``kill -9``: Ray's node processes go
+with the driver, but the agents the raylet starts (``ray::DashboardAgent``,
+``ray::RuntimeEnvAgent``) were seen alive more than 60 s later. :func:`init_ray` therefore marks
+the instance's processes with an environment variable they all inherit and starts a watchdog
+(a bare Python process reading a pipe from the driver) that kills every marked process once the
+pipe closes, i.e. when the driver is gone, however it ended (Linux; ``/proc``).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import uuid
 from typing import Any
 
 from mindspeed.log import get_logger
@@ -25,6 +34,52 @@ logger = get_logger(__name__)
 #: Environment defaults applied by :func:`init_ray` (before Ray is imported).
 RAY_ENV_DEFAULTS = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 LOCAL_RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled"}
+#: Environment variable every process of a local instance inherits (its value names the instance).
+OWNER_ENV = "MINDSPEED_RAY_OWNER"
+
+# Runs without imports beyond os/signal/sys: blocks on the driver's pipe, then kills the marked
+# processes (a few passes: a process may start while the first pass runs).
+_WATCHDOG = r"""
+import os, signal, sys
+marker = sys.argv[1].encode() + b"\0"
+sys.stdin.buffer.read()
+me = str(os.getpid())
+for _ in range(5):
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != me:
+            try:
+                with open("/proc/" + name + "/environ", "rb") as f:
+                    if marker in f.read():
+                        found.append(int(name))
+            except OSError:
+                pass
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not found:
+        break
+"""
+
+
+_reaper: subprocess.Popen | None = None
+
+
+def start_reaper() -> subprocess.Popen | None:
+    """Mark the processes started from now on and start the watchdog that kills them when this
+    process exits (see the module docstring); None where ``/proc`` is absent."""
+    if not os.path.isdir("/proc") or OWNER_ENV in os.environ:
+        return None
+    os.environ[OWNER_ENV] = f"{os.getpid()}-{uuid.uuid4().hex}"
+    marker = f"{OWNER_ENV}={os.environ[OWNER_ENV]}"
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
+    global _reaper
+    # Held for the life of this process: closing the pipe is what tells the watchdog to act.
+    _reaper = subprocess.Popen([sys.executable, "-c", _WATCHDOG, marker], stdin=subprocess.PIPE, env=env,
+                               start_new_session=True)
+    return _reaper
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **options: Any) -> Any:
@@ -52,6 +107,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **options:
         return ray
     options.setdefault("include_dashboard", False)
     options.setdefault("log_to_driver", False)
+    if address is None:
+        start_reaper()
     ray.init(address=address, num_cpus=None if address else num_cpus, **options)
     logger.info("ray: %s (%s)", address or "local instance", ray.cluster_resources())
     return ray
