@@ -24,8 +24,20 @@ def _free_port() -> int:
 @pytest.mark.distributed
 def test_train_gpt_megatron_learns_the_toy_language(tmp_path: Path) -> None:
     env = {**os.environ, "MINDSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), str(EXAMPLE), "--tp", "2", "--steps", "30"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(EXAMPLE),
+        "--tp",
+        "2",
+        "--steps",
+        "30",
+    ]
     run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = {int(step): float(loss) for step, loss in re.findall(r"\[rank0\].*step (\d+) loss ([\d.]+)", run.stderr)}

@@ -29,13 +29,17 @@ def _emit(stream: io.StringIO) -> list[str]:
     return stream.getvalue().splitlines()
 
 
-@pytest.mark.parametrize(("rank", "all_ranks", "kept"), [
-    ("0", False, ["info from mindspeed.x", "info from mindspeed_llm.y", "info from mindspeed_rl.z", "a warning"]),
-    ("1", False, ["a warning"]),
-    ("1", True, ["info from mindspeed.x", "info from mindspeed_llm.y", "info from mindspeed_rl.z", "a warning"]),
-])
-def test_ranks_other_than_0_keep_warnings_only(rank: str, all_ranks: bool, kept: list[str], restore_logging,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("rank", "all_ranks", "kept"),
+    [
+        ("0", False, ["info from mindspeed.x", "info from mindspeed_llm.y", "info from mindspeed_rl.z", "a warning"]),
+        ("1", False, ["a warning"]),
+        ("1", True, ["info from mindspeed.x", "info from mindspeed_llm.y", "info from mindspeed_rl.z", "a warning"]),
+    ],
+)
+def test_ranks_other_than_0_keep_warnings_only(
+    rank: str, all_ranks: bool, kept: list[str], restore_logging, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", rank)
     stream = io.StringIO()
     setup_logging("INFO", all_ranks=all_ranks, stream=stream)
@@ -60,6 +64,9 @@ def _ranks(rank: int, world_size: int) -> dict:
 def test_the_rank_comes_from_the_process_group() -> None:
     out = run_distributed(_ranks, 2)
     assert [o["rank"] for o in out] == [0, 1]
-    assert [line.split("] ", 1)[1] for line in out[0]["lines"]] == ["INFO mindspeed.t: hello", "ERROR mindspeed.t: oops"]
+    assert [line.split("] ", 1)[1] for line in out[0]["lines"]] == [
+        "INFO mindspeed.t: hello",
+        "ERROR mindspeed.t: oops",
+    ]
     assert [line.split("] ", 1)[1] for line in out[1]["lines"]] == ["ERROR mindspeed.t: oops"]
     assert "[rank0]" in out[0]["lines"][0] and "[rank1]" in out[1]["lines"][0]

@@ -47,8 +47,9 @@ def _emit(tag: str) -> None:
 
 
 @pytest.mark.parametrize("verbose", [False, True])
-def test_console_shows_detail_only_when_verbose_and_the_run_log_has_everything(tmp_path, restore_logging,
-                                                                              verbose: bool) -> None:
+def test_console_shows_detail_only_when_verbose_and_the_run_log_has_everything(
+    tmp_path, restore_logging, verbose: bool
+) -> None:
     console = io.StringIO()
     setup_logging("INFO", stream=console, verbose=verbose)
     logging.getLogger("mindspeed.test_log").info("before the run log opens")
@@ -57,8 +58,13 @@ def test_console_shows_detail_only_when_verbose_and_the_run_log_has_everything(t
     assert path == tmp_path / "report.txt"
     shown, kept = console.getvalue(), path.read_text()
     always = ("step 1/2: loss 7.5", "step 2/2: loss 7.1", "a real failure")
-    detail = ("cuda-api:current_device", "kernel rms_norm", "no config.json", "UserWarning: Apex is not installed",
-              "deprecated flag")
+    detail = (
+        "cuda-api:current_device",
+        "kernel rms_norm",
+        "no config.json",
+        "UserWarning: Apex is not installed",
+        "deprecated flag",
+    )
     assert all(text in shown for text in always)
     assert all((text in shown) == verbose for text in detail), shown
     assert all(text in kept for text in (*always, *detail, "before the run log opens")), kept

@@ -26,12 +26,15 @@ def test_unknown_command_fails_cleanly() -> None:
     assert "invalid choice" in out.stderr
 
 
-@pytest.mark.parametrize("verb, options", [
-    ("pretrain", ["--config", "r.yaml", "--nproc-per-node", "2"]),
-    ("sft", ["--config", "r.yaml", "--nproc-per-node", "2"]),
-    ("dpo", ["--config", "r.yaml", "--print-config"]),
-    ("quickstart", ["--output-dir", "o", "--nproc-per-node", "2"]),
-])
+@pytest.mark.parametrize(
+    "verb, options",
+    [
+        ("pretrain", ["--config", "r.yaml", "--nproc-per-node", "2"]),
+        ("sft", ["--config", "r.yaml", "--nproc-per-node", "2"]),
+        ("dpo", ["--config", "r.yaml", "--print-config"]),
+        ("quickstart", ["--output-dir", "o", "--nproc-per-node", "2"]),
+    ],
+)
 def test_overrides_are_accepted_anywhere_on_the_line(verb: str, options: list[str]) -> None:
     from mindspeed.suite_cli import parse_suite_args
     from mindspeed_llm.cli import build_parser
@@ -58,7 +61,20 @@ def test_pretrain_takes_overrides_after_nproc(capsys) -> None:
     """The issue's line: ``--config X parallel.tp=2 --nproc-per-node 2 train.steps=5``."""
     from mindspeed_llm.training.quickstart import TINY_CPU_RECIPE
 
-    assert main(["pretrain", "--config", str(TINY_CPU_RECIPE), "parallel.tp=2", "--nproc-per-node", "2",
-                 "train.steps=5", "--print-config"]) == 0
+    assert (
+        main(
+            [
+                "pretrain",
+                "--config",
+                str(TINY_CPU_RECIPE),
+                "parallel.tp=2",
+                "--nproc-per-node",
+                "2",
+                "train.steps=5",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "steps: 5" in out and "tp: 2" in out

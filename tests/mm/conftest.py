@@ -45,12 +45,27 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
 
     model_dir, data = tiny_vlm
     root = tmp_path_factory.mktemp("tiny-lora-run")
-    config = load_mm_config(None, [
-        f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2", "train.micro_batch_size=4",
-        "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
-        "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
-        "lora.alpha=8", f"lora.save_peft={root / 'peft'}",
-        f"checkpoint.save={root / 'ckpt'}", "checkpoint.interval=1", f"checkpoint.save_hf={root / 'merged'}"])
+    config = load_mm_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"data.files=[{data}]",
+            "train.steps=2",
+            "train.micro_batch_size=4",
+            "train.precision=fp32",
+            "train.lr=0.05",
+            "logging.progress=false",
+            "data.image_max_pixels=12544",
+            "lora.target_modules=[q_proj, v_proj, qkv]",
+            "lora.parts=[language_model, vision_tower]",
+            "lora.r=4",
+            "lora.alpha=8",
+            f"lora.save_peft={root / 'peft'}",
+            f"checkpoint.save={root / 'ckpt'}",
+            "checkpoint.interval=1",
+            f"checkpoint.save_hf={root / 'merged'}",
+        ],
+    )
     result = launch(_train, (config,))
     assert set(result.exports) == {"save_hf", "save_peft"}
     return root

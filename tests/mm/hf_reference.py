@@ -14,9 +14,11 @@ from PIL import Image
 NEW_TOKENS = 12
 PIXELS = ["--image-min-pixels", "784", "--image-max-pixels", "12544"]  # the tiny processors' own bounds
 #: architecture -> (text that stands for one image, the token the processor repeats)
-PLACEHOLDERS = {"Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
-                "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
-                "InternVLForConditionalGeneration": ("<img><IMG_CONTEXT></img>", "<IMG_CONTEXT>")}
+PLACEHOLDERS = {
+    "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
+    "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>"),
+    "InternVLForConditionalGeneration": ("<img><IMG_CONTEXT></img>", "<IMG_CONTEXT>"),
+}
 
 
 def reference_inputs(model_dir: Path, messages: list[dict], images: list[Path]) -> dict:
@@ -30,8 +32,9 @@ def reference_inputs(model_dir: Path, messages: list[dict], images: list[Path]) 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = {}
     if images:
-        out = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(p).convert("RGB") for p in images],
-                                                             return_tensors="pt")
+        out = AutoImageProcessor.from_pretrained(model_dir)(
+            images=[Image.open(p).convert("RGB") for p in images], return_tensors="pt"
+        )
         if "image_grid_thw" in out:  # Qwen-VL: one token per 2 x 2 merged patch
             counts = [int(g.prod()) // 4 for g in out["image_grid_thw"]]
             inputs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
@@ -47,8 +50,9 @@ def reference_inputs(model_dir: Path, messages: list[dict], images: list[Path]) 
     return inputs
 
 
-def transformers_generate(model_dir: Path, messages: list[dict], images: list[Path], max_new_tokens: int = NEW_TOKENS,
-                           **sampling) -> tuple[list, list]:
+def transformers_generate(
+    model_dir: Path, messages: list[dict], images: list[Path], max_new_tokens: int = NEW_TOKENS, **sampling
+) -> tuple[list, list]:
     """(prompt ids, new ids) of transformers' own generate."""
     import transformers
 
@@ -60,11 +64,12 @@ def transformers_generate(model_dir: Path, messages: list[dict], images: list[Pa
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=bool(sampling), **sampling)
     prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
 
 
 def images_by_size(data: Path) -> list[Path]:
     """The dataset's images, largest first (several merged patches: M-RoPE positions differ from 1-D ones)."""
+
     def pixels(path: Path) -> int:
         with Image.open(path) as image:
             return image.size[0] * image.size[1]

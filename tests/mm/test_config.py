@@ -36,14 +36,18 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
     assert main(["train", "train.steps=1"]) == 2
     assert "model.path is unset" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
-    config = load_mm_config(None, [f"model.path={tmp_path}", "parallel.dp_replicate=3", f"data.files=[{tmp_path / 'config.json'}]"])
+    config = load_mm_config(
+        None, [f"model.path={tmp_path}", "parallel.dp_replicate=3", f"data.files=[{tmp_path / 'config.json'}]"]
+    )
     with pytest.raises(ConfigError, match="parallel.dp_replicate=3"):
         config.check(2)
     base = [f"model.path={tmp_path}", f"data.files=[{tmp_path / 'config.json'}]"]
-    for extra, message in ((["lora.save_peft=x"], "lora.save_peft needs LoRA: set lora.target_modules"),
-                           (["lora.target_modules=[q_proj]", "model.freeze=[vision_tower]"], "model.freeze with LoRA"),
-                           (["lora.target_modules=[q_proj]", "lora.parts=[]"], "lora.parts is empty"),
-                           (["lora.alpha=0"], "lora.alpha=0.0 must be positive")):
+    for extra, message in (
+        (["lora.save_peft=x"], "lora.save_peft needs LoRA: set lora.target_modules"),
+        (["lora.target_modules=[q_proj]", "model.freeze=[vision_tower]"], "model.freeze with LoRA"),
+        (["lora.target_modules=[q_proj]", "lora.parts=[]"], "lora.parts is empty"),
+        (["lora.alpha=0"], "lora.alpha=0.0 must be positive"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_mm_config(None, base + extra).check(1)
     with pytest.raises(ConfigError, match="parallel.dp_replicate=1 x parallel.ulysses_parallel_size=4"):

@@ -25,8 +25,21 @@ from mindspeed_mm.models import family_of, load_model
 
 
 def _convert(capsys, load: str, save: str, load_dir: Path, save_dir: Path, *extra: str) -> tuple[int, str]:
-    code = main(["convert", "--load-format", load, "--save-format", save, "--load-dir", str(load_dir),
-                 "--save-dir", str(save_dir), "--no-progress", *extra])
+    code = main(
+        [
+            "convert",
+            "--load-format",
+            load,
+            "--save-format",
+            save,
+            "--load-dir",
+            str(load_dir),
+            "--save-dir",
+            str(save_dir),
+            "--no-progress",
+            *extra,
+        ]
+    )
     return code, capsys.readouterr().err
 
 
@@ -59,7 +72,10 @@ def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lor
     lora = ("--lora-alpha", "8", "--base-dir", str(base))
     # SAVE: its newest step; alpha from the adapter_config.json the run wrote there
     assert _convert(capsys, "dcp", "peft", run / "ckpt", tmp_path / "peft", "--base-dir", str(base))[0] == 0
-    _same(load_file(run / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    _same(
+        load_file(run / "peft" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["lora_alpha"] == 8
     from peft import PeftModel  # the converted adapter (targets as a list of module names) loads in peft
 
@@ -67,16 +83,24 @@ def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lor
     assert len(loaded.targeted_module_names) == 6
     assert _convert(capsys, "dcp", "hf", run / "ckpt" / "step_00000002", tmp_path / "merged", *lora)[0] == 0
     _same(_hf(run / "merged"), _hf(tmp_path / "merged"))
-    assert _convert(capsys, "dcp", "hf", run / "ckpt", tmp_path / "bf16", "--dtype", "bfloat16", "--base-dir", str(base))[0] == 0
-    _same({name: t.to(torch.bfloat16) for name, t in _hf(run / "merged").items()}, _hf(tmp_path / "bf16"))  # merged in fp32
+    assert (
+        _convert(capsys, "dcp", "hf", run / "ckpt", tmp_path / "bf16", "--dtype", "bfloat16", "--base-dir", str(base))[
+            0
+        ]
+        == 0
+    )
+    _same(
+        {name: t.to(torch.bfloat16) for name, t in _hf(run / "merged").items()}, _hf(tmp_path / "bf16")
+    )  # merged in fp32
     assert _convert(capsys, "peft", "hf", tmp_path / "peft", tmp_path / "merged2", "--base-dir", str(base))[0] == 0
     _same(_hf(run / "merged"), _hf(tmp_path / "merged2"))
     assert _convert(capsys, "peft", "dcp", tmp_path / "peft", tmp_path / "dcp", "--base-dir", str(base))[0] == 0
     _same(_dcp(run / "ckpt" / "step_00000002", tmp_path / "a.pt"), _dcp(tmp_path / "dcp", tmp_path / "b.pt"))
 
 
-def test_bad_input_is_one_line_exit_2_and_nothing_written(capsys, tiny_vlm, tiny_internvl, tiny_lora_run,
-                                                           tmp_path) -> None:
+def test_bad_input_is_one_line_exit_2_and_nothing_written(
+    capsys, tiny_vlm, tiny_internvl, tiny_lora_run, tmp_path
+) -> None:
     base, run = tiny_vlm[0], tiny_lora_run
     full = tmp_path / "full-dcp"
     assert _convert(capsys, "hf", "dcp", base, full)[0] == 0
@@ -103,13 +127,29 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(capsys, tiny_vlm, tiny
         (("hf", "dcp", tmp_path / "nowhere"), (), "--load-dir", "is not a directory"),
         (("hf", "peft", base), (), "--save-format peft", "is not a conversion; use one of dcp -> hf"),
         (("dcp", "hf", run / "ckpt"), (), "dcp -> hf", "needs --base-dir"),
-        (("dcp", "hf", bare), ("--base-dir", str(base)), "LoRA factors on 6 linears and no adapter_config.json",
-         "pass --lora-alpha"),
-        (("dcp", "peft", run / "ckpt"), ("--lora-alpha", "16"), "--lora-alpha 16.0 differs from the run's lora_alpha 8.0"),
-        (("dcp", "hf", full), ("--base-dir", str(tiny_internvl[0])), "matching no tensor of InternVLForConditional",
-         "model.visual.blocks.0.attn.proj.bias"),
-        (("hf", "dcp", odd), (), "has 1 tensor matching no tensor of Qwen2_5_VLForConditionalGeneration: extra.weight; ",
-         "lacks 1 tensor of Qwen2_5_VLForConditionalGeneration: lm_head.weight"),
+        (
+            ("dcp", "hf", bare),
+            ("--base-dir", str(base)),
+            "LoRA factors on 6 linears and no adapter_config.json",
+            "pass --lora-alpha",
+        ),
+        (
+            ("dcp", "peft", run / "ckpt"),
+            ("--lora-alpha", "16"),
+            "--lora-alpha 16.0 differs from the run's lora_alpha 8.0",
+        ),
+        (
+            ("dcp", "hf", full),
+            ("--base-dir", str(tiny_internvl[0])),
+            "matching no tensor of InternVLForConditional",
+            "model.visual.blocks.0.attn.proj.bias",
+        ),
+        (
+            ("hf", "dcp", odd),
+            (),
+            "has 1 tensor matching no tensor of Qwen2_5_VLForConditionalGeneration: extra.weight; ",
+            "lacks 1 tensor of Qwen2_5_VLForConditionalGeneration: lm_head.weight",
+        ),
         (("dcp", "hf", damaged), ("--base-dir", str(base), "--lora-alpha", "8"), "incomplete or damaged", ""),
         (("hf", "dcp", truncated), (), "is truncated", ""),
         (("peft", "hf", dora), ("--base-dir", str(base)), "use_dora=True is not supported", ""),

@@ -20,7 +20,10 @@ def _write(path, *records, raw: str = "") -> str:
 def test_malformed_samples_name_file_line_and_fix(tmp_path, tiny_vlm) -> None:
     _, data = tiny_vlm
     image = str(data.parent / "images" / "0000.png")
-    good = {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Yo"}], "images": [image]}
+    good = {
+        "messages": [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Yo"}],
+        "images": [image],
+    }
     cases = [
         ({**good, "images": []}, "1 <image> placeholder(s) but 0 image(s); add the image paths"),
         ({**good, "images": [image, image]}, "1 <image> placeholder(s) but 2 image(s); add <image>"),
@@ -42,13 +45,15 @@ def test_labels_only_on_answers_and_image_tokens_per_patch(tiny_vlm) -> None:
     family = family_of(model_dir)
     tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
     sample = read_mllm_files([str(data)])[0]
-    sample = type(sample)(messages=sample.messages + ({"role": "user", "content": "Sure?"},
-                                                     {"role": "assistant", "content": "Yes."}),
-                          images=sample.images, source=sample.source)
+    sample = type(sample)(
+        messages=sample.messages + ({"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}),
+        images=sample.images,
+        source=sample.source,
+    )
     encoded = encode_sample(sample, tokenizer, processor, family, cutoff_len=1024)
     image_id = tokenizer.convert_tokens_to_ids(family.image_token)
     merge = processor.merge_size
-    assert int((encoded.input_ids == image_id).sum()) == int(encoded.vision['image_grid_thw'].prod()) // merge**2 > 0
+    assert int((encoded.input_ids == image_id).sum()) == int(encoded.vision["image_grid_thw"].prod()) // merge**2 > 0
     assert encoded.mm_token_type_ids.tolist() == (encoded.input_ids == image_id).int().tolist()
     learned = tokenizer.decode(encoded.input_ids[encoded.labels != IGNORE_INDEX])
     assert learned == "It is red.<|im_end|>\nYes.<|im_end|>\n"

@@ -22,18 +22,52 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "vlm_tiny_cpu
 def test_demo_recipe_learns_colours(tmp_path) -> None:
     paths = demo_paths()
     before = choice_accuracy(paths["model"], paths["heldout"], max_samples=60)
-    assert main(["train", "--config", str(RECIPE), f"checkpoint.save={tmp_path}",
-                 f"logging.dir={tmp_path}", f"checkpoint.save_hf={tmp_path / 'hf'}", "logging.progress=false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(RECIPE),
+                f"checkpoint.save={tmp_path}",
+                f"logging.dir={tmp_path}",
+                f"checkpoint.save_hf={tmp_path / 'hf'}",
+                "logging.progress=false",
+            ]
+        )
+        == 0
+    )
     after = choice_accuracy(tmp_path / "hf", paths["heldout"], max_samples=60)
     print(f"held-out accuracy before {before}, after training {after} (chance: colour 0.25, shape 0.33)")
     assert before["colour"] < 0.5 and after["colour"] >= 0.8
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "metrics.jsonl").is_file()
 
     scores = {}
-    for name, load in (("before", ["--load-dir", "demo"]), ("after", ["--load-dir", str(tmp_path), "--hf-cfg-dir", "demo"])):
+    for name, load in (
+        ("before", ["--load-dir", "demo"]),
+        ("after", ["--load-dir", str(tmp_path), "--hf-cfg-dir", "demo"]),
+    ):
         out = tmp_path / f"eval-{name}.json"
-        assert main(["evaluate", *load, "--task-data-path", "demo", "--choice-prompt", "cloze", "--max-samples", "60",
-                     "--image-min-pixels", "784", "--image-max-pixels", "3136", "--output", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "evaluate",
+                    *load,
+                    "--task-data-path",
+                    "demo",
+                    "--choice-prompt",
+                    "cloze",
+                    "--max-samples",
+                    "60",
+                    "--image-min-pixels",
+                    "784",
+                    "--image-max-pixels",
+                    "3136",
+                    "--output",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         scores[name] = json.loads(out.read_text())["results"][0]
     print(f"evaluate: acc before {scores['before']['value']:.3f}, after {scores['after']['value']:.3f}")
     for name, accuracy in (("before", before), ("after", after)):

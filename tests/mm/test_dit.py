@@ -58,12 +58,14 @@ def test_grid_draws_and_weights_equal_diffusers() -> None:
     for shift in (1.0, 3.0, 5.0):
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
         torch.testing.assert_close(sigma_grid(1000, shift), scheduler.sigmas, rtol=1e-6, atol=0)
-        torch.testing.assert_close(FlowMatching(DiffusionConfig(shift=shift)).timesteps, scheduler.timesteps,
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            FlowMatching(DiffusionConfig(shift=shift)).timesteps, scheduler.timesteps, rtol=1e-6, atol=0
+        )
     for scheme in ("uniform", "logit_normal", "mode"):
         ours = sample_density(scheme, 64, torch.Generator().manual_seed(3), 0.2, 0.8, 1.29)
-        theirs = compute_density_for_timestep_sampling(scheme, 64, 0.2, 0.8, 1.29,
-                                                       generator=torch.Generator().manual_seed(3))
+        theirs = compute_density_for_timestep_sampling(
+            scheme, 64, 0.2, 0.8, 1.29, generator=torch.Generator().manual_seed(3)
+        )
         assert torch.equal(ours, theirs), scheme
     indices = torch.tensor([0, 17, 417, 999])
     for scheme in ("sigma_sqrt", "cosmap", "none"):
@@ -78,6 +80,7 @@ def test_grid_draws_and_weights_equal_diffusers() -> None:
 
 def _pipeline_text(features, indices, null, drop) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Text as WanPipeline / FluxPipeline give it: zero-padded to the max length, the empty caption where dropped."""
+
     def pad(u):
         return torch.cat([u, u.new_zeros(TEXT_LEN - u.size(0), u.size(1))])
 
@@ -97,8 +100,14 @@ def _reference(arch, model_dir, diffusion: DiffusionConfig, task, batch) -> tupl
     b = latents.shape[0]
     # the same draws from the same generator: u as diffusers draws it, then the noise
     generator = task.flow.generator(task.config.train.seed, 0)
-    u = compute_density_for_timestep_sampling(c.timestep_sampling, b if c.timestep_per == "sample" else 1,
-                                              c.logit_mean, c.logit_std, c.mode_scale, generator=generator)
+    u = compute_density_for_timestep_sampling(
+        c.timestep_sampling,
+        b if c.timestep_per == "sample" else 1,
+        c.logit_mean,
+        c.logit_std,
+        c.mode_scale,
+        generator=generator,
+    )
     u = c.min_timestep_boundary + u * (c.max_timestep_boundary - c.min_timestep_boundary)
     indices = (u * 1000).long().expand(b)
     assert torch.equal(indices, batch.draw.indices)
@@ -115,11 +124,15 @@ def _reference(arch, model_dir, diffusion: DiffusionConfig, task, batch) -> tupl
     else:
         model = FluxTransformer2DModel.from_pretrained(model_dir)
         _, channels, height, width = latents.shape
-        pred = model(hidden_states=FluxPipeline._pack_latents(noisy, b, channels, height, width),
-                     timestep=timesteps / 1000, guidance=torch.full((b,), c.guidance_scale),
-                     pooled_projections=pooled, encoder_hidden_states=text, txt_ids=torch.zeros(TEXT_LEN, 3),
-                     img_ids=FluxPipeline._prepare_latent_image_ids(b, height // 2, width // 2, "cpu",
-                                                                     torch.float32)).sample
+        pred = model(
+            hidden_states=FluxPipeline._pack_latents(noisy, b, channels, height, width),
+            timestep=timesteps / 1000,
+            guidance=torch.full((b,), c.guidance_scale),
+            pooled_projections=pooled,
+            encoder_hidden_states=text,
+            txt_ids=torch.zeros(TEXT_LEN, 3),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, height // 2, width // 2, "cpu", torch.float32),
+        ).sample
         pred = FluxPipeline._unpack_latents(pred, height * 8, width * 8, 8)
     if c.loss_weighting == "bsmntw":  # MindSpeed-MM's WanFlowMatchScheduler.training_weight
         y = torch.exp(-2 * ((scheduler.timesteps - 500) / 1000) ** 2)
@@ -136,24 +149,43 @@ def _reference(arch, model_dir, diffusion: DiffusionConfig, task, batch) -> tupl
 
 CASES = [
     (WAN, {"shift": 5.0, "timestep_per": "microbatch", "loss_weighting": "bsmntw"}, 2),  # MindSpeed-MM's Wan
-    (WAN, {"shift": 3.0, "timestep_sampling": "logit_normal", "logit_std": 1.5, "loss_weighting": "sigma_sqrt",
-           "text_dropout": 0.5}, 3),
+    (
+        WAN,
+        {
+            "shift": 3.0,
+            "timestep_sampling": "logit_normal",
+            "logit_std": 1.5,
+            "loss_weighting": "sigma_sqrt",
+            "text_dropout": 0.5,
+        },
+        3,
+    ),
     (WAN, {"shift": 5.0, "timestep_sampling": "mode", "min_timestep_boundary": 0.417, "loss_weighting": "cosmap"}, 2),
     (FLUX, {"timestep_sampling": "logit_normal", "guidance_scale": 3.5, "text_dropout": 0.5}, 3),
 ]
 
 
 def _overrides(model_dir, features, **extra) -> list[str]:
-    return [f"model.path={model_dir}", f"data.features={features}", f"data.text_len={TEXT_LEN}", "data.shuffle=false",
-            "train.precision=fp32", "logging.progress=false", *[f"{k}={v}" for k, v in extra.items()]]
+    return [
+        f"model.path={model_dir}",
+        f"data.features={features}",
+        f"data.text_len={TEXT_LEN}",
+        "data.shuffle=false",
+        "train.precision=fp32",
+        "logging.progress=false",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
 
 
 def _parity(cases, runs) -> list[dict]:
     results = []
     for arch, diffusion, micro in cases:
         model_dir, features = runs[arch]
-        config = load_mm_config(None, _overrides(model_dir, features, **{"train.micro_batch_size": micro}) +
-                                [f"diffusion.{k}={v}" for k, v in diffusion.items()])
+        config = load_mm_config(
+            None,
+            _overrides(model_dir, features, **{"train.micro_batch_size": micro})
+            + [f"diffusion.{k}={v}" for k, v in diffusion.items()],
+        )
         task = TASKS.get("dit")(config, 1)
         batch = task.microbatches(1, 0)[0]
         loss, _ = task.loss(batch, torch.zeros(2))
@@ -161,17 +193,26 @@ def _parity(cases, runs) -> list[dict]:
         ours = {name: p.grad.full_tensor() for name, p in task.model.named_parameters()}
         expected, grads = _reference(arch, model_dir, config.diffusion, task, batch)
         error = max(float((ours[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads.items())
-        results.append({"arch": arch, "loss": float(loss), "expected": expected, "grad_error": error,
-                        "names": set(ours) == set(grads), "dropped": int(batch.draw.drop.sum()),
-                        "indices": batch.draw.indices.tolist()})
+        results.append(
+            {
+                "arch": arch,
+                "loss": float(loss),
+                "expected": expected,
+                "grad_error": error,
+                "names": set(ours) == set(grads),
+                "dropped": int(batch.draw.drop.sum()),
+                "indices": batch.draw.indices.tolist(),
+            }
+        )
     # bf16 (FSDP2's policy): the loss stays near fp32's, the backward runs, and the timestep reaches
     # Wan's time embedding in float32, exactly the grid's
     seen, bf16 = {}, {}
     for arch in (WAN, FLUX):
         losses = []
         for precision in ("fp32", "bf16"):
-            config = load_mm_config(None, _overrides(*runs[arch], **{"train.precision": precision,
-                                                                     "train.micro_batch_size": 2}))
+            config = load_mm_config(
+                None, _overrides(*runs[arch], **{"train.precision": precision, "train.micro_batch_size": 2})
+            )
             task = TASKS.get("dit")(config, 1)
             if arch == WAN and precision == "bf16":
                 task.model.condition_embedder.register_forward_pre_hook(lambda m, args: seen.update(timestep=args[0]))
@@ -200,8 +241,10 @@ def test_loss_and_gradients_equal_diffusers_reference(tiny_runs) -> None:
         assert result["names"], arch
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), (arch, diffusion)
         assert result["grad_error"] < 1e-5, (arch, diffusion, result["grad_error"])
-        print(f"{arch} {diffusion}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
-              f"gradient error {result['grad_error']:.1e}, timesteps {result['indices']}, dropped {result['dropped']}")
+        print(
+            f"{arch} {diffusion}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
+            f"gradient error {result['grad_error']:.1e}, timesteps {result['indices']}, dropped {result['dropped']}"
+        )
     assert len(set(results[0]["indices"])) == 1 and min(results[2]["indices"]) >= 417  # per microbatch; boundary
     assert any(r["dropped"] for r in results[:4])  # the dropout path was exercised
     assert results[-1]["mixed_shapes"] == {(2, 4, 3, 4, 4), (2, 4, 2, 6, 4)}
@@ -234,17 +277,22 @@ def test_bucket_order() -> None:
 
 def _dp2(rank: int, world: int, runs, root) -> list[dict] | None:
     export = [f"checkpoint.save={root / 'ckpt'}", f"checkpoint.save_hf={root / 'hf'}"]
-    records = [r for arch in (WAN, FLUX)
-               for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1) + (export if arch == WAN else [])))
-               .records]
+    records = [
+        r
+        for arch in (WAN, FLUX)
+        for r in train(load_mm_config(None, _dp_overrides(runs[arch], 1) + (export if arch == WAN else []))).records
+    ]
     # train.ema: EMA-AdamW, a checkpoint per step, the averages exported; then a run resumed from step 1
     ema = _dp_overrides(runs[WAN], 1) + ["train.ema=0.9", "checkpoint.interval=1"]
     train(load_mm_config(None, ema + [f"checkpoint.save={root / 'ema'}", f"checkpoint.save_hf={root / 'hf_ema'}"]))
     if rank == 0:
         shutil.copytree(root / "ema" / "step_00000001", root / "ema_resumed" / "step_00000001")
     dist.barrier()
-    resumed = train(load_mm_config(None, ema + [f"checkpoint.save={root / 'ema_resumed'}",
-                                                f"checkpoint.save_hf={root / 'hf_ema_resumed'}"]))
+    resumed = train(
+        load_mm_config(
+            None, ema + [f"checkpoint.save={root / 'ema_resumed'}", f"checkpoint.save_hf={root / 'hf_ema_resumed'}"]
+        )
+    )
     assert resumed.start_step == 1
     return records if rank == 0 else None
 
@@ -254,11 +302,20 @@ def _dp1(runs) -> list[dict]:
 
 
 def _dp_overrides(run, accumulation: int) -> list[str]:
-    return _overrides(*run, **{"train.steps": 2, "train.micro_batch_size": 2, "train.lr": 1e-3,
-                               "train.gradient_accumulation_steps": accumulation, "data.shuffle": "true",
-                               "diffusion.shift": 3.0, "diffusion.timestep_sampling": "logit_normal",
-                               "diffusion.text_dropout": 0.3, "train.recompute_modules": "[blocks.*]"
-                               if run[0].parent.name == WAN else "[]"})
+    return _overrides(
+        *run,
+        **{
+            "train.steps": 2,
+            "train.micro_batch_size": 2,
+            "train.lr": 1e-3,
+            "train.gradient_accumulation_steps": accumulation,
+            "data.shuffle": "true",
+            "diffusion.shift": 3.0,
+            "diffusion.timestep_sampling": "logit_normal",
+            "diffusion.text_dropout": 0.3,
+            "train.recompute_modules": "[blocks.*]" if run[0].parent.name == WAN else "[]",
+        },
+    )
 
 
 def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
@@ -306,8 +363,10 @@ def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
 def test_feature_cache_errors(tmp_path) -> None:
     from mindspeed_mm.data.features import FeatureSet, write_features
 
-    cache = write_features(tmp_path / "broken", [{"latents": torch.zeros(4, 1, 2, 2), "text": torch.zeros(2, 16)},
-                                                 {"latents": torch.zeros(4, 1, 2, 2)}])
+    cache = write_features(
+        tmp_path / "broken",
+        [{"latents": torch.zeros(4, 1, 2, 2), "text": torch.zeros(2, 16)}, {"latents": torch.zeros(4, 1, 2, 2)}],
+    )
     features = FeatureSet(cache)
     assert len(features) == 2 and features.shapes() == [(4, 1, 2, 2)] * 2 and features.null() is None
     assert set(features[0]) == {"latents", "text"}
@@ -327,8 +386,11 @@ def test_config_errors(tiny_runs, tmp_path) -> None:
         config.check(1)
     with pytest.raises(ValueError, match="has no index.jsonl"):
         load_mm_config(None, base + [f"data.features={tmp_path}"]).check(1)
-    for key, value, message in (("shift", 0, "diffusion.shift"), ("text_dropout", 1.5, "diffusion.text_dropout"),
-                                ("min_timestep_boundary", 1.0, "min < max"),
-                                ("timestep_sampling", "beta", "timestep_sampling")):
+    for key, value, message in (
+        ("shift", 0, "diffusion.shift"),
+        ("text_dropout", 1.5, "diffusion.text_dropout"),
+        ("min_timestep_boundary", 1.0, "min < max"),
+        ("timestep_sampling", "beta", "timestep_sampling"),
+    ):
         with pytest.raises(ValueError, match=message):
             load_mm_config(None, base + [f"data.features={features}", f"diffusion.{key}={value}"]).check(1)

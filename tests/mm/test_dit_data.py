@@ -48,17 +48,27 @@ def test_media_listing_sampling_and_bad_samples(tmp_path) -> None:
     write_video(tmp_path / "v/a.mov", _ramp(12, 20, 28), fps=8)
     write_video(tmp_path / "v/b.mkv", _ramp(20, 16, 32), fps=8, codec="ffv1")  # no frame count in the header
     write_image(tmp_path / "i/c.png", np.full((30, 20, 3), 200, np.uint8))
-    (tmp_path / "data.json").write_text(json.dumps([
-        {"path": "v/a.mov", "cap": "a", "num_frames": 12, "fps": 8, "resolution": {"height": 20, "width": 28}},
-        {"path": "v/b.mkv", "cap": ["b", "another"]}]))
+    (tmp_path / "data.json").write_text(
+        json.dumps(
+            [
+                {"path": "v/a.mov", "cap": "a", "num_frames": 12, "fps": 8, "resolution": {"height": 20, "width": 28}},
+                {"path": "v/b.mkv", "cap": ["b", "another"]},
+            ]
+        )
+    )
     (tmp_path / "images.jsonl").write_text(json.dumps({"path": "i/c.png", "cap": "c"}) + "\n")
     files = [str(tmp_path / "data.json"), str(tmp_path / "images.jsonl")]
     samples = plan_media(files, None, [[16, 16], [16, 32]], 16, [5, 9], 4.0, False)
     assert [(s.frames, s.height, s.width, s.caption) for s in samples] == [
-        ((0, 2, 4, 6, 8), 16, 16, "a"), ((0, 2, 4, 6, 8, 10, 12, 14, 16), 16, 32, "b"), ((0,), 16, 16, "c")]
+        ((0, 2, 4, 6, 8), 16, 16, "a"),
+        ((0, 2, 4, 6, 8, 10, 12, 14, 16), 16, 32, "b"),
+        ((0,), 16, 16, "c"),
+    ]
     pixels = load_pixels(samples[0])
     assert pixels.shape == (3, 5, 16, 16)
-    torch.testing.assert_close(pixels, (torch.tensor([0, 20, 40, 60, 80.0]) / 127.5 - 1).view(1, 5, 1, 1).expand_as(pixels))
+    torch.testing.assert_close(
+        pixels, (torch.tensor([0, 20, 40, 60, 80.0]) / 127.5 - 1).view(1, 5, 1, 1).expand_as(pixels)
+    )
     values = load_pixels(samples[1])[0, :, 3, 5].add(1).mul(127.5)  # ffv1 in yuv420p: within 2 levels
     torch.testing.assert_close(values, torch.arange(0, 180, 20.0), rtol=0, atol=2.0)
     image = load_pixels(samples[2])  # 30 x 20 covers 16 x 16 at 24 x 16, centre crop
@@ -72,8 +82,12 @@ def test_media_listing_sampling_and_bad_samples(tmp_path) -> None:
 
     write_video(tmp_path / "v/short.mov", _ramp(3, 16, 16), fps=8)
     (tmp_path / "v/broken.mp4").write_bytes(b"not a video at all")
-    bad = [{"path": "v/a.mov"}, {"path": "v/broken.mp4", "cap": "x"}, {"path": "v/gone.mp4", "cap": "x"},
-           {"path": "v/short.mov", "cap": "x"}]
+    bad = [
+        {"path": "v/a.mov"},
+        {"path": "v/broken.mp4", "cap": "x"},
+        {"path": "v/gone.mp4", "cap": "x"},
+        {"path": "v/short.mov", "cap": "x"},
+    ]
     reasons = ["has no caption", "is not a readable video", "does not exist", "has 3 frames at 8 fps: too few"]
     for number, (record, reason) in enumerate(zip(bad, reasons), 2):
         listing = tmp_path / f"bad{number}.json"
@@ -99,8 +113,9 @@ def _wan_data(tmp_path) -> list[str]:
     (tmp_path / "videos.json").write_text(json.dumps(records))
     for i in range(2):
         write_image(tmp_path / f"media/c{i}.png", _noise(20 + i, 18, 18, 3))
-    (tmp_path / "images.jsonl").write_text("".join(json.dumps({"path": f"c{i}.png", "cap": f"still {i}"}) + "\n"
-                                                   for i in range(2)))
+    (tmp_path / "images.jsonl").write_text(
+        "".join(json.dumps({"path": f"c{i}.png", "cap": f"still {i}"}) + "\n" for i in range(2))
+    )
     return [str(tmp_path / "videos.json"), str(tmp_path / "images.jsonl")]
 
 
@@ -136,16 +151,32 @@ def _equal(a, b) -> None:
         assert torch.equal(a[1][key], b[1][key]), key
 
 
-TRAIN = ["train.steps=2", "train.micro_batch_size=2", "train.precision=fp32", "train.lr=1e-3",
-         "diffusion.text_dropout=0.5", "logging.progress=false"]
+TRAIN = [
+    "train.steps=2",
+    "train.micro_batch_size=2",
+    "train.precision=fp32",
+    "train.lr=1e-3",
+    "diffusion.text_dropout=0.5",
+    "logging.progress=false",
+]
 
 
 def test_wan_extract_ranks_resume_and_raw_training(tmp_path) -> None:
     pipeline = write_tiny_pipeline(tmp_path / "wan", "WanTransformer3DModel")
-    recipe = {"model": {"path": str(pipeline / "transformer")},
-              "data": {"files": _wan_data(tmp_path), "image_dir": str(tmp_path / "media"),
-                       "resolutions": [[16, 16], [16, 32]], "frame_counts": [5, 9], "fps": 4, "text_len": 12,
-                       "shard_size": 2, "skip_bad": True, "features": str(tmp_path / "one")}}
+    recipe = {
+        "model": {"path": str(pipeline / "transformer")},
+        "data": {
+            "files": _wan_data(tmp_path),
+            "image_dir": str(tmp_path / "media"),
+            "resolutions": [[16, 16], [16, 32]],
+            "frame_counts": [5, 9],
+            "fps": 4,
+            "text_len": 12,
+            "shard_size": 2,
+            "skip_bad": True,
+            "features": str(tmp_path / "one"),
+        },
+    }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["extract-features", "--config", str(tmp_path / "recipe.yaml")]) == 0
     one = _cache(tmp_path / "one")
@@ -179,18 +210,29 @@ def test_flux_raw_training_equals_cached(tmp_path) -> None:
     pipeline = write_tiny_pipeline(tmp_path / "flux", "FluxTransformer2DModel")
     for i in range(4):
         write_image(tmp_path / f"media/{i}.png", _noise(i, 20, 20 + 8 * i, 3))
-    (tmp_path / "images.jsonl").write_text("".join(json.dumps({"path": f"media/{i}.png", "cap": f"image {i}"}) + "\n"
-                                                   for i in range(4)))
-    args = [f"model.path={pipeline / 'transformer'}", f"data.files=[{tmp_path / 'images.jsonl'}]",
-            "data.resolutions=[[16,16],[16,32]]", "data.text_len=12"]
+    (tmp_path / "images.jsonl").write_text(
+        "".join(json.dumps({"path": f"media/{i}.png", "cap": f"image {i}"}) + "\n" for i in range(4))
+    )
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'images.jsonl'}]",
+        "data.resolutions=[[16,16],[16,32]]",
+        "data.text_len=12",
+    ]
     cache = tmp_path / "features"
     result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
     assert result.samples == 4 and result.written == 1
     shapes = [json.loads(line)["shape"] for line in (cache / "index.jsonl").read_text().splitlines()]
     assert shapes == [[4, 8, 8]] * 2 + [[4, 8, 16]] * 2
     half = tmp_path / "bf16"
-    launch(_extract, (load_mm_config(None, [*args, f"data.features={half}", "data.vae_dtype=bfloat16",
-                                            "data.text_encoder_dtype=bfloat16"]),))
+    launch(
+        _extract,
+        (
+            load_mm_config(
+                None, [*args, f"data.features={half}", "data.vae_dtype=bfloat16", "data.text_encoder_dtype=bfloat16"]
+            ),
+        ),
+    )
     worst = 0.0
     for key, value in _cache(cache)[1].items():  # bf16 encoders: float32 features within bf16's rounding
         low = _cache(half)[1][key]

@@ -23,13 +23,51 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_tiny_cpu
 def test_t2v_demo_learns_colours(tmp_path) -> None:
     paths = demo_paths()
     before = score_videos(*sample_heldout(paths["transformer"], seeds=2, steps=10))
-    assert main(["train", "--config", str(RECIPE), f"checkpoint.save={tmp_path}", f"logging.dir={tmp_path}",
-                 f"checkpoint.save_hf={tmp_path / 'hf'}", "logging.progress=false", "train.steps=300"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(RECIPE),
+                f"checkpoint.save={tmp_path}",
+                f"logging.dir={tmp_path}",
+                f"checkpoint.save_hf={tmp_path / 'hf'}",
+                "logging.progress=false",
+                "train.steps=300",
+            ]
+        )
+        == 0
+    )
     after = score_videos(*sample_heldout(tmp_path / "hf", seeds=2, steps=10))
     print(f"held-out colour / direction before {before}, after training {after} (chance 0.25)")
     # measured (2 cores): colour 0.125 before, 0.4375 after (7 of 16); direction stays at chance
     assert before["colour"] <= 0.25 and after["colour"] >= max(0.375, before["colour"] + 0.25)
-    assert main(["generate", "--load-dir", str(tmp_path), "--hf-cfg-dir", "demo-t2v", "--prompts-file", "demo-t2v",
-                 "--num-frames", "6", "--height", "24", "--width", "24", "--text-len", "8", "--guidance-scale", "4",
-                 "--num-inference-steps", "10", "--output-dir", str(tmp_path / "samples")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--load-dir",
+                str(tmp_path),
+                "--hf-cfg-dir",
+                "demo-t2v",
+                "--prompts-file",
+                "demo-t2v",
+                "--num-frames",
+                "6",
+                "--height",
+                "24",
+                "--width",
+                "24",
+                "--text-len",
+                "8",
+                "--guidance-scale",
+                "4",
+                "--num-inference-steps",
+                "10",
+                "--output-dir",
+                str(tmp_path / "samples"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "samples" / "contact_sheet.gif").is_file()

@@ -21,9 +21,26 @@ from mindspeed_mm.cli import main
 from mindspeed_mm.diffusion.demo import write_demo_pipeline
 from mindspeed_mm.diffusion.media import mp4_available
 
-FLAGS = ["--num-frames", "3", "--height", "8", "--width", "8", "--num-inference-steps", "2", "--text-len", "8",
-         "--guidance-scale", "3", "--seed", "7", "--prompt", "a red square moving left", "--prompt",
-         "a blue circle moving up"]
+FLAGS = [
+    "--num-frames",
+    "3",
+    "--height",
+    "8",
+    "--width",
+    "8",
+    "--num-inference-steps",
+    "2",
+    "--text-len",
+    "8",
+    "--guidance-scale",
+    "3",
+    "--seed",
+    "7",
+    "--prompt",
+    "a red square moving left",
+    "--prompt",
+    "a blue circle moving up",
+]
 
 
 def _gif_frames(path) -> np.ndarray:
@@ -57,24 +74,67 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
     noise = torch.randn(latent_shape(loaded.parts["vae"], family, 3, 8, 8), generator=torch.Generator().manual_seed(7))
     text, _ = family.encode_prompts(loaded.parts, ["a red square moving left"], 8)
     negative, _ = family.encode_prompts(loaded.parts, [""], 8)
-    latents = sample_latents(loaded.model, family, build_scheduler(family, pipe), noise[None], text, 2,
-                             negative_text=negative, guidance_scale=3.0)
+    latents = sample_latents(
+        loaded.model,
+        family,
+        build_scheduler(family, pipe),
+        noise[None],
+        text,
+        2,
+        negative_text=negative,
+        guidance_scale=3.0,
+    )
     expected = (decode_latents(loaded.parts["vae"], latents)[0].permute(0, 2, 3, 1).numpy() * 255).round()
     assert np.abs(first.astype(np.float64) - expected).max() <= 8  # GIF's palette rounds a few levels at most
 
     # a transformer directory with --pipeline-dir, and a DCP checkpoint with --hf-cfg-dir: the same files
-    assert main(["generate", "--load-dir", str(pipe / "transformer"), "--pipeline-dir", str(pipe), "--output-dir",
-                 str(tmp_path / "b"), *FLAGS]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--load-dir",
+                str(pipe / "transformer"),
+                "--pipeline-dir",
+                str(pipe),
+                "--output-dir",
+                str(tmp_path / "b"),
+                *FLAGS,
+            ]
+        )
+        == 0
+    )
     state = {f"{k}": v for k, v in loaded.model.state_dict().items()}
     dcp.save({"model": state}, checkpoint_id=str(tmp_path / "save" / "step_00000001"), no_dist=True)
-    assert main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--hf-cfg-dir", str(pipe / "transformer"),
-                 "--output-dir", str(tmp_path / "c"), *FLAGS]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--load-dir",
+                str(tmp_path / "save" / "step_00000001"),
+                "--hf-cfg-dir",
+                str(pipe / "transformer"),
+                "--output-dir",
+                str(tmp_path / "c"),
+                *FLAGS,
+            ]
+        )
+        == 0
+    )
     for other in ("b", "c"):
-        for name in ("000-a-red-square-moving-left.gif", "001-a-blue-circle-moving-up.gif", "contact_sheet.png",
-                     "contact_sheet.gif"):
+        for name in (
+            "000-a-red-square-moving-left.gif",
+            "001-a-blue-circle-moving-up.gif",
+            "contact_sheet.png",
+            "contact_sheet.gif",
+        ):
             assert (tmp_path / other / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), (other, name)
 
-    assert main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--pipeline-dir", str(pipe), *FLAGS]) == 2
+    assert (
+        main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--pipeline-dir", str(pipe), *FLAGS])
+        == 2
+    )
     assert "--hf-cfg-dir" in capsys.readouterr().err
-    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "d"), *FLAGS, "--height", "6"]) == 2
+    assert (
+        main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "d"), *FLAGS, "--height", "6"]) == 2
+    )
     assert "multiples of 4" in capsys.readouterr().err

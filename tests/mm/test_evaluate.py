@@ -39,12 +39,16 @@ def _loglikelihood(model, model_dir, user: str, image, answer: str) -> float:
     user_turn = [{"role": "user", "content": user}]
     prompt_text = tokenizer.apply_chat_template(user_turn, tokenize=False, add_generation_prompt=True)
     full_text = tokenizer.apply_chat_template(user_turn + [{"role": "assistant", "content": answer}], tokenize=False)
-    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
     inputs = reference_inputs(model_dir, user_turn, [image])
     ids = torch.cat([inputs["input_ids"], torch.tensor([answer_ids])], dim=1)
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(answer_ids),
-                                                                                          dtype=torch.int32)], dim=1))
+    inputs.update(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(1, len(answer_ids), dtype=torch.int32)], dim=1
+        ),
+    )
     with torch.no_grad():
         logprobs = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
     start = ids.shape[1] - len(answer_ids)
@@ -57,14 +61,48 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
     model_dir, data = tiny_vlm
     images = images_by_size(data)
     rows = [
-        {"index": "10", "question": "What colour is it?", "A": "red", "B": "green", "C": "blue", "D": "grey",
-         "answer": "A", "image": encode_image_base64(images[0]), "category": "colour"},
-        {"index": "11", "question": "What colour is it?", "hint": "Look closely.", "A": "green", "B": "red",
-         "C": "blue", "D": "grey", "answer": "B", "image": encode_image_base64(images[1]), "category": "colour"},
-        {"index": "12", "question": "Which shape?", "A": "square", "B": "circle", "C": "triangle",
-         "answer": "C", "image": "10", "category": "shape"},  # three options; the image of row 10
-        {"index": "13", "question": "Is it bright?", "A": "yes", "B": "no", "answer": "A",
-         "image": encode_image_base64(images[2]), "category": "shape"},
+        {
+            "index": "10",
+            "question": "What colour is it?",
+            "A": "red",
+            "B": "green",
+            "C": "blue",
+            "D": "grey",
+            "answer": "A",
+            "image": encode_image_base64(images[0]),
+            "category": "colour",
+        },
+        {
+            "index": "11",
+            "question": "What colour is it?",
+            "hint": "Look closely.",
+            "A": "green",
+            "B": "red",
+            "C": "blue",
+            "D": "grey",
+            "answer": "B",
+            "image": encode_image_base64(images[1]),
+            "category": "colour",
+        },
+        {
+            "index": "12",
+            "question": "Which shape?",
+            "A": "square",
+            "B": "circle",
+            "C": "triangle",
+            "answer": "C",
+            "image": "10",
+            "category": "shape",
+        },  # three options; the image of row 10
+        {
+            "index": "13",
+            "question": "Is it bright?",
+            "A": "yes",
+            "B": "no",
+            "answer": "A",
+            "image": encode_image_base64(images[2]),
+            "category": "shape",
+        },
     ]
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     encoded = [encode_image_base64(i) for i in images]
@@ -78,8 +116,22 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
         expected.append((scores, best))
     tsv = write_mmbench_tsv(tmp_path / "bench.tsv", rows)
     out = tmp_path / "results.json"
-    assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tsv), "--output", str(out),
-                 "--log-samples", *PIXELS]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--load-dir",
+                str(model_dir),
+                "--task-data-path",
+                str(tsv),
+                "--output",
+                str(out),
+                "--log-samples",
+                *PIXELS,
+            ]
+        )
+        == 0
+    )
     (result,) = json.loads(out.read_text())["results"]
     right = {"colour": [], "shape": []}
     for row, sample, (scores, best) in zip(rows, result["samples"], expected, strict=True):
@@ -98,21 +150,54 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    greedy = {question: tokenizer.decode(transformers_generate(model_dir, [{"role": "user", "content": f"<image>{question}"}],
-                                                                [image], max_new_tokens=16)[1], skip_special_tokens=True)
-              for question, image in (("What colour is it?", images[1]), ("Which colour is shown here?", images[0]))}
+    greedy = {
+        question: tokenizer.decode(
+            transformers_generate(
+                model_dir, [{"role": "user", "content": f"<image>{question}"}], [image], max_new_tokens=16
+            )[1],
+            skip_special_tokens=True,
+        )
+        for question, image in (("What colour is it?", images[1]), ("Which colour is shown here?", images[0]))
+    }
     said = greedy["What colour is it?"]
-    records = [{"image": str(images[1]), "question": "What colour is it?", "answer": f"The {said}."},  # right
-               {"image": str(images[0]), "question": "Which colour is shown here?", "options": ["red", "green", "blue"],
-                "answer": "red"},
-               {"image": str(images[1]), "question": "What colour is it?", "answer": ["not this", "nor this"]}]
+    records = [
+        {"image": str(images[1]), "question": "What colour is it?", "answer": f"The {said}."},  # right
+        {
+            "image": str(images[0]),
+            "question": "Which colour is shown here?",
+            "options": ["red", "green", "blue"],
+            "answer": "red",
+        },
+        {"image": str(images[1]), "question": "What colour is it?", "answer": ["not this", "nor this"]},
+    ]
     (tmp_path / "vqa.json").write_text(json.dumps(records))
-    cloze = {letter: _loglikelihood(model, model_dir, "<image>Which colour is shown here?", images[0], text)
-             for letter, text in zip("ABC", ["red", "green", "blue"])}
+    cloze = {
+        letter: _loglikelihood(model, model_dir, "<image>Which colour is shown here?", images[0], text)
+        for letter, text in zip("ABC", ["red", "green", "blue"])
+    }
     for scoring in ("likelihood", "generate"):
-        assert main(["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(tmp_path / "vqa.json"),
-                     "--output", str(out), "--log-samples", "--choice-prompt", "cloze", "--choice-scoring", scoring,
-                     "--evaluation-batch-size", "2", *PIXELS]) == 0
+        assert (
+            main(
+                [
+                    "evaluate",
+                    "--load-dir",
+                    str(model_dir),
+                    "--task-data-path",
+                    str(tmp_path / "vqa.json"),
+                    "--output",
+                    str(out),
+                    "--log-samples",
+                    "--choice-prompt",
+                    "cloze",
+                    "--choice-scoring",
+                    scoring,
+                    "--evaluation-batch-size",
+                    "2",
+                    *PIXELS,
+                ]
+            )
+            == 0
+        )
         (result,) = json.loads(out.read_text())["results"]
         short = [s for s in result["samples"] if s["kind"] == "short_answer"]
         assert [s["reply"] for s in short] == [said, said] and [s["correct"] for s in short] == [True, False]
@@ -124,16 +209,36 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
             assert choice["reply"] == greedy["Which colour is shown here?"]
             choice_right = choice["prediction"] == "A"
             assert choice["prediction"] == extract_choice(choice["reply"], {"A": "red", "B": "green", "C": "blue"})
-        assert result["metrics"] == {"acc": (1 + choice_right) / 3, "acc_multiple_choice": float(choice_right),
-                                     "exact_match": 0.5}
+        assert result["metrics"] == {
+            "acc": (1 + choice_right) / 3,
+            "acc_multiple_choice": float(choice_right),
+            "exact_match": 0.5,
+        }
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("B", "B"), ("(B)", "B"), ("B.", "B"), ("B: a cat", "B"), ("C) the dog", "C"), ("  a  ", "A"),
-    ("The answer is B", "B"), ("Answer: D", "D"), ("red", "A"), ("Red.", "A"), ("It is a green square", "B"),
-    ("A red square", "A"), ("B or C", None), ("purple", None), ("", None), ("E", None),
-    ("green and red", None), ("I think so", None),
-])
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("B", "B"),
+        ("(B)", "B"),
+        ("B.", "B"),
+        ("B: a cat", "B"),
+        ("C) the dog", "C"),
+        ("  a  ", "A"),
+        ("The answer is B", "B"),
+        ("Answer: D", "D"),
+        ("red", "A"),
+        ("Red.", "A"),
+        ("It is a green square", "B"),
+        ("A red square", "A"),
+        ("B or C", None),
+        ("purple", None),
+        ("", None),
+        ("E", None),
+        ("green and red", None),
+        ("I think so", None),
+    ],
+)
 def test_answer_extraction(reply, expected) -> None:
     assert extract_choice(reply, {"A": "red", "B": "green", "C": "blue", "D": "yellow"}) == expected
 
@@ -143,16 +248,27 @@ def test_normalization() -> None:
     assert normalize_answer("an apple") == "apple" and normalize_answer("Theatre") == "theatre"
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "C", "image": "aGk="}],
-     "bench.tsv:2: the answer must be the letter of a given option (A, B), got 'C'"),
-    ([{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "A", "image": "not base64!"}],
-     "bench.tsv:2: the image cell is not base64"),
-    ([{"index": "1", "question": "q", "A": "x", "B": "", "answer": "A", "image": "aGk="}],
-     "bench.tsv:2: fewer than 2 options"),
-    ([{"index": "1", "question": "q", "A": "x", "answer": "A", "image": "aGk="}],
-     "bench.tsv:1: missing column(s) B"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "C", "image": "aGk="}],
+            "bench.tsv:2: the answer must be the letter of a given option (A, B), got 'C'",
+        ),
+        (
+            [{"index": "1", "question": "q", "A": "x", "B": "y", "answer": "A", "image": "not base64!"}],
+            "bench.tsv:2: the image cell is not base64",
+        ),
+        (
+            [{"index": "1", "question": "q", "A": "x", "B": "", "answer": "A", "image": "aGk="}],
+            "bench.tsv:2: fewer than 2 options",
+        ),
+        (
+            [{"index": "1", "question": "q", "A": "x", "answer": "A", "image": "aGk="}],
+            "bench.tsv:1: missing column(s) B",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(rows, message, tiny_vlm, tmp_path, capsys) -> None:
     write_mmbench_tsv(tmp_path / "bench.tsv", rows)
     assert main(["evaluate", "--load-dir", str(tiny_vlm[0]), "--task-data-path", str(tmp_path / "bench.tsv")]) == 2

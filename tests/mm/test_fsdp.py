@@ -28,23 +28,48 @@ STEPS = 4
 
 
 def _overrides(model_dir: Path, data: Path, accumulation: int) -> list[str]:
-    return [f"model.path={model_dir}", f"data.files=[{data}]", f"train.steps={STEPS}", "train.micro_batch_size=1",
-            f"train.gradient_accumulation_steps={accumulation}", "train.precision=fp32", "train.lr=1e-3",
-            "train.lr_warmup_steps=1", "train.weight_decay=0.1", "train.clip_grad=1.0", "logging.progress=false",
-            "data.image_min_pixels=784", "data.image_max_pixels=12544"]
+    return [
+        f"model.path={model_dir}",
+        f"data.files=[{data}]",
+        f"train.steps={STEPS}",
+        "train.micro_batch_size=1",
+        f"train.gradient_accumulation_steps={accumulation}",
+        "train.precision=fp32",
+        "train.lr=1e-3",
+        "train.lr_warmup_steps=1",
+        "train.weight_decay=0.1",
+        "train.clip_grad=1.0",
+        "logging.progress=false",
+        "data.image_min_pixels=784",
+        "data.image_max_pixels=12544",
+    ]
 
 
 def _dp2(rank: int, world: int, base: list[str], root: Path, others: list[list[str]]) -> dict | None:
-    full = train(load_mm_config(None, base + [f"checkpoint.save={root / 'full'}", "checkpoint.interval=2",
-                                              f"checkpoint.save_hf={root / 'hf'}",
-                                              "train.recompute_modules=[model.language_model.layers.*]"]))
+    full = train(
+        load_mm_config(
+            None,
+            base
+            + [
+                f"checkpoint.save={root / 'full'}",
+                "checkpoint.interval=2",
+                f"checkpoint.save_hf={root / 'hf'}",
+                "train.recompute_modules=[model.language_model.layers.*]",
+            ],
+        )
+    )
     if rank == 0:
         shutil.copytree(root / "full" / "step_00000002", root / "resumed" / "step_00000002")
     dist.barrier()
-    resumed = train(load_mm_config(None, base + [f"checkpoint.save={root / 'resumed'}", "checkpoint.save_at_end=false"]))
+    resumed = train(
+        load_mm_config(None, base + [f"checkpoint.save={root / 'resumed'}", "checkpoint.save_at_end=false"])
+    )
     other = [record for overrides in others for record in train(load_mm_config(None, overrides)).records]
-    return ({"full": full.records, "resumed": resumed.records, "start": resumed.start_step, "others": other}
-            if rank == 0 else None)
+    return (
+        {"full": full.records, "resumed": resumed.records, "start": resumed.start_step, "others": other}
+        if rank == 0
+        else None
+    )
 
 
 def _dp1(config):
@@ -54,8 +79,10 @@ def _dp1(config):
 def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tmp_path) -> None:
     model_dir, data = tiny_vlm
     lora = ["lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4"]
-    others = [_overrides(*tiny, 1) + ["train.steps=2"] + extra
-              for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora))]
+    others = [
+        _overrides(*tiny, 1) + ["train.steps=2"] + extra
+        for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora))
+    ]
     dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, others, timeout=300)[0]
     dp1 = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2)),)).records
     for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora)):

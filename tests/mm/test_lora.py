@@ -31,8 +31,18 @@ LORA = LoraConfig(target_modules=["q_proj", "v_proj", "qkv"], parts=["language_m
 
 def _losses(model, encoded) -> list[float]:
     with torch.no_grad():
-        return [float(model(input_ids=s.input_ids[None], labels=s.labels[None], use_cache=False,
-                            mm_token_type_ids=s.mm_token_type_ids[None], **s.vision).loss) for s in encoded]
+        return [
+            float(
+                model(
+                    input_ids=s.input_ids[None],
+                    labels=s.labels[None],
+                    use_cache=False,
+                    mm_token_type_ids=s.mm_token_type_ids[None],
+                    **s.vision,
+                ).loss
+            )
+            for s in encoded
+        ]
 
 
 def _train(config):
@@ -48,8 +58,9 @@ def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) ->
         adapted = apply_lora(load_model(model_dir, family), LoraConfig(target_modules=MINDSPEED_MM_TARGETS), family)
         assert len(adapted) == 14 and all(n.startswith("model.language_model.layers.") for n in adapted), adapted
     family = family_of(tiny_internvl[0])  # its vision tower has q_proj / k_proj / v_proj too: adapted when asked
-    adapted = apply_lora(load_model(tiny_internvl[0], family), LoraConfig(target_modules=["q_proj"], parts=["vision_tower"]),
-                         family)
+    adapted = apply_lora(
+        load_model(tiny_internvl[0], family), LoraConfig(target_modules=["q_proj"], parts=["vision_tower"]), family
+    )
     assert adapted and all(n.startswith("model.vision_tower.") for n in adapted), adapted
 
     model_dir, _ = tiny_vlm
@@ -60,8 +71,11 @@ def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) ->
     linears = dict(model.named_modules())
     expected = sum(4 * (linears[n].base_layer.in_features + linears[n].base_layer.out_features) for n in adapted)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
-    with pytest.raises(ValueError, match=r"no linear .* inside lora.parts=\['language_model'\] has that name; its "
-                                         r"linears are named .*down_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"no linear .* inside lora.parts=\['language_model'\] has that name; its "
+        r"linears are named .*down_proj",
+    ):
         apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"]), family)
     with pytest.raises(ValueError, match="'vision' is not a part"):
         apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"], parts=["vision"]), family)
@@ -88,8 +102,11 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_l
 
     before = load_file(model_dir / "model.safetensors")
     hub = load_model(model_dir, family).state_dict()  # module names; the frozen base weights did not move
-    assert all(torch.equal(value, hub[name.replace(".base_layer.", ".")])
-               for name, value in state.items() if ".lora_" not in name)
+    assert all(
+        torch.equal(value, hub[name.replace(".base_layer.", ".")])
+        for name, value in state.items()
+        if ".lora_" not in name
+    )
 
     recorded = json.loads((run / "ckpt" / "adapter_config.json").read_text())  # for convert: alpha
     assert recorded == json.loads((run / "peft" / "adapter_config.json").read_text()) and recorded["lora_alpha"] == 8
@@ -108,11 +125,32 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_l
 def test_lora_resume_repeats_the_run(tiny_vlm, tiny_lora_run, tmp_path) -> None:
     model_dir, data = tiny_vlm
     shutil.copytree(tiny_lora_run / "ckpt" / "step_00000001", tmp_path / "step_00000001")
-    resumed = launch(_train, (load_mm_config(None, [
-        f"model.path={model_dir}", f"data.files=[{data}]", "train.steps=2", "train.micro_batch_size=4",
-        "train.precision=fp32", "train.lr=0.05", "logging.progress=false", "data.image_max_pixels=12544",
-        "lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4",
-        "lora.alpha=8", f"checkpoint.save={tmp_path}"]),))
+    resumed = launch(
+        _train,
+        (
+            load_mm_config(
+                None,
+                [
+                    f"model.path={model_dir}",
+                    f"data.files=[{data}]",
+                    "train.steps=2",
+                    "train.micro_batch_size=4",
+                    "train.precision=fp32",
+                    "train.lr=0.05",
+                    "logging.progress=false",
+                    "data.image_max_pixels=12544",
+                    "lora.target_modules=[q_proj, v_proj, qkv]",
+                    "lora.parts=[language_model, vision_tower]",
+                    "lora.r=4",
+                    "lora.alpha=8",
+                    f"checkpoint.save={tmp_path}",
+                ],
+            ),
+        ),
+    )
     records = [json.loads(line) for line in (tiny_lora_run / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     assert resumed.start_step == 1 and [r["step"] for r in resumed.records] == [2]
-    assert (resumed.records[0]["loss"], resumed.records[0]["grad_norm"]) == (records[1]["loss"], records[1]["grad_norm"])
+    assert (resumed.records[0]["loss"], resumed.records[0]["grad_norm"]) == (
+        records[1]["loss"],
+        records[1]["grad_norm"],
+    )

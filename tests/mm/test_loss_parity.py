@@ -27,8 +27,9 @@ def _reference(model_dir, data):
     family = family_of(model_dir)
     tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
     model = load_model(model_dir, family, "sdpa")  # transformers' own attention is the reference
-    encoded = [encode_sample(s, tokenizer, processor, family, cutoff_len=1024)
-               for s in read_mllm_files([str(data)])[:SAMPLES]]
+    encoded = [
+        encode_sample(s, tokenizer, processor, family, cutoff_len=1024) for s in read_mllm_files([str(data)])[:SAMPLES]
+    ]
     losses, counts, grads = [], [], []
     for sample in encoded:
         inputs = {"input_ids": sample.input_ids[None], "labels": sample.labels[None], "use_cache": False}
@@ -54,9 +55,18 @@ def _norm(grads):
 
 
 def _first_step(model_dir, data, tmp_path, **train):
-    overrides = [f"model.path={model_dir}", f"data.files=[{data}]", "data.shuffle=false", "train.steps=1",
-                 "train.precision=fp32", "train.clip_grad=0", "logging.progress=false",
-                 "data.image_min_pixels=784", "data.image_max_pixels=12544", f"logging.dir={tmp_path}"]
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.files=[{data}]",
+        "data.shuffle=false",
+        "train.steps=1",
+        "train.precision=fp32",
+        "train.clip_grad=0",
+        "logging.progress=false",
+        "data.image_min_pixels=784",
+        "data.image_max_pixels=12544",
+        f"logging.dir={tmp_path}",
+    ]
     overrides += [f"train.{k}={v}" for k, v in train.items()]
     return launch(train_rank, (load_mm_config(None, overrides),)).records[0]
 
@@ -71,14 +81,20 @@ def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
     per_token = sum(loss * c for loss, c in zip(losses, counts)) / n
     expected = {
         # one microbatch of 4 packed samples: the token mean (= per_token here)
-        ("default", 4, 1): (per_token, [sum(g[i] for g in grads) / n for i in range(len(grads[0]))]),
+        ("default", 4, 1): (per_token, [sum(g[i] for g in grads) / n for i in range(len(grads[0]))])
     }
     if all_reductions:  # two microbatches of 2 samples each
         expected[("per_token", 2, 2)] = (per_token, None)
         expected[("per_sample", 2, 2)] = (sum(losses) / SAMPLES, None)
     for (loss_type, micro, accumulation), (loss, grad) in expected.items():
-        record = _first_step(model_dir, data, tmp_path, loss_type=loss_type, micro_batch_size=micro,
-                             gradient_accumulation_steps=accumulation)
+        record = _first_step(
+            model_dir,
+            data,
+            tmp_path,
+            loss_type=loss_type,
+            micro_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+        )
         assert record["loss"] == pytest.approx(loss, rel=1e-6), (loss_type, micro, accumulation)
         if grad is not None:
             assert record["grad_norm"] == pytest.approx(_norm(grad), rel=1e-4)
@@ -86,6 +102,7 @@ def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
     # The same comparison fails without the multimodal positions or without the sample boundaries.
     batch = pack_samples(encoded, model, family)
     with torch.no_grad():
+
         def packed_loss(position_ids):
             inputs = {**batch.model_inputs(torch.device("cpu")), "position_ids": position_ids}
             losses = token_losses(model(**inputs).logits[0], batch.targets)
@@ -100,8 +117,10 @@ def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
         else:
             one_d = float("nan")
             unbounded = abs(packed_loss(torch.arange(positions.shape[-1])[None]) - per_token)
-        print(f"{family.architecture}: packed loss {per_token:.6f}; error with 1-D positions {one_d:.2e}, "
-              f"without boundaries {unbounded:.2e}")
+        print(
+            f"{family.architecture}: packed loss {per_token:.6f}; error with 1-D positions {one_d:.2e}, "
+            f"without boundaries {unbounded:.2e}"
+        )
         assert unbounded > 1e-4
 
 
@@ -126,10 +145,22 @@ def test_bf16_and_frozen_parts(tiny_vlm, reference, tmp_path) -> None:
     per_token = sum(loss * c for loss, c in zip(losses, counts)) / sum(counts)
     record = _first_step(model_dir, data, tmp_path, micro_batch_size=4, precision="bf16", lr=0.01)
     assert record["loss"] == pytest.approx(per_token, rel=2e-2) and record["loss"] != pytest.approx(per_token, rel=1e-6)
-    config = load_mm_config(None, [f"model.path={model_dir}", f"data.files=[{data}]", "data.shuffle=false",
-                                   "train.steps=1", "train.micro_batch_size=4", "train.lr=0.01", "train.precision=bf16",
-                                   "model.freeze=[vision_tower, projector]", f"checkpoint.save_hf={tmp_path / 'hf'}",
-                                   "logging.progress=false", "data.image_max_pixels=12544"])
+    config = load_mm_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"data.files=[{data}]",
+            "data.shuffle=false",
+            "train.steps=1",
+            "train.micro_batch_size=4",
+            "train.lr=0.01",
+            "train.precision=bf16",
+            "model.freeze=[vision_tower, projector]",
+            f"checkpoint.save_hf={tmp_path / 'hf'}",
+            "logging.progress=false",
+            "data.image_max_pixels=12544",
+        ],
+    )
     launch(train_rank, (config,))
     before, after = load_file(model_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert set(before) == set(after)

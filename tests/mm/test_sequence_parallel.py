@@ -32,11 +32,22 @@ GRADS = ("embed_tokens.weight", "blocks.0.attn.qkv.weight", "layers.1.self_attn.
 
 
 def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str) -> list[str]:
-    return [f"model.path={model_dir}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=3",
-            f"train.gradient_accumulation_steps={sp}", f"parallel.ulysses_parallel_size={sp}",
-            f"train.loss_type={loss_type}", "train.precision=fp32", "train.lr=1e-3", "train.lr_warmup_steps=1",
-            "train.clip_grad=1.0", "logging.progress=false", "data.image_min_pixels=784",
-            "data.image_max_pixels=12544"]
+    return [
+        f"model.path={model_dir}",
+        f"data.files=[{data}]",
+        f"train.steps={steps}",
+        "train.micro_batch_size=3",
+        f"train.gradient_accumulation_steps={sp}",
+        f"parallel.ulysses_parallel_size={sp}",
+        f"train.loss_type={loss_type}",
+        "train.precision=fp32",
+        "train.lr=1e-3",
+        "train.lr_warmup_steps=1",
+        "train.clip_grad=1.0",
+        "logging.progress=false",
+        "data.image_min_pixels=784",
+        "data.image_max_pixels=12544",
+    ]
 
 
 def _step_grads(config) -> dict[str, np.ndarray]:
@@ -51,8 +62,11 @@ def _step_grads(config) -> dict[str, np.ndarray]:
     dist.all_reduce(totals)
     for batch in micro:
         task.loss(batch, totals)[0].backward()
-    return {name: param.grad.full_tensor().numpy() for name, param in task.model.named_parameters()
-            if name.endswith(GRADS) and param.grad is not None}
+    return {
+        name: param.grad.full_tensor().numpy()
+        for name, param in task.model.named_parameters()
+        if name.endswith(GRADS) and param.grad is not None
+    }
 
 
 def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dict:
@@ -104,8 +118,9 @@ def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl) -> None:
     sp_grads, dp_grads = result["grads"]
     assert len(sp_grads) == len(GRADS) and set(sp_grads) == set(dp_grads)
     for name, grad in sp_grads.items():
-        torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6, msg=name
+        )
         assert np.abs(grad).sum() > 0, name
 
 

@@ -28,11 +28,26 @@ _RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 
 def recipe(prefix: str, out: Path, steps: int = STEPS) -> list[str]:
     """The overrides of the tiny run: 1 layer, hidden 16, ``steps`` steps, a checkpoint every 2."""
-    return [f"data.prefixes=[{prefix}]", "data.seq_length=16", "data.split=100,0,0", "model.vocab_size=128",
-            "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=4", "model.num_query_groups=2",
-            f"train.steps={steps}", "train.micro_batch_size=2", "train.lr=3e-3", "eval.interval=null",
-            "eval.at_end=false", f"checkpoint.save={out}", f"checkpoint.interval={INTERVAL}", "logging.progress=false",
-            "logging.tensorboard=false", "logging.loss_curve=false"]
+    return [
+        f"data.prefixes=[{prefix}]",
+        "data.seq_length=16",
+        "data.split=100,0,0",
+        "model.vocab_size=128",
+        "model.num_layers=1",
+        "model.hidden_size=16",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        f"train.steps={steps}",
+        "train.micro_batch_size=2",
+        "train.lr=3e-3",
+        "eval.interval=null",
+        "eval.at_end=false",
+        f"checkpoint.save={out}",
+        f"checkpoint.interval={INTERVAL}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+    ]
 
 
 def command(*overrides: str, nproc: int = 1) -> list[str]:
@@ -43,10 +58,21 @@ def command(*overrides: str, nproc: int = 1) -> list[str]:
 
 def mm_recipe(model: Path, data: Path, out: Path, steps: int = 4) -> list[str]:
     """The overrides of the tiny multimodal run: a tiny Qwen2.5-VL, ``steps`` steps of 2 samples, a checkpoint every 2."""
-    return [f"model.path={model}", f"data.files=[{data}]", f"train.steps={steps}", "train.micro_batch_size=2",
-            "train.precision=fp32", "train.lr=1e-3", "data.image_min_pixels=784", "data.image_max_pixels=12544",
-            f"checkpoint.save={out}", f"checkpoint.interval={INTERVAL}", "logging.progress=false",
-            "logging.tensorboard=false", "logging.loss_curve=false"]
+    return [
+        f"model.path={model}",
+        f"data.files=[{data}]",
+        f"train.steps={steps}",
+        "train.micro_batch_size=2",
+        "train.precision=fp32",
+        "train.lr=1e-3",
+        "data.image_min_pixels=784",
+        "data.image_max_pixels=12544",
+        f"checkpoint.save={out}",
+        f"checkpoint.interval={INTERVAL}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+    ]
 
 
 def mm_command(*overrides: str) -> list[str]:
@@ -78,8 +104,9 @@ def env(fault: str | None = None) -> dict[str, str]:
 
 def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
     """Start a run in a new session (its own process group)."""
-    return subprocess.Popen(args, env=env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args, env=env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300.0) -> Finished:

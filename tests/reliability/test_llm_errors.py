@@ -27,8 +27,9 @@ def _error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
     return line
 
 
-def test_unusable_checkpoints_are_one_line_errors(tmp_path: Path, dataset: str, reference: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
+def test_unusable_checkpoints_are_one_line_errors(
+    tmp_path: Path, dataset: str, reference: Path, capsys: pytest.CaptureFixture
+) -> None:
     fresh = str(tmp_path / "fresh")
     base = harness.recipe(dataset, tmp_path / "unused")
     newest = reference / "iter_0000010"

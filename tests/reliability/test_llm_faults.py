@@ -32,8 +32,16 @@ _SAVED = {"save.renamed", "save.tracker"}
 
 
 #: Steps trained again after each fault of the seed-13 chain (docs/reliability.md's fault table).
-MEASURED = {"train.step_start": 0, "save.start": 2, "save.writer": 2, "save.written": 2, "save.renamed": 0,
-            "SIGTERM": 0, "SIGINT": 0, "SIGINT twice": 1}
+MEASURED = {
+    "train.step_start": 0,
+    "save.start": 2,
+    "save.writer": 2,
+    "save.written": 2,
+    "save.renamed": 0,
+    "SIGTERM": 0,
+    "SIGINT": 0,
+    "SIGINT twice": 1,
+}
 
 
 def fault_chain(seed: int) -> list[str]:
@@ -102,8 +110,9 @@ def _copy(reference: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["tracker_shard_truncated", "directory"])
-def test_damaged_newest_checkpoints_are_skipped_with_one_warning_each(tmp_path: Path, dataset: str, reference: Path,
-                                                                     damage: str) -> None:
+def test_damaged_newest_checkpoints_are_skipped_with_one_warning_each(
+    tmp_path: Path, dataset: str, reference: Path, damage: str
+) -> None:
     out = _copy(reference, tmp_path / "run")
     newest, previous = out / "iter_0000010", out / "iter_0000008"
     if damage == "tracker_shard_truncated":  # the tracker deleted, a shard of 10 deleted, one of 8 truncated
@@ -120,7 +129,9 @@ def test_damaged_newest_checkpoints_are_skipped_with_one_warning_each(tmp_path: 
     assert done.returncode == 0 and done.resumed_step == expected, done.stderr[-3000:]
     warnings = done.lines("is damaged and skipped")
     assert len(warnings) == len(skipped)
-    assert all(str(path) in line and f"resuming from iter_{expected:07d}" in line for path, line in zip(skipped, warnings))
+    assert all(
+        str(path) in line and f"resuming from iter_{expected:07d}" in line for path, line in zip(skipped, warnings)
+    )
     assert intact <= set(list_complete(out))
     full = harness.numerics(reference / "metrics.jsonl")
     assert harness.numerics(out / "metrics.jsonl") == full[expected:]
@@ -133,8 +144,10 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path
     out = tmp_path / "run"
     proc = harness.start(harness.command(*harness.recipe(dataset, out, steps=100000), nproc=2))
     harness.wait_for_step(out, 2, proc)
-    ranks = sorted((p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
-                   key=lambda p: (p.create_time(), p.pid))
+    ranks = sorted(
+        (p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+        key=lambda p: (p.create_time(), p.pid),
+    )
     assert len(ranks) == 2
     ranks[1].send_signal(signal.SIGTERM)  # rank 1 only: rank 0 learns it from the per-step all-reduce
     done = harness.finish(proc)

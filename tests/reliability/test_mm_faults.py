@@ -77,8 +77,9 @@ def _stop_line(stderr: str, cause: str, step: int, steps: int, out: Path) -> Non
     assert f"checkpoint {out / f'step_{step:08d}'}; run the same command to resume" in line, line
 
 
-def test_mm_signals_and_kills_resume_to_the_uninterrupted_run(tmp_path: Path, mm_model: tuple[Path, Path],
-                                                              mm_reference: Path) -> None:
+def test_mm_signals_and_kills_resume_to_the_uninterrupted_run(
+    tmp_path: Path, mm_model: tuple[Path, Path], mm_reference: Path
+) -> None:
     out = tmp_path / "run"
     args = harness.mm_command(*harness.mm_recipe(*mm_model, out))
     lost = {}
@@ -107,9 +108,9 @@ def _copy(reference: Path, out: Path) -> Path:
     return out
 
 
-def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(tmp_path: Path, mm_model: tuple[Path, Path],
-                                                               mm_reference: Path,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(
+    tmp_path: Path, mm_model: tuple[Path, Path], mm_reference: Path, capsys: pytest.CaptureFixture
+) -> None:
     model, data = mm_model
     full = harness.numerics(mm_reference / "metrics.jsonl")
 

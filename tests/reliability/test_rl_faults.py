@@ -55,12 +55,31 @@ def _grpo(root: Path, out: Path, *extra: str, fault: str | None = None) -> tuple
     env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", MINDSPEED_RL_FAULT_TEST=marker.split("=")[1])
     if fault is not None:
         env["MINDSPEED_FAULT"] = fault
-    args = [str(Path(sys.executable).parent / "mindspeed-rl"), "--log-level", "INFO", "grpo",
-            f"actor.model={root}/hf", "actor.lr=2e-3", "actor.micro_batch_size=4", "data.path=demo",
-            "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=8", "rollout.max_prompt_length=64",
-            "train.global_batch=2", "train.steps=3", "algorithm.kl_coef=0.01", f"reward.model={root}/rm",
-            "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false",
-            f"checkpoint.save={out}", "checkpoint.interval=1", "checkpoint.keep_last=1", *extra]
+    args = [
+        str(Path(sys.executable).parent / "mindspeed-rl"),
+        "--log-level",
+        "INFO",
+        "grpo",
+        f"actor.model={root}/hf",
+        "actor.lr=2e-3",
+        "actor.micro_batch_size=4",
+        "data.path=demo",
+        "data.prompt_format=plain",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "rollout.max_prompt_length=64",
+        "train.global_batch=2",
+        "train.steps=3",
+        "algorithm.kl_coef=0.01",
+        f"reward.model={root}/rm",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.reward_curve=false",
+        f"checkpoint.save={out}",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=1",
+        *extra,
+    ]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     # Ray's processes notice the driver's death by polling (2-3 s here; longer on a loaded host).
     deadline = time.monotonic() + 60

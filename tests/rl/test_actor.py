@@ -84,8 +84,10 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     engine.load_weights(actor.hf_state())
     out["engine1"], out["actor1"] = engine.forward_logits(probe).cpu(), actor.forward_logits(probe)
     # Plain arrays: tensors would travel through shared memory that dies with the rank.
-    return {k: ([t.numpy() for t in v] if isinstance(v, list) else v.numpy() if torch.is_tensor(v) else v)
-            for k, v in out.items()}
+    return {
+        k: ([t.numpy() for t in v] if isinstance(v, list) else v.numpy() if torch.is_tensor(v) else v)
+        for k, v in out.items()
+    }
 
 
 def _check_entropy(root: Path, got: dict[str, Any]) -> None:
@@ -100,7 +102,7 @@ def _check_entropy(root: Path, got: dict[str, Any]) -> None:
     hf_entropy = torch.zeros(len(PAIRS), width)
     with torch.no_grad():
         for i, (prompt, response) in enumerate(PAIRS):
-            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1 : -1]
             p = torch.softmax(rows, -1)
             hf_entropy[i, : len(response)] = -(p * torch.log_softmax(rows, -1)).sum(-1)
     want = float((hf_entropy * mask).sum() / mask.sum())
@@ -112,12 +114,17 @@ def _check_entropy(root: Path, got: dict[str, Any]) -> None:
         model.zero_grad()
         rows, logp = [], []
         for prompt, response in PAIRS:
-            out = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            out = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1 : -1]
             lp = torch.log_softmax(out, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
             logp.append(torch.nn.functional.pad(lp, (0, width - len(response))))
             rows.append(torch.nn.functional.pad(out, (0, 0, 0, width - len(response))))
-        inputs = PolicyLossInputs(logp=torch.stack(logp), old_logp=torch.from_numpy(got["old"]),
-                                  advantages=torch.tensor(ADV), mask=mask, logits=torch.stack(rows))
+        inputs = PolicyLossInputs(
+            logp=torch.stack(logp),
+            old_logp=torch.from_numpy(got["old"]),
+            advantages=torch.tensor(ADV),
+            mask=mask,
+            logits=torch.stack(rows),
+        )
         loss = compute_policy_loss("dapo", inputs, policy_loss_config("dapo", entropy_coef=coef)).loss
         loss.backward()
         norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
@@ -134,8 +141,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_tiny_checkpoint("llama2", root / "other", seed=3)
     save_tiny_checkpoint("qwen25", root / "qwen", seed=1)
     out = run_distributed(_group, 1, str(root), timeout=300)[0]
-    out = {k: ([torch.from_numpy(a) for a in v] if isinstance(v, list) else
-               torch.from_numpy(v) if not isinstance(v, dict) else v) for k, v in out.items()}
+    out = {
+        k: (
+            [torch.from_numpy(a) for a in v]
+            if isinstance(v, list)
+            else torch.from_numpy(v)
+            if not isinstance(v, dict)
+            else v
+        )
+        for k, v in out.items()
+    }
     out["root"] = root
     return out
 
@@ -148,7 +163,7 @@ def test_logprobs_match_transformers(run: dict[str, Any]) -> None:
         ids = torch.tensor([[*prompt, *response]])
         with torch.no_grad():
             logits = model(ids).logits[0].float()
-        ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(response)[:, None])[:, 0]
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None])[:, 0]
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
@@ -178,7 +193,7 @@ def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     engine = InferenceEngine.from_pretrained(f"{root}/other")
     engine.load_weights(actor.hf_state())
     scores = engine.score([[*p, *r] for p, r in PAIRS])
-    out["engine"] = [s[len(p) - 1:].numpy() for s, (p, _) in zip(scores, PAIRS)]
+    out["engine"] = [s[len(p) - 1 :].numpy() for s, (p, _) in zip(scores, PAIRS)]
     out["actor"] = [t.numpy() for t in actor.compute_logprobs(PAIRS)]
     out["old"] = [old[i, : len(r)].numpy() for i, (_, r) in enumerate(PAIRS)]
     # Qwen2.5's 131 rows are padded to 132 at TP2: the padding column must not count.
@@ -229,10 +244,11 @@ def test_tp2_padded_vocabulary(run: dict[str, Any], run2: list[dict[str, Any]]) 
     out, entropies = run2[0]["tp2"], []
     for (prompt, response), got in zip(PAIRS, out["qwen_logp"]):
         with torch.no_grad():
-            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1:-1]
+            rows = model(torch.tensor([[*prompt, *response]])).logits[0, len(prompt) - 1 : -1]
         lsm = torch.log_softmax(rows, -1)
-        torch.testing.assert_close(torch.from_numpy(got), lsm.gather(1, torch.tensor(response)[:, None])[:, 0],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.from_numpy(got), lsm.gather(1, torch.tensor(response)[:, None])[:, 0], atol=1e-5, rtol=0
+        )
         entropies.append(-(lsm.exp() * lsm).sum(-1))
     assert math.isclose(out["qwen_entropy"], float(torch.cat(entropies).mean()), abs_tol=1e-5)
 

@@ -30,13 +30,19 @@ def _update(actor: Any) -> dict[str, Any]:
 
     with count_kernel_calls() as calls:
         metrics = actor.update(PAIRS, None, ADV)
-    groups = [g for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-              for g in o.optimizer.param_groups]
+    groups = [
+        g for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]) for g in o.optimizer.param_groups
+    ]
     report = actor.features
-    return {"on": report.enabled, "kernels": dict(report.kernel_impls), "calls": dict(calls),
-            "fused_adam": {bool(g.get("fused")) for g in groups}, "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"], "linears": sum(1 for m in actor.chunks[0].modules()
-                                                               if type(m).__name__.endswith("ParallelLinear"))}
+    return {
+        "on": report.enabled,
+        "kernels": dict(report.kernel_impls),
+        "calls": dict(calls),
+        "fused_adam": {bool(g.get("fused")) for g in groups},
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "linears": sum(1 for m in actor.chunks[0].modules() if type(m).__name__.endswith("ParallelLinear")),
+    }
 
 
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:

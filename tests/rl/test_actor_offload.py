@@ -54,8 +54,16 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.actor import Actor, ActorSettings
 
     # A warmup + cosine schedule (megatron's scheduler inside the actor, one position per update).
-    settings = ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.5, loss="dapo", lr_warmup_steps=2,
-                             lr_decay_style="cosine", lr_decay_steps=STEPS + 1, min_lr=1e-3)
+    settings = ActorSettings.adamw(
+        lr=1e-2,
+        micro_batch_size=2,
+        clip_grad=0.5,
+        loss="dapo",
+        lr_warmup_steps=2,
+        lr_decay_style="cosine",
+        lr_decay_steps=STEPS + 1,
+        min_lr=1e-3,
+    )
     plain, offl = Actor(f"{root}/hf", settings), Actor(f"{root}/hf", settings)
     out: dict[str, Any] = {"plain": [], "offl": [], "checks": []}
     for step in range(STEPS):
@@ -68,12 +76,18 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         offl.offload(optimizer=True, grad=True, weights=weights)
         moved_again = offl.offload(optimizer=True, grad=True, weights=weights)  # idempotent
         mem = offl.memory()
-        check = {"step": step, "again": sum(moved_again.values()), "mem": mem, "state_bytes": state_bytes,
-                 "grad_bytes": grad_bytes, "n_state": len(_optimizer_state(offl)),
-                 "state_sizes": [t.untyped_storage().nbytes() for t in _optimizer_state(offl) if t.dim() > 0],
-                 "grad_sizes": [t.untyped_storage().nbytes() for t in _grad_tensors(offl)],
-                 "weight_sizes": [p.untyped_storage().nbytes() for c in offl.chunks for p in c.parameters()],
-                 "weight_bytes": weight_bytes}
+        check = {
+            "step": step,
+            "again": sum(moved_again.values()),
+            "mem": mem,
+            "state_bytes": state_bytes,
+            "grad_bytes": grad_bytes,
+            "n_state": len(_optimizer_state(offl)),
+            "state_sizes": [t.untyped_storage().nbytes() for t in _optimizer_state(offl) if t.dim() > 0],
+            "grad_sizes": [t.untyped_storage().nbytes() for t in _grad_tensors(offl)],
+            "weight_sizes": [p.untyped_storage().nbytes() for c in offl.chunks for p in c.parameters()],
+            "weight_bytes": weight_bytes,
+        }
         old_offl = _pad(offl.compute_logprobs(PAIRS))  # onloads the weights only
         check["after_logp_state_sizes"] = [t.untyped_storage().nbytes() for t in _optimizer_state(offl) if t.dim() > 0]
         check["after_logp_offloaded"] = offl.memory()["offloaded_bytes"]
@@ -94,9 +108,13 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     before = ref.compute_logprobs(PAIRS)
     nothing = ref.offload()  # a frozen actor has no optimizer state or gradients
     moved = ref.offload(optimizer=False, grad=False, weights=True)
-    out["ref"] = {"nothing": sum(nothing.values()), "moved": moved["weights"], "mem": ref.memory(),
-                  "sizes": [p.untyped_storage().nbytes() for c in ref.chunks for p in c.parameters()],
-                  "param_bytes": sum(p.numel() * p.element_size() for c in ref.chunks for p in c.parameters())}
+    out["ref"] = {
+        "nothing": sum(nothing.values()),
+        "moved": moved["weights"],
+        "mem": ref.memory(),
+        "sizes": [p.untyped_storage().nbytes() for c in ref.chunks for p in c.parameters()],
+        "param_bytes": sum(p.numel() * p.element_size() for c in ref.chunks for p in c.parameters()),
+    }
     after = ref.compute_logprobs(PAIRS)
     out["ref"]["equal"] = all(torch.equal(a, b) for a, b in zip(before, after))
     return out

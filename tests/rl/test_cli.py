@@ -26,13 +26,16 @@ def test_unknown_command_fails_cleanly() -> None:
     assert "invalid choice" in out.stderr
 
 
-@pytest.mark.parametrize("args, names", [
-    (["actor.model=/no/such/dir"], "actor.model"),
-    (["actor.modle=x"], "actor.modle"),
-    (["rollout.n=1", "actor.model=."], "rollout.n"),
-    (["buffer.mode=async", "actor.model=."], "buffer.mode"),
-    (["actor.lr=-1e-6", "actor.model=."], "actor.lr=-1e-06 must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["actor.model=/no/such/dir"], "actor.model"),
+        (["actor.modle=x"], "actor.modle"),
+        (["rollout.n=1", "actor.model=."], "rollout.n"),
+        (["buffer.mode=async", "actor.model=."], "buffer.mode"),
+        (["actor.lr=-1e-6", "actor.model=."], "actor.lr=-1e-06 must be positive"),
+    ],
+)
 def test_grpo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path, args: list[str], names: str) -> None:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
 

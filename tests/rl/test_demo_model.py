@@ -39,14 +39,17 @@ def test_tokenizer_splits_digits_and_round_trips() -> None:
     assert [p for p in pieces if any(c.isdigit() for c in p)] == list("120738")  # one token per digit
     assert tokenizer.decode(ids) == text
     odd = "a  b\n\t7 #### 5 ~"  # any printable text survives (the tab is unknown, as it should be)
-    assert tokenizer.decode(tokenizer(odd, add_special_tokens=False)["input_ids"], skip_special_tokens=True) \
-        == odd.replace("\t", "")
+    assert tokenizer.decode(
+        tokenizer(odd, add_special_tokens=False)["input_ids"], skip_special_tokens=True
+    ) == odd.replace("\t", "")
     answer = answer_text("3 + 4 = 7\n#### 7")
     assert answer == " #### 7"
     # The plain prompt (with BOS) and the chat template give the same ids.
     plain = tokenizer(PROMPT_TEMPLATE.replace("{prompt}", text))["input_ids"]
     assert plain[0] == tokenizer.bos_token_id
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     assert tokenizer(chat, add_special_tokens=False)["input_ids"] == plain
     full = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     assert full[-1] == tokenizer.eos_token_id

@@ -29,12 +29,19 @@ import torch
 
 from mindspeed.testing.distributed import run_distributed
 
-PAIRS = [([1, 5, 9], [20, 21, 7, 8]), ([3, 4], [30, 31]), ([8, 9, 10, 11], [40, 41, 42, 43, 44]),
-         ([12], [13, 14, 15]), ([16, 17], [18])]
+PAIRS = [
+    ([1, 5, 9], [20, 21, 7, 8]),
+    ([3, 4], [30, 31]),
+    ([8, 9, 10, 11], [40, 41, 42, 43, 44]),
+    ([12], [13, 14, 15]),
+    ([16, 17], [18]),
+]
 ADV = [1.0, -0.5, 0.7, -1.2, 0.3]
-MODES = {"token": dict(loss_agg_mode="token-mean", kl_coef=0.0),
-         "seq": dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3"),
-         "tis": dict(loss_agg_mode="token-mean", kl_coef=0.0, tis_cap=1.2, clip_ratio_c=3.0)}
+MODES = {
+    "token": dict(loss_agg_mode="token-mean", kl_coef=0.0),
+    "seq": dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3"),
+    "tis": dict(loss_agg_mode="token-mean", kl_coef=0.0, tis_cap=1.2, clip_ratio_c=3.0),
+}
 
 
 def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -63,13 +70,34 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         rollout = (old + 0.3 * torch.randn(now.shape, generator=gen)) * mask
         weights = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
         metrics = actor.update(PAIRS, old, torch.tensor(ADV), ref, rollout)
-        out[name] = {"now": now.numpy(), "old": old.numpy(), "ref": ref.numpy(), "rollout": rollout.numpy(), "mask": mask.numpy(), "metrics": metrics,
-                     "weights": weights}
-    config = load_grpo_config(None, [
-        f"actor.model={root}/hf", "actor.lr=1e-3", "actor.micro_batch_size=4", "data.path=demo",
-        "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=6", "rollout.max_prompt_length=64",
-        "train.global_batch=2", "train.steps=2", "algorithm.kl_coef=0.01", "algorithm.overlong_buffer=2", "logging.progress=false",
-        f"logging.dir={root}/logs"])
+        out[name] = {
+            "now": now.numpy(),
+            "old": old.numpy(),
+            "ref": ref.numpy(),
+            "rollout": rollout.numpy(),
+            "mask": mask.numpy(),
+            "metrics": metrics,
+            "weights": weights,
+        }
+    config = load_grpo_config(
+        None,
+        [
+            f"actor.model={root}/hf",
+            "actor.lr=1e-3",
+            "actor.micro_batch_size=4",
+            "data.path=demo",
+            "data.prompt_format=plain",
+            "rollout.n=4",
+            "rollout.max_new_tokens=6",
+            "rollout.max_prompt_length=64",
+            "train.global_batch=2",
+            "train.steps=2",
+            "algorithm.kl_coef=0.01",
+            "algorithm.overlong_buffer=2",
+            "logging.progress=false",
+            f"logging.dir={root}/logs",
+        ],
+    )
     out["e2e"] = train_grpo(config)
     return out
 
@@ -91,8 +119,14 @@ def test_update_loss_equals_direct_computation(run: dict[str, Any], mode: str) -
 
     got = run[mode]
     t = {k: torch.from_numpy(got[k]) for k in ("now", "old", "ref", "rollout", "mask")}
-    inputs = PolicyLossInputs(logp=t["now"], old_logp=t["old"], advantages=torch.tensor(ADV), mask=t["mask"],
-                              ref_logp=t["ref"], rollout_logp=t["rollout"])
+    inputs = PolicyLossInputs(
+        logp=t["now"],
+        old_logp=t["old"],
+        advantages=torch.tensor(ADV),
+        mask=t["mask"],
+        ref_logp=t["ref"],
+        rollout_logp=t["rollout"],
+    )
     want = compute_policy_loss("ppo_clip", inputs, policy_loss_config("ppo_clip", **MODES[mode]))
     metrics = got["metrics"]
     assert want.metrics["pg_clipfrac"] > 0  # the clip is exercised
@@ -119,11 +153,17 @@ def test_update_gradient_equals_autograd(run: dict[str, Any], mode: str) -> None
     rows = []
     for prompt, response in PAIRS:
         logits = model(torch.tensor([[*prompt, *response]])).logits[0]
-        logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(response)[:, None])[:, 0]
+        logp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None])[:, 0]
         rows.append(torch.nn.functional.pad(logp, (0, width - len(response))))
     t = {k: torch.from_numpy(got[k]) for k in ("old", "ref", "rollout", "mask")}
-    inputs = PolicyLossInputs(logp=torch.stack(rows), old_logp=t["old"], advantages=torch.tensor(ADV), mask=t["mask"],
-                              ref_logp=t["ref"], rollout_logp=t["rollout"])
+    inputs = PolicyLossInputs(
+        logp=torch.stack(rows),
+        old_logp=t["old"],
+        advantages=torch.tensor(ADV),
+        mask=t["mask"],
+        ref_logp=t["ref"],
+        rollout_logp=t["rollout"],
+    )
     loss = compute_policy_loss("ppo_clip", inputs, policy_loss_config("ppo_clip", **MODES[mode])).loss
     loss.backward()
     norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
@@ -134,8 +174,21 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
     records = run["e2e"]
     assert len(records) == 2
     for record in records:
-        for key in ("reward/overlong", "reward_mean", "reward_std", "response_length", "loss", "kl_loss", "pg_clipfrac", "rollout_tps",
-                    "update_tps", "e2e_tps", "time/rollout", "time/update", "time/weight_sync"):
+        for key in (
+            "reward/overlong",
+            "reward_mean",
+            "reward_std",
+            "response_length",
+            "loss",
+            "kl_loss",
+            "pg_clipfrac",
+            "rollout_tps",
+            "update_tps",
+            "e2e_tps",
+            "time/rollout",
+            "time/update",
+            "time/weight_sync",
+        ):
             assert math.isfinite(record[key]), (key, record)
         # The engine sampled with the actor's weights (synced after step 1): same log-probs.
         assert record["rollout_logp_diff"] < 1e-4, record
@@ -169,12 +222,27 @@ def test_dynamic_sampling_keeps_only_informative_groups() -> None:
     from mindspeed_rl.rewards import WeightedReward
     from mindspeed_rl.trainer import GRPOContext, collect_rollout
 
-    config = load_grpo_config(None, ["rollout.n=2", "train.global_batch=3", "algorithm.dynamic_sampling=true",
-                                     "algorithm.dynamic_sampling_max_rounds=20"])
+    config = load_grpo_config(
+        None,
+        [
+            "rollout.n=2",
+            "train.global_batch=3",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.dynamic_sampling_max_rounds=20",
+        ],
+    )
     records = [PromptRecord(f"question {i}" + "x" * i, str(i), i) for i in range(12)]
     reward = WeightedReward({"zero": lambda prompt, response, ref: float(response.startswith("0"))})
-    ctx = GRPOContext(config, None, _Engine(), _Tokenizer(), reward, records, PromptSampler(12, 3, seed=0),  # type: ignore[arg-type]
-                      PromptFormat(style="plain"))
+    ctx = GRPOContext(
+        config,
+        None,
+        _Engine(),
+        _Tokenizer(),
+        reward,
+        records,
+        PromptSampler(12, 3, seed=0),  # type: ignore[arg-type]
+        PromptFormat(style="plain"),
+    )
     batch = collect_rollout(ctx)
     assert len(batch.pairs) == 6 and batch.rewards.shape == (6,)
     groups = batch.rewards.view(3, 2)

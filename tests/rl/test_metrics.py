@@ -23,10 +23,22 @@ from mindspeed_rl.metrics import (
 
 def make_record(step: int, scale: float = 1.0) -> dict[str, float]:
     """A grpo_step-shaped record whose values depend on the step (and ``scale``, to tell runs apart)."""
-    return {"step": float(step), "reward_mean": 0.1 * step * scale, "reward_std": 0.05 * step, "reward/math": 0.2 * step,
-            "response_length": 10.0 + step, "response_length_max": 20.0 + step, "loss": -0.01 * step * scale,
-            "kl_loss": 0.001 * step, "pg_clipfrac": 0.02, "time/rollout": 1.5, "time/step": 2.0 + step,
-            "e2e_tps": 400.0 * step, "rollout_tps": 800.0, "update_tps": 600.0}
+    return {
+        "step": float(step),
+        "reward_mean": 0.1 * step * scale,
+        "reward_std": 0.05 * step,
+        "reward/math": 0.2 * step,
+        "response_length": 10.0 + step,
+        "response_length_max": 20.0 + step,
+        "loss": -0.01 * step * scale,
+        "kl_loss": 0.001 * step,
+        "pg_clipfrac": 0.02,
+        "time/rollout": 1.5,
+        "time/step": 2.0 + step,
+        "e2e_tps": 400.0 * step,
+        "rollout_tps": 800.0,
+        "update_tps": 600.0,
+    }
 
 
 def read_board(directory: Path) -> dict[str, dict[int, float]]:
@@ -100,8 +112,10 @@ def test_reward_curve_needs_rewards(tmp_path) -> None:
 def test_format_step_line() -> None:
     record = {**make_record(3), "entropy": 1.2345, "staleness_mean": 0.5}
     line = format_step(record, 10)
-    assert line == ("step 3/10 | reward 0.300+-0.150 | len 13.0 | loss -0.03 | kl 0.003 | ent 1.234 | clip 0.020 | "
-                    "stale 0.50 | 1200 tok/s | 5.00 s")
+    assert line == (
+        "step 3/10 | reward 0.300+-0.150 | len 13.0 | loss -0.03 | kl 0.003 | ent 1.234 | clip 0.020 | "
+        "stale 0.50 | 1200 tok/s | 5.00 s"
+    )
     sparse = format_step({"step": 2, "reward_mean": 1.0, "loss": float("nan")}, 0)
     assert sparse == "step 2 | reward 1.000"
 
@@ -110,8 +124,9 @@ def test_per_device_divides_the_token_rates() -> None:
     record = make_record(2)
     out = per_device(record, 4)
     assert (out["e2e_tps"], out["rollout_tps"], out["update_tps"]) == (200.0, 200.0, 150.0)
-    assert {k: v for k, v in out.items() if not k.endswith("_tps")} == \
-        {k: v for k, v in record.items() if not k.endswith("_tps")}
+    assert {k: v for k, v in out.items() if not k.endswith("_tps")} == {
+        k: v for k, v in record.items() if not k.endswith("_tps")
+    }
     assert record["e2e_tps"] == 800.0  # the input is not changed
     assert per_device({"step": 1.0}, 2) == {"step": 1.0}
     for bad in (0, -1, 1.5):

@@ -35,9 +35,12 @@ def _run(rank: int, world_size: int, root: str, cache: str) -> dict[str, Any]:
     held_out = load_prompts(config.data.eval_path)
 
     def measure() -> dict[str, float]:
-        return {"greedy": evaluate_accuracy(ctx.engine, ctx.tokenizer, held_out),
-                "sampled": evaluate_accuracy(ctx.engine, ctx.tokenizer, held_out, temperature=config.rollout.temperature,
-                                             n=8, seed=7)}
+        return {
+            "greedy": evaluate_accuracy(ctx.engine, ctx.tokenizer, held_out),
+            "sampled": evaluate_accuracy(
+                ctx.engine, ctx.tokenizer, held_out, temperature=config.rollout.temperature, n=8, seed=7
+            ),
+        }
 
     before = measure()
     history = [grpo_step(ctx) for _ in range(config.train.steps)]

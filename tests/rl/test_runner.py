@@ -38,10 +38,22 @@ KEYS = ("reward_mean", "reward_std", "reward/model", "response_length", "loss", 
 
 
 def _recipe(root: Path, *extra: str) -> list[str]:
-    return [f"actor.model={root}/hf", "actor.lr=2e-3", "actor.micro_batch_size=4", "data.path=demo",
-            "data.prompt_format=plain", "rollout.n=4", "rollout.max_new_tokens=8", "rollout.max_prompt_length=64",
-            "train.global_batch=2", f"train.steps={STEPS}", "algorithm.kl_coef=0.01", f"reward.model={root}/rm",
-            "logging.progress=false", *extra]
+    return [
+        f"actor.model={root}/hf",
+        "actor.lr=2e-3",
+        "actor.micro_batch_size=4",
+        "data.path=demo",
+        "data.prompt_format=plain",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "rollout.max_prompt_length=64",
+        "train.global_batch=2",
+        f"train.steps={STEPS}",
+        "algorithm.kl_coef=0.01",
+        f"reward.model={root}/rm",
+        "logging.progress=false",
+        *extra,
+    ]
 
 
 def _reference(rank: int, world_size: int, overrides: list[str]) -> list[dict[str, float]]:
@@ -71,9 +83,17 @@ def _save_reward_model(path: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent / "hf")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -113,11 +133,13 @@ def _run(overrides: list[str], kill_after: int | None = None) -> tuple[list[dict
         runner.shutdown()
 
 
-def test_separated_with_killed_rollout_worker_and_resume(ray_session: Any, root: Path,
-                                                         reference: list[dict[str, float]]) -> None:
+def test_separated_with_killed_rollout_worker_and_resume(
+    ray_session: Any, root: Path, reference: list[dict[str, float]]
+) -> None:
     save = root / "ckpt"
-    overrides = _recipe(root, "rollout.colocate=false", "rollout.num_devices=1", f"checkpoint.save={save}",
-                        "checkpoint.interval=2")
+    overrides = _recipe(
+        root, "rollout.colocate=false", "rollout.num_devices=1", f"checkpoint.save={save}", "checkpoint.interval=2"
+    )
     records, runner = _run(overrides, kill_after=1)
     assert runner.rollout.recoveries >= 1  # the killed worker was restarted and refilled
     assert [r["step"] for r in records] == [1.0, 2.0, 3.0]
@@ -140,11 +162,19 @@ def test_colocated_tp2_actor_tp1_engine(ray_session: Any, root: Path, reference:
         assert got["memory/actor_offloaded_gib"] > 0 and got["memory/rollout_host_rss_gib"] > 0
 
 
-def test_async_dp2_runs_ahead_within_the_bound(ray_session: Any, root: Path,
-                                               reference: list[dict[str, float]]) -> None:
-    records, _ = _run(_recipe(root, "actor.dp=2", "actor.micro_batch_size=2", "rollout.colocate=false",
-                              "rollout.num_devices=1", "buffer.mode=async", "buffer.max_staleness=1",
-                              "train.steps=4"))
+def test_async_dp2_runs_ahead_within_the_bound(ray_session: Any, root: Path, reference: list[dict[str, float]]) -> None:
+    records, _ = _run(
+        _recipe(
+            root,
+            "actor.dp=2",
+            "actor.micro_batch_size=2",
+            "rollout.colocate=false",
+            "rollout.num_devices=1",
+            "buffer.mode=async",
+            "buffer.max_staleness=1",
+            "train.steps=4",
+        )
+    )
     assert [r["staleness_max"] for r in records][0] == 0.0
     assert all(r["staleness_max"] <= 1 for r in records)
     assert sum(r["staleness_mean"] for r in records[1:]) > 0  # it did run ahead
@@ -152,8 +182,9 @@ def test_async_dp2_runs_ahead_within_the_bound(ray_session: Any, root: Path,
     _close(records[0], reference[0], 1e-4)
 
 
-def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                    demo_policy_cache: Path) -> None:
+def test_cli_runs_the_readme_recipe(
+    ray_session: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_policy_cache: Path
+) -> None:
     """``mindspeed-rl grpo --config examples/rl/grpo_tiny_cpu.yaml`` (the README's RL example), 2 steps.
 
     From a fresh working directory: ``actor.model: demo`` finds the demo policy in
@@ -175,15 +206,30 @@ def test_cli_runs_the_readme_recipe(ray_session: Any, tmp_path: Path, monkeypatc
 
     shutil.copytree(demo_policy_cache, tmp_path / "runs" / "rl-demo-model")
     monkeypatch.chdir(tmp_path)
-    assert main(["grpo", "--config", str(recipe), "train.steps=2", "train.eval_interval=2",
-                 "checkpoint.save_hf=runs/policy"]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--config",
+                str(recipe),
+                "train.steps=2",
+                "train.eval_interval=2",
+                "checkpoint.save_hf=runs/policy",
+            ]
+        )
+        == 0
+    )
     logs = tmp_path / "runs" / "grpo-tiny-cpu"
     lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and all(0 <= r["reward_mean"] <= 1 for r in lines)
     assert (logs / "reward.png").stat().st_size > 0 and any((logs / "tensorboard").iterdir())
     assert (logs / "report.txt").stat().st_size > 0  # the driver's full log
-    start = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "rl-demo-model" / next(
-        p.name for p in (tmp_path / "runs" / "rl-demo-model").iterdir() if (p / "config.json").is_file()))
+    start = AutoModelForCausalLM.from_pretrained(
+        tmp_path
+        / "runs"
+        / "rl-demo-model"
+        / next(p.name for p in (tmp_path / "runs" / "rl-demo-model").iterdir() if (p / "config.json").is_file())
+    )
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "policy")
     moved = [name for name, p in trained.state_dict().items() if not torch.equal(p, start.state_dict()[name])]
     assert moved and set(trained.state_dict()) == set(start.state_dict())

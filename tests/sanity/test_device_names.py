@@ -30,8 +30,11 @@ DEVICE_METHODS = {"cuda", "npu"}  # x.cuda(), x.npu()
 def violations_in(source: str) -> list[tuple[int, str]]:
     """(line, token) pairs of device names used in code."""
     found: list[tuple[int, str]] = []
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    tokens = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    ]
     for i, tok in enumerate(tokens):
         if tok.type == tokenize.STRING:
             try:

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 PROBE = textwrap.dedent(
-    r'''
+    r"""
     import importlib, json, logging, os, pkgutil, sys, warnings
     import torch, torch.nn.functional, torch.distributed
     # torch's own lazy initialisation, not ours: importing torch._dynamo (which megatron-core and
@@ -83,7 +83,7 @@ PROBE = textwrap.dedent(
         "state_before": {k: v for k, v in before.items() if k != "env"},
         "state_after": {k: v for k, v in after.items() if k != "env"},
     }))
-    '''
+    """
 )
 
 
@@ -91,7 +91,9 @@ def test_imports_change_no_global_state() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"mindspeed", "mindspeed.ops", "mindspeed.device", "mindspeed_llm", "mindspeed_rl"} <= set(report["imported"])
+    assert {"mindspeed", "mindspeed.ops", "mindspeed.device", "mindspeed_llm", "mindspeed_rl"} <= set(
+        report["imported"]
+    )
     assert report["changed"] == [], f"torch attributes replaced on import: {report['changed']}"
     assert report["added"] == [], f"attributes added to torch classes on import: {report['added']}"
     assert report["env_diff"] == [], f"environment changed on import: {report['env_diff']}"
@@ -101,7 +103,9 @@ def test_imports_change_no_global_state() -> None:
 
 def test_probe_detects_a_patch() -> None:
     # The probe must be able to fail: a module that patches torch at import is caught.
-    probe = PROBE.replace('for top in ("mindspeed", "mindspeed_llm", "mindspeed_mm", "mindspeed_rl"):', "for top in ():")
+    probe = PROBE.replace(
+        'for top in ("mindspeed", "mindspeed_llm", "mindspeed_mm", "mindspeed_rl"):', "for top in ():"
+    )
     probe = probe.replace(
         "before_attrs, before = snapshot(), state()",
         "before_attrs, before = snapshot(), state()\ntorch.Tensor.cuda = lambda self: self\nos.environ['X_PROBE'] = '1'\nlen(sys.argv)",

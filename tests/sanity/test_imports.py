@@ -38,7 +38,8 @@ def module_files() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -130,8 +131,12 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def _describe(component: list[str], graph: dict[str, dict[str, int]], modules: dict[str, Path]) -> str:
     members = set(component)
-    edges = [f"  {a} -> {b} ({modules[a].relative_to(ROOT)}:{line})"
-             for a in component for b, line in sorted(graph[a].items()) if b in members]
+    edges = [
+        f"  {a} -> {b} ({modules[a].relative_to(ROOT)}:{line})"
+        for a in component
+        for b, line in sorted(graph[a].items())
+        if b in members
+    ]
     return "\n".join([" <-> ".join(component), *edges])
 
 
@@ -140,16 +145,22 @@ def test_no_import_cycles() -> None:
     assert len(graph) > 150, "the graph must cover the packages"
     found = cycles(graph)
     assert not found, "import cycles (break them: move the shared part down, or pass it as a value):\n" + "\n".join(
-        _describe(c, graph, modules) for c in found)
+        _describe(c, graph, modules) for c in found
+    )
 
 
 def test_imports_follow_the_layers() -> None:
     graph, modules = import_graph()
-    wrong = [f"{modules[a].relative_to(ROOT)}:{line} imports {b}"
-             for a, targets in sorted(graph.items()) for b, line in sorted(targets.items())
-             if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in ALLOWED[a.split(".")[0]]]
-    assert not wrong, "imports against the layering (core -> nothing of ours; llm -> core; mm -> core, llm; " \
-                      "rl -> core, llm, mm):\n" + "\n".join(wrong)
+    wrong = [
+        f"{modules[a].relative_to(ROOT)}:{line} imports {b}"
+        for a, targets in sorted(graph.items())
+        for b, line in sorted(targets.items())
+        if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in ALLOWED[a.split(".")[0]]
+    ]
+    assert not wrong, (
+        "imports against the layering (core -> nothing of ours; llm -> core; mm -> core, llm; "
+        "rl -> core, llm, mm):\n" + "\n".join(wrong)
+    )
 
 
 def test_the_checker_sees_cycles_and_relative_imports(tmp_path) -> None:

@@ -35,24 +35,34 @@ def memory_status() -> dict[str, float]:
     return {"rss_mb": values["VmRSS"], "peak_rss_mb": values["VmHWM"]}
 
 
-def run_child(script: str, kind: str, spec: Mapping[str, Any], log: Path,
-              env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def run_child(
+    script: str, kind: str, spec: Mapping[str, Any], log: Path, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """Run ``script --child kind`` on ``spec`` in a fresh interpreter (stderr in ``log``); its result.
 
     ``spec["threads"]`` sets the child's OpenMP / MKL threads; ``env`` adds variables. The spec is
     passed as a JSON file next to the log (command lines have a length limit).
     """
-    full_env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
-                **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(spec["threads"]),
+        "MKL_NUM_THREADS": str(spec["threads"]),
+        **(env or {}),
+    }
     spec_file = log.with_suffix(".json")
     spec_file.write_text(json.dumps(spec))
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, script, "--child", kind, "--child-spec", str(spec_file)],
-                              stdout=subprocess.PIPE, stderr=out, text=True, env=full_env)
+        proc = subprocess.run(
+            [sys.executable, script, "--child", kind, "--child-spec", str(spec_file)],
+            stdout=subprocess.PIPE,
+            stderr=out,
+            text=True,
+            env=full_env,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(lines[-1][len(MARK):])
+    return json.loads(lines[-1][len(MARK) :])
 
 
 def child_main(children: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]], kind: str, spec_file: str) -> int:

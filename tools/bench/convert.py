@@ -38,8 +38,10 @@ from pathlib import Path
 
 MB = 1e6
 #: Done before the timer starts in every step (transformers' config modules load lazily: seconds).
-IMPORTS = ("import sys, time, json; import torch, safetensors.torch; from transformers import AutoConfig, LlamaConfig; "
-           "import mindspeed_llm.cli\n")
+IMPORTS = (
+    "import sys, time, json; import torch, safetensors.torch; from transformers import AutoConfig, LlamaConfig; "
+    "import mindspeed_llm.cli\n"
+)
 
 
 def generate(path: Path, layers: int, shard_bytes: int) -> int:
@@ -49,18 +51,34 @@ def generate(path: Path, layers: int, shard_bytes: int) -> int:
     from transformers import LlamaConfig
 
     hidden, heads, groups, ffn, vocab = 2048, 16, 4, 5504, 32000
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=groups, vocab_size=vocab, architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        vocab_size=vocab,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
+    )
     config.save_pretrained(path)
     kv = hidden // heads * groups
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (hidden, hidden),
-                       p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.v_proj.weight": (kv, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, hidden), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
-                       p + "mlp.down_proj.weight": (hidden, ffn)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (ffn, hidden),
+                p + "mlp.up_proj.weight": (ffn, hidden),
+                p + "mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
     shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
@@ -77,8 +95,9 @@ def generate(path: Path, layers: int, shard_bytes: int) -> int:
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, path / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -88,8 +107,12 @@ def measure(work: str) -> tuple[float, float, float]:
 
     The parent stays small (no torch): a child's peak RSS counts what it inherits at fork.
     """
-    code = (IMPORTS + "start, cpu = time.perf_counter(), time.process_time()\n" + work
-            + "\nprint(json.dumps([time.perf_counter() - start, time.process_time() - cpu]))")
+    code = (
+        IMPORTS
+        + "start, cpu = time.perf_counter(), time.process_time()\n"
+        + work
+        + "\nprint(json.dumps([time.perf_counter() - start, time.process_time() - cpu]))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -112,8 +135,12 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--shard-size", default="500MB", help="safetensors shard size of source and output")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest counts (a shared machine's "
-                        "page cache and neighbours make single runs noisy)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs per step; the fastest counts (a shared machine's page cache and neighbours make single runs noisy)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--generate", default=None, help=argparse.SUPPRESS)  # internal: the generator child
     args = parser.parse_args()
@@ -128,26 +155,48 @@ def main() -> int:
         shutil.rmtree(path, ignore_errors=True)
     hf.mkdir()
     # In a child: the parent must stay small (see measure()).
-    total = json.loads(subprocess.run([sys.executable, __file__, "--generate", str(hf), "--layers", str(args.layers),
-                                       "--shard-size", args.shard_size], check=True, capture_output=True,
-                                      text=True).stdout.strip().splitlines()[-1])
+    total = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--generate",
+                str(hf),
+                "--layers",
+                str(args.layers),
+                "--shard-size",
+                args.shard_size,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     steps = {
         "interpreter (imports only)": "pass",
         "I/O floor: safetensors read + write": (
             "from pathlib import Path; from safetensors.torch import load_file, save_file\n"
             f"for f in sorted(Path({str(hf)!r}).glob('*.safetensors')):\n"
-            f"    save_file(load_file(f), Path({str(floor_out)!r}) / f.name, metadata={{'format': 'pt'}})"),
+            f"    save_file(load_file(f), Path({str(floor_out)!r}) / f.name, metadata={{'format': 'pt'}})"
+        ),
         f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": (
             "from mindspeed_llm.cli import main; assert main(['convert-ckpt', '--load-dir', "
             f"{str(hf)!r}, '--save-dir', {str(mg)!r}, '--target-tensor-parallel-size', '{args.tp}', "
-            f"'--target-pipeline-parallel-size', '{args.pp}', '--no-progress']) == 0"),
+            f"'--target-pipeline-parallel-size', '{args.pp}', '--no-progress']) == 0"
+        ),
         "convert-ckpt mg -> hf": (
             "from mindspeed_llm.cli import main; assert main(['convert-ckpt', '--load-model-type', 'mg', "
             f"'--save-model-type', 'hf', '--load-dir', {str(mg)!r}, '--save-dir', {str(back)!r}, "
-            f"'--max-shard-size', {args.shard_size!r}, '--no-progress']) == 0"),
+            f"'--max-shard-size', {args.shard_size!r}, '--no-progress']) == 0"
+        ),
     }
-    outputs = {"I/O floor: safetensors read + write": floor_out, f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": mg,
-               "convert-ckpt mg -> hf": back}
+    outputs = {
+        "I/O floor: safetensors read + write": floor_out,
+        f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": mg,
+        "convert-ckpt mg -> hf": back,
+    }
     results = {}
     for _ in range(args.repeat):
         for name, code in steps.items():
@@ -165,24 +214,37 @@ def main() -> int:
             results[name] = (min(wall, best[0]), max(rss, best[1]), min(cpu, best[2])) if best else (wall, rss, cpu)
     base_rss = results["interpreter (imports only)"][1]
     floor_time, _, floor_cpu = results["I/O floor: safetensors read + write"]
-    largest = {"I/O floor: safetensors read + write": largest_file(floor_out, "*.safetensors"),
-               f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": largest_file(mg, "*.pt"),
-               "convert-ckpt mg -> hf": largest_file(back, "*.safetensors")}
+    largest = {
+        "I/O floor: safetensors read + write": largest_file(floor_out, "*.safetensors"),
+        f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": largest_file(mg, "*.pt"),
+        "convert-ckpt mg -> hf": largest_file(back, "*.safetensors"),
+    }
     rows = []
     sys.stdout.write(f"model: {total / 1e9:.3f} GB of tensors (bf16, {args.layers} layers), {root}\n")
-    sys.stdout.write("| step | work s | time / floor | work CPU s | CPU / floor | peak RSS MB | RSS above interpreter MB "
-                     "| largest output file MB | RSS above interpreter / largest file |\n")
+    sys.stdout.write(
+        "| step | work s | time / floor | work CPU s | CPU / floor | peak RSS MB | RSS above interpreter MB "
+        "| largest output file MB | RSS above interpreter / largest file |\n"
+    )
     sys.stdout.write("|---|---|---|---|---|---|---|---|---|\n")
     for name, (wall, rss, cpu) in results.items():
         big = largest.get(name)
         above, work_cpu = rss - base_rss, cpu
-        row = {"step": name, "wall_s": round(wall, 2), "time_ratio": round(wall / floor_time, 2),
-               "cpu_s": round(work_cpu, 2), "cpu_ratio": round(work_cpu / floor_cpu, 2), "peak_rss_mb": round(rss),
-               "rss_above_interpreter_mb": round(above), "largest_output_mb": round(big) if big else None,
-               "rss_ratio": round(above / big, 2) if big else None}
+        row = {
+            "step": name,
+            "wall_s": round(wall, 2),
+            "time_ratio": round(wall / floor_time, 2),
+            "cpu_s": round(work_cpu, 2),
+            "cpu_ratio": round(work_cpu / floor_cpu, 2),
+            "peak_rss_mb": round(rss),
+            "rss_above_interpreter_mb": round(above),
+            "largest_output_mb": round(big) if big else None,
+            "rss_ratio": round(above / big, 2) if big else None,
+        }
         rows.append(row)
-        sys.stdout.write(f"| {name} | {wall:.2f} | {wall / floor_time:.2f} | {work_cpu:.2f} | {work_cpu / floor_cpu:.2f} | "
-                         f"{rss:.0f} | {above:.0f} | {f'{big:.0f}' if big else '-'} | {f'{above / big:.2f}' if big else '-'} |\n")
+        sys.stdout.write(
+            f"| {name} | {wall:.2f} | {wall / floor_time:.2f} | {work_cpu:.2f} | {work_cpu / floor_cpu:.2f} | "
+            f"{rss:.0f} | {above:.0f} | {f'{big:.0f}' if big else '-'} | {f'{above / big:.2f}' if big else '-'} |\n"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"model_bytes": total, "rows": rows}, indent=2))
     if not args.workdir:

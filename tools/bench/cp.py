@@ -79,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
-        "--impl", default="reference",
+        "--impl",
+        default="reference",
         help="attention kernel; 'reference' everywhere keeps CP=1 and every algorithm on the same kernel "
         "(ring attention needs one that returns lse: on the CPU only the reference does)",
     )
@@ -118,8 +119,16 @@ def bench_rank(rank: int, world_size: int, settings: dict) -> list[dict]:
 
             def step() -> None:
                 out = context_parallel_attention(
-                    q, k, v, algo=algo, cp_group=groups.cp_group, ulysses_group=groups.ulysses_group,
-                    ring_group=groups.ring_group, causal=args.causal, seq_len=seq_len, impl=args.impl,
+                    q,
+                    k,
+                    v,
+                    algo=algo,
+                    cp_group=groups.cp_group,
+                    ulysses_group=groups.ulysses_group,
+                    ring_group=groups.ring_group,
+                    causal=args.causal,
+                    seq_len=seq_len,
+                    impl=args.impl,
                 )
                 out.backward(grad)
                 q.grad = k.grad = v.grad = None
@@ -136,8 +145,14 @@ def bench_rank(rank: int, world_size: int, settings: dict) -> list[dict]:
             with measure_peak_memory() as mem:
                 step()
             results.append(
-                {"algo": algo, "seq_len": seq_len, "local_seq": local, "peak_mib": mem.peak_bytes / MIB,
-                 "time_ms": statistics.median(wall) * 1e3, "cpu_ms": statistics.median(cpu) * 1e3}
+                {
+                    "algo": algo,
+                    "seq_len": seq_len,
+                    "local_seq": local,
+                    "peak_mib": mem.peak_bytes / MIB,
+                    "time_ms": statistics.median(wall) * 1e3,
+                    "cpu_ms": statistics.median(cpu) * 1e3,
+                }
             )
     return results
 
@@ -154,7 +169,10 @@ def collect(args: argparse.Namespace) -> list[Row]:
             layout = f"U{args.ulysses_degree} x R{cp // args.ulysses_degree}" if first["algo"] == HYBRID else ""
             rows.append(
                 Row(
-                    algo=algo, seq_len=first["seq_len"], cp=cp, layout=layout,
+                    algo=algo,
+                    seq_len=first["seq_len"],
+                    cp=cp,
+                    layout=layout,
                     local_seq=max(r["local_seq"] for r in ranks),
                     peak_mib=max(r["peak_mib"] for r in ranks),
                     time_ms=max(r["time_ms"] for r in ranks),
@@ -173,16 +191,33 @@ def collect(args: argparse.Namespace) -> list[Row]:
 def render(console: Console, rows: list[Row], title: str) -> None:
     """One table: every algorithm, length and degree, with the ratios to CP = 1."""
     table = Table(title=title, title_justify="left")
-    for name in ("algo", "seq", "CP", "local seq", "peak MiB/rank", "mem / CP1", "1/CP", "wall ms", "wall / CP1",
-                 "cpu ms/rank", "cpu / CP1"):
+    for name in (
+        "algo",
+        "seq",
+        "CP",
+        "local seq",
+        "peak MiB/rank",
+        "mem / CP1",
+        "1/CP",
+        "wall ms",
+        "wall / CP1",
+        "cpu ms/rank",
+        "cpu / CP1",
+    ):
         table.add_column(name, justify="left" if name == "algo" else "right", no_wrap=True)
     for row in sorted(rows, key=lambda r: (r.seq_len, r.cp != 1, r.algo, r.cp)):
         table.add_row(
             f"{row.algo} ({row.layout})" if row.layout else row.algo,
-            str(row.seq_len), str(row.cp), str(row.local_seq), f"{row.peak_mib:.1f}",
-            f"{row.memory_ratio:.3f}" if row.memory_ratio is not None else "-", f"{1 / row.cp:.3f}",
-            f"{row.time_ms:.0f}", f"{row.time_ratio:.2f}" if row.time_ratio is not None else "-",
-            f"{row.cpu_ms:.0f}", f"{row.cpu_ratio:.2f}" if row.cpu_ratio is not None else "-",
+            str(row.seq_len),
+            str(row.cp),
+            str(row.local_seq),
+            f"{row.peak_mib:.1f}",
+            f"{row.memory_ratio:.3f}" if row.memory_ratio is not None else "-",
+            f"{1 / row.cp:.3f}",
+            f"{row.time_ms:.0f}",
+            f"{row.time_ratio:.2f}" if row.time_ratio is not None else "-",
+            f"{row.cpu_ms:.0f}",
+            f"{row.cpu_ratio:.2f}" if row.cpu_ratio is not None else "-",
             style="bold" if row.cp == 1 else None,
         )
     console.print(table)
@@ -192,9 +227,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 140)
     meta = {
-        "torch": torch.__version__, "python": platform.python_version(), "memory_method": resolve_method(),
-        "cores": os.cpu_count(), "impl": args.impl, "causal": args.causal, "batch": args.batch,
-        "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "repeat": args.repeat,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "memory_method": resolve_method(),
+        "cores": os.cpu_count(),
+        "impl": args.impl,
+        "causal": args.causal,
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "repeat": args.repeat,
     }
     started = time.perf_counter()
     rows = collect(args)

@@ -33,9 +33,18 @@ def build_model(path: Path, layers: int, hidden: int, vocab: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=4096,
-                         architectures=["LlamaForCausalLM"], eos_token_id=None, bos_token_id=None)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        architectures=["LlamaForCausalLM"],
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
@@ -79,9 +88,15 @@ def main() -> None:
 
             def run_hf():
                 with torch.inference_mode():
-                    out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
-                return out[:, args.prompt_len:].tolist()
+                    out = hf.generate(
+                        prompts,
+                        attention_mask=torch.ones_like(prompts),
+                        do_sample=False,
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                        pad_token_id=0,
+                    )
+                return out[:, args.prompt_len :].tolist()
 
             def run_ours():
                 return [o.token_ids for o in ours.generate(prompts.tolist(), params)]
@@ -94,8 +109,12 @@ def main() -> None:
                 wall, cpu, our_tokens = timed(run_ours)
                 times["ours"].append((wall, cpu))
             generated = batch * args.new_tokens
-            row = {"batch": batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                   "same_tokens": hf_tokens == our_tokens}
+            row = {
+                "batch": batch,
+                "new_tokens": args.new_tokens,
+                "prompt_len": args.prompt_len,
+                "same_tokens": hf_tokens == our_tokens,
+            }
             for name, pairs in times.items():
                 row[f"{name}_wall_tok_s"] = generated / min(w for w, _ in pairs)
                 row[f"{name}_cpu_tok_s"] = generated / min(c for _, c in pairs)
@@ -103,16 +122,24 @@ def main() -> None:
             row["speedup_cpu"] = row["ours_cpu_tok_s"] / row["hf_cpu_tok_s"]
             rows.append(row)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    print(f"model: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; prompt "
-          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, eos ignored; best of {args.repeat}")
-    print(f"{'batch':>5} | {'HF tok/s wall':>13} {'engine':>8} {'speedup':>8} | {'HF tok/s CPU':>12} {'engine':>8} "
-          f"{'speedup':>8} | same tokens")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
+    print(
+        f"model: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; prompt "
+        f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, eos ignored; best of {args.repeat}"
+    )
+    print(
+        f"{'batch':>5} | {'HF tok/s wall':>13} {'engine':>8} {'speedup':>8} | {'HF tok/s CPU':>12} {'engine':>8} "
+        f"{'speedup':>8} | same tokens"
+    )
     for row in rows:
-        print(f"{row['batch']:>5} | {row['hf_wall_tok_s']:>13.0f} {row['ours_wall_tok_s']:>8.0f} "
-              f"{row['speedup_wall']:>7.2f}x | {row['hf_cpu_tok_s']:>12.0f} {row['ours_cpu_tok_s']:>8.0f} "
-              f"{row['speedup_cpu']:>7.2f}x | {row['same_tokens']}")
+        print(
+            f"{row['batch']:>5} | {row['hf_wall_tok_s']:>13.0f} {row['ours_wall_tok_s']:>8.0f} "
+            f"{row['speedup_wall']:>7.2f}x | {row['hf_cpu_tok_s']:>12.0f} {row['ours_cpu_tok_s']:>8.0f} "
+            f"{row['speedup_cpu']:>7.2f}x | {row['same_tokens']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

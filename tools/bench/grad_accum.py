@@ -72,14 +72,28 @@ def _build(args: argparse.Namespace, precision: str, fused: bool, kernels: Any) 
     from mindspeed.megatron.spec import get_gpt_layer_spec
     from mindspeed.testing.megatron import ParallelSizes, TinyGPTConfig, build_gpt
 
-    model = TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
-                          num_attention_heads=max(1, args.hidden // 64), num_query_groups=max(1, args.hidden // 128),
-                          vocab_size=1024, seq_length=args.seq)
+    model = TinyGPTConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_query_groups=max(1, args.hidden // 128),
+        vocab_size=1024,
+        seq_length=args.seq,
+    )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return build_gpt(model, ParallelSizes(), DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                     layer_spec=get_gpt_layer_spec(kernels), use_te_activation_func=True, bias_activation_fusion=False,
-                     bf16=precision == "bf16", params_dtype=dtype, pipeline_dtype=dtype,
-                     gradient_accumulation_fusion=fused), model
+    return build_gpt(
+        model,
+        ParallelSizes(),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        layer_spec=get_gpt_layer_spec(kernels),
+        use_te_activation_func=True,
+        bias_activation_fusion=False,
+        bf16=precision == "bf16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        gradient_accumulation_fusion=fused,
+    ), model
 
 
 def run(args: argparse.Namespace, kernels: Any) -> list[Row]:
@@ -126,13 +140,31 @@ def run(args: argparse.Namespace, kernels: Any) -> list[Row]:
 def render(console: Console, title: str, rows: list[Row]) -> None:
     """Print the table: per precision, unfused then fused with its ratios."""
     table = Table(title=title, title_justify="left")
-    for column in ("precision", "fusion", "kernel", "wall ms", "wall / unfused", "cpu ms", "cpu / unfused",
-                   "kernel calls", "runs"):
+    for column in (
+        "precision",
+        "fusion",
+        "kernel",
+        "wall ms",
+        "wall / unfused",
+        "cpu ms",
+        "cpu / unfused",
+        "kernel calls",
+        "runs",
+    ):
         table.add_column(column, justify="left" if column in ("precision", "fusion", "kernel") else "right")
     for row in rows:
-        table.add_row(row.precision, "on" if row.fused else "off", row.kernel, f"{row.wall_ms:.1f}",
-                      f"{row.wall_ratio:.2f}x", f"{row.cpu_ms:.1f}", f"{row.cpu_ratio:.2f}x", str(row.kernel_calls),
-                      str(row.runs), style=None if row.fused else "bold")
+        table.add_row(
+            row.precision,
+            "on" if row.fused else "off",
+            row.kernel,
+            f"{row.wall_ms:.1f}",
+            f"{row.wall_ratio:.2f}x",
+            f"{row.cpu_ms:.1f}",
+            f"{row.cpu_ratio:.2f}x",
+            str(row.kernel_calls),
+            str(row.runs),
+            style=None if row.fused else "bold",
+        )
     console.print(table)
 
 
@@ -147,8 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     accelerator = get_accelerator()
     # Only the fusion feature: its patch is in place, and each model's config flag decides.
     report = adapt(features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True}))
-    dist.init_process_group(accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
     init_parallel(ParallelSizes())
     try:
         rows = run(args, report.kernels)
@@ -156,13 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         destroy_parallel()
         dist.destroy_process_group()
         unadapt()
-    title = (f"GPT fwd+bwd per step, gradient accumulation fusion off/on: {args.layers} layers, hidden {args.hidden}, "
-             f"ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x {args.seq} tokens, "
-             f"{accelerator.device()}, {torch.get_num_threads()} threads")
+    title = (
+        f"GPT fwd+bwd per step, gradient accumulation fusion off/on: {args.layers} layers, hidden {args.hidden}, "
+        f"ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x {args.seq} tokens, "
+        f"{accelerator.device()}, {torch.get_num_threads()} threads"
+    )
     render(console, title, rows)
     if args.json:
-        meta = {**vars(args), "device": str(accelerator.device()), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "python": platform.python_version()}
+        meta = {
+            **vars(args),
+            "device": str(accelerator.device()),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        }
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as out:
             json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)

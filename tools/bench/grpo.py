@@ -64,15 +64,26 @@ import _child  # tools/bench/_child.py: the script's folder is on sys.path
 
 #: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's).
 SIZES = {
-    "tiny": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
-             "num_key_value_heads": 4},
-    "micro": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-              "num_key_value_heads": 2},
+    "tiny": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "micro": {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 SIDES = ("ours", "trl")
 
 
 # ----------------------------------------------------------------------------- preparation
+
 
 def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     """Write the model directory and each step's prompt records (in our sampler's order)."""
@@ -83,8 +94,13 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_rl.data import PromptSampler, load_prompts
 
     model_dir = Path(spec["workdir"]) / f"model_{spec['size']}"
-    config = LlamaConfig(vocab_size=2048, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         **SIZES[spec["size"]])
+    config = LlamaConfig(
+        vocab_size=2048,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **SIZES[spec["size"]],
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(model_dir)
@@ -93,20 +109,34 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     records = load_prompts("demo")
     sampler = PromptSampler(len(records), spec["global_batch"], spec["seed"], shuffle=True)
     steps = [[records[i] for i in sampler.next_batch()] for _ in range(spec["steps"])]
-    prompt_tokens = [len(tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=True,
-                                                       add_generation_prompt=True, return_dict=True)["input_ids"])
-                     for step in steps for r in step]
-    return {"model_dir": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
-            "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
-            "prompt_tokens_mean": statistics.mean(prompt_tokens)}
+    prompt_tokens = [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r.prompt}], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for step in steps
+        for r in step
+    ]
+    return {
+        "model_dir": str(model_dir),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
+        "prompt_tokens_mean": statistics.mean(prompt_tokens),
+    }
 
 
 # ----------------------------------------------------------------------------- children
 
+
 def memory_status() -> dict[str, float]:
     """:func:`_child.memory_status` plus CPU affinity, nice and per-thread CPU seconds."""
-    return {**_child.memory_status(), "affinity": sorted(os.sched_getaffinity(0)), "nice": os.nice(0),
-            "thread_cpu_s": thread_cpu()}
+    return {
+        **_child.memory_status(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "nice": os.nice(0),
+        "thread_cpu_s": thread_cpu(),
+    }
 
 
 def thread_cpu() -> list[tuple[str, float]]:
@@ -117,7 +147,7 @@ def thread_cpu() -> list[tuple[str, float]]:
             stat = Path(f"/proc/self/task/{task}/stat").read_text()
         except OSError:
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         out.append((name, (int(fields[11]) + int(fields[12])) / tick))
     return sorted(out, key=lambda item: -item[1])[:4]
 
@@ -162,8 +192,11 @@ class Profiler:
 def _periods(marks: list[tuple[float, float, float]]) -> dict[str, list[float]]:
     """Step periods between consecutive marks: wall, CPU and run-queue wait."""
     pairs = list(zip(marks, marks[1:]))
-    return {"periods": [b[0] - a[0] for a, b in pairs], "cpu_periods": [b[1] - a[1] for a, b in pairs],
-            "wait_periods": [b[2] - a[2] for a, b in pairs]}
+    return {
+        "periods": [b[0] - a[0] for a, b in pairs],
+        "cpu_periods": [b[1] - a[1] for a, b in pairs],
+        "wait_periods": [b[2] - a[2] for a, b in pairs],
+    }
 
 
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -177,14 +210,32 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_rl.trainer import build_context, grpo_step
 
     base, load = memory_status(), os.getloadavg()[0]
-    config = load_grpo_config(None, [
-        f"actor.model={spec['model_dir']}", f"actor.lr={spec['lr']}", f"actor.micro_batch_size={spec['micro_batch']}",
-        "actor.clip_grad=1.0", "actor.lr_decay_style=constant", f"rollout.n={spec['n']}",
-        f"rollout.max_new_tokens={spec['max_new_tokens']}", "rollout.temperature=1.0", "rollout.max_prompt_length=512",
-        f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}", f"train.global_batch={spec['global_batch']}",
-        f"train.steps={spec['steps']}", f"train.seed={spec['seed']}", f"algorithm.kl_coef={spec['beta']}",
-        "algorithm.kl_estimator=k3", "algorithm.loss_agg_mode=token-mean", "data.path=demo", "data.prompt_format=chat",
-        "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false"])
+    config = load_grpo_config(
+        None,
+        [
+            f"actor.model={spec['model_dir']}",
+            f"actor.lr={spec['lr']}",
+            f"actor.micro_batch_size={spec['micro_batch']}",
+            "actor.clip_grad=1.0",
+            "actor.lr_decay_style=constant",
+            f"rollout.n={spec['n']}",
+            f"rollout.max_new_tokens={spec['max_new_tokens']}",
+            "rollout.temperature=1.0",
+            "rollout.max_prompt_length=512",
+            f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
+            f"train.global_batch={spec['global_batch']}",
+            f"train.steps={spec['steps']}",
+            f"train.seed={spec['seed']}",
+            f"algorithm.kl_coef={spec['beta']}",
+            "algorithm.kl_estimator=k3",
+            "algorithm.loss_agg_mode=token-mean",
+            "data.path=demo",
+            "data.prompt_format=chat",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.reward_curve=false",
+        ],
+    )
     ctx = build_context(config)
     generate, gen_times, gen_tokens = ctx.engine.generate, [], []
 
@@ -208,11 +259,18 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         records.append(grpo_step(ctx))
     profiler.stop()
     phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
-    return {**_periods(marks), "gen_times": gen_times, "gen_tokens": gen_tokens,
-            "rollout_times": phases["time/rollout"], "phases": phases,
-            "reward_mean": [r["reward_mean"] for r in records],
-            "threads": torch.get_num_threads(), "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]],
-            **memory_status()}
+    return {
+        **_periods(marks),
+        "gen_times": gen_times,
+        "gen_tokens": gen_tokens,
+        "rollout_times": phases["time/rollout"],
+        "phases": phases,
+        "reward_mean": [r["reward_mean"] for r in records],
+        "threads": torch.get_num_threads(),
+        "import_rss_mb": base["rss_mb"],
+        "load": [load, os.getloadavg()[0]],
+        **memory_status(),
+    }
 
 
 def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
@@ -234,21 +292,49 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         total, _parts = reward.score_batch([str(p) for p in prompts], texts, reference)
         return total.tolist()
 
-    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "reference": r["reference"]}
-            for step in spec["records"] for r in step]
+    rows = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "reference": r["reference"]}
+        for step in spec["records"]
+        for r in step
+    ]
     rows_per_step = spec["global_batch"] * spec["n"]
     args = GRPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl_out"), max_steps=spec["steps"], learning_rate=spec["lr"],
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        max_grad_norm=1.0, per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=rows_per_step // spec["micro_batch"], num_generations=spec["n"],
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=spec["beta"],
-        num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
+        output_dir=str(Path(spec["workdir"]) / "trl_out"),
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=rows_per_step // spec["micro_batch"],
+        num_generations=spec["n"],
+        max_completion_length=spec["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=spec["beta"],
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
         generation_kwargs=None if spec["allow_eos"] else {"min_new_tokens": spec["max_new_tokens"]},
         # TRL turns gradient checkpointing on by default; ours recomputes nothing: same work.
-        gradient_checkpointing=False, use_vllm=False, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        gradient_checkpointing=False,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
         logging_strategy="no",
-        disable_tqdm=True, seed=spec["seed"], dataloader_num_workers=0, dataloader_pin_memory=False)
+        disable_tqdm=True,
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     starts, gen_times, gen_tokens, rollout_times = {}, [], [], []
@@ -270,8 +356,14 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
             rollout_times.append(time.perf_counter() - start)
             return out
 
-    trainer = TimedTrainer(model=model, reward_funcs=math_reward, args=args, train_dataset=Dataset.from_list(rows),
-                           processing_class=tokenizer, callbacks=[Clock()])
+    trainer = TimedTrainer(
+        model=model,
+        reward_funcs=math_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     generate, prompt_width = trainer.model.generate, []
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
@@ -279,7 +371,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         out = generate(*a, **kw)
         gen_times.append([b - a for a, b in zip(start, _now())])
         prompt_width.append(kw["input_ids"].shape[1])
-        completion = out[:, kw["input_ids"].shape[1]:]
+        completion = out[:, kw["input_ids"].shape[1] :]
         # Tokens up to and including the first EOS (what TRL keeps), padding after it excluded.
         is_eos = torch.isin(completion, torch.tensor(trainer.eos_token_ids))
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.shape[1])
@@ -290,9 +382,17 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.train()
     profiler.stop()
     ends = [starts[s] for s in sorted(starts)]
-    return {**_periods(ends), "gen_times": gen_times, "gen_tokens": gen_tokens,
-            "rollout_times": rollout_times, "prompt_width": prompt_width, "threads": torch.get_num_threads(),
-            "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]], **memory_status()}
+    return {
+        **_periods(ends),
+        "gen_times": gen_times,
+        "gen_tokens": gen_tokens,
+        "rollout_times": rollout_times,
+        "prompt_width": prompt_width,
+        "threads": torch.get_num_threads(),
+        "import_rss_mb": base["rss_mb"],
+        "load": [load, os.getloadavg()[0]],
+        **memory_status(),
+    }
 
 
 def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
@@ -310,16 +410,34 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_rl.runner import GRPORunner
 
     load = os.getloadavg()[0]
-    config = load_grpo_config(None, [
-        f"actor.model={spec['model_dir']}", f"actor.lr={spec['lr']}", f"actor.micro_batch_size={spec['micro_batch']}",
-        "actor.clip_grad=1.0", f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['max_new_tokens']}",
-        "rollout.temperature=1.0", "rollout.max_prompt_length=512",
-        f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
-        "rollout.colocate=false", "rollout.num_devices=1", f"buffer.mode={spec['buffer_mode']}",
-        f"buffer.max_staleness={int(spec['buffer_mode'] == 'async')}",
-        f"train.global_batch={spec['global_batch']}", f"train.steps={spec['steps']}", f"train.seed={spec['seed']}",
-        f"algorithm.kl_coef={spec['beta']}", "algorithm.kl_estimator=k3", "data.path=demo", "data.prompt_format=chat",
-        "logging.progress=false", "logging.tensorboard=false", "logging.reward_curve=false"])
+    config = load_grpo_config(
+        None,
+        [
+            f"actor.model={spec['model_dir']}",
+            f"actor.lr={spec['lr']}",
+            f"actor.micro_batch_size={spec['micro_batch']}",
+            "actor.clip_grad=1.0",
+            f"rollout.n={spec['n']}",
+            f"rollout.max_new_tokens={spec['max_new_tokens']}",
+            "rollout.temperature=1.0",
+            "rollout.max_prompt_length=512",
+            f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
+            "rollout.colocate=false",
+            "rollout.num_devices=1",
+            f"buffer.mode={spec['buffer_mode']}",
+            f"buffer.max_staleness={int(spec['buffer_mode'] == 'async')}",
+            f"train.global_batch={spec['global_batch']}",
+            f"train.steps={spec['steps']}",
+            f"train.seed={spec['seed']}",
+            f"algorithm.kl_coef={spec['beta']}",
+            "algorithm.kl_estimator=k3",
+            "data.path=demo",
+            "data.prompt_format=chat",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.reward_curve=false",
+        ],
+    )
     runner = GRPORunner(config)
     marks = [_now()]
     try:
@@ -327,41 +445,58 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         runner.shutdown()
     rows = spec["global_batch"] * spec["n"]
-    return {**_periods(marks), "records": records, "gen_tokens": [r["response_length"] * rows for r in records],
-            "load": [load, os.getloadavg()[0]], **memory_status()}
+    return {
+        **_periods(marks),
+        "records": records,
+        "gen_tokens": [r["response_length"] * rows for r in records],
+        "load": [load, os.getloadavg()[0]],
+        **memory_status(),
+    }
 
 
 def summarize_runner(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """A buffer mode over its runs: the best run's median step period and what its steps waited for."""
+
     def one(run: dict[str, Any]) -> dict[str, float]:
         timed = run["records"][warmup:]
-        return {"step_s": statistics.median(run["periods"][warmup:]),
-                "wait_s": statistics.median(r.get("time/wait_rollout", 0.0) for r in timed),
-                "rollout_s": statistics.median(r.get("time/rollout", 0.0) for r in timed),
-                "staleness": statistics.mean(r.get("staleness_mean", 0.0) for r in timed),
-                "gen_tokens": statistics.median(run["gen_tokens"][warmup:])}
+        return {
+            "step_s": statistics.median(run["periods"][warmup:]),
+            "wait_s": statistics.median(r.get("time/wait_rollout", 0.0) for r in timed),
+            "rollout_s": statistics.median(r.get("time/rollout", 0.0) for r in timed),
+            "staleness": statistics.mean(r.get("staleness_mean", 0.0) for r in timed),
+            "gen_tokens": statistics.median(run["gen_tokens"][warmup:]),
+        }
 
     per_run = [one(r) for r in runs]
     best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
-    return {**per_run[best], "runs_step_s": [round(p["step_s"], 2) for p in per_run],
-            "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)]}
+    return {
+        **per_run[best],
+        "runs_step_s": [round(p["step_s"], 2) for p in per_run],
+        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+    }
 
 
 def report_runner(results: dict[str, dict[str, Any]]) -> None:
     """Sync vs async through the Ray driver."""
     sync, asyn, write = results["sync"], results["async"], sys.stdout.write
-    write("\nRay driver, rollout on its own worker (actor 1 rank + rollout 1 worker), buffer.max_staleness 1:\n\n"
-          "| | sync | async | sync / async |\n|---|---|---|---|\n")
-    for label, key, fmt in (("step time s (median)", "step_s", "{:.2f}"),
-                            ("trainer waited for the buffer s (async; sync: 0)", "wait_s", "{:.2f}"),
-                            ("rollout s (generation + scoring, producer side)", "rollout_s", "{:.2f}"),
-                            ("generated tokens per step", "gen_tokens", "{:.0f}")):
+    write(
+        "\nRay driver, rollout on its own worker (actor 1 rank + rollout 1 worker), buffer.max_staleness 1:\n\n"
+        "| | sync | async | sync / async |\n|---|---|---|---|\n"
+    )
+    for label, key, fmt in (
+        ("step time s (median)", "step_s", "{:.2f}"),
+        ("trainer waited for the buffer s (async; sync: 0)", "wait_s", "{:.2f}"),
+        ("rollout s (generation + scoring, producer side)", "rollout_s", "{:.2f}"),
+        ("generated tokens per step", "gen_tokens", "{:.0f}"),
+    ):
         ratio = sync[key] / asyn[key] if asyn[key] else float("nan")
         write(f"| {label} | {fmt.format(sync[key])} | {fmt.format(asyn[key])} | {ratio:.2f} |\n")
     write(f"| mean staleness of the trained rows (versions) | {sync['staleness']:.2f} | {asyn['staleness']:.2f} | |\n")
     write(f"| step time of each run s | {sync['runs_step_s']} | {asyn['runs_step_s']} | |\n")
-    write(f"| load average (min start - max end) | {sync['load'][0]:.1f}-{sync['load'][1]:.1f} "
-          f"| {asyn['load'][0]:.1f}-{asyn['load'][1]:.1f} | |\n")
+    write(
+        f"| load average (min start - max end) | {sync['load'][0]:.1f}-{sync['load'][1]:.1f} "
+        f"| {asyn['load'][0]:.1f}-{asyn['load'][1]:.1f} | |\n"
+    )
     write(f"\nasync speed-up (sync step / async step): {sync['step_s'] / asyn['step_s']:.2f}x\n")
 
 
@@ -370,6 +505,7 @@ CHILDREN = {"ours": child_ours, "trl": child_trl, "runner": child_runner}
 
 # ----------------------------------------------------------------------------- driver
 
+
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
     return _child.run_child(__file__, kind, spec, log, {"TOKENIZERS_PARALLELISM": "false"})
@@ -377,23 +513,35 @@ def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """A side over its runs: per run the median timed step; the side's best run (noise only slows)."""
+
     def one(run: dict[str, Any]) -> dict[str, float]:
         timed = slice(warmup, None)
         step = statistics.median(run["periods"][timed])
         gen = statistics.median(g[0] for g in run["gen_times"][timed])
         tokens = statistics.median(run["gen_tokens"][timed])
-        return {"step_s": step, "cpu_step_s": statistics.median(run["cpu_periods"][timed]),
-                "wait_step_s": statistics.median(run["wait_periods"][timed]), "gen_s": gen,
-                "cpu_gen_s": statistics.median(g[1] for g in run["gen_times"][timed]),
-                "wait_gen_s": statistics.median(g[2] for g in run["gen_times"][timed]),
-                "rollout_s": statistics.median(run["rollout_times"][timed]), "gen_tokens": tokens,
-                "gen_tps": tokens / gen, "step_tps": tokens / step}
+        return {
+            "step_s": step,
+            "cpu_step_s": statistics.median(run["cpu_periods"][timed]),
+            "wait_step_s": statistics.median(run["wait_periods"][timed]),
+            "gen_s": gen,
+            "cpu_gen_s": statistics.median(g[1] for g in run["gen_times"][timed]),
+            "wait_gen_s": statistics.median(g[2] for g in run["gen_times"][timed]),
+            "rollout_s": statistics.median(run["rollout_times"][timed]),
+            "gen_tokens": tokens,
+            "gen_tps": tokens / gen,
+            "step_tps": tokens / step,
+        }
 
     per_run = [one(r) for r in runs]
     best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
-    result = {**per_run[best], "peak_rss_mb": runs[best]["peak_rss_mb"], "import_rss_mb": runs[best]["import_rss_mb"],
-              "runs_step_s": [round(p["step_s"], 2) for p in per_run], "threads": runs[best]["threads"],
-              "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)]}
+    result = {
+        **per_run[best],
+        "peak_rss_mb": runs[best]["peak_rss_mb"],
+        "import_rss_mb": runs[best]["import_rss_mb"],
+        "runs_step_s": [round(p["step_s"], 2) for p in per_run],
+        "threads": runs[best]["threads"],
+        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+    }
     if "phases" in runs[best]:
         result["phases"] = {k.split("/", 1)[1]: statistics.median(v[warmup:]) for k, v in runs[best]["phases"].items()}
     return result
@@ -402,33 +550,45 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 def report(results: dict[str, dict[str, Any]], header: str) -> None:
     """The side-by-side table (TRL / ours ratios) and where each side's step goes."""
     ours, trl, write = results["ours"], results["trl"], sys.stdout.write
-    rows = [("step time s (median)", "step_s", "{:.2f}", True), ("CPU time per step s", "cpu_step_s", "{:.2f}", True),
-            ("run-queue wait per step s (main thread)", "wait_step_s", "{:.2f}", True),
-            ("generation s", "gen_s", "{:.2f}", True),
-            ("CPU time in generation s", "cpu_gen_s", "{:.2f}", True),
-            ("run-queue wait in generation s", "wait_gen_s", "{:.2f}", True),
-            ("rollout s (generation + scoring)", "rollout_s", "{:.2f}", True),
-            ("generated tokens per step", "gen_tokens", "{:.0f}", False),
-            ("generated tokens/s in generation", "gen_tps", "{:.0f}", False),
-            ("generated tokens/s of the step", "step_tps", "{:.0f}", False),
-            ("peak RSS MB", "peak_rss_mb", "{:.0f}", True)]
+    rows = [
+        ("step time s (median)", "step_s", "{:.2f}", True),
+        ("CPU time per step s", "cpu_step_s", "{:.2f}", True),
+        ("run-queue wait per step s (main thread)", "wait_step_s", "{:.2f}", True),
+        ("generation s", "gen_s", "{:.2f}", True),
+        ("CPU time in generation s", "cpu_gen_s", "{:.2f}", True),
+        ("run-queue wait in generation s", "wait_gen_s", "{:.2f}", True),
+        ("rollout s (generation + scoring)", "rollout_s", "{:.2f}", True),
+        ("generated tokens per step", "gen_tokens", "{:.0f}", False),
+        ("generated tokens/s in generation", "gen_tps", "{:.0f}", False),
+        ("generated tokens/s of the step", "step_tps", "{:.0f}", False),
+        ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
+    ]
     write(header + "\n\n| | ours | TRL | TRL / ours |\n|---|---|---|---|\n")
     for label, key, fmt, _ in rows:
         write(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {trl[key] / ours[key]:.2f} |\n")
     write(f"| step time of each run s | {ours['runs_step_s']} | {trl['runs_step_s']} | |\n")
-    write(f"| load average (min start - max end) | {ours['load'][0]:.1f}-{ours['load'][1]:.1f} "
-          f"| {trl['load'][0]:.1f}-{trl['load'][1]:.1f} | |\n")
+    write(
+        f"| load average (min start - max end) | {ours['load'][0]:.1f}-{ours['load'][1]:.1f} "
+        f"| {trl['load'][0]:.1f}-{trl['load'][1]:.1f} | |\n"
+    )
     phases = ours.get("phases", {})
-    write("\nWhere the step goes (median s): ours " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-          + f" (of which generation {ours['gen_s']:.2f}); TRL rollout {trl['rollout_s']:.2f} (of which generation "
-          f"{trl['gen_s']:.2f}), the rest (log-prob forward, backward, optimizer, bookkeeping) "
-          f"{trl['step_s'] - trl['rollout_s']:.2f}\n")
+    write(
+        "\nWhere the step goes (median s): ours "
+        + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        + f" (of which generation {ours['gen_s']:.2f}); TRL rollout {trl['rollout_s']:.2f} (of which generation "
+        f"{trl['gen_s']:.2f}), the rest (log-prob forward, backward, optimizer, bookkeeping) "
+        f"{trl['step_s'] - trl['rollout_s']:.2f}\n"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
-                        help="tiny: 4 layers, hidden 256, ffn 688 (default); micro: 2 layers, hidden 64 (tests)")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: 4 layers, hidden 256, ffn 688 (default); micro: 2 layers, hidden 64 (tests)",
+    )
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (default 6)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timing (default 1)")
     parser.add_argument("--global-batch", type=int, default=4, help="prompts per step (default 4)")
@@ -436,21 +596,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="response length (default 64)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate, constant (default 1e-5)")
-    parser.add_argument("--beta", type=float, default=0.0,
-                        help="KL coefficient (default 0: no reference model on either side)")
-    parser.add_argument("--allow-eos", action="store_true",
-                        help="let responses stop at EOS (default: every response is --max-new-tokens long)")
+    parser.add_argument(
+        "--beta", type=float, default=0.0, help="KL coefficient (default 0: no reference model on either side)"
+    )
+    parser.add_argument(
+        "--allow-eos",
+        action="store_true",
+        help="let responses stop at EOS (default: every response is --max-new-tokens long)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating (default 2)")
-    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the comparison with TRL (default: on; --no-trl runs only the buffer modes)")
-    parser.add_argument("--buffer-modes", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the Ray driver with buffer.mode=sync and async (default: on)")
+    parser.add_argument(
+        "--trl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the comparison with TRL (default: on; --no-trl runs only the buffer modes)",
+    )
+    parser.add_argument(
+        "--buffer-modes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the Ray driver with buffer.mode=sync and async (default: on)",
+    )
     parser.add_argument("--trl-first", action="store_true", help="run TRL before ours in every repeat")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (and OMP_NUM_THREADS) of every run "
-                                                               "(default 1)")
-    parser.add_argument("--profile", action="store_true",
-                        help="write a CPU-time cProfile of each side's timed steps to the workdir (profile_<side>.prof "
-                             "and .txt; slows both sides down: use the numbers of a run without it)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (and OMP_NUM_THREADS) of every run (default 1)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write a CPU-time cProfile of each side's timed steps to the workdir (profile_<side>.prof "
+        "and .txt; slows both sides down: use the numbers of a run without it)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -466,8 +642,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.n < 2:
         parser.error(f"--n={args.n}: GRPO needs at least 2 responses per prompt")
     if (args.global_batch * args.n) % args.micro_batch:
-        parser.error(f"--micro-batch={args.micro_batch} must divide --global-batch x --n = "
-                     f"{args.global_batch * args.n}")
+        parser.error(
+            f"--micro-batch={args.micro_batch} must divide --global-batch x --n = {args.global_batch * args.n}"
+        )
     if args.warmup < 0 or args.steps < args.warmup + 1:
         parser.error(f"--steps={args.steps} leaves no timed step after --warmup={args.warmup}")
     if args.beta < 0:
@@ -482,23 +659,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "global_batch": args.global_batch,
-            "n": args.n, "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-            "beta": args.beta, "allow_eos": args.allow_eos, "threads": args.threads, "seed": 1234,
-            "warmup": args.warmup, "profile": args.profile}
+    spec = {
+        "workdir": str(work),
+        "size": args.size,
+        "steps": args.steps,
+        "global_batch": args.global_batch,
+        "n": args.n,
+        "micro_batch": args.micro_batch,
+        "max_new_tokens": args.max_new_tokens,
+        "lr": args.lr,
+        "beta": args.beta,
+        "allow_eos": args.allow_eos,
+        "threads": args.threads,
+        "seed": 1234,
+        "warmup": args.warmup,
+        "profile": args.profile,
+    }
     started, load = time.perf_counter(), os.getloadavg()[0]
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], records=facts["records"])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for repeat in range(args.repeats if args.trl else 0):
-        for side in (SIDES[::-1] if args.trl_first else SIDES):
+        for side in SIDES[::-1] if args.trl_first else SIDES:
             runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
     if not args.allow_eos:  # the equal-work premise: every response exactly --max-new-tokens long on both sides
         want = args.global_batch * args.n * args.max_new_tokens
         for side, side_runs in runs.items():
             if any(tokens != want for run in side_runs for tokens in run["gen_tokens"]):
-                raise SystemExit(f"{side} generated {[run['gen_tokens'] for run in side_runs]} tokens per step, not "
-                                 f"{want}: the sides did not do the same work; see {work}")
+                raise SystemExit(
+                    f"{side} generated {[run['gen_tokens'] for run in side_runs]} tokens per step, not "
+                    f"{want}: the sides did not do the same work; see {work}"
+                )
     results = {side: summarize(r, args.warmup) for side, r in runs.items() if r}
     modes: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     if args.buffer_modes:
@@ -506,14 +697,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in modes:
                 log = work / f"run_{repeat}_{mode}.log"
                 modes[mode].append(run_child("runner", {**spec, "buffer_mode": mode}, log))
-    header = (f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
-              f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
-              f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
-              f"tokens on average; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
-              f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
-              f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
-              f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
-              f"{time.perf_counter() - started:.0f} s; workdir {work}")
+    header = (
+        f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
+        f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
+        f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
+        f"tokens on average; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+        f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
+        f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
+        f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
+        f"{time.perf_counter() - started:.0f} s; workdir {work}"
+    )
     if results:
         report(results, header)
     else:
@@ -522,8 +715,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if runner_results:
         report_runner(runner_results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs,
-                                               "buffer_modes": runner_results, "runner_runs": modes}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "header": header,
+                    "results": results,
+                    "runs": runs,
+                    "buffer_modes": runner_results,
+                    "runner_runs": modes,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

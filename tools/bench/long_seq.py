@@ -40,8 +40,15 @@ def _rank(rank: int, world_size: int, overrides: list[str]) -> list[dict[str, An
             start = time.perf_counter()
             with measure_peak_memory() as peak:
                 record = super()._step(state, gbs, num_micro)
-            steps.append({"step": record["step"], "loss": record["loss"], "peak_mib": peak.peak_mib,
-                          "method": peak.method, "seconds": time.perf_counter() - start})
+            steps.append(
+                {
+                    "step": record["step"],
+                    "loss": record["loss"],
+                    "peak_mib": peak.peak_mib,
+                    "method": peak.method,
+                    "seconds": time.perf_counter() - start,
+                }
+            )
             return record
 
     trainer_module.Trainer = Measured
@@ -60,9 +67,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as root:
         data = prepare_demo_data(Path(root))
-        common = [f"data.prefixes=[{data}]", f"train.steps={args.steps}", "train.lr_warmup_steps=0", "checkpoint.save=null",
-                  "logging.progress=false", "logging.tensorboard=false", "logging.loss_curve=false",
-                  f"data.cache_dir={root}/cache", *args.overrides]
+        common = [
+            f"data.prefixes=[{data}]",
+            f"train.steps={args.steps}",
+            "train.lr_warmup_steps=0",
+            "checkpoint.save=null",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.loss_curve=false",
+            f"data.cache_dir={root}/cache",
+            *args.overrides,
+        ]
         if args.seq_length:
             common.append(f"data.seq_length={args.seq_length}")
         rows = []
@@ -70,14 +85,23 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             per_rank = run_distributed(_rank, cp, [*common, f"parallel.cp={cp}"], timeout=3600)
             last = [steps[-1] for steps in per_rank]
-            rows.append({"cp": cp, "peak_mib": max(r["peak_mib"] for r in last), "loss": last[0]["loss"],
-                         "seconds": max(r["seconds"] for r in last), "method": last[0]["method"],
-                         "wall": time.perf_counter() - started})
+            rows.append(
+                {
+                    "cp": cp,
+                    "peak_mib": max(r["peak_mib"] for r in last),
+                    "loss": last[0]["loss"],
+                    "seconds": max(r["seconds"] for r in last),
+                    "method": last[0]["method"],
+                    "wall": time.perf_counter() - started,
+                }
+            )
     base = rows[0]["peak_mib"]
     print(f"{'cp':>3} {'peak MiB/rank':>14} {'vs first':>9} {'step s':>8} {'loss':>8}  method")
     for r in rows:
-        print(f"{r['cp']:>3} {r['peak_mib']:>14.1f} {r['peak_mib'] / base:>9.3f} {r['seconds']:>8.1f} "
-              f"{r['loss']:>8.4f}  {r['method']}")
+        print(
+            f"{r['cp']:>3} {r['peak_mib']:>14.1f} {r['peak_mib'] / base:>9.3f} {r['seconds']:>8.1f} "
+            f"{r['loss']:>8.4f}  {r['method']}"
+        )
     return 0
 
 

@@ -41,18 +41,27 @@ from mindspeed.device import get_accelerator
 #: Variant name -> (feature settings, extra TransformerConfig fields).
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "none": ({}, {}),
-    "megatron full recompute": ({}, {"recompute_granularity": "full", "recompute_method": "uniform",
-                                     "recompute_num_layers": 1}),
+    "megatron full recompute": (
+        {},
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    ),
     "recompute_activation_function": ({"recompute_activation_function": True}, {}),
     "recompute_norm": ({"recompute_norm": True}, {}),
     "swap_attention": ({"swap_attention": True}, {}),
     "reuse_fp32_param": ({"reuse_fp32_param": True}, {}),
     "swap_optimizer (4 chunks)": ({"swap_optimizer": {"enabled": True, "swap_optimizer_times": 4}}, {}),
-    "activation + norm recompute + reuse_fp32": ({"recompute_activation_function": True, "recompute_norm": True,
-                                                  "reuse_fp32_param": True}, {}),
+    "activation + norm recompute + reuse_fp32": (
+        {"recompute_activation_function": True, "recompute_norm": True, "reuse_fp32_param": True},
+        {},
+    ),
     "activation recompute + swap_attention + swap_optimizer": (
-        {"recompute_activation_function": True, "swap_attention": True,
-         "swap_optimizer": {"enabled": True, "swap_optimizer_times": 4}}, {}),
+        {
+            "recompute_activation_function": True,
+            "swap_attention": True,
+            "swap_optimizer": {"enabled": True, "swap_optimizer_times": 4},
+        },
+        {},
+    ),
 }
 
 
@@ -96,24 +105,45 @@ def _build(args: argparse.Namespace, settings: dict[str, Any], overrides: dict[s
     context = BuildContext()
     apply_features(FeaturesConfig(optimization_level=0, settings=settings), context)
     kernels = {op: "reference" for op in ("rms_norm", "layer_norm", "attention", "swiglu")}
-    model = TinyGPTConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
-                          num_attention_heads=max(1, args.hidden // 64), num_query_groups=max(1, args.hidden // 128),
-                          vocab_size=1024, seq_length=args.seq)
+    model = TinyGPTConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_query_groups=max(1, args.hidden // 128),
+        vocab_size=1024,
+        seq_length=args.seq,
+    )
     torch.manual_seed(model.seed)  # every variant starts from the same weights (same losses)
     model_parallel_cuda_manual_seed(model.seed)
-    chunks = build_gpt(model, ParallelSizes(), DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                             use_distributed_optimizer=True),
-                       layer_spec=get_gpt_layer_spec(kernels), use_te_activation_func=True, bf16=True,
-                       params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **overrides)
+    chunks = build_gpt(
+        model,
+        ParallelSizes(),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        layer_spec=get_gpt_layer_spec(kernels),
+        use_te_activation_func=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        **overrides,
+    )
     for hook in context.hooks["post_model_build"]:
         hook(chunks)
     # The optimizer state is part of the peak: on the CPU it is counted from here.
     tracker = StorageTracker() if resolve_method() == "dispatch" else None
     if tracker is not None:
         tracker.__enter__()
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
-                                                       params_dtype=torch.bfloat16, clip_grad=1.0,
-                                                       use_distributed_optimizer=True), chunks)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            clip_grad=1.0,
+            use_distributed_optimizer=True,
+        ),
+        chunks,
+    )
     for hook in context.hooks["post_optimizer_build"]:
         optimizer = hook(optimizer) or optimizer
     batches = make_batches(model, args.microbatches, args.micro_batch_size)
@@ -178,9 +208,16 @@ def render(console: Console, title: str, rows: list[Row]) -> None:
     for column in ("variant", "peak MiB", "peak / none", "step ms", "time / none", "loss (2nd step)", "runs"):
         table.add_column(column, justify="left" if column == "variant" else "right")
     for row in rows:
-        table.add_row(row.variant, f"{row.peak_mib:.2f}", f"{row.peak_ratio:.3f}x", f"{row.step_ms:.1f}",
-                      f"{row.time_ratio:.2f}x", f"{row.loss:.6f}", str(row.runs),
-                      style="bold" if row.variant == "none" else None)
+        table.add_row(
+            row.variant,
+            f"{row.peak_mib:.2f}",
+            f"{row.peak_ratio:.3f}x",
+            f"{row.step_ms:.1f}",
+            f"{row.time_ratio:.2f}x",
+            f"{row.loss:.6f}",
+            str(row.runs),
+            style="bold" if row.variant == "none" else None,
+        )
     console.print(table)
 
 
@@ -193,8 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     accelerator = get_accelerator()
     adapt()
-    dist.init_process_group(accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
     init_parallel(ParallelSizes())
     try:
         rows = run(args)
@@ -202,13 +240,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         destroy_parallel()
         dist.destroy_process_group()
         unadapt()
-    title = (f"GPT training step (bf16, distributed optimizer, Adam) per memory feature: {args.layers} layers, "
-             f"hidden {args.hidden}, ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x "
-             f"{args.seq} tokens, {accelerator.device()}, {torch.get_num_threads()} threads")
+    title = (
+        f"GPT training step (bf16, distributed optimizer, Adam) per memory feature: {args.layers} layers, "
+        f"hidden {args.hidden}, ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x "
+        f"{args.seq} tokens, {accelerator.device()}, {torch.get_num_threads()} threads"
+    )
     render(console, title, rows)
     if args.json:
-        meta = {**vars(args), "device": str(accelerator.device()), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "python": platform.python_version()}
+        meta = {
+            **vars(args),
+            "device": str(accelerator.device()),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        }
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as out:
             json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)

@@ -84,12 +84,25 @@ def _config(args: argparse.Namespace) -> Any:
 
     dtype = DTYPES[args.dtype]
     return TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
-        num_attention_heads=max(1, args.hidden // 64), num_moe_experts=args.experts, moe_router_topk=args.topk,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, use_te_activation_func=True,
-        bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=1,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        moe_ffn_hidden_size=args.ffn,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_moe_experts=args.experts,
+        moe_router_topk=args.topk,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        use_te_activation_func=True,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
 
 
@@ -139,12 +152,18 @@ def run(args: argparse.Namespace) -> list[Row]:
     grad = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(device, dtype)
     baseline = _layer(config, False, None, None)
     state = {name: tensor for name, tensor in baseline.state_dict().items() if "_extra_state" not in name}
-    layers = {label: baseline if label == "sequential" else _layer(config, grouped, impl, state)
-              for label, (grouped, impl, _) in VARIANTS.items()}
-    rows = {label: Row(label, type(layer.experts).__name__, getattr(getattr(layer.experts, "kernel", None), "name", "-"))
-            for label, layer in layers.items()}
-    calls = {label: (lambda layer=layer, fused=VARIANTS[label][2]: _with_patches(fused, lambda: _step(layer, x, grad)))
-             for label, layer in layers.items()}
+    layers = {
+        label: baseline if label == "sequential" else _layer(config, grouped, impl, state)
+        for label, (grouped, impl, _) in VARIANTS.items()
+    }
+    rows = {
+        label: Row(label, type(layer.experts).__name__, getattr(getattr(layer.experts, "kernel", None), "name", "-"))
+        for label, layer in layers.items()
+    }
+    calls = {
+        label: (lambda layer=layer, fused=VARIANTS[label][2]: _with_patches(fused, lambda: _step(layer, x, grad)))
+        for label, layer in layers.items()
+    }
     reference = calls["sequential"]()  # also the warm-up of the baseline
     for label, call in calls.items():
         rows[label].max_diff = (call().float() - reference.float()).abs().max().item()
@@ -174,13 +193,31 @@ def run(args: argparse.Namespace) -> list[Row]:
 def render(console: Console, title: str, rows: list[Row]) -> None:
     """Print the table."""
     table = Table(title=title, title_justify="left")
-    for column in ("variant", "experts", "kernel", "time ms", "time / seq", "peak MiB", "mem / seq", "runs",
-                   "max |diff|"):
+    for column in (
+        "variant",
+        "experts",
+        "kernel",
+        "time ms",
+        "time / seq",
+        "peak MiB",
+        "mem / seq",
+        "runs",
+        "max |diff|",
+    ):
         table.add_column(column, justify="left" if column in ("variant", "experts", "kernel") else "right")
     for row in rows:
-        table.add_row(row.variant, row.experts_module, row.kernel, f"{row.time_ms:.1f}", f"{row.time_ratio:.2f}x",
-                      f"{row.peak_mib:.1f}", "-" if row.memory_ratio is None else f"{row.memory_ratio:.2f}x",
-                      str(row.runs), f"{row.max_diff:.1e}", style="bold" if row.variant == "sequential" else None)
+        table.add_row(
+            row.variant,
+            row.experts_module,
+            row.kernel,
+            f"{row.time_ms:.1f}",
+            f"{row.time_ratio:.2f}x",
+            f"{row.peak_mib:.1f}",
+            "-" if row.memory_ratio is None else f"{row.memory_ratio:.2f}x",
+            str(row.runs),
+            f"{row.max_diff:.1e}",
+            style="bold" if row.variant == "sequential" else None,
+        )
     console.print(table)
 
 
@@ -194,8 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     accelerator = get_accelerator()
     adapt()
     # megatron's MoE layer reads its process groups: one rank of the accelerator's backend.
-    dist.init_process_group(accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
     init_parallel(ParallelSizes())
     try:
         rows = run(args)
@@ -203,13 +241,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         destroy_parallel()
         dist.destroy_process_group()
         unadapt()
-    title = (f"MoE layer fwd+bwd: {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts x ffn "
-             f"{args.ffn}, top-{args.topk}, {args.dtype}, {accelerator.device()}, {torch.get_num_threads()} threads, "
-             f"peak memory via {resolve_method()}")
+    title = (
+        f"MoE layer fwd+bwd: {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts x ffn "
+        f"{args.ffn}, top-{args.topk}, {args.dtype}, {accelerator.device()}, {torch.get_num_threads()} threads, "
+        f"peak memory via {resolve_method()}"
+    )
     render(console, title, rows)
     if args.json:
-        meta = {**vars(args), "device": str(accelerator.device()), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "python": platform.python_version()}
+        meta = {
+            **vars(args),
+            "device": str(accelerator.device()),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        }
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as out:
             json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)

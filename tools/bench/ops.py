@@ -68,11 +68,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per implementation (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (at least 1)")
     parser.add_argument(
-        "--budget-s", type=float, default=3.0,
+        "--budget-s",
+        type=float,
+        default=3.0,
         help="stop the timed rounds of an op after about this many seconds per implementation (at least 2 rounds)",
     )
     parser.add_argument(
-        "--backward", action=argparse.BooleanOptionalAction, default=True,
+        "--backward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="time forward + backward (in-place ops are always forward only)",
     )
     parser.add_argument("--compile", action="store_true", help='also run impl="compile" (compiling is slow on CPU)')
@@ -99,8 +103,7 @@ def candidates(spec: OpSpec, case: Case, device: str, include_compile: bool) -> 
     Where the op has no ``naive`` the reference is the baseline.
     """
     impls = [
-        impl for impl in available_kernels(spec.name, device, case.features)
-        if include_compile or impl.name != COMPILE
+        impl for impl in available_kernels(spec.name, device, case.features) if include_compile or impl.name != COMPILE
     ]
     impls.sort(key=lambda impl: impl.name != "reference")  # stable: keeps best-first order after it
     pairs: list[tuple[str, Callable[..., Any]]] = []

@@ -42,8 +42,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="model width (heads x head dim)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--spread", type=float, default=0.25,
-                        help="segment lengths are drawn uniformly within +-spread of the mean (0: equal)")
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=0.25,
+        help="segment lengths are drawn uniformly within +-spread of the mean (0: equal)",
+    )
     parser.add_argument("--window", type=int, default=0, help="sliding window in tokens (0: plain causal)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=10)
@@ -58,8 +62,9 @@ def segment_lengths(count: int, mean: int, spread: float, gen: torch.Generator) 
     return torch.randint(low, high + 1, (count,), generator=gen).tolist()
 
 
-def time_calls(fns: dict[str, Callable[[], torch.Tensor]], grad: torch.Tensor, warmup: int, repeat: int
-               ) -> dict[str, float]:
+def time_calls(
+    fns: dict[str, Callable[[], torch.Tensor]], grad: torch.Tensor, warmup: int, repeat: int
+) -> dict[str, float]:
     """Best (minimum) milliseconds of each ``fn()`` forward + backward over ``repeat`` runs.
 
     The functions take turns, so that a burst of load from other processes hits them alike.
@@ -127,11 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     console = Console(width=None if sys.stdout.isatty() else 150)
-    table = Table(title=(
-        f"packed causal attention, fwd+bwd ms, best of {args.repeat} (hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
-        f"{args.threads} thread{'s' if args.threads > 1 else ''}, spread {args.spread}"
-        f"{f', window {args.window}' if args.window > 0 else ''})"
-    ))
+    table = Table(
+        title=(
+            f"packed causal attention, fwd+bwd ms, best of {args.repeat} (hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
+            f"{args.threads} thread{'s' if args.threads > 1 else ''}, spread {args.spread}"
+            f"{f', window {args.window}' if args.window > 0 else ''})"
+        )
+    )
     columns = ("packing", "tokens", "dense", "segmented", "loop", "dense / segmented", "max |diff|", "default path")
     for column in columns:
         table.add_column(column, justify="left" if column in ("packing", "default path") else "right")
@@ -141,8 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         times = bench_shape(lengths, args, gen)
         loop = f"{times['loop']:.2f}" if "loop" in times else "-"
         table.add_row(
-            f"{count} x {mean}", str(sum(lengths)), f"{times['dense']:.2f}", f"{times['segmented']:.2f}", loop,
-            f"{times['dense'] / times['segmented']:.2f}x", f"{times['max_error']:.1e}", times["auto"],
+            f"{count} x {mean}",
+            str(sum(lengths)),
+            f"{times['dense']:.2f}",
+            f"{times['segmented']:.2f}",
+            loop,
+            f"{times['dense'] / times['segmented']:.2f}x",
+            f"{times['max_error']:.1e}",
+            times["auto"],
         )
     console.print(table)
     return 0

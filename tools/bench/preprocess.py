@@ -38,10 +38,15 @@ from mindspeed_llm.tokenizer import DEMO_ALPACA, DEMO_CORPUS
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--handler", default="GeneralPretrainHandler",
-                        choices=["GeneralPretrainHandler", "AlpacaStyleInstructionHandler"])
+    parser.add_argument(
+        "--handler",
+        default="GeneralPretrainHandler",
+        choices=["GeneralPretrainHandler", "AlpacaStyleInstructionHandler"],
+    )
     parser.add_argument("--records", type=int, default=20000, help="records in the generated input")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare (first: baseline)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare (first: baseline)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per worker count (the median is reported)")
     parser.add_argument("--tokenizer", default="demo", help="tokenizer directory, or demo")
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
@@ -114,8 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats + 1):  # round 0 warms the page cache and the demo tokenizer
             for workers in args.workers:
                 prefix = str(Path(tmp) / f"out-{workers}" / "data")
-                config = PreprocessConfig(input=str(source), tokenizer_name_or_path=args.tokenizer, output_prefix=prefix,
-                                          handler_name=args.handler, append_eod=True, workers=workers, log_interval=10**9)
+                config = PreprocessConfig(
+                    input=str(source),
+                    tokenizer_name_or_path=args.tokenizer,
+                    output_prefix=prefix,
+                    handler_name=args.handler,
+                    append_eod=True,
+                    workers=workers,
+                    log_interval=10**9,
+                )
                 cpu_self, cpu_children = _cpu()
                 start = time.perf_counter()
                 report = preprocess_data(config)
@@ -128,34 +140,66 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cpu[workers].append((cpu_self, cpu_children))
                     ceilings[workers].append(machine_speedup(workers) if workers > 1 else 1.0)
     base = statistics.median(times[args.workers[0]])
-    table = Table(title=f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
-                        f"{os.cpu_count()} CPUs, median of {args.repeats}")
-    for column in ("workers", "process s", "records/s", "tokens/s", "speed-up", "machine ceiling", "CPU s main",
-                   "CPU s workers", "setup s"):
+    table = Table(
+        title=f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
+        f"{os.cpu_count()} CPUs, median of {args.repeats}"
+    )
+    for column in (
+        "workers",
+        "process s",
+        "records/s",
+        "tokens/s",
+        "speed-up",
+        "machine ceiling",
+        "CPU s main",
+        "CPU s workers",
+        "setup s",
+    ):
         table.add_column(column, justify="right")
     rows = []
     for workers in args.workers:
         median = statistics.median(times[workers])
-        row = {"workers": workers, "seconds": median, "records_per_s": args.records / median,
-               "tokens_per_s": report.tokens / median, "speedup": base / median,
-               "machine_ceiling": statistics.median(ceilings[workers]), "setup_s": statistics.median(setup[workers]),
-               "cpu_main_s": statistics.median(c[0] for c in cpu[workers]),
-               "cpu_workers_s": statistics.median(c[1] for c in cpu[workers])}
+        row = {
+            "workers": workers,
+            "seconds": median,
+            "records_per_s": args.records / median,
+            "tokens_per_s": report.tokens / median,
+            "speedup": base / median,
+            "machine_ceiling": statistics.median(ceilings[workers]),
+            "setup_s": statistics.median(setup[workers]),
+            "cpu_main_s": statistics.median(c[0] for c in cpu[workers]),
+            "cpu_workers_s": statistics.median(c[1] for c in cpu[workers]),
+        }
         rows.append(row)
-        table.add_row(str(workers), f"{median:.2f}", f"{row['records_per_s']:.0f}", f"{row['tokens_per_s']:.0f}",
-                      f"{row['speedup']:.2f}x", f"{row['machine_ceiling']:.2f}x", f"{row['cpu_main_s']:.2f}",
-                      f"{row['cpu_workers_s']:.2f}", f"{row['setup_s']:.2f}")
+        table.add_row(
+            str(workers),
+            f"{median:.2f}",
+            f"{row['records_per_s']:.0f}",
+            f"{row['tokens_per_s']:.0f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['machine_ceiling']:.2f}x",
+            f"{row['cpu_main_s']:.2f}",
+            f"{row['cpu_workers_s']:.2f}",
+            f"{row['setup_s']:.2f}",
+        )
     console.print(table)
     console.print(f"identical output for every worker count: {len(digests) == 1}")
     # Other processes on the machine steal the cores the workers need: show how busy it was.
     console.print(f"load average (1/5/15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if len(args.workers) > 1:
         last = rows[-1]
-        console.print(f"ratio {args.workers[-1]} vs {args.workers[0]} workers: {last['speedup']:.2f}x "
-                      f"(pure CPU work in {args.workers[-1]} processes gained {last['machine_ceiling']:.2f}x on this machine meanwhile)")
+        console.print(
+            f"ratio {args.workers[-1]} vs {args.workers[0]} workers: {last['speedup']:.2f}x "
+            f"(pure CPU work in {args.workers[-1]} processes gained {last['machine_ceiling']:.2f}x on this machine meanwhile)"
+        )
     if args.json:
-        meta = {**vars(args), "cpus": os.cpu_count(), "python": platform.python_version(), "tokens": report.tokens,
-                "loadavg": os.getloadavg()}
+        meta = {
+            **vars(args),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "tokens": report.tokens,
+            "loadavg": os.getloadavg(),
+        }
         with open(args.json + ".tmp", "w") as out:
             json.dump({"meta": meta, "rows": rows}, out, indent=2)
         os.replace(args.json + ".tmp", args.json)

@@ -57,8 +57,13 @@ from _child import memory_status
 #: Model shapes of ``--size`` (recipe overrides; ``tiny`` is examples/llm/tiny_cpu.yaml's).
 SIZES = {
     "tiny": {},
-    "small": {"model.num_layers": 8, "model.hidden_size": 512, "model.ffn_hidden_size": 1408,
-              "model.num_attention_heads": 8, "model.num_query_groups": 4},
+    "small": {
+        "model.num_layers": 8,
+        "model.hidden_size": 512,
+        "model.ffn_hidden_size": 1408,
+        "model.num_attention_heads": 8,
+        "model.num_query_groups": 4,
+    },
 }
 #: Default steps per run of each size.
 STEPS = {"tiny": 40, "small": 12}
@@ -69,17 +74,26 @@ HF = "Hugging Face Trainer"
 
 # ----------------------------------------------------------------------------- children
 
+
 def recipe_overrides(spec: dict[str, Any], steps: int, level: int, full_logging: bool = False) -> list[str]:
     """The ``key=value`` overrides of the tiny_cpu recipe for a run of ``steps`` steps."""
     quiet = not full_logging
     overrides = {
-        **SIZES[spec["size"]], "data.prefixes": f"[{spec['dataset']}]", "data.seq_length": spec["seq_length"],
-        "train.steps": steps, "train.micro_batch_size": spec["micro_batch"],
+        **SIZES[spec["size"]],
+        "data.prefixes": f"[{spec['dataset']}]",
+        "data.seq_length": spec["seq_length"],
+        "train.steps": steps,
+        "train.micro_batch_size": spec["micro_batch"],
         "train.global_batch_size": spec["micro_batch"] * spec["grad_accum"],
         "train.lr_warmup_steps": min(20, max(steps // 2, 1)) if steps else 0,
-        "eval.interval": "null", "eval.at_end": "false", "checkpoint.save": "null", "checkpoint.save_at_end": "false",
-        "logging.progress": str(not quiet).lower(), "logging.tensorboard": str(not quiet).lower(),
-        "logging.loss_curve": "false", "logging.interval": 10 if full_logging else max(steps, 1),
+        "eval.interval": "null",
+        "eval.at_end": "false",
+        "checkpoint.save": "null",
+        "checkpoint.save_at_end": "false",
+        "logging.progress": str(not quiet).lower(),
+        "logging.tensorboard": str(not quiet).lower(),
+        "logging.loss_curve": "false",
+        "logging.interval": 10 if full_logging else max(steps, 1),
         "logging.dir": str(Path(spec["workdir"]) / "logs") if full_logging else "null",
         "features.optimization_level": level,
     }
@@ -88,8 +102,9 @@ def recipe_overrides(spec: dict[str, Any], steps: int, level: int, full_logging:
     return [f"{key}={value}" for key, value in overrides.items()]
 
 
-def load_config(spec: dict[str, Any], steps: int, level: int, full_logging: bool = False,
-                extra: Sequence[str] = ()) -> Any:
+def load_config(
+    spec: dict[str, Any], steps: int, level: int, full_logging: bool = False, extra: Sequence[str] = ()
+) -> Any:
     """Our recipe for the benchmark: the packaged tiny_cpu recipe with :func:`recipe_overrides`."""
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.quickstart import TINY_CPU_RECIPE
@@ -103,12 +118,20 @@ def hf_config(config: Any) -> Any:
 
     m = config.model
     return LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads, head_dim=m.kv_channels,
-        max_position_embeddings=config.data.seq_length, rms_norm_eps=m.norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base}, tie_word_embeddings=m.tie_embeddings,
-        initializer_range=m.init_method_std, use_cache=False, dtype="float32",
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels,
+        max_position_embeddings=config.data.seq_length,
+        rms_norm_eps=m.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
+        tie_word_embeddings=m.tie_embeddings,
+        initializer_range=m.init_method_std,
+        use_cache=False,
+        dtype="float32",
     )
 
 
@@ -136,16 +159,22 @@ def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
         # A 0-step run builds the model as the benchmarked runs do (same seed) and exports it.
         launch(pretrain, (load_config(spec, 0, 2, extra=[f"checkpoint.save_hf={init}"]),), nproc_per_node=1)
     except Exception as err:  # the export is a convenience: without it the HF model starts from its own init
-        sys.stderr.write(f"initial weights not exported ({type(err).__name__}: {err}); Hugging Face starts from "
-                         "its own random initialisation\n")
+        sys.stderr.write(
+            f"initial weights not exported ({type(err).__name__}: {err}); Hugging Face starts from "
+            "its own random initialisation\n"
+        )
         init = None
     train, _ = build_datasets(config, 1, read_tokenizer(config))
     count = spec["steps"] * spec["micro_batch"] * spec["grad_accum"]
     samples = [train[i] for i in range(count)]
     data = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask")}
     torch.save(data, work / "samples.pt")
-    return {"dataset": spec["dataset"], "vocab_size": spec["vocab_size"], "init_hf": str(init) if init else None,
-            "samples": count}
+    return {
+        "dataset": spec["dataset"],
+        "vocab_size": spec["vocab_size"],
+        "init_hf": str(init) if init else None,
+        "samples": count,
+    }
 
 
 def _periods(starts: dict[int, tuple[float, ...]], warmup: int) -> dict[str, list[float]]:
@@ -192,9 +221,14 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     config = load_config(spec, spec["steps"], spec["level"], spec.get("full_logging", False))
     result = launch(pretrain, (config, TrainerHooks(loss_transform=stamp)), nproc_per_node=1)
     records = [r for r in result.records if r["kind"] == "train"]
-    return {**_periods(starts, spec["warmup"]), "losses": [r["loss"] for r in records],
-            "inner_s": [r["step_time_s"] for r in records[spec["warmup"]:]], "threads": max(threads),
-            "import_rss_mb": base["rss_mb"], **memory_status()}
+    return {
+        **_periods(starts, spec["warmup"]),
+        "losses": [r["loss"] for r in records],
+        "inner_s": [r["step_time_s"] for r in records[spec["warmup"] :]],
+        "threads": max(threads),
+        "import_rss_mb": base["rss_mb"],
+        **memory_status(),
+    }
 
 
 def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -247,25 +281,50 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     shape._attn_implementation = "sdpa"
     if spec["init_hf"]:
         # Our shape, the exported weights: every tensor must be there with its shape.
-        model, info = LlamaForCausalLM.from_pretrained(spec["init_hf"], config=shape, dtype=torch.float32,
-                                                       output_loading_info=True)
+        model, info = LlamaForCausalLM.from_pretrained(
+            spec["init_hf"], config=shape, dtype=torch.float32, output_loading_info=True
+        )
         if any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")):
             raise SystemExit(f"the exported weights do not fit the Hugging Face model of our shape: {info}")
     else:
         torch.manual_seed(t.seed)
         model = LlamaForCausalLM(shape)
     args = TrainingArguments(
-        output_dir=str(work / "hf_out"), max_steps=spec["steps"], per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=spec["grad_accum"], learning_rate=t.lr, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": t.min_lr}, warmup_steps=t.lr_warmup_steps, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_eps, max_grad_norm=t.clip_grad,
-        use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False, report_to="none", save_strategy="no",
-        eval_strategy="no", logging_strategy="no", disable_tqdm=True, seed=t.seed, remove_unused_columns=False,
+        output_dir=str(work / "hf_out"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=t.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": t.min_lr},
+        warmup_steps=t.lr_warmup_steps,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_eps,
+        max_grad_norm=t.clip_grad,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=t.seed,
+        remove_unused_columns=False,
     )
     trainer = LossTrainer(model=model, args=args, train_dataset=Samples(), callbacks=[Timer()])
     trainer.train()
-    return {**_periods(starts, spec["warmup"]), "losses": losses, "inner_s": inner, "threads": max(threads),
-            "optim": getattr(args.optim, "value", str(args.optim)), "import_rss_mb": base["rss_mb"], **memory_status()}
+    return {
+        **_periods(starts, spec["warmup"]),
+        "losses": losses,
+        "inner_s": inner,
+        "threads": max(threads),
+        "optim": getattr(args.optim, "value", str(args.optim)),
+        "import_rss_mb": base["rss_mb"],
+        **memory_status(),
+    }
 
 
 class StepProfiler:
@@ -297,6 +356,7 @@ CHILDREN = {"prepare": child_prepare, "ours": child_ours, "hf": child_hf}
 
 # ----------------------------------------------------------------------------- driver
 
+
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
     return _child.run_child(__file__, kind, spec, log, {"OMP_WAIT_POLICY": wait_policy()})
@@ -324,13 +384,15 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
     period = statistics.median(statistics.median(r["periods"]) for r in runs)
     losses = runs[0]["losses"]
     return {
-        "tokens_per_s": tokens_per_step / period, "step_s": period,
+        "tokens_per_s": tokens_per_step / period,
+        "step_s": period,
         "cpu_step_s": statistics.median(statistics.median(r["cpu_periods"]) for r in runs),
         "wait_step_s": statistics.median(statistics.median(r["wait_periods"]) for r in runs),
         "inner_step_s": statistics.median(statistics.median(r["inner_s"]) for r in runs),
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
-        "first_loss": losses[0], "final_loss": losses[-1],
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, reference)) if reference else 0.0,
         "threads": sorted({r["threads"] for r in runs}),
         "runs_tokens_per_s": [round(tokens_per_step / statistics.median(r["periods"])) for r in runs],
@@ -339,26 +401,53 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
-                        help="tiny: examples/llm/tiny_cpu.yaml (4 layers, hidden 128); small: 8 layers, hidden 512")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"optimizer steps per run (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: examples/llm/tiny_cpu.yaml (4 layers, hidden 128); small: 8 layers, hidden 512",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (default 2)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per microbatch (default 8)")
     parser.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default 1)")
     parser.add_argument("--seq-length", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--levels", type=int, nargs="+", default=[2, 0],
-                        help="our features.optimization_level values to run (default: 2, the default, and 0)")
-    parser.add_argument("--full-logging", action="store_true",
-                        help="also run ours (first level) with progress bar, metrics.jsonl and TensorBoard")
+    parser.add_argument(
+        "--levels",
+        type=int,
+        nargs="+",
+        default=[2, 0],
+        help="our features.optimization_level values to run (default: 2, the default, and 0)",
+    )
+    parser.add_argument(
+        "--full-logging",
+        action="store_true",
+        help="also run ours (first level) with progress bar, metrics.jsonl and TensorBoard",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating (default 3)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads (and OMP_NUM_THREADS) of every run (default: all cores)")
-    parser.add_argument("--profile", action="store_true",
-                        help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads (and OMP_NUM_THREADS) of every run (default: all cores)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, 1 repeat, the first level only")
-    parser.add_argument("--workdir", default=None, help="data, initial weights, logs and profiles (default: a temporary "
-                        "directory, removed at the end unless --profile is given)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="data, initial weights, logs and profiles (default: a temporary "
+        "directory, removed at the end unless --profile is given)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
@@ -371,8 +460,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.warmup < 0 or args.steps < args.warmup + 3:
-        parser.error(f"--steps={args.steps} leaves fewer than 2 timed steps after --warmup={args.warmup}; "
-                     f"use at least {max(args.warmup, 0) + 3} steps and a non-negative warmup")
+        parser.error(
+            f"--steps={args.steps} leaves fewer than 2 timed steps after --warmup={args.warmup}; "
+            f"use at least {max(args.warmup, 0) + 3} steps and a non-negative warmup"
+        )
     if any(level not in (0, 1, 2) for level in args.levels):
         parser.error(f"--levels {' '.join(map(str, args.levels))}: optimization levels are 0, 1 and 2")
     return args
@@ -385,15 +476,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pretrain-"))
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "warmup": args.warmup,
-            "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_length": args.seq_length,
-            "threads": args.threads, "level": args.levels[0]}
+    spec = {
+        "workdir": str(work),
+        "size": args.size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "seq_length": args.seq_length,
+        "threads": args.threads,
+        "level": args.levels[0],
+    }
     started, load = time.perf_counter(), os.getloadavg()[0]
     spec.update(run_child("prepare", spec, work / "prepare.log"))
     variants = {f"ours (optimization_level {level})": {"kind": "ours", "level": level} for level in args.levels}
     if args.full_logging:
         variants[f"ours (level {args.levels[0]}) + progress, metrics.jsonl, TensorBoard"] = {
-            "kind": "ours", "level": args.levels[0], "full_logging": True}
+            "kind": "ours",
+            "level": args.levels[0],
+            "full_logging": True,
+        }
     variants[HF] = {"kind": "hf"}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
@@ -406,12 +508,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = runs[HF][0]["losses"]
     results = {name: summarize(r, tokens, reference) for name, r in runs.items()}
     threads = sorted({t for r in results.values() for t in r["threads"]})
-    header = (f"size {args.size} ({spec['vocab_size']} vocabulary), {args.steps} steps ({args.warmup} untimed), global "
-              f"batch {args.micro_batch} x {args.grad_accum} x {args.seq_length} = {tokens} tokens, fp32, torch threads "
-              f"{'/'.join(map(str, threads))} on {os.cpu_count()} cores (OMP_WAIT_POLICY={wait_policy()}), median of {args.repeats} run(s); "
-              f"initial weights {'shared' if spec['init_hf'] else 'independent'}; Hugging Face optimizer "
-              f"{runs[HF][0]['optim']}; torch {version('torch')}, transformers {version('transformers')}; load "
-              f"average {load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}")
+    header = (
+        f"size {args.size} ({spec['vocab_size']} vocabulary), {args.steps} steps ({args.warmup} untimed), global "
+        f"batch {args.micro_batch} x {args.grad_accum} x {args.seq_length} = {tokens} tokens, fp32, torch threads "
+        f"{'/'.join(map(str, threads))} on {os.cpu_count()} cores (OMP_WAIT_POLICY={wait_policy()}), median of {args.repeats} run(s); "
+        f"initial weights {'shared' if spec['init_hf'] else 'independent'}; Hugging Face optimizer "
+        f"{runs[HF][0]['optim']}; torch {version('torch')}, transformers {version('transformers')}; load "
+        f"average {load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}"
+    )
     report(results, header)
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs}, indent=2))
@@ -425,17 +529,21 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
     hf = results[HF]
     write = sys.stdout.write
     write(header + "\n\n")
-    write("| run | tokens/s | step s | CPU s / step | wait s / step | peak RSS MB | RSS after imports MB | tokens/s ours/HF "
-          "| CPU s / step ours/HF | peak RSS ours/HF | loss step 1 | final loss | max loss diff to HF "
-          "| tokens/s of each run |\n")
+    write(
+        "| run | tokens/s | step s | CPU s / step | wait s / step | peak RSS MB | RSS after imports MB | tokens/s ours/HF "
+        "| CPU s / step ours/HF | peak RSS ours/HF | loss step 1 | final loss | max loss diff to HF "
+        "| tokens/s of each run |\n"
+    )
     write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for name, r in results.items():
-        write(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['cpu_step_s']:.3f} | {r['wait_step_s']:.3f} "
-              f"| {r['peak_rss_mb']:.0f} "
-              f"| {r['import_rss_mb']:.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
-              f"| {r['cpu_step_s'] / hf['cpu_step_s']:.2f} "
-              f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} "
-              f"| {r['max_loss_diff']:.1e} | {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n")
+        write(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['cpu_step_s']:.3f} | {r['wait_step_s']:.3f} "
+            f"| {r['peak_rss_mb']:.0f} "
+            f"| {r['import_rss_mb']:.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
+            f"| {r['cpu_step_s'] / hf['cpu_step_s']:.2f} "
+            f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} "
+            f"| {r['max_loss_diff']:.1e} | {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n"
+        )
 
 
 if __name__ == "__main__":

@@ -60,10 +60,20 @@ from _child import MB, memory_status
 
 #: Model shapes of ``--size`` (the vocabulary is 2048 for all: the demo tokenizer's 1746 fit).
 SIZES = {
-    "tiny": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
-             "num_key_value_heads": 4},
-    "small": {"num_hidden_layers": 8, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
-              "num_key_value_heads": 4},
+    "tiny": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "small": {
+        "num_hidden_layers": 8,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+    },
 }
 STEPS = {"tiny": 20, "small": 8}
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -73,6 +83,7 @@ HF_PAD, HF_FLAT = "HF Trainer + peft LoRA, padding collator", "HF Trainer + peft
 
 
 # ----------------------------------------------------------------------------- preparation
+
 
 def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the model directory, tokenize the demo data, and write the microbatches both sides train on.
@@ -88,16 +99,29 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, DocumentDataset, _segments
 
     work, model_dir = Path(spec["workdir"]), Path(spec["workdir"]) / f"model_{spec['size']}"
-    config = LlamaConfig(vocab_size=2048, max_position_embeddings=max(spec["seq_length"], 256), rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, use_cache=False, **SIZES[spec["size"]])
+    config = LlamaConfig(
+        vocab_size=2048,
+        max_position_embeddings=max(spec["seq_length"], 256),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        use_cache=False,
+        **SIZES[spec["size"]],
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(model_dir)
     load_tokenizer("demo").save_pretrained(model_dir)
     prefix = str(work / f"alpaca_{spec['seq_length']}")
-    preprocess_data(PreprocessConfig(input=str(DEMO_ALPACA), tokenizer_name_or_path=str(model_dir),
-                                     handler_name="AlpacaStyleInstructionHandler", output_prefix=prefix,
-                                     seq_length=spec["seq_length"], pack=True))
+    preprocess_data(
+        PreprocessConfig(
+            input=str(DEMO_ALPACA),
+            tokenizer_name_or_path=str(model_dir),
+            handler_name="AlpacaStyleInstructionHandler",
+            output_prefix=prefix,
+            seq_length=spec["seq_length"],
+            pack=True,
+        )
+    )
     # The trainer's sample order (train split = everything, seeded shuffle, endless epochs) and
     # its microbatches: the samples of micro_batch rows (PackedMicrobatchReader with one rank).
     rows = DocumentDataset([prefix], INSTRUCTION_KEYS, "100,0,0", 0, spec["seed"], shuffle=True)
@@ -105,16 +129,21 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     microbatches = []
     for m in range(spec["steps"] * accum):
         samples = [seg for i in range(m * mbs, (m + 1) * mbs) for seg in _segments(rows[i])]
-        microbatches.append([(torch.from_numpy(ids[:seq].copy()), torch.from_numpy(labels[:seq].copy()))
-                             for ids, labels in samples])
+        microbatches.append(
+            [(torch.from_numpy(ids[:seq].copy()), torch.from_numpy(labels[:seq].copy())) for ids, labels in samples]
+        )
     torch.save(microbatches, work / "microbatches.pt")
     lengths = [[len(ids) for ids, _ in mb] for mb in microbatches]
-    steps = [lengths[s * accum:(s + 1) * accum] for s in range(spec["steps"])]
+    steps = [lengths[s * accum : (s + 1) * accum] for s in range(spec["steps"])]
     return {
-        "model_dir": str(model_dir), "prefix": prefix, "rows": len(rows),
+        "model_dir": str(model_dir),
+        "prefix": prefix,
+        "rows": len(rows),
         "step_tokens": [sum(map(sum, step)) for step in steps],
-        "trained_tokens": [sum(int((labels[1:] != -100).sum()) for mb in microbatches[s * accum:(s + 1) * accum]
-                               for _, labels in mb) for s in range(spec["steps"])],
+        "trained_tokens": [
+            sum(int((labels[1:] != -100).sum()) for mb in microbatches[s * accum : (s + 1) * accum] for _, labels in mb)
+            for s in range(spec["steps"])
+        ],
         "samples_per_step": statistics.mean(sum(map(len, step)) for step in steps),
         "ours_computed": mbs * seq * accum,  # every microbatch padded to micro_batch x seq_length
         "hf_pad_computed": statistics.mean(sum(len(mb) * max(mb) for mb in step) for step in steps),
@@ -123,6 +152,7 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- children
+
 
 def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
@@ -152,8 +182,11 @@ class StepClock:
     def periods(self) -> dict[str, Any]:
         """Timed steps and their wall and CPU periods (start of step ``s`` to start of ``s + 1``)."""
         timed = [s for s in sorted(self.starts) if s > self.spec["warmup"] and s + 1 in self.starts]
-        return {"timed_steps": timed, "periods": [self.starts[s + 1][0] - self.starts[s][0] for s in timed],
-                "cpu_periods": [self.starts[s + 1][1] - self.starts[s][1] for s in timed]}
+        return {
+            "timed_steps": timed,
+            "periods": [self.starts[s + 1][0] - self.starts[s][0] for s in timed],
+            "cpu_periods": [self.starts[s + 1][1] - self.starts[s][1] for s in timed],
+        }
 
 
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -192,20 +225,47 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     trainer_module.apply_lora = counting(trainer_module.apply_lora)
     trainer_module.apply_qlora = counting(trainer_module.apply_qlora)
     t = spec["train"]
-    config = load_pretrain_config(None, [
-        "stage=sft", f"checkpoint.load_hf={spec['model_dir']}", f"data.prefixes=[{spec['prefix']}]",
-        "data.split=100,0,0", f"data.seq_length={spec['seq_length']}", f"train.steps={spec['steps']}",
-        f"train.micro_batch_size={spec['micro_batch']}", f"train.global_batch_size={spec['micro_batch'] * spec['grad_accum']}",
-        f"train.seed={spec['seed']}", *[f"train.{k}={v}" for k, v in t.items()], f"lora.target_modules={OUR_TARGETS}",
-        f"lora.r={spec['r']}", f"lora.alpha={spec['alpha']}", f"lora.dropout={spec['dropout']}",
-        f"lora.qlora={str(spec['qlora']).lower()}", "eval.interval=null", "eval.at_end=false", "checkpoint.save=null",
-        "logging.progress=false", "logging.tensorboard=false", "logging.loss_curve=false",
-        f"logging.interval={spec['steps']}", "logging.dir=null"])
+    config = load_pretrain_config(
+        None,
+        [
+            "stage=sft",
+            f"checkpoint.load_hf={spec['model_dir']}",
+            f"data.prefixes=[{spec['prefix']}]",
+            "data.split=100,0,0",
+            f"data.seq_length={spec['seq_length']}",
+            f"train.steps={spec['steps']}",
+            f"train.micro_batch_size={spec['micro_batch']}",
+            f"train.global_batch_size={spec['micro_batch'] * spec['grad_accum']}",
+            f"train.seed={spec['seed']}",
+            *[f"train.{k}={v}" for k, v in t.items()],
+            f"lora.target_modules={OUR_TARGETS}",
+            f"lora.r={spec['r']}",
+            f"lora.alpha={spec['alpha']}",
+            f"lora.dropout={spec['dropout']}",
+            f"lora.qlora={str(spec['qlora']).lower()}",
+            "eval.interval=null",
+            "eval.at_end=false",
+            "checkpoint.save=null",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.loss_curve=false",
+            f"logging.interval={spec['steps']}",
+            "logging.dir=null",
+        ],
+    )
     result = launch(pretrain, (config, TrainerHooks(loss_transform=stamp)), nproc_per_node=1)
     records = [r for r in result.records if r["kind"] == "train"]
-    return {**clock.periods(), "losses": [r["loss"] for r in records], "step_tokens": [r["step_tokens"] for r in records],
-            "trained_tokens": [r["tokens"] for r in records], "threads": torch.get_num_threads(),
-            "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]], **facts, **memory_status()}
+    return {
+        **clock.periods(),
+        "losses": [r["loss"] for r in records],
+        "step_tokens": [r["step_tokens"] for r in records],
+        "trained_tokens": [r["tokens"] for r in records],
+        "threads": torch.get_num_threads(),
+        "import_rss_mb": base["rss_mb"],
+        "load": [load, os.getloadavg()[0]],
+        **facts,
+        **memory_status(),
+    }
 
 
 def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -223,12 +283,14 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
     def pad(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         longest = max(len(ids) for ids, _ in samples)
-        out = {"input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-               "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
-               "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long)}
+        out = {
+            "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+            "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+            "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
+        }
         for row, (ids, labels) in enumerate(samples):
-            out["input_ids"][row, :len(ids)], out["labels"][row, :len(ids)] = ids, labels
-            out["attention_mask"][row, :len(ids)] = 1
+            out["input_ids"][row, : len(ids)], out["labels"][row, : len(ids)] = ids, labels
+            out["attention_mask"][row, : len(ids)] = 1
         return out
 
     def collate(items: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -260,28 +322,63 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     t = spec["train"]
     model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                                             target_modules=HF_TARGETS, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=spec["r"],
+            lora_alpha=spec["alpha"],
+            lora_dropout=spec["dropout"],
+            target_modules=HF_TARGETS,
+            task_type="CAUSAL_LM",
+        ),
+    )
     args = TrainingArguments(
-        output_dir=str(work / "hf_out"), max_steps=spec["steps"], per_device_train_batch_size=1,
-        gradient_accumulation_steps=spec["grad_accum"], learning_rate=t["lr"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": t["min_lr"]}, warmup_steps=t["lr_warmup_steps"], weight_decay=t["weight_decay"],
-        adam_beta1=t["adam_beta1"], adam_beta2=t["adam_beta2"], adam_epsilon=t["adam_eps"], max_grad_norm=t["clip_grad"],
-        use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False, report_to="none", save_strategy="no",
-        eval_strategy="no", logging_strategy="no", disable_tqdm=True, seed=spec["seed"], remove_unused_columns=False,
-        label_names=["labels"])
-    trainer = LossTrainer(model=model, args=args, train_dataset=Microbatches(), data_collator=collate,
-                          callbacks=[Timer()])
+        output_dir=str(work / "hf_out"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=t["lr"],
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": t["min_lr"]},
+        warmup_steps=t["lr_warmup_steps"],
+        weight_decay=t["weight_decay"],
+        adam_beta1=t["adam_beta1"],
+        adam_beta2=t["adam_beta2"],
+        adam_epsilon=t["adam_eps"],
+        max_grad_norm=t["clip_grad"],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        remove_unused_columns=False,
+        label_names=["labels"],
+    )
+    trainer = LossTrainer(
+        model=model, args=args, train_dataset=Microbatches(), data_collator=collate, callbacks=[Timer()]
+    )
     trainer.train()
-    return {**clock.periods(), "losses": losses, "threads": torch.get_num_threads(),
-            "trainable": model.get_nb_trainable_parameters()[0], "optim": getattr(args.optim, "value", str(args.optim)),
-            "import_rss_mb": base["rss_mb"], "load": [load, os.getloadavg()[0]], **memory_status()}
+    return {
+        **clock.periods(),
+        "losses": losses,
+        "threads": torch.get_num_threads(),
+        "trainable": model.get_nb_trainable_parameters()[0],
+        "optim": getattr(args.optim, "value", str(args.optim)),
+        "import_rss_mb": base["rss_mb"],
+        "load": [load, os.getloadavg()[0]],
+        **memory_status(),
+    }
 
 
 CHILDREN = {"ours": child_ours, "hf": child_hf}
 
 
 # ----------------------------------------------------------------------------- driver
+
 
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
@@ -291,6 +388,7 @@ def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
 def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list[float]) -> dict[str, Any]:
     """One variant over its repeats: tokens/s (non-padding tokens) of a run is the median over its
     timed steps, of the variant the best run's (a busy machine only ever slows a run down)."""
+
     def rate(run: dict[str, Any], key: str) -> float:
         return statistics.median(facts["step_tokens"][s - 1] / p for s, p in zip(run["timed_steps"], run[key]))
 
@@ -302,8 +400,11 @@ def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
         "end_rss_mb": statistics.median(r["rss_mb"] for r in runs),
-        "first_loss": losses[0], "final_loss": losses[-1], "first_loss_diff": abs(losses[0] - reference[0]),
-        "trainable": runs[0]["trainable"], "nf4_bytes": runs[0].get("nf4_bytes"),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "first_loss_diff": abs(losses[0] - reference[0]),
+        "trainable": runs[0]["trainable"],
+        "nf4_bytes": runs[0].get("nf4_bytes"),
         "adapted_weight_numel": runs[0].get("adapted_weight_numel"),
         "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
         "runs_tokens_per_s": [round(rate(r, "periods")) for r in runs],
@@ -313,10 +414,18 @@ def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
-                        help="tiny: 4 layers, hidden 256, ffn 688; small: 8 layers, hidden 768, ffn 2048")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"optimizer steps per run (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: 4 layers, hidden 256, ffn 688; small: 8 layers, hidden 768, ffn 2048",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (default 2)")
     parser.add_argument("--micro-batch", type=int, default=2, help="packed rows per microbatch (default 2)")
     parser.add_argument("--grad-accum", type=int, default=2, help="microbatches per step (default 2)")
@@ -325,13 +434,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating (default 3)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (and OMP_NUM_THREADS) of every run (default 1: on a busy machine a "
-                             "second OpenMP thread mostly spins waiting for the first)")
-    parser.add_argument("--profile", action="store_true",
-                        help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 5 steps, 1 repeat, ours LoRA and HF (padding) only")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (and OMP_NUM_THREADS) of every run (default 1: on a busy machine a "
+        "second OpenMP thread mostly spins waiting for the first)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 5 steps, 1 repeat, ours LoRA and HF (padding) only"
+    )
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -345,8 +462,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.warmup < 0 or args.steps < args.warmup + 3:
-        parser.error(f"--steps={args.steps} leaves fewer than 2 timed steps after --warmup={args.warmup}; "
-                     f"use at least {max(args.warmup, 0) + 3} steps and a non-negative warmup")
+        parser.error(
+            f"--steps={args.steps} leaves fewer than 2 timed steps after --warmup={args.warmup}; "
+            f"use at least {max(args.warmup, 0) + 3} steps and a non-negative warmup"
+        )
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout={args.dropout} must be in [0, 1)")
     return args
@@ -359,12 +478,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _child.child_main(CHILDREN, args.child, args.child_spec)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-sft-"))
     work.mkdir(parents=True, exist_ok=True)
-    train = {"lr": 2e-3, "min_lr": 2e-4, "lr_warmup_steps": min(5, args.steps // 4), "weight_decay": 0.0,
-             "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0}
-    spec = {"workdir": str(work), "size": args.size, "steps": args.steps, "warmup": args.warmup,
-            "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_length": args.seq_length,
-            "threads": args.threads, "seed": 1234, "r": args.r, "alpha": args.alpha, "dropout": args.dropout,
-            "train": train}
+    train = {
+        "lr": 2e-3,
+        "min_lr": 2e-4,
+        "lr_warmup_steps": min(5, args.steps // 4),
+        "weight_decay": 0.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-8,
+        "clip_grad": 1.0,
+    }
+    spec = {
+        "workdir": str(work),
+        "size": args.size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "seq_length": args.seq_length,
+        "threads": args.threads,
+        "seed": 1234,
+        "r": args.r,
+        "alpha": args.alpha,
+        "dropout": args.dropout,
+        "train": train,
+    }
     started, load = time.perf_counter(), os.getloadavg()[0]
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], prefix=facts["prefix"])
@@ -383,26 +521,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs[name].append(run_child(variant["kind"], child, work / f"run_{repeat}_{number}.log"))
     for name, variant_runs in runs.items():  # both sides must have trained on the prepared tokens
         ours = [r for r in variant_runs if "step_tokens" in r]
-        if any(r["step_tokens"] != facts["step_tokens"] or r["trained_tokens"] != facts["trained_tokens"] for r in ours):
+        if any(
+            r["step_tokens"] != facts["step_tokens"] or r["trained_tokens"] != facts["trained_tokens"] for r in ours
+        ):
             raise SystemExit(f"{name} trained on other tokens than the Hugging Face runs were given; see {work}")
     results = {name: summarize(r, facts, runs[HF_PAD][0]["losses"]) for name, r in runs.items()}
     steps_tokens = statistics.mean(facts["step_tokens"])
     # QLoRA's first loss is over the NF4-rounded base: only the full-precision bases must agree.
     first = max(r["first_loss_diff"] / r["first_loss"] for name, r in results.items() if "QLoRA" not in name)
-    header = (f"size {args.size} ({facts['base_parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32, LoRA r "
-              f"{args.r} alpha {args.alpha:g} dropout {args.dropout:g} on every linear; demo Alpaca data packed in rows of "
-              f"{args.seq_length} ({facts['rows']} rows); {args.steps} steps ({args.warmup} untimed) of {args.micro_batch} "
-              f"rows x {args.grad_accum} microbatches = {facts['samples_per_step']:.1f} samples, {steps_tokens:.0f} "
-              f"non-padding tokens per step; torch threads {args.threads} on "
-              f"{os.cpu_count()} cores; best of {args.repeats} run(s) of the median step; HF optimizer "
-              f"{runs[HF_PAD][0]['optim']}; torch "
-              f"{version('torch')}, transformers {version('transformers')}, peft {version('peft')}; first-step losses "
-              f"agree to {first:.1e} (relative); load average "
-              f"{load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}")
+    header = (
+        f"size {args.size} ({facts['base_parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32, LoRA r "
+        f"{args.r} alpha {args.alpha:g} dropout {args.dropout:g} on every linear; demo Alpaca data packed in rows of "
+        f"{args.seq_length} ({facts['rows']} rows); {args.steps} steps ({args.warmup} untimed) of {args.micro_batch} "
+        f"rows x {args.grad_accum} microbatches = {facts['samples_per_step']:.1f} samples, {steps_tokens:.0f} "
+        f"non-padding tokens per step; torch threads {args.threads} on "
+        f"{os.cpu_count()} cores; best of {args.repeats} run(s) of the median step; HF optimizer "
+        f"{runs[HF_PAD][0]['optim']}; torch "
+        f"{version('torch')}, transformers {version('transformers')}, peft {version('peft')}; first-step losses "
+        f"agree to {first:.1e} (relative); load average "
+        f"{load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}"
+    )
     report(results, facts, header)
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "facts": facts, "results": results, "runs": runs},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"header": header, "facts": facts, "results": results, "runs": runs}, indent=2)
+        )
     return 0
 
 
@@ -414,24 +557,37 @@ def report(results: dict[str, dict[str, Any]], facts: dict[str, Any], header: st
     def ratios(r: dict[str, Any], key: str) -> str:
         return " | ".join(format(r[key] / ref[key], ".2f") if ref else "-" for ref in (hf, flat))
 
-    write(header + "\n\n| run | tokens/s | / HF pad | / HF flat | tokens/s of CPU time | / HF pad | / HF flat "
-          "| step s | load | tokens/s of each run |\n" + "|---" * 10 + "|\n")
+    write(
+        header + "\n\n| run | tokens/s | / HF pad | / HF flat | tokens/s of CPU time | / HF pad | / HF flat "
+        "| step s | load | tokens/s of each run |\n" + "|---" * 10 + "|\n"
+    )
     for name, r in results.items():
-        write(f"| {name} | {r['tokens_per_s']:,.0f} | {ratios(r, 'tokens_per_s')} | {r['cpu_tokens_per_s']:,.0f} "
-              f"| {ratios(r, 'cpu_tokens_per_s')} | {r['step_s']:.3f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} "
-              f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n")
+        write(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {ratios(r, 'tokens_per_s')} | {r['cpu_tokens_per_s']:,.0f} "
+            f"| {ratios(r, 'cpu_tokens_per_s')} | {r['step_s']:.3f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} "
+            f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n"
+        )
     reason = "bitsandbytes not installed / no CPU 4-bit" if find_spec("bitsandbytes") is None else "no CPU 4-bit"
     write(f"| HF Trainer + peft QLoRA | n/a ({reason}) |" + " |" * 8 + "\n")
-    write("\n| run | peak RSS MB | / HF pad | RSS after imports MB | peak - imports MB | RSS at end MB | trainable parameters "
-          "| frozen base of the adapted linears | tokens computed per step | loss step 1 | final loss |\n"
-          + "|---" * 11 + "|\n")
+    write(
+        "\n| run | peak RSS MB | / HF pad | RSS after imports MB | peak - imports MB | RSS at end MB | trainable parameters "
+        "| frozen base of the adapted linears | tokens computed per step | loss step 1 | final loss |\n"
+        + "|---" * 11
+        + "|\n"
+    )
     numel = next(r["adapted_weight_numel"] for r in results.values() if r["adapted_weight_numel"])
     for name, r in results.items():
-        base = (f"{r['nf4_bytes'] / MB:.2f} MB NF4 = {r['nf4_bytes'] / (numel * 4):.3f} of fp32, "
-                f"{r['nf4_bytes'] / (numel * 2):.3f} of bf16" if r["nf4_bytes"] else f"{numel * 4 / MB:.2f} MB fp32")
-        write(f"| {name} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['import_rss_mb']:.0f} "
-              f"| {r['peak_rss_mb'] - r['import_rss_mb']:.0f} | {r['end_rss_mb']:.0f} | {r['trainable']:,} | {base} "
-              f"| {computed.get(name, facts['ours_computed']):.0f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} |\n")
+        base = (
+            f"{r['nf4_bytes'] / MB:.2f} MB NF4 = {r['nf4_bytes'] / (numel * 4):.3f} of fp32, "
+            f"{r['nf4_bytes'] / (numel * 2):.3f} of bf16"
+            if r["nf4_bytes"]
+            else f"{numel * 4 / MB:.2f} MB fp32"
+        )
+        write(
+            f"| {name} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['import_rss_mb']:.0f} "
+            f"| {r['peak_rss_mb'] - r['import_rss_mb']:.0f} | {r['end_rss_mb']:.0f} | {r['trainable']:,} | {base} "
+            f"| {computed.get(name, facts['ours_computed']):.0f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} |\n"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ def rank_run(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
     start = time.process_time()
     records = train(load_mm_config(None, overrides)).records
-    return {"losses": [r["loss"] for r in records], "tokens": [r["tokens"] for r in records],
-            "cpu_s": time.process_time() - start, **memory_status()}
+    return {
+        "losses": [r["loss"] for r in records],
+        "tokens": [r["tokens"] for r in records],
+        "cpu_s": time.process_time() - start,
+        **memory_status(),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,15 +55,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_model(work / "model", "small")
         write_data(work / "data", 64, 1234, "mixed")
     for sp in (1, 2):
-        overrides = [f"model.path={work / 'model'}", f"data.files=[{work / 'data' / 'data.jsonl'}]",
-                     f"train.steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
-                     f"train.gradient_accumulation_steps={sp}", f"parallel.ulysses_parallel_size={sp}",
-                     "train.precision=fp32", "logging.progress=false", "logging.tensorboard=false",
-                     "logging.loss_curve=false", f"data.image_max_pixels={448 * 448}"]
+        overrides = [
+            f"model.path={work / 'model'}",
+            f"data.files=[{work / 'data' / 'data.jsonl'}]",
+            f"train.steps={args.steps}",
+            f"train.micro_batch_size={args.micro_batch}",
+            f"train.gradient_accumulation_steps={sp}",
+            f"parallel.ulysses_parallel_size={sp}",
+            "train.precision=fp32",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.loss_curve=false",
+            f"data.image_max_pixels={448 * 448}",
+        ]
         for rank, out in enumerate(run_distributed(rank_run, 2, overrides, timeout=1800)):
-            sys.stdout.write(json.dumps({"run": f"{'SP' if sp > 1 else 'DP'}2", "rank": rank,
-                                         "peak_rss_mb": round(out["peak_rss_mb"]), "cpu_s": round(out["cpu_s"], 1),
-                                         "losses": [round(x, 4) for x in out["losses"]], "tokens": out["tokens"]}) + "\n")
+            sys.stdout.write(
+                json.dumps(
+                    {
+                        "run": f"{'SP' if sp > 1 else 'DP'}2",
+                        "rank": rank,
+                        "peak_rss_mb": round(out["peak_rss_mb"]),
+                        "cpu_s": round(out["cpu_s"], 1),
+                        "losses": [round(x, 4) for x in out["losses"]],
+                        "tokens": out["tokens"],
+                    }
+                )
+                + "\n"
+            )
     return 0
 
 

@@ -48,8 +48,11 @@ def test_the_environment_variable_forces_a_family(fresh: pytest.MonkeyPatch) -> 
 def test_a_forced_family_that_is_missing_or_unknown_is_a_clear_error(fresh: pytest.MonkeyPatch) -> None:
     _available(fresh)
     fresh.setenv(ACCELERATOR_ENV, "npu")
-    with pytest.raises(ValueError, match=rf"accelerator 'npu' was requested \(argument or {ACCELERATOR_ENV}\) but is "
-                                         r"not available in this process; available: cpu"):
+    with pytest.raises(
+        ValueError,
+        match=rf"accelerator 'npu' was requested \(argument or {ACCELERATOR_ENV}\) but is "
+        r"not available in this process; available: cpu",
+    ):
         get_accelerator()
     fresh.setenv(ACCELERATOR_ENV, "tpu")
     with pytest.raises(ValueError, match="tpu.*cpu.*cuda.*npu|tpu.*npu.*cuda.*cpu"):

@@ -57,12 +57,27 @@ def test_hooks_and_facts() -> None:
 
 
 def test_model_facts_from_a_transformer_config() -> None:
-    swiglu_moe = SimpleNamespace(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                                 num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    swiglu_moe = SimpleNamespace(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        num_moe_experts=8,
+        moe_token_dispatcher_type="alltoall",
+    )
     facts = ModelFacts.from_transformer_config(swiglu_moe, position_embedding_type="rope")
-    assert (facts.normalization, facts.swiglu, facts.is_moe, facts.moe_token_dispatcher_type) == ("RMSNorm", True, True, "alltoall")
-    dense_gelu = SimpleNamespace(normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu,
-                                 num_moe_experts=None, moe_token_dispatcher_type="allgather")
+    assert (facts.normalization, facts.swiglu, facts.is_moe, facts.moe_token_dispatcher_type) == (
+        "RMSNorm",
+        True,
+        True,
+        "alltoall",
+    )
+    dense_gelu = SimpleNamespace(
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        num_moe_experts=None,
+        moe_token_dispatcher_type="allgather",
+    )
     facts = ModelFacts.from_transformer_config(dense_gelu)
     assert (facts.swiglu, facts.is_moe, facts.position_embedding_type) == (False, False, None)
     assert ModelFacts().is_moe is None

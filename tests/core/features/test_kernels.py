@@ -8,8 +8,13 @@ from mindspeed.features import FEATURES, BuildContext, FeaturesConfig, ModelFact
 from mindspeed.features.kernels import KERNEL_FEATURES
 from mindspeed.ops import OPS, available_kernels, resolve_kernel
 
-LLAMA_MOE = ModelFacts(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                       num_moe_experts=4, moe_token_dispatcher_type="alltoall")
+LLAMA_MOE = ModelFacts(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    num_moe_experts=4,
+    moe_token_dispatcher_type="alltoall",
+)
 ALL_ON = {cls.name: True for cls in KERNEL_FEATURES}
 
 
@@ -22,7 +27,7 @@ def test_every_kernel_feature_is_registered_level_1_with_flags_and_real_ops() ->
     for cls in KERNEL_FEATURES:
         feature = FEATURES.get(cls.name)
         assert feature.level == 1 and feature.flags and feature.description
-        assert feature.targets[:len(feature.ops)] == tuple(f"kernel_impls.{op}" for op in feature.ops)
+        assert feature.targets[: len(feature.ops)] == tuple(f"kernel_impls.{op}" for op in feature.ops)
         assert all(op in OPS for op in feature.ops)
 
 
@@ -58,13 +63,16 @@ def test_attention_features_reach_the_resolver() -> None:
     assert ctx.kernel_impls["attention"] == resolve_kernel("attention", device="cpu", features=("lse",)).name
 
 
-@pytest.mark.parametrize(("name", "facts", "words"), [
-    ("fused_rmsnorm", ModelFacts(normalization="LayerNorm"), "normalization is 'LayerNorm'"),
-    ("fused_swiglu", ModelFacts(swiglu=False), "not a SwiGLU"),
-    ("fused_rotary_pos_emb", ModelFacts(position_embedding_type="learned_absolute"), "'learned_absolute'"),
-    ("moe_grouped_gemm", ModelFacts(num_moe_experts=0), "no routed experts"),
-    ("moe_permute_fusion", ModelFacts(num_moe_experts=8, moe_token_dispatcher_type="allgather"), "'allgather'"),
-])
+@pytest.mark.parametrize(
+    ("name", "facts", "words"),
+    [
+        ("fused_rmsnorm", ModelFacts(normalization="LayerNorm"), "normalization is 'LayerNorm'"),
+        ("fused_swiglu", ModelFacts(swiglu=False), "not a SwiGLU"),
+        ("fused_rotary_pos_emb", ModelFacts(position_embedding_type="learned_absolute"), "'learned_absolute'"),
+        ("moe_grouped_gemm", ModelFacts(num_moe_experts=0), "no routed experts"),
+        ("moe_permute_fusion", ModelFacts(num_moe_experts=8, moe_token_dispatcher_type="allgather"), "'allgather'"),
+    ],
+)
 def test_model_facts_rule_features_out(name: str, facts: ModelFacts, words: str) -> None:
     with pytest.raises(ValueError) as err:
         apply({name: True}, facts)

@@ -20,16 +20,34 @@ def enabled(cfg: FeaturesConfig, registry) -> dict[str, bool]:
 
 
 def test_level_decides_the_defaults() -> None:
-    registry = registry_of(toy("base", level=0), toy("kern", level=1), toy("algo", level=2),
-                           toy("optin", level=1, default_on=False))
-    assert enabled(FeaturesConfig(optimization_level=0), registry) == {"base": True, "kern": False, "algo": False, "optin": False}
-    assert enabled(FeaturesConfig(optimization_level=1), registry) == {"base": True, "kern": True, "algo": False, "optin": False}
-    assert enabled(FeaturesConfig(optimization_level=2), registry) == {"base": True, "kern": True, "algo": True, "optin": False}
+    registry = registry_of(
+        toy("base", level=0), toy("kern", level=1), toy("algo", level=2), toy("optin", level=1, default_on=False)
+    )
+    assert enabled(FeaturesConfig(optimization_level=0), registry) == {
+        "base": True,
+        "kern": False,
+        "algo": False,
+        "optin": False,
+    }
+    assert enabled(FeaturesConfig(optimization_level=1), registry) == {
+        "base": True,
+        "kern": True,
+        "algo": False,
+        "optin": False,
+    }
+    assert enabled(FeaturesConfig(optimization_level=2), registry) == {
+        "base": True,
+        "kern": True,
+        "algo": True,
+        "optin": False,
+    }
 
 
 def test_explicit_enabled_overrides_the_level() -> None:
     registry = registry_of(toy("base", level=0), toy("algo", level=2), toy("optin", level=1, default_on=False))
-    cfg = FeaturesConfig(optimization_level=0, settings={"algo": {"enabled": True}, "base": False, "optin": ToyConfig(enabled=True)})
+    cfg = FeaturesConfig(
+        optimization_level=0, settings={"algo": {"enabled": True}, "base": False, "optin": ToyConfig(enabled=True)}
+    )
     assert enabled(cfg, registry) == {"base": False, "algo": True, "optin": True}
     _, statuses = resolve_features(cfg, ctx(), registry)
     assert [s.why for s in statuses] == ["disabled explicitly", "enabled explicitly", "enabled explicitly"]
@@ -37,7 +55,9 @@ def test_explicit_enabled_overrides_the_level() -> None:
 
 def test_settings_of_a_feature_that_is_off_are_reported() -> None:
     registry = registry_of(toy("algo", level=2))
-    _, statuses = resolve_features(FeaturesConfig(optimization_level=1, settings={"algo": {"value": 3}}), ctx(), registry)
+    _, statuses = resolve_features(
+        FeaturesConfig(optimization_level=1, settings={"algo": {"value": 3}}), ctx(), registry
+    )
     assert not statuses[0].enabled
     assert "settings.algo are ignored" in statuses[0].why and "settings.algo.enabled=true" in statuses[0].why
 

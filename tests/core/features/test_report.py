@@ -17,11 +17,18 @@ def make_report() -> FeatureReport:
         level = 2
 
         def apply(self, cfg, ctx):
-            return [ctx.add_hook("post_step", print, reason="toy hook"), ctx.set_config("offload", True),
-                    ctx.set_kernel("rms_norm", "native"), ctx.set_config("dtype", object())]
+            return [
+                ctx.add_hook("post_step", print, reason="toy hook"),
+                ctx.set_config("offload", True),
+                ctx.set_kernel("rms_norm", "native"),
+                ctx.set_config("dtype", object()),
+            ]
 
-    context = BuildContext(accelerator="cpu", parallel=ParallelSizes(tp=2, dp=4),
-                           model=ModelFacts(normalization="RMSNorm", num_moe_experts=0))
+    context = BuildContext(
+        accelerator="cpu",
+        parallel=ParallelSizes(tp=2, dp=4),
+        model=ModelFacts(normalization="RMSNorm", num_moe_experts=0),
+    )
     registry = registry_of(toy("plain"), toy("off", level=2, default_on=False), Hooked)
     return apply_features(FeaturesConfig(optimization_level=2), context, registry=registry)
 
@@ -29,8 +36,13 @@ def make_report() -> FeatureReport:
 def test_report_lists_every_change_and_status() -> None:
     report = make_report()
     assert report.order == ["plain", "hooked"]
-    assert [c.target for c in report.changes] == ["config_overrides.plain", "hooks.post_step", "config_overrides.offload",
-                                                  "kernel_impls.rms_norm", "config_overrides.dtype"]
+    assert [c.target for c in report.changes] == [
+        "config_overrides.plain",
+        "hooks.post_step",
+        "config_overrides.offload",
+        "kernel_impls.rms_norm",
+        "config_overrides.dtype",
+    ]
     text = report.render()
     assert "on  plain" in text and "off off" in text and "opt-in" in text
     assert all(c.describe() in text for c in report.changes)

@@ -30,12 +30,27 @@ class ToyFeature(Feature):
         return [ctx.set_config(self.name, cfg.value, reason="toy")]
 
 
-def toy(name: str, *, level: int = 1, requires: tuple[str, ...] = (), conflicts: tuple[str, ...] = (),
-        default_on: bool = True) -> type[ToyFeature]:
+def toy(
+    name: str,
+    *,
+    level: int = 1,
+    requires: tuple[str, ...] = (),
+    conflicts: tuple[str, ...] = (),
+    default_on: bool = True,
+) -> type[ToyFeature]:
     """A ToyFeature subclass with these class attributes."""
-    return type(f"Toy_{name}", (ToyFeature,), {"name": name, "level": level, "requires": requires,
-                                               "conflicts": conflicts, "default_on": default_on,
-                                               "description": f"toy {name}"})
+    return type(
+        f"Toy_{name}",
+        (ToyFeature,),
+        {
+            "name": name,
+            "level": level,
+            "requires": requires,
+            "conflicts": conflicts,
+            "default_on": default_on,
+            "description": f"toy {name}",
+        },
+    )
 
 
 def registry_of(*classes: type[Feature]) -> Registry[Feature]:

@@ -20,9 +20,15 @@ def _snapshot() -> dict[str, int]:
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.torch_norm as torch_norm
 
-    watched = {"torch.cuda": torch.cuda, "torch.cuda.random": torch.cuda.random, "torch.Tensor": torch.Tensor,
-               "mrandom": mrandom, "moe_utils": moe_utils, "attention": mattention,
-               "WrappedTorchNorm": torch_norm.WrappedTorchNorm}
+    watched = {
+        "torch.cuda": torch.cuda,
+        "torch.cuda.random": torch.cuda.random,
+        "torch.Tensor": torch.Tensor,
+        "mrandom": mrandom,
+        "moe_utils": moe_utils,
+        "attention": mattention,
+        "WrappedTorchNorm": torch_norm.WrappedTorchNorm,
+    }
     snap = {}
     for name, obj in watched.items():
         for attr in dir(obj):
@@ -42,13 +48,28 @@ def _gpt(spec, spec_activation: bool, vocab: int = 128):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                            use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                            hidden_dropout=0.0, attention_dropout=0.0, use_te_activation_func=spec_activation,
-                            bias_activation_fusion=False)
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=64,
-                    position_embedding_type="rope")
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_te_activation_func=spec_activation,
+        bias_activation_fusion=False,
+    )
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+    )
 
 
 def _adapt_roundtrip(rank: int, world_size: int) -> dict:
@@ -74,7 +95,9 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
     local_loss.backward()
     rope = PatchSet([rotary_patch("reference")])
     for impl in ("reference", "auto"):
-        ours = _gpt(get_gpt_layer_spec(impls={op: impl for op in ("rms_norm", "attention", "swiglu")}), spec_activation=True)
+        ours = _gpt(
+            get_gpt_layer_spec(impls={op: impl for op in ("rms_norm", "attention", "swiglu")}), spec_activation=True
+        )
         missing = ours.load_state_dict(local.state_dict(), strict=True)
         rope.apply(get_accelerator())
         try:
@@ -98,7 +121,9 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
     # Features drive the spec: the kernels they choose are what get_gpt_layer_spec() builds.
     from mindspeed.features import FeaturesConfig, ModelFacts
 
-    features = FeaturesConfig(optimization_level=2, settings={"fused_rotary_pos_emb": {"enabled": True, "impl": "reference"}})
+    features = FeaturesConfig(
+        optimization_level=2, settings={"fused_rotary_pos_emb": {"enabled": True, "impl": "reference"}}
+    )
     report = adapt("cpu", features=features, model=ModelFacts.from_transformer_config(local.config))
     ours = _gpt(get_gpt_layer_spec(report.kernels), spec_activation=True)
     ours.load_state_dict(local.state_dict(), strict=True)
@@ -109,8 +134,12 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
     unadapt()
     parallel_state.destroy_model_parallel()
     return {
-        "featured": {"loss_diff": abs(featured_loss.item() - local_loss.item()), "chosen": chosen,
-                     "ctx": ctx_kernels, "patches": featured_patches},
+        "featured": {
+            "loss_diff": abs(featured_loss.item() - local_loss.item()),
+            "chosen": chosen,
+            "ctx": ctx_kernels,
+            "patches": featured_patches,
+        },
         "restored_after_features": sorted(k for k in before if _snapshot().get(k) != before[k]),
         "results": results,
         "patched": sorted(k for k in before if during.get(k) != before[k]),
@@ -131,8 +160,11 @@ def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
     featured = out["featured"]
     assert featured["loss_diff"] < 1e-5
     assert "rotary-pos-emb-kernel" in featured["patches"] and featured["ctx"]["rotary_pos_emb"] == "reference"
-    assert featured["chosen"] == {"RegistryNorm": featured["ctx"]["rms_norm"], "RegistryAttention": featured["ctx"]["attention"],
-                                  "RegistrySwiGLU": featured["ctx"]["swiglu"]}
+    assert featured["chosen"] == {
+        "RegistryNorm": featured["ctx"]["rms_norm"],
+        "RegistryAttention": featured["ctx"]["attention"],
+        "RegistrySwiGLU": featured["ctx"]["swiglu"],
+    }
     assert out["restored_after_features"] == []
     for impl, row in out["results"].items():
         assert row["kinds"] == ["RegistryAttention", "RegistryNorm", "RegistrySwiGLU"], impl
@@ -143,6 +175,7 @@ def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
 
 
 # -- the patch machinery itself, on a stand-in module (no megatron, no devices) --------------
+
 
 def _fake_module(monkeypatch):
     mod = types.ModuleType("fake_upstream")
@@ -160,9 +193,15 @@ def _fake_module(monkeypatch):
 def test_patch_applies_reverts_and_checks_versions(monkeypatch) -> None:
     mod = _fake_module(monkeypatch)
     acc = types.SimpleNamespace(name="cpu")
-    good = UpstreamPatch("f", "fake_upstream.func", lambda orig, a: (lambda: "patched:" + orig()), "torch", ">=2.0", "test")
-    method = UpstreamPatch("m", "fake_upstream.Owner.method", lambda orig, a: (lambda self: "patched"), "torch", ">=2.0", "test")
-    added = UpstreamPatch("a", "fake_upstream.new_attr", lambda orig, a: 42, "torch", ">=2.0", "test", allow_missing=True)
+    good = UpstreamPatch(
+        "f", "fake_upstream.func", lambda orig, a: lambda: "patched:" + orig(), "torch", ">=2.0", "test"
+    )
+    method = UpstreamPatch(
+        "m", "fake_upstream.Owner.method", lambda orig, a: lambda self: "patched", "torch", ">=2.0", "test"
+    )
+    added = UpstreamPatch(
+        "a", "fake_upstream.new_attr", lambda orig, a: 42, "torch", ">=2.0", "test", allow_missing=True
+    )
     patches = PatchSet([good, method, added])
     records = patches.apply(acc)
     assert [r.name for r in records] == ["f", "m", "a"]

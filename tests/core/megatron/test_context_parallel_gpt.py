@@ -44,11 +44,13 @@ ALGOS: dict[str, dict[str, Any]] = {
 def _cp_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     from mindspeed.features import BuildContext, FeaturesConfig, ModelFacts, ParallelSizes, apply_features
 
-    facts = ModelFacts(extra={"num_attention_heads": MODEL.num_attention_heads,
-                              "num_query_groups": MODEL.num_query_groups})
+    facts = ModelFacts(
+        extra={"num_attention_heads": MODEL.num_attention_heads, "num_query_groups": MODEL.num_query_groups}
+    )
     ctx = BuildContext(parallel=ParallelSizes(cp=2), model=facts)
-    apply_features(FeaturesConfig(optimization_level=0,
-                                  settings={"context_parallel": {"enabled": True, **settings}}), ctx)
+    apply_features(
+        FeaturesConfig(optimization_level=0, settings={"context_parallel": {"enabled": True, **settings}}), ctx
+    )
     return dict(ctx.config_overrides)
 
 
@@ -64,8 +66,9 @@ def _loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dic
     return local_sum, count, {"lm loss": (local_sum / per_token.numel()).detach()}
 
 
-def _run(overrides: dict[str, Any], steps: list[list[dict]],
-         initial: dict | None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _run(
+    overrides: dict[str, Any], steps: list[list[dict]], initial: dict | None
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Train ``steps`` at CP = ``overrides['context_parallel_size']`` (1 when absent).
 
     Returns:
@@ -85,8 +88,14 @@ def _run(overrides: dict[str, Any], steps: list[list[dict]],
     torch.manual_seed(MODEL.seed)
     model_parallel_cuda_manual_seed(MODEL.seed)
     try:
-        chunks = build_gpt(MODEL, Layout(), layer_spec=get_gpt_layer_spec(impls={"attention": "reference"}),
-                           use_te_activation_func=True, bias_activation_fusion=False, **overrides)
+        chunks = build_gpt(
+            MODEL,
+            Layout(),
+            layer_spec=get_gpt_layer_spec(impls={"attention": "reference"}),
+            use_te_activation_func=True,
+            bias_activation_fusion=False,
+            **overrides,
+        )
         if initial is None:
             broadcast_state(chunks)
         else:
@@ -107,8 +116,12 @@ def _run(overrides: dict[str, Any], steps: list[list[dict]],
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
-                num_microbatches=len(batches), seq_length=MODEL.seq_length // cp, micro_batch_size=MICRO_BATCH_SIZE,
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=chunks,
+                num_microbatches=len(batches),
+                seq_length=MODEL.seq_length // cp,
+                micro_batch_size=MICRO_BATCH_SIZE,
             )
             # Each CP rank reports its shard's mean: average them (equal shards) for the sequence's.
             loss = torch.stack([item["lm loss"] for item in out]).mean().double()

@@ -49,8 +49,9 @@ DP_LAYOUTS = {
     "dp2-distopt-overlap-grad-reduce": dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4096),
 }
 MOE_LAYOUTS = {
-    f"ep2-{dispatcher}": TinyGPTConfig(num_layers=2, num_experts=4, moe_router_topk=2,
-                                       moe_token_dispatcher_type=dispatcher)
+    f"ep2-{dispatcher}": TinyGPTConfig(
+        num_layers=2, num_experts=4, moe_router_topk=2, moe_token_dispatcher_type=dispatcher
+    )
     for dispatcher in ("alltoall", "allgather")
 }
 
@@ -91,7 +92,8 @@ def _check_data_parallel() -> list[dict[str, Any]]:
             comparison.add(f"step {step} grad norm", norm, ref_norm, atol=1e-6, rtol=1e-5)
         compare_with_full(chunks, DENSE, final, comparison, read=lambda p: p, prefix="param")
         comparison.extra.update(
-            reference_names=sorted(final), grad_norms=[norm for _, norm in reference],
+            reference_names=sorted(final),
+            grad_norms=[norm for _, norm in reference],
             reference_moved=min((final[name] - initial[name]).abs().max().item() for name in final),
             # get_megatron_optimizer returns a ChainedOptimizer around the per-group optimizers.
             optimizers=sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])}),
@@ -126,8 +128,11 @@ def _check(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
     per_rank = run_distributed(_check, 2, timeout=600)
-    return {"layouts": merge_summaries([out["summaries"] for out in per_rank]), "moe_names": per_rank[0]["moe_names"],
-            "moe_zero_grads": per_rank[0]["moe_zero_grads"]}
+    return {
+        "layouts": merge_summaries([out["summaries"] for out in per_rank]),
+        "moe_names": per_rank[0]["moe_names"],
+        "moe_zero_grads": per_rank[0]["moe_zero_grads"],
+    }
 
 
 @pytest.mark.distributed

@@ -96,8 +96,9 @@ def _check(rank: int, world_size: int, directory: str) -> list[dict[str, Any]]:
         for batches in steps[:2]:
             train_step(chunks, optimizer, local_batches(batches))
         with _children_allowed():
-            dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), directory,
-                                    async_sharded_save=False)
+            dist_checkpointing.save(
+                _sharded_state(chunks, optimizer, is_loading=False), directory, async_sharded_save=False
+            )
         saved = full_state(chunks)
         reference = _next_batch(chunks, optimizer, steps[2])
         continued = full_state(chunks)
@@ -113,8 +114,9 @@ def _check(rank: int, world_size: int, directory: str) -> list[dict[str, Any]]:
             for name, value in _next_batch(chunks, optimizer, steps[2]).items():
                 comparison.add(name, value, reference[name], atol=1e-5, rtol=1e-6)
             compare_with_full(chunks, MODEL, continued, comparison, read=lambda p: p, prefix="stepped")
-            comparison.extra.update(reference_names=sorted(saved),
-                                    moved=min((continued[n] - saved[n]).abs().max().item() for n in saved))
+            comparison.extra.update(
+                reference_names=sorted(saved), moved=min((continued[n] - saved[n]).abs().max().item() for n in saved)
+            )
             summaries.append(comparison.summary())
             destroy_parallel()
     finally:

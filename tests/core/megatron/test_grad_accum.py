@@ -50,17 +50,26 @@ def _train(precision: str, fused: bool, kernels: Any) -> dict[str, Any]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     init_parallel(sizes, model.seed)
     try:
-        chunks = build_gpt(model, sizes, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                           layer_spec=get_gpt_layer_spec(kernels, swiglu=False), bf16=bf16, params_dtype=dtype,
-                           pipeline_dtype=dtype, gradient_accumulation_fusion=fused)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, bf16=bf16, params_dtype=dtype,
-                                                           clip_grad=1.0), chunks)
+        chunks = build_gpt(
+            model,
+            sizes,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            layer_spec=get_gpt_layer_spec(kernels, swiglu=False),
+            bf16=bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            gradient_accumulation_fusion=fused,
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=3e-3, bf16=bf16, params_dtype=dtype, clip_grad=1.0), chunks
+        )
         steps = [local_batches(make_batches(model, MICROBATCHES, MICRO_BATCH_SIZE))] * STEPS  # one batch, learnt
         with count_kernel_calls() as calls:
             optimizer.zero_grad()
             losses = [global_loss(run_forward_backward(chunks, steps[0]))]
-            grads = {name: local_grad(p).float().clone() for chunk in chunks
-                     for name, p in unwrap(chunk).named_parameters()}
+            grads = {
+                name: local_grad(p).float().clone() for chunk in chunks for name, p in unwrap(chunk).named_parameters()
+            }
             optimizer.step()
             losses += [train_step(chunks, optimizer, batches)[0] for batches in steps[1:]]
         return {"losses": losses, "grads": grads, "calls": dict(calls)}
@@ -75,17 +84,24 @@ def _fusion(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
     before = (hasattr(layers, "fused_weight_gradient_mlp_cuda"), layers._grad_accum_fusion_available)
-    report = adapt("cpu", features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True}))
+    report = adapt(
+        "cpu", features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True})
+    )
     try:
-        out: dict[str, Any] = {"kernels": dict(report.kernels), "overrides": report.config_overrides,
-                               "patches": [p.name for p in report.patches if "grad-accum" in p.name]}
+        out: dict[str, Any] = {
+            "kernels": dict(report.kernels),
+            "overrides": report.config_overrides,
+            "patches": [p.name for p in report.patches if "grad-accum" in p.name],
+        }
         for precision in ("fp32", "bf16"):
             plain, fused = (_train(precision, flag, report.kernels) for flag in (False, True))
             scale = max(g.abs().max().item() for g in plain["grads"].values())
             out[precision] = {
                 "grad_diff": max((fused["grads"][n] - g).abs().max().item() for n, g in plain["grads"].items()) / scale,
                 "loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], fused["losses"])),
-                "losses": fused["losses"], "calls": fused["calls"], "plain_calls": plain["calls"],
+                "losses": fused["losses"],
+                "calls": fused["calls"],
+                "plain_calls": plain["calls"],
             }
     finally:
         unadapt()

@@ -64,8 +64,11 @@ LR, CLIP_GRAD = 1e-3, 1.0
 SHARED_SIZE, AUX_COEFF, BIAS_RATE = 64, 1e-2, 1e-2
 #: The reference's config: what the features below must produce.
 REFERENCE_FIELDS = dict(
-    moe_shared_expert_intermediate_size=SHARED_SIZE, moe_router_load_balancing_type="aux_loss",
-    moe_aux_loss_coeff=AUX_COEFF, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=BIAS_RATE,
+    moe_shared_expert_intermediate_size=SHARED_SIZE,
+    moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=AUX_COEFF,
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=BIAS_RATE,
     moe_router_score_function="sigmoid",
 )
 MOE_SETTINGS = {
@@ -102,8 +105,7 @@ LAYOUTS = {
 
 
 def _model(dispatcher: str) -> TinyGPTConfig:
-    return TinyGPTConfig(num_layers=2, num_experts=NUM_EXPERTS, moe_router_topk=2,
-                         moe_token_dispatcher_type=dispatcher)
+    return TinyGPTConfig(num_layers=2, num_experts=NUM_EXPERTS, moe_router_topk=2, moe_token_dispatcher_type=dispatcher)
 
 
 def _optimizer(chunks: list[Any]) -> Any:
@@ -132,10 +134,16 @@ def _reference(steps: list[list[dict]], dp_parts: int) -> dict[str, Any]:
                 record["grads"] = grouped_expert_state(full_grads(chunks), NUM_EXPERTS)
                 record["biases0"] = expert_biases(chunks)
 
-        history = train_steps(chunks, _optimizer(chunks), [split_microbatches(b, dp_parts) for b in steps],
-                              after_backward)
-        return {**record, "history": history, "initial": initial, "biases": expert_biases(chunks),
-                "final": grouped_expert_state(full_state(chunks), NUM_EXPERTS)}
+        history = train_steps(
+            chunks, _optimizer(chunks), [split_microbatches(b, dp_parts) for b in steps], after_backward
+        )
+        return {
+            **record,
+            "history": history,
+            "initial": initial,
+            "biases": expert_biases(chunks),
+            "final": grouped_expert_state(full_state(chunks), NUM_EXPERTS),
+        }
     finally:
         destroy_parallel()
 
@@ -148,10 +156,19 @@ def _run_layout(label: str, layout: Layout, steps: list[list[dict]], reference: 
     from mindspeed.megatron.spec import get_gpt_layer_spec
 
     model = _model(layout.dispatcher)
-    facts = ModelFacts(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                       num_moe_experts=NUM_EXPERTS, moe_token_dispatcher_type=layout.dispatcher)
-    report = adapt("cpu", features=FeaturesConfig(settings={**MOE_SETTINGS, **layout.settings}), model=facts,
-                   parallel=FeatureSizes(tp=layout.tp, ep=layout.ep, dp=2 // layout.tp))
+    facts = ModelFacts(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        num_moe_experts=NUM_EXPERTS,
+        moe_token_dispatcher_type=layout.dispatcher,
+    )
+    report = adapt(
+        "cpu",
+        features=FeaturesConfig(settings={**MOE_SETTINGS, **layout.settings}),
+        model=facts,
+        parallel=FeatureSizes(tp=layout.tp, ep=layout.ep, dp=2 // layout.tp),
+    )
     try:
         ctx = report.context
         overrides = dict(ctx.config_overrides)
@@ -159,8 +176,14 @@ def _run_layout(label: str, layout: Layout, steps: list[list[dict]], reference: 
         sizes = ParallelSizes(tp=layout.tp, ep=ep, etp=etp, sequence_parallel=layout.tp > 1)
         fields = {name: value for name, value in overrides.items() if name not in EXPERT_LAYOUT_FIELDS}
         init_parallel(sizes, model.seed)
-        chunks = build_gpt(model, sizes, layer_spec=get_gpt_layer_spec(report.kernels, num_experts=NUM_EXPERTS),
-                           use_te_activation_func=True, bias_activation_fusion=False, **fields)
+        chunks = build_gpt(
+            model,
+            sizes,
+            layer_spec=get_gpt_layer_spec(report.kernels, num_experts=NUM_EXPERTS),
+            use_te_activation_func=True,
+            bias_activation_fusion=False,
+            **fields,
+        )
         load_full_state(chunks, model, grouped_expert_state(reference["initial"], NUM_EXPERTS))
         for hook in ctx.hooks["post_model_build"]:
             hook(chunks)
@@ -179,20 +202,29 @@ def _run_layout(label: str, layout: Layout, steps: list[list[dict]], reference: 
         for step in range(NUM_STEPS):
             comparison.add(f"step {step} loss", history.losses[step], ref.losses[step], atol=1e-5, rtol=1e-6)
             for name, value in ref.aux_losses[step].items():
-                comparison.add(f"step {step} {name}", history.aux_losses[step].get(name, float("nan")), value,
-                               atol=1e-6, rtol=1e-5)
-            comparison.add(f"step {step} grad norm", history.grad_norms[step], ref.grad_norms[step],
-                           atol=1e-6, rtol=1e-5)
+                comparison.add(
+                    f"step {step} {name}", history.aux_losses[step].get(name, float("nan")), value, atol=1e-6, rtol=1e-5
+                )
+            comparison.add(
+                f"step {step} grad norm", history.grad_norms[step], ref.grad_norms[step], atol=1e-6, rtol=1e-5
+            )
         for name, bias in expert_biases(chunks).items():
             comparison.add(f"final {name}", bias, reference["biases"][name], atol=1e-7, rtol=0)
         compare_with_full(chunks, model, reference["final"], comparison, read=lambda p: p, prefix="param")
         tracker = ctx.hooks["post_step"][0].__self__
         logged = [load.counts for load in tracker.history]
         comparison.extra.update(
-            sizes=sizes.name, patches=[p.name for p in report.patches], enabled=report.features.enabled,
-            experts=sorted({type(m).__name__ for c in chunks for m in unwrap(c).modules() if "MLP" in type(m).__name__}),
-            counts=logged, reference_counts=reference["counts"], aux=[a for a in history.aux_losses],
-            grad_norms=history.grad_norms, reference_names=sorted(reference["final"]),
+            sizes=sizes.name,
+            patches=[p.name for p in report.patches],
+            enabled=report.features.enabled,
+            experts=sorted(
+                {type(m).__name__ for c in chunks for m in unwrap(c).modules() if "MLP" in type(m).__name__}
+            ),
+            counts=logged,
+            reference_counts=reference["counts"],
+            aux=[a for a in history.aux_losses],
+            grad_norms=history.grad_norms,
+            reference_names=sorted(reference["final"]),
         )
         return comparison.summary()
     finally:
@@ -203,16 +235,24 @@ def _run_layout(label: str, layout: Layout, steps: list[list[dict]], reference: 
 def _check(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
-    steps = [make_batches(_model("alltoall"), NUM_MICROBATCHES, MICRO_BATCH_SIZE, seed=step)
-             for step in range(NUM_STEPS)]
+    steps = [
+        make_batches(_model("alltoall"), NUM_MICROBATCHES, MICRO_BATCH_SIZE, seed=step) for step in range(NUM_STEPS)
+    ]
     adapt("cpu")
     try:
-        references = {parts: _reference(steps, parts) for parts in sorted({layout.dp_parts for layout in LAYOUTS.values()})}
+        references = {
+            parts: _reference(steps, parts) for parts in sorted({layout.dp_parts for layout in LAYOUTS.values()})
+        }
     finally:
         unadapt()
     summaries = [_run_layout(label, layout, steps, references[layout.dp_parts]) for label, layout in LAYOUTS.items()]
-    moved = {parts: min((ref["final"][n] - grouped_expert_state(ref["initial"], NUM_EXPERTS)[n]).abs().max().item()
-                        for n in ref["final"]) for parts, ref in references.items()}
+    moved = {
+        parts: min(
+            (ref["final"][n] - grouped_expert_state(ref["initial"], NUM_EXPERTS)[n]).abs().max().item()
+            for n in ref["final"]
+        )
+        for parts, ref in references.items()
+    }
     bias_moved = {parts: max(b.abs().max().item() for b in ref["biases"].values()) for parts, ref in references.items()}
     return {"summaries": summaries, "moved": moved, "bias_moved": bias_moved}
 
@@ -229,7 +269,9 @@ def test_moe_layout_trains_like_single_rank(results: dict[str, Any], label: str)
     layout = results["layouts"][label]
     assert not layout["failures"], f"{label} differs from the single-rank run:\n" + "\n".join(layout["failures"])
     names = layout["names"]
-    expected = {f"param {name}" for name in layout["reference_names"]} | {f"grad {n}" for n in layout["reference_names"]}
+    expected = {f"param {name}" for name in layout["reference_names"]} | {
+        f"grad {n}" for n in layout["reference_names"]
+    }
     assert expected <= names, f"{label}: not compared {sorted(expected - names)}"
     assert {f"step {s} load_balancing_loss" for s in range(NUM_STEPS)} <= names, "aux loss not compared"
     assert any(name.startswith("final ") and name.endswith("expert_bias") for name in names)
@@ -249,7 +291,8 @@ def test_features_shape_each_layout(results: dict[str, Any]) -> None:
     assert "moe_permute_fusion" not in layouts["ep2-allgather"]["enabled"]
     for layout in layouts.values():
         assert {"moe_grouped_gemm", "moe_shared_experts", "moe_load_balancing", "moe_router_expert_bias"} <= set(
-            layout["enabled"])
+            layout["enabled"]
+        )
 
 
 @pytest.mark.distributed

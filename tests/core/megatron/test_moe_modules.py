@@ -30,23 +30,46 @@ NUM_EXPERTS, HIDDEN = 4, 32
 LAYER_CASES = {
     "swiglu-top2": dict(gated_linear_unit=True, activation_func=F.silu),
     "geglu-top2": dict(gated_linear_unit=True, activation_func=F.gelu, use_te_activation_func=False),
-    "gelu-top1-probs-on-input": dict(gated_linear_unit=False, activation_func=F.gelu, moe_router_topk=1,
-                                     moe_router_pre_softmax=True, moe_apply_probs_on_input=True,
-                                     use_te_activation_func=False),
-    "swiglu-recompute-act": dict(gated_linear_unit=True, activation_func=F.silu, moe_grouped_gemm=True,
-                                 recompute_granularity="selective", recompute_modules=["moe_act"]),
+    "gelu-top1-probs-on-input": dict(
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+        moe_apply_probs_on_input=True,
+        use_te_activation_func=False,
+    ),
+    "swiglu-recompute-act": dict(
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        moe_grouped_gemm=True,
+        recompute_granularity="selective",
+        recompute_modules=["moe_act"],
+    ),
 }
 
 
 def _config(**fields: Any) -> Any:
     from megatron.core.transformer import TransformerConfig
 
-    base = dict(num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=48, num_attention_heads=4,
-                num_moe_experts=NUM_EXPERTS, moe_router_topk=2, use_cpu_initialization=True, add_bias_linear=False,
-                use_te_activation_func=True, bias_activation_fusion=False, moe_token_dispatcher_type="alltoall",
-                moe_aux_loss_coeff=0.0, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
-                # Weights of std 0.5 give outputs of order 1, so the tolerances below are relative ones.
-                init_method_std=0.5)
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=2,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        use_te_activation_func=True,
+        bias_activation_fusion=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        # Weights of std 0.5 give outputs of order 1, so the tolerances below are relative ones.
+        init_method_std=0.5,
+    )
     return TransformerConfig(**{**base, **fields})
 
 
@@ -58,8 +81,9 @@ def _moe_layer(config: Any, grouped: bool, impl: str = "auto") -> Any:
     impls = {"grouped_matmul": impl, "swiglu": impl}
     # Only a SwiGLU goes through the registry activation module; others keep megatron's.
     swiglu = config.gated_linear_unit and config.activation_func is F.silu
-    spec = get_gpt_layer_spec(impls=impls, num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped,
-                              swiglu=swiglu).submodules.mlp
+    spec = get_gpt_layer_spec(
+        impls=impls, num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped, swiglu=swiglu
+    ).submodules.mlp
     layer = build_module(spec, config=config)
     layer.set_layer_number(1)
     return layer
@@ -93,16 +117,21 @@ def _compare_layers() -> dict[str, Any]:
             grouped.load_state_dict(grouped_expert_state(sequential.state_dict(), NUM_EXPERTS), strict=True)
             out, dx, grads = _forward_backward(grouped, x)
             results[f"{label}/{impl}"] = {
-                "out": (out - ref_out).abs().max().item(), "dx": (dx - ref_dx).abs().max().item(),
-                "grads": _max_diff(grads, ref_grads), "kernel": grouped.experts.kernel.name,
-                "experts": type(grouped.experts).__name__, "scale": ref_out.abs().max().item(),
+                "out": (out - ref_out).abs().max().item(),
+                "dx": (dx - ref_dx).abs().max().item(),
+                "grads": _max_diff(grads, ref_grads),
+                "kernel": grouped.experts.kernel.name,
+                "experts": type(grouped.experts).__name__,
+                "scale": ref_out.abs().max().item(),
             }
     # No token for any local expert (an EP rank can get none): output [0, hidden], zero gradients.
     experts = _moe_layer(_config(), grouped=True).experts
     out, _ = experts(torch.zeros(0, HIDDEN), torch.zeros(NUM_EXPERTS, dtype=torch.long), torch.zeros(0))
     out.sum().backward()
-    results["empty"] = {"shape": list(out.shape), "grads": [p.grad is not None and not p.grad.any()
-                                                            for p in experts.parameters()]}
+    results["empty"] = {
+        "shape": list(out.shape),
+        "grads": [p.grad is not None and not p.grad.any() for p in experts.parameters()],
+    }
     return results
 
 
@@ -120,8 +149,10 @@ def _compare_permutation() -> dict[str, float]:
     probs = torch.rand(21, 6, generator=gen)
     patches = PatchSet(moe_permute_patches("auto", "auto"))
     diffs = {}
-    for label, kwargs in {"probs, int count": dict(probs=probs, num_out_tokens=int(routing_map.sum())),
-                          "no probs, tensor count": dict(num_out_tokens=routing_map.sum())}.items():
+    for label, kwargs in {
+        "probs, int count": dict(probs=probs, num_out_tokens=int(routing_map.sum())),
+        "no probs, tensor count": dict(num_out_tokens=routing_map.sum()),
+    }.items():
         results = []
         for patched in (False, True):
             if patched:
@@ -137,11 +168,15 @@ def _compare_permutation() -> dict[str, float]:
                 if permuted_probs is not None:
                     loss = loss + (permuted_probs * torch.arange(permuted_probs.numel())).sum()
                 loss.backward()
-                results.append([permuted, indices.float(), out, x.grad] + ([permuted_probs, p.grad] if p is not None else []))
+                results.append(
+                    [permuted, indices.float(), out, x.grad] + ([permuted_probs, p.grad] if p is not None else [])
+                )
             finally:
                 patches.revert()
         diffs[label] = max((a - b).abs().max().item() for a, b in zip(*results))
-    diffs["restored"] = float(token_dispatcher.permute is moe_utils.permute and token_dispatcher.unpermute is moe_utils.unpermute)
+    diffs["restored"] = float(
+        token_dispatcher.permute is moe_utils.permute and token_dispatcher.unpermute is moe_utils.unpermute
+    )
     return diffs
 
 
@@ -166,12 +201,14 @@ def _spec_follows_features() -> dict[str, Any]:
         out["level 1, not passed"] = experts()
         out["level 1"] = experts(report.kernels)
         out["level 1, explicit False"] = experts(report.kernels, moe_grouped_gemm=False)
-        out["level 1 params"] = get_gpt_layer_spec(report.kernels,
-                                                   num_experts=NUM_EXPERTS).submodules.mlp.submodules.experts.params
+        out["level 1 params"] = get_gpt_layer_spec(
+            report.kernels, num_experts=NUM_EXPERTS
+        ).submodules.mlp.submodules.experts.params
         out["level 1 patches"] = [p.name for p in report.patches if "permute" in p.name]
         out["patched"] = token_dispatcher.permute.__module__
-        backend = get_moe_module_spec_for_backend(MindSpeedSpecProvider(report.kernels), num_experts=NUM_EXPERTS,
-                                                  moe_grouped_gemm=True)
+        backend = get_moe_module_spec_for_backend(
+            MindSpeedSpecProvider(report.kernels), num_experts=NUM_EXPERTS, moe_grouped_gemm=True
+        )
         out["backend"] = backend.submodules.experts.module.__name__
         unadapt()
         off = adapt("cpu", features=FeaturesConfig(settings={"moe_grouped_gemm": False}), model=facts)
@@ -218,7 +255,8 @@ def _checkpoint_crosses_modules(directory: str) -> dict[str, float]:
         saved = grouped_expert_state(full_state([built[first]]), NUM_EXPERTS)
         loaded = grouped_expert_state(full_state([built[second]]), NUM_EXPERTS)
         diffs[f"{'grouped' if first else 'sequential'} -> {'grouped' if second else 'sequential'}"] = _max_diff(
-            loaded, saved)
+            loaded, saved
+        )
     return diffs
 
 
@@ -226,8 +264,10 @@ def _tracker_counts() -> dict[str, Any]:
     from mindspeed.metrics.moe import ExpertLoadTracker
 
     out = {}
-    for label, fields in {"plain": {}, "moe recompute": dict(recompute_granularity="selective",
-                                                             recompute_modules=["moe"])}.items():
+    for label, fields in {
+        "plain": {},
+        "moe recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    }.items():
         config = _config(**fields)
         layers = [_moe_layer(config, grouped=True) for _ in range(2)]
         for number, layer in enumerate(layers, start=1):
@@ -238,6 +278,7 @@ def _tracker_counts() -> dict[str, Any]:
             def hook(module: Any, args: tuple) -> None:
                 if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
                     received[number] = received.get(number, 0) + args[1]
+
             return hook
 
         for number, layer in enumerate(layers, start=1):
@@ -250,8 +291,12 @@ def _tracker_counts() -> dict[str, Any]:
                 h = layer(h)[0]
             h.sum().backward()
         load = tracker.log_step(0)
-        out[label] = {"tracked": load.counts, "received": {n: c.tolist() for n, c in received.items()},
-                      "text": load.describe(), "history": len(tracker.history)}
+        out[label] = {
+            "tracked": load.counts,
+            "received": {n: c.tolist() for n, c in received.items()},
+            "text": load.describe(),
+            "history": len(tracker.history),
+        }
         tracker.detach()
     return out
 
@@ -264,8 +309,13 @@ def _megatron_checks(rank: int, world_size: int, directory: str) -> dict[str, An
     adapt("cpu")
     init_parallel(Sizes())
     try:
-        return {"layers": _compare_layers(), "permutation": _compare_permutation(), "spec": _spec_follows_features(),
-                "checkpoint": _checkpoint_crosses_modules(directory), "tracker": _tracker_counts()}
+        return {
+            "layers": _compare_layers(),
+            "permutation": _compare_permutation(),
+            "spec": _spec_follows_features(),
+            "checkpoint": _checkpoint_crosses_modules(directory),
+            "tracker": _tracker_counts(),
+        }
     finally:
         destroy_parallel()
         unadapt()
@@ -336,8 +386,9 @@ def test_tracker_counts_what_experts_receive(megatron_results: dict[str, Any], l
 MOE = ModelFacts(num_moe_experts=8, moe_token_dispatcher_type="alltoall", extra={"moe_ffn_hidden_size": 96})
 
 
-def _apply(settings: dict[str, Any], parallel: ParallelSizes = ParallelSizes(), model: ModelFacts = MOE,
-           level: int = 2) -> BuildContext:
+def _apply(
+    settings: dict[str, Any], parallel: ParallelSizes = ParallelSizes(), model: ModelFacts = MOE, level: int = 2
+) -> BuildContext:
     ctx = BuildContext(accelerator="cpu", parallel=parallel, model=model)
     # Only the MoE features' config fields are under test here (fusion sets its own flag).
     settings = {"gradient_accumulation_fusion": False, **settings}
@@ -366,7 +417,8 @@ def test_tp_extend_ep_maps_onto_expert_groups() -> None:
 
 def test_shared_experts_width() -> None:
     assert _apply({"moe_shared_experts": {"enabled": True, "intermediate_size": 128}}).config_overrides == {
-        "moe_shared_expert_intermediate_size": 128}
+        "moe_shared_expert_intermediate_size": 128
+    }
     ctx = _apply({"moe_shared_experts": {"enabled": True, "n_shared_experts": 2, "overlap": True}})
     assert ctx.config_overrides["moe_shared_expert_intermediate_size"] == 2 * MOE.extra["moe_ffn_hidden_size"]
     assert ctx.config_overrides["moe_shared_expert_overlap"] is True
@@ -375,20 +427,37 @@ def test_shared_experts_width() -> None:
     with pytest.raises(ValueError, match="moe_ffn_hidden_size"):
         _apply({"moe_shared_experts": {"enabled": True, "n_shared_experts": 1}}, model=ModelFacts(num_moe_experts=4))
     with pytest.raises(ValueError, match="alltoall dispatcher"):
-        _apply({"moe_shared_experts": {"enabled": True, "intermediate_size": 8, "overlap": True}},
-               model=ModelFacts(num_moe_experts=4, moe_token_dispatcher_type="allgather"))
+        _apply(
+            {"moe_shared_experts": {"enabled": True, "intermediate_size": 8, "overlap": True}},
+            model=ModelFacts(num_moe_experts=4, moe_token_dispatcher_type="allgather"),
+        )
 
 
 def test_load_balancing_and_expert_bias() -> None:
-    ctx = _apply({"moe_load_balancing": {"enabled": True, "type": "seq_aux_loss", "aux_loss_coeff": 1e-3,
-                                         "z_loss_coeff": 1e-3},
-                  "moe_router_expert_bias": {"enabled": True, "update_rate": 1e-2}})
+    ctx = _apply(
+        {
+            "moe_load_balancing": {
+                "enabled": True,
+                "type": "seq_aux_loss",
+                "aux_loss_coeff": 1e-3,
+                "z_loss_coeff": 1e-3,
+            },
+            "moe_router_expert_bias": {"enabled": True, "update_rate": 1e-2},
+        }
+    )
     assert dict(ctx.config_overrides) == {
-        "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-3, "moe_z_loss_coeff": 1e-3,
-        "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-2,
-        "moe_router_score_function": "sigmoid"}
-    for bad, match in ((dict(type="switch"), "not one of"), (dict(aux_loss_coeff=0.0), "adds no loss"),
-                       (dict(type="sinkhorn"), "has no auxiliary loss")):
+        "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_aux_loss_coeff": 1e-3,
+        "moe_z_loss_coeff": 1e-3,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 1e-2,
+        "moe_router_score_function": "sigmoid",
+    }
+    for bad, match in (
+        (dict(type="switch"), "not one of"),
+        (dict(aux_loss_coeff=0.0), "adds no loss"),
+        (dict(type="sinkhorn"), "has no auxiliary loss"),
+    ):
         with pytest.raises(ValueError, match=match):
             _apply({"moe_load_balancing": {"enabled": True, **bad}})
     with pytest.raises(ValueError, match="does not move the bias"):

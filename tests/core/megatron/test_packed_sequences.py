@@ -45,26 +45,31 @@ def _check(rank: int, world_size: int, impl: str) -> dict[str, Any]:
         # Alone: one forward per sequence; the gradient of the summed logits of all of them.
         alone = [_forward(gpt, s) for s in seqs]
         sum(out.sum() for out in alone).backward()
-        grads_alone = {n: p.main_grad.clone() if hasattr(p, "main_grad") else p.grad.clone()
-                       for n, p in gpt.named_parameters()}
+        grads_alone = {
+            n: p.main_grad.clone() if hasattr(p, "main_grad") else p.grad.clone() for n, p in gpt.named_parameters()
+        }
         for p in gpt.parameters():
             p.grad = None
         chunk.zero_grad_buffer()
         cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENGTHS),
-                                 max_seqlen_kv=max(LENGTHS))
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS)
+        )
         together = _forward(gpt, torch.cat(seqs, dim=1), packed)
         together.sum().backward()
-        grads_packed = {n: p.main_grad.clone() if hasattr(p, "main_grad") else p.grad.clone()
-                        for n, p in gpt.named_parameters()}
+        grads_packed = {
+            n: p.main_grad.clone() if hasattr(p, "main_grad") else p.grad.clone() for n, p in gpt.named_parameters()
+        }
         # Without the packing information the later sequences see the earlier ones.
         plain = _forward(gpt, torch.cat(seqs, dim=1))
         pieces = together.split(list(LENGTHS), dim=1)
         return {
             "logits": max(float((a - b).abs().max()) for a, b in zip(alone, pieces)),
             # Relative: the gradients of summed logits reach the hundreds.
-            "grads": max(float((grads_alone[n] - grads_packed[n]).abs().max() / grads_alone[n].abs().max().clamp_min(1))
-                         for n in grads_alone),
+            "grads": max(
+                float((grads_alone[n] - grads_packed[n]).abs().max() / grads_alone[n].abs().max().clamp_min(1))
+                for n in grads_alone
+            ),
             "grad_names": len(grads_alone),
             "unpacked_differs": float((plain - together).abs().max()),
         }

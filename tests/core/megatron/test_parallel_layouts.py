@@ -39,8 +39,12 @@ LAYOUTS: dict[str, tuple[TinyGPTConfig, ParallelSizes, dict[str, Any], str]] = {
     "pp2-1f1b-tied": (TIED, ParallelSizes(pp=2), {}, "forward_backward_pipelining_without_interleaving"),
     # megatron's default batch_p2p_comm: needs the adaptor's p2p-same-peer-order patch at PP 2.
     "pp2-vpp2": (MODEL, ParallelSizes(pp=2, vpp=2), {}, "forward_backward_pipelining_with_interleaving"),
-    "pp2-vpp2-overlap-p2p": (MODEL, ParallelSizes(pp=2, vpp=2), {"batch_p2p_comm": False, "overlap_p2p_comm": True},
-                             "forward_backward_pipelining_with_interleaving"),
+    "pp2-vpp2-overlap-p2p": (
+        MODEL,
+        ParallelSizes(pp=2, vpp=2),
+        {"batch_p2p_comm": False, "overlap_p2p_comm": True},
+        "forward_backward_pipelining_with_interleaving",
+    ),
 }
 
 
@@ -52,8 +56,13 @@ def _p2p_pairs_correctly(rank: int) -> bool:
     send_next, send_prev = torch.full((3,), 10.0 + rank), torch.full((3,), 20.0 + rank)
     recv_prev, recv_next = torch.zeros(3), torch.zeros(3)
     for request in p2p_communication._batched_p2p_ops(
-        tensor_send_prev=send_prev, tensor_recv_prev=recv_prev, tensor_send_next=send_next,
-        tensor_recv_next=recv_next, group=dist.group.WORLD, prev_pipeline_rank=peer, next_pipeline_rank=peer,
+        tensor_send_prev=send_prev,
+        tensor_recv_prev=recv_prev,
+        tensor_send_next=send_next,
+        tensor_recv_next=recv_next,
+        group=dist.group.WORLD,
+        prev_pipeline_rank=peer,
+        next_pipeline_rank=peer,
     ):
         request.wait()
     return bool((recv_prev == 10.0 + peer).all() and (recv_next == 20.0 + peer).all())
@@ -66,8 +75,10 @@ def _check_layouts(rank: int, world_size: int) -> dict[str, Any]:
     try:
         batches = make_batches(MODEL, NUM_MICROBATCHES, MICRO_BATCH_SIZE)
         references = {model: run_reference(model, batches) for model in (MODEL, TIED)}
-        summaries = [check_layout(model, sizes, batches, references[model], label, **overrides)
-                     for label, (model, sizes, overrides, _) in LAYOUTS.items()]
+        summaries = [
+            check_layout(model, sizes, batches, references[model], label, **overrides)
+            for label, (model, sizes, overrides, _) in LAYOUTS.items()
+        ]
         patched = _p2p_pairs_correctly(rank)
     finally:
         unadapt()

@@ -18,8 +18,22 @@ def test_split_and_merge_round_trip_every_kind_of_value() -> None:
     random = random[torch.isfinite(random)]
     # Ties (low half exactly 0x8000) with even and odd upper halves, both signs, and the edges:
     # zeros, subnormals, the largest finite value (rounds to inf), infinities.
-    special = _bits(0x3F808000, 0x3F818000, 0xBF808000 - 2**32, 0xBF818000 - 2**32, 0, -(2**31), 1, 0x8000,
-                    0x7F7FFFFF, 0x7F7F8000, 0x7F800000, 0xFF800000 - 2**32, 0x3F807FFF, 0x3F808001)
+    special = _bits(
+        0x3F808000,
+        0x3F818000,
+        0xBF808000 - 2**32,
+        0xBF818000 - 2**32,
+        0,
+        -(2**31),
+        1,
+        0x8000,
+        0x7F7FFFFF,
+        0x7F7F8000,
+        0x7F800000,
+        0xFF800000 - 2**32,
+        0x3F807FFF,
+        0x3F808001,
+    )
     for master in (random, special, torch.randn(4, 33, generator=gen)):
         bf16 = master.to(torch.bfloat16)  # megatron's cast: round to nearest even
         remainder, ties = split_fp32(master, bf16)

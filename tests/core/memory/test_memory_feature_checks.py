@@ -13,24 +13,38 @@ def _apply(settings: dict, **extra: object) -> BuildContext:
     return context
 
 
-@pytest.mark.parametrize(("settings", "extra", "message"), [
-    ({"reuse_fp32_param": True}, {"precision": "fp32"}, "train.precision=bf16"),
-    ({"swap_optimizer": True}, {"distributed_optimizer": False}, "parallel.distributed_optimizer=true"),
-    ({"swap_optimizer": {"enabled": True, "swap_optimizer_times": 0}}, {}, "use 1 or more chunks"),
-    ({"recompute_norm": {"enabled": True, "num_layers": 0}}, {}, "recomputes nothing"),
-    ({"recompute_activation_function": {"enabled": True, "num_layers": 9}}, {"num_layers": 8},
-     "more than the model's 8 layers"),
-    ({"swap_attention": {"enabled": True, "swap_modules": ["mlp"]}}, {}, "unknown modules ['mlp']"),
-    ({"swap_optimizer": True, "reuse_fp32_param": True}, {}, "conflict"),
-])
+@pytest.mark.parametrize(
+    ("settings", "extra", "message"),
+    [
+        ({"reuse_fp32_param": True}, {"precision": "fp32"}, "train.precision=bf16"),
+        ({"swap_optimizer": True}, {"distributed_optimizer": False}, "parallel.distributed_optimizer=true"),
+        ({"swap_optimizer": {"enabled": True, "swap_optimizer_times": 0}}, {}, "use 1 or more chunks"),
+        ({"recompute_norm": {"enabled": True, "num_layers": 0}}, {}, "recomputes nothing"),
+        (
+            {"recompute_activation_function": {"enabled": True, "num_layers": 9}},
+            {"num_layers": 8},
+            "more than the model's 8 layers",
+        ),
+        ({"swap_attention": {"enabled": True, "swap_modules": ["mlp"]}}, {}, "unknown modules ['mlp']"),
+        ({"swap_optimizer": True, "reuse_fp32_param": True}, {}, "conflict"),
+    ],
+)
 def test_bad_settings_are_refused_with_the_fix(settings: dict, extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _apply(settings, **extra)
 
 
 def test_good_settings_attach_one_hook_each() -> None:
-    context = _apply({"recompute_activation_function": {"enabled": True, "num_layers": 8},
-                      "recompute_norm": True, "swap_attention": True, "swap_optimizer": True},
-                     precision="bf16", distributed_optimizer=True, num_layers=8)
+    context = _apply(
+        {
+            "recompute_activation_function": {"enabled": True, "num_layers": 8},
+            "recompute_norm": True,
+            "swap_attention": True,
+            "swap_optimizer": True,
+        },
+        precision="bf16",
+        distributed_optimizer=True,
+        num_layers=8,
+    )
     assert len(context.hooks["post_model_build"]) == 3 and len(context.hooks["post_optimizer_build"]) == 1
     assert len(_apply({"reuse_fp32_param": True}, precision="bf16").hooks["post_optimizer_build"]) == 1

@@ -93,8 +93,15 @@ def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     init_parallel(sizes, model.seed)
     try:
-        chunks = build_gpt(model, sizes, layer_spec=get_gpt_layer_spec(KERNELS), use_te_activation_func=True,
-                           bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
+        chunks = build_gpt(
+            model,
+            sizes,
+            layer_spec=get_gpt_layer_spec(KERNELS),
+            use_te_activation_func=True,
+            bf16=bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+        )
         installed = install(chunks) if install is not None else None
         batch = local_batches(make_batches(model, 1, MICRO_BATCH))[0]
         gpt = unwrap(chunks[0])
@@ -108,14 +115,23 @@ def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
         grads = {name: local_grad(p).float().clone() for name, p in gpt.named_parameters()}
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, params_dtype=dtype,
-                                                           clip_grad=1.0), chunks)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, params_dtype=dtype, clip_grad=1.0), chunks
+        )
         steps = [local_batches(make_batches(model, MICROBATCHES, MICRO_BATCH, seed=1))] * STEPS  # one batch, learnt
         history = train_steps(chunks, optimizer, steps)
-        return {"loss": loss.item(), "held": held, "peak": tracker.peak_bytes, "grads": grads,
-                "losses": history.losses, "grad_norms": history.grad_norms,
-                "pairs": len(getattr(installed, "pairs", ())), "layers": getattr(installed, "layers", 0),
-                "discarded": getattr(installed, "discarded", 0), "swapped": swapped}
+        return {
+            "loss": loss.item(),
+            "held": held,
+            "peak": tracker.peak_bytes,
+            "grads": grads,
+            "losses": history.losses,
+            "grad_norms": history.grad_norms,
+            "pairs": len(getattr(installed, "pairs", ())),
+            "layers": getattr(installed, "layers", 0),
+            "discarded": getattr(installed, "discarded", 0),
+            "swapped": swapped,
+        }
     finally:
         destroy_parallel()
 
@@ -124,13 +140,20 @@ def _compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     scale = max(g.abs().max().item() for g in off["grads"].values())
-    return {"loss_equal": on["loss"] == off["loss"], "losses_equal": on["losses"] == off["losses"],
-            "grad_norms_equal": on["grad_norms"] == off["grad_norms"],
-            "grads_equal": all(torch.equal(on["grads"][n], g) for n, g in off["grads"].items()),
-            "grad_diff": max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale,
-            "held_saving": off["held"] - on["held"], "peak_saving": off["peak"] - on["peak"],
-            "pairs": on["pairs"], "layers": on["layers"], "discarded": on["discarded"], "losses": on["losses"],
-            "swapped": on["swapped"]}
+    return {
+        "loss_equal": on["loss"] == off["loss"],
+        "losses_equal": on["losses"] == off["losses"],
+        "grad_norms_equal": on["grad_norms"] == off["grad_norms"],
+        "grads_equal": all(torch.equal(on["grads"][n], g) for n, g in off["grads"].items()),
+        "grad_diff": max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale,
+        "held_saving": off["held"] - on["held"],
+        "peak_saving": off["peak"] - on["peak"],
+        "pairs": on["pairs"],
+        "layers": on["layers"],
+        "discarded": on["discarded"],
+        "losses": on["losses"],
+        "swapped": on["swapped"],
+    }
 
 
 def _recompute(report: Any) -> dict[str, Any]:
@@ -151,8 +174,11 @@ def _memory_features(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.features import FeaturesConfig
     from mindspeed.megatron import adapt, unadapt
 
-    settings = {"recompute_activation_function": True, "recompute_norm": True,
-                "swap_attention": {"enabled": True, "swap_modules": ["self_attention"]}}
+    settings = {
+        "recompute_activation_function": True,
+        "recompute_norm": True,
+        "swap_attention": {"enabled": True, "swap_modules": ["self_attention"]},
+    }
     report = adapt("cpu", features=FeaturesConfig(optimization_level=0, settings=settings))
     try:
         out = {"enabled": report.features.enabled, "recompute": _recompute(report)}
@@ -254,17 +280,32 @@ def _optimizer_run(hook: Any, bf16: bool, distributed: bool) -> dict[str, Any]:
     init_parallel(sizes, model.seed)
     try:
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
-        chunks = build_gpt(model, sizes, ddp, layer_spec=get_gpt_layer_spec(KERNELS), use_te_activation_func=True,
-                           bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
+        chunks = build_gpt(
+            model,
+            sizes,
+            ddp,
+            layer_spec=get_gpt_layer_spec(KERNELS),
+            use_te_activation_func=True,
+            bf16=bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+        )
         steps = [local_batches(make_batches(model, MICROBATCHES, MICRO_BATCH, seed=1))] * OPT_STEPS
         outer = StorageTracker()
         with outer:
-            config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=dtype, clip_grad=1.0,
-                                     use_distributed_optimizer=distributed)
+            config = OptimizerConfig(
+                optimizer="adam",
+                lr=1e-2,
+                bf16=bf16,
+                params_dtype=dtype,
+                clip_grad=1.0,
+                use_distributed_optimizer=distributed,
+            )
             optimizer = get_megatron_optimizer(config, chunks)
             state_elements = sum(pair.numel for sub in sub_optimizers(optimizer) for pair in master_pairs(sub))
-            masters = sum(pair.numel for sub in sub_optimizers(optimizer) for pair in master_pairs(sub)
-                          if pair.model is not None)
+            masters = sum(
+                pair.numel for sub in sub_optimizers(optimizer) for pair in master_pairs(sub) if pair.model is not None
+            )
             if hook is not None:
                 optimizer = hook(optimizer) or optimizer
             first = train_steps(chunks, optimizer, steps[:1])
@@ -278,16 +319,32 @@ def _optimizer_run(hook: Any, bf16: bool, distributed: bool) -> dict[str, Any]:
         if owner is not None and hasattr(owner, "masters"):
             final_masters = [m.clone() for m in owner.masters()]
         elif owner is not None:  # swapped: bring the masters back from the host buffers
-            final_masters = [owner._host[id(pair.main)].clone() for sub in sub_optimizers(optimizer)
-                             for pair in master_pairs(sub) if pair.model is not None]
+            final_masters = [
+                owner._host[id(pair.main)].clone()
+                for sub in sub_optimizers(optimizer)
+                for pair in master_pairs(sub)
+                if pair.model is not None
+            ]
         else:
-            final_masters = [pair.main.detach().clone() for sub in sub_optimizers(optimizer)
-                             for pair in master_pairs(sub) if pair.model is not None]
+            final_masters = [
+                pair.main.detach().clone()
+                for sub in sub_optimizers(optimizer)
+                for pair in master_pairs(sub)
+                if pair.model is not None
+            ]
         params = {name: p.detach().float().clone() for name, p in unwrap(chunks[0]).named_parameters()}
-        return {"losses": first.losses + rest.losses, "grad_norms": first.grad_norms + rest.grad_norms,
-                "params": params, "masters": final_masters, "held": held, "peak": base + inner.peak_bytes,
-                "state_elements": state_elements, "master_elements": masters,
-                "ties": getattr(owner, "ties", 0), "chunked_steps": sum(s.steps for s in getattr(owner, "steps", []))}
+        return {
+            "losses": first.losses + rest.losses,
+            "grad_norms": first.grad_norms + rest.grad_norms,
+            "params": params,
+            "masters": final_masters,
+            "held": held,
+            "peak": base + inner.peak_bytes,
+            "state_elements": state_elements,
+            "master_elements": masters,
+            "ties": getattr(owner, "ties", 0),
+            "chunked_steps": sum(s.steps for s in getattr(owner, "steps", [])),
+        }
     finally:
         destroy_parallel()
 
@@ -295,13 +352,20 @@ def _optimizer_run(hook: Any, bf16: bool, distributed: bool) -> dict[str, Any]:
 def _compare_optimizer(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    return {"losses_equal": on["losses"] == off["losses"], "grad_norms_equal": on["grad_norms"] == off["grad_norms"],
-            "params_equal": all(torch.equal(on["params"][n], p) for n, p in off["params"].items()),
-            "masters_equal": len(on["masters"]) == len(off["masters"])
-            and all(torch.equal(a, b) for a, b in zip(on["masters"], off["masters"])),
-            "held_saving": off["held"] - on["held"], "peak_saving": off["peak"] - on["peak"],
-            "state_elements": off["state_elements"], "master_elements": off["master_elements"],
-            "ties": on["ties"], "chunked_steps": on["chunked_steps"], "losses": on["losses"]}
+    return {
+        "losses_equal": on["losses"] == off["losses"],
+        "grad_norms_equal": on["grad_norms"] == off["grad_norms"],
+        "params_equal": all(torch.equal(on["params"][n], p) for n, p in off["params"].items()),
+        "masters_equal": len(on["masters"]) == len(off["masters"])
+        and all(torch.equal(a, b) for a, b in zip(on["masters"], off["masters"])),
+        "held_saving": off["held"] - on["held"],
+        "peak_saving": off["peak"] - on["peak"],
+        "state_elements": off["state_elements"],
+        "master_elements": off["master_elements"],
+        "ties": on["ties"],
+        "chunked_steps": on["chunked_steps"],
+        "losses": on["losses"],
+    }
 
 
 def _optimizer_state(report: Any) -> dict[str, Any]:
@@ -320,14 +384,16 @@ def _optimizer_state(report: Any) -> dict[str, Any]:
     for distributed in (True, False):
         off = _optimizer_run(None, bf16=True, distributed=distributed)
         out[f"reuse-{'distopt' if distributed else 'float16'}"] = _compare_optimizer(
-            off, _optimizer_run(reuse if distributed else _fresh(reuse), bf16=True, distributed=distributed))
+            off, _optimizer_run(reuse if distributed else _fresh(reuse), bf16=True, distributed=distributed)
+        )
         if distributed:
             out["swap-bf16"] = _compare_optimizer(off, _optimizer_run(swap, bf16=True, distributed=True))
     from mindspeed.memory.swap_optimizer import SwapOptimizer
 
     off = _optimizer_run(None, bf16=False, distributed=True)
-    out["swap-fp32"] = _compare_optimizer(off, _optimizer_run(SwapOptimizer(times=SWAP_TIMES).install, bf16=False,
-                                                              distributed=True))
+    out["swap-fp32"] = _compare_optimizer(
+        off, _optimizer_run(SwapOptimizer(times=SWAP_TIMES).install, bf16=False, distributed=True)
+    )
     try:
         _optimizer_run(SwapOptimizer().install, bf16=True, distributed=False)
     except ValueError as error:
@@ -362,8 +428,10 @@ def test_reuse_fp32_param_trains_as_the_bf16_optimizer_and_saves_2_bytes_per_par
             assert abs(row["held_saving"] - formula) <= SLACK, (name, row["held_saving"], formula)
             assert abs(row["peak_saving"] - formula) <= 0.1 * formula, (name, row["peak_saving"], formula)
     # DP2: the distributed optimizer's two shards make up the full copy the plain one keeps on each rank.
-    assert sum(out["optimizer"]["reuse-distopt"]["master_elements"] for out in outs) == \
-        outs[0]["optimizer"]["reuse-float16"]["master_elements"]
+    assert (
+        sum(out["optimizer"]["reuse-distopt"]["master_elements"] for out in outs)
+        == outs[0]["optimizer"]["reuse-float16"]["master_elements"]
+    )
     assert sum(out["optimizer"][n]["ties"] for out in outs for n in ("reuse-distopt", "reuse-float16")) > 0
     losses = outs[0]["optimizer"]["reuse-distopt"]["losses"]
     assert losses[-1] < losses[0]

@@ -16,8 +16,14 @@ from mindspeed.testing.tiny_llama import TinyLlama
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_formula_equals_counted_matmul_flops_forward_and_backward(kv_heads: int) -> None:
     # One description: the model that runs and the formula read the same ModelShape.
-    shape = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                       num_query_groups=kv_heads, vocab_size=96)
+    shape = ModelShape(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=kv_heads,
+        vocab_size=96,
+    )
     torch.manual_seed(0)
     model = TinyLlama(shape, impl="reference")
     batch, seq = 2, 24
@@ -32,14 +38,32 @@ def test_formula_equals_counted_matmul_flops_forward_and_backward(kv_heads: int)
 
 
 def test_moe_and_plain_mlp_terms_by_hand() -> None:
-    dense = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                       num_query_groups=1, kv_channels=4, vocab_size=10, swiglu=False)
+    dense = ModelShape(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        vocab_size=10,
+        swiglu=False,
+    )
     # qkv 2*8*(8+2*4) + proj 2*8*8 + attention 4*5*8 + mlp 2*8*16*2 + logits 2*8*10
     assert forward_flops_per_token(dense, 5) == 256 + 128 + 160 + 512 + 160
     assert forward_flops_per_token(dense, 5, vocab_size=16) == 256 + 128 + 160 + 512 + 2 * 8 * 16
-    moe = ModelShape(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
-                     kv_channels=4, vocab_size=10, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6,
-                     moe_layer_freq=(0, 1))
+    moe = ModelShape(
+        num_layers=2,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        vocab_size=10,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=6,
+        moe_layer_freq=(0, 1),
+    )
     attention = 256 + 128 + 160
     expert = 2 * 8 * 6 * 3
     assert forward_flops_per_token(moe, 5) == 2 * attention + 2 * 8 * 16 * 3 + (2 * expert + 2 * 8 * 4) + 160
@@ -50,9 +74,19 @@ def test_moe_and_plain_mlp_terms_by_hand() -> None:
 
 def test_mla_terms_by_hand() -> None:
     # h 8, 2 heads, q rank 4, kv rank 3, nope 2 + rope 1 per head, v 2, s 5, one dense layer
-    mla = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, vocab_size=10,
-                     multi_latent_attention=True, q_lora_rank=4, kv_lora_rank=3, qk_head_dim=2,
-                     qk_pos_emb_head_dim=1, v_head_dim=2)
+    mla = ModelShape(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=10,
+        multi_latent_attention=True,
+        q_lora_rank=4,
+        kv_lora_rank=3,
+        qk_head_dim=2,
+        qk_pos_emb_head_dim=1,
+        v_head_dim=2,
+    )
     q = 2 * 8 * 4 + 2 * 4 * 2 * 3
     kv = 2 * 8 * (3 + 1) + 2 * 3 * 2 * (2 + 2)
     out = 2 * 2 * 2 * 8
@@ -66,12 +100,18 @@ def test_mla_terms_by_hand() -> None:
 # the CUDA cores (2 FLOP per FMA: 128 or 64 cores per SM). (device name as torch reports it,
 # dtype, SMs, FLOP/clock/SM, GHz)
 ARCHITECTURE = [
-    ("NVIDIA H100 80GB HBM3", "bf16", 132, 4096, 1.830), ("NVIDIA H100 80GB HBM3", "fp32", 132, 256, 1.980),
-    ("NVIDIA H100 PCIe", "bf16", 114, 4096, 1.620), ("NVIDIA H100 PCIe", "fp32", 114, 256, 1.755),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 108, 2048, 1.410), ("NVIDIA A100-SXM4-80GB", "fp32", 108, 128, 1.410),
-    ("NVIDIA A10", "bf16", 72, 1024, 1.695), ("NVIDIA A10", "fp32", 72, 256, 1.695),
-    ("NVIDIA L4", "fp16", 58, 1024, 2.040), ("NVIDIA L4", "fp32", 58, 256, 2.040),
-    ("Tesla V100-SXM2-32GB", "fp16", 80, 1024, 1.530), ("Tesla V100-SXM2-32GB", "fp32", 80, 128, 1.530),
+    ("NVIDIA H100 80GB HBM3", "bf16", 132, 4096, 1.830),
+    ("NVIDIA H100 80GB HBM3", "fp32", 132, 256, 1.980),
+    ("NVIDIA H100 PCIe", "bf16", 114, 4096, 1.620),
+    ("NVIDIA H100 PCIe", "fp32", 114, 256, 1.755),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 108, 2048, 1.410),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 108, 128, 1.410),
+    ("NVIDIA A10", "bf16", 72, 1024, 1.695),
+    ("NVIDIA A10", "fp32", 72, 256, 1.695),
+    ("NVIDIA L4", "fp16", 58, 1024, 2.040),
+    ("NVIDIA L4", "fp32", 58, 256, 2.040),
+    ("Tesla V100-SXM2-32GB", "fp16", 80, 1024, 1.530),
+    ("Tesla V100-SXM2-32GB", "fp32", 80, 128, 1.530),
 ]
 
 

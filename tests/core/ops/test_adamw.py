@@ -93,8 +93,13 @@ def test_reference_single_step_by_hand() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"),
-     ({"weight_decay": -0.1}, "weight_decay"), ({"impl": "nope"}, "unknown implementation")],
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"impl": "nope"}, "unknown implementation"),
+    ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

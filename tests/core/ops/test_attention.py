@@ -225,14 +225,30 @@ def _fake_flash_attn() -> types.ModuleType:
         return (out, lse, None) if return_attn_probs else out
 
     def flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, return_attn_probs=False,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        return_attn_probs=False,
     ):
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
         assert max_seqlen_q == max_seqlen_k == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         out, lse = attention_reference(
-            q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-            cu_seqlens=cu_seqlens_q, return_lse=True,
+            q[None],
+            k[None],
+            v[None],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            cu_seqlens=cu_seqlens_q,
+            return_lse=True,
         )
         return (out[0], lse[0].detach(), None) if return_attn_probs else out[0]  # lse: (heads, total)
 
@@ -243,9 +259,21 @@ def _fake_flash_attn() -> types.ModuleType:
 
 def _fake_torch_npu() -> types.ModuleType:
     def npu_fusion_attention(
-        query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0, keep_prob=1.0,
-        pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, actual_seq_qlen=None,
-        actual_seq_kvlen=None, sparse_mode=0,
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        *,
+        atten_mask=None,
+        scale=1.0,
+        keep_prob=1.0,
+        pre_tockens=2147483647,
+        next_tockens=2147483647,
+        inner_precise=0,
+        actual_seq_qlen=None,
+        actual_seq_kvlen=None,
+        sparse_mode=0,
     ):
         assert keep_prob == 1.0 and head_num == query.shape[-2]
         packed = input_layout == "TND"
@@ -265,7 +293,13 @@ def _fake_torch_npu() -> types.ModuleType:
             # 3: causal from the bottom-right corner; 4: band [pos - pre, pos + next], same anchor.
             causal, window = (True, (-1, -1)) if sparse_mode == 3 else (False, (pre_tockens, next_tockens))
         out, lse = attention_reference(
-            query, key, value, causal=causal, softmax_scale=scale, window_size=window, cu_seqlens=cu_seqlens,
+            query,
+            key,
+            value,
+            causal=causal,
+            softmax_scale=scale,
+            window_size=window,
+            cu_seqlens=cu_seqlens,
             return_lse=True,
         )
         lse = lse.detach()
@@ -274,7 +308,7 @@ def _fake_torch_npu() -> types.ModuleType:
         row_sum = torch.where(torch.isfinite(lse), math.exp(0.75), 1.0)
         if packed:
             out, row_max, row_sum = out[0], row_max[0].transpose(0, 1), row_sum[0].transpose(0, 1)
-        eight = (lambda t: t[..., None].expand(*t.shape, 8).contiguous())  # noqa: E731
+        eight = lambda t: t[..., None].expand(*t.shape, 8).contiguous()  # noqa: E731
         return out, eight(row_max), eight(row_sum), torch.empty(0), 0, 0, 0
 
     module = types.ModuleType("torch_npu")

@@ -31,8 +31,10 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
-    return [{"params": params[:3], "lr": 3e-2, "weight_decay": 0.1},
-            {"params": params[3:], "lr": 1e-2, "weight_decay": 0.0, "betas": (0.8, 0.95), "maximize": True}]
+    return [
+        {"params": params[:3], "lr": 3e-2, "weight_decay": 0.1},
+        {"params": params[3:], "lr": 1e-2, "weight_decay": 0.0, "betas": (0.8, 0.95), "maximize": True},
+    ]
 
 
 def _grads(params: list[torch.nn.Parameter], gen: torch.Generator, step: int) -> None:
@@ -91,11 +93,26 @@ def _documented(grad, var, m, v, s, step, lr, ema_decay, beta1, beta2, eps, mode
 
 def test_reference_single_step_by_hand() -> None:
     values = [torch.tensor([x], dtype=torch.float64) for x in (0.5, -0.3, 0.02, 0.01, 0.45)]
-    expected = _documented(values[1], values[0], values[2], values[3], values[4], torch.tensor(4.0, dtype=torch.float64), 0.1, 0.99,
-                           0.9, 0.99, 1e-8, 1, True, 0.05)
+    expected = _documented(
+        values[1],
+        values[0],
+        values[2],
+        values[3],
+        values[4],
+        torch.tensor(4.0, dtype=torch.float64),
+        0.1,
+        0.99,
+        0.9,
+        0.99,
+        1e-8,
+        1,
+        True,
+        0.05,
+    )
     param, grad, m, v, ema = (t.clone() for t in values)
-    ema_adamw_reference([param], [grad], [m], [v], [ema], 4, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8,
-                        weight_decay=0.05, ema_decay=0.99)
+    ema_adamw_reference(
+        [param], [grad], [m], [v], [ema], 4, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, ema_decay=0.99
+    )
     for ours, theirs in zip((param, m, v, ema), expected):
         assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
 
@@ -118,8 +135,15 @@ def test_npu_binding_equals_reference(monkeypatch: pytest.MonkeyPatch) -> None:
         state[3] = [t.square() for t in state[3]]  # second moments are non-negative
         mine = [[t.clone() for t in ts] for ts in state]
         reference = [[t.clone() for t in ts] for ts in state]
-        hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "ema_decay": 0.95,
-                 "maximize": maximize}
+        hyper = {
+            "lr": 1e-2,
+            "beta1": 0.9,
+            "beta2": 0.999,
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "ema_decay": 0.95,
+            "maximize": maximize,
+        }
         npu_basic.ema_adamw_npu(mine[0], mine[1], mine[2], mine[3], mine[4], 7, **hyper)
         ema_adamw_reference(reference[0], reference[1], reference[2], reference[3], reference[4], 7, **hyper)
         for a, b in zip(mine, reference):

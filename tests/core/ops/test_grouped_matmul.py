@@ -157,13 +157,24 @@ def test_grouped_mlp_equals_megatron_sequential_mlp(single_rank_group) -> None:
     with torch.random.fork_rng(), warnings.catch_warnings():  # megatron initialises from the global RNG
         warnings.simplefilter("ignore")  # and warns about config defaults irrelevant here
         config = TransformerConfig(
-            num_layers=1, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
-            num_moe_experts=num_experts, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-            bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32,
+            num_layers=1,
+            hidden_size=hidden,
+            num_attention_heads=1,
+            ffn_hidden_size=ffn,
+            moe_ffn_hidden_size=ffn,
+            num_moe_experts=num_experts,
+            add_bias_linear=False,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            bias_activation_fusion=False,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
         )
         torch.manual_seed(0)
         mlp = experts_mod.SequentialMLP(
-            num_experts, config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            num_experts,
+            config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             pg_collection=pg,
         )
     gen = torch.Generator().manual_seed(2)

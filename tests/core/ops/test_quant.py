@@ -27,7 +27,7 @@ def _blockwise(flat: torch.Tensor, block: int, table: torch.Tensor) -> tuple[tor
     """Per-block absmax and nearest codes, block by block in a Python loop."""
     codes, maxima = [], []
     for start in range(0, flat.numel(), block):
-        part = flat[start:start + block]
+        part = flat[start : start + block]
         amax = part.abs().max()
         maxima.append(amax)
         scaled = part * (1.0 / amax) if amax > 0 else torch.zeros_like(part)
@@ -56,7 +56,9 @@ def _dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(64, 128), (7, 37), (1000,), (3,)], ids=str)
 @pytest.mark.parametrize("double", [True, False], ids=["double", "single"])
 def test_quantize_equals_independent_nearest_value(shape: tuple, double: bool) -> None:
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3.0, math.prod(shape)).view(shape)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * torch.linspace(
+        0.01, 3.0, math.prod(shape)
+    ).view(shape)
     q = nf4_quantize_reference(weight, double_quant=double)
     want = _independent(weight, double=double)
     assert torch.equal(q.codes, want["codes"])
@@ -84,7 +86,7 @@ def test_dequantised_weight_is_within_the_nf4_error_bound() -> None:
         q = nf4_quantize_reference(weight, double_quant=double)
         err = (_dequantize(q) - weight).abs().view(-1, 64)
         absmax = weight.abs().view(-1, 64).amax(dim=1)
-        got_absmax = (_dequantize(q).abs().view(-1, 64).amax(dim=1))
+        got_absmax = _dequantize(q).abs().view(-1, 64).amax(dim=1)
         absmax_err = (got_absmax - absmax).abs()
         assert (err <= half_gap * absmax.unsqueeze(1) + absmax_err.unsqueeze(1) + 1e-7).all()
         # Double quantisation moves a block maximum by well under 1% of the maxima's spread.
@@ -139,8 +141,8 @@ def test_dynamic_map_is_bitsandbytes_signed_dynamic_type() -> None:
     # Decade e (10^-6 .. 10^0) holds 2^e midpoints of equal steps of [0.1, 1], with both signs.
     for e in range(7):
         lo, hi = 10.0 ** (e - 6) * 0.1, 10.0 ** (e - 6)
-        assert ((table > lo) & (table < hi)).sum().item() == 2 ** e
-        assert ((table < -lo) & (table > -hi)).sum().item() == 2 ** e
+        assert ((table > lo) & (table < hi)).sum().item() == 2**e
+        assert ((table < -lo) & (table > -hi)).sum().item() == 2**e
 
 
 def test_bad_input_is_a_clear_error() -> None:

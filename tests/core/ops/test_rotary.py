@@ -31,7 +31,9 @@ def test_half_layout_matches_hugging_face_llama() -> None:
 
     batch, heads, seq, head_dim = 2, 3, 6, 16
     config = LlamaConfig(
-        hidden_size=heads * head_dim, num_attention_heads=heads, head_dim=head_dim,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        head_dim=head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     )
     q = torch.randn(batch, heads, seq, head_dim, generator=_gen(0))
@@ -131,7 +133,7 @@ def test_npu_wrapper_slices_reshapes_and_falls_back(monkeypatch: pytest.MonkeyPa
     def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
         assert x.dim() == r1.dim() == 4 and x.dtype == r1.dtype == r2.dtype
         calls.append((tuple(x.shape), tuple(r1.shape), rotary_mode))
-        x1, x2 = (x.chunk(2, -1) if rotary_mode == "half" else (x[..., ::2], x[..., 1::2]))
+        x1, x2 = x.chunk(2, -1) if rotary_mode == "half" else (x[..., ::2], x[..., 1::2])
         rotated = torch.cat((-x2, x1), -1) if rotary_mode == "half" else torch.stack((-x2, x1), -1).flatten(-2)
         return r1 * x + r2 * rotated
 
@@ -160,8 +162,9 @@ def test_matches_megatron_partial_rotary(interleaved: bool, monkeypatch: pytest.
 
     seq, head_dim, rot_dim = 6, 32, 16
     x = torch.randn(seq, 2, 3, head_dim, generator=_gen(12))
-    emb = RotaryEmbedding(head_dim, rotary_percent=rot_dim / head_dim, rotary_interleaved=interleaved,
-                          use_cpu_initialization=True)
+    emb = RotaryEmbedding(
+        head_dim, rotary_percent=rot_dim / head_dim, rotary_interleaved=interleaved, use_cpu_initialization=True
+    )
     # get_emb moves its frequencies to the current GPU; keep them on the CPU here.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     freqs = emb(seq)  # [s, 1, 1, rot_dim] angles in Megatron's layout for the mode

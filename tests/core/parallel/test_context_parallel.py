@@ -66,9 +66,7 @@ def _assert_all_equal_reference(results: list[list[dict]]) -> None:
     lines, failed = [], []
     for rank, reports in enumerate(results):
         for report in reports:
-            diffs = " ".join(
-                f"{k}={d['max_abs']:.1e}{'' if d['ok'] else '(FAIL)'}" for k, d in report["diffs"].items()
-            )
+            diffs = " ".join(f"{k}={d['max_abs']:.1e}{'' if d['ok'] else '(FAIL)'}" for k, d in report["diffs"].items())
             lines.append(f"rank {rank} | {report['case']} | {diffs}")
             if not report["ok"]:
                 failed.append(lines[-1])

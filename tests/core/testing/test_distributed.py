@@ -16,8 +16,12 @@ def _collectives(rank: int, world_size: int, scale: float) -> dict:
     dist.all_reduce(value)
     gathered = [torch.zeros(1) for _ in range(world_size)]
     dist.all_gather(gathered, torch.tensor([float(rank)]))
-    return {"rank": dist.get_rank(), "sum": value.item(), "gathered": [g.item() for g in gathered],
-            "backend": dist.get_backend()}
+    return {
+        "rank": dist.get_rank(),
+        "sum": value.item(),
+        "gathered": [g.item() for g in gathered],
+        "backend": dist.get_backend(),
+    }
 
 
 def _raise_on_rank_one(rank: int, world_size: int) -> None:

@@ -13,8 +13,15 @@ from mindspeed_llm.bridges.layout import merge_blocks, split_blocks
 from mindspeed_llm.bridges.rules import FuseGateUp, FuseQKV, Rename
 from mindspeed_llm.checkpoint import block_io
 
-SHAPE = ModelShape(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, num_query_groups=2,
-                   kv_channels=4, vocab_size=50)
+SHAPE = ModelShape(
+    num_layers=2,
+    hidden_size=16,
+    ffn_hidden_size=24,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=4,
+    vocab_size=50,
+)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -39,8 +46,11 @@ def test_rules_as_views_equal_the_copies(bias: bool) -> None:
     width = () if bias else (16,)
     q, k, v = torch.randn(16, *width), torch.randn(8, *width), torch.randn(8, *width)
     gate, up = torch.randn(24, *width), torch.randn(24, *width)
-    for rule, inputs in ((FuseQKV("m", "q", "k", "v"), [q, k, v]), (FuseGateUp("m", "g", "u"), [gate, up]),
-                         (Rename("m", "h"), [q])):
+    for rule, inputs in (
+        (FuseQKV("m", "q", "k", "v"), [q, k, v]),
+        (FuseGateUp("m", "g", "u"), [gate, up]),
+        (Rename("m", "h"), [q]),
+    ):
         fused = rule.to_megatron(inputs, SHAPE)
         assert torch.equal(rule.to_megatron_blocks(inputs, SHAPE).tensor(), fused)
         # Back, from a fused tensor given as tensor-parallel pieces (views of each piece).

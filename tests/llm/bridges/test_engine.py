@@ -61,8 +61,8 @@ def test_qkv_is_fused_in_query_group_order(tiny_checkpoints) -> None:
     q, k, v = (state[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv")
     rows = []
     for g in range(groups):
-        rows += [q[(g * per_group + h) * d:(g * per_group + h + 1) * d] for h in range(per_group)]
-        rows += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+        rows += [q[(g * per_group + h) * d : (g * per_group + h + 1) * d] for h in range(per_group)]
+        rows += [k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
     assert torch.equal(fused, torch.cat(rows))
 
 
@@ -76,8 +76,13 @@ def test_tied_output_layer_is_not_a_megatron_parameter(tiny_checkpoints) -> None
 def test_unmatched_tensors_are_listed(tiny_checkpoints) -> None:
     path = tiny_checkpoints["llama2"]
     _, state = _load(path)
-    stray = dict(state, **{"model.layers.0.mlp.extra_proj.weight": torch.zeros(2), "model.vision.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match=r"no rule of the llama2 bridge matches .*model\.layers\.0\.mlp\.extra_proj\.weight, model\.vision\.weight"):
+    stray = dict(
+        state, **{"model.layers.0.mlp.extra_proj.weight": torch.zeros(2), "model.vision.weight": torch.zeros(2)}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"no rule of the llama2 bridge matches .*model\.layers\.0\.mlp\.extra_proj\.weight, model\.vision\.weight",
+    ):
         _plan(path, stray)
     missing = {k: v for k, v in state.items() if k != "model.layers.3.self_attn.k_proj.weight"}
     with pytest.raises(ValueError, match=r"lacks .*model\.layers\.3\.self_attn\.k_proj\.weight"):
@@ -104,9 +109,17 @@ def test_shape_mismatch_names_the_tensor(tiny_checkpoints) -> None:
     bad = dict(state, **{"model.layers.2.self_attn.k_proj.weight": torch.zeros(8, 64)})
     with pytest.raises(ValueError, match=r"shape mismatch in .*model\.layers\.2\.self_attn\.k_proj\.weight"):
         _plan(path, bad)
-    wide = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(100, 64),
-                          "model.layers.0.mlp.gate_proj.weight": torch.zeros(100, 64)})
-    with pytest.raises(ValueError, match=r"give decoder\.layers\.0\.mlp\.linear_fc1\.weight \(200, 64\) but config\.json implies \(192, 64\)"):
+    wide = dict(
+        state,
+        **{
+            "model.layers.0.mlp.up_proj.weight": torch.zeros(100, 64),
+            "model.layers.0.mlp.gate_proj.weight": torch.zeros(100, 64),
+        },
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"give decoder\.layers\.0\.mlp\.linear_fc1\.weight \(200, 64\) but config\.json implies \(192, 64\)",
+    ):
         _plan(path, wide)
 
 

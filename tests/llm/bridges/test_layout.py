@@ -17,10 +17,28 @@ from mindspeed_llm.bridges import (
 )
 from mindspeed_llm.bridges.layout import piece_shape
 
-SHAPE = ModelShape(num_layers=8, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
-                   kv_channels=8, vocab_size=50, untie_embeddings_and_output_weights=False)
-MOE = ModelShape(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
-                 kv_channels=8, vocab_size=64, num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=(0, 1, 1, 1))
+SHAPE = ModelShape(
+    num_layers=8,
+    hidden_size=32,
+    ffn_hidden_size=48,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=8,
+    vocab_size=50,
+    untie_embeddings_and_output_weights=False,
+)
+MOE = ModelShape(
+    num_layers=4,
+    hidden_size=32,
+    ffn_hidden_size=48,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=8,
+    vocab_size=64,
+    num_experts=4,
+    moe_ffn_hidden_size=16,
+    moe_layer_freq=(0, 1, 1, 1),
+)
 
 
 def _megatron_pieces(full: torch.Tensor, dim: int, stride: int, tp: int, rows: int | None = None) -> list[torch.Tensor]:
@@ -34,15 +52,26 @@ def _megatron_pieces(full: torch.Tensor, dim: int, stride: int, tp: int, rows: i
         local_shape = [out_size, full.shape[1]]
         local_shape[dim] //= tp
         weight = torch.nn.Parameter(torch.empty(local_shape))
-        _initialize_affine_weight_cpu(weight, out_size, full.shape[1], local_shape[dim], dim,
-                                      lambda master: master.copy_(padded), stride=stride, rank=rank, world_size=tp,
-                                      skip_set_tensor_parallel_attributes=True)
+        _initialize_affine_weight_cpu(
+            weight,
+            out_size,
+            full.shape[1],
+            local_shape[dim],
+            dim,
+            lambda master: master.copy_(padded),
+            stride=stride,
+            rank=rank,
+            world_size=tp,
+            skip_set_tensor_parallel_attributes=True,
+        )
         pieces.append(weight.data)
     return pieces
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("split,dim,stride", [(Split.COLUMN, 0, 1), (Split.ROW, 1, 1), (Split.GLU, 0, 2), (Split.VOCAB, 0, 1)])
+@pytest.mark.parametrize(
+    "split,dim,stride", [(Split.COLUMN, 0, 1), (Split.ROW, 1, 1), (Split.GLU, 0, 2), (Split.VOCAB, 0, 1)]
+)
 def test_split_matches_megatron_and_merges_back(split: Split, dim: int, stride: int, tp: int) -> None:
     rows = 50 if split is Split.VOCAB else 48
     full = torch.randn(rows, 16)
@@ -61,10 +90,16 @@ def test_replicated_pieces_must_agree() -> None:
         merge_tensors(param, [torch.ones(4), torch.zeros(4)])
 
 
-@pytest.mark.parametrize("layout", [
-    ParallelLayout(tp=2, pp=2), ParallelLayout(pp=4, vpp_layers=1), ParallelLayout(pp=2, vpp_layers=2),
-    ParallelLayout(pp=3, num_layer_list=(2, 5, 1)), ParallelLayout(tp=2, pp=2, ep=2),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ParallelLayout(tp=2, pp=2),
+        ParallelLayout(pp=4, vpp_layers=1),
+        ParallelLayout(pp=2, vpp_layers=2),
+        ParallelLayout(pp=3, num_layer_list=(2, 5, 1)),
+        ParallelLayout(tp=2, pp=2, ep=2),
+    ],
+)
 def test_every_piece_lands_once(layout: ParallelLayout) -> None:
     shape = MOE if layout.ep > 1 else SHAPE
     layout.check(shape)
@@ -96,15 +131,24 @@ def test_experts_are_renumbered_per_expert_rank() -> None:
     assert piece.rank.ep == 1 and piece.name == "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
 
 
-@pytest.mark.parametrize("layout,message", [
-    (ParallelLayout(tp=4), r"--target-tensor-parallel-size 4 does not divide num_key_value_heads 2"),
-    (ParallelLayout(tp=3), r"--target-tensor-parallel-size 3 does not divide num_attention_heads 4"),
-    (ParallelLayout(pp=3), r"--target-pipeline-parallel-size 3 does not divide the 8 layers; pass --num-layer-list"),
-    (ParallelLayout(pp=2, num_layer_list=(3, 4)), r"--num-layer-list 3,4 must give 2 positive layer counts .* summing to 8"),
-    (ParallelLayout(pp=2, vpp_layers=3), r"--num-layers-per-virtual-pipeline-stage 3 times"),
-    (ParallelLayout(pp=2, vpp_layers=1, num_layer_list=(4, 4)), r"exclude each other"),
-    (ParallelLayout(ep=2), r"--target-expert-parallel-size 2 needs a mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (ParallelLayout(tp=4), r"--target-tensor-parallel-size 4 does not divide num_key_value_heads 2"),
+        (ParallelLayout(tp=3), r"--target-tensor-parallel-size 3 does not divide num_attention_heads 4"),
+        (
+            ParallelLayout(pp=3),
+            r"--target-pipeline-parallel-size 3 does not divide the 8 layers; pass --num-layer-list",
+        ),
+        (
+            ParallelLayout(pp=2, num_layer_list=(3, 4)),
+            r"--num-layer-list 3,4 must give 2 positive layer counts .* summing to 8",
+        ),
+        (ParallelLayout(pp=2, vpp_layers=3), r"--num-layers-per-virtual-pipeline-stage 3 times"),
+        (ParallelLayout(pp=2, vpp_layers=1, num_layer_list=(4, 4)), r"exclude each other"),
+        (ParallelLayout(ep=2), r"--target-expert-parallel-size 2 needs a mixture-of-experts model"),
+    ],
+)
 def test_bad_layouts_name_the_flag(layout: ParallelLayout, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         layout.check(SHAPE)

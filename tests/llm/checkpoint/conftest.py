@@ -44,20 +44,24 @@ def save_mtp_checkpoint(path: Path, mtp_layers: int = MTP_LAYERS, seed: int = 0)
     shutil.rmtree(path / "bigger")
     for index in range(mtp_layers):
         prefix = f"model.layers.{layers + index}."
-        state.update({
-            prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden),
-            prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden),
-            prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden),
-            prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden),
-            prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
-            prefix + "shared_head.head.weight": state["lm_head.weight"].clone(),
-        })
+        state.update(
+            {
+                prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden),
+                prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+                prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden),
+                prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden),
+                prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+                prefix + "shared_head.head.weight": state["lm_head.weight"].clone(),
+            }
+        )
     config.num_nextn_predict_layers = mtp_layers
     config.save_pretrained(path)
     # Two shards, so that the index is exercised.
     names = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, part in halves.items():
         save_file({name: state[name].contiguous() for name in part}, path / file, metadata={"format": "pt"})
     weight_map = {name: file for file, part in halves.items() for name in part}

@@ -33,9 +33,22 @@ def source(tiny_checkpoints, tmp_path) -> Path:
 
 
 def test_flags_convert_and_dry_run_predicts_the_files(source, tmp_path, capsys) -> None:
-    flags = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(source),
-             "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
-             "--target-expert-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "1"]
+    flags = [
+        "--load-model-type",
+        "hf",
+        "--save-model-type",
+        "mg",
+        "--load-dir",
+        str(source),
+        "--target-tensor-parallel-size",
+        "2",
+        "--target-pipeline-parallel-size",
+        "2",
+        "--target-expert-parallel-size",
+        "1",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
     code, out, _ = run(capsys, *flags, "--save-dir", str(tmp_path / "mg"), "--dry-run")
     assert code == 0 and not (tmp_path / "mg").exists()
     planned = {}
@@ -50,8 +63,18 @@ def test_flags_convert_and_dry_run_predicts_the_files(source, tmp_path, capsys) 
         state = torch.load(tmp_path / "mg" / name, weights_only=False)
         tensors = [t for key in state if key.startswith("model") for t in state[key].values() if t is not None]
         assert len(tensors) == count, name
-    code, _, _ = run(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(tmp_path / "mg"),
-                     "--save-dir", str(tmp_path / "back"), "--no-progress")
+    code, _, _ = run(
+        capsys,
+        "--load-model-type",
+        "mg",
+        "--save-model-type",
+        "hf",
+        "--load-dir",
+        str(tmp_path / "mg"),
+        "--save-dir",
+        str(tmp_path / "back"),
+        "--no-progress",
+    )
     assert code == 0 and (tmp_path / "back" / "model.safetensors.index.json").is_file()
 
 
@@ -85,10 +108,26 @@ def _shape_mismatch(path: Path) -> None:
 
 #: name -> (how to break the source, extra flags, the message that must come out).
 BAD_INPUTS = {
-    "unknown architecture": (_bad_architecture, [], "unsupported architecture FalconForCausalLM; supported: " + ", ".join(sorted(BRIDGES))),
-    "TP does not divide heads": (None, ["--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size 3 does not divide num_attention_heads 4"),
-    "TP does not divide KV heads": (None, ["--target-tensor-parallel-size", "4"], "--target-tensor-parallel-size 4 does not divide num_key_value_heads 2"),
-    "PP does not divide layers": (None, ["--target-pipeline-parallel-size", "3"], "--target-pipeline-parallel-size 3 does not divide the 4 layers; pass --num-layer-list"),
+    "unknown architecture": (
+        _bad_architecture,
+        [],
+        "unsupported architecture FalconForCausalLM; supported: " + ", ".join(sorted(BRIDGES)),
+    ),
+    "TP does not divide heads": (
+        None,
+        ["--target-tensor-parallel-size", "3"],
+        "--target-tensor-parallel-size 3 does not divide num_attention_heads 4",
+    ),
+    "TP does not divide KV heads": (
+        None,
+        ["--target-tensor-parallel-size", "4"],
+        "--target-tensor-parallel-size 4 does not divide num_key_value_heads 2",
+    ),
+    "PP does not divide layers": (
+        None,
+        ["--target-pipeline-parallel-size", "3"],
+        "--target-pipeline-parallel-size 3 does not divide the 4 layers; pass --num-layer-list",
+    ),
     "missing shard": (_missing_shard, [], "which is not in"),
     "truncated shard": (_truncated_shard, [], "is truncated"),
     "index points at a missing file": (_index_to_missing_file, [], "points at model-99999-of-99999.safetensors"),

@@ -23,10 +23,7 @@ from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, save_tiny_checkpoint
 
 #: family -> extra target options of its round trip beyond the default (every family runs at TP2
 #: PP2, MoE families at EP2 too).
-SPECIAL_ROUND_TRIPS = {
-    "llama2": {"num_layers_per_virtual_pipeline_stage": 1},
-    "mistral": {"num_layer_list": "3,1"},
-}
+SPECIAL_ROUND_TRIPS = {"llama2": {"num_layers_per_virtual_pipeline_stage": 1}, "mistral": {"num_layer_list": "3,1"}}
 
 
 def round_trip_options(family: str) -> dict:
@@ -37,8 +34,16 @@ def round_trip_options(family: str) -> dict:
 
 
 def convert(load: Path, save: Path, load_type: str = "hf", save_type: str = "mg", **options) -> Path:
-    convert_checkpoint(ConvertConfig(load_model_type=load_type, save_model_type=save_type, load_dir=load,
-                                     save_dir=save, progress=False, **options))
+    convert_checkpoint(
+        ConvertConfig(
+            load_model_type=load_type,
+            save_model_type=save_type,
+            load_dir=load,
+            save_dir=save,
+            progress=False,
+            **options,
+        )
+    )
     return save
 
 
@@ -65,8 +70,13 @@ def assert_same_hf(back: Path, source: Path) -> None:
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_round_trip_through_megatron_is_bit_identical(tiny_checkpoints, tmp_path, family: str) -> None:
     source = tiny_checkpoints[family]
-    mg = convert(source, tmp_path / "mg", target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                 **round_trip_options(family))
+    mg = convert(
+        source,
+        tmp_path / "mg",
+        target_tensor_parallel_size=2,
+        target_pipeline_parallel_size=2,
+        **round_trip_options(family),
+    )
     back = convert(mg, tmp_path / "hf", "mg", "hf", max_shard_size="40KB")
     assert_same_hf(back, source)
     index = json.loads((back / "model.safetensors.index.json").read_text())
@@ -74,7 +84,9 @@ def test_round_trip_through_megatron_is_bit_identical(tiny_checkpoints, tmp_path
 
 
 @pytest.mark.parametrize("family", ["qwen25", "qwen3-moe"])
-def test_rows_written_from_the_mappings_give_the_same_files(tiny_checkpoints, tmp_path, monkeypatch, family: str) -> None:
+def test_rows_written_from_the_mappings_give_the_same_files(
+    tiny_checkpoints, tmp_path, monkeypatch, family: str
+) -> None:
     # The tiny models' rows are shorter than block_io.MIN_RUN_BYTES, so the round trips above
     # gather row-parallel pieces; here every row goes from the source mapping to the file.
     source, options = tiny_checkpoints[family], dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2)
@@ -85,7 +97,9 @@ def test_rows_written_from_the_mappings_give_the_same_files(tiny_checkpoints, tm
     assert sorted(files) == sorted(gathered)
     for file, state in gathered.items():
         for name, tensor in state["model"].items():
-            assert (tensor is None and files[file]["model"][name] is None) or torch.equal(files[file]["model"][name], tensor)
+            assert (tensor is None and files[file]["model"][name] is None) or torch.equal(
+                files[file]["model"][name], tensor
+            )
     assert_same_hf(convert(direct, tmp_path / "hf", "mg", "hf"), source)
 
 
@@ -100,18 +114,32 @@ def test_bf16_checkpoint_keeps_its_dtype(tmp_path) -> None:
 
 
 def test_megatron_files_record_layout_and_model(tiny_checkpoints, tmp_path) -> None:
-    mg = convert(tiny_checkpoints["llama2"], tmp_path / "mg", target_tensor_parallel_size=2,
-                 target_pipeline_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    mg = convert(
+        tiny_checkpoints["llama2"],
+        tmp_path / "mg",
+        target_tensor_parallel_size=2,
+        target_pipeline_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=1,
+    )
     assert (mg / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     files = megatron_files(mg)
     assert sorted(files) == [f"iter_0000001/mp_rank_0{t}_00{p}/model_optim_rng.pt" for t in range(2) for p in range(2)]
     state = files["iter_0000001/mp_rank_01_001/model_optim_rng.pt"]
     args = state["args"]
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-            args.num_layers, args.hidden_size, args.model_type_hf) == (2, 2, 1, 4, 64, "llama2")
+    assert (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.num_layers,
+        args.hidden_size,
+        args.model_type_hf,
+    ) == (2, 2, 1, 4, 64, "llama2")
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == 1
     # Stage 1 holds global layers 1 (model0) and 3 (model1), each as local layer 0.
-    assert "decoder.layers.0.self_attention.linear_qkv.weight" in state["model0"] and "decoder.layers.1.mlp.linear_fc1.weight" not in state["model0"]
+    assert (
+        "decoder.layers.0.self_attention.linear_qkv.weight" in state["model0"]
+        and "decoder.layers.1.mlp.linear_fc1.weight" not in state["model0"]
+    )
     assert "output_layer.weight" in state["model1"] and "output_layer._extra_state" in state["model1"]
     assert (mg / "hf_config" / "config.json").read_bytes() == (tiny_checkpoints["llama2"] / "config.json").read_bytes()
 
@@ -119,10 +147,19 @@ def test_megatron_files_record_layout_and_model(tiny_checkpoints, tmp_path) -> N
 @pytest.mark.parametrize("family,ep", [("qwen25", 1), ("llama2", 1), ("qwen3-moe", 2)])
 def test_reshard_equals_direct_conversion(tiny_checkpoints, tmp_path, family: str, ep: int) -> None:
     source = tiny_checkpoints[family]
-    tp2pp2 = convert(source, tmp_path / "tp2pp2", target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                     target_expert_parallel_size=ep)
-    layouts = {"tp1pp1": {}, "tp2pp2vpp": dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                                                 num_layers_per_virtual_pipeline_stage=1)}
+    tp2pp2 = convert(
+        source,
+        tmp_path / "tp2pp2",
+        target_tensor_parallel_size=2,
+        target_pipeline_parallel_size=2,
+        target_expert_parallel_size=ep,
+    )
+    layouts = {
+        "tp1pp1": {},
+        "tp2pp2vpp": dict(
+            target_tensor_parallel_size=2, target_pipeline_parallel_size=2, num_layers_per_virtual_pipeline_stage=1
+        ),
+    }
     for name, options in layouts.items():
         resharded = megatron_files(convert(tp2pp2, tmp_path / f"re-{name}", "mg", "mg", **options))
         direct = megatron_files(convert(source, tmp_path / f"direct-{name}", **options))
@@ -154,8 +191,14 @@ def test_transformers_loads_the_output_without_warnings(tiny_checkpoints, tmp_pa
         with torch.no_grad():
             want = original(tokens).logits
         for label, path in outputs.items():
-            model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, attn_implementation="eager")
-            assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), (family, label, info)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, output_loading_info=True, attn_implementation="eager"
+            )
+            assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), (
+                family,
+                label,
+                info,
+            )
             with torch.no_grad():
                 assert torch.equal(model.eval()(tokens).logits, want), (family, label)
 
@@ -173,4 +216,6 @@ def test_torch_dist_round_trip_and_reshard(tiny_checkpoints, tmp_path, family: s
     direct = megatron_files(convert(source, tmp_path / "direct", **options))
     for file, state in direct.items():
         for name, tensor in state["model"].items():
-            assert (tensor is None and resharded[file]["model"][name] is None) or torch.equal(resharded[file]["model"][name], tensor)
+            assert (tensor is None and resharded[file]["model"][name] is None) or torch.equal(
+                resharded[file]["model"][name], tensor
+            )

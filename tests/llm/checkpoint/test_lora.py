@@ -26,7 +26,12 @@ def _lora(shape, path: Path, layout: ParallelLayout, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     factors = {}
     for param in megatron_params(shape).values():
-        if param.name.endswith(".weight") and param.module.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+        if param.name.endswith(".weight") and param.module.rsplit(".", 1)[-1] in (
+            "linear_qkv",
+            "linear_proj",
+            "linear_fc1",
+            "linear_fc2",
+        ):
             for which in "AB":
                 lp = lora_param(param, which, RANK)
                 factors[lp.name] = torch.randn(lp.shape, generator=gen) * 0.1
@@ -51,11 +56,23 @@ def test_merge_equals_peft(setup) -> None:
     from transformers import AutoModelForCausalLM
 
     root = setup["root"]
-    _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=root / "merged",
-             lora_load=setup["lora"])
-    _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=root / "adapter",
-             lora_load=setup["lora"], save_lora_to_hf=True)
+    _convert(
+        load_model_type="mg",
+        save_model_type="hf",
+        load_dir=setup["mg"],
+        save_dir=root / "merged",
+        lora_load=setup["lora"],
+    )
+    _convert(
+        load_model_type="mg",
+        save_model_type="hf",
+        load_dir=setup["mg"],
+        save_dir=root / "adapter",
+        lora_load=setup["lora"],
+        save_lora_to_hf=True,
+    )
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
     def load(path: str) -> AutoModelForCausalLM:
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
 
@@ -72,7 +89,9 @@ def test_merge_equals_peft(setup) -> None:
 
 def test_merging_from_hf_equals_merging_from_megatron(setup) -> None:
     root = setup["root"]
-    _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=root / "m1", lora_load=setup["lora"])
+    _convert(
+        load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=root / "m1", lora_load=setup["lora"]
+    )
     _convert(load_dir=setup["hf"], save_dir=root / "mg-merged", lora_load=setup["lora"], target_tensor_parallel_size=2)
     _convert(load_model_type="mg", save_model_type="hf", load_dir=root / "mg-merged", save_dir=root / "m2")
     first, second = load_file(next((root / "m1").glob("*.safetensors"))), {}
@@ -105,7 +124,19 @@ def test_merge_keeps_bf16(tmp_path) -> None:
 
 def test_lora_errors_are_clear(setup, tmp_path) -> None:
     with pytest.raises(ValueError, match="--save-lora-to-hf exports the weights of --lora-load"):
-        _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=tmp_path / "x", save_lora_to_hf=True)
+        _convert(
+            load_model_type="mg",
+            save_model_type="hf",
+            load_dir=setup["mg"],
+            save_dir=tmp_path / "x",
+            save_lora_to_hf=True,
+        )
     with pytest.raises(ValueError, match="is not a Megatron checkpoint"):
-        _convert(load_model_type="mg", save_model_type="hf", load_dir=setup["mg"], save_dir=tmp_path / "y", lora_load=setup["hf"])
+        _convert(
+            load_model_type="mg",
+            save_model_type="hf",
+            load_dir=setup["mg"],
+            save_dir=tmp_path / "y",
+            lora_load=setup["hf"],
+        )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -26,6 +26,8 @@ from .conftest import MTP_LAYERS
 
 #: The source of the MTP case (the ``tiny_mtp_checkpoint`` fixture), beside the families' tiny checkpoints.
 MTP_SOURCE = "deepseek3+mtp"
+
+
 def _family_case(family: str) -> tuple[str, tuple[str, dict]]:
     # Every family at its default layout: TP2 PP2 for dense families, TP2 EP2 for MoE families.
     if bridge_for_family(family).capabilities.moe:
@@ -36,19 +38,26 @@ def _family_case(family: str) -> tuple[str, tuple[str, dict]]:
 #: label -> (family, target layout options).
 CASES = {
     **dict(_family_case(family) for family in TINY_CONFIGS),
-    "llama2-pp2vpp": ("llama2", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                                     num_layers_per_virtual_pipeline_stage=1)),
-    "deepseek3-mtp-tp2pp2": (MTP_SOURCE, dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                                              mtp_num_layers=MTP_LAYERS)),
+    "llama2-pp2vpp": (
+        "llama2",
+        dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+    ),
+    "deepseek3-mtp-tp2pp2": (
+        MTP_SOURCE,
+        dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, mtp_num_layers=MTP_LAYERS),
+    ),
     # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.
-    "qwen25-torch_dist": ("qwen25", dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
-                                         ckpt_format="torch_dist")),
+    "qwen25-torch_dist": (
+        "qwen25",
+        dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, ckpt_format="torch_dist"),
+    ),
 }
 WORLD_SIZE = 4
 
 
-def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], tokens: torch.Tensor,
-                 reference: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rank_logits(
+    rank: int, world_size: int, cases: list[tuple[str, str]], tokens: torch.Tensor, reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
     # The transformers logits come from the parent: the ranks never import transformers (seconds each).
     from mindspeed.megatron import adapt, unadapt
     from mindspeed_llm.testing.megatron_logits import (
@@ -70,7 +79,9 @@ def _rank_logits(rank: int, world_size: int, cases: list[tuple[str, str]], token
                 if shape.mtp_num_layers:
                     # Loaded strictly with the MTP block; its forward needs labels (it only adds a loss),
                     # so the main model's logits are computed with it switched off.
-                    assert any(getattr(chunk, "mtp_process", False) for chunk in chunks) == (layout.pp - 1 == _pp_rank())
+                    assert any(getattr(chunk, "mtp_process", False) for chunk in chunks) == (
+                        layout.pp - 1 == _pp_rank()
+                    )
                     for chunk in chunks:
                         chunk.mtp_process = False
                         chunk.config.mtp_num_layers = None
@@ -99,8 +110,7 @@ def _convert_all(sources: dict, root, tokens: torch.Tensor) -> tuple[list[tuple[
         save = root / label
         convert_checkpoint(ConvertConfig(load_dir=sources[family], save_dir=save, progress=False, **options))
         cases.append((label, str(save)))
-        model = AutoModelForCausalLM.from_pretrained(sources[family], dtype=torch.float32,
-                                                     attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(sources[family], dtype=torch.float32, attn_implementation="eager")
         with torch.no_grad():
             reference[label] = model.eval()(tokens).logits
     return cases, reference

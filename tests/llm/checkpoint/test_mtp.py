@@ -74,8 +74,9 @@ def test_mtp_layers_in_megatron_core_dist_format(tiny_mtp_checkpoint, tmp_path) 
 
 
 def test_without_the_flag_mtp_layers_are_dropped(tiny_mtp_checkpoint, tmp_path) -> None:
-    report = convert_checkpoint(ConvertConfig(load_dir=tiny_mtp_checkpoint, save_dir=tmp_path / "none",
-                                              progress=False, dry_run=True))
+    report = convert_checkpoint(
+        ConvertConfig(load_dir=tiny_mtp_checkpoint, save_dir=tmp_path / "none", progress=False, dry_run=True)
+    )
     assert "model.layers.4.eh_proj.weight" in report.dropped and "model.layers.5.enorm.weight" in report.dropped
     one = convert(tiny_mtp_checkpoint, tmp_path / "one", mtp_num_layers=1)
     (state,) = megatron_files(one).values()

@@ -12,8 +12,15 @@ from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsSha
 
 
 def test_writer_output_loads_with_safetensors(tmp_path) -> None:
-    tensors = {"a": torch.randn(10, 3), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5), "d": torch.randn(2, 2)}
-    writer = SafetensorsShardWriter(tmp_path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], max_shard_bytes=130)
+    tensors = {
+        "a": torch.randn(10, 3),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(5),
+        "d": torch.randn(2, 2),
+    }
+    writer = SafetensorsShardWriter(
+        tmp_path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], max_shard_bytes=130
+    )
     for name in ["d", "b", "a", "c"]:  # any order
         writer.write(name, tensors[name])
     writer.finish()

@@ -12,13 +12,21 @@ from mindspeed_llm.checkpoint.torch_files import LazyTensor, LazyTorchFile, Stre
 
 
 def test_streamed_file_equals_torch_save(tmp_path) -> None:
-    tensors = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "view": torch.arange(20)[5:9],
-               "col": torch.randn(4, 6)[:, 1:3], "scalar": torch.tensor(2.5)}
+    tensors = {
+        "w": torch.randn(3, 4),
+        "b": torch.randn(5).to(torch.bfloat16),
+        "view": torch.arange(20)[5:9],
+        "col": torch.randn(4, 6)[:, 1:3],
+        "scalar": torch.tensor(2.5),
+    }
     writer = StreamingTorchWriter(tmp_path / "s.pt")
     refs = {name: writer.add(t) for name, t in tensors.items()}
     args = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16)
     writer.close({"args": args, "checkpoint_version": 3.0, "model": {**refs, "linear._extra_state": None}})
-    for loaded in (torch.load(tmp_path / "s.pt", weights_only=False), torch.load(tmp_path / "s.pt", mmap=True, weights_only=False)):
+    for loaded in (
+        torch.load(tmp_path / "s.pt", weights_only=False),
+        torch.load(tmp_path / "s.pt", mmap=True, weights_only=False),
+    ):
         assert loaded["args"] == args and loaded["checkpoint_version"] == 3.0
         assert loaded["model"]["linear._extra_state"] is None
         for name, tensor in tensors.items():
@@ -27,9 +35,11 @@ def test_streamed_file_equals_torch_save(tmp_path) -> None:
 
 
 def test_lazy_reader_reads_torch_save_without_code(tmp_path) -> None:
-    state = {"args": argparse.Namespace(hidden_size=8, seed_array=np.arange(3)),
-             "model": {"p": torch.nn.Parameter(torch.randn(2, 3)), "v": torch.arange(10.0)[2:6]},
-             "rng_state": [{"np_rng_state": np.random.get_state()}]}
+    state = {
+        "args": argparse.Namespace(hidden_size=8, seed_array=np.arange(3)),
+        "model": {"p": torch.nn.Parameter(torch.randn(2, 3)), "v": torch.arange(10.0)[2:6]},
+        "rng_state": [{"np_rng_state": np.random.get_state()}],
+    }
     torch.save(state, tmp_path / "t.pt")
     lazy = LazyTorchFile(tmp_path / "t.pt")
     assert lazy.obj["args"].hidden_size == 8

@@ -59,7 +59,9 @@ def run(tmp_path, tok_dir):
 
     def _run(input_path: Path, **kwargs):
         prefix = str(tmp_path / "out" / kwargs.pop("name", "data"))
-        config = PreprocessConfig(input=str(input_path), tokenizer_name_or_path=str(tok_dir), output_prefix=prefix, **kwargs)
+        config = PreprocessConfig(
+            input=str(input_path), tokenizer_name_or_path=str(tok_dir), output_prefix=prefix, **kwargs
+        )
         return preprocess_data(config), prefix
 
     return _run

@@ -11,9 +11,25 @@ from tests.llm.data.conftest import read_dataset, write_jsonl
 
 def test_preprocess_data_with_the_demo_tokenizer(tmp_path, capsys, demo_cache) -> None:
     prefix = tmp_path / "pairs"
-    code = main(["preprocess-data", "--input", str(DEMO_PAIRWISE), "--tokenizer-name-or-path", "demo",
-                 "--output-prefix", str(prefix), "--handler-name", "AlpacaStylePairwiseHandler",
-                 "--tokenizer-type", "PretrainedFromHF", "--map-keys", '{"query": "input"}', "--log-interval", "10"])
+    code = main(
+        [
+            "preprocess-data",
+            "--input",
+            str(DEMO_PAIRWISE),
+            "--tokenizer-name-or-path",
+            "demo",
+            "--output-prefix",
+            str(prefix),
+            "--handler-name",
+            "AlpacaStylePairwiseHandler",
+            "--tokenizer-type",
+            "PretrainedFromHF",
+            "--map-keys",
+            '{"query": "input"}',
+            "--log-interval",
+            "10",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "AlpacaStylePairwiseHandler: 60 records read, 60 written" in out
@@ -24,10 +40,21 @@ def test_preprocess_data_with_the_demo_tokenizer(tmp_path, capsys, demo_cache) -
 
 def test_user_errors_exit_2_with_one_line(tmp_path, capsys, demo_cache) -> None:
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"body": "b"}])
-    base = ["preprocess-data", "--input", str(source), "--tokenizer-name-or-path", "demo", "--output-prefix", str(tmp_path / "o")]
+    base = [
+        "preprocess-data",
+        "--input",
+        str(source),
+        "--tokenizer-name-or-path",
+        "demo",
+        "--output-prefix",
+        str(tmp_path / "o"),
+    ]
     assert main(base + ["--handler-name", "NoSuchHandler"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mindspeed-llm: error: unknown dataset handler 'NoSuchHandler'") and "GeneralPretrainHandler" in err
+    assert (
+        err.startswith("mindspeed-llm: error: unknown dataset handler 'NoSuchHandler'")
+        and "GeneralPretrainHandler" in err
+    )
     assert main(base) == 2
     assert "in.jsonl:2: missing key 'text'" in capsys.readouterr().err
     assert main(base + ["--skip-bad-records"]) == 0

@@ -38,11 +38,14 @@ def test_malformed_json_line_names_file_and_line_and_leaves_nothing(tmp_path, ru
     assert_nothing_written(tmp_path / "out")  # 49 samples were tokenized before the failure
 
 
-@pytest.mark.parametrize(("text", "problem"), [
-    ('{"a": "unterminated', "Unterminated string starting at column 7"),
-    ('{"a": "tab\there"}', "Invalid control character at column 11"),
-    ('{"a": 1', "Expecting ',' delimiter at column 8"),
-])
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"a": "unterminated', "Unterminated string starting at column 7"),
+        ('{"a": "tab\there"}', "Invalid control character at column 11"),
+        ('{"a": 1', "Expecting ',' delimiter at column 8"),
+    ],
+)
 def test_json_error_says_at_column_once(text: str, problem: str) -> None:
     """json's own messages of some problems end in "at": no "at at column" in ours."""
     from mindspeed_llm.data.readers import describe_json_error
@@ -52,12 +55,15 @@ def test_json_error_says_at_column_once(text: str, problem: str) -> None:
     assert describe_json_error(err.value) == problem
 
 
-@pytest.mark.parametrize(("record", "message"), [
-    ({"instruction": "no output"}, r"missing key 'output' \(the record has: instruction\)"),
-    ({"instruction": 3, "output": "x"}, "key 'instruction' must be str, got int"),
-    ({"instruction": "a", "output": "b", "history": [["only one"]]}, "history entry 0 must be a"),
-    (["not", "an", "object"], "expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"instruction": "no output"}, r"missing key 'output' \(the record has: instruction\)"),
+        ({"instruction": 3, "output": "x"}, "key 'instruction' must be str, got int"),
+        ({"instruction": "a", "output": "b", "history": [["only one"]]}, "history entry 0 must be a"),
+        (["not", "an", "object"], "expected a JSON object, got list"),
+    ],
+)
 def test_bad_alpaca_records(tmp_path, run, record, message) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", GOOD[:3] + [record] + GOOD[3:6])
     with pytest.raises(ValueError, match=rf"{path}:4: {message}"):
@@ -84,8 +90,15 @@ def test_skip_bad_records_counts_them_in_the_summary(tmp_path, run, tok) -> None
     report, prefix = run(path, skip_bad_records=True)
     assert (report.records, report.samples, report.skipped_bad) == (4, 2, 2)
     text = report.describe()
-    assert "skipped 2 malformed record(s)" in text and f"{path}:2: malformed JSON" in text and f"{path}:3: missing key" in text
-    assert [d.tolist() for d in read_dataset(prefix + "_text_document")] == [tok("one")["input_ids"], tok("two")["input_ids"]]
+    assert (
+        "skipped 2 malformed record(s)" in text
+        and f"{path}:2: malformed JSON" in text
+        and f"{path}:3: missing key" in text
+    )
+    assert [d.tolist() for d in read_dataset(prefix + "_text_document")] == [
+        tok("one")["input_ids"],
+        tok("two")["input_ids"],
+    ]
 
 
 def test_empty_input_and_all_records_skipped(tmp_path, run) -> None:
@@ -107,23 +120,38 @@ def test_missing_paths_and_unsupported_files(tmp_path, run) -> None:
     (tmp_path / "folder").mkdir()
     with pytest.raises(ValueError, match="holds no"):
         run(tmp_path / "folder")
-    config = PreprocessConfig(input=str(write_jsonl(tmp_path / "in.jsonl", GOOD)), output_prefix=str(tmp_path / "out" / "x"),
-                              tokenizer_name_or_path=str(tmp_path / "no-tokenizer"))
+    config = PreprocessConfig(
+        input=str(write_jsonl(tmp_path / "in.jsonl", GOOD)),
+        output_prefix=str(tmp_path / "out" / "x"),
+        tokenizer_name_or_path=str(tmp_path / "no-tokenizer"),
+    )
     with pytest.raises(ValueError, match="tokenizer directory .*no-tokenizer.* does not exist"):
         preprocess_data(config)
     assert_nothing_written(tmp_path / "out")
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    ({"pack": True}, "--pack applies to instruction handlers"),
-    ({"handler_name": "AlpacaStyleInstructionHandler", "pack": True}, "--pack needs --seq-length"),
-    ({"handler_name": "AlpacaStylePairwiseHandler", "pack": True, "seq_length": 64}, "--pack applies to instruction"),
-    ({"handler_name": "AlpacaStyleInstructionHandler", "json_keys": ["text"]}, "--json-keys applies to GeneralPretrainHandler"),
-    ({"handler_name": "AlpacaStyleInstructionHandler", "map_keys": {"promt": "q"}}, "no attribute 'promt'"),
-    ({"handler_name": "SharegptStyleInstructionHandler", "map_keys": {"tags": {"rol_tag": "r"}}}, "unknown tags rol_tag"),
-    ({"handler_name": "AlpacaStyleInstructionHandler", "prompt_type": "chatmll"}, "unknown prompt type 'chatmll'"),
-    ({"workers": 0}, "--workers must be at least 1"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"pack": True}, "--pack applies to instruction handlers"),
+        ({"handler_name": "AlpacaStyleInstructionHandler", "pack": True}, "--pack needs --seq-length"),
+        (
+            {"handler_name": "AlpacaStylePairwiseHandler", "pack": True, "seq_length": 64},
+            "--pack applies to instruction",
+        ),
+        (
+            {"handler_name": "AlpacaStyleInstructionHandler", "json_keys": ["text"]},
+            "--json-keys applies to GeneralPretrainHandler",
+        ),
+        ({"handler_name": "AlpacaStyleInstructionHandler", "map_keys": {"promt": "q"}}, "no attribute 'promt'"),
+        (
+            {"handler_name": "SharegptStyleInstructionHandler", "map_keys": {"tags": {"rol_tag": "r"}}},
+            "unknown tags rol_tag",
+        ),
+        ({"handler_name": "AlpacaStyleInstructionHandler", "prompt_type": "chatmll"}, "unknown prompt type 'chatmll'"),
+        ({"workers": 0}, "--workers must be at least 1"),
+    ],
+)
 def test_conflicting_flags(tmp_path, run, flags, message) -> None:
     with pytest.raises(ValueError, match=message):
         run(write_jsonl(tmp_path / "in.jsonl", GOOD), **flags)
@@ -134,8 +162,12 @@ def test_no_chat_template_and_no_prompt_type(tmp_path, tok_dir) -> None:
     plain = tmp_path / "tok"
     shutil.copytree(tok_dir, plain)
     (plain / "chat_template.jinja").unlink()
-    config = PreprocessConfig(input=str(write_jsonl(tmp_path / "in.jsonl", GOOD)), tokenizer_name_or_path=str(plain),
-                              output_prefix=str(tmp_path / "out" / "x"), handler_name="AlpacaStyleInstructionHandler")
+    config = PreprocessConfig(
+        input=str(write_jsonl(tmp_path / "in.jsonl", GOOD)),
+        tokenizer_name_or_path=str(plain),
+        output_prefix=str(tmp_path / "out" / "x"),
+        handler_name="AlpacaStyleInstructionHandler",
+    )
     with pytest.raises(ValueError, match="no chat template; pass --prompt-type"):
         preprocess_data(config)
 
@@ -158,9 +190,15 @@ def test_a_chat_template_that_refuses_a_record(tmp_path, tok_dir) -> None:
     refuse = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     (strict / "chat_template.jinja").write_text(refuse + template)
     rows = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d", "system": "be terse"}]
-    config = PreprocessConfig(input=str(write_jsonl(tmp_path / "in.jsonl", rows)), tokenizer_name_or_path=str(strict),
-                              output_prefix=str(tmp_path / "out" / "x"), handler_name="AlpacaStyleInstructionHandler")
-    with pytest.raises(ValueError, match=r"in.jsonl:2: the tokenizer's chat template refused .*System role not supported"):
+    config = PreprocessConfig(
+        input=str(write_jsonl(tmp_path / "in.jsonl", rows)),
+        tokenizer_name_or_path=str(strict),
+        output_prefix=str(tmp_path / "out" / "x"),
+        handler_name="AlpacaStyleInstructionHandler",
+    )
+    with pytest.raises(
+        ValueError, match=r"in.jsonl:2: the tokenizer's chat template refused .*System role not supported"
+    ):
         preprocess_data(config)
     config.skip_bad_records = True
     assert preprocess_data(config).skipped_bad == 1

@@ -61,8 +61,9 @@ def test_round_trip_and_chat_template(tok) -> None:
         ids = tok(text)["input_ids"]
         assert tok.decode(ids) == text
         assert len(ids) < len(text) / 2.5  # the BPE learned the corpus' words
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                       tokenize=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tokenize=False
+    )
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
     assert tok.convert_ids_to_tokens(tok("<|im_start|>")["input_ids"]) == ["<|im_start|>"]
 

@@ -96,8 +96,10 @@ def write_gsm8k(root: Path, n_test: int, n_train: int = 3, seed: int = 0) -> Pat
         with open(root / f"{split}.jsonl", "w", encoding="utf-8") as handle:
             for _ in range(rows):
                 a, b = rng.randint(100, 2000), rng.randint(2, 30)
-                record = {"question": f"Tom has {a} stones and finds {b} more. How many stones does he have?",
-                          "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} stones.\n#### {a + b:,}"}
+                record = {
+                    "question": f"Tom has {a} stones and finds {b} more. How many stones does he have?",
+                    "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} stones.\n#### {a + b:,}",
+                }
                 handle.write(json.dumps(record) + "\n")
     return root
 

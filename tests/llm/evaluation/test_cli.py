@@ -22,16 +22,44 @@ def test_evaluate_all_tasks(tmp_path, tiny_model_dir, tiny_hf, capsys) -> None:
     write_gsm8k(root / "gsm8k", n_test=3)
     write_text(root / "ppl" / "docs.jsonl", n_docs=2)
     out = tmp_path / "out" / "results.json"
-    code = main(["evaluate", "--load-dir", str(tiny_model_dir), "--backend", "transformers", "--task", "mmlu,gsm8k",
-                 "--task", "ppl", "--task-data-path", str(root), "--shots", "mmlu=2,gsm8k=1", "--max-new-tokens", "6",
-                 "--evaluation-batch-size", "4", "--output", str(out), "--log-samples"])
+    code = main(
+        [
+            "evaluate",
+            "--load-dir",
+            str(tiny_model_dir),
+            "--backend",
+            "transformers",
+            "--task",
+            "mmlu,gsm8k",
+            "--task",
+            "ppl",
+            "--task-data-path",
+            str(root),
+            "--shots",
+            "mmlu=2,gsm8k=1",
+            "--max-new-tokens",
+            "6",
+            "--evaluation-batch-size",
+            "4",
+            "--output",
+            str(out),
+            "--log-samples",
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["task", "metric", "value", "n"] and lines[-1] == f"wrote {out}"
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[2:-1]}
     report = json.loads(out.read_text())
-    expected_rows = {("mmlu", "acc"), ("mmlu", "acc_macro"), ("mmlu/alpha", "acc"), ("mmlu/beta", "acc"),
-                     ("gsm8k", "exact_match"), ("ppl", "ppl"), ("ppl", "nll")}
+    expected_rows = {
+        ("mmlu", "acc"),
+        ("mmlu", "acc_macro"),
+        ("mmlu/alpha", "acc"),
+        ("mmlu/beta", "acc"),
+        ("gsm8k", "exact_match"),
+        ("ppl", "ppl"),
+        ("ppl", "nll"),
+    }
     assert set(rows) == expected_rows
     for result in report["results"]:  # the table shows the JSON's numbers
         assert rows[(result["task"], result["metric"])] == [f"{result['value']:.4f}", str(result["n"])]
@@ -45,7 +73,9 @@ def test_evaluate_all_tasks(tmp_path, tiny_model_dir, tiny_hf, capsys) -> None:
     # The CLI's numbers are the library's numbers.
     model, tok = tiny_hf
     settings = EvalSettings(shots=2, show_progress=False)
-    direct = MMLUTask().run(TransformersLM(model, tok, batch_size=4), MMLUTask().load(root / "mmlu", settings), settings)
+    direct = MMLUTask().run(
+        TransformersLM(model, tok, batch_size=4), MMLUTask().load(root / "mmlu", settings), settings
+    )
     assert [s["prediction"] for s in direct.samples] == [s["prediction"] for s in results["mmlu"]["samples"]]
     assert results["mmlu"]["value"] == direct.value
 
@@ -87,8 +117,11 @@ def test_shipped_sample_data_parses() -> None:
     from mindspeed_llm.evaluation import TASKS
 
     mmlu = TASKS.get("mmlu").load(DEMO_DATA_DIR / "mmlu", EvalSettings())
-    assert {s: len(t) for s, (_, t) in mmlu.subjects.items()} == {"calendar": 8, "colors_and_seasons": 8,
-                                                                   "elementary_arithmetic": 8}
+    assert {s: len(t) for s, (_, t) in mmlu.subjects.items()} == {
+        "calendar": 8,
+        "colors_and_seasons": 8,
+        "elementary_arithmetic": 8,
+    }
     assert all(len(dev) == 5 for dev, _ in mmlu.subjects.values())
     gsm8k = TASKS.get("gsm8k").load(DEMO_DATA_DIR / "gsm8k", EvalSettings(shots=4))
     assert len(gsm8k.problems) == 10 and len(gsm8k.examples) == 4
@@ -98,8 +131,19 @@ def test_shipped_sample_data_parses() -> None:
 
 
 def test_settings_the_window_cannot_hold_exit_2_before_any_task_runs(tiny_model_dir, capsys) -> None:
-    args = ["evaluate", "--load-dir", str(tiny_model_dir), "--backend", "transformers", "--task", "ppl,gsm8k",
-            "--task-data-path", "demo", "--max-seq-len", "16"]
+    args = [
+        "evaluate",
+        "--load-dir",
+        str(tiny_model_dir),
+        "--backend",
+        "transformers",
+        "--task",
+        "ppl,gsm8k",
+        "--task-data-path",
+        "demo",
+        "--max-seq-len",
+        "16",
+    ]
     assert main([*args, "--max-new-tokens", "16"]) == 2
     captured = capsys.readouterr()
     assert "--max-new-tokens 16 leaves no room for a prompt in the model's window of 16 tokens" in captured.err

@@ -14,20 +14,23 @@ from mindspeed_llm.evaluation.math_answer import extract_answer, parse_number
 from .conftest import write_gsm8k
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("The answer is 1,234.50.", 1234.5),
-    ("so she has 5 apples.\n#### 1,000\nthen 7", 1000.0),
-    ("#### -7", -7.0),
-    ("the change is 3-4 = -1 degrees", -1.0),  # a dash between numbers is no minus sign
-    ("it costs $1,000,000 in total", 1_000_000.0),
-    ("0.5 and then .25", 0.25),
-    ("5 #### 6 and later 7", 6.0),
-    ("#### 5 ... #### 7", 5.0),  # the first #### answer, as lm-evaluation-harness' strict-match
-    (r"\boxed{12} ... 13", 12.0),  # a box wins, as the RL reward
-    ("#### 1/2", 0.5),  # the fraction, not its numerator
-    ("no number at all", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 1,234.50.", 1234.5),
+        ("so she has 5 apples.\n#### 1,000\nthen 7", 1000.0),
+        ("#### -7", -7.0),
+        ("the change is 3-4 = -1 degrees", -1.0),  # a dash between numbers is no minus sign
+        ("it costs $1,000,000 in total", 1_000_000.0),
+        ("0.5 and then .25", 0.25),
+        ("5 #### 6 and later 7", 6.0),
+        ("#### 5 ... #### 7", 5.0),  # the first #### answer, as lm-evaluation-harness' strict-match
+        (r"\boxed{12} ... 13", 12.0),  # a box wins, as the RL reward
+        ("#### 1/2", 0.5),  # the fraction, not its numerator
+        ("no number at all", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected) -> None:
     """The prediction evaluate reports, as a value (the rules themselves: test_math_answer.py)."""
     answer = extract_answer(text)
@@ -55,9 +58,11 @@ def test_reference_answers_and_bad_records(tmp_path) -> None:
 def test_few_shot_prompt(tmp_path) -> None:
     data = GSM8KTask().load(write_gsm8k(tmp_path, n_test=2, n_train=2), EvalSettings(shots=2))
     first, second = data.examples
-    expected = (f"Question: {first.question}\nAnswer: {first.answer}\n\n"
-                f"Question: {second.question}\nAnswer: {second.answer}\n\n"
-                f"Question: {data.problems[0].question}\nAnswer:")
+    expected = (
+        f"Question: {first.question}\nAnswer: {first.answer}\n\n"
+        f"Question: {second.question}\nAnswer: {second.answer}\n\n"
+        f"Question: {data.problems[0].question}\nAnswer:"
+    )
     assert build_prompt(data.examples, data.problems[0]) == expected
     (tmp_path / "train.jsonl").unlink()
     with pytest.raises(ValueError, match="train.jsonl.*--shots 0"):

@@ -12,8 +12,10 @@ from .conftest import write_mmlu
 
 
 def test_prompt_is_the_standard_format() -> None:
-    dev = [ChoiceQuestion("What is 1 + 1?", ("1", "2", "3", "4"), "B"),
-           ChoiceQuestion("Pick the color.", ("red", "dog", "cat", "sun"), "A")]
+    dev = [
+        ChoiceQuestion("What is 1 + 1?", ("1", "2", "3", "4"), "B"),
+        ChoiceQuestion("Pick the color.", ("red", "dog", "cat", "sun"), "A"),
+    ]
     question = ChoiceQuestion("Which is even?", ("3", "5", "8", "9"), "C")
     expected = (
         "The following are multiple choice questions (with answers) about high school math.\n\n"
@@ -23,7 +25,8 @@ def test_prompt_is_the_standard_format() -> None:
     )
     assert build_prompt("high_school_math", dev, question, shots=2) == expected
     assert build_prompt("high_school_math", dev, question, shots=0).endswith(
-        "about high school math.\n\nWhich is even?\nA. 3\nB. 5\nC. 8\nD. 9\nAnswer:")
+        "about high school math.\n\nWhich is even?\nA. 3\nB. 5\nC. 8\nD. 9\nAnswer:"
+    )
 
 
 def test_load_reads_the_release_layout(tmp_path) -> None:
@@ -63,7 +66,7 @@ def _independent_loglikelihood(model, tok, prompt: str, letter: str, max_seq_len
     """log p(" X" | prompt) from one unbatched transformers forward, left-truncated to the window."""
     whole = tok(prompt + " " + letter, add_special_tokens=False)["input_ids"]
     context = tok(prompt, add_special_tokens=False)["input_ids"]
-    assert whole[:len(context)] == context
+    assert whole[: len(context)] == context
     ids = whole[-max_seq_len:]
     n = len(whole) - len(context)
     with torch.no_grad():
@@ -75,8 +78,9 @@ def _independent_loglikelihood(model, tok, prompt: str, letter: str, max_seq_len
 def test_choice_is_argmax_of_transformers_loglikelihoods(tmp_path, tiny_hf, max_seq_len) -> None:
     model, tok = tiny_hf
     data = MMLUTask().load(write_mmlu(tmp_path, {"alpha": 3, "beta": 3}), EvalSettings())
-    result = MMLUTask().run(TransformersLM(model, tok, batch_size=3, max_seq_len=max_seq_len), data,
-                            EvalSettings(show_progress=False))
+    result = MMLUTask().run(
+        TransformersLM(model, tok, batch_size=3, max_seq_len=max_seq_len), data, EvalSettings(show_progress=False)
+    )
     assert result.n == 6
     for sample in result.samples:
         dev, questions = data.subjects[sample["subject"]]

@@ -13,7 +13,9 @@ from mindspeed_llm.evaluation.perplexity import PerplexityTask, read_documents, 
 from .conftest import write_text
 
 
-@pytest.mark.parametrize("n, max_seq_len, stride", [(1, 8, 7), (2, 8, 7), (30, 8, 7), (30, 8, 3), (30, 8, 1), (9, 8, 7)])
+@pytest.mark.parametrize(
+    "n, max_seq_len, stride", [(1, 8, 7), (2, 8, 7), (30, 8, 7), (30, 8, 3), (30, 8, 1), (9, 8, 7)]
+)
 def test_windows_score_every_token_once(n, max_seq_len, stride) -> None:
     scored = []
     for start, begin, end in windows(n, max_seq_len, stride):
@@ -74,7 +76,7 @@ def test_sliding_windows_match_masked_transformers_loss(tmp_path, tiny_hf, strid
                 start = max(0, end - max_seq_len)
                 inputs = torch.tensor([ids[start:end]])
                 labels = inputs.clone()
-                labels[0, :begin - start] = -100
+                labels[0, : begin - start] = -100
                 total_nll += float(model(inputs, labels=labels).loss) * (end - begin)
                 total_tokens += end - begin
     assert result.n == total_tokens == sum(len(tok(t)["input_ids"]) - 1 for t in data.documents)

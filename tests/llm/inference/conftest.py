@@ -35,7 +35,8 @@ def hf_model(tiny_checkpoints) -> Callable[[str], torch.nn.Module]:
     def load(family: str) -> torch.nn.Module:
         if family not in cache:
             cache[family] = AutoModelForCausalLM.from_pretrained(
-                tiny_checkpoints[family], dtype=torch.float32, attn_implementation="eager").eval()
+                tiny_checkpoints[family], dtype=torch.float32, attn_implementation="eager"
+            ).eval()
         return cache[family]
 
     return load
@@ -49,7 +50,9 @@ def engine(tiny_checkpoints) -> Callable[..., InferenceEngine]:
     def load(family: str, max_batch_size: int = 8, **kwargs) -> InferenceEngine:
         key = (family, max_batch_size, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = InferenceEngine.from_pretrained(tiny_checkpoints[family], max_batch_size=max_batch_size, **kwargs)
+            cache[key] = InferenceEngine.from_pretrained(
+                tiny_checkpoints[family], max_batch_size=max_batch_size, **kwargs
+            )
         return cache[key]
 
     return load
@@ -69,7 +72,7 @@ def teacher_forced_greedy(engine: InferenceEngine, prompt: list[int], generated:
     greedy tokens of re-running the forward on the growing sequence whenever ``generated`` is greedy.
     """
     logits = engine.forward_logits(prompt + generated)
-    return logits[len(prompt) - 1:-1].argmax(dim=-1).tolist()
+    return logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
 
 
 def regrown_greedy(engine: InferenceEngine, prompt: list[int], steps: int) -> list[int]:
@@ -77,4 +80,4 @@ def regrown_greedy(engine: InferenceEngine, prompt: list[int], steps: int) -> li
     sequence = list(prompt)
     for _ in range(steps):
         sequence.append(int(engine.forward_logits(sequence)[-1].argmax()))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]

@@ -69,24 +69,61 @@ def test_single_prompt_streams_the_completion(model_dir, reference, capsys, monk
 
 def test_batch_chat_sampling_and_jsonl_output(model_dir, reference, tmp_path, capsys) -> None:
     prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("\n".join(json.dumps(r) for r in [
-        "Tell me a story", {"instruction": "Name a colour", "input": "in French"},
-        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                      {"role": "user", "content": "Bye"}]}]) + "\n")
+    prompts_file.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                "Tell me a story",
+                {"instruction": "Name a colour", "input": "in French"},
+                {
+                    "messages": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"},
+                        {"role": "user", "content": "Bye"},
+                    ]
+                },
+            ]
+        )
+        + "\n"
+    )
     output = tmp_path / "out" / "results.jsonl"
-    flags = ["--load-dir", str(model_dir), "--prompt", "Why is the sky blue?", "--prompts-file", str(prompts_file),
-             "--chat", "--system", "Be brief.", "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9",
-             "--seed", "7", "--batch-size", "2", "--max-new-tokens", "9", "--output", str(output)]
+    flags = [
+        "--load-dir",
+        str(model_dir),
+        "--prompt",
+        "Why is the sky blue?",
+        "--prompts-file",
+        str(prompts_file),
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "9",
+        "--output",
+        str(output),
+    ]
     code, out, _ = run(capsys, *flags)
     assert code == 0 and out.count("--- completion") == 4
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3]
     tokenizer = reference.tokenizer
     system = [{"role": "system", "content": "Be brief."}]
-    chats = [system + [{"role": "user", "content": "Why is the sky blue?"}],
-             system + [{"role": "user", "content": "Tell me a story"}],
-             system + [{"role": "user", "content": "Name a colour\nin French"}],
-             rows[3]["prompt"]["messages"]]
+    chats = [
+        system + [{"role": "user", "content": "Why is the sky blue?"}],
+        system + [{"role": "user", "content": "Tell me a story"}],
+        system + [{"role": "user", "content": "Name a colour\nin French"}],
+        rows[3]["prompt"]["messages"],
+    ]
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
     params = SamplingParams(max_new_tokens=9, temperature=0.9, top_k=50, top_p=0.9, seed=7)
@@ -102,8 +139,9 @@ def test_batch_chat_sampling_and_jsonl_output(model_dir, reference, tmp_path, ca
 
 def test_text_prompts_file_and_interactive_chat(model_dir, tmp_path, capsys, monkeypatch) -> None:
     (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
-    code, out, _ = run(capsys, "--load-dir", str(model_dir), "--prompts-file", str(tmp_path / "p.txt"),
-                       "--max-new-tokens", "3")
+    code, out, _ = run(
+        capsys, "--load-dir", str(model_dir), "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "3"
+    )
     assert code == 0 and "--- prompt 1 ---\nsecond prompt\n" in out
     lines = iter(["hello there", "/reset", "again"])
 
@@ -143,7 +181,9 @@ def test_chat_and_prompts_from_a_pipe(model_dir, reference, capsys, monkeypatch)
     saved = os.dup(0)
     try:
         os.dup2(read_end, 0)
-        code, out, _ = run(capsys, "--load-dir", str(model_dir), "--prompts-file", "/dev/stdin", "--max-new-tokens", "3")
+        code, out, _ = run(
+            capsys, "--load-dir", str(model_dir), "--prompts-file", "/dev/stdin", "--max-new-tokens", "3"
+        )
     finally:
         os.dup2(saved, 0)
         os.close(saved)
@@ -151,18 +191,23 @@ def test_chat_and_prompts_from_a_pipe(model_dir, reference, capsys, monkeypatch)
     assert code == 0 and "--- prompt 0 ---\nfirst prompt\n" in out and "--- prompt 1 ---\nsecond prompt\n" in out
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--load-dir", "{missing}", "--prompt", "hi"], "--load-dir {missing} is not a directory"),
-    (["--load-dir", "{model}", "--prompt", "a b c d e f g", "--max-seq-len", "4"], "prompt 0 has 7 tokens"),
-    (["--load-dir", "{model}"], "nothing to generate"),
-    (["--load-dir", "{model}", "--prompt", "hi", "--dtype", "float8"], "--dtype 'float8' is not one of"),
-    (["--load-dir", "{model}", "--prompt", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
-    (["--load-dir", "{model}", "--prompts-file", "{missing}"], "--prompts-file {missing} does not exist"),
-    (["--load-dir", "{bad_arch}", "--prompt", "hi"], "unsupported architecture GPT2LMHeadModel"),
-    (["--load-dir", "{bad_type}", "--prompt", "hi"],
-     r"{bad_type}/config.json: unsupported model_type 'foobar' \(FoobarForCausalLM\); .*supported: .*Qwen3ForCausalLM"),
-    (["--load-dir", "{model}", "--prompts-file", "{model}"], "--prompts-file {model} is a directory"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--load-dir", "{missing}", "--prompt", "hi"], "--load-dir {missing} is not a directory"),
+        (["--load-dir", "{model}", "--prompt", "a b c d e f g", "--max-seq-len", "4"], "prompt 0 has 7 tokens"),
+        (["--load-dir", "{model}"], "nothing to generate"),
+        (["--load-dir", "{model}", "--prompt", "hi", "--dtype", "float8"], "--dtype 'float8' is not one of"),
+        (["--load-dir", "{model}", "--prompt", "hi", "--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+        (["--load-dir", "{model}", "--prompts-file", "{missing}"], "--prompts-file {missing} does not exist"),
+        (["--load-dir", "{bad_arch}", "--prompt", "hi"], "unsupported architecture GPT2LMHeadModel"),
+        (
+            ["--load-dir", "{bad_type}", "--prompt", "hi"],
+            r"{bad_type}/config.json: unsupported model_type 'foobar' \(FoobarForCausalLM\); .*supported: .*Qwen3ForCausalLM",
+        ),
+        (["--load-dir", "{model}", "--prompts-file", "{model}"], "--prompts-file {model} is a directory"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_status_2(model_dir, tmp_path, capsys, flags: list[str], message: str) -> None:
     bad_arch = tmp_path / "bad"
     shutil.copytree(model_dir, bad_arch)
@@ -170,10 +215,15 @@ def test_bad_input_is_one_line_and_exit_status_2(model_dir, tmp_path, capsys, fl
     (bad_arch / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     bad_type = tmp_path / "bad_type"
     shutil.copytree(model_dir, bad_type)
-    (bad_type / "config.json").write_text(json.dumps({**config, "model_type": "foobar",
-                                                      "architectures": ["FoobarForCausalLM"]}))
-    names = {"missing": str(tmp_path / "missing"), "model": str(model_dir), "bad_arch": str(bad_arch),
-             "bad_type": str(bad_type)}
+    (bad_type / "config.json").write_text(
+        json.dumps({**config, "model_type": "foobar", "architectures": ["FoobarForCausalLM"]})
+    )
+    names = {
+        "missing": str(tmp_path / "missing"),
+        "model": str(model_dir),
+        "bad_arch": str(bad_arch),
+        "bad_type": str(bad_type),
+    }
     output = tmp_path / "out.jsonl"
     code, out, err = run(capsys, *[f.format(**names) for f in flags], "--output", str(output))
     assert code == 2 and out == ""

@@ -95,10 +95,12 @@ def test_from_config_then_load_weights_is_the_checkpoint(engine, hf_model, tiny_
     fresh.load_weights(state)
     prompts = random_prompts((4, 8, 6), seed=14)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    assert [o.token_ids for o in fresh.generate(prompts, params)] == \
-        [o.token_ids for o in engine(family).generate(prompts, params)]
-    torch.testing.assert_close(fresh.forward_logits(prompts[1]), engine(family).forward_logits(prompts[1]),
-                               atol=0, rtol=0)
+    assert [o.token_ids for o in fresh.generate(prompts, params)] == [
+        o.token_ids for o in engine(family).generate(prompts, params)
+    ]
+    torch.testing.assert_close(
+        fresh.forward_logits(prompts[1]), engine(family).forward_logits(prompts[1]), atol=0, rtol=0
+    )
 
 
 def test_load_weights_refuses_unknown_names_and_shapes(engine) -> None:

@@ -16,8 +16,11 @@ from tests.llm.inference.conftest import random_prompts
 
 
 def convert(source: Path, target: Path, **options) -> Path:
-    convert_checkpoint(ConvertConfig(load_model_type="hf", save_model_type="mg", load_dir=source, save_dir=target,
-                                     progress=False, **options))
+    convert_checkpoint(
+        ConvertConfig(
+            load_model_type="hf", save_model_type="mg", load_dir=source, save_dir=target, progress=False, **options
+        )
+    )
     return target
 
 
@@ -25,16 +28,24 @@ def files(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
-@pytest.mark.parametrize(("family", "options"), [
-    ("qwen25", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2}),
-    ("qwen3-moe", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2,
-                   "target_expert_parallel_size": 2}),
-    ("llama2", {"target_tensor_parallel_size": 2, "ckpt_format": "torch_dist"}),
-    ("deepseek3", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2,
-                   "target_expert_parallel_size": 2}),
-])
-def test_megatron_checkpoint_generates_like_the_hf_directory(engine, tiny_checkpoints, tmp_path, family: str,
-                                                            options: dict) -> None:
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("qwen25", {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2}),
+        (
+            "qwen3-moe",
+            {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2, "target_expert_parallel_size": 2},
+        ),
+        ("llama2", {"target_tensor_parallel_size": 2, "ckpt_format": "torch_dist"}),
+        (
+            "deepseek3",
+            {"target_tensor_parallel_size": 2, "target_pipeline_parallel_size": 2, "target_expert_parallel_size": 2},
+        ),
+    ],
+)
+def test_megatron_checkpoint_generates_like_the_hf_directory(
+    engine, tiny_checkpoints, tmp_path, family: str, options: dict
+) -> None:
     mg = convert(tiny_checkpoints[family], tmp_path / "mg", **options)
     before = files(mg)
     loaded = InferenceEngine.from_pretrained(mg, max_batch_size=2)
@@ -43,8 +54,9 @@ def test_megatron_checkpoint_generates_like_the_hf_directory(engine, tiny_checkp
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     want = engine(family, max_batch_size=2).generate(prompts, params)
     assert [o.token_ids for o in loaded.generate(prompts, params)] == [o.token_ids for o in want]
-    torch.testing.assert_close(loaded.forward_logits(prompts[2]), engine(family).forward_logits(prompts[2]),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        loaded.forward_logits(prompts[2]), engine(family).forward_logits(prompts[2]), atol=0, rtol=0
+    )
     assert loaded.tokenizer is not None and loaded.eos_token_ids == engine(family).eos_token_ids  # from hf_config
 
 
@@ -67,9 +79,16 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
     # A megatron-core dist checkpoint whose common state has no args (another trainer's, or an old one).
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
     (tmp_path / "iter_0000005").mkdir()
-    (tmp_path / "iter_0000005" / "metadata.json").write_text(json.dumps(
-        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-         "common_backend_version": 1}))
+    (tmp_path / "iter_0000005" / "metadata.json").write_text(
+        json.dumps(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            }
+        )
+    )
     torch.save({"config": {}}, tmp_path / "iter_0000005" / "common.pt")
     with pytest.raises(ValueError, match="records no model args.*checkpoint.save_hf"):
         InferenceEngine.from_pretrained(tmp_path)

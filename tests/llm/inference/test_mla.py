@@ -18,8 +18,16 @@ from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, write_tiny_tokenizer
 from tests.llm.inference.conftest import random_prompts
 
 #: YaRN as DeepSeek-V3 ships it (smaller numbers): factor, mscale, mscale_all_dim all matter.
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 STEPS = 6
 
 
@@ -34,7 +42,7 @@ def _save(path: Path, rope: dict | None) -> torch.nn.Module:
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-        for layer in model.model.layers[config.first_k_dense_replace:]:
+        for layer in model.model.layers[config.first_k_dense_replace :]:
             # A bias as large as the score spread: it changes which experts are chosen.
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.3)
     model.save_pretrained(path)
@@ -62,9 +70,16 @@ def test_prefill_and_cached_decode_logits_equal_transformers(tmp_path, rope: str
     assert engine.cache.keys.shape[-2:] == (1, mla_cache_width(shape) + 1)  # one latent head per token
     for index, (prompt, out) in enumerate(zip(prompts, outs)):
         with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert out.token_ids == want.sequences[0, len(prompt):].tolist(), f"prompt {index}"
+            want = model.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=STEPS,
+                min_new_tokens=STEPS,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert out.token_ids == want.sequences[0, len(prompt) :].tolist(), f"prompt {index}"
         got = torch.stack(seen[index])
         torch.testing.assert_close(got, torch.cat(want.logits).float(), atol=1e-5, rtol=0)
     # The bias and the groups decide: without them other experts would be chosen for some tokens.

@@ -55,8 +55,12 @@ def test_sliding_window_logits_and_cached_generation_equal_transformers(tmp_path
     prompts = random_prompts((9, 3, 6), seed=2)  # three prompts on two slots
     with torch.no_grad():
         want = model(torch.tensor([prompts[0]])).logits[0]
-        reference = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
-                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        reference = [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     torch.testing.assert_close(engine.forward_logits(prompts[0]), want, atol=1e-5, rtol=0)
     outs = engine.generate(prompts, _greedy(8))
     assert [o.token_ids for o in outs] == reference
@@ -73,8 +77,12 @@ def test_greedy_equals_transformers_generate(engine, hf_model, family: str) -> N
     prompts = random_prompts((5, 11, 2), seed=3)
     model = hf_model(family)
     with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        want = [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     outs = engine(family, max_batch_size=2).generate(prompts, _greedy(8))
     assert [o.token_ids for o in outs] == want
 
@@ -98,9 +106,10 @@ def test_generation_logprobs_are_the_models_log_softmax(engine) -> None:
     eng = engine("qwen3")
     (prompt,) = random_prompts((6,), seed=5)
     # Sampled with a temperature and filters: the logprobs are still those of the raw model.
-    (out,) = eng.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.7, top_k=20, top_p=0.8, seed=1,
-                                                    ignore_eos=True))
-    logits = eng.forward_logits(prompt + out.token_ids)[len(prompt) - 1:-1].log_softmax(-1)
+    (out,) = eng.generate(
+        [prompt], SamplingParams(max_new_tokens=6, temperature=1.7, top_k=20, top_p=0.8, seed=1, ignore_eos=True)
+    )
+    logits = eng.forward_logits(prompt + out.token_ids)[len(prompt) - 1 : -1].log_softmax(-1)
     want = logits[torch.arange(6), torch.tensor(out.token_ids)]
     torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-5, rtol=0)
 
@@ -114,8 +123,10 @@ def test_bfloat16_runs_close_to_fp32(engine, tiny_checkpoints) -> None:
     assert half.model.dtype == torch.bfloat16
     full = engine("llama2").forward_logits(tokens)
     error = float((half.forward_logits(tokens).float() - full).abs().max())
-    hf = {dtype: AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama2"], dtype=dtype).eval()
-          for dtype in (torch.bfloat16, torch.float32)}
+    hf = {
+        dtype: AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama2"], dtype=dtype).eval()
+        for dtype in (torch.bfloat16, torch.float32)
+    }
     with torch.no_grad():
         hf_logits = {dtype: model(torch.tensor([tokens])).logits[0].float() for dtype, model in hf.items()}
     hf_error = float((hf_logits[torch.bfloat16] - hf_logits[torch.float32]).abs().max())

@@ -11,14 +11,11 @@ from mindspeed_llm.inference.sampling import Sampler, filter_logits
 from tests.llm.inference.conftest import random_prompts
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6),
-                                                             (0.9, 12, 0.85), (2.0, 1, 0.3)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 12, 0.85), (2.0, 1, 0.3)]
+)
 def test_filters_equal_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     want = TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -27,7 +24,9 @@ def test_filters_equal_transformers_warpers(temperature: float, top_k: int, top_
     if top_p < 1:
         want = TopPLogitsWarper(top_p)(None, want)
     rows = logits.shape[0]
-    got = filter_logits(logits, torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p))
+    got = filter_logits(
+        logits, torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p)
+    )
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)])
 
@@ -36,8 +35,8 @@ def test_rows_keep_their_own_settings() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     got = filter_logits(logits, torch.tensor([1.0, 0.5, 1.0]), torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.5]))
     for row, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.5, 4, 1.0), (1.0, 0, 0.5)]):
-        alone = filter_logits(logits[row:row + 1], torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))
-        assert torch.equal(got[row:row + 1], alone)
+        alone = filter_logits(logits[row : row + 1], torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))
+        assert torch.equal(got[row : row + 1], alone)
 
 
 def test_draws_follow_the_filtered_distribution() -> None:
@@ -69,21 +68,33 @@ def test_same_seed_same_tokens_whatever_the_batch(engine) -> None:
     reordered = engine("mixtral", max_batch_size=3).generate([prompts[3], prompts[1], prompts[0]], params)
     assert reordered[1].token_ids == alone
     # Another seed gives another draw; seed=None draws from torch's global generator.
-    other = engine("mixtral", max_batch_size=3).generate([prompts[1]], SamplingParams(
-        max_new_tokens=8, temperature=1.5, top_p=0.95, seed=99, ignore_eos=True))[0].token_ids
+    other = (
+        engine("mixtral", max_batch_size=3)
+        .generate(
+            [prompts[1]], SamplingParams(max_new_tokens=8, temperature=1.5, top_p=0.95, seed=99, ignore_eos=True)
+        )[0]
+        .token_ids
+    )
     assert other != alone
     runs = []
     for _ in range(2):
         torch.manual_seed(0)
-        runs.append(engine("mixtral").generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=1.5,
-                                                                           ignore_eos=True)))
+        runs.append(
+            engine("mixtral").generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=1.5, ignore_eos=True))
+        )
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert runs[0][0].token_ids != runs[0][1].token_ids or prompts[0] != prompts[1]
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("max_new_tokens", 0, "max_new_tokens must be at least 1"), ("temperature", -1.0, "temperature must be >= 0"),
-    ("top_k", -2, "top_k must be >= 0"), ("top_p", 0.0, r"top_p must be in \(0, 1\]")])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_new_tokens", 0, "max_new_tokens must be at least 1"),
+        ("temperature", -1.0, "temperature must be >= 0"),
+        ("top_k", -2, "top_k must be >= 0"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ],
+)
 def test_bad_settings_are_refused(field: str, value, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})

@@ -39,8 +39,10 @@ def write_instruction(prefix: str, samples: list[dict[str, np.ndarray]], pack_to
     """Write ``samples`` as preprocess-data does (one per document, or packed rows of ``pack_to``)."""
     docs = samples
     if pack_to is not None:
-        docs = [build_pack([samples[i] for i in group], pack_to, 0)
-                for group in pack_lengths([len(s["input_ids"]) for s in samples], pack_to)]
+        docs = [
+            build_pack([samples[i] for i in group], pack_to, 0)
+            for group in pack_lengths([len(s["input_ids"]) for s in samples], pack_to)
+        ]
     _write(prefix, {key: [d[key] for d in docs] for key in ("input_ids", "attention_mask", "labels")})
     return prefix
 
@@ -48,8 +50,9 @@ def write_instruction(prefix: str, samples: list[dict[str, np.ndarray]], pack_to
 def write_pairwise(prefix: str, num: int, seed: int, vocab: int) -> str:
     """Preference pairs sharing a prompt (label -100) with different answers."""
     rng = np.random.default_rng(seed)
-    docs: dict[str, list[np.ndarray]] = {k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
-                                                          "rejected_labels")}
+    docs: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    }
     for _ in range(num):
         prompt = rng.integers(1, vocab, int(rng.integers(3, 8)))
         for side in ("chosen", "rejected"):

@@ -26,8 +26,10 @@ def _config(prefix: str, *overrides: str) -> PretrainConfig:
 
 def test_recipe_and_overrides(tmp_path: Path, prefix: str) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {{num_layers: 4, hidden_size: 32}}\ndata: {{prefixes: [{prefix}], seq_length: 16}}\n"
-                      "train: {lr: 1e-3}\nfeatures: {optimization_level: 0}\n")
+    recipe.write_text(
+        f"model: {{num_layers: 4, hidden_size: 32}}\ndata: {{prefixes: [{prefix}], seq_length: 16}}\n"
+        "train: {lr: 1e-3}\nfeatures: {optimization_level: 0}\n"
+    )
     config = load_pretrain_config(recipe, ["train.lr=2e-3", "parallel.tp=2", "model.vocab_size=64"])
     assert (config.model.num_layers, config.model.hidden_size, config.data.seq_length) == (4, 32, 16)
     assert (config.train.lr, config.parallel.tp, config.features.optimization_level) == (2e-3, 2, 0)
@@ -35,60 +37,85 @@ def test_recipe_and_overrides(tmp_path: Path, prefix: str) -> None:
     assert config.data_parallel_size(4) == 2 and config.global_batch_size(4) == 2 and config.num_microbatches(4) == 1
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("train.stpes=3", "did you mean 'train.steps'"),
-    ("paralel.tp=2", "did you mean 'parallel'"),
-    ("train.precision=fp8", "is not one of"),
-    ("model.megatron={num_layer: 2}", "did you mean 'num_layers'"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.stpes=3", "did you mean 'train.steps'"),
+        ("paralel.tp=2", "did you mean 'parallel'"),
+        ("train.precision=fp8", "is not one of"),
+        ("model.megatron={num_layer: 2}", "did you mean 'num_layers'"),
+    ],
+)
 def test_unknown_keys_and_values_are_errors_with_a_suggestion(prefix: str, override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config = _config(prefix, override)
         config.check(1)
 
 
-@pytest.mark.parametrize(("overrides", "world", "message"), [
-    (["parallel.tp=2"], 3, "not divisible by parallel.tp x parallel.pp"),
-    (["parallel.pp=2", "parallel.vpp=2"], 2, r"model.num_layers=2 is not divisible by parallel.pp x parallel.vpp"),
-    (["train.micro_batch_size=2", "train.global_batch_size=6"], 2, "use a multiple of 4"),
-    (["parallel.pp=2", "parallel.vpp=1", "model.num_layers=4", "train.global_batch_size=3"], 2,
-     "microbatches per step .3. to be a multiple of parallel.pp=2"),
-    (["parallel.sequence_parallel=true"], 1, "needs parallel.tp > 1"),
-    (["model.num_attention_heads=6", "model.hidden_size=60", "parallel.tp=4"], 4, "must be divisible by parallel.tp=4"),
-    (["data.prefixes=[]"], 1, "data.prefixes is empty"),
-    (["data.prefixes=[/nonexistent/x]"], 1, "/nonexistent/x.bin and /nonexistent/x.idx not found"),
-    (["data.weights=[0.5,0.5]"], 1, "2 entries for 1 data.prefixes"),
-    (["data.split=0,1,0"], 1, "positive train weight"),
-    (["model.vocab_size=null"], 1, "model.vocab_size is unset"),
-    (["train.steps=5", "train.lr_warmup_steps=5"], 1, "must be below train.lr_decay_steps"),
-    (["checkpoint.finetune=true"], 1, "checkpoint.finetune needs checkpoint.load"),
-    (["parallel.cp=2", "data.seq_length=34"], 2, r"data.seq_length=34 must be divisible by 2 x parallel.cp = 4"),
-    (["data.reset_attention_mask=true"], 1, "data.reset_attention_mask needs data.eod_token_id"),
-    (["data.reset_attention_mask=true", "data.eod_token_id=0"], 1,
-     "data.reset_attention_mask and data.reset_position_ids go together"),
-    (["parallel.ep=2"], 2, "needs an MoE model"),
-    (["train.lr=-1e-3"], 1, r"train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"),
-    (["train.lr=0"], 1, r"train.lr=0.0 must be positive"),
-    (["train.min_lr=-1e-5"], 1, r"train.min_lr=-1e-05 must not be negative"),
-    (["train.weight_decay=-0.1"], 1, r"train.weight_decay=-0.1 must not be negative"),
-    (["train.adam_beta2=1.0"], 1, r"train.adam_beta2=1.0 must be in \[0, 1\)"),
-])
-def test_inconsistent_values_name_the_key_and_the_fix(prefix: str, overrides: list[str], world: int,
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["parallel.tp=2"], 3, "not divisible by parallel.tp x parallel.pp"),
+        (["parallel.pp=2", "parallel.vpp=2"], 2, r"model.num_layers=2 is not divisible by parallel.pp x parallel.vpp"),
+        (["train.micro_batch_size=2", "train.global_batch_size=6"], 2, "use a multiple of 4"),
+        (
+            ["parallel.pp=2", "parallel.vpp=1", "model.num_layers=4", "train.global_batch_size=3"],
+            2,
+            "microbatches per step .3. to be a multiple of parallel.pp=2",
+        ),
+        (["parallel.sequence_parallel=true"], 1, "needs parallel.tp > 1"),
+        (
+            ["model.num_attention_heads=6", "model.hidden_size=60", "parallel.tp=4"],
+            4,
+            "must be divisible by parallel.tp=4",
+        ),
+        (["data.prefixes=[]"], 1, "data.prefixes is empty"),
+        (["data.prefixes=[/nonexistent/x]"], 1, "/nonexistent/x.bin and /nonexistent/x.idx not found"),
+        (["data.weights=[0.5,0.5]"], 1, "2 entries for 1 data.prefixes"),
+        (["data.split=0,1,0"], 1, "positive train weight"),
+        (["model.vocab_size=null"], 1, "model.vocab_size is unset"),
+        (["train.steps=5", "train.lr_warmup_steps=5"], 1, "must be below train.lr_decay_steps"),
+        (["checkpoint.finetune=true"], 1, "checkpoint.finetune needs checkpoint.load"),
+        (["parallel.cp=2", "data.seq_length=34"], 2, r"data.seq_length=34 must be divisible by 2 x parallel.cp = 4"),
+        (["data.reset_attention_mask=true"], 1, "data.reset_attention_mask needs data.eod_token_id"),
+        (
+            ["data.reset_attention_mask=true", "data.eod_token_id=0"],
+            1,
+            "data.reset_attention_mask and data.reset_position_ids go together",
+        ),
+        (["parallel.ep=2"], 2, "needs an MoE model"),
+        (["train.lr=-1e-3"], 1, r"train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"),
+        (["train.lr=0"], 1, r"train.lr=0.0 must be positive"),
+        (["train.min_lr=-1e-5"], 1, r"train.min_lr=-1e-05 must not be negative"),
+        (["train.weight_decay=-0.1"], 1, r"train.weight_decay=-0.1 must not be negative"),
+        (["train.adam_beta2=1.0"], 1, r"train.adam_beta2=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_inconsistent_values_name_the_key_and_the_fix(
+    prefix: str, overrides: list[str], world: int, message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(prefix, *overrides).check(world)
 
 
-def test_cli_reports_a_bad_recipe_in_one_line_without_starting_ranks(prefix: str, capsys: pytest.CaptureFixture) -> None:
+def test_cli_reports_a_bad_recipe_in_one_line_without_starting_ranks(
+    prefix: str, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["pretrain", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "train.stpes=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("mindspeed-llm: error: unknown config key 'train.stpes'")
-    assert main(["pretrain", "--nproc-per-node", "3", f"data.prefixes=[{prefix}]", "model.vocab_size=128",
-                 "parallel.tp=2"]) == 2
+    assert (
+        main(
+            ["pretrain", "--nproc-per-node", "3", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "parallel.tp=2"]
+        )
+        == 2
+    )
     assert "world size 3 is not divisible" in capsys.readouterr().err
     # torch would say "Invalid learning rate: -0.001" from deep inside the optimizer
-    assert main(["pretrain", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "train.lr=-1e-3",
-                 "train.min_lr=-1e-2"]) == 2
+    assert (
+        main(["pretrain", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "train.lr=-1e-3", "train.min_lr=-1e-2"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mindspeed-llm: error: train.lr=-0.001 must be positive; give a learning rate such as train.lr=3e-4"]
 
@@ -113,17 +140,28 @@ class _Groups:
 def test_train_section_gives_the_optimizer_and_scheduler_sections() -> None:
     from mindspeed_llm.training.config import OptimizerConfig, SchedulerConfig
 
-    t = load_pretrain_config(None, ["train.lr=1e-2", "train.min_lr=1e-4", "train.optimizer=sgd",
-                                    "train.lr_decay_steps=7", "train.adam_eps=1e-6"]).train
+    t = load_pretrain_config(
+        None,
+        ["train.lr=1e-2", "train.min_lr=1e-4", "train.optimizer=sgd", "train.lr_decay_steps=7", "train.adam_eps=1e-6"],
+    ).train
     assert t.optimizer_config() == OptimizerConfig(optimizer="sgd", lr=1e-2, min_lr=1e-4, adam_eps=1e-6)
     assert t.scheduler_config() == SchedulerConfig(lr=1e-2, min_lr=1e-4, lr_decay_steps=7)
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear"])
 def test_lr_schedule_warmup_then_decay(style: str) -> None:
-    config = load_pretrain_config(None, ["train.steps=20", "train.lr=1e-2", "train.min_lr=1e-4",
-                                         "train.lr_warmup_steps=4", "train.lr_warmup_init=1e-3",
-                                         f"train.lr_decay_style={style}", "train.weight_decay=0.1"])
+    config = load_pretrain_config(
+        None,
+        [
+            "train.steps=20",
+            "train.lr=1e-2",
+            "train.min_lr=1e-4",
+            "train.lr_warmup_steps=4",
+            "train.lr_warmup_init=1e-3",
+            f"train.lr_decay_style={style}",
+            "train.weight_decay=0.1",
+        ],
+    )
     optimizer = _Groups()
     scheduler = build_scheduler(config.train.scheduler_config(), optimizer, config.train.steps)
     seen = []

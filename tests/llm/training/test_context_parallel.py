@@ -34,22 +34,43 @@ STEPS = 4
 ALGOS = {
     "ring": ["features.settings.context_parallel.context_parallel_algo=megatron_cp_algo"],
     "ulysses": ["features.settings.context_parallel.context_parallel_algo=ulysses_cp_algo"],
-    "hybrid-u2r1": ["features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
-                    "features.settings.context_parallel.ulysses_degree_in_cp=2"],
-    "hybrid-u1r2": ["features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
-                    "features.settings.context_parallel.ulysses_degree_in_cp=1"],
+    "hybrid-u2r1": [
+        "features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
+        "features.settings.context_parallel.ulysses_degree_in_cp=2",
+    ],
+    "hybrid-u1r2": [
+        "features.settings.context_parallel.context_parallel_algo=hybrid_cp_algo",
+        "features.settings.context_parallel.ulysses_degree_in_cp=1",
+    ],
 }
 #: EOD-reset pretraining (packed documents, THD) at CP2 is checked under these.
 RESET_ALGOS = ("ring", "ulysses")
-MODEL = ["model.vocab_size=128", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-         "model.num_query_groups=2", "model.ffn_hidden_size=128", "train.micro_batch_size=2",
-         "train.global_batch_size=8", "train.lr=3e-3", f"train.lr_decay_steps={STEPS}", "train.clip_grad=0.5", "logging.progress=false",
-         "logging.tensorboard=false", "logging.loss_curve=false"]
+MODEL = [
+    "model.vocab_size=128",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    f"train.lr_decay_steps={STEPS}",
+    "train.clip_grad=0.5",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.loss_curve=false",
+]
 
 
 def _pretrain_data(data: str) -> list[str]:
-    return [f"data.prefixes=[{data}]", "data.seq_length=32", "data.split=90,10,0", "data.eod_token_id=0",
-            "data.eod_mask_loss=true"]
+    return [
+        f"data.prefixes=[{data}]",
+        "data.seq_length=32",
+        "data.split=90,10,0",
+        "data.eod_token_id=0",
+        "data.eod_mask_loss=true",
+    ]
 
 
 def _sft_data(data: str) -> list[str]:
@@ -71,8 +92,11 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
     start = [f"checkpoint.load={init}", "checkpoint.finetune=true", f"train.steps={STEPS}"]
     out: dict[str, Any] = {}
     reset = [*_pretrain_data(pretrain_data), "data.reset_attention_mask=true", "data.reset_position_ids=true"]
-    for stage, data in (("pretrain", _pretrain_data(pretrain_data)), ("sft", _sft_data(sft_data)),
-                        ("eod-reset", reset)):
+    for stage, data in (
+        ("pretrain", _pretrain_data(pretrain_data)),
+        ("sft", _sft_data(sft_data)),
+        ("eod-reset", reset),
+    ):
         out[f"{stage}/cp1"] = _run(*data, *start)
         for name, algo in ALGOS.items():
             if stage != "eod-reset" or name in RESET_ALGOS:
@@ -83,7 +107,8 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
         save = f"{root}/resume-{'cp2' if first else 'cp1'}"
         _run(*data, *start[:2], "train.steps=2", f"checkpoint.save={save}", *first)
         out[f"resume/{'cp2-to-cp1' if first else 'cp1-to-cp2'}"] = _run(
-            *data, f"train.steps={STEPS}", f"checkpoint.save={save}", "checkpoint.save_at_end=false", *second)
+            *data, f"train.steps={STEPS}", f"checkpoint.save={save}", "checkpoint.save_at_end=false", *second
+        )
     return out
 
 
@@ -91,8 +116,9 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root: Path = tmp_path_factory.mktemp("cp")
     pretrain_data = write_indexed_dataset(root / "data" / "docs", 120, seed=3)
-    sft_data = write_instruction(str(root / "data" / "sft"), make_samples(64, seed=4, vocab=128, max_len=24),
-                                 pack_to=32)
+    sft_data = write_instruction(
+        str(root / "data" / "sft"), make_samples(64, seed=4, vocab=128, max_len=24), pack_to=32
+    )
     results = run_distributed(_group, 2, str(root), pretrain_data, sft_data, timeout=900)
     assert results[0] == results[1], "ranks disagree on the logged metrics"
     return results[0]

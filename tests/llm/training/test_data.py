@@ -32,10 +32,20 @@ def prefixes(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def test_blend_weights_and_split(prefixes: list[str]) -> None:
-    config = load_pretrain_config(None, [f"data.prefixes=[{prefixes[0]},{prefixes[1]}]", "data.weights=[0.8,0.2]",
-                                         "data.seq_length=16", "data.split=80,20,0", "model.vocab_size=128",
-                                         "train.steps=50", "train.micro_batch_size=4", "eval.at_end=true",
-                                         "eval.iters=3"])
+    config = load_pretrain_config(
+        None,
+        [
+            f"data.prefixes=[{prefixes[0]},{prefixes[1]}]",
+            "data.weights=[0.8,0.2]",
+            "data.seq_length=16",
+            "data.split=80,20,0",
+            "model.vocab_size=128",
+            "train.steps=50",
+            "train.micro_batch_size=4",
+            "eval.at_end=true",
+            "eval.iters=3",
+        ],
+    )
     train, valid = build_datasets(config, 1, TokenIds(vocab_size=128, eod=0))
     assert len(train) >= 200 and len(valid) >= 12
     share = Counter(int(train[i]["dataset_id"]) for i in range(200))
@@ -48,16 +58,29 @@ def test_blend_weights_and_split(prefixes: list[str]) -> None:
 
 
 def test_a_split_without_documents_is_an_error(prefixes: list[str]) -> None:
-    config = load_pretrain_config(None, [f"data.prefixes=[{prefixes[0]}]", "data.split=999,1,0",
-                                         "model.vocab_size=128", "eval.interval=5"])
+    config = load_pretrain_config(
+        None, [f"data.prefixes=[{prefixes[0]}]", "data.split=999,1,0", "model.vocab_size=128", "eval.interval=5"]
+    )
     with pytest.raises(ConfigError, match="the validation split of .* gets none of its 120 documents"):
         build_datasets(config, 1, TokenIds(vocab_size=128, eod=0))
 
 
 def test_reader_follows_megatrons_sampler() -> None:
-    dataset = [{"tokens": torch.tensor([i]), "labels": torch.tensor([i]), "loss_mask": torch.ones(1),
-                "position_ids": torch.zeros(1)} for i in range(100)]
+    dataset = [
+        {
+            "tokens": torch.tensor([i]),
+            "labels": torch.tensor([i]),
+            "loss_mask": torch.ones(1),
+            "position_ids": torch.zeros(1),
+        }
+        for i in range(100)
+    ]
     # Global batch 12 = 2 microbatches x 3 sequences x 2 data-parallel ranks, from sample 24 on.
-    got = {rank: [mb["tokens"].flatten().tolist() for mb in
-                  MicrobatchReader(dataset, 3, rank, 2, torch.device("cpu")).step(24, 2)] for rank in (0, 1)}
+    got = {
+        rank: [
+            mb["tokens"].flatten().tolist()
+            for mb in MicrobatchReader(dataset, 3, rank, 2, torch.device("cpu")).step(24, 2)
+        ]
+        for rank in (0, 1)
+    }
     assert got == {0: [[24, 25, 26], [30, 31, 32]], 1: [[27, 28, 29], [33, 34, 35]]}

@@ -44,10 +44,21 @@ LAYOUT = ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]
 
 
 def _overrides(root: str, *extra: str, hf: str = "hf") -> list[str]:
-    return [f"checkpoint.load_hf={root}/{hf}", f"data.prefixes=[{root}/data]", f"data.seq_length={SEQ}",
-            "data.split=80,20,0", f"train.micro_batch_size={MBS}", f"train.global_batch_size={GBS}", "train.lr=3e-3",
-            "train.clip_grad=1.0", "logging.progress=false", "logging.tensorboard=false", "logging.loss_curve=false",
-            *LAYOUT, *extra]
+    return [
+        f"checkpoint.load_hf={root}/{hf}",
+        f"data.prefixes=[{root}/data]",
+        f"data.seq_length={SEQ}",
+        "data.split=80,20,0",
+        f"train.micro_batch_size={MBS}",
+        f"train.global_batch_size={GBS}",
+        "train.lr=3e-3",
+        "train.clip_grad=1.0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+        *LAYOUT,
+        *extra,
+    ]
 
 
 def _logits(config: Any, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -65,15 +76,22 @@ def _logits(config: Any, tokens: torch.Tensor) -> torch.Tensor | None:
     config.check(dist.get_world_size())
     vocab = padded_vocab_size(config.model.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
     adapt()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, create_gloo_process_groups=False
+    )
     try:
         seed_everything(config.train.seed)
         shape = model_shape(config, config.model.vocab_size)
         transformer = recipe_transformer_config(config, shape)
-        chunks = build_model(shape, config.parallel, transformer, vocab, trainable=False, bridged=True,
-                             prepare=lambda models: load_hf_weights(models, config.checkpoint.load_hf, config.parallel,
-                                                                    vocab))
+        chunks = build_model(
+            shape,
+            config.parallel,
+            transformer,
+            vocab,
+            trainable=False,
+            bridged=True,
+            prepare=lambda models: load_hf_weights(models, config.checkpoint.load_hf, config.parallel, vocab),
+        )
         logits = megatron_logits(chunks, tokens)
     finally:
         ps.destroy_model_parallel()
@@ -97,24 +115,43 @@ def _group(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> dict[
 
     logits = _logits(load_pretrain_config(None, _overrides(root)), tokens)
     yarn = _logits(load_pretrain_config(None, _overrides(root, hf="hf-yarn")), tokens)
-    config = load_pretrain_config(None, _overrides(root, f"train.steps={STEPS}", "eval.at_end=true", "eval.iters=1",
-                                                   f"checkpoint.save_hf={root}/exported"))
+    config = load_pretrain_config(
+        None,
+        _overrides(
+            root, f"train.steps={STEPS}", "eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported"
+        ),
+    )
     result = pretrain(config)
     # The samples of the first global batch and of the evaluation, read back as the run read them.
     config = apply_load_hf(config)
     train, valid = build_datasets(config, dist.get_world_size(), read_tokenizer(config))
     records = [{key: record[key] for key in ("step", "loss", "lr", "grad_norm")} for record in result.records]
     # SFT on packed instruction data: megatron's MLA attends within each sample (THD).
-    sft = pretrain(load_pretrain_config(None, _overrides(root, "stage=sft", f"data.prefixes=[{root}/packed]",
-                                                        "train.steps=1")))
+    sft = pretrain(
+        load_pretrain_config(None, _overrides(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=1"))
+    )
     records.append({"sft_loss": sft.records[0]["loss"]})
-    return {"logits": logits.numpy(), "yarn_logits": yarn.numpy(), "records": records, "evals": result.evals, "train": _batch(train),
-            "valid": _batch(valid)}
+    return {
+        "logits": logits.numpy(),
+        "yarn_logits": yarn.numpy(),
+        "records": records,
+        "evals": result.evals,
+        "train": _batch(train),
+        "valid": _batch(valid),
+    }
 
 
 #: YaRN as DeepSeek-V3 ships it (smaller numbers): megatron's YarnRotaryEmbedding and MLA's mscale.
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 
 def _save_yarn(path: Path) -> None:
@@ -210,8 +247,9 @@ def test_save_hf_exports_the_trained_model(run: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
     exported = run["root"] / "exported"
-    model, info = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager", dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        exported, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     first = run["ranks"][0]
     (evaluation,) = first["evals"]

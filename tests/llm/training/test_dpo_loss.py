@@ -13,8 +13,14 @@ BETA = 0.3
 # (policy chosen, policy rejected, reference chosen, reference rejected) log-probabilities: the
 # log-ratio difference z = (pc - pr) - (rc - rr) is -4, -1, 0, 1.5, 3 and 12 (both sides of the
 # hinge's kink at z = 1 / beta and of IPO's minimum at z = 1 / (2 beta)).
-PAIRS = [(-10.0, -4.0, -8.0, -6.0), (-5.0, -4.0, -5.0, -5.0), (-3.0, -3.0, -7.0, -7.0),
-         (-2.0, -4.5, -3.0, -4.0), (-1.0, -6.0, -2.0, -4.0), (-1.0, -20.0, -3.0, -10.0)]
+PAIRS = [
+    (-10.0, -4.0, -8.0, -6.0),
+    (-5.0, -4.0, -5.0, -5.0),
+    (-3.0, -3.0, -7.0, -7.0),
+    (-2.0, -4.5, -3.0, -4.0),
+    (-1.0, -6.0, -2.0, -4.0),
+    (-1.0, -20.0, -3.0, -10.0),
+]
 
 
 def _z(pair: tuple[float, ...]) -> float:
@@ -53,10 +59,13 @@ def test_losses_rewards_and_gradients_equal_the_formulas(loss_type: str, smoothi
 def test_the_hinge_is_flat_past_its_margin_and_ipo_is_least_at_half_over_beta() -> None:
     zero = torch.zeros(1, dtype=torch.float64)
     for z, hinge in ((1 / BETA + 0.5, 0.0), (1 / BETA - 0.5, 0.5 * BETA)):
-        assert float(dpo_loss(torch.tensor([z], dtype=torch.float64), zero, zero, zero, BETA, loss_type="hinge")
-                     .losses) == pytest.approx(hinge)
-    ipo = [float(dpo_loss(torch.tensor([z], dtype=torch.float64), zero, zero, zero, BETA, loss_type="ipo").losses)
-           for z in (1 / (2 * BETA) - 0.1, 1 / (2 * BETA), 1 / (2 * BETA) + 0.1)]
+        assert float(
+            dpo_loss(torch.tensor([z], dtype=torch.float64), zero, zero, zero, BETA, loss_type="hinge").losses
+        ) == pytest.approx(hinge)
+    ipo = [
+        float(dpo_loss(torch.tensor([z], dtype=torch.float64), zero, zero, zero, BETA, loss_type="ipo").losses)
+        for z in (1 / (2 * BETA) - 0.1, 1 / (2 * BETA), 1 / (2 * BETA) + 0.1)
+    ]
     assert ipo[1] == 0.0 and ipo[0] == pytest.approx(ipo[2]) == pytest.approx(0.01)
 
 

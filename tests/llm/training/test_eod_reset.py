@@ -20,10 +20,23 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 from tests.llm.training.datasets import write_indexed_dataset
 
-COMMON = ["model.vocab_size=128", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-          "model.num_query_groups=2", "model.ffn_hidden_size=128", "data.seq_length=64", "data.split=100,0,0",
-          "data.eod_token_id=0", "train.micro_batch_size=2", "train.global_batch_size=4", "train.lr=1e-3",
-          "logging.progress=false", "logging.tensorboard=false", "logging.loss_curve=false"]
+COMMON = [
+    "model.vocab_size=128",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "data.seq_length=64",
+    "data.split=100,0,0",
+    "data.eod_token_id=0",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.lr=1e-3",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.loss_curve=false",
+]
 RESET = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 
 
@@ -36,8 +49,10 @@ def _documents(batch: dict[str, Any], eod: int) -> list[dict[str, Any]]:
         tokens = batch["tokens"][row]
         ends = [i + 1 for i in (tokens == eod).nonzero().flatten().tolist() if i + 1 < len(tokens)]
         for start, stop in zip([0, *ends], [*ends, len(tokens)]):
-            docs.append({key: batch[key][row:row + 1, start:stop] for key in ("tokens", "labels", "loss_mask")}
-                        | {"position_ids": torch.arange(stop - start).unsqueeze(0)})
+            docs.append(
+                {key: batch[key][row : row + 1, start:stop] for key in ("tokens", "labels", "loss_mask")}
+                | {"position_ids": torch.arange(stop - start).unsqueeze(0)}
+            )
     return docs
 
 
@@ -57,19 +72,31 @@ def _group(rank: int, world_size: int, root: str, data: str) -> dict[str, Any]:
                 loss, n = forward_backward(self.chunks, [doc], forward_only=True, groups=self.groups)
                 total, count = total + loss * n, count + n
             found.update(alone=total / count, tokens=count, documents=len(docs), samples=2 * len(raw))
-            found["packed"] = forward_backward(self.chunks, self.train_reader.step(0, len(raw)), forward_only=True,
-                                               groups=self.groups)[0]
+            found["packed"] = forward_backward(
+                self.chunks, self.train_reader.step(0, len(raw)), forward_only=True, groups=self.groups
+            )[0]
             found["unreset"] = forward_backward(self.chunks, raw, forward_only=True, groups=self.groups)[0]
             return super().train()
 
     init = f"{root}/init"
-    trainer_module.pretrain(load_pretrain_config(None, [*COMMON, f"data.prefixes=[{data}]", "train.steps=0",
-                                                        f"checkpoint.save={init}"]))
+    trainer_module.pretrain(
+        load_pretrain_config(None, [*COMMON, f"data.prefixes=[{data}]", "train.steps=0", f"checkpoint.save={init}"])
+    )
     original, trainer_module.Trainer = trainer_module.Trainer, Probe
     try:
-        result = trainer_module.pretrain(load_pretrain_config(None, [
-            *COMMON, *RESET, f"data.prefixes=[{data}]", "train.steps=2", f"checkpoint.load={init}",
-            "checkpoint.finetune=true"]))
+        result = trainer_module.pretrain(
+            load_pretrain_config(
+                None,
+                [
+                    *COMMON,
+                    *RESET,
+                    f"data.prefixes=[{data}]",
+                    "train.steps=2",
+                    f"checkpoint.load={init}",
+                    "checkpoint.finetune=true",
+                ],
+            )
+        )
     finally:
         trainer_module.Trainer = original
     found["step1"] = result.records[0]["loss"]

@@ -31,36 +31,57 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 
 LEVEL_0_MOE = ("moe_shared_experts", "moe_expert_load_metrics")
-NOT_IN_PRETRAIN = {"context_parallel": "TP2 on two ranks leaves no CP group (see test_context_parallel.py)",
-                   # Proven in tests/core/memory; this fp32 recipe without the distributed optimizer has
-                   # no master copy to reuse or swap (and the two conflict).
-                   "reuse_fp32_param": "needs bf16 training", "swap_optimizer": "needs the distributed optimizer"}
+NOT_IN_PRETRAIN = {
+    "context_parallel": "TP2 on two ranks leaves no CP group (see test_context_parallel.py)",
+    # Proven in tests/core/memory; this fp32 recipe without the distributed optimizer has
+    # no master copy to reuse or swap (and the two conflict).
+    "reuse_fp32_param": "needs bf16 training",
+    "swap_optimizer": "needs the distributed optimizer",
+}
 
 
 def _settings() -> dict[str, Any]:
     from mindspeed.features import FEATURES
 
-    settings: dict[str, Any] = {name: True for name, feature in FEATURES.items()
-                                if feature.level >= 1 and name not in NOT_IN_PRETRAIN}
-    settings.update({
-        "moe_shared_experts": {"enabled": True, "intermediate_size": 32},
-        "moe_expert_load_metrics": {"enabled": True, "per_layer": True},
-        "moe_load_balancing": {"enabled": True, "type": "aux_loss", "aux_loss_coeff": 1e-2},
-        "moe_router_expert_bias": {"enabled": True, "update_rate": 1e-2},
-    })
+    settings: dict[str, Any] = {
+        name: True for name, feature in FEATURES.items() if feature.level >= 1 and name not in NOT_IN_PRETRAIN
+    }
+    settings.update(
+        {
+            "moe_shared_experts": {"enabled": True, "intermediate_size": 32},
+            "moe_expert_load_metrics": {"enabled": True, "per_layer": True},
+            "moe_load_balancing": {"enabled": True, "type": "aux_loss", "aux_loss_coeff": 1e-2},
+            "moe_router_expert_bias": {"enabled": True, "update_rate": 1e-2},
+        }
+    )
     return settings
 
 
 def _recipe(level: int, settings: dict[str, Any]) -> Any:
     from mindspeed_llm.training.config import load_pretrain_config
 
-    config = load_pretrain_config(None, [
-        "data.mock=true", "data.seq_length=32", "model.vocab_size=128", "model.num_layers=2", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64",
-        "model.num_moe_experts=4", "model.moe_router_topk=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=4", "train.steps=2", "train.lr=1e-3", "logging.progress=false",
-    ])
+    config = load_pretrain_config(
+        None,
+        [
+            "data.mock=true",
+            "data.seq_length=32",
+            "model.vocab_size=128",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=4",
+            "model.num_query_groups=2",
+            "model.ffn_hidden_size=64",
+            "model.num_moe_experts=4",
+            "model.moe_router_topk=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.steps=2",
+            "train.lr=1e-3",
+            "logging.progress=false",
+        ],
+    )
     config.features.optimization_level = level
     config.features.settings = settings
     return config
@@ -72,8 +93,11 @@ def _adam_counters(calls: Counter) -> list[tuple[Any, str, Any]]:
     from torch.optim import adam
 
     patched = []
-    for owner, name, key in ((torch, "_fused_adamw_", ("adamw", "fused")), (torch, "_fused_adam_", ("adamw", "fused")),
-                             (adam, "_multi_tensor_adam", ("adamw", "foreach"))):
+    for owner, name, key in (
+        (torch, "_fused_adamw_", ("adamw", "fused")),
+        (torch, "_fused_adam_", ("adamw", "fused")),
+        (adam, "_multi_tensor_adam", ("adamw", "foreach")),
+    ):
         original = getattr(owner, name)
 
         def counting(*args: Any, _original: Any = original, _key: tuple = key, **kwargs: Any) -> Any:
@@ -107,6 +131,7 @@ def _run(level: int, settings: dict[str, Any]) -> dict[str, Any]:
             def hook(*args: Any, **kwargs: Any) -> Any:
                 hook_calls[point] += 1
                 return fn(*args, **kwargs)
+
             return hook
 
         return {point: tuple(wrap(point, fn) for fn in fns) for point, fns in original_hooks.fget(self).items()}
@@ -121,10 +146,15 @@ def _run(level: int, settings: dict[str, Any]) -> dict[str, Any]:
             for owner, name, original in patched:
                 setattr(owner, name, original)
             TransformerConfig.__post_init__, AdaptReport.hooks = original_init, original_hooks
-    return {"report": result.features, "calls": dict(calls), "hooks": dict(hook_calls),
-            "configs": [{k: v for k, v in c.items() if isinstance(v, (bool, int, float, str, type(None)))}
-                        for c in configs],
-            "losses": [r["loss"] for r in result.records]}
+    return {
+        "report": result.features,
+        "calls": dict(calls),
+        "hooks": dict(hook_calls),
+        "configs": [
+            {k: v for k, v in c.items() if isinstance(v, (bool, int, float, str, type(None)))} for c in configs
+        ],
+        "losses": [r["loss"] for r in result.records],
+    }
 
 
 def _group(rank: int, world_size: int) -> dict[str, Any]:
@@ -151,7 +181,9 @@ def _unused(run: dict[str, Any]) -> list[str]:
         elif seam == "config_overrides":
             if not any(c.get(key) == change["after"] for c in model_configs):
                 problems.append(f"{line}: not in the model's TransformerConfig")
-            if key == "expert_model_parallel_size" and not any(c["_groups_ep"] == change["after"] for c in model_configs):
+            if key == "expert_model_parallel_size" and not any(
+                c["_groups_ep"] == change["after"] for c in model_configs
+            ):
                 problems.append(f"{line}: megatron's expert-parallel groups differ")
         elif seam == "hooks":
             if not run["hooks"].get(key):
@@ -192,9 +224,15 @@ def test_level_0_runs_no_optional_kernel(runs: list[dict[str, Any]]) -> None:
 def test_the_check_fails_a_feature_the_run_does_not_use(runs: list[dict[str, Any]]) -> None:
     run = _keyed(runs[0]["all"])
     kernel = next(k for k in run["calls"] if k.startswith("matmul_add_fp32|"))
-    unused = _unused({**run, "calls": {k: n for k, n in run["calls"].items() if k != kernel},
-                      "hooks": {**run["hooks"], "post_step": 0}})
+    unused = _unused(
+        {
+            **run,
+            "calls": {k: n for k, n in run["calls"].items() if k != kernel},
+            "hooks": {**run["hooks"], "post_step": 0},
+        }
+    )
     hook = next(c["after"] for c in run["report"]["changes"] if c["target"] == "hooks.post_step")
-    assert unused == [f"gradient_accumulation_fusion: kernel_impls.matmul_add_fp32 = {kernel.split('|')[1]!r}: "
-                      "kernel never called",
-                      f"moe_expert_load_metrics: hooks.post_step = {hook!r}: hook never called"]
+    assert unused == [
+        f"gradient_accumulation_fusion: kernel_impls.matmul_add_fp32 = {kernel.split('|')[1]!r}: kernel never called",
+        f"moe_expert_load_metrics: hooks.post_step = {hook!r}: hook never called",
+    ]

@@ -29,10 +29,20 @@ from mindspeed.testing.distributed import run_distributed
 from tests.llm.training.finetune_data import make_samples, write_instruction, write_pairwise
 
 SEQ, MBS, GBS, BETA, SMOOTH = 32, 2, 4, 0.5, 0.1
-COMMON = [f"data.seq_length={SEQ}", "data.split=80,20,0", f"train.micro_batch_size={MBS}", f"train.global_batch_size={GBS}",
-          "train.lr=2e-3", "train.clip_grad=1.0", "logging.progress=false", "logging.tensorboard=false",
-          "logging.loss_curve=false"]
-ALPACA = Path(__file__).resolve().parents[3] / "packages" / "llm" / "src" / "mindspeed_llm" / "assets" / "demo_alpaca.jsonl"
+COMMON = [
+    f"data.seq_length={SEQ}",
+    "data.split=80,20,0",
+    f"train.micro_batch_size={MBS}",
+    f"train.global_batch_size={GBS}",
+    "train.lr=2e-3",
+    "train.clip_grad=1.0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.loss_curve=false",
+]
+ALPACA = (
+    Path(__file__).resolve().parents[3] / "packages" / "llm" / "src" / "mindspeed_llm" / "assets" / "demo_alpaca.jsonl"
+)
 SFT_LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": []}
 
 
@@ -47,20 +57,53 @@ def _train(root: str, *overrides: str) -> dict[str, Any]:
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out = {}
     for name, layout in SFT_LAYOUTS.items():
-        extra = ["eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported",
-                 f"checkpoint.save={root}/ckpt"] if name == "tp2" else []
+        extra = (
+            ["eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported", f"checkpoint.save={root}/ckpt"]
+            if name == "tp2"
+            else []
+        )
         out[name] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", *layout, *extra)
     lora = ["lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "lora.r=4", "lora.alpha=8"]
-    out["lora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=3", "parallel.tp=2",
-                         "train.lr=1e-2", *lora, "eval.at_end=true", "eval.iters=1", f"lora.save_peft={root}/peft",
-                         f"checkpoint.save_hf={root}/merged")
-    out["qlora"] = _train(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=2", "train.lr=1e-2",
-                          *lora, "lora.qlora=true", "eval.at_end=true", "eval.iters=1", f"lora.save_peft={root}/qpeft")
+    out["lora"] = _train(
+        root,
+        "stage=sft",
+        f"data.prefixes=[{root}/packed]",
+        "train.steps=3",
+        "parallel.tp=2",
+        "train.lr=1e-2",
+        *lora,
+        "eval.at_end=true",
+        "eval.iters=1",
+        f"lora.save_peft={root}/peft",
+        f"checkpoint.save_hf={root}/merged",
+    )
+    out["qlora"] = _train(
+        root,
+        "stage=sft",
+        f"data.prefixes=[{root}/packed]",
+        "train.steps=2",
+        "train.lr=1e-2",
+        *lora,
+        "lora.qlora=true",
+        "eval.at_end=true",
+        "eval.iters=1",
+        f"lora.save_peft={root}/qpeft",
+    )
     raw = ["stage=sft", "train.steps=2", "data.seq_length=64"]
-    out["online"] = _train(root, *raw, f"data.input={ALPACA}", "data.prompt_type=alpaca", f"data.cache_dir={root}/cache")
+    out["online"] = _train(
+        root, *raw, f"data.input={ALPACA}", "data.prompt_type=alpaca", f"data.cache_dir={root}/cache"
+    )
     out["offline"] = _train(root, *raw, f"data.prefixes=[{root}/alpaca]")
-    out["dpo"] = _train(root, "stage=dpo", f"data.prefixes=[{root}/pairs]", "train.steps=2", "parallel.tp=2",
-                        f"dpo.ref_model={root}/ref", f"dpo.beta={BETA}", f"dpo.label_smoothing={SMOOTH}")
+    out["dpo"] = _train(
+        root,
+        "stage=dpo",
+        f"data.prefixes=[{root}/pairs]",
+        "train.steps=2",
+        "parallel.tp=2",
+        f"dpo.ref_model={root}/ref",
+        f"dpo.beta={BETA}",
+        f"dpo.label_smoothing={SMOOTH}",
+    )
     return out
 
 
@@ -75,9 +118,17 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     write_pairwise(str(root / "pairs"), 40, seed=0, vocab=128)
     from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 
-    preprocess_data(PreprocessConfig(input=str(ALPACA), tokenizer_name_or_path=str(root / "hf"), output_prefix=str(root / "alpaca"),
-                                     handler_name="AlpacaStyleInstructionHandler", seq_length=64, pack=True,
-                                     prompt_type="alpaca"))
+    preprocess_data(
+        PreprocessConfig(
+            input=str(ALPACA),
+            tokenizer_name_or_path=str(root / "hf"),
+            output_prefix=str(root / "alpaca"),
+            handler_name="AlpacaStyleInstructionHandler",
+            seq_length=64,
+            pack=True,
+            prompt_type="alpaca",
+        )
+    )
     runs = run_distributed(_group, 2, str(root), timeout=600)[0]
     return {"root": root, "runs": runs}
 
@@ -147,8 +198,9 @@ def test_save_hf_exports_the_trained_model(setup: dict[str, Any]) -> None:
     from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS
 
     exported = setup["root"] / "exported"
-    model, info = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager", dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        exported, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     rows = _samples(setup["root"] / "packed", INSTRUCTION_KEYS, 1, False, GBS)
     (evaluation,) = setup["runs"]["tp2"]["evals"]
@@ -236,8 +288,16 @@ def test_training_checkpoints_convert_like_save_hf(setup: dict[str, Any]) -> Non
     from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 
     root = setup["root"]
-    convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=root / "ckpt",
-                                     save_dir=root / "converted", progress=False))
+    convert_checkpoint(
+        ConvertConfig(
+            load_model_type="mg",
+            save_model_type="hf",
+            load_dir=root / "ckpt",
+            save_dir=root / "converted",
+            progress=False,
+        )
+    )
+
     def read(d: Any) -> dict:
         return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
 

@@ -17,8 +17,9 @@ from mindspeed_llm.bridges import bridge_for_family, families_with
 WORLD_SIZE = 2
 
 
-def _rank(rank: int, world_size: int, sources: dict[str, str], tokens: torch.Tensor,
-          reference: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rank(
+    rank: int, world_size: int, sources: dict[str, str], tokens: torch.Tensor, reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -35,13 +36,17 @@ def _rank(rank: int, world_size: int, sources: dict[str, str], tokens: torch.Ten
         for family, path in sources.items():
             moe = bridge_for_family(family).capabilities.moe
             layout = ["parallel.ep=2", "model.moe_token_dispatcher_type=allgather"] if moe else ["parallel.tp=2"]
-            config = apply_load_hf(load_pretrain_config(None, [f"checkpoint.load_hf={path}", "data.seq_length=16",
-                                                               "data.mock=true", *layout]))
+            config = apply_load_hf(
+                load_pretrain_config(
+                    None, [f"checkpoint.load_hf={path}", "data.seq_length=16", "data.mock=true", *layout]
+                )
+            )
             ids = read_tokenizer(config)
             vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
             p = config.parallel
-            ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
-                                         create_gloo_process_groups=False)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep, create_gloo_process_groups=False
+            )
             model_parallel_cuda_manual_seed(1234)
             try:
                 shape = model_shape(config, ids.vocab_size)
@@ -67,8 +72,9 @@ def test_every_trainable_family_builds_transformers_logits(tiny_checkpoints) -> 
     tokens = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
     reference = {}
     for family in families:
-        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_checkpoints[family], dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         with torch.no_grad():
             reference[family] = model(tokens).logits
     sources = {family: str(tiny_checkpoints[family]) for family in families}

@@ -29,11 +29,25 @@ LAYOUTS = {
 
 
 def _overrides(data: dict[str, str], *extra: str) -> list[str]:
-    return [f"data.prefixes=[{data['a']},{data['b']}]", "data.weights=[0.6,0.4]", "data.seq_length=32",
-            "data.split=90,10,0", "model.vocab_size=128", "model.num_layers=4", "model.hidden_size=64",
-            "model.num_query_groups=2", "model.ffn_hidden_size=128", "train.micro_batch_size=2",
-            "train.global_batch_size=8", "train.lr=3e-3", "train.lr_warmup_init=1e-3", "train.lr_warmup_steps=1", "train.clip_grad=0.5",
-            "logging.progress=false", *extra]
+    return [
+        f"data.prefixes=[{data['a']},{data['b']}]",
+        "data.weights=[0.6,0.4]",
+        "data.seq_length=32",
+        "data.split=90,10,0",
+        "model.vocab_size=128",
+        "model.num_layers=4",
+        "model.hidden_size=64",
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=128",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.lr=3e-3",
+        "train.lr_warmup_init=1e-3",
+        "train.lr_warmup_steps=1",
+        "train.clip_grad=0.5",
+        "logging.progress=false",
+        *extra,
+    ]
 
 
 def _run(data: dict[str, str], *extra: str) -> list[dict[str, Any]]:
@@ -50,15 +64,19 @@ def _reference(rank: int, world_size: int, data: dict[str, str], init: str) -> l
 
 
 def _layouts(rank: int, world_size: int, data: dict[str, str], init: str) -> dict[str, list[dict[str, Any]]]:
-    return {name: _run(data, f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true", *extra)
-            for name, extra in LAYOUTS.items()}
+    return {
+        name: _run(data, f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true", *extra)
+        for name, extra in LAYOUTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     root: Path = tmp_path_factory.mktemp("layouts")
-    data = {"a": write_indexed_dataset(root / "data" / "a", 160, seed=1),
-            "b": write_indexed_dataset(root / "data" / "b", 90, seed=2)}
+    data = {
+        "a": write_indexed_dataset(root / "data" / "a", 160, seed=1),
+        "b": write_indexed_dataset(root / "data" / "b", 90, seed=2),
+    }
     init = str(root / "init")
     (reference,) = run_distributed(_reference, 1, data, init, timeout=600)
     layouts = run_distributed(_layouts, 2, data, init, timeout=900)
@@ -75,5 +93,7 @@ def test_layout_matches_single_rank(runs: tuple[list, dict], layout: str) -> Non
     assert reference[-1]["loss"] < reference[0]["loss"], "the reference did not learn: the check would be vacuous"
     for ref, run in zip(reference, got):
         assert run["lr"] == pytest.approx(ref["lr"], rel=1e-12), f"{layout} step {ref['step']}: lr"
-        assert abs(run["loss"] - ref["loss"]) < 1e-6, f"{layout} step {ref['step']}: loss {run['loss']} vs {ref['loss']}"
+        assert abs(run["loss"] - ref["loss"]) < 1e-6, (
+            f"{layout} step {ref['step']}: loss {run['loss']} vs {ref['loss']}"
+        )
         assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6), f"{layout} step {ref['step']}"

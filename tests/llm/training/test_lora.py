@@ -88,8 +88,11 @@ def _legacy_chunks(mg_dir: str, layout: ParallelLayout, shape, **overrides) -> l
 
     chunks = build_gpt_chunks(shape, layout, REFERENCE_IMPLS, **overrides)
     key = RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
-    state = torch.load(Path(mg_dir) / iteration_dir(1) / rank_dir(key, layout) / "model_optim_rng.pt",
-                       map_location="cpu", weights_only=False)
+    state = torch.load(
+        Path(mg_dir) / iteration_dir(1) / rank_dir(key, layout) / "model_optim_rng.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
     for chunk, name in zip(chunks, model_keys(len(chunks))):
         chunk.load_state_dict(state[name], strict=True)
     return chunks
@@ -142,9 +145,14 @@ def _run_tp1(paths: dict, shape, factors, tokens, cotangent) -> dict:
             evaluated = chunk(tokens, torch.arange(SEQ).unsqueeze(0), None)
             chunk.train()
             dropped = chunk(tokens, torch.arange(SEQ).unsqueeze(0), None)
-        return {"names": len(names), "trainable": _trainable_is_lora_only(chunk), "logits": logits.detach(),
-                "grads": grads, "eval_same": torch.equal(evaluated, logits.detach()),
-                "dropout_moves": (dropped - evaluated).abs().max().item()}
+        return {
+            "names": len(names),
+            "trainable": _trainable_is_lora_only(chunk),
+            "logits": logits.detach(),
+            "grads": grads,
+            "eval_same": torch.equal(evaluated, logits.detach()),
+            "dropout_moves": (dropped - evaluated).abs().max().item(),
+        }
     finally:
         destroy_layout()
 
@@ -176,8 +184,12 @@ def _run_tp2_sequence_parallel(paths: dict, shape, factors, tokens, cotangent) -
             dist_checkpointing.save({"model": gpt.sharded_state_dict()}, paths["lora_ckpt"])
         save_lora_adapter([ddp], paths["adapter_tp2"], shape, None, settings)
         export_peft([ddp], paths["peft"], shape, paths["hf"], settings)
-        return {"trainable": _trainable_is_lora_only(gpt), "ddp_params_are_lora": {id(p) for p in ddp.params_with_grad} == lora_params,
-                "logits": logits.detach(), "grads": grads}
+        return {
+            "trainable": _trainable_is_lora_only(gpt),
+            "ddp_params_are_lora": {id(p) for p in ddp.params_with_grad} == lora_params,
+            "logits": logits.detach(),
+            "grads": grads,
+        }
     finally:
         destroy_layout()
 
@@ -219,16 +231,23 @@ def _run_pp2_vpp(paths: dict, shape, factors, tokens, cotangent) -> dict:
 
             return output, loss_func
 
-        micro = [(tokens[i:i + 1], cotangent[i:i + 1]) for i in range(BATCH)]
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks],
-                                    model=chunks, num_microbatches=BATCH, seq_length=SEQ, micro_batch_size=1,
-                                    forward_only=False)
+        micro = [(tokens[i : i + 1], cotangent[i : i + 1]) for i in range(BATCH)]
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro) for _ in chunks],
+            model=chunks,
+            num_microbatches=BATCH,
+            seq_length=SEQ,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         grads = _full_tensors(chunks, shape, lambda p: p.grad)
         save_lora_adapter(chunks, paths["adapter_pp2"], shape, None, settings)
         # The TP2 dist checkpoint (base + LoRA) restores here into a model of other weights.
         fresh = lora_chunks(build_gpt_chunks(shape, layout, REFERENCE_IMPLS), seed=99)
-        loaded = dist_checkpointing.load({f"model{i}": c.sharded_state_dict() for i, c in enumerate(fresh)},
-                                         paths["lora_ckpt"])
+        loaded = dist_checkpointing.load(
+            {f"model{i}": c.sharded_state_dict() for i, c in enumerate(fresh)}, paths["lora_ckpt"]
+        )
         for i, chunk in enumerate(fresh):
             chunk.load_state_dict(loaded[f"model{i}"], strict=True)
         restored = _full_tensors(fresh, shape, lambda p: p)
@@ -244,9 +263,15 @@ def _run_pp2_vpp(paths: dict, shape, factors, tokens, cotangent) -> dict:
             base_loads &= sorted(result.missing_keys) == sorted(lora_part) and not result.unexpected_keys
         got = state_dicts(plain)
         base_loads &= all(torch.equal(a[n], b[n]) for a, b in zip(want, got) for n in a if not _FACTOR.match(n))
-        return {"trainable": all(_trainable_is_lora_only(c) for c in chunks), "logits": torch.cat(kept) if kept else None,
-                "grads": grads, "restored": restored, "restored_base": same_base, "base_loads": base_loads,
-                "last_stage": bool(kept)}
+        return {
+            "trainable": all(_trainable_is_lora_only(c) for c in chunks),
+            "logits": torch.cat(kept) if kept else None,
+            "grads": grads,
+            "restored": restored,
+            "restored_base": same_base,
+            "base_loads": base_loads,
+            "last_stage": bool(kept),
+        }
     finally:
         destroy_layout()
 
@@ -257,9 +282,11 @@ def _rank_main(rank: int, world_size: int, paths: dict, factors, tokens, cotange
     adapt("cpu")
     try:
         shape = _shape(Path(paths["hf"]))
-        out = {"tp1": _run_tp1(paths, shape, factors, tokens, cotangent),
-               "tp2": _run_tp2_sequence_parallel(paths, shape, factors, tokens, cotangent),
-               "pp2": _run_pp2_vpp(paths, shape, factors, tokens, cotangent)}
+        out = {
+            "tp1": _run_tp1(paths, shape, factors, tokens, cotangent),
+            "tp2": _run_tp2_sequence_parallel(paths, shape, factors, tokens, cotangent),
+            "pp2": _run_pp2_vpp(paths, shape, factors, tokens, cotangent),
+        }
     finally:
         unadapt()
     # Tensors through the result queue would travel as shared-memory handles that die with the rank.
@@ -288,8 +315,11 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     save_tiny_checkpoint("qwen25", hf)
     shape = _shape(hf)
     paths = {"hf": str(hf)}
-    for label, options in (("mg_tp1", {}), ("mg_tp2", {"target_tensor_parallel_size": 2}),
-                           ("mg_pp2", {"target_pipeline_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1})):
+    for label, options in (
+        ("mg_tp1", {}),
+        ("mg_tp2", {"target_tensor_parallel_size": 2}),
+        ("mg_pp2", {"target_pipeline_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}),
+    ):
         paths[label] = str(tmp_path / label)
         convert_checkpoint(ConvertConfig(load_dir=hf, save_dir=tmp_path / label, progress=False, **options))
     for label in ("base_ckpt", "lora_ckpt"):
@@ -300,9 +330,17 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     factors = _reference_factors(shape)
     # The reference adapter, written and exported by the checkpoint converter.
     write_lora_checkpoint(tmp_path / "ref_lora", shape, ParallelLayout(), factors, R, ALPHA)
-    convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=tmp_path / "mg_tp1",
-                                     save_dir=tmp_path / "ref_peft", lora_load=tmp_path / "ref_lora",
-                                     save_lora_to_hf=True, progress=False))
+    convert_checkpoint(
+        ConvertConfig(
+            load_model_type="mg",
+            save_model_type="hf",
+            load_dir=tmp_path / "mg_tp1",
+            save_dir=tmp_path / "ref_peft",
+            lora_load=tmp_path / "ref_lora",
+            save_lora_to_hf=True,
+            progress=False,
+        )
+    )
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     cotangent = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
@@ -311,8 +349,10 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     _loss(peft_logits, cotangent).backward()
     peft_grads = dict(peft_model.named_parameters())
 
-    ranks = [torch.load(io.BytesIO(raw), weights_only=False)
-             for raw in run_distributed(_rank_main, 2, paths, factors, tokens, cotangent, timeout=300)]
+    ranks = [
+        torch.load(io.BytesIO(raw), weights_only=False)
+        for raw in run_distributed(_rank_main, 2, paths, factors, tokens, cotangent, timeout=300)
+    ]
 
     tp1, tp2, pp2 = ranks[0]["tp1"], ranks[0]["tp2"], next(r["pp2"] for r in ranks if r["pp2"]["last_stage"])
     assert tp1["names"] == 16 and all(r[k]["trainable"] for r in ranks for k in ("tp1", "tp2", "pp2"))
@@ -341,12 +381,22 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
     # converter's own export of the same factors and loads onto the transformers model.
     for label in ("adapter_tp2", "adapter_pp2"):
         merged = tmp_path / f"merged_{label}"
-        convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=tmp_path / "mg_tp2",
-                                         save_dir=merged, lora_load=Path(paths[label]), progress=False))
+        convert_checkpoint(
+            ConvertConfig(
+                load_model_type="mg",
+                save_model_type="hf",
+                load_dir=tmp_path / "mg_tp2",
+                save_dir=merged,
+                lora_load=Path(paths[label]),
+                progress=False,
+            )
+        )
         _, logits = _hf_logits(merged, tokens)
         assert _close(logits, peft_logits) < 1e-5, label
-    exported, reference = load_file(Path(paths["peft"]) / "adapter_model.safetensors"), load_file(
-        tmp_path / "ref_peft" / "adapter_model.safetensors")
+    exported, reference = (
+        load_file(Path(paths["peft"]) / "adapter_model.safetensors"),
+        load_file(tmp_path / "ref_peft" / "adapter_model.safetensors"),
+    )
     assert sorted(exported) == sorted(reference) and all(torch.equal(exported[k], reference[k]) for k in reference)
     _, logits = _hf_logits(hf, tokens, Path(paths["peft"]))
     assert _close(logits, tp1["logits"][..., :VOCAB]) < 1e-5
@@ -355,7 +405,9 @@ def test_lora_layouts_peft_and_adapters(tmp_path) -> None:
 
 def test_bad_settings_are_clear_errors() -> None:
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="q_proj.*known megatron module names: linear_qkv, linear_proj, linear_fc1, linear_fc2"):
+    with pytest.raises(
+        ValueError, match="q_proj.*known megatron module names: linear_qkv, linear_proj, linear_fc1, linear_fc2"
+    ):
         apply_lora(model, LoraSettings(target_modules=("q_proj",)))
     with pytest.raises(ValueError, match="lora_r must be an integer >= 1"):
         apply_lora(model, LoraSettings(r=0))

@@ -27,19 +27,43 @@ from mindspeed_llm.training.metrics import read_metrics
 from tests.llm.training.datasets import write_indexed_dataset
 
 TIMING = {"step_time_s", "tokens_per_s", "mfu"}
-REUSE = ["features.settings.reuse_fp32_param.enabled=true",
-         "features.settings.recompute_activation_function.enabled=true",
-         "features.settings.recompute_norm.enabled=true"]
-SWAP = ["features.settings.swap_optimizer.enabled=true", "features.settings.swap_optimizer.swap_optimizer_times=4",
-        "features.settings.swap_attention.enabled=true"]
+REUSE = [
+    "features.settings.reuse_fp32_param.enabled=true",
+    "features.settings.recompute_activation_function.enabled=true",
+    "features.settings.recompute_norm.enabled=true",
+]
+SWAP = [
+    "features.settings.swap_optimizer.enabled=true",
+    "features.settings.swap_optimizer.swap_optimizer_times=4",
+    "features.settings.swap_attention.enabled=true",
+]
 
 
 def _command(prefix: str, out: Path, steps: int, features: list[str]) -> list[str]:
     # The default log level: the run log (report.txt) lists the features that were on.
-    return [str(Path(sys.executable).parent / "mindspeed-llm"), "pretrain", "--nproc-per-node", "2", f"data.prefixes=[{prefix}]", "data.seq_length=32", "data.split=100,0,0", "model.vocab_size=128",
-            "model.num_layers=2", "model.num_query_groups=2", f"train.steps={steps}", "train.micro_batch_size=2",
-            "train.global_batch_size=8", "train.lr=3e-3", "train.lr_decay_steps=4", "train.precision=bf16", "parallel.distributed_optimizer=true",
-            f"checkpoint.save={out}", "checkpoint.interval=2", "logging.progress=false", *features]
+    return [
+        str(Path(sys.executable).parent / "mindspeed-llm"),
+        "pretrain",
+        "--nproc-per-node",
+        "2",
+        f"data.prefixes=[{prefix}]",
+        "data.seq_length=32",
+        "data.split=100,0,0",
+        "model.vocab_size=128",
+        "model.num_layers=2",
+        "model.num_query_groups=2",
+        f"train.steps={steps}",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.lr=3e-3",
+        "train.lr_decay_steps=4",
+        "train.precision=bf16",
+        "parallel.distributed_optimizer=true",
+        f"checkpoint.save={out}",
+        "checkpoint.interval=2",
+        "logging.progress=false",
+        *features,
+    ]
 
 
 def _numerics(records: list[dict]) -> list[dict]:
@@ -54,11 +78,15 @@ def test_memory_features_train_and_resume_like_the_run_without_them(tmp_path: Pa
     plain, featured = tmp_path / "plain", tmp_path / "featured"
     reports = []
     for out, steps, features in ((plain, 4, []), (featured, 2, REUSE), (featured, 4, SWAP)):
-        done = subprocess.run(_command(prefix, out, steps, features), env=env, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(
+            _command(prefix, out, steps, features), env=env, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         reports.append(next(out.rglob("report.txt")).read_text())
-    expected, got = _numerics(read_metrics(plain / "metrics.jsonl")), _numerics(read_metrics(featured / "metrics.jsonl"))
+    expected, got = (
+        _numerics(read_metrics(plain / "metrics.jsonl")),
+        _numerics(read_metrics(featured / "metrics.jsonl")),
+    )
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     assert got == expected
     assert expected[-1]["loss"] < expected[0]["loss"]

@@ -24,12 +24,13 @@ from tests.llm.training.datasets import write_indexed_dataset
 PEAK_TFLOPS = 0.5
 
 
-def _training_flops_per_token(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int,
-                              seq: int) -> int:
+def _training_flops_per_token(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int) -> int:
     """Megatron's count, written out: 3 x forward (backward = 2 x forward); per layer the QKV and
     output projections, scores and values (4 s h), the gated MLP (three h x ffn matmuls); then the logits."""
     head_dim = hidden // heads
-    layer = 2 * hidden * (hidden + 2 * groups * head_dim) + 2 * hidden * hidden + 4 * seq * hidden + 3 * 2 * hidden * ffn
+    layer = (
+        2 * hidden * (hidden + 2 * groups * head_dim) + 2 * hidden * hidden + 4 * seq * hidden + 3 * 2 * hidden * ffn
+    )
     return 3 * (layers * layer + 2 * hidden * vocab)
 
 
@@ -46,12 +47,24 @@ def _runs(rank: int, world_size: int, prefix: str, out: str) -> dict[str, Any]:
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 
-    common = [f"data.prefixes=[{prefix}]", "data.seq_length=16", "data.split=1", "model.vocab_size=128",
-              "train.steps=6", "train.micro_batch_size=2", "train.global_batch_size=4", "train.lr=1e-3",
-              "train.lr_decay_style=linear", "logging.progress=false", f"logging.peak_tflops={PEAK_TFLOPS}"]
+    common = [
+        f"data.prefixes=[{prefix}]",
+        "data.seq_length=16",
+        "data.split=1",
+        "model.vocab_size=128",
+        "train.steps=6",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.lr=1e-3",
+        "train.lr_decay_style=linear",
+        "logging.progress=false",
+        f"logging.peak_tflops={PEAK_TFLOPS}",
+    ]
     once = pretrain(load_pretrain_config(None, [*common, f"logging.dir={out}/once"]), TrainerHooks(_NanAt({3})))
-    stuck = pretrain(load_pretrain_config(None, [*common, f"logging.dir={out}/stuck", "train.max_nonfinite_steps=2"]),
-                     TrainerHooks(_NanAt(from_step=2)))
+    stuck = pretrain(
+        load_pretrain_config(None, [*common, f"logging.dir={out}/stuck", "train.max_nonfinite_steps=2"]),
+        TrainerHooks(_NanAt(from_step=2)),
+    )
     return {"once": (once.records, once.stopped, once.state), "stuck": (stuck.records, stuck.stopped, stuck.state)}
 
 

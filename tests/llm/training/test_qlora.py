@@ -56,8 +56,11 @@ def _pair(mg_dir: str, layout: ParallelLayout, shape, factors, settings: LoraSet
     from mindspeed_llm.training.qlora import NF4Linear, apply_qlora
 
     key = RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), 0)
-    state = torch.load(Path(mg_dir) / iteration_dir(1) / rank_dir(key, layout) / "model_optim_rng.pt",
-                       map_location="cpu", weights_only=False)["model"]
+    state = torch.load(
+        Path(mg_dir) / iteration_dir(1) / rank_dir(key, layout) / "model_optim_rng.pt",
+        map_location="cpu",
+        weights_only=False,
+    )["model"]
     models = []
     for qlora in (True, False):
         model = build_gpt_chunks(shape, layout, REFERENCE_IMPLS, **overrides)[0]
@@ -100,23 +103,32 @@ def _run_tp1(paths, shape, factors, tokens, cotangent) -> dict:
 
     init_layout(ParallelLayout(), shape)
     try:
-        quantized, plain, errors = _pair(paths["mg_tp1"], ParallelLayout(), shape, factors, LoraSettings(r=R, alpha=ALPHA))
-        out = {"within_bound": all(errors) and len(errors) == 16,
-               "fp32_equal": _equal(_forward_backward(quantized, tokens, cotangent),
-                                    _forward_backward(plain, tokens, cotangent))}
+        quantized, plain, errors = _pair(
+            paths["mg_tp1"], ParallelLayout(), shape, factors, LoraSettings(r=R, alpha=ALPHA)
+        )
+        out = {
+            "within_bound": all(errors) and len(errors) == 16,
+            "fp32_equal": _equal(
+                _forward_backward(quantized, tokens, cotangent), _forward_backward(plain, tokens, cotangent)
+            ),
+        }
         nf4 = [m for m in quantized.modules() if isinstance(m, NF4Linear)]
         bf16_bytes = sum(2 * torch.Size(m.nf4_shape).numel() for m in nf4)
         out["ratio"] = quantized_bytes(quantized) / bf16_bytes
         keys = quantized.state_dict().keys()
-        out["no_base_keys"] = not any(k.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS)) or "nf4_" in k for k in keys)
+        out["no_base_keys"] = not any(
+            k.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS)) or "nf4_" in k for k in keys
+        )
         out["lora_sharded"] = sum(".lora_" in k for k in quantized.sharded_state_dict()) == 32
         # Float16Module casts with .bfloat16(): the NF4 state keeps its dtypes and values.
         before = {n: b.clone() for n, b in nf4[0].named_buffers(recurse=False) if n in NF4_BUFFERS}
         quantized.bfloat16()
         plain.bfloat16()
         out["state_kept"] = all(torch.equal(before[n], getattr(nf4[0], n)) for n in before)
-        static = {label: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-                  for label, m in (("qlora", quantized), ("lora", plain))}
+        static = {
+            label: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+            for label, m in (("qlora", quantized), ("lora", plain))
+        }
         peaks = {}
         for label, model in (("qlora", quantized), ("lora", plain)):
             with measure_peak_memory("dispatch") as peak:
@@ -144,11 +156,15 @@ def _run_tp2(paths, shape, factors, tokens, cotangent) -> dict:
     layout = ParallelLayout(tp=2)
     init_layout(layout, shape)
     try:
-        quantized, plain, errors = _pair(paths["mg_tp2"], layout, shape, factors, LoraSettings(r=R, alpha=ALPHA),
-                                         sequence_parallel=True)
-        return {"within_bound": all(errors) and len(errors) == 16,
-                "equal": _equal(_forward_backward(quantized, tokens, cotangent),
-                                _forward_backward(plain, tokens, cotangent))}
+        quantized, plain, errors = _pair(
+            paths["mg_tp2"], layout, shape, factors, LoraSettings(r=R, alpha=ALPHA), sequence_parallel=True
+        )
+        return {
+            "within_bound": all(errors) and len(errors) == 16,
+            "equal": _equal(
+                _forward_backward(quantized, tokens, cotangent), _forward_backward(plain, tokens, cotangent)
+            ),
+        }
     finally:
         destroy_layout()
 
@@ -159,8 +175,10 @@ def _rank_main(rank: int, world_size: int, paths: dict, factors, tokens, cotange
     adapt("cpu")
     try:
         shape = _shape(Path(paths["hf"]))
-        out = {"tp1": _run_tp1(paths, shape, factors, tokens, cotangent),
-               "tp2": _run_tp2(paths, shape, factors, tokens, cotangent)}
+        out = {
+            "tp1": _run_tp1(paths, shape, factors, tokens, cotangent),
+            "tp2": _run_tp2(paths, shape, factors, tokens, cotangent),
+        }
     finally:
         unadapt()
     buffer = io.BytesIO()  # tensors through the result queue would be shared-memory handles
@@ -176,17 +194,22 @@ def test_qlora_equals_lora_over_dequantised_weights(tmp_path) -> None:
     paths = {"hf": str(hf)}
     for label, tp in (("mg_tp1", 1), ("mg_tp2", 2)):
         paths[label] = str(tmp_path / label)
-        convert_checkpoint(ConvertConfig(load_dir=hf, save_dir=tmp_path / label, target_tensor_parallel_size=tp,
-                                         progress=False))
+        convert_checkpoint(
+            ConvertConfig(load_dir=hf, save_dir=tmp_path / label, target_tensor_parallel_size=tp, progress=False)
+        )
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     cotangent = torch.randn(BATCH, SEQ, VOCAB, generator=gen)
-    ranks = [torch.load(io.BytesIO(raw), weights_only=False)
-             for raw in run_distributed(_rank_main, 2, paths, _factors(shape), tokens, cotangent, timeout=300)]
+    ranks = [
+        torch.load(io.BytesIO(raw), weights_only=False)
+        for raw in run_distributed(_rank_main, 2, paths, _factors(shape), tokens, cotangent, timeout=300)
+    ]
     for result in ranks:
         tp1, tp2 = result["tp1"], result["tp2"]
         assert tp1["within_bound"] and tp2["within_bound"], "dequantised weights outside the NF4 error bound"
-        assert tp1["fp32_equal"] and tp1["bf16_equal"] and tp2["equal"], "QLoRA differs from LoRA over the dequantised weights"
+        assert tp1["fp32_equal"] and tp1["bf16_equal"] and tp2["equal"], (
+            "QLoRA differs from LoRA over the dequantised weights"
+        )
         assert 0.25 <= tp1["ratio"] <= 0.27, tp1["ratio"]
         assert tp1["no_base_keys"] and tp1["lora_sharded"] and tp1["state_kept"]
         assert tp1["all_linears"] and tp1["all_linears_count"] == 4 * shape.num_layers
@@ -195,7 +218,9 @@ def test_qlora_equals_lora_over_dequantised_weights(tmp_path) -> None:
         # output) and keeps none for the backward, where saving them would cost 2 bytes per value
         # of every weight.
         static, peak = tp1["static"], tp1["peak"]
-        print(f"\nQLoRA bf16 static {static}, forward+backward peak {peak}, quantised weights {tp1['bf16_bytes']} "
-              f"bf16 bytes, ratio {tp1['ratio']:.4f}")
+        print(
+            f"\nQLoRA bf16 static {static}, forward+backward peak {peak}, quantised weights {tp1['bf16_bytes']} "
+            f"bf16 bytes, ratio {tp1['ratio']:.4f}"
+        )
         assert static["lora"] - static["qlora"] >= 0.7 * tp1["bf16_bytes"], static
         assert peak["qlora"] - peak["lora"] <= 9 * tp1["largest"] < tp1["bf16_bytes"], (peak, tp1["largest"])

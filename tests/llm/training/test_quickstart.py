@@ -38,8 +38,15 @@ def _quickstart(out: Path, *args: str) -> tuple[list[str], int]:
 
 #: What the console leaves to report.txt (and --verbose): the patch list, the features table and
 #: its changes, kernel choices, other libraries' warnings.
-DETAIL = ("  - cuda-api:current_device", "features at optimization level 2 on cpu: 5 enabled", "[feature] ",
-          "mindspeed.ops.registry: kernel ", "py.warnings", "Warning:", "torch.utils.cpp_extension")
+DETAIL = (
+    "  - cuda-api:current_device",
+    "features at optimization level 2 on cpu: 5 enabled",
+    "[feature] ",
+    "mindspeed.ops.registry: kernel ",
+    "py.warnings",
+    "Warning:",
+    "torch.utils.cpp_extension",
+)
 
 
 @pytest.mark.slow
@@ -47,8 +54,15 @@ def test_quickstart_trains_on_the_demo_corpus_and_the_loss_falls(tmp_path: Path)
     """Also: the console is the loss lines (the detail is in report.txt), and a second run says what it did
     with train.steps: below the saved step nothing is trained (one line, exit 0); above, the run goes on."""
     out = tmp_path / "qs"
-    console, _ = _quickstart(out, "train.steps=30", "train.lr_warmup_steps=5", "eval.interval=15",
-                             "checkpoint.interval=null", "logging.progress=false", "logging.interval=10")
+    console, _ = _quickstart(
+        out,
+        "train.steps=30",
+        "train.lr_warmup_steps=5",
+        "eval.interval=15",
+        "checkpoint.interval=null",
+        "logging.progress=false",
+        "logging.interval=10",
+    )
     records = read_metrics(out / "metrics.jsonl")
     train = [r["loss"] for r in records if r["kind"] == "train"]
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
@@ -76,12 +90,16 @@ def test_quickstart_trains_on_the_demo_corpus_and_the_loss_falls(tmp_path: Path)
 
     # Again with fewer steps: nothing is trained, and the line says so (the README's quickstart train.steps=100).
     console, _ = _quickstart(out, "train.steps=20", "train.lr_warmup_steps=5")
-    assert any(f"{out / 'checkpoints'} already holds step 30, at or past train.steps=20: nothing to train" in line
-               for line in console), console
+    assert any(
+        f"{out / 'checkpoints'} already holds step 30, at or past train.steps=20: nothing to train" in line
+        for line in console
+    ), console
     assert len(read_metrics(out / "metrics.jsonl")) == len(records)
     # More steps: the run resumes and goes on; --verbose (anywhere on the line) shows the detail.
     console, _ = _quickstart(out, "train.steps=32", "train.lr_warmup_steps=5", "logging.interval=1", "--verbose")
-    assert any(f"resumed the run in {out / 'checkpoints'} at step 30 and trained on to train.steps=32" in line
-               for line in console), console
+    assert any(
+        f"resumed the run in {out / 'checkpoints'} at step 30 and trained on to train.steps=32" in line
+        for line in console
+    ), console
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"][-3:] == [30, 31, 32]
     assert all(any(d in line for line in console) for d in DETAIL[:4])

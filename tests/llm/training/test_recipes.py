@@ -35,7 +35,9 @@ def _make_data(stage: str, prefixes: list[str]) -> None:
         if stage == "pretrain":
             names = [prefix]
         else:
-            names = [f"{prefix}_packed_{key}_document" for key in (PAIRWISE_KEYS if stage == "dpo" else INSTRUCTION_KEYS)]
+            names = [
+                f"{prefix}_packed_{key}_document" for key in (PAIRWISE_KEYS if stage == "dpo" else INSTRUCTION_KEYS)
+            ]
         for name in names:
             for suffix in (".bin", ".idx"):
                 Path(name + suffix).parent.mkdir(parents=True, exist_ok=True)
@@ -43,8 +45,9 @@ def _make_data(stage: str, prefixes: list[str]) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_recipe_passes_the_checks_of_its_command(path: Path, hf_dir: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recipe_passes_the_checks_of_its_command(
+    path: Path, hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     commands = set(re.findall(r"mindspeed-llm (pretrain|sft|dpo) --config (\S+)", path.read_text()))
     assert commands, f"{path.name} does not say which command runs it"
     monkeypatch.chdir(tmp_path)

@@ -36,12 +36,33 @@ TIMING = {"step_time_s", "tokens_per_s", "mfu"}
 
 
 def _command(prefix: str, out: Path) -> list[str]:
-    return [str(Path(sys.executable).parent / "mindspeed-llm"), "--log-level", "WARNING", "pretrain", "--nproc-per-node", "2",
-            f"data.prefixes=[{prefix}]", "data.seq_length=32", "data.split=90,10,0", "model.vocab_size=128",
-            "model.num_layers=2", "model.num_query_groups=2", "train.steps=6", "train.micro_batch_size=2",
-            "train.global_batch_size=8", "train.lr=3e-3", "train.lr_warmup_steps=2", "train.lr_warmup_init=1e-3",
-            "parallel.distributed_optimizer=true", "eval.interval=3", "eval.iters=1", f"checkpoint.save={out}",
-            "checkpoint.interval=3", "checkpoint.keep_last=1", "logging.progress=false"]
+    return [
+        str(Path(sys.executable).parent / "mindspeed-llm"),
+        "--log-level",
+        "WARNING",
+        "pretrain",
+        "--nproc-per-node",
+        "2",
+        f"data.prefixes=[{prefix}]",
+        "data.seq_length=32",
+        "data.split=90,10,0",
+        "model.vocab_size=128",
+        "model.num_layers=2",
+        "model.num_query_groups=2",
+        "train.steps=6",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.lr=3e-3",
+        "train.lr_warmup_steps=2",
+        "train.lr_warmup_init=1e-3",
+        "parallel.distributed_optimizer=true",
+        "eval.interval=3",
+        "eval.iters=1",
+        f"checkpoint.save={out}",
+        "checkpoint.interval=3",
+        "checkpoint.keep_last=1",
+        "logging.progress=false",
+    ]
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -71,8 +92,9 @@ def test_kill_during_save_then_resume_is_bit_identical(tmp_path: Path) -> None:
 
     marker = f"MINDSPEED_RESUME_TEST={uuid.uuid4().hex}"
     key, value = marker.split("=")
-    killed = subprocess.Popen(_command(prefix, resumed), env={**env, key: value}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        _command(prefix, resumed), env={**env, key: value}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     saving = resumed / "iter_0000006.tmp"
     deadline = time.monotonic() + 600
     while not saving.exists() and killed.poll() is None and time.monotonic() < deadline:
@@ -93,8 +115,16 @@ def test_kill_during_save_then_resume_is_bit_identical(tmp_path: Path) -> None:
     done = subprocess.run(_command(prefix, resumed), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     expected, got = read_metrics(uninterrupted / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
-    assert [(r["kind"], r["step"]) for r in expected] == [("train", 1), ("train", 2), ("train", 3), ("eval", 3),
-                                                          ("train", 4), ("train", 5), ("train", 6), ("eval", 6)]
+    assert [(r["kind"], r["step"]) for r in expected] == [
+        ("train", 1),
+        ("train", 2),
+        ("train", 3),
+        ("eval", 3),
+        ("train", 4),
+        ("train", 5),
+        ("train", 6),
+        ("eval", 6),
+    ]
     assert _numerics(got) == _numerics(expected)
     assert expected[0]["lr"] != expected[2]["lr"] and expected[-2]["loss"] < expected[0]["loss"]
     assert [p.name for p in list_checkpoints(resumed)] == ["iter_0000006"]

@@ -23,7 +23,7 @@ def _rewards() -> torch.Tensor:
 def _reference(rewards: list[float], name: str, eps: float = 1e-6) -> list[float]:
     out = []
     for start in range(0, len(rewards), GROUP):
-        group = rewards[start:start + GROUP]
+        group = rewards[start : start + GROUP]
         mean = sum(group) / GROUP
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (GROUP - 1))
         for i, r in enumerate(group):

@@ -65,8 +65,9 @@ def _token_terms(b, eps_low, eps_high, beta, c=None, tis=None, seq_ratio=False):
 
 
 def _inputs(b, **extra) -> PolicyLossInputs:
-    return PolicyLossInputs(logp=b["logp"], old_logp=b["old"], advantages=b["adv"], mask=b["mask"],
-                            ref_logp=b["ref"], **extra)
+    return PolicyLossInputs(
+        logp=b["logp"], old_logp=b["old"], advantages=b["adv"], mask=b["mask"], ref_logp=b["ref"], **extra
+    )
 
 
 def test_grpo_loss_equals_trl_grpo_formula() -> None:
@@ -93,9 +94,11 @@ def test_dapo_loss_equals_paper_formula() -> None:
 def test_other_aggregations(mode: str) -> None:
     b = _batch(2)
     rows, _ = _token_terms(b, 0.2, 0.2, beta=0.001)
-    expected = {"seq-mean-token-sum": sum(map(sum, rows)) / B,
-                "seq-mean-token-sum-norm": sum(map(sum, rows)) / (B * T),  # TRL dr_grpo
-                "token-mean": sum(map(sum, rows)) / sum(LENGTHS)}[mode]
+    expected = {
+        "seq-mean-token-sum": sum(map(sum, rows)) / B,
+        "seq-mean-token-sum-norm": sum(map(sum, rows)) / (B * T),  # TRL dr_grpo
+        "token-mean": sum(map(sum, rows)) / sum(LENGTHS),
+    }[mode]
     out = compute_policy_loss("ppo_clip", _inputs(b), policy_loss_config("ppo_clip", loss_agg_mode=mode))
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
 
@@ -111,8 +114,9 @@ def test_dual_clip_tis_and_sequence_ratio() -> None:
         config = policy_loss_config("ppo_clip", kl_coef=0.0, **kwargs)
         out = compute_policy_loss("ppo_clip", _inputs(b, rollout_logp=b["rollout"]), config)
         assert out.loss.item() == pytest.approx(sum(map(sum, rows)) / sum(LENGTHS), rel=1e-12), kwargs
-    tis = compute_policy_loss("ppo_clip", _inputs(b, rollout_logp=b["rollout"]),
-                              policy_loss_config("ppo_clip", tis_cap=1.2)).metrics
+    tis = compute_policy_loss(
+        "ppo_clip", _inputs(b, rollout_logp=b["rollout"]), policy_loss_config("ppo_clip", tis_cap=1.2)
+    ).metrics
     weights = [min(math.exp(b["old"][i, t] - b["rollout"][i, t]), 1.2) for i in range(B) for t in range(LENGTHS[i])]
     assert tis["tis_weight_mean"].item() == pytest.approx(sum(weights) / len(weights))
     assert 0 < tis["tis_clipfrac"].item() < 1
@@ -156,13 +160,16 @@ def test_gradients_match_finite_differences() -> None:
     mask, adv, old, ref = b["mask"][:3, :4], b["adv"][:3], b["old"][:3, :4], b["ref"][:3, :4]
     logits = b["logits"][:3, :4].clone().requires_grad_(True)
     labels = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1], [2, 2, 3, 3]])
-    for name, settings in [("ppo_clip", dict(kl_coef=0.1, loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01)),
-                           ("dapo", dict(clip_ratio_c=2.0))]:
+    for name, settings in [
+        ("ppo_clip", dict(kl_coef=0.1, loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01)),
+        ("dapo", dict(clip_ratio_c=2.0)),
+    ]:
         config = policy_loss_config(name, **settings)
 
         def loss_of(z: torch.Tensor) -> torch.Tensor:
-            inputs = PolicyLossInputs(logp=logprobs_from_logits(z, labels), old_logp=old, advantages=adv, mask=mask,
-                                      ref_logp=ref, logits=z)
+            inputs = PolicyLossInputs(
+                logp=logprobs_from_logits(z, labels), old_logp=old, advantages=adv, mask=mask, ref_logp=ref, logits=z
+            )
             return compute_policy_loss(name, inputs, config).loss
 
         # fast_mode: finite differences along random directions (the full Jacobian takes ~15 s on 2 cores).
@@ -176,8 +183,11 @@ def test_gradient_closed_form_single_tokens() -> None:
     logp = torch.tensor([[0.1, 0.5]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-0.2, 0.3]], dtype=torch.float64)
     beta = 0.5
-    out = compute_policy_loss("ppo_clip", PolicyLossInputs(logp, old, torch.ones(1), torch.ones(1, 2), ref_logp=ref),
-                              policy_loss_config("ppo_clip", kl_coef=beta))
+    out = compute_policy_loss(
+        "ppo_clip",
+        PolicyLossInputs(logp, old, torch.ones(1), torch.ones(1, 2), ref_logp=ref),
+        policy_loss_config("ppo_clip", kl_coef=beta),
+    )
     out.loss.backward()
     expected = [(-math.exp(0.1) + beta * (1 - math.exp(-0.3))) / 2, (beta * (1 - math.exp(-0.2))) / 2]
     torch.testing.assert_close(logp.grad, torch.tensor([expected], dtype=torch.float64))
@@ -211,8 +221,9 @@ def test_micro_batches_add_up_to_the_global_loss() -> None:
 def test_helpers_and_errors() -> None:
     logits = torch.randn(2, 3, 5, dtype=torch.float64)
     labels = torch.tensor([[0, 4, 2], [1, 1, 3]])
-    torch.testing.assert_close(logprobs_from_logits(logits, labels),
-                               torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0])
+    torch.testing.assert_close(
+        logprobs_from_logits(logits, labels), torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    )
     p = torch.softmax(logits, -1)
     torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
     b = _batch()

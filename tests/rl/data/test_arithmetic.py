@@ -16,11 +16,13 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 def _python_value(expression: str) -> int:
     """The expression's value by Python's own parser (an independent evaluator)."""
+
     def walk(node: ast.AST) -> int:
         if isinstance(node, ast.BinOp):
             return _OPS[type(node.op)](walk(node.left), walk(node.right))
         assert isinstance(node, ast.Constant)
         return node.value
+
     return walk(ast.parse(expression, mode="eval").body)
 
 
@@ -48,12 +50,15 @@ def test_verifier_accepts_every_reference_and_rejects_wrong_answers() -> None:
 
 
 def test_knobs_and_determinism() -> None:
-    records = generate_arithmetic(200, seed=3, min_operand=5, max_operand=9, operators=("*", "-"), num_operands=3,
-                                  negative_results=True)
-    assert records == generate_arithmetic(200, seed=3, min_operand=5, max_operand=9, operators=("*", "-"),
-                                          num_operands=3, negative_results=True)
-    assert records != generate_arithmetic(200, seed=4, min_operand=5, max_operand=9, operators=("*", "-"),
-                                          num_operands=3, negative_results=True)
+    records = generate_arithmetic(
+        200, seed=3, min_operand=5, max_operand=9, operators=("*", "-"), num_operands=3, negative_results=True
+    )
+    assert records == generate_arithmetic(
+        200, seed=3, min_operand=5, max_operand=9, operators=("*", "-"), num_operands=3, negative_results=True
+    )
+    assert records != generate_arithmetic(
+        200, seed=4, min_operand=5, max_operand=9, operators=("*", "-"), num_operands=3, negative_results=True
+    )
     assert len({r["question"] for r in records}) == 200
     values = []
     for r in records:

@@ -13,8 +13,26 @@ from mindspeed_rl.rewards import MathVerifier
 
 def test_make_data_writes_train_and_held_out_split(tmp_path, capsys) -> None:
     train, test = tmp_path / "train.jsonl", tmp_path / "sub" / "test.jsonl"
-    argv = ["make-data", "--output", str(train), "--num", "30", "--test-output", str(test), "--test-num", "10",
-            "--operators", "*", "+", "--max-operand", "12", "--num-operands", "3", "--seed", "5"]
+    argv = [
+        "make-data",
+        "--output",
+        str(train),
+        "--num",
+        "30",
+        "--test-output",
+        str(test),
+        "--test-num",
+        "10",
+        "--operators",
+        "*",
+        "+",
+        "--max-operand",
+        "12",
+        "--num-operands",
+        "3",
+        "--seed",
+        "5",
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines() == [f"wrote 30 records to {train}", f"wrote 10 records to {test}"]
     expected = generate_arithmetic(40, seed=5, max_operand=12, operators=("*", "+"), num_operands=3)
@@ -37,7 +55,10 @@ def test_bad_knobs_exit_2(tmp_path, capsys) -> None:
 
 def test_python_dash_m_sees_the_subcommand(tmp_path) -> None:
     out = tmp_path / "m.jsonl"
-    run = subprocess.run([sys.executable, "-m", "mindspeed_rl.cli", "make-data", "--output", str(out), "--num", "3"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "mindspeed_rl.cli", "make-data", "--output", str(out), "--num", "3"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert len(out.read_text().splitlines()) == 3

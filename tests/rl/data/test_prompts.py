@@ -20,7 +20,10 @@ def test_jsonl_json_parquet_and_map_keys(tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"problem": "1+1?", "solution": "#### 2", "level": 1}, {"problem": "2+2?", "solution": "#### 4", "level": 2}]
+    rows = [
+        {"problem": "1+1?", "solution": "#### 2", "level": 1},
+        {"problem": "2+2?", "solution": "#### 4", "level": 2},
+    ]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "a.json").write_text(json.dumps(rows))
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
@@ -29,7 +32,9 @@ def test_jsonl_json_parquet_and_map_keys(tmp_path) -> None:
         assert read_records(tmp_path / f"a.{suffix}") == rows
         records = load_prompts(tmp_path / f"a.{suffix}", map_keys=keys)
         assert [(r.prompt, r.reference, r.index, r.extra) for r in records] == [
-            ("1+1?", "#### 2", 0, {"level": 1}), ("2+2?", "#### 4", 1, {"level": 2})]
+            ("1+1?", "#### 2", 0, {"level": 1}),
+            ("2+2?", "#### 4", 1, {"level": 2}),
+        ]
     no_reference = load_prompts(tmp_path / "a.jsonl", map_keys={"prompt": "problem", "reference": "nothing"})
     assert [r.reference for r in no_reference] == [None, None]
     demo = load_prompts("demo", limit=3)
@@ -58,8 +63,10 @@ def test_bad_files_name_the_problem(tmp_path) -> None:
 def test_chat_and_plain_formats(tokenizer) -> None:
     chat = PromptFormat(style="chat", instruction=" Answer after ####.", system="Be brief.")
     text = chat.render("What is 2 + 3?", tokenizer)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3? Answer after ####."
-                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3? Answer after ####."
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     plain = PromptFormat(style="plain", template="Q: {prompt}\nA:")
     assert plain.render("What is 2 + 3?") == "Q: What is 2 + 3?\nA:"
     with pytest.raises(ValueError, match="set data.prompt_format=plain"):

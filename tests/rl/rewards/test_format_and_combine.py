@@ -8,21 +8,24 @@ import torch
 from mindspeed_rl.rewards import VERIFIERS, FormatVerifier, RewardFunction, build_reward, build_verifier, score_batch
 
 
-@pytest.mark.parametrize("preset, response, ok", [
-    ("boxed", r"so \boxed{4}", True),
-    ("boxed", "so 4", False),
-    ("gsm8k", "2 + 2 = 4\n#### 4", True),
-    ("gsm8k", "#### 4\nthen more text", False),
-    ("gsm8k", "#### 1,234", True),
-    ("think", "<think>2 + 2 is 4</think> The answer is 4.", True),
-    ("think", "<think>\nmulti\nline\n</think>\n4", True),
-    ("think", "<think>no answer after</think>   ", False),
-    ("think", "4 <think>late</think> 4", False),
-    ("think", "<think>a</think><think>b</think> 4", False),
-    ("think", "<think>unclosed 4", False),
-    ("think_boxed", r"<think>x</think> \boxed{4}", True),
-    ("think_boxed", "<think>x</think> 4", False),
-])
+@pytest.mark.parametrize(
+    "preset, response, ok",
+    [
+        ("boxed", r"so \boxed{4}", True),
+        ("boxed", "so 4", False),
+        ("gsm8k", "2 + 2 = 4\n#### 4", True),
+        ("gsm8k", "#### 4\nthen more text", False),
+        ("gsm8k", "#### 1,234", True),
+        ("think", "<think>2 + 2 is 4</think> The answer is 4.", True),
+        ("think", "<think>\nmulti\nline\n</think>\n4", True),
+        ("think", "<think>no answer after</think>   ", False),
+        ("think", "4 <think>late</think> 4", False),
+        ("think", "<think>a</think><think>b</think> 4", False),
+        ("think", "<think>unclosed 4", False),
+        ("think_boxed", r"<think>x</think> \boxed{4}", True),
+        ("think_boxed", "<think>x</think> 4", False),
+    ],
+)
 def test_presets(preset: str, response: str, ok: bool) -> None:
     assert FormatVerifier(preset=preset)("p", response, None) == (1.0 if ok else 0.0)
 

@@ -15,9 +15,17 @@ def reward_dir(tmp_path_factory):
     from mindspeed_llm.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("demo")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(config)
     path = tmp_path_factory.mktemp("rm")
@@ -26,8 +34,13 @@ def reward_dir(tmp_path_factory):
     return path
 
 
-TEXTS = ["What is 2 + 2? The answer is 4.", "Hi", "A much longer text that needs a lot of padding in a batch, " * 3,
-         "#### 72", "Another one."]
+TEXTS = [
+    "What is 2 + 2? The answer is 4.",
+    "Hi",
+    "A much longer text that needs a lot of padding in a batch, " * 3,
+    "#### 72",
+    "Another one.",
+]
 
 
 def test_scores_equal_transformers_one_text_at_a_time(reward_dir) -> None:

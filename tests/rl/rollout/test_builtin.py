@@ -13,10 +13,12 @@ from mindspeed_rl.rollout import ROLLOUT_ENGINES, BuiltinRollout, RolloutEngine,
 def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 9, 3, 7)]
-    params = [SamplingParams(max_new_tokens=8, ignore_eos=True),  # greedy
-              SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True),
-              SamplingParams(max_new_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=12, ignore_eos=True),
-              SamplingParams(max_new_tokens=5, temperature=1.2, seed=13, stop_token_ids=(50, 60, 70))]
+    params = [
+        SamplingParams(max_new_tokens=8, ignore_eos=True),  # greedy
+        SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=12, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=1.2, seed=13, stop_token_ids=(50, 60, 70)),
+    ]
     return prompts, params
 
 
@@ -85,7 +87,11 @@ def test_registry_and_settings_errors(tiny_dirs) -> None:
         build_rollout("vlm", tiny_dirs["old"])
     with pytest.raises(ValueError, match="builtin rollout engine runs on one device, got tp=2"):
         build_rollout("builtin", tiny_dirs["old"], tp=2)
-    for bad, match in (({"max_num_seqs": 0}, "max_num_seqs"), ({"gpu_memory_utilization": 1.5}, "gpu_memory"),
-                       ({"max_model_len": 1}, "max_model_len"), ({"tp": 0}, "tp must")):
+    for bad, match in (
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"tp": 0}, "tp must"),
+    ):
         with pytest.raises(ValueError, match=match):
             build_rollout("builtin", tiny_dirs["old"], **bad)

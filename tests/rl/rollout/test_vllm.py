@@ -114,13 +114,29 @@ def fake_vllm(monkeypatch):
 
 
 def test_llm_arguments_and_worker_extension(fake_vllm) -> None:
-    engine = build_rollout("vllm", "/models/x", max_num_seqs=16, tp=2, gpu_memory_utilization=0.4, seed=9,
-                           max_model_len=300, enforce_eager=True)
+    engine = build_rollout(
+        "vllm",
+        "/models/x",
+        max_num_seqs=16,
+        tp=2,
+        gpu_memory_utilization=0.4,
+        seed=9,
+        max_model_len=300,
+        enforce_eager=True,
+    )
     assert isinstance(engine, VLLMRollout)
     assert engine.llm.kwargs == {
-        "model": "/models/x", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "enable_sleep_mode": True,
-        "seed": 9, "max_num_seqs": 16, "worker_extension_cls": WORKER_EXTENSION, "logprobs_mode": "raw_logprobs",
-        "max_model_len": 300, "enforce_eager": True}
+        "model": "/models/x",
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.4,
+        "enable_sleep_mode": True,
+        "seed": 9,
+        "max_num_seqs": 16,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "logprobs_mode": "raw_logprobs",
+        "max_model_len": 300,
+        "enforce_eager": True,
+    }
     # vLLM imports the extension by this name in each worker process.
     module, _, name = WORKER_EXTENSION.rpartition(".")
     assert getattr(importlib.import_module(module), name) is WeightSyncExtension
@@ -130,18 +146,51 @@ def test_llm_arguments_and_worker_extension(fake_vllm) -> None:
 def test_sampling_params_and_outputs_translation(fake_vllm) -> None:
     engine = build_rollout("vllm", "/models/x")
     prompts = [[5, 6, 7], [40], [9, 9]]
-    params = [SamplingParams(max_new_tokens=3),
-              SamplingParams(max_new_tokens=2, temperature=0.7, top_k=20, top_p=0.9, seed=4, stop_token_ids=(2, 3)),
-              SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=3),
+        SamplingParams(max_new_tokens=2, temperature=0.7, top_k=20, top_p=0.9, seed=4, stop_token_ids=(2, 3)),
+        SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True),
+    ]
     out = engine.generate(prompts, params)
     assert engine.llm.prompts == [{"prompt_token_ids": p} for p in prompts]
     assert [p.kwargs for p in engine.llm.params] == [
-        dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3, seed=None, stop_token_ids=[], ignore_eos=False,
-             logprobs=0, detokenize=False),
-        dict(n=1, temperature=0.7, top_p=0.9, top_k=20, max_tokens=2, seed=4, stop_token_ids=[2, 3], ignore_eos=False,
-             logprobs=0, detokenize=False),
-        dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=None, stop_token_ids=[], ignore_eos=True,
-             logprobs=0, detokenize=False)]
+        dict(
+            n=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=3,
+            seed=None,
+            stop_token_ids=[],
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+        ),
+        dict(
+            n=1,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            max_tokens=2,
+            seed=4,
+            stop_token_ids=[2, 3],
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+        ),
+        dict(
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=4,
+            seed=None,
+            stop_token_ids=[],
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        ),
+    ]
     assert engine.llm.calls == [("generate", 3, False)]
     assert [o.prompt_token_ids for o in out] == prompts
     assert [o.token_ids for o in out] == [[5, 6, 7], [40, 41], [9, 10, 11, 12]]
@@ -157,8 +206,11 @@ def test_sleep_weight_sync_wake_order(fake_vllm) -> None:
     engine.sleep()
     engine.sleep()  # once is enough
     engine.load_weights(state)
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", ("weights",)),
-                                ("collective_rpc", "mindspeed_load_weights", tuple(state))]
+    assert engine.llm.calls == [
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("collective_rpc", "mindspeed_load_weights", tuple(state)),
+    ]
     for worker in engine.llm.workers:  # every tensor-parallel worker gets the full tensors
         assert worker.model_runner.model.loaded.keys() == state.keys()
         for name, tensor in state.items():

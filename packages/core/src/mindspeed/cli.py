@@ -1,8 +1,8 @@
 """``mindspeed``: information about the core, and the embedded-default demo job.
 
-    mindspeed info                   accelerator, packages and the kernel chosen for each op
-    mindspeed features [--json]      every feature: level, flags, default here, what it changes
-    mindspeed demo [key=value ...]   train a tiny Llama on generated data (CPU by default)
+mindspeed info                   accelerator, packages and the kernel chosen for each op
+mindspeed features [--json]      every feature: level, flags, default here, what it changes
+mindspeed demo [key=value ...]   train a tiny Llama on generated data (CPU by default)
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ def _info(args: argparse.Namespace) -> int:
 
     accelerator = get_accelerator()
     packages = {}
-    for dist in ("mindspeed-core", "mindspeed-llm", "mindspeed-mm", "mindspeed-rl", "megatron-core", "transformers", "ray"):
+    for dist in (
+        "mindspeed-core",
+        "mindspeed-llm",
+        "mindspeed-mm",
+        "mindspeed-rl",
+        "megatron-core",
+        "transformers",
+        "ray",
+    ):
         try:
             packages[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -33,15 +41,26 @@ def _info(args: argparse.Namespace) -> int:
     ops = {}
     for op in OPS.keys():
         usable = [k.name for k in available_kernels(op, accelerator.name)]
-        ops[op] = {"auto": usable[0], "available": usable, "registered": [k.name for k in list_kernels(op)],
-                   "doc": OPS.get(op).doc}
-    info = {"torch": torch.__version__, "accelerator": accelerator.describe(),
-            "available_accelerators": available_accelerators(), "packages": packages, "ops": ops}
+        ops[op] = {
+            "auto": usable[0],
+            "available": usable,
+            "registered": [k.name for k in list_kernels(op)],
+            "doc": OPS.get(op).doc,
+        }
+    info = {
+        "torch": torch.__version__,
+        "accelerator": accelerator.describe(),
+        "available_accelerators": available_accelerators(),
+        "packages": packages,
+        "ops": ops,
+    }
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"mindspeed-core {packages['mindspeed-core']}  torch {torch.__version__}")
-    print(f"accelerator: {accelerator.name} ({accelerator.dist_backend}), available: {', '.join(info['available_accelerators'])}")
+    print(
+        f"accelerator: {accelerator.name} ({accelerator.dist_backend}), available: {', '.join(info['available_accelerators'])}"
+    )
     print("packages: " + ", ".join(f"{k} {v or '-'}" for k, v in packages.items()))
     print(f"{'op':<24}{'auto':<14}{'available':<36}registered")
     for op, row in ops.items():
@@ -70,11 +89,21 @@ def _features(args: argparse.Namespace) -> int:
     for name, feature in FEATURES.items():
         status = report.status(name)
         changes = report.changes_of(name)
-        rows.append({**feature.info(), "enabled_by_default": status.enabled, "why": status.why,
-                     "changes": [c.to_dict() for c in changes]})
+        rows.append(
+            {
+                **feature.info(),
+                "enabled_by_default": status.enabled,
+                "why": status.why,
+                "changes": [c.to_dict() for c in changes],
+            }
+        )
     if args.json:
-        print(json.dumps({"optimization_level": args.optimization_level, "accelerator": ctx.accelerator,
-                          "features": rows}, indent=2))
+        print(
+            json.dumps(
+                {"optimization_level": args.optimization_level, "accelerator": ctx.accelerator, "features": rows},
+                indent=2,
+            )
+        )
         return 0
     print(f"features at --optimization-level {args.optimization_level} on {ctx.accelerator} (model facts unknown)")
     width = max(len(row["name"]) for row in rows)
@@ -84,8 +113,10 @@ def _features(args: argparse.Namespace) -> int:
         else:
             changes = "would change " + (", ".join(row["targets"]) or "-")
         links = "".join(f"  {key}: {', '.join(row[key])}" for key in ("requires", "conflicts") if row[key])
-        print(f"{row['name']:<{width}}  level {row['level']}  {'on ' if row['enabled_by_default'] else 'off'}  "
-              f"{' '.join(row['flags'])}{links}")
+        print(
+            f"{row['name']:<{width}}  level {row['level']}  {'on ' if row['enabled_by_default'] else 'off'}  "
+            f"{' '.join(row['flags'])}{links}"
+        )
         print(f"{'':<{width}}  {row['description']}; {changes}")
         if not row["enabled_by_default"]:
             print(f"{'':<{width}}  {row['why']}")
@@ -98,25 +129,42 @@ def _demo(args: argparse.Namespace) -> int:
 
     cfg = load_config(DemoConfig, args.config, args.overrides)
     result = run_demo(cfg)
-    print(json.dumps({"config": to_dict(cfg), "first_loss": round(result.first_loss, 4),
-                      "last_loss": round(result.last_loss, 4), "noise_floor": round(result.floor, 4),
-                      "tokens_per_second": round(result.tokens_per_second, 1),
-                      "peak_memory_mib": round(result.peak_memory_bytes / 2**20, 2), "kernels": result.kernels}, indent=2))
+    print(
+        json.dumps(
+            {
+                "config": to_dict(cfg),
+                "first_loss": round(result.first_loss, 4),
+                "last_loss": round(result.last_loss, 4),
+                "noise_floor": round(result.floor, 4),
+                "tokens_per_second": round(result.tokens_per_second, 1),
+                "peak_memory_mib": round(result.peak_memory_bytes / 2**20, 2),
+                "kernels": result.kernels,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed`` argument parser."""
     parser = argparse.ArgumentParser(prog="mindspeed", description="mindspeed acceleration core")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('mindspeed-core')}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('mindspeed-core')}"
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="accelerator, packages and the kernel chosen for each op")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)
     features = sub.add_parser("features", help="list the features: level, flags, default on this machine, changes")
-    features.add_argument("--optimization-level", type=int, choices=(0, 1, 2), default=2,
-                          help="the level defaults are decided at (default 2)")
+    features.add_argument(
+        "--optimization-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=2,
+        help="the level defaults are decided at (default 2)",
+    )
     features.add_argument("--json", action="store_true", help="machine-readable output")
     features.set_defaults(func=_features)
     demo = sub.add_parser("demo", help="train a tiny Llama on generated data (the embedded default)")

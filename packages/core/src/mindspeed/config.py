@@ -170,6 +170,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterabl
 
 def to_dict(config: Any) -> dict[str, Any]:
     """The config as plain data (for YAML dumps and run reports)."""
+
     def plain(value: Any) -> Any:
         if isinstance(value, Path):
             return str(value)

@@ -61,7 +61,9 @@ def make_batch(successor: torch.Tensor, cfg: DemoConfig, gen: torch.Generator) -
     tokens[:, 0] = torch.randint(vocab, (cfg.batch_size,), generator=gen)
     for t in range(1, cfg.seq_length + 1):
         jump = torch.rand(cfg.batch_size, generator=gen) < cfg.noise
-        tokens[:, t] = torch.where(jump, torch.randint(vocab, (cfg.batch_size,), generator=gen), successor[tokens[:, t - 1]])
+        tokens[:, t] = torch.where(
+            jump, torch.randint(vocab, (cfg.batch_size,), generator=gen), successor[tokens[:, t - 1]]
+        )
     return tokens
 
 
@@ -81,8 +83,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         op: resolve_kernel(op, cfg.impl, features=features).name
         for op, features in (("rms_norm", ()), ("rotary_pos_emb", ()), ("attention", ()), ("swiglu", ()), ("adamw", ()))
     }
-    logger.info("demo: %s (%d parameters) on %s, kernels %s", cfg.model,
-                sum(p.numel() for p in model.parameters()), accelerator.name, kernels)
+    logger.info(
+        "demo: %s (%d parameters) on %s, kernels %s",
+        cfg.model,
+        sum(p.numel() for p in model.parameters()),
+        accelerator.name,
+        kernels,
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     successor = torch.randperm(model_cfg.vocab_size, generator=gen)
     # Noise floor: with prob (1-noise) the successor is certain, else uniform over the vocab.

@@ -111,8 +111,10 @@ class UpstreamPatch:
         owner, attr = resolve_target(self.target)
         original = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
         if original is _MISSING and not self.allow_missing:
-            raise PatchError(f"patch {self.name}: {self.target} does not exist in {self.distribution} "
-                             f"{installed_version(self.distribution)}")
+            raise PatchError(
+                f"patch {self.name}: {self.target} does not exist in {self.distribution} "
+                f"{installed_version(self.distribution)}"
+            )
         replacement = self.make(None if original is _MISSING else _unwrap(original), accelerator)
         setattr(owner, attr, replacement)
         self._owner, self._saved = owner, original

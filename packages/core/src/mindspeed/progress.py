@@ -33,17 +33,31 @@ class StatusProgress:
     def __init__(self, description: str, total: int, disable: bool | None = None, completed: int = 0) -> None:
         # Off in logs (standard error not a terminal): a bar drawn once at the end would only repeat the log lines.
         self.disable = (get_rank() != 0 or not _is_terminal()) if disable is None else disable
-        self._progress = None if self.disable else Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=Console(stderr=True),
+        self._progress = (
+            None
+            if self.disable
+            else Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=Console(stderr=True),
+            )
         )
         self._description, self._total, self._completed, self._task = description, total, completed, None
 
     def __enter__(self) -> StatusProgress:
         if self._progress is not None:
             self._progress.__enter__()
-            self._task = self._progress.add_task(self._description, total=self._total, completed=self._completed,
-                                                 status="resumed" if self._completed else "")
+            self._task = self._progress.add_task(
+                self._description,
+                total=self._total,
+                completed=self._completed,
+                status="resumed" if self._completed else "",
+            )
         return self
 
     def update(self, advance: int = 1, status: str = "") -> None:

@@ -32,10 +32,14 @@ def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCo
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version(prog)}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    parser.add_argument("--verbose", "-v", action="store_true",
-                        help="also show the detail on the console: the adaptor's patches, the features table, kernel "
-                             "choices and other libraries' warnings (always in the run's report.txt); anywhere on "
-                             "the line")
+    parser.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also show the detail on the console: the adaptor's patches, the features table, kernel "
+        "choices and other libraries' warnings (always in the run's report.txt); anywhere on "
+        "the line",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _, add_command in commands.items():
         add_command(sub)
@@ -109,8 +113,9 @@ def field_help(cls: type) -> dict[str, str]:
     return {key: value.replace("%", "%%") for key, value in helps.items()}
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
-                        choices: Mapping[str, Sequence[str]] | None = None) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, choices: Mapping[str, Sequence[str]] | None = None
+) -> None:
     """One ``--flag`` per field of dataclass ``cls`` (``load_dir`` -> ``--load-dir``), help from its docstring.
 
     Bools are switches (``--no-<name>`` for those on by default); a field without a default is a
@@ -138,5 +143,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
             continue
         if not required and field.default is not None:
             text += f" (default {str(field.default).replace('%', '%%')})"
-        parser.add_argument(flag, type=kind, required=required, default=None if required else field.default,
-                            choices=(choices or {}).get(field.name), help=text)
+        parser.add_argument(
+            flag,
+            type=kind,
+            required=required,
+            default=None if required else field.default,
+            choices=(choices or {}).get(field.name),
+            help=text,
+        )

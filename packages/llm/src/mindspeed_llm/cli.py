@@ -32,7 +32,11 @@ COMMANDS: dict[str, AddCommand] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed-llm`` argument parser."""
-    return build_suite_parser("mindspeed-llm", "mindspeed LLM suite: checkpoint conversion, data preprocessing, pretraining, fine-tuning, generation, evaluation", COMMANDS)
+    return build_suite_parser(
+        "mindspeed-llm",
+        "mindspeed LLM suite: checkpoint conversion, data preprocessing, pretraining, fine-tuning, generation, evaluation",
+        COMMANDS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,9 @@ def iter_corpus_texts(corpus: Path) -> Iterator[str]:
                 yield json.loads(line)["text"]
 
 
-def train_demo_tokenizer(out_dir: str | Path, corpus: str | Path = DEMO_CORPUS, vocab_size: int = DEMO_VOCAB_SIZE) -> Path:
+def train_demo_tokenizer(
+    out_dir: str | Path, corpus: str | Path = DEMO_CORPUS, vocab_size: int = DEMO_VOCAB_SIZE
+) -> Path:
     """Train the byte-level BPE on ``corpus`` and save it as a transformers tokenizer directory.
 
     The same corpus and vocabulary size always give the same ``tokenizer.json``.
@@ -84,16 +86,29 @@ def train_demo_tokenizer(out_dir: str | Path, corpus: str | Path = DEMO_CORPUS, 
 
     specials = [EOS_TOKEN, PAD_TOKEN, IM_START, IM_END]
     if vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size {vocab_size} is too small: the byte alphabet alone needs 256 + {len(specials)} entries")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small: the byte alphabet alone needs 256 + {len(specials)} entries"
+        )
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(iter_corpus_texts(Path(corpus)), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                        additional_special_tokens=[IM_START, IM_END], model_max_length=1 << 20)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=1 << 20,
+    )
     tokenizer.chat_template = DEMO_CHAT_TEMPLATE
     out = Path(out_dir)
     tokenizer.save_pretrained(str(out))
@@ -108,8 +123,9 @@ def _cache_key(corpus: Path, vocab_size: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def demo_tokenizer_path(cache_dir: str | Path | None = None, corpus: str | Path = DEMO_CORPUS,
-                        vocab_size: int = DEMO_VOCAB_SIZE) -> Path:
+def demo_tokenizer_path(
+    cache_dir: str | Path | None = None, corpus: str | Path = DEMO_CORPUS, vocab_size: int = DEMO_VOCAB_SIZE
+) -> Path:
     """The directory of the demo tokenizer, trained and cached on first use.
 
     Args:
@@ -151,12 +167,16 @@ def resolve_tokenizer_path(name_or_path: str | Path, cache_dir: str | Path | Non
         return demo_tokenizer_path(cache_dir)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
-        raise ValueError(f"tokenizer directory {str(path)!r} does not exist; pass a local directory holding "
-                         f"tokenizer.json / tokenizer_config.json (models are never downloaded), or "
-                         f"{DEMO_TOKENIZER_NAME!r} for the demo tokenizer")
+        raise ValueError(
+            f"tokenizer directory {str(path)!r} does not exist; pass a local directory holding "
+            f"tokenizer.json / tokenizer_config.json (models are never downloaded), or "
+            f"{DEMO_TOKENIZER_NAME!r} for the demo tokenizer"
+        )
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
-                         f"pass the directory of a Hugging Face tokenizer or {DEMO_TOKENIZER_NAME!r}")
+        raise ValueError(
+            f"{str(path)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            f"pass the directory of a Hugging Face tokenizer or {DEMO_TOKENIZER_NAME!r}"
+        )
     return path
 
 

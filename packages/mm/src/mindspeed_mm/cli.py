@@ -28,7 +28,9 @@ COMMANDS: dict[str, AddCommand] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed-mm`` argument parser."""
-    return build_suite_parser("mindspeed-mm", "mindspeed multimodal suite: vision-language and video/image generation training", COMMANDS)
+    return build_suite_parser(
+        "mindspeed-mm", "mindspeed multimodal suite: vision-language and video/image generation training", COMMANDS
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

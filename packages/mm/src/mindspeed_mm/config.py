@@ -243,8 +243,10 @@ class DiffusionConfig:
         if self.shift <= 0:
             raise ConfigError(f"diffusion.shift={self.shift} must be positive (1: no shift)")
         if not 0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1:
-            raise ConfigError(f"diffusion.min_timestep_boundary={self.min_timestep_boundary} and "
-                              f"max_timestep_boundary={self.max_timestep_boundary} must satisfy 0 <= min < max <= 1")
+            raise ConfigError(
+                f"diffusion.min_timestep_boundary={self.min_timestep_boundary} and "
+                f"max_timestep_boundary={self.max_timestep_boundary} must satisfy 0 <= min < max <= 1"
+            )
         if not 0 <= self.text_dropout <= 1:
             raise ConfigError(f"diffusion.text_dropout={self.text_dropout} must be in [0, 1]")
         if self.logit_std <= 0:
@@ -375,15 +377,22 @@ class MMConfig:
             ConfigError: naming the key and the fix of the first problem found.
         """
         m, p, t, d = self.model, self.parallel, self.train, self.data
-        for key, value in (("train.micro_batch_size", t.micro_batch_size),
-                           ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-                           ("parallel.dp_replicate", p.dp_replicate), ("data.cutoff_len", d.cutoff_len),
-                           ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
-                           ("logging.interval", self.logging.interval), ("lora.r", self.lora.r)):
+        for key, value in (
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
+            ("parallel.dp_replicate", p.dp_replicate),
+            ("data.cutoff_len", d.cutoff_len),
+            ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
+            ("logging.interval", self.logging.interval),
+            ("lora.r", self.lora.r),
+        ):
             if value < 1:
                 raise ConfigError(f"{key}={value} must be at least 1")
-        for key, value in (("checkpoint.interval", self.checkpoint.interval),
-                           ("checkpoint.keep_last", self.checkpoint.keep_last), ("data.max_samples", d.max_samples)):
+        for key, value in (
+            ("checkpoint.interval", self.checkpoint.interval),
+            ("checkpoint.keep_last", self.checkpoint.keep_last),
+            ("data.max_samples", d.max_samples),
+        ):
             if value is not None and value < 1:
                 raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
         if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
@@ -391,30 +400,42 @@ class MMConfig:
         if t.steps < 0:
             raise ConfigError(f"train.steps={t.steps} must not be negative")
         if world_size % p.dp_replicate:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
-                              "change one of them")
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
+                "change one of them"
+            )
         if world_size % (p.dp_replicate * p.ulysses_parallel_size):
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
-                              f"parallel.ulysses_parallel_size={p.ulysses_parallel_size}; change one of them")
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
+                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size}; change one of them"
+            )
         if p.ulysses_parallel_size > 1 and m.attn_implementation != "mindspeed":
-            raise ConfigError(f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} needs "
-                              f"model.attn_implementation=mindspeed (got {m.attn_implementation!r})")
+            raise ConfigError(
+                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} needs "
+                f"model.attn_implementation=mindspeed (got {m.attn_implementation!r})"
+            )
         if m.path is None:
-            raise ConfigError("model.path is unset: give a local Hugging Face model directory (config.json with "
-                              "`architectures`, weights, tokenizer, image processor)")
+            raise ConfigError(
+                "model.path is unset: give a local Hugging Face model directory (config.json with "
+                "`architectures`, weights, tokenizer, image processor)"
+            )
         if not (Path(m.path) / "config.json").is_file():
             raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
         if self.task() == "dit":
             self._check_dit()
         elif not d.files:
-            raise ConfigError("data.files is empty: give mllm_format JSON/JSONL files (messages with <image> "
-                              "placeholders plus images)")
+            raise ConfigError(
+                "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> "
+                "placeholders plus images)"
+            )
         for name in d.files:
             if not Path(name).is_file():
                 raise ConfigError(f"data.files: {name!r} does not exist")
         if d.image_min_pixels > d.image_max_pixels:
-            raise ConfigError(f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
-                              f"{d.image_max_pixels}; lower it")
+            raise ConfigError(
+                f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
+                f"{d.image_max_pixels}; lower it"
+            )
         if t.lr < t.min_lr:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")
         if not 0 <= t.ema < 1:
@@ -428,34 +449,44 @@ class MMConfig:
         if self.lora.enabled and not self.lora.parts:
             raise ConfigError("lora.parts is empty: name where the targets are (e.g. [language_model])")
         if self.lora.save_peft and not self.lora.enabled:
-            raise ConfigError("lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])")
+            raise ConfigError(
+                "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+            )
         if self.lora.enabled and m.freeze:
-            raise ConfigError("model.freeze with LoRA: everything but the LoRA factors is frozen already; remove "
-                              "model.freeze")
+            raise ConfigError(
+                "model.freeze with LoRA: everything but the LoRA factors is frozen already; remove model.freeze"
+            )
         if self.features.settings:
-            raise ConfigError(f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm "
-                              "yet; remove them")
-
+            raise ConfigError(
+                f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm yet; remove them"
+            )
 
     def _check_dit(self) -> None:
         d = self.data
         if d.features is None and not d.files:
-            raise ConfigError(f"data.features is unset and data.files is empty: {self.model.path} is a diffusion "
-                              "transformer, which trains from a feature cache or video/image + caption files; give one")
+            raise ConfigError(
+                f"data.features is unset and data.files is empty: {self.model.path} is a diffusion "
+                "transformer, which trains from a feature cache or video/image + caption files; give one"
+            )
         if d.features is not None and not (Path(d.features) / "index.jsonl").is_file():
-            raise ConfigError(f"data.features={d.features!r} has no index.jsonl; run `mindspeed-mm extract-features` "
-                              "or give a feature cache directory")
+            raise ConfigError(
+                f"data.features={d.features!r} has no index.jsonl; run `mindspeed-mm extract-features` "
+                "or give a feature cache directory"
+            )
         self.check_media()
         if self.lora.enabled:
-            raise ConfigError("lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
-                              "remove lora.target_modules")
+            raise ConfigError(
+                "lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
+                "remove lora.target_modules"
+            )
         if self.parallel.ulysses_parallel_size > 1:
-            raise ConfigError("parallel.ulysses_parallel_size: sequence parallelism for diffusion transformers is not in "
-                              "this version yet; set it to 1")
+            raise ConfigError(
+                "parallel.ulysses_parallel_size: sequence parallelism for diffusion transformers is not in "
+                "this version yet; set it to 1"
+            )
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()
-
 
     def check_media(self) -> None:
         """Check the media keys of ``data`` (video/image + caption files of a diffusion transformer).
@@ -465,14 +496,17 @@ class MMConfig:
         """
         d = self.data
         if d.hw_stride < 1 or d.shard_size < 1 or d.fps < 0:
-            raise ConfigError(f"data.hw_stride={d.hw_stride} and data.shard_size={d.shard_size} must be at least 1, "
-                              f"data.fps={d.fps} not negative")
+            raise ConfigError(
+                f"data.hw_stride={d.hw_stride} and data.shard_size={d.shard_size} must be at least 1, "
+                f"data.fps={d.fps} not negative"
+            )
         if not d.frame_counts or min(d.frame_counts) < 1:
             raise ConfigError(f"data.frame_counts={d.frame_counts} must list positive frame counts, e.g. [81]")
         for hw in d.resolutions:
             if len(hw) != 2 or min(hw) < 1 or hw[0] % d.hw_stride or hw[1] % d.hw_stride:
-                raise ConfigError(f"data.resolutions: {hw} must be [height, width], multiples of "
-                                  f"data.hw_stride={d.hw_stride}")
+                raise ConfigError(
+                    f"data.resolutions: {hw} must be [height, width], multiples of data.hw_stride={d.hw_stride}"
+                )
 
 
 def load_mm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MMConfig:

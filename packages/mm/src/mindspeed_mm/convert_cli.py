@@ -20,10 +20,12 @@ from mindspeed_mm.convert.config import DTYPES, FORMATS, ConvertConfig
 def add_convert(sub: argparse._SubParsersAction) -> None:
     """Add ``convert`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "convert", help="convert DCP training checkpoints <-> Hugging Face directories, LoRA <-> PEFT adapters, merge",
+        "convert",
+        help="convert DCP training checkpoints <-> Hugging Face directories, LoRA <-> PEFT adapters, merge",
         description="dcp -> hf (LoRA merged), hf -> dcp, dcp -> peft, peft -> dcp, peft -> hf (merge). Every tensor "
-                    "is matched on both sides first (an unmatched one is an error naming it); the output is written "
-                    "to a temporary directory and renamed at the end.")
+        "is matched on both sides first (an unmatched one is an error naming it); the output is written "
+        "to a temporary directory and renamed at the end.",
+    )
     add_dataclass_flags(parser, ConvertConfig, {"load_format": FORMATS, "save_format": FORMATS, "dtype": DTYPES})
     parser.set_defaults(func=run_convert)
 

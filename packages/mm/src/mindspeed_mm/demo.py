@@ -57,8 +57,15 @@ def write_demo_data(directory: str | Path, num_images: int, seed: int, name: str
         image = f"images/{name}-{i:05d}.png"
         _draw(shape, COLOURS[colour], 56, rng).save(directory / image)
         for kind, answer in (("colour", colour), ("shape", shape)):
-            lines.append({"messages": [{"role": "user", "content": QUESTIONS[kind]},
-                                       {"role": "assistant", "content": answer}], "images": [image]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": QUESTIONS[kind]},
+                        {"role": "assistant", "content": answer},
+                    ],
+                    "images": [image],
+                }
+            )
     target = directory / f"{name}.jsonl"
     tmp = target.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -71,7 +78,11 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
     from mindspeed_mm.testing.fixtures import write_tiny_model
 
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"v{BUILDER_VERSION}"
-    paths = {"model": root / "model", "train": root / "data" / "train.jsonl", "heldout": root / "data" / "heldout.jsonl"}
+    paths = {
+        "model": root / "model",
+        "train": root / "data" / "train.jsonl",
+        "heldout": root / "data" / "heldout.jsonl",
+    }
     if not (paths["model"] / "config.json").is_file():
         logger.info("writing the demo model into %s (once)", paths["model"])
         tmp = root / "model.tmp"
@@ -97,7 +108,9 @@ def resolve_demo(config: MMConfig) -> MMConfig:
         return config
     paths = demo_paths()
     names = {DEMO: str(paths["train"]), HELDOUT: str(paths["heldout"])}
-    model = dataclasses.replace(config.model, path=str(paths["model"]) if config.model.path == DEMO else config.model.path)
+    model = dataclasses.replace(
+        config.model, path=str(paths["model"]) if config.model.path == DEMO else config.model.path
+    )
     data = dataclasses.replace(config.data, files=[names.get(f, f) for f in config.data.files])
     return dataclasses.replace(config, model=model, data=data)
 
@@ -124,10 +137,17 @@ def choice_accuracy(model_dir: str | Path, data_file: str | Path, max_samples: i
         scores = []
         for choice in choices:
             messages = (sample.messages[0], {"role": "assistant", "content": choice})
-            encoded = encode_sample(MllmSample(messages, sample.images, sample.source), tokenizer, processor, family, 4096)
+            encoded = encode_sample(
+                MllmSample(messages, sample.images, sample.source), tokenizer, processor, family, 4096
+            )
             with torch.no_grad():
-                out = model(input_ids=encoded.input_ids[None], labels=encoded.labels[None], use_cache=False,
-                            mm_token_type_ids=encoded.mm_token_type_ids[None], **encoded.vision)
+                out = model(
+                    input_ids=encoded.input_ids[None],
+                    labels=encoded.labels[None],
+                    use_cache=False,
+                    mm_token_type_ids=encoded.mm_token_type_ids[None],
+                    **encoded.vision,
+                )
             scores.append(float(out.loss) * encoded.num_label_tokens)
         right[kind].append(choices[scores.index(min(scores))] == sample.messages[1]["content"])
     return {kind: sum(hits) / max(len(hits), 1) for kind, hits in right.items()}

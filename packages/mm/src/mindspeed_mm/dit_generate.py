@@ -78,12 +78,16 @@ def read_prompts(path: str, max_samples: int | None) -> list[str]:
 
     file = demo_paths()["heldout"] if path in DEMOS else Path(path)
     if not file.is_file():
-        raise ValueError(f"--prompts-file {path!r} does not exist; give a .txt (one prompt a line) or .json/.jsonl file")
+        raise ValueError(
+            f"--prompts-file {path!r} does not exist; give a .txt (one prompt a line) or .json/.jsonl file"
+        )
     text = file.read_text(encoding="utf-8")
     if file.suffix == ".txt":
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
     else:
-        entries = json.loads(text) if file.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
+        entries = (
+            json.loads(text) if file.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
+        )
         prompts = []
         for number, entry in enumerate(entries, 1):
             value = entry.get("cap", entry.get("caption")) if isinstance(entry, dict) else None
@@ -138,15 +142,27 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
     negative = family.encode_prompts(loaded.parts, [sample.negative_prompt], text_len) if guidance > 1 else None
     pixels_all, rows = [], []
     for start in range(0, len(prompts), args.batch_size):
-        batch = prompts[start:start + args.batch_size]
+        batch = prompts[start : start + args.batch_size]
         text, pooled = family.encode_prompts(loaded.parts, batch, text_len)
-        noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i))
-                             for i in range(len(batch))]).to(loaded.device)
+        noise = torch.stack(
+            [torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i)) for i in range(len(batch))]
+        ).to(loaded.device)
         scheduler = build_scheduler(family, loaded.pipeline_dir, sample.sampler, sample.flow_shift)
         neg_text = negative[0].expand(len(batch), -1, -1) if negative is not None else None
         neg_pooled = negative[1].expand(len(batch), -1) if negative is not None and negative[1] is not None else None
-        latents = sample_latents(loaded.model, family, scheduler, noise, text, sample.num_inference_steps, pooled,
-                                 neg_text, neg_pooled, guidance, sample.distilled_guidance)
+        latents = sample_latents(
+            loaded.model,
+            family,
+            scheduler,
+            noise,
+            text,
+            sample.num_inference_steps,
+            pooled,
+            neg_text,
+            neg_pooled,
+            guidance,
+            sample.distilled_guidance,
+        )
         pixels = decode_latents(loaded.parts["vae"], latents).float().cpu()
         for i, (prompt, item) in enumerate(zip(batch, pixels)):
             index = start + i
@@ -154,11 +170,24 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
             pixels_all.append(item)
             rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
     sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
-    settings = {**asdict(sample), "guidance_scale": guidance, "height": height, "width": width, "text_len": text_len,
-                "scheduler": type(scheduler).__name__, "weights": str(loaded.weights)}
+    settings = {
+        **asdict(sample),
+        "guidance_scale": guidance,
+        "height": height,
+        "width": width,
+        "text_len": text_len,
+        "scheduler": type(scheduler).__name__,
+        "weights": str(loaded.weights),
+    }
     _write_jsonl(output / "samples.jsonl", [{**row, "settings": settings} for row in rows])
-    logger.info("generate: %d %s in %.2f s into %s (%s)", len(prompts), "videos" if video else "images",
-                time.perf_counter() - started, output, ", ".join(p.name for p in sheets))
+    logger.info(
+        "generate: %d %s in %.2f s into %s (%s)",
+        len(prompts),
+        "videos" if video else "images",
+        time.perf_counter() - started,
+        output,
+        ", ".join(p.name for p in sheets),
+    )
     return 0
 
 

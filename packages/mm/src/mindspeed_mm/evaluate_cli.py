@@ -18,31 +18,45 @@ from mindspeed_mm.evaluation.config import CHOICE_PROMPTS, CHOICE_SCORING, Evalu
 def add_evaluate(sub: argparse._SubParsersAction) -> None:
     """Add ``evaluate`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "evaluate", help="VQA accuracy (multiple choice and short answer) on MMBench-style TSV or JSON files",
+        "evaluate",
+        help="VQA accuracy (multiple choice and short answer) on MMBench-style TSV or JSON files",
         description="Score a Hugging Face directory or a training checkpoint on local VQA files: MMBench-style TSV "
-                    "(index, question, hint, A-D, answer, base64 image, category) or JSON/JSONL with image paths. "
-                    "Multiple choice by answer likelihood (or generation and answer extraction), short answers by "
-                    "normalized exact match. '--task-data-path demo' is the demo's held-out set.")
+        "(index, question, hint, A-D, answer, base64 image, category) or JSON/JSONL with image paths. "
+        "Multiple choice by answer likelihood (or generation and answer extraction), short answers by "
+        "normalized exact match. '--task-data-path demo' is the demo's held-out set.",
+    )
     helps = field_help(EvaluateConfig)
     text = {name: value.replace("``", "") for name, value in helps.items()}
     parser.add_argument("--load-dir", required=True, metavar="DIR", help=text["load_dir"])
-    parser.add_argument("--task-data-path", action="extend", nargs="+", default=[], metavar="PATH",
-                        help=text["task_data_path"])
+    parser.add_argument(
+        "--task-data-path", action="extend", nargs="+", default=[], metavar="PATH", help=text["task_data_path"]
+    )
     parser.add_argument("--hf-cfg-dir", metavar="DIR", help=text["hf_cfg_dir"])
-    parser.add_argument("--choice-scoring", default="likelihood", choices=CHOICE_SCORING,
-                        help=text["choice_scoring"] + " (default likelihood)")
-    parser.add_argument("--choice-prompt", default="letter", choices=CHOICE_PROMPTS,
-                        help=text["choice_prompt"] + " (default letter)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help=text["max_new_tokens"] + " (default 16)")
-    parser.add_argument("--evaluation-batch-size", type=int, default=8, metavar="N",
-                        help=text["evaluation_batch_size"] + " (default 8)")
-    parser.add_argument("--max-samples", "--max-eval-samples", dest="max_samples", type=int, metavar="N",
-                        help=text["max_samples"])
+    parser.add_argument(
+        "--choice-scoring",
+        default="likelihood",
+        choices=CHOICE_SCORING,
+        help=text["choice_scoring"] + " (default likelihood)",
+    )
+    parser.add_argument(
+        "--choice-prompt", default="letter", choices=CHOICE_PROMPTS, help=text["choice_prompt"] + " (default letter)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=16, metavar="N", help=text["max_new_tokens"] + " (default 16)"
+    )
+    parser.add_argument(
+        "--evaluation-batch-size", type=int, default=8, metavar="N", help=text["evaluation_batch_size"] + " (default 8)"
+    )
+    parser.add_argument(
+        "--max-samples", "--max-eval-samples", dest="max_samples", type=int, metavar="N", help=text["max_samples"]
+    )
     parser.add_argument("--image-dir", metavar="DIR", help=text["image_dir"])
-    parser.add_argument("--image-min-pixels", type=int, default=3136, metavar="N",
-                        help=text["image_min_pixels"] + " (default 3136)")
-    parser.add_argument("--image-max-pixels", type=int, default=262144, metavar="N",
-                        help=text["image_max_pixels"] + " (default 262144)")
+    parser.add_argument(
+        "--image-min-pixels", type=int, default=3136, metavar="N", help=text["image_min_pixels"] + " (default 3136)"
+    )
+    parser.add_argument(
+        "--image-max-pixels", type=int, default=262144, metavar="N", help=text["image_max_pixels"] + " (default 262144)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=text["dtype"])
     parser.add_argument("--lora-alpha", type=float, metavar="A", help=text["lora_alpha"])
     parser.add_argument("--output", metavar="FILE", help=text["output"])

@@ -18,14 +18,20 @@ import sys
 def add_extract_features(sub: argparse._SubParsersAction) -> None:
     """Add ``extract-features`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "extract-features", help="run the VAE and text encoders once over video/image data into a feature cache",
+        "extract-features",
+        help="run the VAE and text encoders once over video/image data into a feature cache",
         description="Decode the videos and images of data.files (MindSpeed-MM's video/image JSON or image-caption "
-                    "JSONL), sample frames and resize to the buckets, encode them with the VAE and the captions with "
-                    "the text encoder(s) of data.encoders, and write safetensors shards plus an index to "
-                    "data.features, split over ranks and resumable after a kill.")
+        "JSONL), sample frames and resize to the buckets, encode them with the VAE and the captions with "
+        "the text encoder(s) of data.encoders, and write safetensors shards plus an index to "
+        "data.features, split over ranks and resumable after a kill.",
+    )
     parser.add_argument("--config", help="YAML recipe (the train recipe; default: all defaults)")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="ranks to spawn on this machine (ignored under torchrun; default 1)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.shard_size=32")
     parser.set_defaults(func=run_extract_features)
 
@@ -48,8 +54,10 @@ def run_extract_features(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
     config = load_mm_config(args.config, args.overrides)
     if config.model.path is None or config.task() != "dit":
-        raise ConfigError(f"model.path={config.model.path!r}: give a diffusers transformer directory (config.json "
-                          "with `_class_name`); it picks the text encoders")
+        raise ConfigError(
+            f"model.path={config.model.path!r}: give a diffusers transformer directory (config.json "
+            "with `_class_name`); it picks the text encoders"
+        )
     if not config.data.features:
         raise ConfigError("data.features is unset: give the directory the cache is written to")
     if not config.data.files:

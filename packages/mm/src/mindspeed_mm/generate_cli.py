@@ -90,15 +90,22 @@ class GenerateConfig:
 def add_generate(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "generate", help="answer questions about images (Hugging Face directory or training checkpoint)",
+        "generate",
+        help="answer questions about images (Hugging Face directory or training checkpoint)",
         description="Generate replies of a vision-language model to prompts with images: --prompt TEXT --image "
-                    "FILE (repeatable), an mllm_format --prompts-file, or a --chat conversation (a turn per line "
-                    "when standard input is a pipe). One prompt streams to the terminal. Greedy by default; "
-                    "--temperature/--top-k/--top-p/--seed sample.")
+        "FILE (repeatable), an mllm_format --prompts-file, or a --chat conversation (a turn per line "
+        "when standard input is a pipe). One prompt streams to the terminal. Greedy by default; "
+        "--temperature/--top-k/--top-p/--seed sample.",
+    )
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
-    parser.add_argument("--image", action="append", default=[], metavar="FILE",
-                        help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
-                             "else the images come first)")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
+        "else the images come first)",
+    )
     add_dataclass_flags(parser, GenerateConfig)
     dit = parser.add_argument_group("diffusion transformers (a diffusers --load-dir: text to video / image files)")
     add_dataclass_flags(dit, DiTSampleConfig, choices={"sampler": ["euler", "unipc"]})
@@ -125,8 +132,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
         return run_dit_generate(args, _config(args, DiTSampleConfig))
     config = _config(args)
-    settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_k, config.top_p, config.seed,
-                                config.ignore_eos)
+    settings = SamplingSettings(
+        config.max_new_tokens, config.temperature, config.top_k, config.top_p, config.seed, config.ignore_eos
+    )
     settings.check()
     if config.batch_size < 1:
         raise ValueError(f"--batch-size {config.batch_size} must be at least 1")
@@ -142,8 +150,14 @@ def run_generate(args: argparse.Namespace) -> int:
                 raise ValueError(f"--image {image!r} does not exist; give the path of an image file")
     if config.output is not None and Path(config.output).is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
-    loaded = load_inference_model(config.load_dir, config.hf_cfg_dir, config.dtype, config.image_min_pixels,
-                                  config.image_max_pixels, config.lora_alpha)
+    loaded = load_inference_model(
+        config.load_dir,
+        config.hf_cfg_dir,
+        config.dtype,
+        config.image_min_pixels,
+        config.image_max_pixels,
+        config.lora_alpha,
+    )
     if conversation:
         return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty())
     return _generate_all(loaded, prompts, settings, config)
@@ -160,24 +174,42 @@ def _generate_all(loaded: Any, prompts: list[Any], settings: Any, config: Genera
     else:
         replies = []
         for start in range(0, len(encoded), config.batch_size):
-            replies += generate_batch(loaded, encoded[start:start + config.batch_size], settings)
+            replies += generate_batch(loaded, encoded[start : start + config.batch_size], settings)
     rows = []
     for index, (prompt, sample, tokens) in enumerate(zip(prompts, encoded, replies)):
         text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
         reason = "stop" if tokens and not settings.ignore_eos and tokens[-1] in _eos(loaded) else "length"
         if not (config.stream and len(prompts) == 1):
             reference = f"\n--- reference {index} ---\n{prompt.reference}" if prompt.reference is not None else ""
-            _write(f"--- prompt {index} ({prompt.source}) ---\n{prompt.messages[-1]['content']}\n"
-                   f"--- completion {index} ({reason}, {len(tokens)} tokens) ---\n{text}{reference}\n")
-        rows.append({"index": index, "source": prompt.source, "messages": list(prompt.messages),
-                     "images": list(prompt.images), "completion": text, "prompt_token_ids": sample.input_ids.tolist(),
-                     "token_ids": tokens, "finish_reason": reason, "reference": prompt.reference})
+            _write(
+                f"--- prompt {index} ({prompt.source}) ---\n{prompt.messages[-1]['content']}\n"
+                f"--- completion {index} ({reason}, {len(tokens)} tokens) ---\n{text}{reference}\n"
+            )
+        rows.append(
+            {
+                "index": index,
+                "source": prompt.source,
+                "messages": list(prompt.messages),
+                "images": list(prompt.images),
+                "completion": text,
+                "prompt_token_ids": sample.input_ids.tolist(),
+                "token_ids": tokens,
+                "finish_reason": reason,
+                "reference": prompt.reference,
+            }
+        )
     elapsed = time.perf_counter() - started
     if config.output is not None:
         _write_jsonl(Path(config.output), rows)
     generated = sum(len(row["token_ids"]) for row in rows)
-    logger.info("generate: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s", len(rows), generated, elapsed,
-                generated / max(elapsed, 1e-9), f"; wrote {config.output}" if config.output else "")
+    logger.info(
+        "generate: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s",
+        len(rows),
+        generated,
+        elapsed,
+        generated / max(elapsed, 1e-9),
+        f"; wrote {config.output}" if config.output else "",
+    )
     return 0
 
 
@@ -224,8 +256,9 @@ def _chat_loop(loaded: Any, settings: Any, config: GenerateConfig, images: list[
             _write("(error: images go with the first turn (--image); ask without <image>)\n")
             continue
         else:
-            turn = dataclasses.replace(conversation,
-                                       messages=conversation.messages + ({"role": "user", "content": line},))
+            turn = dataclasses.replace(
+                conversation, messages=conversation.messages + ({"role": "user", "content": line},)
+            )
         try:
             encoded = encode_prompt(turn, loaded)
         except ValueError as err:  # e.g. a stray <image> in a later turn: say so, keep the session

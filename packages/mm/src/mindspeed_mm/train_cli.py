@@ -19,16 +19,22 @@ from mindspeed.config import to_dict
 def add_train(sub: argparse._SubParsersAction) -> None:
     """Add ``train`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
-        "train", help="train a vision-language model or a diffusion transformer (library classes under FSDP2)",
+        "train",
+        help="train a vision-language model or a diffusion transformer (library classes under FSDP2)",
         description="Fine-tune a transformers vision-language model from a local directory on mllm_format data "
-                    "(messages with <image> placeholders plus images), or train a diffusers transformer (Wan, FLUX) "
-                    "with flow matching on a feature cache (data.features), under torch FSDP2; the model directory's "
-                    "config.json picks which. Checkpoints are torch DCP in checkpoint.save (a run resumes from the "
-                    "newest complete one; SIGTERM and Ctrl-C save and exit 143 / 130); checkpoint.save_hf exports the "
-                    "result.")
+        "(messages with <image> placeholders plus images), or train a diffusers transformer (Wan, FLUX) "
+        "with flow matching on a feature cache (data.features), under torch FSDP2; the model directory's "
+        "config.json picks which. Checkpoints are torch DCP in checkpoint.save (a run resumes from the "
+        "newest complete one; SIGTERM and Ctrl-C save and exit 143 / 130); checkpoint.save_hf exports the "
+        "result.",
+    )
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="ranks to spawn on this machine (ignored under torchrun; default 1)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-5")
     parser.set_defaults(func=run_train)
@@ -54,9 +60,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
+    world = (
+        int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
+    )
     config.check(world)
     result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     # 143 / 130 after SIGTERM / Ctrl-C (saved first; the same command resumes), else 0.
     return result.exit_code if result is not None else 0
-

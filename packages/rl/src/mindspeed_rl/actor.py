@@ -68,8 +68,19 @@ from mindspeed_rl.memory import StorageOffloader, collect_offload_tensors, memor
 logger = get_logger(__name__)
 
 #: Metrics the update reports (token-weighted means over the step, except ``loss``).
-UPDATE_METRICS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean", "tis_weight_mean",
-                  "tis_clipfrac", "pg_clipfrac_lower", "entropy")
+UPDATE_METRICS = (
+    "loss",
+    "pg_loss",
+    "pg_clipfrac",
+    "ppo_kl",
+    "approx_kl",
+    "kl_loss",
+    "ratio_mean",
+    "tis_weight_mean",
+    "tis_clipfrac",
+    "pg_clipfrac_lower",
+    "entropy",
+)
 #: Categories :meth:`Actor.offload` moves, in the order their storages are claimed.
 OFFLOAD_CATEGORIES = ("grad", "weights", "optimizer")
 IGNORE_INDEX = -100
@@ -93,10 +104,12 @@ class ActorSettings:
             logits of the response positions; an entropy bonus computes it regardless).
     """
 
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        lr=1e-6, min_lr=1e-6, weight_decay=0.0, adam_beta2=0.999))
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
-        lr=1e-6, min_lr=1e-6, lr_decay_style="constant", weight_decay=0.0))
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-6, min_lr=1e-6, weight_decay=0.0, adam_beta2=0.999)
+    )
+    scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(lr=1e-6, min_lr=1e-6, lr_decay_style="constant", weight_decay=0.0)
+    )
     precision: str = "fp32"
     micro_batch_size: int = 4
     seed: int = 1234
@@ -105,10 +118,19 @@ class ActorSettings:
     compute_entropy: bool = True
 
     @classmethod
-    def adamw(cls, lr: float = 1e-6, min_lr: float | None = None, lr_warmup_steps: int = 0,
-              lr_decay_style: str = "constant", lr_decay_steps: int | None = None, weight_decay: float = 0.0,
-              clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
-              **settings: Any) -> ActorSettings:
+    def adamw(
+        cls,
+        lr: float = 1e-6,
+        min_lr: float | None = None,
+        lr_warmup_steps: int = 0,
+        lr_decay_style: str = "constant",
+        lr_decay_steps: int | None = None,
+        weight_decay: float = 0.0,
+        clip_grad: float = 1.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        **settings: Any,
+    ) -> ActorSettings:
         """Settings of an AdamW actor whose schedule goes from ``lr`` to ``min_lr`` (default ``lr``).
 
         Args:
@@ -117,16 +139,29 @@ class ActorSettings:
             **settings: the other fields (``precision``, ``micro_batch_size``, ``loss`` ...).
         """
         floor = lr if min_lr is None else min_lr
-        optimizer = OptimizerConfig(optimizer="adam", lr=lr, min_lr=floor, weight_decay=weight_decay,
-                                    adam_beta1=adam_beta1, adam_beta2=adam_beta2, clip_grad=clip_grad)
-        scheduler = SchedulerConfig(lr=lr, min_lr=floor, lr_warmup_steps=lr_warmup_steps,
-                                    lr_decay_style=lr_decay_style, lr_decay_steps=lr_decay_steps,
-                                    weight_decay=weight_decay)
+        optimizer = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            min_lr=floor,
+            weight_decay=weight_decay,
+            adam_beta1=adam_beta1,
+            adam_beta2=adam_beta2,
+            clip_grad=clip_grad,
+        )
+        scheduler = SchedulerConfig(
+            lr=lr,
+            min_lr=floor,
+            lr_warmup_steps=lr_warmup_steps,
+            lr_decay_style=lr_decay_style,
+            lr_decay_steps=lr_decay_steps,
+            weight_decay=weight_decay,
+        )
         return cls(optimizer=optimizer, scheduler=scheduler, **settings)
 
 
-def _ensure_megatron(shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig,
-                     world: int) -> tuple[AdaptReport, bool, Any]:
+def _ensure_megatron(
+    shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig, world: int
+) -> tuple[AdaptReport, bool, Any]:
     """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
 
     Returns:
@@ -142,14 +177,18 @@ def _ensure_megatron(shape: ModelShape, parallel: ParallelConfig, seed: int, fea
     report, made = current_report(), False
     if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
         p = parallel
-        facts = ModelFacts.from_transformer_config(build_transformer_config(shape, parallel, per_token_loss=True),
-                                                   position_embedding_type=shape.position_embedding_type)
+        facts = ModelFacts.from_transformer_config(
+            build_transformer_config(shape, parallel, per_token_loss=True),
+            position_embedding_type=shape.position_embedding_type,
+        )
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True
     elif report.features_config != features:
-        raise ValueError(f"megatron-core is already adapted in this process with features {report.features_config}, "
-                         f"not {features}; build every actor of a process with the same features section "
-                         "(or close() the actor that adapted first)")
+        raise ValueError(
+            f"megatron-core is already adapted in this process with features {report.features_config}, "
+            f"not {features}; build every actor of a process with the same features section "
+            "(or close() the actor that adapted first)"
+        )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp)
         seed_everything(seed, default_groups())
@@ -174,8 +213,15 @@ class Actor:
         ConfigError: an unreadable directory or an unsupported model.
     """
 
-    def __init__(self, hf_dir: str, settings: ActorSettings | None = None, trainable: bool = True,
-                 tp: int = 1, pp: int = 1, features: FeaturesConfig | None = None) -> None:
+    def __init__(
+        self,
+        hf_dir: str,
+        settings: ActorSettings | None = None,
+        trainable: bool = True,
+        tp: int = 1,
+        pp: int = 1,
+        features: FeaturesConfig | None = None,
+    ) -> None:
         self.settings = s = settings or ActorSettings()
         self.hf_dir, self.trainable = str(hf_dir), trainable
         self.parallel = parallel = ParallelConfig(tp=tp, pp=pp)
@@ -187,15 +233,24 @@ class Actor:
         self.hf_vocab = shape.vocab_size
         self.vocab = padded_vocab_size(shape.vocab_size, 1, tp)
         self.adaptation, self._adapted, self.groups = _ensure_megatron(
-            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size())
+            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size()
+        )
         kernels, hooks = self.adaptation.kernels, self.adaptation.hooks
         overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
         # Per-token loss: the gradients are divided by the step's total count of trained tokens.
         self.transformer = build_transformer_config(shape, parallel, per_token_loss=True, overrides=overrides)
         load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab, groups=self.groups)
         if trainable:
-            self.chunks = build_model(shape, parallel, self.transformer, self.vocab, prepare=lambda models: load(models),
-                                      bridged=True, kernels=kernels, groups=self.groups)
+            self.chunks = build_model(
+                shape,
+                parallel,
+                self.transformer,
+                self.vocab,
+                prepare=lambda models: load(models),
+                bridged=True,
+                kernels=kernels,
+                groups=self.groups,
+            )
             for hook in hooks.get("post_model_build", ()):
                 hook(self.chunks)
             self.optimizer = build_optimizer(s.optimizer, self.chunks, parallel, kernels, self.groups)
@@ -205,16 +260,30 @@ class Actor:
             self.scheduler = build_scheduler(s.scheduler, self.optimizer, s.scheduler.lr_warmup_steps + 1)
             self.transformer.grad_scale_func = self.optimizer.scale_loss
         else:
-            self.chunks = build_model(shape, parallel, self.transformer, self.vocab, trainable=False, bridged=True,
-                                      kernels=kernels, groups=self.groups)
+            self.chunks = build_model(
+                shape,
+                parallel,
+                self.transformer,
+                self.vocab,
+                trainable=False,
+                bridged=True,
+                kernels=kernels,
+                groups=self.groups,
+            )
             load(self.chunks)
             self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
         self.version = 0
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
-        logger.info("actor (%s) from %s: %s, tp=%d pp=%d", "trainable" if trainable else "frozen", self.hf_dir,
-                    self.bridge.family, tp, pp)
+        logger.info(
+            "actor (%s) from %s: %s, tp=%d pp=%d",
+            "trainable" if trainable else "frozen",
+            self.hf_dir,
+            self.bridge.family,
+            tp,
+            pp,
+        )
 
     @property
     def features(self) -> Any:
@@ -229,8 +298,9 @@ class Actor:
 
     # -- batching ------------------------------------------------------------------------------
 
-    def _microbatches(self, pairs: Sequence[Pair], width: int,
-                      extra: dict[str, torch.Tensor] | None = None) -> list[dict[str, Any]]:
+    def _microbatches(
+        self, pairs: Sequence[Pair], width: int, extra: dict[str, torch.Tensor] | None = None
+    ) -> list[dict[str, Any]]:
         """THD microbatches of ``pairs`` with ``resp_index`` [n, width] into the packed tokens.
 
         ``extra`` holds per-pair tensors ``[len(pairs), width]`` (old log-probs, advantages,
@@ -245,7 +315,7 @@ class Actor:
         settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=self.parallel.pp == 1)
         out = []
         for first in range(0, len(pairs), mbs):
-            group = pairs[first:first + mbs]
+            group = pairs[first : first + mbs]
             seqs, index, mask = [], torch.zeros(len(group), width, dtype=torch.long), torch.zeros(len(group), width)
             offset = 0
             for row, (prompt, response) in enumerate(group):
@@ -261,31 +331,45 @@ class Actor:
             batch = pack_microbatch(seqs, settings)
             batch["resp_index"], batch["resp_mask"] = index, mask
             for key, value in (extra or {}).items():
-                batch[key] = value[first:first + mbs]
+                batch[key] = value[first : first + mbs]
             out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
         return out
 
-    def _schedule(self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool,
-                  logits: bool = False) -> list[dict[str, Any]]:
+    def _schedule(
+        self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool, logits: bool = False
+    ) -> list[dict[str, Any]]:
         """Run megatron's schedule; the last stage's output is the per-token CE, or the
         (vocab-parallel) logits ``[1, T, V_local]`` with ``logits``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], None, labels=None if logits else batch["labels"],
-                           packed_seq_params=packed_seq_params(batch))
+            output = model(
+                batch["tokens"],
+                batch["position_ids"],
+                None,
+                labels=None if logits else batch["labels"],
+                packed_seq_params=packed_seq_params(batch),
+            )
             return output, partial(loss_fn, batch)
 
         micro, seq = batches[0]["tokens"].shape
         schedule = get_forward_backward_func(pp_size=self.groups.pp.size())
-        return schedule(
-            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in self.chunks], model=self.chunks,
-            num_microbatches=len(batches), seq_length=seq, micro_batch_size=micro, forward_only=forward_only,
-            pg_collection=self.groups, p2p_communicator=P2PCommunicator(pp_group=self.groups.pp, config=self.transformer),
-        ) or []
+        return (
+            schedule(
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in self.chunks],
+                model=self.chunks,
+                num_microbatches=len(batches),
+                seq_length=seq,
+                micro_batch_size=micro,
+                forward_only=forward_only,
+                pg_collection=self.groups,
+                p2p_communicator=P2PCommunicator(pp_group=self.groups.pp, config=self.transformer),
+            )
+            or []
+        )
 
     # -- log-probs ---------------------------------------------------------------------------
 
@@ -354,8 +438,9 @@ class Actor:
 
     # -- update ------------------------------------------------------------------------------
 
-    def _policy_loss(self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any],
-                     output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _policy_loss(
+        self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any], output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["resp_mask"]
         logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
         if entropy is not None and not config.entropy_coef:
@@ -363,9 +448,17 @@ class Actor:
         old = batch.get("old_logp")
         if old is None:  # on-policy: the policy before this update is the current one (ratio 1)
             old = logp.detach()
-        inputs = PolicyLossInputs(logp=logp, old_logp=old, entropy=entropy,
-                                  advantages=batch["advantages"], mask=mask, ref_logp=batch.get("ref_logp"),
-                                  rollout_logp=batch.get("rollout_logp"), num_tokens=1.0, num_seqs=1.0)
+        inputs = PolicyLossInputs(
+            logp=logp,
+            old_logp=old,
+            entropy=entropy,
+            advantages=batch["advantages"],
+            mask=mask,
+            ref_logp=batch.get("ref_logp"),
+            rollout_logp=batch.get("rollout_logp"),
+            num_tokens=1.0,
+            num_seqs=1.0,
+        )
         out = compute_policy_loss(self.settings.loss, inputs, config)
         tokens = mask.sum()
         count = tokens if config.loss_agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
@@ -382,8 +475,14 @@ class Actor:
             metrics["rollout_logp_diff"] = torch.stack([diff.float().cpu(), tokens.float().cpu()])
         return out.loss, count.to(torch.int), metrics
 
-    def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor | None, advantages: torch.Tensor,
-               ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None) -> dict[str, float]:
+    def update(
+        self,
+        pairs: Sequence[Pair],
+        old_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+        rollout_logp: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """One optimizer step of the policy loss over all ``pairs`` (collective).
 
         Args:
@@ -412,8 +511,11 @@ class Actor:
             raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
         self.onload()
         longest = max(len(r) for _, r in pairs)
-        padded = [t for t in (old_logp, ref_logp, rollout_logp, advantages if advantages.dim() == 2 else None)
-                  if t is not None]
+        padded = [
+            t
+            for t in (old_logp, ref_logp, rollout_logp, advantages if advantages.dim() == 2 else None)
+            if t is not None
+        ]
         width = padded[0].shape[-1] if padded else longest
         if old_logp is not None and (old_logp.shape[0] != len(pairs) or width < longest):
             raise ValueError(f"old_logp {tuple(old_logp.shape)} does not fit {len(pairs)} responses")

@@ -27,8 +27,9 @@ from mindspeed_llm.bridges.layout import merge_tensors
 from mindspeed_llm.training.model import unwrap
 
 
-def vocab_parallel_logp_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
-                                group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logp_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int, group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` and entropy from (vocab-parallel) ``logits`` (differentiable).
 
     Args:
@@ -76,8 +77,9 @@ def broadcast_from_stage(tensor: torch.Tensor, stage: int, group: Any) -> torch.
     return tensor
 
 
-def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int,
-                    groups: Any) -> dict[str, torch.Tensor]:
+def gather_hf_state(
+    chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int, groups: Any
+) -> dict[str, torch.Tensor]:
     """The full model under Hugging Face names on every rank (collective over TP and PP).
 
     Each stage merges the tensor-parallel pieces of the parameters it holds (by the bridges'
@@ -96,8 +98,9 @@ def gather_hf_state(chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int
     plan = plan_conversion(bridge, shape)
     layout = ParallelLayout(tp=tp, pp=pp)
     stage = groups.pp.rank() if pp > 1 else 0
-    states = [{n: t.detach() for n, t in unwrap(c).state_dict().items() if not n.endswith("_extra_state")}
-              for c in chunks]
+    states = [
+        {n: t.detach() for n, t in unwrap(c).state_dict().items() if not n.endswith("_extra_state")} for c in chunks
+    ]
     owners = {name: layout.place(param, shape)[0] for name, param in plan.params.items()}
     mine: dict[str, torch.Tensor] = {}
     for name, param in plan.params.items():

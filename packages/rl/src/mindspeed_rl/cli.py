@@ -15,11 +15,7 @@ from mindspeed_rl.demo_model_cli import add_make_demo_model
 from mindspeed_rl.grpo_cli import add_grpo
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
-COMMANDS: dict[str, AddCommand] = {
-    "make-data": add_make_data,
-    "make-demo-model": add_make_demo_model,
-    "grpo": add_grpo,
-}
+COMMANDS: dict[str, AddCommand] = {"make-data": add_make_data, "make-demo-model": add_make_demo_model, "grpo": add_grpo}
 
 
 def build_parser() -> argparse.ArgumentParser:

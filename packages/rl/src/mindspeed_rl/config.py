@@ -19,8 +19,20 @@ from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
 from mindspeed_rl.config_checks import check_config
 
 #: Names of the sections of a recipe, in the order they are documented.
-SECTIONS = ("actor", "rollout", "reference", "reward", "algorithm", "buffer", "data", "ray", "train", "logging",
-            "checkpoint", "features")
+SECTIONS = (
+    "actor",
+    "rollout",
+    "reference",
+    "reward",
+    "algorithm",
+    "buffer",
+    "data",
+    "ray",
+    "train",
+    "logging",
+    "checkpoint",
+    "features",
+)
 
 
 @dataclass
@@ -174,8 +186,17 @@ class AlgorithmConfig:
 
     def loss_config(self) -> PolicyLossConfig:
         """The policy loss settings: the loss's defaults with the keys set here."""
-        names = ("clip_eps_low", "clip_eps_high", "clip_ratio_c", "loss_agg_mode", "kl_coef", "kl_estimator",
-                 "entropy_coef", "ratio_level", "tis_cap")
+        names = (
+            "clip_eps_low",
+            "clip_eps_high",
+            "clip_ratio_c",
+            "loss_agg_mode",
+            "kl_coef",
+            "kl_estimator",
+            "entropy_coef",
+            "ratio_level",
+            "tis_cap",
+        )
         return policy_loss_config(self.loss, **{name: getattr(self, name) for name in names})
 
 
@@ -353,6 +374,20 @@ def load_grpo_config(path: str | Path | None = None, overrides: list[str] | tupl
     return load_config(GRPOConfig, path, overrides)
 
 
-__all__ = ["SECTIONS", "ActorConfig", "AlgorithmConfig", "BufferConfig", "CheckpointConfig", "ConfigError",
-           "DataConfig", "GRPOConfig", "LoggingConfig", "RayConfig", "ReferenceConfig", "RewardConfig",
-           "RolloutConfig", "TrainConfig", "load_grpo_config"]
+__all__ = [
+    "SECTIONS",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "BufferConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "GRPOConfig",
+    "LoggingConfig",
+    "RayConfig",
+    "ReferenceConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "load_grpo_config",
+]

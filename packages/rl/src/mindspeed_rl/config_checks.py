@@ -59,8 +59,12 @@ def _check_model_dir(key: str, path: str | None, required: bool, what: str) -> N
 
 def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
     a, r, t = config.actor, config.rollout, config.train
-    _check_model_dir("actor.model", a.model, True, "give a Hugging Face model directory or a Megatron checkpoint, "
-                     "e.g. actor.model=/models/Qwen2.5-0.5B-Instruct")
+    _check_model_dir(
+        "actor.model",
+        a.model,
+        True,
+        "give a Hugging Face model directory or a Megatron checkpoint, e.g. actor.model=/models/Qwen2.5-0.5B-Instruct",
+    )
     if a.tokenizer not in (None, "demo"):
         _check_model_dir("actor.tokenizer", a.tokenizer, True, "give a tokenizer directory, demo, or leave it unset")
     if not a.lr > 0:
@@ -76,30 +80,44 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
         raise ConfigError(f"actor.clip_grad={a.clip_grad} and actor.weight_decay={a.weight_decay} must be >= 0")
     mini = a.mini_batch_size or t.global_batch
     if t.global_batch % mini:
-        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by actor.mini_batch_size={mini}; "
-                          "use a divisor (one optimizer update per mini-batch)")
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by actor.mini_batch_size={mini}; "
+            "use a divisor (one optimizer update per mini-batch)"
+        )
     rows = mini * r.n
     if rows % a.dp:
-        raise ConfigError(f"a mini-batch of {mini} prompts x rollout.n={r.n} = {rows} responses does not split "
-                          f"over actor.dp={a.dp} ranks; change train.global_batch, actor.mini_batch_size or rollout.n")
+        raise ConfigError(
+            f"a mini-batch of {mini} prompts x rollout.n={r.n} = {rows} responses does not split "
+            f"over actor.dp={a.dp} ranks; change train.global_batch, actor.mini_batch_size or rollout.n"
+        )
     per_rank = rows // a.dp
     if a.max_tokens_per_micro_batch is None and per_rank % a.micro_batch_size:
-        raise ConfigError(f"{per_rank} responses per rank and mini-batch are not divisible by actor.micro_batch_size="
-                          f"{a.micro_batch_size}; change it or set actor.max_tokens_per_micro_batch")
+        raise ConfigError(
+            f"{per_rank} responses per rank and mini-batch are not divisible by actor.micro_batch_size="
+            f"{a.micro_batch_size}; change it or set actor.max_tokens_per_micro_batch"
+        )
     longest = r.max_prompt_length + r.max_new_tokens
     if a.max_tokens_per_micro_batch is not None and a.max_tokens_per_micro_batch < longest:
-        raise ConfigError(f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below the longest "
-                          f"sequence (rollout.max_prompt_length + rollout.max_new_tokens = {longest}); raise it")
+        raise ConfigError(
+            f"actor.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below the longest "
+            f"sequence (rollout.max_prompt_length + rollout.max_new_tokens = {longest}); raise it"
+        )
     if a.max_tokens_per_micro_batch is not None:
-        raise ConfigError("actor.max_tokens_per_micro_batch (micro-batches balanced by tokens) is not supported by the "
-                          "actor yet; unset it and size actor.micro_batch_size instead")
+        raise ConfigError(
+            "actor.max_tokens_per_micro_batch (micro-batches balanced by tokens) is not supported by the "
+            "actor yet; unset it and size actor.micro_batch_size instead"
+        )
     world = config.actor_world_size()
     if r.colocate:
         if world % r.tp:
-            raise ConfigError(f"rollout.tp={r.tp} must divide the actor's {world} devices (actor.tp x pp x dp) it "
-                              "shares; change rollout.tp or set rollout.colocate=false")
+            raise ConfigError(
+                f"rollout.tp={r.tp} must divide the actor's {world} devices (actor.tp x pp x dp) it "
+                "shares; change rollout.tp or set rollout.colocate=false"
+            )
         if r.num_devices is not None:
-            raise ConfigError("rollout.num_devices is for a separated rollout pool; unset it or set rollout.colocate=false")
+            raise ConfigError(
+                "rollout.num_devices is for a separated rollout pool; unset it or set rollout.colocate=false"
+            )
     else:
         if r.num_devices is None:
             raise ConfigError("rollout.colocate=false needs rollout.num_devices (the rollout pool's size)")
@@ -107,28 +125,38 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
             raise ConfigError(f"rollout.num_devices={r.num_devices} is not a multiple of rollout.tp={r.tp}")
     needed = world + (0 if r.colocate else r.num_devices or 0)
     if num_devices is not None and needed > num_devices:
-        raise ConfigError(f"the layout needs {needed} devices (actor.tp x pp x dp = {world}"
-                          f"{'' if r.colocate else f' + rollout.num_devices = {r.num_devices}'}) but {num_devices} "
-                          "are available; shrink the layout")
+        raise ConfigError(
+            f"the layout needs {needed} devices (actor.tp x pp x dp = {world}"
+            f"{'' if r.colocate else f' + rollout.num_devices = {r.num_devices}'}) but {num_devices} "
+            "are available; shrink the layout"
+        )
 
 
 def _check_rollout(config: GRPOConfig) -> None:
     r = config.rollout
     if r.stop:
-        raise ConfigError(f"rollout.stop={r.stop!r}: stop strings are not supported by the rollout engines yet; "
-                          "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop")
+        raise ConfigError(
+            f"rollout.stop={r.stop!r}: stop strings are not supported by the rollout engines yet; "
+            "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop"
+        )
     if r.n < 2:
-        raise ConfigError(f"rollout.n={r.n}: group-relative advantages compare several responses per prompt; "
-                          "set rollout.n >= 2 (e.g. 8)")
+        raise ConfigError(
+            f"rollout.n={r.n}: group-relative advantages compare several responses per prompt; "
+            "set rollout.n >= 2 (e.g. 8)"
+        )
     if r.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={r.temperature} must be positive (RL needs sampling, not greedy decoding)")
+        raise ConfigError(
+            f"rollout.temperature={r.temperature} must be positive (RL needs sampling, not greedy decoding)"
+        )
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         raise ConfigError(f"need 0 < rollout.top_p <= 1 and rollout.top_k >= 0 (got {r.top_p}, {r.top_k})")
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm but vllm is not installed: install mindspeed-rl[vllm] (vllm-ascend on "
-                          "Ascend) or set rollout.engine=builtin")
+        raise ConfigError(
+            "rollout.engine=vllm but vllm is not installed: install mindspeed-rl[vllm] (vllm-ascend on "
+            "Ascend) or set rollout.engine=builtin"
+        )
 
 
 def _check_algorithm(config: GRPOConfig) -> None:
@@ -142,17 +170,26 @@ def _check_algorithm(config: GRPOConfig) -> None:
     except ValueError as err:
         raise ConfigError(f"algorithm: {err}") from err
     if al.adv_eps < 0 or al.overlong_penalty_factor < 0:
-        raise ConfigError(f"algorithm.adv_eps={al.adv_eps} and algorithm.overlong_penalty_factor="
-                          f"{al.overlong_penalty_factor} must be >= 0")
+        raise ConfigError(
+            f"algorithm.adv_eps={al.adv_eps} and algorithm.overlong_penalty_factor="
+            f"{al.overlong_penalty_factor} must be >= 0"
+        )
     if al.overlong_buffer is not None and not 0 < al.overlong_buffer <= r.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer={al.overlong_buffer} must be in (0, rollout.max_new_tokens="
-                          f"{r.max_new_tokens}]")
+        raise ConfigError(
+            f"algorithm.overlong_buffer={al.overlong_buffer} must be in (0, rollout.max_new_tokens={r.max_new_tokens}]"
+        )
     if config.reference.model is not None and not config.needs_reference():
-        raise ConfigError("reference.model is set but the KL coefficient is 0 (no reference is used); set "
-                          "algorithm.kl_coef > 0 or unset reference.model")
+        raise ConfigError(
+            "reference.model is set but the KL coefficient is 0 (no reference is used); set "
+            "algorithm.kl_coef > 0 or unset reference.model"
+        )
     if config.needs_reference():
-        _check_model_dir("reference.model", config.reference.model, False, "give the reference weights or unset it "
-                         "(default: actor.model)")
+        _check_model_dir(
+            "reference.model",
+            config.reference.model,
+            False,
+            "give the reference weights or unset it (default: actor.model)",
+        )
 
 
 def _check_buffer(config: GRPOConfig) -> None:
@@ -160,18 +197,26 @@ def _check_buffer(config: GRPOConfig) -> None:
     if b.max_staleness is not None and b.max_staleness < 0:
         raise ConfigError(f"buffer.max_staleness={b.max_staleness} must be >= 0")
     if b.mode == "sync" and b.staleness() != 0:
-        raise ConfigError(f"buffer.mode=sync is on-policy: buffer.max_staleness={b.max_staleness} must be 0; "
-                          "set buffer.mode=async to let the rollout run ahead")
+        raise ConfigError(
+            f"buffer.mode=sync is on-policy: buffer.max_staleness={b.max_staleness} must be 0; "
+            "set buffer.mode=async to let the rollout run ahead"
+        )
     if b.mode == "async" and b.staleness() == 0:
-        raise ConfigError("buffer.mode=async with buffer.max_staleness=0 is synchronous; set buffer.max_staleness >= 1 "
-                          "or buffer.mode=sync")
+        raise ConfigError(
+            "buffer.mode=async with buffer.max_staleness=0 is synchronous; set buffer.max_staleness >= 1 "
+            "or buffer.mode=sync"
+        )
     if not config.reference.colocate:
-        raise ConfigError("reference.colocate=false (a reference on its own devices) is not supported yet; the reference "
-                          "shares the actor's workers: set reference.colocate=true (reference.offload keeps its weights "
-                          "in host memory between uses)")
+        raise ConfigError(
+            "reference.colocate=false (a reference on its own devices) is not supported yet; the reference "
+            "shares the actor's workers: set reference.colocate=true (reference.offload keeps its weights "
+            "in host memory between uses)"
+        )
     if b.mode == "async" and config.rollout.colocate:
-        raise ConfigError("buffer.mode=async needs the rollout on its own devices (it generates while the actor "
-                          "trains): set rollout.colocate=false and rollout.num_devices")
+        raise ConfigError(
+            "buffer.mode=async needs the rollout on its own devices (it generates while the actor "
+            "trains): set rollout.colocate=false and rollout.num_devices"
+        )
 
 
 def _check_reward(config: GRPOConfig) -> None:
@@ -179,10 +224,14 @@ def _check_reward(config: GRPOConfig) -> None:
     if not rw.verifiers and rw.model is None:
         raise ConfigError("no reward: set reward.verifiers (e.g. [math]) and/or reward.model")
     if rw.weights is not None and len(rw.weights) != len(rw.verifiers):
-        raise ConfigError(f"reward.weights has {len(rw.weights)} entries for {len(rw.verifiers)} reward.verifiers; "
-                          "give one weight per verifier")
+        raise ConfigError(
+            f"reward.weights has {len(rw.weights)} entries for {len(rw.verifiers)} reward.verifiers; "
+            "give one weight per verifier"
+        )
     if any(not isinstance(v, dict) for v in rw.options.values()):
-        raise ConfigError("reward.options maps a verifier name to a mapping of its options, e.g. {format: {preset: think}}")
+        raise ConfigError(
+            "reward.options maps a verifier name to a mapping of its options, e.g. {format: {preset: think}}"
+        )
     try:
         build_reward(rw.verifiers, rw.weights, rw.options)
     except ValueError as err:
@@ -202,8 +251,10 @@ def _check_data(config: GRPOConfig) -> None:
                 raise ConfigError(f"data.{key}: {err}") from err
     unknown = sorted(set(d.map_keys) - set(DEFAULT_MAP_KEYS))
     if unknown:
-        raise ConfigError(f"data.map_keys: unknown key(s) {', '.join(unknown)}; map prompt and reference, e.g. "
-                          "{prompt: problem, reference: solution}")
+        raise ConfigError(
+            f"data.map_keys: unknown key(s) {', '.join(unknown)}; map prompt and reference, e.g. "
+            "{prompt: problem, reference: solution}"
+        )
     try:
         PromptFormat(d.prompt_format, d.prompt_template, d.instruction, d.system)
     except ValueError as err:

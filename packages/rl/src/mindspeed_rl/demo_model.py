@@ -53,8 +53,10 @@ CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
 # Frequent pieces of the prompts and answers are single tokens (no digits among them), which
 # makes a sequence ~13 tokens instead of ~45 characters: a faster fit and faster rollouts.
 PIECES = ("Question: ", "What is ", "?\n", "Answer:", " #### ", " + ", " - ", " * ", " = ")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-                 "Question: {{ message['content'] }}\nAnswer:{% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "Question: {{ message['content'] }}\nAnswer:{% endif %}{% endfor %}"
+)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,9 @@ def build_tokenizer() -> Any:
     core.add_special_tokens(list(SPECIAL_TOKENS))
     core.decoder = decoders.Fuse()
     core.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -138,11 +141,21 @@ def _fit_rows(tokenizer: Any, records: Sequence[Any]) -> tuple[torch.Tensor, tor
 def _llama_config(tokenizer: Any, s: DemoPolicySettings) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                       num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_heads,
-                       max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.eos_token_id, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def fit_demo_policy(seed: int = 0, settings: DemoPolicySettings | None = None) -> tuple[Any, Any]:
@@ -156,7 +169,6 @@ def fit_demo_policy(seed: int = 0, settings: DemoPolicySettings | None = None) -
         ``(LlamaForCausalLM in eval mode, tokenizer)``.
     """
     from transformers import LlamaForCausalLM
-
 
     s = settings or DemoPolicySettings()
     tokenizer = build_tokenizer()
@@ -172,8 +184,12 @@ def fit_demo_policy(seed: int = 0, settings: DemoPolicySettings | None = None) -
     for _ in range(s.fit_steps):
         pick = torch.randint(len(records), (min(s.batch_size, len(records)),), generator=generator)
         logits = model(input_ids=ids[pick]).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[pick][:, 1:].reshape(-1),
-                                                 ignore_index=-100, label_smoothing=s.label_smoothing)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            target[pick][:, 1:].reshape(-1),
+            ignore_index=-100,
+            label_smoothing=s.label_smoothing,
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -212,8 +228,11 @@ def build_demo_policy(out_dir: str | Path, seed: int = 0, settings: DemoPolicySe
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(str(tmp))
-        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.eos_token_id).save_pretrained(tmp)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        ).save_pretrained(tmp)
         with contextlib.suppress(OSError):
             out.rmdir()  # an empty directory given by the caller
         os.replace(tmp, out)
@@ -248,8 +267,15 @@ def resolve_model(path_or_demo: str, cache_dir: str | Path | None = None, seed: 
     return str(target)
 
 
-def evaluate_accuracy(engine: Any, tokenizer: Any, records: Sequence[Any], temperature: float = 0.0, n: int = 1,
-                      max_new_tokens: int = 8, seed: int = 0) -> float:
+def evaluate_accuracy(
+    engine: Any,
+    tokenizer: Any,
+    records: Sequence[Any],
+    temperature: float = 0.0,
+    n: int = 1,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> float:
     """Mean ``math`` reward of a rollout engine's answers to prompt records (plain format).
 
     Args:
@@ -267,14 +293,27 @@ def evaluate_accuracy(engine: Any, tokenizer: Any, records: Sequence[Any], tempe
     fmt = PromptFormat(style="plain", template=PROMPT_TEMPLATE)
     ids, kept = encode_prompts([fmt.render(r.prompt) for r in records], tokenizer, add_special_tokens=True)
     prompts = [ids[k] for k in range(len(kept)) for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + i)
+        for i in range(len(prompts))
+    ]
     outputs = engine.generate(prompts, params)
     verifier = MathVerifier()
-    scores = [verifier("", tokenizer.decode(out.token_ids, skip_special_tokens=True), records[kept[i // n]].reference)
-              for i, out in enumerate(outputs)]
+    scores = [
+        verifier("", tokenizer.decode(out.token_ids, skip_special_tokens=True), records[kept[i // n]].reference)
+        for i, out in enumerate(outputs)
+    ]
     return sum(scores) / max(len(scores), 1)
 
 
-__all__ = ["DEFAULT_CACHE_DIR", "DEMO_MODEL", "DemoPolicySettings", "answer_text", "build_demo_policy",
-           "build_tokenizer", "evaluate_accuracy", "fit_demo_policy", "resolve_model"]
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "DEMO_MODEL",
+    "DemoPolicySettings",
+    "answer_text",
+    "build_demo_policy",
+    "build_tokenizer",
+    "evaluate_accuracy",
+    "fit_demo_policy",
+    "resolve_model",
+]

@@ -14,14 +14,21 @@ import time
 
 def add_make_demo_model(sub: argparse._SubParsersAction) -> None:
     """Add ``make-demo-model`` to the ``mindspeed-rl`` subcommands."""
-    parser = sub.add_parser("make-demo-model", help="write the tiny demo starting policy (Hugging Face directory)",
-                            description="Fit a tiny Llama on the shipped arithmetic prompts for a few hundred steps "
-                                        "(about a minute on one CPU core) so that GRPO starts from a policy that is right "
-                                        "some of the time. Same seed, same weights. Written atomically.")
+    parser = sub.add_parser(
+        "make-demo-model",
+        help="write the tiny demo starting policy (Hugging Face directory)",
+        description="Fit a tiny Llama on the shipped arithmetic prompts for a few hundred steps "
+        "(about a minute on one CPU core) so that GRPO starts from a policy that is right "
+        "some of the time. Same seed, same weights. Written atomically.",
+    )
     parser.add_argument("--out", required=True, help="the directory to write (new or empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the fit (default 0)")
-    parser.add_argument("--fit-steps", type=int, default=None,
-                        help="supervised steps of the warm start (default: the builder's; more: a better start)")
+    parser.add_argument(
+        "--fit-steps",
+        type=int,
+        default=None,
+        help="supervised steps of the warm start (default: the builder's; more: a better start)",
+    )
     parser.set_defaults(func=run_make_demo_model)
 
 
@@ -41,4 +48,3 @@ def run_make_demo_model(args: argparse.Namespace) -> int:
     out = build_demo_policy(args.out, seed=args.seed, settings=settings)
     sys.stdout.write(f"wrote the demo policy to {out} in {time.perf_counter() - started:.1f} s\n")
     return 0
-

@@ -25,10 +25,13 @@ logger = get_logger(__name__)
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
     """Add ``grpo`` to the ``mindspeed-rl`` subcommands."""
-    parser = sub.add_parser("grpo", help="train a policy with GRPO / DAPO on Ray",
-                            description="GRPO on Ray: actor (megatron-core), reference, rollout engines and rewards "
-                                        "in resource pools, co-located or separated, sync or async through the "
-                                        "replay buffer. Recipe keys: see docs/rl/ and examples/rl/.")
+    parser = sub.add_parser(
+        "grpo",
+        help="train a policy with GRPO / DAPO on Ray",
+        description="GRPO on Ray: actor (megatron-core), reference, rollout engines and rewards "
+        "in resource pools, co-located or separated, sync or async through the "
+        "replay buffer. Recipe keys: see docs/rl/ and examples/rl/.",
+    )
     parser.add_argument("--config", help="the recipe (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. rollout.n=4")
     parser.set_defaults(func=run_grpo)
@@ -54,10 +57,15 @@ def run_grpo(args: argparse.Namespace) -> int:
     log_dir = config.log_dir()
     sink = None
     if log_dir is not None:
-        sink = RLMetricsLog(log_dir, tensorboard=config.logging.tensorboard, reward_curve=config.logging.reward_curve,
-                            resume_step=runner.ctx.step)
-    progress = ProgressLine(config.train.steps, bar=config.logging.progress, interval=config.logging.interval,
-                            stage="grpo")
+        sink = RLMetricsLog(
+            log_dir,
+            tensorboard=config.logging.tensorboard,
+            reward_curve=config.logging.reward_curve,
+            resume_step=runner.ctx.step,
+        )
+    progress = ProgressLine(
+        config.train.steps, bar=config.logging.progress, interval=config.logging.interval, stage="grpo"
+    )
 
     def on_step(record: dict[str, float]) -> None:
         record = per_device(record, devices)
@@ -73,10 +81,18 @@ def run_grpo(args: argparse.Namespace) -> int:
             stop = runner.stopped
             if stop is not None:
                 where = runner.checkpoint_path()
-                cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
-                         if stop.reason == "time limit" else stop.reason)
-                logger.warning("stopped by %s after step %d of %d: %s", cause, runner.ctx.step, config.train.steps,
-                               resume_hint(str(where) if where is not None else None))
+                cause = (
+                    f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+                    if stop.reason == "time limit"
+                    else stop.reason
+                )
+                logger.warning(
+                    "stopped by %s after step %d of %d: %s",
+                    cause,
+                    runner.ctx.step,
+                    config.train.steps,
+                    resume_hint(str(where) if where is not None else None),
+                )
                 return stop.exit_code
             if config.checkpoint.save_hf:
                 path = runner.save_hf(config.checkpoint.save_hf)
@@ -87,9 +103,12 @@ def run_grpo(args: argparse.Namespace) -> int:
             runner.shutdown()
     if records:
         first, last = records[0], records[-1]
-        sys.stdout.write(f"{len(records)} steps: reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
-                         + (f"; metrics in {log_dir}" if log_dir else "") + (f", curve {curve}" if curve else "") + "\n")
+        sys.stdout.write(
+            f"{len(records)} steps: reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
+            + (f"; metrics in {log_dir}" if log_dir else "")
+            + (f", curve {curve}" if curve else "")
+            + "\n"
+        )
     else:
         sys.stdout.write(f"nothing to do: the run is already at train.steps={config.train.steps}\n")
     return 0
-

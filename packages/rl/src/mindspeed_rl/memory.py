@@ -56,8 +56,11 @@ def memory_snapshot() -> dict[str, int]:
     """Bytes in use now: ``device_allocated`` and ``device_peak`` (the accelerator's counters; on
     the CPU the process' resident set and its peak) and ``host_rss``."""
     stats = get_accelerator().memory_stats()
-    return {"device_allocated": int(stats.get("allocated", 0)), "device_peak": int(stats.get("peak_allocated", 0)),
-            "host_rss": read_host_rss()}
+    return {
+        "device_allocated": int(stats.get("allocated", 0)),
+        "device_peak": int(stats.get("peak_allocated", 0)),
+        "host_rss": read_host_rss(),
+    }
 
 
 def memory_gib() -> dict[str, float]:
@@ -180,9 +183,15 @@ def collect_offload_tensors(chunks: list[Any], optimizer: Any, category: str) ->
     if category == "grad":
         # megatron's DDP keeps its ParamAndGradBuffers in list attributes (a bare module's
         # ``buffers`` is nn.Module's method: a frozen model has no gradient buffers).
-        buffers = [b for chunk in chunks for attr in ("buffers", "expert_parallel_buffers")
-                   for b in (vars(chunk).get(attr) or [])]
-        return [b.grad_data for b in buffers] + [getattr(p, "main_grad", None) for p in params] + [p.grad for p in params]
+        buffers = [
+            b
+            for chunk in chunks
+            for attr in ("buffers", "expert_parallel_buffers")
+            for b in (vars(chunk).get(attr) or [])
+        ]
+        return (
+            [b.grad_data for b in buffers] + [getattr(p, "main_grad", None) for p in params] + [p.grad for p in params]
+        )
     if category != "optimizer":
         raise ValueError(f"unknown offload category {category!r}; use weights, grad or optimizer")
     if optimizer is None:

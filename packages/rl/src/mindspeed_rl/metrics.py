@@ -30,8 +30,18 @@ REWARD_CURVE = "reward.png"
 #: Token rates of a record (tokens per second over the whole job); :func:`per_device` divides them.
 TPS_KEYS = ("rollout_tps", "update_tps", "e2e_tps")
 
-__all__ = ["METRICS_FILE", "REWARD_CURVE", "TENSORBOARD_DIR", "TPS_KEYS", "ProgressLine", "RLMetricsLog",
-           "format_step", "per_device", "read_metrics", "write_reward_curve"]
+__all__ = [
+    "METRICS_FILE",
+    "REWARD_CURVE",
+    "TENSORBOARD_DIR",
+    "TPS_KEYS",
+    "ProgressLine",
+    "RLMetricsLog",
+    "format_step",
+    "per_device",
+    "read_metrics",
+    "write_reward_curve",
+]
 
 
 def _number(value: Any) -> float | None:
@@ -93,9 +103,14 @@ def format_step(record: Mapping[str, Any], total_steps: int) -> str:
     mean, std = _number(record.get("reward_mean")), _number(record.get("reward_std"))
     if mean is not None:
         parts.append(f"reward {mean:.3f}" + (f"+-{std:.3f}" if std is not None else ""))
-    for key, label, form in (("response_length", "len", "{:.1f}"), ("loss", "loss", None), ("kl_loss", "kl", None),
-                             ("entropy", "ent", None), ("pg_clipfrac", "clip", "{:.3f}"),
-                             ("staleness_mean", "stale", "{:.2f}")):
+    for key, label, form in (
+        ("response_length", "len", "{:.1f}"),
+        ("loss", "loss", None),
+        ("kl_loss", "kl", None),
+        ("entropy", "ent", None),
+        ("pg_clipfrac", "clip", "{:.3f}"),
+        ("staleness_mean", "stale", "{:.2f}"),
+    ):
         value = _number(record.get(key))
         if value is not None:
             parts.append(f"{label} {form.format(value) if form else _fmt(value)}")
@@ -124,8 +139,15 @@ class ProgressLine:
         stage: the name the bar starts with (``grpo``, ``dapo``, ...).
     """
 
-    def __init__(self, total_steps: int, *, bar: bool = True, stream: TextIO | None = None, interval: int = 1,
-                 stage: str = "grpo") -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        bar: bool = True,
+        stream: TextIO | None = None,
+        interval: int = 1,
+        stage: str = "grpo",
+    ) -> None:
         self.total_steps = total_steps
         self.interval = max(int(interval), 1)
         self._progress: Any = None
@@ -137,9 +159,16 @@ class ProgressLine:
 
             console = Console(file=stream, force_terminal=True)
             # The stage's name, the steps and the time left, then the step's line.
-            self._progress = Progress(TextColumn(stage), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
-                                      TimeRemainingColumn(), TextColumn("{task.description}"), console=console,
-                                      transient=False)
+            self._progress = Progress(
+                TextColumn(stage),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=console,
+                transient=False,
+            )
             self._task = self._progress.add_task("", total=total_steps or None)
             self._progress.start()
 
@@ -282,8 +311,9 @@ def write_reward_curve(metrics: Path, target: Path) -> Path | None:
     std = [_number(r.get("reward_std")) or 0.0 for r in rows]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
     top.plot(steps, mean, label="reward_mean", linewidth=1.2)
-    top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25,
-                     label="+- reward_std")
+    top.fill_between(
+        steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25, label="+- reward_std"
+    )
     top.set_ylabel("reward")
     top.legend()
     for key, style in (("response_length", "-"), ("response_length_max", "--")):

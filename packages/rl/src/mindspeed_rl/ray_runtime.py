@@ -77,8 +77,9 @@ def start_reaper() -> subprocess.Popen | None:
     env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
     global _reaper
     # Held for the life of this process: closing the pipe is what tells the watchdog to act.
-    _reaper = subprocess.Popen([sys.executable, "-c", _WATCHDOG, marker], stdin=subprocess.PIPE, env=env,
-                               start_new_session=True)
+    _reaper = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, marker], stdin=subprocess.PIPE, env=env, start_new_session=True
+    )
     return _reaper
 
 
@@ -99,8 +100,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **options:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     if "ray" in sys.modules and os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
-        logger.warning("ray was imported before init_ray: if this process runs under `uv run`, set "
-                       "RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 before importing ray, or workers start very slowly")
+        logger.warning(
+            "ray was imported before init_ray: if this process runs under `uv run`, set "
+            "RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 before importing ray, or workers start very slowly"
+        )
     import ray
 
     if ray.is_initialized():

@@ -87,14 +87,18 @@ def absolute_paths(config: GRPOConfig) -> GRPOConfig:
 
     return replace(
         config,
-        actor=replace(a, model=_absolute(a.model), tokenizer=a.tokenizer if a.tokenizer in (None, "demo")
-                      else _absolute(a.tokenizer)),
+        actor=replace(
+            a,
+            model=_absolute(a.model),
+            tokenizer=a.tokenizer if a.tokenizer in (None, "demo") else _absolute(a.tokenizer),
+        ),
         reference=replace(config.reference, model=_absolute(config.reference.model)),
         reward=replace(config.reward, model=_absolute(config.reward.model)),
         data=replace(d, path=data_path(d.path), eval_path=data_path(d.eval_path)),
         logging=replace(config.logging, dir=_absolute(config.logging.dir)),
-        checkpoint=replace(config.checkpoint, save=_absolute(config.checkpoint.save),
-                           save_hf=_absolute(config.checkpoint.save_hf)),
+        checkpoint=replace(
+            config.checkpoint, save=_absolute(config.checkpoint.save), save_hf=_absolute(config.checkpoint.save_hf)
+        ),
     )
 
 
@@ -111,8 +115,9 @@ class RemoteScorer:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def score_batch(self, prompts: list[str], responses: list[str], references: list[str | None] | None = None
-                    ) -> list[float]:
+    def score_batch(
+        self, prompts: list[str], responses: list[str], references: list[str | None] | None = None
+    ) -> list[float]:
         """The worker's scores of ``prompt + response`` for each pair."""
         import ray
 
@@ -136,15 +141,16 @@ class GRPORunner:
     def __init__(self, config: GRPOConfig) -> None:
         from transformers import AutoTokenizer
 
-
         if config.actor.model == "demo":
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()
         config = absolute_paths(config)
         if config.buffer.mode == "async" and config.algorithm.tis_cap is None:
             config = replace(config, algorithm=replace(config.algorithm, tis_cap=ASYNC_TIS_CAP))
-            logger.info("async mode: truncated importance sampling against the rollout's log-probs, "
-                        "algorithm.tis_cap=%s", ASYNC_TIS_CAP)
+            logger.info(
+                "async mode: truncated importance sampling against the rollout's log-probs, algorithm.tis_cap=%s",
+                ASYNC_TIS_CAP,
+            )
         self.config = config
         model_dir = str(config.actor.model)
         r = config.rollout
@@ -161,9 +167,11 @@ class GRPORunner:
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
         self.reward_worker = None
         if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
-
-            self.reward_worker = ray_remote(RewardModel).options(num_cpus=1).remote(
-                config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
+            self.reward_worker = (
+                ray_remote(RewardModel)
+                .options(num_cpus=1)
+                .remote(config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
+            )
         remote = RemoteScorer(self.reward_worker) if self.reward_worker is not None else None
         records, sampler, fmt, reward = prompt_pieces(config, remote)
         d = config.data
@@ -206,8 +214,10 @@ class GRPORunner:
         after = pctx.sampler.state_dict()
         n = len(batch.pairs)
         if n != self.rows:
-            raise RuntimeError(f"the rollout returned {n} rows for a step of {self.rows}: every prompt of a step must "
-                               "fit rollout.max_prompt_length (raise it)")
+            raise RuntimeError(
+                f"the rollout returned {n} rows for a step of {self.rows}: every prompt of a step must "
+                "fit rollout.max_prompt_length (raise it)"
+            )
         put = self.buffer.put
         put("pair", rows, batch.pairs)
         put("prompt", rows, batch.prompts)
@@ -248,12 +258,22 @@ class GRPORunner:
         rows = self.buffer.wait_ready(list(COLUMNS), self.rows, "trainer")
         got = self.buffer.get(list(COLUMNS) + ["version"], rows)
         parts = {k: torch.tensor([p[k] for p in got["parts"]]) for k in got["parts"][0]}
-        batch = RolloutBatch([tuple(p) for p in got["pair"]], got["prompt"], got["reference"], got["rollout_logp"],
-                             torch.tensor(got["reward"], dtype=torch.float32), parts,
-                             {k: v for k, v in got["batch_metrics"][0].items() if k != "time/rollout"})
+        batch = RolloutBatch(
+            [tuple(p) for p in got["pair"]],
+            got["prompt"],
+            got["reference"],
+            got["rollout_logp"],
+            torch.tensor(got["reward"], dtype=torch.float32),
+            parts,
+            {k: v for k, v in got["batch_metrics"][0].items() if k != "time/rollout"},
+        )
         lag = [self.version - v for v in got["version"]]
-        info = {"sampler_state": got["sampler_state"][-1], "time/rollout": got["batch_metrics"][0]["time/rollout"],
-                "staleness_mean": sum(lag) / len(lag), "staleness_max": float(max(lag))}
+        info = {
+            "sampler_state": got["sampler_state"][-1],
+            "time/rollout": got["batch_metrics"][0]["time/rollout"],
+            "staleness_mean": sum(lag) / len(lag),
+            "staleness_max": float(max(lag)),
+        }
         return batch, rows, info
 
     def train_step(self, wait_start: float) -> dict[str, float]:
@@ -282,8 +302,9 @@ class GRPORunner:
         self.produce(self.pctx, self.version)
         return self.train_step(start)
 
-    def run(self, steps: int | None = None, on_step: Any = None, preemption: Preemption | None = None
-            ) -> list[dict[str, float]]:
+    def run(
+        self, steps: int | None = None, on_step: Any = None, preemption: Preemption | None = None
+    ) -> list[dict[str, float]]:
         """Run until ``train.steps`` (or ``steps`` more); saves checkpoints as the recipe says.
 
         Args:
@@ -300,8 +321,9 @@ class GRPORunner:
         records = []
         producer = None
         if self.config.buffer.mode == "async" and count > 0:
-            producer = threading.Thread(target=self._producer_loop, args=(self.pctx, count),
-                                        name="rollout-producer", daemon=True)
+            producer = threading.Thread(
+                target=self._producer_loop, args=(self.pctx, count), name="rollout-producer", daemon=True
+            )
             producer.start()
         try:
             for _ in range(count):
@@ -348,8 +370,11 @@ class GRPORunner:
         """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);
         rotates complete checkpoints to ``checkpoint.keep_last``."""
         state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
-        path = Path(self.group.call("save", str(root), self.ctx.step, {RL_STATE: json.dumps(state)},
-                                    self.config.checkpoint.keep_last)[0])
+        path = Path(
+            self.group.call(
+                "save", str(root), self.ctx.step, {RL_STATE: json.dumps(state)}, self.config.checkpoint.keep_last
+            )[0]
+        )
         self.saved_step = self.ctx.step
         logger.info("saved %s", path)
         return path
@@ -367,9 +392,11 @@ class GRPORunner:
         if found.path is None or not (found.path / RL_STATE).is_file():
             if holds_checkpoints(c.save):
                 why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
-                raise ConfigError(f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
-                                  f"({why}); set checkpoint.resume=false to start from step 1 there or set "
-                                  "checkpoint.save to a new directory")
+                raise ConfigError(
+                    f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
+                    f"({why}); set checkpoint.resume=false to start from step 1 there or set "
+                    "checkpoint.save to a new directory"
+                )
             return
         path = found.path
         state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))

@@ -97,25 +97,37 @@ class RolloutBatch:
         """The rows of the given prompt groups, in that order."""
         rows = [g * n + j for g in groups for j in range(n)]
         pick = torch.tensor(rows, dtype=torch.long)
-        return RolloutBatch([self.pairs[i] for i in rows], [self.prompts[i] for i in rows],
-                            [self.references[i] for i in rows], [self.rollout_logp[i] for i in rows],
-                            self.rewards[pick], {k: v[pick] for k, v in self.parts.items()})
+        return RolloutBatch(
+            [self.pairs[i] for i in rows],
+            [self.prompts[i] for i in rows],
+            [self.references[i] for i in rows],
+            [self.rollout_logp[i] for i in rows],
+            self.rewards[pick],
+            {k: v[pick] for k, v in self.parts.items()},
+        )
 
 
 def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
     cfg, r, algo = ctx.config, ctx.config.rollout, ctx.config.algorithm
     chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
     texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in chosen]
-    ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
-                               add_special_tokens=ctx.prompt_format.style == "plain")
+    ids, kept = encode_prompts(
+        texts, ctx.tokenizer, r.max_prompt_length, add_special_tokens=ctx.prompt_format.style == "plain"
+    )
     if not ids:
-        raise ValueError(f"every prompt of step {ctx.step + 1} is longer than rollout.max_prompt_length="
-                         f"{r.max_prompt_length}; raise it")
+        raise ValueError(
+            f"every prompt of step {ctx.step + 1} is longer than rollout.max_prompt_length="
+            f"{r.max_prompt_length}; raise it"
+        )
     prompts = [ids[k] for k in range(len(kept)) for _ in range(r.n)]
     # Every request its own seed (step, round, row): repeatable, and different across rounds.
     base = cfg.train.seed * 1_000_003 + ctx.step * 65_537 + round_index * 4_099
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                             seed=base + i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=base + i
+        )
+        for i in range(len(prompts))
+    ]
     outputs = ctx.engine.generate(prompts, params)
     pairs = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outputs)]
     prompt_texts = [texts[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
@@ -127,8 +139,14 @@ def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
         penalty = overlong_penalty(lengths, r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
         parts["overlong"] = penalty
         rewards = rewards + penalty
-    return RolloutBatch(pairs, prompt_texts, references, [torch.tensor(o.logprobs, dtype=torch.float32) for o in outputs],
-                        rewards, parts)
+    return RolloutBatch(
+        pairs,
+        prompt_texts,
+        references,
+        [torch.tensor(o.logprobs, dtype=torch.float32) for o in outputs],
+        rewards,
+        parts,
+    )
 
 
 def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
@@ -150,10 +168,15 @@ def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
         rounds.append(_one_round(ctx, len(rounds)))
         sampler.add(rounds[-1].rewards)
     picked = [rounds[r].select([g], n) for r, g in sampler.selection()]
-    merged = RolloutBatch([p for b in picked for p in b.pairs], [t for b in picked for t in b.prompts],
-                          [t for b in picked for t in b.references], [t for b in picked for t in b.rollout_logp],
-                          torch.cat([b.rewards for b in picked]),
-                          {k: torch.cat([b.parts[k] for b in picked]) for k in picked[0].parts}, sampler.metrics())
+    merged = RolloutBatch(
+        [p for b in picked for p in b.pairs],
+        [t for b in picked for t in b.prompts],
+        [t for b in picked for t in b.references],
+        [t for b in picked for t in b.rollout_logp],
+        torch.cat([b.rewards for b in picked]),
+        {k: torch.cat([b.parts[k] for b in picked]) for k in picked[0].parts},
+        sampler.metrics(),
+    )
     return merged
 
 
@@ -190,15 +213,22 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     for _ in range(cfg.actor.ppo_epochs):
         for first in range(0, len(pairs), mini):
             part = slice(first, first + mini)
-            metrics = ctx.actor.update(pairs[part], None if old_logp is None else old_logp[part], advantages[part],
-                                       None if ref_logp is None else ref_logp[part], rollout_logp[part])
+            metrics = ctx.actor.update(
+                pairs[part],
+                None if old_logp is None else old_logp[part],
+                advantages[part],
+                None if ref_logp is None else ref_logp[part],
+                rollout_logp[part],
+            )
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
     lap("update")
     lengths = torch.tensor([float(len(r)) for _, r in pairs])
     record: dict[str, float] = {
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-        "response_length": float(lengths.mean()), "response_length_max": float(lengths.max()),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "response_length": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
         "policy_version": float(ctx.actor.version),
     }
     record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
@@ -267,15 +297,18 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     """
     r = ctx.config.rollout
     texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in records]
-    ids, kept = encode_prompts(texts, ctx.tokenizer, r.max_prompt_length,
-                               add_special_tokens=ctx.prompt_format.style == "plain")
+    ids, kept = encode_prompts(
+        texts, ctx.tokenizer, r.max_prompt_length, add_special_tokens=ctx.prompt_format.style == "plain"
+    )
     if not ids:
         raise ValueError(f"no held-out prompt fits rollout.max_prompt_length={r.max_prompt_length}; raise it")
     outputs = ctx.engine.generate(ids, [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)] * len(ids))
     responses = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
     rewards, parts = ctx.reward.score_batch([texts[k] for k in kept], responses, [records[k].reference for k in kept])
-    out = {"eval/reward_mean": float(rewards.mean()),
-           "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs)}
+    out = {
+        "eval/reward_mean": float(rewards.mean()),
+        "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs),
+    }
     out.update({f"eval/reward/{name}": float(v.mean()) for name, v in parts.items()})
     return out
 
@@ -298,15 +331,27 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
     a, algo = config.actor, config.algorithm
     mini = a.mini_batch_size or config.train.global_batch
     updates = config.train.steps * (config.train.global_batch // mini) * a.ppo_epochs
-    return ActorSettings.adamw(lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=a.lr_warmup_steps,
-                               lr_decay_style=a.lr_decay_style, lr_decay_steps=updates, weight_decay=a.weight_decay,
-                               clip_grad=a.clip_grad, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
-                               precision=a.precision, micro_batch_size=a.micro_batch_size, seed=config.train.seed,
-                               loss=algo.loss, loss_config=algo.loss_config())
+    return ActorSettings.adamw(
+        lr=a.lr,
+        min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_steps,
+        lr_decay_style=a.lr_decay_style,
+        lr_decay_steps=updates,
+        weight_decay=a.weight_decay,
+        clip_grad=a.clip_grad,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        precision=a.precision,
+        micro_batch_size=a.micro_batch_size,
+        seed=config.train.seed,
+        loss=algo.loss,
+        loss_config=algo.loss_config(),
+    )
 
 
-def prompt_pieces(config: GRPOConfig, reward_model: Any = None
-                  ) -> tuple[list[PromptRecord], PromptSampler, PromptFormat, WeightedReward]:
+def prompt_pieces(
+    config: GRPOConfig, reward_model: Any = None
+) -> tuple[list[PromptRecord], PromptSampler, PromptFormat, WeightedReward]:
     """The prompt records, their sampler, the prompt format and the reward functions of a recipe.
 
     Args:
@@ -335,14 +380,16 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     """
     from transformers import AutoTokenizer
 
-
     config.check()
     _ensure_group()
     a = config.actor
     settings = actor_settings(config)
     actor = Actor(a.model, settings, tp=a.tp, pp=a.pp, features=config.features)
-    reference = Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp,
-                      features=config.features) if config.needs_reference() else None
+    reference = (
+        Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp, features=config.features)
+        if config.needs_reference()
+        else None
+    )
     engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     records, sampler, fmt, reward = prompt_pieces(config)
@@ -372,9 +419,15 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
                 with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
                     sink.write(json.dumps(record) + "\n")
             if ctx.step % max(config.logging.interval, 1) == 0:
-                logger.info("step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s", ctx.step,
-                            record["reward_mean"], record["reward_std"], record["response_length"],
-                            record.get("loss", float("nan")), record["time/step"])
+                logger.info(
+                    "step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s",
+                    ctx.step,
+                    record["reward_mean"],
+                    record["reward_std"],
+                    record["response_length"],
+                    record.get("loss", float("nan")),
+                    record["time/step"],
+                )
     finally:
         ctx.actor.close()  # undo the adaptation of megatron-core (the reference shares it)
     return ctx.history

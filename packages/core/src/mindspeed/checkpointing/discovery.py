@@ -47,7 +47,7 @@ class Layout:
     def step_of(self, path: str | Path) -> int | None:
         """The step a directory name stands for (``None`` for any other name)."""
         name = Path(path).name
-        digits = name[len(self.prefix):]
+        digits = name[len(self.prefix) :]
         if name.startswith(self.prefix) and len(digits) == self.digits and digits.isascii() and digits.isdigit():
             return int(digits)
         return None
@@ -86,8 +86,11 @@ def write_marker(directory: str | Path, step: int) -> Path:
     absent or whole.
     """
     directory = Path(directory)
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")}
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")
+    }
     tmp = directory / (MARKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as out:
         json.dump({"step": step, "files": files}, out, indent=0)

@@ -53,8 +53,11 @@ class StopRequest:
     exit_code: int
 
 
-_REQUESTS = {_TIME: StopRequest("time limit", 0), _SIGINT: StopRequest("SIGINT", EXIT_SIGINT),
-             _SIGTERM: StopRequest("SIGTERM", EXIT_SIGTERM)}
+_REQUESTS = {
+    _TIME: StopRequest("time limit", 0),
+    _SIGINT: StopRequest("SIGINT", EXIT_SIGINT),
+    _SIGTERM: StopRequest("SIGTERM", EXIT_SIGTERM),
+}
 
 
 def interrupts_come_from_launcher() -> None:
@@ -106,8 +109,11 @@ class Preemption:
             self._code = _SIGTERM
             return
         if self._code == _SIGINT:  # the second Ctrl-C: stop now (forked writers die with this process)
-            logger.error("interrupted twice: stopped at once without saving; the same command resumes from the "
-                         "newest complete checkpoint%s", f" in {self.where}" if self.where else "")
+            logger.error(
+                "interrupted twice: stopped at once without saving; the same command resumes from the "
+                "newest complete checkpoint%s",
+                f" in {self.where}" if self.where else "",
+            )
             os._exit(EXIT_SIGINT)
         self._code = max(self._code, _SIGINT)
 

@@ -38,7 +38,9 @@ def needs_cuda_shim(accelerator: Accelerator) -> bool:
     return accelerator.name in SHIMMED_ACCELERATORS
 
 
-def _redirect(name: str, make: Callable[[Any, Accelerator], Any], reason: str, module: str = "torch.cuda") -> UpstreamPatch:
+def _redirect(
+    name: str, make: Callable[[Any, Accelerator], Any], reason: str, module: str = "torch.cuda"
+) -> UpstreamPatch:
     return UpstreamPatch(
         name=f"cuda-api:{name}",
         target=f"{module}.{name}",
@@ -51,45 +53,68 @@ def _redirect(name: str, make: Callable[[Any, Accelerator], Any], reason: str, m
 
 
 def _memory(key: str) -> Callable[[Any, Accelerator], Any]:
-    return lambda original, acc: (lambda device=None: acc.memory_stats()[key])
+    return lambda original, acc: lambda device=None: acc.memory_stats()[key]
 
 
 def cuda_api_patches() -> list[UpstreamPatch]:
     """The ``torch.cuda`` functions megatron-core calls, redirected to the accelerator."""
     return [
-        _redirect("current_device", lambda o, acc: (lambda: acc.current_device()),
-                  "175 call sites in megatron-core allocate on torch.cuda.current_device()"),
-        _redirect("device_count", lambda o, acc: (lambda: acc.device_count()), "device discovery"),
-        _redirect("set_device", lambda o, acc: (lambda device: acc.set_device(_index(device))), "rank binding"),
-        _redirect("synchronize", lambda o, acc: (lambda device=None: acc.synchronize()), "timers and p2p"),
-        _redirect("empty_cache", lambda o, acc: (lambda: acc.empty_cache()), "memory release"),
-        _redirect("manual_seed", lambda o, acc: (lambda seed: acc.manual_seed(int(seed))), "RNG tracker seeding"),
-        _redirect("manual_seed_all", lambda o, acc: (lambda seed: acc.manual_seed(int(seed))), "RNG seeding"),
-        _redirect("get_rng_state", lambda o, acc: (lambda device="cuda": acc.get_rng_state()), "RNG tracker"),
-        _redirect("set_rng_state", lambda o, acc: (lambda new_state, device="cuda": acc.set_rng_state(new_state)),
-                  "RNG tracker"),
-        _redirect("get_rng_state", lambda o, acc: (lambda device="cuda": acc.get_rng_state()),
-                  "megatron's _get_cuda_rng_state calls torch.cuda.random.get_rng_state", module="torch.cuda.random"),
-        _redirect("current_stream", lambda o, acc: (lambda device=None: acc.current_stream()), "stream ordering"),
-        _redirect("default_stream", lambda o, acc: (lambda device=None: acc.current_stream()), "stream ordering"),
-        _redirect("Stream", lambda o, acc: _factory_type("Stream", lambda *args, **kwargs: acc.stream()),
-                  "the MoE alltoall dispatcher and overlap code create side streams"),
-        _redirect("stream", lambda o, acc: (lambda stream: acc.use_stream(stream)), "stream context"),
-        _redirect("Event", lambda o, acc: _factory_type("Event", lambda enable_timing=False, **kwargs: acc.event(enable_timing)),
-                  "timers and stream ordering"),
+        _redirect(
+            "current_device",
+            lambda o, acc: lambda: acc.current_device(),
+            "175 call sites in megatron-core allocate on torch.cuda.current_device()",
+        ),
+        _redirect("device_count", lambda o, acc: lambda: acc.device_count(), "device discovery"),
+        _redirect("set_device", lambda o, acc: lambda device: acc.set_device(_index(device)), "rank binding"),
+        _redirect("synchronize", lambda o, acc: lambda device=None: acc.synchronize(), "timers and p2p"),
+        _redirect("empty_cache", lambda o, acc: lambda: acc.empty_cache(), "memory release"),
+        _redirect("manual_seed", lambda o, acc: lambda seed: acc.manual_seed(int(seed)), "RNG tracker seeding"),
+        _redirect("manual_seed_all", lambda o, acc: lambda seed: acc.manual_seed(int(seed)), "RNG seeding"),
+        _redirect("get_rng_state", lambda o, acc: lambda device="cuda": acc.get_rng_state(), "RNG tracker"),
+        _redirect(
+            "set_rng_state", lambda o, acc: lambda new_state, device="cuda": acc.set_rng_state(new_state), "RNG tracker"
+        ),
+        _redirect(
+            "get_rng_state",
+            lambda o, acc: lambda device="cuda": acc.get_rng_state(),
+            "megatron's _get_cuda_rng_state calls torch.cuda.random.get_rng_state",
+            module="torch.cuda.random",
+        ),
+        _redirect("current_stream", lambda o, acc: lambda device=None: acc.current_stream(), "stream ordering"),
+        _redirect("default_stream", lambda o, acc: lambda device=None: acc.current_stream(), "stream ordering"),
+        _redirect(
+            "Stream",
+            lambda o, acc: _factory_type("Stream", lambda *args, **kwargs: acc.stream()),
+            "the MoE alltoall dispatcher and overlap code create side streams",
+        ),
+        _redirect("stream", lambda o, acc: lambda stream: acc.use_stream(stream), "stream context"),
+        _redirect(
+            "Event",
+            lambda o, acc: _factory_type("Event", lambda enable_timing=False, **kwargs: acc.event(enable_timing)),
+            "timers and stream ordering",
+        ),
         _redirect("memory_allocated", _memory("allocated"), "memory reports"),
         _redirect("max_memory_allocated", _memory("peak_allocated"), "memory reports"),
         _redirect("memory_reserved", _memory("reserved"), "memory reports"),
-        _redirect("reset_peak_memory_stats", lambda o, acc: (lambda device=None: acc.reset_peak_memory_stats()),
-                  "memory reports"),
+        _redirect(
+            "reset_peak_memory_stats",
+            lambda o, acc: lambda device=None: acc.reset_peak_memory_stats(),
+            "memory reports",
+        ),
     ]
 
 
 def _factory_type(name: str, make: Callable[..., Any]) -> type:
     """A class whose construction returns ``make(...)``: code that uses ``torch.cuda.Stream``
     as a type (annotations such as ``Optional[torch.cuda.Stream]`` in transformers) keeps working."""
-    return type(name, (), {"__new__": staticmethod(lambda cls, *args, **kwargs: make(*args, **kwargs)),
-                           "__doc__": f"Stands in for torch.cuda.{name} on another accelerator."})
+    return type(
+        name,
+        (),
+        {
+            "__new__": staticmethod(lambda cls, *args, **kwargs: make(*args, **kwargs)),
+            "__doc__": f"Stands in for torch.cuda.{name} on another accelerator.",
+        },
+    )
 
 
 def _index(device: Any) -> int:
@@ -136,11 +161,13 @@ class DeviceRedirectMode(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             tensor = args[0]
             target = self.map_device(args[1] if len(args) > 1 else kwargs.get("device", 0))
-            return tensor if tensor.device == target else tensor.to(target, non_blocking=kwargs.get("non_blocking", False))
+            return (
+                tensor if tensor.device == target else tensor.to(target, non_blocking=kwargs.get("non_blocking", False))
+            )
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             # megatron-core checks param.type() against "torch.cuda.FloatTensor" and friends.
-            return "torch.cuda." + name[len(self._type_prefix):] if name.startswith(self._type_prefix) else name
+            return "torch.cuda." + name[len(self._type_prefix) :] if name.startswith(self._type_prefix) else name
         if "device" in kwargs:
             kwargs["device"] = self.map_device(kwargs["device"])
         if kwargs.get("pin_memory") and not self.accelerator.supports("pinned_memory"):

@@ -66,8 +66,13 @@ class Change:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable data (values that are not JSON become their repr)."""
-        return {"feature": self.feature, "target": self.target, "before": to_jsonable(self.before),
-                "after": to_jsonable(self.after), "reason": self.reason}
+        return {
+            "feature": self.feature,
+            "target": self.target,
+            "before": to_jsonable(self.before),
+            "after": to_jsonable(self.after),
+            "reason": self.reason,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Change:
@@ -151,15 +156,22 @@ class Feature:
 
     def invalid(self, problem: str, fix: str) -> ValueError:
         """A ``ValueError`` that names this feature, the problem and the fix (raise it)."""
-        return ValueError(f"feature {self.name!r}: {problem}; {fix} "
-                          f"(or turn the feature off: settings.{self.name}.enabled=false)")
+        return ValueError(
+            f"feature {self.name!r}: {problem}; {fix} (or turn the feature off: settings.{self.name}.enabled=false)"
+        )
 
     def info(self) -> dict[str, Any]:
         """Static facts about the feature as plain data (for listings and docs)."""
-        return {"name": self.name, "level": self.level, "flags": list(self.flags),
-                "requires": list(self.requires), "conflicts": list(self.conflicts),
-                "description": self.description, "targets": list(self.targets),
-                "config": to_jsonable(dataclasses.asdict(self.Config()))}
+        return {
+            "name": self.name,
+            "level": self.level,
+            "flags": list(self.flags),
+            "requires": list(self.requires),
+            "conflicts": list(self.conflicts),
+            "description": self.description,
+            "targets": list(self.targets),
+            "config": to_jsonable(dataclasses.asdict(self.Config())),
+        }
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, level={self.level})"

@@ -137,7 +137,9 @@ class ModelFacts:
         return None if self.num_moe_experts is None else self.num_moe_experts > 0
 
     @classmethod
-    def from_transformer_config(cls, config: Any, position_embedding_type: str | None = None, **extra: Any) -> ModelFacts:
+    def from_transformer_config(
+        cls, config: Any, position_embedding_type: str | None = None, **extra: Any
+    ) -> ModelFacts:
         """Facts read from a megatron-core ``TransformerConfig`` (duck-typed: megatron is not imported).
 
         Args:
@@ -166,8 +168,9 @@ class BuildContext:
         model: the model facts (default: all unknown).
     """
 
-    def __init__(self, accelerator: str | None = None, parallel: ParallelSizes | None = None,
-                 model: ModelFacts | None = None) -> None:
+    def __init__(
+        self, accelerator: str | None = None, parallel: ParallelSizes | None = None, model: ModelFacts | None = None
+    ) -> None:
         if accelerator is None:
             accelerator = get_accelerator().name
         self._accelerator = accelerator
@@ -267,9 +270,11 @@ class BuildContext:
 
     def facts(self) -> dict[str, Any]:
         """The read-only facts as plain data (for the report)."""
-        return {"accelerator": self.accelerator, "parallel": asdict(self.parallel),
-                "model": to_jsonable(asdict(self.model))}
+        return {
+            "accelerator": self.accelerator,
+            "parallel": asdict(self.parallel),
+            "model": to_jsonable(asdict(self.model)),
+        }
 
     def __repr__(self) -> str:
-        return (f"BuildContext(accelerator={self.accelerator!r}, parallel={self.parallel}, "
-                f"{len(self._changes)} changes)")
+        return f"BuildContext(accelerator={self.accelerator!r}, parallel={self.parallel}, {len(self._changes)} changes)"

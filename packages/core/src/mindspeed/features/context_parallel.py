@@ -50,8 +50,11 @@ class ContextParallelFeature(Feature):
     level = 2
     flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
     description = "long sequences: Ulysses, ring (zig-zag) or hybrid attention over the CP group"
-    targets = ("config_overrides.context_parallel_size", "config_overrides.cp_comm_type",
-               "config_overrides.hierarchical_context_parallel_sizes")
+    targets = (
+        "config_overrides.context_parallel_size",
+        "config_overrides.cp_comm_type",
+        "config_overrides.hierarchical_context_parallel_sizes",
+    )
 
     def default_enabled(self, ctx: BuildContext) -> bool:
         """On whenever the build shards sequences (``parallel.cp > 1``): its settings pick the algorithm."""
@@ -69,20 +72,30 @@ class ContextParallelFeature(Feature):
         assert isinstance(cfg, ContextParallelFeatureConfig)
         size = self._size(cfg, ctx)
         if size != ctx.parallel.cp:
-            raise self.invalid(f"settings.{self.name}.context_parallel_size={size} but the parallel sizes of the "
-                               f"build have cp={ctx.parallel.cp}", "make the two agree (or leave the setting unset)")
+            raise self.invalid(
+                f"settings.{self.name}.context_parallel_size={size} but the parallel sizes of the "
+                f"build have cp={ctx.parallel.cp}",
+                "make the two agree (or leave the setting unset)",
+            )
         if size < 2:
             raise self.invalid("context-parallel size is 1, so there is no sequence to shard", "use it with cp > 1")
         if cfg.context_parallel_algo not in COMM_TYPES:
-            raise self.invalid(f"context_parallel_algo={cfg.context_parallel_algo!r} is unknown",
-                               f"use one of {sorted(COMM_TYPES)}")
+            raise self.invalid(
+                f"context_parallel_algo={cfg.context_parallel_algo!r} is unknown", f"use one of {sorted(COMM_TYPES)}"
+            )
         try:
-            config = ContextParallelConfig(context_parallel_size=size, context_parallel_algo=cfg.context_parallel_algo,
-                                           ulysses_degree_in_cp=cfg.ulysses_degree_in_cp)
+            config = ContextParallelConfig(
+                context_parallel_size=size,
+                context_parallel_algo=cfg.context_parallel_algo,
+                ulysses_degree_in_cp=cfg.ulysses_degree_in_cp,
+            )
             heads = ctx.model.extra.get("num_attention_heads")
             if heads is not None:
-                config.check_heads(int(heads), int(ctx.model.extra.get("num_query_groups") or heads),
-                                   tensor_parallel_size=ctx.parallel.tp)
+                config.check_heads(
+                    int(heads),
+                    int(ctx.model.extra.get("num_query_groups") or heads),
+                    tensor_parallel_size=ctx.parallel.tp,
+                )
         except ValueError as error:
             raise self.invalid(str(error), "change the CP settings or the parallel sizes") from error
 
@@ -90,10 +103,17 @@ class ContextParallelFeature(Feature):
         """Set ``context_parallel_size``, ``cp_comm_type`` and, for hybrid, ``[U, R]``."""
         assert isinstance(cfg, ContextParallelFeatureConfig)
         size, algo = self._size(cfg, ctx), cfg.context_parallel_algo
-        changes = [ctx.set_config("context_parallel_size", size, "--context-parallel-size"),
-                   ctx.set_config("cp_comm_type", COMM_TYPES[algo], f"--context-parallel-algo {algo}")]
+        changes = [
+            ctx.set_config("context_parallel_size", size, "--context-parallel-size"),
+            ctx.set_config("cp_comm_type", COMM_TYPES[algo], f"--context-parallel-algo {algo}"),
+        ]
         if algo == HYBRID:
             degree = int(cfg.ulysses_degree_in_cp or 1)
-            changes.append(ctx.set_config("hierarchical_context_parallel_sizes", [degree, size // degree],
-                                          f"--ulysses-degree-in-cp {degree}: Ulysses x ring"))
+            changes.append(
+                ctx.set_config(
+                    "hierarchical_context_parallel_sizes",
+                    [degree, size // degree],
+                    f"--ulysses-degree-in-cp {degree}: Ulysses x ring",
+                )
+            )
         return changes

@@ -84,14 +84,19 @@ class KernelFeature(Feature):
 
     def apply(self, cfg: KernelConfig, ctx: BuildContext) -> list[Change]:
         """Set ``kernel_impls[op]`` for every op to the resolved implementation."""
-        return [ctx.set_kernel(op, self._resolve(op, cfg, ctx), reason=f"impl={cfg.impl!r} on {ctx.accelerator}")
-                for op in self.ops]
+        return [
+            ctx.set_kernel(op, self._resolve(op, cfg, ctx), reason=f"impl={cfg.impl!r} on {ctx.accelerator}")
+            for op in self.ops
+        ]
 
     def _resolve(self, op: str, cfg: KernelConfig, ctx: BuildContext) -> str:
         try:
             return resolve_kernel(op, cfg.impl, device=ctx.accelerator, features=self.kernel_features(ctx)).name
         except ValueError as err:
-            raise self.invalid(f"settings.{self.name}.impl={cfg.impl!r}: {err}", f"set settings.{self.name}.impl to 'auto' or an implementation listed there") from None
+            raise self.invalid(
+                f"settings.{self.name}.impl={cfg.impl!r}: {err}",
+                f"set settings.{self.name}.impl to 'auto' or an implementation listed there",
+            ) from None
 
 
 class FusedRMSNormFeature(KernelFeature):
@@ -105,8 +110,10 @@ class FusedRMSNormFeature(KernelFeature):
     def model_problem(self, ctx: BuildContext) -> tuple[str, str] | None:
         norm = ctx.model.normalization
         if norm is not None and norm != "RMSNorm":
-            return (f"the model's normalization is {norm!r}, but the fused kernel computes RMSNorm",
-                    "use normalization RMSNorm")
+            return (
+                f"the model's normalization is {norm!r}, but the fused kernel computes RMSNorm",
+                "use normalization RMSNorm",
+            )
         return None
 
 
@@ -135,8 +142,10 @@ class FusedRotaryPosEmbFeature(KernelFeature):
     def model_problem(self, ctx: BuildContext) -> tuple[str, str] | None:
         kind = ctx.model.position_embedding_type
         if kind is not None and kind not in ROPE_TYPES:
-            return (f"the model's position_embedding_type is {kind!r}, not a rotary one",
-                    f"use one of {', '.join(ROPE_TYPES)}")
+            return (
+                f"the model's position_embedding_type is {kind!r}, not a rotary one",
+                f"use one of {', '.join(ROPE_TYPES)}",
+            )
         return None
 
 
@@ -179,8 +188,10 @@ class GradientAccumulationFusionFeature(KernelFeature):
 
     def apply(self, cfg: KernelConfig, ctx: BuildContext) -> list[Change]:
         """The kernel, and megatron's flag that routes the linear layers' weight gradients to it."""
-        return [*super().apply(cfg, ctx),
-                ctx.set_config("gradient_accumulation_fusion", True, reason="weight gradients into main_grad")]
+        return [
+            *super().apply(cfg, ctx),
+            ctx.set_config("gradient_accumulation_fusion", True, reason="weight gradients into main_grad"),
+        ]
 
 
 class MoEFeature(KernelFeature):
@@ -212,8 +223,10 @@ class MoEPermuteFusionFeature(MoEFeature):
     def model_problem(self, ctx: BuildContext) -> tuple[str, str] | None:
         if ctx.model.moe_token_dispatcher_type == "allgather":
             # As in MindSpeed: the fused permutation kernels serve the all-to-all dispatchers only.
-            return ("moe_token_dispatcher_type is 'allgather', which the fused permutation does not support",
-                    "use moe_token_dispatcher_type 'alltoall'")
+            return (
+                "moe_token_dispatcher_type is 'allgather', which the fused permutation does not support",
+                "use moe_token_dispatcher_type 'alltoall'",
+            )
         return super().model_problem(ctx)
 
 

@@ -48,8 +48,10 @@ class FeaturesConfig:
 
     def __post_init__(self) -> None:
         if self.optimization_level not in LEVELS:
-            raise ValueError(f"optimization_level={self.optimization_level!r} is not one of "
-                             f"{', '.join(map(str, LEVELS))} (0 portability, 1 kernels, 2 algorithms)")
+            raise ValueError(
+                f"optimization_level={self.optimization_level!r} is not one of "
+                f"{', '.join(map(str, LEVELS))} (0 portability, 1 kernels, 2 algorithms)"
+            )
 
     def config_for(self, feature: Feature) -> FeatureConfig:
         """``feature``'s typed config built from :attr:`settings` (defaults when absent).
@@ -66,12 +68,15 @@ class FeaturesConfig:
             return raw
         if isinstance(raw, Mapping):
             return from_dict(feature.Config, raw, path=f"settings.{feature.name}.")
-        raise ValueError(f"settings.{feature.name} must be a mapping of {feature.Config.__qualname__} "
-                         f"fields or true/false, got {raw!r}")
+        raise ValueError(
+            f"settings.{feature.name} must be a mapping of {feature.Config.__qualname__} "
+            f"fields or true/false, got {raw!r}"
+        )
 
 
-def resolve_features(cfg: FeaturesConfig, ctx: BuildContext, registry: Registry[Feature] | None = None
-                     ) -> tuple[dict[str, FeatureConfig], list[FeatureStatus]]:
+def resolve_features(
+    cfg: FeaturesConfig, ctx: BuildContext, registry: Registry[Feature] | None = None
+) -> tuple[dict[str, FeatureConfig], list[FeatureStatus]]:
     """Decide which features are on, without validating or applying anything.
 
     Args:
@@ -120,7 +125,9 @@ def resolve_features(cfg: FeaturesConfig, ctx: BuildContext, registry: Registry[
     return configs, statuses
 
 
-def _check_conflicts(features: dict[str, Feature], on: dict[str, bool], why: dict[str, str], explicit: set[str]) -> None:
+def _check_conflicts(
+    features: dict[str, Feature], on: dict[str, bool], why: dict[str, str], explicit: set[str]
+) -> None:
     # A conflict declared on either side counts; one naming an unregistered feature is moot.
     pairs: list[tuple[str, str]] = []
     for name, feature in features.items():
@@ -149,8 +156,10 @@ def _check_requires(features: dict[str, Feature], on: dict[str, bool], why: dict
                 continue
             for needed in feature.requires:
                 if needed not in features:
-                    raise ValueError(f"feature {name!r} requires feature {needed!r}, which is not registered "
-                                     f"(known: {', '.join(features)}); register it or turn {name!r} off")
+                    raise ValueError(
+                        f"feature {name!r} requires feature {needed!r}, which is not registered "
+                        f"(known: {', '.join(features)}); register it or turn {name!r} off"
+                    )
                 if on[needed]:
                     continue
                 if name in explicit:
@@ -177,8 +186,9 @@ def order_features(names: list[str], registry: Registry[Feature] | None = None) 
     while pending:
         ready = [name for name, needs in pending.items() if all(r in ordered for r in needs)]
         if not ready:
-            raise ValueError(f"features require each other in a cycle: {_find_cycle(pending)}; "
-                             "remove one of these requires")
+            raise ValueError(
+                f"features require each other in a cycle: {_find_cycle(pending)}; remove one of these requires"
+            )
         ordered.append(ready[0])
         del pending[ready[0]]
     return ordered
@@ -190,12 +200,14 @@ def _find_cycle(pending: dict[str, list[str]]) -> str:
     while True:
         step = next(r for r in pending[path[-1]] if r in pending)
         if step in path:
-            cycle = path[path.index(step):] + [step]
+            cycle = path[path.index(step) :] + [step]
             return " -> ".join(f"{n!r}" for n in cycle)
         path.append(step)
 
 
-def apply_features(cfg: FeaturesConfig, ctx: BuildContext, *, registry: Registry[Feature] | None = None) -> FeatureReport:
+def apply_features(
+    cfg: FeaturesConfig, ctx: BuildContext, *, registry: Registry[Feature] | None = None
+) -> FeatureReport:
     """Resolve, check, order and apply the features; the one explicit call that changes anything.
 
     Every enabled feature is validated before the first one is applied, so a bad setting
@@ -227,12 +239,19 @@ def apply_features(cfg: FeaturesConfig, ctx: BuildContext, *, registry: Registry
             returned = registry.get(name).apply(configs[name], ctx)
         made = list(ctx.changes[already:])
         if list(returned or []) != made:  # a feature's report must be the truth about what it did
-            raise RuntimeError(f"feature {name!r}: apply() returned {len(returned or [])} changes but made "
-                               f"{len(made)}; return exactly the Changes the BuildContext methods gave back")
+            raise RuntimeError(
+                f"feature {name!r}: apply() returned {len(returned or [])} changes but made "
+                f"{len(made)}; return exactly the Changes the BuildContext methods gave back"
+            )
         for change in made:
             logger.info(change.describe(), extra=DETAIL)
-    logger.info("features at optimization level %d on %s: %s", cfg.optimization_level, ctx.accelerator,
-                ", ".join(order) or "none enabled", extra=DETAIL)
+    logger.info(
+        "features at optimization level %d on %s: %s",
+        cfg.optimization_level,
+        ctx.accelerator,
+        ", ".join(order) or "none enabled",
+        extra=DETAIL,
+    )
     return FeatureReport(
         optimization_level=cfg.optimization_level,
         facts=ctx.facts(),

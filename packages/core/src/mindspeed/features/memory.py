@@ -47,8 +47,10 @@ class _LayerRecomputeFeature(Feature):
             raise self.invalid(f"num_layers={cfg.num_layers} recomputes nothing", "use num_layers >= 1 or null (all)")
         total = ctx.model.extra.get("num_layers")
         if total is not None and cfg.num_layers > int(total):
-            raise self.invalid(f"num_layers={cfg.num_layers} is more than the model's {total} layers",
-                               "use at most the model's layers, or null for all")
+            raise self.invalid(
+                f"num_layers={cfg.num_layers} is more than the model's {total} layers",
+                "use at most the model's layers, or null for all",
+            )
 
     def apply(self, cfg: LayerRecomputeConfig, ctx: BuildContext) -> list[Change]:
         """Install the recompute on the built chunks."""
@@ -117,8 +119,10 @@ class SwapAttentionFeature(Feature):
         """Known module names, at least one."""
         unknown = [m for m in cfg.swap_modules if m not in MODULE_NAMES]
         if unknown or not cfg.swap_modules:
-            raise self.invalid(f"swap_modules={list(cfg.swap_modules)} names no or unknown modules {unknown}",
-                               f"use some of {sorted(MODULE_NAMES)}")
+            raise self.invalid(
+                f"swap_modules={list(cfg.swap_modules)} names no or unknown modules {unknown}",
+                f"use some of {sorted(MODULE_NAMES)}",
+            )
 
     def apply(self, cfg: SwapAttentionConfig, ctx: BuildContext) -> list[Change]:
         """Install the swap on the built chunks."""
@@ -145,13 +149,20 @@ class ReuseFp32ParamFeature(Feature):
         """bf16 training (when the facts say the precision)."""
         precision = ctx.model.extra.get("precision")
         if precision is not None and precision != "bf16":
-            raise self.invalid(f"the run trains in {precision}, which has no fp32 master copy to save",
-                               "train in bf16 (train.precision=bf16)")
+            raise self.invalid(
+                f"the run trains in {precision}, which has no fp32 master copy to save",
+                "train in bf16 (train.precision=bf16)",
+            )
 
     def apply(self, cfg: FeatureConfig, ctx: BuildContext) -> list[Change]:
         """Wrap megatron's optimizer once it is built."""
-        return [ctx.add_hook("post_optimizer_build", ReuseFp32Param().install,
-                             "masters as int16 remainders, rebuilt one parameter at a time at the step")]
+        return [
+            ctx.add_hook(
+                "post_optimizer_build",
+                ReuseFp32Param().install,
+                "masters as int16 remainders, rebuilt one parameter at a time at the step",
+            )
+        ]
 
 
 @dataclass
@@ -187,17 +198,24 @@ class SwapOptimizerFeature(Feature):
     def validate(self, cfg: SwapOptimizerConfig, ctx: BuildContext) -> None:
         """At least one chunk, and the distributed optimizer (when the facts say)."""
         if cfg.swap_optimizer_times < 1:
-            raise self.invalid(f"swap_optimizer_times={cfg.swap_optimizer_times} is not positive",
-                               "use 1 or more chunks (16 is MindSpeed's default)")
+            raise self.invalid(
+                f"swap_optimizer_times={cfg.swap_optimizer_times} is not positive",
+                "use 1 or more chunks (16 is MindSpeed's default)",
+            )
         if ctx.model.extra.get("distributed_optimizer") is False:
-            raise self.invalid("the run does not use the distributed optimizer, whose state shard it swaps",
-                               "set parallel.distributed_optimizer=true")
+            raise self.invalid(
+                "the run does not use the distributed optimizer, whose state shard it swaps",
+                "set parallel.distributed_optimizer=true",
+            )
 
     def apply(self, cfg: SwapOptimizerConfig, ctx: BuildContext) -> list[Change]:
         """Move the optimizer's state to the host once it is built."""
         hook = SwapOptimizer(times=cfg.swap_optimizer_times)
-        return [ctx.add_hook("post_optimizer_build", hook.install,
-                             f"{cfg.swap_optimizer_times} chunks per step through the device")]
+        return [
+            ctx.add_hook(
+                "post_optimizer_build", hook.install, f"{cfg.swap_optimizer_times} chunks per step through the device"
+            )
+        ]
 
 
 #: The features of this module, in the order the manifest registers them.

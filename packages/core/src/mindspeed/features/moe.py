@@ -57,19 +57,24 @@ class MoETpExtendEpFeature(MoEModelFeature):
         self.check_moe(ctx)
         tp, ep = ctx.parallel.tp, ctx.parallel.ep
         if tp == 1:
-            raise self.invalid("tensor-parallel size is 1, so there are no TP ranks to give experts to",
-                               "use it with tp > 1")
+            raise self.invalid(
+                "tensor-parallel size is 1, so there are no TP ranks to give experts to", "use it with tp > 1"
+            )
         experts = ctx.model.num_moe_experts
         if experts and experts % (tp * ep):
-            raise self.invalid(f"num_moe_experts={experts} is not divisible by the extended expert-parallel "
-                               f"size tp * ep = {tp} * {ep} = {tp * ep}",
-                               "choose a number of experts divisible by tp * ep")
+            raise self.invalid(
+                f"num_moe_experts={experts} is not divisible by the extended expert-parallel "
+                f"size tp * ep = {tp} * {ep} = {tp * ep}",
+                "choose a number of experts divisible by tp * ep",
+            )
 
     def apply(self, cfg: FeatureConfig, ctx: BuildContext) -> list[Change]:
         """Set the expert layout fields."""
         size = ctx.parallel.tp * ctx.parallel.ep
-        return [ctx.set_config("expert_model_parallel_size", size, f"tp * ep = {ctx.parallel.tp} * {ctx.parallel.ep}"),
-                ctx.set_config("expert_tensor_parallel_size", 1, "experts are not tensor-parallel")]
+        return [
+            ctx.set_config("expert_model_parallel_size", size, f"tp * ep = {ctx.parallel.tp} * {ctx.parallel.ep}"),
+            ctx.set_config("expert_tensor_parallel_size", 1, "experts are not tensor-parallel"),
+        ]
 
 
 @dataclass
@@ -101,8 +106,11 @@ class MoESharedExpertsFeature(MoEModelFeature):
     level = 0
     flags = ("--moe-shared-expert-intermediate-size", "--n-shared-experts", "--moe-shared-expert-overlap")
     description = "shared experts beside the routed ones (a model property: opt-in)"
-    targets = ("config_overrides.moe_shared_expert_intermediate_size", "config_overrides.moe_shared_expert_gate",
-               "config_overrides.moe_shared_expert_overlap")
+    targets = (
+        "config_overrides.moe_shared_expert_intermediate_size",
+        "config_overrides.moe_shared_expert_gate",
+        "config_overrides.moe_shared_expert_overlap",
+    )
 
     def validate(self, cfg: SharedExpertsConfig, ctx: BuildContext) -> None:
         """Exactly one positive size; overlap only with the alltoall dispatcher."""
@@ -110,8 +118,10 @@ class MoESharedExpertsFeature(MoEModelFeature):
         self.intermediate_size(cfg, ctx)
         dispatcher = ctx.model.moe_token_dispatcher_type
         if cfg.overlap and dispatcher not in (None, "alltoall"):
-            raise self.invalid(f"overlap needs the alltoall dispatcher, the model uses {dispatcher!r}",
-                               f"set settings.{self.name}.overlap=false")
+            raise self.invalid(
+                f"overlap needs the alltoall dispatcher, the model uses {dispatcher!r}",
+                f"set settings.{self.name}.overlap=false",
+            )
 
     def intermediate_size(self, cfg: SharedExpertsConfig, ctx: BuildContext) -> int:
         """The shared experts' FFN width from either setting.
@@ -121,8 +131,10 @@ class MoESharedExpertsFeature(MoEModelFeature):
                 experts' width needed by ``n_shared_experts`` is unknown.
         """
         if (cfg.intermediate_size is None) == (cfg.n_shared_experts is None):
-            raise self.invalid("give exactly one of intermediate_size and n_shared_experts",
-                               f"set settings.{self.name}.intermediate_size (preferred)")
+            raise self.invalid(
+                "give exactly one of intermediate_size and n_shared_experts",
+                f"set settings.{self.name}.intermediate_size (preferred)",
+            )
         if cfg.intermediate_size is not None:
             if cfg.intermediate_size <= 0:
                 raise self.invalid(f"intermediate_size={cfg.intermediate_size} is not positive", "use a width > 0")
@@ -131,9 +143,10 @@ class MoESharedExpertsFeature(MoEModelFeature):
         if cfg.n_shared_experts <= 0:
             raise self.invalid(f"n_shared_experts={cfg.n_shared_experts} is not positive", "use a count > 0")
         if not width:
-            raise self.invalid("n_shared_experts needs the routed experts' moe_ffn_hidden_size, which the model "
-                               "facts do not give", "set intermediate_size, or pass ModelFacts(extra="
-                               "{'moe_ffn_hidden_size': ...})")
+            raise self.invalid(
+                "n_shared_experts needs the routed experts' moe_ffn_hidden_size, which the model facts do not give",
+                "set intermediate_size, or pass ModelFacts(extra={'moe_ffn_hidden_size': ...})",
+            )
         return cfg.n_shared_experts * int(width)
 
     def apply(self, cfg: SharedExpertsConfig, ctx: BuildContext) -> list[Change]:
@@ -173,28 +186,39 @@ class MoELoadBalancingFeature(MoEModelFeature):
     level = 2
     flags = ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff")
     description = "load-balancing auxiliary loss (aux_loss, seq_aux_loss, global_aux_loss) or sinkhorn routing"
-    targets = ("config_overrides.moe_router_load_balancing_type", "config_overrides.moe_aux_loss_coeff",
-               "config_overrides.moe_z_loss_coeff")
+    targets = (
+        "config_overrides.moe_router_load_balancing_type",
+        "config_overrides.moe_aux_loss_coeff",
+        "config_overrides.moe_z_loss_coeff",
+    )
 
     def validate(self, cfg: LoadBalancingConfig, ctx: BuildContext) -> None:
         """A known type with a coefficient that fits it."""
         self.check_moe(ctx)
         if cfg.type not in LOAD_BALANCING_TYPES:
-            raise self.invalid(f"type={cfg.type!r} is not one of {', '.join(LOAD_BALANCING_TYPES)}",
-                               f"set settings.{self.name}.type to one of them")
+            raise self.invalid(
+                f"type={cfg.type!r} is not one of {', '.join(LOAD_BALANCING_TYPES)}",
+                f"set settings.{self.name}.type to one of them",
+            )
         if cfg.type in AUX_LOSS_TYPES and cfg.aux_loss_coeff <= 0:
-            raise self.invalid(f"type {cfg.type!r} with aux_loss_coeff={cfg.aux_loss_coeff} adds no loss",
-                               "use a positive coefficient (1e-3 to 1e-2 is usual)")
+            raise self.invalid(
+                f"type {cfg.type!r} with aux_loss_coeff={cfg.aux_loss_coeff} adds no loss",
+                "use a positive coefficient (1e-3 to 1e-2 is usual)",
+            )
         if cfg.type not in AUX_LOSS_TYPES and cfg.aux_loss_coeff != 0:
-            raise self.invalid(f"type {cfg.type!r} has no auxiliary loss but aux_loss_coeff={cfg.aux_loss_coeff}",
-                               f"set settings.{self.name}.aux_loss_coeff=0")
+            raise self.invalid(
+                f"type {cfg.type!r} has no auxiliary loss but aux_loss_coeff={cfg.aux_loss_coeff}",
+                f"set settings.{self.name}.aux_loss_coeff=0",
+            )
         if cfg.z_loss_coeff is not None and cfg.z_loss_coeff < 0:
             raise self.invalid(f"z_loss_coeff={cfg.z_loss_coeff} is negative", "use a coefficient >= 0 or null")
 
     def apply(self, cfg: LoadBalancingConfig, ctx: BuildContext) -> list[Change]:
         """Set the strategy and its coefficients."""
-        changes = [ctx.set_config("moe_router_load_balancing_type", cfg.type),
-                   ctx.set_config("moe_aux_loss_coeff", cfg.aux_loss_coeff)]
+        changes = [
+            ctx.set_config("moe_router_load_balancing_type", cfg.type),
+            ctx.set_config("moe_aux_loss_coeff", cfg.aux_loss_coeff),
+        ]
         if cfg.z_loss_coeff is not None:
             changes.append(ctx.set_config("moe_z_loss_coeff", cfg.z_loss_coeff))
         return changes
@@ -226,8 +250,11 @@ class MoEExpertBiasFeature(MoEModelFeature):
     level = 2
     flags = ("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate")
     description = "aux-loss-free load balancing: per-expert routing bias updated towards even load"
-    targets = ("config_overrides.moe_router_enable_expert_bias", "config_overrides.moe_router_bias_update_rate",
-               "config_overrides.moe_router_score_function")
+    targets = (
+        "config_overrides.moe_router_enable_expert_bias",
+        "config_overrides.moe_router_bias_update_rate",
+        "config_overrides.moe_router_score_function",
+    )
 
     def validate(self, cfg: ExpertBiasConfig, ctx: BuildContext) -> None:
         """A positive update rate."""
@@ -237,9 +264,11 @@ class MoEExpertBiasFeature(MoEModelFeature):
 
     def apply(self, cfg: ExpertBiasConfig, ctx: BuildContext) -> list[Change]:
         """Turn the bias on, set its rate and the sigmoid score function it needs."""
-        return [ctx.set_config("moe_router_enable_expert_bias", True),
-                ctx.set_config("moe_router_bias_update_rate", cfg.update_rate),
-                ctx.set_config("moe_router_score_function", "sigmoid", "megatron's expert bias needs sigmoid scores")]
+        return [
+            ctx.set_config("moe_router_enable_expert_bias", True),
+            ctx.set_config("moe_router_bias_update_rate", cfg.update_rate),
+            ctx.set_config("moe_router_score_function", "sigmoid", "megatron's expert bias needs sigmoid scores"),
+        ]
 
 
 @dataclass
@@ -280,8 +309,10 @@ class MoEExpertLoadMetricsFeature(MoEModelFeature):
     def apply(self, cfg: ExpertLoadMetricsConfig, ctx: BuildContext) -> list[Change]:
         """Attach the tracker after the model is built and log after steps."""
         tracker = ExpertLoadTracker(interval=cfg.interval, per_layer=cfg.per_layer)
-        return [ctx.add_hook("post_model_build", tracker.attach, "forward hooks on the MoE routers"),
-                ctx.add_hook("post_step", tracker.log_step, f"every {cfg.interval} step(s), rank 0")]
+        return [
+            ctx.add_hook("post_model_build", tracker.attach, "forward hooks on the MoE routers"),
+            ctx.add_hook("post_step", tracker.log_step, f"every {cfg.interval} step(s), rank 0"),
+        ]
 
 
 def expert_layout(overrides: Any, ep: int, etp: int | None = None) -> tuple[int, int | None]:

@@ -108,8 +108,10 @@ class FeatureReport:
 
     def render(self) -> str:
         """The report as text: one line per feature, then one line per change."""
-        lines = [f"features at optimization level {self.optimization_level} on {self.facts.get('accelerator')}: "
-                 f"{len(self.order)} enabled, {len(self.changes)} changes"]
+        lines = [
+            f"features at optimization level {self.optimization_level} on {self.facts.get('accelerator')}: "
+            f"{len(self.order)} enabled, {len(self.changes)} changes"
+        ]
         width = max((len(s.name) for s in self.statuses), default=0)
         for s in self.statuses:
             lines.append(f"  {'on ' if s.enabled else 'off'} {s.name:<{width}}  level {s.level}  {s.why}")
@@ -136,4 +138,3 @@ class FeatureReport:
                 os.unlink(tmp)
             raise
         return path
-

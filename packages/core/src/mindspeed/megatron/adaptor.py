@@ -80,14 +80,18 @@ class AdaptReport:
         """One line: the version, the accelerator, how many patches and which features."""
         features = getattr(self.features, "enabled", None)
         where = run_log_path()
-        return (f"adapted megatron-core {self.megatron_core} to {self.accelerator}: {len(self.patches)} patches"
-                + (f", features {', '.join(features) or 'none'}" if features is not None else "")
-                + (f" (the list: {where})" if where is not None else " (the list: --verbose)"))
+        return (
+            f"adapted megatron-core {self.megatron_core} to {self.accelerator}: {len(self.patches)} patches"
+            + (f", features {', '.join(features) or 'none'}" if features is not None else "")
+            + (f" (the list: {where})" if where is not None else " (the list: --verbose)")
+        )
 
     def describe(self) -> str:
         """Human-readable report, one patch per line."""
-        lines = [f"adapted megatron-core {self.megatron_core} to {self.accelerator}"
-                 f" ({len(self.patches)} patches, device redirect {'on' if self.device_redirect else 'off'})"]
+        lines = [
+            f"adapted megatron-core {self.megatron_core} to {self.accelerator}"
+            f" ({len(self.patches)} patches, device redirect {'on' if self.device_redirect else 'off'})"
+        ]
         lines += [f"  - {p.name}: {p.target} [{p.distribution}{p.versions}] {p.reason}" for p in self.patches]
         if self.features is not None and hasattr(self.features, "render"):
             lines.append(self.features.render())
@@ -122,16 +126,15 @@ def check_megatron_version() -> str:
     from packaging.specifiers import SpecifierSet
 
     if version not in SpecifierSet(MEGATRON_VERSIONS):
-        raise PatchError(f"megatron-core {version} is installed but the adaptor supports {MEGATRON_VERSIONS}; "
-                         f"install a supported version (pip install 'megatron-core{MEGATRON_VERSIONS}')")
+        raise PatchError(
+            f"megatron-core {version} is installed but the adaptor supports {MEGATRON_VERSIONS}; "
+            f"install a supported version (pip install 'megatron-core{MEGATRON_VERSIONS}')"
+        )
     return str(version)
 
 
 def adapt(
-    accelerator: str | Accelerator | None = None,
-    features: Any = None,
-    model: Any = None,
-    parallel: Any = None,
+    accelerator: str | Accelerator | None = None, features: Any = None, model: Any = None, parallel: Any = None
 ) -> AdaptReport:
     """Make megatron-core run on ``accelerator`` (default: the detected one).
 
@@ -166,8 +169,9 @@ def adapt(
             mode.__enter__()
         rng_filter = _RngWarningFilter()
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(rng_filter)
-        report = AdaptReport(accelerator=acc.name, megatron_core=version, patches=records,
-                             device_redirect=mode is not None)
+        report = AdaptReport(
+            accelerator=acc.name, megatron_core=version, patches=records, device_redirect=mode is not None
+        )
         _active = _Adaptation(report, patches, mode, threading.get_ident(), rng_filter)
         set_current_report(report)
     if features is not None:

@@ -76,19 +76,37 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
 
     dtype = torch_dtype(shape)
     fields: dict[str, Any] = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, layernorm_epsilon=shape.norm_epsilon, normalization=shape.normalization,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        layernorm_epsilon=shape.norm_epsilon,
+        normalization=shape.normalization,
         gated_linear_unit=shape.swiglu,
         activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
         # The registry SwiGLU is reached through this flag; no Transformer Engine is involved.
-        use_te_activation_func=shape.swiglu, bias_activation_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-        virtual_pipeline_model_parallel_size=sizes.vpp, sequence_parallel=sizes.sequence_parallel,
+        use_te_activation_func=shape.swiglu,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        add_bias_linear=shape.add_bias_linear,
+        add_qkv_bias=shape.add_qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=sizes.vpp,
+        sequence_parallel=sizes.sequence_parallel,
         context_parallel_size=sizes.cp,
     )
     if shape.mtp_num_layers:
@@ -98,26 +116,41 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
         if sizes.etp is not None:
             fields["expert_tensor_parallel_size"] = sizes.etp
         fields.update(
-            num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-            moe_router_topk=shape.moe_router_topk, moe_layer_freq=list(shape.moe_layer_freq),
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_topk=shape.moe_router_topk,
+            moe_layer_freq=list(shape.moe_layer_freq),
             moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
             moe_shared_expert_gate=shape.moe_shared_expert_gate,
             moe_router_enable_expert_bias=shape.moe_router_enable_expert_bias,
             moe_router_score_function=shape.moe_router_score_function,
-            moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_router_num_groups=shape.moe_router_num_groups,
+            moe_router_pre_softmax=shape.moe_router_pre_softmax,
+            moe_router_num_groups=shape.moe_router_num_groups,
             moe_router_group_topk=shape.moe_router_group_topk,
             moe_router_topk_scaling_factor=shape.moe_router_topk_scaling_factor,
-            moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.0,
             moe_router_load_balancing_type="none",
         )
     cls = TransformerConfig
     if shape.multi_latent_attention:
         cls = MLATransformerConfig
-        fields.update(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
-                      qk_head_dim=shape.qk_head_dim, qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
-                      v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base, rope_type=shape.rope_type,
-                      rotary_scaling_factor=shape.rotary_scaling_factor, mscale=shape.mscale,
-                      mscale_all_dim=shape.mscale_all_dim, beta_fast=shape.beta_fast, beta_slow=shape.beta_slow,
-                      original_max_position_embeddings=shape.original_max_position_embeddings)
+        fields.update(
+            multi_latent_attention=True,
+            q_lora_rank=shape.q_lora_rank,
+            kv_lora_rank=shape.kv_lora_rank,
+            qk_head_dim=shape.qk_head_dim,
+            qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
+            v_head_dim=shape.v_head_dim,
+            rotary_base=shape.rotary_base,
+            rope_type=shape.rope_type,
+            rotary_scaling_factor=shape.rotary_scaling_factor,
+            mscale=shape.mscale,
+            mscale_all_dim=shape.mscale_all_dim,
+            beta_fast=shape.beta_fast,
+            beta_slow=shape.beta_slow,
+            original_max_position_embeddings=shape.original_max_position_embeddings,
+        )
     fields.update(overrides)
     return cls(**fields)

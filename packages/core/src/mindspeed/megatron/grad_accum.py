@@ -44,8 +44,9 @@ def wgrad_accumulators(impl: str = "auto") -> SimpleNamespace:
         g = grad_output.reshape(-1, grad_output.shape[-1])
         main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
-    return SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16,
-                           kernel=kernel)
+    return SimpleNamespace(
+        wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16, kernel=kernel
+    )
 
 
 def gradient_accumulation_fusion_patches(impl: str = "auto") -> list[UpstreamPatch]:
@@ -56,13 +57,22 @@ def gradient_accumulation_fusion_patches(impl: str = "auto") -> list[UpstreamPat
     """
     common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS)
     return [
-        UpstreamPatch("grad-accum-fusion-kernel", f"{_LAYERS}.fused_weight_gradient_mlp_cuda",
-                      lambda original, acc: wgrad_accumulators(impl), allow_missing=True,
-                      reason="the linear layers' backward calls Apex's fused_weight_gradient_mlp_cuda by module "
-                      "name; no spec seam reaches it", **common),
-        UpstreamPatch("grad-accum-fusion-available", f"{_LAYERS}._grad_accum_fusion_available",
-                      _available, reason="Column/RowParallelLinear refuse gradient_accumulation_fusion when Apex "
-                      "did not import", **common),
+        UpstreamPatch(
+            "grad-accum-fusion-kernel",
+            f"{_LAYERS}.fused_weight_gradient_mlp_cuda",
+            lambda original, acc: wgrad_accumulators(impl),
+            allow_missing=True,
+            reason="the linear layers' backward calls Apex's fused_weight_gradient_mlp_cuda by module "
+            "name; no spec seam reaches it",
+            **common,
+        ),
+        UpstreamPatch(
+            "grad-accum-fusion-available",
+            f"{_LAYERS}._grad_accum_fusion_available",
+            _available,
+            reason="Column/RowParallelLinear refuse gradient_accumulation_fusion when Apex did not import",
+            **common,
+        ),
     ]
 
 

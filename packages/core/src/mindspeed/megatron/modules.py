@@ -50,8 +50,9 @@ class RegistryNorm(nn.Module):
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, impl: str = "auto", **_: Any) -> None:
         super().__init__()
         if config.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"normalization {config.normalization!r} is not supported by RegistryNorm; "
-                             "use RMSNorm or LayerNorm")
+            raise ValueError(
+                f"normalization {config.normalization!r} is not supported by RegistryNorm; use RMSNorm or LayerNorm"
+            )
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma is not supported by RegistryNorm; set it to False")
         self.rms = config.normalization == "RMSNorm"
@@ -114,8 +115,10 @@ class RegistryAttention(MegatronModule):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
-            raise ValueError(f"attention_dropout={dropout} is not supported by the registry attention kernels; "
-                             "set attention_dropout=0.0 (usual for LLMs) or use megatron's DotProductAttention")
+            raise ValueError(
+                f"attention_dropout={dropout} is not supported by the registry attention kernels; "
+                "set attention_dropout=0.0 (usual for LLMs) or use megatron's DotProductAttention"
+            )
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         window = getattr(config, "window_size", None)
@@ -125,8 +128,9 @@ class RegistryAttention(MegatronModule):
         self.cp: _ContextParallel | None = None
         if config.context_parallel_size > 1:
             if window is not None:
-                raise ValueError("window_size is not supported under context parallelism; unset it or use "
-                                 "context_parallel_size=1")
+                raise ValueError(
+                    "window_size is not supported under context parallelism; unset it or use context_parallel_size=1"
+                )
             self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
             # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
             features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
@@ -147,40 +151,70 @@ class RegistryAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
         if not causal and mask_type != AttnMaskType.no_mask and attention_mask is not None:
-            raise ValueError(f"attention mask type {mask_type} with an explicit mask is not supported; "
-                             "use causal or no_mask")
+            raise ValueError(
+                f"attention mask type {mask_type} with an explicit mask is not supported; use causal or no_mask"
+            )
         if packed_seq_params is not None:
             return self._attend_packed(query, key, value, packed_seq_params, causal)
         if self.cp is not None:
             if not causal and attention_mask is not None:
                 raise ValueError("an explicit attention mask is not supported under context parallelism")
-            out = self.cp.attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                 causal=causal, softmax_scale=self.softmax_scale, kernel=self.kernel, impl=self.impl)
+            out = self.cp.attend(
+                query.transpose(0, 1),
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                kernel=self.kernel,
+                impl=self.impl,
+            )
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         # [s, b, n, d] -> [b, s, n, d] for the kernel, and back to megatron's [s, b, n * d].
         out = self.kernel(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-            causal=causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            window_size=self.window_size,
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
 
-    def _attend_packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
-                       causal: bool) -> torch.Tensor:
+    def _attend_packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, causal: bool
+    ) -> torch.Tensor:
         # THD: megatron hands [t, n, d] (the batch of one squeezed out) and reshapes [t, n * d]
         # back itself; the sequences attend only within their cu_seqlens segment.
         if params.qkv_format != "thd":
-            raise ValueError(f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
-                             "RegistryAttention; use qkv_format='thd'")
+            raise ValueError(
+                f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
+                "RegistryAttention; use qkv_format='thd'"
+            )
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
-            out = self.cp.attend_packed(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), cu_q, causal=causal,
-                                        softmax_scale=self.softmax_scale, kernel=self.kernel, impl=self.impl)
+            out = self.cp.attend_packed(
+                query.unsqueeze(0),
+                key.unsqueeze(0),
+                value.unsqueeze(0),
+                cu_q,
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                kernel=self.kernel,
+                impl=self.impl,
+            )
             return out.squeeze(0).reshape(query.shape[0], -1)
-        out = self.kernel(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), causal=causal,
-                          softmax_scale=self.softmax_scale, window_size=self.window_size, cu_seqlens=cu_q)
+        out = self.kernel(
+            query.unsqueeze(0),
+            key.unsqueeze(0),
+            value.unsqueeze(0),
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            window_size=self.window_size,
+            cu_seqlens=cu_q,
+        )
         return out.squeeze(0).reshape(query.shape[0], -1)
 
 
@@ -218,9 +252,11 @@ class _ContextParallel:
 
     def __init__(self, config: Any, cp_comm_type: str | None, pg_collection: Any) -> None:
         if cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported by RegistryAttention; "
-                             f"use one of {sorted(k for k in CP_COMM_TYPES if k)} (p2p: ring, a2a: Ulysses, "
-                             "a2a+p2p: hybrid)")
+            raise ValueError(
+                f"cp_comm_type={cp_comm_type!r} is not supported by RegistryAttention; "
+                f"use one of {sorted(k for k in CP_COMM_TYPES if k)} (p2p: ring, a2a: Ulysses, "
+                "a2a+p2p: hybrid)"
+            )
         cp_group = getattr(pg_collection, "cp", None)
         if cp_group is None:
             from megatron.core import parallel_state
@@ -237,8 +273,10 @@ class _ContextParallel:
         elif self.algo == HYBRID:
             sizes = config.hierarchical_context_parallel_sizes
             if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp_size:
-                raise ValueError(f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[U, R] with "
-                                 f"U * R = context_parallel_size ({self.cp_size}); got {sizes}")
+                raise ValueError(
+                    f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[U, R] with "
+                    f"U * R = context_parallel_size ({self.cp_size}); got {sizes}"
+                )
             groups = _hybrid_groups(cp_group, sizes[0])
             self.ulysses_group, self.ring_group = groups.ulysses_group, groups.ring_group
         self._orders: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -248,40 +286,90 @@ class _ContextParallel:
         if seq_len not in self._orders:
             degree = self.ulysses_group.size()
             first = self.cp_group.rank() // degree * degree  # the Ulysses group is U consecutive CP ranks
-            positions = torch.cat([torch.arange(start, stop) for member in range(first, first + degree)
-                                   for start, stop in shard_ranges(seq_len, member, self.cp_size, RING)])
+            positions = torch.cat(
+                [
+                    torch.arange(start, stop)
+                    for member in range(first, first + degree)
+                    for start, stop in shard_ranges(seq_len, member, self.cp_size, RING)
+                ]
+            )
             sort = torch.argsort(positions)
             self._orders[seq_len] = (sort, torch.argsort(sort))
         sort, unsort = self._orders[seq_len]
         return sort.to(device), unsort.to(device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-               softmax_scale: float | None, kernel: Any, impl: str) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float | None,
+        kernel: Any,
+        impl: str,
+    ) -> torch.Tensor:
         """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out."""
         seq_len = q.shape[1] * self.cp_size
         if seq_len % (2 * self.cp_size):
-            raise ValueError(f"sequence length {seq_len} must be divisible by 2 * context_parallel_size "
-                             f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs")
+            raise ValueError(
+                f"sequence length {seq_len} must be divisible by 2 * context_parallel_size "
+                f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs"
+            )
         if self.algo == RING:
-            return context_parallel_attention(q, k, v, algo=RING, cp_group=self.cp_group, causal=causal,
-                                              softmax_scale=softmax_scale, seq_len=seq_len, impl=impl)
+            return context_parallel_attention(
+                q,
+                k,
+                v,
+                algo=RING,
+                cp_group=self.cp_group,
+                causal=causal,
+                softmax_scale=softmax_scale,
+                seq_len=seq_len,
+                impl=impl,
+            )
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         sort, unsort = self._order(seq_len, q.device)
         ring_group = self.ring_group
 
-        def attend_sorted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                          softmax_scale: float, cu_seqlens: Any = None) -> torch.Tensor:
+        def attend_sorted(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            *,
+            causal: bool,
+            softmax_scale: float,
+            cu_seqlens: Any = None,
+        ) -> torch.Tensor:
             q, k, v = (t.index_select(1, sort) for t in (q, k, v))
             if ring_group is None or ring_group.size() == 1:
                 out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale)
             else:
-                out = context_parallel_attention(q, k, v, algo=RING, cp_group=ring_group, causal=causal,
-                                                 softmax_scale=softmax_scale, seq_len=seq_len, impl=impl)
+                out = context_parallel_attention(
+                    q,
+                    k,
+                    v,
+                    algo=RING,
+                    cp_group=ring_group,
+                    causal=causal,
+                    softmax_scale=softmax_scale,
+                    seq_len=seq_len,
+                    impl=impl,
+                )
             return out.index_select(1, unsort)
 
         gathered = seq_len // (1 if ring_group is None else ring_group.size())
-        return ulysses_attention(q, k, v, group=self.ulysses_group, seq_len=gathered, causal=causal,
-                                 softmax_scale=scale, cu_seqlens=None, attend=attend_sorted)
+        return ulysses_attention(
+            q,
+            k,
+            v,
+            group=self.ulysses_group,
+            seq_len=gathered,
+            causal=causal,
+            softmax_scale=scale,
+            cu_seqlens=None,
+            attend=attend_sorted,
+        )
 
     def _packed_order(self, bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sort, unsort)`` of the rows the Ulysses all-to-all gathers from per-sequence zig-zag shards.
@@ -290,13 +378,28 @@ class _ContextParallel:
         """
         degree = self.ulysses_group.size()
         first = self.cp_group.rank() // degree * degree
-        positions = torch.cat([torch.arange(start, stop) for member in range(first, first + degree)
-                               for start, stop in packed_shard_ranges(bounds, member, self.cp_size)])
+        positions = torch.cat(
+            [
+                torch.arange(start, stop)
+                for member in range(first, first + degree)
+                for start, stop in packed_shard_ranges(bounds, member, self.cp_size)
+            ]
+        )
         sort = torch.argsort(positions)
         return sort.to(device), torch.argsort(sort).to(device)
 
-    def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                      causal: bool, softmax_scale: float | None, kernel: Any, impl: str) -> torch.Tensor:
+    def attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float | None,
+        kernel: Any,
+        impl: str,
+    ) -> torch.Tensor:
         """Packed (THD) attention; ``[1, t_local, n, d]`` shards split zig-zag per sequence (megatron's layout).
 
         The ring runs on the per-sequence shards directly (they ascend in global position). Ulysses
@@ -314,23 +417,66 @@ class _ContextParallel:
             lse_kernel = _kernel("attention", impl, (FEATURE_LSE, FEATURE_VARLEN), device)
             update = _kernel("ring_attention_update", "auto", (), device)
         if self.algo == RING:
-            return ring_attention(q, k, v, group=self.cp_group, seq_len=seq_len, causal=causal, softmax_scale=scale,
-                                  bounds=bounds, attend=lse_kernel, update=update, per_sequence=True)
+            return ring_attention(
+                q,
+                k,
+                v,
+                group=self.cp_group,
+                seq_len=seq_len,
+                causal=causal,
+                softmax_scale=scale,
+                bounds=bounds,
+                attend=lse_kernel,
+                update=update,
+                per_sequence=True,
+            )
         sort, unsort = self._packed_order(bounds, q.device)
         varlen = _kernel("attention", impl, (FEATURE_VARLEN,), device)
 
-        def attend_sorted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                          softmax_scale: float, cu_seqlens: Any = None) -> torch.Tensor:
+        def attend_sorted(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            *,
+            causal: bool,
+            softmax_scale: float,
+            cu_seqlens: Any = None,
+        ) -> torch.Tensor:
             q, k, v = (t.index_select(1, sort) for t in (q, k, v))
             if ring_group is None or ring_group.size() == 1:
-                out = varlen(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                             cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=q.device))
+                out = varlen(
+                    q,
+                    k,
+                    v,
+                    causal=causal,
+                    softmax_scale=softmax_scale,
+                    cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=q.device),
+                )
             else:
-                out = ring_attention(q, k, v, group=ring_group, seq_len=seq_len, causal=causal,
-                                     softmax_scale=softmax_scale, bounds=bounds, attend=lse_kernel, update=update,
-                                     per_sequence=True)
+                out = ring_attention(
+                    q,
+                    k,
+                    v,
+                    group=ring_group,
+                    seq_len=seq_len,
+                    causal=causal,
+                    softmax_scale=softmax_scale,
+                    bounds=bounds,
+                    attend=lse_kernel,
+                    update=update,
+                    per_sequence=True,
+                )
             return out.index_select(1, unsort)
 
         gathered = seq_len // (1 if ring_group is None else ring_group.size())
-        return ulysses_attention(q, k, v, group=self.ulysses_group, seq_len=gathered, causal=causal,
-                                 softmax_scale=scale, cu_seqlens=None, attend=attend_sorted)
+        return ulysses_attention(
+            q,
+            k,
+            v,
+            group=self.ulysses_group,
+            seq_len=gathered,
+            causal=causal,
+            softmax_scale=scale,
+            cu_seqlens=None,
+            attend=attend_sorted,
+        )

@@ -66,8 +66,15 @@ class RegistryGroupedMLP(MegatronModule):
     #: SequentialMLP); it reads only the attributes set in __init__ below.
     sharded_state_dict = GroupedMLP.sharded_state_dict
 
-    def __init__(self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None,
-                 impl: str | None = None, swiglu_impl: str | None = None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        impl: str | None = None,
+        swiglu_impl: str | None = None,
+    ) -> None:
         super().__init__(config=config)
         _check_config(config)
         self.num_local_experts = num_local_experts
@@ -76,8 +83,9 @@ class RegistryGroupedMLP(MegatronModule):
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         self.kernel = resolve_kernel("grouped_matmul", impl or "auto")
         self.activation_func = self._build_activation(config, submodules, swiglu_impl)
-        self.activation_recompute = (config.recompute_granularity == "selective"
-                                     and "moe_act" in config.recompute_modules)
+        self.activation_recompute = (
+            config.recompute_granularity == "selective" and "moe_act" in config.recompute_modules
+        )
         self._make_weights(config)
         # Checkpoints written by SequentialMLP carry per-expert _extra_state entries.
         self.register_load_state_dict_post_hook(_ignore_extra_state)
@@ -106,22 +114,41 @@ class RegistryGroupedMLP(MegatronModule):
         # As GroupedMLP (same shapes, same initialisation and RNG use), so a model initialises
         # identically with either module.
         device = None if config.use_cpu_initialization else get_accelerator().current_device()
-        self.weight1 = torch.nn.Parameter(torch.empty(config.hidden_size, fc1_local, device=device,
-                                                      dtype=config.params_dtype))
-        self.weight2 = torch.nn.Parameter(torch.empty(fc2_local, config.hidden_size, device=device,
-                                                      dtype=config.params_dtype))
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(config.hidden_size, fc1_local, device=device, dtype=config.params_dtype)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(fc2_local, config.hidden_size, device=device, dtype=config.params_dtype)
+        )
         if config.perform_initialization:
             if config.use_cpu_initialization:
-                _initialize_affine_weight_cpu(self.weight1, config.hidden_size, fc1_size, fc1_local, partition_dim=1,
-                                              init_method=config.init_method, params_dtype=config.params_dtype,
-                                              rank=tp_rank, world_size=tp_size)
-                _initialize_affine_weight_cpu(self.weight2, fc2_size, config.hidden_size, fc2_local, partition_dim=0,
-                                              init_method=config.output_layer_init_method,
-                                              params_dtype=config.params_dtype, rank=tp_rank, world_size=tp_size)
+                _initialize_affine_weight_cpu(
+                    self.weight1,
+                    config.hidden_size,
+                    fc1_size,
+                    fc1_local,
+                    partition_dim=1,
+                    init_method=config.init_method,
+                    params_dtype=config.params_dtype,
+                    rank=tp_rank,
+                    world_size=tp_size,
+                )
+                _initialize_affine_weight_cpu(
+                    self.weight2,
+                    fc2_size,
+                    config.hidden_size,
+                    fc2_local,
+                    partition_dim=0,
+                    init_method=config.output_layer_init_method,
+                    params_dtype=config.params_dtype,
+                    rank=tp_rank,
+                    world_size=tp_size,
+                )
             else:
                 _initialize_affine_weight_gpu(self.weight1, config.init_method, partition_dim=1, is_expert=True)
-                _initialize_affine_weight_gpu(self.weight2, config.output_layer_init_method, partition_dim=0,
-                                              is_expert=True)
+                _initialize_affine_weight_gpu(
+                    self.weight2, config.output_layer_init_method, partition_dim=0, is_expert=True
+                )
         for weight, dim in ((self.weight1, 1), (self.weight2, 0)):
             if not hasattr(weight, "tensor_model_parallel"):
                 # Without initialisation upstream leaves them unset, and the gradient norm then
@@ -129,8 +156,9 @@ class RegistryGroupedMLP(MegatronModule):
                 set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
             weight.allreduce = not self.expert_parallel  # DDP reduces expert-parallel weights over expt_dp
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
         """Experts' output for tokens grouped by local expert.
 
         Args:
@@ -197,12 +225,19 @@ def _ignore_extra_state(module: torch.nn.Module, incompatible_keys: Any) -> None
 def _permute(original: Any, acc: Any, impl: str) -> Any:
     kernel = resolve_kernel("moe_permute", impl)
 
-    def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
-                num_out_tokens: Any = None, fused: bool = False, drop_and_pad: bool = False) -> tuple:
+    def permute(
+        tokens: torch.Tensor,
+        routing_map: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        num_out_tokens: Any = None,
+        fused: bool = False,
+        drop_and_pad: bool = False,
+    ) -> tuple:
         if drop_and_pad:
             # Capacity-padded routing keeps megatron's argsort path (fixed shapes for graphs).
-            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
-                            drop_and_pad=drop_and_pad)
+            return original(
+                tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused, drop_and_pad=drop_and_pad
+            )
         permuted, sorted_indices = kernel(tokens, routing_map, num_out_tokens)
         permuted_probs = None if probs is None else permuted_probs_of(probs, routing_map)
         return permuted, permuted_probs, sorted_indices
@@ -213,12 +248,25 @@ def _permute(original: Any, acc: Any, impl: str) -> Any:
 def _unpermute(original: Any, acc: Any, impl: str) -> Any:
     kernel = resolve_kernel("moe_unpermute", impl)
 
-    def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Sequence[int],
-                  probs: torch.Tensor | None = None, routing_map: torch.Tensor | None = None, fused: bool = False,
-                  drop_and_pad: bool = False) -> torch.Tensor:
+    def unpermute(
+        permuted_tokens: torch.Tensor,
+        sorted_indices: torch.Tensor,
+        restore_shape: Sequence[int],
+        probs: torch.Tensor | None = None,
+        routing_map: torch.Tensor | None = None,
+        fused: bool = False,
+        drop_and_pad: bool = False,
+    ) -> torch.Tensor:
         if drop_and_pad:
-            return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
-                            fused=fused, drop_and_pad=drop_and_pad)
+            return original(
+                permuted_tokens,
+                sorted_indices,
+                restore_shape,
+                probs=probs,
+                routing_map=routing_map,
+                fused=fused,
+                drop_and_pad=drop_and_pad,
+            )
         return kernel(permuted_tokens, sorted_indices, restore_shape, probs, routing_map if probs is not None else None)
 
     return unpermute
@@ -237,12 +285,23 @@ def moe_permute_patches(permute_impl: str = "auto", unpermute_impl: str = "auto"
         permute_impl: implementation of ``moe_permute``.
         unpermute_impl: implementation of ``moe_unpermute``.
     """
-    common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS,
-                  reason="the token dispatchers import permute/unpermute by name from moe_utils; the fused "
-                  "path needs Transformer Engine")
+    common = dict(
+        distribution="megatron-core",
+        versions=MEGATRON_VERSIONS,
+        reason="the token dispatchers import permute/unpermute by name from moe_utils; the fused "
+        "path needs Transformer Engine",
+    )
     return [
-        UpstreamPatch("moe-permute-kernel", "megatron.core.transformer.moe.token_dispatcher.permute",
-                      lambda original, acc: _permute(original, acc, permute_impl), **common),
-        UpstreamPatch("moe-unpermute-kernel", "megatron.core.transformer.moe.token_dispatcher.unpermute",
-                      lambda original, acc: _unpermute(original, acc, unpermute_impl), **common),
+        UpstreamPatch(
+            "moe-permute-kernel",
+            "megatron.core.transformer.moe.token_dispatcher.permute",
+            lambda original, acc: _permute(original, acc, permute_impl),
+            **common,
+        ),
+        UpstreamPatch(
+            "moe-unpermute-kernel",
+            "megatron.core.transformer.moe.token_dispatcher.unpermute",
+            lambda original, acc: _unpermute(original, acc, unpermute_impl),
+            **common,
+        ),
     ]

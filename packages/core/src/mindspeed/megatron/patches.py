@@ -85,13 +85,26 @@ def _optimizer_state_keys(original: Any, acc: Any) -> Any:
 
 
 def _p2p_same_peer_order(original: Any, acc: Any) -> Any:
-    def _batched_p2p_ops(*, tensor_send_prev: Any, tensor_recv_prev: Any, tensor_send_next: Any,
-                         tensor_recv_next: Any, group: Any, prev_pipeline_rank: int,
-                         next_pipeline_rank: int) -> list:
+    def _batched_p2p_ops(
+        *,
+        tensor_send_prev: Any,
+        tensor_recv_prev: Any,
+        tensor_send_next: Any,
+        tensor_recv_next: Any,
+        group: Any,
+        prev_pipeline_rank: int,
+        next_pipeline_rank: int,
+    ) -> list:
         if prev_pipeline_rank != next_pipeline_rank:
-            return original(tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
-                            tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
-                            prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
+            return original(
+                tensor_send_prev=tensor_send_prev,
+                tensor_recv_prev=tensor_recv_prev,
+                tensor_send_next=tensor_send_next,
+                tensor_recv_next=tensor_recv_next,
+                group=group,
+                prev_pipeline_rank=prev_pipeline_rank,
+                next_pipeline_rank=next_pipeline_rank,
+            )
         # Pipeline size 2: the previous and the next stage are one peer, and messages between two
         # ranks pair up in the order they are posted (gloo and NCCL alike). Upstream posts
         # send_prev before send_next on both ranks, so the interleaved schedule's gradient lands in
@@ -99,10 +112,16 @@ def _p2p_same_peer_order(original: Any, acc: Any) -> Any:
         # and receiving prev-then-next pairs each send_next with the peer's recv_prev.
         import torch.distributed as dist
 
-        ops = [dist.P2POp(op, tensor, peer, group) for op, tensor, peer in (
-            (dist.isend, tensor_send_next, next_pipeline_rank), (dist.irecv, tensor_recv_prev, prev_pipeline_rank),
-            (dist.isend, tensor_send_prev, prev_pipeline_rank), (dist.irecv, tensor_recv_next, next_pipeline_rank),
-        ) if tensor is not None]
+        ops = [
+            dist.P2POp(op, tensor, peer, group)
+            for op, tensor, peer in (
+                (dist.isend, tensor_send_next, next_pipeline_rank),
+                (dist.irecv, tensor_recv_prev, prev_pipeline_rank),
+                (dist.isend, tensor_send_prev, prev_pipeline_rank),
+                (dist.irecv, tensor_recv_next, next_pipeline_rank),
+            )
+            if tensor is not None
+        ]
         return dist.batch_isend_irecv(ops) if ops else []
 
     return _batched_p2p_ops
@@ -148,8 +167,9 @@ def _is_gloo(group: Any) -> bool:
 
 
 def _gather_uneven_on_gloo(original: Any, acc: Any) -> Any:
-    def _gather_along_first_dim(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
-                                use_global_buffer: bool = False) -> torch.Tensor:
+    def _gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
         if output_split_sizes is None or group.size() == 1 or not _is_gloo(group):
             return original(input_, group, output_split_sizes, use_global_buffer)
         # gloo's all_gather takes equal sizes only: pad every piece to the longest, then trim.
@@ -164,15 +184,16 @@ def _gather_uneven_on_gloo(original: Any, acc: Any) -> Any:
 
 
 def _reduce_scatter_uneven_on_gloo(original: Any, acc: Any) -> Any:
-    def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
-                                        use_global_buffer: bool = False) -> torch.Tensor:
+    def _reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
         if input_split_sizes is None or group.size() == 1 or not _is_gloo(group):
             return original(input_, group, input_split_sizes, use_global_buffer)
         # gloo has no list reduce_scatter: sum the whole tensor, keep this rank's rows.
         total = input_.clone()
         torch.distributed.all_reduce(total, group=group)
         start = sum(input_split_sizes[: group.rank()])
-        return total[start: start + input_split_sizes[group.rank()]].contiguous()
+        return total[start : start + input_split_sizes[group.rank()]].contiguous()
 
     return _reduce_scatter_along_first_dim
 
@@ -187,54 +208,107 @@ def megatron_patches() -> list[UpstreamPatch]:
     """The megatron-core patches, in the order they are applied."""
     common = dict(distribution="megatron-core", versions=MEGATRON_VERSIONS)
     return [
-        UpstreamPatch("rng-get", "megatron.core.tensor_parallel.random._get_cuda_rng_state", _rng_get,
-                      reason="reads the CUDA default generators", accelerators=_NOT_CUDA, **common),
-        UpstreamPatch("rng-set", "megatron.core.tensor_parallel.random._set_cuda_rng_state", _rng_set,
-                      reason="writes the CUDA default generators through a lazy CUDA call", accelerators=_NOT_CUDA,
-                      **common),
-        UpstreamPatch("moe-splits-to-host", "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
-                      _move_to_cpu, reason="only converts tensors with .is_cuda", accelerators=_NOT_CUDA, **common),
-        UpstreamPatch("moe-splits-to-host-dispatcher",
-                      "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
-                      _move_to_cpu, reason="imported by name from moe_utils", accelerators=_NOT_CUDA, **common),
-        UpstreamPatch("te-general-gemm-undefined", "megatron.core.transformer.moe.moe_utils.te_general_gemm",
-                      lambda original, acc: None, allow_missing=True,
-                      condition=lambda: _te_missing() and not _has_te_general_gemm(),
-                      reason="upstream bug: the router reads te_general_gemm, defined only when "
-                      "Transformer Engine imports (NameError otherwise)", **common),
-        UpstreamPatch("torch-norm-sequence-parallel", "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
-                      _norm_with_sequence_parallel,
-                      reason="asserts 'sequence parallel not supported by torch LayerNorm' although token-wise "
-                      "norms are correct on sequence shards", **common),
-        UpstreamPatch("distopt-state-keys",
-                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
-                      _optimizer_state_keys, condition=_without_apex_or_te,
-                      reason="upstream bug without Apex/TE: KeyError 'step' when loading a fully_reshardable "
-                      "checkpoint into torch.optim.Adam state", **common),
-        UpstreamPatch("distopt-fresh-state-dict",
-                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
-                      _optimizer_state_dict_fresh, condition=_without_apex_or_te,
-                      reason="upstream bug without Apex/TE: AssertionError (len(steps) == 1) in state_dict() of a "
-                      "DistributedOptimizer that has not stepped, e.g. when loading a checkpoint into it", **common),
-        UpstreamPatch("distopt-unshared-steps",
-                      "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
-                      _optimizer_unshared_steps, condition=_without_apex_or_te,
-                      reason="upstream bug without Apex/TE: load_state_dict gives all parameters one shared Adam "
-                      "step tensor, which every parameter's update increments (wrong bias correction after a load)",
-                      **common),
-        UpstreamPatch("gloo-uneven-all-gather", "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
-                      _gather_uneven_on_gloo,
-                      reason="gloo's all_gather takes equal sizes only; the MoE alltoall dispatcher gathers uneven "
-                      "token counts over the expert tensor-parallel group ('invalid tensor size')", **common),
-        UpstreamPatch("gloo-uneven-reduce-scatter",
-                      "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
-                      _reduce_scatter_uneven_on_gloo,
-                      reason="gloo has no reduce_scatter of a tensor list; the MoE alltoall dispatcher's backward "
-                      "scatters uneven token counts", **common),
-        UpstreamPatch("p2p-same-peer-order", "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
-                      _p2p_same_peer_order,
-                      reason="upstream bug (Megatron-LM issues 750, 1450): with pipeline size 2 and the interleaved "
-                      "schedule, batch_p2p_comm crosses activations and gradients between the two stages", **common),
+        UpstreamPatch(
+            "rng-get",
+            "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+            _rng_get,
+            reason="reads the CUDA default generators",
+            accelerators=_NOT_CUDA,
+            **common,
+        ),
+        UpstreamPatch(
+            "rng-set",
+            "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+            _rng_set,
+            reason="writes the CUDA default generators through a lazy CUDA call",
+            accelerators=_NOT_CUDA,
+            **common,
+        ),
+        UpstreamPatch(
+            "moe-splits-to-host",
+            "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+            _move_to_cpu,
+            reason="only converts tensors with .is_cuda",
+            accelerators=_NOT_CUDA,
+            **common,
+        ),
+        UpstreamPatch(
+            "moe-splits-to-host-dispatcher",
+            "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+            _move_to_cpu,
+            reason="imported by name from moe_utils",
+            accelerators=_NOT_CUDA,
+            **common,
+        ),
+        UpstreamPatch(
+            "te-general-gemm-undefined",
+            "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+            lambda original, acc: None,
+            allow_missing=True,
+            condition=lambda: _te_missing() and not _has_te_general_gemm(),
+            reason="upstream bug: the router reads te_general_gemm, defined only when "
+            "Transformer Engine imports (NameError otherwise)",
+            **common,
+        ),
+        UpstreamPatch(
+            "torch-norm-sequence-parallel",
+            "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+            _norm_with_sequence_parallel,
+            reason="asserts 'sequence parallel not supported by torch LayerNorm' although token-wise "
+            "norms are correct on sequence shards",
+            **common,
+        ),
+        UpstreamPatch(
+            "distopt-state-keys",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+            _optimizer_state_keys,
+            condition=_without_apex_or_te,
+            reason="upstream bug without Apex/TE: KeyError 'step' when loading a fully_reshardable "
+            "checkpoint into torch.optim.Adam state",
+            **common,
+        ),
+        UpstreamPatch(
+            "distopt-fresh-state-dict",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+            _optimizer_state_dict_fresh,
+            condition=_without_apex_or_te,
+            reason="upstream bug without Apex/TE: AssertionError (len(steps) == 1) in state_dict() of a "
+            "DistributedOptimizer that has not stepped, e.g. when loading a checkpoint into it",
+            **common,
+        ),
+        UpstreamPatch(
+            "distopt-unshared-steps",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+            _optimizer_unshared_steps,
+            condition=_without_apex_or_te,
+            reason="upstream bug without Apex/TE: load_state_dict gives all parameters one shared Adam "
+            "step tensor, which every parameter's update increments (wrong bias correction after a load)",
+            **common,
+        ),
+        UpstreamPatch(
+            "gloo-uneven-all-gather",
+            "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+            _gather_uneven_on_gloo,
+            reason="gloo's all_gather takes equal sizes only; the MoE alltoall dispatcher gathers uneven "
+            "token counts over the expert tensor-parallel group ('invalid tensor size')",
+            **common,
+        ),
+        UpstreamPatch(
+            "gloo-uneven-reduce-scatter",
+            "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+            _reduce_scatter_uneven_on_gloo,
+            reason="gloo has no reduce_scatter of a tensor list; the MoE alltoall dispatcher's backward "
+            "scatters uneven token counts",
+            **common,
+        ),
+        UpstreamPatch(
+            "p2p-same-peer-order",
+            "megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
+            _p2p_same_peer_order,
+            reason="upstream bug (Megatron-LM issues 750, 1450): with pipeline size 2 and the interleaved "
+            "schedule, batch_p2p_comm crosses activations and gradients between the two stages",
+            **common,
+        ),
     ]
 
 

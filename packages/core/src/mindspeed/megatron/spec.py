@@ -105,8 +105,9 @@ def get_gpt_layer_spec(
     provider = MindSpeedSpecProvider(impls)
     # Always megatron's local spec with SequentialMLP: its GroupedMLP needs the grouped_gemm
     # package; grouped experts are swapped in below.
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=qk_layernorm, normalization=normalization)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization=normalization
+    )
     norm = provider.layer_norm(rms_norm=normalization == "RMSNorm")
     sub = spec.submodules
     sub.input_layernorm = norm
@@ -135,8 +136,10 @@ def get_gpt_layer_spec(
 def check_config_for_spec(config: Any, swiglu: bool = True) -> None:
     """Raise a ``ValueError`` naming the TransformerConfig field the registry spec needs."""
     if swiglu and not config.use_te_activation_func:
-        raise ValueError("the registry SwiGLU needs TransformerConfig(use_te_activation_func=True) so megatron's MLP "
-                         "calls the spec's activation module (no Transformer Engine is used), or get_gpt_layer_spec(swiglu=False)")
+        raise ValueError(
+            "the registry SwiGLU needs TransformerConfig(use_te_activation_func=True) so megatron's MLP "
+            "calls the spec's activation module (no Transformer Engine is used), or get_gpt_layer_spec(swiglu=False)"
+        )
     if config.attention_dropout:
         raise ValueError("set TransformerConfig(attention_dropout=0.0): the registry attention kernels have no dropout")
 
@@ -144,8 +147,14 @@ def check_config_for_spec(config: Any, swiglu: bool = True) -> None:
 def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
     kernel = resolve_kernel("rotary_pos_emb", impl)
 
-    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: Any = None,
-                             mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
+    def apply_rotary_pos_emb(
+        t: torch.Tensor,
+        freqs: torch.Tensor,
+        config: Any,
+        cu_seqlens: Any = None,
+        mscale: float = 1.0,
+        cp_group: Any = None,
+    ) -> torch.Tensor:
         # The registry kernel covers the bshd layout; MLA's permuted layout, packed (thd)
         # sequences and fused TE paths stay with megatron's own implementation.
         if cu_seqlens is not None or config.multi_latent_attention or config.apply_rope_fusion:

@@ -107,15 +107,19 @@ class ReuseFp32Param:
             pairs = master_pairs(sub)
             fp32 = [pair for pair in pairs if pair.model is None]
             if fp32:
-                raise ValueError(f"reuse_fp32_param: {len(fp32)} trained parameters are fp32 in the model, with no "
-                                 "bf16 weight to rebuild a master from; train in bf16 (train.precision=bf16) or turn "
-                                 "the feature off")
+                raise ValueError(
+                    f"reuse_fp32_param: {len(fp32)} trained parameters are fp32 in the model, with no "
+                    "bf16 weight to rebuild a master from; train in bf16 (train.precision=bf16) or turn "
+                    "the feature off"
+                )
             for pair in pairs:
                 self._release(pair)
             self.steps.append(ChunkedStep(sub, split_chunks(pairs, self.times), self._rebuild_all, self._release_all))
             materialize_before_state_methods(sub, self.materialize)
-        logger.info("reuse_fp32_param: %d masters kept as bf16 + int16 remainders",
-                    sum(len(p) for s in self.steps for p in s.chunks))
+        logger.info(
+            "reuse_fp32_param: %d masters kept as bf16 + int16 remainders",
+            sum(len(p) for s in self.steps for p in s.chunks),
+        )
         return optimizer
 
     def materialize(self) -> None:
@@ -161,4 +165,3 @@ class ReuseFp32Param:
                     target = torch.empty(pair.main.shape, dtype=torch.float32, device=pair.model.device)
                     out.append(merge_fp32(pair.model, kept.remainder, kept.ties, target))
         return out
-

@@ -73,26 +73,33 @@ def master_pairs(sub: Any) -> list[MasterPair]:
 
     if isinstance(sub, DistributedOptimizer):
         if sub.ddp_config.use_megatron_fsdp or sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            raise ValueError("the optimizer keeps its fp32 state itself (Megatron-FSDP or the precision-aware "
-                             "optimizer); turn those off to reuse or swap the fp32 state")
+            raise ValueError(
+                "the optimizer keeps its fp32 state itself (Megatron-FSDP or the precision-aware "
+                "optimizer); turn those off to reuse or swap the fp32 state"
+            )
         pairs = []
         for main_group, model_group in zip(sub.shard_fp32_from_float16_groups, sub.model_float16_groups):
             for main, model_param in zip(main_group, model_group):
                 world = sub._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 gbuf_index, _, bucket_id = sub.model_param_gbuf_map[model_param]
                 buffer = sub.buffers[gbuf_index].buckets[bucket_id].param_data
-                pairs.append(MasterPair(main, buffer.view(-1)[world.start:world.end]))
+                pairs.append(MasterPair(main, buffer.view(-1)[world.start : world.end]))
         for main_group in sub.shard_fp32_groups:
             pairs += [MasterPair(main, None) for main in main_group]
         return pairs
     if isinstance(sub, Float16OptimizerWithFloat16Params):
-        pairs = [MasterPair(main, model.data) for main_group, model_group in
-                 zip(sub.fp32_from_float16_groups, sub.float16_groups) for main, model in zip(main_group, model_group)]
+        pairs = [
+            MasterPair(main, model.data)
+            for main_group, model_group in zip(sub.fp32_from_float16_groups, sub.float16_groups)
+            for main, model in zip(main_group, model_group)
+        ]
         return pairs + [MasterPair(main, None) for group in sub.fp32_from_fp32_groups for main in group]
     if isinstance(sub, FP32Optimizer):
         return [MasterPair(p, None) for group in sub.optimizer.param_groups for p in group["params"]]
-    raise ValueError(f"unsupported megatron optimizer {type(sub).__name__}; use get_megatron_optimizer's "
-                     "Float16OptimizerWithFloat16Params, FP32Optimizer or DistributedOptimizer")
+    raise ValueError(
+        f"unsupported megatron optimizer {type(sub).__name__}; use get_megatron_optimizer's "
+        "Float16OptimizerWithFloat16Params, FP32Optimizer or DistributedOptimizer"
+    )
 
 
 def split_chunks(pairs: Sequence[MasterPair], times: int | None) -> list[list[MasterPair]]:
@@ -126,8 +133,13 @@ class ChunkedStep:
             (send the state out).
     """
 
-    def __init__(self, sub: Any, chunks: list[list[MasterPair]], before: Callable[[list[MasterPair]], None],
-                 after: Callable[[list[MasterPair]], None]) -> None:
+    def __init__(
+        self,
+        sub: Any,
+        chunks: list[list[MasterPair]],
+        before: Callable[[list[MasterPair]], None],
+        after: Callable[[list[MasterPair]], None],
+    ) -> None:
         self.sub, self.chunks, self.before, self.after = sub, chunks, before, after
         self.inner = sub.optimizer
         self.steps = 0  # chunked steps done (for tests and the report)

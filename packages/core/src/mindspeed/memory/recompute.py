@@ -182,10 +182,15 @@ def recompute_activation(chunks: Iterable[nn.Module], num_layers: int | None = N
                     raise ValueError(
                         f"recompute_activation_function: layer {layer.layer_number}'s MLP computes its activation "
                         "inline (no module to recompute); build the layers with the registry spec "
-                        "(mindspeed.megatron.spec.get_gpt_layer_spec) and TransformerConfig(use_te_activation_func=True)")
+                        "(mindspeed.megatron.spec.get_gpt_layer_spec) and TransformerConfig(use_te_activation_func=True)"
+                    )
                 result.pairs.append(_Discarding(activation, module.linear_fc2))
-    logger.info("recompute_activation_function: %d layers, %d MLPs, %d grouped experts", result.layers,
-                len(result.pairs), len(result.grouped))
+    logger.info(
+        "recompute_activation_function: %d layers, %d MLPs, %d grouped experts",
+        result.layers,
+        len(result.pairs),
+        len(result.grouped),
+    )
     return result
 
 

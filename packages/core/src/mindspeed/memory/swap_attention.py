@@ -35,8 +35,11 @@ from mindspeed.metrics.memory import mark_host, untracked
 logger = get_logger(__name__)
 
 #: MindSpeed's ``--swap-modules`` names -> megatron ``TransformerLayer`` attributes.
-MODULE_NAMES = {"input_norm": "input_layernorm", "self_attention": "self_attention",
-                "post_attention_norm": "pre_mlp_layernorm"}
+MODULE_NAMES = {
+    "input_norm": "input_layernorm",
+    "self_attention": "self_attention",
+    "post_attention_norm": "pre_mlp_layernorm",
+}
 #: MindSpeed's default ``--swap-modules``.
 DEFAULT_MODULES = ("input_norm", "self_attention", "post_attention_norm")
 
@@ -178,8 +181,13 @@ class SwapAttention:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_bytes or (tensor.is_leaf and tensor.requires_grad) or isinstance(tensor, nn.Parameter):
             return tensor
-        view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                tuple(tensor.stride()), tensor.dtype)
+        view = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         handle = self._current.by_view.get(view)
         if handle is None:  # (the first copy keeps its source alive to the layer's end: no address reuse)
             handle = self._current.by_view[view] = _Swapped(tensor, self._side)

@@ -74,9 +74,11 @@ class SwapOptimizer:
             ValueError: the optimizer is not megatron's distributed optimizer.
         """
         if not is_distributed(optimizer):
-            raise ValueError("swap_optimizer needs megatron's distributed optimizer (it swaps this rank's shard of "
-                             "the optimizer state); set parallel.distributed_optimizer=true "
-                             "(OptimizerConfig(use_distributed_optimizer=True)) or turn the feature off")
+            raise ValueError(
+                "swap_optimizer needs megatron's distributed optimizer (it swaps this rank's shard of "
+                "the optimizer state); set parallel.distributed_optimizer=true "
+                "(OptimizerConfig(use_distributed_optimizer=True)) or turn the feature off"
+            )
         acc = get_accelerator()
         self._side = acc.stream()
         for sub in sub_optimizers(optimizer):
@@ -87,8 +89,11 @@ class SwapOptimizer:
                     self._send_out([pair.main], wait=True)
             self.steps.append(ChunkedStep(sub, split_chunks(pairs, self.times), self._bring_in, self._send_out_chunk))
             materialize_before_state_methods(sub, self.materialize)
-        logger.info("swap_optimizer: %d chunks per step, %d bytes of state on the host",
-                    sum(len(s.chunks) for s in self.steps), self.device_bytes_swapped)
+        logger.info(
+            "swap_optimizer: %d chunks per step, %d bytes of state on the host",
+            sum(len(s.chunks) for s in self.steps),
+            self.device_bytes_swapped,
+        )
         return optimizer
 
     def _state_tensors(self, pair: MasterPair) -> list[torch.Tensor]:

@@ -29,8 +29,11 @@ def _attention(shape: ModelShape, seq_length: int) -> float:
     h, s, heads = shape.hidden_size, seq_length, shape.num_attention_heads
     if shape.multi_latent_attention:
         qk = shape.qk_head_dim + shape.qk_pos_emb_head_dim
-        q_proj = (2.0 * h * shape.q_lora_rank + 2.0 * shape.q_lora_rank * heads * qk if shape.q_lora_rank
-                  else 2.0 * h * heads * qk)
+        q_proj = (
+            2.0 * h * shape.q_lora_rank + 2.0 * shape.q_lora_rank * heads * qk
+            if shape.q_lora_rank
+            else 2.0 * h * heads * qk
+        )
         kv_proj = 2.0 * h * (shape.kv_lora_rank + shape.qk_pos_emb_head_dim)
         kv_proj += 2.0 * shape.kv_lora_rank * heads * (shape.qk_head_dim + shape.v_head_dim)
         out = 2.0 * heads * shape.v_head_dim * h
@@ -54,10 +57,15 @@ def forward_flops_per_token(shape: ModelShape, seq_length: int, vocab_size: int 
     moe = 0.0
     if moe_layers:
         shared = shape.moe_shared_expert_intermediate_size or 0
-        moe = (shape.moe_router_topk * _mlp(h, shape.moe_ffn_hidden_size, shape.swiglu) + 2.0 * h * shape.num_experts
-               + (_mlp(h, shared, shape.swiglu) if shared else 0.0) + (2.0 * h if shape.moe_shared_expert_gate else 0.0))
-    layers = (shape.num_layers * _attention(shape, seq_length) + (shape.num_layers - moe_layers) * dense
-              + moe_layers * moe)
+        moe = (
+            shape.moe_router_topk * _mlp(h, shape.moe_ffn_hidden_size, shape.swiglu)
+            + 2.0 * h * shape.num_experts
+            + (_mlp(h, shared, shape.swiglu) if shared else 0.0)
+            + (2.0 * h if shape.moe_shared_expert_gate else 0.0)
+        )
+    layers = (
+        shape.num_layers * _attention(shape, seq_length) + (shape.num_layers - moe_layers) * dense + moe_layers * moe
+    )
     return layers + 2.0 * h * (vocab_size or shape.vocab_size)
 
 

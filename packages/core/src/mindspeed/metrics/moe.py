@@ -65,11 +65,15 @@ class ExpertLoad:
         if not self.counts:
             return f"expert load at step {self.step}: no MoE layer ran"
         worst = max(self.counts, key=self.imbalance)
-        lines = [f"expert load at step {self.step}: max/mean {self.max_imbalance:.3f} (layer {worst}), "
-                 f"{len(self.counts)} MoE layers"]
+        lines = [
+            f"expert load at step {self.step}: max/mean {self.max_imbalance:.3f} (layer {worst}), "
+            f"{len(self.counts)} MoE layers"
+        ]
         if per_layer:
-            lines += [f"  layer {layer}: tokens per expert {counts} max/mean {self.imbalance(layer):.3f}"
-                      for layer, counts in sorted(self.counts.items())]
+            lines += [
+                f"  layer {layer}: tokens per expert {counts} max/mean {self.imbalance(layer):.3f}"
+                for layer, counts in sorted(self.counts.items())
+            ]
         return "\n".join(lines)
 
 
@@ -159,7 +163,7 @@ class ExpertLoadTracker:
         present = torch.zeros(num_layers + 1, dtype=torch.int64, device=device)
         replication = torch.ones(num_layers + 1, dtype=torch.int64, device=device)
         for layer, counts in self._counts.items():
-            dense[layer, :counts.numel()] = counts
+            dense[layer, : counts.numel()] = counts
             present[layer] = 1
             replication[layer] = self._replication[layer]
         if dist.is_available() and dist.is_initialized():

@@ -167,10 +167,13 @@ class ModelShape:
         args["moe_layer_freq"] = list(self.moe_layer_freq) if self.moe_layer_freq else 1
         args.update(
             group_query_attention=self.num_query_groups != self.num_attention_heads,
-            rotary_interleaved=False, rotary_percent=1.0,
+            rotary_interleaved=False,
+            rotary_percent=1.0,
             use_rotary_position_embeddings=self.position_embedding_type == "rope",
-            add_position_embedding=self.position_embedding_type == "learned_absolute", moe_grouped_gemm=False,
-            bf16=self.params_dtype == "bfloat16", fp16=self.params_dtype == "float16",
+            add_position_embedding=self.position_embedding_type == "learned_absolute",
+            moe_grouped_gemm=False,
+            bf16=self.params_dtype == "bfloat16",
+            fp16=self.params_dtype == "float16",
         )
         return args
 
@@ -185,7 +188,9 @@ class ModelShape:
         names = {f.name for f in dataclasses.fields(cls)}
         picked = {k: v for k, v in values.items() if k in names and v is not None}
         if "params_dtype" not in picked or not isinstance(picked["params_dtype"], str):
-            picked["params_dtype"] = "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
+            picked["params_dtype"] = (
+                "bfloat16" if values.get("bf16") else "float16" if values.get("fp16") else "float32"
+            )
         if isinstance(picked.get("moe_layer_freq"), int):
             freq = picked.pop("moe_layer_freq")
             picked["moe_layer_freq"] = tuple(int(i % freq == 0) for i in range(picked.get("num_layers", 0)))
@@ -195,8 +200,9 @@ class ModelShape:
             picked["kv_channels"] = picked["hidden_size"] // picked["num_attention_heads"]
         if "vocab_size" not in picked and "padded_vocab_size" in values:
             picked["vocab_size"] = values["padded_vocab_size"]
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in picked]
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in picked]
         if missing:
-            raise ValueError(f"the checkpoint's args lack {', '.join(missing)}; pass --hf-cfg-dir with the model's config.json")
+            raise ValueError(
+                f"the checkpoint's args lack {', '.join(missing)}; pass --hf-cfg-dir with the model's config.json"
+            )
         return cls(**picked)

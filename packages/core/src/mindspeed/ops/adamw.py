@@ -90,8 +90,9 @@ def _adamw_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
     return [
         Case("first step", (*state(fresh=True), 1), hyper, grad=False),
         Case("step 7", (*state(fresh=False), 7), hyper, grad=False),
-        Case("no decay, maximize", (*state(fresh=False), 3), {**hyper, "weight_decay": 0.0, "maximize": True},
-             grad=False),
+        Case(
+            "no decay, maximize", (*state(fresh=False), 3), {**hyper, "weight_decay": 0.0, "maximize": True}, grad=False
+        ),
         Case("large eps", (*state(fresh=False), 100), {**hyper, "eps": 1e-3, "beta2": 0.95}, grad=False),
     ]
 
@@ -283,8 +284,16 @@ class FusedAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             for step, (params, grads, exp_avgs, exp_avg_sqs) in by_step.items():
                 self.kernel(
-                    params, grads, exp_avgs, exp_avg_sqs, step,
-                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], maximize=group["maximize"],
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    step,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    maximize=group["maximize"],
                 )
         return loss

@@ -66,9 +66,7 @@ def check_attention_inputs(
     if cu_seqlens is None:
         return
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be a 1-D int32/int64 tensor; got {cu_seqlens.dtype}{list(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor; got {cu_seqlens.dtype}{list(cu_seqlens.shape)}")
     if q.shape[0] != 1 or q.shape[1] != k.shape[1]:
         raise ValueError(
             "packed sequences (cu_seqlens) need batch == 1 and seq_q == seq_k; "

@@ -58,8 +58,19 @@ def ema_adamw_reference(
     Returns:
         ``(params, exp_avgs, exp_avg_sqs, ema_params)``, the same lists.
     """
-    adamw_reference(params, grads, exp_avgs, exp_avg_sqs, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=weight_decay, maximize=maximize)
+    adamw_reference(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+    )
     for param, ema in zip(params, ema_params, strict=True):
         ema.mul_(ema_decay).add_(param, alpha=1.0 - ema_decay)
     return params, exp_avgs, exp_avg_sqs, ema_params
@@ -71,8 +82,14 @@ def _ema_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
         params = case.args[0]
         gen = torch.Generator().manual_seed(len(cases))
         ema = [p + 0.01 * torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
-        cases.append(Case(f"{case.name}, ema_decay {decay}", (*case.args[:4], ema, case.args[4]),
-                          {**case.kwargs, "ema_decay": decay}, grad=False))
+        cases.append(
+            Case(
+                f"{case.name}, ema_decay {decay}",
+                (*case.args[:4], ema, case.args[4]),
+                {**case.kwargs, "ema_decay": decay},
+                grad=False,
+            )
+        )
     return cases
 
 
@@ -80,8 +97,12 @@ def _ema_bench(dtype: torch.dtype, device: torch.device) -> Case:
     params = [torch.randn(1024, 1024, device=device, dtype=dtype) for _ in range(4)]
     state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
     hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "ema_decay": 0.9999}
-    return Case("4 x 1024x1024", (params, [torch.randn_like(p) for p in params], *state,
-                                  [p.clone() for p in params], 1), hyper, grad=False)
+    return Case(
+        "4 x 1024x1024",
+        (params, [torch.randn_like(p) for p in params], *state, [p.clone() for p in params], 1),
+        hyper,
+        grad=False,
+    )
 
 
 register_op(
@@ -103,8 +124,17 @@ def _lerp_ema(params: Tensors, ema_params: Tensors, ema_decay: float) -> None:
 
 
 @register_kernel("ema_adamw", "foreach", priority=5)
-def ema_adamw_foreach(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, ema_params: Tensors,
-                      step: int, *, ema_decay: float, **hyper: Any) -> tuple[Tensors, Tensors, Tensors, Tensors]:
+def ema_adamw_foreach(
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    ema_params: Tensors,
+    step: int,
+    *,
+    ema_decay: float,
+    **hyper: Any,
+) -> tuple[Tensors, Tensors, Tensors, Tensors]:
     """The multi-tensor AdamW step, then one multi-tensor lerp of the averages."""
     adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, step, **hyper)
     _lerp_ema(params, ema_params, ema_decay)
@@ -112,8 +142,17 @@ def ema_adamw_foreach(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_av
 
 
 @register_kernel("ema_adamw", "fused", priority=10, available=_fused_adamw_available)
-def ema_adamw_fused(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, ema_params: Tensors,
-                    step: int, *, ema_decay: float, **hyper: Any) -> tuple[Tensors, Tensors, Tensors, Tensors]:
+def ema_adamw_fused(
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    ema_params: Tensors,
+    step: int,
+    *,
+    ema_decay: float,
+    **hyper: Any,
+) -> tuple[Tensors, Tensors, Tensors, Tensors]:
     """torch's fused AdamW kernel, then one multi-tensor lerp of the averages."""
     adamw_fused(params, grads, exp_avgs, exp_avg_sqs, step, **hyper)
     _lerp_ema(params, ema_params, ema_decay)
@@ -134,17 +173,32 @@ class FusedEMAAdamW(torch.optim.Optimizer):
     swaps the averages into the parameters for an export or an evaluation.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, ema_decay: float = 0.9999, maximize: bool = False,
-                 impl: str = "auto") -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        ema_decay: float = 0.9999,
+        maximize: bool = False,
+        impl: str = "auto",
+    ) -> None:
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"FusedEMAAdamW: ema_decay must lie in [0, 1), got {ema_decay}")
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"FusedEMAAdamW: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"FusedEMAAdamW: betas must lie in [0, 1), got {betas}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
-                    "ema_decay": ema_decay}
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "maximize": maximize,
+            "ema_decay": ema_decay,
+        }
         super().__init__(params, defaults)
         self.kernel = resolve_kernel("ema_adamw", impl)
 
@@ -175,9 +229,21 @@ class FusedEMAAdamW(torch.optim.Optimizer):
                     target.append(value)
             beta1, beta2 = group["betas"]
             for step, (params, grads, exp_avgs, exp_avg_sqs, emas) in by_step.items():
-                self.kernel(params, grads, exp_avgs, exp_avg_sqs, emas, step, lr=group["lr"], beta1=beta1,
-                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            ema_decay=group["ema_decay"], maximize=group["maximize"])
+                self.kernel(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    emas,
+                    step,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    ema_decay=group["ema_decay"],
+                    maximize=group["maximize"],
+                )
         return loss
 
     @contextlib.contextmanager

@@ -43,8 +43,7 @@ def check_grouped_matmul_args(x: torch.Tensor, weight: torch.Tensor, tokens_per_
 def _check_total(sizes: list[int], x: torch.Tensor) -> None:
     if sum(sizes) != x.shape[0] or min(sizes, default=0) < 0:
         raise ValueError(
-            f"grouped_matmul: tokens_per_expert {sizes} must be non-negative and sum to the "
-            f"{x.shape[0]} rows of x"
+            f"grouped_matmul: tokens_per_expert {sizes} must be non-negative and sum to the {x.shape[0]} rows of x"
         )
 
 
@@ -88,8 +87,13 @@ def _grouped_matmul_naive(x: torch.Tensor, weight: torch.Tensor, tokens_per_expe
 
 
 def _make(
-    counts: list[int], in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
-    gen: torch.Generator, counts_on_device: bool = False,
+    counts: list[int],
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    counts_on_device: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(sum(counts), in_features, generator=gen).to(device, dtype)
     weight = (torch.randn(len(counts), in_features, out_features, generator=gen) / in_features**0.5).to(device, dtype)

@@ -83,8 +83,11 @@ def moe_permute_reference(
 
 
 def check_unpermute_args(
-    permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: Sequence[int],
-    probs: torch.Tensor | None, routing_map: torch.Tensor | None,
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape: Sequence[int],
+    probs: torch.Tensor | None,
+    routing_map: torch.Tensor | None,
 ) -> None:
     """Raise ``ValueError`` unless the arguments of ``moe_unpermute`` fit together."""
     if permuted_tokens.dim() != 2 or sorted_indices.shape != permuted_tokens.shape[:1]:
@@ -168,15 +171,25 @@ def _permute_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
 def _unpermute_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
     gen = torch.Generator().manual_seed(1)
 
-    def make(num_tokens: int, hidden: int, num_experts: int, topk: int, drop: bool = False,
-             probs_dtype: torch.dtype | None = None, with_probs: bool = True) -> tuple:
+    def make(
+        num_tokens: int,
+        hidden: int,
+        num_experts: int,
+        topk: int,
+        drop: bool = False,
+        probs_dtype: torch.dtype | None = None,
+        with_probs: bool = True,
+    ) -> tuple:
         tokens = torch.randn(num_tokens, hidden, generator=gen)
         routing_map = topk_routing_map(num_tokens, num_experts, topk, gen, drop)
         permuted, sorted_indices = moe_permute_reference(tokens, routing_map)
         probs = torch.rand(num_tokens, num_experts, generator=gen).to(device, probs_dtype or dtype)
         return (
-            permuted.to(device, dtype), sorted_indices.to(device), torch.Size(tokens.shape),
-            probs if with_probs else None, routing_map.to(device) if with_probs else None,
+            permuted.to(device, dtype),
+            sorted_indices.to(device),
+            torch.Size(tokens.shape),
+            probs if with_probs else None,
+            routing_map.to(device) if with_probs else None,
         )
 
     return [

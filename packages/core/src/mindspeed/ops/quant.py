@@ -30,10 +30,22 @@ from mindspeed.ops.registry import Case, OpSpec, Tolerance, register_op
 #: The 16 NF4 values, ascending: quantiles of N(0, 1) scaled to [-1, 1] with an exact zero
 #: (QLoRA, Dettmers et al. 2023, appendix E; the same constants as bitsandbytes).
 NF4_VALUES: tuple[float, ...] = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 )
 #: Index of 0.0 in :data:`NF4_VALUES`: the code of padding.
 NF4_ZERO_CODE = 7
@@ -78,8 +90,12 @@ class NF4Weight(NamedTuple):
 
     def dequantize_kwargs(self) -> dict:
         """Keyword arguments of ``nf4_dequantize`` besides ``codes``, ``absmax``, ``shape``, ``dtype``."""
-        return {"block_size": self.block_size, "absmax_scale": self.absmax_scale,
-                "absmax_offset": self.absmax_offset, "absmax_block_size": self.absmax_block_size}
+        return {
+            "block_size": self.block_size,
+            "absmax_scale": self.absmax_scale,
+            "absmax_offset": self.absmax_offset,
+            "absmax_block_size": self.absmax_block_size,
+        }
 
 
 @functools.cache
@@ -101,7 +117,7 @@ def _dynamic_map(device: torch.device) -> torch.Tensor:
     # the values are the same to the bit).
     values: list[float] = [0.0, 1.0]
     for i in range(7):
-        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        edges = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
         means = (edges[:-1] + edges[1:]) / 2.0
         scale = 10.0 ** (i - 6)
         values += (scale * means).tolist() + (-scale * means).tolist()
@@ -128,7 +144,7 @@ def _blockwise_codes(flat: torch.Tensor, block_size: int, table: torch.Tensor) -
     codes, maxima = [], []
     step = max(CHUNK - CHUNK % block_size, block_size)
     for start in range(0, flat.numel(), step):
-        part = flat[start:start + step].float()
+        part = flat[start : start + step].float()
         numel = part.numel()
         blocks = -(-numel // block_size)
         if numel % block_size:
@@ -142,8 +158,9 @@ def _blockwise_codes(flat: torch.Tensor, block_size: int, table: torch.Tensor) -
     return torch.cat(codes), torch.cat(maxima)
 
 
-def nf4_quantize_reference(weight: torch.Tensor, block_size: int = 64, double_quant: bool = True,
-                           absmax_block_size: int = 256) -> NF4Weight:
+def nf4_quantize_reference(
+    weight: torch.Tensor, block_size: int = 64, double_quant: bool = True, absmax_block_size: int = 256
+) -> NF4Weight:
     """Quantise ``weight`` to NF4 (blockwise absmax scaling), optionally double-quantising the maxima.
 
     Args:
@@ -184,8 +201,12 @@ def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, block_size: int, i
     return (padded * scales.unsqueeze(1)).reshape(-1)[:numel]
 
 
-def dequantize_absmax(absmax: torch.Tensor, absmax_scale: torch.Tensor | None, absmax_offset: torch.Tensor | None,
-                      absmax_block_size: int = 256) -> torch.Tensor:
+def dequantize_absmax(
+    absmax: torch.Tensor,
+    absmax_scale: torch.Tensor | None,
+    absmax_offset: torch.Tensor | None,
+    absmax_block_size: int = 256,
+) -> torch.Tensor:
     """The float32 block maxima of an NF4 state (undoing double quantisation when ``absmax`` is uint8)."""
     if absmax.dtype != torch.uint8:
         return absmax.float()
@@ -195,10 +216,16 @@ def dequantize_absmax(absmax: torch.Tensor, absmax_scale: torch.Tensor | None, a
     return _scale_blocks(values, absmax_scale.float(), absmax_block_size) + absmax_offset.float()
 
 
-def nf4_dequantize_reference(codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int],
-                             dtype: torch.dtype = torch.bfloat16, block_size: int = 64,
-                             absmax_scale: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None,
-                             absmax_block_size: int = 256) -> torch.Tensor:
+def nf4_dequantize_reference(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 64,
+    absmax_scale: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
+    absmax_block_size: int = 256,
+) -> torch.Tensor:
     """The weight an NF4 state stands for, ``NF4_VALUES[code] * blockmax``, in ``dtype``.
 
     Computed in float32 and cast once (as bitsandbytes' kernels do).
@@ -219,9 +246,11 @@ def nf4_dequantize_reference(codes: torch.Tensor, absmax: torch.Tensor, shape: S
     numel = math.prod(shape)
     blocks = -(-numel // block_size)
     if codes.dtype != torch.uint8 or codes.numel() != (numel + 1) // 2 or absmax.numel() != blocks:
-        raise ValueError(f"an NF4 state of shape {tuple(shape)} and block size {block_size} needs "
-                         f"{(numel + 1) // 2} uint8 codes and {blocks} maxima, got {codes.dtype}{list(codes.shape)} "
-                         f"and {absmax.numel()}")
+        raise ValueError(
+            f"an NF4 state of shape {tuple(shape)} and block size {block_size} needs "
+            f"{(numel + 1) // 2} uint8 codes and {blocks} maxima, got {codes.dtype}{list(codes.shape)} "
+            f"and {absmax.numel()}"
+        )
     maxima = dequantize_absmax(absmax, absmax_scale, absmax_offset, absmax_block_size)
     pairs = _nf4_pairs(codes.device)
     flat = codes.reshape(-1)
@@ -230,10 +259,11 @@ def nf4_dequantize_reference(codes: torch.Tensor, absmax: torch.Tensor, shape: S
     step = max(CHUNK - CHUNK % block_size, block_size)
     for start in range(0, numel, step):
         stop = min(start + step, numel)
-        values = torch.nn.functional.embedding(flat[start // 2:(stop + 1) // 2].int(), pairs).view(-1)[:stop - start]
+        values = torch.nn.functional.embedding(flat[start // 2 : (stop + 1) // 2].int(), pairs).view(-1)[: stop - start]
         first = start // block_size
-        out[start:stop] = _scale_blocks(values, maxima[first:first + -(-(stop - start) // block_size)], block_size,
-                                        inplace=True)
+        out[start:stop] = _scale_blocks(
+            values, maxima[first : first + -(-(stop - start) // block_size)], block_size, inplace=True
+        )
     return out.view(tuple(shape))
 
 
@@ -253,8 +283,9 @@ def _weights(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor
 
 def _quantize_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
     cases = [Case(name, (w,), grad=False) for name, w in _weights(device, dtype).items()]
-    return cases + [Case("single quant, block 128", (cases[0].args[0],), {"block_size": 128, "double_quant": False},
-                         grad=False)]
+    return cases + [
+        Case("single quant, block 128", (cases[0].args[0],), {"block_size": 128, "double_quant": False}, grad=False)
+    ]
 
 
 def _dequantize_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
@@ -263,8 +294,9 @@ def _dequantize_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
         for double in (True, False):
             q = nf4_quantize_reference(weight, double_quant=double)
             kwargs = {"dtype": dtype, **q.dequantize_kwargs()}
-            cases.append(Case(f"{name}{'' if double else ', single quant'}", (q.codes, q.absmax, q.shape), kwargs,
-                              grad=False))
+            cases.append(
+                Case(f"{name}{'' if double else ', single quant'}", (q.codes, q.absmax, q.shape), kwargs, grad=False)
+            )
     return cases
 
 

@@ -196,13 +196,13 @@ def available_kernels(op: str, device: str | None = None, features: Iterable[str
     device = device or get_accelerator().name
     features = tuple(features)
     return [
-        impl
-        for impl in list_kernels(op)
-        if impl.runs_on(device) and impl.supports(features) and impl.is_available()
+        impl for impl in list_kernels(op) if impl.runs_on(device) and impl.supports(features) and impl.is_available()
     ]
 
 
-def resolve_kernel(op: str, impl: str = "auto", *, device: str | None = None, features: Iterable[str] = ()) -> KernelImpl:
+def resolve_kernel(
+    op: str, impl: str = "auto", *, device: str | None = None, features: Iterable[str] = ()
+) -> KernelImpl:
     """Pick the implementation of ``op`` to use, once, at build time.
 
     Args:

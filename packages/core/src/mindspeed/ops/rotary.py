@@ -151,11 +151,7 @@ def _rotary_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
         Case("partial rotary", make((5, 2, 2, 24), (5, 1, 1, 16))),
         Case("3d odd", make((9, 3, 10), (9, 1, 10))),
         Case("interleaved", make((6, 2, 3, 16), (6, 1, 1, 16), interleaved=True), {"interleaved": True}),
-        Case(
-            "interleaved partial",
-            make((3, 2, 2, 20), (3, 1, 1, 12), interleaved=True),
-            {"interleaved": True},
-        ),
+        Case("interleaved partial", make((3, 2, 2, 20), (3, 1, 1, 12), interleaved=True), {"interleaved": True}),
     ]
 
 

@@ -139,7 +139,11 @@ def run_distributed(
                 if not ok:  # one failure: the others would wait on it forever
                     break
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in outcomes]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in outcomes
+                ]
                 if dead:
                     # Give its queued message a moment to arrive before declaring a silent death.
                     time.sleep(0.5)

@@ -104,8 +104,9 @@ def destroy_parallel() -> None:
     ps.destroy_model_parallel()
 
 
-def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None, layer_spec: Any = None,
-              **config_overrides: Any) -> list[Any]:
+def build_gpt(
+    model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None, layer_spec: Any = None, **config_overrides: Any
+) -> list[Any]:
     """This rank's model chunks of the tiny GPT, each wrapped in megatron's DDP.
 
     The wrapper is there for every layout, the single-rank one included, because
@@ -135,20 +136,26 @@ def build_gpt(model: TinyGPTConfig, sizes: ParallelSizes, ddp_config: Any = None
     config_overrides.setdefault("use_te_activation_func", False)
     if model.num_experts:  # megatron's default balancing (its losses are tracked; the coefficient is 0)
         config_overrides.setdefault("moe_router_load_balancing_type", "aux_loss")
-    config = transformer_config(model, sizes, moe_token_dispatcher_type=model.moe_token_dispatcher_type,
-                                **config_overrides)
-    spec = layer_spec or get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
-                                                  normalization="RMSNorm")
+    config = transformer_config(
+        model, sizes, moe_token_dispatcher_type=model.moe_token_dispatcher_type, **config_overrides
+    )
+    spec = layer_spec or get_gpt_layer_local_spec(
+        num_experts=model.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
     ddp_config = ddp_config or DistributedDataParallelConfig()
     chunks = []
     for stage in range(sizes.vpp or 1):
         vp_stage = stage if sizes.vpp else None
         gpt = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
-            max_sequence_length=model.seq_length, position_embedding_type="rope",
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.seq_length,
+            position_embedding_type="rope",
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=model.tie_embeddings, vp_stage=vp_stage,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            vp_stage=vp_stage,
         )
         if config.bf16 or config.fp16:  # half-precision weights: megatron casts inputs and outputs
             gpt = Float16Module(config, gpt)
@@ -221,17 +228,18 @@ def param_shards(chunks: list[Any], model: TinyGPTConfig) -> list[ParamShard]:
             if layer:
                 # Local layer i of a pipeline stage is global layer layer_number - 1.
                 number = gpt.decoder.layers[int(layer.group(1))].layer_number
-                name = f"decoder.layers.{number - 1}." + name[layer.end():]
+                name = f"decoder.layers.{number - 1}." + name[layer.end() :]
             expert = _EXPERT.search(name)
             if expert:
                 # Local expert j on expert-parallel rank r is global expert r * E / ep + j.
                 index = ep_rank * (model.num_experts // ep_size) + int(expert.group(1))
-                name = name[:expert.start()] + f".experts.local_experts.{index}." + name[expert.end():]
+                name = name[: expert.start()] + f".experts.local_experts.{index}." + name[expert.end() :]
             grouped = _GROUPED_EXPERTS.search(name)
             if grouped:
                 # Grouped experts hold all local experts in one tensor: cut experts, then ETP.
-                take = _grouped_slicer(int(grouped.group(1)), model.num_experts, ep_rank, ep_size, *etp,
-                                       gated=gpt.config.gated_linear_unit)
+                take = _grouped_slicer(
+                    int(grouped.group(1)), model.num_experts, ep_rank, ep_size, *etp, gated=gpt.config.gated_linear_unit
+                )
                 shards.append(ParamShard(name, param, lambda full, take=take, shape=param.shape: take(full, shape)))
                 continue
             if name == "output_layer.weight" and model.tie_embeddings:
@@ -306,8 +314,14 @@ class Comparison:
     failures: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, name: str, actual: torch.Tensor | float, expected: torch.Tensor | float,
-            atol: float | None = None, rtol: float | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        actual: torch.Tensor | float,
+        expected: torch.Tensor | float,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> None:
         """Compare one tensor (or number) with its reference value (tolerances default to the object's)."""
         atol = self.atol if atol is None else atol
         rtol = self.rtol if rtol is None else rtol
@@ -327,8 +341,15 @@ class Comparison:
 
     def summary(self) -> dict[str, Any]:
         """Plain data (picklable across ranks)."""
-        return {"layout": self.layout, "max_abs": self.max_abs, "worst": self.worst, "names": list(self.names),
-                "diffs": dict(self.diffs), "failures": list(self.failures), **self.extra}
+        return {
+            "layout": self.layout,
+            "max_abs": self.max_abs,
+            "worst": self.worst,
+            "names": list(self.names),
+            "diffs": dict(self.diffs),
+            "failures": list(self.failures),
+            **self.extra,
+        }
 
 
 def merge_summaries(per_rank: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -344,8 +365,9 @@ def merge_summaries(per_rank: list[list[dict[str, Any]]]) -> dict[str, dict[str,
     merged: dict[str, dict[str, Any]] = {}
     for rank, summaries in enumerate(per_rank):
         for item in summaries:
-            entry = merged.setdefault(item["layout"], {**item, "max_abs": 0.0, "names": set(), "diffs": {},
-                                                       "failures": []})
+            entry = merged.setdefault(
+                item["layout"], {**item, "max_abs": 0.0, "names": set(), "diffs": {}, "failures": []}
+            )
             if item["max_abs"] >= entry["max_abs"]:
                 entry["max_abs"], entry["worst"] = item["max_abs"], f"rank {rank}: {item['worst']}"
             entry["names"] |= set(item["names"])
@@ -355,9 +377,14 @@ def merge_summaries(per_rank: list[list[dict[str, Any]]]) -> dict[str, dict[str,
     return merged
 
 
-def compare_with_full(chunks: list[Any], model: TinyGPTConfig, reference: dict[str, torch.Tensor],
-                      comparison: Comparison, read: Callable[[torch.Tensor], torch.Tensor] = local_grad,
-                      prefix: str = "grad") -> None:
+def compare_with_full(
+    chunks: list[Any],
+    model: TinyGPTConfig,
+    reference: dict[str, torch.Tensor],
+    comparison: Comparison,
+    read: Callable[[torch.Tensor], torch.Tensor] = local_grad,
+    prefix: str = "grad",
+) -> None:
     """Compare every local parameter's ``read(param)`` with its slice of ``reference``.
 
     Args:
@@ -372,8 +399,9 @@ def compare_with_full(chunks: list[Any], model: TinyGPTConfig, reference: dict[s
         comparison.add(f"{prefix} {shard.name}", read(shard.param).detach(), shard.take(reference[shard.name]))
 
 
-def make_batches(model: TinyGPTConfig, num_microbatches: int, micro_batch_size: int,
-                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def make_batches(
+    model: TinyGPTConfig, num_microbatches: int, micro_batch_size: int, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """Random token microbatches (the same on every rank for the same seed).
 
     Returns:
@@ -384,15 +412,18 @@ def make_batches(model: TinyGPTConfig, num_microbatches: int, micro_batch_size: 
     shape = (num_microbatches, micro_batch_size, model.seq_length + 1)
     ids = torch.randint(0, model.vocab_size, shape, generator=gen)
     positions = torch.arange(model.seq_length).expand(micro_batch_size, -1)
-    return [{"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "position_ids": positions}
-            for seq in ids]
+    return [
+        {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "position_ids": positions}
+        for seq in ids
+    ]
 
 
 def shard_batches(batches: list[dict[str, torch.Tensor]], dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's rows of every microbatch (equal shares, in rank order)."""
+
     def rows(t: torch.Tensor) -> torch.Tensor:
         share = t.shape[0] // dp_size
-        return t[dp_rank * share:(dp_rank + 1) * share]
+        return t[dp_rank * share : (dp_rank + 1) * share]
 
     return [{key: rows(value) for key, value in batch.items()} for batch in batches]
 
@@ -432,8 +463,9 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) 
     return output, _loss_func
 
 
-def run_forward_backward(chunks: list[Any], batches: list[dict[str, torch.Tensor]],
-                         forward_only: bool = False) -> float | None:
+def run_forward_backward(
+    chunks: list[Any], batches: list[dict[str, torch.Tensor]], forward_only: bool = False
+) -> float | None:
     """One pass of megatron's schedule for the current layout over ``batches``.
 
     The schedule divides each microbatch's loss by the number of microbatches before the
@@ -455,8 +487,12 @@ def run_forward_backward(chunks: list[Any], batches: list[dict[str, torch.Tensor
             chunk.zero_grad_buffer()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_step_func=_forward_step,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
     if not losses:
@@ -509,9 +545,15 @@ def run_reference(model: TinyGPTConfig, batches: list[dict[str, torch.Tensor]], 
         destroy_parallel()
 
 
-def check_layout(model: TinyGPTConfig, sizes: ParallelSizes, batches: list[dict[str, torch.Tensor]],
-                 reference: Reference, label: str | None = None, ddp_config: Any = None,
-                 **config_overrides: Any) -> dict[str, Any]:
+def check_layout(
+    model: TinyGPTConfig,
+    sizes: ParallelSizes,
+    batches: list[dict[str, torch.Tensor]],
+    reference: Reference,
+    label: str | None = None,
+    ddp_config: Any = None,
+    **config_overrides: Any,
+) -> dict[str, Any]:
     """Run ``sizes`` from the reference's weights and compare loss and gradients with it.
 
     Each data-parallel rank takes its equal share of every microbatch (:func:`shard_batches`).
@@ -556,8 +598,9 @@ def broadcast_state(chunks: list[Any]) -> None:
 # -- MoE: grouped experts, and training several steps with auxiliary losses ---------------------
 
 
-def _grouped_slicer(which: int, num_experts: int, ep_rank: int, ep_size: int, etp_rank: int, etp_size: int,
-                    gated: bool) -> Callable[[torch.Tensor, torch.Size], torch.Tensor]:
+def _grouped_slicer(
+    which: int, num_experts: int, ep_rank: int, ep_size: int, etp_rank: int, etp_size: int, gated: bool
+) -> Callable[[torch.Tensor, torch.Size], torch.Tensor]:
     local = num_experts // ep_size
     experts = slice(ep_rank * local, (ep_rank + 1) * local)
 
@@ -660,8 +703,12 @@ class TrainHistory:
     grad_norms: list[float] = field(default_factory=list)
 
 
-def train_steps(chunks: list[Any], optimizer: Any, steps: list[list[dict[str, torch.Tensor]]],
-                after_backward: Callable[[int], None] | None = None) -> TrainHistory:
+def train_steps(
+    chunks: list[Any],
+    optimizer: Any,
+    steps: list[list[dict[str, torch.Tensor]]],
+    after_backward: Callable[[int], None] | None = None,
+) -> TrainHistory:
     """Several training steps (megatron's schedule, then ``optimizer.step()``), recording losses.
 
     Args:
@@ -698,15 +745,42 @@ def expert_biases(chunks: list[Any]) -> dict[str, torch.Tensor]:
             layer = _LAYER.match(name)
             if layer and name.endswith(".router.expert_bias"):
                 number = gpt.decoder.layers[int(layer.group(1))].layer_number
-                biases[f"decoder.layers.{number - 1}." + name[layer.end():]] = buffer.detach().clone()
+                biases[f"decoder.layers.{number - 1}." + name[layer.end() :]] = buffer.detach().clone()
     return biases
 
 
 __all__ = [
-    "Comparison", "ParallelSizes", "ParamShard", "Reference", "TinyGPTConfig", "broadcast_state", "build_gpt",
-    "check_layout", "compare_with_full", "destroy_parallel", "full_grads", "full_state", "global_loss",
-    "init_parallel", "load_full_state", "local_batches", "local_grad", "make_batches", "merge_summaries",
-    "param_shards", "run_forward_backward", "run_reference", "shard_batches", "train_step", "transformer_config",
-    "unwrap", "TrainHistory", "expert_biases", "grouped_expert_state", "read_aux_losses", "reset_aux_losses",
-    "split_microbatches", "train_steps",
+    "Comparison",
+    "ParallelSizes",
+    "ParamShard",
+    "Reference",
+    "TinyGPTConfig",
+    "broadcast_state",
+    "build_gpt",
+    "check_layout",
+    "compare_with_full",
+    "destroy_parallel",
+    "full_grads",
+    "full_state",
+    "global_loss",
+    "init_parallel",
+    "load_full_state",
+    "local_batches",
+    "local_grad",
+    "make_batches",
+    "merge_summaries",
+    "param_shards",
+    "run_forward_backward",
+    "run_reference",
+    "shard_batches",
+    "train_step",
+    "transformer_config",
+    "unwrap",
+    "TrainHistory",
+    "expert_biases",
+    "grouped_expert_state",
+    "read_aux_losses",
+    "reset_aux_losses",
+    "split_microbatches",
+    "train_steps",
 ]

@@ -47,9 +47,7 @@ def run_case(impl: KernelImpl, case: Case) -> tuple[list[torch.Tensor], list[tor
         leaves = [t for t in flatten_tensors((args, kwargs)) if t.requires_grad]
         float_outs = [o for o in outputs if o.is_floating_point() and o.requires_grad]
         gen = torch.Generator().manual_seed(1234)
-        loss = sum(
-            (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in float_outs
-        )
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in float_outs)
         if float_outs:
             loss.backward()
         grads = [leaf.grad for leaf in leaves]
@@ -75,7 +73,9 @@ def compare_case(spec: OpSpec, impl: KernelImpl, reference: KernelImpl, case: Ca
         if actual is None:
             continue
         if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            problems.append(f"{what}: {actual.dtype}{list(actual.shape)} vs reference {expected.dtype}{list(expected.shape)}")
+            problems.append(
+                f"{what}: {actual.dtype}{list(actual.shape)} vs reference {expected.dtype}{list(expected.shape)}"
+            )
             continue
         if not actual.is_floating_point():
             if not torch.equal(actual, expected):

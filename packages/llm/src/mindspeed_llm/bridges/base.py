@@ -21,6 +21,7 @@ from mindspeed_llm.bridges.shape import ModelShape
 
 _MISSING = object()
 
+
 @dataclass(frozen=True)
 class ConfigKey:
     """One megatron field read from (and written back to) a Hugging Face config key.
@@ -59,6 +60,7 @@ class ConfigKey:
             return  # e.g. head_dim == hidden_size / heads: configs that omit it stay without it
         set_path(config, self.hf, value)
 
+
 def get_path(config: Mapping[str, Any], path: str) -> Any:
     """``config["a"]["b"]`` for ``path == "a.b"``; ``None`` when any level is missing."""
     value: Any = config
@@ -68,12 +70,14 @@ def get_path(config: Mapping[str, Any], path: str) -> Any:
         value = value[part]
     return value
 
+
 def set_path(config: dict[str, Any], path: str, value: Any) -> None:
     """Set ``config["a"]["b"] = value`` for ``path == "a.b"``, creating levels as needed."""
     *parents, last = path.split(".")
     for part in parents:
         config = config.setdefault(part, {})
     config[last] = value
+
 
 #: What each capability means: the part of the project that runs a family's models.
 USES = {
@@ -112,14 +116,19 @@ class Capabilities:
     @property
     def features(self) -> tuple[str, ...]:
         """Names of the architecture features the family has (for messages)."""
-        names = {"moe": "MoE", "shared_experts": "shared experts", "mla": "multi-latent attention",
-                 "mtp": "multi-token prediction"}
+        names = {
+            "moe": "MoE",
+            "shared_experts": "shared experts",
+            "mla": "multi-latent attention",
+            "mtp": "multi-token prediction",
+        }
         return tuple(label for name, label in names.items() if getattr(self, name))
 
 
 def head_dim_default(config: Mapping[str, Any]) -> int:
     """``head_dim`` when the config leaves it out: hidden size over heads."""
     return config["hidden_size"] // config["num_attention_heads"]
+
 
 class Bridge:
     """Base of the per-family bridges; subclasses fill in the class attributes.
@@ -214,8 +223,10 @@ class Bridge:
             raise ValueError(f"--mtp-num-layers {count}: the {self.family} bridge has no multi-token-prediction layers")
         available = get_path(config, self.mtp_config_key) or 0
         if count > available:
-            raise ValueError(f"--mtp-num-layers {count}: config.json's {self.mtp_config_key} is {available}; "
-                             f"pass at most {available}")
+            raise ValueError(
+                f"--mtp-num-layers {count}: config.json's {self.mtp_config_key} is {available}; "
+                f"pass at most {available}"
+            )
         return dataclasses.replace(shape, mtp_num_layers=count)
 
     def param_rules(self) -> tuple[ParamRule, ...]:
@@ -225,10 +236,12 @@ class Bridge:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(family={self.family!r})"
 
+
 #: HF architecture -> bridge class.
 BRIDGES: Registry[type[Bridge]] = Registry("model architecture")
 #: MindSpeed-LLM family name (``--model-type-hf``) -> bridge class.
 FAMILIES: Registry[type[Bridge]] = Registry("model family (--model-type-hf)")
+
 
 def register_bridge(cls: type[Bridge]) -> type[Bridge]:
     """Class decorator: register ``cls`` under its family and each of its architectures."""
@@ -236,6 +249,7 @@ def register_bridge(cls: type[Bridge]) -> type[Bridge]:
     for arch in cls.hf_architectures:
         BRIDGES.register(arch, cls)
     return cls
+
 
 def bridge_for_architectures(architectures: list[str] | None) -> Bridge:
     """The bridge serving the first known entry of ``config.json``'s ``architectures``.
@@ -246,13 +260,16 @@ def bridge_for_architectures(architectures: list[str] | None) -> Bridge:
     for arch in architectures or []:
         if arch in BRIDGES:
             return BRIDGES.get(arch)()
-    raise ValueError(f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; "
-                     f"{supported_models()}")
+    raise ValueError(
+        f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; {supported_models()}"
+    )
+
 
 def supported_models(families: bool = True) -> str:
     """The registered architectures (and families), for error messages."""
     text = f"supported: {', '.join(sorted(map(str, BRIDGES)))}"
     return text + (f" (or pass --model-type-hf, one of {', '.join(sorted(map(str, FAMILIES)))})" if families else "")
+
 
 def bridge_for_family(family: str) -> Bridge:
     """The bridge of MindSpeed-LLM family name ``family`` (``--model-type-hf``).
@@ -261,6 +278,7 @@ def bridge_for_family(family: str) -> Bridge:
         ValueError: unknown family; the message lists the known ones.
     """
     return FAMILIES.get(family)()
+
 
 def shape_fields() -> set[str]:
     """Names of the :class:`ModelShape` fields (for checking bridge tables)."""
@@ -285,14 +303,20 @@ def require_capability(bridge: Bridge, use: str) -> None:
     if getattr(caps, use):
         return
     made_of = f" ({', '.join(caps.features)})" if caps.features else ""
-    raise ValueError(f"the {bridge.family} family{made_of} is not supported by {USES[use]} yet; supported families: "
-                     f"{', '.join(families_with(use))}")
+    raise ValueError(
+        f"the {bridge.family} family{made_of} is not supported by {USES[use]} yet; supported families: "
+        f"{', '.join(families_with(use))}"
+    )
 
 
 #: Shape fields that tell families apart (besides the capability flags), with the value a
 #: family that does not set them has.
-_DISTINGUISHING = {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
-                   "position_embedding_type": "rope"}
+_DISTINGUISHING = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "add_bias_linear": False,
+    "position_embedding_type": "rope",
+}
 
 
 def bridge_for_shape(shape: ModelShape) -> Bridge:
@@ -311,14 +335,18 @@ def bridge_for_shape(shape: ModelShape) -> Bridge:
             fields.setdefault(name, _shape_default(name))
     for bridge in bridges:
         caps = bridge.capabilities
-        if (caps.moe, caps.shared_experts, caps.mla) != (bool(shape.num_experts),
-                                                          bool(shape.moe_shared_expert_intermediate_size),
-                                                          shape.multi_latent_attention):
+        if (caps.moe, caps.shared_experts, caps.mla) != (
+            bool(shape.num_experts),
+            bool(shape.moe_shared_expert_intermediate_size),
+            shape.multi_latent_attention,
+        ):
             continue
         if all(getattr(shape, name) == bridge.constants.get(name, default) for name, default in fields.items()):
             return bridge
-    raise ValueError(f"no model family writes this model (a Llama-style model with RMSNorm, swiglu, rope and no "
-                     f"linear biases, in the layout of one of {', '.join(map(str, FAMILIES))})")
+    raise ValueError(
+        f"no model family writes this model (a Llama-style model with RMSNorm, swiglu, rope and no "
+        f"linear biases, in the layout of one of {', '.join(map(str, FAMILIES))})"
+    )
 
 
 def _shape_default(name: str) -> Any:

@@ -87,7 +87,7 @@ class Blocks:
             rows = block[0].shape[0]
             lo, hi = max(start, offset), min(stop, offset + rows)
             if lo < hi:
-                out.append([view[lo - offset:hi - offset] for view in block])
+                out.append([view[lo - offset : hi - offset] for view in block])
             offset += rows
         return Blocks(out or [[view[:0] for view in self.parts[0]]])
 
@@ -102,7 +102,7 @@ class Blocks:
                 width = view.shape[1]
                 lo, hi = max(start, offset), min(stop, offset + width)
                 if lo < hi:
-                    views.append(view[:, lo - offset:hi - offset])
+                    views.append(view[:, lo - offset : hi - offset])
                 offset += width
             out.append(views or [block[0][:, :0]])
         return Blocks(out)

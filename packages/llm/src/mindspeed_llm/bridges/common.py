@@ -26,8 +26,12 @@ EMBEDDING_RULES: tuple[ParamRule, ...] = (
 #: Norms and grouped-query attention without biases; old checkpoints' rotary buffers are dropped.
 ATTENTION_RULES: tuple[ParamRule, ...] = (
     Rename(MG + "input_layernorm.weight", HF + "input_layernorm.weight"),
-    FuseQKV(MG + "self_attention.linear_qkv.weight", q=HF + "self_attn.q_proj.weight",
-            k=HF + "self_attn.k_proj.weight", v=HF + "self_attn.v_proj.weight"),
+    FuseQKV(
+        MG + "self_attention.linear_qkv.weight",
+        q=HF + "self_attn.q_proj.weight",
+        k=HF + "self_attn.k_proj.weight",
+        v=HF + "self_attn.v_proj.weight",
+    ),
     Rename(MG + "self_attention.linear_proj.weight", HF + "self_attn.o_proj.weight"),
     Rename(MG + "pre_mlp_layernorm.weight", HF + "post_attention_layernorm.weight"),
     Drop(HF + "self_attn.rotary_emb.inv_freq"),
@@ -35,8 +39,12 @@ ATTENTION_RULES: tuple[ParamRule, ...] = (
 
 #: The q/k/v biases of Qwen2-style attention.
 QKV_BIAS_RULES: tuple[ParamRule, ...] = (
-    FuseQKV(MG + "self_attention.linear_qkv.bias", q=HF + "self_attn.q_proj.bias",
-            k=HF + "self_attn.k_proj.bias", v=HF + "self_attn.v_proj.bias"),
+    FuseQKV(
+        MG + "self_attention.linear_qkv.bias",
+        q=HF + "self_attn.q_proj.bias",
+        k=HF + "self_attn.k_proj.bias",
+        v=HF + "self_attn.v_proj.bias",
+    ),
 )
 
 #: Per-head RMSNorm of queries and keys (Qwen3).
@@ -46,8 +54,9 @@ QK_NORM_RULES: tuple[ParamRule, ...] = (
 )
 
 
-def gated_mlp_rules(mg: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
-                    layers: str = "all") -> tuple[ParamRule, ...]:
+def gated_mlp_rules(
+    mg: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj", layers: str = "all"
+) -> tuple[ParamRule, ...]:
     """A SwiGLU MLP: ``gate``/``up`` fused into ``linear_fc1``, ``down`` renamed to ``linear_fc2``.
 
     Args:
@@ -80,10 +89,7 @@ LLAMA_CONFIG_KEYS: tuple[ConfigKey, ...] = (
 )
 
 #: What megatron's local GPT layer cannot represent in a Llama-like config.
-LLAMA_REQUIRES: tuple[tuple[str, object], ...] = (
-    ("hidden_act", "silu"),
-    ("rope_parameters.rope_type", "default"),
-)
+LLAMA_REQUIRES: tuple[tuple[str, object], ...] = (("hidden_act", "silu"), ("rope_parameters.rope_type", "default"))
 
 
 def moe_rules(hf_mlp: str, router: str, gate: str, up: str, down: str) -> tuple[ParamRule, ...]:

@@ -90,16 +90,21 @@ def plan_conversion(bridge: Bridge, shape: ModelShape, hf_shapes: Mapping[str, S
     produced: dict[str, Task] = {}
     for task in tasks:
         if task.mg_name in produced:
-            raise ValueError(f"the {bridge.family} bridge produces {task.mg_name} twice "
-                             f"(from {produced[task.mg_name].hf_names} and {task.hf_names})")
+            raise ValueError(
+                f"the {bridge.family} bridge produces {task.mg_name} twice "
+                f"(from {produced[task.mg_name].hf_names} and {task.hf_names})"
+            )
         produced[task.mg_name] = task
     extra = set(produced) - set(params)
     if extra:
-        raise ValueError(f"the {bridge.family} bridge produces parameters the megatron model does not have: "
-                         f"{list_names(extra)}")
+        raise ValueError(
+            f"the {bridge.family} bridge produces parameters the megatron model does not have: {list_names(extra)}"
+        )
     missing = set(params) - set(produced)
     if missing:
-        raise ValueError(f"no rule of the {bridge.family} bridge produces these megatron parameters: {list_names(missing)}")
+        raise ValueError(
+            f"no rule of the {bridge.family} bridge produces these megatron parameters: {list_names(missing)}"
+        )
     order = {name: index for index, name in enumerate(params)}
     tasks.sort(key=lambda task: order[task.mg_name])
     plan = ConversionPlan(bridge, shape, tasks, params)
@@ -107,7 +112,9 @@ def plan_conversion(bridge: Bridge, shape: ModelShape, hf_shapes: Mapping[str, S
     for rule in bridge.param_rules():
         for copy, original in (rule.copies(shape) if hasattr(rule, "copies") else {}).items():
             if original not in produced_hf:
-                raise ValueError(f"the {bridge.family} bridge copies {original} into {copy}, but no rule makes {original}")
+                raise ValueError(
+                    f"the {bridge.family} bridge copies {original} into {copy}, but no rule makes {original}"
+                )
             plan.hf_copies.setdefault(original, []).append(copy)
     if hf_shapes is not None:
         _check_hf_side(plan, hf_shapes)
@@ -120,25 +127,35 @@ def _check_hf_side(plan: ConversionPlan, hf_shapes: Mapping[str, Shape]) -> None
     for task in plan.tasks:
         for name in task.hf_names:
             if name in used:
-                raise ValueError(f"{name} is used by two rules of the {family} bridge ({used[name]} and {task.mg_name})")
+                raise ValueError(
+                    f"{name} is used by two rules of the {family} bridge ({used[name]} and {task.mg_name})"
+                )
             used[name] = task.mg_name
     absent = [name for name in used if name not in hf_shapes]
     if absent:
-        raise ValueError(f"the checkpoint lacks tensors the {family} bridge needs for this config: {list_names(absent)}")
+        raise ValueError(
+            f"the checkpoint lacks tensors the {family} bridge needs for this config: {list_names(absent)}"
+        )
     copies = {copy: original for original, names in plan.hf_copies.items() for copy in names}
     for copy, original in copies.items():
         if copy in hf_shapes and tuple(hf_shapes[copy]) != tuple(hf_shapes[original]):
-            raise ValueError(f"shape mismatch: {copy} {tuple(hf_shapes[copy])} should repeat {original} "
-                             f"{tuple(hf_shapes[original])}")
+            raise ValueError(
+                f"shape mismatch: {copy} {tuple(hf_shapes[copy])} should repeat {original} {tuple(hf_shapes[original])}"
+            )
     rules = plan.bridge.param_rules()
     optional = {name for rule in rules for name in expand_optional(rule, plan.shape)} | set(copies)
-    optional |= {name for name in hf_shapes if name not in used
-                 and any(rule.drops(name, plan.shape) for rule in rules if hasattr(rule, "drops"))}
+    optional |= {
+        name
+        for name in hf_shapes
+        if name not in used and any(rule.drops(name, plan.shape) for rule in rules if hasattr(rule, "drops"))
+    }
     plan.dropped_hf = sorted(name for name in hf_shapes if name not in used and name in optional and name not in copies)
     leftover = [name for name in hf_shapes if name not in used and name not in optional]
     if leftover:
-        raise ValueError(f"no rule of the {family} bridge matches these checkpoint tensors (does config.json describe "
-                         f"this checkpoint?): {list_names(leftover)}")
+        raise ValueError(
+            f"no rule of the {family} bridge matches these checkpoint tensors (does config.json describe "
+            f"this checkpoint?): {list_names(leftover)}"
+        )
     for task in plan.tasks:
         inputs = [tuple(hf_shapes[name]) for name in task.hf_names]
         expected = plan.params[task.mg_name].shape
@@ -148,8 +165,9 @@ def _check_hf_side(plan: ConversionPlan, hf_shapes: Mapping[str, Shape]) -> None
             raise ValueError(f"shape mismatch in {', '.join(task.hf_names)}: {err}") from None
         if tuple(got) != expected:
             shapes = ", ".join(f"{n} {s}" for n, s in zip(task.hf_names, inputs))
-            raise ValueError(f"shape mismatch: {shapes} give {task.mg_name} {tuple(got)} but config.json implies "
-                             f"{expected}")
+            raise ValueError(
+                f"shape mismatch: {shapes} give {task.mg_name} {tuple(got)} but config.json implies {expected}"
+            )
 
 
 def hf_to_megatron(plan: ConversionPlan, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,8 +176,9 @@ def hf_to_megatron(plan: ConversionPlan, hf_state: Mapping[str, torch.Tensor]) -
     Returns:
         The unsharded megatron state dict (parameter names of :func:`megatron_params`).
     """
-    return {task.mg_name: task.rule.to_megatron([hf_state[n] for n in task.hf_names], plan.shape)
-            for task in plan.tasks}
+    return {
+        task.mg_name: task.rule.to_megatron([hf_state[n] for n in task.hf_names], plan.shape) for task in plan.tasks
+    }
 
 
 def megatron_to_hf(plan: ConversionPlan, mg_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -81,8 +81,11 @@ class ParallelLayout:
         Args:
             shape: the model the layout is for.
         """
-        flag_tp, flag_pp, flag_ep = ("--target-tensor-parallel-size", "--target-pipeline-parallel-size",
-                                     "--target-expert-parallel-size")
+        flag_tp, flag_pp, flag_ep = (
+            "--target-tensor-parallel-size",
+            "--target-pipeline-parallel-size",
+            "--target-expert-parallel-size",
+        )
         for flag, size in ((flag_tp, self.tp), (flag_pp, self.pp), (flag_ep, self.ep)):
             if size < 1:
                 raise ValueError(f"{flag} must be at least 1, got {size}")
@@ -103,8 +106,10 @@ class ParallelLayout:
                 dims["shared expert intermediate_size"] = shape.moe_shared_expert_intermediate_size
         for what, value in dims.items():
             if value % self.tp:
-                raise ValueError(f"{flag_tp} {self.tp} does not divide {what} {value} of the model; "
-                                 f"pick a tensor-parallel size that divides it")
+                raise ValueError(
+                    f"{flag_tp} {self.tp} does not divide {what} {value} of the model; "
+                    f"pick a tensor-parallel size that divides it"
+                )
         self._check_layers(shape, flag_pp)
         if self.ep > 1 and not shape.num_experts:
             raise ValueError(f"{flag_ep} {self.ep} needs a mixture-of-experts model; this one is dense")
@@ -116,18 +121,28 @@ class ParallelLayout:
         if self.num_layer_list is not None:
             if self.vpp_layers:
                 raise ValueError("--num-layer-list and --num-layers-per-virtual-pipeline-stage exclude each other")
-            if len(self.num_layer_list) != self.pp or sum(self.num_layer_list) != layers or min(self.num_layer_list) < 1:
-                raise ValueError(f"--num-layer-list {','.join(map(str, self.num_layer_list))} must give {self.pp} "
-                                 f"positive layer counts (one per pipeline stage) summing to {layers}")
+            if (
+                len(self.num_layer_list) != self.pp
+                or sum(self.num_layer_list) != layers
+                or min(self.num_layer_list) < 1
+            ):
+                raise ValueError(
+                    f"--num-layer-list {','.join(map(str, self.num_layer_list))} must give {self.pp} "
+                    f"positive layer counts (one per pipeline stage) summing to {layers}"
+                )
         elif layers % self.pp:
-            raise ValueError(f"{flag_pp} {self.pp} does not divide the {layers} layers; pass --num-layer-list "
-                             f"with {self.pp} layer counts summing to {layers}")
+            raise ValueError(
+                f"{flag_pp} {self.pp} does not divide the {layers} layers; pass --num-layer-list "
+                f"with {self.pp} layer counts summing to {layers}"
+            )
         if self.vpp_layers:
             if self.pp < 2:
                 raise ValueError("--num-layers-per-virtual-pipeline-stage needs a pipeline-parallel size of 2 or more")
             if layers % (self.pp * self.vpp_layers):
-                raise ValueError(f"--num-layers-per-virtual-pipeline-stage {self.vpp_layers} times {flag_pp} "
-                                 f"{self.pp} does not divide the {layers} layers")
+                raise ValueError(
+                    f"--num-layers-per-virtual-pipeline-stage {self.vpp_layers} times {flag_pp} "
+                    f"{self.pp} does not divide the {layers} layers"
+                )
 
     def num_chunks(self, shape: ModelShape) -> int:
         """Model chunks per pipeline rank (1 without virtual stages)."""
@@ -191,7 +206,9 @@ class ParallelLayout:
                 copies.append(name)
             # megatron keeps a copy of the tied embedding as the last stage's output layer, and the
             # multi-token-prediction layers (on the last stage) a copy of the embedding.
-            pieces += [Piece(RankKey(t, stage, e), chunk, copy, t) for copy in copies for e in eps for t in range(self.tp)]
+            pieces += [
+                Piece(RankKey(t, stage, e), chunk, copy, t) for copy in copies for e in eps for t in range(self.tp)
+            ]
         return pieces
 
     def describe(self) -> str:
@@ -221,7 +238,9 @@ def split_tensor(param: MegatronParam, tensor: torch.Tensor, tp: int) -> list[to
         return list(tensor.chunk(tp, dim=0))
     dim = 1 if param.split is Split.ROW else 0
     if tensor.shape[dim] % (2 * tp if param.split is Split.GLU else tp):
-        raise ValueError(f"{param.name}: dim {dim} of size {tensor.shape[dim]} cannot be cut in {tp} tensor-parallel pieces")
+        raise ValueError(
+            f"{param.name}: dim {dim} of size {tensor.shape[dim]} cannot be cut in {tp} tensor-parallel pieces"
+        )
     if param.split is Split.GLU:
         gate, up = tensor.chunk(2, dim=0)
         return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
@@ -270,15 +289,21 @@ def split_blocks(param: MegatronParam, blocks: Blocks, tp: int) -> list[Blocks]:
         return pieces
     dim = 1 if param.split is Split.ROW else 0
     if blocks.shape[dim] % (2 * tp if param.split is Split.GLU else tp):
-        raise ValueError(f"{param.name}: dim {dim} of size {blocks.shape[dim]} cannot be cut in {tp} tensor-parallel pieces")
+        raise ValueError(
+            f"{param.name}: dim {dim} of size {blocks.shape[dim]} cannot be cut in {tp} tensor-parallel pieces"
+        )
     if param.split is Split.ROW:
         per = blocks.shape[1] // tp
         return [blocks.columns(index * per, (index + 1) * per) for index in range(tp)]
     if param.split is Split.GLU:
         half = rows // 2
         per = half // tp
-        return [Blocks.stack([blocks.rows(index * per, (index + 1) * per), blocks.rows(half + index * per, half + (index + 1) * per)])
-                for index in range(tp)]
+        return [
+            Blocks.stack(
+                [blocks.rows(index * per, (index + 1) * per), blocks.rows(half + index * per, half + (index + 1) * per)]
+            )
+            for index in range(tp)
+        ]
     per = rows // tp
     return [blocks.rows(index * per, (index + 1) * per) for index in range(tp)]
 

@@ -31,13 +31,22 @@ def parallel_sizes(shape: ModelShape, layout: ParallelLayout) -> ParallelSizes:
     parallelism unless activations are sequence-parallel, so MoE at TP > 1 gets it)."""
     if layout.num_layer_list:
         raise ValueError("building a model with --num-layer-list is not supported; use equal pipeline stages")
-    return ParallelSizes(tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                         vpp=layout.num_chunks(shape) if layout.vpp_layers else None,
-                         sequence_parallel=bool(shape.num_experts) and layout.tp > 1)
+    return ParallelSizes(
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        vpp=layout.num_chunks(shape) if layout.vpp_layers else None,
+        sequence_parallel=bool(shape.num_experts) and layout.tp > 1,
+    )
 
 
-def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, str] | None,
-                megatron_modules: bool, moe_grouped_gemm: bool | None = None) -> Any:
+def _layer_spec(
+    shape: ModelShape,
+    num_experts: int | None,
+    impls: Mapping[str, str] | None,
+    megatron_modules: bool,
+    moe_grouped_gemm: bool | None = None,
+) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -45,15 +54,22 @@ def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, 
 
     if not shape.multi_latent_attention:
         if megatron_modules:
-            return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=shape.qk_layernorm,
-                                            normalization=shape.normalization)
-        return get_gpt_layer_spec(impls=impls, num_experts=num_experts, qk_layernorm=shape.qk_layernorm,
-                                  normalization=shape.normalization, swiglu=shape.swiglu,
-                                  moe_grouped_gemm=moe_grouped_gemm)
+            return get_gpt_layer_local_spec(
+                num_experts=num_experts, qk_layernorm=shape.qk_layernorm, normalization=shape.normalization
+            )
+        return get_gpt_layer_spec(
+            impls=impls,
+            num_experts=num_experts,
+            qk_layernorm=shape.qk_layernorm,
+            normalization=shape.normalization,
+            swiglu=shape.swiglu,
+            moe_grouped_gemm=moe_grouped_gemm,
+        )
     # MLA: megatron's local spec (its q/kv norms need qk_layernorm), with a core attention that
     # takes MLA's distinct value width; norms and activation from the registry unless asked not to.
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True,
-                                    normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm"
+    )
     provider = MindSpeedSpecProvider(impls)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = ModuleSpec(module=mla_core_attention(), params={"impl": provider.impls["attention"]})
@@ -62,7 +78,9 @@ def _layer_spec(shape: ModelShape, num_experts: int | None, impls: Mapping[str, 
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
         attention.q_layernorm = attention.kv_layernorm = norm
         mlp = spec.submodules.mlp.submodules
-        for target in [mlp] + [getattr(mlp, name) for name in ("experts", "shared_experts") if getattr(mlp, name, None)]:
+        for target in [mlp] + [
+            getattr(mlp, name) for name in ("experts", "shared_experts") if getattr(mlp, name, None)
+        ]:
             subs = getattr(target, "submodules", target)
             if hasattr(subs, "activation_func"):
                 subs.activation_func = provider.activation_func()
@@ -75,10 +93,12 @@ def mla_without_te_patch() -> Any:
     mock class and a TypeError; while models are built, this tells it Transformer Engine is absent."""
     import importlib.util
 
-
     return UpstreamPatch(
-        name="mla-no-te-probe", target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
-        make=lambda original, accelerator: False, distribution="megatron-core", versions=">=0.16.0,<0.17",
+        name="mla-no-te-probe",
+        target="megatron.core.transformer.multi_latent_attention.HAVE_TE",
+        make=lambda original, accelerator: False,
+        distribution="megatron-core",
+        versions=">=0.16.0,<0.17",
         reason="isinstance() against a mocked TELinear without Transformer Engine",
         condition=lambda: importlib.util.find_spec("transformer_engine") is None,
     )
@@ -97,12 +117,21 @@ def mla_core_attention() -> type:
     class MLARegistryAttention(RegistryAttention):
         """RegistryAttention taking MLA's head widths (values may be narrower than keys)."""
 
-        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
-                     **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
 
-        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Any,
+            attn_mask_type: Any = None,
+            attention_bias: Any = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
             if attention_bias is not None:
                 raise ValueError("MLARegistryAttention does not support attention_bias")
             width = value.shape[-1]
@@ -112,8 +141,14 @@ def mla_core_attention() -> type:
             if packed_seq_params is not None:  # THD: [t, heads, dim] in, [t, heads * width] out
                 out = self._attend_packed(query, key, value, packed_seq_params, causal)
                 return out.view(query.shape[0], query.shape[1], -1)[..., :width].reshape(query.shape[0], -1)
-            out = self.kernel(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), causal=causal,
-                              softmax_scale=self.softmax_scale, window_size=self.window_size)[..., :width]
+            out = self.kernel(
+                query.transpose(0, 1),
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                window_size=self.window_size,
+            )[..., :width]
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     return MLARegistryAttention
@@ -131,12 +166,20 @@ def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None, pp_ra
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + count], layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset : offset + count], layer_norm=LayerNormImpl)
 
 
-def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout | ParallelSizes, impls: Mapping[str, str] | None = None,
-                     vocab_size: int | None = None, megatron_modules: bool = False, transformer: Any = None,
-                     moe_grouped_gemm: bool | None = None, groups: Any = None, **overrides: Any) -> list[Any]:
+def build_gpt_chunks(
+    shape: ModelShape,
+    layout: ParallelLayout | ParallelSizes,
+    impls: Mapping[str, str] | None = None,
+    vocab_size: int | None = None,
+    megatron_modules: bool = False,
+    transformer: Any = None,
+    moe_grouped_gemm: bool | None = None,
+    groups: Any = None,
+    **overrides: Any,
+) -> list[Any]:
     """This rank's bare ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
 
     The one place a megatron ``GPTModel`` is put together from a shape: converted checkpoints
@@ -171,14 +214,22 @@ def build_gpt_chunks(shape: ModelShape, layout: ParallelLayout | ParallelSizes, 
     patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
     patches.apply(get_accelerator())
     try:
-        return [_build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups)
-                for stage in range(sizes.vpp or 1)]
+        return [
+            _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups) for stage in range(sizes.vpp or 1)
+        ]
     finally:
         patches.revert()
 
 
-def _build_chunk(shape: ModelShape, sizes: ParallelSizes, config: Any, layer_specs: list[Any], stage: int,
-                 vocab_size: int, groups: Any = None) -> Any:
+def _build_chunk(
+    shape: ModelShape,
+    sizes: ParallelSizes,
+    config: Any,
+    layer_specs: list[Any],
+    stage: int,
+    vocab_size: int,
+    groups: Any = None,
+) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import (
@@ -208,10 +259,18 @@ def _build_chunk(shape: ModelShape, sizes: ParallelSizes, config: Any, layer_spe
         last = TransformerBlockSubmodules(layer_specs=[layer_specs[-1]])
         mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=block, mtp_block_spec=mtp, vocab_size=vocab_size,
-        max_sequence_length=shape.max_position_embeddings, position_embedding_type=shape.position_embedding_type,
+        config=config,
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp,
+        vocab_size=vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        position_embedding_type=shape.position_embedding_type,
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
-        rope_scaling=shape.use_rope_scaling, rope_scaling_factor=shape.rope_scaling_factor,
-        pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=shape.tie_embeddings, vp_stage=vp_stage, **extra,
+        rope_scaling=shape.use_rope_scaling,
+        rope_scaling_factor=shape.rope_scaling_factor,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        vp_stage=vp_stage,
+        **extra,
     )

@@ -59,8 +59,19 @@ class MegatronParam:
 
 #: Module suffixes whose megatron linear layers save an ``_extra_state`` entry (None) in
 #: ``state_dict``; a strict ``load_state_dict`` expects it back.
-LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
-                  "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "output_layer", "eh_proj")
+LINEAR_MODULES = (
+    "linear_qkv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+    "output_layer",
+    "eh_proj",
+)
 
 
 def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[MegatronParam]:
@@ -80,8 +91,11 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
             add("linear_q_up_proj.weight", (heads * q_width, shape.q_lora_rank), Split.COLUMN)
         add("linear_kv_down_proj.weight", (shape.kv_lora_rank + shape.qk_pos_emb_head_dim, h), Split.COLUMN)
         add("kv_layernorm.weight", (shape.kv_lora_rank,), Split.REPLICATED)
-        add("linear_kv_up_proj.weight", (heads * (shape.qk_head_dim + shape.v_head_dim), shape.kv_lora_rank),
-            Split.COLUMN)
+        add(
+            "linear_kv_up_proj.weight",
+            (heads * (shape.qk_head_dim + shape.v_head_dim), shape.kv_lora_rank),
+            Split.COLUMN,
+        )
         add("linear_proj.weight", (h, heads * shape.v_head_dim), Split.ROW)
         return out
     d, groups = shape.kv_channels, shape.num_query_groups
@@ -97,8 +111,10 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
 
 
 def _mlp(prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None) -> list[MegatronParam]:
-    return [MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
-            MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert)]
+    return [
+        MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
+        MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert),
+    ]
 
 
 def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list[MegatronParam]:
@@ -131,9 +147,11 @@ def mtp_params(shape: ModelShape) -> list[MegatronParam]:
     params: list[MegatronParam] = []
     for index in range(shape.mtp_num_layers or 0):
         prefix = f"mtp.layers.{index}."
-        params += [MegatronParam(prefix + "enorm.weight", (h,), Split.REPLICATED),
-                   MegatronParam(prefix + "hnorm.weight", (h,), Split.REPLICATED),
-                   MegatronParam(prefix + "eh_proj.weight", (h, 2 * h), Split.COLUMN)]
+        params += [
+            MegatronParam(prefix + "enorm.weight", (h,), Split.REPLICATED),
+            MegatronParam(prefix + "hnorm.weight", (h,), Split.REPLICATED),
+            MegatronParam(prefix + "eh_proj.weight", (h, 2 * h), Split.COLUMN),
+        ]
         params += _layer(shape, prefix + "transformer_layer.", None, shape.mtp_is_moe)
         params.append(MegatronParam(prefix + "final_layernorm.weight", (h,), Split.REPLICATED))
     return params

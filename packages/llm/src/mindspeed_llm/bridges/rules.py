@@ -129,8 +129,9 @@ class FuseQKV(ParamRule):
         q, k, v = tensors
         groups, q_rows, d = self._sizes(shape)
         rest = q.shape[1:]
-        fused = torch.cat([q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest),
-                           v.reshape(groups, d, *rest)], dim=1)
+        fused = torch.cat(
+            [q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1
+        )
         return fused.reshape(-1, *rest)
 
     def to_hf(self, tensor, shape):
@@ -142,22 +143,31 @@ class FuseQKV(ParamRule):
     def to_megatron_blocks(self, tensors, shape):
         q, k, v = tensors
         groups, q_rows, d = self._sizes(shape)
-        return Blocks([block for g in range(groups) for block in
-                       ([q[g * q_rows:(g + 1) * q_rows]], [k[g * d:(g + 1) * d]], [v[g * d:(g + 1) * d]])])
+        return Blocks(
+            [
+                block
+                for g in range(groups)
+                for block in ([q[g * q_rows : (g + 1) * q_rows]], [k[g * d : (g + 1) * d]], [v[g * d : (g + 1) * d]])
+            ]
+        )
 
     def to_hf_blocks(self, blocks, shape):
         groups, q_rows, d = self._sizes(shape)
         width = q_rows + 2 * d
-        return [Blocks.stack([blocks.rows(g * width + start, g * width + start + size) for g in range(groups)])
-                for start, size in ((0, q_rows), (q_rows, d), (q_rows + d, d))]
+        return [
+            Blocks.stack([blocks.rows(g * width + start, g * width + start + size) for g in range(groups)])
+            for start, size in ((0, q_rows), (q_rows, d), (q_rows + d, d))
+        ]
 
     def megatron_shape(self, hf_shapes, shape):
         groups, q_rows, d = self._sizes(shape)
         expected = [(groups * q_rows,), (groups * d,), (groups * d,)]
         for got, want, role in zip(hf_shapes, expected, "qkv"):
             if tuple(got[:1]) != want or tuple(got[1:]) != tuple(hf_shapes[0][1:]):
-                raise ValueError(f"{role} has shape {tuple(got)} but num_attention_heads={shape.num_attention_heads}, "
-                                 f"num_key_value_heads={shape.num_query_groups}, head_dim={d} give {want[0]} rows")
+                raise ValueError(
+                    f"{role} has shape {tuple(got)} but num_attention_heads={shape.num_attention_heads}, "
+                    f"num_key_value_heads={shape.num_query_groups}, head_dim={d} give {want[0]} rows"
+                )
         return (groups * (q_rows + 2 * d), *hf_shapes[0][1:])
 
     def hf_shapes(self, mg_shape, shape):
@@ -241,7 +251,7 @@ class DropExtraLayers(ParamRule):
         prefix = self.hf[0]
         if not name.startswith(prefix):
             return False
-        index = name[len(prefix):].split(".", 1)[0]
+        index = name[len(prefix) :].split(".", 1)[0]
         return index.isdigit() and int(index) >= shape.num_layers + (shape.mtp_num_layers or 0)
 
 
@@ -308,7 +318,9 @@ def _slots(rule: ParamRule, shape: ModelShape, template: str) -> list[tuple[int 
 def _fill(template: str, shape: ModelShape, layer: int | None, expert: int | None, mtp: int | None) -> str:
     if "{" not in template:
         return template
-    return template.format(layer=layer, expert=expert, mtp=mtp, mtp_layer=None if mtp is None else shape.num_layers + mtp)
+    return template.format(
+        layer=layer, expert=expert, mtp=mtp, mtp_layer=None if mtp is None else shape.num_layers + mtp
+    )
 
 
 def expand_names(rule: ParamRule, shape: ModelShape, template: str) -> list[str]:
@@ -328,8 +340,16 @@ def expand_rule(rule: ParamRule, shape: ModelShape) -> list[Task]:
     for layer, mtp in _slots(rule, shape, rule.mg):
         experts = range(shape.num_experts) if "{expert}" in rule.mg else [None]
         for expert in experts:
-            tasks.append(Task(rule, _fill(rule.mg, shape, layer, expert, mtp),
-                              [_fill(t, shape, layer, expert, mtp) for t in rule.hf], layer, expert, mtp))
+            tasks.append(
+                Task(
+                    rule,
+                    _fill(rule.mg, shape, layer, expert, mtp),
+                    [_fill(t, shape, layer, expert, mtp) for t in rule.hf],
+                    layer,
+                    expert,
+                    mtp,
+                )
+            )
     return tasks
 
 
@@ -338,7 +358,9 @@ def expand_optional(rule: ParamRule, shape: ModelShape) -> list[str]:
     return [name for template in rule.optional_hf(shape) for name in expand_names(rule, shape, template)]
 
 
-def for_mtp(rules: tuple[ParamRule, ...], mg_layer: str, hf_layer: str, mg_mtp: str, hf_mtp: str) -> tuple[ParamRule, ...]:
+def for_mtp(
+    rules: tuple[ParamRule, ...], mg_layer: str, hf_layer: str, mg_mtp: str, hf_mtp: str
+) -> tuple[ParamRule, ...]:
     """The decoder-layer rules among ``rules`` rewritten for the transformer layer of a
     multi-token-prediction layer (the same parameters under other prefixes).
 
@@ -354,7 +376,7 @@ def for_mtp(rules: tuple[ParamRule, ...], mg_layer: str, hf_layer: str, mg_mtp: 
         if not rule.mg.startswith(mg_layer):
             continue
         clone = copy.copy(rule)
-        object.__setattr__(clone, "mg", mg_mtp + rule.mg[len(mg_layer):])
+        object.__setattr__(clone, "mg", mg_mtp + rule.mg[len(mg_layer) :])
         object.__setattr__(clone, "hf", tuple(t.replace(hf_layer, hf_mtp, 1) for t in rule.hf))
         out.append(clone)
     return tuple(out)

@@ -54,7 +54,7 @@ def _row_runs(block: list[torch.Tensor]) -> list[memoryview] | None:
             return None
         storage = _storage_view(view)
         start, step = view.storage_offset() * view.element_size(), view.stride(0) * view.element_size()
-        runs_per_view.append([storage[start + r * step:start + r * step + run] for r in range(view.shape[0])])
+        runs_per_view.append([storage[start + r * step : start + r * step + run] for r in range(view.shape[0])])
     return [run for row in zip(*runs_per_view) for run in row]
 
 
@@ -70,7 +70,7 @@ def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> int:
     pending = [b for b in buffers if len(b)]
     total, index = 0, 0
     while index < len(pending):
-        batch = pending[index:index + _IOV_MAX]
+        batch = pending[index : index + _IOV_MAX]
         size = sum(map(len, batch))
         if size > _CALL_BYTES:  # keep one call under the kernel's limit
             batch, size = _trim(batch)
@@ -148,9 +148,9 @@ def _write_gathered(fd: int, offset: int, block: list[torch.Tensor]) -> int:
         column = 0
         for view in block:
             if len(block) == 1:
-                out.copy_(view[start:start + count])
+                out.copy_(view[start : start + count])
             else:
-                out[:, column:column + view.shape[1]].copy_(view[start:start + count])
+                out[:, column : column + view.shape[1]].copy_(view[start : start + count])
                 column += view.shape[1]
         written += pwrite_all(fd, [byte_view(out)], offset + written)
     return written

@@ -23,10 +23,12 @@ _CHOICES = {"load_model_type": ("hf", "mg"), "save_model_type": ("mg", "hf"), "c
 def add_convert_ckpt(sub: argparse._SubParsersAction) -> None:
     """Add ``convert-ckpt`` to the ``mindspeed-llm`` subcommands."""
     parser = sub.add_parser(
-        "convert-ckpt", help="convert checkpoints between Hugging Face and Megatron (any TP/PP/EP/VPP)",
+        "convert-ckpt",
+        help="convert checkpoints between Hugging Face and Megatron (any TP/PP/EP/VPP)",
         description="Convert a Hugging Face checkpoint to Megatron shards, back, or between Megatron layouts. "
-                    "The whole mapping is planned and checked first; output is written to a temporary "
-                    "directory and renamed at the end.")
+        "The whole mapping is planned and checked first; output is written to a temporary "
+        "directory and renamed at the end.",
+    )
     add_dataclass_flags(parser, ConvertConfig, _CHOICES)
     parser.set_defaults(func=run_convert_ckpt)
 
@@ -42,4 +44,3 @@ def run_convert_ckpt(args: argparse.Namespace) -> int:
     report = convert_checkpoint(ConvertConfig(**values))
     sys.stdout.write(report.describe() + "\n")
     return 0
-

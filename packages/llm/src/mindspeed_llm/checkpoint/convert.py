@@ -27,10 +27,21 @@ from mindspeed_llm.checkpoint.megatron_dist import DistSink, DistSource, is_dist
 logger = get_logger(__name__)
 
 #: Files of a Hugging Face directory that are weights (everything else there is config, tokenizer, docs).
-_WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.msgpack|\.h5|\.safetensors\.index\.json|\.bin\.index\.json)$")
+_WEIGHT_FILE = re.compile(
+    r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.msgpack|\.h5|\.safetensors\.index\.json|\.bin\.index\.json)$"
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 #: Where a conversion from Hugging Face keeps the source's config and tokenizer inside a Megatron checkpoint.
 HF_ASSETS = "hf_config"
 
@@ -96,11 +107,16 @@ class ConvertConfig:
             try:
                 layers = tuple(int(x) for x in self.num_layer_list.split(","))
             except ValueError:
-                raise ValueError(f"--num-layer-list {self.num_layer_list!r} is not a comma-separated list of "
-                                 "integers") from None
-        return ParallelLayout(tp=self.target_tensor_parallel_size, pp=self.target_pipeline_parallel_size,
-                              ep=self.target_expert_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
-                              num_layer_list=layers)
+                raise ValueError(
+                    f"--num-layer-list {self.num_layer_list!r} is not a comma-separated list of integers"
+                ) from None
+        return ParallelLayout(
+            tp=self.target_tensor_parallel_size,
+            pp=self.target_pipeline_parallel_size,
+            ep=self.target_expert_parallel_size,
+            vpp_layers=self.num_layers_per_virtual_pipeline_stage,
+            num_layer_list=layers,
+        )
 
 
 @dataclass
@@ -132,9 +148,11 @@ class ConversionReport:
 
     def describe(self) -> str:
         """The plan as text: one line per output file."""
-        lines = [f"{'converted' if self.written else 'plan'}: {self.source} -> {self.target}",
-                 f"family {self.family}: {self.tensors_read} megatron tensors, {len(self.files)} output files, "
-                 f"{self.total_bytes / 1e6:.3f} MB"]
+        lines = [
+            f"{'converted' if self.written else 'plan'}: {self.source} -> {self.target}",
+            f"family {self.family}: {self.tensors_read} megatron tensors, {len(self.files)} output files, "
+            f"{self.total_bytes / 1e6:.3f} MB",
+        ]
         if self.dropped:
             lines.append(f"dropped (no weights): {', '.join(self.dropped)}")
         lines += [f"  {f.path}: {f.tensors} tensors, {f.nbytes / 1e6:.3f} MB" for f in self.files]
@@ -160,9 +178,11 @@ def check_paths(config: ConvertConfig) -> None:
         ValueError: a missing source, an unknown model type, a target inside the source, or a
             non-empty target without ``overwrite``.
     """
-    for flag, value, allowed in (("--load-model-type", config.load_model_type, ("hf", "mg")),
-                                 ("--save-model-type", config.save_model_type, ("mg", "hf")),
-                                 ("--ckpt-format", config.ckpt_format, ("torch", "torch_dist"))):
+    for flag, value, allowed in (
+        ("--load-model-type", config.load_model_type, ("hf", "mg")),
+        ("--save-model-type", config.save_model_type, ("mg", "hf")),
+        ("--ckpt-format", config.ckpt_format, ("torch", "torch_dist")),
+    ):
         if value not in allowed:
             raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     if config.load_model_type == "hf" and config.save_model_type == "hf":
@@ -229,8 +249,10 @@ def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None) -> None:
         from transformers import GenerationConfig
 
         GenerationConfig.from_model_config(config).save_pretrained(str(directory))
-    logger.warning("no config.json for the Hugging Face output: wrote one derived from the checkpoint's args; "
-                   "pass --hf-cfg-dir to copy the original config and tokenizer files")
+    logger.warning(
+        "no config.json for the Hugging Face output: wrote one derived from the checkpoint's args; "
+        "pass --hf-cfg-dir to copy the original config and tokenizer files"
+    )
 
 
 def _export_lora(config: ConvertConfig, source, plan, lora) -> ConversionReport:
@@ -239,8 +261,13 @@ def _export_lora(config: ConvertConfig, source, plan, lora) -> ConversionReport:
     if config.save_model_type != "hf":
         raise ValueError("--save-lora-to-hf writes a PEFT adapter; pass --save-model-type hf")
     count = sum(len(task.hf_names) for task in plan.tasks if task.mg_name.rsplit(".", 1)[0] in lora.targets)
-    report = ConversionReport(f"{source.describe()} + LoRA {config.lora_load}", "hf (PEFT adapter)", plan.bridge.family,
-                              2 * len(lora.targets), files=[OutputFile("adapter_model.safetensors", 2 * count)])
+    report = ConversionReport(
+        f"{source.describe()} + LoRA {config.lora_load}",
+        "hf (PEFT adapter)",
+        plan.bridge.family,
+        2 * len(lora.targets),
+        files=[OutputFile("adapter_model.safetensors", 2 * count)],
+    )
     if config.dry_run:
         return report
     with atomic_directory(Path(config.save_dir)) as temp:
@@ -272,14 +299,23 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
         source = DistSource(load, config.model_type_hf, hf_cfg_dir)
     else:
         source = MegatronSource(load, config.model_type_hf, hf_cfg_dir)
-    if config.load_model_type == "mg" and config.mtp_num_layers is not None and \
-            config.mtp_num_layers != (source.shape.mtp_num_layers or 0):
-        raise ValueError(f"--mtp-num-layers {config.mtp_num_layers}: {load} holds {source.shape.mtp_num_layers or 0} "
-                         "multi-token-prediction layers (a Megatron source converts those; leave the flag out)")
+    if (
+        config.load_model_type == "mg"
+        and config.mtp_num_layers is not None
+        and config.mtp_num_layers != (source.shape.mtp_num_layers or 0)
+    ):
+        raise ValueError(
+            f"--mtp-num-layers {config.mtp_num_layers}: {load} holds {source.shape.mtp_num_layers or 0} "
+            "multi-token-prediction layers (a Megatron source converts those; leave the flag out)"
+        )
     plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
     if hasattr(source, "check_copies"):
         source.check_copies(plan)
-    lora = LoraCheckpoint(Path(config.lora_load), source.shape, config.lora_r, config.lora_alpha) if config.lora_load else None
+    lora = (
+        LoraCheckpoint(Path(config.lora_load), source.shape, config.lora_r, config.lora_alpha)
+        if config.lora_load
+        else None
+    )
     if config.save_lora_to_hf:
         return _export_lora(config, source, plan, lora)
     if lora is not None:
@@ -290,8 +326,9 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
         sink = (DistSink if config.ckpt_format == "torch_dist" else MegatronSink)(plan, layout, source)
     else:
         sink = HFSink(plan, source, parse_size(config.max_shard_size))
-    report = ConversionReport(source.describe(), sink.describe(), plan.bridge.family, len(plan.tasks),
-                              plan.dropped_hf, sink.files)
+    report = ConversionReport(
+        source.describe(), sink.describe(), plan.bridge.family, len(plan.tasks), plan.dropped_hf, sink.files
+    )
     if config.dry_run:
         return report
     # Sources that can hand out views do (see mindspeed_llm.bridges.blocks): the sinks then
@@ -301,7 +338,9 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
         sink.open(temp)
         try:
             written = 0
-            with StatusProgress("convert-ckpt", total=len(plan.tasks), disable=None if config.progress else True) as bar:
+            with StatusProgress(
+                "convert-ckpt", total=len(plan.tasks), disable=None if config.progress else True
+            ) as bar:
                 for task in plan.tasks:
                     full = read(task, plan)
                     sink.put(task, full)

@@ -47,9 +47,19 @@ from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsSha
 logger = get_logger(__name__)
 
 #: Fields that decide tensor names and shapes; a config.json given for a Megatron checkpoint must agree on them.
-_WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "kv_channels", "num_experts", "moe_ffn_hidden_size", "untie_embeddings_and_output_weights",
-                  "add_qkv_bias", "qk_layernorm")
+_WEIGHT_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "untie_embeddings_and_output_weights",
+    "add_qkv_bias",
+    "qk_layernorm",
+)
 
 
 def read_hf_config(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -80,8 +90,10 @@ def load_auto_config(directory: Path, raw: dict[str, Any] | None = None) -> Any:
     model_type = raw.get("model_type")
     if model_type is not None and model_type not in CONFIG_MAPPING:
         architectures = ", ".join(raw.get("architectures") or []) or "no architectures"
-        raise ValueError(f"{directory / 'config.json'}: unsupported model_type {model_type!r} ({architectures}); "
-                         f"give a model of an architecture the suite converts ({supported_models(families=False)})")
+        raise ValueError(
+            f"{directory / 'config.json'}: unsupported model_type {model_type!r} ({architectures}); "
+            f"give a model of an architecture the suite converts ({supported_models(families=False)})"
+        )
     return AutoConfig.from_pretrained(str(directory), local_files_only=True)
 
 
@@ -146,11 +158,14 @@ class HFSource:
         """
         for original, copies in plan.hf_copies.items():
             for copy in copies:
-                if copy in self.checkpoint.tensors and not torch.equal(self.checkpoint.read(copy),
-                                                                       self.checkpoint.read(original)):
-                    raise ValueError(f"{copy} differs from {original}; megatron shares one tensor for both, so this "
-                                     "checkpoint's multi-token-prediction layers cannot be converted (leave out "
-                                     "--mtp-num-layers to drop them)")
+                if copy in self.checkpoint.tensors and not torch.equal(
+                    self.checkpoint.read(copy), self.checkpoint.read(original)
+                ):
+                    raise ValueError(
+                        f"{copy} differs from {original}; megatron shares one tensor for both, so this "
+                        "checkpoint's multi-token-prediction layers cannot be converted (leave out "
+                        "--mtp-num-layers to drop them)"
+                    )
 
     def read(self, task: Task, plan: ConversionPlan) -> torch.Tensor:
         """The unsharded megatron tensor of ``task``."""
@@ -165,8 +180,9 @@ class HFSource:
         return f"hf {self.path} ({self.architecture}, {len(self.checkpoint.tensors)} tensors)"
 
 
-def resolve_megatron_model(path: Path, args: Any, family: str | None,
-                           hf_cfg_dir: Path | None) -> tuple[Bridge, str, ModelShape, Path | None]:
+def resolve_megatron_model(
+    path: Path, args: Any, family: str | None, hf_cfg_dir: Path | None
+) -> tuple[Bridge, str, ModelShape, Path | None]:
     """Bridge, architecture, model shape and Hugging Face asset directory of a Megatron checkpoint.
 
     The model comes from ``config.json`` when one is at hand (``--hf-cfg-dir``, else the
@@ -180,8 +196,9 @@ def resolve_megatron_model(path: Path, args: Any, family: str | None,
     raw, config = read_hf_config(assets) if assets else ({}, None)
     family = family or getattr(args, "model_type_hf", None)
     if not family and not raw.get("architectures"):
-        raise ValueError(f"cannot tell the model family of {path}: pass --model-type-hf or --hf-cfg-dir "
-                         "with the model's config.json")
+        raise ValueError(
+            f"cannot tell the model family of {path}: pass --model-type-hf or --hf-cfg-dir with the model's config.json"
+        )
     bridge = pick_bridge(family, raw.get("architectures"))
     architecture = getattr(args, "hf_architecture", None) or bridge.hf_architectures[0]
     if config is None:
@@ -189,11 +206,16 @@ def resolve_megatron_model(path: Path, args: Any, family: str | None,
     # The multi-token-prediction layers the checkpoint holds are in its args, not in config.json.
     shape = dataclasses.replace(bridge.shape_from_hf(config), mtp_num_layers=getattr(args, "mtp_num_layers", None))
     recorded = vars(args)
-    differ = [f"{f} {getattr(shape, f)} vs {recorded[f]}" for f in _WEIGHT_FIELDS
-              if recorded.get(f) is not None and recorded[f] != getattr(shape, f)]
+    differ = [
+        f"{f} {getattr(shape, f)} vs {recorded[f]}"
+        for f in _WEIGHT_FIELDS
+        if recorded.get(f) is not None and recorded[f] != getattr(shape, f)
+    ]
     if differ:
-        raise ValueError(f"{assets / 'config.json'} describes another model than {path}'s args "
-                         f"(config vs checkpoint): {'; '.join(differ)}")
+        raise ValueError(
+            f"{assets / 'config.json'} describes another model than {path}'s args "
+            f"(config vs checkpoint): {'; '.join(differ)}"
+        )
     return bridge, architecture, shape, assets
 
 
@@ -213,8 +235,9 @@ class MegatronSource:
         self.path = path
         self.reader = LegacyCheckpointReader(path)
         self.layout: ParallelLayout = self.reader.layout
-        self.bridge, self.architecture, shape, self.assets = resolve_megatron_model(path, self.reader.args, family,
-                                                                                     hf_cfg_dir)
+        self.bridge, self.architecture, shape, self.assets = resolve_megatron_model(
+            path, self.reader.args, family, hf_cfg_dir
+        )
         self.layout.check(shape)
         self.params = megatron_params(shape)
         self.pieces = {name: self._source_pieces(param, shape) for name, param in self.params.items()}
@@ -241,22 +264,33 @@ class MegatronSource:
                         param = expected.get((rank, chunk, name))
                         want = piece_shape(param, self.layout.tp) if param else None
                         got = tuple(value.shape)
-                        if param is not None and param.split is Split.VOCAB and got[1:] == want[1:] and got[0] >= want[0]:
+                        if (
+                            param is not None
+                            and param.split is Split.VOCAB
+                            and got[1:] == want[1:]
+                            and got[0] >= want[0]
+                        ):
                             continue  # a vocabulary padded further than TP needs (megatron's divisible-by 128)
                         if param is not None and got != want:
-                            raise ValueError(f"shape mismatch: {rank_dir(rank, self.layout)} {name} is "
-                                             f"{tuple(value.shape)}, the model implies {want}")
+                            raise ValueError(
+                                f"shape mismatch: {rank_dir(rank, self.layout)} {name} is "
+                                f"{tuple(value.shape)}, the model implies {want}"
+                            )
 
         def label(key: tuple) -> str:
             return f"{rank_dir(key[0], self.layout)}/{f'model{key[1]}:' if chunks > 1 else ''}{key[2]}"
 
         missing, extra = set(expected) - found, found - set(expected)
         if extra:
-            raise ValueError(f"{self.path} holds tensors the {self.bridge.family} model does not have: "
-                             f"{list_names([label(k) for k in extra])}")
+            raise ValueError(
+                f"{self.path} holds tensors the {self.bridge.family} model does not have: "
+                f"{list_names([label(k) for k in extra])}"
+            )
         if missing:
-            raise ValueError(f"{self.path} lacks tensors of the {self.bridge.family} model: "
-                             f"{list_names([label(k) for k in missing])}")
+            raise ValueError(
+                f"{self.path} lacks tensors of the {self.bridge.family} model: "
+                f"{list_names([label(k) for k in missing])}"
+            )
 
     def hf_shapes(self) -> None:
         """No Hugging Face side to check."""
@@ -265,8 +299,9 @@ class MegatronSource:
     def dtypes(self, plan: ConversionPlan) -> dict[str, torch.dtype]:
         """Megatron name -> dtype as stored."""
         chunks = self.layout.num_chunks(self.shape)
-        return {name: self.reader.tensor(p[0].rank, p[0].chunk, p[0].name, chunks).dtype
-                for name, p in self.pieces.items()}
+        return {
+            name: self.reader.tensor(p[0].rank, p[0].chunk, p[0].name, chunks).dtype for name, p in self.pieces.items()
+        }
 
     def read(self, task: Task, plan: ConversionPlan) -> torch.Tensor:
         """The unsharded tensor of ``task``, glued from its tensor-parallel pieces."""
@@ -297,11 +332,11 @@ def _glue_rows(param: MegatronParam, pieces: list) -> torch.Tensor:
     if param.split is Split.GLU:
         half, total = rows // 2, rows * len(pieces) // 2
         for index, piece in enumerate(pieces):  # [gate_r; up_r] -> gate rows and up rows
-            piece.read_into(full[index * half:(index + 1) * half], 0)
-            piece.read_into(full[total + index * half:total + (index + 1) * half], half * width)
+            piece.read_into(full[index * half : (index + 1) * half], 0)
+            piece.read_into(full[total + index * half : total + (index + 1) * half], half * width)
     else:
         for index, piece in enumerate(pieces):
-            piece.read_into(full[index * rows:(index + 1) * rows], 0)
+            piece.read_into(full[index * rows : (index + 1) * rows], 0)
     return full[: param.shape[0]] if param.split is Split.VOCAB else full
 
 
@@ -327,7 +362,9 @@ class MegatronSink:
         self.plan, self.layout, self.shape = plan, layout, plan.shape
         dtypes = source.dtypes(plan)
         self.entries: dict[RankKey, Entries] = {rank: [] for rank in layout.ranks()}
-        files = {rank: OutputFile(f"iter_0000001/{rank_dir(rank, layout)}/model_optim_rng.pt") for rank in layout.ranks()}
+        files = {
+            rank: OutputFile(f"iter_0000001/{rank_dir(rank, layout)}/model_optim_rng.pt") for rank in layout.ranks()
+        }
         for task in plan.tasks:
             param = plan.params[task.mg_name]
             nbytes = dtypes[task.mg_name].itemsize
@@ -338,8 +375,9 @@ class MegatronSink:
                 files[piece.rank].tensors += 1
                 files[piece.rank].nbytes += nbytes
         self.files = list(files.values())
-        self.args = checkpoint_args(self.shape, layout, plan.bridge.family, source.architecture,
-                                    padded_vocab_size(self.shape, layout))
+        self.args = checkpoint_args(
+            self.shape, layout, plan.bridge.family, source.architecture, padded_vocab_size(self.shape, layout)
+        )
         self.writer: LegacyCheckpointWriter | None = None
 
     def open(self, directory: Path) -> None:

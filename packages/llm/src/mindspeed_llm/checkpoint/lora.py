@@ -44,8 +44,11 @@ def lora_param(base: MegatronParam, which: str, rank: int) -> MegatronParam:
 
 def _targets(shape: ModelShape) -> dict[str, MegatronParam]:
     # Linear weights of the decoder layers (not the output layer) can carry LoRA.
-    return {p.module: p for p in megatron_params(shape).values()
-            if p.layer is not None and p.name.endswith(".weight") and has_extra_state(p.module)}
+    return {
+        p.module: p
+        for p in megatron_params(shape).values()
+        if p.layer is not None and p.name.endswith(".weight") and has_extra_state(p.module)
+    }
 
 
 class LoraCheckpoint:
@@ -92,12 +95,16 @@ class LoraCheckpoint:
                     param, module = hit
                     want = piece_shape(param, self.layout.tp)
                     if tuple(value.shape) != want:
-                        raise ValueError(f"shape mismatch: {rank_dir(key_rank, self.layout)} {name} is "
-                                         f"{tuple(value.shape)}, lora_r {self.rank} and the model imply {want}")
+                        raise ValueError(
+                            f"shape mismatch: {rank_dir(key_rank, self.layout)} {name} is "
+                            f"{tuple(value.shape)}, lora_r {self.rank} and the model imply {want}"
+                        )
                     found.setdefault(module, set()).add(param.name)
         if unknown:
-            raise ValueError(f"--lora-load {path} holds tensors that are not LoRA factors of the model's linear "
-                             f"layers: {list_names(unknown)}")
+            raise ValueError(
+                f"--lora-load {path} holds tensors that are not LoRA factors of the model's linear "
+                f"layers: {list_names(unknown)}"
+            )
         half = [m for m, names in found.items() if len(names) != 2]
         if half:
             raise ValueError(f"--lora-load {path}: only one of lora_A / lora_B for {list_names(half)}")
@@ -112,7 +119,9 @@ class LoraCheckpoint:
         for which in "AB":
             param = lora_param(self.targets[module], which, self.rank)
             pieces = source_pieces(self.layout, param, self.shape)
-            out.append(merge_tensors(param, [self.reader.tensor(p.rank, p.chunk, p.name, chunks).load() for p in pieces]))
+            out.append(
+                merge_tensors(param, [self.reader.tensor(p.rank, p.chunk, p.name, chunks).load() for p in pieces])
+            )
         return out[0], out[1]
 
     def merge(self, module: str, weight: torch.Tensor) -> torch.Tensor:
@@ -178,8 +187,9 @@ def export_peft_adapter(plan: ConversionPlan, lora: LoraCheckpoint, directory: P
     tasks = {task.mg_name: task for task in plan.tasks}
     for module, base in sorted(lora.targets.items()):
         if base.expert is not None:
-            raise ValueError(f"LoRA on expert {module} cannot be exported to PEFT; merge it instead (omit "
-                             "--save-lora-to-hf)")
+            raise ValueError(
+                f"LoRA on expert {module} cannot be exported to PEFT; merge it instead (omit --save-lora-to-hf)"
+            )
         task = tasks[base.name]
         lora_a, lora_b = lora.factors(module)
         for hf_name, b_part in zip(task.hf_names, task.rule.to_hf(lora_b, plan.shape)):
@@ -189,14 +199,22 @@ def export_peft_adapter(plan: ConversionPlan, lora: LoraCheckpoint, directory: P
             tensors[f"base_model.model.{hf_module}.lora_B.weight"] = b_part.contiguous()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=sorted(leaves), lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=sorted(leaves),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
     config.save_pretrained(str(directory))
     return sorted(leaves)
 
 
-def write_lora_checkpoint(path: Path, shape: ModelShape, layout: ParallelLayout, factors: dict[str, torch.Tensor],
-                          rank: int, alpha: float) -> None:
+def write_lora_checkpoint(
+    path: Path, shape: ModelShape, layout: ParallelLayout, factors: dict[str, torch.Tensor], rank: int, alpha: float
+) -> None:
     """Write full LoRA factors (``<module>.lora_A.default.weight`` ...) as a per-rank Megatron checkpoint.
 
     What a LoRA fine-tuning run saves; used by tests and by tools that produce adapters.
@@ -212,9 +230,15 @@ def write_lora_checkpoint(path: Path, shape: ModelShape, layout: ParallelLayout,
     for param in params.values():
         for piece in layout.place(param, shape):
             entries[piece.rank].append((piece.chunk, piece.name))
-    args = argparse.Namespace(**shape.to_args(), tensor_model_parallel_size=layout.tp,
-                              pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
-                              num_layers_per_virtual_pipeline_stage=layout.vpp_layers, lora_r=rank, lora_alpha=alpha)
+    args = argparse.Namespace(
+        **shape.to_args(),
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
+        lora_r=rank,
+        lora_alpha=alpha,
+    )
     writer = LegacyCheckpointWriter(path, layout, shape, args, entries)
     for name, param in params.items():
         pieces = split_tensor(param, factors[name], layout.tp)

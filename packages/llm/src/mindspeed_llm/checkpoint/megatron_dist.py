@@ -54,7 +54,6 @@ def single_rank_megatron() -> Iterator[None]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -82,8 +81,9 @@ def _full_state_with_extras(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def save_dist_checkpoint(directory: Path, shape: ModelShape, args: Any, state: dict[str, torch.Tensor],
-                         vocab_size: int) -> None:
+def save_dist_checkpoint(
+    directory: Path, shape: ModelShape, args: Any, state: dict[str, torch.Tensor], vocab_size: int
+) -> None:
     """Write the unsharded megatron ``state`` as a dist checkpoint under ``directory`` (tracker included)."""
     from megatron.core import dist_checkpointing
 
@@ -91,11 +91,20 @@ def save_dist_checkpoint(directory: Path, shape: ModelShape, args: Any, state: d
     target = directory / iteration_dir(iteration)
     target.mkdir(parents=True)
     with single_rank_megatron():
-        (model,) = build_gpt_chunks(shape, ParallelLayout(), vocab_size=vocab_size, megatron_modules=True,
-                                     perform_initialization=False)
+        (model,) = build_gpt_chunks(
+            shape, ParallelLayout(), vocab_size=vocab_size, megatron_modules=True, perform_initialization=False
+        )
         model.load_state_dict(_full_state_with_extras(state), strict=True)
-        dist_checkpointing.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                                 "model": model.sharded_state_dict()}, str(target), async_sharded_save=False)
+        dist_checkpointing.save(
+            {
+                "args": args,
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": iteration,
+                "model": model.sharded_state_dict(),
+            },
+            str(target),
+            async_sharded_save=False,
+        )
     (directory / TRACKER).write_text(f"{iteration}\n")
 
 
@@ -120,8 +129,9 @@ class DistSource:
         self.bridge, self.architecture, shape, self.assets = resolve_megatron_model(path, args, family, hf_cfg_dir)
         rows = getattr(args, "padded_vocab_size", None) or shape.vocab_size
         with single_rank_megatron():
-            (model,) = build_gpt_chunks(shape, ParallelLayout(), vocab_size=rows, megatron_modules=True,
-                                         perform_initialization=False)
+            (model,) = build_gpt_chunks(
+                shape, ParallelLayout(), vocab_size=rows, megatron_modules=True, perform_initialization=False
+            )
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
             model.load_state_dict(loaded["model"])
             state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
@@ -131,8 +141,10 @@ class DistSource:
                 state[name] = state[name][: param.shape[0]]
         missing, extra = set(params) - set(state), set(state) - set(params)
         if missing or extra:
-            raise ValueError(f"{path}: the dist checkpoint does not match the {self.bridge.family} model "
-                             f"(missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]})")
+            raise ValueError(
+                f"{path}: the dist checkpoint does not match the {self.bridge.family} model "
+                f"(missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]})"
+            )
         self.state = state
         dtype = state["embedding.word_embeddings.weight"].dtype
         self.shape = dataclasses.replace(shape, params_dtype=str(dtype).removeprefix("torch."))

@@ -58,8 +58,14 @@ def model_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
-def checkpoint_args(shape: ModelShape, layout: ParallelLayout, family: str, architecture: str,
-                    padded_vocab_size: int, iteration: int = 1) -> argparse.Namespace:
+def checkpoint_args(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    family: str,
+    architecture: str,
+    padded_vocab_size: int,
+    iteration: int = 1,
+) -> argparse.Namespace:
     """The ``args`` a converted checkpoint records (megatron's argument names).
 
     Args:
@@ -72,14 +78,22 @@ def checkpoint_args(shape: ModelShape, layout: ParallelLayout, family: str, arch
     """
     args = shape.to_args()
     args.update(
-        params_dtype=_DTYPES[shape.params_dtype], padded_vocab_size=padded_vocab_size,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
+        params_dtype=_DTYPES[shape.params_dtype],
+        padded_vocab_size=padded_vocab_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
         num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
         virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
         num_layer_list=",".join(map(str, layout.num_layer_list)) if layout.num_layer_list else None,
-        model_type_hf=family, hf_architecture=architecture, iteration=iteration, ckpt_format="torch",
-        use_mcore_models=True, transformer_impl="local", make_vocab_size_divisible_by=1,
+        model_type_hf=family,
+        hf_architecture=architecture,
+        iteration=iteration,
+        ckpt_format="torch",
+        use_mcore_models=True,
+        transformer_impl="local",
+        make_vocab_size_divisible_by=1,
     )
     return argparse.Namespace(**args)
 
@@ -130,8 +144,10 @@ class LegacyCheckpointReader:
         expected = {rank_dir(rank, self.layout): rank for rank in self.layout.ranks()}
         if set(dirs) != set(expected):
             missing, extra = sorted(set(expected) - set(dirs)), sorted(set(dirs) - set(expected))
-            raise ValueError(f"{self.iter_path} does not match the layout in its args ({self.layout.describe()}): "
-                             f"missing {missing or 'none'}, unexpected {extra or 'none'}")
+            raise ValueError(
+                f"{self.iter_path} does not match the layout in its args ({self.layout.describe()}): "
+                f"missing {missing or 'none'}, unexpected {extra or 'none'}"
+            )
         self._files: dict[RankKey, LazyTorchFile] = {expected[dirs[0]]: first}
         self._dirs = expected
 
@@ -157,8 +173,10 @@ class LegacyCheckpointReader:
         out = []
         for key in model_keys(num_chunks):
             if key not in obj:
-                raise ValueError(f"{self.file(rank).path} has no {key!r} entry (found {sorted(obj)}); "
-                                 "does its args' virtual pipeline setting match?")
+                raise ValueError(
+                    f"{self.file(rank).path} has no {key!r} entry (found {sorted(obj)}); "
+                    "does its args' virtual pipeline setting match?"
+                )
             out.append(obj[key])
         return out
 
@@ -180,8 +198,15 @@ class LegacyCheckpointWriter:
         iteration: the checkpoint's iteration.
     """
 
-    def __init__(self, path: str | Path, layout: ParallelLayout, shape: ModelShape, args: argparse.Namespace,
-                 entries: dict[RankKey, Entries], iteration: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        layout: ParallelLayout,
+        shape: ModelShape,
+        args: argparse.Namespace,
+        entries: dict[RankKey, Entries],
+        iteration: int = 1,
+    ) -> None:
         self.path, self.layout, self.shape, self.args, self.iteration = Path(path), layout, shape, args, iteration
         self.entries = entries
         self._remaining = {rank: set(items) for rank, items in entries.items()}
@@ -228,7 +253,11 @@ class LegacyCheckpointWriter:
         if rank.pp == stage:
             # The output layer module exists on the last stage even when tied (no weight of its own).
             models[chunk]["output_layer._extra_state"] = None
-        state: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.iteration}
+        state: dict[str, Any] = {
+            "args": self.args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": self.iteration,
+        }
         state.update(zip(model_keys(num_chunks), models))
         return state
 

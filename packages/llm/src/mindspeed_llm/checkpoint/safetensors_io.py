@@ -28,9 +28,18 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 _CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
@@ -69,8 +78,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise ValueError(f"shard {path} is truncated ({size} bytes); re-download it")
         (length,) = struct.unpack("<Q", head)
         if 8 + length > size:
-            raise ValueError(f"shard {path} is truncated: its header needs {8 + length} bytes, the file has {size}; "
-                             "re-download it")
+            raise ValueError(
+                f"shard {path} is truncated: its header needs {8 + length} bytes, the file has {size}; re-download it"
+            )
         try:
             header = json.loads(handle.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -86,7 +96,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         out[name] = TensorInfo(path, _DTYPES[entry["dtype"]], tuple(entry["shape"]), base + begin, end - begin)
     end = max((info.start + info.nbytes for info in out.values()), default=base)
     if end > size:
-        raise ValueError(f"shard {path} is truncated: its tensors need {end} bytes, the file has {size}; re-download it")
+        raise ValueError(
+            f"shard {path} is truncated: its tensors need {end} bytes, the file has {size}; re-download it"
+        )
     return out
 
 
@@ -109,8 +121,9 @@ class HFCheckpoint:
             headers = {}
             for file in sorted(set(weight_map.values())):
                 if not (self.path / file).is_file():
-                    raise ValueError(f"{index} points at {file}, which is not in {self.path}; re-download the shard "
-                                     "or fix the index")
+                    raise ValueError(
+                        f"{index} points at {file}, which is not in {self.path}; re-download the shard or fix the index"
+                    )
                 headers[file] = read_header(self.path / file)
             self.tensors = {}
             for name, file in weight_map.items():
@@ -120,8 +133,10 @@ class HFCheckpoint:
         elif (self.path / SINGLE_NAME).is_file():
             self.tensors = read_header(self.path / SINGLE_NAME)
         else:
-            raise ValueError(f"{self.path} holds no safetensors weights ({INDEX_NAME} or {SINGLE_NAME}); "
-                             "save the model with safetensors first")
+            raise ValueError(
+                f"{self.path} holds no safetensors weights ({INDEX_NAME} or {SINGLE_NAME}); "
+                "save the model with safetensors first"
+            )
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape."""
@@ -158,8 +173,9 @@ class SafetensorsShardWriter:
         max_shard_bytes: shard size limit (a tensor larger than it gets a shard of its own).
     """
 
-    def __init__(self, path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_bytes: int) -> None:
+    def __init__(
+        self, path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int
+    ) -> None:
         self.path = Path(path)
         groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = [[]]
         size = 0

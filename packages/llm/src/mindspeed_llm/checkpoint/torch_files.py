@@ -75,7 +75,14 @@ class StoredTensor:
         for size in reversed(self.shape):
             stride.insert(0, step)
             step *= max(size, 1)
-        return torch._utils._rebuild_tensor_v2, (self.pid, 0, self.shape, tuple(stride), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, (
+            self.pid,
+            0,
+            self.shape,
+            tuple(stride),
+            False,
+            collections.OrderedDict(),
+        )
 
 
 class _Pickler(pickle.Pickler):
@@ -298,8 +305,10 @@ class LazyTorchFile:
             self._reader = torch._C.PyTorchFileReader(str(self.path))
             data = self._reader.get_record("data.pkl")
         except RuntimeError as err:
-            raise ValueError(f"{self.path} is not a readable torch checkpoint ({str(err).splitlines()[0]}); "
-                             "is it truncated? re-create it") from None
+            raise ValueError(
+                f"{self.path} is not a readable torch checkpoint ({str(err).splitlines()[0]}); "
+                "is it truncated? re-create it"
+            ) from None
         self.obj = _Unpickler(data, self).load()
 
     def read_into(self, tensor: LazyTensor, out: torch.Tensor, start: int = 0) -> None:
@@ -329,7 +338,9 @@ class LazyTorchFile:
         try:
             offset = self._reader.get_record_offset(name)
         except RuntimeError as err:
-            raise ValueError(f"{self.path}: cannot read tensor record {tensor.key} ({str(err).splitlines()[0]})") from None
+            raise ValueError(
+                f"{self.path}: cannot read tensor record {tensor.key} ({str(err).splitlines()[0]})"
+            ) from None
         if offset + nbytes > self.path.stat().st_size:
             raise ValueError(f"{self.path} is truncated: tensor record {tensor.key} ends past the end of the file")
         # Records are stored uncompressed, so the tensor is a plain byte range of the file.

@@ -9,5 +9,14 @@ from mindspeed_llm.data.handlers import HANDLERS, DatasetHandler
 from mindspeed_llm.data.preprocess import PreprocessConfig, PreprocessReport, preprocess_data
 from mindspeed_llm.data.templates import IGNORE_INDEX, PROMPT_TYPES, BadRecordError, PromptTemplate
 
-__all__ = ["HANDLERS", "IGNORE_INDEX", "PROMPT_TYPES", "BadRecordError", "DatasetHandler", "PreprocessConfig",
-           "PreprocessReport", "PromptTemplate", "preprocess_data"]
+__all__ = [
+    "HANDLERS",
+    "IGNORE_INDEX",
+    "PROMPT_TYPES",
+    "BadRecordError",
+    "DatasetHandler",
+    "PreprocessConfig",
+    "PreprocessReport",
+    "PromptTemplate",
+    "preprocess_data",
+]

@@ -36,9 +36,11 @@ def add_preprocess_data(sub: argparse._SubParsersAction) -> None:
     """Add ``preprocess-data`` to the ``mindspeed-llm`` subcommands."""
     helps = field_help(PreprocessConfig)
     parser = sub.add_parser(
-        "preprocess-data", help="tokenize raw data into Megatron indexed datasets (pretraining, instruction, pairwise)",
+        "preprocess-data",
+        help="tokenize raw data into Megatron indexed datasets (pretraining, instruction, pairwise)",
         description="Tokenize jsonl/json/parquet/arrow/csv/txt records with a local tokenizer (or 'demo') and write "
-                    "Megatron indexed datasets (.bin/.idx). Output is written under temporary names and renamed at the end.")
+        "Megatron indexed datasets (.bin/.idx). Output is written under temporary names and renamed at the end.",
+    )
 
     def flag(name: str, choices_text: str = "", **kwargs) -> None:
         default = _FIELDS[name].default
@@ -65,8 +67,12 @@ def add_preprocess_data(sub: argparse._SubParsersAction) -> None:
     flag("max_samples", type=int)
     flag("skip_bad_records", action="store_true")
     flag("log_interval", type=int)
-    parser.add_argument("--tokenizer-type", choices=["PretrainedFromHF"], default="PretrainedFromHF",
-                        help="accepted for MindSpeed-LLM scripts; tokenizers are always loaded with AutoTokenizer")
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=["PretrainedFromHF"],
+        default="PretrainedFromHF",
+        help="accepted for MindSpeed-LLM scripts; tokenizers are always loaded with AutoTokenizer",
+    )
     parser.set_defaults(func=run_preprocess_data)
 
 
@@ -77,4 +83,3 @@ def run_preprocess_data(args: argparse.Namespace) -> int:
     report = preprocess_data(config)
     sys.stdout.write(report.describe() + "\n")
     return 0
-

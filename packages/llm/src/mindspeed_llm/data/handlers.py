@@ -22,8 +22,15 @@ from mindspeed_llm.data.templates import BadRecordError, ConversationEncoder, en
 #: ``--handler-name`` -> handler class.
 HANDLERS: Registry[type[DatasetHandler]] = Registry("dataset handler")
 
-SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                 "system_tag": "system", "observation_tag": "observation", "function_tag": "function_call"}
+SHAREGPT_TAGS = {
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "system_tag": "system",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+}
 
 
 class DatasetHandler:
@@ -81,7 +88,9 @@ class DatasetHandler:
             return None
         if column not in record or record[column] is None:
             if required:
-                raise BadRecordError(f"missing key {column!r} (the record has: {', '.join(map(str, record)) or 'nothing'})")
+                raise BadRecordError(
+                    f"missing key {column!r} (the record has: {', '.join(map(str, record)) or 'nothing'})"
+                )
             return None
         value = record[column]
         if not isinstance(value, kind):
@@ -124,7 +133,9 @@ class GeneralPretrainHandler(DatasetHandler):
         for key in self.keys:
             column = self.columns.get(key, key)
             if column not in record or record[column] is None:
-                raise BadRecordError(f"missing key {column!r} (the record has: {', '.join(map(str, record)) or 'nothing'})")
+                raise BadRecordError(
+                    f"missing key {column!r} (the record has: {', '.join(map(str, record)) or 'nothing'})"
+                )
             text = record[column]
             if not isinstance(text, str):
                 raise BadRecordError(f"key {column!r} must be str, got {type(text).__name__}")
@@ -157,14 +168,20 @@ class _ConversationHandler(DatasetHandler):
 
     def _sharegpt_messages(self, record: dict[str, Any]) -> tuple[str, list[dict[str, str]]]:
         tags = self.columns["tags"]
-        roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant",
-                 tags["observation_tag"]: "observation", tags["function_tag"]: "function"}
+        roles = {
+            tags["user_tag"]: "user",
+            tags["assistant_tag"]: "assistant",
+            tags["observation_tag"]: "observation",
+            tags["function_tag"]: "function",
+        }
         raw = self._field(record, "messages", kind=list)
         system = self._field(record, "system", required=False) or ""
         messages = []
         for i, message in enumerate(raw):
             if not isinstance(message, dict) or tags["role_tag"] not in message or tags["content_tag"] not in message:
-                raise BadRecordError(f"message {i} must be an object with {tags['role_tag']!r} and {tags['content_tag']!r}")
+                raise BadRecordError(
+                    f"message {i} must be an object with {tags['role_tag']!r} and {tags['content_tag']!r}"
+                )
             role = message[tags["role_tag"]]
             if i == 0 and role == tags["system_tag"]:
                 system = message[tags["content_tag"]]
@@ -198,8 +215,11 @@ class _InstructionHandler(_ConversationHandler):
         input_ids, labels = self.encoder.encode(system, messages)
         if self.options.append_eod:
             input_ids, labels = input_ids + [self.tokenizer.eos_token_id], labels + [self.tokenizer.eos_token_id]
-        return {"input_ids": _int32(input_ids), "attention_mask": np.ones(len(input_ids), dtype=np.int32),
-                "labels": _int32(labels)}
+        return {
+            "input_ids": _int32(input_ids),
+            "attention_mask": np.ones(len(input_ids), dtype=np.int32),
+            "labels": _int32(labels),
+        }
 
     def sample_length(self, encoded: dict[str, np.ndarray | None]) -> int:
         return len(encoded["input_ids"])
@@ -213,7 +233,13 @@ class AlpacaStyleInstructionHandler(_InstructionHandler):
     prompt token and the ids on every reply.
     """
 
-    default_columns = {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"}
+    default_columns = {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "system": "system",
+        "history": "history",
+    }
 
     def _conversation(self, record: dict[str, Any]) -> tuple[str, list[dict[str, str]]]:
         system, messages = self._alpaca_prompt(record)
@@ -263,8 +289,14 @@ class AlpacaStylePairwiseHandler(_PairwiseHandler):
     Labels are -100 on everything but the final reply (history replies included).
     """
 
-    default_columns = {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
-                       "system": "system", "history": "history"}
+    default_columns = {
+        "prompt": "instruction",
+        "query": "input",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "system": "system",
+        "history": "history",
+    }
 
     def _prompt(self, record: dict[str, Any]) -> tuple[str, list[dict[str, str]]]:
         return self._alpaca_prompt(record)
@@ -277,8 +309,13 @@ class SharegptStylePairwiseHandler(_PairwiseHandler):
     ``chosen``/``rejected`` are ``{"from": "gpt", "value": ...}`` objects (or plain strings).
     """
 
-    default_columns = {"messages": "conversations", "system": "system", "chosen": "chosen", "rejected": "rejected",
-                       "tags": SHAREGPT_TAGS}
+    default_columns = {
+        "messages": "conversations",
+        "system": "system",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "tags": SHAREGPT_TAGS,
+    }
 
     @classmethod
     def resolve_columns(cls, map_keys: dict[str, Any] | None) -> dict[str, Any]:
@@ -293,7 +330,7 @@ def _resolve_sharegpt(cls: type[DatasetHandler], map_keys: dict[str, Any] | None
     map_keys = dict(map_keys or {})
     tags = map_keys.pop("tags", None) or {}
     if not isinstance(tags, dict):
-        raise ValueError("--map-keys: 'tags' must be an object, e.g. {\"role_tag\": \"role\"}")
+        raise ValueError('--map-keys: \'tags\' must be an object, e.g. {"role_tag": "role"}')
     unknown = set(tags) - set(SHAREGPT_TAGS)
     if unknown:
         raise ValueError(f"--map-keys: unknown tags {', '.join(sorted(unknown))} (known: {', '.join(SHAREGPT_TAGS)})")

@@ -88,17 +88,23 @@ class PreprocessConfig:
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.pack and not handler_cls.packable:
-            raise ValueError(f"--pack applies to instruction handlers; {self.handler_name} output is not packed "
-                             "(pretraining documents are cut into sequences at training time)")
+            raise ValueError(
+                f"--pack applies to instruction handlers; {self.handler_name} output is not packed "
+                "(pretraining documents are cut into sequences at training time)"
+            )
         if self.pack and self.seq_length is None:
             raise ValueError("--pack needs --seq-length (the length of each packed row)")
         if self.json_keys is not None and not is_pretrain:
-            raise ValueError(f"--json-keys applies to GeneralPretrainHandler; {self.handler_name} reads the columns "
-                             "named by --map-keys")
+            raise ValueError(
+                f"--json-keys applies to GeneralPretrainHandler; {self.handler_name} reads the columns "
+                "named by --map-keys"
+            )
         if self.map_keys is not None and not isinstance(self.map_keys, dict):
-            raise ValueError("--map-keys must be a JSON object, e.g. '{\"prompt\": \"question\"}'")
+            raise ValueError('--map-keys must be a JSON object, e.g. \'{"prompt": "question"}\'')
         if not self.output_prefix or Path(self.output_prefix).name == "":
-            raise ValueError(f"--output-prefix {self.output_prefix!r} must end with a file name prefix, e.g. data/alpaca")
+            raise ValueError(
+                f"--output-prefix {self.output_prefix!r} must end with a file name prefix, e.g. data/alpaca"
+            )
         handler_cls.resolve_columns(self.map_keys)
         return handler_cls
 
@@ -123,11 +129,17 @@ class PreprocessReport:
 
     def describe(self) -> str:
         """A few lines for the terminal."""
-        lines = [f"{self.handler}: {self.records} records read, {self.samples} written"
-                 + (f" in {self.packs} packed rows" if self.packs is not None else "")
-                 + f", {self.tokens} tokens with {self.workers} worker(s) in {self.seconds:.2f} s"
-                 + (f" ({self.process_seconds:.2f} s reading, tokenizing and writing: "
-                    f"{self.records / self.process_seconds:.0f} records/s)" if self.process_seconds > 0 else "")]
+        lines = [
+            f"{self.handler}: {self.records} records read, {self.samples} written"
+            + (f" in {self.packs} packed rows" if self.packs is not None else "")
+            + f", {self.tokens} tokens with {self.workers} worker(s) in {self.seconds:.2f} s"
+            + (
+                f" ({self.process_seconds:.2f} s reading, tokenizing and writing: "
+                f"{self.records / self.process_seconds:.0f} records/s)"
+                if self.process_seconds > 0
+                else ""
+            )
+        ]
         if self.skipped_bad:
             lines.append(f"skipped {self.skipped_bad} malformed record(s) (--skip-bad-records), e.g.:")
             lines += [f"  {example}" for example in self.bad_examples]
@@ -202,8 +214,9 @@ def _chunks(records: Iterator[RawRecord], max_samples: int | None) -> Iterator[l
         yield chunk
 
 
-def _results(config: PreprocessConfig, handler: DatasetHandler, tokenizer_path: str,
-             chunks: Iterator[list[RawRecord]]) -> Iterator[tuple[str, str, Any]]:
+def _results(
+    config: PreprocessConfig, handler: DatasetHandler, tokenizer_path: str, chunks: Iterator[list[RawRecord]]
+) -> Iterator[tuple[str, str, Any]]:
     """Processed records in input order, from this process or the pool."""
     if config.workers == 1:
         for chunk in chunks:
@@ -235,8 +248,9 @@ def preprocess_data(config: PreprocessConfig) -> PreprocessReport:
     start = time.perf_counter()
     handler_cls = config.validate()
     if config.seq_length is not None and issubclass(handler_cls, GeneralPretrainHandler):
-        logger.warning("--seq-length has no effect on %s: documents are cut into sequences at training time",
-                       config.handler_name)
+        logger.warning(
+            "--seq-length has no effect on %s: documents are cut into sequences at training time", config.handler_name
+        )
     files = list_input_files(config.input)
     tokenizer_path = str(resolve_tokenizer_path(config.tokenizer_name_or_path))
     tokenizer = load_tokenizer(tokenizer_path)
@@ -258,8 +272,11 @@ def preprocess_data(config: PreprocessConfig) -> PreprocessReport:
             for status, location, payload in processed:
                 report.records += 1
                 if report.records % config.log_interval == 0:
-                    logger.info("processed %d records (%.0f records/s)", report.records,
-                                report.records / (time.perf_counter() - start))
+                    logger.info(
+                        "processed %d records (%.0f records/s)",
+                        report.records,
+                        report.records / (time.perf_counter() - start),
+                    )
                 if status == "bad":
                     if not config.skip_bad_records:
                         raise ValueError(f"{location}: {payload}; fix the record or pass --skip-bad-records")
@@ -302,8 +319,13 @@ def _write_sample(outputs: IndexedOutputs, sample: dict[str, np.ndarray | None],
     report.tokens += len(next(iter(present.values())))
 
 
-def _write_packs(outputs: IndexedOutputs, samples: list[dict[str, np.ndarray]], seq_length: int, pad_id: int,
-                 report: PreprocessReport) -> None:
+def _write_packs(
+    outputs: IndexedOutputs,
+    samples: list[dict[str, np.ndarray]],
+    seq_length: int,
+    pad_id: int,
+    report: PreprocessReport,
+) -> None:
     packs = pack_lengths([len(s["input_ids"]) for s in samples], seq_length)
     for pack in packs:
         outputs.add_document(build_pack([samples[i] for i in pack], seq_length, pad_id))

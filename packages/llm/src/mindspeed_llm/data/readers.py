@@ -50,23 +50,38 @@ def list_input_files(input_path: str | Path) -> list[Path]:
     """
     path = Path(input_path).expanduser()
     if not path.exists():
-        raise ValueError(f"--input {str(path)!r} does not exist; pass a file or a directory of "
-                         f"{', '.join(sorted(FORMATS))} files")
+        raise ValueError(
+            f"--input {str(path)!r} does not exist; pass a file or a directory of {', '.join(sorted(FORMATS))} files"
+        )
     if path.is_file():
         if path.suffix.lower() not in FORMATS:
-            raise ValueError(f"--input {str(path)!r}: unsupported extension {path.suffix!r} (supported: {', '.join(sorted(FORMATS))})")
+            raise ValueError(
+                f"--input {str(path)!r}: unsupported extension {path.suffix!r} (supported: {', '.join(sorted(FORMATS))})"
+            )
         return [path]
-    candidates = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    candidates = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     has_arrow = any(p.suffix == ".arrow" for p in candidates)
-    files = [p for p in candidates if p.suffix.lower() in FORMATS and not (has_arrow and p.name in _SAVE_TO_DISK_METADATA)]
+    files = [
+        p for p in candidates if p.suffix.lower() in FORMATS and not (has_arrow and p.name in _SAVE_TO_DISK_METADATA)
+    ]
     ignored = [p for p in candidates if p not in files]
     if ignored:
-        logger.info("ignoring %d file(s) in %s that are not records: %s", len(ignored), path,
-                    ", ".join(str(p.relative_to(path)) for p in ignored[:5]) + (" ..." if len(ignored) > 5 else ""))
+        logger.info(
+            "ignoring %d file(s) in %s that are not records: %s",
+            len(ignored),
+            path,
+            ", ".join(str(p.relative_to(path)) for p in ignored[:5]) + (" ..." if len(ignored) > 5 else ""),
+        )
     if not files:
         raise ValueError(f"--input directory {str(path)!r} holds no {', '.join(sorted(FORMATS))} file")
     kinds = Counter(FORMATS[p.suffix.lower()] for p in files)
-    logger.info("reading %d file(s) from %s (%s)", len(files), path, ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    logger.info(
+        "reading %d file(s) from %s (%s)", len(files), path, ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    )
     return files
 
 
@@ -119,8 +134,10 @@ def _read_with_datasets(path: Path, builder: str) -> Iterator[RawRecord]:
     except Exception as err:  # noqa: BLE001 -- any reader failure becomes a user error naming the file
         where = _json_error_position(path) if builder == "json" else str(path)
         # Not a RawRecord error: a broken file cannot be resumed after the bad spot.
-        raise ValueError(f"{where}: cannot be read as {builder} ({type(err).__name__}: {err}); "
-                         "fix the file (--skip-bad-records cannot skip inside it)") from err
+        raise ValueError(
+            f"{where}: cannot be read as {builder} ({type(err).__name__}: {err}); "
+            "fix the file (--skip-bad-records cannot skip inside it)"
+        ) from err
 
 
 def iter_records(files: list[Path]) -> Iterator[RawRecord]:

@@ -78,22 +78,39 @@ class PromptTemplate:
 #: ``--prompt-type`` name -> template.
 PROMPT_TYPES: Registry[PromptTemplate] = Registry("prompt type")
 PROMPT_TYPES.register("empty", PromptTemplate())
-PROMPT_TYPES.register("default", PromptTemplate(system="System: {content}\n", user="Human: {content}\nAssistant:",
-                                                 separator="\n"))
-PROMPT_TYPES.register("alpaca", PromptTemplate(
-    system="{content}\n\n", user="### Instruction:\n{content}\n\n### Response:\n", separator="\n\n",
-    default_system="Below is an instruction that describes a task. Write a response that appropriately completes the request."))
-_CHATML = dict(system="<|im_start|>system\n{content}<|im_end|>\n",
-               user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
-               observation="<|im_start|>tool\n{content}<|im_end|>\n<|im_start|>assistant\n",
-               assistant="{content}<|im_end|>", separator="\n", add_eos=False)
+PROMPT_TYPES.register(
+    "default", PromptTemplate(system="System: {content}\n", user="Human: {content}\nAssistant:", separator="\n")
+)
+PROMPT_TYPES.register(
+    "alpaca",
+    PromptTemplate(
+        system="{content}\n\n",
+        user="### Instruction:\n{content}\n\n### Response:\n",
+        separator="\n\n",
+        default_system="Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    ),
+)
+_CHATML = dict(
+    system="<|im_start|>system\n{content}<|im_end|>\n",
+    user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    observation="<|im_start|>tool\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    assistant="{content}<|im_end|>",
+    separator="\n",
+    add_eos=False,
+)
 PROMPT_TYPES.register("chatml", PromptTemplate(**_CHATML))
 PROMPT_TYPES.register("qwen", PromptTemplate(**_CHATML, default_system="You are a helpful assistant."))
-PROMPT_TYPES.register("llama3", PromptTemplate(
-    system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
-    user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-    observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-    assistant="{content}<|eot_id|>", add_bos=True, add_eos=False))
+PROMPT_TYPES.register(
+    "llama3",
+    PromptTemplate(
+        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+        user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        assistant="{content}<|eot_id|>",
+        add_bos=True,
+        add_eos=False,
+    ),
+)
 
 
 def check_conversation(messages: list[dict[str, str]], ends_with_reply: bool = True) -> None:
@@ -103,8 +120,10 @@ def check_conversation(messages: list[dict[str, str]], ends_with_reply: bool = T
     for i, message in enumerate(messages):
         expected = PROMPT_ROLES if i % 2 == 0 else REPLY_ROLES
         if message["role"] not in expected:
-            raise BadRecordError(f"message {i} has role {message['role']!r} where {' or '.join(expected)} was expected "
-                                 "(turns must alternate prompt and reply)")
+            raise BadRecordError(
+                f"message {i} has role {message['role']!r} where {' or '.join(expected)} was expected "
+                "(turns must alternate prompt and reply)"
+            )
         if not isinstance(message["content"], str):
             raise BadRecordError(f"message {i} content must be a string, got {type(message['content']).__name__}")
     if ends_with_reply != (len(messages) % 2 == 0):
@@ -128,13 +147,17 @@ class ConversationEncoder:
         self.tokenizer = tokenizer
         self.template = PROMPT_TYPES.get(prompt_type) if prompt_type is not None else None
         if self.template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer has no chat template; pass --prompt-type (one of: {', '.join(map(str, PROMPT_TYPES))})")
+            raise ValueError(
+                f"the tokenizer has no chat template; pass --prompt-type (one of: {', '.join(map(str, PROMPT_TYPES))})"
+            )
         if self.template is not None and self.template.add_eos and tokenizer.eos_token_id is None:
             raise ValueError(f"prompt type {prompt_type!r} ends replies with EOS, but the tokenizer has no eos_token")
         if self.template is not None and self.template.add_bos and tokenizer.bos_token_id is None:
             raise ValueError(f"prompt type {prompt_type!r} starts with BOS, but the tokenizer has no bos_token")
 
-    def encode(self, system: str, messages: list[dict[str, str]], train_last_only: bool = False) -> tuple[list[int], list[int]]:
+    def encode(
+        self, system: str, messages: list[dict[str, str]], train_last_only: bool = False
+    ) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one conversation.
 
         Args:
@@ -147,7 +170,9 @@ class ConversationEncoder:
             return self._encode_template(system, messages, train_last_only)
         return self._encode_chat_template(system, messages, train_last_only)
 
-    def _encode_template(self, system: str, messages: list[dict[str, str]], train_last_only: bool) -> tuple[list[int], list[int]]:
+    def _encode_template(
+        self, system: str, messages: list[dict[str, str]], train_last_only: bool
+    ) -> tuple[list[int], list[int]]:
         tpl, tok = self.template, self.tokenizer
         input_ids: list[int] = [tok.bos_token_id] if tpl.add_bos else []
         labels: list[int] = [IGNORE_INDEX] * len(input_ids)
@@ -157,7 +182,9 @@ class ConversationEncoder:
             fmt = tpl.observation if prompt["role"] == "observation" and tpl.observation else tpl.user
             source = (_fill(tpl.system, system) if turn == 0 and system else "") + (tpl.separator if turn else "")
             source_ids = encode_text(tok, source + _fill(fmt, prompt["content"]))
-            target_ids = encode_text(tok, _fill(tpl.assistant, reply["content"])) + ([tok.eos_token_id] if tpl.add_eos else [])
+            target_ids = encode_text(tok, _fill(tpl.assistant, reply["content"])) + (
+                [tok.eos_token_id] if tpl.add_eos else []
+            )
             trained = not train_last_only or turn + 2 == len(messages)
             input_ids += source_ids + target_ids
             labels += [IGNORE_INDEX] * len(source_ids) + (target_ids if trained else [IGNORE_INDEX] * len(target_ids))
@@ -165,26 +192,39 @@ class ConversationEncoder:
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as err:  # noqa: BLE001 -- templates raise jinja errors for conversations they refuse
-            raise BadRecordError(f"the tokenizer's chat template refused the conversation ({type(err).__name__}: {err}); "
-                                 "fix the record or pass --prompt-type") from err
+            raise BadRecordError(
+                f"the tokenizer's chat template refused the conversation ({type(err).__name__}: {err}); "
+                "fix the record or pass --prompt-type"
+            ) from err
         return encode_text(self.tokenizer, text)
 
-    def _encode_chat_template(self, system: str, messages: list[dict[str, str]], train_last_only: bool) -> tuple[list[int], list[int]]:
+    def _encode_chat_template(
+        self, system: str, messages: list[dict[str, str]], train_last_only: bool
+    ) -> tuple[list[int], list[int]]:
         # Roles the common chat templates know.
-        msgs = [{"role": {"observation": "tool", "function": "assistant"}.get(m["role"], m["role"]), "content": m["content"]}
-                for m in messages]
+        msgs = [
+            {
+                "role": {"observation": "tool", "function": "assistant"}.get(m["role"], m["role"]),
+                "content": m["content"],
+            }
+            for m in messages
+        ]
         head = [{"role": "system", "content": system}] if system else []
         full = self._render(head + msgs, add_generation_prompt=False)
         labels = [IGNORE_INDEX] * len(full)
         replies = range(1, len(msgs), 2) if not train_last_only else [len(msgs) - 1]
         for k in replies:
             start = self._render(head + msgs[:k], add_generation_prompt=True)
-            end = self._render(head + msgs[:k + 1], add_generation_prompt=False)
-            if full[:len(start)] != start or full[:len(end)] != end or len(end) < len(start):
-                raise ValueError("the tokenizer's chat template does not render conversations as prefixes of each other, "
-                                 "so prompt tokens cannot be masked exactly; pass --prompt-type "
-                                 f"(one of: {', '.join(map(str, PROMPT_TYPES))})")
-            labels[len(start):len(end)] = full[len(start):len(end)]
+            end = self._render(head + msgs[: k + 1], add_generation_prompt=False)
+            if full[: len(start)] != start or full[: len(end)] != end or len(end) < len(start):
+                raise ValueError(
+                    "the tokenizer's chat template does not render conversations as prefixes of each other, "
+                    "so prompt tokens cannot be masked exactly; pass --prompt-type "
+                    f"(one of: {', '.join(map(str, PROMPT_TYPES))})"
+                )
+            labels[len(start) : len(end)] = full[len(start) : len(end)]
         return full, labels

@@ -144,8 +144,8 @@ def build_pack(samples: list[dict[str, np.ndarray]], seq_length: int, pad_id: in
     at = 0
     for number, sample in enumerate(samples, start=1):
         n = len(sample["input_ids"])
-        input_ids[at:at + n] = sample["input_ids"]
-        labels[at:at + n] = sample["labels"]
-        segments[at:at + n] = number
+        input_ids[at : at + n] = sample["input_ids"]
+        labels[at : at + n] = sample["labels"]
+        segments[at : at + n] = number
         at += n
     return {"input_ids": input_ids, "attention_mask": segments, "labels": labels}

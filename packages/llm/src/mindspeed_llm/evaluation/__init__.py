@@ -17,5 +17,14 @@ from mindspeed_llm.evaluation.lm import LM, EngineLM, TransformersLM
 from mindspeed_llm.evaluation.runner import EvaluateConfig, evaluate, run_tasks
 from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult
 
-__all__ = ["LM", "EngineLM", "TransformersLM", "EvaluateConfig", "evaluate", "run_tasks", "TASKS", "EvalSettings",
-           "TaskResult"]
+__all__ = [
+    "LM",
+    "EngineLM",
+    "TransformersLM",
+    "EvaluateConfig",
+    "evaluate",
+    "run_tasks",
+    "TASKS",
+    "EvalSettings",
+    "TaskResult",
+]

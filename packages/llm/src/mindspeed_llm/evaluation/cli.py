@@ -25,10 +25,12 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     """Add ``evaluate`` to the ``mindspeed-llm`` subcommands."""
     helps = field_help(EvaluateConfig)
     parser = sub.add_parser(
-        "evaluate", help="score a model on MMLU, GSM8K and perplexity from local data files",
+        "evaluate",
+        help="score a model on MMLU, GSM8K and perplexity from local data files",
         description="Evaluate a Hugging Face or Megatron checkpoint on local data in the public formats: MMLU "
-                    "(multiple choice by log-likelihood), GSM8K (greedy generation, final number) and perplexity. "
-                    "Prints a table; --output writes JSON. '--task-data-path demo' uses the tiny shipped samples.")
+        "(multiple choice by log-likelihood), GSM8K (greedy generation, final number) and perplexity. "
+        "Prints a table; --output writes JSON. '--task-data-path demo' uses the tiny shipped samples.",
+    )
 
     def flag(name: str, extra: str = "", aliases: tuple[str, ...] = (), **kwargs) -> None:
         default = _FIELDS[name].default
@@ -69,4 +71,3 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if config.output:
         sys.stdout.write(f"wrote {config.output}\n")
     return 0
-

@@ -79,12 +79,15 @@ def read_gsm8k(path: Path) -> list[MathProblem]:
     for number, record in iter_jsonl(path):
         question, answer = record.get("question"), record.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
-            raise ValueError(f"{path}:{number}: expected string fields 'question' and 'answer', got keys {sorted(record)}")
+            raise ValueError(
+                f"{path}:{number}: expected string fields 'question' and 'answer', got keys {sorted(record)}"
+            )
         reference = extract_marked(answer)
         value = None if reference is None else parse_number(reference)
         if value is None:
-            raise ValueError(f"{path}:{number}: the answer must end with '#### <number>' (the GSM8K format), "
-                             f"got {answer[-40:]!r}")
+            raise ValueError(
+                f"{path}:{number}: the answer must end with '#### <number>' (the GSM8K format), got {answer[-40:]!r}"
+            )
         problems.append(MathProblem(question, answer, reference, float(value)))
     return problems
 
@@ -121,8 +124,11 @@ class GSM8KTask:
         shots = self.default_shots if settings.shots is None else settings.shots
         examples: list[MathProblem] = []
         if shots:
-            train_file = require_path(test_file.parent / "train.jsonl", "GSM8K train file",
-                                      f"the {shots}-shot examples come from it; add it or pass --shots 0")
+            train_file = require_path(
+                test_file.parent / "train.jsonl",
+                "GSM8K train file",
+                f"the {shots}-shot examples come from it; add it or pass --shots 0",
+            )
             examples = read_gsm8k(train_file)[:shots]
             if len(examples) < shots:
                 raise ValueError(f"{train_file} has {len(examples)} problems, fewer than --shots {shots}")
@@ -141,8 +147,10 @@ class GSM8KTask:
         """
         budget = self.max_new_tokens(lm, settings)
         if budget >= lm.max_seq_len:
-            raise ValueError(f"--max-new-tokens {budget} leaves no room for a prompt in the model's window of "
-                             f"{lm.max_seq_len} tokens; pass a smaller --max-new-tokens")
+            raise ValueError(
+                f"--max-new-tokens {budget} leaves no room for a prompt in the model's window of "
+                f"{lm.max_seq_len} tokens; pass a smaller --max-new-tokens"
+            )
 
     def run(self, lm: Any, data: GSM8KData, settings: EvalSettings) -> TaskResult:
         """Generate a solution per problem and compare its final number with the reference."""
@@ -153,13 +161,25 @@ class GSM8KTask:
         for index, (problem, text) in enumerate(zip(data.problems, texts)):
             prediction = extract_answer(text)
             correct = prediction is not None and answers_equal(prediction, problem.reference)
-            samples.append({"index": index, "generation": text, "prediction": prediction, "target": problem.target,
-                            "correct": correct})
+            samples.append(
+                {
+                    "index": index,
+                    "generation": text,
+                    "prediction": prediction,
+                    "target": problem.target,
+                    "correct": correct,
+                }
+            )
         accuracy = sum(s["correct"] for s in samples) / len(samples)
-        return TaskResult(task="gsm8k", metric="exact_match", value=accuracy, n=len(samples),
-                          metrics={"exact_match": accuracy}, samples=samples,
-                          settings={"data": str(data.path), "shots": len(data.examples),
-                                    "max_new_tokens": budget, "stop": STOP})
+        return TaskResult(
+            task="gsm8k",
+            metric="exact_match",
+            value=accuracy,
+            n=len(samples),
+            metrics={"exact_match": accuracy},
+            samples=samples,
+            settings={"data": str(data.path), "shots": len(data.examples), "max_new_tokens": budget, "stop": STOP},
+        )
 
 
 TASKS.register("gsm8k", GSM8KTask())

@@ -65,7 +65,7 @@ def special_prefix(tokenizer: Any) -> list[int]:
     probe = "Answer"
     plain, full = encode(tokenizer, probe), list(tokenizer(probe, add_special_tokens=True)["input_ids"])
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return full[:start]
     return []
 
@@ -89,7 +89,7 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     prefix = special_prefix(tokenizer)
     whole = encode(tokenizer, context + continuation)
     context_ids = encode(tokenizer, context)
-    return prefix + whole[:len(context_ids)], whole[len(context_ids):]
+    return prefix + whole[: len(context_ids)], whole[len(context_ids) :]
 
 
 def fit_request(context: Sequence[int], continuation: Sequence[int], max_seq_len: int) -> tuple[list[int], int]:
@@ -121,8 +121,10 @@ def fit_prompt(prompt: Sequence[int], max_new_tokens: int, max_seq_len: int) -> 
     """
     room = max_seq_len - max_new_tokens
     if room < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in a window of "
-                         f"{max_seq_len} tokens; lower --max-new-tokens or raise --max-seq-len")
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in a window of "
+            f"{max_seq_len} tokens; lower --max-new-tokens or raise --max-seq-len"
+        )
     return list(prompt)[-room:]
 
 
@@ -163,12 +165,14 @@ def model_max_seq_len(config: Any, requested: int | None) -> int:
     if requested is None:
         return min(limit, DEFAULT_MAX_SEQ_LEN)
     if requested < 2 or requested > limit:
-        raise ValueError(f"--max-seq-len {requested} must be between 2 and the model's max_position_embeddings ({limit})")
+        raise ValueError(
+            f"--max-seq-len {requested} must be between 2 and the model's max_position_embeddings ({limit})"
+        )
     return requested
 
 
 def _batches(order: list[int], size: int) -> list[list[int]]:
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 class TransformersLM:
@@ -198,8 +202,14 @@ class TransformersLM:
         self.pad_id = int(pad)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None,
-                        batch_size: int = 8, max_seq_len: int | None = None) -> TransformersLM:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        tokenizer: Any = None,
+        dtype: torch.dtype | None = None,
+        batch_size: int = 8,
+        max_seq_len: int | None = None,
+    ) -> TransformersLM:
         """Load a local Hugging Face directory (nothing is downloaded) on the accelerator.
 
         Args:
@@ -214,11 +224,12 @@ class TransformersLM:
         """
         from transformers import AutoModelForCausalLM
 
-
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"--load-dir {str(path)!r} holds no config.json; the transformers backend needs a "
-                             f"Hugging Face model directory (use --backend engine for a Megatron checkpoint)")
+            raise ValueError(
+                f"--load-dir {str(path)!r} holds no config.json; the transformers backend needs a "
+                f"Hugging Face model directory (use --backend engine for a Megatron checkpoint)"
+            )
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto", local_files_only=True)
         model.to(get_accelerator().device())
         return cls(model, tokenizer if tokenizer is not None else load_tokenizer(path), batch_size, max_seq_len)
@@ -238,13 +249,13 @@ class TransformersLM:
             ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             for r, row in enumerate(rows):
-                ids[r, :len(row)] = torch.tensor(row)
-                mask[r, :len(row)] = 1
+                ids[r, : len(row)] = torch.tensor(row)
+                mask[r, : len(row)] = 1
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             for r, row in enumerate(rows):
                 # Normalise only the positions that are scored: [batch, length, vocab] fp32 would not fit for big vocabularies.
                 first = min(len(fitted[i][0]) - 1 - fitted[i][1] for i in groups[row])
-                logprobs = torch.log_softmax(logits[r, first:len(row)].float(), dim=-1).cpu()
+                logprobs = torch.log_softmax(logits[r, first : len(row)].float(), dim=-1).cpu()
                 for index in groups[row]:
                     sequence, n = fitted[index]
                     positions = torch.arange(len(sequence) - 1 - n, len(sequence) - 1) - first
@@ -268,7 +279,7 @@ class TransformersLM:
                 self.start = start
 
             def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-                texts = tokenizer.batch_decode(input_ids[:, self.start:])
+                texts = tokenizer.batch_decode(input_ids[:, self.start :])
                 done = [any(s in t for s in stops) for t in texts]
                 return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
@@ -277,15 +288,26 @@ class TransformersLM:
             ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for r, i in enumerate(batch):  # left padding: every row's next token sits in the last column
-                ids[r, width - len(fitted[i]):] = torch.tensor(fitted[i])
-                mask[r, width - len(fitted[i]):] = 1
+                ids[r, width - len(fitted[i]) :] = torch.tensor(fitted[i])
+                mask[r, width - len(fitted[i]) :] = 1
             # Plain argmax: settings a checkpoint's generation config may carry (sampling, repetition
             # penalty, n-gram blocking, a minimum length) are overridden, as generate() would apply them.
             generated = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
-                do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
-                no_repeat_ngram_size=0, min_length=0, eos_token_id=list(self.eos_token_ids), pad_token_id=self.pad_id,
-                stopping_criteria=StoppingCriteriaList([_StopOnStrings(width)]))
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                repetition_penalty=1.0,
+                no_repeat_ngram_size=0,
+                min_length=0,
+                eos_token_id=list(self.eos_token_ids),
+                pad_token_id=self.pad_id,
+                stopping_criteria=StoppingCriteriaList([_StopOnStrings(width)]),
+            )
             for r, i in enumerate(batch):
                 out[i] = truncate_at_stop(tokenizer.decode(generated[r, width:].tolist()), stops)
         return out
@@ -311,7 +333,9 @@ class EngineLM:
         self.engine, self.batch_size = engine, batch_size
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if self.tokenizer is None:
-            raise ValueError("the checkpoint has no tokenizer files; pass --tokenizer-name-or-path (or --hf-cfg-dir with them)")
+            raise ValueError(
+                "the checkpoint has no tokenizer files; pass --tokenizer-name-or-path (or --hf-cfg-dir with them)"
+            )
         #: ids that end a generation: the engine's (from the generation config) and the tokenizer's EOS.
         self.eos_token_ids = eos_token_ids(self.tokenizer, list(getattr(engine, "eos_token_ids", ())))
         config = getattr(engine, "config", None) or getattr(getattr(engine, "model", None), "config", None)
@@ -321,8 +345,15 @@ class EngineLM:
             self.max_seq_len = min(self.max_seq_len, int(engine_limit))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None,
-                        batch_size: int = 8, max_seq_len: int | None = None, **engine_kwargs: Any) -> EngineLM:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        tokenizer: Any = None,
+        dtype: torch.dtype | None = None,
+        batch_size: int = 8,
+        max_seq_len: int | None = None,
+        **engine_kwargs: Any,
+    ) -> EngineLM:
         """Open a Hugging Face directory or Megatron checkpoint with ``InferenceEngine.from_pretrained``.
 
         Args:
@@ -338,10 +369,13 @@ class EngineLM:
         except ModuleNotFoundError as err:
             if err.name != "mindspeed_llm.inference":
                 raise
-            raise ValueError("--backend engine: this install has no mindspeed_llm.inference; "
-                             "pass --backend transformers for a Hugging Face directory") from err
-        engine = InferenceEngine.from_pretrained(str(path), dtype=dtype, max_batch_size=batch_size, max_seq_len=max_seq_len,
-                                                 **engine_kwargs)
+            raise ValueError(
+                "--backend engine: this install has no mindspeed_llm.inference; "
+                "pass --backend transformers for a Hugging Face directory"
+            ) from err
+        engine = InferenceEngine.from_pretrained(
+            str(path), dtype=dtype, max_batch_size=batch_size, max_seq_len=max_seq_len, **engine_kwargs
+        )
         return cls(engine, tokenizer, batch_size, max_seq_len)
 
     @torch.no_grad()
@@ -353,15 +387,16 @@ class EngineLM:
         for batch in _batches(order, self.batch_size):
             scores = self.engine.score([fitted[i][0] for i in batch])
             for i, token_logprobs in zip(batch, scores):
-                out[i] = float(token_logprobs[-fitted[i][1]:].sum())
+                out[i] = float(token_logprobs[-fitted[i][1] :].sum())
         return out
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop: list[str]) -> list[str]:
         """See :meth:`LM.generate`."""
         stops = stop_strings(self.tokenizer, stop, self.eos_token_ids)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
-                                stop_token_ids=self.eos_token_ids)
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=self.eos_token_ids
+        )
         fitted = [fit_prompt(p, max_new_tokens, self.max_seq_len) for p in prompts]
         order = sorted(range(len(fitted)), key=lambda i: len(fitted[i]), reverse=True)
         out = [""] * len(prompts)

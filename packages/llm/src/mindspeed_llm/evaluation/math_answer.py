@@ -42,10 +42,14 @@ _FRACTION_RE = re.compile(rf"^\(?({_NUMBER})\)?\s*/\s*\(?({_NUMBER})\)?$")
 _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 # A number in running text: a sign unless it joins two words or numbers (the dash of "3-4"),
 # digits with optional thousands commas ("1,234", not "1,2"), decimals, a fraction bar; ".5" too.
-_TEXT_NUMBER_RE = re.compile(r"(?:(?<![\w.])[-+])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?"
-                             r"|\.\d+)")
-_WITH_UNITS_RE = re.compile(rf"^(?:[A-Za-z]\w*\s*=\s*)?({_NUMBER}|[-+]?\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?)"
-                            r"(?:\s+[A-Za-z][A-Za-z\s.]*)?$")
+_TEXT_NUMBER_RE = re.compile(
+    r"(?:(?<![\w.])[-+])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?"
+    r"|\.\d+)"
+)
+_WITH_UNITS_RE = re.compile(
+    rf"^(?:[A-Za-z]\w*\s*=\s*)?({_NUMBER}|[-+]?\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?)"
+    r"(?:\s+[A-Za-z][A-Za-z\s.]*)?$"
+)
 _TEXT_COMMANDS_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_SHORT_RE = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")
@@ -60,7 +64,7 @@ def extract_boxed(text: str) -> str | None:
     start, command = max((text.rfind(cmd), cmd) for cmd in _BOX_COMMANDS)
     if start < 0:
         return None
-    rest = text[start + len(command):]
+    rest = text[start + len(command) :]
     stripped = rest.lstrip()
     if not stripped.startswith("{"):
         # "\boxed 5": the box holds the next token

@@ -67,8 +67,10 @@ def read_mmlu_csv(path: Path) -> list[ChoiceQuestion]:
                 continue
             where = f"{path}:{reader.line_num}"
             if len(row) != 6:
-                raise ValueError(f"{where}: expected 6 columns (question, A, B, C, D, answer letter) without a header, "
-                                 f"got {len(row)}")
+                raise ValueError(
+                    f"{where}: expected 6 columns (question, A, B, C, D, answer letter) without a header, "
+                    f"got {len(row)}"
+                )
             answer = row[5].strip().upper()
             if answer not in LETTERS:
                 raise ValueError(f"{where}: the answer column must be one of A, B, C, D, got {row[5]!r}")
@@ -91,16 +93,22 @@ def format_question(question: ChoiceQuestion, with_answer: bool) -> str:
 def build_prompt(subject: str, dev: list[ChoiceQuestion], question: ChoiceQuestion, shots: int) -> str:
     """The standard MMLU prompt for ``question`` with the first ``shots`` dev questions as examples."""
     header = f"The following are multiple choice questions (with answers) about {format_subject(subject)}.\n\n"
-    return header + "".join(format_question(example, True) for example in dev[:shots]) + format_question(question, False)
+    return (
+        header + "".join(format_question(example, True) for example in dev[:shots]) + format_question(question, False)
+    )
 
 
 def _find_root(path: Path) -> Path:
-    require_path(path, "MMLU data directory", "pass the directory that holds test/<subject>_test.csv and dev/<subject>_dev.csv")
+    require_path(
+        path, "MMLU data directory", "pass the directory that holds test/<subject>_test.csv and dev/<subject>_dev.csv"
+    )
     for root in (path, path / "data"):
         if (root / "test").is_dir():
             return root
-    raise ValueError(f"MMLU data directory {str(path)!r} has no test/ folder; expected test/<subject>_test.csv "
-                     f"and dev/<subject>_dev.csv (the layout of the original release)")
+    raise ValueError(
+        f"MMLU data directory {str(path)!r} has no test/ folder; expected test/<subject>_test.csv "
+        f"and dev/<subject>_dev.csv (the layout of the original release)"
+    )
 
 
 class MMLUTask:
@@ -121,14 +129,18 @@ class MMLUTask:
             raise ValueError(f"{root / 'test'} holds no <subject>_test.csv files")
         subjects = {}
         for test_file in tests:
-            subject = test_file.name[:-len("_test.csv")]
+            subject = test_file.name[: -len("_test.csv")]
             dev: list[ChoiceQuestion] = []
             if shots:
                 dev_file = root / "dev" / f"{subject}_dev.csv"
-                require_path(dev_file, "MMLU dev file", f"add it or pass --shots 0 (the {shots}-shot examples come from it)")
+                require_path(
+                    dev_file, "MMLU dev file", f"add it or pass --shots 0 (the {shots}-shot examples come from it)"
+                )
                 dev = read_mmlu_csv(dev_file)
                 if len(dev) < shots:
-                    raise ValueError(f"{dev_file} has {len(dev)} questions, fewer than --shots {shots}; add examples or lower --shots")
+                    raise ValueError(
+                        f"{dev_file} has {len(dev)} questions, fewer than --shots {shots}; add examples or lower --shots"
+                    )
             questions = limit(read_mmlu_csv(test_file), settings.max_samples)
             if not questions:
                 raise ValueError(f"{test_file} holds no questions")
@@ -150,18 +162,33 @@ class MMLUTask:
         scores = call_in_chunks(lm.loglikelihood, requests, lm, "mmlu", settings)
         samples, groups = [], {}
         for k, (subject, index, question) in enumerate(keys):
-            choice_scores = scores[4 * k:4 * k + 4]
+            choice_scores = scores[4 * k : 4 * k + 4]
             prediction = LETTERS[max(range(4), key=lambda c: choice_scores[c])]  # first letter wins a tie
-            samples.append({"subject": subject, "index": index, "loglikelihoods": choice_scores,
-                            "prediction": prediction, "target": question.answer, "correct": prediction == question.answer})
+            samples.append(
+                {
+                    "subject": subject,
+                    "index": index,
+                    "loglikelihoods": choice_scores,
+                    "prediction": prediction,
+                    "target": question.answer,
+                    "correct": prediction == question.answer,
+                }
+            )
         for subject in data.subjects:
             hits = [s["correct"] for s in samples if s["subject"] == subject]
             groups[subject] = {"acc": sum(hits) / len(hits), "n": len(hits)}
         micro = sum(s["correct"] for s in samples) / len(samples)
         macro = sum(g["acc"] for g in groups.values()) / len(groups)
-        return TaskResult(task="mmlu", metric="acc", value=micro, n=len(samples),
-                          metrics={"acc": micro, "acc_macro": macro}, groups=groups, samples=samples,
-                          settings={"data": str(data.root), "shots": data.shots, "subjects": len(groups)})
+        return TaskResult(
+            task="mmlu",
+            metric="acc",
+            value=micro,
+            n=len(samples),
+            metrics={"acc": micro, "acc_macro": macro},
+            groups=groups,
+            samples=samples,
+            settings={"data": str(data.root), "shots": data.shots, "subjects": len(groups)},
+        )
 
 
 TASKS.register("mmlu", MMLUTask())

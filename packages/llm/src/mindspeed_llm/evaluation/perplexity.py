@@ -56,7 +56,9 @@ def read_documents(path: Path) -> list[str]:
         text = path.read_text(encoding="utf-8")
         return [text] if text.strip() else []
     if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: perplexity reads .txt/.raw files (one document each) or .jsonl files with a 'text' field")
+        raise ValueError(
+            f"{path}: perplexity reads .txt/.raw files (one document each) or .jsonl files with a 'text' field"
+        )
     documents = []
     for number, record in iter_jsonl(path):
         if not isinstance(record.get("text"), str):
@@ -94,7 +96,9 @@ class PerplexityTask:
             ValueError: a missing path, no documents, or a malformed file.
         """
         path = Path(path)
-        require_path(path, "perplexity data", "pass a .txt/.raw file, a .jsonl file with a 'text' field, or a directory of them")
+        require_path(
+            path, "perplexity data", "pass a .txt/.raw file, a .jsonl file with a 'text' field, or a directory of them"
+        )
         files = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES) if path.is_dir() else [path]
         documents = [doc for file in files for doc in read_documents(file)]
         documents = limit(documents, settings.max_samples)
@@ -130,10 +134,20 @@ class PerplexityTask:
         total_nll, total_tokens = sum(nll), sum(tokens)
         mean_nll = total_nll / total_tokens
         samples = [{"index": i, "nll": nll[i], "tokens": tokens[i]} for i in range(len(data.documents))]
-        return TaskResult(task="ppl", metric="ppl", value=math.exp(mean_nll), n=total_tokens,
-                          metrics={"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": total_tokens}, samples=samples,
-                          settings={"data": str(data.path), "documents": len(data.documents),
-                                    "max_seq_len": lm.max_seq_len, "stride": stride})
+        return TaskResult(
+            task="ppl",
+            metric="ppl",
+            value=math.exp(mean_nll),
+            n=total_tokens,
+            metrics={"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": total_tokens},
+            samples=samples,
+            settings={
+                "data": str(data.path),
+                "documents": len(data.documents),
+                "max_seq_len": lm.max_seq_len,
+                "stride": stride,
+            },
+        )
 
 
 TASKS.register("ppl", PerplexityTask())

@@ -20,7 +20,9 @@ def table_rows(results: list[TaskResult]) -> list[tuple[str, str, str, str]]:
                 continue
             rows.append((result.task, metric, f"{value:.4f}", str(result.n)))
         for group, values in result.groups.items():
-            rows.append((f"  {result.task}/{group}", result.metric, f"{values[result.metric]:.4f}", str(int(values['n']))))
+            rows.append(
+                (f"  {result.task}/{group}", result.metric, f"{values[result.metric]:.4f}", str(int(values["n"])))
+            )
     return rows
 
 

@@ -86,7 +86,9 @@ def parse_shots(text: str | None, tasks: list[str]) -> dict[str, int | None]:
         if not sep:
             shots = {task: int(value) for task in tasks}
         elif name.strip() not in shots:
-            raise ValueError(f"--shots {text!r} names task {name.strip()!r}, which is not in --task ({', '.join(tasks)})")
+            raise ValueError(
+                f"--shots {text!r} names task {name.strip()!r}, which is not in --task ({', '.join(tasks)})"
+            )
         else:
             shots[name.strip()] = int(value)
     return shots
@@ -101,20 +103,23 @@ def resolve_data_paths(tasks: list[str], paths: list[str]) -> dict[str, Path]:
     if len(paths) == len(tasks):
         return {t: DEMO_DATA_DIR / t if p == DEMO_DATA_NAME else Path(p) for t, p in zip(tasks, paths)}
     if len(paths) != 1:
-        raise ValueError(f"--task-data-path: got {len(paths)} paths for {len(tasks)} tasks; pass one per task "
-                         f"(in --task order) or one directory holding a folder per task")
+        raise ValueError(
+            f"--task-data-path: got {len(paths)} paths for {len(tasks)} tasks; pass one per task "
+            f"(in --task order) or one directory holding a folder per task"
+        )
     root = DEMO_DATA_DIR if paths[0] == DEMO_DATA_NAME else Path(paths[0])
     missing = [t for t in tasks if not (root / t).exists()]
     if missing:
-        raise ValueError(f"--task-data-path {paths[0]!r} is shared by {len(tasks)} tasks but has no folder for "
-                         f"{', '.join(missing)}; add {root}/<task>/ or pass one path per task")
+        raise ValueError(
+            f"--task-data-path {paths[0]!r} is shared by {len(tasks)} tasks but has no folder for "
+            f"{', '.join(missing)}; add {root}/<task>/ or pass one path per task"
+        )
     return {t: root / t for t in tasks}
 
 
 def load_lm(config: EvaluateConfig) -> Any:
     """The model behind ``config.backend``."""
     import torch
-
 
     if config.backend not in BACKENDS:
         raise ValueError(f"--backend {config.backend!r} is not one of {', '.join(BACKENDS)}")
@@ -123,11 +128,17 @@ def load_lm(config: EvaluateConfig) -> Any:
     dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
     tokenizer = load_tokenizer(config.tokenizer_name_or_path) if config.tokenizer_name_or_path else None
     if not Path(config.load_dir).exists():
-        raise ValueError(f"--load-dir {config.load_dir!r} does not exist; pass a Hugging Face model directory or a Megatron checkpoint")
+        raise ValueError(
+            f"--load-dir {config.load_dir!r} does not exist; pass a Hugging Face model directory or a Megatron checkpoint"
+        )
     if config.backend == "transformers":
-        return TransformersLM.from_pretrained(config.load_dir, tokenizer, dtype, config.evaluation_batch_size, config.max_seq_len)
+        return TransformersLM.from_pretrained(
+            config.load_dir, tokenizer, dtype, config.evaluation_batch_size, config.max_seq_len
+        )
     extra = {"hf_cfg_dir": config.hf_cfg_dir} if config.hf_cfg_dir else {}
-    return EngineLM.from_pretrained(config.load_dir, tokenizer, dtype, config.evaluation_batch_size, config.max_seq_len, **extra)
+    return EngineLM.from_pretrained(
+        config.load_dir, tokenizer, dtype, config.evaluation_batch_size, config.max_seq_len, **extra
+    )
 
 
 def prepare(config: EvaluateConfig) -> tuple[list[str], dict[str, EvalSettings], dict[str, Any]]:
@@ -148,8 +159,15 @@ def prepare(config: EvaluateConfig) -> tuple[list[str], dict[str, EvalSettings],
         raise ValueError(f"--task {','.join(tasks)}: a task is named twice")
     paths = resolve_data_paths(tasks, split_list(config.task_data_path))
     shots = parse_shots(config.shots, tasks)
-    settings = {t: EvalSettings(shots=shots[t], max_new_tokens=config.max_new_tokens, max_samples=config.max_samples,
-                                ppl_stride=config.ppl_stride) for t in tasks}
+    settings = {
+        t: EvalSettings(
+            shots=shots[t],
+            max_new_tokens=config.max_new_tokens,
+            max_samples=config.max_samples,
+            ppl_stride=config.ppl_stride,
+        )
+        for t in tasks
+    }
     if config.max_seq_len is not None and config.ppl_stride is not None and config.ppl_stride >= config.max_seq_len:
         raise ValueError(f"--ppl-stride {config.ppl_stride} must be below --max-seq-len {config.max_seq_len}")
     data = {t: TASKS.get(t).load(paths[t], settings[t]) for t in tasks}
@@ -169,7 +187,9 @@ def run_tasks(lm: Any, tasks: list[str], settings: dict[str, EvalSettings], data
         start = time.perf_counter()
         result = TASKS.get(task).run(lm, data[task], settings[task])
         result.settings["seconds"] = round(time.perf_counter() - start, 3)
-        logger.info("%s: %s = %.4f over %d in %.1f s", task, result.metric, result.value, result.n, result.settings["seconds"])
+        logger.info(
+            "%s: %s = %.4f over %d in %.1f s", task, result.metric, result.value, result.n, result.settings["seconds"]
+        )
         results.append(result)
     return results
 

@@ -138,7 +138,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}); each line must be one JSON object") from err
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({err.msg}); each line must be one JSON object"
+                ) from err
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
             yield number, record
@@ -163,7 +165,7 @@ def call_in_chunks(fn: Any, items: list[Any], lm: Any, description: str, setting
     out: list[Any] = []
     with StatusProgress(description, total=len(items), disable=None if settings.show_progress else True) as bar:
         for start in range(0, len(items), chunk):
-            part = items[start:start + chunk]
+            part = items[start : start + chunk]
             out.extend(fn(part))
             bar.update(advance=len(part))
     return out

@@ -52,8 +52,17 @@ class KVCache:
         device: where it lives.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 windows: Sequence[int | None], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        windows: Sequence[int | None],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_slots, self.max_len, self.head_dim = num_slots, max_len, head_dim
         # Stored head-major ([..., kv_heads, max_len, dim]: one head's keys are contiguous, as
         # attention kernels read them) and used through sequence-major views, the op's BSND layout.
@@ -88,7 +97,9 @@ class KVCache:
             leaving = positions - window
             keep = leaving >= 0
             if bool(keep.any()):
-                self.keys[layers[:, None], rows[keep][None, :], leaving[keep][None, :], :, self.head_dim] = float("-inf")
+                self.keys[layers[:, None], rows[keep][None, :], leaving[keep][None, :], :, self.head_dim] = float(
+                    "-inf"
+                )
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``source`` into slot ``target`` (which is then
@@ -142,8 +153,9 @@ class CausalStep:
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         window = self.windows[layer]
-        out = self.attention(q, k, v, causal=True, softmax_scale=self.scale,
-                             window_size=(window - 1, 0) if window else (-1, -1))
+        out = self.attention(
+            q, k, v, causal=True, softmax_scale=self.scale, window_size=(window - 1, 0) if window else (-1, -1)
+        )
         return out.reshape(self.rows * self.seq, -1)
 
 
@@ -160,8 +172,16 @@ class PrefillStep(CausalStep):
         start: slot of the first row (rows go to ``start, start + 1, ...``).
     """
 
-    def __init__(self, attention: Attention, windows: Sequence[int | None], scale: float, rows: int, seq: int,
-                 cache: KVCache, start: int) -> None:
+    def __init__(
+        self,
+        attention: Attention,
+        windows: Sequence[int | None],
+        scale: float,
+        rows: int,
+        seq: int,
+        cache: KVCache,
+        start: int,
+    ) -> None:
         super().__init__(attention, windows, scale, rows, seq)
         self.cache, self.start = cache, start
 
@@ -169,8 +189,8 @@ class PrefillStep(CausalStep):
         q, k, v = self.split(qk, v)
         end = self.start + self.rows
         # Padding positions are written too and closed afterwards (KVCache.close_rows).
-        self.cache.keys[layer, self.start:end, :self.seq] = torch.constant_pad_nd(k, (0, 1))
-        self.cache.values[layer, self.start:end, :self.seq] = torch.constant_pad_nd(v, (0, 1))
+        self.cache.keys[layer, self.start : end, : self.seq] = torch.constant_pad_nd(k, (0, 1))
+        self.cache.values[layer, self.start : end, : self.seq] = torch.constant_pad_nd(v, (0, 1))
         return self._attend(layer, q, k, v)
 
 
@@ -185,8 +205,9 @@ class DecodeStep:
         kv_len: one more than the largest position.
     """
 
-    def __init__(self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor,
-                 kv_len: int) -> None:
+    def __init__(
+        self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor, kv_len: int
+    ) -> None:
         rows = positions.shape[0]
         self.attention, self.scale = attention, scale
         self.index = (torch.arange(rows, device=positions.device), positions)

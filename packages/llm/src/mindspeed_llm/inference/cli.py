@@ -80,10 +80,12 @@ class GenerateConfig:
 def add_generate(sub: argparse._SubParsersAction) -> None:
     """Add ``generate`` to the ``mindspeed-llm`` subcommands."""
     parser = sub.add_parser(
-        "generate", help="generate text with a Hugging Face or Megatron checkpoint (KV cache, continuous batching)",
+        "generate",
+        help="generate text with a Hugging Face or Megatron checkpoint (KV cache, continuous batching)",
         description="Generate completions with the built-in inference engine. One prompt streams to the terminal; "
-                    "several are batched. --chat without a prompt holds a conversation (a turn per line when standard "
-                    "input is a pipe); --prompts-file - reads prompts from standard input.")
+        "several are batched. --chat without a prompt holds a conversation (a turn per line when standard "
+        "input is a pipe); --prompts-file - reads prompts from standard input.",
+    )
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     add_dataclass_flags(parser, GenerateConfig)
     parser.set_defaults(func=run_generate)
@@ -106,14 +108,27 @@ def run_generate(args: argparse.Namespace) -> int:
         records += read_prompts(config.prompts_file)
     conversation = not records and config.chat
     if not records and not conversation:
-        raise ValueError("nothing to generate: give --prompt TEXT, --prompts-file FILE (- for standard input), "
-                         "or --chat")
-    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                            top_p=config.top_p, seed=config.seed, ignore_eos=config.ignore_eos)
+        raise ValueError(
+            "nothing to generate: give --prompt TEXT, --prompts-file FILE (- for standard input), or --chat"
+        )
+    params = SamplingParams(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        seed=config.seed,
+        ignore_eos=config.ignore_eos,
+    )
     if config.output is not None and config.output.is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
-    engine = InferenceEngine.from_pretrained(config.load_dir, config.dtype, config.batch_size, config.max_seq_len,
-                                             hf_cfg_dir=config.hf_cfg_dir, model_type_hf=config.model_type_hf)
+    engine = InferenceEngine.from_pretrained(
+        config.load_dir,
+        config.dtype,
+        config.batch_size,
+        config.max_seq_len,
+        hf_cfg_dir=config.hf_cfg_dir,
+        model_type_hf=config.model_type_hf,
+    )
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError(f"{config.load_dir} has no tokenizer files; pass --hf-cfg-dir with the model's tokenizer")
@@ -131,16 +146,35 @@ def run_generate(args: argparse.Namespace) -> int:
         printer.finish()
     else:
         for index, (record, output, text) in enumerate(zip(records, outputs, completions)):
-            _write(f"--- prompt {index} ---\n{prompt_text(record)}\n"
-                   f"--- completion {index} ({output.finish_reason}, {len(output.token_ids)} tokens) ---\n{text}\n")
+            _write(
+                f"--- prompt {index} ---\n{prompt_text(record)}\n"
+                f"--- completion {index} ({output.finish_reason}, {len(output.token_ids)} tokens) ---\n{text}\n"
+            )
     if config.output is not None:
-        _write_jsonl(config.output, [
-            {"index": i, "prompt": record, "completion": text, "prompt_token_ids": o.prompt_token_ids,
-             "token_ids": o.token_ids, "logprobs": o.logprobs, "finish_reason": o.finish_reason}
-            for i, (record, o, text) in enumerate(zip(records, outputs, completions))])
+        _write_jsonl(
+            config.output,
+            [
+                {
+                    "index": i,
+                    "prompt": record,
+                    "completion": text,
+                    "prompt_token_ids": o.prompt_token_ids,
+                    "token_ids": o.token_ids,
+                    "logprobs": o.logprobs,
+                    "finish_reason": o.finish_reason,
+                }
+                for i, (record, o, text) in enumerate(zip(records, outputs, completions))
+            ],
+        )
     generated = sum(len(o.token_ids) for o in outputs)
-    logger.info("generate: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s", len(prompts), generated, elapsed,
-                generated / max(elapsed, 1e-9), f"; wrote {config.output}" if config.output else "")
+    logger.info(
+        "generate: %d prompts, %d tokens in %.2f s (%.1f tokens/s)%s",
+        len(prompts),
+        generated,
+        elapsed,
+        generated / max(elapsed, 1e-9),
+        f"; wrote {config.output}" if config.output else "",
+    )
     return 0
 
 
@@ -184,7 +218,9 @@ def _chat_loop(engine: Any, params: Any, config: GenerateConfig, interactive: bo
             _write(f"\n(error: {err})\n")
             continue
         printer.finish()
-        messages.append({"role": "assistant", "content": engine.tokenizer.decode(output.token_ids, skip_special_tokens=True)})
+        messages.append(
+            {"role": "assistant", "content": engine.tokenizer.decode(output.token_ids, skip_special_tokens=True)}
+        )
 
 
 class _StreamPrinter:
@@ -202,7 +238,7 @@ class _StreamPrinter:
         if text.endswith("\ufffd"):
             return  # an incomplete UTF-8 sequence: wait for the next token
         if text.startswith(self.shown):
-            _write(text[len(self.shown):])
+            _write(text[len(self.shown) :])
         self.shown = text
 
     def finish(self) -> None:
@@ -222,4 +258,3 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(temp, path)
-

@@ -46,6 +46,7 @@ def _outside_redirect(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     return wrapper
 
+
 #: Cache lengths are rounded up to a multiple of this (fewer reallocations across calls).
 _CACHE_ROUND = 64
 #: Positions per logits call in :meth:`InferenceEngine.score` (bounds the ``[tokens, vocab]`` buffer).
@@ -106,9 +107,17 @@ class InferenceEngine:
         max_prefill_tokens: padded prompt tokens prefilled in one forward (at least one request).
     """
 
-    def __init__(self, model: Decoder, bridge: Bridge, config: Any, tokenizer: Any = None,
-                 eos_token_ids: Sequence[int] = (), max_batch_size: int = 8, max_seq_len: int | None = None,
-                 max_prefill_tokens: int = 8192) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        bridge: Bridge,
+        config: Any,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] = (),
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model, self.bridge, self.config, self.tokenizer = model, bridge, config, tokenizer
@@ -123,10 +132,18 @@ class InferenceEngine:
         self._loader: WeightLoader | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, max_batch_size: int = 8,
-                        max_seq_len: int | None = None, *, hf_cfg_dir: str | Path | None = None,
-                        model_type_hf: str | None = None, device: str | torch.device | None = None,
-                        kernels: dict[str, str] | None = None) -> InferenceEngine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        *,
+        hf_cfg_dir: str | Path | None = None,
+        model_type_hf: str | None = None,
+        device: str | torch.device | None = None,
+        kernels: dict[str, str] | None = None,
+    ) -> InferenceEngine:
         """An engine on the weights of a Hugging Face directory or a Megatron checkpoint.
 
         Args:
@@ -153,14 +170,29 @@ class InferenceEngine:
             opened.read_into(model.tensors())
         tokenizer = opened.tokenizer()
         eos = stop_token_ids(opened.generation_config(), opened.config, tokenizer)
-        logger.info("inference engine: %s -> %s %s on %s in %.2f s", opened.description, spec.family,
-                    str(torch_dtype).removeprefix("torch."), model.device, time.perf_counter() - started)
+        logger.info(
+            "inference engine: %s -> %s %s on %s in %.2f s",
+            opened.description,
+            spec.family,
+            str(torch_dtype).removeprefix("torch."),
+            model.device,
+            time.perf_counter() - started,
+        )
         return cls(model, opened.bridge, opened.config, tokenizer, eos, max_batch_size, max_seq_len)
 
     @classmethod
-    def from_config(cls, config: Any, dtype: str | torch.dtype = torch.float32, max_batch_size: int = 8,
-                    max_seq_len: int | None = None, *, tokenizer: Any = None, eos_token_ids: Sequence[int] | None = None,
-                    device: str | torch.device | None = None, kernels: dict[str, str] | None = None) -> InferenceEngine:
+    def from_config(
+        cls,
+        config: Any,
+        dtype: str | torch.dtype = torch.float32,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] | None = None,
+        device: str | torch.device | None = None,
+        kernels: dict[str, str] | None = None,
+    ) -> InferenceEngine:
         """An engine with zero weights for a transformers config; fill it with :meth:`load_weights`.
 
         This is how a rollout engine starts when its weights come from a trainer rather than a file.
@@ -180,8 +212,12 @@ class InferenceEngine:
         """
         bridge = bridge_for_architectures(getattr(config, "architectures", None))
         shape = bridge.shape_from_hf(config.to_dict())
-        model = Decoder(build_spec(bridge, shape, config), parse_dtype(dtype),
-                        torch.device(device) if device else get_accelerator().device(), kernels)
+        model = Decoder(
+            build_spec(bridge, shape, config),
+            parse_dtype(dtype),
+            torch.device(device) if device else get_accelerator().device(),
+            kernels,
+        )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else stop_token_ids(None, config, tokenizer)
         return cls(model, bridge, config, tokenizer, eos, max_batch_size, max_seq_len)
 
@@ -189,8 +225,12 @@ class InferenceEngine:
 
     @_outside_redirect
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stream: Stream | None = None) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        stream: Stream | None = None,
+    ) -> list[GenerationOutput]:
         """Generate for every prompt, ``max_batch_size`` at a time with continuous batching.
 
         Args:
@@ -208,7 +248,9 @@ class InferenceEngine:
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+            raise ValueError(
+                f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+            )
         requests = [self._request(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
         if not requests:
             return []
@@ -234,8 +276,10 @@ class InferenceEngine:
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {vocab})")
         if len(tokens) >= self.max_seq_len:
-            raise ValueError(f"prompt {index} has {len(tokens)} tokens, which leaves no room for generation within "
-                             f"max_seq_len={self.max_seq_len}; shorten it or raise --max-seq-len")
+            raise ValueError(
+                f"prompt {index} has {len(tokens)} tokens, which leaves no room for generation within "
+                f"max_seq_len={self.max_seq_len}; shorten it or raise --max-seq-len"
+            )
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         limit = min(params.max_new_tokens, self.max_seq_len - len(tokens))
         return _Request(index, tokens, params, self.sampler.generator(params), frozenset(stops), limit)
@@ -248,8 +292,16 @@ class InferenceEngine:
             slots, length = max(slots, self.cache.num_slots), max(length, self.cache.max_len)
         spec = self.model.spec
         self.cache = None  # free the old one first
-        self.cache = KVCache(spec.num_layers, slots, length, spec.num_kv_heads, spec.head_dim, spec.windows,
-                             self.model.dtype, self.model.device)
+        self.cache = KVCache(
+            spec.num_layers,
+            slots,
+            length,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.windows,
+            self.model.dtype,
+            self.model.device,
+        )
         logger.debug("KV cache: %d slots x %d tokens, %.1f MB", slots, length, self.cache.nbytes / 1e6)
 
     def free_cache(self) -> None:
@@ -327,7 +379,9 @@ class InferenceEngine:
         token_ids = list(token_ids)
         model, device = self.model, self.model.device
         step = CausalStep(model.attention, model.spec.windows, model.scale, 1, len(token_ids))
-        return model.logits(model.hidden(torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device), step))
+        return model.logits(
+            model.hidden(torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device), step)
+        )
 
     @_outside_redirect
     @torch.inference_mode()
@@ -345,7 +399,7 @@ class InferenceEngine:
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths pad less
         out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
         for first in range(0, len(order), self.max_batch_size):
-            group = order[first:first + self.max_batch_size]
+            group = order[first : first + self.max_batch_size]
             seq = max(1, max(len(sequences[i]) for i in group))
             tokens = torch.zeros(len(group), seq, dtype=torch.long)
             for row, i in enumerate(group):
@@ -360,7 +414,7 @@ class InferenceEngine:
                 for begin in range(0, n - 1, _SCORE_CHUNK):
                     end = min(n - 1, begin + _SCORE_CHUNK)
                     logprobs = model.logits(hidden[row, begin:end]).log_softmax(dim=-1)
-                    pieces.append(logprobs.gather(1, tokens[row, begin + 1:end + 1, None])[:, 0])
+                    pieces.append(logprobs.gather(1, tokens[row, begin + 1 : end + 1, None])[:, 0])
                 out[i] = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
         return out
 

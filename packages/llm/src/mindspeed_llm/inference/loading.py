@@ -29,8 +29,14 @@ logger = get_logger(__name__)
 #: Files that make a directory a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: ``--dtype`` names.
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -102,7 +108,9 @@ def is_hf_directory(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def open_checkpoint(path: str | Path, hf_cfg_dir: str | Path | None = None, family: str | None = None) -> OpenedCheckpoint:
+def open_checkpoint(
+    path: str | Path, hf_cfg_dir: str | Path | None = None, family: str | None = None
+) -> OpenedCheckpoint:
     """Open ``path`` (Hugging Face directory or Megatron checkpoint) for inference.
 
     Args:
@@ -123,21 +131,28 @@ def open_checkpoint(path: str | Path, hf_cfg_dir: str | Path | None = None, fami
         raise ValueError(f"--hf-cfg-dir {cfg_dir} has no config.json")
     if is_hf_directory(path):
         source = HFSource(path, family)
-        return OpenedCheckpoint(path, "hf", source.bridge, source.shape, _hf_config(path), cfg_dir or path, source,
-                                source.describe())
+        return OpenedCheckpoint(
+            path, "hf", source.bridge, source.shape, _hf_config(path), cfg_dir or path, source, source.describe()
+        )
     if not (path / TRACKER).is_file():
-        raise ValueError(f"--load-dir {path} is neither a Hugging Face directory (config.json + *.safetensors) nor a "
-                         f"Megatron checkpoint ({TRACKER})")
+        raise ValueError(
+            f"--load-dir {path} is neither a Hugging Face directory (config.json + *.safetensors) nor a "
+            f"Megatron checkpoint ({TRACKER})"
+        )
     try:
         source = (DistSource if is_dist_checkpoint(path) else MegatronSource)(path, family, cfg_dir)
     except KeyError as err:  # a dist checkpoint whose common state records no megatron args
         if err.args != ("args",):
             raise
-        raise ValueError(f"{path} records no model args (another trainer's checkpoint?): load the Hugging Face export of the "
-                         "run instead (checkpoint.save_hf), or convert-ckpt output") from None
+        raise ValueError(
+            f"{path} records no model args (another trainer's checkpoint?): load the Hugging Face export of the "
+            "run instead (checkpoint.save_hf), or convert-ckpt output"
+        ) from None
     assets = source.assets
     config = _hf_config(assets) if assets is not None else source.bridge.hf_config_from_shape(source.shape)
     if assets is None:
-        logger.warning("%s has no config.json (hf_config/ or --hf-cfg-dir): using one derived from its args, "
-                       "and no tokenizer", path)
+        logger.warning(
+            "%s has no config.json (hf_config/ or --hf-cfg-dir): using one derived from its args, and no tokenizer",
+            path,
+        )
     return OpenedCheckpoint(path, "mg", source.bridge, source.shape, config, assets, source, source.describe())

@@ -73,8 +73,9 @@ class MLAAttention:
         # interleaved pairs (0, 1), (2, 3) ... -> halves [0, 2, ...; 1, 3, ...], as rotate-half expects
         self.deinterleave = torch.cat((torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2))).to(model.device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                step: AttentionStep) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, step: AttentionStep
+    ) -> torch.Tensor:
         """The attention block's output ``[tokens, hidden]`` for normed inputs ``h`` ``[tokens, hidden]``
         (``cos``/``sin`` ``[tokens, 1, 1, rope_dim]``)."""
         m, eps = self.model, self.model.spec.norm_eps
@@ -88,7 +89,7 @@ class MLAAttention:
         latent, k_rope = F.linear(h, self.kv_down).split((self.latent, self.rope), dim=-1)
         latent = m.rms_norm(latent, self.kv_norm, eps)
         up = self.kv_up.view(self.heads, self.nope + self.v_dim, self.latent)
-        w_uk, w_uv = up[:, : self.nope], up[:, self.nope:]
+        w_uk, w_uv = up[:, : self.nope], up[:, self.nope :]
         # [tokens, 1, heads + 1, rope]: every head's query rope and the shared key rope, rotated in one call.
         rope = torch.cat((q_rope, k_rope[:, None]), dim=1)[..., self.deinterleave].unsqueeze(1)
         rope = m.rotary(rope, cos, sin)

@@ -79,8 +79,13 @@ class DecoderLayer:
         # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
         qk = qkv[:, :, : group + 1]
         if self.q_norm is not None:
-            qk = torch.cat((m.rms_norm(qk[:, :, :group], self.q_norm, spec.norm_eps),
-                            m.rms_norm(qk[:, :, group:], self.k_norm, spec.norm_eps)), dim=2)
+            qk = torch.cat(
+                (
+                    m.rms_norm(qk[:, :, :group], self.q_norm, spec.norm_eps),
+                    m.rms_norm(qk[:, :, group:], self.k_norm, spec.norm_eps),
+                ),
+                dim=2,
+            )
         qk = m.rotary(qk, cos, sin)
         return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
 
@@ -111,8 +116,9 @@ class Decoder:
         kernels: op -> registry implementation (default ``"auto"`` for each of :data:`KERNEL_OPS`).
     """
 
-    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device,
-                 kernels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device, kernels: dict[str, str] | None = None
+    ) -> None:
         self.spec, self.dtype, self.device = spec, dtype, device
         impls = {op: "auto" for op in KERNEL_OPS} | (kernels or {})
         self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"]).fn

@@ -38,10 +38,12 @@ def read_prompts(path: Path) -> list[Any]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number} is not valid JSON ({err.msg}); write one JSON value per line") from None
-        if not isinstance(record, str) and not (isinstance(record, dict) and
-                                                ("messages" in record or any(k in record for k in _TEXT_KEYS))):
-            raise ValueError(f"{path}:{number} has no prompt: give a string or an object with messages, "
-                             f"{', '.join(_TEXT_KEYS)}")
+        if not isinstance(record, str) and not (
+            isinstance(record, dict) and ("messages" in record or any(k in record for k in _TEXT_KEYS))
+        ):
+            raise ValueError(
+                f"{path}:{number} has no prompt: give a string or an object with messages, {', '.join(_TEXT_KEYS)}"
+            )
         records.append(record)
     if not records:
         raise ValueError(f"--prompts-file {path} holds no prompts")
@@ -54,8 +56,9 @@ def _read_lines(path: Path) -> list[str]:
     if not path.exists():
         raise ValueError(f"--prompts-file {path} does not exist")
     if path.is_dir():
-        raise ValueError(f"--prompts-file {path} is a directory; give a file with one prompt per line, or - for "
-                         "standard input")
+        raise ValueError(
+            f"--prompts-file {path} is a directory; give a file with one prompt per line, or - for standard input"
+        )
     with open(path, encoding="utf-8") as lines:  # not read_text: a pipe (/dev/stdin) is no regular file
         return lines.read().splitlines()
 
@@ -87,11 +90,14 @@ def encode_prompt(tokenizer: Any, record: Any, chat: bool, system: str | None) -
     if messages is None and not chat:
         return list(tokenizer(prompt_text(record))["input_ids"])
     if messages is None:
-        messages = ([{"role": "system", "content": system}] if system else []) + \
-                   [{"role": "user", "content": prompt_text(record)}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt_text(record)}
+        ]
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; drop --chat (and messages prompts) or pass --hf-cfg-dir "
-                         "with a tokenizer that has one")
+        raise ValueError(
+            "the tokenizer has no chat template; drop --chat (and messages prompts) or pass --hf-cfg-dir "
+            "with a tokenizer that has one"
+        )
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from mindspeed_llm.bridges import ModelShape
 
 
-def route(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: ModelShape
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [tokens, k] fp32, chosen [tokens, k])`` of the experts of ``tokens`` ``[tokens, hidden]``.
 
     Args:

@@ -56,8 +56,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Temperature, top-k and top-p applied row by row, as transformers' warpers do.
 
     Args:
@@ -102,8 +103,9 @@ class Sampler:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    ) -> tuple[list[int], list[float]]:
         """Next token of each row and its log-probability under the unmodified logits.
 
         Args:

@@ -102,8 +102,10 @@ def rotary_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"config.json's rope_type {kind!r} is not supported; use one of default, "
-                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+        raise ValueError(
+            f"config.json's rope_type {kind!r} is not supported; use one of default, "
+            f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+        )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
@@ -140,10 +142,19 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
     moe = tuple(shape.is_moe_layer(i) for i in range(shape.num_layers))
     head_dim = mla_cache_width(shape) if mla else shape.kv_channels
     return DecoderSpec(
-        family=bridge.family, shape=shape, num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_heads=shape.num_attention_heads, num_kv_heads=1 if mla else shape.num_query_groups, head_dim=head_dim,
-        vocab_size=shape.vocab_size, norm_eps=float(shape.norm_epsilon), inv_freq=inv_freq, rope_scale=scale,
-        windows=sliding_windows(config, shape.num_layers), moe_layers=moe,
+        family=bridge.family,
+        shape=shape,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_attention_heads,
+        num_kv_heads=1 if mla else shape.num_query_groups,
+        head_dim=head_dim,
+        vocab_size=shape.vocab_size,
+        norm_eps=float(shape.norm_epsilon),
+        inv_freq=inv_freq,
+        rope_scale=scale,
+        windows=sliding_windows(config, shape.num_layers),
+        moe_layers=moe,
         softmax_scale=mla_softmax_scale(shape) if mla else 1.0 / math.sqrt(head_dim),
     )
 

@@ -65,8 +65,10 @@ class WeightLoader:
         """
         unknown = [name for name in hf_state if name not in self.task_of and not self._is_ignored(name)]
         if unknown:
-            raise ValueError(f"the {self.plan.bridge.family} model has no tensors named {list_names(unknown)} "
-                             "(Hugging Face checkpoint names are expected, e.g. model.layers.0.self_attn.q_proj.weight)")
+            raise ValueError(
+                f"the {self.plan.bridge.family} model has no tensors named {list_names(unknown)} "
+                "(Hugging Face checkpoint names are expected, e.g. model.layers.0.self_attn.q_proj.weight)"
+            )
         touched: dict[str, Task] = {}
         for name, tensor in hf_state.items():
             task = self.task_of.get(name)

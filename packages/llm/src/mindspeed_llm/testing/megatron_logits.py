@@ -36,7 +36,8 @@ def init_layout(layout: ParallelLayout, shape: ModelShape, seed: int = 1234) -> 
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
         expert_model_parallel_size=layout.ep,
         # Forward passes need no gloo side groups (megatron creates one per group otherwise: seconds).
@@ -69,23 +70,34 @@ def load_rank_chunks(checkpoint: str | Path, impls: dict[str, str] | None = None
 
     checkpoint = Path(checkpoint)
     shape, recorded, args = checkpoint_model(checkpoint)
-    layout = ParallelLayout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                            ep=ps.get_expert_model_parallel_world_size(), vpp_layers=recorded.vpp_layers)
+    layout = ParallelLayout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        vpp_layers=recorded.vpp_layers,
+    )
     if is_dist_checkpoint(checkpoint):
         from megatron.core import dist_checkpointing
 
         chunks = build_gpt_chunks(shape, layout, vocab_size=args.padded_vocab_size, megatron_modules=True)
         keys = model_keys(len(chunks))
         text = (checkpoint / TRACKER).read_text().strip()
-        state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)},
-                                        str(checkpoint / iteration_dir(int(text))))
+        state = dist_checkpointing.load(
+            {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, str(checkpoint / iteration_dir(int(text)))
+        )
     else:
         chunks = build_gpt_chunks(shape, layout, impls or REFERENCE_IMPLS)
         keys = model_keys(len(chunks))
-        rank = RankKey(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                       ps.get_expert_model_parallel_rank())
-        state = torch.load(checkpoint / iteration_dir(1) / rank_dir(rank, layout) / "model_optim_rng.pt",
-                           map_location="cpu", weights_only=False)
+        rank = RankKey(
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank(),
+        )
+        state = torch.load(
+            checkpoint / iteration_dir(1) / rank_dir(rank, layout) / "model_optim_rng.pt",
+            map_location="cpu",
+            weights_only=False,
+        )
     for chunk, key in zip(chunks, keys):
         chunk.load_state_dict(state[key], strict=True)
     return chunks
@@ -103,7 +115,7 @@ def megatron_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | N
 
     batch, seq = tokens.shape
     positions = torch.arange(seq).unsqueeze(0)
-    micro = [{"tokens": tokens[i:i + 1], "position_ids": positions} for i in range(batch)]
+    micro = [{"tokens": tokens[i : i + 1], "position_ids": positions} for i in range(batch)]
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         item = next(data_iterator)
@@ -112,8 +124,13 @@ def megatron_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | N
 
     with torch.no_grad():
         stored = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks], model=chunks,
-            num_microbatches=batch, seq_length=seq, micro_batch_size=1, forward_only=True,
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro) for _ in chunks],
+            model=chunks,
+            num_microbatches=batch,
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=True,
         )
     if not stored:
         return None

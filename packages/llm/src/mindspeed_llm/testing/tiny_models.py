@@ -20,8 +20,16 @@ from mindspeed.registry import Registry
 TINY_CONFIGS: Registry[Callable[[], Any]] = Registry("tiny model config")
 
 #: Shape shared by the dense families.
-_DENSE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+_DENSE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 
 
 @TINY_CONFIGS.register("llama2")
@@ -29,9 +37,20 @@ def tiny_llama() -> Any:
     """Llama 3.1-style: untied, rope scaling 'llama3'."""
     from transformers import LlamaConfig
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return LlamaConfig(**{**_DENSE, "max_position_embeddings": 131072}, vocab_size=128, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    return LlamaConfig(
+        **{**_DENSE, "max_position_embeddings": 131072},
+        vocab_size=128,
+        rope_parameters=rope,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 @TINY_CONFIGS.register("mistral")
@@ -48,8 +67,13 @@ def tiny_qwen2() -> Any:
     from transformers import Qwen2Config
 
     dense = {k: v for k, v in _DENSE.items() if k != "head_dim"}
-    return Qwen2Config(**dense, vocab_size=131, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
-                       architectures=["Qwen2ForCausalLM"])
+    return Qwen2Config(
+        **dense,
+        vocab_size=131,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        architectures=["Qwen2ForCausalLM"],
+    )
 
 
 @TINY_CONFIGS.register("qwen3")
@@ -65,8 +89,14 @@ def tiny_mixtral() -> Any:
     """Mixtral-style: 4 experts, top-2, every layer MoE."""
     from transformers import MixtralConfig
 
-    return MixtralConfig(**{**_DENSE, "intermediate_size": 48}, vocab_size=128, num_local_experts=4,
-                         num_experts_per_tok=2, sliding_window=None, architectures=["MixtralForCausalLM"])
+    return MixtralConfig(
+        **{**_DENSE, "intermediate_size": 48},
+        vocab_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        architectures=["MixtralForCausalLM"],
+    )
 
 
 @TINY_CONFIGS.register("qwen3-moe")
@@ -74,9 +104,17 @@ def tiny_qwen3_moe() -> Any:
     """Qwen3-MoE-style: QK norm, 4 experts top-2 without renormalisation, layer 0 dense."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**_DENSE, vocab_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=False,
-                          architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(
+        **_DENSE,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        norm_topk_prob=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
 
 
 @TINY_CONFIGS.register("qwen2-moe")
@@ -86,9 +124,18 @@ def tiny_qwen2_moe() -> Any:
     from transformers import Qwen2MoeConfig
 
     dense = {k: v for k, v in _DENSE.items() if k != "head_dim"}
-    return Qwen2MoeConfig(**dense, vocab_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=48, mlp_only_layers=[0], decoder_sparse_step=1,
-                          norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+    return Qwen2MoeConfig(
+        **dense,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        norm_topk_prob=False,
+        architectures=["Qwen2MoeForCausalLM"],
+    )
 
 
 @TINY_CONFIGS.register("deepseek3")
@@ -98,11 +145,31 @@ def tiny_deepseek_v3() -> Any:
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, architectures=["DeepseekV3ForCausalLM"])
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        vocab_size=128,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        architectures=["DeepseekV3ForCausalLM"],
+    )
 
 
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
@@ -127,8 +194,9 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
     return model.to(dtype).eval()
 
 
-def save_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         max_shard_size: str = "64KB") -> Any:
+def save_tiny_checkpoint(
+    family: str, path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "64KB"
+) -> Any:
     """Write a tiny Hugging Face checkpoint of ``family`` (sharded safetensors, tokenizer, generation config).
 
     Args:

@@ -57,8 +57,15 @@ from mindspeed_llm.training.model import unwrap
 
 logger = get_logger(__name__)
 
-__all__ = ["TRACKER", "TrainState", "checkpoint_dir", "find_checkpoint", "list_checkpoints", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = [
+    "TRACKER",
+    "TrainState",
+    "checkpoint_dir",
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 #: Optimizer sharding that megatron-core 0.16 can reshard across TP / PP / DP (its default
 #: type is deprecated and fails with "ShardedTensor.flattened_range is not supported").
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -102,8 +109,10 @@ def find_checkpoint(path: str | Path, what: str = "checkpoint.load") -> Path:
             raise ConfigError(f"{what}={str(path)!r} is damaged: {why}; {_complete_hint(path.parent, what)}")
         return path
     if not path.is_dir():
-        raise ConfigError(f"{what}={str(path)!r} does not exist; name a checkpoint directory (iter_*) or a "
-                          "checkpoint.save directory that holds one")
+        raise ConfigError(
+            f"{what}={str(path)!r} does not exist; name a checkpoint directory (iter_*) or a "
+            "checkpoint.save directory that holds one"
+        )
     found = find_resume(path, warn=get_rank() == 0)
     if found.path is not None:
         return found.path
@@ -114,10 +123,14 @@ def find_checkpoint(path: str | Path, what: str = "checkpoint.load") -> Path:
             return checkpoint_dir(path, int(text))
     if found.skipped:
         damaged, why = found.skipped[0]
-        raise ConfigError(f"{what}={str(path)!r} holds no complete checkpoint ({damaged.name}: {why}); "
-                          "name an intact one or start without it")
-    raise ConfigError(f"{what}={str(path)!r} is not a checkpoint: it holds neither an iter_* directory with "
-                      f"metadata.json nor {TRACKER}; name a checkpoint directory or a checkpoint.save directory")
+        raise ConfigError(
+            f"{what}={str(path)!r} holds no complete checkpoint ({damaged.name}: {why}); "
+            "name an intact one or start without it"
+        )
+    raise ConfigError(
+        f"{what}={str(path)!r} is not a checkpoint: it holds neither an iter_* directory with "
+        f"metadata.json nor {TRACKER}; name a checkpoint directory or a checkpoint.save directory"
+    )
 
 
 def _complete_hint(root: Path, what: str) -> str:
@@ -135,14 +148,17 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "device": get_accelerator().get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": get_accelerator().get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -159,8 +175,14 @@ def _model_state(chunks: list[Any]) -> dict[str, Any]:
 
 def _layout(config: PretrainConfig) -> dict[str, Any]:
     p = config.parallel
-    return {"world_size": dist.get_world_size(), "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep,
-            "distributed_optimizer": p.distributed_optimizer}
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "ep": p.ep,
+        "distributed_optimizer": p.distributed_optimizer,
+    }
 
 
 def _local_results_queue() -> UpstreamPatch:
@@ -168,9 +190,10 @@ def _local_results_queue() -> UpstreamPatch:
         name="checkpoint-local-results-queue",
         target="megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
         make=lambda original, accelerator: queue.Queue(),
-        distribution="megatron-core", versions=MEGATRON_VERSIONS,
+        distribution="megatron-core",
+        versions=MEGATRON_VERSIONS,
         reason="megatron collects the writers' results through a queue served by a spawned Manager process, "
-               "which outlives a rank killed with SIGKILL; a synchronous save collects them in the rank itself",
+        "which outlives a rank killed with SIGKILL; a synchronous save collects them in the rank itself",
     )
 
 
@@ -202,9 +225,17 @@ def _children_allowed() -> Iterator[None]:
             process.daemon = True
 
 
-def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], optimizer: Any, scheduler: Any,
-                    config: PretrainConfig, args: Any = None, extra_files: dict[str, str] | None = None,
-                    keep_last: int | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    state: TrainState,
+    chunks: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    config: PretrainConfig,
+    args: Any = None,
+    extra_files: dict[str, str] | None = None,
+    keep_last: int | None = None,
+) -> Path:
     """Save everything a resume needs as ``root/iter_<step>``; atomic, collective.
 
     Args:
@@ -241,8 +272,12 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
     sharded = _model_state(chunks)
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
-    sharded.update(train_state=asdict(state), opt_param_scheduler=scheduler.state_dict(), layout=_layout(config),
-                   config=to_dict(config))
+    sharded.update(
+        train_state=asdict(state),
+        opt_param_scheduler=scheduler.state_dict(),
+        layout=_layout(config),
+        config=to_dict(config),
+    )
     if args is not None:
         import copy
 
@@ -270,8 +305,15 @@ def save_checkpoint(root: str | Path, state: TrainState, chunks: list[Any], opti
     return final
 
 
-def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, config: PretrainConfig,
-                    weights_only: bool = False, family: str | None = None) -> TrainState:
+def load_checkpoint(
+    path: Path,
+    chunks: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    config: PretrainConfig,
+    weights_only: bool = False,
+    family: str | None = None,
+) -> TrainState:
     """Restore a checkpoint written by :func:`save_checkpoint` (or any megatron dist checkpoint's model).
 
     Args:
@@ -297,9 +339,11 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
     common = dist_checkpointing.load_common_state_dict(str(path))
     saved_family = getattr(common.get("args"), "model_type_hf", None)
     if family is not None and saved_family is not None and saved_family != family:
-        raise ConfigError(f"checkpoint {path} holds a {saved_family} model and this recipe builds a {family} model; "
-                          f"use a {family} checkpoint or the recipe the checkpoint was trained with "
-                          f"({path / 'config.yaml'})")
+        raise ConfigError(
+            f"checkpoint {path} holds a {saved_family} model and this recipe builds a {family} model; "
+            f"use a {family} checkpoint or the recipe the checkpoint was trained with "
+            f"({path / 'config.yaml'})"
+        )
     template = _model_state(chunks)
     check_shapes(path, template)
     if weights_only:
@@ -313,11 +357,16 @@ def load_checkpoint(path: Path, chunks: list[Any], optimizer: Any, scheduler: An
     layout = common.get("layout", {})
     with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
     if with_rng:
-        template["rng_state"] = ShardedObject("rng_state", None, (dist.get_world_size(),), (dist.get_rank(),),
-                                              replica_id=0)
+        template["rng_state"] = ShardedObject(
+            "rng_state", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
     elif not weights_only and ck.load_rng:
-        logger.warning("checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
-                       path, layout.get("world_size", "an unknown number of"), dist.get_world_size())
+        logger.warning(
+            "checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
+            path,
+            layout.get("world_size", "an unknown number of"),
+            dist.get_world_size(),
+        )
     loaded = dist_checkpointing.load(template, str(path))
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         _load_model_state(unwrap(chunk), loaded[key])
@@ -346,9 +395,11 @@ def check_shapes(path: Path, template: dict[str, Any]) -> None:
             continue
         theirs, ours = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
         if theirs != ours:
-            raise ConfigError(f"checkpoint {path}: parameter {tensor.key} has shape {list(theirs)} there and "
-                              f"{list(ours)} in this recipe; train with the recipe the checkpoint was saved with "
-                              f"({path / 'config.yaml'}) or set checkpoint.save to a new directory")
+            raise ConfigError(
+                f"checkpoint {path}: parameter {tensor.key} has shape {list(theirs)} there and "
+                f"{list(ours)} in this recipe; train with the recipe the checkpoint was saved with "
+                f"({path / 'config.yaml'}) or set checkpoint.save to a new directory"
+            )
 
 
 def _model_keys(count: int) -> list[str]:
@@ -362,7 +413,9 @@ def _load_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not is_lora_key(k) and not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise RuntimeError(f"the checkpoint does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        raise RuntimeError(
+            f"the checkpoint does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
 
 
 def _saved_keys(common: dict[str, Any]) -> set[str]:

@@ -27,18 +27,24 @@ logger = get_logger(__name__)
 
 #: command -> (help, description) of the training commands; all share one recipe format.
 _COMMANDS = {
-    "pretrain": ("pretrain a GPT on megatron-core (any TP/PP/VPP/DP/EP layout, CPU included)",
-                 "Pretrain a GPT with megatron-core from a YAML recipe and key=value overrides "
-                 "(e.g. train.steps=100 parallel.tp=2). Checkpoints are megatron-core distributed "
-                 "checkpoints; a run resumes from the newest one in checkpoint.save."),
-    "sft": ("supervised fine-tuning on instruction data (full or LoRA/QLoRA; packed sequences)",
-            "Fine-tune on instruction data from preprocess-data (data.prefixes = its --output-prefix): the loss is "
-            "on response tokens only, samples are packed with attention reset at their boundaries. Start from a "
-            "Hugging Face directory with checkpoint.load_hf=DIR; export with checkpoint.save_hf=DIR."),
-    "dpo": ("direct preference optimisation on pairwise data, against a frozen reference model",
-            "Train with DPO on pairwise data from preprocess-data (AlpacaStylePairwiseHandler ...): dpo.beta, "
-            "dpo.label_smoothing, dpo.loss_type; the reference is the starting model (checkpoint.load_hf or "
-            "checkpoint.load) unless dpo.ref_model names another."),
+    "pretrain": (
+        "pretrain a GPT on megatron-core (any TP/PP/VPP/DP/EP layout, CPU included)",
+        "Pretrain a GPT with megatron-core from a YAML recipe and key=value overrides "
+        "(e.g. train.steps=100 parallel.tp=2). Checkpoints are megatron-core distributed "
+        "checkpoints; a run resumes from the newest one in checkpoint.save.",
+    ),
+    "sft": (
+        "supervised fine-tuning on instruction data (full or LoRA/QLoRA; packed sequences)",
+        "Fine-tune on instruction data from preprocess-data (data.prefixes = its --output-prefix): the loss is "
+        "on response tokens only, samples are packed with attention reset at their boundaries. Start from a "
+        "Hugging Face directory with checkpoint.load_hf=DIR; export with checkpoint.save_hf=DIR.",
+    ),
+    "dpo": (
+        "direct preference optimisation on pairwise data, against a frozen reference model",
+        "Train with DPO on pairwise data from preprocess-data (AlpacaStylePairwiseHandler ...): dpo.beta, "
+        "dpo.label_smoothing, dpo.loss_type; the reference is the starting model (checkpoint.load_hf or "
+        "checkpoint.load) unless dpo.ref_model names another.",
+    ),
 }
 
 
@@ -46,8 +52,12 @@ def _add_training_command(sub: argparse._SubParsersAction, stage: str) -> None:
     help_text, description = _COMMANDS[stage]
     parser = sub.add_parser(stage, help=help_text, description=description)
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="ranks to spawn on this machine (ignored under torchrun; default 1)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-3")
     parser.set_defaults(func=run_pretrain, stage=stage)
@@ -86,8 +96,9 @@ def run_pretrain(args: argparse.Namespace) -> int:
     stage = getattr(args, "stage", "pretrain")
     config = load_pretrain_config(args.config, args.overrides)
     if config.stage not in ("pretrain", stage):
-        raise ConfigError(f"the recipe says stage: {config.stage}; run it with `mindspeed-llm {config.stage}` "
-                          f"rather than `{stage}`")
+        raise ConfigError(
+            f"the recipe says stage: {config.stage}; run it with `mindspeed-llm {config.stage}` rather than `{stage}`"
+        )
     config = dataclasses.replace(config, stage=stage)
     config = apply_load_hf(config)
     if args.print_config:
@@ -99,4 +110,3 @@ def run_pretrain(args: argparse.Namespace) -> int:
         logger.error("pretrain stopped early: %s", result.stopped)
         return 1
     return result.exit_code if result is not None else 0
-

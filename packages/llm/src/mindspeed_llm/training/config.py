@@ -108,7 +108,8 @@ class ModelConfig:
         values = {shape: getattr(self, mine) for mine, shape in SHAPE_FIELDS.items()}
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         values.update(
-            ffn_hidden_size=ffn, vocab_size=vocab_size,
+            ffn_hidden_size=ffn,
+            vocab_size=vocab_size,
             max_position_embeddings=self.max_position_embeddings or seq_length,
             untie_embeddings_and_output_weights=not self.tie_embeddings,
             params_dtype="bfloat16" if precision == "bf16" else "float32",
@@ -128,13 +129,25 @@ class ModelConfig:
 #: ModelConfig field -> ModelShape field, for the fields that carry over one to one (the one
 #: table between the recipe's ``model`` section and the model description).
 SHAPE_FIELDS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
-    "kv_channels": "kv_channels", "vocab_size": "vocab_size", "norm_epsilon": "norm_epsilon",
-    "rotary_base": "rotary_base", "rope_scaling": "use_rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
-    "add_qkv_bias": "add_qkv_bias", "qk_layernorm": "qk_layernorm", "num_moe_experts": "num_experts",
-    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_topk": "moe_router_topk",
-    "normalization": "normalization", "swiglu": "swiglu", "add_bias_linear": "add_bias_linear",
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels",
+    "vocab_size": "vocab_size",
+    "norm_epsilon": "norm_epsilon",
+    "rotary_base": "rotary_base",
+    "rope_scaling": "use_rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
+    "add_qkv_bias": "add_qkv_bias",
+    "qk_layernorm": "qk_layernorm",
+    "num_moe_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_topk": "moe_router_topk",
+    "normalization": "normalization",
+    "swiglu": "swiglu",
+    "add_bias_linear": "add_bias_linear",
     "position_embedding_type": "position_embedding_type",
 }
 
@@ -529,13 +542,16 @@ class PretrainConfig:
         if not lora.enabled:
             for key in ("qlora", "save_peft", "save_adapter"):
                 if getattr(lora, key):
-                    raise ConfigError(f"lora.{key} needs LoRA: set lora.target_modules (e.g. [linear_qkv, linear_proj, "
-                                      "linear_fc1, linear_fc2])")
+                    raise ConfigError(
+                        f"lora.{key} needs LoRA: set lora.target_modules (e.g. [linear_qkv, linear_proj, "
+                        "linear_fc1, linear_fc2])"
+                    )
             return
 
         try:
-            LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                         target_modules=tuple(lora.target_modules)).validate()
+            LoraSettings(
+                r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules)
+            ).validate()
         except ValueError as err:
             raise ConfigError(f"lora: {err}") from err
         if lora.qlora and not ck.load_hf:
@@ -555,16 +571,23 @@ class PretrainConfig:
             if not Path(d.input).exists():
                 raise ConfigError(f"data.input={d.input!r} does not exist")
             if not d.tokenizer and not self.checkpoint.load_hf:
-                raise ConfigError("data.input is tokenized at the start of the run: set data.tokenizer (or "
-                                  "checkpoint.load_hf, whose tokenizer is used)")
+                raise ConfigError(
+                    "data.input is tokenized at the start of the run: set data.tokenizer (or "
+                    "checkpoint.load_hf, whose tokenizer is used)"
+                )
         else:
             _check_finetune_data(self)
         if d.pad_to_multiple_of < 1:
             raise ConfigError(f"data.pad_to_multiple_of={d.pad_to_multiple_of} must be at least 1")
-        if p.sequence_parallel and (d.pad_to_multiple_of % p.tp if d.variable_seq_lengths else
-                                    (self.train.micro_batch_size * d.seq_length) % p.tp):
-            raise ConfigError(f"sequence parallelism needs microbatches of a multiple of parallel.tp={p.tp} tokens; "
-                              "make data.pad_to_multiple_of (with variable_seq_lengths) or data.seq_length a multiple")
+        if p.sequence_parallel and (
+            d.pad_to_multiple_of % p.tp
+            if d.variable_seq_lengths
+            else (self.train.micro_batch_size * d.seq_length) % p.tp
+        ):
+            raise ConfigError(
+                f"sequence parallelism needs microbatches of a multiple of parallel.tp={p.tp} tokens; "
+                "make data.pad_to_multiple_of (with variable_seq_lengths) or data.seq_length a multiple"
+            )
         if self.stage == "dpo":
             if self.dpo.beta <= 0:
                 raise ConfigError(f"dpo.beta={self.dpo.beta} must be positive")
@@ -581,68 +604,94 @@ class PretrainConfig:
         m, p, t, d = self.model, self.parallel, self.train, self.data
         model_parallel = p.tp * p.pp * p.cp
         if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
-                              f"{model_parallel}; change the layout or the number of processes")
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+                f"{model_parallel}; change the layout or the number of processes"
+            )
         dp = world_size // model_parallel
         if p.cp > 1:
             _check_context_parallel(self)
         if p.vpp is not None and p.pp == 1:
             raise ConfigError("parallel.vpp needs pipeline parallelism; set parallel.pp > 1 or unset parallel.vpp")
         if m.num_layers % (p.pp * (p.vpp or 1)):
-            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
-                              f"{p.pp * (p.vpp or 1)}; change one of them")
+            raise ConfigError(
+                f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
+                f"{p.pp * (p.vpp or 1)}; change one of them"
+            )
         groups = m.num_query_groups or m.num_attention_heads
         if m.num_attention_heads % groups:
-            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                              f"model.num_query_groups={groups}")
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"
+            )
         if m.num_attention_heads % p.tp or groups % p.tp:
-            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups={groups} "
-                              f"must be divisible by parallel.tp={p.tp}; lower parallel.tp")
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups={groups} "
+                f"must be divisible by parallel.tp={p.tp}; lower parallel.tp"
+            )
         if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                              f"{m.num_attention_heads}; set model.kv_channels or change the shape")
+            raise ConfigError(
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                f"{m.num_attention_heads}; set model.kv_channels or change the shape"
+            )
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
         if p.sequence_parallel and d.seq_length % p.tp:
-            raise ConfigError(f"data.seq_length={d.seq_length} must be divisible by parallel.tp={p.tp} with "
-                              "sequence parallelism")
+            raise ConfigError(
+                f"data.seq_length={d.seq_length} must be divisible by parallel.tp={p.tp} with sequence parallelism"
+            )
         if p.ep > 1 and not m.num_moe_experts:
             raise ConfigError("parallel.ep > 1 needs an MoE model; set model.num_moe_experts or parallel.ep=1")
         if m.num_moe_experts:
             if m.num_moe_experts % p.ep:
                 raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by parallel.ep={p.ep}")
             if (p.tp * dp) % (p.ep * (p.etp or p.tp)):
-                raise ConfigError(f"parallel.ep x parallel.etp = {p.ep * (p.etp or p.tp)} must divide parallel.tp x "
-                                  f"data-parallel size = {p.tp * dp}")
+                raise ConfigError(
+                    f"parallel.ep x parallel.etp = {p.ep * (p.etp or p.tp)} must divide parallel.tp x "
+                    f"data-parallel size = {p.tp * dp}"
+                )
         if p.overlap_param_gather and not p.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true")
         micro_dp = t.micro_batch_size * dp
         gbs = self.global_batch_size(world_size)
         if gbs % micro_dp:
-            raise ConfigError(f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size x "
-                              f"data-parallel size = {t.micro_batch_size} x {dp}; use a multiple of {micro_dp}")
+            raise ConfigError(
+                f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size x "
+                f"data-parallel size = {t.micro_batch_size} x {dp}; use a multiple of {micro_dp}"
+            )
         if p.vpp is not None and (gbs // micro_dp) % p.pp:
-            raise ConfigError(f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
-                              f"multiple of parallel.pp={p.pp}; raise train.global_batch_size")
+            raise ConfigError(
+                f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
+                f"multiple of parallel.pp={p.pp}; raise train.global_batch_size"
+            )
         _check_optimizer(t)
         if t.lr < t.min_lr or t.lr_warmup_init > t.lr:
-            raise ConfigError(f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
-                              f"(got {t.lr_warmup_init}, {t.min_lr}, {t.lr})")
+            raise ConfigError(
+                f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
+                f"(got {t.lr_warmup_init}, {t.min_lr}, {t.lr})"
+            )
         decay = t.lr_decay_steps or t.steps
         if t.steps and t.lr_warmup_steps and t.lr_warmup_steps >= decay:
-            raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must be below train.lr_decay_steps "
-                              f"(default train.steps) = {decay}")
+            raise ConfigError(
+                f"train.lr_warmup_steps={t.lr_warmup_steps} must be below train.lr_decay_steps "
+                f"(default train.steps) = {decay}"
+            )
         if not d.prefixes and not d.mock and not (d.input and self.stage != "pretrain"):
-            raise ConfigError("data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
-                              "as written by `mindspeed-llm preprocess-data`), or set data.mock=true")
+            raise ConfigError(
+                "data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
+                "as written by `mindspeed-llm preprocess-data`), or set data.mock=true"
+            )
         for prefix in d.prefixes if self.stage == "pretrain" else ():
             missing = [prefix + suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
             if missing:
-                raise ConfigError(f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
-                                  "PREFIX.idx: preprocess-data's --output-prefix followed by _text_document)")
+                raise ConfigError(
+                    f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
+                    "PREFIX.idx: preprocess-data's --output-prefix followed by _text_document)"
+                )
         if d.weights is not None and len(d.weights) != len(d.prefixes):
-            raise ConfigError(f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes; "
-                              "give one weight per prefix")
+            raise ConfigError(
+                f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes; "
+                "give one weight per prefix"
+            )
         _check_split(d.split)
         if m.vocab_size is None and d.tokenizer is None:
             raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
@@ -652,8 +701,10 @@ class PretrainConfig:
         if self.stage != "pretrain":
             self._check_finetune()
         elif d.input is not None:
-            raise ConfigError("data.input (raw records tokenized at the start) is for sft and dpo; pretraining reads "
-                              "preprocessed data.prefixes")
+            raise ConfigError(
+                "data.input (raw records tokenized at the start) is for sft and dpo; pretraining reads "
+                "preprocessed data.prefixes"
+            )
         self._check_lora()
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
@@ -666,15 +717,20 @@ def _check_eod_reset(config: PretrainConfig) -> None:
     if d.reset_attention_mask and d.eod_token_id is None and d.tokenizer is None:
         raise ConfigError("data.reset_attention_mask needs data.eod_token_id or data.tokenizer")
     if d.reset_attention_mask and config.stage != "pretrain":
-        raise ConfigError(f"data.reset_attention_mask is for pretraining; {config.stage} already keeps samples apart: "
-                          "remove it")
+        raise ConfigError(
+            f"data.reset_attention_mask is for pretraining; {config.stage} already keeps samples apart: remove it"
+        )
     rope = config.model.position_embedding_type == "rope"
     if rope and d.reset_attention_mask != d.reset_position_ids:
-        raise ConfigError("with rotary embeddings data.reset_attention_mask and data.reset_position_ids go together "
-                          "(each document is its own packed sequence, so its rotary positions restart at 0): set both")
+        raise ConfigError(
+            "with rotary embeddings data.reset_attention_mask and data.reset_position_ids go together "
+            "(each document is its own packed sequence, so its rotary positions restart at 0): set both"
+        )
     if d.reset_attention_mask and p.cp > 1 and p.pp > 1:
-        raise ConfigError("data.reset_attention_mask under parallel.cp > 1 pads every document to a multiple of "
-                          "2 x cp, so microbatches change length, which parallel.pp > 1 cannot take; use pp=1")
+        raise ConfigError(
+            "data.reset_attention_mask under parallel.cp > 1 pads every document to a multiple of "
+            "2 x cp, so microbatches change length, which parallel.pp > 1 cannot take; use pp=1"
+        )
 
 
 def _check_context_parallel(config: PretrainConfig) -> None:
@@ -683,31 +739,50 @@ def _check_context_parallel(config: PretrainConfig) -> None:
     if config.stage == "dpo":
         raise ConfigError("dpo does not support parallel.cp > 1 yet; set parallel.cp=1")
     if d.seq_length % (2 * p.cp):
-        raise ConfigError(f"data.seq_length={d.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp} "
-                          "(each rank holds two of 2 x cp chunks of every sequence); change one of them")
+        raise ConfigError(
+            f"data.seq_length={d.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp} "
+            "(each rank holds two of 2 x cp chunks of every sequence); change one of them"
+        )
     if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
-        raise ConfigError(f"data.seq_length / parallel.cp = {d.seq_length // p.cp} must be divisible by parallel.tp="
-                          f"{p.tp} with sequence parallelism; change data.seq_length")
+        raise ConfigError(
+            f"data.seq_length / parallel.cp = {d.seq_length // p.cp} must be divisible by parallel.tp="
+            f"{p.tp} with sequence parallelism; change data.seq_length"
+        )
     if config.stage != "pretrain" and p.pp > 1 and not d.variable_seq_lengths:
-        raise ConfigError("packed sequences under parallel.cp > 1 are padded to multiples of 2 x cp, so microbatches "
-                          "change length: with parallel.pp > 1 set data.variable_seq_lengths=true")
+        raise ConfigError(
+            "packed sequences under parallel.cp > 1 are padded to multiples of 2 x cp, so microbatches "
+            "change length: with parallel.pp > 1 set data.variable_seq_lengths=true"
+        )
 
 
 def _check_positive(config: PretrainConfig) -> None:
-    names = {"model": ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by"),
-             "parallel": ("tp", "pp", "ep", "cp"), "train": ("micro_batch_size",),
-             "data": ("seq_length",), "eval": ("iters",), "logging": ("interval",)}
+    names = {
+        "model": ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by"),
+        "parallel": ("tp", "pp", "ep", "cp"),
+        "train": ("micro_batch_size",),
+        "data": ("seq_length",),
+        "eval": ("iters",),
+        "logging": ("interval",),
+    }
     for section, keys in names.items():
         for key in keys:
             value = getattr(getattr(config, section), key)
             if value < 1:
                 raise ConfigError(f"{section}.{key}={value} must be at least 1")
-    for key, value in (("train.steps", config.train.steps), ("train.max_nonfinite_steps", config.train.max_nonfinite_steps)):
+    for key, value in (
+        ("train.steps", config.train.steps),
+        ("train.max_nonfinite_steps", config.train.max_nonfinite_steps),
+    ):
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative")
-    for key, value in (("train.global_batch_size", config.train.global_batch_size), ("parallel.vpp", config.parallel.vpp),
-                       ("eval.interval", config.eval.interval), ("checkpoint.interval", config.checkpoint.interval),
-                       ("checkpoint.keep_last", config.checkpoint.keep_last), ("model.vocab_size", config.model.vocab_size)):
+    for key, value in (
+        ("train.global_batch_size", config.train.global_batch_size),
+        ("parallel.vpp", config.parallel.vpp),
+        ("eval.interval", config.eval.interval),
+        ("checkpoint.interval", config.checkpoint.interval),
+        ("checkpoint.keep_last", config.checkpoint.keep_last),
+        ("model.vocab_size", config.model.vocab_size),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
 
@@ -728,12 +803,18 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 def _check_finetune_data(config: PretrainConfig) -> None:
     keys = PAIRWISE_KEYS if config.stage == "dpo" else INSTRUCTION_KEYS
-    kind = "pairwise (AlpacaStylePairwiseHandler ...)" if config.stage == "dpo" else "instruction (AlpacaStyleInstructionHandler ...)"
+    kind = (
+        "pairwise (AlpacaStylePairwiseHandler ...)"
+        if config.stage == "dpo"
+        else "instruction (AlpacaStyleInstructionHandler ...)"
+    )
     for prefix in config.data.prefixes:
         path = f"{prefix}_packed_{keys[0]}_document"
         if not (Path(path + ".bin").is_file() and Path(path + ".idx").is_file()):
-            raise ConfigError(f"data.prefixes: {path}.bin/.idx not found; {config.stage} reads {kind} data: give the "
-                              "--output-prefix preprocess-data wrote it with")
+            raise ConfigError(
+                f"data.prefixes: {path}.bin/.idx not found; {config.stage} reads {kind} data: give the "
+                "--output-prefix preprocess-data wrote it with"
+            )
 
 
 def _check_split(split: str) -> None:
@@ -742,8 +823,10 @@ def _check_split(split: str) -> None:
     except ValueError:
         parts = []
     if not 1 <= len(parts) <= 3 or any(x < 0 or math.isnan(x) for x in parts) or parts[0] <= 0:
-        raise ConfigError(f"data.split={split!r} must be up to three non-negative train,valid,test weights with a "
-                          "positive train weight, e.g. '969,30,1'")
+        raise ConfigError(
+            f"data.split={split!r} must be up to three non-negative train,valid,test weights with a "
+            "positive train weight, e.g. '969,30,1'"
+        )
 
 
 def _check_megatron_fields(extra: dict[str, Any]) -> None:

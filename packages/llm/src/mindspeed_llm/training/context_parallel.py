@@ -58,8 +58,11 @@ def context_parallel_facts(facts: ModelFacts, config: PretrainConfig, shape: Mod
         needs.add(FEATURE_LSE)
     if config.stage != "pretrain":
         needs.add(FEATURE_VARLEN)
-    extra = {**facts.extra, "num_attention_heads": shape.num_attention_heads,
-             "num_query_groups": shape.num_query_groups or shape.num_attention_heads}
+    extra = {
+        **facts.extra,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.num_query_groups or shape.num_attention_heads,
+    }
     return dataclasses.replace(facts, attention_features=tuple(sorted(needs)), extra=extra)
 
 

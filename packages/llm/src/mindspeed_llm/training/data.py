@@ -92,9 +92,16 @@ def build_datasets(config: PretrainConfig, world_size: int, ids: TokenIds) -> tu
     sizes = [max(config.train.steps, 1) * gbs, config.eval.iters * gbs if evaluates else 0, 0]
     blend = None if d.mock else (list(d.prefixes), list(d.weights) if d.weights is not None else None)
     dataset_config = GPTDatasetConfig(
-        random_seed=config.train.seed, sequence_length=d.seq_length, blend=blend, split=d.split,
-        path_to_cache=_cache_dir(config), tokenizer=ids, reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
+        random_seed=config.train.seed,
+        sequence_length=d.seq_length,
+        blend=blend,
+        split=d.split,
+        path_to_cache=_cache_dir(config),
+        tokenizer=ids,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=False,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
     # Megatron loops forever on a split without documents (it counts epochs until their tokens
@@ -109,14 +116,22 @@ def build_datasets(config: PretrainConfig, world_size: int, ids: TokenIds) -> tu
     cls = MockGPTDataset if d.mock else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, dataset_config).build()
     if train is None or len(train) < sizes[0]:
-        raise ConfigError(f"the train split has {0 if train is None else len(train)} samples, fewer than the "
-                          f"{sizes[0]} the run needs; check data.split and data.prefixes")
+        raise ConfigError(
+            f"the train split has {0 if train is None else len(train)} samples, fewer than the "
+            f"{sizes[0]} the run needs; check data.split and data.prefixes"
+        )
     if evaluates and (valid is None or len(valid) < sizes[1]):
-        raise ConfigError(f"evaluation needs {sizes[1]} validation samples (eval.iters x global batch) but the "
-                          f"validation split has {0 if valid is None else len(valid)}; give data.split a larger "
-                          "valid part, lower eval.iters, or add data")
-    logger.info("data: %d train samples%s of %d tokens", len(train),
-                f", {len(valid)} validation samples" if valid is not None and evaluates else "", d.seq_length)
+        raise ConfigError(
+            f"evaluation needs {sizes[1]} validation samples (eval.iters x global batch) but the "
+            f"validation split has {0 if valid is None else len(valid)}; give data.split a larger "
+            "valid part, lower eval.iters, or add data"
+        )
+    logger.info(
+        "data: %d train samples%s of %d tokens",
+        len(train),
+        f", {len(valid)} validation samples" if valid is not None and evaluates else "",
+        d.seq_length,
+    )
     return train, (valid if evaluates else None)
 
 
@@ -137,8 +152,10 @@ def _check_split_documents(prefixes: list[str], bookends: tuple[float, float] | 
         count = len(IndexedDataset(prefix).sequence_lengths)
         begin, end = (0, 0) if bookends is None else (round(bookends[0] * count), round(bookends[1] * count))
         if end <= begin:
-            raise ConfigError(f"data.split={','.join(map(str, bookends or ()))!s}: the {name} split of {prefix} gets none "
-                              f"of its {count} documents; give that split a larger share or add documents")
+            raise ConfigError(
+                f"data.split={','.join(map(str, bookends or ()))!s}: the {name} split of {prefix} gets none "
+                f"of its {count} documents; give that split a larger share or add documents"
+            )
 
 
 class MicrobatchReader:
@@ -199,7 +216,7 @@ def pack_documents(batch: dict[str, torch.Tensor], eod: int, segment_multiple: i
     for length in lengths:
         pad = -length % segment_multiple
         for key, value in flat.items():
-            piece = value[start:start + length]
+            piece = value[start : start + length]
             filler = torch.zeros(pad, dtype=value.dtype, device=device)
             pieces[key].append(torch.cat([piece, filler]) if pad else piece)
         pieces["position_ids"].append(torch.arange(length + pad, device=device))
@@ -225,4 +242,6 @@ class DocumentResetReader:
 
     def step(self, consumed: int, num_microbatches: int) -> list[dict[str, Any]]:
         """The step's microbatches, each one packed row."""
-        return [pack_documents(b, self.eod, self.segment_multiple) for b in self.reader.step(consumed, num_microbatches)]
+        return [
+            pack_documents(b, self.eod, self.segment_multiple) for b in self.reader.step(consumed, num_microbatches)
+        ]

@@ -31,8 +31,15 @@ from mindspeed_llm.training.steps import packed_seq_params
 
 #: The metrics a DPO step reports (TRL's names), each averaged over the pairs.
 DPO_LOSS = "dpo loss"
-DPO_METRICS = (DPO_LOSS, "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected")
+DPO_METRICS = (
+    DPO_LOSS,
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 LossType = Literal["sigmoid", "hinge", "ipo"]
 
@@ -46,9 +53,15 @@ class DpoLossOutput:
     rejected_rewards: torch.Tensor
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
-             reference_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
-             loss_type: LossType = "sigmoid") -> DpoLossOutput:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    loss_type: LossType = "sigmoid",
+) -> DpoLossOutput:
     """The DPO loss of each pair from the four sequence log-probabilities (each ``[pairs]``).
 
     Raises:
@@ -63,12 +76,16 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
         losses = (logits - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"dpo.loss_type={loss_type!r} is not one of sigmoid, hinge, ipo")
-    return DpoLossOutput(losses, beta * (policy_chosen - reference_chosen).detach(),
-                         beta * (policy_rejected - reference_rejected).detach())
+    return DpoLossOutput(
+        losses,
+        beta * (policy_chosen - reference_chosen).detach(),
+        beta * (policy_rejected - reference_rejected).detach(),
+    )
 
 
-def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, sequence_index: torch.Tensor,
-                   num_sequences: int) -> torch.Tensor:
+def sequence_logps(
+    per_token_loss: torch.Tensor, loss_mask: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
+) -> torch.Tensor:
     """Sum of the trained tokens' log-probabilities of each packed sequence (``[num_sequences]``).
 
     Args:
@@ -86,8 +103,9 @@ def _num_pairs(batch: dict[str, Any]) -> int:
     return int(batch["sequence_index"].max().item()) // 2 + 1
 
 
-def _dpo_loss_func(beta: float, label_smoothing: float, loss_type: LossType, batch: dict[str, Any],
-                   output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _dpo_loss_func(
+    beta: float, label_smoothing: float, loss_type: LossType, batch: dict[str, Any], output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     pairs = _num_pairs(batch)
     logps = sequence_logps(output, batch["loss_mask"], batch["sequence_index"], 2 * pairs)
     ref = batch["ref_logps"].to(logps)
@@ -95,10 +113,13 @@ def _dpo_loss_func(beta: float, label_smoothing: float, loss_type: LossType, bat
     loss = out.losses.sum()
     n = torch.tensor(float(pairs))
     values = {
-        DPO_LOSS: loss.detach(), "rewards/chosen": out.chosen_rewards.sum(), "rewards/rejected": out.rejected_rewards.sum(),
+        DPO_LOSS: loss.detach(),
+        "rewards/chosen": out.chosen_rewards.sum(),
+        "rewards/rejected": out.rejected_rewards.sum(),
         "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float().sum(),
         "rewards/margins": (out.chosen_rewards - out.rejected_rewards).sum(),
-        "logps/chosen": logps[0::2].detach().sum(), "logps/rejected": logps[1::2].detach().sum(),
+        "logps/chosen": logps[0::2].detach().sum(),
+        "logps/rejected": logps[1::2].detach().sum(),
     }
     return loss, n.to(torch.int), {k: torch.stack([v.detach().float().cpu(), n]) for k, v in values.items()}
 
@@ -110,15 +131,18 @@ def dpo_loss_func(beta: float, label_smoothing: float = 0.0, loss_type: LossType
     return func
 
 
-def _collect_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _collect_logps(
+    batch: dict[str, Any], output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     logps = sequence_logps(output, batch["loss_mask"], batch["sequence_index"], 2 * _num_pairs(batch))
     return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logps": logps.detach()}
 
 
 def _forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=packed_seq_params(batch))
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed_seq_params(batch)
+    )
     return output, partial(_collect_logps, batch)
 
 
@@ -135,8 +159,13 @@ def reference_logps(chunks: list[Any], batches: list[dict[str, Any]]) -> None:
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-            num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True,
+            forward_step_func=_forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
         )
     for batch, item in zip(batches, outputs or []):
         batch["ref_logps"] = item["logps"]

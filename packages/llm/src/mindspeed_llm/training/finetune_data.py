@@ -42,8 +42,10 @@ def _open(prefix: str, key: str) -> Any:
 
     path = f"{prefix}_packed_{key}_document"
     if not (Path(path + ".bin").is_file() and Path(path + ".idx").is_file()):
-        raise ConfigError(f"data.prefixes: {path}.bin/.idx not found; give the --output-prefix that "
-                          "preprocess-data was run with (instruction or pairwise handler)")
+        raise ConfigError(
+            f"data.prefixes: {path}.bin/.idx not found; give the --output-prefix that "
+            "preprocess-data was run with (instruction or pairwise handler)"
+        )
     return IndexedDataset(path)
 
 
@@ -73,15 +75,18 @@ class DocumentDataset:
         shuffle: shuffle (train) or keep the file order (validation).
     """
 
-    def __init__(self, prefixes: list[str], keys: tuple[str, ...], split: str, index: int, seed: int,
-                 shuffle: bool) -> None:
+    def __init__(
+        self, prefixes: list[str], keys: tuple[str, ...], split: str, index: int, seed: int, shuffle: bool
+    ) -> None:
         self.parts: list[tuple[dict[str, Any], int]] = []  # (datasets of a prefix, document)
         for prefix in prefixes:
             sets = {key: _open(prefix, key) for key in keys}
             counts = {len(ds) for ds in sets.values()}
             if len(counts) != 1:
-                raise ConfigError(f"data.prefixes: the datasets of {prefix} have different document counts {counts}; "
-                                  "run preprocess-data again")
+                raise ConfigError(
+                    f"data.prefixes: the datasets of {prefix} have different document counts {counts}; "
+                    "run preprocess-data again"
+                )
             begin, end = _split_bounds(split, counts.pop())[index]
             self.parts.extend((sets, doc) for doc in range(begin, end))
         self.keys, self.seed, self.shuffle = keys, seed, shuffle
@@ -134,12 +139,16 @@ def _segments(sample: dict[str, np.ndarray], prefix: str = "") -> list[tuple[np.
     if mask is None or mask.max(initial=0) <= 1:
         keep = len(ids) if mask is None or mask.min(initial=1) > 0 else int((mask > 0).sum())
         return [(ids[:keep], labels[:keep])]
-    return [(ids[mask == number], labels[mask == number]) for number in range(1, int(mask.max()) + 1)
-            if (mask == number).any()]
+    return [
+        (ids[mask == number], labels[mask == number])
+        for number in range(1, int(mask.max()) + 1)
+        if (mask == number).any()
+    ]
 
 
-def pack_microbatch(sequences: list[tuple[np.ndarray, np.ndarray]], settings: PackSettings,
-                    sequence_ids: list[int] | None = None) -> dict[str, Any]:
+def pack_microbatch(
+    sequences: list[tuple[np.ndarray, np.ndarray]], settings: PackSettings, sequence_ids: list[int] | None = None
+) -> dict[str, Any]:
     """One THD microbatch of ``sequences`` (``(input_ids, labels)`` pairs, labels aligned with ids).
 
     Args:
@@ -162,8 +171,11 @@ def pack_microbatch(sequences: list[tuple[np.ndarray, np.ndarray]], settings: Pa
         tokens.append(np.concatenate([ids, np.full(extra, settings.pad_id, dtype=ids.dtype)]))
         targets.append(np.concatenate([shifted, np.full(extra, IGNORE_INDEX, dtype=np.int64)]))
         positions.append(np.arange(len(ids) + extra))
-        index.append(np.concatenate([np.full(len(ids), number if sequence_ids is None else sequence_ids[number]),
-                                     np.full(extra, -1)]))
+        index.append(
+            np.concatenate(
+                [np.full(len(ids), number if sequence_ids is None else sequence_ids[number]), np.full(extra, -1)]
+            )
+        )
         bounds.append(bounds[-1] + len(ids) + extra)
     used = bounds[-1]
     if settings.variable:
@@ -207,11 +219,18 @@ def pairwise_microbatch(samples: list[dict[str, np.ndarray]], settings: PackSett
     """
     sequences, ids = [], []
     for k, sample in enumerate(samples):
-        sequences += [(sample["chosen_input_ids"], sample["chosen_labels"]),
-                      (sample["rejected_input_ids"], sample["rejected_labels"])]
+        sequences += [
+            (sample["chosen_input_ids"], sample["chosen_labels"]),
+            (sample["rejected_input_ids"], sample["rejected_labels"]),
+        ]
         ids += [2 * k, 2 * k + 1]
-    doubled = PackSettings(settings.seq_length, 2 * settings.micro_batch_size, settings.variable,
-                           settings.pad_to_multiple_of, settings.pad_id)
+    doubled = PackSettings(
+        settings.seq_length,
+        2 * settings.micro_batch_size,
+        settings.variable,
+        settings.pad_to_multiple_of,
+        settings.pad_id,
+    )
     return pack_microbatch(sequences, doubled, ids)
 
 
@@ -222,8 +241,15 @@ class PackedMicrobatchReader:
     of data-parallel rank ``r`` reads the samples at ``consumed + (m * dp + r) * micro_batch_size``.
     """
 
-    def __init__(self, dataset: DocumentDataset, settings: PackSettings, pairwise: bool, dp_rank: int, dp_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        dataset: DocumentDataset,
+        settings: PackSettings,
+        pairwise: bool,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
         self.dataset, self.settings, self.pairwise = dataset, settings, pairwise
         self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
 

@@ -41,6 +41,7 @@ from mindspeed_llm.training.model import default_groups, unwrap
 
 logger = get_logger(__name__)
 
+
 def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
     """``(bridge, ModelShape, architecture)`` of a Hugging Face directory.
 
@@ -97,13 +98,19 @@ def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
     for key, value in values.items():
         mine = getattr(model, key)
         if mine != getattr(default, key) and mine != value:
-            raise ConfigError(f"model.{key}={mine!r} contradicts checkpoint.load_hf's config ({value!r}); remove it "
-                              "from the recipe")
-    divisible = 1 if model.make_vocab_size_divisible_by == default.make_vocab_size_divisible_by else \
-        model.make_vocab_size_divisible_by
+            raise ConfigError(
+                f"model.{key}={mine!r} contradicts checkpoint.load_hf's config ({value!r}); remove it from the recipe"
+            )
+    divisible = (
+        1
+        if model.make_vocab_size_divisible_by == default.make_vocab_size_divisible_by
+        else model.make_vocab_size_divisible_by
+    )
     new_model = dataclasses.replace(model, **values, make_vocab_size_divisible_by=divisible)
     data = config.data
-    if not data.tokenizer and any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if not data.tokenizer and any(
+        (Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
         data = dataclasses.replace(data, tokenizer=str(path))
     if data.eod_token_id is None and not data.tokenizer:
         eos = _eos_token_id(Path(path))
@@ -139,8 +146,9 @@ def _vocab_pieces(full: torch.Tensor, rows: int, tp: int) -> list[torch.Tensor]:
     return list(full.chunk(tp, dim=0))
 
 
-def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int,
-                    groups: Any = None) -> None:
+def load_hf_weights(
+    chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int, groups: Any = None
+) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
 
     Args:
@@ -172,14 +180,19 @@ def load_hf_weights(chunks: list[Any], path: str | Path, parallel: ParallelConfi
             if not mine:
                 continue
             full = source.read(task, plan)
-            parts = (_vocab_pieces(full, vocab_rows, layout.tp) if param.split is Split.VOCAB
-                     else split_tensor(param, full, layout.tp))
+            parts = (
+                _vocab_pieces(full, vocab_rows, layout.tp)
+                if param.split is Split.VOCAB
+                else split_tensor(param, full, layout.tp)
+            )
             for piece in mine:
                 target = states[piece.chunk].get(piece.name)
                 if target is None or tuple(target.shape) != tuple(parts[piece.tp_index].shape):
                     got = None if target is None else tuple(target.shape)
-                    raise ConfigError(f"checkpoint.load_hf: {task.mg_name} does not fit this rank's model "
-                                      f"({piece.name}: model {got}, checkpoint {tuple(parts[piece.tp_index].shape)})")
+                    raise ConfigError(
+                        f"checkpoint.load_hf: {task.mg_name} does not fit this rank's model "
+                        f"({piece.name}: model {got}, checkpoint {tuple(parts[piece.tp_index].shape)})"
+                    )
                 target.copy_(parts[piece.tp_index])
                 loaded.add((piece.chunk, piece.name))
     missing = sorted(name for _, name in expected - loaded)
@@ -243,8 +256,11 @@ def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tenso
     from mindspeed_llm.training.lora import is_lora_key
 
     model = unwrap(chunk)
-    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()
-             if not name.endswith("_extra_state") and not is_lora_key(name)}
+    state = {
+        name: tensor.detach().cpu()
+        for name, tensor in model.state_dict().items()
+        if not name.endswith("_extra_state") and not is_lora_key(name)
+    }
     dtype = next(p for p in model.parameters()).dtype
     for name, module in model.named_modules():
         if hasattr(module, "dequantized_weight"):
@@ -256,8 +272,15 @@ def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tenso
     return state
 
 
-def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: int, vocab_rows: int,
-            lora: Any = None, groups: Any = None) -> Path:
+def save_hf(
+    chunks: list[Any],
+    config: PretrainConfig,
+    step: int,
+    vocab_size: int,
+    vocab_rows: int,
+    lora: Any = None,
+    groups: Any = None,
+) -> Path:
     """Write the model as a Hugging Face directory at ``checkpoint.save_hf`` (collective).
 
     Args:
@@ -301,9 +324,18 @@ def save_hf(chunks: list[Any], config: PretrainConfig, step: int, vocab_size: in
         try:
             (staging / TRACKER).write_text(f"{step}\n")
             with logged_as_detail("mindspeed_llm.checkpoint.convert"):  # its report is the run log's
-                convert_checkpoint(ConvertConfig(load_model_type="mg", save_model_type="hf", load_dir=staging,
-                                                 save_dir=target, hf_cfg_dir=assets, overwrite=True, progress=False,
-                                                 lora_load=adapter))
+                convert_checkpoint(
+                    ConvertConfig(
+                        load_model_type="mg",
+                        save_model_type="hf",
+                        load_dir=staging,
+                        save_dir=target,
+                        hf_cfg_dir=assets,
+                        overwrite=True,
+                        progress=False,
+                        lora_load=adapter,
+                    )
+                )
             if assets is None and config.data.tokenizer:
                 load_tokenizer(config.data.tokenizer).save_pretrained(str(target))
         finally:

@@ -57,7 +57,6 @@ def _free_port() -> int:
 def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
     import torch.distributed as dist
 
-
     accelerator = get_accelerator()
     if accelerator.name != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(accelerator.device_count(), 1))
@@ -68,14 +67,21 @@ def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
         dist.destroy_process_group()
 
 
-def _spawned_main(target: Callable[..., Any], args: tuple, env: dict[str, str], parent: int, threads: int,
-                  timeout_s: float, log_level: str | None, results: mp.Queue) -> None:
+def _spawned_main(
+    target: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    parent: int,
+    threads: int,
+    timeout_s: float,
+    log_level: str | None,
+    results: mp.Queue,
+) -> None:
     die_with_parent(parent)
     interrupts_come_from_launcher()
     os.environ.update(env)
     rank = int(env["RANK"])
     if log_level is not None:  # a spawned interpreter starts without the launcher's logging setup
-
         setup_logging(log_level)
     try:
         import torch
@@ -92,8 +98,13 @@ def _spawned_main(target: Callable[..., Any], args: tuple, env: dict[str, str], 
         sys.exit(1)
 
 
-def launch(target: Callable[..., Any], args: tuple = (), nproc_per_node: int = 1, timeout_s: float = 1800.0,
-           log_level: str | None = None) -> Any:
+def launch(
+    target: Callable[..., Any],
+    args: tuple = (),
+    nproc_per_node: int = 1,
+    timeout_s: float = 1800.0,
+    log_level: str | None = None,
+) -> Any:
     """Run ``target(*args)`` on every rank and return rank 0's result (``None`` on other torchrun ranks).
 
     Args:
@@ -109,12 +120,19 @@ def launch(target: Callable[..., Any], args: tuple = (), nproc_per_node: int = 1
     """
     if under_torchrun():
         if nproc_per_node > 1 and str(nproc_per_node) != os.environ.get("LOCAL_WORLD_SIZE", str(nproc_per_node)):
-            logger.warning("--nproc-per-node %d is ignored under torchrun (LOCAL_WORLD_SIZE=%s)", nproc_per_node,
-                           os.environ.get("LOCAL_WORLD_SIZE"))
+            logger.warning(
+                "--nproc-per-node %d is ignored under torchrun (LOCAL_WORLD_SIZE=%s)",
+                nproc_per_node,
+                os.environ.get("LOCAL_WORLD_SIZE"),
+            )
         return _run_rank(target, args, timeout_s)
     port = str(_free_port())
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc_per_node),
-            "LOCAL_WORLD_SIZE": str(nproc_per_node)}
+    base = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "WORLD_SIZE": str(nproc_per_node),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+    }
     if nproc_per_node == 1:
         saved = {key: os.environ.get(key) for key in (*base, "RANK", "LOCAL_RANK")}
         os.environ.update(base, RANK="0", LOCAL_RANK="0")
@@ -129,8 +147,9 @@ def launch(target: Callable[..., Any], args: tuple = (), nproc_per_node: int = 1
     return _spawn(target, args, nproc_per_node, base, timeout_s, log_level)
 
 
-def _spawn(target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, str], timeout_s: float,
-           log_level: str | None) -> Any:
+def _spawn(
+    target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, str], timeout_s: float, log_level: str | None
+) -> Any:
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // nproc)
@@ -138,8 +157,12 @@ def _spawn(target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, 
     for rank in range(nproc):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": str(threads)}
         # Not daemonic: ranks start processes of their own (checkpoint writers).
-        proc = ctx.Process(target=_spawned_main, name=f"rank{rank}", daemon=False,
-                           args=(target, args, env, os.getpid(), threads, timeout_s, log_level, results))
+        proc = ctx.Process(
+            target=_spawned_main,
+            name=f"rank{rank}",
+            daemon=False,
+            args=(target, args, env, os.getpid(), threads, timeout_s, log_level, results),
+        )
         proc.start()
         procs.append(proc)
     forwarded: list[int] = []
@@ -149,8 +172,10 @@ def _spawn(target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, 
             for proc in procs:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
-            logger.error("interrupted twice: ranks stopped at once without saving; the same command resumes from "
-                         "the newest complete checkpoint")
+            logger.error(
+                "interrupted twice: ranks stopped at once without saving; the same command resumes from "
+                "the newest complete checkpoint"
+            )
             os._exit(EXIT_SIGINT)
         forwarded.append(signum)
         for proc in procs:
@@ -208,5 +233,7 @@ def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
         raise RankFailure(f"rank {rank} failed:\n{value}")
     dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
     if dead:
-        raise RankFailure("ranks died without a report (killed?): " + ", ".join(f"rank {r} exit code {c}" for r, c in dead))
+        raise RankFailure(
+            "ranks died without a report (killed?): " + ", ".join(f"rank {r} exit code {c}" for r, c in dead)
+        )
     return outcomes.get(0, ("ok", None))[1]

@@ -95,8 +95,10 @@ class LoraSettings:
         targets = tuple(self.target_modules)
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
-            raise ValueError(f"lora_target_modules {list(unknown or targets)} unknown; known megatron module "
-                             f"names: {', '.join(LORA_TARGETS)}")
+            raise ValueError(
+                f"lora_target_modules {list(unknown or targets)} unknown; known megatron module "
+                f"names: {', '.join(LORA_TARGETS)}"
+            )
 
 
 class _Factor(torch.nn.Module):
@@ -130,11 +132,15 @@ class LoraLinear:
         partial = F.linear(self._lora_dropped(x).to(a_weight.dtype), a_weight)
         group = self.tp_group
         if self.lora_row:
-            partial = (mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
-                       if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(partial, group))
+            partial = (
+                mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+                if self.sequence_parallel
+                else mappings.reduce_from_tensor_model_parallel_region(partial, group)
+            )
         elif self.sequence_parallel:
-            partial = mappings.gather_from_sequence_parallel_region(partial, tensor_parallel_output_grad=True,
-                                                                    group=group)
+            partial = mappings.gather_from_sequence_parallel_region(
+                partial, tensor_parallel_output_grad=True, group=group
+            )
         else:
             partial = mappings.copy_to_tensor_model_parallel_region(partial, group)
         return F.linear(partial, b_weight) * self.lora_scaling
@@ -157,15 +163,24 @@ class LoraLinear:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        factors = {"lora_A.default.weight": self.lora_A["default"].weight,
-                   "lora_B.default.weight": self.lora_B["default"].weight}
+        factors = {
+            "lora_A.default.weight": self.lora_A["default"].weight,
+            "lora_B.default.weight": self.lora_B["default"].weight,
+        }
         axis = {"lora_A.default.weight": 1} if self.lora_row else {"lora_B.default.weight": 0}
-        sharded = make_sharded_tensors_for_checkpoint(factors, prefix, axis, sharded_offsets, tp_group=self.tp_group,
-                                                      dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        sharded = make_sharded_tensors_for_checkpoint(
+            factors,
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
         if self.lora_glu:
             key = f"{prefix}lora_B.default.weight"
-            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
-                                                        (metadata or {}).get("singleton_local_shards", False))
+            sharded[key] = apply_swiglu_sharded_factory(
+                sharded[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False)
+            )
         state.update(sharded)
         return state
 
@@ -196,7 +211,7 @@ def _global_module_names(model: torch.nn.Module) -> dict[str, str]:
     for index, layer in enumerate(getattr(decoder, "layers", [])):
         local, full = f"decoder.layers.{index}", f"decoder.layers.{layer.layer_number - 1}"
         for name, _ in layer.named_modules(prefix=local):
-            out[name] = full + name[len(local):]
+            out[name] = full + name[len(local) :]
     return out
 
 
@@ -267,11 +282,15 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """
     settings.validate()
     if settings.qlora:
-        raise ValueError("apply_lora leaves the base weights as they are; for LoraSettings(qlora=True) call "
-                         "mindspeed_llm.training.qlora.apply_qlora")
+        raise ValueError(
+            "apply_lora leaves the base weights as they are; for LoraSettings(qlora=True) call "
+            "mindspeed_llm.training.qlora.apply_qlora"
+        )
     if hasattr(model, "module"):
-        raise ValueError("apply_lora needs the bare GPTModel chunk: apply LoRA before wrapping it in "
-                         "Float16Module / DistributedDataParallel (DDP only gives gradient buffers to trainable params)")
+        raise ValueError(
+            "apply_lora needs the bare GPTModel chunk: apply LoRA before wrapping it in "
+            "Float16Module / DistributedDataParallel (DDP only gives gradient buffers to trainable params)"
+        )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if lora_layers(model):
@@ -291,14 +310,18 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
         wrapped.append(name)
     missing = [t for t in settings.target_modules if t not in found]
     if missing:
-        raise ValueError(f"lora_target_modules {missing} match no megatron linear layer of this model; "
-                         f"known: {', '.join(LORA_TARGETS)}")
+        raise ValueError(
+            f"lora_target_modules {missing} match no megatron linear layer of this model; "
+            f"known: {', '.join(LORA_TARGETS)}"
+        )
     for name, param in model.named_parameters():
         param.requires_grad_(bool(LORA_KEY.search(name)))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info(f"LoRA r={settings.r} alpha={settings.alpha} on {len(wrapped)} linears "
-                f"({', '.join(settings.target_modules)}): {trainable} trainable parameters on this chunk"
-                + (f"; {experts} expert linears left frozen" if experts else ""))
+    logger.info(
+        f"LoRA r={settings.r} alpha={settings.alpha} on {len(wrapped)} linears "
+        f"({', '.join(settings.target_modules)}): {trainable} trainable parameters on this chunk"
+        + (f"; {experts} expert linears left frozen" if experts else "")
+    )
     return wrapped
 
 

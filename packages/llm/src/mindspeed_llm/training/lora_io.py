@@ -29,9 +29,11 @@ from mindspeed_llm.training.model import default_groups
 logger = get_logger(__name__)
 
 
-def gather_lora_factors(chunks: Sequence[torch.nn.Module],
-                        tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
-                        groups: Any = None) -> dict[str, torch.Tensor] | None:
+def gather_lora_factors(
+    chunks: Sequence[torch.nn.Module],
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+    groups: Any = None,
+) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) LoRA factors of the whole model, on global rank 0 (collective).
 
     Args:
@@ -57,8 +59,13 @@ def gather_lora_factors(chunks: Sequence[torch.nn.Module],
                 for which, holder in (("A", layer.lora_A), ("B", layer.lora_B)):
                     value = tensor_of(holder["default"].weight)
                     if value is not None:
-                        local.append((lora_param(layer.lora_base, which, rank), layer.tp_group.rank(),
-                                      value.detach().to("cpu", copy=True)))
+                        local.append(
+                            (
+                                lora_param(layer.lora_base, which, rank),
+                                layer.tp_group.rank(),
+                                value.detach().to("cpu", copy=True),
+                            )
+                        )
     received = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, received, dst=0)
     if dist.get_rank() != 0:
@@ -69,7 +76,9 @@ def gather_lora_factors(chunks: Sequence[torch.nn.Module],
         for param, tp_rank, tensor in items:
             params[param.name] = param
             pieces.setdefault(param.name, {})[tp_rank] = tensor
-    return {name: merge_tensors(params[name], [by_rank[r] for r in sorted(by_rank)]) for name, by_rank in pieces.items()}
+    return {
+        name: merge_tensors(params[name], [by_rank[r] for r in sorted(by_rank)]) for name, by_rank in pieces.items()
+    }
 
 
 def _on_rank0(work: Callable[[], None]) -> None:
@@ -95,8 +104,14 @@ def training_layout(chunks: Sequence[torch.nn.Module], shape: ModelShape, groups
     return ParallelLayout(tp=tp, pp=pp, vpp_layers=vpp_layers)
 
 
-def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, shape: ModelShape,
-                      layout: ParallelLayout | None, settings: LoraSettings, groups: Any = None) -> None:
+def save_lora_adapter(
+    chunks: Sequence[torch.nn.Module],
+    directory: str | Path,
+    shape: ModelShape,
+    layout: ParallelLayout | None,
+    settings: LoraSettings,
+    groups: Any = None,
+) -> None:
     """Write the adapter as a Megatron LoRA checkpoint (per-rank files holding only the factors,
     global layer numbers, ``lora_r`` / ``lora_alpha`` in the args), atomically (collective).
 
@@ -126,8 +141,14 @@ def save_lora_adapter(chunks: Sequence[torch.nn.Module], directory: str | Path, 
     _on_rank0(write)
 
 
-def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape: ModelShape,
-                hf_base_dir: str | Path, settings: LoraSettings, groups: Any = None) -> None:
+def export_peft(
+    chunks: Sequence[torch.nn.Module],
+    directory: str | Path,
+    shape: ModelShape,
+    hf_base_dir: str | Path,
+    settings: LoraSettings,
+    groups: Any = None,
+) -> None:
     """Write the adapter as a PEFT adapter directory (``adapter_config.json`` +
     ``adapter_model.safetensors``) for the Hugging Face model in ``hf_base_dir`` (collective).
 
@@ -151,8 +172,10 @@ def export_peft(chunks: Sequence[torch.nn.Module], directory: str | Path, shape:
     def write() -> None:
         source = HFSource(Path(hf_base_dir))
         if dataclasses.replace(shape, params_dtype=source.shape.params_dtype) != source.shape:
-            raise ValueError(f"hf_base_dir {hf_base_dir} holds another model than the one trained; pass the base "
-                             "checkpoint the run started from")
+            raise ValueError(
+                f"hf_base_dir {hf_base_dir} holds another model than the one trained; pass the base "
+                "checkpoint the run started from"
+            )
         plan = plan_conversion(source.bridge, source.shape, source.hf_shapes())
         with tempfile.TemporaryDirectory(prefix="lora-") as staging:
             write_lora_checkpoint(Path(staging), shape, ParallelLayout(), factors, settings.r, settings.alpha)

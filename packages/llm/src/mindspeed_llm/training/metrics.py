@@ -24,9 +24,22 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 LOSS_CURVE = "loss.png"
 #: Record fields that become TensorBoard scalars, per record kind.
-_SCALARS = {"train": ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "rewards/chosen", "rewards/rejected",
-                      "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"),
-            "eval": ("loss", "perplexity")}
+_SCALARS = {
+    "train": (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ),
+    "eval": ("loss", "perplexity"),
+}
 
 
 def _plain(value: Any) -> Any:

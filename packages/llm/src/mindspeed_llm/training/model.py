@@ -36,12 +36,20 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
     """The core's :class:`~mindspeed.megatron.config.ParallelSizes` of the recipe's ``parallel`` section."""
-    return ParallelSizes(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, ep=parallel.ep, etp=parallel.etp,
-                         cp=parallel.cp, sequence_parallel=parallel.sequence_parallel)
+    return ParallelSizes(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vpp=parallel.vpp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        cp=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+    )
 
 
-def run_settings(model: ModelConfig, shape: ModelShape, per_token_loss: bool = False,
-                 variable_seq_lengths: bool = False) -> dict[str, Any]:
+def run_settings(
+    model: ModelConfig, shape: ModelShape, per_token_loss: bool = False, variable_seq_lengths: bool = False
+) -> dict[str, Any]:
     """``TransformerConfig`` fields of a training run that are not the model's shape.
 
     Args:
@@ -52,8 +60,11 @@ def run_settings(model: ModelConfig, shape: ModelShape, per_token_loss: bool = F
             microbatch (fine-tuning batches hold different numbers of trained tokens).
         variable_seq_lengths: microbatches of different lengths through the pipeline.
     """
-    fields: dict[str, Any] = dict(hidden_dropout=model.hidden_dropout, init_method_std=model.init_method_std,
-                                  recompute_granularity=model.recompute_granularity)
+    fields: dict[str, Any] = dict(
+        hidden_dropout=model.hidden_dropout,
+        init_method_std=model.init_method_std,
+        recompute_granularity=model.recompute_granularity,
+    )
     if per_token_loss:
         fields["calculate_per_token_loss"] = True
     if variable_seq_lengths:
@@ -61,8 +72,11 @@ def run_settings(model: ModelConfig, shape: ModelShape, per_token_loss: bool = F
     if model.recompute_granularity == "full":
         fields.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
     if shape.num_experts:
-        fields.update(moe_aux_loss_coeff=model.moe_aux_loss_coeff, moe_token_dispatcher_type=model.moe_token_dispatcher_type,
-                      moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none")
+        fields.update(
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
+        )
     return fields
 
 
@@ -78,9 +92,15 @@ def default_groups() -> Any:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def build_transformer_config(shape: ModelShape, parallel: ParallelConfig, run: ModelConfig | None = None, *,
-                             per_token_loss: bool = False, variable_seq_lengths: bool = False,
-                             overrides: Mapping[str, Any] | None = None) -> Any:
+def build_transformer_config(
+    shape: ModelShape,
+    parallel: ParallelConfig,
+    run: ModelConfig | None = None,
+    *,
+    per_token_loss: bool = False,
+    variable_seq_lengths: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+) -> Any:
     """megatron's ``TransformerConfig`` of ``shape`` on ``parallel`` (the core's one builder).
 
     Args:
@@ -97,7 +117,9 @@ def build_transformer_config(shape: ModelShape, parallel: ParallelConfig, run: M
     return transformer_config(shape, parallel_sizes(parallel), **{**settings, **(overrides or {}), **run.megatron})
 
 
-def recipe_transformer_config(config: PretrainConfig, shape: ModelShape, overrides: Mapping[str, Any] | None = None) -> Any:
+def recipe_transformer_config(
+    config: PretrainConfig, shape: ModelShape, overrides: Mapping[str, Any] | None = None
+) -> Any:
     """The ``TransformerConfig`` a recipe trains ``shape`` with (:func:`build_transformer_config` of its sections).
 
     Args:
@@ -110,15 +132,26 @@ def recipe_transformer_config(config: PretrainConfig, shape: ModelShape, overrid
     # gradients are divided by the step's total count, not averaged per microbatch.
     fine_tune = config.stage != "pretrain"
     return build_transformer_config(
-        shape, config.parallel, config.model, per_token_loss=fine_tune,
+        shape,
+        config.parallel,
+        config.model,
+        per_token_loss=fine_tune,
         variable_seq_lengths=fine_tune and config.data.variable_seq_lengths and config.parallel.pp > 1,
-        overrides=overrides)
+        overrides=overrides,
+    )
 
 
-def build_model(shape: ModelShape, parallel: ParallelConfig, transformer: Any, vocab_size: int,
-                prepare: Callable[[list[Any]], None] | None = None, trainable: bool = True,
-                bridged: bool = False, kernels: Mapping[str, str] | None = None,
-                groups: Any = None) -> list[Any]:
+def build_model(
+    shape: ModelShape,
+    parallel: ParallelConfig,
+    transformer: Any,
+    vocab_size: int,
+    prepare: Callable[[list[Any]], None] | None = None,
+    trainable: bool = True,
+    bridged: bool = False,
+    kernels: Mapping[str, str] | None = None,
+    groups: Any = None,
+) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
     Args:
@@ -152,13 +185,22 @@ def build_model(shape: ModelShape, parallel: ParallelConfig, transformer: Any, v
     p = parallel
     check_config_for_spec(transformer, swiglu=shape.swiglu)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=shape.params_dtype != "float32", overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather, use_distributed_optimizer=p.distributed_optimizer,
+        grad_reduce_in_fp32=shape.params_dtype != "float32",
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.distributed_optimizer,
     )
     groups = groups if groups is not None else default_groups()
     device = get_accelerator().device()
-    models = build_gpt_chunks(shape, parallel_sizes(p), kernels, vocab_size=vocab_size, transformer=transformer,
-                              moe_grouped_gemm=False if bridged else None, groups=groups)
+    models = build_gpt_chunks(
+        shape,
+        parallel_sizes(p),
+        kernels,
+        vocab_size=vocab_size,
+        transformer=transformer,
+        moe_grouped_gemm=False if bridged else None,
+        groups=groups,
+    )
     models = [gpt.to(device) for gpt in models]
     if prepare is not None:
         prepare(models)
@@ -170,8 +212,9 @@ def build_model(shape: ModelShape, parallel: ParallelConfig, transformer: Any, v
             chunks.append(module)
             continue
         # Megatron buckets only the first chunk's gradients; the others use one bucket each.
-        chunks.append(DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0,
-                                              pg_collection=groups))
+        chunks.append(
+            DistributedDataParallel(transformer, ddp_config, module, disable_bucketing=stage > 0, pg_collection=groups)
+        )
     if not trainable:
         return chunks
     transformer.finalize_model_grads_func = finalize_model_grads

@@ -23,8 +23,13 @@ from mindspeed.ops.registry import resolve_kernel
 from mindspeed_llm.training.config import OptimizerConfig, ParallelConfig, SchedulerConfig
 
 
-def build_optimizer(optim: OptimizerConfig, chunks: list[Any], parallel: ParallelConfig,
-                    kernels: Mapping[str, str] | None = None, groups: Any = None) -> Any:
+def build_optimizer(
+    optim: OptimizerConfig,
+    chunks: list[Any],
+    parallel: ParallelConfig,
+    kernels: Mapping[str, str] | None = None,
+    groups: Any = None,
+) -> Any:
     """megatron's optimizer over the parameters of ``chunks``.
 
     Args:
@@ -43,16 +48,25 @@ def build_optimizer(optim: OptimizerConfig, chunks: list[Any], parallel: Paralle
 
     bf16 = bool(_model_config(chunks[0]).bf16)
     optimizer_config = MegatronOptimizerConfig(
-        optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-        sgd_momentum=optim.sgd_momentum, clip_grad=optim.clip_grad, bf16=bf16,
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        sgd_momentum=optim.sgd_momentum,
+        clip_grad=optim.clip_grad,
+        bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=parallel.distributed_optimizer, overlap_param_gather=parallel.overlap_param_gather,
+        use_distributed_optimizer=parallel.distributed_optimizer,
+        overlap_param_gather=parallel.overlap_param_gather,
     )
     # Megatron's separate gloo groups are for host copies of a distributed optimizer's state
     # (dp-zero checkpoints we do not write); it refuses them with process groups given as values.
-    optimizer = get_megatron_optimizer(optimizer_config, chunks, pg_collection=groups,
-                                       use_gloo_process_groups=groups is None)
+    optimizer = get_megatron_optimizer(
+        optimizer_config, chunks, pg_collection=groups, use_gloo_process_groups=groups is None
+    )
     impl = optim.kernel or (kernels.get("adamw") if kernels is not None else None)
     if optim.optimizer == "adam" and impl is not None:
         use_adamw_kernel(optimizer, impl)
@@ -112,10 +126,19 @@ def build_scheduler(sched: SchedulerConfig, optimizer: Any, steps: int) -> Any:
     # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
     decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
-        optimizer, init_lr=sched.lr_warmup_init, max_lr=sched.lr, min_lr=sched.min_lr,
-        lr_warmup_steps=sched.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=sched.lr_decay_style,
-        start_wd=sched.weight_decay, end_wd=sched.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        optimizer,
+        init_lr=sched.lr_warmup_init,
+        max_lr=sched.lr,
+        min_lr=sched.min_lr,
+        lr_warmup_steps=sched.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=sched.weight_decay,
+        end_wd=sched.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 

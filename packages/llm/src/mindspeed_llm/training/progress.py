@@ -38,8 +38,15 @@ class RunReporter:
         start: the step the run starts after (a resumed run's bar starts there).
     """
 
-    def __init__(self, config: PretrainConfig, shape: ModelShape, vocab_size: int, world_size: int,
-                 num_parameters: int, start: int = 0) -> None:
+    def __init__(
+        self,
+        config: PretrainConfig,
+        shape: ModelShape,
+        vocab_size: int,
+        world_size: int,
+        num_parameters: int,
+        start: int = 0,
+    ) -> None:
         self.config, self.world_size, self.start = config, world_size, start
         seq = config.data.seq_length
         self.tokens_per_step = config.global_batch_size(world_size) * seq
@@ -47,11 +54,21 @@ class RunReporter:
         self.peak = peak_flops(config.train.precision, config.logging.peak_tflops)
         rank0 = dist.get_rank() == 0
         # The bar names the stage and shows the time left; on rank 0 in a terminal only.
-        self.bar = StatusProgress(config.stage, total=config.train.steps, completed=start,
-                                  disable=None if rank0 and config.logging.progress else True)
-        logger.info("model: %.3f M parameters, %.4g GFLOPs per token (training, 3 x forward); global batch %d x %d "
-                    "tokens; %d microbatch(es) per step", num_parameters / 1e6, self.flops_per_token / 1e9,
-                    config.global_batch_size(world_size), seq, config.num_microbatches(world_size))
+        self.bar = StatusProgress(
+            config.stage,
+            total=config.train.steps,
+            completed=start,
+            disable=None if rank0 and config.logging.progress else True,
+        )
+        logger.info(
+            "model: %.3f M parameters, %.4g GFLOPs per token (training, 3 x forward); global batch %d x %d "
+            "tokens; %d microbatch(es) per step",
+            num_parameters / 1e6,
+            self.flops_per_token / 1e9,
+            config.global_batch_size(world_size),
+            seq,
+            config.num_microbatches(world_size),
+        )
         if self.peak is None:
             logger.info("MFU: no peak FLOP/s known for this device; set logging.peak_tflops to report it")
         else:
@@ -70,22 +87,35 @@ class RunReporter:
         tokens_per_s = record.get("step_tokens", self.tokens_per_step) / seconds if seconds > 0 else None
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = mfu(tokens_per_s * self.flops_per_token, self.peak, self.world_size) if tokens_per_s else None
-        status = (f"loss {_fmt(record['loss'], '.4f')} lr {_fmt(record['lr'], '.3g')} "
-                  f"gnorm {_fmt(record['grad_norm'], '.3f')} {_fmt(tokens_per_s, ',.0f')} tok/s "
-                  f"MFU {_fmt(None if record['mfu'] is None else 100 * record['mfu'], '.2f')}%")
+        status = (
+            f"loss {_fmt(record['loss'], '.4f')} lr {_fmt(record['lr'], '.3g')} "
+            f"gnorm {_fmt(record['grad_norm'], '.3f')} {_fmt(tokens_per_s, ',.0f')} tok/s "
+            f"MFU {_fmt(None if record['mfu'] is None else 100 * record['mfu'], '.2f')}%"
+        )
         if "rewards/accuracies" in record:  # DPO
-            status += (f" acc {_fmt(record['rewards/accuracies'], '.2f')} "
-                       f"margin {_fmt(record['rewards/margins'], '.3f')}")
+            status += (
+                f" acc {_fmt(record['rewards/accuracies'], '.2f')} margin {_fmt(record['rewards/margins'], '.3f')}"
+            )
         self.bar.update(status=status)
         if record["step"] % self.config.logging.interval == 0 or record["skipped"]:
-            logger.info("step %d/%d: %s%s", record["step"], self.config.train.steps, status,
-                        " (skipped: non-finite loss)" if record["skipped"] else "")
+            logger.info(
+                "step %d/%d: %s%s",
+                record["step"],
+                self.config.train.steps,
+                status,
+                " (skipped: non-finite loss)" if record["skipped"] else "",
+            )
 
     def evaluation(self, record: dict[str, Any]) -> None:
         """Log an evaluation."""
         if "perplexity" in record:
-            logger.info("step %d: validation loss %.4f (perplexity %.4g, %d tokens)", record["step"], record["loss"],
-                        record["perplexity"], record["tokens"])
+            logger.info(
+                "step %d: validation loss %.4f (perplexity %.4g, %d tokens)",
+                record["step"],
+                record["loss"],
+                record["perplexity"],
+                record["tokens"],
+            )
         else:
             logger.info("step %d: validation loss %.4f (%d samples)", record["step"], record["loss"], record["tokens"])
 
@@ -95,6 +125,12 @@ class RunReporter:
         if not done:
             return
         rates = [r["tokens_per_s"] for r in done[1:] if r.get("tokens_per_s")] or [done[0].get("tokens_per_s") or 0.0]
-        logger.info("trained steps %d-%d: loss %.4f -> %.4f, %.0f tokens/s (mean after the first step), "
-                    "%d skipped", records[0]["step"], records[-1]["step"], done[0]["loss"], done[-1]["loss"],
-                    sum(rates) / len(rates), len(records) - len(done))
+        logger.info(
+            "trained steps %d-%d: loss %.4f -> %.4f, %.0f tokens/s (mean after the first step), %d skipped",
+            records[0]["step"],
+            records[-1]["step"],
+            done[0]["loss"],
+            done[-1]["loss"],
+            sum(rates) / len(rates),
+            len(records) - len(done),
+        )

@@ -60,12 +60,20 @@ class NF4Linear:
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The full local weight in ``dtype`` (through the resolved ``nf4_dequantize`` kernel)."""
-        return self.nf4_kernel(self.nf4_codes, self.nf4_absmax, self.nf4_shape, dtype,
-                               block_size=self.nf4_block_size, absmax_scale=self.nf4_absmax_scale,
-                               absmax_offset=self.nf4_absmax_offset, absmax_block_size=self.nf4_absmax_block_size)
+        return self.nf4_kernel(
+            self.nf4_codes,
+            self.nf4_absmax,
+            self.nf4_shape,
+            dtype,
+            block_size=self.nf4_block_size,
+            absmax_scale=self.nf4_absmax_scale,
+            absmax_offset=self.nf4_absmax_offset,
+            absmax_block_size=self.nf4_absmax_block_size,
+        )
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, Any]:
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, Any]:
         from megatron.core.tensor_parallel import mappings
         from megatron.core.tensor_parallel.layers import RowParallelLinear
 
@@ -75,14 +83,20 @@ class NF4Linear:
         if isinstance(self, RowParallelLinear):
             x = input_ if self.input_is_parallel else mappings.scatter_to_tensor_model_parallel_region(input_, group)
             partial = _NF4Matmul.apply(x, self)
-            output = (mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
-                      if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(partial, group))
+            output = (
+                mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+                if self.sequence_parallel
+                else mappings.reduce_from_tensor_model_parallel_region(partial, group)
+            )
             bias = self.bias
         else:
             # The input gradient is all-reduced (reduce-scattered under sequence parallelism) by
             # these mappings, as megatron's frozen-weight linear does it inside its backward.
-            x = (mappings.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
-                 if self.sequence_parallel else mappings.copy_to_tensor_model_parallel_region(input_, group))
+            x = (
+                mappings.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+                if self.sequence_parallel
+                else mappings.copy_to_tensor_model_parallel_region(input_, group)
+            )
             output = _NF4Matmul.apply(x, self)
             bias = self.bias
         if self.skip_bias_add:
@@ -111,7 +125,11 @@ def quantize_linear(module: torch.nn.Module, settings: LoraSettings) -> int:
     module.register_parameter("weight", None)
     for name, tensor in zip(NF4_BUFFERS, (state.codes, state.absmax, state.absmax_scale, state.absmax_offset)):
         module.register_buffer(name, tensor, persistent=False)
-    module.nf4_shape, module.nf4_block_size, module.nf4_absmax_block_size = state.shape, state.block_size, state.absmax_block_size
+    module.nf4_shape, module.nf4_block_size, module.nf4_absmax_block_size = (
+        state.shape,
+        state.block_size,
+        state.absmax_block_size,
+    )
     module.nf4_kernel = resolve_kernel("nf4_dequantize", settings.qlora_impl)
     add_layer_mixin(module, NF4Linear)
     return weight.numel() * 2
@@ -142,12 +160,15 @@ def quantize_base_weights(model: torch.nn.Module, settings: LoraSettings) -> lis
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or isinstance(module, NF4Linear):
             continue
         targeted = isinstance(module, LoraLinear)
-        if targeted or (settings.qlora_all_linears and name.rsplit(".", 1)[-1] in LORA_TARGETS and not module.is_expert):
+        if targeted or (
+            settings.qlora_all_linears and name.rsplit(".", 1)[-1] in LORA_TARGETS and not module.is_expert
+        ):
             bf16_bytes += quantize_linear(module, settings)
             names.append(name)
     stored = quantized_bytes(model)
-    logger.info(f"QLoRA: {len(names)} base weights in NF4, {stored / 2**20:.2f} MiB "
-                f"({stored / max(bf16_bytes, 1):.3f} of bf16)")
+    logger.info(
+        f"QLoRA: {len(names)} base weights in NF4, {stored / 2**20:.2f} MiB ({stored / max(bf16_bytes, 1):.3f} of bf16)"
+    )
     return names
 
 
@@ -156,6 +177,9 @@ def quantized_bytes(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, NF4Linear):
-            total += sum(b.numel() * b.element_size() for name, b in module.named_buffers(recurse=False)
-                         if name in NF4_BUFFERS and b is not None)
+            total += sum(
+                b.numel() * b.element_size()
+                for name, b in module.named_buffers(recurse=False)
+                if name in NF4_BUFFERS and b is not None
+            )
     return total

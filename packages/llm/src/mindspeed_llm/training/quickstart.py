@@ -40,8 +40,14 @@ def prepare_demo_data(output_dir: Path) -> str:
     if Path(dataset + ".bin").is_file() and Path(dataset + ".idx").is_file():
         logger.info("quickstart: reusing %s.bin/.idx", dataset)
         return dataset
-    report = preprocess_data(PreprocessConfig(input=str(DEMO_CORPUS), tokenizer_name_or_path=DEMO_TOKENIZER_NAME,
-                                              output_prefix=str(prefix), append_eod=True))
+    report = preprocess_data(
+        PreprocessConfig(
+            input=str(DEMO_CORPUS),
+            tokenizer_name_or_path=DEMO_TOKENIZER_NAME,
+            output_prefix=str(prefix),
+            append_eod=True,
+        )
+    )
     logger.info("quickstart: %s", report.describe())
     return dataset
 
@@ -49,13 +55,18 @@ def prepare_demo_data(output_dir: Path) -> str:
 def add_quickstart(sub: argparse._SubParsersAction) -> None:
     """Add ``quickstart`` to the ``mindspeed-llm`` subcommands."""
     parser = sub.add_parser(
-        "quickstart", help="preprocess the demo corpus and pretrain a tiny Llama on it (a few minutes on a CPU)",
+        "quickstart",
+        help="preprocess the demo corpus and pretrain a tiny Llama on it (a few minutes on a CPU)",
         description="Tokenize the demo corpus shipped with mindspeed-llm, then pretrain the tiny_cpu recipe on it. "
-                    "Overrides go to the recipe, e.g. train.steps=100. Run again with the same --output-dir, it "
-                    "continues that run: train.steps above the saved step trains on to it, at or below it trains "
-                    "nothing and says so.")
-    parser.add_argument("--output-dir", default="runs/quickstart", help="where data, checkpoints and metrics go "
-                        "(default runs/quickstart)")
+        "Overrides go to the recipe, e.g. train.steps=100. Run again with the same --output-dir, it "
+        "continues that run: train.steps above the saved step trains on to it, at or below it trains "
+        "nothing and says so.",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="runs/quickstart",
+        help="where data, checkpoints and metrics go (default runs/quickstart)",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to spawn (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.steps=100")
     parser.set_defaults(func=run_quickstart)
@@ -67,9 +78,16 @@ def run_quickstart(args: argparse.Namespace) -> int:
     # Check the overrides before spending time on the data.
     load_pretrain_config(TINY_CPU_RECIPE, args.overrides)
     dataset = prepare_demo_data(out)
-    config = load_pretrain_config(TINY_CPU_RECIPE, [f"data.prefixes=[{dataset}]", f"checkpoint.save={out / 'checkpoints'}",
-                                                    f"checkpoint.save_hf={out / 'hf'}", f"logging.dir={out}",
-                                                    *args.overrides])
+    config = load_pretrain_config(
+        TINY_CPU_RECIPE,
+        [
+            f"data.prefixes=[{dataset}]",
+            f"checkpoint.save={out / 'checkpoints'}",
+            f"checkpoint.save_hf={out / 'hf'}",
+            f"logging.dir={out}",
+            *args.overrides,
+        ],
+    )
     config.check(args.nproc_per_node)
     steps = config.train.steps
     # The step the trainer would resume from (the same discovery), without building anything.
@@ -87,15 +105,28 @@ def run_quickstart(args: argparse.Namespace) -> int:
         _say_nothing_to_train(config, int(result.state.get("step", 0)))
         return 0
     if result.records[0]["step"] > 1:
-        logger.info("quickstart: resumed the run in %s at step %d and trained on to train.steps=%d",
-                    out / "checkpoints", result.records[0]["step"] - 1, steps)
+        logger.info(
+            "quickstart: resumed the run in %s at step %d and trained on to train.steps=%d",
+            out / "checkpoints",
+            result.records[0]["step"] - 1,
+            steps,
+        )
     trained = [r for r in result.records if not r["skipped"]]
     if trained:
-        logger.info("quickstart: loss %.3f at step %d -> %.3f at step %d%s", trained[0]["loss"], trained[0]["step"],
-                    trained[-1]["loss"], trained[-1]["step"],
-                    f"; validation loss {result.evals[-1]['loss']:.3f}" if result.evals else "")
-    logger.info("quickstart: checkpoints in %s, metrics in %s (and TensorBoard events), loss curve %s",
-                out / "checkpoints", out / "metrics.jsonl", out / "loss.png")
+        logger.info(
+            "quickstart: loss %.3f at step %d -> %.3f at step %d%s",
+            trained[0]["loss"],
+            trained[0]["step"],
+            trained[-1]["loss"],
+            trained[-1]["step"],
+            f"; validation loss {result.evals[-1]['loss']:.3f}" if result.evals else "",
+        )
+    logger.info(
+        "quickstart: checkpoints in %s, metrics in %s (and TensorBoard events), loss curve %s",
+        out / "checkpoints",
+        out / "metrics.jsonl",
+        out / "loss.png",
+    )
     hf = Path(config.checkpoint.save_hf)
     if (hf / "config.json").is_file():
         logger.info("quickstart: Hugging Face model in %s; %r continues as %r", hf, PROMPT, continue_prompt(hf, PROMPT))
@@ -105,9 +136,15 @@ def run_quickstart(args: argparse.Namespace) -> int:
 def _say_nothing_to_train(config: Any, reached: int) -> None:
     """The run in the output directory is at or past train.steps: one line, rather than a stale summary."""
     steps = config.train.steps
-    logger.info("quickstart: %s already holds step %d, at or past train.steps=%d: nothing to train. Give "
-                "train.steps above %d to train on, or a new --output-dir for a fresh run (the model is in %s)",
-                config.checkpoint.save, reached, steps, reached, config.checkpoint.save_hf)
+    logger.info(
+        "quickstart: %s already holds step %d, at or past train.steps=%d: nothing to train. Give "
+        "train.steps above %d to train on, or a new --output-dir for a fresh run (the model is in %s)",
+        config.checkpoint.save,
+        reached,
+        steps,
+        reached,
+        config.checkpoint.save_hf,
+    )
 
 
 #: The prompt the quickstart's model continues at the end.
@@ -120,4 +157,3 @@ def continue_prompt(model_dir: Path, prompt: str, max_new_tokens: int = 24) -> s
     ids = engine.tokenizer(prompt)["input_ids"]
     (out,) = engine.generate([ids], SamplingParams(max_new_tokens=max_new_tokens))
     return engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-

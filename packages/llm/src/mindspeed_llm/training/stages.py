@@ -50,8 +50,9 @@ class Stage:
         """``(train, validation or None)``; collective."""
         raise NotImplementedError
 
-    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
-               pad_id: int) -> Any:
+    def reader(
+        self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device, pad_id: int
+    ) -> Any:
         """A reader with ``step(consumed, num_microbatches) -> microbatches``; ``pad_id`` is the end-of-document token."""
         raise NotImplementedError
 
@@ -76,8 +77,9 @@ class PretrainStage(Stage):
     def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
         return build_datasets(config, world_size, ids)
 
-    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
-               pad_id: int) -> Any:
+    def reader(
+        self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device, pad_id: int
+    ) -> Any:
         reader = MicrobatchReader(dataset, config.train.micro_batch_size, dp_rank, dp_size, device)
         if config.data.reset_attention_mask:
             cp = config.parallel.cp
@@ -98,10 +100,16 @@ class _FinetuneStage(Stage):
         evaluates = config.eval.interval is not None or config.eval.at_end
         valid = DocumentDataset(prefixes, keys, d.split, 1, config.train.seed, shuffle=False) if evaluates else None
         if valid is not None and not len(valid):
-            raise ConfigError(f"evaluation needs validation samples but data.split={d.split!r} leaves none; give the "
-                              "split a valid part (e.g. '95,5,0') or unset eval.interval/eval.at_end")
-        logger.info("data: %d %s for training%s", len(train), "pairs" if self.pairwise else "samples",
-                    f", {len(valid)} for validation" if valid is not None else "")
+            raise ConfigError(
+                f"evaluation needs validation samples but data.split={d.split!r} leaves none; give the "
+                "split a valid part (e.g. '95,5,0') or unset eval.interval/eval.at_end"
+            )
+        logger.info(
+            "data: %d %s for training%s",
+            len(train),
+            "pairs" if self.pairwise else "samples",
+            f", {len(valid)} for validation" if valid is not None else "",
+        )
         return train, valid
 
     def _tokenize_input(self, config: PretrainConfig) -> str:
@@ -113,27 +121,51 @@ class _FinetuneStage(Stage):
 
         import torch.distributed as dist
 
-
         d = config.data
         source = Path(d.input)
-        stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted([source, *source.rglob("*")])
-                 if p.is_file()]
+        stamp = [
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted([source, *source.rglob("*")])
+            if p.is_file()
+        ]
         handler = d.handler_name or ("AlpacaStylePairwiseHandler" if self.pairwise else "AlpacaStyleInstructionHandler")
         tokenizer = d.tokenizer or config.checkpoint.load_hf
-        settings = dict(files=stamp, tokenizer=str(tokenizer), handler=handler, prompt_type=d.prompt_type,
-                        map_keys=d.map_keys, seq_length=d.seq_length, pack=not self.pairwise)
+        settings = dict(
+            files=stamp,
+            tokenizer=str(tokenizer),
+            handler=handler,
+            prompt_type=d.prompt_type,
+            map_keys=d.map_keys,
+            seq_length=d.seq_length,
+            pack=not self.pairwise,
+        )
         key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        root = Path(d.cache_dir) if d.cache_dir else (Path(config.checkpoint.save) / "data" if config.checkpoint.save
-                                                      else Path(tempfile.gettempdir()) / "mindspeed-finetune-data")
+        root = (
+            Path(d.cache_dir)
+            if d.cache_dir
+            else (
+                Path(config.checkpoint.save) / "data"
+                if config.checkpoint.save
+                else Path(tempfile.gettempdir()) / "mindspeed-finetune-data"
+            )
+        )
         prefix = root / f"{source.stem}-{key}"
         marker = Path(f"{prefix}.done")
         if dist.get_rank() == 0 and not marker.is_file():
             root.mkdir(parents=True, exist_ok=True)
             try:
-                report = preprocess_data(PreprocessConfig(
-                    input=str(source), tokenizer_name_or_path=str(tokenizer), output_prefix=str(prefix),
-                    handler_name=handler, seq_length=d.seq_length, pack=not self.pairwise, prompt_type=d.prompt_type,
-                    map_keys=d.map_keys))
+                report = preprocess_data(
+                    PreprocessConfig(
+                        input=str(source),
+                        tokenizer_name_or_path=str(tokenizer),
+                        output_prefix=str(prefix),
+                        handler_name=handler,
+                        seq_length=d.seq_length,
+                        pack=not self.pairwise,
+                        prompt_type=d.prompt_type,
+                        map_keys=d.map_keys,
+                    )
+                )
             except ValueError as err:
                 raise ConfigError(f"data.input: {err}") from err
             marker.write_text(json.dumps(settings, default=str))
@@ -141,12 +173,19 @@ class _FinetuneStage(Stage):
         dist.barrier()
         return str(prefix)
 
-    def reader(self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device,
-               pad_id: int) -> Any:
+    def reader(
+        self, dataset: Any, config: PretrainConfig, dp_rank: int, dp_size: int, device: torch.device, pad_id: int
+    ) -> Any:
         d = config.data
         cp = config.parallel.cp
-        settings = PackSettings(d.seq_length, config.train.micro_batch_size, d.variable_seq_lengths,
-                                d.pad_to_multiple_of, pad_id, segment_multiple=2 * cp if cp > 1 else 1)
+        settings = PackSettings(
+            d.seq_length,
+            config.train.micro_batch_size,
+            d.variable_seq_lengths,
+            d.pad_to_multiple_of,
+            pad_id,
+            segment_multiple=2 * cp if cp > 1 else 1,
+        )
         return PackedMicrobatchReader(dataset, settings, self.pairwise, dp_rank, dp_size, device)
 
 

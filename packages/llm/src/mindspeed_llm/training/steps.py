@@ -36,7 +36,9 @@ LM_LOSS = "lm loss"
 def lm_loss(transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LossFunc:
     """The masked per-token cross-entropy (pretraining and SFT), ``transform`` applied first."""
 
-    def loss_func(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_func(
+        batch: dict[str, Any], output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         losses = output.float().reshape(-1)
         if transform is not None:
             losses = transform(losses)
@@ -56,19 +58,28 @@ def packed_seq_params(batch: dict[str, Any]) -> Any:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = batch["cu_seqlens"]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=batch["max_seqlen"],
-                           max_seqlen_kv=batch["max_seqlen"])
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=batch["max_seqlen"],
+        max_seqlen_kv=batch["max_seqlen"],
+    )
 
 
-def _forward_step(loss_fn: LossFunc, data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Callable]:
+def _forward_step(
+    loss_fn: LossFunc, data_iterator: Iterator[dict[str, Any]], model: Any
+) -> tuple[torch.Tensor, Callable]:
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=packed_seq_params(batch))
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed_seq_params(batch)
+    )
     return output, partial(loss_fn, batch)
 
 
-def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...] = (LM_LOSS,),
-                   groups: Any = None) -> dict[str, tuple[float, int]]:
+def reduce_metrics(
+    outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...] = (LM_LOSS,), groups: Any = None
+) -> dict[str, tuple[float, int]]:
     """Every metric's mean over the global batch and its count, on every rank (collective).
 
     Args:
@@ -89,8 +100,9 @@ def reduce_metrics(outputs: list[dict[str, torch.Tensor]], names: tuple[str, ...
     return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in zip(names, total.tolist())}
 
 
-def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc,
-                 forward_only: bool = False, groups: Any = None) -> dict[str, tuple[float, int]]:
+def run_schedule(
+    chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc, forward_only: bool = False, groups: Any = None
+) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.
 
     Args:
@@ -112,23 +124,37 @@ def run_schedule(chunks: list[Any], batches: list[dict[str, Any]], loss_fn: Loss
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     schedule = get_forward_backward_func(pp_size=groups.pp.size(), vp_size=len(chunks) if len(chunks) > 1 else None)
     outputs = schedule(
-        forward_step_func=partial(_forward_step, loss_fn), data_iterator=[iter(batches) for _ in chunks],
-        model=chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, pg_collection=groups,
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        pg_collection=groups,
         p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=get_model_config(chunks[0])),
     )
     return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)), groups)
 
 
-def forward_backward(chunks: list[Any], batches: list[dict[str, Any]], forward_only: bool = False,
-                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     groups: Any = None) -> tuple[float, int]:
+def forward_backward(
+    chunks: list[Any],
+    batches: list[dict[str, Any]],
+    forward_only: bool = False,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    groups: Any = None,
+) -> tuple[float, int]:
     """The language-model loss pass of :func:`run_schedule`: ``(mean per-token loss, tokens)``."""
     return run_schedule(chunks, batches, lm_loss(transform), forward_only, groups)[LM_LOSS]
 
 
-def evaluate(chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: LossFunc | None = None,
-             key: str = LM_LOSS, groups: Any = None) -> tuple[float, int]:
+def evaluate(
+    chunks: list[Any],
+    steps: list[list[dict[str, Any]]],
+    loss_fn: LossFunc | None = None,
+    key: str = LM_LOSS,
+    groups: Any = None,
+) -> tuple[float, int]:
     """Mean of the metric ``key`` over several global batches of validation data (collective).
 
     Args:

@@ -38,11 +38,7 @@ from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.context_parallel import (
-    ContextParallelReader,
-    context_parallel_facts,
-    context_parallel_loss,
-)
+from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
 from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.hf import (
     apply_load_hf,
@@ -124,10 +120,13 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
     shape = model_shape(config, ids.vocab_size)
     # The memory features check the precision, the optimizer and the layer count against these.
-    facts = ModelFacts.from_transformer_config(recipe_transformer_config(config, shape),
-                                               position_embedding_type=shape.position_embedding_type,
-                                               precision=config.train.precision, num_layers=shape.num_layers,
-                                               distributed_optimizer=config.parallel.distributed_optimizer)
+    facts = ModelFacts.from_transformer_config(
+        recipe_transformer_config(config, shape),
+        position_embedding_type=shape.position_embedding_type,
+        precision=config.train.precision,
+        num_layers=shape.num_layers,
+        distributed_optimizer=config.parallel.distributed_optimizer,
+    )
     if config.parallel.cp > 1:
         facts = context_parallel_facts(facts, config, shape)
     p = config.parallel
@@ -193,8 +192,9 @@ class Trainer:
     loop on built components.
     """
 
-    def __init__(self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks,
-                 preemption: Preemption) -> None:
+    def __init__(
+        self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks, preemption: Preemption
+    ) -> None:
         self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
         self.preemption = preemption
         self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
@@ -214,9 +214,14 @@ class Trainer:
         p = self.config.parallel
         # Features may change the expert layout (moe_tp_extend_ep): the groups must be the config's.
         ep, etp = expert_layout(self.overrides, p.ep, p.etp)
-        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                                     virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp,
+            context_parallel_size=p.cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
         try:
             # Read once: everything below takes the groups as a value.
             self.groups = default_groups()
@@ -234,17 +239,34 @@ class Trainer:
         self.shape = shape = model_shape(config, self.ids.vocab_size)
         bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
         self.transformer = recipe_transformer_config(config, shape, self.overrides)
-        self.chunks = build_model(shape, config.parallel, self.transformer, self.vocab, prepare=self._prepare,
-                                  bridged=bridged, kernels=self.kernels, groups=self.groups)
+        self.chunks = build_model(
+            shape,
+            config.parallel,
+            self.transformer,
+            self.vocab,
+            prepare=self._prepare,
+            bridged=bridged,
+            kernels=self.kernels,
+            groups=self.groups,
+        )
         if self.stage.needs_reference:
             # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
             frozen = recipe_transformer_config(config, shape, {**self.overrides, "perform_initialization": False})
-            self.reference = build_model(shape, config.parallel, frozen, self.vocab, trainable=False, bridged=bridged,
-                                         kernels=self.kernels, groups=self.groups)
+            self.reference = build_model(
+                shape,
+                config.parallel,
+                frozen,
+                self.vocab,
+                trainable=False,
+                bridged=bridged,
+                kernels=self.kernels,
+                groups=self.groups,
+            )
         for hook in self.feature_hooks.get("post_model_build", ()):
             hook(self.chunks)
-        self.optimizer = build_optimizer(config.train.optimizer_config(), self.chunks, config.parallel, self.kernels,
-                                         self.groups)
+        self.optimizer = build_optimizer(
+            config.train.optimizer_config(), self.chunks, config.parallel, self.kernels, self.groups
+        )
         for hook in self.feature_hooks.get("post_optimizer_build", ()):
             self.optimizer = hook(self.optimizer) or self.optimizer
         self.scheduler = build_scheduler(config.train.scheduler_config(), self.optimizer, config.train.steps)
@@ -277,20 +299,32 @@ class Trainer:
             found = find_resume(ck.save, warn=rank0)
             if found.path is not None:
                 self.saved_step = found.step
-                return load_checkpoint(found.path, self.chunks, self.optimizer, self.scheduler, self.config,
-                                       family=family)
+                return load_checkpoint(
+                    found.path, self.chunks, self.optimizer, self.scheduler, self.config, family=family
+                )
             if holds_checkpoints(ck.save):
                 damaged = "; ".join(f"{path.name}: {why}" for path, why in found.skipped) or "no iter_* directory"
-                raise ConfigError(f"checkpoint.save={ck.save!r} holds checkpoints but none is complete ({damaged}); "
-                                  "set checkpoint.resume=false to train from step 1 there (its checkpoints are "
-                                  "replaced as the run saves) or set checkpoint.save to a new directory")
+                raise ConfigError(
+                    f"checkpoint.save={ck.save!r} holds checkpoints but none is complete ({damaged}); "
+                    "set checkpoint.resume=false to train from step 1 there (its checkpoints are "
+                    "replaced as the run saves) or set checkpoint.save to a new directory"
+                )
         elif ck.save and holds_checkpoints(ck.save) and rank0:
-            logger.warning("checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as "
-                           "this run saves", ck.save)
+            logger.warning(
+                "checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as this run saves",
+                ck.save,
+            )
         if ck.load:
             source = find_checkpoint(ck.load)
-            state = load_checkpoint(source, self.chunks, self.optimizer, self.scheduler, self.config,
-                                    weights_only=ck.finetune, family=family)
+            state = load_checkpoint(
+                source,
+                self.chunks,
+                self.optimizer,
+                self.scheduler,
+                self.config,
+                weights_only=ck.finetune,
+                family=family,
+            )
             if ck.finetune or not ck.load_optimizer:
                 self._refresh_master_weights()
             return state
@@ -311,8 +345,15 @@ class Trainer:
     def lora_settings(self) -> Any:
         """The :class:`~mindspeed_llm.training.lora.LoraSettings` of the recipe."""
         lora = self.config.lora
-        return LoraSettings(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules),
-                            qlora=lora.qlora, qlora_all_linears=lora.qlora_all_linears, seed=self.config.train.seed)
+        return LoraSettings(
+            r=lora.r,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules),
+            qlora=lora.qlora,
+            qlora_all_linears=lora.qlora_all_linears,
+            seed=self.config.train.seed,
+        )
 
     def _refresh_master_weights(self) -> None:
         # Megatron's mixed-precision optimizers keep fp32 master copies of the weights they were
@@ -323,8 +364,10 @@ class Trainer:
         """The DPO reference: ``dpo.ref_model``, else the weights the policy started from."""
         ck, source = self.config.checkpoint, self.config.dpo.ref_model
         if source is None and not (ck.load_hf or ck.load):
-            raise ConfigError("dpo needs the model to start from: set checkpoint.load_hf or checkpoint.load "
-                              "(or dpo.ref_model for the reference)")
+            raise ConfigError(
+                "dpo needs the model to start from: set checkpoint.load_hf or checkpoint.load "
+                "(or dpo.ref_model for the reference)"
+            )
         if source is None:
             source = ck.load_hf or ck.load
             hf = bool(ck.load_hf) and not ck.load
@@ -365,8 +408,10 @@ class Trainer:
                     if config.eval.interval and step % config.eval.interval == 0:
                         result.evals.append(self._evaluate(step, metrics, reporter))
                     if state.nonfinite_streak >= max(t.max_nonfinite_steps, 1):
-                        result.stopped = (f"{state.nonfinite_streak} consecutive steps with a non-finite loss "
-                                          f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last at step {step}")
+                        result.stopped = (
+                            f"{state.nonfinite_streak} consecutive steps with a non-finite loss "
+                            f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last at step {step}"
+                        )
                         logger.error("stopping: %s", result.stopped)
                         break
                     fault_point("train.step_end", step)
@@ -387,8 +432,9 @@ class Trainer:
 
     def _save(self) -> None:
         ck = self.config.checkpoint
-        save_checkpoint(ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config,
-                        self.checkpoint_args)
+        save_checkpoint(
+            ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config, self.checkpoint_args
+        )
         self.saved_step = self.state.step
 
     def _stop_request(self) -> StopRequest | None:
@@ -402,11 +448,13 @@ class Trainer:
             self._save()
         where = str(checkpoint_dir(save, self.saved_step)) if save and self.saved_step is not None else None
         result.preempted, result.exit_code, result.checkpoint = stop.reason, stop.exit_code, where
-        cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
-                 if stop.reason == "time limit" else stop.reason)
+        cause = (
+            f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+            if stop.reason == "time limit"
+            else stop.reason
+        )
         if dist.get_rank() == 0:
-            logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps,
-                           resume_hint(where))
+            logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps, resume_hint(where))
 
     def _save_due(self, step: int) -> bool:
         ck = self.config.checkpoint
@@ -423,8 +471,15 @@ class Trainer:
         if ck.save and ck.save_at_end and not self._save_due(step):
             self._save()
         if ck.save_hf:
-            save_hf(self.chunks, config, step, self.ids.vocab_size, self.vocab,
-                    lora=self.lora_settings() if config.lora.enabled else None, groups=self.groups)
+            save_hf(
+                self.chunks,
+                config,
+                step,
+                self.ids.vocab_size,
+                self.vocab,
+                lora=self.lora_settings() if config.lora.enabled else None,
+                groups=self.groups,
+            )
         if config.lora.save_adapter or config.lora.save_peft:
             self._save_lora()
         reporter.finish(result.records)
@@ -459,8 +514,13 @@ class Trainer:
             # does for an overflow); the batch is consumed, so the next step sees new data.
             state.skipped_steps += 1
             state.nonfinite_streak += 1
-            logger.warning("step %d: loss is %s; step skipped (%d in a row, limit %d)", step, loss,
-                           state.nonfinite_streak, self.config.train.max_nonfinite_steps)
+            logger.warning(
+                "step %d: loss is %s; step skipped (%d in a row, limit %d)",
+                step,
+                loss,
+                state.nonfinite_streak,
+                self.config.train.max_nonfinite_steps,
+            )
         else:
             ok, norm, _ = self.optimizer.step()
             if ok:
@@ -471,9 +531,17 @@ class Trainer:
             hook(step)
         state.step = step
         state.consumed_train_samples += gbs
-        record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
-                  "tokens": tokens, "consumed_samples": state.consumed_train_samples,
-                  "step_time_s": time.perf_counter() - start}
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "tokens": tokens,
+            "consumed_samples": state.consumed_train_samples,
+            "step_time_s": time.perf_counter() - start,
+        }
         record.update({name: value for name, (value, _) in metrics.items() if name not in (LM_LOSS, self.stage.metric)})
         if "sequence_index" in batches[0]:
             record["step_tokens"] = self._step_tokens(batches)

@@ -7,8 +7,13 @@ from pathlib import Path
 
 FORMATS = ("dcp", "hf", "peft")
 #: (load format, save format) -> what it does.
-CONVERSIONS = {("dcp", "hf"): "model (LoRA merged)", ("hf", "dcp"): "model", ("dcp", "peft"): "LoRA adapter",
-               ("peft", "dcp"): "base + adapter", ("peft", "hf"): "merge"}
+CONVERSIONS = {
+    ("dcp", "hf"): "model (LoRA merged)",
+    ("hf", "dcp"): "model",
+    ("dcp", "peft"): "LoRA adapter",
+    ("peft", "dcp"): "base + adapter",
+    ("peft", "hf"): "merge",
+}
 NEEDS_BASE = {("dcp", "hf"), ("peft", "dcp"), ("peft", "hf")}
 DTYPES = ("bfloat16", "float16", "float32")
 

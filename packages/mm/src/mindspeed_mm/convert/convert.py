@@ -36,6 +36,7 @@ from mindspeed_mm.models.lora import ADAPTER, ADAPTER_CONFIG, AdapterSettings, a
 
 logger = get_logger(__name__)
 
+
 @dataclass
 class ConvertReport:
     """What a conversion wrote.
@@ -94,8 +95,13 @@ def convert(config: ConvertConfig) -> ConvertReport:
         ValueError: bad input of any kind, with a message naming it; nothing is written then.
     """
     check_config(config)
-    run = {("dcp", "hf"): _dcp_to_hf, ("hf", "dcp"): _hf_to_dcp, ("dcp", "peft"): _dcp_to_peft,
-           ("peft", "dcp"): _peft_to_dcp, ("peft", "hf"): _peft_to_hf}[(config.load_format, config.save_format)]
+    run = {
+        ("dcp", "hf"): _dcp_to_hf,
+        ("hf", "dcp"): _hf_to_dcp,
+        ("dcp", "peft"): _dcp_to_peft,
+        ("peft", "dcp"): _peft_to_dcp,
+        ("peft", "hf"): _peft_to_hf,
+    }[(config.load_format, config.save_format)]
     report = run(config)
     logger.debug(report.describe())
     return report
@@ -134,8 +140,10 @@ def _some(names: list[str]) -> str:
 def _check_shapes(names: ModelNames, shapes: dict[str, tuple[int, ...]], where: str) -> None:
     for name, shape in shapes.items():
         if tuple(shape) != names.shapes[name]:
-            raise ValueError(f"{where}: {name} has shape {tuple(shape)}, {names.architecture} of --base-dir expects "
-                             f"{names.shapes[name]}")
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(shape)}, {names.architecture} of --base-dir expects "
+                f"{names.shapes[name]}"
+            )
 
 
 def _hub_keys(checkpoint: HFCheckpoint, names: ModelNames, where: str) -> dict[str, str]:
@@ -160,12 +168,12 @@ def _check_adapter(adapter: Adapter, names: ModelNames, where: str) -> None:
         if shape is None or len(shape) != 2:
             raise ValueError(f"{where}: {module} is not a linear of {names.architecture} of --base-dir")
         if a.shape[1] != shape[1] or b.shape[0] != shape[0]:
-            raise ValueError(f"{where}: {module} has factors {tuple(a.shape)}, {tuple(b.shape)}; its weight is "
-                             f"{shape}")
+            raise ValueError(f"{where}: {module} has factors {tuple(a.shape)}, {tuple(b.shape)}; its weight is {shape}")
 
 
-def _write_hf(config: ConvertConfig, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              tensors, report: ConvertReport) -> ConvertReport:
+def _write_hf(
+    config: ConvertConfig, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors, report: ConvertReport
+) -> ConvertReport:
     """Stream ``tensors`` (an iterator of ``(hub name, tensor)``) into a Hugging Face directory."""
     plan = [(name, _cast_to(config, dtype), shape) for name, dtype, shape in plan]
     with atomic_directory(Path(config.save_dir)) as temp:
@@ -192,7 +200,9 @@ def lora_alpha(config: ConvertConfig, checkpoint: Path) -> float | None:
     Raises:
         ValueError: both are there and differ.
     """
-    recorded = next((p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None)
+    recorded = next(
+        (p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None
+    )
     alpha = None
     if recorded is not None:
         try:
@@ -200,8 +210,10 @@ def lora_alpha(config: ConvertConfig, checkpoint: Path) -> float | None:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
     if config.lora_alpha is not None and alpha is not None and config.lora_alpha != alpha:
-        raise ValueError(f"--lora-alpha {config.lora_alpha} differs from the run's lora_alpha {alpha} ({recorded}); "
-                         "leave --lora-alpha out")
+        raise ValueError(
+            f"--lora-alpha {config.lora_alpha} differs from the run's lora_alpha {alpha} ({recorded}); "
+            "leave --lora-alpha out"
+        )
     return config.lora_alpha if config.lora_alpha is not None else alpha
 
 
@@ -211,12 +223,19 @@ def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
     adapted = set(adapted_modules(source.tensors))
     alpha = lora_alpha(config, source.path) if adapted else None
     if adapted and alpha is None:
-        raise ValueError(f"{source.path} holds LoRA factors on {len(adapted)} linears and no adapter_config.json "
-                         "records alpha: pass --lora-alpha (the recipe's lora.alpha) to merge them, or "
-                         "--save-format peft for the adapter alone")
+        raise ValueError(
+            f"{source.path} holds LoRA factors on {len(adapted)} linears and no adapter_config.json "
+            "records alpha: pass --lora-alpha (the recipe's lora.alpha) to merge them, or "
+            "--save-format peft for the adapter alone"
+        )
     want = {trained_name(name, adapted) for name in names.shapes} | {f for m in adapted for f in factor_names(m)}
-    _match(set(source.tensors), want, str(source.path), names.architecture,
-           optional={trained_name(name, adapted) for name in names.tied})
+    _match(
+        set(source.tensors),
+        want,
+        str(source.path),
+        names.architecture,
+        optional={trained_name(name, adapted) for name in names.tied},
+    )
     _check_shapes(names, {name: source.tensors[trained_name(name, adapted)][1] for name in names.hub}, str(source.path))
     factors = source.read(sorted(f for m in adapted for f in factor_names(m))) if adapted else {}
     order = list(names.hub)
@@ -251,27 +270,37 @@ def _cast_to(config: ConvertConfig, dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, config.dtype) if config.dtype and dtype.is_floating_point else dtype
 
 
-def _save_dcp(config: ConvertConfig, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read,
-              source: str) -> ConvertReport:
+def _save_dcp(
+    config: ConvertConfig, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read, source: str
+) -> ConvertReport:
     specs = {name: (_cast_to(config, dtype), shape) for name, (dtype, shape) in specs.items()}
     with atomic_directory(Path(config.save_dir)) as temp:
         write_dcp(specs, lambda name: read(name).to(specs[name][0]), temp)
-    return ConvertReport(source, f"dcp {config.save_dir}", len(specs),
-                         sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values()))
+    return ConvertReport(
+        source,
+        f"dcp {config.save_dir}",
+        len(specs),
+        sum(dtype.itemsize * int(torch.Size(shape).numel()) for dtype, shape in specs.values()),
+    )
 
 
 def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
     source = DCPModel(config.load_dir)
     adapted = adapted_modules(source.tensors)
     if not adapted:
-        raise ValueError(f"{source.path} holds no LoRA factors (lora_A / lora_B); it is a full fine-tuning "
-                         "checkpoint: convert it with --save-format hf")
+        raise ValueError(
+            f"{source.path} holds no LoRA factors (lora_A / lora_B); it is a full fine-tuning "
+            "checkpoint: convert it with --save-format hf"
+        )
     alpha = lora_alpha(config, source.path)
     if alpha is None:
-        raise ValueError(f"{source.path}: no adapter_config.json records alpha; pass --lora-alpha (the recipe's "
-                         "lora.alpha)")
-    factors = {name: t.to(_cast_to(config, t.dtype))
-               for name, t in source.read(sorted(f for m in adapted for f in factor_names(m))).items()}
+        raise ValueError(
+            f"{source.path}: no adapter_config.json records alpha; pass --lora-alpha (the recipe's lora.alpha)"
+        )
+    factors = {
+        name: t.to(_cast_to(config, t.dtype))
+        for name, t in source.read(sorted(f for m in adapted for f in factor_names(m))).items()
+    }
     pairs = {m: (factors[factor_names(m)[0]], factors[factor_names(m)[1]]) for m in adapted}
     ranks = sorted({a.shape[0] for a, _ in pairs.values()})
     if len(ranks) != 1:
@@ -281,8 +310,12 @@ def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
         _check_adapter(adapter, model_names(config.base_dir), str(source.path))
     with atomic_directory(Path(config.save_dir)) as temp:
         write_peft_adapter_dir(adapter, temp, config.base_dir)
-    return ConvertReport(f"DCP {source.path} (LoRA r={ranks[0]})", f"peft {config.save_dir}", len(factors),
-                         sum(t.numel() * t.element_size() for t in factors.values()))
+    return ConvertReport(
+        f"DCP {source.path} (LoRA r={ranks[0]})",
+        f"peft {config.save_dir}",
+        len(factors),
+        sum(t.numel() * t.element_size() for t in factors.values()),
+    )
 
 
 def _peft_to_dcp(config: ConvertConfig) -> ConvertReport:
@@ -293,7 +326,9 @@ def _peft_to_dcp(config: ConvertConfig) -> ConvertReport:
     keys = _hub_keys(base, names, str(config.base_dir))
     keys.update({name: keys[source] for name, source in names.tied.items()})
     stored = {trained_name(name, adapter.factors): name for name in names.shapes}
-    factors = {f: t for module, pair in adapter.factors.items() for f, t in zip(factor_names(module), pair, strict=True)}
+    factors = {
+        f: t for module, pair in adapter.factors.items() for f, t in zip(factor_names(module), pair, strict=True)
+    }
     specs = {trained: (base.tensors[keys[name]].dtype, names.shapes[name]) for trained, name in stored.items()}
     specs.update({name: (t.dtype, tuple(t.shape)) for name, t in factors.items()})
 
@@ -319,5 +354,9 @@ def _peft_to_hf(config: ConvertConfig) -> ConvertReport:
                 tensor = merge_weight(tensor, *adapter.factors[prefix], adapter.settings.scale)
             yield names.hub[name], tensor
 
-    return _write_hf(config, plan, tensors(),
-                     ConvertReport(f"peft {config.load_dir} merged into {config.base_dir}", f"hf {config.save_dir}"))
+    return _write_hf(
+        config,
+        plan,
+        tensors(),
+        ConvertReport(f"peft {config.load_dir} merged into {config.base_dir}", f"hf {config.save_dir}"),
+    )

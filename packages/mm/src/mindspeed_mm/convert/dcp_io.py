@@ -40,8 +40,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     newest = newest_checkpoint(path)
     if newest is not None and (newest / ".metadata").is_file():
         return newest
-    raise ValueError(f"--load-dir {path} is not a DCP checkpoint (no .metadata) and holds no complete step_* "
-                     "checkpoint; give a checkpoint directory such as SAVE/step_00000010, or SAVE")
+    raise ValueError(
+        f"--load-dir {path} is not a DCP checkpoint (no .metadata) and holds no complete step_* "
+        "checkpoint; give a checkpoint directory such as SAVE/step_00000010, or SAVE"
+    )
 
 
 class DCPModel:
@@ -59,12 +61,14 @@ class DCPModel:
         try:
             metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
         except Exception as err:  # a damaged .metadata: one line, not a traceback
-            raise ValueError(f"{self.path}/.metadata is unreadable ({type(err).__name__}); the checkpoint is damaged"
-                             ) from None
+            raise ValueError(
+                f"{self.path}/.metadata is unreadable ({type(err).__name__}); the checkpoint is damaged"
+            ) from None
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            fqn[len(MODEL):]: (entry.properties.dtype, tuple(entry.size))
+            fqn[len(MODEL) :]: (entry.properties.dtype, tuple(entry.size))
             for fqn, entry in metadata.state_dict_metadata.items()
-            if fqn.startswith(MODEL) and isinstance(entry, TensorStorageMetadata)}
+            if fqn.startswith(MODEL) and isinstance(entry, TensorStorageMetadata)
+        }
         if not self.tensors:
             raise ValueError(f"{self.path} holds no model tensors (model.*); is it a mindspeed-mm training checkpoint?")
 
@@ -81,8 +85,10 @@ class DCPModel:
             failures = getattr(err, "failures", None) or {}
             inner = next(iter(failures.values()), err)
             inner = inner[0] if isinstance(inner, tuple) else inner
-            raise ValueError(f"{self.path}: reading {names[0]} failed ({type(inner).__name__}); the checkpoint is "
-                             "incomplete or damaged") from None
+            raise ValueError(
+                f"{self.path}: reading {names[0]} failed ({type(inner).__name__}); the checkpoint is "
+                "incomplete or damaged"
+            ) from None
         return {name: state[MODEL + name] for name in names}
 
     def batches(self, names: list[str], budget: int = BATCH_BYTES) -> Iterator[dict[str, torch.Tensor]]:
@@ -101,16 +107,21 @@ class DCPModel:
             yield self.read(batch)
 
 
-def write_dcp(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read: Callable[[str], torch.Tensor],
-              directory: Path) -> None:
+def write_dcp(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read: Callable[[str], torch.Tensor], directory: Path
+) -> None:
     """Write tensors ``specs`` (module name -> dtype, shape) as the ``model`` entries of a DCP checkpoint.
 
     DCP plans from the specs (meta tensors) and asks for each tensor's data only when it writes
     it (:class:`_LazySavePlanner`), so one source tensor is in memory at a time.
     """
     state = {"model": {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in specs.items()}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=1),
-             planner=_LazySavePlanner(read), no_dist=True)
+    dcp.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(str(directory), thread_count=1),
+        planner=_LazySavePlanner(read),
+        no_dist=True,
+    )
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -121,4 +132,4 @@ class _LazySavePlanner(DefaultSavePlanner):
         self.read = read
 
     def resolve_data(self, write_item: Any) -> torch.Tensor:
-        return self.read(write_item.index.fqn[len(MODEL):]).contiguous()
+        return self.read(write_item.index.fqn[len(MODEL) :]).contiguous()

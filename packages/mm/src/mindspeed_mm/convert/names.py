@@ -59,8 +59,10 @@ def model_names(path: str | Path) -> ModelNames:
     reverted = revert_weight_conversion(model, dict(kept))
     hub = {by_id.get(id(tensor)): name for name, tensor in reverted.items()}
     if None in hub or len(hub) != len(kept):
-        raise ValueError(f"{family.architecture}: its Hugging Face files do not hold its tensors one to one (fused or "
-                         "split tensors); convert does not support it")
+        raise ValueError(
+            f"{family.architecture}: its Hugging Face files do not hold its tensors one to one (fused or "
+            "split tensors); convert does not support it"
+        )
     parameters = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
     tied = {name: parameters[id(model.get_parameter(name))] for name in state if name not in kept}
     return ModelNames(family.architecture, hub, tied, {name: tuple(t.shape) for name, t in state.items()})

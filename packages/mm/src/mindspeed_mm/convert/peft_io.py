@@ -18,8 +18,15 @@ from mindspeed_mm.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFI
 
 _NAME = re.compile(rf"^{re.escape(PEFT_PREFIX)}(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 #: adapter_config.json settings a plain LoRA leaves off (false, null or empty).
-_NOT_PLAIN = ("use_dora", "use_rslora", "lora_bias", "fan_in_fan_out", "modules_to_save", "rank_pattern",
-              "alpha_pattern")
+_NOT_PLAIN = (
+    "use_dora",
+    "use_rslora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+)
 
 
 @dataclass
@@ -57,16 +64,20 @@ def read_peft_adapter(path: str | Path) -> Adapter:
         raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}; only LORA adapters convert")
     for key in _NOT_PLAIN:
         if config.get(key):
-            raise ValueError(f"{path / ADAPTER_CONFIG}: {key}={config[key]!r} is not supported (plain LoRA only; "
-                             "merge it with peft's merge_and_unload instead)")
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG}: {key}={config[key]!r} is not supported (plain LoRA only; "
+                "merge it with peft's merge_and_unload instead)"
+            )
     try:
         tensors = load_file(path / ADAPTER_WEIGHTS)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{path / ADAPTER_WEIGHTS} is unreadable ({err}); is it complete?") from None
     unknown = sorted(name for name in tensors if not _NAME.match(name))
     if unknown:
-        raise ValueError(f"{path / ADAPTER_WEIGHTS}: {len(unknown)} tensors are not LoRA factors "
-                         f"({PEFT_PREFIX}<module>.lora_A/B.weight): {', '.join(unknown[:5])}")
+        raise ValueError(
+            f"{path / ADAPTER_WEIGHTS}: {len(unknown)} tensors are not LoRA factors "
+            f"({PEFT_PREFIX}<module>.lora_A/B.weight): {', '.join(unknown[:5])}"
+        )
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _NAME.match(name)
@@ -78,13 +89,19 @@ def read_peft_adapter(path: str | Path) -> Adapter:
             raise ValueError(f"{path / ADAPTER_WEIGHTS}: {module} has lora_{''.join(pair)} without its pair")
         a, b = pair["A"], pair["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise ValueError(f"{path / ADAPTER_WEIGHTS}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, "
-                             f"not rank r={r} of adapter_config.json")
+            raise ValueError(
+                f"{path / ADAPTER_WEIGHTS}: {module} has factors {tuple(a.shape)} and {tuple(b.shape)}, "
+                f"not rank r={r} of adapter_config.json"
+            )
         factors[module] = (a, b)
     if not factors:
         raise ValueError(f"{path / ADAPTER_WEIGHTS} holds no LoRA factors")
-    settings = AdapterSettings(r, float(config.get("lora_alpha", r)), config.get("target_modules") or sorted(factors),
-                               float(config.get("lora_dropout", 0.0)))
+    settings = AdapterSettings(
+        r,
+        float(config.get("lora_alpha", r)),
+        config.get("target_modules") or sorted(factors),
+        float(config.get("lora_dropout", 0.0)),
+    )
     return Adapter(settings, factors)
 
 
@@ -97,5 +114,6 @@ def write_peft_adapter_dir(adapter: Adapter, directory: Path, base: str | Path |
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
     save_file(tensors, directory / ADAPTER_WEIGHTS)
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(adapter.settings, base), indent=2, default=str)
-                                           + "\n")
+    (directory / ADAPTER_CONFIG).write_text(
+        json.dumps(adapter_config(adapter.settings, base), indent=2, default=str) + "\n"
+    )

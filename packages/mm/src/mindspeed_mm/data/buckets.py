@@ -40,8 +40,9 @@ class BucketOrder:
         ValueError: no key has ``micro`` samples (naming the largest bucket and the fix).
     """
 
-    def __init__(self, keys: Sequence[Hashable], micro: int, accumulation: int, world: int, seed: int,
-                 shuffle: bool) -> None:
+    def __init__(
+        self, keys: Sequence[Hashable], micro: int, accumulation: int, world: int, seed: int, shuffle: bool
+    ) -> None:
         self.keys, self.micro, self.accumulation, self.world = list(keys), micro, accumulation, world
         self.seed, self.shuffle = seed, shuffle
         sizes: dict[Hashable, int] = {}
@@ -50,12 +51,19 @@ class BucketOrder:
         self.per_epoch = sum(size // micro for size in sizes.values())
         if self.per_epoch == 0:
             largest = max(sizes.items(), key=lambda item: item[1])
-            raise ValueError(f"train.micro_batch_size={micro}: no latent shape has that many samples (the largest "
-                             f"bucket, {largest[0]}, has {largest[1]}); lower train.micro_batch_size")
+            raise ValueError(
+                f"train.micro_batch_size={micro}: no latent shape has that many samples (the largest "
+                f"bucket, {largest[0]}, has {largest[1]}); lower train.micro_batch_size"
+            )
         left = len(self.keys) - self.per_epoch * micro
         if left:
-            logger.info("buckets: %d shapes, %d microbatches of %d per epoch, %d samples left out per epoch",
-                        len(sizes), self.per_epoch, micro, left)
+            logger.info(
+                "buckets: %d shapes, %d microbatches of %d per epoch, %d samples left out per epoch",
+                len(sizes),
+                self.per_epoch,
+                micro,
+                left,
+            )
         self._epochs: dict[int, list[list[int]]] = {}
 
     def _epoch(self, epoch: int) -> list[list[int]]:

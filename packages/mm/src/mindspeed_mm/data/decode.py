@@ -59,7 +59,7 @@ def resize_crop(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     if size != (source_h, source_w):
         frames = F.interpolate(frames, size=size, mode="bilinear", align_corners=False, antialias=True)
     top, left = (size[0] - height) // 2, (size[1] - width) // 2
-    return frames[..., top:top + height, left:left + width]
+    return frames[..., top : top + height, left : left + width]
 
 
 def load_pixels(sample: MediaSample) -> torch.Tensor:

@@ -52,6 +52,7 @@ class EncodedSample:
 
 def _segments(messages: list[dict[str, str]], tokenizer: Any, source: str) -> list[tuple[str, str]]:
     """``[(kind, text)]`` with kind ``prompt`` or ``answer``, concatenating to the whole rendered conversation."""
+
     def render(k: int, generation: bool) -> str:
         return tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=generation)
 
@@ -62,18 +63,27 @@ def _segments(messages: list[dict[str, str]], tokenizer: Any, source: str) -> li
             continue
         prompt, full = render(i, True), render(i + 1, False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError(f"{source}: the chat template does not render turn by turn (a conversation's text "
-                             "is not a prefix of the next one's); use a template that only appends per turn")
-        segments += [("prompt", prompt[len(done):]), ("answer", full[len(prompt):])]
+            raise ValueError(
+                f"{source}: the chat template does not render turn by turn (a conversation's text "
+                "is not a prefix of the next one's); use a template that only appends per turn"
+            )
+        segments += [("prompt", prompt[len(done) :]), ("answer", full[len(prompt) :])]
         done = full
-    rest = render(len(messages), False)[len(done):]
+    rest = render(len(messages), False)[len(done) :]
     if rest:
         segments.append(("prompt", rest))
     return segments
 
 
-def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, family: VLMFamily, cutoff_len: int,
-                  train_on_prompt: bool = False, mask_history: bool = False) -> EncodedSample:
+def encode_sample(
+    sample: MllmSample,
+    tokenizer: Any,
+    image_processor: Any,
+    family: VLMFamily,
+    cutoff_len: int,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+) -> EncodedSample:
     """Tokenize ``sample`` and process its images.
 
     Raises:
@@ -92,8 +102,10 @@ def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, fami
             except OSError as err:
                 raise ValueError(f"{sample.source}: image {path} cannot be read ({err}); fix or remove it") from err
         vision, counts = family.image_inputs(image_processor(images=images, return_tensors="pt"), image_processor)
-    messages = [{"role": m["role"], "content": m["content"].replace(IMAGE_PLACEHOLDER, family.image_placeholder)}
-                for m in sample.messages]
+    messages = [
+        {"role": m["role"], "content": m["content"].replace(IMAGE_PLACEHOLDER, family.image_placeholder)}
+        for m in sample.messages
+    ]
     segments = _segments(messages, tokenizer, sample.source)
     answers = [i for i, (kind, _) in enumerate(segments) if kind == "answer"]
     ids: list[int] = []
@@ -106,15 +118,24 @@ def encode_sample(sample: MllmSample, tokenizer: Any, image_processor: Any, fami
             expanded += family.image_token * counts[next_image] + piece
             next_image += 1
         tokens = tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        learned = (kind == "answer" and (not mask_history or i == answers[-1])) or (train_on_prompt and kind == "prompt")
+        learned = (kind == "answer" and (not mask_history or i == answers[-1])) or (
+            train_on_prompt and kind == "prompt"
+        )
         ids += tokens
         labels += tokens if learned else [IGNORE_INDEX] * len(tokens)
     image_id = tokenizer.convert_tokens_to_ids(family.image_token)
     input_ids = torch.tensor(ids, dtype=torch.long)
     image_positions = (input_ids == image_id).nonzero()
     if len(image_positions) and int(image_positions[-1]) >= cutoff_len:
-        raise ValueError(f"{sample.source}: its image tokens end at token {int(image_positions[-1]) + 1}, beyond "
-                         f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels")
+        raise ValueError(
+            f"{sample.source}: its image tokens end at token {int(image_positions[-1]) + 1}, beyond "
+            f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels"
+        )
     input_ids, target = input_ids[:cutoff_len], torch.tensor(labels[:cutoff_len], dtype=torch.long)
-    return EncodedSample(input_ids=input_ids, labels=target, mm_token_type_ids=(input_ids == image_id).to(torch.int32),
-                         vision=vision, source=sample.source)
+    return EncodedSample(
+        input_ids=input_ids,
+        labels=target,
+        mm_token_type_ids=(input_ids == image_id).to(torch.int32),
+        vision=vision,
+        source=sample.source,
+    )

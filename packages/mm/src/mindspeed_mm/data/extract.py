@@ -63,11 +63,27 @@ class ExtractResult:
 def _manifest(config: MMConfig, architecture: str) -> dict:
     d = config.data
     digests = {name: hashlib.sha256(Path(name).read_bytes()).hexdigest() for name in d.files}
-    settings = {key: getattr(d, key) for key in ("image_dir", "resolutions", "hw_stride", "frame_counts", "fps",
-                                                   "skip_bad", "shard_size", "text_len", "vae_dtype",
-                                                   "text_encoder_dtype")}
-    return {"architecture": architecture, "encoders": str(encoders_dir(config).resolve()), "files": digests,
-            "data": settings}
+    settings = {
+        key: getattr(d, key)
+        for key in (
+            "image_dir",
+            "resolutions",
+            "hw_stride",
+            "frame_counts",
+            "fps",
+            "skip_bad",
+            "shard_size",
+            "text_len",
+            "vae_dtype",
+            "text_encoder_dtype",
+        )
+    }
+    return {
+        "architecture": architecture,
+        "encoders": str(encoders_dir(config).resolve()),
+        "files": digests,
+        "data": settings,
+    }
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -95,8 +111,15 @@ def _write_shard(media: MediaFeatures, directory: Path, shard: int, size: int, s
             continue
         entry = media.entries[i]
         tensors.update({f"{entry['id']}.{key}": _own(value) for key, value in sample.items()})
-        lines.append({"id": entry["id"], "shard": name, "caption": entry["caption"],
-                      "shape": list(sample["latents"].shape), "source": entry["where"]})
+        lines.append(
+            {
+                "id": entry["id"],
+                "shard": name,
+                "caption": entry["caption"],
+                "shape": list(sample["latents"].shape),
+                "source": entry["where"],
+            }
+        )
     tmp = directory / (name + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, directory / name)
@@ -120,8 +143,10 @@ def extract_features(config: MMConfig, after_shard: Callable[[int], None] | None
     manifest = _manifest(config, family.architecture)
     recorded = directory / MANIFEST
     if recorded.is_file() and json.loads(recorded.read_text()) != manifest:
-        raise ValueError(f"data.features={d.features!r} holds an extraction with other data, encoders or settings "
-                         f"({recorded}); remove the directory or choose another")
+        raise ValueError(
+            f"data.features={d.features!r} holds an extraction with other data, encoders or settings "
+            f"({recorded}); remove the directory or choose another"
+        )
     media = MediaFeatures(config, family)
     dist.barrier()  # every rank has compared before rank 0 writes
     if rank == 0:
@@ -154,8 +179,14 @@ def extract_features(config: MMConfig, after_shard: Callable[[int], None] | None
         for leftover in directory.glob("*.tmp"):  # writes a killed run left half done
             leftover.unlink()
         result.samples = len(lines)
-        logger.info("%s: %d samples in %d shards (%d written now, %d skipped as bad)", directory, result.samples,
-                    shards, result.written, result.bad)
+        logger.info(
+            "%s: %d samples in %d shards (%d written now, %d skipped as bad)",
+            directory,
+            result.samples,
+            shards,
+            result.written,
+            result.bad,
+        )
     dist.barrier()
     return result
 

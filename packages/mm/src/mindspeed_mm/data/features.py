@@ -30,8 +30,13 @@ INDEX = "index.jsonl"
 NULL = "null.safetensors"
 
 
-def write_features(directory: str | Path, samples: list[dict[str, torch.Tensor]], captions: list[str] | None = None,
-                   null: dict[str, torch.Tensor] | None = None, shard_size: int = 256) -> Path:
+def write_features(
+    directory: str | Path,
+    samples: list[dict[str, torch.Tensor]],
+    captions: list[str] | None = None,
+    null: dict[str, torch.Tensor] | None = None,
+    shard_size: int = 256,
+) -> Path:
     """Write ``samples`` (dicts of ``latents``, ``text`` and optionally ``pooled``) as a cache at ``directory``.
 
     The directory appears complete or not at all (written under a temporary name, then renamed).
@@ -48,8 +53,14 @@ def write_features(directory: str | Path, samples: list[dict[str, torch.Tensor]]
             sample_id = f"{i:06d}"
             for key, value in samples[i].items():
                 tensors[f"{sample_id}.{key}"] = _own(value)
-            lines.append({"id": sample_id, "shard": shard, "caption": captions[i] if captions else "",
-                          "shape": list(samples[i]["latents"].shape)})
+            lines.append(
+                {
+                    "id": sample_id,
+                    "shard": shard,
+                    "caption": captions[i] if captions else "",
+                    "shape": list(samples[i]["latents"].shape),
+                }
+            )
         save_file(tensors, str(tmp / shard))
     if null is not None:
         save_file({k: _own(v) for k, v in null.items()}, str(tmp / NULL))
@@ -102,17 +113,21 @@ class FeatureSet:
             self._open = (entry["shard"], safe_open(str(self.directory / entry["shard"]), framework="pt"))
         handle = self._open[1]
         prefix = entry["id"] + "."
-        sample = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+        sample = {key[len(prefix) :]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
         missing = [key for key in ("latents", "text") if key not in sample]
         if missing:
-            raise ValueError(f"{self.directory / entry['shard']}: sample {entry['id']} has no "
-                             f"{', '.join(entry['id'] + '.' + key for key in missing)}; re-extract its features")
+            raise ValueError(
+                f"{self.directory / entry['shard']}: sample {entry['id']} has no "
+                f"{', '.join(entry['id'] + '.' + key for key in missing)}; re-extract its features"
+            )
         return sample
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each sample's latent shape (from the index; read from the shard where a line has none)."""
-        return [tuple(entry["shape"]) if "shape" in entry else tuple(self[i]["latents"].shape)
-                for i, entry in enumerate(self.entries)]
+        return [
+            tuple(entry["shape"]) if "shape" in entry else tuple(self[i]["latents"].shape)
+            for i, entry in enumerate(self.entries)
+        ]
 
     def null(self) -> dict[str, torch.Tensor] | None:
         """The empty caption's ``text`` (and ``pooled``), or None when the cache has none."""

@@ -169,8 +169,16 @@ def pick_resolution(height: int, width: int, resolutions: list[list[int]], strid
     return max(stride, height // stride * stride), max(stride, width // stride * stride)
 
 
-def plan_media(files: list[str], media_dir: str | None, resolutions: list[list[int]], stride: int,
-               frame_counts: list[int], fps: float, skip_bad: bool, images_only: bool = False) -> list[MediaSample]:
+def plan_media(
+    files: list[str],
+    media_dir: str | None,
+    resolutions: list[list[int]],
+    stride: int,
+    frame_counts: list[int],
+    fps: float,
+    skip_bad: bool,
+    images_only: bool = False,
+) -> list[MediaSample]:
     """Every usable sample of ``files`` with its target shape (see the module docstring).
 
     Args:
@@ -193,8 +201,10 @@ def plan_media(files: list[str], media_dir: str | None, resolutions: list[list[i
                 raise BadSample(f"{path} is a video; this model trains on images")
             frames = (0,) if is_image else sample_frames(count, source_fps, frame_counts, fps)
             if frames is None:
-                raise BadSample(f"{path} has {count} frames at {source_fps:g} fps: too few for "
-                                f"{min(frame_counts)} frames at data.fps={fps:g}")
+                raise BadSample(
+                    f"{path} has {count} frames at {source_fps:g} fps: too few for "
+                    f"{min(frame_counts)} frames at data.fps={fps:g}"
+                )
         except BadSample as error:
             if not skip_bad:
                 raise BadSample(f"{where}: {error}; fix or remove the sample, or set data.skip_bad=true") from None

@@ -38,18 +38,26 @@ class MediaFeatures:
         d = config.data
         self.family = family
         self.directory = encoders_dir(config)
-        self.encoders = EncoderSet(self.directory, family.architecture, d.text_len or family.text_len,
-                                   get_accelerator().device(), getattr(torch, d.vae_dtype),
-                                   getattr(torch, d.text_encoder_dtype))
+        self.encoders = EncoderSet(
+            self.directory,
+            family.architecture,
+            d.text_len or family.text_len,
+            get_accelerator().device(),
+            getattr(torch, d.vae_dtype),
+            getattr(torch, d.text_encoder_dtype),
+        )
         images_only = family.latent_dims == 3
         stride = self.encoders.time_stride()
         if not images_only:
             wrong = [n for n in d.frame_counts if n < 1 or (n - 1) % stride]
             if wrong:
-                raise ValueError(f"data.frame_counts={d.frame_counts}: {wrong} are not k x {stride} + 1 frames, which "
-                                 f"{self.directory / 'vae'} needs (its time stride is {stride}); e.g. {4 * stride + 1}")
-        self.samples: list[MediaSample] = plan_media(d.files, d.image_dir, d.resolutions, d.hw_stride, d.frame_counts,
-                                                     d.fps, d.skip_bad, images_only)
+                raise ValueError(
+                    f"data.frame_counts={d.frame_counts}: {wrong} are not k x {stride} + 1 frames, which "
+                    f"{self.directory / 'vae'} needs (its time stride is {stride}); e.g. {4 * stride + 1}"
+                )
+        self.samples: list[MediaSample] = plan_media(
+            d.files, d.image_dir, d.resolutions, d.hw_stride, d.frame_counts, d.fps, d.skip_bad, images_only
+        )
         self.entries = [{"id": f"{i:06d}", "caption": s.caption, "where": s.where} for i, s in enumerate(self.samples)]
         #: listed samples left out by ``data.skip_bad`` before decoding
         self.skipped = len(read_listing(d.files, d.image_dir)) - len(self.samples)
@@ -64,8 +72,10 @@ class MediaFeatures:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """Sample ``index``'s ``latents``, ``text`` (and ``pooled``)."""
-        return {"latents": self.encoders.encode_pixels(self.pixels(index)),
-                **self.encoders.encode_text(self.samples[index].caption)}
+        return {
+            "latents": self.encoders.encode_pixels(self.pixels(index)),
+            **self.encoders.encode_text(self.samples[index].caption),
+        }
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each sample's bucket ``(frames, height, width)`` (one bucket per latent shape)."""

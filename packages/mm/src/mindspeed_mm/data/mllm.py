@@ -35,8 +35,9 @@ class MllmSample:
     source: str
 
 
-def read_mllm_files(files: list[str], image_dir: str | None = None, max_samples: int | None = None,
-                    require_answer: bool = True) -> list[MllmSample]:
+def read_mllm_files(
+    files: list[str], image_dir: str | None = None, max_samples: int | None = None, require_answer: bool = True
+) -> list[MllmSample]:
     """Read and check every sample of ``files`` (in order).
 
     ``require_answer=False`` accepts samples without an assistant turn (prompts for ``generate``).
@@ -63,8 +64,9 @@ def _records(path: Path) -> list[tuple[str, Any]]:
         try:
             items = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); a .json data file holds one list "
-                             "of samples") from err
+            raise ValueError(
+                f"{path}:{err.lineno}: not valid JSON ({err.msg}); a .json data file holds one list of samples"
+            ) from err
         return [(f"{path}[{i}]", item) for i, item in enumerate(items)]
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -79,19 +81,28 @@ def _records(path: Path) -> list[tuple[str, Any]]:
 
 def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> MllmSample:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: a sample must be an object with `messages` (and `images`), got "
-                         f"{type(record).__name__}")
+        raise ValueError(
+            f"{where}: a sample must be an object with `messages` (and `images`), got {type(record).__name__}"
+        )
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: `messages` is missing or empty; give a list of {{\"role\", \"content\"}} turns")
+        raise ValueError(f'{where}: `messages` is missing or empty; give a list of {{"role", "content"}} turns')
     checked = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
-                             f"a string}}, got {message!r}")
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f'{where}: messages[{i}] must be {{"role": one of {", ".join(ROLES)}, "content": '
+                f"a string}}, got {message!r}"
+            )
         if VIDEO_PLACEHOLDER in message["content"]:
-            raise ValueError(f"{where}: messages[{i}] has a <video> placeholder; videos are not supported yet, "
-                             "remove the sample or turn its frames into images")
+            raise ValueError(
+                f"{where}: messages[{i}] has a <video> placeholder; videos are not supported yet, "
+                "remove the sample or turn its frames into images"
+            )
         checked.append({"role": message["role"], "content": message["content"]})
     if require_answer and not any(m["role"] == "assistant" for m in checked):
         raise ValueError(f"{where}: no assistant turn; a training sample needs at least one answer")
@@ -103,13 +114,17 @@ def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> 
     placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in checked)
     if placeholders != len(images):
         fix = "add <image> to the messages" if placeholders < len(images) else "add the image paths to `images`"
-        raise ValueError(f"{where}: {placeholders} <image> placeholder(s) but {len(images)} image(s); {fix} so "
-                         "each image has one placeholder")
+        raise ValueError(
+            f"{where}: {placeholders} <image> placeholder(s) but {len(images)} image(s); {fix} so "
+            "each image has one placeholder"
+        )
     resolved = []
     for image in images:
         path = Path(image) if Path(image).is_absolute() else base / image
         if not path.is_file():
-            raise ValueError(f"{where}: image {image!r} not found (looked for {path}); fix the path or set "
-                             "data.image_dir to the folder the paths are relative to")
+            raise ValueError(
+                f"{where}: image {image!r} not found (looked for {path}); fix the path or set "
+                "data.image_dir to the folder the paths are relative to"
+            )
         resolved.append(str(path))
     return MllmSample(messages=tuple(checked), images=tuple(resolved), source=where)

@@ -52,8 +52,11 @@ class PackedBatch:
 
     def model_inputs(self, device: torch.device) -> dict[str, Any]:
         """Keyword arguments of the model's forward."""
-        inputs: dict[str, Any] = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
-                                  "use_cache": False}
+        inputs: dict[str, Any] = {
+            "input_ids": self.input_ids.to(device),
+            "position_ids": self.position_ids.to(device),
+            "use_cache": False,
+        }
         inputs.update({key: value.to(device) for key, value in self.vision.items()})
         return inputs
 
@@ -71,7 +74,10 @@ def pack_samples(samples: list[EncodedSample], model: Any, family: VLMFamily) ->
         for key, value in sample.vision.items():
             vision.setdefault(key, []).append(value)
     return PackedBatch(
-        input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions, dim=-1),
+        input_ids=torch.cat(ids)[None],
+        position_ids=torch.cat(positions, dim=-1),
         vision={key: torch.cat(values) for key, values in vision.items()},
-        targets=torch.cat(targets), sample_index=torch.cat(index), num_samples=len(samples),
+        targets=torch.cat(targets),
+        sample_index=torch.cat(index),
+        num_samples=len(samples),
     )

@@ -51,9 +51,20 @@ DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 CLIPS_PER_COMBINATION = 12
 TEXT_LEN = 8
 #: The demo transformer: ~0.1 M parameters; 12 latent channels (3 colours x 2 x 2 pixels).
-TINY_WAN = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 24, "in_channels": 12,
-            "out_channels": 12, "text_dim": 32, "freq_dim": 64, "ffn_dim": 96, "num_layers": 2,
-            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
+TINY_WAN = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 24,
+    "in_channels": 12,
+    "out_channels": 12,
+    "text_dim": 32,
+    "freq_dim": 64,
+    "ffn_dim": 96,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
 
 
 def caption(colour: str, shape: str, direction: str) -> str:
@@ -64,8 +75,11 @@ def caption(colour: str, shape: str, direction: str) -> str:
 def heldout_combinations() -> list[tuple[str, str, str]]:
     """The 8 (colour, shape, direction) combinations never trained on: each colour and each direction twice."""
     colours, directions = list(COLOURS), list(DIRECTIONS)
-    return [(c, SHAPES[(i + k) % len(SHAPES)], directions[(i + 2 * k) % len(directions)])
-            for i, c in enumerate(colours) for k in range(2)]
+    return [
+        (c, SHAPES[(i + k) % len(SHAPES)], directions[(i + 2 * k) % len(directions)])
+        for i, c in enumerate(colours)
+        for k in range(2)
+    ]
 
 
 def draw_clip(colour: str, shape: str, direction: str, rng: random.Random) -> np.ndarray:
@@ -90,8 +104,10 @@ def draw_clip(colour: str, shape: str, direction: str, rng: random.Random) -> np
         elif shape == "circle":
             draw.ellipse(box, fill=COLOURS[colour])
         else:
-            draw.polygon([(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)],
-                         fill=COLOURS[colour])
+            draw.polygon(
+                [(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)],
+                fill=COLOURS[colour],
+            )
         frames.append(np.asarray(image))
     return np.stack(frames)
 
@@ -120,18 +136,32 @@ def write_demo_pipeline(directory: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     WanTransformer3DModel(**TINY_WAN).save_pretrained(str(directory / "transformer"))
     PatchVAE(patch_size=2).save_pretrained(str(directory / "vae"))
-    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words) + 3, d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                          num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                          eos_token_id=1, decoder_start_token_id=0))
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(words) + 3,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
     encoder.save_pretrained(str(directory / "text_encoder"))
     _word_tokenizer(words).save_pretrained(str(directory / "tokenizer"))
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(str(directory / "scheduler"))
-    index = {"_class_name": "WanPipeline", "_mindspeed_note": "the vae is mindspeed_mm's PatchVAE",
-             "transformer": ["diffusers", "WanTransformer3DModel"],
-             "vae": ["mindspeed_mm.diffusion.patch_vae", "PatchVAE"],
-             "text_encoder": ["transformers", "UMT5EncoderModel"],
-             "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    index = {
+        "_class_name": "WanPipeline",
+        "_mindspeed_note": "the vae is mindspeed_mm's PatchVAE",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["mindspeed_mm.diffusion.patch_vae", "PatchVAE"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    }
     (directory / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return directory
 
@@ -164,8 +194,12 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         ``{"pipeline", "transformer", "features", "heldout"}``.
     """
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"t2v-v{BUILDER_VERSION}"
-    paths = {"pipeline": root / "pipeline", "transformer": root / "pipeline" / "transformer",
-             "features": root / "features", "heldout": root / "heldout.txt"}
+    paths = {
+        "pipeline": root / "pipeline",
+        "transformer": root / "pipeline" / "transformer",
+        "features": root / "features",
+        "heldout": root / "heldout.txt",
+    }
     if not (paths["pipeline"] / "model_index.json").is_file():
         logger.info("writing the text-to-video demo pipeline into %s (once)", paths["pipeline"])
         tmp = root / "pipeline.tmp"
@@ -204,10 +238,12 @@ def resolve_dit_demo(config: MMConfig) -> MMConfig:
     if config.model.path not in DEMOS and config.data.features not in DEMOS:
         return config
     paths = demo_paths()
-    model = dataclasses.replace(config.model, path=str(paths["transformer"]) if config.model.path in DEMOS
-                                else config.model.path)
-    data = dataclasses.replace(config.data, features=str(paths["features"]) if config.data.features in DEMOS
-                               else config.data.features)
+    model = dataclasses.replace(
+        config.model, path=str(paths["transformer"]) if config.model.path in DEMOS else config.model.path
+    )
+    data = dataclasses.replace(
+        config.data, features=str(paths["features"]) if config.data.features in DEMOS else config.data.features
+    )
     return dataclasses.replace(config, model=model, data=data)
 
 
@@ -237,8 +273,13 @@ def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
     return {key: value / max(len(captions), 1) for key, value in right.items()}
 
 
-def sample_heldout(load_dir: str | Path, seeds: int = 2, steps: int = 20, guidance_scale: float = 4.0,
-                   combinations: list[tuple[str, str, str]] | None = None) -> tuple[torch.Tensor, list[str]]:
+def sample_heldout(
+    load_dir: str | Path,
+    seeds: int = 2,
+    steps: int = 20,
+    guidance_scale: float = 4.0,
+    combinations: list[tuple[str, str, str]] | None = None,
+) -> tuple[torch.Tensor, list[str]]:
     """Videos ``[N, F, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
     the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
     from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
@@ -249,10 +290,19 @@ def sample_heldout(load_dir: str | Path, seeds: int = 2, steps: int = 20, guidan
     family = loaded.family
     captions = [caption(*c) for c in (combinations or heldout_combinations()) for _ in range(seeds)]
     shape = latent_shape(loaded.parts["vae"], family, NUM_FRAMES, SIZE, SIZE)
-    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(i % seeds))
-                         for i in range(len(captions))])
+    noise = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(i % seeds)) for i in range(len(captions))]
+    )
     text, _ = family.encode_prompts(loaded.parts, captions, TEXT_LEN)
     negative, _ = family.encode_prompts(loaded.parts, [""], TEXT_LEN)
-    latents = sample_latents(loaded.model, family, build_scheduler(family, pipeline), noise, text, steps,
-                             negative_text=negative.expand(len(captions), -1, -1), guidance_scale=guidance_scale)
+    latents = sample_latents(
+        loaded.model,
+        family,
+        build_scheduler(family, pipeline),
+        noise,
+        text,
+        steps,
+        negative_text=negative.expand(len(captions), -1, -1),
+        guidance_scale=guidance_scale,
+    )
     return decode_latents(loaded.parts["vae"], latents), captions

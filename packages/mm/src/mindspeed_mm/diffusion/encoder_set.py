@@ -44,8 +44,10 @@ def _umt5(tokenizer: Any, encoder: Any, captions: list[str], max_length: int) ->
 #: diffusers transformer ``_class_name`` -> its text encoding.
 TEXT_ENCODINGS: Registry[TextEncoding] = Registry("text encoding")
 TEXT_ENCODINGS.register("WanTransformer3DModel", TextEncoding((("text_encoder", "tokenizer"),), _umt5))
-TEXT_ENCODINGS.register("FluxTransformer2DModel", TextEncoding(
-    (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")), encode_t5_clip))
+TEXT_ENCODINGS.register(
+    "FluxTransformer2DModel",
+    TextEncoding((("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")), encode_t5_clip),
+)
 
 
 def _load_diffusers(directory: Path, dtype: torch.dtype) -> Any:
@@ -85,8 +87,15 @@ class EncoderSet:
         ValueError: a missing folder or an unknown class (naming the path).
     """
 
-    def __init__(self, directory: str | Path, architecture: str, max_length: int, device: torch.device,
-                 vae_dtype: torch.dtype = torch.float32, text_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        architecture: str,
+        max_length: int,
+        device: torch.device,
+        vae_dtype: torch.dtype = torch.float32,
+        text_dtype: torch.dtype = torch.float32,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.directory, self.max_length, self.device = Path(directory), max_length, device
@@ -95,10 +104,14 @@ class EncoderSet:
         self.text_parts: list[Any] = []
         for encoder, tokenizer in self.encoding.folders:
             if not (self.directory / tokenizer).is_dir():
-                raise ValueError(f"{self.directory / tokenizer} does not exist; data.encoders must hold the "
-                                 f"pipeline's {tokenizer} folder")
-            self.text_parts += [AutoTokenizer.from_pretrained(str(self.directory / tokenizer), local_files_only=True),
-                                _load_transformers(self.directory / encoder, text_dtype).to(device).eval()]
+                raise ValueError(
+                    f"{self.directory / tokenizer} does not exist; data.encoders must hold the "
+                    f"pipeline's {tokenizer} folder"
+                )
+            self.text_parts += [
+                AutoTokenizer.from_pretrained(str(self.directory / tokenizer), local_files_only=True),
+                _load_transformers(self.directory / encoder, text_dtype).to(device).eval(),
+            ]
 
     def time_stride(self) -> int:
         """Frames the VAE folds into one latent frame (4 for Wan's; 1 for an image VAE)."""

@@ -35,8 +35,10 @@ def encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
         std = torch.tensor(config.latents_std, dtype=z.dtype, device=z.device).view(shape)
         return (z - mean) / std
     if getattr(config, "scaling_factor", None) is None:
-        raise ValueError(f"{type(vae).__name__}: its config has neither latents_mean/latents_std nor scaling_factor; "
-                         "give a diffusers VAE directory")
+        raise ValueError(
+            f"{type(vae).__name__}: its config has neither latents_mean/latents_std nor scaling_factor; "
+            "give a diffusers VAE directory"
+        )
     return (z - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
 
@@ -44,8 +46,15 @@ def encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
 def encode_umt5(tokenizer: Any, encoder: Any, captions: list[str], max_length: int = 512) -> list[torch.Tensor]:
     """UMT5's last hidden state for each caption's real tokens (``[len_i, D]``), as ``WanPipeline`` encodes them
     (its own caption cleaning, padding to ``max_length``, truncation)."""
-    inputs = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=max_length,
-                       truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    inputs = tokenizer(
+        [prompt_clean(c) for c in captions],
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     device = next(encoder.parameters()).device
     mask = inputs.attention_mask
     hidden = encoder(inputs.input_ids.to(device), mask.to(device)).last_hidden_state
@@ -53,13 +62,16 @@ def encode_umt5(tokenizer: Any, encoder: Any, captions: list[str], max_length: i
 
 
 @torch.no_grad()
-def encode_t5_clip(clip_tokenizer: Any, clip: Any, t5_tokenizer: Any, t5: Any, captions: list[str],
-                   max_length: int = 512) -> list[dict[str, torch.Tensor]]:
+def encode_t5_clip(
+    clip_tokenizer: Any, clip: Any, t5_tokenizer: Any, t5: Any, captions: list[str], max_length: int = 512
+) -> list[dict[str, torch.Tensor]]:
     """Per caption ``{"text": [max_length, D], "pooled": [P]}`` as ``FluxPipeline.encode_prompt`` computes them."""
-    clip_inputs = clip_tokenizer(captions, padding="max_length", max_length=clip_tokenizer.model_max_length,
-                                 truncation=True, return_tensors="pt")
+    clip_inputs = clip_tokenizer(
+        captions, padding="max_length", max_length=clip_tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    )
     pooled = clip(clip_inputs.input_ids.to(next(clip.parameters()).device), output_hidden_states=False).pooler_output
-    t5_inputs = t5_tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
-                             return_tensors="pt")
+    t5_inputs = t5_tokenizer(
+        captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    )
     text = t5(t5_inputs.input_ids.to(next(t5.parameters()).device), output_hidden_states=False)[0]
     return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]

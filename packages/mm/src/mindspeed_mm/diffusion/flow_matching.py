@@ -29,8 +29,14 @@ def sigma_grid(num_train_timesteps: int, shift: float) -> torch.Tensor:
     return (shift * base / (1 + (shift - 1) * base)).float()
 
 
-def sample_density(scheme: str, size: int, generator: torch.Generator, logit_mean: float = 0.0,
-                   logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
+def sample_density(
+    scheme: str,
+    size: int,
+    generator: torch.Generator,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> torch.Tensor:
     """``size`` numbers in [0, 1] drawn from ``scheme`` (``uniform``, ``logit_normal``, ``mode``) with ``generator``.
 
     The same draws as diffusers' ``compute_density_for_timestep_sampling`` given the same generator.
@@ -81,8 +87,14 @@ class FlowMatching:
         """Draw ``u`` (one per sample or per microbatch), then the noise, then the text dropout."""
         c = self.config
         batch = latent_shape[0]
-        u = sample_density(c.timestep_sampling, batch if c.timestep_per == "sample" else 1, generator, c.logit_mean,
-                           c.logit_std, c.mode_scale)
+        u = sample_density(
+            c.timestep_sampling,
+            batch if c.timestep_per == "sample" else 1,
+            generator,
+            c.logit_mean,
+            c.logit_std,
+            c.mode_scale,
+        )
         u = c.min_timestep_boundary + u * (c.max_timestep_boundary - c.min_timestep_boundary)
         indices = (u * c.num_train_timesteps).long().clamp(0, c.num_train_timesteps - 1).expand(batch).clone()
         noise = torch.randn(latent_shape, generator=generator)
@@ -94,8 +106,9 @@ class FlowMatching:
         sigma = self._per_sample(self.sigmas[indices.cpu()], latents)
         return (1 - sigma) * latents + sigma * noise
 
-    def loss(self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
-             indices: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
         """Per sample: the mean over its elements of ``weight x (prediction - (noise - x0))^2`` (float32) ``[B]``."""
         target = (noise - latents).float()
         error = (prediction.float() - target) ** 2
@@ -108,9 +121,9 @@ class FlowMatching:
         indices = indices.cpu()
         sigmas = self.sigmas[indices]
         if scheme == "sigma_sqrt":
-            return sigmas ** -2.0
+            return sigmas**-2.0
         if scheme == "cosmap":
-            return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+            return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
         if scheme == "bsmntw":
             return self.bsmntw[indices]
         return torch.ones_like(sigmas)

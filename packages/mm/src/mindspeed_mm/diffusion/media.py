@@ -44,8 +44,9 @@ def write_gif(path: str | Path, frames: torch.Tensor | list[Any], fps: int = 8, 
     if scale > 1:
         images = [im.resize((im.width * scale, im.height * scale), Image.NEAREST) for im in images]
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)),
-                   loop=0)
+    images[0].save(
+        tmp, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0
+    )
     return _replace(tmp, path)
 
 
@@ -78,8 +79,13 @@ def write_mp4(path: str | Path, frames: torch.Tensor, fps: int = 8) -> Path:
     return _replace(tmp, path)
 
 
-def contact_sheet(samples: list[torch.Tensor], captions: list[str], scale: int = 1, columns: int | None = None,
-                  frame: int | None = None) -> Any:
+def contact_sheet(
+    samples: list[torch.Tensor],
+    captions: list[str],
+    scale: int = 1,
+    columns: int | None = None,
+    frame: int | None = None,
+) -> Any:
     """A PIL image: one cell per sample (an image ``[3, H, W]``, or frame ``frame`` of a video ``[F, 3, H, W]``)
     with its caption under it, ``columns`` cells a row (default: up to 4)."""
     from PIL import Image, ImageDraw
@@ -102,8 +108,9 @@ def contact_sheet(samples: list[torch.Tensor], captions: list[str], scale: int =
     return sheet
 
 
-def write_contact_sheets(directory: str | Path, samples: list[torch.Tensor], captions: list[str], fps: int = 8,
-                         scale: int = 1) -> list[Path]:
+def write_contact_sheets(
+    directory: str | Path, samples: list[torch.Tensor], captions: list[str], fps: int = 8, scale: int = 1
+) -> list[Path]:
     """``contact_sheet.png`` (images; first frames of videos) and, for videos, ``contact_sheet.gif`` (all frames)."""
     directory = Path(directory)
     sheet = contact_sheet(samples, captions, scale)

@@ -43,19 +43,25 @@ class PatchVAE(ModelMixin, ConfigMixin):
     """Space-to-depth with patch ``patch_size``: ``3 p^2`` latent channels, ``p`` times smaller in space, same frames."""
 
     @register_to_config
-    def __init__(self, patch_size: int = 2, in_channels: int = 3, latents_mean: list[float] | None = None,
-                 latents_std: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        patch_size: int = 2,
+        in_channels: int = 3,
+        latents_mean: list[float] | None = None,
+        latents_std: list[float] | None = None,
+    ) -> None:
         super().__init__()
         channels = in_channels * patch_size * patch_size
-        self.register_to_config(latents_mean=list(latents_mean or [0.0] * channels),
-                                latents_std=list(latents_std or [1.0] * channels))
+        self.register_to_config(
+            latents_mean=list(latents_mean or [0.0] * channels), latents_std=list(latents_std or [1.0] * channels)
+        )
         # ModelMixin wants a parameter to tell the device and dtype; it is never used.
         self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
 
     @property
     def latent_channels(self) -> int:
         """Channels of the latents."""
-        return self.config.in_channels * self.config.patch_size ** 2
+        return self.config.in_channels * self.config.patch_size**2
 
     def encode(self, pixels: torch.Tensor, return_dict: bool = True) -> PatchEncoding | tuple[_Point]:
         """``[B, C, (F,) H, W] -> [B, C p^2, (F,) H/p, W/p]``."""
@@ -65,7 +71,11 @@ class PatchVAE(ModelMixin, ConfigMixin):
         b, c, f, h, w = x.shape
         if h % p or w % p:
             raise ValueError(f"PatchVAE: height {h} and width {w} must be multiples of its patch size {p}")
-        z = x.reshape(b, c, f, h // p, p, w // p, p).permute(0, 1, 4, 6, 2, 3, 5).reshape(b, c * p * p, f, h // p, w // p)
+        z = (
+            x.reshape(b, c, f, h // p, p, w // p, p)
+            .permute(0, 1, 4, 6, 2, 3, 5)
+            .reshape(b, c * p * p, f, h // p, w // p)
+        )
         z = z if video else z.squeeze(2)
         return PatchEncoding(_Point(z)) if return_dict else (_Point(z),)
 

@@ -88,8 +88,12 @@ def _pipeline_of(transformer: Path, given: str | Path | None) -> Path | None:
     return transformer.parent if (transformer.parent / MODEL_INDEX).is_file() else None
 
 
-def load_dit_pipeline(load_dir: str | Path, hf_cfg_dir: str | Path | None = None, pipeline_dir: str | Path | None = None,
-                      dtype: torch.dtype = torch.float32) -> DiTPipeline:
+def load_dit_pipeline(
+    load_dir: str | Path,
+    hf_cfg_dir: str | Path | None = None,
+    pipeline_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> DiTPipeline:
     """The transformer of ``load_dir`` (see the module docstring) and its pipeline's parts.
 
     Raises:
@@ -102,11 +106,15 @@ def load_dit_pipeline(load_dir: str | Path, hf_cfg_dir: str | Path | None = None
     if source is None:
         checkpoint = load if (load / _DCP_METADATA).is_file() else newest_checkpoint(load)
         if checkpoint is None or not (checkpoint / _DCP_METADATA).is_file():
-            raise ValueError(f"--load-dir {str(load_dir)!r} is neither a diffusers pipeline ({MODEL_INDEX}), a "
-                             "transformer directory (config.json with _class_name) nor a training checkpoint; give one")
+            raise ValueError(
+                f"--load-dir {str(load_dir)!r} is neither a diffusers pipeline ({MODEL_INDEX}), a "
+                "transformer directory (config.json with _class_name) nor a training checkpoint; give one"
+            )
         if hf_cfg_dir is None:
-            raise ValueError(f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
-                             "--hf-cfg-dir with the transformer directory it was trained from (the recipe's model.path)")
+            raise ValueError(
+                f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
+                "--hf-cfg-dir with the transformer directory it was trained from (the recipe's model.path)"
+            )
         source = transformer_dir(_resolve(hf_cfg_dir))
         if source is None:
             raise ValueError(f"--hf-cfg-dir {str(hf_cfg_dir)!r} is not a diffusers transformer or pipeline directory")
@@ -120,8 +128,15 @@ def load_dit_pipeline(load_dir: str | Path, hf_cfg_dir: str | Path | None = None
     pipeline = _pipeline_of(source, pipeline_dir)
     parts = load_parts(pipeline, family, device, dtype) if pipeline is not None else {}
     weights = checkpoint or source
-    logger.info("loaded %s from %s (%.2f M parameters, %s) with the pipeline %s on %s", family.architecture, weights,
-                sum(p.numel() for p in model.parameters()) / 1e6, dtype, pipeline, device)
+    logger.info(
+        "loaded %s from %s (%.2f M parameters, %s) with the pipeline %s on %s",
+        family.architecture,
+        weights,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        dtype,
+        pipeline,
+        device,
+    )
     return DiTPipeline(family, model, parts, pipeline, weights, device)
 
 
@@ -152,8 +167,11 @@ def _to(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> to
 def _load_dcp(checkpoint: Path, source: Path, family: DiTFamily) -> Any:
     """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes match)."""
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    saved = {key[len("model."):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-             for key, meta in metadata.items() if key.startswith("model.") and hasattr(meta, "size")}
+    saved = {
+        key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
@@ -163,9 +181,11 @@ def _load_dcp(checkpoint: Path, source: Path, family: DiTFamily) -> Any:
     missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
     wrong = [name for name in set(state) & set(saved) if tuple(state[name].shape) != tuple(saved[name].shape)]
     if missing or unexpected or wrong:
-        raise ValueError(f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} (missing "
-                         f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]}); pass the "
-                         "--hf-cfg-dir the run trained from")
+        raise ValueError(
+            f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]}); pass the "
+            "--hf-cfg-dir the run trained from"
+        )
     model.load_state_dict(saved, strict=True)
     return model.float()
 
@@ -187,10 +207,14 @@ def latent_shape(vae: Any, family: DiTFamily, num_frames: int, height: int, widt
         spatial, time, channels = config.patch_size, 1, vae.latent_channels
     multiple = spatial * 2
     if height % multiple or width % multiple:
-        raise ValueError(f"--height {height} and --width {width} must be multiples of {multiple} (the VAE's stride "
-                         f"{spatial} times the transformer's patch 2)")
+        raise ValueError(
+            f"--height {height} and --width {width} must be multiples of {multiple} (the VAE's stride "
+            f"{spatial} times the transformer's patch 2)"
+        )
     if family.latent_dims == 3:
         return channels, height // spatial, width // spatial
     if (num_frames - 1) % time:
-        raise ValueError(f"--num-frames {num_frames}: frames - 1 must be a multiple of the VAE's temporal stride {time}")
+        raise ValueError(
+            f"--num-frames {num_frames}: frames - 1 must be a multiple of the VAE's temporal stride {time}"
+        )
     return channels, (num_frames - 1) // time + 1, height // spatial, width // spatial

@@ -28,8 +28,13 @@ from mindspeed_mm.models.dit import DiTFamily
 #: ``--sampler`` name -> diffusers scheduler class.
 SAMPLERS = {"euler": "FlowMatchEulerDiscreteScheduler", "unipc": "UniPCMultistepScheduler"}
 #: UniPC in flow mode, as Wan's diffusers pipelines and MindSpeed-MM's Wan inference recipes configure it.
-UNIPC_FLOW = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "solver_order": 2, "solver_type": "bh2",
-              "final_sigmas_type": "zero"}
+UNIPC_FLOW = {
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "final_sigmas_type": "zero",
+}
 
 
 def scheduler_config(family: DiTFamily, pipeline_dir: str | Path | None) -> tuple[str, dict[str, Any]]:
@@ -41,8 +46,12 @@ def scheduler_config(family: DiTFamily, pipeline_dir: str | Path | None) -> tupl
     return config.pop("_class_name"), config
 
 
-def build_scheduler(family: DiTFamily, pipeline_dir: str | Path | None = None, sampler: str | None = None,
-                    flow_shift: float | None = None) -> Any:
+def build_scheduler(
+    family: DiTFamily,
+    pipeline_dir: str | Path | None = None,
+    sampler: str | None = None,
+    flow_shift: float | None = None,
+) -> Any:
     """The sampling scheduler.
 
     Args:
@@ -60,8 +69,9 @@ def build_scheduler(family: DiTFamily, pipeline_dir: str | Path | None = None, s
         raise ValueError(f"--sampler {sampler!r} is unknown; use one of {', '.join(SAMPLERS)}")
     name, config = scheduler_config(family, pipeline_dir)
     if name not in SAMPLERS.values():
-        raise ValueError(f"{pipeline_dir}/scheduler is a {name}; give --sampler {' or '.join(SAMPLERS)} "
-                         "(flow-matching schedulers)")
+        raise ValueError(
+            f"{pipeline_dir}/scheduler is a {name}; give --sampler {' or '.join(SAMPLERS)} (flow-matching schedulers)"
+        )
     target = SAMPLERS[sampler] if sampler is not None else name
     shift = flow_shift if flow_shift is not None else config.get("flow_shift", config.get("shift", 1.0))
     if target != name:  # another class: keep what both understand
@@ -76,10 +86,19 @@ def build_scheduler(family: DiTFamily, pipeline_dir: str | Path | None = None, s
 
 
 @torch.no_grad()
-def sample_latents(model: Any, family: DiTFamily, scheduler: Any, latents: torch.Tensor, text: torch.Tensor,
-                   steps: int, pooled: torch.Tensor | None = None, negative_text: torch.Tensor | None = None,
-                   negative_pooled: torch.Tensor | None = None, guidance_scale: float = 1.0,
-                   distilled_guidance: float = 1.0) -> torch.Tensor:
+def sample_latents(
+    model: Any,
+    family: DiTFamily,
+    scheduler: Any,
+    latents: torch.Tensor,
+    text: torch.Tensor,
+    steps: int,
+    pooled: torch.Tensor | None = None,
+    negative_text: torch.Tensor | None = None,
+    negative_pooled: torch.Tensor | None = None,
+    guidance_scale: float = 1.0,
+    distilled_guidance: float = 1.0,
+) -> torch.Tensor:
     """Denoise ``latents`` (pure noise, ``[B, ...]`` in the family's latent layout) into clean latents.
 
     Args:
@@ -105,18 +124,27 @@ def sample_latents(model: Any, family: DiTFamily, scheduler: Any, latents: torch
         timestep = t.expand(shape[0]).to(torch.float32) / family.timestep_divisor
         velocity = _velocity(model, family, latents.to(dtype), timestep, text, pooled, distilled_guidance)
         if guided:
-            uncond = _velocity(model, family, latents.to(dtype), timestep, negative_text, negative_pooled,
-                               distilled_guidance)
+            uncond = _velocity(
+                model, family, latents.to(dtype), timestep, negative_text, negative_pooled, distilled_guidance
+            )
             velocity = uncond + guidance_scale * (velocity - uncond)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
     return latents
 
 
-def _velocity(model: Any, family: DiTFamily, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-              pooled: torch.Tensor | None, guidance: float) -> torch.Tensor:
+def _velocity(
+    model: Any,
+    family: DiTFamily,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    text: torch.Tensor,
+    pooled: torch.Tensor | None,
+    guidance: float,
+) -> torch.Tensor:
     dtype = latents.dtype
-    inputs = family.model_inputs(model.config, latents, timestep, text.to(dtype),
-                                 pooled.to(dtype) if pooled is not None else None, guidance)
+    inputs = family.model_inputs(
+        model.config, latents, timestep, text.to(dtype), pooled.to(dtype) if pooled is not None else None, guidance
+    )
     inputs["timestep"] = timestep
     return family.prediction(model(**inputs), tuple(latents.shape))
 

@@ -71,8 +71,9 @@ class VQAItem:
         return bool(self.options)
 
 
-def read_vqa_file(path: str | Path, image_store: Path, image_dir: str | None = None,
-                  max_samples: int | None = None) -> list[VQAItem]:
+def read_vqa_file(
+    path: str | Path, image_store: Path, image_dir: str | None = None, max_samples: int | None = None
+) -> list[VQAItem]:
     """The items of a ``.tsv`` (MMBench) or ``.json`` / ``.jsonl`` file.
 
     Args:
@@ -86,15 +87,19 @@ def read_vqa_file(path: str | Path, image_store: Path, image_dir: str | None = N
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--task-data-path {str(path)!r} does not exist; give an MMBench-style .tsv or a .json / "
-                         ".jsonl file (or demo)")
+        raise ValueError(
+            f"--task-data-path {str(path)!r} does not exist; give an MMBench-style .tsv or a .json / "
+            ".jsonl file (or demo)"
+        )
     if path.suffix == ".tsv":
         items = _read_tsv(path, image_store, max_samples)
     elif path.suffix in (".json", ".jsonl"):
         items = _read_json(path, Path(image_dir) if image_dir else path.resolve().parent, max_samples)
     else:
-        raise ValueError(f"--task-data-path {str(path)!r}: unknown format {path.suffix!r}; give a .tsv (MMBench "
-                         "columns) or a .json / .jsonl file")
+        raise ValueError(
+            f"--task-data-path {str(path)!r}: unknown format {path.suffix!r}; give a .tsv (MMBench "
+            "columns) or a .json / .jsonl file"
+        )
     if not items:
         raise ValueError(f"--task-data-path {str(path)!r} holds no questions")
     return items
@@ -107,8 +112,10 @@ def _read_tsv(path: Path, image_store: Path, max_samples: int | None) -> list[VQ
     header = list(rows[0]) if rows else []
     missing = [c for c in _TSV_REQUIRED if c not in header]
     if missing:
-        raise ValueError(f"{path}:1: missing column(s) {', '.join(missing)}; an MMBench TSV has index, question, "
-                         "(hint,) A, B, C, D, answer, image (base64)(, category)")
+        raise ValueError(
+            f"{path}:1: missing column(s) {', '.join(missing)}; an MMBench TSV has index, question, "
+            "(hint,) A, B, C, D, answer, image (base64)(, category)"
+        )
     image_of = {row["index"]: row["image"] for row in rows}
     group = "category" if "category" in header else "l2-category" if "l2-category" in header else None
     items = []
@@ -117,31 +124,44 @@ def _read_tsv(path: Path, image_store: Path, max_samples: int | None) -> list[VQ
         where = f"{path}:{number}"
         if max_samples is not None and len(items) >= max_samples:
             break
-        options = {letter: row[letter].strip() for letter in LETTERS
-                   if letter in row and row[letter] is not None and row[letter].strip() not in ("", "nan")}
+        options = {
+            letter: row[letter].strip()
+            for letter in LETTERS
+            if letter in row and row[letter] is not None and row[letter].strip() not in ("", "nan")
+        }
         answer = (row["answer"] or "").strip()
         if len(options) < 2:
             raise ValueError(f"{where}: fewer than 2 options in columns A, B, ...; fill at least A and B")
         if answer not in options:
-            raise ValueError(f"{where}: the answer must be the letter of a given option ({', '.join(options)}), "
-                             f"got {answer!r}")
+            raise ValueError(
+                f"{where}: the answer must be the letter of a given option ({', '.join(options)}), got {answer!r}"
+            )
         data = row["image"] or ""
         if len(data) <= 64 and data in image_of and data != row["index"]:
             data = image_of[data]  # a reference to another row's image
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as err:
-            raise ValueError(f"{where}: the image cell is not base64 ({err}); encode the image file's bytes with "
-                             "base64") from None
+            raise ValueError(
+                f"{where}: the image cell is not base64 ({err}); encode the image file's bytes with base64"
+            ) from None
         if not raw:
             raise ValueError(f"{where}: the image cell is empty; give the image as base64")
         target = image_store / f"{path.stem}-{number:06d}"
         target.write_bytes(raw)
         hint = (row.get("hint") or "").strip()
-        items.append(VQAItem(index=str(row["index"]), question=(row["question"] or "").strip(),
-                             images=(str(target),), options=options, answers=(answer,),
-                             hint="" if hint == "nan" else hint, category=(row.get(group) or "") if group else "",
-                             source=where))
+        items.append(
+            VQAItem(
+                index=str(row["index"]),
+                question=(row["question"] or "").strip(),
+                images=(str(target),),
+                options=options,
+                answers=(answer,),
+                hint="" if hint == "nan" else hint,
+                category=(row.get(group) or "") if group else "",
+                source=where,
+            )
+        )
     return items
 
 
@@ -151,8 +171,9 @@ def _json_records(path: Path) -> list[tuple[str, Any]]:
         try:
             records = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); a .json file holds one list of "
-                             "questions") from None
+            raise ValueError(
+                f"{path}:{err.lineno}: not valid JSON ({err.msg}); a .json file holds one list of questions"
+            ) from None
         if not isinstance(records, list):
             raise ValueError(f"{path}: a .json file holds one list of questions, got {type(records).__name__}")
         return [(f"{path}[{i}]", record) for i, record in enumerate(records)]
@@ -162,8 +183,9 @@ def _json_records(path: Path) -> list[tuple[str, Any]]:
             try:
                 out.append((f"{path}:{number}", json.loads(line)))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}); write one question object per "
-                                 "line") from None
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({err.msg}); write one question object per line"
+                ) from None
     return out
 
 
@@ -174,8 +196,11 @@ def _read_json(path: Path, base: Path, max_samples: int | None) -> list[VQAItem]
             break
         if not isinstance(record, dict):
             raise ValueError(f"{where}: a question must be an object with question, answer and image(s)")
-        items.append(_from_messages(record, where, base, len(items)) if "messages" in record
-                     else _from_record(record, where, base, len(items)))
+        items.append(
+            _from_messages(record, where, base, len(items))
+            if "messages" in record
+            else _from_record(record, where, base, len(items))
+        )
     return items
 
 
@@ -188,8 +213,10 @@ def _images(record: dict[str, Any], where: str, base: Path) -> tuple[str, ...]:
     for image in images:
         full = Path(image) if Path(image).is_absolute() else base / image
         if not full.is_file():
-            raise ValueError(f"{where}: image {image!r} not found (looked for {full}); fix the path or pass "
-                             "--image-dir with the folder the paths are relative to")
+            raise ValueError(
+                f"{where}: image {image!r} not found (looked for {full}); fix the path or pass "
+                "--image-dir with the folder the paths are relative to"
+            )
         paths.append(str(full))
     return tuple(paths)
 
@@ -208,16 +235,22 @@ def _from_record(record: dict[str, Any], where: str, base: Path, position: int) 
     elif options is not None:
         raise ValueError(f"{where}: `options` must be a list of texts or an object letter -> text")
     images = _images(record, where, base)
-    common = {"index": str(record.get("index", record.get("id", position))), "question": question.strip(),
-              "images": images, "hint": str(record.get("hint") or ""), "category": str(record.get("category") or ""),
-              "source": where}
+    common = {
+        "index": str(record.get("index", record.get("id", position))),
+        "question": question.strip(),
+        "images": images,
+        "hint": str(record.get("hint") or ""),
+        "category": str(record.get("category") or ""),
+        "source": where,
+    }
     if options:
         by_text = {text: letter for letter, text in options.items()}
         letter = answer.strip() if isinstance(answer, str) else None
         letter = letter if letter in options else by_text.get(answer) if isinstance(answer, str) else None
         if letter is None:
-            raise ValueError(f"{where}: `answer` must be an option's letter ({', '.join(options)}) or text, "
-                             f"got {answer!r}")
+            raise ValueError(
+                f"{where}: `answer` must be an option's letter ({', '.join(options)}) or text, got {answer!r}"
+            )
         return VQAItem(options=options, answers=(letter,), **common)
     answers = [answer] if isinstance(answer, str) else answer
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
@@ -227,17 +260,26 @@ def _from_record(record: dict[str, Any], where: str, base: Path, position: int) 
 
 def _from_messages(record: dict[str, Any], where: str, base: Path, position: int) -> VQAItem:
     messages = record.get("messages")
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] if isinstance(messages, list) \
-        else []
+    users = (
+        [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] if isinstance(messages, list) else []
+    )
     if not users or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
         raise ValueError(f"{where}: an mllm_format question needs a user turn followed by the assistant's answer")
     question, answer = str(users[-1].get("content", "")), str(messages[-1].get("content", ""))
     images = _images(record, where, base)
     if question.count(IMAGE_PLACEHOLDER) != len(images):
-        raise ValueError(f"{where}: {question.count(IMAGE_PLACEHOLDER)} <image> placeholder(s) in the question but "
-                         f"{len(images)} image(s); give one image per placeholder")
-    return VQAItem(index=str(record.get("index", position)), question=question, images=images,
-                   answers=(answer,), category=str(record.get("category") or ""), source=where)
+        raise ValueError(
+            f"{where}: {question.count(IMAGE_PLACEHOLDER)} <image> placeholder(s) in the question but "
+            f"{len(images)} image(s); give one image per placeholder"
+        )
+    return VQAItem(
+        index=str(record.get("index", position)),
+        question=question,
+        images=images,
+        answers=(answer,),
+        category=str(record.get("category") or ""),
+        source=where,
+    )
 
 
 def encode_image_base64(path: str | Path) -> str:
@@ -248,11 +290,17 @@ def encode_image_base64(path: str | Path) -> str:
 def write_mmbench_tsv(path: str | Path, rows: list[dict[str, str]]) -> Path:
     """Write ``rows`` (MMBench columns) as a TSV, under a temporary name then renamed."""
     path = Path(path)
-    columns = ["index", "question", "hint", *[c for c in LETTERS if any(c in r for r in rows)], "answer", "image",
-               "category"]
+    columns = [
+        "index",
+        "question",
+        "hint",
+        *[c for c in LETTERS if any(c in r for r in rows)],
+        "answer",
+        "image",
+        "category",
+    ]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, columns, delimiter="\t", lineterminator="\n",
-                            restval="")
+    writer = csv.DictWriter(buffer, columns, delimiter="\t", lineterminator="\n", restval="")
     writer.writeheader()
     writer.writerows(rows)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # per process: two first uses may race

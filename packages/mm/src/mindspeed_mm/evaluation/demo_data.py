@@ -25,9 +25,13 @@ def write_demo_mmbench_tsv(heldout: str | Path, target: str | Path) -> Path:
         question, answer = sample.messages[0]["content"], sample.messages[1]["content"]
         kind = "colour" if question == QUESTIONS["colour"] else "shape"
         options = list(COLOURS) if kind == "colour" else list(SHAPES)
-        row = {"index": str(number), "question": question.replace("<image>", ""),
-               "answer": LETTERS[options.index(answer)], "image": encode_image_base64(sample.images[0]),
-               "category": kind}
+        row = {
+            "index": str(number),
+            "question": question.replace("<image>", ""),
+            "answer": LETTERS[options.index(answer)],
+            "image": encode_image_base64(sample.images[0]),
+            "category": kind,
+        }
         row.update(zip(LETTERS, options))
         rows.append(row)
     return write_mmbench_tsv(target, rows)

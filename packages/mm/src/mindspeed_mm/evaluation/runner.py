@@ -35,6 +35,7 @@ from mindspeed_mm.inference.loading import InferenceModel
 
 logger = get_logger(__name__)
 
+
 def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
     """Score the model on every file; returns the results and the JSON report (written to ``output`` if set)."""
     config.check()
@@ -43,10 +44,17 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
         for name in config.task_data_path:
             path = demo_mmbench_tsv() if name == DEMO_TASK else Path(name)
             task = DEMO_TASK if name == DEMO_TASK else path.stem
-            data.append((task, path, read_vqa_file(path, Path(images) / str(len(data)), config.image_dir,
-                                                   config.max_samples)))
-        loaded = load_inference_model(config.load_dir, config.hf_cfg_dir, config.dtype, config.image_min_pixels,
-                                      config.image_max_pixels, config.lora_alpha)
+            data.append(
+                (task, path, read_vqa_file(path, Path(images) / str(len(data)), config.image_dir, config.max_samples))
+            )
+        loaded = load_inference_model(
+            config.load_dir,
+            config.hf_cfg_dir,
+            config.dtype,
+            config.image_min_pixels,
+            config.image_max_pixels,
+            config.lora_alpha,
+        )
         results = [score_file(loaded, task, path, items, config) for task, path, items in data]
     report = build_report(results, asdict(config), with_samples=config.log_samples)
     if config.output:
@@ -59,7 +67,9 @@ def generated(item: VQAItem, config: EvaluateConfig) -> bool:
     return not item.multiple_choice or config.choice_scoring == "generate"
 
 
-def score_item(loaded: InferenceModel, item: VQAItem, config: EvaluateConfig, reply: str | None = None) -> dict[str, Any]:
+def score_item(
+    loaded: InferenceModel, item: VQAItem, config: EvaluateConfig, reply: str | None = None
+) -> dict[str, Any]:
     """One question's record: ``index``, ``category``, ``prediction``, ``answer``, ``correct`` (and how it was read).
 
     ``reply``: the greedy reply of a generated item (generated here when not given).
@@ -69,13 +79,17 @@ def score_item(loaded: InferenceModel, item: VQAItem, config: EvaluateConfig, re
         record.update(score_choice_by_likelihood(loaded, item, config.choice_prompt))
     else:
         record["reply"] = reply if reply is not None else generate_replies(loaded, [item], config)[0]
-        record["prediction"] = (extract_choice(record["reply"], item.options) if item.multiple_choice
-                                else record["reply"])
+        record["prediction"] = (
+            extract_choice(record["reply"], item.options) if item.multiple_choice else record["reply"]
+        )
     if item.multiple_choice:
         record.update(answer=item.answers[0], correct=record["prediction"] == item.answers[0], kind="multiple_choice")
     else:
-        record.update(answer=list(item.answers), correct=short_answer_correct(record["prediction"], item.answers),
-                      kind="short_answer")
+        record.update(
+            answer=list(item.answers),
+            correct=short_answer_correct(record["prediction"], item.answers),
+            kind="short_answer",
+        )
     return record
 
 
@@ -83,18 +97,21 @@ def generate_replies(loaded: InferenceModel, items: list[VQAItem], config: Evalu
     """Greedy replies of ``items``, decoded together (left-padded; each the reply it gets alone)."""
     settings = SamplingSettings(max_new_tokens=config.max_new_tokens)
     encoded = [encode_prompt(item_prompt(item, config.choice_prompt), loaded) for item in items]
-    return [loaded.tokenizer.decode(tokens, skip_special_tokens=True)
-            for tokens in generate_batch(loaded, encoded, settings)]
+    return [
+        loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+        for tokens in generate_batch(loaded, encoded, settings)
+    ]
 
 
-def score_file(loaded: InferenceModel, task: str, path: Path, items: list[VQAItem],
-               config: EvaluateConfig) -> TaskResult:
+def score_file(
+    loaded: InferenceModel, task: str, path: Path, items: list[VQAItem], config: EvaluateConfig
+) -> TaskResult:
     """The :class:`TaskResult` of one file (generated items in batches of ``evaluation_batch_size``)."""
     started = time.perf_counter()
     samples = []
     with StatusProgress(f"evaluate {task}", total=len(items)) as bar:
         for start in range(0, len(items), config.evaluation_batch_size):
-            chunk = items[start:start + config.evaluation_batch_size]
+            chunk = items[start : start + config.evaluation_batch_size]
             asked = [item for item in chunk if generated(item, config)]
             replies = dict(zip(map(id, asked), generate_replies(loaded, asked, config))) if asked else {}
             for item in chunk:
@@ -113,11 +130,24 @@ def score_file(loaded: InferenceModel, task: str, path: Path, items: list[VQAIte
     for category in sorted({s["category"] for s in samples if s["category"]}):
         members = [s for s in samples if s["category"] == category]
         groups[category] = {headline: _mean(members), "n": len(members)}
-    settings = {"data": str(path), "choice_scoring": config.choice_scoring, "choice_prompt": config.choice_prompt,
-                "max_new_tokens": config.max_new_tokens, "seconds": round(time.perf_counter() - started, 3)}
+    settings = {
+        "data": str(path),
+        "choice_scoring": config.choice_scoring,
+        "choice_prompt": config.choice_prompt,
+        "max_new_tokens": config.max_new_tokens,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
     logger.info("%s: %s %.4f over %d questions", task, headline, metrics[headline], len(samples))
-    return TaskResult(task=task, metric=headline, value=metrics[headline], n=len(samples), metrics=metrics,
-                      groups=groups, samples=samples, settings=settings)
+    return TaskResult(
+        task=task,
+        metric=headline,
+        value=metrics[headline],
+        n=len(samples),
+        metrics=metrics,
+        groups=groups,
+        samples=samples,
+        settings=settings,
+    )
 
 
 def _mean(samples: list[dict[str, Any]]) -> float:

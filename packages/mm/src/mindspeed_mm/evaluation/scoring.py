@@ -54,8 +54,9 @@ def question_text(item: VQAItem, style: str) -> str:
 
 def item_prompt(item: VQAItem, style: str) -> Prompt:
     """The conversation that asks ``item``."""
-    return Prompt(messages=({"role": "user", "content": question_text(item, style)},), images=item.images,
-                  source=item.source)
+    return Prompt(
+        messages=({"role": "user", "content": question_text(item, style)},), images=item.images, source=item.source
+    )
 
 
 def choice_continuations(item: VQAItem, style: str) -> dict[str, str]:
@@ -117,6 +118,8 @@ def short_answer_correct(reply: str, answers: tuple[str, ...]) -> bool:
 def score_choice_by_likelihood(loaded: InferenceModel, item: VQAItem, style: str) -> dict[str, Any]:
     """``{"loglikelihoods", "prediction"}`` of a multiple-choice item."""
     prompt = item_prompt(item, style)
-    scores = {letter: answer_logprob(loaded, prompt, text) for letter, text in choice_continuations(item, style).items()}
+    scores = {
+        letter: answer_logprob(loaded, prompt, text) for letter, text in choice_continuations(item, style).items()
+    }
     best = max(scores.values())
     return {"loglikelihoods": scores, "prediction": next(k for k, v in scores.items() if v == best)}

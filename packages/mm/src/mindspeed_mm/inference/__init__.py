@@ -5,5 +5,16 @@ from mindspeed_mm.inference.generation import SamplingSettings, TextStreamer, ge
 from mindspeed_mm.inference.loading import InferenceModel, load_inference_model
 from mindspeed_mm.inference.prompts import Prompt, encode_prompt, encode_with_answer, prompt_from_text, read_prompt_file
 
-__all__ = ["InferenceModel", "Prompt", "SamplingSettings", "TextStreamer", "encode_prompt", "encode_with_answer",
-           "generate_tokens", "load_inference_model", "model_inputs", "prompt_from_text", "read_prompt_file"]
+__all__ = [
+    "InferenceModel",
+    "Prompt",
+    "SamplingSettings",
+    "TextStreamer",
+    "encode_prompt",
+    "encode_with_answer",
+    "generate_tokens",
+    "load_inference_model",
+    "model_inputs",
+    "prompt_from_text",
+    "read_prompt_file",
+]

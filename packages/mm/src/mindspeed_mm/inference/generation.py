@@ -52,8 +52,11 @@ class SamplingSettings:
 
 def eos_token_ids(loaded: InferenceModel) -> list[int]:
     """End-of-sequence ids: the generation config's, else the model config's, else the tokenizer's."""
-    for holder in (getattr(loaded.model, "generation_config", None), loaded.model.config,
-                   getattr(loaded.model.config, "text_config", None)):
+    for holder in (
+        getattr(loaded.model, "generation_config", None),
+        loaded.model.config,
+        getattr(loaded.model.config, "text_config", None),
+    ):
         ids = getattr(holder, "eos_token_id", None) if holder is not None else None
         if ids is not None:
             return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
@@ -68,10 +71,15 @@ def generation_config(loaded: InferenceModel, settings: SamplingSettings) -> Any
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     sample = settings.temperature > 0
     return GenerationConfig(
-        max_new_tokens=settings.max_new_tokens, do_sample=sample,
-        temperature=settings.temperature if sample else None, top_k=(settings.top_k or None) if sample else None,
-        top_p=settings.top_p if sample else None, eos_token_id=None if settings.ignore_eos else eos,
-        pad_token_id=pad, use_cache=True)
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=sample,
+        temperature=settings.temperature if sample else None,
+        top_k=(settings.top_k or None) if sample else None,
+        top_p=settings.top_p if sample else None,
+        eos_token_id=None if settings.ignore_eos else eos,
+        pad_token_id=pad,
+        use_cache=True,
+    )
 
 
 def model_inputs(encoded: EncodedSample, loaded: InferenceModel) -> dict[str, Any]:
@@ -86,15 +94,17 @@ def model_inputs(encoded: EncodedSample, loaded: InferenceModel) -> dict[str, An
     return inputs
 
 
-def generate_tokens(loaded: InferenceModel, encoded: EncodedSample, settings: SamplingSettings,
-                    streamer: Any = None) -> list[int]:
+def generate_tokens(
+    loaded: InferenceModel, encoded: EncodedSample, settings: SamplingSettings, streamer: Any = None
+) -> list[int]:
     """The new token ids for one encoded prompt (the end-of-sequence token included when it ended the reply)."""
     if settings.seed is not None:
         torch.manual_seed(settings.seed)
     with torch.no_grad():
-        out = loaded.model.generate(**model_inputs(encoded, loaded), generation_config=generation_config(loaded, settings),
-                                    streamer=streamer)
-    return [int(t) for t in out[0, encoded.input_ids.numel():]]
+        out = loaded.model.generate(
+            **model_inputs(encoded, loaded), generation_config=generation_config(loaded, settings), streamer=streamer
+        )
+    return [int(t) for t in out[0, encoded.input_ids.numel() :]]
 
 
 class TextStreamer:
@@ -120,7 +130,7 @@ class TextStreamer:
         if text.endswith("\ufffd"):
             return  # an incomplete UTF-8 sequence: wait for the next token
         if text.startswith(self.shown):
-            self.write(text[len(self.shown):])
+            self.write(text[len(self.shown) :])
         self.shown = text
 
     def end(self) -> None:
@@ -138,8 +148,8 @@ def batch_inputs(encoded: list[EncodedSample], loaded: InferenceModel) -> dict[s
     vision: dict[str, list[torch.Tensor]] = {}
     for row, sample in enumerate(encoded):
         n = sample.input_ids.numel()
-        ids[row, length - n:], mask[row, length - n:] = sample.input_ids, 1
-        types[row, length - n:] = sample.mm_token_type_ids
+        ids[row, length - n :], mask[row, length - n :] = sample.input_ids, 1
+        types[row, length - n :] = sample.mm_token_type_ids
         for key, value in sample.vision.items():
             vision.setdefault(key, []).append(value)
     inputs: dict[str, Any] = {"input_ids": ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
@@ -167,7 +177,7 @@ def generate_batch(loaded: InferenceModel, encoded: list[EncodedSample], setting
         out = loaded.model.generate(**inputs, generation_config=generation_config(loaded, settings))
     eos = set() if settings.ignore_eos else set(eos_token_ids(loaded))
     replies = []
-    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+    for row in out[:, inputs["input_ids"].shape[1] :].tolist():
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         replies.append([int(t) for t in row[:end]])
     return replies

@@ -84,9 +84,14 @@ def find_dcp_checkpoint(path: Path) -> Path | None:
     return newest if newest is not None and (newest / _DCP_METADATA).is_file() else None
 
 
-def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = None, dtype: str | None = None,
-                         min_pixels: int = 3136, max_pixels: int = 262144,
-                         lora_alpha: float | None = None) -> InferenceModel:
+def load_inference_model(
+    load_dir: str | Path,
+    hf_cfg_dir: str | Path | None = None,
+    dtype: str | None = None,
+    min_pixels: int = 3136,
+    max_pixels: int = 262144,
+    lora_alpha: float | None = None,
+) -> InferenceModel:
     """The model of ``load_dir`` (see the module docstring), its tokenizer and image processor.
 
     Args:
@@ -107,27 +112,37 @@ def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = N
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     load = resolve_model_dir(load_dir)
     if not load.is_dir():
-        raise ValueError(f"--load-dir {str(load_dir)!r} is not a directory; give a Hugging Face model directory, a "
-                         "mindspeed-mm training checkpoint (checkpoint.save or one of its step_* folders), a PEFT "
-                         "adapter, or demo")
+        raise ValueError(
+            f"--load-dir {str(load_dir)!r} is not a directory; give a Hugging Face model directory, a "
+            "mindspeed-mm training checkpoint (checkpoint.save or one of its step_* folders), a PEFT "
+            "adapter, or demo"
+        )
     adapter = (load / ADAPTER_CONFIG).is_file() and (load / ADAPTER_WEIGHTS).is_file()
     checkpoint = None if adapter or (load / "config.json").is_file() else find_dcp_checkpoint(load)
     if checkpoint is None and not adapter and not (load / "config.json").is_file():
-        raise ValueError(f"--load-dir {str(load_dir)!r} has neither config.json (a Hugging Face directory), "
-                         "adapter_config.json (a PEFT adapter) nor a DCP checkpoint (.metadata, or step_* folders); "
-                         "give one of them")
+        raise ValueError(
+            f"--load-dir {str(load_dir)!r} has neither config.json (a Hugging Face directory), "
+            "adapter_config.json (a PEFT adapter) nor a DCP checkpoint (.metadata, or step_* folders); "
+            "give one of them"
+        )
     if checkpoint is not None and hf_cfg_dir is None:
-        raise ValueError(f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
-                         "--hf-cfg-dir with the Hugging Face directory it was trained from (model.path of the recipe)")
+        raise ValueError(
+            f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
+            "--hf-cfg-dir with the Hugging Face directory it was trained from (model.path of the recipe)"
+        )
     if adapter and hf_cfg_dir is None:
         hf_cfg_dir = json.loads((load / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
         if not hf_cfg_dir:
-            raise ValueError(f"{load / ADAPTER_CONFIG} names no base model; pass --hf-cfg-dir with the model "
-                             "directory the adapter was trained on")
+            raise ValueError(
+                f"{load / ADAPTER_CONFIG} names no base model; pass --hf-cfg-dir with the model "
+                "directory the adapter was trained on"
+            )
     source = resolve_model_dir(hf_cfg_dir) if hf_cfg_dir is not None else load
     if not (source / "config.json").is_file():
-        raise ValueError(f"--hf-cfg-dir {str(hf_cfg_dir)!r} has no config.json; give the Hugging Face directory the "
-                         "weights were trained from")
+        raise ValueError(
+            f"--hf-cfg-dir {str(hf_cfg_dir)!r} has no config.json; give the Hugging Face directory the "
+            "weights were trained from"
+        )
     family = family_of(source)
     tokenizer, processor = load_processing(source, min_pixels, max_pixels)
     device = get_accelerator().device()
@@ -136,15 +151,29 @@ def load_inference_model(load_dir: str | Path, hf_cfg_dir: str | Path | None = N
         model = _load_dcp(checkpoint, source, family, DTYPES[dtype or "float32"], lora_alpha)
     else:
         base = source if adapter else load  # an HF directory's weights are its own; an adapter's its base's
-        model = family.load_class().from_pretrained(str(base), dtype=DTYPES[dtype] if dtype else "auto",
-                                                    local_files_only=True)
+        model = family.load_class().from_pretrained(
+            str(base), dtype=DTYPES[dtype] if dtype else "auto", local_files_only=True
+        )
         if adapter:
             _merge_adapter(model, load)
     model = model.to(device).eval()
-    logger.info("loaded %s from %s (%s, %.2f M parameters) on %s", family.architecture, weights,
-                next(model.parameters()).dtype, sum(p.numel() for p in model.parameters()) / 1e6, device)
-    return InferenceModel(family=family, model=model, tokenizer=tokenizer, processor=processor, source=source,
-                          weights=weights, device=device)
+    logger.info(
+        "loaded %s from %s (%s, %.2f M parameters) on %s",
+        family.architecture,
+        weights,
+        next(model.parameters()).dtype,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        device,
+    )
+    return InferenceModel(
+        family=family,
+        model=model,
+        tokenizer=tokenizer,
+        processor=processor,
+        source=source,
+        weights=weights,
+        device=device,
+    )
 
 
 def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dtype, lora_alpha: float | None) -> Any:
@@ -155,7 +184,7 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
     saved = {}
     for key, meta in metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
-            saved[key[len("model."):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            saved[key[len("model.") :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
@@ -163,22 +192,29 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
     if lora:
         lora_alpha = _run_lora_alpha(checkpoint, lora_alpha)
         if lora_alpha is None:
-            raise ValueError(f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
-                             f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha")
-        saved = merged_state(saved, LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]),
-                                               alpha=lora_alpha))
+            raise ValueError(
+                f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
+                f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha"
+            )
+        saved = merged_state(
+            saved, LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]), alpha=lora_alpha)
+        )
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
     model = family.load_class()._from_config(config, dtype=torch.float32)
     state = model.state_dict()
     missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
     if missing or unexpected:
-        raise ValueError(f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); pass the --hf-cfg-dir the run "
-                         "trained from")
+        raise ValueError(
+            f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); pass the --hf-cfg-dir the run "
+            "trained from"
+        )
     for name, value in state.items():
         if saved[name].shape != value.shape:
-            raise ValueError(f"{checkpoint}: {name} has shape {tuple(saved[name].shape)}, {source}'s model "
-                             f"{tuple(value.shape)}; pass the --hf-cfg-dir the run trained from")
+            raise ValueError(
+                f"{checkpoint}: {name} has shape {tuple(saved[name].shape)}, {source}'s model "
+                f"{tuple(value.shape)}; pass the --hf-cfg-dir the run trained from"
+            )
     model.load_state_dict(saved)
     return model.to(dtype)
 
@@ -189,7 +225,9 @@ def _run_lora_alpha(checkpoint: Path, given: float | None) -> float | None:
     Raises:
         ValueError: both are there and differ, or the recorded file is damaged.
     """
-    recorded = next((p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None)
+    recorded = next(
+        (p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None
+    )
     if recorded is None:
         return given
     try:
@@ -197,8 +235,9 @@ def _run_lora_alpha(checkpoint: Path, given: float | None) -> float | None:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
     if given is not None and given != alpha:
-        raise ValueError(f"--lora-alpha {given} differs from the run's lora_alpha {alpha} ({recorded}); leave "
-                         "--lora-alpha out")
+        raise ValueError(
+            f"--lora-alpha {given} differs from the run's lora_alpha {alpha} ({recorded}); leave --lora-alpha out"
+        )
     return alpha
 
 
@@ -208,11 +247,18 @@ def _merge_adapter(model: Any, adapter_dir: Path) -> None:
     state = model.state_dict()
     unknown = [module for module in adapter.factors if f"{module}.weight" not in state]
     if unknown:
-        raise ValueError(f"{adapter_dir}: the adapter adapts {unknown[0]}, which the base model has no linear of "
-                         f"({len(unknown)} such); pass the --hf-cfg-dir the adapter was trained on")
+        raise ValueError(
+            f"{adapter_dir}: the adapter adapts {unknown[0]}, which the base model has no linear of "
+            f"({len(unknown)} such); pass the --hf-cfg-dir the adapter was trained on"
+        )
     with torch.no_grad():
         for module, (a, b) in adapter.factors.items():
             weight = state[f"{module}.weight"]
             weight.copy_(merge_weight(weight, a.to(weight.device), b.to(weight.device), adapter.settings.scale))
-    logger.info("merged the LoRA adapter %s (%d linears, r=%d, alpha=%g)", adapter_dir, len(adapter.factors),
-                adapter.settings.r, adapter.settings.alpha)
+    logger.info(
+        "merged the LoRA adapter %s (%d linears, r=%d, alpha=%g)",
+        adapter_dir,
+        len(adapter.factors),
+        adapter.settings.r,
+        adapter.settings.alpha,
+    )

@@ -51,8 +51,10 @@ def prompt_from_text(text: str, images: list[str], system: str | None = None) ->
     if placeholders == 0:
         text = IMAGE_PLACEHOLDER * len(images) + text
     elif placeholders != len(images):
-        raise ValueError(f"--prompt has {placeholders} <image> placeholder(s) but {len(images)} --image; give one "
-                         "--image per placeholder (or no placeholder: the images go first)")
+        raise ValueError(
+            f"--prompt has {placeholders} <image> placeholder(s) but {len(images)} --image; give one "
+            "--image per placeholder (or no placeholder: the images go first)"
+        )
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return Prompt(messages=tuple(messages), images=tuple(str(Path(i).resolve()) for i in images))
 
@@ -71,8 +73,10 @@ def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples
         if messages[-1]["role"] == "assistant":
             messages, reference = messages[:-1], messages[-1]["content"]
         if not messages or messages[-1]["role"] != "user":
-            raise ValueError(f"{sample.source}: the conversation must end with a user turn (optionally followed by "
-                             "the reference answer); add the question")
+            raise ValueError(
+                f"{sample.source}: the conversation must end with a user turn (optionally followed by "
+                "the reference answer); add the question"
+            )
         prompts.append(Prompt(messages=messages, images=sample.images, reference=reference, source=sample.source))
     return prompts
 
@@ -86,18 +90,30 @@ def encode_prompt(prompt: Prompt, loaded: InferenceModel, max_len: int = 1 << 30
     return encode_with_answer(prompt, "", loaded, max_len)[0]
 
 
-def encode_with_answer(prompt: Prompt, answer: str, loaded: InferenceModel,
-                       max_len: int = 1 << 30) -> tuple[EncodedSample, EncodedSample]:
+def encode_with_answer(
+    prompt: Prompt, answer: str, loaded: InferenceModel, max_len: int = 1 << 30
+) -> tuple[EncodedSample, EncodedSample]:
     """``(prompt part, whole sample)`` of the conversation followed by the assistant turn ``answer``.
 
     The whole sample's labels are the answer's tokens (the template's end of turn included), as the
     trainer labels them; the prompt part is the whole sample cut where the answer starts.
     """
     messages = prompt.messages + ({"role": "assistant", "content": answer},)
-    whole = encode_sample(MllmSample(messages, prompt.images, prompt.source), loaded.tokenizer, loaded.processor,
-                          loaded.family, max_len, mask_history=True)
+    whole = encode_sample(
+        MllmSample(messages, prompt.images, prompt.source),
+        loaded.tokenizer,
+        loaded.processor,
+        loaded.family,
+        max_len,
+        mask_history=True,
+    )
     learned = (whole.labels != IGNORE_INDEX).nonzero()
     start = int(learned[0]) if len(learned) else whole.input_ids.numel()
-    part = EncodedSample(input_ids=whole.input_ids[:start], labels=torch.full((start,), IGNORE_INDEX),
-                         mm_token_type_ids=whole.mm_token_type_ids[:start], vision=whole.vision, source=whole.source)
+    part = EncodedSample(
+        input_ids=whole.input_ids[:start],
+        labels=torch.full((start,), IGNORE_INDEX),
+        mm_token_type_ids=whole.mm_token_type_ids[:start],
+        vision=whole.vision,
+        source=whole.source,
+    )
     return part, whole

@@ -59,10 +59,18 @@ def _kernel(features: tuple[str, ...], device: str) -> Any:
     return resolve_kernel("attention", "auto", device=device, features=features)
 
 
-def mindspeed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        is_causal: bool | None = None, sliding_window: int | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+def mindspeed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` ``[b, heads, s, d]`` in, ``[b, s, heads, d]`` out.
 
     Uses ``kwargs[CONTEXT_KWARG]`` (a :class:`PackedAttention`) when the caller passed one.
@@ -72,17 +80,30 @@ def mindspeed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if context is not None and context.group is not None:
-            raise ValueError("sequence parallelism needs attention without an explicit mask or dropout; set the "
-                             "model's attention_dropout to 0")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, sliding_window=sliding_window, **kwargs)
+            raise ValueError(
+                "sequence parallelism needs attention without an explicit mask or dropout; set the "
+                "model's attention_dropout to 0"
+            )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSND, the core's layout
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     if context is None or not causal:
         features = (FEATURE_WINDOW,) if sliding_window else ()
-        out = _kernel(features, get_accelerator().name)(q, k, v, causal=causal, softmax_scale=scaling,
-                                                        window_size=window)
+        out = _kernel(features, get_accelerator().name)(
+            q, k, v, causal=causal, softmax_scale=scaling, window_size=window
+        )
         return out, None
     features = (FEATURE_VARLEN, FEATURE_WINDOW) if sliding_window else (FEATURE_VARLEN,)
     attend = _kernel(features, get_accelerator().name)
@@ -90,11 +111,21 @@ def mindspeed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if context.group is None:
         return attend(q, k, v, causal=True, softmax_scale=scaling, window_size=window, cu_seqlens=cu_seqlens), None
     if sliding_window:
-        raise ValueError("sequence parallelism does not support sliding-window attention yet; set "
-                         "parallel.ulysses_parallel_size=1")
+        raise ValueError(
+            "sequence parallelism does not support sliding-window attention yet; set parallel.ulysses_parallel_size=1"
+        )
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ulysses_attention(q, k, v, group=context.group, seq_len=context.seq_len, causal=True, softmax_scale=scale,
-                            cu_seqlens=cu_seqlens, attend=attend)
+    out = ulysses_attention(
+        q,
+        k,
+        v,
+        group=context.group,
+        seq_len=context.seq_len,
+        causal=True,
+        softmax_scale=scale,
+        cu_seqlens=cu_seqlens,
+        attend=attend,
+    )
     return out, None
 
 

@@ -93,8 +93,10 @@ def dit_family_of(path: str | Path) -> DiTFamily:
     """
     config = Path(path) / "config.json"
     if not config.is_file():
-        raise ValueError(f"{str(path)!r} has no config.json; give a local diffusers model directory (the "
-                         "transformer folder of a pipeline)")
+        raise ValueError(
+            f"{str(path)!r} has no config.json; give a local diffusers model directory (the "
+            "transformer folder of a pipeline)"
+        )
     name = json.loads(config.read_text()).get("_class_name")
     if not name:
         raise ValueError(f"{config} has no `_class_name`; give a diffusers transformer directory")

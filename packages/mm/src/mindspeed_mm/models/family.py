@@ -92,6 +92,7 @@ def family_of(path: str | Path) -> VLMFamily:
         raise ValueError(f"{str(path)!r} has no config.json; give a local Hugging Face model directory")
     architectures = json.loads(config.read_text()).get("architectures") or []
     if not architectures:
-        raise ValueError(f"{config} has no `architectures`; add the model class name, e.g. "
-                         "[\"Qwen2_5_VLForConditionalGeneration\"]")
+        raise ValueError(
+            f'{config} has no `architectures`; add the model class name, e.g. ["Qwen2_5_VLForConditionalGeneration"]'
+        )
     return FAMILIES.get(architectures[0])

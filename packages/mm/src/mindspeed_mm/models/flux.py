@@ -26,8 +26,11 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The inverse of :func:`pack_latents` for latents of ``height x width``."""
     b, _, channels = packed.shape
-    return (packed.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-            .reshape(b, channels // 4, height, width))
+    return (
+        packed.view(b, height // 2, width // 2, channels // 4, 2, 2)
+        .permute(0, 3, 1, 4, 2, 5)
+        .reshape(b, channels // 4, height, width)
+    )
 
 
 def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -38,12 +41,24 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor | None,
-            guidance: float) -> dict[str, Any]:
+def _inputs(
+    config: Any,
+    noisy: torch.Tensor,
+    sigmas: torch.Tensor,
+    text: torch.Tensor,
+    pooled: torch.Tensor | None,
+    guidance: float,
+) -> dict[str, Any]:
     _, _, height, width = noisy.shape
-    inputs = {"hidden_states": pack_latents(noisy), "encoder_hidden_states": text, "pooled_projections": pooled,
-              "timestep": sigmas, "img_ids": image_ids(height, width, noisy.device, noisy.dtype),
-              "txt_ids": torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype), "return_dict": False}
+    inputs = {
+        "hidden_states": pack_latents(noisy),
+        "encoder_hidden_states": text,
+        "pooled_projections": pooled,
+        "timestep": sigmas,
+        "img_ids": image_ids(height, width, noisy.device, noisy.dtype),
+        "txt_ids": torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
+        "return_dict": False,
+    }
     inputs["guidance"] = torch.full_like(sigmas, guidance) if config.guidance_embeds else None
     return inputs
 
@@ -52,9 +67,13 @@ def _timestep_kwargs(config: Any, steps: int, shape: tuple[int, ...]) -> dict[st
     """``FluxPipeline``'s sigmas (``linspace(1, 1/N, N)``, none for flow-sigma schedulers) and ``mu`` of the image size."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    mu = calculate_shift((shape[-2] // 2) * (shape[-1] // 2), config.get("base_image_seq_len", 256),
-                         config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                         config.get("max_shift", 1.15))
+    mu = calculate_shift(
+        (shape[-2] // 2) * (shape[-1] // 2),
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
     sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
     return {"sigmas": sigmas, "mu": mu}
 
@@ -63,29 +82,51 @@ def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[
     """T5's output over ``text_len`` tokens and CLIP's pooled output (``FluxPipeline.encode_prompt``)."""
     from mindspeed_mm.diffusion.encoders import encode_t5_clip
 
-    rows = encode_t5_clip(parts["tokenizer"], parts["text_encoder"], parts["tokenizer_2"], parts["text_encoder_2"],
-                          captions, text_len)
+    rows = encode_t5_clip(
+        parts["tokenizer"], parts["text_encoder"], parts["tokenizer_2"], parts["text_encoder_2"], captions, text_len
+    )
     return torch.stack([r["text"] for r in rows]), torch.stack([r["pooled"] for r in rows])
 
 
-FLUX = register_dit(DiTFamily(
-    architecture="FluxTransformer2DModel",
-    model_class="diffusers:FluxTransformer2DModel",
-    fsdp_plan=("transformer_blocks.{*}", "single_transformer_blocks.{*}"),
-    latent_dims=3,
-    model_inputs=_inputs,
-    prediction=lambda output, shape: unpack_latents(output[0], shape[-2], shape[-1]),
-    tokens=lambda config, shape: (shape[1] // 2) * (shape[2] // 2),
-    tiny_config={"patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 1, "num_single_layers": 1,
-                 "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
-                 "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": (4, 4, 8)},
-    needs_pooled=True,
-    fp32_inputs=("timestep", "guidance"),
-    timestep_divisor=1000.0,
-    # FLUX.1's scheduler_config.json.
-    scheduler=("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0,
-                                                   "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-                                                   "base_image_seq_len": 256, "max_image_seq_len": 4096}),
-    timestep_kwargs=_timestep_kwargs,
-    encode_prompts=_encode,
-))
+FLUX = register_dit(
+    DiTFamily(
+        architecture="FluxTransformer2DModel",
+        model_class="diffusers:FluxTransformer2DModel",
+        fsdp_plan=("transformer_blocks.{*}", "single_transformer_blocks.{*}"),
+        latent_dims=3,
+        model_inputs=_inputs,
+        prediction=lambda output, shape: unpack_latents(output[0], shape[-2], shape[-1]),
+        tokens=lambda config, shape: (shape[1] // 2) * (shape[2] // 2),
+        tiny_config={
+            "patch_size": 1,
+            "in_channels": 16,
+            "out_channels": None,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 32,
+            "guidance_embeds": True,
+            "axes_dims_rope": (4, 4, 8),
+        },
+        needs_pooled=True,
+        fp32_inputs=("timestep", "guidance"),
+        timestep_divisor=1000.0,
+        # FLUX.1's scheduler_config.json.
+        scheduler=(
+            "FlowMatchEulerDiscreteScheduler",
+            {
+                "num_train_timesteps": 1000,
+                "shift": 3.0,
+                "use_dynamic_shifting": True,
+                "base_shift": 0.5,
+                "max_shift": 1.15,
+                "base_image_seq_len": 256,
+                "max_image_seq_len": 4096,
+            },
+        ),
+        timestep_kwargs=_timestep_kwargs,
+        encode_prompts=_encode,
+    )
+)

@@ -44,40 +44,70 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    tokenizer = build_byte_tokenizer(SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     chat_template=CHAT_TEMPLATE)
+    tokenizer = build_byte_tokenizer(
+        SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = InternVLConfig(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": [56, 56], "patch_size": [14, 14], "initializer_range": 0.1},
-        text_config={"model_type": "qwen2", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "max_position_embeddings": 4096, "initializer_range": 0.1, "tie_word_embeddings": False,
-                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-                     "pad_token_id": ids["<|endoftext|>"]},
-        image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4, downsample_ratio=0.5, tie_word_embeddings=False,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": [56, 56],
+            "patch_size": [14, 14],
+            "initializer_range": 0.1,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "initializer_range": 0.1,
+            "tie_word_embeddings": False,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=4,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
         architectures=["InternVLForConditionalGeneration"],
     )
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(config)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=False,
-                             image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(directory)
+    GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56},
+        crop_to_patches=False,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    ).save_pretrained(directory)
 
 
-INTERNVL = register_family(VLMFamily(
-    architecture="InternVLForConditionalGeneration",
-    model_class="transformers:InternVLForConditionalGeneration",
-    parts={"vision_tower": ("model.vision_tower",), "projector": ("model.multi_modal_projector",),
-           "language_model": ("model.language_model", "lm_head")},
-    fsdp_plan=("model.vision_tower.encoder.layer.{*}", "model.vision_tower", "model.language_model.layers.{*}"),
-    image_placeholder="<img><IMG_CONTEXT></img>",
-    image_token="<IMG_CONTEXT>",
-    image_inputs=image_inputs,
-    positions=text_positions,
-    write_tiny=write_tiny,
-    language_module="model.language_model",
-    dummy_vision_inputs=dummy_vision_inputs,
-    vision_module="model.vision_tower",
-))
+INTERNVL = register_family(
+    VLMFamily(
+        architecture="InternVLForConditionalGeneration",
+        model_class="transformers:InternVLForConditionalGeneration",
+        parts={
+            "vision_tower": ("model.vision_tower",),
+            "projector": ("model.multi_modal_projector",),
+            "language_model": ("model.language_model", "lm_head"),
+        },
+        fsdp_plan=("model.vision_tower.encoder.layer.{*}", "model.vision_tower", "model.language_model.layers.{*}"),
+        image_placeholder="<img><IMG_CONTEXT></img>",
+        image_token="<IMG_CONTEXT>",
+        image_inputs=image_inputs,
+        positions=text_positions,
+        write_tiny=write_tiny,
+        language_module="model.language_model",
+        dummy_vision_inputs=dummy_vision_inputs,
+        vision_module="model.vision_tower",
+    )
+)

@@ -22,8 +22,9 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
     """
     register_attention()
     cls = family.load_class()
-    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn_implementation,
-                                local_files_only=True)
+    model = cls.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
+    )
     model.config.use_cache = False  # training: no KV cache (and packed masks need none)
     return model
 
@@ -57,10 +58,13 @@ def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{path}: the tokenizer has no chat template; add chat_template.jinja (or the "
-                         "tokenizer_config.json entry) to the model directory")
-    processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True,
-                                                   **family_of(path).processor_overrides(min_pixels, max_pixels))
+        raise ValueError(
+            f"{path}: the tokenizer has no chat template; add chat_template.jinja (or the "
+            "tokenizer_config.json entry) to the model directory"
+        )
+    processor = AutoImageProcessor.from_pretrained(
+        str(path), local_files_only=True, **family_of(path).processor_overrides(min_pixels, max_pixels)
+    )
     seq_length = json.loads((Path(path) / "config.json").read_text()).get("image_seq_length")
     if seq_length is not None:
         processor.image_seq_length = int(seq_length)
@@ -82,14 +86,20 @@ def freeze_parts(model: torch.nn.Module, family: VLMFamily, freeze: list[str]) -
     names = [name for name, _ in model.named_parameters()]
     for prefix, item in zip(prefixes, [p for name in freeze for p in ([name] * len(family.parts.get(name, (name,))))]):
         if not any(n == prefix or n.startswith(prefix + ".") for n in names):
-            raise ValueError(f"model.freeze: {item!r} matches no parameter of {family.architecture}; use one of "
-                             f"{', '.join(PARTS)} or a module-name prefix such as {names[0].rsplit('.', 2)[0]!r}")
+            raise ValueError(
+                f"model.freeze: {item!r} matches no parameter of {family.architecture}; use one of "
+                f"{', '.join(PARTS)} or a module-name prefix such as {names[0].rsplit('.', 2)[0]!r}"
+            )
     frozen = []
     for name, param in model.named_parameters():
         if any(name == p or name.startswith(p + ".") for p in prefixes):
             param.requires_grad_(False)
             frozen.append(name)
     if frozen:
-        logger.info("frozen: %s (%d tensors, %.3f M parameters)", ", ".join(freeze), len(frozen),
-                    sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6)
+        logger.info(
+            "frozen: %s (%d tensors, %.3f M parameters)",
+            ", ".join(freeze),
+            len(frozen),
+            sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6,
+        )
     return frozen

@@ -73,21 +73,38 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> l
     modules = dict(model.named_modules())
     for part, prefixes in ((part, family.parts.get(part, (part,))) for part in lora.parts):
         if not any(prefix in modules for prefix in prefixes):
-            raise ValueError(f"lora.parts: {part!r} is not a part of {family.architecture} ({', '.join(family.parts)}) "
-                             f"or a module name such as {next(n for n in modules if n.count('.') == 1)!r}")
+            raise ValueError(
+                f"lora.parts: {part!r} is not a part of {family.architecture} ({', '.join(family.parts)}) "
+                f"or a module name such as {next(n for n in modules if n.count('.') == 1)!r}"
+            )
     model.requires_grad_(False)
     try:
         inject_adapter_in_model(peft_config(lora, target_regex(lora, family)), model, adapter_name=ADAPTER)
     except ValueError:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
-                         if isinstance(module, torch.nn.Linear) and not name.rsplit(".", 1)[-1].isdigit()})
-        raise ValueError(f"lora.target_modules={lora.target_modules}: no linear of {family.architecture} inside "
-                         f"lora.parts={lora.parts} has that name; its linears are named {', '.join(leaves)}") from None
+        leaves = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in modules.items()
+                if isinstance(module, torch.nn.Linear) and not name.rsplit(".", 1)[-1].isdigit()
+            }
+        )
+        raise ValueError(
+            f"lora.target_modules={lora.target_modules}: no linear of {family.architecture} inside "
+            f"lora.parts={lora.parts} has that name; its linears are named {', '.join(leaves)}"
+        ) from None
     adapted = adapted_modules(dict(model.named_parameters()))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("LoRA r=%d alpha=%g on %d linears (%s in %s): %d trainable parameters of %d (%.3f%%)", lora.r,
-                lora.alpha, len(adapted), ", ".join(lora.target_modules), ", ".join(lora.parts), trainable,
-                sum(p.numel() for p in model.parameters()), 100 * trainable / max(1, sum(p.numel() for p in model.parameters())))
+    logger.info(
+        "LoRA r=%d alpha=%g on %d linears (%s in %s): %d trainable parameters of %d (%.3f%%)",
+        lora.r,
+        lora.alpha,
+        len(adapted),
+        ", ".join(lora.target_modules),
+        ", ".join(lora.parts),
+        trainable,
+        sum(p.numel() for p in model.parameters()),
+        100 * trainable / max(1, sum(p.numel() for p in model.parameters())),
+    )
     return adapted
 
 
@@ -121,8 +138,9 @@ def merged_state(full: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, t
         if ".base_layer." in name:
             prefix, leaf = name.rsplit(".base_layer.", 1)
             if leaf == "weight":
-                value = merge_weight(value, full[f"{prefix}.lora_A.{ADAPTER}.weight"],
-                                     full[f"{prefix}.lora_B.{ADAPTER}.weight"], scale)
+                value = merge_weight(
+                    value, full[f"{prefix}.lora_A.{ADAPTER}.weight"], full[f"{prefix}.lora_B.{ADAPTER}.weight"], scale
+                )
             name = f"{prefix}.{leaf}"
         out[name] = value
     return out
@@ -154,8 +172,9 @@ def adapter_config(settings: AdapterSettings, base: str | Path | None) -> dict[s
     """The ``adapter_config.json`` content peft writes for these settings."""
     import peft
 
-    config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                             target_modules=settings.target_modules).to_dict()
+    config = peft.LoraConfig(
+        r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=settings.target_modules
+    ).to_dict()
     config["base_model_name_or_path"] = str(base) if base is not None else None
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
@@ -174,8 +193,9 @@ def write_adapter_config(lora: LoraConfig, family: VLMFamily, base: str | Path, 
     return target
 
 
-def write_peft_adapter(full: dict[str, torch.Tensor], lora: LoraConfig, family: VLMFamily, base: str | Path,
-                       target: str | Path) -> Path:
+def write_peft_adapter(
+    full: dict[str, torch.Tensor], lora: LoraConfig, family: VLMFamily, base: str | Path, target: str | Path
+) -> Path:
     """Write the adapter of a trained model's full state dict as a PEFT directory, atomically.
 
     ``adapter_model.safetensors`` holds the factors under PEFT's names, ``adapter_config.json``

@@ -20,8 +20,15 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 
 def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -34,8 +41,9 @@ def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor
 def rope_positions(model: Any, sample: Any) -> torch.Tensor:
     """[4, 1, L]: the text positions, then the M-RoPE positions of transformers' own ``get_rope_index``."""
     ids = sample.input_ids[None]
-    rope, _ = model.model.get_rope_index(ids, sample.mm_token_type_ids[None],
-                                         image_grid_thw=sample.vision.get("image_grid_thw"))
+    rope, _ = model.model.get_rope_index(
+        ids, sample.mm_token_type_ids[None], image_grid_thw=sample.vision.get("image_grid_thw")
+    )
     text = torch.arange(ids.shape[1], dtype=rope.dtype).view(1, 1, -1)
     return torch.cat([text, rope.to("cpu")], dim=0)
 
@@ -59,21 +67,46 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_byte_tokenizer(SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     chat_template=CHAT_TEMPLATE)
+    tokenizer = build_byte_tokenizer(
+        SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-                     "tie_word_embeddings": False, "initializer_range": 0.1, "bos_token_id": ids["<|endoftext|>"],
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "window_size": 56, "fullatt_block_indexes": [1], "patch_size": 14, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "in_chans": 3, "initializer_range": 0.1},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, architectures=["Qwen2_5_VLForConditionalGeneration"],
+        text_config={
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            "tie_word_embeddings": False,
+            "initializer_range": 0.1,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_chans": 3,
+            "initializer_range": 0.1,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
@@ -82,20 +115,24 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(directory)
 
 
-QWEN2_5_VL = register_family(VLMFamily(
-    architecture="Qwen2_5_VLForConditionalGeneration",
-    model_class="transformers:Qwen2_5_VLForConditionalGeneration",
-    parts={"vision_tower": ("model.visual.patch_embed", "model.visual.blocks"),
-           "projector": ("model.visual.merger",),
-           "language_model": ("model.language_model", "lm_head")},
-    fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
-    image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
-    image_token="<|image_pad|>",
-    image_inputs=image_inputs,
-    positions=rope_positions,
-    write_tiny=write_tiny,
-    language_module="model.language_model",
-    dummy_vision_inputs=dummy_vision_inputs,
-    vision_module="model.visual",
-    processor_overrides=pixel_bounds,
-))
+QWEN2_5_VL = register_family(
+    VLMFamily(
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        model_class="transformers:Qwen2_5_VLForConditionalGeneration",
+        parts={
+            "vision_tower": ("model.visual.patch_embed", "model.visual.blocks"),
+            "projector": ("model.visual.merger",),
+            "language_model": ("model.language_model", "lm_head"),
+        },
+        fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
+        image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        image_token="<|image_pad|>",
+        image_inputs=image_inputs,
+        positions=rope_positions,
+        write_tiny=write_tiny,
+        language_module="model.language_model",
+        dummy_vision_inputs=dummy_vision_inputs,
+        vision_module="model.visual",
+        processor_overrides=pixel_bounds,
+    )
+)

@@ -28,45 +28,83 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_byte_tokenizer(SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     chat_template=CHAT_TEMPLATE)
+    tokenizer = build_byte_tokenizer(
+        SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = Qwen3VLConfig(
-        text_config={"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
-                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                         "rope_theta": 10000.0},
-                     "initializer_range": 0.1, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-                     "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
-                       "deepstack_visual_indexes": [0], "initializer_range": 0.1},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, architectures=["Qwen3VLForConditionalGeneration"],
+        text_config={
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+                "rope_theta": 10000.0,
+            },
+            "initializer_range": 0.1,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+            "initializer_range": 0.1,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=["Qwen3VLForConditionalGeneration"],
     )
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
-                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]).save_pretrained(directory)
+    Qwen2VLImageProcessorPil(
+        patch_size=16,
+        merge_size=2,
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    ).save_pretrained(directory)
 
 
-QWEN3_VL = register_family(VLMFamily(
-    architecture="Qwen3VLForConditionalGeneration",
-    model_class="transformers:Qwen3VLForConditionalGeneration",
-    parts={"vision_tower": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
-           "projector": ("model.visual.merger", "model.visual.deepstack_merger_list"),
-           "language_model": ("model.language_model", "lm_head")},
-    fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
-    image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
-    image_token="<|image_pad|>",
-    image_inputs=image_inputs,
-    positions=rope_positions,
-    write_tiny=write_tiny,
-    language_module="model.language_model",
-    dummy_vision_inputs=dummy_vision_inputs,
-    vision_module="model.visual",
-    processor_overrides=pixel_bounds,
-))
+QWEN3_VL = register_family(
+    VLMFamily(
+        architecture="Qwen3VLForConditionalGeneration",
+        model_class="transformers:Qwen3VLForConditionalGeneration",
+        parts={
+            "vision_tower": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+            "projector": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+            "language_model": ("model.language_model", "lm_head"),
+        },
+        fsdp_plan=("model.visual.blocks.{*}", "model.visual", "model.language_model.layers.{*}"),
+        image_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        image_token="<|image_pad|>",
+        image_inputs=image_inputs,
+        positions=rope_positions,
+        write_tiny=write_tiny,
+        language_module="model.language_model",
+        dummy_vision_inputs=dummy_vision_inputs,
+        vision_module="model.visual",
+        processor_overrides=pixel_bounds,
+    )
+)

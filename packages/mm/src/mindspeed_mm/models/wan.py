@@ -15,8 +15,14 @@ import torch
 from mindspeed_mm.models.dit import DiTFamily, register_dit
 
 
-def _inputs(config: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor | None,
-            guidance: float) -> dict[str, Any]:
+def _inputs(
+    config: Any,
+    noisy: torch.Tensor,
+    sigmas: torch.Tensor,
+    text: torch.Tensor,
+    pooled: torch.Tensor | None,
+    guidance: float,
+) -> dict[str, Any]:
     return {"hidden_states": noisy, "timestep": sigmas * 1000.0, "encoder_hidden_states": text, "return_dict": False}
 
 
@@ -33,21 +39,43 @@ def _tokens(config: Any, shape: tuple[int, ...]) -> int:
     return (shape[1] // p_t) * (shape[2] // p_h) * (shape[3] // p_w)
 
 
-WAN = register_dit(DiTFamily(
-    architecture="WanTransformer3DModel",
-    model_class="diffusers:WanTransformer3DModel",
-    fsdp_plan=("blocks.{*}",),
-    latent_dims=4,
-    model_inputs=_inputs,
-    prediction=lambda output, shape: output[0],
-    tokens=_tokens,
-    # diffusers' own test configuration of the class (tests/models/transformers/test_models_transformer_wan.py)
-    tiny_config={"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4,
-                 "out_channels": 4, "text_dim": 16, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2,
-                 "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32},
-    # The scheduler of Wan2.1's diffusers pipelines (and MindSpeed-MM's Wan inference recipes).
-    scheduler=("UniPCMultistepScheduler", {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
-                                           "flow_shift": 3.0, "num_train_timesteps": 1000, "solver_order": 2,
-                                           "solver_type": "bh2", "final_sigmas_type": "zero"}),
-    encode_prompts=_encode,
-))
+WAN = register_dit(
+    DiTFamily(
+        architecture="WanTransformer3DModel",
+        model_class="diffusers:WanTransformer3DModel",
+        fsdp_plan=("blocks.{*}",),
+        latent_dims=4,
+        model_inputs=_inputs,
+        prediction=lambda output, shape: output[0],
+        tokens=_tokens,
+        # diffusers' own test configuration of the class (tests/models/transformers/test_models_transformer_wan.py)
+        tiny_config={
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "in_channels": 4,
+            "out_channels": 4,
+            "text_dim": 16,
+            "freq_dim": 256,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "rope_max_seq_len": 32,
+        },
+        # The scheduler of Wan2.1's diffusers pipelines (and MindSpeed-MM's Wan inference recipes).
+        scheduler=(
+            "UniPCMultistepScheduler",
+            {
+                "prediction_type": "flow_prediction",
+                "use_flow_sigmas": True,
+                "flow_shift": 3.0,
+                "num_train_timesteps": 1000,
+                "solver_order": 2,
+                "solver_type": "bh2",
+                "final_sigmas_type": "zero",
+            },
+        ),
+        encode_prompts=_encode,
+    )
+)

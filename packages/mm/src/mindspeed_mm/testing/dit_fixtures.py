@@ -11,8 +11,13 @@ from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes
 from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
 
 
-def write_tiny_dit_run(directory: str | Path, architecture: str, num_samples: int = 8,
-                       latent_shapes: list[tuple[int, ...]] | None = None, seed: int = 0) -> tuple[Path, Path]:
+def write_tiny_dit_run(
+    directory: str | Path,
+    architecture: str,
+    num_samples: int = 8,
+    latent_shapes: list[tuple[int, ...]] | None = None,
+    seed: int = 0,
+) -> tuple[Path, Path]:
     """``(model directory, feature cache)``: a tiny random model of ``architecture`` and ``num_samples``
     random samples for it (latents of the shapes of ``latent_shapes`` in turn, default one shape;
     text embeddings of 2-5 tokens; pooled embeddings where the model takes them; an empty
@@ -29,8 +34,10 @@ def write_tiny_dit_run(directory: str | Path, architecture: str, num_samples: in
     gen = torch.Generator().manual_seed(seed + 1)
     samples = []
     for i in range(num_samples):
-        sample = {"latents": torch.randn(latent_shapes[i % len(latent_shapes)], generator=gen),
-                  "text": torch.randn(2 + i % 4, text_dim, generator=gen)}
+        sample = {
+            "latents": torch.randn(latent_shapes[i % len(latent_shapes)], generator=gen),
+            "text": torch.randn(2 + i % 4, text_dim, generator=gen),
+        }
         if family.needs_pooled:
             sample["pooled"] = torch.randn(config["pooled_projection_dim"], generator=gen)
         samples.append(sample)

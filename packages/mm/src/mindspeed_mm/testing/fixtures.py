@@ -10,8 +10,9 @@ import numpy as np
 from mindspeed_mm.models.family import FAMILIES
 
 
-def write_tiny_model(directory: str | Path, architecture: str = "Qwen2_5_VLForConditionalGeneration",
-                     seed: int = 0) -> Path:
+def write_tiny_model(
+    directory: str | Path, architecture: str = "Qwen2_5_VLForConditionalGeneration", seed: int = 0
+) -> Path:
     """Write the family's tiny model (config, random weights, tokenizer, image processor) into ``directory``."""
     directory = Path(directory)
     FAMILIES.get(architecture).write_tiny(directory, seed)
@@ -33,16 +34,23 @@ def write_tiny_dataset(directory: str | Path, num_samples: int = 8, seed: int = 
     for i in range(num_samples):
         name = list(colours)[i % 3]
         if text_only_every and i % text_only_every == text_only_every - 1:
-            lines.append({"messages": [{"role": "user", "content": f"Say {name}."},
-                                       {"role": "assistant", "content": name}]})
+            lines.append(
+                {"messages": [{"role": "user", "content": f"Say {name}."}, {"role": "assistant", "content": name}]}
+            )
             continue
         height, width = (int(x) for x in rng.choice([28, 56, 84], size=2))
         pixels = np.clip(np.array(colours[name]) + rng.normal(0, 20, (height, width, 3)), 0, 255).astype(np.uint8)
         path = directory / "images" / f"{i:04d}.png"
         Image.fromarray(pixels).save(path)
-        lines.append({"messages": [{"role": "user", "content": "<image>What colour is it?"},
-                                   {"role": "assistant", "content": f"It is {name}."}],
-                      "images": [f"images/{path.name}"]})
+        lines.append(
+            {
+                "messages": [
+                    {"role": "user", "content": "<image>What colour is it?"},
+                    {"role": "assistant", "content": f"It is {name}."},
+                ],
+                "images": [f"images/{path.name}"],
+            }
+        )
     target = directory / "data.jsonl"
     target.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return target

@@ -61,26 +61,59 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
         model_dir = write_tiny_dit(directory / "transformer", architecture, seed)
         tiny = json.loads((model_dir / "config.json").read_text())
         channels = tiny["in_channels"]
-        AutoencoderKLWan(base_dim=3, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                         temperal_downsample=[False, True, True],
-                         latents_mean=[0.1 * i for i in range(channels)],
-                         latents_std=[1.0 + 0.1 * i for i in range(channels)]).save_pretrained(str(directory / "vae"))
-        UMT5EncoderModel(UMT5Config(vocab_size=vocab, d_model=tiny["text_dim"], d_kv=8, d_ff=32, num_layers=1,
-                                    num_heads=2, pad_token_id=256)).save_pretrained(str(directory / "text_encoder"))
+        AutoencoderKLWan(
+            base_dim=3,
+            z_dim=channels,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.1 * i for i in range(channels)],
+            latents_std=[1.0 + 0.1 * i for i in range(channels)],
+        ).save_pretrained(str(directory / "vae"))
+        UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab, d_model=tiny["text_dim"], d_kv=8, d_ff=32, num_layers=1, num_heads=2, pad_token_id=256
+            )
+        ).save_pretrained(str(directory / "text_encoder"))
         _tokenizer(directory / "tokenizer", 512)
         return directory
     from diffusers import AutoencoderKL
 
     model_dir = write_tiny_dit(directory / "transformer", architecture, seed)
     tiny = json.loads((model_dir / "config.json").read_text())
-    AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=tiny["in_channels"] // 4,
-                  norm_num_groups=4, shift_factor=0.1159, scaling_factor=0.3611).save_pretrained(str(directory / "vae"))
-    CLIPTextModel(CLIPTextConfig(vocab_size=vocab, hidden_size=tiny["pooled_projection_dim"], intermediate_size=37,
-                                 num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=10,
-                                 bos_token_id=257, eos_token_id=257, pad_token_id=256)).save_pretrained(str(directory / "text_encoder"))
-    T5EncoderModel(T5Config(vocab_size=vocab, d_model=tiny["joint_attention_dim"], d_kv=8, d_ff=37, num_layers=1,
-                            num_heads=2, pad_token_id=256)).save_pretrained(str(directory / "text_encoder_2"))
+    AutoencoderKL(
+        block_out_channels=(8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=tiny["in_channels"] // 4,
+        norm_num_groups=4,
+        shift_factor=0.1159,
+        scaling_factor=0.3611,
+    ).save_pretrained(str(directory / "vae"))
+    CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=vocab,
+            hidden_size=tiny["pooled_projection_dim"],
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=10,
+            bos_token_id=257,
+            eos_token_id=257,
+            pad_token_id=256,
+        )
+    ).save_pretrained(str(directory / "text_encoder"))
+    T5EncoderModel(
+        T5Config(
+            vocab_size=vocab,
+            d_model=tiny["joint_attention_dim"],
+            d_kv=8,
+            d_ff=37,
+            num_layers=1,
+            num_heads=2,
+            pad_token_id=256,
+        )
+    ).save_pretrained(str(directory / "text_encoder_2"))
     _tokenizer(directory / "tokenizer", 10)
     _tokenizer(directory / "tokenizer_2", 512)
     return directory

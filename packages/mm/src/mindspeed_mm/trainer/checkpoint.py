@@ -76,20 +76,30 @@ def find_resume_checkpoint(save: str | None, resume: bool) -> Path | None:
     rank0 = dist.get_rank() == 0
     if not resume:
         if holds_checkpoints(save, LAYOUT) and rank0:
-            logger.warning("checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as "
-                           "this run saves", save)
+            logger.warning(
+                "checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as this run saves",
+                save,
+            )
         return None
     found = find_resume(save, warn=rank0, layout=LAYOUT)
     if found.path is None and holds_checkpoints(save, LAYOUT):
         damaged = "; ".join(f"{path.name}: {why}" for path, why in found.skipped) or "no step_* directory"
-        raise ConfigError(f"checkpoint.save={save!r} holds checkpoints but none is complete ({damaged}); set "
-                          "checkpoint.resume=false to train from step 1 there (its checkpoints are replaced as the "
-                          "run saves) or set checkpoint.save to a new directory")
+        raise ConfigError(
+            f"checkpoint.save={save!r} holds checkpoints but none is complete ({damaged}); set "
+            "checkpoint.resume=false to train from step 1 there (its checkpoints are replaced as the "
+            "run saves) or set checkpoint.save to a new directory"
+        )
     return found.path
 
 
-def save_checkpoint(save: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    keep_last: int | None = None, source: str | Path | None = None) -> Path:
+def save_checkpoint(
+    save: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep_last: int | None = None,
+    source: str | Path | None = None,
+) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
     ``source`` is the model directory the run started from: its model class is recorded, so that a
@@ -111,8 +121,11 @@ def save_checkpoint(save: str | Path, step: int, model: torch.nn.Module, optimiz
     dist.barrier()
     fault_point("save.written", step)
     if rank0:
-        state = {"step": step, "rng": torch.get_rng_state(),
-                 "model_class": model_class(source) if source is not None else None}
+        state = {
+            "step": step,
+            "rng": torch.get_rng_state(),
+            "model_class": model_class(source) if source is not None else None,
+        }
         torch.save(state, tmp / STATE_FILE)
         write_marker(tmp, step)  # last: from here on the checkpoint is complete
         if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
@@ -127,8 +140,9 @@ def save_checkpoint(save: str | Path, step: int, model: torch.nn.Module, optimiz
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    source: str | Path | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str | Path | None = None
+) -> dict[str, Any]:
     """Restore the model and optimizer from ``path`` (a collective); returns its trainer state.
 
     Raises:
@@ -138,9 +152,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     trainer_state = torch.load(path / STATE_FILE, weights_only=False)
     saved, recipe = trainer_state.get("model_class"), model_class(source) if source is not None else None
     if saved and recipe and saved != recipe:
-        raise ConfigError(f"checkpoint {path} holds a {saved} model and model.path={str(source)!r} is a {recipe}; "
-                          "set checkpoint.save to a new directory (or checkpoint.resume=false) to train this model, "
-                          "or model.path to the one the checkpoint was trained from")
+        raise ConfigError(
+            f"checkpoint {path} holds a {saved} model and model.path={str(source)!r} is a {recipe}; "
+            "set checkpoint.save to a new directory (or checkpoint.resume=false) to train this model, "
+            "or model.path to the one the checkpoint was trained from"
+        )
     model_state, optim_state = get_state_dict(model, optimizer)
     _check_shapes(path, model_state)
     state = {"model": model_state, "optim": optim_state}
@@ -148,8 +164,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         dcp.load(state, checkpoint_id=str(path))
     except Exception as err:  # DCP's CheckpointException carries every rank's traceback: keep its last line
         last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"checkpoint {path} cannot be read ({last}); delete it to resume from the previous "
-                          "complete checkpoint, or set checkpoint.resume=false") from None
+        raise ConfigError(
+            f"checkpoint {path} cannot be read ({last}); delete it to resume from the previous "
+            "complete checkpoint, or set checkpoint.resume=false"
+        ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(trainer_state["rng"])
     logger.info("resumed from %s at step %d", path, trainer_state["step"])
@@ -162,11 +180,15 @@ def _check_shapes(path: Path, model_state: dict[str, Any]) -> None:
     for name, value in model_state.items():
         meta = saved.get(f"model.{name}")
         if meta is None:
-            raise ConfigError(f"checkpoint {path} holds no parameter {name}: it is a checkpoint of another model "
-                              "or recipe (LoRA, frozen parts); set checkpoint.save to a new directory or restore "
-                              "the recipe it was trained with")
+            raise ConfigError(
+                f"checkpoint {path} holds no parameter {name}: it is a checkpoint of another model "
+                "or recipe (LoRA, frozen parts); set checkpoint.save to a new directory or restore "
+                "the recipe it was trained with"
+            )
         shape = list(getattr(meta, "size", []))
         if torch.is_tensor(value) and shape != list(value.shape):
-            raise ConfigError(f"checkpoint {path}: parameter {name} has shape {shape} there and "
-                              f"{list(value.shape)} in this recipe; set checkpoint.save to a new directory or "
-                              "model.path to the model the checkpoint was trained from")
+            raise ConfigError(
+                f"checkpoint {path}: parameter {name} has shape {shape} there and "
+                f"{list(value.shape)} in this recipe; set checkpoint.save to a new directory or "
+                "model.path to the model the checkpoint was trained from"
+            )

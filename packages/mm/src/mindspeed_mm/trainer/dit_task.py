@@ -57,8 +57,13 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
     mesh = build_mesh(world, p.dp_replicate)
-    apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
-               p.reshard_after_forward)
+    apply_fsdp(
+        model,
+        p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
+        mesh,
+        config.train.precision,
+        p.reshard_after_forward,
+    )
     if world > 1:
         load_from_rank0(model, full_state, buffers, device)
     model.train()
@@ -102,8 +107,9 @@ class DiTTask:
         self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
         self.flow = FlowMatching(config.diffusion)
         self.text_len = d.text_len or self.family.text_len
-        self.order = BucketOrder(self.features.shapes(), t.micro_batch_size, t.gradient_accumulation_steps, world,
-                                 t.seed, d.shuffle)
+        self.order = BucketOrder(
+            self.features.shapes(), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed, d.shuffle
+        )
         self.null = self._null_text()
         self._fp32: dict[str, torch.Tensor] = {}
         # Runs after FSDP2's own pre-forward hook, which casts every float input to bf16.
@@ -113,19 +119,25 @@ class DiTTask:
         null = self.features.null()
         if null is None:
             if self.config.diffusion.text_dropout > 0:
-                logger.warning("%s has no null.safetensors: text dropout uses zero text embeddings",
-                               self.features.directory)
+                logger.warning(
+                    "%s has no null.safetensors: text dropout uses zero text embeddings", self.features.directory
+                )
             first = self.features[0]
-            null = {key: torch.zeros_like(first[key][:0] if key == "text" else first[key])
-                    for key in ("text", "pooled") if key in first}
+            null = {
+                key: torch.zeros_like(first[key][:0] if key == "text" else first[key])
+                for key in ("text", "pooled")
+                if key in first
+            }
         if "text" in null:
             null["text"] = self._pad(null["text"], "null.safetensors")
         return null
 
     def _pad(self, text: torch.Tensor, name: str) -> torch.Tensor:
         if text.shape[0] > self.text_len:
-            raise ValueError(f"{self.features.directory}: the text embedding of {name} has {text.shape[0]} tokens, "
-                             f"more than data.text_len={self.text_len}; raise data.text_len")
+            raise ValueError(
+                f"{self.features.directory}: the text embedding of {name} has {text.shape[0]} tokens, "
+                f"more than data.text_len={self.text_len}; raise data.text_len"
+            )
         return torch.cat([text, text.new_zeros(self.text_len - text.shape[0], text.shape[1])])
 
     def _restore_fp32_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -138,20 +150,27 @@ class DiTTask:
         shape = tuple(samples[0]["latents"].shape)
         for i, sample in zip(indices, samples):
             if tuple(sample["latents"].shape) != shape:
-                raise ValueError(f"{self.features.directory}: sample {self.features.entries[i]['id']} has latents "
-                                 f"{tuple(sample['latents'].shape)} but its index line says another shape; "
-                                 "rewrite the cache")
+                raise ValueError(
+                    f"{self.features.directory}: sample {self.features.entries[i]['id']} has latents "
+                    f"{tuple(sample['latents'].shape)} but its index line says another shape; "
+                    "rewrite the cache"
+                )
             if len(shape) != self.family.latent_dims:
-                raise ValueError(f"{self.features.directory}: latents of {len(shape)} dimensions; "
-                                 f"{self.family.architecture} takes {self.family.latent_dims}")
+                raise ValueError(
+                    f"{self.features.directory}: latents of {len(shape)} dimensions; "
+                    f"{self.family.architecture} takes {self.family.latent_dims}"
+                )
         latents = torch.stack([s["latents"].float() for s in samples])
-        text = torch.stack([self._pad(s["text"].float(), self.features.entries[i]["id"])
-                            for i, s in zip(indices, samples)])
+        text = torch.stack(
+            [self._pad(s["text"].float(), self.features.entries[i]["id"]) for i, s in zip(indices, samples)]
+        )
         pooled = None
         if self.family.needs_pooled:
             if any("pooled" not in s for s in samples):
-                raise ValueError(f"{self.features.directory}: {self.family.architecture} needs pooled text "
-                                 "embeddings (`ID.pooled`); extract features for this model")
+                raise ValueError(
+                    f"{self.features.directory}: {self.family.architecture} needs pooled text "
+                    "embeddings (`ID.pooled`); extract features for this model"
+                )
             pooled = torch.stack([s["pooled"].float() for s in samples])
         draw = self.flow.draw(self.flow.generator(self.config.train.seed, microbatch), tuple(latents.shape))
         tokens = self.family.tokens(self.model.config, shape) * len(indices)
@@ -159,13 +178,18 @@ class DiTTask:
 
     def microbatches(self, step: int, rank: int) -> list[DiTBatch]:
         """This rank's microbatches of ``step``."""
-        return [self._batch(self.order.indices(step, rank, j), self.order.number(step, rank, j))
-                for j in range(self.config.train.gradient_accumulation_steps)]
+        return [
+            self._batch(self.order.indices(step, rank, j), self.order.number(step, rank, j))
+            for j in range(self.config.train.gradient_accumulation_steps)
+        ]
 
     def counts(self, microbatches: list[DiTBatch]) -> torch.Tensor:
         """[samples, tokens] of this rank."""
-        return torch.tensor([float(sum(len(b.indices) for b in microbatches)),
-                             float(sum(b.tokens for b in microbatches))], dtype=torch.float64, device=self.device)
+        return torch.tensor(
+            [float(sum(len(b.indices) for b in microbatches)), float(sum(b.tokens for b in microbatches))],
+            dtype=torch.float64,
+            device=self.device,
+        )
 
     def model_text(self, batch: DiTBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The text (and pooled) embeddings after the text dropout, on the device."""
@@ -184,8 +208,9 @@ class DiTTask:
         noisy = self.flow.noisy(latents, noise, indices)
         sigmas = self.flow.sigmas[indices].to(self.device)
         text, pooled = self.model_text(batch)
-        inputs = self.family.model_inputs(self.model.config, noisy, sigmas, text, pooled,
-                                          self.config.diffusion.guidance_scale)
+        inputs = self.family.model_inputs(
+            self.model.config, noisy, sigmas, text, pooled, self.config.diffusion.guidance_scale
+        )
         self._fp32 = {name: inputs[name].float() for name in self.family.fp32_inputs if inputs.get(name) is not None}
         prediction = self.family.prediction(self.model(**inputs), tuple(latents.shape))
         loss = self.flow.loss(prediction, latents, noise, indices).mean()

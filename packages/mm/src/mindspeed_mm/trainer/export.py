@@ -31,8 +31,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return state if dist.get_rank() == 0 else None
 
 
-def save_hf(model: torch.nn.Module, source: str | Path, target: str | Path,
-            state: dict[str, torch.Tensor] | None = None) -> Path | None:
+def save_hf(
+    model: torch.nn.Module, source: str | Path, target: str | Path, state: dict[str, torch.Tensor] | None = None
+) -> Path | None:
     """Write ``model`` (FSDP2-sharded or not) as a Hugging Face directory at ``target`` (a collective).
 
     Args:

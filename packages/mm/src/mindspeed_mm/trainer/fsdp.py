@@ -39,8 +39,9 @@ def build_mesh(world_size: int, dp_replicate: int = 1, sp: int = 1) -> DeviceMes
     shard = "dp_shard_sp" if sp > 1 else "dp_shard"
     if dp_replicate == 1:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=(shard,))
-    return init_device_mesh(device_type, (dp_replicate, world_size // dp_replicate),
-                            mesh_dim_names=("dp_replicate", shard))
+    return init_device_mesh(
+        device_type, (dp_replicate, world_size // dp_replicate), mesh_dim_names=("dp_replicate", shard)
+    )
 
 
 def build_sp_mesh(world_size: int, sp: int) -> DeviceMesh:
@@ -54,7 +55,9 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(r"\.".join(parts) + r"\Z")
 
 
-def match_modules(model: torch.nn.Module, patterns: list[str] | tuple[str, ...], what: str) -> list[tuple[str, torch.nn.Module]]:
+def match_modules(
+    model: torch.nn.Module, patterns: list[str] | tuple[str, ...], what: str
+) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every module matching a pattern, deepest first.
 
     Raises:
@@ -67,8 +70,10 @@ def match_modules(model: torch.nn.Module, patterns: list[str] | tuple[str, ...],
         hits = [(name, module) for name, module in names if regex.match(name)]
         if not hits:
             example = next((n for n, _ in names if n.count(".") == 2), names[0][0])
-            raise ValueError(f"{what}: pattern {pattern!r} matches no module of {type(model).__name__}; module "
-                             f"names look like {example!r} ({{*}} matches one part)")
+            raise ValueError(
+                f"{what}: pattern {pattern!r} matches no module of {type(model).__name__}; module "
+                f"names look like {example!r} ({{*}} matches one part)"
+            )
         matched.update(hits)
     return sorted(matched.items(), key=lambda item: -item[0].count("."))
 
@@ -82,8 +87,13 @@ def mixed_precision(precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: torch.nn.Module, plan: list[str] | tuple[str, ...], mesh: DeviceMesh, precision: str,
-               reshard_after_forward: bool = True) -> list[str]:
+def apply_fsdp(
+    model: torch.nn.Module,
+    plan: list[str] | tuple[str, ...],
+    mesh: DeviceMesh,
+    precision: str,
+    reshard_after_forward: bool = True,
+) -> list[str]:
     """Shard ``model`` in place: one FSDP2 unit per module matching ``plan`` (innermost first), then the root.
 
     Returns:
@@ -96,13 +106,22 @@ def apply_fsdp(model: torch.nn.Module, plan: list[str] | tuple[str, ...], mesh: 
     for _, module in units:
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    logger.info("FSDP2: %d units over mesh %s (%s), precision %s", len(units) + 1, tuple(mesh.shape),
-                ", ".join(mesh.mesh_dim_names or ()), precision)
+    logger.info(
+        "FSDP2: %d units over mesh %s (%s), precision %s",
+        len(units) + 1,
+        tuple(mesh.shape),
+        ", ".join(mesh.mesh_dim_names or ()),
+        precision,
+    )
     return [name for name, _ in units] + [""]
 
 
-def load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None,
-                    buffers: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+def load_from_rank0(
+    model: torch.nn.Module,
+    full_state: dict[str, torch.Tensor] | None,
+    buffers: dict[str, torch.Tensor] | None,
+    device: torch.device,
+) -> None:
     """Fill a sharded model built on the meta device with rank 0's weights and buffers (a collective).
 
     Rank 0 passes its full state dict and named buffers (buffers such as rotary frequencies are in
@@ -111,8 +130,9 @@ def load_from_rank0(model: torch.nn.Module, full_state: dict[str, torch.Tensor] 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state or {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for name, buffer in model.named_buffers():
         if buffers is not None:
             buffer.copy_(buffers[name])

@@ -94,9 +94,17 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     return result
 
 
-def _run_steps(config: MMConfig, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,
-               trainable: list[torch.Tensor], metrics: MetricsLog, bar: StatusProgress, result: TrainResult,
-               preemption: Preemption) -> None:
+def _run_steps(
+    config: MMConfig,
+    rank: int,
+    task: TrainTask,
+    optimizer: torch.optim.Optimizer,
+    trainable: list[torch.Tensor],
+    metrics: MetricsLog,
+    bar: StatusProgress,
+    result: TrainResult,
+    preemption: Preemption,
+) -> None:
     t, ck = config.train, config.checkpoint
     saved = result.start_step or None  # the step of the newest checkpoint in ck.save (the resumed one)
     with bar:
@@ -116,13 +124,21 @@ def _run_steps(config: MMConfig, rank: int, task: TrainTask, optimizer: torch.op
                 logger.info("step %d/%d: %s %.0f tok/s", step, t.steps, status, record["tokens_per_s"] or 0.0)
             fault_point("train.step_end", step)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
-                result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last,
-                                                        task.source))
+                result.checkpoint = str(
+                    save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source)
+                )
                 saved = step
 
 
-def _preempt(config: MMConfig, step: int, saved: int | None, stop: StopRequest, task: TrainTask,
-             optimizer: torch.optim.Optimizer, result: TrainResult) -> None:
+def _preempt(
+    config: MMConfig,
+    step: int,
+    saved: int | None,
+    stop: StopRequest,
+    task: TrainTask,
+    optimizer: torch.optim.Optimizer,
+    result: TrainResult,
+) -> None:
     """Stop for a signal or the time limit: save step ``step`` unless it is saved, and say where."""
     ck = config.checkpoint
     if ck.save and step > 0 and saved != step:
@@ -130,14 +146,23 @@ def _preempt(config: MMConfig, step: int, saved: int | None, stop: StopRequest, 
         saved = step
     where = str(step_dir(ck.save, saved)) if ck.save and saved is not None else None
     result.preempted, result.exit_code = stop.reason, stop.exit_code
-    cause = (f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
-             if stop.reason == "time limit" else stop.reason)
+    cause = (
+        f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
+        if stop.reason == "time limit"
+        else stop.reason
+    )
     if dist.get_rank() == 0:
         logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps, resume_hint(where))
 
 
-def _train_step(config: MMConfig, step: int, rank: int, task: TrainTask, optimizer: torch.optim.Optimizer,
-                trainable: list[torch.Tensor]) -> dict[str, Any]:
+def _train_step(
+    config: MMConfig,
+    step: int,
+    rank: int,
+    task: TrainTask,
+    optimizer: torch.optim.Optimizer,
+    trainable: list[torch.Tensor],
+) -> dict[str, Any]:
     t = config.train
     start = time.perf_counter()
     micro = task.microbatches(step, rank)
@@ -156,6 +181,14 @@ def _train_step(config: MMConfig, step: int, rank: int, task: TrainTask, optimiz
     optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start
     tokens = task.step_tokens(totals)
-    return {"kind": "train", "step": step, "loss": float(reported), "lr": lr, "grad_norm": grad_norm,
-            "tokens": tokens, "step_time_s": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "skipped": False}
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": float(reported),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "step_time_s": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "skipped": False,
+    }

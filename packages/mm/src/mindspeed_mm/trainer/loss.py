@@ -32,14 +32,26 @@ LOSS_TYPES = ("default", "per_token", "per_sample")
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[L] cross entropy of each position in fp32 (0 where the target is -100)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="none")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
 
 
-def reduce_loss(losses: torch.Tensor, targets: torch.Tensor, sample_index: torch.Tensor, num_samples: int,
-                loss_type: str, accumulation: int, world: int, global_tokens: int,
-                global_samples: int, *, sp: int = 1, microbatch_tokens: int | None = None,
-                sample_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_loss(
+    losses: torch.Tensor,
+    targets: torch.Tensor,
+    sample_index: torch.Tensor,
+    num_samples: int,
+    loss_type: str,
+    accumulation: int,
+    world: int,
+    global_tokens: int,
+    global_samples: int,
+    *,
+    sp: int = 1,
+    microbatch_tokens: int | None = None,
+    sample_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(backward_loss, reported_sum)`` of one microbatch (or of this rank's shard of it) under ``loss_type``.
 
     Args:
@@ -66,10 +78,13 @@ def reduce_loss(losses: torch.Tensor, targets: torch.Tensor, sample_index: torch
         scaled = total / max(global_tokens, 1)
         return scaled * world, scaled.detach()
     if loss_type == "per_sample":
-        sums = torch.zeros(num_samples, dtype=losses.dtype, device=losses.device).index_add(0, sample_index, losses * mask)
+        sums = torch.zeros(num_samples, dtype=losses.dtype, device=losses.device).index_add(
+            0, sample_index, losses * mask
+        )
         if sample_tokens is None:
             counts = torch.zeros(num_samples, dtype=losses.dtype, device=losses.device).index_add(
-                0, sample_index, mask.to(losses.dtype))
+                0, sample_index, mask.to(losses.dtype)
+            )
         else:
             counts = sample_tokens.to(device=losses.device, dtype=losses.dtype)
         means = (sums / counts.clamp(min=1)).sum() / max(global_samples, 1)

@@ -29,8 +29,12 @@ def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW | 
     if not decay and not no_decay:
         raise ValueError("every parameter is frozen (model.freeze); leave at least one part trainable")
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    hyper = {"lr": lr_at(train, 1), "betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_eps,
-             "impl": train.optimizer_impl}
+    hyper = {
+        "lr": lr_at(train, 1),
+        "betas": (train.adam_beta1, train.adam_beta2),
+        "eps": train.adam_eps,
+        "impl": train.optimizer_impl,
+    }
     groups = [g for g in groups if g["params"]]
     if train.ema > 0:
         optimizer = FusedEMAAdamW(groups, ema_decay=train.ema, **hyper)

@@ -45,8 +45,10 @@ def local_range(seq_len: int, rank: int, size: int) -> tuple[int, int]:
         ValueError: a row shorter than the group (some rank would hold nothing).
     """
     if seq_len < size:
-        raise ValueError(f"a packed row of {seq_len} tokens cannot be split over parallel.ulysses_parallel_size={size} "
-                         "ranks; raise train.micro_batch_size or lower parallel.ulysses_parallel_size")
+        raise ValueError(
+            f"a packed row of {seq_len} tokens cannot be split over parallel.ulysses_parallel_size={size} "
+            "ranks; raise train.micro_batch_size or lower parallel.ulysses_parallel_size"
+        )
     sizes = split_sizes(seq_len, size)
     start = sum(sizes[:rank])
     return start, start + sizes[rank]
@@ -100,7 +102,7 @@ class SequenceParallel:
         embeds = kwargs.get("deepstack_visual_embeds")
         if masks is not None and embeds is not None:  # the visual rows of this shard (in row order)
             before, inside = int(masks[:, :start].sum()), int(masks[:, start:end].sum())
-            kwargs["deepstack_visual_embeds"] = [e[before:before + inside] for e in embeds]
+            kwargs["deepstack_visual_embeds"] = [e[before : before + inside] for e in embeds]
         for name in _DIM_1:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][:, start:end]

@@ -30,7 +30,7 @@ class _GatherRows(torch.autograd.Function):
         ctx.group, ctx.start, ctx.size = group, sum(sizes[:rank]), sizes[rank]
         longest = max(sizes)
         padded = local.new_zeros(longest, *local.shape[1:])  # gloo's all_gather needs equal sizes
-        padded[:local.shape[0]] = local
+        padded[: local.shape[0]] = local
         buffers = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(buffers, padded.contiguous(), group=group)
         return torch.cat([buffer[:size] for buffer, size in zip(buffers, sizes)])
@@ -39,7 +39,7 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.start:ctx.start + ctx.size], None, None, None
+        return grad[ctx.start : ctx.start + ctx.size], None, None, None
 
 
 def shares(weights: list[int], parts: int) -> list[tuple[int, int]]:
@@ -78,8 +78,10 @@ class VisionBalance:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.active = False
         encoder = model.get_submodule(family.vision_module)
-        self.handles = [encoder.register_forward_pre_hook(self._split, with_kwargs=True),
-                        encoder.register_forward_hook(self._gather, with_kwargs=True)]
+        self.handles = [
+            encoder.register_forward_pre_hook(self._split, with_kwargs=True),
+            encoder.register_forward_hook(self._gather, with_kwargs=True),
+        ]
 
     def begin(self, vision: dict[str, torch.Tensor]) -> None:
         """Share the next forward's images (none, or fewer than the ranks: every rank encodes them all)."""
@@ -89,7 +91,7 @@ class VisionBalance:
         self.active = len(rows) >= self.size
         if self.active:
             self.images = shares(rows, self.size)[self.rank]
-            self.rows = (sum(rows[:self.images[0]]), sum(rows[:self.images[1]]))
+            self.rows = (sum(rows[: self.images[0]]), sum(rows[: self.images[1]]))
 
     def _split(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if not self.active:

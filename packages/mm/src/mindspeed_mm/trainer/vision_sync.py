@@ -45,7 +45,9 @@ class VisionSync:
         language = model.get_submodule(family.language_module)
         self.handle = language.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    def _hook(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]] | None:
         if not self.needed or kwargs.get("inputs_embeds") is None:
             return None
         embeds = kwargs["inputs_embeds"]

@@ -55,8 +55,13 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
     mesh = build_mesh(world, p.dp_replicate, p.ulysses_parallel_size)
-    apply_fsdp(model, p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan, mesh, config.train.precision,
-               p.reshard_after_forward)
+    apply_fsdp(
+        model,
+        p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
+        mesh,
+        config.train.precision,
+        p.reshard_after_forward,
+    )
     if world > 1:
         load_from_rank0(model, weights, buffers, device)
     model.train()
@@ -88,12 +93,14 @@ class VLMTask:
         if group is not None:
             _check_heads(self.model.config, self.sp)
         self.sequence = SequenceParallel(self.model, self.family, group)
-        self.vision_balance = (VisionBalance(self.model, self.family, group)
-                               if group is not None and self.family.vision_module else None)
+        self.vision_balance = (
+            VisionBalance(self.model, self.family, group) if group is not None and self.family.vision_module else None
+        )
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
         self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
-        self.order = SampleOrder(len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps,
-                                 world // self.sp, t.seed, d.shuffle)
+        self.order = SampleOrder(
+            len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world // self.sp, t.seed, d.shuffle
+        )
         self._encoded: dict[int, EncodedSample] = {}
         if config.lora.enabled and config.checkpoint.save and dist.get_rank() == 0:
             # DCP checkpoints record the factors' rank in their shapes, not alpha: convert reads it here.
@@ -102,15 +109,24 @@ class VLMTask:
     def _sample(self, index: int) -> EncodedSample:
         if index not in self._encoded:
             d = self.config.data
-            self._encoded[index] = encode_sample(self.samples[index], self.tokenizer, self.processor, self.family,
-                                                 d.cutoff_len, d.train_on_prompt, d.mask_history)
+            self._encoded[index] = encode_sample(
+                self.samples[index],
+                self.tokenizer,
+                self.processor,
+                self.family,
+                d.cutoff_len,
+                d.train_on_prompt,
+                d.mask_history,
+            )
         return self._encoded[index]
 
     def microbatches(self, step: int, rank: int) -> list[PackedBatch]:
         """This rank's packed microbatches of ``step``."""
         dp_rank = rank // self.sp
-        return [pack_samples([self._sample(i) for i in self.order.indices(step, dp_rank, j)], self.model, self.family)
-                for j in range(self.config.train.gradient_accumulation_steps)]
+        return [
+            pack_samples([self._sample(i) for i in self.order.indices(step, dp_rank, j)], self.model, self.family)
+            for j in range(self.config.train.gradient_accumulation_steps)
+        ]
 
     def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
         """[predicted tokens, samples with predicted tokens, tokens] of this rank's shards."""
@@ -136,9 +152,20 @@ class VLMTask:
         sample_tokens = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
         targets = batch.targets[start:end].to(self.device)
         losses = token_losses(logits, targets)
-        return reduce_loss(losses, targets, batch.sample_index[start:end].to(self.device), batch.num_samples,
-                           t.loss_type, t.gradient_accumulation_steps, self.world, int(totals[0]), int(totals[1]),
-                           sp=self.sp, microbatch_tokens=int(mask.sum()), sample_tokens=sample_tokens)
+        return reduce_loss(
+            losses,
+            targets,
+            batch.sample_index[start:end].to(self.device),
+            batch.num_samples,
+            t.loss_type,
+            t.gradient_accumulation_steps,
+            self.world,
+            int(totals[0]),
+            int(totals[1]),
+            sp=self.sp,
+            microbatch_tokens=int(mask.sum()),
+            sample_tokens=sample_tokens,
+        )
 
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens of the step over all ranks."""
@@ -170,8 +197,10 @@ def _check_heads(config: Any, sp: int) -> None:
     text = getattr(config, "text_config", config)
     heads = int(text.num_attention_heads)
     if heads % sp:
-        raise ValueError(f"parallel.ulysses_parallel_size={sp} does not divide the language model's {heads} attention "
-                         "heads; use a divisor of the head count")
+        raise ValueError(
+            f"parallel.ulysses_parallel_size={sp} does not divide the language model's {heads} attention "
+            "heads; use a divisor of the head count"
+        )
 
 
 TASKS.register("vlm", VLMTask)

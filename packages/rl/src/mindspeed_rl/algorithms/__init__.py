@@ -27,8 +27,24 @@ from mindspeed_rl.algorithms.shaping import (
 )
 
 __all__ = [
-    "ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES", "DynamicSampler", "PolicyLossConfig",
-    "PolicyLossInputs", "PolicyLossOutput", "aggregate_loss", "broadcast_to_tokens", "compute_advantages",
-    "compute_policy_loss", "constant_groups", "entropy_from_logits", "kl_penalty", "logprobs_from_logits",
-    "masked_mean", "overlong_penalty", "policy_loss_config", "truncated_importance_weights",
+    "ADVANTAGES",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "DynamicSampler",
+    "PolicyLossConfig",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "aggregate_loss",
+    "broadcast_to_tokens",
+    "compute_advantages",
+    "compute_policy_loss",
+    "constant_groups",
+    "entropy_from_logits",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "overlong_penalty",
+    "policy_loss_config",
+    "truncated_importance_weights",
 ]

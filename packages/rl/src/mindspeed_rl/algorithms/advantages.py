@@ -33,8 +33,10 @@ def group_view(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        raise ValueError(f"group size {group_size}: group-relative advantages need at least 2 samples per prompt "
-                         "(set rollout.n >= 2)")
+        raise ValueError(
+            f"group size {group_size}: group-relative advantages need at least 2 samples per prompt "
+            "(set rollout.n >= 2)"
+        )
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     dtype = torch.promote_types(rewards.dtype, torch.float32)
@@ -43,7 +45,7 @@ def group_view(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _constant_groups(groups: torch.Tensor) -> torch.Tensor:
     """``[num_prompts, 1]`` mask of groups whose rewards are all equal."""
-    return (groups.amax(-1, keepdim=True) == groups.amin(-1, keepdim=True))
+    return groups.amax(-1, keepdim=True) == groups.amin(-1, keepdim=True)
 
 
 @ADVANTAGES.register("grpo")
@@ -85,17 +87,15 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
 def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Per-response advantages ``[batch]`` -> per-token ``[batch, len]``, zero on padding."""
     if advantages.dim() != 1 or advantages.shape[0] != response_mask.shape[0]:
-        raise ValueError(f"advantages {tuple(advantages.shape)} do not match the response mask "
-                         f"{tuple(response_mask.shape)} (one advantage per row)")
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} do not match the response mask "
+            f"{tuple(response_mask.shape)} (one advantage per row)"
+        )
     return advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
 
 
 def compute_advantages(
-    name: str,
-    rewards: torch.Tensor,
-    group_size: int,
-    response_mask: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    name: str, rewards: torch.Tensor, group_size: int, response_mask: torch.Tensor | None = None, eps: float = 1e-6
 ) -> torch.Tensor:
     """Advantages by the registered estimator ``name``.
 

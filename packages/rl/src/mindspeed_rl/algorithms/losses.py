@@ -158,8 +158,10 @@ def ppo_clip_loss(inputs: PolicyLossInputs, config: PolicyLossConfig) -> PolicyL
     config.validate()
     logp, mask = inputs.logp, inputs.mask.to(inputs.logp.dtype)
     if inputs.old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(inputs.old_logp.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same [batch, len] shape")
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, old_logp {tuple(inputs.old_logp.shape)} and mask "
+            f"{tuple(mask.shape)} must have the same [batch, len] shape"
+        )
     keep = mask.bool()
 
     def clean(values: torch.Tensor) -> torch.Tensor:
@@ -208,8 +210,11 @@ def ppo_clip_loss(inputs: PolicyLossInputs, config: PolicyLossConfig) -> PolicyL
     elif config.kl_coef:
         raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (the reference's log-probs), or set kl_coef=0")
 
-    entropy = inputs.entropy if inputs.entropy is not None else (
-        entropy_from_logits(inputs.logits) if inputs.logits is not None else None)
+    entropy = (
+        inputs.entropy
+        if inputs.entropy is not None
+        else (entropy_from_logits(inputs.logits) if inputs.logits is not None else None)
+    )
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy, mask)
         if config.entropy_coef:
@@ -229,8 +234,12 @@ def ppo_clip_loss(inputs: PolicyLossInputs, config: PolicyLossConfig) -> PolicyL
 
 
 POLICY_LOSSES.register("ppo_clip", PolicyLossSpec(ppo_clip_loss, PolicyLossConfig()))
-POLICY_LOSSES.register("dapo", PolicyLossSpec(ppo_clip_loss, PolicyLossConfig(
-    clip_eps_low=0.2, clip_eps_high=0.28, loss_agg_mode="token-mean", kl_coef=0.0)))
+POLICY_LOSSES.register(
+    "dapo",
+    PolicyLossSpec(
+        ppo_clip_loss, PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, loss_agg_mode="token-mean", kl_coef=0.0)
+    ),
+)
 
 
 def policy_loss_config(name: str, **overrides: Any) -> PolicyLossConfig:
@@ -247,7 +256,9 @@ def policy_loss_config(name: str, **overrides: Any) -> PolicyLossConfig:
     return dataclasses.replace(defaults, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def compute_policy_loss(name: str, inputs: PolicyLossInputs, config: PolicyLossConfig | None = None) -> PolicyLossOutput:
+def compute_policy_loss(
+    name: str, inputs: PolicyLossInputs, config: PolicyLossConfig | None = None
+) -> PolicyLossOutput:
     """Run the registered loss ``name`` (with its defaults when ``config`` is None)."""
     spec = POLICY_LOSSES.get(name)
     return spec.fn(inputs, config or spec.defaults)

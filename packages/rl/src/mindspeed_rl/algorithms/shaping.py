@@ -91,7 +91,8 @@ class DynamicSampler:
             raise RuntimeError(
                 f"dynamic sampling: {len(self._kept)} of {self.target_groups} groups with distinct rewards after "
                 f"{self.rounds} rounds ({self.num_dropped} of {self.num_seen} groups had all-equal rewards); raise "
-                "algorithm.dynamic_sampling_max_rounds, or use easier/harder prompts")
+                "algorithm.dynamic_sampling_max_rounds, or use easier/harder prompts"
+            )
         return kept
 
     @property
@@ -105,8 +106,11 @@ class DynamicSampler:
 
     def metrics(self) -> dict[str, float]:
         """``dynamic_sampling/{rounds,dropped_groups,dropped_fraction}``."""
-        return {"dynamic_sampling/rounds": float(self.rounds), "dynamic_sampling/dropped_groups": float(self.num_dropped),
-                "dynamic_sampling/dropped_fraction": self.num_dropped / max(self.num_seen, 1)}
+        return {
+            "dynamic_sampling/rounds": float(self.rounds),
+            "dynamic_sampling/dropped_groups": float(self.num_dropped),
+            "dynamic_sampling/dropped_fraction": self.num_dropped / max(self.num_seen, 1),
+        }
 
 
 def truncated_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:

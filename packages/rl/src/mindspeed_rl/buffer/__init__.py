@@ -6,5 +6,12 @@ from mindspeed_rl.buffer.balance import balanced_partitions, micro_batches_by_to
 from mindspeed_rl.buffer.remote import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import VERSION, ReplayBuffer, StalenessError
 
-__all__ = ["VERSION", "BufferClient", "ReplayBuffer", "StalenessError", "balanced_partitions", "create_buffer_actor",
-           "micro_batches_by_tokens"]
+__all__ = [
+    "VERSION",
+    "BufferClient",
+    "ReplayBuffer",
+    "StalenessError",
+    "balanced_partitions",
+    "create_buffer_actor",
+    "micro_batches_by_tokens",
+]

@@ -30,8 +30,10 @@ class _Solution:
 
     def merge(self, other: _Solution) -> _Solution:
         k = len(self.sums)
-        return _Solution([self.sets[j] + other.sets[k - 1 - j] for j in range(k)],
-                         [self.sums[j] + other.sums[k - 1 - j] for j in range(k)])
+        return _Solution(
+            [self.sets[j] + other.sets[k - 1 - j] for j in range(k)],
+            [self.sums[j] + other.sums[k - 1 - j] for j in range(k)],
+        )
 
 
 def balanced_partitions(seqlens: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
@@ -60,7 +62,7 @@ def balanced_partitions(seqlens: Sequence[int], k: int, equal_size: bool = False
     if equal_size:
         # k items at a time, one per set, so every merge keeps the set sizes equal.
         for start in range(0, n, k):
-            chunk = order[start:start + k]
+            chunk = order[start : start + k]
             solution = _Solution([[i] for i in chunk], [seqlens[i] for i in chunk])
             heapq.heappush(heap, (-solution.spread, next(counter), solution))
     else:
@@ -75,8 +77,9 @@ def balanced_partitions(seqlens: Sequence[int], k: int, equal_size: bool = False
     return [sorted(s) for s in heap[0][2].sets]
 
 
-def micro_batches_by_tokens(seqlens: Sequence[int], max_tokens: int, min_count: int = 1,
-                            multiple_of: int = 1) -> list[list[int]]:
+def micro_batches_by_tokens(
+    seqlens: Sequence[int], max_tokens: int, min_count: int = 1, multiple_of: int = 1
+) -> list[list[int]]:
     """Fewest balanced micro-batches with at most ``max_tokens`` tokens each (dynamic batch size).
 
     Starts from ``ceil(total / max_tokens)`` micro-batches and adds one until every balanced
@@ -97,8 +100,10 @@ def micro_batches_by_tokens(seqlens: Sequence[int], max_tokens: int, min_count: 
     """
     longest = max(seqlens, default=0)
     if longest > max_tokens:
-        raise ValueError(f"a sequence of {longest} tokens does not fit micro-batches of max_tokens={max_tokens}; "
-                         "raise the token budget")
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit micro-batches of max_tokens={max_tokens}; "
+            "raise the token budget"
+        )
     if not seqlens:
         return []
     count = max(min_count, math.ceil(sum(seqlens) / max_tokens))

@@ -14,9 +14,17 @@ from typing import Any
 from mindspeed_rl.buffer.replay import ReplayBuffer
 
 
-def create_buffer_actor(columns: Sequence[str], rows_per_step: int, max_staleness: int = 0, mode: str | None = None,
-                        *, name: str | None = None, max_concurrency: int = 32, num_cpus: float = 0,
-                        **options: Any) -> Any:
+def create_buffer_actor(
+    columns: Sequence[str],
+    rows_per_step: int,
+    max_staleness: int = 0,
+    mode: str | None = None,
+    *,
+    name: str | None = None,
+    max_concurrency: int = 32,
+    num_cpus: float = 0,
+    **options: Any,
+) -> Any:
     """Start a :class:`ReplayBuffer` as a Ray actor (``ray.init`` must have run).
 
     Args:
@@ -33,7 +41,8 @@ def create_buffer_actor(columns: Sequence[str], rows_per_step: int, max_stalenes
 
     actor_class = ray.remote(ReplayBuffer)
     return actor_class.options(name=name, max_concurrency=max_concurrency, num_cpus=num_cpus, **options).remote(
-        list(columns), rows_per_step, max_staleness, mode)
+        list(columns), rows_per_step, max_staleness, mode
+    )
 
 
 class BufferClient:
@@ -46,8 +55,23 @@ class BufferClient:
         handle: the actor handle from :func:`create_buffer_actor` or ``ray.get_actor``.
     """
 
-    _METHODS = frozenset({"get_version", "advance_version", "can_allocate", "allocate", "put", "discard", "ready_count",
-                          "wait_ready", "get", "mark_consumed", "clear", "close", "stats"})
+    _METHODS = frozenset(
+        {
+            "get_version",
+            "advance_version",
+            "can_allocate",
+            "allocate",
+            "put",
+            "discard",
+            "ready_count",
+            "wait_ready",
+            "get",
+            "mark_consumed",
+            "clear",
+            "close",
+            "stats",
+        }
+    )
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

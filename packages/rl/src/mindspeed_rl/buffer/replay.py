@@ -68,8 +68,9 @@ class ReplayBuffer:
         ValueError: on bad settings (naming them).
     """
 
-    def __init__(self, columns: Sequence[str], rows_per_step: int, max_staleness: int = 0,
-                 mode: str | None = None) -> None:
+    def __init__(
+        self, columns: Sequence[str], rows_per_step: int, max_staleness: int = 0, mode: str | None = None
+    ) -> None:
         if rows_per_step < 1 or max_staleness < 0:
             raise ValueError(f"rows_per_step={rows_per_step} must be >= 1 and max_staleness={max_staleness} >= 0")
         mode = mode or ("sync" if max_staleness == 0 else "async")
@@ -145,7 +146,9 @@ class ReplayBuffer:
         """
         limit = (self.max_staleness + 1) * self.rows_per_step
         if not 0 < count <= limit:
-            raise ValueError(f"cannot allocate {count} rows: between 1 and (max_staleness + 1) x rows_per_step = {limit}")
+            raise ValueError(
+                f"cannot allocate {count} rows: between 1 and (max_staleness + 1) x rows_per_step = {limit}"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -155,7 +158,8 @@ class ReplayBuffer:
                 if self._version - version > self.max_staleness:
                     raise StalenessError(
                         f"rows of policy version {version} would be consumed at version {self._version} or later, "
-                        f"more than max_staleness={self.max_staleness} behind: sync the producer's weights first")
+                        f"more than max_staleness={self.max_staleness} behind: sync the producer's weights first"
+                    )
                 if self._capacity(version) >= count:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -163,7 +167,8 @@ class ReplayBuffer:
                     raise StalenessError(
                         f"{count} more rows of version {version} would run more than max_staleness="
                         f"{self.max_staleness} versions ahead of the trainer (version {self._version}, "
-                        f"{len(self._rows)} rows waiting); refused after {timeout} s")
+                        f"{len(self._rows)} rows waiting); refused after {timeout} s"
+                    )
                 self._cond.wait(remaining)
             start = self._next_id
             self._next_id += count
@@ -198,7 +203,9 @@ class ReplayBuffer:
             if not overwrite:
                 again = [i for i, row in zip(indices, targets) if column in row.values]
                 if again:
-                    raise ValueError(f"put {column!r}: rows {again[:5]} already have it (pass overwrite=True to replace)")
+                    raise ValueError(
+                        f"put {column!r}: rows {again[:5]} already have it (pass overwrite=True to replace)"
+                    )
             for row, value in zip(targets, rows):
                 row.values[column] = value
             self._cond.notify_all()
@@ -214,8 +221,9 @@ class ReplayBuffer:
     # -- consumers ---------------------------------------------------------------------------
 
     def _ready(self, columns: Sequence[str], consumer: str) -> list[int]:
-        return [i for i, row in self._rows.items()
-                if consumer not in row.taken_by and all(c in row.values for c in columns)]
+        return [
+            i for i, row in self._rows.items() if consumer not in row.taken_by and all(c in row.values for c in columns)
+        ]
 
     def ready_count(self, columns: Sequence[str], consumer: str = "trainer") -> int:
         """How many rows :meth:`wait_ready` could hand ``consumer`` now."""
@@ -223,8 +231,9 @@ class ReplayBuffer:
         with self._cond:
             return len(self._ready(columns, consumer))
 
-    def wait_ready(self, columns: Sequence[str], count: int, consumer: str = "trainer",
-                   timeout: float | None = None) -> list[int]:
+    def wait_ready(
+        self, columns: Sequence[str], count: int, consumer: str = "trainer", timeout: float | None = None
+    ) -> list[int]:
         """Take ``count`` rows whose ``columns`` are all written and that ``consumer`` has not taken yet.
 
         The oldest rows come first. Taken rows are not handed to the same consumer again
@@ -247,8 +256,10 @@ class ReplayBuffer:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{len(ready)} of {count} rows with {', '.join(columns)} ready for {consumer!r} "
-                                       f"after {timeout} s")
+                    raise TimeoutError(
+                        f"{len(ready)} of {count} rows with {', '.join(columns)} ready for {consumer!r} "
+                        f"after {timeout} s"
+                    )
                 self._cond.wait(remaining)
             taken = sorted(ready)[:count]
             for i in taken:
@@ -309,7 +320,9 @@ class ReplayBuffer:
         with self._cond:
             consumed = sum(self._staleness.values())
             return {
-                "version": self._version, "live_rows": len(self._rows), "max_staleness": self.max_staleness,
+                "version": self._version,
+                "live_rows": len(self._rows),
+                "max_staleness": self.max_staleness,
                 **{name: self._counts[name] for name in ("allocated", "consumed", "discarded", "expired", "cleared")},
                 "staleness_histogram": dict(sorted(self._staleness.items())),
                 "staleness_mean": sum(k * n for k, n in self._staleness.items()) / consumed if consumed else 0.0,

@@ -15,6 +15,17 @@ from mindspeed_rl.data.prompts import (
 )
 
 __all__ = [
-    "DEFAULT_MAP_KEYS", "DEMO_TEST", "DEMO_TRAIN", "PromptFormat", "PromptRecord", "PromptSampler", "encode_prompts",
-    "generate_arithmetic", "load_prompts", "read_records", "regenerate_demo", "resolve_data_path", "write_jsonl",
+    "DEFAULT_MAP_KEYS",
+    "DEMO_TEST",
+    "DEMO_TRAIN",
+    "PromptFormat",
+    "PromptRecord",
+    "PromptSampler",
+    "encode_prompts",
+    "generate_arithmetic",
+    "load_prompts",
+    "read_records",
+    "regenerate_demo",
+    "resolve_data_path",
+    "write_jsonl",
 ]

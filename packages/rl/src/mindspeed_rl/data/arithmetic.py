@@ -21,8 +21,9 @@ ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 DEMO_TRAIN = ASSETS_DIR / "arithmetic_train.jsonl"
 DEMO_TEST = ASSETS_DIR / "arithmetic_test.jsonl"
 #: The settings of the shipped files: sums and differences of 0..20 with non-negative results.
-DEMO_SETTINGS: dict[str, Any] = dict(seed=0, min_operand=0, max_operand=20, operators=("+", "-"), num_operands=2,
-                                     negative_results=False)
+DEMO_SETTINGS: dict[str, Any] = dict(
+    seed=0, min_operand=0, max_operand=20, operators=("+", "-"), num_operands=2, negative_results=False
+)
 DEMO_SIZES = (512, 64)
 OPERATORS = ("+", "-", "*")
 
@@ -39,8 +40,9 @@ def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
     return terms[0] + sum(sign * term for sign, term in zip(signs, terms[1:]))
 
 
-def _problem(rng: random.Random, low: int, high: int, operators: Sequence[str], count: int,
-             negative_results: bool) -> tuple[str, int]:
+def _problem(
+    rng: random.Random, low: int, high: int, operators: Sequence[str], count: int, negative_results: bool
+) -> tuple[str, int]:
     while True:
         operands = [rng.randint(low, high) for _ in range(count)]
         ops = [rng.choice(operators) for _ in range(count - 1)]
@@ -50,9 +52,16 @@ def _problem(rng: random.Random, low: int, high: int, operators: Sequence[str], 
             return expression, value
 
 
-def generate_arithmetic(num: int, seed: int = 0, min_operand: int = 0, max_operand: int = 20,
-                        operators: Sequence[str] = ("+", "-"), num_operands: int = 2,
-                        negative_results: bool = False, unique: bool = True) -> list[dict[str, str]]:
+def generate_arithmetic(
+    num: int,
+    seed: int = 0,
+    min_operand: int = 0,
+    max_operand: int = 20,
+    operators: Sequence[str] = ("+", "-"),
+    num_operands: int = 2,
+    negative_results: bool = False,
+    unique: bool = True,
+) -> list[dict[str, str]]:
     """``num`` arithmetic problems in GSM8K's format.
 
     Args:
@@ -74,10 +83,14 @@ def generate_arithmetic(num: int, seed: int = 0, min_operand: int = 0, max_opera
     if not operators or any(op not in OPERATORS for op in operators):
         raise ValueError(f"operators {list(operators)}: use a non-empty subset of {', '.join(OPERATORS)}")
     if num_operands < 2 or min_operand > max_operand or num < 0:
-        raise ValueError(f"need num >= 0, num_operands >= 2 and min_operand <= max_operand "
-                         f"(got {num}, {num_operands}, {min_operand}..{max_operand})")
+        raise ValueError(
+            f"need num >= 0, num_operands >= 2 and min_operand <= max_operand "
+            f"(got {num}, {num_operands}, {min_operand}..{max_operand})"
+        )
     if not negative_results and min_operand < 0:
-        raise ValueError("negative operands with negative_results=False: set min_operand >= 0 or allow negative results")
+        raise ValueError(
+            "negative operands with negative_results=False: set min_operand >= 0 or allow negative results"
+        )
     rng = random.Random(seed)
     records, seen = [], set()
     attempts = 0
@@ -86,8 +99,10 @@ def generate_arithmetic(num: int, seed: int = 0, min_operand: int = 0, max_opera
         attempts += 1
         if unique and expression in seen:
             if attempts > 50 * (num + 10):
-                raise ValueError(f"only {len(records)} distinct problems found for {num} requested: widen the operand "
-                                 "range, add operators or operands, or pass unique=False")
+                raise ValueError(
+                    f"only {len(records)} distinct problems found for {num} requested: widen the operand "
+                    "range, add operators or operands, or pass unique=False"
+                )
             continue
         seen.add(expression)
         records.append({"question": f"What is {expression}?", "answer": f"{expression} = {value}\n#### {value}"})
@@ -116,5 +131,7 @@ def regenerate_demo(out_dir: str | Path = ASSETS_DIR) -> tuple[Path, Path]:
     train_size, test_size = DEMO_SIZES
     records = generate_arithmetic(train_size + test_size, **DEMO_SETTINGS)
     out_dir = Path(out_dir)
-    return (write_jsonl(records[:train_size], out_dir / DEMO_TRAIN.name),
-            write_jsonl(records[train_size:], out_dir / DEMO_TEST.name))
+    return (
+        write_jsonl(records[:train_size], out_dir / DEMO_TRAIN.name),
+        write_jsonl(records[train_size:], out_dir / DEMO_TEST.name),
+    )

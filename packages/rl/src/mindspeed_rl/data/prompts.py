@@ -77,7 +77,9 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def load_prompts(path: str | Path, map_keys: Mapping[str, str] | None = None, limit: int | None = None) -> list[PromptRecord]:
+def load_prompts(
+    path: str | Path, map_keys: Mapping[str, str] | None = None, limit: int | None = None
+) -> list[PromptRecord]:
     """Prompt records of a data file.
 
     Args:
@@ -100,12 +102,16 @@ def load_prompts(path: str | Path, map_keys: Mapping[str, str] | None = None, li
     out = []
     for index, record in enumerate(records):
         if not isinstance(record.get(prompt_key), str):
-            raise ValueError(f"{path}: record {index} has no text field {prompt_key!r} (fields: {', '.join(record)}); "
-                             f"set data.map_keys.prompt to the field that holds the prompt")
+            raise ValueError(
+                f"{path}: record {index} has no text field {prompt_key!r} (fields: {', '.join(record)}); "
+                f"set data.map_keys.prompt to the field that holds the prompt"
+            )
         reference = record.get(reference_key) if has_reference else None
         if has_reference and reference is None:
-            raise ValueError(f"{path}: record {index} has no {reference_key!r} field while others have; "
-                             "fix the record or set data.map_keys.reference")
+            raise ValueError(
+                f"{path}: record {index} has no {reference_key!r} field while others have; "
+                "fix the record or set data.map_keys.reference"
+            )
         extra = {k: v for k, v in record.items() if k not in (prompt_key, reference_key)}
         out.append(PromptRecord(record[prompt_key], None if reference is None else str(reference), index, extra))
     return out
@@ -144,15 +150,19 @@ class PromptFormat:
         if self.style == "plain":
             return self.template.replace("{prompt}", content)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data.prompt_format=chat needs a tokenizer with a chat template; "
-                             "set data.prompt_format=plain for a base model")
+            raise ValueError(
+                "data.prompt_format=chat needs a tokenizer with a chat template; "
+                "set data.prompt_format=plain for a base model"
+            )
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": content}]
+            {"role": "user", "content": content}
+        ]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompts(texts: Sequence[str], tokenizer: Any, max_length: int | None = None,
-                   add_special_tokens: bool = False) -> tuple[list[list[int]], list[int]]:
+def encode_prompts(
+    texts: Sequence[str], tokenizer: Any, max_length: int | None = None, add_special_tokens: bool = False
+) -> tuple[list[list[int]], list[int]]:
     """Token ids of formatted prompts, leaving out the ones longer than ``max_length``.
 
     Chat-formatted text already holds its special tokens, hence ``add_special_tokens=False`` by
@@ -189,8 +199,10 @@ class PromptSampler:
 
     def __init__(self, num_records: int, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if not 0 < batch_size <= num_records:
-            raise ValueError(f"prompt batch of {batch_size} with {num_records} records: need 0 < batch <= records "
-                             "(lower train.global_batch or give more data)")
+            raise ValueError(
+                f"prompt batch of {batch_size} with {num_records} records: need 0 < batch <= records "
+                "(lower train.global_batch or give more data)"
+            )
         self.num_records, self.batch_size, self.seed, self.shuffle = num_records, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
 
@@ -204,7 +216,7 @@ class PromptSampler:
         """The next ``batch_size`` record indices."""
         if self.position + self.batch_size > self.num_records:
             self.epoch, self.position = self.epoch + 1, 0
-        batch = self._order()[self.position:self.position + self.batch_size]
+        batch = self._order()[self.position : self.position + self.batch_size]
         self.position += self.batch_size
         return batch
 
@@ -219,6 +231,8 @@ class PromptSampler:
             ValueError: if the state was saved for other data or another seed.
         """
         if state["num_records"] != self.num_records or state["seed"] != self.seed:
-            raise ValueError(f"prompt sampler state is for {state['num_records']} records and seed {state['seed']}, "
-                             f"not {self.num_records} and {self.seed}: resume with the same data and train.seed")
+            raise ValueError(
+                f"prompt sampler state is for {state['num_records']} records and seed {state['seed']}, "
+                f"not {self.num_records} and {self.seed}: resume with the same data and train.seed"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

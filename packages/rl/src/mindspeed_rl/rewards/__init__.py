@@ -22,7 +22,19 @@ from mindspeed_rl.rewards.math import MathVerifier
 from mindspeed_rl.rewards.model import RewardModel
 
 __all__ = [
-    "FORMAT_PRESETS", "VERIFIERS", "FormatVerifier", "MathVerifier", "RewardFunction", "RewardModel",
-    "WeightedReward", "answers_equal", "build_reward", "build_verifier", "extract_answer", "extract_boxed",
-    "parse_number", "reference_answer", "score_batch",
+    "FORMAT_PRESETS",
+    "VERIFIERS",
+    "FormatVerifier",
+    "MathVerifier",
+    "RewardFunction",
+    "RewardModel",
+    "WeightedReward",
+    "answers_equal",
+    "build_reward",
+    "build_verifier",
+    "extract_answer",
+    "extract_boxed",
+    "parse_number",
+    "reference_answer",
+    "score_batch",
 ]

@@ -45,8 +45,9 @@ def build_verifier(name: str, **options: Any) -> RewardFunction:
         raise ValueError(f"reward verifier {name!r}: {err}") from err
 
 
-def score_batch(fn: RewardFunction, prompts: Sequence[str], responses: Sequence[str],
-                references: Sequence[str | None] | None = None) -> list[float]:
+def score_batch(
+    fn: RewardFunction, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str | None] | None = None
+) -> list[float]:
     """``fn`` over a batch; ``references`` default to None for every row.
 
     Raises:
@@ -54,8 +55,10 @@ def score_batch(fn: RewardFunction, prompts: Sequence[str], responses: Sequence[
     """
     references = [None] * len(responses) if references is None else references
     if not len(prompts) == len(responses) == len(references):
-        raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses and {len(references)} references: "
-                         "give one of each per sample")
+        raise ValueError(
+            f"{len(prompts)} prompts, {len(responses)} responses and {len(references)} references: "
+            "give one of each per sample"
+        )
     batched = getattr(fn, "score_batch", None)
     if callable(batched):  # a reward model scores a whole batch in one forward
         return [float(v) for v in batched(prompts, responses, references)]
@@ -79,14 +82,19 @@ class WeightedReward:
             raise ValueError("no reward functions: set reward.verifiers (e.g. [math]) or reward.model")
         unknown = sorted(set(self.weights or {}) - set(self.functions))
         if unknown:
-            raise ValueError(f"reward weights for {', '.join(unknown)}, which are not among the reward functions "
-                             f"{', '.join(self.functions)}")
+            raise ValueError(
+                f"reward weights for {', '.join(unknown)}, which are not among the reward functions "
+                f"{', '.join(self.functions)}"
+            )
 
-    def score_batch(self, prompts: Sequence[str], responses: Sequence[str],
-                    references: Sequence[str | None] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def score_batch(
+        self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str | None] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total rewards ``[batch]`` (float32) and each function's own scores by name."""
-        parts = {name: torch.tensor(score_batch(fn, prompts, responses, references), dtype=torch.float32)
-                 for name, fn in self.functions.items()}
+        parts = {
+            name: torch.tensor(score_batch(fn, prompts, responses, references), dtype=torch.float32)
+            for name, fn in self.functions.items()
+        }
         weights = self.weights or {}
         total = torch.zeros(len(responses), dtype=torch.float32)
         for name, scores in parts.items():
@@ -94,9 +102,12 @@ class WeightedReward:
         return total, parts
 
 
-def build_reward(verifiers: Sequence[str], weights: Sequence[float] | None = None,
-                 options: Mapping[str, Mapping[str, Any]] | None = None,
-                 extra: Mapping[str, RewardFunction] | None = None) -> WeightedReward:
+def build_reward(
+    verifiers: Sequence[str],
+    weights: Sequence[float] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    extra: Mapping[str, RewardFunction] | None = None,
+) -> WeightedReward:
     """A :class:`WeightedReward` of the registered ``verifiers`` (plus ``extra`` functions, e.g. a reward model).
 
     Args:
@@ -115,6 +126,8 @@ def build_reward(verifiers: Sequence[str], weights: Sequence[float] | None = Non
     functions: dict[str, RewardFunction] = {name: build_verifier(name, **options.get(name, {})) for name in verifiers}
     functions.update(extra or {})
     if weights is not None and len(weights) != len(functions):
-        raise ValueError(f"{len(weights)} reward weights for {len(functions)} reward functions ({', '.join(functions)}); "
-                         "give one weight each")
+        raise ValueError(
+            f"{len(weights)} reward weights for {len(functions)} reward functions ({', '.join(functions)}); "
+            "give one weight each"
+        )
     return WeightedReward(functions, dict(zip(functions, weights)) if weights is not None else None)

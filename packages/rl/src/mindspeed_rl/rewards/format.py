@@ -14,8 +14,11 @@ FORMAT_PRESETS: dict[str, tuple[str, bool]] = {
     # R1 style: one <think>...</think> block first, then a non-empty answer
     "think": (r"\s*<think>(?:(?!</?think>).)*</think>(?=.*\S)(?:(?!</?think>).)*", True),
     # R1 style whose answer is boxed
-    "think_boxed": (r"\s*<think>(?:(?!</?think>).)*</think>(?:(?!</?think>).)*\\boxed\s*\{(?:(?!</?think>).)*\}"
-                    r"(?:(?!</?think>).)*", True),
+    "think_boxed": (
+        r"\s*<think>(?:(?!</?think>).)*</think>(?:(?!</?think>).)*\\boxed\s*\{(?:(?!</?think>).)*\}"
+        r"(?:(?!</?think>).)*",
+        True,
+    ),
 }
 
 
@@ -45,8 +48,9 @@ class FormatVerifier:
     def __post_init__(self) -> None:
         if self.pattern is None:
             if self.preset not in FORMAT_PRESETS:
-                raise ValueError(f"unknown format preset {self.preset!r}; use one of {', '.join(FORMAT_PRESETS)} "
-                                 "or give a pattern")
+                raise ValueError(
+                    f"unknown format preset {self.preset!r}; use one of {', '.join(FORMAT_PRESETS)} or give a pattern"
+                )
             source, self._whole = FORMAT_PRESETS[self.preset]
         else:
             source, self._whole = self.pattern, self.fullmatch

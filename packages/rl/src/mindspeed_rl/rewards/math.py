@@ -34,5 +34,7 @@ class MathVerifier:
             ValueError: if ``reference`` is None (the math verifier needs the answer).
         """
         if reference is None:
-            raise ValueError("the math verifier needs a reference answer: set data.map_keys.reference to the answer field")
+            raise ValueError(
+                "the math verifier needs a reference answer: set data.map_keys.reference to the answer field"
+            )
         return self.correct if grade_answer(response, reference, strict=self.strict) else self.incorrect

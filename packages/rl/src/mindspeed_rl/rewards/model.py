@@ -34,14 +34,23 @@ class RewardModel:
         ValueError: the directory is missing, has no ``config.json``, or ``label`` is out of range.
     """
 
-    def __init__(self, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                 label: int = 0, batch_size: int = 8, max_length: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        label: int = 0,
+        batch_size: int = 8,
+        max_length: int | None = None,
+    ) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"reward model {str(path)!r} is not a Hugging Face model directory (no config.json); "
-                             "set reward.model to a directory written by save_pretrained")
+            raise ValueError(
+                f"reward model {str(path)!r} is not a Hugging Face model directory (no config.json); "
+                "set reward.model to a directory written by save_pretrained"
+            )
         self.device = torch.device(device) if device is not None else get_accelerator().current_device()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(self.device).eval()
@@ -50,7 +59,9 @@ class RewardModel:
             raise ValueError(f"reward model label {label} is out of range: the model has {num_labels} labels")
         if self.model.config.pad_token_id is None:
             # The model finds each row's last token through the pad id; without one it can only take batches of one.
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            pad = (
+                self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            )
             self.model.config.pad_token_id = pad
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token_id = self.model.config.pad_token_id
@@ -62,16 +73,22 @@ class RewardModel:
         """One reward per text, ``[len(texts)]`` float32 on the host."""
         scores = []
         for start in range(0, len(texts), self.batch_size):
-            batch = list(texts[start:start + self.batch_size])
-            encoded = self.tokenizer(batch, return_tensors="pt", padding=True, truncation=self.max_length is not None,
-                                     max_length=self.max_length)
+            batch = list(texts[start : start + self.batch_size])
+            encoded = self.tokenizer(
+                batch,
+                return_tensors="pt",
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+            )
             encoded = {k: v.to(self.device) for k, v in encoded.items()}
             logits = self.model(**encoded).logits
             scores.append(logits[:, self.label].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
-    def score_batch(self, prompts: Sequence[str], responses: Sequence[str],
-                    references: Sequence[str | None] | None = None) -> list[float]:
+    def score_batch(
+        self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str | None] | None = None
+    ) -> list[float]:
         """Rewards of ``prompt + response`` for each pair (references are unused)."""
         return self.score([p + r for p, r in zip(prompts, responses)]).tolist()
 

@@ -66,9 +66,17 @@ RolloutFactory = Callable[..., RolloutEngine]
 ROLLOUT_ENGINES: Registry[RolloutFactory] = Registry("rollout engine")
 
 
-def build_rollout(name: str, model_dir: str | Path, *, max_num_seqs: int = 64, tp: int = 1,
-                  gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                  **options: Any) -> RolloutEngine:
+def build_rollout(
+    name: str,
+    model_dir: str | Path,
+    *,
+    max_num_seqs: int = 64,
+    tp: int = 1,
+    gpu_memory_utilization: float = 0.5,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    **options: Any,
+) -> RolloutEngine:
     """Build the rollout engine ``name`` on the Hugging Face checkpoint in ``model_dir``.
 
     Args:
@@ -100,8 +108,15 @@ def build_rollout(name: str, model_dir: str | Path, *, max_num_seqs: int = 64, t
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
     factory = ROLLOUT_ENGINES.get(name)
-    return factory(model_dir, max_num_seqs=max_num_seqs, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
-                   seed=seed, max_model_len=max_model_len, **options)
+    return factory(
+        model_dir,
+        max_num_seqs=max_num_seqs,
+        tp=tp,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+        max_model_len=max_model_len,
+        **options,
+    )
 
 
 def check_params(prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[SamplingParams]:

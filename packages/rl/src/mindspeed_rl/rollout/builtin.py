@@ -39,9 +39,17 @@ class BuiltinRollout:
         self.asleep = False
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, max_num_seqs: int = 64, tp: int = 1,
-                        gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                        **options: Any) -> BuiltinRollout:
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        max_num_seqs: int = 64,
+        tp: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        **options: Any,
+    ) -> BuiltinRollout:
         """The engine on a Hugging Face directory or Megatron checkpoint (see :func:`build_rollout`).
 
         ``gpu_memory_utilization`` is accepted for a uniform signature and not used: the built-in
@@ -60,11 +68,14 @@ class BuiltinRollout:
             ValueError: ``tp`` above 1, or a checkpoint the engine cannot read.
         """
         if tp != 1:
-            raise ValueError(f"the builtin rollout engine runs on one device, got tp={tp}; set rollout.tp=1 "
-                             "or use rollout.engine=vllm for tensor-parallel rollout")
+            raise ValueError(
+                f"the builtin rollout engine runs on one device, got tp={tp}; set rollout.tp=1 "
+                "or use rollout.engine=vllm for tensor-parallel rollout"
+            )
         del gpu_memory_utilization
-        engine = InferenceEngine.from_pretrained(model_dir, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
-                                                 **options)
+        engine = InferenceEngine.from_pretrained(
+            model_dir, max_batch_size=max_num_seqs, max_seq_len=max_model_len, **options
+        )
         return cls(engine, seed)
 
     @property
@@ -81,9 +92,12 @@ class BuiltinRollout:
         params = check_params(prompt_ids, params)
         if self.asleep:
             self.wake_up()
-        seeded = [p if p.greedy or p.seed is not None
-                  else dataclasses.replace(p, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
-                  for p in params]
+        seeded = [
+            p
+            if p.greedy or p.seed is not None
+            else dataclasses.replace(p, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
+            for p in params
+        ]
         return self.engine.generate(prompt_ids, seeded)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:

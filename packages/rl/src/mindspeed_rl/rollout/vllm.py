@@ -62,7 +62,8 @@ def import_vllm() -> ModuleType:
         raise ValueError(
             "rollout.engine=vllm needs vLLM, which is not installed: run `uv sync --extra vllm` "
             "(or `pip install mindspeed-rl[vllm]`; on Ascend also install vllm-ascend next to torch-npu), "
-            f"or set rollout.engine=builtin ({exc})") from exc
+            f"or set rollout.engine=builtin ({exc})"
+        ) from exc
 
 
 class WeightSyncExtension:
@@ -87,10 +88,18 @@ def to_vllm_params(vllm: ModuleType, params: SamplingParams) -> Any:
 
     One sample per request, the sampled token's log-probability (``logprobs=0``), no text.
     """
-    return vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                               top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
-                               seed=params.seed, stop_token_ids=list(params.stop_token_ids),
-                               ignore_eos=params.ignore_eos, logprobs=0, detokenize=False)
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=params.max_new_tokens,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=0,
+        detokenize=False,
+    )
 
 
 def from_vllm_output(prompt: Sequence[int], output: Any) -> RolloutOutput:
@@ -102,14 +111,17 @@ def from_vllm_output(prompt: Sequence[int], output: Any) -> RolloutOutput:
     completion = output.outputs[0]
     tokens = [int(t) for t in completion.token_ids]
     if completion.logprobs is None or len(completion.logprobs) < len(tokens):
-        raise RuntimeError("vLLM returned no log-probability for some sampled tokens; the request must ask for "
-                           "logprobs=0")
+        raise RuntimeError(
+            "vLLM returned no log-probability for some sampled tokens; the request must ask for logprobs=0"
+        )
     logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
     finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
     return RolloutOutput([int(t) for t in prompt], tokens, logprobs, finish)
 
 
-def weight_buckets(state: Mapping[str, torch.Tensor], limit: int = WEIGHT_BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(
+    state: Mapping[str, torch.Tensor], limit: int = WEIGHT_BUCKET_BYTES
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Host-memory copies of ``state`` grouped into lists of at most ``limit`` bytes (a bigger tensor alone).
 
     Host memory because the tensors cross into vLLM's worker processes by serialization.
@@ -145,9 +157,18 @@ class VLLMRollout:
         self._stale_prefixes = False
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, max_num_seqs: int = 64, tp: int = 1,
-                        gpu_memory_utilization: float = 0.5, seed: int = 0, max_model_len: int | None = None,
-                        sleep_level: int = 1, **options: Any) -> VLLMRollout:
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        max_num_seqs: int = 64,
+        tp: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        sleep_level: int = 1,
+        **options: Any,
+    ) -> VLLMRollout:
         """``vllm.LLM`` on a Hugging Face directory (see :func:`~mindspeed_rl.rollout.base.build_rollout`).
 
         Args:
@@ -164,10 +185,16 @@ class VLLMRollout:
             ValueError: vLLM is not installed.
         """
         vllm = import_vllm()
-        kwargs: dict[str, Any] = dict(model=str(model_dir), tensor_parallel_size=tp,
-                                      gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True, seed=seed,
-                                      max_num_seqs=max_num_seqs, worker_extension_cls=WORKER_EXTENSION,
-                                      logprobs_mode="raw_logprobs")
+        kwargs: dict[str, Any] = dict(
+            model=str(model_dir),
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=True,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="raw_logprobs",
+        )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(options)

@@ -68,24 +68,34 @@ class ActorWorker:
         """
         import torch.distributed as dist
 
-
         cfg = self.config
         acc = get_accelerator()
         if acc.ray_resource:  # Ray made one device visible to this process: it is index 0
             acc.set_device(0)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         if not dist.is_initialized():
-            dist.init_process_group(acc.dist_backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.world_size)
+            dist.init_process_group(
+                acc.dist_backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size
+            )
         a = cfg.actor
         settings = actor_settings(cfg)
         self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp, features=cfg.features)
         if cfg.needs_reference():
-            self.reference = Actor(cfg.reference.model or self.model_dir, settings, trainable=False, tp=a.tp, pp=a.pp,
-                                   features=cfg.features)
+            self.reference = Actor(
+                cfg.reference.model or self.model_dir,
+                settings,
+                trainable=False,
+                tp=a.tp,
+                pp=a.pp,
+                features=cfg.features,
+            )
         groups = self.actor.groups
-        place = {"rank": self.rank, "dp_rank": groups.dp.rank(), "tp_rank": groups.tp.rank(),
-                 "pp_rank": groups.pp.rank()}
+        place = {
+            "rank": self.rank,
+            "dp_rank": groups.dp.rank(),
+            "tp_rank": groups.tp.rank(),
+            "pp_rank": groups.pp.rank(),
+        }
         holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
         if holds:
             self.engine = build_engine(cfg, self.model_dir)
@@ -94,8 +104,9 @@ class ActorWorker:
 
     # -- training ----------------------------------------------------------------------------
 
-    def compute_logprobs(self, pairs: Sequence[tuple[list[int], list[int]]], reference: bool = False
-                         ) -> list[torch.Tensor]:
+    def compute_logprobs(
+        self, pairs: Sequence[tuple[list[int], list[int]]], reference: bool = False
+    ) -> list[torch.Tensor]:
         """This data-parallel rank's log-probs of ``pairs`` (collective; see ``Actor.compute_logprobs``)."""
         model = self.reference if reference else self.actor
         if model is None:
@@ -109,8 +120,14 @@ class ActorWorker:
         self.stats["time/" + ("ref_logp" if reference else "old_logp") + "_worker"] = time.perf_counter() - start
         return out
 
-    def update(self, pairs: Sequence[tuple[list[int], list[int]]], old_logp: torch.Tensor, advantages: torch.Tensor,
-               ref_logp: torch.Tensor | None, rollout_logp: torch.Tensor | None) -> dict[str, float]:
+    def update(
+        self,
+        pairs: Sequence[tuple[list[int], list[int]]],
+        old_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        rollout_logp: torch.Tensor | None,
+    ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (collective)."""
         metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
         self.stats.update({f"memory/update_{k}": v for k, v in memory_gib().items()})
@@ -178,24 +195,33 @@ class ActorWorker:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save(self, root: str, step: int, extra_files: dict[str, str] | None = None, keep_last: int | None = None
-             ) -> str:
+    def save(
+        self, root: str, step: int, extra_files: dict[str, str] | None = None, keep_last: int | None = None
+    ) -> str:
         """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective).
 
         ``extra_files`` (the driver's run state) are written into the checkpoint before it is
         marked complete; ``keep_last`` rotates complete checkpoints.
         """
-        path = save_checkpoint(root, TrainState(step=step), self.actor.chunks, self.actor.optimizer,
-                               self.actor.scheduler, self.actor.config, extra_files=extra_files, keep_last=keep_last)
+        path = save_checkpoint(
+            root,
+            TrainState(step=step),
+            self.actor.chunks,
+            self.actor.optimizer,
+            self.actor.scheduler,
+            self.actor.config,
+            extra_files=extra_files,
+            keep_last=keep_last,
+        )
         return str(path)
 
     def load(self, path: str) -> int:
         """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
         from pathlib import Path
 
-
-        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler,
-                                self.actor.config)
+        state = load_checkpoint(
+            Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, self.actor.config
+        )
         self.actor.version = int(state.step)
         return int(state.step)
 

@@ -49,17 +49,19 @@ class ActorGroup:
     def __init__(self, config: Any, model_dir: str, pool: ResourcePool) -> None:
         import ray
 
-
         self.config, self.dp = config, config.actor.dp
         world = config.actor_world_size()
         worker_class = ray.remote(ActorWorker)
-        self.workers = [worker_class.options(**pool.options(i)).remote(i, world, config, model_dir)
-                        for i in range(world)]
+        self.workers = [
+            worker_class.options(**pool.options(i)).remote(i, world, config, model_dir) for i in range(world)
+        ]
         host, port = ray.get(self.workers[0].address.remote())
         self.places: list[dict[str, int]] = ray.get([w.setup.remote(host, port) for w in self.workers])
         last = config.actor.pp - 1
         # The log-probs of a replica are read from its last pipeline stage's first tensor rank.
-        self.readers = {p["dp_rank"]: i for i, p in enumerate(self.places) if p["pp_rank"] == last and p["tp_rank"] == 0}
+        self.readers = {
+            p["dp_rank"]: i for i, p in enumerate(self.places) if p["pp_rank"] == last and p["tp_rank"] == 0
+        }
         self.engine_workers = [self.workers[i] for i, p in enumerate(self.places) if p["engine"]]
         self.version = 0
 
@@ -86,16 +88,24 @@ class ActorGroup:
                 out[i] = logp
         return out  # type: ignore[return-value]
 
-    def update(self, pairs: Sequence[Pair], old_logp: torch.Tensor, advantages: torch.Tensor,
-               ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None) -> dict[str, float]:
+    def update(
+        self,
+        pairs: Sequence[Pair],
+        old_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+        rollout_logp: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """One optimizer step over all ``pairs``, each replica on its share (gradients all-reduced)."""
         shares = self._split(pairs)
 
         def cut(t: torch.Tensor | None, share: list[int]) -> torch.Tensor | None:
             return None if t is None else t[torch.tensor(share, dtype=torch.long)]
 
-        args = [([pairs[i] for i in s], cut(old_logp, s), cut(advantages, s), cut(ref_logp, s), cut(rollout_logp, s))
-                for s in shares]
+        args = [
+            ([pairs[i] for i in s], cut(old_logp, s), cut(advantages, s), cut(ref_logp, s), cut(rollout_logp, s))
+            for s in shares
+        ]
         results = self._run("update", args)
         readers = [results[self.readers[d]] for d in range(self.dp)]
         tokens = [r.get("update_tokens", 1.0) for r in readers]
@@ -172,10 +182,11 @@ class RolloutPool:
     def __init__(self, config: Any, model_dir: str, pool: ResourcePool, max_recoveries: int = 3) -> None:
         import ray
 
-
         worker_class = ray.remote(RolloutWorker)
-        self.workers = [worker_class.options(max_restarts=-1, max_task_retries=0, **pool.options(i)).remote(
-            i, config, model_dir) for i in range(pool.size)]
+        self.workers = [
+            worker_class.options(max_restarts=-1, max_task_retries=0, **pool.options(i)).remote(i, config, model_dir)
+            for i in range(pool.size)
+        ]
         ray.get([w.ready.remote() for w in self.workers])
         self.weights: tuple[list[Any], int] | None = None
         self.max_recoveries = max_recoveries
@@ -189,7 +200,9 @@ class RolloutPool:
                 return call()
             except RayActorError as err:
                 if attempt == self.max_recoveries:
-                    raise RuntimeError(f"a rollout worker died {attempt + 1} times in one call; giving up: {err}") from err
+                    raise RuntimeError(
+                        f"a rollout worker died {attempt + 1} times in one call; giving up: {err}"
+                    ) from err
                 logger.warning("a rollout worker died (%s); waiting for Ray to restart it", type(err).__name__)
                 self.recover()
         raise AssertionError("unreachable")

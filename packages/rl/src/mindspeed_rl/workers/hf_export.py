@@ -10,9 +10,18 @@ from pathlib import Path
 import torch
 
 #: Files of the starting model directory that travel with the weights (config, tokenizer, template).
-_CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-            "added_tokens.json")
+_CARRIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 
 
 def write_hf_dir(state: Mapping[str, torch.Tensor], source: str | Path, target: str | Path) -> Path:
@@ -34,8 +43,11 @@ def write_hf_dir(state: Mapping[str, torch.Tensor], source: str | Path, target: 
         if (source / name).is_file():
             shutil.copy2(source / name, staging / name)
     # Tied weights share storage: safetensors refuses aliases, so every tensor is its own copy.
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(staging / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+        str(staging / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)

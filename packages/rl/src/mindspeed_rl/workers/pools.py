@@ -52,11 +52,15 @@ class ResourcePool:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.group = placement_group([bundle() for _ in range(self.size)], strategy="PACK", name=f"mindspeed-{self.name}")
+        self.group = placement_group(
+            [bundle() for _ in range(self.size)], strategy="PACK", name=f"mindspeed-{self.name}"
+        )
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
-            raise RuntimeError(f"the {self.name} pool needs {self.size} x {bundle()} but the Ray cluster offers "
-                               f"{ray.available_resources()}; shrink the layout or add nodes")
+            raise RuntimeError(
+                f"the {self.name} pool needs {self.size} x {bundle()} but the Ray cluster offers "
+                f"{ray.available_resources()}; shrink the layout or add nodes"
+            )
         return self
 
     def options(self, index: int) -> dict[str, Any]:

@@ -28,9 +28,15 @@ def build_engine(config: Any, model_dir: str) -> Any:
         ValueError: an engine this version cannot build (naming ``rollout.engine``).
     """
     r = config.rollout
-    return build_rollout(r.engine, model_dir, max_num_seqs=r.max_num_seqs, tp=r.tp,
-                         gpu_memory_utilization=r.gpu_memory_utilization, seed=config.train.seed,
-                         max_model_len=r.max_prompt_length + r.max_new_tokens)
+    return build_rollout(
+        r.engine,
+        model_dir,
+        max_num_seqs=r.max_num_seqs,
+        tp=r.tp,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=config.train.seed,
+        max_model_len=r.max_prompt_length + r.max_new_tokens,
+    )
 
 
 class RolloutWorker:

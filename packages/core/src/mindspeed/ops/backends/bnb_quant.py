@@ -30,23 +30,41 @@ def _bitsandbytes_present() -> bool:
 
 
 @register_kernel("nf4_dequantize", "bitsandbytes", devices=("cuda",), priority=20, available=_bitsandbytes_present)
-def nf4_dequantize_bnb(codes: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int],
-                       dtype: torch.dtype = torch.bfloat16, block_size: int = 64,
-                       absmax_scale: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None,
-                       absmax_block_size: int = 256) -> torch.Tensor:
+def nf4_dequantize_bnb(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 64,
+    absmax_scale: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
+    absmax_block_size: int = 256,
+) -> torch.Tensor:
     """``bitsandbytes.functional.dequantize_4bit`` with ``quant_type="nf4"``; same arguments as the reference."""
     if codes.device.type != "cuda" or dtype not in _OUTPUT_DTYPES or codes.numel() < 2:
         # bitsandbytes returns a one-row packed tensor transposed; tiny states are not worth a kernel.
-        return nf4_dequantize_reference(codes, absmax, shape, dtype, block_size, absmax_scale, absmax_offset,
-                                        absmax_block_size)
+        return nf4_dequantize_reference(
+            codes, absmax, shape, dtype, block_size, absmax_scale, absmax_offset, absmax_block_size
+        )
     from bitsandbytes.functional import QuantState, dequantize_4bit
 
     shape = torch.Size(shape)
     if absmax.dtype == torch.uint8:
-        nested = QuantState(absmax=absmax_scale.float(), code=dynamic_map_8bit(codes.device),
-                            blocksize=absmax_block_size, dtype=torch.float32)
-        state = QuantState(absmax=absmax, shape=shape, blocksize=block_size, quant_type="nf4", dtype=dtype,
-                           offset=absmax_offset.float(), state2=nested)
+        nested = QuantState(
+            absmax=absmax_scale.float(),
+            code=dynamic_map_8bit(codes.device),
+            blocksize=absmax_block_size,
+            dtype=torch.float32,
+        )
+        state = QuantState(
+            absmax=absmax,
+            shape=shape,
+            blocksize=block_size,
+            quant_type="nf4",
+            dtype=dtype,
+            offset=absmax_offset.float(),
+            state2=nested,
+        )
     else:
         state = QuantState(absmax=absmax.float(), shape=shape, blocksize=block_size, quant_type="nf4", dtype=dtype)
     # bitsandbytes keeps packed weights as a column [(n + 1) // 2, 1].

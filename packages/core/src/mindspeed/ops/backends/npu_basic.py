@@ -79,8 +79,11 @@ def swiglu_npu(x: torch.Tensor) -> torch.Tensor:
 #: Which leading dims of the 4-D table are full (not 1), for the layouts npu_rotary_mul accepts:
 #: BNSD x with 11SD/B1SD/BNSD tables, BSND with 1S1D/BS1D/BSND, SBND with S11D/SB1D/SBND.
 _ROTARY_TABLE_PATTERNS = {
-    (False, False, True), (True, False, True), (True, True, True),
-    (False, True, False), (True, True, False),
+    (False, False, True),
+    (True, False, True),
+    (True, True, True),
+    (False, True, False),
+    (True, True, False),
     (True, False, False),
 }
 _ROTARY_MAX_HEAD_DIM = 896  # documented bound (exclusive) of the last dimension
@@ -127,8 +130,11 @@ def rotary_pos_emb_npu(
     """
     rot_dim = check_rotary_inputs(x, cos, sin)
     if not _rotary_kernel_fits(x, cos, sin, rot_dim) or (interleaved and not _rotary_has_interleave()):
-        log_once(logger, "rotary_pos_emb[npu]: some calls are outside npu_rotary_mul's shape or mode "
-                 "limits and run the reference instead")
+        log_once(
+            logger,
+            "rotary_pos_emb[npu]: some calls are outside npu_rotary_mul's shape or mode "
+            "limits and run the reference instead",
+        )
         return rotary_pos_emb_reference(x, cos, sin, interleaved)
     table_shape = (1,) * (4 - cos.dim()) + tuple(cos.shape)
     cos, sin = cos.reshape(table_shape), sin.reshape(table_shape)
@@ -164,12 +170,8 @@ def _matmul_add_op() -> Callable[..., Any] | None:
         return None
 
 
-@register_kernel(
-    "matmul_add_fp32", "npu", devices=_NPU, priority=20, available=lambda: _matmul_add_op() is not None
-)
-def matmul_add_fp32_npu(
-    total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
-) -> torch.Tensor:
+@register_kernel("matmul_add_fp32", "npu", devices=_NPU, priority=20, available=lambda: _matmul_add_op() is not None)
+def matmul_add_fp32_npu(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
     """The fused ATB GEMM that accumulates half-precision products into the fp32 main grad.
 
     The kernel takes fp16/bf16 inputs and a contiguous fp32 accumulator; fp32 inputs use an
@@ -214,14 +216,39 @@ def ema_adamw_npu(
     for param, grad, exp_avg, exp_avg_sq, ema in zip(params, grads, exp_avgs, exp_avg_sqs, ema_params, strict=True):
         tensors = (param, exp_avg, exp_avg_sq, ema)
         if any(t.dtype != torch.float32 for t in (*tensors, grad)):
-            ema_adamw_reference([param], [grad], [exp_avg], [exp_avg_sq], [ema], step, lr=lr, beta1=beta1,
-                                beta2=beta2, eps=eps, weight_decay=weight_decay, ema_decay=ema_decay,
-                                maximize=maximize)
+            ema_adamw_reference(
+                [param],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [ema],
+                step,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+                ema_decay=ema_decay,
+                maximize=maximize,
+            )
             continue
         step_tensor = torch.full((1,), step, dtype=torch.int64, device=param.device)
-        outputs = npu.npu_apply_fused_ema_adamw(-grad if maximize else grad, param, exp_avg, exp_avg_sq, ema,
-                                                step_tensor, lr, ema_decay, beta1, beta2, eps, 1, True,
-                                                weight_decay)
+        outputs = npu.npu_apply_fused_ema_adamw(
+            -grad if maximize else grad,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            ema,
+            step_tensor,
+            lr,
+            ema_decay,
+            beta1,
+            beta2,
+            eps,
+            1,
+            True,
+            weight_decay,
+        )
         for target, out in zip(tensors, outputs, strict=True):
             if out.data_ptr() != target.data_ptr():
                 target.copy_(out)

@@ -60,8 +60,7 @@ def _has(name: str):
 def _gmm(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, group_type: int) -> torch.Tensor:
     split_item = 2 if group_type == 0 else 3
     return _torch_npu().npu_grouped_matmul(
-        [x], [weight], bias=None, group_list=group_list, split_item=split_item,
-        group_type=group_type, group_list_type=1,
+        [x], [weight], bias=None, group_list=group_list, split_item=split_item, group_type=group_type, group_list_type=1
     )[0]
 
 

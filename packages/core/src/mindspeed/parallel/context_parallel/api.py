@@ -156,8 +156,15 @@ def context_parallel_attention(
     if algo == ULYSSES:
         attend = _kernel("attention", impl, varlen, device)
         return ulysses_attention(
-            q, k, v, group=ulysses_group, seq_len=seq_len, causal=causal, softmax_scale=scale,
-            cu_seqlens=cu_seqlens, attend=attend,
+            q,
+            k,
+            v,
+            group=ulysses_group,
+            seq_len=seq_len,
+            causal=causal,
+            softmax_scale=scale,
+            cu_seqlens=cu_seqlens,
+            attend=attend,
         )
     attend = _kernel("attention", impl, (FEATURE_LSE, *varlen), device)
     update = _kernel("ring_attention_update", "auto", (), device)

@@ -98,8 +98,7 @@ def check_degrees(cp_size: int, algo: str, ulysses_degree: int) -> None:
         raise ValueError(f"context_parallel_size must be >= 1, got {cp_size}")
     if algo == HYBRID and (ulysses_degree < 1 or cp_size % ulysses_degree != 0):
         raise ValueError(
-            f"hybrid_cp_algo needs ulysses_degree_in_cp ({ulysses_degree}) to divide "
-            f"context_parallel_size ({cp_size})"
+            f"hybrid_cp_algo needs ulysses_degree_in_cp ({ulysses_degree}) to divide context_parallel_size ({cp_size})"
         )
 
 
@@ -277,15 +276,17 @@ def packed_shard_ranges(bounds: Sequence[int], cp_rank: int, cp_size: int) -> Ra
     ranges: list[tuple[int, int]] = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         if (stop - start) % (2 * cp_size):
-            raise ValueError(f"packed sequence [{start}, {stop}) has {stop - start} tokens, not a multiple of "
-                             f"2 * context_parallel_size = {2 * cp_size}; pad every packed sequence to a multiple")
-        ranges.extend((lo + start, hi + start) for lo, hi in zigzag_ranges(stop - start, cp_rank, cp_size)
-                      if hi > lo)
+            raise ValueError(
+                f"packed sequence [{start}, {stop}) has {stop - start} tokens, not a multiple of "
+                f"2 * context_parallel_size = {2 * cp_size}; pad every packed sequence to a multiple"
+            )
+        ranges.extend((lo + start, hi + start) for lo, hi in zigzag_ranges(stop - start, cp_rank, cp_size) if hi > lo)
     return tuple(ranges)
 
 
-def split_packed_for_context_parallel(tensor: torch.Tensor, dim: int, bounds: Sequence[int], cp_rank: int,
-                                      cp_size: int) -> torch.Tensor:
+def split_packed_for_context_parallel(
+    tensor: torch.Tensor, dim: int, bounds: Sequence[int], cp_rank: int, cp_size: int
+) -> torch.Tensor:
     """This rank's shard of a packed (THD) row: :func:`packed_shard_ranges` of ``bounds``, concatenated."""
     return _narrow_cat(tensor, dim, packed_shard_ranges(tuple(int(b) for b in bounds), cp_rank, cp_size))
 

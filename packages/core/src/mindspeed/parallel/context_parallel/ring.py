@@ -58,8 +58,9 @@ class RingPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_ring(seq_len: int, rank: int, size: int, causal: bool, bounds: tuple[int, ...] | None,
-              per_sequence: bool = False) -> RingPlan:
+def plan_ring(
+    seq_len: int, rank: int, size: int, causal: bool, bounds: tuple[int, ...] | None, per_sequence: bool = False
+) -> RingPlan:
     """The :class:`RingPlan` of ring rank ``rank`` of ``size`` for a zig-zag sharded sequence.
 
     Args:

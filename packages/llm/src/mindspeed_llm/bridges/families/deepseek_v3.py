@@ -38,9 +38,14 @@ LAYER_RULES = (
 )
 
 #: YaRN settings of megatron's MLA config and their Hugging Face ``rope_parameters`` keys.
-_YARN = {"rotary_scaling_factor": "factor", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
-         "beta_fast": "beta_fast", "beta_slow": "beta_slow",
-         "original_max_position_embeddings": "original_max_position_embeddings"}
+_YARN = {
+    "rotary_scaling_factor": "factor",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+}
 
 
 @register_bridge
@@ -79,8 +84,12 @@ class DeepseekV3Bridge(Bridge):
         ConfigKey("moe_router_group_topk", "topk_group"),
         ConfigKey("moe_router_topk_scaling_factor", "routed_scaling_factor"),
     )
-    constants = {"multi_latent_attention": True, "qk_layernorm": True, "moe_router_score_function": "sigmoid",
-                 "moe_router_enable_expert_bias": True}
+    constants = {
+        "multi_latent_attention": True,
+        "qk_layernorm": True,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+    }
     # megatron renormalises sigmoid top-k weights always; the MLA rope is de-interleaved by
     # megatron exactly as transformers does with rope_interleave.
     requires = (("hidden_act", "silu"), ("norm_topk_prob", True), ("rope_interleave", True), ("attention_bias", False))
@@ -92,8 +101,11 @@ class DeepseekV3Bridge(Bridge):
         dense = config.get("first_k_dense_replace") or 0
         step = config.get("moe_layer_freq") or 1
         extras: dict[str, Any] = {
-            "moe_layer_freq": tuple(int(i >= dense and (i - dense) % step == 0) for i in range(config["num_hidden_layers"])),
-            "moe_shared_expert_intermediate_size": (config.get("n_shared_experts") or 0) * config["moe_intermediate_size"]
+            "moe_layer_freq": tuple(
+                int(i >= dense and (i - dense) % step == 0) for i in range(config["num_hidden_layers"])
+            ),
+            "moe_shared_expert_intermediate_size": (config.get("n_shared_experts") or 0)
+            * config["moe_intermediate_size"]
             or None,
         }
         rope = config.get("rope_parameters") or {}
@@ -102,17 +114,25 @@ class DeepseekV3Bridge(Bridge):
             extras["rope_type"] = "yarn"
             extras.update({mg: rope[hf] for mg, hf in _YARN.items() if rope.get(hf) is not None})
         elif kind != "default":
-            raise ValueError(f"config.json's rope_type {kind!r} is not supported for MLA: megatron implements "
-                             "'default' and 'yarn'")
+            raise ValueError(
+                f"config.json's rope_type {kind!r} is not supported for MLA: megatron implements 'default' and 'yarn'"
+            )
         return extras
 
     def hf_extras(self, shape: ModelShape) -> dict[str, Any]:
         freq = shape.moe_layer_freq
-        out: dict[str, Any] = {"first_k_dense_replace": freq.index(1) if 1 in freq else len(freq), "moe_layer_freq": 1,
-                               "n_shared_experts": (shape.moe_shared_expert_intermediate_size or 0) // shape.moe_ffn_hidden_size,
-                               "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                               "num_nextn_predict_layers": shape.mtp_num_layers or 0}
+        out: dict[str, Any] = {
+            "first_k_dense_replace": freq.index(1) if 1 in freq else len(freq),
+            "moe_layer_freq": 1,
+            "n_shared_experts": (shape.moe_shared_expert_intermediate_size or 0) // shape.moe_ffn_hidden_size,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": shape.mtp_num_layers or 0,
+        }
         if shape.rope_type == "yarn":
-            out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": shape.rotary_base,
-                                      **{hf: getattr(shape, mg) for mg, hf in _YARN.items()}}
+            out["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": shape.rotary_base,
+                **{hf: getattr(shape, mg) for mg, hf in _YARN.items()},
+            }
         return out

@@ -32,12 +32,20 @@ class LlamaBridge(Bridge):
             return {}
         fixed = {key: rope.get(key) for key in _LLAMA3_ROPE}
         if kind != "llama3" or fixed != _LLAMA3_ROPE:
-            raise ValueError(f"config.json's rope_parameters {rope} are not supported: megatron-core implements "
-                             f"rope_type 'default' and 'llama3' with {_LLAMA3_ROPE}")
+            raise ValueError(
+                f"config.json's rope_parameters {rope} are not supported: megatron-core implements "
+                f"rope_type 'default' and 'llama3' with {_LLAMA3_ROPE}"
+            )
         return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
 
     def hf_extras(self, shape: ModelShape) -> dict[str, Any]:
         if not shape.use_rope_scaling:
             return {}
-        return {"rope_parameters": {"rope_type": "llama3", "rope_theta": shape.rotary_base,
-                                    "factor": shape.rope_scaling_factor, **_LLAMA3_ROPE}}
+        return {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": shape.rotary_base,
+                "factor": shape.rope_scaling_factor,
+                **_LLAMA3_ROPE,
+            }
+        }

@@ -29,5 +29,8 @@ class MixtralBridge(Bridge):
     )
     requires = LLAMA_REQUIRES
     capabilities = Capabilities(moe=True)
-    rules = (*EMBEDDING_RULES, *ATTENTION_RULES,
-             *moe_rules(HF + "block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2"))
+    rules = (
+        *EMBEDDING_RULES,
+        *ATTENTION_RULES,
+        *moe_rules(HF + "block_sparse_moe.", router="gate", gate="w1", up="w3", down="w2"),
+    )

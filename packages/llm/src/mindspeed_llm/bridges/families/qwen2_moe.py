@@ -45,17 +45,27 @@ class Qwen2MoeBridge(Bridge):
     # but megatron's layers do not window.
     requires = (*LLAMA_REQUIRES, ("qkv_bias", True), ("use_sliding_window", False))
     capabilities = Capabilities(infers=False, moe=True, shared_experts=True)
-    rules = (*EMBEDDING_RULES, *ATTENTION_RULES, *QKV_BIAS_RULES,
-             *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
-             *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"),
-             *gated_mlp_rules(MG + "mlp.shared_experts.", HF + "mlp.shared_expert.", layers="moe"),
-             Rename(MG + "mlp.shared_experts.gate_weight", HF + "mlp.shared_expert_gate.weight", layers="moe"))
+    rules = (
+        *EMBEDDING_RULES,
+        *ATTENTION_RULES,
+        *QKV_BIAS_RULES,
+        *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
+        *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"),
+        *gated_mlp_rules(MG + "mlp.shared_experts.", HF + "mlp.shared_expert.", layers="moe"),
+        Rename(MG + "mlp.shared_experts.gate_weight", HF + "mlp.shared_expert_gate.weight", layers="moe"),
+    )
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
         dense = set(config.get("mlp_only_layers") or [])
         step = config.get("decoder_sparse_step") or 1
-        return {"moe_layer_freq": tuple(int(i not in dense and (i + 1) % step == 0)
-                                        for i in range(config["num_hidden_layers"]))}
+        return {
+            "moe_layer_freq": tuple(
+                int(i not in dense and (i + 1) % step == 0) for i in range(config["num_hidden_layers"])
+            )
+        }
 
     def hf_extras(self, shape: ModelShape) -> dict[str, Any]:
-        return {"mlp_only_layers": [i for i, moe in enumerate(shape.moe_layer_freq) if not moe], "decoder_sparse_step": 1}
+        return {
+            "mlp_only_layers": [i for i, moe in enumerate(shape.moe_layer_freq) if not moe],
+            "decoder_sparse_step": 1,
+        }

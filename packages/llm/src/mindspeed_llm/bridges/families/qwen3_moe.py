@@ -39,15 +39,25 @@ class Qwen3MoeBridge(Bridge):
     constants = {"qk_layernorm": True}
     requires = (*LLAMA_REQUIRES, ("attention_bias", False))
     capabilities = Capabilities(moe=True)
-    rules = (*EMBEDDING_RULES, *ATTENTION_RULES, *QK_NORM_RULES,
-             *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
-             *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"))
+    rules = (
+        *EMBEDDING_RULES,
+        *ATTENTION_RULES,
+        *QK_NORM_RULES,
+        *gated_mlp_rules(MG + "mlp.", HF + "mlp.", layers="dense"),
+        *moe_rules(HF + "mlp.", router="gate", gate="gate_proj", up="up_proj", down="down_proj"),
+    )
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
         dense = set(config.get("mlp_only_layers") or [])
         step = config.get("decoder_sparse_step") or 1
-        return {"moe_layer_freq": tuple(int(i not in dense and (i + 1) % step == 0)
-                                        for i in range(config["num_hidden_layers"]))}
+        return {
+            "moe_layer_freq": tuple(
+                int(i not in dense and (i + 1) % step == 0) for i in range(config["num_hidden_layers"])
+            )
+        }
 
     def hf_extras(self, shape: ModelShape) -> dict[str, Any]:
-        return {"mlp_only_layers": [i for i, moe in enumerate(shape.moe_layer_freq) if not moe], "decoder_sparse_step": 1}
+        return {
+            "mlp_only_layers": [i for i, moe in enumerate(shape.moe_layer_freq) if not moe],
+            "decoder_sparse_step": 1,
+        }
