@@ -8,7 +8,7 @@ of :mod:`mindspeed.ops.adamw`, ::
 in the same pass over the tensors, so diffusion training keeps its EMA weights without a second
 sweep over memory. Implementations: the reference (the unfused AdamW reference, then the EMA
 update, tensor by tensor), ``foreach`` and ``fused`` (the AdamW kernels of the same names, then
-one multi-tensor lerp), and ``npu`` (torch_npu's single kernel, in
+one multi-tensor lerp), and ``npu`` (the Ascend adapter's single kernel, in
 :mod:`mindspeed.ops.backends.npu_basic`). :class:`FusedEMAAdamW` is the optimizer; its state adds
 ``ema`` to ``torch.optim.AdamW``'s keys, so the EMA weights travel in optimizer checkpoints.
 """
