@@ -70,12 +70,12 @@ _reaper: subprocess.Popen | None = None
 def start_reaper() -> subprocess.Popen | None:
     """Mark the processes started from now on and start the watchdog that kills them when this
     process exits (see the module docstring); None where ``/proc`` is absent."""
-    if not os.path.isdir("/proc") or OWNER_ENV in os.environ:
-        return None
+    global _reaper
+    if not os.path.isdir("/proc") or _reaper is not None:  # one watchdog per process; a child driver gets its own
+        return _reaper
     os.environ[OWNER_ENV] = f"{os.getpid()}-{uuid.uuid4().hex}"
     marker = f"{OWNER_ENV}={os.environ[OWNER_ENV]}"
     env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
-    global _reaper
     # Held for the life of this process: closing the pipe is what tells the watchdog to act.
     _reaper = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, marker], stdin=subprocess.PIPE, env=env, start_new_session=True
