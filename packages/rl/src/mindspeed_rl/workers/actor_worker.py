@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -217,8 +218,6 @@ class ActorWorker:
 
     def load(self, path: str) -> int:
         """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
-        from pathlib import Path
-
         state = load_checkpoint(
             Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, self.actor.config
         )
