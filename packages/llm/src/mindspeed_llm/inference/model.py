@@ -56,6 +56,7 @@ class DecoderLayer:
         self.expert_bias = get("mlp.router.expert_bias")
         self.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight")
         self.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight")
+        self.shared_gate = get("mlp.shared_experts.gate_weight")  # Qwen2-MoE's shared_expert_gate
         if self.router is not None:
             self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
         self.mla = MLAAttention(model, get) if model.spec.shape.multi_latent_attention else None
@@ -90,7 +91,8 @@ class DecoderLayer:
         return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
 
     def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
-        # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts.
+        # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts
+        # (scaled by sigmoid(x @ gate.T) where the family has megatron's moe_shared_expert_gate).
         m = self.model
         weights, chosen = route(tokens, self.router, self.expert_bias, m.spec.shape)
         out = torch.zeros_like(tokens)
@@ -102,7 +104,10 @@ class DecoderLayer:
             y = self._mlp(tokens[token], self.fc1[expert], self.fc2[expert])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         if self.shared_fc1 is not None:
-            out = out + self._mlp(tokens, self.shared_fc1, self.shared_fc2)
+            shared = self._mlp(tokens, self.shared_fc1, self.shared_fc2)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(tokens, self.shared_gate))
+            out = out + shared
         return out
 
 

@@ -44,7 +44,7 @@ class Qwen2MoeBridge(Bridge):
     # q/k/v biases and no o_proj bias are megatron's add_qkv_bias; a sliding window is not a weight
     # but megatron's layers do not window.
     requires = (*LLAMA_REQUIRES, ("qkv_bias", True), ("use_sliding_window", False))
-    capabilities = Capabilities(infers=False, moe=True, shared_experts=True)
+    capabilities = Capabilities(moe=True, shared_experts=True)
     rules = (
         *EMBEDDING_RULES,
         *ATTENTION_RULES,
