@@ -44,7 +44,7 @@ def test_demo_recipe_learns_colours(tmp_path) -> None:
     scores = {}
     for name, load in (
         ("before", ["--load-dir", "demo"]),
-        ("after", ["--load-dir", str(tmp_path), "--hf-cfg-dir", "demo"]),
+        ("after", ["--load-dir", str(tmp_path), "--base-dir", "demo"]),
     ):
         out = tmp_path / f"eval-{name}.json"
         assert (

@@ -48,7 +48,7 @@ def test_t2v_demo_learns_colours(tmp_path) -> None:
                 "generate",
                 "--load-dir",
                 str(tmp_path),
-                "--hf-cfg-dir",
+                "--base-dir",
                 "demo-t2v",
                 "--prompts-file",
                 "demo-t2v",

@@ -3,7 +3,7 @@
 A tiny Wan pipeline (the demo's layout: ``WanTransformer3DModel``, a fixed patch VAE, a tiny UMT5)
 samples two prompts with guidance: one ``.gif`` per prompt of the asked frames and size, a contact
 sheet (``.png`` and ``.gif``), ``samples.jsonl`` with each prompt's seed. The transformer directory
-with ``--pipeline-dir`` and a DCP checkpoint of the same weights with ``--hf-cfg-dir`` write the
+with ``--pipeline-dir`` and a DCP checkpoint of the same weights with ``--base-dir`` write the
 same bytes; the first video equals the library sampler run by hand (same seed, prompt encoding,
 negative prompt). (The sampler itself is proven against ``WanPipeline`` / ``FluxPipeline`` in
 ``test_dit_sampler.py``.)
@@ -87,7 +87,7 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
     expected = (decode_latents(loaded.parts["vae"], latents)[0].permute(0, 2, 3, 1).numpy() * 255).round()
     assert np.abs(first.astype(np.float64) - expected).max() <= 8  # GIF's palette rounds a few levels at most
 
-    # a transformer directory with --pipeline-dir, and a DCP checkpoint with --hf-cfg-dir: the same files
+    # a transformer directory with --pipeline-dir, and a DCP checkpoint with --base-dir: the same files
     assert (
         main(
             [
@@ -111,7 +111,7 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
                 "generate",
                 "--load-dir",
                 str(tmp_path / "save" / "step_00000001"),
-                "--hf-cfg-dir",
+                "--base-dir",
                 str(pipe / "transformer"),
                 "--output-dir",
                 str(tmp_path / "c"),
@@ -133,7 +133,7 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
         main(["generate", "--load-dir", str(tmp_path / "save" / "step_00000001"), "--pipeline-dir", str(pipe), *FLAGS])
         == 2
     )
-    assert "--hf-cfg-dir" in capsys.readouterr().err
+    assert "--base-dir" in capsys.readouterr().err
     assert (
         main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "d"), *FLAGS, "--height", "6"]) == 2
     )

@@ -188,7 +188,7 @@ def test_training_checkpoint_generates_what_its_export_generates(tiny_vlm, tmp_p
         ],
     )
     launch(_train_two_steps, (config,))
-    from_dcp = load_inference_model(tmp_path / "ckpt", hf_cfg_dir=model_dir)  # the save folder: its newest step
+    from_dcp = load_inference_model(tmp_path / "ckpt", base_dir=model_dir)  # the save folder: its newest step
     assert from_dcp.weights.name == "step_00000002"
     exported = load_inference_model(tmp_path / "hf")
     untrained = load_inference_model(model_dir)
@@ -200,7 +200,7 @@ def test_training_checkpoint_generates_what_its_export_generates(tiny_vlm, tmp_p
     image = images_by_size(data)[1]
     outputs = []
     for load in (
-        ["--load-dir", str(tmp_path / "ckpt" / "step_00000002"), "--hf-cfg-dir", str(model_dir)],
+        ["--load-dir", str(tmp_path / "ckpt" / "step_00000002"), "--base-dir", str(model_dir)],
         ["--load-dir", str(tmp_path / "hf")],
     ):
         out = tmp_path / f"{len(outputs)}.jsonl"
@@ -257,8 +257,8 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
     moved = tmp_path / "moved" / "step_00000002"
     shutil.copytree(tmp_path / "ckpt" / "step_00000002", moved)  # without the run's adapter_config.json
     for loaded in (
-        load_inference_model(tmp_path / "ckpt", hf_cfg_dir=model_dir),
-        load_inference_model(moved, hf_cfg_dir=model_dir, lora_alpha=8.0),
+        load_inference_model(tmp_path / "ckpt", base_dir=model_dir),
+        load_inference_model(moved, base_dir=model_dir, lora_alpha=8.0),
         load_inference_model(tmp_path / "adapter"),
     ):
         state = loaded.model.state_dict()
@@ -271,7 +271,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
     image = images_by_size(data)[1]
     outputs = []
     for load in (
-        ["--load-dir", str(tmp_path / "ckpt"), "--hf-cfg-dir", str(model_dir)],
+        ["--load-dir", str(tmp_path / "ckpt"), "--base-dir", str(model_dir)],
         ["--load-dir", str(tmp_path / "adapter")],
         ["--load-dir", str(tmp_path / "merged")],
     ):
@@ -298,7 +298,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
         outputs.append(_rows(out)[0]["token_ids"])
     assert outputs[0] == outputs[1] == outputs[2]
     capsys.readouterr()
-    assert main(["generate", "--load-dir", str(moved), "--hf-cfg-dir", str(model_dir), "--prompt", "hi"]) == 2
+    assert main(["generate", "--load-dir", str(moved), "--base-dir", str(model_dir), "--prompt", "hi"]) == 2
     assert "is a LoRA run's checkpoint (4 adapted linears) and no adapter_config.json" in capsys.readouterr().err
     assert (
         main(
@@ -306,7 +306,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
                 "generate",
                 "--load-dir",
                 str(tmp_path / "ckpt"),
-                "--hf-cfg-dir",
+                "--base-dir",
                 str(model_dir),
                 "--lora-alpha",
                 "4",
@@ -331,7 +331,7 @@ def test_lora_checkpoint_and_adapter_generate_what_the_merged_export_generates(t
         (["--prompts-file", "/no/such.jsonl"], "--prompts-file '/no/such.jsonl' does not exist"),
         (
             ["--load-dir", "CKPT", "--prompt", "hi"],
-            "is a training checkpoint (torch DCP, weights only); pass --hf-cfg-dir",
+            "is a training checkpoint (torch DCP, weights only); pass --base-dir",
         ),
     ],
 )

@@ -10,7 +10,9 @@ logged with ``extra=DETAIL`` (the adaptor's patch list, the features table, kern
 other libraries' warnings (``warnings.warn``, megatron-core's and torch's loggers; each distinct
 one once) are *detail*: they go to the run's log file (:func:`open_run_log`, buffered until a
 run opens one) and reach the console only when verbose (``--verbose``, or ``MINDSPEED_VERBOSE=1``,
-which spawned ranks inherit).
+which spawned ranks inherit). So are the Hugging Face libraries' progress bars (transformers'
+``Loading weights``, ``Writing model shards``): a console that is not verbose does not draw them
+(the suites log what was loaded or written as detail instead).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ DETAIL = {"detail": True}
 THIRD_PARTY_LOGGERS = ("py.warnings", "megatron", "torch.utils.cpp_extension")
 #: The run log's file name in a run's output directory (the full log, detail included).
 RUN_LOG_FILE = "report.txt"
+#: huggingface_hub's switch for its progress bars and transformers' (read when they are imported).
+HUB_PROGRESS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 #: Set to 1 for a verbose console (the CLIs' ``--verbose``); spawned ranks inherit it.
 VERBOSE_ENV = "MINDSPEED_VERBOSE"
 _FORMAT = logging.Formatter("%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
@@ -186,6 +190,27 @@ def setup_logging(level: str | int = "INFO", all_ranks: bool = False, stream=Non
     for name in THIRD_PARTY_LOGGERS:
         _install(logging.getLogger(name), third_party)
     warnings.showwarning = _show_warning
+    if not verbose:
+        hide_hub_progress_bars()
+
+
+def hide_hub_progress_bars() -> None:
+    """Turn off the Hugging Face libraries' progress bars (console noise unless verbose).
+
+    Sets ``HF_HUB_DISABLE_PROGRESS_BARS=1`` (unless the user set it), which huggingface_hub and
+    transformers read when imported (spawned ranks inherit it), and switches the bars off in
+    transformers and diffusers if they are imported already. Imports neither.
+    """
+    os.environ.setdefault(HUB_PROGRESS_ENV, "1")
+    if os.environ[HUB_PROGRESS_ENV].strip().lower() not in ("1", "true", "yes", "on"):
+        return  # the user asked for the bars
+    for name in ("transformers.utils.logging", "diffusers.utils.logging"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.disable_progress_bar()
+    hub = sys.modules.get("huggingface_hub.utils")
+    if hub is not None:
+        hub.disable_progress_bars()
 
 
 class _ForwardHandler(logging.Handler):

@@ -151,3 +151,27 @@ def add_dataclass_flags(
             choices=(choices or {}).get(field.name),
             help=text,
         )
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling of a flag: sets the new flag's value and writes one deprecation line on standard error."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_flag: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: D102 -- argparse's
+        sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_flag}\n")
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept ``old`` (e.g. ``--hf-cfg-dir``) as a deprecated spelling of the flag ``new`` (``--base-dir``).
+
+    The value lands where ``new``'s does; using ``old`` writes one deprecation line on standard
+    error. ``old`` is left out of the help.
+    """
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(
+        old, dest=dest, action=_RenamedFlag, new_flag=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )

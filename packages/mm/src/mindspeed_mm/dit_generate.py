@@ -1,6 +1,6 @@
 """``mindspeed-mm generate`` for diffusion transformers: text to video (Wan) or image (FLUX) files.
 
-``generate_cli.run_generate`` hands over here when ``--load-dir`` (or ``--hf-cfg-dir``) is a
+``generate_cli.run_generate`` hands over here when ``--load-dir`` (or ``--base-dir``) is a
 diffusers model (:func:`~mindspeed_mm.diffusion.pipeline.is_dit_source`). Each prompt is encoded
 with the pipeline's text encoder(s) as the pipeline encodes it, starts from noise drawn with
 ``seed + its index``, is denoised by :func:`~mindspeed_mm.diffusion.sampler.sample_latents`
@@ -27,7 +27,7 @@ logger = get_logger(__name__)
 
 @dataclass(kw_only=True)
 class DiTSampleConfig:
-    """The ``generate`` options of diffusion transformers (besides ``--load-dir``, ``--hf-cfg-dir``, ``--prompt``,
+    """The ``generate`` options of diffusion transformers (besides ``--load-dir``, ``--base-dir``, ``--prompt``,
     ``--prompts-file``, ``--max-samples``, ``--seed``, ``--dtype`` and ``--batch-size``).
 
     Attributes:
@@ -124,7 +124,7 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
-    loaded = load_dit_pipeline(args.load_dir, args.hf_cfg_dir, sample.pipeline_dir, DTYPES[args.dtype or "float32"])
+    loaded = load_dit_pipeline(args.load_dir, args.base_dir, sample.pipeline_dir, DTYPES[args.dtype or "float32"])
     if not loaded.parts:
         raise ValueError(f"{loaded.weights} has no pipeline beside it (VAE, text encoder); pass --pipeline-dir")
     family, video = loaded.family, loaded.family.latent_dims == 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindspeed.suite_cli import field_help
+from mindspeed.suite_cli import add_renamed_flag, field_help
 from mindspeed_mm.evaluation.config import CHOICE_PROMPTS, CHOICE_SCORING, EvaluateConfig
 
 
@@ -31,7 +31,8 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--task-data-path", action="extend", nargs="+", default=[], metavar="PATH", help=text["task_data_path"]
     )
-    parser.add_argument("--hf-cfg-dir", metavar="DIR", help=text["hf_cfg_dir"])
+    parser.add_argument("--base-dir", metavar="DIR", help=text["base_dir"])
+    add_renamed_flag(parser, "--hf-cfg-dir", "--base-dir")  # its earlier name (mindspeed-llm's)
     parser.add_argument(
         "--choice-scoring",
         default="likelihood",

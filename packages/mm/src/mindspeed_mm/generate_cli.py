@@ -1,11 +1,11 @@
 """``mindspeed-mm generate``: answer questions about images with a vision-language model, or sample a DiT.
 
 A diffusers ``--load-dir`` (pipeline, transformer directory, or a DiT training checkpoint with a
-diffusers ``--hf-cfg-dir``) is handed to :mod:`mindspeed_mm.dit_generate`, which writes pictures
+diffusers ``--base-dir``) is handed to :mod:`mindspeed_mm.dit_generate`, which writes pictures
 and videos; everything below is about vision-language models.
 
 The model comes from a Hugging Face directory or a ``mindspeed-mm train`` checkpoint (torch DCP,
-with ``--hf-cfg-dir``), the prompts from ``--prompt`` (with ``--image``), an mllm_format
+with ``--base-dir``), the prompts from ``--prompt`` (with ``--image``), an mllm_format
 ``--prompts-file``, or a conversation (``--chat`` without prompts: in a terminal, or a user turn
 per line of a pipe). Every prompt goes through the model's chat template and image processor as
 the trainer encodes a sample; the tokens come from the transformers model's own ``generate``.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
-from mindspeed.suite_cli import add_dataclass_flags
+from mindspeed.suite_cli import add_dataclass_flags, add_renamed_flag
 from mindspeed_mm.dit_generate import DiTSampleConfig
 
 logger = get_logger(__name__)
@@ -37,9 +37,9 @@ class GenerateConfig:
 
     Attributes:
         load_dir: the model: a Hugging Face directory, a mindspeed-mm training checkpoint (checkpoint.save
-            or one of its step_* folders; needs --hf-cfg-dir), a PEFT LoRA adapter (merged into its base), or
+            or one of its step_* folders; needs --base-dir), a PEFT LoRA adapter (merged into its base), or
             demo (the demo's untrained model).
-        hf_cfg_dir: the Hugging Face directory a training checkpoint was trained from (config, tokenizer,
+        base_dir: the Hugging Face directory a training checkpoint was trained from (config, tokenizer,
             image processor, chat template); demo for the demo model.
         prompts_file: mllm_format .jsonl / .json prompts (messages with <image> placeholders plus images;
             a last assistant turn is kept as the reference answer).
@@ -66,7 +66,7 @@ class GenerateConfig:
     """
 
     load_dir: str
-    hf_cfg_dir: str | None = None
+    base_dir: str | None = None
     prompts_file: str | None = None
     image_dir: str | None = None
     max_samples: int | None = None
@@ -107,6 +107,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "else the images come first)",
     )
     add_dataclass_flags(parser, GenerateConfig)
+    add_renamed_flag(parser, "--hf-cfg-dir", "--base-dir")  # its earlier name (mindspeed-llm's spelling)
     dit = parser.add_argument_group("diffusion transformers (a diffusers --load-dir: text to video / image files)")
     add_dataclass_flags(dit, DiTSampleConfig, choices={"sampler": ["euler", "unipc"]})
     parser.set_defaults(func=run_generate)
@@ -124,10 +125,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from mindspeed_mm.diffusion.pipeline import is_dit_source
     from mindspeed_mm.inference import SamplingSettings, load_inference_model, prompt_from_text, read_prompt_file
 
-    for name in ("load_dir", "hf_cfg_dir", "pipeline_dir"):  # demo-t2v: the text-to-video demo's pipeline
+    for name in ("load_dir", "base_dir", "pipeline_dir"):  # demo-t2v: the text-to-video demo's pipeline
         if hasattr(args, name):
             setattr(args, name, resolve_demo_dir(getattr(args, name)))
-    if is_dit_source(args.load_dir, args.hf_cfg_dir):  # a diffusers model: text to video / image files
+    if is_dit_source(args.load_dir, args.base_dir):  # a diffusers model: text to video / image files
         from mindspeed_mm.dit_generate import run_dit_generate
 
         return run_dit_generate(args, _config(args, DiTSampleConfig))
@@ -152,7 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {config.output} is a directory; give a file name")
     loaded = load_inference_model(
         config.load_dir,
-        config.hf_cfg_dir,
+        config.base_dir,
         config.dtype,
         config.image_min_pixels,
         config.image_max_pixels,

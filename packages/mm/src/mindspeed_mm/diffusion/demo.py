@@ -286,7 +286,7 @@ def sample_heldout(
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
 
     pipeline = demo_paths()["pipeline"]
-    loaded = load_dit_pipeline(load_dir, hf_cfg_dir=pipeline / "transformer", pipeline_dir=pipeline)
+    loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)
     family = loaded.family
     captions = [caption(*c) for c in (combinations or heldout_combinations()) for _ in range(seeds)]
     shape = latent_shape(loaded.parts["vae"], family, NUM_FRAMES, SIZE, SIZE)

@@ -8,7 +8,7 @@
   folder, or the trainer's ``checkpoint.save_hf`` export); the rest of the pipeline comes from
   ``pipeline_dir``, by default the directory's parent when that is a pipeline;
 - a ``mindspeed-mm train`` checkpoint (torch DCP: ``SAVE/step_00000150``, or ``SAVE`` for its
-  newest step), weights only: ``hf_cfg_dir`` names the transformer (or pipeline) directory it
+  newest step), weights only: ``base_dir`` names the transformer (or pipeline) directory it
   was trained from, whose config builds the model; the checkpoint's tensors must match it exactly;
 - a demo name (:data:`mindspeed_mm.diffusion.demo.DEMOS`), resolved by ``generate`` before it calls this module
   (:func:`mindspeed_mm.diffusion.demo.resolve_demo_dir`): the embedded demo's untrained pipeline.
@@ -69,9 +69,9 @@ def transformer_dir(path: Path) -> Path | None:
     return None
 
 
-def is_dit_source(load_dir: str | Path, hf_cfg_dir: str | Path | None = None) -> bool:
-    """Whether ``generate`` should sample a diffusion transformer for these ``--load-dir`` / ``--hf-cfg-dir``."""
-    return any(p is not None and transformer_dir(Path(p)) is not None for p in (load_dir, hf_cfg_dir))
+def is_dit_source(load_dir: str | Path, base_dir: str | Path | None = None) -> bool:
+    """Whether ``generate`` should sample a diffusion transformer for these ``--load-dir`` / ``--base-dir``."""
+    return any(p is not None and transformer_dir(Path(p)) is not None for p in (load_dir, base_dir))
 
 
 def _resolve(path: str | Path) -> Path:
@@ -90,14 +90,14 @@ def _pipeline_of(transformer: Path, given: str | Path | None) -> Path | None:
 
 def load_dit_pipeline(
     load_dir: str | Path,
-    hf_cfg_dir: str | Path | None = None,
+    base_dir: str | Path | None = None,
     pipeline_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> DiTPipeline:
     """The transformer of ``load_dir`` (see the module docstring) and its pipeline's parts.
 
     Raises:
-        ValueError: a path that is none of the formats, a DCP checkpoint without ``hf_cfg_dir`` or
+        ValueError: a path that is none of the formats, a DCP checkpoint without ``base_dir`` or
             whose tensors do not match its model, a pipeline without a VAE or the family's text encoders.
     """
     load = _resolve(load_dir)
@@ -110,14 +110,14 @@ def load_dit_pipeline(
                 f"--load-dir {str(load_dir)!r} is neither a diffusers pipeline ({MODEL_INDEX}), a "
                 "transformer directory (config.json with _class_name) nor a training checkpoint; give one"
             )
-        if hf_cfg_dir is None:
+        if base_dir is None:
             raise ValueError(
                 f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
-                "--hf-cfg-dir with the transformer directory it was trained from (the recipe's model.path)"
+                "--base-dir with the transformer directory it was trained from (the recipe's model.path)"
             )
-        source = transformer_dir(_resolve(hf_cfg_dir))
+        source = transformer_dir(_resolve(base_dir))
         if source is None:
-            raise ValueError(f"--hf-cfg-dir {str(hf_cfg_dir)!r} is not a diffusers transformer or pipeline directory")
+            raise ValueError(f"--base-dir {str(base_dir)!r} is not a diffusers transformer or pipeline directory")
     family = dit_family_of(source)
     device = get_accelerator().device()
     if checkpoint is not None:
@@ -184,7 +184,7 @@ def _load_dcp(checkpoint: Path, source: Path, family: DiTFamily) -> Any:
         raise ValueError(
             f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} (missing "
             f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]}); pass the "
-            "--hf-cfg-dir the run trained from"
+            "--base-dir the run trained from"
         )
     model.load_state_dict(saved, strict=True)
     return model.float()

@@ -15,11 +15,11 @@ class EvaluateConfig:
 
     Attributes:
         load_dir: the model: a Hugging Face directory, a mindspeed-mm training checkpoint (checkpoint.save
-            or one of its step_* folders; needs --hf-cfg-dir), a PEFT LoRA adapter (merged into its base), or
+            or one of its step_* folders; needs --base-dir), a PEFT LoRA adapter (merged into its base), or
             demo (the demo's untrained model).
         task_data_path: data files: MMBench-style .tsv (base64 images), .json / .jsonl (image paths), or demo
             (an MMBench TSV of the demo's held-out questions); repeatable.
-        hf_cfg_dir: the Hugging Face directory a training checkpoint was trained from; demo for the demo model.
+        base_dir: the Hugging Face directory a training checkpoint was trained from; demo for the demo model.
         choice_scoring: multiple choice by the likelihood of each option's answer, or by greedy generation and
             answer extraction.
         choice_prompt: letter: the options are listed and the answer is their letter (MMBench); cloze: the
@@ -40,7 +40,7 @@ class EvaluateConfig:
 
     load_dir: str
     task_data_path: list[str] = field(default_factory=list)
-    hf_cfg_dir: str | None = None
+    base_dir: str | None = None
     choice_scoring: str = "likelihood"
     choice_prompt: str = "letter"
     max_new_tokens: int = 16

@@ -49,7 +49,7 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
             )
         loaded = load_inference_model(
             config.load_dir,
-            config.hf_cfg_dir,
+            config.base_dir,
             config.dtype,
             config.image_min_pixels,
             config.image_max_pixels,

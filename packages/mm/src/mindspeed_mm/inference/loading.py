@@ -6,14 +6,14 @@
   processor, chat template), e.g. the trainer's ``checkpoint.save_hf`` export;
 - a training checkpoint of ``mindspeed-mm train`` (torch DCP: ``SAVE/step_00000150``), or the
   ``checkpoint.save`` folder itself (its newest complete step is taken). A DCP checkpoint holds
-  weights only, so ``hf_cfg_dir`` names the Hugging Face directory it was trained from (config,
+  weights only, so ``base_dir`` names the Hugging Face directory it was trained from (config,
   tokenizer, image processor); the checkpoint's model tensors must match that model's exactly.
   A LoRA run's checkpoint holds the base weights and the factors: they are merged
   (``W + alpha / r * B A``, :func:`mindspeed_mm.models.lora.merged_state`) with the alpha the run
   recorded in ``adapter_config.json`` next to its checkpoints (DCP records the rank, not alpha),
   or ``lora_alpha`` (the recipe's ``lora.alpha``) for a checkpoint moved away from it;
 - a PEFT LoRA adapter directory (``adapter_config.json``, e.g. a run's ``lora.save_peft``),
-  merged into its base model: ``hf_cfg_dir``, else the adapter's ``base_model_name_or_path``;
+  merged into its base model: ``base_dir``, else the adapter's ``base_model_name_or_path``;
 - ``demo``: the embedded demo's untrained model (``mindspeed_mm.demo``).
 
 The model is the family's transformers class (the registry :data:`~mindspeed_mm.models.FAMILIES`),
@@ -86,7 +86,7 @@ def find_dcp_checkpoint(path: Path) -> Path | None:
 
 def load_inference_model(
     load_dir: str | Path,
-    hf_cfg_dir: str | Path | None = None,
+    base_dir: str | Path | None = None,
     dtype: str | None = None,
     min_pixels: int = 3136,
     max_pixels: int = 262144,
@@ -96,7 +96,7 @@ def load_inference_model(
 
     Args:
         load_dir: a Hugging Face directory, a DCP training checkpoint (or its save folder), or ``demo``.
-        hf_cfg_dir: the Hugging Face directory of config, tokenizer and image processor (required for a
+        base_dir: the Hugging Face directory of config, tokenizer and image processor (required for a
             DCP checkpoint; for a Hugging Face directory it replaces the directory's own processing files).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (default: the directory's dtype; float32 for DCP).
         min_pixels: images are resized to at least this many pixels.
@@ -105,7 +105,7 @@ def load_inference_model(
 
     Raises:
         ValueError: a missing directory, a directory that is none of the formats, an unregistered
-            family, a DCP checkpoint without ``hf_cfg_dir`` or whose tensors do not match its model,
+            family, a DCP checkpoint without ``base_dir`` or whose tensors do not match its model,
             a LoRA checkpoint without ``lora_alpha``, an adapter that is not plain LoRA.
     """
     if dtype is not None and dtype not in DTYPES:
@@ -125,22 +125,22 @@ def load_inference_model(
             "adapter_config.json (a PEFT adapter) nor a DCP checkpoint (.metadata, or step_* folders); "
             "give one of them"
         )
-    if checkpoint is not None and hf_cfg_dir is None:
+    if checkpoint is not None and base_dir is None:
         raise ValueError(
             f"--load-dir {str(load_dir)!r} is a training checkpoint (torch DCP, weights only); pass "
-            "--hf-cfg-dir with the Hugging Face directory it was trained from (model.path of the recipe)"
+            "--base-dir with the Hugging Face directory it was trained from (model.path of the recipe)"
         )
-    if adapter and hf_cfg_dir is None:
-        hf_cfg_dir = json.loads((load / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-        if not hf_cfg_dir:
+    if adapter and base_dir is None:
+        base_dir = json.loads((load / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if not base_dir:
             raise ValueError(
-                f"{load / ADAPTER_CONFIG} names no base model; pass --hf-cfg-dir with the model "
+                f"{load / ADAPTER_CONFIG} names no base model; pass --base-dir with the model "
                 "directory the adapter was trained on"
             )
-    source = resolve_model_dir(hf_cfg_dir) if hf_cfg_dir is not None else load
+    source = resolve_model_dir(base_dir) if base_dir is not None else load
     if not (source / "config.json").is_file():
         raise ValueError(
-            f"--hf-cfg-dir {str(hf_cfg_dir)!r} has no config.json; give the Hugging Face directory the "
+            f"--base-dir {str(base_dir)!r} has no config.json; give the Hugging Face directory the "
             "weights were trained from"
         )
     family = family_of(source)
@@ -206,14 +206,14 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
     if missing or unexpected:
         raise ValueError(
             f"{checkpoint}: its model tensors do not match {source}'s {family.architecture} "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); pass the --hf-cfg-dir the run "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); pass the --base-dir the run "
             "trained from"
         )
     for name, value in state.items():
         if saved[name].shape != value.shape:
             raise ValueError(
                 f"{checkpoint}: {name} has shape {tuple(saved[name].shape)}, {source}'s model "
-                f"{tuple(value.shape)}; pass the --hf-cfg-dir the run trained from"
+                f"{tuple(value.shape)}; pass the --base-dir the run trained from"
             )
     model.load_state_dict(saved)
     return model.to(dtype)
@@ -249,7 +249,7 @@ def _merge_adapter(model: Any, adapter_dir: Path) -> None:
     if unknown:
         raise ValueError(
             f"{adapter_dir}: the adapter adapts {unknown[0]}, which the base model has no linear of "
-            f"({len(unknown)} such); pass the --hf-cfg-dir the adapter was trained on"
+            f"({len(unknown)} such); pass the --base-dir the adapter was trained on"
         )
     with torch.no_grad():
         for module, (a, b) in adapter.factors.items():

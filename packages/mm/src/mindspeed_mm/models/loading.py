@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mindspeed.log import get_logger
+from mindspeed.log import DETAIL, get_logger
 from mindspeed_mm.config import PARTS
 from mindspeed_mm.models.attention import register_attention
 from mindspeed_mm.models.family import VLMFamily
@@ -26,6 +26,8 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
         str(path), dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
     )
     model.config.use_cache = False  # training: no KV cache (and packed masks need none)
+    # transformers' "Loading weights" bar is off on a quiet console (mindspeed.log): the report says it
+    logger.info("loaded %s from %s (%d tensors)", cls.__name__, path, len(model.state_dict()), extra=DETAIL)
     return model
 
 
