@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mindspeed.device import get_accelerator
-from mindspeed.features.base import Change, to_jsonable
+from mindspeed.features.change import Change, to_jsonable
 
 #: Where a hook can be attached, and what the trainer passes to it.
 HOOK_POINTS: dict[str, str] = {

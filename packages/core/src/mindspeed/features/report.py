@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindspeed.features.base import Change, to_jsonable
+from mindspeed.features.change import Change, to_jsonable
 
 
 @dataclass(frozen=True)
