@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint
 from mindspeed_mm.cli import main
 from mindspeed_mm.models import family_of, load_model
+from mindspeed_mm.models.lora import is_factor
 
 
 def _convert(capsys, load: str, save: str, load_dir: Path, save_dir: Path, *extra: str) -> tuple[int, str]:
@@ -95,7 +96,18 @@ def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lor
     assert _convert(capsys, "peft", "hf", tmp_path / "peft", tmp_path / "merged2", "--base-dir", str(base))[0] == 0
     _same(_hf(run / "merged"), _hf(tmp_path / "merged2"))
     assert _convert(capsys, "peft", "dcp", tmp_path / "peft", tmp_path / "dcp", "--base-dir", str(base))[0] == 0
-    _same(_dcp(run / "ckpt" / "step_00000002", tmp_path / "a.pt"), _dcp(tmp_path / "dcp", tmp_path / "b.pt"))
+    trained, converted = (
+        _dcp(run / "ckpt" / "step_00000002", tmp_path / "a.pt"),
+        _dcp(tmp_path / "dcp", tmp_path / "b.pt"),
+    )
+    assert trained and all(map(is_factor, trained))  # a LoRA run checkpoints its factors alone
+    _same(trained, {name: t for name, t in converted.items() if is_factor(name)})
+    base_state = load_model(base, family_of(base)).state_dict()  # the rest is the base's
+    assert all(
+        torch.equal(t, base_state[name.replace(".base_layer.", ".")])
+        for name, t in converted.items()
+        if not is_factor(name)
+    )
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_written(

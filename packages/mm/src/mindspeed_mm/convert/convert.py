@@ -2,7 +2,7 @@
 
 | ``--load-format`` -> ``--save-format`` | what is written |
 | --- | --- |
-| ``dcp`` -> ``hf`` | the checkpoint's model as a Hugging Face directory (LoRA factors merged in) |
+| ``dcp`` -> ``hf`` | the checkpoint's model as a Hugging Face directory (a LoRA run's factors merged into ``--base-dir``) |
 | ``hf`` -> ``dcp`` | the weights as the ``model`` entries of a DCP checkpoint (module names) |
 | ``dcp`` -> ``peft`` | the LoRA factors of a LoRA run's checkpoint as a PEFT adapter |
 | ``peft`` -> ``dcp`` | base model + adapter as a LoRA model's ``model`` entries (``base_layer`` + factors) |
@@ -32,7 +32,7 @@ from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
 from mindspeed_mm.convert.names import ModelNames, model_names
 from mindspeed_mm.convert.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
-from mindspeed_mm.models.lora import ADAPTER, ADAPTER_CONFIG, AdapterSettings, adapted_modules, merge_weight
+from mindspeed_mm.models.lora import ADAPTER, ADAPTER_CONFIG, AdapterSettings, adapted_modules, is_factor, merge_weight
 
 logger = get_logger(__name__)
 
@@ -228,6 +228,9 @@ def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
             "records alpha: pass --lora-alpha (the recipe's lora.alpha) to merge them, or "
             "--save-format peft for the adapter alone"
         )
+    if adapted and all(is_factor(name) for name in source.tensors):  # a LoRA run's: the factors over --base-dir
+        adapter = _dcp_adapter(config, source, sorted(adapted), alpha, cast=False)  # merged in fp32, then cast
+        return _merge_to_hf(config, adapter, f"DCP {source.path} (LoRA on {len(adapted)} linears) merged into")
     want = {trained_name(name, adapted) for name in names.shapes} | {f for m in adapted for f in factor_names(m)}
     _match(
         set(source.tensors),
@@ -284,6 +287,21 @@ def _save_dcp(
     )
 
 
+def _dcp_adapter(
+    config: ConvertConfig, source: DCPModel, adapted: list[str], alpha: float, cast: bool = True
+) -> Adapter:
+    """The LoRA factors of a DCP checkpoint as an adapter (cast as ``--dtype`` says, unless not ``cast``)."""
+    factors = {
+        name: t.to(_cast_to(config, t.dtype) if cast else t.dtype)
+        for name, t in source.read(sorted(f for m in adapted for f in factor_names(m))).items()
+    }
+    pairs = {m: (factors[factor_names(m)[0]], factors[factor_names(m)[1]]) for m in adapted}
+    ranks = sorted({a.shape[0] for a, _ in pairs.values()})
+    if len(ranks) != 1:
+        raise ValueError(f"{source.path}: the LoRA factors have ranks {ranks}; a PEFT adapter here has one rank")
+    return Adapter(AdapterSettings(ranks[0], alpha, list(adapted)), pairs)
+
+
 def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
     source = DCPModel(config.load_dir)
     adapted = adapted_modules(source.tensors)
@@ -297,24 +315,17 @@ def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
         raise ValueError(
             f"{source.path}: no adapter_config.json records alpha; pass --lora-alpha (the recipe's lora.alpha)"
         )
-    factors = {
-        name: t.to(_cast_to(config, t.dtype))
-        for name, t in source.read(sorted(f for m in adapted for f in factor_names(m))).items()
-    }
-    pairs = {m: (factors[factor_names(m)[0]], factors[factor_names(m)[1]]) for m in adapted}
-    ranks = sorted({a.shape[0] for a, _ in pairs.values()})
-    if len(ranks) != 1:
-        raise ValueError(f"{source.path}: the LoRA factors have ranks {ranks}; a PEFT adapter here has one rank")
-    adapter = Adapter(AdapterSettings(ranks[0], alpha, list(adapted)), pairs)
+    adapter = _dcp_adapter(config, source, adapted, alpha)
     if config.base_dir is not None:
         _check_adapter(adapter, model_names(config.base_dir), str(source.path))
     with atomic_directory(Path(config.save_dir)) as temp:
         write_peft_adapter_dir(adapter, temp, config.base_dir)
+    factors = [t for pair in adapter.factors.values() for t in pair]
     return ConvertReport(
-        f"DCP {source.path} (LoRA r={ranks[0]})",
+        f"DCP {source.path} (LoRA r={adapter.settings.r})",
         f"peft {config.save_dir}",
         len(factors),
-        sum(t.numel() * t.element_size() for t in factors.values()),
+        sum(t.numel() * t.element_size() for t in factors),
     )
 
 
@@ -339,7 +350,11 @@ def _peft_to_dcp(config: ConvertConfig) -> ConvertReport:
 
 
 def _peft_to_hf(config: ConvertConfig) -> ConvertReport:
-    adapter = read_peft_adapter(config.load_dir)
+    return _merge_to_hf(config, read_peft_adapter(config.load_dir), f"peft {config.load_dir} merged into")
+
+
+def _merge_to_hf(config: ConvertConfig, adapter: Adapter, what: str) -> ConvertReport:
+    """``--base-dir`` with ``adapter`` merged in, as a Hugging Face directory."""
     names = model_names(config.base_dir)
     _check_adapter(adapter, names, str(config.load_dir))
     base = HFCheckpoint(config.base_dir)
@@ -354,9 +369,4 @@ def _peft_to_hf(config: ConvertConfig) -> ConvertReport:
                 tensor = merge_weight(tensor, *adapter.factors[prefix], adapter.settings.scale)
             yield names.hub[name], tensor
 
-    return _write_hf(
-        config,
-        plan,
-        tensors(),
-        ConvertReport(f"peft {config.load_dir} merged into {config.base_dir}", f"hf {config.save_dir}"),
-    )
+    return _write_hf(config, plan, tensors(), ConvertReport(f"{what} {config.base_dir}", f"hf {config.save_dir}"))

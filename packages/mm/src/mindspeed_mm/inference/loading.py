@@ -8,7 +8,8 @@
   ``checkpoint.save`` folder itself (its newest complete step is taken). A DCP checkpoint holds
   weights only, so ``base_dir`` names the Hugging Face directory it was trained from (config,
   tokenizer, image processor); the checkpoint's model tensors must match that model's exactly.
-  A LoRA run's checkpoint holds the base weights and the factors: they are merged
+  A LoRA run's checkpoint holds the factors alone (older ones the base weights too; else the
+  base is ``base_dir``'s): they are merged
   (``W + alpha / r * B A``, :func:`mindspeed_mm.models.lora.merged_state`) with the alpha the run
   recorded in ``adapter_config.json`` next to its checkpoints (DCP records the rank, not alpha),
   or ``lora_alpha`` (the recipe's ``lora.alpha``) for a checkpoint moved away from it;
@@ -38,7 +39,14 @@ from mindspeed_mm.convert.peft_io import read_peft_adapter
 from mindspeed_mm.demo import DEMO, demo_paths
 from mindspeed_mm.models import family_of, load_processing
 from mindspeed_mm.models.family import VLMFamily
-from mindspeed_mm.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapted_modules, merge_weight, merged_state
+from mindspeed_mm.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapted_modules,
+    is_factor,
+    merge_weight,
+    merged_state,
+)
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -196,9 +204,10 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
                 f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
                 f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha"
             )
-        saved = merged_state(
-            saved, LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]), alpha=lora_alpha)
-        )
+        settings = LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]), alpha=lora_alpha)
+        if all(is_factor(name) for name in saved):  # the factors alone: the base is the run's model.path
+            saved = _over_base(saved, lora, source, family, checkpoint)
+        saved = merged_state(saved, settings)
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
     model = family.load_class()._from_config(config, dtype=torch.float32)
     state = model.state_dict()
@@ -217,6 +226,25 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
             )
     model.load_state_dict(saved)
     return model.to(dtype)
+
+
+def _over_base(
+    factors: dict[str, torch.Tensor], lora: list[str], source: Path, family: VLMFamily, checkpoint: Path
+) -> dict[str, torch.Tensor]:
+    """A LoRA run's full trained state: ``source``'s weights (``P.base_layer.*`` where adapted) and the factors."""
+    base = family.load_class().from_pretrained(str(source), dtype=torch.float32, local_files_only=True).state_dict()
+    unknown = [module for module in lora if f"{module}.weight" not in base]
+    if unknown:
+        raise ValueError(
+            f"{checkpoint}: its LoRA factors adapt {unknown[0]}, which {source}'s model has no linear of "
+            f"({len(unknown)} such); pass the --base-dir the run trained from"
+        )
+    adapted = set(lora)
+    state = {}
+    for name, value in base.items():
+        prefix, leaf = name.rsplit(".", 1)
+        state[f"{prefix}.base_layer.{leaf}" if prefix in adapted else name] = value
+    return {**state, **factors}
 
 
 def _run_lora_alpha(checkpoint: Path, given: float | None) -> float | None:

@@ -11,7 +11,8 @@ Names of one adapted linear ``P`` (e.g. ``model.language_model.layers.0.self_att
 
 | where | base weight | factors |
 | --- | --- | --- |
-| the trained model, its DCP checkpoints | ``P.base_layer.weight`` | ``P.lora_A.default.weight``, ``P.lora_B.default.weight`` |
+| the trained model | ``P.base_layer.weight`` | ``P.lora_A.default.weight``, ``P.lora_B.default.weight`` |
+| its DCP checkpoints | (the base model's, ``model.path``) | ``P.lora_A.default.weight``, ``P.lora_B.default.weight`` |
 | a PEFT adapter (``adapter_model.safetensors``) | (the base model's) | ``base_model.model.P.lora_A.weight``, ``...lora_B.weight`` |
 | a merged Hugging Face model | ``P.weight`` + (alpha / r) B A | none |
 """
@@ -111,6 +112,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> l
 def adapted_modules(names: dict[str, Any] | list[str]) -> list[str]:
     """The names of the adapted linears among the tensor names of a trained model (or its checkpoint)."""
     return sorted({m.group("module") for name in names if (m := _FACTOR.match(name)) and m.group("which") == "A"})
+
+
+def is_factor(name: str) -> bool:
+    """Whether ``name`` is a LoRA factor of a trained model (``P.lora_A.default.weight``, ``P.lora_B...``)."""
+    return _FACTOR.match(name) is not None
 
 
 def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

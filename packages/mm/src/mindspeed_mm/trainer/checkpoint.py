@@ -10,6 +10,10 @@ trainer does. A run resumes from the newest *complete* checkpoint found by scann
 damaged newer ones are skipped with one warning each, and a ``SAVE`` holding checkpoints but no
 complete one is an error unless ``checkpoint.resume`` is false. Rotation (``keep_last``) counts
 and deletes complete checkpoints only.
+
+With ``trainable_only`` (LoRA runs) the model entries are the trainable parameters alone (the
+adapter's factors): the frozen base is the one ``model.path`` holds, and a resume loads it from
+there before it loads the factors and their optimizer state from the checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from mindspeed.checkpointing import (
     STEP,
@@ -99,11 +103,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     keep_last: int | None = None,
     source: str | Path | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
     ``source`` is the model directory the run started from: its model class is recorded, so that a
-    resume with another model is one clear error.
+    resume with another model is one clear error. ``trainable_only``: the model entries are the
+    parameters that train (LoRA: the factors), the frozen rest is ``source``'s.
     """
     root = Path(save)
     final = step_dir(root, step)
@@ -117,6 +123,8 @@ def save_checkpoint(
     dist.barrier()
     fault_point("save.start", step)
     model_state, optim_state = get_state_dict(model, optimizer)
+    if trainable_only:
+        model_state = _trainable(model, model_state)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     dist.barrier()
     fault_point("save.written", step)
@@ -125,6 +133,7 @@ def save_checkpoint(
             "step": step,
             "rng": torch.get_rng_state(),
             "model_class": model_class(source) if source is not None else None,
+            "trainable_only": trainable_only,
         }
         torch.save(state, tmp / STATE_FILE)
         write_marker(tmp, step)  # last: from here on the checkpoint is complete
@@ -141,9 +150,16 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str | Path | None = None
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    source: str | Path | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Restore the model and optimizer from ``path`` (a collective); returns its trainer state.
+
+    ``trainable_only``: restore the parameters that train only (LoRA: the factors; the frozen
+    base is already ``source``'s), from a checkpoint with or without the frozen ones.
 
     Raises:
         ConfigError: the checkpoint holds another model (its class, a parameter it lacks, or a
@@ -158,6 +174,8 @@ def load_checkpoint(
             "or model.path to the one the checkpoint was trained from"
         )
     model_state, optim_state = get_state_dict(model, optimizer)
+    if trainable_only:
+        model_state = _trainable(model, model_state)
     _check_shapes(path, model_state)
     state = {"model": model_state, "optim": optim_state}
     try:
@@ -168,10 +186,22 @@ def load_checkpoint(
             f"checkpoint {path} cannot be read ({last}); delete it to resume from the previous "
             "complete checkpoint, or set checkpoint.resume=false"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=not trainable_only),
+    )
     torch.set_rng_state(trainer_state["rng"])
     logger.info("resumed from %s at step %d", path, trainer_state["step"])
     return trainer_state
+
+
+def _trainable(model: torch.nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``model_state`` that are parameters with gradients."""
+    names = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: value for name, value in model_state.items() if name in names}
 
 
 def _check_shapes(path: Path, model_state: dict[str, Any]) -> None:

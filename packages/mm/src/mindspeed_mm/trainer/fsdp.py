@@ -87,6 +87,19 @@ def mixed_precision(precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def needs_fsdp(world_size: int, precision: str) -> bool:
+    """Whether the model is wrapped with FSDP2: always but for one rank in fp32.
+
+    One fp32 rank has nothing to shard, gather or reduce, and FSDP2 would still copy every
+    parameter into its all-gather buffer before the forward and the backward and every
+    gradient through its reduce-scatter buffer (about 10-15% of a step on the CPU,
+    tools/bench/vlm.py). Without it the parameters train in place and gradients accumulate
+    in ``.grad``: the same sums in the same order, so the run is the same. bf16 keeps FSDP2
+    at one rank too: its mixed-precision policy is what casts the compute copies.
+    """
+    return world_size > 1 or precision != "fp32"
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     plan: list[str] | tuple[str, ...],

@@ -77,7 +77,9 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     trainable = [p for p in task.model.parameters() if p.requires_grad]
     result = TrainResult()
     if resume_from is not None:
-        result.start_step = int(load_checkpoint(resume_from, task.model, optimizer, task.source)["step"])
+        result.start_step = int(
+            load_checkpoint(resume_from, task.model, optimizer, task.source, config.lora.enabled)["step"]
+        )
     log_dir = config.log_dir()
     metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
     bar = StatusProgress("train", total=t.steps, disable=not (rank == 0 and config.logging.progress))
@@ -125,7 +127,9 @@ def _run_steps(
             fault_point("train.step_end", step)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
                 result.checkpoint = str(
-                    save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source)
+                    save_checkpoint(
+                        ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled
+                    )
                 )
                 saved = step
 
@@ -142,7 +146,9 @@ def _preempt(
     """Stop for a signal or the time limit: save step ``step`` unless it is saved, and say where."""
     ck = config.checkpoint
     if ck.save and step > 0 and saved != step:
-        result.checkpoint = str(save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source))
+        result.checkpoint = str(
+            save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled)
+        )
         saved = step
     where = str(step_dir(ck.save, saved)) if ck.save and saved is not None else None
     result.preempted, result.exit_code = stop.reason, stop.exit_code
@@ -167,7 +173,9 @@ def _train_step(
     start = time.perf_counter()
     micro = task.microbatches(step, rank)
     totals = task.counts(micro)
-    dist.all_reduce(totals)
+    several = dist.get_world_size() > 1  # one rank: nothing to sum (a gloo call costs a thread hand-off)
+    if several:
+        dist.all_reduce(totals)
     lr = lr_at(t, step)
     set_lr(optimizer, lr)
     reported = torch.zeros((), dtype=torch.float32, device=get_accelerator().device())
@@ -175,7 +183,8 @@ def _train_step(
         loss, share = task.loss(batch, totals)
         loss.backward()
         reported += share
-    dist.all_reduce(reported)
+    if several:
+        dist.all_reduce(reported)
     grad_norm = clip_gradients(trainable, t.clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -18,7 +18,14 @@ from mindspeed_mm.models import family_of, freeze_parts, load_model, load_proces
 from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
-from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, build_sp_mesh, load_from_rank0
+from mindspeed_mm.trainer.fsdp import (
+    apply_fsdp,
+    apply_recompute,
+    build_mesh,
+    build_sp_mesh,
+    load_from_rank0,
+    needs_fsdp,
+)
 from mindspeed_mm.trainer.loss import reduce_loss, token_losses
 from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 from mindspeed_mm.trainer.task import TASKS
@@ -33,7 +40,8 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     on the meta device, shards it, and receives its shards from rank 0 (the buffers, such as
     rotary frequencies that are in no checkpoint, too), so no other rank holds a full copy.
     With LoRA, peft's layers go in before sharding (on rank 0's loaded copy too, so the initial
-    factors are rank 0's) and everything but the factors is frozen.
+    factors are rank 0's) and everything but the factors is frozen. One rank in fp32 trains the
+    model as loaded, without FSDP2 (:func:`~mindspeed_mm.trainer.fsdp.needs_fsdp`).
     """
     m, p = config.model, config.parallel
     family = family_of(m.path)
@@ -54,14 +62,14 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
         apply_lora(model, lora, family)
     freeze_parts(model, family, m.freeze)
     apply_recompute(model, config.train.recompute_modules)
-    mesh = build_mesh(world, p.dp_replicate, p.ulysses_parallel_size)
-    apply_fsdp(
-        model,
-        p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
-        mesh,
-        config.train.precision,
-        p.reshard_after_forward,
-    )
+    if needs_fsdp(world, config.train.precision):
+        apply_fsdp(
+            model,
+            p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
+            build_mesh(world, p.dp_replicate, p.ulysses_parallel_size),
+            config.train.precision,
+            p.reshard_after_forward,
+        )
     if world > 1:
         load_from_rank0(model, weights, buffers, device)
     model.train()
