@@ -8,7 +8,10 @@ features, the update called ``matmul_add_fp32`` once per linear layer per microb
 second actor with other features in the same process is refused while the first holds the
 adaptation; after ``close()`` megatron-core is unadapted and an actor at level 0 reports no
 feature, runs only reference kernels and megatron's own AdamW loop, and reaches the same loss
-and gradient norm (the features change kernels, not numbers: 1e-5).
+and gradient norm (the features change kernels, not numbers: 1e-5). Last, the memory features
+reach the actor's training: with ``recompute_activation_function`` (level 0 otherwise) two GRPO
+updates give the level-0 actor's losses and gradient norms bit for bit, while the activation
+outputs of every layer were discarded in each forward.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def _update(actor: Any) -> dict[str, Any]:
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed.features import FeaturesConfig
     from mindspeed.megatron import current_report
+    from mindspeed_llm.training.model import unwrap
     from mindspeed_rl.actor import Actor, ActorSettings
 
     settings = ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo", compute_entropy=False)
@@ -62,8 +66,22 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["unadapted"] = current_report() is None
     plain = Actor(f"{root}/hf", settings, features=FeaturesConfig(optimization_level=0))
     out["level0"] = _update(plain)
+    out["level0"]["second"] = _losses(plain)
     plain.close()
+    recompute = FeaturesConfig(optimization_level=0, settings={"recompute_activation_function": True})
+    actor = Actor(f"{root}/hf", settings, features=recompute)
+    out["recompute"] = {"on": actor.features.enabled, "first": _losses(actor), "second": _losses(actor)}
+    installed = [h.__self__.installed for h in actor.adaptation.hooks["post_model_build"]]
+    out["recompute"]["discarded"] = sum(i.discarded for i in installed)
+    out["recompute"]["layers"] = sum(i.layers for i in installed)
+    out["recompute"]["model_layers"] = sum(len(unwrap(chunk).decoder.layers) for chunk in actor.chunks)
+    actor.close()
     return out
+
+
+def _losses(actor: Any) -> tuple[float, float]:
+    metrics = actor.update(PAIRS, None, ADV)
+    return metrics["loss"], metrics["grad_norm"]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +114,14 @@ def test_level_0_uses_none_and_trains_the_same(run: dict[str, Any]) -> None:
     featured = run["featured"]
     assert abs(plain["loss"] - featured["loss"]) < 1e-5
     assert abs(plain["grad_norm"] - featured["grad_norm"]) < 1e-5 * max(1.0, plain["grad_norm"])
+
+
+def test_activation_recompute_in_the_actor_gives_the_same_updates_bit_for_bit(run: dict[str, Any]) -> None:
+    plain, recompute = run["level0"], run["recompute"]
+    assert recompute["on"] == ["recompute_activation_function"]
+    assert recompute["first"] == (plain["loss"], plain["grad_norm"])
+    assert recompute["second"] == plain["second"]
+    # Every layer's activation output was dropped in every microbatch's forward of both updates.
+    microbatches = -(-len(PAIRS) // 2)
+    assert recompute["layers"] == recompute["model_layers"] > 0
+    assert recompute["discarded"] == 2 * microbatches * recompute["layers"]

@@ -10,7 +10,16 @@ combinations, installed through the features' own hooks. Per variant:
   caching allocator's peak, on the CPU the dispatch-level tracker's "device pool" (host buffers
   of the swaps excluded);
 - the median wall time of a step (timed without the tracker; variants round-robin, so a load
-  change on a shared machine shifts all of them alike), and both as ratios to "none".
+  change on a shared machine shifts all of them alike) and beside it the median CPU time of the
+  process in that step (all its threads: on a shared host the CPU time is what the variant
+  costs, the wall time also what the neighbours took), both as ratios to "none";
+- the device bytes held between steps since the optimizer was built (its state, on the CPU),
+  which the optimizer features are about.
+
+The load average is printed before and after, and the issue's goals are checked at the end:
+activation recompute and swap_attention cost under 10 % step time; swap_optimizer frees at
+least 90 % of the optimizer state's device bytes; reuse_fp32_param saves 2 bytes per parameter
+at under 2 % step time.
 
 Usage::
 
@@ -74,6 +83,9 @@ class Row:
     peak_ratio: float = 1.0
     step_ms: float = 0.0
     time_ratio: float = 1.0
+    cpu_ms: float = 0.0
+    cpu_ratio: float = 1.0
+    held_mib: float = 0.0
     loss: float = 0.0
     runs: int = 0
 
@@ -133,6 +145,8 @@ def _build(args: argparse.Namespace, settings: dict[str, Any], overrides: dict[s
     tracker = StorageTracker() if resolve_method() == "dispatch" else None
     if tracker is not None:
         tracker.__enter__()
+    get_accelerator().synchronize()
+    before_optimizer = get_accelerator().memory_stats()["allocated"] if tracker is None else 0
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -147,11 +161,20 @@ def _build(args: argparse.Namespace, settings: dict[str, Any], overrides: dict[s
     for hook in context.hooks["post_optimizer_build"]:
         optimizer = hook(optimizer) or optimizer
     batches = make_batches(model, args.microbatches, args.micro_batch_size)
-    return {"chunks": chunks, "optimizer": optimizer, "batches": batches, "tracker": tracker}
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    return {
+        "chunks": chunks,
+        "optimizer": optimizer,
+        "batches": batches,
+        "tracker": tracker,
+        "before_optimizer": before_optimizer,
+        "params": params,
+    }
 
 
-def _peak_of_step(variant: dict[str, Any]) -> tuple[int, float]:
-    """Absolute peak bytes of one steady-state step and its loss (the first step is a warm-up)."""
+def _peak_of_step(variant: dict[str, Any]) -> tuple[int, int, float]:
+    """Absolute peak bytes of one steady-state step, the bytes held since the optimizer was built
+    (after the warm-up step), and the step's loss (the first step is a warm-up)."""
     from mindspeed.metrics.memory import measure_peak_memory
     from mindspeed.testing.megatron import train_step
 
@@ -163,12 +186,13 @@ def _peak_of_step(variant: dict[str, Any]) -> tuple[int, float]:
         with measure_peak_memory("dispatch") as mem:
             loss, _ = train_step(variant["chunks"], variant["optimizer"], variant["batches"])
         outer.__exit__(None, None, None)
-        return base + mem.peak_bytes, loss
+        return base + mem.peak_bytes, base, loss
     accelerator.synchronize()
+    held = accelerator.memory_stats()["allocated"] - variant["before_optimizer"]
     accelerator.reset_peak_memory_stats()
     loss, _ = train_step(variant["chunks"], variant["optimizer"], variant["batches"])
     accelerator.synchronize()
-    return accelerator.memory_stats()["peak_allocated"], loss
+    return accelerator.memory_stats()["peak_allocated"], held, loss
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -180,40 +204,99 @@ def run(args: argparse.Namespace) -> list[Row]:
     variants: dict[str, dict[str, Any]] = {}
     for name, (settings, overrides) in VARIANTS.items():
         variant = _build(args, settings, overrides)
-        peak, loss = _peak_of_step(variant)
-        rows[name] = Row(name, peak_mib=peak / 2**20, loss=loss)
+        peak, held, loss = _peak_of_step(variant)
+        rows[name] = Row(name, peak_mib=peak / 2**20, held_mib=held / 2**20, loss=loss)
         variants[name] = variant
+    PARAMS["count"] = variants["none"]["params"]
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     started = time.perf_counter()
     for round_index in range(args.repeat):
         for name, variant in variants.items():
             accelerator.synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             train_step(variant["chunks"], variant["optimizer"], variant["batches"])
             accelerator.synchronize()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
         if round_index >= 1 and time.perf_counter() - started > args.budget_s:
             break
     base = rows["none"]
     for name, row in rows.items():
         row.step_ms, row.runs = statistics.median(times[name]) * 1e3, len(times[name])
+        row.cpu_ms = statistics.median(cpu[name]) * 1e3
     for row in rows.values():
         row.peak_ratio, row.time_ratio = row.peak_mib / base.peak_mib, row.step_ms / base.step_ms
+        row.cpu_ratio = row.cpu_ms / base.cpu_ms
     return list(rows.values())
+
+
+#: Parameters of the benchmark's model (set by :func:`run`).
+PARAMS: dict[str, int] = {}
+
+
+def check_goals(rows: list[Row], params: int) -> list[tuple[str, str, bool]]:
+    """The issue's goals: ``(goal, measured, met)``; times by CPU time (the wall time is in the table)."""
+    by = {row.variant: row for row in rows}
+    none, reuse = by["none"], by["reuse_fp32_param"]
+    swap = by["swap_optimizer (4 chunks)"]
+    state = none.held_mib
+    freed = (state - swap.held_mib) / state if state else 0.0
+    saved = (none.held_mib - reuse.held_mib) * 2**20 / params
+    goals = []
+    for name in ("recompute_activation_function", "swap_attention"):
+        row = by[name]
+        goals.append(
+            (
+                f"{name}: step time +<10 %",
+                f"CPU {row.cpu_ratio - 1:+.1%}, wall {row.time_ratio - 1:+.1%}",
+                row.cpu_ratio < 1.10,
+            )
+        )
+    goals.append(
+        (
+            "swap_optimizer frees >=90 % of the optimizer state's device bytes",
+            f"{freed:.1%} of {state:.2f} MiB",
+            freed >= 0.90,
+        )
+    )
+    goals.append(
+        (
+            "reuse_fp32_param saves 2 B/param at +<2 % step time",
+            f"{saved:.3f} B/param, CPU {reuse.cpu_ratio - 1:+.1%}, wall {reuse.time_ratio - 1:+.1%}",
+            abs(saved - 2) < 0.1 and reuse.cpu_ratio < 1.02,
+        )
+    )
+    return goals
 
 
 def render(console: Console, title: str, rows: list[Row]) -> None:
     """Print the table, one variant per line, with ratios to "none"."""
     table = Table(title=title, title_justify="left")
-    for column in ("variant", "peak MiB", "peak / none", "step ms", "time / none", "loss (2nd step)", "runs"):
+    columns = (
+        "variant",
+        "peak MiB",
+        "peak / none",
+        "held MiB",
+        "wall ms",
+        "wall / none",
+        "CPU ms",
+        "CPU / none",
+        "loss (2nd step)",
+        "runs",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
     for row in rows:
         table.add_row(
             row.variant,
             f"{row.peak_mib:.2f}",
             f"{row.peak_ratio:.3f}x",
+            f"{row.held_mib:.2f}",
             f"{row.step_ms:.1f}",
             f"{row.time_ratio:.2f}x",
+            f"{row.cpu_ms:.1f}",
+            f"{row.cpu_ratio:.2f}x",
             f"{row.loss:.6f}",
             str(row.runs),
             style="bold" if row.variant == "none" else None,
@@ -234,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
     )
     init_parallel(ParallelSizes())
+    load_before = os.getloadavg()
     try:
         rows = run(args)
     finally:
@@ -246,8 +330,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.seq} tokens, {accelerator.device()}, {torch.get_num_threads()} threads"
     )
     render(console, title, rows)
+    load_after = os.getloadavg()
+    console.print(
+        f"load average (1, 5, 15 min): before {', '.join(f'{x:.1f}' for x in load_before)}; "
+        f"after {', '.join(f'{x:.1f}' for x in load_after)} ({os.cpu_count()} CPUs); {PARAMS['count']:,} parameters"
+    )
+    goals = check_goals(rows, PARAMS["count"])
+    for goal, measured, met in goals:
+        console.print(f"{'met ' if met else 'MISSED'}  {goal}: {measured}")
     if args.json:
         meta = {
+            "load_before": load_before,
+            "load_after": load_after,
+            "params": PARAMS["count"],
+            "goals": [{"goal": g, "measured": m, "met": ok} for g, m, ok in goals],
             **vars(args),
             "device": str(accelerator.device()),
             "torch": torch.__version__,

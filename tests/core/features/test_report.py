@@ -46,7 +46,7 @@ def test_report_lists_every_change_and_status() -> None:
     text = report.render()
     assert "on  plain" in text and "off off" in text and "opt-in" in text
     assert all(c.describe() in text for c in report.changes)
-    assert report.facts["parallel"] == {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 4}
+    assert report.facts["parallel"] == {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 4, "vpp": 1}
     assert report.hooks == {"post_step": ["builtins.print"]}
 
 

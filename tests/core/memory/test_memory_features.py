@@ -24,6 +24,10 @@ TP rank):
 - ``swap_attention`` (``self_attention``): losses, grad norms and gradients bit-identical; held
   bytes fall by at least two of the reference attention's ``[b, n/tp, s, s]`` matrices per layer
   and by no more than the hooks copied to the host.
+- megatron's own recompute, as an LLM recipe's ``model`` section sets it: ``full`` with
+  ``uniform`` and ``block`` methods (2 layers) and ``selective`` over ``core_attn`` and ``mlp``:
+  losses, grad norms and gradients bit-identical, fewer bytes held (megatron 0.16's
+  ``layernorm`` module needs Transformer Engine; ``recompute_norm`` does that job).
 
 Optimizer state (DP2, 2 layers, 4 Adam steps of 2 microbatches; the device pool measured from
 before the optimizer is built, host buffers excluded):
@@ -53,6 +57,12 @@ from mindspeed.testing.distributed import run_distributed
 LAYERS, SEQ, HIDDEN, FFN, MICRO_BATCH, TP = 4, 256, 64, 256, 2, 2
 #: Held bytes may differ from the formula by one small tensor freed by the garbage collector.
 SLACK = 4096
+#: megatron's own recompute settings, as an LLM recipe's ``model`` section passes them.
+MEGATRON_RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+}
 STEPS, MICROBATCHES = 3, 2
 KERNELS = {op: "reference" for op in ("rms_norm", "layer_norm", "attention", "swiglu")}
 
@@ -68,7 +78,7 @@ def _hooks(report: Any, kind: str, num_layers: int | None = None) -> Any:
     raise AssertionError(f"no {kind} hook in the report")
 
 
-def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
+def _recompute_run(install: Any, bf16: bool, **megatron: Any) -> dict[str, Any]:
     """One measured forward/backward, then STEPS Adam steps, of the TP2 tiny GPT with ``install`` (or none)."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -101,6 +111,7 @@ def _recompute_run(install: Any, bf16: bool) -> dict[str, Any]:
             bf16=bf16,
             params_dtype=dtype,
             pipeline_dtype=dtype,
+            **megatron,
         )
         installed = install(chunks) if install is not None else None
         batch = local_batches(make_batches(model, 1, MICRO_BATCH))[0]
@@ -167,6 +178,8 @@ def _recompute(report: Any) -> dict[str, Any]:
             out["act-2-layers"] = _compare(off, _recompute_run(_hooks(report, "activation", 2), bf16))
             swap = next(h for h in report.hooks["post_model_build"] if type(h.__self__).__name__ == "SwapAttention")
             out["swap-attention"] = _compare(off, _recompute_run(swap, bf16))
+            for name, fields in MEGATRON_RECOMPUTE.items():
+                out[name] = _compare(off, _recompute_run(None, bf16, **fields))
     return out
 
 
@@ -462,3 +475,13 @@ def test_swap_attention_trains_identically_and_moves_the_attention_activations_o
         # shared, so they stay).
         assert LAYERS * 2 * score_matrix <= row["held_saving"] <= row["swapped"], (row["held_saving"], row["swapped"])
         assert row["peak_saving"] > 0
+
+
+@pytest.mark.parametrize("name", list(MEGATRON_RECOMPUTE))
+def test_megatron_recompute_settings_train_identically_and_hold_less(outs, name: str) -> None:
+    # megatron's full (uniform / block) and selective recompute rerun the same forward: bit-identical.
+    for rank in outs:
+        got = rank["recompute"][name]
+        assert got["losses_equal"] and got["grad_norms_equal"] and got["loss_equal"], (name, got["losses"])
+        assert got["grads_equal"], (name, got["grad_diff"])
+        assert got["held_saving"] > 0, (name, got["held_saving"])

@@ -89,6 +89,9 @@ def test_unknown_keys_and_values_are_errors_with_a_suggestion(prefix: str, overr
         (["train.min_lr=-1e-5"], 1, r"train.min_lr=-1e-05 must not be negative"),
         (["train.weight_decay=-0.1"], 1, r"train.weight_decay=-0.1 must not be negative"),
         (["train.adam_beta2=1.0"], 1, r"train.adam_beta2=1.0 must be in \[0, 1\)"),
+        (["model.num_layers=4", "model.noop_layers=0,9"], 1, r"model.noop_layers \[9\] are not layers of num_layers=4"),
+        (["model.noop_layers=0,1"], 1, "leave no real layer"),
+        (["model.noop_layers=a"], 1, "not a list of layer indices"),
     ],
 )
 def test_inconsistent_values_name_the_key_and_the_fix(
@@ -125,6 +128,25 @@ def test_print_config_round_trips(tmp_path: Path, prefix: str, capsys: pytest.Ca
     recipe = tmp_path / "printed.yaml"
     recipe.write_text(capsys.readouterr().out)
     assert load_pretrain_config(recipe) == load_pretrain_config(None, [f"data.prefixes=[{prefix}]", "train.lr=5e-4"])
+
+
+def test_model_section_passes_megatron_recompute_and_noop_layers_through(prefix: str) -> None:
+    from mindspeed_llm.training.model import recipe_transformer_config
+
+    def transformer(*overrides: str) -> object:
+        config = _config(prefix, "model.num_layers=4", *overrides)
+        return recipe_transformer_config(config, config.model.to_shape(128, 32))
+
+    full = transformer(
+        "model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=3"
+    )
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 3)
+    selective = transformer("model.recompute_granularity=selective", "model.recompute_modules=[mlp,core_attn]")
+    assert selective.recompute_modules == ["mlp", "core_attn"]
+    assert transformer("train.deterministic=true").deterministic_mode
+    noop = _config(prefix, "model.num_layers=6", "model.noop_layers=0,5", "parallel.pp=2")
+    noop.check(2)
+    assert noop.model.to_shape(128, 32).num_layers == 4  # the model has the real layers only
 
 
 def test_vocab_padding_is_the_same_at_every_tensor_parallel_size() -> None:

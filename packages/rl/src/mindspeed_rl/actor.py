@@ -177,9 +177,13 @@ def _ensure_megatron(
     report, made = current_report(), False
     if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
         p = parallel
+        # The memory features check the precision, the layer count and the optimizer against these.
         facts = ModelFacts.from_transformer_config(
             build_transformer_config(shape, parallel, per_token_loss=True),
             position_embedding_type=shape.position_embedding_type,
+            precision="bf16" if shape.params_dtype == "bfloat16" else "fp32",
+            num_layers=shape.num_layers,
+            distributed_optimizer=parallel.distributed_optimizer,
         )
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True

@@ -16,12 +16,15 @@ from mindspeed.device.accelerator import (
     register_accelerator,
     set_accelerator,
 )
+from mindspeed.device.determinism import deterministic_env, deterministic_mode
 
 __all__ = [
     "ACCELERATOR_ENV",
     "ACCELERATORS",
     "Accelerator",
     "available_accelerators",
+    "deterministic_env",
+    "deterministic_mode",
     "get_accelerator",
     "register_accelerator",
     "set_accelerator",

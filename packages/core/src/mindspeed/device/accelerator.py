@@ -138,6 +138,26 @@ class Accelerator:
         """A new event, to order streams or time work."""
         return self.torch_module.Event(enable_timing=enable_timing)
 
+    # -- determinism ---------------------------------------------------------------------
+    def deterministic_env(self) -> dict[str, str]:
+        """Environment variables the family's libraries read to run deterministically.
+
+        :func:`mindspeed.device.deterministic_mode` sets those that are unset (the libraries read
+        them when they create their handles: launchers export them to the ranks too).
+        """
+        return {}
+
+    def set_deterministic(self, enabled: bool) -> dict[str, Any]:
+        """Switch the family's own deterministic settings beyond ``torch.use_deterministic_algorithms``.
+
+        Returns:
+            The previous values, for :meth:`restore_deterministic`.
+        """
+        return {}
+
+    def restore_deterministic(self, previous: dict[str, Any]) -> None:
+        """Put back what :meth:`set_deterministic` returned."""
+
     # -- distributed and placement -------------------------------------------------------
     def supports(self, capability: str) -> bool:
         """Whether a capability ("bf16", "fp8", "streams", "pinned_memory") is usable."""

@@ -52,5 +52,11 @@ class NpuAccelerator(Accelerator):
     def torch_module(self) -> Any:
         return torch.npu
 
+    def deterministic_env(self) -> dict[str, str]:
+        # MindSpeed's --npu-deterministic: HCCL reduces in a fixed order, and matmuls keep
+        # their K-axis accumulation order; torch_npu's kernels follow
+        # torch.use_deterministic_algorithms.
+        return {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
+
     def capabilities(self) -> frozenset[str]:
         return frozenset({"bf16", "streams", "pinned_memory"})

@@ -93,7 +93,7 @@ class ParallelSizes:
 
     Attributes:
         tp: tensor-parallel size. pp: pipeline-parallel size. cp: context-parallel size.
-        ep: expert-parallel size. dp: data-parallel size.
+        ep: expert-parallel size. dp: data-parallel size. vpp: virtual stages per pipeline rank.
     """
 
     tp: int = 1
@@ -101,6 +101,7 @@ class ParallelSizes:
     cp: int = 1
     ep: int = 1
     dp: int = 1
+    vpp: int = 1
 
     def __post_init__(self) -> None:
         for axis, size in asdict(self).items():

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
+from mindspeed.features.pipeline import check_noop_layers, parse_noop_layers
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from mindspeed_llm.training.lora import LoraSettings
@@ -62,7 +63,19 @@ class ModelConfig:
         moe_aux_loss_coeff: load-balancing loss coefficient.
         moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
         recompute_granularity: ``full`` or ``selective`` activation recomputation (default none).
-        recompute_num_layers: layers per recomputed block with ``recompute_granularity=full``.
+        recompute_method: with ``full``: ``uniform`` (every layer, in blocks of
+            ``recompute_num_layers``) or ``block`` (the first ``recompute_num_layers`` layers of
+            each pipeline stage).
+        recompute_num_layers: with ``full``: layers per recomputed block (``uniform``) or
+            recomputed layers per stage (``block``).
+        recompute_modules: with ``selective``: megatron's submodules to recompute (``core_attn``,
+            ``mlp``, ``moe``, ``moe_act``, ``layernorm``, ``mla_up_proj``, ``shared_experts``;
+            default megatron's, ``["core_attn"]``; megatron-core 0.16's ``layernorm`` needs Transformer
+            Engine: use the ``recompute_norm`` feature instead).
+        noop_layers: MindSpeed's ``--noop-layers``: indices (``"0,5"`` or a list) of layers among
+            ``num_layers`` that are identities; they balance pipeline stages and hold no
+            weights (the model has ``num_layers - len(noop_layers)`` layers, placed by megatron's
+            ``pipeline_model_parallel_layout``).
         megatron: more ``TransformerConfig`` fields, passed through as they are.
     """
 
@@ -94,7 +107,10 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
+    recompute_modules: list[str] | None = None
+    noop_layers: str | list[int] | None = None
     megatron: dict[str, Any] = field(default_factory=dict)
 
     def to_shape(self, vocab_size: int, seq_length: int, precision: str = "fp32") -> ModelShape:
@@ -108,6 +124,7 @@ class ModelConfig:
         values = {shape: getattr(self, mine) for mine, shape in SHAPE_FIELDS.items()}
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         values.update(
+            num_layers=self.num_layers - len(self.noop_indices()),
             ffn_hidden_size=ffn,
             vocab_size=vocab_size,
             max_position_embeddings=self.max_position_embeddings or seq_length,
@@ -117,6 +134,13 @@ class ModelConfig:
             moe_router_pre_softmax=bool(self.megatron.get("moe_router_pre_softmax", False)),
         )
         return ModelShape(**values)
+
+    def noop_indices(self) -> tuple[int, ...]:
+        """The sorted indices of ``noop_layers`` (empty: none)."""
+        try:
+            return parse_noop_layers(self.noop_layers)
+        except ValueError as error:
+            raise ConfigError(f"model.{error}") from error
 
     @classmethod
     def shape_values(cls, shape: ModelShape) -> dict[str, Any]:
@@ -212,6 +236,9 @@ class TrainConfig:
         exit_duration_mins: stop after this many minutes of training (megatron's
             ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
             the command exits 0; the same command resumes.
+        deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``): torch's
+            deterministic algorithms, the accelerator's deterministic settings
+            (:func:`mindspeed.device.deterministic_mode`) and megatron's ``deterministic_mode``.
     """
 
     steps: int = 100
@@ -234,6 +261,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     max_nonfinite_steps: int = 3
     exit_duration_mins: float | None = None
+    deterministic: bool = False
 
     def optimizer_config(self) -> OptimizerConfig:
         """The optimizer section of these settings."""
@@ -618,6 +646,11 @@ class PretrainConfig:
                 f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
                 f"{p.pp * (p.vpp or 1)}; change one of them"
             )
+        if m.noop_indices():
+            try:
+                check_noop_layers(m.noop_indices(), m.num_layers, p.pp * (p.vpp or 1))
+            except ValueError as error:
+                raise ConfigError(f"model.{error}") from error
         groups = m.num_query_groups or m.num_attention_heads
         if m.num_attention_heads % groups:
             raise ConfigError(

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.config import ConfigError
+from mindspeed.features.pipeline import noop_layer_layout
 from mindspeed.log import get_logger, logged_as_detail
 from mindspeed_llm.bridges import (
     ParallelLayout,
@@ -95,6 +96,7 @@ def apply_load_hf(config: PretrainConfig) -> PretrainConfig:
         raise ConfigError(f"checkpoint.load_hf: {err}; convert it with convert-ckpt for inspection") from err
     default, model = ModelConfig(), config.model
     values = ModelConfig.shape_values(shape)
+    values["num_layers"] += len(model.noop_indices())  # a recipe counts its noop layers among the layers
     for key, value in values.items():
         mine = getattr(model, key)
         if mine != getattr(default, key) and mine != value:
@@ -129,11 +131,22 @@ def _eos_token_id(directory: Path) -> int | None:
 
 
 def _layout(config: PretrainConfig) -> Any:
-    return _parallel_layout(config.parallel, config.model.num_layers)
+    noop = config.model.noop_indices()
+    return _parallel_layout(config.parallel, config.model.num_layers - len(noop), noop)
 
 
-def _parallel_layout(p: ParallelConfig, num_layers: int) -> Any:
-    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=num_layers // (p.pp * p.vpp) if p.vpp else None)
+def _parallel_layout(p: ParallelConfig, num_layers: int, noop: tuple[int, ...] = ()) -> Any:
+    """The bridges' layout of ``num_layers`` real layers on ``p`` (with ``noop`` layers among them)."""
+    if not noop or p.pp == 1:
+        return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=num_layers // (p.pp * p.vpp) if p.vpp else None)
+    # Noop layers: each stage holds its real layers (megatron's layout), an uneven split.
+    counts = [stage.count("decoder") for stage in noop_layer_layout(noop, num_layers + len(noop), p.pp, p.vpp or 1)]
+    if p.vpp or 0 in counts:
+        raise ConfigError(
+            f"model.noop_layers {list(noop)} leave pipeline stages with {counts} real layers: Hugging Face import "
+            "and export need every stage to hold a real layer and no parallel.vpp; move the noop layers"
+        )
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, num_layer_list=tuple(counts))
 
 
 def _my_rank(groups: Any) -> Any:
@@ -147,7 +160,12 @@ def _vocab_pieces(full: torch.Tensor, rows: int, tp: int) -> list[torch.Tensor]:
 
 
 def load_hf_weights(
-    chunks: list[Any], path: str | Path, parallel: ParallelConfig, vocab_rows: int, groups: Any = None
+    chunks: list[Any],
+    path: str | Path,
+    parallel: ParallelConfig,
+    vocab_rows: int,
+    groups: Any = None,
+    noop_layers: tuple[int, ...] = (),
 ) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
 
@@ -158,6 +176,8 @@ def load_hf_weights(
         vocab_rows: the padded rows of the embedding.
         groups: the process groups (``training.model.default_groups()``; ``None``: read them
             here): which pieces are this rank's.
+        noop_layers: the recipe's noop layer indices (``model.noop_indices()``): the stages hold
+            the real layers between them.
 
     Raises:
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
@@ -169,7 +189,7 @@ def load_hf_weights(
     except ValueError as err:
         raise ConfigError(f"checkpoint.load_hf: {err}") from err
     groups = groups if groups is not None else default_groups()
-    layout, me = _parallel_layout(parallel, source.shape.num_layers), _my_rank(groups)
+    layout, me = _parallel_layout(parallel, source.shape.num_layers, noop_layers), _my_rank(groups)
     states = [unwrap(chunk).state_dict(keep_vars=True) for chunk in chunks]
     expected = {(i, name) for i, state in enumerate(states) for name in state if not name.endswith("_extra_state")}
     loaded = set()

@@ -70,7 +70,9 @@ def run_settings(
     if variable_seq_lengths:
         fields["variable_seq_lengths"] = True
     if model.recompute_granularity == "full":
-        fields.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
+        fields.update(recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers)
+    if model.recompute_granularity == "selective" and model.recompute_modules is not None:
+        fields["recompute_modules"] = list(model.recompute_modules)
     if shape.num_experts:
         fields.update(
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -131,6 +133,9 @@ def recipe_transformer_config(
     # Fine-tuning batches hold different numbers of trained tokens (and DPO pairs): the
     # gradients are divided by the step's total count, not averaged per microbatch.
     fine_tune = config.stage != "pretrain"
+    if config.train.deterministic:
+        # megatron's switch for its deterministic code paths (and its refusal of the others).
+        overrides = {**(overrides or {}), "deterministic_mode": True}
     return build_transformer_config(
         shape,
         config.parallel,

@@ -13,6 +13,7 @@ import contextlib
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,10 +31,11 @@ from mindspeed.checkpointing import (
     resume_hint,
 )
 from mindspeed.config import ConfigError
-from mindspeed.device import get_accelerator
+from mindspeed.device import deterministic_mode, get_accelerator
 from mindspeed.features import ModelFacts
 from mindspeed.features.context import ParallelSizes
 from mindspeed.features.moe import expert_layout
+from mindspeed.features.pipeline import noop_layer_layout
 from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
@@ -73,9 +75,12 @@ class TrainerHooks:
 
     Attributes:
         loss_transform: ``(step, per-token losses) -> per-token losses`` inside the loss.
+        after_train: called with this rank's model chunks after the last step (tests read the
+            final weights).
     """
 
     loss_transform: LossTransform | None = None
+    after_train: Callable[[list[Any]], None] | None = None
 
 
 @dataclass
@@ -119,23 +124,35 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
     ids = read_tokenizer(config)
     vocab = padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
     shape = model_shape(config, ids.vocab_size)
+    p = config.parallel
+    noop = config.model.noop_indices()
+    # The noop layers' pipeline layout (the noop_layers feature sets it for the build) lets
+    # megatron accept real layers that the stages do not divide.
+    layout = (
+        {"pipeline_model_parallel_layout": noop_layer_layout(noop, config.model.num_layers, p.pp, p.vpp or 1)}
+        if noop
+        else None
+    )
     # The memory features check the precision, the optimizer and the layer count against these.
     facts = ModelFacts.from_transformer_config(
-        recipe_transformer_config(config, shape),
+        recipe_transformer_config(config, shape, layout),
         position_embedding_type=shape.position_embedding_type,
         precision=config.train.precision,
         num_layers=shape.num_layers,
         distributed_optimizer=config.parallel.distributed_optimizer,
+        noop_layers=list(noop),
     )
     if config.parallel.cp > 1:
         facts = context_parallel_facts(facts, config, shape)
-    p = config.parallel
-    sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world))
+    sizes = ParallelSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=config.data_parallel_size(world), vpp=p.vpp or 1)
     log_dir = config.log_dir()
     # The run log (log_dir/report.txt) gets the patch list, the features and third-party warnings.
-    with open_run_log(log_dir / RUN_LOG_FILE) if log_dir is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if log_dir is not None:
+            stack.enter_context(open_run_log(log_dir / RUN_LOG_FILE))
         report = adapt(features=config.features, model=facts, parallel=sizes)
         try:
+            stack.enter_context(deterministic_mode(config.train.deterministic, config.train.seed))
             # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
                 return Trainer(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
@@ -336,7 +353,9 @@ class Trainer:
         # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
         # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
         if ck.load_hf and not ck.load:
-            load_hf_weights(models, ck.load_hf, self.config.parallel, self.vocab, self.groups)
+            load_hf_weights(
+                models, ck.load_hf, self.config.parallel, self.vocab, self.groups, self.config.model.noop_indices()
+            )
         if lora.enabled:
             settings = self.lora_settings()
             for model in models:
@@ -376,7 +395,9 @@ class Trainer:
 
             hf = (Path(source) / "config.json").is_file()
         if hf:
-            load_hf_weights(self.reference, source, self.config.parallel, self.vocab, self.groups)
+            load_hf_weights(
+                self.reference, source, self.config.parallel, self.vocab, self.groups, self.config.model.noop_indices()
+            )
             return
         found = find_checkpoint(source, what="dpo.ref_model")
         load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
@@ -426,6 +447,8 @@ class Trainer:
             if curve is not None:
                 logger.info("loss curve: %s", curve)
         result.state = asdict(state)
+        if self.hooks.after_train is not None:
+            self.hooks.after_train(self.chunks)
         if result.checkpoint is None and config.checkpoint.save and self.saved_step is not None:
             result.checkpoint = str(checkpoint_dir(config.checkpoint.save, self.saved_step))
         return result
