@@ -5,7 +5,9 @@
   and 2 steps each for Qwen3-VL (whose DeepStack mergers the dummy vision pass must reach too)
   and InternVL (whose projector sits outside the vision tower), and LoRA on Qwen2.5-VL (its
   factors initialised on rank 0 and broadcast with the weights).
-- A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit.
+- A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit,
+  with the language layers' saved activations swapped to the host (``train.swap_modules``) and
+  ``train.deterministic`` where the uninterrupted run recomputed those layers.
 - The Hugging Face export loads in transformers with no missing or unexpected keys and holds
   exactly the weights of the last DCP checkpoint.
 """
@@ -61,8 +63,11 @@ def _dp2(rank: int, world: int, base: list[str], root: Path, others: list[list[s
     if rank == 0:
         shutil.copytree(root / "full" / "step_00000002", root / "resumed" / "step_00000002")
     dist.barrier()
+    # Resumed with the language layers' activations swapped to the host instead of recomputed,
+    # deterministically: the same numbers either way.
+    swap = ["train.swap_modules=[model.language_model.layers.*]", "train.deterministic=true"]
     resumed = train(
-        load_mm_config(None, base + [f"checkpoint.save={root / 'resumed'}", "checkpoint.save_at_end=false"])
+        load_mm_config(None, base + [f"checkpoint.save={root / 'resumed'}", "checkpoint.save_at_end=false", *swap])
     )
     other = [record for overrides in others for record in train(load_mm_config(None, overrides)).records]
     return (

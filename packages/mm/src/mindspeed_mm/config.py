@@ -105,6 +105,12 @@ class TrainConfig:
             its answer tokens).
         recompute_modules: module-name patterns whose activations are recomputed in the backward
             (activation checkpointing), e.g. ``model.language_model.layers.{*}``.
+        swap_modules: module-name patterns whose saved activations go to host memory in the
+            forward and come back, one module ahead, in the backward (``mindspeed.memory``'s
+            activation swap, MindSpeed's ``--swap-attention`` for any module); copied, not
+            recomputed, so training is unchanged. A module both recomputed and swapped is refused.
+        deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``,
+            :func:`mindspeed.device.deterministic_mode`).
         exit_duration_mins: stop after this many minutes of training (megatron's
             ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
             the command exits 0; the same command resumes.
@@ -128,6 +134,8 @@ class TrainConfig:
     ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
+    swap_modules: list[str] = field(default_factory=list)
+    deterministic: bool = False
     exit_duration_mins: float | None = None
 
 

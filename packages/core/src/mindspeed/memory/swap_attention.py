@@ -139,6 +139,23 @@ class SwapAttention:
         logger.info("swap_attention: %s of %d layers", ", ".join(self.modules), len(layers))
         return self
 
+    def install_modules(self, modules: Iterable[nn.Module]) -> SwapAttention:
+        """Hook arbitrary modules, each its own "layer" (a trainer's module-name patterns; ``modules``
+        ignored). Give them in forward order: the first starts a new forward, and each one's saved
+        tensors are prefetched when the output gradient of the next one arrives.
+        """
+        self._side = get_accelerator().stream()
+        modules = list(modules)
+        self._first = {id(modules[0])} if modules else set()
+        self._current, self._previous = None, None
+        for module in modules:
+            self._hooks.append(module.register_forward_pre_hook(self._start_layer))
+            self._hooks.append(module.register_forward_pre_hook(self._enter))
+            self._hooks.append(module.register_forward_hook(self._exit))
+            self._hooks.append(module.register_forward_hook(self._end_layer))
+        logger.info("swap: saved activations of %d modules to the host", len(modules))
+        return self
+
     def remove(self) -> None:
         """Remove every hook (the model runs as before)."""
         for hook in self._hooks:

@@ -29,7 +29,7 @@ from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
 from mindspeed_mm.models.loading import freeze_parts
 from mindspeed_mm.trainer.dit_export import save_diffusers
-from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, build_mesh, load_from_rank0
+from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, apply_swap, build_mesh, load_from_rank0
 from mindspeed_mm.trainer.task import TASKS
 
 logger = get_logger(__name__)
@@ -55,7 +55,8 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         model = build_meta_dit(m.path, family)
     if m.freeze:
         freeze_parts(model, family, m.freeze)
-    apply_recompute(model, config.train.recompute_modules)
+    recomputed = apply_recompute(model, config.train.recompute_modules)
+    apply_swap(model, config.train.swap_modules, recomputed)
     mesh = build_mesh(world, p.dp_replicate)
     apply_fsdp(
         model,

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed.memory.swap_attention import SwapAttention
 
 logger = get_logger(__name__)
 
@@ -168,3 +169,34 @@ def apply_recompute(model: torch.nn.Module, patterns: list[str]) -> list[str]:
         module.forward = functools.partial(_checkpointed, module.forward)
     logger.info("recompute: %d modules (%s)", len(matched), ", ".join(patterns))
     return sorted(names)
+
+
+def apply_swap(model: torch.nn.Module, patterns: list[str], recomputed: list[str] = ()) -> SwapAttention | None:
+    """Swap the saved activations of every module matching ``patterns`` to host memory (outermost
+    matches; in forward order, which is registration order for these models).
+
+    Args:
+        model: the model, before FSDP wraps it.
+        patterns: ``train.swap_modules``.
+        recomputed: the modules :func:`apply_recompute` checkpointed (their activations are
+            recomputed, not saved: swapping them too is refused).
+
+    Raises:
+        ValueError: a pattern that matches nothing, or a module also recomputed.
+    """
+    if not patterns:
+        return None
+    matched = match_modules(model, patterns, "train.swap_modules")
+    names = {name for name, _ in matched}
+    outer = [(n, m) for n, m in matched if not any(n.startswith(other + ".") for other in names)]
+    # A module inside a recomputed one saves nothing to swap (a recomputed module inside a
+    # swapped one is fine: its checkpoint's inputs are swapped).
+    both = sorted(n for n, _ in outer if any(n == r or n.startswith(r + ".") for r in recomputed))
+    if both:
+        raise ValueError(
+            f"train.swap_modules and train.recompute_modules both take {both[0]} (and {len(both) - 1} more); "
+            "recompute a module or swap it, not both"
+        )
+    order = {id(module): index for index, module in enumerate(model.modules())}
+    modules = sorted((module for _, module in outer), key=lambda module: order[id(module)])
+    return SwapAttention().install_modules(modules)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume_hint
-from mindspeed.device import get_accelerator
+from mindspeed.device import deterministic_mode, get_accelerator
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
@@ -63,7 +63,10 @@ def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
     """
     config.check(dist.get_world_size())
     # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
-    with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+    with (
+        deterministic_mode(config.train.deterministic, config.train.seed),
+        Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption,
+    ):
         return _train(config, task_name, preemption)
 
 

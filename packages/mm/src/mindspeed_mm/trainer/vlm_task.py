@@ -21,6 +21,7 @@ from mindspeed_mm.trainer.export import full_state, save_hf
 from mindspeed_mm.trainer.fsdp import (
     apply_fsdp,
     apply_recompute,
+    apply_swap,
     build_mesh,
     build_sp_mesh,
     load_from_rank0,
@@ -61,7 +62,8 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     if lora.enabled:
         apply_lora(model, lora, family)
     freeze_parts(model, family, m.freeze)
-    apply_recompute(model, config.train.recompute_modules)
+    recomputed = apply_recompute(model, config.train.recompute_modules)
+    apply_swap(model, config.train.swap_modules, recomputed)
     if needs_fsdp(world, config.train.precision):
         apply_fsdp(
             model,
