@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model
+from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model, write_tiny_video_dataset
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +14,12 @@ def tiny_vlm(tmp_path_factory) -> tuple[Path, Path]:
     """(model directory, data.jsonl): 8 samples, every 4th without an image, image sizes varying."""
     root = tmp_path_factory.mktemp("tiny-vlm")
     return write_tiny_model(root / "qwen2_5_vl"), write_tiny_dataset(root / "data", num_samples=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_video_data(tmp_path_factory) -> Path:
+    """video.jsonl: an .mp4, an image and an .mp4, text only, a frame folder (PyAV-written, see the fixture)."""
+    return write_tiny_video_dataset(tmp_path_factory.mktemp("tiny-video"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@
   microbatches, no recompute) step by step: losses and gradient norms over 4 steps (Qwen2.5-VL)
   and 2 steps each for Qwen3-VL (whose DeepStack mergers the dummy vision pass must reach too)
   and InternVL (whose projector sits outside the vision tower), and LoRA on Qwen2.5-VL (its
-  factors initialised on rank 0 and broadcast with the weights).
+  factors initialised on rank 0 and broadcast with the weights), and Qwen2.5-VL on videos (a rank
+  without a video or an image runs the dummy passes, so both ranks make two vision-tower calls;
+  samples encoded by 2 workers into a cache that rank 0 writes and rank 1 reads).
 - A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit,
   with the language layers' saved activations swapped to the host (``train.swap_modules``) and
   ``train.deterministic`` where the uninterrupted run recomputed those layers.
@@ -81,16 +83,16 @@ def _dp1(config):
     return train(config)
 
 
-def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tmp_path) -> None:
+def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tiny_video_data, tmp_path) -> None:
     model_dir, data = tiny_vlm
     lora = ["lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4"]
-    others = [
-        _overrides(*tiny, 1) + ["train.steps=2"] + extra
-        for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora))
-    ]
+    video = (model_dir, tiny_video_data)
+    cached = ["data.video_fps=4", "data.video_maxlen=6", "data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    runs = ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora), (video, cached))
+    others = [_overrides(*tiny, 1) + ["train.steps=2"] + extra for tiny, extra in runs]
     dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, others, timeout=300)[0]
     dp1 = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2)),)).records
-    for tiny, extra in ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora)):
+    for tiny, extra in runs:
         dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"] + extra),)).records
     assert [r["step"] for r in dp2["full"]] == [r["step"] for r in dp1[:STEPS]] == list(range(1, STEPS + 1))
     for one, two in zip(dp1, dp2["full"] + dp2["others"], strict=True):

@@ -4,7 +4,10 @@ The reference runs the Hugging Face model on each sample alone (its own multimod
 from ``mm_token_type_ids``, its own label shift and loss) and combines the per-sample losses as
 each reduction defines. The trainer packs the same samples into one sequence per microbatch.
 Two broken variants of the packed batch (text positions on the rotary axes; no sample
-boundaries) are shown to miss the reference, so the equality is not an accident.
+boundaries) are shown to miss the reference, so the equality is not an accident. The same holds
+for a batch with videos (an .mp4, an image and an .mp4, a frame folder; PyAV-written), trained
+with ``data.workers=2`` and a cache; for Qwen2.5-VL, videos' positions without
+``second_per_grid_ts`` miss it too.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import torch
 
 from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import load_mm_config
-from mindspeed_mm.data import encode_sample, pack_samples, read_mllm_files
-from mindspeed_mm.models import family_of, load_model, load_processing
+from mindspeed_mm.data import pack_samples, read_mllm_files
+from mindspeed_mm.data.preprocess import EncodeSettings, Processing
+from mindspeed_mm.data.video import VideoSettings
+from mindspeed_mm.models import family_of, load_model, load_processing, load_video_processor
 from mindspeed_mm.trainer.loop import train
 from mindspeed_mm.trainer.loss import token_losses
 
 SAMPLES = 4  # samples 0-3: three with images of different sizes, one text-only
+VIDEO = VideoSettings(fps=4, maxlen=6, max_pixels=3136, min_pixels=256)  # the recipe's data.video_* below
 
 
 def _reference(model_dir, data):
@@ -27,9 +33,10 @@ def _reference(model_dir, data):
     family = family_of(model_dir)
     tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
     model = load_model(model_dir, family, "sdpa")  # transformers' own attention is the reference
-    encoded = [
-        encode_sample(s, tokenizer, processor, family, cutoff_len=1024) for s in read_mllm_files([str(data)])[:SAMPLES]
-    ]
+    samples = read_mllm_files([str(data)])[:SAMPLES]
+    videos = load_video_processor(model_dir) if any(s.videos for s in samples) else None
+    processing = Processing(tokenizer, processor, family, videos)
+    encoded = [processing.encode(s, EncodeSettings(cutoff_len=1024, video=VIDEO)) for s in samples]
     losses, counts, grads = [], [], []
     for sample in encoded:
         inputs = {"input_ids": sample.input_ids[None], "labels": sample.labels[None], "use_cache": False}
@@ -54,8 +61,9 @@ def _norm(grads):
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
 
 
-def _first_step(model_dir, data, tmp_path, **train):
+def _first_step(model_dir, data, tmp_path, data_overrides=(), **train):
     overrides = [
+        *data_overrides,
         f"model.path={model_dir}",
         f"data.files=[{data}]",
         "data.shuffle=false",
@@ -65,6 +73,10 @@ def _first_step(model_dir, data, tmp_path, **train):
         "logging.progress=false",
         "data.image_min_pixels=784",
         "data.image_max_pixels=12544",
+        f"data.video_fps={VIDEO.fps}",
+        f"data.video_maxlen={VIDEO.maxlen}",
+        f"data.video_max_pixels={VIDEO.max_pixels}",
+        f"data.video_min_pixels={VIDEO.min_pixels}",
         f"logging.dir={tmp_path}",
     ]
     overrides += [f"train.{k}={v}" for k, v in train.items()]
@@ -75,7 +87,7 @@ def train_rank(config):
     return train(config)
 
 
-def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
+def _check(model_dir, data, reference, tmp_path, all_reductions: bool, data_overrides=()) -> None:
     model, family, encoded, losses, counts, grads = reference
     n = sum(counts)
     per_token = sum(loss * c for loss, c in zip(losses, counts)) / n
@@ -91,6 +103,7 @@ def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
             model_dir,
             data,
             tmp_path,
+            data_overrides,
             loss_type=loss_type,
             micro_batch_size=micro,
             gradient_accumulation_steps=accumulation,
@@ -117,9 +130,16 @@ def _check(model_dir, data, reference, tmp_path, all_reductions: bool) -> None:
         else:
             one_d = float("nan")
             unbounded = abs(packed_loss(torch.arange(positions.shape[-1])[None]) - per_token)
+        no_seconds = float("nan")
+        if "second_per_grid_ts" in batch.vision:  # Qwen2.5-VL: videos' temporal positions without their spacing
+            plain = [type(s)(**{**s.__dict__, "vision": {**s.vision}}) for s in encoded]
+            for sample in plain:
+                sample.vision.pop("second_per_grid_ts", None)
+            no_seconds = abs(packed_loss(pack_samples(plain, model, family).position_ids) - per_token)
+            assert no_seconds > 1e-4
         print(
             f"{family.architecture}: packed loss {per_token:.6f}; error with 1-D positions {one_d:.2e}, "
-            f"without boundaries {unbounded:.2e}"
+            f"without boundaries {unbounded:.2e}, without second_per_grid_ts {no_seconds:.2e}"
         )
         assert unbounded > 1e-4
 
@@ -167,3 +187,12 @@ def test_bf16_and_frozen_parts(tiny_vlm, reference, tmp_path) -> None:
     for name in before:  # names on disk are the hub's (``visual.*``), which save_pretrained writes
         same = torch.equal(before[name], after[name])
         assert same == name.startswith("visual."), name
+
+
+@pytest.mark.parametrize("family", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
+def test_video_first_loss_equals_transformers_sample_by_sample(family, tiny_video_data, tmp_path, request) -> None:
+    """Videos (and an image beside one), encoded by 2 worker processes into a cache, then trained."""
+    model_dir = request.getfixturevalue(family)[0]
+    cache = ["data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    _check(model_dir, tiny_video_data, _reference(model_dir, tiny_video_data), tmp_path, False, cache)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the run wrote its entry

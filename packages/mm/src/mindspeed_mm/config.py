@@ -141,7 +141,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """mllm_format data (LLaMA-Factory / MindSpeed-MM): ``messages`` with ``<image>`` placeholders plus ``images``.
+    """mllm_format data (LLaMA-Factory / MindSpeed-MM): ``messages`` with ``<image>`` / ``<video>`` placeholders
+    plus ``images`` / ``videos``.
 
     Attributes:
         files: JSON (a list of samples) or JSONL (one sample a line) files.
@@ -150,6 +151,16 @@ class DataConfig:
         cutoff_len: samples longer than this many tokens are cut (their images must fit before it).
         image_max_pixels: images are resized to at most this many pixels.
         image_min_pixels: and to at least this many.
+        video_fps: video frames sampled per second (LLaMA-Factory's ``video_fps``).
+        video_maxlen: at most this many frames per video (``video_maxlen``).
+        video_max_pixels: video frames are resized to at most this many pixels (``video_max_pixels``).
+        video_min_pixels: and to at least this many (``video_min_pixels``).
+        workers: processes that encode the samples before training starts (tokenizer, image and
+            video processors; LLaMA-Factory's ``preprocessing_num_workers``); 0: each sample is
+            encoded in the training process when first used.
+        cache_dir: keep the encoded samples here (one folder per key of the data files' contents,
+            the tokenizer and processors, and the settings above), so a later run with the same
+            key reads them instead of encoding again; unset: no cache.
         train_on_prompt: compute the loss on the prompts too (not only the answers).
         mask_history: loss on the last answer only.
         shuffle: a new order of the samples each epoch (seeded by ``train.seed``).
@@ -182,6 +193,12 @@ class DataConfig:
     cutoff_len: int = 2048
     image_max_pixels: int = 262144
     image_min_pixels: int = 3136
+    video_fps: float = 2.0
+    video_maxlen: int = 128
+    video_max_pixels: int = 65536
+    video_min_pixels: int = 256
+    workers: int = 0
+    cache_dir: str | None = None
     train_on_prompt: bool = False
     mask_history: bool = False
     shuffle: bool = True
@@ -433,8 +450,8 @@ class MMConfig:
             self._check_dit()
         elif not d.files:
             raise ConfigError(
-                "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> "
-                "placeholders plus images)"
+                "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> / <video> "
+                "placeholders plus images / videos)"
             )
         for name in d.files:
             if not Path(name).is_file():
@@ -443,6 +460,16 @@ class MMConfig:
             raise ConfigError(
                 f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
                 f"{d.image_max_pixels}; lower it"
+            )
+        if d.video_min_pixels > d.video_max_pixels:
+            raise ConfigError(
+                f"data.video_min_pixels={d.video_min_pixels} is above data.video_max_pixels="
+                f"{d.video_max_pixels}; lower it"
+            )
+        if d.video_fps <= 0 or d.video_maxlen < 1 or d.workers < 0:
+            raise ConfigError(
+                f"data.video_fps={d.video_fps} must be positive, data.video_maxlen={d.video_maxlen} at least 1, "
+                f"data.workers={d.workers} not negative"
             )
         if t.lr < t.min_lr:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")

@@ -1,21 +1,27 @@
-"""Encoding one mllm_format sample with the model's tokenizer, chat template and image processor.
+"""Encoding one mllm_format sample with the model's tokenizer, chat template, image and video processors.
 
 The conversation is rendered with the tokenizer's chat template one turn at a time (the text of
 the first k turns is a prefix of the text of the first k + 1), so each assistant answer is a
 known span: its tokens are the labels, everything else is -100 (``train_on_prompt`` labels the
 prompts too, ``mask_history`` only the last answer). ``<image>`` becomes the family's
 placeholder, whose image token is then repeated as many times as the family's processor
-does (once per merged patch for Qwen-VL, ``image_seq_length`` per tile for InternVL).
+does (once per merged patch for Qwen-VL, ``image_seq_length`` per tile for InternVL). ``<video>``
+becomes the family's video placeholder, whose video token is replaced by the text the family's
+processor puts there (:attr:`~mindspeed_mm.models.family.VLMFamily.video_inputs`: merged patches
+for Qwen2.5-VL, timestamped frames for Qwen3-VL, ``Frame{i}:`` tiles for InternVL); videos are
+decoded by :mod:`mindspeed_mm.data.video`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, MllmSample
+from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample
+from mindspeed_mm.data.video import VideoSettings, decode_video
 from mindspeed_mm.models.family import VLMFamily
 
 IGNORE_INDEX = -100
@@ -28,8 +34,10 @@ class EncodedSample:
     Attributes:
         input_ids: [L] token ids.
         labels: [L] the token itself where it is learned, -100 elsewhere (not shifted).
-        mm_token_type_ids: [L] 0 text, 1 image token.
-        vision: the model's vision inputs (``pixel_values``, and ``image_grid_thw`` for Qwen-VL); empty: no images.
+        mm_token_type_ids: [L] 0 text, 1 image token, 2 video token.
+        vision: the model's vision inputs (``pixel_values``, and ``image_grid_thw`` for Qwen-VL; videos:
+            ``pixel_values_videos``, ``video_grid_thw`` (and ``second_per_grid_ts``), InternVL's frames in
+            ``pixel_values``); empty: no media.
         source: where the sample came from.
     """
 
@@ -83,59 +91,107 @@ def encode_sample(
     cutoff_len: int,
     train_on_prompt: bool = False,
     mask_history: bool = False,
+    video_processor: Any = None,
+    video_settings: VideoSettings | None = None,
 ) -> EncodedSample:
-    """Tokenize ``sample`` and process its images.
+    """Tokenize ``sample``, process its images and decode and process its videos.
+
+    Each image (video) goes through the image (video) processor on its own; the vision inputs are
+    concatenated in the order the placeholders appear (InternVL's frames and tiles share
+    ``pixel_values`` in that order, as its processor puts them).
 
     Raises:
-        ValueError: the sample's image tokens do not fit in ``cutoff_len`` or an image cannot be read.
+        ValueError: the sample's image or video tokens do not fit in ``cutoff_len``, or a medium cannot be read.
     """
     from PIL import Image
 
-    vision: dict[str, torch.Tensor] = {}
-    counts: list[int] = []
-    if sample.images:
-        images = []
-        for path in sample.images:
+    pieces: list[dict[str, torch.Tensor]] = []
+    texts: dict[str, list[str]] = {"image": [], "video": []}
+    counters = {"image": 0, "video": 0}
+    for kind in _media_order(sample):
+        index = counters[kind]
+        counters[kind] += 1
+        if kind == "image":
+            path = sample.images[index]
             try:
                 with Image.open(path) as image:
-                    images.append(image.convert("RGB"))
+                    image = image.convert("RGB")
             except OSError as err:
                 raise ValueError(f"{sample.source}: image {path} cannot be read ({err}); fix or remove it") from err
-        vision, counts = family.image_inputs(image_processor(images=images, return_tensors="pt"), image_processor)
+            vision, counts = family.image_inputs(image_processor(images=[image], return_tensors="pt"), image_processor)
+            texts["image"].append(family.image_token * counts[0])
+        else:
+            if family.video_inputs is None or video_processor is None:
+                raise ValueError(
+                    f"{sample.source}: a <video> sample, but {family.architecture} takes no videos here; "
+                    "remove the sample or use a model with a video processor"
+                )
+            clip = decode_video(sample.videos[index], video_settings or VideoSettings(), sample.source)
+            out = video_processor(
+                videos=[clip.frames],
+                video_metadata=[clip.metadata()],
+                do_sample_frames=False,
+                return_metadata=True,
+                return_tensors="pt",
+            )
+            vision, replacements = family.video_inputs(out, video_processor)
+            texts["video"].append(replacements[0])
+        pieces.append(vision)
+    keys = list(dict.fromkeys(key for piece in pieces for key in piece))  # first-seen order
+    vision = {key: torch.cat([piece[key] for piece in pieces if key in piece]) for key in keys}
     messages = [
-        {"role": m["role"], "content": m["content"].replace(IMAGE_PLACEHOLDER, family.image_placeholder)}
+        {
+            "role": m["role"],
+            "content": m["content"]
+            .replace(IMAGE_PLACEHOLDER, family.image_placeholder)
+            .replace(VIDEO_PLACEHOLDER, family.video_placeholder or VIDEO_PLACEHOLDER),
+        }
         for m in sample.messages
     ]
     segments = _segments(messages, tokenizer, sample.source)
     answers = [i for i, (kind, _) in enumerate(segments) if kind == "answer"]
+    tokens_of = {family.image_token: "image"}
+    if family.video_token:
+        tokens_of[family.video_token] = "video"
+    pattern = re.compile("|".join(re.escape(token) for token in tokens_of))
     ids: list[int] = []
     labels: list[int] = []
-    next_image = 0
+    taken = {"image": 0, "video": 0}
     for i, (kind, text) in enumerate(segments):
-        pieces = text.split(family.image_token)
-        expanded = pieces[0]
-        for piece in pieces[1:]:
-            expanded += family.image_token * counts[next_image] + piece
-            next_image += 1
-        tokens = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        expanded, at = "", 0
+        for match in pattern.finditer(text):
+            medium = tokens_of[match.group()]
+            expanded += text[at : match.start()] + texts[medium][taken[medium]]
+            taken[medium] += 1
+            at = match.end()
+        tokens = tokenizer(expanded + text[at:], add_special_tokens=False)["input_ids"]
         learned = (kind == "answer" and (not mask_history or i == answers[-1])) or (
             train_on_prompt and kind == "prompt"
         )
         ids += tokens
         labels += tokens if learned else [IGNORE_INDEX] * len(tokens)
-    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
     input_ids = torch.tensor(ids, dtype=torch.long)
-    image_positions = (input_ids == image_id).nonzero()
-    if len(image_positions) and int(image_positions[-1]) >= cutoff_len:
+    types = (input_ids == tokenizer.convert_tokens_to_ids(family.image_token)).to(torch.int32)
+    if any(family.video_token in text for text in texts["video"]):  # Qwen-VL's video tokens (InternVL's are tiles)
+        types[input_ids == tokenizer.convert_tokens_to_ids(family.video_token)] = 2
+    media_positions = types.nonzero()
+    if len(media_positions) and int(media_positions[-1]) >= cutoff_len:
         raise ValueError(
-            f"{sample.source}: its image tokens end at token {int(image_positions[-1]) + 1}, beyond "
-            f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels"
+            f"{sample.source}: its image/video tokens end at token {int(media_positions[-1]) + 1}, beyond "
+            f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels "
+            "(data.video_max_pixels, data.video_maxlen)"
         )
     input_ids, target = input_ids[:cutoff_len], torch.tensor(labels[:cutoff_len], dtype=torch.long)
     return EncodedSample(
-        input_ids=input_ids,
-        labels=target,
-        mm_token_type_ids=(input_ids == image_id).to(torch.int32),
-        vision=vision,
-        source=sample.source,
+        input_ids=input_ids, labels=target, mm_token_type_ids=types[:cutoff_len], vision=vision, source=sample.source
     )
+
+
+def _media_order(sample: MllmSample) -> list[str]:
+    """``"image"`` / ``"video"`` in the order the placeholders appear in the messages."""
+    pattern = re.compile(f"{re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)}")
+    return [
+        "image" if match.group() == IMAGE_PLACEHOLDER else "video"
+        for message in sample.messages
+        for match in pattern.finditer(message["content"])
+    ]

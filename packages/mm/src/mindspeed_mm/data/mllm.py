@@ -2,8 +2,9 @@
 
 A sample is ``{"messages": [{"role": "user", "content": "<image>What is it?"},
 {"role": "assistant", "content": "A cat."}], "images": ["cat.jpg"]}``: one ``<image>``
-placeholder per entry of ``images`` (paths relative to ``data.image_dir`` or the file's
-folder); samples without images are allowed. A ``.jsonl`` file holds one sample a line, a
+placeholder per entry of ``images`` and one ``<video>`` placeholder per entry of ``videos`` (a
+video file, a folder of frame images, or a list of frame image paths), paths relative to
+``data.image_dir`` or the file's folder; samples without media are allowed. A ``.jsonl`` file holds one sample a line, a
 ``.json`` file a list of samples. Every problem is a ``ValueError`` naming the file, the line
 (or the list item) and the fix; nothing is decoded here, so checking a large set is cheap.
 """
@@ -25,14 +26,17 @@ class MllmSample:
     """One checked sample.
 
     Attributes:
-        messages: ``[{"role", "content"}, ...]`` with ``<image>`` placeholders in the contents.
+        messages: ``[{"role", "content"}, ...]`` with ``<image>`` / ``<video>`` placeholders in the contents.
         images: absolute image paths, in placeholder order.
         source: ``file:line`` (or ``file[item]``) it came from, for error messages.
+        videos: per video, in placeholder order: an absolute video file path, a frame folder's
+            path, or a tuple of absolute frame image paths.
     """
 
     messages: tuple[dict[str, str], ...]
     images: tuple[str, ...]
     source: str
+    videos: tuple[str | tuple[str, ...], ...] = ()
 
 
 def read_mllm_files(
@@ -82,7 +86,7 @@ def _records(path: Path) -> list[tuple[str, Any]]:
 def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> MllmSample:
     if not isinstance(record, dict):
         raise ValueError(
-            f"{where}: a sample must be an object with `messages` (and `images`), got {type(record).__name__}"
+            f"{where}: a sample must be an object with `messages` (and `images` / `videos`), got {type(record).__name__}"
         )
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -98,33 +102,55 @@ def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> 
                 f'{where}: messages[{i}] must be {{"role": one of {", ".join(ROLES)}, "content": '
                 f"a string}}, got {message!r}"
             )
-        if VIDEO_PLACEHOLDER in message["content"]:
-            raise ValueError(
-                f"{where}: messages[{i}] has a <video> placeholder; videos are not supported yet, "
-                "remove the sample or turn its frames into images"
-            )
         checked.append({"role": message["role"], "content": message["content"]})
     if require_answer and not any(m["role"] == "assistant" for m in checked):
         raise ValueError(f"{where}: no assistant turn; a training sample needs at least one answer")
-    images = record.get("images") or []
-    if isinstance(images, str):
-        images = [images]
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise ValueError(f"{where}: `images` must be a list of paths, got {images!r}")
-    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in checked)
-    if placeholders != len(images):
-        fix = "add <image> to the messages" if placeholders < len(images) else "add the image paths to `images`"
-        raise ValueError(
-            f"{where}: {placeholders} <image> placeholder(s) but {len(images)} image(s); {fix} so "
-            "each image has one placeholder"
-        )
-    resolved = []
-    for image in images:
-        path = Path(image) if Path(image).is_absolute() else base / image
-        if not path.is_file():
-            raise ValueError(
-                f"{where}: image {image!r} not found (looked for {path}); fix the path or set "
-                "data.image_dir to the folder the paths are relative to"
+    images = _media_list(record, "images", where)
+    videos = _media_list(record, "videos", where)
+    for placeholder, key, listed in ((IMAGE_PLACEHOLDER, "images", images), (VIDEO_PLACEHOLDER, "videos", videos)):
+        placeholders = sum(m["content"].count(placeholder) for m in checked)
+        if placeholders != len(listed):
+            noun = key[:-1]
+            fix = (
+                f"add {placeholder} to the messages"
+                if placeholders < len(listed)
+                else f"add the {noun} paths to `{key}`"
             )
-        resolved.append(str(path))
-    return MllmSample(messages=tuple(checked), images=tuple(resolved), source=where)
+            raise ValueError(
+                f"{where}: {placeholders} {placeholder} placeholder(s) but {len(listed)} {noun}(s); {fix} so "
+                f"each {noun} has one placeholder"
+            )
+    resolved = [_resolve(image, base, where, "image") for image in images]
+    clips: list[str | tuple[str, ...]] = []
+    for video in videos:
+        if isinstance(video, list):
+            if not video:
+                raise ValueError(f"{where}: a video given as a frame list is empty; list its frame images")
+            clips.append(tuple(_resolve(frame, base, where, "video frame") for frame in video))
+        else:
+            clips.append(_resolve(video, base, where, "video", folder_ok=True))
+    return MllmSample(messages=tuple(checked), images=tuple(resolved), source=where, videos=tuple(clips))
+
+
+def _media_list(record: dict, key: str, where: str) -> list:
+    """``record[key]`` as a list: paths (``images``), or paths and lists of frame paths (``videos``)."""
+    items = record.get(key) or []
+    if isinstance(items, str):
+        items = [items]
+    nested_ok = key == "videos"
+    if not isinstance(items, list) or not all(
+        isinstance(p, str) or (nested_ok and isinstance(p, list) and all(isinstance(f, str) for f in p)) for p in items
+    ):
+        shape = "paths (a video: a file, a frame folder, or a list of frame paths)" if nested_ok else "paths"
+        raise ValueError(f"{where}: `{key}` must be a list of {shape}, got {items!r}")
+    return items
+
+
+def _resolve(name: str, base: Path, where: str, what: str, folder_ok: bool = False) -> str:
+    path = Path(name) if Path(name).is_absolute() else base / name
+    if not (path.is_file() or (folder_ok and path.is_dir())):
+        raise ValueError(
+            f"{where}: {what} {name!r} not found (looked for {path}); fix the path or set "
+            "data.image_dir to the folder the paths are relative to"
+        )
+    return str(path)

@@ -7,6 +7,14 @@ multimodal positions and its tiny test model.
 
 from mindspeed_mm.models import internvl, qwen2_5_vl, qwen3_vl  # noqa: F401  (register their architectures)
 from mindspeed_mm.models.family import FAMILIES, VLMFamily, family_of
-from mindspeed_mm.models.loading import freeze_parts, load_model, load_processing
+from mindspeed_mm.models.loading import freeze_parts, load_model, load_processing, load_video_processor
 
-__all__ = ["FAMILIES", "VLMFamily", "family_of", "freeze_parts", "load_model", "load_processing"]
+__all__ = [
+    "FAMILIES",
+    "VLMFamily",
+    "family_of",
+    "freeze_parts",
+    "load_model",
+    "load_processing",
+    "load_video_processor",
+]

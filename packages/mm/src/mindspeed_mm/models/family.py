@@ -47,6 +47,14 @@ class VLMFamily:
         vision_module: the vision encoder's module name, whose input rows (``pixel_values``, and
             ``grid_thw`` where it takes one) a Ulysses group shares out image by image
             (:mod:`mindspeed_mm.trainer.vision_balance`); empty: every rank encodes every image.
+        video_placeholder: what replaces ``<video>`` in a message before the chat template (empty:
+            the family takes no videos).
+        video_token: the token of that placeholder that :attr:`video_inputs` expands.
+        video_inputs: ``(video processor output, video processor) -> (vision inputs of the model's
+            forward, the text that replaces the video token, per video)``, as the family's
+            transformers processor builds them (``replace_video_token``).
+        dummy_video_inputs: ``model config -> kwargs`` of ``get_video_features`` for the smallest
+            video (a rank without a video in its microbatch runs it when the data holds videos).
     """
 
     architecture: str
@@ -62,6 +70,10 @@ class VLMFamily:
     dummy_vision_inputs: Callable[[Any], dict[str, torch.Tensor]]
     processor_overrides: Callable[[int, int], dict[str, Any]] = lambda min_pixels, max_pixels: {}
     vision_module: str = ""
+    video_placeholder: str = ""
+    video_token: str = ""
+    video_inputs: Callable[[Any, Any], tuple[dict[str, torch.Tensor], list[str]]] | None = None
+    dummy_video_inputs: Callable[[Any], dict[str, torch.Tensor]] | None = None
 
     def load_class(self) -> type:
         """The transformers model class."""

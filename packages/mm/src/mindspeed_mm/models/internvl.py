@@ -27,6 +27,17 @@ def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor
     return {"pixel_values": out["pixel_values"]}, [per_tile * int(n) for n in tiles]
 
 
+def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every frame one tile; ``Frame{i}: <img>...</img>`` lines (``InternVLProcessor.replace_video_token``)."""
+    per_tile = int(getattr(video_processor, "image_seq_length", 256))
+    videos = out["pixel_values_videos"]
+    texts = [
+        "\n".join(f"Frame{i + 1}: <img>" + "<IMG_CONTEXT>" * per_tile + "</img>" for i in range(video.shape[0]))
+        for video in videos
+    ]
+    return {"pixel_values": videos.flatten(0, 1)}, texts
+
+
 def text_positions(model: Any, sample: Any) -> torch.Tensor:
     """[1, L]: 0 .. L-1."""
     return torch.arange(sample.input_ids.numel())[None]
@@ -43,6 +54,7 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     """A tiny InternVL (56 x 56 tiles of 14 x 14 patches, 4 tokens per tile) with a byte tokenizer."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
 
     tokenizer = build_byte_tokenizer(
         SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
@@ -89,6 +101,9 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
     ).save_pretrained(directory)
+    InternVLVideoProcessor(
+        size={"height": 56, "width": 56}, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
+    ).save_pretrained(directory)
 
 
 INTERNVL = register_family(
@@ -109,5 +124,8 @@ INTERNVL = register_family(
         language_module="model.language_model",
         dummy_vision_inputs=dummy_vision_inputs,
         vision_module="model.vision_tower",
+        video_placeholder="<video>",
+        video_token="<video>",
+        video_inputs=video_inputs,  # frames join pixel_values: one vision call, no dummy video needed
     )
 )

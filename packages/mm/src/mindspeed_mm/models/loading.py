@@ -73,6 +73,33 @@ def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple
     return tokenizer, processor
 
 
+def load_video_processor(path: str | Path) -> Any:
+    """The video processor of ``path`` (``video_preprocessor_config.json``), with InternVL's ``image_seq_length``.
+
+    Raises:
+        ValueError: the family takes no videos, or the directory has no video processor.
+    """
+    import json
+
+    from transformers import AutoVideoProcessor
+
+    from mindspeed_mm.models.family import family_of
+
+    family = family_of(path)
+    if family.video_inputs is None:
+        raise ValueError(f"{family.architecture} takes no videos; remove the <video> samples or use a video model")
+    try:
+        processor = AutoVideoProcessor.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{path}: no video processor could be loaded ({err}); add the model's video_preprocessor_config.json"
+        ) from err
+    seq_length = json.loads((Path(path) / "config.json").read_text()).get("image_seq_length")
+    if seq_length is not None:
+        processor.image_seq_length = int(seq_length)
+    return processor
+
+
 def freeze_parts(model: torch.nn.Module, family: VLMFamily, freeze: list[str]) -> list[str]:
     """Turn off the gradients of the named parts (or module-name prefixes); returns the frozen parameter names.
 

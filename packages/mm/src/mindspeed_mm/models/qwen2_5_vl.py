@@ -38,11 +38,38 @@ def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor
     return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, [int(g.prod()) // merge**2 for g in grid]
 
 
+def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Patches, grids and ``second_per_grid_ts`` (``temporal_patch_size / sampled fps``, as
+    ``Qwen2_5_VLProcessor``); one video token per merged patch."""
+    merge = int(getattr(video_processor, "merge_size", 1))
+    grid = out["video_grid_thw"]
+    seconds = [video_processor.temporal_patch_size / m.sampled_fps for m in out["video_metadata"]]
+    vision = {
+        "pixel_values_videos": out["pixel_values_videos"],
+        "video_grid_thw": grid,
+        "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32),
+    }
+    return vision, ["<|video_pad|>" * (int(g.prod()) // merge**2) for g in grid]
+
+
+def dummy_video_inputs(config: Any) -> dict[str, torch.Tensor]:
+    """One merged patch of one temporal patch (the vision tower's smallest video input)."""
+    inputs = dummy_vision_inputs(config)
+    return {"pixel_values_videos": inputs["pixel_values"], "video_grid_thw": inputs["image_grid_thw"]}
+
+
 def rope_positions(model: Any, sample: Any) -> torch.Tensor:
-    """[4, 1, L]: the text positions, then the M-RoPE positions of transformers' own ``get_rope_index``."""
+    """[4, 1, L]: the text positions, then the M-RoPE positions of transformers' own ``get_rope_index``
+    (videos' temporal positions spaced by ``second_per_grid_ts`` for Qwen2.5-VL)."""
     ids = sample.input_ids[None]
+    vision = sample.vision
+    extra = {"second_per_grid_ts": vision["second_per_grid_ts"]} if "second_per_grid_ts" in vision else {}
     rope, _ = model.model.get_rope_index(
-        ids, sample.mm_token_type_ids[None], image_grid_thw=sample.vision.get("image_grid_thw")
+        ids,
+        sample.mm_token_type_ids[None],
+        image_grid_thw=vision.get("image_grid_thw"),
+        video_grid_thw=vision.get("video_grid_thw"),
+        **extra,
     )
     text = torch.arange(ids.shape[1], dtype=rope.dtype).view(1, 1, -1)
     return torch.cat([text, rope.to("cpu")], dim=0)
@@ -63,9 +90,10 @@ def pixel_bounds(min_pixels: int, max_pixels: int) -> dict[str, Any]:
 
 
 def write_tiny(directory: Path, seed: int = 0) -> None:
-    """A tiny Qwen2.5-VL (about 0.2 M parameters) with a byte tokenizer and a small image processor."""
+    """A tiny Qwen2.5-VL (about 0.2 M parameters) with a byte tokenizer and small image and video processors."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     tokenizer = build_byte_tokenizer(
         SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
@@ -113,6 +141,9 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(directory)
+    Qwen2VLVideoProcessor(min_pixels=28 * 28, max_pixels=112 * 112, cap_pixels_per_frame=False).save_pretrained(
+        directory
+    )
 
 
 QWEN2_5_VL = register_family(
@@ -134,5 +165,9 @@ QWEN2_5_VL = register_family(
         dummy_vision_inputs=dummy_vision_inputs,
         vision_module="model.visual",
         processor_overrides=pixel_bounds,
+        video_placeholder="<|vision_start|><|video_pad|><|vision_end|>",
+        video_token="<|video_pad|>",
+        video_inputs=video_inputs,
+        dummy_video_inputs=dummy_video_inputs,
     )
 )

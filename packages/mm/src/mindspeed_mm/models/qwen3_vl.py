@@ -8,6 +8,7 @@ added to the first language layers at the image positions (DeepStack).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from mindspeed_mm.models.family import VLMFamily, register_family
 from mindspeed_mm.models.qwen2_5_vl import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
+    dummy_video_inputs,
     dummy_vision_inputs,
     image_inputs,
     pixel_bounds,
@@ -23,10 +25,38 @@ from mindspeed_mm.models.qwen2_5_vl import (
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 
 
+def frame_times(indices: list[int], fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch: the mean time of its frames (``Qwen3VLProcessor._calculate_timestamps``)."""
+    indices = list(indices)
+    if len(indices) % temporal_patch_size:
+        indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
+    times = [index / fps for index in indices]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Patches and grids; per temporal patch ``<t seconds>`` then its tokens between vision start and end
+    (``Qwen3VLProcessor.replace_video_token``)."""
+    merge = int(getattr(video_processor, "merge_size", 1))
+    grid = out["video_grid_thw"]
+    texts = []
+    for thw, metadata in zip(grid, out["video_metadata"]):
+        per_frame = int(thw[1:].prod()) // merge**2
+        times = frame_times(metadata.frames_indices, metadata.fps or 24, video_processor.temporal_patch_size)
+        texts.append(
+            "".join(
+                f"<{times[t]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_frame + "<|vision_end|>"
+                for t in range(int(thw[0]))
+            )
+        )
+    return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid}, texts
+
+
 def write_tiny(directory: Path, seed: int = 0) -> None:
-    """A tiny Qwen3-VL (about 0.2 M parameters) with a byte tokenizer and a small image processor."""
+    """A tiny Qwen3-VL (about 0.2 M parameters) with a byte tokenizer and small image and video processors."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     tokenizer = build_byte_tokenizer(
         SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
@@ -85,6 +115,15 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     ).save_pretrained(directory)
+    Qwen3VLVideoProcessor(
+        size={"shortest_edge": 32 * 32, "longest_edge": 16 * 128 * 128},
+        patch_size=16,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        do_sample_frames=False,
+        cap_pixels_per_frame=False,
+    ).save_pretrained(directory)
 
 
 QWEN3_VL = register_family(
@@ -106,5 +145,9 @@ QWEN3_VL = register_family(
         dummy_vision_inputs=dummy_vision_inputs,
         vision_module="model.visual",
         processor_overrides=pixel_bounds,
+        video_placeholder="<|vision_start|><|video_pad|><|vision_end|>",
+        video_token="<|video_pad|>",
+        video_inputs=video_inputs,
+        dummy_video_inputs=dummy_video_inputs,
     )
 )

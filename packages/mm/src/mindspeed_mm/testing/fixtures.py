@@ -54,3 +54,65 @@ def write_tiny_dataset(directory: str | Path, num_samples: int = 8, seed: int = 
     target = directory / "data.jsonl"
     target.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return target
+
+
+def write_mp4(path: str | Path, frames: np.ndarray, fps: int) -> Path:
+    """Write uint8 ``[F, H, W, 3]`` frames (even sizes) as an H.264 .mp4 with PyAV."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def moving_bar(frames: int, height: int, width: int, colour: tuple[int, int, int]) -> np.ndarray:
+    """``[F, H, W, 3]`` uint8: a bar of ``colour`` moving right over a grey background."""
+    video = np.full((frames, height, width, 3), 90, dtype=np.uint8)
+    for i in range(frames):
+        left = (i * width // frames) % width
+        video[i, :, left : left + max(2, width // 8)] = colour
+    return video
+
+
+def write_tiny_video_dataset(directory: str | Path) -> Path:
+    """``directory/video.jsonl``: 4 samples with videos in every form, and their media.
+
+    0: an .mp4 (16 frames at 8 fps, 64 x 48); 1: an image and an .mp4 (10 frames at 5 fps, 48 x 64);
+    2: text only; 3: a folder of 6 PNG frames. ``frames/`` also serves as a frame list.
+    """
+    from PIL import Image
+
+    directory = Path(directory)
+    red, blue, green = (220, 30, 30), (30, 30, 220), (30, 200, 30)
+    write_mp4(directory / "videos" / "red.mp4", moving_bar(16, 48, 64, red), 8)
+    write_mp4(directory / "videos" / "blue.mp4", moving_bar(10, 64, 48, blue), 5)
+    (directory / "frames").mkdir(parents=True, exist_ok=True)
+    for i, frame in enumerate(moving_bar(6, 56, 56, green)):
+        Image.fromarray(frame).save(directory / "frames" / f"{i:03d}.png")
+    Image.fromarray(np.full((56, 84, 3), (200, 200, 30), dtype=np.uint8)).save(directory / "yellow.png")
+
+    def turn(question: str, answer: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    lines = [
+        {"messages": turn("<video>What colour moves?", "A red bar."), "videos": ["videos/red.mp4"]},
+        {
+            "messages": turn("<image>This is yellow. <video>And this?", "Blue."),
+            "images": ["yellow.png"],
+            "videos": ["videos/blue.mp4"],
+        },
+        {"messages": turn("Say green.", "green")},
+        {"messages": turn("<video>Which way?", "Right."), "videos": ["frames"]},
+    ]
+    target = directory / "video.jsonl"
+    target.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return target

@@ -10,11 +10,13 @@ import torch.distributed as dist
 
 from mindspeed.device import get_accelerator
 from mindspeed_mm.config import MMConfig
-from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
+from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample
 from mindspeed_mm.data.mllm import read_mllm_files
 from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
-from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing
+from mindspeed_mm.data.preprocess import EncodeSettings, Processing, preprocess
+from mindspeed_mm.data.video import VideoSettings
+from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing, load_video_processor
 from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
@@ -81,8 +83,9 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
 class VLMTask:
     """Vision-language fine-tuning (:class:`~mindspeed_mm.trainer.task.TrainTask`).
 
-    Samples are checked when the task is built and encoded on first use; each microbatch packs
-    ``train.micro_batch_size`` samples into one row. Counts: predicted tokens, samples with
+    Samples are checked when the task is built and encoded on first use (``data.workers = 0``, no
+    ``data.cache_dir``) or all before the first step (:mod:`mindspeed_mm.data.preprocess`: in
+    parallel, cached); each microbatch packs ``train.micro_batch_size`` samples into one row. Counts: predicted tokens, samples with
     predicted tokens, tokens.
 
     With ``parallel.ulysses_parallel_size = U`` the ``U`` consecutive ranks of a group get the
@@ -107,27 +110,63 @@ class VLMTask:
             VisionBalance(self.model, self.family, group) if group is not None and self.family.vision_module else None
         )
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
-        self.tokenizer, self.processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
+        tokenizer, processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
+        videos = any(sample.videos for sample in self.samples)
+        self.processing = Processing(
+            tokenizer, processor, self.family, load_video_processor(config.model.path) if videos else None
+        )
+        self.settings = EncodeSettings(
+            d.cutoff_len,
+            d.train_on_prompt,
+            d.mask_history,
+            VideoSettings(d.video_fps, d.video_maxlen, d.video_max_pixels, d.video_min_pixels),
+        )
+        if self.vision_sync is not None:
+            self.vision_sync.videos = videos
         self.order = SampleOrder(
             len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world // self.sp, t.seed, d.shuffle
         )
         self._encoded: dict[int, EncodedSample] = {}
+        self.preprocessing: dict[str, Any] = {}
+        if d.workers > 0 or d.cache_dir:
+            self._preprocess(world)
         if config.lora.enabled and config.checkpoint.save and dist.get_rank() == 0:
             # DCP checkpoints record the factors' rank in their shapes, not alpha: convert reads it here.
             write_adapter_config(config.lora, self.family, self.source, config.checkpoint.save)
 
+    def _preprocess(self, world: int) -> None:
+        """Encode every sample now (``data.workers`` processes; ``data.cache_dir``): with a cache, rank 0
+        first, then the other ranks read its entry."""
+        d = self.config.data
+
+        def run() -> None:
+            encoded, self.preprocessing = preprocess(
+                self.samples,
+                self.processing,
+                self.settings,
+                d.workers,
+                d.cache_dir,
+                d.files,
+                self.config.model.path,
+                {
+                    "image_pixels": [d.image_min_pixels, d.image_max_pixels],
+                    "image_dir": d.image_dir,
+                    "max_samples": d.max_samples,
+                },
+            )
+            self._encoded = dict(enumerate(encoded))
+
+        first = world == 1 or not d.cache_dir or dist.get_rank() == 0
+        if first:
+            run()
+        if world > 1 and d.cache_dir:
+            dist.barrier()
+            if not first:
+                run()
+
     def _sample(self, index: int) -> EncodedSample:
         if index not in self._encoded:
-            d = self.config.data
-            self._encoded[index] = encode_sample(
-                self.samples[index],
-                self.tokenizer,
-                self.processor,
-                self.family,
-                d.cutoff_len,
-                d.train_on_prompt,
-                d.mask_history,
-            )
+            self._encoded[index] = self.processing.encode(self.samples[index], self.settings)
         return self._encoded[index]
 
     def microbatches(self, step: int, rank: int) -> list[PackedBatch]:
@@ -153,7 +192,7 @@ class VLMTask:
         """The loss of the microbatch (of this rank's shard of it) under ``train.loss_type``."""
         t = self.config.train
         if self.vision_sync is not None:
-            self.vision_sync.needed = not batch.vision
+            self.vision_sync.begin(batch.vision)
         start, end = self.sequence.begin(batch.sample_index)
         if self.vision_balance is not None:
             self.vision_balance.begin(batch.vision)
