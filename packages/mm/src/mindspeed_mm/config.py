@@ -58,8 +58,9 @@ class ParallelConfig:
         dp_replicate: replicas (HSDP's outer axis); the shard axis is what the world size
             leaves over (``world_size / dp_replicate``).
         ulysses_parallel_size: ranks that share each packed microbatch and split its language-model
-            sequence (Ulysses all-to-all in the attention; MindSpeed-MM's name). Data-parallel
-            ranks are ``world_size / ulysses_parallel_size``; the attention heads must divide by it.
+            sequence, or, for a diffusion transformer, each microbatch's video/image tokens (Ulysses
+            all-to-all in the attention; MindSpeed-MM's name). Data-parallel ranks are
+            ``world_size / ulysses_parallel_size``; the attention heads must divide by it.
         fsdp_plan: module-name patterns wrapped as their own FSDP2 units, innermost first
             (``{*}`` or ``*`` matches one name part, as MindSpeed-MM's ``fsdp_plan.apply_modules``);
             the root is always wrapped. Default: the model family's plan.
@@ -513,11 +514,6 @@ class MMConfig:
             raise ConfigError(
                 "lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
                 "remove lora.target_modules"
-            )
-        if self.parallel.ulysses_parallel_size > 1:
-            raise ConfigError(
-                "parallel.ulysses_parallel_size: sequence parallelism for diffusion transformers is not in "
-                "this version yet; set it to 1"
             )
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mindspeed.registry import Registry
+from mindspeed_mm.models.dit_parallel import SequencePlan
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class DiTFamily:
         encode_prompts: ``(pipeline parts, captions, text length) -> (text [B, L, D], pooled [B, P] or
             None)`` as the pipeline encodes prompts (the parts are the pipeline directory's text
             encoders and tokenizers, by folder name).
+        sequence_plan: where its tokens are split and gathered under sequence parallelism
+            (:mod:`mindspeed_mm.models.dit_parallel`); None: not supported.
     """
 
     architecture: str
@@ -68,6 +71,7 @@ class DiTFamily:
     scheduler: tuple[str, dict[str, Any]] = ("FlowMatchEulerDiscreteScheduler", {})
     timestep_kwargs: Callable[[Any, int, tuple[int, ...]], dict[str, Any]] = lambda config, steps, shape: {}
     encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    sequence_plan: SequencePlan | None = None
 
     def load_class(self) -> type:
         """The diffusers model class."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mindspeed_mm.models.dit import DiTFamily, register_dit
+from mindspeed_mm.models.dit_parallel import SequencePlan, Split
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -128,5 +129,17 @@ FLUX = register_dit(
         ),
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
+        # The joint attention's text and image tokens are both split at the model's input (with their
+        # position ids); the image tokens are gathered after proj_out (diffusers' own _cp_plan of the class).
+        sequence_plan=SequencePlan(
+            splits=(
+                Split("", "encoder_hidden_states", 1, "text"),
+                Split("", "hidden_states", 1, "image"),
+                Split("", "txt_ids", 0),
+                Split("", "img_ids", 0),
+            ),
+            gather=("proj_out", 1, "image"),
+            cross_attention_local=False,
+        ),
     )
 )

@@ -3,7 +3,7 @@
 Latents ``[B, C, F, H, W]`` go in as they are; the timestep is ``sigma x 1000`` (the grid's
 timestep, as ``WanPipeline`` passes it); the UMT5 text embeddings are zero-padded to 512 tokens
 as ``WanPipeline`` pads them. FSDP2 wraps each block (MindSpeed-MM's Wan2.2 plan
-``predictor.blocks.{*}``).
+``predictor.blocks.{*}``). Sequence parallelism splits the video tokens before the blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.models.dit import DiTFamily, register_dit
+from mindspeed_mm.models.dit_parallel import SequencePlan, Split
 
 
 def _inputs(
@@ -77,5 +78,12 @@ WAN = register_dit(
             },
         ),
         encode_prompts=_encode,
+        # Video tokens split after the patch embedding (with their rotary table), gathered after proj_out;
+        # the text of the cross-attention is replicated (diffusers' own _cp_plan of the class splits there too).
+        sequence_plan=SequencePlan(
+            splits=(Split("rope", None, 1), Split("blocks.0", 0, 1, "video")),
+            gather=("proj_out", 1, "video"),
+            cross_attention_local=True,
+        ),
     )
 )

@@ -27,9 +27,17 @@ from mindspeed_mm.data.media_features import MediaFeatures
 from mindspeed_mm.diffusion import FlowDraw, FlowMatching
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
+from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel
 from mindspeed_mm.models.loading import freeze_parts
 from mindspeed_mm.trainer.dit_export import save_diffusers
-from mindspeed_mm.trainer.fsdp import apply_fsdp, apply_recompute, apply_swap, build_mesh, load_from_rank0
+from mindspeed_mm.trainer.fsdp import (
+    apply_fsdp,
+    apply_recompute,
+    apply_swap,
+    build_mesh,
+    build_sp_mesh,
+    load_from_rank0,
+)
 from mindspeed_mm.trainer.task import TASKS
 
 logger = get_logger(__name__)
@@ -57,7 +65,7 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         freeze_parts(model, family, m.freeze)
     recomputed = apply_recompute(model, config.train.recompute_modules)
     apply_swap(model, config.train.swap_modules, recomputed)
-    mesh = build_mesh(world, p.dp_replicate)
+    mesh = build_mesh(world, p.dp_replicate, p.ulysses_parallel_size)
     apply_fsdp(
         model,
         p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
@@ -96,6 +104,13 @@ class DiTTask:
     """Flow-matching training of a diffusers transformer (:class:`~mindspeed_mm.trainer.task.TrainTask`).
 
     Counts: samples, tokens.
+
+    With ``parallel.ulysses_parallel_size = U`` the ``U`` consecutive ranks of a group get the same
+    microbatches (data-parallel rank ``rank // U``, the same draws) and the model splits their tokens
+    (:mod:`mindspeed_mm.models.dit_parallel`); each rank's gradients are its tokens' share, which
+    FSDP2's mean over all ranks divides by ``U`` too, so the backward loss is scaled by ``U``. Counts
+    are taken on the group's first rank. From raw media, the group's ranks encode every ``U``-th
+    sample of a microbatch each and exchange the features.
     """
 
     def __init__(self, config: MMConfig, world: int) -> None:
@@ -104,12 +119,26 @@ class DiTTask:
         self.source = Path(config.model.path)
         self.family, self.model = build_dit(config, world)
         self.device = get_accelerator().device()
+        self.sp = config.parallel.ulysses_parallel_size
+        self.sequence: SequenceParallel | None = None
+        if self.sp > 1:
+            if self.family.sequence_plan is None:
+                raise ValueError(
+                    f"{self.family.architecture} has no sequence-parallel plan; set parallel.ulysses_parallel_size=1"
+                )
+            group = build_sp_mesh(world, self.sp)["sp"].get_group()
+            self.sequence = apply_sequence_parallel(self.model, self.family.sequence_plan, group)
         # A feature cache, or the encoders run on the raw media of data.files as samples are read.
         self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
         self.flow = FlowMatching(config.diffusion)
         self.text_len = d.text_len or self.family.text_len
         self.order = BucketOrder(
-            self.features.shapes(), t.micro_batch_size, t.gradient_accumulation_steps, world, t.seed, d.shuffle
+            self.features.shapes(),
+            t.micro_batch_size,
+            t.gradient_accumulation_steps,
+            world // self.sp,
+            t.seed,
+            d.shuffle,
         )
         self.null = self._null_text()
         self._fp32: dict[str, torch.Tensor] = {}
@@ -147,7 +176,7 @@ class DiTTask:
         return args, kwargs
 
     def _batch(self, indices: list[int], microbatch: int) -> DiTBatch:
-        samples = [self.features[i] for i in indices]
+        samples = self._read(indices)
         shape = tuple(samples[0]["latents"].shape)
         for i, sample in zip(indices, samples):
             if tuple(sample["latents"].shape) != shape:
@@ -177,17 +206,34 @@ class DiTTask:
         tokens = self.family.tokens(self.model.config, shape) * len(indices)
         return DiTBatch(indices, latents, text, pooled, draw, tokens)
 
+    def _read(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples; from raw media under sequence parallelism each group rank encodes every ``U``-th one."""
+        if self.sequence is None or not isinstance(self.features, MediaFeatures):
+            return [self.features[i] for i in indices]
+        group, rank = self.sequence.group, self.sequence.rank
+        own = {
+            p: {k: v.cpu() for k, v in self.features[i].items()} for p, i in enumerate(indices) if p % self.sp == rank
+        }
+        shares: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in range(self.sp)]
+        dist.all_gather_object(shares, own, group=group)
+        merged = {p: sample for share in shares for p, sample in share.items()}
+        return [merged[p] for p in range(len(indices))]
+
     def microbatches(self, step: int, rank: int) -> list[DiTBatch]:
-        """This rank's microbatches of ``step``."""
+        """This rank's microbatches of ``step`` (those of its data-parallel rank)."""
+        dp_rank = rank // self.sp
         return [
-            self._batch(self.order.indices(step, rank, j), self.order.number(step, rank, j))
+            self._batch(self.order.indices(step, dp_rank, j), self.order.number(step, dp_rank, j))
             for j in range(self.config.train.gradient_accumulation_steps)
         ]
 
     def counts(self, microbatches: list[DiTBatch]) -> torch.Tensor:
-        """[samples, tokens] of this rank."""
+        """[samples, tokens] of this rank (of its group, on the group's first rank)."""
+        first = self.sequence is None or self.sequence.rank == 0
         return torch.tensor(
-            [float(sum(len(b.indices) for b in microbatches)), float(sum(b.tokens for b in microbatches))],
+            [float(sum(len(b.indices) for b in microbatches)), float(sum(b.tokens for b in microbatches))]
+            if first
+            else [0.0, 0.0],
             dtype=torch.float64,
             device=self.device,
         )
@@ -215,7 +261,8 @@ class DiTTask:
         self._fp32 = {name: inputs[name].float() for name in self.family.fp32_inputs if inputs.get(name) is not None}
         prediction = self.family.prediction(self.model(**inputs), tuple(latents.shape))
         loss = self.flow.loss(prediction, latents, noise, indices).mean()
-        return loss / accumulation, loss.detach() / (accumulation * self.world)
+        # Every rank of a sequence-parallel group computes the whole loss and the gradient of its tokens.
+        return loss * self.sp / accumulation, loss.detach() / (accumulation * self.world)
 
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens of the step over all ranks."""

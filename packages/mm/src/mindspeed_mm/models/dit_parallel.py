@@ -1,0 +1,282 @@
+"""Ulysses sequence parallelism inside a diffusers transformer, through its attention processors and module hooks.
+
+``U`` ranks of a sequence-parallel group hold the same microbatch. :func:`apply_sequence_parallel`
+changes nothing in the model's code; it adds, from the family's :class:`SequencePlan`:
+
+1. forward hooks that keep this rank's contiguous ``1/U`` of the per-token tensors where the
+   family says (Wan: the rotary table out of ``rope`` and the video tokens into ``blocks.0``;
+   FLUX: the text and image tokens and their position ids at the model's input), so every block
+   works on a shard (uneven lengths split as ``torch.tensor_split`` does);
+2. a wrapper around every attention processor (diffusers' processor seam,
+   ``set_attn_processor``) that runs the model's own processor with diffusers' native backend and
+   hands its ``scaled_dot_product_attention`` call to the core's Ulysses all-to-all
+   (:func:`mindspeed.parallel.context_parallel.comm.seq_to_heads`, the kernel registry's
+   ``attention`` op, :func:`~mindspeed.parallel.context_parallel.comm.heads_to_seq`): each rank
+   attends over the whole sequence for ``1/U`` of the heads. Cross-attention to replicated text
+   (Wan's ``attn2``) stays local: each rank's queries see all the text keys;
+3. a forward hook that gathers the output projection's tokens from the group (its backward
+   keeps this rank's rows), so the model returns the whole prediction on every rank.
+
+The gradient of a split keeps this rank's rows, so every parameter's gradient summed over the
+group is the unsplit model's (FSDP2 sums it: the task scales its loss by ``U``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mindspeed.device import get_accelerator
+from mindspeed.ops import resolve_kernel
+from mindspeed.parallel.context_parallel.comm import heads_to_seq, seq_to_heads
+from mindspeed.parallel.context_parallel.layout import split_sizes
+
+
+@dataclass(frozen=True)
+class Split:
+    """A per-token tensor to cut along ``dim``: an input (``arg``: keyword name or position) or the output (None).
+
+    Attributes:
+        module: the module's name in the model (``""``: the model itself).
+        arg: the keyword (or positional index) of the input; None: every tensor of the output.
+        dim: the token dimension.
+        name: the tokens it holds, when they are tokens of the attention sequence (``video``,
+            ``text``, ``image``): their shard sizes make the attention's sizes and size the gather.
+    """
+
+    module: str
+    arg: str | int | None
+    dim: int
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where a family's tokens are split, where they are gathered, and which attention is sequence parallel.
+
+    Attributes:
+        splits: the tensors cut into shards.
+        gather: ``(module, dim, split name)``: the module whose output is gathered along ``dim`` with the
+            shard sizes of the named split.
+        cross_attention_local: attention with ``encoder_hidden_states`` (Wan's cross-attention to the
+            replicated text) runs on the local queries without communication; False: every attention is
+            over the split sequence (FLUX's joint text + image attention).
+    """
+
+    splits: tuple[Split, ...]
+    gather: tuple[str, int, str]
+    cross_attention_local: bool = True
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel(device: str) -> Any:
+    return resolve_kernel("attention", "auto", device=device)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather uneven shards along ``dim``; the backward keeps this rank's rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        ctx.dim, ctx.start, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        widest = max(sizes)
+        padded = shard
+        if shard.shape[dim] < widest:
+            pad = list(shard.shape)
+            pad[dim] = widest - shard.shape[dim]
+            padded = torch.cat([shard, shard.new_zeros(pad)], dim=dim)
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes)], dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad.narrow(ctx.dim, ctx.start, ctx.size), None, None, None
+
+
+@dataclass
+class SequenceParallel:
+    """The state of one model's sequence parallelism: its group and the shard sizes of the current forward.
+
+    Attributes:
+        group: the Ulysses group (its rank order is the shard order).
+        plan: the family's plan.
+        sizes: shard sizes over the group of each named split of the current forward.
+        calls: Ulysses attention calls so far (tests check it ran).
+    """
+
+    group: dist.ProcessGroup
+    plan: SequencePlan
+    sizes: dict[str, list[int]] = field(default_factory=dict)
+    calls: int = 0
+    handles: list[Any] = field(default_factory=list)
+    processors: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group."""
+        return dist.get_rank(self.group)
+
+    def split(self, tensor: torch.Tensor, split: Split) -> torch.Tensor:
+        """This rank's contiguous shard of ``tensor`` along ``split.dim`` (recording its sizes under its name)."""
+        length = tensor.shape[split.dim]
+        if length < self.size:
+            raise ValueError(
+                f"{length} tokens cannot be split over parallel.ulysses_parallel_size={self.size} ranks; "
+                "use larger latents or a smaller parallel.ulysses_parallel_size"
+            )
+        sizes = split_sizes(length, self.size)
+        if split.name is not None:
+            self.sizes[split.name] = sizes
+        return tensor.narrow(split.dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def attention_sizes(self) -> list[int]:
+        """Every rank's length of the attention sequence (the sum over the named splits of this forward)."""
+        return [sum(column) for column in zip(*self.sizes.values())]
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention``'s signature (``[B, heads, S_local, D]``) over the whole sequence."""
+        if attn_mask is not None or dropout_p > 0.0 or is_causal:
+            raise ValueError(
+                "sequence parallelism of a diffusion transformer needs attention without a mask, dropout or "
+                "causality; set parallel.ulysses_parallel_size=1 for this model"
+            )
+        heads = query.shape[1]
+        if heads % self.size or key.shape[1] != heads:
+            raise ValueError(
+                f"parallel.ulysses_parallel_size={self.size} does not divide the {heads} attention heads "
+                f"({key.shape[1]} key heads); use a divisor of the head count"
+            )
+        sizes = self.attention_sizes()
+        q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
+        softmax_scale = scale if scale is not None else q.shape[-1] ** -0.5
+        out = _kernel(get_accelerator().name)(q, k, v, causal=False, softmax_scale=softmax_scale)
+        self.calls += 1
+        return heads_to_seq([out], self.group, sizes)[0].transpose(1, 2)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole sequence of the gathered module's output, on every rank."""
+        _, dim, name = self.plan.gather
+        return _GatherTokens.apply(tensor, dim, self.sizes[name], self.group)
+
+    def remove(self, model: torch.nn.Module) -> None:
+        """Undo :func:`apply_sequence_parallel`: the hooks and the model's own processors come back."""
+        for handle in self.handles:
+            handle.remove()
+        model.set_attn_processor(dict(self.processors))
+        self.handles.clear()
+
+
+class _UlyssesSDPA(TorchFunctionMode):
+    """Hands ``F.scaled_dot_product_attention`` calls to :meth:`SequenceParallel.attend`; everything else runs as is."""
+
+    def __init__(self, parallel: SequenceParallel) -> None:
+        super().__init__()
+        self.parallel, self.calls = parallel, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            return self.parallel.attend(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class SequenceParallelProcessor:
+    """Wraps a diffusers attention processor: its attention over the split sequence goes through Ulysses."""
+
+    def __init__(self, processor: Any, parallel: SequenceParallel) -> None:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        self.processor, self.parallel = processor, parallel
+        if hasattr(processor, "_attention_backend"):
+            processor._attention_backend = AttentionBackendName.NATIVE  # the path that calls SDPA
+
+    def __call__(
+        self, attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args, **kwargs
+    ) -> Any:
+        if encoder_hidden_states is not None and self.parallel.plan.cross_attention_local:
+            return self.processor(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+        mode = _UlyssesSDPA(self.parallel)
+        with mode:
+            out = self.processor(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+        if mode.calls == 0:
+            raise ValueError(
+                f"{type(self.processor).__name__} did not call scaled_dot_product_attention, so sequence "
+                "parallelism cannot enter it; use the model's default attention processor"
+            )
+        return out
+
+
+def _split_inputs(parallel: SequenceParallel, splits: list[Split], module: Any, args: tuple, kwargs: dict) -> Any:
+    args = list(args)
+    for split in splits:
+        if isinstance(split.arg, int) and split.arg < len(args):
+            args[split.arg] = parallel.split(args[split.arg], split)
+        elif isinstance(split.arg, str) and kwargs.get(split.arg) is not None:
+            kwargs[split.arg] = parallel.split(kwargs[split.arg], split)
+    return tuple(args), kwargs
+
+
+def _split_outputs(parallel: SequenceParallel, split: Split, module: Any, args: tuple, output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return parallel.split(output, split)
+    return type(output)(parallel.split(x, split) if isinstance(x, torch.Tensor) else x for x in output)
+
+
+def apply_sequence_parallel(model: torch.nn.Module, plan: SequencePlan, group: dist.ProcessGroup) -> SequenceParallel:
+    """Make ``model`` (a diffusers transformer, sharded or not) split its tokens over ``group`` (see the module doc).
+
+    Raises:
+        ValueError: the model uses diffusers' own gradient checkpointing (its recompute would split twice;
+            use ``train.recompute_modules``), or the heads do not divide by the group size.
+    """
+    parallel = SequenceParallel(group, plan)
+    if getattr(model, "gradient_checkpointing", False):
+        raise ValueError(
+            "sequence parallelism with diffusers' gradient checkpointing would split the recomputed blocks' "
+            "inputs twice; use train.recompute_modules instead"
+        )
+    heads = getattr(model.config, "num_attention_heads", None)
+    if heads is not None and heads % parallel.size:
+        raise ValueError(
+            f"parallel.ulysses_parallel_size={parallel.size} does not divide the model's {heads} attention heads; "
+            "use a divisor of the head count"
+        )
+    inputs: dict[str, list[Split]] = {}
+    for split in plan.splits:
+        if split.arg is None:
+            hook = functools.partial(_split_outputs, parallel, split)
+            parallel.handles.append(model.get_submodule(split.module).register_forward_hook(hook))
+        else:
+            inputs.setdefault(split.module, []).append(split)
+    for name, splits in inputs.items():
+        hook = functools.partial(_split_inputs, parallel, splits)
+        parallel.handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    gathered = model.get_submodule(plan.gather[0])
+    parallel.handles.append(gathered.register_forward_hook(lambda module, args, output: parallel.gather(output)))
+    parallel.processors = dict(model.attn_processors)
+    model.set_attn_processor({name: SequenceParallelProcessor(p, parallel) for name, p in parallel.processors.items()})
+    return parallel
