@@ -71,7 +71,11 @@ def _step(overrides: list[str]) -> dict:
         loss.backward()
         reported += share
     dist.all_reduce(reported)
-    grads = {n: p.grad.full_tensor().numpy() for n, p in task.model.named_parameters() if p.grad is not None}
+    grads = {
+        n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)().numpy()
+        for n, p in task.model.named_parameters()
+        if p.grad is not None
+    }
     calls = task.sequence.calls if task.sequence is not None else 0
     return {"loss": float(reported), "grads": grads, "calls": calls, "totals": totals.tolist()}
 
