@@ -143,3 +143,22 @@ def test_allocator_agrees_with_dispatch_tracking() -> None:
         peaks[method] = mem.peak_bytes
         del y
     assert peaks["allocator"] == peaks["dispatch"] == 2 * _bytes(N)
+
+
+def test_from_empty_ignores_storages_it_did_not_see_allocated() -> None:
+    # A buffer made outside the dispatcher inside the block (as gloo's reduce-scatter makes one
+    # in C++), used by an op and freed: a tracker started from an empty pool must not count its
+    # free (the default tracker takes it for memory from before entry and goes below zero).
+    from mindspeed.metrics.memory import StorageTracker, untracked
+
+    for from_empty, expected in ((True, 0), (False, -4096)):
+        tracker = StorageTracker(from_empty=from_empty)
+        with tracker:
+            with untracked():
+                foreign = torch.zeros(1024)
+            foreign.add_(1.0)
+            kept = torch.ones(256)
+            del foreign
+            gc.collect()
+            assert tracker.live_bytes == expected + kept.numel() * 4
+        assert tracker.peak_bytes == 1024

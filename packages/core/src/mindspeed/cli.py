@@ -3,6 +3,8 @@
 mindspeed info                   accelerator, packages and the kernel chosen for each op
 mindspeed features [--json]      every feature: level, flags, default here, what it changes
 mindspeed demo [key=value ...]   train a tiny Llama on generated data (CPU by default)
+mindspeed auto-settings --config RECIPE --nnodes N --nproc-per-node D --device-memory GIB [--device TFLOPS,GBPS]
+                                 search layouts and memory settings; print the best, write the best recipe
 """
 
 from __future__ import annotations
@@ -146,6 +148,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auto_settings(args: argparse.Namespace) -> int:
+    # Lazy: the search imports no torch, but keep the CLI's start-up small all the same.
+    from mindspeed.autosettings.command import run_auto_settings
+
+    return run_auto_settings(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mindspeed`` argument parser."""
     parser = argparse.ArgumentParser(prog="mindspeed", description="mindspeed acceleration core")
@@ -171,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
     demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 impl=reference")
     demo.set_defaults(func=_demo)
+    from mindspeed.autosettings.command import add_arguments
+
+    auto = sub.add_parser(
+        "auto-settings",
+        help="search TP/PP/VPP/DP/CP/EP, micro batch, recompute and swap settings; write the best recipe",
+    )
+    add_arguments(auto)
+    auto.set_defaults(func=_auto_settings)
     return parser
 
 

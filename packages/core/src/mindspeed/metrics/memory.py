@@ -84,10 +84,20 @@ class StorageTracker(TorchDispatchMode):
 
     Only memory that ops hand back is seen: scratch buffers a kernel allocates and frees
     internally are not, so the result is a lower bound of what an allocator would report.
+
+    Args:
+        from_empty: the block starts from an empty device pool (a tracker entered before the
+            model is built): storages it did not see allocated are not counted at all, also
+            not when they are freed. Without it their free lowers the live total, as it must
+            for memory that was in use at entry; but buffers made outside the dispatcher
+            inside the block (gloo's reduce-scatter copies its whole input in C++) would then
+            drive the total below the truth at every step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, from_empty: bool = False) -> None:
         super().__init__()
+        self.from_empty = from_empty
+        self._foreign: set[int] = set()  # from_empty: storages seen but not seen allocated
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it
@@ -142,7 +152,10 @@ class StorageTracker(TorchDispatchMode):
                     # In place (a view, add_, resize_): only a change of size counts; an old
                     # storage counts its growth beyond the size it had at entry.
                     self._resize(key, storage.nbytes() - self._before.get(key, 0))
+                elif key in self._foreign and key in inputs:
+                    continue  # in place on a storage not seen allocated (from_empty)
                 else:
+                    self._foreign.discard(key)  # an address freed outside the dispatcher, reused
                     self._add(key, storage, storage.nbytes())
         return out
 
@@ -163,6 +176,8 @@ class StorageTracker(TorchDispatchMode):
             if key in _HOST_STORAGES:
                 return
             if key not in self._sizes:
+                if self.from_empty:
+                    return
                 self._watch_existing(key, storage, old)
             self._resize(key, new - self._before.get(key, 0))
 
@@ -182,6 +197,10 @@ class StorageTracker(TorchDispatchMode):
     def _watch_existing(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> None:
         # A storage from before entry, seen for the first time: nothing to add now, but its
         # free gives memory back (counted negative, as the entry baseline included it).
+        if self.from_empty:
+            if key not in self._sizes:
+                self._foreign.add(key)
+            return
         if key not in self._sizes:
             self._sizes[key], self._before[key] = 0, nbytes
             self._finalizers[key] = weakref.finalize(storage, self._free, key)

@@ -1,0 +1,12 @@
+"""``mindspeed auto-settings``: search of parallel layouts and memory settings with analytic models.
+
+:func:`job_from_recipe` reads the job from a recipe's plain mapping, :func:`estimate_memory`
+and :func:`estimate_step_time` predict one :class:`Layout`, :func:`search` ranks every layout
+that fits. See ``docs/core/auto-settings.md``.
+"""
+
+from mindspeed.autosettings.layout import Layout
+from mindspeed.autosettings.memory import MemoryEstimate, estimate_memory
+from mindspeed.autosettings.spec import ClusterSpec, JobSpec, job_from_recipe, parse_device
+
+__all__ = ["ClusterSpec", "JobSpec", "Layout", "MemoryEstimate", "estimate_memory", "job_from_recipe", "parse_device"]
