@@ -49,6 +49,9 @@ class DiTSampleConfig:
         text_len: text embeddings padded to this many tokens, as the model was trained (data.text_len).
         fps: frames per second of the written videos.
         scale: enlarge the written pictures this many times (nearest neighbour; for tiny models).
+        ulysses_parallel_size: ranks that sample each prompt together, each holding a share of the video /
+            image tokens (Ulysses sequence parallelism, as the training key ``parallel.ulysses_parallel_size``;
+            spawned here, or the world size under torchrun); the heads must divide by it.
     """
 
     pipeline_dir: str | None = None
@@ -65,6 +68,7 @@ class DiTSampleConfig:
     text_len: int | None = None
     fps: int = 16
     scale: int = 1
+    ulysses_parallel_size: int = 1
 
 
 def read_prompts(path: str, max_samples: int | None) -> list[str]:
@@ -105,12 +109,7 @@ def _slug(text: str) -> str:
 
 def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
     """Sample every prompt and write the files (see the module docstring); returns the exit status."""
-    import torch  # lazy: keeps torch out of the start-up of mindspeed_mm.cli
-
-    from mindspeed_mm.diffusion import media
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
-    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
-    from mindspeed_mm.inference.loading import DTYPES
+    from mindspeed_mm.inference.loading import DTYPES  # lazy: keeps torch out of the start-up of mindspeed_mm.cli
 
     prompts = list(args.prompt) + (read_prompts(args.prompts_file, args.max_samples) if args.prompts_file else [])
     if not prompts:
@@ -119,17 +118,41 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
         raise ValueError("--image: a diffusion transformer generates from text only; remove --image")
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
-    for key in ("num_inference_steps", "num_frames", "fps", "scale"):
+    for key in ("num_inference_steps", "num_frames", "fps", "scale", "ulysses_parallel_size"):
         if getattr(sample, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+    if sample.ulysses_parallel_size > 1:
+        from mindspeed_llm.training.launch import launch
+
+        return launch(_sample_all, (args, sample, prompts), nproc_per_node=sample.ulysses_parallel_size) or 0
+    return _sample_all(args, sample, prompts)
+
+
+def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
+    """Sample and write on this process (one rank of a sequence-parallel group: rank 0 decodes and writes)."""
+    import torch  # lazy: keeps torch out of the start-up of mindspeed_mm.cli
+    import torch.distributed as dist
+
+    from mindspeed_mm.diffusion import media
+    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.loading import DTYPES
+    from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
+
     loaded = load_dit_pipeline(args.load_dir, args.base_dir, sample.pipeline_dir, DTYPES[args.dtype or "float32"])
     if not loaded.parts:
         raise ValueError(f"{loaded.weights} has no pipeline beside it (VAE, text encoder); pass --pipeline-dir")
     family, video = loaded.family, loaded.family.latent_dims == 4
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
+    writer = True
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if family.sequence_plan is None:
+            raise ValueError(f"{family.architecture} has no sequence-parallel plan; use --ulysses-parallel-size 1")
+        apply_sequence_parallel(loaded.model, family.sequence_plan, dist.group.WORLD)
+        writer = dist.get_rank() == 0
     height = sample.height or (480 if video else 1024)
     width = sample.width or (832 if video else 1024)
     shape = latent_shape(loaded.parts["vae"], family, sample.num_frames, height, width)
@@ -163,12 +186,16 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
             guidance,
             sample.distilled_guidance,
         )
+        if not writer:  # every rank holds the whole latents; one decodes and writes
+            continue
         pixels = decode_latents(loaded.parts["vae"], latents).float().cpu()
         for i, (prompt, item) in enumerate(zip(batch, pixels)):
             index = start + i
             files = _write_sample(output / f"{index:03d}-{_slug(prompt)}", item, sample, media)
             pixels_all.append(item)
             rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
+    if not writer:
+        return 0
     sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
     settings = {
         **asdict(sample),
