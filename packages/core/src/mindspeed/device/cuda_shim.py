@@ -10,6 +10,10 @@ Two pieces, both explicit and reversible, used by ``mindspeed.megatron.adapt``:
   to the accelerator's device, and makes ``tensor.type()`` report the ``torch.cuda.*``
   names that megatron-core's dtype checks expect. The same idea as torch_npu's
   ``transfer_to_npu``, but entered by a call, per thread, and left by another.
+- :class:`DeviceMappedTorch`: the ``torch`` namespace as one upstream module sees it, with the
+  tensor factories' CUDA device arguments mapped to the accelerator: patched in as that
+  module's ``torch`` global, it fixes the module's ``device="cuda"`` call sites without a
+  function mode, so code that runs every step pays nothing for the modules it does not touch.
 
 On CUDA itself nothing is needed and nothing is applied.
 """
@@ -17,6 +21,8 @@ On CUDA itself nothing is needed and nothing is applied.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -199,3 +205,70 @@ def redirect_suspended() -> Iterator[None]:
     finally:
         if mode is not None:
             torch._C._push_on_torch_function_stack(mode)
+
+
+#: The tensor factories whose ``device=`` :class:`DeviceMappedTorch` maps (megatron-core's
+#: ``device="cuda"`` sites call these; the rest of ``torch`` is passed through untouched).
+MAPPED_FACTORIES = (
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "randn",
+    "rand",
+    "randint",
+)
+
+
+def map_cuda_device(device: Any, accelerator: Accelerator) -> Any:
+    """``accelerator``'s device for a CUDA device spec (``"cuda"``, ``"cuda:N"``, a CUDA
+    ``torch.device``); anything else unchanged (``None``, ``"cpu"``, indices of other APIs)."""
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        return accelerator.device(_index(device) if ":" in device else None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return accelerator.device(device.index)
+    return device
+
+
+class DeviceMappedTorch(types.ModuleType):
+    """``torch`` for one upstream module, with CUDA ``device=`` arguments of the tensor factories
+    mapped to ``accelerator`` (and ``pin_memory`` dropped where it cannot pin).
+
+    Every other attribute is ``torch``'s own, read at each access (so later patches of ``torch``
+    are seen). Patch it in as a module's ``torch`` global (an ``UpstreamPatch`` whose target is
+    ``"package.module.torch"``): the module's call sites that write ``device="cuda"`` then run on
+    the accelerator without a torch function mode, at the cost of one Python call per factory
+    call of that module only.
+
+    Args:
+        accelerator: where tensors go instead of CUDA.
+    """
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        super().__init__("torch", "torch with CUDA device arguments mapped to " + accelerator.name)
+        self.accelerator = accelerator
+        pinning = accelerator.supports("pinned_memory")
+        for name in MAPPED_FACTORIES:
+            setattr(self, name, _mapped_factory(getattr(torch, name), accelerator, pinning))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for what the instance does not hold: everything but the mapped factories.
+        return getattr(torch, name)
+
+
+def _mapped_factory(factory: Callable[..., Any], accelerator: Accelerator, pinning: bool) -> Callable[..., Any]:
+    @functools.wraps(factory)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = map_cuda_device(kwargs["device"], accelerator)
+        if not pinning and kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return factory(*args, **kwargs)
+
+    return mapped

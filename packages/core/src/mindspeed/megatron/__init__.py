@@ -4,6 +4,6 @@ Importing this package does nothing (megatron-core itself is imported by ``adapt
 """
 
 from mindspeed.megatron.active import current_report
-from mindspeed.megatron.adaptor import AdaptReport, adapt, adapted, enter_thread, unadapt
+from mindspeed.megatron.adaptor import AdaptReport, adapt, adapted, enter_thread, fast_path, unadapt
 
-__all__ = ["AdaptReport", "adapt", "adapted", "current_report", "enter_thread", "unadapt"]
+__all__ = ["AdaptReport", "adapt", "adapted", "current_report", "enter_thread", "fast_path", "unadapt"]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.megatron import fast_path
 from mindspeed.megatron.config import ParallelSizes, transformer_config
 from mindspeed.model.shape import ModelShape
 
@@ -446,7 +447,8 @@ def train_step(chunks: list[Any], optimizer: Any, batches: list[dict[str, torch.
     """
     optimizer.zero_grad()
     loss = global_loss(run_forward_backward(chunks, batches))
-    ok, grad_norm, _ = optimizer.step()
+    with fast_path():  # as the trainer runs it: without the device redirect
+        ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError("the optimizer skipped the step (non-finite gradients)")
     return loss, float(grad_norm)
@@ -486,15 +488,16 @@ def run_forward_backward(
         for chunk in chunks:
             chunk.zero_grad_buffer()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=[iter(batches) for _ in chunks],
-        model=chunks,
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    with fast_path():  # as the trainer runs it: without the device redirect
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
     if not losses:
         return None
     return torch.stack([item["lm loss"] for item in losses]).mean().item()

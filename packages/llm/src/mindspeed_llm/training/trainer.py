@@ -37,7 +37,7 @@ from mindspeed.features.context import ParallelSizes
 from mindspeed.features.moe import expert_layout
 from mindspeed.features.pipeline import noop_layer_layout
 from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
-from mindspeed.megatron import adapt, unadapt
+from mindspeed.megatron import adapt, fast_path, unadapt
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
@@ -416,14 +416,18 @@ class Trainer:
         try:
             with reporter:
                 while state.step < t.steps:
-                    stop = self._stop_request()
+                    # The loop runs without the device redirect (the step's CUDA sites are patched);
+                    # checkpoints, saved below, are setup-like and keep it.
+                    with fast_path():
+                        stop = self._stop_request()
+                        if stop is None:
+                            fault_point("train.step_start", state.step + 1)
+                            record = self._step(state, gbs, num_micro)
+                            reporter.step(record)
+                            metrics.write(record)
                     if stop is not None:
                         self._preempt(stop, result)
                         break
-                    fault_point("train.step_start", state.step + 1)
-                    record = self._step(state, gbs, num_micro)
-                    reporter.step(record)
-                    metrics.write(record)
                     result.records.append(record)
                     step = state.step
                     if config.eval.interval and step % config.eval.interval == 0:
@@ -589,7 +593,8 @@ class Trainer:
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
         for batches in steps:
             self.stage.prepare(self.reference, batches)
-        loss, tokens = evaluate(self.chunks, steps, self._loss_fn(), self.stage.metric, self.groups)
+        with fast_path():
+            loss, tokens = evaluate(self.chunks, steps, self._loss_fn(), self.stage.metric, self.groups)
         record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
         if self.stage.metric == LM_LOSS:
             record["perplexity"] = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
