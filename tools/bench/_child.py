@@ -3,6 +3,11 @@
 Each side of a comparison runs in a fresh interpreter (``script --child KIND --child-spec FILE``)
 so that imports, allocator state and threads do not leak between sides; the child prints its
 result as one ``MARK``-prefixed JSON line on stdout, everything else goes to a log file.
+
+Honest records: :func:`run_child` adds the load average before and after every child to its
+result (``load_around``); :class:`LoadRecord` keeps the whole benchmark's, says which rows saw
+a busy machine (``noisy``: a 1-minute load average above ``--max-load``, default cores + 1,
+our own run included) and refuses to write a table for the docs from a busy run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,63 @@ from typing import Any
 
 MARK = "BENCH-RESULT "
 MB = 1e6
+
+
+def load_average() -> float:
+    """The 1-minute load average (``nan`` where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def default_max_load() -> float:
+    """The busiest 1-minute load average a quiet run may see: the cores plus one (the run itself
+    keeps up to its threads runnable; a quiet 2-core machine measured about 1 to 2)."""
+    return float((os.cpu_count() or 1) + 1)
+
+
+class LoadRecord:
+    """The load averages a benchmark saw, and whether its rows are fit for the docs.
+
+    Args:
+        max_load: the busiest 1-minute load average of a quiet run (:func:`default_max_load`).
+    """
+
+    def __init__(self, max_load: float | None = None) -> None:
+        self.max_load = default_max_load() if max_load is None else max_load
+        self.before = load_average()
+
+    @staticmethod
+    def loads(runs: list[dict[str, Any]]) -> list[float]:
+        """Every load average the runs of one row recorded (around each child, and inside it)."""
+        values: list[float] = []
+        for run in runs:
+            values += list(run.get("load_around", ())) + list(run.get("load", ()))
+        return values
+
+    def noisy(self, runs: list[dict[str, Any]]) -> bool:
+        """Whether any of the runs of a row saw the machine busier than :attr:`max_load`."""
+        return any(value > self.max_load for value in self.loads(runs))
+
+    def header(self, rows_noisy: bool) -> str:
+        """One sentence for the table's header: the load before and after, and the verdict."""
+        verdict = (
+            f"BUSY: rows marked noisy, NOT for the docs (a load above {self.max_load:.1f}; re-run on a quiet machine)"
+            if rows_noisy
+            else f"quiet (every load at most {self.max_load:.1f})"
+        )
+        return f"load average {self.before:.1f} -> {load_average():.1f} on {os.cpu_count()} cores: {verdict}"
+
+    def write_table(self, path: str | None, table: str, rows_noisy: bool) -> int:
+        """Write ``table`` (for the docs) to ``path`` unless a row was noisy; the exit status (2: refused)."""
+        if path is None:
+            return 0
+        if rows_noisy:
+            sys.stderr.write(f"not writing {path}: the machine was busy during the runs (rows marked noisy)\n")
+            return 2
+        Path(path).write_text(table)
+        return 0
 
 
 def memory_status() -> dict[str, float]:
@@ -51,6 +113,7 @@ def run_child(
     }
     spec_file = log.with_suffix(".json")
     spec_file.write_text(json.dumps(spec))
+    before = load_average()
     with open(log, "w") as out:
         proc = subprocess.run(
             [sys.executable, script, "--child", kind, "--child-spec", str(spec_file)],
@@ -62,7 +125,9 @@ def run_child(
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} run failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(lines[-1][len(MARK) :])
+    result = json.loads(lines[-1][len(MARK) :])
+    result["load_around"] = [before, load_average()]
+    return result
 
 
 def child_main(children: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]], kind: str, spec_file: str) -> int:

@@ -24,7 +24,10 @@ step to the start of the next (data, forward, backward, optimizer, logging: ever
 does), timed from inside each loop (the first microbatch's loss of a step on our side, a
 ``TrainerCallback.on_step_begin`` on Hugging Face's), over the steps after ``--warmup`` ones,
 in wall time (tokens/s) and in CPU time of the process (all threads): on a shared machine the
-wall time also measures the neighbours and the scheduler, the CPU time mostly the work.
+wall time also measures the neighbours and the scheduler, the CPU time mostly the work. The
+load average is recorded around every run; a row that saw a busy machine (``--max-load``,
+default cores + 1) is marked noisy, and ``--table FILE`` (the table for the docs) refuses to
+write one from a busy run.
 With shared initial weights the per-step losses of both agree to float rounding (the table shows
 the largest difference): both trained the same thing. ``--profile`` writes a CPU-time cProfile
 of each variant's timed steps. Usage::
@@ -52,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
-from _child import memory_status
+from _child import LoadRecord, memory_status
 
 #: Model shapes of ``--size`` (recipe overrides; ``tiny`` is examples/llm/tiny_cpu.yaml's).
 SIZES = {
@@ -328,13 +331,16 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 class StepProfiler:
-    """cProfile of the timed steps only (from the start of step ``warmup + 1`` to the start of
-    the last step), in CPU time of the process, so that neighbours on a shared machine do not
-    inflate it; written to ``spec["profile"]`` when set."""
+    """Profiles of the timed steps only (from the start of step ``warmup + 1`` to the start of the
+    last step): a cProfile in CPU time of the process (so that neighbours on a shared machine do
+    not inflate it) written to ``spec["profile"]``, and with ``spec["torch_profile"]`` also
+    ``torch.profiler``'s table of operators by their CPU time, written next to it (``.txt``)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.path, self.first, self.last = spec.get("profile"), spec["warmup"] + 1, spec["steps"]
-        self.profile = None
+        self.ops = bool(spec.get("torch_profile"))
+        self.profile: Any = None
+        self.torch_profile: Any = None
 
     def step_started(self, step: int) -> None:
         """Call at the start of every step."""
@@ -343,12 +349,22 @@ class StepProfiler:
         if step == self.first:
             import cProfile
 
+            if self.ops:
+                from torch.profiler import ProfilerActivity, profile
+
+                self.torch_profile = profile(activities=[ProfilerActivity.CPU])
+                self.torch_profile.__enter__()
             self.profile = cProfile.Profile(time.process_time)
             self.profile.enable()
         elif step == self.last and self.profile is not None:
             self.profile.disable()
             self.profile.dump_stats(self.path)
             self.profile = None
+            if self.torch_profile is not None:
+                self.torch_profile.__exit__(None, None, None)
+                table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                Path(self.path).with_suffix(".txt").write_text(table)
+                self.torch_profile = None
 
 
 CHILDREN = {"prepare": child_prepare, "ours": child_ours, "hf": child_hf}
@@ -396,6 +412,7 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, reference)) if reference else 0.0,
         "threads": sorted({r["threads"] for r in runs}),
         "runs_tokens_per_s": [round(tokens_per_step / statistics.median(r["periods"])) for r in runs],
+        "load": [min(LoadRecord.loads(runs)), max(LoadRecord.loads(runs))],
     }
 
 
@@ -441,6 +458,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="write a CPU-time cProfile of the timed steps of each variant's first run to the workdir",
     )
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="with --profile: also torch.profiler's operator table (CPU time) of the timed steps, as .txt",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, 1 repeat, the first level only")
     parser.add_argument(
         "--workdir",
@@ -449,6 +471,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "directory, removed at the end unless --profile is given)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="write the markdown table (for the docs) to this file; refused (exit status 2) when the machine was busy",
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="the busiest 1-minute load average of a quiet run (default: cores + 1); above it rows are noisy",
+    )
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -487,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": args.threads,
         "level": args.levels[0],
     }
-    started, load = time.perf_counter(), os.getloadavg()[0]
+    started, load = time.perf_counter(), LoadRecord(args.max_load)
     spec.update(run_child("prepare", spec, work / "prepare.log"))
     variants = {f"ours (optimization_level {level})": {"kind": "ours", "level": level} for level in args.levels}
     if args.full_logging:
@@ -501,49 +534,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for number, (name, variant) in enumerate(variants.items()):
             child = {**spec, **variant}
-            if args.profile and repeat == 0:
+            if (args.profile or args.torch_profile) and repeat == 0:
                 child["profile"] = str(work / f"profile_{number}_{variant['kind']}.prof")
+                child["torch_profile"] = args.torch_profile
             runs[name].append(run_child(variant["kind"], child, work / f"run_{repeat}_{number}.log"))
     tokens = args.micro_batch * args.grad_accum * args.seq_length
     reference = runs[HF][0]["losses"]
-    results = {name: summarize(r, tokens, reference) for name, r in runs.items()}
+    results = {name: {**summarize(r, tokens, reference), "noisy": load.noisy(r)} for name, r in runs.items()}
+    noisy = any(r["noisy"] for r in results.values())
     threads = sorted({t for r in results.values() for t in r["threads"]})
     header = (
         f"size {args.size} ({spec['vocab_size']} vocabulary), {args.steps} steps ({args.warmup} untimed), global "
         f"batch {args.micro_batch} x {args.grad_accum} x {args.seq_length} = {tokens} tokens, fp32, torch threads "
         f"{'/'.join(map(str, threads))} on {os.cpu_count()} cores (OMP_WAIT_POLICY={wait_policy()}), median of {args.repeats} run(s); "
         f"initial weights {'shared' if spec['init_hf'] else 'independent'}; Hugging Face optimizer "
-        f"{runs[HF][0]['optim']}; torch {version('torch')}, transformers {version('transformers')}; load "
-        f"average {load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}"
+        f"{runs[HF][0]['optim']}; torch {version('torch')}, transformers {version('transformers')}; "
+        f"{load.header(noisy)}; {time.perf_counter() - started:.0f} s; workdir {work}"
     )
-    report(results, header)
+    table = report(results, header)
+    sys.stdout.write(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "results": results, "runs": runs}, indent=2))
-    if not (args.workdir or args.profile):
+    status = load.write_table(args.table, table, noisy)
+    if not (args.workdir or args.profile or args.torch_profile):
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return status
 
 
-def report(results: dict[str, dict[str, Any]], header: str) -> None:
-    """The side-by-side table, ratios against Hugging Face's Trainer."""
+def report(results: dict[str, dict[str, Any]], header: str) -> str:
+    """The side-by-side table, ratios against Hugging Face's Trainer: tokens/s in wall time and in
+    CPU time of the process (tokens per CPU second), a row measured on a busy machine marked noisy."""
     hf = results[HF]
-    write = sys.stdout.write
-    write(header + "\n\n")
-    write(
-        "| run | tokens/s | step s | CPU s / step | wait s / step | peak RSS MB | RSS after imports MB | tokens/s ours/HF "
-        "| CPU s / step ours/HF | peak RSS ours/HF | loss step 1 | final loss | max loss diff to HF "
-        "| tokens/s of each run |\n"
-    )
-    write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = [
+        header,
+        "",
+        "| run | tokens/s | step s | CPU s / step | wait s / step | peak RSS MB | RSS after imports MB "
+        "| tokens/s ours/HF (wall) | tokens per CPU s ours/HF | peak RSS ours/HF | loss step 1 | final loss "
+        "| max loss diff to HF | tokens/s of each run | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        write(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['cpu_step_s']:.3f} | {r['wait_step_s']:.3f} "
-            f"| {r['peak_rss_mb']:.0f} "
-            f"| {r['import_rss_mb']:.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
-            f"| {r['cpu_step_s'] / hf['cpu_step_s']:.2f} "
+        lines.append(
+            f"| {name}{' (noisy)' if r['noisy'] else ''} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} "
+            f"| {r['cpu_step_s']:.3f} | {r['wait_step_s']:.3f} | {r['peak_rss_mb']:.0f} | {r['import_rss_mb']:.0f} "
+            f"| {r['tokens_per_s'] / hf['tokens_per_s']:.2f} | {hf['cpu_step_s'] / r['cpu_step_s']:.2f} "
             f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} "
-            f"| {r['max_loss_diff']:.1e} | {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n"
+            f"| {r['max_loss_diff']:.1e} | {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} "
+            f"| {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

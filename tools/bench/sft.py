@@ -30,8 +30,9 @@ its own; the runs alternate, ``--repeats`` times; a run's rate is its median ste
 its best run's (neighbours on a busy machine only ever slow a run down). The first-step losses
 must agree (B = 0, so both are the base model's loss on the same tokens); later ones differ a
 little (the LoRA A factors start from different random draws, and ours shares one A across
-q/k/v and gate/up). The load average is recorded by every run: on a shared machine absolute
-numbers are noisy, the ratios (side by side in one run) less so. Usage::
+q/k/v and gate/up). The load average is recorded around and inside every run: a row that saw
+a busy machine (``--max-load``, default cores + 1) is marked noisy, and ``--table FILE`` (the
+tables for the docs) refuses to write them from a busy run. Usage::
 
     uv run --frozen python tools/bench/sft.py                 # tiny: 4 layers, hidden 256
     uv run --frozen python tools/bench/sft.py --size small    # 8 layers, hidden 768
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
-from _child import MB, memory_status
+from _child import MB, LoadRecord, memory_status
 
 #: Model shapes of ``--size`` (the vocabulary is 2048 for all: the demo tokenizer's 1746 fit).
 SIZES = {
@@ -406,7 +407,7 @@ def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list
         "trainable": runs[0]["trainable"],
         "nf4_bytes": runs[0].get("nf4_bytes"),
         "adapted_weight_numel": runs[0].get("adapted_weight_numel"),
-        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+        "load": [min(LoadRecord.loads(runs)), max(LoadRecord.loads(runs))],
         "runs_tokens_per_s": [round(rate(r, "periods")) for r in runs],
         "threads": sorted({r["threads"] for r in runs}),
     }
@@ -450,6 +451,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="a smoke run: 5 steps, 1 repeat, ours LoRA and HF (padding) only"
     )
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="write the markdown tables (for the docs) to this file; refused (exit status 2) when the machine was busy",
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="the busiest 1-minute load average of a quiet run (default: cores + 1); above it rows are noisy",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
@@ -503,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dropout": args.dropout,
         "train": train,
     }
-    started, load = time.perf_counter(), os.getloadavg()[0]
+    started, load = time.perf_counter(), LoadRecord(args.max_load)
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], prefix=facts["prefix"])
     variants = {"ours LoRA (mindspeed-llm sft)": {"kind": "ours", "qlora": False}}
@@ -525,7 +537,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["step_tokens"] != facts["step_tokens"] or r["trained_tokens"] != facts["trained_tokens"] for r in ours
         ):
             raise SystemExit(f"{name} trained on other tokens than the Hugging Face runs were given; see {work}")
-    results = {name: summarize(r, facts, runs[HF_PAD][0]["losses"]) for name, r in runs.items()}
+    results = {
+        name: {**summarize(r, facts, runs[HF_PAD][0]["losses"]), "noisy": load.noisy(r)} for name, r in runs.items()
+    }
+    noisy = any(r["noisy"] for r in results.values())
     steps_tokens = statistics.mean(facts["step_tokens"])
     # QLoRA's first loss is over the NF4-rounded base: only the full-precision bases must agree.
     first = max(r["first_loss_diff"] / r["first_loss"] for name, r in results.items() if "QLoRA" not in name)
@@ -538,20 +553,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} cores; best of {args.repeats} run(s) of the median step; HF optimizer "
         f"{runs[HF_PAD][0]['optim']}; torch "
         f"{version('torch')}, transformers {version('transformers')}, peft {version('peft')}; first-step losses "
-        f"agree to {first:.1e} (relative); load average "
-        f"{load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}"
+        f"agree to {first:.1e} (relative); {load.header(noisy)}; {time.perf_counter() - started:.0f} s; "
+        f"workdir {work}"
     )
-    report(results, facts, header)
+    table = report(results, facts, header)
+    sys.stdout.write(table)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"header": header, "facts": facts, "results": results, "runs": runs}, indent=2)
         )
-    return 0
+    return load.write_table(args.table, table, noisy)
 
 
-def report(results: dict[str, dict[str, Any]], facts: dict[str, Any], header: str) -> None:
-    """Two side-by-side tables (speed; memory and checks), ratios against the padding-collator HF run."""
-    hf, flat, write = results[HF_PAD], results.get(HF_FLAT), sys.stdout.write
+def report(results: dict[str, dict[str, Any]], facts: dict[str, Any], header: str) -> str:
+    """Two side-by-side tables (speed; memory and checks), ratios against the padding-collator HF run
+    in wall time and in CPU time; a row measured on a busy machine is marked noisy."""
+    hf, flat, lines = results[HF_PAD], results.get(HF_FLAT), []
+    write = lines.append
     computed = {HF_PAD: facts["hf_pad_computed"], HF_FLAT: statistics.mean(facts["step_tokens"])}
 
     def ratios(r: dict[str, Any], key: str) -> str:
@@ -563,7 +581,8 @@ def report(results: dict[str, dict[str, Any]], facts: dict[str, Any], header: st
     )
     for name, r in results.items():
         write(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {ratios(r, 'tokens_per_s')} | {r['cpu_tokens_per_s']:,.0f} "
+            f"| {name}{' (noisy)' if r['noisy'] else ''} | {r['tokens_per_s']:,.0f} | {ratios(r, 'tokens_per_s')} "
+            f"| {r['cpu_tokens_per_s']:,.0f} "
             f"| {ratios(r, 'cpu_tokens_per_s')} | {r['step_s']:.3f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} "
             f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n"
         )
@@ -588,6 +607,7 @@ def report(results: dict[str, dict[str, Any]], facts: dict[str, Any], header: st
             f"| {r['peak_rss_mb'] - r['import_rss_mb']:.0f} | {r['end_rss_mb']:.0f} | {r['trainable']:,} | {base} "
             f"| {computed.get(name, facts['ours_computed']):.0f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} |\n"
         )
+    return "".join(lines)
 
 
 if __name__ == "__main__":
