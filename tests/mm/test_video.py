@@ -47,47 +47,60 @@ def test_decoding_follows_llamafactory(tiny_video_data) -> None:
     assert sample_indices(3, 10.0, 2.0, 128) == [0, 1, 2] and sample_indices(50, 0.2, 2.0, 128) == [0]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
-def test_video_inputs_equal_the_transformers_processor(fixture, tiny_video_data, request) -> None:
-    """Tokens, pixels, grids, second_per_grid_ts and token types equal the family's own transformers processor's."""
-    model_dir = request.getfixturevalue(fixture)[0]
-    processing = _processing(model_dir)
+def _transformers_processor(processing: Processing):
+    """The family's own transformers processor over the directory's tokenizer and processors, and the text an
+    image is written as for it (InternVL's wraps the context token in <img></img> itself)."""
     family, tokenizer = processing.family, processing.tokenizer
-    architecture = family.architecture
-    kwargs = {}
-    image_text = family.image_placeholder
-    if architecture.startswith("InternVL"):  # its processor wraps the context token in <img></img> itself
+    kwargs, image_text = {}, family.image_placeholder
+    if family.architecture.startswith("InternVL"):
         tokenizer.start_image_token, tokenizer.end_image_token = "<img>", "</img>"
         tokenizer.context_image_token, tokenizer.video_token = "<IMG_CONTEXT>", "<video>"
         tokenizer.start_image_token_id, tokenizer.end_image_token_id, tokenizer.context_image_token_id = (
             tokenizer.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>")
         )
         kwargs, image_text = {"image_seq_length": 4}, "<IMG_CONTEXT>"
-    reference = getattr(transformers, PROCESSORS[architecture])(
+    processor = getattr(transformers, PROCESSORS[family.architecture])(
         image_processor=processing.image_processor,
         tokenizer=tokenizer,
         video_processor=processing.video_processor,
         chat_template=tokenizer.chat_template,
         **kwargs,
     )
+    return processor, image_text
+
+
+def _transformers_inputs(processing: Processing, sample, generation: bool = False) -> dict:
+    """The inputs transformers' processor builds for ``sample`` (the same decoded frames and metadata)."""
+    processor, image_text = _transformers_processor(processing)
+    messages = [
+        {
+            "role": m["role"],
+            "content": m["content"]
+            .replace("<image>", image_text)
+            .replace("<video>", processing.family.video_placeholder),
+        }
+        for m in sample.messages
+    ]
+    clips = [decode_video(video, VIDEO, sample.source) for video in sample.videos]
+    intern = processing.family.architecture.startswith("InternVL")
+    return processor(
+        text=[processing.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)],
+        images=[Image.open(path).convert("RGB") for path in sample.images] or None,
+        videos=[clip.frames for clip in clips] or None,
+        video_metadata=[clip.metadata() for clip in clips] or None,
+        do_sample_frames=False,
+        return_tensors="pt",
+        **({"crop_to_patches": False} if intern else {}),  # the tiny image processor's own setting
+    )
+
+
+@pytest.mark.parametrize("fixture", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
+def test_video_inputs_equal_the_transformers_processor(fixture, tiny_video_data, request) -> None:
+    """Tokens, pixels, grids, second_per_grid_ts and token types equal the family's own transformers processor's."""
+    processing = _processing(request.getfixturevalue(fixture)[0])
+    architecture = processing.family.architecture
     for sample in read_mllm_files([str(tiny_video_data)]):
-        messages = [
-            {
-                "role": m["role"],
-                "content": m["content"].replace("<image>", image_text).replace("<video>", family.video_placeholder),
-            }
-            for m in sample.messages
-        ]
-        clips = [decode_video(video, VIDEO, sample.source) for video in sample.videos]
-        out = reference(
-            text=[tokenizer.apply_chat_template(messages, tokenize=False)],
-            images=[Image.open(path).convert("RGB") for path in sample.images] or None,
-            videos=[clip.frames for clip in clips] or None,
-            video_metadata=[clip.metadata() for clip in clips] or None,
-            do_sample_frames=False,
-            return_tensors="pt",
-            **({"crop_to_patches": False} if kwargs else {}),
-        )
+        out = _transformers_inputs(processing, sample)
         ours = processing.encode(sample, EncodeSettings(cutoff_len=4096, video=VIDEO))
         assert torch.equal(out["input_ids"][0], ours.input_ids), (architecture, sample.source)
         for key, value in ours.vision.items():
@@ -95,6 +108,40 @@ def test_video_inputs_equal_the_transformers_processor(fixture, tiny_video_data,
         if "mm_token_type_ids" in out:
             assert torch.equal(out["mm_token_type_ids"][0].int(), ours.mm_token_type_ids), architecture
         assert set(ours.vision) <= set(out), (architecture, set(out) - set(ours.vision))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
+def test_generate_with_video_equals_transformers_generate(fixture, tiny_video_data, request, tmp_path) -> None:
+    """``mindspeed-mm generate --video`` (and a prompts file with an image and a video, batched with it) gives
+    transformers' greedy ``generate`` on the inputs of transformers' own processor."""
+    from mindspeed_mm.cli import main
+
+    model_dir = request.getfixturevalue(fixture)[0]
+    samples = read_mllm_files([str(tiny_video_data)])
+    prompts = tmp_path / "prompts.jsonl"
+    record = json.loads(tiny_video_data.read_text().splitlines()[1])  # an image and a video; answer dropped
+    record["messages"] = record["messages"][:1]
+    record["images"] = [str(tiny_video_data.parent / p) for p in record["images"]]
+    record["videos"] = [str(tiny_video_data.parent / p) for p in record["videos"]]
+    prompts.write_text(json.dumps(record) + "\n")
+    out = tmp_path / "out.jsonl"
+    video = ["--video-fps", "4", "--video-maxlen", "6", "--video-max-pixels", "3136", "--video-min-pixels", "256"]
+    argv = ["generate", "--load-dir", str(model_dir), "--video", samples[0].videos[0], "--prompt", "What moves?"]
+    argv += ["--prompts-file", str(prompts), "--max-new-tokens", "12", "--output", str(out), "--batch-size", "2"]
+    assert main(argv + video + ["--image-min-pixels", "784", "--image-max-pixels", "12544"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    processing = _processing(model_dir)
+    model = getattr(transformers, processing.family.architecture).from_pretrained(model_dir, dtype=torch.float32)
+    cases = [
+        type(samples[0])(({"role": "user", "content": "<video>What moves?"},), (), "p", samples[0].videos),
+        type(samples[1])(samples[1].messages[:1], samples[1].images, "p", samples[1].videos),
+    ]
+    for row, sample in zip(rows, cases, strict=True):
+        inputs = _transformers_inputs(processing, sample, generation=True)
+        with torch.no_grad():
+            new = model.eval().generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+        assert row["prompt_token_ids"] == inputs["input_ids"][0].tolist(), processing.family.architecture
+        assert row["token_ids"] == new.tolist() and len(new) == 12, processing.family.architecture
 
 
 def _write(path, *records) -> str:

@@ -33,7 +33,7 @@ logger = get_logger(__name__)
 
 @dataclass(kw_only=True)
 class GenerateConfig:
-    """Every ``generate`` option besides ``--prompt`` and ``--image`` (the CLI flags are these names with dashes).
+    """Every ``generate`` option besides ``--prompt``, ``--image`` and ``--video`` (the CLI flags are these names with dashes).
 
     Attributes:
         load_dir: the model: a Hugging Face directory, a mindspeed-mm training checkpoint (checkpoint.save
@@ -58,6 +58,10 @@ class GenerateConfig:
             sampling run repeats for the same batch size (1: every prompt its own seeded stream).
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
+        video_fps: video frames sampled per second (data.video_fps of the training recipe).
+        video_maxlen: at most this many frames per video.
+        video_max_pixels: video frames are resized to at most this many pixels.
+        video_min_pixels: and to at least this many.
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
         lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint moved away from
             its save folder (default: the alpha the run recorded there).
@@ -81,6 +85,10 @@ class GenerateConfig:
     batch_size: int = 8
     image_min_pixels: int = 3136
     image_max_pixels: int = 262144
+    video_fps: float = 2.0
+    video_maxlen: int = 128
+    video_max_pixels: int = 65536
+    video_min_pixels: int = 256
     dtype: str | None = None
     lora_alpha: float | None = None
     output: str | None = None
@@ -105,6 +113,14 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
         "else the images come first)",
+    )
+    parser.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a video (a file or a folder of frame images) for every --prompt (repeatable; put <video> in the "
+        "prompt where it goes, else the videos come first, after the images)",
     )
     add_dataclass_flags(parser, GenerateConfig)
     add_renamed_flag(parser, "--hf-cfg-dir", "--base-dir")  # its earlier name (mindspeed-llm's spelling)
@@ -132,6 +148,8 @@ def run_generate(args: argparse.Namespace) -> int:
         from mindspeed_mm.dit_generate import run_dit_generate
 
         return run_dit_generate(args, _config(args, DiTSampleConfig))
+    from mindspeed_mm.data.video import VideoSettings
+
     config = _config(args)
     settings = SamplingSettings(
         config.max_new_tokens, config.temperature, config.top_k, config.top_p, config.seed, config.ignore_eos
@@ -139,16 +157,14 @@ def run_generate(args: argparse.Namespace) -> int:
     settings.check()
     if config.batch_size < 1:
         raise ValueError(f"--batch-size {config.batch_size} must be at least 1")
-    prompts = [prompt_from_text(text, args.image, config.system) for text in args.prompt]
+    prompts = [prompt_from_text(text, args.image, config.system, args.video) for text in args.prompt]
     if config.prompts_file is not None:
         prompts += read_prompt_file(config.prompts_file, config.image_dir, config.max_samples)
     conversation = not prompts and config.chat
     if not prompts and not conversation:
         raise ValueError("nothing to generate: give --prompt TEXT (with --image FILE), --prompts-file FILE, or --chat")
     if conversation:
-        for image in args.image:
-            if not Path(image).is_file():
-                raise ValueError(f"--image {image!r} does not exist; give the path of an image file")
+        prompt_from_text("", args.image, None, args.video)  # the same checks of --image and --video
     if config.output is not None and Path(config.output).is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
     loaded = load_inference_model(
@@ -158,9 +174,10 @@ def run_generate(args: argparse.Namespace) -> int:
         config.image_min_pixels,
         config.image_max_pixels,
         config.lora_alpha,
+        VideoSettings(config.video_fps, config.video_maxlen, config.video_max_pixels, config.video_min_pixels),
     )
     if conversation:
-        return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty())
+        return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty(), args.video)
     return _generate_all(loaded, prompts, settings, config)
 
 
@@ -192,6 +209,7 @@ def _generate_all(loaded: Any, prompts: list[Any], settings: Any, config: Genera
                 "source": prompt.source,
                 "messages": list(prompt.messages),
                 "images": list(prompt.images),
+                "videos": [v if isinstance(v, str) else list(v) for v in prompt.videos],
                 "completion": text,
                 "prompt_token_ids": sample.input_ids.tolist(),
                 "token_ids": tokens,
@@ -235,9 +253,11 @@ def _next_turn(interactive: bool) -> str | None:
     return None
 
 
-def _chat_loop(loaded: Any, settings: Any, config: GenerateConfig, images: list[str], interactive: bool) -> int:
+def _chat_loop(
+    loaded: Any, settings: Any, config: GenerateConfig, images: list[str], interactive: bool, videos: list[str] = ()
+) -> int:
     """One conversation, a turn per line (``you>`` / ``model>`` in a terminal; from a pipe the replies are
-    printed one per line). ``--image`` goes with the first turn; ``/reset`` starts over."""
+    printed one per line). ``--image`` and ``--video`` go with the first turn; ``/reset`` starts over."""
     from mindspeed_mm.inference import TextStreamer, encode_prompt, generate_tokens, prompt_from_text
     from mindspeed_mm.inference.prompts import Prompt
 
@@ -252,9 +272,9 @@ def _chat_loop(loaded: Any, settings: Any, config: GenerateConfig, images: list[
             conversation = None
             continue
         if conversation is None:
-            turn = prompt_from_text(line, images, config.system)
-        elif "<image>" in line:
-            _write("(error: images go with the first turn (--image); ask without <image>)\n")
+            turn = prompt_from_text(line, images, config.system, videos)
+        elif "<image>" in line or "<video>" in line:
+            _write("(error: images and videos go with the first turn (--image, --video); ask without them)\n")
             continue
         else:
             turn = dataclasses.replace(

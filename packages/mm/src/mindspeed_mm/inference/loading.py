@@ -36,8 +36,9 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.convert.peft_io import read_peft_adapter
+from mindspeed_mm.data.video import VideoSettings
 from mindspeed_mm.demo import DEMO, demo_paths
-from mindspeed_mm.models import family_of, load_processing
+from mindspeed_mm.models import family_of, load_processing, load_video_processor
 from mindspeed_mm.models.family import VLMFamily
 from mindspeed_mm.models.lora import (
     ADAPTER_CONFIG,
@@ -68,6 +69,7 @@ class InferenceModel:
         source: the Hugging Face directory of the config, tokenizer and image processor.
         weights: where the weights came from (the directory, or the DCP checkpoint).
         device: the device the model is on.
+        video_settings: how videos are decoded (``--video-fps``, ``--video-maxlen``, pixel bounds).
     """
 
     family: VLMFamily
@@ -77,6 +79,14 @@ class InferenceModel:
     source: Path
     weights: Path
     device: torch.device
+    video_settings: VideoSettings = VideoSettings()
+    _video_processor: Any = None
+
+    def video_processor(self) -> Any:
+        """The video processor of :attr:`source` (loaded when first asked for; None: the family takes no videos)."""
+        if self._video_processor is None and self.family.video_inputs is not None:
+            self._video_processor = load_video_processor(self.source)
+        return self._video_processor
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -99,6 +109,7 @@ def load_inference_model(
     min_pixels: int = 3136,
     max_pixels: int = 262144,
     lora_alpha: float | None = None,
+    video_settings: VideoSettings | None = None,
 ) -> InferenceModel:
     """The model of ``load_dir`` (see the module docstring), its tokenizer and image processor.
 
@@ -110,6 +121,7 @@ def load_inference_model(
         min_pixels: images are resized to at least this many pixels.
         max_pixels: and to at most this many.
         lora_alpha: the LoRA scale numerator of a LoRA run's DCP checkpoint (the recipe's ``lora.alpha``).
+        video_settings: how prompts' videos are decoded (default: ``VideoSettings()``, the recipe defaults).
 
     Raises:
         ValueError: a missing directory, a directory that is none of the formats, an unregistered
@@ -174,6 +186,7 @@ def load_inference_model(
         device,
     )
     return InferenceModel(
+        video_settings=video_settings or VideoSettings(),
         family=family,
         model=model,
         tokenizer=tokenizer,

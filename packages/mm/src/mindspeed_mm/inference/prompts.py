@@ -1,7 +1,7 @@
 """Prompts of ``generate``: conversations with images, encoded exactly as the trainer encodes a sample.
 
-A prompt is a conversation in mllm_format (``messages`` with ``<image>`` placeholders, plus
-``images``). Its tokens are those the trainer gives the same conversation up to the start of an
+A prompt is a conversation in mllm_format (``messages`` with ``<image>`` / ``<video>``
+placeholders, plus ``images`` / ``videos``). Its tokens are those the trainer gives the same conversation up to the start of an
 answer (:func:`mindspeed_mm.data.encode.encode_sample` with an empty last answer, cut where that
 answer starts): the chat template rendered turn by turn with its generation prompt, each
 ``<image>`` expanded to the family's image tokens, the image processor's vision inputs and
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, MllmSample, read_mllm_files
+from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample, read_mllm_files
 from mindspeed_mm.inference.loading import InferenceModel
 
 
@@ -26,37 +26,52 @@ class Prompt:
     """One conversation to continue.
 
     Attributes:
-        messages: the turns, the last one the user's (``<image>`` placeholders in the contents).
+        messages: the turns, the last one the user's (``<image>`` / ``<video>`` placeholders in the contents).
         images: image paths, in placeholder order.
         reference: the assistant turn that followed in the prompts file (None: none).
         source: where it came from (``file:line``, or ``--prompt``).
+        videos: videos (a file, a frame folder, or a tuple of frame paths), in placeholder order.
     """
 
     messages: tuple[dict[str, str], ...]
     images: tuple[str, ...] = ()
     reference: str | None = None
     source: str = "--prompt"
+    videos: tuple[str | tuple[str, ...], ...] = ()
 
 
-def prompt_from_text(text: str, images: list[str], system: str | None = None) -> Prompt:
-    """A one-turn prompt; images without an ``<image>`` in ``text`` are put before it (as LLaMA-Factory does).
+def prompt_from_text(
+    text: str, images: list[str], system: str | None = None, videos: list[str] | tuple[str, ...] = ()
+) -> Prompt:
+    """A one-turn prompt; images (videos) without an ``<image>`` (``<video>``) in ``text`` are put before it,
+    images first (as LLaMA-Factory does).
 
     Raises:
-        ValueError: an image that does not exist, or more placeholders than images.
+        ValueError: an image or video that does not exist, or placeholders that do not match them.
     """
     for image in images:
         if not Path(image).is_file():
             raise ValueError(f"--image {image!r} does not exist; give the path of an image file")
-    placeholders = text.count(IMAGE_PLACEHOLDER)
-    if placeholders == 0:
-        text = IMAGE_PLACEHOLDER * len(images) + text
-    elif placeholders != len(images):
-        raise ValueError(
-            f"--prompt has {placeholders} <image> placeholder(s) but {len(images)} --image; give one "
-            "--image per placeholder (or no placeholder: the images go first)"
-        )
+    for video in videos:
+        if not Path(video).exists():
+            raise ValueError(f"--video {video!r} does not exist; give a video file or a folder of frame images")
+    prefix = ""
+    for placeholder, flag, media in ((IMAGE_PLACEHOLDER, "--image", images), (VIDEO_PLACEHOLDER, "--video", videos)):
+        placeholders = text.count(placeholder)
+        if placeholders == 0:
+            prefix += placeholder * len(media)
+        elif placeholders != len(media):
+            raise ValueError(
+                f"--prompt has {placeholders} {placeholder} placeholder(s) but {len(media)} {flag}; give one "
+                f"{flag} per placeholder (or no placeholder: they go first)"
+            )
+    text = prefix + text
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return Prompt(messages=tuple(messages), images=tuple(str(Path(i).resolve()) for i in images))
+    return Prompt(
+        messages=tuple(messages),
+        images=tuple(str(Path(i).resolve()) for i in images),
+        videos=tuple(str(Path(v).resolve()) for v in videos),
+    )
 
 
 def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples: int | None = None) -> list[Prompt]:
@@ -77,7 +92,11 @@ def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples
                 f"{sample.source}: the conversation must end with a user turn (optionally followed by "
                 "the reference answer); add the question"
             )
-        prompts.append(Prompt(messages=messages, images=sample.images, reference=reference, source=sample.source))
+        prompts.append(
+            Prompt(
+                messages=messages, images=sample.images, reference=reference, source=sample.source, videos=sample.videos
+            )
+        )
     return prompts
 
 
@@ -100,12 +119,14 @@ def encode_with_answer(
     """
     messages = prompt.messages + ({"role": "assistant", "content": answer},)
     whole = encode_sample(
-        MllmSample(messages, prompt.images, prompt.source),
+        MllmSample(messages, prompt.images, prompt.source, prompt.videos),
         loaded.tokenizer,
         loaded.processor,
         loaded.family,
         max_len,
         mask_history=True,
+        video_processor=loaded.video_processor() if prompt.videos else None,
+        video_settings=loaded.video_settings,
     )
     learned = (whole.labels != IGNORE_INDEX).nonzero()
     start = int(learned[0]) if len(learned) else whole.input_ids.numel()
