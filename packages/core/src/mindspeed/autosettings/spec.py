@@ -82,6 +82,7 @@ class ClusterSpec:
         mfu: the fraction of the peak a well-shaped matmul reaches (the model is relative, so
             this scales every time alike).
         async_copies: swaps overlap with compute (a side stream); false on the CPU.
+        latency_s: fixed cost of one collective or point-to-point call.
     """
 
     nnodes: int
@@ -93,6 +94,7 @@ class ClusterSpec:
     memory_gbps: float = 2000.0
     mfu: float = 0.5
     async_copies: bool = True
+    latency_s: float = 1e-5
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,7 @@ The step is ``m`` microbatches times that, stretched by the pipeline bubble ``(p
 plus the data-parallel gradient reduction (reduce-scatter + all-gather with the distributed
 optimizer), the optimizer's pass over its shard at memory bandwidth, and for swap_optimizer the
 state's round trip to the host. Links inside a node run at ``link_gbps``; a group that spans
-nodes at a quarter of it.
+nodes at a quarter of it; every call costs ``latency_s`` on top.
 """
 
 from __future__ import annotations
@@ -107,17 +107,20 @@ def estimate_step_time(job: JobSpec, layout: Layout, cluster: ClusterSpec, param
     # Traffic per microbatch.
     activation = tokens * s.hidden_size * dt
     tp_calls = 4 + (2 if layout.recompute == "full" else 0)
-    comm = layers * tp_calls * _ring(activation, layout.tp, _bandwidth(cluster, layout.tp)) / 2
+    lat = cluster.latency_s
+    comm = 0.0
+    if layout.tp > 1:
+        comm += layers * tp_calls * (_ring(activation, layout.tp, _bandwidth(cluster, layout.tp)) + lat)
     if layout.cp > 1:
         kv = tokens * 2 * s.num_query_groups * s.kv_channels * dt / layout.tp
-        comm += layers * 3 * (layout.cp - 1) * kv / _bandwidth(cluster, layout.tp * layout.cp)
+        comm += layers * 3 * (layout.cp - 1) * (kv / _bandwidth(cluster, layout.tp * layout.cp) + lat)
     if s.num_experts and layout.ep > 1:
         routed = tokens * s.moe_router_topk * s.hidden_size * dt
         span = layout.tp * layout.cp * layout.ep
-        comm += layers * 4 * (layout.ep - 1) / layout.ep * routed / _bandwidth(cluster, span)
+        comm += layers * 4 * ((layout.ep - 1) / layout.ep * routed / _bandwidth(cluster, span) + lat)
     if layout.pp > 1:
         span = layout.tp * layout.cp * layout.dp * 2
-        comm += 2 * layout.chunks * activation / layout.tp / _bandwidth(cluster, span)
+        comm += 2 * layout.chunks * (activation / layout.tp / _bandwidth(cluster, span) + lat)
     swap_s = 0.0
     if layout.swap_attention:
         copies = 2 * swapped / (cluster.host_gbps * 1e9)  # out in the forward, back in the backward
@@ -130,12 +133,13 @@ def estimate_step_time(job: JobSpec, layout: Layout, cluster: ClusterSpec, param
     grad_bytes = params_per_rank * 4
     dp_span = layout.tp * layout.cp * layout.dp
     bandwidth = _bandwidth(cluster, dp_span)
-    if layout.distributed_optimizer:
-        data_parallel = (
-            _ring(grad_bytes, layout.dp, bandwidth) + _ring(params_per_rank * dt, layout.dp, bandwidth)
-        ) / 2
+    if layout.dp == 1:
+        data_parallel = 0.0
+    elif layout.distributed_optimizer:  # reduce-scatter the gradients, all-gather the weights
+        gather = _ring(params_per_rank * dt, layout.dp, bandwidth)
+        data_parallel = (_ring(grad_bytes, layout.dp, bandwidth) + gather) / 2 + 2 * lat
     else:
-        data_parallel = _ring(grad_bytes, layout.dp, bandwidth)
+        data_parallel = _ring(grad_bytes, layout.dp, bandwidth) + lat
     shard = params_per_rank // layout.dp if layout.distributed_optimizer else params_per_rank
     state = 12 if job.precision == "bf16" else 8
     optimizer = shard * (2 * state + 8 + 2 * dt) / memory_rate  # read and write state, read grad and weight
