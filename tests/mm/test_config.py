@@ -45,7 +45,6 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
     for extra, message in (
         (["lora.save_peft=x"], "lora.save_peft needs LoRA: set lora.target_modules"),
         (["lora.target_modules=[q_proj]", "model.freeze=[vision_tower]"], "model.freeze with LoRA"),
-        (["lora.target_modules=[q_proj]", "lora.parts=[]"], "lora.parts is empty"),
         (["lora.alpha=0"], "lora.alpha=0.0 must be positive"),
     ):
         with pytest.raises(ConfigError, match=message):

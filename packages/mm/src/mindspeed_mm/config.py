@@ -294,6 +294,8 @@ class CheckpointConfig:
             error unless this is false.
         save_hf: write the final model as a Hugging Face directory here (config, safetensors,
             tokenizer, image processor, chat template).
+        export_ema: with ``train.ema``, the exports (``save_hf``, ``lora.save_peft``) hold the moving
+            averages of the weights; false: the raw trained weights.
     """
 
     save: str | None = None
@@ -302,6 +304,7 @@ class CheckpointConfig:
     keep_last: int | None = None
     resume: bool = True
     save_hf: str | None = None
+    export_ema: bool = True
 
 
 @dataclass
@@ -333,19 +336,24 @@ class LoraConfig:
     Attributes:
         target_modules: names of the linears to adapt, matched on the last parts of a module's
             name: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-            ``down_proj`` (MindSpeed-MM's set for the language model), or ``self_attn.q_proj``.
+            ``down_proj`` (MindSpeed-MM's set for the language model), or ``self_attn.q_proj``;
+            for a diffusion transformer ``default`` (its attention projections: Wan ``to_q``,
+            ``to_k``, ``to_v``, ``to_out.0``; FLUX those and ``add_q_proj`` ... ``to_add_out``).
         parts: where the targets are looked for: parts of the family (``language_model``,
-            ``vision_tower``, ``projector``) or module-name prefixes. Default: the language
-            model (MindSpeed-MM's LoRA leaves the vision side frozen).
+            ``vision_tower``, ``projector``) or module-name prefixes (``blocks``). Default: the
+            language model of a vision-language model (MindSpeed-MM's LoRA leaves the vision side
+            frozen), the whole diffusion transformer.
         r: rank of the factors.
         alpha: the update is scaled by ``alpha / r``.
         dropout: dropout on the LoRA input while training.
-        save_peft: at the end, write the adapter as a PEFT directory
-            (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``).
+        save_peft: at the end, write the adapter here: a PEFT directory for a vision-language model
+            (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``), a
+            diffusers LoRA (``pytorch_lora_weights.safetensors``) for a diffusion transformer
+            (``pipe.load_lora_weights(DIR)`` loads it into the pipeline's transformer).
     """
 
     target_modules: list[str] = field(default_factory=list)
-    parts: list[str] = field(default_factory=lambda: ["language_model"])
+    parts: list[str] = field(default_factory=list)
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
@@ -482,8 +490,6 @@ class MMConfig:
             raise ConfigError(f"lora.alpha={self.lora.alpha} must be positive (the update is scaled by alpha / r)")
         if not 0 <= self.lora.dropout < 1:
             raise ConfigError(f"lora.dropout={self.lora.dropout} must be in [0, 1)")
-        if self.lora.enabled and not self.lora.parts:
-            raise ConfigError("lora.parts is empty: name where the targets are (e.g. [language_model])")
         if self.lora.save_peft and not self.lora.enabled:
             raise ConfigError(
                 "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
@@ -510,11 +516,6 @@ class MMConfig:
                 "or give a feature cache directory"
             )
         self.check_media()
-        if self.lora.enabled:
-            raise ConfigError(
-                "lora.target_modules: LoRA for diffusion transformers is not in this version yet; "
-                "remove lora.target_modules"
-            )
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()

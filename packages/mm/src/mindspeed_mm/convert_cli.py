@@ -21,8 +21,11 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     """Add ``convert`` to the ``mindspeed-mm`` subcommands."""
     parser = sub.add_parser(
         "convert",
-        help="convert DCP training checkpoints <-> Hugging Face directories, LoRA <-> PEFT adapters, merge",
-        description="dcp -> hf (LoRA merged), hf -> dcp, dcp -> peft, peft -> dcp, peft -> hf (merge). Every tensor "
+        help="convert DCP training checkpoints <-> Hugging Face / diffusers directories, LoRA <-> PEFT / diffusers "
+        "LoRA adapters, merge",
+        description="dcp -> hf (LoRA merged), hf -> dcp, dcp -> peft, peft -> dcp, peft -> hf (merge); for diffusion "
+        "transformers also dcp -> lora, lora -> dcp, lora -> hf (diffusers' pytorch_lora_weights.safetensors). "
+        "A train.ema checkpoint gives its moving averages unless --no-ema. Every tensor "
         "is matched on both sides first (an unmatched one is an error naming it); the output is written "
         "to a temporary directory and renamed at the end.",
     )

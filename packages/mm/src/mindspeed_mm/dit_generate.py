@@ -52,6 +52,8 @@ class DiTSampleConfig:
         ulysses_parallel_size: ranks that sample each prompt together, each holding a share of the video /
             image tokens (Ulysses sequence parallelism, as the training key ``parallel.ulysses_parallel_size``;
             spawned here, or the world size under torchrun); the heads must divide by it.
+        ema: a training checkpoint of a train.ema run samples with the moving averages of its weights (the
+            default); --no-ema: with its raw trained weights.
     """
 
     pipeline_dir: str | None = None
@@ -69,6 +71,7 @@ class DiTSampleConfig:
     fps: int = 16
     scale: int = 1
     ulysses_parallel_size: int = 1
+    ema: bool = True
 
 
 def read_prompts(path: str, max_samples: int | None) -> list[str]:
@@ -141,7 +144,14 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     from mindspeed_mm.inference.loading import DTYPES
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
 
-    loaded = load_dit_pipeline(args.load_dir, args.base_dir, sample.pipeline_dir, DTYPES[args.dtype or "float32"])
+    loaded = load_dit_pipeline(
+        args.load_dir,
+        args.base_dir,
+        sample.pipeline_dir,
+        DTYPES[args.dtype or "float32"],
+        ema=sample.ema,
+        lora_alpha=getattr(args, "lora_alpha", None),
+    )
     if not loaded.parts:
         raise ValueError(f"{loaded.weights} has no pipeline beside it (VAE, text encoder); pass --pipeline-dir")
     family, video = loaded.family, loaded.family.latent_dims == 4

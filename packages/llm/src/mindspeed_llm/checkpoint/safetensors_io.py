@@ -107,15 +107,18 @@ class HFCheckpoint:
 
     Args:
         path: the directory (``model.safetensors.index.json`` + shards, or one ``model.safetensors``).
+        stem: the files' name stem (``diffusion_pytorch_model`` for a diffusers model: its
+            ``diffusion_pytorch_model.safetensors[.index.json]``).
 
     Raises:
         ValueError: no safetensors weights, an index naming a missing shard or a tensor its shard
             lacks, or a truncated shard.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, stem: str = "model") -> None:
         self.path = Path(path)
-        index = self.path / INDEX_NAME
+        index_name, single_name = f"{stem}.safetensors.index.json", f"{stem}.safetensors"
+        index = self.path / index_name
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             headers = {}
@@ -130,11 +133,11 @@ class HFCheckpoint:
                 if name not in headers[file]:
                     raise ValueError(f"{index} places {name} in {file}, but that shard does not hold it")
                 self.tensors[name] = headers[file][name]
-        elif (self.path / SINGLE_NAME).is_file():
-            self.tensors = read_header(self.path / SINGLE_NAME)
+        elif (self.path / single_name).is_file():
+            self.tensors = read_header(self.path / single_name)
         else:
             raise ValueError(
-                f"{self.path} holds no safetensors weights ({INDEX_NAME} or {SINGLE_NAME}); "
+                f"{self.path} holds no safetensors weights ({index_name} or {single_name}); "
                 "save the model with safetensors first"
             )
 
@@ -165,18 +168,26 @@ class SafetensorsShardWriter:
     """Write a sharded Hugging Face checkpoint whose tensors are known in advance.
 
     Tensors are assigned to shards in the given order, each shard filled up to ``max_shard_bytes``;
-    the index ``model.safetensors.index.json`` is always written.
+    the index ``model.safetensors.index.json`` is always written (unless ``single`` and one shard).
 
     Args:
         path: the output directory.
         tensors: ``(name, dtype, shape)`` of every tensor, in the order they should be laid out.
         max_shard_bytes: shard size limit (a tensor larger than it gets a shard of its own).
+        stem: the files' name stem (``model``; ``diffusion_pytorch_model`` for a diffusers model).
+        single: with one shard, write ``{stem}.safetensors`` and no index (as ``save_pretrained`` does).
     """
 
     def __init__(
-        self, path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int
+        self,
+        path: str | Path,
+        tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        max_shard_bytes: int,
+        stem: str = "model",
+        single: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.stem = stem
         groups: list[list[tuple[str, torch.dtype, tuple[int, ...], int]]] = [[]]
         size = 0
         for name, dtype, shape in tensors:
@@ -191,8 +202,10 @@ class SafetensorsShardWriter:
         self.total_bytes = 0
         self.shards: list[_Shard] = []
         self.where: dict[str, _Shard] = {}
+        self.single = single and len(groups) == 1
         for number, group in enumerate(groups, 1):
-            shard = self._create(self.path / f"model-{number:05d}-of-{len(groups):05d}.safetensors", group)
+            name = f"{stem}.safetensors" if self.single else f"{stem}-{number:05d}-of-{len(groups):05d}.safetensors"
+            shard = self._create(self.path / name, group)
             self.shards.append(shard)
             self.where.update({name: shard for name, *_ in group})
 
@@ -240,9 +253,11 @@ class SafetensorsShardWriter:
         pending = [name for shard in self.shards for name in shard.remaining]
         if pending:
             raise ValueError(f"{len(pending)} planned tensors were never written, e.g. {pending[0]}")
+        if self.single:
+            return
         weight_map = {name: shard.path.name for name, shard in self.where.items()}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (self.path / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
         """Close every open shard (the caller removes the directory)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMATS = ("dcp", "hf", "peft")
+FORMATS = ("dcp", "hf", "peft", "lora")
 #: (load format, save format) -> what it does.
 CONVERSIONS = {
     ("dcp", "hf"): "model (LoRA merged)",
@@ -13,8 +13,13 @@ CONVERSIONS = {
     ("dcp", "peft"): "LoRA adapter",
     ("peft", "dcp"): "base + adapter",
     ("peft", "hf"): "merge",
+    ("dcp", "lora"): "diffusers LoRA",
+    ("lora", "dcp"): "base + diffusers LoRA",
+    ("lora", "hf"): "merge a diffusers LoRA",
 }
-NEEDS_BASE = {("dcp", "hf"), ("peft", "dcp"), ("peft", "hf")}
+NEEDS_BASE = {("dcp", "hf"), ("peft", "dcp"), ("peft", "hf"), ("lora", "dcp"), ("lora", "hf")}
+#: Formats of a LoRA adapter: PEFT's directory, diffusers' ``pytorch_lora_weights.safetensors``.
+ADAPTER_FORMATS = ("peft", "lora")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -24,8 +29,10 @@ class ConvertConfig:
 
     Attributes:
         load_format: ``dcp`` (a training checkpoint: SAVE/step_XXXXXXXX, or SAVE for its newest),
-            ``hf`` (a Hugging Face model directory) or ``peft`` (a PEFT LoRA adapter directory).
-        save_format: ``hf``, ``dcp`` or ``peft``.
+            ``hf`` (a Hugging Face model directory, or a diffusers transformer directory), ``peft``
+            (a PEFT LoRA adapter directory) or ``lora`` (a diffusers LoRA directory:
+            pytorch_lora_weights.safetensors, what a diffusers pipeline's load_lora_weights reads).
+        save_format: ``hf``, ``dcp``, ``peft`` or ``lora``.
         load_dir: the source directory.
         save_dir: the output directory (created; must be empty unless ``overwrite``).
         base_dir: the base Hugging Face model directory: its config names the tensors, its
@@ -38,6 +45,8 @@ class ConvertConfig:
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
         overwrite: replace a non-empty ``save_dir``.
         progress: draw a progress bar.
+        ema: a checkpoint of a ``train.ema`` run gives the moving averages of its weights (the
+            default); ``--no-ema``: its raw trained weights.
     """
 
     load_format: str
@@ -50,3 +59,4 @@ class ConvertConfig:
     max_shard_size: str = "5GB"
     overwrite: bool = False
     progress: bool = True
+    ema: bool = True

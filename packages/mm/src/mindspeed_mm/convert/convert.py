@@ -7,6 +7,13 @@
 | ``dcp`` -> ``peft`` | the LoRA factors of a LoRA run's checkpoint as a PEFT adapter |
 | ``peft`` -> ``dcp`` | base model + adapter as a LoRA model's ``model`` entries (``base_layer`` + factors) |
 | ``peft`` -> ``hf`` | base model + adapter merged (``W + alpha / r B A``) |
+| ``dcp`` -> ``lora`` | the LoRA factors of a diffusion transformer's LoRA run as a diffusers LoRA file |
+| ``lora`` -> ``dcp`` / ``hf`` | as ``peft``, from a diffusers LoRA (``pytorch_lora_weights.safetensors``) |
+
+``hf`` is a Hugging Face model directory or a diffusers transformer directory (``config.json`` with
+``_class_name``; its ``diffusion_pytorch_model.safetensors`` holds the module names as they are,
+and is written as diffusers' ``save_pretrained`` writes it). A checkpoint of a ``train.ema`` run
+gives the moving averages of its trained weights unless ``--no-ema``.
 
 Every conversion is checked whole before anything is written: each tensor on one side must
 match one on the other (by transformers' own renaming between module and hub names, see
@@ -18,7 +25,6 @@ next to ``save_dir``, renamed at the end; a failure leaves nothing behind.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +36,17 @@ from mindspeed_llm.checkpoint.convert import atomic_directory, copy_assets, pars
 from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE, ConvertConfig
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
+from mindspeed_mm.convert.diffusers_lora import read_diffusers_lora, write_diffusers_lora
 from mindspeed_mm.convert.names import ModelNames, model_names
 from mindspeed_mm.convert.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
-from mindspeed_mm.models.lora import ADAPTER, ADAPTER_CONFIG, AdapterSettings, adapted_modules, is_factor, merge_weight
+from mindspeed_mm.models.lora import (
+    AdapterSettings,
+    adapted_modules,
+    factor_names,
+    is_factor,
+    merge_weight,
+    recorded_lora_alpha,
+)
 
 logger = get_logger(__name__)
 
@@ -98,9 +112,12 @@ def convert(config: ConvertConfig) -> ConvertReport:
     run = {
         ("dcp", "hf"): _dcp_to_hf,
         ("hf", "dcp"): _hf_to_dcp,
-        ("dcp", "peft"): _dcp_to_peft,
-        ("peft", "dcp"): _peft_to_dcp,
-        ("peft", "hf"): _peft_to_hf,
+        ("dcp", "peft"): _dcp_to_adapter,
+        ("peft", "dcp"): _adapter_to_dcp,
+        ("peft", "hf"): _adapter_to_hf,
+        ("dcp", "lora"): _dcp_to_adapter,
+        ("lora", "dcp"): _adapter_to_dcp,
+        ("lora", "hf"): _adapter_to_hf,
     }[(config.load_format, config.save_format)]
     report = run(config)
     logger.debug(report.describe())
@@ -109,13 +126,8 @@ def convert(config: ConvertConfig) -> ConvertReport:
 
 def trained_name(name: str, adapted: set[str] | dict) -> str:
     """The name of a model tensor once its module holds a LoRA layer (``P.weight`` -> ``P.base_layer.weight``)."""
-    prefix, leaf = name.rsplit(".", 1)
+    prefix, _, leaf = name.rpartition(".")
     return f"{prefix}.base_layer.{leaf}" if prefix in adapted else name
-
-
-def factor_names(module: str) -> tuple[str, str]:
-    """The LoRA factors of ``module`` in the trained model."""
-    return f"{module}.lora_A.{ADAPTER}.weight", f"{module}.lora_B.{ADAPTER}.weight"
 
 
 def _match(have: set[str], want: set[str], where: str, what: str, optional: set[str] = frozenset()) -> None:
@@ -172,12 +184,18 @@ def _check_adapter(adapter: Adapter, names: ModelNames, where: str) -> None:
 
 
 def _write_hf(
-    config: ConvertConfig, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors, report: ConvertReport
+    config: ConvertConfig,
+    names: ModelNames,
+    plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors,
+    report: ConvertReport,
 ) -> ConvertReport:
-    """Stream ``tensors`` (an iterator of ``(hub name, tensor)``) into a Hugging Face directory."""
+    """Stream ``tensors`` (an iterator of ``(hub name, tensor)``) into a Hugging Face (or diffusers) directory."""
     plan = [(name, _cast_to(config, dtype), shape) for name, dtype, shape in plan]
     with atomic_directory(Path(config.save_dir)) as temp:
-        writer = SafetensorsShardWriter(temp, plan, parse_size(config.max_shard_size))
+        writer = SafetensorsShardWriter(
+            temp, plan, parse_size(config.max_shard_size), stem=names.stem, single=names.is_diffusers
+        )
         try:
             with StatusProgress("convert", total=len(plan), disable=None if config.progress else True) as bar:
                 for hub, tensor in tensors:
@@ -200,25 +218,18 @@ def lora_alpha(config: ConvertConfig, checkpoint: Path) -> float | None:
     Raises:
         ValueError: both are there and differ.
     """
-    recorded = next(
-        (p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None
-    )
-    alpha = None
-    if recorded is not None:
-        try:
-            alpha = float(json.loads(recorded.read_text())["lora_alpha"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
-    if config.lora_alpha is not None and alpha is not None and config.lora_alpha != alpha:
-        raise ValueError(
-            f"--lora-alpha {config.lora_alpha} differs from the run's lora_alpha {alpha} ({recorded}); "
-            "leave --lora-alpha out"
-        )
-    return config.lora_alpha if config.lora_alpha is not None else alpha
+    return recorded_lora_alpha(checkpoint, config.lora_alpha)
+
+
+def _averages(source: DCPModel) -> str:
+    """How the report names the weights read from a checkpoint."""
+    if source.ema_names:
+        return f", moving averages of {len(source.ema_names)} trained tensors"
+    return ", raw weights (--no-ema)" if source.has_ema else ""
 
 
 def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
-    source = DCPModel(config.load_dir)
+    source = DCPModel(config.load_dir, ema=config.ema)
     names = model_names(config.base_dir)
     adapted = set(adapted_modules(source.tensors))
     alpha = lora_alpha(config, source.path) if adapted else None
@@ -230,7 +241,8 @@ def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
         )
     if adapted and all(is_factor(name) for name in source.tensors):  # a LoRA run's: the factors over --base-dir
         adapter = _dcp_adapter(config, source, sorted(adapted), alpha, cast=False)  # merged in fp32, then cast
-        return _merge_to_hf(config, adapter, f"DCP {source.path} (LoRA on {len(adapted)} linears) merged into")
+        what = f"DCP {source.path} (LoRA on {len(adapted)} linears{_averages(source)}) merged into"
+        return _merge_to_hf(config, adapter, what)
     want = {trained_name(name, adapted) for name in names.shapes} | {f for m in adapted for f in factor_names(m)}
     _match(
         set(source.tensors),
@@ -249,19 +261,19 @@ def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
         for batch in source.batches([trained_name(name, adapted) for name in order]):
             for stored, tensor in batch.items():
                 name = module_of[stored]
-                prefix, leaf = name.rsplit(".", 1)
+                prefix, _, leaf = name.rpartition(".")
                 if prefix in adapted and leaf == "weight":
                     r = factors[factor_names(prefix)[0]].shape[0]
                     tensor = merge_weight(tensor, *(factors[f] for f in factor_names(prefix)), alpha / r)
                 yield names.hub[name], tensor
 
-    what = f"DCP {source.path}" + (f" (LoRA on {len(adapted)} linears merged)" if adapted else "")
-    return _write_hf(config, plan, tensors(), ConvertReport(what, f"hf {config.save_dir}"))
+    what = f"DCP {source.path}" + (f" (LoRA on {len(adapted)} linears merged)" if adapted else "") + _averages(source)
+    return _write_hf(config, names, plan, tensors(), ConvertReport(what, f"hf {config.save_dir}"))
 
 
 def _hf_to_dcp(config: ConvertConfig) -> ConvertReport:
-    checkpoint = HFCheckpoint(config.load_dir)
     names = model_names(config.load_dir)
+    checkpoint = HFCheckpoint(config.load_dir, stem=names.stem)
     keys = _hub_keys(checkpoint, names, str(config.load_dir))
     keys.update({name: keys[source] for name, source in names.tied.items()})
     specs = {name: (checkpoint.tensors[keys[name]].dtype, names.shapes[name]) for name in names.shapes}
@@ -302,8 +314,13 @@ def _dcp_adapter(
     return Adapter(AdapterSettings(ranks[0], alpha, list(adapted)), pairs)
 
 
-def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
-    source = DCPModel(config.load_dir)
+def _read_adapter(config: ConvertConfig) -> Adapter:
+    """The adapter of ``--load-dir``: a PEFT directory, or a diffusers LoRA (``--load-format lora``)."""
+    return read_diffusers_lora(config.load_dir) if config.load_format == "lora" else read_peft_adapter(config.load_dir)
+
+
+def _dcp_to_adapter(config: ConvertConfig) -> ConvertReport:
+    source = DCPModel(config.load_dir, ema=config.ema)
     adapted = adapted_modules(source.tensors)
     if not adapted:
         raise ValueError(
@@ -319,21 +336,24 @@ def _dcp_to_peft(config: ConvertConfig) -> ConvertReport:
     if config.base_dir is not None:
         _check_adapter(adapter, model_names(config.base_dir), str(source.path))
     with atomic_directory(Path(config.save_dir)) as temp:
-        write_peft_adapter_dir(adapter, temp, config.base_dir)
+        if config.save_format == "lora":
+            write_diffusers_lora(adapter, temp)
+        else:
+            write_peft_adapter_dir(adapter, temp, config.base_dir)
     factors = [t for pair in adapter.factors.values() for t in pair]
     return ConvertReport(
-        f"DCP {source.path} (LoRA r={adapter.settings.r})",
-        f"peft {config.save_dir}",
+        f"DCP {source.path} (LoRA r={adapter.settings.r}{_averages(source)})",
+        f"{config.save_format} {config.save_dir}",
         len(factors),
         sum(t.numel() * t.element_size() for t in factors),
     )
 
 
-def _peft_to_dcp(config: ConvertConfig) -> ConvertReport:
-    adapter = read_peft_adapter(config.load_dir)
+def _adapter_to_dcp(config: ConvertConfig) -> ConvertReport:
+    adapter = _read_adapter(config)
     names = model_names(config.base_dir)
     _check_adapter(adapter, names, str(config.load_dir))
-    base = HFCheckpoint(config.base_dir)
+    base = HFCheckpoint(config.base_dir, stem=names.stem)
     keys = _hub_keys(base, names, str(config.base_dir))
     keys.update({name: keys[source] for name, source in names.tied.items()})
     stored = {trained_name(name, adapter.factors): name for name in names.shapes}
@@ -346,27 +366,29 @@ def _peft_to_dcp(config: ConvertConfig) -> ConvertReport:
     def read(name: str) -> torch.Tensor:
         return factors[name] if name in factors else base.read(keys[stored[name]])
 
-    return _save_dcp(config, specs, read, f"peft {config.load_dir} over {config.base_dir}")
+    return _save_dcp(config, specs, read, f"{config.load_format} {config.load_dir} over {config.base_dir}")
 
 
-def _peft_to_hf(config: ConvertConfig) -> ConvertReport:
-    return _merge_to_hf(config, read_peft_adapter(config.load_dir), f"peft {config.load_dir} merged into")
+def _adapter_to_hf(config: ConvertConfig) -> ConvertReport:
+    return _merge_to_hf(config, _read_adapter(config), f"{config.load_format} {config.load_dir} merged into")
 
 
 def _merge_to_hf(config: ConvertConfig, adapter: Adapter, what: str) -> ConvertReport:
     """``--base-dir`` with ``adapter`` merged in, as a Hugging Face directory."""
     names = model_names(config.base_dir)
     _check_adapter(adapter, names, str(config.load_dir))
-    base = HFCheckpoint(config.base_dir)
+    base = HFCheckpoint(config.base_dir, stem=names.stem)
     keys = _hub_keys(base, names, str(config.base_dir))
     plan = [(names.hub[name], base.tensors[keys[name]].dtype, names.shapes[name]) for name in names.hub]
 
     def tensors():
         for name in names.hub:
             tensor = base.read(keys[name])
-            prefix, leaf = name.rsplit(".", 1)
+            prefix, _, leaf = name.rpartition(".")
             if prefix in adapter.factors and leaf == "weight":
                 tensor = merge_weight(tensor, *adapter.factors[prefix], adapter.settings.scale)
             yield names.hub[name], tensor
 
-    return _write_hf(config, plan, tensors(), ConvertReport(f"{what} {config.base_dir}", f"hf {config.save_dir}"))
+    return _write_hf(
+        config, names, plan, tensors(), ConvertReport(f"{what} {config.base_dir}", f"hf {config.save_dir}")
+    )

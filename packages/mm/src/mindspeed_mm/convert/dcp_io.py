@@ -1,7 +1,8 @@
 """The model tensors of a torch DCP checkpoint, read a batch at a time, and written.
 
 A training checkpoint (``SAVE/step_00000010``) holds ``model.<module name>`` (the model's state
-dict, sharded as trained) and ``optim.*``; only the ``model.`` entries are read. DCP reads any
+dict, sharded as trained) and ``optim.*``; only the ``model.`` entries are read, and the moving
+averages of a ``train.ema`` run (``optim.state.<name>.ema``) in their place by default. DCP reads any
 subset of the tensors a checkpoint holds into full (unsharded) tensors without a process group,
 so a conversion reads a few hundred megabytes at a time (:meth:`DCPModel.batches`) rather than
 the whole model. Writing is one ``dcp.save`` of the ``model`` entries (no optimizer state; the
@@ -24,6 +25,8 @@ from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 #: The prefix of the model's entries in a training checkpoint.
 MODEL = "model."
+#: The prefix of the optimizer's per-parameter state, and the suffix of EMA-AdamW's moving average.
+OPTIM_STATE, EMA_SUFFIX = "optim.state.", ".ema"
 #: Bytes read per ``dcp.load`` call.
 BATCH_BYTES = 64 * 2**20
 
@@ -49,14 +52,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
 class DCPModel:
     """The ``model.`` tensors of a DCP checkpoint.
 
+    A checkpoint of a ``train.ema`` run also holds the moving average of every trained parameter
+    (``optim.state.<name>.ema``, EMA-AdamW's state); with ``ema`` (the default) those are the
+    values read for the parameters that have one (:attr:`ema_names`), the frozen ones keep theirs.
+
     Args:
         path: the checkpoint directory (or a ``checkpoint.save`` folder: its newest checkpoint).
+        ema: read the moving averages where the checkpoint holds them; false: the raw trained weights.
 
     Raises:
         ValueError: not a DCP checkpoint, unreadable metadata, or no model tensors.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, ema: bool = True) -> None:
         self.path = resolve_checkpoint(path)
         try:
             metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
@@ -71,6 +79,17 @@ class DCPModel:
         }
         if not self.tensors:
             raise ValueError(f"{self.path} holds no model tensors (model.*); is it a mindspeed-mm training checkpoint?")
+        averages = {
+            fqn[len(OPTIM_STATE) : -len(EMA_SUFFIX)]
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if fqn.startswith(OPTIM_STATE) and fqn.endswith(EMA_SUFFIX) and isinstance(entry, TensorStorageMetadata)
+        }
+        #: parameter name -> the fqn of its moving average (only with ``ema``).
+        self.ema_names: dict[str, str] = (
+            {name: f"{OPTIM_STATE}{name}{EMA_SUFFIX}" for name in averages if name in self.tensors} if ema else {}
+        )
+        #: the checkpoint holds moving averages (whether read or not).
+        self.has_ema = bool(averages)
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The full tensors ``names`` (module names).
@@ -78,7 +97,8 @@ class DCPModel:
         Raises:
             ValueError: the data files are missing or damaged.
         """
-        state = {MODEL + name: torch.empty(self.tensors[name][1], dtype=self.tensors[name][0]) for name in names}
+        keys = {name: self.ema_names.get(name, MODEL + name) for name in names}
+        state = {keys[name]: torch.empty(self.tensors[name][1], dtype=self.tensors[name][0]) for name in names}
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
         except (Exception, CheckpointException) as err:  # a BaseException whose text is a traceback: one line
@@ -89,7 +109,7 @@ class DCPModel:
                 f"{self.path}: reading {names[0]} failed ({type(inner).__name__}); the checkpoint is "
                 "incomplete or damaged"
             ) from None
-        return {name: state[MODEL + name] for name in names}
+        return {name: state[keys[name]] for name in names}
 
     def batches(self, names: list[str], budget: int = BATCH_BYTES) -> Iterator[dict[str, torch.Tensor]]:
         """``names`` read in order, a batch of at most ``budget`` bytes (or one tensor) at a time."""

@@ -42,6 +42,20 @@ class Adapter:
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def check_plain(config: dict, where: str) -> None:
+    """Refuse an adapter config (peft's ``LoraConfig`` as a dict) other than plain LoRA.
+
+    Raises:
+        ValueError: naming the first setting a merge would not reproduce.
+    """
+    for key in _NOT_PLAIN:
+        if config.get(key):
+            raise ValueError(
+                f"{where}: {key}={config[key]!r} is not supported (plain LoRA only; "
+                "merge it with peft's merge_and_unload instead)"
+            )
+
+
 def read_peft_adapter(path: str | Path) -> Adapter:
     """Read a PEFT adapter directory.
 
@@ -62,12 +76,7 @@ def read_peft_adapter(path: str | Path) -> Adapter:
         raise ValueError(f"{path / ADAPTER_CONFIG} is not valid JSON ({err})") from None
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}; only LORA adapters convert")
-    for key in _NOT_PLAIN:
-        if config.get(key):
-            raise ValueError(
-                f"{path / ADAPTER_CONFIG}: {key}={config[key]!r} is not supported (plain LoRA only; "
-                "merge it with peft's merge_and_unload instead)"
-            )
+    check_plain(config, str(path / ADAPTER_CONFIG))
     try:
         tensors = load_file(path / ADAPTER_WEIGHTS)
     except (SafetensorError, OSError) as err:

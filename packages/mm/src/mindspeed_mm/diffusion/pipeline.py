@@ -9,7 +9,9 @@
   ``pipeline_dir``, by default the directory's parent when that is a pipeline;
 - a ``mindspeed-mm train`` checkpoint (torch DCP: ``SAVE/step_00000150``, or ``SAVE`` for its
   newest step), weights only: ``base_dir`` names the transformer (or pipeline) directory it
-  was trained from, whose config builds the model; the checkpoint's tensors must match it exactly;
+  was trained from, whose config builds the model; the checkpoint's tensors must match it exactly
+  (a LoRA run's factors are merged into ``base_dir``'s weights; a ``train.ema`` run's gives its
+  moving averages);
 - a demo name (:data:`mindspeed_mm.diffusion.demo.DEMOS`), resolved by ``generate`` before it calls this module
   (:func:`mindspeed_mm.diffusion.demo.resolve_demo_dir`): the embedded demo's untrained pipeline.
 """
@@ -24,12 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.convert.dcp_io import DCPModel
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
-from mindspeed_mm.models.dit import DiTFamily, dit_family_of
+from mindspeed_mm.models.dit import DiTFamily, dit_family_of, load_dit
+from mindspeed_mm.models.lora import (
+    ADAPTER_CONFIG,
+    adapted_modules,
+    factor_names,
+    is_factor,
+    merged_state,
+    recorded_lora_alpha,
+)
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -93,8 +104,12 @@ def load_dit_pipeline(
     base_dir: str | Path | None = None,
     pipeline_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    ema: bool = True,
+    lora_alpha: float | None = None,
 ) -> DiTPipeline:
     """The transformer of ``load_dir`` (see the module docstring) and its pipeline's parts.
+
+    ``ema`` and ``lora_alpha`` apply to a training checkpoint (:func:`_load_dcp`).
 
     Raises:
         ValueError: a path that is none of the formats, a DCP checkpoint without ``base_dir`` or
@@ -121,7 +136,7 @@ def load_dit_pipeline(
     family = dit_family_of(source)
     device = get_accelerator().device()
     if checkpoint is not None:
-        model = _load_dcp(checkpoint, source, family)
+        model = _load_dcp(checkpoint, source, family, ema, lora_alpha)
     else:
         model = family.load_class().from_pretrained(str(source), torch_dtype=torch.float32, local_files_only=True)
     model = _to(model, device, dtype).eval()
@@ -164,17 +179,31 @@ def _to(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> to
     return module.to(device) if dtype == torch.float32 else module.to(device=device, dtype=dtype)
 
 
-def _load_dcp(checkpoint: Path, source: Path, family: DiTFamily) -> Any:
-    """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes match)."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    saved = {
-        key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith("model.") and hasattr(meta, "size")
-    }
+def _load_dcp(
+    checkpoint: Path, source: Path, family: DiTFamily, ema: bool = True, lora_alpha: float | None = None
+) -> Any:
+    """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes match).
+
+    A ``train.ema`` run's checkpoint gives the moving averages of its trained weights unless ``ema``
+    is false; a LoRA run's has its factors merged (``W + alpha / r B A``, alpha as the run recorded
+    it beside its checkpoints, or ``lora_alpha``).
+    """
+    reader = DCPModel(checkpoint, ema=ema)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
+        saved = reader.read(sorted(reader.tensors))
+    adapted = adapted_modules(saved)
+    if adapted:
+        alpha = recorded_lora_alpha(checkpoint, lora_alpha)
+        if alpha is None:
+            raise ValueError(
+                f"{checkpoint} is a LoRA run's checkpoint ({len(adapted)} adapted linears) and no "
+                f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha"
+            )
+        rank = int(saved[factor_names(adapted[0])[0]].shape[0])
+        if all(is_factor(name) for name in saved):  # the factors alone: the base is the run's model.path
+            saved = {**_base_state(source, family, set(adapted)), **saved}
+        saved = merged_state(saved, LoraConfig(r=rank, alpha=alpha))
     cls = family.load_class()
     model = cls.from_config(cls.load_config(str(source)))  # not on meta: non-persistent buffers (rope) need values
     state = model.state_dict()
@@ -187,7 +216,19 @@ def _load_dcp(checkpoint: Path, source: Path, family: DiTFamily) -> Any:
             "--base-dir the run trained from"
         )
     model.load_state_dict(saved, strict=True)
+    if reader.ema_names:
+        logger.info("%s: the moving averages of %d trained tensors (train.ema)", checkpoint, len(reader.ema_names))
     return model.float()
+
+
+def _base_state(source: Path, family: DiTFamily, adapted: set[str]) -> dict[str, torch.Tensor]:
+    """``source``'s weights under a LoRA model's names (``P.base_layer.weight`` where ``P`` is adapted)."""
+    base = load_dit(source, family).state_dict()
+    state = {}
+    for name, value in base.items():
+        prefix, _, leaf = name.rpartition(".")
+        state[f"{prefix}.base_layer.{leaf}" if prefix in adapted else name] = value
+    return state
 
 
 def latent_shape(vae: Any, family: DiTFamily, num_frames: int, height: int, width: int) -> tuple[int, ...]:

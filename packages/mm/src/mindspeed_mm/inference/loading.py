@@ -47,6 +47,7 @@ from mindspeed_mm.models.lora import (
     is_factor,
     merge_weight,
     merged_state,
+    recorded_lora_alpha,
 )
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
@@ -211,7 +212,7 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
         dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
     lora = adapted_modules(saved)
     if lora:
-        lora_alpha = _run_lora_alpha(checkpoint, lora_alpha)
+        lora_alpha = recorded_lora_alpha(checkpoint, lora_alpha)
         if lora_alpha is None:
             raise ValueError(
                 f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
@@ -255,31 +256,9 @@ def _over_base(
     adapted = set(lora)
     state = {}
     for name, value in base.items():
-        prefix, leaf = name.rsplit(".", 1)
+        prefix, _, leaf = name.rpartition(".")
         state[f"{prefix}.base_layer.{leaf}" if prefix in adapted else name] = value
     return {**state, **factors}
-
-
-def _run_lora_alpha(checkpoint: Path, given: float | None) -> float | None:
-    """``given``, else the alpha a LoRA run recorded in ``adapter_config.json`` in the step or its save folder.
-
-    Raises:
-        ValueError: both are there and differ, or the recorded file is damaged.
-    """
-    recorded = next(
-        (p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None
-    )
-    if recorded is None:
-        return given
-    try:
-        alpha = float(json.loads(recorded.read_text())["lora_alpha"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
-    if given is not None and given != alpha:
-        raise ValueError(
-            f"--lora-alpha {given} differs from the run's lora_alpha {alpha} ({recorded}); leave --lora-alpha out"
-        )
-    return alpha
 
 
 def _merge_adapter(model: Any, adapter_dir: Path) -> None:

@@ -53,6 +53,8 @@ class DiTFamily:
             encoders and tokenizers, by folder name).
         sequence_plan: where its tokens are split and gathered under sequence parallelism
             (:mod:`mindspeed_mm.models.dit_parallel`); None: not supported.
+        lora_targets: the linears ``lora.target_modules: [default]`` adapts, by the last parts of their
+            module names (the attention projections diffusers' LoRA training scripts target).
     """
 
     architecture: str
@@ -72,6 +74,7 @@ class DiTFamily:
     timestep_kwargs: Callable[[Any, int, tuple[int, ...]], dict[str, Any]] = lambda config, steps, shape: {}
     encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     sequence_plan: SequencePlan | None = None
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def load_class(self) -> type:
         """The diffusers model class."""

@@ -4,8 +4,10 @@ peft's ``inject_adapter_in_model`` replaces each targeted ``nn.Linear`` (``q_pro
 LoRA layer holding the frozen ``base_layer`` and the trainable ``lora_A`` / ``lora_B``, without
 wrapping the model in a ``PeftModel``, so FSDP2 plans, freezing and checkpoints see the same
 names as without LoRA (plus ``.base_layer``). The targets are found by name inside the parts
-``lora.parts`` names (the language model by default), as one regular expression that peft
-matches against full module names.
+``lora.parts`` names (by default the language model of a vision-language model, the whole of a
+diffusion transformer), as one regular expression that peft matches against full module names.
+``lora.target_modules: [default]`` stands for a diffusion transformer family's own targets
+(:attr:`~mindspeed_mm.models.dit.DiTFamily.lora_targets`: its attention projections).
 
 Names of one adapted linear ``P`` (e.g. ``model.language_model.layers.0.self_attn.q_proj``):
 
@@ -31,6 +33,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.models.dit import DiTFamily
 from mindspeed_mm.models.family import VLMFamily
 
 logger = get_logger(__name__)
@@ -41,19 +44,49 @@ ADAPTER = "default"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+#: ``lora.target_modules`` entry that stands for the family's default targets (diffusion transformers).
+DEFAULT_TARGETS = "default"
 _FACTOR = re.compile(rf"^(?P<module>.+)\.lora_(?P<which>[AB])\.{ADAPTER}\.weight$")
 
 
-def scope_prefixes(lora: LoraConfig, family: VLMFamily) -> list[str]:
-    """The module-name prefixes ``lora.parts`` stands for (a part's prefixes, or the entry itself)."""
-    return [prefix for part in lora.parts for prefix in family.parts.get(part, (part,))]
+def default_parts(family: VLMFamily | DiTFamily) -> list[str]:
+    """Where the targets are looked for when ``lora.parts`` is empty: a VLM's language model, else everywhere."""
+    return ["language_model"] if "language_model" in family.parts else []
 
 
-def target_regex(lora: LoraConfig, family: VLMFamily) -> str:
+def scope_prefixes(lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
+    """The module-name prefixes ``lora.parts`` stands for (a part's prefixes, or the entry itself; none: everywhere)."""
+    return [prefix for part in lora.parts or default_parts(family) for prefix in family.parts.get(part, (part,))]
+
+
+def target_names(lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
+    """``lora.target_modules`` with ``default`` replaced by the family's own targets.
+
+    Raises:
+        ValueError: ``default`` for a family that declares none.
+    """
+    names = []
+    for name in lora.target_modules:
+        if name == DEFAULT_TARGETS:
+            defaults = getattr(family, "lora_targets", ())
+            if not defaults:
+                raise ValueError(
+                    f"lora.target_modules: {family.architecture} has no default targets; name the linears "
+                    "(e.g. [q_proj, k_proj, v_proj, o_proj])"
+                )
+            names.extend(n for n in defaults if n not in names)
+        elif name not in names:
+            names.append(name)
+    return names
+
+
+def target_regex(lora: LoraConfig, family: VLMFamily | DiTFamily) -> str:
     """The regular expression of the module names to adapt (peft ``fullmatch``es it against each name)."""
-    names = "|".join(re.escape(name) for name in lora.target_modules)
-    prefixes = "|".join(re.escape(prefix) for prefix in scope_prefixes(lora, family))
-    return rf"(?:{prefixes})\.(?:.*\.)?(?:{names})"
+    names = "|".join(re.escape(name) for name in target_names(lora, family))
+    prefixes = scope_prefixes(lora, family)
+    if not prefixes:
+        return rf"(?:.*\.)?(?:{names})"
+    return rf"(?:{'|'.join(re.escape(prefix) for prefix in prefixes)})\.(?:.*\.)?(?:{names})"
 
 
 def peft_config(lora: LoraConfig, target_modules: str | list[str]) -> Any:
@@ -63,7 +96,7 @@ def peft_config(lora: LoraConfig, target_modules: str | list[str]) -> Any:
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules)
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> list[str]:
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
     """Freeze ``model`` and add LoRA factors to the target modules; returns the adapted module names.
 
     Raises:
@@ -90,8 +123,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> l
             }
         )
         raise ValueError(
-            f"lora.target_modules={lora.target_modules}: no linear of {family.architecture} inside "
-            f"lora.parts={lora.parts} has that name; its linears are named {', '.join(leaves)}"
+            f"lora.target_modules={target_names(lora, family)}: no linear of {family.architecture} inside "
+            f"lora.parts={lora.parts or default_parts(family)} has that name; its linears are named "
+            f"{', '.join(leaves)}"
         ) from None
     adapted = adapted_modules(dict(model.named_parameters()))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -100,8 +134,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily) -> l
         lora.r,
         lora.alpha,
         len(adapted),
-        ", ".join(lora.target_modules),
-        ", ".join(lora.parts),
+        ", ".join(target_names(lora, family)),
+        ", ".join(lora.parts or default_parts(family)) or "the whole model",
         trainable,
         sum(p.numel() for p in model.parameters()),
         100 * trainable / max(1, sum(p.numel() for p in model.parameters())),
@@ -117,6 +151,11 @@ def adapted_modules(names: dict[str, Any] | list[str]) -> list[str]:
 def is_factor(name: str) -> bool:
     """Whether ``name`` is a LoRA factor of a trained model (``P.lora_A.default.weight``, ``P.lora_B...``)."""
     return _FACTOR.match(name) is not None
+
+
+def factor_names(module: str) -> tuple[str, str]:
+    """The names of the LoRA factors of ``module`` in the trained model: ``(lora_A, lora_B)``."""
+    return f"{module}.lora_A.{ADAPTER}.weight", f"{module}.lora_B.{ADAPTER}.weight"
 
 
 def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -152,6 +191,28 @@ def merged_state(full: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, t
     return out
 
 
+def recorded_lora_alpha(checkpoint: Path, given: float | None) -> float | None:
+    """``given``, else the alpha a LoRA run recorded in ``adapter_config.json`` in the step or its save folder.
+
+    Raises:
+        ValueError: both are there and differ, or the recorded file is damaged.
+    """
+    recorded = next(
+        (p / ADAPTER_CONFIG for p in (checkpoint, checkpoint.parent) if (p / ADAPTER_CONFIG).is_file()), None
+    )
+    if recorded is None:
+        return given
+    try:
+        alpha = float(json.loads(recorded.read_text())["lora_alpha"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ValueError(f"{recorded} is damaged (no lora_alpha); pass --lora-alpha") from None
+    if given is not None and given != alpha:
+        raise ValueError(
+            f"--lora-alpha {given} differs from the run's lora_alpha {alpha} ({recorded}); leave --lora-alpha out"
+        )
+    return alpha
+
+
 @dataclass(frozen=True)
 class AdapterSettings:
     """What ``adapter_config.json`` records and a merge needs.
@@ -185,7 +246,9 @@ def adapter_config(settings: AdapterSettings, base: str | Path | None) -> dict[s
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
 
-def write_adapter_config(lora: LoraConfig, family: VLMFamily, base: str | Path, directory: str | Path) -> Path:
+def write_adapter_config(
+    lora: LoraConfig, family: VLMFamily | DiTFamily, base: str | Path, directory: str | Path
+) -> Path:
     """Write the run's ``adapter_config.json`` into ``directory`` (atomically); returns its path.
 
     A LoRA run writes it next to its DCP checkpoints too, so ``mindspeed-mm convert`` knows alpha.

@@ -85,5 +85,7 @@ WAN = register_dit(
             gather=("proj_out", 1, "video"),
             cross_attention_local=True,
         ),
+        # self- and cross-attention of every block (attn1 / attn2), as diffusers' Wan LoRA trainers target
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
     )
 )

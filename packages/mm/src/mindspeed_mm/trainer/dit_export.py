@@ -1,6 +1,7 @@
 """``checkpoint.save_hf`` for a diffusion transformer: a diffusers directory that ``from_pretrained`` loads as it is.
 
-The full state dict is gathered to rank 0 on the host, assigned to a model of the source's
+The full state dict is gathered to rank 0 on the host (with LoRA: the base weights with the
+factors merged in), assigned to a model of the source's
 configuration built on the meta device (no second copy), and written by diffusers' own
 ``save_pretrained`` (``config.json`` plus ``diffusion_pytorch_model.safetensors``, sharded as
 diffusers shards). Other non-weight files of the source are copied. The directory appears
@@ -17,7 +18,11 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.log import get_logger
+from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.convert.diffusers_lora import write_diffusers_lora
+from mindspeed_mm.convert.peft_io import Adapter
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit
+from mindspeed_mm.models.lora import AdapterSettings, adapted_modules, factor_names
 from mindspeed_mm.trainer.export import full_state
 
 logger = get_logger(__name__)
@@ -26,13 +31,47 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _OWN = ("config.json", "diffusion_pytorch_model.safetensors.index.json")
 
 
-def save_diffusers(model: torch.nn.Module, family: DiTFamily, source: str | Path, target: str | Path) -> Path | None:
+def write_dit_lora(state: dict[str, torch.Tensor], lora: LoraConfig, family: DiTFamily, target: str | Path) -> Path:
+    """Write the LoRA factors of a trained transformer's full state dict as a diffusers LoRA directory, atomically.
+
+    ``target/pytorch_lora_weights.safetensors`` is what ``pipe.load_lora_weights(target)`` reads
+    (:mod:`mindspeed_mm.convert.diffusers_lora`); its metadata records ``lora.r``, ``lora.alpha``
+    and the adapted modules' names.
+    """
+    pairs = {}
+    for module in adapted_modules(state):
+        a, b = (state[name] for name in factor_names(module))
+        pairs[module] = (a, b)
+    settings = AdapterSettings(lora.r, lora.alpha, sorted(pairs), lora.dropout)
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_diffusers_lora(Adapter(settings, pairs), tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    logger.info("saved the diffusers LoRA (%d linears of %s) to %s", len(pairs), family.architecture, target)
+    return target
+
+
+def save_diffusers(
+    model: torch.nn.Module,
+    family: DiTFamily,
+    source: str | Path,
+    target: str | Path,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path | None:
     """Write the (FSDP2-sharded) ``model`` as a diffusers directory at ``target`` (a collective).
+
+    Args:
+        state: the full state dict to write instead of the model's own (rank 0; e.g. merged LoRA weights;
+            other ranks pass anything, and every rank then skips the gather).
 
     Returns:
         ``target`` on rank 0, None on the other ranks.
     """
-    state = full_state(model)
+    if state is None:
+        state = full_state(model)
     target = Path(target)
     if dist.get_rank() != 0:
         dist.barrier()

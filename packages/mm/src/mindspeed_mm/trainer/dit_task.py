@@ -29,7 +29,9 @@ from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
 from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel
 from mindspeed_mm.models.loading import freeze_parts
-from mindspeed_mm.trainer.dit_export import save_diffusers
+from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config
+from mindspeed_mm.trainer.dit_export import save_diffusers, write_dit_lora
+from mindspeed_mm.trainer.export import full_state as gather_state
 from mindspeed_mm.trainer.fsdp import (
     apply_fsdp,
     apply_recompute,
@@ -47,9 +49,11 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     """The family and its diffusers model, frozen, recomputed and sharded as the recipe says.
 
     With several ranks only rank 0 reads the weights; the others build the model on the meta
-    device and receive their shards (and the buffers) from rank 0.
+    device and receive their shards (and the buffers) from rank 0. With LoRA (``lora``), peft's
+    layers go in before sharding (on rank 0's loaded copy too, so the initial factors are rank 0's)
+    and everything but the factors is frozen, as for vision-language models.
     """
-    m, p = config.model, config.parallel
+    m, p, lora = config.model, config.parallel, config.lora
     family = dit_family_of(m.path)
     device = get_accelerator().device()
     full_state, buffers = None, None
@@ -58,9 +62,13 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     else:
         if dist.get_rank() == 0:
             loaded = load_dit(m.path, family)
+            if lora.enabled:
+                apply_lora(loaded, lora, family)
             full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
             del loaded
         model = build_meta_dit(m.path, family)
+    if lora.enabled:
+        apply_lora(model, lora, family)
     if m.freeze:
         freeze_parts(model, family, m.freeze)
     recomputed = apply_recompute(model, config.train.recompute_modules)
@@ -144,6 +152,9 @@ class DiTTask:
         self._fp32: dict[str, torch.Tensor] = {}
         # Runs after FSDP2's own pre-forward hook, which casts every float input to bf16.
         self.model.register_forward_pre_hook(self._restore_fp32_inputs, with_kwargs=True)
+        if config.lora.enabled and config.checkpoint.save and dist.get_rank() == 0:
+            # DCP checkpoints record the factors' rank in their shapes, not alpha: convert reads it here.
+            write_adapter_config(config.lora, self.family, self.source, config.checkpoint.save)
 
     def _null_text(self) -> dict[str, torch.Tensor]:
         null = self.features.null()
@@ -269,12 +280,22 @@ class DiTTask:
         return int(totals[1])
 
     def export(self) -> dict[str, str]:
-        """``checkpoint.save_hf``: the trained transformer as a diffusers directory."""
-        target = self.config.checkpoint.save_hf
-        if not target:
+        """``checkpoint.save_hf`` (the trained transformer as a diffusers directory, LoRA merged) and
+        ``lora.save_peft`` (the factors as a diffusers LoRA)."""
+        ck, lora = self.config.checkpoint, self.config.lora
+        if not ck.save_hf and not lora.save_peft:
             return {}
-        written = save_diffusers(self.model, self.family, self.source, target)
-        return {"save_hf": str(written)} if written is not None else {}
+        state = gather_state(self.model)
+        written: dict[str, str] = {}
+        if lora.save_peft and state is not None:
+            written["save_peft"] = str(write_dit_lora(state, lora, self.family, lora.save_peft))
+        if ck.save_hf:
+            if lora.enabled and state is not None:
+                state = merged_state(state, lora)
+            target = save_diffusers(self.model, self.family, self.source, ck.save_hf, state=state or {})
+            if target is not None:
+                written["save_hf"] = str(target)
+        return written
 
 
 TASKS.register("dit", DiTTask)

@@ -91,7 +91,7 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     finally:
         metrics.close()
     if result.preempted is None:  # a stopped run is not finished: no export
-        with export_weights(optimizer):  # train.ema: the moving averages
+        with export_weights(optimizer, config.checkpoint.export_ema):  # train.ema: the moving averages
             result.exports = task.export()
     result.save_hf = result.exports.get("save_hf")
     if rank == 0 and log_dir is not None and config.logging.loss_curve:

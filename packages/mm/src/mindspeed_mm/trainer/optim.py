@@ -85,9 +85,9 @@ def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> float:
     return float(total)
 
 
-def export_weights(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+def export_weights(optimizer: torch.optim.Optimizer, ema: bool = True) -> contextlib.AbstractContextManager:
     """What the exports write: inside the block the parameters hold their moving averages under
-    ``train.ema``, else their own values."""
-    if isinstance(optimizer, FusedEMAAdamW):
+    ``train.ema`` (unless ``ema`` is false: ``checkpoint.export_ema``), else their own values."""
+    if ema and isinstance(optimizer, FusedEMAAdamW):
         return optimizer.ema_weights()
     return contextlib.nullcontext()
