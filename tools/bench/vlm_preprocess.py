@@ -4,7 +4,8 @@ Writes ``--samples`` mllm_format samples, each with its own .mp4 (``--frames`` f
 8 fps, PyAV) or, every fourth, an image and an .mp4, and a tiny model of ``--family``; then times
 :func:`mindspeed_mm.data.preprocess.preprocess` (decode at 2 fps up to 16 frames, the family's
 video processor, the chat template, tokenizing) with 1 worker, with ``--workers`` workers, writing
-the cache, and reading it back, and checks that every run gives the same samples. Usage::
+the cache, and reading it back (wall and CPU seconds, this process and its workers), and checks
+that every run gives the same samples. Usage::
 
     uv run --frozen python tools/bench/vlm_preprocess.py --samples 96 --workers 2
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -75,15 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         processing = Processing(tokenizer, processor, family_of(model), load_video_processor(model))
         settings = EncodeSettings(cutoff_len=8192, video=VideoSettings(fps=2, maxlen=16, max_pixels=12288))
 
-        def run(workers: int, cache: str | None) -> tuple[list, float, str]:
-            start = time.perf_counter()
+        cpu: dict[str, float] = {}
+
+        def run(name: str, workers: int, cache: str | None) -> tuple[list, float, str]:
+            start, before = time.perf_counter(), os.times()
             encoded, about = preprocess(samples, processing, settings, workers, cache, [str(data)], model)
+            after = os.times()
+            cpu[name] = round(sum(after[i] - before[i] for i in range(4)), 2)  # this process and its workers
             return encoded, time.perf_counter() - start, about["cache"]
 
-        one, one_s, _ = run(1, None)
-        many, many_s, _ = run(args.workers, None)
-        written, miss_s, miss = run(args.workers, str(root / "cache"))
-        read, hit_s, hit = run(1, str(root / "cache"))
+        one, one_s, _ = run("workers_1", 1, None)
+        many, many_s, _ = run(f"workers_{args.workers}", args.workers, None)
+        written, miss_s, miss = run("cache_miss_write", args.workers, str(root / "cache"))
+        read, hit_s, hit = run("cache_hit_read", 1, str(root / "cache"))
         same = all(
             a.input_ids.equal(b.input_ids) and all(v.equal(b.vision[k]) for k, v in a.vision.items())
             for other in (many, written, read)
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             f"workers_{args.workers}_s": round(many_s, 2),
             "cache_miss_write_s": round(miss_s, 2),
             "cache_hit_read_s": round(hit_s, 3),
+            "cpu_s": cpu,
+            "load_average": [round(x, 1) for x in os.getloadavg()],
             "cache": [miss, hit],
             "identical": same,
         }
