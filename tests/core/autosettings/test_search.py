@@ -170,3 +170,10 @@ def test_command_refuses_a_missing_recipe(tmp_path: Path, capsys: pytest.Capture
     argv = ["auto-settings", "--config", str(tmp_path / "nope.yaml"), "--nnodes", "1", "--nproc-per-node", "1"]
     assert main([*argv, "--device-memory", "8", "--device", "1,1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_lists_the_command() -> None:
+    from mindspeed.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "auto-settings" in text and "write the best recipe" in text

@@ -149,7 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _auto_settings(args: argparse.Namespace) -> int:
-    # Lazy: the search imports no torch, but keep the CLI's start-up small all the same.
+    # Lazy: the search imports torch (through mindspeed.metrics); keep it out of the CLI's start-up.
     from mindspeed.autosettings.command import run_auto_settings
 
     return run_auto_settings(args)

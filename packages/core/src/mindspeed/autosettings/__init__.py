@@ -9,4 +9,6 @@ from mindspeed.autosettings.layout import Layout
 from mindspeed.autosettings.memory import MemoryEstimate, estimate_memory
 from mindspeed.autosettings.spec import ClusterSpec, JobSpec, job_from_recipe, parse_device
 
+# The search and the time model (mindspeed.autosettings.search, .steptime) import torch through
+# mindspeed.metrics; they are imported from their modules.
 __all__ = ["ClusterSpec", "JobSpec", "Layout", "MemoryEstimate", "estimate_memory", "job_from_recipe", "parse_device"]

@@ -7,16 +7,15 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mindspeed.autosettings.search import Candidate, search
 from mindspeed.autosettings.spec import ClusterSpec, job_from_recipe, parse_device
 from mindspeed.config import merge
-from mindspeed.log import get_logger
 
-logger = get_logger(__name__)
+if TYPE_CHECKING:
+    from mindspeed.autosettings.search import Candidate
 
 _GIB = float(1 << 30)
 
@@ -121,6 +120,9 @@ def _row(rank: int, candidate: Candidate) -> dict[str, Any]:
 
 def run_auto_settings(args: argparse.Namespace) -> int:
     """Search the recipe's layouts on the cluster; print the best, write the best one's recipe."""
+    # Here, not at the top: the FLOPs counter's package imports torch, which `mindspeed --help` need not load.
+    from mindspeed.autosettings.search import search
+
     recipe = _read_recipe(args.config)
     world = args.nnodes * args.nproc_per_node
     job = job_from_recipe(recipe, world_size=world if world > 0 else None)
