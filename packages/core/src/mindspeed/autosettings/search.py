@@ -59,7 +59,9 @@ def _parallel_sizes(job: JobSpec, cluster: ClusterSpec) -> Iterator[tuple[int, i
             if s.num_layers % pp:
                 continue
             for cp in _divisors(world // (tp * pp)):
-                if cp > 1 and (job.seq_length % (2 * cp) or (job.seq_length // cp) % tp):
+                if cp > 1 and job.seq_length % (2 * cp):
+                    continue
+                if (job.seq_length // cp) % tp:  # sequence parallelism splits every sequence over tp
                     continue
                 dp = world // (tp * pp * cp)
                 if job.global_batch_size % dp:
