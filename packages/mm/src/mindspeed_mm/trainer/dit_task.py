@@ -39,6 +39,7 @@ from mindspeed_mm.trainer.fsdp import (
     build_mesh,
     build_sp_mesh,
     load_from_rank0,
+    needs_fsdp,
 )
 from mindspeed_mm.trainer.task import TASKS
 
@@ -73,14 +74,14 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         freeze_parts(model, family, m.freeze)
     recomputed = apply_recompute(model, config.train.recompute_modules)
     apply_swap(model, config.train.swap_modules, recomputed)
-    mesh = build_mesh(world, p.dp_replicate, p.ulysses_parallel_size)
-    apply_fsdp(
-        model,
-        p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
-        mesh,
-        config.train.precision,
-        p.reshard_after_forward,
-    )
+    if needs_fsdp(world, config.train.precision):  # one fp32 rank trains the model as loaded
+        apply_fsdp(
+            model,
+            p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
+            build_mesh(world, p.dp_replicate, p.ulysses_parallel_size),
+            config.train.precision,
+            p.reshard_after_forward,
+        )
     if world > 1:
         load_from_rank0(model, full_state, buffers, device)
     model.train()
