@@ -46,6 +46,9 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
         (["lora.save_peft=x"], "lora.save_peft needs LoRA: set lora.target_modules"),
         (["lora.target_modules=[q_proj]", "model.freeze=[vision_tower]"], "model.freeze with LoRA"),
         (["lora.alpha=0"], "lora.alpha=0.0 must be positive"),
+        (["data.video_min_pixels=70000"], "data.video_min_pixels=70000 is above data.video_max_pixels=65536"),
+        (["data.video_fps=0"], "data.video_fps=0.0 must be positive"),
+        (["data.workers=-1"], "data.workers=-1 not negative"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_mm_config(None, base + extra).check(1)
