@@ -45,3 +45,13 @@ def test_written_recipe_is_accepted(tmp_path: Path, nnodes: int, nproc: int, gib
         recipe.features.settings["swap_optimizer"]["enabled"]
         == written["features"]["settings"]["swap_optimizer"]["enabled"]
     )
+
+
+def test_printed_overrides_give_the_same_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, output = tmp_path / "recipe.yaml", tmp_path / "best.yaml"
+    config.write_text(yaml.safe_dump(RECIPE))
+    argv = ["auto-settings", "--config", str(config), "--nnodes", "1", "--nproc-per-node", "2"]
+    assert main([*argv, "--device-memory", "0.09", "--device", "100,50", "--output", str(output)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("overrides of the best: "))
+    from_keys = load_pretrain_config(config, line.removeprefix("overrides of the best: ").split())
+    assert from_keys == load_pretrain_config(output)

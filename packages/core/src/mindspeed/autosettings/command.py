@@ -101,6 +101,19 @@ def write_recipe(path: str | Path, recipe: Mapping[str, Any], overrides: Mapping
     os.replace(tmp, target)
 
 
+def dotted_overrides(overrides: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``overrides`` as the ``key=value`` arguments of ``mindspeed-llm pretrain --config RECIPE ...``."""
+    out = []
+    for key, value in overrides.items():
+        if isinstance(value, Mapping):
+            out += dotted_overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(
+                f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            )
+    return out
+
+
 def _row(rank: int, candidate: Candidate) -> dict[str, Any]:
     mem, time = candidate.memory, candidate.time
     return {
@@ -132,8 +145,13 @@ def run_auto_settings(args: argparse.Namespace) -> int:
     overrides = best[0].layout.overrides(job.global_batch_size, layers_per_chunk)
     write_recipe(args.output, recipe, overrides)
     rows = [_row(rank, c) for rank, c in enumerate(best, 1)]
+    dotted = dotted_overrides(overrides)
     if args.json:
-        print(json.dumps({"evaluated": count, "output": str(args.output), "candidates": rows}, indent=2))
+        print(
+            json.dumps(
+                {"evaluated": count, "output": str(args.output), "overrides": dotted, "candidates": rows}, indent=2
+            )
+        )
         return 0
     print(
         f"auto-settings: {count} layouts of {job.shape.num_layers} layers x {job.shape.hidden_size} on "
@@ -147,5 +165,6 @@ def run_auto_settings(args: argparse.Namespace) -> int:
             f"{row['rank']:<3}{row['layout']:<64}{row['peak_gib']:>10.3f}{row['step_s']:>12.4g}"
             f"{row['compute_s']:>10.3g}{row['communication_s']:>10.3g}{row['bubble_s']:>10.3g}"
         )
+    print(f"overrides of the best: {' '.join(dotted)}")
     print(f"wrote {args.output} (the recipe with the best layout: mindspeed-llm pretrain --config {args.output})")
     return 0
