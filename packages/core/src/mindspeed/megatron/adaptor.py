@@ -23,6 +23,7 @@ from mindspeed.features import BuildContext, apply_features
 from mindspeed.features.context import KernelChoices
 from mindspeed.log import DETAIL, get_logger, run_log_path
 from mindspeed.megatron.active import set_current_report
+from mindspeed.megatron.cross_entropy import cross_entropy_patches
 from mindspeed.megatron.device_sites import device_site_patches
 from mindspeed.megatron.patches import MEGATRON_VERSIONS, megatron_patches
 from mindspeed.patching import PatchError, PatchRecord, PatchSet, installed_version
@@ -162,7 +163,7 @@ def adapt(
         version = check_megatron_version()
         import megatron.core  # noqa: F401  (fail here, with its own message, if it cannot import)
 
-        patches = PatchSet([*cuda_api_patches(), *megatron_patches(), *device_site_patches()])
+        patches = PatchSet([*cuda_api_patches(), *megatron_patches(), *device_site_patches(), *cross_entropy_patches()])
         records = patches.apply(acc)
         mode = None
         if needs_cuda_shim(acc):

@@ -146,6 +146,18 @@ def check_config_for_spec(config: Any, swiglu: bool = True) -> None:
 
 def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
     kernel = resolve_kernel("rotary_pos_emb", impl)
+    # Every layer rotates its queries and keys with the same freqs tensor (built once per forward):
+    # its cos/sin tables are computed once, not twice per layer.
+    cached: list[Any] = [None, None]
+
+    def tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (freqs._version, mscale, dtype, torch.is_grad_enabled())
+        if cached[0] is not freqs or cached[1][0] != key:
+            cos, sin = torch.cos(freqs), torch.sin(freqs)
+            if mscale != 1.0:
+                cos, sin = cos * mscale, sin * mscale
+            cached[0], cached[1] = freqs, (key, cos.to(dtype), sin.to(dtype))
+        return cached[1][1], cached[1][2]
 
     def apply_rotary_pos_emb(
         t: torch.Tensor,
@@ -159,8 +171,7 @@ def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
         # sequences and fused TE paths stay with megatron's own implementation.
         if cu_seqlens is not None or config.multi_latent_attention or config.apply_rope_fusion:
             return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        cos = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        cos, sin = tables(freqs, mscale, t.dtype)
         return kernel(t, cos, sin, interleaved=config.rotary_interleaved)
 
     return apply_rotary_pos_emb

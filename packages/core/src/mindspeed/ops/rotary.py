@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed.ops.registry import Case, OpSpec, register_op
+from mindspeed.ops.registry import Case, OpSpec, register_kernel, register_op
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -170,3 +170,55 @@ register_op(
         bench_case=_rotary_bench,
     )
 )
+
+
+class _RotaryHalf(torch.autograd.Function):
+    """The half layout written into one output, without ``rotate_half``'s negation and
+    concatenation (nor the pass-through concatenation of a partial rotary): with halves
+    ``x1, x2`` of the rotated channels and ``cos = [c1 | c2]``, ``sin = [s1 | s2]``,
+    ``out1 = x1 c1 - x2 s1`` and ``out2 = x2 c2 + x1 s2`` (two ``mul`` and two ``addcmul`` into
+    views of the output); the backward is the transposed rotation, written the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(cos, sin)
+        return _rotate_halves(x, cos, sin, sign=1.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        return _rotate_halves(grad, cos, sin, sign=-1.0), None, None
+
+
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    # sign 1: the rotation (out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2); sign -1: its transpose
+    # (the input gradient: g1 c1 + g2 s2, g2 c2 - g1 s1).
+    rot_dim = cos.shape[-1]
+    half = rot_dim // 2
+    c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    x1, x2 = x[..., :half], x[..., half:rot_dim]
+    out = torch.empty(torch.broadcast_shapes(x.shape, (*cos.shape[:-1], x.shape[-1])), dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half:rot_dim]
+    if sign > 0:
+        torch.mul(x1, c1, out=out1).addcmul_(x2, s1, value=-1.0)
+        torch.mul(x2, c2, out=out2).addcmul_(x1, s2)
+    else:
+        torch.mul(x1, c1, out=out1).addcmul_(x2, s2)
+        torch.mul(x2, c2, out=out2).addcmul_(x1, s1, value=-1.0)
+    if rot_dim < x.shape[-1]:
+        out[..., rot_dim:] = x[..., rot_dim:]
+    return out
+
+
+@register_kernel("rotary_pos_emb", "native", priority=5)
+def rotary_pos_emb_native(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """The reference's half layout in four fused multiply(-add)s into one output (:class:`_RotaryHalf`);
+    half-precision inputs, the interleaved layout and differentiable tables take the reference."""
+    check_rotary_inputs(x, cos, sin)
+    if interleaved or x.dtype in _HALF_DTYPES or cos.dtype != x.dtype or cos.requires_grad or sin.requires_grad:
+        return rotary_pos_emb_reference(x, cos, sin, interleaved)
+    if torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]) != x.shape[:-1]:
+        return rotary_pos_emb_reference(x, cos, sin, interleaved)  # tables wider than x: the reference's shape
+    return _RotaryHalf.apply(x, cos, sin)
