@@ -6,7 +6,8 @@ sequences, fp32) on each layout and memory setting below, in rounds (each round 
 layout afresh and times a few steps, so a change of the machine's load shifts all layouts
 alike). Per layout: the measured device-pool peak (largest rank) against
 :func:`mindspeed.autosettings.estimate_memory`, and the median step time (wall, and process CPU
-time, largest rank) against :func:`mindspeed.autosettings.steptime.estimate_step_time`.
+time, largest rank; and the minimum, the least disturbed step, which is the steadier measure on a
+shared machine) against :func:`mindspeed.autosettings.steptime.estimate_step_time`.
 
 The time model needs the "device": the ranks measure it first, as a user would read a
 datasheet: one thread's fp32 matmul rate (the peak), a copy's rate (memory and host
@@ -157,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "measured_mib": max(r["peaks"][index] for r in per_rank) / 2**20,
                 "wall_ms": max(statistics.median(r["wall"][index]) for r in per_rank) * 1e3,
                 "cpu_ms": max(statistics.median(r["cpu"][index]) for r in per_rank) * 1e3,
+                "cpu_min_ms": max(min(r["cpu"][index]) for r in per_rank) * 1e3,
+                "wall_min_ms": max(min(r["wall"][index]) for r in per_rank) * 1e3,
             }
             for index in range(len(LAYOUTS))
         ]
@@ -185,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "predicted_mib": memory.peak / 2**20,
                 "wall_ms": measured[index]["wall_ms"],
                 "cpu_ms": measured[index]["cpu_ms"],
+                "cpu_min_ms": measured[index].get("cpu_min_ms", float("nan")),
+                "wall_min_ms": measured[index].get("wall_min_ms", float("nan")),
                 "predicted_ms": predicted * 1e3,
             }
         )
@@ -193,19 +198,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{device['link_gbps']:.2f} GB/s gloo all-reduce; load average {os.getloadavg()[0]:.1f}; "
         f"{time.perf_counter() - started:.0f} s"
     )
-    print(f"{'layout':<44}{'meas MiB':>10}{'pred MiB':>10}{'err':>8}{'wall ms':>10}{'cpu ms':>10}{'pred ms':>10}")
+    print(
+        f"{'layout':<44}{'meas MiB':>10}{'pred MiB':>10}{'err':>8}{'wall ms':>10}{'cpu ms':>10}"
+        f"{'min wall':>10}{'min cpu':>10}{'pred ms':>10}"
+    )
     for row in rows:
         err = row["predicted_mib"] / row["measured_mib"] - 1
         print(
             f"{row['layout']:<44}{row['measured_mib']:>10.2f}{row['predicted_mib']:>10.2f}{err:>+8.1%}"
-            f"{row['wall_ms']:>10.1f}{row['cpu_ms']:>10.1f}{row['predicted_ms']:>10.1f}"
+            f"{row['wall_ms']:>10.1f}{row['cpu_ms']:>10.1f}{row['wall_min_ms']:>10.1f}{row['cpu_min_ms']:>10.1f}"
+            f"{row['predicted_ms']:>10.1f}"
         )
     predicted = [r["predicted_ms"] for r in rows]
     scores = {}
-    for key in ("wall_ms", "cpu_ms"):
+    for key in ("wall_ms", "cpu_ms", "wall_min_ms", "cpu_min_ms"):
         agree, total = _agreement(predicted, [r[key] for r in rows])
         scores[key] = (agree, total)
-        print(f"ranking vs {key[:-3]} time: {agree} of {total} pairs agree ({agree / max(1, total):.0%})")
+        name = key[:-3].replace("_", " ")
+        print(f"ranking vs {name} time: {agree} of {total} pairs agree ({agree / max(1, total):.0%})")
     if args.json:
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as out:
