@@ -23,6 +23,7 @@ remainders, free the masters. So the step itself holds one parameter's master at
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +56,19 @@ def split_fp32(master: torch.Tensor, bf16: torch.Tensor) -> tuple[torch.Tensor, 
         ``(remainder, ties)``: int16 remainders (shape of ``master``) and the flat int64
         indices whose remainder is ``+32768`` (stored as ``-32768``).
     """
-    high = bf16.reshape(-1).view(torch.int16).to(torch.int32) << 16
-    rest = master.reshape(-1).view(torch.int32) - high
+    if sys.byteorder == "little":
+        # ``bf16 << 16`` has zero low bits, so R's int16 bits are the master's low half-word (R =
+        # +32768 wraps to -32768 as stored): one strided copy. A low half of 0x8000 is a tie, rounded
+        # down (R = +32768: the bf16 is the master's high half) or up (R = -32768: it is one more).
+        halves = master.reshape(-1).view(torch.int16).view(-1, 2)
+        remainder = halves[:, 0].clone()
+        candidates = (remainder == -_TIE).nonzero().view(-1)
+        if candidates.numel():
+            candidates = candidates[bf16.reshape(-1).view(torch.int16)[candidates] == halves[candidates, 1]]
+        return remainder.view(master.shape), candidates
+    rest = bf16.reshape(-1).view(torch.int16).to(torch.int32)
+    rest.bitwise_left_shift_(16)
+    torch.sub(master.reshape(-1).view(torch.int32), rest, out=rest)
     ties = (rest == _TIE).nonzero().view(-1)
     rest[ties] = -_TIE
     return rest.to(torch.int16).view(master.shape), ties
@@ -64,10 +76,13 @@ def split_fp32(master: torch.Tensor, bf16: torch.Tensor) -> tuple[torch.Tensor, 
 
 def merge_fp32(bf16: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Rebuild the fp32 master into ``out`` from its bf16 copy, remainder and ties (inverse of :func:`split_fp32`)."""
-    bits = (bf16.reshape(-1).view(torch.int16).to(torch.int32) << 16) + remainder.reshape(-1).to(torch.int32)
+    # Built in ``out``'s own bits, with no temporary: widen (sign-extending), shift, add.
+    bits = out.reshape(-1).view(torch.int32)
+    bits.copy_(bf16.reshape(-1).view(torch.int16))
+    bits.bitwise_left_shift_(16)
+    bits.add_(remainder.reshape(-1))
     if ties.numel():
         bits[ties] += 2 * _TIE
-    out.reshape(-1).view(torch.int32).copy_(bits)
     return out
 
 

@@ -44,17 +44,43 @@ MODULE_NAMES = {
 DEFAULT_MODULES = ("input_norm", "self_attention", "post_attention_norm")
 
 
+class _HostPool:
+    """Host buffers kept for reuse: a pinned allocation is expensive on an accelerator, and a fresh
+    one is page-faulted in on first touch everywhere; the next forward reuses the last one's.
+
+    A buffer is given back when its tensor is back on the device: a later device -> host copy
+    into it is queued on the same side stream as the host -> device copy that read it.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((shape.numel(), dtype))
+        if free:
+            return free.pop().view(shape)
+        with untracked():
+            flat = get_accelerator().empty_host((shape.numel(),), dtype=dtype)
+        mark_host(flat)
+        return flat.view(shape)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer.view(-1))
+
+    def clear(self) -> None:
+        self._free = {}
+
+
 class _Swapped:
     """One saved tensor on its way to the host and back."""
 
-    __slots__ = ("host", "device", "event", "shape", "dtype", "stride", "offset", "source", "prefetched")
+    __slots__ = ("host", "device", "event", "source", "prefetched", "pool", "uses")
 
-    def __init__(self, tensor: torch.Tensor, side: Any) -> None:
+    def __init__(self, tensor: torch.Tensor, side: Any, pool: _HostPool) -> None:
         acc = get_accelerator()
         self.device = tensor.device
-        with untracked():
-            self.host = acc.empty_host(tensor.shape, dtype=tensor.dtype)
-        mark_host(self.host)
+        self.pool, self.uses = pool, 1  # uses: saves of this view not unpacked yet
+        self.host: torch.Tensor | None = pool.take(tensor.shape, tensor.dtype)
         side.wait_stream(acc.current_stream())
         with acc.use_stream(side):
             self.host.copy_(tensor, non_blocking=True)
@@ -72,6 +98,11 @@ class _Swapped:
         """Start the host-to-device copy on ``side``."""
         if self.prefetched is not None:
             return
+        if self.host is None:
+            raise RuntimeError(
+                "swap: a saved tensor was unpacked twice (a backward with retain_graph=True); "
+                "turn the activation swap off for this model"
+            )
         self.settle()
         acc = get_accelerator()
         self.prefetched = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
@@ -84,10 +115,14 @@ class _Swapped:
         """The tensor on the device again (waits for the prefetch, or copies now)."""
         if self.source is not None and self.prefetched is None:
             tensor, self.source = self.source, None  # the copy may still run: use the original
-            return tensor
-        self.prefetch(side)
-        get_accelerator().current_stream().wait_event(self.event)
-        tensor, self.prefetched = self.prefetched, None
+        else:
+            self.prefetch(side)
+            get_accelerator().current_stream().wait_event(self.event)
+            tensor, self.prefetched = self.prefetched, None
+        self.uses -= 1
+        if self.uses == 0:  # the last save of this view is back: its buffer can serve another
+            self.pool.give(self.host)
+            self.host = None
         return tensor
 
 
@@ -121,7 +156,7 @@ class SwapAttention:
 
     def install(self, chunks: Iterable[nn.Module]) -> SwapAttention:
         """Hook every ``TransformerLayer`` of ``chunks`` (the trainer calls it once the model is built)."""
-        self._side = get_accelerator().stream()
+        self._side, self._pool = get_accelerator().stream(), _HostPool()
         found = transformer_layers(chunks)
         layers = [layer for _, _, layer in found]
         self._first = {id(layer) for _, index, layer in found if index == 0}
@@ -144,7 +179,7 @@ class SwapAttention:
         ignored). Give them in forward order: the first starts a new forward, and each one's saved
         tensors are prefetched when the output gradient of the next one arrives.
         """
-        self._side = get_accelerator().stream()
+        self._side, self._pool = get_accelerator().stream(), _HostPool()
         modules = list(modules)
         self._first = {id(modules[0])} if modules else set()
         self._current, self._previous = None, None
@@ -161,6 +196,7 @@ class SwapAttention:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._pool.clear()
 
     # -- forward ---------------------------------------------------------------------------
     def _start_layer(self, layer: nn.Module, args: Any) -> None:
@@ -207,9 +243,11 @@ class SwapAttention:
         )
         handle = self._current.by_view.get(view)
         if handle is None:  # (the first copy keeps its source alive to the layer's end: no address reuse)
-            handle = self._current.by_view[view] = _Swapped(tensor, self._side)
+            handle = self._current.by_view[view] = _Swapped(tensor, self._side, self._pool)
             self._current.handles.append(handle)
             self.swapped_bytes += nbytes
+        else:
+            handle.uses += 1
         return handle
 
     # -- backward --------------------------------------------------------------------------
