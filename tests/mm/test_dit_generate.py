@@ -13,6 +13,7 @@ video's tokens) writes the same videos. (The sampler itself is proven against ``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -147,3 +148,54 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
         main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "d"), *FLAGS, "--height", "6"]) == 2
     )
     assert "multiples of 4" in capsys.readouterr().err
+
+
+def test_generate_flux_images_and_contact_sheet(tmp_path) -> None:
+    """FLUX (the text-to-image demo's pipeline layout: CLIP + T5, the patch VAE): one ``.png`` per prompt equal to
+    the library sampler run by hand (pooled embeddings and guidance included), a contact sheet, samples.jsonl."""
+    from PIL import Image
+
+    from mindspeed_mm.diffusion.demo_t2i import write_t2i_pipeline
+    from mindspeed_mm.diffusion.media import to_uint8
+    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+
+    pipe = write_t2i_pipeline(tmp_path / "pipe")
+    prompts = ["a red square in the top left", "a blue circle in the bottom right"]
+    flags = ["--height", "8", "--width", "8", "--num-inference-steps", "2", "--text-len", "10"]
+    flags += ["--guidance-scale", "3", "--seed", "7", "--prompt", prompts[0], "--prompt", prompts[1]]
+    out = tmp_path / "out"
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(out), *flags]) == 0
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [7, 8] and rows[1]["prompt"] == prompts[1]
+    assert rows[0]["settings"]["scheduler"] == "FlowMatchEulerDiscreteScheduler"
+    files = [out / "000-a-red-square-in-the-top-left.png", out / "001-a-blue-circle-in-the-bottom-right.png"]
+    assert [Path(f) for r in rows for f in r["files"]] == files
+    with Image.open(out / "contact_sheet.png") as sheet:
+        assert sheet.width >= 2 * 8 and sheet.height > 8  # two cells side by side, captions below
+    assert not (out / "contact_sheet.gif").exists()
+
+    loaded = load_dit_pipeline(pipe)
+    family = loaded.family
+    shape = latent_shape(loaded.parts["vae"], family, 1, 8, 8)
+    assert shape == (12, 4, 4)
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(7 + i)) for i in range(2)])
+    text, pooled = family.encode_prompts(loaded.parts, prompts, 10)
+    negative, negative_pooled = family.encode_prompts(loaded.parts, [""], 10)
+    latents = sample_latents(
+        loaded.model,
+        family,
+        build_scheduler(family, pipe),
+        noise,
+        text,
+        2,
+        pooled,
+        negative.expand(2, -1, -1),
+        negative_pooled.expand(2, -1),
+        3.0,
+    )
+    expected = to_uint8(decode_latents(loaded.parts["vae"], latents))
+    for file, image in zip(files, expected):
+        with Image.open(file) as written:
+            assert written.size == (8, 8)
+            np.testing.assert_array_equal(np.asarray(written.convert("RGB")), image)  # PNG is lossless

@@ -101,9 +101,9 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
 
 def resolve_demo(config: MMConfig) -> MMConfig:
     """``model.path: demo`` and ``data.files: [demo | demo-heldout]`` replaced by the demo's paths (built on first use)."""
-    from mindspeed_mm.diffusion.demo import resolve_dit_demo
+    from mindspeed_mm.diffusion.demos import resolve_dit_demo
 
-    config = resolve_dit_demo(config)  # demo-t2v: the text-to-video demo
+    config = resolve_dit_demo(config)  # demo-t2v / demo-t2i: the diffusion demos
     if config.model.path != DEMO and not any(f in (DEMO, HELDOUT) for f in config.data.files):
         return config
     paths = demo_paths()

@@ -33,7 +33,7 @@ class DiTSampleConfig:
     Attributes:
         pipeline_dir: diffusers pipeline directory whose VAE, text encoder(s), tokenizer(s) and scheduler are
             used (default: --load-dir when it is one, else the transformer directory's parent when that is one;
-            demo-t2v for the demo's).
+            demo-t2v / demo-t2i for the demos').
         output_dir: where the pictures, videos, contact sheets and samples.jsonl go.
         negative_prompt: what classifier-free guidance steers away from (default: the empty prompt).
         sampler: euler or unipc (diffusers' flow-matching schedulers; default: the pipeline's scheduler, else the
@@ -76,14 +76,14 @@ class DiTSampleConfig:
 
 def read_prompts(path: str, max_samples: int | None) -> list[str]:
     """Prompts of a ``.txt`` file (one a line) or a ``.json`` / ``.jsonl`` file (``cap`` or ``caption`` of each
-    entry, MindSpeed-MM's data.json); ``demo-t2v``: the demo's held-out captions.
+    entry, MindSpeed-MM's data.json); ``demo-t2v`` / ``demo-t2i``: the demo's held-out captions.
 
     Raises:
         ValueError: a missing file, or an entry without ``cap`` / ``caption`` (naming the line).
     """
-    from mindspeed_mm.diffusion.demo import DEMOS, demo_paths
+    from mindspeed_mm.diffusion.demos import resolve_prompts_file
 
-    file = demo_paths()["heldout"] if path in DEMOS else Path(path)
+    file = resolve_prompts_file(path)
     if not file.is_file():
         raise ValueError(
             f"--prompts-file {path!r} does not exist; give a .txt (one prompt a line) or .json/.jsonl file"

@@ -137,11 +137,11 @@ def _config(args: argparse.Namespace, cls: type = GenerateConfig) -> Any:
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``generate`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch and transformers out of the start-up of mindspeed_mm.cli.
-    from mindspeed_mm.diffusion.demo import resolve_demo_dir
+    from mindspeed_mm.diffusion.demos import resolve_demo_dir
     from mindspeed_mm.diffusion.pipeline import is_dit_source
     from mindspeed_mm.inference import SamplingSettings, load_inference_model, prompt_from_text, read_prompt_file
 
-    for name in ("load_dir", "base_dir", "pipeline_dir"):  # demo-t2v: the text-to-video demo's pipeline
+    for name in ("load_dir", "base_dir", "pipeline_dir"):  # demo-t2v / demo-t2i: a diffusion demo's pipeline
         if hasattr(args, name):
             setattr(args, name, resolve_demo_dir(getattr(args, name)))
     if is_dit_source(args.load_dir, args.base_dir):  # a diffusers model: text to video / image files

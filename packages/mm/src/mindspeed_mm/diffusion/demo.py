@@ -19,12 +19,12 @@ The pipeline is written in code, once, into ``runs/mm-demo/t2v-v*/pipeline`` (di
 The feature cache of the training clips (``runs/mm-demo/t2v-v*/features``) is extracted with the
 suite's encoders (:mod:`mindspeed_mm.diffusion.encoders`). ``model.path: demo-t2v`` and
 ``data.features: demo-t2v`` in a recipe stand for them, ``--load-dir demo-t2v`` /
-``--pipeline-dir demo-t2v`` / ``--prompts-file demo-t2v`` (the held-out captions) for ``generate``.
+``--pipeline-dir demo-t2v`` / ``--prompts-file demo-t2v`` (the held-out captions) for ``generate``
+(:mod:`mindspeed_mm.diffusion.demos`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import random
@@ -36,12 +36,10 @@ import numpy as np
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.config import MMConfig
 
 logger = get_logger(__name__)
 
 T2V = "demo-t2v"
-DEMOS = (T2V,)
 DEFAULT_CACHE_DIR = Path("runs/mm-demo")
 BUILDER_VERSION = 1
 SIZE, NUM_FRAMES, STEP = 24, 6, 2
@@ -112,7 +110,8 @@ def draw_clip(colour: str, shape: str, direction: str, rng: random.Random) -> np
     return np.stack(frames)
 
 
-def _word_tokenizer(words: list[str]) -> Any:
+def word_tokenizer(words: list[str]) -> Any:
+    """A word-level fast tokenizer over ``words`` (pad 0, eos 1 appended, unk 2; lowercased, split on spaces)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -151,7 +150,7 @@ def write_demo_pipeline(directory: str | Path, seed: int = 0) -> Path:
         )
     )
     encoder.save_pretrained(str(directory / "text_encoder"))
-    _word_tokenizer(words).save_pretrained(str(directory / "tokenizer"))
+    word_tokenizer(words).save_pretrained(str(directory / "tokenizer"))
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(str(directory / "scheduler"))
     index = {
         "_class_name": "WanPipeline",
@@ -205,7 +204,7 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         tmp = root / "pipeline.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         write_demo_pipeline(tmp)
-        _settle(tmp, paths["pipeline"], "model_index.json")
+        settle(tmp, paths["pipeline"], "model_index.json")
     if not (paths["features"] / "index.jsonl").is_file():
         logger.info("writing the text-to-video demo features into %s (once)", paths["features"])
         write_demo_features(paths["pipeline"], paths["features"])
@@ -214,37 +213,14 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
     return paths
 
 
-def _settle(tmp: Path, final: Path, marker: str) -> None:
+def settle(tmp: Path, final: Path, marker: str) -> None:
+    """Rename the finished ``tmp`` to ``final``; when another rank or run got there first, drop ``tmp``."""
     try:
         tmp.replace(final)
     except OSError:  # another rank or run finished first
         if not (final / marker).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def demo_pipeline(name: str) -> Path:
-    """The pipeline directory of demo ``name``."""
-    return demo_paths()["pipeline"]
-
-
-def resolve_demo_dir(path: str | None) -> str | None:
-    """``path``, or the demo's pipeline directory (built on first use) when ``path`` names a demo."""
-    return str(demo_pipeline(path)) if path is not None and str(path) in DEMOS else path
-
-
-def resolve_dit_demo(config: MMConfig) -> MMConfig:
-    """``model.path: demo-t2v`` and ``data.features: demo-t2v`` replaced by the demo's paths (built on first use)."""
-    if config.model.path not in DEMOS and config.data.features not in DEMOS:
-        return config
-    paths = demo_paths()
-    model = dataclasses.replace(
-        config.model, path=str(paths["transformer"]) if config.model.path in DEMOS else config.model.path
-    )
-    data = dataclasses.replace(
-        config.data, features=str(paths["features"]) if config.data.features in DEMOS else config.data.features
-    )
-    return dataclasses.replace(config, model=model, data=data)
 
 
 def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
