@@ -6,7 +6,7 @@ batch of 4 sequences) for 2 steps per layout and measures each rank's device-poo
 dispatch tracker, from before the model is built, so weights, gradient buffers, optimizer
 state, activations and temporaries are all in it). The largest rank's peak is compared with
 :func:`mindspeed.autosettings.estimate_memory`: within 10 % for every layout (measured here:
-within 2.5 %). Step-time ranking is checked by ``tools/bench/autosettings.py`` (timings on a
+-4.3 % to +0.9 %; the table is in docs/core/auto-settings.md). Step-time ranking is checked by ``tools/bench/autosettings.py`` (timings on a
 shared machine are too noisy for CI).
 
 The same measurements show the search's rule holds: at several device-memory budgets, every
