@@ -61,6 +61,10 @@ class LoadRecord:
         """Whether any of the runs of a row saw the machine busier than :attr:`max_load`."""
         return any(value > self.max_load for value in self.loads(runs))
 
+    def busy(self) -> bool:
+        """Whether the load average before or now is above :attr:`max_load`."""
+        return max(self.before, load_average()) > self.max_load
+
     def header(self, rows_noisy: bool) -> str:
         """One sentence for the table's header: the load before and after, and the verdict."""
         verdict = (
@@ -79,6 +83,17 @@ class LoadRecord:
             return 2
         Path(path).write_text(table)
         return 0
+
+
+def main_with_load_record(main: Callable[[], int]) -> int:
+    """Run a benchmark's ``main()`` and print (on stderr, so that output parsed by a parent stays
+    as it is) the load average before and after it, with the verdict: quiet, or busy and not for
+    the docs. For the benchmarks without per-row records (:class:`LoadRecord` in pretrain, sft)."""
+    record = LoadRecord()
+    status = main()
+    busy = record.busy()
+    sys.stderr.write(record.header(busy).replace("rows marked noisy, ", "numbers noisy, ") + "\n")
+    return status
 
 
 def memory_status() -> dict[str, float]:

@@ -424,4 +424,6 @@ def _part2(spec: dict[str, Any], facts: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
+
+    sys.exit(_child.main_with_load_record(main))

@@ -145,4 +145,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
+
+    sys.exit(_child.main_with_load_record(lambda: main() or 0))

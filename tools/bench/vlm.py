@@ -567,4 +567,6 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
+
+    sys.exit(_child.main_with_load_record(main))
