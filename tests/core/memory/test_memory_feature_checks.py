@@ -25,6 +25,12 @@ def _apply(settings: dict, **extra: object) -> BuildContext:
             {"num_layers": 8},
             "more than the model's 8 layers",
         ),
+        (
+            {"recompute_activation_function": True},
+            {"recompute_granularity": "full", "recompute_method": "uniform"},
+            "use model.recompute_method: block",
+        ),
+        ({"recompute_norm": True}, {"recompute_granularity": "full", "recompute_method": None}, "every layer"),
         ({"swap_attention": {"enabled": True, "swap_modules": ["mlp"]}}, {}, "unknown modules ['mlp']"),
         ({"swap_optimizer": True, "reuse_fp32_param": True}, {}, "conflict"),
     ],
@@ -48,3 +54,6 @@ def test_good_settings_attach_one_hook_each() -> None:
     )
     assert len(context.hooks["post_model_build"]) == 3 and len(context.hooks["post_optimizer_build"]) == 1
     assert len(_apply({"reuse_fp32_param": True}, precision="bf16").hooks["post_optimizer_build"]) == 1
+    block = _apply({"recompute_activation_function": True}, recompute_granularity="full", recompute_method="block")
+    selective = _apply({"recompute_norm": True}, recompute_granularity="selective", recompute_method=None)
+    assert len(block.hooks["post_model_build"]) == 1 and len(selective.hooks["post_model_build"]) == 1

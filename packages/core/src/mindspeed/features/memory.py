@@ -40,7 +40,17 @@ class _LayerRecomputeFeature(Feature):
     targets = ("hooks.post_model_build",)
 
     def validate(self, cfg: LayerRecomputeConfig, ctx: BuildContext) -> None:
-        """``num_layers`` is positive and at most the model's layers (when the facts give them)."""
+        """``num_layers`` is positive and at most the model's layers (when the facts give them); with
+        megatron's full recompute only ``recompute_method: block`` leaves layers for this feature (as
+        in MindSpeed)."""
+        facts = ctx.model.extra
+        if facts.get("recompute_granularity") == "full" and facts.get("recompute_method") != "block":
+            raise self.invalid(
+                f"megatron's full recompute with recompute_method={facts.get('recompute_method')} already "
+                "recomputes every layer",
+                "use model.recompute_method: block (the first recompute_num_layers layers fully recomputed, "
+                "this feature on the rest) or turn one of them off",
+            )
         if cfg.num_layers is None:
             return
         if cfg.num_layers < 1:
