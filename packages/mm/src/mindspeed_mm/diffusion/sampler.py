@@ -2,7 +2,8 @@
 
 The loop is the one ``WanPipeline`` and ``FluxPipeline`` run, written once over the family
 description (:class:`~mindspeed_mm.models.dit.DiTFamily`), so that the same code serves every
-family and, later, sequence-parallel sampling:
+family and sequence-parallel sampling (a model under
+:func:`~mindspeed_mm.models.dit_parallel.apply_sequence_parallel` returns the whole prediction on every rank):
 
 1. ``scheduler.set_timesteps(steps, **family.timestep_kwargs(...))`` (FLUX: its sigmas and ``mu``);
 2. per timestep ``t``: the model's velocity for the text, and with guidance (``guidance_scale > 1``
