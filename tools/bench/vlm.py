@@ -7,7 +7,8 @@ sizes and, with ``--data mixed``, text-only samples, so samples differ in length
 settings, learning-rate schedule, clipping and fp32, on the CPU with the same threads:
 
 - ours: :func:`mindspeed_mm.trainer.loop.train` on one rank (what ``mindspeed-mm train``
-  runs with one process): FSDP2, the core's attention registered in transformers
+  runs with one process; in fp32 that is the model without FSDP2, which one rank does not
+  need), the core's attention registered in transformers
   (``mindspeed``), each microbatch's samples packed into one row without padding;
 - Hugging Face: ``Qwen2_5_VLForConditionalGeneration`` (SDPA) under ``Trainer``, fed one item
   per microbatch holding exactly the samples of ours, encoded by our encoder (same ``input_ids``,
@@ -20,7 +21,9 @@ timed steps (after ``--warmup``, which also covers our trainer's one-time encodi
 holds exactly the warmup steps' samples, so later steps revisit them); time is the loop period
 (start of a step to the start of the next), reported as wall time and CPU time. Every run is a
 fresh process: its peak RSS (``VmHWM``) is its own; the runs alternate, ``--repeats`` times, and
-a side's rate is its best run's median step. Usage::
+a side's rate is its best run's median step. The table gives each variant's load average (the
+lowest at a run's start to the highest at a run's end): on a shared host wall times mean little
+without it. Usage::
 
     uv run --frozen python tools/bench/vlm.py                 # small: ~25 M parameters
     uv run --frozen python tools/bench/vlm.py --quick         # a smoke run
@@ -550,7 +553,9 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
     write = sys.stdout.write
     write(
         header + "\n\n| run | tokens/s | x HF | tokens/s of CPU time | x HF | step s (CPU s) | peak RSS MB | x HF "
-        "| peak - imports MB | trainable | loss step 1 | last loss | tokens/s of each run |\n" + "|---" * 13 + "|\n"
+        "| peak - imports MB | trainable | loss step 1 | last loss | tokens/s of each run | load average |\n"
+        + "|---" * 14
+        + "|\n"
     )
     names = list(results)
     for i, name in enumerate(names):
@@ -562,7 +567,7 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
             f"| {r['step_s']:.2f} ({r['cpu_step_s']:.2f}) | {r['peak_rss_mb']:.0f} "
             f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['peak_rss_mb'] - r['import_rss_mb']:.0f} "
             f"| {r['trainable'] or '-'} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} "
-            f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} |\n"
+            f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |\n"
         )
 
 

@@ -196,15 +196,19 @@ class VLMTask:
         start, end = self.sequence.begin(batch.sample_index)
         if self.vision_balance is not None:
             self.vision_balance.begin(batch.vision)
-        logits = self.model(**batch.model_inputs(self.device)).logits[0]
         mask = batch.targets != IGNORE_INDEX
         sample_tokens = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
-        targets = batch.targets[start:end].to(self.device)
+        # Only the positions that are predicted reach the head (transformers' ``logits_to_keep``):
+        # the [tokens, vocab] logits of image and prompt tokens would be computed to be ignored.
+        keep = mask[start:end].nonzero().squeeze(1)
+        targets = batch.targets[start:end][keep].to(self.device)
+        keep = keep.to(self.device)
+        logits = self.model(**batch.model_inputs(self.device), logits_to_keep=keep).logits[0]
         losses = token_losses(logits, targets)
         return reduce_loss(
             losses,
             targets,
-            batch.sample_index[start:end].to(self.device),
+            batch.sample_index[start:end].to(self.device)[keep],
             batch.num_samples,
             t.loss_type,
             t.gradient_accumulation_steps,
