@@ -524,7 +524,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             child = {**spec, **variant}
             if args.profile and repeat == 0:
                 child["profile"] = str(work / f"profile_{number}_{variant['kind']}.prof")
-            runs[name].append(_child.run_child(__file__, variant["kind"], child, work / f"run_{repeat}_{number}.log"))
+            log = work / f"run_{repeat}_{number}.log"
+            runs[name].append(_child.run_child(__file__, variant["kind"], child, log))
+            # each run's result as it comes: a bench cut short on a loaded host still has its runs
+            log.with_suffix(".result.json").write_text(json.dumps({"name": name, **runs[name][-1]}))
     for name, variant_runs in runs.items():  # ours must have trained on the tokens HF was given
         if any("tokens" in r and r["tokens"] != facts["step_tokens"] for r in variant_runs):
             raise SystemExit(f"{name} trained on other tokens than the Hugging Face runs were given; see {work}")
