@@ -49,6 +49,7 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
         (["data.video_min_pixels=70000"], "data.video_min_pixels=70000 is above data.video_max_pixels=65536"),
         (["data.video_fps=0"], "data.video_fps=0.0 must be positive"),
         (["data.workers=-1"], "data.workers=-1 not negative"),
+        (["parallel.context_parallel_algo=megatron_cp_algo"], "vision-language models take ulysses_cp_algo only"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_mm_config(None, base + extra).check(1)

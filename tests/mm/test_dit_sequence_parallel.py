@@ -8,10 +8,12 @@ SP2 (both ranks hold each microbatch, each holds half of its video / image token
   text + image attention; 9 image and 8 text tokens: uneven shards), rel 1e-5;
 - two steps of ``train`` (loss, gradient norm, token counts);
 - sampling (Euler, classifier-free guidance against a negative text) from the same noise;
+- ``parallel.context_parallel_algo=megatron_cp_algo`` (the core's ring attention) on Wan: the loss rel
+  1e-5, every gradient rel 1e-4 (the ring's log-sum-exp merge rounds differently);
 - training from raw media: each rank encodes half of the samples (VAE and text encoder), the
   losses equal SP1's.
 
-The Ulysses all-to-all must have run in every attention over the split tokens.
+The Ulysses all-to-all (or the ring) must have run in every attention over the split tokens.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def _raw(recipe: Path, sp: int) -> dict:
 
 def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
     out = {arch: _step(_overrides(runs[arch], 2)) for arch in (WAN, FLUX)}
+    out["ring"] = _step([*_overrides(runs[WAN], 2), "parallel.context_parallel_algo=megatron_cp_algo"])
     out["train"] = {arch: train(load_mm_config(None, _overrides(runs[arch], 2))).records for arch in (WAN, FLUX)}
     out["sample"] = {arch: _sample(arch, runs[arch][0]) for arch in (WAN, FLUX)}
     out["raw"] = _raw(recipe, 2)
@@ -197,6 +200,12 @@ def test_sp2_equals_sp1(tmp_path) -> None:
         np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
         assert sample["calls"] == 2 * 3 * 2  # 2 attentions, 3 steps, conditional and unconditional
         np.testing.assert_array_equal(two[1]["sample"][arch]["two"], sample["two"])  # every rank has the output
+    # ring attention (the core's megatron_cp_algo over the same group): Wan's 12 tokens, 6 a rank
+    ring, a = two[0]["ring"], one[WAN]
+    assert ring["loss"] == pytest.approx(a["loss"], rel=1e-5) and ring["calls"] == 4
+    for name, grad in a["grads"].items():
+        scale = max(float(np.abs(grad).max()), 1e-12)
+        assert float(np.abs(ring["grads"][name] - grad).max()) / scale < 1e-4, ("ring", name)
     # raw media: each rank of the group encoded one sample of every microbatch of 2, the losses are SP1's
     assert len(one["raw"]["encoded"]) == 4
     assert [len(r["raw"]["encoded"]) for r in two] == [2, 2]

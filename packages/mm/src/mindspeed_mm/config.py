@@ -66,12 +66,17 @@ class ParallelConfig:
             the root is always wrapped. Default: the model family's plan.
         reshard_after_forward: free the gathered parameters after each unit's forward (ZeRO-3);
             false keeps them until the backward (ZeRO-2 like, more memory, less communication).
+        context_parallel_algo: the attention of a diffusion transformer's sequence-parallel group
+            (MindSpeed's names): ``ulysses_cp_algo`` (all-to-all over the heads), or ``megatron_cp_algo``
+            (the core's ring attention: every rank of the group must hold as many tokens, the
+            sequence a multiple of ``2 x ulysses_parallel_size``). Vision-language models take Ulysses only.
     """
 
     dp_replicate: int = 1
     ulysses_parallel_size: int = 1
     fsdp_plan: list[str] | None = None
     reshard_after_forward: bool = True
+    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo"] = "ulysses_cp_algo"
 
 
 @dataclass
@@ -457,6 +462,11 @@ class MMConfig:
             raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
         if self.task() == "dit":
             self._check_dit()
+        elif p.context_parallel_algo != "ulysses_cp_algo":
+            raise ConfigError(
+                f"parallel.context_parallel_algo={p.context_parallel_algo}: vision-language models take "
+                "ulysses_cp_algo only; remove the key"
+            )
         elif not d.files:
             raise ConfigError(
                 "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> / <video> "

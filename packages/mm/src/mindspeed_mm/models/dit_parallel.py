@@ -34,8 +34,10 @@ from torch.overrides import TorchFunctionMode
 
 from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
+from mindspeed.ops.attention import FEATURE_LSE
 from mindspeed.parallel.context_parallel.comm import heads_to_seq, seq_to_heads
-from mindspeed.parallel.context_parallel.layout import split_sizes
+from mindspeed.parallel.context_parallel.layout import RING, ULYSSES, split_sizes, zigzag_ranges
+from mindspeed.parallel.context_parallel.ring import ring_attention
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,9 @@ class SequencePlan:
     cross_attention_local: bool = True
 
 
-@functools.lru_cache(maxsize=4)
-def _kernel(device: str) -> Any:
-    return resolve_kernel("attention", "auto", device=device)
+@functools.lru_cache(maxsize=8)
+def _kernel(op: str, device: str, features: tuple[str, ...] = ()) -> Any:
+    return resolve_kernel(op, "auto", device=device, features=features)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -109,11 +111,14 @@ class SequenceParallel:
         group: the Ulysses group (its rank order is the shard order).
         plan: the family's plan.
         sizes: shard sizes over the group of each named split of the current forward.
-        calls: Ulysses attention calls so far (tests check it ran).
+        calls: sequence-parallel attention calls so far (tests check it ran).
+        algo: ``ulysses_cp_algo`` or ``megatron_cp_algo`` (the core's ring attention over the group:
+            non-causal, so the contiguous shards serve as well as its zig-zag ones when all are as long).
     """
 
     group: dist.ProcessGroup
     plan: SequencePlan
+    algo: str = ULYSSES
     sizes: dict[str, list[int]] = field(default_factory=dict)
     calls: int = 0
     handles: list[Any] = field(default_factory=list)
@@ -170,11 +175,36 @@ class SequenceParallel:
                 f"({key.shape[1]} key heads); use a divisor of the head count"
             )
         sizes = self.attention_sizes()
-        q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
-        softmax_scale = scale if scale is not None else q.shape[-1] ** -0.5
-        out = _kernel(get_accelerator().name)(q, k, v, causal=False, softmax_scale=softmax_scale)
+        softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
+        device = get_accelerator().name
         self.calls += 1
+        if self.algo == RING:
+            return self._ring(query, key, value, sizes, softmax_scale, device)
+        q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
+        out = _kernel("attention", device)(q, k, v, causal=False, softmax_scale=softmax_scale)
         return heads_to_seq([out], self.group, sizes)[0].transpose(1, 2)
+
+    def _ring(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int], scale: float, device: str
+    ) -> torch.Tensor:
+        seq_len = sum(sizes)
+        zigzag = [sum(hi - lo for lo, hi in zigzag_ranges(seq_len, r, self.size)) for r in range(self.size)]
+        if sizes != zigzag:
+            raise ValueError(
+                f"parallel.context_parallel_algo=megatron_cp_algo needs equally long shards; the {seq_len} tokens "
+                f"split as {sizes}: use latents whose tokens (and text) divide by 2 x {self.size}, or ulysses_cp_algo"
+            )
+        out = ring_attention(
+            *(x.transpose(1, 2) for x in (query, key, value)),
+            group=self.group,
+            seq_len=seq_len,
+            causal=False,
+            softmax_scale=scale,
+            bounds=None,
+            attend=_kernel("attention", device, (FEATURE_LSE,)),
+            update=_kernel("ring_attention_update", device),
+        )
+        return out.transpose(1, 2)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The whole sequence of the gathered module's output, on every rank."""
@@ -246,14 +276,18 @@ def _split_outputs(parallel: SequenceParallel, split: Split, module: Any, args: 
     return type(output)(parallel.split(x, split) if isinstance(x, torch.Tensor) else x for x in output)
 
 
-def apply_sequence_parallel(model: torch.nn.Module, plan: SequencePlan, group: dist.ProcessGroup) -> SequenceParallel:
+def apply_sequence_parallel(
+    model: torch.nn.Module, plan: SequencePlan, group: dist.ProcessGroup, algo: str = ULYSSES
+) -> SequenceParallel:
     """Make ``model`` (a diffusers transformer, sharded or not) split its tokens over ``group`` (see the module doc).
 
     Raises:
         ValueError: the model uses diffusers' own gradient checkpointing (its recompute would split twice;
             use ``train.recompute_modules``), or the heads do not divide by the group size.
     """
-    parallel = SequenceParallel(group, plan)
+    if algo not in (ULYSSES, RING):
+        raise ValueError(f"parallel.context_parallel_algo={algo!r}: use {ULYSSES} or {RING}")
+    parallel = SequenceParallel(group, plan, algo=algo)
     if getattr(model, "gradient_checkpointing", False):
         raise ValueError(
             "sequence parallelism with diffusers' gradient checkpointing would split the recomputed blocks' "

@@ -136,7 +136,9 @@ class DiTTask:
                     f"{self.family.architecture} has no sequence-parallel plan; set parallel.ulysses_parallel_size=1"
                 )
             group = build_sp_mesh(world, self.sp)["sp"].get_group()
-            self.sequence = apply_sequence_parallel(self.model, self.family.sequence_plan, group)
+            self.sequence = apply_sequence_parallel(
+                self.model, self.family.sequence_plan, group, config.parallel.context_parallel_algo
+            )
         # A feature cache, or the encoders run on the raw media of data.files as samples are read.
         self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
         self.flow = FlowMatching(config.diffusion)
