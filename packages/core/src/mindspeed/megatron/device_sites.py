@@ -96,6 +96,21 @@ def _clip_by_total_norm(original: Any, acc: Any) -> Any:
     return clip_grad_by_total_norm_fp32
 
 
+def _pos_emb_on_cp_rank(original: Any, acc: Any) -> Any:
+    def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        # Upstream builds the chunk indices in pinned host memory and moves them with .cuda();
+        # they are built where the embedding is. Chunks r and 2C - 1 - r of 2C, as upstream.
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1) :])
+        pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
+
+    return get_pos_emb_on_this_cp_rank
+
+
 def device_site_patches() -> list[UpstreamPatch]:
     """The patches that let megatron-core's training step run without the device redirect."""
     common = dict(distribution="megatron-core", versions=SITE_VERSIONS)
@@ -109,6 +124,18 @@ def device_site_patches() -> list[UpstreamPatch]:
             **common,
         )
         for module, where in DEVICE_SITE_MODULES.items()
+    ]
+    embeddings = "megatron.core.models.common.embeddings"
+    patches += [
+        UpstreamPatch(
+            f"cp-rope-slice:{module}",
+            f"{embeddings}.{module}.get_pos_emb_on_this_cp_rank",
+            _pos_emb_on_cp_rank,
+            reason="context parallelism's rope slice moves its indices with .cuda() (imported by name)",
+            accelerators=SHIMMED_ACCELERATORS,
+            **common,
+        )
+        for module in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding")
     ]
     clip = "megatron.core.optimizer.clip_grads"
     patches += [
