@@ -128,13 +128,14 @@ class Preemption:
     def agree(self, group: Any = None, device: Any = None) -> StopRequest | None:
         """The stop request of any rank of ``group`` (all ranks get the same answer); collective.
 
-        Without an initialised torch.distributed this is :meth:`requested`.
+        Without an initialised torch.distributed, or in a group of one rank, this is :meth:`requested`
+        (no collective: on gloo even a one-rank all-reduce hands the step over to another thread).
         """
         local = self.requested()
         import torch
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return local
         codes = {request: code for code, request in _REQUESTS.items()}
         flag = torch.tensor([codes[local] if local is not None else _NONE], dtype=torch.int32, device=device)
