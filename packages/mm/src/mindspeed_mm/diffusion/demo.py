@@ -2,7 +2,9 @@
 
 Each clip is :data:`NUM_FRAMES` frames of :data:`SIZE` x :data:`SIZE` pixels: one shape (square,
 circle, triangle) in one colour (red, green, blue, yellow) on a dark background, moving left,
-right, up or down; its caption says all three ("a red circle moving left"). Of the 48
+right, up or down by :data:`STEP` pixels a frame (version 2: 4 frames, 4 pixels, so the clip
+travels half the picture and its start on the motion's axis is nearly fixed; version 1 had 6 frames of
+2 pixels); its caption says all three ("a red circle moving left"). Of the 48
 combinations, :func:`heldout_combinations` keeps 8 out of training (each colour twice, each
 direction twice): the learning check samples their captions and measures whether the dominant
 colour and the motion of the samples match (:func:`score_videos`; chance 1/4 each).
@@ -41,24 +43,24 @@ logger = get_logger(__name__)
 
 T2V = "demo-t2v"
 DEFAULT_CACHE_DIR = Path("runs/mm-demo")
-BUILDER_VERSION = 1
-SIZE, NUM_FRAMES, STEP = 24, 6, 2
+BUILDER_VERSION = 2
+SIZE, NUM_FRAMES, STEP = 24, 4, 4
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("square", "circle", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 CLIPS_PER_COMBINATION = 12
 TEXT_LEN = 8
-#: The demo transformer: ~0.1 M parameters; 12 latent channels (3 colours x 2 x 2 pixels).
+#: The demo transformer: ~0.25 M parameters; 12 latent channels (3 colours x 2 x 2 pixels), 144 tokens a clip.
 TINY_WAN = {
     "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
+    "num_attention_heads": 3,
     "attention_head_dim": 24,
     "in_channels": 12,
     "out_channels": 12,
     "text_dim": 32,
     "freq_dim": 64,
-    "ffn_dim": 96,
-    "num_layers": 2,
+    "ffn_dim": 144,
+    "num_layers": 3,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 32,
