@@ -2,7 +2,7 @@
 
 Each clip is :data:`NUM_FRAMES` frames of :data:`SIZE` x :data:`SIZE` pixels: one shape (square,
 circle, triangle) in one colour (red, green, blue, yellow) on a dark background, moving left,
-right, up or down by :data:`STEP` pixels a frame (version 2: 4 frames, 4 pixels, so the clip
+right, up or down by :data:`STEP` pixels a frame (since version 2: 4 frames, 4 pixels, so the clip
 travels half the picture and its start on the motion's axis is nearly fixed; version 1 had 6 frames of
 2 pixels); its caption says all three ("a red circle moving left"). Of the 48
 combinations, :func:`heldout_combinations` keeps 8 out of training (each colour twice, each
@@ -43,7 +43,7 @@ logger = get_logger(__name__)
 
 T2V = "demo-t2v"
 DEFAULT_CACHE_DIR = Path("runs/mm-demo")
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 SIZE, NUM_FRAMES, STEP = 24, 4, 4
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("square", "circle", "triangle")
@@ -53,8 +53,8 @@ TEXT_LEN = 8
 #: The demo transformer: ~0.25 M parameters; 12 latent channels (3 colours x 2 x 2 pixels), 144 tokens a clip.
 TINY_WAN = {
     "patch_size": (1, 2, 2),
-    "num_attention_heads": 3,
-    "attention_head_dim": 24,
+    "num_attention_heads": 2,  # even: sequence-parallel sampling splits the heads over 2 ranks
+    "attention_head_dim": 36,
     "in_channels": 12,
     "out_channels": 12,
     "text_dim": 32,
