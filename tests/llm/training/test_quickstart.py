@@ -40,7 +40,7 @@ def _quickstart(out: Path, *args: str) -> tuple[list[str], int]:
 #: its changes, kernel choices, other libraries' warnings.
 DETAIL = (
     "  - cuda-api:current_device",
-    "features at optimization level 2 on cpu: 5 enabled",
+    "features at optimization level 2 on cpu: 6 enabled",
     "[feature] ",
     "mindspeed.ops.registry: kernel ",
     "py.warnings",
