@@ -150,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _auto_settings(args: argparse.Namespace) -> int:
     # Lazy: the search imports torch (through mindspeed.metrics); keep it out of the CLI's start-up.
-    from mindspeed.autosettings.command import run_auto_settings
+    from mindspeed.autosettings.cli import run_auto_settings
 
     return run_auto_settings(args)
 
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
     demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 impl=reference")
     demo.set_defaults(func=_demo)
-    from mindspeed.autosettings.command import add_arguments
+    from mindspeed.autosettings.cli import add_arguments
 
     auto = sub.add_parser(
         "auto-settings",
