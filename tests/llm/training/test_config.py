@@ -160,7 +160,7 @@ class _Groups:
 
 
 def test_train_section_gives_the_optimizer_and_scheduler_sections() -> None:
-    from mindspeed_llm.training.config import OptimizerConfig, SchedulerConfig
+    from mindspeed_llm.training.sections import OptimizerConfig, SchedulerConfig
 
     t = load_pretrain_config(
         None,

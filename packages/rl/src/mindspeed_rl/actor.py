@@ -3,8 +3,8 @@
 The actor is built from a Hugging Face directory with the LLM suite's section-scoped builders,
 never a recipe: the model from its shape and a parallel layout (``hf_model_shape``,
 ``build_transformer_config``, ``build_model``, ``load_hf_weights``), the optimizer from an
-:class:`~mindspeed_llm.training.config.OptimizerConfig`, the schedule from a
-:class:`~mindspeed_llm.training.config.SchedulerConfig` and a step count. Sequences are
+:class:`~mindspeed_llm.training.sections.OptimizerConfig`, the schedule from a
+:class:`~mindspeed_llm.training.sections.SchedulerConfig` and a step count. Sequences are
 ``(prompt ids, response ids)`` pairs packed into THD microbatches; megatron's GPTModel with
 ``labels`` returns the per-token cross-entropy, so the log-prob of a response token is minus
 that output. The policy loss is a megatron ``LossFunc`` that gathers the response tokens of
@@ -42,13 +42,7 @@ from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
 from mindspeed.megatron import AdaptReport, adapt, current_report, unadapt
 from mindspeed.model.shape import ModelShape
-from mindspeed_llm.training.config import (
-    CheckpointConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PretrainConfig,
-    SchedulerConfig,
-)
+from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
 from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
 from mindspeed_llm.training.model import (
@@ -59,6 +53,7 @@ from mindspeed_llm.training.model import (
     unwrap,
 )
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler
+from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
 from mindspeed_llm.training.steps import packed_seq_params
 from mindspeed_llm.training.trainer import seed_everything
 from mindspeed_rl.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy

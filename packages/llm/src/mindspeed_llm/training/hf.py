@@ -36,9 +36,10 @@ from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.checkpoint.endpoints import HFSource, pick_bridge, read_hf_config
 from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
 from mindspeed_llm.tokenizer import load_tokenizer
-from mindspeed_llm.training.config import ModelConfig, ParallelConfig, PretrainConfig
+from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.lora_io import save_lora_adapter
 from mindspeed_llm.training.model import default_groups, unwrap
+from mindspeed_llm.training.sections import ModelConfig, ParallelConfig
 
 logger = get_logger(__name__)
 

@@ -20,7 +20,8 @@ from mindspeed.device import get_accelerator
 from mindspeed.megatron.config import ParallelSizes, transformer_config
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
-from mindspeed_llm.training.config import ModelConfig, ParallelConfig, PretrainConfig
+from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.sections import ModelConfig, ParallelConfig
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -1,8 +1,8 @@
 """Optimizer and learning-rate schedule: megatron-core's own, built from their config sections.
 
-:func:`build_optimizer` takes an :class:`~mindspeed_llm.training.config.OptimizerConfig`, the model
+:func:`build_optimizer` takes an :class:`~mindspeed_llm.training.sections.OptimizerConfig`, the model
 chunks and the ``parallel`` section; :func:`build_scheduler` a
-:class:`~mindspeed_llm.training.config.SchedulerConfig`, the optimizer and a step count. A recipe's
+:class:`~mindspeed_llm.training.sections.SchedulerConfig`, the optimizer and a step count. A recipe's
 ``train`` section gives both (``TrainConfig.optimizer_config()`` / ``scheduler_config()``); the RL
 actor fills them from its own recipe.
 
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mindspeed.ops.registry import resolve_kernel
-from mindspeed_llm.training.config import OptimizerConfig, ParallelConfig, SchedulerConfig
+from mindspeed_llm.training.sections import OptimizerConfig, ParallelConfig, SchedulerConfig
 
 
 def build_optimizer(
