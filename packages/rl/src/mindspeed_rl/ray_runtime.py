@@ -37,14 +37,16 @@ LOCAL_RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled"}
 #: Environment variable every process of a local instance inherits (its value names the instance).
 OWNER_ENV = "MINDSPEED_RAY_OWNER"
 
-# Runs without imports beyond os/signal/sys: blocks on the driver's pipe, then kills the marked
-# processes (a few passes: a process may start while the first pass runs).
+# Runs without imports beyond os/signal/sys/time: blocks on the driver's pipe, then kills the marked
+# processes, pass after pass until none has been seen for 3 s (a dying raylet may still be starting
+# its agents while the first passes run).
 _WATCHDOG = r"""
-import os, signal, sys
+import os, signal, sys, time
 marker = sys.argv[1].encode() + b"\0"
 sys.stdin.buffer.read()
 me = str(os.getpid())
-for _ in range(5):
+quiet_since = time.monotonic()
+while time.monotonic() - quiet_since < 3.0:
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit() and name != me:
@@ -59,8 +61,9 @@ for _ in range(5):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    if not found:
-        break
+    if found:
+        quiet_since = time.monotonic()
+    time.sleep(0.1)
 """
 
 
