@@ -37,6 +37,7 @@ Usage::
     uv run --frozen python tools/bench/grpo.py --quick --no-buffer-modes  # a smoke run (~1 min)
     uv run --frozen python tools/bench/grpo.py --quick      # both tables (~2 to 4 min: Ray start-up)
     uv run --frozen python tools/bench/grpo.py --no-trl     # sync vs async only
+    uv run --frozen python tools/bench/grpo.py --long --no-buffer-modes  # 512-token prompts, 8 x 128 tokens
 
 Results and their reading: ``docs/rl/benchmark.md``.
 
@@ -49,8 +50,10 @@ skips it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -96,7 +99,7 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     model_dir = Path(spec["workdir"]) / f"model_{spec['size']}"
     config = LlamaConfig(
         vocab_size=2048,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions(spec),
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         **SIZES[spec["size"]],
@@ -109,21 +112,44 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     records = load_prompts("demo")
     sampler = PromptSampler(len(records), spec["global_batch"], spec["seed"], shuffle=True)
     steps = [[records[i] for i in sampler.next_batch()] for _ in range(spec["steps"])]
-    prompt_tokens = [
-        len(
+
+    def length(text: str) -> int:
+        return len(
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": r.prompt}], tokenize=True, add_generation_prompt=True, return_dict=True
+                [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, return_dict=True
             )["input_ids"]
         )
-        for step in steps
-        for r in step
-    ]
+
+    if spec["prompt_tokens"]:
+        steps = [
+            [dataclasses.replace(r, prompt=lengthen(r.prompt, spec["prompt_tokens"], length)) for r in step]
+            for step in steps
+        ]
+    prompt_tokens = [length(r.prompt) for step in steps for r in step]
     return {
         "model_dir": str(model_dir),
         "parameters": sum(p.numel() for p in model.parameters()),
         "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
         "prompt_tokens_mean": statistics.mean(prompt_tokens),
     }
+
+
+def max_positions(spec: dict[str, Any]) -> int:
+    """The model's ``max_position_embeddings``: 512, or what the prompts and responses need (a multiple of 64)."""
+    need = spec["prompt_tokens"] + spec["max_new_tokens"] + 16
+    return max(512, -(-need // 64) * 64)
+
+
+def lengthen(prompt: str, tokens: int, length: Any) -> str:
+    """``prompt`` behind a context of digits such that its chat-rendered prompt has ``tokens`` tokens
+    (or the fewest above, where one more digit adds two tokens)."""
+    rng = random.Random(prompt)
+    words: list[str] = []
+    text = prompt
+    while length(text) < tokens:
+        words.append(str(rng.randrange(10)))
+        text = "Context: " + " ".join(words) + "\n" + prompt
+    return text
 
 
 # ----------------------------------------------------------------------------- children
@@ -201,8 +227,6 @@ def _periods(marks: list[tuple[float, float, float]]) -> dict[str, list[float]]:
 
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     """``build_context`` + ``grpo_step`` in this process (a one-rank gloo group)."""
-    import dataclasses
-
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -221,7 +245,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             f"rollout.n={spec['n']}",
             f"rollout.max_new_tokens={spec['max_new_tokens']}",
             "rollout.temperature=1.0",
-            "rollout.max_prompt_length=512",
+            f"rollout.max_prompt_length={max_positions(spec) - spec['max_new_tokens']}",
             f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
             f"train.global_batch={spec['global_batch']}",
             f"train.steps={spec['steps']}",
@@ -249,6 +273,17 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         return outputs
 
     ctx.engine.generate = timed_generate
+    if not spec["prefix_sharing"]:
+        ctx.engine.prefix_sharing = False
+    update, update_cpu = ctx.actor.update, []
+
+    def timed_update(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        out = update(*args, **kwargs)
+        update_cpu.append(time.process_time() - start)
+        return out
+
+    ctx.actor.update = timed_update
     marks, records, profiler = [], [], Profiler(spec, "ours")
     for step in range(spec["steps"] + 1):  # one more mark than steps: the last period's end
         marks.append(_now())
@@ -264,6 +299,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         "gen_times": gen_times,
         "gen_tokens": gen_tokens,
         "rollout_times": phases["time/rollout"],
+        "update_cpu": update_cpu,
         "phases": phases,
         "reward_mean": [r["reward_mean"] for r in records],
         "threads": torch.get_num_threads(),
@@ -337,7 +373,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    starts, gen_times, gen_tokens, rollout_times = {}, [], [], []
+    starts, gen_times, gen_tokens, rollout_times, rollout_cpu = {}, [], [], [], []
     profiler = Profiler(spec, "trl")
 
     class Clock(TrainerCallback):
@@ -351,9 +387,10 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
     class TimedTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = super()._generate_and_score_completions(inputs)
             rollout_times.append(time.perf_counter() - start)
+            rollout_cpu.append(time.process_time() - cpu)
             return out
 
     trainer = TimedTrainer(
@@ -387,6 +424,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "gen_times": gen_times,
         "gen_tokens": gen_tokens,
         "rollout_times": rollout_times,
+        "rollout_cpu": rollout_cpu,
         "prompt_width": prompt_width,
         "threads": torch.get_num_threads(),
         "import_rss_mb": base["rss_mb"],
@@ -420,7 +458,7 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
             f"rollout.n={spec['n']}",
             f"rollout.max_new_tokens={spec['max_new_tokens']}",
             "rollout.temperature=1.0",
-            "rollout.max_prompt_length=512",
+            f"rollout.max_prompt_length={max_positions(spec) - spec['max_new_tokens']}",
             f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
             "rollout.colocate=false",
             "rollout.num_devices=1",
@@ -527,6 +565,8 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "cpu_gen_s": statistics.median(g[1] for g in run["gen_times"][timed]),
             "wait_gen_s": statistics.median(g[2] for g in run["gen_times"][timed]),
             "rollout_s": statistics.median(run["rollout_times"][timed]),
+            "cpu_update_s": statistics.median(run["update_cpu"][timed]) if "update_cpu" in run else float("nan"),
+            "cpu_rollout_s": statistics.median(run["rollout_cpu"][timed]) if "rollout_cpu" in run else float("nan"),
             "gen_tokens": tokens,
             "gen_tps": tokens / gen,
             "step_tps": tokens / step,
@@ -571,14 +611,43 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
         f"| load average (min start - max end) | {ours['load'][0]:.1f}-{ours['load'][1]:.1f} "
         f"| {trl['load'][0]:.1f}-{trl['load'][1]:.1f} | |\n"
     )
+    write(where_the_step_goes(ours, trl))
+
+
+def where_the_step_goes(ours: dict[str, Any], trl: dict[str, Any]) -> str:
+    """Each side's step split into generation, scoring and log-prob passes, the update, and the rest
+    (median s, wall and CPU; TRL's update is the step outside ``_generate_and_score_completions``)."""
     phases = ours.get("phases", {})
-    write(
-        "\nWhere the step goes (median s): ours "
-        + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-        + f" (of which generation {ours['gen_s']:.2f}); TRL rollout {trl['rollout_s']:.2f} (of which generation "
-        f"{trl['gen_s']:.2f}), the rest (log-prob forward, backward, optimizer, bookkeeping) "
-        f"{trl['step_s'] - trl['rollout_s']:.2f}\n"
+    o_score = phases.get("rollout", ours["rollout_s"]) - ours["gen_s"] + phases.get("old_logp", 0.0)
+    o_update = phases.get("update", 0.0)
+    o_other = ours["step_s"] - ours["gen_s"] - o_score - o_update
+    o_cpu_update = ours["cpu_update_s"]
+    o_cpu_rest = ours["cpu_step_s"] - ours["cpu_gen_s"] - o_cpu_update
+    t_score = trl["rollout_s"] - trl["gen_s"]
+    t_cpu_score = trl["cpu_rollout_s"] - trl["cpu_gen_s"]
+    t_update, t_cpu_update = trl["step_s"] - trl["rollout_s"], trl["cpu_step_s"] - trl["cpu_rollout_s"]
+    rows = [
+        ("generation", ours["gen_s"], ours["cpu_gen_s"], trl["gen_s"], trl["cpu_gen_s"]),
+        ("scoring + log-prob passes (TRL: the rest of its rollout)", o_score, float("nan"), t_score, t_cpu_score),
+        (
+            "update: forward, backward, optimizer (TRL: the step outside its rollout)",
+            o_update,
+            o_cpu_update,
+            t_update,
+            t_cpu_update,
+        ),
+        ("other: weight sync, bookkeeping", o_other, float("nan"), 0.0, float("nan")),
+        ("CPU outside generation and update", float("nan"), o_cpu_rest, float("nan"), t_cpu_score),
+    ]
+    out = (
+        "\nWhere the step goes (median s of the best run):\n\n"
+        "| phase | ours wall | ours CPU | TRL wall | TRL CPU | TRL / ours CPU |\n|---|---|---|---|---|---|\n"
     )
+    for label, ow, oc, tw, tc in rows:
+        ratio = tc / oc if oc == oc and tc == tc and oc > 0 else float("nan")
+        cells = " | ".join("" if v != v else f"{v:.2f}" for v in (ow, oc, tw, tc, ratio))
+        out += f"| {label} | {cells} |\n"
+    return out
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -627,12 +696,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="write a CPU-time cProfile of each side's timed steps to the workdir (profile_<side>.prof "
         "and .txt; slows both sides down: use the numbers of a run without it)",
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="lengthen every prompt to this many tokens with a context of digits (default 0: the demo prompts)",
+    )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-prompt case: 512-token prompts, 2 prompts x 8 responses of 128 tokens, 4 steps",
+    )
+    parser.add_argument(
+        "--prefix-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our engine prefills a group's shared prompt once (default: on; --no-prefix-sharing for A/B)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.long:
+        args.prompt_tokens, args.global_batch, args.n, args.micro_batch, args.max_new_tokens = 512, 2, 8, 8, 128
+        args.steps = 4
     if args.quick:
         args.steps, args.warmup, args.global_batch, args.n, args.micro_batch, args.max_new_tokens = 3, 1, 2, 4, 4, 16
         args.repeats = 1
@@ -647,6 +736,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if args.warmup < 0 or args.steps < args.warmup + 1:
         parser.error(f"--steps={args.steps} leaves no timed step after --warmup={args.warmup}")
+    if args.prompt_tokens < 0:
+        parser.error(f"--prompt-tokens={args.prompt_tokens} must be >= 0")
     if args.beta < 0:
         parser.error(f"--beta={args.beta} must be >= 0")
     return args
@@ -674,6 +765,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": 1234,
         "warmup": args.warmup,
         "profile": args.profile,
+        "prompt_tokens": args.prompt_tokens,
+        "prefix_sharing": args.prefix_sharing,
     }
     started, load = time.perf_counter(), os.getloadavg()[0]
     facts = prepare(spec)
@@ -701,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
         f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
         f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
-        f"tokens on average; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+        f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
         f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
         f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
         f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "

@@ -3,11 +3,13 @@ request's tokens depend only on its own prompt, settings and seed (not on the ba
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from mindspeed_llm.inference import SamplingParams
-from mindspeed_llm.inference.sampling import Sampler, filter_logits
+from mindspeed_llm.inference.sampling import Sampler, exponential_noise, filter_logits, request_key
 from tests.llm.inference.conftest import random_prompts
 
 
@@ -44,11 +46,45 @@ def test_draws_follow_the_filtered_distribution() -> None:
     sampler = Sampler(torch.device("cpu"))
     params = [SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=seed) for seed in range(400)]
     generators = [sampler.generator(p) for p in params]
-    draws = [token for _ in range(10) for token in sampler.sample(logits, params, generators)[0]]
+    draws = [token for step in range(10) for token in sampler.sample(logits, params, generators, [step] * 400)[0]]
     counts = torch.bincount(torch.tensor(draws), minlength=6).float() / len(draws)
     want = filter_logits(logits[:1], torch.tensor([0.8]), torch.tensor([4]), torch.tensor([0.9])).softmax(-1)[0]
     assert counts[want == 0].sum() == 0  # filtered tokens never come out
     torch.testing.assert_close(counts, want, atol=0.04, rtol=0)  # ~4 standard errors at 4000 draws
+
+
+def test_batched_noise_equals_one_call_per_request() -> None:
+    # The counter-based noise of a batch is, bit for bit, what each request gets alone; draws
+    # from one batched call equal the per-request path (one call per row) token for token.
+    keys = torch.tensor([request_key(s) for s in (0, 1, 2**40 + 1, 2**62 - 1, 7, 7)], dtype=torch.int64)
+    steps = torch.tensor([0, 3, 5, 0, 1, 2], dtype=torch.int64)
+    batched = exponential_noise(keys, steps, 300)
+    for row in range(len(keys)):
+        assert torch.equal(batched[row : row + 1], exponential_noise(keys[row : row + 1], steps[row : row + 1], 300))
+    assert not torch.equal(batched[4], batched[5])  # same key, another step: other noise
+    assert len({request_key(s) for s in range(1000)}) == 1000
+    # Exp(1): mean 1 and P(E > 1) = 1/e over 1.8 M draws (standard errors ~1e-3 and ~4e-4).
+    many = exponential_noise(torch.tensor([request_key(s) for s in range(60)]), torch.arange(60), 30_000)
+    assert abs(float(many.mean()) - 1.0) < 5e-3
+    assert abs(float((many > 1).double().mean()) - math.exp(-1)) < 2e-3
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 2
+    sampler = Sampler(torch.device("cpu"))
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=s)
+        for t, k, p, s in [
+            (1.0, 0, 1.0, 1),
+            (0.7, 20, 1.0, 2),
+            (1.3, 0, 0.8, 3),
+            (0.0, 0, 1.0, None),
+            (1.0, 0, 1.0, 5),
+            (1.0, 0, 1.0, 5),
+        ]
+    ]
+    generators = [sampler.generator(p) for p in params]
+    tokens, logprobs = sampler.sample(logits, params, generators, [0, 1, 2, 3, 4, 9])
+    for row, step in enumerate([0, 1, 2, 3, 4, 9]):
+        alone = sampler.sample(logits[row : row + 1], [params[row]], [generators[row]], [step])
+        assert alone == ([tokens[row]], [logprobs[row]])
 
 
 def test_top_k_one_is_greedy(engine) -> None:

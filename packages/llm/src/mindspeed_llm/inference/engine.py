@@ -3,8 +3,10 @@
 One loop serves every request: while slots are free, waiting requests are admitted and their
 prompts prefilled together (right-padded rows, causal attention, keys and values written into
 their cache slots); then every running request advances by one token in a single batched
-decode step. A request that stops frees its slot at once (the last running slot moves into
-it, so running requests always occupy slots ``0 .. n-1``) and the next waiting request takes
+decode step. Requests admitted together with the same prompt
+(the ``n`` samples of an RL group) share its prefill: the prompt runs through the model once and
+its keys and values are copied into the other requests' slots. A request that stops frees its
+slot at once (the last running slot moves into it, so running requests always occupy slots ``0 .. n-1``) and the next waiting request takes
 it on the following iteration. The same engine scores sequences (log-probabilities for RL) and
 takes new weights as Hugging Face-named tensors (RL weight sync through the bridges).
 """
@@ -79,7 +81,7 @@ class _Request:
     index: int
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: int | None  # the sampler's noise key (None: greedy)
     stops: frozenset[int]
     limit: int
     tokens: list[int] = field(default_factory=list)
@@ -105,6 +107,9 @@ class InferenceEngine:
         max_seq_len: prompt plus generated tokens per request (default: the model's
             ``max_position_embeddings``); the cache is allocated for what a call needs, up to this.
         max_prefill_tokens: padded prompt tokens prefilled in one forward (at least one request).
+        prefix_sharing: requests admitted together with the same prompt (an RL group's samples)
+            prefill it once; the others get a copy of its keys and values (the tokens, log-probs
+            and sampling streams are those of the unshared path).
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class InferenceEngine:
         max_batch_size: int = 8,
         max_seq_len: int | None = None,
         max_prefill_tokens: int = 8192,
+        prefix_sharing: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -127,6 +133,7 @@ class InferenceEngine:
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_sharing = prefix_sharing
         self.sampler = Sampler(model.device)
         self.cache: KVCache | None = None
         self._loader: WeightLoader | None = None
@@ -310,28 +317,51 @@ class InferenceEngine:
         self.cache = None
 
     def _admit(self, waiting: collections.deque, free: int) -> list[_Request]:
+        # The budget counts the prompts a prefill runs: with prefix sharing, distinct prompts only.
         admitted = [waiting.popleft()]
-        longest = len(admitted[0].prompt)
+        longest, distinct = len(admitted[0].prompt), {tuple(admitted[0].prompt)}
         while waiting and len(admitted) < free:
-            longest = max(longest, len(waiting[0].prompt))
-            if longest * (len(admitted) + 1) > self.max_prefill_tokens:
+            prompt = tuple(waiting[0].prompt)
+            rows = len(distinct | {prompt}) if self.prefix_sharing else len(admitted) + 1
+            if max(longest, len(prompt)) * rows > self.max_prefill_tokens:
                 break
+            longest = max(longest, len(prompt))
+            distinct.add(prompt)
             admitted.append(waiting.popleft())
-        return admitted
+        if not self.prefix_sharing:
+            return admitted
+        # First occurrences first: they are prefilled into slots start .. start + distinct - 1.
+        first: dict[tuple[int, ...], _Request] = {}
+        for request in admitted:
+            first.setdefault(tuple(request.prompt), request)
+        leaders = list(first.values())
+        return leaders + [r for r in admitted if first[tuple(r.prompt)] is not r]
 
     def _prefill(self, requests: list[_Request], start: int, stream: Stream | None) -> None:
+        # ``requests`` come from :meth:`_admit`: with prefix sharing, each distinct prompt's first
+        # request precedes every request that repeats it.
         model, device = self.model, self.model.device
-        lengths = [len(r.prompt) for r in requests]
+        rows: dict[tuple[int, ...], int] = {}
+        source = [
+            rows.setdefault(tuple(r.prompt), len(rows)) if self.prefix_sharing else i for i, r in enumerate(requests)
+        ]
+        leaders = requests[: len(rows)] if self.prefix_sharing else requests
+        lengths = [len(r.prompt) for r in leaders]
         seq = max(lengths)
-        tokens = torch.zeros(len(requests), seq, dtype=torch.long)
-        for row, request in enumerate(requests):
+        tokens = torch.zeros(len(leaders), seq, dtype=torch.long)
+        for row, request in enumerate(leaders):
             tokens[row, : lengths[row]] = torch.tensor(request.prompt)
-        positions = torch.arange(seq).repeat(len(requests))
-        step = PrefillStep(model.attention, model.spec.windows, model.scale, len(requests), seq, self.cache, start)
+        positions = torch.arange(seq).repeat(len(leaders))
+        step = PrefillStep(model.attention, model.spec.windows, model.scale, len(leaders), seq, self.cache, start)
         hidden = model.hidden(tokens.view(-1).to(device), positions.to(device), step)
         self.cache.close_rows(start, lengths)
+        for row in range(len(leaders), len(requests)):  # the shared prompts' keys and values
+            self.cache.move(start + source[row], start + row, lengths[source[row]])
         last = torch.tensor([row * seq + length - 1 for row, length in enumerate(lengths)], device=device)
-        self._advance(requests, model.logits(hidden[last]), stream)
+        logits = model.logits(hidden[last])
+        if len(leaders) < len(requests):
+            logits = logits[torch.tensor(source, device=device)]
+        self._advance(requests, logits, stream)
 
     def _decode(self, running: list[_Request], stream: Stream | None) -> None:
         model, device = self.model, self.model.device
@@ -342,7 +372,9 @@ class InferenceEngine:
         self._advance(running, model.logits(model.hidden(tokens, positions, step)), stream)
 
     def _advance(self, requests: list[_Request], logits: torch.Tensor, stream: Stream | None) -> None:
-        tokens, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        tokens, logprobs = self.sampler.sample(
+            logits, [r.params for r in requests], [r.generator for r in requests], [len(r.tokens) for r in requests]
+        )
         for request, token, logprob in zip(requests, tokens, logprobs):
             request.tokens.append(token)
             request.logprobs.append(logprob)
