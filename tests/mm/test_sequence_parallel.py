@@ -7,11 +7,14 @@ so their losses, gradient norms and gradients must agree:
 - Qwen2.5-VL (M-RoPE positions, split with the tokens), ``default`` loss, 3 steps;
 - InternVL (1-D positions), ``per_token`` loss, 2 steps;
 - Qwen3-VL (DeepStack visual embeddings, split with the tokens), ``per_sample`` loss, 2 steps;
+- Qwen2.5-VL on videos (an .mp4, an image and an .mp4, text only, a frame folder; 2 samples a
+  microbatch): the video frames are shared out over the group, one video cut between the ranks;
 - the gradients of one step (embeddings, a vision block, an attention projection, the head)
-  gathered from the FSDP2 shards.
+  gathered from the FSDP2 shards, for the image and the video runs.
 
 The Ulysses all-to-all must have run in every language-model attention call of the SP runs, and
-the vision encoders' work must have been shared (microbatches with two images: one per rank).
+the vision encoders' work must have been shared (microbatches with two images: one per rank;
+videos: frames on both ranks, a video cut in two).
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from mindspeed_mm.trainer.loop import train
 GRADS = ("embed_tokens.weight", "blocks.0.attn.qkv.weight", "layers.1.self_attn.q_proj.weight", "lm_head.weight")
 
 
-def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str) -> list[str]:
+#: The video run's decoding (``data.video_*``) and its microbatch (2 of the 4 samples).
+VIDEO = ["data.video_fps=4", "data.video_maxlen=6", "data.video_max_pixels=3136", "train.micro_batch_size=2"]
+
+
+def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str, extra: list[str] = ()) -> list[str]:
     return [
         f"model.path={model_dir}",
         f"data.files=[{data}]",
@@ -47,6 +54,7 @@ def _overrides(model_dir: Path, data: Path, sp: int, steps: int, loss_type: str)
         "logging.progress=false",
         "data.image_min_pixels=784",
         "data.image_max_pixels=12544",
+        *extra,
     ]
 
 
@@ -69,11 +77,11 @@ def _step_grads(config) -> dict[str, np.ndarray]:
     }
 
 
-def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dict:
+def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]], grads: tuple[int, ...]) -> dict:
     import mindspeed_mm.models.attention as attention
     from mindspeed_mm.trainer.vision_balance import VisionBalance
 
-    calls = {"ulysses": 0, "shared": 0}
+    calls = {"ulysses": 0, "shared": 0, "frames": 0, "cut": 0}
     original, split = attention.ulysses_attention, VisionBalance._split
 
     def counted(*args, **kwargs):
@@ -81,11 +89,19 @@ def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dic
         return original(*args, **kwargs)
 
     def shared(self, module, args, kwargs):
-        calls["shared"] += self.active
-        return split(self, module, args, kwargs)
+        out = split(self, module, args, kwargs)
+        share = self.current
+        if share is not None:
+            calls["shared"] += 1
+            if share.grid is not None and int(share.full_grid[:, 0].max()) > 1:  # a video's frames shared out
+                calls["frames"] += 1
+                # a video cut between the ranks: the share's rows start or end inside a grid row
+                bounds = set(torch.cat([torch.zeros(1), share.full_grid.prod(1).cumsum(0)]).long().tolist())
+                calls["cut"] += not set(share.rows) <= bounds
+        return out
 
     attention.ulysses_attention, VisionBalance._split = counted, shared
-    out: dict = {"sp": [], "dp": [], "calls": []}
+    out: dict = {"sp": [], "dp": [], "calls": [], "grads": []}
     try:
         for sp, dp in runs:
             before = calls["ulysses"]
@@ -93,35 +109,43 @@ def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]]) -> dic
             out["calls"].append(calls["ulysses"] - before)
             out["dp"].append(train(load_mm_config(None, dp)).records)
             assert calls["ulysses"] == before + out["calls"][-1]  # DP2 never calls it
-        sp, dp = runs[0]
-        out["grads"] = (_step_grads(load_mm_config(None, sp)), _step_grads(load_mm_config(None, dp)))
+        for index in grads:
+            sp, dp = runs[index]
+            out["grads"].append((_step_grads(load_mm_config(None, sp)), _step_grads(load_mm_config(None, dp))))
     finally:
         attention.ulysses_attention, VisionBalance._split = original, split
-    out["shared"] = calls["shared"]
+    out.update({key: calls[key] for key in ("shared", "frames", "cut")})
     return out
 
 
-def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl) -> None:
-    cases = [(tiny_vlm, 3, "default"), (tiny_internvl, 2, "per_token"), (tiny_qwen3_vl, 2, "per_sample")]
-    runs = [(_overrides(*tiny, 2, steps, loss), _overrides(*tiny, 1, steps, loss)) for tiny, steps, loss in cases]
-    out = run_distributed(_both, 2, runs, timeout=300)
-    for rank_out, (_, steps, _) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
+def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl, tiny_video_data) -> None:
+    video = (tiny_vlm[0], tiny_video_data)
+    cases = [
+        (tiny_vlm, 3, "default", []),
+        (tiny_internvl, 2, "per_token", []),
+        (tiny_qwen3_vl, 2, "per_sample", []),
+        (video, 2, "default", VIDEO),
+    ]
+    runs = [(_overrides(*t, 2, steps, loss, x), _overrides(*t, 1, steps, loss, x)) for t, steps, loss, x in cases]
+    out = run_distributed(_both, 2, runs, (0, 3), timeout=300)
+    for rank_out, (_, steps, _, _) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
         assert rank_out == 2 * 2 * steps
-    assert out[0]["shared"] > 0 and out[0]["shared"] == out[1]["shared"]  # the same microbatches on both ranks
+    for key in ("shared", "frames", "cut"):  # the same microbatches on both ranks
+        assert out[0][key] > 0 and out[0][key] == out[1][key], key
     result = out[0]
-    for (_, steps, loss), sp, dp in zip(cases, result["sp"], result["dp"], strict=True):
+    for (_, steps, loss, _), sp, dp in zip(cases, result["sp"], result["dp"], strict=True):
         assert [r["step"] for r in sp] == [r["step"] for r in dp] == list(range(1, steps + 1))
         for one, two in zip(dp, sp, strict=True):
             assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), (loss, one["step"])
             assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), (loss, one["step"])
             assert two["tokens"] == one["tokens"]
-    sp_grads, dp_grads = result["grads"]
-    assert len(sp_grads) == len(GRADS) and set(sp_grads) == set(dp_grads)
-    for name, grad in sp_grads.items():
-        torch.testing.assert_close(
-            torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6, msg=name
-        )
-        assert np.abs(grad).sum() > 0, name
+    for sp_grads, dp_grads in result["grads"]:
+        assert len(sp_grads) == len(GRADS) and set(sp_grads) == set(dp_grads)
+        for name, grad in sp_grads.items():
+            torch.testing.assert_close(
+                torch.from_numpy(grad), torch.from_numpy(dp_grads[name]), rtol=1e-4, atol=1e-6, msg=name
+            )
+            assert np.abs(grad).sum() > 0, name
 
 
 def test_vision_shares() -> None:
@@ -133,3 +157,19 @@ def test_vision_shares() -> None:
     assert shares([5, 5, 5], 3) == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="2 items cannot be shared by 3 ranks"):
         shares([1, 1], 3)
+
+
+def test_video_frames_are_shared_out() -> None:
+    from mindspeed_mm.trainer.vision_balance import share_call
+
+    # an image (4 x 4 patches) and a video of 3 temporal patches of 4 x 4: 4 units of 16 rows
+    grid = torch.tensor([[1, 4, 4], [3, 4, 4]])
+    pixels = torch.zeros(64, 8)
+    first, second = (share_call(pixels, grid, rank, 2) for rank in (0, 1))
+    assert first.rows == (0, 32) and first.grid.tolist() == [[1, 4, 4], [1, 4, 4]]
+    assert second.rows == (32, 64) and second.grid.tolist() == [[2, 4, 4]]
+    one = share_call(torch.zeros(48, 8), torch.tensor([[3, 4, 4]]), 2, 3)  # one video over 3 ranks
+    assert one.rows == (32, 48) and one.grid.tolist() == [[1, 4, 4]]
+    assert share_call(torch.zeros(16, 8), torch.tensor([[1, 4, 4]]), 0, 2) is None  # one image: whole
+    tiles = share_call(torch.zeros(3, 3, 56, 56), None, 1, 2)  # InternVL: rows (tiles, frames)
+    assert tiles.rows == (2, 3) and tiles.grid is None

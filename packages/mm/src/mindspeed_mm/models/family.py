@@ -45,8 +45,9 @@ class VLMFamily:
         processor_overrides: ``(min_pixels, max_pixels) -> kwargs`` for the image processor
             (Qwen-VL: the pixel bounds; default none, e.g. fixed-size tiles).
         vision_module: the vision encoder's module name, whose input rows (``pixel_values``, and
-            ``grid_thw`` where it takes one) a Ulysses group shares out image by image
-            (:mod:`mindspeed_mm.trainer.vision_balance`); empty: every rank encodes every image.
+            ``grid_thw`` where it takes one) a Ulysses group shares out image by image and video
+            frame by frame (:mod:`mindspeed_mm.trainer.vision_balance`); empty: every rank
+            encodes every image.
         video_placeholder: what replaces ``<video>`` in a message before the chat template (empty:
             the family takes no videos).
         video_token: the token of that placeholder that :attr:`video_inputs` expands.

@@ -1,25 +1,42 @@
-"""The vision encoder's work spread over a Ulysses group: each rank encodes a share of the images, the features are gathered.
+"""The vision encoder's work spread over a Ulysses group: each rank encodes a share of the images and video frames.
 
 The ranks of a sequence-parallel group hold the same microbatch. Instead of each encoding all of
-its images, a forward pre-hook on the family's vision encoder (``VLMFamily.vision_module``)
-keeps a contiguous share of the images (balanced by patch count; rows of ``pixel_values`` and
-of ``grid_thw`` where the encoder takes one, else one row per tile), and a forward hook gathers
-every tensor of the output (pooled features, hidden states, Qwen3-VL's DeepStack features)
-along dimension 0, in image order, so the model continues exactly as if this rank had encoded
-everything. The gather's backward sums the gradient over the group and keeps this rank's rows:
-each rank's vision gradient then covers its own images, for the loss of the whole group.
+its images and videos, a forward pre-hook on the family's vision encoder
+(``VLMFamily.vision_module``) keeps a contiguous share of the call's work, and a forward hook
+gathers every tensor of the output (pooled features, hidden states, Qwen3-VL's DeepStack
+features) along dimension 0, in order, so the model continues exactly as if this rank had
+encoded everything. The gather's backward sums the gradient over the group and keeps this
+rank's rows: each rank's vision gradient then covers its own share, for the loss of the whole group.
 
-A microbatch with fewer images (or tiles) than ranks is encoded whole on every rank.
+The unit of work is what the encoder encodes independently:
+
+- an encoder that takes ``grid_thw`` (Qwen-VL) attends within each temporal patch of an image
+  or video (transformers' ``get_vision_cu_seqlens``: one attention segment per ``h x w`` frame;
+  window attention, rotary and learned positions are per frame too), so a ``[t, h, w]`` grid
+  row is ``t`` units of ``h x w`` patches: a video's frames are shared out like images, and one
+  long video is split over the group. A rank's share is the rows of ``pixel_values`` of its
+  units, with the grid rows they cover (a video cut by the share keeps ``[t', h, w]``);
+- otherwise (InternVL) one row of ``pixel_values``: a tile, or a video frame (InternVL's
+  frames join the images' tiles in one call).
+
+Each encoder call of the microbatch is shared on its own (Qwen-VL encodes the images, then the
+videos, in two calls), balanced by patch count, so each rank encodes about ``1/U`` of the
+microbatch's visual patches. A call with fewer units than ranks (one image) is encoded whole on
+every rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_mm.models.family import VLMFamily
+
+#: The vision inputs of one encoder call: (pixel rows key, grid key); the encoder is called in this order.
+_CALLS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -65,6 +82,55 @@ def shares(weights: list[int], parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class CallShare:
+    """This rank's share of one encoder call.
+
+    Attributes:
+        rows: ``[start, end)`` of the call's ``pixel_values`` rows.
+        grid: the grid rows of the share (None: the encoder takes no grid).
+        full_rows: the call's rows (identifies the call, with ``full_grid``).
+        full_grid: the call's grid (None: no grid).
+    """
+
+    rows: tuple[int, int]
+    grid: torch.Tensor | None
+    full_rows: int
+    full_grid: torch.Tensor | None
+
+    def matches(self, pixels: torch.Tensor, grid: torch.Tensor | None) -> bool:
+        """Whether an encoder call with these inputs is this share's call."""
+        if pixels.shape[0] != self.full_rows or (grid is None) != (self.full_grid is None):
+            return False
+        return grid is None or torch.equal(grid.cpu(), self.full_grid)
+
+
+def share_call(pixels: torch.Tensor, grid: torch.Tensor | None, rank: int, size: int) -> CallShare | None:
+    """Rank ``rank``'s share of one encoder call over ``size`` ranks (None: fewer units than ranks, encode it whole).
+
+    With a grid, the units are the frames of every grid row (``t`` of ``h x w`` rows each), else the rows.
+    """
+    if grid is None:
+        units = [1] * pixels.shape[0]
+    else:
+        grid = grid.cpu()
+        units = [int(h * w) for t, h, w in grid.tolist() for _ in range(int(t))]
+    if len(units) < size:
+        return None
+    first, last = shares(units, size)[rank]
+    rows = (sum(units[:first]), sum(units[:last]))
+    local = None
+    if grid is not None:
+        kept, unit = [], 0
+        for t, h, w in grid.tolist():  # the frames of each grid row that fall in [first, last)
+            inside = min(unit + t, last) - max(unit, first)
+            if inside > 0:
+                kept.append([inside, h, w])
+            unit += t
+        local = torch.tensor(kept, dtype=grid.dtype)
+    return CallShare(rows, local, pixels.shape[0], grid)
+
+
 class VisionBalance:
     """The vision encoder's hooks; call :meth:`begin` with each microbatch's vision inputs before its forward.
 
@@ -76,40 +142,55 @@ class VisionBalance:
 
     def __init__(self, model: torch.nn.Module, family: VLMFamily, group: dist.ProcessGroup) -> None:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.active = False
+        self.pending: list[CallShare] = []
+        self.current: CallShare | None = None
         encoder = model.get_submodule(family.vision_module)
         self.handles = [
             encoder.register_forward_pre_hook(self._split, with_kwargs=True),
             encoder.register_forward_hook(self._gather, with_kwargs=True),
         ]
 
+    @property
+    def active(self) -> bool:
+        """Whether the next forward shares some encoder call."""
+        return bool(self.pending)
+
     def begin(self, vision: dict[str, torch.Tensor]) -> None:
-        """Share the next forward's images (none, or fewer than the ranks: every rank encodes them all)."""
-        pixels = vision.get("pixel_values")
-        grid = vision.get("image_grid_thw")
-        rows = [int(g.prod()) for g in grid] if grid is not None else [1] * (0 if pixels is None else pixels.shape[0])
-        self.active = len(rows) >= self.size
-        if self.active:
-            self.images = shares(rows, self.size)[self.rank]
-            self.rows = (sum(rows[: self.images[0]]), sum(rows[: self.images[1]]))
+        """Share the next forward's encoder calls (images, videos; a call with fewer units than ranks: whole)."""
+        self.pending, self.current = [], None
+        for pixels_key, grid_key in _CALLS:
+            pixels = vision.get(pixels_key)
+            if pixels is not None:
+                share = share_call(pixels, vision.get(grid_key), self.rank, self.size)
+                if share is not None:
+                    self.pending.append(share)
 
     def _split(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        if not self.active:
+        pixels = args[0] if args else kwargs.get("pixel_values", kwargs.get("hidden_states"))
+        grid = args[1] if len(args) > 1 else kwargs.get("grid_thw")
+        # The call's own share (a dummy call of VisionSync, or a call with too few units, has none).
+        self.current = next((s for s in self.pending if s.matches(pixels, grid)), None)
+        if self.current is None:
             return args, kwargs
-        (lo, hi), (first, last) = self.rows, self.images
+        self.pending.remove(self.current)
+        lo, hi = self.current.rows
         if args:
             args = (args[0][lo:hi], *args[1:])
         else:
             name = "pixel_values" if "pixel_values" in kwargs else "hidden_states"
             kwargs = {**kwargs, name: kwargs[name][lo:hi]}
-        if kwargs.get("grid_thw") is not None:
-            kwargs = {**kwargs, "grid_thw": kwargs["grid_thw"][first:last]}
+        if self.current.grid is not None:
+            local = self.current.grid.to(grid.device)
+            if len(args) > 1:
+                args = (args[0], local, *args[2:])
+            else:
+                kwargs = {**kwargs, "grid_thw": local}
         return args, kwargs
 
     def _gather(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        if not self.active:
+        if self.current is None:
             return output
-        self.active = False  # one encoder call per microbatch: a second one (the dummy pass) is not split
+        self.current = None
         if isinstance(output, torch.Tensor):
             return self._rows(output)
         for key, value in list(output.items()):
