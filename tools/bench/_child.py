@@ -1,4 +1,4 @@
-"""Child-process plumbing shared by the side-by-side benchmarks (pretrain, sft, grpo).
+"""Plumbing shared by the benchmarks: child processes, load records, tables and JSON files.
 
 Each side of a comparison runs in a fresh interpreter (``script --child KIND --child-spec FILE``)
 so that imports, allocator state and threads do not leak between sides; the child prints its
@@ -8,15 +8,20 @@ Honest records: :func:`run_child` adds the load average before and after every c
 result (``load_around``); :class:`LoadRecord` keeps the whole benchmark's, says which rows saw
 a busy machine (``noisy``: a 1-minute load average above ``--max-load``, default cores + 1,
 our own run included) and refuses to write a table for the docs from a busy run.
+:func:`add_record_args` gives a benchmark its ``--table FILE`` and ``--max-load``; the benchmarks that
+measure in one process print their rows with :func:`render` (a rich table on the console, every row
+marked noisy when the machine was busy, the markdown for ``--table`` returned) and :func:`finish`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,102 @@ class LoadRecord:
             return 2
         Path(path).write_text(table)
         return 0
+
+
+def add_record_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--table FILE`` (the markdown table for the docs, refused from a busy run) and ``--max-load``."""
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="write the markdown table (for the docs) to this file; refused (exit status 2) when the machine was busy",
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="the busiest 1-minute load average of a quiet run (default: cores + 1); above it rows are noisy",
+    )
+
+
+def load_range(runs: list[dict[str, Any]]) -> list[float]:
+    """The lowest and highest load average the runs of one row recorded."""
+    values = LoadRecord.loads(runs)
+    return [min(values), max(values)] if values else [float("nan")] * 2
+
+
+def mark(name: str, noisy: bool) -> str:
+    """A row's name, with `` (noisy)`` when it was measured on a busy machine."""
+    return f"{name} (noisy)" if noisy else name
+
+
+def markdown(header: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of ``rows`` under the ``header`` line."""
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render(
+    console: Any,
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    record: LoadRecord,
+    bold: Sequence[bool] = (),
+    left: int = 1,
+) -> str:
+    """Print ``rows`` as a rich table (each row named noisy when the run was busy) and return them as the
+    markdown table for the docs, headed by ``title`` and the load record. ``left``: left-justified columns."""
+    from rich.table import Table
+
+    noisy = record.busy()
+    rows = [[mark(row[0], noisy), *row[1:]] for row in rows]
+    table = Table(title=title, title_justify="left")
+    for number, column in enumerate(columns):
+        table.add_column(column, justify="left" if number < left else "right")
+    for number, row in enumerate(rows):
+        table.add_row(*row, style="bold" if number < len(bold) and bold[number] else None)
+    console.print(table)
+    return markdown(f"{title}; {record.header(noisy)}", columns, rows)
+
+
+def finish(record: LoadRecord, table_path: str | None, table: str) -> int:
+    """Print the load record's line (on stderr) and write ``table`` to ``table_path`` unless the run was
+    busy; the exit status (2: refused)."""
+    noisy = record.busy()
+    sys.stderr.write(record.header(noisy) + "\n")
+    return record.write_table(table_path, table, noisy)
+
+
+def run_meta(args: argparse.Namespace, record: LoadRecord | None = None, **extra: Any) -> dict[str, Any]:
+    """What a JSON file of results records about the run: its arguments, device, versions, threads, load."""
+    import torch
+
+    from mindspeed.device import get_accelerator
+
+    meta = {
+        **vars(args),
+        **extra,
+        "device": str(get_accelerator().device()),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+    if record is not None:
+        meta.update(load_before=record.before, load_after=load_average(), max_load=record.max_load)
+    return meta
+
+
+def write_json(path: str | None, payload: Any, console: Any = None) -> None:
+    """Write ``payload`` as JSON to ``path`` atomically (nothing without a path); say so on ``console``."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as out:
+        json.dump(payload, out, indent=2, default=str)
+    os.replace(tmp, path)
+    if console is not None:
+        console.print(f"wrote {path}")
 
 
 def main_with_load_record(main: Callable[[], int]) -> int:

@@ -18,11 +18,15 @@ peak RSS above the imports-only interpreter next to the largest output file (the
 conversion within 1.5x of the floor's time, memory under 2x the largest output shard). Every
 step runs ``--repeat`` times in one invocation and its fastest run counts (the peak RSS is the
 largest seen); the source files are in the page cache for every step, the floor included.
+The load average is recorded around every run: a step that saw a busy machine (``--max-load``,
+default cores + 1) is marked noisy, and ``--table FILE`` (the table for the docs) refuses to
+write from a busy run (exit status 2).
 
 Usage::
 
     uv run --frozen python tools/bench/convert.py
     uv run --frozen python tools/bench/convert.py --layers 4 --tp 2 --pp 2 --json convert.json
+    uv run --frozen python tools/bench/convert.py --table convert.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _child  # tools/bench/_child.py (no torch: the parent stays small)
 
 MB = 1e6
 #: Done before the timer starts in every step (transformers' config modules load lazily: seconds).
@@ -142,12 +148,14 @@ def main() -> int:
         help="runs per step; the fastest counts (a shared machine's page cache and neighbours make single runs noisy)",
     )
     parser.add_argument("--json", default=None, help="also write the results here")
+    _child.add_record_args(parser)
     parser.add_argument("--generate", default=None, help=argparse.SUPPRESS)  # internal: the generator child
     args = parser.parse_args()
     shard_bytes = int(float(args.shard_size.upper().removesuffix("MB")) * MB)
     if args.generate:
         sys.stdout.write(json.dumps(generate(Path(args.generate), args.layers, shard_bytes)) + "\n")
         return 0
+    record = _child.LoadRecord(args.max_load)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
     root.mkdir(parents=True, exist_ok=True)
     hf, floor_out, mg, back = root / "hf", root / "floor", root / "mg", root / "back"
@@ -197,7 +205,7 @@ def main() -> int:
         f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": mg,
         "convert-ckpt mg -> hf": back,
     }
-    results = {}
+    results, loads = {}, {}
     for _ in range(args.repeat):
         for name, code in steps.items():
             if name == "convert-ckpt mg -> hf" and not (mg / "latest_checkpointed_iteration.txt").is_file():
@@ -209,7 +217,9 @@ def main() -> int:
             elif name in outputs:
                 shutil.rmtree(back, ignore_errors=True)  # the hf -> mg output is the next step's input
                 shutil.rmtree(mg, ignore_errors=True)
+            before = _child.load_average()
             wall, rss, cpu = measure(code)
+            loads.setdefault(name, []).append({"load_around": [before, _child.load_average()]})
             best = results.get(name)
             results[name] = (min(wall, best[0]), max(rss, best[1]), min(cpu, best[2])) if best else (wall, rss, cpu)
     base_rss = results["interpreter (imports only)"][1]
@@ -219,13 +229,14 @@ def main() -> int:
         f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})": largest_file(mg, "*.pt"),
         "convert-ckpt mg -> hf": largest_file(back, "*.safetensors"),
     }
-    rows = []
-    sys.stdout.write(f"model: {total / 1e9:.3f} GB of tensors (bf16, {args.layers} layers), {root}\n")
-    sys.stdout.write(
+    rows, noisy = [], any(record.noisy(runs) for runs in loads.values())
+    lines = [
+        f"model: {total / 1e9:.3f} GB of tensors (bf16, {args.layers} layers), fastest of {args.repeat} run(s); "
+        f"{record.header(noisy)}; {root}\n\n",
         "| step | work s | time / floor | work CPU s | CPU / floor | peak RSS MB | RSS above interpreter MB "
-        "| largest output file MB | RSS above interpreter / largest file |\n"
-    )
-    sys.stdout.write("|---|---|---|---|---|---|---|---|---|\n")
+        "| largest output file MB | RSS above interpreter / largest file | load |\n",
+        "|---|---|---|---|---|---|---|---|---|---|\n",
+    ]
     for name, (wall, rss, cpu) in results.items():
         big = largest.get(name)
         above, work_cpu = rss - base_rss, cpu
@@ -239,20 +250,23 @@ def main() -> int:
             "rss_above_interpreter_mb": round(above),
             "largest_output_mb": round(big) if big else None,
             "rss_ratio": round(above / big, 2) if big else None,
+            "load": _child.load_range(loads[name]),
+            "noisy": record.noisy(loads[name]),
         }
         rows.append(row)
-        sys.stdout.write(
-            f"| {name} | {wall:.2f} | {wall / floor_time:.2f} | {work_cpu:.2f} | {work_cpu / floor_cpu:.2f} | "
-            f"{rss:.0f} | {above:.0f} | {f'{big:.0f}' if big else '-'} | {f'{above / big:.2f}' if big else '-'} |\n"
+        lines.append(
+            f"| {_child.mark(name, row['noisy'])} | {wall:.2f} | {wall / floor_time:.2f} | {work_cpu:.2f} "
+            f"| {work_cpu / floor_cpu:.2f} | {rss:.0f} | {above:.0f} | {f'{big:.0f}' if big else '-'} "
+            f"| {f'{above / big:.2f}' if big else '-'} | {row['load'][0]:.1f}-{row['load'][1]:.1f} |\n"
         )
+    table = "".join(lines)
+    sys.stdout.write(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"model_bytes": total, "rows": rows}, indent=2))
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return record.write_table(args.table, table, noisy)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

@@ -299,7 +299,7 @@ def summarize(runs: list[dict[str, Any]], samples_per_step: int) -> dict[str, An
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
         "losses": runs[0]["losses"],
-        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+        "load": _child.load_range(runs),
         "runs_step_s": [round(statistics.median(r["periods"]), 3) for r in runs],
     }
 
@@ -320,6 +320,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 5 steps (2 untimed), 1 repeat, small video")
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    _child.add_record_args(parser)
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -351,28 +352,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train": {"lr": 1e-4, "weight_decay": 0.0, "clip_grad": 1.0, "lr_warmup_steps": 0},
         "diffusion": {"shift": 3.0, "timestep_sampling": "logit_normal", "text_dropout": 0.0},
     }
-    started, load = time.perf_counter(), os.getloadavg()
+    started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     write = sys.stdout.write
-    write(f"load average (1/5/15 min) before: {', '.join(f'{x:.1f}' for x in load)}\n")
+    write(f"load average before: {load.before:.1f}\n")
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], cache=facts["cache"], long=facts["long"])
     out: dict[str, Any] = {"facts": facts}
+    tables = []
     if "1" in args.parts.split(","):
-        out["part1"] = _part1(args, spec, facts, work)
+        out["part1"] = _part1(args, spec, facts, work, load)
+        tables.append(out["part1"]["table"])
     if "2" in args.parts.split(","):
-        out["part2"] = _part2(spec, facts)
-    end = os.getloadavg()
-    write(
-        f"\nload average (1/5/15 min) after: {', '.join(f'{x:.1f}' for x in end)} on {os.cpu_count()} cores; "
-        f"{time.perf_counter() - started:.0f} s; torch {version('torch')}, diffusers {version('diffusers')}; "
-        f"workdir {work}\n"
+        out["part2"], table = _part2(spec, facts, load)
+        tables.append(table)
+    noisy = any(r["noisy"] for r in out.get("part1", {}).get("results", {}).values()) or load.busy()
+    footer = (
+        f"{load.header(noisy)}; {time.perf_counter() - started:.0f} s; torch {version('torch')}, "
+        f"diffusers {version('diffusers')}; workdir {work}\n"
     )
+    write("\n" + footer)
     if args.json:
-        Path(args.json).write_text(json.dumps({**out, "load": [load, end]}, indent=2, default=str))
-    return 0
+        Path(args.json).write_text(
+            json.dumps({**out, "load": [load.before, _child.load_average()]}, indent=2, default=str)
+        )
+    return load.write_table(args.table, "".join(tables) + "\n" + footer, noisy)
 
 
-def _part1(args: argparse.Namespace, spec: dict[str, Any], facts: dict[str, Any], work: Path) -> dict[str, Any]:
+def _part1(
+    args: argparse.Namespace, spec: dict[str, Any], facts: dict[str, Any], work: Path, load: _child.LoadRecord
+) -> dict[str, Any]:
     sides = {"ours (mindspeed-mm train)": "ours", "diffusers loop (examples' flow matching)": "diffusers"}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for repeat in range(args.repeats):
@@ -382,12 +390,13 @@ def _part1(args: argparse.Namespace, spec: dict[str, Any], facts: dict[str, Any]
                 child["profile"] = str(work / f"profile_{kind}.prof")
             runs[name].append(_child.run_child(__file__, kind, child, work / f"run_{repeat}_{number}.log"))
     per_step = args.micro_batch * args.grad_accum
-    results = {name: summarize(r, per_step) for name, r in runs.items()}
+    results = {name: {**summarize(r, per_step), "noisy": load.noisy(r)} for name, r in runs.items()}
     ours, ref = results.values()
     gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], ref["losses"]))
     if gap > 1e-4:
         raise SystemExit(f"the two sides' losses differ by rel {gap:.1e}: they did not train the same; see {work}")
-    write = sys.stdout.write
+    lines: list[str] = []
+    write = lines.append
     write(
         f"\nPart 1: Wan {facts['parameters'] / 1e6:.1f} M parameters, fp32, latents {args.shape} "
         f"({facts['tokens']} tokens a sample, {args.text_len} text tokens), {args.steps} steps ({args.warmup} untimed) "
@@ -398,15 +407,18 @@ def _part1(args: argparse.Namespace, spec: dict[str, Any], facts: dict[str, Any]
     )
     for name, r in results.items():
         write(
-            f"| {name} | {r['step_s']:.3f} | {ref['step_s'] / r['step_s']:.2f} | {r['cpu_step_s']:.3f} "
+            f"| {_child.mark(name, r['noisy'])} | {r['step_s']:.3f} | {ref['step_s'] / r['step_s']:.2f} "
+            f"| {r['cpu_step_s']:.3f} "
             f"| {ref['cpu_step_s'] / r['cpu_step_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / ref['peak_rss_mb']:.2f} "
             f"| {r['peak_rss_mb'] - r['import_rss_mb']:.0f} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} "
             f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} | {', '.join(str(v) for v in r['runs_step_s'])} |\n"
         )
-    return {"results": results, "runs": runs, "loss_gap": gap}
+    sys.stdout.write("".join(lines))
+    return {"results": results, "runs": runs, "loss_gap": gap, "table": "".join(lines)}
 
 
-def _part2(spec: dict[str, Any], facts: dict[str, Any]) -> list[dict[str, Any]]:
+def _part2(spec: dict[str, Any], facts: dict[str, Any], load: _child.LoadRecord) -> tuple[list[dict[str, Any]], str]:
+    """Part 2's rows (SP1, SP2) and their table."""
     from mindspeed.testing.distributed import run_distributed
 
     shape = spec["long_shape"]
@@ -422,7 +434,8 @@ def _part2(spec: dict[str, Any], facts: dict[str, Any]) -> list[dict[str, Any]]:
                 "losses": [r["loss"] for r in ranks],
             }
         )
-    write = sys.stdout.write
+    lines: list[str] = []
+    write = lines.append
     write(
         f"\nPart 2: one training step of a long video (latents {shape}: {tokens} tokens, {spec['text_len']} text "
         f"tokens), Wan {facts['parameters'] / 1e6:.1f} M, fp32, the largest rank; tensor memory by "
@@ -434,15 +447,14 @@ def _part2(spec: dict[str, Any], facts: dict[str, Any]) -> list[dict[str, Any]]:
     base = rows[0]
     for r in rows:
         write(
-            f"| {r['sp']} | {r['activations_mib']:.1f} | {r['activations_mib'] / base['activations_mib']:.2f} "
+            f"| {_child.mark(str(r['sp']), load.busy())} | {r['activations_mib']:.1f} | {r['activations_mib'] / base['activations_mib']:.2f} "
             f"| {r['forward_live_mib']:.1f} | {r['forward_live_mib'] / base['forward_live_mib']:.2f} "
             f"| {r['step_peak_mib']:.1f} | {r['step_peak_mib'] / base['step_peak_mib']:.2f} "
             f"| {r['seconds']:.1f} | {r['loss']:.5f} |\n"
         )
-    return rows
+    sys.stdout.write("".join(lines))
+    return rows, "".join(lines)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

@@ -12,14 +12,12 @@ unfused one of its precision, side by side. Usage::
 
     uv run --frozen python tools/bench/grad_accum.py
     uv run --frozen python tools/bench/grad_accum.py --hidden 1024 --seq 1024 --json gaf.json
+    uv run --frozen python tools/bench/grad_accum.py --table gaf.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.device import get_accelerator
 
@@ -63,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (median reported)")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop timing after about this many seconds")
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    _child.add_record_args(parser)
     return parser.parse_args(argv)
 
 
@@ -137,10 +136,9 @@ def run(args: argparse.Namespace, kernels: Any) -> list[Row]:
     return list(rows.values())
 
 
-def render(console: Console, title: str, rows: list[Row]) -> None:
-    """Print the table: per precision, unfused then fused with its ratios."""
-    table = Table(title=title, title_justify="left")
-    for column in (
+def render(console: Console, title: str, rows: list[Row], record: _child.LoadRecord) -> str:
+    """Print the table: per precision, unfused then fused with its ratios (wall and CPU); its markdown."""
+    columns = (
         "precision",
         "fusion",
         "kernel",
@@ -150,10 +148,9 @@ def render(console: Console, title: str, rows: list[Row]) -> None:
         "cpu / unfused",
         "kernel calls",
         "runs",
-    ):
-        table.add_column(column, justify="left" if column in ("precision", "fusion", "kernel") else "right")
-    for row in rows:
-        table.add_row(
+    )
+    cells = [
+        (
             row.precision,
             "on" if row.fused else "off",
             row.kernel,
@@ -163,13 +160,15 @@ def render(console: Console, title: str, rows: list[Row]) -> None:
             f"{row.cpu_ratio:.2f}x",
             str(row.kernel_calls),
             str(row.runs),
-            style=None if row.fused else "bold",
         )
-    console.print(table)
+        for row in rows
+    ]
+    return _child.render(console, title, columns, cells, record, [not row.fused for row in rows], left=3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record = _child.LoadRecord(args.max_load)
     console = Console(width=None if sys.stdout.isatty() else 140)
     from mindspeed.features import FeaturesConfig
     from mindspeed.megatron import adapt, unadapt
@@ -194,24 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x {args.seq} tokens, "
         f"{accelerator.device()}, {torch.get_num_threads()} threads"
     )
-    render(console, title, rows)
-    if args.json:
-        meta = {
-            **vars(args),
-            "device": str(accelerator.device()),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        }
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as out:
-            json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
-        os.replace(tmp, args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    table = render(console, title, rows, record)
+    meta = _child.run_meta(args, record)
+    _child.write_json(args.json, {"meta": meta, "rows": [asdict(row) for row in rows]}, console)
+    return _child.finish(record, args.table, table)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

@@ -507,19 +507,18 @@ def summarize_runner(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
     per_run = [one(r) for r in runs]
     best = min(range(len(runs)), key=lambda i: per_run[i]["step_s"])
-    return {
-        **per_run[best],
-        "runs_step_s": [round(p["step_s"], 2) for p in per_run],
-        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
-    }
+    return {**per_run[best], "runs_step_s": [round(p["step_s"], 2) for p in per_run], "load": _child.load_range(runs)}
 
 
-def report_runner(results: dict[str, dict[str, Any]]) -> None:
-    """Sync vs async through the Ray driver."""
-    sync, asyn, write = results["sync"], results["async"], sys.stdout.write
+def report_runner(results: dict[str, dict[str, Any]]) -> str:
+    """Sync vs async through the Ray driver (wall time: the driver's workers are other processes); a
+    mode measured on a busy machine is marked noisy."""
+    sync, asyn, lines = results["sync"], results["async"], []
+    write = lines.append
     write(
         "\nRay driver, rollout on its own worker (actor 1 rank + rollout 1 worker), buffer.max_staleness 1:\n\n"
-        "| | sync | async | sync / async |\n|---|---|---|---|\n"
+        f"| | {_child.mark('sync', sync['noisy'])} | {_child.mark('async', asyn['noisy'])} | sync / async |\n"
+        "|---|---|---|---|\n"
     )
     for label, key, fmt in (
         ("step time s (median)", "step_s", "{:.2f}"),
@@ -536,6 +535,7 @@ def report_runner(results: dict[str, dict[str, Any]]) -> None:
         f"| {asyn['load'][0]:.1f}-{asyn['load'][1]:.1f} | |\n"
     )
     write(f"\nasync speed-up (sync step / async step): {sync['step_s'] / asyn['step_s']:.2f}x\n")
+    return "".join(lines)
 
 
 CHILDREN = {"ours": child_ours, "trl": child_trl, "runner": child_runner}
@@ -580,16 +580,18 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "import_rss_mb": runs[best]["import_rss_mb"],
         "runs_step_s": [round(p["step_s"], 2) for p in per_run],
         "threads": runs[best]["threads"],
-        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+        "load": _child.load_range(runs),
     }
     if "phases" in runs[best]:
         result["phases"] = {k.split("/", 1)[1]: statistics.median(v[warmup:]) for k, v in runs[best]["phases"].items()}
     return result
 
 
-def report(results: dict[str, dict[str, Any]], header: str) -> None:
-    """The side-by-side table (TRL / ours ratios) and where each side's step goes."""
-    ours, trl, write = results["ours"], results["trl"], sys.stdout.write
+def report(results: dict[str, dict[str, Any]], header: str) -> str:
+    """The side-by-side table (TRL / ours ratios, wall and CPU time) and where each side's step goes; a
+    side measured on a busy machine is marked noisy."""
+    ours, trl, lines = results["ours"], results["trl"], []
+    write = lines.append
     rows = [
         ("step time s (median)", "step_s", "{:.2f}", True),
         ("CPU time per step s", "cpu_step_s", "{:.2f}", True),
@@ -603,7 +605,10 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
         ("generated tokens/s of the step", "step_tps", "{:.0f}", False),
         ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
     ]
-    write(header + "\n\n| | ours | TRL | TRL / ours |\n|---|---|---|---|\n")
+    write(
+        f"{header}\n\n| | {_child.mark('ours', ours['noisy'])} | {_child.mark('TRL', trl['noisy'])} | TRL / ours |\n"
+        "|---|---|---|---|\n"
+    )
     for label, key, fmt, _ in rows:
         write(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {trl[key] / ours[key]:.2f} |\n")
     write(f"| step time of each run s | {ours['runs_step_s']} | {trl['runs_step_s']} | |\n")
@@ -612,6 +617,7 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
         f"| {trl['load'][0]:.1f}-{trl['load'][1]:.1f} | |\n"
     )
     write(where_the_step_goes(ours, trl))
+    return "".join(lines)
 
 
 def where_the_step_goes(ours: dict[str, Any], trl: dict[str, Any]) -> str:
@@ -716,6 +722,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    _child.add_record_args(parser)
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -768,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "prefix_sharing": args.prefix_sharing,
     }
-    started, load = time.perf_counter(), os.getloadavg()[0]
+    started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], records=facts["records"])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
@@ -783,13 +790,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{side} generated {[run['gen_tokens'] for run in side_runs]} tokens per step, not "
                     f"{want}: the sides did not do the same work; see {work}"
                 )
-    results = {side: summarize(r, args.warmup) for side, r in runs.items() if r}
+    results = {side: {**summarize(r, args.warmup), "noisy": load.noisy(r)} for side, r in runs.items() if r}
     modes: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     if args.buffer_modes:
         for repeat in range(args.repeats):
             for mode in modes:
                 log = work / f"run_{repeat}_{mode}.log"
                 modes[mode].append(run_child("runner", {**spec, "buffer_mode": mode}, log))
+    runner_results = {
+        mode: {**summarize_runner(r, args.warmup), "noisy": load.noisy(r)} for mode, r in modes.items() if r
+    }
+    noisy = any(r["noisy"] for r in [*results.values(), *runner_results.values()])
     header = (
         f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
         f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
@@ -797,16 +808,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
         f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
         f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
-        f"{version('transformers')}, trl {version('trl')}; load average {load:.1f} -> {os.getloadavg()[0]:.1f}; "
+        f"{version('transformers')}, trl {version('trl')}; {load.header(noisy)}; "
         f"{time.perf_counter() - started:.0f} s; workdir {work}"
     )
-    if results:
-        report(results, header)
-    else:
-        sys.stdout.write(header + "\n")
-    runner_results = {mode: summarize_runner(r, args.warmup) for mode, r in modes.items() if r}
+    table = report(results, header) if results else header + "\n"
     if runner_results:
-        report_runner(runner_results)
+        table += report_runner(runner_results)
+    sys.stdout.write(table)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -820,10 +828,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 indent=2,
             )
         )
-    return 0
+    return load.write_table(args.table, table, noisy)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

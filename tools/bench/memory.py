@@ -26,14 +26,12 @@ Usage::
 
     uv run --frozen python tools/bench/memory.py
     uv run --frozen python tools/bench/memory.py --layers 8 --hidden 512 --seq 1024 --json memory.json
+    uv run --frozen python tools/bench/memory.py --table memory.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -41,10 +39,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.device import get_accelerator
 
@@ -105,6 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--only", default="", help='comma-separated variants to run ("none" is always run); default: all'
     )
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    _child.add_record_args(parser)
     return parser.parse_args(argv)
 
 
@@ -291,9 +290,8 @@ def check_goals(rows: list[Row], params: int) -> list[tuple[str, str, bool]]:
     return goals
 
 
-def render(console: Console, title: str, rows: list[Row]) -> None:
-    """Print the table, one variant per line, with ratios to "none"."""
-    table = Table(title=title, title_justify="left")
+def render(console: Console, title: str, rows: list[Row], record: _child.LoadRecord) -> str:
+    """Print the table, one variant per line, with ratios to "none" (wall and CPU); its markdown."""
     columns = (
         "variant",
         "peak MiB",
@@ -306,10 +304,8 @@ def render(console: Console, title: str, rows: list[Row]) -> None:
         "loss (2nd step)",
         "runs",
     )
-    for column in columns:
-        table.add_column(column, justify="left" if column == "variant" else "right")
-    for row in rows:
-        table.add_row(
+    cells = [
+        (
             row.variant,
             f"{row.peak_mib:.2f}",
             f"{row.peak_ratio:.3f}x",
@@ -320,13 +316,15 @@ def render(console: Console, title: str, rows: list[Row]) -> None:
             f"{row.cpu_ratio:.2f}x",
             f"{row.loss:.6f}",
             str(row.runs),
-            style="bold" if row.variant == "none" else None,
         )
-    console.print(table)
+        for row in rows
+    ]
+    return _child.render(console, title, columns, cells, record, [row.variant == "none" for row in rows])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record = _child.LoadRecord(args.max_load)
     console = Console(width=None if sys.stdout.isatty() else 160)
     from mindspeed.megatron import adapt, unadapt
     from mindspeed.testing.distributed import find_free_port
@@ -338,7 +336,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
     )
     init_parallel(ParallelSizes())
-    load_before = os.getloadavg()
     try:
         rows = run(args)
     finally:
@@ -350,33 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"hidden {args.hidden}, ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x "
         f"{args.seq} tokens, {accelerator.device()}, {torch.get_num_threads()} threads"
     )
-    render(console, title, rows)
-    load_after = os.getloadavg()
-    console.print(
-        f"load average (1, 5, 15 min): before {', '.join(f'{x:.1f}' for x in load_before)}; "
-        f"after {', '.join(f'{x:.1f}' for x in load_after)} ({os.cpu_count()} CPUs); {PARAMS['count']:,} parameters"
-    )
+    table = render(console, title, rows, record)
+    console.print(f"{PARAMS['count']:,} parameters")
     goals = check_goals(rows, PARAMS["count"])
     for goal, measured, met in goals:
         console.print(f"{'met ' if met else 'MISSED'}  {goal}: {measured}")
-    if args.json:
-        meta = {
-            "load_before": load_before,
-            "load_after": load_after,
-            "params": PARAMS["count"],
-            "goals": [{"goal": g, "measured": m, "met": ok} for g, m, ok in goals],
-            **vars(args),
-            "device": str(accelerator.device()),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        }
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as out:
-            json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
-        os.replace(tmp, args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    meta = _child.run_meta(
+        args, record, params=PARAMS["count"], goals=[{"goal": g, "measured": m, "met": ok} for g, m, ok in goals]
+    )
+    _child.write_json(args.json, {"meta": meta, "rows": [asdict(row) for row in rows]}, console)
+    return _child.finish(record, args.table, table)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,17 @@ with both ratios to the baseline (megatron's ``SequentialMLP`` and its own permu
 - ``+ fused permute``: the same with the dispatcher's permute/unpermute on the registry
   kernels (the ``moe_permute_fusion`` feature's patches).
 
-Variants run round-robin, so a load change on the machine shifts all of them alike. Usage::
+Variants run round-robin, so a load change on the machine shifts all of them alike; the time is
+given in wall and in CPU (process) time, each with its ratio. Usage::
 
     uv run --frozen python tools/bench/moe.py
     uv run --frozen python tools/bench/moe.py --tokens 4096 --hidden 512 --experts 16 --json moe.json
+    uv run --frozen python tools/bench/moe.py --table moe.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,10 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.device import get_accelerator
 from mindspeed.metrics import measure_peak_memory, resolve_method
@@ -58,9 +57,11 @@ class Row:
     experts_module: str = ""
     kernel: str = ""
     time_ms: float | None = None
+    cpu_ms: float | None = None
     runs: int = 0
     peak_mib: float | None = None
     time_ratio: float | None = None
+    cpu_ratio: float | None = None
     memory_ratio: float | None = None
     max_diff: float | None = None
 
@@ -76,6 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds (median reported)")
     parser.add_argument("--budget-s", type=float, default=20.0, help="stop timing after about this many seconds")
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    _child.add_record_args(parser)
     return parser.parse_args(argv)
 
 
@@ -168,62 +170,70 @@ def run(args: argparse.Namespace) -> list[Row]:
     for label, call in calls.items():
         rows[label].max_diff = (call().float() - reference.float()).abs().max().item()
     times: dict[str, list[float]] = {label: [] for label in calls}
+    cpu_times: dict[str, list[float]] = {label: [] for label in calls}
     started = time.perf_counter()
     for round_index in range(args.repeat):
         for label, call in calls.items():
             accelerator.synchronize()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             call()
             accelerator.synchronize()
             times[label].append(time.perf_counter() - start)
+            cpu_times[label].append(time.process_time() - cpu_start)
         if round_index >= 1 and time.perf_counter() - started > args.budget_s:
             break
     for label, call in calls.items():
         rows[label].time_ms, rows[label].runs = statistics.median(times[label]) * 1000.0, len(times[label])
+        rows[label].cpu_ms = statistics.median(cpu_times[label]) * 1000.0
         with measure_peak_memory() as mem:
             call()
         rows[label].peak_mib = mem.peak_bytes / MIB
     base = rows["sequential"]
     for row in rows.values():
         row.time_ratio = row.time_ms / base.time_ms
+        row.cpu_ratio = row.cpu_ms / base.cpu_ms if base.cpu_ms else None
         row.memory_ratio = row.peak_mib / base.peak_mib if base.peak_mib else None
     return list(rows.values())
 
 
-def render(console: Console, title: str, rows: list[Row]) -> None:
-    """Print the table."""
-    table = Table(title=title, title_justify="left")
-    for column in (
+def render(console: Console, title: str, rows: list[Row], record: _child.LoadRecord) -> str:
+    """Print the table (time ratios in wall and CPU time to the sequential baseline); its markdown."""
+    columns = (
         "variant",
         "experts",
         "kernel",
-        "time ms",
-        "time / seq",
+        "wall ms",
+        "wall / seq",
+        "CPU ms",
+        "CPU / seq",
         "peak MiB",
         "mem / seq",
         "runs",
         "max |diff|",
-    ):
-        table.add_column(column, justify="left" if column in ("variant", "experts", "kernel") else "right")
-    for row in rows:
-        table.add_row(
+    )
+    cells = [
+        (
             row.variant,
             row.experts_module,
             row.kernel,
             f"{row.time_ms:.1f}",
             f"{row.time_ratio:.2f}x",
+            f"{row.cpu_ms:.1f}",
+            "-" if row.cpu_ratio is None else f"{row.cpu_ratio:.2f}x",
             f"{row.peak_mib:.1f}",
             "-" if row.memory_ratio is None else f"{row.memory_ratio:.2f}x",
             str(row.runs),
             f"{row.max_diff:.1e}",
-            style="bold" if row.variant == "sequential" else None,
         )
-    console.print(table)
+        for row in rows
+    ]
+    return _child.render(console, title, columns, cells, record, [row.variant == "sequential" for row in rows], 3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    record = _child.LoadRecord(args.max_load)
+    console = Console(width=None if sys.stdout.isatty() else 170)
     from mindspeed.megatron import adapt, unadapt
     from mindspeed.testing.distributed import find_free_port
     from mindspeed.testing.megatron import ParallelSizes, destroy_parallel, init_parallel
@@ -246,24 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.ffn}, top-{args.topk}, {args.dtype}, {accelerator.device()}, {torch.get_num_threads()} threads, "
         f"peak memory via {resolve_method()}"
     )
-    render(console, title, rows)
-    if args.json:
-        meta = {
-            **vars(args),
-            "device": str(accelerator.device()),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        }
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as out:
-            json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
-        os.replace(tmp, args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    table = render(console, title, rows, record)
+    _child.write_json(
+        args.json, {"meta": _child.run_meta(args, record), "rows": [asdict(row) for row in rows]}, console
+    )
+    return _child.finish(record, args.table, table)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

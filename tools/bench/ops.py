@@ -4,7 +4,8 @@ For each op in the registry this builds the op's ``bench_case`` on the current a
 then runs the naive version (``OpSpec.naive``, or the reference where the op has none) and
 every implementation available here, side by side in one process, and reports for each the
 median time of forward + backward (forward only for in-place ops, whose case has
-``grad=False``) and the peak memory the call adds, with both ratios to the naive version.
+``grad=False``), in wall and in CPU (process) time, and the peak memory the call adds, each
+with its ratio to the naive version.
 
 Usage::
 
@@ -12,6 +13,7 @@ Usage::
     uv run --frozen python tools/bench/ops.py --ops rms_norm,swiglu --dtype bfloat16 --repeat 10
     uv run --frozen python tools/bench/ops.py --no-backward --json bench.json
     uv run --frozen python tools/bench/ops.py --compile   # include impl="compile" (slow on CPU)
+    uv run --frozen python tools/bench/ops.py --table ops.md   # refused (exit 2) on a busy machine
 
 An implementation that raises is reported as an error row and the run goes on; the exit
 status is then 1.
@@ -20,9 +22,6 @@ status is then 1.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.device import get_accelerator
 from mindspeed.metrics import measure_peak_memory, resolve_method
@@ -53,9 +52,11 @@ class Row:
     impl: str
     baseline: bool = False
     time_ms: float | None = None
+    cpu_ms: float | None = None
     runs: int = 0
     peak_mib: float | None = None
     time_ratio: float | None = None
+    cpu_ratio: float | None = None
     memory_ratio: float | None = None
     error: str | None = None
     note: str | None = None
@@ -81,6 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compile", action="store_true", help='also run impl="compile" (compiling is slow on CPU)')
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    _child.add_record_args(parser)
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.warmup < 1:
         parser.error("--repeat and --warmup must be at least 1")
@@ -150,15 +152,15 @@ class Runner:
         return out
 
 
-def time_once(runner: Runner) -> float:
-    """Seconds of one call of ``runner`` on fresh inputs (cloning them is not timed)."""
+def time_once(runner: Runner) -> tuple[float, float]:
+    """Wall and CPU (process) seconds of one call of ``runner`` on fresh inputs (cloning them is not timed)."""
     accelerator = get_accelerator()
     args, kwargs = runner.inputs()
     accelerator.synchronize()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = runner(args, kwargs)
     accelerator.synchronize()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start, time.process_time() - cpu_start
     del out, args, kwargs
     return elapsed
 
@@ -202,7 +204,7 @@ def bench_op(op: str, dtype: torch.dtype, args: argparse.Namespace) -> tuple[lis
             rows[index].error = _short(err)
     # Round-robin: every implementation runs once per round, so a load change on the machine
     # shifts all of them alike and the ratios stay fair.
-    times: dict[int, list[float]] = {index: [] for index in runners}
+    times: dict[int, list[tuple[float, float]]] = {index: [] for index in runners}
     started = time.perf_counter()
     for round_index in range(args.repeat):
         for index in list(runners):
@@ -214,7 +216,9 @@ def bench_op(op: str, dtype: torch.dtype, args: argparse.Namespace) -> tuple[lis
         if round_index >= 1 and time.perf_counter() - started > args.budget_s * max(1, len(runners)):
             break
     for index, runner in runners.items():
-        rows[index].time_ms, rows[index].runs = statistics.median(times[index]) * 1000.0, len(times[index])
+        rows[index].time_ms = statistics.median(wall for wall, _ in times[index]) * 1000.0
+        rows[index].cpu_ms = statistics.median(cpu for _, cpu in times[index]) * 1000.0
+        rows[index].runs = len(times[index])
         if rows[index].impl == COMPILE and resolve_method() == "dispatch":
             # torch.compile steps aside while a dispatch mode is active and runs the reference
             # eagerly, so the number would be the reference's, not the compiled code's.
@@ -228,6 +232,8 @@ def bench_op(op: str, dtype: torch.dtype, args: argparse.Namespace) -> tuple[lis
     for row in rows:
         if base.time_ms and row.time_ms is not None:
             row.time_ratio = row.time_ms / base.time_ms
+        if base.cpu_ms and row.cpu_ms is not None:
+            row.cpu_ratio = row.cpu_ms / base.cpu_ms
         if base.peak_mib and row.peak_mib is not None:
             row.memory_ratio = row.peak_mib / base.peak_mib
     return rows, f"{case.name}, {str(dtype)[6:]}, {device}, {mode}"
@@ -237,77 +243,55 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def render(console: Console, op: str, description: str, rows: list[Row]) -> None:
-    """Print one op's table."""
-    table = Table(title=f"{op}  ({description})", title_justify="left")
-    table.add_column("impl", no_wrap=True)
-    table.add_column("time ms", justify="right")
-    table.add_column("time / naive", justify="right")
-    table.add_column("peak MiB", justify="right")
-    table.add_column("mem / naive", justify="right")
-    table.add_column("runs", justify="right")
-    table.add_column("note")
-    for row in rows:
-        table.add_row(
+def render(console: Console, op: str, description: str, rows: list[Row], record: _child.LoadRecord) -> str:
+    """Print one op's table (time ratios in wall and CPU time); its markdown."""
+    columns = ("impl", "wall ms", "wall / naive", "CPU ms", "CPU / naive", "peak MiB", "mem / naive", "runs", "note")
+    cells = [
+        (
             f"{row.impl} ({NAIVE})" if row.baseline and row.impl != NAIVE else row.impl,
             _fmt(row.time_ms, ".2f"),
             _fmt(row.time_ratio, ".2f", "x"),
+            _fmt(row.cpu_ms, ".2f"),
+            _fmt(row.cpu_ratio, ".2f", "x"),
             _fmt(row.peak_mib, ".1f"),
             _fmt(row.memory_ratio, ".2f", "x"),
             str(row.runs or "-"),
             row.error or row.note or "",
-            style="red" if row.error else ("bold" if row.baseline else None),
         )
-    console.print(table)
-
-
-def write_json(path: str, meta: dict[str, Any], rows: list[Row]) -> None:
-    """Write the results atomically: to a temporary name first, then renamed."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as out:
-        json.dump({"meta": meta, "rows": [asdict(row) for row in rows]}, out, indent=2)
-    os.replace(tmp, path)
+        for row in rows
+    ]
+    return _child.render(console, f"{op}  ({description})", columns, cells, record, [row.baseline for row in rows])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record = _child.LoadRecord(args.max_load)
     # Piped output gets a fixed width, so that the tables do not wrap at 80 columns.
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 140)
     try:
         ops = select_ops(args.ops)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         return 2
     dtype = DTYPES[args.dtype]
-    accelerator = get_accelerator()
-    meta = {
-        "device": str(accelerator.device()),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "dtype": args.dtype,
-        "backward": args.backward,
-        "repeat": args.repeat,
-        "memory_method": resolve_method(),
-    }
+    meta = _child.run_meta(args, memory_method=resolve_method())
     console.print(
         f"device {meta['device']}, torch {meta['torch']}, {meta['threads']} threads, {args.dtype}, "
         f"median of up to {args.repeat} runs after {args.warmup} warm-up, peak memory via {meta['memory_method']}"
     )
     all_rows: list[Row] = []
+    tables: list[str] = []
     started = time.perf_counter()
     for op in ops:
         rows, description = bench_op(op, dtype, args)
-        render(console, op, description, rows)
+        tables.append(render(console, op, description, rows, record))
         all_rows += rows
     console.print(f"done in {time.perf_counter() - started:.1f} s")
-    if args.json:
-        write_json(args.json, meta, all_rows)
-        console.print(f"wrote {args.json}")
-    return 1 if any(row.error for row in all_rows) else 0
+    meta.update(load_before=record.before, load_after=_child.load_average())
+    _child.write_json(args.json, {"meta": meta, "rows": [asdict(row) for row in all_rows]}, console)
+    status = _child.finish(record, args.table, "\n".join(tables))
+    return 1 if any(row.error for row in all_rows) else status
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

@@ -412,7 +412,7 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, reference)) if reference else 0.0,
         "threads": sorted({r["threads"] for r in runs}),
         "runs_tokens_per_s": [round(tokens_per_step / statistics.median(r["periods"])) for r in runs],
-        "load": [min(LoadRecord.loads(runs)), max(LoadRecord.loads(runs))],
+        "load": _child.load_range(runs),
     }
 
 
@@ -471,17 +471,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "directory, removed at the end unless --profile is given)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument(
-        "--table",
-        default=None,
-        help="write the markdown table (for the docs) to this file; refused (exit status 2) when the machine was busy",
-    )
-    parser.add_argument(
-        "--max-load",
-        type=float,
-        default=None,
-        help="the busiest 1-minute load average of a quiet run (default: cores + 1); above it rows are noisy",
-    )
+    _child.add_record_args(parser)
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -407,7 +407,7 @@ def summarize(runs: list[dict[str, Any]], facts: dict[str, Any], reference: list
         "trainable": runs[0]["trainable"],
         "nf4_bytes": runs[0].get("nf4_bytes"),
         "adapted_weight_numel": runs[0].get("adapted_weight_numel"),
-        "load": [min(LoadRecord.loads(runs)), max(LoadRecord.loads(runs))],
+        "load": _child.load_range(runs),
         "runs_tokens_per_s": [round(rate(r, "periods")) for r in runs],
         "threads": sorted({r["threads"] for r in runs}),
     }
@@ -451,17 +451,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="a smoke run: 5 steps, 1 repeat, ours LoRA and HF (padding) only"
     )
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
-    parser.add_argument(
-        "--table",
-        default=None,
-        help="write the markdown tables (for the docs) to this file; refused (exit status 2) when the machine was busy",
-    )
-    parser.add_argument(
-        "--max-load",
-        type=float,
-        default=None,
-        help="the busiest 1-minute load average of a quiet run (default: cores + 1); above it rows are noisy",
-    )
+    _child.add_record_args(parser)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)

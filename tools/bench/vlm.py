@@ -437,7 +437,7 @@ def summarize(runs: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str, An
         "import_rss_mb": statistics.median(r["import_rss_mb"] for r in runs),
         "losses": runs[0]["losses"],
         "trainable": runs[0]["trainable"],
-        "load": [min(r["load"][0] for r in runs), max(r["load"][1] for r in runs)],
+        "load": _child.load_range(runs),
         "runs_tokens_per_s": [round(rate(r, "periods")) for r in runs],
     }
 
@@ -470,6 +470,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny, 5 steps (2 untimed), 1 repeat")
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    _child.add_record_args(parser)
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -510,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "data_kind": args.data,
         "cutoff_len": 2048,
     }
-    started, load = time.perf_counter(), os.getloadavg()[0]
+    started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], data=facts["data"])
     variants = {}
@@ -531,7 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, variant_runs in runs.items():  # ours must have trained on the tokens HF was given
         if any("tokens" in r and r["tokens"] != facts["step_tokens"] for r in variant_runs):
             raise SystemExit(f"{name} trained on other tokens than the Hugging Face runs were given; see {work}")
-    results = {name: summarize(r, facts) for name, r in runs.items()}
+    results = {name: {**summarize(r, facts), "noisy": load.noisy(r)} for name, r in runs.items()}
+    noisy = any(r["noisy"] for r in results.values())
     header = (
         f"Qwen2.5-VL {args.size} ({facts['parameters'] / 1e6:.1f} M parameters), {args.data} data, fp32, "
         f"{args.steps} steps "
@@ -541,19 +543,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{facts['hf_computed']:.0f} with padding); LoRA r {args.r} alpha {args.alpha:g} on the language model's "
         f"linears; torch threads {args.threads} on {os.cpu_count()} cores; best of {args.repeats} run(s) of the "
         f"median step; torch {version('torch')}, transformers {version('transformers')}, peft {version('peft')}; "
-        f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}; {time.perf_counter() - started:.0f} s; workdir {work}"
+        f"{load.header(noisy)}; {time.perf_counter() - started:.0f} s; workdir {work}"
     )
-    report(results, header)
+    table = report(results, header)
+    sys.stdout.write(table)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"header": header, "facts": facts, "results": results, "runs": runs}, indent=2)
         )
-    return 0
+    return load.write_table(args.table, table, noisy)
 
 
-def report(results: dict[str, dict[str, Any]], header: str) -> None:
-    """The table: each of ours next to the HF run of the same kind, with ratios."""
-    write = sys.stdout.write
+def report(results: dict[str, dict[str, Any]], header: str) -> str:
+    """The table: each of ours next to the HF run of the same kind, with ratios (wall and CPU time);
+    a row measured on a busy machine is marked noisy."""
+    lines: list[str] = []
+    write = lines.append
     write(
         header + "\n\n| run | tokens/s | x HF | tokens/s of CPU time | x HF | step s (CPU s) | peak RSS MB | x HF "
         "| peak - imports MB | trainable | loss step 1 | last loss | tokens/s of each run | load average |\n"
@@ -565,16 +570,15 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
         r = results[name]
         hf = results[names[i + 1]] if i % 2 == 0 else r
         write(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
+            f"| {_child.mark(name, r['noisy'])} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / hf['tokens_per_s']:.2f} "
             f"| {r['cpu_tokens_per_s']:,.0f} | {r['cpu_tokens_per_s'] / hf['cpu_tokens_per_s']:.2f} "
             f"| {r['step_s']:.2f} ({r['cpu_step_s']:.2f}) | {r['peak_rss_mb']:.0f} "
             f"| {r['peak_rss_mb'] / hf['peak_rss_mb']:.2f} | {r['peak_rss_mb'] - r['import_rss_mb']:.0f} "
             f"| {r['trainable'] or '-'} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} "
             f"| {', '.join(f'{v:,}' for v in r['runs_tokens_per_s'])} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |\n"
         )
+    return "".join(lines)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())
