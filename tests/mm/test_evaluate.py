@@ -13,6 +13,7 @@ hand-labelled replies.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,136 @@ def test_accuracy_equals_an_independent_scoring(tiny_vlm, tmp_path) -> None:
         }
 
 
+VIDEO_FLAGS = ["--video-fps", "4", "--video-maxlen", "6", "--video-max-pixels", "3136", "--video-min-pixels", "256"]
+
+
+def _clip(video) -> tuple[list, dict]:
+    """(frames, metadata) of a video decoded here with PyAV and PIL alone: at 4 fps, at most 6 frames, evenly
+    spaced (``linspace``, LLaMA-Factory's rule); the tiny videos' frames are within 3136 pixels, kept as they are."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(video, (list, tuple)) or Path(video).is_dir():  # frames: all (at most 6), "sampled" at 4 fps
+        paths = sorted(Path(video).iterdir()) if not isinstance(video, (list, tuple)) else [Path(v) for v in video]
+        keep = np.linspace(0, len(paths) - 1, min(6, len(paths))).astype(int).tolist()
+        return [Image.open(paths[i]).convert("RGB") for i in keep], {
+            "total_num_frames": len(paths),
+            "fps": 4.0,
+            "duration": len(paths) / 4,
+            "frames_indices": keep,
+        }
+    with av.open(str(video)) as container:
+        stream = container.streams.video[0]
+        frames = [frame.to_image() for frame in container.decode(stream)]
+        fps = float(stream.average_rate)
+    count = min(len(frames), 6, int(len(frames) / fps * 4))
+    keep = np.linspace(0, len(frames) - 1, count).astype(int).tolist()
+    return [frames[i] for i in keep], {
+        "total_num_frames": len(frames),
+        "fps": fps,
+        "duration": len(frames) / fps,
+        "frames_indices": keep,
+    }
+
+
+def _video_inputs(model_dir, user: str, images: list, videos: list, answer: str | None = None) -> dict:
+    """transformers' own Qwen2_5_VLProcessor on the user turn (and the answer turn), frames decoded by ``_clip``."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen2_5_VLProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(model_dir),
+        tokenizer=tokenizer,
+        video_processor=AutoVideoProcessor.from_pretrained(model_dir),
+        chat_template=tokenizer.chat_template,
+    )
+    text = user.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    turns = [{"role": "user", "content": text.replace("<video>", "<|vision_start|><|video_pad|><|vision_end|>")}]
+    if answer is None:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    else:
+        text = tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": answer}], tokenize=False)
+    clips = [_clip(video) for video in videos]
+    return processor(
+        text=[text],
+        images=[Image.open(image).convert("RGB") for image in images] or None,
+        videos=[frames for frames, _ in clips],
+        video_metadata=[metadata for _, metadata in clips],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+
+
+def test_video_questions_equal_an_independent_scoring(tiny_vlm, tiny_video_data, tmp_path) -> None:
+    """Questions on videos (a file, a frame folder, a frame list; one with an image too; an mllm_format sample)
+    scored by ``evaluate`` agree with transformers' processor, forward and ``generate`` on frames decoded here."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    model_dir, root = tiny_vlm[0], tiny_video_data.parent
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    frames = [str(p) for p in sorted((root / "frames").iterdir())]
+
+    def loglikelihood(user: str, images: list, videos: list, answer: str) -> float:
+        prompt = _video_inputs(model_dir, user, images, videos)["input_ids"].shape[1]
+        inputs = _video_inputs(model_dir, user, images, videos, answer)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+        ids = inputs["input_ids"][0]
+        return float(sum(logprobs[i - 1, ids[i]] for i in range(prompt, ids.numel())))
+
+    def reply(user: str, videos: list) -> str:
+        inputs = _video_inputs(model_dir, user, [], videos)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    choices = [  # (record, user turn, images, videos)
+        (
+            {"video": "videos/red.mp4", "question": "What colour moves?", "options": ["red", "blue", "green"]},
+            "<video>What colour moves?\nA. red\nB. blue\nC. green\n" + INSTRUCTION,
+            [],
+            [root / "videos" / "red.mp4"],
+        ),
+        (
+            {"image": "yellow.png", "videos": ["frames"], "question": "Which way?", "options": {"A": "L", "B": "R"}},
+            "<image><video>Which way?\nA. L\nB. R\n" + INSTRUCTION,
+            [root / "yellow.png"],
+            [root / "frames"],
+        ),
+    ]
+    records, expected = [], []
+    for number, (record, user, images, videos) in enumerate(choices):
+        scores = {letter: loglikelihood(user, images, videos, letter) for letter in "ABC"[: len(record["options"])]}
+        best = max(scores, key=scores.get)
+        record["answer"] = best if number == 0 else next(x for x in scores if x != best)  # right, then wrong
+        records.append(record)
+        expected.append(scores)
+    said = reply("<video>What is shown?", [frames])
+    records.append({"video": frames, "question": "What is shown?", "answer": f"The {said}."})  # right
+    turns = [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "not this"}]
+    records.append({"messages": turns, "videos": ["videos/blue.mp4"]})  # wrong
+    data = tmp_path / "video_vqa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "results.json"
+    argv = ["evaluate", "--load-dir", str(model_dir), "--task-data-path", str(data), "--output", str(out)]
+    argv += ["--image-dir", str(root), "--log-samples", "--evaluation-batch-size", "2", "--max-new-tokens", "8"]
+    argv += [*PIXELS, *VIDEO_FLAGS]
+    assert main(argv) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    first, second, short, sample = result["samples"]
+    for got, scores in zip((first, second), expected):
+        assert got["loglikelihoods"] == pytest.approx(scores, rel=1e-5, abs=1e-4)
+        assert got["prediction"] == max(scores, key=scores.get)
+    assert [first["correct"], second["correct"]] == [True, False]
+    assert short["reply"] == said and short["correct"]
+    assert sample["reply"] == reply("<video>What moves?", [root / "videos" / "blue.mp4"]) and not sample["correct"]
+    assert result["metrics"] == {"acc": 0.5, "acc_multiple_choice": 0.5, "exact_match": 0.5}
+    print(f"videos: {result['metrics']}, replies {said!r} / {sample['reply']!r}")
+
+
 @pytest.mark.parametrize(
     "reply, expected",
     [
@@ -277,3 +408,26 @@ def test_bad_input_is_one_line_and_exit_2(rows, message, tiny_vlm, tmp_path, cap
     (tmp_path / "q.csv").write_text("x")
     assert main(["evaluate", "--load-dir", str(tiny_vlm[0]), "--task-data-path", str(tmp_path / "q.csv")]) == 2
     assert "unknown format '.csv'" in capsys.readouterr().err
+
+
+def test_bad_video_questions_are_one_line_and_exit_2(tiny_vlm, tiny_video_data, tmp_path, capsys) -> None:
+    root = tiny_video_data.parent
+    cases = [
+        ({"video": "videos/missing.mp4", "question": "q", "answer": "a"}, "video 'videos/missing.mp4' not found"),
+        ({"videos": [[]], "question": "q", "answer": "a"}, "`video` must be a path (a video file or a frame folder)"),
+        (
+            {"video": "videos/red.mp4", "question": "<video><video>q", "answer": "a"},
+            "2 <video> placeholder(s) in the question but 1 video(s)",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "video": "frames"},
+            "0 <video> placeholder(s) in the question but 1 video(s)",
+        ),
+    ]
+    for record, message in cases:
+        (tmp_path / "q.jsonl").write_text(json.dumps(record) + "\n")
+        argv = ["evaluate", "--load-dir", str(tiny_vlm[0]), "--task-data-path", str(tmp_path / "q.jsonl")]
+        assert main([*argv, "--image-dir", str(root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("mindspeed-mm: error: ") and message in err and "\n" not in err, err
+        assert "q.jsonl:1:" in err

@@ -21,7 +21,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
         "evaluate",
         help="VQA accuracy (multiple choice and short answer) on MMBench-style TSV or JSON files",
         description="Score a Hugging Face directory or a training checkpoint on local VQA files: MMBench-style TSV "
-        "(index, question, hint, A-D, answer, base64 image, category) or JSON/JSONL with image paths. "
+        "(index, question, hint, A-D, answer, base64 image, category) or JSON/JSONL with image and video paths. "
         "Multiple choice by answer likelihood (or generation and answer extraction), short answers by "
         "normalized exact match. '--task-data-path demo' is the demo's held-out set.",
     )
@@ -57,6 +57,16 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--image-max-pixels", type=int, default=262144, metavar="N", help=text["image_max_pixels"] + " (default 262144)"
+    )
+    parser.add_argument("--video-fps", type=float, default=2.0, metavar="F", help=text["video_fps"] + " (default 2.0)")
+    parser.add_argument(
+        "--video-maxlen", type=int, default=128, metavar="N", help=text["video_maxlen"] + " (default 128)"
+    )
+    parser.add_argument(
+        "--video-max-pixels", type=int, default=65536, metavar="N", help=text["video_max_pixels"] + " (default 65536)"
+    )
+    parser.add_argument(
+        "--video-min-pixels", type=int, default=256, metavar="N", help=text["video_min_pixels"] + " (default 256)"
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help=text["dtype"])
     parser.add_argument("--lora-alpha", type=float, metavar="A", help=text["lora_alpha"])

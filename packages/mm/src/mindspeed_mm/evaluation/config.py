@@ -28,9 +28,14 @@ class EvaluateConfig:
         evaluation_batch_size: generated replies decoded together (left-padded; greedy replies do not
             depend on it).
         max_samples: the first N questions of each file only.
-        image_dir: folder the image paths of .json / .jsonl files are relative to (default: the file's folder).
+        image_dir: folder the image and video paths of .json / .jsonl files are relative to (default: the
+            file's folder).
         image_min_pixels: images are resized to at least this many pixels.
         image_max_pixels: and to at most this many (use the values the model was trained with).
+        video_fps: video frames sampled per second (data.video_fps of the training recipe).
+        video_maxlen: at most this many frames per video (data.video_maxlen).
+        video_max_pixels: video frames are resized to at most this many pixels (data.video_max_pixels).
+        video_min_pixels: and to at least this many (data.video_min_pixels).
         dtype: float32, bfloat16 or float16 (default: the directory's; float32 for a training checkpoint).
         lora_alpha: the recipe's lora.alpha, to merge a LoRA run's training checkpoint moved away from
             its save folder (default: the alpha the run recorded there).
@@ -49,6 +54,10 @@ class EvaluateConfig:
     image_dir: str | None = None
     image_min_pixels: int = 3136
     image_max_pixels: int = 262144
+    video_fps: float = 2.0
+    video_maxlen: int = 128
+    video_max_pixels: int = 65536
+    video_min_pixels: int = 256
     dtype: str | None = None
     lora_alpha: float | None = None
     output: str | None = None
@@ -66,6 +75,11 @@ class EvaluateConfig:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
         if self.evaluation_batch_size < 1:
             raise ValueError(f"--evaluation-batch-size {self.evaluation_batch_size} must be at least 1")
+        if self.video_fps <= 0 or self.video_maxlen < 1:
+            raise ValueError(
+                f"--video-fps {self.video_fps} and --video-maxlen {self.video_maxlen} must be positive; use the "
+                "training recipe's data.video_fps and data.video_maxlen"
+            )
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"--max-samples {self.max_samples} must be at least 1")
         if self.output is not None and Path(self.output).is_dir():

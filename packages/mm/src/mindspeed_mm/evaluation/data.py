@@ -12,12 +12,14 @@ VLMEvalKit distributes): a header row, then one question a row, tab separated, c
 - ``category`` (optional): accuracy is also reported per category (or ``l2-category``).
 
 **JSON / JSONL**: a list of objects (``.json``) or one object a line (``.jsonl``), each with
-``question``, ``answer``, ``image`` (a path) or ``images`` (paths; relative to the file's folder
-or ``--image-dir``), and optionally ``options`` (a list, lettered A, B, ... in order, or an object
-letter -> text; then ``answer`` is a letter or an option's text: multiple choice; without options:
-short answer, ``answer`` a string or a list of accepted strings), ``hint``, ``category``, ``index``.
-An mllm_format sample (``messages`` + ``images``, the training format) is a short-answer item:
-the last user turn is the question, the last assistant turn the answer.
+``question``, ``answer``, ``image`` (a path) or ``images`` (paths), ``video`` (one video) or
+``videos`` (a list; a video is a file, a folder of frame images, or a list of frame paths, as in
+training data; paths relative to the file's folder or ``--image-dir``), and optionally
+``options`` (a list, lettered A, B, ... in order, or an object letter -> text; then ``answer`` is
+a letter or an option's text: multiple choice; without options: short answer, ``answer`` a
+string or a list of accepted strings), ``hint``, ``category``, ``index``. An mllm_format sample
+(``messages`` + ``images`` / ``videos``, the training format) is a short-answer item: the last
+user turn is the question, the last assistant turn the answer.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER
+from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 #: Option letters in the order MMBench uses them.
 LETTERS = tuple(string.ascii_uppercase[:9])
@@ -47,13 +49,15 @@ class VQAItem:
 
     Attributes:
         index: its id in the file.
-        question: the question text (``<image>`` placeholders where the images go, else none).
+        question: the question text (``<image>`` / ``<video>`` placeholders where the images and
+            videos go, else none).
         images: image paths.
         options: letter -> option text (empty: a short-answer question).
         answers: the right letter (multiple choice), or the accepted answers (short answer).
         hint: context shown before the question (MMBench's ``hint``).
         category: the group it is counted in ("" for none).
         source: ``file:line`` for messages.
+        videos: videos (a file or a frame folder, or a tuple of frame paths), in placeholder order.
     """
 
     index: str
@@ -64,6 +68,7 @@ class VQAItem:
     hint: str = ""
     category: str = ""
     source: str = ""
+    videos: tuple[str | tuple[str, ...], ...] = ()
 
     @property
     def multiple_choice(self) -> bool:
@@ -79,7 +84,7 @@ def read_vqa_file(
     Args:
         path: the data file.
         image_store: folder where base64 images of a TSV are written as files.
-        image_dir: folder image paths of JSON files are relative to (default: the file's folder).
+        image_dir: folder image and video paths of JSON files are relative to (default: the file's folder).
         max_samples: read only the first N items.
 
     Raises:
@@ -209,16 +214,48 @@ def _images(record: dict[str, Any], where: str, base: Path) -> tuple[str, ...]:
     images = [images] if isinstance(images, str) else images
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ValueError(f"{where}: `image` must be a path or `images` a list of paths, got {images!r}")
-    paths = []
-    for image in images:
-        full = Path(image) if Path(image).is_absolute() else base / image
-        if not full.is_file():
+    return tuple(_resolve(image, base, where, "image") for image in images)
+
+
+def _videos(record: dict[str, Any], where: str, base: Path) -> tuple[str | tuple[str, ...], ...]:
+    """``video`` (one video) or ``videos`` (a list); a video is a file, a frame folder, or a list of frame paths."""
+    videos = record["videos"] if "videos" in record else [record["video"]] if "video" in record else []
+    videos = [videos] if isinstance(videos, str) else videos
+    if not isinstance(videos, list) or not all(
+        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(f, str) for f in v)) for v in videos
+    ):
+        raise ValueError(
+            f"{where}: `video` must be a path (a video file or a frame folder) or a list of frame paths, and "
+            f"`videos` a list of those, got {videos!r}"
+        )
+    return tuple(
+        _resolve(video, base, where, "video", folder_ok=True)
+        if isinstance(video, str)
+        else tuple(_resolve(frame, base, where, "video frame") for frame in video)
+        for video in videos
+    )
+
+
+def _resolve(name: str, base: Path, where: str, what: str, folder_ok: bool = False) -> str:
+    full = Path(name) if Path(name).is_absolute() else base / name
+    if not (full.is_file() or (folder_ok and full.is_dir())):
+        raise ValueError(
+            f"{where}: {what} {name!r} not found (looked for {full}); fix the path or pass "
+            "--image-dir with the folder the paths are relative to"
+        )
+    return str(full)
+
+
+def _check_placeholders(text: str, images: tuple, videos: tuple, where: str, always: bool) -> None:
+    """One placeholder per image (video) where the text has any (``always``: also where it has none)."""
+    for placeholder, media, noun in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+        count = text.count(placeholder)
+        if (count or always) and count != len(media):
             raise ValueError(
-                f"{where}: image {image!r} not found (looked for {full}); fix the path or pass "
-                "--image-dir with the folder the paths are relative to"
+                f"{where}: {count} {placeholder} placeholder(s) in the question but {len(media)} {noun}(s); "
+                f"give one {noun} per placeholder"
+                + ("" if always else f" (or no {placeholder}: the {noun}s then go before the question)")
             )
-        paths.append(str(full))
-    return tuple(paths)
 
 
 def _from_record(record: dict[str, Any], where: str, base: Path, position: int) -> VQAItem:
@@ -234,11 +271,13 @@ def _from_record(record: dict[str, Any], where: str, base: Path, position: int) 
         options = {str(k).strip().upper(): str(v) for k, v in options.items()}
     elif options is not None:
         raise ValueError(f"{where}: `options` must be a list of texts or an object letter -> text")
-    images = _images(record, where, base)
+    images, videos = _images(record, where, base), _videos(record, where, base)
+    _check_placeholders(question, images, videos, where, always=False)
     common = {
         "index": str(record.get("index", record.get("id", position))),
         "question": question.strip(),
         "images": images,
+        "videos": videos,
         "hint": str(record.get("hint") or ""),
         "category": str(record.get("category") or ""),
         "source": where,
@@ -266,16 +305,13 @@ def _from_messages(record: dict[str, Any], where: str, base: Path, position: int
     if not users or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
         raise ValueError(f"{where}: an mllm_format question needs a user turn followed by the assistant's answer")
     question, answer = str(users[-1].get("content", "")), str(messages[-1].get("content", ""))
-    images = _images(record, where, base)
-    if question.count(IMAGE_PLACEHOLDER) != len(images):
-        raise ValueError(
-            f"{where}: {question.count(IMAGE_PLACEHOLDER)} <image> placeholder(s) in the question but "
-            f"{len(images)} image(s); give one image per placeholder"
-        )
+    images, videos = _images(record, where, base), _videos(record, where, base)
+    _check_placeholders(question, images, videos, where, always=True)
     return VQAItem(
         index=str(record.get("index", position)),
         question=question,
         images=images,
+        videos=videos,
         answers=(answer,),
         category=str(record.get("category") or ""),
         source=where,

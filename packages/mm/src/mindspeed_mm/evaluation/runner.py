@@ -20,6 +20,7 @@ from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.evaluation.report import build_report, write_json
 from mindspeed_llm.evaluation.tasks import TaskResult
+from mindspeed_mm.data.video import VideoSettings
 from mindspeed_mm.evaluation.config import EvaluateConfig
 from mindspeed_mm.evaluation.data import VQAItem, read_vqa_file
 from mindspeed_mm.evaluation.demo_data import DEMO_TASK, demo_mmbench_tsv
@@ -54,6 +55,7 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
             config.image_min_pixels,
             config.image_max_pixels,
             config.lora_alpha,
+            VideoSettings(config.video_fps, config.video_maxlen, config.video_max_pixels, config.video_min_pixels),
         )
         results = [score_file(loaded, task, path, items, config) for task, path, items in data]
     report = build_report(results, asdict(config), with_samples=config.log_samples)

@@ -1,7 +1,7 @@
 """How a VQA item is asked and scored.
 
-**Prompts** (the user turn, through the model's chat template as in training; ``<image>`` first
-unless the question places it):
+**Prompts** (the user turn, through the model's chat template as in training; ``<image>`` first,
+then ``<video>``, unless the question places them):
 
 - ``letter`` (MMBench's protocol, as LLaVA and lmms-eval ask it)::
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.data.encode import IGNORE_INDEX
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER
+from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from mindspeed_mm.evaluation.data import VQAItem
 from mindspeed_mm.inference.generation import model_inputs
 from mindspeed_mm.inference.loading import InferenceModel
@@ -47,15 +47,18 @@ def question_text(item: VQAItem, style: str) -> str:
     if item.multiple_choice and style == "letter":
         text += "".join(f"\n{letter}. {option}" for letter, option in item.options.items())
         text += "\n" + LETTER_INSTRUCTION
-    if IMAGE_PLACEHOLDER not in text:
-        text = IMAGE_PLACEHOLDER * len(item.images) + text
-    return text
+    prefix = "" if IMAGE_PLACEHOLDER in text else IMAGE_PLACEHOLDER * len(item.images)
+    prefix += "" if VIDEO_PLACEHOLDER in text else VIDEO_PLACEHOLDER * len(item.videos)
+    return prefix + text
 
 
 def item_prompt(item: VQAItem, style: str) -> Prompt:
     """The conversation that asks ``item``."""
     return Prompt(
-        messages=({"role": "user", "content": question_text(item, style)},), images=item.images, source=item.source
+        messages=({"role": "user", "content": question_text(item, style)},),
+        images=item.images,
+        source=item.source,
+        videos=item.videos,
     )
 
 
