@@ -172,3 +172,12 @@ def test_matches_megatron_partial_rotary(interleaved: bool, monkeypatch: pytest.
     cos, sin = rotary_cos_sin(seq, rot_dim, interleaved=interleaved)
     out = rotary_pos_emb_reference(x, cos[:, None, None], sin[:, None, None], interleaved=interleaved)
     torch.testing.assert_close(out, expected)
+
+
+def test_native_broadcast_shape_equals_torch() -> None:
+    from mindspeed.ops.rotary import _broadcast_shape
+
+    for a, b in [((5, 2, 3, 8), (5, 1, 1, 8)), ((4, 8), (3, 1, 8)), ((1, 7, 1, 4), (6, 1, 2, 4)), ((3,), ())]:
+        assert _broadcast_shape(a, b) == tuple(torch.broadcast_shapes(a, b))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        _broadcast_shape((5, 2, 8), (4, 1, 8))

@@ -19,6 +19,8 @@ computed in fp32 for half-precision inputs and returned in ``x.dtype``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mindspeed.ops.registry import Case, OpSpec, register_kernel, register_op
@@ -190,6 +192,16 @@ class _RotaryHalf(torch.autograd.Function):
         return _rotate_halves(grad, cos, sin, sign=-1.0), None, None
 
 
+def _broadcast_shape(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes(a, b)`` in plain Python (torch's goes through its symbolic-shape
+    guards: ~0.3 ms a call, about 14 % of a tiny model's decode step on the CPU)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    if any(x != y and x != 1 and y != 1 for x, y in zip(a, b)):
+        raise ValueError(f"rotary_pos_emb: the tables' shape {list(b)} does not broadcast against {list(a)}")
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
 def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     # sign 1: the rotation (out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2); sign -1: its transpose
     # (the input gradient: g1 c1 + g2 s2, g2 c2 - g1 s1).
@@ -197,7 +209,7 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: 
     half = rot_dim // 2
     c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
     x1, x2 = x[..., :half], x[..., half:rot_dim]
-    out = torch.empty(torch.broadcast_shapes(x.shape, (*cos.shape[:-1], x.shape[-1])), dtype=x.dtype, device=x.device)
+    out = torch.empty(_broadcast_shape(x.shape, (*cos.shape[:-1], x.shape[-1])), dtype=x.dtype, device=x.device)
     out1, out2 = out[..., :half], out[..., half:rot_dim]
     if sign > 0:
         torch.mul(x1, c1, out=out1).addcmul_(x2, s1, value=-1.0)
@@ -219,6 +231,6 @@ def rotary_pos_emb_native(
     check_rotary_inputs(x, cos, sin)
     if interleaved or x.dtype in _HALF_DTYPES or cos.dtype != x.dtype or cos.requires_grad or sin.requires_grad:
         return rotary_pos_emb_reference(x, cos, sin, interleaved)
-    if torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]) != x.shape[:-1]:
+    if _broadcast_shape(x.shape[:-1], cos.shape[:-1]) != tuple(x.shape[:-1]):
         return rotary_pos_emb_reference(x, cos, sin, interleaved)  # tables wider than x: the reference's shape
     return _RotaryHalf.apply(x, cos, sin)
