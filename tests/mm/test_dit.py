@@ -394,3 +394,22 @@ def test_config_errors(tiny_runs, tmp_path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             load_mm_config(None, base + [f"data.features={features}", f"diffusion.{key}={value}"]).check(1)
+    features_key = f"data.features={features}"
+    usp = load_mm_config(
+        None, base + [features_key, "parallel.ulysses_parallel_size=2", "parallel.ring_attention_size=2"]
+    )
+    usp.check(4)
+    assert usp.parallel.sequence_algo == "hybrid_cp_algo" and usp.samples_per_step(8) == 2
+    ring = ["parallel.ring_attention_size=2"]
+    assert load_mm_config(None, base + [features_key, *ring]).parallel.sequence_algo == "megatron_cp_algo"
+    for extra, world, message in (
+        (["parallel.context_parallel_algo=hybrid_cp_algo"], 2, "needs parallel.ring_attention_size > 1"),
+        (
+            [*ring, "parallel.ulysses_parallel_size=2", "parallel.context_parallel_algo=megatron_cp_algo"],
+            4,
+            "contradicts",
+        ),
+        ([*ring, "parallel.ulysses_parallel_size=2"], 2, "not divisible"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_mm_config(None, base + [features_key, *extra]).check(world)

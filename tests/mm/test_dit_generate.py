@@ -5,8 +5,8 @@ samples two prompts with guidance: one ``.gif`` per prompt of the asked frames a
 sheet (``.png`` and ``.gif``), ``samples.jsonl`` with each prompt's seed. The transformer directory
 with ``--pipeline-dir`` and a DCP checkpoint of the same weights with ``--base-dir`` write the
 same bytes; the first video equals the library sampler run by hand (same seed, prompt encoding,
-negative prompt); ``--ulysses-parallel-size 2`` (two spawned ranks, each with half of every
-video's tokens) writes the same videos. (The sampler itself is proven against ``WanPipeline`` / ``FluxPipeline`` in
+negative prompt); ``--ring-attention-size 2`` (two spawned ranks, each with half of every
+video's tokens, ring attention; each decodes one of the two videos) writes the same videos. (The sampler itself is proven against ``WanPipeline`` / ``FluxPipeline`` in
 ``test_dit_sampler.py``.)
 """
 
@@ -131,8 +131,9 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
         ):
             assert (tmp_path / other / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), (other, name)
 
-    # sequence-parallel sampling: two spawned ranks share each video's tokens; rank 0 writes the same videos
-    sp2 = ["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "e"), "--ulysses-parallel-size", "2"]
+    # sequence-parallel sampling: two spawned ranks share each video's tokens (the ring; Ulysses and USP are
+    # proven in test_dit_sequence_parallel.py) and decode one video each; rank 0 writes the same videos
+    sp2 = ["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "e"), "--ring-attention-size", "2"]
     assert main([*sp2, *FLAGS]) == 0
     for name in ("000-a-red-square-moving-left.gif", "001-a-blue-circle-moving-up.gif"):
         one, two = _gif_frames(tmp_path / "a" / name), _gif_frames(tmp_path / "e" / name)

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism of diffusion transformers equals the unsplit run, in one spawned group of two gloo ranks.
+"""Sequence parallelism of diffusion transformers equals the unsplit run: a spawned group of two gloo ranks
+(Ulysses, ring) and one of four (USP: Ulysses 2 x ring 2), both against one SP1 rank.
 
 SP2 (both ranks hold each microbatch, each holds half of its video / image tokens) against SP1
 (one rank), fp32:
@@ -12,6 +13,12 @@ SP2 (both ranks hold each microbatch, each holds half of its video / image token
   1e-5, every gradient rel 1e-4 (the ring's log-sum-exp merge rounds differently);
 - training from raw media: each rank encodes half of the samples (VAE and text encoder), the
   losses equal SP1's.
+
+USP (``parallel.ulysses_parallel_size=2``, ``parallel.ring_attention_size=2``: the core's hybrid_cp_algo
+over 4 ranks, FSDP2 over 4) against SP1, fp32: step 1's loss and gradients of Wan (blocks recomputed) and
+FLUX (9 image + 8 text tokens: uneven shares), and of Wan with LoRA (only the factors train); two ``train``
+steps of Wan; sampling of both; and the VAE decode split over the ranks (3 videos on 4 ranks:
+:func:`~mindspeed_mm.diffusion.sampler.decode_shared`) equals one decode of all.
 
 The Ulysses all-to-all (or the ring) must have run in every attention over the split tokens.
 """
@@ -40,7 +47,11 @@ WAN, FLUX = "WanTransformer3DModel", "FluxTransformer2DModel"
 SHAPES = {WAN: (4, 3, 4, 4), FLUX: (4, 6, 6)}
 
 
-def _overrides(run: tuple[Path, Path], sp: int) -> list[str]:
+LORA = ["lora.target_modules=[default]", "lora.r=4", "lora.alpha=8"]
+USP = ["parallel.ulysses_parallel_size=2", "parallel.ring_attention_size=2"]
+
+
+def _overrides(run: tuple[Path, Path], sp: int, *extra: str) -> list[str]:
     model_dir, features = run
     return [
         f"model.path={model_dir}",
@@ -55,6 +66,7 @@ def _overrides(run: tuple[Path, Path], sp: int) -> list[str]:
         "logging.progress=false",
         f"parallel.ulysses_parallel_size={sp}",
         *(["train.recompute_modules=[blocks.*]"] if model_dir.parent.name == WAN else []),
+        *extra,
     ]
 
 
@@ -63,6 +75,7 @@ def _step(overrides: list[str]) -> dict:
     world = dist.get_world_size()
     config = load_mm_config(None, overrides)
     config.check(world)
+    torch.manual_seed(config.train.seed)  # as train() does: LoRA's initial factors are drawn
     task = TASKS.get("dit")(config, world)
     micro = task.microbatches(1, dist.get_rank())
     totals = task.counts(micro)
@@ -82,7 +95,7 @@ def _step(overrides: list[str]) -> dict:
     return {"loss": float(reported), "grads": grads, "calls": calls, "totals": totals.tolist()}
 
 
-def _sample(arch: str, model_dir: Path) -> dict:
+def _sample(arch: str, model_dir: Path, algo: str = "ulysses_cp_algo", ulysses: int | None = None) -> dict:
     """Latents sampled without and then with sequence parallelism (the same model, noise and texts)."""
     from mindspeed_mm.diffusion.sampler import build_scheduler, sample_latents
     from mindspeed_mm.models.dit import DIT_FAMILIES, load_dit
@@ -102,7 +115,7 @@ def _sample(arch: str, model_dir: Path) -> dict:
         return sample_latents(model, family, scheduler, noise, text, 3, pooled, negative, pooled, 4.0)
 
     one = sample()
-    parallel = apply_sequence_parallel(model, family.sequence_plan, dist.group.WORLD)
+    parallel = apply_sequence_parallel(model, family.sequence_plan, dist.group.WORLD, algo, ulysses)
     two = sample()
     return {"one": one.numpy(), "two": two.numpy(), "calls": parallel.calls}
 
@@ -145,8 +158,43 @@ def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
 
 def _sp1(runs: dict, recipe: Path) -> dict:
     out = {arch: _step(_overrides(runs[arch], 1)) for arch in (WAN, FLUX)}
+    out["lora"] = _step(_overrides(runs[WAN], 1, *LORA))
     out["train"] = {arch: train(load_mm_config(None, _overrides(runs[arch], 1))).records for arch in (WAN, FLUX)}
     out["raw"] = _raw(recipe, 1)
+    return out
+
+
+def _decode(pipeline: Path) -> dict:
+    """3 videos' latents decoded by the ranks' shares (group rank 0 gets them) and all at once on one rank."""
+    from diffusers import AutoencoderKLWan
+
+    from mindspeed_mm.diffusion.sampler import decode_latents, decode_shared
+
+    vae = AutoencoderKLWan.from_pretrained(str(pipeline / "vae")).eval()
+    latents = torch.randn((3, 4, 2, 2, 2), generator=torch.Generator().manual_seed(5))
+    calls = []
+    original = vae.decode
+
+    def counted(z, *args, **kwargs):
+        calls.append(z.shape[0])
+        return original(z, *args, **kwargs)
+
+    vae.decode = counted
+    shared = decode_shared(vae, latents, dist.group.WORLD)
+    decoded_here = list(calls)
+    return {
+        "shared": None if shared is None else shared.numpy(),
+        "one": decode_latents(vae, latents).numpy(),
+        "decoded": decoded_here,
+    }
+
+
+def _usp(rank: int, world: int, runs: dict, pipeline: Path) -> dict:
+    out = {arch: _step(_overrides(runs[arch], 2, *USP[1:])) for arch in (WAN, FLUX)}
+    out["lora"] = _step(_overrides(runs[WAN], 2, *USP[1:], *LORA))
+    out["train"] = train(load_mm_config(None, _overrides(runs[WAN], 2, *USP[1:]))).records
+    out["sample"] = {arch: _sample(arch, runs[arch][0], "hybrid_cp_algo", 2) for arch in (WAN, FLUX)}
+    out["decode"] = _decode(pipeline)
     return out
 
 
@@ -177,11 +225,25 @@ def _media_recipe(root: Path) -> Path:
     return path
 
 
-def test_sp2_equals_sp1(tmp_path) -> None:
-    runs = {arch: write_tiny_dit_run(tmp_path / arch, arch, latent_shapes=[SHAPES[arch]]) for arch in (WAN, FLUX)}
-    recipe = _media_recipe(tmp_path / "media")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """The tiny runs, the raw-media recipe and the SP1 results (one launch for both tests)."""
+    root = tmp_path_factory.mktemp("dit-sp")
+    runs = {arch: write_tiny_dit_run(root / arch, arch, latent_shapes=[SHAPES[arch]]) for arch in (WAN, FLUX)}
+    recipe = _media_recipe(root / "media")
+    return {"runs": runs, "recipe": recipe, "root": root, "one": launch(_sp1, (runs, recipe))}
+
+
+def _close_grads(one: dict, two: dict, rel: float, what: str) -> None:
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, grad in one["grads"].items():
+        scale = max(float(np.abs(grad).max()), 1e-12)
+        assert float(np.abs(two["grads"][name] - grad).max()) / scale < rel, (what, name)
+
+
+def test_sp2_equals_sp1(tiny) -> None:
+    runs, recipe, one = tiny["runs"], tiny["recipe"], tiny["one"]
     two = run_distributed(_sp2, 2, runs, recipe, timeout=600)
-    one = launch(_sp1, (runs, recipe))
     # Wan: 2 blocks' self-attention, recomputed in the backward; FLUX: 1 double- and 1 single-stream block
     for arch, calls in ((WAN, 4), (FLUX, 2)):
         a, b = one[arch], two[0][arch]
@@ -211,3 +273,34 @@ def test_sp2_equals_sp1(tmp_path) -> None:
     assert [len(r["raw"]["encoded"]) for r in two] == [2, 2]
     assert sorted(two[0]["raw"]["encoded"] + two[1]["raw"]["encoded"]) == sorted(one["raw"]["encoded"])
     np.testing.assert_allclose(two[0]["raw"]["losses"], one["raw"]["losses"], rtol=1e-5)
+
+
+def test_usp_equals_sp1(tiny) -> None:
+    """Ulysses 2 x ring 2 over 4 ranks (the core's hybrid_cp_algo) against SP1: training, LoRA, sampling, decoding."""
+    pipeline = write_tiny_pipeline(tiny["root"] / "pipeline", WAN)
+    four = run_distributed(_usp, 4, tiny["runs"], pipeline, timeout=600)
+    one = tiny["one"]
+    for arch, calls in ((WAN, 4), (FLUX, 2)):
+        a, b = one[arch], four[0][arch]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), arch
+        assert len(a["grads"]) > 60 and b["calls"] == calls and b["totals"] == a["totals"]
+        _close_grads(a, b, 1e-4, arch)
+        sample = four[0]["sample"][arch]
+        np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
+        assert sample["calls"] == 2 * 3 * 2
+        for other in four[1:]:
+            np.testing.assert_array_equal(other["sample"][arch]["two"], sample["two"])
+    # LoRA under USP and FSDP2 over 4 ranks: the factors' gradients (all that trains) are SP1's
+    lora = four[0]["lora"]
+    assert lora["loss"] == pytest.approx(one["lora"]["loss"], rel=1e-5)
+    assert 0 < len(one["lora"]["grads"]) and all("lora" in name for name in one["lora"]["grads"])
+    _close_grads(one["lora"], lora, 1e-4, "lora")
+    for x, y in zip(one["train"][WAN], four[0]["train"]):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["tokens"] == x["tokens"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    # the VAE decode: ranks 0-2 decoded one video each, rank 3 none; rank 0 got all three, as one decode
+    assert [r["decode"]["decoded"] for r in four] == [[1], [1], [1], []]
+    assert all(r["decode"]["shared"] is None for r in four[1:])
+    shared, whole = four[0]["decode"]["shared"], four[0]["decode"]["one"]
+    assert shared.shape == whole.shape == (3, 5, 3, 16, 16)
+    np.testing.assert_allclose(shared, whole, rtol=0, atol=1e-6)

@@ -69,14 +69,33 @@ class ParallelConfig:
         context_parallel_algo: the attention of a diffusion transformer's sequence-parallel group
             (MindSpeed's names): ``ulysses_cp_algo`` (all-to-all over the heads), or ``megatron_cp_algo``
             (the core's ring attention: every rank of the group must hold as many tokens, the
-            sequence a multiple of ``2 x ulysses_parallel_size``). Vision-language models take Ulysses only.
+            sequence a multiple of ``2 x ulysses_parallel_size``). With ``ring_attention_size > 1`` it
+            follows from the two sizes (``hybrid_cp_algo`` when both are above 1, ``megatron_cp_algo`` when
+            Ulysses is 1) and may be left unset or name that. Vision-language models take Ulysses only.
+        ring_attention_size: a diffusion transformer's ring degree ``R`` (MindSpeed-MM's name): the
+            sequence-parallel group is ``ulysses_parallel_size x ring_attention_size`` consecutive ranks,
+            ``R`` rings of Ulysses groups of ``ulysses_parallel_size`` consecutive ranks (USP, the core's
+            ``hybrid_cp_algo``: all-to-all inside a Ulysses group, ring attention across them).
     """
 
     dp_replicate: int = 1
     ulysses_parallel_size: int = 1
     fsdp_plan: list[str] | None = None
     reshard_after_forward: bool = True
-    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo"] = "ulysses_cp_algo"
+    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"] = "ulysses_cp_algo"
+    ring_attention_size: int = 1
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that share each microbatch's tokens: ``ulysses_parallel_size x ring_attention_size``."""
+        return self.ulysses_parallel_size * self.ring_attention_size
+
+    @property
+    def sequence_algo(self) -> str:
+        """The attention of the sequence-parallel group (MindSpeed's name), from the sizes and the algorithm key."""
+        if self.ring_attention_size == 1:
+            return self.context_parallel_algo
+        return "hybrid_cp_algo" if self.ulysses_parallel_size > 1 else "megatron_cp_algo"
 
 
 @dataclass
@@ -407,7 +426,7 @@ class MMConfig:
     def samples_per_step(self, world_size: int) -> int:
         """Samples in one optimizer step over all ranks (sequence-parallel ranks share theirs)."""
         t = self.train
-        return t.micro_batch_size * t.gradient_accumulation_steps * (world_size // self.parallel.ulysses_parallel_size)
+        return t.micro_batch_size * t.gradient_accumulation_steps * (world_size // self.parallel.sequence_parallel_size)
 
     def check(self, world_size: int) -> None:
         """Check the values against each other and against ``world_size``.
@@ -422,6 +441,7 @@ class MMConfig:
             ("parallel.dp_replicate", p.dp_replicate),
             ("data.cutoff_len", d.cutoff_len),
             ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
+            ("parallel.ring_attention_size", p.ring_attention_size),
             ("logging.interval", self.logging.interval),
             ("lora.r", self.lora.r),
         ):
@@ -443,10 +463,11 @@ class MMConfig:
                 f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
                 "change one of them"
             )
-        if world_size % (p.dp_replicate * p.ulysses_parallel_size):
+        if world_size % (p.dp_replicate * p.sequence_parallel_size):
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
-                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size}; change one of them"
+                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} x "
+                f"parallel.ring_attention_size={p.ring_attention_size}; change one of them"
             )
         if p.ulysses_parallel_size > 1 and m.attn_implementation != "mindspeed":
             raise ConfigError(
@@ -462,10 +483,10 @@ class MMConfig:
             raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
         if self.task() == "dit":
             self._check_dit()
-        elif p.context_parallel_algo != "ulysses_cp_algo":
+        elif p.context_parallel_algo != "ulysses_cp_algo" or p.ring_attention_size != 1:
             raise ConfigError(
-                f"parallel.context_parallel_algo={p.context_parallel_algo}: vision-language models take "
-                "ulysses_cp_algo only; remove the key"
+                f"parallel.context_parallel_algo={p.context_parallel_algo}, parallel.ring_attention_size="
+                f"{p.ring_attention_size}: vision-language models take ulysses_cp_algo only; remove the keys"
             )
         elif not d.files:
             raise ConfigError(
@@ -526,6 +547,18 @@ class MMConfig:
                 "or give a feature cache directory"
             )
         self.check_media()
+        p = self.parallel
+        if p.ring_attention_size == 1 and p.context_parallel_algo == "hybrid_cp_algo":
+            raise ConfigError(
+                "parallel.context_parallel_algo=hybrid_cp_algo needs parallel.ring_attention_size > 1 (the ring "
+                "degree; the Ulysses degree is parallel.ulysses_parallel_size)"
+            )
+        if p.ring_attention_size > 1 and p.context_parallel_algo not in ("ulysses_cp_algo", p.sequence_algo):
+            raise ConfigError(
+                f"parallel.context_parallel_algo={p.context_parallel_algo} contradicts parallel.ulysses_parallel_size="
+                f"{p.ulysses_parallel_size} x parallel.ring_attention_size={p.ring_attention_size}, which make "
+                f"{p.sequence_algo}; remove the key"
+            )
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()

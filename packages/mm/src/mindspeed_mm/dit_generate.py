@@ -5,7 +5,9 @@ diffusers model (:func:`~mindspeed_mm.diffusion.pipeline.is_dit_source`). Each p
 with the pipeline's text encoder(s) as the pipeline encodes it, starts from noise drawn with
 ``seed + its index``, is denoised by :func:`~mindspeed_mm.diffusion.sampler.sample_latents`
 (Euler or UniPC, classifier-free guidance against the negative prompt) and decoded by the
-pipeline's VAE. ``--output-dir`` receives ``NNN-<words>.png`` per image or ``.gif`` (and ``.mp4``
+pipeline's VAE. With sequence-parallel sampling (``--ulysses-parallel-size`` x ``--ring-attention-size``
+ranks) every rank holds each prompt's latents; the ranks then decode a share of the prompts each
+(:func:`~mindspeed_mm.diffusion.sampler.decode_shared`) and rank 0 writes. ``--output-dir`` receives ``NNN-<words>.png`` per image or ``.gif`` (and ``.mp4``
 where PyAV is installed) per video, ``contact_sheet.png`` (and ``contact_sheet.gif`` for videos)
 of all prompts, and ``samples.jsonl`` (prompt, seed, settings, files).
 """
@@ -52,6 +54,10 @@ class DiTSampleConfig:
         ulysses_parallel_size: ranks that sample each prompt together, each holding a share of the video /
             image tokens (Ulysses sequence parallelism, as the training key ``parallel.ulysses_parallel_size``;
             spawned here, or the world size under torchrun); the heads must divide by it.
+        ring_attention_size: the ring degree (as ``parallel.ring_attention_size``): the sampling group is
+            ``ulysses_parallel_size x ring_attention_size`` ranks, Ulysses inside groups of
+            ``ulysses_parallel_size`` consecutive ranks and ring attention across them (USP); under torchrun
+            the Ulysses degree is the world size over it.
         ema: a training checkpoint of a train.ema run samples with the moving averages of its weights (the
             default); --no-ema: with its raw trained weights.
     """
@@ -71,6 +77,7 @@ class DiTSampleConfig:
     fps: int = 16
     scale: int = 1
     ulysses_parallel_size: int = 1
+    ring_attention_size: int = 1
     ema: bool = True
 
 
@@ -121,26 +128,28 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
         raise ValueError("--image: a diffusion transformer generates from text only; remove --image")
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
-    for key in ("num_inference_steps", "num_frames", "fps", "scale", "ulysses_parallel_size"):
+    for key in ("num_inference_steps", "num_frames", "fps", "scale", "ulysses_parallel_size", "ring_attention_size"):
         if getattr(sample, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
-    if sample.ulysses_parallel_size > 1:
+    ranks = sample.ulysses_parallel_size * sample.ring_attention_size
+    if ranks > 1:
         from mindspeed_llm.training.launch import launch
 
-        return launch(_sample_all, (args, sample, prompts), nproc_per_node=sample.ulysses_parallel_size) or 0
+        return launch(_sample_all, (args, sample, prompts), nproc_per_node=ranks) or 0
     return _sample_all(args, sample, prompts)
 
 
 def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
-    """Sample and write on this process (one rank of a sequence-parallel group: rank 0 decodes and writes)."""
+    """Sample and write on this process (one rank of a sequence-parallel group: the ranks decode a share of the
+    prompts each, rank 0 writes)."""
     import torch  # lazy: keeps torch out of the start-up of mindspeed_mm.cli
     import torch.distributed as dist
 
     from mindspeed_mm.diffusion import media
     from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
-    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, decode_shared, sample_latents
     from mindspeed_mm.inference.loading import DTYPES
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
 
@@ -157,12 +166,18 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     family, video = loaded.family, loaded.family.latent_dims == 4
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
-    writer = True
+    group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         if family.sequence_plan is None:
             raise ValueError(f"{family.architecture} has no sequence-parallel plan; use --ulysses-parallel-size 1")
-        apply_sequence_parallel(loaded.model, family.sequence_plan, dist.group.WORLD)
-        writer = dist.get_rank() == 0
+        world, ring = dist.get_world_size(), sample.ring_attention_size
+        if world % ring:
+            raise ValueError(f"--ring-attention-size {ring} does not divide the {world} ranks; use a divisor")
+        ulysses = world // ring
+        algo = "ulysses_cp_algo" if ring == 1 else "megatron_cp_algo" if ulysses == 1 else "hybrid_cp_algo"
+        group = dist.group.WORLD
+        apply_sequence_parallel(loaded.model, family.sequence_plan, group, algo, ulysses)
+    writer = group is None or dist.get_rank() == 0
     height = sample.height or (480 if video else 1024)
     width = sample.width or (832 if video else 1024)
     shape = latent_shape(loaded.parts["vae"], family, sample.num_frames, height, width)
@@ -173,7 +188,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     output.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     negative = family.encode_prompts(loaded.parts, [sample.negative_prompt], text_len) if guidance > 1 else None
-    pixels_all, rows = [], []
+    sampled = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
         text, pooled = family.encode_prompts(loaded.parts, batch, text_len)
@@ -196,16 +211,17 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             guidance,
             sample.distilled_guidance,
         )
-        if not writer:  # every rank holds the whole latents; one decodes and writes
-            continue
-        pixels = decode_latents(loaded.parts["vae"], latents).float().cpu()
-        for i, (prompt, item) in enumerate(zip(batch, pixels)):
-            index = start + i
-            files = _write_sample(output / f"{index:03d}-{_slug(prompt)}", item, sample, media)
-            pixels_all.append(item)
-            rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
+        sampled.append(latents)
+    if group is None:  # one batch at a time, as sampled
+        decoded = torch.cat([decode_latents(loaded.parts["vae"], z).float().cpu() for z in sampled])
+    else:  # every rank holds the whole latents: each decodes a share of the prompts, rank 0 writes
+        decoded = decode_shared(loaded.parts["vae"], torch.cat(sampled), group)
     if not writer:
         return 0
+    pixels_all, rows = list(decoded.float().cpu()), []
+    for index, (prompt, item) in enumerate(zip(prompts, pixels_all)):
+        files = _write_sample(output / f"{index:03d}-{_slug(prompt)}", item, sample, media)
+        rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
     sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
     settings = {
         **asdict(sample),

@@ -171,3 +171,29 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     pixels = vae.decode(latents, return_dict=False)[0]
     pixels = (pixels * 0.5 + 0.5).clamp(0, 1)
     return pixels.transpose(1, 2) if pixels.ndim == 5 else pixels
+
+
+@torch.no_grad()
+def decode_shared(vae: Any, latents: torch.Tensor, group: Any = None, dst: int = 0) -> torch.Tensor | None:
+    """:func:`decode_latents` of ``latents`` ``[N, ...]`` with the work split over the ranks of ``group``.
+
+    Every rank holds all the latents (sequence-parallel sampling returns them on each); rank ``r`` of
+    ``G`` decodes samples ``r, r + G, ...`` one at a time, and group rank ``dst`` receives the pixels
+    of all (on the CPU, in order). One sample is not split: with fewer samples than ranks some ranks
+    have nothing to decode. Without a group, or in a one-rank group, this is :func:`decode_latents`.
+
+    Returns:
+        The pixels on group rank ``dst``, None on the other ranks.
+    """
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return decode_latents(vae, latents)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = {i: decode_latents(vae, latents[i : i + 1])[0].cpu() for i in range(rank, latents.shape[0], size)}
+    parts: list[Any] | None = [None] * size if rank == dst else None
+    dist.gather_object(mine, parts, dst=dist.get_global_rank(group, dst), group=group)
+    if parts is None:
+        return None
+    merged = {index: pixels for part in parts for index, pixels in part.items()}
+    return torch.stack([merged[i] for i in range(latents.shape[0])])

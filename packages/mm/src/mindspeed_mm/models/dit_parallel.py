@@ -12,7 +12,11 @@ changes nothing in the model's code; it adds, from the family's :class:`Sequence
    hands its ``scaled_dot_product_attention`` call to the core's Ulysses all-to-all
    (:func:`mindspeed.parallel.context_parallel.comm.seq_to_heads`, the kernel registry's
    ``attention`` op, :func:`~mindspeed.parallel.context_parallel.comm.heads_to_seq`): each rank
-   attends over the whole sequence for ``1/U`` of the heads. Cross-attention to replicated text
+   attends over the whole sequence for ``1/U`` of the heads. Or to the core's ring attention over the
+   group (``megatron_cp_algo``), or to its hybrid (``hybrid_cp_algo``, USP: Ulysses inside groups of
+   ``U`` consecutive ranks, the ring across them). The attention is not causal, so contiguous shards
+   serve the ring's layouts as long as every rank holds as many tokens as the layout gives it (the
+   splits cut by those lengths). Cross-attention to replicated text
    (Wan's ``attn2``) stays local: each rank's queries see all the text keys;
 3. a forward hook that gathers the output projection's tokens from the group (its backward
    keeps this rank's rows), so the model returns the whole prediction on every rank.
@@ -36,7 +40,9 @@ from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.attention import FEATURE_LSE
 from mindspeed.parallel.context_parallel.comm import heads_to_seq, seq_to_heads
-from mindspeed.parallel.context_parallel.layout import RING, ULYSSES, split_sizes, zigzag_ranges
+from mindspeed.parallel.context_parallel.groups import ContextParallelGroups, build_context_parallel_groups
+from mindspeed.parallel.context_parallel.hybrid import hybrid_attention
+from mindspeed.parallel.context_parallel.layout import HYBRID, RING, ULYSSES, shard_lengths
 from mindspeed.parallel.context_parallel.ring import ring_attention
 
 
@@ -108,17 +114,20 @@ class SequenceParallel:
     """The state of one model's sequence parallelism: its group and the shard sizes of the current forward.
 
     Attributes:
-        group: the Ulysses group (its rank order is the shard order).
+        group: the sequence-parallel group (its rank order is the shard order).
         plan: the family's plan.
         sizes: shard sizes over the group of each named split of the current forward.
         calls: sequence-parallel attention calls so far (tests check it ran).
-        algo: ``ulysses_cp_algo`` or ``megatron_cp_algo`` (the core's ring attention over the group:
-            non-causal, so the contiguous shards serve as well as its zig-zag ones when all are as long).
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (the core's ring attention over the group:
+            non-causal, so the contiguous shards serve as well as its zig-zag ones when all are as long)
+            or ``hybrid_cp_algo`` (USP: :attr:`groups` holds its Ulysses and ring groups).
+        groups: the Ulysses and ring groups of ``group`` (``build_context_parallel_groups``).
     """
 
     group: dist.ProcessGroup
     plan: SequencePlan
     algo: str = ULYSSES
+    groups: ContextParallelGroups | None = None
     sizes: dict[str, list[int]] = field(default_factory=dict)
     calls: int = 0
     handles: list[Any] = field(default_factory=list)
@@ -134,15 +143,30 @@ class SequenceParallel:
         """This rank's place in the group."""
         return dist.get_rank(self.group)
 
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks that split the heads: the group (Ulysses), 1 (ring), the Ulysses groups' size (hybrid)."""
+        if self.algo == RING:
+            return 1
+        if self.algo == HYBRID:
+            return dist.get_world_size(self.groups.ulysses_group)
+        return self.size
+
+    def layout(self, length: int) -> list[int]:
+        """Every rank's share of ``length`` tokens: near-equal (Ulysses), the ring's zig-zag shard lengths
+        (ring), each ring shard's near-equal pieces over its Ulysses group (hybrid)."""
+        return shard_lengths(length, self.size, self.algo, self.ulysses_degree)
+
     def split(self, tensor: torch.Tensor, split: Split) -> torch.Tensor:
         """This rank's contiguous shard of ``tensor`` along ``split.dim`` (recording its sizes under its name)."""
         length = tensor.shape[split.dim]
-        if length < self.size:
+        sizes = self.layout(length)
+        if min(sizes) == 0:
             raise ValueError(
-                f"{length} tokens cannot be split over parallel.ulysses_parallel_size={self.size} ranks; "
-                "use larger latents or a smaller parallel.ulysses_parallel_size"
+                f"{length} tokens cannot be split over the {self.size} sequence-parallel ranks "
+                f"({self.algo}: shares {sizes}); use larger latents or smaller parallel.ulysses_parallel_size / "
+                "parallel.ring_attention_size"
             )
-        sizes = split_sizes(length, self.size)
         if split.name is not None:
             self.sizes[split.name] = sizes
         return tensor.narrow(split.dim, sum(sizes[: self.rank]), sizes[self.rank])
@@ -169,16 +193,16 @@ class SequenceParallel:
                 "causality; set parallel.ulysses_parallel_size=1 for this model"
             )
         heads = query.shape[1]
-        if heads % self.size or key.shape[1] != heads:
+        if heads % self.ulysses_degree or key.shape[1] != heads:
             raise ValueError(
-                f"parallel.ulysses_parallel_size={self.size} does not divide the {heads} attention heads "
+                f"parallel.ulysses_parallel_size={self.ulysses_degree} does not divide the {heads} attention heads "
                 f"({key.shape[1]} key heads); use a divisor of the head count"
             )
         sizes = self.attention_sizes()
         softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
         device = get_accelerator().name
         self.calls += 1
-        if self.algo == RING:
+        if self.algo in (RING, HYBRID):
             return self._ring(query, key, value, sizes, softmax_scale, device)
         q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
         out = _kernel("attention", device)(q, k, v, causal=False, softmax_scale=softmax_scale)
@@ -188,15 +212,13 @@ class SequenceParallel:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int], scale: float, device: str
     ) -> torch.Tensor:
         seq_len = sum(sizes)
-        zigzag = [sum(hi - lo for lo, hi in zigzag_ranges(seq_len, r, self.size)) for r in range(self.size)]
-        if sizes != zigzag:
+        if sizes != self.layout(seq_len):
             raise ValueError(
-                f"parallel.context_parallel_algo=megatron_cp_algo needs equally long shards; the {seq_len} tokens "
-                f"split as {sizes}: use latents whose tokens (and text) divide by 2 x {self.size}, or ulysses_cp_algo"
+                f"parallel.context_parallel_algo={self.algo} needs every rank's share of the attention sequence as "
+                f"its layout gives it ({self.layout(seq_len)} of {seq_len} tokens); the splits made {sizes}: use "
+                f"latents whose tokens (and text) divide by 2 x {self.size}, or ulysses_cp_algo"
             )
-        out = ring_attention(
-            *(x.transpose(1, 2) for x in (query, key, value)),
-            group=self.group,
+        common = dict(
             seq_len=seq_len,
             causal=False,
             softmax_scale=scale,
@@ -204,6 +226,13 @@ class SequenceParallel:
             attend=_kernel("attention", device, (FEATURE_LSE,)),
             update=_kernel("ring_attention_update", device),
         )
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        if self.algo == HYBRID:
+            out = hybrid_attention(
+                q, k, v, ulysses_group=self.groups.ulysses_group, ring_group=self.groups.ring_group, **common
+            )
+        else:
+            out = ring_attention(q, k, v, group=self.group, **common)
         return out.transpose(1, 2)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -277,27 +306,40 @@ def _split_outputs(parallel: SequenceParallel, split: Split, module: Any, args: 
 
 
 def apply_sequence_parallel(
-    model: torch.nn.Module, plan: SequencePlan, group: dist.ProcessGroup, algo: str = ULYSSES
+    model: torch.nn.Module,
+    plan: SequencePlan,
+    group: dist.ProcessGroup,
+    algo: str = ULYSSES,
+    ulysses_degree: int | None = None,
 ) -> SequenceParallel:
     """Make ``model`` (a diffusers transformer, sharded or not) split its tokens over ``group`` (see the module doc).
 
+    Args:
+        model: the diffusers transformer.
+        plan: its family's :class:`SequencePlan`.
+        group: the sequence-parallel group.
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` or ``hybrid_cp_algo``.
+        ulysses_degree: for ``hybrid_cp_algo``: the size ``U`` of its Ulysses groups (consecutive ranks of
+            ``group``; the ring degree is the rest), created here by every rank of ``group``.
+
     Raises:
         ValueError: the model uses diffusers' own gradient checkpointing (its recompute would split twice;
-            use ``train.recompute_modules``), or the heads do not divide by the group size.
+            use ``train.recompute_modules``), or the heads do not divide by the Ulysses degree.
     """
-    if algo not in (ULYSSES, RING):
-        raise ValueError(f"parallel.context_parallel_algo={algo!r}: use {ULYSSES} or {RING}")
-    parallel = SequenceParallel(group, plan, algo=algo)
+    if algo not in (ULYSSES, RING, HYBRID):
+        raise ValueError(f"parallel.context_parallel_algo={algo!r}: use {ULYSSES}, {RING} or {HYBRID}")
+    groups = build_context_parallel_groups(group, algo, ulysses_degree) if algo == HYBRID else None
+    parallel = SequenceParallel(group, plan, algo=algo, groups=groups)
     if getattr(model, "gradient_checkpointing", False):
         raise ValueError(
             "sequence parallelism with diffusers' gradient checkpointing would split the recomputed blocks' "
             "inputs twice; use train.recompute_modules instead"
         )
     heads = getattr(model.config, "num_attention_heads", None)
-    if heads is not None and heads % parallel.size:
+    if heads is not None and heads % parallel.ulysses_degree:
         raise ValueError(
-            f"parallel.ulysses_parallel_size={parallel.size} does not divide the model's {heads} attention heads; "
-            "use a divisor of the head count"
+            f"parallel.ulysses_parallel_size={parallel.ulysses_degree} does not divide the model's {heads} attention "
+            "heads; use a divisor of the head count"
         )
     inputs: dict[str, list[Split]] = {}
     for split in plan.splits:

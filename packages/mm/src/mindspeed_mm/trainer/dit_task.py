@@ -78,7 +78,7 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         apply_fsdp(
             model,
             p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
-            build_mesh(world, p.dp_replicate, p.ulysses_parallel_size),
+            build_mesh(world, p.dp_replicate, p.sequence_parallel_size),
             config.train.precision,
             p.reshard_after_forward,
         )
@@ -114,9 +114,10 @@ class DiTTask:
 
     Counts: samples, tokens.
 
-    With ``parallel.ulysses_parallel_size = U`` the ``U`` consecutive ranks of a group get the same
-    microbatches (data-parallel rank ``rank // U``, the same draws) and the model splits their tokens
-    (:mod:`mindspeed_mm.models.dit_parallel`); each rank's gradients are its tokens' share, which
+    With ``U = parallel.ulysses_parallel_size x parallel.ring_attention_size`` above 1 the ``U``
+    consecutive ranks of a group get the same microbatches (data-parallel rank ``rank // U``, the same
+    draws) and the model splits their tokens (:mod:`mindspeed_mm.models.dit_parallel`: Ulysses, ring
+    or both, ``parallel.sequence_algo``); each rank's gradients are its tokens' share, which
     FSDP2's mean over all ranks divides by ``U`` too, so the backward loss is scaled by ``U``. Counts
     are taken on the group's first rank. From raw media, the group's ranks encode every ``U``-th
     sample of a microbatch each and exchange the features.
@@ -128,16 +129,18 @@ class DiTTask:
         self.source = Path(config.model.path)
         self.family, self.model = build_dit(config, world)
         self.device = get_accelerator().device()
-        self.sp = config.parallel.ulysses_parallel_size
+        p = config.parallel
+        self.sp = p.sequence_parallel_size
         self.sequence: SequenceParallel | None = None
         if self.sp > 1:
             if self.family.sequence_plan is None:
                 raise ValueError(
-                    f"{self.family.architecture} has no sequence-parallel plan; set parallel.ulysses_parallel_size=1"
+                    f"{self.family.architecture} has no sequence-parallel plan; set parallel.ulysses_parallel_size=1 "
+                    "and parallel.ring_attention_size=1"
                 )
             group = build_sp_mesh(world, self.sp)["sp"].get_group()
             self.sequence = apply_sequence_parallel(
-                self.model, self.family.sequence_plan, group, config.parallel.context_parallel_algo
+                self.model, self.family.sequence_plan, group, p.sequence_algo, p.ulysses_parallel_size
             )
         # A feature cache, or the encoders run on the raw media of data.files as samples are read.
         self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
