@@ -1,7 +1,8 @@
 """Reference inputs and generations built with transformers alone (no mindspeed_mm code), for the generate and
 evaluate tests: the chat template's text, the image token repeated by the family's rule (merged patches for
 Qwen-VL, ``image_seq_length`` per tile for InternVL), the whole string tokenized at once, the model directory's
-image processor, and transformers' own ``generate``."""
+image processor, and transformers' own ``generate``; and the family's own transformers processor (``Qwen2_5_VLProcessor``,
+``Qwen3VLProcessor``, ``InternVLProcessor``) with its call defaults (InternVL: tiles and a thumbnail)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+#: architecture -> the family's transformers processor class
+PROCESSORS = {
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLProcessor",
+    "Qwen3VLForConditionalGeneration": "Qwen3VLProcessor",
+    "InternVLForConditionalGeneration": "InternVLProcessor",
+}
 NEW_TOKENS = 12
 PIXELS = ["--image-min-pixels", "784", "--image-max-pixels", "12544"]  # the tiny processors' own bounds
 #: architecture -> (text that stands for one image, the token the processor repeats)
@@ -32,8 +39,11 @@ def reference_inputs(model_dir: Path, messages: list[dict], images: list[Path]) 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = {}
     if images:
+        intern = config["architectures"][0].startswith("InternVL")
         out = AutoImageProcessor.from_pretrained(model_dir)(
-            images=[Image.open(p).convert("RGB") for p in images], return_tensors="pt"
+            images=[Image.open(p).convert("RGB") for p in images],
+            return_tensors="pt",
+            **({"crop_to_patches": True} if intern else {}),  # InternVLProcessor's call default: tiles + thumbnail
         )
         if "image_grid_thw" in out:  # Qwen-VL: one token per 2 x 2 merged patch
             counts = [int(g.prod()) // 4 for g in out["image_grid_thw"]]
@@ -75,3 +85,53 @@ def images_by_size(data: Path) -> list[Path]:
             return image.size[0] * image.size[1]
 
     return sorted((data.parent / "images").glob("*.png"), key=lambda path: (-pixels(path), path.name))
+
+
+def transformers_processor(processing):
+    """The family's own transformers processor over the directory's tokenizer and processors, and the text an
+    image is written as for it (InternVL's wraps the context token in <img></img> itself)."""
+    import transformers
+
+    family, tokenizer = processing.family, processing.tokenizer
+    kwargs, image_text = {}, family.image_placeholder
+    if family.architecture.startswith("InternVL"):
+        tokenizer.start_image_token, tokenizer.end_image_token = "<img>", "</img>"
+        tokenizer.context_image_token, tokenizer.video_token = "<IMG_CONTEXT>", "<video>"
+        tokenizer.start_image_token_id, tokenizer.end_image_token_id, tokenizer.context_image_token_id = (
+            tokenizer.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>")
+        )
+        kwargs, image_text = {"image_seq_length": 4}, "<IMG_CONTEXT>"
+    processor = getattr(transformers, PROCESSORS[family.architecture])(
+        image_processor=processing.image_processor,
+        tokenizer=tokenizer,
+        video_processor=processing.video_processor,
+        chat_template=tokenizer.chat_template,
+        **kwargs,
+    )
+    return processor, image_text
+
+
+def processor_inputs(processing, sample, video_settings, generation: bool = False) -> dict:
+    """The inputs the family's transformers processor builds for ``sample`` with its own call defaults (the
+    same decoded frames and metadata; InternVL's images cut into tiles plus a thumbnail)."""
+    from mindspeed_mm.data.video import decode_video
+
+    processor, image_text = transformers_processor(processing)
+    messages = [
+        {
+            "role": m["role"],
+            "content": m["content"]
+            .replace("<image>", image_text)
+            .replace("<video>", processing.family.video_placeholder),
+        }
+        for m in sample.messages
+    ]
+    clips = [decode_video(video, video_settings, sample.source) for video in sample.videos]
+    return processor(
+        text=[processing.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)],
+        images=[Image.open(path).convert("RGB") for path in sample.images] or None,
+        videos=[clip.frames for clip in clips] or None,
+        video_metadata=[clip.metadata() for clip in clips] or None,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )

@@ -7,7 +7,8 @@ Two broken variants of the packed batch (text positions on the rotary axes; no s
 boundaries) are shown to miss the reference, so the equality is not an accident. The same holds
 for a batch with videos (an .mp4, an image and an .mp4, a frame folder; PyAV-written), trained
 with ``data.workers=2`` and a cache; for Qwen2.5-VL, videos' positions without
-``second_per_grid_ts`` miss it too.
+``second_per_grid_ts`` miss it too. InternVL's images are cut into tiles plus a thumbnail as
+transformers' ``InternVLProcessor`` cuts them: its tokens and pixels equal ours, sample by sample.
 """
 
 from __future__ import annotations
@@ -153,7 +154,23 @@ def test_qwen3_vl_first_loss_equals_transformers_sample_by_sample(tiny_qwen3_vl,
 
 
 def test_internvl_first_loss_equals_transformers_sample_by_sample(tiny_internvl, tmp_path) -> None:
-    _check(*tiny_internvl, _reference(*tiny_internvl), tmp_path, all_reductions=False)
+    """With the images tiled as transformers' InternVLProcessor tiles them (tiles and a thumbnail)."""
+    from tests.mm.hf_reference import processor_inputs
+
+    model_dir, data = tiny_internvl
+    reference = _reference(model_dir, data)
+    tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
+    processing = Processing(tokenizer, processor, family_of(model_dir), load_video_processor(model_dir))
+    tiles = []
+    for sample, ours in zip(read_mllm_files([str(data)])[:SAMPLES], reference[2], strict=True):
+        theirs = processor_inputs(processing, sample, VIDEO)
+        assert torch.equal(theirs["input_ids"][0], ours.input_ids), sample.source
+        if sample.images:
+            assert torch.equal(theirs["pixel_values"], ours.vision["pixel_values"]), sample.source
+            tiles.append(ours.vision["pixel_values"].shape[0])
+    print(f"InternVL tiles per image: {tiles}")
+    assert max(tiles) >= 3  # some image cut into 2+ tiles, plus its thumbnail
+    _check(model_dir, data, reference, tmp_path, all_reductions=False)
 
 
 def test_bf16_and_frozen_parts(tiny_vlm, reference, tmp_path) -> None:

@@ -10,20 +10,15 @@ import time
 import pytest
 import torch
 import transformers
-from PIL import Image
 
 from mindspeed_mm.data import read_mllm_files
 from mindspeed_mm.data.preprocess import EncodeSettings, Processing, preprocess
 from mindspeed_mm.data.video import VideoSettings, decode_video, sample_indices
 from mindspeed_mm.models import family_of, load_processing, load_video_processor
 from mindspeed_mm.testing import write_tiny_video_dataset
+from tests.mm.hf_reference import processor_inputs
 
 VIDEO = VideoSettings(fps=4, maxlen=6, max_pixels=3136, min_pixels=256)
-PROCESSORS = {
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLProcessor",
-    "Qwen3VLForConditionalGeneration": "Qwen3VLProcessor",
-    "InternVLForConditionalGeneration": "InternVLProcessor",
-}
 
 
 def _processing(model_dir) -> Processing:
@@ -47,60 +42,13 @@ def test_decoding_follows_llamafactory(tiny_video_data) -> None:
     assert sample_indices(3, 10.0, 2.0, 128) == [0, 1, 2] and sample_indices(50, 0.2, 2.0, 128) == [0]
 
 
-def _transformers_processor(processing: Processing):
-    """The family's own transformers processor over the directory's tokenizer and processors, and the text an
-    image is written as for it (InternVL's wraps the context token in <img></img> itself)."""
-    family, tokenizer = processing.family, processing.tokenizer
-    kwargs, image_text = {}, family.image_placeholder
-    if family.architecture.startswith("InternVL"):
-        tokenizer.start_image_token, tokenizer.end_image_token = "<img>", "</img>"
-        tokenizer.context_image_token, tokenizer.video_token = "<IMG_CONTEXT>", "<video>"
-        tokenizer.start_image_token_id, tokenizer.end_image_token_id, tokenizer.context_image_token_id = (
-            tokenizer.convert_tokens_to_ids(t) for t in ("<img>", "</img>", "<IMG_CONTEXT>")
-        )
-        kwargs, image_text = {"image_seq_length": 4}, "<IMG_CONTEXT>"
-    processor = getattr(transformers, PROCESSORS[family.architecture])(
-        image_processor=processing.image_processor,
-        tokenizer=tokenizer,
-        video_processor=processing.video_processor,
-        chat_template=tokenizer.chat_template,
-        **kwargs,
-    )
-    return processor, image_text
-
-
-def _transformers_inputs(processing: Processing, sample, generation: bool = False) -> dict:
-    """The inputs transformers' processor builds for ``sample`` (the same decoded frames and metadata)."""
-    processor, image_text = _transformers_processor(processing)
-    messages = [
-        {
-            "role": m["role"],
-            "content": m["content"]
-            .replace("<image>", image_text)
-            .replace("<video>", processing.family.video_placeholder),
-        }
-        for m in sample.messages
-    ]
-    clips = [decode_video(video, VIDEO, sample.source) for video in sample.videos]
-    intern = processing.family.architecture.startswith("InternVL")
-    return processor(
-        text=[processing.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)],
-        images=[Image.open(path).convert("RGB") for path in sample.images] or None,
-        videos=[clip.frames for clip in clips] or None,
-        video_metadata=[clip.metadata() for clip in clips] or None,
-        do_sample_frames=False,
-        return_tensors="pt",
-        **({"crop_to_patches": False} if intern else {}),  # the tiny image processor's own setting
-    )
-
-
 @pytest.mark.parametrize("fixture", ["tiny_vlm", "tiny_qwen3_vl", "tiny_internvl"])
 def test_video_inputs_equal_the_transformers_processor(fixture, tiny_video_data, request) -> None:
     """Tokens, pixels, grids, second_per_grid_ts and token types equal the family's own transformers processor's."""
     processing = _processing(request.getfixturevalue(fixture)[0])
     architecture = processing.family.architecture
     for sample in read_mllm_files([str(tiny_video_data)]):
-        out = _transformers_inputs(processing, sample)
+        out = processor_inputs(processing, sample, VIDEO)
         ours = processing.encode(sample, EncodeSettings(cutoff_len=4096, video=VIDEO))
         assert torch.equal(out["input_ids"][0], ours.input_ids), (architecture, sample.source)
         for key, value in ours.vision.items():
@@ -137,7 +85,7 @@ def test_generate_with_video_equals_transformers_generate(fixture, tiny_video_da
         type(samples[1])(samples[1].messages[:1], samples[1].images, "p", samples[1].videos),
     ]
     for row, sample in zip(rows, cases, strict=True):
-        inputs = _transformers_inputs(processing, sample, generation=True)
+        inputs = processor_inputs(processing, sample, VIDEO, generation=True)
         with torch.no_grad():
             new = model.eval().generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1] :]
         assert row["prompt_token_ids"] == inputs["input_ids"][0].tolist(), processing.family.architecture

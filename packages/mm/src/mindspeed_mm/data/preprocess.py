@@ -53,7 +53,7 @@ PROCESSING_FILES = (
     "merges.txt",
 )
 #: Bumped when the stored layout or the encoding itself changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: InternVL images cut into tiles as InternVLProcessor cuts them
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,15 @@
 """InternVL (``InternVLForConditionalGeneration``, InternVL3 / 3.5 in transformers' layout): an InternViT, a pixel-shuffle MLP projector, a Qwen2/Qwen3 LLM with 1-D rope.
 
-An image is one or more 448 x 448 tiles (``crop_to_patches``; one tile in the tiny model), each
-``image_seq_length`` ``<IMG_CONTEXT>`` tokens between ``<img>`` and ``</img>``. Positions are
-plain 1-D positions restarting in each packed sample.
+An image is cut into tiles as transformers' ``InternVLProcessor`` cuts it: the processor calls
+its image processor with ``crop_to_patches=True`` whatever the directory's
+``preprocessor_config.json`` says (``InternVLProcessorKwargs``' call defaults), so the image
+processor is loaded with those defaults (:func:`processor_tiling`). The image is resized to the
+grid of ``size`` tiles (448 x 448 in InternVL3) whose aspect ratio is closest to its own, from
+``min_patches`` to ``max_patches`` tiles (the directory's, 1 and 12 by default), and a
+thumbnail of the whole image is added when there is more than one tile (GotOcr2's
+``crop_image_to_patches``). Each tile is ``image_seq_length`` ``<IMG_CONTEXT>`` tokens, and an
+image's tiles sit between one ``<img>`` and ``</img>``. Positions are plain 1-D positions
+restarting in each packed sample.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor
     tiles = out["num_patches"]
     tiles = tiles.tolist() if hasattr(tiles, "tolist") else list(tiles)
     return {"pixel_values": out["pixel_values"]}, [per_tile * int(n) for n in tiles]
+
+
+def processor_tiling(min_pixels: int, max_pixels: int) -> dict[str, Any]:
+    """The image kwargs ``InternVLProcessor`` calls its image processor with (tiles and a thumbnail); InternVL
+    bounds images by tiles, not pixels, so the pixel bounds are not used."""
+    from transformers.models.internvl.processing_internvl import InternVLProcessorKwargs
+
+    return dict(InternVLProcessorKwargs._defaults.get("images_kwargs", {}))
 
 
 def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -51,7 +66,8 @@ def dummy_vision_inputs(config: Any) -> dict[str, torch.Tensor]:
 
 
 def write_tiny(directory: Path, seed: int = 0) -> None:
-    """A tiny InternVL (56 x 56 tiles of 14 x 14 patches, 4 tokens per tile) with a byte tokenizer."""
+    """A tiny InternVL (56 x 56 tiles of 14 x 14 patches, 4 tokens per tile, at most 12 tiles and a thumbnail) with
+    a byte tokenizer."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
@@ -97,7 +113,7 @@ def write_tiny(directory: Path, seed: int = 0) -> None:
     tokenizer.save_pretrained(directory)
     GotOcr2ImageProcessorPil(
         size={"height": 56, "width": 56},
-        crop_to_patches=False,
+        crop_to_patches=False,  # as a directory may say: InternVLProcessor (and our loading) tile all the same
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
     ).save_pretrained(directory)
@@ -123,6 +139,7 @@ INTERNVL = register_family(
         write_tiny=write_tiny,
         language_module="model.language_model",
         dummy_vision_inputs=dummy_vision_inputs,
+        processor_overrides=processor_tiling,
         vision_module="model.vision_tower",
         video_placeholder="<video>",
         video_token="<video>",
