@@ -16,6 +16,14 @@ accelerator has) in every attention layer:
 - without one (the vision encoders' non-causal attention, or a plain forward) it attends over
   the whole row, causal as the module says; an explicit mask or attention dropout goes to
   transformers' own SDPA function unchanged.
+
+Vision towers that attend within windows or images of a packed row (Qwen2.5-VL, Qwen3-VL)
+hand their boundaries (``cu_seq_lens_q``) to the attention function only when its name says
+``flash``; under any other name transformers splits the row and calls the function once per
+window. :func:`use_varlen_vision` gives the model's vision sub-config the name
+``mindspeed_flash_varlen`` (registered next to ``mindspeed``; set after loading, so
+transformers never looks for a flash-attn package), whose function runs all windows in one
+call of the kernel registry's varlen ``attention`` (equal windows batched without padding).
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
 
 #: The name models are loaded with (``model.attn_implementation``).
 ATTENTION_NAME = "mindspeed"
+
+#: The name the vision sub-config gets (:func:`use_varlen_vision`): "flash" makes transformers pass ``cu_seq_lens_q``.
+VARLEN_NAME = "mindspeed_flash_varlen"
 
 #: The keyword the trainer passes the :class:`PackedAttention` under (transformers forwards it to every layer's attention).
 CONTEXT_KWARG = "mindspeed_attention"
@@ -129,6 +140,61 @@ def mindspeed_attention(
     return out, None
 
 
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`mindspeed_attention` with transformers' flash-style ``cu_seq_lens_q``: one varlen kernel call.
+
+    Attention within each segment of ``cu_seq_lens_q`` (a vision tower's windows or images)
+    runs as one call of the registry's varlen ``attention``; without boundaries this is
+    :func:`mindspeed_attention`.
+
+    Raises:
+        ValueError: boundaries together with a mask, dropout or other key boundaries.
+    """
+    kwargs.pop("max_length_q", None), kwargs.pop("max_length_k", None)
+    if cu_seq_lens_q is None:
+        return mindspeed_attention(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if (
+        attention_mask is not None
+        or dropout > 0.0
+        or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q))
+    ):
+        raise ValueError(
+            f"{VARLEN_NAME} attention takes equal query and key boundaries without a mask or dropout; "
+            f"load the model with attn_implementation={ATTENTION_NAME!r} and its attention dropout at 0"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSND, the core's layout
+    attend = _kernel((FEATURE_VARLEN,), get_accelerator().name)
+    return attend(q, k, v, causal=causal, softmax_scale=scaling, cu_seqlens=cu_seq_lens_q.to(torch.int32)), None
+
+
+def use_varlen_vision(model: torch.nn.Module) -> bool:
+    """Give a ``mindspeed`` model's vision sub-config :data:`VARLEN_NAME` (see the module doc); returns whether it did.
+
+    The language model keeps ``mindspeed``. A model without a ``vision_config``, or loaded
+    with another attention, is left as it is.
+    """
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None or getattr(vision, "_attn_implementation", None) != ATTENTION_NAME:
+        return False
+    vision._attn_implementation = VARLEN_NAME
+    return True
+
+
 def _padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """transformers' SDPA mask where a padding mask is given (batched generation), else none (see the module doc)."""
     if attention_mask is None:
@@ -139,10 +205,12 @@ def _padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwar
 
 
 def register_attention() -> str:
-    """Add ``mindspeed`` to transformers' attention-function and mask registries (idempotent); returns the name."""
+    """Add ``mindspeed`` (and :data:`VARLEN_NAME`) to transformers' attention-function and mask registries (idempotent); returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, mindspeed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _padding_mask)
+    AttentionInterface.register(VARLEN_NAME, varlen_attention)
+    AttentionMaskInterface.register(VARLEN_NAME, _padding_mask)
     return ATTENTION_NAME

@@ -9,8 +9,9 @@ import torch
 
 from mindspeed.log import DETAIL, get_logger
 from mindspeed_mm.config import PARTS
-from mindspeed_mm.models.attention import register_attention
+from mindspeed_mm.models.attention import ATTENTION_NAME, register_attention, use_varlen_vision
 from mindspeed_mm.models.family import VLMFamily
+from mindspeed_mm.models.patch_linear import use_linear_patches
 
 logger = get_logger(__name__)
 
@@ -19,6 +20,8 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
     """The family's transformers model with the weights of ``path``, in fp32 (the master copy FSDP2 shards).
 
     ``mindspeed`` attention (:mod:`mindspeed_mm.models.attention`) is registered with transformers first.
+    With it the model gets the suite's speed-ups through seams (:func:`_speed_up`); another
+    name (``sdpa``, ``eager``: the references of the tests) leaves the model as transformers builds it.
     """
     register_attention()
     cls = family.load_class()
@@ -26,6 +29,7 @@ def load_model(path: str | Path, family: VLMFamily, attn_implementation: str = "
         str(path), dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
     )
     model.config.use_cache = False  # training: no KV cache (and packed masks need none)
+    _speed_up(model, attn_implementation)
     # transformers' "Loading weights" bar is off on a quiet console (mindspeed.log): the report says it
     logger.info("loaded %s from %s (%d tensors)", cls.__name__, path, len(model.state_dict()), extra=DETAIL)
     return model
@@ -40,7 +44,18 @@ def build_meta_model(path: str | Path, family: VLMFamily, attn_implementation: s
     with torch.device("meta"):
         model = family.load_class()._from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.config.use_cache = False
+    _speed_up(model, attn_implementation)
     return model
+
+
+def _speed_up(model: torch.nn.Module, attn_implementation: str) -> None:
+    """With ``mindspeed`` attention: the vision tower's windows in one varlen call
+    (:func:`~mindspeed_mm.models.attention.use_varlen_vision`) and its patch embedding as a matmul
+    (:func:`~mindspeed_mm.models.patch_linear.use_linear_patches`); same parameters, same numbers."""
+    if attn_implementation != ATTENTION_NAME:
+        return
+    use_varlen_vision(model)
+    use_linear_patches(model)
 
 
 def load_processing(path: str | Path, min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
