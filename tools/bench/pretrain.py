@@ -334,7 +334,8 @@ class StepProfiler:
     """Profiles of the timed steps only (from the start of step ``warmup + 1`` to the start of the
     last step): a cProfile in CPU time of the process (so that neighbours on a shared machine do
     not inflate it) written to ``spec["profile"]``, and with ``spec["torch_profile"]`` also
-    ``torch.profiler``'s table of operators by their CPU time, written next to it (``.txt``)."""
+    ``torch.profiler``'s tables of operators by their CPU time (all calls of an op, then by input
+    shapes), written next to it (``.txt``)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.path, self.first, self.last = spec.get("profile"), spec["warmup"] + 1, spec["steps"]
@@ -352,7 +353,7 @@ class StepProfiler:
             if self.ops:
                 from torch.profiler import ProfilerActivity, profile
 
-                self.torch_profile = profile(activities=[ProfilerActivity.CPU])
+                self.torch_profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
                 self.torch_profile.__enter__()
             self.profile = cProfile.Profile(time.process_time)
             self.profile.enable()
@@ -362,8 +363,13 @@ class StepProfiler:
             self.profile = None
             if self.torch_profile is not None:
                 self.torch_profile.__exit__(None, None, None)
-                table = self.torch_profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-                Path(self.path).with_suffix(".txt").write_text(table)
+                events = self.torch_profile.key_averages()
+                shapes = self.torch_profile.key_averages(group_by_input_shape=True)
+                Path(self.path).with_suffix(".txt").write_text(
+                    events.table(sort_by="self_cpu_time_total", row_limit=40)
+                    + "\nBy input shapes:\n"
+                    + shapes.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=40)
+                )
                 self.torch_profile = None
 
 

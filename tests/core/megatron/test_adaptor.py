@@ -93,8 +93,9 @@ def _adapt_roundtrip(rank: int, world_size: int) -> dict:
     local = _gpt(get_gpt_layer_local_spec(normalization="RMSNorm"), spec_activation=False)
     local_loss = local(ids, pos, None, labels=ids).float().mean()
     local_loss.backward()
-    rope = PatchSet([rotary_patch("reference")])
     for impl in ("reference", "auto"):
+        # The registry rotary (auto: native, computed on heads-major views) against megatron's own.
+        rope = PatchSet([rotary_patch(impl)])
         ours = _gpt(
             get_gpt_layer_spec(impls={op: impl for op in ("rms_norm", "attention", "swiglu")}), spec_activation=True
         )
@@ -172,6 +173,26 @@ def test_adapt_runs_megatron_and_unadapt_restores_everything() -> None:
         assert row["sharded_ok"], (impl, row)
         assert row["loss_diff"] < 1e-5, (impl, row)
         assert row["grad_diff"] < 1e-5, (impl, row)
+
+
+def test_registry_rotary_returns_heads_major_memory() -> None:
+    """The patched rotary gives megatron's values in [s, b, n, d] with the memory of [b, n, s, d]
+    (what attention reads queries and keys in); gradients equal the reference's."""
+    from mindspeed.megatron.spec import _rotary
+    from mindspeed.ops.rotary import rotary_pos_emb_reference
+
+    config = types.SimpleNamespace(multi_latent_attention=False, apply_rope_fusion=False, rotary_interleaved=False)
+    rotate = _rotary(None, None, "native")
+    x = torch.randn(6, 2, 3, 8, requires_grad=True)
+    freqs = torch.randn(6, 1, 1, 8)
+    out = rotate(x, freqs, config)
+    assert out.shape == x.shape and out.permute(1, 2, 0, 3).is_contiguous()
+    ref = rotary_pos_emb_reference(x, torch.cos(freqs), torch.sin(freqs))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(ref, x, grad)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 # -- the patch machinery itself, on a stand-in module (no megatron, no devices) --------------

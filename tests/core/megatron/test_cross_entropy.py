@@ -36,3 +36,16 @@ def test_fused_cross_entropy_matches_megatron(monkeypatch: pytest.MonkeyPatch) -
             (grad,) = torch.autograd.grad((ours * weights).sum(), logits)
             torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
             torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
+
+
+def test_fused_cross_entropy_backs_up_once_and_keeps_no_extra_buffer() -> None:
+    """The backward turns the kept log-softmax into the gradient: a second backward through the
+    same graph raises instead of returning a wrong gradient, and the gradient is that buffer
+    (no ``[tokens, vocab]`` allocation beyond the one torch's loss keeps too)."""
+    from mindspeed.megatron.cross_entropy import _fused_cross_entropy
+
+    logits = torch.randn(8, 2, 50, requires_grad=True)
+    loss = _fused_cross_entropy(logits, torch.randint(0, 50, (8, 2))).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
