@@ -11,6 +11,8 @@ SP2 (both ranks hold each microbatch, each holds half of its video / image token
 - sampling (Euler, classifier-free guidance against a negative text) from the same noise;
 - ``parallel.context_parallel_algo=megatron_cp_algo`` (the core's ring attention) on Wan: the loss rel
   1e-5, every gradient rel 1e-4 (the ring's log-sum-exp merge rounds differently);
+- LoRA on Wan (r 4, alpha 8, the family's default targets; FSDP2 over the 2 ranks): the loss and every LoRA
+  factor's gradient rel 1e-5;
 - training from raw media: each rank encodes half of the samples (VAE and text encoder), the
   losses equal SP1's.
 
@@ -150,6 +152,7 @@ def _raw(recipe: Path, sp: int) -> dict:
 def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
     out = {arch: _step(_overrides(runs[arch], 2)) for arch in (WAN, FLUX)}
     out["ring"] = _step([*_overrides(runs[WAN], 2), "parallel.context_parallel_algo=megatron_cp_algo"])
+    out["lora"] = _step(_overrides(runs[WAN], 2, *LORA))
     out["train"] = {arch: train(load_mm_config(None, _overrides(runs[arch], 2))).records for arch in (WAN, FLUX)}
     out["sample"] = {arch: _sample(arch, runs[arch][0]) for arch in (WAN, FLUX)}
     out["raw"] = _raw(recipe, 2)
@@ -268,6 +271,9 @@ def test_sp2_equals_sp1(tiny) -> None:
     for name, grad in a["grads"].items():
         scale = max(float(np.abs(grad).max()), 1e-12)
         assert float(np.abs(ring["grads"][name] - grad).max()) / scale < 1e-4, ("ring", name)
+    # LoRA on Wan at SP2 (FSDP2 over the 2 ranks): the loss and the factors' gradients are SP1's
+    assert two[0]["lora"]["loss"] == pytest.approx(one["lora"]["loss"], rel=1e-5)
+    _close_grads(one["lora"], two[0]["lora"], 1e-5, "lora sp2")
     # raw media: each rank of the group encoded one sample of every microbatch of 2, the losses are SP1's
     assert len(one["raw"]["encoded"]) == 4
     assert [len(r["raw"]["encoded"]) for r in two] == [2, 2]
