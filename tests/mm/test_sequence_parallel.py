@@ -8,7 +8,8 @@ so their losses, gradient norms and gradients must agree:
 - InternVL (1-D positions), ``per_token`` loss, 2 steps;
 - Qwen3-VL (DeepStack visual embeddings, split with the tokens), ``per_sample`` loss, 2 steps;
 - Qwen2.5-VL on videos (an .mp4, an image and an .mp4, text only, a frame folder; 2 samples a
-  microbatch): the video frames are shared out over the group, one video cut between the ranks;
+  microbatch), 2 steps, and Qwen3-VL on them, 1 step: the video frames are shared out over the
+  group, one video cut between the ranks;
 - the gradients of one step (embeddings, a vision block, an attention projection, the head)
   gathered from the FSDP2 shards, for the image and the video runs.
 
@@ -125,6 +126,7 @@ def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl, tiny_video_data)
         (tiny_internvl, 2, "per_token", []),
         (tiny_qwen3_vl, 2, "per_sample", []),
         (video, 2, "default", VIDEO),
+        ((tiny_qwen3_vl[0], tiny_video_data), 1, "default", VIDEO),  # DeepStack features of shared frames
     ]
     runs = [(_overrides(*t, 2, steps, loss, x), _overrides(*t, 1, steps, loss, x)) for t, steps, loss, x in cases]
     out = run_distributed(_both, 2, runs, (0, 3), timeout=300)
