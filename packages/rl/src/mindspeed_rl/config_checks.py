@@ -1,5 +1,8 @@
 """The checks behind :meth:`mindspeed_rl.config.GRPOConfig.check` (kept apart to keep files short).
 
+They read the recipe's sections only (:class:`~mindspeed_rl.sections.RecipeSections`), so this
+module does not import :mod:`mindspeed_rl.config`.
+
 Each check raises :class:`~mindspeed.config.ConfigError` with the key, the value and the fix.
 """
 
@@ -7,16 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
 from mindspeed_rl.rewards.base import build_reward
-
-if TYPE_CHECKING:
-    from mindspeed_rl.config import GRPOConfig
+from mindspeed_rl.sections import RecipeSections
 
 _AT_LEAST_ONE = {
     "actor": ("tp", "pp", "dp", "micro_batch_size", "ppo_epochs"),
@@ -35,7 +35,7 @@ _OPTIONAL_AT_LEAST_ONE = {
 }
 
 
-def _check_counts(config: GRPOConfig) -> None:
+def _check_counts(config: RecipeSections) -> None:
     for section, keys in _AT_LEAST_ONE.items():
         for key in keys:
             value = getattr(getattr(config, section), key)
@@ -57,7 +57,7 @@ def _check_model_dir(key: str, path: str | None, required: bool, what: str) -> N
         raise ConfigError(f"{key}={path!r} does not exist: {what}")
 
 
-def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
+def _check_actor(config: RecipeSections, num_devices: int | None) -> None:
     a, r, t = config.actor, config.rollout, config.train
     _check_model_dir(
         "actor.model",
@@ -107,7 +107,7 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
             "actor.max_tokens_per_micro_batch (micro-batches balanced by tokens) is not supported by the "
             "actor yet; unset it and size actor.micro_batch_size instead"
         )
-    world = config.actor_world_size()
+    world = config.actor.world_size()
     if r.colocate:
         if world % r.tp:
             raise ConfigError(
@@ -132,7 +132,7 @@ def _check_actor(config: GRPOConfig, num_devices: int | None) -> None:
         )
 
 
-def _check_rollout(config: GRPOConfig) -> None:
+def _check_rollout(config: RecipeSections) -> None:
     r = config.rollout
     if r.stop:
         raise ConfigError(
@@ -159,7 +159,7 @@ def _check_rollout(config: GRPOConfig) -> None:
         )
 
 
-def _check_algorithm(config: GRPOConfig) -> None:
+def _check_algorithm(config: RecipeSections) -> None:
     al, r = config.algorithm, config.rollout
     if al.advantage not in ADVANTAGES:
         raise ConfigError(f"algorithm.advantage={al.advantage!r}; use one of {', '.join(map(str, ADVANTAGES.keys()))}")
@@ -178,12 +178,12 @@ def _check_algorithm(config: GRPOConfig) -> None:
         raise ConfigError(
             f"algorithm.overlong_buffer={al.overlong_buffer} must be in (0, rollout.max_new_tokens={r.max_new_tokens}]"
         )
-    if config.reference.model is not None and not config.needs_reference():
+    if config.reference.model is not None and not config.algorithm.needs_reference():
         raise ConfigError(
             "reference.model is set but the KL coefficient is 0 (no reference is used); set "
             "algorithm.kl_coef > 0 or unset reference.model"
         )
-    if config.needs_reference():
+    if config.algorithm.needs_reference():
         _check_model_dir(
             "reference.model",
             config.reference.model,
@@ -192,7 +192,7 @@ def _check_algorithm(config: GRPOConfig) -> None:
         )
 
 
-def _check_buffer(config: GRPOConfig) -> None:
+def _check_buffer(config: RecipeSections) -> None:
     b = config.buffer
     if b.max_staleness is not None and b.max_staleness < 0:
         raise ConfigError(f"buffer.max_staleness={b.max_staleness} must be >= 0")
@@ -219,7 +219,7 @@ def _check_buffer(config: GRPOConfig) -> None:
         )
 
 
-def _check_reward(config: GRPOConfig) -> None:
+def _check_reward(config: RecipeSections) -> None:
     rw = config.reward
     if not rw.verifiers and rw.model is None:
         raise ConfigError("no reward: set reward.verifiers (e.g. [math]) and/or reward.model")
@@ -240,7 +240,7 @@ def _check_reward(config: GRPOConfig) -> None:
         raise ConfigError(f"reward.model={rw.model!r} is not a Hugging Face model directory (no config.json)")
 
 
-def _check_data(config: GRPOConfig) -> None:
+def _check_data(config: RecipeSections) -> None:
     d = config.data
     for key in ("path", "eval_path"):
         value = getattr(d, key)
@@ -263,7 +263,7 @@ def _check_data(config: GRPOConfig) -> None:
         raise ConfigError("train.eval_interval needs data.eval_path (e.g. demo-test)")
 
 
-def check_config(config: GRPOConfig, num_devices: int | None = None) -> None:
+def check_config(config: RecipeSections, num_devices: int | None = None) -> None:
     """Run every check (see :meth:`GRPOConfig.check`)."""
     _check_counts(config)
     _check_rollout(config)
