@@ -12,6 +12,7 @@ Usage::
     uv run --frozen python tools/bench/cp.py
     uv run --frozen python tools/bench/cp.py --seq-lens 1024,2048 --cp 1,2 --algos megatron_cp_algo
     uv run --frozen python tools/bench/cp.py --impl auto --no-causal --json cp.json
+    uv run --frozen python tools/bench/cp.py --table cp.md   # refused (exit 2) on a busy machine
 
 On a CPU host the ranks share the cores (4 ranks on 2 cores run two at a time), so wall
 time at CP = 4 there says little about speed-up; the per-rank CPU time does, and the memory
@@ -21,19 +22,17 @@ per rank is exact.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.metrics import measure_peak_memory, resolve_method
 from mindspeed.parallel.context_parallel import (
@@ -86,6 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=int, default=2, help="timed runs (median reported) after one warm-up")
     parser.add_argument("--json", default="", help="also write the rows to this JSON file")
+    _child.add_record_args(parser)
     args = parser.parse_args(argv)
     args.seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
     args.cp = sorted({int(c) for c in args.cp.split(",") if c} | {1})
@@ -188,10 +188,9 @@ def collect(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def render(console: Console, rows: list[Row], title: str) -> None:
-    """One table: every algorithm, length and degree, with the ratios to CP = 1."""
-    table = Table(title=title, title_justify="left")
-    for name in (
+def render(console: Console, rows: list[Row], title: str, record: _child.LoadRecord) -> str:
+    """One table: every algorithm, length and degree, with the ratios to CP = 1 (wall and CPU); its markdown."""
+    columns = (
         "algo",
         "seq",
         "CP",
@@ -203,10 +202,10 @@ def render(console: Console, rows: list[Row], title: str) -> None:
         "wall / CP1",
         "cpu ms/rank",
         "cpu / CP1",
-    ):
-        table.add_column(name, justify="left" if name == "algo" else "right", no_wrap=True)
-    for row in sorted(rows, key=lambda r: (r.seq_len, r.cp != 1, r.algo, r.cp)):
-        table.add_row(
+    )
+    ordered = sorted(rows, key=lambda r: (r.seq_len, r.cp != 1, r.algo, r.cp))
+    cells = [
+        (
             f"{row.algo} ({row.layout})" if row.layout else row.algo,
             str(row.seq_len),
             str(row.cp),
@@ -218,27 +217,17 @@ def render(console: Console, rows: list[Row], title: str) -> None:
             f"{row.time_ratio:.2f}" if row.time_ratio is not None else "-",
             f"{row.cpu_ms:.0f}",
             f"{row.cpu_ratio:.2f}" if row.cpu_ratio is not None else "-",
-            style="bold" if row.cp == 1 else None,
         )
-    console.print(table)
+        for row in ordered
+    ]
+    return _child.render(console, title, columns, cells, record, [row.cp == 1 for row in ordered])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    record = _child.LoadRecord(args.max_load)
     console = Console(width=None if sys.stdout.isatty() else 140)
-    meta = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "memory_method": resolve_method(),
-        "cores": os.cpu_count(),
-        "impl": args.impl,
-        "causal": args.causal,
-        "batch": args.batch,
-        "heads": args.heads,
-        "kv_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "repeat": args.repeat,
-    }
+    meta = _child.run_meta(args, memory_method=resolve_method(), cores=os.cpu_count())
     started = time.perf_counter()
     rows = collect(args)
     title = (
@@ -246,18 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'causal' if args.causal else 'full'}, impl {args.impl}, fp32, memory via {meta['memory_method']}, "
         f"{meta['cores']} cores"
     )
-    render(console, rows, title)
+    table = render(console, rows, title, record)
     console.print(f"done in {time.perf_counter() - started:.1f} s")
-    if args.json:
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as out:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, out, indent=2)
-        os.replace(tmp, args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    meta.update(load_before=record.before, load_after=_child.load_average())
+    _child.write_json(args.json, {"meta": meta, "rows": [asdict(r) for r in rows]}, console)
+    return _child.finish(record, args.table, table)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())

@@ -15,6 +15,7 @@ Usage::
 
     uv run --frozen python tools/bench/generate.py
     uv run --frozen python tools/bench/generate.py --batch-sizes 1 8 32 --new-tokens 256 --json gen.json
+    uv run --frozen python tools/bench/generate.py --table generate.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 
 
 def build_model(path: Path, layers: int, hidden: int, vocab: int) -> None:
@@ -57,7 +61,7 @@ def timed(run) -> tuple[float, float, object]:
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -68,7 +72,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    _child.add_record_args(parser)
     args = parser.parse_args()
+    record = _child.LoadRecord(args.max_load)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -85,6 +91,7 @@ def main() -> None:
         generator = torch.Generator().manual_seed(1)
         for batch in args.batch_sizes:
             prompts = torch.randint(0, args.vocab, (batch, args.prompt_len), generator=generator)
+            load_before = _child.load_average()
 
             def run_hf():
                 with torch.inference_mode():
@@ -120,33 +127,48 @@ def main() -> None:
                 row[f"{name}_cpu_tok_s"] = generated / min(c for _, c in pairs)
             row["speedup_wall"] = row["ours_wall_tok_s"] / row["hf_wall_tok_s"]
             row["speedup_cpu"] = row["ours_cpu_tok_s"] / row["hf_cpu_tok_s"]
+            row["load_around"] = [load_before, _child.load_average()]
+            row["noisy"] = record.noisy([row])
             rows.append(row)
 
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    noisy = any(row["noisy"] for row in rows)
+    header = (
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s); model: Llama {args.layers} layers, hidden {args.hidden}, vocab "
+        f"{args.vocab}, fp32; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, eos ignored; "
+        f"best of {args.repeat}; {record.header(noisy)}"
     )
-    print(
-        f"model: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; prompt "
-        f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, eos ignored; best of {args.repeat}"
+    columns = (
+        "batch",
+        "HF tok/s wall",
+        "engine",
+        "speedup (wall)",
+        "HF tok/s CPU",
+        "engine",
+        "speedup (CPU)",
+        "same tokens",
+        "load",
     )
-    print(
-        f"{'batch':>5} | {'HF tok/s wall':>13} {'engine':>8} {'speedup':>8} | {'HF tok/s CPU':>12} {'engine':>8} "
-        f"{'speedup':>8} | same tokens"
-    )
-    for row in rows:
-        print(
-            f"{row['batch']:>5} | {row['hf_wall_tok_s']:>13.0f} {row['ours_wall_tok_s']:>8.0f} "
-            f"{row['speedup_wall']:>7.2f}x | {row['hf_cpu_tok_s']:>12.0f} {row['ours_cpu_tok_s']:>8.0f} "
-            f"{row['speedup_cpu']:>7.2f}x | {row['same_tokens']}"
+    cells = [
+        (
+            _child.mark(str(row["batch"]), row["noisy"]),
+            f"{row['hf_wall_tok_s']:.0f}",
+            f"{row['ours_wall_tok_s']:.0f}",
+            f"{row['speedup_wall']:.2f}x",
+            f"{row['hf_cpu_tok_s']:.0f}",
+            f"{row['ours_cpu_tok_s']:.0f}",
+            f"{row['speedup_cpu']:.2f}x",
+            str(row["same_tokens"]),
+            f"{row['load_around'][0]:.1f}-{row['load_around'][1]:.1f}",
         )
+        for row in rows
+    ]
+    table = _child.markdown(header, columns, cells)
+    sys.stdout.write(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return record.write_table(args.table, table, noisy)
 
 
 if __name__ == "__main__":
-    import sys
-
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(lambda: main() or 0))
+    sys.exit(main())

@@ -8,7 +8,7 @@ backward on a packed row ``[1, tokens, heads, dim]`` three ways, in one process:
 - ``loop``: one plain ``is_causal`` SDPA call per segment (the lower bound without batching);
 
 and reports the best of ``--repeat`` runs in milliseconds (the minimum: on a shared machine
-the other processes only ever add time) and ``dense / segmented``. It also checks that the two
+the other processes only ever add time) and ``dense / segmented``, in wall and in CPU time. It also checks that the two
 ``attention_sdpa`` paths agree (outputs and gradients) before timing them.
 
 Usage::
@@ -16,6 +16,7 @@ Usage::
     uv run --frozen python tools/bench/packed_attention.py
     uv run --frozen python tools/bench/packed_attention.py --shapes 8x82,64x16 --spread 0 --repeat 20
     uv run --frozen python tools/bench/packed_attention.py --window 63   # a sliding window
+    uv run --frozen python tools/bench/packed_attention.py --table packed.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed.ops import attention as attention_module
 
@@ -53,6 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    _child.add_record_args(parser)
     return parser.parse_args(argv)
 
 
@@ -65,17 +67,19 @@ def segment_lengths(count: int, mean: int, spread: float, gen: torch.Generator) 
 def time_calls(
     fns: dict[str, Callable[[], torch.Tensor]], grad: torch.Tensor, warmup: int, repeat: int
 ) -> dict[str, float]:
-    """Best (minimum) milliseconds of each ``fn()`` forward + backward over ``repeat`` runs.
+    """Best (minimum) milliseconds of each ``fn()`` forward + backward over ``repeat`` runs, in wall
+    time (``name``) and in CPU time of the process (``name + "_cpu"``).
 
     The functions take turns, so that a burst of load from other processes hits them alike.
     """
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {key: [] for name in fns for key in (name, f"{name}_cpu")}
     for step in range(warmup + repeat):
         for name, fn in fns.items():
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             fn().backward(grad)
             if step >= warmup:
                 times[name].append((time.perf_counter() - started) * 1e3)
+                times[f"{name}_cpu"].append((time.process_time() - cpu) * 1e3)
     return {name: min(values) for name, values in times.items()}
 
 
@@ -131,37 +135,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
-    console = Console(width=None if sys.stdout.isatty() else 150)
-    table = Table(
-        title=(
-            f"packed causal attention, fwd+bwd ms, best of {args.repeat} (hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
-            f"{args.threads} thread{'s' if args.threads > 1 else ''}, spread {args.spread}"
-            f"{f', window {args.window}' if args.window > 0 else ''})"
-        )
+    record = _child.LoadRecord(args.max_load)
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    title = (
+        f"packed causal attention, fwd+bwd ms, best of {args.repeat} (hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, fp32, "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''}, spread {args.spread}"
+        f"{f', window {args.window}' if args.window > 0 else ''})"
     )
-    columns = ("packing", "tokens", "dense", "segmented", "loop", "dense / segmented", "max |diff|", "default path")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("packing", "default path") else "right")
+    columns = (
+        "packing",
+        "tokens",
+        "dense",
+        "segmented",
+        "loop",
+        "dense / segmented",
+        "CPU ms dense / segmented",
+        "CPU dense / segmented",
+        "max |diff|",
+        "default path",
+    )
+    rows = []
     for shape in args.shapes.split(","):
         count, mean = (int(part) for part in shape.lower().split("x"))
         lengths = segment_lengths(count, mean, args.spread, gen)
         times = bench_shape(lengths, args, gen)
         loop = f"{times['loop']:.2f}" if "loop" in times else "-"
-        table.add_row(
-            f"{count} x {mean}",
-            str(sum(lengths)),
-            f"{times['dense']:.2f}",
-            f"{times['segmented']:.2f}",
-            loop,
-            f"{times['dense'] / times['segmented']:.2f}x",
-            f"{times['max_error']:.1e}",
-            times["auto"],
+        rows.append(
+            (
+                f"{count} x {mean}",
+                str(sum(lengths)),
+                f"{times['dense']:.2f}",
+                f"{times['segmented']:.2f}",
+                loop,
+                f"{times['dense'] / times['segmented']:.2f}x",
+                f"{times['dense_cpu']:.2f} / {times['segmented_cpu']:.2f}",
+                f"{times['dense_cpu'] / times['segmented_cpu']:.2f}x",
+                f"{times['max_error']:.1e}",
+                times["auto"],
+            )
         )
-    console.print(table)
-    return 0
+    table = _child.render(console, title, columns, rows, record)
+    return _child.finish(record, args.table, table)
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())
