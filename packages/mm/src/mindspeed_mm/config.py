@@ -134,6 +134,10 @@ class TrainConfig:
             forward and come back, one module ahead, in the backward (``mindspeed.memory``'s
             activation swap, MindSpeed's ``--swap-attention`` for any module); copied, not
             recomputed, so training is unchanged. A module both recomputed and swapped is refused.
+        compile: regional compilation of a diffusion transformer (:mod:`mindspeed_mm.models.dit_compile`):
+            ``torch.compile`` of each repeated block's forward: ``true`` (or ``default``), ``max-autotune``
+            (its own GEMM kernels timed against ATen's; longer compile); ``false``: eager. It pays once the steps
+            outlast the compile (seconds a block class on a CPU, measured in ``docs/mm/dit-parallelism.md``).
         deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``,
             :func:`mindspeed.device.deterministic_mode`).
         exit_duration_mins: stop after this many minutes of training (megatron's
@@ -160,6 +164,7 @@ class TrainConfig:
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
     swap_modules: list[str] = field(default_factory=list)
+    compile: bool | Literal["default", "max-autotune"] = False
     deterministic: bool = False
     exit_duration_mins: float | None = None
 
@@ -483,6 +488,11 @@ class MMConfig:
             raise ConfigError(f"model.path={m.path!r} has no config.json; give a local Hugging Face model directory")
         if self.task() == "dit":
             self._check_dit()
+        elif t.compile:
+            raise ConfigError(
+                f"train.compile={t.compile}: regional compilation applies to diffusion transformers; "
+                "set train.compile=false for vision-language models"
+            )
         elif p.context_parallel_algo != "ulysses_cp_algo" or p.ring_attention_size != 1:
             raise ConfigError(
                 f"parallel.context_parallel_algo={p.context_parallel_algo}, parallel.ring_attention_size="
@@ -558,6 +568,13 @@ class MMConfig:
                 f"parallel.context_parallel_algo={p.context_parallel_algo} contradicts parallel.ulysses_parallel_size="
                 f"{p.ulysses_parallel_size} x parallel.ring_attention_size={p.ring_attention_size}, which make "
                 f"{p.sequence_algo}; remove the key"
+            )
+        t = self.train
+        if t.compile and (p.ulysses_parallel_size > 1 or p.ring_attention_size > 1 or t.swap_modules):
+            raise ConfigError(
+                f"train.compile={t.compile} with parallel.ulysses_parallel_size={p.ulysses_parallel_size}, "
+                f"parallel.ring_attention_size={p.ring_attention_size} and train.swap_modules={t.swap_modules}: "
+                "compiled blocks do not take sequence parallelism or activation swap yet; set train.compile=false"
             )
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")

@@ -27,6 +27,7 @@ from mindspeed_mm.data.media_features import MediaFeatures
 from mindspeed_mm.diffusion import FlowDraw, FlowMatching
 from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
+from mindspeed_mm.models.dit_compile import compile_blocks
 from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel
 from mindspeed_mm.models.loading import freeze_parts
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config
@@ -52,7 +53,8 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     With several ranks only rank 0 reads the weights; the others build the model on the meta
     device and receive their shards (and the buffers) from rank 0. With LoRA (``lora``), peft's
     layers go in before sharding (on rank 0's loaded copy too, so the initial factors are rank 0's)
-    and everything but the factors is frozen, as for vision-language models.
+    and everything but the factors is frozen, as for vision-language models. With ``train.compile``
+    the repeated blocks' forwards are compiled (:func:`~mindspeed_mm.models.dit_compile.compile_blocks`).
     """
     m, p, lora = config.model, config.parallel, config.lora
     family = dit_family_of(m.path)
@@ -72,6 +74,7 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         apply_lora(model, lora, family)
     if m.freeze:
         freeze_parts(model, family, m.freeze)
+    compile_blocks(model, config.train.compile)  # before recompute and FSDP2: their wrappers stay eager
     recomputed = apply_recompute(model, config.train.recompute_modules)
     apply_swap(model, config.train.swap_modules, recomputed)
     if needs_fsdp(world, config.train.precision):  # one fp32 rank trains the model as loaded
