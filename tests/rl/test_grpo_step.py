@@ -98,7 +98,19 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
             f"logging.dir={root}/logs",
         ],
     )
-    out["e2e"] = train_grpo(config)
+    import gc
+
+    from mindspeed_rl import trainer
+
+    frozen: list[int] = []
+    grpo_step = trainer.grpo_step
+    # train_grpo exempts what it built from the cyclic collector while it runs, and lifts that at its end.
+    trainer.grpo_step = lambda ctx: frozen.append(gc.get_freeze_count()) or grpo_step(ctx)
+    try:
+        out["e2e"] = train_grpo(config)
+    finally:
+        trainer.grpo_step = grpo_step
+    out["frozen"] = [*frozen, gc.get_freeze_count()]
     return out
 
 
@@ -195,6 +207,7 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
     assert records[-1]["policy_version"] == 2
     lines = (run["root"] / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1.0, 2.0]
+    assert min(run["frozen"][:2]) > 10_000 and run["frozen"][2] == 0, run["frozen"]
 
 
 class _Out:

@@ -231,6 +231,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     from mindspeed_rl.config import load_grpo_config
+    from mindspeed_rl.memory import freeze_startup_objects
     from mindspeed_rl.trainer import build_context, grpo_step
 
     base, load = memory_status(), os.getloadavg()[0]
@@ -261,6 +262,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         ],
     )
     ctx = build_context(config)
+    freeze_startup_objects()  # as train_grpo does
     generate, gen_times, gen_tokens = ctx.engine.generate, [], []
 
     def timed_generate(prompts: Any, params: Any) -> Any:

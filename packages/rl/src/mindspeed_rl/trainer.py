@@ -14,6 +14,7 @@ come on top of these pieces.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from mindspeed_rl.actor import Actor, ActorSettings
 from mindspeed_rl.algorithms import DynamicSampler, compute_advantages, overlong_penalty
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
+from mindspeed_rl.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
 
 logger = get_logger(__name__)
@@ -406,6 +408,7 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
     import json
 
     ctx = build_context(config)
+    freeze_startup_objects()
     held_out = load_prompts(config.data.eval_path, config.data.map_keys or None) if config.train.eval_interval else []
     log_dir = config.log_dir()
     if log_dir is not None:
@@ -430,4 +433,5 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
                 )
     finally:
         ctx.actor.close()  # undo the adaptation of megatron-core (the reference shares it)
+        gc.unfreeze()  # what the run built may be collected again
     return ctx.history

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mindspeed.device import get_accelerator
-from mindspeed_rl.memory import memory_gib
+from mindspeed_rl.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.rollout import build_rollout
 
 
@@ -57,6 +57,7 @@ class RolloutWorker:
         self.engine = build_engine(config, model_dir)
         self.version = 0
         self.stats: dict[str, float] = {}
+        freeze_startup_objects()
 
     def ready(self) -> int:
         """The policy version of the weights loaded (answers once the engine is built)."""
