@@ -4,9 +4,12 @@ Both sides train the same random-weight Llama (a Hugging Face directory built he
 demo BPE tokenizer and its ChatML template) on the shipped arithmetic prompts (``data.path=demo``),
 rewarded by our ``math`` verifier (wrapped as a TRL reward function on the TRL side), with:
 
-- the same prompts in the same order: our ``PromptSampler`` draws each step's prompts, and the
-  TRL dataset is those records in that order (``shuffle_dataset=False``), each rendered by the
-  same chat template (TRL's ``apply_chat_template`` and ours give the same prompt ids);
+- the same prompts in the same order: our ``PromptSampler`` draws each step's prompts once, here;
+  both sides read those records in that order (ours from ``prompts.jsonl`` with
+  ``data.shuffle=false``, TRL's dataset with ``shuffle_dataset=False``), each rendered by the same
+  chat template (TRL's ``apply_chat_template`` and ours give the same prompt ids; the table shows
+  each side's prompt tokens per row); ``--prompt-tokens`` puts a context of digits before each
+  prompt (``--long``: 512 tokens);
 - the same group size (``rollout.n`` = ``num_generations``), prompts per step (``train.global_batch``
   = ``per_device_train_batch_size x gradient_accumulation_steps / num_generations``), micro batch
   (``actor.micro_batch_size`` = ``per_device_train_batch_size``), one optimizer step per rollout
@@ -126,8 +129,14 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
             for step in steps
         ]
     prompt_tokens = [length(r.prompt) for step in steps for r in step]
+    # Every side reads these records in this order (ours with data.shuffle=false): the same prompts each step.
+    prompts_path = Path(spec["workdir"]) / "prompts.jsonl"
+    prompts_path.write_text(
+        "".join(json.dumps({"question": r.prompt, "answer": r.reference}) + "\n" for step in steps for r in step)
+    )
     return {
         "model_dir": str(model_dir),
+        "prompts_path": str(prompts_path),
         "parameters": sum(p.numel() for p in model.parameters()),
         "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
         "prompt_tokens_mean": statistics.mean(prompt_tokens),
@@ -254,7 +263,8 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             f"algorithm.kl_coef={spec['beta']}",
             "algorithm.kl_estimator=k3",
             "algorithm.loss_agg_mode=token-mean",
-            "data.path=demo",
+            f"data.path={spec['prompts_path']}",
+            "data.shuffle=false",
             "data.prompt_format=chat",
             "logging.progress=false",
             "logging.tensorboard=false",
@@ -263,7 +273,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     )
     ctx = build_context(config)
     freeze_startup_objects()  # as train_grpo does
-    generate, gen_times, gen_tokens = ctx.engine.generate, [], []
+    generate, gen_times, gen_tokens, prompt_tokens = ctx.engine.generate, [], [], []
 
     def timed_generate(prompts: Any, params: Any) -> Any:
         if not spec["allow_eos"]:
@@ -272,6 +282,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         outputs = generate(prompts, params)
         gen_times.append([b - a for a, b in zip(start, _now())])
         gen_tokens.append(sum(len(o.token_ids) for o in outputs))
+        prompt_tokens.append(statistics.mean(len(p) for p in prompts))
         return outputs
 
     ctx.engine.generate = timed_generate
@@ -300,6 +311,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         **_periods(marks),
         "gen_times": gen_times,
         "gen_tokens": gen_tokens,
+        "prompt_tokens": prompt_tokens,
         "rollout_times": phases["time/rollout"],
         "update_cpu": update_cpu,
         "phases": phases,
@@ -403,13 +415,15 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         processing_class=tokenizer,
         callbacks=[Clock()],
     )
-    generate, prompt_width = trainer.model.generate, []
+    generate, prompt_width, prompt_tokens = trainer.model.generate, [], []
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
         start = _now()
         out = generate(*a, **kw)
         gen_times.append([b - a for a, b in zip(start, _now())])
         prompt_width.append(kw["input_ids"].shape[1])
+        mask = kw.get("attention_mask")
+        prompt_tokens.append(float(mask.sum()) / mask.shape[0] if mask is not None else kw["input_ids"].shape[1])
         completion = out[:, kw["input_ids"].shape[1] :]
         # Tokens up to and including the first EOS (what TRL keeps), padding after it excluded.
         is_eos = torch.isin(completion, torch.tensor(trainer.eos_token_ids))
@@ -425,6 +439,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         **_periods(ends),
         "gen_times": gen_times,
         "gen_tokens": gen_tokens,
+        "prompt_tokens": prompt_tokens,
         "rollout_times": rollout_times,
         "rollout_cpu": rollout_cpu,
         "prompt_width": prompt_width,
@@ -471,7 +486,8 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
             f"train.seed={spec['seed']}",
             f"algorithm.kl_coef={spec['beta']}",
             "algorithm.kl_estimator=k3",
-            "data.path=demo",
+            f"data.path={spec['prompts_path']}",
+            "data.shuffle=false",
             "data.prompt_format=chat",
             "logging.progress=false",
             "logging.tensorboard=false",
@@ -571,6 +587,14 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "cpu_rollout_s": statistics.median(run["rollout_cpu"][timed]) if "rollout_cpu" in run else float("nan"),
             "gen_tokens": tokens,
             "gen_tps": tokens / gen,
+            "prompt_tokens": statistics.mean(run["prompt_tokens"]),
+            "other_s": statistics.median(
+                period - sum(run["phases"][k][i] for k in ("time/rollout", "time/old_logp", "time/update"))
+                for i, period in enumerate(run["periods"])
+                if i >= warmup
+            )
+            if "phases" in run
+            else 0.0,
             "step_tps": tokens / step,
         }
 
@@ -602,6 +626,7 @@ def report(results: dict[str, dict[str, Any]], header: str) -> str:
         ("CPU time in generation s", "cpu_gen_s", "{:.2f}", True),
         ("run-queue wait in generation s", "wait_gen_s", "{:.2f}", True),
         ("rollout s (generation + scoring)", "rollout_s", "{:.2f}", True),
+        ("prompt tokens per row (mean)", "prompt_tokens", "{:.1f}", False),
         ("generated tokens per step", "gen_tokens", "{:.0f}", False),
         ("generated tokens/s in generation", "gen_tps", "{:.0f}", False),
         ("generated tokens/s of the step", "step_tps", "{:.0f}", False),
@@ -628,7 +653,7 @@ def where_the_step_goes(ours: dict[str, Any], trl: dict[str, Any]) -> str:
     phases = ours.get("phases", {})
     o_score = phases.get("rollout", ours["rollout_s"]) - ours["gen_s"] + phases.get("old_logp", 0.0)
     o_update = phases.get("update", 0.0)
-    o_other = ours["step_s"] - ours["gen_s"] - o_score - o_update
+    o_other = ours["other_s"]
     o_cpu_update = ours["cpu_update_s"]
     o_cpu_rest = ours["cpu_step_s"] - ours["cpu_gen_s"] - o_cpu_update
     t_score = trl["rollout_s"] - trl["gen_s"]
@@ -779,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
-    spec.update(model_dir=facts["model_dir"], records=facts["records"])
+    spec.update(model_dir=facts["model_dir"], records=facts["records"], prompts_path=facts["prompts_path"])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for repeat in range(args.repeats if args.trl else 0):
         for side in SIDES[::-1] if args.trl_first else SIDES:
