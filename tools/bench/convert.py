@@ -18,6 +18,17 @@ peak RSS above the imports-only interpreter next to the largest output file (the
 conversion within 1.5x of the floor's time, memory under 2x the largest output shard). Every
 step runs ``--repeat`` times in one invocation and its fastest run counts (the peak RSS is the
 largest seen); the source files are in the page cache for every step, the floor included.
+
+Every step starts from the same state: after the imports and just before its timer, it removes
+its own previous output (and nothing else) and flushes the dirty pages (``os.sync``). The
+earlier order removed ``back`` and ``mg`` (2.3 GB) right before hf -> mg and nothing before
+mg -> hf, and let each step inherit the previous steps' unwritten 1.15 GB: mg -> hf, the third
+writer in a row, started with the most dirty pages (the kernel throttles writers past its dirty
+limit: wall time, not CPU time) and without freed pages to write into (on this VM, which returns
+free memory to its host about 2 s after it is freed, writing 600 MB into pages freed moments
+ago took 0.16-0.19 CPU s, into pages freed 8 s before 1.33-1.46 CPU s): the likely reason it
+measured 1.87-2.05x the floor on a quiet machine and hf -> mg 0.48-0.82x (docs/llm/convert-ckpt.md).
+
 The load average is recorded around every run: a step that saw a busy machine (``--max-load``,
 default cores + 1) is marked noisy, and ``--table FILE`` (the table for the docs) refuses to
 write from a busy run (exit status 2).
@@ -107,14 +118,21 @@ def generate(path: Path, layers: int, shard_bytes: int) -> int:
     return total
 
 
-def measure(work: str) -> tuple[float, float, float]:
+def measure(work: str, output: Path | None = None, make: bool = False) -> tuple[float, float, float]:
     """Seconds of ``work``, peak RSS (MB) of the process and CPU seconds of ``work`` (user +
-    system, all threads) in a fresh process that does :data:`IMPORTS` first.
+    system, all threads) in a fresh process that does :data:`IMPORTS` first, then removes
+    ``output`` (and with ``make`` creates it empty) and flushes dirty pages before the timer starts.
 
     The parent stays small (no torch): a child's peak RSS counts what it inherits at fork.
     """
+    clear = ""
+    if output is not None:
+        clear = f"import os, shutil; shutil.rmtree({str(output)!r}, ignore_errors=True)\n"
+        clear += f"os.makedirs({str(output)!r})\n" if make else ""
+    clear += "import os; os.sync()\n"
     code = (
         IMPORTS
+        + clear
         + "start, cpu = time.perf_counter(), time.process_time()\n"
         + work
         + "\nprint(json.dumps([time.perf_counter() - start, time.process_time() - cpu]))"
@@ -210,15 +228,8 @@ def main() -> int:
         for name, code in steps.items():
             if name == "convert-ckpt mg -> hf" and not (mg / "latest_checkpointed_iteration.txt").is_file():
                 continue
-            if name in outputs and name != f"convert-ckpt hf -> mg (TP{args.tp} PP{args.pp})":
-                shutil.rmtree(outputs[name], ignore_errors=True)
-                if name.startswith("I/O"):
-                    outputs[name].mkdir()
-            elif name in outputs:
-                shutil.rmtree(back, ignore_errors=True)  # the hf -> mg output is the next step's input
-                shutil.rmtree(mg, ignore_errors=True)
             before = _child.load_average()
-            wall, rss, cpu = measure(code)
+            wall, rss, cpu = measure(code, outputs.get(name), make=name.startswith("I/O"))
             loads.setdefault(name, []).append({"load_around": [before, _child.load_average()]})
             best = results.get(name)
             results[name] = (min(wall, best[0]), max(rss, best[1]), min(cpu, best[2])) if best else (wall, rss, cpu)
