@@ -12,6 +12,7 @@ same bytes. Usage::
 
     uv run --frozen python tools/bench/preprocess.py
     uv run --frozen python tools/bench/preprocess.py --handler AlpacaStyleInstructionHandler --workers 1 2 4
+    uv run --frozen python tools/bench/preprocess.py --table preprocess.md   # refused (exit 2) on a busy machine
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -29,8 +29,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
 from rich.console import Console
-from rich.table import Table
 
 from mindspeed_llm.data import PreprocessConfig, preprocess_data
 from mindspeed_llm.tokenizer import DEMO_ALPACA, DEMO_CORPUS
@@ -50,6 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per worker count (the median is reported)")
     parser.add_argument("--tokenizer", default="demo", help="tokenizer directory, or demo")
     parser.add_argument("--json", default="", help="also write the measurements to this JSON file")
+    _child.add_record_args(parser)
     return parser.parse_args(argv)
 
 
@@ -107,7 +108,8 @@ def digest(prefix: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    record = _child.LoadRecord(args.max_load)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     times: dict[int, list[float]] = {w: [] for w in args.workers}
     setup: dict[int, list[float]] = {w: [] for w in args.workers}
     digests: set[str] = set()
@@ -140,11 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cpu[workers].append((cpu_self, cpu_children))
                     ceilings[workers].append(machine_speedup(workers) if workers > 1 else 1.0)
     base = statistics.median(times[args.workers[0]])
-    table = Table(
-        title=f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
+    base_cpu = statistics.median(sum(c) for c in cpu[args.workers[0]])
+    title = (
+        f"preprocess-data {args.handler}: {args.records} records, {report.tokens} tokens, "
         f"{os.cpu_count()} CPUs, median of {args.repeats}"
     )
-    for column in (
+    columns = (
         "workers",
         "process s",
         "records/s",
@@ -153,10 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine ceiling",
         "CPU s main",
         "CPU s workers",
+        "CPU s total / first",
         "setup s",
-    ):
-        table.add_column(column, justify="right")
-    rows = []
+    )
+    rows, cells = [], []
     for workers in args.workers:
         median = statistics.median(times[workers])
         row = {
@@ -169,45 +172,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             "setup_s": statistics.median(setup[workers]),
             "cpu_main_s": statistics.median(c[0] for c in cpu[workers]),
             "cpu_workers_s": statistics.median(c[1] for c in cpu[workers]),
+            "cpu_ratio": statistics.median(sum(c) for c in cpu[workers]) / base_cpu,
         }
         rows.append(row)
-        table.add_row(
-            str(workers),
-            f"{median:.2f}",
-            f"{row['records_per_s']:.0f}",
-            f"{row['tokens_per_s']:.0f}",
-            f"{row['speedup']:.2f}x",
-            f"{row['machine_ceiling']:.2f}x",
-            f"{row['cpu_main_s']:.2f}",
-            f"{row['cpu_workers_s']:.2f}",
-            f"{row['setup_s']:.2f}",
+        cells.append(
+            (
+                str(workers),
+                f"{median:.2f}",
+                f"{row['records_per_s']:.0f}",
+                f"{row['tokens_per_s']:.0f}",
+                f"{row['speedup']:.2f}x",
+                f"{row['machine_ceiling']:.2f}x",
+                f"{row['cpu_main_s']:.2f}",
+                f"{row['cpu_workers_s']:.2f}",
+                f"{row['cpu_ratio']:.2f}x",
+                f"{row['setup_s']:.2f}",
+            )
         )
-    console.print(table)
+    table = _child.render(console, title, columns, cells, record, left=0)
     console.print(f"identical output for every worker count: {len(digests) == 1}")
-    # Other processes on the machine steal the cores the workers need: show how busy it was.
-    console.print(f"load average (1/5/15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if len(args.workers) > 1:
         last = rows[-1]
         console.print(
             f"ratio {args.workers[-1]} vs {args.workers[0]} workers: {last['speedup']:.2f}x "
             f"(pure CPU work in {args.workers[-1]} processes gained {last['machine_ceiling']:.2f}x on this machine meanwhile)"
         )
-    if args.json:
-        meta = {
-            **vars(args),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "tokens": report.tokens,
-            "loadavg": os.getloadavg(),
-        }
-        with open(args.json + ".tmp", "w") as out:
-            json.dump({"meta": meta, "rows": rows}, out, indent=2)
-        os.replace(args.json + ".tmp", args.json)
-        console.print(f"wrote {args.json}")
-    return 0 if len(digests) == 1 else 1
+    meta = _child.run_meta(args, record, cpus=os.cpu_count(), tokens=report.tokens)
+    _child.write_json(args.json, {"meta": meta, "rows": rows}, console)
+    status = _child.finish(record, args.table, table)
+    return status if len(digests) == 1 else 1
 
 
 if __name__ == "__main__":
-    import _child  # tools/bench/_child.py: the load average before and after, and the verdict
-
-    sys.exit(_child.main_with_load_record(main))
+    sys.exit(main())
