@@ -21,7 +21,8 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,30 @@ def write_json(path: str | None, payload: Any, console: Any = None) -> None:
     os.replace(tmp, path)
     if console is not None:
         console.print(f"wrote {path}")
+
+
+@contextmanager
+def one_megatron_rank(features: Any = None) -> Iterator[Any]:
+    """megatron-core adapted (``adapt(features=...)``) on one rank of the accelerator's backend, its
+    parallel state set up, all undone on exit; yields the adaptor's report (its ``kernels``)."""
+    import torch.distributed as dist
+
+    from mindspeed.device import get_accelerator
+    from mindspeed.megatron import adapt, unadapt
+    from mindspeed.testing.distributed import find_free_port
+    from mindspeed.testing.megatron import ParallelSizes, destroy_parallel, init_parallel
+
+    report = adapt() if features is None else adapt(features=features)
+    dist.init_process_group(
+        get_accelerator().dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
+    init_parallel(ParallelSizes())
+    try:
+        yield report
+    finally:
+        destroy_parallel()
+        dist.destroy_process_group()
+        unadapt()
 
 
 def main_with_load_record(main: Callable[[], int]) -> int:

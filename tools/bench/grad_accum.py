@@ -27,7 +27,6 @@ from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
-import torch.distributed as dist
 from rich.console import Console
 
 from mindspeed.device import get_accelerator
@@ -171,23 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = _child.LoadRecord(args.max_load)
     console = Console(width=None if sys.stdout.isatty() else 140)
     from mindspeed.features import FeaturesConfig
-    from mindspeed.megatron import adapt, unadapt
-    from mindspeed.testing.distributed import find_free_port
-    from mindspeed.testing.megatron import ParallelSizes, destroy_parallel, init_parallel
 
     accelerator = get_accelerator()
     # Only the fusion feature: its patch is in place, and each model's config flag decides.
-    report = adapt(features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True}))
-    dist.init_process_group(
-        accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
-    )
-    init_parallel(ParallelSizes())
-    try:
+    fusion = FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True})
+    with _child.one_megatron_rank(fusion) as report:
         rows = run(args, report.kernels)
-    finally:
-        destroy_parallel()
-        dist.destroy_process_group()
-        unadapt()
     title = (
         f"GPT fwd+bwd per step, gradient accumulation fusion off/on: {args.layers} layers, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.microbatches} microbatches x {args.micro_batch_size} x {args.seq} tokens, "

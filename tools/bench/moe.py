@@ -31,7 +31,6 @@ from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import torch
-import torch.distributed as dist
 from rich.console import Console
 
 from mindspeed.device import get_accelerator
@@ -234,23 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     record = _child.LoadRecord(args.max_load)
     console = Console(width=None if sys.stdout.isatty() else 170)
-    from mindspeed.megatron import adapt, unadapt
-    from mindspeed.testing.distributed import find_free_port
-    from mindspeed.testing.megatron import ParallelSizes, destroy_parallel, init_parallel
-
     accelerator = get_accelerator()
-    adapt()
-    # megatron's MoE layer reads its process groups: one rank of the accelerator's backend.
-    dist.init_process_group(
-        accelerator.dist_backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
-    )
-    init_parallel(ParallelSizes())
-    try:
+    with _child.one_megatron_rank():  # megatron's MoE layer reads its process groups: one rank
         rows = run(args)
-    finally:
-        destroy_parallel()
-        dist.destroy_process_group()
-        unadapt()
     title = (
         f"MoE layer fwd+bwd: {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts x ffn "
         f"{args.ffn}, top-{args.topk}, {args.dtype}, {accelerator.device()}, {torch.get_num_threads()} threads, "
