@@ -9,7 +9,9 @@ settings, learning-rate schedule, clipping and fp32, on the CPU with the same th
 - ours: :func:`mindspeed_mm.trainer.loop.train` on one rank (what ``mindspeed-mm train``
   runs with one process; in fp32 that is the model without FSDP2, which one rank does not
   need), the core's attention registered in transformers
-  (``mindspeed``), each microbatch's samples packed into one row without padding;
+  (``mindspeed``; the vision tower's windows in one varlen call, its patch embedding as a
+  matmul: :func:`mindspeed_mm.models.loading.load_model`), each microbatch's samples packed
+  into one row without padding;
 - Hugging Face: ``Qwen2_5_VLForConditionalGeneration`` (SDPA) under ``Trainer``, fed one item
   per microbatch holding exactly the samples of ours, encoded by our encoder (same ``input_ids``,
   labels, ``mm_token_type_ids``, pixels and grids), padded to the microbatch's longest sample by
@@ -27,6 +29,7 @@ without it. Usage::
 
     uv run --frozen python tools/bench/vlm.py                 # small: ~25 M parameters
     uv run --frozen python tools/bench/vlm.py --quick         # a smoke run
+    uv run --frozen python tools/bench/vlm.py --flops         # FLOPs per step of each side, no timing
 """
 
 from __future__ import annotations
@@ -416,6 +419,75 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def count_flops(spec: dict[str, Any], lora: bool) -> tuple[float, float]:
+    """Matmul and attention FLOPs per step (forward + backward, ``torch.utils.flop_counter``) of (ours, HF).
+
+    Over the first ``--warmup`` steps' microbatches: ours as our trainer computes its loss
+    (packed, logits where predicted), HF's model on the padded microbatches. Their ratio is what
+    the speed ratio would be at equal efficiency per FLOP.
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mindspeed_llm.training.launch import launch
+    from mindspeed_mm.config import load_mm_config
+
+    def ours_rank(config: Any) -> float:
+        from mindspeed_mm.trainer.vlm_task import VLMTask
+
+        task, total = VLMTask(config, 1), 0.0
+        for step in range(1, spec["warmup"] + 1):
+            micro = task.microbatches(step, 0)
+            totals = task.counts(micro)
+            with FlopCounterMode(display=False) as counter:
+                for batch in micro:
+                    task.loss(batch, totals)[0].backward()
+            total += counter.get_total_flops()
+        return total / spec["warmup"]
+
+    overrides = [
+        f"model.path={spec['model_dir']}",
+        f"data.files=[{spec['data']}]",
+        f"train.steps={spec['steps']}",
+        f"train.micro_batch_size={spec['micro_batch']}",
+        f"train.gradient_accumulation_steps={spec['grad_accum']}",
+        f"train.seed={spec['seed']}",
+        "train.precision=fp32",
+        f"data.image_min_pixels={spec['min_pixels']}",
+        f"data.image_max_pixels={spec['max_pixels']}",
+        f"data.cutoff_len={spec['cutoff_len']}",
+    ]
+    if lora:
+        overrides += [
+            f"lora.target_modules=[{','.join(TARGETS)}]",
+            f"lora.r={spec['r']}",
+            f"lora.alpha={spec['alpha']}",
+        ]
+    ours = launch(ours_rank, (load_mm_config(None, overrides),))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    pad_id = model.config.text_config.pad_token_id
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        from mindspeed_mm.config import LoraConfig as OurLora
+        from mindspeed_mm.models import family_of
+        from mindspeed_mm.models.lora import target_regex
+
+        regex = target_regex(OurLora(target_modules=TARGETS), family_of(spec["model_dir"]))
+        model = get_peft_model(
+            model, LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=regex)
+        )
+    microbatches = torch.load(Path(spec["workdir"]) / "microbatches.pt", weights_only=False)
+    with FlopCounterMode(display=False) as counter:
+        for microbatch in microbatches[: spec["warmup"] * spec["grad_accum"]]:
+            model(**_pad(microbatch, pad_id)).loss.backward()
+    return float(ours), counter.get_total_flops() / spec["warmup"]
+
+
 CHILDREN = {"ours": child_ours, "hf": child_hf}
 
 
@@ -466,6 +538,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "narrow: every sample an image of 56..224 pixels",
     )
     parser.add_argument("--variants", default="full,lora", help="full, lora or both (default full,lora)")
+    parser.add_argument(
+        "--flops",
+        action="store_true",
+        help="only count each side's FLOPs per step (torch.utils.flop_counter; no timed runs, load-independent)",
+    )
     parser.add_argument("--profile", action="store_true", help="write a CPU-time cProfile of each variant's first run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny, 5 steps (2 untimed), 1 repeat")
     parser.add_argument("--workdir", default=None, help="model, data and logs (default: a temporary directory)")
@@ -514,6 +591,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], data=facts["data"])
+    if args.flops:
+        for kind in args.variants.split(","):
+            ours, hf = count_flops(spec, kind == "lora")
+            sys.stdout.write(
+                f"{args.data} data, {kind}: GFLOP per step (forward + backward, first {args.warmup} steps) "
+                f"ours {ours / 1e9:.1f}, HF {hf / 1e9:.1f}: HF / ours {hf / ours:.3f}\n"
+            )
+        return 0
     variants = {}
     for kind in args.variants.split(","):
         lora = kind == "lora"
