@@ -40,7 +40,7 @@ import torch.distributed as dist
 from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
-from mindspeed.megatron import AdaptReport, adapt, current_report, unadapt
+from mindspeed.megatron import AdaptReport, adapt, current_report, fast_path, unadapt
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
@@ -410,6 +410,11 @@ class Actor:
             and gradients stay where they are).
         """
         self._onload_categories(("weights",))
+        # As the LLM trainer's step: without the device redirect (the CUDA sites are patched).
+        with fast_path():
+            return self._compute_logprobs(pairs)
+
+    def _compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
         width = max(len(r) for _, r in pairs)
         batches = self._microbatches(pairs, width)
         # Megatron's fused cross-entropy runs over the whole embedding; with padding rows the
@@ -509,6 +514,19 @@ class Actor:
         if self.optimizer is None:
             raise ValueError("this actor is frozen (trainable=False): it cannot be updated")
         self.onload()
+        # As the LLM trainer's step: forward, backward and optimizer step without the device
+        # redirect (megatron's CUDA call sites are patched by adapt(): mindspeed.megatron.device_sites).
+        with fast_path():
+            return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+
+    def _update(
+        self,
+        pairs: Sequence[Pair],
+        old_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        rollout_logp: torch.Tensor | None,
+    ) -> dict[str, float]:
         longest = max(len(r) for _, r in pairs)
         padded = [
             t
@@ -595,16 +613,15 @@ class Actor:
         self._check_single("forward_logits")
         self._onload_categories(("weights",))
         model = unwrap(self.chunks[0])
-        device = get_accelerator().device()
-        tokens = torch.tensor([list(token_ids)], device=device)
-        positions = torch.arange(len(token_ids), device=device)[None]
         model.eval()
         try:
-            with torch.no_grad():
-                logits = model(tokens, positions, None)
+            with fast_path(), torch.no_grad():
+                device = get_accelerator().device()
+                tokens = torch.tensor([list(token_ids)], device=device)
+                positions = torch.arange(len(token_ids), device=device)[None]
+                return model(tokens, positions, None)[0, :, : self.hf_vocab].float().cpu()
         finally:
             model.train()
-        return logits[0, :, : self.hf_vocab].float().cpu()
 
     # -- co-location memory ----------------------------------------------------------------
 
