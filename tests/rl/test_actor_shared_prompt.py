@@ -12,7 +12,8 @@ gradient (megatron's ``main_grad`` after the step).
 The comparison must be able to fail: with every response's rope positions one step later than
 its prompt's end, or with the group attended as one causal segment (what megatron's per
 ``cu_seqlens`` attention would do with the responses seeing each other), the shared log-probs
-move far beyond the tolerance.
+move far beyond the tolerance. A two-rank group repeats the comparison at TP2 (attention heads
+and the vocabulary split over the ranks).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _one_causal_segment(kernel: Any, query: Any, key: Any, value: Any, params: A
     return out[0]
 
 
-def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _group(rank: int, world_size: int, root: str, tp: int = 1) -> dict[str, Any]:
     import mindspeed.megatron.modules as modules
     import mindspeed_rl.actor_packing as packing
     from mindspeed_rl.actor import Actor, ActorSettings
@@ -75,10 +76,10 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, share in (("plain", False), ("shared", True)):
         settings = ActorSettings.adamw(lr=1e-3, micro_batch_size=MBS, clip_grad=0.0, loss="dapo", share_prompt=share)
-        actor = Actor(f"{root}/hf", settings)
+        actor = Actor(f"{root}/hf", settings, tp=tp)
         assert actor.share_prompt is share
         out[f"{name}_logp"] = [row.numpy() for row in actor.compute_logprobs(PAIRS)]
-        if share:
+        if share and tp == 1:
             for key, patched in (
                 (
                     "wrong_positions",
@@ -98,6 +99,10 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
             n: p.main_grad.detach().clone().numpy() for n, p in actor.chunks[0].named_parameters() if p.requires_grad
         }
         actor.close()
+        if tp > 1:  # the next actor builds megatron's parallel state again
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
     batches = [pack_shared_prompts(PAIRS[i : i + MBS], 5) for i in range(0, len(PAIRS), MBS)]
     out["tokens"] = [b["tokens"].shape[1] for b in batches]
     return out
@@ -110,6 +115,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("shared_prompt")
     save_tiny_checkpoint("llama2", root / "hf", seed=0)
     return run_distributed(_group, 1, str(root), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def run_tp2(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("shared_prompt_tp2")
+    save_tiny_checkpoint("llama2", root / "hf", seed=0)
+    return run_distributed(_group, 2, str(root), 2, timeout=300)
 
 
 def _close(a: np.ndarray, b: np.ndarray, rel: float = 1e-5) -> bool:
@@ -142,3 +156,15 @@ def test_update_loss_and_gradients_equal_unshared(run: dict[str, Any]) -> None:
     assert run["plain_grads"].keys() == run["shared_grads"].keys()
     for name, grad in run["plain_grads"].items():
         assert _close(run["shared_grads"][name], grad), (name, np.abs(run["shared_grads"][name] - grad).max())
+
+
+def test_tp2_equals_unshared_and_tp1(run: dict[str, Any], run_tp2: list[dict[str, Any]]) -> None:
+    """At TP2 (heads split over the ranks) sharing changes nothing either, on every rank."""
+    for out in run_tp2:
+        for plain, shared, tp1 in zip(out["plain_logp"], out["shared_logp"], run["plain_logp"]):
+            assert _close(shared, plain) and _close(shared, tp1, 1e-5)
+        for key in ("loss", "entropy", "grad_norm"):
+            assert np.isclose(out["shared_metrics"][key], out["plain_metrics"][key], rtol=1e-5), key
+            assert np.isclose(out["shared_metrics"][key], run["plain_metrics"][key], rtol=1e-4), key
+        for name, grad in out["plain_grads"].items():
+            assert _close(out["shared_grads"][name], grad), name
