@@ -76,7 +76,7 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, (prompt, _) in enumerate(pairs):
-        groups.setdefault(tuple(int(t) for t in prompt), []).append(row)
+        groups.setdefault(tuple(map(int, prompt)), []).append(row)
     index, targets, mask = _response_rows(pairs, width)
     tokens: list[int] = []
     layout = []
@@ -90,7 +90,7 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
             n = len(response)
             index[row, 0] = last
             index[row, 1:n] = len(tokens) + torch.arange(n - 1)
-            tokens.extend(int(t) for t in response)
+            tokens.extend(map(int, response))
         layout.append((len(prompt), [len(pairs[row][1]) for row in rows]))
     params = shared_prefix_params(layout, device)
     unshared = sum(len(p) + len(r) for p, r in pairs)
