@@ -71,8 +71,7 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
     Returns:
         ``tokens`` and ``position_ids`` ``[1, T]`` (positions within each pair's own sequence),
         ``packed_seq_params`` (:class:`~mindspeed.megatron.shared_prefix.SharedPrefixParams`),
-        ``resp_index``, ``resp_targets``, ``resp_mask`` ``[n, width]`` and ``shared_tokens``
-        (the tokens the unshared packing would have had minus ``T``).
+        ``resp_index``, ``resp_targets`` and ``resp_mask`` ``[n, width]``.
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, (prompt, _) in enumerate(pairs):
@@ -93,7 +92,6 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
             tokens.extend(map(int, response))
         layout.append((len(prompt), [len(pairs[row][1]) for row in rows]))
     params = shared_prefix_params(layout, device)
-    unshared = sum(len(p) + len(r) for p, r in pairs)
     return {
         "tokens": torch.tensor(tokens, dtype=torch.long, device=device)[None],
         "position_ids": params.token_positions[None],
@@ -101,5 +99,4 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
         "resp_index": index.to(device),
         "resp_targets": targets.to(device),
         "resp_mask": mask.to(device),
-        "shared_tokens": unshared - len(tokens),
     }
