@@ -262,6 +262,11 @@ def _group_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["logp"] = [t.numpy() for t in logp]
     out["metrics"] = actor.update(PAIRS, _pad(logp), torch.tensor(ADV))
     out["state1"] = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
+    out["share_prompt"] = actor.share_prompt  # unset: off where it cannot apply
+    try:
+        Actor(f"{root}/hf", ActorSettings(share_prompt=True), pp=2)
+    except ValueError as err:
+        out["share_prompt_error"] = str(err)
     return out
 
 
@@ -284,3 +289,6 @@ def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any], run2: list[di
         for name in want:  # after the update both ranks still agree on the whole state
             assert (outs[0]["state1"][name] == out["state1"][name]).all(), name
     assert any((outs[0]["state1"][n] != outs[0]["state0"][n]).any() for n in want)
+    for out in outs:  # shared prompts need one pipeline stage: off when unset, refused when asked for
+        assert out["share_prompt"] is False
+        assert "actor.share_prompt=true cannot apply with pp=2" in out["share_prompt_error"]

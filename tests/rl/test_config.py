@@ -70,6 +70,7 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["actor.dp=3"], "does not split over actor.dp=3"),
         (["actor.micro_batch_size=3"], "not divisible by actor.micro_batch_size=3"),
         (["actor.max_tokens_per_micro_batch=100"], "below the longest sequence"),
+        (["actor.pp=2", "actor.share_prompt=true"], "actor.share_prompt=true needs actor.pp=1"),
         (["actor.max_tokens_per_micro_batch=100000"], "not supported by the actor yet"),
         (["rollout.stop=[END]"], "stop strings are not supported"),
         (["rollout.tp=4"], "rollout.tp=4 must divide the actor's 2 devices"),

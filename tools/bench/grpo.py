@@ -41,8 +41,10 @@ Usage::
     uv run --frozen python tools/bench/grpo.py --quick      # both tables (~2 to 4 min: Ray start-up)
     uv run --frozen python tools/bench/grpo.py --no-trl     # sync vs async only
     uv run --frozen python tools/bench/grpo.py --long --no-buffer-modes  # 512-token prompts, 8 x 128 tokens
+    uv run --frozen python tools/bench/grpo.py --long --no-buffer-modes --no-share-prompt  # A/B of actor.share_prompt
 
-Results and their reading: ``docs/rl/benchmark.md``.
+Results and their reading: ``docs/rl/benchmark.md``. The TRL side lives in ``grpo_trl.py``, the
+step clocks both sides use in ``grpo_clock.py``.
 
 A second table runs the same recipe through the Ray driver (``mindspeed_rl.runner.GRPORunner``:
 the actor and a separate rollout worker) with ``buffer.mode=sync`` and ``async``
@@ -67,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
+from grpo_clock import Profiler, memory_status, now, periods
+from grpo_trl import run_trl
 
 #: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's).
 SIZES = {
@@ -164,76 +168,6 @@ def lengthen(prompt: str, tokens: int, length: Any) -> str:
 # ----------------------------------------------------------------------------- children
 
 
-def memory_status() -> dict[str, float]:
-    """:func:`_child.memory_status` plus CPU affinity, nice and per-thread CPU seconds."""
-    return {
-        **_child.memory_status(),
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "nice": os.nice(0),
-        "thread_cpu_s": thread_cpu(),
-    }
-
-
-def thread_cpu() -> list[tuple[str, float]]:
-    """CPU seconds of this process's busiest threads (name, user + system), busiest first."""
-    tick, out = os.sysconf("SC_CLK_TCK"), []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{task}/stat").read_text()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        out.append((name, (int(fields[11]) + int(fields[12])) / tick))
-    return sorted(out, key=lambda item: -item[1])[:4]
-
-
-def _now() -> tuple[float, float, float]:
-    """Wall clock, process CPU time, and the calling thread's run-queue wait (Linux; else 0)."""
-    try:
-        wait = int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        wait = 0.0
-    return time.perf_counter(), time.process_time(), wait
-
-
-class Profiler:
-    """A CPU-time cProfile of the timed steps when ``spec["profile"]`` is set (else does nothing)."""
-
-    def __init__(self, spec: dict[str, Any], side: str) -> None:
-        import cProfile
-
-        self.path = Path(spec["workdir"]) / f"profile_{side}" if spec.get("profile") else None
-        self.profile = cProfile.Profile(time.process_time) if self.path else None
-
-    def start(self) -> None:
-        """Start recording (at the first timed step)."""
-        if self.profile is not None:
-            self.profile.enable()
-
-    def stop(self) -> None:
-        """Stop, and write ``profile_<side>.prof`` and the top functions by own time as text."""
-        import io
-        import pstats
-
-        if self.profile is None:
-            return
-        self.profile.disable()
-        self.profile.dump_stats(f"{self.path}.prof")
-        text = io.StringIO()
-        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(30)
-        Path(f"{self.path}.txt").write_text(text.getvalue())
-
-
-def _periods(marks: list[tuple[float, float, float]]) -> dict[str, list[float]]:
-    """Step periods between consecutive marks: wall, CPU and run-queue wait."""
-    pairs = list(zip(marks, marks[1:]))
-    return {
-        "periods": [b[0] - a[0] for a, b in pairs],
-        "cpu_periods": [b[1] - a[1] for a, b in pairs],
-        "wait_periods": [b[2] - a[2] for a, b in pairs],
-    }
-
-
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     """``build_context`` + ``grpo_step`` in this process (a one-rank gloo group)."""
     import torch
@@ -269,18 +203,21 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             "logging.progress=false",
             "logging.tensorboard=false",
             "logging.reward_curve=false",
+            *([] if spec["share_prompt"] else ["actor.share_prompt=false"]),
         ],
     )
     ctx = build_context(config)
+    if spec["share_prompt"] and not ctx.actor.share_prompt:
+        raise SystemExit("the actor does not share prompts here (see its log); run with --no-share-prompt")
     freeze_startup_objects()  # as train_grpo does
     generate, gen_times, gen_tokens, prompt_tokens = ctx.engine.generate, [], [], []
 
     def timed_generate(prompts: Any, params: Any) -> Any:
         if not spec["allow_eos"]:
             params = [dataclasses.replace(p, ignore_eos=True) for p in params]
-        start = _now()
+        start = now()
         outputs = generate(prompts, params)
-        gen_times.append([b - a for a, b in zip(start, _now())])
+        gen_times.append([b - a for a, b in zip(start, now())])
         gen_tokens.append(sum(len(o.token_ids) for o in outputs))
         prompt_tokens.append(statistics.mean(len(p) for p in prompts))
         return outputs
@@ -299,7 +236,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     ctx.actor.update = timed_update
     marks, records, profiler = [], [], Profiler(spec, "ours")
     for step in range(spec["steps"] + 1):  # one more mark than steps: the last period's end
-        marks.append(_now())
+        marks.append(now())
         if step == spec["warmup"]:
             profiler.start()
         if step == spec["steps"]:
@@ -308,7 +245,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     profiler.stop()
     phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
     return {
-        **_periods(marks),
+        **periods(marks),
         "gen_times": gen_times,
         "gen_tokens": gen_tokens,
         "prompt_tokens": prompt_tokens,
@@ -316,133 +253,6 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         "update_cpu": update_cpu,
         "phases": phases,
         "reward_mean": [r["reward_mean"] for r in records],
-        "threads": torch.get_num_threads(),
-        "import_rss_mb": base["rss_mb"],
-        "load": [load, os.getloadavg()[0]],
-        **memory_status(),
-    }
-
-
-def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
-    """TRL's ``GRPOTrainer`` (transformers generation, no vLLM) on the same records."""
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from mindspeed_rl.rewards import build_reward
-
-    base, load = memory_status(), os.getloadavg()[0]
-    reward = build_reward(["math"])
-
-    def math_reward(prompts: list[Any], completions: list[Any], reference: list[str], **_: Any) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        total, _parts = reward.score_batch([str(p) for p in prompts], texts, reference)
-        return total.tolist()
-
-    rows = [
-        {"prompt": [{"role": "user", "content": r["prompt"]}], "reference": r["reference"]}
-        for step in spec["records"]
-        for r in step
-    ]
-    rows_per_step = spec["global_batch"] * spec["n"]
-    args = GRPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl_out"),
-        max_steps=spec["steps"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=rows_per_step // spec["micro_batch"],
-        num_generations=spec["n"],
-        max_completion_length=spec["max_new_tokens"],
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=spec["beta"],
-        num_iterations=1,
-        epsilon=0.2,
-        loss_type="dapo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        generation_kwargs=None if spec["allow_eos"] else {"min_new_tokens": spec["max_new_tokens"]},
-        # TRL turns gradient checkpointing on by default; ours recomputes nothing: same work.
-        gradient_checkpointing=False,
-        use_vllm=False,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=spec["seed"],
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
-    )
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    starts, gen_times, gen_tokens, rollout_times, rollout_cpu = {}, [], [], [], []
-    profiler = Profiler(spec, "trl")
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            starts.setdefault(state.global_step, _now())
-            if state.global_step == spec["warmup"]:
-                profiler.start()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            starts[state.global_step] = _now()  # the end of the last step
-
-    class TimedTrainer(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs: Any) -> Any:
-            start, cpu = time.perf_counter(), time.process_time()
-            out = super()._generate_and_score_completions(inputs)
-            rollout_times.append(time.perf_counter() - start)
-            rollout_cpu.append(time.process_time() - cpu)
-            return out
-
-    trainer = TimedTrainer(
-        model=model,
-        reward_funcs=math_reward,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[Clock()],
-    )
-    generate, prompt_width, prompt_tokens = trainer.model.generate, [], []
-
-    def timed_generate(*a: Any, **kw: Any) -> Any:
-        start = _now()
-        out = generate(*a, **kw)
-        gen_times.append([b - a for a, b in zip(start, _now())])
-        prompt_width.append(kw["input_ids"].shape[1])
-        mask = kw.get("attention_mask")
-        prompt_tokens.append(float(mask.sum()) / mask.shape[0] if mask is not None else kw["input_ids"].shape[1])
-        completion = out[:, kw["input_ids"].shape[1] :]
-        # Tokens up to and including the first EOS (what TRL keeps), padding after it excluded.
-        is_eos = torch.isin(completion, torch.tensor(trainer.eos_token_ids))
-        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.shape[1])
-        gen_tokens.append(int(first.sum()))
-        return out
-
-    trainer.model.generate = timed_generate
-    trainer.train()
-    profiler.stop()
-    ends = [starts[s] for s in sorted(starts)]
-    return {
-        **_periods(ends),
-        "gen_times": gen_times,
-        "gen_tokens": gen_tokens,
-        "prompt_tokens": prompt_tokens,
-        "rollout_times": rollout_times,
-        "rollout_cpu": rollout_cpu,
-        "prompt_width": prompt_width,
         "threads": torch.get_num_threads(),
         "import_rss_mb": base["rss_mb"],
         "load": [load, os.getloadavg()[0]],
@@ -479,6 +289,7 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
             f"rollout.max_num_seqs={spec['global_batch'] * spec['n']}",
             "rollout.colocate=false",
             "rollout.num_devices=1",
+            *([] if spec["share_prompt"] else ["actor.share_prompt=false"]),
             f"buffer.mode={spec['buffer_mode']}",
             f"buffer.max_staleness={int(spec['buffer_mode'] == 'async')}",
             f"train.global_batch={spec['global_batch']}",
@@ -495,14 +306,14 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
         ],
     )
     runner = GRPORunner(config)
-    marks = [_now()]
+    marks = [now()]
     try:
-        records = runner.run(on_step=lambda record: marks.append(_now()))
+        records = runner.run(on_step=lambda record: marks.append(now()))
     finally:
         runner.shutdown()
     rows = spec["global_batch"] * spec["n"]
     return {
-        **_periods(marks),
+        **periods(marks),
         "records": records,
         "gen_tokens": [r["response_length"] * rows for r in records],
         "load": [load, os.getloadavg()[0]],
@@ -556,14 +367,16 @@ def report_runner(results: dict[str, dict[str, Any]]) -> str:
     return "".join(lines)
 
 
-CHILDREN = {"ours": child_ours, "trl": child_trl, "runner": child_runner}
+CHILDREN = {"ours": child_ours, "runner": child_runner}
 
 
 # ----------------------------------------------------------------------------- driver
 
 
 def run_child(kind: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
-    """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result."""
+    """Run ``kind`` in a fresh interpreter (its output in ``log``) and return its result (TRL: ``grpo_trl.py``)."""
+    if kind == "trl":
+        return run_trl(spec, log)
     return _child.run_child(__file__, kind, spec, log, {"TOKENIZERS_PARALLELISM": "false"})
 
 
@@ -746,6 +559,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=True,
         help="our engine prefills a group's shared prompt once (default: on; --no-prefix-sharing for A/B)",
     )
+    parser.add_argument(
+        "--share-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our update runs a group's shared prompt once (actor.share_prompt; default: on; "
+        "--no-share-prompt for A/B)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -801,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "profile": args.profile,
         "prompt_tokens": args.prompt_tokens,
         "prefix_sharing": args.prefix_sharing,
+        "share_prompt": args.share_prompt,
     }
     started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
@@ -832,7 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"size {args.size} ({facts['parameters'] / 1e6:.1f} M parameters, vocabulary 2048), fp32; "
         f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
         f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
-        f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+        f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; "
+        f"shared prompts in the update {'on' if args.share_prompt else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
         f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
         f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
         f"{version('transformers')}, trl {version('trl')}; {load.header(noisy)}; "

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,9 +40,11 @@ from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
 from mindspeed.megatron import AdaptReport, adapt, current_report, fast_path, unadapt
+from mindspeed.megatron.modules import RegistryAttention
+from mindspeed.megatron.shared_prefix import SUPPORTED_POSITION_EMBEDDINGS
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
+from mindspeed_llm.training.finetune_data import PackSettings
 from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
 from mindspeed_llm.training.model import (
     build_model,
@@ -56,6 +57,7 @@ from mindspeed_llm.training.optim import build_optimizer, build_scheduler
 from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
 from mindspeed_llm.training.steps import packed_seq_params
 from mindspeed_llm.training.trainer import seed_everything
+from mindspeed_rl.actor_packing import Pair, pack_pairs, pack_shared_prompts
 from mindspeed_rl.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 from mindspeed_rl.memory import StorageOffloader, collect_offload_tensors, memory_snapshot
@@ -78,9 +80,6 @@ UPDATE_METRICS = (
 )
 #: Categories :meth:`Actor.offload` moves, in the order their storages are claimed.
 OFFLOAD_CATEGORIES = ("grad", "weights", "optimizer")
-IGNORE_INDEX = -100
-
-Pair = tuple[Sequence[int], Sequence[int]]
 
 
 @dataclass
@@ -97,6 +96,11 @@ class ActorSettings:
         loss: a key of ``POLICY_LOSSES``. loss_config: its settings (default: the loss's).
         compute_entropy: report the policy's mean token entropy in ``update`` (costs the
             logits of the response positions; an entropy bonus computes it regardless).
+        share_prompt: pack the pairs of a microbatch that share their prompt as one segment
+            ``[prompt, r_1, ..., r_G]`` (the prompt runs once; :mod:`mindspeed_rl.actor_packing`).
+            None: on where the layout and the model allow it (pp = 1, rope or learned positions,
+            no MLA or MTP, mindspeed's registry attention); True: on, or a ``ValueError`` naming
+            what prevents it; False: each pair on its own.
     """
 
     optimizer: OptimizerConfig = field(
@@ -111,6 +115,7 @@ class ActorSettings:
     loss: str = "ppo_clip"
     loss_config: PolicyLossConfig | None = None
     compute_entropy: bool = True
+    share_prompt: bool | None = None
 
     @classmethod
     def adamw(
@@ -272,17 +277,41 @@ class Actor:
             load(self.chunks)
             self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
+        #: Whether microbatches pack each prompt once for the pairs that share it.
+        self.share_prompt = self._resolve_share_prompt(s.share_prompt, shape)
         self.version = 0
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
         logger.info(
-            "actor (%s) from %s: %s, tp=%d pp=%d",
+            "actor (%s) from %s: %s, tp=%d pp=%d, shared prompts %s",
             "trainable" if trainable else "frozen",
             self.hf_dir,
             self.bridge.family,
             tp,
             pp,
+            "on" if self.share_prompt else "off",
         )
+
+    def _resolve_share_prompt(self, requested: bool | None, shape: ModelShape) -> bool:
+        """``settings.share_prompt`` against what the layout and the model allow."""
+        if requested is False:
+            return False
+        blockers = []
+        if self.parallel.pp > 1:
+            blockers.append(f"pp={self.parallel.pp} (pipeline stages exchange fixed-shape microbatches)")
+        if shape.position_embedding_type not in SUPPORTED_POSITION_EMBEDDINGS:
+            blockers.append(f"position embedding {shape.position_embedding_type!r}")
+        if shape.multi_latent_attention or shape.mtp_num_layers:
+            blockers.append("multi-latent attention or multi-token prediction")
+        attention = [m for c in self.chunks for n, m in c.named_modules() if n.endswith("core_attention")]
+        if not attention or not all(isinstance(m, RegistryAttention) for m in attention):
+            blockers.append("the core attention is not mindspeed's RegistryAttention")
+        if blockers and requested:
+            raise ValueError(
+                f"actor.share_prompt=true cannot apply with {'; '.join(blockers)}; "
+                "set actor.share_prompt=false or leave it unset"
+            )
+        return not blockers
 
     @property
     def features(self) -> Any:
@@ -303,7 +332,8 @@ class Actor:
         """THD microbatches of ``pairs`` with ``resp_index`` [n, width] into the packed tokens.
 
         ``extra`` holds per-pair tensors ``[len(pairs), width]`` (old log-probs, advantages,
-        ...) that are cut into the microbatches alongside.
+        ...) that are cut into the microbatches alongside. With :attr:`share_prompt` the pairs
+        of a microbatch that share their prompt ids are packed as one shared-prefix segment.
         """
         device = get_accelerator().device()
         mbs = self.settings.micro_batch_size
@@ -315,20 +345,10 @@ class Actor:
         out = []
         for first in range(0, len(pairs), mbs):
             group = pairs[first : first + mbs]
-            seqs, index, mask = [], torch.zeros(len(group), width, dtype=torch.long), torch.zeros(len(group), width)
-            offset = 0
-            for row, (prompt, response) in enumerate(group):
-                ids = np.asarray([*prompt, *response], dtype=np.int64)
-                labels = ids.copy()
-                labels[: len(prompt)] = IGNORE_INDEX
-                seqs.append((ids, labels))
-                # Position t predicts token t + 1: response token j sits at len(prompt) - 1 + j.
-                n = len(response)
-                index[row, :n] = offset + len(prompt) - 1 + torch.arange(n)
-                mask[row, :n] = 1.0
-                offset += len(ids)
-            batch = pack_microbatch(seqs, settings)
-            batch["resp_index"], batch["resp_mask"] = index, mask
+            if self.share_prompt:
+                batch = pack_shared_prompts(group, width, device)
+            else:
+                batch = pack_pairs(group, width, settings)
             for key, value in (extra or {}).items():
                 batch[key] = value[first : first + mbs]
             out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
@@ -349,7 +369,7 @@ class Actor:
                 batch["position_ids"],
                 None,
                 labels=None if logits else batch["labels"],
-                packed_seq_params=packed_seq_params(batch),
+                packed_seq_params=batch["packed_seq_params"] if self.share_prompt else packed_seq_params(batch),
             )
             return output, partial(loss_fn, batch)
 
@@ -382,7 +402,7 @@ class Actor:
 
         local = logits.shape[-1]
         rows = logits.reshape(-1, local)[batch["resp_index"]]
-        targets = batch["labels"].reshape(-1)[batch["resp_index"]]
+        targets = batch["resp_targets"]
         tp = self.parallel.tp
         group = self.groups.tp if tp > 1 else None
         start = self.groups.tp.rank() * local if tp > 1 else 0
@@ -419,7 +439,9 @@ class Actor:
         batches = self._microbatches(pairs, width)
         # Megatron's fused cross-entropy runs over the whole embedding; with padding rows the
         # log-softmax must leave them out, which needs the logits.
-        padded = self.vocab != self.hf_vocab
+        # Shared prompts: one position predicts the first token of several responses, so the
+        # log-probs come from its logits, not from megatron's per-position cross-entropy.
+        padded = self.vocab != self.hf_vocab or self.share_prompt
 
         def collect(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             logp = self._logp_entropy(batch, output)[0] if padded else self._gather(batch, output)
@@ -548,7 +570,12 @@ class Actor:
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
         batches = self._microbatches(pairs, width, extra)
-        logits = self.settings.compute_entropy or bool(config.entropy_coef) or self.vocab != self.hf_vocab
+        logits = (
+            self.settings.compute_entropy
+            or bool(config.entropy_coef)
+            or self.vocab != self.hf_vocab
+            or self.share_prompt
+        )
         hooks = self.adaptation.hooks
         for hook in hooks.get("pre_step", ()):
             hook(self.version + 1)

@@ -107,6 +107,11 @@ def _check_actor(config: RecipeSections, num_devices: int | None) -> None:
             "actor.max_tokens_per_micro_batch (micro-batches balanced by tokens) is not supported by the "
             "actor yet; unset it and size actor.micro_batch_size instead"
         )
+    if a.share_prompt and a.pp > 1:
+        raise ConfigError(
+            f"actor.share_prompt=true needs actor.pp=1 (got {a.pp}: pipeline stages exchange fixed-shape "
+            "microbatches); set actor.share_prompt=false or leave it unset"
+        )
     world = config.actor.world_size()
     if r.colocate:
         if world % r.tp:

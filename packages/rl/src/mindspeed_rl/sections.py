@@ -49,6 +49,10 @@ class ActorConfig:
         mini_batch_size: prompts per optimizer update (default ``train.global_batch``: one
             update per rollout batch, fully on-policy).
         ppo_epochs: passes over each rollout batch.
+        share_prompt: pack the responses of a microbatch that share a prompt (a GRPO group) as one
+            segment ``[prompt, r_1, ..., r_G]`` so the update runs the prompt once, not once per
+            response (same log-probs and gradients). Unset: on where it applies (pp = 1, rope or
+            learned positions, no MLA/MTP); true: on, an error where it cannot apply; false: off.
         offload_optimizer: co-location: optimizer state to host memory while the rollout generates.
         offload_grad: co-location: gradients to host memory while the rollout generates.
     """
@@ -71,6 +75,7 @@ class ActorConfig:
     max_tokens_per_micro_batch: int | None = None
     mini_batch_size: int | None = None
     ppo_epochs: int = 1
+    share_prompt: bool | None = None
     offload_optimizer: bool = True
     offload_grad: bool = True
 

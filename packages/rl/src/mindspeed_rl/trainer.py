@@ -345,6 +345,7 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
         adam_beta2=a.adam_beta2,
         precision=a.precision,
         micro_batch_size=a.micro_batch_size,
+        share_prompt=a.share_prompt,
         seed=config.train.seed,
         loss=algo.loss,
         loss_config=algo.loss_config(),

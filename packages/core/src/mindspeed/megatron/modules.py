@@ -16,6 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from mindspeed.device import get_accelerator
+from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
@@ -191,6 +192,15 @@ class RegistryAttention(MegatronModule):
                 f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
                 "RegistryAttention; use qkv_format='thd'"
             )
+        if isinstance(params, SharedPrefixParams):
+            # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
+            if self.cp is not None or not causal or self.window_size != (-1, -1):
+                raise ValueError(
+                    "shared-prefix packing needs causal attention without context parallelism or a window; "
+                    "pack each sequence on its own"
+                )
+            out = attend_shared_prefix(self.kernel, query, key, value, params, self.softmax_scale)
+            return out.reshape(query.shape[0], -1)
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")

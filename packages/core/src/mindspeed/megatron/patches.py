@@ -26,6 +26,13 @@ def _te_missing() -> bool:
     return importlib.util.find_spec("transformer_engine") is None
 
 
+def _token_position_preprocess(original: Any, acc: Any) -> Any:
+    # Lazy: the module imports megatron-core, which importing the adaptor must not do.
+    from mindspeed.megatron.shared_prefix import token_position_preprocess
+
+    return token_position_preprocess(original, acc)
+
+
 def _rng_get(original: Any, acc: Any) -> Any:
     def get_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
         return acc.get_rng_state()
@@ -318,6 +325,14 @@ def megatron_patches() -> list[UpstreamPatch]:
             _reset_only_moe_tensors,
             reason="walks every module after each step (~500 module visits of a 4-layer GPT) although only "
             "MoE routers with expert bias or a global aux loss have anything to reset",
+            **common,
+        ),
+        UpstreamPatch(
+            "rope-token-positions",
+            "megatron.core.models.gpt.gpt_model.GPTModel._preprocess",
+            _token_position_preprocess,
+            reason="megatron's THD rope numbers positions per cu_seqlens segment; shared-prefix packing "
+            "(a prompt once, then its responses) needs each response's positions to continue from its prompt",
             **common,
         ),
         UpstreamPatch(
