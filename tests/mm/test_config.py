@@ -65,3 +65,30 @@ def test_shipped_recipes_parse() -> None:
     for recipe in sorted((Path(__file__).resolve().parents[2] / "examples" / "mm").glob("*.yaml")):
         config = load_mm_config(recipe)
         assert config.model.path and (config.data.files or config.data.features), recipe
+
+
+def test_long_video_recipe_validates(tmp_path, monkeypatch) -> None:
+    """examples/mm/t2v_long_sp2.yaml: its demo resolves (built here in a temporary folder) to the measured Wan and
+    long latents, and the recipe passes the checks of a 2-rank run (Ulysses 2, the heads divide) but not 1 or 3."""
+    from pathlib import Path
+
+    from mindspeed_mm.data.features import FeatureSet
+    from mindspeed_mm.demo import resolve_demo
+    from mindspeed_mm.diffusion import demo_long
+
+    monkeypatch.setattr(demo_long, "DEFAULT_CACHE_DIR", tmp_path)
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_long_sp2.yaml"
+    raw = load_mm_config(recipe)
+    assert (raw.model.path, raw.data.features) == (demo_long.T2V_LONG, demo_long.T2V_LONG)
+    config = resolve_demo(raw)
+    assert Path(config.model.path).parent.parent == tmp_path
+    assert config.parallel.ulysses_parallel_size == 2 and config.data.text_len == demo_long.LONG_TEXT_LEN
+    model = yaml.safe_load((Path(config.model.path) / "config.json").read_text())
+    assert model["num_attention_heads"] % 2 == 0 and model["num_layers"] == demo_long.LONG_WAN["num_layers"]
+    shapes = FeatureSet(config.data.features).shapes()
+    assert shapes == [demo_long.LONG_SHAPE] * demo_long.NUM_CLIPS
+    config.check(2)
+    assert config.task() == "dit" and config.samples_per_step(2) == 1  # one group of 2 ranks: one clip a step
+    for world in (1, 3):
+        with pytest.raises(ConfigError):
+            config.check(world)

@@ -14,7 +14,7 @@
   runs, and the timestep reaches the model in float32.
 - Buckets: every microbatch of a cache of two latent shapes is of one shape; DP2 sees the
   microbatches DP1 accumulates; no sample twice in an epoch.
-- FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 2 steps;
+- FSDP2 DP2 (one microbatch per rank) equals DP1 (two accumulated microbatches) over 3 steps;
   ``checkpoint.save_hf`` writes a diffusers directory that ``from_pretrained`` loads with no missing
   or unexpected keys, holding exactly the last DCP checkpoint's weights.
 - ``train.ema`` (EMA-AdamW under FSDP2 DP2): the checkpointed averages equal the moving average of
@@ -40,6 +40,8 @@ from mindspeed_mm.trainer.loop import train
 from mindspeed_mm.trainer.task import TASKS
 
 TEXT_LEN = 8
+#: Steps of the DP2 = DP1 comparison (and of its EMA runs).
+DP_STEPS = 3
 WAN, FLUX = "WanTransformer3DModel", "FluxTransformer2DModel"
 
 
@@ -305,7 +307,7 @@ def _dp_overrides(run, accumulation: int) -> list[str]:
     return _overrides(
         *run,
         **{
-            "train.steps": 2,
+            "train.steps": DP_STEPS,
             "train.micro_batch_size": 2,
             "train.lr": 1e-3,
             "train.gradient_accumulation_steps": accumulation,
@@ -321,8 +323,9 @@ def _dp_overrides(run, accumulation: int) -> list[str]:
 def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
     dp2 = run_distributed(_dp2, 2, tiny_runs, tmp_path, timeout=300)[0]
     dp1 = launch(_dp1, (tiny_runs,))
-    assert len(dp2) == len(dp1) == 4
-    for one, two in zip(dp1, dp2):
+    steps = list(range(1, DP_STEPS + 1))
+    assert [r["step"] for r in dp1] == [r["step"] for r in dp2] == steps + steps  # Wan's, then FLUX's
+    for one, two in zip(dp1, dp2, strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
         assert two["tokens"] == one["tokens"]
@@ -333,7 +336,7 @@ def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
 
     exported, info = WanTransformer3DModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    dcp_to_torch_save(tmp_path / "ckpt" / "step_00000002", tmp_path / "last.pt")
+    dcp_to_torch_save(tmp_path / "ckpt" / f"step_{DP_STEPS:08d}", tmp_path / "last.pt")
     trained = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
     weights = exported.state_dict()
     assert set(trained) == set(weights)
@@ -342,22 +345,23 @@ def test_dp2_equals_dp1_and_diffusers_export(tiny_runs, tmp_path) -> None:
     assert not all(torch.equal(before[name], value) for name, value in trained.items())  # it trained
 
     # EMA: the exported weights are the averages of the last checkpoint, which equal
-    # d (d p0 + (1 - d) p1) + (1 - d) p2 over the initial weights and the checkpoints' weights
+    # a_k = d a_(k-1) + (1 - d) p_k from a_0 = p_0 over the initial weights and the checkpoints' weights
     decay = 0.9
     steps = []
-    for step in (1, 2):
+    for step in range(1, DP_STEPS + 1):
         dcp_to_torch_save(tmp_path / "ema" / f"step_{step:08d}", tmp_path / f"ema{step}.pt")
         steps.append(torch.load(tmp_path / f"ema{step}.pt", weights_only=False))
-    averages = {name: state["ema"] for name, state in steps[1]["optim"]["state"].items()}
+    averages = {name: state["ema"] for name, state in steps[-1]["optim"]["state"].items()}
     assert set(averages) == set(before)
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "hf_ema").state_dict()
     resumed = WanTransformer3DModel.from_pretrained(tmp_path / "hf_ema_resumed").state_dict()
     for name, average in averages.items():
-        p1, p2 = steps[0]["model"][name], steps[1]["model"][name]
-        expected = decay * (decay * before[name] + (1 - decay) * p1) + (1 - decay) * p2
+        expected = before[name]
+        for state in steps:
+            expected = decay * expected + (1 - decay) * state["model"][name]
         torch.testing.assert_close(average, expected, rtol=1e-6, atol=1e-7)
         assert torch.equal(exported[name], average) and torch.equal(resumed[name], average), name
-        assert not torch.equal(average, p2)
+        assert not torch.equal(average, steps[-1]["model"][name])
 
 
 def test_feature_cache_errors(tmp_path) -> None:

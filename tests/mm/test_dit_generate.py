@@ -5,7 +5,8 @@ samples two prompts with guidance: one ``.gif`` per prompt of the asked frames a
 sheet (``.png`` and ``.gif``), ``samples.jsonl`` with each prompt's seed. The transformer directory
 with ``--pipeline-dir`` and a DCP checkpoint of the same weights with ``--base-dir`` write the
 same bytes; the first video equals the library sampler run by hand (same seed, prompt encoding,
-negative prompt); ``--ring-attention-size 2`` (two spawned ranks, each with half of every
+negative prompt), and so does ``--sampler unipc`` with a user's ``--negative-prompt`` (each of the two changes the
+sample; the same command writes the same bytes); ``--ring-attention-size 2`` (two spawned ranks, each with half of every
 video's tokens, ring attention; each decodes one of the two videos) writes the same videos. (The sampler itself is proven against ``WanPipeline`` / ``FluxPipeline`` in
 ``test_dit_sampler.py``.)
 """
@@ -54,7 +55,7 @@ def _gif_frames(path) -> np.ndarray:
 
 def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
     from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
-    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.diffusion.sampler import SAMPLERS, build_scheduler, decode_latents, sample_latents
 
     pipe = write_demo_pipeline(tmp_path / "pipe")
     assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "a"), *FLAGS]) == 0
@@ -88,6 +89,43 @@ def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
     )
     expected = (decode_latents(loaded.parts["vae"], latents)[0].permute(0, 2, 3, 1).numpy() * 255).round()
     assert np.abs(first.astype(np.float64) - expected).max() <= 8  # GIF's palette rounds a few levels at most
+
+    # --sampler unipc with a user's --negative-prompt: the library sampler with diffusers' UniPC (flow mode) and
+    # that prompt's encoding as the negative text, from the same seed's noise
+    steer = "a green triangle moving down"
+    unipc = ["--sampler", "unipc", "--negative-prompt", steer]
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "u"), *FLAGS, *unipc]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "u" / "samples.jsonl").read_text().splitlines()]
+    assert rows[0]["settings"]["scheduler"] == "UniPCMultistepScheduler"
+    assert rows[0]["settings"]["negative_prompt"] == steer and [r["seed"] for r in rows] == [7, 8]
+    by_cli = _gif_frames(tmp_path / "u" / "000-a-red-square-moving-left.gif")
+    steered, _ = family.encode_prompts(loaded.parts, [steer], 8)
+    by_hand = {}
+    for name, sampler, negative_text in (
+        ("unipc", "unipc", steered),
+        ("unipc_empty", "unipc", negative),
+        ("euler_steered", "euler", steered),
+    ):
+        scheduler = build_scheduler(family, pipe, sampler)
+        assert type(scheduler).__name__ == ("UniPCMultistepScheduler" if sampler == "unipc" else SAMPLERS["euler"])
+        by_hand[name] = sample_latents(
+            loaded.model, family, scheduler, noise[None], text, 2, negative_text=negative_text, guidance_scale=3.0
+        )
+    pixels = {
+        name: (decode_latents(loaded.parts["vae"], z)[0].permute(0, 2, 3, 1).numpy() * 255).round()
+        for name, z in by_hand.items()
+    }
+    assert np.abs(by_cli.astype(np.float64) - pixels["unipc"]).max() <= 8
+    # each choice matters, beyond the GIF's rounding: the negative prompt (measured: 28 levels) and the sampler
+    # (37 levels from Euler with the same negative prompt)
+    assert np.abs(by_cli.astype(np.float64) - pixels["unipc_empty"]).max() > 16
+    assert np.abs(by_cli.astype(np.float64) - pixels["euler_steered"]).max() > 16
+    assert (latents - by_hand["euler_steered"]).abs().max() > 1e-3 * latents.abs().max()  # Euler: steered or not
+    # and deterministic by seed: the same command writes the same bytes
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "u2"), *FLAGS, *unipc]) == 0
+    for name in ("000-a-red-square-moving-left.gif", "001-a-blue-circle-moving-up.gif", "contact_sheet.png"):
+        assert (tmp_path / "u2" / name).read_bytes() == (tmp_path / "u" / name).read_bytes(), name
+    assert (tmp_path / "u" / "contact_sheet.png").read_bytes() != (tmp_path / "a" / "contact_sheet.png").read_bytes()
 
     # a transformer directory with --pipeline-dir, and a DCP checkpoint with --base-dir: the same files
     assert (

@@ -257,7 +257,8 @@ def test_sp2_equals_sp1(tiny) -> None:
             assert float(np.abs(b["grads"][name] - grad).max()) / scale < 1e-5, (arch, name)
         assert b["calls"] == calls  # one Ulysses call per attention over the split tokens
         assert b["totals"] == a["totals"]  # samples and tokens counted once per group
-        for x, y in zip(one["train"][arch], two[0]["train"][arch]):
+        assert [r["step"] for r in one["train"][arch]] == [r["step"] for r in two[0]["train"][arch]] == [1, 2]
+        for x, y in zip(one["train"][arch], two[0]["train"][arch], strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (arch, x["step"])
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (arch, x["step"])
             assert y["tokens"] == x["tokens"]
@@ -301,7 +302,8 @@ def test_usp_equals_sp1(tiny) -> None:
     assert lora["loss"] == pytest.approx(one["lora"]["loss"], rel=1e-5)
     assert 0 < len(one["lora"]["grads"]) and all("lora" in name for name in one["lora"]["grads"])
     _close_grads(one["lora"], lora, 1e-4, "lora")
-    for x, y in zip(one["train"][WAN], four[0]["train"]):
+    assert [r["step"] for r in one["train"][WAN]] == [r["step"] for r in four[0]["train"]] == [1, 2]
+    for x, y in zip(one["train"][WAN], four[0]["train"], strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["tokens"] == x["tokens"]
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
     # the VAE decode: ranks 0-2 decoded one video each, rank 3 none; rank 0 got all three, as one decode

@@ -75,6 +75,32 @@ def mm_recipe(model: Path, data: Path, out: Path, steps: int = 4) -> list[str]:
     ]
 
 
+def dit_recipe(model: Path, features: Path, out: Path, steps: int = 4) -> list[str]:
+    """The overrides of the tiny diffusion-transformer run: a tiny Wan on a feature cache, ``steps`` steps of
+    2 microbatches of 2 (shuffled buckets, logit-normal timesteps, text dropout, EMA-AdamW), a checkpoint
+    every 2, the averages exported to ``out/hf``."""
+    return [
+        f"model.path={model}",
+        f"data.features={features}",
+        "data.text_len=8",
+        f"train.steps={steps}",
+        "train.micro_batch_size=2",
+        "train.gradient_accumulation_steps=2",
+        "train.precision=fp32",
+        "train.lr=1e-3",
+        "train.ema=0.9",
+        "diffusion.shift=3.0",
+        "diffusion.timestep_sampling=logit_normal",
+        "diffusion.text_dropout=0.3",
+        f"checkpoint.save={out}",
+        f"checkpoint.interval={INTERVAL}",
+        f"checkpoint.save_hf={out / 'hf'}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+    ]
+
+
 def mm_command(*overrides: str) -> list[str]:
     """``mindspeed-mm --log-level INFO train overrides...``."""
     return [str(Path(sys.executable).parent / "mindspeed-mm"), "--log-level", "INFO", "train", *overrides]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -68,3 +69,53 @@ def test_readme_feature_rows_link_existing_docs_code_and_tests() -> None:
                 assert all(t.startswith("tests/") for t in targets), f"{row[0][:60]}: test links {targets}"
             missing += [f"{row[0][:40]} -> {t}" for t in targets if not (ROOT / t).exists()]
     assert not missing, "README feature table links to paths that do not exist:\n" + "\n".join(missing)
+
+
+def _readme_block_commands() -> list[list[str]]:
+    """The ``mindspeed-*`` commands of the README's bash blocks after "Two commands", as argument lists
+    (continuation lines joined, the leading ``uv run --frozen`` dropped)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text.split("## Two commands", 1)[1], re.S)[1:]
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words[:1] in (["uv"], ["run"], ["--frozen"]):
+                words = words[1:]
+            if words and words[0].startswith("mindspeed"):
+                commands.append(words)
+    return commands
+
+
+def _recipe_header_commands(recipe: Path) -> list[list[str]]:
+    """The commands a recipe's header comment shows (``#   mindspeed-mm ...`` lines, continuations joined)."""
+    header = "\n".join(line[1:] for line in recipe.read_text().splitlines() if line.startswith("#"))
+    lines = header.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.strip().startswith("mindspeed")]
+
+
+def test_readme_generation_commands_parse_and_follow_their_recipes() -> None:
+    """The README's text-to-image / video commands are the recipes' own: each parses with the CLI's parser,
+    and each ``generate`` samples what the ``train`` before it exports (``--load-dir`` is the recipe's
+    ``checkpoint.save_hf``), into an ``--output-dir``, exactly as the recipe's header says."""
+    import yaml
+
+    from mindspeed_mm.cli import build_parser
+
+    commands = [c for c in _readme_block_commands() if c[0] == "mindspeed-mm"]
+    verbs = [c[1] for c in commands]
+    assert verbs == ["train", "generate", "train", "generate"], commands
+    parser = build_parser()
+    for train, generate in zip(commands[::2], commands[1::2], strict=True):
+        for command in (train, generate):
+            try:
+                parser.parse_args(command[1:])
+            except SystemExit as error:  # argparse printed which argument
+                raise AssertionError(f"README: {shlex.join(command)} does not parse (exit {error.code})") from None
+        args = parser.parse_args(generate[1:])
+        recipe = ROOT / parser.parse_args(train[1:]).config
+        checkpoint = yaml.safe_load(recipe.read_text())["checkpoint"]
+        assert args.load_dir == checkpoint["save_hf"], (recipe.name, args.load_dir)
+        assert args.pipeline_dir == args.prompts_file and args.prompts_file.startswith("demo-"), generate
+        assert args.output_dir.startswith(checkpoint["save"] + "/"), generate
+        assert _recipe_header_commands(recipe) == [train, generate], f"{recipe.name}'s header shows other commands"

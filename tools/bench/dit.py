@@ -50,38 +50,19 @@ import _child  # tools/bench/_child.py: the script's folder is on sys.path
 from _child import memory_status
 from sft import StepClock
 
+from mindspeed_mm.diffusion.demo_long import LONG_SHAPE, LONG_TEXT_LEN, LONG_WAN, write_random_features
+
 WAN = "WanTransformer3DModel"
-#: The benchmark's Wan: 8 heads of 32 (hidden 256), 4 blocks, 16 latent channels.
-MODEL = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 8,
-    "attention_head_dim": 32,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 256,
-    "freq_dim": 256,
-    "ffn_dim": 1024,
-    "num_layers": 4,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "rope_max_seq_len": 1024,
-}
+#: The benchmark's Wan: the long-video demo's (examples/mm/t2v_long_sp2.yaml): 8 heads of 32 (hidden 256),
+#: 4 blocks, 16 latent channels.
+MODEL = LONG_WAN
 
 
 # ----------------------------------------------------------------------------- preparation
 
 
 def _write_cache(directory: Path, shape: list[int], count: int, text_len: int, seed: int) -> Path:
-    import torch
-
-    from mindspeed_mm.data.features import write_features
-
-    gen = torch.Generator().manual_seed(seed)
-    samples = [
-        {"latents": torch.randn(shape, generator=gen), "text": torch.randn(text_len - i % 8, MODEL["text_dim"])}
-        for i in range(count)
-    ]
-    return write_features(directory, samples, [f"clip {i}" for i in range(count)])
+    return write_random_features(directory, tuple(shape), count, text_len, MODEL["text_dim"], seed)
 
 
 def prepare(spec: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +245,10 @@ def _sp_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_mm.trainer.task import TASKS
 
     torch.set_num_threads(spec["threads"])
-    overrides = _overrides({**spec, "micro_batch": 1, "grad_accum": 1, "steps": 1}, spec["long"])
+    # eager (train.compile=false, the recipe's default): the dispatch tracking of the memory is a torch dispatch
+    # mode, which torch.compile refuses (fullgraph: "non-infra torch dispatch mode present")
+    step = {**spec, "micro_batch": 1, "grad_accum": 1, "steps": 1, "compile": "false"}
+    overrides = _overrides(step, spec["long"])
     config = load_mm_config(None, [*overrides, f"parallel.ulysses_parallel_size={world}"])
     task = TASKS.get("dit")(config, world)
     batch = task.microbatches(1, rank)[0]
@@ -323,8 +307,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=2, help="samples per microbatch (default 2)")
     parser.add_argument("--grad-accum", type=int, default=2, help="microbatches per step (default 2)")
     parser.add_argument("--shape", default="16,5,16,16", help="latents C,F,H,W of part 1 (default 16,5,16,16)")
-    parser.add_argument("--long-shape", default="16,9,32,48", help="latents of part 2's long video (16,9,32,48)")
-    parser.add_argument("--text-len", type=int, default=64, help="text tokens (default 64)")
+    long_shape = ",".join(map(str, LONG_SHAPE))
+    parser.add_argument(
+        "--long-shape", default=long_shape, help=f"latents of part 2's long video (default {long_shape}: the recipe's)"
+    )
+    parser.add_argument("--text-len", type=int, default=LONG_TEXT_LEN, help=f"text tokens (default {LONG_TEXT_LEN})")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     parser.add_argument("--parts", default="1,2", help="1 (ours vs diffusers), 2 (SP memory) or both")

@@ -1,4 +1,5 @@
-"""The embedded diffusion demos by name: ``demo-t2v`` (Wan text-to-video) and ``demo-t2i`` (FLUX text-to-image).
+"""The embedded diffusion demos by name: ``demo-t2v`` (Wan text-to-video), ``demo-t2i`` (FLUX text-to-image) and
+``demo-t2v-long`` (a Wan on long random latents, for sequence parallelism's memory; training only).
 
 A recipe's ``model.path`` / ``data.features`` and ``generate``'s ``--load-dir``, ``--base-dir``,
 ``--pipeline-dir`` and ``--prompts-file`` may name a demo; these functions replace the name by the
@@ -13,12 +14,15 @@ from pathlib import Path
 
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.diffusion.demo import T2V, demo_paths
+from mindspeed_mm.diffusion.demo_long import T2V_LONG, long_demo_paths
 from mindspeed_mm.diffusion.demo_t2i import T2I, t2i_paths
 
 #: demo name -> the function that builds it once and returns its paths
 #: (``{"pipeline", "transformer", "features", "heldout"}``).
 DEMO_BUILDERS = {T2V: demo_paths, T2I: t2i_paths}
 DEMOS = tuple(DEMO_BUILDERS)
+#: demos a training recipe may name (``{"transformer", "features"}`` at least): the above and the long-video one.
+TRAINING_BUILDERS = {**DEMO_BUILDERS, T2V_LONG: long_demo_paths}
 
 
 def diffusion_demo_paths(name: str) -> dict[str, Path]:
@@ -39,12 +43,12 @@ def resolve_prompts_file(path: str) -> Path:
 def resolve_dit_demo(config: MMConfig) -> MMConfig:
     """``model.path`` and ``data.features`` naming a demo replaced by its transformer / feature cache."""
     model_path, features = config.model.path, config.data.features
-    if model_path not in DEMOS and features not in DEMOS:
+    if model_path not in TRAINING_BUILDERS and features not in TRAINING_BUILDERS:
         return config
     model = config.model
-    if model_path in DEMOS:
-        model = dataclasses.replace(model, path=str(diffusion_demo_paths(model_path)["transformer"]))
+    if model_path in TRAINING_BUILDERS:
+        model = dataclasses.replace(model, path=str(TRAINING_BUILDERS[model_path]()["transformer"]))
     data = config.data
-    if features in DEMOS:
-        data = dataclasses.replace(data, features=str(diffusion_demo_paths(features)["features"]))
+    if features in TRAINING_BUILDERS:
+        data = dataclasses.replace(data, features=str(TRAINING_BUILDERS[features]()["features"]))
     return dataclasses.replace(config, model=model, data=data)
