@@ -213,3 +213,26 @@ def test_video_first_loss_equals_transformers_sample_by_sample(family, tiny_vide
     cache = ["data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
     _check(model_dir, tiny_video_data, _reference(model_dir, tiny_video_data), tmp_path, False, cache)
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the run wrote its entry
+
+
+def test_multimodal_positions_need_mm_token_type_ids(tiny_vlm, tiny_qwen3_vl) -> None:
+    """Why every path passes ``mm_token_type_ids`` (the packed positions come from ``get_rope_index`` with them):
+    without them transformers' Qwen3-VL forward raises on an image sample, and Qwen2.5-VL's silently falls back
+    to 1-D positions and gives another loss."""
+    sample = max(read_mllm_files([str(tiny_vlm[1])])[:SAMPLES], key=lambda s: len(s.images))
+    for model_dir in (tiny_vlm[0], tiny_qwen3_vl[0]):
+        family = family_of(model_dir)
+        encoded = Processing(*load_processing(model_dir, 28 * 28, 112 * 112), family).encode(
+            sample, EncodeSettings(cutoff_len=1024)
+        )
+        assert "image_grid_thw" in encoded.vision and int(encoded.mm_token_type_ids.sum()) > 1
+        model = load_model(model_dir, family, "sdpa")
+        inputs = {"input_ids": encoded.input_ids[None], "labels": encoded.labels[None], "use_cache": False}
+        inputs.update(encoded.vision)
+        with torch.no_grad():
+            with_types = float(model(**inputs, mm_token_type_ids=encoded.mm_token_type_ids[None]).loss)
+            if family.architecture == "Qwen3VLForConditionalGeneration":
+                with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
+                    model(**inputs)
+            else:  # Qwen2.5-VL: 1-D positions, no error
+                assert abs(float(model(**inputs).loss) - with_types) > 1e-4
