@@ -135,6 +135,13 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_v
     print(f"validation loss: run {evals[-1]['loss']:.6f} (step 1 {evals[0]['loss']:.6f}), exports {scores}")
     assert scores == pytest.approx({"peft": evals[-1]["loss"], "merged": evals[-1]["loss"]}, rel=1e-5, abs=0)
     assert evals[-1]["loss"] != pytest.approx(_valid_loss(load_model(model_dir, family), held_out, 4), rel=1e-3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "ckpt" / "tensorboard"))
+    events.Reload()  # the same numbers as TensorBoard's eval/loss
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in evals
+    ]
 
     after = load_file(run / "merged" / "model.safetensors")
     assert set(before) == set(after)
