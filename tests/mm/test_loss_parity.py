@@ -236,3 +236,40 @@ def test_multimodal_positions_need_mm_token_type_ids(tiny_vlm, tiny_qwen3_vl) ->
                     model(**inputs)
             else:  # Qwen2.5-VL: 1-D positions, no error
                 assert abs(float(model(**inputs).loss) - with_types) > 1e-4
+
+
+def _valid_rank(config):
+    return train(config).evals
+
+
+def test_validation_loss_equals_transformers_under_each_reduction(tiny_vlm, reference, tmp_path) -> None:
+    """At lr 0 the validation loss after step 1 is the untrained model's: transformers' per-sample losses of the
+    first ``eval.iters`` x 4 samples (microbatches of 2) combined as each reduction defines."""
+    model_dir, data = tiny_vlm
+    _, _, _, losses, counts, _ = reference
+    means = [sum(x * c for x, c in zip(losses[i : i + 2], counts[i : i + 2])) / sum(counts[i : i + 2]) for i in (0, 2)]
+    expected = {
+        "default": sum(means) / 2,
+        "per_token": sum(x * c for x, c in zip(losses, counts)) / sum(counts),
+        "per_sample": sum(losses) / SAMPLES,
+    }
+    for loss_type, loss in expected.items():
+        overrides = [
+            f"model.path={model_dir}",
+            f"data.files=[{data}]",
+            f"data.valid_files=[{data}]",  # 8 samples; eval.iters=1: the first global batch of 4
+            "eval.iters=1",
+            "train.steps=1",
+            "train.lr=0",
+            "train.micro_batch_size=2",
+            "train.gradient_accumulation_steps=2",
+            f"train.loss_type={loss_type}",
+            "train.precision=fp32",
+            "logging.progress=false",
+            "data.image_min_pixels=784",
+            "data.image_max_pixels=12544",
+        ]
+        (record,) = launch(_valid_rank, (load_mm_config(None, overrides),))
+        assert record["step"] == 1 and record["tokens"] == sum(counts), loss_type
+        assert record["loss"] == pytest.approx(loss, rel=1e-6), loss_type
+    assert len({round(v, 6) for v in expected.values()}) == 3, expected  # the reductions differ here

@@ -217,7 +217,7 @@ class VLMTask:
         t, dp = self.config.train, self.world // self.sp
         n = len(self.valid_samples)
         if self.config.eval.iters is not None:
-            n = min(n, self.config.eval.iters * t.micro_batch_size * t.gradient_accumulation_steps * dp)
+            n = min(n, self.config.eval.iters * self.config.samples_per_step(self.world))
         chunks = [range(i, min(i + t.micro_batch_size, n)) for i in range(0, n, t.micro_batch_size)]
         rounds = -(-len(chunks) // dp)
         held = []
