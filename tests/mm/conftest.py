@@ -17,6 +17,12 @@ def tiny_vlm(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_valid(tmp_path_factory) -> Path:
+    """valid.jsonl: 5 held-out samples of the same kind (other images; the 4th text only), for ``data.valid_files``."""
+    return write_tiny_dataset(tmp_path_factory.mktemp("tiny-valid"), num_samples=5, seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_video_data(tmp_path_factory) -> Path:
     """video.jsonl: an .mp4, an image and an .mp4, text only, a frame folder (PyAV-written, see the fixture)."""
     return write_tiny_video_dataset(tmp_path_factory.mktemp("tiny-video"))
@@ -43,9 +49,10 @@ def _train(config):
 
 
 @pytest.fixture(scope="session")
-def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
+def tiny_lora_run(tmp_path_factory, tiny_vlm, tiny_valid) -> Path:
     """A 2-step LoRA run on the tiny Qwen2.5-VL (r 4, alpha 8, q_proj/v_proj of the language model and the
-    vision tower's qkv): ``ckpt/step_0000000{1,2}`` (DCP; metrics.jsonl), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
+    vision tower's qkv): ``ckpt/step_0000000{1,2}`` (DCP; metrics.jsonl with the validation loss on
+    ``tiny_valid`` after each step), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
     from mindspeed_llm.training.launch import launch
     from mindspeed_mm.config import load_mm_config
 
@@ -56,6 +63,8 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
         [
             f"model.path={model_dir}",
             f"data.files=[{data}]",
+            f"data.valid_files=[{tiny_valid}]",
+            "eval.interval=1",
             "train.steps=2",
             "train.micro_batch_size=4",
             "train.precision=fp32",
@@ -73,7 +82,7 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm) -> Path:
         ],
     )
     result = launch(_train, (config,))
-    assert set(result.exports) == {"save_hf", "save_peft"}
+    assert set(result.exports) == {"save_hf", "save_peft"} and [r["step"] for r in result.evals] == [1, 2]
     return root
 
 

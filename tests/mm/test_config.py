@@ -50,6 +50,9 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
         (["data.video_fps=0"], "data.video_fps=0.0 must be positive"),
         (["data.workers=-1"], "data.workers=-1 not negative"),
         (["parallel.context_parallel_algo=megatron_cp_algo"], "vision-language models take ulysses_cp_algo only"),
+        (["eval.interval=10"], "eval.interval=10 needs held-out data: set data.valid_files"),
+        (["data.valid_files=[nope.jsonl]"], "data.valid_files: 'nope.jsonl' does not exist"),
+        (["eval.iters=0"], "eval.iters=0 must be at least 1"),
     ):
         with pytest.raises(ConfigError, match=message):
             load_mm_config(None, base + extra).check(1)
@@ -57,6 +60,12 @@ def test_checks_name_the_key(tmp_path, capsys) -> None:
         load_mm_config(None, base + ["parallel.ulysses_parallel_size=4"]).check(2)
     with pytest.raises(ConfigError, match="needs model.attn_implementation=mindspeed"):
         load_mm_config(None, base + ["parallel.ulysses_parallel_size=2", "model.attn_implementation=sdpa"]).check(2)
+    dit = tmp_path / "dit"  # a diffusers directory: no validation loss (yet)
+    dit.mkdir()
+    (dit / "config.json").write_text('{"_class_name": "WanTransformer3DModel"}')
+    for extra in (f"data.valid_files=[{tmp_path / 'config.json'}]", "eval.interval=5"):
+        with pytest.raises(ConfigError, match="is a diffusion transformer, which has no validation loss yet"):
+            load_mm_config(None, [f"model.path={dit}", f"data.files=[{tmp_path / 'config.json'}]", extra]).check(1)
 
 
 def test_shipped_recipes_parse() -> None:

@@ -1,7 +1,8 @@
 """``mindspeed-mm convert``: round trips are bit-identical, bad input is one line and exit 2 with nothing written.
 
-- hf -> dcp -> hf gives the source's tensors (names, dtypes, bytes) for Qwen2.5-VL and InternVL
-  (whose hub names differ from the module names everywhere), and the DCP holds the model's own
+- hf -> dcp -> hf gives the source's tensors (names, dtypes, bytes) for Qwen2.5-VL, Qwen3-VL and
+  InternVL (whose hub names differ from the module names everywhere), the result loads in
+  transformers with no missing, unexpected or mismatched keys, and the DCP holds the model's own
   state dict (module names) bit for bit.
 - From the LoRA run's checkpoint (tests/mm/conftest.py: tiny_lora_run): dcp -> peft (alpha from
   the adapter_config.json the run keeps next to its checkpoints) equals the run's ``lora.save_peft`` adapter; dcp -> hf (merged) and peft -> hf (merge onto the base)
@@ -60,12 +61,17 @@ def _same(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None:
         assert value.dtype == two[name].dtype and torch.equal(value, two[name]), name
 
 
-def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_internvl, tiny_lora_run, tmp_path) -> None:
-    for model_dir in (tiny_vlm[0], tiny_internvl[0]):
+def test_round_trips_are_bit_identical(capsys, tiny_vlm, tiny_qwen3_vl, tiny_internvl, tiny_lora_run, tmp_path) -> None:
+    import transformers
+
+    for model_dir in (tiny_vlm[0], tiny_qwen3_vl[0], tiny_internvl[0]):
         out = tmp_path / model_dir.name
         assert _convert(capsys, "hf", "dcp", model_dir, out / "dcp")[0] == 0
         assert _convert(capsys, "dcp", "hf", out / "dcp", out / "hf", "--base-dir", str(model_dir))[0] == 0
         _same(_hf(model_dir), _hf(out / "hf"))
+        architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+        _, info = getattr(transformers, architecture).from_pretrained(out / "hf", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], architecture
         _same(load_model(model_dir, family_of(model_dir)).state_dict(), _dcp(out / "dcp", out / "dcp.pt"))
         assert (out / "hf" / "tokenizer.json").is_file() and (out / "hf" / "chat_template.jinja").is_file()
 

@@ -27,7 +27,11 @@ def test_malformed_samples_name_file_line_and_fix(tmp_path, tiny_vlm) -> None:
     cases = [
         ({**good, "images": []}, "1 <image> placeholder(s) but 0 image(s); add the image paths"),
         ({**good, "images": [image, image]}, "1 <image> placeholder(s) but 2 image(s); add <image>"),
-        ({**good, "images": ["missing.png"]}, "image 'missing.png' not found"),
+        (
+            {**good, "images": ["missing.png"]},
+            f"image 'missing.png' not found (looked for {tmp_path / 'missing.png'}); fix the path or set "
+            "data.image_dir to the folder the paths are relative to",
+        ),
         ({"messages": [{"role": "user", "content": "Hi"}]}, "no assistant turn"),
         ({"messages": [{"role": "bot", "content": "Hi"}]}, "messages[0] must be"),
     ]
@@ -36,8 +40,14 @@ def test_malformed_samples_name_file_line_and_fix(tmp_path, tiny_vlm) -> None:
         with pytest.raises(ValueError, match=re.escape(f"d.jsonl:2: {message}")):
             read_mllm_files([name])
     name = _write(tmp_path / "d.jsonl", good, raw="{not json\n")
-    with pytest.raises(ValueError, match="d.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid JSON \(.*\); write one sample object per line"):
         read_mllm_files([name])
+    name = tmp_path / "d.json"  # a .json file holds one list of samples
+    name.write_text(json.dumps([good]) + ",\n{")
+    with pytest.raises(
+        ValueError, match=r"d.json:1: not valid JSON \(.*\); a .json data file holds one list of samples"
+    ):
+        read_mllm_files([str(name)])
 
 
 def test_labels_only_on_answers_and_image_tokens_per_patch(tiny_vlm) -> None:

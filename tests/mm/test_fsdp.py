@@ -10,8 +10,11 @@
 - A run resumed from the step-2 checkpoint repeats steps 3-4 of the uninterrupted run bit for bit,
   with the language layers' saved activations swapped to the host (``train.swap_modules``) and
   ``train.deterministic`` where the uninterrupted run recomputed those layers.
+- The validation loss after steps 2 and 4 (5 held-out samples, one a microbatch: 3 on rank 0 and
+  2 plus a stand-in forward on rank 1) equals DP1's, and the resumed run's step-4 one.
 - The Hugging Face export loads in transformers with no missing or unexpected keys and holds
-  exactly the weights of the last DCP checkpoint.
+  exactly the weights of the last DCP checkpoint; Qwen3-VL's export loads with no missing or
+  unexpected keys and has the source directory's tensor names.
 """
 
 from __future__ import annotations
@@ -73,32 +76,49 @@ def _dp2(rank: int, world: int, base: list[str], root: Path, others: list[list[s
     )
     other = [record for overrides in others for record in train(load_mm_config(None, overrides)).records]
     return (
-        {"full": full.records, "resumed": resumed.records, "start": resumed.start_step, "others": other}
+        {
+            "full": full.records,
+            "resumed": resumed.records,
+            "start": resumed.start_step,
+            "others": other,
+            "evals": full.evals,
+            "resumed_evals": resumed.evals,
+        }
         if rank == 0
         else None
     )
 
 
 def _dp1(config):
-    return train(config)
+    result = train(config)
+    return result.records, result.evals
 
 
-def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl, tiny_video_data, tmp_path) -> None:
+def test_dp2_equals_dp1_resume_and_export(
+    tiny_vlm, tiny_qwen3_vl, tiny_internvl, tiny_video_data, tiny_valid, tmp_path
+) -> None:
     model_dir, data = tiny_vlm
+    valid = [f"data.valid_files=[{tiny_valid}]", "eval.interval=2"]
     lora = ["lora.target_modules=[q_proj, v_proj, qkv]", "lora.parts=[language_model, vision_tower]", "lora.r=4"]
     video = (model_dir, tiny_video_data)
     cached = ["data.video_fps=4", "data.video_maxlen=6", "data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
     runs = ((tiny_qwen3_vl, []), (tiny_internvl, []), (tiny_vlm, lora), (video, cached))
     others = [_overrides(*tiny, 1) + ["train.steps=2"] + extra for tiny, extra in runs]
-    dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1), tmp_path, others, timeout=300)[0]
-    dp1 = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2)),)).records
+    others[0].append(f"checkpoint.save_hf={tmp_path / 'qwen3-hf'}")
+    dp2 = run_distributed(_dp2, 2, _overrides(model_dir, data, 1) + valid, tmp_path, others, timeout=300)[0]
+    dp1, dp1_evals = launch(_dp1, (load_mm_config(None, _overrides(model_dir, data, 2) + valid),))
     for tiny, extra in runs:
-        dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"] + extra),)).records
+        dp1 += launch(_dp1, (load_mm_config(None, _overrides(*tiny, 2) + ["train.steps=2"] + extra),))[0]
     assert [r["step"] for r in dp2["full"]] == [r["step"] for r in dp1[:STEPS]] == list(range(1, STEPS + 1))
     for one, two in zip(dp1, dp2["full"] + dp2["others"], strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
     assert dp1[STEPS - 1]["loss"] < dp1[0]["loss"]  # it learns
+    assert [r["step"] for r in dp2["evals"]] == [r["step"] for r in dp1_evals] == [2, 4]
+    for one, two in zip(dp1_evals, dp2["evals"]):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5) and two["tokens"] == one["tokens"], one["step"]
+    assert dp1_evals[1]["loss"] < dp1_evals[0]["loss"]
+    assert [(r["step"], r["loss"]) for r in dp2["resumed_evals"]] == [(4, dp2["evals"][1]["loss"])]
 
     assert dp2["start"] == 2 and [r["step"] for r in dp2["resumed"]] == [3, 4]
     for resumed, full in zip(dp2["resumed"], dp2["full"][2:]):
@@ -115,3 +135,11 @@ def test_dp2_equals_dp1_resume_and_export(tiny_vlm, tiny_qwen3_vl, tiny_internvl
     assert set(trained) == set(weights)
     for name, value in trained.items():
         assert torch.equal(weights[name], value), name
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLForConditionalGeneration
+
+    _, info = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "qwen3-hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    source = load_file(tiny_qwen3_vl[0] / "model.safetensors")
+    assert set(load_file(tmp_path / "qwen3-hf" / "model.safetensors")) == set(source)

@@ -4,7 +4,8 @@ MindSpeed-MM's seven targets adapt the language model only, for the three famili
 vision tower has q_proj / k_proj / v_proj too). The reference is the trained state itself: the last DCP checkpoint loaded into the base model
 with the same LoRA layers. Its loss on the samples (computed by transformers, sample by sample)
 must equal that of ``PeftModel.from_pretrained(base, save_peft)`` and that of the merged
-``save_hf`` directory; only the targeted weights differ from the base in the merged export, and
+``save_hf`` directory, and both, scored by transformers / peft on the held-out file, give the
+run's final logged validation loss (``data.valid_files``); only the targeted weights differ from the base in the merged export, and
 the checkpoint holds the factors alone (the frozen base is ``model.path``'s). (DP2 equals DP1
 with LoRA: tests/mm/test_fsdp.py.) A run resumed from the step-1 checkpoint (the factors and
 their optimizer state, over the base reloaded from ``model.path``) repeats step 2 exactly.
@@ -46,6 +47,17 @@ def _losses(model, encoded) -> list[float]:
         ]
 
 
+def _valid_loss(model, encoded, micro: int) -> float:
+    """``loss_type: default`` over a validation file: the mean of the token means of its microbatches of ``micro``
+    consecutive samples, from transformers' per-sample losses (each a token mean)."""
+    losses = _losses(model, encoded)
+    means = []
+    for start in range(0, len(encoded), micro):
+        counts = [s.num_label_tokens for s in encoded[start : start + micro]]
+        means.append(sum(loss * c for loss, c in zip(losses[start : start + micro], counts)) / sum(counts))
+    return sum(means) / len(means)
+
+
 def _train(config):
     return train(config)
 
@@ -82,7 +94,7 @@ def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) ->
         apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"], parts=["vision"]), family)
 
 
-def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_lora_run, tmp_path) -> None:
+def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_valid, tiny_lora_run, tmp_path) -> None:
     from peft import PeftModel
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -112,6 +124,24 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_l
     merged, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert _losses(merged, encoded) == pytest.approx(expected, rel=1e-5, abs=0)
+
+    # The run's last validation loss (5 held-out samples: microbatches of 4 and 1) is what the exports score.
+    lines = (run / "ckpt" / "metrics.jsonl").read_text().splitlines()
+    evals = [record for record in map(json.loads, lines) if record["kind"] == "eval"]
+    assert [record["step"] for record in evals] == [1, 2]
+    tokenizer, processor = load_processing(model_dir, 3136, 12544)  # the run's data.image_{min,max}_pixels
+    held_out = [encode_sample(s, tokenizer, processor, family, 2048) for s in read_mllm_files([str(tiny_valid)])]
+    scores = {"peft": _valid_loss(peft_model, held_out, 4), "merged": _valid_loss(merged, held_out, 4)}
+    print(f"validation loss: run {evals[-1]['loss']:.6f} (step 1 {evals[0]['loss']:.6f}), exports {scores}")
+    assert scores == pytest.approx({"peft": evals[-1]["loss"], "merged": evals[-1]["loss"]}, rel=1e-5, abs=0)
+    assert evals[-1]["loss"] != pytest.approx(_valid_loss(load_model(model_dir, family), held_out, 4), rel=1e-3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "ckpt" / "tensorboard"))
+    events.Reload()  # the same numbers as TensorBoard's eval/loss
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in evals
+    ]
 
     after = load_file(run / "merged" / "model.safetensors")
     assert set(before) == set(after)
@@ -152,7 +182,8 @@ def test_lora_resume_repeats_the_run(tiny_vlm, tiny_lora_run, tmp_path) -> None:
     assert model_keys and all(map(is_factor, model_keys))
     assert len(moments) == 3 * len(model_keys)  # step, exp_avg, exp_avg_sq of each factor
     assert all(is_factor(key.removeprefix("optim.state.").rsplit(".", 1)[0]) for key in moments)
-    records = [json.loads(line) for line in (tiny_lora_run / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tiny_lora_run / "ckpt" / "metrics.jsonl").read_text().splitlines()
+    records = [record for record in map(json.loads, lines) if record["kind"] == "train"]
     assert resumed.start_step == 1 and [r["step"] for r in resumed.records] == [2]
     assert (resumed.records[0]["loss"], resumed.records[0]["grad_norm"]) == (
         records[1]["loss"],

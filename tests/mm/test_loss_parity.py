@@ -213,3 +213,63 @@ def test_video_first_loss_equals_transformers_sample_by_sample(family, tiny_vide
     cache = ["data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
     _check(model_dir, tiny_video_data, _reference(model_dir, tiny_video_data), tmp_path, False, cache)
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the run wrote its entry
+
+
+def test_multimodal_positions_need_mm_token_type_ids(tiny_vlm, tiny_qwen3_vl) -> None:
+    """Why every path passes ``mm_token_type_ids`` (the packed positions come from ``get_rope_index`` with them):
+    without them transformers' Qwen3-VL forward raises on an image sample, and Qwen2.5-VL's silently falls back
+    to 1-D positions and gives another loss."""
+    sample = max(read_mllm_files([str(tiny_vlm[1])])[:SAMPLES], key=lambda s: len(s.images))
+    for model_dir in (tiny_vlm[0], tiny_qwen3_vl[0]):
+        family = family_of(model_dir)
+        encoded = Processing(*load_processing(model_dir, 28 * 28, 112 * 112), family).encode(
+            sample, EncodeSettings(cutoff_len=1024)
+        )
+        assert "image_grid_thw" in encoded.vision and int(encoded.mm_token_type_ids.sum()) > 1
+        model = load_model(model_dir, family, "sdpa")
+        inputs = {"input_ids": encoded.input_ids[None], "labels": encoded.labels[None], "use_cache": False}
+        inputs.update(encoded.vision)
+        with torch.no_grad():
+            with_types = float(model(**inputs, mm_token_type_ids=encoded.mm_token_type_ids[None]).loss)
+            if family.architecture == "Qwen3VLForConditionalGeneration":
+                with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
+                    model(**inputs)
+            else:  # Qwen2.5-VL: 1-D positions, no error
+                assert abs(float(model(**inputs).loss) - with_types) > 1e-4
+
+
+def _valid_rank(config):
+    return train(config).evals
+
+
+def test_validation_loss_equals_transformers_under_each_reduction(tiny_vlm, reference, tmp_path) -> None:
+    """At lr 0 the validation loss after step 1 is the untrained model's: transformers' per-sample losses of the
+    first ``eval.iters`` x 4 samples (microbatches of 2) combined as each reduction defines."""
+    model_dir, data = tiny_vlm
+    _, _, _, losses, counts, _ = reference
+    means = [sum(x * c for x, c in zip(losses[i : i + 2], counts[i : i + 2])) / sum(counts[i : i + 2]) for i in (0, 2)]
+    expected = {
+        "default": sum(means) / 2,
+        "per_token": sum(x * c for x, c in zip(losses, counts)) / sum(counts),
+        "per_sample": sum(losses) / SAMPLES,
+    }
+    for loss_type, loss in expected.items():
+        overrides = [
+            f"model.path={model_dir}",
+            f"data.files=[{data}]",
+            f"data.valid_files=[{data}]",  # 8 samples; eval.iters=1: the first global batch of 4
+            "eval.iters=1",
+            "train.steps=1",
+            "train.lr=0",
+            "train.micro_batch_size=2",
+            "train.gradient_accumulation_steps=2",
+            f"train.loss_type={loss_type}",
+            "train.precision=fp32",
+            "logging.progress=false",
+            "data.image_min_pixels=784",
+            "data.image_max_pixels=12544",
+        ]
+        (record,) = launch(_valid_rank, (load_mm_config(None, overrides),))
+        assert record["step"] == 1 and record["tokens"] == sum(counts), loss_type
+        assert record["loss"] == pytest.approx(loss, rel=1e-6), loss_type
+    assert len({round(v, 6) for v in expected.values()}) == 3, expected  # the reductions differ here

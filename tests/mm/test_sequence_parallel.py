@@ -11,7 +11,9 @@ so their losses, gradient norms and gradients must agree:
   microbatch), 2 steps, and Qwen3-VL on them, 1 step: the video frames are shared out over the
   group, one video cut between the ranks;
 - the gradients of one step (embeddings, a vision block, an attention projection, the head)
-  gathered from the FSDP2 shards, for the image and the video runs.
+  gathered from the FSDP2 shards, for the image and the video runs;
+- the validation loss at the end (5 held-out samples, microbatches of 3 and 2: both on the SP
+  group, one per rank in DP2) under each of the three reductions.
 
 The Ulysses all-to-all must have run in every language-model attention call of the SP runs, and
 the vision encoders' work must have been shared (microbatches with two images: one per rank;
@@ -106,9 +108,11 @@ def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]], grads:
     try:
         for sp, dp in runs:
             before = calls["ulysses"]
-            out["sp"].append(train(load_mm_config(None, sp)).records)
+            result = train(load_mm_config(None, sp))
+            out["sp"].append((result.records, result.evals))
             out["calls"].append(calls["ulysses"] - before)
-            out["dp"].append(train(load_mm_config(None, dp)).records)
+            result = train(load_mm_config(None, dp))
+            out["dp"].append((result.records, result.evals))
             assert calls["ulysses"] == before + out["calls"][-1]  # DP2 never calls it
         for index in grads:
             sp, dp = runs[index]
@@ -119,28 +123,32 @@ def _both(rank: int, world: int, runs: list[tuple[list[str], list[str]]], grads:
     return out
 
 
-def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl, tiny_video_data) -> None:
+def test_sp2_equals_dp2(tiny_vlm, tiny_internvl, tiny_qwen3_vl, tiny_video_data, tiny_valid) -> None:
     video = (tiny_vlm[0], tiny_video_data)
+    valid = [f"data.valid_files=[{tiny_valid}]"]  # scored at the end
     cases = [
-        (tiny_vlm, 3, "default", []),
-        (tiny_internvl, 2, "per_token", []),
-        (tiny_qwen3_vl, 2, "per_sample", []),
+        (tiny_vlm, 3, "default", valid),
+        (tiny_internvl, 2, "per_token", valid),
+        (tiny_qwen3_vl, 2, "per_sample", valid),
         (video, 2, "default", VIDEO),
         ((tiny_qwen3_vl[0], tiny_video_data), 1, "default", VIDEO),  # DeepStack features of shared frames
     ]
     runs = [(_overrides(*t, 2, steps, loss, x), _overrides(*t, 1, steps, loss, x)) for t, steps, loss, x in cases]
     out = run_distributed(_both, 2, runs, (0, 3), timeout=300)
-    for rank_out, (_, steps, _, _) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
-        assert rank_out == 2 * 2 * steps
+    for rank_out, (_, steps, _, extra) in zip(out[0]["calls"], cases):  # 2 layers x 2 microbatches a step
+        assert rank_out == 2 * 2 * steps + (2 * 2 if extra == valid else 0)  # + 2 validation microbatches
     for key in ("shared", "frames", "cut"):  # the same microbatches on both ranks
         assert out[0][key] > 0 and out[0][key] == out[1][key], key
     result = out[0]
-    for (_, steps, loss, _), sp, dp in zip(cases, result["sp"], result["dp"], strict=True):
+    for (_, steps, loss, extra), (sp, sp_evals), (dp, dp_evals) in zip(cases, result["sp"], result["dp"], strict=True):
         assert [r["step"] for r in sp] == [r["step"] for r in dp] == list(range(1, steps + 1))
         for one, two in zip(dp, sp, strict=True):
             assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), (loss, one["step"])
             assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), (loss, one["step"])
             assert two["tokens"] == one["tokens"]
+        assert [r["step"] for r in sp_evals] == [r["step"] for r in dp_evals] == ([steps] if extra == valid else [])
+        for one, two in zip(dp_evals, sp_evals):
+            assert two["loss"] == pytest.approx(one["loss"], rel=1e-5) and two["tokens"] == one["tokens"], loss
     for sp_grads, dp_grads in result["grads"]:
         assert len(sp_grads) == len(GRADS) and set(sp_grads) == set(dp_grads)
         for name, grad in sp_grads.items():

@@ -24,7 +24,7 @@ from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
-SECTIONS = ("model", "parallel", "train", "data", "diffusion", "checkpoint", "logging", "features", "lora")
+SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoint", "logging", "features", "lora")
 
 #: Parts of a vision-language model that ``model.freeze`` names (MindSpeed-MM's ``freeze`` switches).
 PARTS = ("vision_tower", "projector", "language_model")
@@ -176,6 +176,8 @@ class DataConfig:
 
     Attributes:
         files: JSON (a list of samples) or JSONL (one sample a line) files.
+        valid_files: held-out files in the same format, scored for the validation loss (``eval``
+            section; vision-language models only). ``max_samples`` and ``shuffle`` do not apply to them.
         image_dir: folder relative image (and video) paths are read from (default: the data file's folder;
             MindSpeed-MM's ``data_folder``).
         cutoff_len: samples longer than this many tokens are cut (their images must fit before it).
@@ -219,6 +221,7 @@ class DataConfig:
     """
 
     files: list[str] = field(default_factory=list)
+    valid_files: list[str] = field(default_factory=list)
     image_dir: str | None = None
     cutoff_len: int = 2048
     image_max_pixels: int = 262144
@@ -244,6 +247,27 @@ class DataConfig:
     shard_size: int = 64
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class EvalConfig:
+    """The validation loss on ``data.valid_files`` (the LLM suite's ``eval`` keys; megatron's
+    ``--eval-interval`` / ``--eval-iters``).
+
+    The held-out samples, in file order, are scored under ``train.loss_type`` as one batch (packed
+    ``train.micro_batch_size`` to a microbatch, spread over the data-parallel ranks), without
+    gradients and with dropout off, and written as ``{"kind": "eval", "loss": ...}`` records.
+
+    Attributes:
+        interval: evaluate every this many steps (default: only at the end).
+        iters: score the first ``iters`` global batches of samples (``train.micro_batch_size x
+            train.gradient_accumulation_steps x`` data-parallel ranks each); default: every sample.
+        at_end: evaluate after the last step too.
+    """
+
+    interval: int | None = None
+    iters: int | None = None
+    at_end: bool = True
 
 
 @dataclass
@@ -400,7 +424,7 @@ class MMConfig:
 
     Attributes:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
-        data: :class:`DataConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
+        data: :class:`DataConfig`. eval: :class:`EvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
         checkpoint: :class:`CheckpointConfig`. logging: :class:`LoggingConfig`.
         features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
     """
@@ -409,6 +433,7 @@ class MMConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -456,6 +481,8 @@ class MMConfig:
             ("checkpoint.interval", self.checkpoint.interval),
             ("checkpoint.keep_last", self.checkpoint.keep_last),
             ("data.max_samples", d.max_samples),
+            ("eval.interval", self.eval.interval),
+            ("eval.iters", self.eval.iters),
         ):
             if value is not None and value < 1:
                 raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
@@ -503,9 +530,14 @@ class MMConfig:
                 "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> / <video> "
                 "placeholders plus images / videos)"
             )
-        for name in d.files:
-            if not Path(name).is_file():
-                raise ConfigError(f"data.files: {name!r} does not exist")
+        for key, names in (("data.files", d.files), ("data.valid_files", d.valid_files)):
+            for name in names:
+                if not Path(name).is_file():
+                    raise ConfigError(f"{key}: {name!r} does not exist")
+        if self.eval.interval is not None and not d.valid_files:
+            raise ConfigError(
+                f"eval.interval={self.eval.interval} needs held-out data: set data.valid_files (mllm_format files)"
+            )
         if d.image_min_pixels > d.image_max_pixels:
             raise ConfigError(
                 f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
@@ -546,6 +578,11 @@ class MMConfig:
 
     def _check_dit(self) -> None:
         d = self.data
+        if d.valid_files or self.eval.interval is not None:
+            raise ConfigError(
+                f"data.valid_files / eval.interval: {self.model.path} is a diffusion transformer, which has no "
+                "validation loss yet (vision-language models do); remove those keys"
+            )
         if d.features is None and not d.files:
             raise ConfigError(
                 f"data.features is unset and data.files is empty: {self.model.path} is a diffusion "

@@ -100,18 +100,23 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
 
 
 def resolve_demo(config: MMConfig) -> MMConfig:
-    """``model.path: demo`` and ``data.files: [demo | demo-heldout]`` replaced by the demo's paths (built on first use)."""
+    """``model.path: demo`` and ``data.files`` / ``data.valid_files: [demo | demo-heldout]`` replaced by the demo's
+    paths (built on first use)."""
     from mindspeed_mm.diffusion.demos import resolve_dit_demo
 
     config = resolve_dit_demo(config)  # demo-t2v / demo-t2i: the diffusion demos
-    if config.model.path != DEMO and not any(f in (DEMO, HELDOUT) for f in config.data.files):
+    if config.model.path != DEMO and not any(f in (DEMO, HELDOUT) for f in config.data.files + config.data.valid_files):
         return config
     paths = demo_paths()
     names = {DEMO: str(paths["train"]), HELDOUT: str(paths["heldout"])}
     model = dataclasses.replace(
         config.model, path=str(paths["model"]) if config.model.path == DEMO else config.model.path
     )
-    data = dataclasses.replace(config.data, files=[names.get(f, f) for f in config.data.files])
+    data = dataclasses.replace(
+        config.data,
+        files=[names.get(f, f) for f in config.data.files],
+        valid_files=[names.get(f, f) for f in config.data.valid_files],
+    )
     return dataclasses.replace(config, model=model, data=data)
 
 

@@ -28,6 +28,7 @@ from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the
 from mindspeed_mm.trainer.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, step_dir
 from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, export_weights, lr_at, set_lr
 from mindspeed_mm.trainer.task import TASKS, TrainTask
+from mindspeed_mm.trainer.validation import evaluation_due, validation_loss
 
 logger = get_logger(__name__)
 
@@ -38,6 +39,7 @@ class TrainResult:
 
     Attributes:
         records: the step records written to metrics.jsonl (``loss``, ``grad_norm``, ``lr``, ...).
+        evals: the validation records (``kind: eval``, ``step``, ``loss``, ``tokens``; ``data.valid_files``).
         start_step: the step the run resumed after (0: a fresh run).
         checkpoint: the last checkpoint written (None: none).
         save_hf: the Hugging Face export (None: none).
@@ -48,6 +50,7 @@ class TrainResult:
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     start_step: int = 0
     checkpoint: str | None = None
     save_hf: str | None = None
@@ -127,6 +130,11 @@ def _run_steps(
             bar.update(status=status)
             if step % config.logging.interval == 0:
                 logger.info("step %d/%d: %s %.0f tok/s", step, t.steps, status, record["tokens_per_s"] or 0.0)
+            if evaluation_due(config, step):  # before the save: a resumed run keeps this record
+                evaluated = validation_loss(task, step)
+                metrics.write(evaluated)
+                result.evals.append(evaluated)
+                logger.info("step %d/%d: validation loss %.4f", step, t.steps, evaluated["loss"])
             fault_point("train.step_end", step)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
                 result.checkpoint = str(

@@ -45,5 +45,19 @@ class TrainTask(Protocol):
         """Write the exports the recipe asks for at the end (a collective); rank 0 returns ``{kind: path}``."""
 
 
+class ValidatedTask(TrainTask, Protocol):
+    """A task that scores ``data.valid_files`` for the validation loss (:mod:`mindspeed_mm.trainer.validation`)."""
+
+    def valid_microbatches(self, rank: int) -> list[Any]:
+        """This rank's validation microbatches; every rank gets as many (the forwards are collectives)."""
+
+    def valid_counts(self, microbatches: list[Any]) -> torch.Tensor:
+        """This rank's float64 counts over its validation microbatches (summed over ranks before the losses)."""
+
+    def valid_loss(self, microbatch: Any, totals: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the validation loss (run without gradients): the loss is the sum of the
+        shares over microbatches and ranks."""
+
+
 #: task name -> ``(config, world_size) -> TrainTask``.
 TASKS: Registry[Callable[[Any, int], TrainTask]] = Registry("training task")

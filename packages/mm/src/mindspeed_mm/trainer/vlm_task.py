@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,23 @@ def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
     return family, model
 
 
+@dataclass
+class HeldOutBatch:
+    """One validation microbatch of a rank; ``counted=False``: a stand-in that only keeps the ranks' collectives
+    in step (a rank left without a microbatch in the last round forwards the first one again)."""
+
+    batch: PackedBatch
+    counted: bool
+
+
 class VLMTask:
-    """Vision-language fine-tuning (:class:`~mindspeed_mm.trainer.task.TrainTask`).
+    """Vision-language fine-tuning (:class:`~mindspeed_mm.trainer.task.TrainTask`, with a validation loss:
+    :class:`~mindspeed_mm.trainer.task.ValidatedTask`).
 
     Samples are checked when the task is built and encoded on first use (``data.workers = 0``, no
     ``data.cache_dir``) or all before the first step (:mod:`mindspeed_mm.data.preprocess`: in
     parallel, cached); each microbatch packs ``train.micro_batch_size`` samples into one row. Counts: predicted tokens, samples with
-    predicted tokens, tokens.
+    predicted tokens, tokens, microbatches.
 
     With ``parallel.ulysses_parallel_size = U`` the ``U`` consecutive ranks of a group get the
     same microbatches (data-parallel rank ``rank // U``) and each computes the loss of its
@@ -110,8 +121,9 @@ class VLMTask:
             VisionBalance(self.model, self.family, group) if group is not None and self.family.vision_module else None
         )
         self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
+        self.valid_samples = read_mllm_files(d.valid_files, d.image_dir) if d.valid_files else []
         tokenizer, processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
-        videos = any(sample.videos for sample in self.samples)
+        videos = any(sample.videos for sample in self.samples + self.valid_samples)
         self.processing = Processing(
             tokenizer, processor, self.family, load_video_processor(config.model.path) if videos else None
         )
@@ -127,6 +139,7 @@ class VLMTask:
             len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world // self.sp, t.seed, d.shuffle
         )
         self._encoded: dict[int, EncodedSample] = {}
+        self._valid_encoded: dict[int, EncodedSample] = {}
         self.preprocessing: dict[str, Any] = {}
         if d.workers > 0 or d.cache_dir:
             self._preprocess(world)
@@ -178,18 +191,66 @@ class VLMTask:
         ]
 
     def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
-        """[predicted tokens, samples with predicted tokens, tokens] of this rank's shards."""
-        counts = torch.zeros(3, dtype=torch.float64)
+        """[predicted tokens, samples with predicted tokens, tokens, microbatches] of this rank's shards
+        (samples and microbatches counted on the sequence-parallel group's first rank)."""
+        counts = torch.zeros(4, dtype=torch.float64)
+        first = self.sequence.rank == 0
         for batch in microbatches:
             mask = batch.targets != IGNORE_INDEX
             per_sample = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
             start, end = self.sequence.begin(batch.sample_index)
-            samples = float((per_sample > 0).sum()) if self.sequence.rank == 0 else 0.0
-            counts += torch.tensor([float(mask[start:end].sum()), samples, float(end - start)], dtype=torch.float64)
+            samples = float((per_sample > 0).sum()) if first else 0.0
+            counts += torch.tensor(
+                [float(mask[start:end].sum()), samples, float(end - start), float(first)], dtype=torch.float64
+            )
         return counts.to(self.device)
 
     def loss(self, batch: PackedBatch, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of the microbatch (of this rank's shard of it) under ``train.loss_type``."""
+        t = self.config.train
+        return self._reduce(batch, totals, t.gradient_accumulation_steps, self.world)
+
+    def valid_microbatches(self, rank: int) -> list[HeldOutBatch]:
+        """This rank's microbatches of the validation set: ``data.valid_files`` in file order (the first
+        ``eval.iters`` global batches), packed ``train.micro_batch_size`` to a microbatch, microbatch ``j`` on
+        data-parallel rank ``j % dp``; every rank gets as many (stand-ins where the set runs out)."""
+        t, dp = self.config.train, self.world // self.sp
+        n = len(self.valid_samples)
+        if self.config.eval.iters is not None:
+            n = min(n, self.config.eval.iters * self.config.samples_per_step(self.world))
+        chunks = [range(i, min(i + t.micro_batch_size, n)) for i in range(0, n, t.micro_batch_size)]
+        rounds = -(-len(chunks) // dp)
+        held = []
+        for j in range(rank // self.sp, rounds * dp, dp):
+            counted = j < len(chunks)
+            samples = [self._valid_sample(i) for i in chunks[j if counted else 0]]
+            held.append(HeldOutBatch(pack_samples(samples, self.model, self.family), counted))
+        return held
+
+    def valid_counts(self, microbatches: list[HeldOutBatch]) -> torch.Tensor:
+        """:meth:`counts` of the counted validation microbatches."""
+        return self.counts([held.batch for held in microbatches if held.counted])
+
+    def valid_loss(self, held: HeldOutBatch, totals: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the validation loss (``totals``: :meth:`valid_counts` summed over ranks).
+
+        The validation set is reduced as one global batch under ``train.loss_type``: its microbatches
+        stand for the accumulated ones (``default``: the mean of their token means) and the ranks of a
+        sequence-parallel group add up the shares of their shards, so the sum of the shares over the
+        microbatches and all ranks is the loss, whatever the data- and sequence-parallel sizes.
+        """
+        reported = self._reduce(held.batch, totals, max(int(totals[3]), 1), self.sp)[1]
+        return reported if held.counted else torch.zeros_like(reported)
+
+    def _valid_sample(self, index: int) -> EncodedSample:
+        if index not in self._valid_encoded:
+            self._valid_encoded[index] = self.processing.encode(self.valid_samples[index], self.settings)
+        return self._valid_encoded[index]
+
+    def _reduce(
+        self, batch: PackedBatch, totals: torch.Tensor, accumulation: int, world: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~mindspeed_mm.trainer.loss.reduce_loss` of the microbatch's forward (this rank's shard)."""
         t = self.config.train
         if self.vision_sync is not None:
             self.vision_sync.begin(batch.vision)
@@ -211,8 +272,8 @@ class VLMTask:
             batch.sample_index[start:end].to(self.device)[keep],
             batch.num_samples,
             t.loss_type,
-            t.gradient_accumulation_steps,
-            self.world,
+            accumulation,
+            world,
             int(totals[0]),
             int(totals[1]),
             sp=self.sp,
