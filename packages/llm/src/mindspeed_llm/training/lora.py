@@ -123,13 +123,28 @@ class LoraLinear:
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         output, bias = super().forward(input_, *args, **kwargs)
-        return output + self.lora_delta(input_).to(output.dtype), bias
+        partial, b_weight = self.lora_partial(input_), self.lora_B["default"].weight
+        if output.dtype == b_weight.dtype and partial.shape[:-1] == output.shape[:-1]:
+            # One GEMM adds the scaled update to the base output (addmm, alpha = alpha / r): no
+            # separate scaling and sum passes over the [tokens, out] output, forward or backward.
+            flat = torch.addmm(
+                output.reshape(-1, output.shape[-1]),
+                partial.reshape(-1, partial.shape[-1]),
+                b_weight.t(),
+                alpha=self.lora_scaling,
+            )
+            return flat.view(output.shape), bias
+        return output + (F.linear(partial, b_weight) * self.lora_scaling).to(output.dtype), bias
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``dropout(x) @ A^T @ B^T * alpha / r`` for this rank's part of the output."""
+        return F.linear(self.lora_partial(x), self.lora_B["default"].weight) * self.lora_scaling
+
+    def lora_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """``dropout(x) @ A^T``, communicated as B's input needs it (this rank's tokens and rows)."""
         from megatron.core.tensor_parallel import mappings
 
-        a_weight, b_weight = self.lora_A["default"].weight, self.lora_B["default"].weight
+        a_weight = self.lora_A["default"].weight
         partial = F.linear(self._lora_dropped(x).to(a_weight.dtype), a_weight)
         group = self.tp_group
         if self.lora_row:
@@ -144,7 +159,7 @@ class LoraLinear:
             )
         else:
             partial = mappings.copy_to_tensor_model_parallel_region(partial, group)
-        return F.linear(partial, b_weight) * self.lora_scaling
+        return partial
 
     def _lora_dropped(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or not self.lora_dropout_p:
