@@ -110,6 +110,40 @@ class _Factor(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
 
 
+class _LoraUpdate(torch.autograd.Function):
+    """``output + scaling * partial @ B^T`` in one GEMM (addmm), with rank-r backward GEMMs.
+
+    No separate scaling and sum passes over the ``[tokens, out]`` output, forward or backward.
+    The backward computes B's gradient as ``(partial^T @ grad)^T`` and the partial's as
+    ``(B^T @ grad^T)^T``: a GEMM whose output has r (8, 16) columns runs 3 to 9 times slower in
+    MKL on the host than the same product written with r rows (``g @ B`` of a [512, 4096] gradient:
+    2.6 ms against 0.8 ms; ``g^T @ p``: 6.3 ms against 0.7 ms), which is how autograd writes them.
+    The gradients are handed on contiguous (copies of r columns): megatron's tensor-parallel
+    mappings all-reduce them in place, which a transposed view does not survive.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, output: torch.Tensor, partial: torch.Tensor, b_weight: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        flat_partial = partial.reshape(-1, partial.shape[-1])
+        flat = torch.addmm(output.reshape(-1, output.shape[-1]), flat_partial, b_weight.t(), alpha=scaling)
+        ctx.save_for_backward(flat_partial, b_weight)
+        ctx.scaling, ctx.partial_shape = scaling, partial.shape
+        return flat.view(output.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
+        flat_partial, b_weight = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_partial = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_partial = torch.mm(b_weight.t() * ctx.scaling, flat_grad.t()).t().contiguous().view(ctx.partial_shape)
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.mm(flat_partial.t() * ctx.scaling, flat_grad).t().contiguous()
+        return grad, grad_partial, grad_b, None
+
+
 class LoraLinear:
     """Mixin put in front of megatron's ColumnParallelLinear / RowParallelLinear by :func:`apply_lora`.
 
@@ -125,15 +159,7 @@ class LoraLinear:
         output, bias = super().forward(input_, *args, **kwargs)
         partial, b_weight = self.lora_partial(input_), self.lora_B["default"].weight
         if output.dtype == b_weight.dtype and partial.shape[:-1] == output.shape[:-1]:
-            # One GEMM adds the scaled update to the base output (addmm, alpha = alpha / r): no
-            # separate scaling and sum passes over the [tokens, out] output, forward or backward.
-            flat = torch.addmm(
-                output.reshape(-1, output.shape[-1]),
-                partial.reshape(-1, partial.shape[-1]),
-                b_weight.t(),
-                alpha=self.lora_scaling,
-            )
-            return flat.view(output.shape), bias
+            return _LoraUpdate.apply(output, partial, b_weight, self.lora_scaling), bias
         return output + (F.linear(partial, b_weight) * self.lora_scaling).to(output.dtype), bias
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
