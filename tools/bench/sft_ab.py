@@ -23,6 +23,7 @@ steps; ``--cprofile DIR`` writes a cProfile of each side. Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import statistics
@@ -96,6 +97,44 @@ def _hf_side(spec: dict[str, Any]) -> Any:
     return step
 
 
+def _before_forward(self: Any, input_: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``LoraLinear.forward`` before issue 18 item 2: ``F.dropout``, B's GEMM, then scale and add."""
+    import torch.nn.functional as F
+
+    from mindspeed_llm.training.lora import LoraLinear
+
+    output, bias = super(LoraLinear, self).forward(input_, *args, **kwargs)
+    x = input_
+    if self.training and self.lora_dropout_p:
+        if self.lora_row or self.sequence_parallel:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                x = F.dropout(x, self.lora_dropout_p, training=True)
+        else:
+            x = F.dropout(x, self.lora_dropout_p, training=True)
+    dropout_p, self.lora_dropout_p = self.lora_dropout_p, 0.0  # lora_partial without its own dropout
+    try:
+        partial = self.lora_partial(x)
+    finally:
+        self.lora_dropout_p = dropout_p
+    delta = F.linear(partial, self.lora_B["default"].weight) * self.lora_scaling
+    return output + delta.to(output.dtype), bias
+
+
+@contextlib.contextmanager
+def _lora_before() -> Any:
+    """Our LoRA layers as they were before issue 18 item 2, for the ``--before`` side."""
+    from mindspeed_llm.training.lora import LoraLinear
+
+    current = LoraLinear.forward
+    LoraLinear.forward = _before_forward
+    try:
+        yield
+    finally:
+        LoraLinear.forward = current
+
+
 def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """The replaced ``Trainer.train``: ``rounds`` x (our step, HF step) on the same microbatches."""
     import torch
@@ -107,8 +146,9 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     hf_step = _hf_side(spec)
     config, state = trainer.config, trainer.state
     gbs, num_micro = config.global_batch_size(trainer.world), config.num_microbatches(trainer.world)
-    times: dict[str, list[float]] = {"ours": [], "hf": []}
-    losses: dict[str, list[float]] = {"ours": [], "hf": []}
+    sides = ("ours", "before", "hf") if spec["before"] else ("ours", "hf")
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    losses: dict[str, list[float]] = {side: [] for side in sides}
     profiles = {side: cProfile.Profile(time.process_time) for side in times} if spec["cprofile"] else {}
     torch_prof = None
     if spec["profile"]:
@@ -123,8 +163,8 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
             torch_prof.start()
         start = time.process_time()
         # Both sides outside the device redirect (the trainer's loop runs its steps so).
-        with fast_path():
-            if side == "ours":
+        with fast_path(), _lora_before() if side == "before" else contextlib.nullcontext():
+            if side != "hf":
                 state.consumed_train_samples = k * gbs  # step k's batches: the same samples as HF's step k
                 loss = trainer._step(state, gbs, num_micro)["loss"]
             else:
@@ -140,8 +180,7 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     for r in range(spec["warmup"] + spec["rounds"]):
         k = r % steps
-        order = ("ours", "hf") if r % 2 == 0 else ("hf", "ours")
-        for side in order:
+        for side in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotate who goes first
             run(side, k, r >= spec["warmup"])
     for side, prof in profiles.items():
         prof.dump_stats(Path(spec["cprofile"]) / f"ab_{side}.prof")
@@ -203,7 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=8, help="timed (ours, HF) pairs, step k of 8 in turn (default 8: every step once)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed pairs first (default 2)")
-    parser.add_argument("--profile", choices=("ours", "hf"), default=None, help="torch.profiler table of one side")
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="a third side: our step with the LoRA layer as it was before issue 18 item 2 (F.dropout, "
+        "separate scaling and add)",
+    )
+    parser.add_argument(
+        "--profile", choices=("ours", "before", "hf"), default=None, help="torch.profiler table of one side"
+    )
     parser.add_argument("--rows", type=int, default=30, help="rows of the --profile table")
     parser.add_argument("--cprofile", default=None, help="write ab_ours.prof / ab_hf.prof to this folder")
     parser.add_argument("--dropout", type=float, default=0.05)
@@ -238,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "warmup": args.warmup,
         "profile": args.profile,
+        "before": args.before,
         "rows": args.rows,
         "cprofile": args.cprofile,
     }
@@ -249,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     out = launch(_target, (spec,), nproc_per_node=1)
     load.append(os.getloadavg()[0])
     ours, hf = (statistics.mean(out["times"][s]) for s in ("ours", "hf"))
+    if args.before:
+        before = statistics.mean(out["times"]["before"])
+        sys.stdout.write(
+            f"before: mean CPU s per step {before:.3f}, HF / before {hf / before:.3f}, before / ours "
+            f"{before / ours:.3f} (each: {', '.join(f'{t:.2f}' for t in out['times']['before'])}); first loss "
+            f"{out['losses']['before'][0]:.5f}\n"
+        )
     sys.stdout.write(
         f"size {args.size}, {args.rounds} timed rounds: mean CPU s per step ours {ours:.3f}, HF+peft (padding) "
         f"{hf:.3f}; HF / ours {hf / ours:.3f} (ours each: {', '.join(f'{t:.2f}' for t in out['times']['ours'])}; HF each: "
