@@ -50,6 +50,7 @@ def test_seeded_like_torch_generator() -> None:
 
 def test_identity_and_fallback() -> None:
     x = torch.randn(10, 10)
+    assert sparse_dropout(torch.empty(0, 4), 0.1).shape == (0, 4)
     assert sparse_dropout(x, 0.0) is x
     assert sparse_dropout(x, 0.3, training=False) is x
     torch.manual_seed(3)

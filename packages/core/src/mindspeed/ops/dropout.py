@@ -44,7 +44,9 @@ def dropped_positions(numel: int, p: float, device: torch.device | str = "cpu") 
         positions = torch.cumsum(gaps, 0).add_(start - 1)
         found.append(positions[positions < numel])
         start = int(positions[-1]) + 1
-    return torch.cat(found) if len(found) > 1 else found[0]
+    if len(found) == 1:
+        return found[0]
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=device)
 
 
 class _SparseDropout(torch.autograd.Function):
