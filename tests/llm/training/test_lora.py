@@ -419,3 +419,23 @@ def test_bad_settings_are_clear_errors() -> None:
         apply_lora(wrapper, LoraSettings())
     with pytest.raises(ValueError, match="call mindspeed_llm.training.qlora.apply_qlora"):
         apply_lora(model, LoraSettings(qlora=True))
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_lora_update_matches_the_unfused_formula(needs: tuple[bool, bool]) -> None:
+    """The fused update (one addmm, rank-r backward GEMMs) against ``output + F.linear(p, B) * s``:
+    the same output and gradients to fp32 rounding, whichever operands need a gradient."""
+    from mindspeed_llm.training.lora import _LoraUpdate
+
+    gen = torch.Generator().manual_seed(0)
+    output = torch.randn(37, 2, 96, generator=gen, requires_grad=True)
+    partial = torch.randn(37, 2, 8, generator=gen, requires_grad=needs[0])
+    b_weight = torch.randn(96, 8, generator=gen, requires_grad=needs[1])
+    grad = torch.randn(37, 2, 96, generator=gen)
+    inputs = [t for t in (output, partial, b_weight) if t.requires_grad]
+    fused = _LoraUpdate.apply(output, partial, b_weight, 2.5)
+    unfused = output + torch.nn.functional.linear(partial, b_weight) * 2.5
+    torch.testing.assert_close(fused, unfused, rtol=1e-6, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(unfused, inputs, grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)

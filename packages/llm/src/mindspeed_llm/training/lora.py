@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.log import get_logger
+from mindspeed.ops.dropout import sparse_dropout
 from mindspeed_llm.bridges.layout import split_tensor
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.checkpoint.lora import lora_param
@@ -109,6 +110,40 @@ class _Factor(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
 
 
+class _LoraUpdate(torch.autograd.Function):
+    """``output + scaling * partial @ B^T`` in one GEMM (addmm), with rank-r backward GEMMs.
+
+    No separate scaling and sum passes over the ``[tokens, out]`` output, forward or backward.
+    The backward computes B's gradient as ``(partial^T @ grad)^T`` and the partial's as
+    ``(B^T @ grad^T)^T``: a GEMM whose output has r (8, 16) columns runs 3 to 9 times slower in
+    MKL on the host than the same product written with r rows (``g @ B`` of a [512, 4096] gradient:
+    2.6 ms against 0.8 ms; ``g^T @ p``: 6.3 ms against 0.7 ms), which is how autograd writes them.
+    The gradients are handed on contiguous (copies of r columns): megatron's tensor-parallel
+    mappings all-reduce them in place, which a transposed view does not survive.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, output: torch.Tensor, partial: torch.Tensor, b_weight: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        flat_partial = partial.reshape(-1, partial.shape[-1])
+        flat = torch.addmm(output.reshape(-1, output.shape[-1]), flat_partial, b_weight.t(), alpha=scaling)
+        ctx.save_for_backward(flat_partial, b_weight)
+        ctx.scaling, ctx.partial_shape = scaling, partial.shape
+        return flat.view(output.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
+        flat_partial, b_weight = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_partial = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_partial = torch.mm(b_weight.t() * ctx.scaling, flat_grad.t()).t().contiguous().view(ctx.partial_shape)
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.mm(flat_partial.t() * ctx.scaling, flat_grad).t().contiguous()
+        return grad, grad_partial, grad_b, None
+
+
 class LoraLinear:
     """Mixin put in front of megatron's ColumnParallelLinear / RowParallelLinear by :func:`apply_lora`.
 
@@ -122,13 +157,20 @@ class LoraLinear:
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         output, bias = super().forward(input_, *args, **kwargs)
-        return output + self.lora_delta(input_).to(output.dtype), bias
+        partial, b_weight = self.lora_partial(input_), self.lora_B["default"].weight
+        if output.dtype == b_weight.dtype and partial.shape[:-1] == output.shape[:-1]:
+            return _LoraUpdate.apply(output, partial, b_weight, self.lora_scaling), bias
+        return output + (F.linear(partial, b_weight) * self.lora_scaling).to(output.dtype), bias
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``dropout(x) @ A^T @ B^T * alpha / r`` for this rank's part of the output."""
+        return F.linear(self.lora_partial(x), self.lora_B["default"].weight) * self.lora_scaling
+
+    def lora_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """``dropout(x) @ A^T``, communicated as B's input needs it (this rank's tokens and rows)."""
         from megatron.core.tensor_parallel import mappings
 
-        a_weight, b_weight = self.lora_A["default"].weight, self.lora_B["default"].weight
+        a_weight = self.lora_A["default"].weight
         partial = F.linear(self._lora_dropped(x).to(a_weight.dtype), a_weight)
         group = self.tp_group
         if self.lora_row:
@@ -143,7 +185,7 @@ class LoraLinear:
             )
         else:
             partial = mappings.copy_to_tensor_model_parallel_region(partial, group)
-        return F.linear(partial, b_weight) * self.lora_scaling
+        return partial
 
     def _lora_dropped(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or not self.lora_dropout_p:
@@ -153,9 +195,11 @@ class LoraLinear:
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             with get_cuda_rng_tracker().fork():
-                return F.dropout(x, self.lora_dropout_p, training=True)
+                return sparse_dropout(x, self.lora_dropout_p)
         # x is the same on every tensor-parallel rank, and so must its mask be (default stream).
-        return F.dropout(x, self.lora_dropout_p, training=True)
+        # On the host only the dropped positions are drawn (sparse_dropout: 6 % of a LoRA step
+        # went to torch.dropout's per-element Bernoulli draws).
+        return sparse_dropout(x, self.lora_dropout_p)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The base layer's entries plus the factors with their tensor-parallel axes."""
