@@ -183,7 +183,10 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
         # One profiler per side, started and stopped around that side's timed steps only.
         targets = sides if spec["profile"] == "both" else (spec["profile"],)
-        torch_profs = {side: profile(activities=[ProfilerActivity.CPU], acc_events=True) for side in targets}
+        torch_profs = {
+            side: profile(activities=[ProfilerActivity.CPU], acc_events=True, record_shapes=spec["shapes"])
+            for side in targets
+        }
 
     def run(side: str, k: int, timed: bool) -> None:
         torch_prof = torch_profs.get(side) if timed else None
@@ -218,6 +221,11 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     for side, torch_prof in torch_profs.items():
         table = torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=spec["rows"])
         sys.stdout.write(f"torch.profiler, {side}, {spec['rounds']} timed steps:\n{table}\n")
+        if spec["shapes"]:
+            table = torch_prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=spec["rows"], max_name_column_width=30
+            )
+            sys.stdout.write(f"by input shapes, {side}:\n{table}\n")
     parts_per_step = {side: {n: v / spec["rounds"] for n, v in p.totals.items()} for side, p in parts.items()}
     return {"times": times, "losses": losses, "threads": torch.get_num_threads(), "parts": parts_per_step}
 
@@ -250,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", choices=("ours", "hf", "both"), default=None, help="torch.profiler table of one side or of both"
     )
+    parser.add_argument("--shapes", action="store_true", help="with --profile: also the table by input shapes")
     parser.add_argument("--rows", type=int, default=30, help="rows of the --profile table")
     parser.add_argument("--cprofile", default=None, help="write ab_ours.prof / ab_hf.prof to this folder")
     parser.add_argument("--parts", action="store_true", help="CPU ms per part of a step, both sides")
@@ -274,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "cprofile": args.cprofile,
         "parts": args.parts,
+        "shapes": args.shapes,
     }
     facts = work / f"facts_{args.size}.json"  # the prepared data and weights of a --workdir, reused
     if facts.is_file():
