@@ -140,6 +140,9 @@ class TrainConfig:
             outlast the compile (seconds a block class on a CPU, measured in ``docs/mm/dit-parallelism.md``).
         deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``,
             :func:`mindspeed.device.deterministic_mode`).
+        retain_host_memory: glibc's malloc keeps freed host memory for the next step instead of giving it
+            back to the kernel and faulting it in again (:func:`mindspeed.device.retain_freed_host_memory`;
+            on the CPU ~10% of a small DiT's step, the same peak RSS; ``docs/mm/dit-parallelism.md``).
         exit_duration_mins: stop after this many minutes of training (megatron's
             ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
             the command exits 0; the same command resumes.
@@ -166,6 +169,7 @@ class TrainConfig:
     swap_modules: list[str] = field(default_factory=list)
     compile: bool | Literal["default", "max-autotune"] = False
     deterministic: bool = False
+    retain_host_memory: bool = True
     exit_duration_mins: float | None = None
 
 

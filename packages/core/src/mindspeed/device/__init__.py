@@ -17,6 +17,7 @@ from mindspeed.device.accelerator import (
     set_accelerator,
 )
 from mindspeed.device.determinism import deterministic_env, deterministic_mode
+from mindspeed.device.host_memory import retain_freed_host_memory
 
 __all__ = [
     "ACCELERATOR_ENV",
@@ -27,5 +28,6 @@ __all__ = [
     "deterministic_mode",
     "get_accelerator",
     "register_accelerator",
+    "retain_freed_host_memory",
     "set_accelerator",
 ]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume_hint
-from mindspeed.device import deterministic_mode, get_accelerator
+from mindspeed.device import deterministic_mode, get_accelerator, retain_freed_host_memory
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
@@ -68,6 +68,7 @@ def train(config: MMConfig, task_name: str | None = None) -> TrainResult:
     # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
     with (
         deterministic_mode(config.train.deterministic, config.train.seed),
+        retain_freed_host_memory(config.train.retain_host_memory),
         Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption,
     ):
         return _train(config, task_name, preemption)
