@@ -190,6 +190,35 @@ class StepClock:
         }
 
 
+def recipe_overrides(spec: dict[str, Any]) -> list[str]:
+    """The ``key=value`` overrides of our SFT side's recipe (also :mod:`sft_ab`'s): the same model, data and LoRA."""
+    t = spec["train"]
+    return [
+        "stage=sft",
+        f"checkpoint.load_hf={spec['model_dir']}",
+        f"data.prefixes=[{spec['prefix']}]",
+        "data.split=100,0,0",
+        f"data.seq_length={spec['seq_length']}",
+        f"train.steps={spec['steps']}",
+        f"train.micro_batch_size={spec['micro_batch']}",
+        f"train.global_batch_size={spec['micro_batch'] * spec['grad_accum']}",
+        f"train.seed={spec['seed']}",
+        *[f"train.{k}={v}" for k, v in t.items()],
+        f"lora.target_modules={OUR_TARGETS}",
+        f"lora.r={spec['r']}",
+        f"lora.alpha={spec['alpha']}",
+        f"lora.dropout={spec['dropout']}",
+        f"lora.qlora={str(spec.get('qlora', False)).lower()}",
+        "eval.interval=null",
+        "eval.at_end=false",
+        "checkpoint.save=null",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+        "logging.dir=null",
+    ]
+
+
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     """One ``sft`` run of our trainer (LoRA, or QLoRA with ``spec["qlora"]``)."""
     import torch
@@ -225,35 +254,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     trainer_module.apply_lora = counting(trainer_module.apply_lora)
     trainer_module.apply_qlora = counting(trainer_module.apply_qlora)
-    t = spec["train"]
-    config = load_pretrain_config(
-        None,
-        [
-            "stage=sft",
-            f"checkpoint.load_hf={spec['model_dir']}",
-            f"data.prefixes=[{spec['prefix']}]",
-            "data.split=100,0,0",
-            f"data.seq_length={spec['seq_length']}",
-            f"train.steps={spec['steps']}",
-            f"train.micro_batch_size={spec['micro_batch']}",
-            f"train.global_batch_size={spec['micro_batch'] * spec['grad_accum']}",
-            f"train.seed={spec['seed']}",
-            *[f"train.{k}={v}" for k, v in t.items()],
-            f"lora.target_modules={OUR_TARGETS}",
-            f"lora.r={spec['r']}",
-            f"lora.alpha={spec['alpha']}",
-            f"lora.dropout={spec['dropout']}",
-            f"lora.qlora={str(spec['qlora']).lower()}",
-            "eval.interval=null",
-            "eval.at_end=false",
-            "checkpoint.save=null",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "logging.loss_curve=false",
-            f"logging.interval={spec['steps']}",
-            "logging.dir=null",
-        ],
-    )
+    config = load_pretrain_config(None, [*recipe_overrides(spec), f"logging.interval={spec['steps']}"])
     result = launch(pretrain, (config, TrainerHooks(loss_transform=stamp)), nproc_per_node=1)
     records = [r for r in result.records if r["kind"] == "train"]
     return {

@@ -204,33 +204,7 @@ def _target(spec: dict[str, Any]) -> dict[str, Any]:
         return trainer_module.TrainResult(num_parameters=self.num_parameters)
 
     trainer_module.Trainer.train = train
-    t = spec["train"]
-    config = load_pretrain_config(
-        None,
-        [
-            "stage=sft",
-            f"checkpoint.load_hf={spec['model_dir']}",
-            f"data.prefixes=[{spec['prefix']}]",
-            "data.split=100,0,0",
-            f"data.seq_length={spec['seq_length']}",
-            f"train.steps={spec['steps']}",
-            f"train.micro_batch_size={spec['micro_batch']}",
-            f"train.global_batch_size={spec['micro_batch'] * spec['grad_accum']}",
-            f"train.seed={spec['seed']}",
-            *[f"train.{k}={v}" for k, v in t.items()],
-            f"lora.target_modules={sft.OUR_TARGETS}",
-            f"lora.r={spec['r']}",
-            f"lora.alpha={spec['alpha']}",
-            f"lora.dropout={spec['dropout']}",
-            "eval.interval=null",
-            "eval.at_end=false",
-            "checkpoint.save=null",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "logging.loss_curve=false",
-            "logging.dir=null",
-        ],
-    )
+    config = load_pretrain_config(None, sft.recipe_overrides(spec))
     trainer_module.pretrain(config)
     return out
 
