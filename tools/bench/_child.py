@@ -211,6 +211,25 @@ def one_megatron_rank(features: Any = None) -> Iterator[Any]:
         unadapt()
 
 
+def steps_in_trainer(config: Any, steps: Callable[[Any], dict[str, Any]], threads: int) -> dict[str, Any]:
+    """Build the LLM trainer for ``config`` (its model, optimizer and data as ``pretrain`` builds them) and run
+    ``steps(trainer)`` in place of its training loop; returns what ``steps`` returned (the in-process A/B drivers)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import mindspeed_llm.training.trainer as trainer_module
+
+    out: dict[str, Any] = {}
+
+    def train(self: Any) -> Any:
+        out.update(steps(self))
+        return trainer_module.TrainResult(num_parameters=self.num_parameters)
+
+    trainer_module.Trainer.train = train
+    trainer_module.pretrain(config)
+    return out
+
+
 def main_with_load_record(main: Callable[[], int]) -> int:
     """Run a benchmark's ``main()`` and print (on stderr, so that output parsed by a parent stays
     as it is) the load average before and after it, with the verdict: quiet, or busy and not for

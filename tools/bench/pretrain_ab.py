@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pretrain  # tools/bench/pretrain.py: the script's folder is on sys.path
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
+import pretrain
 
 
 def _hf_side(spec: dict[str, Any], config: Any) -> Any:
@@ -231,20 +232,8 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    import mindspeed_llm.training.trainer as trainer_module
-
-    out: dict[str, Any] = {}
-
-    def train(self: Any) -> Any:
-        out.update(_alternate(self, spec))
-        return trainer_module.TrainResult(num_parameters=self.num_parameters)
-
-    trainer_module.Trainer.train = train
-    trainer_module.pretrain(pretrain.load_config(spec, spec["steps"], spec["level"]))
-    return out
+    config = pretrain.load_config(spec, spec["steps"], spec["level"])
+    return _child.steps_in_trainer(config, lambda trainer: _alternate(trainer, spec), spec["threads"])
 
 
 def main(argv: list[str] | None = None) -> int:

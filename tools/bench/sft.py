@@ -190,6 +190,22 @@ class StepClock:
         }
 
 
+def pad_samples(samples: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """HF's padded batch of ``(ids, labels)`` samples: right-padded ids, -100 labels and a 0 mask past each sample."""
+    import torch
+
+    longest = max(len(ids) for ids, _ in samples)
+    out = {
+        "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+        "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
+    }
+    for row, (ids, labels) in enumerate(samples):
+        out["input_ids"][row, : len(ids)], out["labels"][row, : len(ids)] = ids, labels
+        out["attention_mask"][row, : len(ids)] = 1
+    return out
+
+
 def recipe_overrides(spec: dict[str, Any]) -> list[str]:
     """The ``key=value`` overrides of our SFT side's recipe (also :mod:`sft_ab`'s): the same model, data and LoRA."""
     t = spec["train"]
@@ -283,23 +299,11 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     microbatches = torch.load(work / "microbatches.pt")
     flatten = DataCollatorWithFlattening(return_tensors="pt")
 
-    def pad(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(len(ids) for ids, _ in samples)
-        out = {
-            "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-            "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
-            "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
-        }
-        for row, (ids, labels) in enumerate(samples):
-            out["input_ids"][row, : len(ids)], out["labels"][row, : len(ids)] = ids, labels
-            out["attention_mask"][row, : len(ids)] = 1
-        return out
-
     def collate(items: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         (samples,) = items  # one item = one of our microbatches
         if spec["collator"] == "flat":
             return flatten([{"input_ids": ids, "labels": labels} for ids, labels in samples])
-        return pad(samples)
+        return pad_samples(samples)
 
     class Microbatches(torch.utils.data.IterableDataset):
         # In order (Trainer shuffles map-style datasets): the order our trainer reads them in.

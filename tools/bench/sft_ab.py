@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import sft  # tools/bench/sft.py: the script's folder is on sys.path
+import _child  # tools/bench/_child.py: the script's folder is on sys.path
+import sft
 
 
 def _hf_side(spec: dict[str, Any]) -> Any:
@@ -68,20 +69,8 @@ def _hf_side(spec: dict[str, Any]) -> Any:
         scheduler_specific_kwargs={"min_lr": t["min_lr"]},
     )
 
-    def pad(samples: list[tuple[Any, Any]]) -> dict[str, Any]:
-        longest = max(len(ids) for ids, _ in samples)
-        out = {
-            "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-            "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
-            "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
-        }
-        for row, (ids, labels) in enumerate(samples):
-            out["input_ids"][row, : len(ids)], out["labels"][row, : len(ids)] = ids, labels
-            out["attention_mask"][row, : len(ids)] = 1
-        return out
-
     def step(microbatches: list[list[tuple[Any, Any]]]) -> float:
-        batches = [pad(mb) for mb in microbatches]
+        batches = [sft.pad_samples(mb) for mb in microbatches]
         items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         total = 0.0
         for batch in batches:
@@ -191,22 +180,10 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    import mindspeed_llm.training.trainer as trainer_module
     from mindspeed_llm.training.config import load_pretrain_config
 
-    out: dict[str, Any] = {}
-
-    def train(self: Any) -> Any:
-        out.update(_alternate(self, spec))
-        return trainer_module.TrainResult(num_parameters=self.num_parameters)
-
-    trainer_module.Trainer.train = train
     config = load_pretrain_config(None, sft.recipe_overrides(spec))
-    trainer_module.pretrain(config)
-    return out
+    return _child.steps_in_trainer(config, lambda trainer: _alternate(trainer, spec), spec["threads"])
 
 
 def main(argv: list[str] | None = None) -> int:
