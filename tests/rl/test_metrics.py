@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,12 @@ def test_progress_line_plain_lines_off_a_terminal(caplog) -> None:
     assert logged == [lines[1], lines[3]]
 
 
+def last_drawn_line(stream: io.StringIO) -> str:
+    """The bar's final state as a terminal shows it (colours and cursor moves removed)."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()][-1]
+
+
 def test_progress_line_bar_on_a_terminal() -> None:
     stream = FakeTerminal()
     progress = ProgressLine(3, bar=True, stream=stream)
@@ -158,5 +166,19 @@ def test_progress_line_bar_on_a_terminal() -> None:
         progress.update(make_record(step))
     progress.close()
     progress.close()  # twice is harmless
-    shown = stream.getvalue()
-    assert "3/3" in shown and "step 3/3 | reward 0.300" in shown
+    shown = last_drawn_line(stream)
+    assert shown.startswith("grpo ") and "3/3" in shown and "ETA" in shown and "reward 0.300+-0.150 | len" in shown
+    assert "step 3/3" not in shown  # the bar's own count says it
+
+
+@pytest.mark.parametrize("columns", [80, 60])
+def test_progress_line_keeps_steps_and_eta_on_a_narrow_terminal(monkeypatch, columns: int) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    stream = FakeTerminal()
+    with ProgressLine(300, bar=True, stream=stream, start=40) as progress:
+        for step in (41, 42):
+            progress.update(make_record(step))
+            time.sleep(0.01)
+    shown = last_drawn_line(stream)
+    assert len(shown) <= columns and " 42/300 " in shown and re.search(r"ETA \d+:\d\d:\d\d", shown), shown
+    assert ("reward 4.200+-2.100" in shown) == (columns == 80), shown  # the reward goes first, then the bar

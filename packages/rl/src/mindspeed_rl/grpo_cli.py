@@ -64,7 +64,11 @@ def run_grpo(args: argparse.Namespace) -> int:
             resume_step=runner.ctx.step,
         )
     progress = ProgressLine(
-        config.train.steps, bar=config.logging.progress, interval=config.logging.interval, stage="grpo"
+        config.train.steps,
+        bar=config.logging.progress,
+        interval=config.logging.interval,
+        stage="grpo",
+        start=runner.ctx.step,
     )
 
     def on_step(record: dict[str, float]) -> None:

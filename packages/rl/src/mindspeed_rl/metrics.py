@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from rich.console import Console
+
 from mindspeed.log import get_logger
+from mindspeed.progress import StatusProgress
 from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
 
 logger = get_logger(__name__)
@@ -38,6 +41,7 @@ __all__ = [
     "ProgressLine",
     "RLMetricsLog",
     "format_step",
+    "step_fields",
     "per_device",
     "read_metrics",
     "write_reward_curve",
@@ -82,21 +86,8 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
 
 
-def format_step(record: Mapping[str, Any], total_steps: int) -> str:
-    """A one-line summary of a step for the console.
-
-    ``step 3/100 | reward 0.512+-0.301 | len 87.3 | loss 0.0123 | kl 0.0012 | ent 1.23 | clip 0.031 |
-    stale 0.5 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
-    ``kl`` is ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
-    ``staleness_mean``, ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
-
-    Args:
-        record: one step's metrics (with ``step``).
-        total_steps: steps the run will make (0: unknown, the total is left out).
-
-    Returns:
-        The line, without a newline.
-    """
+def step_fields(record: Mapping[str, Any], total_steps: int) -> list[str]:
+    """The fields of :func:`format_step`'s line, in its order (``step 3/100`` first)."""
     step = record.get("step")
     head = f"step {int(step)}" if _number(step) is not None else "step ?"
     parts = [f"{head}/{total_steps}" if total_steps > 0 else head]
@@ -120,16 +111,35 @@ def format_step(record: Mapping[str, Any], total_steps: int) -> str:
     seconds = _number(record.get("time/step"))
     if seconds is not None:
         parts.append(f"{seconds:.2f} s")
-    return " | ".join(parts)
+    return parts
+
+
+def format_step(record: Mapping[str, Any], total_steps: int) -> str:
+    """A one-line summary of a step for the console.
+
+    ``step 3/100 | reward 0.512+-0.301 | len 87.3 | loss 0.0123 | kl 0.0012 | ent 1.23 | clip 0.031 |
+    stale 0.5 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
+    ``kl`` is ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
+    ``staleness_mean``, ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
+
+    Args:
+        record: one step's metrics (with ``step``).
+        total_steps: steps the run will make (0: unknown, the total is left out).
+
+    Returns:
+        The line, without a newline.
+    """
+    return " | ".join(step_fields(record, total_steps))
 
 
 class ProgressLine:
     """The console side of a run: a rich progress bar on a terminal, plain log lines otherwise.
 
-    On a terminal the bar shows ``steps done / total`` with the last :func:`format_step` line as
-    its description. When the stream is not a terminal (CI logs, files, ``nohup``) or ``bar`` is
-    off, each step is one ``INFO`` log line instead: a bar's carriage returns would only garble
-    a log file.
+    On a terminal the bar (:class:`mindspeed.progress.StatusProgress`) shows the stage, ``steps
+    done / total``, the time taken and left, then the fields of :func:`format_step` after the
+    step, as many as the terminal's width holds (the reward first). When the stream is not a
+    terminal (CI logs, files, ``nohup``) or ``bar`` is off, each step is one ``INFO`` log line
+    instead: a bar's carriage returns would only garble a log file.
 
     Args:
         total_steps: steps the run will make.
@@ -137,6 +147,7 @@ class ProgressLine:
         stream: where the bar draws (default ``sys.stderr``).
         interval: log every ``interval``-th step in plain-line mode (the bar updates every step).
         stage: the name the bar starts with (``grpo``, ``dapo``, ...).
+        start: the step the run resumes after (the time left is estimated from the steps after it).
     """
 
     def __init__(
@@ -147,35 +158,23 @@ class ProgressLine:
         stream: TextIO | None = None,
         interval: int = 1,
         stage: str = "grpo",
+        start: int = 0,
     ) -> None:
         self.total_steps = total_steps
         self.interval = max(int(interval), 1)
-        self._progress: Any = None
-        self._task: Any = None
+        self._bar: StatusProgress | None = None
         stream = stream if stream is not None else sys.stderr
         if bar and _is_terminal(stream):
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             console = Console(file=stream, force_terminal=True)
-            # The stage's name, the steps and the time left, then the step's line.
-            self._progress = Progress(
-                TextColumn(stage),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                TextColumn("{task.description}"),
-                console=console,
-                transient=False,
+            self._bar = StatusProgress(
+                stage, total=total_steps or None, disable=False, completed=start, console=console, separator=" | "
             )
-            self._task = self._progress.add_task("", total=total_steps or None)
-            self._progress.start()
+            self._bar.__enter__()
 
     @property
     def uses_bar(self) -> bool:
         """Whether a progress bar is drawn (else plain log lines)."""
-        return self._progress is not None
+        return self._bar is not None
 
     def update(self, record: Mapping[str, Any]) -> str:
         """Show one step's record.
@@ -183,21 +182,20 @@ class ProgressLine:
         Returns:
             The :func:`format_step` line.
         """
-        line = format_step(record, self.total_steps)
-        if self._progress is not None:
-            step = _number(record.get("step"))
-            self._progress.update(self._task, completed=int(step) if step is not None else None, description=line)
-        else:
-            step = _number(record.get("step"))
-            if step is None or int(step) % self.interval == 0 or int(step) == self.total_steps:
-                logger.info("%s", line)
+        fields = step_fields(record, self.total_steps)
+        line = " | ".join(fields)
+        step = _number(record.get("step"))
+        if self._bar is not None:
+            self._bar.update(status=fields[1:], completed=int(step) if step is not None else None, advance=0)
+        elif step is None or int(step) % self.interval == 0 or int(step) == self.total_steps:
+            logger.info("%s", line)
         return line
 
     def close(self) -> None:
         """Stop the bar (leaving its last state on screen)."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
 
     def __enter__(self) -> ProgressLine:
         return self

@@ -87,16 +87,22 @@ class RunReporter:
         tokens_per_s = record.get("step_tokens", self.tokens_per_step) / seconds if seconds > 0 else None
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = mfu(tokens_per_s * self.flops_per_token, self.peak, self.world_size) if tokens_per_s else None
-        status = (
-            f"loss {_fmt(record['loss'], '.4f')} lr {_fmt(record['lr'], '.3g')} "
-            f"gnorm {_fmt(record['grad_norm'], '.3f')} {_fmt(tokens_per_s, ',.0f')} tok/s "
-            f"MFU {_fmt(None if record['mfu'] is None else 100 * record['mfu'], '.2f')}%"
-        )
-        if "rewards/accuracies" in record:  # DPO
-            status += (
-                f" acc {_fmt(record['rewards/accuracies'], '.2f')} margin {_fmt(record['rewards/margins'], '.3f')}"
-            )
-        self.bar.update(status=status)
+        fields = [
+            f"loss {_fmt(record['loss'], '.4f')}",
+            f"lr {_fmt(record['lr'], '.3g')}",
+            f"gnorm {_fmt(record['grad_norm'], '.3f')}",
+            f"{_fmt(tokens_per_s, ',.0f')} tok/s",
+            f"MFU {_fmt(None if record['mfu'] is None else 100 * record['mfu'], '.2f')}%",
+        ]
+        dpo = []
+        if "rewards/accuracies" in record:
+            dpo = [
+                f"acc {_fmt(record['rewards/accuracies'], '.2f')}",
+                f"margin {_fmt(record['rewards/margins'], '.3f')}",
+            ]
+        status = " ".join(fields + dpo)
+        # The bar's fields, most important first: a narrow terminal keeps the first ones.
+        self.bar.update(status=fields[:1] + dpo + fields[1:])
         if record["step"] % self.config.logging.interval == 0 or record["skipped"]:
             logger.info(
                 "step %d/%d: %s%s",

@@ -89,7 +89,9 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
         )
     log_dir = config.log_dir()
     metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
-    bar = StatusProgress("train", total=t.steps, disable=not (rank == 0 and config.logging.progress))
+    bar = StatusProgress(
+        "train", total=t.steps, completed=result.start_step, disable=not (rank == 0 and config.logging.progress)
+    )
     try:
         _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result, preemption)
     finally:
@@ -117,8 +119,6 @@ def _run_steps(
     t, ck = config.train, config.checkpoint
     saved = result.start_step or None  # the step of the newest checkpoint in ck.save (the resumed one)
     with bar:
-        if result.start_step:
-            bar.update(advance=result.start_step, status="resumed")
         for step in range(result.start_step + 1, t.steps + 1):
             stop = preemption.agree(device=get_accelerator().device())
             if stop is not None:
@@ -127,8 +127,9 @@ def _run_steps(
             record = _train_step(config, step, rank, task, optimizer, trainable)
             metrics.write(record)
             result.records.append(record)
-            status = f"loss {record['loss']:.4f} lr {record['lr']:.3g} gnorm {record['grad_norm']:.3f}"
-            bar.update(status=status)
+            fields = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}", f"gnorm {record['grad_norm']:.3f}"]
+            status = " ".join(fields)
+            bar.update(status=fields)
             if step % config.logging.interval == 0:
                 logger.info("step %d/%d: %s %.0f tok/s", step, t.steps, status, record["tokens_per_s"] or 0.0)
             if evaluation_due(config, step):  # before the save: a resumed run keeps this record
