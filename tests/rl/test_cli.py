@@ -54,3 +54,20 @@ def test_grpo_overrides_are_accepted_anywhere_on_the_line() -> None:
 
     args = parse_suite_args(build_parser(), ["grpo", "rollout.n=4", "--config", "r.yaml", "train.steps=2"])
     assert args.config == "r.yaml" and args.overrides == ["rollout.n=4", "train.steps=2"]
+
+
+def test_grpo_print_config_prints_the_resolved_recipe_and_starts_nothing(capsys, tmp_path) -> None:
+    """As ``mindspeed-llm pretrain`` / ``mindspeed-mm train --print-config``: the recipe as YAML, exit 0."""
+    import yaml
+
+    from mindspeed_rl.config import SECTIONS, load_grpo_config
+
+    overrides = ["rollout.n=4", "train.steps=3", f"checkpoint.save={tmp_path / 'ckpt'}"]
+    assert main(["grpo", "--print-config", *overrides]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
+    assert list(printed) == list(SECTIONS) and printed["rollout"]["n"] == 4 and printed["train"]["steps"] == 3
+    (tmp_path / "printed.yaml").write_text(out)
+    assert load_grpo_config(tmp_path / "printed.yaml") == load_grpo_config(None, overrides)  # round-trips
+    assert not (tmp_path / "ckpt").exists()
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()

@@ -1,4 +1,4 @@
-"""``mindspeed-rl grpo --config recipe.yaml [key=value ...]``: a GRPO (or DAPO) run on Ray.
+"""``mindspeed-rl grpo --config recipe.yaml [--print-config] [key=value ...]``: a GRPO (or DAPO) run on Ray.
 
 The recipe (:class:`~mindspeed_rl.config.GRPOConfig`) is read, overridden and checked before
 any worker starts; a bad key or value exits 2 with the key and the fix. The run logs one line
@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import sys
 
+import yaml
+
 from mindspeed.checkpointing import Preemption, resume_hint
-from mindspeed.config import ConfigError
+from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 
 logger = get_logger(__name__)
@@ -33,6 +35,7 @@ def add_grpo(sub: argparse._SubParsersAction) -> None:
         "replay buffer. Recipe keys: see docs/rl/ and examples/rl/.",
     )
     parser.add_argument("--config", help="the recipe (YAML)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. rollout.n=4")
     parser.set_defaults(func=run_grpo)
 
@@ -48,6 +51,9 @@ def run_grpo(args: argparse.Namespace) -> int:
         config = load_grpo_config(args.config, args.overrides)
     except ConfigError as err:
         raise ValueError(str(err)) from err
+    if args.print_config:  # before any check, model or worker: what the recipe and the overrides say
+        sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return 0
     try:
         runner = GRPORunner(config)
     except ConfigError as err:
