@@ -5,6 +5,8 @@ mindspeed features [--json]      every feature: level, flags, default here, what
 mindspeed demo [key=value ...]   train a tiny Llama on generated data (CPU by default)
 mindspeed auto-settings --config RECIPE --nnodes N --nproc-per-node D --device-memory GIB [--device TFLOPS,GBPS]
                                  search layouts and memory settings; print the best, write the best recipe
+
+``--verbose`` (anywhere on the line) shows the detail on the console, as in the suites' commands.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 from mindspeed.config import load_config, to_dict
 from mindspeed.log import setup_logging
+from mindspeed.suite_cli import add_verbose_flag, apply_verbose, parse_suite_args
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -162,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"%(prog)s {importlib.metadata.version('mindspeed-core')}"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    add_verbose_flag(parser)  # as the suites' command lines
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="accelerator, packages and the kernel chosen for each op")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -193,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mindspeed`` command."""
-    args = build_parser().parse_args(argv)
+    args = parse_suite_args(build_parser(), argv)  # --verbose and key=value anywhere on the line
+    apply_verbose(args)
     setup_logging(args.log_level)
     try:
         return args.func(args)

@@ -32,14 +32,7 @@ def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCo
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version(prog)}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    parser.add_argument(
-        "--verbose",
-        "-v",
-        action="store_true",
-        help="also show the detail on the console: the adaptor's patches, the features table, kernel "
-        "choices and other libraries' warnings (always in the run's report.txt); anywhere on "
-        "the line",
-    )
+    add_verbose_flag(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _, add_command in commands.items():
         add_command(sub)
@@ -47,6 +40,23 @@ def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCo
 
 
 _VERBOSE = ("--verbose", "-v")
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """``--verbose`` / ``-v``: every command line of the project shares its meaning (see :func:`apply_verbose`)."""
+    parser.add_argument(
+        *_VERBOSE,
+        action="store_true",
+        help="also show the detail on the console: the adaptor's patches, the features table, kernel "
+        "choices and other libraries' warnings (always in the run's report.txt); anywhere on "
+        "the line",
+    )
+
+
+def apply_verbose(args: argparse.Namespace) -> None:
+    """Make ``--verbose`` hold for this process and the ranks it spawns (before :func:`setup_logging`)."""
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # spawned ranks inherit it
 
 
 def is_override(arg: str) -> bool:
@@ -79,8 +89,7 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     if args.command is None:
         parser.print_help()
         return 0
-    if getattr(args, "verbose", False):
-        os.environ[VERBOSE_ENV] = "1"  # spawned ranks inherit it
+    apply_verbose(args)
     setup_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
