@@ -33,9 +33,30 @@ def test_malformed_json_line_names_file_and_line_and_leaves_nothing(tmp_path, ru
     lines = [json.dumps(r) for r in GOOD]
     lines[49] = '{"instruction": "broken", "output": '
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=rf"{path}:50: malformed JSON .*--skip-bad-records"):
+    # The column is the line's (json alone would say "column 1": of the next line of the text it was given).
+    expected = rf"{path}:50: malformed JSON \(Expecting value at column 37, the end of the line: .*--skip-bad-records"
+    with pytest.raises(ValueError, match=expected):
         run(path, handler_name="AlpacaStyleInstructionHandler")
     assert_nothing_written(tmp_path / "out")  # 49 samples were tokenized before the failure
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_json_errors_in_the_middle_of_a_file_name_their_line_and_column(tmp_path, newline: str) -> None:
+    from mindspeed_llm.data.readers import iter_records
+
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(9)]
+    lines[3] = '{"text": "cut short", '  # ends inside the object
+    lines[5] = '  {"text": "a" "b"}'  # a missing comma, mid-line, after indentation
+    lines[7] = '{"text": "ünïcödé", "x": }'  # characters, not bytes
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(("\ufeff" + newline.join(lines) + newline).encode("utf-8"))  # with a byte-order mark
+    errors = {r.location: r.error for r in iter_records([path]) if r.error}
+    assert errors == {
+        f"{path}:4": "malformed JSON (Expecting property name enclosed in double quotes at column 23, the end of "
+        "the line: is the record cut short?)",
+        f"{path}:6": "malformed JSON (Expecting ',' delimiter at column 16)",
+        f"{path}:8": "malformed JSON (Expecting value at column 26)",
+    }
 
 
 @pytest.mark.parametrize(

@@ -97,15 +97,20 @@ def _is_json_array(path: Path) -> bool:
 
 
 def _read_json_lines(path: Path) -> Iterator[RawRecord]:
-    with open(path, encoding="utf-8", errors="replace") as lines:
+    # utf-8-sig: a byte-order mark some editors write is not part of the first record.
+    with open(path, encoding="utf-8-sig", errors="replace") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             location = f"{path}:{number}"
+            # Without its line break: json would place an error at the end of a cut-short record on
+            # the "next line, column 1" of the text it was given; the column must be this line's.
+            text = line.rstrip("\r\n")
             try:
-                data = json.loads(line)
+                data = json.loads(text)
             except json.JSONDecodeError as err:
-                yield RawRecord(location, error=f"malformed JSON ({describe_json_error(err)})")
+                end = ", the end of the line: is the record cut short?" if err.pos >= len(text.rstrip()) else ""
+                yield RawRecord(location, error=f"malformed JSON ({describe_json_error(err)}{end})")
                 continue
             if not isinstance(data, dict):
                 yield RawRecord(location, error=f"expected a JSON object, got {type(data).__name__}")
