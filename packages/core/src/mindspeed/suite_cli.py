@@ -127,7 +127,8 @@ def add_dataclass_flags(
 ) -> None:
     """One ``--flag`` per field of dataclass ``cls`` (``load_dir`` -> ``--load-dir``), help from its docstring.
 
-    Bools are switches (``--no-<name>`` for those on by default); a field without a default is a
+    Bools are switches (``--no-<name>`` for those on by default: its help is "do not <the field's
+    text>", or the text itself where it names ``--no-<name>``); a field without a default is a
     required flag; ``X | None`` fields take an ``X``.
 
     Args:
@@ -146,11 +147,14 @@ def add_dataclass_flags(
         text = helps.get(field.name, "").replace("``", "")
         if kind is bool:
             if field.default is True:  # on by default: the flag turns it off
-                parser.add_argument("--no-" + flag[2:], dest=field.name, action="store_false", help=f"do not {text}")
+                off = "--no-" + flag[2:]
+                # A docstring that names the switch says what it does; else it says what is done without it.
+                help_text = text if off in text else f"do not {text}"
+                parser.add_argument(off, dest=field.name, action="store_false", help=help_text)
             else:
                 parser.add_argument(flag, action="store_true", help=text)
             continue
-        if not required and field.default is not None:
+        if not required and field.default not in (None, ""):  # no "(default )"
             text += f" (default {str(field.default).replace('%', '%%')})"
         parser.add_argument(
             flag,

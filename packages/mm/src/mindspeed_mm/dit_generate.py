@@ -35,7 +35,7 @@ class DiTSampleConfig:
     Attributes:
         pipeline_dir: diffusers pipeline directory whose VAE, text encoder(s), tokenizer(s) and scheduler are
             used (default: --load-dir when it is one, else the transformer directory's parent when that is one;
-            demo-t2v / demo-t2i for the demos').
+            demo-t2v / demo-t2i for the demos).
         output_dir: where the pictures, videos, contact sheets and samples.jsonl go.
         negative_prompt: what classifier-free guidance steers away from (default: the empty prompt).
         sampler: euler or unipc (diffusers' flow-matching schedulers; default: the pipeline's scheduler, else the
