@@ -84,9 +84,15 @@ def test_build_refuses_a_non_empty_directory_and_the_cli_exits_2(tmp_path: Path,
     with pytest.raises(ValueError, match="not empty"):
         build_demo_policy(tmp_path / "full", settings=QUICK)
     assert (tmp_path / "full" / "x").read_text() == "keep"
-    assert main(["make-demo-model", "--out", str(tmp_path / "full")]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert main(["make-demo-model", "--output-dir", str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err
+    assert "--output-dir" in err and "not empty" in err
+    with pytest.raises(SystemExit) as missing:  # argparse's usage error
+        main(["make-demo-model"])
+    assert missing.value.code == 2 and "--output-dir" in capsys.readouterr().err
+    # --out, its earlier name, still works, with one line saying so.
     assert main(["make-demo-model", "--out", str(tmp_path / "new"), "--fit-steps", "1"]) == 0
+    assert "--out is deprecated; use --output-dir" in capsys.readouterr().err
     assert (tmp_path / "new" / "config.json").is_file() and (tmp_path / "new" / "tokenizer.json").is_file()
 
 

@@ -92,3 +92,27 @@ def test_every_help_text_reads_cleanly(prog: str) -> None:
         for text in (parser.description or "",):
             bad += [f"{parser.prog} description: {p}: {text!r}" for p in garbling(text) if p != "empty"]
     assert not bad, "\n".join(bad)
+
+
+def test_output_flags_follow_one_rule(capsys) -> None:
+    """An output directory is ``--output-dir`` (Hugging Face's ``output_dir``) on every command line; the
+    converters show Megatron's ``--save-dir`` (the pair of ``--load-dir``) first. An output file is ``--output``
+    (``preprocess-data --output-prefix`` is Megatron's prefix). Earlier spellings parse, hidden, with a note."""
+    odd = {"--out", "--out-dir", "--output-path", "--output-file", "--save-path", "--save", "--outdir"}
+    shown = []
+    for build in PARSERS.values():
+        for parser, action in walk(build()):
+            if action.help == argparse.SUPPRESS:
+                continue
+            options = set(action.option_strings)
+            shown += [f"{parser.prog} {option}" for option in sorted(options & odd)]
+            if "--save-dir" in options:
+                assert "--output-dir" in options, parser.prog
+    assert not shown, shown
+    convert_ckpt = ["convert-ckpt", "--load-dir", "a", "--output-dir", "b"]
+    assert str(llm_parser().parse_args(convert_ckpt).save_dir) == "b"
+    convert = ["convert", "--load-format", "hf", "--save-format", "dcp", "--load-dir", "a", "--output-dir", "b"]
+    assert str(mm_parser().parse_args(convert).save_dir) == "b"
+    assert rl_parser().parse_args(["make-demo-model", "--output-dir", "d"]).output_dir == "d"
+    assert rl_parser().parse_args(["make-demo-model", "--out", "d"]).output_dir == "d"  # the earlier spelling
+    assert capsys.readouterr().err == "mindspeed-rl make-demo-model: warning: --out is deprecated; use --output-dir\n"

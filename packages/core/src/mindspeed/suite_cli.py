@@ -26,6 +26,10 @@ from mindspeed.log import VERBOSE_ENV, setup_logging
 #: What a suite registers: a function that adds one subcommand to the subparsers.
 AddCommand = Callable[[argparse._SubParsersAction], None]
 
+#: The output directory of a converter is ``--save-dir`` (Megatron's and MindSpeed's pair to ``--load-dir``)
+#: and, as every other output directory of the project, ``--output-dir`` (Hugging Face's ``output_dir``).
+OUTPUT_DIR_ALIASES: Mapping[str, Sequence[str]] = {"save_dir": ("--output-dir",)}
+
 
 def build_suite_parser(prog: str, description: str, commands: Mapping[str, AddCommand]) -> argparse.ArgumentParser:
     """The parser of ``prog`` with ``--version``, ``--log-level`` and every command of ``commands``."""
@@ -123,7 +127,10 @@ def field_help(cls: type) -> dict[str, str]:
 
 
 def add_dataclass_flags(
-    parser: argparse.ArgumentParser, cls: type, choices: Mapping[str, Sequence[str]] | None = None
+    parser: argparse.ArgumentParser,
+    cls: type,
+    choices: Mapping[str, Sequence[str]] | None = None,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """One ``--flag`` per field of dataclass ``cls`` (``load_dir`` -> ``--load-dir``), help from its docstring.
 
@@ -135,6 +142,8 @@ def add_dataclass_flags(
         parser: the (sub)parser to add to.
         cls: the config dataclass.
         choices: field name -> its allowed values.
+        aliases: field name -> more spellings of its flag, shown in the help after the first
+            (``{"save_dir": ["--output-dir"]}``: the project's name for an output directory).
     """
     helps = field_help(cls)
     hints = typing.get_type_hints(cls)
@@ -158,6 +167,7 @@ def add_dataclass_flags(
             text += f" (default {str(field.default).replace('%', '%%')})"
         parser.add_argument(
             flag,
+            *(aliases or {}).get(field.name, ()),
             type=kind,
             required=required,
             default=None if required else field.default,
@@ -178,11 +188,12 @@ class _RenamedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+def add_renamed_flag(parser: argparse._ActionsContainer, old: str, new: str) -> None:
     """Accept ``old`` (e.g. ``--hf-cfg-dir``) as a deprecated spelling of the flag ``new`` (``--base-dir``).
 
     The value lands where ``new``'s does; using ``old`` writes one deprecation line on standard
-    error. ``old`` is left out of the help.
+    error. ``old`` is left out of the help. For a required ``new``, add both to a required
+    mutually exclusive group and pass the group as ``parser``.
     """
     dest = new.lstrip("-").replace("-", "_")
     parser.add_argument(

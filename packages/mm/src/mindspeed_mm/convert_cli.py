@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mindspeed.suite_cli import add_dataclass_flags
+from mindspeed.suite_cli import OUTPUT_DIR_ALIASES, add_dataclass_flags
 from mindspeed_mm.convert.config import DTYPES, FORMATS, ConvertConfig
 
 
@@ -29,7 +29,10 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         "is matched on both sides first (an unmatched one is an error naming it); the output is written "
         "to a temporary directory and renamed at the end.",
     )
-    add_dataclass_flags(parser, ConvertConfig, {"load_format": FORMATS, "save_format": FORMATS, "dtype": DTYPES})
+    # --save-dir pairs with --load-dir as in Megatron's and MindSpeed's converters; --output-dir as everywhere.
+    add_dataclass_flags(
+        parser, ConvertConfig, {"load_format": FORMATS, "save_format": FORMATS, "dtype": DTYPES}, OUTPUT_DIR_ALIASES
+    )
     parser.set_defaults(func=run_convert)
 
 

@@ -215,7 +215,7 @@ def build_demo_policy(out_dir: str | Path, seed: int = 0, settings: DemoPolicySe
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {str(out)!r} exists and is not empty; give a new directory")
+        raise ValueError(f"--output-dir {str(out)!r} exists and is not empty; give a new directory")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # the fit is tiny; one thread is as fast and the weights reproducible
     try:

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mindspeed.suite_cli import add_dataclass_flags
+from mindspeed.suite_cli import OUTPUT_DIR_ALIASES, add_dataclass_flags
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 
 #: Flags with a fixed set of values.
@@ -29,7 +29,8 @@ def add_convert_ckpt(sub: argparse._SubParsersAction) -> None:
         "The whole mapping is planned and checked first; output is written to a temporary "
         "directory and renamed at the end.",
     )
-    add_dataclass_flags(parser, ConvertConfig, _CHOICES)
+    # --save-dir pairs with --load-dir as in Megatron's and MindSpeed's converters; --output-dir as everywhere.
+    add_dataclass_flags(parser, ConvertConfig, _CHOICES, OUTPUT_DIR_ALIASES)
     parser.set_defaults(func=run_convert_ckpt)
 
 
