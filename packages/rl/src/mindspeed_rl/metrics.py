@@ -2,7 +2,7 @@
 
 The driver calls :meth:`RLMetricsLog.log` once per step with the record of
 :func:`mindspeed_rl.trainer.grpo_step` (a flat ``name -> number`` dict with ``step``). The
-JSONL file is the LLM suite's :class:`~mindspeed_llm.training.metrics.MetricsLog`: one line per
+JSONL file is the core's :class:`~mindspeed.metrics.log.MetricsLog`: one line per
 step, flushed when written, and a resumed run drops the records after its checkpoint's step so
 the file reads as one continuous run. Every numeric key also becomes a TensorBoard scalar under
 its own name (``reward/<fn>``, ``time/<phase>`` group themselves in TensorBoard by the slash),
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mindspeed.log import get_logger
-from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
+from mindspeed.metrics.log import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
 
 logger = get_logger(__name__)
 

@@ -52,7 +52,7 @@ from mindspeed_llm.training.hf import (
 )
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
 from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
-from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
+from mindspeed.metrics.log import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import (
     build_model,
     count_parameters,

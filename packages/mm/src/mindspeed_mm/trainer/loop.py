@@ -22,7 +22,7 @@ from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume
 from mindspeed.device import deterministic_mode, get_accelerator, retain_freed_host_memory
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
+from mindspeed.metrics.log import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, step_dir
