@@ -183,21 +183,14 @@ class SwanlabTracker:
 
     def __init__(self, settings: LoggingConfig, log_dir: Path | None, config: Mapping[str, Any]) -> None:
         import swanlab
-        from swanlab.sdk.internal.settings import Settings
 
         s = settings.swanlab
         logdir = s.logdir or (str(log_dir / "swanlog") if log_dir is not None else None)
         if logdir is not None:
             Path(logdir).mkdir(parents=True, exist_ok=True)
         self.swanlab = swanlab
-        # No stdout capture, no hardware sampler, no prompt for a key: a training run's console is ours.
-        quiet = Settings(
-            interactive=False,
-            terminal={"proxy_type": "none"},
-            probe={"monitor": False, "requirements": False, "git": False, "conda": False},
-        )
         self.run = swanlab.init(
-            project=s.project, mode=s.mode, log_dir=logdir, config=dict(config), reinit=True, settings=quiet
+            project=s.project, mode=s.mode, log_dir=logdir, config=dict(config), reinit=True, settings=_swanlab_quiet()
         )
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
@@ -212,6 +205,20 @@ class SwanlabTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _swanlab_quiet() -> Any:
+    """SwanLab settings without stdout capture, hardware sampler or key prompt (``None`` on versions without them)."""
+    try:
+        from swanlab.sdk.internal.settings import Settings
+    except ImportError:
+        return None
+    # A training run's console is ours; a run on a node without a terminal must not wait for a key.
+    return Settings(
+        interactive=False,
+        terminal={"proxy_type": "none"},
+        probe={"monitor": False, "requirements": False, "git": False, "conda": False},
+    )
 
 
 #: Tracker name -> adapter that needs the tracker's library (opened with settings, log dir, config).

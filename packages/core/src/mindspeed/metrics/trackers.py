@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.config import ConfigError
-from mindspeed.log import get_logger
+from mindspeed.log import DETAIL, get_logger
 from mindspeed.metrics.backends import LIBRARY_TRACKERS, JsonlTracker, TensorBoardTracker
 from mindspeed.metrics.config import EXTRAS, LoggingConfig
 
@@ -167,7 +167,7 @@ def open_tracking(
     if config:
         tracking.log_config(config)
     if opened:
-        logger.info("trackers: %s", ", ".join(tracking.names))
+        logger.info("trackers: %s", ", ".join(tracking.names), extra=DETAIL)
     return tracking
 
 
