@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from mindspeed.metrics import config as metrics_config
 from mindspeed_rl.cli import main
 from tests.core.metrics.readers import OFFLINE_ENV, jsonl_series, mlflow_series
@@ -76,6 +78,32 @@ def test_grpo_sends_records_recipe_and_samples_to_the_trackers(tmp_path, monkeyp
     (sample_file,) = Path(local).iterdir()
     assert sample_file.name == "step_00000002.json" and json.loads(sample_file.read_text()) == SAMPLES
     assert os.environ["WANDB_MODE"] == "offline"  # the test's guard stayed in place
+
+
+class _FailingRunner(_Runner):
+    """Fails in the middle of step 2, after step 1 was recorded."""
+
+    def run(self, on_step, preemption=None) -> list[dict]:
+        on_step({"step": 1, "reward_mean": 0.25})
+        raise RuntimeError("worker died")
+
+
+def test_grpo_closes_its_trackers_when_the_run_fails(tmp_path, monkeypatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    import mindspeed_rl.runner
+
+    for key, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(mindspeed_rl.runner, "GRPORunner", _FailingRunner)
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    overrides = [f"logging.dir={tmp_path}", "logging.trackers=[jsonl, mlflow]", f"logging.mlflow.tracking_uri={uri}"]
+    with pytest.raises(RuntimeError, match="worker died"):
+        main(["grpo", *overrides, "logging.mlflow.experiment=rl-fail", "logging.progress=false"])
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("rl-fail").experiment_id])
+    assert run.info.status == "FINISHED"  # closed (set_terminated), not left RUNNING
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [0.25]
 
 
 def test_grpo_with_a_tracker_whose_library_is_missing_exits_2_naming_the_extra(tmp_path, monkeypatch, capsys) -> None:
