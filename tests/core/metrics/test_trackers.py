@@ -182,3 +182,16 @@ def test_tracking_is_a_context_manager_and_closes_twice_safely(tmp_path) -> None
     tracking.close()
     assert isinstance(tracking, Tracking) and tracking.names == []
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"kind": "train", "step": 1, "loss": 1.0}]
+
+
+def test_mlflow_gets_names_it_accepts(tmp_path, monkeypatch) -> None:
+    """A metric name MLflow refuses (``reward/fmt(strict)``) would drop the tracker: it is logged as ``reward/fmt_strict_``."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    settings = LoggingConfig(trackers=["mlflow"])
+    settings.mlflow.tracking_uri, settings.mlflow.experiment = uri, "names"
+    with open_tracking(settings, tmp_path, 0, enabled=True) as tracking:
+        tracking.write({"step": 1, "reward/fmt(strict)": 0.5})
+        assert tracking.names == ["mlflow"]  # not dropped
+    series, _ = mlflow_series(uri, "names", ["reward/fmt_strict_"])
+    assert series == {"reward/fmt_strict_": [(1, 0.5)]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from mindspeed.metrics.log import MetricsLog, open_tensorboard
 logger = get_logger(__name__)
 
 Rows = Sequence[Mapping[str, Any]]
+_MLFLOW_NAME = re.compile(r"[^\w\-./: ]")
 
 
 def _columns(rows: Rows) -> list[str]:
@@ -158,7 +160,8 @@ class MlflowTracker:
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        metrics = [self.metric(key, value, now, step) for key, value in scalars.items()]
+        # MLflow names allow letters, digits and _ - . / : and space: anything else becomes "_".
+        metrics = [self.metric(_MLFLOW_NAME.sub("_", key), value, now, step) for key, value in scalars.items()]
         for start in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
 
