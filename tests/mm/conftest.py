@@ -70,6 +70,10 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm, tiny_valid) -> Path:
             "train.precision=fp32",
             "train.lr=0.05",
             "logging.progress=false",
+            # The run's tracking wiring: MLflow (a local file store) beside metrics.jsonl and TensorBoard.
+            "logging.trackers=[jsonl, tensorboard, mlflow]",
+            f"logging.mlflow.tracking_uri={(root / 'mlruns').as_uri()}",
+            "logging.mlflow.experiment=mm-lora",
             "data.image_max_pixels=12544",
             "lora.target_modules=[q_proj, v_proj, qkv]",
             "lora.parts=[language_model, vision_tower]",

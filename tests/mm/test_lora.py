@@ -27,6 +27,7 @@ from mindspeed_mm.data import encode_sample, read_mllm_files
 from mindspeed_mm.models import family_of, load_model, load_processing
 from mindspeed_mm.models.lora import apply_lora, is_factor
 from mindspeed_mm.trainer.loop import train
+from tests.core.metrics.readers import jsonl_series, mlflow_series
 
 LORA = LoraConfig(target_modules=["q_proj", "v_proj", "qkv"], parts=["language_model", "vision_tower"], r=4, alpha=8.0)
 
@@ -142,6 +143,11 @@ def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_v
     assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
         (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in evals
     ]
+    # logging.trackers also had MLflow: the same series, and the resolved recipe as the run's params.
+    expected = jsonl_series(run / "ckpt" / "metrics.jsonl")
+    series, params = mlflow_series((run / "mlruns").as_uri(), "mm-lora", ["eval/loss", "train/loss", "train/lr"])
+    assert series == {key: expected[key] for key in series} and len(series["train/loss"]) == 2
+    assert params["lora.r"] == "4" and params["model.path"] == str(model_dir)
 
     after = load_file(run / "merged" / "model.safetensors")
     assert set(before) == set(after)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mindspeed_llm.training.metrics import read_metrics
+from mindspeed.metrics.log import read_metrics
 
 STEPS = 10
 INTERVAL = 2

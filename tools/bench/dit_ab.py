@@ -107,7 +107,7 @@ def _ours(spec: dict[str, Any], compile_mode: str) -> dict[str, Callable[[int], 
     """``DiTTask`` and the trainer's step, as ``mindspeed-mm train`` runs them on one rank."""
     from mindspeed.checkpointing import Preemption
     from mindspeed.device import get_accelerator
-    from mindspeed_llm.training.metrics import MetricsLog
+    from mindspeed.metrics.log import MetricsLog
     from mindspeed_mm.config import load_mm_config
     from mindspeed_mm.trainer import loop
     from mindspeed_mm.trainer.optim import build_optimizer

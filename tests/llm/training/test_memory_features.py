@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed_llm.training.metrics import read_metrics
+from mindspeed.metrics.log import read_metrics
 from tests.llm.training.datasets import write_indexed_dataset
 
 TIMING = {"step_time_s", "tokens_per_s", "mfu"}

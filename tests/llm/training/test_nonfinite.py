@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from mindspeed.metrics.log import read_metrics
 from mindspeed.testing.distributed import run_distributed
-from mindspeed_llm.training.metrics import read_metrics
 from tests.llm.training.datasets import write_indexed_dataset
 
 #: The MFU denominator the runs are given (one device).

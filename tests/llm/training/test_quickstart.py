@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed.metrics.log import read_metrics
 from mindspeed_llm.training.checkpoint import list_checkpoints
 from mindspeed_llm.training.config import load_pretrain_config
-from mindspeed_llm.training.metrics import read_metrics
 from mindspeed_llm.training.quickstart import TINY_CPU_RECIPE
 from tests.llm.training.datasets import write_indexed_dataset
 

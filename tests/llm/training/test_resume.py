@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed.metrics.log import read_metrics
 from mindspeed_llm.training.checkpoint import TRACKER, list_checkpoints
-from mindspeed_llm.training.metrics import read_metrics
 from tests.llm.training.datasets import write_indexed_dataset
 
 #: Fields that measure time, not numerics.

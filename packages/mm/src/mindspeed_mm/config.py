@@ -22,6 +22,7 @@ from typing import Literal
 
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
+from mindspeed.metrics.config import LossCurveLoggingConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoint", "logging", "features", "lora")
@@ -365,26 +366,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """What the run shows and writes.
-
-    Attributes:
-        dir: where ``metrics.jsonl``, TensorBoard events and ``loss.png`` go (default:
-            ``checkpoint.save``; none when both are unset).
-        interval: log a line every this many steps.
-        progress: draw a progress bar (rank 0, on standard error).
-        tensorboard: write TensorBoard event files to ``dir/tensorboard``.
-        loss_curve: draw ``dir/loss.png`` at the end.
-    """
-
-    dir: str | None = None
-    interval: int = 1
-    progress: bool = True
-    tensorboard: bool = True
-    loss_curve: bool = True
-
-
-@dataclass
 class LoraConfig:
     """LoRA through peft (MindSpeed-MM's ``--lora-*``); off while ``target_modules`` is empty.
 
@@ -429,7 +410,8 @@ class MMConfig:
     Attributes:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
         data: :class:`DataConfig`. eval: :class:`EvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
-        checkpoint: :class:`CheckpointConfig`. logging: :class:`LoggingConfig`.
+        checkpoint: :class:`CheckpointConfig`. logging: the core's
+            :class:`~mindspeed.metrics.config.LossCurveLoggingConfig` (with ``loss_curve``).
         features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
     """
 
@@ -440,7 +422,7 @@ class MMConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logging: LossCurveLoggingConfig = field(default_factory=LossCurveLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -468,6 +450,7 @@ class MMConfig:
         Raises:
             ConfigError: naming the key and the fix of the first problem found.
         """
+        self.logging.check()
         m, p, t, d = self.model, self.parallel, self.train, self.data
         for key, value in (
             ("train.micro_batch_size", t.micro_batch_size),
@@ -476,7 +459,6 @@ class MMConfig:
             ("data.cutoff_len", d.cutoff_len),
             ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
             ("parallel.ring_attention_size", p.ring_attention_size),
-            ("logging.interval", self.logging.interval),
             ("lora.r", self.lora.r),
         ):
             if value < 1:

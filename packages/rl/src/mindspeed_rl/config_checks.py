@@ -24,7 +24,6 @@ _AT_LEAST_ONE = {
     "reward": ("model_batch_size",),
     "algorithm": ("dynamic_sampling_max_rounds",),
     "train": ("steps", "global_batch"),
-    "logging": ("interval",),
 }
 _OPTIONAL_AT_LEAST_ONE = {
     "actor": ("max_tokens_per_micro_batch", "mini_batch_size"),
@@ -271,6 +270,7 @@ def _check_data(config: RecipeSections) -> None:
 def check_config(config: RecipeSections, num_devices: int | None = None) -> None:
     """Run every check (see :meth:`GRPOConfig.check`)."""
     _check_counts(config)
+    config.logging.check()
     _check_rollout(config)
     _check_actor(config, num_devices)
     _check_algorithm(config)

@@ -61,14 +61,14 @@ def run_grpo(args: argparse.Namespace) -> int:
     config = runner.config
     devices = config.actor_world_size() + (0 if config.rollout.colocate else config.rollout.num_devices or 0)
     log_dir = config.log_dir()
-    sink = None
-    if log_dir is not None:
-        sink = RLMetricsLog(
-            log_dir,
-            tensorboard=config.logging.tensorboard,
-            reward_curve=config.logging.reward_curve,
-            resume_step=runner.ctx.step,
-        )
+    # logging.trackers (metrics.jsonl, TensorBoard, wandb, ...) with the resolved recipe as the run's config.
+    sink = RLMetricsLog(
+        log_dir,
+        reward_curve=config.logging.reward_curve,
+        resume_step=runner.ctx.step,
+        settings=config.logging,
+        config=to_dict(config),
+    )
     progress = ProgressLine(
         config.train.steps,
         bar=config.logging.progress,
@@ -80,8 +80,9 @@ def run_grpo(args: argparse.Namespace) -> int:
     def on_step(record: dict[str, float]) -> None:
         record = per_device(record, devices)
         progress.update(record)
-        if sink is not None:
-            sink.log(record)
+        sink.log(record)
+        if "eval/reward_mean" in record:  # this step evaluated: its held-out responses as a table
+            sink.log_samples(int(record["step"]), runner.ctx.eval_samples)
 
     # The driver's full log (detail and other libraries' warnings included) goes to logging.dir/report.txt.
     with open_run_log(log_dir / RUN_LOG_FILE) if log_dir is not None else contextlib.nullcontext():
@@ -109,7 +110,7 @@ def run_grpo(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"policy written to {path}\n")
         finally:
             progress.close()
-            curve = sink.close() if sink is not None else None
+            curve = sink.close()
             runner.shutdown()
     if records:
         first, last = records[0], records[-1]

@@ -1,12 +1,12 @@
-"""What a GRPO run writes about itself: ``metrics.jsonl``, TensorBoard scalars, ``reward.png``, a console line.
+"""What a GRPO run writes about itself: the core's trackers, ``reward.png``, a console line.
 
 The driver calls :meth:`RLMetricsLog.log` once per step with the record of
 :func:`mindspeed_rl.trainer.grpo_step` (a flat ``name -> number`` dict with ``step``). The
-JSONL file is the LLM suite's :class:`~mindspeed_llm.training.metrics.MetricsLog`: one line per
-step, flushed when written, and a resumed run drops the records after its checkpoint's step so
-the file reads as one continuous run. Every numeric key also becomes a TensorBoard scalar under
-its own name (``reward/<fn>``, ``time/<phase>`` group themselves in TensorBoard by the slash),
-with ``purge_step`` on resume. :meth:`RLMetricsLog.close` draws ``reward.png`` from the JSONL
+records go to the core's :class:`~mindspeed.metrics.trackers.Tracking` (``logging.trackers``):
+``metrics.jsonl`` gets one line per step, flushed when written, and a resumed run drops the
+records after its checkpoint's step so the file reads as one continuous run. Every numeric key
+also becomes a TensorBoard (wandb, MLflow, SwanLab) scalar under its own name (``reward/<fn>``,
+``time/<phase>`` group themselves by the slash), with ``purge_step`` on resume. :meth:`RLMetricsLog.close` draws ``reward.png`` from the JSONL
 file, so the curve spans resumes. :func:`format_step` and :class:`ProgressLine` are the console
 side; :func:`per_device` turns the token rates into per-device rates. Every metric is defined
 in ``docs/rl/metrics.md``.
@@ -24,8 +24,10 @@ from typing import Any, TextIO
 from rich.console import Console
 
 from mindspeed.log import get_logger
+from mindspeed.metrics.config import LoggingConfig
+from mindspeed.metrics.log import METRICS_FILE, TENSORBOARD_DIR, read_metrics
+from mindspeed.metrics.trackers import open_tracking
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
 
 logger = get_logger(__name__)
 
@@ -212,14 +214,18 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 class RLMetricsLog:
-    """Per-step records of a GRPO run: ``metrics.jsonl``, TensorBoard scalars and ``reward.png``.
+    """Per-step records of a GRPO run: the core's trackers (:func:`~mindspeed.metrics.trackers.open_tracking`:
+    ``metrics.jsonl``, TensorBoard, wandb, MLflow, SwanLab as ``logging.trackers`` says) and ``reward.png``.
 
     Args:
-        log_dir: the run's log directory (created).
-        tensorboard: write TensorBoard events to ``log_dir/tensorboard``, one scalar per numeric key.
+        log_dir: the run's log directory (created; ``None``: no JSONL, TensorBoard or curve).
+        tensorboard: write TensorBoard events to ``log_dir/tensorboard``, one scalar per numeric key
+            (used when ``settings`` is not given).
         reward_curve: draw ``log_dir/reward.png`` at :meth:`close`.
         resume_step: the step the run resumes after: JSONL records after it are dropped and
             TensorBoard hides later events (0: a new run, the file starts empty).
+        settings: the recipe's ``logging`` section (trackers and their settings).
+        config: the resolved recipe, logged as the run's config.
 
     Example::
 
@@ -228,49 +234,52 @@ class RLMetricsLog:
                 sink.log(grpo_step(ctx))
     """
 
-    def __init__(self, log_dir: Path, *, tensorboard: bool, reward_curve: bool, resume_step: int = 0) -> None:
-        self.log_dir = Path(log_dir)
+    def __init__(
+        self,
+        log_dir: Path | None,
+        *,
+        tensorboard: bool = True,
+        reward_curve: bool,
+        resume_step: int = 0,
+        settings: LoggingConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.reward_curve = reward_curve
-        self._jsonl = MetricsLog(self.log_dir, resume_step, enabled=True, tensorboard=False)
-        self._board = open_tensorboard(self.log_dir / TENSORBOARD_DIR, resume_step) if tensorboard else None
+        settings = settings if settings is not None else LoggingConfig(tensorboard=tensorboard)
+        self.tracking = open_tracking(settings, self.log_dir, resume_step, True, config)
 
     @property
-    def path(self) -> Path:
-        """The ``metrics.jsonl`` file."""
-        return self.log_dir / METRICS_FILE
+    def path(self) -> Path | None:
+        """The ``metrics.jsonl`` file (``None`` without a log directory)."""
+        return self.log_dir / METRICS_FILE if self.log_dir is not None else None
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Append one step's record (flushed) and add its numeric values to TensorBoard.
+        """Send one step's record to every tracker (the JSONL line is flushed).
 
         Args:
             record: ``name -> value`` with ``step``; non-finite floats are written as the strings
-                ``"nan"`` / ``"inf"`` in the JSONL and skipped in TensorBoard.
+                ``"nan"`` / ``"inf"`` in the JSONL and left out of the other trackers.
 
         Raises:
             ValueError: the record has no numeric ``step``.
         """
-        step = _number(record.get("step"))
-        if step is None:
+        if _number(record.get("step")) is None:
             raise ValueError(f"a metrics record needs a numeric 'step'; got keys {sorted(record)[:8]}")
-        self._jsonl.write(dict(record))
-        if self._board is not None:
-            for key, value in record.items():
-                number = _number(value)
-                if key != "step" and number is not None:
-                    self._board.add_scalar(key, number, int(step))
-            self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
+        self.tracking.write(dict(record))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Log validation samples (prompt, response, reward) as a table where a tracker has one."""
+        self.tracking.log_samples(step, rows, name="eval/samples")
 
     def close(self) -> Path | None:
-        """Close the files and draw ``reward.png`` (when asked for).
+        """Close the trackers and draw ``reward.png`` (when asked for).
 
         Returns:
             The PNG's path, or ``None`` when none was drawn.
         """
-        self._jsonl.close()
-        if self._board is not None:
-            self._board.close()
-            self._board = None
-        if self.reward_curve:
+        self.tracking.close()
+        if self.reward_curve and self.path is not None and self.tracking.path is not None:
             return write_reward_curve(self.path, self.log_dir / REWARD_CURVE)
         return None
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from mindspeed.features import FeaturesConfig
+from mindspeed.metrics.config import LoggingConfig as CoreLoggingConfig
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
 
 #: Names of the sections of a recipe, in the order they are documented.
@@ -286,22 +287,14 @@ class TrainConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """What the run shows and writes.
+class LoggingConfig(CoreLoggingConfig):
+    """The core's ``logging`` section (:class:`mindspeed.metrics.config.LoggingConfig`: dir, interval,
+    progress, trackers and their settings) plus RL's curve.
 
     Attributes:
-        dir: where ``metrics.jsonl``, TensorBoard events and the reward curve go (default:
-            ``checkpoint.save``; none when both are unset).
-        interval: log a line every this many steps.
-        progress: draw a progress bar.
-        tensorboard: write TensorBoard event files.
         reward_curve: draw ``reward.png`` at the end.
     """
 
-    dir: str | None = None
-    interval: int = 1
-    progress: bool = True
-    tensorboard: bool = True
     reward_curve: bool = True
 
 

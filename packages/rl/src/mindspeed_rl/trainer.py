@@ -52,6 +52,7 @@ class GRPOContext:
         step: steps done.
         history: the records of the steps done.
         weight_sync: pushes the actor's weights into the engine (default: ``engine.load_weights(actor.hf_state())``).
+        eval_samples: the last :func:`evaluate`'s rows (``prompt``, ``response``, ``reward``), for the trackers.
     """
 
     config: GRPOConfig
@@ -66,6 +67,7 @@ class GRPOContext:
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     weight_sync: Callable[[], None] | None = None
+    eval_samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -307,6 +309,10 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     outputs = ctx.engine.generate(ids, [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)] * len(ids))
     responses = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
     rewards, parts = ctx.reward.score_batch([texts[k] for k in kept], responses, [records[k].reference for k in kept])
+    ctx.eval_samples = [
+        {"prompt": texts[k], "response": response, "reward": float(reward)}
+        for k, response, reward in zip(kept, responses, rewards.tolist())
+    ]
     out = {
         "eval/reward_mean": float(rewards.mean()),
         "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs),

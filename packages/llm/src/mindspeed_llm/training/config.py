@@ -146,6 +146,7 @@ class PretrainConfig:
             ConfigError: naming the key and the fix of the first problem found.
         """
         _check_positive(self)
+        self.logging.check()
         m, p, t, d = self.model, self.parallel, self.train, self.data
         model_parallel = p.tp * p.pp * p.cp
         if world_size % model_parallel:
@@ -312,7 +313,6 @@ def _check_positive(config: PretrainConfig) -> None:
         "train": ("micro_batch_size",),
         "data": ("seq_length",),
         "eval": ("iters",),
-        "logging": ("interval",),
     }
     for section, keys in names.items():
         for key in keys:

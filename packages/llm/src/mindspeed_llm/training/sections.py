@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from mindspeed.config import ConfigError
 from mindspeed.features.pipeline import parse_noop_layers
+from mindspeed.metrics.config import LossCurveLoggingConfig
 from mindspeed.model.shape import ModelShape
 
 
@@ -485,23 +486,13 @@ class DpoConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """What the run shows and writes.
+class LoggingConfig(LossCurveLoggingConfig):
+    """The core's ``logging`` section (:class:`mindspeed.metrics.config.LoggingConfig`: dir, interval,
+    progress, trackers and their settings, ``loss_curve``) plus the LLM suite's MFU denominator.
 
     Attributes:
-        dir: where ``metrics.jsonl``, TensorBoard events and the loss curve go (default:
-            ``checkpoint.save``; none when both are unset).
-        interval: log a line every this many steps.
-        progress: draw a progress bar (rank 0, on standard error).
-        tensorboard: write TensorBoard event files to ``dir/tensorboard``.
-        loss_curve: draw ``dir/loss.png`` at the end.
         peak_tflops: peak TFLOP/s of one device, the MFU denominator (default: the table in
             :mod:`mindspeed.metrics.peak`).
     """
 
-    dir: str | None = None
-    interval: int = 1
-    progress: bool = True
-    tensorboard: bool = True
-    loss_curve: bool = True
     peak_tflops: float | None = None

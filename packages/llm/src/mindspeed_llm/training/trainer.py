@@ -30,7 +30,7 @@ from mindspeed.checkpointing import (
     holds_checkpoints,
     resume_hint,
 )
-from mindspeed.config import ConfigError
+from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import deterministic_mode, get_accelerator
 from mindspeed.features import ModelFacts
 from mindspeed.features.context import ParallelSizes
@@ -38,6 +38,8 @@ from mindspeed.features.moe import expert_layout
 from mindspeed.features.pipeline import noop_layer_layout
 from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, fast_path, unadapt
+from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
+from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
@@ -52,7 +54,6 @@ from mindspeed_llm.training.hf import (
 )
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
 from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
-from mindspeed_llm.training.metrics import LOSS_CURVE, MetricsLog, write_loss_curve
 from mindspeed_llm.training.model import (
     build_model,
     count_parameters,
@@ -411,8 +412,9 @@ class Trainer:
         result = TrainResult(num_parameters=self.num_parameters, features=features.to_dict() if features else {})
         rank0 = dist.get_rank() == 0
         log_dir = config.log_dir()
-        metrics = MetricsLog(log_dir, state.step, enabled=rank0, tensorboard=config.logging.tensorboard)
         reporter = RunReporter(config, self.shape, self.vocab, self.world, self.num_parameters, start=state.step)
+        # The trackers of logging.trackers on rank 0 (metrics.jsonl, TensorBoard, ...), the recipe as the run's config.
+        metrics = open_tracking(config.logging, log_dir, state.step, rank0, to_dict(config) if rank0 else None)
         try:
             with reporter:
                 while state.step < t.steps:
@@ -487,7 +489,7 @@ class Trainer:
         ck = self.config.checkpoint
         return bool(ck.save and ck.interval and step % ck.interval == 0)
 
-    def _finish(self, result: TrainResult, metrics: MetricsLog, reporter: RunReporter) -> None:
+    def _finish(self, result: TrainResult, metrics: Tracking, reporter: RunReporter) -> None:
         config, step = self.config, self.state.step
         if not result.records and step > 0:  # resumed from a checkpoint of the last step
             logger.info("nothing to train: the checkpoint is already at step %d of %d", step, config.train.steps)
@@ -588,7 +590,7 @@ class Trainer:
         dist.all_reduce(local, group=self.groups.dp_cp)
         return int(local.item())
 
-    def _evaluate(self, step: int, metrics: MetricsLog, reporter: RunReporter) -> dict[str, Any]:
+    def _evaluate(self, step: int, metrics: Tracking, reporter: RunReporter) -> dict[str, Any]:
         gbs, num_micro = self.config.global_batch_size(self.world), self.config.num_microbatches(self.world)
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
         for batches in steps:

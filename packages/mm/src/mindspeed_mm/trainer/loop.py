@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume_hint
+from mindspeed.config import to_dict
 from mindspeed.device import deterministic_mode, get_accelerator, retain_freed_host_memory
 from mindspeed.log import get_logger
+from mindspeed.metrics.log import LOSS_CURVE, METRICS_FILE, write_loss_curve
+from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.training.metrics import LOSS_CURVE, METRICS_FILE, MetricsLog, write_loss_curve
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, step_dir
@@ -88,9 +90,12 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
             load_checkpoint(resume_from, task.model, optimizer, task.source, config.lora.enabled)["step"]
         )
     log_dir = config.log_dir()
-    metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
     bar = StatusProgress(
         "train", total=t.steps, completed=result.start_step, disable=not (rank == 0 and config.logging.progress)
+    )
+    # The trackers of logging.trackers on rank 0 (metrics.jsonl, TensorBoard, ...), the recipe as the run's config.
+    metrics = open_tracking(
+        config.logging, log_dir, result.start_step, rank == 0, to_dict(config) if rank == 0 else None
     )
     try:
         _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result, preemption)
@@ -100,7 +105,7 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
         with export_weights(optimizer, config.checkpoint.export_ema):  # train.ema: the moving averages
             result.exports = task.export()
     result.save_hf = result.exports.get("save_hf")
-    if rank == 0 and log_dir is not None and config.logging.loss_curve:
+    if rank == 0 and log_dir is not None and config.logging.loss_curve and metrics.path is not None:
         write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
     return result
 
@@ -111,7 +116,7 @@ def _run_steps(
     task: TrainTask,
     optimizer: torch.optim.Optimizer,
     trainable: list[torch.Tensor],
-    metrics: MetricsLog,
+    metrics: Tracking,
     bar: StatusProgress,
     result: TrainResult,
     preemption: Preemption,
