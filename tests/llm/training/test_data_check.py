@@ -12,7 +12,7 @@ from mindspeed.config import ConfigError
 from mindspeed_llm.training.data_check import HEADER_BYTES, check_indexed_dataset
 from mindspeed_llm.training.finetune_data import check_finetune_data
 from tests.llm.training.datasets import write_indexed_dataset
-from tests.llm.training.finetune_data import make_samples, write_instruction
+from tests.llm.training.finetune_data import make_samples, write_instruction, write_pairwise
 
 DOCS = 30
 
@@ -118,3 +118,26 @@ def test_instruction_labels_may_be_ignored_but_not_out_of_range(tmp_path: Path) 
         check_finetune_data([prefix], keys, 128)
     with pytest.raises(ConfigError, match="input_ids_document.bin: .*vocabulary of 16"):
         check_finetune_data([prefix], keys, 16)
+
+
+def test_every_stage_checks_its_data_when_it_opens_it(good: str, tmp_path: Path) -> None:
+    from mindspeed_llm.training.config import load_pretrain_config
+    from mindspeed_llm.training.data import TokenIds
+    from mindspeed_llm.training.stages import get_stage
+
+    # Written with a 256-token vocabulary, read by a model of 128 (padded to 128: divisible by 64).
+    pairs = write_pairwise(str(tmp_path / "pairs"), 20, seed=0, vocab=256)
+    sft = write_instruction(str(tmp_path / "sft"), make_samples(20, seed=0, vocab=256))
+    ids = TokenIds(vocab_size=128, eod=0)
+    for stage, prefix, damaged in (
+        ("dpo", pairs, "chosen_input_ids_document.bin"),
+        ("sft", sft, "input_ids_document.bin"),
+        ("pretrain", _copy(good, tmp_path), "d.idx"),
+    ):
+        if stage == "pretrain":
+            _patch(prefix + ".idx", HEADER_BYTES + 4 * DOCS + 8, bytes(64))
+        config = load_pretrain_config(
+            None, [f"stage={stage}", f"data.prefixes=[{prefix}]", "model.vocab_size=128", "data.split=100,0,0"]
+        )
+        with pytest.raises(ConfigError, match=f"{damaged}: sequence"):
+            get_stage(stage).datasets(config, 1, ids)

@@ -7,7 +7,7 @@ trusts: the header (magic, version, dtype code), that the ``.idx`` holds exactly
 its counts announce, that every sequence starts where the one before it ends (the builder
 writes them back to back) and ends inside the ``.bin``, that the document boundaries rise
 from 0 to the sequence count, and that every token id is below the model's (padded)
-vocabulary: a vectorised scan of the memory-mapped ``.bin``, in chunks (about 0.1 s per
+vocabulary: a vectorised scan of the memory-mapped ``.bin``, in chunks (about 0.05 s per
 100 MB, see ``docs/reliability.md``). A problem is a :class:`~mindspeed.config.ConfigError`
 of one line naming the file, the sequence and the fix.
 """
