@@ -28,7 +28,10 @@ def test_damaged_idx_and_truncated_bin_stop_the_run_at_start(tmp_path: Path, dat
     truncated = _copy(dataset, tmp_path / "truncated")
     with open(truncated + ".bin", "r+b") as f:
         f.truncate(f.seek(0, 2) - 1000)
-    for prefix, words in ((overwritten, f"{overwritten}.idx: sequence 50 starts"), (truncated, f"{truncated}.bin is truncated")):
+    for prefix, words in (
+        (overwritten, f"{overwritten}.idx: sequence 50 starts"),
+        (truncated, f"{truncated}.bin is truncated"),
+    ):
         out = Path(prefix).parent / "run"
         done = harness.run(harness.command(*harness.recipe(prefix, out)))
         errors = done.lines("error:")

@@ -110,7 +110,9 @@ def build_datasets(config: PretrainConfig, world_size: int, ids: TokenIds) -> tu
     # cover the request); unused splits are dropped from the matrix, which leaves the bookends of
     # the others, and so the documents each split gets, unchanged.
     matrix = dataset_config.split_matrix
-    counts = {} if d.mock else {prefix: check_indexed_dataset(prefix, token_limit(config, ids)) for prefix in d.prefixes}
+    counts = (
+        {} if d.mock else {prefix: check_indexed_dataset(prefix, token_limit(config, ids)) for prefix in d.prefixes}
+    )
     for index, needed in enumerate((True, evaluates, False)):
         if not needed:
             matrix[index] = None

@@ -25,16 +25,7 @@ from mindspeed.config import ConfigError
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 34  # magic 9, version 8, dtype code 1, sequence count 8, document count 8
 #: megatron-core's ``DType`` codes.
-DTYPES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 #: Tokens read per chunk of the vocabulary scan (bounded memory on any file size).
 CHUNK_TOKENS = 1 << 24
 FIX = "run preprocess-data again to rewrite it"
@@ -132,18 +123,15 @@ def _check_documents(idx: Path, documents: np.ndarray, count: int) -> None:
 
 
 def _scan_tokens(
-    bin_: Path,
-    dtype: type,
-    pointers: np.ndarray,
-    itemsize: int,
-    vocab_size: int,
-    ignore_index: int | None,
+    bin_: Path, dtype: type, pointers: np.ndarray, itemsize: int, vocab_size: int, ignore_index: int | None
 ) -> None:
     tokens = np.memmap(bin_, dtype=dtype, mode="r")
     for start in range(0, len(tokens), CHUNK_TOKENS):
         chunk = tokens[start : start + CHUNK_TOKENS]
         low, high = chunk.min(), chunk.max()
-        if high < vocab_size and (low >= 0 or (ignore_index is not None and _only_ignored_negatives(chunk, ignore_index))):
+        if high < vocab_size and (
+            low >= 0 or (ignore_index is not None and _only_ignored_negatives(chunk, ignore_index))
+        ):
             continue
         bad = (chunk >= vocab_size) | (chunk < 0)
         if ignore_index is not None:
