@@ -66,7 +66,9 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=False).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=False).returncode == 0
+    )
 
 
 @pytest.fixture

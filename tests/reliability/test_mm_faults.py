@@ -167,3 +167,26 @@ def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(
     (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
     assert "holds a Qwen2_5_VLForConditionalGeneration model" in line and "is a Qwen3VLForConditionalGeneration" in line
     assert _names(mm_reference) == [f"step_{s:08d}" for s in (2, 4)]  # the reference was not touched
+
+
+def test_mm_full_disk_at_a_save_is_one_line_and_resumes(
+    tmp_path: Path, mm_model: tuple[Path, Path], mm_reference: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model, data = mm_model
+    out = _copy(mm_reference, tmp_path / "full")
+    shutil.rmtree(out / "step_00000004")
+    (out / TRACKER).unlink()
+    before = {p.name: p.read_bytes() for p in (out / "step_00000002").iterdir()}
+    # The DCP save of step 4 runs out of space where it writes: exit 1, one line, no .tmp left.
+    code, err = _main(capsys, harness.mm_recipe(model, data, out), fault="save.write@4=ENOSPC")
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert f"no space left on the file system of {out} to save step_00000004" in line, line
+    assert f"the previous complete checkpoint {out / 'step_00000002'} is the resume point" in line, line
+    assert not list(out.glob("*.tmp")) and _names(out) == ["step_00000002"]
+    assert {p.name: p.read_bytes() for p in (out / "step_00000002").iterdir()} == before
+    # Space again: the same command resumes from step 2 and trains the reference's steps 3-4.
+    (out / "metrics.jsonl").unlink()
+    code, err = _main(capsys, harness.mm_recipe(model, data, out))
+    assert code == 0, err[-3000:]
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(mm_reference / "metrics.jsonl")[2:]

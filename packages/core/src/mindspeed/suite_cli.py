@@ -90,7 +90,9 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
         sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 2
     except DiskFullError as err:  # a save that ran out of space: one line, exit 1 (docs/reliability.md)
-        sys.stderr.write(f"{parser.prog}: error: {err}\n")
+        # Raised in a Ray worker it arrives as a RayTaskError that is also a DiskFullError: its cause is the line.
+        cause = getattr(err, "cause", None)
+        sys.stderr.write(f"{parser.prog}: error: {cause if isinstance(cause, DiskFullError) else err}\n")
         return 1
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns 130 itself)
         sys.stderr.write(f"{parser.prog}: interrupted\n")

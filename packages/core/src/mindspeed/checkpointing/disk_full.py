@@ -118,3 +118,30 @@ def save_guard(root: str | Path, target: Path, remove_tmp: bool = True, layout: 
         previous = (list_complete(root, layout) or [None])[-1] if root.is_dir() else None
         needed = tree_size(previous) if previous is not None else 0
         raise DiskFullError(disk_full_message(root, target, max(needed, written), previous, free)) from err
+
+
+@contextlib.contextmanager
+def export_guard(target: str | Path, *staging: Path) -> Iterator[None]:
+    """:func:`save_guard` for an export (``checkpoint.save_hf``): ``staging`` (the half-written directories) is removed.
+
+    The export runs after the last checkpoint, which stays complete: the message says so.
+    """
+    target = Path(target)
+    try:
+        yield
+    except (DiskFullError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:
+        parent = target.parent
+        free = _free(parent)
+        if not (names_no_space(err) or free < ALMOST_FULL):
+            raise
+        written = sum(tree_size(path) for path in staging)
+        for path in staging:
+            shutil.rmtree(path, ignore_errors=True)
+        raise DiskFullError(
+            f"no space left on the file system of {parent} to export {target.name}: {_mb(written)} were written "
+            f"before it failed (now removed) and {_mb(_free(parent))} is free; the run's checkpoints are complete; "
+            "free space (or give checkpoint.save_hf another file system) and export the newest checkpoint with the "
+            "suite's convert command (docs/reliability.md)"
+        ) from err
