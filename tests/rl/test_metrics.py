@@ -160,3 +160,25 @@ def test_progress_line_bar_on_a_terminal() -> None:
     progress.close()  # twice is harmless
     shown = stream.getvalue()
     assert "3/3" in shown and "step 3/3 | reward 0.300" in shown
+
+
+def test_tensorboard_on_a_full_disk_warns_once_and_stops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import os
+
+    from mindspeed_rl.metrics import RLMetricsLog
+
+    class _Full:
+        def add_scalar(self, *args: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        flush = close = add_scalar
+
+    sink = RLMetricsLog(tmp_path, tensorboard=False, reward_curve=False)
+    sink._board = _Full()
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 20):
+            sink.log({"step": step, "reward_mean": 0.5})
+        sink.close()
+    assert len([r for r in caplog.records if "cannot write TensorBoard" in r.getMessage()]) == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 19

@@ -14,6 +14,7 @@ in ``docs/rl/metrics.md``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from mindspeed.log import get_logger
+from mindspeed.log import get_logger, stop_writing
 from mindspeed_llm.training.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, open_tensorboard, read_metrics
 
 logger = get_logger(__name__)
@@ -256,11 +257,14 @@ class RLMetricsLog:
             raise ValueError(f"a metrics record needs a numeric 'step'; got keys {sorted(record)[:8]}")
         self._jsonl.write(dict(record))
         if self._board is not None:
-            for key, value in record.items():
-                number = _number(value)
-                if key != "step" and number is not None:
-                    self._board.add_scalar(key, number, int(step))
-            self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
+            try:
+                for key, value in record.items():
+                    number = _number(value)
+                    if key != "step" and number is not None:
+                        self._board.add_scalar(key, number, int(step))
+                self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
+            except OSError as err:  # a full disk: one warning, no more events (the run goes on)
+                self._stop_board(err)
 
     def close(self) -> Path | None:
         """Close the files and draw ``reward.png`` (when asked for).
@@ -270,11 +274,22 @@ class RLMetricsLog:
         """
         self._jsonl.close()
         if self._board is not None:
-            self._board.close()
+            try:
+                self._board.close()
+            except OSError as err:
+                self._stop_board(err)
             self._board = None
         if self.reward_curve:
             return write_reward_curve(self.path, self.log_dir / REWARD_CURVE)
         return None
+
+    def _stop_board(self, err: OSError) -> None:
+        stop_writing(
+            self, f"cannot write TensorBoard events to {self.log_dir / TENSORBOARD_DIR}: {err}; not written any more"
+        )
+        board, self._board = self._board, None
+        with contextlib.suppress(Exception):
+            board.close()
 
     def __enter__(self) -> RLMetricsLog:
         return self
