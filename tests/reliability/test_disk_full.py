@@ -4,7 +4,7 @@ Two ways to fill the disk: the fault point ``save.write@4=ENOSPC`` (megatron's f
 writers fail their writes with ``ENOSPC``, so the error travels the way a real one does: writer
 process, megatron's result queue, torch DCP's ``CheckpointException``), everywhere; and, where
 the test may mount one (root), a real tmpfs too small for the run, which the run fills, is run
-on again while still full (no traceback per log record), then grown, after which the run
+on again with not a byte left (no traceback per log record), then grown, after which the run
 resumes and ends with the uninterrupted run's numbers.
 """
 
@@ -71,6 +71,21 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+def _fill(path: Path) -> None:
+    """Write ``path`` until the file system has no byte left."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+        try:
+            while True:
+                f.write(b"\0")
+        except OSError:
+            pass
+
+
 @pytest.fixture
 def small_fs(tmp_path: Path):
     mount = tmp_path / "fs"
@@ -88,12 +103,18 @@ def test_a_real_full_file_system(small_fs: Path, dataset: str, reference: Path) 
     _one_line(done, resume)
     before = _digest(resume)
     _check_left(out, resume, before)
-    # The disk is still full: the next run resumes, trains, and fails at the same save with one line again.
+    # Not a byte left: the next run resumes, cannot write its run log or metrics (one warning each, no
+    # traceback per record), trains, and fails at the same save with one line again.
+    filler = small_fs / "filler"
+    _fill(filler)
     done = harness.run(args)
     _one_line(done, resume)
-    assert len(done.lines("WARNING")) <= 3, done.stderr[-3000:]  # the run log and metrics: one warning each
+    warnings = done.lines("WARNING")
+    assert any("cannot write the run log" in w for w in warnings), done.stderr[-3000:]
+    assert len(warnings) <= 3, done.stderr[-3000:]  # the run log and metrics: one warning each
     _check_left(out, resume, before)
     # Space is freed: the run resumes from the same checkpoint and ends with the uninterrupted run's numbers.
+    filler.unlink()
     subprocess.run(["mount", "-o", "remount,size=20m", str(small_fs)], check=True)
     done = harness.run(args)
     assert done.returncode == 0 and done.resumed_step == int(resume.name.split("_")[1]), done.stderr[-3000:]
