@@ -167,3 +167,57 @@ def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(
     (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
     assert "holds a Qwen2_5_VLForConditionalGeneration model" in line and "is a Qwen3VLForConditionalGeneration" in line
     assert _names(mm_reference) == [f"step_{s:08d}" for s in (2, 4)]  # the reference was not touched
+
+
+def test_mm_full_disk_at_a_save_is_one_line_and_resumes(
+    tmp_path: Path, mm_model: tuple[Path, Path], mm_reference: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model, data = mm_model
+    out = _copy(mm_reference, tmp_path / "full")
+    shutil.rmtree(out / "step_00000004")
+    (out / TRACKER).unlink()
+    before = {p.name: p.read_bytes() for p in (out / "step_00000002").iterdir()}
+    # The DCP save of step 4 runs out of space where it writes: exit 1, one line, no .tmp left.
+    code, err = _main(capsys, harness.mm_recipe(model, data, out), fault="save.write@4=ENOSPC")
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert f"no space left on the file system of {out} to save step_00000004" in line, line
+    assert f"the previous complete checkpoint {out / 'step_00000002'} is the resume point" in line, line
+    assert not list(out.glob("*.tmp")) and _names(out) == ["step_00000002"]
+    assert {p.name: p.read_bytes() for p in (out / "step_00000002").iterdir()} == before
+    # Space again: the same command resumes from step 2 and trains the reference's steps 3-4.
+    (out / "metrics.jsonl").unlink()
+    code, err = _main(capsys, harness.mm_recipe(model, data, out))
+    assert code == 0, err[-3000:]
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(mm_reference / "metrics.jsonl")[2:]
+
+
+def test_mm_unreadable_images_stop_at_start_or_are_skipped_with_a_count(
+    tmp_path: Path, mm_model: tuple[Path, Path], capsys: pytest.CaptureFixture
+) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    model, data = mm_model
+    shutil.copytree(data.parent, tmp_path / "data")
+    data = tmp_path / "data" / data.name
+    images = sorted((data.parent / "images").iterdir())
+    images[0].write_bytes(b"\x89PNG\r\n\x1a\n not an image")  # sample 1: its header is damaged
+    jpeg = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3)).astype(np.uint8)).save(jpeg, "JPEG")
+    data_bytes = jpeg.getvalue()
+    images[1].write_bytes(data_bytes[: len(data_bytes) * 2 // 3])  # sample 2: a sound header, cut data
+    out = tmp_path / "run"
+    code, err = _main(capsys, harness.mm_recipe(model, data, out, steps=2))
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert f"{data}:1: image {images[0]} cannot be read" in line and "data.skip_bad=true" in line, line
+    assert not (out / "metrics.jsonl").exists(), "the run trained before the check"
+    # data.skip_bad: sample 1 left out at start, sample 2 when it is decoded; each counted, the run goes on.
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=4), "data.skip_bad=true"])
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert "data.skip_bad: 1 of 8 samples of data.files skipped" in err, err[-3000:]
+    assert f"data.skip_bad: skipping {data}:2: image {images[1]} cannot be read" in err, err[-3000:]
+    assert [r["step"] for r in harness.numerics(out / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -182,3 +182,27 @@ def test_progress_line_keeps_steps_and_eta_on_a_narrow_terminal(monkeypatch, col
     shown = last_drawn_line(stream)
     assert len(shown) <= columns and " 42/300 " in shown and re.search(r"ETA \d+:\d\d:\d\d", shown), shown
     assert ("reward 4.200+-2.100" in shown) == (columns == 80), shown  # the reward goes first, then the bar
+
+
+def test_tensorboard_on_a_full_disk_warns_once_and_stops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import os
+
+    from mindspeed_rl.metrics import RLMetricsLog
+
+    class _Full:
+        name = "tensorboard"
+
+        def log_scalars(self, *args: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        close = log_scalars
+
+    sink = RLMetricsLog(tmp_path, tensorboard=False, reward_curve=False)
+    sink.tracking.trackers.append(_Full())
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 20):
+            sink.log({"step": step, "reward_mean": 0.5})
+        sink.close()
+    assert len([r for r in caplog.records if "tracker tensorboard failed" in r.getMessage()]) == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 19

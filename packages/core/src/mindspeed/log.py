@@ -130,8 +130,12 @@ class RunLogHandler(logging.Handler):
         self.pending: collections.deque[logging.LogRecord] = collections.deque(maxlen=capacity)
         self.file = None
         self.path: Path | None = None
+        self.failed = False  # the file could not be written: records are dropped
+        self._warned_stop = False
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
         if self.file is None:
             self.pending.append(record)
             return
@@ -141,18 +145,52 @@ class RunLogHandler(logging.Handler):
         except Exception:  # noqa: BLE001 -- logging must not raise
             self.handleError(record)
 
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 -- logging.Handler's name
+        """A file that cannot be written (a full disk): one warning, then the run log is no longer written.
+
+        ``logging``'s own handler prints a traceback per record: hundreds on a full disk.
+        """
+        err = sys.exc_info()[1]
+        self.failed = True  # first: the warning below must not come back here
+        stop_writing(self, f"cannot write the run log {self.path}: {err}; it is not written any more")
+        file, self.file = self.file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+
     def open(self, path: Path) -> None:
         """Write to ``path`` (appended to): first what was kept, then every record."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file, self.path = open(path, "a", encoding="utf-8"), path
+        self.failed = self._warned_stop = False
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file, self.path = open(path, "a", encoding="utf-8"), path
+        except OSError as err:
+            self.path = path
+            self.pending.clear()
+            self.failed = True
+            stop_writing(self, f"cannot write the run log {path}: {err}; it is not written")
+            return
         while self.pending:
             self.emit(self.pending.popleft())
 
     def close_file(self) -> None:
         """Stop writing to the file (records are kept in memory again)."""
         if self.file is not None:
-            self.file.close()
-        self.file, self.path = None, None
+            with contextlib.suppress(OSError):  # a full disk: the warning was given when a write failed
+                self.file.close()
+        self.file, self.path, self.failed = None, None, False
+
+
+def stop_writing(sink: object, message: str) -> None:
+    """Warn once per ``sink`` (a log file, the metrics writer) that it cannot be written any more.
+
+    The caller stops writing to it: a full disk costs one line, not a traceback per record.
+    """
+    if getattr(sink, "_warned_stop", False):
+        return
+    with contextlib.suppress(AttributeError):
+        sink._warned_stop = True  # type: ignore[attr-defined]
+    logging.getLogger(__name__).warning("%s", message)
 
 
 #: The process's run-log handler (shared by every logger setup_logging configures).
@@ -280,20 +318,25 @@ def run_log_path() -> Path | None:
 
 
 class _MarkDetail(logging.Filter):
+    def __init__(self, below: int = logging.ERROR) -> None:
+        super().__init__()
+        self.below = below
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if record.levelno < self.below:
             record.detail = True
         return True
 
 
 @contextlib.contextmanager
-def logged_as_detail(*names: str) -> Iterator[None]:
+def logged_as_detail(*names: str, errors: bool = False) -> Iterator[None]:
     """Inside the block, records below ERROR of the loggers ``names`` (these exact loggers) are detail.
 
     For a step a command runs on the user's behalf whose own report is not what the user asked
-    for (the trainer's Hugging Face export runs a whole checkpoint conversion).
+    for (the trainer's Hugging Face export runs a whole checkpoint conversion). ``errors``: the
+    ERROR records too (a failure the caller reports in its own words, e.g. a full disk).
     """
-    mark = _MarkDetail()
+    mark = _MarkDetail(logging.CRITICAL + 1 if errors else logging.ERROR)
     loggers = [logging.getLogger(name) for name in names]
     for logger in loggers:
         logger.addFilter(mark)

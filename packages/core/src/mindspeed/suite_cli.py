@@ -7,7 +7,8 @@ their help text from its docstring (:func:`field_help`, :func:`add_dataclass_fla
 with an ``overrides`` positional (``key=value ...``) takes them anywhere on the line, between and
 after its options too; so is ``--verbose`` (the console shows the detail the run's report file
 keeps). Errors that are the user's (``ValueError``) end with one line on standard error and exit
-code 2.
+code 2; a save that ran out of space (:class:`~mindspeed.checkpointing.DiskFullError`) with one line
+and exit code 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
+from mindspeed.checkpointing.disk_full import DiskFullError
 from mindspeed.log import VERBOSE_ENV, setup_logging
 
 #: What a suite registers: a function that adds one subcommand to the subparsers.
@@ -100,6 +102,11 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
     except ValueError as err:  # user errors name the input and the fix
         sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 2
+    except DiskFullError as err:  # a save that ran out of space: one line, exit 1 (docs/reliability.md)
+        # Raised in a Ray worker it arrives as a RayTaskError that is also a DiskFullError: its cause is the line.
+        cause = getattr(err, "cause", None)
+        sys.stderr.write(f"{parser.prog}: error: {cause if isinstance(cause, DiskFullError) else err}\n")
+        return 1
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns 130 itself)
         sys.stderr.write(f"{parser.prog}: interrupted\n")
         return 130

@@ -24,6 +24,7 @@ from mindspeed.checkpointing.discovery import (
     write_marker,
     write_tracker,
 )
+from mindspeed.checkpointing.disk_full import DiskFullError, export_guard, save_guard
 from mindspeed.checkpointing.faults import FAULT_ENV, fault_point
 from mindspeed.checkpointing.orphans import die_with_parent, forked_children_die_with_me
 from mindspeed.checkpointing.preemption import (
@@ -37,6 +38,7 @@ from mindspeed.checkpointing.preemption import (
 )
 
 __all__ = [
+    "DiskFullError",
     "EXIT_SIGINT",
     "EXIT_SIGTERM",
     "FAULT_ENV",
@@ -53,6 +55,7 @@ __all__ = [
     "damage_of",
     "die_with_parent",
     "fault_point",
+    "export_guard",
     "find_resume",
     "forked_children_die_with_me",
     "holds_checkpoints",
@@ -63,6 +66,7 @@ __all__ = [
     "remove_tree",
     "resume_hint",
     "rotate",
+    "save_guard",
     "step_of",
     "tracker_step",
     "write_marker",

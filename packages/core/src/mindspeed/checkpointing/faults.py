@@ -8,13 +8,21 @@ no-op (one dictionary lookup). Points: ``train.step_start``, ``train.step_end``,
 ``save.start``, ``save.written``, ``save.renamed``, ``save.tracker`` (the trainer), ``rl.step_end``
 (the RL driver) and ``save.writer``: a forked checkpoint writer kills its trainer and then
 keeps writing for a while, so that a writer that does not die with its trainer is caught.
+
+``save.write@<step>=ENOSPC`` (or ``=EDQUOT``) makes the save of that step run out of space where
+it writes: in megatron's forked checkpoint writers every file they open fails its first write
+with that ``OSError`` (as a full file system would), elsewhere (the multimodal trainer, the RL
+driver, an export) the fault point itself raises it.
 """
 
 from __future__ import annotations
 
+import builtins
+import errno
 import os
 import signal
 import time
+from typing import Any
 
 #: The environment variable that arms a fault point.
 FAULT_ENV = "MINDSPEED_FAULT"
@@ -25,11 +33,21 @@ def _armed(name: str, step: int) -> bool:
     return os.environ.get(FAULT_ENV, "").split("=")[0] == f"{name}@{step}"
 
 
+_ERRNOS = {"ENOSPC": errno.ENOSPC, "EDQUOT": errno.EDQUOT}
+
+
+def _no_space(action: str) -> OSError:
+    code = _ERRNOS[action]
+    return OSError(code, os.strerror(code))
+
+
 def fault_point(name: str, step: int) -> None:
     """Kill this process with SIGKILL (or send it the signal named) if ``MINDSPEED_FAULT`` is ``name@step[=SIGNAL]``."""
     _step[0] = step
     if FAULT_ENV in os.environ and _armed(name, step):
         action = os.environ[FAULT_ENV].partition("=")[2] or "SIGKILL"
+        if action in _ERRNOS:
+            raise _no_space(action)
         sig, _, times = action.partition("x")
         for _ in range(int(times or 1)):
             os.kill(os.getpid(), getattr(signal, sig))
@@ -41,3 +59,39 @@ def child_fault(name: str) -> None:
     if FAULT_ENV in os.environ and _armed(name, _step[0]):
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(20.0)  # a writer that survives its trainer is still here when the test looks
+
+
+class _FullFile:
+    """A file whose writes fail as on a full file system (everything else is the real file's)."""
+
+    def __init__(self, file: Any, action: str) -> None:
+        self._file, self._action = file, action
+
+    def write(self, data: Any) -> int:
+        raise _no_space(self._action)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def __enter__(self) -> _FullFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def child_write_fault(name: str = "save.write") -> None:
+    """In a forked checkpoint writer: if ``MINDSPEED_FAULT`` is ``name@<step of the save>=ENOSPC`` (or
+    ``EDQUOT``), every file this process opens for writing from now on fails its writes with that error."""
+    if FAULT_ENV not in os.environ or not _armed(name, _step[0]):
+        return
+    action = os.environ[FAULT_ENV].partition("=")[2]
+    if action not in _ERRNOS:
+        return
+    real_open = builtins.open
+
+    def full_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        return _FullFile(handle, action) if any(c in mode for c in "wax+") else handle
+
+    builtins.open = full_open  # this process is a writer forked for one save: it exits after it

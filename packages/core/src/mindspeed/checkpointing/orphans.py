@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from mindspeed.checkpointing.faults import child_fault
+from mindspeed.checkpointing.faults import child_fault, child_write_fault
 
 _PR_SET_PDEATHSIG = 1
 _guarding: list[int] = []  # the pids whose forked children must die with them
@@ -62,6 +62,7 @@ def _after_fork_in_child() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
     child_fault("save.writer")
+    child_write_fault("save.write")
 
 
 @contextlib.contextmanager

@@ -10,13 +10,14 @@ it shows the whole run across resumes. TensorBoard and the PNG need the ``tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-from mindspeed.log import get_logger
+from mindspeed.log import get_logger, stop_writing
 
 logger = get_logger(__name__)
 
@@ -76,38 +77,65 @@ class MetricsLog:
         self._board = None
         if self.path is None:
             return
-        if tensorboard:
-            self._board = open_tensorboard(directory / TENSORBOARD_DIR, resume_step)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_step > 0 and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
-        self._file = self.path.open("a")
+        try:
+            if tensorboard:
+                self._board = open_tensorboard(directory / TENSORBOARD_DIR, resume_step)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resume_step > 0 and self.path.exists():
+                kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            self._file = self.path.open("a")
+        except OSError as err:  # a full disk: the run goes on without metrics, the old file stays
+            self._fail("metrics", err)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record and flush it (and add its scalars to TensorBoard)."""
         if self._file is not None:
-            self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+                self._file.flush()
+            except OSError as err:
+                self._fail("metrics", err)
         if self._board is not None:
             kind = record.get("kind", "train")
-            for name in _SCALARS.get(kind, ()):
-                value = record.get(name)
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._board.add_scalar(f"{kind}/{name}", value, record["step"])
-            self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
+            try:
+                for name in _SCALARS.get(kind, ()):
+                    value = record.get(name)
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        self._board.add_scalar(f"{kind}/{name}", value, record["step"])
+                self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
+            except OSError as err:
+                self._fail("tensorboard", err)
+
+    def _fail(self, sink: str, err: OSError) -> None:
+        """Stop writing ``sink`` (one warning, no traceback per record): the run goes on."""
+        where = self.path if sink == "metrics" else (self.path.parent / TENSORBOARD_DIR if self.path else None)
+        stop_writing(self, f"cannot write {sink} to {where}: {err}; the run goes on without writing them")
+        closing = (self._file,) if sink == "metrics" else (self._board,)
+        for handle in closing:
+            with contextlib.suppress(Exception):
+                if handle is not None:
+                    handle.close()
+        if sink == "metrics":
+            self._file = None
+        else:
+            self._board = None
 
     def close(self) -> None:
-        """Close the files."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        """Close the files (a file that cannot be flushed any more is given up quietly: it warned when it failed)."""
+        for handle in (self._file, self._board):
+            if handle is not None:
+                try:
+                    handle.close()
+                except OSError as err:
+                    stop_writing(self, f"cannot write metrics to {self.path}: {err}")
+        self._file = self._board = None
 
 
 def open_tensorboard(directory: Path, resume_step: int) -> Any:
@@ -151,7 +179,13 @@ def write_loss_curve(metrics: Path, target: Path) -> Path | None:
     axes.legend()
     figure.tight_layout()
     tmp = target.with_name(target.stem + ".tmp.png")
-    figure.savefig(tmp)
-    plt.close(figure)
-    os.replace(tmp, target)
+    try:
+        figure.savefig(tmp)
+        os.replace(tmp, target)
+    except OSError as err:  # a full disk: no curve, one warning
+        tmp.unlink(missing_ok=True)
+        logger.warning("cannot write the loss curve %s: %s", target, err)
+        return None
+    finally:
+        plt.close(figure)
     return target

@@ -44,12 +44,13 @@ from mindspeed.checkpointing import (
     list_complete,
     remove_tree,
     rotate,
+    save_guard,
     write_marker,
     write_tracker,
 )
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
-from mindspeed.log import get_logger, get_rank
+from mindspeed.log import get_logger, get_rank, logged_as_detail
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
@@ -225,6 +226,65 @@ def _children_allowed() -> Iterator[None]:
             process.daemon = True
 
 
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+def _write_checkpoint(
+    root: Path,
+    final: Path,
+    tmp: Path,
+    state: TrainState,
+    chunks: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    config: PretrainConfig,
+    args: Any,
+    extra_files: dict[str, str] | None,
+) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("iter_*.tmp"):  # left by a run killed while saving
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    fault_point("save.start", state.step)
+    sharded = _model_state(chunks)
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
+    sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    sharded.update(
+        train_state=asdict(state),
+        opt_param_scheduler=scheduler.state_dict(),
+        layout=_layout(config),
+        config=to_dict(config),
+    )
+    if args is not None:
+        import copy
+
+        args = copy.copy(args)
+        args.iteration = state.step
+        sharded["args"] = args
+    # A writer's failure (a full disk) is reported by save_guard in one line, not by megatron's ERROR line too.
+    with _synchronous_save(), forked_children_die_with_me(), logged_as_detail(_WRITER_LOGGER, errors=True):
+        dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
+    dist.barrier()
+    fault_point("save.written", state.step)
+    if rank == 0:
+        (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        write_marker(tmp, state.step)  # last: from here on the checkpoint is complete
+        if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
+            remove_tree(final)
+        tmp.rename(final)
+        fault_point("save.renamed", state.step)
+        write_tracker(root, state.step)
+        fault_point("save.tracker", state.step)
+
+
 def save_checkpoint(
     root: str | Path,
     state: TrainState,
@@ -255,50 +315,17 @@ def save_checkpoint(
 
     Returns:
         The checkpoint directory.
-    """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
+    Raises:
+        DiskFullError: the file system ran out of space (the ``.tmp`` directory is removed).
+    """
+    root, rank = Path(root), dist.get_rank()
     final = checkpoint_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
+    # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
+    with save_guard(root, final, remove_tmp=rank == 0):
+        _write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("iter_*.tmp"):  # left by a run killed while saving
-            shutil.rmtree(stale)
-        tmp.mkdir()
-    dist.barrier()
-    fault_point("save.start", state.step)
-    sharded = _model_state(chunks)
-    sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
-    sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
-    sharded.update(
-        train_state=asdict(state),
-        opt_param_scheduler=scheduler.state_dict(),
-        layout=_layout(config),
-        config=to_dict(config),
-    )
-    if args is not None:
-        import copy
-
-        args = copy.copy(args)
-        args.iteration = state.step
-        sharded["args"] = args
-    with _synchronous_save(), forked_children_die_with_me():
-        dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
-    dist.barrier()
-    fault_point("save.written", state.step)
-    if rank == 0:
-        (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        write_marker(tmp, state.step)  # last: from here on the checkpoint is complete
-        if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
-            remove_tree(final)
-        tmp.rename(final)
-        fault_point("save.renamed", state.step)
-        write_tracker(root, state.step)
-        fault_point("save.tracker", state.step)
         rotate(root, config.checkpoint.keep_last if keep_last is None else keep_last, final)
     dist.barrier()
     logger.info("saved checkpoint %s", final)

@@ -22,6 +22,8 @@ from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.training.config import PretrainConfig
+from mindspeed_llm.training.data_check import check_indexed_dataset
+from mindspeed_llm.training.model import padded_vocab_size
 
 logger = get_logger(__name__)
 
@@ -108,11 +110,14 @@ def build_datasets(config: PretrainConfig, world_size: int, ids: TokenIds) -> tu
     # cover the request); unused splits are dropped from the matrix, which leaves the bookends of
     # the others, and so the documents each split gets, unchanged.
     matrix = dataset_config.split_matrix
+    counts = (
+        {} if d.mock else {prefix: check_indexed_dataset(prefix, token_limit(config, ids)) for prefix in d.prefixes}
+    )
     for index, needed in enumerate((True, evaluates, False)):
         if not needed:
             matrix[index] = None
         elif not d.mock:
-            _check_split_documents(d.prefixes, matrix[index], ("train", "validation")[index])
+            _check_split_documents(counts, matrix[index], ("train", "validation")[index])
     cls = MockGPTDataset if d.mock else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, dataset_config).build()
     if train is None or len(train) < sizes[0]:
@@ -145,11 +150,13 @@ def _cache_dir(config: PretrainConfig) -> str | None:
     return str(Path(config.data.prefixes[0]).parent / "cache")
 
 
-def _check_split_documents(prefixes: list[str], bookends: tuple[float, float] | None, name: str) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+def token_limit(config: PretrainConfig, ids: TokenIds) -> int:
+    """Token ids of the data must be below this: the embedding's rows (the padded vocabulary)."""
+    return padded_vocab_size(ids.vocab_size, config.model.make_vocab_size_divisible_by, config.parallel.tp)
 
-    for prefix in prefixes:
-        count = len(IndexedDataset(prefix).sequence_lengths)
+
+def _check_split_documents(counts: dict[str, int], bookends: tuple[float, float] | None, name: str) -> None:
+    for prefix, count in counts.items():
         begin, end = (0, 0) if bookends is None else (round(bookends[0] * count), round(bookends[1] * count))
         if end <= begin:
             raise ConfigError(

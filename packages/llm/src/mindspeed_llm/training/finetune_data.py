@@ -29,6 +29,7 @@ import torch
 
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed_llm.training.data_check import check_indexed_dataset
 
 logger = get_logger(__name__)
 
@@ -37,16 +38,33 @@ INSTRUCTION_KEYS = ("input_ids", "attention_mask", "labels")
 PAIRWISE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
-def _open(prefix: str, key: str) -> Any:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+def _existing(prefix: str, key: str) -> str:
     path = f"{prefix}_packed_{key}_document"
     if not (Path(path + ".bin").is_file() and Path(path + ".idx").is_file()):
         raise ConfigError(
             f"data.prefixes: {path}.bin/.idx not found; give the --output-prefix that "
             "preprocess-data was run with (instruction or pairwise handler)"
         )
-    return IndexedDataset(path)
+    return path
+
+
+def _open(prefix: str, key: str) -> Any:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(_existing(prefix, key))
+
+
+def check_finetune_data(prefixes: list[str], keys: tuple[str, ...], vocab_size: int) -> None:
+    """Check every dataset of ``prefixes`` before training (:func:`check_indexed_dataset`).
+
+    Token ids must be below ``vocab_size``; labels may also be -100 (prompt tokens); the
+    attention-mask datasets number samples, not tokens, and get the structural checks only.
+    """
+    for prefix in prefixes:
+        for key in keys:
+            path = _existing(prefix, key)  # a missing file is named with the preprocess-data hint
+            limit = None if key.endswith("attention_mask") else vocab_size
+            check_indexed_dataset(path, limit, IGNORE_INDEX if key.endswith("labels") else None)
 
 
 def _split_bounds(split: str, count: int) -> list[tuple[int, int]]:

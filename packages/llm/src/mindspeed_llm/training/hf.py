@@ -293,6 +293,10 @@ def _export_state(chunk: Any, vocab_size: int, tp: int) -> dict[str, torch.Tenso
     return state
 
 
+#: Where :func:`save_hf` stages the megatron checkpoint (and a LoRA adapter) next to its target.
+STAGING_SUFFIXES = (".megatron-tmp", ".megatron-tmp-lora")
+
+
 def save_hf(
     chunks: list[Any],
     config: PretrainConfig,
@@ -318,7 +322,7 @@ def save_hf(
     target = Path(config.checkpoint.save_hf)
     bridge, shape, architecture, assets = export_shape(config, vocab_size)
     layout = _layout(config)
-    staging = target.with_name(target.name + ".megatron-tmp")
+    staging = target.with_name(target.name + STAGING_SUFFIXES[0])
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -339,7 +343,7 @@ def save_hf(
     dist.barrier()
     adapter = None
     if lora is not None:
-        adapter = staging.with_name(staging.name + "-lora")
+        adapter = target.with_name(target.name + STAGING_SUFFIXES[1])
         save_lora_adapter(chunks, adapter, shape, None, lora, groups)
     if rank0:
         try:

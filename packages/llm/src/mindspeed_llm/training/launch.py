@@ -29,7 +29,13 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from mindspeed.checkpointing import EXIT_SIGINT, LAUNCHER_INTERRUPT, die_with_parent, interrupts_come_from_launcher
+from mindspeed.checkpointing import (
+    EXIT_SIGINT,
+    LAUNCHER_INTERRUPT,
+    DiskFullError,
+    die_with_parent,
+    interrupts_come_from_launcher,
+)
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, setup_logging
 
@@ -93,6 +99,9 @@ def _spawned_main(
     except ValueError as err:  # a user error: one line, the launcher re-raises it
         results.put((rank, "value_error", str(err)))
         sys.exit(2)
+    except DiskFullError as err:  # a save that ran out of space: one line, re-raised too
+        results.put((rank, "disk_full", str(err)))
+        sys.exit(1)
     except BaseException:  # everything else with its traceback
         results.put((rank, "error", traceback.format_exc()))
         sys.exit(1)
@@ -116,6 +125,7 @@ def launch(
 
     Raises:
         ValueError: a rank raised one (a user error), re-raised with its message.
+        DiskFullError: a rank's save ran out of space, re-raised with its message.
         RankFailure: a rank failed otherwise, or was killed.
     """
     if under_torchrun():
@@ -228,6 +238,8 @@ def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
     for _rank, kind, value in errors:
         if kind == "value_error":
             raise ValueError(value)
+        if kind == "disk_full":
+            raise DiskFullError(value)
     if errors:
         rank, _, value = errors[0]
         raise RankFailure(f"rank {rank} failed:\n{value}")

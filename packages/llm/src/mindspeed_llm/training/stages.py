@@ -19,7 +19,7 @@ from mindspeed.log import get_logger
 from mindspeed.registry import Registry
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.data import DocumentResetReader, MicrobatchReader, build_datasets
+from mindspeed_llm.training.data import DocumentResetReader, MicrobatchReader, build_datasets, token_limit
 from mindspeed_llm.training.dpo import DPO_LOSS, dpo_loss_func, reference_logps
 from mindspeed_llm.training.finetune_data import (
     INSTRUCTION_KEYS,
@@ -27,6 +27,7 @@ from mindspeed_llm.training.finetune_data import (
     DocumentDataset,
     PackedMicrobatchReader,
     PackSettings,
+    check_finetune_data,
 )
 from mindspeed_llm.training.steps import LM_LOSS, LossFunc, lm_loss
 
@@ -94,6 +95,7 @@ class _FinetuneStage(Stage):
         keys = PAIRWISE_KEYS if self.pairwise else INSTRUCTION_KEYS
         d = config.data
         prefixes = [self._tokenize_input(config)] if d.input else list(d.prefixes)
+        check_finetune_data(prefixes, keys, token_limit(config, ids))
         train = DocumentDataset(prefixes, keys, d.split, 0, config.train.seed, shuffle=True)
         if not len(train):
             raise ConfigError(f"data.split={d.split!r} leaves no training samples in {prefixes}")

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from mindspeed.checkpointing import (
     Preemption,
     StopRequest,
     checkpoint_dir,
+    export_guard,
     fault_point,
     find_resume,
     holds_checkpoints,
@@ -45,6 +47,7 @@ from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
 from mindspeed_llm.training.data import read_tokenizer
 from mindspeed_llm.training.hf import (
+    STAGING_SUFFIXES,
     apply_load_hf,
     checkpoint_args_of,
     export_shape,
@@ -500,15 +503,17 @@ class Trainer:
         if ck.save and ck.save_at_end and not self._save_due(step):
             self._save()
         if ck.save_hf:
-            save_hf(
-                self.chunks,
-                config,
-                step,
-                self.ids.vocab_size,
-                self.vocab,
-                lora=self.lora_settings() if config.lora.enabled else None,
-                groups=self.groups,
-            )
+            target = Path(ck.save_hf)  # a full disk: one line, the staging directories removed
+            with export_guard(target, *(target.with_name(target.name + x) for x in STAGING_SUFFIXES)):
+                save_hf(
+                    self.chunks,
+                    config,
+                    step,
+                    self.ids.vocab_size,
+                    self.vocab,
+                    lora=self.lora_settings() if config.lora.enabled else None,
+                    groups=self.groups,
+                )
         if config.lora.save_adapter or config.lora.save_peft:
             self._save_lora()
         reporter.finish(result.records)

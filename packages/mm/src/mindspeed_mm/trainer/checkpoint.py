@@ -35,6 +35,7 @@ from mindspeed.checkpointing import (
     holds_checkpoints,
     remove_tree,
     rotate,
+    save_guard,
     write_marker,
     write_tracker,
 )
@@ -110,7 +111,24 @@ def save_checkpoint(
     ``source`` is the model directory the run started from: its model class is recorded, so that a
     resume with another model is one clear error. ``trainable_only``: the model entries are the
     parameters that train (LoRA: the factors), the frozen rest is ``source``'s.
+
+    Raises:
+        DiskFullError: the file system ran out of space (one line; the ``.tmp`` directory is removed).
     """
+    root = Path(save)
+    with save_guard(root, step_dir(root, step), remove_tmp=dist.get_rank() == 0, layout=LAYOUT):
+        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only)
+
+
+def _save_checkpoint(
+    save: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep_last: int | None,
+    source: str | Path | None,
+    trainable_only: bool,
+) -> Path:
     root = Path(save)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -125,6 +143,7 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer)
     if trainable_only:
         model_state = _trainable(model, model_state)
+    fault_point("save.write", step)  # a test's ENOSPC (save.write@N=ENOSPC)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     dist.barrier()
     fault_point("save.written", step)

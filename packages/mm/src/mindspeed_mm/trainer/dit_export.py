@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing import export_guard
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.convert.diffusers_lora import write_diffusers_lora
@@ -79,13 +80,14 @@ def save_diffusers(
     plain = build_meta_dit(source, family)
     plain.load_state_dict(state, strict=True, assign=True)
     tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(str(tmp))
-    for item in Path(source).iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
-            shutil.copy2(item, tmp / item.name)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    with export_guard(target, tmp):  # a full disk: one line, the half-written directory removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(str(tmp))
+        for item in Path(source).iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
+                shutil.copy2(item, tmp / item.name)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
     logger.info("saved diffusers model to %s", target)
     dist.barrier()
     return target

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from mindspeed.checkpointing import export_guard
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -52,13 +53,14 @@ def save_hf(
         dist.barrier()
         return None
     tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state)
-    for item in Path(source).iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
-            shutil.copy2(item, tmp / item.name)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    with export_guard(target, tmp):  # a full disk: one line, the half-written directory removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        for item in Path(source).iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
+                shutil.copy2(item, tmp / item.name)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
     logger.info("saved Hugging Face model to %s", target)
     dist.barrier()
     return target

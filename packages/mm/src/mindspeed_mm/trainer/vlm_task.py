@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.device import get_accelerator
+from mindspeed.log import get_logger
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample
 from mindspeed_mm.data.mllm import read_mllm_files
+from mindspeed_mm.data.mllm_check import check_mllm_media
 from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
 from mindspeed_mm.data.preprocess import EncodeSettings, Processing, preprocess
@@ -35,6 +37,8 @@ from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 from mindspeed_mm.trainer.task import TASKS
 from mindspeed_mm.trainer.vision_balance import VisionBalance
 from mindspeed_mm.trainer.vision_sync import VisionSync
+
+logger = get_logger(__name__)
 
 
 def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
@@ -120,8 +124,14 @@ class VLMTask:
         self.vision_balance = (
             VisionBalance(self.model, self.family, group) if group is not None and self.family.vision_module else None
         )
-        self.samples = read_mllm_files(d.files, d.image_dir, d.max_samples)
-        self.valid_samples = read_mllm_files(d.valid_files, d.image_dir) if d.valid_files else []
+        # Unreadable media are found now, not at the step that reads them: one line, or skipped and counted.
+        self.samples, self.skipped = check_mllm_media(read_mllm_files(d.files, d.image_dir, d.max_samples), d.skip_bad)
+        self.valid_samples, skipped = (
+            check_mllm_media(read_mllm_files(d.valid_files, d.image_dir), d.skip_bad, "data.valid_files")
+            if d.valid_files
+            else ([], 0)
+        )
+        self.skipped += skipped
         tokenizer, processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
         videos = any(sample.videos for sample in self.samples + self.valid_samples)
         self.processing = Processing(
@@ -177,18 +187,32 @@ class VLMTask:
             if not first:
                 run()
 
-    def _sample(self, index: int) -> EncodedSample:
+    def _sample(self, index: int) -> EncodedSample | None:
         if index not in self._encoded:
-            self._encoded[index] = self.processing.encode(self.samples[index], self.settings)
+            try:
+                self._encoded[index] = self.processing.encode(self.samples[index], self.settings)
+            except ValueError as error:  # a medium that passed the checks at start but cannot be decoded
+                if not self.config.data.skip_bad:
+                    raise ValueError(f"{error}, or set data.skip_bad=true") from None
+                self.skipped += 1
+                logger.warning("data.skip_bad: skipping %s (%d skipped so far)", error, self.skipped)
+                self._encoded[index] = None
         return self._encoded[index]
 
     def microbatches(self, step: int, rank: int) -> list[PackedBatch]:
-        """This rank's packed microbatches of ``step``."""
+        """This rank's packed microbatches of ``step`` (samples skipped by ``data.skip_bad`` left out)."""
         dp_rank = rank // self.sp
-        return [
-            pack_samples([self._sample(i) for i in self.order.indices(step, dp_rank, j)], self.model, self.family)
-            for j in range(self.config.train.gradient_accumulation_steps)
-        ]
+        out = []
+        for j in range(self.config.train.gradient_accumulation_steps):
+            indices = self.order.indices(step, dp_rank, j)
+            samples = [s for s in (self._sample(i) for i in indices) if s is not None]
+            if not samples:
+                raise ValueError(
+                    f"data.skip_bad: every sample of a microbatch of step {step} was skipped "
+                    f"({', '.join(self.samples[i].source for i in indices)}); fix or remove them"
+                )
+            out.append(pack_samples(samples, self.model, self.family))
+        return out
 
     def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
         """[predicted tokens, samples with predicted tokens, tokens, microbatches] of this rank's shards

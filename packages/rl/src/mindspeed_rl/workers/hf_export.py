@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from mindspeed.checkpointing import export_guard
+
 #: Files of the starting model directory that travel with the weights (config, tokenizer, template).
 _CARRIED = (
     "config.json",
@@ -37,18 +39,19 @@ def write_hf_dir(state: Mapping[str, torch.Tensor], source: str | Path, target: 
 
     source, target = Path(source), Path(target)
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in _CARRIED:
-        if (source / name).is_file():
-            shutil.copy2(source / name, staging / name)
-    # Tied weights share storage: safetensors refuses aliases, so every tensor is its own copy.
-    save_file(
-        {k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
-        str(staging / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    with export_guard(target, staging):  # a full disk: one line, the half-written directory removed
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in _CARRIED:
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
+        # Tied weights share storage: safetensors refuses aliases, so every tensor is its own copy.
+        save_file(
+            {k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+            str(staging / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
     return target
