@@ -79,6 +79,21 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["rollout.colocate=false", "rollout.num_devices=3", "rollout.tp=2"], "not a multiple of rollout.tp=2"),
         (["algorithm.advantage=gae"], "algorithm.advantage='gae'; use one of"),
         (["algorithm.loss=ppo"], "algorithm.loss='ppo'; use one of"),
+        (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward needs a token-level advantage"),
+        (
+            ["algorithm.advantage=reinforce_plus_plus", "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.01"],
+            "counts the KL twice (in the reward and in the loss); set algorithm.kl_coef=0",
+        ),
+        (
+            [
+                "algorithm.advantage=reinforce_plus_plus",
+                "algorithm.use_kl_in_reward=true",
+                "algorithm.kl_in_reward_estimator=k4",
+            ],
+            "algorithm.kl_in_reward_estimator='k4'; use one of",
+        ),
+        (["algorithm.gamma=0"], "algorithm.gamma=0.0 must be in (0, 1]"),
+        (["algorithm.norm_length=0"], "algorithm.norm_length=0 must be a positive"),
         (["algorithm.clip_eps_low=1.5"], "algorithm: clip_eps_low=1.5"),
         (["algorithm.loss_agg_mode=mean"], "algorithm: loss_agg_mode='mean'"),
         (["algorithm.kl_estimator=k4"], "unknown KL estimator 'k4'"),
@@ -100,6 +115,8 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["data.prompt_format=plain", "data.prompt_template=Q"], "placeholder"),
         (["data.eval_path=null"], "train.eval_interval needs data.eval_path"),
         (["train.global_batch=0"], "train.global_batch=0 must be at least 1"),
+        (["train.eval_n=8"], "repeats the same response; set train.eval_temperature > 0"),
+        (["train.eval_temperature=-1"], "train.eval_temperature=-1.0 must be >= 0"),
         (["checkpoint.interval=0"], "checkpoint.interval=0 must be at least 1 (or unset)"),
     ],
 )
@@ -128,3 +145,25 @@ def test_vllm_engine_needs_vllm(recipe) -> None:
     path, _ = recipe
     with pytest.raises(ConfigError, match=r"install mindspeed-rl\[vllm\]"):
         load_grpo_config(path, ["rollout.engine=vllm"]).check()
+
+
+def test_kl_in_reward_replaces_the_loss_kl(recipe) -> None:
+    """REINFORCE++ with the KL in the reward: the loss's default KL is off, a reference is built."""
+    path, _ = recipe
+    keys = [
+        "algorithm.loss=ppo_clip",
+        "algorithm.advantage=reinforce_plus_plus_baseline",
+        "algorithm.kl_in_reward_coef=0.01",
+    ]
+    plain = load_grpo_config(path, keys)
+    assert plain.algorithm.loss_config().kl_coef == 0.001  # ppo_clip's default: the KL in the loss
+    folded = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true"])
+    folded.check()
+    assert folded.algorithm.loss_config().kl_coef == 0.0 and folded.needs_reference()
+    off = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"])
+    assert not off.needs_reference()
+    from mindspeed_rl.trainer import actor_settings
+
+    # Dr. GRPO's constant: rollout.max_new_tokens unless algorithm.norm_length says otherwise.
+    assert actor_settings(plain).loss_config.norm_length == 64
+    assert actor_settings(load_grpo_config(path, ["algorithm.norm_length=40"])).loss_config.norm_length == 40

@@ -13,10 +13,12 @@ from pathlib import Path
 
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
+from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
+from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
 from mindspeed_rl.rewards.base import build_reward
-from mindspeed_rl.sections import RecipeSections
+from mindspeed_rl.sections import AlgorithmConfig, RecipeSections
 
 _AT_LEAST_ONE = {
     "actor": ("tp", "pp", "dp", "micro_batch_size", "ppo_epochs"),
@@ -163,10 +165,39 @@ def _check_rollout(config: RecipeSections) -> None:
         )
 
 
+def _check_kl_in_reward(al: AlgorithmConfig) -> None:
+    if not 0 < al.gamma <= 1:
+        raise ConfigError(f"algorithm.gamma={al.gamma} must be in (0, 1]")
+    if al.norm_length is not None and al.norm_length < 1:
+        raise ConfigError(f"algorithm.norm_length={al.norm_length} must be a positive number of tokens")
+    if not al.use_kl_in_reward:
+        return
+    if al.advantage not in TOKEN_ADVANTAGES:
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward needs a token-level advantage (one of "
+            f"{', '.join(map(str, TOKEN_ADVANTAGES.keys()))}), not {al.advantage!r}; set algorithm.advantage "
+            "or use the loss's KL (algorithm.kl_coef) instead"
+        )
+    if al.kl_in_reward_coef < 0:
+        raise ConfigError(f"algorithm.kl_in_reward_coef={al.kl_in_reward_coef} must be >= 0")
+    if al.kl_in_reward_estimator not in KL_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.kl_in_reward_estimator={al.kl_in_reward_estimator!r}; use one of "
+            f"{', '.join(map(str, KL_ESTIMATORS.keys()))}"
+        )
+    if al.kl_coef:
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward with algorithm.kl_coef={al.kl_coef} counts the KL twice (in the reward "
+            "and in the loss); set algorithm.kl_coef=0 or algorithm.use_kl_in_reward=false"
+        )
+
+
 def _check_algorithm(config: RecipeSections) -> None:
     al, r = config.algorithm, config.rollout
-    if al.advantage not in ADVANTAGES:
-        raise ConfigError(f"algorithm.advantage={al.advantage!r}; use one of {', '.join(map(str, ADVANTAGES.keys()))}")
+    if al.advantage not in ADVANTAGES and al.advantage not in TOKEN_ADVANTAGES:
+        known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys()]
+        raise ConfigError(f"algorithm.advantage={al.advantage!r}; use one of {', '.join(map(str, known))}")
+    _check_kl_in_reward(al)
     if al.loss not in POLICY_LOSSES:
         raise ConfigError(f"algorithm.loss={al.loss!r}; use one of {', '.join(map(str, POLICY_LOSSES.keys()))}")
     try:
@@ -263,8 +294,16 @@ def _check_data(config: RecipeSections) -> None:
         PromptFormat(d.prompt_format, d.prompt_template, d.instruction, d.system)
     except ValueError as err:
         raise ConfigError(f"data.prompt_template: {err}") from err
-    if config.train.eval_interval is not None and d.eval_path is None:
+    t = config.train
+    if t.eval_interval is not None and d.eval_path is None:
         raise ConfigError("train.eval_interval needs data.eval_path (e.g. demo-test)")
+    if t.eval_temperature < 0 or t.eval_n < 1:
+        raise ConfigError(f"train.eval_temperature={t.eval_temperature} must be >= 0 and train.eval_n={t.eval_n} >= 1")
+    if t.eval_n > 1 and t.eval_temperature == 0:
+        raise ConfigError(
+            f"train.eval_n={t.eval_n} with greedy evaluation (train.eval_temperature=0) repeats the same "
+            "response; set train.eval_temperature > 0 (e.g. 1.0) or train.eval_n=1"
+        )
 
 
 def check_config(config: RecipeSections, num_devices: int | None = None) -> None:

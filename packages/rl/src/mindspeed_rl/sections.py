@@ -160,8 +160,17 @@ class AlgorithmConfig:
     """Advantages, policy loss and DAPO's extras. Loss settings left unset take the loss's defaults.
 
     Attributes:
-        advantage: a key of ``ADVANTAGES`` (``grpo``, ``grpo_no_std``, ``rloo``).
+        advantage: a key of ``ADVANTAGES`` (``grpo``, ``grpo_no_std``, ``rloo``) or of
+            ``TOKEN_ADVANTAGES`` (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``).
         adv_eps: added to the group std of ``grpo``.
+        gamma: discount of the REINFORCE++ returns (1: the plain sum of the rewards to come).
+        use_kl_in_reward: fold ``-kl_in_reward_coef * kl(policy, reference)`` into the per-token
+            reward (REINFORCE++, verl's ``use_kl_in_reward``) instead of a KL term in the loss;
+            the loss's ``kl_coef`` then defaults to 0, and setting it > 0 as well is an error.
+        kl_in_reward_coef: beta of the KL in the reward.
+        kl_in_reward_estimator: a key of ``KL_ESTIMATORS`` (default ``k1``, verl's ``kl``).
+        norm_length: the constant divisor of ``loss_agg_mode: seq-mean-token-sum-norm``
+            (Dr. GRPO; default ``rollout.max_new_tokens``).
         loss: a key of ``POLICY_LOSSES`` (``ppo_clip``, ``dapo``).
         clip_eps_low, clip_eps_high, clip_ratio_c, loss_agg_mode, kl_coef, kl_estimator,
         entropy_coef, ratio_level, tis_cap: see :class:`~mindspeed_rl.algorithms.PolicyLossConfig`.
@@ -174,6 +183,11 @@ class AlgorithmConfig:
 
     advantage: str = "grpo"
     adv_eps: float = 1e-6
+    gamma: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_in_reward_coef: float = 0.001
+    kl_in_reward_estimator: str = "k1"
+    norm_length: int | None = None
     loss: str = "ppo_clip"
     clip_eps_low: float | None = None
     clip_eps_high: float | None = None
@@ -202,11 +216,18 @@ class AlgorithmConfig:
             "ratio_level",
             "tis_cap",
         )
-        return policy_loss_config(self.loss, **{name: getattr(self, name) for name in names})
+        overrides = {name: getattr(self, name) for name in names}
+        if self.use_kl_in_reward and self.kl_coef is None:  # the KL is in the reward: not twice
+            overrides["kl_coef"] = 0.0
+        return policy_loss_config(self.loss, **overrides)
+
+    def kl_in_reward(self) -> bool:
+        """Whether the per-token reward carries a KL penalty (``use_kl_in_reward`` with beta > 0)."""
+        return self.use_kl_in_reward and self.kl_in_reward_coef > 0
 
     def needs_reference(self) -> bool:
-        """Whether a reference policy is needed (a KL penalty with a positive coefficient)."""
-        return self.loss_config().kl_coef > 0
+        """Whether a reference policy is needed (a KL penalty, in the loss or the reward, with beta > 0)."""
+        return self.loss_config().kl_coef > 0 or self.kl_in_reward()
 
 
 @dataclass
@@ -273,7 +294,11 @@ class TrainConfig:
         steps: GRPO steps (rollout + update).
         global_batch: prompts per step (each sampled ``rollout.n`` times).
         seed: seeds the prompt order, the sampling and the weights of a fresh model.
-        eval_interval: evaluate on ``data.eval_path`` every this many steps (default: never).
+        eval_interval: evaluate on ``data.eval_path`` every this many steps, and before the first
+            step and after the last (default: never).
+        eval_temperature: sampling temperature of the evaluation (0: greedy).
+        eval_n: responses per held-out prompt (with ``eval_temperature`` > 0; seeded, the same
+            seeds at every evaluation, so the evaluations of a run are comparable).
         exit_duration_mins: stop after this many minutes (megatron's ``--exit-duration-in-mins``):
             the current step finishes, a checkpoint is saved and the command exits 0; the same
             command resumes.
@@ -283,6 +308,8 @@ class TrainConfig:
     global_batch: int = 8
     seed: int = 1234
     eval_interval: int | None = None
+    eval_temperature: float = 0.0
+    eval_n: int = 1
     exit_duration_mins: float | None = None
 
 

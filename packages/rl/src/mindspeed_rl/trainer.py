@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,11 +26,20 @@ from mindspeed.log import get_logger
 from mindspeed_llm.inference import InferenceEngine
 from mindspeed_llm.inference.sampling import SamplingParams
 from mindspeed_rl.actor import Actor, ActorSettings
-from mindspeed_rl.algorithms import DynamicSampler, compute_advantages, overlong_penalty
+from mindspeed_rl.algorithms import (
+    TOKEN_ADVANTAGES,
+    DynamicSampler,
+    compute_advantages,
+    compute_token_advantages,
+    kl_penalty,
+    masked_mean,
+    overlong_penalty,
+)
 from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
+from mindspeed_rl.sections import TrainConfig
 
 logger = get_logger(__name__)
 
@@ -202,17 +211,30 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
         mark = now
 
     pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
-    advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
     width = max(len(r) for _, r in pairs)
     mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
     # One update on the whole batch: the policy before it is the current one, so the update
     # takes the old log-probs detached from its own forward and a separate pass is skipped.
     on_policy = cfg.actor.ppo_epochs == 1 and mini >= len(pairs)
-    old_logp = None if on_policy else _pad(ctx.actor.compute_logprobs(pairs), width)
+    kl_in_reward = algo.kl_in_reward()
+    # The KL in the reward needs the old policy's log-probs even when the update would not.
+    policy_logp = _pad(ctx.actor.compute_logprobs(pairs), width) if kl_in_reward or not on_policy else None
+    old_logp = None if on_policy else policy_logp
     ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
     lap("old_logp")
     rollout_logp = _pad(batch.rollout_logp, width)
     mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
+    extra: dict[str, float] = {}
+    if algo.advantage in TOKEN_ADVANTAGES:
+        token_rewards = None
+        if kl_in_reward:
+            assert policy_logp is not None and ref_logp is not None  # kl_in_reward needs both (checked)
+            kl = kl_penalty(policy_logp, ref_logp, algo.kl_in_reward_estimator) * mask
+            token_rewards = -algo.kl_in_reward_coef * kl
+            extra["kl_in_reward"] = float(masked_mean(kl, mask))
+        advantages = compute_token_advantages(algo.advantage, rewards, mask, n, token_rewards, algo.gamma)
+    else:
+        advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
     update: dict[str, list[float]] = {}
     for _ in range(cfg.actor.ppo_epochs):
         for first in range(0, len(pairs), mini):
@@ -237,6 +259,7 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     }
     record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
     record.update(batch.metrics)
+    record.update(extra)
     record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
     if old_logp is not None:  # the first mini-batch's number is the one before any update of this step
         record["rollout_logp_diff"] = float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum())
@@ -290,7 +313,10 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
 
 
 def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
-    """Greedy responses of the rollout engine to held-out prompts, scored by the run's rewards.
+    """The rollout engine's responses to held-out prompts, scored by the run's rewards.
+
+    Greedy by default; ``train.eval_temperature`` > 0 samples ``train.eval_n`` responses per
+    prompt with seeds fixed for the run (and the rollout's ``top_k`` / ``top_p``).
 
     Returns:
         ``eval/reward_mean`` (and ``eval/reward/<fn>`` per reward function) and
@@ -306,12 +332,26 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     )
     if not ids:
         raise ValueError(f"no held-out prompt fits rollout.max_prompt_length={r.max_prompt_length}; raise it")
-    outputs = ctx.engine.generate(ids, [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0)] * len(ids))
+    t = ctx.config.train
+    n = t.eval_n if t.eval_temperature > 0 else 1
+    # The same seeds at every evaluation of a run: their differences are the policy's, not the dice's.
+    params = [
+        SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=t.eval_temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            seed=t.seed * 7_919 + i,
+        )
+        for i in range(len(ids) * n)
+    ]
+    outputs = ctx.engine.generate([p for p in ids for _ in range(n)], params)
+    rows = [k for k in kept for _ in range(n)]
     responses = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
-    rewards, parts = ctx.reward.score_batch([texts[k] for k in kept], responses, [records[k].reference for k in kept])
+    rewards, parts = ctx.reward.score_batch([texts[k] for k in rows], responses, [records[k].reference for k in rows])
     ctx.eval_samples = [
         {"prompt": texts[k], "response": response, "reward": float(reward)}
-        for k, response, reward in zip(kept, responses, rewards.tolist())
+        for k, response, reward in zip(rows, responses, rewards.tolist())
     ]
     out = {
         "eval/reward_mean": float(rewards.mean()),
@@ -319,6 +359,12 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     }
     out.update({f"eval/reward/{name}": float(v.mean()) for name, v in parts.items()})
     return out
+
+
+def eval_due(step: int, train: TrainConfig) -> bool:
+    """Whether the held-out set is evaluated after ``step``: every ``train.eval_interval`` steps and after the last."""
+    interval = train.eval_interval
+    return interval is not None and (step % interval == 0 or step == train.steps)
 
 
 def _ensure_group() -> None:
@@ -354,7 +400,8 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
         share_prompt=a.share_prompt,
         seed=config.train.seed,
         loss=algo.loss,
-        loss_config=algo.loss_config(),
+        # Dr. GRPO's divisor is fixed for the run (not the widest response of each batch).
+        loss_config=replace(algo.loss_config(), norm_length=algo.norm_length or config.rollout.max_new_tokens),
     )
 
 
@@ -421,9 +468,15 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     try:
+        if held_out:  # the starting policy, as step 0
+            start = {"step": 0.0, **evaluate(ctx, held_out)}
+            logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
+            if log_dir is not None:
+                with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
+                    sink.write(json.dumps(start) + "\n")
         for _ in range(config.train.steps):
             record = grpo_step(ctx)
-            if held_out and ctx.step % config.train.eval_interval == 0:
+            if held_out and eval_due(ctx.step, config.train):
                 record.update(evaluate(ctx, held_out))
             if log_dir is not None:
                 with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:

@@ -19,6 +19,12 @@ from mindspeed_rl.algorithms.losses import (
     compute_policy_loss,
     policy_loss_config,
 )
+from mindspeed_rl.algorithms.reinforce import (
+    TOKEN_ADVANTAGES,
+    compute_token_advantages,
+    discounted_returns,
+    masked_whiten,
+)
 from mindspeed_rl.algorithms.shaping import (
     DynamicSampler,
     constant_groups,
@@ -32,6 +38,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "DynamicSampler",
+    "TOKEN_ADVANTAGES",
     "PolicyLossConfig",
     "PolicyLossInputs",
     "PolicyLossOutput",
@@ -39,6 +46,9 @@ __all__ = [
     "broadcast_to_tokens",
     "compute_advantages",
     "compute_policy_loss",
+    "compute_token_advantages",
+    "discounted_returns",
+    "masked_whiten",
     "constant_groups",
     "entropy_from_logits",
     "kl_penalty",

@@ -50,6 +50,8 @@ class PolicyLossConfig:
         tis_cap: truncated importance sampling: weight each token by
             ``min(exp(old_logp - rollout_logp), tis_cap)`` to correct for samples drawn by an
             older (asynchronous) or numerically different rollout policy (default none).
+        norm_length: the constant divisor of ``seq-mean-token-sum-norm`` (Dr. GRPO's maximum
+            response length; default the padded width of the batch).
     """
 
     clip_eps_low: float = 0.2
@@ -61,6 +63,7 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     ratio_level: Literal["token", "sequence"] = "token"
     tis_cap: float | None = None
+    norm_length: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the setting that is out of range."""
@@ -79,6 +82,8 @@ class PolicyLossConfig:
             raise ValueError(f"ratio_level={self.ratio_level!r}; use token or sequence")
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ValueError(f"tis_cap={self.tis_cap} must be at least 1 (e.g. 2)")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(f"norm_length={self.norm_length} must be a positive number of tokens")
 
 
 @dataclass
@@ -175,7 +180,12 @@ def ppo_clip_loss(inputs: PolicyLossInputs, config: PolicyLossConfig) -> PolicyL
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
     advantages = clean(advantages)
-    agg: dict[str, Any] = dict(mode=config.loss_agg_mode, num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs)
+    agg: dict[str, Any] = dict(
+        mode=config.loss_agg_mode,
+        num_tokens=inputs.num_tokens,
+        num_seqs=inputs.num_seqs,
+        norm_length=config.norm_length,
+    )
 
     log_ratio = logp - old_logp
     if config.ratio_level == "sequence":
