@@ -41,6 +41,13 @@ MODES = {
     "token": dict(loss_agg_mode="token-mean", kl_coef=0.0),
     "seq": dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3"),
     "tis": dict(loss_agg_mode="token-mean", kl_coef=0.0, tis_cap=1.2, clip_ratio_c=3.0),
+    # Dr. GRPO with a fixed length (algorithm.norm_length), not the batch's widest response (5).
+    "norm": dict(loss_agg_mode="seq-mean-token-sum-norm", kl_coef=0.0, norm_length=9),
+}
+#: token-level estimators run end to end for two steps each (the first with the KL in the reward).
+TOKEN_ESTIMATORS = {
+    "reinforce_plus_plus": ["algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0.05"],
+    "reinforce_plus_plus_baseline": ["algorithm.kl_coef=0", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
 }
 
 
@@ -79,25 +86,23 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "metrics": metrics,
             "weights": weights,
         }
-    config = load_grpo_config(
-        None,
-        [
-            f"actor.model={root}/hf",
-            "actor.lr=1e-3",
-            "actor.micro_batch_size=4",
-            "data.path=demo",
-            "data.prompt_format=plain",
-            "rollout.n=4",
-            "rollout.max_new_tokens=6",
-            "rollout.max_prompt_length=64",
-            "train.global_batch=2",
-            "train.steps=2",
-            "algorithm.kl_coef=0.01",
-            "algorithm.overlong_buffer=2",
-            "logging.progress=false",
-            f"logging.dir={root}/logs",
-        ],
-    )
+    config_keys = [
+        f"actor.model={root}/hf",
+        "actor.lr=1e-3",
+        "actor.micro_batch_size=4",
+        "data.path=demo",
+        "data.prompt_format=plain",
+        "rollout.n=4",
+        "rollout.max_new_tokens=6",
+        "rollout.max_prompt_length=64",
+        "train.global_batch=2",
+        "train.steps=2",
+        "algorithm.kl_coef=0.01",
+        "algorithm.overlong_buffer=2",
+        "logging.progress=false",
+        f"logging.dir={root}/logs",
+    ]
+    config = load_grpo_config(None, config_keys)
     import gc
 
     from mindspeed_rl import trainer
@@ -111,6 +116,31 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     finally:
         trainer.grpo_step = grpo_step
     out["frozen"] = [*frozen, gc.get_freeze_count()]
+    # REINFORCE++ (both): the trainer hands the actor [rows, width] advantages; one short run each.
+    seen: dict[str, list[torch.Tensor]] = {}
+    compute = trainer.compute_token_advantages
+
+    def spy(name: str, *args: Any) -> torch.Tensor:
+        adv = compute(name, *args)
+        seen.setdefault(name, []).append(adv)
+        return adv
+
+    # The tiny random policy earns the same reward everywhere (no signal); alternate it by row.
+    collect = trainer.collect_rollout
+
+    def alternating(ctx: Any) -> Any:
+        batch = collect(ctx)
+        batch.rewards = torch.arange(len(batch.rewards)).remainder(2).float()
+        return batch
+
+    trainer.compute_token_advantages, trainer.collect_rollout = spy, alternating
+    try:
+        for name, keys in TOKEN_ESTIMATORS.items():
+            base = [k for k in config_keys if not k.startswith(("algorithm.", "logging.dir", "train.steps"))]
+            cfg = load_grpo_config(None, [*base, "train.steps=2", f"algorithm.advantage={name}", *keys])
+            out[name] = {"records": train_grpo(cfg), "advantages": [a.numpy() for a in seen.get(name, [])]}
+    finally:
+        trainer.compute_token_advantages, trainer.collect_rollout = compute, collect
     return out
 
 
@@ -264,3 +294,22 @@ def test_dynamic_sampling_keeps_only_informative_groups() -> None:
     assert [float(response[0] == 0) for _, response in batch.pairs] == batch.rewards.tolist()
     assert batch.metrics["dynamic_sampling/rounds"] >= 1
     assert batch.metrics["dynamic_sampling/dropped_groups"] > 0
+
+
+@pytest.mark.parametrize("name", list(TOKEN_ESTIMATORS))
+def test_reinforce_plus_plus_takes_steps(run: dict[str, Any], name: str) -> None:
+    """A GRPO run with each REINFORCE++ estimator updates the policy with whitened per-token advantages."""
+    got = run[name]
+    records, advantages = got["records"], got["advantages"]
+    assert len(records) == 2 and len(advantages) == 2
+    for record in records:
+        for key in ("reward_mean", "loss", "pg_loss", "grad_norm"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["rollout_logp_diff"] < 1e-4, record  # the update changed the weights the engine uses
+    assert records[-1]["policy_version"] == 2
+    for adv in advantages:
+        assert adv.ndim == 2 and adv.shape[0] == 8  # 2 prompts x 4 samples, one value per token
+    if name == "reinforce_plus_plus":  # KL in the reward, none in the loss
+        assert "kl_loss" in records[0] and records[0]["kl_in_reward"] == 0.0  # the policy is the reference
+        # One update later it is not (k1, verl's default in the reward, may be negative; k3 is > 0).
+        assert records[1]["kl_in_reward"] != 0 and records[1]["kl_loss"] > 0
