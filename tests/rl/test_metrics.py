@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import re
@@ -206,3 +207,20 @@ def test_tensorboard_on_a_full_disk_warns_once_and_stops(tmp_path: Path, caplog:
         sink.close()
     assert len([r for r in caplog.records if "tracker tensorboard failed" in r.getMessage()]) == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 19
+
+
+def test_held_out_evaluation_on_the_console_and_the_curve(tmp_path) -> None:
+    """The held-out ``eval/reward_mean`` (step 0: the starting policy) shows on the console and in reward.png."""
+    import matplotlib.image
+
+    assert format_step({"step": 0, "eval/reward_mean": 0.26}, 60) == "step 0/60 | eval 0.260"
+    line = format_step({**make_record(3), "eval/reward_mean": 0.5}, 10)
+    assert line.startswith("step 3/10 | reward 0.300+-0.150 | eval 0.500 | len 13.0")
+    plain = [make_record(s) for s in (1, 2, 3)]
+    evaluated = [{"step": 0, "eval/reward_mean": 0.1}, *plain[:2], {**plain[2], "eval/reward_mean": 0.9}]
+    images = []
+    for name, records in (("plain", plain), ("evaluated", evaluated)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        images.append(matplotlib.image.imread(write_reward_curve(path, tmp_path / f"{name}.png")))
+    assert images[0].shape == images[1].shape and (images[0] != images[1]).any()  # the eval line is drawn

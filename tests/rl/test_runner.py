@@ -214,6 +214,8 @@ def test_cli_runs_the_readme_recipe(
                 str(recipe),
                 "train.steps=2",
                 "train.eval_interval=2",
+                "train.eval_temperature=0",  # greedy: comparable with the demo model's own scorer below
+                "train.eval_n=1",
                 "checkpoint.save_hf=runs/policy",
             ]
         )
@@ -221,7 +223,15 @@ def test_cli_runs_the_readme_recipe(
     )
     logs = tmp_path / "runs" / "grpo-tiny-cpu"
     lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2] and all(0 <= r["reward_mean"] <= 1 for r in lines)
+    # Step 0: the starting policy's held-out evaluation, before any update; then one line per step.
+    assert [r["step"] for r in lines] == [0, 1, 2] and set(lines[0]) == {
+        "step",
+        "eval/reward_mean",
+        "eval/response_length",
+        "eval/reward/math",
+    }
+    lines = lines[1:]
+    assert all(0 <= r["reward_mean"] <= 1 for r in lines)
     assert (logs / "reward.png").stat().st_size > 0 and any((logs / "tensorboard").iterdir())
     assert (logs / "report.txt").stat().st_size > 0  # the driver's full log
     start = AutoModelForCausalLM.from_pretrained(

@@ -77,7 +77,11 @@ def run_grpo(args: argparse.Namespace) -> int:
         start=runner.ctx.step,
     )
 
+    held_out: list[float] = []  # eval/reward_mean of each evaluation, the starting policy's first
+
     def on_step(record: dict[str, float]) -> None:
+        if "eval/reward_mean" in record:
+            held_out.append(record["eval/reward_mean"])
         record = per_device(record, devices)
         progress.update(record)
         sink.log(record)
@@ -116,6 +120,7 @@ def run_grpo(args: argparse.Namespace) -> int:
         first, last = records[0], records[-1]
         sys.stdout.write(
             f"{len(records)} steps: reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
+            + (f", held-out {held_out[0]:.3f} -> {held_out[-1]:.3f}" if len(held_out) > 1 else "")
             + (f"; metrics in {log_dir}" if log_dir else "")
             + (f", curve {curve}" if curve else "")
             + "\n"

@@ -96,6 +96,9 @@ def step_fields(record: Mapping[str, Any], total_steps: int) -> list[str]:
     mean, std = _number(record.get("reward_mean")), _number(record.get("reward_std"))
     if mean is not None:
         parts.append(f"reward {mean:.3f}" + (f"+-{std:.3f}" if std is not None else ""))
+    held_out = _number(record.get("eval/reward_mean"))
+    if held_out is not None:
+        parts.append(f"eval {held_out:.3f}")
     for key, label, form in (
         ("response_length", "len", "{:.1f}"),
         ("loss", "loss", None),
@@ -121,7 +124,8 @@ def format_step(record: Mapping[str, Any], total_steps: int) -> str:
 
     ``step 3/100 | reward 0.512+-0.301 | len 87.3 | loss 0.0123 | kl 0.0012 | ent 1.23 | clip 0.031 |
     stale 0.5 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
-    ``kl`` is ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
+    ``eval`` (after the reward) is the held-out ``eval/reward_mean`` where the step evaluated, ``kl`` is
+    ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
     ``staleness_mean``, ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
 
     Args:
@@ -291,7 +295,8 @@ class RLMetricsLog:
 
 
 def write_reward_curve(metrics: Path, target: Path) -> Path | None:
-    """Draw reward (mean with a +-std band) and response length against the step into a PNG.
+    """Draw reward (mean with a +-std band, the held-out ``eval/reward_mean`` where evaluated) and
+    response length against the step into a PNG.
 
     Args:
         metrics: a ``metrics.jsonl`` of GRPO records.
@@ -321,6 +326,14 @@ def write_reward_curve(metrics: Path, target: Path) -> Path | None:
     top.fill_between(
         steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25, label="+- reward_std"
     )
+    # The held-out evaluations (step 0: the starting policy), where the run made them.
+    evals = sorted(
+        (r["step"], r["eval/reward_mean"])
+        for r in records
+        if _number(r.get("step")) is not None and _number(r.get("eval/reward_mean")) is not None
+    )
+    if evals:
+        top.plot(*zip(*evals), "o-", label="eval/reward_mean (held-out)", linewidth=1.2, markersize=4)
     top.set_ylabel("reward")
     top.legend()
     for key, style in (("response_length", "-"), ("response_length_max", "--")):

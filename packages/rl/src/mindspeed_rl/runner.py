@@ -49,6 +49,7 @@ from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
     collect_rollout,
+    eval_due,
     evaluate,
     finish_record,
     prompt_pieces,
@@ -320,6 +321,10 @@ class GRPORunner:
         count = min(steps if steps is not None else total, total - self.ctx.step)
         records = []
         producer = None
+        if self.held_out and self.ctx.step == 0 and count > 0:  # the starting policy, as step 0
+            start_eval = {"step": 0.0, **evaluate(self.ctx, self.held_out)}
+            if on_step is not None:
+                on_step(start_eval)
         if self.config.buffer.mode == "async" and count > 0:
             producer = threading.Thread(
                 target=self._producer_loop, args=(self.pctx, count), name="rollout-producer", daemon=True
@@ -337,7 +342,7 @@ class GRPORunner:
                         if self._producer_error is not None:
                             raise self._producer_error from None
                         raise
-                if self.held_out and self.ctx.step % self.config.train.eval_interval == 0:
+                if self.held_out and eval_due(self.ctx.step, self.config.train):
                     record.update(evaluate(self.ctx, self.held_out))  # the engine's weights of this moment
                 records.append(record)
                 if on_step is not None:
