@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.device import get_accelerator
+from mindspeed_llm.checkpoint.hf_dtype import target_dtype
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample
 from mindspeed_mm.data.mllm import read_mllm_files
@@ -295,12 +296,17 @@ class VLMTask:
         if lora.save_peft and state is not None:
             written["save_peft"] = str(write_peft_adapter(state, lora, self.family, self.source, lora.save_peft))
         if ck.save_hf:
+            dtype = target_dtype(ck.save_hf_dtype)
             if lora.enabled:  # the merged weights under the model's own names, written by a plain model
                 plain = build_meta_model(self.source, self.family, self.config.model.attn_implementation)
                 merged = merged_state(state, lora) if state is not None else None
-                target = save_hf(plain, self.source, ck.save_hf, state=merged if merged is not None else {})
+                target = save_hf(
+                    plain, self.source, ck.save_hf, state=merged if merged is not None else {}, dtype=dtype
+                )
             else:
-                target = save_hf(self.model, self.source, ck.save_hf, state=state if state is not None else {})
+                target = save_hf(
+                    self.model, self.source, ck.save_hf, state=state if state is not None else {}, dtype=dtype
+                )
             if target is not None:
                 written["save_hf"] = str(target)
         return written
