@@ -89,5 +89,5 @@ def write_config_dtype(config_json: str | Path, dtype: torch.dtype | None) -> No
     if not any(key in config for key in _KEYS):
         config["dtype"] = name
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    temp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     temp.replace(path)
