@@ -134,7 +134,8 @@ def run_grpo(args: argparse.Namespace) -> int:
 
 def report_worker_death(runner: GRPORunner, dead: BaseException, err: BaseException) -> None:
     """One line for a run ended by a dead Ray worker; Ray's traceback goes to the run's report file only."""
-    logger.info("a Ray worker of the run died; Ray's traceback:", exc_info=err, extra=DETAIL)
+    # A warning marked as detail: the report file keeps it at --log-level WARNING too; the console does not show it.
+    logger.warning("a Ray worker of the run died; Ray's traceback:", exc_info=err, extra=DETAIL)
     newest = runner.newest_checkpoint()
     config = runner.config
     report = run_log_path()
