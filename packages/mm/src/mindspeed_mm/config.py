@@ -354,6 +354,10 @@ class CheckpointConfig:
             tokenizer, image processor, chat template).
         export_ema: with ``train.ema``, the exports (``save_hf``, ``lora.save_peft``) hold the moving
             averages of the weights; false: the raw trained weights.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained in),
+            float32, bfloat16 or float16; a transformers export's config.json always says the dtype
+            written (diffusers' config has no dtype: its ``from_pretrained`` loads float32 unless
+            given ``torch_dtype``).
     """
 
     save: str | None = None
@@ -363,6 +367,7 @@ class CheckpointConfig:
     resume: bool = True
     save_hf: str | None = None
     export_ema: bool = True
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 @dataclass

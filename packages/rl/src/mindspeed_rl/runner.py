@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -35,7 +37,15 @@ from typing import Any
 
 import torch
 
-from mindspeed.checkpointing import Preemption, StopRequest, checkpoint_dir, fault_point, find_resume, holds_checkpoints
+from mindspeed.checkpointing import (
+    Preemption,
+    StopRequest,
+    checkpoint_dir,
+    fault_armed,
+    fault_point,
+    find_resume,
+    holds_checkpoints,
+)
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
@@ -343,6 +353,7 @@ class GRPORunner:
                 if on_step is not None:
                     on_step(record)
                 fault_point("rl.step_end", self.ctx.step)
+                self._kill_on_fault(self.ctx.step)
                 self._maybe_save()
                 if preemption is not None and (stop := preemption.requested()) is not None:
                     self.stopped = stop
@@ -355,6 +366,33 @@ class GRPORunner:
                 self.buffer.close()
                 producer.join(timeout=60)
         return records
+
+    def _kill_on_fault(self, step: int) -> None:
+        """The fault points ``rl.kill_actor`` / ``rl.kill_buffer``: SIGKILL that worker's process, as ``kill -9`` would."""
+        for name, handle in (("rl.kill_actor", self.group.workers[0]), ("rl.kill_buffer", self.buffer_handle)):
+            if fault_armed(name, step):
+                import ray
+
+                os.kill(ray.get(handle.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+
+    def worker_roles(self) -> dict[str, str]:
+        """Ray actor id (hex) -> what that worker is to this run (``actor worker rank 0 of 2``)."""
+        roles = {}
+        world = len(self.group.workers)
+        for i, worker in enumerate(self.group.workers):
+            roles[worker._actor_id.hex()] = f"actor worker rank {i} of {world}"
+        rollout = getattr(self.rollout, "workers", [])
+        for i, worker in enumerate(rollout):
+            roles[worker._actor_id.hex()] = f"rollout worker rank {i} of {len(rollout)}"
+        roles[self.buffer_handle._actor_id.hex()] = "replay buffer"
+        if self.reward_worker is not None:
+            roles[self.reward_worker._actor_id.hex()] = "reward model worker"
+        return roles
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint in ``checkpoint.save`` (what the same command resumes from)."""
+        save = self.config.checkpoint.save
+        return find_resume(save, warn=False).path if save is not None and Path(save).is_dir() else None
 
     # -- checkpoints -------------------------------------------------------------------------
 

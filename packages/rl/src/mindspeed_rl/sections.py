@@ -310,6 +310,8 @@ class CheckpointConfig:
             skipped with a warning); a ``save`` holding checkpoints but no complete one is an
             error unless this is false.
         save_hf: write the final policy as a Hugging Face directory here.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the actor was trained
+            in), float32, bfloat16 or float16; its config.json always says the dtype written.
     """
 
     save: str | None = None
@@ -317,6 +319,7 @@ class CheckpointConfig:
     keep_last: int | None = None
     resume: bool = True
     save_hf: str | None = None
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class RecipeSections(Protocol):

@@ -25,7 +25,7 @@ from mindspeed.checkpointing.discovery import (
     write_tracker,
 )
 from mindspeed.checkpointing.disk_full import DiskFullError, export_guard, save_guard
-from mindspeed.checkpointing.faults import FAULT_ENV, fault_point
+from mindspeed.checkpointing.faults import FAULT_ENV, fault_armed, fault_point
 from mindspeed.checkpointing.orphans import die_with_parent, forked_children_die_with_me
 from mindspeed.checkpointing.preemption import (
     EXIT_SIGINT,
@@ -54,6 +54,7 @@ __all__ = [
     "checkpoint_dir",
     "damage_of",
     "die_with_parent",
+    "fault_armed",
     "fault_point",
     "export_guard",
     "find_resume",

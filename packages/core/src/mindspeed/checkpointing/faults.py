@@ -6,7 +6,8 @@ SIGKILL, exactly as ``kill -9`` from outside would. ``<point>@<step>=SIGTERM`` (
 ``SIGINTx2``) sends that signal instead (twice for ``x2``), as a scheduler or a Ctrl-C would. Without the variable a fault point is a
 no-op (one dictionary lookup). Points: ``train.step_start``, ``train.step_end``,
 ``save.start``, ``save.written``, ``save.renamed``, ``save.tracker`` (the trainer), ``rl.step_end``
-(the RL driver) and ``save.writer``: a forked checkpoint writer kills its trainer and then
+(the RL driver; ``rl.kill_actor`` and ``rl.kill_buffer`` there SIGKILL the actor worker of rank 0
+or the replay buffer, another process, at the end of the step: :func:`fault_armed`) and ``save.writer``: a forked checkpoint writer kills its trainer and then
 keeps writing for a while, so that a writer that does not die with its trainer is caught.
 
 ``save.write@<step>=ENOSPC`` (or ``=EDQUOT``) makes the save of that step run out of space where
@@ -39,6 +40,11 @@ _ERRNOS = {"ENOSPC": errno.ENOSPC, "EDQUOT": errno.EDQUOT}
 def _no_space(action: str) -> OSError:
     code = _ERRNOS[action]
     return OSError(code, os.strerror(code))
+
+
+def fault_armed(name: str, step: int) -> bool:
+    """Whether ``MINDSPEED_FAULT`` is ``name@step``: for a fault that kills another process (a Ray worker)."""
+    return FAULT_ENV in os.environ and _armed(name, step)
 
 
 def fault_point(name: str, step: int) -> None:

@@ -13,11 +13,17 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from mindspeed.checkpointing.hf_dtype import SAVE_HF_DTYPES
 from mindspeed.suite_cli import OUTPUT_DIR_ALIASES, add_dataclass_flags
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 
 #: Flags with a fixed set of values.
-_CHOICES = {"load_model_type": ("hf", "mg"), "save_model_type": ("mg", "hf"), "ckpt_format": ("torch", "torch_dist")}
+_CHOICES = {
+    "load_model_type": ("hf", "mg"),
+    "save_model_type": ("mg", "hf"),
+    "ckpt_format": ("torch", "torch_dist"),
+    "save_hf_dtype": SAVE_HF_DTYPES,
+}
 
 
 def add_convert_ckpt(sub: argparse._SubParsersAction) -> None:

@@ -418,6 +418,9 @@ class CheckpointConfig:
             Ignored when resuming from ``save``; ``load`` takes precedence.
         save_hf: write the final model as a Hugging Face directory here (config, tokenizer,
             sharded safetensors) at the end of the run.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained
+            in), float32, bfloat16 or float16; its config.json always says the dtype written, so
+            transformers loads what was trained.
     """
 
     save: str | None = None
@@ -431,6 +434,7 @@ class CheckpointConfig:
     load_rng: bool = True
     load_hf: str | None = None
     save_hf: str | None = None
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
@@ -230,7 +231,7 @@ class ActorWorker:
         state = self.actor.hf_state()
         if self.rank != 0:
             return None
-        return str(write_hf_dir(state, self.model_dir, target))
+        return str(write_hf_dir(state, self.model_dir, target, target_dtype(self.config.checkpoint.save_hf_dtype)))
 
     def shutdown(self) -> None:
         """Undo the actor's adaptation of megatron-core and leave the process group."""
