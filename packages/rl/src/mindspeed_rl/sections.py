@@ -317,6 +317,14 @@ class CheckpointConfig:
             skipped with a warning); a ``save`` holding checkpoints but no complete one is an
             error unless this is false.
         save_hf: write the final policy as a Hugging Face directory here.
+        override_scheduler: on resume, when the actor's learning-rate schedule (``actor.lr``,
+            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``weight_decay``, and the decay
+            length that ``train.steps`` sets) differs from the checkpoint's, the recipe wins: the
+            schedule goes on from the resumed update with the recipe's values (megatron's
+            ``--override-opt_param-scheduler``). A difference with neither this nor
+            ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's schedule wins over a different one
+            in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -324,6 +332,8 @@ class CheckpointConfig:
     keep_last: int | None = None
     resume: bool = True
     save_hf: str | None = None
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 class RecipeSections(Protocol):

@@ -417,6 +417,14 @@ class CheckpointConfig:
             Ignored when resuming from ``save``; ``load`` takes precedence.
         save_hf: write the final model as a Hugging Face directory here (config, tokenizer,
             sharded safetensors) at the end of the run.
+        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
+            ``min_lr``, ``lr_warmup_init``, ``lr_warmup_steps``, ``lr_decay_style``,
+            ``lr_decay_steps`` or ``steps`` that sets it, ``weight_decay``) differs from the
+            checkpoint's, the recipe wins: the schedule goes on from the resumed step with the
+            recipe's values (megatron's ``--override-opt_param-scheduler``). A difference with
+            neither this nor ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
+            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -430,6 +438,8 @@ class CheckpointConfig:
     load_rng: bool = True
     load_hf: str | None = None
     save_hf: str | None = None
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 @dataclass
