@@ -380,8 +380,9 @@ def load_checkpoint(
         return TrainState()
     if with_optimizer:
         built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+        recipe = (scheduler.max_lr, scheduler.min_lr)
         optimizer.load_state_dict(loaded["optimizer"])
-        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built)
+        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     state = TrainState(**loaded.get("train_state", {}))
@@ -411,13 +412,18 @@ def _schedule_winner(path: Path, common: dict[str, Any], scheduler: Any, config:
 
 
 def _load_schedule(
-    scheduler: Any, optimizer: Any, saved: dict[str, Any], winner: Winner | None, built: list[tuple[Any, Any]]
+    scheduler: Any,
+    optimizer: Any,
+    saved: dict[str, Any],
+    winner: Winner | None,
+    built: list[tuple[Any, Any]],
+    recipe: tuple[float, float],
 ) -> None:
     """Restore the scheduler's position; its settings are the winner's (the recipe's when they agree).
 
     The optimizer's parameter groups carry the peak and final learning rates too (megatron's
-    ``max_lr`` / ``min_lr``) and came back with the checkpoint's values: the recipe's, as the
-    optimizer was built (``built``), are put back unless the checkpoint wins.
+    ``max_lr`` / ``min_lr``, ``built`` as the optimizer was built from the recipe's ``recipe``):
+    they are set to the winner's, whatever the optimizer's own state brought back.
     """
     use_checkpoint = winner == "checkpoint"
     scheduler.override_opt_param_scheduler = not use_checkpoint
@@ -425,11 +431,12 @@ def _load_schedule(
     scheduler.load_state_dict(saved)
     if use_checkpoint and saved.get("init_lr") is not None:
         scheduler.init_lr = saved["init_lr"]
-    elif len(built) == len(optimizer.param_groups):
-        for group, (max_lr, min_lr) in zip(optimizer.param_groups, built):
-            for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
-                if value is not None:
-                    group[key] = value
+    if len(built) == len(optimizer.param_groups):
+        winners = (saved["max_lr"], saved["min_lr"]) if use_checkpoint else recipe
+        for group, values in zip(optimizer.param_groups, built):
+            for key, value, ours, theirs in zip(("max_lr", "min_lr"), values, recipe, winners):
+                if value is not None:  # a group of the recipe's own rate follows the winner
+                    group[key] = theirs if value == ours else value
     scheduler.step(0)  # the learning rate and weight decay of the restored position
 
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resolve_schedule, resume_hint, step_of
-from mindspeed.checkpointing.schedule import Winner
 from mindspeed.device import deterministic_mode, get_accelerator, retain_freed_host_memory
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
@@ -46,6 +45,7 @@ from mindspeed_mm.trainer.optim import (
     schedule_of,
     schedule_settings,
     set_lr,
+    set_weight_decay,
 )
 from mindspeed_mm.trainer.task import TASKS, TrainTask
 from mindspeed_mm.trainer.validation import evaluation_due, validation_loss
@@ -98,20 +98,18 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     world, rank = dist.get_world_size(), dist.get_rank()
     t, ck = config.train, config.checkpoint
     resume_from = find_resume_checkpoint(ck.save, ck.resume)  # before the model: a save directory error is quick
-    schedule, winner = _resumed_schedule(config, resume_from, rank)
+    schedule = _resumed_schedule(config, resume_from, rank)  # the train settings the learning rate follows
     torch.manual_seed(t.seed)
     task = TASKS.get(task_name or config.task())(config, world)
     optimizer = build_optimizer(t, task.model)
     trainable = [p for p in task.model.parameters() if p.requires_grad]
     result = TrainResult()
     if resume_from is not None:
-        built = [group["weight_decay"] for group in optimizer.param_groups]
         result.start_step = int(
             load_checkpoint(resume_from, task.model, optimizer, task.source, config.lora.enabled)["step"]
         )
-        if winner != "checkpoint":  # the weight decay came back with the optimizer's state: the recipe's wins
-            for group, weight_decay in zip(optimizer.param_groups, built):
-                group["weight_decay"] = weight_decay
+        # The weight decay came back with the optimizer's state: the schedule's the run follows wins.
+        set_weight_decay(optimizer, schedule.weight_decay)
     log_dir = config.log_dir()
     metrics = MetricsLog(log_dir, result.start_step, enabled=rank == 0, tensorboard=config.logging.tensorboard)
     bar = StatusProgress(
@@ -130,8 +128,8 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     return result
 
 
-def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> tuple[TrainConfig, Winner | None]:
-    """The ``train`` settings the learning rate follows, and who won when the checkpoint's schedule differs.
+def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> TrainConfig:
+    """The ``train`` settings the learning rate and weight decay follow: the checkpoint's when it wins.
 
     Raises:
         ConfigError: they differ and neither ``checkpoint.override_scheduler`` nor
@@ -140,7 +138,7 @@ def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> 
     t, ck = config.train, config.checkpoint
     saved = read_schedule(resume_from) if resume_from is not None else None
     if saved is None:
-        return t, None
+        return t
     winner = resolve_schedule(
         schedule_settings(saved),
         schedule_settings(schedule_of(t)),
@@ -151,8 +149,8 @@ def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> 
         announce=rank == 0,
     )
     if winner != "checkpoint":
-        return t, winner
-    return replace(t, **{name: value for name, value in saved.items() if name in SCHEDULE_FIELDS}), winner
+        return t
+    return replace(t, **{name: value for name, value in saved.items() if name in SCHEDULE_FIELDS})
 
 
 def _run_steps(

@@ -87,6 +87,13 @@ def schedule_settings(schedule: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def set_weight_decay(optimizer: torch.optim.Optimizer, weight_decay: float) -> None:
+    """Set the weight decay of the groups that decay (matrices; biases and norms keep none), as
+    :func:`build_optimizer` does; a resume sets the one of the schedule it follows."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay if any(p.ndim >= 2 for p in group["params"]) else 0.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set every parameter group's learning rate."""
     for group in optimizer.param_groups:
