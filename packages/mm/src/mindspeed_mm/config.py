@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mindspeed.checkpointing.schedule import check_scheduler_flags
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
@@ -358,6 +359,14 @@ class CheckpointConfig:
             float32, bfloat16 or float16; a transformers export's config.json always says the dtype
             written (diffusers' config has no dtype: its ``from_pretrained`` loads float32 unless
             given ``torch_dtype``).
+        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
+            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``steps`` that the decay ends at,
+            ``weight_decay``) differs from the checkpoint's, the recipe wins: the schedule goes on
+            from the resumed step with the recipe's values (megatron's
+            ``--override-opt_param-scheduler``). A difference with neither this nor
+            ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
+            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -368,6 +377,8 @@ class CheckpointConfig:
     save_hf: str | None = None
     export_ema: bool = True
     save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 @dataclass
@@ -479,6 +490,7 @@ class MMConfig:
                 raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
         if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
             raise ConfigError(f"train.exit_duration_mins={t.exit_duration_mins} must be positive (or unset)")
+        check_scheduler_flags(self.checkpoint.override_scheduler, self.checkpoint.use_checkpoint_scheduler)
         if t.steps < 0:
             raise ConfigError(f"train.steps={t.steps} must not be negative")
         if world_size % p.dp_replicate:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from mindspeed.checkpointing.schedule import check_scheduler_flags
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
@@ -271,6 +272,7 @@ def check_config(config: RecipeSections, num_devices: int | None = None) -> None
     """Run every check (see :meth:`GRPOConfig.check`)."""
     _check_counts(config)
     config.logging.check()
+    check_scheduler_flags(config.checkpoint.override_scheduler, config.checkpoint.use_checkpoint_scheduler)
     _check_rollout(config)
     _check_actor(config, num_devices)
     _check_algorithm(config)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mindspeed.checkpointing import Preemption, resume_hint
+from mindspeed.checkpointing import Preemption, resume_hint, run_lock
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import DETAIL, RUN_LOG_FILE, get_logger, open_run_log, run_log_path
 from mindspeed_rl.workers.deaths import describe_death, find_actor_error
@@ -56,8 +56,6 @@ def run_grpo(args: argparse.Namespace) -> int:
     """Run the recipe; returns the exit status."""
     # Lazy: keeps torch out of the start-up of mindspeed_rl.cli.
     from mindspeed_rl.config import load_grpo_config
-    from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
-    from mindspeed_rl.runner import GRPORunner
 
     try:
         config = load_grpo_config(args.config, args.overrides)
@@ -66,6 +64,15 @@ def run_grpo(args: argparse.Namespace) -> int:
     if args.print_config:  # before any check, model or worker: what the recipe and the overrides say
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
+    # One run per save directory: the driver holds its lock from before the resume to the end.
+    with run_lock(config.checkpoint.save):
+        return _run_grpo(config)
+
+
+def _run_grpo(config: Any) -> int:
+    from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
+    from mindspeed_rl.runner import GRPORunner
+
     try:
         runner = GRPORunner(config)
     except ConfigError as err:

@@ -45,9 +45,11 @@ from mindspeed.checkpointing import (
     fault_point,
     find_resume,
     holds_checkpoints,
+    resolve_schedule,
 )
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed_llm.training.optim import schedule_settings, scheduler_state
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
@@ -58,6 +60,7 @@ from mindspeed_rl.rewards import RewardModel
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
+    actor_settings,
     collect_rollout,
     evaluate,
     finish_record,
@@ -438,7 +441,8 @@ class GRPORunner:
             return
         path = found.path
         state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
-        self.group.call("load", str(path))
+        flags = check_actor_schedule(self.config, path, int(state["step"]))
+        self.group.call("load", str(path), *flags)
         self.ctx.step = self.pctx.step = int(state["step"])
         self.saved_step = self.ctx.step
         self.version = int(state["version"])
@@ -468,3 +472,31 @@ class GRPORunner:
             ray.kill(self.reward_worker)
         for pool in self.pools:
             pool.remove()
+
+
+def check_actor_schedule(config: GRPOConfig, path: Path, step: int) -> tuple[bool, bool]:
+    """Check the actor's learning-rate schedule against checkpoint ``path``'s before the workers load it.
+
+    Returns:
+        ``(checkpoint.override_scheduler, checkpoint.use_checkpoint_scheduler)`` for the workers' load.
+
+    Raises:
+        ConfigError: the schedules differ and neither flag says which wins (one line listing each difference).
+    """
+    c = config.checkpoint
+    try:  # the scheduler's state is plain data: no code runs while it is read
+        saved = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("opt_param_scheduler")
+    except Exception:  # an unreadable common state: the workers' load says what is wrong with it
+        saved = None
+    if isinstance(saved, dict) and "max_lr" in saved:
+        sched = actor_settings(config).scheduler
+        decay = "the decay length (train.steps x updates per step)"
+        resolve_schedule(
+            schedule_settings(saved, prefix="actor.", decay_key=decay),
+            schedule_settings(scheduler_state(sched, sched.lr_warmup_steps + 1), prefix="actor.", decay_key=decay),
+            path,
+            step,
+            override=c.override_scheduler,
+            use_checkpoint=c.use_checkpoint_scheduler,
+        )
+    return c.override_scheduler, c.use_checkpoint_scheduler

@@ -312,6 +312,14 @@ class CheckpointConfig:
         save_hf: write the final policy as a Hugging Face directory here.
         save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the actor was trained
             in), float32, bfloat16 or float16; its config.json always says the dtype written.
+        override_scheduler: on resume, when the actor's learning-rate schedule (``actor.lr``,
+            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``weight_decay``, and the decay
+            length that ``train.steps`` sets) differs from the checkpoint's, the recipe wins: the
+            schedule goes on from the resumed update with the recipe's values (megatron's
+            ``--override-opt_param-scheduler``). A difference with neither this nor
+            ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's schedule wins over a different one
+            in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -320,6 +328,8 @@ class CheckpointConfig:
     resume: bool = True
     save_hf: str | None = None
     save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 class RecipeSections(Protocol):

@@ -1,6 +1,7 @@
 """Checkpoint reliability shared by the suites: discovery of the newest complete checkpoint,
 rotation, preemption (SIGTERM / Ctrl-C / time limit), writers that never outlive their trainer,
-and the fault points the reliability tests use. See ``docs/reliability.md``.
+one run per save directory (the run lock), the learning-rate schedule check on resume, and the
+fault points the reliability tests use. See ``docs/reliability.md``.
 """
 
 from mindspeed.checkpointing.discovery import (
@@ -26,6 +27,7 @@ from mindspeed.checkpointing.discovery import (
 )
 from mindspeed.checkpointing.disk_full import DiskFullError, export_guard, save_guard
 from mindspeed.checkpointing.faults import FAULT_ENV, fault_armed, fault_point
+from mindspeed.checkpointing.lock import LOCK_FILE, DirectoryLocked, LockHolder, RunLock, run_lock, takes_run_lock
 from mindspeed.checkpointing.orphans import die_with_parent, forked_children_die_with_me
 from mindspeed.checkpointing.preemption import (
     EXIT_SIGINT,
@@ -36,6 +38,13 @@ from mindspeed.checkpointing.preemption import (
     interrupts_come_from_launcher,
     resume_hint,
 )
+from mindspeed.checkpointing.schedule import (
+    OVERRIDE,
+    USE_CHECKPOINT,
+    check_scheduler_flags,
+    resolve_schedule,
+    schedule_differences,
+)
 
 __all__ = [
     "DiskFullError",
@@ -44,13 +53,20 @@ __all__ = [
     "FAULT_ENV",
     "ITER",
     "LAUNCHER_INTERRUPT",
+    "LOCK_FILE",
     "MARKER",
+    "OVERRIDE",
     "STEP",
     "TRACKER",
+    "USE_CHECKPOINT",
+    "DirectoryLocked",
     "Layout",
+    "LockHolder",
     "Preemption",
     "ResumePoint",
+    "RunLock",
     "StopRequest",
+    "check_scheduler_flags",
     "checkpoint_dir",
     "damage_of",
     "die_with_parent",
@@ -65,10 +81,14 @@ __all__ = [
     "list_complete",
     "list_step_dirs",
     "remove_tree",
+    "resolve_schedule",
     "resume_hint",
     "rotate",
     "save_guard",
+    "run_lock",
+    "schedule_differences",
     "step_of",
+    "takes_run_lock",
     "tracker_step",
     "write_marker",
     "write_tracker",

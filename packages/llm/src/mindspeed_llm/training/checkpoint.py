@@ -43,11 +43,13 @@ from mindspeed.checkpointing import (
     forked_children_die_with_me,
     list_complete,
     remove_tree,
+    resolve_schedule,
     rotate,
     save_guard,
     write_marker,
     write_tracker,
 )
+from mindspeed.checkpointing.schedule import Winner
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, get_rank, logged_as_detail
@@ -55,6 +57,7 @@ from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.model import unwrap
+from mindspeed_llm.training.optim import schedule_settings
 
 logger = get_logger(__name__)
 
@@ -257,7 +260,8 @@ def _write_checkpoint(
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     sharded.update(
         train_state=asdict(state),
-        opt_param_scheduler=scheduler.state_dict(),
+        # The warmup's start too (megatron's state leaves it out): a resume compares it with the recipe's.
+        opt_param_scheduler={**scheduler.state_dict(), "init_lr": scheduler.init_lr},
         layout=_layout(config),
         config=to_dict(config),
     )
@@ -379,6 +383,7 @@ def load_checkpoint(
 
         template = {key: split_lora_state(state)[0] for key, state in template.items()}
     with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
+    winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
     if with_optimizer:
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
     layout = common.get("layout", {})
@@ -401,13 +406,65 @@ def load_checkpoint(
         logger.info("loaded model weights from %s", path)
         return TrainState()
     if with_optimizer:
+        built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+        recipe = (scheduler.max_lr, scheduler.min_lr)
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     state = TrainState(**loaded.get("train_state", {}))
     logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
     return state
+
+
+def _schedule_winner(path: Path, common: dict[str, Any], scheduler: Any, config: PretrainConfig) -> Winner | None:
+    """Whose learning-rate schedule a resume follows: one line listing the differences unless the recipe says."""
+    saved = common.get("opt_param_scheduler")
+    if not isinstance(saved, dict) or "max_lr" not in saved:
+        return None
+    ck = config.checkpoint
+    decay = "train.lr_decay_steps" + (" (= train.steps)" if config.train.lr_decay_steps is None else "")
+    theirs = schedule_settings(saved, decay_key=decay)
+    ours = schedule_settings({**scheduler.state_dict(), "init_lr": scheduler.init_lr}, decay_key=decay)
+    step = int(common.get("train_state", {}).get("step", saved.get("num_steps", 0)))
+    return resolve_schedule(
+        theirs,
+        ours,
+        path,
+        step,
+        override=ck.override_scheduler,
+        use_checkpoint=ck.use_checkpoint_scheduler,
+        announce=dist.get_rank() == 0,
+    )
+
+
+def _load_schedule(
+    scheduler: Any,
+    optimizer: Any,
+    saved: dict[str, Any],
+    winner: Winner | None,
+    built: list[tuple[Any, Any]],
+    recipe: tuple[float, float],
+) -> None:
+    """Restore the scheduler's position; its settings are the winner's (the recipe's when they agree).
+
+    The optimizer's parameter groups carry the peak and final learning rates too (megatron's
+    ``max_lr`` / ``min_lr``, ``built`` as the optimizer was built from the recipe's ``recipe``):
+    they are set to the winner's, whatever the optimizer's own state brought back.
+    """
+    use_checkpoint = winner == "checkpoint"
+    scheduler.override_opt_param_scheduler = not use_checkpoint
+    scheduler.use_checkpoint_opt_param_scheduler = use_checkpoint
+    scheduler.load_state_dict(saved)
+    if use_checkpoint and saved.get("init_lr") is not None:
+        scheduler.init_lr = saved["init_lr"]
+    if len(built) == len(optimizer.param_groups):
+        winners = (saved["max_lr"], saved["min_lr"]) if use_checkpoint else recipe
+        for group, values in zip(optimizer.param_groups, built):
+            for key, value, ours, theirs in zip(("max_lr", "min_lr"), values, recipe, winners):
+                if value is not None:  # a group of the recipe's own rate follows the winner
+                    group[key] = theirs if value == ours else value
+    scheduler.step(0)  # the learning rate and weight decay of the restored position
 
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:

@@ -118,28 +118,74 @@ def build_scheduler(sched: SchedulerConfig, optimizer: Any, steps: int) -> Any:
         optimizer: what :func:`build_optimizer` returned.
         steps: the run's optimizer steps (the end of the decay unless ``sched.lr_decay_steps``).
 
-    The section's values win over a checkpoint's when they differ (only the position is
-    restored), so a resumed run follows the schedule it was started with.
+    A resumed run whose section differs from the checkpoint's schedule is refused unless the
+    recipe says which side wins (``checkpoint.override_scheduler`` / ``use_checkpoint_scheduler``,
+    :func:`mindspeed_llm.training.checkpoint.load_checkpoint` applies it); by default the
+    scheduler takes the section's values and only the position from a checkpoint.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
-    decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=sched.lr_warmup_init,
-        max_lr=sched.lr,
-        min_lr=sched.min_lr,
-        lr_warmup_steps=sched.lr_warmup_steps,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=sched.lr_decay_style,
-        start_wd=sched.weight_decay,
-        end_wd=sched.weight_decay,
-        wd_incr_steps=decay_steps,
-        wd_incr_style="constant",
+        **_scheduler_args(sched, steps),
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+def _scheduler_args(sched: SchedulerConfig, steps: int) -> dict[str, Any]:
+    # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
+    decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
+    return {
+        "init_lr": sched.lr_warmup_init,
+        "max_lr": sched.lr,
+        "min_lr": sched.min_lr,
+        "lr_warmup_steps": sched.lr_warmup_steps,
+        "lr_decay_steps": decay_steps,
+        "lr_decay_style": sched.lr_decay_style,
+        "start_wd": sched.weight_decay,
+        "end_wd": sched.weight_decay,
+        "wd_incr_steps": decay_steps,
+        "wd_incr_style": "constant",
+    }
+
+
+def scheduler_state(sched: SchedulerConfig, steps: int) -> dict[str, Any]:
+    """What :func:`build_scheduler`'s scheduler records in a checkpoint (position 0), without building it."""
+    return {**_scheduler_args(sched, steps), "num_steps": 0}
+
+
+def schedule_settings(state: dict[str, Any], prefix: str = "train.", decay_key: str | None = None) -> dict[str, Any]:
+    """The learning-rate settings a scheduler state records, keyed as a recipe spells them.
+
+    Args:
+        state: megatron's ``OptimizerParamScheduler.state_dict()`` (as a checkpoint holds it; the
+            warmup's start ``init_lr`` where this trainer recorded it).
+        prefix: the recipe section (``train.``; the RL actor's ``actor.``).
+        decay_key: how the recipe sets the decay length (default ``PREFIXlr_decay_steps``).
+
+    Settings that cannot change the learning rate are left out: the decay length and ``min_lr``
+    of a ``constant`` schedule, the warmup's start without a warmup.
+    """
+    decay_key = decay_key or f"{prefix}lr_decay_steps"
+    settings: dict[str, Any] = {
+        f"{prefix}lr": state["max_lr"],
+        f"{prefix}min_lr": state["min_lr"],
+        f"{prefix}lr_warmup_init": state.get("init_lr"),
+        f"{prefix}lr_warmup_steps": state["lr_warmup_steps"],
+        f"{prefix}lr_decay_style": state["lr_decay_style"],
+        decay_key: state["lr_decay_steps"],
+    }
+    if state.get("start_wd") is not None:
+        start, end = state["start_wd"], state["end_wd"]
+        settings[f"{prefix}weight_decay"] = (
+            start if start == end else f"{start} to {end} ({state['wd_incr_style']}, {state['wd_incr_steps']} steps)"
+        )
+    if state["lr_decay_style"] == "constant":
+        del settings[f"{prefix}min_lr"], settings[decay_key]
+    if not state["lr_warmup_steps"] or state.get("init_lr") is None:
+        del settings[f"{prefix}lr_warmup_init"]
+    return settings
 
 
 def current_lr(optimizer: Any) -> float:

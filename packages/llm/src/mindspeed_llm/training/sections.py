@@ -421,6 +421,14 @@ class CheckpointConfig:
         save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained
             in), float32, bfloat16 or float16; its config.json always says the dtype written, so
             transformers loads what was trained.
+        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
+            ``min_lr``, ``lr_warmup_init``, ``lr_warmup_steps``, ``lr_decay_style``,
+            ``lr_decay_steps`` or ``steps`` that sets it, ``weight_decay``) differs from the
+            checkpoint's, the recipe wins: the schedule goes on from the resumed step with the
+            recipe's values (megatron's ``--override-opt_param-scheduler``). A difference with
+            neither this nor ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
+            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -435,6 +443,8 @@ class CheckpointConfig:
     load_hf: str | None = None
     save_hf: str | None = None
     save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 @dataclass

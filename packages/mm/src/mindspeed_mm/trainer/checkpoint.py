@@ -45,6 +45,8 @@ from mindspeed.log import get_logger
 logger = get_logger(__name__)
 
 STATE_FILE = "trainer_state.pt"
+#: The learning-rate schedule the checkpoint was trained with (JSON), for the resume check.
+SCHEDULE_FILE = "schedule.json"
 #: ``step_00000010``: the step directories' names.
 LAYOUT = STEP
 
@@ -105,19 +107,21 @@ def save_checkpoint(
     keep_last: int | None = None,
     source: str | Path | None = None,
     trainable_only: bool = False,
+    schedule: dict[str, Any] | None = None,
 ) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
     ``source`` is the model directory the run started from: its model class is recorded, so that a
     resume with another model is one clear error. ``trainable_only``: the model entries are the
-    parameters that train (LoRA: the factors), the frozen rest is ``source``'s.
+    parameters that train (LoRA: the factors), the frozen rest is ``source``'s. ``schedule``: the
+    learning-rate schedule's settings (``optim.schedule_of``), recorded as ``schedule.json``.
 
     Raises:
         DiskFullError: the file system ran out of space (one line; the ``.tmp`` directory is removed).
     """
     root = Path(save)
     with save_guard(root, step_dir(root, step), remove_tmp=dist.get_rank() == 0, layout=LAYOUT):
-        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only)
+        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only, schedule)
 
 
 def _save_checkpoint(
@@ -128,6 +132,7 @@ def _save_checkpoint(
     keep_last: int | None,
     source: str | Path | None,
     trainable_only: bool,
+    schedule: dict[str, Any] | None,
 ) -> Path:
     root = Path(save)
     final = step_dir(root, step)
@@ -155,6 +160,8 @@ def _save_checkpoint(
             "trainable_only": trainable_only,
         }
         torch.save(state, tmp / STATE_FILE)
+        if schedule is not None:
+            (tmp / SCHEDULE_FILE).write_text(json.dumps(schedule), encoding="utf-8")
         write_marker(tmp, step)  # last: from here on the checkpoint is complete
         if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
             remove_tree(final)
@@ -166,6 +173,15 @@ def _save_checkpoint(
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def read_schedule(path: Path) -> dict[str, Any] | None:
+    """The schedule settings checkpoint ``path`` records (``None``: an older checkpoint without them)."""
+    try:
+        data = json.loads((path / SCHEDULE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def load_checkpoint(

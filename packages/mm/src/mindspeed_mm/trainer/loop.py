@@ -12,23 +12,43 @@ trainer; docs/reliability.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resume_hint
+from mindspeed.checkpointing import Preemption, StopRequest, fault_point, resolve_schedule, resume_hint, step_of
 from mindspeed.config import to_dict
 from mindspeed.device import deterministic_mode, get_accelerator, retain_freed_host_memory
 from mindspeed.log import get_logger
 from mindspeed.metrics.log import LOSS_CURVE, METRICS_FILE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.progress import StatusProgress
-from mindspeed_mm.config import MMConfig
+from mindspeed_mm.config import MMConfig, TrainConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
-from mindspeed_mm.trainer.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, step_dir
-from mindspeed_mm.trainer.optim import build_optimizer, clip_gradients, export_weights, lr_at, set_lr
+from mindspeed_mm.trainer.checkpoint import (
+    LAYOUT,
+    find_resume_checkpoint,
+    load_checkpoint,
+    read_schedule,
+    save_checkpoint,
+    step_dir,
+)
+from mindspeed_mm.trainer.optim import (
+    SCHEDULE_FIELDS,
+    build_optimizer,
+    clip_gradients,
+    export_weights,
+    lr_at,
+    schedule_of,
+    schedule_settings,
+    set_lr,
+    set_weight_decay,
+)
 from mindspeed_mm.trainer.task import TASKS, TrainTask
 from mindspeed_mm.trainer.validation import evaluation_due, validation_loss
 
@@ -80,6 +100,7 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     world, rank = dist.get_world_size(), dist.get_rank()
     t, ck = config.train, config.checkpoint
     resume_from = find_resume_checkpoint(ck.save, ck.resume)  # before the model: a save directory error is quick
+    schedule = _resumed_schedule(config, resume_from, rank)  # the train settings the learning rate follows
     torch.manual_seed(t.seed)
     task = TASKS.get(task_name or config.task())(config, world)
     optimizer = build_optimizer(t, task.model)
@@ -89,6 +110,8 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
         result.start_step = int(
             load_checkpoint(resume_from, task.model, optimizer, task.source, config.lora.enabled)["step"]
         )
+        # The weight decay came back with the optimizer's state: the schedule's the run follows wins.
+        set_weight_decay(optimizer, schedule.weight_decay)
     log_dir = config.log_dir()
     bar = StatusProgress(
         "train", total=t.steps, completed=result.start_step, disable=not (rank == 0 and config.logging.progress)
@@ -98,7 +121,7 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
         config.logging, log_dir, result.start_step, rank == 0, to_dict(config) if rank == 0 else None
     )
     try:
-        _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result, preemption)
+        _run_steps(config, rank, task, optimizer, trainable, metrics, bar, result, preemption, schedule)
     finally:
         metrics.close()
     if result.preempted is None:  # a stopped run is not finished: no export
@@ -108,6 +131,31 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     if rank == 0 and log_dir is not None and config.logging.loss_curve and metrics.path is not None:
         write_loss_curve(log_dir / METRICS_FILE, log_dir / LOSS_CURVE)
     return result
+
+
+def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> TrainConfig:
+    """The ``train`` settings the learning rate and weight decay follow: the checkpoint's when it wins.
+
+    Raises:
+        ConfigError: they differ and neither ``checkpoint.override_scheduler`` nor
+            ``checkpoint.use_checkpoint_scheduler`` says which wins (one line listing each difference).
+    """
+    t, ck = config.train, config.checkpoint
+    saved = read_schedule(resume_from) if resume_from is not None else None
+    if saved is None:
+        return t
+    winner = resolve_schedule(
+        schedule_settings(saved),
+        schedule_settings(schedule_of(t)),
+        resume_from,
+        step_of(resume_from, LAYOUT) or 0,
+        override=ck.override_scheduler,
+        use_checkpoint=ck.use_checkpoint_scheduler,
+        announce=rank == 0,
+    )
+    if winner != "checkpoint":
+        return t
+    return replace(t, **{name: value for name, value in saved.items() if name in SCHEDULE_FIELDS})
 
 
 def _run_steps(
@@ -120,16 +168,19 @@ def _run_steps(
     bar: StatusProgress,
     result: TrainResult,
     preemption: Preemption,
+    schedule: TrainConfig,
 ) -> None:
     t, ck = config.train, config.checkpoint
+    # What the checkpoints record as their learning-rate schedule (the one this run follows).
+    save = partial(save_checkpoint, schedule=schedule_of(schedule))
     saved = result.start_step or None  # the step of the newest checkpoint in ck.save (the resumed one)
     with bar:
         for step in range(result.start_step + 1, t.steps + 1):
             stop = preemption.agree(device=get_accelerator().device())
             if stop is not None:
-                _preempt(config, step - 1, saved, stop, task, optimizer, result)
+                _preempt(config, step - 1, saved, stop, task, optimizer, result, save)
                 return
-            record = _train_step(config, step, rank, task, optimizer, trainable)
+            record = _train_step(config, step, rank, task, optimizer, trainable, schedule)
             metrics.write(record)
             result.records.append(record)
             fields = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3g}", f"gnorm {record['grad_norm']:.3f}"]
@@ -145,9 +196,7 @@ def _run_steps(
             fault_point("train.step_end", step)
             if ck.save and ((ck.interval and step % ck.interval == 0) or (step == t.steps and ck.save_at_end)):
                 result.checkpoint = str(
-                    save_checkpoint(
-                        ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled
-                    )
+                    save(ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled)
                 )
                 saved = step
 
@@ -160,12 +209,13 @@ def _preempt(
     task: TrainTask,
     optimizer: torch.optim.Optimizer,
     result: TrainResult,
+    save: Callable[..., Path] = save_checkpoint,
 ) -> None:
     """Stop for a signal or the time limit: save step ``step`` unless it is saved, and say where."""
     ck = config.checkpoint
     if ck.save and step > 0 and saved != step:
         result.checkpoint = str(
-            save_checkpoint(ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled)
+            save(ck.save, step, task.model, optimizer, ck.keep_last, task.source, config.lora.enabled)
         )
         saved = step
     where = str(step_dir(ck.save, saved)) if ck.save and saved is not None else None
@@ -186,6 +236,7 @@ def _train_step(
     task: TrainTask,
     optimizer: torch.optim.Optimizer,
     trainable: list[torch.Tensor],
+    schedule: TrainConfig | None = None,
 ) -> dict[str, Any]:
     t = config.train
     start = time.perf_counter()
@@ -194,7 +245,7 @@ def _train_step(
     several = dist.get_world_size() > 1  # one rank: nothing to sum (a gloo call costs a thread hand-off)
     if several:
         dist.all_reduce(totals)
-    lr = lr_at(t, step)
+    lr = lr_at(schedule or t, step)
     set_lr(optimizer, lr)
     reported = torch.zeros((), dtype=torch.float32, device=get_accelerator().device())
     for batch in micro:

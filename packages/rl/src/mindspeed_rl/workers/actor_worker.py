@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -218,11 +219,16 @@ class ActorWorker:
         )
         return str(path)
 
-    def load(self, path: str) -> int:
-        """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
-        state = load_checkpoint(
-            Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, self.actor.config
-        )
+    def load(self, path: str, override_scheduler: bool = False, use_checkpoint_scheduler: bool = False) -> int:
+        """Restore a checkpoint written by :meth:`save` (collective); returns its step.
+
+        The flags say whose learning-rate schedule wins when the checkpoint's differs from the actor's
+        (the driver has checked that one of them is set then: ``runner.check_actor_schedule``).
+        """
+        config = self.actor.config
+        flags = {"override_scheduler": override_scheduler, "use_checkpoint_scheduler": use_checkpoint_scheduler}
+        config = replace(config, checkpoint=replace(config.checkpoint, **flags))
+        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, config)
         self.actor.version = int(state.step)
         return int(state.step)
 
