@@ -1,6 +1,7 @@
 """Checkpoint reliability shared by the suites: discovery of the newest complete checkpoint,
 rotation, preemption (SIGTERM / Ctrl-C / time limit), writers that never outlive their trainer,
-and the fault points the reliability tests use. See ``docs/reliability.md``.
+non-finite steps skipped and non-finite checkpoints refused, and the fault points the reliability
+tests use. See ``docs/reliability.md``.
 """
 
 from mindspeed.checkpointing.discovery import (
@@ -24,7 +25,16 @@ from mindspeed.checkpointing.discovery import (
     write_marker,
     write_tracker,
 )
-from mindspeed.checkpointing.faults import FAULT_ENV, fault_point
+from mindspeed.checkpointing.faults import FAULT_ENV, fault_armed, fault_point, plant_nan
+from mindspeed.checkpointing.finite import (
+    NonFiniteState,
+    SkipCounter,
+    agree_any,
+    first_nonfinite,
+    first_nonfinite_everywhere,
+    is_finite,
+    refused_save,
+)
 from mindspeed.checkpointing.orphans import die_with_parent, forked_children_die_with_me
 from mindspeed.checkpointing.preemption import (
     EXIT_SIGINT,
@@ -46,20 +56,29 @@ __all__ = [
     "STEP",
     "TRACKER",
     "Layout",
+    "NonFiniteState",
     "Preemption",
     "ResumePoint",
+    "SkipCounter",
     "StopRequest",
+    "agree_any",
     "checkpoint_dir",
     "damage_of",
     "die_with_parent",
+    "fault_armed",
     "fault_point",
+    "first_nonfinite",
+    "first_nonfinite_everywhere",
     "find_resume",
     "forked_children_die_with_me",
     "holds_checkpoints",
     "interrupts_come_from_launcher",
     "is_complete",
+    "is_finite",
     "list_complete",
     "list_step_dirs",
+    "plant_nan",
+    "refused_save",
     "remove_tree",
     "resume_hint",
     "rotate",

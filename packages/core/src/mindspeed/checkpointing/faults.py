@@ -8,6 +8,12 @@ no-op (one dictionary lookup). Points: ``train.step_start``, ``train.step_end``,
 ``save.start``, ``save.written``, ``save.renamed``, ``save.tracker`` (the trainer), ``rl.step_end``
 (the RL driver) and ``save.writer``: a forked checkpoint writer kills its trainer and then
 keeps writing for a while, so that a writer that does not die with its trainer is caught.
+
+Damage points (:func:`fault_armed`) plant a value instead of killing: ``train.grad_nan`` (after
+the backward of that step, a NaN in a gradient: the loss stays finite, the gradient norm does
+not) and ``save.param_nan`` (before that step's save, a NaN in a parameter: what a diverged
+update that escaped the step's check, or a bit flip, would leave). ``<point>@<step>+`` arms a
+damage point at that step and every later one.
 """
 
 from __future__ import annotations
@@ -41,3 +47,23 @@ def child_fault(name: str) -> None:
     if FAULT_ENV in os.environ and _armed(name, _step[0]):
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(20.0)  # a writer that survives its trainer is still here when the test looks
+
+
+def fault_armed(name: str, step: int) -> bool:
+    """Whether ``MINDSPEED_FAULT`` arms the damage point ``name`` at ``step`` (``name@step``, or ``name@K+`` for K <= step)."""
+    if FAULT_ENV not in os.environ:
+        return False
+    point, _, at = os.environ[FAULT_ENV].partition("=")[0].partition("@")
+    if point != name or not at.rstrip("+").isdigit():
+        return False
+    return step >= int(at[:-1]) if at.endswith("+") else step == int(at)
+
+
+def plant_nan(tensor: object) -> None:
+    """Write a NaN into the first element of ``tensor`` (this rank's shard of a DTensor), in place."""
+    import torch
+
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.numel():
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")

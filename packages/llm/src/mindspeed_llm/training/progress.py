@@ -97,13 +97,14 @@ class RunReporter:
                 f" acc {_fmt(record['rewards/accuracies'], '.2f')} margin {_fmt(record['rewards/margins'], '.3f')}"
             )
         self.bar.update(status=status)
-        if record["step"] % self.config.logging.interval == 0 or record["skipped"]:
+        # A skipped step has its own warning line (the trainer's); here it is marked at the interval.
+        if record["step"] % self.config.logging.interval == 0:
             logger.info(
                 "step %d/%d: %s%s",
                 record["step"],
                 self.config.train.steps,
                 status,
-                " (skipped: non-finite loss)" if record["skipped"] else "",
+                " (skipped)" if record["skipped"] else "",
             )
 
     def evaluation(self, record: dict[str, Any]) -> None:
