@@ -30,15 +30,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mindspeed.checkpointing import (
     STEP,
+    NonFiniteState,
+    fault_armed,
     fault_point,
     find_resume,
+    first_nonfinite_everywhere,
     holds_checkpoints,
+    list_complete,
+    plant_nan,
+    refused_save,
     remove_tree,
     rotate,
     write_marker,
     write_tracker,
 )
 from mindspeed.config import ConfigError
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -104,17 +111,29 @@ def save_checkpoint(
     keep_last: int | None = None,
     source: str | Path | None = None,
     trainable_only: bool = False,
+    counters: dict[str, int] | None = None,
 ) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
     ``source`` is the model directory the run started from: its model class is recorded, so that a
     resume with another model is one clear error. ``trainable_only``: the model entries are the
-    parameters that train (LoRA: the factors), the frozen rest is ``source``'s.
+    parameters that train (LoRA: the factors), the frozen rest is ``source``'s. ``counters``: the
+    skipped steps (``skipped_steps``, ``nonfinite_streak``) recorded in the trainer state.
+
+    Raises:
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf (every rank
+            raises it, before anything is written: the newest complete checkpoint stays the resume point).
     """
     root = Path(save)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
+    if fault_armed("save.param_nan", step) and rank0:
+        plant_nan(next(iter(model.parameters())))
+    bad = first_nonfinite_everywhere(_named_state(model, optimizer), device=get_accelerator().device())
+    if bad is not None:
+        complete = list_complete(root, LAYOUT) if root.is_dir() else []
+        raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{LAYOUT.prefix}*.tmp"):  # left by a run killed while saving
@@ -134,6 +153,7 @@ def save_checkpoint(
             "rng": torch.get_rng_state(),
             "model_class": model_class(source) if source is not None else None,
             "trainable_only": trainable_only,
+            **(counters or {}),
         }
         torch.save(state, tmp / STATE_FILE)
         write_marker(tmp, step)  # last: from here on the checkpoint is complete
@@ -196,6 +216,17 @@ def load_checkpoint(
     torch.set_rng_state(trainer_state["rng"])
     logger.info("resumed from %s at step %d", path, trainer_state["step"])
     return trainer_state
+
+
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """This rank's tensors of a checkpoint: the (sharded) parameters and the optimizer's state."""
+    names = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = name
+        yield f"parameter {name}", param
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            yield f"optimizer {key} of {names.get(id(param), 'a parameter')}", value
 
 
 def _trainable(model: torch.nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
