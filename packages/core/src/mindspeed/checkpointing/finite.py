@@ -98,11 +98,13 @@ class SkipCounter:
         limit: stop after this many skips in a row (``train.max_nonfinite_steps``; at least 1).
         key: the setting that holds ``limit``, named in the lines.
         lr_key: the learning-rate setting the stop line suggests lowering.
+        unit: what is skipped (``step``; the GRPO actor's ``actor update``).
     """
 
     limit: int
     key: str = "train.max_nonfinite_steps"
     lr_key: str = "train.lr"
+    unit: str = "step"
     skipped: int = 0
     streak: int = 0
 
@@ -121,14 +123,14 @@ class SkipCounter:
         """The warning of one skipped step (the value that is not finite first)."""
         what = f"loss is {loss}" if not is_finite(loss) else f"gradient norm is {grad_norm} (loss {loss:.4f})"
         return (
-            f"step {step}: {what}; step skipped: no update, the learning-rate schedule does not advance "
-            f"({self.streak} in a row, {self.key}={self.limit})"
+            f"{self.unit} {step}: {what}; {self.unit} skipped: no update, the learning-rate schedule does not "
+            f"advance ({self.streak} in a row, {self.key}={self.limit})"
         )
 
     def stop_line(self, step: int, lr: float, resume: str) -> str:
         """Why the run stops: the skips in a row, the last step, what to change and where it resumes."""
         return (
-            f"{self.streak} consecutive steps with a non-finite loss or gradient norm ({self.key}={self.limit}), "
-            f"the last at step {step}: the run diverged; lower {self.lr_key} (now {lr:g}) and run the same "
-            f"command: {resume}"
+            f"{self.streak} consecutive {self.unit}s with a non-finite loss or gradient norm ({self.key}="
+            f"{self.limit}), the last at {self.unit} {step}: the run diverged; lower {self.lr_key} (now {lr:g}) "
+            f"and run the same command: {resume}"
         )
