@@ -122,6 +122,9 @@ class TrainConfig:
         optimizer_impl: the ``adamw`` kernel of ``mindspeed.ops`` (``auto``, ``reference``,
             ``foreach``, ``fused``).
         clip_grad: clip the global gradient norm to this (0: no clipping).
+        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
+            norm (each is skipped before the optimizer applies it: no update, and the learning-rate
+            schedule does not advance); exit status 1, as the LLM trainer's key of the same name.
         ema: decay of an exponential moving average of the weights (MindSpeed's ``fused_ema_adamw``
             with ``--ema-decay``, e.g. 0.9999; 0: none). The optimizer becomes EMA-AdamW (the
             ``ema_adamw`` kernel, ``optimizer_impl`` picks it), the averages travel in the
@@ -165,6 +168,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     optimizer_impl: str = "auto"
     clip_grad: float = 1.0
+    max_nonfinite_steps: int = 3
     ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
@@ -562,6 +566,8 @@ class MMConfig:
             raise ConfigError(f"train.ema={t.ema} must lie in [0, 1) (0: no moving average; e.g. 0.9999)")
         if t.clip_grad < 0:
             raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
+        if t.max_nonfinite_steps < 0:
+            raise ConfigError(f"train.max_nonfinite_steps={t.max_nonfinite_steps} must not be negative")
         if self.lora.alpha <= 0:
             raise ConfigError(f"lora.alpha={self.lora.alpha} must be positive (the update is scaled by alpha / r)")
         if not 0 <= self.lora.dropout < 1:

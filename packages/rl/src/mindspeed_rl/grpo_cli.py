@@ -108,6 +108,9 @@ def _run_grpo(config: Any) -> int:
         try:
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
                 records = runner.run(on_step=on_step, preemption=preemption)
+            if runner.failed is not None:  # non-finite updates in a row, or a save refused for NaN/Inf
+                logger.error("grpo stopped early: %s", runner.failed)
+                return 1
             stop = runner.stopped
             if stop is not None:
                 where = runner.checkpoint_path()

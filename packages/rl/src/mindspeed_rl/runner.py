@@ -38,7 +38,9 @@ from typing import Any
 import torch
 
 from mindspeed.checkpointing import (
+    NonFiniteState,
     Preemption,
+    SkipCounter,
     StopRequest,
     checkpoint_dir,
     fault_armed,
@@ -204,6 +206,8 @@ class GRPORunner:
         self._producer_error: BaseException | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
         self.stopped: StopRequest | None = None  # why the last run() stopped early (a signal, the time limit)
+        #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
+        self.failed: str | None = None
         self._maybe_resume()
 
     # -- producing ---------------------------------------------------------------------------
@@ -357,11 +361,12 @@ class GRPORunner:
                     on_step(record)
                 fault_point("rl.step_end", self.ctx.step)
                 self._kill_on_fault(self.ctx.step)
-                self._maybe_save()
+                if self._diverged(record) or not self._maybe_save():
+                    break
                 if preemption is not None and (stop := preemption.requested()) is not None:
                     self.stopped = stop
                     if self.config.checkpoint.save is not None and self.saved_step != self.ctx.step:
-                        self.save(self.config.checkpoint.save)
+                        self._save_or_fail(self.config.checkpoint.save)
                     break
         finally:
             self._stop.set()
@@ -399,13 +404,41 @@ class GRPORunner:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _maybe_save(self) -> None:
+    def _diverged(self, record: dict[str, float]) -> bool:
+        """Whether the actor's updates were refused ``train.max_nonfinite_steps`` times in a row (sets :attr:`failed`)."""
+        t = self.config.train
+        streak = int(record.get("nonfinite_streak", 0))
+        if streak < max(t.max_nonfinite_steps, 1):
+            return False
+        where = self.checkpoint_path()
+        a = self.config.actor
+        per_step = t.global_batch // (a.mini_batch_size or t.global_batch) * a.ppo_epochs
+        skips = SkipCounter(t.max_nonfinite_steps, lr_key="actor.lr", unit="actor update", streak=streak)
+        self.failed = skips.stop_line(
+            self.ctx.step * per_step,
+            self.config.actor.lr,
+            f"it resumes from {where}" if where is not None else "no checkpoint was saved, it starts from step 1",
+        )
+        return True
+
+    def _maybe_save(self) -> bool:
+        """Save when the recipe says; ``False`` when the save was refused for NaN/Inf state (sets :attr:`failed`)."""
         c = self.config.checkpoint
         if c.save is None:
-            return
+            return True
         step = self.ctx.step
         if step == self.config.train.steps or (c.interval and step % c.interval == 0):
-            self.save(c.save)
+            return self._save_or_fail(c.save)
+        return True
+
+    def _save_or_fail(self, root: str) -> bool:
+        """:meth:`save`; ``False`` when it was refused for NaN/Inf state (sets :attr:`failed`)."""
+        try:
+            self.save(root)
+        except NonFiniteState as err:  # raised by every actor rank, through Ray: keep its own one line
+            self.failed = str(getattr(err, "cause", None) or err).strip().splitlines()[-1]
+            return False
+        return True
 
     def save(self, root: str | Path) -> Path:
         """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);

@@ -277,6 +277,9 @@ class TrainConfig:
         exit_duration_mins: stop after this many minutes (megatron's ``--exit-duration-in-mins``):
             the current step finishes, a checkpoint is saved and the command exits 0; the same
             command resumes.
+        max_nonfinite_steps: stop after this many consecutive actor updates (optimizer steps) with a
+            NaN/Inf loss or gradient norm (each is skipped before the optimizer applies it: no
+            update, no schedule step); exit status 1, as the LLM trainer's key of the same name.
     """
 
     steps: int = 100
@@ -284,6 +287,7 @@ class TrainConfig:
     seed: int = 1234
     eval_interval: int | None = None
     exit_duration_mins: float | None = None
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

@@ -14,6 +14,12 @@ keeps writing for a while, so that a writer that does not die with its trainer i
 it writes: in megatron's forked checkpoint writers every file they open fails its first write
 with that ``OSError`` (as a full file system would), elsewhere (the multimodal trainer, the RL
 driver, an export) the fault point itself raises it.
+
+Damage points (:func:`fault_armed`) plant a value instead of killing: ``train.grad_nan`` (after
+the backward of that step, a NaN in a gradient: the loss stays finite, the gradient norm does
+not) and ``save.param_nan`` (before that step's save, a NaN in a parameter: what a diverged
+update that escaped the step's check, or a bit flip, would leave). ``<point>@<step>+`` arms a
+damage point at that step and every later one.
 """
 
 from __future__ import annotations
@@ -40,11 +46,6 @@ _ERRNOS = {"ENOSPC": errno.ENOSPC, "EDQUOT": errno.EDQUOT}
 def _no_space(action: str) -> OSError:
     code = _ERRNOS[action]
     return OSError(code, os.strerror(code))
-
-
-def fault_armed(name: str, step: int) -> bool:
-    """Whether ``MINDSPEED_FAULT`` is ``name@step``: for a fault that kills another process (a Ray worker)."""
-    return FAULT_ENV in os.environ and _armed(name, step)
 
 
 def fault_point(name: str, step: int) -> None:
@@ -101,3 +102,23 @@ def child_write_fault(name: str = "save.write") -> None:
         return _FullFile(handle, action) if any(c in mode for c in "wax+") else handle
 
     builtins.open = full_open  # this process is a writer forked for one save: it exits after it
+
+
+def fault_armed(name: str, step: int) -> bool:
+    """Whether ``MINDSPEED_FAULT`` arms the damage point ``name`` at ``step`` (``name@step``, or ``name@K+`` for K <= step)."""
+    if FAULT_ENV not in os.environ:
+        return False
+    point, _, at = os.environ[FAULT_ENV].partition("=")[0].partition("@")
+    if point != name or not at.rstrip("+").isdigit():
+        return False
+    return step >= int(at[:-1]) if at.endswith("+") else step == int(at)
+
+
+def plant_nan(tensor: object) -> None:
+    """Write a NaN into the first element of ``tensor`` (this rank's shard of a DTensor), in place."""
+    import torch
+
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.numel():
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")

@@ -36,12 +36,17 @@ import yaml
 from mindspeed.checkpointing import (
     MARKER,
     TRACKER,
+    NonFiniteState,
     checkpoint_dir,
     damage_of,
+    fault_armed,
     fault_point,
     find_resume,
+    first_nonfinite_everywhere,
     forked_children_die_with_me,
     list_complete,
+    plant_nan,
+    refused_save,
     remove_tree,
     resolve_schedule,
     rotate,
@@ -82,8 +87,8 @@ class TrainState:
     Attributes:
         step: optimizer steps taken (skipped non-finite steps included).
         consumed_train_samples: global samples read so far (the data position).
-        skipped_steps: steps skipped for a non-finite loss.
-        nonfinite_streak: consecutive skipped steps at the end.
+        skipped_steps: steps whose update was refused (a non-finite loss or gradient norm).
+        nonfinite_streak: consecutive steps refused for a non-finite loss or gradient norm at the end.
     """
 
     step: int = 0
@@ -320,12 +325,21 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
 
+
     Raises:
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf (every rank
+            raises it, before anything is written: the newest complete checkpoint stays the resume point).
         DiskFullError: the file system ran out of space (the ``.tmp`` directory is removed).
     """
     root, rank = Path(root), dist.get_rank()
     final = checkpoint_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
+    if fault_armed("save.param_nan", state.step) and rank == 0:
+        plant_nan(next(iter(unwrap(chunks[0]).parameters())))
+    bad = first_nonfinite_everywhere(_named_state(chunks, optimizer), device=get_accelerator().device())
+    if bad is not None:
+        complete = list_complete(root) if root.is_dir() else []
+        raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
     # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
     with save_guard(root, final, remove_tmp=rank == 0):
         _write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
@@ -334,6 +348,29 @@ def save_checkpoint(
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _named_state(chunks: list[Any], optimizer: Any) -> Iterator[tuple[str, Any]]:
+    """This rank's tensors of a checkpoint: the chunks' parameters, the optimizer's main weights and state."""
+    names: dict[int, str] = {}
+    for i, chunk in enumerate(chunks):
+        prefix = f"model{i}." if len(chunks) > 1 else ""
+        for name, param in unwrap(chunk).named_parameters():
+            names[id(param)] = prefix + name
+            yield f"parameter {prefix}{name}", param
+    # The torch optimizers megatron wraps: their parameters are the model's (fp32), the main fp32
+    # copies (bf16), or this rank's shards of them (distributed optimizer); their state is Adam's moments.
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for g, group in enumerate(torch_optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                of = names.get(id(param), f"main weight {i} of group {g}")
+                if id(param) not in names:
+                    yield f"optimizer {of}", param
+                for key, value in torch_optimizer.state.get(param, {}).items():
+                    yield f"optimizer {key} of {of}", value
 
 
 def load_checkpoint(

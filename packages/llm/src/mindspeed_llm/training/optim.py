@@ -17,8 +17,10 @@ step ``k`` (counting from 1) trains with the learning rate of scheduler position
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from mindspeed.checkpointing import agree_any, is_finite
 from mindspeed.ops.registry import resolve_kernel
 from mindspeed_llm.training.sections import OptimizerConfig, ParallelConfig, SchedulerConfig
 
@@ -186,6 +188,64 @@ def schedule_settings(state: dict[str, Any], prefix: str = "train.", decay_key: 
     if not state["lr_warmup_steps"] or state.get("init_lr") is None:
         del settings[f"{prefix}lr_warmup_init"]
     return settings
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What :func:`guarded_step` did.
+
+    Attributes:
+        applied: the update reached the weights (the schedule should step).
+        grad_norm: the global gradient norm before clipping (``None``: megatron's loss scaler
+            found an overflow before it was computed).
+        reason: why the update was refused: ``"loss"`` or ``"grad_norm"`` (non-finite, a
+            divergence: counted against ``train.max_nonfinite_steps``), ``"loss_scale"`` (an
+            fp16 overflow: the scaler lowered its scale, as megatron does); ``None`` when applied.
+    """
+
+    applied: bool
+    grad_norm: float | None
+    reason: str | None = None
+
+
+def guarded_step(optimizer: Any, loss: float, device: Any = None, group: Any = None) -> StepOutcome:
+    """megatron's ``optimizer.step()``, refused when the loss or the gradient norm is NaN/Inf on any rank.
+
+    Args:
+        optimizer: what :func:`build_optimizer` returned (one megatron optimizer or a chain).
+        loss: the step's loss (the same on every rank).
+        device: where the agreement flag lives (the accelerator's device).
+        group: the ranks that must agree (default: the world).
+
+    The steps of megatron's own ``step()`` (``ChainedOptimizer.step``), with the check between
+    the gradient norm and the update: ``prepare_grads`` (gradients to the main copies; an fp16
+    loss scaler unscales them and reports an overflow, and then the step is skipped exactly as
+    megatron skips it), the global gradient norm (always computed: it is what is checked), one
+    all-reduce of a "not finite" flag so that every rank skips the same step, then clipping by
+    that norm and ``step_with_ready_grads``. A refused step leaves weights, main weights and
+    optimizer state untouched; the caller does not step the schedule.
+    """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if optimizer.prepare_grads():
+        return StepOutcome(False, None, "loss_scale")
+    grad_norm = float(optimizer.get_grad_norm())
+    bad_loss, bad_norm = not is_finite(loss), not is_finite(grad_norm)
+    if agree_any(bad_loss or bad_norm, group, device):
+        return StepOutcome(False, grad_norm, "loss" if bad_loss else "grad_norm")
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        params = inner.get_parameters()
+        if params:
+            # Looked up at call time: mindspeed.megatron patches this name (no CUDA type check).
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return StepOutcome(bool(optimizer.step_with_ready_grads()), grad_norm)
 
 
 def current_lr(optimizer: Any) -> float:

@@ -218,7 +218,9 @@ class TrainConfig:
         adam_eps: Adam epsilon.
         sgd_momentum: SGD momentum.
         clip_grad: clip the global gradient norm to this (0: no clipping).
-        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss (each is skipped).
+        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
+            norm (each is skipped before the optimizer applies it: no update, no schedule step;
+            megatron's ``check_for_nan_in_loss_and_grad`` raises instead); exit status 1.
         exit_duration_mins: stop after this many minutes of training (megatron's
             ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
             the command exits 0; the same command resumes.

@@ -30,9 +30,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mindspeed.checkpointing import (
     STEP,
+    NonFiniteState,
+    fault_armed,
     fault_point,
     find_resume,
+    first_nonfinite_everywhere,
     holds_checkpoints,
+    list_complete,
+    plant_nan,
+    refused_save,
     remove_tree,
     rotate,
     save_guard,
@@ -40,6 +46,7 @@ from mindspeed.checkpointing import (
     write_tracker,
 )
 from mindspeed.config import ConfigError
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -108,6 +115,7 @@ def save_checkpoint(
     source: str | Path | None = None,
     trainable_only: bool = False,
     schedule: dict[str, Any] | None = None,
+    counters: dict[str, int] | None = None,
 ) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
@@ -115,13 +123,16 @@ def save_checkpoint(
     resume with another model is one clear error. ``trainable_only``: the model entries are the
     parameters that train (LoRA: the factors), the frozen rest is ``source``'s. ``schedule``: the
     learning-rate schedule's settings (``optim.schedule_of``), recorded as ``schedule.json``.
+    ``counters``: the skipped steps (``skipped_steps``, ``nonfinite_streak``) recorded in the trainer state.
 
     Raises:
         DiskFullError: the file system ran out of space (one line; the ``.tmp`` directory is removed).
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf (every rank
+            raises it, before anything is written: the newest complete checkpoint stays the resume point).
     """
     root = Path(save)
     with save_guard(root, step_dir(root, step), remove_tmp=dist.get_rank() == 0, layout=LAYOUT):
-        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only, schedule)
+        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only, schedule, counters)
 
 
 def _save_checkpoint(
@@ -133,11 +144,18 @@ def _save_checkpoint(
     source: str | Path | None,
     trainable_only: bool,
     schedule: dict[str, Any] | None,
+    counters: dict[str, int] | None,
 ) -> Path:
     root = Path(save)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
+    if fault_armed("save.param_nan", step) and rank0:
+        plant_nan(next(iter(model.parameters())))
+    bad = first_nonfinite_everywhere(_named_state(model, optimizer), device=get_accelerator().device())
+    if bad is not None:
+        complete = list_complete(root, LAYOUT) if root.is_dir() else []
+        raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{LAYOUT.prefix}*.tmp"):  # left by a run killed while saving
@@ -158,6 +176,7 @@ def _save_checkpoint(
             "rng": torch.get_rng_state(),
             "model_class": model_class(source) if source is not None else None,
             "trainable_only": trainable_only,
+            **(counters or {}),
         }
         torch.save(state, tmp / STATE_FILE)
         if schedule is not None:
@@ -231,6 +250,17 @@ def load_checkpoint(
     torch.set_rng_state(trainer_state["rng"])
     logger.info("resumed from %s at step %d", path, trainer_state["step"])
     return trainer_state
+
+
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """This rank's tensors of a checkpoint: the (sharded) parameters and the optimizer's state."""
+    names = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = name
+        yield f"parameter {name}", param
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            yield f"optimizer {key} of {names.get(id(param), 'a parameter')}", value
 
 
 def _trainable(model: torch.nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:

@@ -101,16 +101,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> float:
-    """The global gradient norm over all shards and ranks; gradients are scaled to ``max_norm`` if above (0: never)."""
+    """The global gradient norm over all shards and ranks; gradients are scaled to ``max_norm`` if above (0: never).
+
+    A NaN/Inf norm is returned without touching the gradients: the step is skipped (``trainer.loop``).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
     total: Any = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if hasattr(total, "full_tensor"):  # DTensor: the norm of the whole (sharded) gradient
         total = total.full_tensor()
-    if max_norm > 0:
+    norm = float(total)
+    if max_norm > 0 and math.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return float(total)
+    return norm
 
 
 def export_weights(optimizer: torch.optim.Optimizer, ema: bool = True) -> contextlib.AbstractContextManager:
