@@ -51,6 +51,7 @@ from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, get_rank
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.model import unwrap
@@ -336,7 +337,9 @@ def load_checkpoint(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ck = config.checkpoint
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    check_dist_checkpoint(path)  # nothing in it runs code: a refused file is one line, before megatron reads it
+    with trusted_dist_loads():
+        common = dist_checkpointing.load_common_state_dict(str(path))
     saved_family = getattr(common.get("args"), "model_type_hf", None)
     if family is not None and saved_family is not None and saved_family != family:
         raise ConfigError(
@@ -345,7 +348,8 @@ def load_checkpoint(
             f"({path / 'config.yaml'})"
         )
     template = _model_state(chunks)
-    check_shapes(path, template)
+    with trusted_dist_loads():
+        check_shapes(path, template)
     if weights_only:
         # A base checkpoint has no LoRA factors: they keep their initial values.
         from mindspeed_llm.training.lora import split_lora_state
@@ -367,7 +371,8 @@ def load_checkpoint(
             layout.get("world_size", "an unknown number of"),
             dist.get_world_size(),
         )
-    loaded = dist_checkpointing.load(template, str(path))
+    with trusted_dist_loads():
+        loaded = dist_checkpointing.load(template, str(path))
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         _load_model_state(unwrap(chunk), loaded[key])
     if weights_only:
