@@ -10,13 +10,13 @@ execute code. Three kinds of file are pickles:
   constructed. :class:`SafeFileSystemReader` is a ``FileSystemReader`` that reads it so.
 - non-tensor values inside DCP's data files (``BytesIO`` items: optimizer hyper-parameters,
   megatron's sharded objects): DCP's ``DefaultLoadPlanner.load_bytes`` loads them with
-  ``torch.load(weights_only=False)``; :class:`SafeLoadPlanner` uses ``weights_only=True``.
+  ``torch.load`` with weights-only loading off; :class:`SafeLoadPlanner` loads them weights-only.
 - ``torch.save`` files (megatron's ``common.pt``, older trainer states): :func:`load_torch_file`
   loads them with ``weights_only=True`` and turns a refusal into one line.
 
 megatron-core's ``dist_checkpointing.load`` builds its own reader and planner, so its loads run
 inside :func:`weights_only_loads` (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``: every ``torch.load``
-in the process is weights-only, even one that asks for ``weights_only=False``); the LLM trainer
+in the process is weights-only, even one that turns it off); the LLM trainer
 also gives megatron a :class:`SafeFileSystemReader` (a version-checked patch) and checks the
 directory with :func:`check_dcp_checkpoint` first, for a one-line error. See docs/reliability.md
 ("Trust").
@@ -192,7 +192,7 @@ def load_torch_file(source: str | Path | io.BytesIO, name: str | None = None, **
 
 @contextlib.contextmanager
 def weights_only_loads() -> Iterator[None]:
-    """Every ``torch.load`` inside is weights-only, even one that asks for ``weights_only=False``.
+    """Every ``torch.load`` inside is weights-only, even one that turns weights-only loading off.
 
     For upstream code that loads checkpoint files itself (megatron-core's ``dist_checkpointing``,
     DCP's default planner). Sets torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` and clears

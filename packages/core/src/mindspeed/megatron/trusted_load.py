@@ -1,7 +1,7 @@
 """megatron-core's ``dist_checkpointing`` loads that run no code from the checkpoint.
 
 megatron builds its own torch DCP reader (which unpickles ``.metadata`` with plain ``pickle``)
-and planner (which loads non-tensor items with ``torch.load(weights_only=False)``), and loads
+and planner (which loads non-tensor items with weights-only loading off), and loads
 ``common.pt`` and sharded-object files with ``torch.load``'s default. Inside
 :func:`trusted_dist_loads` its reader is :class:`~mindspeed.checkpointing.trust.SafeFileSystemReader`
 (a version-checked patch of its one reader factory) and every ``torch.load`` is weights-only
