@@ -180,14 +180,19 @@ def test_mm_train_convert_generate_evaluate_run_no_code(
     from mindspeed_mm.cli import main
 
     model, data = mm_model
-    state = json.dumps({"step": 2, "rng": "00", "model_class": None, "trainable_only": False}).encode()
+    fields = {"step": 2, "model_class": None, "trainable_only": False}
+    state = json.dumps({**fields, "rng": "00"}).encode()
+    # A harmless trainer_state.pt beside it (read by earlier versions, which then reached .metadata).
+    harmless = _torch_file({**fields, "rng": torch.get_rng_state()})
 
     def mm(*argv: str) -> str:
         return _one_line(capsys, main(["--log-level", "ERROR", *argv]), "mindspeed-mm")
 
     # train's resume scan: the step's .metadata (padded: complete.json records its size).
     save = tmp_path / "save"
-    step = _plant(save / "step_00000002", {"trainer_state.json": state, ".metadata": evil}, 2)
+    step = _plant(
+        save / "step_00000002", {"trainer_state.json": state, "trainer_state.pt": harmless, ".metadata": evil}, 2
+    )
     line = mm("train", *harness.mm_recipe(model, data, save))
     assert f"{step / '.metadata'} holds a pickled {REFUSED}" in line
 
@@ -219,14 +224,17 @@ def test_mm_train_convert_generate_evaluate_run_no_code(
     assert f"{step / '.metadata'} holds a pickled {REFUSED}" in line
 
 
-def test_rl_resume_runs_no_code(tmp_path: Path, evil: bytes, capsys: pytest.CaptureFixture) -> None:
+def test_rl_resume_runs_no_code(
+    llm_run: tuple[str, Path], tmp_path: Path, evil: bytes, capsys: pytest.CaptureFixture
+) -> None:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
     from mindspeed_rl.cli import main
 
     save_tiny_checkpoint("llama2", tmp_path / "hf", seed=0)
     save = tmp_path / "run"
     state = json.dumps({"step": 2, "version": 2, "sampler": {}}).encode()
-    step = _plant(save / "iter_0000002", {"rl_state.json": state, ".metadata": evil, "common.pt": b""}, 2)
+    common = (llm_run[1] / "iter_0000002" / "common.pt").read_bytes()
+    step = _plant(save / "iter_0000002", {"rl_state.json": state, ".metadata": evil, "common.pt": common}, 2)
     argv = [f"actor.model={tmp_path / 'hf'}", "data.path=demo", "data.prompt_format=plain", f"checkpoint.save={save}"]
     line = _one_line(capsys, main(["--log-level", "ERROR", "grpo", *argv]), "mindspeed-rl")
     assert f"{step / '.metadata'} holds a pickled {REFUSED}" in line
