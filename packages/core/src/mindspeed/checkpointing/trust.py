@@ -138,6 +138,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     _cached: Metadata | None = None
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """As torch's; another checkpoint forgets the kept metadata."""
+        super().reset(checkpoint_id)
+        if checkpoint_id is not None:
+            self._cached = None
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (the global file; a rank's ``__N.metadata`` when asked by rank)."""
         rank = kwargs.get("rank")
@@ -149,6 +155,7 @@ class SafeFileSystemReader(FileSystemReader):
             if rank is not None:
                 return metadata
             self._cached = metadata
+        self._cached.storage_meta.load_id = self.load_id  # reset() may have changed it since
         return self._cached
 
 

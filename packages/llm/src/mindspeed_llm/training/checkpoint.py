@@ -331,7 +331,9 @@ def load_checkpoint(
 
     Raises:
         ValueError: the checkpoint is of another model family, or a parameter's shape differs
-            from the recipe's (one line naming both).
+            from the recipe's (one line naming both), or a file in it holds something loading
+            would execute (:class:`~mindspeed.checkpointing.trust.UntrustedFileError`: nothing
+            from the checkpoint runs code, docs/reliability.md "Trust").
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject

@@ -43,13 +43,7 @@ from mindspeed.checkpointing import (
     write_marker,
     write_tracker,
 )
-from mindspeed.checkpointing.trust import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    UntrustedFileError,
-    load_torch_file,
-    read_dcp_metadata,
-)
+from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner, load_torch_file, read_dcp_metadata
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 
@@ -194,8 +188,6 @@ def load_checkpoint(
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
-    except UntrustedFileError:
-        raise
     except Exception as err:  # DCP's CheckpointException carries every rank's traceback: keep its last line
         last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ConfigError(
