@@ -51,6 +51,7 @@ from mindspeed.checkpointing import (
 )
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed.megatron.trusted_load import check_dist_checkpoint
 from mindspeed_llm.training.optim import schedule_settings, scheduler_state
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
@@ -59,6 +60,7 @@ from mindspeed_rl.data import load_prompts
 from mindspeed_rl.demo_model import resolve_model as resolve_demo
 from mindspeed_rl.ray_runtime import init_ray
 from mindspeed_rl.rewards import RewardModel
+from mindspeed_rl.sections import CheckpointConfig
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
@@ -143,6 +145,32 @@ class RemoteScorer:
         return self.score_batch([prompt], [response], [reference])[0]
 
 
+def find_run_checkpoint(c: CheckpointConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete run checkpoint in ``c.save`` and its run state (``None``: start at step 1).
+
+    Its files are read the safe way here, in the driver (docs/reliability.md, "Trust"): a file
+    whose loading would run code is one line before any worker starts.
+
+    Raises:
+        ConfigError: ``c.save`` holds checkpoints but no complete run checkpoint, or a file in
+            the newest one is refused.
+    """
+    if c.save is None or not c.resume or not Path(c.save).is_dir():
+        return None
+    found = find_resume(c.save)
+    if found.path is None or not (found.path / RL_STATE).is_file():
+        if holds_checkpoints(c.save):
+            why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
+            raise ConfigError(
+                f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
+                f"({why}); set checkpoint.resume=false to start from step 1 there or set "
+                "checkpoint.save to a new directory"
+            )
+        return None
+    check_dist_checkpoint(found.path)
+    return found.path, json.loads((found.path / RL_STATE).read_text(encoding="utf-8"))
+
+
 class GRPORunner:
     """A GRPO run on Ray.
 
@@ -160,6 +188,7 @@ class GRPORunner:
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()
         config = absolute_paths(config)
+        resume = find_run_checkpoint(config.checkpoint)  # before any worker starts: its errors are one line
         if config.buffer.mode == "async" and config.algorithm.tis_cap is None:
             config = replace(config, algorithm=replace(config.algorithm, tis_cap=ASYNC_TIS_CAP))
             logger.info(
@@ -208,7 +237,7 @@ class GRPORunner:
         self.stopped: StopRequest | None = None  # why the last run() stopped early (a signal, the time limit)
         #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
         self.failed: str | None = None
-        self._maybe_resume()
+        self._maybe_resume(resume)
 
     # -- producing ---------------------------------------------------------------------------
 
@@ -458,22 +487,10 @@ class GRPORunner:
         save = self.config.checkpoint.save
         return checkpoint_dir(save, self.saved_step) if save is not None and self.saved_step is not None else None
 
-    def _maybe_resume(self) -> None:
-        c = self.config.checkpoint
-        if c.save is None or not c.resume or not Path(c.save).is_dir():
+    def _maybe_resume(self, resume: tuple[Path, dict[str, Any]] | None) -> None:
+        if resume is None:
             return
-        found = find_resume(c.save)
-        if found.path is None or not (found.path / RL_STATE).is_file():
-            if holds_checkpoints(c.save):
-                why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
-                raise ConfigError(
-                    f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
-                    f"({why}); set checkpoint.resume=false to start from step 1 there or set "
-                    "checkpoint.save to a new directory"
-                )
-            return
-        path = found.path
-        state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
+        path, state = resume
         flags = check_actor_schedule(self.config, path, int(state["step"]))
         self.group.call("load", str(path), *flags)
         self.ctx.step = self.pctx.step = int(state["step"])

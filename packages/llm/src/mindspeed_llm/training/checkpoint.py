@@ -59,6 +59,7 @@ from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, get_rank, logged_as_detail
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.model import unwrap
@@ -398,13 +399,17 @@ def load_checkpoint(
 
     Raises:
         ValueError: the checkpoint is of another model family, or a parameter's shape differs
-            from the recipe's (one line naming both).
+            from the recipe's (one line naming both), or a file in it holds something loading
+            would execute (:class:`~mindspeed.checkpointing.trust.UntrustedFileError`: nothing
+            from the checkpoint runs code, docs/reliability.md "Trust").
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ck = config.checkpoint
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    check_dist_checkpoint(path)  # nothing in it runs code: a refused file is one line, before megatron reads it
+    with trusted_dist_loads():
+        common = dist_checkpointing.load_common_state_dict(str(path))
     saved_family = getattr(common.get("args"), "model_type_hf", None)
     if family is not None and saved_family is not None and saved_family != family:
         raise ConfigError(
@@ -413,7 +418,8 @@ def load_checkpoint(
             f"({path / 'config.yaml'})"
         )
     template = _model_state(chunks)
-    check_shapes(path, template)
+    with trusted_dist_loads():
+        check_shapes(path, template)
     if weights_only:
         # A base checkpoint has no LoRA factors: they keep their initial values.
         from mindspeed_llm.training.lora import split_lora_state
@@ -436,7 +442,8 @@ def load_checkpoint(
             layout.get("world_size", "an unknown number of"),
             dist.get_world_size(),
         )
-    loaded = dist_checkpointing.load(template, str(path))
+    with trusted_dist_loads():
+        loaded = dist_checkpointing.load(template, str(path))
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         _load_model_state(unwrap(chunk), loaded[key])
     if weights_only:
