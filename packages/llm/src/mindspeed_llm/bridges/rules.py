@@ -208,10 +208,19 @@ class FuseGateUp(ParamRule):
 
 class Tie(Rename):
     """The output layer: a plain rename when untied; when the model ties it to the embedding,
-    megatron stores nothing and a Hugging Face copy (if the checkpoint has one) is dropped."""
+    megatron stores nothing and a Hugging Face copy (if the checkpoint has one) is dropped.
+    A model with a score head (``shape.num_labels``) has no language-model head."""
 
     def active(self, shape):
-        return shape.untie_embeddings_and_output_weights
+        return shape.untie_embeddings_and_output_weights and not shape.num_labels
+
+
+class ScoreHead(Rename):
+    """The score head of a ``*ForSequenceClassification`` model (``shape.num_labels`` rows) is the
+    megatron output layer; absent from language models."""
+
+    def active(self, shape):
+        return bool(shape.num_labels)
 
     def optional_hf(self, shape):
         return () if self.active(shape) else self.hf

@@ -9,6 +9,7 @@ arrives, renamed onto the target at the end. A failure at any point leaves nothi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
+from mindspeed_llm.bridges.base import causal_architecture, score_architecture
 from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, LoraMergedSource, export_peft_adapter
 from mindspeed_llm.checkpoint.megatron_dist import DistSink, DistSource, is_dist_checkpoint
@@ -238,13 +240,45 @@ def copy_assets(source: Path | None, destination: Path) -> list[str]:
     return copied
 
 
+def score_model_config(config: dict, num_labels: int) -> dict:
+    """``config.json`` of a language model rewritten for its ``*ForSequenceClassification`` model.
+
+    ``num_labels`` rows of ``score``; ``pad_token_id`` is set, as transformers scores a sequence
+    at its last token that is not padding (and refuses batches without a pad id): the config's
+    own unless it is the end-of-sequence token (answers end with it), else 0 (1 if that is it).
+    """
+    out = dict(config)
+    out["architectures"] = [score_architecture(causal_architecture(a)) for a in config.get("architectures") or []]
+    out["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    out["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    eos = config.get("eos_token_id")
+    eos_ids = set(eos) if isinstance(eos, list) else {eos}
+    pad = config.get("pad_token_id")
+    if pad is None or pad in eos_ids:
+        pad = 0 if 0 not in eos_ids else 1
+    out["pad_token_id"] = pad
+    return out
+
+
+def _write_score_config(directory: Path, num_labels: int) -> None:
+    path = directory / "config.json"
+    config = score_model_config(json.loads(path.read_text()), num_labels)
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    temp.replace(path)
+
+
 def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None) -> None:
     copied = copy_assets(hf_cfg_dir or source.assets, directory)
     if "config.json" in copied:
+        if source.shape.num_labels:
+            _write_score_config(directory, source.shape.num_labels)
         return
     # No config.json anywhere: rebuild one from the checkpoint's recorded model.
     config = source.bridge.hf_config_from_shape(source.shape)
     config.save_pretrained(str(directory))
+    if source.shape.num_labels:
+        _write_score_config(directory, source.shape.num_labels)
     if "generation_config.json" not in copied:
         from transformers import GenerationConfig
 

@@ -29,6 +29,7 @@ from mindspeed_llm.bridges import (
     merge_tensors,
     supported_models,
 )
+from mindspeed_llm.bridges.base import causal_architecture
 from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan, list_names
 from mindspeed_llm.bridges.layout import merge_blocks, piece_shape, split_blocks
@@ -127,7 +128,7 @@ class HFSource:
         self.path = path
         raw, config = read_hf_config(path)
         self.bridge = pick_bridge(family, raw.get("architectures"))
-        known = [a for a in raw.get("architectures") or [] if a in self.bridge.hf_architectures]
+        known = [a for a in raw.get("architectures") or [] if causal_architecture(a) in self.bridge.hf_architectures]
         self.architecture = known[0] if known else self.bridge.hf_architectures[0]
         self.checkpoint = HFCheckpoint(path)
         shape = self.bridge.shape_from_hf(config)
@@ -205,6 +206,8 @@ def resolve_megatron_model(
         return bridge, architecture, ModelShape.from_args(args), assets
     # The multi-token-prediction layers the checkpoint holds are in its args, not in config.json.
     shape = dataclasses.replace(bridge.shape_from_hf(config), mtp_num_layers=getattr(args, "mtp_num_layers", None))
+    if getattr(args, "num_labels", None):  # a score head trained on a language model's config
+        shape = dataclasses.replace(shape, num_labels=args.num_labels)
     recorded = vars(args)
     differ = [
         f"{f} {getattr(shape, f)} vs {recorded[f]}"
