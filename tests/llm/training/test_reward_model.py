@@ -209,3 +209,33 @@ def test_convert_ckpt_round_trips_the_score_head(tmp_path: Path) -> None:
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
+
+
+def test_reward_is_the_score_at_each_sequence_last_token() -> None:
+    from mindspeed_llm.training.reward import bradley_terry_loss, sequence_rewards
+
+    scores = torch.arange(10.0).reshape(1, 10, 1)
+    index = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, -1, -1])  # two pairs, then padding
+    assert sequence_rewards(scores, index, 4).tolist() == [2.0, 4.0, 5.0, 7.0]
+    chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    expected = -torch.nn.functional.logsigmoid(chosen - rejected - 0.5) + 0.1 * (chosen + rejected) ** 2
+    assert torch.allclose(bradley_terry_loss(chosen, rejected, 0.5, 0.1), expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rm.center_rewards_coefficient=-1", "rm.center_rewards_coefficient=-1.0 must be 0 or more"),
+        ("parallel.sequence_parallel=true", "rm: the score head reads whole sequences"),
+    ],
+)
+def test_bad_rm_settings_are_one_line_errors(tmp_path: Path, override: str, message: str) -> None:
+    from mindspeed.config import ConfigError
+    from mindspeed_llm.training.config import load_pretrain_config
+
+    write_pairwise(str(tmp_path / "pairs"), 4, seed=0, vocab=128)
+    config = load_pretrain_config(
+        None, ["stage=rm", f"data.prefixes=[{tmp_path}/pairs]", "model.vocab_size=128", "parallel.tp=2", override]
+    )
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        config.check(2)
