@@ -1,13 +1,13 @@
 """``rm`` (reward-model training) proven against TRL's ``RewardTrainer`` and transformers.
 
 One spawned group of two ranks trains a tiny Llama reward model from a Hugging Face
-``LlamaForSequenceClassification`` directory at DP2 and at TP2 (margin 0.3, TRL's
+``LlamaForSequenceClassification`` directory at DP2, TP2 and PP2 (margin 0.3, TRL's
 ``center_rewards_coefficient`` 0.01), and one from a ``LlamaForCausalLM`` directory (the score
 head starts fresh). The parent process checks:
 
 - the first step's loss, accuracy and margin equal TRL's ``RewardTrainer.compute_loss`` (TRL's
   own collator and loss) on the same pairs and initial weights (rel 1e-5);
-- TP2 and DP2 agree step by step, and the model trains;
+- TP2, PP2 and DP2 agree step by step, and the model trains;
 - the exported directory loads with ``AutoModelForSequenceClassification`` without missing or
   unexpected keys and scores the validation pairs as the trained model did at its end (its
   loss, accuracy and margin through TRL, rel 1e-5);
@@ -61,6 +61,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {
         "dp2": _train(root, "hf", "train.steps=3", *end, f"checkpoint.save_hf={root}/exported"),
         "tp2": _train(root, "hf", "train.steps=3", "parallel.tp=2"),
+        "pp2": _train(root, "hf", "train.steps=3", "parallel.pp=2"),
         "lm": _train(root, "lm", "train.steps=1", f"checkpoint.save_hf={root}/from_lm"),
     }
 
@@ -135,7 +136,7 @@ def _trl_metrics(model_dir: Path, pairs: list[dict[str, np.ndarray]]) -> dict[st
 @pytest.mark.distributed
 def test_first_step_equals_trl_reward_trainer(setup: dict[str, Any]) -> None:
     expected = _trl_metrics(setup["root"] / "hf", _pairs(setup["root"], 0, True, GBS))
-    for layout in ("dp2", "tp2"):
+    for layout in ("dp2", "tp2", "pp2"):
         first = setup["runs"][layout]["records"][0]
         assert first["loss"] == pytest.approx(expected["loss"], rel=1e-5), layout
         assert first["accuracy"] == pytest.approx(expected["accuracy"]), layout
@@ -145,8 +146,9 @@ def test_first_step_equals_trl_reward_trainer(setup: dict[str, Any]) -> None:
 
 @pytest.mark.distributed
 def test_layouts_agree_and_the_model_trains(setup: dict[str, Any]) -> None:
-    losses = {name: [r["loss"] for r in setup["runs"][name]["records"]] for name in ("dp2", "tp2")}
+    losses = {name: [r["loss"] for r in setup["runs"][name]["records"]] for name in ("dp2", "tp2", "pp2")}
     assert losses["tp2"] == pytest.approx(losses["dp2"], rel=1e-5)
+    assert losses["pp2"] == pytest.approx(losses["dp2"], rel=1e-5)
     assert losses["dp2"][2] < losses["dp2"][0], "the reward model did not train"
 
 
