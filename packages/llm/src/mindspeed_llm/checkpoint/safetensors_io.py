@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_llm.bridges.blocks import Blocks
-from mindspeed_llm.checkpoint.block_io import write_blocks
-from mindspeed_llm.checkpoint.torch_files import map_file_range
+from mindspeed_llm.checkpoint.block_io import map_file_range, write_blocks
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
