@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mindspeed.checkpointing import block_io
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges import MegatronParam, ModelShape, Split, merge_tensors, split_tensor
-from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.layout import merge_blocks, split_blocks
 from mindspeed_llm.bridges.rules import FuseGateUp, FuseQKV, Rename
-from mindspeed_llm.checkpoint import block_io
 
 SHAPE = ModelShape(
     num_layers=2,

@@ -331,7 +331,7 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     )
     if config.dry_run:
         return report
-    # Sources that can hand out views do (see mindspeed_llm.bridges.blocks): the sinks then
+    # Sources that can hand out views do (see mindspeed.checkpointing.blocks): the sinks then
     # write every byte straight from the source files' mappings into the output files.
     read = getattr(source, "read_blocks", source.read)
     with atomic_directory(Path(config.save_dir)) as temp:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
-from mindspeed_llm.checkpoint.block_io import map_file_range, pwrite_all, write_blocks
+from mindspeed.checkpointing.block_io import map_file_range, pwrite_all, write_blocks
+from mindspeed.checkpointing.blocks import Blocks
 
 #: dtype -> name of its legacy typed-storage class (``FloatStorage`` ...), the tag torch.save pickles.
 _STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
@@ -122,7 +122,7 @@ class StreamingTorchWriter:
     Usage: ``ref = writer.add(tensor)`` for each tensor (its bytes go to disk now), then
     ``writer.close(obj)`` where ``obj`` holds the refs in place of the tensors. torch's own zip
     writer lays out the archive (headers, 64-byte aligned records, central directory); the
-    tensor bytes are written by :func:`~mindspeed_llm.checkpoint.block_io.write_blocks` into the
+    tensor bytes are written by :func:`~mindspeed.checkpointing.block_io.write_blocks` into the
     record's place, straight from the views a tensor is made of.
 
     Args:

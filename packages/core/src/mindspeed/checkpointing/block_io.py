@@ -1,4 +1,4 @@
-"""Tensor bytes at file offsets: write a tensor given as views (:class:`~mindspeed_llm.bridges.blocks.Blocks`),
+"""Tensor bytes at file offsets: write a tensor given as views (:class:`~mindspeed.checkpointing.blocks.Blocks`),
 map a byte range of a file as a tensor (:func:`map_file_range`).
 
 Every byte goes to the file with ``pwritev`` straight from where it lies: the kernel copies it
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 
 #: Bytes of the gather buffer (rows are gathered in batches of at most this size; a single row
 #: larger than it gets a buffer of its own size).
