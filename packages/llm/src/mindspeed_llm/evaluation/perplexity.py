@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation.lm import encode_context
-from mindspeed_llm.evaluation.report import TaskResult
 from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, call_in_chunks, iter_jsonl, limit, require_path
 
 _TEXT_SUFFIXES = (".txt", ".raw")

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed.progress import StatusProgress
 from mindspeed.registry import Registry
-from mindspeed_llm.evaluation.report import TaskResult
 
 #: Generation budget when ``--max-new-tokens`` is not given (lm-evaluation-harness's GSM8K setting).
 DEFAULT_MAX_NEW_TOKENS = 256
