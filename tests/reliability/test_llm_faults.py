@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed.checkpointing import TRACKER, list_complete
+from mindspeed.checkpointing import LOCK_FILE, TRACKER, list_complete
 from mindspeed.metrics.log import read_metrics
 from tests.reliability import harness
 
@@ -70,8 +70,12 @@ def test_kills_signals_and_resumes_match_the_uninterrupted_run(tmp_path: Path, d
         if name.startswith("save."):
             point = f"{name}@{resume + harness.INTERVAL}"  # the next save this run makes
         before = set(list_complete(out))
+        left = (out / LOCK_FILE).is_file()  # the run lock's file, left (unlocked) by a killed run
         done = harness.run(args, fault=point)
         assert done.returncode == -signal.SIGKILL, f"{point}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        # The lock a killed run left is no lock: taken over with one warning naming that run.
+        assert len(done.lines("taking over the lock")) == int(left), done.stderr[-3000:]
+        assert (out / LOCK_FILE).is_file()
         assert done.resumed_step == resume, f"{point}: resumed from {done.resumed_step}, expected {resume}"
         assert before <= set(list_complete(out)), f"{point}: a complete checkpoint was deleted"
         step = int(point.split("@")[1])
@@ -85,6 +89,7 @@ def test_kills_signals_and_resumes_match_the_uninterrupted_run(tmp_path: Path, d
         done = harness.run(args, fault=f"train.step_end@{step}={action}")
         assert done.returncode == code and done.resumed_step == resume, done.stderr[-3000:]
         _no_traceback(done)
+        assert not (out / LOCK_FILE).exists()  # released after saving
         (line,) = done.lines("stopped by")
         assert f"stopped by {action} after step {step} of {harness.STEPS}" in line
         assert f"checkpoint {out / f'iter_{step:07d}'}; run the same command to resume" in line
@@ -95,8 +100,10 @@ def test_kills_signals_and_resumes_match_the_uninterrupted_run(tmp_path: Path, d
     _no_traceback(done)
     assert len(done.lines("interrupted twice")) == 1 and not done.lines("stopped by")
     lost["SIGINT twice"] = 1
+    left = (out / LOCK_FILE).is_file()
     done = harness.run(args)
     assert done.returncode == 0 and done.resumed_step == resume, done.stderr[-3000:]
+    assert len(done.lines("taking over the lock")) == int(left) and not (out / LOCK_FILE).exists()
     assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
     assert lost == MEASURED, lost  # the fault table of docs/reliability.md
     assert {f"iter_{s:07d}" for s in range(2, harness.STEPS + 1, 2)} <= {p.name for p in list_complete(out)}

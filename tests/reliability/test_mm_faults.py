@@ -129,14 +129,16 @@ def test_mm_damaged_newest_time_limit_and_unusable_checkpoints(
 
     # The first Ctrl-C after step 5 of 6: step 5 is saved (not an interval step), exit 130.
     out = _copy(mm_reference, tmp_path / "interrupted")
-    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=6)], fault="train.step_end@5=SIGINT")
+    # (More steps move the end of the cosine decay: the recipe's schedule wins from the resumed step.)
+    longer = "checkpoint.override_scheduler=true"
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=6), longer], fault="train.step_end@5=SIGINT")
     assert code == 130, err[-3000:]
     _stop_line(err, "SIGINT", 5, 6, out)
     assert _names(out) == ["step_00000002", "step_00000004", "step_00000005"]
 
     # The time limit: stops before step 5, with the step-4 checkpoint named; exit 0.
     out = _copy(mm_reference, tmp_path / "limited")
-    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=5), "train.exit_duration_mins=1e-6"])
+    code, err = _main(capsys, [*harness.mm_recipe(model, data, out, steps=5), longer, "train.exit_duration_mins=1e-6"])
     assert code == 0 and "Traceback" not in err, err[-3000:]
     (line,) = [line for line in err.splitlines() if "stopped by" in line]
     assert "stopped by the time limit (train.exit_duration_mins=1e-06) after step 4 of 5" in line
@@ -221,3 +223,44 @@ def test_mm_unreadable_images_stop_at_start_or_are_skipped_with_a_count(
     assert "data.skip_bad: 1 of 8 samples of data.files skipped" in err, err[-3000:]
     assert f"data.skip_bad: skipping {data}:2: image {images[1]} cannot be read" in err, err[-3000:]
     assert [r["step"] for r in harness.numerics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_mm_changed_schedule_on_resume(
+    tmp_path: Path, mm_model: tuple[Path, Path], mm_reference: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Resumed from step 2 with train.lr halved: refused (one line), or the recipe's schedule, or the checkpoint's."""
+    from mindspeed_mm.config import load_mm_config
+    from mindspeed_mm.trainer.optim import lr_at
+
+    model, data = mm_model
+    full = harness.numerics(mm_reference / "metrics.jsonl")
+
+    def step2(name: str) -> Path:
+        out = tmp_path / name
+        shutil.copytree(mm_reference / "step_00000002", out / "step_00000002")
+        return out
+
+    recipe = [*harness.mm_recipe(model, data, step2("refused")), "train.lr=5e-4"]
+    code, err = _main(capsys, recipe)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("mindspeed-mm: error: ")]
+    assert f"checkpoint {tmp_path / 'refused' / 'step_00000002'} was trained with another learning-rate" in line
+    assert "train.lr: checkpoint 0.001 vs recipe 0.0005" in line and "decay's end" not in line
+    assert "checkpoint.override_scheduler=true" in line and "checkpoint.use_checkpoint_scheduler=true" in line
+
+    # The recipe wins: steps 3-4 train with the new recipe's schedule at those steps.
+    out = step2("override")
+    code, err = _main(
+        capsys, [*harness.mm_recipe(model, data, out), "train.lr=5e-4", "checkpoint.override_scheduler=true"]
+    )
+    assert code == 0, err[-3000:]
+    new = load_mm_config(None, [*harness.mm_recipe(model, data, out), "train.lr=5e-4"]).train
+    got = harness.numerics(out / "metrics.jsonl")
+    assert [r["lr"] for r in got] == [lr_at(new, 3), lr_at(new, 4)] and got[0]["lr"] != full[2]["lr"]
+
+    # The checkpoint wins: steps 3-4 equal the uninterrupted run's, learning rates and losses bit for bit.
+    out = step2("use")
+    recipe = [*harness.mm_recipe(model, data, out), "train.lr=5e-4", "checkpoint.use_checkpoint_scheduler=true"]
+    code, err = _main(capsys, recipe)
+    assert code == 0, err[-3000:]
+    assert harness.numerics(out / "metrics.jsonl") == full[2:]

@@ -8,6 +8,12 @@ command resumes from the step-2 checkpoint through the core's resume discovery a
 equals the killed run's step 3 bit for bit (rewards, losses, gradient norm). A SIGTERM to the
 resumed driver would be the same code path as the LLM trainer's (``Preemption``); the time
 limit is checked here instead: ``train.exit_duration_mins`` stops after a step, saved, exit 0.
+
+Between the two, a Ray worker is killed with ``kill -9`` at the end of a step (fault points
+``rl.kill_actor``, ``rl.kill_buffer``: the driver sends the signal to the actor worker's, then the
+replay buffer's process): each run ends with one line naming the worker and the newest complete
+checkpoint, exit 1, Ray's traceback in ``report.txt`` only, no process left; the same command
+resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -117,10 +123,41 @@ def test_killed_driver_resumes_to_the_same_rewards(tmp_path: Path) -> None:
     assert {k: again[3][k] for k in KEYS} == {k: uninterrupted[3][k] for k in KEYS}
     assert [p.name for p in list_complete(out)] == ["iter_0000003"]
 
+    # A Ray worker killed mid-run (kill -9 of its process at the end of a step): one line naming it,
+    # exit 1, Ray's traceback in report.txt only; the same command resumes from the newest checkpoint.
+    command = ("train.steps=6",)
+    actor_dead, _ = _grpo(tmp_path, out, *command, fault="rl.kill_actor@4")
+    line = _death_line(actor_dead, out)
+    assert "the actor worker rank 0 of 1 (node " in line and ", pid " in line, line
+    assert "died: " in line and "after step 4 of 6" in line, line
+    # The actor died before step 4's save: step 3 is the newest complete checkpoint.
+    assert f"checkpoint {out / 'iter_0000003'}; run the same command to resume" in line, line
+    assert [p.name for p in list_complete(out)] == ["iter_0000003"]
+
+    buffer_dead, _ = _grpo(tmp_path, out, *command, fault="rl.kill_buffer@5")
+    assert "resumed from" in buffer_dead.stderr and "(step 3)" in buffer_dead.stderr, buffer_dead.stderr[-3000:]
+    line = _death_line(buffer_dead, out)
+    assert "the replay buffer (node " in line and "after step 5 of 6" in line, line
+    assert f"checkpoint {out / 'iter_0000005'}; run the same command to resume" in line, line
+    assert [p.name for p in list_complete(out)] == ["iter_0000005"]
+
     # The time limit: one more step, saved, exit 0, one line; the same command would resume.
-    limited, _ = _grpo(tmp_path, out, "train.steps=5", "train.exit_duration_mins=1e-6")
+    limited, _ = _grpo(tmp_path, out, "train.steps=7", "train.exit_duration_mins=1e-6")
     assert limited.returncode == 0 and "Traceback" not in limited.stderr, limited.stderr[-3000:]
+    assert "resumed from" in limited.stderr and "(step 5)" in limited.stderr
     (line,) = [x for x in limited.stderr.splitlines() if "stopped by" in x]
-    assert "stopped by the time limit" in line and "after step 4 of 5" in line
-    assert f"checkpoint {out / 'iter_0000004'}; run the same command to resume" in line
-    assert [p.name for p in list_complete(out)] == ["iter_0000004"]
+    assert "stopped by the time limit" in line and "after step 6 of 7" in line
+    assert f"checkpoint {out / 'iter_0000006'}; run the same command to resume" in line
+    assert [p.name for p in list_complete(out)] == ["iter_0000006"]
+
+
+def _death_line(done: subprocess.CompletedProcess, out: Path) -> str:
+    """The one line of a run ended by a dead Ray worker (exit 1, no traceback on the console)."""
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ray.exceptions" not in done.stderr, done.stderr[-3000:]
+    errors = [x for x in done.stderr.splitlines() if " ERROR " in x or "Error" in x]
+    assert len(errors) == 1, done.stderr[-3000:]
+    report = (out / "report.txt").read_text()
+    assert "Traceback" in report and "ActorDiedError" in report
+    assert f"(Ray's traceback: {out / 'report.txt'})" in errors[0]
+    return errors[0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mindspeed.checkpointing.schedule import check_scheduler_flags
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
@@ -121,6 +122,9 @@ class TrainConfig:
         optimizer_impl: the ``adamw`` kernel of ``mindspeed.ops`` (``auto``, ``reference``,
             ``foreach``, ``fused``).
         clip_grad: clip the global gradient norm to this (0: no clipping).
+        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
+            norm (each is skipped before the optimizer applies it: no update, and the learning-rate
+            schedule does not advance); exit status 1, as the LLM trainer's key of the same name.
         ema: decay of an exponential moving average of the weights (MindSpeed's ``fused_ema_adamw``
             with ``--ema-decay``, e.g. 0.9999; 0: none). The optimizer becomes EMA-AdamW (the
             ``ema_adamw`` kernel, ``optimizer_impl`` picks it), the averages travel in the
@@ -164,6 +168,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     optimizer_impl: str = "auto"
     clip_grad: float = 1.0
+    max_nonfinite_steps: int = 3
     ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
@@ -354,6 +359,18 @@ class CheckpointConfig:
             tokenizer, image processor, chat template).
         export_ema: with ``train.ema``, the exports (``save_hf``, ``lora.save_peft``) hold the moving
             averages of the weights; false: the raw trained weights.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained in),
+            float32, bfloat16 or float16; a transformers export's config.json always says the dtype
+            written (diffusers' config has no dtype: its ``from_pretrained`` loads float32 unless
+            given ``torch_dtype``).
+        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
+            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``steps`` that the decay ends at,
+            ``weight_decay``) differs from the checkpoint's, the recipe wins: the schedule goes on
+            from the resumed step with the recipe's values (megatron's
+            ``--override-opt_param-scheduler``). A difference with neither this nor
+            ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
+            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -363,6 +380,9 @@ class CheckpointConfig:
     resume: bool = True
     save_hf: str | None = None
     export_ema: bool = True
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 @dataclass
@@ -474,6 +494,7 @@ class MMConfig:
                 raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
         if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
             raise ConfigError(f"train.exit_duration_mins={t.exit_duration_mins} must be positive (or unset)")
+        check_scheduler_flags(self.checkpoint.override_scheduler, self.checkpoint.use_checkpoint_scheduler)
         if t.steps < 0:
             raise ConfigError(f"train.steps={t.steps} must not be negative")
         if world_size % p.dp_replicate:
@@ -545,6 +566,8 @@ class MMConfig:
             raise ConfigError(f"train.ema={t.ema} must lie in [0, 1) (0: no moving average; e.g. 0.9999)")
         if t.clip_grad < 0:
             raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
+        if t.max_nonfinite_steps < 0:
+            raise ConfigError(f"train.max_nonfinite_steps={t.max_nonfinite_steps} must not be negative")
         if self.lora.alpha <= 0:
             raise ConfigError(f"lora.alpha={self.lora.alpha} must be positive (the update is scaled by alpha / r)")
         if not 0 <= self.lora.dropout < 1:

@@ -39,6 +39,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``convert`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch out of the start-up of mindspeed_mm.cli.
+    from mindspeed.checkpointing import run_lock
     from mindspeed_mm.convert.convert import convert
 
     names = {f.name for f in dataclasses.fields(ConvertConfig)}
@@ -46,6 +47,8 @@ def run_convert(args: argparse.Namespace) -> int:
     for key in ("load_dir", "save_dir", "base_dir"):
         if values.get(key) is not None:
             values[key] = Path(values[key])
-    report = convert(ConvertConfig(**values))  # a ValueError: one line on stderr, exit 2 (suite_cli)
+    # One conversion per output directory; the lock sits next to it (the output is renamed into place).
+    with run_lock(values.get("save_dir"), "--save-dir", beside=True):
+        report = convert(ConvertConfig(**values))  # a ValueError: one line on stderr, exit 2 (suite_cli)
     sys.stdout.write(report.describe() + "\n")
     return 0

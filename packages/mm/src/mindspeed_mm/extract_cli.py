@@ -46,6 +46,7 @@ def _rank_main(config: object) -> object:
 def run_extract_features(args: argparse.Namespace) -> int:
     """Run ``extract-features`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch out of the start-up of mindspeed_mm.cli.
+    from mindspeed.checkpointing import run_lock
     from mindspeed.config import ConfigError
     from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
@@ -63,7 +64,8 @@ def run_extract_features(args: argparse.Namespace) -> int:
     if not config.data.files:
         raise ConfigError("data.files is empty: give video/image + caption JSON or JSONL files")
     config.check_media()
-    result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    with run_lock(config.data.features, "data.features"):  # one extraction per cache directory
+        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     if result is not None:
         sys.stdout.write(json.dumps(result) + "\n")
     return 0

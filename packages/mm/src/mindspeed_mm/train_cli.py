@@ -13,7 +13,11 @@ import sys
 
 import yaml
 
+from mindspeed.checkpointing import run_lock
 from mindspeed.config import to_dict
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +68,10 @@ def run_train(args: argparse.Namespace) -> int:
         int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
     )
     config.check(world)
-    result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
-    # 143 / 130 after SIGTERM / Ctrl-C (saved first; the same command resumes), else 0.
+    # One run per save directory: the launcher (or torchrun's rank 0) holds its lock while the ranks run.
+    with run_lock(config.checkpoint.save):
+        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    if result is not None and result.stopped:  # non-finite steps in a row, or a save refused for NaN/Inf
+        logger.error("train stopped early: %s", result.stopped)
+    # 143 / 130 after SIGTERM / Ctrl-C (saved first; the same command resumes), 1 when stopped, else 0.
     return result.exit_code if result is not None else 0

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing import SkipCounter, fault_armed, plant_nan
 from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
 from mindspeed.log import get_logger
@@ -53,7 +54,7 @@ from mindspeed_llm.training.model import (
     padded_vocab_size,
     unwrap,
 )
-from mindspeed_llm.training.optim import build_optimizer, build_scheduler
+from mindspeed_llm.training.optim import build_optimizer, build_scheduler, guarded_step
 from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
 from mindspeed_llm.training.steps import packed_seq_params
 from mindspeed_llm.training.trainer import seed_everything
@@ -101,6 +102,9 @@ class ActorSettings:
             None: on where the layout and the model allow it (pp = 1, rope or learned positions,
             no MLA or MTP, mindspeed's registry attention); True: on, or a ``ValueError`` naming
             what prevents it; False: each pair on its own.
+        max_nonfinite_steps: the limit of updates refused in a row for a NaN/Inf loss or gradient
+            norm that :attr:`Actor.skips` names in its lines (the driver stops the run there:
+            ``train.max_nonfinite_steps``).
     """
 
     optimizer: OptimizerConfig = field(
@@ -116,6 +120,7 @@ class ActorSettings:
     loss_config: PolicyLossConfig | None = None
     compute_entropy: bool = True
     share_prompt: bool | None = None
+    max_nonfinite_steps: int = 3
 
     @classmethod
     def adamw(
@@ -280,6 +285,8 @@ class Actor:
         #: Whether microbatches pack each prompt once for the pairs that share it.
         self.share_prompt = self._resolve_share_prompt(s.share_prompt, shape)
         self.version = 0
+        #: Updates refused for a NaN/Inf loss or gradient norm (in all, and in a row).
+        self.skips = SkipCounter(s.max_nonfinite_steps, lr_key="actor.lr", unit="actor update")
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
         logger.info(
@@ -584,14 +591,26 @@ class Actor:
         self.optimizer.zero_grad()
         outputs = self._schedule(batches, partial(self._policy_loss, config, logits), forward_only=False, logits=logits)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)  # the next update's learning rate
-        self.version += 1
-        for hook in hooks.get("post_step", ()):
-            hook(self.version)
         totals = self._metric_totals(outputs)
         metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
+        update = self.version + 1
+        if fault_armed("train.grad_nan", update) and dist.get_rank() == 0:
+            plant_nan(self.chunks[0].buffers[0].grad_data)  # rank 0's own shard, as the LLM trainer's
+        # A NaN/Inf loss or gradient norm on any rank: no update and no schedule step on every rank.
+        outcome = guarded_step(self.optimizer, metrics.get("loss", 0.0), get_accelerator().device())
+        if outcome.applied:
+            self.scheduler.step(increment=1)  # the next update's learning rate
+        diverged = outcome.reason in ("loss", "grad_norm")
+        self.skips.record(outcome.applied, diverged)
+        if diverged and dist.get_rank() == 0:
+            logger.warning(self.skips.skip_line(update, metrics.get("loss", 0.0), outcome.grad_norm))
+        self.version = update
+        for hook in hooks.get("post_step", ()):
+            hook(self.version)
+        grad_norm = outcome.grad_norm
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["skipped"] = 0.0 if outcome.applied else 1.0
+        metrics["nonfinite_streak"] = float(self.skips.streak)
         metrics["lr"] = lr
         metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
         return metrics

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from mindspeed.checkpointing.schedule import check_scheduler_flags
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
@@ -73,6 +74,8 @@ def _check_actor(config: RecipeSections, num_devices: int | None) -> None:
             raise ConfigError(f"actor.{key}={getattr(a, key)} must be in [0, 1), e.g. 0.9")
     if not 0 <= a.min_lr <= a.lr:
         raise ConfigError(f"need 0 <= actor.min_lr <= actor.lr (got {a.min_lr} and {a.lr})")
+    if t.max_nonfinite_steps < 0:
+        raise ConfigError(f"train.max_nonfinite_steps={t.max_nonfinite_steps} must not be negative")
     if a.lr_warmup_steps < 0 or (a.lr_warmup_steps and a.lr_warmup_steps >= t.steps):
         raise ConfigError(f"actor.lr_warmup_steps={a.lr_warmup_steps} must be in [0, train.steps={t.steps})")
     if a.clip_grad < 0 or a.weight_decay < 0:
@@ -271,6 +274,7 @@ def check_config(config: RecipeSections, num_devices: int | None = None) -> None
     """Run every check (see :meth:`GRPOConfig.check`)."""
     _check_counts(config)
     config.logging.check()
+    check_scheduler_flags(config.checkpoint.override_scheduler, config.checkpoint.use_checkpoint_scheduler)
     _check_rollout(config)
     _check_actor(config, num_devices)
     _check_algorithm(config)

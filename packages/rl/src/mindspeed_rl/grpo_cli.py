@@ -7,7 +7,11 @@ any worker starts; a bad key or value exits 2 with the key and the fix. The run 
 ``checkpoint.save`` and continues from the newest complete one when started again, and writes
 the final policy as a Hugging Face directory to ``checkpoint.save_hf``. SIGTERM, the first
 Ctrl-C and ``train.exit_duration_mins`` finish the step, save and exit 143 / 130 / 0 with one
-line naming the checkpoint (see docs/reliability.md).
+line naming the checkpoint (see docs/reliability.md). A Ray worker of the run that dies (the
+actor, the replay buffer, the reward model; a rollout worker that keeps dying after its restarts)
+ends the run with one line naming it, Ray's exit cause, the newest complete checkpoint and that
+the same command resumes from it, exit 1 (:data:`WORKER_DIED`); Ray's traceback goes to the run's
+report.txt.
 """
 
 from __future__ import annotations
@@ -15,14 +19,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mindspeed.checkpointing import Preemption, resume_hint
+from mindspeed.checkpointing import Preemption, resume_hint, run_lock
 from mindspeed.config import ConfigError, to_dict
-from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
+from mindspeed.log import DETAIL, RUN_LOG_FILE, get_logger, open_run_log, run_log_path
+from mindspeed_rl.workers.deaths import describe_death, find_actor_error
+
+if TYPE_CHECKING:
+    from mindspeed_rl.runner import GRPORunner
 
 logger = get_logger(__name__)
+
+#: Exit status of a run ended by the death of one of its Ray workers.
+WORKER_DIED = 1
 
 
 def add_grpo(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +56,6 @@ def run_grpo(args: argparse.Namespace) -> int:
     """Run the recipe; returns the exit status."""
     # Lazy: keeps torch out of the start-up of mindspeed_rl.cli.
     from mindspeed_rl.config import load_grpo_config
-    from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
-    from mindspeed_rl.runner import GRPORunner
 
     try:
         config = load_grpo_config(args.config, args.overrides)
@@ -54,6 +64,15 @@ def run_grpo(args: argparse.Namespace) -> int:
     if args.print_config:  # before any check, model or worker: what the recipe and the overrides say
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
+    # One run per save directory: the driver holds its lock from before the resume to the end.
+    with run_lock(config.checkpoint.save):
+        return _run_grpo(config)
+
+
+def _run_grpo(config: Any) -> int:
+    from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
+    from mindspeed_rl.runner import GRPORunner
+
     try:
         runner = GRPORunner(config)
     except ConfigError as err:
@@ -89,6 +108,9 @@ def run_grpo(args: argparse.Namespace) -> int:
         try:
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
                 records = runner.run(on_step=on_step, preemption=preemption)
+            if runner.failed is not None:  # non-finite updates in a row, or a save refused for NaN/Inf
+                logger.error("grpo stopped early: %s", runner.failed)
+                return 1
             stop = runner.stopped
             if stop is not None:
                 where = runner.checkpoint_path()
@@ -108,6 +130,12 @@ def run_grpo(args: argparse.Namespace) -> int:
             if config.checkpoint.save_hf:
                 path = runner.save_hf(config.checkpoint.save_hf)
                 sys.stdout.write(f"policy written to {path}\n")
+        except Exception as err:
+            dead = find_actor_error(err)
+            if dead is None:
+                raise
+            report_worker_death(runner, dead, err)
+            return WORKER_DIED
         finally:
             progress.close()
             curve = sink.close()
@@ -123,3 +151,22 @@ def run_grpo(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(f"nothing to do: the run is already at train.steps={config.train.steps}\n")
     return 0
+
+
+def report_worker_death(runner: GRPORunner, dead: BaseException, err: BaseException) -> None:
+    """One line for a run ended by a dead Ray worker; Ray's traceback goes to the run's report file only."""
+    # A warning marked as detail: the report file keeps it at --log-level WARNING too; the console does not show it.
+    logger.warning("a Ray worker of the run died; Ray's traceback:", exc_info=err, extra=DETAIL)
+    newest = runner.newest_checkpoint()
+    config = runner.config
+    report = run_log_path()
+    logger.error(
+        "%s; the run stopped after step %d of %d: %s%s",
+        describe_death(dead, runner.worker_roles()),
+        runner.ctx.step,
+        config.train.steps,
+        resume_hint(str(newest) if newest is not None else None)
+        if newest is not None or config.checkpoint.save is None
+        else f"no complete checkpoint in {config.checkpoint.save} yet; the same command starts again from step 1",
+        f" (Ray's traceback: {report})" if report is not None else "",
+    )

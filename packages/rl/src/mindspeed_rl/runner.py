@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -35,9 +37,22 @@ from typing import Any
 
 import torch
 
-from mindspeed.checkpointing import Preemption, StopRequest, checkpoint_dir, fault_point, find_resume, holds_checkpoints
+from mindspeed.checkpointing import (
+    NonFiniteState,
+    Preemption,
+    SkipCounter,
+    StopRequest,
+    checkpoint_dir,
+    fault_armed,
+    fault_point,
+    find_resume,
+    holds_checkpoints,
+    resolve_schedule,
+)
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed.megatron.trusted_load import check_dist_checkpoint
+from mindspeed_llm.training.optim import schedule_settings, scheduler_state
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
@@ -45,9 +60,11 @@ from mindspeed_rl.data import load_prompts
 from mindspeed_rl.demo_model import resolve_model as resolve_demo
 from mindspeed_rl.ray_runtime import init_ray
 from mindspeed_rl.rewards import RewardModel
+from mindspeed_rl.sections import CheckpointConfig
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
+    actor_settings,
     collect_rollout,
     evaluate,
     finish_record,
@@ -128,6 +145,32 @@ class RemoteScorer:
         return self.score_batch([prompt], [response], [reference])[0]
 
 
+def find_run_checkpoint(c: CheckpointConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete run checkpoint in ``c.save`` and its run state (``None``: start at step 1).
+
+    Its files are read the safe way here, in the driver (docs/reliability.md, "Trust"): a file
+    whose loading would run code is one line before any worker starts.
+
+    Raises:
+        ConfigError: ``c.save`` holds checkpoints but no complete run checkpoint, or a file in
+            the newest one is refused.
+    """
+    if c.save is None or not c.resume or not Path(c.save).is_dir():
+        return None
+    found = find_resume(c.save)
+    if found.path is None or not (found.path / RL_STATE).is_file():
+        if holds_checkpoints(c.save):
+            why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
+            raise ConfigError(
+                f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
+                f"({why}); set checkpoint.resume=false to start from step 1 there or set "
+                "checkpoint.save to a new directory"
+            )
+        return None
+    check_dist_checkpoint(found.path)
+    return found.path, json.loads((found.path / RL_STATE).read_text(encoding="utf-8"))
+
+
 class GRPORunner:
     """A GRPO run on Ray.
 
@@ -145,6 +188,7 @@ class GRPORunner:
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()
         config = absolute_paths(config)
+        resume = find_run_checkpoint(config.checkpoint)  # before any worker starts: its errors are one line
         if config.buffer.mode == "async" and config.algorithm.tis_cap is None:
             config = replace(config, algorithm=replace(config.algorithm, tis_cap=ASYNC_TIS_CAP))
             logger.info(
@@ -191,7 +235,9 @@ class GRPORunner:
         self._producer_error: BaseException | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
         self.stopped: StopRequest | None = None  # why the last run() stopped early (a signal, the time limit)
-        self._maybe_resume()
+        #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
+        self.failed: str | None = None
+        self._maybe_resume(resume)
 
     # -- producing ---------------------------------------------------------------------------
 
@@ -343,11 +389,13 @@ class GRPORunner:
                 if on_step is not None:
                     on_step(record)
                 fault_point("rl.step_end", self.ctx.step)
-                self._maybe_save()
+                self._kill_on_fault(self.ctx.step)
+                if self._diverged(record) or not self._maybe_save():
+                    break
                 if preemption is not None and (stop := preemption.requested()) is not None:
                     self.stopped = stop
                     if self.config.checkpoint.save is not None and self.saved_step != self.ctx.step:
-                        self.save(self.config.checkpoint.save)
+                        self._save_or_fail(self.config.checkpoint.save)
                     break
         finally:
             self._stop.set()
@@ -356,15 +404,70 @@ class GRPORunner:
                 producer.join(timeout=60)
         return records
 
+    def _kill_on_fault(self, step: int) -> None:
+        """The fault points ``rl.kill_actor`` / ``rl.kill_buffer``: SIGKILL that worker's process, as ``kill -9`` would."""
+        for name, handle in (("rl.kill_actor", self.group.workers[0]), ("rl.kill_buffer", self.buffer_handle)):
+            if fault_armed(name, step):
+                import ray
+
+                os.kill(ray.get(handle.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+
+    def worker_roles(self) -> dict[str, str]:
+        """Ray actor id (hex) -> what that worker is to this run (``actor worker rank 0 of 2``)."""
+        roles = {}
+        world = len(self.group.workers)
+        for i, worker in enumerate(self.group.workers):
+            roles[worker._actor_id.hex()] = f"actor worker rank {i} of {world}"
+        rollout = getattr(self.rollout, "workers", [])
+        for i, worker in enumerate(rollout):
+            roles[worker._actor_id.hex()] = f"rollout worker rank {i} of {len(rollout)}"
+        roles[self.buffer_handle._actor_id.hex()] = "replay buffer"
+        if self.reward_worker is not None:
+            roles[self.reward_worker._actor_id.hex()] = "reward model worker"
+        return roles
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint in ``checkpoint.save`` (what the same command resumes from)."""
+        save = self.config.checkpoint.save
+        return find_resume(save, warn=False).path if save is not None and Path(save).is_dir() else None
+
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _maybe_save(self) -> None:
+    def _diverged(self, record: dict[str, float]) -> bool:
+        """Whether the actor's updates were refused ``train.max_nonfinite_steps`` times in a row (sets :attr:`failed`)."""
+        t = self.config.train
+        streak = int(record.get("nonfinite_streak", 0))
+        if streak < max(t.max_nonfinite_steps, 1):
+            return False
+        where = self.checkpoint_path()
+        a = self.config.actor
+        per_step = t.global_batch // (a.mini_batch_size or t.global_batch) * a.ppo_epochs
+        skips = SkipCounter(t.max_nonfinite_steps, lr_key="actor.lr", unit="actor update", streak=streak)
+        self.failed = skips.stop_line(
+            self.ctx.step * per_step,
+            self.config.actor.lr,
+            f"it resumes from {where}" if where is not None else "no checkpoint was saved, it starts from step 1",
+        )
+        return True
+
+    def _maybe_save(self) -> bool:
+        """Save when the recipe says; ``False`` when the save was refused for NaN/Inf state (sets :attr:`failed`)."""
         c = self.config.checkpoint
         if c.save is None:
-            return
+            return True
         step = self.ctx.step
         if step == self.config.train.steps or (c.interval and step % c.interval == 0):
-            self.save(c.save)
+            return self._save_or_fail(c.save)
+        return True
+
+    def _save_or_fail(self, root: str) -> bool:
+        """:meth:`save`; ``False`` when it was refused for NaN/Inf state (sets :attr:`failed`)."""
+        try:
+            self.save(root)
+        except NonFiniteState as err:  # raised by every actor rank, through Ray: keep its own one line
+            self.failed = str(getattr(err, "cause", None) or err).strip().splitlines()[-1]
+            return False
+        return True
 
     def save(self, root: str | Path) -> Path:
         """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);
@@ -384,23 +487,12 @@ class GRPORunner:
         save = self.config.checkpoint.save
         return checkpoint_dir(save, self.saved_step) if save is not None and self.saved_step is not None else None
 
-    def _maybe_resume(self) -> None:
-        c = self.config.checkpoint
-        if c.save is None or not c.resume or not Path(c.save).is_dir():
+    def _maybe_resume(self, resume: tuple[Path, dict[str, Any]] | None) -> None:
+        if resume is None:
             return
-        found = find_resume(c.save)
-        if found.path is None or not (found.path / RL_STATE).is_file():
-            if holds_checkpoints(c.save):
-                why = "; ".join(f"{p.name}: {w}" for p, w in found.skipped) or f"{found.path} has no {RL_STATE}"
-                raise ConfigError(
-                    f"checkpoint.save={c.save!r} holds checkpoints but no complete run checkpoint "
-                    f"({why}); set checkpoint.resume=false to start from step 1 there or set "
-                    "checkpoint.save to a new directory"
-                )
-            return
-        path = found.path
-        state = json.loads((path / RL_STATE).read_text(encoding="utf-8"))
-        self.group.call("load", str(path))
+        path, state = resume
+        flags = check_actor_schedule(self.config, path, int(state["step"]))
+        self.group.call("load", str(path), *flags)
         self.ctx.step = self.pctx.step = int(state["step"])
         self.saved_step = self.ctx.step
         self.version = int(state["version"])
@@ -430,3 +522,31 @@ class GRPORunner:
             ray.kill(self.reward_worker)
         for pool in self.pools:
             pool.remove()
+
+
+def check_actor_schedule(config: GRPOConfig, path: Path, step: int) -> tuple[bool, bool]:
+    """Check the actor's learning-rate schedule against checkpoint ``path``'s before the workers load it.
+
+    Returns:
+        ``(checkpoint.override_scheduler, checkpoint.use_checkpoint_scheduler)`` for the workers' load.
+
+    Raises:
+        ConfigError: the schedules differ and neither flag says which wins (one line listing each difference).
+    """
+    c = config.checkpoint
+    try:  # the scheduler's state is plain data: no code runs while it is read
+        saved = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("opt_param_scheduler")
+    except Exception:  # an unreadable common state: the workers' load says what is wrong with it
+        saved = None
+    if isinstance(saved, dict) and "max_lr" in saved:
+        sched = actor_settings(config).scheduler
+        decay = "the decay length (train.steps x updates per step)"
+        resolve_schedule(
+            schedule_settings(saved, prefix="actor.", decay_key=decay),
+            schedule_settings(scheduler_state(sched, sched.lr_warmup_steps + 1), prefix="actor.", decay_key=decay),
+            path,
+            step,
+            override=c.override_scheduler,
+            use_checkpoint=c.use_checkpoint_scheduler,
+        )
+    return c.override_scheduler, c.use_checkpoint_scheduler

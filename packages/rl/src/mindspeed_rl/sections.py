@@ -277,6 +277,9 @@ class TrainConfig:
         exit_duration_mins: stop after this many minutes (megatron's ``--exit-duration-in-mins``):
             the current step finishes, a checkpoint is saved and the command exits 0; the same
             command resumes.
+        max_nonfinite_steps: stop after this many consecutive actor updates (optimizer steps) with a
+            NaN/Inf loss or gradient norm (each is skipped before the optimizer applies it: no
+            update, no schedule step); exit status 1, as the LLM trainer's key of the same name.
     """
 
     steps: int = 100
@@ -284,6 +287,7 @@ class TrainConfig:
     seed: int = 1234
     eval_interval: int | None = None
     exit_duration_mins: float | None = None
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -310,6 +314,16 @@ class CheckpointConfig:
             skipped with a warning); a ``save`` holding checkpoints but no complete one is an
             error unless this is false.
         save_hf: write the final policy as a Hugging Face directory here.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the actor was trained
+            in), float32, bfloat16 or float16; its config.json always says the dtype written.
+        override_scheduler: on resume, when the actor's learning-rate schedule (``actor.lr``,
+            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``weight_decay``, and the decay
+            length that ``train.steps`` sets) differs from the checkpoint's, the recipe wins: the
+            schedule goes on from the resumed update with the recipe's values (megatron's
+            ``--override-opt_param-scheduler``). A difference with neither this nor
+            ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's schedule wins over a different one
+            in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -317,6 +331,9 @@ class CheckpointConfig:
     keep_last: int | None = None
     resume: bool = True
     save_hf: str | None = None
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 class RecipeSections(Protocol):

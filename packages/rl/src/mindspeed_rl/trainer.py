@@ -237,7 +237,11 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     }
     record.update({f"reward/{name}": float(v.mean()) for name, v in parts.items()})
     record.update(batch.metrics)
-    record.update({key: sum(v) / len(v) for key, v in update.items() if key != "update_tokens"})
+    counts = ("update_tokens", "skipped", "nonfinite_streak")
+    record.update({key: sum(v) / len(v) for key, v in update.items() if key not in counts})
+    # Updates refused for a NaN/Inf loss or gradient norm: this step's, and in a row at its end.
+    record["skipped_updates"] = sum(update.get("skipped", [0.0]))
+    record["nonfinite_streak"] = update.get("nonfinite_streak", [0.0])[-1]
     if old_logp is not None:  # the first mini-batch's number is the one before any update of this step
         record["rollout_logp_diff"] = float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum())
     record.update(times)
@@ -352,6 +356,7 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
         precision=a.precision,
         micro_batch_size=a.micro_batch_size,
         share_prompt=a.share_prompt,
+        max_nonfinite_steps=config.train.max_nonfinite_steps,
         seed=config.train.seed,
         loss=algo.loss,
         loss_config=algo.loss_config(),

@@ -1,6 +1,8 @@
 """Checkpoint reliability shared by the suites: discovery of the newest complete checkpoint,
 rotation, preemption (SIGTERM / Ctrl-C / time limit), writers that never outlive their trainer,
-and the fault points the reliability tests use. See ``docs/reliability.md``.
+one run per save directory (the run lock), the learning-rate schedule check on resume,
+non-finite steps skipped and non-finite checkpoints refused, and the fault points the reliability
+tests use. See ``docs/reliability.md``.
 """
 
 from mindspeed.checkpointing.discovery import (
@@ -25,7 +27,17 @@ from mindspeed.checkpointing.discovery import (
     write_tracker,
 )
 from mindspeed.checkpointing.disk_full import DiskFullError, export_guard, save_guard
-from mindspeed.checkpointing.faults import FAULT_ENV, fault_point
+from mindspeed.checkpointing.faults import FAULT_ENV, fault_armed, fault_point, plant_nan
+from mindspeed.checkpointing.finite import (
+    NonFiniteState,
+    SkipCounter,
+    agree_any,
+    first_nonfinite,
+    first_nonfinite_everywhere,
+    is_finite,
+    refused_save,
+)
+from mindspeed.checkpointing.lock import LOCK_FILE, DirectoryLocked, LockHolder, RunLock, run_lock, takes_run_lock
 from mindspeed.checkpointing.orphans import die_with_parent, forked_children_die_with_me
 from mindspeed.checkpointing.preemption import (
     EXIT_SIGINT,
@@ -36,6 +48,13 @@ from mindspeed.checkpointing.preemption import (
     interrupts_come_from_launcher,
     resume_hint,
 )
+from mindspeed.checkpointing.schedule import (
+    OVERRIDE,
+    USE_CHECKPOINT,
+    check_scheduler_flags,
+    resolve_schedule,
+    schedule_differences,
+)
 
 __all__ = [
     "DiskFullError",
@@ -44,30 +63,50 @@ __all__ = [
     "FAULT_ENV",
     "ITER",
     "LAUNCHER_INTERRUPT",
+    "LOCK_FILE",
     "MARKER",
+    "OVERRIDE",
     "STEP",
     "TRACKER",
+    "USE_CHECKPOINT",
+    "DirectoryLocked",
     "Layout",
+    "LockHolder",
+    "NonFiniteState",
     "Preemption",
     "ResumePoint",
+    "RunLock",
+    "SkipCounter",
     "StopRequest",
+    "agree_any",
+    "check_scheduler_flags",
     "checkpoint_dir",
     "damage_of",
     "die_with_parent",
+    "fault_armed",
     "fault_point",
     "export_guard",
+    "first_nonfinite",
+    "first_nonfinite_everywhere",
     "find_resume",
     "forked_children_die_with_me",
     "holds_checkpoints",
     "interrupts_come_from_launcher",
     "is_complete",
+    "is_finite",
     "list_complete",
     "list_step_dirs",
+    "plant_nan",
+    "refused_save",
     "remove_tree",
+    "resolve_schedule",
     "resume_hint",
     "rotate",
     "save_guard",
+    "run_lock",
+    "schedule_differences",
     "step_of",
+    "takes_run_lock",
     "tracker_step",
     "write_marker",
     "write_tracker",

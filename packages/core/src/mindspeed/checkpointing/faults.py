@@ -6,13 +6,20 @@ SIGKILL, exactly as ``kill -9`` from outside would. ``<point>@<step>=SIGTERM`` (
 ``SIGINTx2``) sends that signal instead (twice for ``x2``), as a scheduler or a Ctrl-C would. Without the variable a fault point is a
 no-op (one dictionary lookup). Points: ``train.step_start``, ``train.step_end``,
 ``save.start``, ``save.written``, ``save.renamed``, ``save.tracker`` (the trainer), ``rl.step_end``
-(the RL driver) and ``save.writer``: a forked checkpoint writer kills its trainer and then
+(the RL driver; ``rl.kill_actor`` and ``rl.kill_buffer`` there SIGKILL the actor worker of rank 0
+or the replay buffer, another process, at the end of the step: :func:`fault_armed`) and ``save.writer``: a forked checkpoint writer kills its trainer and then
 keeps writing for a while, so that a writer that does not die with its trainer is caught.
 
 ``save.write@<step>=ENOSPC`` (or ``=EDQUOT``) makes the save of that step run out of space where
 it writes: in megatron's forked checkpoint writers every file they open fails its first write
 with that ``OSError`` (as a full file system would), elsewhere (the multimodal trainer, the RL
 driver, an export) the fault point itself raises it.
+
+Damage points (:func:`fault_armed`) plant a value instead of killing: ``train.grad_nan`` (after
+the backward of that step, a NaN in a gradient: the loss stays finite, the gradient norm does
+not) and ``save.param_nan`` (before that step's save, a NaN in a parameter: what a diverged
+update that escaped the step's check, or a bit flip, would leave). ``<point>@<step>+`` arms a
+damage point at that step and every later one.
 """
 
 from __future__ import annotations
@@ -95,3 +102,23 @@ def child_write_fault(name: str = "save.write") -> None:
         return _FullFile(handle, action) if any(c in mode for c in "wax+") else handle
 
     builtins.open = full_open  # this process is a writer forked for one save: it exits after it
+
+
+def fault_armed(name: str, step: int) -> bool:
+    """Whether ``MINDSPEED_FAULT`` arms the damage point ``name`` at ``step`` (``name@step``, or ``name@K+`` for K <= step)."""
+    if FAULT_ENV not in os.environ:
+        return False
+    point, _, at = os.environ[FAULT_ENV].partition("=")[0].partition("@")
+    if point != name or not at.rstrip("+").isdigit():
+        return False
+    return step >= int(at[:-1]) if at.endswith("+") else step == int(at)
+
+
+def plant_nan(tensor: object) -> None:
+    """Write a NaN into the first element of ``tensor`` (this rank's shard of a DTensor), in place."""
+    import torch
+
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.numel():
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")

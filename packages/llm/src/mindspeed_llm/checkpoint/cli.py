@@ -13,11 +13,18 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from mindspeed.checkpointing import run_lock
+from mindspeed.checkpointing.hf_dtype import SAVE_HF_DTYPES
 from mindspeed.suite_cli import OUTPUT_DIR_ALIASES, add_dataclass_flags
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 
 #: Flags with a fixed set of values.
-_CHOICES = {"load_model_type": ("hf", "mg"), "save_model_type": ("mg", "hf"), "ckpt_format": ("torch", "torch_dist")}
+_CHOICES = {
+    "load_model_type": ("hf", "mg"),
+    "save_model_type": ("mg", "hf"),
+    "ckpt_format": ("torch", "torch_dist"),
+    "save_hf_dtype": SAVE_HF_DTYPES,
+}
 
 
 def add_convert_ckpt(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +49,8 @@ def run_convert_ckpt(args: argparse.Namespace) -> int:
         if values.get(key) is not None:
             values[key] = Path(values[key])
     # A ValueError (bad input, nothing written) becomes one line on stderr and exit status 2 (suite_cli).
-    report = convert_checkpoint(ConvertConfig(**values))
+    # One conversion per output directory; the lock sits next to it (the output is renamed into place).
+    with run_lock(values.get("save_dir"), "--save-dir", beside=True):
+        report = convert_checkpoint(ConvertConfig(**values))
     sys.stdout.write(report.describe() + "\n")
     return 0

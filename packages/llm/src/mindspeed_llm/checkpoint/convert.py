@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mindspeed.checkpointing.atomic import atomic_directory, copy_assets, parse_size
+from mindspeed.checkpointing.hf_dtype import SAVE_HF_DTYPES, target_dtype, write_config_dtype
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
@@ -53,6 +56,8 @@ class ConvertConfig:
         ckpt_format: Megatron output format: ``torch`` (per-rank files) or ``torch_dist``
             (megatron-core dist checkpoint); a Megatron source's format is detected.
         max_shard_size: safetensors shard size of a Hugging Face output ("5GB", "500MB", bytes).
+        save_hf_dtype: dtype of a Hugging Face output's tensors: auto (as the source holds them),
+            float32, bfloat16 or float16; its config.json says the dtype written.
         dry_run: plan and report, write nothing.
         overwrite: replace a non-empty ``save_dir``.
         progress: draw a progress bar.
@@ -76,6 +81,7 @@ class ConvertConfig:
     mtp_num_layers: int | None = None
     ckpt_format: str = "torch"
     max_shard_size: str = "5GB"
+    save_hf_dtype: str = "auto"
     dry_run: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -150,6 +156,7 @@ def check_paths(config: ConvertConfig) -> None:
         ("--load-model-type", config.load_model_type, ("hf", "mg")),
         ("--save-model-type", config.save_model_type, ("mg", "hf")),
         ("--ckpt-format", config.ckpt_format, ("torch", "torch_dist")),
+        ("--save-hf-dtype", config.save_hf_dtype, SAVE_HF_DTYPES),
     ):
         if value not in allowed:
             raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
@@ -168,13 +175,16 @@ def check_paths(config: ConvertConfig) -> None:
         raise ValueError(f"--hf-cfg-dir {config.hf_cfg_dir} has no config.json")
 
 
-def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None) -> None:
+def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None, dtype: torch.dtype | None) -> None:
+    # config.json says the dtype of the tensors written: transformers loads in that dtype by default.
     copied = copy_assets(hf_cfg_dir or source.assets, directory)
     if "config.json" in copied:
+        write_config_dtype(directory / "config.json", dtype)
         return
     # No config.json anywhere: rebuild one from the checkpoint's recorded model.
     config = source.bridge.hf_config_from_shape(source.shape)
     config.save_pretrained(str(directory))
+    write_config_dtype(directory / "config.json", dtype)
     if "generation_config.json" not in copied:
         from transformers import GenerationConfig
 
@@ -255,7 +265,7 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
         layout.check(plan.shape)
         sink = (DistSink if config.ckpt_format == "torch_dist" else MegatronSink)(plan, layout, source)
     else:
-        sink = HFSink(plan, source, parse_size(config.max_shard_size))
+        sink = HFSink(plan, source, parse_size(config.max_shard_size), target_dtype(config.save_hf_dtype))
     report = ConversionReport(
         source.describe(), sink.describe(), plan.bridge.family, len(plan.tasks), plan.dropped_hf, sink.files
     )
@@ -281,7 +291,7 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
             sink.abort()
             raise
         if config.save_model_type == "hf":
-            _write_hf_assets(source, temp, hf_cfg_dir)
+            _write_hf_assets(source, temp, hf_cfg_dir, sink.dtype)
         else:
             copy_assets(hf_cfg_dir or source.assets, temp / HF_ASSETS)
     report.written = True

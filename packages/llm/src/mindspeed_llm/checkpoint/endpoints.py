@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mindspeed.checkpointing.blocks import Blocks
+from mindspeed.checkpointing.hf_dtype import main_dtype
 from mindspeed.checkpointing.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import (
@@ -412,11 +414,17 @@ class HFSink:
         plan: the conversion plan.
         source: the source (for dtypes).
         max_shard_bytes: safetensors shard size limit.
+        dtype: write the floating-point tensors in this dtype (``None``: as the source holds them).
     """
 
-    def __init__(self, plan: ConversionPlan, source: Any, max_shard_bytes: int) -> None:
-        self.plan, self.max_shard_bytes = plan, max_shard_bytes
-        dtypes = source.dtypes(plan)
+    def __init__(
+        self, plan: ConversionPlan, source: Any, max_shard_bytes: int, dtype: torch.dtype | None = None
+    ) -> None:
+        self.plan, self.max_shard_bytes, self.cast = plan, max_shard_bytes, dtype
+        dtypes = {
+            name: dtype if dtype is not None and held.is_floating_point else held
+            for name, held in source.dtypes(plan).items()
+        }
         self.tensors = []
         for task in plan.tasks:
             shapes = task.rule.hf_shapes(plan.params[task.mg_name].shape, plan.shape)
@@ -424,6 +432,12 @@ class HFSink:
                 self.tensors += [(copy, dtypes[task.mg_name], shape) for copy in [name, *plan.hf_copies.get(name, [])]]
         self.writer: SafetensorsShardWriter | None = None
         self.files = self._plan_files()
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of most of the written floating-point tensors (what ``config.json`` must say)."""
+        numel = ((dtype, math.prod(shape)) for _, dtype, shape in self.tensors)
+        return main_dtype(numel)
 
     def _plan_files(self) -> list[OutputFile]:
         # The same grouping the writer will do, without creating files (for --dry-run).
@@ -451,6 +465,8 @@ class HFSink:
         """Write the Hugging Face tensors made of one unsharded tensor (or of the views it is made of)."""
         blocks = full if isinstance(full, Blocks) else Blocks.of(full)
         for name, tensor in zip(task.hf_names, task.rule.to_hf_blocks(blocks, self.plan.shape)):
+            if self.cast is not None and tensor.dtype.is_floating_point and tensor.dtype != self.cast:
+                tensor = Blocks.of(tensor.tensor().to(self.cast))  # noqa: PLW2901 -- the cast copy is what is written
             for copy in [name, *self.plan.hf_copies.get(name, [])]:
                 self.writer.write(copy, tensor)
 

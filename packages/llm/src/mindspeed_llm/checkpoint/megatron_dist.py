@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mindspeed.checkpointing.blocks import Blocks
 from mindspeed.log import get_logger
 from mindspeed.megatron import adapt, unadapt
+from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, megatron_params
 from mindspeed_llm.bridges.engine import ConversionPlan
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks, padded_vocab_size
@@ -125,14 +126,17 @@ class DistSource:
         self.path = path
         text = (path / TRACKER).read_text().strip()
         directory = path / iteration_dir("release" if text == "release" else int(text))
-        args = dist_checkpointing.load_common_state_dict(str(directory))["args"]
+        check_dist_checkpoint(directory)  # nothing in it runs code: a refused file is one line
+        with trusted_dist_loads():
+            args = dist_checkpointing.load_common_state_dict(str(directory))["args"]
         self.bridge, self.architecture, shape, self.assets = resolve_megatron_model(path, args, family, hf_cfg_dir)
         rows = getattr(args, "padded_vocab_size", None) or shape.vocab_size
         with single_rank_megatron():
             (model,) = build_gpt_chunks(
                 shape, ParallelLayout(), vocab_size=rows, megatron_modules=True, perform_initialization=False
             )
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+            with trusted_dist_loads():
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
             model.load_state_dict(loaded["model"])
             state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
         params = megatron_params(shape)

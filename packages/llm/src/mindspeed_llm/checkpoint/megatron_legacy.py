@@ -26,7 +26,7 @@ from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_params import has_extra_state
 from mindspeed_llm.bridges.shape import ModelShape
-from mindspeed_llm.checkpoint.torch_files import LazyTensor, LazyTorchFile, StoredTensor, StreamingTorchWriter
+from mindspeed_llm.checkpoint.torch_files import LazyTensor, LazyTorchFile, StoredTensor, StreamingTorchWriter, describe
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -139,6 +139,11 @@ class LegacyCheckpointReader:
         first = self._open(self.iter_path / dirs[0])
         if "args" not in first.obj:
             raise ValueError(f"{first.path} records no args; it was not saved by Megatron or mindspeed-llm")
+        if not isinstance(first.obj["args"], argparse.Namespace):
+            raise ValueError(
+                f"{first.path} holds {describe(first.obj['args'])} as its args, not Megatron's; "
+                "it was not saved by Megatron or mindspeed-llm"
+            )
         self.args: argparse.Namespace = first.obj["args"]
         self.layout = layout_from_args(self.args)
         expected = {rank_dir(rank, self.layout): rank for rank in self.layout.ranks()}
@@ -155,7 +160,31 @@ class LegacyCheckpointReader:
         file = directory / MODEL_FILE
         if not file.is_file():
             raise ValueError(f"{directory} has no {MODEL_FILE}")
-        return LazyTorchFile(file)
+        opened = LazyTorchFile(file)  # unknown classes stay inert placeholders: nothing in the file runs
+        if not isinstance(opened.obj, dict):
+            raise ValueError(
+                f"{file} holds {describe(opened.obj)}, not a Megatron checkpoint's dict; "
+                "it was not saved by Megatron or mindspeed-llm"
+            )
+        for key, state in opened.obj.items():  # the model chunks: tensors (and extra states) only
+            if not (isinstance(key, str) and key.startswith("model")):
+                continue
+            wrong = (
+                [(key, state, "a state dict")]
+                if not isinstance(state, dict)
+                else [
+                    (f"{key}.{name}", value, "a tensor")
+                    for name, value in state.items()
+                    if value is not None and not isinstance(value, LazyTensor) and not name.endswith("_extra_state")
+                ]
+            )
+            if wrong:
+                where, value, expected = wrong[0]
+                raise ValueError(
+                    f"{file}: {where} holds {describe(value)}, not {expected}; "
+                    "it was not saved by Megatron or mindspeed-llm"
+                )
+        return opened
 
     def file(self, rank: RankKey) -> LazyTorchFile:
         """The (lazily opened) file of ``rank``."""

@@ -222,6 +222,14 @@ class _Inert:
         self.state = state
 
 
+def describe(obj: Any) -> str:
+    """What an unpickled value is, for an error: a class outside the allow-list is named as pickled."""
+    module = type(obj).__module__
+    if module.startswith("inert:"):
+        return f"a pickled {module[len('inert:') :]}.{type(obj).__name__} (outside the allow-list: not run)"
+    return f"a {type(obj).__name__}"
+
+
 class _StorageTag:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing.trust import load_torch_file
+from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
 from mindspeed_llm.checkpoint.megatron_dist import is_dist_checkpoint
@@ -53,7 +55,10 @@ def checkpoint_model(checkpoint: str | Path) -> tuple[ModelShape, ParallelLayout
         from megatron.core import dist_checkpointing
 
         text = (checkpoint / TRACKER).read_text().strip()
-        args = dist_checkpointing.load_common_state_dict(str(checkpoint / iteration_dir(int(text))))["args"]
+        directory = checkpoint / iteration_dir(int(text))
+        check_dist_checkpoint(directory)
+        with trusted_dist_loads():
+            args = dist_checkpointing.load_common_state_dict(str(directory))["args"]
     else:
         args = LegacyCheckpointReader(checkpoint).args
     return ModelShape.from_args(args), layout_from_args(args), args
@@ -82,9 +87,10 @@ def load_rank_chunks(checkpoint: str | Path, impls: dict[str, str] | None = None
         chunks = build_gpt_chunks(shape, layout, vocab_size=args.padded_vocab_size, megatron_modules=True)
         keys = model_keys(len(chunks))
         text = (checkpoint / TRACKER).read_text().strip()
-        state = dist_checkpointing.load(
-            {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, str(checkpoint / iteration_dir(int(text)))
-        )
+        with trusted_dist_loads():
+            state = dist_checkpointing.load(
+                {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, str(checkpoint / iteration_dir(int(text)))
+            )
     else:
         chunks = build_gpt_chunks(shape, layout, impls or REFERENCE_IMPLS)
         keys = model_keys(len(chunks))
@@ -93,10 +99,8 @@ def load_rank_chunks(checkpoint: str | Path, impls: dict[str, str] | None = None
             ps.get_pipeline_model_parallel_rank(),
             ps.get_expert_model_parallel_rank(),
         )
-        state = torch.load(
-            checkpoint / iteration_dir(1) / rank_dir(rank, layout) / "model_optim_rng.pt",
-            map_location="cpu",
-            weights_only=False,
+        state = load_torch_file(
+            checkpoint / iteration_dir(1) / rank_dir(rank, layout) / "model_optim_rng.pt", map_location="cpu"
         )
     for chunk, key in zip(chunks, keys):
         chunk.load_state_dict(state[key], strict=True)

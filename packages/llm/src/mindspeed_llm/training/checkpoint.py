@@ -36,25 +36,34 @@ import yaml
 from mindspeed.checkpointing import (
     MARKER,
     TRACKER,
+    NonFiniteState,
     checkpoint_dir,
     damage_of,
+    fault_armed,
     fault_point,
     find_resume,
+    first_nonfinite_everywhere,
     forked_children_die_with_me,
     list_complete,
+    plant_nan,
+    refused_save,
     remove_tree,
+    resolve_schedule,
     rotate,
     save_guard,
     write_marker,
     write_tracker,
 )
+from mindspeed.checkpointing.schedule import Winner
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, get_rank, logged_as_detail
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.model import unwrap
+from mindspeed_llm.training.optim import schedule_settings
 
 logger = get_logger(__name__)
 
@@ -79,8 +88,8 @@ class TrainState:
     Attributes:
         step: optimizer steps taken (skipped non-finite steps included).
         consumed_train_samples: global samples read so far (the data position).
-        skipped_steps: steps skipped for a non-finite loss.
-        nonfinite_streak: consecutive skipped steps at the end.
+        skipped_steps: steps whose update was refused (a non-finite loss or gradient norm).
+        nonfinite_streak: consecutive steps refused for a non-finite loss or gradient norm at the end.
     """
 
     step: int = 0
@@ -257,7 +266,8 @@ def _write_checkpoint(
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     sharded.update(
         train_state=asdict(state),
-        opt_param_scheduler=scheduler.state_dict(),
+        # The warmup's start too (megatron's state leaves it out): a resume compares it with the recipe's.
+        opt_param_scheduler={**scheduler.state_dict(), "init_lr": scheduler.init_lr},
         layout=_layout(config),
         config=to_dict(config),
     )
@@ -316,12 +326,21 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
 
+
     Raises:
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf (every rank
+            raises it, before anything is written: the newest complete checkpoint stays the resume point).
         DiskFullError: the file system ran out of space (the ``.tmp`` directory is removed).
     """
     root, rank = Path(root), dist.get_rank()
     final = checkpoint_dir(root, state.step)
     tmp = final.with_name(final.name + ".tmp")
+    if fault_armed("save.param_nan", state.step) and rank == 0:
+        plant_nan(next(iter(unwrap(chunks[0]).parameters())))
+    bad = first_nonfinite_everywhere(_named_state(chunks, optimizer), device=get_accelerator().device())
+    if bad is not None:
+        complete = list_complete(root) if root.is_dir() else []
+        raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
     # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
     with save_guard(root, final, remove_tmp=rank == 0):
         _write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
@@ -330,6 +349,29 @@ def save_checkpoint(
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _named_state(chunks: list[Any], optimizer: Any) -> Iterator[tuple[str, Any]]:
+    """This rank's tensors of a checkpoint: the chunks' parameters, the optimizer's main weights and state."""
+    names: dict[int, str] = {}
+    for i, chunk in enumerate(chunks):
+        prefix = f"model{i}." if len(chunks) > 1 else ""
+        for name, param in unwrap(chunk).named_parameters():
+            names[id(param)] = prefix + name
+            yield f"parameter {prefix}{name}", param
+    # The torch optimizers megatron wraps: their parameters are the model's (fp32), the main fp32
+    # copies (bf16), or this rank's shards of them (distributed optimizer); their state is Adam's moments.
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for g, group in enumerate(torch_optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                of = names.get(id(param), f"main weight {i} of group {g}")
+                if id(param) not in names:
+                    yield f"optimizer {of}", param
+                for key, value in torch_optimizer.state.get(param, {}).items():
+                    yield f"optimizer {key} of {of}", value
 
 
 def load_checkpoint(
@@ -357,13 +399,17 @@ def load_checkpoint(
 
     Raises:
         ValueError: the checkpoint is of another model family, or a parameter's shape differs
-            from the recipe's (one line naming both).
+            from the recipe's (one line naming both), or a file in it holds something loading
+            would execute (:class:`~mindspeed.checkpointing.trust.UntrustedFileError`: nothing
+            from the checkpoint runs code, docs/reliability.md "Trust").
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ck = config.checkpoint
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    check_dist_checkpoint(path)  # nothing in it runs code: a refused file is one line, before megatron reads it
+    with trusted_dist_loads():
+        common = dist_checkpointing.load_common_state_dict(str(path))
     saved_family = getattr(common.get("args"), "model_type_hf", None)
     if family is not None and saved_family is not None and saved_family != family:
         raise ConfigError(
@@ -372,13 +418,15 @@ def load_checkpoint(
             f"({path / 'config.yaml'})"
         )
     template = _model_state(chunks)
-    check_shapes(path, template)
+    with trusted_dist_loads():
+        check_shapes(path, template)
     if weights_only:
         # A base checkpoint has no LoRA factors: they keep their initial values.
         from mindspeed_llm.training.lora import split_lora_state
 
         template = {key: split_lora_state(state)[0] for key, state in template.items()}
     with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
+    winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
     if with_optimizer:
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
     layout = common.get("layout", {})
@@ -394,20 +442,73 @@ def load_checkpoint(
             layout.get("world_size", "an unknown number of"),
             dist.get_world_size(),
         )
-    loaded = dist_checkpointing.load(template, str(path))
+    with trusted_dist_loads():
+        loaded = dist_checkpointing.load(template, str(path))
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         _load_model_state(unwrap(chunk), loaded[key])
     if weights_only:
         logger.info("loaded model weights from %s", path)
         return TrainState()
     if with_optimizer:
+        built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+        recipe = (scheduler.max_lr, scheduler.min_lr)
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     state = TrainState(**loaded.get("train_state", {}))
     logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
     return state
+
+
+def _schedule_winner(path: Path, common: dict[str, Any], scheduler: Any, config: PretrainConfig) -> Winner | None:
+    """Whose learning-rate schedule a resume follows: one line listing the differences unless the recipe says."""
+    saved = common.get("opt_param_scheduler")
+    if not isinstance(saved, dict) or "max_lr" not in saved:
+        return None
+    ck = config.checkpoint
+    decay = "train.lr_decay_steps" + (" (= train.steps)" if config.train.lr_decay_steps is None else "")
+    theirs = schedule_settings(saved, decay_key=decay)
+    ours = schedule_settings({**scheduler.state_dict(), "init_lr": scheduler.init_lr}, decay_key=decay)
+    step = int(common.get("train_state", {}).get("step", saved.get("num_steps", 0)))
+    return resolve_schedule(
+        theirs,
+        ours,
+        path,
+        step,
+        override=ck.override_scheduler,
+        use_checkpoint=ck.use_checkpoint_scheduler,
+        announce=dist.get_rank() == 0,
+    )
+
+
+def _load_schedule(
+    scheduler: Any,
+    optimizer: Any,
+    saved: dict[str, Any],
+    winner: Winner | None,
+    built: list[tuple[Any, Any]],
+    recipe: tuple[float, float],
+) -> None:
+    """Restore the scheduler's position; its settings are the winner's (the recipe's when they agree).
+
+    The optimizer's parameter groups carry the peak and final learning rates too (megatron's
+    ``max_lr`` / ``min_lr``, ``built`` as the optimizer was built from the recipe's ``recipe``):
+    they are set to the winner's, whatever the optimizer's own state brought back.
+    """
+    use_checkpoint = winner == "checkpoint"
+    scheduler.override_opt_param_scheduler = not use_checkpoint
+    scheduler.use_checkpoint_opt_param_scheduler = use_checkpoint
+    scheduler.load_state_dict(saved)
+    if use_checkpoint and saved.get("init_lr") is not None:
+        scheduler.init_lr = saved["init_lr"]
+    if len(built) == len(optimizer.param_groups):
+        winners = (saved["max_lr"], saved["min_lr"]) if use_checkpoint else recipe
+        for group, values in zip(optimizer.param_groups, built):
+            for key, value, ours, theirs in zip(("max_lr", "min_lr"), values, recipe, winners):
+                if value is not None:  # a group of the recipe's own rate follows the winner
+                    group[key] = theirs if value == ours else value
+    scheduler.step(0)  # the learning rate and weight decay of the restored position
 
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import sys
 
 import yaml
 
+from mindspeed.checkpointing import run_lock
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.launch import launch
 from mindspeed.log import get_logger
@@ -105,7 +106,9 @@ def run_pretrain(args: argparse.Namespace) -> int:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
     config.check(_world_size(args.nproc_per_node))
-    result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    # One run per save directory: the launcher (or torchrun's rank 0) holds its lock while the ranks run.
+    with run_lock(config.checkpoint.save):
+        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     if result is not None and result.stopped:
         logger.error("pretrain stopped early: %s", result.stopped)
         return 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from mindspeed.checkpointing import check_scheduler_flags
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.features.pipeline import check_noop_layers
@@ -257,6 +258,7 @@ class PretrainConfig:
                 "preprocessed data.prefixes"
             )
         self._check_lora()
+        check_scheduler_flags(self.checkpoint.override_scheduler, self.checkpoint.use_checkpoint_scheduler)
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
         _check_megatron_fields(m.megatron)

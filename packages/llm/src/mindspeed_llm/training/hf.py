@@ -359,6 +359,7 @@ def save_hf(
                         overwrite=True,
                         progress=False,
                         lora_load=adapter,
+                        save_hf_dtype=config.checkpoint.save_hf_dtype,
                     )
                 )
             if assets is None and config.data.tokenizer:

@@ -17,8 +17,10 @@ step ``k`` (counting from 1) trains with the learning rate of scheduler position
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from mindspeed.checkpointing import agree_any, is_finite
 from mindspeed.ops.registry import resolve_kernel
 from mindspeed_llm.training.sections import OptimizerConfig, ParallelConfig, SchedulerConfig
 
@@ -118,28 +120,132 @@ def build_scheduler(sched: SchedulerConfig, optimizer: Any, steps: int) -> Any:
         optimizer: what :func:`build_optimizer` returned.
         steps: the run's optimizer steps (the end of the decay unless ``sched.lr_decay_steps``).
 
-    The section's values win over a checkpoint's when they differ (only the position is
-    restored), so a resumed run follows the schedule it was started with.
+    A resumed run whose section differs from the checkpoint's schedule is refused unless the
+    recipe says which side wins (``checkpoint.override_scheduler`` / ``use_checkpoint_scheduler``,
+    :func:`mindspeed_llm.training.checkpoint.load_checkpoint` applies it); by default the
+    scheduler takes the section's values and only the position from a checkpoint.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
-    decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=sched.lr_warmup_init,
-        max_lr=sched.lr,
-        min_lr=sched.min_lr,
-        lr_warmup_steps=sched.lr_warmup_steps,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=sched.lr_decay_style,
-        start_wd=sched.weight_decay,
-        end_wd=sched.weight_decay,
-        wd_incr_steps=decay_steps,
-        wd_incr_style="constant",
+        **_scheduler_args(sched, steps),
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+def _scheduler_args(sched: SchedulerConfig, steps: int) -> dict[str, Any]:
+    # A run of 0 steps (writing initial weights) still needs a valid schedule for its checkpoint.
+    decay_steps = max(sched.lr_decay_steps or steps, sched.lr_warmup_steps + 1)
+    return {
+        "init_lr": sched.lr_warmup_init,
+        "max_lr": sched.lr,
+        "min_lr": sched.min_lr,
+        "lr_warmup_steps": sched.lr_warmup_steps,
+        "lr_decay_steps": decay_steps,
+        "lr_decay_style": sched.lr_decay_style,
+        "start_wd": sched.weight_decay,
+        "end_wd": sched.weight_decay,
+        "wd_incr_steps": decay_steps,
+        "wd_incr_style": "constant",
+    }
+
+
+def scheduler_state(sched: SchedulerConfig, steps: int) -> dict[str, Any]:
+    """What :func:`build_scheduler`'s scheduler records in a checkpoint (position 0), without building it."""
+    return {**_scheduler_args(sched, steps), "num_steps": 0}
+
+
+def schedule_settings(state: dict[str, Any], prefix: str = "train.", decay_key: str | None = None) -> dict[str, Any]:
+    """The learning-rate settings a scheduler state records, keyed as a recipe spells them.
+
+    Args:
+        state: megatron's ``OptimizerParamScheduler.state_dict()`` (as a checkpoint holds it; the
+            warmup's start ``init_lr`` where this trainer recorded it).
+        prefix: the recipe section (``train.``; the RL actor's ``actor.``).
+        decay_key: how the recipe sets the decay length (default ``PREFIXlr_decay_steps``).
+
+    Settings that cannot change the learning rate are left out: the decay length and ``min_lr``
+    of a ``constant`` schedule, the warmup's start without a warmup.
+    """
+    decay_key = decay_key or f"{prefix}lr_decay_steps"
+    settings: dict[str, Any] = {
+        f"{prefix}lr": state["max_lr"],
+        f"{prefix}min_lr": state["min_lr"],
+        f"{prefix}lr_warmup_init": state.get("init_lr"),
+        f"{prefix}lr_warmup_steps": state["lr_warmup_steps"],
+        f"{prefix}lr_decay_style": state["lr_decay_style"],
+        decay_key: state["lr_decay_steps"],
+    }
+    if state.get("start_wd") is not None:
+        start, end = state["start_wd"], state["end_wd"]
+        settings[f"{prefix}weight_decay"] = (
+            start if start == end else f"{start} to {end} ({state['wd_incr_style']}, {state['wd_incr_steps']} steps)"
+        )
+    if state["lr_decay_style"] == "constant":
+        del settings[f"{prefix}min_lr"], settings[decay_key]
+    if not state["lr_warmup_steps"] or state.get("init_lr") is None:
+        del settings[f"{prefix}lr_warmup_init"]
+    return settings
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What :func:`guarded_step` did.
+
+    Attributes:
+        applied: the update reached the weights (the schedule should step).
+        grad_norm: the global gradient norm before clipping (``None``: megatron's loss scaler
+            found an overflow before it was computed).
+        reason: why the update was refused: ``"loss"`` or ``"grad_norm"`` (non-finite, a
+            divergence: counted against ``train.max_nonfinite_steps``), ``"loss_scale"`` (an
+            fp16 overflow: the scaler lowered its scale, as megatron does); ``None`` when applied.
+    """
+
+    applied: bool
+    grad_norm: float | None
+    reason: str | None = None
+
+
+def guarded_step(optimizer: Any, loss: float, device: Any = None, group: Any = None) -> StepOutcome:
+    """megatron's ``optimizer.step()``, refused when the loss or the gradient norm is NaN/Inf on any rank.
+
+    Args:
+        optimizer: what :func:`build_optimizer` returned (one megatron optimizer or a chain).
+        loss: the step's loss (the same on every rank).
+        device: where the agreement flag lives (the accelerator's device).
+        group: the ranks that must agree (default: the world).
+
+    The steps of megatron's own ``step()`` (``ChainedOptimizer.step``), with the check between
+    the gradient norm and the update: ``prepare_grads`` (gradients to the main copies; an fp16
+    loss scaler unscales them and reports an overflow, and then the step is skipped exactly as
+    megatron skips it), the global gradient norm (always computed: it is what is checked), one
+    all-reduce of a "not finite" flag so that every rank skips the same step, then clipping by
+    that norm and ``step_with_ready_grads``. A refused step leaves weights, main weights and
+    optimizer state untouched; the caller does not step the schedule.
+    """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if optimizer.prepare_grads():
+        return StepOutcome(False, None, "loss_scale")
+    grad_norm = float(optimizer.get_grad_norm())
+    bad_loss, bad_norm = not is_finite(loss), not is_finite(grad_norm)
+    if agree_any(bad_loss or bad_norm, group, device):
+        return StepOutcome(False, grad_norm, "loss" if bad_loss else "grad_norm")
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        params = inner.get_parameters()
+        if params:
+            # Looked up at call time: mindspeed.megatron patches this name (no CUDA type check).
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return StepOutcome(bool(optimizer.step_with_ready_grads()), grad_norm)
 
 
 def current_lr(optimizer: Any) -> float:

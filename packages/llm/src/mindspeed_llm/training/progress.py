@@ -103,13 +103,14 @@ class RunReporter:
         status = " ".join(fields + dpo)
         # The bar's fields, most important first: a narrow terminal keeps the first ones.
         self.bar.update(status=fields[:1] + dpo + fields[1:])
-        if record["step"] % self.config.logging.interval == 0 or record["skipped"]:
+        # A skipped step has its own warning line (the trainer's); here it is marked at the interval.
+        if record["step"] % self.config.logging.interval == 0:
             logger.info(
                 "step %d/%d: %s%s",
                 record["step"],
                 self.config.train.steps,
                 status,
-                " (skipped: non-finite loss)" if record["skipped"] else "",
+                " (skipped)" if record["skipped"] else "",
             )
 
     def evaluation(self, record: dict[str, Any]) -> None:

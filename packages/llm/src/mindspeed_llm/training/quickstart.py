@@ -9,7 +9,10 @@ Everything goes under one output directory: ``data/``, ``checkpoints/``, ``hf/``
 and ``report.txt`` (the run's full log).
 
 Run again in the same directory, it continues that run: ``train.steps`` above the saved step
-resumes and trains on to it; at or below, nothing is trained and one line says so (exit 0).
+resumes and trains on to it (the learning-rate schedule goes on from the saved step with the new
+settings: ``checkpoint.override_scheduler`` is on unless ``checkpoint.use_checkpoint_scheduler=true``
+keeps the saved one); at or below, nothing is trained and one line says so (exit 0). A second
+quickstart on the same directory while one runs stops at once (exit 2, the run lock).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mindspeed.checkpointing import find_resume
+from mindspeed.checkpointing import find_resume, run_lock
 from mindspeed.launch import launch
 from mindspeed.log import get_logger
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
@@ -76,7 +79,10 @@ def run_quickstart(args: argparse.Namespace) -> int:
     """Run ``quickstart`` from parsed arguments; returns the exit status."""
     out = Path(args.output_dir)
     # Check the overrides before spending time on the data.
-    load_pretrain_config(TINY_CPU_RECIPE, args.overrides)
+    ck = load_pretrain_config(TINY_CPU_RECIPE, args.overrides).checkpoint
+    # Continuing with other settings (more train.steps: a longer decay) restarts the schedule from
+    # them at the saved step, unless the overrides say the saved schedule wins.
+    schedule = [] if ck.override_scheduler or ck.use_checkpoint_scheduler else ["checkpoint.override_scheduler=true"]
     dataset = prepare_demo_data(out)
     config = load_pretrain_config(
         TINY_CPU_RECIPE,
@@ -85,10 +91,16 @@ def run_quickstart(args: argparse.Namespace) -> int:
             f"checkpoint.save={out / 'checkpoints'}",
             f"checkpoint.save_hf={out / 'hf'}",
             f"logging.dir={out}",
+            *schedule,
             *args.overrides,
         ],
     )
     config.check(args.nproc_per_node)
+    with run_lock(config.checkpoint.save):  # one run per output directory
+        return _train_and_report(config, args, out)
+
+
+def _train_and_report(config: Any, args: argparse.Namespace, out: Path) -> int:
     steps = config.train.steps
     # The step the trainer would resume from (the same discovery), without building anything.
     saved = find_resume(config.checkpoint.save, warn=False).step if config.checkpoint.resume else None

@@ -218,7 +218,9 @@ class TrainConfig:
         adam_eps: Adam epsilon.
         sgd_momentum: SGD momentum.
         clip_grad: clip the global gradient norm to this (0: no clipping).
-        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss (each is skipped).
+        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
+            norm (each is skipped before the optimizer applies it: no update, no schedule step;
+            megatron's ``check_for_nan_in_loss_and_grad`` raises instead); exit status 1.
         exit_duration_mins: stop after this many minutes of training (megatron's
             ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
             the command exits 0; the same command resumes.
@@ -418,6 +420,17 @@ class CheckpointConfig:
             Ignored when resuming from ``save``; ``load`` takes precedence.
         save_hf: write the final model as a Hugging Face directory here (config, tokenizer,
             sharded safetensors) at the end of the run.
+        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained
+            in), float32, bfloat16 or float16; its config.json always says the dtype written, so
+            transformers loads what was trained.
+        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
+            ``min_lr``, ``lr_warmup_init``, ``lr_warmup_steps``, ``lr_decay_style``,
+            ``lr_decay_steps`` or ``steps`` that sets it, ``weight_decay``) differs from the
+            checkpoint's, the recipe wins: the schedule goes on from the resumed step with the
+            recipe's values (megatron's ``--override-opt_param-scheduler``). A difference with
+            neither this nor ``use_checkpoint_scheduler`` is an error that lists it.
+        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
+            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
     save: str | None = None
@@ -431,6 +444,9 @@ class CheckpointConfig:
     load_rng: bool = True
     load_hf: str | None = None
     save_hf: str | None = None
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
 
 
 @dataclass

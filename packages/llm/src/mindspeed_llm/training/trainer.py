@@ -23,13 +23,17 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import (
+    NonFiniteState,
     Preemption,
+    SkipCounter,
     StopRequest,
     checkpoint_dir,
     export_guard,
+    fault_armed,
     fault_point,
     find_resume,
     holds_checkpoints,
+    plant_nan,
     resume_hint,
 )
 from mindspeed.config import ConfigError, to_dict
@@ -64,7 +68,7 @@ from mindspeed_llm.training.model import (
     padded_vocab_size,
     recipe_transformer_config,
 )
-from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr
+from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr, guarded_step
 from mindspeed_llm.training.progress import RunReporter
 from mindspeed_llm.training.qlora import apply_qlora
 from mindspeed_llm.training.stages import get_stage
@@ -95,7 +99,8 @@ class TrainResult:
         records: one dict per step (step, loss, lr, grad_norm, skipped, ...).
         evals: one dict per evaluation (step, loss).
         state: the final :class:`TrainState` as a dict.
-        stopped: why the run stopped early on an error (``None``: it did not).
+        stopped: why the run stopped early on an error, one line (``None``: it did not): too many
+            non-finite steps in a row, or a checkpoint refused for non-finite state (exit status 1).
         num_parameters: parameters of the whole model.
         features: the run report of the features (``FeatureReport.to_dict()``: what was on and
             why, every change); empty when none were applied.
@@ -295,6 +300,10 @@ class Trainer:
         self.num_parameters = count_parameters(self.chunks, self.groups)
         self.checkpoint_args = checkpoint_args_of(config, self.ids.vocab_size, self.vocab)
         self.state = self._load()
+        t = config.train
+        self.skips = SkipCounter(
+            t.max_nonfinite_steps, skipped=self.state.skipped_steps, streak=self.state.nonfinite_streak
+        )
         if self.reference is not None:
             self._load_reference()
         train, valid = self.stage.datasets(config, self.world, self.ids)
@@ -419,7 +428,7 @@ class Trainer:
         # The trackers of logging.trackers on rank 0 (metrics.jsonl, TensorBoard, ...), the recipe as the run's config.
         metrics = open_tracking(config.logging, log_dir, state.step, rank0, to_dict(config) if rank0 else None)
         try:
-            with reporter:
+            with reporter, self._stop_on_nonfinite_state(result):
                 while state.step < t.steps:
                     # The loop runs without the device redirect (the step's CUDA sites are patched);
                     # checkpoints, saved below, are setup-like and keep it.
@@ -437,12 +446,9 @@ class Trainer:
                     step = state.step
                     if config.eval.interval and step % config.eval.interval == 0:
                         result.evals.append(self._evaluate(step, metrics, reporter))
-                    if state.nonfinite_streak >= max(t.max_nonfinite_steps, 1):
-                        result.stopped = (
-                            f"{state.nonfinite_streak} consecutive steps with a non-finite loss "
-                            f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last at step {step}"
-                        )
-                        logger.error("stopping: %s", result.stopped)
+                    if self.skips.exhausted():
+                        # No save: the run stops where its last complete checkpoint is (the CLI logs the line).
+                        result.stopped = self.skips.stop_line(step, t.lr, self._resume_text())
                         break
                     fault_point("train.step_end", step)
                     if self._save_due(step):
@@ -461,6 +467,20 @@ class Trainer:
         if result.checkpoint is None and config.checkpoint.save and self.saved_step is not None:
             result.checkpoint = str(checkpoint_dir(config.checkpoint.save, self.saved_step))
         return result
+
+    @contextlib.contextmanager
+    def _stop_on_nonfinite_state(self, result: TrainResult) -> Any:
+        # A save refused for NaN/Inf state (interval, preemption or last step) ends the run: exit 1.
+        try:
+            yield
+        except NonFiniteState as err:
+            result.stopped = str(err)
+
+    def _resume_text(self) -> str:
+        ck = self.config.checkpoint
+        if not ck.save or self.saved_step is None:
+            return "no checkpoint was saved, it starts from step 1"
+        return f"it resumes from {checkpoint_dir(ck.save, self.saved_step)}"
 
     def _save(self) -> None:
         ck = self.config.checkpoint
@@ -541,26 +561,19 @@ class Trainer:
         self.stage.prepare(self.reference, batches)
         metrics = run_schedule(self.chunks, batches, self._loss_fn(transform), groups=self.groups)
         loss, tokens = metrics[self.stage.metric]
-        grad_norm = None
-        skipped = not math.isfinite(loss)
-        if skipped:
-            # The gradients of a NaN/Inf loss are garbage: no update, no schedule step (as megatron
-            # does for an overflow); the batch is consumed, so the next step sees new data.
-            state.skipped_steps += 1
-            state.nonfinite_streak += 1
-            logger.warning(
-                "step %d: loss is %s; step skipped (%d in a row, limit %d)",
-                step,
-                loss,
-                state.nonfinite_streak,
-                self.config.train.max_nonfinite_steps,
-            )
-        else:
-            ok, norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(1)
-            grad_norm = float(norm) if norm is not None else None
-            state.nonfinite_streak = 0
+        if fault_armed("train.grad_nan", step) and dist.get_rank() == 0:
+            plant_nan(self._first_main_grad())
+        # A NaN/Inf loss or gradient norm on any rank: no update, no schedule step (as megatron
+        # does for an overflow); the batch is consumed, so the next step sees new data.
+        outcome = guarded_step(self.optimizer, loss, get_accelerator().device())
+        if outcome.applied:
+            self.scheduler.step(1)
+        diverged = outcome.reason in ("loss", "grad_norm")
+        self.skips.record(outcome.applied, diverged)
+        state.skipped_steps, state.nonfinite_streak = self.skips.skipped, self.skips.streak
+        if diverged and dist.get_rank() == 0:
+            logger.warning(self.skips.skip_line(step, loss, outcome.grad_norm))
+        skipped = not outcome.applied
         for hook in self.feature_hooks.get("post_step", ()):
             hook(step)
         state.step = step
@@ -570,8 +583,9 @@ class Trainer:
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": outcome.grad_norm,
             "skipped": skipped,
+            "skipped_steps": state.skipped_steps,
             "tokens": tokens,
             "consumed_samples": state.consumed_train_samples,
             "step_time_s": time.perf_counter() - start,
@@ -580,6 +594,16 @@ class Trainer:
         if "sequence_index" in batches[0]:
             record["step_tokens"] = self._step_tokens(batches)
         return record
+
+    def _first_main_grad(self) -> torch.Tensor:
+        # Where the train.grad_nan fault point plants its NaN (rank 0, after the data-parallel
+        # reduction): the first element of the first gradient buffer, which rank 0's optimizer
+        # reads with and without the distributed optimizer (its shard of every bucket comes first).
+        buffers = getattr(self.chunks[0], "buffers", None)
+        if buffers:
+            return buffers[0].grad_data
+        param = next(p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad)
+        return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
 
     def _loss_fn(self, transform: Any = None) -> Any:
         """The stage's loss; under CP, rescaled where megatron averages per microbatch (pretraining)."""

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 #: The prefix of the model's entries in a training checkpoint.
@@ -66,12 +67,7 @@ class DCPModel:
 
     def __init__(self, path: str | Path, ema: bool = True) -> None:
         self.path = resolve_checkpoint(path)
-        try:
-            metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
-        except Exception as err:  # a damaged .metadata: one line, not a traceback
-            raise ValueError(
-                f"{self.path}/.metadata is unreadable ({type(err).__name__}); the checkpoint is damaged"
-            ) from None
+        metadata = read_dcp_metadata(self.path)  # one line for a damaged or refused (code-running) .metadata
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             fqn[len(MODEL) :]: (entry.properties.dtype, tuple(entry.size))
             for fqn, entry in metadata.state_dict_metadata.items()
@@ -100,7 +96,9 @@ class DCPModel:
         keys = {name: self.ema_names.get(name, MODEL + name) for name in names}
         state = {keys[name]: torch.empty(self.tensors[name][1], dtype=self.tensors[name][0]) for name in names}
         try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(), no_dist=True
+            )
         except (Exception, CheckpointException) as err:  # a BaseException whose text is a traceback: one line
             failures = getattr(err, "failures", None) or {}
             inner = next(iter(failures.values()), err)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
@@ -202,14 +203,19 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
     """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes must match)."""
     from transformers import AutoConfig
 
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(checkpoint).state_dict_metadata  # nothing in it runs code
     saved = {}
     for key, meta in metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
             saved[key[len("model.") :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load({"model": saved}, checkpoint_id=str(checkpoint), no_dist=True)
+        dcp.load(
+            {"model": saved},
+            storage_reader=SafeFileSystemReader(str(checkpoint)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     lora = adapted_modules(saved)
     if lora:
         lora_alpha = recorded_lora_alpha(checkpoint, lora_alpha)

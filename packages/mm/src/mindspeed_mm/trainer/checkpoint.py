@@ -2,7 +2,7 @@
 shared checkpoint reliability (:mod:`mindspeed.checkpointing`, see docs/reliability.md).
 
 ``SAVE/step_00000010/`` holds the model's and the optimizer's sharded state (DCP's files),
-``trainer_state.pt`` (the step, the random-number state and the model's class; the data order
+``trainer_state.json`` (the step, the random-number state and the model's class; the data order
 and the learning rate follow from the step) and, written last, ``complete.json`` (every file
 with its size). Ranks write into ``step_00000010.tmp``; once every rank is done rank 0 marks it
 complete, renames it and moves the tracker (``latest_checkpointed_iteration.txt``), as the LLM
@@ -14,6 +14,11 @@ and deletes complete checkpoints only.
 With ``trainable_only`` (LoRA runs) the model entries are the trainable parameters alone (the
 adapter's factors): the frozen base is the one ``model.path`` holds, and a resume loads it from
 there before it loads the factors and their optimizer state from the checkpoint.
+
+Nothing read from a checkpoint runs code (docs/reliability.md, "Trust"): the trainer state is
+JSON, DCP's ``.metadata`` is read by the core's restricted unpickler and its non-tensor items
+weights-only (:mod:`mindspeed.checkpointing.trust`); a ``trainer_state.pt`` of an older
+checkpoint is loaded weights-only.
 """
 
 from __future__ import annotations
@@ -30,21 +35,33 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mindspeed.checkpointing import (
     STEP,
+    NonFiniteState,
+    fault_armed,
     fault_point,
     find_resume,
+    first_nonfinite_everywhere,
     holds_checkpoints,
+    list_complete,
+    plant_nan,
+    refused_save,
     remove_tree,
     rotate,
     save_guard,
     write_marker,
     write_tracker,
 )
+from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner, load_torch_file, read_dcp_metadata
 from mindspeed.config import ConfigError
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
 
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = "trainer_state.json"
+#: The trainer state of checkpoints written before it was JSON (read weights-only).
+LEGACY_STATE_FILE = "trainer_state.pt"
+#: The learning-rate schedule the checkpoint was trained with (JSON), for the resume check.
+SCHEDULE_FILE = "schedule.json"
 #: ``step_00000010``: the step directories' names.
 LAYOUT = STEP
 
@@ -105,19 +122,25 @@ def save_checkpoint(
     keep_last: int | None = None,
     source: str | Path | None = None,
     trainable_only: bool = False,
+    schedule: dict[str, Any] | None = None,
+    counters: dict[str, int] | None = None,
 ) -> Path:
     """Write step ``step``'s checkpoint (a collective: every rank calls it); returns its directory.
 
     ``source`` is the model directory the run started from: its model class is recorded, so that a
     resume with another model is one clear error. ``trainable_only``: the model entries are the
-    parameters that train (LoRA: the factors), the frozen rest is ``source``'s.
+    parameters that train (LoRA: the factors), the frozen rest is ``source``'s. ``schedule``: the
+    learning-rate schedule's settings (``optim.schedule_of``), recorded as ``schedule.json``.
+    ``counters``: the skipped steps (``skipped_steps``, ``nonfinite_streak``) recorded in the trainer state.
 
     Raises:
         DiskFullError: the file system ran out of space (one line; the ``.tmp`` directory is removed).
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf (every rank
+            raises it, before anything is written: the newest complete checkpoint stays the resume point).
     """
     root = Path(save)
     with save_guard(root, step_dir(root, step), remove_tmp=dist.get_rank() == 0, layout=LAYOUT):
-        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only)
+        return _save_checkpoint(save, step, model, optimizer, keep_last, source, trainable_only, schedule, counters)
 
 
 def _save_checkpoint(
@@ -128,11 +151,19 @@ def _save_checkpoint(
     keep_last: int | None,
     source: str | Path | None,
     trainable_only: bool,
+    schedule: dict[str, Any] | None,
+    counters: dict[str, int] | None,
 ) -> Path:
     root = Path(save)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
+    if fault_armed("save.param_nan", step) and rank0:
+        plant_nan(next(iter(model.parameters())))
+    bad = first_nonfinite_everywhere(_named_state(model, optimizer), device=get_accelerator().device())
+    if bad is not None:
+        complete = list_complete(root, LAYOUT) if root.is_dir() else []
+        raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{LAYOUT.prefix}*.tmp"):  # left by a run killed while saving
@@ -150,11 +181,14 @@ def _save_checkpoint(
     if rank0:
         state = {
             "step": step,
-            "rng": torch.get_rng_state(),
+            "rng": torch.get_rng_state().numpy().tobytes().hex(),  # torch's CPU generator state, bytes
             "model_class": model_class(source) if source is not None else None,
             "trainable_only": trainable_only,
+            **(counters or {}),
         }
-        torch.save(state, tmp / STATE_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+        if schedule is not None:
+            (tmp / SCHEDULE_FILE).write_text(json.dumps(schedule), encoding="utf-8")
         write_marker(tmp, step)  # last: from here on the checkpoint is complete
         if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
             remove_tree(final)
@@ -166,6 +200,15 @@ def _save_checkpoint(
     dist.barrier()
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def read_schedule(path: Path) -> dict[str, Any] | None:
+    """The schedule settings checkpoint ``path`` records (``None``: an older checkpoint without them)."""
+    try:
+        data = json.loads((path / SCHEDULE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def load_checkpoint(
@@ -184,7 +227,7 @@ def load_checkpoint(
         ConfigError: the checkpoint holds another model (its class, a parameter it lacks, or a
             parameter of another shape), or cannot be read (one line naming it and the fix).
     """
-    trainer_state = torch.load(path / STATE_FILE, weights_only=False)
+    trainer_state = read_trainer_state(path)
     saved, recipe = trainer_state.get("model_class"), model_class(source) if source is not None else None
     if saved and recipe and saved != recipe:
         raise ConfigError(
@@ -198,7 +241,7 @@ def load_checkpoint(
     _check_shapes(path, model_state)
     state = {"model": model_state, "optim": optim_state}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
     except Exception as err:  # DCP's CheckpointException carries every rank's traceback: keep its last line
         last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ConfigError(
@@ -217,6 +260,42 @@ def load_checkpoint(
     return trainer_state
 
 
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """This rank's tensors of a checkpoint: the (sharded) parameters and the optimizer's state."""
+    names = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = name
+        yield f"parameter {name}", param
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            yield f"optimizer {key} of {names.get(id(param), 'a parameter')}", value
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint ``path`` (``rng`` as torch's generator state), read without running code.
+
+    Raises:
+        ConfigError: the file is missing or damaged, or (an older ``trainer_state.pt``) holds a
+            class torch's weights-only loader refuses.
+    """
+    legacy = path / LEGACY_STATE_FILE
+    if not (path / STATE_FILE).is_file() and legacy.is_file():
+        state = load_torch_file(legacy)
+        if not isinstance(state, dict) or not torch.is_tensor(state.get("rng")):
+            raise ConfigError(f"checkpoint file {legacy} is no trainer state; the checkpoint is damaged")
+        return state
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        state["rng"] = torch.frombuffer(bytearray.fromhex(state["rng"]), dtype=torch.uint8)
+        state["step"] = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"checkpoint file {path / STATE_FILE} is unreadable ({type(err).__name__}); delete the checkpoint "
+            "to resume from the previous complete one, or set checkpoint.resume=false"
+        ) from None
+    return state
+
+
 def _trainable(model: torch.nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``model_state`` that are parameters with gradients."""
     names = {name for name, param in model.named_parameters() if param.requires_grad}
@@ -225,7 +304,7 @@ def _trainable(model: torch.nn.Module, model_state: dict[str, Any]) -> dict[str,
 
 def _check_shapes(path: Path, model_state: dict[str, Any]) -> None:
     """One line naming the first parameter the checkpoint lacks or holds with another (global) shape."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path).state_dict_metadata
     for name, value in model_state.items():
         meta = saved.get(f"model.{name}")
         if meta is None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import export_guard
+from mindspeed.checkpointing.hf_dtype import cast_floating
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.convert.diffusers_lora import write_diffusers_lora
@@ -61,12 +62,15 @@ def save_diffusers(
     source: str | Path,
     target: str | Path,
     state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path | None:
     """Write the (FSDP2-sharded) ``model`` as a diffusers directory at ``target`` (a collective).
 
     Args:
         state: the full state dict to write instead of the model's own (rank 0; e.g. merged LoRA weights;
             other ranks pass anything, and every rank then skips the gather).
+        dtype: write the floating-point tensors in this dtype (None: as trained). diffusers'
+            config has no dtype key: its ``from_pretrained`` loads float32 unless told otherwise.
 
     Returns:
         ``target`` on rank 0, None on the other ranks.
@@ -78,7 +82,7 @@ def save_diffusers(
         dist.barrier()
         return None
     plain = build_meta_dit(source, family)
-    plain.load_state_dict(state, strict=True, assign=True)
+    plain.load_state_dict(cast_floating(state, dtype), strict=True, assign=True)
     tmp = target.with_name(target.name + ".tmp")
     with export_guard(target, tmp):  # a full disk: one line, the half-written directory removed
         shutil.rmtree(tmp, ignore_errors=True)

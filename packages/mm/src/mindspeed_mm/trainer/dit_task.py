@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import MMConfig
@@ -301,7 +302,8 @@ class DiTTask:
         if ck.save_hf:
             if lora.enabled and state is not None:
                 state = merged_state(state, lora)
-            target = save_diffusers(self.model, self.family, self.source, ck.save_hf, state=state or {})
+            dtype = target_dtype(ck.save_hf_dtype)
+            target = save_diffusers(self.model, self.family, self.source, ck.save_hf, state=state or {}, dtype=dtype)
             if target is not None:
                 written["save_hf"] = str(target)
         return written

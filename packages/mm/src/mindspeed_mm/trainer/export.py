@@ -4,6 +4,8 @@ The full (unsharded) state dict is gathered to rank 0 on the CPU, written by the
 ``save_pretrained`` (so names and layout are transformers' own), and the tokenizer, image
 processor and chat template files of the source directory are copied next to it. The
 directory appears complete or not at all (written under a temporary name, then renamed).
+Its ``config.json`` says the dtype of the tensors written (``checkpoint.save_hf_dtype`` casts
+them; auto: as trained), since transformers loads in that dtype by default.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mindspeed.checkpointing import export_guard
+from mindspeed.checkpointing.hf_dtype import cast_floating, state_dtype, write_config_dtype
 from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
@@ -33,7 +36,11 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def save_hf(
-    model: torch.nn.Module, source: str | Path, target: str | Path, state: dict[str, torch.Tensor] | None = None
+    model: torch.nn.Module,
+    source: str | Path,
+    target: str | Path,
+    state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path | None:
     """Write ``model`` (FSDP2-sharded or not) as a Hugging Face directory at ``target`` (a collective).
 
@@ -42,6 +49,7 @@ def save_hf(
         source: the directory it came from (tokenizer, processor and template files are copied).
         target: the new directory.
         state: the full state dict to write instead of the model's own (rank 0; e.g. merged LoRA weights).
+        dtype: write the floating-point tensors in this dtype (None: as they are).
 
     Returns:
         ``target`` on rank 0, None on the other ranks.
@@ -55,7 +63,10 @@ def save_hf(
     tmp = target.with_name(target.name + ".tmp")
     with export_guard(target, tmp):  # a full disk: one line, the half-written directory removed
         shutil.rmtree(tmp, ignore_errors=True)
+        state = cast_floating(state, dtype)
         model.save_pretrained(tmp, state_dict=state)
+        # transformers writes the model's parameter dtype, which need not be the state's.
+        write_config_dtype(tmp / "config.json", state_dtype(state))
         for item in Path(source).iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
                 shutil.copy2(item, tmp / item.name)

@@ -66,6 +66,34 @@ def lr_at(train: TrainConfig, step: int) -> float:
     return train.min_lr + (train.lr - train.min_lr) * factor
 
 
+#: The ``train`` fields the learning rate and weight decay follow (what a checkpoint records).
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "steps", "weight_decay")
+
+
+def schedule_of(train: TrainConfig) -> dict[str, Any]:
+    """The schedule fields of ``train`` (a checkpoint's ``schedule.json``)."""
+    return {name: getattr(train, name) for name in SCHEDULE_FIELDS}
+
+
+def schedule_settings(schedule: dict[str, Any]) -> dict[str, Any]:
+    """A schedule's fields keyed as the recipe spells them, without those that cannot change the learning
+    rate (the decay's end and ``min_lr`` of a ``constant`` schedule), for the resume check."""
+    settings = {f"train.{name}": schedule[name] for name in SCHEDULE_FIELDS if name in schedule}
+    if schedule.get("lr_decay_style") == "constant":
+        settings.pop("train.min_lr", None)
+        settings.pop("train.steps", None)
+    if "train.steps" in settings:
+        settings["train.steps (the decay's end)"] = settings.pop("train.steps")
+    return settings
+
+
+def set_weight_decay(optimizer: torch.optim.Optimizer, weight_decay: float) -> None:
+    """Set the weight decay of the groups that decay (matrices; biases and norms keep none), as
+    :func:`build_optimizer` does; a resume sets the one of the schedule it follows."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay if any(p.ndim >= 2 for p in group["params"]) else 0.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set every parameter group's learning rate."""
     for group in optimizer.param_groups:
@@ -73,16 +101,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> float:
-    """The global gradient norm over all shards and ranks; gradients are scaled to ``max_norm`` if above (0: never)."""
+    """The global gradient norm over all shards and ranks; gradients are scaled to ``max_norm`` if above (0: never).
+
+    A NaN/Inf norm is returned without touching the gradients: the step is skipped (``trainer.loop``).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
     total: Any = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if hasattr(total, "full_tensor"):  # DTensor: the norm of the whole (sharded) gradient
         total = total.full_tensor()
-    if max_norm > 0:
+    norm = float(total)
+    if max_norm > 0 and math.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return float(total)
+    return norm
 
 
 def export_weights(optimizer: torch.optim.Optimizer, ema: bool = True) -> contextlib.AbstractContextManager:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import MMConfig
@@ -319,12 +320,17 @@ class VLMTask:
         if lora.save_peft and state is not None:
             written["save_peft"] = str(write_peft_adapter(state, lora, self.family, self.source, lora.save_peft))
         if ck.save_hf:
+            dtype = target_dtype(ck.save_hf_dtype)
             if lora.enabled:  # the merged weights under the model's own names, written by a plain model
                 plain = build_meta_model(self.source, self.family, self.config.model.attn_implementation)
                 merged = merged_state(state, lora) if state is not None else None
-                target = save_hf(plain, self.source, ck.save_hf, state=merged if merged is not None else {})
+                target = save_hf(
+                    plain, self.source, ck.save_hf, state=merged if merged is not None else {}, dtype=dtype
+                )
             else:
-                target = save_hf(self.model, self.source, ck.save_hf, state=state if state is not None else {})
+                target = save_hf(
+                    self.model, self.source, ck.save_hf, state=state if state is not None else {}, dtype=dtype
+                )
             if target is not None:
                 written["save_hf"] = str(target)
         return written

@@ -17,11 +17,13 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
@@ -217,11 +219,16 @@ class ActorWorker:
         )
         return str(path)
 
-    def load(self, path: str) -> int:
-        """Restore a checkpoint written by :meth:`save` (collective); returns its step."""
-        state = load_checkpoint(
-            Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, self.actor.config
-        )
+    def load(self, path: str, override_scheduler: bool = False, use_checkpoint_scheduler: bool = False) -> int:
+        """Restore a checkpoint written by :meth:`save` (collective); returns its step.
+
+        The flags say whose learning-rate schedule wins when the checkpoint's differs from the actor's
+        (the driver has checked that one of them is set then: ``runner.check_actor_schedule``).
+        """
+        config = self.actor.config
+        flags = {"override_scheduler": override_scheduler, "use_checkpoint_scheduler": use_checkpoint_scheduler}
+        config = replace(config, checkpoint=replace(config.checkpoint, **flags))
+        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, config)
         self.actor.version = int(state.step)
         return int(state.step)
 
@@ -230,7 +237,7 @@ class ActorWorker:
         state = self.actor.hf_state()
         if self.rank != 0:
             return None
-        return str(write_hf_dir(state, self.model_dir, target))
+        return str(write_hf_dir(state, self.model_dir, target, target_dtype(self.config.checkpoint.save_hf_dtype)))
 
     def shutdown(self) -> None:
         """Undo the actor's adaptation of megatron-core and leave the process group."""
