@@ -10,7 +10,7 @@ Multi-token-prediction layers use ``{mtp}`` (their index, megatron's ``mtp.layer
 Each rule converts in both directions (``to_megatron`` / ``to_hf``) and computes shapes without
 data (``megatron_shape`` / ``hf_shapes``), so a conversion is planned and checked before any
 tensor is read. ``to_megatron_blocks`` / ``to_hf_blocks`` do the same conversion as views
-(:class:`~mindspeed_llm.bridges.blocks.Blocks`), for writers that stream bytes to files.
+(:class:`~mindspeed.checkpointing.blocks.Blocks`), for writers that stream bytes to files.
 
     Rename("decoder.layers.{layer}.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight")
     FuseQKV("decoder.layers.{layer}.self_attention.linear_qkv.weight",
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges.shape import ModelShape
 
 Shape = tuple[int, ...]

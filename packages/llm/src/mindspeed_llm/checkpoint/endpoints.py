@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed.checkpointing.hf_dtype import main_dtype
+from mindspeed.checkpointing.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import (
     Bridge,
@@ -32,7 +34,6 @@ from mindspeed_llm.bridges import (
     supported_models,
 )
 from mindspeed_llm.bridges.base import causal_architecture
-from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan, list_names
 from mindspeed_llm.bridges.layout import merge_blocks, piece_shape, split_blocks
 from mindspeed_llm.bridges.megatron_model import padded_vocab_size
@@ -45,7 +46,6 @@ from mindspeed_llm.checkpoint.megatron_legacy import (
     checkpoint_args,
     rank_dir,
 )
-from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 
 logger = get_logger(__name__)
 

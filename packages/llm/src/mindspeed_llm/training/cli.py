@@ -17,10 +17,10 @@ import yaml
 
 from mindspeed.checkpointing import run_lock
 from mindspeed.config import ConfigError, to_dict
+from mindspeed.launch import launch
 from mindspeed.log import get_logger
 from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.hf import apply_load_hf
-from mindspeed_llm.training.launch import launch
 from mindspeed_llm.training.trainer import pretrain
 
 logger = get_logger(__name__)

@@ -2,7 +2,7 @@
 
 One loop serves pretraining, supervised fine-tuning and DPO; the recipe's ``stage`` picks the
 data, microbatches and loss (:mod:`mindspeed_llm.training.stages`). :func:`pretrain` runs on every rank of an initialised torch.distributed group (see
-:mod:`mindspeed_llm.training.launch`). It adapts megatron-core to the accelerator with the
+:mod:`mindspeed.launch`). It adapts megatron-core to the accelerator with the
 recipe's features (``mindspeed.megatron.adapt``), initialises megatron's parallel state, and
 undoes both on return, so several runs can follow each other in one process.
 """
