@@ -29,13 +29,21 @@ def test_write_config_dtype_rewrites_every_dtype_key(tmp_path: Path) -> None:
         "text_config": {"dtype": "float32"},
         "vision_config": {},
     }
+    # A config that names no dtype (transformers' "auto" then reads the weights' dtype) or already
+    # names the right one is left byte for byte: a round trip through Megatron stays identical.
     bare = tmp_path / "bare.json"
-    bare.write_text(json.dumps({"model_type": "llama"}))
+    bare.write_text(json.dumps({"model_type": "llama"}, indent=4))
+    before = bare.read_bytes()
     write_config_dtype(bare, torch.bfloat16)
-    assert json.loads(bare.read_text()) == {"model_type": "llama", "dtype": "bfloat16"}
-    write_config_dtype(bare, None)  # no floating-point tensors: left as it is
-    assert json.loads(bare.read_text())["dtype"] == "bfloat16"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.json", "legacy.json"]  # no temporary left
+    assert bare.read_bytes() == before
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"dtype": "float32", "a": 1}, indent=4))
+    before = same.read_bytes()
+    write_config_dtype(same, torch.float32)
+    assert same.read_bytes() == before
+    write_config_dtype(legacy, None)  # no floating-point tensors: left as it is
+    assert json.loads(legacy.read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.json", "legacy.json", "same.json"]  # no temporary left
 
 
 def test_dtype_of_a_state_and_casting() -> None:

@@ -53,7 +53,7 @@ def tiny_lora_run(tmp_path_factory, tiny_vlm, tiny_valid) -> Path:
     """A 2-step LoRA run on the tiny Qwen2.5-VL (r 4, alpha 8, q_proj/v_proj of the language model and the
     vision tower's qkv): ``ckpt/step_0000000{1,2}`` (DCP; metrics.jsonl with the validation loss on
     ``tiny_valid`` after each step), ``peft`` (``lora.save_peft``), ``merged`` (``checkpoint.save_hf``)."""
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
 
     model_dir, data = tiny_vlm

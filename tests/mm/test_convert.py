@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint
+from mindspeed.checkpointing.safetensors_io import HFCheckpoint
 from mindspeed_mm.cli import main
 from mindspeed_mm.models import family_of, load_model
 from mindspeed_mm.models.lora import is_factor

@@ -30,8 +30,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mindspeed.launch import launch
 from mindspeed.testing.distributed import run_distributed
-from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import DiffusionConfig, load_mm_config
 from mindspeed_mm.data.buckets import BucketOrder
 from mindspeed_mm.diffusion import FlowMatching, sample_density, sigma_grid

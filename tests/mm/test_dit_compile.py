@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.trainer.loop import train

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
 
-from mindspeed_llm.training.launch import RankFailure, launch
+from mindspeed.launch import RankFailure, launch
 from mindspeed_mm.cli import main
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.data.decode import load_pixels

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.data.features import write_features
 from mindspeed_mm.diffusion.encoders import encode_latents, encode_t5_clip, encode_umt5

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.cli import main
 from mindspeed_mm.config import LoraConfig, load_mm_config
 from mindspeed_mm.models.dit import DIT_FAMILIES, load_dit

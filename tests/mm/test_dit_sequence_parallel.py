@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from mindspeed.launch import launch
 from mindspeed.testing.distributed import run_distributed
-from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.testing.media_fixtures import write_tiny_pipeline, write_video

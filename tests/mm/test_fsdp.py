@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mindspeed.launch import launch
 from mindspeed.testing.distributed import run_distributed
-from mindspeed_llm.training.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.trainer.loop import train
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.cli import main
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.inference import load_inference_model

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.config import LoraConfig, load_mm_config
 from mindspeed_mm.data import encode_sample, read_mllm_files
 from mindspeed_mm.models import family_of, load_model, load_processing

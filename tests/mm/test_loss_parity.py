@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_llm.training.launch import launch
+from mindspeed.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.data import pack_samples, read_mllm_files
 from mindspeed_mm.data.preprocess import EncodeSettings, Processing

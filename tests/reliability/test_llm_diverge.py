@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mindspeed.checkpointing import TRACKER, list_complete
-from mindspeed_llm.training.metrics import read_metrics
+from mindspeed.metrics.log import read_metrics
 from tests.reliability import harness
 
 pytestmark = [pytest.mark.faults, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")]

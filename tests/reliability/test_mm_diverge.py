@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mindspeed.checkpointing import FAULT_ENV, STEP, list_complete
-from mindspeed_llm.training.metrics import read_metrics
+from mindspeed.metrics.log import read_metrics
 from tests.reliability import harness
 
 pytestmark = [pytest.mark.faults]

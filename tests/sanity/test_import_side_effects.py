@@ -2,7 +2,10 @@
 
 Checked in a fresh interpreter: no torch attribute replaced, no environment variable
 written, ``sys.argv`` never read, no logging handler installed outside our loggers, no
-warnings filter, no torch function mode, default dtype, threads and grad mode unchanged.
+warnings filter, no torch function mode, default dtype, threads and grad mode unchanged; and
+``import mindspeed`` with the run plumbing (launcher, metrics log, checkpoint I/O, report) loads
+neither TensorBoard, matplotlib nor megatron-core (the core declares the first two for the
+metrics log, which imports them when a run opens it).
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ PROBE = textwrap.dedent(
         }
 
     before_attrs, before = snapshot(), state()
+    # The core's run plumbing declares TensorBoard and matplotlib for the metrics log and imports
+    # them when a run opens it (megatron-core's own modules load TensorBoard: not these).
+    for name in ("mindspeed", "mindspeed.launch", "mindspeed.metrics.log", "mindspeed.metrics.trackers",
+                 "mindspeed.metrics.report", "mindspeed.checkpointing.atomic", "mindspeed.checkpointing.safetensors_io"):
+        importlib.import_module(name)
+    heavy = sorted(m for m in ("tensorboard", "matplotlib", "megatron") if m in sys.modules)
     imported = []
     for top in ("mindspeed", "mindspeed_llm", "mindspeed_mm", "mindspeed_rl"):
         package = importlib.import_module(top)
@@ -78,7 +87,7 @@ PROBE = textwrap.dedent(
                    and k.startswith(("torch.Tensor.", "torch.nn.Module.", "torch.nn.functional.", "torch.cuda.")))
     env_diff = sorted(set(before["env"].items()) ^ set(after["env"].items()))
     print(json.dumps({
-        "imported": imported, "changed": changed, "added": added,
+        "imported": imported, "heavy": heavy, "changed": changed, "added": added,
         "env_diff": [k for k, _ in env_diff], "argv_reads": WatchedArgv.reads,
         "state_before": {k: v for k, v in before.items() if k != "env"},
         "state_after": {k: v for k, v in after.items() if k != "env"},
@@ -98,6 +107,7 @@ def test_imports_change_no_global_state() -> None:
     assert report["added"] == [], f"attributes added to torch classes on import: {report['added']}"
     assert report["env_diff"] == [], f"environment changed on import: {report['env_diff']}"
     assert report["argv_reads"] == 0, "sys.argv was read during import"
+    assert report["heavy"] == [], f"import mindspeed and its run plumbing load {report['heavy']}: import them lazily"
     assert report["state_after"] == report["state_before"]
 
 

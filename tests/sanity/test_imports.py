@@ -11,16 +11,27 @@ imported already; counting them would make every re-exporting ``__init__`` a cyc
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The layers: each top package and the packages of ours it may import.
+#: The layers: each top package and the packages of ours it may import (docs/design: the suites
+#: stand on the core; RL trains the LLM suite's models). mm may not import llm: `pip install
+#: mindspeed-mm` must not pull in the LLM suite (its pyproject is checked below as well).
 ALLOWED = {
     "mindspeed": set(),
     "mindspeed_llm": {"mindspeed"},
-    "mindspeed_mm": {"mindspeed", "mindspeed_llm"},
-    "mindspeed_rl": {"mindspeed", "mindspeed_llm", "mindspeed_mm"},
+    "mindspeed_mm": {"mindspeed"},
+    "mindspeed_rl": {"mindspeed", "mindspeed_llm"},
+}
+#: The distribution of each top package (the name its pyproject declares).
+DISTRIBUTIONS = {
+    "mindspeed": ("core", "mindspeed-core"),
+    "mindspeed_llm": ("llm", "mindspeed-llm"),
+    "mindspeed_mm": ("mm", "mindspeed-mm"),
+    "mindspeed_rl": ("rl", "mindspeed-rl"),
 }
 
 
@@ -158,9 +169,29 @@ def test_imports_follow_the_layers() -> None:
         if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in ALLOWED[a.split(".")[0]]
     ]
     assert not wrong, (
-        "imports against the layering (core -> nothing of ours; llm -> core; mm -> core, llm; "
-        "rl -> core, llm, mm):\n" + "\n".join(wrong)
+        "imports against the layering (core -> nothing of ours; llm -> core; mm -> core; "
+        "rl -> core, llm):\n" + "\n".join(wrong)
     )
+
+
+def declared_suites(folder: str) -> set[str]:
+    """The distributions of ours that ``packages/<folder>/pyproject.toml`` depends on (extras included)."""
+    project = tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    ours = {name for _, name in DISTRIBUTIONS.values()}
+    return {name for req in requirements if (name := re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0]) in ours}
+
+
+def test_pyprojects_depend_on_exactly_the_layers_below() -> None:
+    """What a wheel installs follows the same layers: mindspeed-mm's dependencies name no mindspeed-llm."""
+    for top, (folder, _) in DISTRIBUTIONS.items():
+        expected = {DISTRIBUTIONS[lower][1] for lower in ALLOWED[top]}
+        assert declared_suites(folder) == expected, (
+            f"packages/{folder}/pyproject.toml depends on {sorted(declared_suites(folder))}, "
+            f"the layers allow {sorted(expected)}"
+        )
 
 
 def test_the_checker_sees_cycles_and_relative_imports(tmp_path) -> None:

@@ -146,7 +146,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     import diffusers  # noqa: F401  (imported before the baseline RSS, as on the diffusers side)
 
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
     from mindspeed_mm.trainer import dit_task, loop
 

@@ -143,8 +143,8 @@ def child_prepare(spec: dict[str, Any]) -> dict[str, Any]:
     write the token ids of every global batch the runs will read (in order)."""
     import torch
 
+    from mindspeed.launch import launch
     from mindspeed_llm.training.data import build_datasets, read_tokenizer
-    from mindspeed_llm.training.launch import launch
     from mindspeed_llm.training.model import padded_vocab_size
     from mindspeed_llm.training.quickstart import prepare_demo_data
     from mindspeed_llm.training.trainer import pretrain
@@ -206,7 +206,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import megatron.core.models.gpt  # noqa: F401  (imports before the baseline RSS, like the HF side)
     import megatron.core.optimizer  # noqa: F401
 
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 
     base = memory_status()

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         spec.update(found)
     if not spec.get("init_hf"):
         raise SystemExit(f"the initial weights were not exported (see {work / 'prepare.log'})")
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
 
     load = [os.getloadavg()[0]]
     out = launch(_target, (spec,), nproc_per_node=1)

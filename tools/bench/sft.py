@@ -244,8 +244,8 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import megatron.core.optimizer  # noqa: F401
 
     import mindspeed_llm.training.trainer as trainer_module
+    from mindspeed.launch import launch
     from mindspeed_llm.training.config import load_pretrain_config
-    from mindspeed_llm.training.launch import launch
     from mindspeed_llm.training.qlora import quantized_bytes
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     facts = sft.prepare(spec)
     spec.update(model_dir=facts["model_dir"], prefix=facts["prefix"])
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
 
     load = [os.getloadavg()[0]]
     out = launch(_target, (spec,), nproc_per_node=1)

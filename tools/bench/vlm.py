@@ -245,7 +245,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     import transformers  # noqa: F401  (imported before the baseline RSS, as on the HF side)
 
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
     from mindspeed_mm.trainer import loop, vlm_task
 
@@ -430,7 +430,7 @@ def count_flops(spec: dict[str, Any], lora: bool) -> tuple[float, float]:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
 
     def ours_rank(config: Any) -> float:

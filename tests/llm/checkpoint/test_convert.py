@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mindspeed.checkpointing import block_io
 from mindspeed_llm.bridges import bridge_for_family
-from mindspeed_llm.checkpoint import block_io
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, save_tiny_checkpoint
 

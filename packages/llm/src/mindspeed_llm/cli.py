@@ -14,7 +14,7 @@ from mindspeed_llm.checkpoint.cli import add_convert_ckpt
 from mindspeed_llm.data.cli import add_preprocess_data
 from mindspeed_llm.evaluation.cli import add_evaluate
 from mindspeed_llm.inference.cli import add_generate
-from mindspeed_llm.training.cli import add_dpo, add_pretrain, add_sft
+from mindspeed_llm.training.cli import add_dpo, add_pretrain, add_rm, add_sft
 from mindspeed_llm.training.quickstart import add_quickstart
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
@@ -26,6 +26,7 @@ COMMANDS: dict[str, AddCommand] = {
     "pretrain": add_pretrain,
     "sft": add_sft,
     "dpo": add_dpo,
+    "rm": add_rm,
     "quickstart": add_quickstart,
 }
 

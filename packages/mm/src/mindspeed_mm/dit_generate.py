@@ -135,7 +135,7 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
     ranks = sample.ulysses_parallel_size * sample.ring_attention_size
     if ranks > 1:
-        from mindspeed_llm.training.launch import launch
+        from mindspeed.launch import launch
 
         return launch(_sample_all, (args, sample, prompts), nproc_per_node=ranks) or 0
     return _sample_all(args, sample, prompts)

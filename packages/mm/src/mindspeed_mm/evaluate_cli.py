@@ -78,7 +78,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``evaluate`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch and transformers out of the start-up of mindspeed_mm.cli.
-    from mindspeed_llm.evaluation.report import format_table
+    from mindspeed.metrics.report import format_table
     from mindspeed_mm.evaluation.runner import evaluate
 
     names = EvaluateConfig.__dataclass_fields__

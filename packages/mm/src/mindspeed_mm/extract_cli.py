@@ -48,7 +48,7 @@ def run_extract_features(args: argparse.Namespace) -> int:
     # Lazy: keeps torch out of the start-up of mindspeed_mm.cli.
     from mindspeed.checkpointing import run_lock
     from mindspeed.config import ConfigError
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
 
     if args.nproc_per_node < 1:

@@ -54,7 +54,7 @@ def _rank_main(config: object) -> object:
 def run_train(args: argparse.Namespace) -> int:
     """Run ``train`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch out of the start-up of mindspeed_mm.cli.
-    from mindspeed_llm.training.launch import launch
+    from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
     from mindspeed_mm.demo import resolve_demo
 

@@ -68,26 +68,30 @@ def dtype_name(dtype: torch.dtype) -> str:
 def write_config_dtype(config_json: str | Path, dtype: torch.dtype | None) -> None:
     """Make ``config_json`` say ``dtype``: every ``dtype`` / ``torch_dtype`` key, at the top and in sub-configs.
 
-    A config with neither key at the top gets ``dtype`` (what transformers writes). Written to a
-    temporary name and renamed. ``dtype=None`` (no floating-point tensors) leaves the file as it is.
+    A config with neither key is left as it is: transformers' ``dtype="auto"`` then takes the
+    dtype of the weights themselves (and a round trip stays byte-identical). So is a config that
+    already says ``dtype`` everywhere. Written to a temporary name and renamed. ``dtype=None`` (no
+    floating-point tensors) leaves the file as it is.
     """
     if dtype is None:
         return
     path = Path(config_json)
     config = json.loads(path.read_text(encoding="utf-8"))
     name = dtype_name(dtype)
+    changed = False
 
     def visit(node: object) -> None:
+        nonlocal changed
         if isinstance(node, dict):
             for key in _KEYS:
-                if key in node:
-                    node[key] = name
+                if key in node and node[key] != name:
+                    node[key], changed = name, True
             for value in node.values():
                 visit(value)
 
     visit(config)
-    if not any(key in config for key in _KEYS):
-        config["dtype"] = name
+    if not changed:
+        return
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     temp.replace(path)

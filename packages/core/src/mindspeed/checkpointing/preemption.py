@@ -9,7 +9,7 @@ stops the same way and exits 0, as megatron's ``--exit-duration-in-mins`` does.
 
 With several ranks, each rank's flag is all-reduced (max) every step, so that every rank stops
 after the same step whichever of them got the signal. Ranks spawned by
-:func:`mindspeed_llm.training.launch.launch` ignore SIGINT themselves (a Ctrl-C in a terminal
+:func:`mindspeed.launch.launch` ignore SIGINT themselves (a Ctrl-C in a terminal
 reaches every process of the group): the launcher turns its own first SIGINT into
 :data:`LAUNCHER_INTERRUPT` for them and a second one into SIGKILL.
 """

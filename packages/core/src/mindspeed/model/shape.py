@@ -74,6 +74,9 @@ class ModelShape:
         mtp_num_layers: multi-token-prediction layers after the decoder (``None``: none); each is
             a transformer layer of the last decoder layer's kind (megatron's ``--mtp-num-layers``).
         params_dtype: dtype of the weights ("float32", "bfloat16", "float16").
+        num_labels: the output layer is a classification / score head of this many rows
+            (transformers' ``*ForSequenceClassification`` ``score``; 1 for a reward model or a
+            critic) instead of the language-model head (``None``).
     """
 
     num_layers: int
@@ -122,6 +125,7 @@ class ModelShape:
     original_max_position_embeddings: int = 4096
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
+    num_labels: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

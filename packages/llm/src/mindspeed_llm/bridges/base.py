@@ -175,6 +175,9 @@ class Bridge:
         values.update(self.shape_extras(config))
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
         values.setdefault("params_dtype", str(dtype).removeprefix("torch."))
+        if any(str(a).endswith(SEQUENCE_CLASSIFICATION) for a in config.get("architectures") or []):
+            # A score head of num_labels rows in the place of the language-model head.
+            values["num_labels"] = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
         return ModelShape(**values)
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -199,8 +202,11 @@ class Bridge:
         for key, value in self.requires:
             set_path(kwargs, key, value)
         kwargs.update(self.hf_extras(shape))
+        if shape.num_labels:
+            kwargs["num_labels"] = shape.num_labels
         config = AutoConfig.for_model(self.hf_model_type, **kwargs)
-        config.architectures = [self.hf_architectures[0]]
+        arch = self.hf_architectures[0]
+        config.architectures = [score_architecture(arch) if shape.num_labels else arch]
         config.dtype = shape.params_dtype
         return config
 
@@ -258,11 +264,29 @@ def bridge_for_architectures(architectures: list[str] | None) -> Bridge:
         ValueError: none is registered; the message lists the supported architectures and families.
     """
     for arch in architectures or []:
+        arch = causal_architecture(arch)
         if arch in BRIDGES:
             return BRIDGES.get(arch)()
     raise ValueError(
         f"unsupported architecture {', '.join(architectures or ['(none in config.json)'])}; {supported_models()}"
     )
+
+
+#: The suffix of transformers' sequence-classification heads (a score head on the decoder).
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
+def causal_architecture(architecture: str) -> str:
+    """The language-model architecture whose decoder ``architecture`` shares
+    (``LlamaForSequenceClassification`` -> ``LlamaForCausalLM``; others unchanged)."""
+    if architecture.endswith(SEQUENCE_CLASSIFICATION):
+        return architecture.removesuffix(SEQUENCE_CLASSIFICATION) + "ForCausalLM"
+    return architecture
+
+
+def score_architecture(architecture: str) -> str:
+    """The sequence-classification architecture of a language-model ``architecture`` (the inverse)."""
+    return architecture.removesuffix("ForCausalLM") + SEQUENCE_CLASSIFICATION
 
 
 def supported_models(families: bool = True) -> str:

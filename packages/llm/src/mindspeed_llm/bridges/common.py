@@ -7,7 +7,7 @@ transformers decoder models; ``{layer}`` and ``{expert}`` are filled in by the e
 from __future__ import annotations
 
 from mindspeed_llm.bridges.base import ConfigKey, head_dim_default
-from mindspeed_llm.bridges.rules import CopyOf, Drop, FuseGateUp, FuseQKV, ParamRule, Rename, Tie, for_mtp
+from mindspeed_llm.bridges.rules import CopyOf, Drop, FuseGateUp, FuseQKV, ParamRule, Rename, ScoreHead, Tie, for_mtp
 
 MG = "decoder.layers.{layer}."
 HF = "model.layers.{layer}."
@@ -16,11 +16,12 @@ HF = "model.layers.{layer}."
 MG_MTP = "mtp.layers.{mtp}."
 HF_MTP = "model.layers.{mtp_layer}."
 
-#: Embedding, final norm and output layer (tied or not).
+#: Embedding, final norm and output layer (tied or not; a score head in ``*ForSequenceClassification``).
 EMBEDDING_RULES: tuple[ParamRule, ...] = (
     Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
     Rename("decoder.final_layernorm.weight", "model.norm.weight"),
     Tie("output_layer.weight", "lm_head.weight"),
+    ScoreHead("output_layer.weight", "score.weight"),
 )
 
 #: Norms and grouped-query attention without biases; old checkpoints' rotary buffers are dropped.

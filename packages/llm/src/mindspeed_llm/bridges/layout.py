@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.shape import ModelShape
 

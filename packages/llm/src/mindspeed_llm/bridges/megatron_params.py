@@ -172,7 +172,9 @@ def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
         params += _layer(shape, f"decoder.layers.{layer}.", layer, shape.is_moe_layer(layer))
     params.append(MegatronParam("decoder.final_layernorm.weight", (h,), Split.REPLICATED))
     params += mtp_params(shape)
-    if shape.untie_embeddings_and_output_weights:
+    if shape.num_labels:  # a score head (a reward model or a critic): replicated over tensor-parallel ranks
+        params.append(MegatronParam("output_layer.weight", (shape.num_labels, h), Split.REPLICATED))
+    elif shape.untie_embeddings_and_output_weights:
         params.append(MegatronParam("output_layer.weight", (shape.vocab_size, h), Split.VOCAB))
     return {p.name: p for p in params}
 

@@ -10,7 +10,7 @@ Multi-token-prediction layers use ``{mtp}`` (their index, megatron's ``mtp.layer
 Each rule converts in both directions (``to_megatron`` / ``to_hf``) and computes shapes without
 data (``megatron_shape`` / ``hf_shapes``), so a conversion is planned and checked before any
 tensor is read. ``to_megatron_blocks`` / ``to_hf_blocks`` do the same conversion as views
-(:class:`~mindspeed_llm.bridges.blocks.Blocks`), for writers that stream bytes to files.
+(:class:`~mindspeed.checkpointing.blocks.Blocks`), for writers that stream bytes to files.
 
     Rename("decoder.layers.{layer}.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight")
     FuseQKV("decoder.layers.{layer}.self_attention.linear_qkv.weight",
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges.shape import ModelShape
 
 Shape = tuple[int, ...]
@@ -208,10 +208,19 @@ class FuseGateUp(ParamRule):
 
 class Tie(Rename):
     """The output layer: a plain rename when untied; when the model ties it to the embedding,
-    megatron stores nothing and a Hugging Face copy (if the checkpoint has one) is dropped."""
+    megatron stores nothing and a Hugging Face copy (if the checkpoint has one) is dropped.
+    A model with a score head (``shape.num_labels``) has no language-model head."""
 
     def active(self, shape):
-        return shape.untie_embeddings_and_output_weights
+        return shape.untie_embeddings_and_output_weights and not shape.num_labels
+
+
+class ScoreHead(Rename):
+    """The score head of a ``*ForSequenceClassification`` model (``shape.num_labels`` rows) is the
+    megatron output layer; absent from language models."""
+
+    def active(self, shape):
+        return bool(shape.num_labels)
 
     def optional_hf(self, shape):
         return () if self.active(shape) else self.hf

@@ -9,42 +9,24 @@ arrives, renamed onto the target at the end. A failure at any point leaves nothi
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mindspeed.checkpointing.atomic import atomic_directory, copy_assets, parse_size
 from mindspeed.checkpointing.hf_dtype import SAVE_HF_DTYPES, target_dtype, write_config_dtype
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_llm.bridges import ParallelLayout, plan_conversion
+from mindspeed_llm.bridges.base import causal_architecture, score_architecture
 from mindspeed_llm.checkpoint.endpoints import HFSink, HFSource, MegatronSink, MegatronSource, OutputFile
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, LoraMergedSource, export_peft_adapter
 from mindspeed_llm.checkpoint.megatron_dist import DistSink, DistSource, is_dist_checkpoint
 
 logger = get_logger(__name__)
 
-#: Files of a Hugging Face directory that are weights (everything else there is config, tokenizer, docs).
-_WEIGHT_FILE = re.compile(
-    r"(\.safetensors|\.bin|\.pt|\.pth|\.gguf|\.msgpack|\.h5|\.safetensors\.index\.json|\.bin\.index\.json)$"
-)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 #: Where a conversion from Hugging Face keeps the source's config and tokenizer inside a Megatron checkpoint.
 HF_ASSETS = "hf_config"
 
@@ -165,18 +147,6 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def parse_size(text: str) -> int:
-    """Bytes of ``"5GB"``, ``"500MiB"``, ``"64KB"`` or a plain integer.
-
-    Raises:
-        ValueError: unreadable size.
-    """
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
-
-
 def check_paths(config: ConvertConfig) -> None:
     """Fail early on directories that cannot work (before any reading).
 
@@ -207,42 +177,32 @@ def check_paths(config: ConvertConfig) -> None:
         raise ValueError(f"--hf-cfg-dir {config.hf_cfg_dir} has no config.json")
 
 
-@contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to ``target``; on success it replaces ``target``.
+def score_model_config(config: dict, num_labels: int) -> dict:
+    """``config.json`` of a language model rewritten for its ``*ForSequenceClassification`` model.
 
-    On an exception the temporary directory is removed and ``target`` is left as it was.
+    ``num_labels`` rows of ``score``; ``pad_token_id`` is set, as transformers scores a sequence
+    at its last token that is not padding (and refuses batches without a pad id): the config's
+    own unless it is the end-of-sequence token (answers end with it), else 0 (1 if that is it).
     """
-    target = Path(target).resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
-    try:
-        yield temp
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        target.rename(old)
-        temp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        temp.rename(target)
+    out = dict(config)
+    out["architectures"] = [score_architecture(causal_architecture(a)) for a in config.get("architectures") or []]
+    out["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    out["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    eos = config.get("eos_token_id")
+    eos_ids = set(eos) if isinstance(eos, list) else {eos}
+    pad = config.get("pad_token_id")
+    if pad is None or pad in eos_ids:
+        pad = 0 if 0 not in eos_ids else 1
+    out["pad_token_id"] = pad
+    return out
 
 
-def copy_assets(source: Path | None, destination: Path) -> list[str]:
-    """Copy the non-weight top-level files of ``source`` (config, tokenizer ...) into ``destination``."""
-    if source is None:
-        return []
-    destination.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for path in sorted(Path(source).iterdir()):
-        if path.is_file() and not _WEIGHT_FILE.search(path.name):
-            shutil.copy2(path, destination / path.name)
-            copied.append(path.name)
-    return copied
+def _write_score_config(directory: Path, num_labels: int) -> None:
+    path = directory / "config.json"
+    config = score_model_config(json.loads(path.read_text()), num_labels)
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    temp.replace(path)
 
 
 def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None, dtype: torch.dtype | None) -> None:
@@ -250,11 +210,15 @@ def _write_hf_assets(source, directory: Path, hf_cfg_dir: Path | None, dtype: to
     copied = copy_assets(hf_cfg_dir or source.assets, directory)
     if "config.json" in copied:
         write_config_dtype(directory / "config.json", dtype)
+        if source.shape.num_labels:
+            _write_score_config(directory, source.shape.num_labels)
         return
     # No config.json anywhere: rebuild one from the checkpoint's recorded model.
     config = source.bridge.hf_config_from_shape(source.shape)
     config.save_pretrained(str(directory))
     write_config_dtype(directory / "config.json", dtype)
+    if source.shape.num_labels:
+        _write_score_config(directory, source.shape.num_labels)
     if "generation_config.json" not in copied:
         from transformers import GenerationConfig
 
@@ -341,7 +305,7 @@ def convert_checkpoint(config: ConvertConfig) -> ConversionReport:
     )
     if config.dry_run:
         return report
-    # Sources that can hand out views do (see mindspeed_llm.bridges.blocks): the sinks then
+    # Sources that can hand out views do (see mindspeed.checkpointing.blocks): the sinks then
     # write every byte straight from the source files' mappings into the output files.
     read = getattr(source, "read_blocks", source.read)
     with atomic_directory(Path(config.save_dir)) as temp:

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed.checkpointing.hf_dtype import main_dtype
+from mindspeed.checkpointing.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import (
     Bridge,
@@ -31,7 +33,7 @@ from mindspeed_llm.bridges import (
     merge_tensors,
     supported_models,
 )
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed_llm.bridges.base import causal_architecture
 from mindspeed_llm.bridges.engine import ConversionPlan, list_names
 from mindspeed_llm.bridges.layout import merge_blocks, piece_shape, split_blocks
 from mindspeed_llm.bridges.megatron_model import padded_vocab_size
@@ -44,7 +46,6 @@ from mindspeed_llm.checkpoint.megatron_legacy import (
     checkpoint_args,
     rank_dir,
 )
-from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 
 logger = get_logger(__name__)
 
@@ -129,7 +130,7 @@ class HFSource:
         self.path = path
         raw, config = read_hf_config(path)
         self.bridge = pick_bridge(family, raw.get("architectures"))
-        known = [a for a in raw.get("architectures") or [] if a in self.bridge.hf_architectures]
+        known = [a for a in raw.get("architectures") or [] if causal_architecture(a) in self.bridge.hf_architectures]
         self.architecture = known[0] if known else self.bridge.hf_architectures[0]
         self.checkpoint = HFCheckpoint(path)
         shape = self.bridge.shape_from_hf(config)
@@ -207,6 +208,8 @@ def resolve_megatron_model(
         return bridge, architecture, ModelShape.from_args(args), assets
     # The multi-token-prediction layers the checkpoint holds are in its args, not in config.json.
     shape = dataclasses.replace(bridge.shape_from_hf(config), mtp_num_layers=getattr(args, "mtp_num_layers", None))
+    if getattr(args, "num_labels", None):  # a score head trained on a language model's config
+        shape = dataclasses.replace(shape, num_labels=args.num_labels)
     recorded = vars(args)
     differ = [
         f"{f} {getattr(shape, f)} vs {recorded[f]}"

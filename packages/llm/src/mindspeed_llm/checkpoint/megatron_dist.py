@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed.log import get_logger
 from mindspeed.megatron import adapt, unadapt
 from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, megatron_params
-from mindspeed_llm.bridges.blocks import Blocks
 from mindspeed_llm.bridges.engine import ConversionPlan
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks, padded_vocab_size
 from mindspeed_llm.bridges.megatron_params import Split, has_extra_state

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_params import has_extra_state
 from mindspeed_llm.bridges.shape import ModelShape

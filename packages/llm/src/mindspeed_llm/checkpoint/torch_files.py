@@ -17,7 +17,6 @@ import argparse
 import builtins
 import collections
 import io
-import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -26,35 +25,13 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
-from mindspeed_llm.checkpoint.block_io import pwrite_all, write_blocks
+from mindspeed.checkpointing.block_io import map_file_range, pwrite_all, write_blocks
+from mindspeed.checkpointing.blocks import Blocks
 
 #: dtype -> name of its legacy typed-storage class (``FloatStorage`` ...), the tag torch.save pickles.
 _STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 _STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_NAMES.items()}
 _DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in _STORAGE_NAMES}
-
-
-def map_file_range(path: str | Path, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    """``nbytes`` of ``path`` from ``offset`` as a 1-D ``dtype`` tensor backed by a private file mapping.
-
-    Reading through the page cache's own pages saves a copy and the page faults of a fresh
-    buffer; the mapping lives as long as the tensor (or a view of it) and is unmapped with it,
-    so resident memory stays the tensors in flight, not the files read.
-    """
-    if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        # Copy-on-write: the tensor is writable (no warning) without ever writing to the file.
-        mapping = mmap.mmap(fd, offset - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
-    if (offset - start) % dtype.itemsize:
-        raw = raw.clone()  # misaligned for the element type: one aligned copy
-    return raw.view(dtype)
 
 
 class _StoragePid:
@@ -145,7 +122,7 @@ class StreamingTorchWriter:
     Usage: ``ref = writer.add(tensor)`` for each tensor (its bytes go to disk now), then
     ``writer.close(obj)`` where ``obj`` holds the refs in place of the tensors. torch's own zip
     writer lays out the archive (headers, 64-byte aligned records, central directory); the
-    tensor bytes are written by :func:`~mindspeed_llm.checkpoint.block_io.write_blocks` into the
+    tensor bytes are written by :func:`~mindspeed.checkpointing.block_io.write_blocks` into the
     record's place, straight from the views a tensor is made of.
 
     Args:

@@ -12,10 +12,11 @@ engine) and :class:`TransformersLM` (plain ``transformers``, the reference) impl
 
 from __future__ import annotations
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation import gsm8k, mmlu, perplexity  # noqa: F401  (register the tasks)
 from mindspeed_llm.evaluation.lm import LM, EngineLM, TransformersLM
 from mindspeed_llm.evaluation.runner import EvaluateConfig, evaluate, run_tasks
-from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult
+from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings
 
 __all__ = [
     "LM",

@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 import sys
 
+from mindspeed.metrics.report import format_table
 from mindspeed.suite_cli import field_help
 from mindspeed_llm.evaluation import gsm8k, mmlu, perplexity  # noqa: F401  (register the tasks)
-from mindspeed_llm.evaluation.report import format_table
 from mindspeed_llm.evaluation.runner import BACKENDS, DTYPES, EvaluateConfig, evaluate
 from mindspeed_llm.evaluation.tasks import TASKS
 

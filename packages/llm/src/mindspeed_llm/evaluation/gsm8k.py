@@ -20,13 +20,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation.lm import encode_context
 from mindspeed_llm.evaluation.math_answer import answers_equal, extract_answer, extract_marked, parse_number
 from mindspeed_llm.evaluation.tasks import (
     DEFAULT_MAX_NEW_TOKENS,
     TASKS,
     EvalSettings,
-    TaskResult,
     call_in_chunks,
     iter_jsonl,
     limit,

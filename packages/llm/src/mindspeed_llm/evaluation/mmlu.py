@@ -17,8 +17,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation.lm import encode_pair
-from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult, call_in_chunks, limit, require_path
+from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, call_in_chunks, limit, require_path
 
 LETTERS = ("A", "B", "C", "D")
 

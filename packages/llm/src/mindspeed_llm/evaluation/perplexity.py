@@ -18,16 +18,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation.lm import encode_context
-from mindspeed_llm.evaluation.tasks import (
-    TASKS,
-    EvalSettings,
-    TaskResult,
-    call_in_chunks,
-    iter_jsonl,
-    limit,
-    require_path,
-)
+from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, call_in_chunks, iter_jsonl, limit, require_path
 
 _TEXT_SUFFIXES = (".txt", ".raw")
 _SUFFIXES = (*_TEXT_SUFFIXES, ".jsonl")

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
+from mindspeed.metrics.report import TaskResult, build_report, write_json
 from mindspeed_llm.evaluation.lm import EngineLM, TransformersLM
-from mindspeed_llm.evaluation.report import build_report, write_json
-from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings, TaskResult
+from mindspeed_llm.evaluation.tasks import TASKS, EvalSettings
 from mindspeed_llm.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from mindspeed.metrics.report import TaskResult
 from mindspeed.progress import StatusProgress
 from mindspeed.registry import Registry
 
@@ -49,38 +50,6 @@ class EvalSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-
-
-@dataclasses.dataclass
-class TaskResult:
-    """The scores of one task.
-
-    Attributes:
-        task: the task name.
-        metric: name of the headline metric.
-        value: its value.
-        n: number of scored items (tokens for perplexity).
-        metrics: every metric of the task, the headline included.
-        groups: per-group metrics (MMLU subjects: ``{"acc": ..., "n": ...}``).
-        samples: one record per item (prompt index, prediction, target, correct ...).
-        settings: the task settings that shaped the scores (shots, data path, window ...).
-    """
-
-    task: str
-    metric: str
-    value: float
-    n: int
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    groups: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_json(self, with_samples: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; per-item samples only when asked for."""
-        out = dataclasses.asdict(self)
-        if not with_samples:
-            out.pop("samples")
-        return out
 
 
 class EvalTask(Protocol):

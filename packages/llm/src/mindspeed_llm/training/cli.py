@@ -1,4 +1,4 @@
-"""``mindspeed-llm pretrain|sft|dpo --config recipe.yaml [key=value ...]``: the training commands.
+"""``mindspeed-llm pretrain|sft|dpo|rm --config recipe.yaml [key=value ...]``: the training commands.
 
 The recipe and the overrides build a :class:`~mindspeed_llm.training.config.PretrainConfig`
 (strict: an unknown key is an error with a suggestion), which is checked against the world
@@ -17,10 +17,10 @@ import yaml
 
 from mindspeed.checkpointing import run_lock
 from mindspeed.config import ConfigError, to_dict
+from mindspeed.launch import launch
 from mindspeed.log import get_logger
 from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.hf import apply_load_hf
-from mindspeed_llm.training.launch import launch
 from mindspeed_llm.training.trainer import pretrain
 
 logger = get_logger(__name__)
@@ -45,6 +45,13 @@ _COMMANDS = {
         "Train with DPO on pairwise data from preprocess-data (AlpacaStylePairwiseHandler ...): dpo.beta, "
         "dpo.label_smoothing, dpo.loss_type; the reference is the starting model (checkpoint.load_hf or "
         "checkpoint.load) unless dpo.ref_model names another.",
+    ),
+    "rm": (
+        "train an outcome reward model (Bradley-Terry) on pairwise data",
+        "Train a reward model on pairwise data from preprocess-data (AlpacaStylePairwiseHandler ...): the "
+        "GPT's output layer becomes a scalar score head, the reward of an answer is its score at the last "
+        "token, the loss -log sigmoid(r_chosen - r_rejected - rm.margin) (+ rm.center_rewards_coefficient). "
+        "Start from a Hugging Face directory with checkpoint.load_hf=DIR.",
     ),
 }
 
@@ -77,6 +84,11 @@ def add_sft(sub: argparse._SubParsersAction) -> None:
 def add_dpo(sub: argparse._SubParsersAction) -> None:
     """Add ``dpo`` to the ``mindspeed-llm`` subcommands."""
     _add_training_command(sub, "dpo")
+
+
+def add_rm(sub: argparse._SubParsersAction) -> None:
+    """Add ``rm`` to the ``mindspeed-llm`` subcommands."""
+    _add_training_command(sub, "rm")
 
 
 def _world_size(nproc_per_node: int) -> int:

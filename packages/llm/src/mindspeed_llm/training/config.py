@@ -30,14 +30,17 @@ from mindspeed_llm.training.sections import (
     LoraConfig,
     ModelConfig,
     ParallelConfig,
+    RmConfig,
     TrainConfig,
 )
 
 #: Names of the sections of a recipe, in the order they are documented.
-SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features", "lora", "dpo")
+SECTIONS = ("model", "parallel", "train", "data", "eval", "checkpoint", "logging", "features", "lora", "dpo", "rm")
 
-#: What a recipe trains: the command that runs it (``mindspeed-llm pretrain|sft|dpo``) sets it.
-STAGES = ("pretrain", "sft", "dpo")
+#: What a recipe trains: the command that runs it (``mindspeed-llm pretrain|sft|dpo|rm``) sets it.
+STAGES = ("pretrain", "sft", "dpo", "rm")
+#: The stages that read preference pairs.
+PAIRWISE_STAGES = ("dpo", "rm")
 
 
 @dataclass
@@ -48,7 +51,8 @@ class PretrainConfig:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
         data: :class:`DataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`CheckpointConfig`.
         logging: :class:`LoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
-        lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. stage: ``pretrain``, ``sft`` or ``dpo`` (set by the command).
+        lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. rm: :class:`RmConfig`. stage: ``pretrain``,
+            ``sft``, ``dpo`` or ``rm`` (set by the command).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -61,7 +65,8 @@ class PretrainConfig:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
-    stage: Literal["pretrain", "sft", "dpo"] = "pretrain"
+    rm: RmConfig = field(default_factory=RmConfig)
+    stage: Literal["pretrain", "sft", "dpo", "rm"] = "pretrain"
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size ``world_size`` leaves over the model-parallel sizes."""
@@ -139,6 +144,11 @@ class PretrainConfig:
                 raise ConfigError(f"dpo.beta={self.dpo.beta} must be positive")
             if not 0 <= self.dpo.label_smoothing < 0.5:
                 raise ConfigError(f"dpo.label_smoothing={self.dpo.label_smoothing} must be in [0, 0.5)")
+        coef = self.rm.center_rewards_coefficient
+        if self.stage == "rm" and coef is not None and coef < 0:
+            raise ConfigError(f"rm.center_rewards_coefficient={coef} must be 0 or more (or null: off)")
+        if self.stage == "rm" and p.sequence_parallel:
+            raise ConfigError("rm: the score head reads whole sequences; set parallel.sequence_parallel=false")
 
     def check(self, world_size: int) -> None:
         """Check the values against each other and against ``world_size``.
@@ -289,8 +299,8 @@ def _check_eod_reset(config: PretrainConfig) -> None:
 def _check_context_parallel(config: PretrainConfig) -> None:
     """What ``parallel.cp > 1`` needs of the rest of the recipe."""
     p, d = config.parallel, config.data
-    if config.stage == "dpo":
-        raise ConfigError("dpo does not support parallel.cp > 1 yet; set parallel.cp=1")
+    if config.stage in PAIRWISE_STAGES:
+        raise ConfigError(f"{config.stage} does not support parallel.cp > 1 yet; set parallel.cp=1")
     if d.seq_length % (2 * p.cp):
         raise ConfigError(
             f"data.seq_length={d.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp} "
@@ -354,10 +364,10 @@ def _check_optimizer(t: TrainConfig) -> None:
 
 
 def _check_finetune_data(config: PretrainConfig) -> None:
-    keys = PAIRWISE_KEYS if config.stage == "dpo" else INSTRUCTION_KEYS
+    keys = PAIRWISE_KEYS if config.stage in PAIRWISE_STAGES else INSTRUCTION_KEYS
     kind = (
         "pairwise (AlpacaStylePairwiseHandler ...)"
-        if config.stage == "dpo"
+        if config.stage in PAIRWISE_STAGES
         else "instruction (AlpacaStyleInstructionHandler ...)"
     )
     for prefix in config.data.prefixes:

@@ -32,6 +32,7 @@ from mindspeed_llm.bridges import (
     require_capability,
     split_tensor,
 )
+from mindspeed_llm.bridges.base import causal_architecture, score_architecture
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.checkpoint.endpoints import HFSource, pick_bridge, read_hf_config
 from mindspeed_llm.checkpoint.megatron_legacy import TRACKER, checkpoint_args, iteration_dir, model_keys, rank_dir
@@ -58,7 +59,7 @@ def read_hf_shape(path: str | Path) -> tuple[Any, Any, str]:
         bridge = pick_bridge(None, raw.get("architectures"))
     except ValueError as err:
         raise ConfigError(f"checkpoint.load_hf: {err}") from err
-    known = [a for a in raw.get("architectures") or [] if a in bridge.hf_architectures]
+    known = [a for a in raw.get("architectures") or [] if causal_architecture(a) in bridge.hf_architectures]
     return bridge, bridge.shape_from_hf(config), (known[0] if known else bridge.hf_architectures[0])
 
 
@@ -167,6 +168,7 @@ def load_hf_weights(
     vocab_rows: int,
     groups: Any = None,
     noop_layers: tuple[int, ...] = (),
+    keep: tuple[str, ...] = (),
 ) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
 
@@ -179,6 +181,9 @@ def load_hf_weights(
             here): which pieces are this rank's.
         noop_layers: the recipe's noop layer indices (``model.noop_indices()``): the stages hold
             the real layers between them.
+        keep: megatron names left as initialised unless the directory has a tensor of their
+            shape (a reward model's score head started from a language model, whose
+            ``lm_head`` it does not take).
 
     Raises:
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
@@ -208,6 +213,8 @@ def load_hf_weights(
             )
             for piece in mine:
                 target = states[piece.chunk].get(piece.name)
+                if task.mg_name in keep and (target is None or target.shape != parts[piece.tp_index].shape):
+                    continue  # another kind of head: this one keeps its initialisation
                 if target is None or tuple(target.shape) != tuple(parts[piece.tp_index].shape):
                     got = None if target is None else tuple(target.shape)
                     raise ConfigError(
@@ -216,7 +223,7 @@ def load_hf_weights(
                     )
                 target.copy_(parts[piece.tp_index])
                 loaded.add((piece.chunk, piece.name))
-    missing = sorted(name for _, name in expected - loaded)
+    missing = sorted(name for _, name in expected - loaded if name not in keep)
     if missing:
         raise ConfigError(f"checkpoint.load_hf: {path} leaves these parameters of the model unset: {missing[:6]}")
     logger.info("loaded %d tensors of %s (%s) into this rank's model", len(loaded), path, source.bridge.family)
@@ -234,8 +241,11 @@ def model_shape(config: PretrainConfig, vocab_size: int) -> Any:
         vocab_size: the tokenizer's vocabulary.
     """
     if config.checkpoint.load_hf:
-        return hf_model_shape(config.checkpoint.load_hf, config.train.precision)
-    return config.model.to_shape(vocab_size, config.data.seq_length, config.train.precision)
+        shape = hf_model_shape(config.checkpoint.load_hf, config.train.precision)
+    else:
+        shape = config.model.to_shape(vocab_size, config.data.seq_length, config.train.precision)
+    # A reward model's output layer is a score head of one row, whatever the model started as.
+    return dataclasses.replace(shape, num_labels=1) if config.stage == "rm" else shape
 
 
 def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str, Path | None]:
@@ -244,15 +254,19 @@ def export_shape(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str
     From ``checkpoint.load_hf`` when the run started there (its config and tokenizer files are
     the assets), else from the recipe's model (the first family whose bridge writes its shape).
     """
+    shape = model_shape(config, vocab_size)
     if config.checkpoint.load_hf:
         bridge, _, architecture = read_hf_shape(config.checkpoint.load_hf)
-        return bridge, model_shape(config, vocab_size), architecture, Path(config.checkpoint.load_hf)
-    shape = model_shape(config, vocab_size)
-    try:
-        bridge = bridge_for_shape(shape)
-    except ValueError as err:
-        raise ConfigError(f"checkpoint.save_hf: {err}") from err
-    return bridge, shape, bridge.hf_architectures[0], None
+        assets: Path | None = Path(config.checkpoint.load_hf)
+    else:
+        try:
+            bridge = bridge_for_shape(shape)
+        except ValueError as err:
+            raise ConfigError(f"checkpoint.save_hf: {err}") from err
+        architecture, assets = bridge.hf_architectures[0], None
+    if shape.num_labels:  # a reward model: transformers' sequence classification of the family
+        architecture = score_architecture(causal_architecture(architecture))
+    return bridge, shape, architecture, assets
 
 
 def checkpoint_args_of(config: PretrainConfig, vocab_size: int, vocab_rows: int) -> Any:

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing.atomic import atomic_directory
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, merge_tensors, plan_conversion
-from mindspeed_llm.checkpoint.convert import atomic_directory
 from mindspeed_llm.checkpoint.endpoints import HFSource
 from mindspeed_llm.checkpoint.lora import LoraCheckpoint, export_peft_adapter, lora_param, write_lora_checkpoint
 from mindspeed_llm.training.lora import LoraSettings, lora_layers, unwrap_model

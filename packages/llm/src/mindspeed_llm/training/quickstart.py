@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.checkpointing import find_resume, run_lock
+from mindspeed.launch import launch
 from mindspeed.log import get_logger
 from mindspeed_llm.data.preprocess import PreprocessConfig, preprocess_data
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
 from mindspeed_llm.tokenizer import DEMO_CORPUS, DEMO_TOKENIZER_NAME
 from mindspeed_llm.training.config import load_pretrain_config
-from mindspeed_llm.training.launch import launch
 from mindspeed_llm.training.trainer import pretrain
 
 logger = get_logger(__name__)

@@ -502,6 +502,23 @@ class DpoConfig:
 
 
 @dataclass
+class RmConfig:
+    """Reward-model training (``mindspeed-llm rm``): the Bradley-Terry loss of TRL's ``RewardTrainer``.
+
+    Attributes:
+        margin: subtracted from every pair's reward difference inside the loss,
+            ``-log sigmoid(r_chosen - r_rejected - margin)`` (TRL's per-pair ``margin`` column,
+            here one value for every pair; 0: the plain Bradley-Terry loss).
+        center_rewards_coefficient: adds ``coef * mean((r_chosen + r_rejected)^2)`` to the loss,
+            which keeps the rewards centred on zero (TRL's ``center_rewards_coefficient``;
+            ``None``: off).
+    """
+
+    margin: float = 0.0
+    center_rewards_coefficient: float | None = None
+
+
+@dataclass
 class LoggingConfig(LossCurveLoggingConfig):
     """The core's ``logging`` section (:class:`mindspeed.metrics.config.LoggingConfig`: dir, interval,
     progress, trackers and their settings, ``loss_curve``) plus the LLM suite's MFU denominator.

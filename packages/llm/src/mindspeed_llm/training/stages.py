@@ -4,8 +4,9 @@
 samples) and trains the language-model loss on every token; ``sft`` reads instruction data
 as packed THD microbatches and trains the same loss on the response tokens only; ``dpo``
 reads preference pairs and trains a DPO loss against a frozen reference model, whose
-log-probabilities are computed over the same microbatches before each step. Stages are
-registered by name in :data:`STAGES`.
+log-probabilities are computed over the same microbatches before each step; ``rm`` reads
+the same pairs and trains a reward model (a scalar score head in the place of the output
+layer) with the Bradley-Terry loss. Stages are registered by name in :data:`STAGES`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mindspeed_llm.training.finetune_data import (
     PackSettings,
     check_finetune_data,
 )
+from mindspeed_llm.training.reward import RM_LOSS, attach_score_head, rm_loss_func
 from mindspeed_llm.training.steps import LM_LOSS, LossFunc, lm_loss
 
 logger = get_logger(__name__)
@@ -41,11 +43,14 @@ class Stage:
         name: the stage (``PretrainConfig.stage``).
         metric: the metric reported as ``loss``.
         needs_reference: builds a frozen reference model (DPO).
+        fresh_params: megatron names that keep their initialisation when the Hugging Face
+            directory the run starts from has none of their shape (the reward model's head).
     """
 
     name = ""
     metric = LM_LOSS
     needs_reference = False
+    fresh_params: tuple[str, ...] = ()
 
     def datasets(self, config: PretrainConfig, world_size: int, ids: Any) -> tuple[Any, Any]:
         """``(train, validation or None)``; collective."""
@@ -63,6 +68,9 @@ class Stage:
 
     def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
         """Work on a step's microbatches before the training pass (collective)."""
+
+    def adapt_model(self, models: list[Any], config: PretrainConfig) -> None:
+        """Change this rank's bare model chunks before their weights are loaded (and before LoRA and DDP)."""
 
 
 #: stage name -> :class:`Stage` subclass.
@@ -217,6 +225,27 @@ class DpoStage(_FinetuneStage):
 
     def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
         reference_logps(reference, batches)
+
+
+@STAGES.register("rm")
+class RewardModelStage(_FinetuneStage):
+    """Preference pairs; a scalar score head and the Bradley-Terry loss (an outcome reward model)."""
+
+    name = "rm"
+    pairwise = True
+    fresh_params = ("output_layer.weight",)
+
+    @property
+    def metric(self) -> str:  # type: ignore[override]
+        return RM_LOSS
+
+    def loss_fn(self, config: PretrainConfig, transform: Any = None) -> LossFunc:
+        if transform is not None:
+            raise ValueError("loss transforms apply to the language-model loss, not to rm")
+        return rm_loss_func(config.rm.margin, config.rm.center_rewards_coefficient)
+
+    def adapt_model(self, models: list[Any], config: PretrainConfig) -> None:
+        attach_score_head(models, config.model.init_method_std, config.train.seed)
 
 
 def get_stage(name: str) -> Stage:

@@ -26,7 +26,8 @@ LossTransform = Callable[[int, torch.Tensor], torch.Tensor]
 #: ``(batch, per-token losses) -> (loss sum, count, {metric: [sum, count]})``: what a stage
 #: trains on (megatron divides the sum by the count, or, with ``calculate_per_token_loss``,
 #: the gradients by the count summed over the whole step). Its ``metrics`` attribute names
-#: the metrics it reports.
+#: the metrics it reports; a true ``needs_logits`` attribute runs the model without labels (the
+#: loss gets its outputs: a reward model's scores).
 LossFunc = Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 #: The metric key of the language-model loss.
@@ -71,8 +72,10 @@ def _forward_step(
     loss_fn: LossFunc, data_iterator: Iterator[dict[str, Any]], model: Any
 ) -> tuple[torch.Tensor, Callable]:
     batch = next(data_iterator)
+    # A loss on the model's outputs (a reward model's scores) runs it without labels.
+    labels = None if getattr(loss_fn, "needs_logits", False) else batch["labels"]
     output = model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed_seq_params(batch)
+        batch["tokens"], batch["position_ids"], None, labels=labels, packed_seq_params=packed_seq_params(batch)
     )
     return output, partial(loss_fn, batch)
 
@@ -164,16 +167,37 @@ def evaluate(
         key: the metric to average.
         groups: the process groups (``model.default_groups()``; ``None``: read them here).
     """
+    return evaluate_metrics(chunks, steps, loss_fn, groups)[key]
+
+
+def evaluate_metrics(
+    chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: LossFunc | None = None, groups: Any = None
+) -> dict[str, tuple[float, int]]:
+    """Every metric of ``loss_fn`` averaged over several global batches of validation data (collective).
+
+    Args:
+        chunks: this rank's model chunks (put back in training mode afterwards).
+        steps: per global batch, this rank's microbatches.
+        loss_fn: the stage's loss (default: the language-model loss).
+        groups: the process groups (``model.default_groups()``; ``None``: read them here).
+
+    Returns:
+        metric -> ``(mean, count)``, each mean weighted by its per-batch count.
+    """
+    loss_fn = loss_fn or lm_loss()
+    sums: dict[str, list[float]] = {}
     for chunk in chunks:
         chunk.eval()
-    loss_sum, count = 0.0, 0
     try:
         with torch.no_grad():
             for batches in steps:
-                loss, n = run_schedule(chunks, batches, loss_fn or lm_loss(), forward_only=True, groups=groups)[key]
-                loss_sum += loss * n
-                count += n
+                for name, (value, n) in run_schedule(
+                    chunks, batches, loss_fn, forward_only=True, groups=groups
+                ).items():
+                    total = sums.setdefault(name, [0.0, 0])
+                    total[0] += value * n
+                    total[1] += n
     finally:
         for chunk in chunks:
             chunk.train()
-    return (loss_sum / count if count else float("nan")), count
+    return {name: ((s / n) if n else float("nan"), int(n)) for name, (s, n) in sums.items()}

@@ -2,7 +2,7 @@
 
 One loop serves pretraining, supervised fine-tuning and DPO; the recipe's ``stage`` picks the
 data, microbatches and loss (:mod:`mindspeed_llm.training.stages`). :func:`pretrain` runs on every rank of an initialised torch.distributed group (see
-:mod:`mindspeed_llm.training.launch`). It adapts megatron-core to the accelerator with the
+:mod:`mindspeed.launch`). It adapts megatron-core to the accelerator with the
 recipe's features (``mindspeed.megatron.adapt``), initialises megatron's parallel state, and
 undoes both on return, so several runs can follow each other in one process.
 """
@@ -72,7 +72,7 @@ from mindspeed_llm.training.optim import build_optimizer, build_scheduler, curre
 from mindspeed_llm.training.progress import RunReporter
 from mindspeed_llm.training.qlora import apply_qlora
 from mindspeed_llm.training.stages import get_stage
-from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate, run_schedule
+from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate_metrics, run_schedule
 
 logger = get_logger(__name__)
 
@@ -122,7 +122,7 @@ class TrainResult:
 
 
 def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:
-    """Train a GPT as ``config`` says (its ``stage``: pretrain, sft or dpo) on the current torch.distributed group.
+    """Train a GPT as ``config`` says (its ``stage``: pretrain, sft, dpo or rm) on the current torch.distributed group.
 
     Raises:
         ConfigError: the recipe does not fit the world size, the data or the checkpoint.
@@ -365,9 +365,16 @@ class Trainer:
         ck, lora = self.config.checkpoint, self.config.lora
         # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
         # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
+        self.stage.adapt_model(models, self.config)
         if ck.load_hf and not ck.load:
             load_hf_weights(
-                models, ck.load_hf, self.config.parallel, self.vocab, self.groups, self.config.model.noop_indices()
+                models,
+                ck.load_hf,
+                self.config.parallel,
+                self.vocab,
+                self.groups,
+                self.config.model.noop_indices(),
+                keep=self.stage.fresh_params,
             )
         if lora.enabled:
             settings = self.lora_settings()
@@ -625,8 +632,10 @@ class Trainer:
         for batches in steps:
             self.stage.prepare(self.reference, batches)
         with fast_path():
-            loss, tokens = evaluate(self.chunks, steps, self._loss_fn(), self.stage.metric, self.groups)
+            values = evaluate_metrics(self.chunks, steps, self._loss_fn(), self.groups)
+        loss, tokens = values[self.stage.metric]
         record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
+        record.update({name: value for name, (value, _) in values.items() if name not in (LM_LOSS, self.stage.metric)})
         if self.stage.metric == LM_LOSS:
             record["perplexity"] = math.exp(min(loss, 50.0)) if math.isfinite(loss) else loss
         metrics.write(record)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from mindspeed.checkpointing.atomic import atomic_directory, copy_assets, parse_size
+from mindspeed.checkpointing.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.checkpoint.convert import atomic_directory, copy_assets, parse_size
-from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE, ConvertConfig
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
 from mindspeed_mm.convert.diffusers_lora import read_diffusers_lora, write_diffusers_lora

@@ -3,7 +3,7 @@
 Every file is read and checked before the model is loaded. Multiple-choice items are scored by
 answer likelihood (default) or by generation; short-answer items by the normalized exact match
 of a greedy reply (:mod:`mindspeed_mm.evaluation.scoring`). The result of a file is a
-:class:`mindspeed_llm.evaluation.tasks.TaskResult`: ``acc`` over its items (``exact_match``
+:class:`mindspeed.metrics.report.TaskResult`: ``acc`` over its items (``exact_match``
 when it holds only short-answer items), ``acc_multiple_choice`` / ``exact_match`` when it holds
 both, and per-category accuracy in ``groups``.
 """
@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
+from mindspeed.metrics.report import TaskResult, build_report, write_json
 from mindspeed.progress import StatusProgress
-from mindspeed_llm.evaluation.report import build_report, write_json
-from mindspeed_llm.evaluation.tasks import TaskResult
 from mindspeed_mm.data.video import VideoSettings
 from mindspeed_mm.evaluation.config import EvaluateConfig
 from mindspeed_mm.evaluation.data import VQAItem, read_vqa_file

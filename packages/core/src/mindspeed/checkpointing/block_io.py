@@ -1,4 +1,5 @@
-"""Write a tensor given as views (:class:`~mindspeed_llm.bridges.blocks.Blocks`) to a file offset.
+"""Tensor bytes at file offsets: write a tensor given as views (:class:`~mindspeed.checkpointing.blocks.Blocks`),
+map a byte range of a file as a tensor (:func:`map_file_range`).
 
 Every byte goes to the file with ``pwritev`` straight from where it lies: the kernel copies it
 once, from the source's page cache (through the source's mapping) into the output's. A contiguous
@@ -11,11 +12,13 @@ resident, never a fresh allocation per tensor.
 
 from __future__ import annotations
 
+import mmap
 import os
+from pathlib import Path
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
+from mindspeed.checkpointing.blocks import Blocks
 
 #: Bytes of the gather buffer (rows are gathered in batches of at most this size; a single row
 #: larger than it gets a buffer of its own size).
@@ -28,6 +31,28 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CALL_BYTES = 1 << 30
 
 _scratch: torch.Tensor | None = None
+
+
+def map_file_range(path: str | Path, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` of ``path`` from ``offset`` as a 1-D ``dtype`` tensor backed by a private file mapping.
+
+    Reading through the page cache's own pages saves a copy and the page faults of a fresh
+    buffer; the mapping lives as long as the tensor (or a view of it) and is unmapped with it,
+    so resident memory stays the tensors in flight, not the files read.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Copy-on-write: the tensor is writable (no warning) without ever writing to the file.
+        mapping = mmap.mmap(fd, offset - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
+    if (offset - start) % dtype.itemsize:
+        raw = raw.clone()  # misaligned for the element type: one aligned copy
+    return raw.view(dtype)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_llm.bridges.blocks import Blocks
-from mindspeed_llm.checkpoint.block_io import write_blocks
-from mindspeed_llm.checkpoint.torch_files import map_file_range
+from mindspeed.checkpointing.block_io import map_file_range, write_blocks
+from mindspeed.checkpointing.blocks import Blocks
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -227,7 +226,7 @@ class SafetensorsShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor | Blocks) -> bool:
         """Write one planned tensor (or the views it is made of, see
-        :func:`~mindspeed_llm.checkpoint.block_io.write_blocks`); returns True when this
+        :func:`~mindspeed.checkpointing.block_io.write_blocks`); returns True when this
         completed (and closed) its shard.
 
         Raises:

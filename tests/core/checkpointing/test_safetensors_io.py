@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mindspeed_llm.checkpoint.safetensors_io import HFCheckpoint, SafetensorsShardWriter
+from mindspeed.checkpointing.safetensors_io import HFCheckpoint, SafetensorsShardWriter
 
 
 def test_writer_output_loads_with_safetensors(tmp_path) -> None:

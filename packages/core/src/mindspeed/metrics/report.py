@@ -1,14 +1,45 @@
-"""The evaluation report: a plain-text table for the terminal and a JSON file for tools."""
+"""The evaluation report: the scores of a task, a plain-text table for the terminal and a JSON file for tools."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-from mindspeed_llm.evaluation.tasks import TaskResult
+
+@dataclasses.dataclass
+class TaskResult:
+    """The scores of one task.
+
+    Attributes:
+        task: the task name.
+        metric: name of the headline metric.
+        value: its value.
+        n: number of scored items (tokens for perplexity).
+        metrics: every metric of the task, the headline included.
+        groups: per-group metrics (MMLU subjects: ``{"acc": ..., "n": ...}``).
+        samples: one record per item (prompt index, prediction, target, correct ...).
+        settings: the task settings that shaped the scores (shots, data path, window ...).
+    """
+
+    task: str
+    metric: str
+    value: float
+    n: int
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    groups: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self, with_samples: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict; per-item samples only when asked for."""
+        out = dataclasses.asdict(self)
+        if not with_samples:
+            out.pop("samples")
+        return out
 
 
 def table_rows(results: list[TaskResult]) -> list[tuple[str, str, str, str]]:
