@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from mindspeed_llm.checkpoint.convert import ConvertConfig, convert_checkpoint
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
@@ -90,5 +91,7 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path) -> None:
         )
     )
     torch.save({"config": {}}, tmp_path / "iter_0000005" / "common.pt")
+    # A real DCP .metadata (checked before megatron reads the directory: docs/reliability.md, Trust).
+    dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(tmp_path / "iter_0000005"), no_dist=True)
     with pytest.raises(ValueError, match="records no model args.*checkpoint.save_hf"):
         InferenceEngine.from_pretrained(tmp_path)
