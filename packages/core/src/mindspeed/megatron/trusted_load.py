@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import megatron.core  # noqa: F401  (on import it adds the classes common.pt holds to torch's allow-list)
-
 from mindspeed.checkpointing.trust import SafeFileSystemReader, check_dcp_checkpoint, weights_only_loads
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
@@ -28,6 +26,13 @@ from mindspeed.patching import PatchSet, UpstreamPatch
 
 #: megatron-core's file of the checkpoint's common (non-sharded) state.
 COMMON_FILE = "common.pt"
+
+
+def _register_megatron_classes() -> None:
+    # Imported here, not at module import: megatron-core's import prints warnings (no Apex, no
+    # CUDA) that a CLI shows only after its console is set up. On import it adds the classes
+    # common.pt holds to torch's weights-only allow-list.
+    import megatron.core  # noqa: F401
 
 
 def _safe_reader(original: Any, accelerator: Any) -> Any:
@@ -53,6 +58,7 @@ def safe_reader_patch() -> UpstreamPatch:
 @contextlib.contextmanager
 def trusted_dist_loads() -> Iterator[None]:
     """megatron-core loads inside read ``.metadata`` safely and ``torch.load`` weights-only."""
+    _register_megatron_classes()
     patches = PatchSet([safe_reader_patch()])
     patches.apply(get_accelerator())
     try:
@@ -69,4 +75,5 @@ def check_dist_checkpoint(directory: str | Path) -> None:
         UntrustedFileError: a file holds something loading it would execute.
         ConfigError: ``.metadata`` is missing or damaged.
     """
+    _register_megatron_classes()
     check_dcp_checkpoint(directory, common=COMMON_FILE)
