@@ -56,6 +56,9 @@ def first_nonfinite(named: Iterable[tuple[str, Any]]) -> str | None:
     tensors = [
         (name, _local(t)) for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
     ]
+    # A tensor whose storage is released holds nothing to check (reuse_fp32_param frees the fp32
+    # masters between steps: their bf16 weights and remainders are the state then); reading it crashes.
+    tensors = [(name, t) for name, t in tensors if t.untyped_storage().nbytes() > 0]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, t in tensors:
         by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
