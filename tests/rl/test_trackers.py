@@ -26,7 +26,7 @@ class _Runner:
     """Stands in for :class:`mindspeed_rl.runner.GRPORunner`: two steps, the second evaluated."""
 
     def __init__(self, config) -> None:
-        self.config, self.stopped = config, None
+        self.config, self.stopped, self.failed = config, None, None
         self.ctx = SimpleNamespace(step=0, eval_samples=[])
 
     def run(self, on_step, preemption=None) -> list[dict]:
