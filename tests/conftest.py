@@ -13,3 +13,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, device in (("gpu", "cuda"), ("npu", "npu")):
             if item.get_closest_marker(marker) is not None and device not in present:
                 item.add_marker(pytest.mark.skip(reason=f"needs a {device} device"))
+
+
+@pytest.fixture(autouse=True)
+def _quiet_console_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with a console that is not verbose, and leaves none behind.
+
+    ``--verbose`` sets ``MINDSPEED_VERBOSE=1`` in the process so that the ranks it spawns see it;
+    a test that parses it in-process would otherwise make every later test (and the commands they
+    run as subprocesses) print the detail, and the one-line-error checks fail by order.
+    """
+    monkeypatch.delenv("MINDSPEED_VERBOSE", raising=False)

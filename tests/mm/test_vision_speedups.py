@@ -77,7 +77,10 @@ def test_vision_tower_in_one_varlen_call_equals_window_by_window(fixture, reques
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5, msg=name)
+        # The summation order differs (one varlen call against window by window): the tolerance is relative to
+        # each gradient's own scale, so sums of many terms that nearly cancel are not held to 1e-5 absolute.
+        scale = 0.0 if grads[1][name] is None else float(grads[1][name].abs().max())
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-4 * scale + 1e-7, msg=name)
 
     # The name is the loaded model's, never the checkpoint's: an export keeps transformers' defaults.
     ours.save_pretrained(tmp_path)

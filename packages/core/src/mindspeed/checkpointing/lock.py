@@ -269,8 +269,15 @@ def _read_fd(fd: int) -> str:
 
 
 def _write_fd(fd: int, holder: LockHolder) -> None:
+    # The holder's details only name the run to another that finds the lock taken: on a full disk the
+    # lock is held without them (that run then names "another process"), and the run goes on to
+    # fail, if it must, at its first save, with that save's one-line error.
     os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(asdict(holder)) + "\n").encode(), 0)
+    try:
+        os.pwrite(fd, (json.dumps(asdict(holder)) + "\n").encode(), 0)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 def _read_holder(path: Path, wait_s: float = 0.5) -> LockHolder | None:
