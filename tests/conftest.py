@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mindspeed.device import available_accelerators
+from tests.golden import UPDATE_ENV
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="record the golden losses of the tests run (tests/golden/) instead of comparing them",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--update-golden"):
+        os.environ[UPDATE_ENV] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

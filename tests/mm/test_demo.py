@@ -14,6 +14,7 @@ import pytest
 
 from mindspeed_mm.cli import main
 from mindspeed_mm.demo import choice_accuracy, demo_paths
+from tests.golden import check_golden, first_steps
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "vlm_tiny_cpu.yaml"
 
@@ -40,6 +41,7 @@ def test_demo_recipe_learns_colours(tmp_path) -> None:
     print(f"held-out accuracy before {before}, after training {after} (chance: colour 0.25, shape 0.33)")
     assert before["colour"] < 0.5 and after["colour"] >= 0.8
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "metrics.jsonl").is_file()
+    check_golden("mm_vlm_demo", first_steps(tmp_path / "metrics.jsonl", 10))
 
     scores = {}
     for name, load in (

@@ -18,6 +18,7 @@ import pytest
 
 from mindspeed_mm.cli import main
 from mindspeed_mm.diffusion.demo import caption_losses, demo_paths, sample_heldout, score_videos
+from tests.golden import check_golden, first_steps
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_tiny_cpu.yaml"
 
@@ -41,6 +42,7 @@ def test_t2v_demo_learns_colours(tmp_path) -> None:
         )
         == 0
     )
+    check_golden("mm_t2v_demo", first_steps(tmp_path / "metrics.jsonl", 10))
     after = score_videos(*sample_heldout(tmp_path / "hf", seeds=2, steps=10))
     print(f"held-out colour / direction before {before}, after training {after} (chance 0.25)")
     # measured: colour 0.125 before, 1.0 after (16 of 16); direction 0.25 before, 0.31 after: not learned

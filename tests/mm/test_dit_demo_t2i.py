@@ -16,6 +16,7 @@ import pytest
 
 from mindspeed_mm.cli import main
 from mindspeed_mm.diffusion.demo_t2i import sample_t2i_heldout, score_images, t2i_paths
+from tests.golden import check_golden, first_steps
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
 
@@ -26,6 +27,7 @@ def test_t2i_demo_learns_colours_and_positions(tmp_path) -> None:
     before = score_images(*sample_t2i_heldout(paths["transformer"], seeds=2, steps=10))
     overrides = [f"checkpoint.save={tmp_path}", f"logging.dir={tmp_path}", f"checkpoint.save_hf={tmp_path / 'hf'}"]
     assert main(["train", "--config", str(RECIPE), *overrides, "logging.progress=false"]) == 0
+    check_golden("mm_t2i_demo", first_steps(tmp_path / "metrics.jsonl", 10))
     after = score_images(*sample_t2i_heldout(tmp_path / "hf", seeds=2, steps=10))
     print(f"held-out colour / position before {before}, after training {after} (chance 0.25)")
     # measured: 0.25 / 0.25 before, 0.625 / 0.6875 after (10 of 16, 11 of 16; with 4 seeds 0.625 / 0.625)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.testing.distributed import run_distributed
+from tests.golden import check_golden
 from tests.llm.training.finetune_data import make_samples, write_instruction, write_pairwise
 
 SEQ, MBS, GBS, BETA, SMOOTH = 32, 2, 4, 0.5, 0.1
@@ -224,6 +225,7 @@ def test_first_dpo_loss_equals_trl_formula(setup: dict[str, Any]) -> None:
     assert first["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert first["rewards/accuracies"] == pytest.approx(sum(wins) / len(wins))
     assert abs(first["loss"] - math.log(2)) > 1e-3, "policy and reference agree: the test proves little"
+    check_golden("llm_dpo", {"loss": [r["loss"] for r in setup["runs"]["dpo"]["records"]]}, threads=1)
 
 
 @pytest.mark.distributed
@@ -237,6 +239,7 @@ def test_lora_trains_only_adapters_and_exports_to_peft_and_merged(setup: dict[st
     (evaluation,) = run["evals"]
     # The first step starts from the base model (B = 0): the loss is the full model's.
     assert run["records"][0]["loss"] == pytest.approx(setup["runs"]["tp2"]["records"][0]["loss"], rel=1e-6)
+    check_golden("llm_sft_lora", {"loss": [r["loss"] for r in run["records"]]}, threads=1)
     peft_model = PeftModel.from_pretrained(_hf(root / "hf"), root / "peft").eval()
     merged = _hf(root / "merged")
     assert _sft_loss(peft_model, rows) == pytest.approx(evaluation["loss"], rel=1e-5)

@@ -15,6 +15,7 @@ from mindspeed.metrics.log import read_metrics
 from mindspeed_llm.training.checkpoint import list_checkpoints
 from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.quickstart import TINY_CPU_RECIPE
+from tests.golden import DEFAULT_THREADS, check_golden
 from tests.llm.training.datasets import write_indexed_dataset
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,6 +68,7 @@ def test_quickstart_trains_on_the_demo_corpus_and_the_loss_falls(tmp_path: Path)
     train = [r["loss"] for r in records if r["kind"] == "train"]
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert len(train) == 30 and len(evals) == 2
+    check_golden("llm_quickstart", {"loss": train[:10]}, threads=DEFAULT_THREADS)  # the command's own threads
     assert sum(train[-5:]) / 5 < sum(train[:5]) / 5 - 1.5, f"the loss did not fall: {train}"
     assert evals[1] < evals[0]
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["iter_0000030"]
