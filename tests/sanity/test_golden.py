@@ -15,6 +15,7 @@ import tests.golden as golden
 from tests.golden import GoldenWarning, check_golden, first_steps, golden_key
 
 ROOT = Path(__file__).resolve().parents[2]
+DEMO, OTHER = "demo", "other"  # names held in variables: tools/golden.py finds carriers by a literal name
 
 
 def _tool():
@@ -30,30 +31,30 @@ def test_bit_exact_tolerant_and_missing(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/x/test_y.py::test_z (call)")
     losses = {"loss": [2.5, 2.25, 2.125], "reward_mean": [0.0, 0.5, 1.0]}
     with pytest.raises(AssertionError, match="no golden file for 'demo'.*--update-golden tests/x/test_y.py"):
-        check_golden("demo", losses, threads=2)
+        check_golden(DEMO, losses, threads=2)
     monkeypatch.setenv(golden.UPDATE_ENV, "1")
     with pytest.warns(GoldenWarning, match="recorded"):
-        check_golden("demo", losses, threads=2)
+        check_golden(DEMO, losses, threads=2)
     monkeypatch.delenv(golden.UPDATE_ENV)
     recorded = json.loads((tmp_path / "demo" / f"{golden_key()['key']}.json").read_text())
     assert recorded["series"] == losses and recorded["threads"] == 2
-    check_golden("demo", losses, threads=2)  # the same numbers: passes, silently
+    check_golden(DEMO, losses, threads=2)  # the same numbers: passes, silently
     one_ulp = {**losses, "loss": [2.5, 2.25000000000000044, 2.125]}
     message = "differs .* bit for bit: first difference at step 2: loss 2.2500000000000004 != golden 2.25; .*tools/golden.py --update demo"
     with pytest.raises(AssertionError, match=message):
-        check_golden("demo", one_ulp, threads=2)
+        check_golden(DEMO, one_ulp, threads=2)
     with pytest.raises(AssertionError, match="loss: 2 steps != golden 3"):
-        check_golden("demo", {**losses, "loss": [2.5, 2.25]}, threads=2)
+        check_golden(DEMO, {**losses, "loss": [2.5, 2.25]}, threads=2)
     # Another thread count (or ISA, or torch): the nearest file at rel 1e-4, with a warning.
     with pytest.warns(GoldenWarning, match="no bit-exact file .* with 1 threads; matched .* at rel 0.0001"):
-        check_golden("demo", one_ulp, threads=1)
+        check_golden(DEMO, one_ulp, threads=1)
     with pytest.raises(AssertionError, match="at rel 0.0001: first difference at step 3: loss 2.126"):
-        check_golden("demo", {**losses, "loss": [2.5, 2.25, 2.126]}, threads=1)
+        check_golden(DEMO, {**losses, "loss": [2.5, 2.25, 2.126]}, threads=1)
     other = {**recorded, "device": "elsewhere", "key": "elsewhere-X-torch0"}
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "elsewhere-X-torch0.json").write_text(json.dumps(other))
     with pytest.warns(GoldenWarning, match="no file for device"):
-        check_golden("other", losses, threads=2)
+        check_golden(OTHER, losses, threads=2)
 
 
 def test_first_steps_reads_the_training_records(tmp_path: Path) -> None:
