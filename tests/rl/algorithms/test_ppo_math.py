@@ -190,7 +190,7 @@ def test_clipped_value_loss_equals_the_formula_elementwise() -> None:
     vpreds = _garbage(vpreds, mask, 12).requires_grad_(True)
     clip = 0.5
     out = compute_value_loss("clipped", ValueLossInputs(vpreds, values, returns, mask), cliprange_value=clip)
-    loss_want, frac_want, vmean_want = _value_loss_loop(vpreds.tolist(), values.tolist(), returns.tolist(), clip)
+    loss_want, frac_want, vmean_want = _value_loss_loop(vpreds.detach().tolist(), values.tolist(), returns.tolist(), clip)
     assert float(out.loss.detach()) == pytest.approx(loss_want, rel=1e-12)
     assert out.metrics["vf_loss"] == pytest.approx(loss_want, rel=1e-12)
     assert out.metrics["vf_clipfrac"] == pytest.approx(frac_want, rel=1e-12) and 0 < frac_want < 1
@@ -201,7 +201,7 @@ def test_clipped_value_loss_equals_the_formula_elementwise() -> None:
     count = sum(LENGTHS)
     for i, n in enumerate(LENGTHS):
         for t in range(n):
-            v, old, g = float(vpreds[i, t]), float(values[i, t]), float(returns[i, t])
+            v, old, g = float(vpreds[i, t].detach()), float(values[i, t]), float(returns[i, t])
             vc = min(max(v, old - clip), old + clip)
             want = (v - g) / count if (v - g) ** 2 >= (vc - g) ** 2 or vc == v else 0.0
             assert float(vpreds.grad[i, t]) == pytest.approx(want, rel=1e-12, abs=1e-15)

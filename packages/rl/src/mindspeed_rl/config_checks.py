@@ -14,10 +14,12 @@ from pathlib import Path
 from mindspeed.checkpointing.schedule import check_scheduler_flags
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
+from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES
 from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
+from mindspeed_rl.ppo_checks import check_gae_keys
 from mindspeed_rl.rewards.base import build_reward
 from mindspeed_rl.sections import AlgorithmConfig, RecipeSections
 
@@ -148,7 +150,7 @@ def _check_rollout(config: RecipeSections) -> None:
             f"rollout.stop={r.stop!r}: stop strings are not supported by the rollout engines yet; "
             "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop"
         )
-    if r.n < 2:
+    if r.n < 2 and config.algorithm.advantage not in VALUE_ADVANTAGES:  # GAE's baseline is the critic
         raise ConfigError(
             f"rollout.n={r.n}: group-relative advantages compare several responses per prompt; "
             "set rollout.n >= 2 (e.g. 8)"
@@ -175,7 +177,7 @@ def _check_kl_in_reward(al: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.norm_length={al.norm_length} must be a positive number of tokens")
     if not al.use_kl_in_reward:
         return
-    if al.advantage not in TOKEN_ADVANTAGES:
+    if al.advantage not in TOKEN_ADVANTAGES and al.advantage not in VALUE_ADVANTAGES:
         raise ConfigError(
             f"algorithm.use_kl_in_reward needs a token-level advantage (one of "
             f"{', '.join(map(str, TOKEN_ADVANTAGES.keys()))}), not {al.advantage!r}; set algorithm.advantage "
@@ -197,9 +199,10 @@ def _check_kl_in_reward(al: AlgorithmConfig) -> None:
 
 def _check_algorithm(config: RecipeSections) -> None:
     al, r = config.algorithm, config.rollout
-    if al.advantage not in ADVANTAGES and al.advantage not in TOKEN_ADVANTAGES:
-        known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys()]
+    known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys(), *VALUE_ADVANTAGES.keys()]
+    if al.advantage not in known:
         raise ConfigError(f"algorithm.advantage={al.advantage!r}; use one of {', '.join(map(str, known))}")
+    check_gae_keys(al, has_critic=getattr(config, "critic", None) is not None)
     _check_kl_in_reward(al)
     if al.loss not in POLICY_LOSSES:
         raise ConfigError(f"algorithm.loss={al.loss!r}; use one of {', '.join(map(str, POLICY_LOSSES.keys()))}")

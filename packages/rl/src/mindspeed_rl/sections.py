@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 from mindspeed.features import FeaturesConfig
 from mindspeed.metrics.config import LoggingConfig as CoreLoggingConfig
 from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
+from mindspeed_rl.ppo_sections import KLControlConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = (
@@ -163,7 +164,9 @@ class AlgorithmConfig:
         advantage: a key of ``ADVANTAGES`` (``grpo``, ``grpo_no_std``, ``rloo``) or of
             ``TOKEN_ADVANTAGES`` (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``).
         adv_eps: added to the group std of ``grpo``.
-        gamma: discount of the REINFORCE++ returns (1: the plain sum of the rewards to come).
+        gamma: discount of the REINFORCE++ and GAE returns (1: the plain sum of the rewards to come).
+        lam: GAE's lambda (``advantage: gae``, PPO with a critic; 1: Monte Carlo, 0: one-step TD).
+        kl_ctrl: PPO's KL-in-reward coefficient, fixed or adaptive (:class:`~mindspeed_rl.ppo_sections.KLControlConfig`).
         use_kl_in_reward: fold ``-kl_in_reward_coef * kl(policy, reference)`` into the per-token
             reward (REINFORCE++, verl's ``use_kl_in_reward``) instead of a KL term in the loss;
             the loss's ``kl_coef`` then defaults to 0, and setting it > 0 as well is an error.
@@ -184,6 +187,8 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     gamma: float = 1.0
+    lam: float = 1.0
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_kl_in_reward: bool = False
     kl_in_reward_coef: float = 0.001
     kl_in_reward_estimator: str = "k1"
