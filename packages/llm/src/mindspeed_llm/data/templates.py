@@ -98,6 +98,8 @@ _CHATML = dict(
     separator="\n",
     add_eos=False,
 )
+# GSM8K's plain format, the RL demo's ``data.prompt_template``: ``<s>Question: ...\nAnswer:<reply></s>``.
+PROMPT_TYPES.register("question_answer", PromptTemplate(user="Question: {content}\nAnswer:", add_bos=True))
 PROMPT_TYPES.register("chatml", PromptTemplate(**_CHATML))
 PROMPT_TYPES.register("qwen", PromptTemplate(**_CHATML, default_system="You are a helpful assistant."))
 PROMPT_TYPES.register(
