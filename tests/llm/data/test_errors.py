@@ -242,9 +242,9 @@ def test_a_pair_whose_answers_tokenize_the_same_is_refused(tmp_path, tok_dir) ->
     with pytest.raises(ValueError, match=r"in.jsonl:1: chosen and rejected give the same tokens .*--prompt-type"):
         preprocess_data(config)
     assert_nothing_written(tmp_path / "out")
-    config.prompt_type = "question_answer"  # <s>Question: ...\nAnswer:<reply></s>
+    config.prompt_type = "question_answer"  # <s>Question: ...\nAnswer:<reply>
     preprocess_data(config)
     chosen, rejected = (
         read_dataset(f"{config.output_prefix}_packed_{k}_input_ids_document")[0] for k in ("chosen", "rejected")
     )
-    assert list(chosen[:-2]) == list(rejected[:-2]) and list(chosen) != list(rejected)  # the same prompt, not reply
+    assert list(chosen[:-1]) == list(rejected[:-1]) and chosen[-1] != rejected[-1]  # the same prompt, not reply
