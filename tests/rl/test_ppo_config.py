@@ -38,6 +38,12 @@ def test_ppo_recipe_loads_and_checks(recipe) -> None:
     fixed = load_ppo_config(recipe, ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=null"])
     assert type(fixed.reward_kl_controller()).__name__ == "KLController"
     assert fixed.reward_kl_controller().value == fixed.algorithm.kl_in_reward_coef
+    assert config.needs_reference()
+    # kl_ctrl.kl_coef decides the KL in the reward, whatever kl_in_reward_coef says.
+    assert load_ppo_config(recipe, ["algorithm.kl_in_reward_coef=0"]).needs_reference()
+    assert not load_ppo_config(
+        recipe, ["algorithm.kl_ctrl.kl_coef=0", "algorithm.kl_in_reward_coef=0"]
+    ).needs_reference()
     defaults = PPOConfig()
     assert defaults.algorithm.advantage == "gae" and defaults.critic.cliprange_value == 0.5
     assert (defaults.algorithm.kl_ctrl.target_kl, defaults.algorithm.kl_ctrl.horizon) == (0.1, 10000)  # verl's

@@ -40,6 +40,11 @@ class PPOConfig(GRPOConfig):
         super().check(num_devices)
         check_critic(self.critic, self.train)
 
+    def needs_reference(self) -> bool:
+        """A KL in the loss, or in the reward with a positive starting coefficient (``kl_ctrl.kl_coef`` too)."""
+        al = self.algorithm
+        return super().needs_reference() or (al.use_kl_in_reward and self.reward_kl_controller().value > 0)
+
     def reward_kl_controller(self) -> KLController:
         """The controller of the KL folded into the reward (``algorithm.kl_ctrl``)."""
         return build_reward_kl_controller(self.algorithm)
