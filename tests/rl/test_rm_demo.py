@@ -23,7 +23,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "llm" / "rm_tiny_cpu
 
 @pytest.mark.slow
 @pytest.mark.skip(
-    reason="issue 26 item 5b: the recipe reaches 0.56-0.59 held-out accuracy by step 100, not 0.9 yet "
+    reason="issue 26 item 5b: the recipe reaches 0.59 held-out accuracy (steps 100-200), not 0.9 yet "
     "(docs/llm/reward-model.md, Demo); unskip when it does"
 )
 def test_reward_model_demo_scores_right_sums_above_wrong(tmp_path: Path, demo_policy_cache: Path) -> None:
