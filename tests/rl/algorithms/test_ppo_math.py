@@ -190,7 +190,9 @@ def test_clipped_value_loss_equals_the_formula_elementwise() -> None:
     vpreds = _garbage(vpreds, mask, 12).requires_grad_(True)
     clip = 0.5
     out = compute_value_loss("clipped", ValueLossInputs(vpreds, values, returns, mask), cliprange_value=clip)
-    loss_want, frac_want, vmean_want = _value_loss_loop(vpreds.detach().tolist(), values.tolist(), returns.tolist(), clip)
+    loss_want, frac_want, vmean_want = _value_loss_loop(
+        vpreds.detach().tolist(), values.tolist(), returns.tolist(), clip
+    )
     assert float(out.loss.detach()) == pytest.approx(loss_want, rel=1e-12)
     assert out.metrics["vf_loss"] == pytest.approx(loss_want, rel=1e-12)
     assert out.metrics["vf_clipfrac"] == pytest.approx(frac_want, rel=1e-12) and 0 < frac_want < 1
