@@ -82,7 +82,7 @@ def test_long_video_recipe_validates(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 
     from mindspeed_mm.data.features import FeatureSet
-    from mindspeed_mm.demo import resolve_demo
+    from mindspeed_mm.demos.vlm import resolve_demo
     from mindspeed_mm.diffusion import demo_long
 
     monkeypatch.setattr(demo_long, "DEFAULT_CACHE_DIR", tmp_path)

@@ -50,7 +50,7 @@ import _child  # tools/bench/_child.py: the script's folder is on sys.path
 from _child import memory_status
 from sft import StepClock
 
-from mindspeed_mm.diffusion.demo_long import LONG_SHAPE, LONG_TEXT_LEN, LONG_WAN, write_random_features
+from mindspeed_mm.demos.t2v_long import LONG_SHAPE, LONG_TEXT_LEN, LONG_WAN, write_random_features
 
 WAN = "WanTransformer3DModel"
 #: The benchmark's Wan: the long-video demo's (examples/mm/t2v_long_sp2.yaml): 8 heads of 32 (hidden 256),

@@ -12,8 +12,8 @@
   was trained from, whose config builds the model; the checkpoint's tensors must match it exactly
   (a LoRA run's factors are merged into ``base_dir``'s weights; a ``train.ema`` run's gives its
   moving averages);
-- a demo name (:data:`mindspeed_mm.diffusion.demos.DEMOS`), resolved by ``generate`` before it calls this module
-  (:func:`mindspeed_mm.diffusion.demos.resolve_demo_dir`): the embedded demo's untrained pipeline.
+- a demo name (:data:`mindspeed_mm.demos.names.DEMOS`), resolved by ``generate`` before it calls this module
+  (:func:`mindspeed_mm.demos.names.resolve_demo_dir`): the embedded demo's untrained pipeline.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def is_dit_source(load_dir: str | Path, base_dir: str | Path | None = None) -> b
 
 
 def _resolve(path: str | Path) -> Path:
-    # Demo names (mindspeed_mm.diffusion.demos.DEMOS) are resolved by the caller: the demo builds on this module.
+    # Demo names (mindspeed_mm.demos.names.DEMOS) are resolved by the caller: the demo builds on this module.
     return Path(path)
 
 
