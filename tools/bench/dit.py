@@ -73,7 +73,6 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_mm.data.buckets import BucketOrder
     from mindspeed_mm.data.features import FeatureSet
     from mindspeed_mm.diffusion import FlowMatching
-    from mindspeed_mm.models import wan  # noqa: F401  (registers the family)
     from mindspeed_mm.models.dit import write_tiny_dit
 
     work = Path(spec["workdir"])

@@ -31,7 +31,6 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.convert.dcp_io import DCPModel
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, dit_family_of, load_dit
 from mindspeed_mm.models.lora import (
     ADAPTER_CONFIG,
