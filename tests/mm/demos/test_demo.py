@@ -15,7 +15,7 @@ import pytest
 from mindspeed_mm.cli import main
 from mindspeed_mm.demos.vlm import choice_accuracy, demo_paths
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "vlm_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "vlm_tiny_cpu.yaml"
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 from mindspeed_mm.cli import main
 from mindspeed_mm.demos.t2v import caption_losses, demo_paths, sample_heldout, score_videos
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "t2v_tiny_cpu.yaml"
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 from mindspeed_mm.cli import main
 from mindspeed_mm.demos.t2i import sample_t2i_heldout, score_images, t2i_paths
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
 
 
 @pytest.mark.slow
