@@ -19,10 +19,10 @@ The pipeline is written in code, once, into ``runs/mm-demo/t2v-v*/pipeline`` (di
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler`` (shift 1: the clips are small).
 
 The feature cache of the training clips (``runs/mm-demo/t2v-v*/features``) is extracted with the
-suite's encoders (:mod:`mindspeed_mm.diffusion.encoders`). ``model.path: demo-t2v`` and
+suite's encoders (:mod:`mindspeed_mm.models.encoders`). ``model.path: demo-t2v`` and
 ``data.features: demo-t2v`` in a recipe stand for them, ``--load-dir demo-t2v`` /
 ``--pipeline-dir demo-t2v`` / ``--prompts-file demo-t2v`` (the held-out captions) for ``generate``
-(:mod:`mindspeed_mm.diffusion.demos`).
+(:mod:`mindspeed_mm.demos.names`).
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def write_demo_pipeline(directory: str | Path, seed: int = 0) -> Path:
 def write_demo_features(pipeline: str | Path, directory: str | Path, seed: int = 0) -> Path:
     """Draw the training clips (every combination but the held-out ones) and cache their features."""
     from mindspeed_mm.data.features import write_features
-    from mindspeed_mm.diffusion.encoders import encode_latents, encode_umt5
-    from mindspeed_mm.diffusion.pipeline import load_parts
+    from mindspeed_mm.inference.dit_pipeline import load_parts
+    from mindspeed_mm.models.encoders import encode_latents, encode_umt5
     from mindspeed_mm.models.wan import WAN
 
     parts = load_parts(Path(pipeline), WAN, torch.device("cpu"), torch.float32)
@@ -260,8 +260,8 @@ def sample_heldout(
 ) -> tuple[torch.Tensor, list[str]]:
     """Videos ``[N, F, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
     the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
 
     pipeline = demo_paths()["pipeline"]
     loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)
@@ -303,8 +303,8 @@ def caption_losses(
         ``{"sigmas", "true", "direction", "colour", "empty", "shuffled"}``: the mean squared error to
         ``noise - x0`` per sigma.
     """
-    from mindspeed_mm.diffusion.encoders import encode_latents
-    from mindspeed_mm.diffusion.pipeline import load_dit_pipeline
+    from mindspeed_mm.inference.dit_pipeline import load_dit_pipeline
+    from mindspeed_mm.models.encoders import encode_latents
 
     pipeline = demo_paths()["pipeline"]
     loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)

@@ -4,7 +4,7 @@
 coloured-shape clips; the 8 held-out combinations of colour, shape and direction (never trained
 on) are sampled from the untrained and the trained model with the same seeds, and the dominant
 colour of each sample is compared with its caption (chance 1/4); the motion is not learned yet. Why:
-:func:`~mindspeed_mm.diffusion.demo.caption_losses` shows the trained model's loss rising with a wrong colour
+:func:`~mindspeed_mm.demos.t2v.caption_losses` shows the trained model's loss rising with a wrong colour
 word but not with the opposite direction word, nor with the frames shuffled (it has not learned to relate the
 frames, and a direction exists only between frames). ``mindspeed-mm generate`` then writes the contact sheet of
 the trained model from its DCP checkpoint.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from mindspeed_mm.cli import main
-from mindspeed_mm.diffusion.demo import caption_losses, demo_paths, sample_heldout, score_videos
+from mindspeed_mm.demos.t2v import caption_losses, demo_paths, sample_heldout, score_videos
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "t2v_tiny_cpu.yaml"
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mindspeed_mm.cli import main
-from mindspeed_mm.diffusion.demo import write_demo_pipeline
+from mindspeed_mm.demos.t2v import write_demo_pipeline
 from mindspeed_mm.diffusion.media import mp4_available
 
 FLAGS = [
@@ -54,8 +54,8 @@ def _gif_frames(path) -> np.ndarray:
 
 
 def test_generate_dit_files_seeds_and_sources(tmp_path, capsys) -> None:
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.diffusion.sampler import SAMPLERS, build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
 
     pipe = write_demo_pipeline(tmp_path / "pipe")
     assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "a"), *FLAGS]) == 0
@@ -194,10 +194,10 @@ def test_generate_flux_images_and_contact_sheet(tmp_path) -> None:
     the library sampler run by hand (pooled embeddings and guidance included), a contact sheet, samples.jsonl."""
     from PIL import Image
 
-    from mindspeed_mm.diffusion.demo_t2i import write_t2i_pipeline
+    from mindspeed_mm.demos.t2i import write_t2i_pipeline
     from mindspeed_mm.diffusion.media import to_uint8
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
 
     pipe = write_t2i_pipeline(tmp_path / "pipe")
     prompts = ["a red square in the top left", "a blue circle in the bottom right"]

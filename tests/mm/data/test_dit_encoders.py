@@ -19,8 +19,8 @@ import torch
 from mindspeed.launch import launch
 from mindspeed_mm.config import load_mm_config
 from mindspeed_mm.data.features import write_features
-from mindspeed_mm.diffusion.encoders import encode_latents, encode_t5_clip, encode_umt5
 from mindspeed_mm.models.dit import write_tiny_dit
+from mindspeed_mm.models.encoders import encode_latents, encode_t5_clip, encode_umt5
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 from mindspeed_mm.trainer.loop import train
 

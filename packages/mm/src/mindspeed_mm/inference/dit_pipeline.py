@@ -12,8 +12,8 @@
   was trained from, whose config builds the model; the checkpoint's tensors must match it exactly
   (a LoRA run's factors are merged into ``base_dir``'s weights; a ``train.ema`` run's gives its
   moving averages);
-- a demo name (:data:`mindspeed_mm.diffusion.demos.DEMOS`), resolved by ``generate`` before it calls this module
-  (:func:`mindspeed_mm.diffusion.demos.resolve_demo_dir`): the embedded demo's untrained pipeline.
+- a demo name (:data:`mindspeed_mm.demos.names.DEMOS`), resolved by ``generate`` before it calls this module
+  (:func:`mindspeed_mm.demos.names.resolve_demo_dir`): the embedded demo's untrained pipeline.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
 from mindspeed_mm.convert.dcp_io import DCPModel
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, dit_family_of, load_dit
 from mindspeed_mm.models.lora import (
     ADAPTER_CONFIG,
@@ -86,7 +85,7 @@ def is_dit_source(load_dir: str | Path, base_dir: str | Path | None = None) -> b
 
 
 def _resolve(path: str | Path) -> Path:
-    # Demo names (mindspeed_mm.diffusion.demos.DEMOS) are resolved by the caller: the demo builds on this module.
+    # Demo names (mindspeed_mm.demos.names.DEMOS) are resolved by the caller: the demo builds on this module.
     return Path(path)
 
 

@@ -22,7 +22,7 @@ The pipeline is written in code, once, into ``runs/mm-demo/t2i-v*/pipeline`` (di
 
 ``model.path: demo-t2i`` and ``data.features: demo-t2i`` in a recipe stand for the transformer and
 the feature cache of the training images; ``--load-dir`` / ``--pipeline-dir`` / ``--prompts-file
-demo-t2i`` for ``generate`` (see :mod:`mindspeed_mm.diffusion.demos`).
+demo-t2i`` for ``generate`` (see :mod:`mindspeed_mm.demos.names`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.diffusion.demo import COLOURS, DEFAULT_CACHE_DIR, SHAPES, settle, word_tokenizer
+from mindspeed_mm.demos.t2v import COLOURS, DEFAULT_CACHE_DIR, SHAPES, settle, word_tokenizer
 
 logger = get_logger(__name__)
 
@@ -163,8 +163,8 @@ def write_t2i_pipeline(directory: str | Path, seed: int = 0) -> Path:
 def write_t2i_features(pipeline: str | Path, directory: str | Path, seed: int = 0) -> Path:
     """Draw the training images (every combination but the held-out ones) and cache their features."""
     from mindspeed_mm.data.features import write_features
-    from mindspeed_mm.diffusion.encoders import encode_latents
-    from mindspeed_mm.diffusion.pipeline import load_parts
+    from mindspeed_mm.inference.dit_pipeline import load_parts
+    from mindspeed_mm.models.encoders import encode_latents
     from mindspeed_mm.models.flux import FLUX
 
     parts = load_parts(Path(pipeline), FLUX, torch.device("cpu"), torch.float32)
@@ -236,8 +236,8 @@ def sample_t2i_heldout(
 ) -> tuple[torch.Tensor, list[str]]:
     """Images ``[N, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
     the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
 
     pipeline = t2i_paths()["pipeline"]
     loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)

@@ -1,9 +1,10 @@
 """The demo's held-out questions as an MMBench-style TSV (``--task-data-path demo``).
 
-Each held-out question of :mod:`mindspeed_mm.demo` becomes one row: the question as the demo asks
+Each held-out question of :mod:`mindspeed_mm.demos.vlm` becomes one row: the question as the demo asks
 it, the candidate answers as options (colours: red, green, blue, yellow; shapes: square, circle,
 triangle, column D empty), the right letter, the image as base64 and the question kind as
-``category``. Written once beside the held-out split (``runs/mm-demo/v1/data/heldout.tsv``).
+``category``. Written once beside the held-out split (``runs/mm-demo/v1/data/demo.tsv``: its stem is the task's
+name in the report).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mindspeed_mm.data.mllm import read_mllm_files
-from mindspeed_mm.demo import COLOURS, QUESTIONS, SHAPES, demo_paths
+from mindspeed_mm.demos.vlm import COLOURS, QUESTIONS, SHAPES, demo_paths
 from mindspeed_mm.evaluation.data import LETTERS, encode_image_base64, write_mmbench_tsv
 
 #: The ``--task-data-path`` name of the demo set.
@@ -40,7 +41,7 @@ def write_demo_mmbench_tsv(heldout: str | Path, target: str | Path) -> Path:
 def demo_mmbench_tsv() -> Path:
     """The demo's held-out TSV (built, with the demo model and data, on first use)."""
     heldout = demo_paths()["heldout"]
-    target = heldout.with_suffix(".tsv")
+    target = heldout.with_name(f"{DEMO_TASK}.tsv")
     if not target.is_file():
         write_demo_mmbench_tsv(heldout, target)
     return target

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DIT_FAMILIES
 from mindspeed_mm.models.flux import pack_latents
 

@@ -4,7 +4,7 @@ A pipeline directory holds ``vae/`` (a diffusers VAE: ``_class_name`` in its con
 ``text_encoder/`` and ``tokenizer/`` (transformers), and for FLUX ``text_encoder_2/`` and
 ``tokenizer_2/``. Which text encoders a transformer needs, and how their outputs become the
 cache's ``text`` / ``pooled``, is registered per transformer class in :data:`TEXT_ENCODINGS`
-(:mod:`mindspeed_mm.diffusion.encoders` computes them as the pipelines do).
+(:mod:`mindspeed_mm.models.encoders` computes them as the pipelines do).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mindspeed.registry import Registry
-from mindspeed_mm.diffusion.encoders import encode_latents, encode_t5_clip, encode_umt5
+from mindspeed_mm.models.encoders import encode_latents, encode_t5_clip, encode_umt5
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ latent channels: 4.9 M parameters) on clips of latents :data:`LONG_SHAPE` (3,456
 1 x 2 x 2 patches) with :data:`LONG_TEXT_LEN` text tokens, under Ulysses sequence parallelism over 2
 ranks. ``tools/bench/dit.py`` part 2 measures one training step of the same model and latents at SP1
 and SP2 (docs/mm/dit-parallelism.md). The latents and text embeddings are random: the recipe shows
-memory and parallelism, not learning (the demos of :mod:`~mindspeed_mm.diffusion.demo` learn).
+memory and parallelism, not learning (the demos of :mod:`~mindspeed_mm.demos.t2v` learn).
 
 Built once into ``runs/mm-demo/t2v-long-v*/`` (``transformer``, ``features``) on first use;
 ``model.path: demo-t2v-long`` and ``data.features: demo-t2v-long`` stand for them
-(:mod:`mindspeed_mm.diffusion.demos`). Ranks started together (torchrun) may build at once: each writes
+(:mod:`mindspeed_mm.demos.names`). Ranks started together (torchrun) may build at once: each writes
 under a name of its own and the first rename wins.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.diffusion.demo import DEFAULT_CACHE_DIR, settle
+from mindspeed_mm.demos.t2v import DEFAULT_CACHE_DIR, settle
 
 logger = get_logger(__name__)
 

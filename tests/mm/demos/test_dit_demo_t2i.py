@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from mindspeed_mm.cli import main
-from mindspeed_mm.diffusion.demo_t2i import sample_t2i_heldout, score_images, t2i_paths
+from mindspeed_mm.demos.t2i import sample_t2i_heldout, score_images, t2i_paths
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
 
 
 @pytest.mark.slow

@@ -250,7 +250,7 @@ def test_convert_round_trips_and_lora(capsys, trained, tmp_path) -> None:
 
 
 def test_ema_weights_are_picked_by_default(capsys, trained, tmp_path) -> None:
-    from mindspeed_mm.diffusion.pipeline import _load_dcp
+    from mindspeed_mm.inference.dit_pipeline import _load_dcp
 
     root, runs = trained
     state = _state(root / "ema" / "ckpt" / STEP, tmp_path / "ema.pt")

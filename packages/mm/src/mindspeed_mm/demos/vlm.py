@@ -3,21 +3,19 @@
 Images are coloured shapes (square, circle, triangle in red, green, blue, yellow) at random
 places and sizes on a dark background; the questions ask the colour or the shape, the answers
 are one word. ``model.path: demo`` and ``data.files: [demo]`` in a recipe stand for them:
-:func:`resolve_demo` writes both once into ``runs/mm-demo`` (a training set, and a held-out
+:func:`~mindspeed_mm.demos.names.resolve_demo` writes both once into ``runs/mm-demo`` (a training set, and a held-out
 set of new images, ``demo-heldout``). :func:`choice_accuracy` scores a model on held-out
 samples by the likelihood of each candidate answer (chance: 1/4 for colours, 1/3 for shapes).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
-from mindspeed_mm.config import MMConfig
 
 logger = get_logger(__name__)
 
@@ -97,27 +95,6 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         write_demo_data(paths["train"].parent, 600, seed=0, name="train")
         write_demo_data(paths["train"].parent, 60, seed=1, name="heldout")
     return paths
-
-
-def resolve_demo(config: MMConfig) -> MMConfig:
-    """``model.path: demo`` and ``data.files`` / ``data.valid_files: [demo | demo-heldout]`` replaced by the demo's
-    paths (built on first use)."""
-    from mindspeed_mm.diffusion.demos import resolve_dit_demo
-
-    config = resolve_dit_demo(config)  # demo-t2v / demo-t2i: the diffusion demos
-    if config.model.path != DEMO and not any(f in (DEMO, HELDOUT) for f in config.data.files + config.data.valid_files):
-        return config
-    paths = demo_paths()
-    names = {DEMO: str(paths["train"]), HELDOUT: str(paths["heldout"])}
-    model = dataclasses.replace(
-        config.model, path=str(paths["model"]) if config.model.path == DEMO else config.model.path
-    )
-    data = dataclasses.replace(
-        config.data,
-        files=[names.get(f, f) for f in config.data.files],
-        valid_files=[names.get(f, f) for f in config.data.valid_files],
-    )
-    return dataclasses.replace(config, model=model, data=data)
 
 
 def choice_accuracy(model_dir: str | Path, data_file: str | Path, max_samples: int | None = None) -> dict[str, float]:

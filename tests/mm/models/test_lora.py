@@ -7,7 +7,7 @@ must equal that of ``PeftModel.from_pretrained(base, save_peft)`` and that of th
 ``save_hf`` directory, and both, scored by transformers / peft on the held-out file, give the
 run's final logged validation loss (``data.valid_files``); only the targeted weights differ from the base in the merged export, and
 the checkpoint holds the factors alone (the frozen base is ``model.path``'s). (DP2 equals DP1
-with LoRA: tests/mm/test_fsdp.py.) A run resumed from the step-1 checkpoint (the factors and
+with LoRA: tests/mm/trainer/test_fsdp.py.) A run resumed from the step-1 checkpoint (the factors and
 their optimizer state, over the base reloaded from ``model.path``) repeats step 2 exactly.
 """
 

@@ -2,7 +2,7 @@
 
 ``mindspeed-mm evaluate`` on the demo's held-out MMBench-style TSV (``--task-data-path demo``)
 shows the same rise from the training checkpoint (DCP) and gives the accuracies of
-:func:`~mindspeed_mm.demo.choice_accuracy` on the same 60 questions.
+:func:`~mindspeed_mm.demos.vlm.choice_accuracy` on the same 60 questions.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from mindspeed_mm.cli import main
-from mindspeed_mm.demo import choice_accuracy, demo_paths
+from mindspeed_mm.demos.vlm import choice_accuracy, demo_paths
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mm" / "vlm_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "mm" / "vlm_tiny_cpu.yaml"
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ laid out as diffusers' ``save_lora_weights`` writes it for Wan and FLUX pipeline
   ``LoraConfig`` from it, so ``lora_alpha`` (the scale ``alpha / r``) survives. Without metadata
   diffusers takes ``lora_alpha = r``, and so does :func:`read_diffusers_lora`.
 
-Only plain LoRA on the transformer is accepted (as :mod:`~mindspeed_mm.convert.peft_io`): text
+Only plain LoRA on the transformer is accepted (as :mod:`~mindspeed_mm.models.peft_io`): text
 encoder factors, DoRA, LoRA biases, per-module ranks or alphas, and other trainers' key layouts
 (``diffusion_model.``, ``lora_unet_``: diffusers converts those when it loads them) are errors
 naming the tensor or setting.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_mm.convert.peft_io import Adapter, check_plain
 from mindspeed_mm.models.lora import AdapterSettings, adapter_config
+from mindspeed_mm.models.peft_io import Adapter, check_plain
 
 #: The file ``load_lora_weights`` looks for in a directory.
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
