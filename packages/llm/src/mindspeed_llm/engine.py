@@ -8,7 +8,8 @@ A name added here is a promise to keep it; add one only for a need of another su
 Build (the one build sequence, shared with the LLM ``Trainer``: :mod:`mindspeed_llm.training.build`):
     :class:`BuildSpec`, :class:`Engine`, :func:`build_engine`, :func:`model_facts`,
     :func:`seed_everything`, :func:`build_transformer_config`, :func:`default_groups`,
-    :func:`padded_vocab_size`.
+    :func:`padded_vocab_size`, :func:`attach_score_head` (a scalar head in place of the output
+    layer: a reward model's score head, a critic's value head).
 Recipe sections the builders take:
     :class:`ParallelConfig`, :class:`OptimizerConfig`, :class:`SchedulerConfig`,
     :class:`CheckpointConfig`, :class:`PretrainConfig` (the recipe a checkpoint records).
@@ -49,6 +50,7 @@ from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
 from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
 from mindspeed_llm.training.model import build_transformer_config, default_groups, padded_vocab_size, unwrap
 from mindspeed_llm.training.optim import guarded_step, schedule_settings, scheduler_state
+from mindspeed_llm.training.reward import attach_score_head
 from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
 from mindspeed_llm.training.steps import packed_seq_params
 
@@ -62,6 +64,7 @@ __all__ = [
     "build_transformer_config",
     "default_groups",
     "padded_vocab_size",
+    "attach_score_head",
     # recipe sections
     "ParallelConfig",
     "OptimizerConfig",

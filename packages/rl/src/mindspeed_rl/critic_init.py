@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mindspeed.config import ConfigError
-from mindspeed_llm.training.hf import load_hf_weights
-from mindspeed_llm.training.model import unwrap
-from mindspeed_llm.training.reward import attach_score_head
-from mindspeed_llm.training.sections import ParallelConfig
+from mindspeed_llm.engine import ParallelConfig, attach_score_head, load_hf_weights, unwrap
 
 #: The megatron name of the value head (the score head's, in the place of the output layer).
 VALUE_HEAD = "output_layer.weight"
