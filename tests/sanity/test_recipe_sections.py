@@ -92,7 +92,8 @@ def test_keys_keep_their_order_and_names_in_messages() -> None:
     [
         (TrainConfig, {"steps": -1}, "train.steps=-1 must not be negative"),
         (TrainConfig, {"exit_duration_mins": 0.0}, "train.exit_duration_mins=0.0 must be positive (or unset)"),
-        (OptimizerTrainConfig, {"lr": 0.0}, "train.lr=0.0 must be positive"),
+        (OptimizerTrainConfig, {"lr": -1.0}, "train.lr=-1.0 must not be negative"),
+        (llm_sections.LLMTrainConfig, {"lr": 0.0}, "train.lr=0.0 must be positive"),
         (OptimizerTrainConfig, {"adam_beta2": 1.0}, "train.adam_beta2=1.0 must be in [0, 1)"),
         (OptimizerTrainConfig, {"min_lr": 1.0, "lr": 0.1}, "train.min_lr=1.0 is above train.lr=0.1"),
         (llm_sections.LLMTrainConfig, {"min_lr": 1.0, "lr": 0.1}, "need train.lr_warmup_init <= train.lr"),

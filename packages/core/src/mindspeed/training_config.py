@@ -83,8 +83,9 @@ class OptimizerTrainConfig(TrainConfig):
     clip_grad: float = 1.0
     deterministic: bool = False
 
-    #: Keys that must not be negative (a subclass adds its own).
-    NON_NEGATIVE = ("min_lr", "weight_decay", "adam_eps", "clip_grad")
+    #: Keys that must not be negative (a subclass adds its own). ``lr`` 0 is allowed here: an MM run at
+    #: learning rate 0 scores the untrained model (the LLM suite asks for a positive one).
+    NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad")
 
     def check(self) -> None:
         """Check the loop's values, the batch and the optimizer's numbers, named by their recipe keys
@@ -96,8 +97,6 @@ class OptimizerTrainConfig(TrainConfig):
         if self.micro_batch_size < 1:
             raise ConfigError(f"train.micro_batch_size={self.micro_batch_size} must be at least 1")
         super().check()
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr} must be positive; give a learning rate such as train.lr=3e-4")
         for key in self.NON_NEGATIVE:
             value = getattr(self, key)
             if not value >= 0:

@@ -253,11 +253,13 @@ class LLMTrainConfig(OptimizerTrainConfig):
     NON_NEGATIVE = ("min_lr", "lr_warmup_init", "weight_decay", "adam_eps", "sgd_momentum", "clip_grad")
 
     def check(self) -> None:
-        """The core's checks, the global batch and the schedule's warmup against its decay.
+        """A positive learning rate, the core's checks, the global batch and the schedule's warmup against its decay.
 
         Raises:
             ConfigError: naming the key and the fix of the first problem found.
         """
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be positive; give a learning rate such as train.lr=3e-4")
         super().check()
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"train.global_batch_size={self.global_batch_size} must be at least 1 (or unset)")
