@@ -1,4 +1,5 @@
-"""The ``train`` recipe section every suite composes: how long a run trains and how it stops.
+"""The ``train`` recipe section every suite composes: how long a run trains and how it stops (and the
+``eval`` section of the suites that score held-out data).
 
 :class:`TrainConfig` holds what every trainer's loop has (steps, seed, the non-finite-step guard,
 the time limit); :class:`OptimizerTrainConfig` adds the batch, precision, optimizer and
@@ -111,3 +112,31 @@ class OptimizerTrainConfig(TrainConfig):
         """The learning rates against each other (a suite with more schedule keys extends this)."""
         if self.lr < self.min_lr:
             raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}; lower it")
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval`` section: the validation loss during and after training (megatron's ``--eval-interval`` /
+    ``--eval-iters``).
+
+    Attributes:
+        interval: evaluate every this many steps (default: not during training).
+        iters: global batches of held-out samples per evaluation, the same first ones each time so
+            evaluations are comparable (default: the suite's).
+        at_end: evaluate after the last step too.
+    """
+
+    interval: int | None = None
+    iters: int | None = None
+    at_end: bool = False
+
+    def check(self) -> None:
+        """Check the counts.
+
+        Raises:
+            ConfigError: naming the key and the fix.
+        """
+        if self.interval is not None and self.interval < 1:
+            raise ConfigError(f"eval.interval={self.interval} must be at least 1 (or unset)")
+        if self.iters is not None and self.iters < 1:
+            raise ConfigError(f"eval.iters={self.iters} must be at least 1")

@@ -24,7 +24,7 @@ from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError, load_config, recipe_section
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
-from mindspeed.training_config import OptimizerTrainConfig
+from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoint", "logging", "features", "lora")
@@ -33,9 +33,11 @@ SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoi
 PARTS = ("vision_tower", "projector", "language_model")
 
 
+@recipe_section(name="ModelConfig")
 @dataclass
-class ModelConfig:
-    """The model: a local Hugging Face directory, its family found by ``architectures``.
+class ModelDirConfig:
+    """The ``model`` section of an MM recipe: a local Hugging Face directory (transformers or diffusers),
+    its family found by ``architectures`` (the LLM suite's ``model`` section is a megatron shape instead).
 
     Attributes:
         path: a local Hugging Face model directory (config.json, safetensors, tokenizer, image
@@ -53,9 +55,10 @@ class ModelConfig:
     attn_implementation: str = "mindspeed"
 
 
+@recipe_section(name="ParallelConfig")
 @dataclass
-class ParallelConfig:
-    """Data parallelism through torch FSDP2 (``fully_shard``) and Ulysses sequence parallelism.
+class FSDPParallelConfig:
+    """The ``parallel`` section of an MM recipe: data parallelism through torch FSDP2 (``fully_shard``) and Ulysses sequence parallelism.
 
     Attributes:
         dp_replicate: replicas (HSDP's outer axis); the shard axis is what the world size
@@ -333,32 +336,20 @@ class MediaDataConfig:
                 )
 
 
+@recipe_section(name="EvalConfig")
 @dataclass
-class EvalConfig:
-    """The validation loss on ``data.valid_files`` (the LLM suite's ``eval`` keys; megatron's
-    ``--eval-interval`` / ``--eval-iters``).
+class MMEvalConfig(EvalConfig):
+    """The core's ``eval`` section (:class:`mindspeed.training_config.EvalConfig`: interval, iters, at_end)
+    on ``data.valid_files`` (vision-language models); by default every held-out sample (``iters``
+    unset), at the end only. A global batch of samples is ``train.micro_batch_size x
+    train.gradient_accumulation_steps x`` data-parallel ranks.
 
     The held-out samples, in file order, are scored under ``train.loss_type`` as one batch (packed
     ``train.micro_batch_size`` to a microbatch, spread over the data-parallel ranks), without
     gradients and with dropout off, and written as ``{"kind": "eval", "loss": ...}`` records.
-
-    Attributes:
-        interval: evaluate every this many steps (default: only at the end).
-        iters: score the first ``iters`` global batches of samples (``train.micro_batch_size x
-            train.gradient_accumulation_steps x`` data-parallel ranks each); default: every sample.
-        at_end: evaluate after the last step too.
     """
 
-    interval: int | None = None
-    iters: int | None = None
     at_end: bool = True
-
-    def check(self) -> None:
-        """Check the counts (raises ``ConfigError`` naming the key and the fix)."""
-        for key in ("interval", "iters"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"eval.{key}={value} must be at least 1 (or unset)")
 
 
 @dataclass
@@ -515,18 +506,18 @@ class MMConfig:
     """A ``mindspeed-mm train`` recipe.
 
     Attributes:
-        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`MMTrainConfig`.
-        data: :class:`MediaDataConfig`. eval: :class:`EvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
+        model: :class:`ModelDirConfig`. parallel: :class:`FSDPParallelConfig`. train: :class:`MMTrainConfig`.
+        data: :class:`MediaDataConfig`. eval: :class:`MMEvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
         checkpoint: :class:`MMCheckpointConfig`. logging: the core's
             :class:`~mindspeed.metrics.config.LossCurveLoggingConfig` (with ``loss_curve``).
         features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelDirConfig = field(default_factory=ModelDirConfig)
+    parallel: FSDPParallelConfig = field(default_factory=FSDPParallelConfig)
     train: MMTrainConfig = field(default_factory=MMTrainConfig)
     data: MediaDataConfig = field(default_factory=MediaDataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: MMEvalConfig = field(default_factory=MMEvalConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     checkpoint: MMCheckpointConfig = field(default_factory=MMCheckpointConfig)
     logging: LossCurveLoggingConfig = field(default_factory=LossCurveLoggingConfig)

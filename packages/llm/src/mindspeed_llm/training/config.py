@@ -21,8 +21,8 @@ from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from mindspeed_llm.training.lora import LoraSettings
 from mindspeed_llm.training.sections import (
     DpoConfig,
-    EvalConfig,
     LLMCheckpointConfig,
+    LLMEvalConfig,
     LLMLoggingConfig,
     LLMTrainConfig,
     LoraConfig,
@@ -47,7 +47,7 @@ class PretrainConfig:
 
     Attributes:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`LLMTrainConfig`.
-        data: :class:`TextDataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`LLMCheckpointConfig`.
+        data: :class:`TextDataConfig`. eval: :class:`LLMEvalConfig`. checkpoint: :class:`LLMCheckpointConfig`.
         logging: :class:`LLMLoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
         lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. rm: :class:`RmConfig`. stage: ``pretrain``,
             ``sft``, ``dpo`` or ``rm`` (set by the command).
@@ -57,7 +57,7 @@ class PretrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: LLMTrainConfig = field(default_factory=LLMTrainConfig)
     data: TextDataConfig = field(default_factory=TextDataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: LLMEvalConfig = field(default_factory=LLMEvalConfig)
     checkpoint: LLMCheckpointConfig = field(default_factory=LLMCheckpointConfig)
     logging: LLMLoggingConfig = field(default_factory=LLMLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -156,6 +156,7 @@ class PretrainConfig:
         """
         self.logging.check()
         _check_positive(self)
+        self.eval.check()
         self.train.check()
         self.data.check()
         self.checkpoint.check()
@@ -331,18 +332,13 @@ def _check_positive(config: PretrainConfig) -> None:
     names = {
         "model": ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by"),
         "parallel": ("tp", "pp", "ep", "cp"),
-        "eval": ("iters",),
     }
     for section, keys in names.items():
         for key in keys:
             value = getattr(getattr(config, section), key)
             if value < 1:
                 raise ConfigError(f"{section}.{key}={value} must be at least 1")
-    for key, value in (
-        ("parallel.vpp", config.parallel.vpp),
-        ("eval.interval", config.eval.interval),
-        ("model.vocab_size", config.model.vocab_size),
-    ):
+    for key, value in (("parallel.vpp", config.parallel.vpp), ("model.vocab_size", config.model.vocab_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
 

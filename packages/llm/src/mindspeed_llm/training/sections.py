@@ -17,7 +17,7 @@ from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features.pipeline import parse_noop_layers
 from mindspeed.metrics.config import LossCurveLoggingConfig
 from mindspeed.model.shape import ModelShape
-from mindspeed.training_config import OptimizerTrainConfig
+from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
 
 
 @dataclass
@@ -432,20 +432,14 @@ class TextDataConfig:
             )
 
 
+@recipe_section(name="EvalConfig")
 @dataclass
-class EvalConfig:
-    """Periodic evaluation on the validation split.
-
-    Attributes:
-        interval: evaluate every this many steps (default: never during training).
-        iters: global batches per evaluation; the same first samples of the split each time,
-            so evaluations are comparable.
-        at_end: evaluate after the last step too.
+class LLMEvalConfig(EvalConfig):
+    """The core's ``eval`` section (:class:`mindspeed.training_config.EvalConfig`: interval, iters,
+    at_end) on the validation split of ``data.split``, two global batches by default.
     """
 
-    interval: int | None = None
     iters: int = 2
-    at_end: bool = False
 
 
 @recipe_section(
