@@ -11,7 +11,21 @@ Each check raises :class:`~mindspeed.config.ConfigError` with the key, the value
 from __future__ import annotations
 
 from mindspeed.config import ConfigError
+from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
+from mindspeed_rl.ppo_checks import check_gae_keys
 from mindspeed_rl.sections import RecipeSections, check_model_dir
+
+
+def _check_advantage(config: RecipeSections) -> None:
+    """The rollout's group size and PPO's keys against the advantage (and whether the recipe has a critic)."""
+    r, al = config.rollout, config.algorithm
+    if r.n < 2 and al.advantage not in VALUE_ADVANTAGES:  # GAE's baseline is the critic
+        raise ConfigError(
+            f"rollout.n={r.n}: group-relative advantages compare several responses per prompt; "
+            "set rollout.n >= 2 (e.g. 8)"
+        )
+    al.check_advantage()
+    check_gae_keys(al, has_critic=getattr(config, "critic", None) is not None)
 
 
 def _check_batches(config: RecipeSections) -> None:
@@ -95,10 +109,10 @@ def _check_algorithm(config: RecipeSections) -> None:
 
 def check_config(config: RecipeSections, num_devices: int | None = None) -> None:
     """Run every check (see :meth:`GRPOConfig.check`): each section's own, then the cross-section ones."""
+    for section in (config.actor, config.rollout, config.reward):
+        section.check()
+    _check_advantage(config)  # before the algorithm's own checks: PPO's keys name the fix first
     for section in (
-        config.actor,
-        config.rollout,
-        config.reward,
         config.algorithm,
         config.train,
         config.ray,

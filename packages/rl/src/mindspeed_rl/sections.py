@@ -21,10 +21,12 @@ from mindspeed.features import FeaturesConfig
 from mindspeed.metrics.config import LoggingConfig
 from mindspeed.training_config import TrainConfig
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
+from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, policy_loss_config
 from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
+from mindspeed_rl.ppo_sections import KLControlConfig
 from mindspeed_rl.rewards.base import build_reward
 
 #: Names of the sections of a recipe, in the order they are documented.
@@ -171,11 +173,6 @@ class RolloutConfig:
                 f"rollout.stop={self.stop!r}: stop strings are not supported by the rollout engines yet; "
                 "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop"
             )
-        if self.n < 2:
-            raise ConfigError(
-                f"rollout.n={self.n}: group-relative advantages compare several responses per prompt; "
-                "set rollout.n >= 2 (e.g. 8)"
-            )
         if self.temperature <= 0:
             raise ConfigError(
                 f"rollout.temperature={self.temperature} must be positive (RL needs sampling, not greedy decoding)"
@@ -273,7 +270,9 @@ class AlgorithmConfig:
         advantage: a key of ``ADVANTAGES`` (``grpo``, ``grpo_no_std``, ``rloo``) or of
             ``TOKEN_ADVANTAGES`` (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``).
         adv_eps: added to the group std of ``grpo``.
-        gamma: discount of the REINFORCE++ returns (1: the plain sum of the rewards to come).
+        gamma: discount of the REINFORCE++ and GAE returns (1: the plain sum of the rewards to come).
+        lam: GAE's lambda (``advantage: gae``, PPO with a critic; 1: Monte Carlo, 0: one-step TD).
+        kl_ctrl: PPO's KL-in-reward coefficient, fixed or adaptive (:class:`~mindspeed_rl.ppo_sections.KLControlConfig`).
         use_kl_in_reward: fold ``-kl_in_reward_coef * kl(policy, reference)`` into the per-token
             reward (REINFORCE++, verl's ``use_kl_in_reward``) instead of a KL term in the loss;
             the loss's ``kl_coef`` then defaults to 0, and setting it > 0 as well is an error.
@@ -294,6 +293,8 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     gamma: float = 1.0
+    lam: float = 1.0
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_kl_in_reward: bool = False
     kl_in_reward_coef: float = 0.001
     kl_in_reward_estimator: str = "k1"
@@ -342,9 +343,7 @@ class AlgorithmConfig:
     def check(self) -> None:
         """Check the registries' names, the loss settings and DAPO's extras (raises ``ConfigError``)."""
         check_counts("algorithm", self, ("dynamic_sampling_max_rounds",))
-        if self.advantage not in ADVANTAGES and self.advantage not in TOKEN_ADVANTAGES:
-            known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys()]
-            raise ConfigError(f"algorithm.advantage={self.advantage!r}; use one of {', '.join(map(str, known))}")
+        self.check_advantage()
         self._check_kl_in_reward()
         if self.loss not in POLICY_LOSSES:
             raise ConfigError(f"algorithm.loss={self.loss!r}; use one of {', '.join(map(str, POLICY_LOSSES.keys()))}")
@@ -358,6 +357,12 @@ class AlgorithmConfig:
                 f"{self.overlong_penalty_factor} must be >= 0"
             )
 
+    def check_advantage(self) -> None:
+        """Check that ``advantage`` names a registered advantage (raises ``ConfigError`` listing them)."""
+        known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys(), *VALUE_ADVANTAGES.keys()]
+        if self.advantage not in known:
+            raise ConfigError(f"algorithm.advantage={self.advantage!r}; use one of {', '.join(map(str, known))}")
+
     def _check_kl_in_reward(self) -> None:
         if not 0 < self.gamma <= 1:
             raise ConfigError(f"algorithm.gamma={self.gamma} must be in (0, 1]")
@@ -365,7 +370,7 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.norm_length={self.norm_length} must be a positive number of tokens")
         if not self.use_kl_in_reward:
             return
-        if self.advantage not in TOKEN_ADVANTAGES:
+        if self.advantage not in TOKEN_ADVANTAGES and self.advantage not in VALUE_ADVANTAGES:
             raise ConfigError(
                 f"algorithm.use_kl_in_reward needs a token-level advantage (one of "
                 f"{', '.join(map(str, TOKEN_ADVANTAGES.keys()))}), not {self.advantage!r}; set algorithm.advantage "

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_llm.inference import InferenceEngine
-from mindspeed_llm.inference.sampling import SamplingParams
+from mindspeed_llm.engine import InferenceEngine, SamplingParams
 from mindspeed_rl.actor import Actor, ActorSettings
 from mindspeed_rl.algorithms import (
     TOKEN_ADVANTAGES,

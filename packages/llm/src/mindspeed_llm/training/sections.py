@@ -501,8 +501,8 @@ class LLMCheckpointConfig(CoreCheckpointConfig):
             raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
 
 
-#: The LLM suite's ``checkpoint`` section under its old name, for the RL actor's engine build
-#: (``mindspeed_rl.actor``) until the one build sequence (issue 25, item 4) replaces that import.
+#: The LLM suite's ``checkpoint`` section under its old name, for the engine build of
+#: :mod:`mindspeed_llm.engine` (the RL actor's) until that import is updated.
 CheckpointConfig = LLMCheckpointConfig
 
 
