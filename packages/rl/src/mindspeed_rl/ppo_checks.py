@@ -15,7 +15,7 @@ from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
 from mindspeed_rl.algorithms.kl_control import KL_CONTROLLERS, KLController, build_kl_controller
 from mindspeed_rl.algorithms.value_loss import VALUE_LOSSES
 from mindspeed_rl.ppo_sections import CriticConfig
-from mindspeed_rl.sections import AlgorithmConfig, TrainConfig
+from mindspeed_rl.sections import AlgorithmConfig, RLTrainConfig
 
 
 def _names(registry: object) -> str:
@@ -64,7 +64,7 @@ def build_reward_kl_controller(al: AlgorithmConfig) -> KLController:
     return build_kl_controller(k.type, start, k.target_kl, k.horizon)
 
 
-def check_critic(c: CriticConfig, train: TrainConfig) -> None:
+def check_critic(c: CriticConfig, train: RLTrainConfig) -> None:
     """The ``critic`` section."""
     if c.value_loss not in VALUE_LOSSES:
         raise ConfigError(f"critic.value_loss={c.value_loss!r}; use one of {_names(VALUE_LOSSES)}")

@@ -46,6 +46,7 @@ from mindspeed.checkpointing import (
     holds_checkpoints,
     resolve_schedule,
 )
+from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed.megatron.trusted_load import check_dist_checkpoint
@@ -58,7 +59,6 @@ from mindspeed_rl.demo_model import resolve_model as resolve_demo
 from mindspeed_rl.ray_runtime import init_ray
 from mindspeed_rl.rewards import RewardModel
 from mindspeed_rl.runner_checkpoints import RL_STATE, RunnerCheckpoints
-from mindspeed_rl.sections import CheckpointConfig
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,

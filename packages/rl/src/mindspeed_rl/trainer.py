@@ -38,7 +38,7 @@ from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
-from mindspeed_rl.sections import TrainConfig
+from mindspeed_rl.sections import RLTrainConfig
 
 logger = get_logger(__name__)
 
@@ -364,7 +364,7 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     return out
 
 
-def eval_due(step: int, train: TrainConfig) -> bool:
+def eval_due(step: int, train: RLTrainConfig) -> bool:
     """Whether the held-out set is evaluated after ``step``: every ``train.eval_interval`` steps and after the last."""
     interval = train.eval_interval
     return interval is not None and (step % interval == 0 or step == train.steps)
