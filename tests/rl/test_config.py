@@ -168,7 +168,7 @@ def test_kl_in_reward_replaces_the_loss_kl(recipe) -> None:
     assert folded.algorithm.loss_config().kl_coef == 0.0 and folded.needs_reference()
     off = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"])
     assert not off.needs_reference()
-    from mindspeed_rl.trainer import actor_settings
+    from mindspeed_rl.actor_settings import actor_settings
 
     # Dr. GRPO's constant: rollout.max_new_tokens unless algorithm.norm_length says otherwise.
     assert actor_settings(plain).loss_config.norm_length == 64

@@ -51,6 +51,7 @@ from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed.megatron.trusted_load import check_dist_checkpoint
 from mindspeed_llm.engine import schedule_settings, scheduler_state
+from mindspeed_rl.actor_settings import actor_settings
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
@@ -62,7 +63,6 @@ from mindspeed_rl.runner_checkpoints import RL_STATE, RunnerCheckpoints
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
-    actor_settings,
     collect_rollout,
     eval_due,
     evaluate,
