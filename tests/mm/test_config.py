@@ -82,8 +82,8 @@ def test_long_video_recipe_validates(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 
     from mindspeed_mm.data.features import FeatureSet
-    from mindspeed_mm.demo import resolve_demo
-    from mindspeed_mm.diffusion import demo_long
+    from mindspeed_mm.demos import t2v_long as demo_long
+    from mindspeed_mm.demos.names import resolve_demo
 
     monkeypatch.setattr(demo_long, "DEFAULT_CACHE_DIR", tmp_path)
     recipe = Path(__file__).resolve().parents[2] / "examples" / "mm" / "t2v_long_sp2.yaml"

@@ -77,7 +77,7 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["rollout.num_devices=2"], "rollout.num_devices is for a separated rollout pool"),
         (["rollout.colocate=false"], "needs rollout.num_devices"),
         (["rollout.colocate=false", "rollout.num_devices=3", "rollout.tp=2"], "not a multiple of rollout.tp=2"),
-        (["algorithm.advantage=gae"], "algorithm.advantage='gae'; use one of"),
+        (["algorithm.advantage=remax"], "algorithm.advantage='remax'; use one of"),
         (["algorithm.loss=ppo"], "algorithm.loss='ppo'; use one of"),
         (["algorithm.use_kl_in_reward=true"], "use_kl_in_reward needs a token-level advantage"),
         (
@@ -118,6 +118,12 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["train.eval_n=8"], "repeats the same response; set train.eval_temperature > 0"),
         (["train.eval_temperature=-1"], "train.eval_temperature=-1.0 must be >= 0"),
         (["checkpoint.interval=0"], "checkpoint.interval=0 must be at least 1 (or unset)"),
+        # PPO's keys in a GRPO recipe: refused, not ignored (grpo has no critic and a fixed KL in the reward).
+        (["algorithm.advantage=gae"], "algorithm.advantage=gae needs a critic, which mindspeed-rl grpo does not train"),
+        (["algorithm.lam=0.95"], "algorithm.lam=0.95 is GAE's (PPO with a critic) and unused by grpo; remove it"),
+        (["algorithm.lam=2"], "algorithm.lam=2.0 must be in [0, 1]"),
+        (["algorithm.kl_ctrl.type=adaptive"], "algorithm.kl_ctrl drives PPO's KL-in-reward coefficient"),
+        (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type='pid'; use one of fixed, adaptive"),
     ],
 )
 def test_bad_recipes_name_key_and_fix(recipe, overrides: list[str], message: str) -> None:
@@ -162,7 +168,7 @@ def test_kl_in_reward_replaces_the_loss_kl(recipe) -> None:
     assert folded.algorithm.loss_config().kl_coef == 0.0 and folded.needs_reference()
     off = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"])
     assert not off.needs_reference()
-    from mindspeed_rl.trainer import actor_settings
+    from mindspeed_rl.actor_settings import actor_settings
 
     # Dr. GRPO's constant: rollout.max_new_tokens unless algorithm.norm_length says otherwise.
     assert actor_settings(plain).loss_config.norm_length == 64

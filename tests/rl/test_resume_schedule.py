@@ -17,9 +17,9 @@ import torch
 
 from mindspeed.config import ConfigError
 from mindspeed_llm.training.optim import scheduler_state
+from mindspeed_rl.actor_settings import actor_settings
 from mindspeed_rl.config import load_grpo_config
 from mindspeed_rl.runner import check_actor_schedule
-from mindspeed_rl.trainer import actor_settings
 
 OLD = ["actor.lr=2e-3", "actor.min_lr=1e-4", "actor.lr_decay_style=cosine", "train.steps=4"]
 

@@ -50,7 +50,7 @@ import _child  # tools/bench/_child.py: the script's folder is on sys.path
 from _child import memory_status
 from sft import StepClock
 
-from mindspeed_mm.diffusion.demo_long import LONG_SHAPE, LONG_TEXT_LEN, LONG_WAN, write_random_features
+from mindspeed_mm.demos.t2v_long import LONG_SHAPE, LONG_TEXT_LEN, LONG_WAN, write_random_features
 
 WAN = "WanTransformer3DModel"
 #: The benchmark's Wan: the long-video demo's (examples/mm/t2v_long_sp2.yaml): 8 heads of 32 (hidden 256),
@@ -73,7 +73,6 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_mm.data.buckets import BucketOrder
     from mindspeed_mm.data.features import FeatureSet
     from mindspeed_mm.diffusion import FlowMatching
-    from mindspeed_mm.models import wan  # noqa: F401  (registers the family)
     from mindspeed_mm.models.dit import write_tiny_dit
 
     work = Path(spec["workdir"])

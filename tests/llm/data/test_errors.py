@@ -223,3 +223,28 @@ def test_a_chat_template_that_refuses_a_record(tmp_path, tok_dir) -> None:
         preprocess_data(config)
     config.skip_bad_records = True
     assert preprocess_data(config).skipped_bad == 1
+
+
+def test_a_pair_whose_answers_tokenize_the_same_is_refused(tmp_path, tok_dir) -> None:
+    """A chat template that renders prompts only (the RL demo policy's) made every pair identical: log 2 forever."""
+    prompts_only = tmp_path / "tok"
+    shutil.copytree(tok_dir, prompts_only)
+    (prompts_only / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:{% endif %}{% endfor %}"
+    )
+    rows = [{"instruction": "What is 1 + 1?", "input": "", "chosen": " 2", "rejected": " 3"}]
+    config = PreprocessConfig(
+        input=str(write_jsonl(tmp_path / "in.jsonl", rows)),
+        tokenizer_name_or_path=str(prompts_only),
+        output_prefix=str(tmp_path / "out" / "x"),
+        handler_name="AlpacaStylePairwiseHandler",
+    )
+    with pytest.raises(ValueError, match=r"in.jsonl:1: chosen and rejected give the same tokens .*--prompt-type"):
+        preprocess_data(config)
+    assert_nothing_written(tmp_path / "out")
+    config.prompt_type = "question_answer"  # <s>Question: ...\nAnswer:<reply>
+    preprocess_data(config)
+    chosen, rejected = (
+        read_dataset(f"{config.output_prefix}_packed_{k}_input_ids_document")[0] for k in ("chosen", "rejected")
+    )
+    assert list(chosen[:-1]) == list(rejected[:-1]) and chosen[-1] != rejected[-1]  # the same prompt, not reply

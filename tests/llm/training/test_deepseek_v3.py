@@ -68,9 +68,9 @@ def _logits(config: Any, tokens: torch.Tensor) -> torch.Tensor | None:
 
     from mindspeed.megatron import adapt, unadapt
     from mindspeed_llm.testing.megatron_logits import megatron_logits
+    from mindspeed_llm.training.build import seed_everything
     from mindspeed_llm.training.hf import apply_load_hf, load_hf_weights, model_shape
     from mindspeed_llm.training.model import build_model, padded_vocab_size, recipe_transformer_config
-    from mindspeed_llm.training.trainer import seed_everything
 
     config = apply_load_hf(config)
     config.check(dist.get_world_size())

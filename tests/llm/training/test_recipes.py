@@ -19,6 +19,8 @@ from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from mindspeed_llm.training.hf import apply_load_hf
 
+#: The models the recipes start from (``checkpoint.load_hf``), each made by a command in the recipe's header.
+STARTS = ("runs/quickstart/hf", "runs/demo-policy")
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "llm").glob("*.yaml"))
 
 
@@ -36,7 +38,8 @@ def _make_data(stage: str, prefixes: list[str]) -> None:
             names = [prefix]
         else:
             names = [
-                f"{prefix}_packed_{key}_document" for key in (PAIRWISE_KEYS if stage == "dpo" else INSTRUCTION_KEYS)
+                f"{prefix}_packed_{key}_document"
+                for key in (PAIRWISE_KEYS if stage in ("dpo", "rm") else INSTRUCTION_KEYS)
             ]
         for name in names:
             for suffix in (".bin", ".idx"):
@@ -48,17 +51,21 @@ def _make_data(stage: str, prefixes: list[str]) -> None:
 def test_recipe_passes_the_checks_of_its_command(
     path: Path, hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    commands = set(re.findall(r"mindspeed-llm (pretrain|sft|dpo) --config (\S+)", path.read_text()))
+    commands = set(re.findall(r"mindspeed-llm (pretrain|sft|dpo|rm) --config (\S+)", path.read_text()))
     assert commands, f"{path.name} does not say which command runs it"
     monkeypatch.chdir(tmp_path)
     for stage, named in commands:
         assert named == f"examples/llm/{path.name}"
         config = dataclasses.replace(load_pretrain_config(path, [f"stage={stage}"]), stage=stage)
         if config.checkpoint.load_hf:
-            assert config.checkpoint.load_hf == "runs/quickstart/hf", "the recipes start from the quickstart's model"
+            # The quickstart's model, or (the reward-model demo) the RL demo policy, which knows the sums.
+            assert config.checkpoint.load_hf in STARTS, f"the recipes start from one of {STARTS}"
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, load_hf=str(hf_dir)))
         config = apply_load_hf(config)
         _make_data(stage, config.data.prefixes)
+        if config.data.input:  # raw records the header tells how to write
+            Path(config.data.input).parent.mkdir(parents=True, exist_ok=True)
+            Path(config.data.input).touch()
         p = config.parallel
         for world_size in (1, 2):
             if world_size % (p.tp * p.pp * p.cp) == 0:  # a layout that does not fit the world is refused

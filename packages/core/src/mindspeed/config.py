@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -43,12 +43,44 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T
         key = unknown[0]
         close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f"; did you mean {path + close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {path + key!r} for {cls.__name__}{hint} (known: {', '.join(fields)})")
+        name = getattr(cls, "__section_name__", cls.__name__)
+        raise ConfigError(f"unknown config key {path + key!r} for {name}{hint} (known: {', '.join(fields)})")
     values = {name: _coerce(hints[name], value, f"{path}{name}") for name, value in data.items()}
     try:
         return cls(**values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{path or cls.__name__}: {err}") from err
+
+
+def recipe_section(name: str | None = None, keys: Iterable[str] = ()) -> Callable[[type[T]], type[T]]:
+    """Class decorator (above ``@dataclass``) of a suite's extension of a core recipe section.
+
+    A dataclass subclass lists its base's fields first; a recipe's keys keep the order users know
+    (``--print-config``, the ``known:`` list of an unknown key) when ``keys`` gives it.
+
+    Args:
+        name: the section's name in messages (``unknown config key 'train.x' for TrainConfig``;
+            default: the class name).
+        keys: every field of the class, in the order of the recipe's keys (default: as declared).
+
+    Raises:
+        TypeError: when ``keys`` is not exactly the class's fields.
+    """
+
+    def apply(cls: type[T]) -> type[T]:
+        own = cls.__dataclass_fields__  # type: ignore[attr-defined]
+        order = tuple(keys)
+        if order:
+            names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+            if sorted(order) != sorted(names):
+                raise TypeError(f"{cls.__name__}: keys {order} are not its fields {tuple(names)}")
+            rest = {k: v for k, v in own.items() if k not in order}  # ClassVar / InitVar pseudo-fields
+            cls.__dataclass_fields__ = {**{k: own[k] for k in order}, **rest}  # type: ignore[attr-defined]
+        if name is not None:
+            cls.__section_name__ = name  # type: ignore[attr-defined]
+        return cls
+
+    return apply
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mindspeed.checkpointing.schedule import check_scheduler_flags
-from mindspeed.config import ConfigError, load_config
+from mindspeed.checkpointing.config import CheckpointConfig
+from mindspeed.config import ConfigError, load_config, recipe_section
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
+from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoint", "logging", "features", "lora")
@@ -32,9 +33,11 @@ SECTIONS = ("model", "parallel", "train", "data", "eval", "diffusion", "checkpoi
 PARTS = ("vision_tower", "projector", "language_model")
 
 
+@recipe_section(name="ModelConfig")
 @dataclass
-class ModelConfig:
-    """The model: a local Hugging Face directory, its family found by ``architectures``.
+class ModelDirConfig:
+    """The ``model`` section of an MM recipe: a local Hugging Face directory (transformers or diffusers),
+    its family found by ``architectures`` (the LLM suite's ``model`` section is a megatron shape instead).
 
     Attributes:
         path: a local Hugging Face model directory (config.json, safetensors, tokenizer, image
@@ -52,9 +55,10 @@ class ModelConfig:
     attn_implementation: str = "mindspeed"
 
 
+@recipe_section(name="ParallelConfig")
 @dataclass
-class ParallelConfig:
-    """Data parallelism through torch FSDP2 (``fully_shard``) and Ulysses sequence parallelism.
+class FSDPParallelConfig:
+    """The ``parallel`` section of an MM recipe: data parallelism through torch FSDP2 (``fully_shard``) and Ulysses sequence parallelism.
 
     Attributes:
         dp_replicate: replicas (HSDP's outer axis); the shard axis is what the world size
@@ -87,6 +91,12 @@ class ParallelConfig:
     context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"] = "ulysses_cp_algo"
     ring_attention_size: int = 1
 
+    def check(self) -> None:
+        """Check the sizes (raises ``ConfigError`` naming the key and the fix)."""
+        for key in ("dp_replicate", "ulysses_parallel_size", "ring_attention_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key}={getattr(self, key)} must be at least 1")
+
     @property
     def sequence_parallel_size(self) -> int:
         """Ranks that share each microbatch's tokens: ``ulysses_parallel_size x ring_attention_size``."""
@@ -100,31 +110,50 @@ class ParallelConfig:
         return "hybrid_cp_algo" if self.ulysses_parallel_size > 1 else "megatron_cp_algo"
 
 
+@recipe_section(
+    name="TrainConfig",
+    keys=(
+        "steps",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "seed",
+        "precision",
+        "lr",
+        "min_lr",
+        "lr_warmup_steps",
+        "lr_decay_style",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "optimizer_impl",
+        "clip_grad",
+        "max_nonfinite_steps",
+        "ema",
+        "loss_type",
+        "recompute_modules",
+        "swap_modules",
+        "compile",
+        "deterministic",
+        "retain_host_memory",
+        "exit_duration_mins",
+    ),
+)
 @dataclass
-class TrainConfig:
-    """Steps, batches, optimizer, schedule, precision, loss and recompute.
+class MMTrainConfig(OptimizerTrainConfig):
+    """The core's ``train`` section (:class:`mindspeed.training_config.OptimizerTrainConfig`: steps, seed,
+    micro batch, precision, AdamW and its schedule, clipping, the stops, ``deterministic``) with
+    MindSpeed-MM's defaults, plus accumulation, EMA, the loss reduction, recompute, swap and compile.
+
+    ``micro_batch_size`` samples are packed into one sequence; ``bf16`` means bf16 compute
+    parameters, fp32 sharded master parameters and fp32 gradient reduction (FSDP2's
+    mixed-precision policy); ``lr_decay_style`` is ``constant``, ``linear`` or ``cosine`` (to
+    ``min_lr`` at ``steps``); weight decay is not applied to biases and norms.
 
     Attributes:
-        steps: optimizer steps to train (the last step number).
-        micro_batch_size: samples per microbatch on one rank, packed into one sequence.
         gradient_accumulation_steps: microbatches per optimizer step on one rank.
-        seed: seed of the data order and of the random number generators.
-        precision: ``fp32``, or ``bf16`` (bf16 compute parameters, fp32 sharded master
-            parameters, fp32 gradient reduction: FSDP2's mixed-precision policy).
-        lr: peak learning rate.
-        min_lr: learning rate at the end of the decay.
-        lr_warmup_steps: linear warmup from 0 to ``lr`` over this many steps.
-        lr_decay_style: ``constant``, ``linear`` or ``cosine`` after the warmup (to ``min_lr`` at ``steps``).
-        weight_decay: AdamW decoupled weight decay (not applied to biases and norms).
-        adam_beta1: Adam beta1.
-        adam_beta2: Adam beta2.
-        adam_eps: Adam epsilon.
         optimizer_impl: the ``adamw`` kernel of ``mindspeed.ops`` (``auto``, ``reference``,
             ``foreach``, ``fused``).
-        clip_grad: clip the global gradient norm to this (0: no clipping).
-        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
-            norm (each is skipped before the optimizer applies it: no update, and the learning-rate
-            schedule does not advance); exit status 1, as the LLM trainer's key of the same name.
         ema: decay of an exponential moving average of the weights (MindSpeed's ``fused_ema_adamw``
             with ``--ema-decay``, e.g. 0.9999; 0: none). The optimizer becomes EMA-AdamW (the
             ``ema_adamw`` kernel, ``optimizer_impl`` picks it), the averages travel in the
@@ -143,45 +172,44 @@ class TrainConfig:
             ``torch.compile`` of each repeated block's forward: ``true`` (or ``default``), ``max-autotune``
             (its own GEMM kernels timed against ATen's; longer compile); ``false``: eager. It pays once the steps
             outlast the compile (seconds a block class on a CPU, measured in ``docs/mm/dit-parallelism.md``).
-        deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``,
-            :func:`mindspeed.device.deterministic_mode`).
         retain_host_memory: glibc's malloc keeps freed host memory for the next step instead of giving it
             back to the kernel and faulting it in again (:func:`mindspeed.device.retain_freed_host_memory`;
             on the CPU ~10% of a small DiT's step, the same peak RSS; ``docs/mm/dit-parallelism.md``).
-        exit_duration_mins: stop after this many minutes of training (megatron's
-            ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
-            the command exits 0; the same command resumes.
     """
 
-    steps: int = 100
-    micro_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    seed: int = 1234
     precision: Literal["fp32", "bf16"] = "bf16"
     lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
     lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
     weight_decay: float = 0.0
-    adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    gradient_accumulation_steps: int = 1
     optimizer_impl: str = "auto"
-    clip_grad: float = 1.0
-    max_nonfinite_steps: int = 3
     ema: float = 0.0
     loss_type: Literal["default", "per_sample", "per_token"] = "default"
     recompute_modules: list[str] = field(default_factory=list)
     swap_modules: list[str] = field(default_factory=list)
     compile: bool | Literal["default", "max-autotune"] = False
-    deterministic: bool = False
     retain_host_memory: bool = True
-    exit_duration_mins: float | None = None
+
+    def check(self) -> None:
+        """The core's checks, accumulation and the moving average.
+
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        if self.gradient_accumulation_steps < 1:
+            raise ConfigError(
+                f"train.gradient_accumulation_steps={self.gradient_accumulation_steps} must be at least 1"
+            )
+        super().check()
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"train.ema={self.ema} must lie in [0, 1) (0: no moving average; e.g. 0.9999)")
 
 
+@recipe_section(name="DataConfig")
 @dataclass
-class DataConfig:
-    """mllm_format data (LLaMA-Factory / MindSpeed-MM): ``messages`` with ``<image>`` / ``<video>`` placeholders
+class MediaDataConfig:
+    """The ``data`` section of an MM recipe: mllm_format data (LLaMA-Factory / MindSpeed-MM): ``messages`` with ``<image>`` / ``<video>`` placeholders
     plus ``images`` / ``videos``.
 
     Attributes:
@@ -258,25 +286,69 @@ class DataConfig:
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
 
+    def check(self) -> None:
+        """Check the section's own values and that the files it names exist (the task decides the rest).
 
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        if self.cutoff_len < 1:
+            raise ConfigError(f"data.cutoff_len={self.cutoff_len} must be at least 1")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ConfigError(f"data.max_samples={self.max_samples} must be at least 1 (or unset)")
+        for key, names in (("data.files", self.files), ("data.valid_files", self.valid_files)):
+            for name in names:
+                if not Path(name).is_file():
+                    raise ConfigError(f"{key}: {name!r} does not exist")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ConfigError(
+                f"data.image_min_pixels={self.image_min_pixels} is above data.image_max_pixels="
+                f"{self.image_max_pixels}; lower it"
+            )
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ConfigError(
+                f"data.video_min_pixels={self.video_min_pixels} is above data.video_max_pixels="
+                f"{self.video_max_pixels}; lower it"
+            )
+        if self.video_fps <= 0 or self.video_maxlen < 1 or self.workers < 0:
+            raise ConfigError(
+                f"data.video_fps={self.video_fps} must be positive, data.video_maxlen={self.video_maxlen} at least 1, "
+                f"data.workers={self.workers} not negative"
+            )
+
+    def check_media(self) -> None:
+        """Check the media keys (video/image + caption files of a diffusion transformer).
+
+        Raises:
+            ConfigError: naming the key and the fix.
+        """
+        if self.hw_stride < 1 or self.shard_size < 1 or self.fps < 0:
+            raise ConfigError(
+                f"data.hw_stride={self.hw_stride} and data.shard_size={self.shard_size} must be at least 1, "
+                f"data.fps={self.fps} not negative"
+            )
+        if not self.frame_counts or min(self.frame_counts) < 1:
+            raise ConfigError(f"data.frame_counts={self.frame_counts} must list positive frame counts, e.g. [81]")
+        for hw in self.resolutions:
+            if len(hw) != 2 or min(hw) < 1 or hw[0] % self.hw_stride or hw[1] % self.hw_stride:
+                raise ConfigError(
+                    f"data.resolutions: {hw} must be [height, width], multiples of data.hw_stride={self.hw_stride}"
+                )
+
+
+@recipe_section(name="EvalConfig")
 @dataclass
-class EvalConfig:
-    """The validation loss on ``data.valid_files`` (the LLM suite's ``eval`` keys; megatron's
-    ``--eval-interval`` / ``--eval-iters``).
+class MMEvalConfig(EvalConfig):
+    """The core's ``eval`` section (:class:`mindspeed.training_config.EvalConfig`: interval, iters, at_end)
+    on ``data.valid_files`` (vision-language models); by default every held-out sample (``iters``
+    unset), at the end only. A global batch of samples is ``train.micro_batch_size x
+    train.gradient_accumulation_steps x`` data-parallel ranks.
 
     The held-out samples, in file order, are scored under ``train.loss_type`` as one batch (packed
     ``train.micro_batch_size`` to a microbatch, spread over the data-parallel ranks), without
     gradients and with dropout off, and written as ``{"kind": "eval", "loss": ...}`` records.
-
-    Attributes:
-        interval: evaluate every this many steps (default: only at the end).
-        iters: score the first ``iters`` global batches of samples (``train.micro_batch_size x
-            train.gradient_accumulation_steps x`` data-parallel ranks each); default: every sample.
-        at_end: evaluate after the last step too.
     """
 
-    interval: int | None = None
-    iters: int | None = None
     at_end: bool = True
 
 
@@ -342,47 +414,40 @@ class DiffusionConfig:
             raise ConfigError(f"diffusion.logit_std={self.logit_std} must be positive")
 
 
+@recipe_section(
+    name="CheckpointConfig",
+    keys=(
+        "save",
+        "interval",
+        "save_at_end",
+        "keep_last",
+        "resume",
+        "save_hf",
+        "export_ema",
+        "save_hf_dtype",
+        "override_scheduler",
+        "use_checkpoint_scheduler",
+    ),
+)
 @dataclass
-class CheckpointConfig:
-    """Training checkpoints (torch DCP, sharded as trained) and the Hugging Face export.
+class MMCheckpointConfig(CheckpointConfig):
+    """The core's ``checkpoint`` section (:class:`mindspeed.checkpointing.config.CheckpointConfig`: save,
+    interval, keep_last, resume, the HF export and the schedule on resume) for torch DCP checkpoints,
+    sharded as trained (``SAVE/step_00000010``, marked complete last), plus two MM keys.
+
+    ``save_hf`` writes config, safetensors, tokenizer, image processor and chat template
+    (diffusers' config has no dtype: its ``from_pretrained`` loads float32 unless given
+    ``torch_dtype``); the schedule keys compare ``train.lr``, ``min_lr``, ``lr_warmup_steps``,
+    ``lr_decay_style``, ``steps`` (that the decay ends at) and ``weight_decay``.
 
     Attributes:
-        save: directory of the checkpoints (``SAVE/step_00000010``, marked complete last); none are
-            written when unset.
-        interval: save every this many steps (default: only at the end).
         save_at_end: save after the last step.
-        keep_last: keep only this many newest complete checkpoints (default: all).
-        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones are
-            skipped with a warning); a ``save`` holding checkpoints but no complete one is an
-            error unless this is false.
-        save_hf: write the final model as a Hugging Face directory here (config, safetensors,
-            tokenizer, image processor, chat template).
         export_ema: with ``train.ema``, the exports (``save_hf``, ``lora.save_peft``) hold the moving
             averages of the weights; false: the raw trained weights.
-        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained in),
-            float32, bfloat16 or float16; a transformers export's config.json always says the dtype
-            written (diffusers' config has no dtype: its ``from_pretrained`` loads float32 unless
-            given ``torch_dtype``).
-        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
-            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``steps`` that the decay ends at,
-            ``weight_decay``) differs from the checkpoint's, the recipe wins: the schedule goes on
-            from the resumed step with the recipe's values (megatron's
-            ``--override-opt_param-scheduler``). A difference with neither this nor
-            ``use_checkpoint_scheduler`` is an error that lists it.
-        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
-            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
     """
 
-    save: str | None = None
-    interval: int | None = None
     save_at_end: bool = True
-    keep_last: int | None = None
-    resume: bool = True
-    save_hf: str | None = None
     export_ema: bool = True
-    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    override_scheduler: bool = False
-    use_checkpoint_scheduler: bool = False
 
 
 @dataclass
@@ -422,26 +487,39 @@ class LoraConfig:
         """Whether LoRA is on."""
         return bool(self.target_modules)
 
+    def check(self) -> None:
+        """Check the factors' settings (raises ``ConfigError`` naming the key and the fix)."""
+        if self.r < 1:
+            raise ConfigError(f"lora.r={self.r} must be at least 1")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.alpha} must be positive (the update is scaled by alpha / r)")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.save_peft and not self.enabled:
+            raise ConfigError(
+                "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+            )
+
 
 @dataclass
 class MMConfig:
     """A ``mindspeed-mm train`` recipe.
 
     Attributes:
-        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
-        data: :class:`DataConfig`. eval: :class:`EvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
-        checkpoint: :class:`CheckpointConfig`. logging: the core's
+        model: :class:`ModelDirConfig`. parallel: :class:`FSDPParallelConfig`. train: :class:`MMTrainConfig`.
+        data: :class:`MediaDataConfig`. eval: :class:`MMEvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
+        checkpoint: :class:`MMCheckpointConfig`. logging: the core's
             :class:`~mindspeed.metrics.config.LossCurveLoggingConfig` (with ``loss_curve``).
         features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    model: ModelDirConfig = field(default_factory=ModelDirConfig)
+    parallel: FSDPParallelConfig = field(default_factory=FSDPParallelConfig)
+    train: MMTrainConfig = field(default_factory=MMTrainConfig)
+    data: MediaDataConfig = field(default_factory=MediaDataConfig)
+    eval: MMEvalConfig = field(default_factory=MMEvalConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: MMCheckpointConfig = field(default_factory=MMCheckpointConfig)
     logging: LossCurveLoggingConfig = field(default_factory=LossCurveLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -465,54 +543,19 @@ class MMConfig:
         return t.micro_batch_size * t.gradient_accumulation_steps * (world_size // self.parallel.sequence_parallel_size)
 
     def check(self, world_size: int) -> None:
-        """Check the values against each other and against ``world_size``.
+        """Check each section's values, then the sections against each other and ``world_size``.
 
         Raises:
             ConfigError: naming the key and the fix of the first problem found.
         """
         self.logging.check()
+        self.parallel.check()
+        self.lora.check()
+        self.eval.check()
+        self.train.check()
+        self.checkpoint.check()
+        self._check_layout(world_size)
         m, p, t, d = self.model, self.parallel, self.train, self.data
-        for key, value in (
-            ("train.micro_batch_size", t.micro_batch_size),
-            ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-            ("parallel.dp_replicate", p.dp_replicate),
-            ("data.cutoff_len", d.cutoff_len),
-            ("parallel.ulysses_parallel_size", p.ulysses_parallel_size),
-            ("parallel.ring_attention_size", p.ring_attention_size),
-            ("lora.r", self.lora.r),
-        ):
-            if value < 1:
-                raise ConfigError(f"{key}={value} must be at least 1")
-        for key, value in (
-            ("checkpoint.interval", self.checkpoint.interval),
-            ("checkpoint.keep_last", self.checkpoint.keep_last),
-            ("data.max_samples", d.max_samples),
-            ("eval.interval", self.eval.interval),
-            ("eval.iters", self.eval.iters),
-        ):
-            if value is not None and value < 1:
-                raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
-        if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
-            raise ConfigError(f"train.exit_duration_mins={t.exit_duration_mins} must be positive (or unset)")
-        check_scheduler_flags(self.checkpoint.override_scheduler, self.checkpoint.use_checkpoint_scheduler)
-        if t.steps < 0:
-            raise ConfigError(f"train.steps={t.steps} must not be negative")
-        if world_size % p.dp_replicate:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
-                "change one of them"
-            )
-        if world_size % (p.dp_replicate * p.sequence_parallel_size):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
-                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} x "
-                f"parallel.ring_attention_size={p.ring_attention_size}; change one of them"
-            )
-        if p.ulysses_parallel_size > 1 and m.attn_implementation != "mindspeed":
-            raise ConfigError(
-                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} needs "
-                f"model.attn_implementation=mindspeed (got {m.attn_implementation!r})"
-            )
         if m.path is None:
             raise ConfigError(
                 "model.path is unset: give a local Hugging Face model directory (config.json with "
@@ -537,44 +580,10 @@ class MMConfig:
                 "data.files is empty: give mllm_format JSON/JSONL files (messages with <image> / <video> "
                 "placeholders plus images / videos)"
             )
-        for key, names in (("data.files", d.files), ("data.valid_files", d.valid_files)):
-            for name in names:
-                if not Path(name).is_file():
-                    raise ConfigError(f"{key}: {name!r} does not exist")
+        d.check()
         if self.eval.interval is not None and not d.valid_files:
             raise ConfigError(
                 f"eval.interval={self.eval.interval} needs held-out data: set data.valid_files (mllm_format files)"
-            )
-        if d.image_min_pixels > d.image_max_pixels:
-            raise ConfigError(
-                f"data.image_min_pixels={d.image_min_pixels} is above data.image_max_pixels="
-                f"{d.image_max_pixels}; lower it"
-            )
-        if d.video_min_pixels > d.video_max_pixels:
-            raise ConfigError(
-                f"data.video_min_pixels={d.video_min_pixels} is above data.video_max_pixels="
-                f"{d.video_max_pixels}; lower it"
-            )
-        if d.video_fps <= 0 or d.video_maxlen < 1 or d.workers < 0:
-            raise ConfigError(
-                f"data.video_fps={d.video_fps} must be positive, data.video_maxlen={d.video_maxlen} at least 1, "
-                f"data.workers={d.workers} not negative"
-            )
-        if t.lr < t.min_lr:
-            raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}; lower it")
-        if not 0 <= t.ema < 1:
-            raise ConfigError(f"train.ema={t.ema} must lie in [0, 1) (0: no moving average; e.g. 0.9999)")
-        if t.clip_grad < 0:
-            raise ConfigError(f"train.clip_grad={t.clip_grad} must not be negative (0: no clipping)")
-        if t.max_nonfinite_steps < 0:
-            raise ConfigError(f"train.max_nonfinite_steps={t.max_nonfinite_steps} must not be negative")
-        if self.lora.alpha <= 0:
-            raise ConfigError(f"lora.alpha={self.lora.alpha} must be positive (the update is scaled by alpha / r)")
-        if not 0 <= self.lora.dropout < 1:
-            raise ConfigError(f"lora.dropout={self.lora.dropout} must be in [0, 1)")
-        if self.lora.save_peft and not self.lora.enabled:
-            raise ConfigError(
-                "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
             )
         if self.lora.enabled and m.freeze:
             raise ConfigError(
@@ -583,6 +592,26 @@ class MMConfig:
         if self.features.settings:
             raise ConfigError(
                 f"features.settings: {', '.join(self.features.settings)} do not apply to mindspeed-mm yet; remove them"
+            )
+
+    def _check_layout(self, world_size: int) -> None:
+        """The data-parallel replicas and the sequence-parallel group against ``world_size`` and the attention."""
+        p = self.parallel
+        if world_size % p.dp_replicate:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate}; "
+                "change one of them"
+            )
+        if world_size % (p.dp_replicate * p.sequence_parallel_size):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate={p.dp_replicate} x "
+                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} x "
+                f"parallel.ring_attention_size={p.ring_attention_size}; change one of them"
+            )
+        if p.ulysses_parallel_size > 1 and self.model.attn_implementation != "mindspeed":
+            raise ConfigError(
+                f"parallel.ulysses_parallel_size={p.ulysses_parallel_size} needs "
+                f"model.attn_implementation=mindspeed (got {self.model.attn_implementation!r})"
             )
 
     def _check_dit(self) -> None:
@@ -602,7 +631,7 @@ class MMConfig:
                 f"data.features={d.features!r} has no index.jsonl; run `mindspeed-mm extract-features` "
                 "or give a feature cache directory"
             )
-        self.check_media()
+        self.data.check_media()
         p = self.parallel
         if p.ring_attention_size == 1 and p.context_parallel_algo == "hybrid_cp_algo":
             raise ConfigError(
@@ -625,26 +654,6 @@ class MMConfig:
         if d.text_len is not None and d.text_len < 1:
             raise ConfigError(f"data.text_len={d.text_len} must be at least 1 (or unset)")
         self.diffusion.check()
-
-    def check_media(self) -> None:
-        """Check the media keys of ``data`` (video/image + caption files of a diffusion transformer).
-
-        Raises:
-            ConfigError: naming the key and the fix.
-        """
-        d = self.data
-        if d.hw_stride < 1 or d.shard_size < 1 or d.fps < 0:
-            raise ConfigError(
-                f"data.hw_stride={d.hw_stride} and data.shard_size={d.shard_size} must be at least 1, "
-                f"data.fps={d.fps} not negative"
-            )
-        if not d.frame_counts or min(d.frame_counts) < 1:
-            raise ConfigError(f"data.frame_counts={d.frame_counts} must list positive frame counts, e.g. [81]")
-        for hw in d.resolutions:
-            if len(hw) != 2 or min(hw) < 1 or hw[0] % d.hw_stride or hw[1] % d.hw_stride:
-                raise ConfigError(
-                    f"data.resolutions: {hw} must be [height, width], multiples of data.hw_stride={d.hw_stride}"
-                )
 
 
 def load_mm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MMConfig:

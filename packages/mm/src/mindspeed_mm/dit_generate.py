@@ -1,7 +1,7 @@
 """``mindspeed-mm generate`` for diffusion transformers: text to video (Wan) or image (FLUX) files.
 
 ``generate_cli.run_generate`` hands over here when ``--load-dir`` (or ``--base-dir``) is a
-diffusers model (:func:`~mindspeed_mm.diffusion.pipeline.is_dit_source`). Each prompt is encoded
+diffusers model (:func:`~mindspeed_mm.inference.dit_pipeline.is_dit_source`). Each prompt is encoded
 with the pipeline's text encoder(s) as the pipeline encodes it, starts from noise drawn with
 ``seed + its index``, is denoised by :func:`~mindspeed_mm.diffusion.sampler.sample_latents`
 (Euler or UniPC, classifier-free guidance against the negative prompt) and decoded by the
@@ -88,7 +88,7 @@ def read_prompts(path: str, max_samples: int | None) -> list[str]:
     Raises:
         ValueError: a missing file, or an entry without ``cap`` / ``caption`` (naming the line).
     """
-    from mindspeed_mm.diffusion.demos import resolve_prompts_file
+    from mindspeed_mm.demos.names import resolve_prompts_file
 
     file = resolve_prompts_file(path)
     if not file.is_file():
@@ -148,8 +148,8 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     import torch.distributed as dist
 
     from mindspeed_mm.diffusion import media
-    from mindspeed_mm.diffusion.pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, decode_shared, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
     from mindspeed_mm.inference.loading import DTYPES
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
 

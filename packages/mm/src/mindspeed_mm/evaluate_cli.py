@@ -79,10 +79,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``evaluate`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch and transformers out of the start-up of mindspeed_mm.cli.
     from mindspeed.metrics.report import format_table
+    from mindspeed_mm.demos.names import resolve_evaluate_demo
     from mindspeed_mm.evaluation.runner import evaluate
 
     names = EvaluateConfig.__dataclass_fields__
     config = EvaluateConfig(**{name: getattr(args, name) for name in names})
+    config.check()  # before a demo name builds the demo's files
+    config = resolve_evaluate_demo(config)
     results, _ = evaluate(config)  # a ValueError (bad input) becomes one line on stderr and exit status 2
     sys.stdout.write(format_table(results) + "\n")
     if config.output:

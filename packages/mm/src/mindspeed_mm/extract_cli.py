@@ -63,7 +63,7 @@ def run_extract_features(args: argparse.Namespace) -> int:
         raise ConfigError("data.features is unset: give the directory the cache is written to")
     if not config.data.files:
         raise ConfigError("data.files is empty: give video/image + caption JSON or JSONL files")
-    config.check_media()
+    config.data.check_media()
     with run_lock(config.data.features, "data.features"):  # one extraction per cache directory
         result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
     if result is not None:

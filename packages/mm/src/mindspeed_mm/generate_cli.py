@@ -137,9 +137,9 @@ def _config(args: argparse.Namespace, cls: type = GenerateConfig) -> Any:
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``generate`` from parsed arguments; returns the exit status."""
     # Lazy: keeps torch and transformers out of the start-up of mindspeed_mm.cli.
-    from mindspeed_mm.diffusion.demos import resolve_demo_dir
-    from mindspeed_mm.diffusion.pipeline import is_dit_source
+    from mindspeed_mm.demos.names import resolve_demo_dir, resolve_model_dir
     from mindspeed_mm.inference import SamplingSettings, load_inference_model, prompt_from_text, read_prompt_file
+    from mindspeed_mm.inference.dit_pipeline import is_dit_source
 
     for name in ("load_dir", "base_dir", "pipeline_dir"):  # demo-t2v / demo-t2i: a diffusion demo's pipeline
         if hasattr(args, name):
@@ -168,8 +168,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if config.output is not None and Path(config.output).is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
     loaded = load_inference_model(
-        config.load_dir,
-        config.base_dir,
+        resolve_model_dir(config.load_dir),  # demo: the vision-language demo's model
+        resolve_model_dir(config.base_dir),
         config.dtype,
         config.image_min_pixels,
         config.image_max_pixels,

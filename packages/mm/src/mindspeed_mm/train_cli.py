@@ -56,7 +56,7 @@ def run_train(args: argparse.Namespace) -> int:
     # Lazy: keeps torch out of the start-up of mindspeed_mm.cli.
     from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
-    from mindspeed_mm.demo import resolve_demo
+    from mindspeed_mm.demos.names import resolve_demo
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")

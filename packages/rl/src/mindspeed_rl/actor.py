@@ -1,10 +1,14 @@
 """The GRPO actor: a megatron-core policy on the current torch.distributed group.
 
-The actor is built from a Hugging Face directory with the LLM suite's section-scoped builders,
-never a recipe: the model from its shape and a parallel layout (``hf_model_shape``,
-``build_transformer_config``, ``build_model``, ``load_hf_weights``), the optimizer from an
-:class:`~mindspeed_llm.training.sections.OptimizerConfig`, the schedule from a
-:class:`~mindspeed_llm.training.sections.SchedulerConfig` and a step count. Sequences are
+The actor is built from a Hugging Face directory through the LLM suite's build sequence
+(:func:`mindspeed_llm.engine.build_engine`, the one the LLM ``Trainer`` builds with), never a
+recipe: the model from its shape and a parallel layout (``hf_model_shape``,
+``build_transformer_config``, ``load_hf_weights``), the optimizer from an
+:class:`~mindspeed_llm.engine.OptimizerConfig`, the schedule from a
+:class:`~mindspeed_llm.engine.SchedulerConfig` and a step count. What stays here is RL's:
+packing (:mod:`mindspeed_rl.actor_packing`), log-probs, the policy loss and the update
+(:mod:`mindspeed_rl.actor_update`), the weight export (:mod:`mindspeed_rl.actor_parallel`) and
+co-location memory (:mod:`mindspeed_rl.actor_memory`). Sequences are
 ``(prompt ids, response ids)`` pairs packed into THD microbatches; megatron's GPTModel with
 ``labels`` returns the per-token cross-entropy, so the log-prob of a response token is minus
 that output. The policy loss is a megatron ``LossFunc`` that gathers the response tokens of
@@ -36,51 +40,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed.checkpointing import SkipCounter, fault_armed, plant_nan
+from mindspeed.checkpointing import SkipCounter
 from mindspeed.device import get_accelerator
-from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
+from mindspeed.features import FeaturesConfig, ParallelSizes
 from mindspeed.log import get_logger
 from mindspeed.megatron import AdaptReport, adapt, current_report, fast_path, unadapt
-from mindspeed.megatron.modules import RegistryAttention
-from mindspeed.megatron.shared_prefix import SUPPORTED_POSITION_EMBEDDINGS
 from mindspeed.model.shape import ModelShape
-from mindspeed_llm.training.config import PretrainConfig
-from mindspeed_llm.training.finetune_data import PackSettings
-from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
-from mindspeed_llm.training.model import (
-    build_model,
+from mindspeed_llm.engine import (
+    BuildSpec,
+    CheckpointConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PretrainConfig,
+    SchedulerConfig,
+    build_engine,
     build_transformer_config,
     default_groups,
+    hf_model_shape,
+    load_hf_weights,
+    model_facts,
+    packed_seq_params,
     padded_vocab_size,
+    read_hf_shape,
+    seed_everything,
     unwrap,
 )
-from mindspeed_llm.training.optim import build_optimizer, build_scheduler, guarded_step
-from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
-from mindspeed_llm.training.steps import packed_seq_params
-from mindspeed_llm.training.trainer import seed_everything
-from mindspeed_rl.actor_packing import Pair, pack_pairs, pack_shared_prompts
+from mindspeed_rl.actor_memory import OFFLOAD_CATEGORIES, ActorMemory
+from mindspeed_rl.actor_packing import Pair, pack_microbatches, resolve_share_prompt
 from mindspeed_rl.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy
-from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
-from mindspeed_rl.memory import StorageOffloader, collect_offload_tensors, memory_snapshot
+from mindspeed_rl.actor_update import UPDATE_METRICS, ActorUpdate
+from mindspeed_rl.algorithms.losses import PolicyLossConfig
+from mindspeed_rl.memory import StorageOffloader
 
 logger = get_logger(__name__)
 
-#: Metrics the update reports (token-weighted means over the step, except ``loss``).
-UPDATE_METRICS = (
-    "loss",
-    "pg_loss",
-    "pg_clipfrac",
-    "ppo_kl",
-    "approx_kl",
-    "kl_loss",
-    "ratio_mean",
-    "tis_weight_mean",
-    "tis_clipfrac",
-    "pg_clipfrac_lower",
-    "entropy",
-)
-#: Categories :meth:`Actor.offload` moves, in the order their storages are claimed.
-OFFLOAD_CATEGORIES = ("grad", "weights", "optimizer")
+__all__ = ["OFFLOAD_CATEGORIES", "UPDATE_METRICS", "Actor", "ActorSettings"]
 
 
 @dataclass
@@ -183,12 +177,11 @@ def _ensure_megatron(
     if report is None:  # adapt() refuses a second call: the first actor of the process adapts for all
         p = parallel
         # The memory features check the precision, the layer count and the optimizer against these.
-        facts = ModelFacts.from_transformer_config(
+        facts = model_facts(
             build_transformer_config(shape, parallel, per_token_loss=True),
-            position_embedding_type=shape.position_embedding_type,
-            precision="bf16" if shape.params_dtype == "bfloat16" else "fp32",
-            num_layers=shape.num_layers,
-            distributed_optimizer=parallel.distributed_optimizer,
+            shape,
+            "bf16" if shape.params_dtype == "bfloat16" else "fp32",
+            parallel.distributed_optimizer,
         )
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True
@@ -204,7 +197,7 @@ def _ensure_megatron(
     return report, made, default_groups()
 
 
-class Actor:
+class Actor(ActorUpdate, ActorMemory):
     """A megatron-core policy (or a frozen reference) built from a Hugging Face directory.
 
     Args:
@@ -244,46 +237,29 @@ class Actor:
         self.adaptation, self._adapted, self.groups = _ensure_megatron(
             shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size()
         )
-        kernels, hooks = self.adaptation.kernels, self.adaptation.hooks
-        overrides = {**self.adaptation.config_overrides, **({} if trainable else {"perform_initialization": False})}
-        # Per-token loss: the gradients are divided by the step's total count of trained tokens.
-        self.transformer = build_transformer_config(shape, parallel, per_token_loss=True, overrides=overrides)
         load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab, groups=self.groups)
-        if trainable:
-            self.chunks = build_model(
-                shape,
-                parallel,
-                self.transformer,
-                self.vocab,
-                prepare=lambda models: load(models),
-                bridged=True,
-                kernels=kernels,
-                groups=self.groups,
-            )
-            for hook in hooks.get("post_model_build", ()):
-                hook(self.chunks)
-            self.optimizer = build_optimizer(s.optimizer, self.chunks, parallel, kernels, self.groups)
-            for hook in hooks.get("post_optimizer_build", ()):
-                self.optimizer = hook(self.optimizer) or self.optimizer
+        spec = BuildSpec(
+            shape=shape,
+            parallel=parallel,
+            vocab=self.vocab,
+            # Per-token loss: the gradients are divided by the step's total count of trained tokens.
+            transformer=partial(build_transformer_config, shape, parallel, per_token_loss=True),
+            optimizer=s.optimizer if trainable else None,
+            scheduler=s.scheduler,
             # One scheduler position per update; the decay ends at lr_decay_steps (default: warmup + 1).
-            self.scheduler = build_scheduler(s.scheduler, self.optimizer, s.scheduler.lr_warmup_steps + 1)
-            self.transformer.grad_scale_func = self.optimizer.scale_loss
-        else:
-            self.chunks = build_model(
-                shape,
-                parallel,
-                self.transformer,
-                self.vocab,
-                trainable=False,
-                bridged=True,
-                kernels=kernels,
-                groups=self.groups,
-            )
+            scheduler_steps=s.scheduler.lr_warmup_steps + 1,
+            prepare=load if trainable else None,
+            bridged=True,
+            overrides={} if trainable else {"perform_initialization": False},
+        )
+        built = build_engine(spec, self.adaptation, self.groups)
+        self.transformer, self.chunks = built.transformer, built.chunks
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
+        if not trainable:
             load(self.chunks)
-            self.optimizer = self.scheduler = None
         self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
         #: Whether microbatches pack each prompt once for the pairs that share it.
-        self.share_prompt = self._resolve_share_prompt(s.share_prompt, shape)
+        self.share_prompt = resolve_share_prompt(s.share_prompt, pp, shape, self.chunks)
         self.version = 0
         #: Updates refused for a NaN/Inf loss or gradient norm (in all, and in a row).
         self.skips = SkipCounter(s.max_nonfinite_steps, lr_key="actor.lr", unit="actor update")
@@ -298,27 +274,6 @@ class Actor:
             pp,
             "on" if self.share_prompt else "off",
         )
-
-    def _resolve_share_prompt(self, requested: bool | None, shape: ModelShape) -> bool:
-        """``settings.share_prompt`` against what the layout and the model allow."""
-        if requested is False:
-            return False
-        blockers = []
-        if self.parallel.pp > 1:
-            blockers.append(f"pp={self.parallel.pp} (pipeline stages exchange fixed-shape microbatches)")
-        if shape.position_embedding_type not in SUPPORTED_POSITION_EMBEDDINGS:
-            blockers.append(f"position embedding {shape.position_embedding_type!r}")
-        if shape.multi_latent_attention or shape.mtp_num_layers:
-            blockers.append("multi-latent attention or multi-token prediction")
-        attention = [m for c in self.chunks for n, m in c.named_modules() if n.endswith("core_attention")]
-        if not attention or not all(isinstance(m, RegistryAttention) for m in attention):
-            blockers.append("the core attention is not mindspeed's RegistryAttention")
-        if blockers and requested:
-            raise ValueError(
-                f"actor.share_prompt=true cannot apply with {'; '.join(blockers)}; "
-                "set actor.share_prompt=false or leave it unset"
-            )
-        return not blockers
 
     @property
     def features(self) -> Any:
@@ -342,24 +297,8 @@ class Actor:
         ...) that are cut into the microbatches alongside. With :attr:`share_prompt` the pairs
         of a microbatch that share their prompt ids are packed as one shared-prefix segment.
         """
-        device = get_accelerator().device()
-        mbs = self.settings.micro_batch_size
-        longest = max(len(p) + len(r) for p, r in pairs)
-        # Pipeline stages exchange activations of one fixed shape: with pp > 1 every microbatch
-        # is padded to mbs * longest tokens (megatron's variable_seq_lengths would need the
-        # alltoall token dispatcher, and a shape handshake per microbatch).
-        settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=self.parallel.pp == 1)
-        out = []
-        for first in range(0, len(pairs), mbs):
-            group = pairs[first : first + mbs]
-            if self.share_prompt:
-                batch = pack_shared_prompts(group, width, device)
-            else:
-                batch = pack_pairs(group, width, settings)
-            for key, value in (extra or {}).items():
-                batch[key] = value[first : first + mbs]
-            out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
-        return out
+        mbs, pp = self.settings.micro_batch_size, self.parallel.pp
+        return pack_microbatches(pairs, width, mbs, pp, self.share_prompt, get_accelerator().device(), extra)
 
     def _schedule(
         self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool, logits: bool = False
@@ -471,43 +410,6 @@ class Actor:
 
     # -- update ------------------------------------------------------------------------------
 
-    def _policy_loss(
-        self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any], output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        mask = batch["resp_mask"]
-        logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
-        if entropy is not None and not config.entropy_coef:
-            entropy = entropy.detach()  # a metric only: no graph through it
-        old = batch.get("old_logp")
-        if old is None:  # on-policy: the policy before this update is the current one (ratio 1)
-            old = logp.detach()
-        inputs = PolicyLossInputs(
-            logp=logp,
-            old_logp=old,
-            entropy=entropy,
-            advantages=batch["advantages"],
-            mask=mask,
-            ref_logp=batch.get("ref_logp"),
-            rollout_logp=batch.get("rollout_logp"),
-            num_tokens=1.0,
-            num_seqs=1.0,
-        )
-        out = compute_policy_loss(self.settings.loss, inputs, config)
-        tokens = mask.sum()
-        count = tokens if config.loss_agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
-        metrics = {"loss": torch.stack([out.loss.detach().float().cpu(), count.float().cpu()])}
-        for name in UPDATE_METRICS[1:]:
-            if name in out.metrics:
-                value = out.metrics[name].float().cpu()
-                # pg_loss / kl_loss are sums like the loss; the others are per-token means.
-                weight = count.float().cpu() if name in ("pg_loss", "kl_loss") else tokens.float().cpu()
-                total = value if name in ("pg_loss", "kl_loss") else value * weight
-                metrics[name] = torch.stack([total, weight])
-        if batch.get("rollout_logp") is not None:  # engine vs actor on the samples: the weight sync's health
-            diff = ((batch["rollout_logp"] - old.detach()).abs() * mask).sum()
-            metrics["rollout_logp_diff"] = torch.stack([diff.float().cpu(), tokens.float().cpu()])
-        return out.loss, count.to(torch.int), metrics
-
     def update(
         self,
         pairs: Sequence[Pair],
@@ -548,89 +450,6 @@ class Actor:
         with fast_path():
             return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp)
 
-    def _update(
-        self,
-        pairs: Sequence[Pair],
-        old_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        rollout_logp: torch.Tensor | None,
-    ) -> dict[str, float]:
-        longest = max(len(r) for _, r in pairs)
-        padded = [
-            t
-            for t in (old_logp, ref_logp, rollout_logp, advantages if advantages.dim() == 2 else None)
-            if t is not None
-        ]
-        width = padded[0].shape[-1] if padded else longest
-        if old_logp is not None and (old_logp.shape[0] != len(pairs) or width < longest):
-            raise ValueError(f"old_logp {tuple(old_logp.shape)} does not fit {len(pairs)} responses")
-        adv = advantages if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
-        extra = {"advantages": adv.float()}
-        if old_logp is not None:
-            extra["old_logp"] = old_logp.float()
-        if ref_logp is not None:
-            extra["ref_logp"] = ref_logp.float()
-        if rollout_logp is not None:
-            extra["rollout_logp"] = rollout_logp.float()
-        config = self.settings.loss_config or POLICY_LOSSES.get(self.settings.loss).defaults
-        if ref_logp is None and config.kl_coef:
-            raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
-        batches = self._microbatches(pairs, width, extra)
-        logits = (
-            self.settings.compute_entropy
-            or bool(config.entropy_coef)
-            or self.vocab != self.hf_vocab
-            or self.share_prompt
-        )
-        hooks = self.adaptation.hooks
-        for hook in hooks.get("pre_step", ()):
-            hook(self.version + 1)
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._schedule(batches, partial(self._policy_loss, config, logits), forward_only=False, logits=logits)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        totals = self._metric_totals(outputs)
-        metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
-        update = self.version + 1
-        if fault_armed("train.grad_nan", update) and dist.get_rank() == 0:
-            plant_nan(self.chunks[0].buffers[0].grad_data)  # rank 0's own shard, as the LLM trainer's
-        # A NaN/Inf loss or gradient norm on any rank: no update and no schedule step on every rank.
-        outcome = guarded_step(self.optimizer, metrics.get("loss", 0.0), get_accelerator().device())
-        if outcome.applied:
-            self.scheduler.step(increment=1)  # the next update's learning rate
-        diverged = outcome.reason in ("loss", "grad_norm")
-        self.skips.record(outcome.applied, diverged)
-        if diverged and dist.get_rank() == 0:
-            logger.warning(self.skips.skip_line(update, metrics.get("loss", 0.0), outcome.grad_norm))
-        self.version = update
-        for hook in hooks.get("post_step", ()):
-            hook(self.version)
-        grad_norm = outcome.grad_norm
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["skipped"] = 0.0 if outcome.applied else 1.0
-        metrics["nonfinite_streak"] = float(self.skips.streak)
-        metrics["lr"] = lr
-        metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
-        return metrics
-
-    def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
-        """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all."""
-        totals: dict[str, list[float]] = {}
-        for item in outputs:
-            for name, pair in item.items():
-                acc = totals.setdefault(name, [0.0, 0.0])
-                acc[0] += float(pair[0])
-                acc[1] += float(pair[1])
-        pp = self.parallel.pp
-        if pp > 1:
-            group = self.groups.pp
-            box = [totals]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, pp - 1), group=group)
-            totals = box[0]
-        return totals
-
     # -- weights -----------------------------------------------------------------------------
 
     def _check_single(self, what: str) -> None:
@@ -668,64 +487,3 @@ class Actor:
                 return model(tokens, positions, None)[0, :, : self.hf_vocab].float().cpu()
         finally:
             model.train()
-
-    # -- co-location memory ----------------------------------------------------------------
-
-    def _refresh_categories(self) -> None:
-        # Optimizer state appears at the first step and master gradients change every step:
-        # re-collect what is on the device now, in a fixed order so a shared storage (a
-        # master param that is the model's own parameter) always lands in the same category.
-        for category in OFFLOAD_CATEGORIES:
-            if not self._offloader.is_offloaded(category):
-                self._offloader.clear(category)
-                self._offloader.register(category, collect_offload_tensors(self.chunks, self.optimizer, category))
-
-    def offload(self, optimizer: bool = True, grad: bool = True, weights: bool = False) -> dict[str, int]:
-        """Move the chosen tensors to host memory and free their device storage (idempotent).
-
-        For co-location with a rollout engine on the same device: the storages are copied
-        (into pinned buffers where the accelerator supports them) and resized to 0, so views
-        into them stay valid and :meth:`onload` restores them bit for bit. ``update`` onloads
-        everything itself; ``compute_logprobs``, ``hf_state`` and ``forward_logits`` onload
-        the weights only.
-
-        Args:
-            optimizer: the optimizer's state (Adam moments, fp32 master weights and their
-                gradients; nothing for a frozen actor).
-            grad: the DDP gradient buffers (``grad_data``, which ``param.main_grad`` views).
-            weights: the model's parameters (e.g. the frozen reference while the actor trains).
-
-        Returns:
-            The bytes moved to the host by this call, per category.
-        """
-        self._refresh_categories()
-        chosen = [name for name, on in (("grad", grad), ("weights", weights), ("optimizer", optimizer)) if on]
-        moved = {name: self._offloader.offload(name) for name in chosen}
-        get_accelerator().empty_cache()  # hand the freed blocks back to the device for the engine
-        logger.debug("offloaded %s", moved)
-        return moved
-
-    def onload(self) -> dict[str, int]:
-        """Bring back everything :meth:`offload` moved (idempotent).
-
-        Returns:
-            The bytes moved back to the device by this call, per category.
-        """
-        return self._onload_categories(OFFLOAD_CATEGORIES)
-
-    def _onload_categories(self, categories: Sequence[str]) -> dict[str, int]:
-        return {name: self._offloader.onload(name) for name in categories}
-
-    def memory(self) -> dict[str, int]:
-        """Memory of this rank in bytes, for per-phase logs.
-
-        Returns:
-            ``device_allocated`` and ``device_peak`` (the accelerator's counters; on the CPU
-            the process' resident set and its peak), ``host_rss``, ``offloaded_bytes`` (on the
-            host now, all categories) and ``offloaded_<category>`` for ``grad``, ``weights``
-            and ``optimizer``.
-        """
-        offloaded = self._offloader.offloaded_bytes()
-        out = {**memory_snapshot(), "offloaded_bytes": sum(offloaded.values())}
-        out.update({f"offloaded_{name}": offloaded.get(name, 0) for name in OFFLOAD_CATEGORIES})
-        return out

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mindspeed.megatron.shared_prefix import shared_prefix_params
-from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
+from mindspeed.megatron.modules import RegistryAttention
+from mindspeed.megatron.shared_prefix import SUPPORTED_POSITION_EMBEDDINGS, shared_prefix_params
+from mindspeed.model.shape import ModelShape
+from mindspeed_llm.engine import PackSettings, pack_microbatch
 
 IGNORE_INDEX = -100
 
@@ -100,3 +102,65 @@ def pack_shared_prompts(pairs: Sequence[Pair], width: int, device: Any = None) -
         "resp_targets": targets.to(device),
         "resp_mask": mask.to(device),
     }
+
+
+def resolve_share_prompt(requested: bool | None, pp: int, shape: ModelShape, chunks: Sequence[Any]) -> bool:
+    """``actor.share_prompt`` against what the layout and the model allow.
+
+    Args:
+        requested: the setting (None: on where allowed; True: on, or a ``ValueError`` naming
+            what prevents it; False: off).
+        pp: the pipeline stages. shape: the model. chunks: its built chunks (their attention).
+    """
+    if requested is False:
+        return False
+    blockers = []
+    if pp > 1:
+        blockers.append(f"pp={pp} (pipeline stages exchange fixed-shape microbatches)")
+    if shape.position_embedding_type not in SUPPORTED_POSITION_EMBEDDINGS:
+        blockers.append(f"position embedding {shape.position_embedding_type!r}")
+    if shape.multi_latent_attention or shape.mtp_num_layers:
+        blockers.append("multi-latent attention or multi-token prediction")
+    attention = [m for c in chunks for n, m in c.named_modules() if n.endswith("core_attention")]
+    if not attention or not all(isinstance(m, RegistryAttention) for m in attention):
+        blockers.append("the core attention is not mindspeed's RegistryAttention")
+    if blockers and requested:
+        raise ValueError(
+            f"actor.share_prompt=true cannot apply with {'; '.join(blockers)}; "
+            "set actor.share_prompt=false or leave it unset"
+        )
+    return not blockers
+
+
+def pack_microbatches(
+    pairs: Sequence[Pair],
+    width: int,
+    micro_batch_size: int,
+    pp: int,
+    share_prompt: bool,
+    device: Any,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> list[dict[str, Any]]:
+    """THD microbatches of ``pairs`` on ``device`` with ``resp_index`` [n, width] into the packed tokens.
+
+    ``extra`` holds per-pair tensors ``[len(pairs), width]`` (old log-probs, advantages, ...)
+    that are cut into the microbatches alongside. With ``share_prompt`` the pairs of a
+    microbatch that share their prompt ids are packed as one shared-prefix segment.
+    """
+    mbs = micro_batch_size
+    longest = max(len(p) + len(r) for p, r in pairs)
+    # Pipeline stages exchange activations of one fixed shape: with pp > 1 every microbatch
+    # is padded to mbs * longest tokens (megatron's variable_seq_lengths would need the
+    # alltoall token dispatcher, and a shape handshake per microbatch).
+    settings = PackSettings(seq_length=longest, micro_batch_size=mbs, variable=pp == 1)
+    out = []
+    for first in range(0, len(pairs), mbs):
+        group = pairs[first : first + mbs]
+        if share_prompt:
+            batch = pack_shared_prompts(group, width, device)
+        else:
+            batch = pack_pairs(group, width, settings)
+        for key, value in (extra or {}).items():
+            batch[key] = value[first : first + mbs]
+        out.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
+    return out

@@ -22,9 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, plan_conversion
-from mindspeed_llm.bridges.layout import merge_tensors
-from mindspeed_llm.training.model import unwrap
+from mindspeed_llm.engine import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion, unwrap
 
 
 def vocab_parallel_logp_entropy(

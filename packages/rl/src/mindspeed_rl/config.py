@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features import FeaturesConfig
 from mindspeed_rl.config_checks import check_config
@@ -21,14 +22,13 @@ from mindspeed_rl.sections import (
     ActorConfig,
     AlgorithmConfig,
     BufferConfig,
-    CheckpointConfig,
-    DataConfig,
-    LoggingConfig,
+    PromptDataConfig,
     RayConfig,
     ReferenceConfig,
     RewardConfig,
+    RLLoggingConfig,
+    RLTrainConfig,
     RolloutConfig,
-    TrainConfig,
 )
 
 
@@ -42,10 +42,10 @@ class GRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: RLTrainConfig = field(default_factory=RLTrainConfig)
+    logging: RLLoggingConfig = field(default_factory=RLLoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     #: The actor's (and reference's) optimization level and feature settings, as an LLM recipe's.
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -95,13 +95,13 @@ __all__ = [
     "BufferConfig",
     "CheckpointConfig",
     "ConfigError",
-    "DataConfig",
     "GRPOConfig",
-    "LoggingConfig",
+    "PromptDataConfig",
+    "RLLoggingConfig",
+    "RLTrainConfig",
     "RayConfig",
     "ReferenceConfig",
     "RewardConfig",
     "RolloutConfig",
-    "TrainConfig",
     "load_grpo_config",
 ]

@@ -38,21 +38,20 @@ from typing import Any
 import torch
 
 from mindspeed.checkpointing import (
-    NonFiniteState,
     Preemption,
-    SkipCounter,
     StopRequest,
-    checkpoint_dir,
     fault_armed,
     fault_point,
     find_resume,
     holds_checkpoints,
     resolve_schedule,
 )
+from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
 from mindspeed.megatron.trusted_load import check_dist_checkpoint
-from mindspeed_llm.training.optim import schedule_settings, scheduler_state
+from mindspeed_llm.engine import schedule_settings, scheduler_state
+from mindspeed_rl.actor_settings import actor_settings
 from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config import GRPOConfig
@@ -60,11 +59,10 @@ from mindspeed_rl.data import load_prompts
 from mindspeed_rl.demo_model import resolve_model as resolve_demo
 from mindspeed_rl.ray_runtime import init_ray
 from mindspeed_rl.rewards import RewardModel
-from mindspeed_rl.sections import CheckpointConfig
+from mindspeed_rl.runner_checkpoints import RL_STATE, RunnerCheckpoints
 from mindspeed_rl.trainer import (
     GRPOContext,
     RolloutBatch,
-    actor_settings,
     collect_rollout,
     eval_due,
     evaluate,
@@ -79,7 +77,6 @@ logger = get_logger(__name__)
 
 #: Columns of the replay buffer: one per piece of a row of experience.
 COLUMNS = ("pair", "prompt", "reference", "rollout_logp", "reward", "parts", "batch_metrics", "sampler_state")
-RL_STATE = "rl_state.json"
 #: Default importance-sampling cap of the asynchronous mode (when ``algorithm.tis_cap`` is unset).
 ASYNC_TIS_CAP = 2.0
 
@@ -172,7 +169,7 @@ def find_run_checkpoint(c: CheckpointConfig) -> tuple[Path, dict[str, Any]] | No
     return found.path, json.loads((found.path / RL_STATE).read_text(encoding="utf-8"))
 
 
-class GRPORunner:
+class GRPORunner(RunnerCheckpoints):
     """A GRPO run on Ray.
 
     Args:
@@ -431,66 +428,7 @@ class GRPORunner:
             roles[self.reward_worker._actor_id.hex()] = "reward model worker"
         return roles
 
-    def newest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint in ``checkpoint.save`` (what the same command resumes from)."""
-        save = self.config.checkpoint.save
-        return find_resume(save, warn=False).path if save is not None and Path(save).is_dir() else None
-
     # -- checkpoints -------------------------------------------------------------------------
-
-    def _diverged(self, record: dict[str, float]) -> bool:
-        """Whether the actor's updates were refused ``train.max_nonfinite_steps`` times in a row (sets :attr:`failed`)."""
-        t = self.config.train
-        streak = int(record.get("nonfinite_streak", 0))
-        if streak < max(t.max_nonfinite_steps, 1):
-            return False
-        where = self.checkpoint_path()
-        a = self.config.actor
-        per_step = t.global_batch // (a.mini_batch_size or t.global_batch) * a.ppo_epochs
-        skips = SkipCounter(t.max_nonfinite_steps, lr_key="actor.lr", unit="actor update", streak=streak)
-        self.failed = skips.stop_line(
-            self.ctx.step * per_step,
-            self.config.actor.lr,
-            f"it resumes from {where}" if where is not None else "no checkpoint was saved, it starts from step 1",
-        )
-        return True
-
-    def _maybe_save(self) -> bool:
-        """Save when the recipe says; ``False`` when the save was refused for NaN/Inf state (sets :attr:`failed`)."""
-        c = self.config.checkpoint
-        if c.save is None:
-            return True
-        step = self.ctx.step
-        if step == self.config.train.steps or (c.interval and step % c.interval == 0):
-            return self._save_or_fail(c.save)
-        return True
-
-    def _save_or_fail(self, root: str) -> bool:
-        """:meth:`save`; ``False`` when it was refused for NaN/Inf state (sets :attr:`failed`)."""
-        try:
-            self.save(root)
-        except NonFiniteState as err:  # raised by every actor rank, through Ray: keep its own one line
-            self.failed = str(getattr(err, "cause", None) or err).strip().splitlines()[-1]
-            return False
-        return True
-
-    def save(self, root: str | Path) -> Path:
-        """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);
-        rotates complete checkpoints to ``checkpoint.keep_last``."""
-        state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
-        path = Path(
-            self.group.call(
-                "save", str(root), self.ctx.step, {RL_STATE: json.dumps(state)}, self.config.checkpoint.keep_last
-            )[0]
-        )
-        self.saved_step = self.ctx.step
-        logger.info("saved %s", path)
-        return path
-
-    def checkpoint_path(self) -> Path | None:
-        """The newest checkpoint this run saved or resumed from (``None``: none)."""
-        save = self.config.checkpoint.save
-        return checkpoint_dir(save, self.saved_step) if save is not None and self.saved_step is not None else None
 
     def _maybe_resume(self, resume: tuple[Path, dict[str, Any]] | None) -> None:
         if resume is None:
@@ -508,10 +446,6 @@ class GRPORunner:
         if not self.config.rollout.colocate and self.config.buffer.mode == "async":
             self.rollout.load_weights(*self._latest)  # the producer starts from the resumed version
         logger.info("resumed from %s (step %d)", path, self.ctx.step)
-
-    def save_hf(self, target: str | Path) -> str:
-        """Write the current policy as a Hugging Face directory."""
-        return self.group.call("save_hf", str(target))[0]
 
     def shutdown(self) -> None:
         """Stop the workers and give the pools back (Ray itself keeps running)."""

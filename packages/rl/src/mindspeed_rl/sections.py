@@ -1,18 +1,33 @@
-"""The sections of a GRPO recipe: one dataclass per section of the YAML file.
+"""The sections of a GRPO recipe: one dataclass per section of the YAML file, each with the
+check of its own values.
 
-:class:`~mindspeed_rl.config.GRPOConfig` holds one of each; the checks
-(:mod:`mindspeed_rl.config_checks`) read them through :class:`RecipeSections`, so neither
-module imports the other's recipe class.
+``train``, ``checkpoint`` and ``logging`` are the core's sections (:mod:`mindspeed.training_config`,
+:mod:`mindspeed.checkpointing.config`, :mod:`mindspeed.metrics.config`), extended with RL's keys
+where RL needs more. :class:`~mindspeed_rl.config.GRPOConfig` holds one of each; the checks of the
+sections against each other (:mod:`mindspeed_rl.config_checks`) read them through
+:class:`RecipeSections`, so neither module imports the other's recipe class.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from mindspeed.checkpointing.config import CheckpointConfig
+from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features import FeaturesConfig
-from mindspeed.metrics.config import LoggingConfig as CoreLoggingConfig
-from mindspeed_rl.algorithms.losses import PolicyLossConfig, policy_loss_config
+from mindspeed.metrics.config import LoggingConfig
+from mindspeed.training_config import TrainConfig
+from mindspeed_rl.algorithms.advantages import ADVANTAGES
+from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
+from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
+from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, policy_loss_config
+from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
+from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
+from mindspeed_rl.ppo_sections import KLControlConfig
+from mindspeed_rl.rewards.base import build_reward
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = (
@@ -84,6 +99,37 @@ class ActorConfig:
         """Devices of the actor: ``tp x pp x dp``."""
         return self.tp * self.pp * self.dp
 
+    def check(self) -> None:
+        """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
+        check_counts("actor", self, ("tp", "pp", "dp", "micro_batch_size", "ppo_epochs"))
+        check_counts("actor", self, ("max_tokens_per_micro_batch", "mini_batch_size"), optional=True)
+        check_model_dir(
+            "actor.model",
+            self.model,
+            True,
+            "give a Hugging Face model directory or a Megatron checkpoint, e.g. actor.model=/models/Qwen2.5-0.5B-Instruct",
+        )
+        if self.tokenizer not in (None, "demo"):
+            check_model_dir(
+                "actor.tokenizer", self.tokenizer, True, "give a tokenizer directory, demo, or leave it unset"
+            )
+        if not self.lr > 0:
+            raise ConfigError(f"actor.lr={self.lr} must be positive; give a learning rate such as actor.lr=1e-6")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"actor.{key}={getattr(self, key)} must be in [0, 1), e.g. 0.9")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"need 0 <= actor.min_lr <= actor.lr (got {self.min_lr} and {self.lr})")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"actor.clip_grad={self.clip_grad} and actor.weight_decay={self.weight_decay} must be >= 0"
+            )
+        if self.share_prompt and self.pp > 1:
+            raise ConfigError(
+                f"actor.share_prompt=true needs actor.pp=1 (got {self.pp}: pipeline stages exchange fixed-shape "
+                "microbatches); set actor.share_prompt=false or leave it unset"
+            )
+
 
 @dataclass
 class RolloutConfig:
@@ -118,6 +164,37 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     stop: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
+        check_counts("rollout", self, ("n", "max_prompt_length", "max_new_tokens", "tp", "max_num_seqs"))
+        check_counts("rollout", self, ("num_devices",), optional=True)
+        if self.stop:
+            raise ConfigError(
+                f"rollout.stop={self.stop!r}: stop strings are not supported by the rollout engines yet; "
+                "responses end at the tokenizer's EOS or rollout.max_new_tokens: unset rollout.stop"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature={self.temperature} must be positive (RL needs sampling, not greedy decoding)"
+            )
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"need 0 < rollout.top_p <= 1 and rollout.top_k >= 0 (got {self.top_p}, {self.top_k})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.engine=vllm but vllm is not installed: install mindspeed-rl[vllm] (vllm-ascend on "
+                "Ascend) or set rollout.engine=builtin"
+            )
+        if self.colocate and self.num_devices is not None:
+            raise ConfigError(
+                "rollout.num_devices is for a separated rollout pool; unset it or set rollout.colocate=false"
+            )
+        if not self.colocate and self.num_devices is None:
+            raise ConfigError("rollout.colocate=false needs rollout.num_devices (the rollout pool's size)")
+        if not self.colocate and self.num_devices % self.tp:
+            raise ConfigError(f"rollout.num_devices={self.num_devices} is not a multiple of rollout.tp={self.tp}")
+
 
 @dataclass
 class ReferenceConfig:
@@ -132,6 +209,15 @@ class ReferenceConfig:
     model: str | None = None
     colocate: bool = True
     offload: bool = True
+
+    def check(self) -> None:
+        """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
+        if not self.colocate:
+            raise ConfigError(
+                "reference.colocate=false (a reference on its own devices) is not supported yet; the reference "
+                "shares the actor's workers: set reference.colocate=true (reference.offload keeps its weights "
+                "in host memory between uses)"
+            )
 
 
 @dataclass
@@ -154,6 +240,27 @@ class RewardConfig:
     model_weight: float = 1.0
     model_batch_size: int = 8
 
+    def check(self) -> None:
+        """Check the verifiers, their options and the reward model (raises ``ConfigError`` naming the key)."""
+        check_counts("reward", self, ("model_batch_size",))
+        if not self.verifiers and self.model is None:
+            raise ConfigError("no reward: set reward.verifiers (e.g. [math]) and/or reward.model")
+        if self.weights is not None and len(self.weights) != len(self.verifiers):
+            raise ConfigError(
+                f"reward.weights has {len(self.weights)} entries for {len(self.verifiers)} reward.verifiers; "
+                "give one weight per verifier"
+            )
+        if any(not isinstance(v, dict) for v in self.options.values()):
+            raise ConfigError(
+                "reward.options maps a verifier name to a mapping of its options, e.g. {format: {preset: think}}"
+            )
+        try:
+            build_reward(self.verifiers, self.weights, self.options)
+        except ValueError as err:
+            raise ConfigError(f"reward: {err}") from err
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(f"reward.model={self.model!r} is not a Hugging Face model directory (no config.json)")
+
 
 @dataclass
 class AlgorithmConfig:
@@ -163,7 +270,9 @@ class AlgorithmConfig:
         advantage: a key of ``ADVANTAGES`` (``grpo``, ``grpo_no_std``, ``rloo``) or of
             ``TOKEN_ADVANTAGES`` (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``).
         adv_eps: added to the group std of ``grpo``.
-        gamma: discount of the REINFORCE++ returns (1: the plain sum of the rewards to come).
+        gamma: discount of the REINFORCE++ and GAE returns (1: the plain sum of the rewards to come).
+        lam: GAE's lambda (``advantage: gae``, PPO with a critic; 1: Monte Carlo, 0: one-step TD).
+        kl_ctrl: PPO's KL-in-reward coefficient, fixed or adaptive (:class:`~mindspeed_rl.ppo_sections.KLControlConfig`).
         use_kl_in_reward: fold ``-kl_in_reward_coef * kl(policy, reference)`` into the per-token
             reward (REINFORCE++, verl's ``use_kl_in_reward``) instead of a KL term in the loss;
             the loss's ``kl_coef`` then defaults to 0, and setting it > 0 as well is an error.
@@ -184,6 +293,8 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     gamma: float = 1.0
+    lam: float = 1.0
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_kl_in_reward: bool = False
     kl_in_reward_coef: float = 0.001
     kl_in_reward_estimator: str = "k1"
@@ -229,6 +340,55 @@ class AlgorithmConfig:
         """Whether a reference policy is needed (a KL penalty, in the loss or the reward, with beta > 0)."""
         return self.loss_config().kl_coef > 0 or self.kl_in_reward()
 
+    def check(self) -> None:
+        """Check the registries' names, the loss settings and DAPO's extras (raises ``ConfigError``)."""
+        check_counts("algorithm", self, ("dynamic_sampling_max_rounds",))
+        self.check_advantage()
+        self._check_kl_in_reward()
+        if self.loss not in POLICY_LOSSES:
+            raise ConfigError(f"algorithm.loss={self.loss!r}; use one of {', '.join(map(str, POLICY_LOSSES.keys()))}")
+        try:
+            self.loss_config().validate()
+        except ValueError as err:
+            raise ConfigError(f"algorithm: {err}") from err
+        if self.adv_eps < 0 or self.overlong_penalty_factor < 0:
+            raise ConfigError(
+                f"algorithm.adv_eps={self.adv_eps} and algorithm.overlong_penalty_factor="
+                f"{self.overlong_penalty_factor} must be >= 0"
+            )
+
+    def check_advantage(self) -> None:
+        """Check that ``advantage`` names a registered advantage (raises ``ConfigError`` listing them)."""
+        known = [*ADVANTAGES.keys(), *TOKEN_ADVANTAGES.keys(), *VALUE_ADVANTAGES.keys()]
+        if self.advantage not in known:
+            raise ConfigError(f"algorithm.advantage={self.advantage!r}; use one of {', '.join(map(str, known))}")
+
+    def _check_kl_in_reward(self) -> None:
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"algorithm.gamma={self.gamma} must be in (0, 1]")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ConfigError(f"algorithm.norm_length={self.norm_length} must be a positive number of tokens")
+        if not self.use_kl_in_reward:
+            return
+        if self.advantage not in TOKEN_ADVANTAGES and self.advantage not in VALUE_ADVANTAGES:
+            raise ConfigError(
+                f"algorithm.use_kl_in_reward needs a token-level advantage (one of "
+                f"{', '.join(map(str, TOKEN_ADVANTAGES.keys()))}), not {self.advantage!r}; set algorithm.advantage "
+                "or use the loss's KL (algorithm.kl_coef) instead"
+            )
+        if self.kl_in_reward_coef < 0:
+            raise ConfigError(f"algorithm.kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0")
+        if self.kl_in_reward_estimator not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"algorithm.kl_in_reward_estimator={self.kl_in_reward_estimator!r}; use one of "
+                f"{', '.join(map(str, KL_ESTIMATORS.keys()))}"
+            )
+        if self.kl_coef:
+            raise ConfigError(
+                f"algorithm.use_kl_in_reward with algorithm.kl_coef={self.kl_coef} counts the KL twice (in the "
+                "reward and in the loss); set algorithm.kl_coef=0 or algorithm.use_kl_in_reward=false"
+            )
+
 
 @dataclass
 class BufferConfig:
@@ -247,10 +407,26 @@ class BufferConfig:
         """The effective bound."""
         return self.max_staleness if self.max_staleness is not None else (0 if self.mode == "sync" else 1)
 
+    def check(self) -> None:
+        """Check the bound against the mode (raises ``ConfigError`` naming the key and the fix)."""
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"buffer.max_staleness={self.max_staleness} must be >= 0")
+        if self.mode == "sync" and self.staleness() != 0:
+            raise ConfigError(
+                f"buffer.mode=sync is on-policy: buffer.max_staleness={self.max_staleness} must be 0; "
+                "set buffer.mode=async to let the rollout run ahead"
+            )
+        if self.mode == "async" and self.staleness() == 0:
+            raise ConfigError(
+                "buffer.mode=async with buffer.max_staleness=0 is synchronous; set buffer.max_staleness >= 1 "
+                "or buffer.mode=sync"
+            )
 
+
+@recipe_section(name="DataConfig")
 @dataclass
-class DataConfig:
-    """Prompts.
+class PromptDataConfig:
+    """The ``data`` section of an RL recipe: the prompts (and their references) the rollout answers.
 
     Attributes:
         path: a .jsonl/.json/.parquet file, or ``demo`` (the shipped arithmetic set).
@@ -272,6 +448,26 @@ class DataConfig:
     system: str | None = None
     shuffle: bool = True
 
+    def check(self) -> None:
+        """Check the files, the field names and the prompt format (raises ``ConfigError`` naming the key)."""
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value is not None:
+                try:
+                    resolve_data_path(value)
+                except ValueError as err:
+                    raise ConfigError(f"data.{key}: {err}") from err
+        unknown = sorted(set(self.map_keys) - set(DEFAULT_MAP_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"data.map_keys: unknown key(s) {', '.join(unknown)}; map prompt and reference, e.g. "
+                "{prompt: problem, reference: solution}"
+            )
+        try:
+            PromptFormat(self.prompt_format, self.prompt_template, self.instruction, self.system)
+        except ValueError as err:
+            raise ConfigError(f"data.prompt_template: {err}") from err
+
 
 @dataclass
 class RayConfig:
@@ -285,40 +481,66 @@ class RayConfig:
     address: str | None = None
     num_cpus: int | None = None
 
+    def check(self) -> None:
+        """Check the CPU count (raises ``ConfigError``)."""
+        check_counts("ray", self, ("num_cpus",), optional=True)
 
+
+@recipe_section(
+    name="TrainConfig",
+    keys=(
+        "steps",
+        "global_batch",
+        "seed",
+        "eval_interval",
+        "eval_temperature",
+        "eval_n",
+        "exit_duration_mins",
+        "max_nonfinite_steps",
+    ),
+)
 @dataclass
-class TrainConfig:
-    """Steps and batches.
+class RLTrainConfig(TrainConfig):
+    """The core's ``train`` section (:class:`mindspeed.training_config.TrainConfig`: steps, seed, the
+    stops) with RL's batch of prompts and evaluation.
+
+    ``steps`` counts GRPO steps (rollout + update); ``seed`` seeds the prompt order, the sampling
+    and the weights of a fresh model; ``max_nonfinite_steps`` counts consecutive actor updates
+    (optimizer steps). The optimizer and its schedule are the ``actor`` section's.
 
     Attributes:
-        steps: GRPO steps (rollout + update).
         global_batch: prompts per step (each sampled ``rollout.n`` times).
-        seed: seeds the prompt order, the sampling and the weights of a fresh model.
         eval_interval: evaluate on ``data.eval_path`` every this many steps, and before the first
             step and after the last (default: never).
         eval_temperature: sampling temperature of the evaluation (0: greedy).
         eval_n: responses per held-out prompt (with ``eval_temperature`` > 0; seeded, the same
             seeds at every evaluation, so the evaluations of a run are comparable).
-        exit_duration_mins: stop after this many minutes (megatron's ``--exit-duration-in-mins``):
-            the current step finishes, a checkpoint is saved and the command exits 0; the same
-            command resumes.
-        max_nonfinite_steps: stop after this many consecutive actor updates (optimizer steps) with a
-            NaN/Inf loss or gradient norm (each is skipped before the optimizer applies it: no
-            update, no schedule step); exit status 1, as the LLM trainer's key of the same name.
     """
 
-    steps: int = 100
     global_batch: int = 8
-    seed: int = 1234
     eval_interval: int | None = None
     eval_temperature: float = 0.0
     eval_n: int = 1
-    exit_duration_mins: float | None = None
-    max_nonfinite_steps: int = 3
+
+    def check(self) -> None:
+        """The core's checks, the batch and the evaluation (raises ``ConfigError`` naming the key)."""
+        check_counts("train", self, ("steps", "global_batch"))
+        check_counts("train", self, ("eval_interval",), optional=True)
+        super().check()
+        if self.eval_temperature < 0 or self.eval_n < 1:
+            raise ConfigError(
+                f"train.eval_temperature={self.eval_temperature} must be >= 0 and train.eval_n={self.eval_n} >= 1"
+            )
+        if self.eval_n > 1 and self.eval_temperature == 0:
+            raise ConfigError(
+                f"train.eval_n={self.eval_n} with greedy evaluation (train.eval_temperature=0) repeats the same "
+                "response; set train.eval_temperature > 0 (e.g. 1.0) or train.eval_n=1"
+            )
 
 
+@recipe_section(name="LoggingConfig")
 @dataclass
-class LoggingConfig(CoreLoggingConfig):
+class RLLoggingConfig(LoggingConfig):
     """The core's ``logging`` section (:class:`mindspeed.metrics.config.LoggingConfig`: dir, interval,
     progress, trackers and their settings) plus RL's curve.
 
@@ -329,38 +551,24 @@ class LoggingConfig(CoreLoggingConfig):
     reward_curve: bool = True
 
 
-@dataclass
-class CheckpointConfig:
-    """Checkpoints of the whole run (actor, optimizer, prompt order, buffer version).
+def check_counts(section: str, values: object, keys: tuple[str, ...], optional: bool = False) -> None:
+    """Raise when one of ``keys`` of ``values`` is below 1 (``optional``: unset is fine)."""
+    for key in keys:
+        value = getattr(values, key)
+        if optional and value is None:
+            continue
+        if value < 1:
+            raise ConfigError(f"{section}.{key}={value} must be at least 1" + (" (or unset)" if optional else ""))
 
-    Attributes:
-        save: directory of the checkpoints (default: none are written).
-        interval: save every this many steps (default: only at the end).
-        keep_last: keep only this many newest complete checkpoints (default: all).
-        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones are
-            skipped with a warning); a ``save`` holding checkpoints but no complete one is an
-            error unless this is false.
-        save_hf: write the final policy as a Hugging Face directory here.
-        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the actor was trained
-            in), float32, bfloat16 or float16; its config.json always says the dtype written.
-        override_scheduler: on resume, when the actor's learning-rate schedule (``actor.lr``,
-            ``min_lr``, ``lr_warmup_steps``, ``lr_decay_style``, ``weight_decay``, and the decay
-            length that ``train.steps`` sets) differs from the checkpoint's, the recipe wins: the
-            schedule goes on from the resumed update with the recipe's values (megatron's
-            ``--override-opt_param-scheduler``). A difference with neither this nor
-            ``use_checkpoint_scheduler`` is an error that lists it.
-        use_checkpoint_scheduler: on resume, the checkpoint's schedule wins over a different one
-            in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
-    """
 
-    save: str | None = None
-    interval: int | None = None
-    keep_last: int | None = None
-    resume: bool = True
-    save_hf: str | None = None
-    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    override_scheduler: bool = False
-    use_checkpoint_scheduler: bool = False
+def check_model_dir(key: str, path: str | None, required: bool, what: str) -> None:
+    """Raise when the directory ``path`` of ``key`` is missing (``what``: the fix)."""
+    if path is None:
+        if required:
+            raise ConfigError(f"{key} is required: {what}")
+        return
+    if not Path(path).exists():
+        raise ConfigError(f"{key}={path!r} does not exist: {what}")
 
 
 class RecipeSections(Protocol):
@@ -372,9 +580,9 @@ class RecipeSections(Protocol):
     reward: RewardConfig
     algorithm: AlgorithmConfig
     buffer: BufferConfig
-    data: DataConfig
+    data: PromptDataConfig
     ray: RayConfig
-    train: TrainConfig
-    logging: LoggingConfig
+    train: RLTrainConfig
+    logging: RLLoggingConfig
     checkpoint: CheckpointConfig
     features: FeaturesConfig

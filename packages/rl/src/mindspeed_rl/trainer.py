@@ -17,15 +17,16 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed_llm.inference import InferenceEngine
-from mindspeed_llm.inference.sampling import SamplingParams
-from mindspeed_rl.actor import Actor, ActorSettings
+from mindspeed_llm.engine import InferenceEngine, SamplingParams
+from mindspeed_rl.actor import Actor
+from mindspeed_rl.actor_settings import actor_settings
 from mindspeed_rl.algorithms import (
     TOKEN_ADVANTAGES,
     DynamicSampler,
@@ -39,7 +40,7 @@ from mindspeed_rl.config import GRPOConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
-from mindspeed_rl.sections import TrainConfig
+from mindspeed_rl.sections import RLTrainConfig
 
 logger = get_logger(__name__)
 
@@ -365,7 +366,7 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     return out
 
 
-def eval_due(step: int, train: TrainConfig) -> bool:
+def eval_due(step: int, train: RLTrainConfig) -> bool:
     """Whether the held-out set is evaluated after ``step``: every ``train.eval_interval`` steps and after the last."""
     interval = train.eval_interval
     return interval is not None and (step % interval == 0 or step == train.steps)
@@ -381,33 +382,8 @@ def _ensure_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
-def actor_settings(config: GRPOConfig) -> ActorSettings:
-    """The actor's optimizer/batching/loss settings from a recipe."""
-    a, algo = config.actor, config.algorithm
-    mini = a.mini_batch_size or config.train.global_batch
-    updates = config.train.steps * (config.train.global_batch // mini) * a.ppo_epochs
-    return ActorSettings.adamw(
-        lr=a.lr,
-        min_lr=a.min_lr,
-        lr_warmup_steps=a.lr_warmup_steps,
-        lr_decay_style=a.lr_decay_style,
-        lr_decay_steps=updates,
-        weight_decay=a.weight_decay,
-        clip_grad=a.clip_grad,
-        adam_beta1=a.adam_beta1,
-        adam_beta2=a.adam_beta2,
-        precision=a.precision,
-        micro_batch_size=a.micro_batch_size,
-        share_prompt=a.share_prompt,
-        max_nonfinite_steps=config.train.max_nonfinite_steps,
-        seed=config.train.seed,
-        loss=algo.loss,
-        # Dr. GRPO's divisor is fixed for the run (not the widest response of each batch).
-        loss_config=replace(algo.loss_config(), norm_length=algo.norm_length or config.rollout.max_new_tokens),
-    )
+    backend = get_accelerator().dist_backend
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def prompt_pieces(

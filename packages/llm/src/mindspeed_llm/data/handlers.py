@@ -276,6 +276,13 @@ class _PairwiseHandler(_ConversationHandler):
         for side in ("chosen", "rejected"):
             input_ids, labels = self.encoder.encode(system, prompt + [self._reply(record, side)], train_last_only=True)
             out[f"{side}_input_ids"], out[f"{side}_labels"] = _int32(input_ids), _int32(labels)
+        # A pair whose answers tokenize the same teaches nothing (a reward model's loss stays at
+        # log 2): most often a chat template that renders the prompts and drops the replies.
+        if np.array_equal(out["chosen_input_ids"], out["rejected_input_ids"]):
+            raise BadRecordError(
+                "chosen and rejected give the same tokens (a chat template that drops the replies?); "
+                "pass --prompt-type (data.prompt_type), or give answers that differ"
+            )
         return out
 
     def sample_length(self, encoded: dict[str, np.ndarray | None]) -> int:

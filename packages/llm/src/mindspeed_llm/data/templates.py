@@ -98,6 +98,11 @@ _CHATML = dict(
     separator="\n",
     add_eos=False,
 )
+# GSM8K's plain format, the RL demo's ``data.prompt_template``, as mindspeed-rl's ``reward.model`` scores a
+# response: the text ``prompt + response`` tokenized (``<s>Question: ...\nAnswer:<reply>``), no EOS after it.
+PROMPT_TYPES.register(
+    "question_answer", PromptTemplate(user="Question: {content}\nAnswer:", add_bos=True, add_eos=False)
+)
 PROMPT_TYPES.register("chatml", PromptTemplate(**_CHATML))
 PROMPT_TYPES.register("qwen", PromptTemplate(**_CHATML, default_system="You are a helpful assistant."))
 PROMPT_TYPES.register(

@@ -17,7 +17,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from mindspeed.device import get_accelerator
 from mindspeed.device.cuda_shim import redirect_suspended
 from mindspeed.log import get_logger
 from mindspeed_llm.bridges import Bridge, bridge_for_architectures
-from mindspeed_llm.inference.cache import CausalStep, DecodeStep, KVCache, PrefillStep
+from mindspeed_llm.inference.batching import ContinuousBatching, Request, Stream
+from mindspeed_llm.inference.cache import CausalStep, KVCache
 from mindspeed_llm.inference.loading import open_checkpoint, parse_dtype
 from mindspeed_llm.inference.model import Decoder
 from mindspeed_llm.inference.sampling import Sampler, SamplingParams
@@ -49,12 +50,8 @@ def _outside_redirect(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-#: Cache lengths are rounded up to a multiple of this (fewer reallocations across calls).
-_CACHE_ROUND = 64
 #: Positions per logits call in :meth:`InferenceEngine.score` (bounds the ``[tokens, vocab]`` buffer).
 _SCORE_CHUNK = 1024
-
-Stream = Callable[[int, int], None]
 
 
 @dataclass
@@ -76,25 +73,7 @@ class GenerationOutput:
     finish_reason: str
 
 
-@dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: int | None  # the sampler's noise key (None: greedy)
-    stops: frozenset[int]
-    limit: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def cached(self) -> int:
-        """Positions holding keys in the cache (all but the newest token)."""
-        return len(self.prompt) + len(self.tokens) - 1
-
-
-class InferenceEngine:
+class InferenceEngine(ContinuousBatching):
     """Generation, scoring and weight updates on one device.
 
     Args:
@@ -275,7 +254,7 @@ class InferenceEngine:
                 self._retire(running)
         return [GenerationOutput(list(r.prompt), r.tokens, r.logprobs, r.finish_reason or "length") for r in requests]
 
-    def _request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> _Request:
+    def _request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> Request:
         tokens = [int(t) for t in prompt]
         vocab = self.model.spec.vocab_size
         if not tokens:
@@ -289,115 +268,12 @@ class InferenceEngine:
             )
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         limit = min(params.max_new_tokens, self.max_seq_len - len(tokens))
-        return _Request(index, tokens, params, self.sampler.generator(params), frozenset(stops), limit)
-
-    def _ensure_cache(self, slots: int, length: int) -> None:
-        length = min(self.max_seq_len, -(-length // _CACHE_ROUND) * _CACHE_ROUND)
-        if self.cache is not None and self.cache.fits(slots, length, self.model.dtype):
-            return
-        if self.cache is not None:  # grow to cover both the old and the new need
-            slots, length = max(slots, self.cache.num_slots), max(length, self.cache.max_len)
-        spec = self.model.spec
-        self.cache = None  # free the old one first
-        self.cache = KVCache(
-            spec.num_layers,
-            slots,
-            length,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.windows,
-            self.model.dtype,
-            self.model.device,
-        )
-        logger.debug("KV cache: %d slots x %d tokens, %.1f MB", slots, length, self.cache.nbytes / 1e6)
+        return Request(index, tokens, params, self.sampler.generator(params), frozenset(stops), limit)
 
     def free_cache(self) -> None:
         """Release the KV cache (e.g. before training steps share the device); the next call allocates
         one again."""
         self.cache = None
-
-    def _admit(self, waiting: collections.deque, free: int) -> list[_Request]:
-        # The budget counts the prompts a prefill runs: with prefix sharing, distinct prompts only.
-        admitted = [waiting.popleft()]
-        longest, distinct = len(admitted[0].prompt), {tuple(admitted[0].prompt)}
-        while waiting and len(admitted) < free:
-            prompt = tuple(waiting[0].prompt)
-            rows = len(distinct | {prompt}) if self.prefix_sharing else len(admitted) + 1
-            if max(longest, len(prompt)) * rows > self.max_prefill_tokens:
-                break
-            longest = max(longest, len(prompt))
-            distinct.add(prompt)
-            admitted.append(waiting.popleft())
-        if not self.prefix_sharing:
-            return admitted
-        # First occurrences first: they are prefilled into slots start .. start + distinct - 1.
-        first: dict[tuple[int, ...], _Request] = {}
-        for request in admitted:
-            first.setdefault(tuple(request.prompt), request)
-        leaders = list(first.values())
-        return leaders + [r for r in admitted if first[tuple(r.prompt)] is not r]
-
-    def _prefill(self, requests: list[_Request], start: int, stream: Stream | None) -> None:
-        # ``requests`` come from :meth:`_admit`: with prefix sharing, each distinct prompt's first
-        # request precedes every request that repeats it.
-        model, device = self.model, self.model.device
-        rows: dict[tuple[int, ...], int] = {}
-        source = [
-            rows.setdefault(tuple(r.prompt), len(rows)) if self.prefix_sharing else i for i, r in enumerate(requests)
-        ]
-        leaders = requests[: len(rows)] if self.prefix_sharing else requests
-        lengths = [len(r.prompt) for r in leaders]
-        seq = max(lengths)
-        tokens = torch.zeros(len(leaders), seq, dtype=torch.long)
-        for row, request in enumerate(leaders):
-            tokens[row, : lengths[row]] = torch.tensor(request.prompt)
-        positions = torch.arange(seq).repeat(len(leaders))
-        step = PrefillStep(model.attention, model.spec.windows, model.scale, len(leaders), seq, self.cache, start)
-        hidden = model.hidden(tokens.view(-1).to(device), positions.to(device), step)
-        self.cache.close_rows(start, lengths)
-        for row in range(len(leaders), len(requests)):  # the shared prompts' keys and values
-            self.cache.move(start + source[row], start + row, lengths[source[row]])
-        last = torch.tensor([row * seq + length - 1 for row, length in enumerate(lengths)], device=device)
-        logits = model.logits(hidden[last])
-        if len(leaders) < len(requests):
-            logits = logits[torch.tensor(source, device=device)]
-        self._advance(requests, logits, stream)
-
-    def _decode(self, running: list[_Request], stream: Stream | None) -> None:
-        model, device = self.model, self.model.device
-        tokens = torch.tensor([r.tokens[-1] for r in running], device=device)
-        cached = [r.cached for r in running]
-        positions = torch.tensor(cached, device=device)
-        step = DecodeStep(model.attention, model.scale, self.cache, positions, max(cached) + 1)
-        self._advance(running, model.logits(model.hidden(tokens, positions, step)), stream)
-
-    def _advance(self, requests: list[_Request], logits: torch.Tensor, stream: Stream | None) -> None:
-        tokens, logprobs = self.sampler.sample(
-            logits, [r.params for r in requests], [r.generator for r in requests], [len(r.tokens) for r in requests]
-        )
-        for request, token, logprob in zip(requests, tokens, logprobs):
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            if stream is not None:
-                stream(request.index, token)
-            if token in request.stops:
-                request.finish_reason = "stop"
-            elif len(request.tokens) >= request.limit:
-                request.finish_reason = "length"
-
-    def _retire(self, running: list[_Request]) -> None:
-        # Finished requests leave; the last running request moves into each hole, so the
-        # running ones stay in slots 0 .. n-1 (a decode step attends over one plain slice).
-        index = 0
-        while index < len(running):
-            if running[index].finish_reason is None:
-                index += 1
-                continue
-            last = len(running) - 1
-            if index != last:
-                self.cache.move(last, index, running[last].cached)
-                running[index] = running[last]
-            running.pop()
 
     # -- scoring and reference forward -------------------------------------------------------
 

@@ -10,28 +10,26 @@ that does not fit.
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from mindspeed.checkpointing import check_scheduler_flags
 from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.features.pipeline import check_noop_layers
 from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
 from mindspeed_llm.training.lora import LoraSettings
 from mindspeed_llm.training.sections import (
-    CheckpointConfig,
-    DataConfig,
     DpoConfig,
-    EvalConfig,
-    LoggingConfig,
+    LLMCheckpointConfig,
+    LLMEvalConfig,
+    LLMLoggingConfig,
+    LLMTrainConfig,
     LoraConfig,
     ModelConfig,
     ParallelConfig,
     RmConfig,
-    TrainConfig,
+    TextDataConfig,
 )
 
 #: Names of the sections of a recipe, in the order they are documented.
@@ -48,20 +46,20 @@ class PretrainConfig:
     """A pretraining recipe: model, layout, optimisation, data, evaluation, checkpoints, features.
 
     Attributes:
-        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`TrainConfig`.
-        data: :class:`DataConfig`. eval: :class:`EvalConfig`. checkpoint: :class:`CheckpointConfig`.
-        logging: :class:`LoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
+        model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`LLMTrainConfig`.
+        data: :class:`TextDataConfig`. eval: :class:`LLMEvalConfig`. checkpoint: :class:`LLMCheckpointConfig`.
+        logging: :class:`LLMLoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
         lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. rm: :class:`RmConfig`. stage: ``pretrain``,
             ``sft``, ``dpo`` or ``rm`` (set by the command).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: LLMTrainConfig = field(default_factory=LLMTrainConfig)
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    eval: LLMEvalConfig = field(default_factory=LLMEvalConfig)
+    checkpoint: LLMCheckpointConfig = field(default_factory=LLMCheckpointConfig)
+    logging: LLMLoggingConfig = field(default_factory=LLMLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
@@ -151,127 +149,139 @@ class PretrainConfig:
             raise ConfigError("rm: the score head reads whole sequences; set parallel.sequence_parallel=false")
 
     def check(self, world_size: int) -> None:
-        """Check the values against each other and against ``world_size``.
+        """Check each section's values, then the sections against each other and ``world_size``.
 
         Raises:
             ConfigError: naming the key and the fix of the first problem found.
         """
-        _check_positive(self)
         self.logging.check()
-        m, p, t, d = self.model, self.parallel, self.train, self.data
-        model_parallel = p.tp * p.pp * p.cp
-        if world_size % model_parallel:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
-                f"{model_parallel}; change the layout or the number of processes"
-            )
-        dp = world_size // model_parallel
-        if p.cp > 1:
-            _check_context_parallel(self)
-        if p.vpp is not None and p.pp == 1:
-            raise ConfigError("parallel.vpp needs pipeline parallelism; set parallel.pp > 1 or unset parallel.vpp")
-        if m.num_layers % (p.pp * (p.vpp or 1)):
-            raise ConfigError(
-                f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
-                f"{p.pp * (p.vpp or 1)}; change one of them"
-            )
-        if m.noop_indices():
-            try:
-                check_noop_layers(m.noop_indices(), m.num_layers, p.pp * (p.vpp or 1))
-            except ValueError as error:
-                raise ConfigError(f"model.{error}") from error
-        groups = m.num_query_groups or m.num_attention_heads
-        if m.num_attention_heads % groups:
-            raise ConfigError(
-                f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"
-            )
-        if m.num_attention_heads % p.tp or groups % p.tp:
-            raise ConfigError(
-                f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups={groups} "
-                f"must be divisible by parallel.tp={p.tp}; lower parallel.tp"
-            )
-        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                f"{m.num_attention_heads}; set model.kv_channels or change the shape"
-            )
-        if p.sequence_parallel and p.tp == 1:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
-        if p.sequence_parallel and d.seq_length % p.tp:
-            raise ConfigError(
-                f"data.seq_length={d.seq_length} must be divisible by parallel.tp={p.tp} with sequence parallelism"
-            )
-        if p.ep > 1 and not m.num_moe_experts:
-            raise ConfigError("parallel.ep > 1 needs an MoE model; set model.num_moe_experts or parallel.ep=1")
-        if m.num_moe_experts:
-            if m.num_moe_experts % p.ep:
-                raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by parallel.ep={p.ep}")
-            if (p.tp * dp) % (p.ep * (p.etp or p.tp)):
-                raise ConfigError(
-                    f"parallel.ep x parallel.etp = {p.ep * (p.etp or p.tp)} must divide parallel.tp x "
-                    f"data-parallel size = {p.tp * dp}"
-                )
-        if p.overlap_param_gather and not p.distributed_optimizer:
-            raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true")
-        micro_dp = t.micro_batch_size * dp
-        gbs = self.global_batch_size(world_size)
-        if gbs % micro_dp:
-            raise ConfigError(
-                f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size x "
-                f"data-parallel size = {t.micro_batch_size} x {dp}; use a multiple of {micro_dp}"
-            )
-        if p.vpp is not None and (gbs // micro_dp) % p.pp:
-            raise ConfigError(
-                f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
-                f"multiple of parallel.pp={p.pp}; raise train.global_batch_size"
-            )
-        _check_optimizer(t)
-        if t.lr < t.min_lr or t.lr_warmup_init > t.lr:
-            raise ConfigError(
-                f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
-                f"(got {t.lr_warmup_init}, {t.min_lr}, {t.lr})"
-            )
-        decay = t.lr_decay_steps or t.steps
-        if t.steps and t.lr_warmup_steps and t.lr_warmup_steps >= decay:
-            raise ConfigError(
-                f"train.lr_warmup_steps={t.lr_warmup_steps} must be below train.lr_decay_steps "
-                f"(default train.steps) = {decay}"
-            )
-        if not d.prefixes and not d.mock and not (d.input and self.stage != "pretrain"):
-            raise ConfigError(
-                "data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
-                "as written by `mindspeed-llm preprocess-data`), or set data.mock=true"
-            )
-        for prefix in d.prefixes if self.stage == "pretrain" else ():
-            missing = [prefix + suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
-            if missing:
-                raise ConfigError(
-                    f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
-                    "PREFIX.idx: preprocess-data's --output-prefix followed by _text_document)"
-                )
-        if d.weights is not None and len(d.weights) != len(d.prefixes):
-            raise ConfigError(
-                f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes; "
-                "give one weight per prefix"
-            )
-        _check_split(d.split)
-        if m.vocab_size is None and d.tokenizer is None:
-            raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
-        if (d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id is None and d.tokenizer is None:
-            raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
+        _check_positive(self)
+        self.eval.check()
+        self.train.check()
+        self.data.check()
+        self.checkpoint.check()
+        _check_layout(self, world_size)
+        _check_batch(self, world_size)
+        _check_data_sources(self)
         _check_eod_reset(self)
         if self.stage != "pretrain":
             self._check_finetune()
-        elif d.input is not None:
+        elif self.data.input is not None:
             raise ConfigError(
                 "data.input (raw records tokenized at the start) is for sft and dpo; pretraining reads "
                 "preprocessed data.prefixes"
             )
         self._check_lora()
-        check_scheduler_flags(self.checkpoint.override_scheduler, self.checkpoint.use_checkpoint_scheduler)
-        if self.checkpoint.finetune and not self.checkpoint.load:
-            raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
-        _check_megatron_fields(m.megatron)
+        _check_megatron_fields(self.model.megatron)
+
+
+def _check_layout(config: PretrainConfig, world_size: int) -> None:
+    """The parallel layout against the world size, the model's shape and the sequence length."""
+    m, p, d = config.model, config.parallel, config.data
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+            f"{model_parallel}; change the layout or the number of processes"
+        )
+    if p.cp > 1:
+        _check_context_parallel(config)
+    if p.vpp is not None and p.pp == 1:
+        raise ConfigError("parallel.vpp needs pipeline parallelism; set parallel.pp > 1 or unset parallel.vpp")
+    if m.num_layers % (p.pp * (p.vpp or 1)):
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = "
+            f"{p.pp * (p.vpp or 1)}; change one of them"
+        )
+    if m.noop_indices():
+        try:
+            check_noop_layers(m.noop_indices(), m.num_layers, p.pp * (p.vpp or 1))
+        except ValueError as error:
+            raise ConfigError(f"model.{error}") from error
+    _check_heads(config)
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; set parallel.sequence_parallel=false")
+    if p.sequence_parallel and d.seq_length % p.tp:
+        raise ConfigError(
+            f"data.seq_length={d.seq_length} must be divisible by parallel.tp={p.tp} with sequence parallelism"
+        )
+    _check_experts(config, world_size // model_parallel)
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        raise ConfigError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true")
+
+
+def _check_heads(config: PretrainConfig) -> None:
+    """Attention heads against query groups, tensor parallelism and the hidden size."""
+    m, p = config.model, config.parallel
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"
+        )
+    if m.num_attention_heads % p.tp or groups % p.tp:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups={groups} "
+            f"must be divisible by parallel.tp={p.tp}; lower parallel.tp"
+        )
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; set model.kv_channels or change the shape"
+        )
+
+
+def _check_experts(config: PretrainConfig, dp: int) -> None:
+    """Expert parallelism against the MoE model and the data-parallel size ``dp``."""
+    m, p = config.model, config.parallel
+    if p.ep > 1 and not m.num_moe_experts:
+        raise ConfigError("parallel.ep > 1 needs an MoE model; set model.num_moe_experts or parallel.ep=1")
+    if m.num_moe_experts:
+        if m.num_moe_experts % p.ep:
+            raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by parallel.ep={p.ep}")
+        if (p.tp * dp) % (p.ep * (p.etp or p.tp)):
+            raise ConfigError(
+                f"parallel.ep x parallel.etp = {p.ep * (p.etp or p.tp)} must divide parallel.tp x "
+                f"data-parallel size = {p.tp * dp}"
+            )
+
+
+def _check_batch(config: PretrainConfig, world_size: int) -> None:
+    """The global batch against micro batches x data-parallel ranks (and the interleaved schedule)."""
+    t, p = config.train, config.parallel
+    dp = config.data_parallel_size(world_size)
+    micro_dp = t.micro_batch_size * dp
+    gbs = config.global_batch_size(world_size)
+    if gbs % micro_dp:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size x "
+            f"data-parallel size = {t.micro_batch_size} x {dp}; use a multiple of {micro_dp}"
+        )
+    if p.vpp is not None and (gbs // micro_dp) % p.pp:
+        raise ConfigError(
+            f"the interleaved schedule needs the microbatches per step ({gbs // micro_dp}) to be a "
+            f"multiple of parallel.pp={p.pp}; raise train.global_batch_size"
+        )
+
+
+def _check_data_sources(config: PretrainConfig) -> None:
+    """What the stage reads (prefixes, files, mock data) and where the vocabulary comes from."""
+    m, d = config.model, config.data
+    if not d.prefixes and not d.mock and not (d.input and config.stage != "pretrain"):
+        raise ConfigError(
+            "data.prefixes is empty: give the indexed datasets to train on (PREFIX of PREFIX.bin/.idx, "
+            "as written by `mindspeed-llm preprocess-data`), or set data.mock=true"
+        )
+    for prefix in d.prefixes if config.stage == "pretrain" else ():
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
+        if missing:
+            raise ConfigError(
+                f"data.prefixes: {' and '.join(missing)} not found (a prefix names PREFIX.bin and "
+                "PREFIX.idx: preprocess-data's --output-prefix followed by _text_document)"
+            )
+    if m.vocab_size is None and d.tokenizer is None:
+        raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer to read it from")
+    if (d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id is None and d.tokenizer is None:
+        raise ConfigError("data.reset_position_ids / data.eod_mask_loss need data.eod_token_id or data.tokenizer")
 
 
 def _check_eod_reset(config: PretrainConfig) -> None:
@@ -322,45 +332,15 @@ def _check_positive(config: PretrainConfig) -> None:
     names = {
         "model": ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by"),
         "parallel": ("tp", "pp", "ep", "cp"),
-        "train": ("micro_batch_size",),
-        "data": ("seq_length",),
-        "eval": ("iters",),
     }
     for section, keys in names.items():
         for key in keys:
             value = getattr(getattr(config, section), key)
             if value < 1:
                 raise ConfigError(f"{section}.{key}={value} must be at least 1")
-    for key, value in (
-        ("train.steps", config.train.steps),
-        ("train.max_nonfinite_steps", config.train.max_nonfinite_steps),
-    ):
-        if value < 0:
-            raise ConfigError(f"{key}={value} must not be negative")
-    for key, value in (
-        ("train.global_batch_size", config.train.global_batch_size),
-        ("parallel.vpp", config.parallel.vpp),
-        ("eval.interval", config.eval.interval),
-        ("checkpoint.interval", config.checkpoint.interval),
-        ("checkpoint.keep_last", config.checkpoint.keep_last),
-        ("model.vocab_size", config.model.vocab_size),
-    ):
+    for key, value in (("parallel.vpp", config.parallel.vpp), ("model.vocab_size", config.model.vocab_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (or unset)")
-
-
-def _check_optimizer(t: TrainConfig) -> None:
-    """The optimizer's numbers, named by their recipe keys (torch would say only "Invalid learning rate")."""
-    if not t.lr > 0:
-        raise ConfigError(f"train.lr={t.lr} must be positive; give a learning rate such as train.lr=3e-4")
-    for key in ("min_lr", "lr_warmup_init", "weight_decay", "adam_eps", "sgd_momentum", "clip_grad"):
-        value = getattr(t, key)
-        if not value >= 0:
-            raise ConfigError(f"train.{key}={value} must not be negative; give 0 or more")
-    for key in ("adam_beta1", "adam_beta2"):
-        value = getattr(t, key)
-        if not 0 <= value < 1:
-            raise ConfigError(f"train.{key}={value} must be in [0, 1), e.g. 0.9")
 
 
 def _check_finetune_data(config: PretrainConfig) -> None:
@@ -377,18 +357,6 @@ def _check_finetune_data(config: PretrainConfig) -> None:
                 f"data.prefixes: {path}.bin/.idx not found; {config.stage} reads {kind} data: give the "
                 "--output-prefix preprocess-data wrote it with"
             )
-
-
-def _check_split(split: str) -> None:
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(x < 0 or math.isnan(x) for x in parts) or parts[0] <= 0:
-        raise ConfigError(
-            f"data.split={split!r} must be up to three non-negative train,valid,test weights with a "
-            "positive train weight, e.g. '969,30,1'"
-        )
 
 
 def _check_megatron_fields(extra: dict[str, Any]) -> None:

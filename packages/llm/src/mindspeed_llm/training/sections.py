@@ -1,18 +1,23 @@
 """The sections of an LLM recipe (``model``, ``parallel``, ``train``, ``data``, ``eval``,
 ``checkpoint``, ``lora``, ``dpo``, ``logging``): one dataclass each, with their defaults and the
-derived values they compute. :class:`~mindspeed_llm.training.config.PretrainConfig` holds them and
-checks them against each other.
+derived values they compute. ``train``, ``checkpoint`` and ``logging`` extend the core's sections
+(:mod:`mindspeed.training_config`, :mod:`mindspeed.checkpointing.config`,
+:mod:`mindspeed.metrics.config`) with the LLM suite's keys; each section checks its own values.
+:class:`~mindspeed_llm.training.config.PretrainConfig` holds them and checks them against each other.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from mindspeed.config import ConfigError
+from mindspeed.checkpointing.config import CheckpointConfig as CoreCheckpointConfig
+from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features.pipeline import parse_noop_layers
 from mindspeed.metrics.config import LossCurveLoggingConfig
 from mindspeed.model.shape import ModelShape
+from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
 
 
 @dataclass
@@ -193,63 +198,85 @@ class ParallelConfig:
     overlap_param_gather: bool = False
 
 
+@recipe_section(
+    name="TrainConfig",
+    keys=(
+        "steps",
+        "micro_batch_size",
+        "global_batch_size",
+        "seed",
+        "precision",
+        "optimizer",
+        "lr",
+        "min_lr",
+        "lr_warmup_init",
+        "lr_warmup_steps",
+        "lr_decay_style",
+        "lr_decay_steps",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "sgd_momentum",
+        "clip_grad",
+        "max_nonfinite_steps",
+        "exit_duration_mins",
+        "deterministic",
+    ),
+)
 @dataclass
-class TrainConfig:
-    """Steps, batches, optimizer and learning-rate schedule.
+class LLMTrainConfig(OptimizerTrainConfig):
+    """The core's ``train`` section (:class:`mindspeed.training_config.OptimizerTrainConfig`: steps, seed,
+    micro batch, precision, AdamW and its schedule, clipping, the stops, ``deterministic``) plus
+    megatron's global batch, SGD and the schedule's start and length.
+
+    ``micro_batch_size`` is sequences per microbatch on one data-parallel rank; ``deterministic``
+    also sets megatron's ``deterministic_mode``; ``max_nonfinite_steps`` skips a step before the
+    optimizer applies it (megatron's ``check_for_nan_in_loss_and_grad`` raises instead).
 
     Attributes:
-        steps: optimizer steps to train (the last step number).
-        micro_batch_size: sequences per microbatch on one data-parallel rank.
         global_batch_size: sequences per step over all ranks (default ``micro_batch_size`` x
             data-parallel size); gradients are accumulated over
             ``global / (micro x data-parallel)`` microbatches.
-        seed: seed of the weights, megatron's RNG tracker and the data order.
-        precision: ``fp32`` or ``bf16`` (bf16 weights with fp32 master weights in the optimizer).
         optimizer: ``adam`` (AdamW: decoupled weight decay) or ``sgd``.
-        lr: peak learning rate.
-        min_lr: learning rate at the end of the decay.
         lr_warmup_init: learning rate at step 0 of the warmup.
-        lr_warmup_steps: linear warmup steps.
-        lr_decay_style: ``cosine``, ``linear``, ``constant`` or ``inverse-square-root`` after the warmup.
         lr_decay_steps: steps from 0 to the end of the decay (default ``steps``).
-        weight_decay: AdamW weight decay.
-        adam_beta1: Adam beta1.
-        adam_beta2: Adam beta2.
-        adam_eps: Adam epsilon.
         sgd_momentum: SGD momentum.
-        clip_grad: clip the global gradient norm to this (0: no clipping).
-        max_nonfinite_steps: stop after this many consecutive steps with a NaN/Inf loss or gradient
-            norm (each is skipped before the optimizer applies it: no update, no schedule step;
-            megatron's ``check_for_nan_in_loss_and_grad`` raises instead); exit status 1.
-        exit_duration_mins: stop after this many minutes of training (megatron's
-            ``--exit-duration-in-mins``): the current step finishes, a checkpoint is saved and
-            the command exits 0; the same command resumes.
-        deterministic: bit-reproducible runs (MindSpeed's ``--npu-deterministic``): torch's
-            deterministic algorithms, the accelerator's deterministic settings
-            (:func:`mindspeed.device.deterministic_mode`) and megatron's ``deterministic_mode``.
     """
 
-    steps: int = 100
-    micro_batch_size: int = 1
     global_batch_size: int | None = None
-    seed: int = 1234
-    precision: Literal["fp32", "bf16"] = "fp32"
     optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = 3e-4
-    min_lr: float = 0.0
     lr_warmup_init: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: Literal["cosine", "linear", "constant", "inverse-square-root"] = "cosine"
     lr_decay_steps: int | None = None
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
-    max_nonfinite_steps: int = 3
-    exit_duration_mins: float | None = None
-    deterministic: bool = False
+
+    NON_NEGATIVE = ("min_lr", "lr_warmup_init", "weight_decay", "adam_eps", "sgd_momentum", "clip_grad")
+
+    def check(self) -> None:
+        """A positive learning rate, the core's checks, the global batch and the schedule's warmup against its decay.
+
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be positive; give a learning rate such as train.lr=3e-4")
+        super().check()
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} must be at least 1 (or unset)")
+
+    def check_schedule(self) -> None:
+        """Warmup start and final learning rate below the peak, the warmup before the end of the decay."""
+        if self.lr < self.min_lr or self.lr_warmup_init > self.lr:
+            raise ConfigError(
+                f"need train.lr_warmup_init <= train.lr and train.min_lr <= train.lr "
+                f"(got {self.lr_warmup_init}, {self.min_lr}, {self.lr})"
+            )
+        decay = self.lr_decay_steps or self.steps
+        if self.steps and self.lr_warmup_steps and self.lr_warmup_steps >= decay:
+            raise ConfigError(
+                f"train.lr_warmup_steps={self.lr_warmup_steps} must be below train.lr_decay_steps "
+                f"(default train.steps) = {decay}"
+            )
 
     def optimizer_config(self) -> OptimizerConfig:
         """The optimizer section of these settings."""
@@ -264,7 +291,7 @@ class TrainConfig:
 class OptimizerConfig:
     """The optimizer section: what :func:`mindspeed_llm.training.optim.build_optimizer` takes.
 
-    A recipe's ``train`` section carries these fields (:meth:`TrainConfig.optimizer_config`);
+    A recipe's ``train`` section carries these fields (:meth:`LLMTrainConfig.optimizer_config`);
     other users (the RL actor) fill the section directly.
 
     Attributes:
@@ -321,9 +348,10 @@ def _section(cls: type, source: Any) -> Any:
     return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
 
 
+@recipe_section(name="DataConfig")
 @dataclass
-class DataConfig:
-    """Megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``), blended and split.
+class TextDataConfig:
+    """The ``data`` section of an LLM recipe: megatron indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``), blended and split.
 
     Attributes:
         prefixes: dataset prefixes (the path without ``.bin``/``.idx``), e.g.
@@ -380,36 +408,68 @@ class DataConfig:
     variable_seq_lengths: bool = False
     pad_to_multiple_of: int = 8
 
+    def check(self) -> None:
+        """Check the section's own values (the stage and the model decide the rest).
 
+        Raises:
+            ConfigError: naming the key and the fix of the first problem found.
+        """
+        if self.seq_length < 1:
+            raise ConfigError(f"data.seq_length={self.seq_length} must be at least 1")
+        if self.weights is not None and len(self.weights) != len(self.prefixes):
+            raise ConfigError(
+                f"data.weights has {len(self.weights)} entries for {len(self.prefixes)} data.prefixes; "
+                "give one weight per prefix"
+            )
+        try:
+            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            parts = []
+        if not 1 <= len(parts) <= 3 or any(x < 0 or math.isnan(x) for x in parts) or parts[0] <= 0:
+            raise ConfigError(
+                f"data.split={self.split!r} must be up to three non-negative train,valid,test weights with a "
+                "positive train weight, e.g. '969,30,1'"
+            )
+
+
+@recipe_section(name="EvalConfig")
 @dataclass
-class EvalConfig:
-    """Periodic evaluation on the validation split.
-
-    Attributes:
-        interval: evaluate every this many steps (default: never during training).
-        iters: global batches per evaluation; the same first samples of the split each time,
-            so evaluations are comparable.
-        at_end: evaluate after the last step too.
+class LLMEvalConfig(EvalConfig):
+    """The core's ``eval`` section (:class:`mindspeed.training_config.EvalConfig`: interval, iters,
+    at_end) on the validation split of ``data.split``, two global batches by default.
     """
 
-    interval: int | None = None
     iters: int = 2
-    at_end: bool = False
 
 
+@recipe_section(
+    name="CheckpointConfig",
+    keys=(
+        "save",
+        "interval",
+        "save_at_end",
+        "keep_last",
+        "resume",
+        "load",
+        "finetune",
+        "load_optimizer",
+        "load_rng",
+        "load_hf",
+        "save_hf",
+        "save_hf_dtype",
+        "override_scheduler",
+        "use_checkpoint_scheduler",
+    ),
+)
 @dataclass
-class CheckpointConfig:
-    """Megatron-core distributed checkpoints (``SAVE/iter_0000100``, ``latest_checkpointed_iteration.txt``).
+class LLMCheckpointConfig(CoreCheckpointConfig):
+    """The core's ``checkpoint`` section (:class:`mindspeed.checkpointing.config.CheckpointConfig`: save,
+    interval, keep_last, resume, the HF export and the schedule on resume) for megatron-core
+    distributed checkpoints (``SAVE/iter_0000100``, ``latest_checkpointed_iteration.txt``), plus
+    where a run starts from.
 
     Attributes:
-        save: directory of the checkpoints (default: none are written).
-        interval: save every this many steps (default: only at the end).
         save_at_end: save after the last step.
-        keep_last: keep only this many newest complete checkpoints (default: all); damaged
-            ones are neither counted nor deleted.
-        resume: continue from the newest complete checkpoint in ``save`` (damaged newer ones
-            are skipped with a warning). A ``save`` directory that holds checkpoints but no
-            complete one is an error unless this is false; false trains from step 1 there.
         load: a checkpoint to start from (a ``save`` directory or one ``iter_*`` directory);
             a run whose ``save`` holds a complete checkpoint resumes from that instead.
         finetune: from ``load``, take the model weights only (step 0, fresh optimizer and data).
@@ -418,35 +478,32 @@ class CheckpointConfig:
         load_hf: a Hugging Face model directory to start from (step 0): the model section, the
             tokenizer and the weights come from it (converted on the fly by the bridges).
             Ignored when resuming from ``save``; ``load`` takes precedence.
-        save_hf: write the final model as a Hugging Face directory here (config, tokenizer,
-            sharded safetensors) at the end of the run.
-        save_hf_dtype: dtype of the ``save_hf`` tensors: auto (the dtype the model was trained
-            in), float32, bfloat16 or float16; its config.json always says the dtype written, so
-            transformers loads what was trained.
-        override_scheduler: on resume, when the recipe's learning-rate schedule (``train.lr``,
-            ``min_lr``, ``lr_warmup_init``, ``lr_warmup_steps``, ``lr_decay_style``,
-            ``lr_decay_steps`` or ``steps`` that sets it, ``weight_decay``) differs from the
-            checkpoint's, the recipe wins: the schedule goes on from the resumed step with the
-            recipe's values (megatron's ``--override-opt_param-scheduler``). A difference with
-            neither this nor ``use_checkpoint_scheduler`` is an error that lists it.
-        use_checkpoint_scheduler: on resume, the checkpoint's learning-rate schedule wins over a
-            different one in the recipe (megatron's ``--use-checkpoint-opt_param-scheduler``).
+
+    The schedule keys compare ``train.lr``, ``min_lr``, ``lr_warmup_init``, ``lr_warmup_steps``,
+    ``lr_decay_style``, ``lr_decay_steps`` (or ``steps`` that sets it) and ``weight_decay``.
     """
 
-    save: str | None = None
-    interval: int | None = None
     save_at_end: bool = True
-    keep_last: int | None = None
-    resume: bool = True
     load: str | None = None
     finetune: bool = False
     load_optimizer: bool = True
     load_rng: bool = True
     load_hf: str | None = None
-    save_hf: str | None = None
-    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    override_scheduler: bool = False
-    use_checkpoint_scheduler: bool = False
+
+    def check(self) -> None:
+        """The core's checks and what ``finetune`` needs.
+
+        Raises:
+            ConfigError: naming the key and the fix.
+        """
+        super().check()
+        if self.finetune and not self.load:
+            raise ConfigError("checkpoint.finetune needs checkpoint.load (the checkpoint whose weights to start from)")
+
+
+#: The LLM suite's ``checkpoint`` section under its old name, for the engine build of
+#: :mod:`mindspeed_llm.engine` (the RL actor's) until that import is updated.
+CheckpointConfig = LLMCheckpointConfig
 
 
 @dataclass
@@ -518,8 +575,9 @@ class RmConfig:
     center_rewards_coefficient: float | None = None
 
 
+@recipe_section(name="LoggingConfig")
 @dataclass
-class LoggingConfig(LossCurveLoggingConfig):
+class LLMLoggingConfig(LossCurveLoggingConfig):
     """The core's ``logging`` section (:class:`mindspeed.metrics.config.LoggingConfig`: dir, interval,
     progress, trackers and their settings, ``loss_curve``) plus the LLM suite's MFU denominator.
 

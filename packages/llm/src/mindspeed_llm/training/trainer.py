@@ -11,34 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from mindspeed.checkpointing import (
-    NonFiniteState,
-    Preemption,
-    SkipCounter,
-    StopRequest,
-    checkpoint_dir,
-    export_guard,
-    fault_armed,
-    fault_point,
-    find_resume,
-    holds_checkpoints,
-    plant_nan,
-    resume_hint,
-)
-from mindspeed.config import ConfigError, to_dict
+from mindspeed.checkpointing import Preemption, SkipCounter, checkpoint_dir, fault_armed, fault_point, plant_nan
+from mindspeed.config import to_dict
 from mindspeed.device import deterministic_mode, get_accelerator
-from mindspeed.features import ModelFacts
 from mindspeed.features.context import ParallelSizes
 from mindspeed.features.moe import expert_layout
 from mindspeed.features.pipeline import noop_layer_layout
@@ -46,33 +30,20 @@ from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, fast_path, unadapt
 from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
-from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint, save_checkpoint
+from mindspeed.model.shape import ModelShape
+from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything
+from mindspeed_llm.training.checkpoint import TrainState
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
 from mindspeed_llm.training.data import read_tokenizer
-from mindspeed_llm.training.hf import (
-    STAGING_SUFFIXES,
-    apply_load_hf,
-    checkpoint_args_of,
-    export_shape,
-    load_hf_weights,
-    model_shape,
-    save_hf,
-)
-from mindspeed_llm.training.lora import LoraSettings, apply_lora
-from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
-from mindspeed_llm.training.model import (
-    build_model,
-    count_parameters,
-    default_groups,
-    padded_vocab_size,
-    recipe_transformer_config,
-)
-from mindspeed_llm.training.optim import build_optimizer, build_scheduler, current_lr, guarded_step
+from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, model_shape
+from mindspeed_llm.training.model import count_parameters, default_groups, padded_vocab_size, recipe_transformer_config
+from mindspeed_llm.training.optim import current_lr, guarded_step
 from mindspeed_llm.training.progress import RunReporter
-from mindspeed_llm.training.qlora import apply_qlora
 from mindspeed_llm.training.stages import get_stage
 from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate_metrics, run_schedule
+from mindspeed_llm.training.trainer_load import TrainerLoading
+from mindspeed_llm.training.trainer_save import TrainerSaving
 
 logger = get_logger(__name__)
 
@@ -143,12 +114,11 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         else None
     )
     # The memory features check the precision, the optimizer and the layer count against these.
-    facts = ModelFacts.from_transformer_config(
+    facts = model_facts(
         recipe_transformer_config(config, shape, layout),
-        position_embedding_type=shape.position_embedding_type,
-        precision=config.train.precision,
-        num_layers=shape.num_layers,
-        distributed_optimizer=config.parallel.distributed_optimizer,
+        shape,
+        config.train.precision,
+        config.parallel.distributed_optimizer,
         noop_layers=list(noop),
     )
     if config.parallel.cp > 1:
@@ -164,36 +134,20 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
             stack.enter_context(deterministic_mode(config.train.deterministic, config.train.seed))
             # SIGTERM / Ctrl-C from here on end the run after a step and a checkpoint, not with a traceback.
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
-                return Trainer(config, ids, vocab, report, hooks or TrainerHooks(), preemption).run()
+                return Trainer(config, ids, vocab, shape, report, hooks or TrainerHooks(), preemption).run()
         finally:
             unadapt()
 
 
-def seed_everything(seed: int, groups: Any = None) -> None:
-    """Seed as megatron does: one seed per pipeline stage for the host generators (python, numpy,
-    torch, the accelerator), and the tracker's tensor-parallel streams derived from the base seed.
-
-    ``groups``: the process groups (``model.default_groups()``; ``None``: read them here).
-    Megatron's RNG tracker itself is a module global of megatron (``model_parallel_cuda_manual_seed``).
-    """
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    groups = groups if groups is not None else default_groups()
-    stage_seed = seed + 100 * groups.pp.rank()
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
-    torch.manual_seed(stage_seed)
-    get_accelerator().manual_seed(stage_seed)
-    model_parallel_cuda_manual_seed(stage_seed)
-
-
-class Trainer:
+class Trainer(TrainerLoading, TrainerSaving):
     """One training run of a recipe on the current torch.distributed group (what :func:`pretrain` runs).
 
     Args:
         config: the recipe (after ``apply_load_hf`` and ``check``).
         ids: the tokenizer's vocabulary size and end-of-document id.
         vocab: the padded vocabulary (embedding rows).
+        shape: the :class:`~mindspeed.model.ModelShape` (``training.hf.model_shape``; :func:`pretrain`
+            reads it once for the features' facts and the build).
         report: what ``mindspeed.megatron.adapt(features=...)`` returned (the features' config
             overrides and hooks).
         hooks: the caller's hooks (a loss transform).
@@ -204,12 +158,11 @@ class Trainer:
 
     - ``groups``: megatron's process groups as one value (``training.model.default_groups``),
       read once and given to every builder, the schedule and the metric reductions;
-    - ``shape``: the :class:`~mindspeed.model.ModelShape` (``training.hf.model_shape``);
-    - ``transformer``: megatron's ``TransformerConfig`` (``training.model.recipe_transformer_config``);
-    - ``chunks``: this rank's model chunks (``training.model.build_model``); ``reference``: DPO's
-      frozen reference model, else ``None``;
-    - ``optimizer``: from ``train.optimizer_config()`` (``training.optim.build_optimizer``);
-    - ``scheduler``: from ``train.scheduler_config()`` and ``train.steps`` (``training.optim.build_scheduler``);
+    - ``transformer``, ``chunks``, ``reference`` (DPO's frozen reference model, else ``None``),
+      ``optimizer`` (from ``train.optimizer_config()``) and ``scheduler`` (from
+      ``train.scheduler_config()`` and ``train.steps``): the build sequence shared with the RL
+      actor (:func:`mindspeed_llm.training.build.build_engine`; the ``TransformerConfig`` of
+      ``training.model.recipe_transformer_config``);
     - ``state``: the :class:`~mindspeed_llm.training.checkpoint.TrainState` (restored from a
       checkpoint or fresh);
     - ``train_reader`` / ``valid_reader``: the stage's microbatch readers.
@@ -219,9 +172,17 @@ class Trainer:
     """
 
     def __init__(
-        self, config: PretrainConfig, ids: Any, vocab: int, report: Any, hooks: TrainerHooks, preemption: Preemption
+        self,
+        config: PretrainConfig,
+        ids: Any,
+        vocab: int,
+        shape: ModelShape,
+        report: Any,
+        hooks: TrainerHooks,
+        preemption: Preemption,
     ) -> None:
         self.config, self.ids, self.vocab, self.report, self.hooks = config, ids, vocab, report, hooks
+        self.shape = shape
         self.preemption = preemption
         self.saved_step: int | None = None  # the step of the newest checkpoint in checkpoint.save
         self.world = dist.get_world_size()
@@ -229,7 +190,6 @@ class Trainer:
         self.reference: list[Any] | None = None
         self.groups: Any = None  # megatron's process groups (a ProcessGroupCollection), read once
         # The adaptation is a value: its kernels, config fields and hooks go to the builders.
-        self.kernels = report.kernels
         self.feature_hooks = report.hooks
         self.overrides = report.config_overrides
 
@@ -262,41 +222,21 @@ class Trainer:
         if self.groups is None:
             self.groups = default_groups()
         config = self.config
-        self.shape = shape = model_shape(config, self.ids.vocab_size)
-        bridged = bool(config.checkpoint.load_hf or config.checkpoint.save_hf)
-        self.transformer = recipe_transformer_config(config, shape, self.overrides)
-        self.chunks = build_model(
-            shape,
-            config.parallel,
-            self.transformer,
-            self.vocab,
+        spec = BuildSpec(
+            shape=self.shape,
+            parallel=config.parallel,
+            vocab=self.vocab,
+            transformer=partial(recipe_transformer_config, config, self.shape),
+            optimizer=config.train.optimizer_config(),
+            scheduler=config.train.scheduler_config(),
+            scheduler_steps=config.train.steps,
             prepare=self._prepare,
-            bridged=bridged,
-            kernels=self.kernels,
-            groups=self.groups,
+            bridged=bool(config.checkpoint.load_hf or config.checkpoint.save_hf),
+            reference=self.stage.needs_reference,
         )
-        if self.stage.needs_reference:
-            # Its own TransformerConfig: the policy's carries the DDP hooks the schedule calls.
-            frozen = recipe_transformer_config(config, shape, {**self.overrides, "perform_initialization": False})
-            self.reference = build_model(
-                shape,
-                config.parallel,
-                frozen,
-                self.vocab,
-                trainable=False,
-                bridged=bridged,
-                kernels=self.kernels,
-                groups=self.groups,
-            )
-        for hook in self.feature_hooks.get("post_model_build", ()):
-            hook(self.chunks)
-        self.optimizer = build_optimizer(
-            config.train.optimizer_config(), self.chunks, config.parallel, self.kernels, self.groups
-        )
-        for hook in self.feature_hooks.get("post_optimizer_build", ()):
-            self.optimizer = hook(self.optimizer) or self.optimizer
-        self.scheduler = build_scheduler(config.train.scheduler_config(), self.optimizer, config.train.steps)
-        self.transformer.grad_scale_func = self.optimizer.scale_loss
+        built = build_engine(spec, self.report, self.groups)
+        self.transformer, self.chunks, self.reference = built.transformer, built.chunks, built.reference
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.num_parameters = count_parameters(self.chunks, self.groups)
         self.checkpoint_args = checkpoint_args_of(config, self.ids.vocab_size, self.vocab)
         self.state = self._load()
@@ -319,108 +259,6 @@ class Trainer:
 
         self.train_reader = read(train)
         self.valid_reader = read(valid) if valid is not None else None
-
-    def _load(self) -> TrainState:
-        ck = self.config.checkpoint
-        rank0 = dist.get_rank() == 0
-        family = getattr(self.checkpoint_args, "model_type_hf", None)
-        if ck.save and ck.resume:
-            # The newest complete checkpoint of this run wins over checkpoint.load (where it started).
-            found = find_resume(ck.save, warn=rank0)
-            if found.path is not None:
-                self.saved_step = found.step
-                return load_checkpoint(
-                    found.path, self.chunks, self.optimizer, self.scheduler, self.config, family=family
-                )
-            if holds_checkpoints(ck.save):
-                damaged = "; ".join(f"{path.name}: {why}" for path, why in found.skipped) or "no iter_* directory"
-                raise ConfigError(
-                    f"checkpoint.save={ck.save!r} holds checkpoints but none is complete ({damaged}); "
-                    "set checkpoint.resume=false to train from step 1 there (its checkpoints are "
-                    "replaced as the run saves) or set checkpoint.save to a new directory"
-                )
-        elif ck.save and holds_checkpoints(ck.save) and rank0:
-            logger.warning(
-                "checkpoint.resume=false: training from step 1; the checkpoints in %s are replaced as this run saves",
-                ck.save,
-            )
-        if ck.load:
-            source = find_checkpoint(ck.load)
-            state = load_checkpoint(
-                source,
-                self.chunks,
-                self.optimizer,
-                self.scheduler,
-                self.config,
-                weights_only=ck.finetune,
-                family=family,
-            )
-            if ck.finetune or not ck.load_optimizer:
-                self._refresh_master_weights()
-            return state
-        return TrainState()
-
-    def _prepare(self, models: list[Any]) -> None:
-        """Base weights and LoRA on the bare chunks, before DDP wraps them and the optimizer sees them."""
-        ck, lora = self.config.checkpoint, self.config.lora
-        # From Hugging Face weights unless a Megatron checkpoint is named; a resumed run reads
-        # them too (QLoRA's quantised base is not in its checkpoints) and then the checkpoint.
-        self.stage.adapt_model(models, self.config)
-        if ck.load_hf and not ck.load:
-            load_hf_weights(
-                models,
-                ck.load_hf,
-                self.config.parallel,
-                self.vocab,
-                self.groups,
-                self.config.model.noop_indices(),
-                keep=self.stage.fresh_params,
-            )
-        if lora.enabled:
-            settings = self.lora_settings()
-            for model in models:
-                (apply_qlora if settings.qlora else apply_lora)(model, settings)
-
-    def lora_settings(self) -> Any:
-        """The :class:`~mindspeed_llm.training.lora.LoraSettings` of the recipe."""
-        lora = self.config.lora
-        return LoraSettings(
-            r=lora.r,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=tuple(lora.target_modules),
-            qlora=lora.qlora,
-            qlora_all_linears=lora.qlora_all_linears,
-            seed=self.config.train.seed,
-        )
-
-    def _refresh_master_weights(self) -> None:
-        # Megatron's mixed-precision optimizers keep fp32 master copies of the weights they were
-        # built with: weights loaded afterwards (without optimizer state) must reach them too.
-        self.optimizer.reload_model_params()
-
-    def _load_reference(self) -> None:
-        """The DPO reference: ``dpo.ref_model``, else the weights the policy started from."""
-        ck, source = self.config.checkpoint, self.config.dpo.ref_model
-        if source is None and not (ck.load_hf or ck.load):
-            raise ConfigError(
-                "dpo needs the model to start from: set checkpoint.load_hf or checkpoint.load "
-                "(or dpo.ref_model for the reference)"
-            )
-        if source is None:
-            source = ck.load_hf or ck.load
-            hf = bool(ck.load_hf) and not ck.load
-        else:
-            from pathlib import Path
-
-            hf = (Path(source) / "config.json").is_file()
-        if hf:
-            load_hf_weights(
-                self.reference, source, self.config.parallel, self.vocab, self.groups, self.config.model.noop_indices()
-            )
-            return
-        found = find_checkpoint(source, what="dpo.ref_model")
-        load_checkpoint(found, self.reference, None, None, self.config, weights_only=True)
 
     def train(self) -> TrainResult:
         """Train to ``train.steps`` (evaluating and saving as the recipe says) on built components."""
@@ -474,84 +312,6 @@ class Trainer:
         if result.checkpoint is None and config.checkpoint.save and self.saved_step is not None:
             result.checkpoint = str(checkpoint_dir(config.checkpoint.save, self.saved_step))
         return result
-
-    @contextlib.contextmanager
-    def _stop_on_nonfinite_state(self, result: TrainResult) -> Any:
-        # A save refused for NaN/Inf state (interval, preemption or last step) ends the run: exit 1.
-        try:
-            yield
-        except NonFiniteState as err:
-            result.stopped = str(err)
-
-    def _resume_text(self) -> str:
-        ck = self.config.checkpoint
-        if not ck.save or self.saved_step is None:
-            return "no checkpoint was saved, it starts from step 1"
-        return f"it resumes from {checkpoint_dir(ck.save, self.saved_step)}"
-
-    def _save(self) -> None:
-        ck = self.config.checkpoint
-        save_checkpoint(
-            ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config, self.checkpoint_args
-        )
-        self.saved_step = self.state.step
-
-    def _stop_request(self) -> StopRequest | None:
-        return self.preemption.agree(device=get_accelerator().device())
-
-    def _preempt(self, stop: StopRequest, result: TrainResult) -> None:
-        """Stop for a signal or the time limit: save this step unless it is saved, and say where."""
-        config, step = self.config, self.state.step
-        save = config.checkpoint.save
-        if save and step > 0 and self.saved_step != step:
-            self._save()
-        where = str(checkpoint_dir(save, self.saved_step)) if save and self.saved_step is not None else None
-        result.preempted, result.exit_code, result.checkpoint = stop.reason, stop.exit_code, where
-        cause = (
-            f"the time limit (train.exit_duration_mins={config.train.exit_duration_mins})"
-            if stop.reason == "time limit"
-            else stop.reason
-        )
-        if dist.get_rank() == 0:
-            logger.warning("stopped by %s after step %d of %d: %s", cause, step, config.train.steps, resume_hint(where))
-
-    def _save_due(self, step: int) -> bool:
-        ck = self.config.checkpoint
-        return bool(ck.save and ck.interval and step % ck.interval == 0)
-
-    def _finish(self, result: TrainResult, metrics: Tracking, reporter: RunReporter) -> None:
-        config, step = self.config, self.state.step
-        if not result.records and step > 0:  # resumed from a checkpoint of the last step
-            logger.info("nothing to train: the checkpoint is already at step %d of %d", step, config.train.steps)
-            return
-        if config.eval.at_end and not (config.eval.interval and step % config.eval.interval == 0):
-            result.evals.append(self._evaluate(step, metrics, reporter))
-        ck = config.checkpoint
-        if ck.save and ck.save_at_end and not self._save_due(step):
-            self._save()
-        if ck.save_hf:
-            target = Path(ck.save_hf)  # a full disk: one line, the staging directories removed
-            with export_guard(target, *(target.with_name(target.name + x) for x in STAGING_SUFFIXES)):
-                save_hf(
-                    self.chunks,
-                    config,
-                    step,
-                    self.ids.vocab_size,
-                    self.vocab,
-                    lora=self.lora_settings() if config.lora.enabled else None,
-                    groups=self.groups,
-                )
-        if config.lora.save_adapter or config.lora.save_peft:
-            self._save_lora()
-        reporter.finish(result.records)
-
-    def _save_lora(self) -> None:
-        lora, settings = self.config.lora, self.lora_settings()
-        _, shape, _, _ = export_shape(self.config, self.ids.vocab_size)
-        if lora.save_adapter:
-            save_lora_adapter(self.chunks, lora.save_adapter, shape, None, settings, self.groups)
-        if lora.save_peft:
-            export_peft(self.chunks, lora.save_peft, shape, self.config.checkpoint.load_hf, settings, self.groups)
 
     def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
         step = state.step + 1

@@ -36,9 +36,8 @@ from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE, ConvertConfig
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
-from mindspeed_mm.convert.diffusers_lora import read_diffusers_lora, write_diffusers_lora
 from mindspeed_mm.convert.names import ModelNames, model_names
-from mindspeed_mm.convert.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
+from mindspeed_mm.models.diffusers_lora import read_diffusers_lora, write_diffusers_lora
 from mindspeed_mm.models.lora import (
     AdapterSettings,
     adapted_modules,
@@ -47,6 +46,7 @@ from mindspeed_mm.models.lora import (
     merge_weight,
     recorded_lora_alpha,
 )
+from mindspeed_mm.models.peft_io import Adapter, read_peft_adapter, write_peft_adapter_dir
 
 logger = get_logger(__name__)
 

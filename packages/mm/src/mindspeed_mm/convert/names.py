@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mindspeed_mm.models import family_of, flux, wan  # noqa: F401  (register the diffusers families)
+from mindspeed_mm.models import family_of
 from mindspeed_mm.models.dit import build_meta_dit, dit_family_of
 from mindspeed_mm.models.loading import build_meta_model
 

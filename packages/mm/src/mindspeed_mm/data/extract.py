@@ -33,7 +33,6 @@ from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.features import INDEX, NULL
 from mindspeed_mm.data.media import BadSample
 from mindspeed_mm.data.media_features import MediaFeatures, encoders_dir
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import dit_family_of
 
 logger = get_logger(__name__)

@@ -16,8 +16,8 @@ import torch
 from mindspeed.device import get_accelerator
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.data.decode import load_pixels
+from mindspeed_mm.data.encoder_set import EncoderSet
 from mindspeed_mm.data.media import MediaSample, plan_media, read_listing
-from mindspeed_mm.diffusion.encoder_set import EncoderSet
 from mindspeed_mm.models.dit import DiTFamily
 
 

@@ -154,7 +154,7 @@ def _velocity(
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     """Pixels in [0, 1] of normalised ``latents``: ``[B, F, 3, H, W]`` for video, ``[B, 3, H, W]`` for images.
 
-    The inverse of :func:`mindspeed_mm.diffusion.encoders.encode_latents` followed by the VAE's
+    The inverse of :func:`mindspeed_mm.models.encoders.encode_latents` followed by the VAE's
     decoder, with the pipelines' arithmetic (Wan: ``z / (1 / std) + mean``; ``AutoencoderKL``:
     ``z / scaling_factor + shift_factor``) and their post-processing (``x / 2 + 0.5`` clamped).
     """

@@ -22,7 +22,6 @@ from mindspeed.progress import StatusProgress
 from mindspeed_mm.data.video import VideoSettings
 from mindspeed_mm.evaluation.config import EvaluateConfig
 from mindspeed_mm.evaluation.data import VQAItem, read_vqa_file
-from mindspeed_mm.evaluation.demo_data import DEMO_TASK, demo_mmbench_tsv
 from mindspeed_mm.evaluation.scoring import (
     extract_choice,
     item_prompt,
@@ -42,8 +41,8 @@ def evaluate(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="mindspeed-mm-eval-") as images:
         data = []
         for name in config.task_data_path:
-            path = demo_mmbench_tsv() if name == DEMO_TASK else Path(name)
-            task = DEMO_TASK if name == DEMO_TASK else path.stem
+            path = Path(name)  # the demo's name is resolved by the caller (mindspeed_mm.demos.names)
+            task = path.stem
             data.append(
                 (task, path, read_vqa_file(path, Path(images) / str(len(data)), config.image_dir, config.max_samples))
             )

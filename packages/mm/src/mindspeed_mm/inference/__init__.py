@@ -1,5 +1,6 @@
 """Inference for ``mindspeed-mm generate`` and ``evaluate``: loading (Hugging Face directory or DCP checkpoint),
-prompt encoding (the trainer's), and generation with the transformers model's own ``generate``."""
+prompt encoding (the trainer's), and generation with the transformers model's own ``generate``; for diffusion
+transformers, loading a pipeline with its transformer's weights (:mod:`~mindspeed_mm.inference.dit_pipeline`)."""
 
 from mindspeed_mm.inference.generation import SamplingSettings, TextStreamer, generate_tokens, model_inputs
 from mindspeed_mm.inference.loading import InferenceModel, load_inference_model

@@ -165,7 +165,7 @@ def batch_inputs(encoded: list[EncodedSample], loaded: InferenceModel) -> dict[s
 def generate_batch(loaded: InferenceModel, encoded: list[EncodedSample], settings: SamplingSettings) -> list[list[int]]:
     """The new token ids of several prompts decoded together (left padding), each cut after its end-of-sequence token.
 
-    Greedy decoding gives each prompt the tokens it gets alone (``tests/mm/test_generate.py``); a seeded
+    Greedy decoding gives each prompt the tokens it gets alone (``tests/mm/inference/test_generate.py``); a seeded
     sampling run repeats for the same batch (one random stream per batch).
     """
     if len(encoded) == 1:

@@ -15,7 +15,8 @@
   or ``lora_alpha`` (the recipe's ``lora.alpha``) for a checkpoint moved away from it;
 - a PEFT LoRA adapter directory (``adapter_config.json``, e.g. a run's ``lora.save_peft``),
   merged into its base model: ``base_dir``, else the adapter's ``base_model_name_or_path``;
-- ``demo``: the embedded demo's untrained model (``mindspeed_mm.demo``).
+- ``demo`` is resolved by the caller (``generate``, ``evaluate``: :mod:`mindspeed_mm.demos.names`): the
+  embedded demo's untrained model.
 
 The model is the family's transformers class (the registry :data:`~mindspeed_mm.models.FAMILIES`),
 in eval mode on the accelerator of :func:`mindspeed.device.get_accelerator`.
@@ -36,9 +37,7 @@ from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner,
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
-from mindspeed_mm.convert.peft_io import read_peft_adapter
 from mindspeed_mm.data.video import VideoSettings
-from mindspeed_mm.demo import DEMO, demo_paths
 from mindspeed_mm.models import family_of, load_processing, load_video_processor
 from mindspeed_mm.models.family import VLMFamily
 from mindspeed_mm.models.lora import (
@@ -50,6 +49,7 @@ from mindspeed_mm.models.lora import (
     merged_state,
     recorded_lora_alpha,
 )
+from mindspeed_mm.models.peft_io import read_peft_adapter
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -91,11 +91,6 @@ class InferenceModel:
         return self._video_processor
 
 
-def resolve_model_dir(path: str | Path) -> Path:
-    """``demo`` -> the demo model's directory (written once); any other path as it is."""
-    return demo_paths()["model"] if str(path) == DEMO else Path(path)
-
-
 def find_dcp_checkpoint(path: Path) -> Path | None:
     """The DCP checkpoint ``path`` is (a step folder) or holds (the newest step of a ``checkpoint.save`` folder)."""
     if (path / _DCP_METADATA).is_file():
@@ -116,7 +111,7 @@ def load_inference_model(
     """The model of ``load_dir`` (see the module docstring), its tokenizer and image processor.
 
     Args:
-        load_dir: a Hugging Face directory, a DCP training checkpoint (or its save folder), or ``demo``.
+        load_dir: a Hugging Face directory, a DCP training checkpoint (or its save folder), or a PEFT adapter.
         base_dir: the Hugging Face directory of config, tokenizer and image processor (required for a
             DCP checkpoint; for a Hugging Face directory it replaces the directory's own processing files).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (default: the directory's dtype; float32 for DCP).
@@ -132,7 +127,7 @@ def load_inference_model(
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    load = resolve_model_dir(load_dir)
+    load = Path(load_dir)
     if not load.is_dir():
         raise ValueError(
             f"--load-dir {str(load_dir)!r} is not a directory; give a Hugging Face model directory, a "
@@ -159,7 +154,7 @@ def load_inference_model(
                 f"{load / ADAPTER_CONFIG} names no base model; pass --base-dir with the model "
                 "directory the adapter was trained on"
             )
-    source = resolve_model_dir(base_dir) if base_dir is not None else load
+    source = Path(base_dir) if base_dir is not None else load
     if not (source / "config.json").is_file():
         raise ValueError(
             f"--base-dir {str(base_dir)!r} has no config.json; give the Hugging Face directory the "

@@ -1,11 +1,13 @@
-"""Vision-language model families, registered by their Hugging Face ``architectures`` name.
+"""Model families: vision-language models (transformers) and diffusion transformers (diffusers), by name.
 
-Importing this package registers the families listed below; each module declares one family
-(:class:`~mindspeed_mm.models.family.VLMFamily`): how its parts are named, its FSDP2 plan, its
-multimodal positions and its tiny test model.
+Each family module declares one family: a :class:`~mindspeed_mm.models.family.VLMFamily` (how its
+parts are named, its FSDP2 plan, its multimodal positions, its tiny test model) or a
+:class:`~mindspeed_mm.models.dit.DiTFamily` (its FSDP2 plan, latents, inputs, sampling defaults,
+sequence-parallel plan). The manifest (:mod:`~mindspeed_mm.models.manifest`) names them all; the
+registries import a family's module when its name is first looked up, so importing this package
+registers nothing by itself.
 """
 
-from mindspeed_mm.models import internvl, qwen2_5_vl, qwen3_vl  # noqa: F401  (register their architectures)
 from mindspeed_mm.models.family import FAMILIES, VLMFamily, family_of
 from mindspeed_mm.models.loading import freeze_parts, load_model, load_processing, load_video_processor
 

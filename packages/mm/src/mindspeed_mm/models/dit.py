@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from mindspeed.registry import Registry
 from mindspeed_mm.models.dit_parallel import SequencePlan
+from mindspeed_mm.models.manifest import DIT_MODULES, ManifestRegistry
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ class DiTFamily:
         return getattr(importlib.import_module(module), name)
 
 
-#: ``_class_name`` -> family.
-DIT_FAMILIES: Registry[DiTFamily] = Registry("diffusion transformer family")
+#: ``_class_name`` -> family (each family's module imported when its name is first looked up).
+DIT_FAMILIES: ManifestRegistry[DiTFamily] = ManifestRegistry("diffusion transformer family", DIT_MODULES)
 
 
 def register_dit(family: DiTFamily) -> DiTFamily:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mindspeed.registry import Registry
+from mindspeed_mm.models.manifest import VLM_MODULES, ManifestRegistry
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class VLMFamily:
         return getattr(importlib.import_module(module), name)
 
 
-#: ``architectures`` name -> family.
-FAMILIES: Registry[VLMFamily] = Registry("vision-language model family")
+#: ``architectures`` name -> family (each family's module imported when its name is first looked up).
+FAMILIES: ManifestRegistry[VLMFamily] = ManifestRegistry("vision-language model family", VLM_MODULES)
 
 
 def register_family(family: VLMFamily) -> VLMFamily:

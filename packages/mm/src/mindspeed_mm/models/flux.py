@@ -81,7 +81,7 @@ def _timestep_kwargs(config: Any, steps: int, shape: tuple[int, ...]) -> dict[st
 
 def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """T5's output over ``text_len`` tokens and CLIP's pooled output (``FluxPipeline.encode_prompt``)."""
-    from mindspeed_mm.diffusion.encoders import encode_t5_clip
+    from mindspeed_mm.models.encoders import encode_t5_clip  # here: it loads diffusers' Wan pipeline module
 
     rows = encode_t5_clip(
         parts["tokenizer"], parts["text_encoder"], parts["tokenizer_2"], parts["text_encoder_2"], captions, text_len

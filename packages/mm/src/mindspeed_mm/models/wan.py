@@ -29,7 +29,7 @@ def _inputs(
 
 def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, None]:
     """UMT5's output of each caption's real tokens, zero-padded to ``text_len`` (``WanPipeline.encode_prompt``)."""
-    from mindspeed_mm.diffusion.encoders import encode_umt5
+    from mindspeed_mm.models.encoders import encode_umt5  # here: it loads diffusers' Wan pipeline module
 
     rows = encode_umt5(parts["tokenizer"], parts["text_encoder"], captions, text_len)
     return torch.stack([torch.cat([r, r.new_zeros(text_len - r.shape[0], r.shape[1])]) for r in rows]), None

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from mindspeed_mm.data.features import write_features
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import write_tiny_dit
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 

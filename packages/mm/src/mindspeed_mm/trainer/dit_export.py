@@ -21,10 +21,10 @@ from mindspeed.checkpointing import export_guard
 from mindspeed.checkpointing.hf_dtype import cast_floating
 from mindspeed.log import get_logger
 from mindspeed_mm.config import LoraConfig
-from mindspeed_mm.convert.diffusers_lora import write_diffusers_lora
-from mindspeed_mm.convert.peft_io import Adapter
+from mindspeed_mm.models.diffusers_lora import write_diffusers_lora
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit
 from mindspeed_mm.models.lora import AdapterSettings, adapted_modules, factor_names
+from mindspeed_mm.models.peft_io import Adapter
 from mindspeed_mm.trainer.export import full_state
 
 logger = get_logger(__name__)
@@ -37,7 +37,7 @@ def write_dit_lora(state: dict[str, torch.Tensor], lora: LoraConfig, family: DiT
     """Write the LoRA factors of a trained transformer's full state dict as a diffusers LoRA directory, atomically.
 
     ``target/pytorch_lora_weights.safetensors`` is what ``pipe.load_lora_weights(target)`` reads
-    (:mod:`mindspeed_mm.convert.diffusers_lora`); its metadata records ``lora.r``, ``lora.alpha``
+    (:mod:`mindspeed_mm.models.diffusers_lora`); its metadata records ``lora.r``, ``lora.alpha``
     and the adapted modules' names.
     """
     pairs = {}

@@ -26,7 +26,6 @@ from mindspeed_mm.data.buckets import BucketOrder
 from mindspeed_mm.data.features import FeatureSet
 from mindspeed_mm.data.media_features import MediaFeatures
 from mindspeed_mm.diffusion import FlowDraw, FlowMatching
-from mindspeed_mm.models import flux, wan  # noqa: F401  (register their classes)
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit, dit_family_of, load_dit
 from mindspeed_mm.models.dit_compile import compile_blocks
 from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel

@@ -44,7 +44,7 @@ from mindspeed.log import get_logger
 from mindspeed.metrics.log import LOSS_CURVE, METRICS_FILE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.progress import StatusProgress
-from mindspeed_mm.config import MMConfig, TrainConfig
+from mindspeed_mm.config import MMConfig, MMTrainConfig
 from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import (
     LAYOUT,
@@ -161,7 +161,7 @@ def _train(config: MMConfig, task_name: str | None, preemption: Preemption) -> T
     return result
 
 
-def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> TrainConfig:
+def _resumed_schedule(config: MMConfig, resume_from: Path | None, rank: int) -> MMTrainConfig:
     """The ``train`` settings the learning rate and weight decay follow: the checkpoint's when it wins.
 
     Raises:
@@ -196,7 +196,7 @@ def _run_steps(
     bar: StatusProgress,
     result: TrainResult,
     preemption: Preemption,
-    schedule: TrainConfig,
+    schedule: MMTrainConfig,
     skips: SkipCounter,
 ) -> None:
     t, ck = config.train, config.checkpoint
@@ -286,7 +286,7 @@ def _train_step(
     optimizer: torch.optim.Optimizer,
     trainable: list[torch.Tensor],
     skips: SkipCounter,
-    schedule: TrainConfig | None = None,
+    schedule: MMTrainConfig | None = None,
 ) -> dict[str, Any]:
     t = config.train
     start = time.perf_counter()

@@ -11,12 +11,12 @@ import torch
 from mindspeed.log import get_logger
 from mindspeed.ops.adamw import FusedAdamW
 from mindspeed.ops.ema_adamw import FusedEMAAdamW
-from mindspeed_mm.config import TrainConfig
+from mindspeed_mm.config import MMTrainConfig
 
 logger = get_logger(__name__)
 
 
-def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW | FusedEMAAdamW:
+def build_optimizer(train: MMTrainConfig, model: torch.nn.Module) -> FusedAdamW | FusedEMAAdamW:
     """AdamW over the trainable (sharded) parameters; biases and norms (1-D tensors) get no weight decay.
 
     Raises:
@@ -45,7 +45,7 @@ def build_optimizer(train: TrainConfig, model: torch.nn.Module) -> FusedAdamW | 
     return optimizer
 
 
-def lr_at(train: TrainConfig, step: int) -> float:
+def lr_at(train: MMTrainConfig, step: int) -> float:
     """The learning rate of optimizer step ``step`` (counting from 1).
 
     Linear warmup reaches ``lr`` at step ``lr_warmup_steps``; the step after it trains with
@@ -70,7 +70,7 @@ def lr_at(train: TrainConfig, step: int) -> float:
 SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "steps", "weight_decay")
 
 
-def schedule_of(train: TrainConfig) -> dict[str, Any]:
+def schedule_of(train: MMTrainConfig) -> dict[str, Any]:
     """The schedule fields of ``train`` (a checkpoint's ``schedule.json``)."""
     return {name: getattr(train, name) for name in SCHEDULE_FIELDS}
 

@@ -1,4 +1,5 @@
-"""RL algorithms as registries: advantage estimators, KL estimators, policy losses, shaping."""
+"""RL algorithms as registries: advantage estimators (outcome, token-level, critic-based), KL estimators and
+controllers, policy and value losses, shaping."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from mindspeed_rl.algorithms.functional import (
     logprobs_from_logits,
     masked_mean,
 )
+from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES, compute_value_advantages, gae_advantages
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from mindspeed_rl.algorithms.kl_control import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    KLController,
+    KLPenalty,
+    apply_kl_penalty,
+    build_kl_controller,
+)
 from mindspeed_rl.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -31,9 +41,30 @@ from mindspeed_rl.algorithms.shaping import (
     overlong_penalty,
     truncated_importance_weights,
 )
+from mindspeed_rl.algorithms.value_loss import (
+    VALUE_LOSSES,
+    ValueLossInputs,
+    ValueLossOutput,
+    compute_value_loss,
+    explained_variance,
+)
 
 __all__ = [
     "ADVANTAGES",
+    "KL_CONTROLLERS",
+    "VALUE_ADVANTAGES",
+    "VALUE_LOSSES",
+    "AdaptiveKLController",
+    "KLController",
+    "KLPenalty",
+    "ValueLossInputs",
+    "ValueLossOutput",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "compute_value_advantages",
+    "compute_value_loss",
+    "explained_variance",
+    "gae_advantages",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

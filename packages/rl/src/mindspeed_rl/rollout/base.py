@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mindspeed.registry import Registry
-from mindspeed_llm.inference import GenerationOutput, SamplingParams
+from mindspeed_llm.engine import GenerationOutput, SamplingParams
 
 #: What an engine returns per prompt: ``prompt_token_ids``, ``token_ids``, ``logprobs`` (one per
 #: generated token, log-softmax of the model's logits before temperature / top-k / top-p) and

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.inference import InferenceEngine, SamplingParams
+from mindspeed_llm.engine import InferenceEngine, SamplingParams
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutOutput, check_params
 
 

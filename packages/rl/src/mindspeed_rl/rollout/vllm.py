@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_llm.inference import SamplingParams
+from mindspeed_llm.engine import SamplingParams
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutOutput, check_params
 
 logger = get_logger(__name__)

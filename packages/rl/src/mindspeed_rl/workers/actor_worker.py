@@ -26,10 +26,10 @@ import torch
 from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from mindspeed_llm.engine import TrainState, load_checkpoint, save_checkpoint
 from mindspeed_rl.actor import Actor
+from mindspeed_rl.actor_settings import actor_settings
 from mindspeed_rl.memory import freeze_startup_objects, memory_gib
-from mindspeed_rl.trainer import actor_settings
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
 
