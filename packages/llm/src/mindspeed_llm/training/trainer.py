@@ -13,7 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -40,6 +40,7 @@ from mindspeed_llm.training.hf import apply_load_hf, checkpoint_args_of, model_s
 from mindspeed_llm.training.model import count_parameters, default_groups, padded_vocab_size, recipe_transformer_config
 from mindspeed_llm.training.optim import current_lr, guarded_step
 from mindspeed_llm.training.progress import RunReporter
+from mindspeed_llm.training.result import TrainResult
 from mindspeed_llm.training.stages import get_stage
 from mindspeed_llm.training.steps import LM_LOSS, LossTransform, evaluate_metrics, run_schedule
 from mindspeed_llm.training.trainer_load import TrainerLoading
@@ -60,36 +61,6 @@ class TrainerHooks:
 
     loss_transform: LossTransform | None = None
     after_train: Callable[[list[Any]], None] | None = None
-
-
-@dataclass
-class TrainResult:
-    """What a run did, the same on every rank.
-
-    Attributes:
-        records: one dict per step (step, loss, lr, grad_norm, skipped, ...).
-        evals: one dict per evaluation (step, loss).
-        state: the final :class:`TrainState` as a dict.
-        stopped: why the run stopped early on an error, one line (``None``: it did not): too many
-            non-finite steps in a row, or a checkpoint refused for non-finite state (exit status 1).
-        num_parameters: parameters of the whole model.
-        features: the run report of the features (``FeatureReport.to_dict()``: what was on and
-            why, every change); empty when none were applied.
-        preempted: ``"SIGTERM"``, ``"SIGINT"`` or ``"time limit"`` when the run stopped for one
-            (after saving a checkpoint); ``None`` otherwise.
-        exit_code: the exit status the command should end with (0; 143 / 130 after a signal).
-        checkpoint: the newest checkpoint the run wrote or resumed from.
-    """
-
-    records: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)
-    stopped: str | None = None
-    num_parameters: int = 0
-    features: dict[str, Any] = field(default_factory=dict)
-    preempted: str | None = None
-    exit_code: int = 0
-    checkpoint: str | None = None
 
 
 def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> TrainResult:

@@ -25,7 +25,7 @@ from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
 from mindspeed_llm.training.progress import RunReporter
 
 if TYPE_CHECKING:
-    from mindspeed_llm.training.trainer import TrainResult
+    from mindspeed_llm.training.result import TrainResult
 
 logger = get_logger("mindspeed_llm.training.trainer")
 
