@@ -136,9 +136,7 @@ class Critic(Actor):
         self.skips = SkipCounter(s.max_nonfinite_steps, lr_key="critic.lr", unit="critic update")
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
-        logger.info(
-            "critic from %s (%s head): %s, tp=%d pp=%d", self.hf_dir, source.kind, self.bridge.family, tp, pp
-        )
+        logger.info("critic from %s (%s head): %s, tp=%d pp=%d", self.hf_dir, source.kind, self.bridge.family, tp, pp)
 
     @staticmethod
     def _values(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
@@ -215,7 +213,9 @@ class Critic(Actor):
         with fast_path():
             width = values.shape[-1]
             if returns.shape != values.shape or values.shape[0] != len(pairs):
-                raise ValueError(f"values {tuple(values.shape)} and returns {tuple(returns.shape)} do not fit the pairs")
+                raise ValueError(
+                    f"values {tuple(values.shape)} and returns {tuple(returns.shape)} do not fit the pairs"
+                )
             extra = {"values": values.float(), "returns": returns.float()}
             batches = self._microbatches(pairs, width, extra)
             for chunk in self.chunks:
