@@ -7,7 +7,8 @@ head, frozen reference for the KL in the reward), the shipped arithmetic prompts
   checkpoint after every step: every critic metric is finite, the critic moved the values
   (``critic/vf_loss`` > 0, a gradient), the actor did not update in the warmup step and did in
   step 2, the adaptive KL controller's coefficient is recorded, and each checkpoint holds the
-  critic (``critic/iter_<step>``) and the controller's state (``rl_state.json``);
+  critic (``critic/iter_<step>``) and the controller's state (``rl_state.json``); a held-out
+  evaluation runs before each save (its rollout offloads the critic: the save onloads it);
 - resume: the step-2 run checkpoint removed, a new runner on the same directory resumes from
   step 1 (actor, critic, KL controller) and its step 2 equals the uninterrupted step 2 exactly,
   critic metrics included.
@@ -64,6 +65,11 @@ def _recipe(root: Path) -> list[str]:
         "algorithm.kl_ctrl.horizon=10",
         f"checkpoint.save={root}/ckpt",
         "checkpoint.interval=1",
+        # A held-out evaluation after every step: its rollout offloads the critic (co-location)
+        # right before the save, which must bring it back first.
+        "data.eval_path=demo-test",
+        "train.eval_interval=1",
+        "train.eval_temperature=0",
         "logging.progress=false",
     ]
 
@@ -100,6 +106,7 @@ def ray_session() -> Any:
 def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path) -> None:
     records = _run(_recipe(root))
     assert [r["step"] for r in records] == [1.0, 2.0]
+    assert all("eval/reward_mean" in r for r in records)
     for record in records:
         for key in KEYS[4:]:
             assert math.isfinite(record[key]), (key, record[key])

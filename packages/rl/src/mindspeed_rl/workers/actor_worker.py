@@ -276,6 +276,7 @@ class ActorWorker:
     def save_critic(self, root: str, step: int, keep_last: int | None = None) -> str:
         """Save the critic (weights, optimizer, scheduler) as ``root/iter_<step>`` (collective)."""
         c = self._critic()
+        c.onload()  # the critic stays offloaded after a rollout (an evaluation's) until it is used
         path = save_checkpoint(
             root, TrainState(step=step), c.chunks, c.optimizer, c.scheduler, c.config, keep_last=keep_last
         )
@@ -284,6 +285,7 @@ class ActorWorker:
     def load_critic(self, path: str) -> int:
         """Restore the critic from :meth:`save_critic`'s ``path`` (collective); returns its step."""
         c = self._critic()
+        c.onload()
         state = load_checkpoint(Path(path), c.chunks, c.optimizer, c.scheduler, c.config)
         c.version = int(state.step)
         return int(state.step)
