@@ -11,7 +11,7 @@ head, frozen reference for the KL in the reward), the shipped arithmetic prompts
   evaluation runs before each save (its rollout offloads the critic: the save onloads it);
 - resume: the step-2 run checkpoint removed, a new runner on the same directory resumes from
   step 1 (actor, critic, KL controller) and its step 2 equals the uninterrupted step 2 exactly,
-  critic metrics included.
+  critic metrics included; without the critic's directory the resume is one line, before any worker.
 """
 
 from __future__ import annotations
@@ -125,3 +125,12 @@ def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path) -> None:
     assert [r["step"] for r in resumed] == [2.0]
     for key in KEYS:
         assert resumed[0][key] == records[1][key], (key, resumed[0][key], records[1][key])
+    # A run checkpoint without its critic: one line before any worker starts.
+    from mindspeed.config import ConfigError
+    from mindspeed_rl.ppo_config import load_ppo_config
+    from mindspeed_rl.ppo_runner import PPORunner
+
+    shutil.rmtree(save / "critic" / "iter_0000002")
+    with pytest.raises(ConfigError, match="has no critic") as err:
+        PPORunner(load_ppo_config(None, _recipe(root)))
+    assert "\n" not in str(err.value)

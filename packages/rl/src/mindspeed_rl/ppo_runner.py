@@ -21,9 +21,10 @@ from typing import Any
 
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed.megatron.trusted_load import check_dist_checkpoint
 from mindspeed_rl.ppo_config import PPOConfig
 from mindspeed_rl.ppo_trainer import PPOContext, ppo_train_on_batch
-from mindspeed_rl.runner import GRPORunner, _absolute
+from mindspeed_rl.runner import GRPORunner, _absolute, find_run_checkpoint
 from mindspeed_rl.trainer import GRPOContext, RolloutBatch
 from mindspeed_rl.workers.critic_view import CriticView
 
@@ -47,7 +48,9 @@ class PPORunner(GRPORunner):
 
     def __init__(self, config: PPOConfig) -> None:
         # Ray workers do not share the driver's cwd.
-        super().__init__(replace(config, critic=replace(config.critic, model=_absolute(config.critic.model))))
+        config = replace(config, critic=replace(config.critic, model=_absolute(config.critic.model)))
+        check_critic_checkpoint(config)  # before any worker starts: one line
+        super().__init__(config)
 
     def _context(self, *pieces: Any) -> GRPOContext:
         return PPOContext(*pieces, critic=CriticView(self.group), kl_ctrl=self.config.reward_kl_controller())
@@ -73,13 +76,32 @@ class PPORunner(GRPORunner):
     def _maybe_resume(self, resume: tuple[Path, dict[str, Any]] | None) -> None:
         if resume is not None:
             path, state = resume
-            critic = path.parent / CRITIC_DIR / path.name
-            if not critic.is_dir():
-                raise ConfigError(
-                    f"checkpoint {path} has no critic ({critic} is missing); set checkpoint.resume=false to start "
-                    "from step 1 or set checkpoint.save to a new directory"
-                )
+            critic = critic_checkpoint(path)
             if "kl_ctrl" in state:
                 self.ctx.kl_ctrl.load_state_dict(state["kl_ctrl"])  # type: ignore[attr-defined]
             self.group.call("load_critic", str(critic))
         super()._maybe_resume(resume)
+
+
+def critic_checkpoint(run_checkpoint: Path) -> Path:
+    """The critic's checkpoint that belongs to run checkpoint ``save/iter_<step>``: ``save/critic/iter_<step>``."""
+    return run_checkpoint.parent / CRITIC_DIR / run_checkpoint.name
+
+
+def check_critic_checkpoint(config: PPOConfig) -> None:
+    """The run checkpoint a resume would take has its critic, whose files are safe to read (in the driver).
+
+    Raises:
+        ConfigError: one line: the critic's directory is missing, or a file in it is refused.
+    """
+    found = find_run_checkpoint(config.checkpoint)
+    if found is None:
+        return
+    path = found[0]
+    critic = critic_checkpoint(path)
+    if not critic.is_dir():
+        raise ConfigError(
+            f"checkpoint {path} has no critic ({critic} is missing); set checkpoint.resume=false to start "
+            "from step 1 or set checkpoint.save to a new directory"
+        )
+    check_dist_checkpoint(critic)
