@@ -1,17 +1,17 @@
-"""The PPO driver (``PPORunner``) on Ray: two steps with a co-located critic, a checkpoint, a bit-equal resume.
+"""``mindspeed-rl ppo`` on Ray: two steps with a co-located critic, a checkpoint, a bit-equal resume.
 
 One local Ray instance, a tiny Llama (actor, critic from the same directory with a fresh value
 head, frozen reference for the KL in the reward), the shipped arithmetic prompts:
 
-- a 2-step run (critic.warmup_steps 1: step 1 trains the critic alone, step 2 both) saving a
+- ``mindspeed-rl ppo``, 2 steps (critic.warmup_steps 1: step 1 trains the critic alone, step 2 both) saving a
   checkpoint after every step: every critic metric is finite, the critic moved the values
   (``critic/vf_loss`` > 0, a gradient), the actor did not update in the warmup step and did in
   step 2, the adaptive KL controller's coefficient is recorded, and each checkpoint holds the
   critic (``critic/iter_<step>``) and the controller's state (``rl_state.json``); a held-out
   evaluation runs before each save (its rollout offloads the critic: the save onloads it);
-- resume: the step-2 run checkpoint removed, a new runner on the same directory resumes from
+- resume: the step-2 run checkpoint removed, the same command resumes from
   step 1 (actor, critic, KL controller) and its step 2 equals the uninterrupted step 2 exactly,
-  critic metrics included; without the critic's directory the resume is one line, before any worker.
+  critic metrics included; without the critic's directory the command exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -71,18 +71,17 @@ def _recipe(root: Path) -> list[str]:
         "train.eval_interval=1",
         "train.eval_temperature=0",
         "logging.progress=false",
+        f"logging.dir={root}/logs",
     ]
 
 
-def _run(overrides: list[str]) -> list[dict[str, float]]:
-    from mindspeed_rl.ppo_config import load_ppo_config
-    from mindspeed_rl.ppo_runner import PPORunner
+def _run(root: Path) -> list[dict[str, float]]:
+    """``mindspeed-rl ppo`` with the recipe; the step records of its metrics.jsonl (exit status 0 checked)."""
+    from mindspeed_rl.cli import main
 
-    runner = PPORunner(load_ppo_config(None, overrides))
-    try:
-        return runner.run()
-    finally:
-        runner.shutdown()
+    assert main(["ppo", *_recipe(root)]) == 0
+    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["step"] > 0]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +102,8 @@ def ray_session() -> Any:
     ray.shutdown()
 
 
-def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path) -> None:
-    records = _run(_recipe(root))
+def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = _run(root)
     assert [r["step"] for r in records] == [1.0, 2.0]
     assert all("eval/reward_mean" in r for r in records)
     for record in records:
@@ -121,16 +120,15 @@ def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path) -> None:
     # Step 1's KL is 0 (the policy is the reference): the adaptive controller lowered beta for step 2.
     assert records[1]["kl_coef"] < records[0]["kl_coef"] == 0.05
     shutil.rmtree(save / "iter_0000002")
-    resumed = _run(_recipe(root))
-    assert [r["step"] for r in resumed] == [2.0]
+    resumed = _run(root)  # the same command: resumes from step 1
+    assert [r["step"] for r in resumed] == [1.0, 2.0] and resumed[0] == records[0]  # step 1's line kept
     for key in KEYS:
-        assert resumed[0][key] == records[1][key], (key, resumed[0][key], records[1][key])
-    # A run checkpoint without its critic: one line before any worker starts.
-    from mindspeed.config import ConfigError
-    from mindspeed_rl.ppo_config import load_ppo_config
-    from mindspeed_rl.ppo_runner import PPORunner
+        assert resumed[1][key] == records[1][key], (key, resumed[1][key], records[1][key])
+    # A run checkpoint without its critic: one line, exit 2, before any worker starts.
+    from mindspeed_rl.cli import main
 
     shutil.rmtree(save / "critic" / "iter_0000002")
-    with pytest.raises(ConfigError, match="has no critic") as err:
-        PPORunner(load_ppo_config(None, _recipe(root)))
-    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    assert main(["ppo", *_recipe(root)]) == 2
+    err = capsys.readouterr().err
+    assert "has no critic" in err and "Traceback" not in err
