@@ -31,7 +31,7 @@ from mindspeed_rl.algorithms.kl_control import KLController, apply_kl_penalty
 from mindspeed_rl.algorithms.reinforce import token_rewards_with_outcome
 from mindspeed_rl.algorithms.value_loss import explained_variance
 from mindspeed_rl.critic import CriticSettings
-from mindspeed_rl.trainer import GRPOContext, RolloutBatch, _pad, actor_settings, step_record, update_actor
+from mindspeed_rl.trainer import GRPOContext, RolloutBatch, _pad, step_record, update_actor
 
 #: Critic metrics averaged over the step's critic updates (the others are the last update's).
 _CRITIC_MEANS = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm")
@@ -65,8 +65,6 @@ def critic_settings(config: Any) -> CriticSettings:
         seed=t.seed,
         value_loss=c.value_loss,
         cliprange_value=c.cliprange_value,
-        # The actor's settings hold the policy loss; the critic's ignore it.
-        loss=actor_settings(config).loss,
     )
 
 
