@@ -123,5 +123,12 @@ def test_grpo_with_a_tracker_whose_library_is_missing_exits_2_naming_the_extra(t
 
 
 def test_grpo_unknown_tracker_exits_2_with_a_suggestion(tmp_path, capsys) -> None:
-    assert main(["grpo", "logging.trackers=[jsonl, wandbb]", f"checkpoint.save={tmp_path / 'ckpt'}"]) == 2
-    assert "did you mean 'wandb'?" in capsys.readouterr().err
+    args = [
+        f"actor.model={tmp_path}",  # a directory: the recipe's first problem is the tracker's name
+        "logging.trackers=[jsonl, wandbb]",
+        f"checkpoint.save={tmp_path / 'ckpt'}",
+    ]
+    assert main(["grpo", *args]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'wandb'?" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "ckpt").exists()
