@@ -21,6 +21,16 @@ the same losses (the bonus's gradient flows through the vocab-parallel statistic
 
 The same two-rank group then builds the actor at PP2: every rank's ``hf_state()`` is the checkpoint,
 every rank gets the TP1 log-probs, and an update reports the TP1 numbers on both ranks.
+
+Then PPO's critic (:class:`~mindspeed_rl.critic.Critic`: the tiny Llama's decoder with a fresh,
+seeded value head) at TP2 and at TP1 with DP2 (each replica one share of the pairs, two of which
+answer one prompt: a shared-prompt segment at TP2, separate at DP2): its packed values equal a
+plain forward of each sequence at the positions that predict each response token (1e-5), its values
+at TP2 equal TP1's (1e-5; after one clipped value-loss update, 1e-3: Adam's sign-like first step
+amplifies rounding where gradients are near zero), the update's gradient norm at TP2 equals the
+DP2 one (rel 1e-5: the per-token loss summed over replicas and divided by the step's token count
+is the whole batch's), and ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` equal the clipped loss
+computed from the values (the scored values are the clip centre: nothing clipped).
 """
 
 from __future__ import annotations
@@ -37,6 +47,10 @@ from mindspeed.testing.distributed import run_distributed
 PAIRS = [([1, 5, 9, 14], [20, 21, 7]), ([3, 4], [30, 31, 32, 33, 2]), ([8, 9, 10, 11, 12], [40])]
 ADV = [1.0, -1.0, 0.5]
 ENTROPY_COEF = 0.1
+#: The critic's pairs: PAIRS with a second response to the first prompt (a shared-prompt segment
+#: in TP2's first microbatch, not in DP2's), and their regression targets.
+CRITIC_PAIRS = [PAIRS[0], (PAIRS[0][0], [22, 23, 24, 2]), PAIRS[1], PAIRS[2]]
+CRITIC_RETURNS = [[1.0, 0.5, -0.2], [0.7, -0.4, 0.0, 1.5], [0.3, 0.0, 0.1, 0.9, -1.0], [2.0]]
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -212,7 +226,40 @@ def _group_two(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out = {"tp2": _group_tp2(rank, world_size, root)}
     ps.destroy_model_parallel()
     out["pp2"] = _group_pp2(rank, world_size, root)
+    # PPO's critic (an Actor with a value head) in the same group: TP2, then TP1 with DP2.
+    ps.destroy_model_parallel()
+    out["critic_tp2"] = _critic_layout(root, 2, 0, 1)
+    ps.destroy_model_parallel()
+    out["critic_dp2"] = _critic_layout(root, 1, rank, 2)
     return out
+
+
+def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
+    """The critic's values of CRITIC_PAIRS (packed, and by a plain forward of each sequence), one
+    value-loss update on this replica's share, the values after."""
+    from mindspeed_llm.engine import unwrap
+    from mindspeed_rl.critic import Critic, CriticSettings
+
+    settings = CriticSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, head_std=0.5, value_loss="clipped")
+    critic = Critic(f"{root}/hf", settings, tp=tp)
+    values = critic.compute_values(CRITIC_PAIRS)
+    model = unwrap(critic.chunks[0])
+    with torch.no_grad():  # position len(prompt) - 1 + j predicts response token j: its value is token j's
+        plain = [
+            model(torch.tensor([[*p, *r]]), torch.arange(len(p) + len(r))[None], None).reshape(-1)[len(p) - 1 : -1]
+            for p, r in CRITIC_PAIRS
+        ]
+    pick = torch.tensor([i for i in range(len(CRITIC_PAIRS)) if i % dp == dp_rank])
+    returns = _pad([torch.tensor(r) for r in CRITIC_RETURNS])
+    metrics = critic.update([CRITIC_PAIRS[i] for i in pick.tolist()], _pad(values)[pick], returns[pick])
+    after = critic.compute_values(CRITIC_PAIRS)
+    return {
+        "values": [v.numpy() for v in values],
+        "plain": [v.float().numpy() for v in plain],
+        "after": [v.numpy() for v in after],
+        "metrics": metrics,
+        "share_prompt": critic.share_prompt,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +339,32 @@ def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any], run2: list[di
     for out in outs:  # shared prompts need one pipeline stage: off when unset, refused when asked for
         assert out["share_prompt"] is False
         assert "actor.share_prompt=true cannot apply with pp=2" in out["share_prompt_error"]
+
+
+def test_critic_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
+    """PPO's critic: values and the value-loss gradient at TP2 equal TP1 (DP2); the loss metrics equal the formula."""
+    from mindspeed_rl.algorithms.value_loss import ValueLossInputs, compute_value_loss
+
+    tp1 = run2[0]["critic_dp2"]
+    assert tp1["share_prompt"]  # the first microbatch at TP2 packs its two responses to one prompt as one segment
+    for out in run2:  # the packed values are a plain forward's, at the positions that predict each token
+        for layout in ("critic_tp2", "critic_dp2"):
+            for a, b in zip(out[layout]["values"], out[layout]["plain"]):
+                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5), (layout, a, b)
+    for key, tol in (("values", 1e-5), ("after", 1e-3)):
+        for out in run2:
+            for a, b in zip(out["critic_tp2"][key], tp1[key]):
+                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=tol), (key, a, b)
+    tp2 = run2[0]["critic_tp2"]
+    assert max(abs(a - b).max() for a, b in zip(tp2["after"], tp2["values"])) > 1e-3  # the update moved them
+    values = _pad([torch.from_numpy(v) for v in tp2["values"]])
+    mask = _pad([torch.ones(len(r)) for _, r in CRITIC_PAIRS])
+    want = compute_value_loss(
+        "clipped", ValueLossInputs(values, values, _pad([torch.tensor(r) for r in CRITIC_RETURNS]), mask), 0.5
+    )
+    got = tp2["metrics"]
+    assert math.isclose(got["vf_loss"], want.metrics["vf_loss"], rel_tol=1e-5)
+    assert got["vf_clipfrac"] == 0.0
+    assert math.isclose(got["vpred_mean"], want.metrics["vpred_mean"], rel_tol=1e-5, abs_tol=1e-6)
+    assert math.isclose(got["grad_norm"], tp1["metrics"]["grad_norm"], rel_tol=1e-5)
+    assert run2[1]["critic_tp2"]["metrics"]["grad_norm"] == got["grad_norm"]

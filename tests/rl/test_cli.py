@@ -48,6 +48,18 @@ def test_grpo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path, args: list[
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()  # refused before Ray started
 
 
+def test_ppo_bad_recipe_exits_2_before_any_worker(capsys, tmp_path) -> None:
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+
+    save_tiny_checkpoint("llama2", tmp_path / "hf", seed=0)
+    args = [f"actor.model={tmp_path / 'hf'}", "critic.cliprange_value=0", f"checkpoint.save={tmp_path / 'ckpt'}"]
+    assert main(["ppo", *args]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "critic.cliprange_value=0" in err
+    assert not (tmp_path / "ckpt").exists()
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
 def test_grpo_overrides_are_accepted_anywhere_on_the_line() -> None:
     from mindspeed.suite_cli import parse_suite_args
     from mindspeed_rl.cli import build_parser

@@ -64,6 +64,7 @@ def test_ppo_recipe_loads_and_checks(recipe) -> None:
         (["critic.value_loss=huber"], "critic.value_loss='huber'; use one of clipped, mse"),
         (["critic.cliprange_value=0"], "critic.cliprange_value=0.0 must be > 0"),
         (["critic.loss_agg_mode=sum"], "critic.loss_agg_mode='sum'; use one of token-mean"),
+        (["critic.loss_agg_mode=seq-mean-token-mean"], "reduces its loss by token-mean only"),
         (["critic.lr=0"], "critic.lr=0.0 must be positive"),
         (["critic.min_lr=1"], "need 0 <= critic.min_lr <= critic.lr"),
         (["critic.lr_warmup_steps=10"], "critic.lr_warmup_steps=10 must be in [0, train.steps=10)"),

@@ -11,7 +11,15 @@ import ast
 from pathlib import Path
 
 WORKERS = Path(__file__).resolve().parents[2] / "packages/rl/src/mindspeed_rl/workers"
-DRIVER = ("mindspeed_rl.runner", "mindspeed_rl.runner_checkpoints", "mindspeed_rl.trainer", "mindspeed_rl.grpo_cli")
+DRIVER = (
+    "mindspeed_rl.runner",
+    "mindspeed_rl.runner_checkpoints",
+    "mindspeed_rl.trainer",
+    "mindspeed_rl.grpo_cli",
+    "mindspeed_rl.ppo_runner",
+    "mindspeed_rl.ppo_trainer",
+    "mindspeed_rl.ppo_cli",
+)
 
 
 def driver_imports(source: str) -> list[tuple[int, str]]:

@@ -13,9 +13,15 @@ from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 from mindspeed_rl.data.cli import add_make_data
 from mindspeed_rl.demo_model_cli import add_make_demo_model
 from mindspeed_rl.grpo_cli import add_grpo
+from mindspeed_rl.ppo_cli import add_ppo
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
-COMMANDS: dict[str, AddCommand] = {"make-data": add_make_data, "make-demo-model": add_make_demo_model, "grpo": add_grpo}
+COMMANDS: dict[str, AddCommand] = {
+    "make-data": add_make_data,
+    "make-demo-model": add_make_demo_model,
+    "grpo": add_grpo,
+    "ppo": add_ppo,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ directory, for any TP/PP layout (each rank reads only its pieces, through the br
   transformers initialises a fresh ``score``, ``N(0, initializer_range)``).
 
 :func:`read_critic_source` checks the directory first (one line naming ``critic.model`` and the
-fix). The critic worker that trains it comes with ``mindspeed-rl ppo`` (docs/rl/ppo.md).
+fix). :class:`~mindspeed_rl.critic.Critic` builds with it; ``mindspeed-rl ppo`` trains it (docs/rl/ppo.md).
 """
 
 from __future__ import annotations

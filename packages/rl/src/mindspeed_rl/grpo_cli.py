@@ -69,12 +69,13 @@ def run_grpo(args: argparse.Namespace) -> int:
         return _run_grpo(config)
 
 
-def _run_grpo(config: Any) -> int:
+def _run_grpo(config: Any, runner_class: Any = None, stage: str = "grpo") -> int:
+    """Run a checked-or-not recipe with ``runner_class`` (default :class:`GRPORunner`; ``ppo``: PPORunner)."""
     from mindspeed_rl.metrics import ProgressLine, RLMetricsLog, per_device
     from mindspeed_rl.runner import GRPORunner
 
     try:
-        runner = GRPORunner(config)
+        runner = (runner_class or GRPORunner)(config)
     except ConfigError as err:
         raise ValueError(str(err)) from err
     config = runner.config
@@ -92,7 +93,7 @@ def _run_grpo(config: Any) -> int:
         config.train.steps,
         bar=config.logging.progress,
         interval=config.logging.interval,
-        stage="grpo",
+        stage=stage,
         start=runner.ctx.step,
     )
 
@@ -113,7 +114,7 @@ def _run_grpo(config: Any) -> int:
             with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
                 records = runner.run(on_step=on_step, preemption=preemption)
             if runner.failed is not None:  # non-finite updates in a row, or a save refused for NaN/Inf
-                logger.error("grpo stopped early: %s", runner.failed)
+                logger.error("%s stopped early: %s", stage, runner.failed)
                 return 1
             stop = runner.stopped
             if stop is not None:

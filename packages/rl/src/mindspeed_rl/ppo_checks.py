@@ -45,8 +45,8 @@ def check_gae_keys(al: AlgorithmConfig, has_critic: bool) -> None:
         return
     if al.advantage in VALUE_ADVANTAGES:
         raise ConfigError(
-            f"algorithm.advantage={al.advantage} needs a critic, which mindspeed-rl grpo does not train (PPO with a "
-            "critic is not available yet); use grpo, rloo or reinforce_plus_plus"
+            f"algorithm.advantage={al.advantage} needs a critic, which mindspeed-rl grpo does not train; run "
+            "mindspeed-rl ppo for PPO with a critic, or use grpo, rloo or reinforce_plus_plus"
         )
     if al.lam != 1.0:
         raise ConfigError(f"algorithm.lam={al.lam} is GAE's (PPO with a critic) and unused by grpo; remove it")
@@ -75,6 +75,11 @@ def check_critic(c: CriticConfig, train: RLTrainConfig) -> None:
         )
     if c.loss_agg_mode not in LOSS_AGG_MODES:
         raise ConfigError(f"critic.loss_agg_mode={c.loss_agg_mode!r}; use one of {', '.join(LOSS_AGG_MODES)}")
+    if c.loss_agg_mode != "token-mean":
+        raise ConfigError(
+            f"critic.loss_agg_mode={c.loss_agg_mode!r}: the critic's update reduces its loss by token-mean only "
+            "(verl's default); set critic.loss_agg_mode=token-mean"
+        )
     if not c.lr > 0:
         raise ConfigError(f"critic.lr={c.lr} must be positive; give a learning rate such as critic.lr=1e-5")
     if not 0 <= c.min_lr <= c.lr:

@@ -1,7 +1,7 @@
 """The typed config of a PPO recipe: a GRPO recipe plus a ``critic`` section, with GAE by default.
 
-Only the config and its checks are here: the ``mindspeed-rl ppo`` command and the critic worker
-that will read it are not built yet (docs/rl/ppo.md).
+Read by ``mindspeed-rl ppo`` (:mod:`mindspeed_rl.ppo_cli`, :class:`~mindspeed_rl.ppo_runner.PPORunner`;
+docs/rl/ppo.md).
 """
 
 from __future__ import annotations

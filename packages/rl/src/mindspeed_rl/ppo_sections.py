@@ -6,8 +6,8 @@ Kept apart from :mod:`mindspeed_rl.sections` so the GRPO sections stay as they a
 The checks are :func:`mindspeed_rl.ppo_checks.check_ppo_sections`.
 
 The math these keys drive is in :mod:`mindspeed_rl.algorithms` (``gae``, ``kl_control``,
-``value_loss``); the critic worker that reads the rest of ``critic`` is not built yet
-(docs/rl/ppo.md says what is there).
+``value_loss``); the critic that reads the rest of ``critic`` is :mod:`mindspeed_rl.critic`, built
+from it by :func:`mindspeed_rl.actor_settings.critic_settings` (docs/rl/ppo.md).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ class GRPORunner(RunnerCheckpoints):
         d = config.data
         self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
-        self.ctx = GRPOContext(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
+        self.ctx = self._context(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
         # The producer's view: its own step counter (the batch index, which seeds sampling), shared sampler.
         self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()
@@ -236,6 +236,14 @@ class GRPORunner(RunnerCheckpoints):
         #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
         self.failed: str | None = None
         self._maybe_resume(resume)
+
+    def _context(self, *pieces: Any) -> GRPOContext:
+        """The step context of the run (PPO's adds the critic and the KL controller)."""
+        return GRPOContext(*pieces)
+
+    def _train_on_batch(self, batch: RolloutBatch) -> dict[str, float]:
+        """Advantages and updates on one batch (PPO's adds values, GAE and the critic)."""
+        return train_on_batch(self.ctx, batch)
 
     # -- producing ---------------------------------------------------------------------------
 
@@ -325,7 +333,7 @@ class GRPORunner(RunnerCheckpoints):
         mark = time.perf_counter()
         batch, rows, info = self.consume()
         waited = time.perf_counter() - mark
-        record = train_on_batch(self.ctx, batch)
+        record = self._train_on_batch(batch)
         self.buffer.mark_consumed(rows)
         self.version += 1
         self.buffer.advance_version(self.version)
@@ -435,7 +443,7 @@ class GRPORunner(RunnerCheckpoints):
             return
         path, state = resume
         flags = check_actor_schedule(self.config, path, int(state["step"]))
-        self.group.call("load", str(path), *flags)
+        self._load_actor(path, flags, int(state["step"]))
         self.ctx.step = self.pctx.step = int(state["step"])
         self.saved_step = self.ctx.step
         self.version = int(state["version"])
@@ -446,6 +454,10 @@ class GRPORunner(RunnerCheckpoints):
         if not self.config.rollout.colocate and self.config.buffer.mode == "async":
             self.rollout.load_weights(*self._latest)  # the producer starts from the resumed version
         logger.info("resumed from %s (step %d)", path, self.ctx.step)
+
+    def _load_actor(self, path: Path, flags: tuple[bool, bool], step: int) -> None:
+        """The actor workers load ``path`` (PPO: without the optimizer while the critic warms up)."""
+        self.group.call("load", str(path), *flags)
 
     def shutdown(self) -> None:
         """Stop the workers and give the pools back (Ray itself keeps running)."""

@@ -77,7 +77,7 @@ class RunnerCheckpoints:
     def save(self, root: str | Path) -> Path:
         """Save the run as ``root/iter_<step>`` (actor + ``rl_state.json``, marked complete last);
         rotates complete checkpoints to ``checkpoint.keep_last``."""
-        state = {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
+        state = self._run_state()
         path = Path(
             self.group.call(
                 "save", str(root), self.ctx.step, {RL_STATE: json.dumps(state)}, self.config.checkpoint.keep_last
@@ -86,6 +86,10 @@ class RunnerCheckpoints:
         self.saved_step = self.ctx.step
         logger.info("saved %s", path)
         return path
+
+    def _run_state(self) -> dict[str, Any]:
+        """What :data:`RL_STATE` records: step, policy version, sampler position (PPO's adds the KL controller)."""
+        return {"step": self.ctx.step, "version": self.version, "sampler": self.sampler_state}
 
     def checkpoint_path(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from (``None``: none)."""

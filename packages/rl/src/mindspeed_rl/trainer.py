@@ -211,7 +211,7 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
         times[f"time/{name}"] = now - mark
         mark = now
 
-    pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
+    pairs, rewards = batch.pairs, batch.rewards
     width = max(len(r) for _, r in pairs)
     mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * n
     # One update on the whole batch: the policy before it is the current one, so the update
@@ -236,6 +236,22 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
         advantages = compute_token_advantages(algo.advantage, rewards, mask, n, token_rewards, algo.gamma)
     else:
         advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
+    update = update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp)
+    lap("update")
+    return step_record(ctx, batch, update, times, extra, old_logp, rollout_logp, mask)
+
+
+def update_actor(
+    ctx: GRPOContext,
+    pairs: list[tuple[list[int], list[int]]],
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor,
+) -> dict[str, list[float]]:
+    """The policy updates of one step (``actor.ppo_epochs`` x mini-batches); each update's metrics, by name."""
+    cfg = ctx.config
+    mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * cfg.rollout.n
     update: dict[str, list[float]] = {}
     for _ in range(cfg.actor.ppo_epochs):
         for first in range(0, len(pairs), mini):
@@ -249,7 +265,21 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
             )
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
-    lap("update")
+    return update
+
+
+def step_record(
+    ctx: GRPOContext,
+    batch: RolloutBatch,
+    update: dict[str, list[float]],
+    times: dict[str, float],
+    extra: dict[str, float],
+    old_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """A step's metrics from its batch and its updates (see :func:`grpo_step`)."""
+    pairs, rewards, parts = batch.pairs, batch.rewards, batch.parts
     lengths = torch.tensor([float(len(r)) for _, r in pairs])
     record: dict[str, float] = {
         "reward_mean": float(rewards.mean()),
@@ -269,7 +299,7 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     if old_logp is not None:  # the first mini-batch's number is the one before any update of this step
         record["rollout_logp_diff"] = float(((rollout_logp - old_logp).abs() * mask).sum() / mask.sum())
     record.update(times)
-    record["update_tps"] = sum(update.get("update_tokens", [0.0])) / max(times["time/update"], 1e-9)
+    record["update_tps"] = sum(update.get("update_tokens", [0.0])) / max(times.get("time/update", 0.0), 1e-9)
     return record
 
 

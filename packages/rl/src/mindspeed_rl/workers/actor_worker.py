@@ -28,7 +28,8 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import TrainState, load_checkpoint, save_checkpoint
 from mindspeed_rl.actor import Actor
-from mindspeed_rl.actor_settings import actor_settings
+from mindspeed_rl.actor_settings import actor_settings, critic_settings
+from mindspeed_rl.critic import Critic
 from mindspeed_rl.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
@@ -55,6 +56,7 @@ class ActorWorker:
         self.rank, self.world_size, self.config, self.model_dir = rank, world_size, config, model_dir
         self.actor: Any = None
         self.reference: Any = None
+        self.critic: Any = None  # PPO: the critic's shard, co-located with the actor's
         self.engine: Any = None
         self.stats: dict[str, float] = {}
 
@@ -91,6 +93,10 @@ class ActorWorker:
                 tp=a.tp,
                 pp=a.pp,
                 features=cfg.features,
+            )
+        if getattr(cfg, "critic", None) is not None:
+            self.critic = Critic(
+                cfg.critic.model or self.model_dir, critic_settings(cfg), tp=a.tp, pp=a.pp, features=cfg.features
             )
         groups = self.actor.groups
         place = {
@@ -137,6 +143,24 @@ class ActorWorker:
         self.stats.update({f"memory/update_{k}": v for k, v in memory_gib().items()})
         return metrics
 
+    def compute_values(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """This data-parallel rank's critic values of ``pairs`` (collective; see ``Critic.compute_values``)."""
+        start = time.perf_counter()
+        out = self._critic().compute_values(pairs)
+        self.stats["time/values_worker"] = time.perf_counter() - start
+        return out
+
+    def update_critic(
+        self, pairs: Sequence[tuple[list[int], list[int]]], values: torch.Tensor, returns: torch.Tensor
+    ) -> dict[str, float]:
+        """One critic step on this rank's share of a mini-batch (collective)."""
+        return self._critic().update(pairs, values, returns)
+
+    def _critic(self) -> Any:
+        if self.critic is None:
+            raise ValueError("this run has no critic (mindspeed-rl grpo); PPO's critic comes with mindspeed-rl ppo")
+        return self.critic
+
     def version(self) -> int:
         """Updates the actor has taken."""
         return int(self.actor.version)
@@ -148,6 +172,10 @@ class ActorWorker:
         offload = getattr(self.actor, "offload", None)
         if r.colocate and offload is not None and (a.offload_optimizer or a.offload_grad):
             offload(optimizer=a.offload_optimizer, grad=a.offload_grad)
+        if r.colocate and self.critic is not None and (a.offload_optimizer or a.offload_grad):
+            # The critic is not used while the engine generates: its weights leave the device too
+            # (compute_values brings them back, update the rest).
+            self.critic.offload(optimizer=a.offload_optimizer, grad=a.offload_grad, weights=True)
 
     def _onload(self) -> None:
         onload = getattr(self.actor, "onload", None)
@@ -219,17 +247,46 @@ class ActorWorker:
         )
         return str(path)
 
-    def load(self, path: str, override_scheduler: bool = False, use_checkpoint_scheduler: bool = False) -> int:
+    def load(
+        self,
+        path: str,
+        override_scheduler: bool = False,
+        use_checkpoint_scheduler: bool = False,
+        load_optimizer: bool = True,
+    ) -> int:
         """Restore a checkpoint written by :meth:`save` (collective); returns its step.
 
         The flags say whose learning-rate schedule wins when the checkpoint's differs from the actor's
         (the driver has checked that one of them is set then: ``runner.check_actor_schedule``).
+        ``load_optimizer`` false: the weights only (an actor that has not updated yet, as in PPO's
+        critic warmup, saved an optimizer without state: the fresh one is the same).
         """
         config = self.actor.config
-        flags = {"override_scheduler": override_scheduler, "use_checkpoint_scheduler": use_checkpoint_scheduler}
+        flags = {
+            "override_scheduler": override_scheduler,
+            "use_checkpoint_scheduler": use_checkpoint_scheduler,
+            "load_optimizer": load_optimizer,
+        }
         config = replace(config, checkpoint=replace(config.checkpoint, **flags))
         state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, config)
         self.actor.version = int(state.step)
+        return int(state.step)
+
+    def save_critic(self, root: str, step: int, keep_last: int | None = None) -> str:
+        """Save the critic (weights, optimizer, scheduler) as ``root/iter_<step>`` (collective)."""
+        c = self._critic()
+        c.onload()  # the critic stays offloaded after a rollout (an evaluation's) until it is used
+        path = save_checkpoint(
+            root, TrainState(step=step), c.chunks, c.optimizer, c.scheduler, c.config, keep_last=keep_last
+        )
+        return str(path)
+
+    def load_critic(self, path: str) -> int:
+        """Restore the critic from :meth:`save_critic`'s ``path`` (collective); returns its step."""
+        c = self._critic()
+        c.onload()
+        state = load_checkpoint(Path(path), c.chunks, c.optimizer, c.scheduler, c.config)
+        c.version = int(state.step)
         return int(state.step)
 
     def save_hf(self, target: str) -> str | None:
@@ -243,6 +300,8 @@ class ActorWorker:
         """Undo the actor's adaptation of megatron-core and leave the process group."""
         import torch.distributed as dist
 
+        if self.critic is not None:
+            self.critic.close()
         if self.actor is not None:
             self.actor.close()
         if dist.is_initialized():

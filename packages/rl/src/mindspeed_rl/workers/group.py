@@ -106,7 +106,10 @@ class ActorGroup:
             ([pairs[i] for i in s], cut(old_logp, s), cut(advantages, s), cut(ref_logp, s), cut(rollout_logp, s))
             for s in shares
         ]
-        results = self._run("update", args)
+        return self.merge_metrics(self._run("update", args))
+
+    def merge_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
+        """The replicas' update metrics as one: their means weighted by their tokens (global ones from rank 0)."""
         readers = [results[self.readers[d]] for d in range(self.dp)]
         tokens = [r.get("update_tokens", 1.0) for r in readers]
         total = sum(tokens) or 1.0
