@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-
 #: The KL-in-reward coefficient's default (verl's ``algorithm.kl_ctrl.kl_coef``).
 KL_COEF_DEFAULT = 0.001
 
