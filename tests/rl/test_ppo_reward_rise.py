@@ -9,7 +9,8 @@ sampled responses each, seeds fixed for the run) before the first step and after
 reference is the starting policy's own measured numbers: the mean reward of the last steps must
 beat the first steps' by a margin, and the held-out accuracy after the last step must beat the
 starting policy's. The margins (0.1 each) are below what seeds 1234, 1 and 2 measured: reward
-+0.24, +0.20, +0.27 and held-out +0.25, +0.31, +0.25 (docs/rl/ppo.md, "The demo").
++0.24, +0.20, +0.27 and held-out +0.25, +0.31, +0.25; with ``actor.lr=1e-12`` (no learning)
+-0.01 and 0.00 (docs/rl/ppo.md, "The demo").
 """
 
 from __future__ import annotations
