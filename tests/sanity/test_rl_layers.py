@@ -1,7 +1,7 @@
 """mindspeed_rl's Ray workers never import the driver (``runner``, ``trainer``, the CLIs).
 
 A worker runs in its own process: what it imports is what the driver ships to it. The recipe's
-translation into actor settings lives in :mod:`mindspeed_rl.actor_settings` for that reason.
+translation into actor settings lives in :mod:`mindspeed_rl.models.actor_settings` for that reason.
 Read from the source with ``ast`` (module-level and function-level imports), nothing imported.
 """
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 WORKERS = Path(__file__).resolve().parents[2] / "packages/rl/src/mindspeed_rl/workers"
 DRIVER = (
-    "mindspeed_rl.runner",
-    "mindspeed_rl.runner_checkpoints",
-    "mindspeed_rl.trainer",
-    "mindspeed_rl.grpo_cli",
-    "mindspeed_rl.ppo_runner",
-    "mindspeed_rl.ppo_trainer",
-    "mindspeed_rl.ppo_cli",
+    "mindspeed_rl.driver.runner",
+    "mindspeed_rl.driver.runner_checkpoints",
+    "mindspeed_rl.driver.trainer",
+    "mindspeed_rl.driver.grpo_cli",
+    "mindspeed_rl.driver.ppo_runner",
+    "mindspeed_rl.driver.ppo_trainer",
+    "mindspeed_rl.driver.ppo_cli",
 )
 
 
@@ -45,5 +45,8 @@ def test_workers_do_not_import_the_driver() -> None:
     wrong = [f"{p.name}:{line} imports {name}" for p in files for line, name in driver_imports(p.read_text())]
     assert not wrong, "a Ray worker imports the driver: " + "; ".join(wrong)
     # The scan sees imports inside functions and ``from package import module`` too.
-    planted = "def f():\n    from mindspeed_rl.trainer import x\nfrom mindspeed_rl import runner\n"
-    assert [name for _, name in driver_imports(planted)] == ["mindspeed_rl.trainer", "mindspeed_rl.runner"]
+    planted = "def f():\n    from mindspeed_rl.driver.trainer import x\nfrom mindspeed_rl.driver import runner\n"
+    assert [name for _, name in driver_imports(planted)] == [
+        "mindspeed_rl.driver.trainer",
+        "mindspeed_rl.driver.runner",
+    ]

@@ -27,10 +27,10 @@ from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import TrainState, load_checkpoint, save_checkpoint
-from mindspeed_rl.actor import Actor
-from mindspeed_rl.actor_settings import actor_settings, critic_settings
-from mindspeed_rl.critic import Critic
-from mindspeed_rl.memory import freeze_startup_objects, memory_gib
+from mindspeed_rl.models.actor import Actor
+from mindspeed_rl.models.actor_settings import actor_settings, critic_settings
+from mindspeed_rl.models.critic import Critic
+from mindspeed_rl.models.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
 
@@ -48,7 +48,7 @@ class ActorWorker:
 
     Args:
         rank: the global rank in the actor group. world_size: the group's size.
-        config: the GRPO recipe (:class:`~mindspeed_rl.config.GRPOConfig`).
+        config: the GRPO recipe (:class:`~mindspeed_rl.config.grpo.GRPOConfig`).
         model_dir: the resolved actor model directory.
     """
 
