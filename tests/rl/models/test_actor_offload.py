@@ -9,6 +9,11 @@ and of the DDP gradient buffers (and ``param.main_grad``) has size 0 and ``memor
 exactly their bytes. Losses, gradient norms, every metric and the final weights must be
 bit-identical to the first actor's. A frozen reference offloads its weights: its storages are
 freed, and its log-probs after the automatic onload are bit-identical to those before.
+
+The same three builds show that the RL actor, trainable and frozen, builds its model through the
+LLM trainer's one build sequence (``mindspeed_llm.training.build.build_engine``; the trainer's
+side is in tests/llm/training/test_fast_path.py): so a change of the build order in that one
+function reaches both.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from mindspeed_llm.testing.build_probe import record_builds
     from mindspeed_rl.models.actor import Actor, ActorSettings
+
+    builds = record_builds()  # who reaches the model builder (passed through; this rank exits after)
 
     # A warmup + cosine schedule (megatron's scheduler inside the actor, one position per update).
     settings = ActorSettings.adamw(
@@ -65,7 +73,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         min_lr=1e-3,
     )
     plain, offl = Actor(f"{root}/hf", settings), Actor(f"{root}/hf", settings)
-    out: dict[str, Any] = {"plain": [], "offl": [], "checks": []}
+    out: dict[str, Any] = {"plain": [], "offl": [], "checks": [], "builds": builds}
     for step in range(STEPS):
         old = _pad(plain.compute_logprobs(PAIRS))
         out["plain"].append(plain.update(PAIRS, old, ADV))
@@ -185,3 +193,10 @@ def test_learning_rate_follows_warmup_then_cosine(run: dict[str, Any]) -> None:
 
     got = [m["lr"] for m in run["plain"]]
     assert all(math.isclose(g, expected(k), rel_tol=1e-9, abs_tol=1e-12) for k, g in enumerate(got)), got
+
+
+def test_actor_builds_through_build_engine(run: dict[str, Any]) -> None:
+    builds = run["builds"]
+    assert [b["trainable"] for b in builds] == [True, True, False], builds
+    for b in builds:
+        assert b["callers"] == ["build", "build_engine"], f"the actor built its model from {b['callers']}"
