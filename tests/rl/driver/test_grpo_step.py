@@ -14,7 +14,10 @@ One spawned single-rank group:
   by the step's total count is right, not only the reported number;
 - runs ``train_grpo`` for two steps on the shipped arithmetic set with a tiny Llama (KL to a
   frozen reference on): every metric is finite and the weights the engine generates with are
-  the actor's (the engine's sampled log-probs equal the actor's old log-probs of them).
+  the actor's (the engine's sampled log-probs equal the actor's old log-probs of them). Its
+  records go through the core's trackers (``logging.trackers=[jsonl, tensorboard]``):
+  ``metrics.jsonl`` holds exactly the returned records (every key, floats bit for bit, as the
+  trainer's own JSON lines did) and TensorBoard's event reader returns every numeric series of it.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "logging.progress=false",
         f"logging.dir={root}/logs",
     ]
-    config = load_grpo_config(None, config_keys)
+    config = load_grpo_config(None, [*config_keys, "logging.trackers=[jsonl, tensorboard]"])
     import gc
 
     from mindspeed_rl.driver import trainer
@@ -237,6 +240,16 @@ def test_grpo_runs_end_to_end(run: dict[str, Any]) -> None:
     assert records[-1]["policy_version"] == 2
     lines = (run["root"] / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1.0, 2.0]
+    # The core's JSONL tracker writes what the trainer's json.dumps lines held: every key, floats exact.
+    assert [json.loads(line) for line in lines] == records
+    # ... and TensorBoard gets the same series (float32), through its own event reader.
+    from tests.core.metrics.readers import jsonl_series, tensorboard_series
+
+    want = jsonl_series(run["root"] / "logs" / "metrics.jsonl")
+    got = tensorboard_series(run["root"] / "logs" / "tensorboard")
+    assert {"reward_mean", "loss", "time/update"} <= set(want) and set(got) == set(want), sorted(set(got) ^ set(want))
+    for key, points in want.items():
+        assert got[key] == [(step, float(torch.tensor(value, dtype=torch.float32))) for step, value in points], key
     assert min(run["frozen"][:2]) > 10_000 and run["frozen"][2] == 0, run["frozen"]
 
 

@@ -230,6 +230,8 @@ class RLMetricsLog:
             TensorBoard hides later events (0: a new run, the file starts empty).
         settings: the recipe's ``logging`` section (trackers and their settings).
         config: the resolved recipe, logged as the run's config.
+        enabled: whether this process records (the in-process trainer's rank 0; the Ray driver
+            always): other ranks get trackers whose calls do nothing.
 
     Example::
 
@@ -247,11 +249,12 @@ class RLMetricsLog:
         resume_step: int = 0,
         settings: LoggingConfig | None = None,
         config: Mapping[str, Any] | None = None,
+        enabled: bool = True,
     ) -> None:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.reward_curve = reward_curve
         settings = settings if settings is not None else LoggingConfig(tensorboard=tensorboard)
-        self.tracking = open_tracking(settings, self.log_dir, resume_step, True, config)
+        self.tracking = open_tracking(settings, self.log_dir, resume_step, enabled, config)
 
     @property
     def path(self) -> Path | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.config import to_dict
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import InferenceEngine, SamplingParams
@@ -37,6 +38,7 @@ from mindspeed_rl.algorithms import (
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.config.sections import RLTrainConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
+from mindspeed_rl.driver.metrics import RLMetricsLog
 from mindspeed_rl.models.actor import Actor
 from mindspeed_rl.models.actor_settings import actor_settings
 from mindspeed_rl.models.memory import freeze_startup_objects
@@ -468,30 +470,29 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
 
     Returns:
         The metrics of every step (see :func:`grpo_step`); with a log directory
-        (:meth:`GRPOConfig.log_dir`) also appended to its ``metrics.jsonl``, one line a step.
+        (:meth:`GRPOConfig.log_dir`) also sent to ``logging.trackers`` (``metrics.jsonl`` one
+        line a step, TensorBoard, ...) through :class:`~mindspeed_rl.driver.metrics.RLMetricsLog`,
+        as the Ray driver does; the held-out evaluation of the starting policy is step 0.
     """
-    import json
-
     ctx = build_context(config)
     freeze_startup_objects()
     held_out = load_prompts(config.data.eval_path, config.data.map_keys or None) if config.train.eval_interval else []
-    log_dir = config.log_dir()
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    sink: RLMetricsLog | None = None
     try:
+        # logging.trackers (metrics.jsonl, TensorBoard, wandb, ...) on rank 0, as the Ray driver writes them.
+        rank0 = torch.distributed.get_rank() == 0
+        sink = RLMetricsLog(
+            config.log_dir(), reward_curve=False, settings=config.logging, config=to_dict(config), enabled=rank0
+        )
         if held_out:  # the starting policy, as step 0
             start = {"step": 0.0, **evaluate(ctx, held_out)}
             logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
-            if log_dir is not None:
-                with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
-                    sink.write(json.dumps(start) + "\n")
+            sink.log(start)
         for _ in range(config.train.steps):
             record = grpo_step(ctx)
             if held_out and eval_due(ctx.step, config.train):
                 record.update(evaluate(ctx, held_out))
-            if log_dir is not None:
-                with open(log_dir / "metrics.jsonl", "a", encoding="utf-8") as sink:
-                    sink.write(json.dumps(record) + "\n")
+            sink.log(record)
             if ctx.step % max(config.logging.interval, 1) == 0:
                 logger.info(
                     "step %d: reward %.3f +- %.3f, length %.1f, loss %.4g, %.2f s",
@@ -503,6 +504,8 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
                     record["time/step"],
                 )
     finally:
+        if sink is not None:
+            sink.close()
         ctx.actor.close()  # undo the adaptation of megatron-core (the reference shares it)
         gc.unfreeze()  # what the run built may be collected again
     return ctx.history
