@@ -33,8 +33,7 @@ Importing this module imports neither megatron-core nor torch.distributed's proc
 
 from __future__ import annotations
 
-from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion
-from mindspeed_llm.evaluation.math_answer import (
+from mindspeed.evaluation.math_answer import (
     answers_equal,
     extract_answer,
     extract_boxed,
@@ -42,6 +41,7 @@ from mindspeed_llm.evaluation.math_answer import (
     parse_number,
     reference_answer,
 )
+from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion
 from mindspeed_llm.inference import GenerationOutput, InferenceEngine, SamplingParams
 from mindspeed_llm.training.build import BuildSpec, Engine, build_engine, model_facts, seed_everything
 from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
