@@ -4,8 +4,8 @@ One spawned single-rank group builds the actor from a tiny Llama and runs three 
 NaN gradient behind a finite loss at the second (the ``train.grad_nan`` fault point): the second
 is skipped (metrics say so, its gradient norm is NaN), the weights, the optimizer's state and the
 schedule's position after it equal those before it bit for bit, and the third applies again
-(the streak ends). A checkpoint of the actor (the worker's ``save_checkpoint``) is written after
-the first update; after a NaN is planted in a weight the next save is refused with one line
+(the streak ends). A checkpoint of the actor (the worker's ``save_model_checkpoint``) is written after
+the first update and read back (``load_model_checkpoint``: its step); after a NaN is planted in a weight the next save is refused with one line
 naming that checkpoint, and nothing else is written. The driver stops after
 ``train.max_nonfinite_steps`` refused updates in a row with one line.
 """
@@ -33,13 +33,14 @@ def _state(actor: Any) -> list[torch.Tensor]:
 
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed.checkpointing import NonFiniteState, plant_nan
-    from mindspeed_llm.training.checkpoint import TrainState, save_checkpoint
+    from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
     from mindspeed_rl.models.actor import Actor, ActorSettings
 
     actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, loss="dapo"))
     adv = torch.tensor([1.0, -1.0])
     out: dict[str, Any] = {"metrics": [actor.update(PAIRS, None, adv)]}
-    save_checkpoint(f"{root}/ck", TrainState(step=1), actor.chunks, actor.optimizer, actor.scheduler, actor.config)
+    saved = save_model_checkpoint(f"{root}/ck", 1, actor)
+    out["loaded_step"] = load_model_checkpoint(saved, actor, load_optimizer=True)  # the state just saved
     before, position = _state(actor), actor.scheduler.num_steps
     out["metrics"].append(actor.update(PAIRS, None, adv))
     after = _state(actor)
@@ -49,7 +50,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["skips"] = (actor.skips.skipped, actor.skips.streak)
     plant_nan(next(actor.chunks[0].parameters()))
     try:
-        save_checkpoint(f"{root}/ck", TrainState(step=3), actor.chunks, actor.optimizer, actor.scheduler, actor.config)
+        save_model_checkpoint(f"{root}/ck", 3, actor)
         out["refused"] = None
     except NonFiniteState as err:
         out["refused"] = str(err)
@@ -87,6 +88,7 @@ def test_a_save_with_a_nan_weight_is_refused(run: tuple[dict[str, Any], Path]) -
     assert f"checkpoint {root / 'ck' / 'iter_0000003'} not written: parameter " in line, line
     assert f"the newest complete checkpoint {root / 'ck' / 'iter_0000001'} stays the resume point" in line, line
     assert out["left"] == ["iter_0000001", "latest_checkpointed_iteration.txt"], out["left"]
+    assert out["loaded_step"] == 1
 
 
 def test_the_driver_stops_after_refused_updates_in_a_row() -> None:

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from mindspeed.evaluation.math_answer import reference_answer
 from mindspeed.log import get_logger
-from mindspeed_llm.engine import SamplingParams, reference_answer
+from mindspeed_llm.engine import SamplingParams
 from mindspeed_rl.data import PromptFormat, encode_prompts, load_prompts
 from mindspeed_rl.rewards.math import MathVerifier
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mindspeed_llm.engine import grade_answer
+from mindspeed.evaluation.math_answer import grade_answer
 
 
 @dataclass
