@@ -104,7 +104,7 @@ def _steps(path: Path) -> dict[int, dict]:
 
 def test_killed_driver_resumes_to_the_same_rewards(tmp_path: Path) -> None:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
-    from tests.rl.test_runner import _save_reward_model
+    from tests.rl.driver.test_runner import _save_reward_model
 
     save_tiny_checkpoint("llama2", tmp_path / "hf", seed=0)
     _save_reward_model(tmp_path / "rm")

@@ -14,7 +14,7 @@ def demo_policy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     The build is the real one (a warm-start fit of about a minute on one core), so tests that
     need the trained-enough demo policy share it instead of each paying for it.
     """
-    from mindspeed_rl.demo_model import resolve_model
+    from mindspeed_rl.demo.model import resolve_model
 
     cache = tmp_path_factory.getbasetemp() / "rl-demo-model"
     resolve_model("demo", cache)

@@ -72,7 +72,7 @@ def test_grpo_print_config_prints_the_resolved_recipe_and_starts_nothing(capsys,
     """As ``mindspeed-llm pretrain`` / ``mindspeed-mm train --print-config``: the recipe as YAML, exit 0."""
     import yaml
 
-    from mindspeed_rl.config import SECTIONS, load_grpo_config
+    from mindspeed_rl.config.grpo import SECTIONS, load_grpo_config
 
     overrides = ["rollout.n=4", "train.steps=3", f"checkpoint.save={tmp_path / 'ckpt'}"]
     assert main(["grpo", "--print-config", *overrides]) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from tests.sanity.test_imports import ROOT, cycles, import_graph
 
@@ -19,9 +20,9 @@ INIT = ROOT / "packages" / "mm" / "src" / PACKAGE / "__init__.py"
 _FLOOR = re.compile(r"^\s*floor\s+(\d+)\s+(\S.*)$")
 
 
-def documented_floors() -> dict[str, int]:
-    """``unit -> floor`` from the ``floor N  a, b`` lines of the package docstring."""
-    doc = ast.get_docstring(ast.parse(INIT.read_text())) or ""
+def documented_floors(init: Path = INIT) -> dict[str, int]:
+    """``unit -> floor`` from the ``floor N  a, b`` lines of the package docstring in ``init``."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
     floors = {}
     for line in doc.splitlines():
         match = _FLOOR.match(line)
@@ -31,31 +32,31 @@ def documented_floors() -> dict[str, int]:
     return floors
 
 
-def unit_of(module: str) -> str | None:
+def unit_of(module: str, package: str = PACKAGE) -> str | None:
     """``mindspeed_mm.trainer.loop`` -> ``trainer``; the package itself and other packages -> None."""
     parts = module.split(".")
-    return parts[1] if parts[0] == PACKAGE and len(parts) > 1 else None
+    return parts[1] if parts[0] == package and len(parts) > 1 else None
 
 
-def unit_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, list[str]]]:
+def unit_graph(graph: dict[str, dict[str, int]], package: str = PACKAGE) -> dict[str, dict[str, list[str]]]:
     """``unit -> {unit it imports: ["module -> module", ...]}`` (imports inside a unit left out)."""
     units: dict[str, dict[str, list[str]]] = {}
     for module, targets in graph.items():
-        source = unit_of(module)
+        source = unit_of(module, package)
         if source is None:
             continue
         units.setdefault(source, {})
         for target in targets:
-            unit = unit_of(target)
+            unit = unit_of(target, package)
             if unit is not None and unit != source:
                 units[source].setdefault(unit, []).append(f"{module} -> {target}")
     return units
 
 
-def layer_faults(units: dict[str, dict[str, list[str]]], floors: dict[str, int]) -> list[str]:
+def layer_faults(units: dict[str, dict[str, list[str]]], floors: dict[str, int], package: str = PACKAGE) -> list[str]:
     """Every unit missing from the table, every unit loop, and every import that is not to a lower floor."""
     faults = [
-        f"{unit}: not in the floor table of {PACKAGE}/__init__.py; add it" for unit in units if unit not in floors
+        f"{unit}: not in the floor table of {package}/__init__.py; add it" for unit in units if unit not in floors
     ]
     for loop in cycles({unit: dict.fromkeys(targets, 0) for unit, targets in units.items()}):
         faults.append("folders import each other: " + " <-> ".join(loop))

@@ -21,8 +21,8 @@ from mindspeed.training_config import EvalConfig, OptimizerTrainConfig, TrainCon
 from mindspeed_llm.training import config as llm_config
 from mindspeed_llm.training import sections as llm_sections
 from mindspeed_mm import config as mm_config
-from mindspeed_rl import config as rl_config
-from mindspeed_rl import sections as rl_sections
+from mindspeed_rl.config import grpo as rl_config
+from mindspeed_rl.config import sections as rl_sections
 
 #: The recipe class of each suite and the modules that define its sections.
 RECIPES = {

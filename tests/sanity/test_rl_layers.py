@@ -1,49 +1,52 @@
-"""mindspeed_rl's Ray workers never import the driver (``runner``, ``trainer``, the CLIs).
+"""Inside mindspeed_rl, folders import only down the floors its package docstring lists.
 
-A worker runs in its own process: what it imports is what the driver ships to it. The recipe's
-translation into actor settings lives in :mod:`mindspeed_rl.actor_settings` for that reason.
-Read from the source with ``ast`` (module-level and function-level imports), nothing imported.
+The floor table in ``mindspeed_rl/__init__.py`` puts the driver above the workers, the workers
+above the models, and algorithms, buffer, data, rewards and rollout on the ground floor: so a Ray
+worker never imports the driver (what it imports is what the driver ships to it), and the
+algorithms import nothing of rl but themselves. The graph is the one of
+tests/sanity/test_imports.py (module-level and function-level imports, read with ``ast``); the
+checker is tests/sanity/test_mm_layers.py's, with the rl package.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from tests.sanity.test_imports import ROOT, import_graph
+from tests.sanity.test_mm_layers import documented_floors, layer_faults, unit_graph
 
-WORKERS = Path(__file__).resolve().parents[2] / "packages/rl/src/mindspeed_rl/workers"
-DRIVER = (
-    "mindspeed_rl.runner",
-    "mindspeed_rl.runner_checkpoints",
-    "mindspeed_rl.trainer",
-    "mindspeed_rl.grpo_cli",
-    "mindspeed_rl.ppo_runner",
-    "mindspeed_rl.ppo_trainer",
-    "mindspeed_rl.ppo_cli",
-)
+PACKAGE = "mindspeed_rl"
+INIT = ROOT / "packages" / "rl" / "src" / PACKAGE / "__init__.py"
 
 
-def driver_imports(source: str) -> list[tuple[int, str]]:
-    """``(line, module)`` for every import of a driver module in ``source``."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            names = [node.module] if _is_driver(node.module) else [f"{node.module}.{a.name}" for a in node.names]
-        found += [(node.lineno, n) for n in names if _is_driver(n)]
-    return sorted(found)
+def test_rl_folders_import_down_the_floors() -> None:
+    graph, _ = import_graph()
+    floors = documented_floors(INIT)
+    units = unit_graph(graph, PACKAGE)
+    assert {"algorithms", "config", "models", "workers", "driver", "cli"} <= set(units), "the graph must cover rl"
+    assert set(floors) == set(units), f"the floor table and the package differ: {sorted(set(floors) ^ set(units))}"
+    assert floors["workers"] < floors["driver"] and floors["models"] < floors["workers"]
+    assert floors["algorithms"] == min(floors.values()), "the algorithms stand on the ground floor"
+    faults = layer_faults(units, floors, PACKAGE)
+    assert not faults, (
+        f"{PACKAGE} folders against their layers (move the shared part down, or resolve it in the caller):\n"
+        + "\n".join(faults)
+    )
 
 
-def _is_driver(module: str) -> bool:
-    return module in DRIVER or module.startswith(tuple(f"{d}." for d in DRIVER))
-
-
-def test_workers_do_not_import_the_driver() -> None:
-    files = sorted(WORKERS.rglob("*.py"))
-    assert len(files) > 3
-    wrong = [f"{p.name}:{line} imports {name}" for p in files for line, name in driver_imports(p.read_text())]
-    assert not wrong, "a Ray worker imports the driver: " + "; ".join(wrong)
-    # The scan sees imports inside functions and ``from package import module`` too.
-    planted = "def f():\n    from mindspeed_rl.trainer import x\nfrom mindspeed_rl import runner\n"
-    assert [name for _, name in driver_imports(planted)] == ["mindspeed_rl.trainer", "mindspeed_rl.runner"]
+def test_a_worker_importing_the_driver_is_caught() -> None:
+    """A planted function-level import of the driver from a worker, and algorithms reaching up."""
+    graph = {
+        "mindspeed_rl.workers.actor_worker": {"mindspeed_rl.driver.trainer": 40, "mindspeed_rl.models.actor": 3},
+        "mindspeed_rl.algorithms.losses": {"mindspeed_rl.algorithms.kl": 2, "mindspeed_rl.rewards.base": 5},
+        **{
+            name: {}
+            for name in ("mindspeed_rl.driver.trainer", "mindspeed_rl.models.actor", "mindspeed_rl.rewards.base")
+        },
+    }
+    floors = documented_floors(INIT)
+    faults = layer_faults(unit_graph(graph, PACKAGE), floors, PACKAGE)
+    assert faults == [
+        f"algorithms (floor {floors['algorithms']}) imports rewards (floor {floors['rewards']}): "
+        "mindspeed_rl.algorithms.losses -> mindspeed_rl.rewards.base",
+        f"workers (floor {floors['workers']}) imports driver (floor {floors['driver']}): "
+        "mindspeed_rl.workers.actor_worker -> mindspeed_rl.driver.trainer",
+    ]

@@ -31,7 +31,7 @@ def _rank(rank: int, world_size: int, root: str, reps: int) -> dict[str, Any]:
     import torch
 
     from mindspeed.device.cuda_shim import DeviceRedirectMode
-    from mindspeed_rl import actor as actor_module
+    from mindspeed_rl.models import actor as actor_module
 
     calls = [0]
     original = DeviceRedirectMode.__torch_function__

@@ -46,7 +46,7 @@ Usage::
 Results and their reading: ``docs/rl/benchmark.md``. The TRL side lives in ``grpo_trl.py``, the
 step clocks both sides use in ``grpo_clock.py``.
 
-A second table runs the same recipe through the Ray driver (``mindspeed_rl.runner.GRPORunner``:
+A second table runs the same recipe through the Ray driver (``mindspeed_rl.driver.runner.GRPORunner``:
 the actor and a separate rollout worker) with ``buffer.mode=sync`` and ``async``
 (``max_staleness`` 1) and reports the asynchronous speed-up per step (``--no-buffer-modes``
 skips it).
@@ -173,9 +173,9 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from mindspeed_rl.config import load_grpo_config
-    from mindspeed_rl.memory import freeze_startup_objects
-    from mindspeed_rl.trainer import build_context, grpo_step
+    from mindspeed_rl.config.grpo import load_grpo_config
+    from mindspeed_rl.driver.trainer import build_context, grpo_step
+    from mindspeed_rl.models.memory import freeze_startup_objects
 
     base, load = memory_status(), os.getloadavg()[0]
     config = load_grpo_config(
@@ -271,8 +271,8 @@ def child_runner(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from mindspeed_rl.config import load_grpo_config
-    from mindspeed_rl.runner import GRPORunner
+    from mindspeed_rl.config.grpo import load_grpo_config
+    from mindspeed_rl.driver.runner import GRPORunner
 
     load = os.getloadavg()[0]
     config = load_grpo_config(

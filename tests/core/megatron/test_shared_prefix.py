@@ -4,7 +4,7 @@ Groups ``[prompt, r_1, ..., r_G]`` with responses of different lengths, a lone p
 grouped-query heads: the outputs of the prompt and of every response, and the gradients of the
 queries, keys and values (the prompt's summed over its responses), equal the per-sequence
 causal attention, for the SDPA kernel and the reference. The end-to-end numbers (rope positions,
-log-probs, gradients of a model) are in ``tests/rl/test_actor_shared_prompt.py``.
+log-probs, gradients of a model) are in ``tests/rl/models/test_actor_shared_prompt.py``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from mindspeed.evaluation.math_answer import extract_answer, parse_number, reference_answer
 from mindspeed_llm.evaluation import EvalSettings, TransformersLM
 from mindspeed_llm.evaluation.gsm8k import STOP, GSM8KTask, build_prompt, read_gsm8k
-from mindspeed_llm.evaluation.math_answer import extract_answer, parse_number
+from tests.core.evaluation.test_math_answer import GRADES
 
 from .conftest import write_gsm8k
 
@@ -119,3 +120,22 @@ def test_generation_matches_an_independent_greedy_loop(tmp_path, tiny_hf) -> Non
         expected = _greedy(model, tok, build_prompt(data.examples, problem), 10)
         assert sample["generation"] == expected  # how predictions are scored: test_math_answer.py
     assert any(s["generation"] for s in result.samples)
+
+
+def test_evaluate_scores_by_the_same_grader(tmp_path, monkeypatch) -> None:
+    """``evaluate --task gsm8k`` marks a generation right exactly when :func:`~mindspeed.evaluation.math_answer.grade_answer` does."""
+    responses = [r for r, _, _ in GRADES]
+    references = [reference_answer(ref) for _, ref, _ in GRADES]
+    lines = [json.dumps({"question": f"q{i}", "answer": f"steps\n#### {ref}"}) for i, ref in enumerate(references)]
+    (tmp_path / "test.jsonl").write_text("\n".join(lines) + "\n")
+    data = GSM8KTask().load(tmp_path, EvalSettings())
+    monkeypatch.setattr("mindspeed_llm.evaluation.gsm8k.encode_context", lambda tok, text: [1])
+
+    class _Replay:
+        tokenizer, max_seq_len = None, 1024
+
+        def generate(self, prompts, max_new_tokens, stop):
+            return responses[: len(prompts)]
+
+    result = GSM8KTask().run(_Replay(), data, EvalSettings(show_progress=False))
+    assert [s["correct"] for s in result.samples] == [right for _, _, right in GRADES]

@@ -9,6 +9,10 @@ optimizer, logging). The fast path makes no hop at all (and no function mode is 
 while the step runs), where the redirect made thousands; losses and gradient norms are
 bit-identical, so the CUDA call sites the step still has are handled by the patches
 (``mindspeed.megatron.device_sites``), not skipped.
+
+The same two runs show that the trainer builds through the one build sequence
+(``training.build.build_engine``, which the RL actor calls too: tests/rl/models/test_actor_offload.py)
+and that ``pretrain`` reads the model shape once (``Trainer.build`` takes it as a value).
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
     from mindspeed.device.cuda_shim import DeviceRedirectMode
+    from mindspeed_llm.testing.build_probe import record_builds
     from mindspeed_llm.training import trainer as trainer_module
     from mindspeed_llm.training.config import load_pretrain_config
 
+    builds = record_builds()  # who reaches the model builder (passed through)
+    read_shape, shape_reads = trainer_module.model_shape, [0]
+
+    def counted_shape(*args: Any, **kwargs: Any) -> Any:
+        shape_reads[0] += 1
+        return read_shape(*args, **kwargs)
+
+    trainer_module.model_shape = counted_shape
     calls = [0]
     original = DeviceRedirectMode.__torch_function__
 
@@ -64,6 +77,8 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
                 return losses
 
             trainer_module.fast_path = scope
+            builds.clear()
+            shape_reads[0] = 0
             result = trainer_module.pretrain(
                 load_pretrain_config(None, overrides), trainer_module.TrainerHooks(loss_transform=hook)
             )
@@ -73,10 +88,13 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
                 "stack": stack,
                 "losses": [r["loss"] for r in result.records],
                 "grad_norms": [r["grad_norm"] for r in result.records],
+                "builds": list(builds),
+                "model_shape_reads": shape_reads[0],
             }
     finally:
         DeviceRedirectMode.__torch_function__ = original
         trainer_module.fast_path = fast_path
+        trainer_module.model_shape = read_shape
     return results
 
 
@@ -100,3 +118,13 @@ def test_fast_path_trains_the_same_numbers(runs: dict[str, Any]) -> None:
     assert fast["losses"] == slow["losses"]
     assert fast["grad_norms"] == slow["grad_norms"]
     assert all(norm > 1e-3 for norm in fast["grad_norms"]), "clipping was not active"
+
+
+def test_trainer_builds_through_build_engine_and_reads_the_shape_once(runs: dict[str, Any]) -> None:
+    for name, run in runs.items():
+        assert [(b["callers"], b["trainable"]) for b in run["builds"]] == [(["build", "build_engine"], True)], (
+            name,
+            run["builds"],
+        )
+        # pretrain reads it for the features' facts; Trainer.build takes it as a value.
+        assert run["model_shape_reads"] == 1, (name, run["model_shape_reads"])

@@ -20,7 +20,7 @@ from mindspeed_rl.buffer import BufferClient, StalenessError, create_buffer_acto
 def ray_local():
     if importlib.util.find_spec("ray") is None:  # not importorskip: ray must not be imported before init_ray
         pytest.skip("ray is not installed")
-    from mindspeed_rl.ray_runtime import LOCAL_RAY_ENV_DEFAULTS, RAY_ENV_DEFAULTS, init_ray
+    from mindspeed_rl.driver.ray_runtime import LOCAL_RAY_ENV_DEFAULTS, RAY_ENV_DEFAULTS, init_ray
 
     saved = {k: os.environ.get(k) for k in {**RAY_ENV_DEFAULTS, **LOCAL_RAY_ENV_DEFAULTS}}
     ray = init_ray(num_cpus=2)

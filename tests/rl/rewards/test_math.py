@@ -1,11 +1,11 @@
-"""The ``math`` verifier: the shared grader (tests/llm/evaluation/test_math_answer.py) as a reward."""
+"""The ``math`` verifier: the shared grader (tests/core/evaluation/test_math_answer.py) as a reward."""
 
 from __future__ import annotations
 
 import pytest
 
 from mindspeed_rl.rewards import MathVerifier
-from tests.llm.evaluation.test_math_answer import GRADES
+from tests.core.evaluation.test_math_answer import GRADES
 
 
 @pytest.mark.parametrize("response, reference, right", GRADES)

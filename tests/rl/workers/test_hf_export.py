@@ -29,7 +29,7 @@ def _loss(logits: torch.Tensor) -> float:
 
 
 def _export(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from mindspeed_rl.actor import Actor, ActorSettings
+    from mindspeed_rl.models.actor import Actor, ActorSettings
     from mindspeed_rl.workers.hf_export import write_hf_dir
 
     actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, loss="dapo"))

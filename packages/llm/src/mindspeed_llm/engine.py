@@ -19,13 +19,10 @@ Hugging Face models and weights (the bridges):
 A training step:
     :class:`PackSettings`, :func:`pack_microbatch`, :func:`packed_seq_params`,
     :func:`guarded_step`, :func:`scheduler_state`, :func:`schedule_settings`.
-Checkpoints:
-    :class:`TrainState`, :func:`save_checkpoint`, :func:`load_checkpoint`.
+Checkpoints of a built model that holds its pieces (``chunks``, ``optimizer``, ``scheduler``, ``config``):
+    :func:`save_model_checkpoint`, :func:`load_model_checkpoint`.
 Inference (the built-in engine):
     :class:`InferenceEngine`, :class:`SamplingParams`, :class:`GenerationOutput`.
-Answer grading (math rewards):
-    :func:`grade_answer`, :func:`answers_equal`, :func:`extract_answer`, :func:`extract_boxed`,
-    :func:`parse_number`, :func:`reference_answer`.
 
 Importing this module imports neither megatron-core nor torch.distributed's process groups
 (the builders import megatron when called).
@@ -34,17 +31,9 @@ Importing this module imports neither megatron-core nor torch.distributed's proc
 from __future__ import annotations
 
 from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion
-from mindspeed_llm.evaluation.math_answer import (
-    answers_equal,
-    extract_answer,
-    extract_boxed,
-    grade_answer,
-    parse_number,
-    reference_answer,
-)
 from mindspeed_llm.inference import GenerationOutput, InferenceEngine, SamplingParams
 from mindspeed_llm.training.build import BuildSpec, Engine, build_engine, model_facts, seed_everything
-from mindspeed_llm.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from mindspeed_llm.training.checkpoint import load_model_checkpoint, save_model_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
 from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
@@ -88,18 +77,10 @@ __all__ = [
     "scheduler_state",
     "schedule_settings",
     # checkpoints
-    "TrainState",
-    "save_checkpoint",
-    "load_checkpoint",
+    "save_model_checkpoint",
+    "load_model_checkpoint",
     # inference
     "InferenceEngine",
     "SamplingParams",
     "GenerationOutput",
-    # answer grading
-    "grade_answer",
-    "answers_equal",
-    "extract_answer",
-    "extract_boxed",
-    "parse_number",
-    "reference_answer",
 ]

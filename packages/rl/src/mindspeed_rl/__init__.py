@@ -1,4 +1,26 @@
-"""mindspeed_rl."""
+"""mindspeed_rl: GRPO, PPO and friends on Ray, on the core and the LLM suite's engine.
+
+The package is layered by role. Each folder (or top-level module) stands on a floor and imports
+only what stands on lower floors, in module-level and function-level imports alike, so no two
+folders import each other and a Ray worker never imports the driver
+(tests/sanity/test_rl_layers.py reads this table and holds the imports to it):
+
+    floor 5  cli
+    floor 4  driver
+    floor 3  workers
+    floor 2  models, demo
+    floor 1  config
+    floor 0  algorithms, buffer, data, rewards, rollout
+
+algorithms are the losses, advantages and KL pieces (pure functions on tensors); buffer the replay
+buffer; data the prompt datasets; rewards the verifiers and the reward model; rollout the
+generation engines. config holds the recipe's typed sections and their checks. models is what a
+worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's
+translation into their settings. demo writes the tiny demo policy. workers are the Ray actors that
+host the models and rollout engines. driver is the one process that runs a job: the in-process
+trainer (one GRPO/PPO step's pieces), the Ray runners, their checkpoints, metrics and commands.
+cli is the ``mindspeed-rl`` entry point.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 

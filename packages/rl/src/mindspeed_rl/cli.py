@@ -11,9 +11,9 @@ import sys
 
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 from mindspeed_rl.data.cli import add_make_data
-from mindspeed_rl.demo_model_cli import add_make_demo_model
-from mindspeed_rl.grpo_cli import add_grpo
-from mindspeed_rl.ppo_cli import add_ppo
+from mindspeed_rl.demo.cli import add_make_demo_model
+from mindspeed_rl.driver.grpo_cli import add_grpo
+from mindspeed_rl.driver.ppo_cli import add_ppo
 
 #: name -> function(subparsers) that adds the subcommand's parser and sets ``func``, in help order.
 COMMANDS: dict[str, AddCommand] = {

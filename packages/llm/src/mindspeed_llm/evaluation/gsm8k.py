@@ -8,7 +8,7 @@ Data: JSON Lines with ``question`` and ``answer`` (the worked solution ending in
 The prompt is ``Question: <question>\\nAnswer:``, examples are followed by their full solution
 and a blank line. Generation is greedy and stops at ``Question:`` (the model starting the next
 problem), EOS, or ``--max-new-tokens``. The prediction is read and compared by the suite's one
-math-answer grader (:mod:`mindspeed_llm.evaluation.math_answer`, the RL ``math`` reward's too):
+math-answer grader (:mod:`mindspeed.evaluation.math_answer`, the RL ``math`` reward's too):
 the last ``\\boxed{}``, else the first ``#### <number>`` (lm-evaluation-harness strict-match),
 else the last number; equal by value (commas dropped, ``5.0`` equals ``5``, ``0.5`` equals
 ``1/2``). The metric is exact-match accuracy.
@@ -20,9 +20,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from mindspeed.evaluation.math_answer import answers_equal, extract_answer, extract_marked, parse_number
 from mindspeed.metrics.report import TaskResult
 from mindspeed_llm.evaluation.lm import encode_context
-from mindspeed_llm.evaluation.math_answer import answers_equal, extract_answer, extract_marked, parse_number
 from mindspeed_llm.evaluation.tasks import (
     DEFAULT_MAX_NEW_TOKENS,
     TASKS,

@@ -1,7 +1,7 @@
 """The one build sequence of a megatron-core model, its optimizer and its schedule.
 
 The LLM :class:`~mindspeed_llm.training.trainer.Trainer` and the RL actor
-(``mindspeed_rl.actor.Actor``) both build through :func:`build_engine`, so the order below is
+(``mindspeed_rl.models.actor.Actor``) both build through :func:`build_engine`, so the order below is
 written once:
 
 1. facts: :func:`model_facts` of a ``TransformerConfig`` before any feature ran (what the

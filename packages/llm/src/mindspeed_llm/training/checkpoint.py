@@ -24,7 +24,7 @@ import queue
 import random
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -459,6 +459,46 @@ def load_checkpoint(
     state = TrainState(**loaded.get("train_state", {}))
     logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
     return state
+
+
+def save_model_checkpoint(
+    root: str | Path, step: int, model: Any, extra_files: dict[str, str] | None = None, keep_last: int | None = None
+) -> Path:
+    """:func:`save_checkpoint` of a built model that holds its pieces (the RL actor and critic).
+
+    Args:
+        root: the checkpoint directory; written as ``root/iter_<step>``.
+        step: the step to record (the train state's other counters start at 0).
+        model: anything with ``chunks``, ``optimizer``, ``scheduler`` and ``config`` (the recipe).
+        extra_files: written into the checkpoint before it is marked complete.
+        keep_last: rotate complete checkpoints.
+    """
+    state = TrainState(step=step)
+    return save_checkpoint(
+        root,
+        state,
+        model.chunks,
+        model.optimizer,
+        model.scheduler,
+        model.config,
+        extra_files=extra_files,
+        keep_last=keep_last,
+    )
+
+
+def load_model_checkpoint(path: Path, model: Any, **checkpoint_flags: bool) -> int:
+    """:func:`load_checkpoint` into a built model that holds its pieces; returns the restored step.
+
+    Args:
+        path: the ``iter_*`` directory.
+        model: as for :func:`save_model_checkpoint`.
+        checkpoint_flags: ``checkpoint`` section fields for this load (``override_scheduler``,
+            ``use_checkpoint_scheduler``, ``load_optimizer``) over ``model.config``'s.
+    """
+    config = model.config
+    if checkpoint_flags:
+        config = replace(config, checkpoint=replace(config.checkpoint, **checkpoint_flags))
+    return int(load_checkpoint(path, model.chunks, model.optimizer, model.scheduler, config).step)
 
 
 def _schedule_winner(path: Path, common: dict[str, Any], scheduler: Any, config: PretrainConfig) -> Winner | None:

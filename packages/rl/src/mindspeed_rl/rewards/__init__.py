@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from mindspeed_llm.engine import answers_equal, extract_answer, extract_boxed, parse_number, reference_answer
+from mindspeed.evaluation.math_answer import (
+    answers_equal,
+    extract_answer,
+    extract_boxed,
+    parse_number,
+    reference_answer,
+)
 from mindspeed_rl.rewards.base import (
     VERIFIERS,
     RewardFunction,

@@ -1,6 +1,6 @@
 """The ``math`` rule verifier: the suite's one math-answer grader as a reward.
 
-Extraction and equivalence are :mod:`mindspeed_llm.evaluation.math_answer`'s, the rules
+Extraction and equivalence are :mod:`mindspeed.evaluation.math_answer`'s, the rules
 ``mindspeed-llm evaluate --task gsm8k`` scores with, so a policy is rewarded by the rules it is
 later evaluated by: the last ``\\boxed{}``, else the first ``#### <number>``, else (unless
 ``strict``) the last number; compared by value as exact fractions.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mindspeed_llm.engine import grade_answer
+from mindspeed.evaluation.math_answer import grade_answer
 
 
 @dataclass

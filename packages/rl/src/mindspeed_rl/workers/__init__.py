@@ -1,4 +1,4 @@
-"""Ray workers of a GRPO run: resource pools, the actor group, rollout engines (see :mod:`mindspeed_rl.runner`)."""
+"""Ray workers of a GRPO run: resource pools, the actor group, rollout engines (see :mod:`mindspeed_rl.driver.runner`)."""
 
 from mindspeed_rl.workers.pools import ResourcePool, bundle, device_resource
 

@@ -17,7 +17,6 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,11 @@ import torch
 from mindspeed.checkpointing.hf_dtype import target_dtype
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed_llm.engine import TrainState, load_checkpoint, save_checkpoint
-from mindspeed_rl.actor import Actor
-from mindspeed_rl.actor_settings import actor_settings, critic_settings
-from mindspeed_rl.critic import Critic
-from mindspeed_rl.memory import freeze_startup_objects, memory_gib
+from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
+from mindspeed_rl.models.actor import Actor
+from mindspeed_rl.models.actor_settings import actor_settings, critic_settings
+from mindspeed_rl.models.critic import Critic
+from mindspeed_rl.models.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
 
@@ -48,7 +47,7 @@ class ActorWorker:
 
     Args:
         rank: the global rank in the actor group. world_size: the group's size.
-        config: the GRPO recipe (:class:`~mindspeed_rl.config.GRPOConfig`).
+        config: the GRPO recipe (:class:`~mindspeed_rl.config.grpo.GRPOConfig`).
         model_dir: the resolved actor model directory.
     """
 
@@ -235,17 +234,7 @@ class ActorWorker:
         ``extra_files`` (the driver's run state) are written into the checkpoint before it is
         marked complete; ``keep_last`` rotates complete checkpoints.
         """
-        path = save_checkpoint(
-            root,
-            TrainState(step=step),
-            self.actor.chunks,
-            self.actor.optimizer,
-            self.actor.scheduler,
-            self.actor.config,
-            extra_files=extra_files,
-            keep_last=keep_last,
-        )
-        return str(path)
+        return str(save_model_checkpoint(root, step, self.actor, extra_files=extra_files, keep_last=keep_last))
 
     def load(
         self,
@@ -261,33 +250,28 @@ class ActorWorker:
         ``load_optimizer`` false: the weights only (an actor that has not updated yet, as in PPO's
         critic warmup, saved an optimizer without state: the fresh one is the same).
         """
-        config = self.actor.config
-        flags = {
-            "override_scheduler": override_scheduler,
-            "use_checkpoint_scheduler": use_checkpoint_scheduler,
-            "load_optimizer": load_optimizer,
-        }
-        config = replace(config, checkpoint=replace(config.checkpoint, **flags))
-        state = load_checkpoint(Path(path), self.actor.chunks, self.actor.optimizer, self.actor.scheduler, config)
-        self.actor.version = int(state.step)
-        return int(state.step)
+        step = load_model_checkpoint(
+            Path(path),
+            self.actor,
+            override_scheduler=override_scheduler,
+            use_checkpoint_scheduler=use_checkpoint_scheduler,
+            load_optimizer=load_optimizer,
+        )
+        self.actor.version = step
+        return step
 
     def save_critic(self, root: str, step: int, keep_last: int | None = None) -> str:
         """Save the critic (weights, optimizer, scheduler) as ``root/iter_<step>`` (collective)."""
         c = self._critic()
         c.onload()  # the critic stays offloaded after a rollout (an evaluation's) until it is used
-        path = save_checkpoint(
-            root, TrainState(step=step), c.chunks, c.optimizer, c.scheduler, c.config, keep_last=keep_last
-        )
-        return str(path)
+        return str(save_model_checkpoint(root, step, c, keep_last=keep_last))
 
     def load_critic(self, path: str) -> int:
         """Restore the critic from :meth:`save_critic`'s ``path`` (collective); returns its step."""
         c = self._critic()
         c.onload()
-        state = load_checkpoint(Path(path), c.chunks, c.optimizer, c.scheduler, c.config)
-        c.version = int(state.step)
-        return int(state.step)
+        c.version = load_model_checkpoint(Path(path), c)
+        return c.version
 
     def save_hf(self, target: str) -> str | None:
         """Write the policy as a Hugging Face directory (collective gather; rank 0 writes)."""

@@ -2,7 +2,7 @@
 
 Each actor worker of a PPO run holds its shard of the critic next to its shard of the actor
 (same process, same device, same TP/PP/DP layout): the critic is placed in the actor's resource
-pool by construction. :class:`CriticView` gives the driver a :class:`~mindspeed_rl.critic.Critic`-like
+pool by construction. :class:`CriticView` gives the driver a :class:`~mindspeed_rl.models.critic.Critic`-like
 ``compute_values`` / ``update``, each data-parallel replica on its token-balanced share of the
 pairs (the actor group's split), results back in the caller's order.
 """

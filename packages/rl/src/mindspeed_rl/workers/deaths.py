@@ -4,7 +4,7 @@ Ray reports a dead actor as :class:`ray.exceptions.RayActorError` (``ActorDiedEr
 ``ActorUnavailableError``), possibly wrapped in the ``RayTaskError`` of a call that waited on
 it. :func:`find_actor_error` digs it out of an exception's chain; :func:`describe_death` turns it
 into ``the actor worker (rank 0 of 2, node 10.0.0.5, pid 4242) died: <Ray's exit cause>``, using
-the driver's map of actor ids to roles (:meth:`~mindspeed_rl.runner.GRPORunner.worker_roles`).
+the driver's map of actor ids to roles (:meth:`~mindspeed_rl.driver.runner.GRPORunner.worker_roles`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Driver-side handles of the worker groups, with the single-process APIs the GRPO step uses.
 
-:class:`ActorGroup` looks like an :class:`~mindspeed_rl.actor.Actor` (``compute_logprobs``,
+:class:`ActorGroup` looks like an :class:`~mindspeed_rl.models.actor.Actor` (``compute_logprobs``,
 ``update``, ``version``) but runs every call on all ranks of the actor group at once, each
 data-parallel replica on its share of the sequences: the shares are balanced by token count
 (:func:`~mindspeed_rl.buffer.balance.balanced_partitions`, MindSpeed-RL's load balancing of

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mindspeed.device import get_accelerator
-from mindspeed_rl.memory import freeze_startup_objects, memory_gib
+from mindspeed_rl.models.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.rollout import build_rollout
 
 
