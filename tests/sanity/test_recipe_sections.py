@@ -1,7 +1,7 @@
 """The recipe sections every suite composes are the core's classes, extended by subclassing, never copied.
 
-One ``checkpoint``, ``train`` and ``logging`` section in the core (issue 25, item 2): each suite's is the
-core class or a subclass of it, each checks its own values next to its fields, and a recipe's keys keep
+One ``checkpoint``, ``train`` and ``logging`` section in the core (issue 25, item 2), and one ``eval`` and
+``lora`` section of the suites that have them: each suite's is the core class or a subclass of it, each checks its own values next to its fields, and a recipe's keys keep
 the order and the messages users know. The ``data`` sections are three different sections (megatron
 indexed text, mllm_format media, RL prompts) under three names.
 """
@@ -16,6 +16,7 @@ import pytest
 
 from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError, from_dict, recipe_section
+from mindspeed.lora_config import LoraConfig
 from mindspeed.metrics.config import LoggingConfig
 from mindspeed.training_config import EvalConfig, OptimizerTrainConfig, TrainConfig
 from mindspeed_llm.training import config as llm_config
@@ -32,11 +33,8 @@ RECIPES = {
 }
 #: Section -> the core class every suite's section is (or extends).
 SHARED = {"checkpoint": CheckpointConfig, "train": TrainConfig, "logging": LoggingConfig}
-#: Sections of llm and mm only (RL evaluates inside its ``train`` section).
-SHARED_LLM_MM = {"eval": EvalConfig}
-#: Suite sections that still share a class name across llm and mm: the LoRA sections (megatron LoRA/QLoRA
-#: vs peft; a core base of their common keys is left for a follow-up). This set may only shrink.
-SAME_NAME_LEFT = {"LoraConfig"}
+#: Sections of llm and mm only (RL evaluates inside its ``train`` section and has no LoRA section).
+SHARED_LLM_MM = {"eval": EvalConfig, "lora": LoraConfig}
 
 
 def _section_types(recipe: type) -> dict[str, type]:
@@ -50,7 +48,8 @@ def test_suites_compose_the_core_sections_and_define_no_copies() -> None:
         for name, core in SHARED.items():
             assert issubclass(sections[name], core), f"{suite}: {name} is {sections[name]}, not a {core.__name__}"
         assert issubclass(sections["train"], OptimizerTrainConfig) == (suite != "rl")  # RL's optimizer: the actor's
-        assert suite == "rl" or issubclass(sections["eval"], SHARED_LLM_MM["eval"])
+        for name, core in SHARED_LLM_MM.items():
+            assert suite == "rl" or issubclass(sections[name], core), f"{suite}: {name} is not a {core.__name__}"
         for name in ("checkpoint", "logging"):  # a subclass adds keys, it copies none of the core's
             declared = (
                 set(sections[name].__dict__.get("__annotations__", {})) if sections[name] is not SHARED[name] else set()
@@ -59,9 +58,11 @@ def test_suites_compose_the_core_sections_and_define_no_copies() -> None:
         for module in modules:
             for cls_name, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ == module.__name__ and dataclasses.is_dataclass(cls):
-                    defined.setdefault(cls_name, set()).add(suite)
+                    # a class by its own name and by any alias a module gives it
+                    for name in {cls_name, cls.__name__}:
+                        defined.setdefault(name, set()).add(suite)
     twice = {name for name, suites in defined.items() if len(suites) > 1}
-    assert twice <= SAME_NAME_LEFT, f"section classes defined in more than one suite: {sorted(twice - SAME_NAME_LEFT)}"
+    assert not twice, f"section classes defined in more than one suite: {sorted(twice)}"
     data = [_section_types(recipe)["data"] for recipe, _ in RECIPES.values()]
     assert len({cls.__name__ for cls in data}) == 3  # three different data sections, three names
 
@@ -110,10 +111,30 @@ def test_keys_keep_their_order_and_names_in_messages() -> None:
         (llm_sections.TextDataConfig, {"split": "0,1"}, "data.split='0,1' must be up to three"),
         (mm_config.MediaDataConfig, {"cutoff_len": 0}, "data.cutoff_len=0 must be at least 1"),
         (rl_sections.PromptDataConfig, {"map_keys": {"q": "x"}}, "data.map_keys: unknown key(s) q"),
+        (LoraConfig, {"r": 0}, "lora.r=0 must be at least 1"),
+        (
+            mm_config.MMLoraConfig,
+            {"save_peft": "x"},
+            "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj,",
+        ),
+        (
+            llm_sections.LLMLoraConfig,
+            {"target_modules": ["linear_qkv"], "r": 0},
+            "lora: lora_r must be an integer >= 1",
+        ),
+        (llm_sections.LLMLoraConfig, {"r": 0}, None),  # LLM: the factors are checked with LoRA on only
+        (
+            llm_sections.LLMLoraConfig,
+            {"qlora": True},
+            "lora.qlora needs LoRA: set lora.target_modules (e.g. [linear_qkv,",
+        ),
     ],
 )
-def test_each_section_checks_its_own_values(section: type, values: dict, message: str) -> None:
+def test_each_section_checks_its_own_values(section: type, values: dict, message: str | None) -> None:
     section().check()  # the defaults are valid
+    if message is None:
+        section(**values).check()
+        return
     with pytest.raises(ConfigError) as err:
         section(**values).check()
     assert message in str(err.value)

@@ -240,7 +240,6 @@ def _sp_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     from mindspeed.metrics import measure_peak_memory
     from mindspeed_mm.config import load_mm_config
-    from mindspeed_mm.trainer import dit_task  # noqa: F401  (registers the task)
     from mindspeed_mm.trainer.task import TASKS
 
     torch.set_num_threads(spec["threads"])

@@ -117,7 +117,7 @@ def _ours(spec: dict[str, Any], compile_mode: str) -> dict[str, Callable[[int], 
     task = TASKS.get("dit")(config, 1)
     optimizer = build_optimizer(config.train, task.model)
     trainable = [p for p in task.model.parameters() if p.requires_grad]
-    metrics = MetricsLog(None, 0, enabled=True, tensorboard=False)
+    metrics = MetricsLog(None, 0, enabled=True)
     preemption = Preemption(config.train.exit_duration_mins, config.checkpoint.save)
     steps = config.train.steps
 

@@ -362,7 +362,7 @@ def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
 
-        from mindspeed_mm.config import LoraConfig as OurLora
+        from mindspeed_mm.config import MMLoraConfig as OurLora
         from mindspeed_mm.models import family_of
         from mindspeed_mm.models.lora import target_regex
 
@@ -473,7 +473,7 @@ def count_flops(spec: dict[str, Any], lora: bool) -> tuple[float, float]:
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        from mindspeed_mm.config import LoraConfig as OurLora
+        from mindspeed_mm.config import MMLoraConfig as OurLora
         from mindspeed_mm.models import family_of
         from mindspeed_mm.models.lora import target_regex
 

@@ -1,4 +1,7 @@
-"""The metrics writer on a full disk: one warning, then the run goes on without writing metrics or events."""
+"""The metrics writer on a full disk: one warning, then the run goes on without writing metrics.
+
+It writes ``metrics.jsonl`` alone: TensorBoard events are the ``tensorboard`` tracker's (its own failures are
+the tracking's: tests/core/metrics)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mindspeed.metrics.log import METRICS_FILE, MetricsLog, read_metrics
+from mindspeed.metrics.log import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, read_metrics
 
 
 class _Full:
@@ -19,17 +22,19 @@ class _Full:
     def write(self, *args: object) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    flush = add_scalar = write
+    flush = write
 
     def close(self) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_metrics_and_tensorboard_warn_once_and_stop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    log = MetricsLog(tmp_path, 0, enabled=True, tensorboard=False)
+def test_metrics_warn_once_and_stop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = MetricsLog(tmp_path, 0, enabled=True)
     log.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS_FILE]  # no TensorBoard events of its own
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
     log._file.close()
-    log._file, log._board = _Full(), _Full()
+    log._file = _Full()
     with caplog.at_level(logging.WARNING):
         for step in range(2, 40):
             log.write({"kind": "train", "step": step, "loss": 1.0})

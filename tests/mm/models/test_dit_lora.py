@@ -35,14 +35,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mindspeed.launch import launch
 from mindspeed_mm.cli import main
-from mindspeed_mm.config import LoraConfig, load_mm_config
+from mindspeed_mm.config import MMLoraConfig, load_mm_config
 from mindspeed_mm.models.dit import DIT_FAMILIES, load_dit
 from mindspeed_mm.models.lora import apply_lora
 from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.trainer.loop import train
 
 WAN, FLUX = "WanTransformer3DModel", "FluxTransformer2DModel"
-LORA = LoraConfig(target_modules=["default"], r=4, alpha=8.0)
+LORA = MMLoraConfig(target_modules=["default"], r=4, alpha=8.0)
 STEP = "step_00000002"
 
 
@@ -307,4 +307,4 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(capsys, trained, tmp_p
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (load, save, err)
         assert not target.exists() and not list(tmp_path.glob(".out.*")), err
     with pytest.raises(ValueError, match="no linear of WanTransformer3DModel inside lora.parts=.* has that name"):
-        apply_lora(load_dit(wan, DIT_FAMILIES.get(WAN)), LoraConfig(target_modules=["q_proj"]), DIT_FAMILIES.get(WAN))
+        apply_lora(load_dit(wan, DIT_FAMILIES.get(WAN)), MMLoraConfig(target_modules=["q_proj"]), DIT_FAMILIES.get(WAN))

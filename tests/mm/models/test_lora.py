@@ -22,14 +22,16 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from mindspeed.launch import launch
-from mindspeed_mm.config import LoraConfig, load_mm_config
+from mindspeed_mm.config import MMLoraConfig, load_mm_config
 from mindspeed_mm.data import encode_sample, read_mllm_files
 from mindspeed_mm.models import family_of, load_model, load_processing
 from mindspeed_mm.models.lora import apply_lora, is_factor
 from mindspeed_mm.trainer.loop import train
 from tests.core.metrics.readers import jsonl_series, mlflow_series
 
-LORA = LoraConfig(target_modules=["q_proj", "v_proj", "qkv"], parts=["language_model", "vision_tower"], r=4, alpha=8.0)
+LORA = MMLoraConfig(
+    target_modules=["q_proj", "v_proj", "qkv"], parts=["language_model", "vision_tower"], r=4, alpha=8.0
+)
 
 
 def _losses(model, encoded) -> list[float]:
@@ -69,18 +71,18 @@ MINDSPEED_MM_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) -> None:
     for model_dir in (tiny_vlm[0], tiny_qwen3_vl[0], tiny_internvl[0]):  # 2 layers x 7 linears, language model only
         family = family_of(model_dir)
-        adapted = apply_lora(load_model(model_dir, family), LoraConfig(target_modules=MINDSPEED_MM_TARGETS), family)
+        adapted = apply_lora(load_model(model_dir, family), MMLoraConfig(target_modules=MINDSPEED_MM_TARGETS), family)
         assert len(adapted) == 14 and all(n.startswith("model.language_model.layers.") for n in adapted), adapted
     family = family_of(tiny_internvl[0])  # its vision tower has q_proj / k_proj / v_proj too: adapted when asked
     adapted = apply_lora(
-        load_model(tiny_internvl[0], family), LoraConfig(target_modules=["q_proj"], parts=["vision_tower"]), family
+        load_model(tiny_internvl[0], family), MMLoraConfig(target_modules=["q_proj"], parts=["vision_tower"]), family
     )
     assert adapted and all(n.startswith("model.vision_tower.") for n in adapted), adapted
 
     model_dir, _ = tiny_vlm
     family = family_of(model_dir)
     model = load_model(model_dir, family)
-    adapted = apply_lora(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=4), family)
+    adapted = apply_lora(model, MMLoraConfig(target_modules=["q_proj", "v_proj"], r=4), family)
     assert adapted and all(n.startswith("model.language_model.") and n.endswith(("q_proj", "v_proj")) for n in adapted)
     linears = dict(model.named_modules())
     expected = sum(4 * (linears[n].base_layer.in_features + linears[n].base_layer.out_features) for n in adapted)
@@ -90,9 +92,9 @@ def test_targets_by_name_inside_parts(tiny_vlm, tiny_qwen3_vl, tiny_internvl) ->
         match=r"no linear .* inside lora.parts=\['language_model'\] has that name; its "
         r"linears are named .*down_proj",
     ):
-        apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"]), family)
+        apply_lora(load_model(model_dir, family), MMLoraConfig(target_modules=["qkv"]), family)
     with pytest.raises(ValueError, match="'vision' is not a part"):
-        apply_lora(load_model(model_dir, family), LoraConfig(target_modules=["qkv"], parts=["vision"]), family)
+        apply_lora(load_model(model_dir, family), MMLoraConfig(target_modules=["qkv"], parts=["vision"]), family)
 
 
 def test_peft_adapter_and_merged_export_equal_the_trained_model(tiny_vlm, tiny_valid, tiny_lora_run, tmp_path) -> None:

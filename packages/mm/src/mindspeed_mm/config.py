@@ -23,6 +23,7 @@ from typing import Literal
 from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError, load_config, recipe_section
 from mindspeed.features.manager import FeaturesConfig
+from mindspeed.lora_config import LoraConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
 from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
 
@@ -450,55 +451,31 @@ class MMCheckpointConfig(CheckpointConfig):
     export_ema: bool = True
 
 
+@recipe_section(name="LoraConfig", keys=("target_modules", "parts", "r", "alpha", "dropout", "save_peft"))
 @dataclass
-class LoraConfig:
-    """LoRA through peft (MindSpeed-MM's ``--lora-*``); off while ``target_modules`` is empty.
+class MMLoraConfig(LoraConfig):
+    """The core's ``lora`` section (:class:`mindspeed.lora_config.LoraConfig`: target_modules, r, alpha,
+    dropout, save_peft and their checks) for LoRA through peft (MindSpeed-MM's ``--lora-*``), plus the
+    model's parts to adapt; off while ``target_modules`` is empty.
 
     Everything but the LoRA factors is frozen; ``checkpoint.save_hf`` then writes the merged model.
+    ``target_modules`` are matched on the last parts of a module's name: ``q_proj``, ``k_proj``,
+    ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj`` (MindSpeed-MM's set for the
+    language model), or ``self_attn.q_proj``; for a diffusion transformer ``default`` (its attention
+    projections: Wan ``to_q``, ``to_k``, ``to_v``, ``to_out.0``; FLUX those and ``add_q_proj`` ...
+    ``to_add_out``). ``save_peft`` writes a PEFT directory for a vision-language model
+    (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``), a
+    diffusers LoRA (``pytorch_lora_weights.safetensors``) for a diffusion transformer
+    (``pipe.load_lora_weights(DIR)`` loads it into the pipeline's transformer).
 
     Attributes:
-        target_modules: names of the linears to adapt, matched on the last parts of a module's
-            name: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-            ``down_proj`` (MindSpeed-MM's set for the language model), or ``self_attn.q_proj``;
-            for a diffusion transformer ``default`` (its attention projections: Wan ``to_q``,
-            ``to_k``, ``to_v``, ``to_out.0``; FLUX those and ``add_q_proj`` ... ``to_add_out``).
         parts: where the targets are looked for: parts of the family (``language_model``,
             ``vision_tower``, ``projector``) or module-name prefixes (``blocks``). Default: the
             language model of a vision-language model (MindSpeed-MM's LoRA leaves the vision side
             frozen), the whole diffusion transformer.
-        r: rank of the factors.
-        alpha: the update is scaled by ``alpha / r``.
-        dropout: dropout on the LoRA input while training.
-        save_peft: at the end, write the adapter here: a PEFT directory for a vision-language model
-            (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``), a
-            diffusers LoRA (``pytorch_lora_weights.safetensors``) for a diffusion transformer
-            (``pipe.load_lora_weights(DIR)`` loads it into the pipeline's transformer).
     """
 
-    target_modules: list[str] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    save_peft: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        """Whether LoRA is on."""
-        return bool(self.target_modules)
-
-    def check(self) -> None:
-        """Check the factors' settings (raises ``ConfigError`` naming the key and the fix)."""
-        if self.r < 1:
-            raise ConfigError(f"lora.r={self.r} must be at least 1")
-        if self.alpha <= 0:
-            raise ConfigError(f"lora.alpha={self.alpha} must be positive (the update is scaled by alpha / r)")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        if self.save_peft and not self.enabled:
-            raise ConfigError(
-                "lora.save_peft needs LoRA: set lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
-            )
 
 
 @dataclass
@@ -510,7 +487,7 @@ class MMConfig:
         data: :class:`MediaDataConfig`. eval: :class:`MMEvalConfig`. diffusion: :class:`DiffusionConfig` (diffusion transformers only).
         checkpoint: :class:`MMCheckpointConfig`. logging: the core's
             :class:`~mindspeed.metrics.config.LossCurveLoggingConfig` (with ``loss_curve``).
-        features: ``mindspeed.features.FeaturesConfig``. lora: :class:`LoraConfig`.
+        features: ``mindspeed.features.FeaturesConfig``. lora: :class:`MMLoraConfig`.
     """
 
     model: ModelDirConfig = field(default_factory=ModelDirConfig)
@@ -522,7 +499,7 @@ class MMConfig:
     checkpoint: MMCheckpointConfig = field(default_factory=MMCheckpointConfig)
     logging: LossCurveLoggingConfig = field(default_factory=LossCurveLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: MMLoraConfig = field(default_factory=MMLoraConfig)
 
     def log_dir(self) -> Path | None:
         """Where metrics are written (``logging.dir``, else ``checkpoint.save``)."""

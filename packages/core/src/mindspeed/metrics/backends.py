@@ -52,7 +52,7 @@ class JsonlTracker:
     name = "jsonl"
 
     def __init__(self, directory: Path, resume_step: int) -> None:
-        self.file = MetricsLog(directory, resume_step, enabled=True, tensorboard=False)
+        self.file = MetricsLog(directory, resume_step, enabled=True)
 
     def log_record(self, record: Mapping[str, Any]) -> None:
         self.file.write(dict(record))

@@ -1,4 +1,5 @@
-"""What a run writes about itself: ``metrics.jsonl``, TensorBoard events and ``loss.png``.
+"""What a run writes about itself: ``metrics.jsonl`` and ``loss.png`` (and the TensorBoard writer the
+``tensorboard`` tracker of :mod:`mindspeed.metrics.backends` opens).
 
 Only rank 0 writes. Each JSONL line is flushed when written, so a killed run keeps every step
 it logged. A resumed run first drops the records after its checkpoint's step (they belong to
@@ -24,23 +25,6 @@ logger = get_logger(__name__)
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 LOSS_CURVE = "loss.png"
-#: Record fields that become TensorBoard scalars, per record kind.
-_SCALARS = {
-    "train": (
-        "loss",
-        "lr",
-        "grad_norm",
-        "tokens_per_s",
-        "mfu",
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-    ),
-    "eval": ("loss", "perplexity"),
-}
 
 
 def _plain(value: Any) -> Any:
@@ -62,7 +46,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Appends records to ``directory/metrics.jsonl`` on rank 0.
+    """Appends records to ``directory/metrics.jsonl`` on rank 0 (TensorBoard events are the ``tensorboard``
+    tracker's: :class:`~mindspeed.metrics.backends.TensorBoardTracker`).
 
     Args:
         directory: where the file goes (``None``: nothing is written).
@@ -71,15 +56,12 @@ class MetricsLog:
         enabled: whether this rank writes (rank 0).
     """
 
-    def __init__(self, directory: Path | None, resume_step: int, enabled: bool, tensorboard: bool = True) -> None:
+    def __init__(self, directory: Path | None, resume_step: int, enabled: bool) -> None:
         self.path = directory / METRICS_FILE if directory is not None and enabled else None
         self._file = None
-        self._board = None
         if self.path is None:
             return
         try:
-            if tensorboard:
-                self._board = open_tensorboard(directory / TENSORBOARD_DIR, resume_step)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
             if resume_step > 0 and self.path.exists():
@@ -92,50 +74,33 @@ class MetricsLog:
                 tmp.unlink(missing_ok=True)
             self._file = self.path.open("a")
         except OSError as err:  # a full disk: the run goes on without metrics, the old file stays
-            self._fail("metrics", err)
+            self._fail(err)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record and flush it (and add its scalars to TensorBoard)."""
+        """Append one record and flush it."""
         if self._file is not None:
             try:
                 self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
                 self._file.flush()
             except OSError as err:
-                self._fail("metrics", err)
-        if self._board is not None:
-            kind = record.get("kind", "train")
-            try:
-                for name in _SCALARS.get(kind, ()):
-                    value = record.get(name)
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        self._board.add_scalar(f"{kind}/{name}", value, record["step"])
-                self._board.flush()  # a killed run keeps its events, as it keeps its JSONL lines
-            except OSError as err:
-                self._fail("tensorboard", err)
+                self._fail(err)
 
-    def _fail(self, sink: str, err: OSError) -> None:
-        """Stop writing ``sink`` (one warning, no traceback per record): the run goes on."""
-        where = self.path if sink == "metrics" else (self.path.parent / TENSORBOARD_DIR if self.path else None)
-        stop_writing(self, f"cannot write {sink} to {where}: {err}; the run goes on without writing them")
-        closing = (self._file,) if sink == "metrics" else (self._board,)
-        for handle in closing:
-            with contextlib.suppress(Exception):
-                if handle is not None:
-                    handle.close()
-        if sink == "metrics":
-            self._file = None
-        else:
-            self._board = None
+    def _fail(self, err: OSError) -> None:
+        """Stop writing the file (one warning, no traceback per record): the run goes on."""
+        stop_writing(self, f"cannot write metrics to {self.path}: {err}; the run goes on without writing them")
+        with contextlib.suppress(Exception):
+            if self._file is not None:
+                self._file.close()
+        self._file = None
 
     def close(self) -> None:
-        """Close the files (a file that cannot be flushed any more is given up quietly: it warned when it failed)."""
-        for handle in (self._file, self._board):
-            if handle is not None:
-                try:
-                    handle.close()
-                except OSError as err:
-                    stop_writing(self, f"cannot write metrics to {self.path}: {err}")
-        self._file = self._board = None
+        """Close the file (a file that cannot be flushed any more is given up quietly: it warned when it failed)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as err:
+                stop_writing(self, f"cannot write metrics to {self.path}: {err}")
+        self._file = None
 
 
 def open_tensorboard(directory: Path, resume_step: int) -> Any:

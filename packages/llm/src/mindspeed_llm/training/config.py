@@ -18,14 +18,13 @@ from mindspeed.config import ConfigError, load_config
 from mindspeed.features.manager import FeaturesConfig
 from mindspeed.features.pipeline import check_noop_layers
 from mindspeed_llm.training.finetune_data import INSTRUCTION_KEYS, PAIRWISE_KEYS
-from mindspeed_llm.training.lora import LoraSettings
 from mindspeed_llm.training.sections import (
     DpoConfig,
     LLMCheckpointConfig,
     LLMEvalConfig,
     LLMLoggingConfig,
+    LLMLoraConfig,
     LLMTrainConfig,
-    LoraConfig,
     ModelConfig,
     ParallelConfig,
     RmConfig,
@@ -49,7 +48,7 @@ class PretrainConfig:
         model: :class:`ModelConfig`. parallel: :class:`ParallelConfig`. train: :class:`LLMTrainConfig`.
         data: :class:`TextDataConfig`. eval: :class:`LLMEvalConfig`. checkpoint: :class:`LLMCheckpointConfig`.
         logging: :class:`LLMLoggingConfig`. features: ``mindspeed.features.FeaturesConfig``.
-        lora: :class:`LoraConfig`. dpo: :class:`DpoConfig`. rm: :class:`RmConfig`. stage: ``pretrain``,
+        lora: :class:`LLMLoraConfig`. dpo: :class:`DpoConfig`. rm: :class:`RmConfig`. stage: ``pretrain``,
             ``sft``, ``dpo`` or ``rm`` (set by the command).
     """
 
@@ -61,7 +60,7 @@ class PretrainConfig:
     checkpoint: LLMCheckpointConfig = field(default_factory=LLMCheckpointConfig)
     logging: LLMLoggingConfig = field(default_factory=LLMLoggingConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LLMLoraConfig = field(default_factory=LLMLoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     rm: RmConfig = field(default_factory=RmConfig)
     stage: Literal["pretrain", "sft", "dpo", "rm"] = "pretrain"
@@ -88,21 +87,9 @@ class PretrainConfig:
 
     def _check_lora(self) -> None:
         lora, ck = self.lora, self.checkpoint
+        lora.check()
         if not lora.enabled:
-            for key in ("qlora", "save_peft", "save_adapter"):
-                if getattr(lora, key):
-                    raise ConfigError(
-                        f"lora.{key} needs LoRA: set lora.target_modules (e.g. [linear_qkv, linear_proj, "
-                        "linear_fc1, linear_fc2])"
-                    )
             return
-
-        try:
-            LoraSettings(
-                r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules)
-            ).validate()
-        except ValueError as err:
-            raise ConfigError(f"lora: {err}") from err
         if lora.qlora and not ck.load_hf:
             raise ConfigError("lora.qlora quantises the base weights as they are loaded: start from checkpoint.load_hf")
         if lora.save_peft and not ck.load_hf:

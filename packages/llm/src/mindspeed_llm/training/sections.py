@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mindspeed.checkpointing.config import CheckpointConfig as CoreCheckpointConfig
 from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features.pipeline import parse_noop_layers
+from mindspeed.lora_config import LoraConfig as CoreLoraConfig
 from mindspeed.metrics.config import LossCurveLoggingConfig
 from mindspeed.model.shape import ModelShape
 from mindspeed.training_config import EvalConfig, OptimizerTrainConfig
+from mindspeed_llm.training.lora import LORA_TARGETS, LoraSettings
 
 
 @dataclass
@@ -506,38 +508,54 @@ class LLMCheckpointConfig(CoreCheckpointConfig):
 CheckpointConfig = LLMCheckpointConfig
 
 
+@recipe_section(
+    name="LoraConfig",
+    keys=("target_modules", "r", "alpha", "dropout", "qlora", "qlora_all_linears", "save_peft", "save_adapter"),
+)
 @dataclass
-class LoraConfig:
-    """LoRA / QLoRA fine-tuning, MindSpeed-LLM's ``--lora-*`` settings; off while ``target_modules`` is empty.
+class LLMLoraConfig(CoreLoraConfig):
+    """The core's ``lora`` section (:class:`mindspeed.lora_config.LoraConfig`) as LoRA / QLoRA of megatron
+    linears, MindSpeed-LLM's ``--lora-*`` settings (rank 16, alpha 32 by default); off while
+    ``target_modules`` is empty.
+
+    ``target_modules`` are megatron linears: ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+    ``linear_fc2`` (``--lora-target-modules``); ``r`` is ``--lora-r``, ``alpha`` ``--lora-alpha``.
+    ``save_peft`` writes the adapter at the end as a PEFT adapter directory for the Hugging Face model of
+    ``checkpoint.load_hf`` (``peft.PeftModel.from_pretrained`` loads it).
 
     Attributes:
-        target_modules: megatron linears to adapt: ``linear_qkv``, ``linear_proj``,
-            ``linear_fc1``, ``linear_fc2`` (``--lora-target-modules``). Everything else is frozen.
-        r: rank of the factors (``--lora-r``).
-        alpha: the update is scaled by ``alpha / r`` (``--lora-alpha``).
-        dropout: dropout on the LoRA input while training.
         qlora: keep the frozen base weights of the adapted linears in 4-bit NF4 with double
             quantisation (``--qlora``); needs ``checkpoint.load_hf``.
         qlora_all_linears: with ``qlora``, quantise the other decoder linears too.
-        save_peft: at the end, write the adapter as a PEFT adapter directory for the Hugging
-            Face model of ``checkpoint.load_hf`` (``peft.PeftModel.from_pretrained`` loads it).
         save_adapter: at the end, write the adapter alone as a Megatron LoRA checkpoint
             (what ``convert-ckpt --lora-load`` merges or exports).
     """
 
-    target_modules: list[str] = field(default_factory=list)
+    NEEDS_TARGETS: ClassVar[tuple[str, ...]] = ("qlora", "save_peft", "save_adapter")
+    EXAMPLE_TARGETS: ClassVar[tuple[str, ...]] = LORA_TARGETS
+
     r: int = 16
     alpha: float = 32.0
-    dropout: float = 0.0
     qlora: bool = False
     qlora_all_linears: bool = False
-    save_peft: str | None = None
     save_adapter: str | None = None
 
-    @property
-    def enabled(self) -> bool:
-        """Whether LoRA is on."""
-        return bool(self.target_modules)
+    def check_factors(self) -> None:
+        """With LoRA on, the factors and targets as :class:`~mindspeed_llm.training.lora.LoraSettings`
+        checks them (its ``--lora-*`` messages behind ``lora:``); off, nothing to check.
+
+        Raises:
+            ConfigError: naming the key and the fix.
+        """
+        if not self.enabled:
+            return
+        settings = LoraSettings(
+            r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=tuple(self.target_modules)
+        )
+        try:
+            settings.validate()
+        except ValueError as err:
+            raise ConfigError(f"lora: {err}") from err
 
 
 @dataclass

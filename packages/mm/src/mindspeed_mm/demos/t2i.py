@@ -27,17 +27,15 @@ demo-t2i`` for ``generate`` (see :mod:`mindspeed_mm.demos.names`).
 
 from __future__ import annotations
 
-import itertools
-import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.demos.t2v import COLOURS, DEFAULT_CACHE_DIR, SHAPES, settle, word_tokenizer
+from mindspeed_mm.demos import scene
+from mindspeed_mm.demos.scene import COLOURS, DEFAULT_CACHE_DIR, SHAPES
 
 logger = get_logger(__name__)
 
@@ -71,12 +69,7 @@ def caption(colour: str, shape: str, position: str) -> str:
 
 def heldout_combinations() -> list[tuple[str, str, str]]:
     """The 8 (colour, shape, position) combinations never trained on: each colour and each position twice."""
-    colours, positions = list(COLOURS), list(POSITIONS)
-    return [
-        (c, SHAPES[(i + k) % len(SHAPES)], positions[(i + 2 * k + 1) % len(positions)])
-        for i, c in enumerate(colours)
-        for k in range(2)
-    ]
+    return scene.heldout_triples(list(POSITIONS), shift=1)
 
 
 def draw_image(colour: str, shape: str, position: str, rng: random.Random) -> np.ndarray:
@@ -89,22 +82,13 @@ def draw_image(colour: str, shape: str, position: str, rng: random.Random) -> np
     left = column * half + rng.randint(1, half - side - 1)
     top = row * half + rng.randint(1, half - side - 1)
     image = Image.new("RGB", (SIZE, SIZE), tuple(rng.randint(0, 40) for _ in range(3)))
-    draw = ImageDraw.Draw(image)
-    box = (left, top, left + side - 1, top + side - 1)
-    if shape == "square":
-        draw.rectangle(box, fill=COLOURS[colour])
-    elif shape == "circle":
-        draw.ellipse(box, fill=COLOURS[colour])
-    else:
-        draw.polygon(
-            [(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)], fill=COLOURS[colour]
-        )
+    scene.draw_shape(ImageDraw.Draw(image), shape, colour, left, top, side)
     return np.asarray(image)
 
 
 def write_t2i_pipeline(directory: str | Path, seed: int = 0) -> Path:
     """Write the demo's untrained pipeline (see the module docstring) into ``directory``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from mindspeed_mm.diffusion.patch_vae import PatchVAE
@@ -141,40 +125,24 @@ def write_t2i_pipeline(directory: str | Path, seed: int = 0) -> Path:
         )
     ).save_pretrained(str(directory / "text_encoder_2"))
     for name in ("tokenizer", "tokenizer_2"):
-        tokenizer = word_tokenizer(words)
+        tokenizer = scene.word_tokenizer(words)
         tokenizer.model_max_length = TEXT_LEN
         tokenizer.save_pretrained(str(directory / name))
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(str(directory / "scheduler"))
-    index = {
-        "_class_name": "FluxPipeline",
-        "_mindspeed_note": "the vae is mindspeed_mm's PatchVAE",
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "vae": ["mindspeed_mm.diffusion.patch_vae", "PatchVAE"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer_2": ["transformers", "PreTrainedTokenizerFast"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    }
-    (directory / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    encoders = {"text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel"}
+    scene.write_pipeline_index(directory, "FluxPipeline", "FluxTransformer2DModel", encoders)
     return directory
 
 
 def write_t2i_features(pipeline: str | Path, directory: str | Path, seed: int = 0) -> Path:
     """Draw the training images (every combination but the held-out ones) and cache their features."""
     from mindspeed_mm.data.features import write_features
-    from mindspeed_mm.inference.dit_pipeline import load_parts
-    from mindspeed_mm.models.encoders import encode_latents
     from mindspeed_mm.models.flux import FLUX
 
-    parts = load_parts(Path(pipeline), FLUX, torch.device("cpu"), torch.float32)
-    held = set(heldout_combinations())
-    rng = random.Random(seed)
-    combinations = [c for c in itertools.product(COLOURS, SHAPES, POSITIONS) if c not in held]
-    images = [(c, draw_image(*c, rng)) for c in combinations for _ in range(IMAGES_PER_COMBINATION)]
-    pixels = torch.from_numpy(np.stack([image for _, image in images])).permute(0, 3, 1, 2).float() / 127.5 - 1
-    latents = encode_latents(parts["vae"], pixels)
-    captions = [caption(*c) for c, _ in images]
+    held = heldout_combinations()
+    parts, latents, drawn = scene.encode_training_set(
+        pipeline, FLUX, POSITIONS, draw_image, IMAGES_PER_COMBINATION, held, seed
+    )
+    captions = [caption(*c) for c in drawn]
     text, pooled = FLUX.encode_prompts(parts, captions, TEXT_LEN)
     null_text, null_pooled = FLUX.encode_prompts(parts, [""], TEXT_LEN)
     samples = [{"latents": z, "text": t, "pooled": p} for z, t, p in zip(latents, text, pooled)]
@@ -188,24 +156,8 @@ def t2i_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         ``{"pipeline", "transformer", "features", "heldout"}``.
     """
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"t2i-v{BUILDER_VERSION}"
-    paths = {
-        "pipeline": root / "pipeline",
-        "transformer": root / "pipeline" / "transformer",
-        "features": root / "features",
-        "heldout": root / "heldout.txt",
-    }
-    if not (paths["pipeline"] / "model_index.json").is_file():
-        logger.info("writing the text-to-image demo pipeline into %s (once)", paths["pipeline"])
-        tmp = root / "pipeline.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_t2i_pipeline(tmp)
-        settle(tmp, paths["pipeline"], "model_index.json")
-    if not (paths["features"] / "index.jsonl").is_file():
-        logger.info("writing the text-to-image demo features into %s (once)", paths["features"])
-        write_t2i_features(paths["pipeline"], paths["features"])
-    if not paths["heldout"].is_file():
-        paths["heldout"].write_text("".join(caption(*c) + "\n" for c in heldout_combinations()))
-    return paths
+    heldout = [caption(*c) for c in heldout_combinations()]
+    return scene.build_demo(root, "text-to-image", write_t2i_pipeline, write_t2i_features, heldout, logger)
 
 
 def score_images(images: torch.Tensor, captions: list[str]) -> dict[str, float]:
@@ -215,15 +167,14 @@ def score_images(images: torch.Tensor, captions: list[str]) -> dict[str, float]:
     mean colour's nearest palette colour is the image's colour, the quadrant of its centroid the
     image's position. No foreground: wrong.
     """
-    palette = torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255
-    names, quadrants = list(COLOURS), {v: k for k, v in POSITIONS.items()}
+    quadrants = {v: k for k, v in POSITIONS.items()}
     right = {"colour": 0, "position": 0}
     for image, text in zip(images.float().cpu(), captions):
         mask = image.amax(dim=0) > 0.35  # [H, W]
         if mask.sum() == 0:
             continue
         mean = (image * mask).sum(dim=(1, 2)) / mask.sum()
-        right["colour"] += names[int(torch.cdist(mean[None], palette).argmin())] == text.split()[1]
+        right["colour"] += scene.palette_name(mean) == text.split()[1]
         ys, xs = torch.meshgrid(torch.arange(image.shape[-2]), torch.arange(image.shape[-1]), indexing="ij")
         x, y = float((xs * mask).sum() / mask.sum()), float((ys * mask).sum() / mask.sum())
         quadrant = (int(x >= image.shape[-1] / 2), int(y >= image.shape[-2] / 2))
@@ -236,29 +187,8 @@ def sample_t2i_heldout(
 ) -> tuple[torch.Tensor, list[str]]:
     """Images ``[N, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
     the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
-    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
-    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
-
-    pipeline = t2i_paths()["pipeline"]
-    loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)
-    family = loaded.family
     captions = [caption(*c) for c in heldout_combinations() for _ in range(seeds)]
-    shape = latent_shape(loaded.parts["vae"], family, 1, SIZE, SIZE)
-    noise = torch.stack(
-        [torch.randn(shape, generator=torch.Generator().manual_seed(i % seeds)) for i in range(len(captions))]
+    images = scene.sample_captions(
+        load_dir, t2i_paths()["pipeline"], captions, seeds, (1, SIZE), TEXT_LEN, steps, guidance_scale
     )
-    text, pooled = family.encode_prompts(loaded.parts, captions, TEXT_LEN)
-    negative, negative_pooled = family.encode_prompts(loaded.parts, [""], TEXT_LEN)
-    latents = sample_latents(
-        loaded.model,
-        family,
-        build_scheduler(family, pipeline),
-        noise,
-        text,
-        steps,
-        pooled,
-        negative.expand(len(captions), -1, -1),
-        negative_pooled.expand(len(captions), -1),
-        guidance_scale,
-    )
-    return decode_latents(loaded.parts["vae"], latents), captions
+    return images, captions

@@ -27,26 +27,21 @@ suite's encoders (:mod:`mindspeed_mm.models.encoders`). ``model.path: demo-t2v``
 
 from __future__ import annotations
 
-import itertools
-import json
 import random
-import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from mindspeed.log import get_logger
+from mindspeed_mm.demos import scene
+from mindspeed_mm.demos.scene import COLOURS, DEFAULT_CACHE_DIR, SHAPES
 
 logger = get_logger(__name__)
 
 T2V = "demo-t2v"
-DEFAULT_CACHE_DIR = Path("runs/mm-demo")
 BUILDER_VERSION = 3
 SIZE, NUM_FRAMES, STEP = 24, 4, 4
-COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
-SHAPES = ("square", "circle", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 CLIPS_PER_COMBINATION = 12
 TEXT_LEN = 8
@@ -74,12 +69,7 @@ def caption(colour: str, shape: str, direction: str) -> str:
 
 def heldout_combinations() -> list[tuple[str, str, str]]:
     """The 8 (colour, shape, direction) combinations never trained on: each colour and each direction twice."""
-    colours, directions = list(COLOURS), list(DIRECTIONS)
-    return [
-        (c, SHAPES[(i + k) % len(SHAPES)], directions[(i + 2 * k) % len(directions)])
-        for i, c in enumerate(colours)
-        for k in range(2)
-    ]
+    return scene.heldout_triples(list(DIRECTIONS), shift=0)
 
 
 def draw_clip(colour: str, shape: str, direction: str, rng: random.Random) -> np.ndarray:
@@ -96,38 +86,14 @@ def draw_clip(colour: str, shape: str, direction: str, rng: random.Random) -> np
     frames = []
     for f in range(NUM_FRAMES):
         image = Image.new("RGB", (SIZE, SIZE), background)
-        draw = ImageDraw.Draw(image)
-        left, top = x + dx * STEP * f, y + dy * STEP * f
-        box = (left, top, left + side - 1, top + side - 1)
-        if shape == "square":
-            draw.rectangle(box, fill=COLOURS[colour])
-        elif shape == "circle":
-            draw.ellipse(box, fill=COLOURS[colour])
-        else:
-            draw.polygon(
-                [(left + side // 2, top), (left, top + side - 1), (left + side - 1, top + side - 1)],
-                fill=COLOURS[colour],
-            )
+        scene.draw_shape(ImageDraw.Draw(image), shape, colour, x + dx * STEP * f, y + dy * STEP * f, side)
         frames.append(np.asarray(image))
     return np.stack(frames)
 
 
-def word_tokenizer(words: list[str]) -> Any:
-    """A word-level fast tokenizer over ``words`` (pad 0, eos 1 appended, unk 2; lowercased, split on spaces)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.normalizer = normalizers.Lowercase()
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
 def write_demo_pipeline(directory: str | Path, seed: int = 0) -> Path:
     """Write the demo's untrained pipeline (see the module docstring) into ``directory``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     from mindspeed_mm.diffusion.patch_vae import PatchVAE
@@ -152,36 +118,22 @@ def write_demo_pipeline(directory: str | Path, seed: int = 0) -> Path:
         )
     )
     encoder.save_pretrained(str(directory / "text_encoder"))
-    word_tokenizer(words).save_pretrained(str(directory / "tokenizer"))
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(str(directory / "scheduler"))
-    index = {
-        "_class_name": "WanPipeline",
-        "_mindspeed_note": "the vae is mindspeed_mm's PatchVAE",
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "vae": ["mindspeed_mm.diffusion.patch_vae", "PatchVAE"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    }
-    (directory / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    scene.word_tokenizer(words).save_pretrained(str(directory / "tokenizer"))
+    scene.write_pipeline_index(directory, "WanPipeline", "WanTransformer3DModel", {"text_encoder": "UMT5EncoderModel"})
     return directory
 
 
 def write_demo_features(pipeline: str | Path, directory: str | Path, seed: int = 0) -> Path:
     """Draw the training clips (every combination but the held-out ones) and cache their features."""
     from mindspeed_mm.data.features import write_features
-    from mindspeed_mm.inference.dit_pipeline import load_parts
-    from mindspeed_mm.models.encoders import encode_latents, encode_umt5
+    from mindspeed_mm.models.encoders import encode_umt5
     from mindspeed_mm.models.wan import WAN
 
-    parts = load_parts(Path(pipeline), WAN, torch.device("cpu"), torch.float32)
-    held = set(heldout_combinations())
-    rng = random.Random(seed)
-    combinations = [c for c in itertools.product(COLOURS, SHAPES, DIRECTIONS) if c not in held]
-    clips = [(c, draw_clip(*c, rng)) for c in combinations for _ in range(CLIPS_PER_COMBINATION)]
-    pixels = torch.from_numpy(np.stack([clip for _, clip in clips])).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
-    latents = encode_latents(parts["vae"], pixels)
-    captions = [caption(*c) for c, _ in clips]
+    held = heldout_combinations()
+    parts, latents, drawn = scene.encode_training_set(
+        pipeline, WAN, DIRECTIONS, draw_clip, CLIPS_PER_COMBINATION, held, seed
+    )
+    captions = [caption(*c) for c in drawn]
     texts = encode_umt5(parts["tokenizer"], parts["text_encoder"], captions, TEXT_LEN)
     null = {"text": encode_umt5(parts["tokenizer"], parts["text_encoder"], [""], TEXT_LEN)[0]}
     samples = [{"latents": z, "text": t} for z, t in zip(latents, texts)]
@@ -195,34 +147,8 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         ``{"pipeline", "transformer", "features", "heldout"}``.
     """
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"t2v-v{BUILDER_VERSION}"
-    paths = {
-        "pipeline": root / "pipeline",
-        "transformer": root / "pipeline" / "transformer",
-        "features": root / "features",
-        "heldout": root / "heldout.txt",
-    }
-    if not (paths["pipeline"] / "model_index.json").is_file():
-        logger.info("writing the text-to-video demo pipeline into %s (once)", paths["pipeline"])
-        tmp = root / "pipeline.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_demo_pipeline(tmp)
-        settle(tmp, paths["pipeline"], "model_index.json")
-    if not (paths["features"] / "index.jsonl").is_file():
-        logger.info("writing the text-to-video demo features into %s (once)", paths["features"])
-        write_demo_features(paths["pipeline"], paths["features"])
-    if not paths["heldout"].is_file():
-        paths["heldout"].write_text("".join(caption(*c) + "\n" for c in heldout_combinations()))
-    return paths
-
-
-def settle(tmp: Path, final: Path, marker: str) -> None:
-    """Rename the finished ``tmp`` to ``final``; when another rank or run got there first, drop ``tmp``."""
-    try:
-        tmp.replace(final)
-    except OSError:  # another rank or run finished first
-        if not (final / marker).is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    heldout = [caption(*c) for c in heldout_combinations()]
+    return scene.build_demo(root, "text-to-video", write_demo_pipeline, write_demo_features, heldout, logger)
 
 
 def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
@@ -232,8 +158,7 @@ def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
     mean colour's nearest palette colour is the video's colour; its centroid's displacement from
     the first to the last frame, along the larger axis, is its direction. No foreground: wrong.
     """
-    palette = torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255
-    names, directions = list(COLOURS), {v: k for k, v in DIRECTIONS.items()}
+    directions = {v: k for k, v in DIRECTIONS.items()}
     right = {"colour": 0, "direction": 0}
     for video, text in zip(videos.float().cpu(), captions):
         words = text.split()
@@ -241,7 +166,7 @@ def score_videos(videos: torch.Tensor, captions: list[str]) -> dict[str, float]:
         if mask.sum() == 0:
             continue
         mean = (video * mask[:, None]).sum(dim=(0, 2, 3)) / mask.sum()
-        right["colour"] += names[int(torch.cdist(mean[None], palette).argmin())] == words[1]
+        right["colour"] += scene.palette_name(mean) == words[1]
         ys, xs = torch.meshgrid(torch.arange(video.shape[-2]), torch.arange(video.shape[-1]), indexing="ij")
         centres = [((xs * m).sum() / m.sum(), (ys * m).sum() / m.sum()) for m in mask if m.sum() > 0]
         if len(centres) >= 2:
@@ -260,30 +185,12 @@ def sample_heldout(
 ) -> tuple[torch.Tensor, list[str]]:
     """Videos ``[N, F, 3, H, W]`` in [0, 1] of the held-out captions (``seeds`` each, seeds 0, 1, ...) sampled from
     the transformer of ``load_dir`` (a directory or DCP checkpoint of the demo's model) with the demo's pipeline."""
-    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
-    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
-
-    pipeline = demo_paths()["pipeline"]
-    loaded = load_dit_pipeline(load_dir, base_dir=pipeline / "transformer", pipeline_dir=pipeline)
-    family = loaded.family
     captions = [caption(*c) for c in (combinations or heldout_combinations()) for _ in range(seeds)]
-    shape = latent_shape(loaded.parts["vae"], family, NUM_FRAMES, SIZE, SIZE)
-    noise = torch.stack(
-        [torch.randn(shape, generator=torch.Generator().manual_seed(i % seeds)) for i in range(len(captions))]
+    pipeline = demo_paths()["pipeline"]
+    videos = scene.sample_captions(
+        load_dir, pipeline, captions, seeds, (NUM_FRAMES, SIZE), TEXT_LEN, steps, guidance_scale
     )
-    text, _ = family.encode_prompts(loaded.parts, captions, TEXT_LEN)
-    negative, _ = family.encode_prompts(loaded.parts, [""], TEXT_LEN)
-    latents = sample_latents(
-        loaded.model,
-        family,
-        build_scheduler(family, pipeline),
-        noise,
-        text,
-        steps,
-        negative_text=negative.expand(len(captions), -1, -1),
-        guidance_scale=guidance_scale,
-    )
-    return decode_latents(loaded.parts["vae"], latents), captions
+    return videos, captions
 
 
 @torch.no_grad()

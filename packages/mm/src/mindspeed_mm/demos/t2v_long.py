@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.demos.t2v import DEFAULT_CACHE_DIR, settle
+from mindspeed_mm.demos.scene import DEFAULT_CACHE_DIR, settle
 
 logger = get_logger(__name__)
 

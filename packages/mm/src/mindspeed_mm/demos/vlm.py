@@ -16,15 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed.log import get_logger
+from mindspeed_mm.demos.scene import COLOURS, DEFAULT_CACHE_DIR, SHAPES, settle
 
 logger = get_logger(__name__)
 
 DEMO = "demo"
 HELDOUT = "demo-heldout"
-DEFAULT_CACHE_DIR = Path("runs/mm-demo")
 BUILDER_VERSION = 1
-COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
-SHAPES = ("square", "circle", "triangle")
 QUESTIONS = {"colour": "<image>What colour is the shape?", "shape": "<image>What shape is it?"}
 
 
@@ -85,11 +83,7 @@ def demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
         logger.info("writing the demo model into %s (once)", paths["model"])
         tmp = root / "model.tmp"
         write_tiny_model(tmp)
-        try:
-            tmp.replace(paths["model"])
-        except OSError:  # another rank or run finished first
-            if not (paths["model"] / "config.json").is_file():
-                raise
+        settle(tmp, paths["model"], "config.json")
     if not paths["heldout"].is_file():
         logger.info("writing the demo data into %s (once)", paths["train"].parent)
         write_demo_data(paths["train"].parent, 600, seed=0, name="train")

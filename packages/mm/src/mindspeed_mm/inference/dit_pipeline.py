@@ -29,7 +29,7 @@ import torch
 
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.config import MMLoraConfig
 from mindspeed_mm.convert.dcp_io import DCPModel
 from mindspeed_mm.models.dit import DiTFamily, dit_family_of, load_dit
 from mindspeed_mm.models.lora import (
@@ -202,7 +202,7 @@ def _load_dcp(
         rank = int(saved[factor_names(adapted[0])[0]].shape[0])
         if all(is_factor(name) for name in saved):  # the factors alone: the base is the run's model.path
             saved = {**_base_state(source, family, set(adapted)), **saved}
-        saved = merged_state(saved, LoraConfig(r=rank, alpha=alpha))
+        saved = merged_state(saved, MMLoraConfig(r=rank, alpha=alpha))
     cls = family.load_class()
     model = cls.from_config(cls.load_config(str(source)))  # not on meta: non-persistent buffers (rope) need values
     state = model.state_dict()

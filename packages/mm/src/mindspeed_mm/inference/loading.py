@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from mindspeed.checkpointing.trust import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
-from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.config import MMLoraConfig
 from mindspeed_mm.data.video import VideoSettings
 from mindspeed_mm.models import family_of, load_processing, load_video_processor
 from mindspeed_mm.models.family import VLMFamily
@@ -219,7 +219,7 @@ def _load_dcp(checkpoint: Path, source: Path, family: VLMFamily, dtype: torch.dt
                 f"{checkpoint} is a LoRA run's checkpoint ({len(lora)} adapted linears) and no "
                 f"{ADAPTER_CONFIG} beside it records alpha; pass --lora-alpha with the recipe's lora.alpha"
             )
-        settings = LoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]), alpha=lora_alpha)
+        settings = MMLoraConfig(r=int(saved[f"{lora[0]}.lora_A.default.weight"].shape[0]), alpha=lora_alpha)
         if all(is_factor(name) for name in saved):  # the factors alone: the base is the run's model.path
             saved = _over_base(saved, lora, source, family, checkpoint)
         saved = merged_state(saved, settings)

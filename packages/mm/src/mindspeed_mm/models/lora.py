@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mindspeed.log import get_logger
-from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.config import MMLoraConfig
 from mindspeed_mm.models.dit import DiTFamily
 from mindspeed_mm.models.family import VLMFamily
 
@@ -54,12 +54,12 @@ def default_parts(family: VLMFamily | DiTFamily) -> list[str]:
     return ["language_model"] if "language_model" in family.parts else []
 
 
-def scope_prefixes(lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
+def scope_prefixes(lora: MMLoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
     """The module-name prefixes ``lora.parts`` stands for (a part's prefixes, or the entry itself; none: everywhere)."""
     return [prefix for part in lora.parts or default_parts(family) for prefix in family.parts.get(part, (part,))]
 
 
-def target_names(lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
+def target_names(lora: MMLoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
     """``lora.target_modules`` with ``default`` replaced by the family's own targets.
 
     Raises:
@@ -80,7 +80,7 @@ def target_names(lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
     return names
 
 
-def target_regex(lora: LoraConfig, family: VLMFamily | DiTFamily) -> str:
+def target_regex(lora: MMLoraConfig, family: VLMFamily | DiTFamily) -> str:
     """The regular expression of the module names to adapt (peft ``fullmatch``es it against each name)."""
     names = "|".join(re.escape(name) for name in target_names(lora, family))
     prefixes = scope_prefixes(lora, family)
@@ -89,14 +89,14 @@ def target_regex(lora: LoraConfig, family: VLMFamily | DiTFamily) -> str:
     return rf"(?:{'|'.join(re.escape(prefix) for prefix in prefixes)})\.(?:.*\.)?(?:{names})"
 
 
-def peft_config(lora: LoraConfig, target_modules: str | list[str]) -> Any:
+def peft_config(lora: MMLoraConfig, target_modules: str | list[str]) -> Any:
     """peft's ``LoraConfig`` of the recipe's ``lora`` section over ``target_modules`` (a regex or a list)."""
     import peft
 
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules)
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
+def apply_lora(model: torch.nn.Module, lora: MMLoraConfig, family: VLMFamily | DiTFamily) -> list[str]:
     """Freeze ``model`` and add LoRA factors to the target modules; returns the adapted module names.
 
     Raises:
@@ -173,7 +173,7 @@ def peft_adapter_state(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def merged_state(full: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+def merged_state(full: dict[str, torch.Tensor], lora: MMLoraConfig) -> dict[str, torch.Tensor]:
     """The model's own state dict with each LoRA update folded into its base weight."""
     scale = lora.alpha / lora.r
     out = {}
@@ -247,7 +247,7 @@ def adapter_config(settings: AdapterSettings, base: str | Path | None) -> dict[s
 
 
 def write_adapter_config(
-    lora: LoraConfig, family: VLMFamily | DiTFamily, base: str | Path, directory: str | Path
+    lora: MMLoraConfig, family: VLMFamily | DiTFamily, base: str | Path, directory: str | Path
 ) -> Path:
     """Write the run's ``adapter_config.json`` into ``directory`` (atomically); returns its path.
 
@@ -263,7 +263,7 @@ def write_adapter_config(
 
 
 def write_peft_adapter(
-    full: dict[str, torch.Tensor], lora: LoraConfig, family: VLMFamily, base: str | Path, target: str | Path
+    full: dict[str, torch.Tensor], lora: MMLoraConfig, family: VLMFamily, base: str | Path, target: str | Path
 ) -> Path:
     """Write the adapter of a trained model's full state dict as a PEFT directory, atomically.
 

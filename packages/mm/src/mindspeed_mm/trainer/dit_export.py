@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mindspeed.checkpointing import export_guard
 from mindspeed.checkpointing.hf_dtype import cast_floating
 from mindspeed.log import get_logger
-from mindspeed_mm.config import LoraConfig
+from mindspeed_mm.config import MMLoraConfig
 from mindspeed_mm.models.diffusers_lora import write_diffusers_lora
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit
 from mindspeed_mm.models.lora import AdapterSettings, adapted_modules, factor_names
@@ -33,7 +33,7 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _OWN = ("config.json", "diffusion_pytorch_model.safetensors.index.json")
 
 
-def write_dit_lora(state: dict[str, torch.Tensor], lora: LoraConfig, family: DiTFamily, target: str | Path) -> Path:
+def write_dit_lora(state: dict[str, torch.Tensor], lora: MMLoraConfig, family: DiTFamily, target: str | Path) -> Path:
     """Write the LoRA factors of a trained transformer's full state dict as a diffusers LoRA directory, atomically.
 
     ``target/pytorch_lora_weights.safetensors`` is what ``pipe.load_lora_weights(target)`` reads

@@ -45,7 +45,6 @@ from mindspeed.metrics.log import LOSS_CURVE, METRICS_FILE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.progress import StatusProgress
 from mindspeed_mm.config import MMConfig, MMTrainConfig
-from mindspeed_mm.trainer import dit_task, vlm_task  # noqa: F401  (register the "dit" and "vlm" tasks)
 from mindspeed_mm.trainer.checkpoint import (
     LAYOUT,
     find_resume_checkpoint,

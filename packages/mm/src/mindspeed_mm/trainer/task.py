@@ -2,8 +2,10 @@
 
 The trainer (:mod:`mindspeed_mm.trainer.loop`) owns everything else: the optimizer, the
 schedule, gradient accumulation, clipping, checkpoints, resume, metrics, the progress bar and
-the export. A task for another kind of model (a diffusion transformer, ...) implements
-:class:`TrainTask` and is registered in :data:`TASKS`.
+the export. A task for another kind of model implements :class:`TrainTask`, registers it in
+:data:`TASKS` and gets one line in :data:`TASK_MODULES`, the manifest (as the model families'
+:mod:`mindspeed_mm.models.manifest`): a task's module is imported when its name is first looked up,
+never for its side effect, so importing the trainer loads no task.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mindspeed.registry import Registry
+from mindspeed_mm.models.manifest import ManifestRegistry
 
 
 class TrainTask(Protocol):
@@ -59,5 +61,7 @@ class ValidatedTask(TrainTask, Protocol):
         shares over microbatches and ranks."""
 
 
-#: task name -> ``(config, world_size) -> TrainTask``.
-TASKS: Registry[Callable[[Any, int], TrainTask]] = Registry("training task")
+#: task name (``MMConfig.task()``) -> the module that registers it.
+TASK_MODULES = {"vlm": "mindspeed_mm.trainer.vlm_task", "dit": "mindspeed_mm.trainer.dit_task"}
+#: task name -> ``(config, world_size) -> TrainTask``; a lookup imports the task's module first.
+TASKS: ManifestRegistry[Callable[[Any, int], TrainTask]] = ManifestRegistry("training task", TASK_MODULES)
