@@ -293,19 +293,21 @@ class InferenceEngine(ContinuousBatching):
 
     @_outside_redirect
     @torch.inference_mode()
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def score(self, sequences: Sequence[Sequence[int]], return_greedy: bool = False) -> list[Any]:
         """Log-probability of every token given the ones before it, batched.
 
         Args:
             sequences: token ids of each sequence.
+            return_greedy: also say, per token, whether it is the model's argmax there
+                (lm-evaluation-harness's ``is_greedy``).
 
         Returns:
             Per sequence of ``n`` tokens, a float32 CPU tensor of ``n - 1`` values: ``log p(x_t | x_<t)``
-            for ``t = 1 .. n-1``.
+            for ``t = 1 .. n-1``; with ``return_greedy``, a pair of it and a bool tensor of the same length.
         """
         model, device = self.model, self.model.device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths pad less
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
+        out: list[Any] = [torch.zeros(0)] * len(sequences)
         for first in range(0, len(order), self.max_batch_size):
             group = order[first : first + self.max_batch_size]
             seq = max(1, max(len(sequences[i]) for i in group))
@@ -318,12 +320,19 @@ class InferenceEngine(ContinuousBatching):
             hidden = model.hidden(tokens.view(-1), positions, step).view(len(group), seq, -1)
             for row, i in enumerate(group):
                 n = len(sequences[i])
-                pieces = []
+                pieces, greedy = [], []
                 for begin in range(0, n - 1, _SCORE_CHUNK):
                     end = min(n - 1, begin + _SCORE_CHUNK)
                     logprobs = model.logits(hidden[row, begin:end]).log_softmax(dim=-1)
-                    pieces.append(logprobs.gather(1, tokens[row, begin + 1 : end + 1, None])[:, 0])
-                out[i] = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
+                    targets = tokens[row, begin + 1 : end + 1]
+                    pieces.append(logprobs.gather(1, targets[:, None])[:, 0])
+                    if return_greedy:
+                        greedy.append(logprobs.argmax(dim=-1) == targets)
+                scores = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
+                if return_greedy:
+                    out[i] = (scores, torch.cat(greedy).cpu() if greedy else torch.zeros(0, dtype=torch.bool))
+                else:
+                    out[i] = scores
         return out
 
     # -- weights ---------------------------------------------------------------------------------
