@@ -153,17 +153,34 @@ class MindSpeedLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """``(sum log p(continuation), all argmax)`` per ``(key, context ids, continuation ids)``, batched."""
         fitted = [fit_request(ctx, cont, self.max_length + 1) for _, ctx, cont in requests]
-        order = sorted(range(len(fitted)), key=lambda i: len(fitted[i][0]), reverse=True)
         out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         size = self.batch_size_per_call
-        for first in tqdm(range(0, len(order), size), disable=disable_tqdm, desc="mindspeed loglikelihood"):
-            batch = order[first : first + size]
-            scores = self.engine.score([fitted[i][0] for i in batch], return_greedy=True)
-            for i, (logprobs, greedy) in zip(batch, scores):
-                n = fitted[i][1]
-                out[i] = (float(logprobs[-n:].sum()), bool(greedy[-n:].all()))
-                if requests[i][0] is not None and hasattr(self, "cache_hook"):
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
+        # One-token continuations of the same input (the answer letters of a question) share one forward.
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for i, (sequence, n) in enumerate(fitted):
+            if n == 1:
+                shared.setdefault(tuple(sequence[:-1]), []).append(i)
+        prefixes = sorted(shared, key=len, reverse=True)
+        rest = sorted((i for i in range(len(fitted)) if fitted[i][1] != 1), key=lambda i: -len(fitted[i][0]))
+        with tqdm(total=len(requests), disable=disable_tqdm, desc="mindspeed loglikelihood") as bar:
+            for first in range(0, len(prefixes), size):
+                batch = prefixes[first : first + size]
+                for prefix, logprobs in zip(batch, self.engine.next_token_logprobs(batch)):
+                    best = int(logprobs.argmax())
+                    for i in shared[prefix]:
+                        token = fitted[i][0][-1]
+                        out[i] = (float(logprobs[token]), best == token)
+                    bar.update(len(shared[prefix]))
+            for first in range(0, len(rest), size):
+                batch = rest[first : first + size]
+                scores = self.engine.score([fitted[i][0] for i in batch], return_greedy=True)
+                for i, (logprobs, greedy) in zip(batch, scores):
+                    n = fitted[i][1]
+                    out[i] = (float(logprobs[-n:].sum()), bool(greedy[-n:].all()))
+                bar.update(len(batch))
+        for (key, _, _), answer in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
