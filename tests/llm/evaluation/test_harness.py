@@ -63,8 +63,8 @@ def local(tmp_path_factory):
     arc_yaml = f"{lm_eval.__path__[0]}/tasks/arc/arc_easy.yaml"
     (tasks / "arc_easy_local.yaml").write_text(
         f"include: {arc_yaml}\ntask: arc_easy_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {root / 'arc.jsonl'}\n"
-        "training_split: null\nvalidation_split: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {root / 'arc.jsonl'}\n    train: {root / 'arc.jsonl'}\n"
+        "validation_split: null\n"
     )
     metadata = {
         "mindspeed_data": {"mmlu": str(root / "mmlu"), "gsm8k": str(root / "gsm8k"), "ppl": str(docs)},
@@ -73,7 +73,7 @@ def local(tmp_path_factory):
     return {"root": root, "tasks": tasks, "metadata": metadata, "docs": docs}
 
 
-def run_harness(model: str, model_args: dict, local, tasks=TASKS, limit=None) -> dict:
+def run_harness(model: str, model_args: dict, local, tasks=TASKS, limit=None, **options) -> dict:
     manager = TaskManager(
         include_path=[str(HARNESS_TASKS_DIR), str(local["tasks"])], include_defaults=False, metadata=local["metadata"]
     )
@@ -85,6 +85,7 @@ def run_harness(model: str, model_args: dict, local, tasks=TASKS, limit=None) ->
         log_samples=True,
         limit=limit,
         gen_kwargs={"max_gen_toks": GEN_TOKS},
+        **options,
     )
 
 
@@ -136,6 +137,21 @@ def test_mindspeed_model_equals_lm_eval_hf(runs) -> None:
     assert len({round(x, 4) for x in lls}) > 1
     windows = sum(1 for s in ours["samples"]["mindspeed_ppl"] if len(s["doc"]["text"]) > 4 * MAX_LENGTH)
     assert windows == 1  # the long document rolls over several windows
+
+
+def test_chat_template_and_multiturn_fewshot_pass_through(tiny_model_dir, local) -> None:
+    """lm-eval's apply_chat_template / fewshot_as_multiturn / system_instruction: the same requests and answers as hf."""
+    register_harness_model()
+    common = {"pretrained": str(tiny_model_dir), "max_length": 4 * MAX_LENGTH, "batch_size": 2, "dtype": "float32"}
+    options = {"apply_chat_template": True, "fewshot_as_multiturn": True, "system_instruction": "Be brief."}
+    tasks = ["arc_easy_local", "mindspeed_gsm8k"]
+    ours = run_harness("mindspeed", common, local, tasks, limit=2, num_fewshot=1, **options)
+    theirs = run_harness("hf", common | {"device": "cpu"}, local, tasks, limit=2, num_fewshot=1, **options)
+    assert_same_requests(ours, theirs, tasks)
+    for task in tasks:
+        prompts = [s["arguments"][0][0] for s in ours["samples"][task]]
+        assert prompts == [s["arguments"][0][0] for s in theirs["samples"][task]]
+        assert all(p.count("<|im_start|>") >= 2 and "Be brief." in p for p in prompts), prompts[0][:200]
 
 
 def test_builtin_tasks_equal_through_the_harness(runs, tiny_model_dir, local) -> None:
