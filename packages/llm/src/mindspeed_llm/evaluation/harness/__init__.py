@@ -10,6 +10,8 @@ Importing this package imports nothing of lm-eval; :func:`require_lm_eval` says 
 
 from __future__ import annotations
 
+import os
+
 #: What to install for the harness backend.
 EXTRA_HINT = "pip install 'mindspeed-llm[eval]'"
 
@@ -26,3 +28,18 @@ def require_lm_eval() -> None:
         raise ValueError(
             f"--harness needs EleutherAI's lm-evaluation-harness (lm_eval); install the extra: {EXTRA_HINT}"
         ) from err
+
+
+def import_lm_eval() -> None:
+    """Import lm-eval leaving the process environment as it was.
+
+    ``import lm_eval`` sets ``HF_XET_HIGH_PERFORMANCE`` (a Hub download knob, lm-eval 0.4.13); the
+    modules that subclass lm-eval's classes import it through here, so importing them changes nothing.
+    """
+    environ = dict(os.environ)
+    try:
+        import lm_eval  # noqa: F401
+    finally:
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)

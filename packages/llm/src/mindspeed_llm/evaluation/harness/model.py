@@ -23,15 +23,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import model_registry
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
 from mindspeed.log import get_logger
+from mindspeed_llm.evaluation.harness import import_lm_eval
 from mindspeed_llm.evaluation.lm import EngineLM, encode, fit_request, special_prefix
 from mindspeed_llm.inference import SamplingParams
 from mindspeed_llm.tokenizer import load_tokenizer
+
+import_lm_eval()  # before any lm_eval import: keeps the environment unchanged (see there)
+
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import model_registry  # noqa: E402
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text  # noqa: E402
 
 logger = get_logger(__name__)
 

@@ -16,13 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
-
 from mindspeed.log import get_logger
 from mindspeed.metrics.report import TaskResult, build_report, write_json
+from mindspeed_llm.evaluation.harness import import_lm_eval
 from mindspeed_llm.evaluation.harness.model import MODEL_NAME, register_harness_model
 from mindspeed_llm.evaluation.runner import EvaluateConfig, parse_shots, resolve_data_paths, split_list
+
+import_lm_eval()  # before any lm_eval import: keeps the environment unchanged (see there)
+
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 logger = get_logger(__name__)
 
