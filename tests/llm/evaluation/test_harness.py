@@ -252,11 +252,12 @@ def test_lm_eval_cli_runs_the_mindspeed_model(tiny_model_dir, local, monkeypatch
 def test_harness_bad_input_exits_2(tiny_model_dir, tmp_path, monkeypatch, capsys, restore_logging) -> None:
     from mindspeed_llm.cli import main
 
-    def fails(argv: list[str]) -> str:
+    def fails(argv: list[str], one_line: bool = True) -> str:
         assert main(["evaluate", *argv]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "Traceback" not in err
-        return err
+        assert "Traceback" not in err and (len(err.splitlines()) == 1 or not one_line)
+        assert err.splitlines()[-1].startswith("mindspeed-llm: error:")
+        return err.splitlines()[-1]
 
     base = ["--load-dir", str(tiny_model_dir), "--tasks", "mindspeed_ppl"]
     assert "is not a directory" in fails(["--harness", *base, "--include-path", str(tmp_path / "nope")])
@@ -266,6 +267,21 @@ def test_harness_bad_input_exits_2(tiny_model_dir, tmp_path, monkeypatch, capsys
     assert "mindspeed_* tasks only" in fails(
         ["--harness", "--load-dir", str(tiny_model_dir), "--tasks", "x", "--task-data-path", "demo"]
     )
+    import datasets.config
+
+    hub_tasks = tmp_path / "hub"  # a task whose data are on the Hub only: offline, one line naming the fix
+    hub_tasks.mkdir()
+    (hub_tasks / "hub_only.yaml").write_text(
+        "task: hub_only\ndataset_path: nonexistent-org/none\noutput_type: loglikelihood_rolling\n"
+        "test_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
+    )
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as on a machine without the Hub
+    # found once lm-eval builds the task, after the model's load log lines: the error is the last line
+    err = fails(
+        ["--harness", "--load-dir", str(tiny_model_dir), "--tasks", "hub_only", "--include-path", str(hub_tasks)],
+        one_line=False,
+    )
+    assert "hub_only" in err and "dataset_path" in err and "local copy" in err
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the eval extra were not installed
     assert "mindspeed-llm[eval]" in fails(["--harness", *base])
     assert not (tmp_path / "out").exists()

@@ -127,6 +127,23 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _simple_evaluate(
+    config: EvaluateConfig, model_args: dict[str, Any], tasks: list[str], manager: TaskManager
+) -> dict[str, Any]:
+    return simple_evaluate(
+        model=MODEL_NAME,
+        model_args={k: v for k, v in model_args.items() if v is not None},
+        tasks=tasks,
+        num_fewshot=config.num_fewshot,
+        limit=config.max_samples,
+        task_manager=manager,
+        log_samples=True,
+        apply_chat_template=config.apply_chat_template,
+        fewshot_as_multiturn=config.fewshot_as_multiturn,
+        gen_kwargs={"max_gen_toks": config.max_new_tokens} if config.max_new_tokens else None,
+    )
+
+
 def evaluate_harness(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str, Any], dict[str, Any]]:
     """Run ``config.task`` through lm-eval with the ``mindspeed`` model.
 
@@ -155,19 +172,15 @@ def evaluate_harness(config: EvaluateConfig) -> tuple[list[TaskResult], dict[str
         "hf_cfg_dir": config.hf_cfg_dir,
     }
     start = time.perf_counter()
-    output = simple_evaluate(
-        model=MODEL_NAME,
-        model_args={k: v for k, v in model_args.items() if v is not None},
-        tasks=tasks,
-        num_fewshot=config.num_fewshot,
-        limit=config.max_samples,
-        task_manager=manager,
-        log_samples=True,
-        apply_chat_template=config.apply_chat_template,
-        fewshot_as_multiturn=config.fewshot_as_multiturn,
-        gen_kwargs={"max_gen_toks": config.max_new_tokens} if config.max_new_tokens else None,
-    )
+    try:
+        output = _simple_evaluate(config, model_args, tasks, manager)
+    except ConnectionError as err:  # datasets asked the Hub for a task's data: this suite runs offline
+        raise ValueError(
+            f"--task {','.join(tasks)}: {err}; point the task's dataset_path at a local copy of its data "
+            f"(docs/llm/evaluate.md, 'Tasks from local files')"
+        ) from err
     seconds = round(time.perf_counter() - start, 3)
+
     results = to_task_results(output, config.log_samples)
     for result in results:
         result.settings["seconds"] = seconds
