@@ -8,6 +8,9 @@ Tasks (registered in :data:`TASKS`, run with ``mindspeed-llm evaluate --task NAM
 
 Tasks talk to a model through the :class:`LM` protocol; :class:`EngineLM` (the suite's inference
 engine) and :class:`TransformersLM` (plain ``transformers``, the reference) implement it.
+
+:mod:`mindspeed_llm.evaluation.harness` (the ``eval`` extra) makes the engine an lm-evaluation-harness
+model and runs lm-eval tasks (``--harness``); it is not imported here.
 """
 
 from __future__ import annotations

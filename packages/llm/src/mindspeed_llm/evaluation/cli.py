@@ -15,6 +15,7 @@ import sys
 from mindspeed.metrics.report import format_table
 from mindspeed.suite_cli import field_help
 from mindspeed_llm.evaluation import gsm8k, mmlu, perplexity  # noqa: F401  (register the tasks)
+from mindspeed_llm.evaluation.harness import require_lm_eval
 from mindspeed_llm.evaluation.runner import BACKENDS, DTYPES, EvaluateConfig, evaluate
 from mindspeed_llm.evaluation.tasks import TASKS
 
@@ -45,7 +46,14 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
 
     known = ", ".join(map(str, TASKS.keys()))
     flag("load_dir", metavar="DIR")
-    flag("task", action="extend", nargs="+", metavar="NAME", extra=f" Repeatable or comma separated; known: {known}.")
+    flag(
+        "task",
+        action="extend",
+        nargs="+",
+        metavar="NAME",
+        aliases=("--tasks",),  # lm-eval's name
+        extra=f" Repeatable or comma separated; known: {known} (with --harness: lm-eval tasks).",
+    )
     flag("task_data_path", action="extend", nargs="+", metavar="PATH")
     flag("hf_cfg_dir", metavar="DIR")
     flag("tokenizer_name_or_path", metavar="DIR")
@@ -53,12 +61,19 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     flag("shots", metavar="N|TASK=N")
     flag("max_new_tokens", type=int, metavar="N")
     flag("evaluation_batch_size", type=int, metavar="N")
-    flag("max_samples", type=int, metavar="N", aliases=("--max-eval-samples",))  # MindSpeed-LLM's name
+    # MindSpeed-LLM's name and lm-eval's
+    flag("max_samples", type=int, metavar="N", aliases=("--max-eval-samples", "--limit"))
     flag("max_seq_len", type=int, metavar="N")
     flag("ppl_stride", type=int, metavar="N")
     flag("dtype", choices=DTYPES)
     flag("output", metavar="FILE")
     flag("log_samples", action="store_true")
+    flag("harness", action="store_true")
+    flag("include_path", action="extend", nargs="+", metavar="DIR")
+    flag("num_fewshot", type=int, metavar="N")
+    flag("output_dir", metavar="DIR")
+    flag("apply_chat_template", action="store_true")
+    flag("fewshot_as_multiturn", action="store_true")
     parser.set_defaults(func=run_evaluate)
 
 
@@ -66,8 +81,21 @@ def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``evaluate`` from parsed arguments; returns the exit status."""
     config = EvaluateConfig(**{name: getattr(args, name) for name in _FIELDS})
     # A ValueError (bad input) becomes one line on stderr and exit status 2 (suite_cli).
-    results, _ = evaluate(config)
+    if config.harness:
+        results = run_harness(config)
+    else:
+        results, _ = evaluate(config)
     sys.stdout.write(format_table(results) + "\n")
-    if config.output:
-        sys.stdout.write(f"wrote {config.output}\n")
+    for written in (config.output, config.output_dir):
+        if written:
+            sys.stdout.write(f"wrote {written}\n")
     return 0
+
+
+def run_harness(config: EvaluateConfig) -> list:
+    """``--harness``: lm-eval's ``simple_evaluate`` with the ``mindspeed`` model (needs the eval extra)."""
+    require_lm_eval()
+    from mindspeed_llm.evaluation.harness.run import evaluate_harness  # lm-eval is optional: imported here only
+
+    results, _, _ = evaluate_harness(config)
+    return results

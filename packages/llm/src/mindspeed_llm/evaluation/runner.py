@@ -32,8 +32,8 @@ class EvaluateConfig:
 
     Attributes:
         load_dir: the model: a Hugging Face directory (either backend) or a Megatron checkpoint (engine backend).
-        task: tasks to run (mmlu, gsm8k, ppl), in order.
-        task_data_path: one data path per task, or one directory holding a folder per task name, or 'demo' for the shipped samples.
+        task: tasks to run (mmlu, gsm8k, ppl; with --harness lm-eval task or group names), in order.
+        task_data_path: one data path per task, or one directory holding a folder per task name, or 'demo' for the shipped samples (with --harness: for the mindspeed_* tasks).
         hf_cfg_dir: Hugging Face config directory of a Megatron checkpoint (engine backend).
         tokenizer_name_or_path: tokenizer directory (or 'demo') instead of the model's own.
         backend: 'engine' (the suite's inference engine) or 'transformers' (the reference path).
@@ -46,11 +46,17 @@ class EvaluateConfig:
         dtype: parameter dtype: auto (the checkpoint's), float32, bfloat16 or float16.
         output: JSON report path.
         log_samples: add every item's prediction to the JSON report.
+        harness: run the tasks through EleutherAI's lm-evaluation-harness (the eval extra) with the mindspeed model.
+        include_path: with --harness: directories of lm-eval task YAML files.
+        num_fewshot: with --harness: lm-eval's few-shot count for every task that does not fix it.
+        output_dir: with --harness: write results.json (this report) and lm-eval's own lm_eval_results.json there.
+        apply_chat_template: with --harness: format prompts with the tokenizer's chat template (lm-eval's flag).
+        fewshot_as_multiturn: with --harness and a chat template: few-shot examples as chat turns (lm-eval's flag).
     """
 
     load_dir: str
     task: list[str]
-    task_data_path: list[str]
+    task_data_path: list[str] | None = None
     hf_cfg_dir: str | None = None
     tokenizer_name_or_path: str | None = None
     backend: str = "engine"
@@ -63,6 +69,12 @@ class EvaluateConfig:
     dtype: str = "auto"
     output: str | None = None
     log_samples: bool = False
+    harness: bool = False
+    include_path: list[str] | None = None
+    num_fewshot: int | None = None
+    output_dir: str | None = None
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
 
 
 def split_list(values: list[str]) -> list[str]:
@@ -157,6 +169,13 @@ def prepare(config: EvaluateConfig) -> tuple[list[str], dict[str, EvalSettings],
         TASKS.get(task)  # unknown -> ValueError listing the known tasks
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"--task {','.join(tasks)}: a task is named twice")
+    if not config.task_data_path:
+        raise ValueError("--task-data-path: pass the data of each task ('demo' for the shipped samples)")
+    harness_only = [f for f in ("include_path", "num_fewshot", "output_dir") if getattr(config, f)]
+    if harness_only:
+        raise ValueError(
+            f"--{harness_only[0].replace('_', '-')} applies to --harness runs only; add --harness or drop it"
+        )
     paths = resolve_data_paths(tasks, split_list(config.task_data_path))
     shots = parse_shots(config.shots, tasks)
     settings = {

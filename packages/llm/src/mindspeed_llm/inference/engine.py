@@ -293,19 +293,64 @@ class InferenceEngine(ContinuousBatching):
 
     @_outside_redirect
     @torch.inference_mode()
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def score(self, sequences: Sequence[Sequence[int]], return_greedy: bool = False) -> list[Any]:
         """Log-probability of every token given the ones before it, batched.
 
         Args:
             sequences: token ids of each sequence.
+            return_greedy: also say, per token, whether it is the model's argmax there
+                (lm-evaluation-harness's ``is_greedy``).
 
         Returns:
             Per sequence of ``n`` tokens, a float32 CPU tensor of ``n - 1`` values: ``log p(x_t | x_<t)``
-            for ``t = 1 .. n-1``.
+            for ``t = 1 .. n-1``; with ``return_greedy``, a pair of it and a bool tensor of the same length.
+        """
+        model = self.model
+        out: list[Any] = [torch.zeros(0)] * len(sequences)
+        for group, tokens, hidden in self._batched_hidden(sequences):
+            for row, i in enumerate(group):
+                n = len(sequences[i])
+                pieces, greedy = [], []
+                for begin in range(0, n - 1, _SCORE_CHUNK):
+                    end = min(n - 1, begin + _SCORE_CHUNK)
+                    logprobs = model.logits(hidden[row, begin:end]).log_softmax(dim=-1)
+                    targets = tokens[row, begin + 1 : end + 1]
+                    pieces.append(logprobs.gather(1, targets[:, None])[:, 0])
+                    if return_greedy:
+                        greedy.append(logprobs.argmax(dim=-1) == targets)
+                scores = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
+                if return_greedy:
+                    out[i] = (scores, torch.cat(greedy).cpu() if greedy else torch.zeros(0, dtype=torch.bool))
+                else:
+                    out[i] = scores
+        return out
+
+    @_outside_redirect
+    @torch.inference_mode()
+    def next_token_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probabilities of every vocabulary token after each (non-empty) sequence, batched.
+
+        One forward serves every candidate continuation token of a prompt (the four answer letters
+        of a multiple-choice question).
+
+        Returns:
+            Per sequence, a float32 CPU tensor of the vocabulary's size.
+        """
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
+        for group, _, hidden in self._batched_hidden(sequences):
+            last = torch.stack([hidden[row, len(sequences[i]) - 1] for row, i in enumerate(group)])
+            logprobs = self.model.logits(last).float().log_softmax(dim=-1).cpu()
+            for row, i in enumerate(group):
+                out[i] = logprobs[row]
+        return out
+
+    def _batched_hidden(self, sequences: Sequence[Sequence[int]]) -> Any:
+        """``(indices, tokens, hidden)`` per batch of at most ``max_batch_size`` sequences of similar length.
+
+        Sequences are right-padded with token 0; causal attention keeps padding out of every real position.
         """
         model, device = self.model, self.model.device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths pad less
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)
         for first in range(0, len(order), self.max_batch_size):
             group = order[first : first + self.max_batch_size]
             seq = max(1, max(len(sequences[i]) for i in group))
@@ -315,16 +360,7 @@ class InferenceEngine(ContinuousBatching):
             tokens = tokens.to(device)
             step = CausalStep(model.attention, model.spec.windows, model.scale, len(group), seq)
             positions = torch.arange(seq, device=device).repeat(len(group))
-            hidden = model.hidden(tokens.view(-1), positions, step).view(len(group), seq, -1)
-            for row, i in enumerate(group):
-                n = len(sequences[i])
-                pieces = []
-                for begin in range(0, n - 1, _SCORE_CHUNK):
-                    end = min(n - 1, begin + _SCORE_CHUNK)
-                    logprobs = model.logits(hidden[row, begin:end]).log_softmax(dim=-1)
-                    pieces.append(logprobs.gather(1, tokens[row, begin + 1 : end + 1, None])[:, 0])
-                out[i] = torch.cat(pieces).cpu() if pieces else torch.zeros(0)
-        return out
+            yield group, tokens, model.hidden(tokens.view(-1), positions, step).view(len(group), seq, -1)
 
     # -- weights ---------------------------------------------------------------------------------
 
