@@ -15,8 +15,8 @@ from typing import Any
 
 import datasets
 
+from mindspeed.evaluation.math_answer import answers_equal, extract_answer
 from mindspeed_llm.evaluation import gsm8k, mmlu
-from mindspeed_llm.evaluation.math_answer import answers_equal, extract_answer
 from mindspeed_llm.evaluation.perplexity import PerplexityTask
 from mindspeed_llm.evaluation.runner import DEMO_DATA_DIR, DEMO_DATA_NAME
 from mindspeed_llm.evaluation.tasks import EvalSettings
