@@ -122,7 +122,7 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["algorithm.advantage=gae"], "algorithm.advantage=gae needs a critic, which mindspeed-rl grpo does not train"),
         (["algorithm.lam=0.95"], "algorithm.lam=0.95 is GAE's (PPO with a critic) and unused by grpo; remove it"),
         (["algorithm.lam=2"], "algorithm.lam=2.0 must be in [0, 1]"),
-        (["algorithm.kl_ctrl.type=adaptive"], "algorithm.kl_ctrl drives PPO's KL-in-reward coefficient"),
+        (["algorithm.kl_ctrl.type=adaptive"], "grpo's KL-in-reward coefficient (algorithm.kl_ctrl.kl_coef) is fixed"),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type='pid'; use one of fixed, adaptive"),
     ],
 )
@@ -159,15 +159,18 @@ def test_kl_in_reward_replaces_the_loss_kl(recipe) -> None:
     keys = [
         "algorithm.loss=ppo_clip",
         "algorithm.advantage=reinforce_plus_plus_baseline",
-        "algorithm.kl_in_reward_coef=0.01",
+        "algorithm.kl_ctrl.kl_coef=0.01",
     ]
     plain = load_grpo_config(path, keys)
     assert plain.algorithm.loss_config().kl_coef == 0.001  # ppo_clip's default: the KL in the loss
     folded = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true"])
     folded.check()
     assert folded.algorithm.loss_config().kl_coef == 0.0 and folded.needs_reference()
-    off = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"])
+    off = load_grpo_config(path, [*keys, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0"])
     assert not off.needs_reference()
+    # The old spelling of the coefficient still works in a grpo recipe (moved to kl_ctrl.kl_coef).
+    old = load_grpo_config(path, [*keys[:2], "algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"])
+    assert old.algorithm.kl_ctrl.kl_coef == 0 and not old.needs_reference()
     from mindspeed_rl.actor_settings import actor_settings
 
     # Dr. GRPO's constant: rollout.max_new_tokens unless algorithm.norm_length says otherwise.

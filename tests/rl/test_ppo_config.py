@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from mindspeed.config import ConfigError, to_dict
@@ -34,19 +36,31 @@ def test_ppo_recipe_loads_and_checks(recipe) -> None:
     controller = config.reward_kl_controller()
     assert isinstance(controller, AdaptiveKLController) and controller.value == 0.02
     assert (controller.target_kl, controller.horizon) == (0.05, 500)
-    # kl_ctrl.kl_coef unset: the controller starts at algorithm.kl_in_reward_coef.
-    fixed = load_ppo_config(recipe, ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=null"])
+    # kl_ctrl.kl_coef unset: verl's default 0.001.
+    fixed = load_ppo_config(recipe, ["algorithm.kl_ctrl.type=fixed"])
     assert type(fixed.reward_kl_controller()).__name__ == "KLController"
-    assert fixed.reward_kl_controller().value == fixed.algorithm.kl_in_reward_coef
+    assert load_ppo_config(None).reward_kl_controller().value == 0.001
     assert config.needs_reference()
-    # kl_ctrl.kl_coef decides the KL in the reward, whatever kl_in_reward_coef says.
-    assert load_ppo_config(recipe, ["algorithm.kl_in_reward_coef=0"]).needs_reference()
-    assert not load_ppo_config(
-        recipe, ["algorithm.kl_ctrl.kl_coef=0", "algorithm.kl_in_reward_coef=0"]
-    ).needs_reference()
+    assert not load_ppo_config(recipe, ["algorithm.kl_ctrl.kl_coef=0"]).needs_reference()
     defaults = PPOConfig()
     assert defaults.algorithm.advantage == "gae" and defaults.critic.cliprange_value == 0.5
     assert (defaults.algorithm.kl_ctrl.target_kl, defaults.algorithm.kl_ctrl.horizon) == (0.1, 10000)  # verl's
+
+
+def test_kl_in_reward_coef_is_the_old_spelling_of_kl_ctrl_kl_coef(recipe, caplog) -> None:
+    """One coefficient, one key (verl's algorithm.kl_ctrl.kl_coef); the old key still works, with one line."""
+    with caplog.at_level(logging.WARNING, logger="mindspeed_rl.sections"):
+        old = load_ppo_config(None, ["algorithm.kl_in_reward_coef=0.05"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "mindspeed_rl.sections"]
+    assert lines == ["algorithm.kl_in_reward_coef is renamed algorithm.kl_ctrl.kl_coef (verl's key); using 0.05"]
+    assert old.algorithm.kl_ctrl.kl_coef == 0.05 and old.algorithm.kl_in_reward_coef is None
+    assert old.reward_kl_controller().value == 0.05
+    folded = ["algorithm.use_kl_in_reward=true", "algorithm.kl_in_reward_coef=0"]
+    assert not load_ppo_config(None, folded).needs_reference()  # it moved: 0 is off
+    # The same value under both keys is one value; two different values are refused (one line, both keys).
+    assert load_ppo_config(recipe, ["algorithm.kl_in_reward_coef=0.02"]).algorithm.kl_ctrl.kl_coef == 0.02
+    with pytest.raises(ConfigError, match=r"kl_in_reward_coef=0.5 and algorithm.kl_ctrl.kl_coef=0.02 set one"):
+        load_ppo_config(recipe, ["algorithm.kl_in_reward_coef=0.5"])
 
 
 @pytest.mark.parametrize(

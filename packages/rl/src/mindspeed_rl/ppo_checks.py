@@ -29,7 +29,7 @@ def check_gae_keys(al: AlgorithmConfig, has_critic: bool) -> None:
     k = al.kl_ctrl
     if k.type not in KL_CONTROLLERS:
         raise ConfigError(f"algorithm.kl_ctrl.type={k.type!r}; use one of {_names(KL_CONTROLLERS)}")
-    if k.kl_coef is not None and k.kl_coef < 0:
+    if k.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_ctrl.kl_coef={k.kl_coef} must be >= 0")
     if k.target_kl <= 0 or k.horizon < 1:
         raise ConfigError(
@@ -50,18 +50,17 @@ def check_gae_keys(al: AlgorithmConfig, has_critic: bool) -> None:
         )
     if al.lam != 1.0:
         raise ConfigError(f"algorithm.lam={al.lam} is GAE's (PPO with a critic) and unused by grpo; remove it")
-    if k.type != "fixed" or k.kl_coef is not None:
+    if k.type != "fixed":
         raise ConfigError(
-            "algorithm.kl_ctrl drives PPO's KL-in-reward coefficient and is not used by grpo yet (its "
-            "KL-in-reward coefficient is algorithm.kl_in_reward_coef, fixed); remove algorithm.kl_ctrl"
+            f"algorithm.kl_ctrl.type={k.type}: grpo's KL-in-reward coefficient (algorithm.kl_ctrl.kl_coef) is "
+            "fixed; set algorithm.kl_ctrl.type=fixed, or run mindspeed-rl ppo for the adaptive controller"
         )
 
 
 def build_reward_kl_controller(al: AlgorithmConfig) -> KLController:
-    """The controller of ``algorithm.kl_ctrl``, starting at ``kl_ctrl.kl_coef`` (default ``kl_in_reward_coef``)."""
+    """The controller of ``algorithm.kl_ctrl``, starting at ``kl_ctrl.kl_coef``."""
     k = al.kl_ctrl
-    start = al.kl_in_reward_coef if k.kl_coef is None else k.kl_coef
-    return build_kl_controller(k.type, start, k.target_kl, k.horizon)
+    return build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
 
 
 def check_critic(c: CriticConfig, train: RLTrainConfig) -> None:

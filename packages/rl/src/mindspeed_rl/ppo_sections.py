@@ -15,22 +15,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+#: The KL-in-reward coefficient's default (verl's ``algorithm.kl_ctrl.kl_coef``).
+KL_COEF_DEFAULT = 0.001
+
 
 @dataclass
 class KLControlConfig:
-    """The coefficient of the KL penalty folded into PPO's per-token reward (verl's ``algorithm.kl_ctrl``).
+    """The coefficient of the KL penalty folded into the per-token reward (verl's ``algorithm.kl_ctrl``).
+
+    ``kl_ctrl.kl_coef`` is the one key of that coefficient for every recipe with
+    ``algorithm.use_kl_in_reward`` (PPO, REINFORCE++); ``algorithm.kl_in_reward_coef`` is its old
+    spelling (moved here with one warning line).
 
     Attributes:
         type: ``fixed`` (the coefficient stays ``kl_coef``) or ``adaptive`` (Ziegler et al.'s
             proportional controller: ``kl_coef *= 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n / horizon``
             after each batch of ``n`` responses).
-        kl_coef: the (initial) coefficient (default ``algorithm.kl_in_reward_coef``).
+        kl_coef: the (initial) coefficient.
         target_kl: the KL the adaptive controller steers towards.
         horizon: the adaptive controller's horizon, in responses.
     """
 
     type: str = "fixed"
-    kl_coef: float | None = None
+    kl_coef: float = KL_COEF_DEFAULT
     target_kl: float = 0.1
     horizon: int = 10000
 

@@ -11,13 +11,14 @@ sections against each other (:mod:`mindspeed_rl.config_checks`) read them throug
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from mindspeed.checkpointing.config import CheckpointConfig
 from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features import FeaturesConfig
+from mindspeed.log import get_logger
 from mindspeed.metrics.config import LoggingConfig
 from mindspeed.training_config import TrainConfig
 from mindspeed_rl.algorithms.advantages import ADVANTAGES
@@ -26,8 +27,10 @@ from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, policy_loss_config
 from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
-from mindspeed_rl.ppo_sections import KLControlConfig
+from mindspeed_rl.ppo_sections import KL_COEF_DEFAULT, KLControlConfig
 from mindspeed_rl.rewards.base import build_reward
+
+logger = get_logger(__name__)
 
 #: Names of the sections of a recipe, in the order they are documented.
 SECTIONS = (
@@ -272,11 +275,13 @@ class AlgorithmConfig:
         adv_eps: added to the group std of ``grpo``.
         gamma: discount of the REINFORCE++ and GAE returns (1: the plain sum of the rewards to come).
         lam: GAE's lambda (``advantage: gae``, PPO with a critic; 1: Monte Carlo, 0: one-step TD).
-        kl_ctrl: PPO's KL-in-reward coefficient, fixed or adaptive (:class:`~mindspeed_rl.ppo_sections.KLControlConfig`).
-        use_kl_in_reward: fold ``-kl_in_reward_coef * kl(policy, reference)`` into the per-token
-            reward (REINFORCE++, verl's ``use_kl_in_reward``) instead of a KL term in the loss;
+        kl_ctrl: the KL-in-reward coefficient ``kl_ctrl.kl_coef`` (verl's spelling), fixed or, for
+            PPO, adaptive (:class:`~mindspeed_rl.ppo_sections.KLControlConfig`).
+        use_kl_in_reward: fold ``-kl_ctrl.kl_coef * kl(policy, reference)`` into the per-token
+            reward (REINFORCE++, PPO; verl's ``use_kl_in_reward``) instead of a KL term in the loss;
             the loss's ``kl_coef`` then defaults to 0, and setting it > 0 as well is an error.
-        kl_in_reward_coef: beta of the KL in the reward.
+        kl_in_reward_coef: the old spelling of ``kl_ctrl.kl_coef``: still read (its value moves
+            there, with one warning line), ``None`` once loaded.
         kl_in_reward_estimator: a key of ``KL_ESTIMATORS`` (default ``k1``, verl's ``kl``).
         norm_length: the constant divisor of ``loss_agg_mode: seq-mean-token-sum-norm``
             (Dr. GRPO; default ``rollout.max_new_tokens``).
@@ -296,7 +301,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     use_kl_in_reward: bool = False
-    kl_in_reward_coef: float = 0.001
+    kl_in_reward_coef: float | None = None
     kl_in_reward_estimator: str = "k1"
     norm_length: int | None = None
     loss: str = "ppo_clip"
@@ -313,6 +318,21 @@ class AlgorithmConfig:
     dynamic_sampling_max_rounds: int = 10
     overlong_buffer: int | None = None
     overlong_penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        # One coefficient, one key: the old spelling moves to kl_ctrl.kl_coef (verl's) with one line.
+        old = self.kl_in_reward_coef
+        if old is None:
+            return
+        k = self.kl_ctrl
+        if k.kl_coef != KL_COEF_DEFAULT and k.kl_coef != old:
+            raise ValueError(
+                f"algorithm.kl_in_reward_coef={old} and algorithm.kl_ctrl.kl_coef={k.kl_coef} set one coefficient "
+                "twice; keep algorithm.kl_ctrl.kl_coef only"
+            )
+        logger.warning("algorithm.kl_in_reward_coef is renamed algorithm.kl_ctrl.kl_coef (verl's key); using %s", old)
+        self.kl_ctrl = replace(k, kl_coef=old)
+        self.kl_in_reward_coef = None
 
     def loss_config(self) -> PolicyLossConfig:
         """The policy loss settings: the loss's defaults with the keys set here."""
@@ -334,7 +354,7 @@ class AlgorithmConfig:
 
     def kl_in_reward(self) -> bool:
         """Whether the per-token reward carries a KL penalty (``use_kl_in_reward`` with beta > 0)."""
-        return self.use_kl_in_reward and self.kl_in_reward_coef > 0
+        return self.use_kl_in_reward and self.kl_ctrl.kl_coef > 0
 
     def needs_reference(self) -> bool:
         """Whether a reference policy is needed (a KL penalty, in the loss or the reward, with beta > 0)."""
@@ -376,8 +396,8 @@ class AlgorithmConfig:
                 f"{', '.join(map(str, TOKEN_ADVANTAGES.keys()))}), not {self.advantage!r}; set algorithm.advantage "
                 "or use the loss's KL (algorithm.kl_coef) instead"
             )
-        if self.kl_in_reward_coef < 0:
-            raise ConfigError(f"algorithm.kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0")
+        if self.kl_ctrl.kl_coef < 0:
+            raise ConfigError(f"algorithm.kl_ctrl.kl_coef={self.kl_ctrl.kl_coef} must be >= 0")
         if self.kl_in_reward_estimator not in KL_ESTIMATORS:
             raise ConfigError(
                 f"algorithm.kl_in_reward_estimator={self.kl_in_reward_estimator!r}; use one of "

@@ -231,7 +231,7 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
         if kl_in_reward:
             assert policy_logp is not None and ref_logp is not None  # kl_in_reward needs both (checked)
             kl = kl_penalty(policy_logp, ref_logp, algo.kl_in_reward_estimator) * mask
-            token_rewards = -algo.kl_in_reward_coef * kl
+            token_rewards = -algo.kl_ctrl.kl_coef * kl
             extra["kl_in_reward"] = float(masked_mean(kl, mask))
         advantages = compute_token_advantages(algo.advantage, rewards, mask, n, token_rewards, algo.gamma)
     else:
