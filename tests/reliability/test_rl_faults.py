@@ -23,7 +23,7 @@ included. That resumed run also has its replay buffer killed with ``kill -9`` at
 one line naming the replay buffer and ``iter_0000002``, exit 1.
 
 Cost: 5 runs, 6 steps in all. Only the two killed drivers run as their own processes (their
-own Ray instances: that they leave nothing behind is under test); the run after each kill is
+own Ray instances: that they leave nothing behind is under test), both first; the run after each kill is
 the same command through the CLI's ``main`` in the test's process, on one Ray instance for the
 module (the run's workers must be gone after it): no second start of the driver's imports and
 of Ray per run. Measured with every process of the run counted, Ray's included, on a loaded
@@ -127,7 +127,9 @@ def _args(command: str, root: Path, out: Path, *extra: str) -> list[str]:
 def _killed(command: str, root: Path, out: Path, fault: str) -> subprocess.CompletedProcess:
     """The driver as its own process, killed by fault point ``fault``; no process of the run may outlive it."""
     marker = f"MINDSPEED_RL_FAULT_TEST={uuid.uuid4().hex}"
-    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_FAULT"}
+    from mindspeed_rl.ray_runtime import OWNER_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_FAULT", OWNER_ENV)}
     env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", MINDSPEED_RL_FAULT_TEST=marker.split("=")[1])
     env["MINDSPEED_FAULT"] = fault
     args = [str(Path(sys.executable).parent / "mindspeed-rl"), *_args(command, root, out)]
@@ -144,7 +146,14 @@ def _killed(command: str, root: Path, out: Path, fault: str) -> subprocess.Compl
 
 
 @pytest.fixture(scope="module")
-def ray_session() -> Any:
+def killed(root: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Both killed drivers (grpo, ppo: killed after step 2 is logged), run before this process starts its
+    own Ray instance: one instance at a time starts on the 2-core host."""
+    return {command: _killed(command, root, root / command, "rl.step_end@2") for command in ("grpo", "ppo")}
+
+
+@pytest.fixture(scope="module")
+def ray_session(killed: dict[str, subprocess.CompletedProcess]) -> Any:
     """One Ray instance for the runs that are not killed (their drivers run in this process): its marker."""
     from mindspeed_rl.ray_runtime import OWNER_ENV, init_ray
 
@@ -207,11 +216,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_killed_driver_resumes_to_the_same_rewards(
-    root: Path, ray_session: str, capfd: pytest.CaptureFixture[str]
+    root: Path, killed: dict[str, subprocess.CompletedProcess], ray_session: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     out = root / "grpo"
-    killed = _killed("grpo", root, out, "rl.step_end@2")
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert killed["grpo"].returncode == -9, killed["grpo"].stderr[-3000:]
     uninterrupted = _steps(out / "metrics.jsonl")
     assert sorted(uninterrupted) == [1, 2] and uninterrupted[2]["reward_std"] > 0
     assert [p.name for p in list_complete(out)] == ["iter_0000001"]
@@ -241,11 +249,10 @@ def test_killed_driver_resumes_to_the_same_rewards(
 
 
 def test_killed_ppo_driver_resumes_with_its_critic(
-    root: Path, ray_session: str, capfd: pytest.CaptureFixture[str]
+    root: Path, killed: dict[str, subprocess.CompletedProcess], ray_session: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     out = root / "ppo"
-    killed = _killed("ppo", root, out, "rl.step_end@2")
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert killed["ppo"].returncode == -9, killed["ppo"].stderr[-3000:]
     uninterrupted = _steps(out / "metrics.jsonl")
     assert sorted(uninterrupted) == [1, 2]
     assert uninterrupted[2]["grad_norm"] > 0 and uninterrupted[2]["critic/grad_norm"] > 0
