@@ -26,9 +26,9 @@ Cost: 5 runs, 6 steps in all. Only the two killed drivers run as their own proce
 own Ray instances: that they leave nothing behind is under test), both first; the run after each kill is
 the same command through the CLI's ``main`` in the test's process, on one Ray instance for the
 module (the run's workers must be gone after it): no second start of the driver's imports and
-of Ray per run. Measured with every process of the run counted, Ray's included, on a loaded
-2-core host: 116-131 s of CPU, 335 s wall at load 18 (the previous GRPO-only version of this
-file: 5 driver processes, 8 steps, 167 s of CPU, 540 s wall at load 14).
+of Ray per run. Measured with every process of the run counted, Ray's included, on a shared
+2-core host, side by side with the previous GRPO-only version of this file (5 driver processes,
+8 steps): 122 s of CPU against 170 s (alone, under loads of 15-28: 116-154 s).
 """
 
 from __future__ import annotations
