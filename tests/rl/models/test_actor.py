@@ -26,11 +26,18 @@ Then PPO's critic (:class:`~mindspeed_rl.models.critic.Critic`: the tiny Llama's
 seeded value head) at TP2 and at TP1 with DP2 (each replica one share of the pairs, two of which
 answer one prompt: a shared-prompt segment at TP2, separate at DP2): its packed values equal a
 plain forward of each sequence at the positions that predict each response token (1e-5), its values
-at TP2 equal TP1's (1e-5; after one clipped value-loss update, 1e-3: Adam's sign-like first step
-amplifies rounding where gradients are near zero), the update's gradient norm at TP2 equals the
+at TP2 equal TP1's (1e-5), the update's gradient norm at TP2 equals the
 DP2 one (rel 1e-5: the per-token loss summed over replicas and divided by the step's token count
 is the whole batch's), and ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` equal the clipped loss
-computed from the values (the scored values are the clip centre: nothing clipped).
+computed from the values (the scored values are the clip centre: nothing clipped) on every rank of
+both layouts (a DP replica reports the whole batch's metrics, not its share's).
+
+A full PPO update at TP2 equals TP1/DP2 (same group, before the critic): the actor's ``ppo_clip``
+update on token-level advantages gives the same loss and gradient norm (rel 1e-5) and the same
+gathered weight change (1e-5 of the largest change), and the critic's values after its update
+agree to 1e-5. Both optimizers use Adam's epsilon 1 (learning rate 1): the first step is then
+about the gradient itself, smooth in it, where epsilon 1e-8 makes it about its sign and blows
+rounding up where gradients are near zero.
 """
 
 from __future__ import annotations
@@ -235,13 +242,29 @@ def _group_two(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
-    """The critic's values of CRITIC_PAIRS (packed, and by a plain forward of each sequence), one
-    value-loss update on this replica's share, the values after."""
+    """A full PPO update in one layout: the actor's (ppo_clip on token advantages, this replica's
+    share of CRITIC_PAIRS) with its gathered weights before and after, then the critic's values of
+    CRITIC_PAIRS (packed, and by a plain forward of each sequence), one value-loss update on this
+    replica's share, the values after. Adam's epsilon 1 (learning rate 1: a step of about the
+    gradient) keeps the first step smooth in the gradient, so the layouts' updates compare to 1e-5."""
+    from dataclasses import replace
+
     from mindspeed_llm.engine import unwrap
+    from mindspeed_rl.algorithms import policy_loss_config
+    from mindspeed_rl.models.actor import Actor, ActorSettings
     from mindspeed_rl.models.critic import Critic, CriticSettings
 
-    settings = CriticSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0, head_std=0.5, value_loss="clipped")
-    critic = Critic(f"{root}/hf", settings, tp=tp)
+    pick = torch.tensor([i for i in range(len(CRITIC_PAIRS)) if i % dp == dp_rank])
+    mine = [CRITIC_PAIRS[i] for i in pick.tolist()]
+    loss = policy_loss_config("ppo_clip", kl_coef=0.0)  # PPO's KL is in the reward
+    a = ActorSettings.adamw(lr=1.0, micro_batch_size=2, clip_grad=0.0, loss="ppo_clip", loss_config=loss)
+    actor = Actor(f"{root}/hf", replace(a, optimizer=replace(a.optimizer, adam_eps=1.0)), tp=tp)
+    before = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
+    advantages = _pad([torch.tensor(r) for r in CRITIC_RETURNS]) - 0.5  # token-level, of both signs
+    actor_metrics = actor.update(mine, None, advantages[pick])
+    moved = {k: v.numpy() - before[k] for k, v in actor.hf_state().items()}
+    settings = CriticSettings.adamw(lr=1.0, micro_batch_size=2, clip_grad=0.0, head_std=0.5, value_loss="clipped")
+    critic = Critic(f"{root}/hf", replace(settings, optimizer=replace(settings.optimizer, adam_eps=1.0)), tp=tp)
     values = critic.compute_values(CRITIC_PAIRS)
     model = unwrap(critic.chunks[0])
     with torch.no_grad():  # position len(prompt) - 1 + j predicts response token j: its value is token j's
@@ -249,11 +272,12 @@ def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
             model(torch.tensor([[*p, *r]]), torch.arange(len(p) + len(r))[None], None).reshape(-1)[len(p) - 1 : -1]
             for p, r in CRITIC_PAIRS
         ]
-    pick = torch.tensor([i for i in range(len(CRITIC_PAIRS)) if i % dp == dp_rank])
     returns = _pad([torch.tensor(r) for r in CRITIC_RETURNS])
-    metrics = critic.update([CRITIC_PAIRS[i] for i in pick.tolist()], _pad(values)[pick], returns[pick])
+    metrics = critic.update(mine, _pad(values)[pick], returns[pick])
     after = critic.compute_values(CRITIC_PAIRS)
     return {
+        "actor_metrics": actor_metrics,
+        "actor_moved": moved,
         "values": [v.numpy() for v in values],
         "plain": [v.float().numpy() for v in plain],
         "after": [v.numpy() for v in after],
@@ -341,8 +365,9 @@ def test_pp2_state_and_logprobs_on_every_rank(run: dict[str, Any], run2: list[di
         assert "actor.share_prompt=true cannot apply with pp=2" in out["share_prompt_error"]
 
 
-def test_critic_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
-    """PPO's critic: values and the value-loss gradient at TP2 equal TP1 (DP2); the loss metrics equal the formula."""
+def test_ppo_update_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
+    """A full PPO update at TP2 equals TP1 (DP2): the actor's loss, gradient norm and gathered weight change, the
+    critic's values, value-loss gradient norm and values after its update; the loss metrics equal the formula."""
     from mindspeed_rl.algorithms.value_loss import ValueLossInputs, compute_value_loss
 
     tp1 = run2[0]["critic_dp2"]
@@ -351,12 +376,24 @@ def test_critic_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
         for layout in ("critic_tp2", "critic_dp2"):
             for a, b in zip(out[layout]["values"], out[layout]["plain"]):
                 assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5), (layout, a, b)
-    for key, tol in (("values", 1e-5), ("after", 1e-3)):
+    for key in ("values", "after"):
         for out in run2:
             for a, b in zip(out["critic_tp2"][key], tp1[key]):
-                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=tol), (key, a, b)
+                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5), (key, a, b)
     tp2 = run2[0]["critic_tp2"]
     assert max(abs(a - b).max() for a, b in zip(tp2["after"], tp2["values"])) > 1e-3  # the update moved them
+    # The actor's update (every rank of both layouts holds the gathered weights).
+    for out in run2:
+        for layout in ("critic_tp2", "critic_dp2"):
+            got = out[layout]
+            for key in ("loss", "grad_norm"):
+                assert math.isclose(got["actor_metrics"][key], tp1["actor_metrics"][key], rel_tol=1e-5), (key, layout)
+            for key in ("vf_loss", "vpred_mean"):  # each replica reports the whole batch's, not its share's
+                assert math.isclose(got["metrics"][key], tp1["metrics"][key], rel_tol=1e-5), (key, layout)
+            scale = max(float(abs(d).max()) for d in tp1["actor_moved"].values())
+            for name, moved in tp1["actor_moved"].items():
+                assert abs(got["actor_moved"][name] - moved).max() <= 1e-5 * scale, (name, layout)
+    assert tp1["actor_metrics"]["grad_norm"] > 0 and scale > 1e-3  # a real update
     values = _pad([torch.from_numpy(v) for v in tp2["values"]])
     mask = _pad([torch.ones(len(r)) for _, r in CRITIC_PAIRS])
     want = compute_value_loss(

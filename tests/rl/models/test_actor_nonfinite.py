@@ -6,7 +6,9 @@ is skipped (metrics say so, its gradient norm is NaN), the weights, the optimize
 schedule's position after it equal those before it bit for bit, and the third applies again
 (the streak ends). A checkpoint of the actor (the worker's ``save_model_checkpoint``) is written after
 the first update and read back (``load_model_checkpoint``: its step); after a NaN is planted in a weight the next save is refused with one line
-naming that checkpoint, and nothing else is written. The driver stops after
+naming that checkpoint, and nothing else is written. A second actor whose only update is skipped
+saves and resumes from that checkpoint (its optimizer never stepped: no moments saved, the fresh
+ones are loaded) and updates again. The driver stops after
 ``train.max_nonfinite_steps`` refused updates in a row with one line.
 """
 
@@ -55,7 +57,31 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     except NonFiniteState as err:
         out["refused"] = str(err)
     out["left"] = sorted(p.name for p in Path(f"{root}/ck").iterdir())
+    out["skipped_resume"] = _skipped_then_resumed(root)
     actor.close()
+    return out
+
+
+def _skipped_then_resumed(root: str) -> dict[str, Any]:
+    """A second actor whose only update is skipped saves, loads that checkpoint (a resume) and updates again."""
+    import os
+
+    from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
+    from mindspeed_rl.models.actor import Actor, ActorSettings
+
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, loss="dapo"))
+    armed = os.environ["MINDSPEED_FAULT"]
+    os.environ["MINDSPEED_FAULT"] = "train.grad_nan@1"  # this actor's first update only
+    try:
+        adv = torch.tensor([1.0, -1.0])
+        out: dict[str, Any] = {"skipped": actor.update(PAIRS, None, adv)["skipped"]}
+        path = save_model_checkpoint(f"{root}/skipped", 1, actor)
+        weights = _state(actor)
+        out["step"] = load_model_checkpoint(path, actor, load_optimizer=True)
+        out["same"] = all(torch.equal(a, b) for a, b in zip(weights, _state(actor)))
+        out["next"] = actor.update(PAIRS, None, adv)
+    finally:
+        os.environ["MINDSPEED_FAULT"] = armed
     return out
 
 
@@ -89,6 +115,14 @@ def test_a_save_with_a_nan_weight_is_refused(run: tuple[dict[str, Any], Path]) -
     assert f"the newest complete checkpoint {root / 'ck' / 'iter_0000001'} stays the resume point" in line, line
     assert out["left"] == ["iter_0000001", "latest_checkpointed_iteration.txt"], out["left"]
     assert out["loaded_step"] == 1
+
+
+def test_a_checkpoint_before_any_applied_update_resumes(run: tuple[dict[str, Any], Path]) -> None:
+    """Every update before the first save skipped: the optimizer saved no moments; the load (a resume) takes
+    the fresh ones (a KeyError on ``optimizer.state.exp_avg...`` before) and the next update applies."""
+    got = run[0]["skipped_resume"]
+    assert got["skipped"] == 1.0 and got["step"] == 1 and got["same"]
+    assert got["next"]["skipped"] == 0.0 and math.isfinite(got["next"]["grad_norm"])
 
 
 def test_the_driver_stops_after_refused_updates_in_a_row() -> None:

@@ -427,7 +427,10 @@ def load_checkpoint(
         template = {key: split_lora_state(state)[0] for key, state in template.items()}
     with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
     winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
-    if with_optimizer:
+    # An optimizer that never stepped (every update skipped as non-finite, or none yet) saved no
+    # moments: the fresh one is the same; its schedule position is still restored.
+    with_moments = with_optimizer and _holds_optimizer_state(path)
+    if with_moments:
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
     layout = common.get("layout", {})
     with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
@@ -452,7 +455,8 @@ def load_checkpoint(
     if with_optimizer:
         built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
         recipe = (scheduler.max_lr, scheduler.min_lr)
-        optimizer.load_state_dict(loaded["optimizer"])
+        if with_moments:
+            optimizer.load_state_dict(loaded["optimizer"])
         _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
     if with_rng:
         _set_rng_state(loaded["rng_state"])
@@ -584,6 +588,14 @@ def _load_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
         raise RuntimeError(
             f"the checkpoint does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}"
         )
+
+
+def _holds_optimizer_state(path: Path) -> bool:
+    """Whether checkpoint ``path`` holds optimizer tensors (an optimizer that never stepped saves none)."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    with trusted_dist_loads():
+        return any(key.startswith("optimizer.") for key in load_tensors_metadata(str(path)))
 
 
 def _saved_keys(common: dict[str, Any]) -> set[str]:

@@ -165,7 +165,8 @@ class ActorUpdate:
         return metrics
 
     def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
-        """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all."""
+        """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all and summed over
+        the data-parallel replicas (the step's means, not one replica's share's)."""
         totals: dict[str, list[float]] = {}
         for item in outputs:
             for name, pair in item.items():
@@ -178,4 +179,14 @@ class ActorUpdate:
             box = [totals]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, pp - 1), group=group)
             totals = box[0]
+        dp = getattr(self.groups, "dp", None)
+        if dp is not None and dist.get_world_size(dp) > 1:  # every replica reports the whole batch's means
+            shares: list[Any] = [None] * dist.get_world_size(dp)
+            dist.all_gather_object(shares, totals, group=dp)
+            totals = {}
+            for share in shares:  # in rank order: the same sums on every rank
+                for name, (sm, n) in share.items():
+                    acc = totals.setdefault(name, [0.0, 0.0])
+                    acc[0] += sm
+                    acc[1] += n
         return totals

@@ -30,8 +30,6 @@ from mindspeed_rl.workers.rollout_worker import RolloutWorker
 logger = get_logger(__name__)
 
 Pair = tuple[list[int], list[int]]
-#: Metrics that are the same on every rank (taken from rank 0, not averaged).
-_GLOBAL = ("grad_norm", "lr")
 
 
 def _shares(count: int, parts: int) -> list[range]:
@@ -109,18 +107,12 @@ class ActorGroup:
         return self.merge_metrics(self._run("update", args))
 
     def merge_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
-        """The replicas' update metrics as one: their means weighted by their tokens (global ones from rank 0)."""
+        """The replicas' update metrics as one: each replica already reports the whole batch's means
+        (``Actor.update`` sums its metrics over the replicas), so rank 0's, with ``update_tokens`` summed."""
         readers = [results[self.readers[d]] for d in range(self.dp)]
-        tokens = [r.get("update_tokens", 1.0) for r in readers]
-        total = sum(tokens) or 1.0
-        merged: dict[str, float] = {}
-        for key in readers[0]:
-            if key in _GLOBAL:
-                merged[key] = readers[0][key]
-            elif key == "update_tokens":
-                merged[key] = total
-            else:  # replicas' means weighted by their tokens
-                merged[key] = sum(r.get(key, 0.0) * t for r, t in zip(readers, tokens)) / total
+        merged = dict(readers[0])
+        if "update_tokens" in merged:
+            merged["update_tokens"] = sum(r.get("update_tokens", 0.0) for r in readers)
         return merged
 
     def call(self, method: str, *args: Any) -> list[Any]:
