@@ -161,8 +161,8 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             marks.append(now())
 
-    prompts = [r["prompt"] for step in spec["records"] for r in step]
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
+    # our rollout's prompt token ids (the plain template, BOS added: ppo.py's prepare)
+    dataset = Dataset.from_dict({"input_ids": [r["ids"] for step in spec["records"] for r in step]})
     kwargs = trl_config_kwargs(spec)
     trainer = PPOTrainer(
         args=PPOConfig(**kwargs),
@@ -180,7 +180,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "phases": phases,
         "phases_cpu": cpu,
         "gen_tokens": gen_tokens,
-        "prompt_tokens": sum(len(x) for x in dataset["input_ids"]) / len(prompts),
+        "prompt_tokens": sum(len(x) for x in dataset["input_ids"]) / len(dataset),
         "work": trl_work(kwargs),
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),

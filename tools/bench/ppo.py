@@ -139,7 +139,7 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from mindspeed_llm.tokenizer import load_tokenizer
-    from mindspeed_rl.data import load_prompts
+    from mindspeed_rl.data import PromptFormat, encode_prompts, load_prompts
 
     model_dir = Path(spec["workdir"]) / f"model_{spec['size']}"
     config = LlamaConfig(
@@ -152,17 +152,23 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(model_dir)
-    load_tokenizer("demo").save_pretrained(model_dir)
+    tokenizer = load_tokenizer("demo")
+    tokenizer.save_pretrained(model_dir)
     records = load_prompts("demo")[: spec["steps"] * spec["global_batch"]]
     prompts_path = Path(spec["workdir"]) / "prompts.jsonl"
     prompts_path.write_text("".join(json.dumps({"question": r.prompt, "answer": r.reference}) + "\n" for r in records))
+    # TRL's side gets the token ids our rollout feeds the engine (data.prompt_format=plain, BOS added).
+    texts = [PromptFormat(style="plain").render(r.prompt) for r in records]
+    ids, kept = encode_prompts(texts, tokenizer, MAX_PROMPT, add_special_tokens=True)
+    if len(kept) != len(records):
+        raise SystemExit(f"a demo prompt is longer than {MAX_PROMPT} tokens: raise MAX_PROMPT")
     g = spec["global_batch"]
-    steps = [records[i : i + g] for i in range(0, len(records), g)]
+    steps = [list(zip(records[i : i + g], ids[i : i + g])) for i in range(0, len(records), g)]
     return {
         "model_dir": str(model_dir),
         "prompts_path": str(prompts_path),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "records": [[{"prompt": r.prompt, "reference": r.reference} for r in step] for step in steps],
+        "records": [[{"prompt": r.prompt, "reference": r.reference, "ids": t} for r, t in step] for step in steps],
     }
 
 
