@@ -45,8 +45,7 @@ def test_equal_work_on_both_sides(bench, argv):
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [["--global-batch", "10", "--micro-batch", "4"], ["--warmup", "4", "--steps", "4"], ["--ppo-epochs", "0"]],
+    "argv", [["--global-batch", "10", "--micro-batch", "4"], ["--warmup", "4", "--steps", "4"], ["--ppo-epochs", "0"]]
 )
 def test_bad_arguments_exit_2(bench, argv, capsys):
     ppo, _ = bench

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
-from _ppo_trl_side import TRL_VERSION, trl_config_kwargs, trl_work
+from _ppo_trl_side import TRL_VERSION
 from grpo_clock import memory_status, now, periods
 
 #: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's), as ``grpo.py``'s.
