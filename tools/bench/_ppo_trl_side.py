@@ -93,6 +93,37 @@ def trl_work(kwargs: dict[str, Any]) -> dict[str, int]:
     }
 
 
+class PhaseClock:
+    """Wall and process CPU seconds of named phases, summed per step (``end_step`` closes a step)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self._open: dict[str, list[float]] = {}
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        """``fn`` with its calls' time added to phase ``name``."""
+
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            wall, proc = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = self._open.setdefault(name, [0.0, 0.0])
+                total[0] += time.perf_counter() - wall
+                total[1] += time.process_time() - proc
+
+        return clocked
+
+    def end_step(self) -> None:
+        """Close the step: every phase seen so far gets its total (0 where it did not run)."""
+        for name in {*self._open, *self.wall}:
+            wall, cpu = self._open.get(name, [0.0, 0.0])
+            self.wall.setdefault(name, []).append(wall)
+            self.cpu.setdefault(name, []).append(cpu)
+        self._open.clear()
+
+
 def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
     """TRL's ``PPOTrainer`` on the spec's prompts, with per-phase clocks around its module functions."""
     import torch
@@ -118,20 +149,8 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         """Stands for our rule-based verifier: no model forward (its score is 0)."""
 
     reward = RuleReward()
-    phases: dict[str, list[float]] = {"generation": [], "ref_logp": [], "values": []}
-    cpu: dict[str, list[float]] = {k: [] for k in phases}
+    clock = PhaseClock()
     gen_tokens: list[int] = []
-
-    def clocked(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            wall, proc = time.perf_counter(), time.process_time()
-            out = fn(*args, **kwargs)
-            phases[name].append(time.perf_counter() - wall)
-            cpu[name].append(time.process_time() - proc)
-            return out
-
-        return wrapper
-
     generation = module.batch_generation
 
     def batch_generation(*args: Any, **kwargs: Any) -> Any:
@@ -139,17 +158,18 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         gen_tokens.append(int(logits.shape[0] * logits.shape[1]))
         return query_responses, logits
 
-    module.batch_generation = clocked("generation", batch_generation)
+    module.batch_generation = clock.wrap("generation", batch_generation)
     forward, get_reward = module.forward, module.get_reward
-    clocked_forward, clocked_values = clocked("ref_logp", forward), clocked("values", get_reward)
+    ref_forward, update_forward = clock.wrap("ref_logp", forward), clock.wrap("update", forward)
+    values = clock.wrap("values", get_reward)
 
-    def timed_forward(*args: Any, **kwargs: Any) -> Any:  # the update's forward runs with gradients: not timed here
-        return forward(*args, **kwargs) if torch.is_grad_enabled() else clocked_forward(*args, **kwargs)
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:  # with gradients: the update's policy + value forward
+        return update_forward(*args, **kwargs) if torch.is_grad_enabled() else ref_forward(*args, **kwargs)
 
     def timed_get_reward(model: Any, query_responses: Any, pad_token_id: int, context_length: int) -> Any:
         if model is reward:
             return None, torch.zeros(query_responses.shape[0]), None
-        return clocked_values(model, query_responses, pad_token_id, context_length)
+        return values(model, query_responses, pad_token_id, context_length)
 
     module.forward, module.get_reward = timed_forward, timed_get_reward
     marks: list[tuple[float, float, float]] = []
@@ -160,6 +180,7 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             marks.append(now())
+            clock.end_step()
 
     # our rollout's prompt token ids (the plain template, BOS added: ppo.py's prepare)
     dataset = Dataset.from_dict({"input_ids": [r["ids"] for step in spec["records"] for r in step]})
@@ -174,11 +195,15 @@ def child_trl(spec: dict[str, Any]) -> dict[str, Any]:
         train_dataset=dataset,
         callbacks=[Clock()],
     )
+    # the rest of the update: backward and optimizer steps (the loss's own arithmetic stays in "other")
+    trainer.accelerator.backward = clock.wrap("update", trainer.accelerator.backward)
+    if trainer.optimizer is not None:
+        trainer.optimizer.step = clock.wrap("update", trainer.optimizer.step)
     trainer.train()
     return {
         **periods(marks),
-        "phases": phases,
-        "phases_cpu": cpu,
+        "phases": clock.wall,
+        "phases_cpu": clock.cpu,
         "gen_tokens": gen_tokens,
         "prompt_tokens": sum(len(x) for x in dataset["input_ids"]) / len(dataset),
         "work": trl_work(kwargs),

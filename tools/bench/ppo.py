@@ -48,14 +48,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
-from _ppo_trl_side import TRL_VERSION
+from _ppo_trl_side import TRL_VERSION, PhaseClock
 from grpo_clock import memory_status, now, periods
 
 #: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's), as ``grpo.py``'s.
@@ -185,31 +184,35 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     config = load_ppo_config(None, our_overrides(spec))
     ctx = build_ppo_context(config)
     freeze_startup_objects()
-    generate, gen_times, gen_tokens, prompt_tokens = ctx.engine.generate, [], [], []
+    clock, generate, gen_tokens, prompt_tokens = PhaseClock(), ctx.engine.generate, [], []
 
     def timed_generate(prompts: Any, params: Any) -> Any:
         params = [dataclasses.replace(p, ignore_eos=True) for p in params]
-        start = time.perf_counter(), time.process_time()
         outputs = generate(prompts, params)
-        gen_times.append([time.perf_counter() - start[0], time.process_time() - start[1]])
         gen_tokens.append(sum(len(o.token_ids) for o in outputs))
         prompt_tokens.append(statistics.mean(len(p) for p in prompts))
         return outputs
 
-    ctx.engine.generate = timed_generate
-    marks, records = [], []
+    ctx.engine.generate = clock.wrap("generation", timed_generate)
+    ctx.actor.compute_logprobs = clock.wrap("ref_logp", ctx.actor.compute_logprobs)  # the old log-probs
+    if ctx.reference is not None:
+        ctx.reference.compute_logprobs = clock.wrap("ref_logp", ctx.reference.compute_logprobs)
+    ctx.critic.compute_values = clock.wrap("values", ctx.critic.compute_values)
+    ctx.actor.update = clock.wrap("update", ctx.actor.update)
+    ctx.critic.update = clock.wrap("update", ctx.critic.update)
+    marks = []
     for step in range(spec["steps"] + 1):
         marks.append(now())
+        if step:
+            clock.end_step()
         if step == spec["steps"]:
             break
-        records.append(ppo_step(ctx))
+        ppo_step(ctx)
     ctx.actor.close()
-    phases = {k: [r[k] for r in records] for k in records[0] if k.startswith("time/") and k != "time/step"}
-    phases["generation"] = [g[0] for g in gen_times]
     return {
         **periods(marks),
-        "phases": phases,
-        "phases_cpu": {"generation": [g[1] for g in gen_times]},
+        "phases": clock.wall,
+        "phases_cpu": clock.cpu,
         "gen_tokens": gen_tokens,
         "prompt_tokens": statistics.mean(prompt_tokens),
         "work": our_work(config),
@@ -263,13 +266,29 @@ def run_trl(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     return result
 
 
+PHASES = {
+    "generation": "generation",
+    "ref_logp": "old + reference log-probs (TRL: reference only)",
+    "values": "values (critic forward)",
+    "update": "updates: forward, backward, optimizer (actor + critic)",
+}
+
+
 def summarize(run: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Median step wall / CPU time over the timed steps and the median of each phase."""
+    """Median step wall / CPU time over the timed steps, each phase's median, the rest as "other"."""
     timed = slice(warmup, None)
+
+    def medians(periods: list[float], phases: dict[str, list[float]]) -> dict[str, float]:
+        steps = list(zip(*(phases[k] for k in PHASES)))[timed]
+        out = {k: statistics.median(phases[k][timed]) for k in PHASES}
+        out["other"] = statistics.median(p - sum(s) for p, s in zip(periods[timed], steps))
+        return out
+
     return {
         "step_s": statistics.median(run["periods"][timed]),
         "cpu_s": statistics.median(run["cpu_periods"][timed]),
-        "phases": {k: statistics.median(v[timed]) for k, v in run["phases"].items() if v[timed]},
+        "phases": medians(run["periods"], run["phases"]),
+        "phases_cpu": medians(run["cpu_periods"], run["phases_cpu"]),
         "gen_tokens": run["gen_tokens"][-1],
         "prompt_tokens": run["prompt_tokens"],
         "peak_rss_mb": run["peak_rss_mb"],
@@ -277,41 +296,24 @@ def summarize(run: dict[str, Any], warmup: int) -> dict[str, Any]:
     }
 
 
-def phase_rows(ours: dict[str, Any], trl: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Where the step goes: generation, reference log-probs, values, the rest (update and bookkeeping)."""
-    o, t = ours["phases"], trl["phases"]
-    o_gen = o.get("generation", 0.0)
-    o_rows = {
-        "generation": o_gen,
-        "rewards + rollout bookkeeping": o.get("time/rollout", 0.0) - o_gen,
-        "old + reference log-probs": o.get("time/old_logp", 0.0),
-        "values": o.get("time/values", 0.0),
-        "updates (actor / critic)": o.get("time/update", 0.0) + o.get("time/critic_update", 0.0),
-        "weight sync": o.get("time/weight_sync", 0.0),
-    }
-    t_known = t.get("generation", 0.0) + t.get("ref_logp", 0.0) + t.get("values", 0.0)
-    t_rows = {
-        "generation": t.get("generation", 0.0),
-        "rewards + rollout bookkeeping": float("nan"),
-        "old + reference log-probs": t.get("ref_logp", 0.0),
-        "values": t.get("values", 0.0),
-        "updates (actor / critic)": trl["step_s"] - t_known,
-        "weight sync": float("nan"),
-    }
-    rows = [(k, f"{o_rows[k]:.3f}", "-" if t_rows[k] != t_rows[k] else f"{t_rows[k]:.3f}") for k in o_rows]
-    extra = o.get("time/update", 0.0), o.get("time/critic_update", 0.0)
-    rows.append(("  of which actor / critic update (ours)", f"{extra[0]:.3f} / {extra[1]:.3f}", "one loss"))
-    return rows
-
-
 def report(spec: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any], trl_versions: dict[str, str]) -> str:
-    """The markdown table: step wall and CPU time, the ratio, phases, load averages."""
+    """The markdown table: step wall and CPU time, the ratio, phases (wall / CPU), load averages."""
     ratio = trl["step_s"] / ours["step_s"]
     cpu_ratio = trl["cpu_s"] / ours["cpu_s"]
+
+    def both(side: dict[str, Any], key: str) -> str:
+        return f"{side['phases'][key]:.3f} / {side['phases_cpu'][key]:.3f}"
+
     rows = [
-        ("step, wall (median, s)", f"{ours['step_s']:.3f}", f"{trl['step_s']:.3f}"),
-        ("step, CPU time (median, s)", f"{ours['cpu_s']:.3f}", f"{trl['cpu_s']:.3f}"),
-        *phase_rows(ours, trl),
+        (
+            "step, wall / CPU time (median, s)",
+            f"{ours['step_s']:.3f} / {ours['cpu_s']:.3f}",
+            f"{trl['step_s']:.3f} / {trl['cpu_s']:.3f}",
+        ),
+        *(
+            (label, both(ours, key), both(trl, key))
+            for key, label in {**PHASES, "other": "other (rewards, GAE, losses' arithmetic, bookkeeping)"}.items()
+        ),
         ("generated tokens / step", str(ours["gen_tokens"]), str(trl["gen_tokens"])),
         ("prompt tokens / prompt (mean)", f"{ours['prompt_tokens']:.1f}", f"{trl['prompt_tokens']:.1f}"),
         ("peak RSS (MB)", f"{ours['peak_rss_mb']:.0f}", f"{trl['peak_rss_mb']:.0f}"),
@@ -322,7 +324,7 @@ def report(spec: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any], trl_
         f"x {spec['max_new_tokens']} tokens, {spec['ppo_epochs']} PPO epochs, micro batch {spec['micro_batch']}, "
         f"{spec['threads']} thread(s), {spec['steps'] - spec['warmup']} timed steps; ours: torch {version('torch')}, "
         f"transformers {version('transformers')}; TRL {trl_versions['trl']} (torch {trl_versions['torch']}, "
-        f"transformers {trl_versions['transformers']}); {os.cpu_count()} cores"
+        f"transformers {trl_versions['transformers']}); {os.cpu_count()} cores; phases: wall / CPU s, medians"
     )
     lines = [header, "", "| | ours | TRL PPOTrainer |", "| --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
