@@ -113,6 +113,7 @@ def our_overrides(spec: dict[str, Any]) -> list[str]:
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.reward_curve=false",
+        *spec.get("our_overrides", []),
     ]
 
 
@@ -348,6 +349,7 @@ def make_spec(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "cliprange_value": 0.2,
         "seed": 1234,
         "threads": args.threads,
+        "our_overrides": args.our_override,
     }
 
 
@@ -363,6 +365,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ppo-epochs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="micro model, 3 steps (a smoke run)")
+    parser.add_argument(
+        "--our-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra recipe key for our side (an A/B, e.g. actor.share_prompt=false); repeatable",
+    )
     parser.add_argument("--no-trl", action="store_true", help="our side only")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", choices=["ours"], help=argparse.SUPPRESS)
