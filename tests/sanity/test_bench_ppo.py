@@ -32,7 +32,7 @@ def bench():
     [[], ["--quick"], ["--global-batch", "12", "--micro-batch", "3", "--ppo-epochs", "2", "--max-new-tokens", "7"]],
 )
 def test_equal_work_on_both_sides(bench, argv):
-    from mindspeed_rl.ppo_config import load_ppo_config
+    from mindspeed_rl.config.ppo import load_ppo_config
 
     ppo, trl_side = bench
     args = ppo.parse_args(argv)

@@ -5,7 +5,7 @@ One command runs both sides and prints the ratio::
     uv run --frozen python tools/bench/ppo.py            # tiny Llama, 16 prompts x 32 tokens, 4 PPO epochs
     uv run --frozen python tools/bench/ppo.py --quick    # a smoke run (micro model, 2 timed steps)
 
-Our side: ``mindspeed_rl.ppo_local.build_ppo_context`` + ``ppo_step`` (the in-process twin of
+Our side: ``mindspeed_rl.driver.ppo_local.build_ppo_context`` + ``ppo_step`` (the in-process twin of
 ``mindspeed-rl ppo``: actor, reference, critic, engine) in the workspace's environment. TRL's
 side: ``trl.experimental.ppo.PPOTrainer`` of TRL ``_ppo_trl_side.TRL_VERSION`` (the newest that
 ships it; the locked TRL has none) in a throwaway environment that ``uv run --isolated
@@ -118,7 +118,7 @@ def our_overrides(spec: dict[str, Any]) -> list[str]:
 
 
 def our_work(config: Any) -> dict[str, int]:
-    """The work one of our steps does under a :class:`~mindspeed_rl.ppo_config.PPOConfig`."""
+    """The work one of our steps does under a :class:`~mindspeed_rl.config.ppo.PPOConfig`."""
     a, c, t = config.actor, config.critic, config.train
     mini = a.mini_batch_size or t.global_batch
     return {
@@ -177,9 +177,9 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from mindspeed_rl.memory import freeze_startup_objects
-    from mindspeed_rl.ppo_config import load_ppo_config
-    from mindspeed_rl.ppo_local import build_ppo_context, ppo_step
+    from mindspeed_rl.config.ppo import load_ppo_config
+    from mindspeed_rl.driver.ppo_local import build_ppo_context, ppo_step
+    from mindspeed_rl.models.memory import freeze_startup_objects
 
     base, load = memory_status(), os.getloadavg()[0]
     config = load_ppo_config(None, our_overrides(spec))
