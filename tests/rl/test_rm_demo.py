@@ -11,8 +11,8 @@ classifier; the first steps are golden (``llm_rm_demo``).
 
 Then GRPO runs ``examples/rl/grpo_rm_tiny_cpu.yaml`` with that export as ``reward.model`` and
 the ``math`` verifier at weight 0 (reported, never rewarded): the reward is the model's score
-alone and rises. The rule-checked held-out accuracy (``eval/reward/math``) is evaluated at steps
-0, 10, 20, 30 but not asserted to rise: over three seeds it did once (docs/rl/rewards.md).
+alone and rises, and the rule-checked held-out accuracy (``eval/reward/math``, 8 samples per
+``demo-test`` prompt, seeds fixed for the run) after step 30 beats the starting policy's.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _value(question: str) -> int:
 
 
 @pytest.mark.slow
-def test_reward_model_demo_learns_and_grpo_optimises_its_score(tmp_path: Path, demo_policy_cache: Path) -> None:
+def test_reward_model_demo_learns_and_grpo_with_it_raises_the_accuracy(tmp_path: Path, demo_policy_cache: Path) -> None:
     from mindspeed_llm.data.arithmetic_pairs import write_arithmetic_pairs
     from mindspeed_rl.data import load_prompts
     from mindspeed_rl.demo_model import resolve_model
@@ -98,10 +98,11 @@ def test_reward_model_demo_learns_and_grpo_optimises_its_score(tmp_path: Path, d
     assert [line["step"] for line in steps] == list(range(1, GRPO_STEPS + 1))
     # The reward is the model's alone: reward_mean is the reward model's score, math is only reported.
     assert all(line["reward_mean"] == pytest.approx(line["reward/model"], abs=1e-6) for line in steps)
-    # The policy learns what the reward model rewards (score +0.57..+0.81 over seeds 1234, 1, 2 at
-    # 30 steps, first vs last 5 steps). The rule-checked held-out accuracy is evaluated and logged
-    # but not asserted to rise: it did in one seed of three (docs/rl/rewards.md; issue 26 item 5b).
+    # The policy learns what the reward model rewards (score +0.56..+0.85, first vs last 5 steps) and,
+    # never shown the answer key, gets right more often: held-out +0.094 / +0.069 / +0.062 at step 30
+    # with train.seed 1234 / 1 / 2 (docs/rl/rewards.md); asserted with half the smallest rise.
     scores = [line["reward/model"] for line in steps]
     assert sum(scores[-K:]) / K > sum(scores[:K]) / K + 0.3, scores
     rule_checked = {int(line["step"]): line["eval/reward/math"] for line in lines if "eval/reward/math" in line}
     assert sorted(rule_checked) == [0, 10, 20, 30], rule_checked
+    assert rule_checked[GRPO_STEPS] > rule_checked[0] + 0.03, rule_checked
