@@ -25,8 +25,10 @@ def test_recipe_checks_and_names_its_command(path: Path, tmp_path: Path) -> None
     assert [file for _, file in named] == [f"examples/rl/{path.name}"]
     load = LOADERS[named[0][0]]
     config = load(path)
-    if config.actor.model == "demo":  # the check wants a model directory: stand one in (nothing is built)
-        (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")  # the check wants model directories: stand one in
+    if config.actor.model == "demo":  # (nothing is built)
         config = load(path, [f"actor.model={tmp_path}"])
+    if config.reward.model is not None:  # a reward model trained first (grpo_rm_tiny_cpu.yaml)
+        config = load(path, [f"actor.model={config.actor.model}", f"reward.model={tmp_path}"])
     config.check()
     assert config.train.steps > 0

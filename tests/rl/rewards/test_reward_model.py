@@ -66,3 +66,21 @@ def test_bad_directory_and_label(reward_dir, tmp_path) -> None:
         RewardModel(tmp_path)
     with pytest.raises(ValueError, match="label 1 is out of range"):
         RewardModel(reward_dir, device="cpu", label=1)
+
+
+def test_pads_with_the_config_pad_id_when_the_tokenizer_pads_with_another(reward_dir, tmp_path) -> None:
+    """``mindspeed-llm rm``'s export: config pad id 0, tokenizer padding with EOS; batched = one at a time."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "rm"
+    shutil.copytree(reward_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    tokenizer_pad = AutoTokenizer.from_pretrained(reward_dir).pad_token_id
+    config["pad_token_id"] = 0 if tokenizer_pad != 0 else 1
+    (path / "config.json").write_text(json.dumps(config))
+    rm = RewardModel(path, device="cpu", batch_size=5)
+    one_by_one = torch.stack([rm.score([t])[0] for t in TEXTS])
+    torch.testing.assert_close(rm.score(TEXTS), one_by_one, rtol=1e-5, atol=1e-5)

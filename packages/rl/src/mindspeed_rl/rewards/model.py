@@ -63,7 +63,9 @@ class RewardModel:
                 self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
             )
             self.model.config.pad_token_id = pad
-        if self.tokenizer.pad_token_id is None:
+        if self.tokenizer.pad_token_id != self.model.config.pad_token_id:
+            # transformers scores a row at its last token that is not the *config's* pad id: padding
+            # with another id (an export whose tokenizer pads with EOS) would score the padding.
             self.tokenizer.pad_token_id = self.model.config.pad_token_id
         self.label, self.batch_size, self.max_length = label, batch_size, max_length
         logger.info("reward model %s: %s, %d labels, on %s", path, type(self.model).__name__, num_labels, self.device)
