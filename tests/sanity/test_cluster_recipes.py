@@ -89,7 +89,7 @@ REQUIRED: dict[tuple[str, str], list[str]] = {
 }
 
 #: The sbatch options the recipes may use (a typo is not one of them).
-SBATCH_OPTIONS = argparse.ArgumentParser(prog="sbatch", add_help=False, exit_on_error=False)
+SBATCH_OPTIONS = argparse.ArgumentParser(prog="sbatch", add_help=False, allow_abbrev=False, exit_on_error=False)
 for _name in (
     "job-name",
     "nodes",
@@ -210,9 +210,10 @@ def test_sbatch_directives(script: Path) -> None:
     assert not late, f"sbatch ignores directives after the first command: {late}"
     directives = [arg for line in lines if line.startswith("#SBATCH") for arg in shlex.split(line[7:], comments=True)]
     try:
-        options = SBATCH_OPTIONS.parse_args(directives)
+        options, unknown = SBATCH_OPTIONS.parse_known_args(directives)
     except argparse.ArgumentError as err:
         pytest.fail(f"{script.name}: {err}")
+    assert not unknown, f"{script.name}: not sbatch options of ours: {unknown}"
     assert options.requeue and re.fullmatch(r"B:TERM@\d+", options.signal or ""), options
     assert int(options.nodes) >= 2 and options.ntasks_per_node == "1", options
 
