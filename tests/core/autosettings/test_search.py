@@ -7,8 +7,8 @@
   swap_optimizer remove 12 - 12/dp, 2/dp and 12/dp bytes per parameter (bf16), a full recompute
   keeps one input per layer, doubling the micro batch doubles the activations.
 - The time model ranks full recompute after none, and a pipeline's bubble shrinks with more microbatches.
-- ``mindspeed auto-settings`` prints the best layouts and writes the recipe with the best one's
-  overrides (every key an LLM recipe has; ``tests/llm/training/test_auto_settings_recipe.py``
+- ``mindspeed auto-settings`` prints the best layouts and the command lines that launch the best
+  one on the cluster, and writes the recipe with the best one's overrides (every key an LLM recipe has; ``tests/llm/training/test_auto_settings_recipe.py``
   loads and checks it with the LLM's config).
 """
 
@@ -143,6 +143,13 @@ def test_command_writes_the_best_recipe(tmp_path: Path, capsys: pytest.CaptureFi
     p = written["parallel"]
     assert p["tp"] * p["pp"] * p["cp"] * (16 // (p["tp"] * p["pp"] * p["cp"])) == 16
     assert set(written["features"]["settings"]) >= {"recompute_activation_function", "swap_optimizer"}
+    # and how to launch it on the 2 nodes (tests/llm/training/test_auto_settings_recipe.py parses the lines)
+    dp = 16 // (p["tp"] * p["pp"] * p["cp"])
+    assert f"launch (16 ranks: tp {p['tp']} x pp {p['pp']} x cp {p['cp']} x dp {dp};" in printed
+    assert (
+        f'  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" '
+        f"-m mindspeed_llm.cli pretrain --config {output} parallel.tp={p['tp']} parallel.pp={p['pp']}"
+    ) in printed
 
 
 @pytest.mark.parametrize(

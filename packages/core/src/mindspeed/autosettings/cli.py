@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,41 @@ def dotted_overrides(overrides: Mapping[str, Any], prefix: str = "") -> list[str
     return out
 
 
+#: The c10d rendezvous of a multi-node launch: the first node's address (set MASTER_ADDR there and on every node).
+RENDEZVOUS = "$MASTER_ADDR:29500"
+
+
+def launch_commands(recipe: str | Path, nnodes: int, nproc_per_node: int, parallel: Mapping[str, Any]) -> list[str]:
+    """The command lines that train ``recipe`` on ``nnodes`` x ``nproc_per_node`` devices with the layout ``parallel``.
+
+    One node: our launcher (``--nproc-per-node``) and the same under ``torchrun --standalone``.
+    Several nodes: ``torchrun`` on every node with the c10d rendezvous at :data:`RENDEZVOUS`
+    (our launcher spawns one node's ranks only). The layout's sizes are spelled out as overrides
+    (``parallel.tp=...``) though the written recipe holds them too, so the line shows the layout.
+    """
+    sizes = [f"parallel.{key}={parallel[key]}" for key in ("tp", "pp") if key in parallel]
+    sizes += [f"parallel.{key}={parallel[key]}" for key in ("vpp", "cp", "ep") if parallel.get(key) not in (None, 0, 1)]
+    command = ["pretrain", "--config", str(recipe), *sizes]
+    if nnodes == 1:
+        return [
+            shlex.join(["mindspeed-llm", command[0], "--nproc-per-node", str(nproc_per_node), *command[1:]]),
+            shlex.join(
+                [
+                    "torchrun",
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(nproc_per_node),
+                    "-m",
+                    "mindspeed_llm.cli",
+                    *command,
+                ]
+            ),
+        ]
+    torchrun = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node)]
+    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", RENDEZVOUS, "-m", "mindspeed_llm.cli"]
+    return [shlex.join(torchrun + command).replace(shlex.quote(RENDEZVOUS), f'"{RENDEZVOUS}"')]
+
+
 def _row(rank: int, candidate: Candidate) -> dict[str, Any]:
     mem, time = candidate.memory, candidate.time
     return {
@@ -146,10 +182,18 @@ def run_auto_settings(args: argparse.Namespace) -> int:
     write_recipe(args.output, recipe, overrides)
     rows = [_row(rank, c) for rank, c in enumerate(best, 1)]
     dotted = dotted_overrides(overrides)
+    launch = launch_commands(args.output, args.nnodes, args.nproc_per_node, overrides["parallel"])
     if args.json:
         print(
             json.dumps(
-                {"evaluated": count, "output": str(args.output), "overrides": dotted, "candidates": rows}, indent=2
+                {
+                    "evaluated": count,
+                    "output": str(args.output),
+                    "overrides": dotted,
+                    "launch": launch,
+                    "candidates": rows,
+                },
+                indent=2,
             )
         )
         return 0
@@ -167,4 +211,12 @@ def run_auto_settings(args: argparse.Namespace) -> int:
         )
     print(f"overrides of the best: {' '.join(dotted)}")
     print(f"wrote {args.output} (the recipe with the best layout: mindspeed-llm pretrain --config {args.output})")
+    layout = best[0].layout
+    print(
+        f"launch ({world} ranks: tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+        + ("" if args.nnodes == 1 else "; on every node, MASTER_ADDR = the first node's address")
+        + "; docs/scale-out.md):"
+    )
+    for line in launch:
+        print(f"  {line}")
     return 0
