@@ -30,6 +30,7 @@ _BINARY = {
     ast.Pow: operator.pow,
 }
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_WORDS = {ast.Call: "a function call", ast.Attribute: "an attribute", ast.Subscript: "a subscript"}
 
 
 def evaluate(expression: str) -> int | float:
@@ -68,8 +69,10 @@ def _walk(node: ast.AST, depth: int) -> int | float:
         if isinstance(value, complex):
             raise ToolError("error: the result is not a real number", "math_error")
         return _checked(value)
-    what = type(node).__name__
-    if isinstance(node, ast.Constant):
+    what = _WORDS.get(type(node), f"a {type(node).__name__} node")
+    if isinstance(node, ast.Name):
+        what = f"the name {node.id!r}"
+    elif isinstance(node, ast.Constant):
         what = f"a {type(node.value).__name__} literal"
     elif isinstance(node, (ast.BinOp, ast.UnaryOp)):
         what = f"the operator {type(node.op).__name__}"

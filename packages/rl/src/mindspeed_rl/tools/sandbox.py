@@ -180,7 +180,8 @@ def _run(code: str, limits: SandboxLimits) -> SandboxResult:
             proc.wait(timeout=limits.wall_timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-        _kill_group(proc.pid)
+        _kill_group(proc.pid)  # children that stayed in the group, whether or not the program ended
+        proc.kill()
         proc.wait()
         _kill_by_token(token)
         isolated = os.read(read_end, 1) == b"1"
@@ -203,7 +204,9 @@ def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     finally:
         if proc is not None and proc.returncode is None:  # an error of ours mid-run: leave nothing behind
             _kill_group(proc.pid)
+            proc.kill()
             proc.wait()
+            _kill_by_token(token)
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
