@@ -21,10 +21,10 @@ def describe(result: SandboxResult, limits: SandboxLimits) -> str:
     killed = result.returncode is not None and result.returncode < 0
     if result.timed_out:
         raise ToolError(f"{text}\n[error: timed out after {limits.wall_timeout_s:g} s; killed]", "timeout")
-    if killed and -result.returncode in (signal.SIGXCPU, signal.SIGKILL):
+    if killed and -result.returncode == signal.SIGXCPU:
         raise ToolError(f"{text}\n[error: CPU time limit of {limits.cpu_seconds} s exceeded; killed]", "cpu_limit")
-    if killed:
-        raise ToolError(f"{text}\n[error: killed by {signal.Signals(-result.returncode).name}]", "killed")
+    if killed:  # SIGKILL here: the CPU limit's hard stop (SIGXCPU ignored) or the kernel's OOM killer
+        raise ToolError(f"{text}\n[error: killed by {_signal_name(-result.returncode)}]", "killed")
     if result.returncode == NETWORK_REFUSED and limits.require_network_isolation and not result.network_isolated:
         raise ToolError("error: the sandbox could not isolate the network here, and isolation is required", "sandbox")
     if result.returncode != 0:
@@ -54,3 +54,10 @@ def build_python(**limits: Any) -> Tool:
 
 
 TOOLS.register("python", build_python)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
