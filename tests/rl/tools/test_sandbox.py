@@ -64,13 +64,16 @@ def test_timeout_kills_the_group_and_children_that_left_it() -> None:
         "    print('escaped', os.getpid())\n"
         "    while True: time.sleep(0.05)\n"
         "print('parent', os.getpid())\n"
+        "print('dir', os.getcwd())\n"
         "while True: time.sleep(0.05)\n"
     )
     start = time.perf_counter()
     result = run_python(code, SandboxLimits(wall_timeout_s=2.0))
     assert result.timed_out and result.returncode == -signal.SIGKILL, result
     assert time.perf_counter() - start < 10.0
-    pids = {line.split()[0]: int(line.split()[1]) for line in result.output.splitlines() if len(line.split()) == 2}
+    fields = dict(line.split(" ", 1) for line in result.output.splitlines() if " " in line)
+    assert not Path(fields.pop("dir")).exists(), "the working dir is removed after a timeout too"
+    pids = {name: int(pid) for name, pid in fields.items()}
     assert set(pids) == {"child", "escaped", "parent"}, result.output
     deadline = time.monotonic() + 2.0
     while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
