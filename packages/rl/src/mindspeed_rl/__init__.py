@@ -10,12 +10,13 @@ folders import each other and a Ray worker never imports the driver
     floor 3  workers
     floor 2  models, demo
     floor 1  config
-    floor 0  algorithms, buffer, data, rewards, rollout
+    floor 0  algorithms, buffer, data, rewards, rollout, tools
 
 algorithms are the losses, advantages and KL pieces (pure functions on tensors); buffer the replay
 buffer; data the prompt datasets; rewards the verifiers and the reward model; rollout the
-generation engines. config holds the recipe's typed sections and their checks. models is what a
-worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's
+generation engines; tools what a policy may call in a multi-turn rollout (the tool registry, the
+sandbox, the call parser). config holds the recipe's typed sections and their checks. models is
+what a worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's
 translation into their settings. demo writes the tiny demo policy. workers are the Ray actors that
 host the models and rollout engines. driver is the one process that runs a job: the in-process
 trainer (one GRPO/PPO step's pieces), the Ray runners, their checkpoints, metrics and commands.
