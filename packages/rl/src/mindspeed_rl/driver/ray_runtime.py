@@ -90,8 +90,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **options:
     """``ray.init`` with the suite's defaults; returns the ``ray`` module.
 
     Args:
-        address: an existing cluster (``ray://host:10001`` or ``host:6379``); None starts a
-            local instance.
+        address: an existing cluster (``ray://host:10001``, ``host:6379`` or ``auto``); None
+            joins the cluster ``RAY_ADDRESS`` names, or starts a local instance without it.
         num_cpus: CPUs of a local instance (default: all).
         options: more ``ray.init`` keywords (``include_dashboard`` and ``log_to_driver``
             default to False).
@@ -99,6 +99,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **options:
     Returns:
         The imported ``ray`` module, initialised (an instance already running is kept).
     """
+    address = address or os.environ.get("RAY_ADDRESS") or None
     defaults = {**RAY_ENV_DEFAULTS, **({} if address else LOCAL_RAY_ENV_DEFAULTS)}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
