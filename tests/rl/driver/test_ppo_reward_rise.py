@@ -24,7 +24,7 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 from tests.golden import check_golden
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "rl" / "ppo_tiny_cpu.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "rl" / "ppo_tiny_cpu.yaml"
 STEPS = 30
 K = 5  # steps averaged at each end of the reward curve
 
