@@ -69,26 +69,9 @@ from pathlib import Path
 from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
-from grpo_clock import Profiler, memory_status, now, periods
+from grpo_clock import SIZES, Profiler, memory_status, now, periods
 from grpo_trl import run_trl
 
-#: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's).
-SIZES = {
-    "tiny": {
-        "num_hidden_layers": 4,
-        "hidden_size": 256,
-        "intermediate_size": 688,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "micro": {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-}
 SIDES = ("ours", "trl")
 
 

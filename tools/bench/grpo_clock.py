@@ -14,6 +14,24 @@ from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
 
+#: Model shapes of ``--size`` of the grpo and ppo benches (vocabulary 2048: the demo tokenizer's).
+SIZES = {
+    "tiny": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "micro": {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+}
+
 
 def memory_status() -> dict[str, float]:
     """:func:`_child.memory_status` plus CPU affinity, nice and per-thread CPU seconds."""

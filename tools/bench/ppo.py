@@ -55,25 +55,8 @@ from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
 from _ppo_trl_side import TRL_VERSION, PhaseClock
-from grpo_clock import memory_status, now, periods
+from grpo_clock import SIZES, memory_status, now, periods
 
-#: Model shapes of ``--size`` (vocabulary 2048: the demo tokenizer's), as ``grpo.py``'s.
-SIZES = {
-    "tiny": {
-        "num_hidden_layers": 4,
-        "hidden_size": 256,
-        "intermediate_size": 688,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "micro": {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-}
 MAX_PROMPT = 96
 
 
