@@ -55,15 +55,18 @@ def test_a_normal_program_and_its_directory(tmp_path: Path, monkeypatch) -> None
 def test_timeout_kills_the_group_and_children_that_left_it() -> None:
     code = (
         "import os, signal, time\n"
-        "print('parent', os.getpid())\n"
-        "print('dir', os.getcwd())\n"
+        # One write per line: with -u, print writes the words and the newline separately, and two
+        # processes sharing the pipe once interleaved them ("escapedchild 2911529114").
+        "say = lambda *words: os.write(1, (' '.join(map(str, words)) + '\\n').encode())\n"
+        "say('parent', os.getpid())\n"
+        "say('dir', os.getcwd())\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "if os.fork() == 0:\n"  # stays in the group, ignores SIGTERM
-        "    print('child', os.getpid())\n"
+        "    say('child', os.getpid())\n"
         "    while True: time.sleep(0.05)\n"
         "if os.fork() == 0:\n"  # leaves the group: found by its environment token
         "    os.setsid()\n"
-        "    print('escaped', os.getpid())\n"
+        "    say('escaped', os.getpid())\n"
         "    while True: time.sleep(0.05)\n"
         "while True: time.sleep(0.05)\n"
     )
