@@ -7,6 +7,10 @@ return value:
 - under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank; torchrun
   owns the other ranks, the nodes and the restarts;
 - with one process, the run happens here;
+- with several nodes (:class:`~mindspeed.nodes.Nodes`: torchrun's ``--nnodes``, ``--node-rank``,
+  ``--master-addr``, ``--master-port``) one launcher runs on every node and its ranks are
+  ``node_rank * nproc_per_node + local_rank`` of ``nnodes * nproc_per_node``, as torchrun numbers
+  them; they meet at the master address, where global rank 0 serves the c10d store;
 - otherwise ``nproc_per_node`` processes are spawned. The first rank that fails stops the
   others (SIGTERM, then SIGKILL after a grace period); SIGTERM sent to the launcher reaches the
   ranks, its first SIGINT reaches them as :data:`~mindspeed.checkpointing.LAUNCHER_INTERRUPT`
@@ -38,6 +42,7 @@ from mindspeed.checkpointing import (
 )
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, setup_logging
+from mindspeed.nodes import Nodes
 
 logger = get_logger(__name__)
 
@@ -81,6 +86,7 @@ def _spawned_main(
     threads: int,
     timeout_s: float,
     log_level: str | None,
+    first: int,
     results: mp.Queue,
 ) -> None:
     die_with_parent(parent)
@@ -95,7 +101,7 @@ def _spawned_main(
         # Ranks of one host share its cores: an even share each keeps them from thrashing.
         torch.set_num_threads(threads)
         value = _run_rank(target, args, timeout_s)
-        results.put((rank, "ok", value if rank == 0 else None))
+        results.put((rank, "ok", value if rank == first else None))
     except ValueError as err:  # a user error: one line, the launcher re-raises it
         results.put((rank, "value_error", str(err)))
         sys.exit(2)
@@ -113,8 +119,10 @@ def launch(
     nproc_per_node: int = 1,
     timeout_s: float = 1800.0,
     log_level: str | None = None,
+    nodes: Nodes | None = None,
 ) -> Any:
-    """Run ``target(*args)`` on every rank and return rank 0's result (``None`` on other torchrun ranks).
+    """Run ``target(*args)`` on every rank and return the result of this node's first rank (global rank 0's on
+    node 0; under torchrun, this rank's own).
 
     Args:
         target: a module-level (picklable) function; torch.distributed is initialised around it.
@@ -122,13 +130,19 @@ def launch(
         nproc_per_node: processes to spawn here when not under torchrun.
         timeout_s: collective timeout of the process group.
         log_level: set up ``mindspeed.log`` at this level in spawned ranks (``None``: leave it).
+        nodes: this launcher's node among several (``None``: one node).
 
     Raises:
         ValueError: a rank raised one (a user error), re-raised with its message.
         DiskFullError: a rank's save ran out of space, re-raised with its message.
         RankFailure: a rank failed otherwise, or was killed.
     """
+    nodes = nodes or Nodes()
     if under_torchrun():
+        if nodes.nnodes > 1:
+            logger.warning(
+                "--nnodes %d is ignored under torchrun (WORLD_SIZE=%s)", nodes.nnodes, os.environ["WORLD_SIZE"]
+            )
         if nproc_per_node > 1 and str(nproc_per_node) != os.environ.get("LOCAL_WORLD_SIZE", str(nproc_per_node)):
             logger.warning(
                 "--nproc-per-node %d is ignored under torchrun (LOCAL_WORLD_SIZE=%s)",
@@ -136,16 +150,29 @@ def launch(
                 os.environ.get("LOCAL_WORLD_SIZE"),
             )
         return _run_rank(target, args, timeout_s)
-    port = str(_free_port())
+    port = nodes.port()
+    first = nodes.node_rank * nproc_per_node  # the global rank of this node's local rank 0
     base = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-        "WORLD_SIZE": str(nproc_per_node),
+        "MASTER_ADDR": nodes.master_addr,
+        "MASTER_PORT": str(port if port is not None else _free_port()),
+        "WORLD_SIZE": str(nodes.nnodes * nproc_per_node),
         "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(nodes.node_rank),
     }
+    if nodes.nnodes > 1:
+        logger.info(
+            "node %d of %d: ranks %d..%d of %s, rendezvous at %s:%s",
+            nodes.node_rank,
+            nodes.nnodes,
+            first,
+            first + nproc_per_node - 1,
+            base["WORLD_SIZE"],
+            base["MASTER_ADDR"],
+            base["MASTER_PORT"],
+        )
     if nproc_per_node == 1:
         saved = {key: os.environ.get(key) for key in (*base, "RANK", "LOCAL_RANK")}
-        os.environ.update(base, RANK="0", LOCAL_RANK="0")
+        os.environ.update(base, RANK=str(first), LOCAL_RANK="0")
         try:
             return _run_rank(target, args, timeout_s)
         finally:
@@ -154,24 +181,38 @@ def launch(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    return _spawn(target, args, nproc_per_node, base, timeout_s, log_level)
+    return _spawn(target, args, nproc_per_node, first, base, timeout_s, log_level)
+
+
+def _threads(nproc: int) -> int:
+    # The user's OMP_NUM_THREADS wins, as under torchrun; else the ranks of a host share its cores
+    # evenly, which keeps them from thrashing.
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // nproc)
 
 
 def _spawn(
-    target: Callable[..., Any], args: tuple, nproc: int, base: dict[str, str], timeout_s: float, log_level: str | None
+    target: Callable[..., Any],
+    args: tuple,
+    nproc: int,
+    first: int,
+    base: dict[str, str],
+    timeout_s: float,
+    log_level: str | None,
 ) -> Any:
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = _threads(nproc)
     procs = []
-    for rank in range(nproc):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": str(threads)}
+    for local in range(nproc):
+        rank = first + local
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local), "OMP_NUM_THREADS": str(threads)}
         # Not daemonic: ranks start processes of their own (checkpoint writers).
         proc = ctx.Process(
             target=_spawned_main,
             name=f"rank{rank}",
             daemon=False,
-            args=(target, args, env, os.getpid(), threads, timeout_s, log_level, results),
+            args=(target, args, env, os.getpid(), threads, timeout_s, log_level, first, results),
         )
         proc.start()
         procs.append(proc)
@@ -209,7 +250,7 @@ def _spawn(
         _stop(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _result(procs, outcomes)
+    return _result(procs, outcomes, first)
 
 
 def _drain(results: mp.Queue, outcomes: dict[int, tuple[str, Any]]) -> None:
@@ -233,7 +274,7 @@ def _stop(procs: list[Any]) -> None:
             proc.join(timeout=5)
 
 
-def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
+def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]], first: int) -> Any:
     errors = sorted((rank, kind, value) for rank, (kind, value) in outcomes.items() if kind != "ok")
     for _rank, kind, value in errors:
         if kind == "value_error":
@@ -243,9 +284,9 @@ def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]]) -> Any:
     if errors:
         rank, _, value = errors[0]
         raise RankFailure(f"rank {rank} failed:\n{value}")
-    dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    dead = [(first + local, proc.exitcode) for local, proc in enumerate(procs) if proc.exitcode != 0]
     if dead:
         raise RankFailure(
             "ranks died without a report (killed?): " + ", ".join(f"rank {r} exit code {c}" for r, c in dead)
         )
-    return outcomes.get(0, ("ok", None))[1]
+    return outcomes.get(first, ("ok", None))[1]

@@ -4,7 +4,8 @@ The recipe is a ``train`` recipe (:class:`~mindspeed_mm.config.MMConfig`): ``mod
 transformer, which picks the text encoders), ``data.files`` (video/image + caption JSON / JSONL),
 ``data.encoders`` (the pipeline directory with the VAE and text encoders) and ``data.features``
 (where the cache goes; ``train`` then reads it with the same recipe). ``--nproc-per-node N`` splits
-the shards over N local ranks; under ``torchrun`` the command is one rank. A killed run resumes
+the shards over N local ranks (``--nnodes`` / ``--node-rank`` / ``--master-addr``: over the ranks of
+several nodes, as torchrun's flags do); under ``torchrun`` the command is one rank. A killed run resumes
 when run again (:mod:`mindspeed_mm.data.extract`).
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from mindspeed.nodes import add_launch_arguments, nodes_from_args
 
 
 def add_extract_features(sub: argparse._SubParsersAction) -> None:
@@ -26,12 +29,7 @@ def add_extract_features(sub: argparse._SubParsersAction) -> None:
         "data.features, split over ranks and resumable after a kill.",
     )
     parser.add_argument("--config", help="YAML recipe (the train recipe; default: all defaults)")
-    parser.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=1,
-        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
-    )
+    add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.shard_size=32")
     parser.set_defaults(func=run_extract_features)
 
@@ -51,8 +49,7 @@ def run_extract_features(args: argparse.Namespace) -> int:
     from mindspeed.launch import launch
     from mindspeed_mm.config import load_mm_config
 
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    nodes = nodes_from_args(args)
     config = load_mm_config(args.config, args.overrides)
     if config.model.path is None or config.task() != "dit":
         raise ConfigError(
@@ -64,8 +61,11 @@ def run_extract_features(args: argparse.Namespace) -> int:
     if not config.data.files:
         raise ConfigError("data.files is empty: give video/image + caption JSON or JSONL files")
     config.data.check_media()
-    with run_lock(config.data.features, "data.features"):  # one extraction per cache directory
-        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    # One extraction per cache directory: node 0's launcher holds the lock.
+    with run_lock(config.data.features, "data.features", node_rank=nodes.node_rank):
+        result = launch(
+            _rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level, nodes=nodes
+        )
     if result is not None:
         sys.stdout.write(json.dumps(result) + "\n")
     return 0

@@ -2,13 +2,13 @@
 
 The recipe and the overrides build a :class:`~mindspeed_mm.config.MMConfig` (strict: an unknown
 key is an error with a suggestion), checked against the world size before any rank starts.
-``--nproc-per-node N`` spawns N local ranks; under ``torchrun`` the command is one rank.
+``--nproc-per-node N`` spawns N local ranks, ``--nnodes`` / ``--node-rank`` / ``--master-addr`` place
+them among nodes as torchrun's flags do (:mod:`mindspeed.nodes`); under ``torchrun`` the command is one rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import yaml
@@ -16,6 +16,7 @@ import yaml
 from mindspeed.checkpointing import run_lock
 from mindspeed.config import to_dict
 from mindspeed.log import get_logger
+from mindspeed.nodes import add_launch_arguments, nodes_from_args
 
 logger = get_logger(__name__)
 
@@ -33,12 +34,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         "result.",
     )
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
-    parser.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=1,
-        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
-    )
+    add_launch_arguments(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-5")
     parser.set_defaults(func=run_train)
@@ -58,19 +54,17 @@ def run_train(args: argparse.Namespace) -> int:
     from mindspeed_mm.config import load_mm_config
     from mindspeed_mm.demos.names import resolve_demo
 
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    nodes = nodes_from_args(args)
     config = resolve_demo(load_mm_config(args.config, args.overrides))
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
-    world = (
-        int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc_per_node
-    )
-    config.check(world)
-    # One run per save directory: the launcher (or torchrun's rank 0) holds its lock while the ranks run.
-    with run_lock(config.checkpoint.save):
-        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    config.check(nodes.world_size(args.nproc_per_node))
+    # One run per save directory: node 0's launcher (or torchrun's rank 0) holds its lock while the ranks run.
+    with run_lock(config.checkpoint.save, node_rank=nodes.node_rank):
+        result = launch(
+            _rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level, nodes=nodes
+        )
     if result is not None and result.stopped:  # non-finite steps in a row, or a save refused for NaN/Inf
         logger.error("train stopped early: %s", result.stopped)
     # 143 / 130 after SIGTERM / Ctrl-C (saved first; the same command resumes), 1 when stopped, else 0.

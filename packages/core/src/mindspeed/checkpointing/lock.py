@@ -15,8 +15,9 @@ their parent died. On file systems without ``flock`` the file itself is the lock
 over with one warning. The lock is released and its file removed on every exit path that runs
 Python's ``finally`` (a normal end, an error, SIGTERM / Ctrl-C handled by the run).
 
-Only one process of a run takes it: the launcher (which holds it while its ranks run), or under
-``torchrun`` global rank 0 (:func:`takes_run_lock`).
+Only one process of a run takes it: the launcher (which holds it while its ranks run) of node 0
+(a run of several nodes shares its save directory: the launchers of the other nodes do not take
+it), or under ``torchrun`` global rank 0 (:func:`takes_run_lock`).
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ class LockHolder:
         return False
 
 
-def takes_run_lock() -> bool:
-    """Whether this process takes its run's lock: the launcher, or global rank 0 under ``torchrun``."""
+def takes_run_lock(node_rank: int = 0) -> bool:
+    """Whether this process takes its run's lock: the launcher of node 0 (``node_rank``), or global rank 0
+    under ``torchrun``."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return os.environ["RANK"] == "0"
-    return True
+    return node_rank == 0
 
 
 class RunLock:
@@ -232,14 +234,14 @@ class RunLock:
 
 @contextlib.contextmanager
 def run_lock(
-    directory: str | Path | None, what: str = "checkpoint.save", beside: bool = False
+    directory: str | Path | None, what: str = "checkpoint.save", beside: bool = False, node_rank: int = 0
 ) -> Iterator[RunLock | None]:
     """Hold the run lock of ``directory`` for the block when this process takes it (:func:`takes_run_lock`).
 
-    ``None`` (no output directory) or a rank other than 0 under torchrun: nothing is locked.
-    ``beside``: see :class:`RunLock`.
+    ``None`` (no output directory), a rank other than 0 under torchrun or the launcher of a node other
+    than 0 (``node_rank``): nothing is locked. ``beside``: see :class:`RunLock`.
     """
-    if directory is None or not takes_run_lock():
+    if directory is None or not takes_run_lock(node_rank):
         yield None
         return
     with RunLock(directory, what, beside) as lock:

@@ -2,15 +2,16 @@
 
 The recipe and the overrides build a :class:`~mindspeed_llm.training.config.PretrainConfig`
 (strict: an unknown key is an error with a suggestion), which is checked against the world
-size before any rank starts. ``--nproc-per-node N`` spawns N local ranks; under ``torchrun``
-the command is one rank of the torchrun launch (multi-node included).
+size before any rank starts. ``--nproc-per-node N`` spawns N local ranks; ``--nnodes``,
+``--node-rank``, ``--master-addr`` / ``--master-port`` (or ``--rdzv-endpoint``) place them among
+several nodes as torchrun's flags do (:mod:`mindspeed.nodes`); under ``torchrun`` the command is one
+rank of the torchrun launch (multi-node included).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 import yaml
@@ -19,6 +20,7 @@ from mindspeed.checkpointing import run_lock
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.launch import launch
 from mindspeed.log import get_logger
+from mindspeed.nodes import add_launch_arguments, nodes_from_args
 from mindspeed_llm.training.config import load_pretrain_config
 from mindspeed_llm.training.hf import apply_load_hf
 from mindspeed_llm.training.trainer import pretrain
@@ -60,12 +62,7 @@ def _add_training_command(sub: argparse._SubParsersAction, stage: str) -> None:
     help_text, description = _COMMANDS[stage]
     parser = sub.add_parser(stage, help=help_text, description=description)
     parser.add_argument("--config", help="YAML recipe (default: all defaults)")
-    parser.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=1,
-        help="ranks to spawn on this machine (ignored under torchrun; default 1)",
-    )
+    add_launch_arguments(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-3")
     parser.set_defaults(func=run_pretrain, stage=stage)
@@ -91,21 +88,13 @@ def add_rm(sub: argparse._SubParsersAction) -> None:
     _add_training_command(sub, "rm")
 
 
-def _world_size(nproc_per_node: int) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return nproc_per_node
-
-
 def _rank_main(config: object) -> object:
     return pretrain(config)
 
 
 def run_pretrain(args: argparse.Namespace) -> int:
     """Run ``pretrain`` from parsed arguments; returns the exit status."""
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
-
+    nodes = nodes_from_args(args)
     stage = getattr(args, "stage", "pretrain")
     config = load_pretrain_config(args.config, args.overrides)
     if config.stage not in ("pretrain", stage):
@@ -117,10 +106,12 @@ def run_pretrain(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
-    config.check(_world_size(args.nproc_per_node))
-    # One run per save directory: the launcher (or torchrun's rank 0) holds its lock while the ranks run.
-    with run_lock(config.checkpoint.save):
-        result = launch(_rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level)
+    config.check(nodes.world_size(args.nproc_per_node))
+    # One run per save directory: node 0's launcher (or torchrun's rank 0) holds its lock while the ranks run.
+    with run_lock(config.checkpoint.save, node_rank=nodes.node_rank):
+        result = launch(
+            _rank_main, (config,), nproc_per_node=args.nproc_per_node, log_level=args.log_level, nodes=nodes
+        )
     if result is not None and result.stopped:
         logger.error("pretrain stopped early: %s", result.stopped)
         return 1
