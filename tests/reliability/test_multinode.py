@@ -6,7 +6,8 @@ One save directory lives through a chain, as a run on a cluster with shared stor
 to node 1's launcher (both nodes stop after the same step, save, exit 143), ``kill -9`` of node 1's
 launcher (node 0's rank fails within :data:`PEER_LOSS_S` instead of hanging), then the same two
 commands run to the end. The whole run's losses, learning rates and gradient norms equal the
-single-launcher run's bit for bit (docs/scale-out.md).
+single-launcher run's bit for bit, and so do two plain ``torchrun --nnodes 2`` agents running the
+same command (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ def _nodes(args: list[str], port: int, faults: tuple[str | None, str | None] = (
     return [harness.start([*args, *flags, "--node-rank", str(rank)], fault) for rank, fault in enumerate(faults)]
 
 
-def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(tmp_path: Path, dataset: str) -> None:
-    reference = tmp_path / "reference"
-    done = harness.run(harness.command(*harness.recipe(dataset, reference), nproc=2))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, dataset: str) -> Path:
+    """The single-launcher run of the same world size: ``--nproc-per-node 2``."""
+    out = tmp_path_factory.mktemp("two-ranks") / "run"
+    done = harness.run(harness.command(*harness.recipe(dataset, out), nproc=2))
     assert done.returncode == 0, done.stderr[-3000:]
+    return out
 
+
+def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(
+    tmp_path: Path, dataset: str, reference: Path
+) -> None:
     out = tmp_path / "run"
     args = harness.command(*harness.recipe(dataset, out))
     port = _free_port()
@@ -64,7 +72,10 @@ def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(tmp_
     start = time.monotonic()
     survivor = harness.finish(procs[0], timeout=PEER_LOSS_S + 60)
     waited = time.monotonic() - start
-    assert survivor.returncode not in (0, 143) and waited < PEER_LOSS_S, (waited, survivor.stderr[-3000:])
+    assert survivor.returncode == 1 and waited < PEER_LOSS_S, (waited, survivor.stderr[-3000:])
+    (line,) = survivor.lines("lost its peers")
+    assert "rank 0 lost its peers (" in line and "run the same command on every node" in line
+    assert "Traceback" not in survivor.stderr, survivor.stderr[-3000:]
     assert survivor.resumed_step == 3, survivor.stderr[-3000:]
     assert max(p.name for p in list_complete(out)) == "iter_0000004"
 
@@ -75,3 +86,17 @@ def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(tmp_
         assert done.returncode == 0, done.stderr[-3000:]
     assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
     print(f"node 0 ended {waited:.1f} s after node 1's launcher was killed")
+
+
+def test_plain_torchrun_on_two_nodes_matches_one_launcher(tmp_path: Path, dataset: str, reference: Path) -> None:
+    # torchrun --nnodes 2 --node-rank N ... $(which mindspeed-llm) pretrain ...: the command is one rank of it.
+    out = tmp_path / "run"
+    exe, *rest = harness.command(*harness.recipe(dataset, out))
+    torchrun = str(Path(exe).parent / "torchrun")
+    port = str(_free_port())
+    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    procs = [harness.start([torchrun, *flags, "--node-rank", str(rank), exe, *rest]) for rank in (0, 1)]
+    for done in [harness.finish(p) for p in procs]:
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
+    assert {f"iter_{s:07d}" for s in range(2, harness.STEPS + 1, 2)} <= {p.name for p in list_complete(out)}

@@ -42,7 +42,7 @@ from mindspeed.checkpointing import (
 )
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, setup_logging
-from mindspeed.nodes import Nodes
+from mindspeed.nodes import Nodes, peer_lost
 
 logger = get_logger(__name__)
 
@@ -74,6 +74,11 @@ def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
     dist.init_process_group(backend=accelerator.dist_backend, timeout=timedelta(seconds=timeout_s))
     try:
         return target(*args)
+    except RuntimeError as err:  # one line for a lost peer, not a traceback from deep in a collective
+        lost = peer_lost(err, dist.get_rank()) if dist.get_world_size() > 1 else None
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
+
+#: What gloo (and the c10d store) say when the other end of a connection died.
+_PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Socket Timeout")
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank (another node's launcher or rank) died; one line."""
+
+
+def peer_lost(err: BaseException, rank: int) -> PeerLost | None:
+    """The :class:`PeerLost` ``err`` stands for (a collective or store whose peer went away), else ``None``."""
+    text = str(err)
+    if type(err).__name__ != "DistNetworkError" and not any(mark in text for mark in _PEER_GONE):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # gloo's source location, advice
+    return PeerLost(
+        f"rank {rank} lost its peers ({first[:200]}): a rank or the launcher of another node died; run the same "
+        "command on every node to resume from the newest complete checkpoint"
+    )
+
 
 #: torchrun's default port of the rendezvous when there are several nodes.
 DEFAULT_MASTER_PORT = 29500

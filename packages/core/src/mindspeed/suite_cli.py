@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from mindspeed.checkpointing.disk_full import DiskFullError
 from mindspeed.log import VERBOSE_ENV, setup_logging
+from mindspeed.nodes import PeerLost
 
 #: What a suite registers: a function that adds one subcommand to the subparsers.
 AddCommand = Callable[[argparse._SubParsersAction], None]
@@ -106,6 +107,9 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
         # Raised in a Ray worker it arrives as a RayTaskError that is also a DiskFullError: its cause is the line.
         cause = getattr(err, "cause", None)
         sys.stderr.write(f"{parser.prog}: error: {cause if isinstance(cause, DiskFullError) else err}\n")
+        return 1
+    except PeerLost as err:  # another node died mid-run: one line, exit 1 (docs/scale-out.md)
+        sys.stderr.write(f"{parser.prog}: error: {err}\n")
         return 1
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns 130 itself)
         sys.stderr.write(f"{parser.prog}: interrupted\n")

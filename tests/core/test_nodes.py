@@ -1,0 +1,57 @@
+"""``mindspeed.nodes``: torchrun's node flags parsed and checked, and a lost peer named in one line."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mindspeed.nodes import DEFAULT_MASTER_PORT, Nodes, add_launch_arguments, nodes_from_args, peer_lost
+
+
+def _parse(*argv: str) -> Nodes:
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    return nodes_from_args(parser.parse_args(list(argv)))
+
+
+def test_flags_mean_what_torchruns_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert _parse() == Nodes() and Nodes().port() is None  # one node: a free port
+    nodes = _parse("--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1")
+    assert nodes == Nodes(3, 2, "10.0.0.1", None) and nodes.port() == DEFAULT_MASTER_PORT
+    assert nodes.world_size(4) == 12
+    assert _parse("--nnodes", "2", "--rdzv-endpoint", "head:1234") == Nodes(2, 0, "head", 1234)
+    assert _parse("--nnodes", "2", "--rdzv-endpoint", "head").port() == DEFAULT_MASTER_PORT
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert nodes.world_size(4) == 16  # under torchrun, torchrun's world
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "0"], "--nnodes=0 must be at least 1"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2 must be in 0..1 (--nnodes=2)"),
+        (["--master-port", "70000"], "--master-port=70000 is not a port"),
+        (["--nproc-per-node", "0"], "--nproc-per-node=0 must be at least 1"),
+        (["--rdzv-endpoint", "h:1", "--master-port", "2"], "--rdzv-endpoint names the address and port"),
+        (["--rdzv-endpoint", "h:x"], "--rdzv-endpoint='h:x': give HOST or HOST:PORT"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        _parse(*argv)
+
+
+def test_a_lost_peer_is_one_line_and_other_errors_are_not_touched() -> None:
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:22954: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application. GLHF!"
+    )
+    lost = peer_lost(gloo, 3)
+    assert str(lost) == (
+        "rank 3 lost its peers (Read error [127.0.0.1]:22954: Connection reset by peer): a rank or the launcher of "
+        "another node died; run the same command on every node to resume from the newest complete checkpoint"
+    )
+    assert peer_lost(RuntimeError("shape mismatch"), 0) is None
