@@ -12,6 +12,7 @@ same command (docs/scale-out.md).
 
 from __future__ import annotations
 
+import importlib
 import signal
 import socket
 import subprocess
@@ -89,14 +90,28 @@ def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(
 
 
 def test_plain_torchrun_on_two_nodes_matches_one_launcher(tmp_path: Path, dataset: str, reference: Path) -> None:
-    # torchrun --nnodes 2 --node-rank N ... $(which mindspeed-llm) pretrain ...: the command is one rank of it.
+    # torchrun --nnodes 2 --rdzv-backend c10d ... $(which mindspeed-llm) pretrain ...: the command is one rank of
+    # it; the c10d rendezvous hands out the node ranks as the agents arrive.
     out = tmp_path / "run"
     exe, *rest = harness.command(*harness.recipe(dataset, out))
     torchrun = str(Path(exe).parent / "torchrun")
-    port = str(_free_port())
-    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-    procs = [harness.start([torchrun, *flags, "--node-rank", str(rank), exe, *rest]) for rank in (0, 1)]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    procs = [harness.start([torchrun, *flags, "--rdzv-id", "two-nodes", exe, *rest]) for _ in range(2)]
     for done in [harness.finish(p) for p in procs]:
         assert done.returncode == 0, done.stderr[-3000:]
     assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
     assert {f"iter_{s:07d}" for s in range(2, harness.STEPS + 1, 2)} <= {p.name for p in list_complete(out)}
+
+
+@pytest.mark.parametrize(
+    ("suite", "command"),
+    [("llm", "pretrain"), ("llm", "sft"), ("llm", "dpo"), ("llm", "rm"), ("mm", "train"), ("mm", "extract-features")],
+)
+def test_every_training_command_takes_the_node_flags(
+    suite: str, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main = importlib.import_module(f"mindspeed_{suite}.cli").main
+    assert main([command, "--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mindspeed-{suite}: error: --node-rank=2 must be in 0..1 (--nnodes=2)\n"
