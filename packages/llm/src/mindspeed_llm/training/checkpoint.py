@@ -238,7 +238,7 @@ def _children_allowed() -> Iterator[None]:
 _WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
-def _write_checkpoint(
+def write_checkpoint(
     root: Path,
     final: Path,
     tmp: Path,
@@ -249,7 +249,14 @@ def _write_checkpoint(
     config: PretrainConfig,
     args: Any,
     extra_files: dict[str, str] | None,
-) -> None:
+    async_save: bool = False,
+) -> Any:
+    """Write the checkpoint of ``state`` into ``tmp`` and complete it as ``final``; collective.
+
+    ``async_save``: plan the save (collectives) and write the common state here, then return
+    megatron's ``AsyncRequest`` whose files the caller writes and completes later
+    (:mod:`mindspeed_llm.training.async_save`); ``None`` otherwise.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -279,20 +286,31 @@ def _write_checkpoint(
         sharded["args"] = args
     # A writer's failure (a full disk) is reported by save_guard in one line, not by megatron's ERROR line too.
     with _synchronous_save(), forked_children_die_with_me(), logged_as_detail(_WRITER_LOGGER, errors=True):
-        dist_checkpointing.save(sharded, str(tmp), async_sharded_save=False)
+        request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=async_save)
+    if async_save:
+        return request
+    complete_checkpoint(root, final, state.step, config, extra_files)
+    return None
+
+
+def complete_checkpoint(
+    root: Path, final: Path, step: int, config: PretrainConfig, extra_files: dict[str, str] | None = None
+) -> None:
+    """After every rank's files of ``final.tmp`` are written: the marker, the rename and the tracker (rank 0); collective."""
+    tmp = final.with_name(final.name + ".tmp")
     dist.barrier()
-    fault_point("save.written", state.step)
-    if rank == 0:
+    fault_point("save.written", step)
+    if dist.get_rank() == 0:
         (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        write_marker(tmp, state.step)  # last: from here on the checkpoint is complete
+        write_marker(tmp, step)  # last: from here on the checkpoint is complete
         if final.exists():  # the same step saved again (a resumed run that re-reached it, or a damaged one)
             remove_tree(final)
         tmp.rename(final)
-        fault_point("save.renamed", state.step)
-        write_tracker(root, state.step)
-        fault_point("save.tracker", state.step)
+        fault_point("save.renamed", step)
+        write_tracker(root, step)
+        fault_point("save.tracker", step)
 
 
 def save_checkpoint(
@@ -333,21 +351,31 @@ def save_checkpoint(
         DiskFullError: the file system ran out of space (the ``.tmp`` directory is removed).
     """
     root, rank = Path(root), dist.get_rank()
-    final = checkpoint_dir(root, state.step)
+    final = check_savable(root, state.step, chunks, optimizer)
     tmp = final.with_name(final.name + ".tmp")
-    if fault_armed("save.param_nan", state.step) and rank == 0:
+    # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
+    with save_guard(root, final, remove_tmp=rank == 0):
+        write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
+    if rank == 0:
+        rotate(root, config.checkpoint.keep_last if keep_last is None else keep_last, final)
+    dist.barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def check_savable(root: Path, step: int, chunks: list[Any], optimizer: Any) -> Path:
+    """The directory the checkpoint of ``step`` goes to, once every rank's state is finite; collective.
+
+    Raises:
+        NonFiniteState: a parameter or an optimizer tensor of some rank holds NaN/Inf.
+    """
+    final = checkpoint_dir(root, step)
+    if fault_armed("save.param_nan", step) and dist.get_rank() == 0:
         plant_nan(next(iter(unwrap(chunks[0]).parameters())))
     bad = first_nonfinite_everywhere(_named_state(chunks, optimizer), device=get_accelerator().device())
     if bad is not None:
         complete = list_complete(root) if root.is_dir() else []
         raise NonFiniteState(refused_save(final, bad, complete[-1] if complete else None))
-    # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
-    with save_guard(root, final, remove_tmp=rank == 0):
-        _write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
-    if rank == 0:
-        rotate(root, config.checkpoint.keep_last if keep_last is None else keep_last, final)
-    dist.barrier()
-    logger.info("saved checkpoint %s", final)
     return final
 
 

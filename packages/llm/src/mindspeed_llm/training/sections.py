@@ -450,6 +450,7 @@ class LLMEvalConfig(EvalConfig):
         "save",
         "interval",
         "save_at_end",
+        "async_save",
         "keep_last",
         "resume",
         "load",
@@ -472,6 +473,10 @@ class LLMCheckpointConfig(CoreCheckpointConfig):
 
     Attributes:
         save_at_end: save after the last step.
+        async_save: write checkpoints in the background: the step waits only for the state to be
+            staged (copied to host memory) and the save planned; the checkpoint is marked complete
+            (and becomes a resume point) once every rank's files are written, at a later step; at
+            most one save is in flight (torchtitan's ``async_mode``, megatron's ``--async-save``).
         load: a checkpoint to start from (a ``save`` directory or one ``iter_*`` directory);
             a run whose ``save`` holds a complete checkpoint resumes from that instead.
         finetune: from ``load``, take the model weights only (step 0, fresh optimizer and data).
@@ -486,6 +491,7 @@ class LLMCheckpointConfig(CoreCheckpointConfig):
     """
 
     save_at_end: bool = True
+    async_save: bool = False
     load: str | None = None
     finetune: bool = False
     load_optimizer: bool = True

@@ -267,10 +267,12 @@ class Trainer(TrainerLoading, TrainerSaving):
                         result.stopped = self.skips.stop_line(step, t.lr, self._resume_text())
                         break
                     fault_point("train.step_end", step)
+                    self._poll_save()
                     if self._save_due(step):
                         self._save()
                 if result.stopped is None and result.preempted is None:
                     self._finish(result, metrics, reporter)
+                self._wait_for_save()  # a run that stopped early keeps its last save too
         finally:
             metrics.close()
         if rank0 and log_dir is not None and config.logging.loss_curve and metrics.path is not None:

@@ -19,6 +19,7 @@ from mindspeed.checkpointing import NonFiniteState, StopRequest, checkpoint_dir,
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed.metrics.trackers import Tracking
+from mindspeed_llm.training.async_save import PendingSave, agree_written, start_checkpoint
 from mindspeed_llm.training.checkpoint import save_checkpoint
 from mindspeed_llm.training.hf import STAGING_SUFFIXES, export_shape, save_hf
 from mindspeed_llm.training.lora_io import export_peft, save_lora_adapter
@@ -44,6 +45,8 @@ class TrainerSaving:
     checkpoint_args: Any
     preemption: Any
     saved_step: int | None
+    #: The asynchronous save in flight (``checkpoint.async_save``): at most one.
+    pending_save: PendingSave | None = None
 
     @contextlib.contextmanager
     def _stop_on_nonfinite_state(self, result: TrainResult) -> Any:
@@ -61,10 +64,27 @@ class TrainerSaving:
 
     def _save(self) -> None:
         ck = self.config.checkpoint
-        save_checkpoint(
-            ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config, self.checkpoint_args
-        )
+        if ck.async_save:
+            self._wait_for_save()  # at most one save in flight
+            self.pending_save = start_checkpoint(
+                ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config, self.checkpoint_args
+            )
+        else:
+            save_checkpoint(
+                ck.save, self.state, self.chunks, self.optimizer, self.scheduler, self.config, self.checkpoint_args
+            )
         self.saved_step = self.state.step
+
+    def _poll_save(self) -> None:
+        """Complete the save in flight if every rank's files are written (collective while one is in flight)."""
+        if agree_written(self.pending_save, get_accelerator().device()):
+            self._wait_for_save()
+
+    def _wait_for_save(self) -> None:
+        """Complete the save in flight, waiting for its files (collective while one is in flight)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def _stop_request(self) -> StopRequest | None:
         return self.preemption.agree(device=get_accelerator().device())
@@ -75,6 +95,7 @@ class TrainerSaving:
         save = config.checkpoint.save
         if save and step > 0 and self.saved_step != step:
             self._save()
+        self._wait_for_save()  # the line below names a complete checkpoint
         where = str(checkpoint_dir(save, self.saved_step)) if save and self.saved_step is not None else None
         result.preempted, result.exit_code, result.checkpoint = stop.reason, stop.exit_code, where
         cause = (
@@ -99,6 +120,7 @@ class TrainerSaving:
         ck = config.checkpoint
         if ck.save and ck.save_at_end and not self._save_due(step):
             self._save()
+        self._wait_for_save()
         if ck.save_hf:
             target = Path(ck.save_hf)  # a full disk: one line, the staging directories removed
             with export_guard(target, *(target.with_name(target.name + x) for x in STAGING_SUFFIXES)):
