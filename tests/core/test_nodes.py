@@ -55,3 +55,13 @@ def test_a_lost_peer_is_one_line_and_other_errors_are_not_touched() -> None:
         "another node died; run the same command on every node to resume from the newest complete checkpoint"
     )
     assert peer_lost(RuntimeError("shape mismatch"), 0) is None
+
+
+def test_ranks_are_numbered_as_torchrun_numbers_them() -> None:
+    nodes = Nodes(nnodes=3, node_rank=1, master_addr="head")
+    envs = [nodes.rank_env(4, local, 29500) for local in range(4)]
+    assert [e["RANK"] for e in envs] == ["4", "5", "6", "7"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {
+        (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs
+    } == {("12", "4", "1", "head", "29500")}

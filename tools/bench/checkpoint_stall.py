@@ -3,7 +3,8 @@
 Each variant is a fresh ``pretrain`` on one rank (the tiny_cpu recipe's shape, or ``--size small``:
 8 layers, hidden 512) over the shipped demo corpus, saving every ``--interval`` steps:
 
-- ``no saves``: the same run without ``checkpoint.save`` (the baseline of the whole-run columns);
+- ``no saves``: the same run with no checkpoint (no interval, no save at the end; the baseline of the
+  whole-run columns);
 - ``sync``: each save blocks the step for planning, writing and completing the checkpoint;
 - ``async``: each save blocks only for planning and staging (a host copy of the state); the files
   are written by a background thread while the next steps train, and completed at a later step.
@@ -86,8 +87,9 @@ def _child_run(spec: dict[str, Any]) -> dict[str, Any]:
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.loss_curve=false",
-        f"checkpoint.save={out / 'ckpt' if saves else 'null'}",
+        f"checkpoint.save={out / 'ckpt'}",  # the baseline too: the same run report and metrics files
         f"checkpoint.interval={interval if saves else 'null'}",
+        f"checkpoint.save_at_end={str(saves).lower()}",
         "checkpoint.keep_last=null",
         f"checkpoint.async_save={str(spec['variant'] == 'async').lower()}",
         *(f"{key}={value}" for key, value in SIZES[spec["size"]].items()),

@@ -156,28 +156,22 @@ def launch(
             )
         return _run_rank(target, args, timeout_s)
     port = nodes.port()
-    first = nodes.node_rank * nproc_per_node  # the global rank of this node's local rank 0
-    base = {
-        "MASTER_ADDR": nodes.master_addr,
-        "MASTER_PORT": str(port if port is not None else _free_port()),
-        "WORLD_SIZE": str(nodes.nnodes * nproc_per_node),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "GROUP_RANK": str(nodes.node_rank),
-    }
+    port = port if port is not None else _free_port()
+    envs = [nodes.rank_env(nproc_per_node, local, port) for local in range(nproc_per_node)]
     if nodes.nnodes > 1:
         logger.info(
-            "node %d of %d: ranks %d..%d of %s, rendezvous at %s:%s",
+            "node %d of %d: ranks %s..%s of %s, rendezvous at %s:%d",
             nodes.node_rank,
             nodes.nnodes,
-            first,
-            first + nproc_per_node - 1,
-            base["WORLD_SIZE"],
-            base["MASTER_ADDR"],
-            base["MASTER_PORT"],
+            envs[0]["RANK"],
+            envs[-1]["RANK"],
+            envs[0]["WORLD_SIZE"],
+            nodes.master_addr,
+            port,
         )
     if nproc_per_node == 1:
-        saved = {key: os.environ.get(key) for key in (*base, "RANK", "LOCAL_RANK")}
-        os.environ.update(base, RANK=str(first), LOCAL_RANK="0")
+        saved = {key: os.environ.get(key) for key in envs[0]}
+        os.environ.update(envs[0])
         try:
             return _run_rank(target, args, timeout_s)
         finally:
@@ -186,7 +180,7 @@ def launch(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    return _spawn(target, args, nproc_per_node, first, base, timeout_s, log_level)
+    return _spawn(target, args, envs, timeout_s, log_level)
 
 
 def _threads(nproc: int) -> int:
@@ -197,21 +191,16 @@ def _threads(nproc: int) -> int:
 
 
 def _spawn(
-    target: Callable[..., Any],
-    args: tuple,
-    nproc: int,
-    first: int,
-    base: dict[str, str],
-    timeout_s: float,
-    log_level: str | None,
+    target: Callable[..., Any], args: tuple, envs: list[dict[str, str]], timeout_s: float, log_level: str | None
 ) -> Any:
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    threads = _threads(nproc)
+    threads = _threads(len(envs))
+    first = int(envs[0]["RANK"])  # the global rank of this node's local rank 0
     procs = []
-    for local in range(nproc):
+    for local, rank_env in enumerate(envs):
         rank = first + local
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local), "OMP_NUM_THREADS": str(threads)}
+        env = {**rank_env, "OMP_NUM_THREADS": str(threads)}
         # Not daemonic: ranks start processes of their own (checkpoint writers).
         proc = ctx.Process(
             target=_spawned_main,

@@ -71,6 +71,18 @@ class Nodes:
             return int(os.environ["WORLD_SIZE"])
         return self.nnodes * nproc_per_node
 
+    def rank_env(self, nproc_per_node: int, local_rank: int, port: int) -> dict[str, str]:
+        """The variables torchrun would give local rank ``local_rank`` of this node (rendezvous on ``port``)."""
+        return {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(self.nnodes * nproc_per_node),
+            "LOCAL_WORLD_SIZE": str(nproc_per_node),
+            "GROUP_RANK": str(self.node_rank),
+            "RANK": str(self.node_rank * nproc_per_node + local_rank),
+            "LOCAL_RANK": str(local_rank),
+        }
+
     def port(self) -> int | None:
         """The rendezvous port: the one given, torchrun's default with several nodes, ``None`` (pick one) with one."""
         if self.master_port is not None:
