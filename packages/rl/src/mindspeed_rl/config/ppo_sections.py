@@ -57,7 +57,8 @@ class CriticConfig:
             schedule, as the actor's keys.
         ppo_epochs: passes over each rollout batch.
         warmup_steps: steps that train the critic alone before the actor's first update.
-        colocate: share the actor's devices (MindSpeed-RL's default).
+        colocate: share the actor's devices (MindSpeed-RL's default); false: a pool of its own (as
+            many devices as the actor's, the actor's layout), which the rollout never offloads.
     """
 
     model: str | None = None

@@ -196,7 +196,7 @@ class GRPORunner(RunnerCheckpoints):
         self.config = config
         model_dir = str(config.actor.model)
         r = config.rollout
-        workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0)
+        workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0) + self._more_workers()
         workers += 1 if config.reward.model is not None else 0  # the reward model's worker takes a CPU slot
         init_ray(config.ray.address, num_cpus=local_cpus(workers) if config.ray.address is None else None)
         self.pools = [ResourcePool("actor", config.actor_world_size()).create()]
@@ -206,6 +206,7 @@ class GRPORunner(RunnerCheckpoints):
         else:
             self.pools.append(ResourcePool("rollout", r.num_devices).create())
             self.rollout = RolloutPool(config, model_dir, self.pools[1])
+        self._start_more_workers(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
         self.reward_worker = None
         if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
@@ -236,6 +237,13 @@ class GRPORunner(RunnerCheckpoints):
         #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
         self.failed: str | None = None
         self._maybe_resume(resume)
+
+    def _more_workers(self) -> int:
+        """Workers a subclass starts in :meth:`_start_more_workers` (PPO: a separated critic's)."""
+        return 0
+
+    def _start_more_workers(self, model_dir: str) -> None:
+        """Start a subclass's own pools and workers (after the actor's and the rollout's)."""
 
     def _context(self, *pieces: Any) -> GRPOContext:
         """The step context of the run (PPO's adds the critic and the KL controller)."""
@@ -341,7 +349,7 @@ class GRPORunner(RunnerCheckpoints):
         record.update(info)
         record["time/wait_rollout"] = waited
         record["time/weight_sync"] = self._push_weights()
-        record.update(self.group.phase_stats())
+        record.update(self._phase_stats())
         if not self.config.rollout.colocate:
             record.update(self.rollout.phase_stats())
         record = finish_record(self.ctx, batch, record, time.perf_counter() - wait_start)
@@ -422,12 +430,21 @@ class GRPORunner(RunnerCheckpoints):
 
                 os.kill(ray.get(handle.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
 
+    def _phase_stats(self) -> dict[str, float]:
+        """The trainer workers' timings and memory of the step (the maximum over the workers)."""
+        return self.group.phase_stats()
+
+    def _trainer_workers(self) -> list[Any]:
+        """The Ray actors that train (the actor group's; PPO adds a separated critic's)."""
+        return list(self.group.workers)
+
     def worker_roles(self) -> dict[str, str]:
         """Ray actor id (hex) -> what that worker is to this run (``actor worker rank 0 of 2``)."""
         roles = {}
         world = len(self.group.workers)
-        for i, worker in enumerate(self.group.workers):
-            roles[worker._actor_id.hex()] = f"actor worker rank {i} of {world}"
+        for i, worker in enumerate(self._trainer_workers()):
+            role = "actor" if i < world else "critic"
+            roles[worker._actor_id.hex()] = f"{role} worker rank {i % world} of {world}"
         rollout = getattr(self.rollout, "workers", [])
         for i, worker in enumerate(rollout):
             roles[worker._actor_id.hex()] = f"rollout worker rank {i} of {len(rollout)}"
@@ -464,7 +481,7 @@ class GRPORunner(RunnerCheckpoints):
         import ray
 
         self._stop.set()
-        for worker in self.group.workers:
+        for worker in self._trainer_workers():
             ray.kill(worker)
         for worker in getattr(self.rollout, "workers", []):
             ray.kill(worker, no_restart=True)

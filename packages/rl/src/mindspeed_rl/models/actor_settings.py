@@ -10,8 +10,9 @@ from dataclasses import replace
 from typing import Any
 
 from mindspeed_rl.config.grpo import GRPOConfig
+from mindspeed_rl.config.ppo_checks import critic_checkpoint_dir
 from mindspeed_rl.models.actor import ActorSettings
-from mindspeed_rl.models.critic import CriticSettings
+from mindspeed_rl.models.critic import Critic, CriticSettings
 
 
 def _optimizer_and_batching(section: Any, config: Any, epochs: int) -> dict[str, Any]:
@@ -56,3 +57,13 @@ def critic_settings(config: Any) -> CriticSettings:
     return CriticSettings.adamw(
         **_optimizer_and_batching(c, config, c.ppo_epochs), value_loss=c.value_loss, cliprange_value=c.cliprange_value
     )
+
+
+def build_critic(config: Any, model_dir: str) -> Critic:
+    """PPO's critic of a recipe on this rank (collective): built from ``critic.model`` (default
+    ``model_dir``), then started from ``critic.load``'s weights when it names a checkpoint."""
+    a, c = config.actor, config.critic
+    critic = Critic(c.model or model_dir, critic_settings(config), tp=a.tp, pp=a.pp, features=config.features)
+    if c.load is not None:
+        critic.load_weights(critic_checkpoint_dir(c.load))
+    return critic

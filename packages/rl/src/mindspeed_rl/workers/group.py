@@ -42,16 +42,18 @@ class ActorGroup:
 
     Args:
         config: the GRPO recipe. model_dir: the actor's starting weights. pool: the actor's devices.
+        role: ``actor``, or ``critic`` for PPO's separated critic (its own pool and process group,
+            the actor's layout; driven through :class:`~mindspeed_rl.workers.critic_view.CriticView`).
     """
 
-    def __init__(self, config: Any, model_dir: str, pool: ResourcePool) -> None:
+    def __init__(self, config: Any, model_dir: str, pool: ResourcePool, role: str = "actor") -> None:
         import ray
 
-        self.config, self.dp = config, config.actor.dp
+        self.config, self.dp, self.role = config, config.actor.dp, role
         world = config.actor_world_size()
         worker_class = ray.remote(ActorWorker)
         self.workers = [
-            worker_class.options(**pool.options(i)).remote(i, world, config, model_dir) for i in range(world)
+            worker_class.options(**pool.options(i)).remote(i, world, config, model_dir, role) for i in range(world)
         ]
         host, port = ray.get(self.workers[0].address.remote())
         self.places: list[dict[str, int]] = ray.get([w.setup.remote(host, port) for w in self.workers])
