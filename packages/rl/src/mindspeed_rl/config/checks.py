@@ -84,6 +84,19 @@ def _check_placement(config: RecipeSections, num_devices: int | None) -> None:
             "buffer.mode=async needs the rollout on its own devices (it generates while the actor "
             "trains): set rollout.colocate=false and rollout.num_devices"
         )
+    pinned = config.ray.pool_resources
+    critic = getattr(config, "critic", None)
+    own_pool = {
+        "rollout": not r.colocate,
+        "critic": critic is not None and not critic.colocate,
+        "reward": config.reward.model is not None,
+    }
+    for pool, exists in own_pool.items():
+        if pool in pinned and not exists:
+            raise ConfigError(
+                f"ray.pool_resources.{pool}: this recipe has no separate {pool} pool (co-located or unused); "
+                f"remove the entry or give the {pool} its own workers"
+            )
 
 
 def _check_algorithm(config: RecipeSections) -> None:

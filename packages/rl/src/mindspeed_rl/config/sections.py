@@ -489,21 +489,49 @@ class PromptDataConfig:
             raise ConfigError(f"data.prompt_template: {err}") from err
 
 
+#: The worker pools ``ray.pool_resources`` can pin.
+POOLS = ("actor", "rollout", "critic", "reward")
+
+
 @dataclass
 class RayConfig:
     """Where the workers run.
 
     Attributes:
-        address: an existing Ray cluster (default: a local instance).
+        address: an existing Ray cluster (``host:6379``, ``ray://host:10001``, ``auto``; default:
+            ``RAY_ADDRESS``, else a local instance).
         num_cpus: CPUs of the local instance (default: all).
+        pool_resources: pool (``actor``, ``rollout``, ``critic``, ``reward``) -> custom Ray
+            resources each of its workers asks for, e.g. ``{actor: {trainer: 1}, rollout:
+            {generator: 1}}`` to pin the pools to the nodes started with those resources
+            (``ray start --resources '{"trainer": 8}'``).
     """
 
     address: str | None = None
     num_cpus: int | None = None
+    pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def check(self) -> None:
-        """Check the CPU count (raises ``ConfigError``)."""
+        """Check the CPU count and the pools' resources (raises ``ConfigError``)."""
         check_counts("ray", self, ("num_cpus",), optional=True)
+        for pool, resources in self.pool_resources.items():
+            if pool not in POOLS:
+                raise ConfigError(
+                    f"ray.pool_resources: unknown pool {pool!r}; use {', '.join(POOLS)}, e.g. {{actor: {{trainer: 1}}}}"
+                )
+            if not isinstance(resources, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in resources.values()
+            ):
+                raise ConfigError(
+                    f"ray.pool_resources.{pool}={resources!r}: give custom resource names with positive amounts "
+                    "per worker, e.g. {trainer: 1}"
+                )
+            reserved = sorted(set(resources) & {"CPU", "GPU", "NPU", "memory", "object_store_memory"})
+            if reserved:
+                raise ConfigError(
+                    f"ray.pool_resources.{pool} names {', '.join(reserved)}: devices and CPUs come from the "
+                    "layout; give custom resources only (those of `ray start --resources`)"
+                )
 
 
 @recipe_section(

@@ -63,7 +63,8 @@ class PPORunner(GRPORunner):
     def _start_more_workers(self, model_dir: str) -> None:
         self.critic_group = self.group
         if not self.config.critic.colocate:
-            self.pools.append(ResourcePool("critic", self.config.actor_world_size()).create())
+            pinned = self.config.ray.pool_resources.get("critic", {})
+            self.pools.append(ResourcePool("critic", self.config.actor_world_size(), pinned).create())
             self.critic_group = ActorGroup(self.config, model_dir, self.pools[-1], role="critic")
             logger.info("the critic runs in its own pool: %d workers", len(self.critic_group.workers))
 

@@ -199,12 +199,13 @@ class GRPORunner(RunnerCheckpoints):
         workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0) + self._more_workers()
         workers += 1 if config.reward.model is not None else 0  # the reward model's worker takes a CPU slot
         init_ray(config.ray.address, num_cpus=local_cpus(workers) if config.ray.address is None else None)
-        self.pools = [ResourcePool("actor", config.actor_world_size()).create()]
+        pinned = config.ray.pool_resources
+        self.pools = [ResourcePool("actor", config.actor_world_size(), pinned.get("actor", {})).create()]
         self.group = ActorGroup(config, model_dir, self.pools[0])
         if r.colocate:
             self.rollout: Any = ColocatedRollout(self.group)
         else:
-            self.pools.append(ResourcePool("rollout", r.num_devices).create())
+            self.pools.append(ResourcePool("rollout", r.num_devices, pinned.get("rollout", {})).create())
             self.rollout = RolloutPool(config, model_dir, self.pools[1])
         self._start_more_workers(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
@@ -212,7 +213,7 @@ class GRPORunner(RunnerCheckpoints):
         if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
             self.reward_worker = (
                 ray_remote(RewardModel)
-                .options(num_cpus=1)
+                .options(num_cpus=1, resources=pinned.get("reward") or None)
                 .remote(config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
             )
         remote = RemoteScorer(self.reward_worker) if self.reward_worker is not None else None
