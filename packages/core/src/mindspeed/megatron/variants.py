@@ -57,11 +57,7 @@ class VariantSelfAttention(SelfAttention):
     """
 
     def __init__(
-        self,
-        *args: Any,
-        post_norm: ModuleSpec | None = None,
-        local_rotary_base: float | None = None,
-        **kwargs: Any,
+        self, *args: Any, post_norm: ModuleSpec | None = None, local_rotary_base: float | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         config = self.config

@@ -256,9 +256,6 @@ def _build_chunk(
     impls: Mapping[str, str] | None = None,
 ) -> Any:
     from megatron.core import parallel_state as ps
-
-    from mindspeed.megatron.spec import MindSpeedSpecProvider
-    from mindspeed.megatron.variants import add_model_variants
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import (
         is_pp_first_stage,
@@ -266,6 +263,9 @@ def _build_chunk(
         is_vp_first_stage,
         is_vp_last_stage,
     )
+
+    from mindspeed.megatron.spec import MindSpeedSpecProvider
+    from mindspeed.megatron.variants import add_model_variants
 
     vp_stage = stage if sizes.vpp else None
     if groups is None:

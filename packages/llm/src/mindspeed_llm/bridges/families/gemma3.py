@@ -59,13 +59,7 @@ class Gemma3Bridge(Bridge):
         ConfigKey("query_pre_attn_scalar", "query_pre_attn_scalar"),
         ConfigKey("output_logit_softcapping", "final_logit_softcapping", default=None),
     )
-    constants = {
-        "qk_layernorm": True,
-        "swiglu": False,
-        "geglu": True,
-        "apply_layernorm_1p": True,
-        "post_norm": True,
-    }
+    constants = {"qk_layernorm": True, "swiglu": False, "geglu": True, "apply_layernorm_1p": True, "post_norm": True}
     requires = (
         ("hidden_activation", "gelu_pytorch_tanh"),
         ("attention_bias", False),
