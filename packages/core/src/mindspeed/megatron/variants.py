@@ -3,11 +3,12 @@
 Gemma-style models (Gemma 2 / 3) differ from megatron's GPT layer in four places, each brought
 in without editing megatron:
 
-- post-norms: the attention and MLP outputs are normalised before the residual add. Module specs
-  name :class:`VariantSelfAttention` and :class:`PostNormMLP` (megatron's ``SelfAttention`` and
-  ``MLP`` plus a ``post_layernorm``) in place of megatron's classes;
+- post-norms: the attention and MLP outputs are normalised before the residual add. The layer
+  spec names :class:`PostNormRowParallelLinear` (megatron's ``RowParallelLinear`` plus a
+  ``post_layernorm``) as the attention's ``linear_proj`` and the MLP's ``linear_fc2``, so
+  megatron's ``SelfAttention`` and ``MLP`` stay as they are (and get their process groups);
 - a second rope base: the sliding-window layers rotate with ``local_rotary_base``;
-  :class:`VariantSelfAttention` of such a layer swaps the model's rotary table for its own
+  :class:`LocalRopeSelfAttention` of such a layer swaps the model's rotary table for its own
   (megatron's ``RotaryEmbedding``, built for the same sequence length);
 - the embedding scale and the final logit soft-cap: forward hooks on the built ``GPTModel``'s
   embedding and output layer (:func:`add_model_variants`), the only seam megatron has there.
@@ -23,48 +24,50 @@ from typing import Any
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from mindspeed.model.shape import ModelShape
 
 
-def _post_norm(config: Any, spec: ModuleSpec | None) -> Any:
-    if spec is None:
-        return None
-    return build_module(spec, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
-
-
-def _normed(module: torch.nn.Module, output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
-    out, bias = output
-    if module.post_layernorm is None:
-        return out, bias
-    if bias is not None:
-        raise ValueError("a post-norm needs the bias inside the normalised output; set add_bias_linear=False")
-    return module.post_layernorm(out), None
-
-
-class VariantSelfAttention(SelfAttention):
-    """megatron's ``SelfAttention`` with an optional post-norm of its output and, on
-    sliding-window layers, its own rope base.
+class PostNormRowParallelLinear(RowParallelLinear):
+    """megatron's ``RowParallelLinear`` whose output is normalised (``post_layernorm``): as the
+    attention's ``linear_proj`` and the MLP's ``linear_fc2``, Gemma's norms after attention and
+    MLP, before the residual add (the output is whole per token, under sequence parallelism too).
 
     Args:
-        post_norm: the norm's spec (``None``: no post-norm); built as ``post_layernorm``.
-        local_rotary_base: rope theta of the sliding-window layers (``None``: the model's table).
+        post_norm: the norm's spec, built for the output width.
+        *args, **kwargs: megatron's ``RowParallelLinear`` arguments.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *args: Any, post_norm: ModuleSpec, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, *args, **kwargs)
+        self.post_layernorm = build_module(
+            post_norm, config=self.config, hidden_size=output_size, eps=self.config.layernorm_epsilon
+        )
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        output, bias = super().forward(input_, *args, **kwargs)
+        if bias is not None:
+            raise ValueError("a post-norm needs the bias inside the normalised output; set add_bias_linear=False")
+        return self.post_layernorm(output), None
+
+
+class LocalRopeSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` that rotates with its own rope base on sliding-window layers.
+
+    Args:
+        local_rotary_base: rope theta of the sliding-window layers.
         *args, **kwargs: megatron's ``SelfAttention`` arguments.
     """
 
-    def __init__(
-        self, *args: Any, post_norm: ModuleSpec | None = None, local_rotary_base: float | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, local_rotary_base: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = self.config
-        self.post_layernorm = _post_norm(config, post_norm)
         self.local_rope = None
-        local = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
-        if local_rotary_base is not None and local:
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
             if config.context_parallel_size > 1:
                 raise ValueError("a local rope base is not supported under context parallelism; use cp=1")
             self.local_rope = RotaryEmbedding(
@@ -80,24 +83,7 @@ class VariantSelfAttention(SelfAttention):
             # The model's table covers the whole (unsplit: cp == 1) sequence, packed or not.
             length = (rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb).shape[0]
             rotary_pos_emb = self.local_rope(length)
-        output = super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
-        return _normed(self, output)
-
-
-class PostNormMLP(MLP):
-    """megatron's ``MLP`` whose output is normalised (``post_layernorm``) before the residual add.
-
-    Args:
-        post_norm: the norm's spec.
-        *args, **kwargs: megatron's ``MLP`` arguments.
-    """
-
-    def __init__(self, *args: Any, post_norm: ModuleSpec | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.post_layernorm = _post_norm(self.config, post_norm)
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return _normed(self, super().forward(hidden_states, *args, **kwargs))
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
 def apply_layer_variants(spec: ModuleSpec, shape: ModelShape, norm: ModuleSpec) -> ModuleSpec:
@@ -112,20 +98,16 @@ def apply_layer_variants(spec: ModuleSpec, shape: ModelShape, norm: ModuleSpec) 
         ValueError: a post-norm on MoE layers (not implemented).
     """
     sub = spec.submodules
-    post = norm if shape.post_norm else None
-    if post is None and shape.local_rotary_base is None:
-        return spec
-    sub.self_attention.module = VariantSelfAttention
-    sub.self_attention.params = {
-        **(sub.self_attention.params or {}),
-        "post_norm": post,
-        "local_rotary_base": shape.local_rotary_base,
-    }
-    if post is not None:
-        if sub.mlp.module is not MLP:
+    if shape.local_rotary_base is not None:
+        sub.self_attention.module = LocalRopeSelfAttention
+        sub.self_attention.params = {**(sub.self_attention.params or {}), "local_rotary_base": shape.local_rotary_base}
+    if shape.post_norm:
+        mlp = sub.mlp.submodules
+        if not hasattr(mlp, "linear_fc2"):
             raise ValueError("post-norms are implemented for dense MLP layers only, not for MoE layers")
-        sub.mlp.module = PostNormMLP
-        sub.mlp.params = {**(sub.mlp.params or {}), "post_norm": post}
+        post = {"post_norm": norm}
+        sub.self_attention.submodules.linear_proj = ModuleSpec(module=PostNormRowParallelLinear, params=post)
+        mlp.linear_fc2 = ModuleSpec(module=PostNormRowParallelLinear, params=post)
     return spec
 
 

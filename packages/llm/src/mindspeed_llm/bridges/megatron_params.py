@@ -124,12 +124,14 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
     params = [MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer)]
     params += _attention(shape, prefix + "self_attention.", layer)
     if shape.post_norm:  # mindspeed.megatron.variants: the attention output's norm
-        params.append(MegatronParam(prefix + "self_attention.post_layernorm.weight", (h,), Split.REPLICATED, layer))
+        params.append(
+            MegatronParam(prefix + "self_attention.linear_proj.post_layernorm.weight", (h,), Split.REPLICATED, layer)
+        )
     params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
     if not moe:
         params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
         if shape.post_norm:  # and the MLP output's
-            params.append(MegatronParam(prefix + "mlp.post_layernorm.weight", (h,), Split.REPLICATED, layer))
+            params.append(MegatronParam(prefix + "mlp.linear_fc2.post_layernorm.weight", (h,), Split.REPLICATED, layer))
         return params
     experts = shape.num_experts
     params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))

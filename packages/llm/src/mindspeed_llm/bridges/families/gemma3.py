@@ -27,10 +27,10 @@ LAYER_RULES = (
     FuseQKV(A + "linear_qkv.weight", q=H + "q_proj.weight", k=H + "k_proj.weight", v=H + "v_proj.weight"),
     Rename(A + "linear_proj.weight", H + "o_proj.weight"),
     *QK_NORM_RULES,
-    Rename(A + "post_layernorm.weight", HF + "post_attention_layernorm.weight"),
+    Rename(A + "linear_proj.post_layernorm.weight", HF + "post_attention_layernorm.weight"),
     Rename(MG + "pre_mlp_layernorm.weight", HF + "pre_feedforward_layernorm.weight"),
     *gated_mlp_rules(MG + "mlp.", HF + "mlp."),
-    Rename(MG + "mlp.post_layernorm.weight", HF + "post_feedforward_layernorm.weight"),
+    Rename(MG + "mlp.linear_fc2.post_layernorm.weight", HF + "post_feedforward_layernorm.weight"),
 )
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
