@@ -47,12 +47,16 @@ class PostNormRowParallelLinear(RowParallelLinear):
         self.post_layernorm = build_module(
             post_norm, config=self.config, hidden_size=output_size, eps=self.config.layernorm_epsilon
         )
+        # A hook, not a forward override: it normalises the module's final output, so a LoRA
+        # mixin put in front of the class later adds its term before the norm, as peft does.
+        self.register_forward_hook(_apply_post_norm)
 
-    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        output, bias = super().forward(input_, *args, **kwargs)
-        if bias is not None:
-            raise ValueError("a post-norm needs the bias inside the normalised output; set add_bias_linear=False")
-        return self.post_layernorm(output), None
+
+def _apply_post_norm(module: PostNormRowParallelLinear, args: Any, output: tuple[torch.Tensor, Any]) -> Any:
+    out, bias = output
+    if bias is not None:
+        raise ValueError("a post-norm needs the bias inside the normalised output; set add_bias_linear=False")
+    return module.post_layernorm(out), None
 
 
 class LocalRopeSelfAttention(SelfAttention):
