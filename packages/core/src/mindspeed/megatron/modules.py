@@ -68,7 +68,8 @@ class RegistryNorm(nn.Module):
         self.kernel = resolve_kernel("rms_norm" if self.rms else "layer_norm", impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
+        # 1 + w in fp32 (as transformers' Gemma RMSNorm): a half-precision 1 + w would round w away.
+        weight = self.weight.float() + 1 if self.zero_centered else self.weight
         if self.rms:
             return self.kernel(x, weight, self.eps)
         return self.kernel(x, weight, self.bias, self.eps)

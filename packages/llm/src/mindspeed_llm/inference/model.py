@@ -185,7 +185,8 @@ class Decoder:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The model's RMSNorm of ``x`` (by ``weight``, or ``1 + weight`` for zero-centred weights)."""
-        return self.rms_norm(x, weight + self.norm_offset if self.norm_offset else weight, self.spec.norm_eps)
+        # 1 + w in fp32, as transformers' Gemma RMSNorm computes it (bf16 would round w away).
+        return self.rms_norm(x, weight.float() + self.norm_offset if self.norm_offset else weight, self.spec.norm_eps)
 
     def rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[*positions.shape, head_dim]`` in the model dtype (transformers' arithmetic);
