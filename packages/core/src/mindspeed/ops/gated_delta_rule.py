@@ -40,8 +40,12 @@ L2NORM_EPS = 1e-6
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (FLA's definition, eps inside the root)."""
-    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (FLA's definition, eps inside the root).
+
+    Computed in fp32 (fp64 for fp64 inputs) and returned in ``x.dtype``, as FLA's ``l2norm``.
+    """
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (x32 * torch.rsqrt(x32.pow(2).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def check_gated_delta_rule_inputs(
