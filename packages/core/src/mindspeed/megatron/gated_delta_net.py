@@ -20,6 +20,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mindspeed.device.cuda_shim import SHIMMED_ACCELERATORS
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
 from mindspeed.megatron.spec import MindSpeedSpecProvider
 from mindspeed.ops import resolve_kernel
@@ -102,7 +103,7 @@ def gated_delta_net_patches(impl: str = "auto") -> list[UpstreamPatch]:
             make=_eager,
             reason="the output norm-and-gate is wrapped in torch.compile (jit_fuser): off CUDA inductor "
             "compiles it at the first call and for every new shape; eager computes the same",
-            accelerators=("cpu", "npu"),
+            accelerators=SHIMMED_ACCELERATORS,
             **common,
         ),
     ]
