@@ -21,9 +21,10 @@ def _run(fn, inputs: tuple[torch.Tensor, ...], cotangent_seed: int = 7, **kwargs
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     q, k, v, g, beta, h0 = leaves
     out, state = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kwargs)
+    # The same fp64 cotangents for every implementation and dtype, on the outputs' device.
     gen = torch.Generator().manual_seed(cotangent_seed)
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum()
-    loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=state.dtype)).sum()
+    loss = (out.double() * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device)).sum()
+    loss = loss + (state.double() * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(out.device)).sum()
     loss.backward()
     result = {"out": out.detach(), "state": state.detach()}
     result.update({f"grad {name}": leaf.grad for name, leaf in zip(NAMES, leaves)})
