@@ -3,6 +3,8 @@ transformers' Qwen3NextGatedDeltaNet with the same weights (forward and backward
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -142,6 +144,8 @@ def _compare(rank: int, world_size: int) -> dict:
 @pytest.mark.distributed
 def test_megatron_gated_delta_net_equals_transformers_qwen3_next_on_cpu() -> None:
     pytest.importorskip("transformers.models.qwen3_next")
+    if importlib.util.find_spec("fla") is not None or importlib.util.find_spec("causal_conv1d") is not None:
+        pytest.skip("transformers' Qwen3-Next layer would call FLA / causal-conv1d (CUDA kernels) on CPU tensors")
     (out,) = run_distributed(_compare, 1, timeout=240)
     assert out["restored"], "the patches left megatron's gated_delta_net names changed"
     for impl, row in out["results"].items():

@@ -31,6 +31,12 @@ def _run(fn, inputs: tuple[torch.Tensor, ...], cotangent_seed: int = 7, **kwargs
     return result
 
 
+def _unwrapped(fn):
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
 def _assert_all_close(actual: dict, expected: dict, atol: float, rtol: float, what: str) -> None:
     for key in expected:
         torch.testing.assert_close(
@@ -59,11 +65,18 @@ def test_equals_transformers_qwen3_next_fallbacks() -> None:
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     inputs = make_gated_delta_rule_inputs(2, 70, 3, 16, 8, seed=1, with_state=True)
 
+    # transformers wraps its torch functions so that they call FLA where it is installed: unwrap
+    # them to compare with the torch code itself on any host.
+    torch_chunk, torch_recurrent = (
+        _unwrapped(f) for f in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
+    )
+    assert torch_chunk.__module__ == hf.__name__ and torch_recurrent.__module__ == hf.__name__
+
     def hf_chunk(q, k, v, g, beta, **kw):
-        return hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, **kw)
+        return torch_chunk(q, k, v, g, beta, chunk_size=64, **kw)
 
     def hf_recurrent(q, k, v, g, beta, **kw):
-        return hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+        return torch_recurrent(q, k, v, g, beta, **kw)
 
     for l2norm in (True, False):
         ours = {
