@@ -10,8 +10,8 @@ KL penalty holds on an actor rank and run one update with the reference's log-pr
 
 Counted: parameter bytes (actor + reference), gradient-buffer bytes (the trained parameters' fp32
 ``main_grad``), optimizer-state bytes (Adam's tensors after the update), their sum, and the peak
-resident set size of the process (``ru_maxrss``) minus its size after the imports (the baseline,
-printed too). The numbers are docs/rl/lora.md's.
+resident set size of the process (``ru_maxrss``) minus its resident size after the imports (the
+baseline, printed too; Linux). The numbers are docs/rl/lora.md's.
 
 Usage::
 
@@ -32,10 +32,7 @@ from typing import Any
 import torch
 
 #: name -> (hidden, intermediate, layers, heads, vocab)
-SHAPES = {
-    "tiny": (128, 256, 2, 4, 512),
-    "small": (768, 2048, 8, 12, 32000),
-}
+SHAPES = {"tiny": (128, 256, 2, 4, 512), "small": (768, 2048, 8, 12, 32000)}
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 PAIRS = [([1, 5, 9, 14] * 8, [20, 21, 7] * 8), ([3, 4] * 16, [30, 31, 32, 33, 2] * 6)]
 
@@ -63,7 +60,16 @@ def write_model(shape: tuple[int, ...], path: Path) -> None:
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """The process's peak resident set size (Linux: ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mib() -> float:
+    """The resident set size now (``VmRSS``): a forked child inherits its parent's peak, not its size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _bytes(tensors: Any) -> int:
@@ -87,7 +93,7 @@ def measure(rank: int, world_size: int, model: str, mode: str, r: int, alpha: fl
 
     import megatron.core  # noqa: F401  (the baseline includes the imports)
 
-    baseline = _rss_mib()
+    baseline = _current_rss_mib()
     lora = LoraSettings(r=r, alpha=alpha, target_modules=TARGETS) if mode == "lora" else None
     settings = ActorSettings.adamw(lr=1e-4, micro_batch_size=2, lora=lora)
     settings.loss_config = None
@@ -112,7 +118,9 @@ def measure(rank: int, world_size: int, model: str, mode: str, r: int, alpha: fl
         "baseline_rss_mib": baseline,
         "peak_rss_mib": _rss_mib(),
     }
-    out["total_bytes"] = sum(out[k] for k in ("actor_param_bytes", "reference_param_bytes", "grad_bytes", "optimizer_bytes"))
+    out["total_bytes"] = sum(
+        out[k] for k in ("actor_param_bytes", "reference_param_bytes", "grad_bytes", "optimizer_bytes")
+    )
     actor.close()
     return out
 
@@ -135,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_distributed(measure, 1, str(path), mode, args.r, args.alpha, timeout=900)[0]
                 rows.append({"shape": name, **row})
     mib = 2**20
-    print("| model | mode | parameters | trained | actor + ref weights MiB | grads MiB | Adam MiB | total MiB | peak RSS - baseline MiB |")
+    print(
+        "| model | mode | parameters | trained | actor + ref weights MiB | grads MiB | Adam MiB | total MiB | peak RSS - baseline MiB |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         weights = (row["actor_param_bytes"] + row["reference_param_bytes"]) / mib

@@ -17,6 +17,12 @@ penalty (so the reference is :class:`~mindspeed_rl.models.actor_lora.AdapterOffR
   give bit-identical log-probs to the same two updates of the uninterrupted actor;
 - export: the PEFT adapter it writes, loaded by peft over the transformers base, gives the actor's
   log-probs (1e-5) (the fused ``linear_qkv`` / ``linear_fc1`` factors split into q/k/v, gate/up).
+
+A two-rank group does the same at TP2 (each rank merges its own pieces: A cut with a row-parallel
+weight's columns, B with a column-parallel weight's rows, gate/up kept apart): after two updates the
+gathered ``hf_state()`` equals the checkpoint's weights plus ``(alpha / r) B A`` of the factors of
+the PEFT adapter it exports, for every adapted projection (q, k, v, o, gate, up, down; 1e-6), and the
+adapters-off log-probs equal a frozen TP2 reference's.
 """
 
 from __future__ import annotations
@@ -161,6 +167,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _group_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from mindspeed_llm.engine import LoraSettings
+    from mindspeed_rl.models.actor import Actor, ActorSettings
+    from mindspeed_rl.models.actor_lora import AdapterOffReference
+
+    lora = LoraSettings(r=R, alpha=ALPHA, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    actor = Actor(f"{root}/hf", ActorSettings.adamw(lr=1e-2, micro_batch_size=2, lora=lora), tp=2)
+    for _ in range(2):
+        _update(actor)
+    out = {"merged": {k: v.clone() for k, v in actor.hf_state().items()}}
+    out["ref_view"] = AdapterOffReference(actor).compute_logprobs(PAIRS)
+    out["ref_separate"] = Actor(f"{root}/hf", actor.settings, trainable=False, tp=2).compute_logprobs(PAIRS)
+    actor.export_peft(f"{root}/peft_tp2")
+    actor.close()
+    return _plain(out)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
@@ -216,3 +239,28 @@ def test_peft_adapter_gives_the_actor_logprobs(run: dict[str, Any]) -> None:
             logits = model(torch.tensor([[*prompt, *response]])).logits[0].float()
         want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None])[:, 0]
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=0)
+
+
+def test_tp2_merged_weights_and_reference(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+
+    save_tiny_checkpoint("llama2", tmp_path / "hf", seed=0)
+    out = run_distributed(_group_tp2, 2, str(tmp_path), timeout=300)[0]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    factors = load_file(tmp_path / "peft_tp2" / "adapter_model.safetensors")
+    checked = 0
+    for key in factors:
+        if ".lora_A." not in key:
+            continue
+        module = key.split("base_model.model.", 1)[1].rsplit(".lora_A.", 1)[0]
+        a, b = factors[key].double(), factors[key.replace(".lora_A.", ".lora_B.")].double()
+        want = base[f"{module}.weight"].double() + (ALPHA / R) * b @ a
+        got = torch.from_numpy(out["merged"][f"{module}.weight"]).double()
+        assert (b.abs().max() > 0) and (got - want).abs().max() < 1e-6, module
+        checked += 1
+    assert checked == 2 * 7  # q, k, v, o, gate, up, down in each of the two layers
+    for view, separate in zip(out["ref_view"], out["ref_separate"]):
+        torch.testing.assert_close(torch.from_numpy(view), torch.from_numpy(separate), atol=1e-6, rtol=0)
