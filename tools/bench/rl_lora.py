@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import resource
 import sys
 import tempfile
@@ -87,11 +88,11 @@ def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def measure(rank: int, world_size: int, model: str, mode: str, r: int, alpha: float) -> dict[str, Any]:
     """One mode's bytes and peak RSS (run in a fresh single-rank process)."""
+    import megatron.core  # noqa: F401  (the baseline includes the imports)
+
     from mindspeed_llm.engine import LoraSettings, unwrap
     from mindspeed_rl.models.actor import Actor, ActorSettings
     from mindspeed_rl.models.actor_lora import AdapterOffReference
-
-    import megatron.core  # noqa: F401  (the baseline includes the imports)
 
     baseline = _current_rss_mib()
     lora = LoraSettings(r=r, alpha=alpha, target_modules=TARGETS) if mode == "lora" else None
@@ -138,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rl-lora-") as tmp:
         for name in args.shapes:
             path = Path(tmp) / name
-            write_model(SHAPES[name], path)
+            # In a child: this process stays small, so the measuring children (which keep their
+            # parent's ru_maxrss across exec) start below their own peaks.
+            writer = multiprocessing.get_context("spawn").Process(target=write_model, args=(SHAPES[name], path))
+            writer.start()
+            writer.join()
+            if writer.exitcode != 0:
+                raise SystemExit(f"writing the {name} model failed (exit {writer.exitcode})")
             for mode in ("full", "lora"):
                 row = run_distributed(measure, 1, str(path), mode, args.r, args.alpha, timeout=900)[0]
                 rows.append({"shape": name, **row})
