@@ -136,6 +136,11 @@ def check_config(config: RecipeSections, num_devices: int | None = None) -> None
         config.data,
     ):
         section.check()
+    if config.actor.lora.enabled and config.reference.model not in (None, config.actor.model):
+        raise ConfigError(
+            f"reference.model={config.reference.model} with actor.lora: the reference is the actor with its "
+            "adapters off (the base model); unset reference.model"
+        )
     _check_batches(config)
     _check_placement(config, num_devices)
     _check_algorithm(config)

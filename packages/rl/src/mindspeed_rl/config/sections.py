@@ -26,6 +26,7 @@ from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, policy_loss_config
 from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
+from mindspeed_rl.config.lora import RLLoraConfig
 from mindspeed_rl.config.ppo_sections import KL_COEF_DEFAULT, KLControlConfig
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
 from mindspeed_rl.rewards.base import build_reward
@@ -74,6 +75,9 @@ class ActorConfig:
             learned positions, no MLA/MTP); true: on, an error where it cannot apply; false: off.
         offload_optimizer: co-location: optimizer state to host memory while the rollout generates.
         offload_grad: co-location: gradients to host memory while the rollout generates.
+        lora: LoRA RL (``mindspeed-llm sft``'s ``lora`` keys: ``target_modules``, ``r``, ``alpha``,
+            ``dropout``, ``save_peft``): only the adapters train, the reference is the actor with
+            its adapters off, the rollout engine gets the merged weights (docs/rl/lora.md).
     """
 
     model: str | None = None
@@ -97,6 +101,7 @@ class ActorConfig:
     share_prompt: bool | None = None
     offload_optimizer: bool = True
     offload_grad: bool = True
+    lora: RLLoraConfig = field(default_factory=RLLoraConfig)
 
     def world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""
@@ -132,6 +137,7 @@ class ActorConfig:
                 f"actor.share_prompt=true needs actor.pp=1 (got {self.pp}: pipeline stages exchange fixed-shape "
                 "microbatches); set actor.share_prompt=false or leave it unset"
             )
+        self.lora.check()
 
 
 @dataclass

@@ -106,6 +106,7 @@ def absolute_paths(config: GRPOConfig) -> GRPOConfig:
             a,
             model=_absolute(a.model),
             tokenizer=a.tokenizer if a.tokenizer in (None, "demo") else _absolute(a.tokenizer),
+            lora=replace(a.lora, save_peft=_absolute(a.lora.save_peft)),
         ),
         reference=replace(config.reference, model=_absolute(config.reference.model)),
         reward=replace(config.reward, model=_absolute(config.reward.model)),

@@ -40,7 +40,7 @@ from mindspeed_rl.config.sections import RLTrainConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.driver.metrics import RLMetricsLog
 from mindspeed_rl.models.actor import Actor
-from mindspeed_rl.models.actor_settings import actor_settings
+from mindspeed_rl.models.actor_settings import actor_settings, build_reference
 from mindspeed_rl.models.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
 
@@ -60,7 +60,7 @@ class GRPOContext:
         records: the prompt records.
         sampler: draws ``train.global_batch`` record indices per step.
         prompt_format: how a record becomes the prompt text.
-        reference: the frozen reference actor (with a KL penalty).
+        reference: the KL reference: a frozen actor, or a LoRA actor with its adapters off (with a KL penalty).
         step: steps done.
         history: the records of the steps done.
         weight_sync: pushes the actor's weights into the engine (default: ``engine.load_weights(actor.hf_state())``).
@@ -75,7 +75,7 @@ class GRPOContext:
     records: list[PromptRecord]
     sampler: PromptSampler
     prompt_format: PromptFormat
-    reference: Actor | None = None
+    reference: Any = None
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     weight_sync: Callable[[], None] | None = None
@@ -454,11 +454,7 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     a = config.actor
     settings = actor_settings(config)
     actor = Actor(a.model, settings, tp=a.tp, pp=a.pp, features=config.features)
-    reference = (
-        Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp, features=config.features)
-        if config.needs_reference()
-        else None
-    )
+    reference = build_reference(config, actor, a.model)
     engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     records, sampler, fmt, reward = prompt_pieces(config)
@@ -503,6 +499,8 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
                     record.get("loss", float("nan")),
                     record["time/step"],
                 )
+        if config.actor.lora.save_peft:
+            ctx.actor.export_peft(config.actor.lora.save_peft)
     finally:
         if sink is not None:
             sink.close()

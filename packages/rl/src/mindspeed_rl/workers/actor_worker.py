@@ -27,7 +27,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
 from mindspeed_rl.models.actor import Actor
-from mindspeed_rl.models.actor_settings import actor_settings, build_critic
+from mindspeed_rl.models.actor_settings import actor_settings, build_critic, build_reference
 from mindspeed_rl.models.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
@@ -91,15 +91,7 @@ class ActorWorker:
             return self._place(self.critic.groups, engine=False)
         settings = actor_settings(cfg)
         self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp, features=cfg.features)
-        if cfg.needs_reference():
-            self.reference = Actor(
-                cfg.reference.model or self.model_dir,
-                settings,
-                trainable=False,
-                tp=a.tp,
-                pp=a.pp,
-                features=cfg.features,
-            )
+        self.reference = build_reference(cfg, self.actor, self.model_dir)
         if critic is not None and critic.colocate:
             self.critic = build_critic(cfg, self.model_dir)
         groups = self.actor.groups
@@ -286,6 +278,10 @@ class ActorWorker:
         if self.rank != 0:
             return None
         return str(write_hf_dir(state, self.model_dir, target, target_dtype(self.config.checkpoint.save_hf_dtype)))
+
+    def save_peft(self, target: str) -> None:
+        """Write the LoRA actor's adapter as a PEFT adapter directory (collective gather; rank 0 writes)."""
+        self.actor.export_peft(target)
 
     def shutdown(self) -> None:
         """Undo the actor's adaptation of megatron-core and leave the process group."""
