@@ -64,8 +64,8 @@ class ActorUpdate:
         self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any], output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["resp_mask"]
-        if batch.get("loss_mask") is not None:  # a multi-turn rollout's tool tokens: context, no loss
-            mask = mask * batch["loss_mask"]
+        if batch.get("resp_loss_mask") is not None:  # a multi-turn rollout's tool tokens: context, no loss
+            mask = mask * batch["resp_loss_mask"]
         logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
         if entropy is not None and not config.entropy_coef:
             entropy = entropy.detach()  # a metric only: no graph through it
@@ -126,7 +126,7 @@ class ActorUpdate:
         if rollout_logp is not None:
             extra["rollout_logp"] = rollout_logp.float()
         if loss_mask is not None:
-            extra["loss_mask"] = loss_mask.float()
+            extra["resp_loss_mask"] = loss_mask.float()  # not "loss_mask": the packed batch has one
         config = self.settings.loss_config or POLICY_LOSSES.get(self.settings.loss).defaults
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
