@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mindspeed_rl.data.arithmetic import DEMO_TEST, DEMO_TRAIN
+from mindspeed_rl.data.arithmetic import DEMO_TEST, DEMO_TRAIN, PRODUCTS_TEST, PRODUCTS_TRAIN
 
 DEFAULT_MAP_KEYS = {"prompt": "question", "reference": "answer"}
 #: Names that stand for the shipped data.
-DEMO_DATA = {"demo": DEMO_TRAIN, "demo-test": DEMO_TEST}
+DEMO_DATA = {
+    "demo": DEMO_TRAIN,
+    "demo-test": DEMO_TEST,
+    "demo-products": PRODUCTS_TRAIN,
+    "demo-products-test": PRODUCTS_TEST,
+}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
