@@ -9,8 +9,8 @@ One spawned single-rank group:
 
 - runs the agent loop for 4 samples (max 3 turns) and the actor's ``compute_logprobs`` on
   ``(prompt, whole response)``: on every generated token the rollout's log-prob equals the
-  actor's single forward of the concatenated sequence (1e-6), on the scripted turn and the
-  sampled ones after the tool response;
+  actor's single forward of the concatenated sequence (1e-6 relative to the log-prob's size; measured
+  9.5e-7 absolute at most), on the scripted turn and the sampled ones after the tool response;
 - updates the actor on those samples with their loss mask (ppo_clip, old log-probs shifted by
   noise so clipping is active); the parent recomputes the masked loss with transformers' autograd
   on the same weights: the gradient w.r.t. each tool-response position's log-prob is exactly zero,
@@ -204,8 +204,11 @@ def test_multi_turn_logprobs_equal_one_forward(run: dict[str, Any]) -> None:
         first_gap = int((mask[i, : len(response)] == 0).nonzero()[0])
         sampled_after_tools[i, first_gap:] = mask[i, first_gap:] > 0
     assert int(sampled_after_tools.sum()) > 10
-    diff = ((rollout - actor).abs() * mask).max()
-    assert float(diff) <= 1e-6, float(diff)
+    # 1e-6 relative to the log-prob's size (at least 1): the two sides are fp32 forwards with different
+    # kernels, and at |logp| ~ 5 one fp32 ulp is 4.8e-7 (measured: 9.5e-7 at most, 2e-7 on average).
+    diff = (rollout - actor).abs() * mask
+    assert bool((diff <= 1e-6 * actor.abs().clamp(min=1.0)).all()), float(diff.max())
+    assert float(diff.max()) < 2e-6
 
 
 def test_masked_update_gradient_against_autograd(run: dict[str, Any]) -> None:
