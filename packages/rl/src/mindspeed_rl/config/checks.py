@@ -146,3 +146,8 @@ def check_config(config: RecipeSections, num_devices: int | None = None) -> None
     _check_algorithm(config)
     if config.train.eval_interval is not None and config.data.eval_path is None:
         raise ConfigError("train.eval_interval needs data.eval_path (e.g. demo-test)")
+    if config.rollout.tools and config.data.prompt_format != "chat":
+        raise ConfigError(
+            "rollout.tools needs data.prompt_format=chat (the chat template renders the tools and their "
+            "results); set data.prompt_format=chat with a tokenizer whose template renders tool messages"
+        )

@@ -157,6 +157,13 @@ class RolloutConfig:
         max_num_seqs: sequences the engine decodes at once.
         gpu_memory_utilization: vLLM's share of device memory.
         stop: strings that end a response.
+        tools: tool names a multi-turn rollout offers (``mindspeed_rl.tools.TOOLS``: ``calculator``,
+            ``python``); empty: single-turn rollouts.
+        tool_options: tool name -> its options (e.g. ``{python: {wall_timeout_s: 5}}``).
+        max_turns: assistant turns per sample at most (with ``tools``).
+        max_response_length: response tokens per sample, generated and tool tokens together
+            (with ``tools``; default ``max_turns * max_new_tokens``); ``max_new_tokens`` bounds each turn.
+        max_parallel: tool calls run at once. tool_timeout_s: wall seconds per tool call.
     """
 
     engine: Literal["builtin", "vllm"] = "builtin"
@@ -172,10 +179,21 @@ class RolloutConfig:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.5
     stop: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    tool_options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 1
+    max_response_length: int | None = None
+    max_parallel: int = 4
+    tool_timeout_s: float = 30.0
+
+    def response_budget(self) -> int:
+        """Response tokens per sample at most (all turns and tool responses)."""
+        return self.max_response_length or self.max_turns * self.max_new_tokens
 
     def check(self) -> None:
         """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
         check_counts("rollout", self, ("n", "max_prompt_length", "max_new_tokens", "tp", "max_num_seqs"))
+        self._check_tools()
         check_counts("rollout", self, ("num_devices",), optional=True)
         if self.stop:
             raise ConfigError(
@@ -203,6 +221,35 @@ class RolloutConfig:
             raise ConfigError("rollout.colocate=false needs rollout.num_devices (the rollout pool's size)")
         if not self.colocate and self.num_devices % self.tp:
             raise ConfigError(f"rollout.num_devices={self.num_devices} is not a multiple of rollout.tp={self.tp}")
+
+    def _check_tools(self) -> None:
+        from mindspeed_rl.tools import TOOLS, build_tools
+
+        check_counts("rollout", self, ("max_turns", "max_parallel"))
+        check_counts("rollout", self, ("max_response_length",), optional=True)
+        if not self.tool_timeout_s > 0:
+            raise ConfigError(f"rollout.tool_timeout_s={self.tool_timeout_s} must be positive (seconds per tool call)")
+        if not self.tools:
+            if self.max_turns != 1 or self.tool_options or self.max_response_length is not None:
+                raise ConfigError(
+                    "rollout.max_turns, rollout.tool_options and rollout.max_response_length are for multi-turn "
+                    "rollouts: set rollout.tools (e.g. [calculator]) or unset them"
+                )
+            return
+        unknown = [name for name in self.tools if name not in TOOLS]
+        if unknown:
+            raise ConfigError(f"rollout.tools: unknown tool(s) {unknown}; known: {', '.join(sorted(TOOLS))}")
+        if any(not isinstance(v, dict) for v in self.tool_options.values()):
+            raise ConfigError("rollout.tool_options maps a tool name to a mapping of its options, e.g. {python: {}}")
+        try:
+            build_tools(self.tools, self.tool_options)
+        except ValueError as err:
+            raise ConfigError(f"rollout.tool_options: {err}") from err
+        if self.response_budget() < self.max_new_tokens:
+            raise ConfigError(
+                f"rollout.max_response_length={self.max_response_length} is below rollout.max_new_tokens="
+                f"{self.max_new_tokens} (one turn): raise it"
+            )
 
 
 @dataclass

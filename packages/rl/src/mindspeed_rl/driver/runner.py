@@ -61,6 +61,7 @@ from mindspeed_rl.driver.runner_checkpoints import RL_STATE, RunnerCheckpoints
 from mindspeed_rl.driver.trainer import (
     GRPOContext,
     RolloutBatch,
+    build_agent,
     collect_rollout,
     eval_due,
     evaluate,
@@ -76,7 +77,17 @@ from mindspeed_rl.workers.pools import ResourcePool, local_cpus
 logger = get_logger(__name__)
 
 #: Columns of the replay buffer: one per piece of a row of experience.
-COLUMNS = ("pair", "prompt", "reference", "rollout_logp", "reward", "parts", "batch_metrics", "sampler_state")
+COLUMNS = (
+    "pair",
+    "prompt",
+    "reference",
+    "rollout_logp",
+    "loss_mask",
+    "reward",
+    "parts",
+    "batch_metrics",
+    "sampler_state",
+)
 #: Default importance-sampling cap of the asynchronous mode (when ``algorithm.tis_cap`` is unset).
 ASYNC_TIS_CAP = 2.0
 
@@ -223,6 +234,7 @@ class GRPORunner(RunnerCheckpoints):
         self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = self._context(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
+        self.ctx.agent = build_agent(config, tokenizer)  # multi-turn rollouts with rollout.tools (on the driver)
         # The producer's view: its own step counter (the batch index, which seeds sampling), shared sampler.
         self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()
@@ -285,6 +297,7 @@ class GRPORunner(RunnerCheckpoints):
         put("prompt", rows, batch.prompts)
         put("reference", rows, batch.references)
         put("rollout_logp", rows, batch.rollout_logp)
+        put("loss_mask", rows, batch.loss_masks if batch.loss_masks is not None else [None] * n)
         put("parts", rows, [{k: float(v[i]) for k, v in batch.parts.items()} for i in range(n)])
         put("batch_metrics", rows, [dict(batch.metrics, **{"time/rollout": time.perf_counter() - start})] * n)
         put("sampler_state", rows, [after] * n)
@@ -328,6 +341,7 @@ class GRPORunner(RunnerCheckpoints):
             torch.tensor(got["reward"], dtype=torch.float32),
             parts,
             {k: v for k, v in got["batch_metrics"][0].items() if k != "time/rollout"},
+            None if got["loss_mask"][0] is None else got["loss_mask"],
         )
         lag = [self.version - v for v in got["version"]]
         info = {

@@ -432,6 +432,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
         rollout_logp: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the policy loss over all ``pairs`` (collective).
 
@@ -446,6 +447,9 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             ref_logp: ``[n, width]`` reference log-probs (with a KL penalty).
             rollout_logp: ``[n, width]`` the rollout engine's log-probs of the samples (with
                 truncated importance sampling, ``tis_cap``).
+            loss_mask: ``[n, width]`` 1 on the response tokens the policy generated, 0 on those it
+                did not (a multi-turn rollout's tool responses): the latter are context only, with
+                no loss, no advantage and no part in the metrics. None: every response token counts.
 
         Returns:
             ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
@@ -463,7 +467,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         # As the LLM trainer's step: forward, backward and optimizer step without the device
         # redirect (megatron's CUDA call sites are patched by adapt(): mindspeed.megatron.device_sites).
         with fast_path():
-            return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+            return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -135,9 +135,10 @@ class ActorWorker:
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None,
         rollout_logp: torch.Tensor | None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (collective)."""
-        metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+        metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
         self.stats.update({f"memory/update_{k}": v for k, v in memory_gib().items()})
         return metrics
 

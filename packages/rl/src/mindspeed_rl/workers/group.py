@@ -95,6 +95,7 @@ class ActorGroup:
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
         rollout_logp: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step over all ``pairs``, each replica on its share (gradients all-reduced)."""
         shares = self._split(pairs)
@@ -103,7 +104,14 @@ class ActorGroup:
             return None if t is None else t[torch.tensor(share, dtype=torch.long)]
 
         args = [
-            ([pairs[i] for i in s], cut(old_logp, s), cut(advantages, s), cut(ref_logp, s), cut(rollout_logp, s))
+            (
+                [pairs[i] for i in s],
+                cut(old_logp, s),
+                cut(advantages, s),
+                cut(ref_logp, s),
+                cut(rollout_logp, s),
+                cut(loss_mask, s),
+            )
             for s in shares
         ]
         return self.merge_metrics(self._run("update", args))
