@@ -1,7 +1,8 @@
 """Inside mindspeed_rl, folders import only down the floors its package docstring lists.
 
 The floor table in ``mindspeed_rl/__init__.py`` puts the driver above the workers, the workers
-above the models, and algorithms, buffer, data, rewards and rollout on the ground floor: so a Ray
+above the models, and algorithms, buffer, data, rewards and tools on the ground floor (rollout, which runs the
+tools in its agent loop, one above): so a Ray
 worker never imports the driver (what it imports is what the driver ships to it), and the
 algorithms import nothing of rl but themselves. The graph is the one of
 tests/sanity/test_imports.py (module-level and function-level imports, read with ``ast``); the

@@ -86,7 +86,7 @@ def test_kl_in_reward_coef_is_the_old_spelling_of_kl_ctrl_kl_coef(recipe, caplog
         (["critic.ppo_epochs=0"], "critic.ppo_epochs=0 must be at least 1"),
         (["critic.warmup_steps=10"], "critic.warmup_steps=10 must be in [0, train.steps=10)"),
         (["critic.model=/no/rm"], "critic.model='/no/rm' does not exist"),
-        (["critic.colocate=false"], "critic.colocate=false (a critic on its own devices) is not supported yet"),
+        (["critic.load=/no/ckpt"], "critic.load='/no/ckpt' holds no complete checkpoint; give an iter_*"),
     ],
 )
 def test_bad_ppo_keys_name_key_and_fix(recipe, overrides: list[str], message: str) -> None:

@@ -9,6 +9,7 @@ import operator
 import pytest
 
 from mindspeed_rl.data import DEMO_TEST, DEMO_TRAIN, generate_arithmetic, load_prompts, regenerate_demo
+from mindspeed_rl.data.arithmetic import PRODUCTS_TEST, PRODUCTS_TRAIN, regenerate_products
 from mindspeed_rl.rewards import MathVerifier
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -33,6 +34,14 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path) -> None:
     train_q = {json.loads(line)["question"] for line in DEMO_TRAIN.read_text().splitlines()}
     test_q = {json.loads(line)["question"] for line in DEMO_TEST.read_text().splitlines()}
     assert len(train_q) == 512 and len(test_q) == 64 and not train_q & test_q
+    # The tool demo's products (demo-products, demo-products-test).
+    train, test = regenerate_products(tmp_path)
+    assert train.read_bytes() == PRODUCTS_TRAIN.read_bytes() and test.read_bytes() == PRODUCTS_TEST.read_bytes()
+    records = load_prompts("demo-products") + load_prompts("demo-products-test")
+    assert len({r.prompt for r in records}) == 576
+    for record in records:
+        expression = record.prompt.removeprefix("What is ").removesuffix("?")
+        assert " * " in expression and record.reference.endswith(f"#### {_python_value(expression)}")
 
 
 def test_verifier_accepts_every_reference_and_rejects_wrong_answers() -> None:

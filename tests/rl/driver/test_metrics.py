@@ -113,11 +113,11 @@ def test_reward_curve_needs_rewards(tmp_path) -> None:
 
 
 def test_format_step_line() -> None:
-    record = {**make_record(3), "entropy": 1.2345, "staleness_mean": 0.5}
+    record = {**make_record(3), "entropy": 1.2345, "staleness_mean": 0.5, "tools/calls": 1.25}
     line = format_step(record, 10)
     assert line == (
         "step 3/10 | reward 0.300+-0.150 | len 13.0 | loss -0.03 | kl 0.003 | ent 1.234 | clip 0.020 | "
-        "stale 0.50 | 1200 tok/s | 5.00 s"
+        "stale 0.50 | calls 1.25 | 1200 tok/s | 5.00 s"
     )
     sparse = format_step({"step": 2, "reward_mean": 1.0, "loss": float("nan")}, 0)
     assert sparse == "step 2 | reward 1.000"

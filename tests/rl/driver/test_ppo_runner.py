@@ -9,9 +9,11 @@ head, frozen reference for the KL in the reward), the shipped arithmetic prompts
   step 2, the adaptive KL controller's coefficient is recorded, and each checkpoint holds the
   critic (``critic/iter_<step>``) and the controller's state (``rl_state.json``); a held-out
   evaluation runs before each save (its rollout offloads the critic: the save onloads it);
-- resume: the step-2 run checkpoint removed, the same command resumes from
-  step 1 (actor, critic, KL controller) and its step 2 equals the uninterrupted step 2 exactly,
-  critic metrics included; without the critic's directory the command exits 2 with one line.
+- resume: the step-2 run checkpoint removed, the same command with ``critic.colocate=false`` (the
+  critic in a pool and process group of its own) resumes from step 1 (actor, critic, KL
+  controller) and its step 2 equals the uninterrupted co-located step 2 exactly, critic metrics
+  included: where the critic lives changes no number; without the critic's directory the
+  command exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -75,11 +77,11 @@ def _recipe(root: Path) -> list[str]:
     ]
 
 
-def _run(root: Path) -> list[dict[str, float]]:
+def _run(root: Path, *extra: str) -> list[dict[str, float]]:
     """``mindspeed-rl ppo`` with the recipe; the step records of its metrics.jsonl (exit status 0 checked)."""
     from mindspeed_rl.cli import main
 
-    assert main(["ppo", *_recipe(root)]) == 0
+    assert main(["ppo", *_recipe(root), *extra]) == 0
     lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["step"] > 0]
 
@@ -120,7 +122,9 @@ def test_two_steps_checkpoint_and_resume(ray_session: Any, root: Path, capsys: p
     # Step 1's KL is 0 (the policy is the reference): the adaptive controller lowered beta for step 2.
     assert records[1]["kl_coef"] < records[0]["kl_coef"] == 0.05
     shutil.rmtree(save / "iter_0000002")
-    resumed = _run(root)  # the same command: resumes from step 1
+    capsys.readouterr()
+    resumed = _run(root, "critic.colocate=false")  # resumes from step 1, the critic in its own pool
+    assert "the critic runs in its own pool: 1 workers" in capsys.readouterr().err
     assert [r["step"] for r in resumed] == [1.0, 2.0] and resumed[0] == records[0]  # step 1's line kept
     for key in KEYS:
         assert resumed[1][key] == records[1][key], (key, resumed[1][key], records[1][key])

@@ -241,6 +241,17 @@ def _group_two(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _critic_loaded(root: str) -> list[Any]:
+    """``critic.load``: a TP1 critic with another fresh head started from the TP2 critic's checkpoint
+    (saved after its update): its values of CRITIC_PAIRS."""
+    from mindspeed_rl.config.ppo_checks import critic_checkpoint_dir
+    from mindspeed_rl.models.critic import Critic, CriticSettings
+
+    critic = Critic(f"{root}/hf", CriticSettings.adamw(lr=1.0, micro_batch_size=2, head_std=3.0, seed=99))
+    critic.load_weights(critic_checkpoint_dir(f"{root}/critic_tp2"))  # the save directory: its newest iter_*
+    return [v.numpy() for v in critic.compute_values(CRITIC_PAIRS)]
+
+
 def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
     """A full PPO update in one layout: the actor's (ppo_clip on token advantages, this replica's
     share of CRITIC_PAIRS) with its gathered weights before and after, then the critic's values of
@@ -249,7 +260,7 @@ def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
     gradient) keeps the first step smooth in the gradient, so the layouts' updates compare to 1e-5."""
     from dataclasses import replace
 
-    from mindspeed_llm.engine import unwrap
+    from mindspeed_llm.engine import save_model_checkpoint, unwrap
     from mindspeed_rl.algorithms import policy_loss_config
     from mindspeed_rl.models.actor import Actor, ActorSettings
     from mindspeed_rl.models.critic import Critic, CriticSettings
@@ -275,12 +286,18 @@ def _critic_layout(root: str, tp: int, dp_rank: int, dp: int) -> dict[str, Any]:
     returns = _pad([torch.tensor(r) for r in CRITIC_RETURNS])
     metrics = critic.update(mine, _pad(values)[pick], returns[pick])
     after = critic.compute_values(CRITIC_PAIRS)
+    loaded = None
+    if tp == 2:  # critic.load: its checkpoint starts a TP1 critic (below, resharded) with its values
+        save_model_checkpoint(f"{root}/critic_tp2", 1, critic)
+    else:
+        loaded = _critic_loaded(root)
     return {
         "actor_metrics": actor_metrics,
         "actor_moved": moved,
         "values": [v.numpy() for v in values],
         "plain": [v.float().numpy() for v in plain],
         "after": [v.numpy() for v in after],
+        "loaded": loaded,
         "metrics": metrics,
         "share_prompt": critic.share_prompt,
     }
@@ -382,6 +399,9 @@ def test_ppo_update_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
                 assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5), (key, a, b)
     tp2 = run2[0]["critic_tp2"]
     assert max(abs(a - b).max() for a, b in zip(tp2["after"], tp2["values"])) > 1e-3  # the update moved them
+    for out in run2:  # critic.load: the TP2 checkpoint's values in a TP1 critic whose own head was other
+        for a, b in zip(out["critic_dp2"]["loaded"], tp2["after"]):
+            assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5), ("loaded", a, b)
     # The actor's update (every rank of both layouts holds the gathered weights).
     for out in run2:
         for layout in ("critic_tp2", "critic_dp2"):

@@ -21,6 +21,11 @@ A training step:
     :func:`guarded_step`, :func:`scheduler_state`, :func:`schedule_settings`.
 Checkpoints of a built model that holds its pieces (``chunks``, ``optimizer``, ``scheduler``, ``config``):
     :func:`save_model_checkpoint`, :func:`load_model_checkpoint`.
+LoRA (an RL actor whose adapters train; :mod:`mindspeed_llm.training.lora`):
+    :class:`LLMLoraConfig` (the ``lora`` section of ``mindspeed-llm sft``), :class:`LoraSettings`,
+    :func:`apply_lora`, :func:`lora_layers`, :func:`lora_disabled` (the base model within a block),
+    :func:`lora_delta_weight` (``B @ A * alpha / r`` of a layer), :func:`export_peft` (a PEFT
+    adapter directory for the Hugging Face base).
 Inference (the built-in engine):
     :class:`InferenceEngine`, :class:`SamplingParams`, :class:`GenerationOutput`.
 
@@ -37,10 +42,18 @@ from mindspeed_llm.training.checkpoint import load_model_checkpoint, save_model_
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
 from mindspeed_llm.training.hf import hf_model_shape, load_hf_weights, read_hf_shape
+from mindspeed_llm.training.lora import LoraSettings, apply_lora, lora_delta_weight, lora_disabled, lora_layers
+from mindspeed_llm.training.lora_io import export_peft
 from mindspeed_llm.training.model import build_transformer_config, default_groups, padded_vocab_size, unwrap
 from mindspeed_llm.training.optim import guarded_step, schedule_settings, scheduler_state
 from mindspeed_llm.training.reward import attach_score_head
-from mindspeed_llm.training.sections import CheckpointConfig, OptimizerConfig, ParallelConfig, SchedulerConfig
+from mindspeed_llm.training.sections import (
+    CheckpointConfig,
+    LLMLoraConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from mindspeed_llm.training.steps import packed_seq_params
 
 __all__ = [
@@ -79,6 +92,14 @@ __all__ = [
     # checkpoints
     "save_model_checkpoint",
     "load_model_checkpoint",
+    # LoRA
+    "LLMLoraConfig",
+    "LoraSettings",
+    "apply_lora",
+    "lora_layers",
+    "lora_disabled",
+    "lora_delta_weight",
+    "export_peft",
     # inference
     "InferenceEngine",
     "SamplingParams",

@@ -9,13 +9,13 @@ folders import each other and a Ray worker never imports the driver
     floor 4  driver
     floor 3  workers
     floor 2  models, demo
-    floor 1  config
-    floor 0  algorithms, buffer, data, rewards, rollout, tools
+    floor 1  config, rollout
+    floor 0  algorithms, buffer, data, rewards, tools
 
 algorithms are the losses, advantages and KL pieces (pure functions on tensors); buffer the replay
-buffer; data the prompt datasets; rewards the verifiers and the reward model; rollout the
-generation engines; tools what a policy may call in a multi-turn rollout (the tool registry, the
-sandbox, the call parser). config holds the recipe's typed sections and their checks. models is
+buffer; data the prompt datasets; rewards the verifiers and the reward model; tools what a policy
+may call in a multi-turn rollout (the tool registry, the sandbox, the call parser); rollout the
+generation engines and the multi-turn agent loop, which runs the tools (a floor above them). config holds the recipe's typed sections and their checks. models is
 what a worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's
 translation into their settings. demo writes the tiny demo policy. workers are the Ray actors that
 host the models and rollout engines. driver is the one process that runs a job: the in-process

@@ -86,7 +86,7 @@ def _layer_params(job: JobSpec, layout: Layout) -> tuple[int, int]:
     q, kv = s.num_attention_heads * s.kv_channels, s.num_query_groups * s.kv_channels
     h = s.hidden_size
     qkv, proj = h * (q + 2 * kv) // tp, q * h // tp
-    mats = 3 if s.swiglu else 2
+    mats = 3 if s.swiglu or s.geglu else 2  # gated MLPs: [gate; up] in fc1
     if s.num_experts:
         f = s.moe_ffn_hidden_size
         fc1 = (s.num_experts // layout.ep) * h * f * (mats - 1) // tp
@@ -169,7 +169,7 @@ def _layer_tensors(job: JobSpec, layout: Layout) -> tuple[_Tensor, ...]:
         out += [
             _Tensor(tokens * s.num_experts * 4 * 2, "mlp"),  # router logits and probabilities
             _Tensor(routed * h * dt, "mlp"),  # permuted tokens (the experts' fc1 input)
-            _Tensor(routed * f * (2 if s.swiglu else 1) * dt, "mlp"),
+            _Tensor(routed * f * (2 if s.swiglu or s.geglu else 1) * dt, "mlp"),
             _Tensor(routed * f * dt, "mlp", "act_out"),
         ]
     else:

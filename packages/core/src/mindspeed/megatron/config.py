@@ -58,6 +58,17 @@ def torch_dtype(shape: ModelShape) -> torch.dtype:
     return _DTYPES[shape.params_dtype]
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeLU with the tanh approximation (transformers' ``gelu_pytorch_tanh``, Gemma's GeGLU gate)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _activation(shape: ModelShape) -> Any:
+    if shape.swiglu:
+        return torch.nn.functional.silu
+    return gelu_tanh if shape.geglu else torch.nn.functional.gelu
+
+
 def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any) -> Any:
     """The megatron ``TransformerConfig`` (``MLATransformerConfig`` for MLA) of ``shape`` on ``sizes``.
 
@@ -84,8 +95,8 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
         kv_channels=shape.kv_channels,
         layernorm_epsilon=shape.norm_epsilon,
         normalization=shape.normalization,
-        gated_linear_unit=shape.swiglu,
-        activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
+        gated_linear_unit=shape.swiglu or shape.geglu,
+        activation_func=_activation(shape),
         # The registry SwiGLU is reached through this flag; no Transformer Engine is involved.
         use_te_activation_func=shape.swiglu,
         bias_activation_fusion=False,
@@ -96,6 +107,10 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
         add_bias_linear=shape.add_bias_linear,
         add_qkv_bias=shape.add_qkv_bias,
         qk_layernorm=shape.qk_layernorm,
+        layernorm_zero_centered_gamma=shape.apply_layernorm_1p,
+        softmax_scale=shape.softmax_scale,
+        window_size=shape.window_size,
+        window_attn_skip_freq=list(shape.window_attn_skip_freq) if shape.window_attn_skip_freq else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,

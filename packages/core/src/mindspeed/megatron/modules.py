@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 from torch import nn
 
 from mindspeed.device import get_accelerator
@@ -54,20 +55,24 @@ class RegistryNorm(nn.Module):
             raise ValueError(
                 f"normalization {config.normalization!r} is not supported by RegistryNorm; use RMSNorm or LayerNorm"
             )
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma is not supported by RegistryNorm; set it to False")
         self.rms = config.normalization == "RMSNorm"
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Zero-centred gamma (megatron's --apply-layernorm-1p, Gemma's RMSNorm): the weight is
+        # stored as w and the norm scales by 1 + w.
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
         self.kernel = resolve_kernel("rms_norm" if self.rms else "layer_norm", impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # 1 + w in fp32 (as transformers' Gemma RMSNorm): a half-precision 1 + w would round w away.
+        weight = self.weight.float() + 1 if self.zero_centered else self.weight
         if self.rms:
-            return self.kernel(x, self.weight, self.eps)
-        return self.kernel(x, self.weight, self.bias, self.eps)
+            return self.kernel(x, weight, self.eps)
+        return self.kernel(x, weight, self.bias, self.eps)
 
 
 class RegistrySwiGLU(nn.Module):
@@ -91,7 +96,8 @@ class RegistryAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` on the registry's attention kernel.
 
     Takes megatron's ``[s, b, heads, dim]`` layout, supports causal and unmasked attention,
-    GQA, ``config.window_size`` and ``config.softmax_scale``. With
+    GQA, ``config.window_size`` (on the layers ``config.window_attn_skip_freq`` picks) and
+    ``config.softmax_scale``. With
     ``config.context_parallel_size > 1`` it runs :mod:`mindspeed.parallel.context_parallel` over
     the CP group of ``pg_collection``, the algorithm chosen by megatron's own ``cp_comm_type``
     (:data:`CP_COMM_TYPES`; hybrid's Ulysses degree is
@@ -123,6 +129,8 @@ class RegistryAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         window = getattr(config, "window_size", None)
+        if not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+            window = None  # a full-attention layer among sliding-window ones (megatron's rule)
         self.window_size = tuple(window) if window is not None else (-1, -1)
         features = ("window",) if window is not None else ()
         self.impl = impl

@@ -52,15 +52,16 @@ def forward_flops_per_token(shape: ModelShape, seq_length: int, vocab_size: int 
         vocab_size: output-layer rows ``V`` (default ``shape.vocab_size``; pass the padded vocabulary).
     """
     h = shape.hidden_size
-    dense = _mlp(h, shape.ffn_hidden_size, shape.swiglu)
+    gated = shape.swiglu or shape.geglu
+    dense = _mlp(h, shape.ffn_hidden_size, gated)
     moe_layers = shape.num_moe_layers
     moe = 0.0
     if moe_layers:
         shared = shape.moe_shared_expert_intermediate_size or 0
         moe = (
-            shape.moe_router_topk * _mlp(h, shape.moe_ffn_hidden_size, shape.swiglu)
+            shape.moe_router_topk * _mlp(h, shape.moe_ffn_hidden_size, gated)
             + 2.0 * h * shape.num_experts
-            + (_mlp(h, shared, shape.swiglu) if shared else 0.0)
+            + (_mlp(h, shared, gated) if shared else 0.0)
             + (2.0 * h if shape.moe_shared_expert_gate else 0.0)
         )
     layers = (

@@ -43,6 +43,21 @@ class ModelShape:
         qk_layernorm: queries and keys are RMS-normalised per head (Qwen3).
         normalization: ``RMSNorm`` or ``LayerNorm``.
         swiglu: gated SiLU MLP (three matrices); false: a plain GeLU MLP (two).
+        geglu: gated MLP with the tanh-approximated GeLU (Gemma; with ``swiglu`` false).
+        apply_layernorm_1p: every norm scales by ``1 + weight`` (weights zero-centred; Gemma).
+        post_norm: attention and MLP outputs are normalised before the residual add (Gemma's
+            ``post_attention_layernorm`` / ``post_feedforward_layernorm``).
+        embedding_multiplier_scale: the embedding output is multiplied by this (Gemma:
+            ``sqrt(hidden_size)``; ``None``: not scaled).
+        query_pre_attn_scalar: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``
+            instead of ``kv_channels ** -0.5`` (``None``: the default).
+        window_size: sliding-window attention ``(left, right)`` (``None``: full attention).
+        window_attn_skip_freq: one flag per layer, 1 for the layers that use ``window_size``
+            (``None`` with a window: every layer).
+        local_rotary_base: rope theta of the sliding-window layers (``None``: ``rotary_base``).
+        rotary_seq_len_interpolation_factor: linear rope scaling of the other layers (positions
+            divided by it; ``None``: none).
+        output_logit_softcapping: logits become ``cap * tanh(logits / cap)`` (``None``: off).
         add_bias_linear: biases in every linear layer.
         position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
         num_experts: routed experts of MoE layers (``None``: dense model).
@@ -96,6 +111,16 @@ class ModelShape:
     qk_layernorm: bool = False
     normalization: str = "RMSNorm"
     swiglu: bool = True
+    geglu: bool = False
+    apply_layernorm_1p: bool = False
+    post_norm: bool = False
+    embedding_multiplier_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: tuple[int, ...] | None = None
+    local_rotary_base: float | None = None
+    rotary_seq_len_interpolation_factor: float | None = None
+    output_logit_softcapping: float | None = None
     add_bias_linear: bool = False
     position_embedding_type: str = "rope"
     num_experts: int | None = None
@@ -140,6 +165,13 @@ class ModelShape:
             object.__setattr__(self, "mtp_num_layers", None)
         if self.num_experts and self.moe_layer_freq is None:
             object.__setattr__(self, "moe_layer_freq", (1,) * self.num_layers)
+        for name in ("window_size", "window_attn_skip_freq"):
+            if getattr(self, name) is not None:  # lists from a checkpoint's args
+                object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+        if self.window_attn_skip_freq is not None and len(self.window_attn_skip_freq) != self.num_layers:
+            raise ValueError(
+                f"window_attn_skip_freq has {len(self.window_attn_skip_freq)} entries for {self.num_layers} layers"
+            )
         if self.moe_layer_freq is not None:
             object.__setattr__(self, "moe_layer_freq", tuple(int(x) for x in self.moe_layer_freq))
             if len(self.moe_layer_freq) != self.num_layers:
@@ -148,6 +180,17 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) has routed experts."""
         return bool(self.num_experts and self.moe_layer_freq and self.moe_layer_freq[layer])
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) attends within ``window_size`` (megatron's rule)."""
+        if self.window_size is None:
+            return False
+        return self.window_attn_skip_freq is None or bool(self.window_attn_skip_freq[layer])
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention's score scale when it is not ``kv_channels ** -0.5`` (``None``)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @property
     def mtp_is_moe(self) -> bool:
@@ -169,6 +212,9 @@ class ModelShape:
         """The megatron arguments this shape implies (plain values, for a checkpoint's ``args``)."""
         args = dataclasses.asdict(self)
         args["moe_layer_freq"] = list(self.moe_layer_freq) if self.moe_layer_freq else 1
+        for name in ("window_size", "window_attn_skip_freq"):
+            if args[name] is not None:
+                args[name] = list(args[name])
         args.update(
             group_query_attention=self.num_query_groups != self.num_attention_heads,
             rotary_interleaved=False,

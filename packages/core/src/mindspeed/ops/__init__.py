@@ -18,6 +18,7 @@ from mindspeed.ops import (  # noqa: F401
     adamw,
     attention,
     ema_adamw,
+    gated_delta_rule,
     grouped_matmul,
     matmul_add,
     moe_permute,
@@ -26,7 +27,7 @@ from mindspeed.ops import (  # noqa: F401
     ring_attention,
     rotary,
 )
-from mindspeed.ops.backends import bnb_quant, cuda_attention, npu_attention, npu_basic, npu_moe  # noqa: F401
+from mindspeed.ops.backends import bnb_quant, cuda_attention, cuda_fla, npu_attention, npu_basic, npu_moe  # noqa: F401
 from mindspeed.ops.backends.compile import register_compiled_kernels
 from mindspeed.ops.registry import (
     KERNELS,

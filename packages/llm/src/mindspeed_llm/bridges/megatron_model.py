@@ -51,7 +51,21 @@ def _layer_spec(
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from mindspeed.megatron.spec import MindSpeedSpecProvider, get_gpt_layer_spec
+    from mindspeed.megatron.variants import apply_layer_variants
 
+    if has_layer_variants(shape):
+        # Gemma-style layers: registry norms ((1 + w) is not in megatron's local norms), with the
+        # variant modules megatron's spec lacks (same parameter names either way).
+        spec = get_gpt_layer_spec(
+            impls=impls,
+            num_experts=num_experts,
+            qk_layernorm=shape.qk_layernorm,
+            normalization=shape.normalization,
+            swiglu=shape.swiglu,
+            moe_grouped_gemm=moe_grouped_gemm,
+        )
+        norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
+        return apply_layer_variants(spec, shape, norm)
     if not shape.multi_latent_attention:
         if megatron_modules:
             return get_gpt_layer_local_spec(
@@ -85,6 +99,11 @@ def _layer_spec(
             if hasattr(subs, "activation_func"):
                 subs.activation_func = provider.activation_func()
     return spec
+
+
+def has_layer_variants(shape: ModelShape) -> bool:
+    """Whether ``shape`` needs :mod:`mindspeed.megatron.variants` (Gemma-style layers)."""
+    return shape.post_norm or shape.apply_layernorm_1p or shape.local_rotary_base is not None
 
 
 def mla_without_te_patch() -> Any:
@@ -154,9 +173,11 @@ def mla_core_attention() -> type:
     return MLARegistryAttention
 
 
-def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None, pp_rank: int | None = None) -> Any:
+def _block_spec(
+    config: Any, layer_specs: list[Any], vp_stage: int | None, pp_rank: int | None = None, final_norm: Any = None
+) -> Any:
     # This chunk's slice of the per-layer specs (dense and MoE layers mixed), the way megatron's
-    # get_gpt_decoder_block_spec cuts it, with megatron's default final norm.
+    # get_gpt_decoder_block_spec cuts it, with megatron's default final norm (or ``final_norm``).
     from megatron.core.transformer.transformer_block import (
         LayerNormImpl,
         TransformerBlockSubmodules,
@@ -166,7 +187,9 @@ def _block_spec(config: Any, layer_specs: list[Any], vp_stage: int | None, pp_ra
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=layer_specs[offset : offset + count], layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(
+        layer_specs=layer_specs[offset : offset + count], layer_norm=final_norm or LayerNormImpl
+    )
 
 
 def build_gpt_chunks(
@@ -215,7 +238,8 @@ def build_gpt_chunks(
     patches.apply(get_accelerator())
     try:
         return [
-            _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups) for stage in range(sizes.vpp or 1)
+            _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups, impls)
+            for stage in range(sizes.vpp or 1)
         ]
     finally:
         patches.revert()
@@ -229,6 +253,7 @@ def _build_chunk(
     stage: int,
     vocab_size: int,
     groups: Any = None,
+    impls: Mapping[str, str] | None = None,
 ) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -239,6 +264,9 @@ def _build_chunk(
         is_vp_last_stage,
     )
 
+    from mindspeed.megatron.spec import MindSpeedSpecProvider
+    from mindspeed.megatron.variants import add_model_variants
+
     vp_stage = stage if sizes.vpp else None
     if groups is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -248,7 +276,10 @@ def _build_chunk(
         pre_process = is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, sizes.vpp)
         post_process = is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, sizes.vpp)
         extra = {"pg_collection": groups}
-    block = _block_spec(config, layer_specs, vp_stage, None if groups is None else groups.pp.rank())
+    final_norm = None
+    if shape.apply_layernorm_1p:  # megatron's local norms have no (1 + w)
+        final_norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
+    block = _block_spec(config, layer_specs, vp_stage, None if groups is None else groups.pp.rank(), final_norm)
     mtp = None
     if shape.mtp_num_layers:
         # megatron's own helper: on the last stage (the last chunk), MTP layers built like the last
@@ -258,7 +289,7 @@ def _build_chunk(
 
         last = TransformerBlockSubmodules(layer_specs=[layer_specs[-1]])
         mtp = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block,
         mtp_block_spec=mtp,
@@ -268,9 +299,11 @@ def _build_chunk(
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rope_scaling=shape.use_rope_scaling,
         rope_scaling_factor=shape.rope_scaling_factor,
+        seq_len_interpolation_factor=shape.rotary_seq_len_interpolation_factor,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=shape.tie_embeddings,
         vp_stage=vp_stage,
         **extra,
     )
+    return add_model_variants(model, shape)

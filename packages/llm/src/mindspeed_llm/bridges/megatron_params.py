@@ -123,9 +123,16 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
     h = shape.hidden_size
     params = [MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer)]
     params += _attention(shape, prefix + "self_attention.", layer)
+    if shape.post_norm:  # mindspeed.megatron.variants: the attention output's norm
+        params.append(
+            MegatronParam(prefix + "self_attention.linear_proj.post_layernorm.weight", (h,), Split.REPLICATED, layer)
+        )
     params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
     if not moe:
-        return params + _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+        if shape.post_norm:  # and the MLP output's
+            params.append(MegatronParam(prefix + "mlp.linear_fc2.post_layernorm.weight", (h,), Split.REPLICATED, layer))
+        return params
     experts = shape.num_experts
     params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))
     if shape.moe_router_enable_expert_bias:

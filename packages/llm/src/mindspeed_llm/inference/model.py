@@ -1,6 +1,7 @@
-"""The single-device decoder the inference engine runs: Llama-like families, dense or MoE, and
+"""The single-device decoder the inference engine runs: Llama-like families, dense or MoE,
 DeepSeek-V3 (multi-latent attention, :mod:`.mla`; sigmoid routing, :mod:`.routing`; shared experts;
-dense first layers).
+dense first layers) and Gemma 3 ((1 + w) norms before and after attention and MLP, GeGLU, a scaled
+embedding, a second rope base on the sliding-window layers, soft-capped logits).
 
 Weights are held under megatron-core's names and in its fused layouts (``linear_qkv`` in the
 grouped ``[group: q heads, k, v]`` layout, ``linear_fc1`` as ``[gate; up]``), which is what
@@ -30,6 +31,12 @@ from mindspeed_llm.inference.spec import DecoderSpec
 KERNEL_OPS = ("rms_norm", "rotary_pos_emb", "attention", "swiglu")
 
 
+def _geglu(x: torch.Tensor) -> torch.Tensor:
+    # [gate; up] halves, as megatron's linear_fc1 holds them; transformers' gelu_pytorch_tanh.
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class DecoderLayer:
     """One layer's weights (views into the model's tensors) and its forward.
 
@@ -50,6 +57,9 @@ class DecoderLayer:
         self.k_norm = get("self_attention.k_layernorm.weight")
         self.proj = get("self_attention.linear_proj.weight")
         self.mlp_norm = get("pre_mlp_layernorm.weight")
+        # Gemma's norms of the attention and MLP outputs (mindspeed.megatron.variants' names).
+        self.post_attn_norm = get("self_attention.linear_proj.post_layernorm.weight")
+        self.post_mlp_norm = get("mlp.linear_fc2.post_layernorm.weight")
         self.fc1 = get("mlp.linear_fc1.weight")
         self.fc2 = get("mlp.linear_fc2.weight")
         self.router = get("mlp.router.weight")
@@ -63,15 +73,20 @@ class DecoderLayer:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` -> the layer's output, same shape (``cos``/``sin`` ``[tokens, 1, 1, dim]``)."""
-        m, spec = self.model, self.model.spec
-        h = m.rms_norm(x, self.attn_norm, spec.norm_eps)
+        m = self.model
+        h = m.norm(x, self.attn_norm)
         attention = self.mla.forward(h, cos, sin, self.index, step) if self.mla else self._attention(h, cos, sin, step)
+        if self.post_attn_norm is not None:
+            attention = m.norm(attention, self.post_attn_norm)
         x = x + attention
-        h = m.rms_norm(x, self.mlp_norm, spec.norm_eps)
-        return x + (self._experts(h) if self.router is not None else self._mlp(h, self.fc1, self.fc2))
+        h = m.norm(x, self.mlp_norm)
+        mlp = self._experts(h) if self.router is not None else self._mlp(h, self.fc1, self.fc2)
+        if self.post_mlp_norm is not None:
+            mlp = m.norm(mlp, self.post_mlp_norm)
+        return x + mlp
 
     def _mlp(self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model.swiglu(F.linear(h, fc1)), fc2)
+        return F.linear(self.model.activation(F.linear(h, fc1)), fc2)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         m, spec = self.model, self.model.spec
@@ -80,13 +95,7 @@ class DecoderLayer:
         # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
         qk = qkv[:, :, : group + 1]
         if self.q_norm is not None:
-            qk = torch.cat(
-                (
-                    m.rms_norm(qk[:, :, :group], self.q_norm, spec.norm_eps),
-                    m.rms_norm(qk[:, :, group:], self.k_norm, spec.norm_eps),
-                ),
-                dim=2,
-            )
+            qk = torch.cat((m.norm(qk[:, :, :group], self.q_norm), m.norm(qk[:, :, group:], self.k_norm)), dim=2)
         qk = m.rotary(qk, cos, sin)
         return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
 
@@ -135,8 +144,17 @@ class Decoder:
             # activation memory for the backward pass; without a backward it only adds overhead.
             swiglu = resolve_kernel("swiglu", "reference")
         self.swiglu = swiglu.fn
+        shape = spec.shape
+        self.activation = _geglu if shape.geglu else self.swiglu
+        # Gemma: norms scale by 1 + w; embeddings by sqrt(hidden) (in the model dtype, as
+        # transformers does); logits soft-capped.
+        self.norm_offset = 1.0 if shape.apply_layernorm_1p else 0.0
+        self.embedding_scale = shape.embedding_multiplier_scale
+        self.softcap = shape.output_logit_softcapping
         self.scale = spec.softmax_scale
         self.inv_freq = spec.inv_freq.to(device)
+        self.local_inv_freq = None if spec.local_inv_freq is None else spec.local_inv_freq.to(device)
+        self.local_rope_layers = spec.local_rope_layers
         self._weights = self._allocate()
         self.embedding = self._weights["embedding.word_embeddings.weight"]
         self.final_norm = self._weights["decoder.final_layernorm.weight"]
@@ -165,11 +183,17 @@ class Decoder:
         """Megatron name -> the tensor holding it (copy into it to change the weights)."""
         return dict(self._weights)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[*positions.shape, head_dim]`` in the model dtype (transformers' arithmetic)."""
-        angles = positions[..., None].float() * self.inv_freq
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of ``x`` (by ``weight``, or ``1 + weight`` for zero-centred weights)."""
+        # 1 + w in fp32, as transformers' Gemma RMSNorm computes it (bf16 would round w away).
+        return self.rms_norm(x, weight.float() + self.norm_offset if self.norm_offset else weight, self.spec.norm_eps)
+
+    def rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[*positions.shape, head_dim]`` in the model dtype (transformers' arithmetic);
+        ``local``: of the sliding-window layers' own base."""
+        angles = positions[..., None].float() * (self.local_inv_freq if local else self.inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
-        scale = self.spec.rope_scale
+        scale = self.spec.local_rope_scale if local else self.spec.rope_scale
         return (angles.cos() * scale).to(self.dtype), (angles.sin() * scale).to(self.dtype)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -181,12 +205,19 @@ class Decoder:
             step: how attention reaches keys and values (:mod:`.cache`).
         """
         x = F.embedding(tokens, self.embedding)
-        cos, sin = self.rope(positions)
-        cos, sin = cos[:, None, None], sin[:, None, None]  # against [tokens, kv_heads, group + 1, rotary dim]
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, step)
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=torch.float32).to(x.dtype)
+        tables = {}
+        for local in sorted(set(self.local_rope_layers)):
+            cos, sin = self.rope(positions, local)
+            tables[local] = cos[:, None, None], sin[:, None, None]  # against [tokens, kv_heads, group + 1, dim]
+        for layer, local in zip(self.layers, self.local_rope_layers):
+            x = layer.forward(x, *tables[local], step)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[..., vocab]`` of final hidden states."""
-        return F.linear(self.rms_norm(hidden, self.final_norm, self.spec.norm_eps), self.output).float()
+        logits = F.linear(self.norm(hidden, self.final_norm), self.output)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()

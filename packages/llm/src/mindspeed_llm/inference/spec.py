@@ -43,7 +43,12 @@ class DecoderSpec:
         rope_scale: factor on cos/sin (transformers' ``attention_scaling``; 1 for default and llama3).
         windows: per layer, the sliding window in tokens (``None``: full causal attention).
         moe_layers: per layer, whether its MLP is routed experts.
-        softmax_scale: the attention's score scale (``1 / sqrt(head_dim)``; MLA's own, :mod:`.mla`).
+        softmax_scale: the attention's score scale (``1 / sqrt(head_dim)``; MLA's own, :mod:`.mla`;
+            Gemma's ``query_pre_attn_scalar ** -0.5``).
+        local_inv_freq: inverse frequencies of the sliding-window layers when they rotate with
+            their own base (Gemma 3's ``rope_parameters['sliding_attention']``; ``None``: every
+            layer uses ``inv_freq``).
+        local_rope_scale: their cos/sin factor.
     """
 
     family: str
@@ -60,6 +65,15 @@ class DecoderSpec:
     windows: tuple[int | None, ...]
     moe_layers: tuple[bool, ...]
     softmax_scale: float
+    local_inv_freq: torch.Tensor | None = None
+    local_rope_scale: float = 1.0
+
+    @property
+    def local_rope_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it rotates with ``local_inv_freq``."""
+        if self.local_inv_freq is None:
+            return (False,) * self.num_layers
+        return tuple(self.shape.is_window_layer(i) for i in range(self.num_layers))
 
     @property
     def group_size(self) -> int:
@@ -83,17 +97,24 @@ def check_supported(bridge: Bridge, shape: ModelShape) -> None:
     require_capability(bridge, "infers")
 
 
-def rotary_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+#: The layer types of models whose ``rope_parameters`` are given per layer type (Gemma 3).
+GLOBAL_LAYERS, LOCAL_LAYERS = "full_attention", "sliding_attention"
+
+
+def rotary_frequencies(config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scale of the model's rotary embedding, as transformers computes them.
 
     Args:
         config: the transformers config (``rope_parameters`` decides the variant).
         head_dim: width of one head (all channels rotate).
+        layer_type: the entry of ``rope_parameters`` given per layer type (``None``: not so given).
 
     Returns:
         ``(inv_freq [head_dim / 2] fp32, scale)``.
     """
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     kind = params.get("rope_type", "default")
     if kind == "default":
         base = float(params.get("rope_theta", 10000.0))
@@ -106,7 +127,8 @@ def rotary_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]
             f"config.json's rope_type {kind!r} is not supported; use one of default, "
             f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
         )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scale)
 
 
@@ -138,7 +160,10 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
     """
     check_supported(bridge, shape)
     mla = shape.multi_latent_attention
-    inv_freq, scale = rotary_frequencies(config, shape.qk_pos_emb_head_dim if mla else shape.kv_channels)
+    rotary_dim = shape.qk_pos_emb_head_dim if mla else shape.kv_channels
+    per_type = isinstance((getattr(config, "rope_parameters", None) or {}).get(GLOBAL_LAYERS), Mapping)
+    inv_freq, scale = rotary_frequencies(config, rotary_dim, GLOBAL_LAYERS if per_type else None)
+    local_inv_freq, local_scale = rotary_frequencies(config, rotary_dim, LOCAL_LAYERS) if per_type else (None, 1.0)
     moe = tuple(shape.is_moe_layer(i) for i in range(shape.num_layers))
     head_dim = mla_cache_width(shape) if mla else shape.kv_channels
     return DecoderSpec(
@@ -155,7 +180,9 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
         rope_scale=scale,
         windows=sliding_windows(config, shape.num_layers),
         moe_layers=moe,
-        softmax_scale=mla_softmax_scale(shape) if mla else 1.0 / math.sqrt(head_dim),
+        softmax_scale=mla_softmax_scale(shape) if mla else shape.softmax_scale or 1.0 / math.sqrt(head_dim),
+        local_inv_freq=local_inv_freq,
+        local_rope_scale=local_scale,
     )
 
 

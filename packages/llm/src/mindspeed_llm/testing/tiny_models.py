@@ -138,6 +138,33 @@ def tiny_qwen2_moe() -> Any:
     )
 
 
+@TINY_CONFIGS.register("gemma3")
+def tiny_gemma3() -> Any:
+    """Gemma 3-style: a window of 4 tokens on layers 0, 1 and 3 (layer 2 global: on the second
+    pipeline stage, its first layer), rope 'linear' (factor 8) on the global layer and its own base
+    on the others, scores scaled by query_pre_attn_scalar 32 (not head_dim), and a logit soft-cap
+    of 5 (small, so that random-weight logits feel it)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **{k: v for k, v in _DENSE.items() if k != "rms_norm_eps"},
+        rms_norm_eps=1e-6,
+        vocab_size=128,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=5.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Gemma3ForCausalLM"],
+    )
+
+
 @TINY_CONFIGS.register("deepseek3")
 def tiny_deepseek_v3() -> Any:
     """DeepSeek-V3-style: MLA, layer 0 dense, 4 sigmoid-routed experts in 2 groups, a shared expert

@@ -26,11 +26,12 @@ Gathering, saving and exporting the factors is in :mod:`mindspeed_llm.training.l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,9 +155,13 @@ class LoraLinear:
     """
 
     layer_mixin_order = 0
+    #: Set by :func:`lora_disabled`: the layer computes its base output only (peft's ``disable_adapter``).
+    lora_off = False
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         output, bias = super().forward(input_, *args, **kwargs)
+        if self.lora_off:
+            return output, bias
         partial, b_weight = self.lora_partial(input_), self.lora_B["default"].weight
         if output.dtype == b_weight.dtype and partial.shape[:-1] == output.shape[:-1]:
             return _LoraUpdate.apply(output, partial, b_weight, self.lora_scaling), bias
@@ -297,6 +302,33 @@ def add_lora(module: torch.nn.Module, global_name: str, settings: LoraSettings, 
 def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
     """Local module name -> LoRA layer of one (unwrapped) chunk."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+@contextlib.contextmanager
+def lora_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Within the block, every LoRA layer of ``chunks`` computes its base output only.
+
+    The base weights are untouched, so the model is the one before LoRA (an RL reference policy
+    is the actor with its adapters off: no second copy of the weights). Not reentrant.
+    """
+    layers = [layer for chunk in chunks for layer in lora_layers(unwrap_model(chunk)).values()]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False
+
+
+def lora_delta_weight(layer: LoraLinear) -> torch.Tensor:
+    """``B @ A * alpha / r`` in float32: this rank's piece of the layer's weight update.
+
+    The pieces line up with the base weight's: a column-parallel (or gated) base has B cut like
+    its rows and A whole, a row-parallel base A cut like its columns and B whole.
+    """
+    a_weight, b_weight = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    return (b_weight.detach().float() @ a_weight.detach().float()) * layer.lora_scaling
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -84,6 +84,19 @@ def _check_placement(config: RecipeSections, num_devices: int | None) -> None:
             "buffer.mode=async needs the rollout on its own devices (it generates while the actor "
             "trains): set rollout.colocate=false and rollout.num_devices"
         )
+    pinned = config.ray.pool_resources
+    critic = getattr(config, "critic", None)
+    own_pool = {
+        "rollout": not r.colocate,
+        "critic": critic is not None and not critic.colocate,
+        "reward": config.reward.model is not None,
+    }
+    for pool, exists in own_pool.items():
+        if pool in pinned and not exists:
+            raise ConfigError(
+                f"ray.pool_resources.{pool}: this recipe has no separate {pool} pool (co-located or unused); "
+                f"remove the entry or give the {pool} its own workers"
+            )
 
 
 def _check_algorithm(config: RecipeSections) -> None:
@@ -123,8 +136,18 @@ def check_config(config: RecipeSections, num_devices: int | None = None) -> None
         config.data,
     ):
         section.check()
+    if config.actor.lora.enabled and config.reference.model not in (None, config.actor.model):
+        raise ConfigError(
+            f"reference.model={config.reference.model} with actor.lora: the reference is the actor with its "
+            "adapters off (the base model); unset reference.model"
+        )
     _check_batches(config)
     _check_placement(config, num_devices)
     _check_algorithm(config)
     if config.train.eval_interval is not None and config.data.eval_path is None:
         raise ConfigError("train.eval_interval needs data.eval_path (e.g. demo-test)")
+    if config.rollout.tools and config.data.prompt_format != "chat":
+        raise ConfigError(
+            "rollout.tools needs data.prompt_format=chat (the chat template renders the tools and their "
+            "results); set data.prompt_format=chat with a tokenizer whose template renders tool messages"
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mindspeed.checkpointing.discovery import is_complete, list_complete
 from mindspeed.config import ConfigError
 from mindspeed_rl.algorithms.functional import LOSS_AGG_MODES
 from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
@@ -97,7 +98,25 @@ def check_critic(c: CriticConfig, train: RLTrainConfig) -> None:
     if c.model is not None and not Path(c.model).exists():
         raise ConfigError(
             f"critic.model={c.model!r} does not exist: give a reward model (*ForSequenceClassification), a "
-            "Hugging Face model directory or a Megatron checkpoint, or unset it (default: actor.model)"
+            "Hugging Face model directory, or unset it (default: actor.model)"
         )
-    if not c.colocate:
-        raise ConfigError("critic.colocate=false (a critic on its own devices) is not supported yet; set it to true")
+    if c.load is not None:
+        critic_checkpoint_dir(c.load)
+
+
+def critic_checkpoint_dir(path: str | Path, key: str = "critic.load") -> Path:
+    """The complete checkpoint ``path`` names: itself (an ``iter_*`` directory) or a save directory's newest.
+
+    Raises:
+        ConfigError: one line naming ``key``: ``path`` holds no complete checkpoint.
+    """
+    directory = Path(path)
+    if is_complete(directory):
+        return directory
+    found = list_complete(directory)
+    if not found:
+        raise ConfigError(
+            f"{key}={str(path)!r} holds no complete checkpoint; give an iter_* directory or a save directory "
+            "with one (a PPO run's checkpoint.save/critic, a mindspeed-llm rm run's checkpoint.save)"
+        )
+    return found[-1]

@@ -48,8 +48,11 @@ class CriticConfig:
 
     Attributes:
         model: where it starts: a Hugging Face ``*ForSequenceClassification`` directory (a reward
-            model: its score head becomes the value head), a ``*ForCausalLM`` directory (the value
-            head is drawn fresh) or a Megatron checkpoint (default ``actor.model``).
+            model: its score head becomes the value head) or a ``*ForCausalLM`` directory (the value
+            head is drawn fresh); default ``actor.model``.
+        load: a Megatron checkpoint whose weights then start the critic (an ``iter_*`` directory
+            or a save directory's newest complete one: a PPO run's ``checkpoint.save/critic``, a
+            ``mindspeed-llm rm`` run's ``checkpoint.save``); ``critic.model`` gives its shape.
         value_loss: a key of ``VALUE_LOSSES``: ``clipped`` (verl/OpenRLHF) or ``mse``.
         cliprange_value: the clip range of the value predictions around the rollout's values.
         loss_agg_mode: how the per-token value loss is reduced (``token-mean``, verl's default).
@@ -57,10 +60,12 @@ class CriticConfig:
             schedule, as the actor's keys.
         ppo_epochs: passes over each rollout batch.
         warmup_steps: steps that train the critic alone before the actor's first update.
-        colocate: share the actor's devices (MindSpeed-RL's default).
+        colocate: share the actor's devices (MindSpeed-RL's default); false: a pool of its own (as
+            many devices as the actor's, the actor's layout), which the rollout never offloads.
     """
 
     model: str | None = None
+    load: str | None = None
     value_loss: str = "clipped"
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"

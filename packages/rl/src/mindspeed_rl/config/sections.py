@@ -26,6 +26,7 @@ from mindspeed_rl.algorithms.gae import VALUE_ADVANTAGES
 from mindspeed_rl.algorithms.kl import KL_ESTIMATORS
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, policy_loss_config
 from mindspeed_rl.algorithms.reinforce import TOKEN_ADVANTAGES
+from mindspeed_rl.config.lora import RLLoraConfig
 from mindspeed_rl.config.ppo_sections import KL_COEF_DEFAULT, KLControlConfig
 from mindspeed_rl.data.prompts import DEFAULT_MAP_KEYS, PromptFormat, resolve_data_path
 from mindspeed_rl.rewards.base import build_reward
@@ -74,6 +75,9 @@ class ActorConfig:
             learned positions, no MLA/MTP); true: on, an error where it cannot apply; false: off.
         offload_optimizer: co-location: optimizer state to host memory while the rollout generates.
         offload_grad: co-location: gradients to host memory while the rollout generates.
+        lora: LoRA RL (``mindspeed-llm sft``'s ``lora`` keys: ``target_modules``, ``r``, ``alpha``,
+            ``dropout``, ``save_peft``): only the adapters train, the reference is the actor with
+            its adapters off, the rollout engine gets the merged weights (docs/rl/lora.md).
     """
 
     model: str | None = None
@@ -97,6 +101,7 @@ class ActorConfig:
     share_prompt: bool | None = None
     offload_optimizer: bool = True
     offload_grad: bool = True
+    lora: RLLoraConfig = field(default_factory=RLLoraConfig)
 
     def world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""
@@ -132,6 +137,7 @@ class ActorConfig:
                 f"actor.share_prompt=true needs actor.pp=1 (got {self.pp}: pipeline stages exchange fixed-shape "
                 "microbatches); set actor.share_prompt=false or leave it unset"
             )
+        self.lora.check()
 
 
 @dataclass
@@ -151,6 +157,13 @@ class RolloutConfig:
         max_num_seqs: sequences the engine decodes at once.
         gpu_memory_utilization: vLLM's share of device memory.
         stop: strings that end a response.
+        tools: tool names a multi-turn rollout offers (``mindspeed_rl.tools.TOOLS``: ``calculator``,
+            ``python``); empty: single-turn rollouts.
+        tool_options: tool name -> its options (e.g. ``{python: {wall_timeout_s: 5}}``).
+        max_turns: assistant turns per sample at most (with ``tools``).
+        max_response_length: response tokens per sample, generated and tool tokens together
+            (with ``tools``; default ``max_turns * max_new_tokens``); ``max_new_tokens`` bounds each turn.
+        max_parallel: tool calls run at once. tool_timeout_s: wall seconds per tool call.
     """
 
     engine: Literal["builtin", "vllm"] = "builtin"
@@ -166,10 +179,21 @@ class RolloutConfig:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.5
     stop: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    tool_options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 1
+    max_response_length: int | None = None
+    max_parallel: int = 4
+    tool_timeout_s: float = 30.0
+
+    def response_budget(self) -> int:
+        """Response tokens per sample at most (all turns and tool responses)."""
+        return self.max_response_length or self.max_turns * self.max_new_tokens
 
     def check(self) -> None:
         """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
         check_counts("rollout", self, ("n", "max_prompt_length", "max_new_tokens", "tp", "max_num_seqs"))
+        self._check_tools()
         check_counts("rollout", self, ("num_devices",), optional=True)
         if self.stop:
             raise ConfigError(
@@ -197,6 +221,35 @@ class RolloutConfig:
             raise ConfigError("rollout.colocate=false needs rollout.num_devices (the rollout pool's size)")
         if not self.colocate and self.num_devices % self.tp:
             raise ConfigError(f"rollout.num_devices={self.num_devices} is not a multiple of rollout.tp={self.tp}")
+
+    def _check_tools(self) -> None:
+        from mindspeed_rl.tools import TOOLS, build_tools
+
+        check_counts("rollout", self, ("max_turns", "max_parallel"))
+        check_counts("rollout", self, ("max_response_length",), optional=True)
+        if not self.tool_timeout_s > 0:
+            raise ConfigError(f"rollout.tool_timeout_s={self.tool_timeout_s} must be positive (seconds per tool call)")
+        if not self.tools:
+            if self.max_turns != 1 or self.tool_options or self.max_response_length is not None:
+                raise ConfigError(
+                    "rollout.max_turns, rollout.tool_options and rollout.max_response_length are for multi-turn "
+                    "rollouts: set rollout.tools (e.g. [calculator]) or unset them"
+                )
+            return
+        unknown = [name for name in self.tools if name not in TOOLS]
+        if unknown:
+            raise ConfigError(f"rollout.tools: unknown tool(s) {unknown}; known: {', '.join(sorted(TOOLS))}")
+        if any(not isinstance(v, dict) for v in self.tool_options.values()):
+            raise ConfigError("rollout.tool_options maps a tool name to a mapping of its options, e.g. {python: {}}")
+        try:
+            build_tools(self.tools, self.tool_options)
+        except ValueError as err:
+            raise ConfigError(f"rollout.tool_options: {err}") from err
+        if self.response_budget() < self.max_new_tokens:
+            raise ConfigError(
+                f"rollout.max_response_length={self.max_response_length} is below rollout.max_new_tokens="
+                f"{self.max_new_tokens} (one turn): raise it"
+            )
 
 
 @dataclass
@@ -489,21 +542,49 @@ class PromptDataConfig:
             raise ConfigError(f"data.prompt_template: {err}") from err
 
 
+#: The worker pools ``ray.pool_resources`` can pin.
+POOLS = ("actor", "rollout", "critic", "reward")
+
+
 @dataclass
 class RayConfig:
     """Where the workers run.
 
     Attributes:
-        address: an existing Ray cluster (default: a local instance).
+        address: an existing Ray cluster (``host:6379``, ``ray://host:10001``, ``auto``; default:
+            ``RAY_ADDRESS``, else a local instance).
         num_cpus: CPUs of the local instance (default: all).
+        pool_resources: pool (``actor``, ``rollout``, ``critic``, ``reward``) -> custom Ray
+            resources each of its workers asks for, e.g. ``{actor: {trainer: 1}, rollout:
+            {generator: 1}}`` to pin the pools to the nodes started with those resources
+            (``ray start --resources '{"trainer": 8}'``).
     """
 
     address: str | None = None
     num_cpus: int | None = None
+    pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def check(self) -> None:
-        """Check the CPU count (raises ``ConfigError``)."""
+        """Check the CPU count and the pools' resources (raises ``ConfigError``)."""
         check_counts("ray", self, ("num_cpus",), optional=True)
+        for pool, resources in self.pool_resources.items():
+            if pool not in POOLS:
+                raise ConfigError(
+                    f"ray.pool_resources: unknown pool {pool!r}; use {', '.join(POOLS)}, e.g. {{actor: {{trainer: 1}}}}"
+                )
+            if not isinstance(resources, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in resources.values()
+            ):
+                raise ConfigError(
+                    f"ray.pool_resources.{pool}={resources!r}: give custom resource names with positive amounts "
+                    "per worker, e.g. {trainer: 1}"
+                )
+            reserved = sorted(set(resources) & {"CPU", "GPU", "NPU", "memory", "object_store_memory"})
+            if reserved:
+                raise ConfigError(
+                    f"ray.pool_resources.{pool} names {', '.join(reserved)}: devices and CPUs come from the "
+                    "layout; give custom resources only (those of `ray start --resources`)"
+                )
 
 
 @recipe_section(

@@ -25,6 +25,12 @@ DEMO_SETTINGS: dict[str, Any] = dict(
     seed=0, min_operand=0, max_operand=20, operators=("+", "-"), num_operands=2, negative_results=False
 )
 DEMO_SIZES = (512, 64)
+#: The tool demo's products of two two-digit numbers (``demo-products`` / ``demo-products-test``).
+PRODUCTS_TRAIN = ASSETS_DIR / "products_train.jsonl"
+PRODUCTS_TEST = ASSETS_DIR / "products_test.jsonl"
+PRODUCTS_SETTINGS: dict[str, Any] = dict(
+    seed=3, min_operand=10, max_operand=99, operators=("*",), num_operands=2, negative_results=False
+)
 OPERATORS = ("+", "-", "*")
 
 
@@ -134,4 +140,15 @@ def regenerate_demo(out_dir: str | Path = ASSETS_DIR) -> tuple[Path, Path]:
     return (
         write_jsonl(records[:train_size], out_dir / DEMO_TRAIN.name),
         write_jsonl(records[train_size:], out_dir / DEMO_TEST.name),
+    )
+
+
+def regenerate_products(out_dir: str | Path = ASSETS_DIR) -> tuple[Path, Path]:
+    """Write the tool demo's shipped product files (disjoint questions) into ``out_dir``; returns their paths."""
+    train_size, test_size = DEMO_SIZES
+    records = generate_arithmetic(train_size + test_size, **PRODUCTS_SETTINGS)
+    out_dir = Path(out_dir)
+    return (
+        write_jsonl(records[:train_size], out_dir / PRODUCTS_TRAIN.name),
+        write_jsonl(records[train_size:], out_dir / PRODUCTS_TEST.name),
     )

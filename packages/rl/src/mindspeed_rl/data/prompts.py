@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mindspeed_rl.data.arithmetic import DEMO_TEST, DEMO_TRAIN
+from mindspeed_rl.data.arithmetic import DEMO_TEST, DEMO_TRAIN, PRODUCTS_TEST, PRODUCTS_TRAIN
 
 DEFAULT_MAP_KEYS = {"prompt": "question", "reference": "answer"}
 #: Names that stand for the shipped data.
-DEMO_DATA = {"demo": DEMO_TRAIN, "demo-test": DEMO_TEST}
+DEMO_DATA = {
+    "demo": DEMO_TRAIN,
+    "demo-test": DEMO_TEST,
+    "demo-products": PRODUCTS_TRAIN,
+    "demo-products-test": PRODUCTS_TEST,
+}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -140,24 +145,28 @@ class PromptFormat:
         if self.style == "plain" and "{prompt}" not in self.template:
             raise ValueError(f"prompt template {self.template!r} has no {{prompt}} placeholder")
 
-    def render(self, prompt: str, tokenizer: Any = None) -> str:
-        """The formatted text of ``prompt``.
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        """The chat messages of ``prompt``: the system message (if any) and the user turn."""
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": prompt + self.instruction}
+        ]
+
+    def render(self, prompt: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """The formatted text of ``prompt`` (chat style: with the tools' schemas rendered in, if any).
 
         Raises:
             ValueError: chat style without a tokenizer that has a chat template.
         """
-        content = prompt + self.instruction
         if self.style == "plain":
-            return self.template.replace("{prompt}", content)
+            return self.template.replace("{prompt}", prompt + self.instruction)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "data.prompt_format=chat needs a tokenizer with a chat template; "
                 "set data.prompt_format=plain for a base model"
             )
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": content}
-        ]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            self.messages(prompt), tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
 
 
 def encode_prompts(

@@ -135,6 +135,9 @@ def _run_grpo(config: Any, runner_class: Any = None, stage: str = "grpo") -> int
             if config.checkpoint.save_hf:
                 path = runner.save_hf(config.checkpoint.save_hf)
                 sys.stdout.write(f"policy written to {path}\n")
+            if config.actor.lora.save_peft:
+                path = runner.save_peft(config.actor.lora.save_peft)
+                sys.stdout.write(f"LoRA adapter (PEFT) written to {path}\n")
         except Exception as err:
             dead = find_actor_error(err)
             if dead is None:

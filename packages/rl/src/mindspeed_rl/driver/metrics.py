@@ -106,6 +106,7 @@ def step_fields(record: Mapping[str, Any], total_steps: int) -> list[str]:
         ("entropy", "ent", None),
         ("pg_clipfrac", "clip", "{:.3f}"),
         ("staleness_mean", "stale", "{:.2f}"),
+        ("tools/calls", "calls", "{:.2f}"),
     ):
         value = _number(record.get(key))
         if value is not None:
@@ -123,10 +124,10 @@ def format_step(record: Mapping[str, Any], total_steps: int) -> str:
     """A one-line summary of a step for the console.
 
     ``step 3/100 | reward 0.512+-0.301 | len 87.3 | loss 0.0123 | kl 0.0012 | ent 1.23 | clip 0.031 |
-    stale 0.5 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
+    stale 0.5 | calls 1.25 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
     ``eval`` (after the reward) is the held-out ``eval/reward_mean`` where the step evaluated, ``kl`` is
     ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
-    ``staleness_mean``, ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
+    ``staleness_mean``, ``calls`` ``tools/calls`` (multi-turn rollouts), ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
 
     Args:
         record: one step's metrics (with ``step``).

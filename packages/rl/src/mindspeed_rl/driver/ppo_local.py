@@ -22,8 +22,7 @@ from mindspeed_rl.config.ppo import PPOConfig
 from mindspeed_rl.data import load_prompts
 from mindspeed_rl.driver.ppo_trainer import PPOContext, ppo_train_on_batch
 from mindspeed_rl.driver.trainer import build_context, collect_rollout, eval_due, evaluate, finish_record, sync_weights
-from mindspeed_rl.models.actor_settings import critic_settings
-from mindspeed_rl.models.critic import Critic
+from mindspeed_rl.models.actor_settings import build_critic
 from mindspeed_rl.models.memory import freeze_startup_objects
 
 logger = get_logger(__name__)
@@ -36,8 +35,7 @@ def build_ppo_context(config: PPOConfig) -> PPOContext:
         ConfigError / ValueError: the recipe's first problem (see :meth:`PPOConfig.check`).
     """
     base = build_context(config)  # checks the recipe, joins or starts the process group
-    a = config.actor
-    critic = Critic(config.critic.model or a.model, critic_settings(config), tp=a.tp, pp=a.pp, features=config.features)
+    critic = build_critic(config, config.actor.model)
     fields = {name: getattr(base, name) for name in base.__dataclass_fields__}
     return PPOContext(**fields, critic=critic, kl_ctrl=config.reward_kl_controller())
 

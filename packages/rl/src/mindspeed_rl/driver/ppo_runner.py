@@ -2,7 +2,9 @@
 
 Same pools, workers, replay buffer, rollout and rewards as ``grpo``; the actor workers also hold
 the critic's shards (co-located with the actor: its resource pool, its devices, its layout;
-:class:`~mindspeed_rl.workers.critic_view.CriticView`), and each step trains on the batch with
+:class:`~mindspeed_rl.workers.critic_view.CriticView`), or, with ``critic.colocate: false``, the
+critic runs in a pool of its own (as many devices as the actor's, the actor's layout, its own
+process group), and each step trains on the batch with
 :func:`~mindspeed_rl.driver.ppo_trainer.ppo_train_on_batch` (values, KL in the reward, GAE, the actor's
 and the critic's updates).
 
@@ -27,6 +29,8 @@ from mindspeed_rl.driver.ppo_trainer import PPOContext, ppo_train_on_batch
 from mindspeed_rl.driver.runner import GRPORunner, _absolute, find_run_checkpoint
 from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch
 from mindspeed_rl.workers.critic_view import CriticView
+from mindspeed_rl.workers.group import ActorGroup
+from mindspeed_rl.workers.pools import ResourcePool
 
 logger = get_logger(__name__)
 
@@ -48,12 +52,34 @@ class PPORunner(GRPORunner):
 
     def __init__(self, config: PPOConfig) -> None:
         # Ray workers do not share the driver's cwd.
-        config = replace(config, critic=replace(config.critic, model=_absolute(config.critic.model)))
+        c = config.critic
+        config = replace(config, critic=replace(c, model=_absolute(c.model), load=_absolute(c.load)))
         check_critic_checkpoint(config)  # before any worker starts: one line
         super().__init__(config)
 
+    def _more_workers(self) -> int:
+        return 0 if self.config.critic.colocate else self.config.actor_world_size()
+
+    def _start_more_workers(self, model_dir: str) -> None:
+        self.critic_group = self.group
+        if not self.config.critic.colocate:
+            pinned = self.config.ray.pool_resources.get("critic", {})
+            self.pools.append(ResourcePool("critic", self.config.actor_world_size(), pinned).create())
+            self.critic_group = ActorGroup(self.config, model_dir, self.pools[-1], role="critic")
+            logger.info("the critic runs in its own pool: %d workers", len(self.critic_group.workers))
+
+    def _trainer_workers(self) -> list[Any]:
+        separate = self.critic_group is not self.group
+        return super()._trainer_workers() + (list(self.critic_group.workers) if separate else [])
+
+    def _phase_stats(self) -> dict[str, float]:
+        stats = super()._phase_stats()
+        if self.critic_group is not self.group:
+            stats.update(self.critic_group.phase_stats())
+        return stats
+
     def _context(self, *pieces: Any) -> GRPOContext:
-        return PPOContext(*pieces, critic=CriticView(self.group), kl_ctrl=self.config.reward_kl_controller())
+        return PPOContext(*pieces, critic=CriticView(self.critic_group), kl_ctrl=self.config.reward_kl_controller())
 
     def _train_on_batch(self, batch: RolloutBatch) -> dict[str, float]:
         return ppo_train_on_batch(self.ctx, batch)  # type: ignore[arg-type]
@@ -66,7 +92,9 @@ class PPORunner(GRPORunner):
     def save(self, root: str | Path) -> Path:
         """Save the critic, then the run checkpoint (actor + run state, marked complete last)."""
         keep = self.config.checkpoint.keep_last
-        self.group.call("save_critic", str(Path(root) / CRITIC_DIR), self.ctx.step, None if keep is None else keep + 1)
+        self.critic_group.call(
+            "save_critic", str(Path(root) / CRITIC_DIR), self.ctx.step, None if keep is None else keep + 1
+        )
         return super().save(root)
 
     def _load_actor(self, path: Path, flags: tuple[bool, bool], step: int) -> None:
@@ -79,7 +107,7 @@ class PPORunner(GRPORunner):
             critic = critic_checkpoint(path)
             if "kl_ctrl" in state:
                 self.ctx.kl_ctrl.load_state_dict(state["kl_ctrl"])  # type: ignore[attr-defined]
-            self.group.call("load_critic", str(critic))
+            self.critic_group.call("load_critic", str(critic))
         super()._maybe_resume(resume)
 
 

@@ -92,7 +92,7 @@ def ppo_train_on_batch(ctx: PPOContext, batch: RolloutBatch) -> dict[str, float]
     values = _pad(ctx.critic.compute_values(pairs), width)
     lap("values")
     rollout_logp = _pad(batch.rollout_logp, width)
-    mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
+    mask = batch.mask(width)  # 0 on a multi-turn rollout's tool tokens
     extra: dict[str, float] = {}
     if kl_in_reward:
         assert policy_logp is not None and ref_logp is not None and ctx.kl_ctrl is not None
@@ -104,7 +104,10 @@ def ppo_train_on_batch(ctx: PPOContext, batch: RolloutBatch) -> dict[str, float]
         token_rewards = token_rewards_with_outcome(rewards, mask)
     advantages, returns = compute_value_advantages(algo.advantage, token_rewards, values, mask, algo.gamma, algo.lam)
     warmup = ctx.step < cfg.critic.warmup_steps
-    update = {} if warmup else update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp)
+    loss_mask = None if batch.loss_masks is None else mask
+    if loss_mask is not None:
+        advantages = advantages * loss_mask
+    update = {} if warmup else update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
     lap("update")
     extra.update(update_critic(ctx, pairs, values, returns))
     lap("critic_update")

@@ -61,6 +61,7 @@ from mindspeed_rl.driver.runner_checkpoints import RL_STATE, RunnerCheckpoints
 from mindspeed_rl.driver.trainer import (
     GRPOContext,
     RolloutBatch,
+    build_agent,
     collect_rollout,
     eval_due,
     evaluate,
@@ -76,7 +77,17 @@ from mindspeed_rl.workers.pools import ResourcePool, local_cpus
 logger = get_logger(__name__)
 
 #: Columns of the replay buffer: one per piece of a row of experience.
-COLUMNS = ("pair", "prompt", "reference", "rollout_logp", "reward", "parts", "batch_metrics", "sampler_state")
+COLUMNS = (
+    "pair",
+    "prompt",
+    "reference",
+    "rollout_logp",
+    "loss_mask",
+    "reward",
+    "parts",
+    "batch_metrics",
+    "sampler_state",
+)
 #: Default importance-sampling cap of the asynchronous mode (when ``algorithm.tis_cap`` is unset).
 ASYNC_TIS_CAP = 2.0
 
@@ -106,6 +117,7 @@ def absolute_paths(config: GRPOConfig) -> GRPOConfig:
             a,
             model=_absolute(a.model),
             tokenizer=a.tokenizer if a.tokenizer in (None, "demo") else _absolute(a.tokenizer),
+            lora=replace(a.lora, save_peft=_absolute(a.lora.save_peft)),
         ),
         reference=replace(config.reference, model=_absolute(config.reference.model)),
         reward=replace(config.reward, model=_absolute(config.reward.model)),
@@ -196,22 +208,24 @@ class GRPORunner(RunnerCheckpoints):
         self.config = config
         model_dir = str(config.actor.model)
         r = config.rollout
-        workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0)
+        workers = config.actor_world_size() + (0 if r.colocate else r.num_devices or 0) + self._more_workers()
         workers += 1 if config.reward.model is not None else 0  # the reward model's worker takes a CPU slot
         init_ray(config.ray.address, num_cpus=local_cpus(workers) if config.ray.address is None else None)
-        self.pools = [ResourcePool("actor", config.actor_world_size()).create()]
+        pinned = config.ray.pool_resources
+        self.pools = [ResourcePool("actor", config.actor_world_size(), pinned.get("actor", {})).create()]
         self.group = ActorGroup(config, model_dir, self.pools[0])
         if r.colocate:
             self.rollout: Any = ColocatedRollout(self.group)
         else:
-            self.pools.append(ResourcePool("rollout", r.num_devices).create())
+            self.pools.append(ResourcePool("rollout", r.num_devices, pinned.get("rollout", {})).create())
             self.rollout = RolloutPool(config, model_dir, self.pools[1])
+        self._start_more_workers(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer or model_dir)
         self.reward_worker = None
         if config.reward.model is not None:  # scored in its own Ray process, on the host CPU
             self.reward_worker = (
                 ray_remote(RewardModel)
-                .options(num_cpus=1)
+                .options(num_cpus=1, resources=pinned.get("reward") or None)
                 .remote(config.reward.model, device="cpu", batch_size=config.reward.model_batch_size)
             )
         remote = RemoteScorer(self.reward_worker) if self.reward_worker is not None else None
@@ -220,6 +234,7 @@ class GRPORunner(RunnerCheckpoints):
         self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = self._context(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
+        self.ctx.agent = build_agent(config, tokenizer)  # multi-turn rollouts with rollout.tools (on the driver)
         # The producer's view: its own step counter (the batch index, which seeds sampling), shared sampler.
         self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()
@@ -236,6 +251,13 @@ class GRPORunner(RunnerCheckpoints):
         #: Why the last run() stopped on an error, one line (non-finite updates in a row, a refused save).
         self.failed: str | None = None
         self._maybe_resume(resume)
+
+    def _more_workers(self) -> int:
+        """Workers a subclass starts in :meth:`_start_more_workers` (PPO: a separated critic's)."""
+        return 0
+
+    def _start_more_workers(self, model_dir: str) -> None:
+        """Start a subclass's own pools and workers (after the actor's and the rollout's)."""
 
     def _context(self, *pieces: Any) -> GRPOContext:
         """The step context of the run (PPO's adds the critic and the KL controller)."""
@@ -275,6 +297,7 @@ class GRPORunner(RunnerCheckpoints):
         put("prompt", rows, batch.prompts)
         put("reference", rows, batch.references)
         put("rollout_logp", rows, batch.rollout_logp)
+        put("loss_mask", rows, batch.loss_masks if batch.loss_masks is not None else [None] * n)
         put("parts", rows, [{k: float(v[i]) for k, v in batch.parts.items()} for i in range(n)])
         put("batch_metrics", rows, [dict(batch.metrics, **{"time/rollout": time.perf_counter() - start})] * n)
         put("sampler_state", rows, [after] * n)
@@ -318,6 +341,7 @@ class GRPORunner(RunnerCheckpoints):
             torch.tensor(got["reward"], dtype=torch.float32),
             parts,
             {k: v for k, v in got["batch_metrics"][0].items() if k != "time/rollout"},
+            None if got["loss_mask"][0] is None else got["loss_mask"],
         )
         lag = [self.version - v for v in got["version"]]
         info = {
@@ -341,7 +365,7 @@ class GRPORunner(RunnerCheckpoints):
         record.update(info)
         record["time/wait_rollout"] = waited
         record["time/weight_sync"] = self._push_weights()
-        record.update(self.group.phase_stats())
+        record.update(self._phase_stats())
         if not self.config.rollout.colocate:
             record.update(self.rollout.phase_stats())
         record = finish_record(self.ctx, batch, record, time.perf_counter() - wait_start)
@@ -422,12 +446,21 @@ class GRPORunner(RunnerCheckpoints):
 
                 os.kill(ray.get(handle.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
 
+    def _phase_stats(self) -> dict[str, float]:
+        """The trainer workers' timings and memory of the step (the maximum over the workers)."""
+        return self.group.phase_stats()
+
+    def _trainer_workers(self) -> list[Any]:
+        """The Ray actors that train (the actor group's; PPO adds a separated critic's)."""
+        return list(self.group.workers)
+
     def worker_roles(self) -> dict[str, str]:
         """Ray actor id (hex) -> what that worker is to this run (``actor worker rank 0 of 2``)."""
         roles = {}
         world = len(self.group.workers)
-        for i, worker in enumerate(self.group.workers):
-            roles[worker._actor_id.hex()] = f"actor worker rank {i} of {world}"
+        for i, worker in enumerate(self._trainer_workers()):
+            role = "actor" if i < world else "critic"
+            roles[worker._actor_id.hex()] = f"{role} worker rank {i % world} of {world}"
         rollout = getattr(self.rollout, "workers", [])
         for i, worker in enumerate(rollout):
             roles[worker._actor_id.hex()] = f"rollout worker rank {i} of {len(rollout)}"
@@ -464,7 +497,7 @@ class GRPORunner(RunnerCheckpoints):
         import ray
 
         self._stop.set()
-        for worker in self.group.workers:
+        for worker in self._trainer_workers():
             ray.kill(worker)
         for worker in getattr(self.rollout, "workers", []):
             ray.kill(worker, no_restart=True)

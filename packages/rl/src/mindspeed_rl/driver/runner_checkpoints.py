@@ -97,5 +97,10 @@ class RunnerCheckpoints:
         return checkpoint_dir(save, self.saved_step) if save is not None and self.saved_step is not None else None
 
     def save_hf(self, target: str | Path) -> str:
-        """Write the current policy as a Hugging Face directory."""
+        """Write the current policy as a Hugging Face directory (a LoRA actor's merged weights)."""
         return self.group.call("save_hf", str(target))[0]
+
+    def save_peft(self, target: str | Path) -> str:
+        """Write a LoRA actor's adapter as a PEFT adapter directory for its Hugging Face base."""
+        self.group.call("save_peft", str(target))
+        return str(target)

@@ -40,9 +40,11 @@ from mindspeed_rl.config.sections import RLTrainConfig
 from mindspeed_rl.data import PromptFormat, PromptRecord, PromptSampler, encode_prompts, load_prompts
 from mindspeed_rl.driver.metrics import RLMetricsLog
 from mindspeed_rl.models.actor import Actor
-from mindspeed_rl.models.actor_settings import actor_settings
+from mindspeed_rl.models.actor_settings import actor_settings, build_reference
 from mindspeed_rl.models.memory import freeze_startup_objects
 from mindspeed_rl.rewards import RewardModel, WeightedReward, build_reward
+from mindspeed_rl.rollout.agent import AgentLoop, AgentSettings, agent_metrics
+from mindspeed_rl.tools import build_tools
 
 logger = get_logger(__name__)
 
@@ -60,11 +62,12 @@ class GRPOContext:
         records: the prompt records.
         sampler: draws ``train.global_batch`` record indices per step.
         prompt_format: how a record becomes the prompt text.
-        reference: the frozen reference actor (with a KL penalty).
+        reference: the KL reference: a frozen actor, or a LoRA actor with its adapters off (with a KL penalty).
         step: steps done.
         history: the records of the steps done.
         weight_sync: pushes the actor's weights into the engine (default: ``engine.load_weights(actor.hf_state())``).
         eval_samples: the last :func:`evaluate`'s rows (``prompt``, ``response``, ``reward``), for the trackers.
+        agent: the multi-turn agent loop (with ``rollout.tools``; see :func:`build_agent`).
     """
 
     config: GRPOConfig
@@ -75,11 +78,46 @@ class GRPOContext:
     records: list[PromptRecord]
     sampler: PromptSampler
     prompt_format: PromptFormat
-    reference: Actor | None = None
+    reference: Any = None
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     weight_sync: Callable[[], None] | None = None
     eval_samples: list[dict[str, Any]] = field(default_factory=list)
+    agent: AgentLoop | None = None
+
+
+def build_agent(config: GRPOConfig, tokenizer: Any) -> AgentLoop | None:
+    """The agent loop of ``rollout.tools`` (None without tools: single-turn rollouts)."""
+    r = config.rollout
+    if not r.tools:
+        return None
+    tools = build_tools(r.tools, r.tool_options)
+    settings = AgentSettings(tools, r.max_turns, r.response_budget(), r.max_parallel, r.tool_timeout_s)
+    return AgentLoop(tokenizer, settings)
+
+
+def generate_responses(
+    ctx: GRPOContext, prompts: list[list[int]], params: list[SamplingParams], records: list[PromptRecord]
+) -> tuple[list[Any], list[str], dict[str, float]]:
+    """The engine's outputs for ``prompts`` (one per row, ``records`` their prompts), the text the
+    rewards read, and the rollout's metrics.
+
+    Without tools: one generation; the text is the decoded response. With tools: the agent loop's
+    :class:`~mindspeed_rl.rollout.agent.AgentOutput` (with its ``loss_mask``); the text is the last
+    assistant turn (the answer), and the metrics are the tools' (:func:`agent_metrics`).
+    """
+    if ctx.agent is None:
+        outputs = ctx.engine.generate(prompts, params)
+        return outputs, [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs], {}
+    conversations = [ctx.prompt_format.messages(rec.prompt) for rec in records]
+    outputs = ctx.agent.generate(ctx.engine.generate, prompts, params, conversations)
+    answers = [next((m["content"] for m in reversed(o.messages) if m["role"] == "assistant"), "") for o in outputs]
+    return outputs, answers, agent_metrics(outputs)
+
+
+def render_prompt(ctx: GRPOContext, record: PromptRecord) -> str:
+    """A record's prompt text (with the tools' schemas when the rollout offers tools)."""
+    return ctx.prompt_format.render(record.prompt, ctx.tokenizer, ctx.agent.schemas if ctx.agent else None)
 
 
 def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -98,7 +136,9 @@ class RolloutBatch:
         prompts: the prompt text of each row. references: its reference answer.
         rollout_logp: per row, the engine's log-probs of the response tokens.
         rewards: ``[rows]`` total rewards. parts: each reward function's scores.
-        metrics: dynamic-sampling counters (empty without it).
+        metrics: dynamic-sampling counters and the tools' metrics (empty without them).
+        loss_masks: per row, 1 on the generated response tokens and 0 on the tool responses
+            (multi-turn rollouts; None: every response token is generated).
     """
 
     pairs: list[tuple[list[int], list[int]]]
@@ -108,6 +148,13 @@ class RolloutBatch:
     rewards: torch.Tensor
     parts: dict[str, torch.Tensor]
     metrics: dict[str, float] = field(default_factory=dict)
+    loss_masks: list[torch.Tensor] | None = None
+
+    def mask(self, width: int) -> torch.Tensor:
+        """``[rows, width]``: the loss mask (ones on every response token without one), zero-padded."""
+        if self.loss_masks is None:
+            return _pad([torch.ones(len(r)) for _, r in self.pairs], width)
+        return _pad(self.loss_masks, width)
 
     def select(self, groups: list[int], n: int) -> RolloutBatch:
         """The rows of the given prompt groups, in that order."""
@@ -120,13 +167,14 @@ class RolloutBatch:
             [self.rollout_logp[i] for i in rows],
             self.rewards[pick],
             {k: v[pick] for k, v in self.parts.items()},
+            loss_masks=None if self.loss_masks is None else [self.loss_masks[i] for i in rows],
         )
 
 
 def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
     cfg, r, algo = ctx.config, ctx.config.rollout, ctx.config.algorithm
     chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
-    texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in chosen]
+    texts = [render_prompt(ctx, rec) for rec in chosen]
     ids, kept = encode_prompts(
         texts, ctx.tokenizer, r.max_prompt_length, add_special_tokens=ctx.prompt_format.style == "plain"
     )
@@ -144,15 +192,15 @@ def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
         )
         for i in range(len(prompts))
     ]
-    outputs = ctx.engine.generate(prompts, params)
+    rows = [chosen[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
+    outputs, responses, metrics = generate_responses(ctx, prompts, params, rows)
     pairs = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outputs)]
     prompt_texts = [texts[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
-    references = [chosen[kept[k]].reference for k in range(len(kept)) for _ in range(r.n)]
-    responses = [ctx.tokenizer.decode(resp, skip_special_tokens=True) for _, resp in pairs]
+    references = [rec.reference for rec in rows]
     rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
     if algo.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifiers
         lengths = torch.tensor([len(resp) for _, resp in pairs], dtype=torch.float32)
-        penalty = overlong_penalty(lengths, r.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        penalty = overlong_penalty(lengths, r.response_budget(), algo.overlong_buffer, algo.overlong_penalty_factor)
         parts["overlong"] = penalty
         rewards = rewards + penalty
     return RolloutBatch(
@@ -162,7 +210,14 @@ def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
         [torch.tensor(o.logprobs, dtype=torch.float32) for o in outputs],
         rewards,
         parts,
+        metrics,
+        [torch.tensor(o.loss_mask, dtype=torch.float32) for o in outputs] if ctx.agent is not None else None,
     )
+
+
+def _mean_metrics(rounds: list[RolloutBatch]) -> dict[str, float]:
+    keys = {k for b in rounds for k in b.metrics}
+    return {k: sum(b.metrics.get(k, 0.0) for b in rounds) / len(rounds) for k in sorted(keys)}
 
 
 def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
@@ -191,7 +246,8 @@ def collect_rollout(ctx: GRPOContext) -> RolloutBatch:
         [t for b in picked for t in b.rollout_logp],
         torch.cat([b.rewards for b in picked]),
         {k: torch.cat([b.parts[k] for b in picked]) for k in picked[0].parts},
-        sampler.metrics(),
+        {**_mean_metrics(rounds), **sampler.metrics()},
+        None if picked[0].loss_masks is None else [m for b in picked for m in b.loss_masks or []],
     )
     return merged
 
@@ -226,7 +282,7 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
     ref_logp = _pad(ctx.reference.compute_logprobs(pairs), width) if ctx.reference is not None else None
     lap("old_logp")
     rollout_logp = _pad(batch.rollout_logp, width)
-    mask = _pad([torch.ones(len(r)) for _, r in pairs], width)
+    mask = batch.mask(width)
     extra: dict[str, float] = {}
     if algo.advantage in TOKEN_ADVANTAGES:
         token_rewards = None
@@ -238,7 +294,10 @@ def train_on_batch(ctx: GRPOContext, batch: RolloutBatch) -> dict[str, float]:
         advantages = compute_token_advantages(algo.advantage, rewards, mask, n, token_rewards, algo.gamma)
     else:
         advantages = compute_advantages(algo.advantage, rewards, n, eps=algo.adv_eps)
-    update = update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp)
+    loss_mask = None if batch.loss_masks is None else mask
+    if loss_mask is not None:  # tool tokens: no advantage (and no loss: the actor multiplies the mask in too)
+        advantages = (advantages if advantages.dim() == 2 else advantages[:, None]) * loss_mask
+    update = update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
     lap("update")
     return step_record(ctx, batch, update, times, extra, old_logp, rollout_logp, mask)
 
@@ -250,20 +309,27 @@ def update_actor(
     advantages: torch.Tensor,
     ref_logp: torch.Tensor | None,
     rollout_logp: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
 ) -> dict[str, list[float]]:
-    """The policy updates of one step (``actor.ppo_epochs`` x mini-batches); each update's metrics, by name."""
+    """The policy updates of one step (``actor.ppo_epochs`` x mini-batches); each update's metrics, by name.
+
+    ``loss_mask`` (``[rows, width]``, multi-turn rollouts) is passed on only when given, so an
+    actor without the argument serves single-turn runs unchanged.
+    """
     cfg = ctx.config
     mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * cfg.rollout.n
     update: dict[str, list[float]] = {}
     for _ in range(cfg.actor.ppo_epochs):
         for first in range(0, len(pairs), mini):
             part = slice(first, first + mini)
+            masked = {} if loss_mask is None else {"loss_mask": loss_mask[part]}
             metrics = ctx.actor.update(
                 pairs[part],
                 None if old_logp is None else old_logp[part],
                 advantages[part],
                 None if ref_logp is None else ref_logp[part],
                 rollout_logp[part],
+                **masked,
             )
             for key, value in metrics.items():
                 update.setdefault(key, []).append(value)
@@ -363,7 +429,7 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
         ValueError: no held-out prompt fits ``rollout.max_prompt_length``.
     """
     r = ctx.config.rollout
-    texts = [ctx.prompt_format.render(rec.prompt, ctx.tokenizer) for rec in records]
+    texts = [render_prompt(ctx, rec) for rec in records]
     ids, kept = encode_prompts(
         texts, ctx.tokenizer, r.max_prompt_length, add_special_tokens=ctx.prompt_format.style == "plain"
     )
@@ -382,9 +448,10 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
         )
         for i in range(len(ids) * n)
     ]
-    outputs = ctx.engine.generate([p for p in ids for _ in range(n)], params)
     rows = [k for k in kept for _ in range(n)]
-    responses = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    outputs, responses, metrics = generate_responses(
+        ctx, [p for p in ids for _ in range(n)], params, [records[k] for k in rows]
+    )
     rewards, parts = ctx.reward.score_batch([texts[k] for k in rows], responses, [records[k].reference for k in rows])
     ctx.eval_samples = [
         {"prompt": texts[k], "response": response, "reward": float(reward)}
@@ -395,6 +462,7 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
         "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs),
     }
     out.update({f"eval/reward/{name}": float(v.mean()) for name, v in parts.items()})
+    out.update({f"eval/{name}": value for name, value in metrics.items()})
     return out
 
 
@@ -454,15 +522,13 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     a = config.actor
     settings = actor_settings(config)
     actor = Actor(a.model, settings, tp=a.tp, pp=a.pp, features=config.features)
-    reference = (
-        Actor(config.reference.model or a.model, settings, trainable=False, tp=a.tp, pp=a.pp, features=config.features)
-        if config.needs_reference()
-        else None
-    )
+    reference = build_reference(config, actor, a.model)
     engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     records, sampler, fmt, reward = prompt_pieces(config)
-    return GRPOContext(config, actor, engine, tokenizer, reward, records, sampler, fmt, reference)
+    ctx = GRPOContext(config, actor, engine, tokenizer, reward, records, sampler, fmt, reference)
+    ctx.agent = build_agent(config, tokenizer)
+    return ctx
 
 
 def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
@@ -503,6 +569,8 @@ def train_grpo(config: GRPOConfig) -> list[dict[str, float]]:
                     record.get("loss", float("nan")),
                     record["time/step"],
                 )
+        if config.actor.lora.save_peft:
+            ctx.actor.export_peft(config.actor.lora.save_peft)
     finally:
         if sink is not None:
             sink.close()

@@ -32,6 +32,7 @@ the weights (the optimizer state and gradients stay on the host).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,10 +50,12 @@ from mindspeed.model.shape import ModelShape
 from mindspeed_llm.engine import (
     BuildSpec,
     CheckpointConfig,
+    LoraSettings,
     OptimizerConfig,
     ParallelConfig,
     PretrainConfig,
     SchedulerConfig,
+    apply_lora,
     build_engine,
     build_transformer_config,
     default_groups,
@@ -66,6 +69,7 @@ from mindspeed_llm.engine import (
     unwrap,
 )
 from mindspeed_rl.algorithms.losses import PolicyLossConfig
+from mindspeed_rl.models.actor_lora import ActorLora
 from mindspeed_rl.models.actor_memory import OFFLOAD_CATEGORIES, ActorMemory
 from mindspeed_rl.models.actor_packing import Pair, pack_microbatches, resolve_share_prompt
 from mindspeed_rl.models.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy
@@ -99,6 +103,8 @@ class ActorSettings:
         max_nonfinite_steps: the limit of updates refused in a row for a NaN/Inf loss or gradient
             norm that :attr:`Actor.skips` names in its lines (the driver stops the run there:
             ``train.max_nonfinite_steps``).
+        lora: LoRA RL (a trainable actor only): the LLM suite's LoRA on these megatron linears,
+            only the factors train (:mod:`mindspeed_rl.models.actor_lora`); None: every weight trains.
     """
 
     optimizer: OptimizerConfig = field(
@@ -115,6 +121,7 @@ class ActorSettings:
     compute_entropy: bool = True
     share_prompt: bool | None = None
     max_nonfinite_steps: int = 3
+    lora: LoraSettings | None = None
 
     @classmethod
     def adamw(
@@ -197,7 +204,15 @@ def _ensure_megatron(
     return report, made, default_groups()
 
 
-class Actor(ActorUpdate, ActorMemory):
+def _load_and_adapt(chunks: list[Any], load: Any, lora: LoraSettings | None) -> None:
+    """Load the base weights into the bare chunks, then add LoRA (before DDP wraps them)."""
+    load(chunks)
+    if lora is not None:
+        for chunk in chunks:
+            apply_lora(chunk, lora)
+
+
+class Actor(ActorUpdate, ActorMemory, ActorLora):
     """A megatron-core policy (or a frozen reference) built from a Hugging Face directory.
 
     Args:
@@ -248,7 +263,7 @@ class Actor(ActorUpdate, ActorMemory):
             scheduler=s.scheduler,
             # One scheduler position per update; the decay ends at lr_decay_steps (default: warmup + 1).
             scheduler_steps=s.scheduler.lr_warmup_steps + 1,
-            prepare=load if trainable else None,
+            prepare=partial(_load_and_adapt, load=load, lora=s.lora) if trainable else None,
             bridged=True,
             overrides={} if trainable else {"perform_initialization": False},
         )
@@ -417,6 +432,7 @@ class Actor(ActorUpdate, ActorMemory):
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
         rollout_logp: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the policy loss over all ``pairs`` (collective).
 
@@ -431,6 +447,9 @@ class Actor(ActorUpdate, ActorMemory):
             ref_logp: ``[n, width]`` reference log-probs (with a KL penalty).
             rollout_logp: ``[n, width]`` the rollout engine's log-probs of the samples (with
                 truncated importance sampling, ``tis_cap``).
+            loss_mask: ``[n, width]`` 1 on the response tokens the policy generated, 0 on those it
+                did not (a multi-turn rollout's tool responses): the latter are context only, with
+                no loss, no advantage and no part in the metrics. None: every response token counts.
 
         Returns:
             ``loss`` (the global batch's aggregated loss), the loss's metrics averaged over the
@@ -448,7 +467,7 @@ class Actor(ActorUpdate, ActorMemory):
         # As the LLM trainer's step: forward, backward and optimizer step without the device
         # redirect (megatron's CUDA call sites are patched by adapt(): mindspeed.megatron.device_sites).
         with fast_path():
-            return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+            return self._update(pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -464,6 +483,9 @@ class Actor(ActorUpdate, ActorMemory):
         bridges' rules, pipeline stages broadcast theirs over the pipeline group (collective
         over both): every rank returns the full state. Offloaded weights are onloaded first.
 
+        A LoRA actor returns its merged weights ``W + (alpha / r) B A`` (what the rollout engine
+        generates with, and what ``checkpoint.save_hf`` writes).
+
         Returns:
             Hugging Face name -> tensor on the actor's device. Tensors of a TP1 stage may be
             views of the live parameters: load them into the engine before the next ``update``
@@ -471,7 +493,9 @@ class Actor(ActorUpdate, ActorMemory):
         """
         self._onload_categories(("weights",))
         p = self.parallel
-        return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups)
+        # LoRA: the merged weights W + (alpha / r) B A (the tensors taken stay valid after the block).
+        with self.merged_weights() if self.lora else contextlib.nullcontext():
+            return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups)
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from mindspeed_llm.engine import LoraSettings
 from mindspeed_rl.config.grpo import GRPOConfig
-from mindspeed_rl.models.actor import ActorSettings
-from mindspeed_rl.models.critic import CriticSettings
+from mindspeed_rl.config.ppo_checks import critic_checkpoint_dir
+from mindspeed_rl.models.actor import Actor, ActorSettings
+from mindspeed_rl.models.actor_lora import AdapterOffReference
+from mindspeed_rl.models.critic import Critic, CriticSettings
 
 
 def _optimizer_and_batching(section: Any, config: Any, epochs: int) -> dict[str, Any]:
@@ -37,6 +40,16 @@ def _optimizer_and_batching(section: Any, config: Any, epochs: int) -> dict[str,
     }
 
 
+def lora_settings(config: GRPOConfig) -> LoraSettings | None:
+    """The actor's LoRA (``actor.lora``; None while it is off), its factors seeded by ``train.seed``."""
+    lo = config.actor.lora
+    if not lo.enabled:
+        return None
+    return LoraSettings(
+        r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules), seed=config.train.seed
+    )
+
+
 def actor_settings(config: GRPOConfig) -> ActorSettings:
     """The actor's optimizer/batching/loss settings from a recipe."""
     a, algo = config.actor, config.algorithm
@@ -47,6 +60,7 @@ def actor_settings(config: GRPOConfig) -> ActorSettings:
         loss=algo.loss,
         # Dr. GRPO's divisor is fixed for the run (not the widest response of each batch).
         loss_config=replace(algo.loss_config(), norm_length=algo.norm_length or config.rollout.max_new_tokens),
+        lora=lora_settings(config),
     )
 
 
@@ -55,4 +69,31 @@ def critic_settings(config: Any) -> CriticSettings:
     c = config.critic
     return CriticSettings.adamw(
         **_optimizer_and_batching(c, config, c.ppo_epochs), value_loss=c.value_loss, cliprange_value=c.cliprange_value
+    )
+
+
+def build_critic(config: Any, model_dir: str) -> Critic:
+    """PPO's critic of a recipe on this rank (collective): built from ``critic.model`` (default
+    ``model_dir``), then started from ``critic.load``'s weights when it names a checkpoint."""
+    a, c = config.actor, config.critic
+    critic = Critic(c.model or model_dir, critic_settings(config), tp=a.tp, pp=a.pp, features=config.features)
+    if c.load is not None:
+        critic.load_weights(critic_checkpoint_dir(c.load))
+    return critic
+
+
+def build_reference(config: GRPOConfig, actor: Actor, model_dir: str) -> Actor | AdapterOffReference | None:
+    """The KL reference of a recipe (collective), ``None`` without a KL penalty.
+
+    A LoRA actor's reference is the actor itself with its adapters off (no second model in
+    memory); otherwise a frozen actor of ``reference.model`` (default: ``model_dir``) in the
+    actor's layout.
+    """
+    if not config.needs_reference():
+        return None
+    if actor.lora:
+        return AdapterOffReference(actor)
+    a = config.actor
+    return Actor(
+        config.reference.model or model_dir, actor.settings, trainable=False, tp=a.tp, pp=a.pp, features=config.features
     )

@@ -64,6 +64,8 @@ class ActorUpdate:
         self, config: PolicyLossConfig, logits: bool, batch: dict[str, Any], output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch["resp_mask"]
+        if batch.get("resp_loss_mask") is not None:  # a multi-turn rollout's tool tokens: context, no loss
+            mask = mask * batch["resp_loss_mask"]
         logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
         if entropy is not None and not config.entropy_coef:
             entropy = entropy.detach()  # a metric only: no graph through it
@@ -104,11 +106,12 @@ class ActorUpdate:
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None,
         rollout_logp: torch.Tensor | None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         longest = max(len(r) for _, r in pairs)
         padded = [
             t
-            for t in (old_logp, ref_logp, rollout_logp, advantages if advantages.dim() == 2 else None)
+            for t in (old_logp, ref_logp, rollout_logp, loss_mask, advantages if advantages.dim() == 2 else None)
             if t is not None
         ]
         width = padded[0].shape[-1] if padded else longest
@@ -122,6 +125,8 @@ class ActorUpdate:
             extra["ref_logp"] = ref_logp.float()
         if rollout_logp is not None:
             extra["rollout_logp"] = rollout_logp.float()
+        if loss_mask is not None:
+            extra["resp_loss_mask"] = loss_mask.float()  # not "loss_mask": the packed batch has one
         config = self.settings.loss_config or POLICY_LOSSES.get(self.settings.loss).defaults
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from mindspeed_llm.engine import (
     build_transformer_config,
     guarded_step,
     hf_model_shape,
+    load_model_checkpoint,
     padded_vocab_size,
     read_hf_shape,
 )
@@ -137,6 +139,19 @@ class Critic(Actor):
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
         logger.info("critic from %s (%s head): %s, tp=%d pp=%d", self.hf_dir, source.kind, self.bridge.family, tp, pp)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Start from the weights of the Megatron checkpoint ``path`` (``critic.load``; collective).
+
+        A PPO run's ``critic/iter_*`` or a ``mindspeed-llm rm`` run's checkpoint (the same model: a
+        decoder with a scalar head), saved in any TP/PP layout (resharded); the optimizer, the
+        schedule and the random-number states stay fresh.
+
+        Raises:
+            ValueError: a tensor's shape differs from this critic's (one line naming both), or a
+                file of the checkpoint is refused (nothing in it runs code).
+        """
+        load_model_checkpoint(Path(path), self, load_optimizer=False, load_rng=False)
 
     @staticmethod
     def _values(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,29 @@
     engine.load_weights(actor.hf_state()) # full Hugging Face-named tensors
     engine.wake_up()
 
+Multi-turn, tool-using rollouts run any engine's ``generate`` in :class:`AgentLoop`
+(``rollout/agent.py``): generate, run the calls, append the template's tool messages, go on.
+
 Importing this package imports neither vLLM nor any device library; ``build_rollout("vllm", ...)``
 imports vLLM then.
 """
 
 from __future__ import annotations
 
+from mindspeed_rl.rollout.agent import AgentLoop, AgentOutput, AgentSettings, agent_metrics
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutEngine, RolloutOutput, build_rollout
 from mindspeed_rl.rollout.builtin import BuiltinRollout
 from mindspeed_rl.rollout.vllm import VLLMRollout
 
-__all__ = ["ROLLOUT_ENGINES", "BuiltinRollout", "RolloutEngine", "RolloutOutput", "VLLMRollout", "build_rollout"]
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "AgentLoop",
+    "AgentOutput",
+    "AgentSettings",
+    "BuiltinRollout",
+    "RolloutEngine",
+    "RolloutOutput",
+    "VLLMRollout",
+    "agent_metrics",
+    "build_rollout",
+]

@@ -27,8 +27,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
 from mindspeed_rl.models.actor import Actor
-from mindspeed_rl.models.actor_settings import actor_settings, critic_settings
-from mindspeed_rl.models.critic import Critic
+from mindspeed_rl.models.actor_settings import actor_settings, build_critic, build_reference
 from mindspeed_rl.models.memory import freeze_startup_objects, memory_gib
 from mindspeed_rl.workers.hf_export import write_hf_dir
 from mindspeed_rl.workers.rollout_worker import build_engine
@@ -49,10 +48,13 @@ class ActorWorker:
         rank: the global rank in the actor group. world_size: the group's size.
         config: the GRPO recipe (:class:`~mindspeed_rl.config.grpo.GRPOConfig`).
         model_dir: the resolved actor model directory.
+        role: ``actor`` (the policy, its reference, a co-located critic and engine) or ``critic``
+            (PPO's ``critic.colocate: false``: only the critic, in its own pool and process group).
     """
 
-    def __init__(self, rank: int, world_size: int, config: Any, model_dir: str) -> None:
+    def __init__(self, rank: int, world_size: int, config: Any, model_dir: str, role: str = "actor") -> None:
         self.rank, self.world_size, self.config, self.model_dir = rank, world_size, config, model_dir
+        self.role = role
         self.actor: Any = None
         self.reference: Any = None
         self.critic: Any = None  # PPO: the critic's shard, co-located with the actor's
@@ -64,7 +66,8 @@ class ActorWorker:
         return socket.gethostbyname(socket.gethostname()), _free_port()
 
     def setup(self, host: str, port: int) -> dict[str, int]:
-        """Join the process group and build the actor, the reference and the co-located engine (collective).
+        """Join the process group and build the actor, the reference, a co-located critic and engine
+        (a ``critic`` worker: only the critic) (collective).
 
         Returns:
             This rank's place: ``rank``, ``dp_rank``, ``tp_rank``, ``pp_rank``, ``engine`` (1 if it
@@ -82,34 +85,30 @@ class ActorWorker:
                 acc.dist_backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size
             )
         a = cfg.actor
+        critic = getattr(cfg, "critic", None)
+        if self.role == "critic":
+            self.critic = build_critic(cfg, self.model_dir)
+            return self._place(self.critic.groups, engine=False)
         settings = actor_settings(cfg)
         self.actor = Actor(self.model_dir, settings, tp=a.tp, pp=a.pp, features=cfg.features)
-        if cfg.needs_reference():
-            self.reference = Actor(
-                cfg.reference.model or self.model_dir,
-                settings,
-                trainable=False,
-                tp=a.tp,
-                pp=a.pp,
-                features=cfg.features,
-            )
-        if getattr(cfg, "critic", None) is not None:
-            self.critic = Critic(
-                cfg.critic.model or self.model_dir, critic_settings(cfg), tp=a.tp, pp=a.pp, features=cfg.features
-            )
+        self.reference = build_reference(cfg, self.actor, self.model_dir)
+        if critic is not None and critic.colocate:
+            self.critic = build_critic(cfg, self.model_dir)
         groups = self.actor.groups
-        place = {
+        holds = cfg.rollout.colocate and groups.tp.rank() == 0 and groups.pp.rank() == 0
+        if holds:
+            self.engine = build_engine(cfg, self.model_dir)
+        return self._place(groups, engine=holds)
+
+    def _place(self, groups: Any, engine: bool) -> dict[str, int]:
+        freeze_startup_objects()
+        return {
             "rank": self.rank,
             "dp_rank": groups.dp.rank(),
             "tp_rank": groups.tp.rank(),
             "pp_rank": groups.pp.rank(),
+            "engine": int(engine),
         }
-        holds = cfg.rollout.colocate and place["tp_rank"] == 0 and place["pp_rank"] == 0
-        if holds:
-            self.engine = build_engine(cfg, self.model_dir)
-        place["engine"] = int(holds)
-        freeze_startup_objects()
-        return place
 
     # -- training ----------------------------------------------------------------------------
 
@@ -136,9 +135,10 @@ class ActorWorker:
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None,
         rollout_logp: torch.Tensor | None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (collective)."""
-        metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp)
+        metrics = self.actor.update(pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
         self.stats.update({f"memory/update_{k}": v for k, v in memory_gib().items()})
         return metrics
 
@@ -161,8 +161,8 @@ class ActorWorker:
         return self.critic
 
     def version(self) -> int:
-        """Updates the actor has taken."""
-        return int(self.actor.version)
+        """Updates the actor (a critic worker: the critic) has taken."""
+        return int((self.actor or self.critic).version)
 
     # -- rollout (co-located) --------------------------------------------------------------
 
@@ -279,6 +279,10 @@ class ActorWorker:
         if self.rank != 0:
             return None
         return str(write_hf_dir(state, self.model_dir, target, target_dtype(self.config.checkpoint.save_hf_dtype)))
+
+    def save_peft(self, target: str) -> None:
+        """Write the LoRA actor's adapter as a PEFT adapter directory (collective gather; rank 0 writes)."""
+        self.actor.export_peft(target)
 
     def shutdown(self) -> None:
         """Undo the actor's adaptation of megatron-core and leave the process group."""

@@ -42,16 +42,18 @@ class ActorGroup:
 
     Args:
         config: the GRPO recipe. model_dir: the actor's starting weights. pool: the actor's devices.
+        role: ``actor``, or ``critic`` for PPO's separated critic (its own pool and process group,
+            the actor's layout; driven through :class:`~mindspeed_rl.workers.critic_view.CriticView`).
     """
 
-    def __init__(self, config: Any, model_dir: str, pool: ResourcePool) -> None:
+    def __init__(self, config: Any, model_dir: str, pool: ResourcePool, role: str = "actor") -> None:
         import ray
 
-        self.config, self.dp = config, config.actor.dp
+        self.config, self.dp, self.role = config, config.actor.dp, role
         world = config.actor_world_size()
         worker_class = ray.remote(ActorWorker)
         self.workers = [
-            worker_class.options(**pool.options(i)).remote(i, world, config, model_dir) for i in range(world)
+            worker_class.options(**pool.options(i)).remote(i, world, config, model_dir, role) for i in range(world)
         ]
         host, port = ray.get(self.workers[0].address.remote())
         self.places: list[dict[str, int]] = ray.get([w.setup.remote(host, port) for w in self.workers])
@@ -93,6 +95,7 @@ class ActorGroup:
         advantages: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
         rollout_logp: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step over all ``pairs``, each replica on its share (gradients all-reduced)."""
         shares = self._split(pairs)
@@ -101,7 +104,14 @@ class ActorGroup:
             return None if t is None else t[torch.tensor(share, dtype=torch.long)]
 
         args = [
-            ([pairs[i] for i in s], cut(old_logp, s), cut(advantages, s), cut(ref_logp, s), cut(rollout_logp, s))
+            (
+                [pairs[i] for i in s],
+                cut(old_logp, s),
+                cut(advantages, s),
+                cut(ref_logp, s),
+                cut(rollout_logp, s),
+                cut(loss_mask, s),
+            )
             for s in shares
         ]
         return self.merge_metrics(self._run("update", args))

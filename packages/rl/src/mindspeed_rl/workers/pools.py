@@ -12,10 +12,13 @@ processes share the cores), so a recipe that runs on a GPU node also runs on a l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mindspeed.device import get_accelerator
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def device_resource() -> str:
@@ -23,10 +26,11 @@ def device_resource() -> str:
     return get_accelerator().ray_resource
 
 
-def bundle(cpus: float = 1.0) -> dict[str, float]:
-    """The resources of one worker: one device (when there is an accelerator) and ``cpus`` CPUs."""
+def bundle(cpus: float = 1.0, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """The resources of one worker: one device (when there is an accelerator), ``cpus`` CPUs and
+    the ``extra`` custom resources that pin it to some nodes (``ray.pool_resources``)."""
     resource = device_resource()
-    return {"CPU": cpus, **({resource: 1.0} if resource else {})}
+    return {"CPU": cpus, **({resource: 1.0} if resource else {}), **(extra or {})}
 
 
 @dataclass
@@ -34,13 +38,16 @@ class ResourcePool:
     """A placement group of ``size`` device bundles, packed on as few nodes as possible.
 
     Attributes:
-        name: what the pool hosts (``actor``, ``rollout``), for messages.
+        name: what the pool hosts (``actor``, ``rollout``, ``critic``), for messages.
         size: devices (= workers) in the pool.
+        resources: custom Ray resources each bundle asks for (``ray.pool_resources``: the pool
+            goes to the nodes that offer them).
         group: the Ray placement group (after :meth:`create`).
     """
 
     name: str
     size: int
+    resources: dict[str, float] = field(default_factory=dict)
     group: Any = None
 
     def create(self, timeout: float = 120.0) -> ResourcePool:
@@ -53,15 +60,23 @@ class ResourcePool:
         from ray.util.placement_group import placement_group
 
         self.group = placement_group(
-            [bundle() for _ in range(self.size)], strategy="PACK", name=f"mindspeed-{self.name}"
+            [bundle(extra=self.resources) for _ in range(self.size)], strategy="PACK", name=f"mindspeed-{self.name}"
         )
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
             raise RuntimeError(
-                f"the {self.name} pool needs {self.size} x {bundle()} but the Ray cluster offers "
+                f"the {self.name} pool needs {self.size} x {bundle(extra=self.resources)} but the Ray cluster offers "
                 f"{ray.available_resources()}; shrink the layout or add nodes"
             )
+        logger.info("the %s pool: %d workers on node(s) %s", self.name, self.size, " ".join(self.nodes()))
         return self
+
+    def nodes(self) -> list[str]:
+        """The Ray node ids of the pool's bundles, in bundle order (after :meth:`create`)."""
+        from ray.util import placement_group_table
+
+        placed = placement_group_table(self.group).get("bundles_to_node_id", {})
+        return [str(placed.get(i, "?")) for i in range(self.size)]
 
     def options(self, index: int) -> dict[str, Any]:
         """``ActorClass.options`` that place a worker on bundle ``index`` of the pool."""
