@@ -217,6 +217,9 @@ def test_both_experts_dp2_equals_dp1_and_pipeline_export(pipeline, tmp_path) -> 
     for one, two in zip(dp1, dp2, strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
+        print(
+            f"step {one['step']}: loss DP1 {one['loss']:.6f} DP2 {two['loss']:.6f}, grad norm {one['grad_norm']:.6f} {two['grad_norm']:.6f}"
+        )
 
     export = tmp_path / "dp2"
     assert json.loads((export / "model_index.json").read_text())["boundary_ratio"] == RATIO
