@@ -7,7 +7,7 @@
   separately loaded diffusers ``WanTransformer3DModel`` experts, each sample's timestep routed by
   hand (``t >= boundary``: ``transformer``, else ``transformer_2``): the high-noise expert alone,
   the low-noise one alone, and both in one run (samples of a microbatch on both sides).
-- ``both`` under FSDP2 DP2 (one timestep per microbatch, so a rank's experts often get no sample)
+- ``both`` under FSDP2 DP2 (one sample per rank, so each rank leaves one expert idle every microbatch)
   equals DP1 accumulating the same microbatches, and ``checkpoint.save_hf`` writes ``transformer/``,
   ``transformer_2/`` and ``model_index.json`` that diffusers' ``WanPipeline.from_pretrained`` loads
   with no missing keys, holding the trained weights.
