@@ -156,6 +156,25 @@ def _parity(pipe, features) -> dict:
             "draws": {name: (min(d), max(d)) for name, d in draws.items()},
             "timesteps": task.flow.timesteps,
         }
+    # bf16 (FSDP2 wraps the pair on one rank): the loss stays near fp32's and the experts get float32 timesteps
+    bf16 = {}
+    for precision in ("fp32", "bf16"):
+        config = load_mm_config(
+            None,
+            _overrides(
+                pipe / "transformer",
+                features,
+                **{"train.micro_batch_size": 4, "diffusion.expert": "both", "train.precision": precision},
+            ),
+        )
+        task = TASKS.get("dit")(config, 1)
+        seen = []
+        for expert in (task.model.transformer, task.model.transformer_2):
+            expert.condition_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        loss = task.loss(task.microbatches(1, 0)[0], torch.zeros(2))[0]
+        loss.backward()
+        bf16[precision] = (float(loss.detach()), type(task.model).__name__, seen)
+    results["bf16"] = bf16
     return results
 
 
@@ -175,7 +194,8 @@ def test_expert_routing_loss_and_gradients_equal_diffusers(pipeline) -> None:
         assert draws["uniform"] == (lo, hi), expert  # in range, both ends reached
         assert lo <= draws["recipe"][0] <= draws["recipe"][1] <= hi, expert
     assert results["both"]["index_range"] is None
-    for expert, result in results.items():
+    for expert, *_ in CASES:
+        result = results[expert]
         assert result["names"], expert
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), expert
         assert result["grad_error"] < 1e-5, (expert, result["grad_error"])
@@ -186,6 +206,10 @@ def test_expert_routing_loss_and_gradients_equal_diffusers(pipeline) -> None:
     assert set(results["high_noise"]["routed"]) == {"transformer"}
     assert set(results["low_noise"]["routed"]) == {"transformer_2"}
     assert set(results["both"]["routed"]) == {"transformer", "transformer_2"}  # one microbatch on both sides
+    (fp32, _, _), (half, sharded, dtypes) = results["bf16"]["fp32"], results["bf16"]["bf16"]
+    print(f"both: fp32 loss {fp32:.6f}, bf16 (FSDP2) {half:.6f}")
+    assert half == pytest.approx(fp32, rel=2e-2) and half != fp32 and sharded == "FSDPExpertPair"
+    assert dtypes == [torch.float32, torch.float32]
 
 
 def _train_both(pipe, features, root, accumulation: int, name: str) -> list[dict]:
