@@ -149,3 +149,68 @@ def test_flux_sampler_equals_flux_pipeline() -> None:
     ours_image = decode_latents(vae, ours_latents)
     assert ours_image.shape == theirs_image.shape == (2, 3, 8, 8)
     torch.testing.assert_close(ours_image, theirs_image, rtol=1e-6, atol=1e-6)
+
+
+def test_wan22_two_experts_equal_wan_pipeline() -> None:
+    """Wan2.2: ``WanPipeline(transformer, transformer_2, boundary_ratio)`` with ``guidance_scale_2``."""
+    from diffusers import WanPipeline
+
+    family = DIT_FAMILIES.get(WAN)
+    experts = []
+    for seed in (0, 7):
+        torch.manual_seed(seed)
+        experts.append(family.load_class()(**family.tiny_config).eval())
+    calls = {"high": 0, "low": 0}
+    experts[0].register_forward_pre_hook(lambda m, a, k: calls.update(high=calls["high"] + 1), with_kwargs=True)
+    experts[1].register_forward_pre_hook(lambda m, a, k: calls.update(low=calls["low"] + 1), with_kwargs=True)
+    vae = _tiny_wan_vae()
+    scheduler = build_scheduler(family, flow_shift=3.0)
+    gen = torch.Generator().manual_seed(8)
+    latents = torch.randn(2, 4, 3, 2, 2, generator=gen)
+    text, negative = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        scheduler=copy.deepcopy(scheduler),
+        transformer=experts[0],
+        transformer_2=experts[1],
+        boundary_ratio=0.875,
+    )
+    kwargs = {
+        "prompt_embeds": text,
+        "negative_prompt_embeds": negative,
+        "latents": latents,
+        "height": 16,
+        "width": 16,
+        "num_frames": 9,
+        "num_inference_steps": 4,
+        "guidance_scale": 4.0,
+        "guidance_scale_2": 3.0,
+    }
+    theirs_latents = pipe(**kwargs, output_type="latent").frames
+    theirs_video = pipe(**kwargs, output_type="pt").frames
+    assert calls["high"] > 0 and calls["low"] > 0  # both experts denoised
+    calls.update(high=0, low=0)
+    ours_latents = sample_latents(
+        experts[0],
+        family,
+        scheduler,
+        latents,
+        text,
+        4,
+        negative_text=negative,
+        guidance_scale=4.0,
+        model_2=experts[1],
+        boundary_ratio=0.875,
+        guidance_scale_2=3.0,
+    )
+    torch.testing.assert_close(ours_latents, theirs_latents, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(decode_latents(vae, ours_latents), theirs_video, rtol=1e-6, atol=1e-6)
+    print(f"expert calls per sampling (cond + uncond): {calls}")
+    assert calls["high"] > 0 and calls["low"] > 0
+    # the second expert changes the result (not the single-expert sampler by another name)
+    single = sample_latents(experts[0], family, scheduler, latents, text, 4, negative_text=negative, guidance_scale=4.0)
+    assert (single - ours_latents).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="needs boundary_ratio"):
+        sample_latents(experts[0], family, scheduler, latents, text, 4, model_2=experts[1])

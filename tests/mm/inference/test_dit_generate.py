@@ -238,3 +238,47 @@ def test_generate_flux_images_and_contact_sheet(tmp_path) -> None:
         with Image.open(file) as written:
             assert written.size == (8, 8)
             np.testing.assert_array_equal(np.asarray(written.convert("RGB")), image)  # PNG is lossless
+
+
+def test_generate_wan22_two_experts(tmp_path, capsys) -> None:
+    """A pipeline with ``transformer_2`` and ``boundary_ratio``: both experts sample, as the library sampler by hand."""
+    from diffusers import WanTransformer3DModel
+
+    from mindspeed_mm.demos.t2v import TINY_WAN
+    from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
+
+    pipe = write_demo_pipeline(tmp_path / "pipe")
+    torch.manual_seed(3)
+    WanTransformer3DModel(**TINY_WAN).save_pretrained(str(pipe / "transformer_2"))
+    index = json.loads((pipe / "model_index.json").read_text())
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (pipe / "model_index.json").write_text(json.dumps(index))
+    flags = [*FLAGS, "--guidance-scale-2", "2", "--num-inference-steps", "3"]  # timesteps 1000, 500.5, 1
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(tmp_path / "a"), *flags]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "a" / "samples.jsonl").read_text().splitlines()]
+    assert rows[0]["settings"]["boundary_ratio"] == 0.875 and rows[0]["settings"]["guidance_scale_2"] == 2.0
+    by_cli = _gif_frames(tmp_path / "a" / "000-a-red-square-moving-left.gif")
+
+    loaded = load_dit_pipeline(pipe)
+    family = loaded.family
+    second = WanTransformer3DModel.from_pretrained(pipe / "transformer_2").eval()
+    noise = torch.randn(latent_shape(loaded.parts["vae"], family, 3, 8, 8), generator=torch.Generator().manual_seed(7))
+    text, _ = family.encode_prompts(loaded.parts, ["a red square moving left"], 8)
+    negative, _ = family.encode_prompts(loaded.parts, [""], 8)
+    pixels = {}
+    for name, extra in (("pair", {"model_2": second, "boundary_ratio": 0.875, "guidance_scale_2": 2.0}), ("alone", {})):
+        scheduler = build_scheduler(family, pipe)
+        latents = sample_latents(
+            loaded.model, family, scheduler, noise[None], text, 3, negative_text=negative, guidance_scale=3.0, **extra
+        )
+        pixels[name] = (decode_latents(loaded.parts["vae"], latents)[0].permute(0, 2, 3, 1).numpy() * 255).round()
+    assert np.abs(by_cli.astype(np.float64) - pixels["pair"]).max() <= 8  # GIF's palette rounds a few levels
+    assert np.abs(by_cli.astype(np.float64) - pixels["alone"]).max() > 16  # the second expert took steps
+    # --guidance-scale-2 without a second expert (another transformer with this pipeline's parts) is refused
+    import shutil
+
+    shutil.copytree(pipe / "transformer", tmp_path / "alone")
+    single = ["generate", "--load-dir", str(tmp_path / "alone"), "--pipeline-dir", str(pipe)]
+    assert main([*single, "--output-dir", str(tmp_path / "b"), *flags]) == 2
+    assert "--guidance-scale-2 applies to a Wan2.2 pipeline" in capsys.readouterr().err

@@ -378,6 +378,13 @@ class DiffusionConfig:
         min_timestep_boundary: ``u`` is mapped into [min, max) of the grid (Wan2.2's experts:
             the high-noise one trains [0, 0.417), the low-noise one [0.417, 1)).
         max_timestep_boundary: see ``min_timestep_boundary``.
+        expert: Wan2.2's two-expert mixture (``WanPipeline`` with ``transformer_2``): ``none`` (one
+            transformer), ``high_noise`` (``model.path`` is the pipeline's ``transformer``, trained on the
+            grid timesteps ``t >= boundary``), ``low_noise`` (``transformer_2``, ``t < boundary``) or
+            ``both`` (``model.path`` is ``transformer``, its sibling ``transformer_2`` trains beside it, each
+            sample's timestep routed to its expert). ``boundary = boundary_ratio x num_train_timesteps``.
+        boundary_ratio: the switch of the experts; None: the pipeline's ``model_index.json`` (the parent
+            of ``model.path``) gives it.
         loss_weighting: ``none``, ``sigma_sqrt`` (1/sigma^2), ``cosmap`` (SD3), or ``bsmntw``
             (MindSpeed-MM's / DiffSynth's Gaussian bump over the grid, mean 1).
         text_dropout: probability that a sample's text embedding is replaced by the empty
@@ -394,6 +401,8 @@ class DiffusionConfig:
     timestep_per: Literal["sample", "microbatch"] = "sample"
     min_timestep_boundary: float = 0.0
     max_timestep_boundary: float = 1.0
+    expert: Literal["none", "high_noise", "low_noise", "both"] = "none"
+    boundary_ratio: float | None = None
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap", "bsmntw"] = "none"
     text_dropout: float = 0.0
     guidance_scale: float = 1.0
@@ -409,6 +418,13 @@ class DiffusionConfig:
                 f"diffusion.min_timestep_boundary={self.min_timestep_boundary} and "
                 f"max_timestep_boundary={self.max_timestep_boundary} must satisfy 0 <= min < max <= 1"
             )
+        if self.expert != "none" and (self.min_timestep_boundary, self.max_timestep_boundary) != (0.0, 1.0):
+            raise ConfigError(
+                f"diffusion.expert={self.expert} sets the timestep range from boundary_ratio; remove "
+                "diffusion.min_timestep_boundary / max_timestep_boundary"
+            )
+        if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
+            raise ConfigError(f"diffusion.boundary_ratio={self.boundary_ratio} must be in (0, 1) (Wan2.2 T2V: 0.875)")
         if not 0 <= self.text_dropout <= 1:
             raise ConfigError(f"diffusion.text_dropout={self.text_dropout} must be in [0, 1]")
         if self.logit_std <= 0:

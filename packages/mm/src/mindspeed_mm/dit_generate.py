@@ -43,6 +43,8 @@ class DiTSampleConfig:
         num_inference_steps: denoising steps.
         guidance_scale: classifier-free guidance scale (1: none; Wan's guidance_scale, FLUX's true_cfg_scale;
             default 5 for video, 1 for images).
+        guidance_scale_2: Wan2.2 (a pipeline with ``transformer_2`` and ``boundary_ratio``): the guidance of the
+            low-noise expert's steps (default: guidance_scale), as ``WanPipeline``'s ``guidance_scale_2``.
         distilled_guidance: the guidance value a guidance-distilled model (FLUX.1-dev) is given.
         flow_shift: a fixed shift of the sampling sigmas (default: the scheduler's).
         height: pixels (default: 480 for video, 1024 for images).
@@ -68,6 +70,7 @@ class DiTSampleConfig:
     sampler: str | None = None
     num_inference_steps: int = 50
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
     distilled_guidance: float = 3.5
     flow_shift: float | None = None
     height: int | None = None
@@ -149,7 +152,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
 
     from mindspeed_mm.diffusion import media
     from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, decode_shared, sample_latents
-    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
+    from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline, load_second_expert
     from mindspeed_mm.inference.loading import DTYPES
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
 
@@ -164,6 +167,12 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     if not loaded.parts:
         raise ValueError(f"{loaded.weights} has no pipeline beside it (VAE, text encoder); pass --pipeline-dir")
     family, video = loaded.family, loaded.family.latent_dims == 4
+    model_2, boundary_ratio = load_second_expert(loaded, DTYPES[args.dtype or "float32"])
+    if sample.guidance_scale_2 is not None and model_2 is None:
+        raise ValueError(
+            "--guidance-scale-2 applies to a Wan2.2 pipeline (transformer_2 and boundary_ratio in its "
+            "model_index.json) given as --load-dir; remove it"
+        )
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
     group = None
@@ -177,6 +186,8 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         algo = "ulysses_cp_algo" if ring == 1 else "megatron_cp_algo" if ulysses == 1 else "hybrid_cp_algo"
         group = dist.group.WORLD
         apply_sequence_parallel(loaded.model, family.sequence_plan, group, algo, ulysses)
+        if model_2 is not None:
+            apply_sequence_parallel(model_2, family.sequence_plan, group, algo, ulysses)
     writer = group is None or dist.get_rank() == 0
     height = sample.height or (480 if video else 1024)
     width = sample.width or (832 if video else 1024)
@@ -210,6 +221,9 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             neg_pooled,
             guidance,
             sample.distilled_guidance,
+            model_2,
+            boundary_ratio,
+            sample.guidance_scale_2,
         )
         sampled.append(latents)
     if group is None:  # one batch at a time, as sampled
@@ -226,6 +240,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     settings = {
         **asdict(sample),
         "guidance_scale": guidance,
+        "boundary_ratio": boundary_ratio,
         "height": height,
         "width": width,
         "text_len": text_len,

@@ -78,6 +78,21 @@ class FlowMatching:
         bump = torch.exp(-2 * ((self.timesteps - n / 2) / n) ** 2)
         bump = bump - bump.min()
         self.bsmntw = bump * (n / bump.sum())
+        #: grid indices ``[lo, hi)`` the draws are confined to (an expert's range), None: the whole grid.
+        self.index_range: tuple[int, int] | None = None
+
+    def expert_range(self, expert: str, boundary_ratio: float) -> tuple[int, int]:
+        """The grid indices ``[lo, hi)`` of a Wan2.2 expert: ``high_noise`` the timesteps ``t >= boundary``,
+        ``low_noise`` those below (``WanPipeline``'s switch, ``boundary = boundary_ratio x N``)."""
+        n = self.config.num_train_timesteps
+        high = int((self.timesteps >= boundary_ratio * n).sum())  # the grid descends: the first `high` indices
+        lo, hi = (0, high) if expert == "high_noise" else (high, n)
+        if lo >= hi:
+            raise ValueError(
+                f"diffusion.boundary_ratio={boundary_ratio} leaves the {expert} expert no timestep of the grid "
+                f"(shift {self.config.shift}); give a ratio inside the grid's timesteps"
+            )
+        return lo, hi
 
     def generator(self, seed: int, microbatch: int) -> torch.Generator:
         """The generator of global microbatch ``microbatch`` (counting from 0 over the whole run)."""
@@ -95,8 +110,12 @@ class FlowMatching:
             c.logit_std,
             c.mode_scale,
         )
-        u = c.min_timestep_boundary + u * (c.max_timestep_boundary - c.min_timestep_boundary)
-        indices = (u * c.num_train_timesteps).long().clamp(0, c.num_train_timesteps - 1).expand(batch).clone()
+        if self.index_range is not None:  # an expert's range of the grid
+            lo, hi = self.index_range
+            indices = (lo + (u * (hi - lo)).long().clamp(0, hi - lo - 1)).expand(batch).clone()
+        else:
+            u = c.min_timestep_boundary + u * (c.max_timestep_boundary - c.min_timestep_boundary)
+            indices = (u * c.num_train_timesteps).long().clamp(0, c.num_train_timesteps - 1).expand(batch).clone()
         noise = torch.randn(latent_shape, generator=generator)
         drop = torch.rand(batch, generator=generator) < c.text_dropout
         return FlowDraw(indices, noise, drop)

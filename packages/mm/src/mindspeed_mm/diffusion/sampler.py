@@ -99,6 +99,9 @@ def sample_latents(
     negative_pooled: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
     distilled_guidance: float = 1.0,
+    model_2: Any = None,
+    boundary_ratio: float | None = None,
+    guidance_scale_2: float | None = None,
 ) -> torch.Tensor:
     """Denoise ``latents`` (pure noise, ``[B, ...]`` in the family's latent layout) into clean latents.
 
@@ -115,20 +118,31 @@ def sample_latents(
         guidance_scale: classifier-free guidance (Wan's ``guidance_scale``, FLUX's ``true_cfg_scale``).
         distilled_guidance: the guidance value given to a guidance-distilled model (FLUX.1-dev's
             ``guidance_scale``); ignored by models without a guidance embedding.
+        model_2: Wan2.2's low-noise expert (``WanPipeline``'s ``transformer_2``): it denoises the timesteps
+            below ``boundary_ratio x num_train_timesteps``, ``model`` those at or above.
+        boundary_ratio: the experts' switch (required with ``model_2``).
+        guidance_scale_2: the guidance of ``model_2``'s steps (None: ``guidance_scale``); guidance is on
+            for both experts when ``guidance_scale > 1``, as in ``WanPipeline``.
     """
     shape = tuple(latents.shape)
     scheduler.set_timesteps(steps, device=latents.device, **family.timestep_kwargs(scheduler.config, steps, shape))
     scheduler.set_begin_index(0)
     dtype = next(model.parameters()).dtype
     guided = guidance_scale > 1.0 and negative_text is not None
+    if model_2 is not None and boundary_ratio is None:
+        raise ValueError("a second expert (transformer_2) needs boundary_ratio; give --boundary-ratio")
+    boundary = boundary_ratio * scheduler.config.num_train_timesteps if model_2 is not None else None
+    scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
     for t in scheduler.timesteps:
+        low = boundary is not None and t < boundary  # WanPipeline: t >= boundary runs `transformer`
+        current, scale = (model_2, scale_2) if low else (model, guidance_scale)
         timestep = t.expand(shape[0]).to(torch.float32) / family.timestep_divisor
-        velocity = _velocity(model, family, latents.to(dtype), timestep, text, pooled, distilled_guidance)
+        velocity = _velocity(current, family, latents.to(dtype), timestep, text, pooled, distilled_guidance)
         if guided:
             uncond = _velocity(
-                model, family, latents.to(dtype), timestep, negative_text, negative_pooled, distilled_guidance
+                current, family, latents.to(dtype), timestep, negative_text, negative_pooled, distilled_guidance
             )
-            velocity = uncond + guidance_scale * (velocity - uncond)
+            velocity = uncond + scale * (velocity - uncond)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
     return latents
 

@@ -154,6 +154,27 @@ def load_dit_pipeline(
     return DiTPipeline(family, model, parts, pipeline, weights, device)
 
 
+def load_second_expert(loaded: DiTPipeline, dtype: torch.dtype) -> tuple[Any, float | None]:
+    """Wan2.2's low-noise expert and ``boundary_ratio`` when ``loaded`` is a two-expert pipeline's ``transformer``.
+
+    The pipeline's ``transformer_2`` is used only when the sampled weights are its own ``transformer``
+    folder (a trained single transformer sampled with a Wan2.2 pipeline's parts stays alone).
+
+    Returns:
+        ``(transformer_2, boundary_ratio)``, or ``(None, None)``.
+    """
+    pipeline = loaded.pipeline_dir
+    if pipeline is None or Path(loaded.weights) != pipeline / "transformer":
+        return None, None
+    ratio = json.loads((pipeline / MODEL_INDEX).read_text()).get("boundary_ratio")
+    second = pipeline / "transformer_2"
+    if ratio is None or not (second / "config.json").is_file():
+        return None, None
+    model = loaded.family.load_class().from_pretrained(str(second), torch_dtype=torch.float32, local_files_only=True)
+    logger.info("loaded the low-noise expert from %s (boundary_ratio %s)", second, ratio)
+    return _to(model, loaded.device, dtype).eval(), float(ratio)
+
+
 def load_parts(pipeline: Path, family: DiTFamily, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """The components of a pipeline directory other than its transformer(s) and scheduler, by folder name."""
     index = json.loads((pipeline / MODEL_INDEX).read_text())

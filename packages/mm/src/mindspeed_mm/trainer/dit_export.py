@@ -10,6 +10,7 @@ complete or not at all.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,7 @@ from mindspeed_mm.models.diffusers_lora import write_diffusers_lora
 from mindspeed_mm.models.dit import DiTFamily, build_meta_dit
 from mindspeed_mm.models.lora import AdapterSettings, adapted_modules, factor_names
 from mindspeed_mm.models.peft_io import Adapter
+from mindspeed_mm.models.wan_experts import EXPERT_FOLDERS, second_expert_path
 from mindspeed_mm.trainer.export import full_state
 
 logger = get_logger(__name__)
@@ -94,4 +96,50 @@ def save_diffusers(
         os.replace(tmp, target)
     logger.info("saved diffusers model to %s", target)
     dist.barrier()
+    return target
+
+
+def save_expert_pair(
+    model: torch.nn.Module,
+    family: DiTFamily,
+    source: str | Path,
+    target: str | Path,
+    boundary_ratio: float,
+    state: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path | None:
+    """Write a trained :class:`~mindspeed_mm.models.wan_experts.ExpertPair` as a Wan2.2 pipeline's experts (a collective).
+
+    ``target/transformer`` and ``target/transformer_2`` are :func:`save_diffusers` directories (each
+    with its source folder's other files), and ``target/model_index.json`` is the source pipeline's
+    (else a ``WanPipeline`` index naming the two transformers) with ``boundary_ratio``: copy the
+    pipeline's other folders (VAE, text encoder, tokenizer, scheduler) beside them to load the whole
+    pipeline.
+
+    Returns:
+        ``target`` on rank 0, None on the other ranks.
+    """
+    if state is None:
+        state = full_state(model)
+    target = Path(target)
+    if dist.get_rank() == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    sources = (Path(source), second_expert_path(source))
+    for folder, folder_source in zip(EXPERT_FOLDERS, sources):
+        prefix = folder + "."
+        part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        save_diffusers(model, family, folder_source, target / folder, state=part, dtype=dtype)
+    if dist.get_rank() != 0:
+        return None
+    index_file = Path(source).parent / "model_index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+    else:
+        import diffusers
+
+        index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__}
+        index.update({folder: ["diffusers", family.architecture] for folder in EXPERT_FOLDERS})
+    index["boundary_ratio"] = boundary_ratio
+    (target / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    logger.info("saved the Wan2.2 experts (boundary_ratio %s) to %s", boundary_ratio, target)
     return target

@@ -12,8 +12,10 @@ the mean over the global batch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,8 @@ from mindspeed_mm.models.dit_compile import compile_blocks
 from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel
 from mindspeed_mm.models.loading import freeze_parts
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config
-from mindspeed_mm.trainer.dit_export import save_diffusers, write_dit_lora
+from mindspeed_mm.models.wan_experts import load_pair, pair_plan, resolve_boundary_ratio
+from mindspeed_mm.trainer.dit_export import save_diffusers, save_expert_pair, write_dit_lora
 from mindspeed_mm.trainer.export import full_state as gather_state
 from mindspeed_mm.trainer.fsdp import (
     apply_fsdp,
@@ -59,17 +62,18 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     m, p, lora = config.model, config.parallel, config.lora
     family = dit_family_of(m.path)
     device = get_accelerator().device()
+    load, build_meta, plan = _loaders(config, family)
     full_state, buffers = None, None
     if world == 1:
-        model = load_dit(m.path, family).to(device)
+        model = load().to(device)
     else:
         if dist.get_rank() == 0:
-            loaded = load_dit(m.path, family)
+            loaded = load()
             if lora.enabled:
                 apply_lora(loaded, lora, family)
             full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
             del loaded
-        model = build_meta_dit(m.path, family)
+        model = build_meta()
     if lora.enabled:
         apply_lora(model, lora, family)
     if m.freeze:
@@ -80,7 +84,7 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     if needs_fsdp(world, config.train.precision):  # one fp32 rank trains the model as loaded
         apply_fsdp(
             model,
-            p.fsdp_plan if p.fsdp_plan is not None else family.fsdp_plan,
+            p.fsdp_plan if p.fsdp_plan is not None else plan,
             build_mesh(world, p.dp_replicate, p.sequence_parallel_size),
             config.train.precision,
             p.reshard_after_forward,
@@ -89,6 +93,26 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         load_from_rank0(model, full_state, buffers, device)
     model.train()
     return family, model
+
+
+def _loaders(config: MMConfig, family: DiTFamily) -> tuple[Callable[[], Any], Callable[[], Any], tuple[str, ...]]:
+    """``(load, build on meta, FSDP2 plan)``: of ``model.path``, or with ``diffusion.expert=both`` of both experts."""
+    m, d = config.model, config.diffusion
+    if d.expert != "both":
+        return (lambda: load_dit(m.path, family)), (lambda: build_meta_dit(m.path, family)), family.fsdp_plan
+    p = config.parallel
+    if config.lora.enabled or p.sequence_parallel_size > 1 or config.train.compile:
+        raise ValueError(
+            "diffusion.expert=both trains the experts in full, without sequence parallelism or compile; "
+            "set lora.enabled=false, parallel.ulysses_parallel_size=1, parallel.ring_attention_size=1 and "
+            "train.compile=false, or train each expert alone (diffusion.expert=high_noise / low_noise)"
+        )
+    boundary = resolve_boundary_ratio(d.boundary_ratio, m.path, d.expert) * d.num_train_timesteps
+    return (
+        lambda: load_pair(m.path, family, boundary),
+        lambda: load_pair(m.path, family, boundary, meta=True),
+        pair_plan(family.fsdp_plan),
+    )
 
 
 @dataclass
@@ -130,6 +154,10 @@ class DiTTask:
         d, t = config.data, config.train
         self.config, self.world = config, world
         self.source = Path(config.model.path)
+        expert = config.diffusion.expert
+        self.boundary_ratio = (
+            resolve_boundary_ratio(config.diffusion.boundary_ratio, self.source, expert) if expert != "none" else None
+        )
         self.family, self.model = build_dit(config, world)
         self.device = get_accelerator().device()
         p = config.parallel
@@ -148,6 +176,8 @@ class DiTTask:
         # A feature cache, or the encoders run on the raw media of data.files as samples are read.
         self.features = FeatureSet(d.features) if d.features else MediaFeatures(config, self.family)
         self.flow = FlowMatching(config.diffusion)
+        if expert in ("high_noise", "low_noise"):
+            self.flow.index_range = self.flow.expert_range(expert, self.boundary_ratio)
         self.text_len = d.text_len or self.family.text_len
         self.order = BucketOrder(
             self.features.shapes(),
@@ -302,7 +332,20 @@ class DiTTask:
             if lora.enabled and state is not None:
                 state = merged_state(state, lora)
             dtype = target_dtype(ck.save_hf_dtype)
-            target = save_diffusers(self.model, self.family, self.source, ck.save_hf, state=state or {}, dtype=dtype)
+            if self.config.diffusion.expert == "both":
+                target = save_expert_pair(
+                    self.model,
+                    self.family,
+                    self.source,
+                    ck.save_hf,
+                    self.boundary_ratio,
+                    state=state or {},
+                    dtype=dtype,
+                )
+            else:
+                target = save_diffusers(
+                    self.model, self.family, self.source, ck.save_hf, state=state or {}, dtype=dtype
+                )
             if target is not None:
                 written["save_hf"] = str(target)
         return written

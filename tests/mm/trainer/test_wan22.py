@@ -1,0 +1,278 @@
+"""Wan2.2's two experts (``diffusion.expert``) against diffusers, on a tiny ``WanPipeline`` saved in code.
+
+- The experts' ranges of the grid are ``WanPipeline``'s switch: ``high_noise`` holds exactly the
+  grid timesteps ``t >= boundary_ratio x 1000``; 3000 uniform draws of each expert stay in its range and
+  reach both of its ends; ``boundary_ratio`` comes from the pipeline's ``model_index.json``.
+- A training microbatch's loss and every parameter's gradient equal a reference computed with
+  separately loaded diffusers ``WanTransformer3DModel`` experts, each sample's timestep routed by
+  hand (``t >= boundary``: ``transformer``, else ``transformer_2``): the high-noise expert alone,
+  the low-noise one alone, and both in one run (samples of a microbatch on both sides).
+- ``both`` under FSDP2 DP2 (one sample per rank, so each rank leaves one expert idle every microbatch)
+  equals DP1 accumulating the same microbatches, and ``checkpoint.save_hf`` writes ``transformer/``,
+  ``transformer_2/`` and ``model_index.json`` that diffusers' ``WanPipeline.from_pretrained`` loads
+  with no missing keys, holding the trained weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mindspeed.launch import launch
+from mindspeed_mm.config import ConfigError, DiffusionConfig, load_mm_config
+from mindspeed_mm.diffusion import FlowMatching
+from mindspeed_mm.models.dit import DIT_FAMILIES
+from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
+from mindspeed_mm.trainer.loop import train
+from mindspeed_mm.trainer.task import TASKS
+
+WAN = "WanTransformer3DModel"
+TEXT_LEN = 8
+RATIO = 0.875
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A tiny Wan2.2 pipeline directory (two experts of different weights, boundary_ratio 0.875) and features."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    root = tmp_path_factory.mktemp("wan22")
+    _, features = write_tiny_dit_run(root / "data", WAN, num_samples=8)
+    family = DIT_FAMILIES.get(WAN)
+    experts = []
+    for seed in (0, 7):
+        torch.manual_seed(seed)
+        experts.append(family.load_class()(**family.tiny_config))
+    scheduler = UniPCMultistepScheduler(**family.scheduler[1])
+    WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+        scheduler=scheduler,
+        transformer=experts[0],
+        transformer_2=experts[1],
+        boundary_ratio=RATIO,
+    ).save_pretrained(root / "pipe")
+    return root / "pipe", features
+
+
+def _overrides(model_dir, features, **extra) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        f"data.features={features}",
+        f"data.text_len={TEXT_LEN}",
+        "data.shuffle=false",
+        "train.precision=fp32",
+        "logging.progress=false",
+        "diffusion.shift=5.0",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
+
+
+#: (expert, model folder, diffusion keys, micro batch)
+CASES = [
+    ("high_noise", "transformer", {"timestep_per": "microbatch", "loss_weighting": "bsmntw"}, 2),
+    ("low_noise", "transformer_2", {"timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt"}, 3),
+    ("both", "transformer", {"loss_weighting": "none", "text_dropout": 0.3}, 4),
+]
+
+
+def _reference(pipe, task, batch, expert: str) -> tuple[float, dict[str, torch.Tensor], list[str]]:
+    """Loss and gradients with diffusers' experts, each sample routed by hand; the experts each sample went to."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    indices, latents, noise = batch.draw.indices, batch.latents, batch.draw.noise
+    timesteps = scheduler.timesteps[indices]
+    # The grid is diffusers' to within one float32 ulp (test_dit: rtol 1e-6); an ulp of the timestep moves
+    # the time embedder's gradients by 6e-5, so the model is given the task's grid values, and the routing
+    # is checked against the scheduler's own timesteps too.
+    sigmas = task.flow.sigmas[indices]
+    torch.testing.assert_close(sigmas, scheduler.sigmas[indices], rtol=1e-6, atol=0)
+    model_timesteps = sigmas * 1000.0
+    shaped = sigmas.reshape(-1, 1, 1, 1, 1)
+    noisy = (1.0 - shaped) * latents + shaped * noise  # as diffusers' flow-matching training scripts write it
+    text, _ = task.model_text(batch)
+    models = {name: WanTransformer3DModel.from_pretrained(pipe / name) for name in ("transformer", "transformer_2")}
+    routed = ["transformer" if t >= RATIO * 1000 else "transformer_2" for t in timesteps.tolist()]
+    assert routed == ["transformer" if t >= RATIO * 1000 else "transformer_2" for t in model_timesteps.tolist()]
+    pred = torch.zeros_like(latents)
+    for name, model in models.items():  # each expert on its samples, as one batch
+        rows = [i for i, expert_name in enumerate(routed) if expert_name == name]
+        if rows:
+            pred[rows] = model(noisy[rows], model_timesteps[rows], text[rows]).sample
+    scheme = task.config.diffusion.loss_weighting
+    if scheme == "bsmntw":  # MindSpeed-MM's WanFlowMatchScheduler.training_weight
+        y = torch.exp(-2 * ((scheduler.timesteps - 500) / 1000) ** 2)
+        weighting = ((y - y.min()) * (1000 / (y - y.min()).sum()))[indices]
+    else:
+        weighting = compute_loss_weighting_for_sd3(scheme, sigmas) * torch.ones(len(routed))
+    error = (pred.float() - (noise - latents).float()) ** 2
+    loss = (weighting.reshape(-1, 1) * error.reshape(len(routed), -1)).mean(1).mean()
+    loss.backward()
+    grads = {}
+    for name, model in models.items():
+        if expert == "both":
+            grads.update({f"{name}.{n}": p.grad for n, p in model.named_parameters()})
+        elif name == task.source.name:
+            grads.update({n: p.grad for n, p in model.named_parameters()})
+    return float(loss.detach()), grads, routed
+
+
+def _parity(pipe, features) -> dict:
+    results = {}
+    for expert, folder, diffusion, micro in CASES:
+        config = load_mm_config(
+            None,
+            _overrides(pipe / folder, features, **{"train.micro_batch_size": micro, "diffusion.expert": expert})
+            + [f"diffusion.{k}={v}" for k, v in diffusion.items()],
+        )
+        task = TASKS.get("dit")(config, 1)
+        batch = task.microbatches(1, 0)[0]
+        loss, _ = task.loss(batch, torch.zeros(2))
+        loss.backward()
+        ours = {n: p.grad for n, p in task.model.named_parameters()}
+        expected, grads, routed = _reference(pipe, task, batch, expert)
+        error = max(float((ours[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads.items())
+        # 3000 draws of the expert's timesteps: the recipe's, and uniform ones over the same range
+        uniform = FlowMatching(DiffusionConfig(shift=5.0))
+        uniform.index_range = task.flow.index_range
+        draws = {
+            name: torch.cat([flow.draw(flow.generator(5, k), (1, 1)).indices for k in range(3000)]).tolist()
+            for name, flow in (("recipe", task.flow), ("uniform", uniform))
+        }
+        results[expert] = {
+            "loss": float(loss.detach()),
+            "expected": expected,
+            "grad_error": error,
+            "names": set(ours) == set(grads),
+            "routed": routed,
+            "index_range": task.flow.index_range,
+            "draws": {name: (min(d), max(d)) for name, d in draws.items()},
+            "timesteps": task.flow.timesteps,
+        }
+    # bf16 (FSDP2 wraps the pair on one rank): the loss stays near fp32's and the experts get float32 timesteps
+    bf16 = {}
+    for precision in ("fp32", "bf16"):
+        config = load_mm_config(
+            None,
+            _overrides(
+                pipe / "transformer",
+                features,
+                **{"train.micro_batch_size": 4, "diffusion.expert": "both", "train.precision": precision},
+            ),
+        )
+        task = TASKS.get("dit")(config, 1)
+        seen = []
+        for expert in (task.model.transformer, task.model.transformer_2):
+            expert.condition_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        loss = task.loss(task.microbatches(1, 0)[0], torch.zeros(2))[0]
+        loss.backward()
+        bf16[precision] = (float(loss.detach()), type(task.model).__name__, seen)
+    results["bf16"] = bf16
+    return results
+
+
+def test_expert_routing_loss_and_gradients_equal_diffusers(pipeline) -> None:
+    pipe, features = pipeline
+    results = launch(_parity, (pipe, features))
+    timesteps = results["high_noise"]["timesteps"]
+    high = int((timesteps >= RATIO * 1000).sum())
+    assert timesteps[high - 1] >= RATIO * 1000 > timesteps[high]  # WanPipeline's switch on the grid
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    theirs = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0).timesteps
+    assert int((theirs >= RATIO * 1000).sum()) == high  # the scheduler's own timesteps split there too
+    assert results["high_noise"]["index_range"] == (0, high) and results["low_noise"]["index_range"] == (high, 1000)
+    for expert, (lo, hi) in (("high_noise", (0, high - 1)), ("low_noise", (high, 999))):
+        draws = results[expert]["draws"]
+        assert draws["uniform"] == (lo, hi), expert  # in range, both ends reached
+        assert lo <= draws["recipe"][0] <= draws["recipe"][1] <= hi, expert
+    assert results["both"]["index_range"] is None
+    for expert, *_ in CASES:
+        result = results[expert]
+        assert result["names"], expert
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-6), expert
+        assert result["grad_error"] < 1e-5, (expert, result["grad_error"])
+        print(
+            f"{expert}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative gradient "
+            f"error {result['grad_error']:.1e}, experts {result['routed']}"
+        )
+    assert set(results["high_noise"]["routed"]) == {"transformer"}
+    assert set(results["low_noise"]["routed"]) == {"transformer_2"}
+    assert set(results["both"]["routed"]) == {"transformer", "transformer_2"}  # one microbatch on both sides
+    (fp32, _, _), (half, sharded, dtypes) = results["bf16"]["fp32"], results["bf16"]["bf16"]
+    print(f"both: fp32 loss {fp32:.6f}, bf16 (FSDP2) {half:.6f}")
+    assert half == pytest.approx(fp32, rel=2e-2) and half != fp32 and sharded == "FSDPExpertPair"
+    assert dtypes == [torch.float32, torch.float32]
+
+
+def _train_both(pipe, features, root, accumulation: int, name: str) -> list[dict]:
+    overrides = _overrides(
+        pipe / "transformer",
+        features,
+        **{
+            "diffusion.expert": "both",
+            "diffusion.timestep_per": "microbatch",
+            "train.steps": STEPS,
+            "train.micro_batch_size": 1,
+            "train.gradient_accumulation_steps": accumulation,
+            "train.lr": 1e-3,
+            "data.shuffle": "true",
+            "checkpoint.save_hf": str(root / name),
+        },
+    )
+    records = train(load_mm_config(None, overrides)).records
+    return records
+
+
+def test_both_experts_dp2_equals_dp1_and_pipeline_export(pipeline, tmp_path) -> None:
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    pipe, features = pipeline
+    dp2 = launch(_train_both, (pipe, features, tmp_path, 1, "dp2"), nproc_per_node=2)
+    dp1 = launch(_train_both, (pipe, features, tmp_path, 2, "dp1"))
+    assert [r["step"] for r in dp1] == [r["step"] for r in dp2] == list(range(1, STEPS + 1))
+    for one, two in zip(dp1, dp2, strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), one["step"]
+        print(
+            f"step {one['step']}: loss DP1 {one['loss']:.6f} DP2 {two['loss']:.6f}, grad norm {one['grad_norm']:.6f} {two['grad_norm']:.6f}"
+        )
+
+    export = tmp_path / "dp2"
+    assert json.loads((export / "model_index.json").read_text())["boundary_ratio"] == RATIO
+    for folder in ("transformer", "transformer_2"):
+        loaded, info = WanTransformer3DModel.from_pretrained(export / folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        before = WanTransformer3DModel.from_pretrained(pipe / folder).state_dict()
+        dp1_weights = WanTransformer3DModel.from_pretrained(tmp_path / "dp1" / folder).state_dict()
+        weights = loaded.state_dict()
+        assert any(not torch.equal(before[n], w) for n, w in weights.items()), folder  # it trained
+        for n, w in weights.items():
+            torch.testing.assert_close(w, dp1_weights[n], rtol=1e-4, atol=1e-6)
+    for folder in ("vae", "scheduler"):  # the pipeline's other parts, copied beside the experts
+        shutil.copytree(pipe / folder, export / folder)
+    loaded = WanPipeline.from_pretrained(export, tokenizer=None, text_encoder=None)
+    assert loaded.config.boundary_ratio == RATIO and loaded.transformer_2 is not None
+
+
+def test_expert_config_errors(pipeline, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="remove diffusion.min_timestep_boundary"):
+        DiffusionConfig(expert="high_noise", min_timestep_boundary=0.417).check()
+    with pytest.raises(ConfigError, match="boundary_ratio=1.5"):
+        DiffusionConfig(expert="both", boundary_ratio=1.5).check()
+    # a lone transformer directory: no model_index.json, no boundary_ratio
+    pipe, features = pipeline
+    shutil.copytree(pipe / "transformer", tmp_path / "alone")
+    config = load_mm_config(None, _overrides(tmp_path / "alone", features, **{"diffusion.expert": "high_noise"}))
+    with pytest.raises(ValueError, match="set diffusion.boundary_ratio"):
+        TASKS.get("dit")(config, 1)
+    flow = FlowMatching(DiffusionConfig(shift=5.0))
+    with pytest.raises(ValueError, match="leaves the low_noise expert no timestep"):
+        flow.expert_range("low_noise", 0.001)  # the grid's smallest timestep is 4.98
