@@ -226,12 +226,20 @@ def tiny_glm45() -> Any:
     )
 
 
+#: Families whose persistent buffers (the expert selection bias) get noise too. Not deepseek3:
+#: with a non-zero bias, transformers' DeepseekV3 ``generate`` (cached decode) leaves its own
+#: uncached forward on the tiny model (prompt seed 3: token 39 where the forward's argmax is 1,
+#: logit gap 0.026), which the greedy test would blame on the engine.
+PERTURBED_BUFFERS = ("glm45-moe",)
+
+
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A tiny random-weight ``AutoModelForCausalLM`` of ``family``.
 
-    Every parameter and persistent float buffer (the routers' ``e_score_correction_bias``) gets
-    noise on top of transformers' init, so that norm weights, biases and router biases are not
-    the constants a wrong mapping could get away with.
+    Every parameter gets noise on top of transformers' init, so that norm weights, biases and
+    router biases are not the constants a wrong mapping could get away with; so do the persistent
+    float buffers (the routers' ``e_score_correction_bias``) of the families in
+    :data:`PERTURBED_BUFFERS`.
 
     Args:
         family: a key of :data:`TINY_CONFIGS`.
@@ -246,7 +254,7 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-        persistent = model.state_dict(keep_vars=True)
+        persistent = model.state_dict(keep_vars=True) if family in PERTURBED_BUFFERS else {}
         for name, buffer in model.named_buffers():
             if name in persistent and buffer.is_floating_point():
                 buffer.add_(torch.randn_like(buffer) * 0.05)
