@@ -74,7 +74,9 @@ class Glm45Bridge(Bridge):
         dense = config.get("first_k_dense_replace") or 0
         shared = config.get("n_shared_experts") or 0
         if not shared:
-            raise ValueError("config.json's n_shared_experts is 0; the glm45-moe bridge needs at least one shared expert")
+            raise ValueError(
+                "config.json's n_shared_experts is 0; the glm45-moe bridge needs at least one shared expert"
+            )
         return {
             "moe_layer_freq": tuple(int(i >= dense) for i in range(config["num_hidden_layers"])),
             "moe_shared_expert_intermediate_size": shared * config["moe_intermediate_size"],
