@@ -155,3 +155,7 @@ def test_glm45_without_biases_or_qk_norm_maps_without_them(tmp_path) -> None:
         assert not any("layernorm" in name and "self_attention" in name for name in mg)
         back = megatron_to_hf(plan, mg)
         assert sorted(back) == sorted(state) and all(torch.equal(back[n], t) for n, t in state.items())
+    # Group scores: transformers sums a group's 2 best experts, megatron its best topk / topk_group.
+    config = TINY_CONFIGS.get("glm45-moe")().to_dict() | {"num_experts_per_tok": 1}
+    with pytest.raises(ValueError, match="num_experts_per_tok 1 / topk_group 1 is not 2"):
+        bridge_for_architectures(["Glm4MoeForCausalLM"]).shape_from_hf(config)

@@ -44,7 +44,7 @@ class Glm45Bridge(Bridge):
 
     transformers' router is DeepSeek-V3's: a group's score is the sum of its two best biased
     scores, megatron's the sum of its best ``topk / topk_group``; the two agree for the released
-    configs (one group) and for DeepSeek's (8 / 4).
+    configs (one group) and whenever ``topk / topk_group`` is 2; other grouped configs are refused.
     """
 
     family = "glm45-moe"
@@ -71,6 +71,12 @@ class Glm45Bridge(Bridge):
     rules = (*EMBEDDING_RULES, *LAYER_RULES, *mtp_rules(LAYER_RULES), DropExtraLayers())
 
     def shape_extras(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        groups, chosen, topk = config.get("n_group") or 1, config.get("topk_group") or 1, config["num_experts_per_tok"]
+        if groups > 1 and topk // chosen != 2:
+            raise ValueError(
+                f"config.json's num_experts_per_tok {topk} / topk_group {chosen} is not 2: transformers scores a "
+                f"group by its 2 best experts, megatron by its best num_experts_per_tok / topk_group; use n_group 1"
+            )
         dense = config.get("first_k_dense_replace") or 0
         shared = config.get("n_shared_experts") or 0
         if not shared:
