@@ -136,3 +136,26 @@ def test_derived_config_matches_the_source(tiny_checkpoints) -> None:
         for key in plan.bridge.config_keys:  # equal values, defaults filled in (head_dim None == hidden / heads)
             assert key.read(derived) == key.read(source), (family, key.hf)
         assert plan.bridge.shape_from_hf(derived) == plan.shape, family
+
+
+def test_glm45_without_biases_or_qk_norm_maps_without_them(tmp_path) -> None:
+    # GLM-4.5 / 4.6 as released: attention_bias true, use_qk_norm false (the tiny config has both on).
+    from transformers import AutoModelForCausalLM
+
+    for bias, qk_norm in ((True, False), (False, False)):
+        config = TINY_CONFIGS.get("glm45-moe")()
+        config.attention_bias, config.use_qk_norm = bias, qk_norm
+        path = tmp_path / f"b{int(bias)}"
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        plan, state = _plan(path)
+        assert (plan.shape.add_qkv_bias, plan.shape.qk_layernorm) == (bias, qk_norm)
+        mg = hf_to_megatron(plan, state)
+        assert list(mg) == list(megatron_params(plan.shape))
+        assert any(name.endswith("linear_qkv.bias") for name in mg) == bias
+        assert not any("layernorm" in name and "self_attention" in name for name in mg)
+        back = megatron_to_hf(plan, mg)
+        assert sorted(back) == sorted(state) and all(torch.equal(back[n], t) for n, t in state.items())
+    # Group scores: transformers sums a group's 2 best experts, megatron its best topk / topk_group.
+    config = TINY_CONFIGS.get("glm45-moe")().to_dict() | {"num_experts_per_tok": 1}
+    with pytest.raises(ValueError, match="num_experts_per_tok 1 / topk_group 1 is not 2"):
+        bridge_for_architectures(["Glm4MoeForCausalLM"]).shape_from_hf(config)

@@ -1,4 +1,4 @@
-"""A tiny DeepSeek-V3 checkpoint with multi-token-prediction layers, laid out as the released one."""
+"""Tiny DeepSeek-V3 and GLM-4.5 checkpoints with multi-token-prediction layers, laid out as the released ones."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from mindspeed_llm.testing.tiny_models import TINY_CONFIGS, write_tiny_tokenizer
 MTP_LAYERS = 2
 
 
-def save_mtp_checkpoint(path: Path, mtp_layers: int = MTP_LAYERS, seed: int = 0) -> None:
-    """The tiny DeepSeek-V3 model plus ``mtp_layers`` multi-token-prediction layers.
+def save_mtp_checkpoint(path: Path, mtp_layers: int = MTP_LAYERS, seed: int = 0, family: str = "deepseek3") -> None:
+    """The tiny model of ``family`` (DeepSeek-V3 or GLM-4.5) plus ``mtp_layers`` multi-token-prediction layers.
 
-    As in DeepSeek-V3's checkpoint, MTP layer k is ``model.layers.{num_hidden_layers + k}``: a
+    As in DeepSeek-V3's and GLM-4.5's checkpoints, MTP layer k is ``model.layers.{num_hidden_layers + k}``: a
     decoder layer's tensors (written by transformers' own ``save_pretrained`` for a model with
     more layers, so their names and layout are transformers'), plus ``enorm``, ``hnorm``,
     ``eh_proj``, ``shared_head.norm``, and copies of the embedding (``embed_tokens``) and of the
@@ -27,9 +27,9 @@ def save_mtp_checkpoint(path: Path, mtp_layers: int = MTP_LAYERS, seed: int = 0)
     """
     from transformers import AutoModelForCausalLM
 
-    config = TINY_CONFIGS.get("deepseek3")()
+    config = TINY_CONFIGS.get(family)()
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    bigger = TINY_CONFIGS.get("deepseek3")()
+    bigger = TINY_CONFIGS.get(family)()
     bigger.num_hidden_layers = layers + mtp_layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(bigger, dtype=torch.float32, attn_implementation="eager")
@@ -75,4 +75,13 @@ def tiny_mtp_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-hf-mtp") / "deepseek3-mtp"
     path.mkdir()
     save_mtp_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_glm45_mtp_checkpoint(tmp_path_factory) -> Path:
+    """Directory of the tiny GLM-4.5 checkpoint with :data:`MTP_LAYERS` MTP layers."""
+    path = tmp_path_factory.mktemp("tiny-hf-mtp") / "glm45-mtp"
+    path.mkdir()
+    save_mtp_checkpoint(path, family="glm45-moe")
     return path

@@ -6,7 +6,7 @@ also PP2 x VPP for Llama, TP2 EP2 for MoE families), then loaded strictly into m
 rank file each. Megatron's own pipeline schedule computes the logits, which must equal the
 transformers model's to 1e-5 (fp32) on the same tokens.
 
-DeepSeek-V3 with its multi-token-prediction layers (``--mtp-num-layers``) at TP2 PP2: megatron's
+DeepSeek-V3 and GLM-4.5 with their multi-token-prediction layers (``--mtp-num-layers``) at TP2 PP2: megatron's
 ``GPTModel`` with the MTP block on the last stage (and the embedding copy it needs there) loads
 the rank files strictly; the logits compared are the main model's (megatron runs the MTP block
 only to compute a training loss from labels).
@@ -24,8 +24,10 @@ from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
 
 from .conftest import MTP_LAYERS
 
-#: The source of the MTP case (the ``tiny_mtp_checkpoint`` fixture), beside the families' tiny checkpoints.
+#: The sources of the MTP cases (the ``tiny_mtp_checkpoint`` and ``tiny_glm45_mtp_checkpoint``
+#: fixtures), beside the families' tiny checkpoints.
 MTP_SOURCE = "deepseek3+mtp"
+GLM_MTP_SOURCE = "glm45-moe+mtp"
 
 
 def _family_case(family: str) -> tuple[str, tuple[str, dict]]:
@@ -44,6 +46,10 @@ CASES = {
     ),
     "deepseek3-mtp-tp2pp2": (
         MTP_SOURCE,
+        dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, mtp_num_layers=MTP_LAYERS),
+    ),
+    "glm45-moe-mtp-tp2pp2": (
+        GLM_MTP_SOURCE,
         dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, mtp_num_layers=MTP_LAYERS),
     ),
     # A dist checkpoint (written at TP1 by megatron-core itself) loaded at TP2 PP2 by megatron-core.
@@ -117,14 +123,17 @@ def _convert_all(sources: dict, root, tokens: torch.Tensor) -> tuple[list[tuple[
 
 
 def test_every_family_is_checked() -> None:
-    assert {family for family, _ in CASES.values()} == set(TINY_CONFIGS) | {MTP_SOURCE}
+    assert {family for family, _ in CASES.values()} == set(TINY_CONFIGS) | {MTP_SOURCE, GLM_MTP_SOURCE}
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_converted_logits_equal_transformers(tiny_checkpoints, tiny_mtp_checkpoint, tmp_path) -> None:
+def test_converted_logits_equal_transformers(
+    tiny_checkpoints, tiny_mtp_checkpoint, tiny_glm45_mtp_checkpoint, tmp_path
+) -> None:
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    cases, reference = _convert_all({**tiny_checkpoints, MTP_SOURCE: tiny_mtp_checkpoint}, tmp_path, tokens)
+    sources = {**tiny_checkpoints, MTP_SOURCE: tiny_mtp_checkpoint, GLM_MTP_SOURCE: tiny_glm45_mtp_checkpoint}
+    cases, reference = _convert_all(sources, tmp_path, tokens)
     per_rank = run_distributed(_rank_logits, WORLD_SIZE, cases, tokens, reference, timeout=600)
     diffs = {}
     for result in per_rank:

@@ -6,6 +6,8 @@
   the output head included; mg -> mg resharding keeps them; megatron-core writes and reads them in
   its dist format (its own ``GPTModel`` with the MTP block loads the converted tensors strictly).
 - Without the flag they are dropped (as before); bad requests fail with one clear line.
+- GLM-4.5 keeps its MTP layers in DeepSeek's layout: transformers' ``MtpModel`` loads the tiny
+  source, and the TP2 PP2 EP2 round trip is bit-identical.
 """
 
 from __future__ import annotations
@@ -115,3 +117,23 @@ def test_a_copy_that_differs_is_refused(tiny_mtp_checkpoint, tmp_path) -> None:
     with pytest.raises(ValueError, match=f"{name} differs from lm_head.weight"):
         convert(source, tmp_path / "out", mtp_num_layers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_glm45_mtp_layers_load_in_transformers_and_round_trip(tiny_glm45_mtp_checkpoint, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    main = AutoModelForCausalLM.from_pretrained(tiny_glm45_mtp_checkpoint)
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.[4-9].*"]
+    mtp = MtpModel.from_pretrained(main)  # raises when any MTP weight is missing
+    state = hf_state(tiny_glm45_mtp_checkpoint)
+    assert len(mtp.layers) == MTP_LAYERS
+    for index, layer in enumerate(mtp.layers):
+        prefix = f"model.layers.{4 + index}."
+        assert torch.equal(layer.eh_proj.weight, state[prefix + "eh_proj.weight"])
+        assert torch.equal(layer.mtp_block.self_attn.q_proj.bias, state[prefix + "self_attn.q_proj.bias"])
+    mg = convert(tiny_glm45_mtp_checkpoint, tmp_path / "mg", mtp_num_layers=MTP_LAYERS, **TP2PP2EP2)
+    last = megatron_files(mg)["iter_0000001/mp_rank_01_001_001/model_optim_rng.pt"]["model"]
+    assert "mtp.layers.1.transformer_layer.self_attention.linear_qkv.bias" in last
+    assert "mtp.layers.1.transformer_layer.mlp.router.expert_bias" in last
+    assert_same_hf(convert(mg, tmp_path / "hf", "mg", "hf", max_shard_size="100KB"), tiny_glm45_mtp_checkpoint)

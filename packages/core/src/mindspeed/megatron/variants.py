@@ -64,10 +64,11 @@ class LocalRopeSelfAttention(SelfAttention):
 
     Args:
         local_rotary_base: rope theta of the sliding-window layers.
+        rotary_percent: the fraction of a head's channels that rotate (the model's).
         *args, **kwargs: megatron's ``SelfAttention`` arguments.
     """
 
-    def __init__(self, *args: Any, local_rotary_base: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, local_rotary_base: float, rotary_percent: float = 1.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = self.config
         self.local_rope = None
@@ -76,7 +77,7 @@ class LocalRopeSelfAttention(SelfAttention):
                 raise ValueError("a local rope base is not supported under context parallelism; use cp=1")
             self.local_rope = RotaryEmbedding(
                 kv_channels=config.kv_channels,
-                rotary_percent=1.0,
+                rotary_percent=rotary_percent,
                 rotary_interleaved=config.rotary_interleaved,
                 rotary_base=local_rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization,
@@ -104,7 +105,11 @@ def apply_layer_variants(spec: ModuleSpec, shape: ModelShape, norm: ModuleSpec) 
     sub = spec.submodules
     if shape.local_rotary_base is not None:
         sub.self_attention.module = LocalRopeSelfAttention
-        sub.self_attention.params = {**(sub.self_attention.params or {}), "local_rotary_base": shape.local_rotary_base}
+        sub.self_attention.params = {
+            **(sub.self_attention.params or {}),
+            "local_rotary_base": shape.local_rotary_base,
+            "rotary_percent": shape.rotary_percent,
+        }
     if shape.post_norm:
         mlp = sub.mlp.submodules
         if not hasattr(mlp, "linear_fc2"):

@@ -36,6 +36,9 @@ class ModelShape:
         max_position_embeddings: longest sequence of the rotary tables.
         norm_epsilon: epsilon of every RMSNorm.
         rotary_base: rope theta.
+        rotary_percent: fraction of each head's channels that rotate (the first
+            ``kv_channels * rotary_percent``; the rest pass through; GLM-4.5's 0.5). megatron's
+            ``--rotary-percent``, transformers' ``rope_parameters['partial_rotary_factor']``.
         use_rope_scaling: Llama 3.1's rope frequency scaling (megatron's ``--use-rope-scaling``).
         rope_scaling_factor: its factor.
         untie_embeddings_and_output_weights: the output layer has its own weights.
@@ -104,6 +107,7 @@ class ModelShape:
     max_position_embeddings: int = 4096
     norm_epsilon: float = 1e-6
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
     use_rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
     untie_embeddings_and_output_weights: bool = True
@@ -172,6 +176,8 @@ class ModelShape:
             raise ValueError(
                 f"window_attn_skip_freq has {len(self.window_attn_skip_freq)} entries for {self.num_layers} layers"
             )
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.moe_layer_freq is not None:
             object.__setattr__(self, "moe_layer_freq", tuple(int(x) for x in self.moe_layer_freq))
             if len(self.moe_layer_freq) != self.num_layers:
@@ -186,6 +192,12 @@ class ModelShape:
         if self.window_size is None:
             return False
         return self.window_attn_skip_freq is None or bool(self.window_attn_skip_freq[layer])
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a (non-MLA) head that rotate: ``kv_channels * rotary_percent``, as megatron
+        and transformers both round it (``int``)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def softmax_scale(self) -> float | None:
@@ -218,7 +230,6 @@ class ModelShape:
         args.update(
             group_query_attention=self.num_query_groups != self.num_attention_heads,
             rotary_interleaved=False,
-            rotary_percent=1.0,
             use_rotary_position_embeddings=self.position_embedding_type == "rope",
             add_position_embedding=self.position_embedding_type == "learned_absolute",
             moe_grouped_gemm=False,

@@ -340,6 +340,7 @@ _DISTINGUISHING = {
     "swiglu": True,
     "add_bias_linear": False,
     "position_embedding_type": "rope",
+    "rotary_percent": 1.0,
 }
 
 
@@ -347,7 +348,8 @@ def bridge_for_shape(shape: ModelShape) -> Bridge:
     """The first registered family that writes ``shape`` (for exporting a model trained from scratch).
 
     A family fits when the shape has its constants (``add_qkv_bias``, ``qk_layernorm`` ...) and
-    no other family's, and the same MoE / shared-expert / MLA layout as its capabilities.
+    no other family's (except the fields its config keys set: GLM-4.5 reads its biases and QK
+    norm from config.json), and the same MoE / shared-expert / MLA layout as its capabilities.
 
     Raises:
         ValueError: no family fits; the message lists them.
@@ -365,7 +367,12 @@ def bridge_for_shape(shape: ModelShape) -> Bridge:
             shape.multi_latent_attention,
         ):
             continue
-        if all(getattr(shape, name) == bridge.constants.get(name, default) for name, default in fields.items()):
+        free = {key.mg for key in bridge.config_keys} - set(bridge.constants)
+        if all(
+            getattr(shape, name) == bridge.constants.get(name, default)
+            for name, default in fields.items()
+            if name not in free
+        ):
             return bridge
     raise ValueError(
         f"no model family writes this model (a Llama-style model with RMSNorm, swiglu, rope and no "

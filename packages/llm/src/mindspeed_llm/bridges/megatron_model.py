@@ -297,6 +297,7 @@ def _build_chunk(
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type=shape.position_embedding_type,
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
+        rotary_percent=shape.rotary_percent,
         rope_scaling=shape.use_rope_scaling,
         rope_scaling_factor=shape.rope_scaling_factor,
         seq_len_interpolation_factor=shape.rotary_seq_len_interpolation_factor,

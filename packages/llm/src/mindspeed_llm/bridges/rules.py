@@ -41,11 +41,14 @@ class ParamRule:
         mg: megatron name template.
         hf: Hugging Face name templates, in the order ``to_megatron`` takes them.
         layers: ``"all"``, ``"dense"`` or ``"moe"``; rules with ``{expert}`` imply ``"moe"``.
+        when: a boolean :class:`ModelShape` field the rule depends on (``None``: always active;
+            set by :func:`only_if`).
     """
 
     mg: str
     hf: tuple[str, ...]
     layers: str = "all"
+    when: str | None = None
 
     def __post_init__(self) -> None:
         if self.layers not in LAYER_SCOPES:
@@ -80,8 +83,9 @@ class ParamRule:
         return ()
 
     def active(self, shape: ModelShape) -> bool:
-        """Whether the rule produces a megatron tensor for this model (default yes)."""
-        return True
+        """Whether the rule produces a megatron tensor for this model (default: unless its
+        ``when`` field is false)."""
+        return self.when is None or bool(getattr(shape, self.when))
 
 
 class Rename(ParamRule):
@@ -387,5 +391,16 @@ def for_mtp(
         clone = copy.copy(rule)
         object.__setattr__(clone, "mg", mg_mtp + rule.mg[len(mg_layer) :])
         object.__setattr__(clone, "hf", tuple(t.replace(hf_layer, hf_mtp, 1) for t in rule.hf))
+        out.append(clone)
+    return tuple(out)
+
+
+def only_if(field: str, rules: tuple[ParamRule, ...]) -> tuple[ParamRule, ...]:
+    """``rules`` active only for models whose boolean :class:`ModelShape` ``field`` is true
+    (GLM-4.5's q/k/v biases with ``add_qkv_bias``, its QK norm with ``qk_layernorm``)."""
+    out = []
+    for rule in rules:
+        clone = copy.copy(rule)
+        object.__setattr__(clone, "when", field)
         out.append(clone)
     return tuple(out)

@@ -39,7 +39,8 @@ class DecoderSpec:
         vocab_size: embedding rows.
         norm_eps: RMSNorm epsilon.
         inv_freq: rotary inverse frequencies ``[rotary dim / 2]`` (fp32; the rotary dim is
-            ``head_dim``, or MLA's ``qk_pos_emb_head_dim``).
+            ``shape.rotary_dim`` (``head_dim`` unless the rotary is partial), or MLA's
+            ``qk_pos_emb_head_dim``).
         rope_scale: factor on cos/sin (transformers' ``attention_scaling``; 1 for default and llama3).
         windows: per layer, the sliding window in tokens (``None``: full causal attention).
         moe_layers: per layer, whether its MLP is routed experts.
@@ -106,7 +107,7 @@ def rotary_frequencies(config: Any, head_dim: int, layer_type: str | None = None
 
     Args:
         config: the transformers config (``rope_parameters`` decides the variant).
-        head_dim: width of one head (all channels rotate).
+        head_dim: channels that rotate (a head's width, or its rotary part).
         layer_type: the entry of ``rope_parameters`` given per layer type (``None``: not so given).
 
     Returns:
@@ -160,7 +161,9 @@ def build_spec(bridge: Bridge, shape: ModelShape, config: Any) -> DecoderSpec:
     """
     check_supported(bridge, shape)
     mla = shape.multi_latent_attention
-    rotary_dim = shape.qk_pos_emb_head_dim if mla else shape.kv_channels
+    # Partial rotary (GLM-4.5): only the first rotary_dim channels of a head rotate; the rotary
+    # kernel rotates as many channels as the cos/sin tables are wide and passes the rest.
+    rotary_dim = shape.qk_pos_emb_head_dim if mla else shape.rotary_dim
     per_type = isinstance((getattr(config, "rope_parameters", None) or {}).get(GLOBAL_LAYERS), Mapping)
     inv_freq, scale = rotary_frequencies(config, rotary_dim, GLOBAL_LAYERS if per_type else None)
     local_inv_freq, local_scale = rotary_frequencies(config, rotary_dim, LOCAL_LAYERS) if per_type else (None, 1.0)

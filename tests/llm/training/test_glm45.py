@@ -1,0 +1,118 @@
+"""GLM-4.5 trained straight from its Hugging Face directory at EP2, proven against transformers.
+
+The tiny GLM-4.5 (q/k/v biases, QK norm, partial rotary: half of each head's channels rotate,
+head_dim not hidden / heads, a dense first layer, sigmoid routing with a non-zero expert bias over
+two expert groups, routed scaling factor 2.5, a shared expert) trains in one spawned gloo group of
+two ranks (data parallel 2, its experts split over expert parallelism 2). The parent recomputes
+with transformers:
+
+- the first pretraining loss is transformers' token-weighted mean cross-entropy over the same
+  global batch (read back from the run's dataset), and the loss falls;
+- the first SFT loss on packed instruction data (THD: each sample attends only to itself, the
+  partial rotary inside it) is transformers' over the samples one by one;
+- the model exported with ``checkpoint.save_hf`` loads into transformers without missing or
+  unexpected keys and gives the validation loss the run reported at its end.
+
+(The logits of the model the trainer builds are checked for every family in test_hf_families.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mindspeed.testing.distributed import run_distributed
+from tests.llm.training.datasets import write_indexed_dataset
+from tests.llm.training.finetune_data import make_samples, write_instruction
+from tests.llm.training.test_deepseek_v3 import _batch, _hf, _loss, _sft_loss
+
+#: Two spawned ranks importing megatron-core and three short runs.
+pytestmark = pytest.mark.slow
+
+SEQ, MBS, GBS, STEPS = 32, 2, 8, 5
+
+
+def _overrides(root: str, *extra: str) -> list[str]:
+    return [
+        f"checkpoint.load_hf={root}/hf",
+        f"data.prefixes=[{root}/data]",
+        f"data.seq_length={SEQ}",
+        "data.split=80,20,0",
+        f"train.micro_batch_size={MBS}",
+        f"train.global_batch_size={GBS}",
+        "train.lr=1e-2",
+        "train.clip_grad=1.0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.loss_curve=false",
+        "parallel.ep=2",
+        *extra,
+    ]
+
+
+def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from mindspeed_llm.training.config import load_pretrain_config
+    from mindspeed_llm.training.data import build_datasets, read_tokenizer
+    from mindspeed_llm.training.hf import apply_load_hf
+    from mindspeed_llm.training.trainer import pretrain
+
+    config = load_pretrain_config(
+        None,
+        _overrides(
+            root, f"train.steps={STEPS}", "eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported"
+        ),
+    )
+    result = pretrain(config)
+    config = apply_load_hf(config)
+    train, valid = build_datasets(config, dist.get_world_size(), read_tokenizer(config))
+    sft = pretrain(
+        load_pretrain_config(None, _overrides(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=1"))
+    )
+    return {
+        "losses": [record["loss"] for record in result.records],
+        "sft_loss": sft.records[0]["loss"],
+        "evals": result.evals,
+        "train": _batch(train),
+        "valid": _batch(valid),
+    }
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+
+    root: Path = tmp_path_factory.mktemp("glm45")
+    save_tiny_checkpoint("glm45-moe", root / "hf", seed=0)
+    write_indexed_dataset(root / "data", 120, seed=1)
+    write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
+    results = run_distributed(_group, 2, str(root), timeout=900)
+    return {"root": root, "ranks": results}
+
+
+@pytest.mark.distributed
+def test_first_losses_equal_transformers_and_the_loss_falls(run: dict[str, Any]) -> None:
+    first = run["ranks"][0]
+    assert all(rank["losses"] == first["losses"] for rank in run["ranks"]), "ranks disagree on the logged losses"
+    model = _hf(run["root"] / "hf")
+    losses = first["losses"]
+    assert losses[0] == pytest.approx(_loss(model, first["train"]), rel=1e-5)
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert first["sft_loss"] == pytest.approx(_sft_loss(model, run["root"]), rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_save_hf_exports_the_trained_model(run: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        run["root"] / "exported", attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    first = run["ranks"][0]
+    (evaluation,) = first["evals"]
+    assert _loss(model.eval(), first["valid"]) == pytest.approx(evaluation["loss"], rel=1e-5)
