@@ -28,6 +28,14 @@ def _resumed(done: harness.Finished) -> list[int]:
     return [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", done.stderr)]
 
 
+def _seconds(first: str, then: str) -> int:
+    """Seconds between two log lines' ``HH:MM:SS`` stamps."""
+    h0, m0, s0, h1, m1, s1 = (
+        int(x) for line in (first, then) for x in re.search(r"(\d\d):(\d\d):(\d\d)", line).groups()
+    )
+    return (h1 - h0) * 3600 + (m1 - m0) * 60 + s1 - s0
+
+
 def test_our_launcher_restarts_a_killed_rank_and_matches_the_uninterrupted_run(
     tmp_path: Path, dataset: str, two_ranks: Path
 ) -> None:
@@ -53,6 +61,7 @@ def test_our_launcher_restarts_a_killed_rank_and_matches_the_uninterrupted_run(
         "complete checkpoint"
     )
     assert _resumed(done) == [2, 6], done.stderr[-3000:]
+    print(f"restarted group resumed {_seconds(line, done.lines('at step 6')[0])} s after the restart line")
     assert "Traceback" not in done.stderr and not done.lines("error:"), done.stderr[-3000:]
     assert harness.numerics(out / "metrics.jsonl") == harness.numerics(two_ranks / "metrics.jsonl")
     assert {f"iter_{s:07d}" for s in range(2, harness.STEPS + 1, 2)} <= {p.name for p in list_complete(out)}
