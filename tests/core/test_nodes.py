@@ -23,6 +23,7 @@ def test_flags_mean_what_torchruns_mean(monkeypatch: pytest.MonkeyPatch) -> None
     assert nodes.world_size(4) == 12
     assert _parse("--nnodes", "2", "--rdzv-endpoint", "head:1234") == Nodes(2, 0, "head", 1234)
     assert _parse("--nnodes", "2", "--rdzv-endpoint", "head").port() == DEFAULT_MASTER_PORT
+    assert _parse("--max-restarts", "2") == Nodes(max_restarts=2)
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert nodes.world_size(4) == 16  # under torchrun, torchrun's world
@@ -37,6 +38,8 @@ def test_flags_mean_what_torchruns_mean(monkeypatch: pytest.MonkeyPatch) -> None
         (["--nproc-per-node", "0"], "--nproc-per-node=0 must be at least 1"),
         (["--rdzv-endpoint", "h:1", "--master-port", "2"], "--rdzv-endpoint names the address and port"),
         (["--rdzv-endpoint", "h:x"], "--rdzv-endpoint='h:x': give HOST or HOST:PORT"),
+        (["--max-restarts", "-1"], "--max-restarts=-1 must be at least 0"),
+        (["--nnodes", "2", "--max-restarts", "1"], "--max-restarts=1 needs --nnodes 1: our static rendezvous cannot"),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], message: str) -> None:

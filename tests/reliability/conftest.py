@@ -27,6 +27,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory, dataset: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, dataset: str) -> Path:
+    """The uninterrupted run of the tiny recipe on two ranks (``--nproc-per-node 2``): its save directory."""
+    out = tmp_path_factory.mktemp("two-ranks") / "run"
+    done = harness.run(harness.command(*harness.recipe(dataset, out), nproc=2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
 def mm_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(a tiny Qwen2.5-VL directory, an 8-sample image-question data.jsonl)."""
     from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model

@@ -119,19 +119,22 @@ class Finished:
         return [line for line in self.stderr.splitlines() if pattern in line]
 
 
-def env(fault: str | None = None) -> dict[str, str]:
-    """The environment of a run: one thread, and ``MINDSPEED_FAULT`` when a fault point is armed."""
-    out = {k: v for k, v in os.environ.items() if k != "MINDSPEED_FAULT"}
+def env(fault: str | None = None, rank: int | None = None) -> dict[str, str]:
+    """The environment of a run: one thread, and ``MINDSPEED_FAULT`` when a fault point is armed (in the processes
+    of global rank ``rank`` only when given: ``MINDSPEED_FAULT_RANK``)."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_FAULT", "TORCHELASTIC_"))}
     out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if fault is not None:
         out["MINDSPEED_FAULT"] = fault
+    if rank is not None:
+        out["MINDSPEED_FAULT_RANK"] = str(rank)
     return out
 
 
-def start(args: list[str], fault: str | None = None) -> subprocess.Popen:
+def start(args: list[str], fault: str | None = None, rank: int | None = None) -> subprocess.Popen:
     """Start a run in a new session (its own process group)."""
     return subprocess.Popen(
-        args, env=env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        args, env=env(fault, rank), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
 
 
@@ -143,9 +146,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300.0) -> Finished:
     return Finished(proc.returncode, stderr, int(match[-1][1]) if match else 0)
 
 
-def run(args: list[str], fault: str | None = None, timeout: float = 300.0) -> Finished:
+def run(args: list[str], fault: str | None = None, timeout: float = 300.0, rank: int | None = None) -> Finished:
     """Run to the end (or to its fault point) and check for leftovers."""
-    return finish(start(args, fault), timeout)
+    return finish(start(args, fault, rank), timeout)
 
 
 def group_members(pgid: int) -> list[int]:

@@ -42,17 +42,8 @@ def _nodes(args: list[str], port: int, faults: tuple[str | None, str | None] = (
     return [harness.start([*args, *flags, "--node-rank", str(rank)], fault) for rank, fault in enumerate(faults)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, dataset: str) -> Path:
-    """The single-launcher run of the same world size: ``--nproc-per-node 2``."""
-    out = tmp_path_factory.mktemp("two-ranks") / "run"
-    done = harness.run(harness.command(*harness.recipe(dataset, out), nproc=2))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
 def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(
-    tmp_path: Path, dataset: str, reference: Path
+    tmp_path: Path, dataset: str, two_ranks: Path
 ) -> None:
     out = tmp_path / "run"
     args = harness.command(*harness.recipe(dataset, out))
@@ -85,11 +76,11 @@ def test_two_nodes_match_one_launcher_stop_together_and_survive_a_lost_node(
     assert node0.resumed_step == 4, node0.stderr[-3000:]
     for done in (node0, node1):
         assert done.returncode == 0, done.stderr[-3000:]
-    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(two_ranks / "metrics.jsonl")
     print(f"node 0 ended {waited:.1f} s after node 1's launcher was killed")
 
 
-def test_plain_torchrun_on_two_nodes_matches_one_launcher(tmp_path: Path, dataset: str, reference: Path) -> None:
+def test_plain_torchrun_on_two_nodes_matches_one_launcher(tmp_path: Path, dataset: str, two_ranks: Path) -> None:
     # torchrun --nnodes 2 --rdzv-backend c10d ... $(which mindspeed-llm) pretrain ...: the command is one rank of
     # it; the c10d rendezvous hands out the node ranks as the agents arrive.
     out = tmp_path / "run"
@@ -100,7 +91,7 @@ def test_plain_torchrun_on_two_nodes_matches_one_launcher(tmp_path: Path, datase
     procs = [harness.start([torchrun, *flags, "--rdzv-id", "two-nodes", exe, *rest]) for _ in range(2)]
     for done in [harness.finish(p) for p in procs]:
         assert done.returncode == 0, done.stderr[-3000:]
-    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(reference / "metrics.jsonl")
+    assert harness.numerics(out / "metrics.jsonl") == harness.numerics(two_ranks / "metrics.jsonl")
     assert {f"iter_{s:07d}" for s in range(2, harness.STEPS + 1, 2)} <= {p.name for p in list_complete(out)}
 
 

@@ -17,6 +17,13 @@ return value:
   (ranks ignore SIGINT itself, which a terminal sends to every process of the group) and a
   second one kills them at once; ranks die with their launcher (``PR_SET_PDEATHSIG`` on Linux,
   a watchdog elsewhere), so ``kill -9`` of the launcher leaves no orphans.
+
+With ``nodes.max_restarts`` N (torchrun's ``--max-restarts``; one node) a failed rank (an error, or
+killed) makes the launcher stop the others and start all of them again, up to N times, with
+torchrun's ``TORCHELASTIC_RESTART_COUNT``; they resume from the newest complete checkpoint as any
+new run does. Clean exits, preemption (the launcher's SIGTERM or Ctrl-C: 143 / 130) and user errors
+(``ValueError``, a full disk: the same command would fail the same way) are not restarted. Each
+restart is one warning line; after N the run fails with one line naming the last failure.
 """
 
 from __future__ import annotations
@@ -42,16 +49,12 @@ from mindspeed.checkpointing import (
 )
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger, setup_logging
-from mindspeed.nodes import Nodes, peer_lost
+from mindspeed.nodes import Nodes, RankFailure, peer_lost
 
 logger = get_logger(__name__)
 
 #: Seconds ranks get to exit after SIGTERM before they are killed.
 GRACE_S = 10.0
-
-
-class RankFailure(RuntimeError):
-    """A spawned rank failed; the message holds its error."""
 
 
 def under_torchrun() -> bool:
@@ -65,13 +68,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # A group torchrun restarted: its agent's store outlives the ranks (its c10d rendezvous shares it), and the
+    # addresses the last attempt's ranks left there would send gloo to dead peers (pytorch#135712). One prefix
+    # per attempt keeps the attempts apart, as torch's own rendezvous did before it shared the store.
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"mindspeed/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=timeout,
+    )
+
+
 def _run_rank(target: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     accelerator = get_accelerator()
     if accelerator.name != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(accelerator.device_count(), 1))
-    dist.init_process_group(backend=accelerator.dist_backend, timeout=timedelta(seconds=timeout_s))
+    _init_process_group(accelerator.dist_backend, timedelta(seconds=timeout_s))
     try:
         return target(*args)
     except RuntimeError as err:  # one line for a lost peer, not a traceback from deep in a collective
@@ -154,6 +178,8 @@ def launch(
                 nproc_per_node,
                 os.environ.get("LOCAL_WORLD_SIZE"),
             )
+        if nodes.max_restarts:
+            logger.warning("--max-restarts is ignored under torchrun: torchrun's own --max-restarts restarts the group")
         return _run_rank(target, args, timeout_s)
     port = nodes.port()
     port = port if port is not None else _free_port()
@@ -169,6 +195,8 @@ def launch(
             nodes.master_addr,
             port,
         )
+    if nodes.max_restarts:  # even one rank is spawned: this process must outlive it to restart it
+        return _restarting(target, args, nodes, nproc_per_node, timeout_s, log_level)
     if nproc_per_node == 1:
         saved = {key: os.environ.get(key) for key in envs[0]}
         os.environ.update(envs[0])
@@ -181,6 +209,37 @@ def launch(
                 else:
                     os.environ[key] = value
     return _spawn(target, args, envs, timeout_s, log_level)
+
+
+def _restarting(
+    target: Callable[..., Any], args: tuple, nodes: Nodes, nproc: int, timeout_s: float, log_level: str | None
+) -> Any:
+    restarts = nodes.max_restarts
+    attempt = 0
+    while True:
+        port = nodes.port()
+        port = port if port is not None else _free_port()  # a fresh store: nothing of the last attempt in it
+        elastic = {"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(restarts)}
+        envs = [{**nodes.rank_env(nproc, local, port), **elastic} for local in range(nproc)]
+        try:
+            return _spawn(target, args, envs, timeout_s, log_level)
+        except RankFailure as err:
+            line, _, details = str(err).partition("\n")
+            if err.interrupted:
+                raise
+            if attempt == restarts:
+                gave_up = f"{line} after {restarts} restart{'s' * (restarts != 1)} (--max-restarts {restarts})"
+                raise RankFailure(gave_up + (f"\n{details}" if details else "")) from None
+            attempt += 1
+            logger.warning(
+                "%s: restart %d of %d (--max-restarts %d), the ranks resume from the newest complete checkpoint",
+                line,
+                attempt,
+                restarts,
+                restarts,
+            )
+            if details:
+                logger.info("the failed rank's traceback:\n%s", details)
 
 
 def _threads(nproc: int) -> int:
@@ -229,6 +288,7 @@ def _spawn(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     outcomes: dict[int, tuple[str, Any]] = {}
+    failed: list[int] = []  # the local rank that failed first, which the launcher stopped the others for
     try:
         pending = {proc.sentinel: rank for rank, proc in enumerate(procs)}
         while pending:
@@ -236,15 +296,15 @@ def _spawn(
                 rank = pending.pop(sentinel)
                 procs[rank].join()
                 _drain(results, outcomes)
-                if procs[rank].exitcode != 0 and not forwarded:
+                if procs[rank].exitcode != 0 and not forwarded and not failed:
+                    failed.append(rank)
                     _stop(procs)
-                    forwarded.append(signal.SIGTERM)
         _drain(results, outcomes)
     finally:
         _stop(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _result(procs, outcomes, first)
+    return _result(procs, outcomes, first, failed[0] if failed else None, bool(forwarded))
 
 
 def _drain(results: mp.Queue, outcomes: dict[int, tuple[str, Any]]) -> None:
@@ -268,19 +328,32 @@ def _stop(procs: list[Any]) -> None:
             proc.join(timeout=5)
 
 
-def _result(procs: list[Any], outcomes: dict[int, tuple[str, Any]], first: int) -> Any:
+def _how(rank: int, proc: Any, outcome: tuple[str, Any] | None) -> str:
+    """One line: how rank ``rank`` failed, then its traceback on the next lines if it sent one."""
+    if outcome is not None and outcome[0] == "error":
+        text = str(outcome[1]).rstrip()
+        return f"rank {rank} failed: {text.splitlines()[-1] if text else 'error'}\n{text}"
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"rank {rank} died without a report (exit code {code})"
+
+
+def _result(
+    procs: list[Any], outcomes: dict[int, tuple[str, Any]], first: int, failed: int | None, interrupted: bool
+) -> Any:
     errors = sorted((rank, kind, value) for rank, (kind, value) in outcomes.items() if kind != "ok")
     for _rank, kind, value in errors:
         if kind == "value_error":
             raise ValueError(value)
         if kind == "disk_full":
             raise DiskFullError(value)
+    if failed is not None:  # the rank the others were stopped for, not what stopping them did to them
+        raise RankFailure(_how(first + failed, procs[failed], outcomes.get(first + failed)), interrupted)
     if errors:
         rank, _, value = errors[0]
-        raise RankFailure(f"rank {rank} failed:\n{value}")
-    dead = [(first + local, proc.exitcode) for local, proc in enumerate(procs) if proc.exitcode != 0]
+        raise RankFailure(_how(rank, procs[rank - first], (errors[0][1], value)), interrupted)
+    dead = [(first + local, proc) for local, proc in enumerate(procs) if proc.exitcode != 0]
     if dead:
-        raise RankFailure(
-            "ranks died without a report (killed?): " + ", ".join(f"rank {r} exit code {c}" for r, c in dead)
-        )
+        raise RankFailure(_how(*dead[0], None), interrupted)
     return outcomes.get(first, ("ok", None))[1]

@@ -7,6 +7,11 @@ node, each with its node rank; the ranks of node ``n`` are ``n * nproc_per_node 
 (torchrun's static rendezvous: node ranks are given, not assigned on arrival) and meet at
 ``MASTER_ADDR:MASTER_PORT``, where global rank 0 (on node 0) serves the c10d store. Under
 ``torchrun`` the flags are ignored: torchrun placed this process already.
+
+``--max-restarts N`` (torchrun's meaning): when a rank fails, the launcher stops this node's ranks
+and starts them again, up to N times; they resume from the newest complete checkpoint. It needs one
+node: a static rendezvous cannot make the other nodes' launchers restart their ranks too (torchrun's
+c10d rendezvous can: run torchrun with ``--max-restarts`` there).
 """
 
 from __future__ import annotations
@@ -22,6 +27,18 @@ _PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refu
 
 class PeerLost(RuntimeError):
     """A collective failed because another rank (another node's launcher or rank) died; one line."""
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank failed; the message's first line names the rank and how, the rest is its traceback.
+
+    Attributes:
+        interrupted: the launcher itself was sent SIGTERM or SIGINT (a preemption: never restarted).
+    """
+
+    def __init__(self, message: str, interrupted: bool = False) -> None:
+        super().__init__(message)
+        self.interrupted = interrupted
 
 
 def peer_lost(err: BaseException, rank: int) -> PeerLost | None:
@@ -50,12 +67,15 @@ class Nodes:
         node_rank: this node's rank, 0 .. nnodes - 1; node 0 hosts global rank 0 (the c10d store).
         master_addr: the address of node 0 every node can reach (``127.0.0.1``: one host).
         master_port: the port of the store on node 0 (``None``: a free one with one node, 29500 with several).
+        max_restarts: times the launcher restarts its ranks after one failed (torchrun's ``--max-restarts``;
+            one node only).
     """
 
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -64,6 +84,14 @@ class Nodes:
             raise ValueError(f"--node-rank={self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes={self.nnodes})")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port={self.master_port} is not a port: give one in 1..65535")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts={self.max_restarts} must be at least 0")
+        if self.max_restarts and self.nnodes > 1:
+            raise ValueError(
+                f"--max-restarts={self.max_restarts} needs --nnodes 1: our static rendezvous cannot restart the other "
+                "nodes' ranks; on several nodes run torchrun --rdzv-backend c10d --max-restarts N, or let the "
+                "scheduler rerun the command (docs/scale-out.md)"
+            )
 
     def world_size(self, nproc_per_node: int) -> int:
         """The ranks of the whole run: torchrun's ``WORLD_SIZE`` under torchrun, else nodes x ranks per node."""
@@ -91,8 +119,8 @@ class Nodes:
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` and
-    ``--rdzv-endpoint`` (torchrun's flags; all ignored under torchrun)."""
+    """Add ``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
+    ``--rdzv-endpoint`` and ``--max-restarts`` (torchrun's flags; all ignored under torchrun)."""
     group = parser.add_argument_group("ranks and nodes (torchrun's flags; ignored under torchrun)")
     group.add_argument("--nproc-per-node", type=int, default=1, help="ranks to spawn on this node (default 1)")
     group.add_argument("--nnodes", type=int, default=1, help="nodes of the run, one launcher on each (default 1)")
@@ -108,6 +136,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--rdzv-endpoint", default=None, metavar="HOST[:PORT]", help="--master-addr and --master-port in one"
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the ranks up to N times after one fails; they resume from the newest complete checkpoint "
+        "(default 0; one node only)",
     )
 
 
@@ -129,4 +164,4 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
         if not host or (text and not text.isdigit()):
             raise ValueError(f"--rdzv-endpoint={args.rdzv_endpoint!r}: give HOST or HOST:PORT")
         addr, port = host, int(text) if text else None
-    return Nodes(args.nnodes, args.node_rank, addr or "127.0.0.1", port)
+    return Nodes(args.nnodes, args.node_rank, addr or "127.0.0.1", port, args.max_restarts)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from mindspeed.checkpointing.disk_full import DiskFullError
 from mindspeed.log import VERBOSE_ENV, setup_logging
-from mindspeed.nodes import PeerLost
+from mindspeed.nodes import PeerLost, RankFailure
 
 #: What a suite registers: a function that adds one subcommand to the subparsers.
 AddCommand = Callable[[argparse._SubParsersAction], None]
@@ -110,6 +110,13 @@ def run_suite(parser: argparse.ArgumentParser, argv: list[str] | None = None) ->
         return 1
     except PeerLost as err:  # another node died mid-run: one line, exit 1 (docs/scale-out.md)
         sys.stderr.write(f"{parser.prog}: error: {err}\n")
+        return 1
+    except RankFailure as err:  # a spawned rank failed (after --max-restarts): one line, then its traceback if any
+        line, _, details = str(err).partition("\n")
+        sys.stderr.write(
+            f"{parser.prog}: error: {line}; the same command resumes from the newest complete checkpoint\n"
+            + (f"{details}\n" if details else "")
+        )
         return 1
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns 130 itself)
         sys.stderr.write(f"{parser.prog}: interrupted\n")

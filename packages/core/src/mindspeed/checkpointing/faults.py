@@ -20,6 +20,11 @@ the backward of that step, a NaN in a gradient: the loss stays finite, the gradi
 not) and ``save.param_nan`` (before that step's save, a NaN in a parameter: what a diverged
 update that escaped the step's check, or a bit flip, would leave). ``<point>@<step>+`` arms a
 damage point at that step and every later one.
+
+``MINDSPEED_FAULT_RANK=<rank>`` arms the point in the processes of that global rank only (``RANK``;
+its forked writers included). A fault fires on the first attempt of a run only: a group restarted
+by ``--max-restarts`` (ours or torchrun's: ``TORCHELASTIC_RESTART_COUNT`` above 0) runs the same
+steps again without it, as a restart after a real crash would.
 """
 
 from __future__ import annotations
@@ -33,11 +38,21 @@ from typing import Any
 
 #: The environment variable that arms a fault point.
 FAULT_ENV = "MINDSPEED_FAULT"
+#: The environment variable that limits the fault to the processes of one global rank.
+FAULT_RANK_ENV = "MINDSPEED_FAULT_RANK"
 _step: list[int] = [-1]  # the step of the save in progress, for the forked writers
 
 
+def _here() -> bool:
+    """Whether an armed fault fires in this process: its rank, and the first attempt of the run."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    rank = os.environ.get(FAULT_RANK_ENV)
+    return rank is None or os.environ.get("RANK", "0") == rank
+
+
 def _armed(name: str, step: int) -> bool:
-    return os.environ.get(FAULT_ENV, "").split("=")[0] == f"{name}@{step}"
+    return os.environ.get(FAULT_ENV, "").split("=")[0] == f"{name}@{step}" and _here()
 
 
 _ERRNOS = {"ENOSPC": errno.ENOSPC, "EDQUOT": errno.EDQUOT}
@@ -110,7 +125,7 @@ def fault_armed(name: str, step: int) -> bool:
     if FAULT_ENV not in os.environ:
         return False
     point, _, at = os.environ[FAULT_ENV].partition("=")[0].partition("@")
-    if point != name or not at.rstrip("+").isdigit():
+    if point != name or not at.rstrip("+").isdigit() or not _here():
         return False
     return step >= int(at[:-1]) if at.endswith("+") else step == int(at)
 
