@@ -1,5 +1,5 @@
 """Gemma-style pieces of the megatron modules, each against its definition (the whole model is
-proven against transformers in tests/llm: test_megatron_logits, test_gemma3, test_hf_families)."""
+proven against transformers in tests/llm: test_megatron_logits, test_families_from_hf, test_hf_families)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,21 @@
-"""GLM-4.5 trained straight from its Hugging Face directory at EP2, proven against transformers.
+"""The 2026 families trained straight from their Hugging Face directories, proven against transformers.
 
-The tiny GLM-4.5 (q/k/v biases, QK norm, partial rotary: half of each head's channels rotate,
-head_dim not hidden / heads, a dense first layer, sigmoid routing with a non-zero expert bias over
-two expert groups, routed scaling factor 2.5, a shared expert) trains in one spawned gloo group of
-two ranks (data parallel 2, its experts split over expert parallelism 2). The parent recomputes
-with transformers:
+Each tiny model trains in one spawned gloo group of two ranks, in the layout that exercises it:
+
+- Gemma 3 at TP2: sliding-window layers with their own rope base around a global layer with
+  linear rope scaling, post-norms, (1 + w) norms, GeGLU, a scaled and tied embedding,
+  query_pre_attn_scalar, a logit soft-cap;
+- GLM-4.5 at EP2 (data parallel 2): q/k/v biases, QK norm, partial rotary (half of each head's
+  channels rotate), head_dim not hidden / heads, a dense first layer, sigmoid routing with a
+  non-zero expert bias over two expert groups, routed scaling factor 2.5, a shared expert.
+
+The parent recomputes with transformers:
 
 - the first pretraining loss is transformers' token-weighted mean cross-entropy over the same
   global batch (read back from the run's dataset), and the loss falls;
 - the first SFT loss on packed instruction data (THD: each sample attends only to itself, the
-  partial rotary inside it) is transformers' over the samples one by one;
+  window, the rope tables and the partial rotary inside it) is transformers' over the samples one
+  by one;
 - the model exported with ``checkpoint.save_hf`` loads into transformers without missing or
   unexpected keys and gives the validation loss the run reported at its end.
 
@@ -32,10 +38,13 @@ from tests.llm.training.test_deepseek_v3 import _batch, _hf, _loss, _sft_loss
 #: Two spawned ranks importing megatron-core and three short runs.
 pytestmark = pytest.mark.slow
 
-SEQ, MBS, GBS, STEPS = 32, 2, 8, 5
+SEQ, MBS, GBS = 32, 2, 8
+#: Family -> (its layout, learning rate, steps): enough for the loss to fall by 0.05.
+FAMILIES = {"gemma3": ("parallel.tp=2", 3e-3, 3), "glm45-moe": ("parallel.ep=2", 1e-2, 5)}
 
 
-def _overrides(root: str, *extra: str) -> list[str]:
+def _overrides(root: str, family: str, *extra: str) -> list[str]:
+    layout, lr, _ = FAMILIES[family]
     return [
         f"checkpoint.load_hf={root}/hf",
         f"data.prefixes=[{root}/data]",
@@ -43,17 +52,17 @@ def _overrides(root: str, *extra: str) -> list[str]:
         "data.split=80,20,0",
         f"train.micro_batch_size={MBS}",
         f"train.global_batch_size={GBS}",
-        "train.lr=1e-2",
+        f"train.lr={lr}",
         "train.clip_grad=1.0",
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.loss_curve=false",
-        "parallel.ep=2",
+        layout,
         *extra,
     ]
 
 
-def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _group(rank: int, world_size: int, root: str, family: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from mindspeed_llm.training.config import load_pretrain_config
@@ -64,14 +73,21 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     config = load_pretrain_config(
         None,
         _overrides(
-            root, f"train.steps={STEPS}", "eval.at_end=true", "eval.iters=1", f"checkpoint.save_hf={root}/exported"
+            root,
+            family,
+            f"train.steps={FAMILIES[family][2]}",
+            "eval.at_end=true",
+            "eval.iters=1",
+            f"checkpoint.save_hf={root}/exported",
         ),
     )
     result = pretrain(config)
     config = apply_load_hf(config)
     train, valid = build_datasets(config, dist.get_world_size(), read_tokenizer(config))
     sft = pretrain(
-        load_pretrain_config(None, _overrides(root, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=1"))
+        load_pretrain_config(
+            None, _overrides(root, family, "stage=sft", f"data.prefixes=[{root}/packed]", "train.steps=1")
+        )
     )
     return {
         "losses": [record["loss"] for record in result.records],
@@ -82,15 +98,16 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
 
-    root: Path = tmp_path_factory.mktemp("glm45")
-    save_tiny_checkpoint("glm45-moe", root / "hf", seed=0)
+    family = request.param
+    root: Path = tmp_path_factory.mktemp(family)
+    save_tiny_checkpoint(family, root / "hf", seed=0)
     write_indexed_dataset(root / "data", 120, seed=1)
     write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
-    results = run_distributed(_group, 2, str(root), timeout=900)
+    results = run_distributed(_group, 2, str(root), family, timeout=900)
     return {"root": root, "ranks": results}
 
 
