@@ -16,6 +16,13 @@ Masks follow flash-attn's conventions so that every backend agrees:
   token sees only its own segment, and causal/window apply inside it.
 
 A query row that sees no key outputs zeros and has ``lse = -inf``; its gradients are zero.
+
+Attention sinks (GPT-OSS): ``sinks`` is one learnable logit per query head, ``[heads_q]``. It
+is one more column of every row's softmax, whose probability is then dropped (its value is
+zero), so ``out = softmax([s, sink])[:-1] @ v``. The reference adds the column; a kernel with a
+log-sum-exp gets the same result from its plain output, ``out * sigmoid(lse - sink)``
+(:func:`apply_sinks`), and a kernel without one falls back to the reference (logged once). The
+``lse`` an op returns is always that of the keys alone (the sink left out).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mindspeed.log import get_logger, log_once
 from mindspeed.ops.registry import Case, OpSpec, Tolerance, register_kernel, register_op
+
+logger = get_logger(__name__)
 
 #: Optional features of the op (see ``Case.features`` and ``KernelImpl.features``).
 FEATURE_LSE = "lse"
@@ -42,6 +52,7 @@ def check_attention_inputs(
     v: torch.Tensor,
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` with the fix when the inputs break the op's contract.
 
@@ -52,6 +63,7 @@ def check_attention_inputs(
         window_size: ``(left, right)``, each ``>= -1``.
         cu_seqlens: packed-sequence boundaries; checking their values reads them on the host
             (one small sync, only for packed sequences).
+        sinks: ``[heads_q]`` per-head sink logits.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D BSND q, k, v; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -63,6 +75,8 @@ def check_attention_inputs(
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
         raise ValueError(f"window_size must be (left, right) with each >= -1 (-1 = unbounded); got {window_size}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must be one logit per query head, [{q.shape[2]}]; got {list(sinks.shape)}")
     if cu_seqlens is None:
         return
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -154,6 +168,7 @@ def attention_reference(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the whole score matrix materialised, in fp32.
 
@@ -166,12 +181,15 @@ def attention_reference(
         window_size: ``(left, right)`` local window, ``-1`` = unbounded.
         cu_seqlens: ``[num_seqs + 1]`` cumulative boundaries of packed sequences (``batch == 1``).
         return_lse: also return the log-sum-exp of the scaled scores.
+        sinks: ``[heads_q]`` sink logits: one more softmax column per row, dropped after the
+            softmax (``None``: no sink).
 
     Returns:
         The output ``[batch, seq_q, heads_q, dim]`` in ``q``'s dtype, and with ``return_lse``
-        the fp32 ``lse`` ``[batch, heads_q, seq_q]`` (``-inf`` on rows that see no key).
+        the fp32 ``lse`` ``[batch, heads_q, seq_q]`` of the keys alone (``-inf`` on rows that
+        see no key).
     """
-    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, sinks)
     seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
     seq_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
@@ -192,16 +210,64 @@ def attention_reference(
     # max of an empty row is -inf, so shift it by 0 instead and guard the division and log.
     # The shift is detached because the result does not depend on it.
     row_max = scores.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    has_key = torch.isfinite(row_max)  # -inf: every key of the row is masked
+    sink = None if sinks is None else sinks.float().view(1, heads_q, 1, 1)
+    if sink is not None:  # the sink column takes part in the row's max
+        row_max = torch.maximum(row_max, sink.detach())
+    row_max = torch.where(has_key, row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
-    total = weights.sum(dim=-1, keepdim=True)
-    has_key = total > 0  # the row's max contributes exp(0) = 1 whenever a key is visible
+    keys = weights.sum(dim=-1, keepdim=True)
+    total = keys if sink is None else keys + torch.exp(sink - row_max)
     total = torch.where(has_key, total, torch.ones_like(total))
     out = torch.matmul(weights / total, v32).transpose(1, 2).to(q.dtype)
     if not return_lse:
         return out
-    lse = torch.where(has_key, row_max + torch.log(total), float("-inf")).squeeze(-1)
+    keys = torch.where(has_key, keys, torch.ones_like(keys))
+    lse = torch.where(has_key, row_max + torch.log(keys), float("-inf")).squeeze(-1)
     return out, lse
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks from attention without: ``out * sigmoid(lse - sink)``.
+
+    With ``Z = exp(lse)`` the keys' softmax denominator, adding the sink column turns every
+    probability ``p`` into ``p * Z / (Z + exp(sink))``. Rows without keys (``lse = -inf``) stay 0.
+
+    Args:
+        out: ``[batch, seq_q, heads_q, dim]`` attention output without sinks.
+        lse: ``[batch, heads_q, seq_q]`` its log-sum-exp, differentiable in ``q`` and ``k``
+            (see :func:`attach_lse_grad`).
+        sinks: ``[heads_q]`` sink logits.
+
+    Returns:
+        The output with sinks, in ``out``'s dtype.
+    """
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # [b, n, s]
+    return (out.float() * keep.transpose(1, 2).unsqueeze(-1)).to(out.dtype)
+
+
+def attention_with_sinks(
+    kernel_name: str, lse_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, q, k, v, sinks, **kwargs
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A backend's attention with ``sinks``: through its log-sum-exp (:func:`apply_sinks`) when
+    ``lse_kernel`` is given, else the reference (logged once, naming the backend and why).
+
+    Args:
+        kernel_name: the backend, for the log line.
+        lse_kernel: the backend called with ``return_lse=True`` (a differentiable lse), or ``None``.
+        q, k, v, sinks, **kwargs: the op's arguments (``return_lse`` among them).
+    """
+    return_lse = kwargs.pop("return_lse", False)
+    if lse_kernel is None:
+        log_once(
+            logger,
+            f"attention[{kernel_name}]: sinks need the keys' log-sum-exp, which this backend does not "
+            "return; using attention_reference",
+        )
+        return attention_reference(q, k, v, sinks=sinks, return_lse=return_lse, **kwargs)
+    out, lse = lse_kernel(q, k, v, return_lse=True, **kwargs)
+    out = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
 
 
 class _LseGrad(torch.autograd.Function):
@@ -268,6 +334,9 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
     def cu(*bounds: int) -> torch.Tensor:
         return torch.tensor(bounds, dtype=torch.int32, device=device)
 
+    def make_sinks(heads: int) -> torch.Tensor:  # fp32 as GPT-OSS keeps them, near the scores' size
+        return (2 * torch.randn(heads, generator=gen)).to(device)
+
     lse, window, varlen = frozenset({FEATURE_LSE}), frozenset({FEATURE_WINDOW}), frozenset({FEATURE_VARLEN})
     return [
         Case("causal", qkv(2, 7, 7, 4, 4, 16)),
@@ -303,6 +372,13 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
             qkv(1, 17, 17, 3, 1, 16),
             {"causal": False, "window_size": (1, 2), "softmax_scale": 0.3, "cu_seqlens": cu(0, 9, 11, 17)},
             features=window | varlen,
+        ),
+        Case("sinks gqa causal", qkv(2, 9, 9, 4, 2, 16), {"sinks": make_sinks(4)}),
+        Case(
+            "sinks window decode",
+            qkv(1, 3, 10, 4, 2, 16),
+            {"window_size": (4, 0), "sinks": make_sinks(4)},
+            features=window,
         ),
         Case("lse causal", qkv(2, 7, 7, 4, 2, 16), {"return_lse": True}, features=lse),
         Case("lse full", qkv(1, 5, 8, 3, 3, 16), {"causal": False, "return_lse": True}, features=lse),
@@ -449,11 +525,12 @@ def attention_sdpa(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` (fused kernels where torch has them).
 
     Same arguments as :func:`attention_reference`, without ``return_lse`` (SDPA does not
-    return the log-sum-exp). Plain causal attention with ``seq_q == seq_k`` uses
+    return the log-sum-exp; for the same reason ``sinks`` go to the reference, logged once). Plain causal attention with ``seq_q == seq_k`` uses
     ``is_causal``; windows and bottom-right causal with ``seq_q != seq_k`` pass an explicit
     boolean mask. Packed sequences run segment by segment, batched by similar length, with
     ``is_causal`` (a mask only for windows and padding); a dense block-diagonal mask over the
@@ -461,6 +538,9 @@ def attention_sdpa(
     """
     if return_lse:
         raise ValueError("attention impl 'sdpa' cannot return lse; resolve the op with features=('lse',)")
+    if sinks is not None:
+        kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+        return attention_with_sinks("sdpa", None, q, k, v, sinks, **kwargs)
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     seq_q, seq_k = q.shape[1], k.shape[1]
     gqa = q.shape[2] != k.shape[2]

@@ -28,6 +28,7 @@ from mindspeed.ops.attention import (
     attach_lse_grad,
     attention_reference,
     attention_sdpa,
+    attention_with_sinks,
     check_attention_inputs,
     num_empty_rows,
 )
@@ -70,9 +71,13 @@ def attention_flash_attn(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """flash-attn 2; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`."""
+    """flash-attn 2; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`
+    (``sinks`` through flash-attn's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`)."""
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+    if sinks is not None:
+        return attention_with_sinks("flash_attn", attention_flash_attn, q, k, v, sinks, return_lse=return_lse, **kwargs)
     supported = (
         q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)

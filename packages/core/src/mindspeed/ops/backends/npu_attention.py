@@ -36,6 +36,7 @@ from mindspeed.ops.attention import (
     FEATURE_VARLEN,
     FEATURE_WINDOW,
     attach_lse_grad,
+    attention_with_sinks,
     check_attention_inputs,
     num_empty_rows,
 )
@@ -96,9 +97,15 @@ def attention_npu(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``npu_fusion_attention``; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`."""
+    """``npu_fusion_attention``; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`
+    (``sinks`` through the kernel's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`)."""
     import torch_npu
+
+    if sinks is not None:
+        kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+        return attention_with_sinks("npu", attention_npu, q, k, v, sinks, return_lse=return_lse, **kwargs)
 
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     seq_q, heads = q.shape[1], q.shape[2]
