@@ -66,7 +66,26 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def _activation(shape: ModelShape) -> Any:
     if shape.swiglu:
         return torch.nn.functional.silu
+    if shape.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
     return gelu_tanh if shape.geglu else torch.nn.functional.gelu
+
+
+def expert_tensor_parallel_size(shape: ModelShape, etp: int | None) -> int | None:
+    """The expert-tensor-parallel size for ``shape`` given the asked one (``None``: megatron's default, TP).
+
+    megatron's experts take biases (GPT-OSS) only unsplit by tensor parallelism: such models get 1.
+
+    Raises:
+        ValueError: another size is asked for a model with expert biases.
+    """
+    if not (shape.num_experts and shape.add_bias_linear):
+        return etp
+    if etp not in (None, 1):
+        raise ValueError(f"expert_tensor_parallel_size {etp}: experts with biases need 1 (megatron's limit); set etp=1")
+    return 1
 
 
 def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any) -> Any:
@@ -95,7 +114,10 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
         kv_channels=shape.kv_channels,
         layernorm_epsilon=shape.norm_epsilon,
         normalization=shape.normalization,
-        gated_linear_unit=shape.swiglu or shape.geglu,
+        gated_linear_unit=shape.swiglu or shape.geglu or shape.quick_geglu,
+        glu_linear_offset=shape.glu_linear_offset,
+        activation_func_clamp_value=shape.activation_clamp,
+        softmax_type="learnable" if shape.softmax_sinks else "vanilla",
         activation_func=_activation(shape),
         # The registry SwiGLU is reached through this flag; no Transformer Engine is involved.
         use_te_activation_func=shape.swiglu,
@@ -128,8 +150,9 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
         fields["mtp_num_layers"] = shape.mtp_num_layers
     if shape.num_experts:  # expert-parallel sizes mean nothing (and megatron refuses them) without experts
         fields["expert_model_parallel_size"] = sizes.ep
-        if sizes.etp is not None:
-            fields["expert_tensor_parallel_size"] = sizes.etp
+        etp = expert_tensor_parallel_size(shape, sizes.etp)
+        if etp is not None:
+            fields["expert_tensor_parallel_size"] = etp
         fields.update(
             num_moe_experts=shape.num_experts,
             moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -168,4 +191,12 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
             original_max_position_embeddings=shape.original_max_position_embeddings,
         )
     fields.update(overrides)
-    return cls(**fields)
+    config = cls(**fields)
+    if shape.position_embedding_type == "yarn" and not shape.multi_latent_attention:
+        # GPTModel reads its YaRN settings with getattr (TransformerConfig has no such fields).
+        config.yarn_rotary_scaling_factor = shape.rotary_scaling_factor
+        config.yarn_original_max_position_embeddings = shape.original_max_position_embeddings
+        config.yarn_beta_fast, config.yarn_beta_slow = shape.beta_fast, shape.beta_slow
+        config.yarn_mscale, config.yarn_mscale_all_dim = shape.mscale, shape.mscale_all_dim
+        config.yarn_correction_range_round_to_int = shape.yarn_truncate
+    return config

@@ -11,9 +11,10 @@ import math
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 from torch import nn
 
 from mindspeed.device import get_accelerator
@@ -105,6 +106,11 @@ class RegistryAttention(MegatronModule):
     attend within their ``cu_seqlens`` segments; under context parallelism every segment is
     split zig-zag on its own (megatron's THD layout, ``cu_seqlens`` global, each length a
     multiple of ``2 * C``).
+
+    ``config.softmax_type='learnable'`` (GPT-OSS's attention sinks) gives it megatron's
+    ``softmax_offset`` parameter, one logit per local head, passed to the kernel as ``sinks``
+    (megatron's own ``DotProductAttention`` allocates it on a CUDA device, so it cannot run
+    elsewhere); not under context parallelism.
     """
 
     def __init__(
@@ -144,6 +150,38 @@ class RegistryAttention(MegatronModule):
             # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
             features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
         self.kernel = resolve_kernel("attention", impl, features=features)
+        self.softmax_offset = self._make_sinks(config, pg_collection)
+
+    def _make_sinks(self, config: Any, pg_collection: Any) -> nn.Parameter | None:
+        kind = getattr(config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            return None
+        if kind != "learnable":
+            raise ValueError(
+                f"softmax_type {kind!r} is not supported by RegistryAttention; use 'vanilla' or 'learnable'"
+            )
+        if self.cp is not None:
+            raise ValueError("attention sinks (softmax_type='learnable') are not supported under context parallelism")
+        tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
+        sinks = nn.Parameter(torch.zeros(config.num_attention_heads // tp, dtype=config.params_dtype))
+        if config.perform_initialization:
+            config.init_method(sinks.data)
+        set_tensor_model_parallel_attributes(sinks, is_parallel=True, dim=0, stride=1)
+        return sinks
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The sinks, cut by heads over the tensor-parallel group (as megatron's ``DotProductAttention``)."""
+        if self.softmax_offset is None:
+            return {}
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset},
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=getattr(self, "tp_group", None),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
     def forward(
         self,
@@ -186,9 +224,13 @@ class RegistryAttention(MegatronModule):
             causal=causal,
             softmax_scale=self.softmax_scale,
             window_size=self.window_size,
+            **self._sinks(),
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
+
+    def _sinks(self) -> dict[str, torch.Tensor]:
+        return {} if self.softmax_offset is None else {"sinks": self.softmax_offset}
 
     def _attend_packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, causal: bool
@@ -202,9 +244,9 @@ class RegistryAttention(MegatronModule):
             )
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
-            if self.cp is not None or not causal or self.window_size != (-1, -1):
+            if self.cp is not None or not causal or self.window_size != (-1, -1) or self.softmax_offset is not None:
                 raise ValueError(
-                    "shared-prefix packing needs causal attention without context parallelism or a window; "
+                    "shared-prefix packing needs causal attention without context parallelism, a window or sinks; "
                     "pack each sequence on its own"
                 )
             out = attend_shared_prefix(self.kernel, query, key, value, params, self.softmax_scale)
@@ -232,6 +274,7 @@ class RegistryAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             window_size=self.window_size,
             cu_seqlens=cu_q,
+            **self._sinks(),
         )
         return out.squeeze(0).reshape(query.shape[0], -1)
 

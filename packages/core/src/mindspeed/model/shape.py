@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +62,18 @@ class ModelShape:
         rotary_seq_len_interpolation_factor: linear rope scaling of the other layers (positions
             divided by it; ``None``: none).
         output_logit_softcapping: logits become ``cap * tanh(logits / cap)`` (``None``: off).
+        softmax_sinks: every attention head has a learnable sink logit, one more softmax column
+            whose probability is dropped (GPT-OSS; megatron's ``softmax_type='learnable'``).
+        quick_geglu: the gated MLP's gate is ``x * sigmoid(1.702 x)`` (megatron's ``quick_gelu``;
+            GPT-OSS's SwiGLU with its alpha), with ``swiglu`` false.
+        glu_linear_offset: the gated MLP multiplies by ``up + offset`` (GPT-OSS: 1).
+        activation_clamp: the gate is clamped above and ``up`` on both sides at this value
+            before the gated activation (GPT-OSS's ``swiglu_limit``; ``None``: no clamp).
+        yarn_truncate: YaRN's correction range is rounded to whole dimensions (transformers'
+            ``truncate``; GPT-OSS sets false), with ``position_embedding_type='yarn'``.
         add_bias_linear: biases in every linear layer.
-        position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
+        position_embedding_type: ``rope``, ``yarn`` (rope with YaRN scaling, the MLA fields
+            below: ``rotary_scaling_factor`` ...), ``learned_absolute`` or ``none``.
         num_experts: routed experts of MoE layers (``None``: dense model).
         moe_ffn_hidden_size: width of one routed expert.
         moe_router_topk: experts per token.
@@ -125,6 +136,11 @@ class ModelShape:
     local_rotary_base: float | None = None
     rotary_seq_len_interpolation_factor: float | None = None
     output_logit_softcapping: float | None = None
+    softmax_sinks: bool = False
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_clamp: float | None = None
+    yarn_truncate: bool = True
     add_bias_linear: bool = False
     position_embedding_type: str = "rope"
     num_experts: int | None = None
@@ -205,6 +221,17 @@ class ModelShape:
         return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's cos/sin scale (megatron's attention reads it from the config's ``yarn_*`` fields):
+        ``m(factor, mscale) / m(factor, mscale_all_dim)`` with
+        ``m(s, a) = 0.1 * a * ln(s) + 1`` (1 when ``s <= 1``), as transformers and megatron compute it."""
+
+        def m(scale: float, amount: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * amount * math.log(scale) + 1.0
+
+        return m(self.rotary_scaling_factor, self.mscale) / m(self.rotary_scaling_factor, self.mscale_all_dim)
+
+    @property
     def mtp_is_moe(self) -> bool:
         """Whether the multi-token-prediction layers have routed experts (megatron builds them
         with the last decoder layer's spec)."""
@@ -230,7 +257,7 @@ class ModelShape:
         args.update(
             group_query_attention=self.num_query_groups != self.num_attention_heads,
             rotary_interleaved=False,
-            use_rotary_position_embeddings=self.position_embedding_type == "rope",
+            use_rotary_position_embeddings=self.position_embedding_type in ("rope", "yarn"),
             add_position_embedding=self.position_embedding_type == "learned_absolute",
             moe_grouped_gemm=False,
             bf16=self.params_dtype == "bfloat16",

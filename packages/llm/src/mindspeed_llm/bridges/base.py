@@ -142,6 +142,8 @@ class Bridge:
         requires: config keys that must hold a value (what megatron cannot represent), as
             ``(key, value)``; a missing key counts as holding it.
         rules: the parameter rules.
+        hf_stacks: Hugging Face tensors holding every expert of a layer (GPT-OSS), which the
+            rules see one expert at a time (:mod:`mindspeed_llm.bridges.stacked`).
         mtp_config_key: the config key counting the checkpoint's multi-token-prediction layers
             (``None``: the family has none); they are converted only on request.
         capabilities: what the family is made of and what the project does with it.
@@ -155,6 +157,7 @@ class Bridge:
     requires: ClassVar[tuple[tuple[str, Any], ...]] = ()
     rules: ClassVar[tuple[ParamRule, ...]] = ()
     mtp_config_key: ClassVar[str | None] = None
+    hf_stacks: ClassVar[tuple[Any, ...]] = ()
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def shape_from_hf(self, config: Mapping[str, Any]) -> ModelShape:

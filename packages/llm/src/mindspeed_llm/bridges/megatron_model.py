@@ -67,7 +67,8 @@ def _layer_spec(
         norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
         return apply_layer_variants(spec, shape, norm)
     if not shape.multi_latent_attention:
-        if megatron_modules:
+        # Attention sinks exist only in the registry attention off CUDA (megatron's allocates them there).
+        if megatron_modules and not shape.softmax_sinks:
             return get_gpt_layer_local_spec(
                 num_experts=num_experts, qk_layernorm=shape.qk_layernorm, normalization=shape.normalization
             )

@@ -101,20 +101,33 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
     d, groups = shape.kv_channels, shape.num_query_groups
     qkv_rows = (heads + 2 * groups) * d
     add("linear_qkv.weight", (qkv_rows, h), Split.COLUMN)
-    if shape.add_qkv_bias:
+    if shape.add_qkv_bias or shape.add_bias_linear:
         add("linear_qkv.bias", (qkv_rows,), Split.COLUMN)
+    if shape.softmax_sinks:  # one sink logit per head, cut with the heads
+        add("core_attention.softmax_offset", (heads,), Split.COLUMN)
     if shape.qk_layernorm:
         add("q_layernorm.weight", (d,), Split.REPLICATED)
         add("k_layernorm.weight", (d,), Split.REPLICATED)
     add("linear_proj.weight", (h, heads * d), Split.ROW)
+    if shape.add_bias_linear:  # a row-parallel layer's bias is added after the reduction: whole on every rank
+        add("linear_proj.bias", (h,), Split.REPLICATED)
     return out
 
 
-def _mlp(prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None) -> list[MegatronParam]:
-    return [
-        MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
-        MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert),
-    ]
+def _mlp(
+    prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None, bias: bool = False
+) -> list[MegatronParam]:
+    # megatron's experts take biases only without expert tensor parallelism (ETP 1, which the core's
+    # transformer_config sets): such experts are whole on every tensor-parallel rank.
+    whole = bias and expert is not None
+    glu, row = (Split.REPLICATED, Split.REPLICATED) if whole else (Split.GLU, Split.ROW)
+    params = [MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), glu, layer, expert)]
+    if bias:
+        params.append(MegatronParam(f"{prefix}linear_fc1.bias", (2 * ffn,), glu, layer, expert))
+    params.append(MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), row, layer, expert))
+    if bias:
+        params.append(MegatronParam(f"{prefix}linear_fc2.bias", (hidden,), Split.REPLICATED, layer, expert))
+    return params
 
 
 def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list[MegatronParam]:
@@ -129,18 +142,33 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
         )
     params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
     if not moe:
-        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer, bias=shape.add_bias_linear)
         if shape.post_norm:  # and the MLP output's
             params.append(MegatronParam(prefix + "mlp.linear_fc2.post_layernorm.weight", (h,), Split.REPLICATED, layer))
         return params
     experts = shape.num_experts
     params.append(MegatronParam(prefix + "mlp.router.weight", (experts, h), Split.REPLICATED, layer))
+    if shape.add_bias_linear:
+        params.append(MegatronParam(prefix + "mlp.router.bias", (experts,), Split.REPLICATED, layer))
     if shape.moe_router_enable_expert_bias:
         params.append(MegatronParam(prefix + "mlp.router.expert_bias", (experts,), Split.REPLICATED, layer))
     for expert in range(experts):
-        params += _mlp(f"{prefix}mlp.experts.local_experts.{expert}.", h, shape.moe_ffn_hidden_size, layer, expert)
+        params += _mlp(
+            f"{prefix}mlp.experts.local_experts.{expert}.",
+            h,
+            shape.moe_ffn_hidden_size,
+            layer,
+            expert,
+            bias=shape.add_bias_linear,
+        )
     if shape.moe_shared_expert_intermediate_size:
-        params += _mlp(prefix + "mlp.shared_experts.", h, shape.moe_shared_expert_intermediate_size, layer)
+        params += _mlp(
+            prefix + "mlp.shared_experts.",
+            h,
+            shape.moe_shared_expert_intermediate_size,
+            layer,
+            bias=shape.add_bias_linear,
+        )
         if shape.moe_shared_expert_gate:  # sigmoid(x @ gate_weight.T) scales the shared experts' output
             params.append(MegatronParam(prefix + "mlp.shared_experts.gate_weight", (1, h), Split.REPLICATED, layer))
     return params

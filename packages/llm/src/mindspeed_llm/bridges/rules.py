@@ -404,3 +404,59 @@ def only_if(field: str, rules: tuple[ParamRule, ...]) -> tuple[ParamRule, ...]:
         object.__setattr__(clone, "when", field)
         out.append(clone)
     return tuple(out)
+
+
+class Transposed(Rename):
+    """One Hugging Face tensor is the megatron tensor transposed (GPT-OSS keeps expert weights
+    ``[in, out]``, megatron's linear layers ``[out, in]``)."""
+
+    def to_megatron(self, tensors, shape):
+        return tensors[0].transpose(0, 1).contiguous()
+
+    def to_hf(self, tensor, shape):
+        return [tensor.transpose(0, 1).contiguous()]
+
+    def to_megatron_blocks(self, tensors, shape):
+        return Blocks.of(self.to_megatron(tensors, shape))
+
+    def to_hf_blocks(self, blocks, shape):
+        return [Blocks.of(t) for t in self.to_hf(blocks.tensor(), shape)]
+
+    def megatron_shape(self, hf_shapes, shape):
+        return tuple(reversed(hf_shapes[0]))
+
+    def hf_shapes(self, mg_shape, shape):
+        return [tuple(reversed(mg_shape))]
+
+
+class InterleavedGateUp(Rename):
+    """A fused gate/up projection with gate and up interleaved along the output features (GPT-OSS:
+    ``gate = x[..., ::2]``, ``up = x[..., 1::2]``), as megatron's ``[gate; up]`` ``linear_fc1``.
+
+    The Hugging Face tensor is a weight ``[in, 2 * ffn]`` (``transposed``) or a bias ``[2 * ffn]``.
+    """
+
+    def __init__(self, mg: str, hf: str, transposed: bool = False, layers: str = "all") -> None:
+        super().__init__(mg, hf, layers)
+        object.__setattr__(self, "transposed", transposed)
+
+    def to_megatron(self, tensors, shape):
+        fused = tensors[0].transpose(0, 1) if self.transposed else tensors[0]  # [2 * ffn, ...]
+        return torch.cat([fused[0::2], fused[1::2]], dim=0).contiguous()
+
+    def to_hf(self, tensor, shape):
+        gate, up = tensor.chunk(2, dim=0)
+        fused = torch.stack([gate, up], dim=1).flatten(0, 1)  # rows gate0, up0, gate1, up1 ...
+        return [(fused.transpose(0, 1) if self.transposed else fused).contiguous()]
+
+    def to_megatron_blocks(self, tensors, shape):
+        return Blocks.of(self.to_megatron(tensors, shape))
+
+    def to_hf_blocks(self, blocks, shape):
+        return [Blocks.of(t) for t in self.to_hf(blocks.tensor(), shape)]
+
+    def megatron_shape(self, hf_shapes, shape):
+        return tuple(reversed(hf_shapes[0])) if self.transposed else tuple(hf_shapes[0])
+
+    def hf_shapes(self, mg_shape, shape):
+        return [tuple(reversed(mg_shape)) if self.transposed else tuple(mg_shape)]

@@ -39,6 +39,7 @@ from mindspeed_llm.bridges.layout import merge_blocks, piece_shape, split_blocks
 from mindspeed_llm.bridges.megatron_model import padded_vocab_size
 from mindspeed_llm.bridges.megatron_params import MegatronParam, Split
 from mindspeed_llm.bridges.rules import Task
+from mindspeed_llm.bridges.stacked import StackedCheckpoint, StackingWriter, stacked_entries
 from mindspeed_llm.checkpoint.megatron_legacy import (
     Entries,
     LegacyCheckpointReader,
@@ -133,6 +134,8 @@ class HFSource:
         known = [a for a in raw.get("architectures") or [] if causal_architecture(a) in self.bridge.hf_architectures]
         self.architecture = known[0] if known else self.bridge.hf_architectures[0]
         self.checkpoint = HFCheckpoint(path)
+        if self.bridge.hf_stacks:  # experts stacked in one tensor (maybe MXFP4): seen one expert at a time
+            self.checkpoint = StackedCheckpoint(self.checkpoint, self.bridge.hf_stacks)
         shape = self.bridge.shape_from_hf(config)
         # The weights' own dtype wins over config.json's (which may be stale or absent).
         by_dtype = collections.Counter()
@@ -433,7 +436,9 @@ class HFSink:
             shapes = task.rule.hf_shapes(plan.params[task.mg_name].shape, plan.shape)
             for name, shape in zip(task.hf_names, shapes):
                 self.tensors += [(copy, dtypes[task.mg_name], shape) for copy in [name, *plan.hf_copies.get(name, [])]]
+        self.tensors, self.counts = stacked_entries(self.tensors, plan.bridge.hf_stacks)
         self.writer: SafetensorsShardWriter | None = None
+        self.out: Any = None
         self.files = self._plan_files()
 
     @property
@@ -463,6 +468,7 @@ class HFSink:
     def open(self, directory: Path) -> None:
         """Create the shards in ``directory``."""
         self.writer = SafetensorsShardWriter(directory, self.tensors, self.max_shard_bytes)
+        self.out = StackingWriter(self.writer, self.plan.bridge.hf_stacks, self.counts)
 
     def put(self, task: Task, full: torch.Tensor | Blocks) -> None:
         """Write the Hugging Face tensors made of one unsharded tensor (or of the views it is made of)."""
@@ -471,7 +477,7 @@ class HFSink:
             if self.cast is not None and tensor.dtype.is_floating_point and tensor.dtype != self.cast:
                 tensor = Blocks.of(tensor.tensor().to(self.cast))  # noqa: PLW2901 -- the cast copy is what is written
             for copy in [name, *self.plan.hf_copies.get(name, [])]:
-                self.writer.write(copy, tensor)
+                self.out.write(copy, tensor)
 
     def finish(self) -> None:
         """Write the index."""

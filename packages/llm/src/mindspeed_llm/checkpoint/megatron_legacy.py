@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mindspeed.checkpointing.blocks import Blocks
+from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed_llm.bridges.layout import ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_params import has_extra_state
 from mindspeed_llm.bridges.shape import ModelShape
@@ -83,7 +84,7 @@ def checkpoint_args(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(shape, None) or layout.tp,
         num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
         virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
         num_layer_list=",".join(map(str, layout.num_layer_list)) if layout.num_layer_list else None,

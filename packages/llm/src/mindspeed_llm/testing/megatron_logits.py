@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing.trust import load_torch_file
+from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.megatron.trusted_load import check_dist_checkpoint, trusted_dist_loads
 from mindspeed_llm.bridges import ModelShape, ParallelLayout, RankKey
 from mindspeed_llm.bridges.megatron_model import build_gpt_chunks
@@ -42,6 +43,7 @@ def init_layout(layout: ParallelLayout, shape: ModelShape, seed: int = 1234) -> 
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.num_chunks(shape) if layout.vpp_layers else None,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(shape, None),
         # Forward passes need no gloo side groups (megatron creates one per group otherwise: seconds).
         create_gloo_process_groups=False,
     )

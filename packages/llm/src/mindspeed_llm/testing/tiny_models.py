@@ -226,6 +226,34 @@ def tiny_glm45() -> Any:
     )
 
 
+@TINY_CONFIGS.register("gpt-oss")
+def tiny_gpt_oss() -> Any:
+    """GPT-OSS-style, 2 layers (sliding window of 4 tokens, then full attention), q/k/v/o biases and
+    sinks, 4 experts (top 2) with router and expert biases, the clamped SwiGLU (limit 7, alpha 1.702),
+    and YaRN (factor 8 over an original context of 16, not truncated as released)."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        **{**_DENSE, "num_hidden_layers": 2, "intermediate_size": 32},
+        vocab_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+        tie_word_embeddings=False,
+        architectures=["GptOssForCausalLM"],
+    )
+
+
 #: Families whose persistent buffers (the expert selection bias) get noise too. Not deepseek3:
 #: with a non-zero bias, transformers' DeepseekV3 ``generate`` (cached decode) leaves its own
 #: uncached forward on the tiny model (prompt seed 3: token 39 where the forward's argmax is 1,
