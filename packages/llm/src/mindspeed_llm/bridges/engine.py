@@ -24,6 +24,7 @@ from mindspeed_llm.bridges.base import Bridge
 from mindspeed_llm.bridges.megatron_params import MegatronParam, megatron_params
 from mindspeed_llm.bridges.rules import Task, expand_optional, expand_rule
 from mindspeed_llm.bridges.shape import ModelShape
+from mindspeed_llm.bridges.stacked import stack_state, unstack_shapes, unstack_state
 
 Shape = tuple[int, ...]
 
@@ -86,6 +87,8 @@ def plan_conversion(bridge: Bridge, shape: ModelShape, hf_shapes: Mapping[str, S
         ValueError: leftovers on either side, a tensor produced twice, or a shape mismatch.
     """
     params = megatron_params(shape)
+    if hf_shapes is not None and bridge.hf_stacks:  # the rules see stacked experts one at a time
+        hf_shapes = unstack_shapes(hf_shapes, bridge.hf_stacks)
     tasks = [task for rule in bridge.param_rules() for task in expand_rule(rule, shape)]
     produced: dict[str, Task] = {}
     for task in tasks:
@@ -176,6 +179,7 @@ def hf_to_megatron(plan: ConversionPlan, hf_state: Mapping[str, torch.Tensor]) -
     Returns:
         The unsharded megatron state dict (parameter names of :func:`megatron_params`).
     """
+    hf_state = unstack_state(hf_state, plan.bridge.hf_stacks)
     return {
         task.mg_name: task.rule.to_megatron([hf_state[n] for n in task.hf_names], plan.shape) for task in plan.tasks
     }
@@ -191,4 +195,4 @@ def megatron_to_hf(plan: ConversionPlan, mg_state: Mapping[str, torch.Tensor]) -
     for task in plan.tasks:
         for name, tensor in zip(task.hf_names, task.rule.to_hf(mg_state[task.mg_name], plan.shape)):
             out[name] = tensor.contiguous()
-    return out
+    return stack_state(out, plan.bridge.hf_stacks)

@@ -42,3 +42,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def quantized_name(name: str) -> tuple[str, str]:
     """The two checkpoint names (blocks, scales) a quantised tensor ``name`` is stored under."""
     return name + BLOCKS, name + SCALES
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``(blocks, scales)`` of a weight ``[experts, in, out]`` (``in`` a multiple of 32), the
+    inverse layout of :func:`dequantize_mxfp4`: per group of 32 the scale ``2 ** ceil(log2(amax / 6))``,
+    every value rounded to the nearest E2M1 code (for writing MXFP4 checkpoints in tests).
+
+    Raises:
+        ValueError: ``weight`` is not 3-D or ``in`` is not a multiple of 32.
+    """
+    if weight.dim() != 3 or weight.shape[1] % 32:
+        raise ValueError(f"MXFP4 needs a weight [experts, in, out] with in a multiple of 32; got {list(weight.shape)}")
+    rows = weight.float().transpose(1, 2)  # [experts, out, in]
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)
+    table = torch.tensor(E2M1_VALUES)
+    codes = (scaled.unsqueeze(-1) - table).abs().argmin(dim=-1).to(torch.uint8)  # [..., 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent.squeeze(-1) + 127).to(torch.uint8)

@@ -15,7 +15,7 @@ own Hugging Face tensors; so a bridge declares its :class:`StackedTensor` s and
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,3 +195,54 @@ def stacked_entries(
         stacked_name, stacked_dtype, stacked_shape = out[index]
         out[index] = (stacked_name, stacked_dtype, (stacked_shape[0] + 1, *stacked_shape[1:]))
     return out, {out[index][0]: out[index][2][0] for index in where.values()}
+
+
+@dataclass(frozen=True)
+class _ShapeOnly:
+    dtype: torch.dtype
+    shape: Shape
+
+
+class _StateCheckpoint:
+    """An in-memory state dict (or a name -> shape map) as a checkpoint."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = state
+        self.tensors = {
+            name: value if isinstance(value, torch.Tensor) else _ShapeOnly(torch.float32, tuple(value))
+            for name, value in state.items()
+        }
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+
+def unstack_shapes(shapes: Mapping[str, Shape], stacks: Iterable[StackedTensor]) -> dict[str, Shape]:
+    """``shapes`` of a checkpoint with its stacked (or MXFP4) tensors as their per-expert slices."""
+    stacks = tuple(stacks)
+    return StackedCheckpoint(_StateCheckpoint(shapes), stacks).shapes() if stacks else dict(shapes)
+
+
+def unstack_state(state: Mapping[str, torch.Tensor], stacks: Iterable[StackedTensor]) -> dict[str, torch.Tensor]:
+    """An in-memory state dict with its stacked (or MXFP4) tensors as per-expert tensors."""
+    stacks = tuple(stacks)
+    if not stacks:
+        return dict(state)
+    view = StackedCheckpoint(_StateCheckpoint(state), stacks)
+    return {name: view.read(name) for name in view.tensors}
+
+
+def stack_state(state: Mapping[str, torch.Tensor], stacks: Iterable[StackedTensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`unstack_state` for per-expert tensors (written stacked, never MXFP4)."""
+    stacks = tuple(stacks)
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        target = stacked_target(name, stacks)
+        if target is None:
+            out[name] = tensor
+        else:
+            pieces.setdefault(target[0], {})[target[1]] = tensor
+    for name, experts in pieces.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
+from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, head_dim_default, register_bridge
 from mindspeed_llm.bridges.common import ATTENTION_RULES, EMBEDDING_RULES, HF, LLAMA_CONFIG_KEYS, MG, QKV_BIAS_RULES
 from mindspeed_llm.bridges.rules import InterleavedGateUp, Rename, Transposed
 from mindspeed_llm.bridges.shape import ModelShape
@@ -59,7 +59,9 @@ class GptOssBridge(Bridge):
     hf_architectures = ("GptOssForCausalLM",)
     hf_model_type = "gpt_oss"
     config_keys = (
-        *(key for key in LLAMA_CONFIG_KEYS if key.mg != "rotary_base"),
+        # GptOssConfig defaults head_dim to 64 (not hidden / heads): always written.
+        *(key for key in LLAMA_CONFIG_KEYS if key.mg not in ("rotary_base", "kv_channels")),
+        ConfigKey("kv_channels", "head_dim", default=head_dim_default),
         ConfigKey("rotary_base", _ROPE + "rope_theta", default=150000.0),
         ConfigKey("num_experts", "num_local_experts"),
         ConfigKey("moe_router_topk", "num_experts_per_tok"),
