@@ -68,7 +68,7 @@ def _greedy(n: int):
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["llama2", "qwen3-moe", "qwen2-moe", "deepseek3", "gemma3", "glm45-moe"])
+@pytest.mark.parametrize("family", ["llama2", "qwen3-moe", "qwen2-moe", "deepseek3", "gemma3", "glm45-moe", "gpt-oss"])
 def test_greedy_equals_transformers_generate(engine, hf_model, family: str) -> None:
     prompts = random_prompts((5, 11, 2), seed=3)
     model = hf_model(family)

@@ -137,7 +137,7 @@ class CausalStep:
         q = qk[:, :, :, :group].reshape(self.rows, self.seq, kv_heads * group, dim)
         return q, qk[:, :, :, group], v.reshape(self.rows, self.seq, kv_heads, dim)
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer.
 
         Args:
@@ -145,16 +145,20 @@ class CausalStep:
             qk: rotated queries and keys ``[tokens, kv_heads, group + 1, head_dim]`` (each group's
                 query heads, then its key head).
             v: values ``[tokens, kv_heads, head_dim]``.
+            sinks: ``[heads]`` sink logits of the layer (GPT-OSS; ``None``: none).
 
         Returns:
             ``[tokens, heads * head_dim]``.
         """
-        return self._attend(layer, *self.split(qk, v))
+        return self._attend(layer, *self.split(qk, v), sinks)
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         window = self.windows[layer]
+        extra = {} if sinks is None else {"sinks": sinks}
         out = self.attention(
-            q, k, v, causal=True, softmax_scale=self.scale, window_size=(window - 1, 0) if window else (-1, -1)
+            q, k, v, causal=True, softmax_scale=self.scale, window_size=(window - 1, 0) if window else (-1, -1), **extra
         )
         return out.reshape(self.rows * self.seq, -1)
 
@@ -185,13 +189,13 @@ class PrefillStep(CausalStep):
         super().__init__(attention, windows, scale, rows, seq)
         self.cache, self.start = cache, start
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.split(qk, v)
         end = self.start + self.rows
         # Padding positions are written too and closed afterwards (KVCache.close_rows).
         self.cache.keys[layer, self.start : end, : self.seq] = torch.constant_pad_nd(k, (0, 1))
         self.cache.values[layer, self.start : end, : self.seq] = torch.constant_pad_nd(v, (0, 1))
-        return self._attend(layer, q, k, v)
+        return self._attend(layer, q, k, v, sinks)
 
 
 class DecodeStep:
@@ -216,12 +220,17 @@ class DecodeStep:
         self.keys = cache.keys[:, :rows, :kv_len].unbind(0)
         self.values = cache.values[:, :rows, :kv_len].unbind(0)
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer (same contract as :meth:`CausalStep.attend`, one token per row)."""
         rows, kv_heads, group, dim = qk.shape[0], qk.shape[1], qk.shape[2] - 1, qk.shape[3]
         keys, values = self.keys[layer], self.values[layer]
         keys.index_put_(self.index, torch.constant_pad_nd(qk[:, :, group], (0, 1)))
         values.index_put_(self.index, torch.constant_pad_nd(v, (0, 1)))
+        if sinks is not None:
+            # Sinks are per query head: one query position, every head (the kernel's GQA serves them).
+            query = torch.constant_pad_nd(qk[:, :, :group].reshape(rows, 1, kv_heads * group, dim), (0, 1), 1.0)
+            out = self.attention(query, keys, values, causal=False, softmax_scale=self.scale, sinks=sinks)
+            return out[..., :dim].reshape(rows, kv_heads * group * dim)
         # The group's query heads play the role of query positions ([rows, group, kv_heads, dim]):
         # each kv head then serves its own queries without repeating keys and values.
         query = torch.constant_pad_nd(qk[:, :, :group].transpose(1, 2), (0, 1), 1.0)

@@ -37,6 +37,18 @@ def _geglu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def _clamped_quick_geglu(limit: float | None, offset: float):
+    """GPT-OSS's SwiGLU: ``(clamp(up) + offset) * g * sigmoid(1.702 g)``, ``g`` the gate clamped above."""
+
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + offset) * (gate * torch.sigmoid(gate * 1.702))
+
+    return activation
+
+
 class DecoderLayer:
     """One layer's weights (views into the model's tensors) and its forward.
 
@@ -56,19 +68,26 @@ class DecoderLayer:
         self.q_norm = get("self_attention.q_layernorm.weight")
         self.k_norm = get("self_attention.k_layernorm.weight")
         self.proj = get("self_attention.linear_proj.weight")
+        self.proj_bias = get("self_attention.linear_proj.bias")
+        self.sinks = get("self_attention.core_attention.softmax_offset")  # GPT-OSS's per-head sink logits
         self.mlp_norm = get("pre_mlp_layernorm.weight")
         # Gemma's norms of the attention and MLP outputs (mindspeed.megatron.variants' names).
         self.post_attn_norm = get("self_attention.linear_proj.post_layernorm.weight")
         self.post_mlp_norm = get("mlp.linear_fc2.post_layernorm.weight")
         self.fc1 = get("mlp.linear_fc1.weight")
         self.fc2 = get("mlp.linear_fc2.weight")
+        self.fc1_bias, self.fc2_bias = get("mlp.linear_fc1.bias"), get("mlp.linear_fc2.bias")
         self.router = get("mlp.router.weight")
+        self.router_bias = get("mlp.router.bias")
         self.expert_bias = get("mlp.router.expert_bias")
         self.shared_fc1 = get("mlp.shared_experts.linear_fc1.weight")
         self.shared_fc2 = get("mlp.shared_experts.linear_fc2.weight")
         self.shared_gate = get("mlp.shared_experts.gate_weight")  # Qwen2-MoE's shared_expert_gate
         if self.router is not None:
-            self.fc1, self.fc2 = model.expert_fc1[index], model.expert_fc2[index]
+            stacks = model.expert_stacks
+            self.fc1, self.fc2 = stacks["linear_fc1.weight"][index], stacks["linear_fc2.weight"][index]
+            self.fc1_bias = stacks.get("linear_fc1.bias", {}).get(index)
+            self.fc2_bias = stacks.get("linear_fc2.bias", {}).get(index)
         self.mla = MLAAttention(model, get) if model.spec.shape.multi_latent_attention else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -80,13 +99,19 @@ class DecoderLayer:
             attention = m.norm(attention, self.post_attn_norm)
         x = x + attention
         h = m.norm(x, self.mlp_norm)
-        mlp = self._experts(h) if self.router is not None else self._mlp(h, self.fc1, self.fc2)
+        mlp = (
+            self._experts(h)
+            if self.router is not None
+            else self._mlp(h, self.fc1, self.fc2, self.fc1_bias, self.fc2_bias)
+        )
         if self.post_mlp_norm is not None:
             mlp = m.norm(mlp, self.post_mlp_norm)
         return x + mlp
 
-    def _mlp(self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model.activation(F.linear(h, fc1)), fc2)
+    def _mlp(
+        self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, b1: torch.Tensor | None = None, b2=None
+    ) -> torch.Tensor:
+        return F.linear(self.model.activation(F.linear(h, fc1, b1)), fc2, b2)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         m, spec = self.model, self.model.spec
@@ -97,20 +122,22 @@ class DecoderLayer:
         if self.q_norm is not None:
             qk = torch.cat((m.norm(qk[:, :, :group], self.q_norm), m.norm(qk[:, :, group:], self.k_norm)), dim=2)
         qk = m.rotary(qk, cos, sin)
-        return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1]), self.proj)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1], **extra), self.proj, self.proj_bias)
 
     def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
         # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts
         # (scaled by sigmoid(x @ gate.T) where the family has megatron's moe_shared_expert_gate).
         m = self.model
-        weights, chosen = route(tokens, self.router, self.expert_bias, m.spec.shape)
+        weights, chosen = route(tokens, self.router, self.expert_bias, m.spec.shape, self.router_bias)
         out = torch.zeros_like(tokens)
         counts = torch.bincount(chosen.flatten(), minlength=self.fc1.shape[0]).tolist()
         for expert, count in enumerate(counts):
             if not count:
                 continue
             token, slot = (chosen == expert).nonzero(as_tuple=True)
-            y = self._mlp(tokens[token], self.fc1[expert], self.fc2[expert])
+            biases = [None if b is None else b[expert] for b in (self.fc1_bias, self.fc2_bias)]
+            y = self._mlp(tokens[token], self.fc1[expert], self.fc2[expert], *biases)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         if self.shared_fc1 is not None:
             shared = self._mlp(tokens, self.shared_fc1, self.shared_fc2)
@@ -146,6 +173,8 @@ class Decoder:
         self.swiglu = swiglu.fn
         shape = spec.shape
         self.activation = _geglu if shape.geglu else self.swiglu
+        if shape.quick_geglu:
+            self.activation = _clamped_quick_geglu(shape.activation_clamp, shape.glu_linear_offset)
         # Gemma: norms scale by 1 + w; embeddings by sqrt(hidden) (in the model dtype, as
         # transformers does); logits soft-capped.
         self.norm_offset = 1.0 if shape.apply_layernorm_1p else 0.0
@@ -166,14 +195,14 @@ class Decoder:
         empty = lambda size: torch.zeros(size, dtype=self.dtype, device=self.device)  # noqa: E731
         params = megatron_params(shape)
         weights: dict[str, torch.Tensor] = {}
-        # Experts of a layer share one stacked tensor; their megatron names are views of it.
-        self.expert_fc1: dict[int, torch.Tensor] = {}
-        self.expert_fc2: dict[int, torch.Tensor] = {}
+        # Experts of a layer share one stacked tensor per parameter (``linear_fc1.weight`` ...);
+        # their megatron names are views of it.
+        self.expert_stacks: dict[str, dict[int, torch.Tensor]] = {}
         for name, param in params.items():
             if param.expert is None:
                 weights[name] = empty(param.shape)
                 continue
-            stack = self.expert_fc1 if name.endswith("linear_fc1.weight") else self.expert_fc2
+            stack = self.expert_stacks.setdefault(name.split(".local_experts.")[1].split(".", 1)[1], {})
             if param.layer not in stack:
                 stack[param.layer] = empty((shape.num_experts, *param.shape))
             weights[name] = stack[param.layer][param.expert]

@@ -2,7 +2,7 @@
 
 Two routers, chosen by the model's shape (megatron's router options, which the bridges fill):
 
-- softmax (Mixtral, Qwen3-MoE): softmax over all experts in fp32, top-k, the k weights
+- softmax (Mixtral, Qwen3-MoE, GPT-OSS with its router bias): softmax over all experts in fp32, top-k, the k weights
   renormalised to sum to one unless ``moe_router_pre_softmax`` (Qwen3-MoE's
   ``norm_topk_prob=False``);
 - sigmoid (DeepSeek-V3): sigmoid scores in fp32; the experts are *chosen* on the scores plus a
@@ -23,7 +23,11 @@ from mindspeed_llm.bridges import ModelShape
 
 
 def route(
-    tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: ModelShape
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shape: ModelShape,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [tokens, k] fp32, chosen [tokens, k])`` of the experts of ``tokens`` ``[tokens, hidden]``.
 
@@ -32,8 +36,9 @@ def route(
         weight: the router ``[experts, hidden]``.
         bias: the per-expert selection bias (``None``: none).
         shape: the model (router options).
+        logit_bias: the router's own bias, added to its logits (GPT-OSS; ``None``: none).
     """
-    logits = F.linear(tokens.float(), weight.float())
+    logits = F.linear(tokens.float(), weight.float(), None if logit_bias is None else logit_bias.float())
     k = shape.moe_router_topk
     if shape.moe_router_score_function == "softmax":
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
