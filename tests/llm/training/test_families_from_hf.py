@@ -40,7 +40,11 @@ pytestmark = pytest.mark.slow
 
 SEQ, MBS, GBS = 32, 2, 8
 #: Family -> (its layout, learning rate, steps): enough for the loss to fall by 0.05.
-FAMILIES = {"gemma3": ("parallel.tp=2", 3e-3, 3), "glm45-moe": ("parallel.ep=2", 1e-2, 5)}
+FAMILIES = {
+    "gemma3": ("parallel.tp=2", 3e-3, 3),
+    "glm45-moe": ("parallel.ep=2", 1e-2, 5),
+    "gpt-oss": ("parallel.ep=2", 1e-2, 4),
+}
 
 
 def _overrides(root: str, family: str, *extra: str) -> list[str]:

@@ -30,6 +30,7 @@ from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, fast_path, unadapt
 from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
+from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything
 from mindspeed_llm.training.checkpoint import TrainState
@@ -171,6 +172,7 @@ class Trainer(TrainerLoading, TrainerSaving):
         p = self.config.parallel
         # Features may change the expert layout (moe_tp_extend_ep): the groups must be the config's.
         ep, etp = expert_layout(self.overrides, p.ep, p.etp)
+        etp = expert_tensor_parallel_size(self.shape, etp)  # experts with biases: 1 (megatron's limit)
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp,
