@@ -75,9 +75,9 @@ def attention_flash_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash-attn 2; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`
     (``sinks`` through flash-attn's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`)."""
-    kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
-    if sinks is not None:
-        return attention_with_sinks("flash_attn", attention_flash_attn, q, k, v, sinks, return_lse=return_lse, **kwargs)
+    kwargs = dict(
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens, sinks=sinks
+    )
     supported = (
         q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)
@@ -106,8 +106,12 @@ def flash_attention(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The flash-attn calls, for inputs flash-attn supports (no dtype or device checks here)."""
+    if sinks is not None:
+        kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+        return attention_with_sinks("flash_attn", flash_attention, q, k, v, sinks, return_lse=return_lse, **kwargs)
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     call = dict(softmax_scale=scale, causal=causal, window_size=_flash_window(causal, window_size))
