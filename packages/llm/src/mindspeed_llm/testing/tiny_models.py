@@ -229,7 +229,8 @@ def tiny_glm45() -> Any:
 @TINY_CONFIGS.register("gpt-oss")
 def tiny_gpt_oss() -> Any:
     """GPT-OSS-style, 2 layers (sliding window of 4 tokens, then full attention), q/k/v/o biases and
-    sinks, 4 experts (top 2) with router and expert biases, the clamped SwiGLU (limit 7, alpha 1.702),
+    sinks, 4 experts (top 2) with router and expert biases, the clamped SwiGLU (alpha 1.702; limit 0.3, not 7: small, so that
+    random-weight activations reach it),
     and YaRN (factor 8 over an original context of 16, not truncated as released)."""
     from transformers import GptOssConfig
 
@@ -238,6 +239,7 @@ def tiny_gpt_oss() -> Any:
         vocab_size=128,
         num_local_experts=4,
         num_experts_per_tok=2,
+        swiglu_limit=0.3,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
