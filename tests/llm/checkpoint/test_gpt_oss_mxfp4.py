@@ -7,6 +7,7 @@ written the way the released checkpoints are (``*_blocks`` uint8 ``[experts, out
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -49,3 +50,15 @@ def test_mxfp4_checkpoint_converts_as_transformers_dequantises(tmp_path) -> None
         got = source.read(task, plan)
         assert got.dtype == want[task.mg_name].dtype and torch.equal(got, want[task.mg_name]), task.mg_name
         assert torch.equal(from_state[task.mg_name], want[task.mg_name]), task.mg_name
+
+
+def test_a_cut_mxfp4_pair_is_refused() -> None:
+    from mindspeed_llm.bridges import bridge_for_family
+    from mindspeed_llm.bridges.stacked import unstack_shapes
+
+    name = "model.layers.0.mlp.experts.down_proj"
+    stacks = bridge_for_family("gpt-oss").hf_stacks
+    shapes = unstack_shapes({name + "_blocks": (4, 64, 1, 16), name + "_scales": (4, 64, 1)}, stacks)
+    assert shapes[name.replace("experts.", "experts.3.")] == (32, 64)  # [in, out] of one expert
+    with pytest.raises(ValueError, match="down_proj_blocks has no .*down_proj_scales beside it"):
+        unstack_shapes({name + "_blocks": (4, 64, 1, 16)}, stacks)

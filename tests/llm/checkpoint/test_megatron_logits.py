@@ -57,6 +57,12 @@ CASES = {
         "qwen25",
         dict(target_tensor_parallel_size=2, target_pipeline_parallel_size=2, ckpt_format="torch_dist"),
     ),
+    # GPT-OSS's sinks live in the registry attention (megatron's own allocates them on CUDA): its
+    # sharded_state_dict must write and read them as megatron's softmax_offset.
+    "gpt-oss-torch_dist": (
+        "gpt-oss",
+        dict(target_tensor_parallel_size=2, target_expert_parallel_size=2, ckpt_format="torch_dist"),
+    ),
 }
 WORLD_SIZE = 4
 

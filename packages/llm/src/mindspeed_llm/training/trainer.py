@@ -28,9 +28,9 @@ from mindspeed.features.moe import expert_layout
 from mindspeed.features.pipeline import noop_layer_layout
 from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, fast_path, unadapt
+from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
-from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything
 from mindspeed_llm.training.checkpoint import TrainState
