@@ -13,7 +13,8 @@ from mindspeed_llm.inference import InferenceEngine
 #: Every family whose bridge declares ``infers`` (tied embeddings: qwen25; MoE: mixtral, qwen3-moe;
 #: llama3 rope: llama2; MLA, sigmoid routing, shared experts: deepseek3; gated shared expert: qwen2-moe;
 #: sliding/global layers with two rope bases, post-norms, (1 + w) norms, GeGLU, soft-cap: gemma3;
-#: partial rotary, q/k/v biases with QK norm, sigmoid routing with a non-zero expert bias: glm45-moe),
+#: partial rotary, q/k/v biases with QK norm, sigmoid routing with a non-zero expert bias: glm45-moe;
+#: sinks, sliding/full layers, YaRN, router and expert biases, clamped SwiGLU: gpt-oss),
 #: each proven against transformers.
 FAMILIES = families_with("infers")
 

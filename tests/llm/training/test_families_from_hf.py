@@ -7,7 +7,9 @@ Each tiny model trains in one spawned gloo group of two ranks, in the layout tha
   query_pre_attn_scalar, a logit soft-cap;
 - GLM-4.5 at EP2 (data parallel 2): q/k/v biases, QK norm, partial rotary (half of each head's
   channels rotate), head_dim not hidden / heads, a dense first layer, sigmoid routing with a
-  non-zero expert bias over two expert groups, routed scaling factor 2.5, a shared expert.
+  non-zero expert bias over two expert groups, routed scaling factor 2.5, a shared expert;
+- GPT-OSS at EP2: attention sinks (the registry attention's), a sliding-window layer then a full
+  one, YaRN, q/k/v/o biases, router and expert biases (experts at ETP 1), the clamped SwiGLU.
 
 The parent recomputes with transformers:
 
