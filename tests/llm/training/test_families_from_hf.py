@@ -104,17 +104,28 @@ def _group(rank: int, world_size: int, root: str, family: str) -> dict[str, Any]
     }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _every_family(rank: int, world_size: int, roots: dict[str, str]) -> dict[str, dict[str, Any]]:
+    # Every family's runs in one spawned group: the ranks import megatron-core and the trainer once.
+    return {family: _group(rank, world_size, root, family) for family, root in roots.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
 
-    family = request.param
-    root: Path = tmp_path_factory.mktemp(family)
-    save_tiny_checkpoint(family, root / "hf", seed=0)
-    write_indexed_dataset(root / "data", 120, seed=1)
-    write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
-    results = run_distributed(_group, 2, str(root), family, timeout=900)
-    return {"root": root, "ranks": results}
+    roots: dict[str, Path] = {}
+    for family in FAMILIES:
+        root = roots[family] = tmp_path_factory.mktemp(family)
+        save_tiny_checkpoint(family, root / "hf", seed=0)
+        write_indexed_dataset(root / "data", 120, seed=1)
+        write_instruction(str(root / "packed"), make_samples(60, seed=0, vocab=128), pack_to=SEQ)
+    results = run_distributed(_every_family, 2, {f: str(r) for f, r in roots.items()}, timeout=1200)
+    return {family: {"root": roots[family], "ranks": [rank[family] for rank in results]} for family in FAMILIES}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def run(request: pytest.FixtureRequest, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return runs[request.param]
 
 
 @pytest.mark.distributed
