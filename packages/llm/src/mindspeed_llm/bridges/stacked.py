@@ -7,7 +7,7 @@ megatron holds one tensor per expert, and the rule vocabulary maps one megatron 
 own Hugging Face tensors; so a bridge declares its :class:`StackedTensor` s and
 
 - :class:`StackedCheckpoint` shows a checkpoint to the engine with every stacked tensor split
-  into per-expert names (dequantising MXFP4 on the way, once per stacked tensor);
+  into per-expert names (dequantising MXFP4 on the way, one expert at a time);
 - :class:`StackingWriter` (the Hugging Face sink's) collects the per-expert tensors of a stacked
   one and writes the stack when its last expert arrives.
 """
@@ -79,7 +79,6 @@ class StackedCheckpoint:
         self.checkpoint = checkpoint
         self.tensors: dict[str, Any] = {}
         self._slices: dict[str, _Slice] = {}
-        self._cache: tuple[str, torch.Tensor] | None = None
         stacks = tuple(stacks)
         for name, info in checkpoint.tensors.items():
             if not self._split(name, info, stacks):
@@ -118,16 +117,16 @@ class StackedCheckpoint:
         return {name: tuple(info.shape) for name, info in self.tensors.items()}
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor; a per-expert slice of a stacked one (its stack read, and dequantised, once)."""
+        """One tensor; a per-expert slice of a stacked one (a view of its mapping, or that
+        expert's blocks dequantised: the conversion reads a layer's experts interleaved, so
+        nothing is cached)."""
         piece = self._slices.get(name)
         if piece is None:
             return self.checkpoint.read(name)
-        if self._cache is None or self._cache[0] != piece.source:
-            whole = self.checkpoint.read(piece.source)
-            if piece.scales is not None:
-                whole = dequantize_mxfp4(whole, self.checkpoint.read(piece.scales))
-            self._cache = (piece.source, whole)
-        return self._cache[1][piece.expert]
+        whole, e = self.checkpoint.read(piece.source), piece.expert
+        if piece.scales is None:
+            return whole[e]
+        return dequantize_mxfp4(whole[e : e + 1], self.checkpoint.read(piece.scales)[e : e + 1])[0]
 
 
 class StackingWriter:
