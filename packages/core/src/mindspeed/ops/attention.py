@@ -13,7 +13,9 @@ Masks follow flash-attn's conventions so that every backend agrees:
 - ``window_size=(left, right)`` keeps keys within ``left`` before and ``right`` after it
   (``-1``: unbounded); a Mistral sliding window of ``W`` tokens is ``(W - 1, 0)``;
 - ``cu_seqlens`` packs several sequences into one row (``batch == 1``, ``seq_q == seq_k``): a
-  token sees only its own segment, and causal/window apply inside it.
+  token sees only its own segment, and causal/window apply inside it;
+- ``alibi_slopes`` (``[heads_q]`` fp32) adds ALiBi's ``-slope * |pos_q - pos_k|`` to the scaled
+  scores (:mod:`mindspeed.ops.alibi`), inside each segment of packed sequences.
 
 A query row that sees no key outputs zeros and has ``lse = -inf``; its gradients are zero.
 """
@@ -26,12 +28,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mindspeed.ops.alibi import alibi_bias, check_alibi_slopes, get_alibi_slopes
 from mindspeed.ops.registry import Case, OpSpec, Tolerance, register_kernel, register_op
 
 #: Optional features of the op (see ``Case.features`` and ``KernelImpl.features``).
 FEATURE_LSE = "lse"
 FEATURE_WINDOW = "window"
 FEATURE_VARLEN = "varlen"
+FEATURE_ALIBI = "alibi"
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,6 +46,7 @@ def check_attention_inputs(
     v: torch.Tensor,
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` with the fix when the inputs break the op's contract.
 
@@ -52,6 +57,7 @@ def check_attention_inputs(
         window_size: ``(left, right)``, each ``>= -1``.
         cu_seqlens: packed-sequence boundaries; checking their values reads them on the host
             (one small sync, only for packed sequences).
+        alibi_slopes: ``[heads_q]`` float ALiBi slopes.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D BSND q, k, v; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -63,6 +69,8 @@ def check_attention_inputs(
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
         raise ValueError(f"window_size must be (left, right) with each >= -1 (-1 = unbounded); got {window_size}")
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, q.shape[2])
     if cu_seqlens is None:
         return
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -154,6 +162,7 @@ def attention_reference(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the whole score matrix materialised, in fp32.
 
@@ -165,13 +174,14 @@ def attention_reference(
         softmax_scale: score scale (default ``1 / sqrt(dim)``).
         window_size: ``(left, right)`` local window, ``-1`` = unbounded.
         cu_seqlens: ``[num_seqs + 1]`` cumulative boundaries of packed sequences (``batch == 1``).
-        return_lse: also return the log-sum-exp of the scaled scores.
+        return_lse: also return the log-sum-exp of the scaled (and biased) scores.
+        alibi_slopes: ``[heads_q]`` ALiBi slopes (see :mod:`mindspeed.ops.alibi`).
 
     Returns:
         The output ``[batch, seq_q, heads_q, dim]`` in ``q``'s dtype, and with ``return_lse``
         the fp32 ``lse`` ``[batch, heads_q, seq_q]`` (``-inf`` on rows that see no key).
     """
-    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, alibi_slopes)
     seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
     seq_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
@@ -182,6 +192,8 @@ def attention_reference(
     k32 = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
     v32 = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seq_q, seq_k, q.device)
     visible = visible_keys_mask(
         seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
     )
@@ -269,7 +281,30 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
         return torch.tensor(bounds, dtype=torch.int32, device=device)
 
     lse, window, varlen = frozenset({FEATURE_LSE}), frozenset({FEATURE_WINDOW}), frozenset({FEATURE_VARLEN})
+    alibi = frozenset({FEATURE_ALIBI})
+
+    def slopes(heads: int) -> torch.Tensor:
+        return get_alibi_slopes(heads).to(device)
+
+    alibi_cases = [
+        Case("alibi causal 6 heads", qkv(2, 9, 9, 6, 6, 16), {"alibi_slopes": slopes(6)}, features=alibi),
+        Case("alibi gqa full", qkv(1, 7, 7, 4, 2, 16), {"causal": False, "alibi_slopes": slopes(4)}, features=alibi),
+        Case("alibi decode sq<sk", qkv(1, 3, 8, 3, 3, 16), {"alibi_slopes": slopes(3)}, features=alibi),
+        Case(
+            "alibi varlen window",
+            qkv(1, 12, 12, 5, 5, 16),
+            {"window_size": (3, 0), "cu_seqlens": cu(0, 5, 12), "alibi_slopes": slopes(5)},
+            features=alibi | window | varlen,
+        ),
+        Case(
+            "alibi lse",
+            qkv(1, 6, 6, 6, 3, 16),
+            {"return_lse": True, "alibi_slopes": slopes(6)},
+            features=alibi | lse,
+        ),
+    ]
     return [
+        *alibi_cases,
         Case("causal", qkv(2, 7, 7, 4, 4, 16)),
         Case("full odd shape", qkv(1, 9, 9, 3, 3, 24), {"causal": False}),
         Case("gqa causal", qkv(2, 11, 11, 6, 2, 16)),
@@ -326,7 +361,7 @@ register_op(
     OpSpec(
         name="attention",
         reference=attention_reference,
-        doc="BSND attention with GQA, bottom-right causal, sliding window, packed sequences and lse",
+        doc="BSND attention with GQA, bottom-right causal, sliding window, packed sequences, ALiBi and lse",
         cases=_attention_cases,
         bench_case=_attention_bench,
         # Fused kernels (FlashAttention, NPU) round the probabilities to bf16 before the
@@ -438,7 +473,7 @@ def _attention_segmented(
     return (joined if in_place else joined.index_select(0, inverse.to(device))).unsqueeze(0)
 
 
-@register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN))
+@register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN, FEATURE_ALIBI))
 def attention_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -449,6 +484,7 @@ def attention_sdpa(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` (fused kernels where torch has them).
 
@@ -458,12 +494,17 @@ def attention_sdpa(
     boolean mask. Packed sequences run segment by segment, batched by similar length, with
     ``is_causal`` (a mask only for windows and padding); a dense block-diagonal mask over the
     whole row costs ``seq ** 2`` and is used only where the estimate says it is cheaper.
+    ALiBi (``alibi_slopes``) passes the bias as a float mask (dense, packed sequences included).
     """
     if return_lse:
         raise ValueError("attention impl 'sdpa' cannot return lse; resolve the op with features=('lse',)")
-    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, alibi_slopes)
     seq_q, seq_k = q.shape[1], k.shape[1]
     gqa = q.shape[2] != k.shape[2]
+    if alibi_slopes is not None:
+        return _attention_sdpa_biased(
+            q, k, v, alibi_slopes, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens
+        )
     if cu_seqlens is not None:
         bounds = [int(b) for b in cu_seqlens.tolist()]
         call_cost = _CALL_COST / (q.shape[2] * q.shape[3])
@@ -488,6 +529,38 @@ def attention_sdpa(
         mask[:empty] = True
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
     out = out.transpose(1, 2)
+    if empty:
+        rows = torch.arange(seq_q, device=q.device) < empty
+        out = out.masked_fill(rows[None, :, None, None], 0)
+    return out
+
+
+def _attention_sdpa_biased(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi_slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: Sequence[int],
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA with the ALiBi bias as a float ``[heads, seq_q, seq_k]`` mask (-inf where a key is hidden)."""
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    bias = alibi_bias(alibi_slopes, seq_q, seq_k, q.device)
+    visible = visible_keys_mask(
+        seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
+    )
+    if visible is not None:
+        bias = bias.masked_fill(~visible, float("-inf"))
+    empty = num_empty_rows(seq_q, seq_k, causal=causal, window_size=window_size)
+    if empty:  # as in attention_sdpa: rows without keys see every key, then their output is zeroed
+        bias[:, :empty] = 0.0
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=bias.to(q.dtype), scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2]
+    ).transpose(1, 2)
     if empty:
         rows = torch.arange(seq_q, device=q.device) < empty
         out = out.masked_fill(rows[None, :, None, None], 0)
