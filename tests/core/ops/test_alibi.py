@@ -17,9 +17,9 @@ IMPLS = ("reference", "sdpa")
 def test_slopes_are_blooms_for_every_head_count() -> None:
     for heads in range(1, 41):
         # BLOOM's bias is slope * key position: position 1 holds the slopes. BLOOM raises an fp32
-        # base to a power (1 ulp off for some heads); ours are the exact powers of two, rounded once.
+        # base to a power (up to 5e-7 off at 40 heads); ours are the exact powers of two, rounded once.
         blooms = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)[:, 0, 1]
-        torch.testing.assert_close(get_alibi_slopes(heads), blooms, atol=0, rtol=2e-7, msg=f"{heads} heads")
+        torch.testing.assert_close(get_alibi_slopes(heads), blooms, atol=0, rtol=1e-6, msg=f"{heads} heads")
     # The paper's 8 heads: 1/2, 1/4, ..., 1/256.
     assert get_alibi_slopes(8).tolist() == [2.0**-i for i in range(1, 9)]
 
