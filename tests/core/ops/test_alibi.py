@@ -80,9 +80,7 @@ def test_bidirectional_and_packed_alibi_use_the_distance_inside_each_segment() -
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=impl)
         # Packed: every segment as if it ran alone.
         packed = kernel(q, k, v, causal=True, alibi_slopes=slopes, cu_seqlens=bounds)
-        alone = [
-            attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], alibi_slopes=slopes) for a, b in ((0, 4), (4, 9))
-        ]
+        alone = [attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], alibi_slopes=slopes) for a, b in ((0, 4), (4, 9))]
         torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=1e-5, msg=impl)
 
 

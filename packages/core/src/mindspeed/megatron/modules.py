@@ -19,7 +19,8 @@ from torch import nn
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
-from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
+from mindspeed.ops.alibi import shard_alibi_slopes
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
     HYBRID,
     RING,
@@ -105,6 +106,10 @@ class RegistryAttention(MegatronModule):
     attend within their ``cu_seqlens`` segments; under context parallelism every segment is
     split zig-zag on its own (megatron's THD layout, ``cu_seqlens`` global, each length a
     multiple of ``2 * C``).
+
+    With ``alibi=True`` (the spec of an ALiBi model) the scores get ALiBi's bias; this rank's
+    slopes are those of its tensor-parallel heads (megatron gives rank ``r`` of ``T`` the heads
+    ``r * n / T .. (r + 1) * n / T - 1``). Not under context parallelism nor shared-prefix packing.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class RegistryAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         impl: str = "auto",
+        alibi: bool = False,
     ) -> None:
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -143,6 +149,9 @@ class RegistryAttention(MegatronModule):
             self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
             # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
             features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
+        self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
+        if alibi:
+            features = (*features, FEATURE_ALIBI)
         self.kernel = resolve_kernel("attention", impl, features=features)
 
     def forward(
@@ -186,6 +195,7 @@ class RegistryAttention(MegatronModule):
             causal=causal,
             softmax_scale=self.softmax_scale,
             window_size=self.window_size,
+            **self._alibi_kwargs(query.device),
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
@@ -202,9 +212,9 @@ class RegistryAttention(MegatronModule):
             )
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
-            if self.cp is not None or not causal or self.window_size != (-1, -1):
+            if self.cp is not None or not causal or self.window_size != (-1, -1) or self.alibi_slopes is not None:
                 raise ValueError(
-                    "shared-prefix packing needs causal attention without context parallelism or a window; "
+                    "shared-prefix packing needs causal attention without context parallelism, a window or ALiBi; "
                     "pack each sequence on its own"
                 )
             out = attend_shared_prefix(self.kernel, query, key, value, params, self.softmax_scale)
@@ -232,8 +242,32 @@ class RegistryAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             window_size=self.window_size,
             cu_seqlens=cu_q,
+            **self._alibi_kwargs(query.device),
         )
         return out.squeeze(0).reshape(query.shape[0], -1)
+
+    def _alibi_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``{"alibi_slopes": ...}`` on ``device`` in fp32 for an ALiBi layer, else nothing.
+
+        A plain attribute, not a buffer: ``Float16Module`` would cast a buffer to half precision.
+        """
+        if self.alibi_slopes is None:
+            return {}
+        if self.alibi_slopes.device != device:
+            self.alibi_slopes = self.alibi_slopes.to(device)
+        return {"alibi_slopes": self.alibi_slopes}
+
+
+def _alibi_slopes(config: Any, pg_collection: Any) -> torch.Tensor:
+    """This tensor-parallel rank's ALiBi slopes (its consecutive heads of ``config.num_attention_heads``)."""
+    if config.context_parallel_size > 1:
+        raise ValueError("ALiBi is not supported under context parallelism; use context_parallel_size=1")
+    tp_group = getattr(pg_collection, "tp", None)
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    return shard_alibi_slopes(config.num_attention_heads, tp_group.rank(), tp_group.size())
 
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and

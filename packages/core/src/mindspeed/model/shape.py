@@ -62,7 +62,8 @@ class ModelShape:
             divided by it; ``None``: none).
         output_logit_softcapping: logits become ``cap * tanh(logits / cap)`` (``None``: off).
         add_bias_linear: biases in every linear layer.
-        position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
+        position_embedding_type: ``rope``, ``learned_absolute``, ``alibi`` (biases in attention,
+            :mod:`mindspeed.ops.alibi`) or ``none``.
         num_experts: routed experts of MoE layers (``None``: dense model).
         moe_ffn_hidden_size: width of one routed expert.
         moe_router_topk: experts per token.

@@ -50,9 +50,7 @@ def shard_alibi_slopes(num_heads: int, rank: int, size: int) -> torch.Tensor:
     return get_alibi_slopes(num_heads)[rank * local : (rank + 1) * local]
 
 
-def alibi_bias(
-    slopes: torch.Tensor, seq_q: int, seq_k: int, device: torch.device | str | None = None
-) -> torch.Tensor:
+def alibi_bias(slopes: torch.Tensor, seq_q: int, seq_k: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The fp32 bias ``[heads, seq_q, seq_k]``: ``-slope * |i + seq_k - seq_q - j|``.
 
     The slopes are constants of the model (no gradient flows to them, as in flash-attn).

@@ -297,10 +297,7 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
             features=alibi | window | varlen,
         ),
         Case(
-            "alibi lse",
-            qkv(1, 6, 6, 6, 3, 16),
-            {"return_lse": True, "alibi_slopes": slopes(6)},
-            features=alibi | lse,
+            "alibi lse", qkv(1, 6, 6, 6, 3, 16), {"return_lse": True, "alibi_slopes": slopes(6)}, features=alibi | lse
         ),
     ]
     return [
@@ -503,7 +500,14 @@ def attention_sdpa(
     gqa = q.shape[2] != k.shape[2]
     if alibi_slopes is not None:
         return _attention_sdpa_biased(
-            q, k, v, alibi_slopes, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens
+            q,
+            k,
+            v,
+            alibi_slopes,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            cu_seqlens=cu_seqlens,
         )
     if cu_seqlens is not None:
         bounds = [int(b) for b in cu_seqlens.tolist()]

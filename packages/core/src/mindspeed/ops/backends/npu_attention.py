@@ -106,9 +106,7 @@ def attention_npu(
     import torch_npu
 
     if alibi_slopes is not None:
-        raise ValueError(
-            "attention impl 'npu' does not take alibi_slopes yet; resolve the op with features=('alibi',)"
-        )
+        raise ValueError("attention impl 'npu' does not take alibi_slopes yet; resolve the op with features=('alibi',)")
 
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     seq_q, heads = q.shape[1], q.shape[2]

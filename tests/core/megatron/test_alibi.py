@@ -1,0 +1,122 @@
+"""ALiBi inside megatron-core, on one spawned group of 2 gloo ranks.
+
+- megatron's ``SelfAttention`` built from the registry spec with ``alibi=True`` (fused QKV and
+  output projection with biases, BLOOM's weights loaded, sharded at TP2) equals transformers'
+  ``BloomAttention`` forward and input gradient, at TP1 and TP2;
+- a tiny ALiBi GPT (6 heads: slopes not all from one power of two) at TP2 equals the single-rank
+  run, loss and every gradient: each rank adds the slopes of its own heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from mindspeed.megatron.config import ParallelSizes, transformer_config
+from mindspeed.model.shape import ModelShape
+from mindspeed.testing.distributed import run_distributed
+from mindspeed.testing.megatron import (
+    TinyGPTConfig,
+    check_layout,
+    destroy_parallel,
+    init_parallel,
+    make_batches,
+    merge_summaries,
+    run_reference,
+)
+
+HIDDEN, HEADS, SEQ, BATCH = 48, 6, 10, 2
+MODEL = TinyGPTConfig(
+    num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=96, num_attention_heads=HEADS, position_embedding_type="alibi"
+)
+#: One BLOOM attention block as a model shape (MHA: BLOOM's fused QKV is megatron's grouped layout).
+BLOOM_LAYER = ModelShape(
+    num_layers=1,
+    hidden_size=HIDDEN,
+    ffn_hidden_size=4 * HIDDEN,
+    num_attention_heads=HEADS,
+    vocab_size=64,
+    normalization="LayerNorm",
+    swiglu=False,
+    add_bias_linear=True,
+    add_qkv_bias=True,
+    position_embedding_type="alibi",
+)
+
+
+def _bloom_attention_gap(tp: int) -> dict[str, float]:
+    """Largest |megatron - BloomAttention| of the output and the input gradient, at ``tp``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from transformers import BloomConfig
+    from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
+
+    from mindspeed.megatron.spec import get_gpt_layer_spec
+
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    bloom = BloomAttention(BloomConfig(hidden_size=HIDDEN, n_head=HEADS), layer_idx=0).eval()
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    probe = torch.randn(BATCH, SEQ, HIDDEN)
+    init_parallel(ParallelSizes(tp=tp))
+    try:
+        spec = get_gpt_layer_spec(normalization="LayerNorm", swiglu=False, alibi=True)
+        layer = TransformerLayer(transformer_config(BLOOM_LAYER, ParallelSizes(tp=tp)), spec.submodules, 1)
+        attn, rank = layer.self_attention, ps.get_tensor_model_parallel_rank()
+        with torch.no_grad():  # column-parallel QKV rows and row-parallel projection columns of this rank
+            attn.linear_qkv.weight.copy_(bloom.query_key_value.weight.chunk(tp, 0)[rank])
+            attn.linear_qkv.bias.copy_(bloom.query_key_value.bias.chunk(tp, 0)[rank])
+            attn.linear_proj.weight.copy_(bloom.dense.weight.chunk(tp, 1)[rank])
+            attn.linear_proj.bias.copy_(bloom.dense.bias)
+        ours_in = x.clone().requires_grad_(True)
+        out, bias = attn(ours_in.transpose(0, 1).contiguous(), attention_mask=None)
+        ours = (out + bias).transpose(0, 1)
+        (ours * probe).sum().backward()
+    finally:
+        destroy_parallel()
+    theirs_in = x.clone().requires_grad_(True)
+    alibi = build_alibi_tensor(torch.ones(BATCH, SEQ), HEADS, torch.float32)
+    causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None]
+    theirs, _ = bloom(theirs_in, torch.zeros_like(x), alibi, causal)
+    (theirs * probe).sum().backward()
+    return {
+        "output": (ours - theirs).abs().max().item(),
+        "input grad": (ours_in.grad - theirs_in.grad).abs().max().item(),
+        "output scale": theirs.abs().max().item(),
+    }
+
+
+def _check(rank: int, world_size: int) -> dict[str, Any]:
+    from mindspeed.megatron import adapt, unadapt
+
+    adapt()
+    try:
+        gaps = {tp: _bloom_attention_gap(tp) for tp in (1, 2)}
+        batches = make_batches(MODEL, 2, 2)
+        reference = run_reference(MODEL, batches)
+        summary = check_layout(MODEL, ParallelSizes(tp=2), batches, reference, "tp2")
+    finally:
+        unadapt()
+    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_distributed(_check, 2, timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_attention_equals_bloom_attention(results: list[dict[str, Any]], tp: int) -> None:
+    for out in results:
+        gap = out["gaps"][tp]
+        assert gap["output scale"] > 0.1, gap  # not a comparison of near-zero tensors
+        assert gap["output"] < 1e-5 and gap["input grad"] < 1e-5, gap
+
+
+@pytest.mark.distributed
+def test_tp2_alibi_gpt_equals_single_rank(results: list[dict[str, Any]]) -> None:
+    layout = merge_summaries([[out["summary"]] for out in results])["tp2"]
+    assert not layout["failures"], "\n".join(layout["failures"])
+    assert layout["names"] == {"loss"} | {f"grad {name}" for name in results[0]["names"]}
