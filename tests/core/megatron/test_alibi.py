@@ -4,7 +4,9 @@
   output projection with biases, BLOOM's weights loaded, sharded at TP2) equals transformers'
   ``BloomAttention`` forward and input gradient, at TP1 and TP2;
 - a tiny ALiBi GPT (6 heads: slopes not all from one power of two) at TP2 equals the single-rank
-  run, loss and every gradient: each rank adds the slopes of its own heads.
+  run, loss and every gradient: each rank adds the slopes of its own heads;
+- the shared mask: a packed forward of that GPT builds its attention mask (the ALiBi bias with
+  the segments' -inf) once for all 4 layers, and again only for the next microbatch's ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mindspeed.testing.megatron import (
 
 HIDDEN, HEADS, SEQ, BATCH = 48, 6, 10, 2
 MODEL = TinyGPTConfig(
-    num_layers=2, hidden_size=HIDDEN, ffn_hidden_size=96, num_attention_heads=HEADS, position_embedding_type="alibi"
+    num_layers=4, hidden_size=HIDDEN, ffn_hidden_size=96, num_attention_heads=HEADS, position_embedding_type="alibi"
 )
 #: One BLOOM attention block as a model shape (MHA: BLOOM's fused QKV is megatron's grouped layout).
 BLOOM_LAYER = ModelShape(
@@ -87,6 +89,29 @@ def _bloom_attention_gap(tp: int) -> dict[str, float]:
     }
 
 
+def _mask_constructions() -> list[tuple[int, int]]:
+    """``(built, reused)`` masks of two packed forwards of the ALiBi GPT (a new ``cu_seqlens`` each)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mindspeed.ops import mask_cache
+    from mindspeed.testing.megatron import build_gpt, unwrap
+
+    init_parallel(ParallelSizes())
+    try:
+        gpt = unwrap(build_gpt(MODEL, ParallelSizes())[0])
+        counts = []
+        for lengths in ((3, 7), (6, 4)):
+            cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            mask_cache.clear_masks()
+            tokens = torch.randint(0, MODEL.vocab_size, (1, sum(lengths)))
+            gpt(tokens, torch.arange(sum(lengths))[None], None, packed_seq_params=packed).sum().backward()
+            counts.append((mask_cache.stats["built"], mask_cache.stats["reused"]))
+        return counts
+    finally:
+        destroy_parallel()
+
+
 def _check(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
@@ -96,9 +121,10 @@ def _check(rank: int, world_size: int) -> dict[str, Any]:
         batches = make_batches(MODEL, 2, 2)
         reference = run_reference(MODEL, batches)
         summary = check_layout(MODEL, ParallelSizes(tp=2), batches, reference, "tp2")
+        masks = _mask_constructions()
     finally:
         unadapt()
-    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads)}
+    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads), "masks": masks}
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +146,9 @@ def test_tp2_alibi_gpt_equals_single_rank(results: list[dict[str, Any]]) -> None
     layout = merge_summaries([[out["summary"]] for out in results])["tp2"]
     assert not layout["failures"], "\n".join(layout["failures"])
     assert layout["names"] == {"loss"} | {f"grad {name}" for name in results[0]["names"]}
+
+
+@pytest.mark.distributed
+def test_one_mask_per_microbatch_shared_by_all_layers(results: list[dict[str, Any]]) -> None:
+    # 4 layers: one construction and 3 reuses per forward (per layer it would be 4 constructions).
+    assert results[0]["masks"] == [(1, MODEL.num_layers - 1)] * 2

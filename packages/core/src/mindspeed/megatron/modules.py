@@ -7,6 +7,7 @@ it in place of megatron's own; the kernel is resolved once at construction (``im
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -249,17 +250,16 @@ class RegistryAttention(MegatronModule):
     def _alibi_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """``{"alibi_slopes": ...}`` on ``device`` in fp32 for an ALiBi layer, else nothing.
 
-        A plain attribute, not a buffer: ``Float16Module`` would cast a buffer to half precision.
+        Not a buffer (``Float16Module`` would cast it to half precision); one tensor per
+        (heads, rank, device) shared by all layers, so their bias is built once a step.
         """
         if self.alibi_slopes is None:
             return {}
-        if self.alibi_slopes.device != device:
-            self.alibi_slopes = self.alibi_slopes.to(device)
-        return {"alibi_slopes": self.alibi_slopes}
+        return {"alibi_slopes": _slopes_on(*self.alibi_slopes, device)}
 
 
-def _alibi_slopes(config: Any, pg_collection: Any) -> torch.Tensor:
-    """This tensor-parallel rank's ALiBi slopes (its consecutive heads of ``config.num_attention_heads``)."""
+def _alibi_slopes(config: Any, pg_collection: Any) -> tuple[int, int, int]:
+    """``(heads, tp rank, tp size)`` of this rank's ALiBi slopes (checked; see :func:`_slopes_on`)."""
     if config.context_parallel_size > 1:
         raise ValueError("ALiBi is not supported under context parallelism; use context_parallel_size=1")
     tp_group = getattr(pg_collection, "tp", None)
@@ -267,7 +267,15 @@ def _alibi_slopes(config: Any, pg_collection: Any) -> torch.Tensor:
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
-    return shard_alibi_slopes(config.num_attention_heads, tp_group.rank(), tp_group.size())
+    heads, rank, size = config.num_attention_heads, tp_group.rank(), tp_group.size()
+    shard_alibi_slopes(heads, rank, size)  # raises now, at build time, if the heads do not split
+    return heads, rank, size
+
+
+@functools.cache
+def _slopes_on(heads: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s consecutive heads' ALiBi slopes, fp32 on ``device`` (one tensor per key)."""
+    return shard_alibi_slopes(heads, rank, size).to(device)
 
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
