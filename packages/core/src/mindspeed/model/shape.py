@@ -47,6 +47,9 @@ class ModelShape:
         normalization: ``RMSNorm`` or ``LayerNorm``.
         swiglu: gated SiLU MLP (three matrices); false: a plain GeLU MLP (two).
         geglu: gated MLP with the tanh-approximated GeLU (Gemma; with ``swiglu`` false).
+        gelu_tanh: the plain (not gated) MLP's GeLU is tanh-approximated (BLOOM).
+        embedding_layernorm: the word embeddings are normalised before the first layer (BLOOM's
+            ``word_embeddings_layernorm``; a norm of ``normalization``'s kind).
         apply_layernorm_1p: every norm scales by ``1 + weight`` (weights zero-centred; Gemma).
         post_norm: attention and MLP outputs are normalised before the residual add (Gemma's
             ``post_attention_layernorm`` / ``post_feedforward_layernorm``).
@@ -117,6 +120,8 @@ class ModelShape:
     normalization: str = "RMSNorm"
     swiglu: bool = True
     geglu: bool = False
+    gelu_tanh: bool = False
+    embedding_layernorm: bool = False
     apply_layernorm_1p: bool = False
     post_norm: bool = False
     embedding_multiplier_scale: float | None = None

@@ -310,4 +310,5 @@ def _build_chunk(
         vp_stage=vp_stage,
         **extra,
     )
-    return add_model_variants(model, shape)
+    norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
+    return add_model_variants(model, shape, norm)
