@@ -17,7 +17,6 @@ from typing import Any
 from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
 from mindspeed_llm.bridges.megatron_params import EMBEDDING_NORM
 from mindspeed_llm.bridges.rules import Rename, Tie
-from mindspeed_llm.bridges.shape import ModelShape
 
 MG, HF = "decoder.layers.{layer}.", "transformer.h.{layer}."
 
