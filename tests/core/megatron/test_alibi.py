@@ -48,44 +48,51 @@ BLOOM_LAYER = ModelShape(
 )
 
 
-def _bloom_attention_gap(tp: int) -> dict[str, float]:
-    """Largest |megatron - BloomAttention| of the output and the input gradient, at ``tp``."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+def _bloom_attention(seed: int = 0) -> dict[str, torch.Tensor]:
+    """transformers' ``BloomAttention`` (random weights) on one input: weights, input, probe,
+    output and input gradient. Runs in the parent: the ranks never import transformers (seconds each)."""
     from transformers import BloomConfig
     from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
 
+    torch.manual_seed(seed)
+    bloom = BloomAttention(BloomConfig(hidden_size=HIDDEN, n_head=HEADS), layer_idx=0).eval()
+    x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    probe = torch.randn(BATCH, SEQ, HIDDEN)
+    alibi = build_alibi_tensor(torch.ones(BATCH, SEQ), HEADS, torch.float32)
+    causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None]
+    out, _ = bloom(x, torch.zeros_like(x), alibi, causal)
+    (out * probe).sum().backward()
+    weights = {name: p.detach() for name, p in bloom.named_parameters()}
+    return {**weights, "x": x.detach(), "probe": probe, "out": out.detach(), "x_grad": x.grad}
+
+
+def _bloom_attention_gap(tp: int, bloom: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Largest |megatron - BloomAttention| of the output and the input gradient, at ``tp``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     from mindspeed.megatron.spec import get_gpt_layer_spec
 
-    torch.manual_seed(0)  # the same weights and inputs on every rank
-    bloom = BloomAttention(BloomConfig(hidden_size=HIDDEN, n_head=HEADS), layer_idx=0).eval()
-    x = torch.randn(BATCH, SEQ, HIDDEN)
-    probe = torch.randn(BATCH, SEQ, HIDDEN)
     init_parallel(ParallelSizes(tp=tp))
     try:
         spec = get_gpt_layer_spec(normalization="LayerNorm", swiglu=False, alibi=True)
         layer = TransformerLayer(transformer_config(BLOOM_LAYER, ParallelSizes(tp=tp)), spec.submodules, 1)
         attn, rank = layer.self_attention, ps.get_tensor_model_parallel_rank()
         with torch.no_grad():  # column-parallel QKV rows and row-parallel projection columns of this rank
-            attn.linear_qkv.weight.copy_(bloom.query_key_value.weight.chunk(tp, 0)[rank])
-            attn.linear_qkv.bias.copy_(bloom.query_key_value.bias.chunk(tp, 0)[rank])
-            attn.linear_proj.weight.copy_(bloom.dense.weight.chunk(tp, 1)[rank])
-            attn.linear_proj.bias.copy_(bloom.dense.bias)
-        ours_in = x.clone().requires_grad_(True)
-        out, bias = attn(ours_in.transpose(0, 1).contiguous(), attention_mask=None)
+            attn.linear_qkv.weight.copy_(bloom["query_key_value.weight"].chunk(tp, 0)[rank])
+            attn.linear_qkv.bias.copy_(bloom["query_key_value.bias"].chunk(tp, 0)[rank])
+            attn.linear_proj.weight.copy_(bloom["dense.weight"].chunk(tp, 1)[rank])
+            attn.linear_proj.bias.copy_(bloom["dense.bias"])
+        x = bloom["x"].clone().requires_grad_(True)
+        out, bias = attn(x.transpose(0, 1).contiguous(), attention_mask=None)
         ours = (out + bias).transpose(0, 1)
-        (ours * probe).sum().backward()
+        (ours * bloom["probe"]).sum().backward()
     finally:
         destroy_parallel()
-    theirs_in = x.clone().requires_grad_(True)
-    alibi = build_alibi_tensor(torch.ones(BATCH, SEQ), HEADS, torch.float32)
-    causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None]
-    theirs, _ = bloom(theirs_in, torch.zeros_like(x), alibi, causal)
-    (theirs * probe).sum().backward()
     return {
-        "output": (ours - theirs).abs().max().item(),
-        "input grad": (ours_in.grad - theirs_in.grad).abs().max().item(),
-        "output scale": theirs.abs().max().item(),
+        "output": (ours - bloom["out"]).abs().max().item(),
+        "input grad": (x.grad - bloom["x_grad"]).abs().max().item(),
+        "output scale": bloom["out"].abs().max().item(),
     }
 
 
@@ -112,12 +119,12 @@ def _mask_constructions() -> list[tuple[int, int]]:
         destroy_parallel()
 
 
-def _check(rank: int, world_size: int) -> dict[str, Any]:
+def _check(rank: int, world_size: int, bloom: dict[str, torch.Tensor]) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
     adapt()
     try:
-        gaps = {tp: _bloom_attention_gap(tp) for tp in (1, 2)}
+        gaps = {tp: _bloom_attention_gap(tp, bloom) for tp in (1, 2)}
         batches = make_batches(MODEL, 2, 2)
         reference = run_reference(MODEL, batches)
         summary = check_layout(MODEL, ParallelSizes(tp=2), batches, reference, "tp2")
@@ -129,7 +136,7 @@ def _check(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_distributed(_check, 2, timeout=600)
+    return run_distributed(_check, 2, _bloom_attention(), timeout=600)
 
 
 @pytest.mark.distributed
