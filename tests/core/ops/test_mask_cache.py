@@ -50,6 +50,7 @@ def test_one_construction_for_all_layers(impl: str, seq: int, kwargs: dict) -> N
         # The next microbatch (a new tensor) or an in-place change of the same one builds anew.
         cu[1] = 7
         changed = kernel(q, q, q, **kwargs)
+        assert len(mask_cache._entries) == per_layer, "the last microbatch's masks must be replaced, not kept"
         mask_cache.clear_masks()
         torch.testing.assert_close(changed, kernel(q, q, q, **{**kwargs, "cu_seqlens": cu.clone()}), atol=0, rtol=0)
         assert not torch.allclose(changed, outs[-1])

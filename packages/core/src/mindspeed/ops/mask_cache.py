@@ -9,7 +9,8 @@ the others (and the backward) reuse them: one construction per step instead of o
 Packed sequences are keyed by the identity and version counter of their ``cu_seqlens`` tensor,
 ALiBi biases by those of the slopes (the entry holds a reference, so the id cannot be reused
 while it is cached, and an in-place change bumps the version): reading its values would cost a host sync per layer, which is one of
-the things being saved. The cache holds the last :data:`CACHE_SIZE` masks.
+the things being saved. Each key (kind, lengths, flags, device) holds one mask, replaced when
+its tensors change (the next microbatch), and the cache the last :data:`CACHE_SIZE` keys.
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def shared_mask(
         build: makes the result; its result must not be modified by the caller.
     """
     tensors = tensors if isinstance(tensors, tuple) else (tensors,)
-    full_key = (key, tuple(id(t) for t in tensors))
-    entry = _entries.get(full_key)
+    entry = _entries.get(key)
     if entry is not None and all(a is b for a, b in zip(entry[0], tensors)) and entry[1] == _versions(tensors):
-        _entries.move_to_end(full_key)
+        _entries.move_to_end(key)
         stats["reused"] += 1
         return entry[2]
     value = build()
     stats["built"] += 1
-    _entries[full_key] = (tensors, _versions(tensors), value)
+    # One slot per key: the next microbatch's cu_seqlens replaces the last one's mask, so no
+    # more masks stay alive than the one a layer held while it attended.
+    _entries[key] = (tensors, _versions(tensors), value)
+    _entries.move_to_end(key)
     while len(_entries) > CACHE_SIZE:
         _entries.popitem(last=False)
     return value
