@@ -47,10 +47,16 @@ def test_one_construction_for_all_layers(impl: str, seq: int, kwargs: dict) -> N
     mask_cache.clear_masks()
     torch.testing.assert_close(kernel(q, q, q, **kwargs), outs[-1], atol=0, rtol=0)  # reuse changes nothing
     if "cu_seqlens" in kwargs:
-        # The next microbatch (a new tensor) or an in-place change of the same one builds anew.
-        cu[1] = 7
-        changed = kernel(q, q, q, **kwargs)
-        assert len(mask_cache._entries) == per_layer, "the last microbatch's masks must be replaced, not kept"
+        # The next microbatch (a new tensor) replaces the last one's masks; none is kept alive.
+        following = torch.tensor([0, 7, seq], dtype=torch.int32)
+        changed = kernel(q, q, q, **{**kwargs, "cu_seqlens": following})
+        assert not any(t is cu for tensors, _, _ in mask_cache._entries.values() for t in tensors)
         mask_cache.clear_masks()
-        torch.testing.assert_close(changed, kernel(q, q, q, **{**kwargs, "cu_seqlens": cu.clone()}), atol=0, rtol=0)
+        expected = kernel(q, q, q, **{**kwargs, "cu_seqlens": following.clone()})
+        torch.testing.assert_close(changed, expected, atol=0, rtol=0)
         assert not torch.allclose(changed, outs[-1])
+        # An in-place change of the same tensor is seen too (its version counter moves).
+        built = mask_cache.stats["built"]
+        following[1] = 3
+        kernel(q, q, q, **{**kwargs, "cu_seqlens": following})
+        assert mask_cache.stats["built"] > built
