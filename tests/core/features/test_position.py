@@ -26,7 +26,6 @@ def test_on_only_for_alibi_models_and_keeps_an_alibi_kernel() -> None:
 @pytest.mark.parametrize(
     ("facts", "parallel", "message"),
     [
-        (ModelFacts(position_embedding_type="alibi"), ParallelSizes(cp=2), "context parallelism"),
         (ModelFacts(position_embedding_type="rope"), ParallelSizes(), "position_embedding_type is 'rope'"),
         (
             ModelFacts(position_embedding_type="alibi", extra={"num_attention_heads": 6}),

@@ -5,6 +5,8 @@
   ``BloomAttention`` forward and input gradient, at TP1 and TP2;
 - a tiny ALiBi GPT (6 heads: slopes not all from one power of two) at TP2 equals the single-rank
   run, loss and every gradient: each rank adds the slopes of its own heads;
+- Ulysses context parallelism (CP2): each rank's rows of ALiBi attention, and the gradients
+  summed over the ranks, equal the single-rank attention; ring CP is refused with one line;
 - the shared mask: a packed forward of that GPT builds its attention mask (the ALiBi bias with
   the segments' -inf) once for all 4 layers, and again only for the next microbatch's ``cu_seqlens``.
 """
@@ -96,6 +98,49 @@ def _bloom_attention_gap(tp: int, bloom: dict[str, torch.Tensor]) -> dict[str, f
     }
 
 
+def _ulysses_gap(rank: int) -> dict[str, Any]:
+    """Largest |CP2 Ulysses - single rank| of ALiBi attention rows and input gradients; the ring's refusal."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed.megatron.modules import RegistryAttention
+    from mindspeed.ops.alibi import get_alibi_slopes
+    from mindspeed.ops.attention import attention_reference
+    from mindspeed.parallel.context_parallel import RING, shard_ranges
+
+    seq = 16
+    torch.manual_seed(1)  # the same full tensors on both ranks; megatron's [s, b, n, d]
+    q, k, v = (torch.randn(seq, 1, HEADS, HIDDEN // HEADS, requires_grad=True) for _ in range(3))
+    probe = torch.randn(seq, 1, HIDDEN)
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        config = transformer_config(MODEL, ParallelSizes(cp=2))
+        attn = RegistryAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="a2a", impl="sdpa", alibi=True)
+        rows = torch.cat([torch.arange(a, b) for a, b in shard_ranges(seq, rank, 2, RING)])
+        ours = attn(q[rows], k[rows], v[rows], None)
+        (ours * probe[rows]).sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for grad in grads:
+            torch.distributed.all_reduce(grad, group=ps.get_context_parallel_group())
+        try:
+            RegistryAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="p2p", alibi=True)
+            refusal = ""
+        except ValueError as error:
+            refusal = str(error)
+    finally:
+        ps.destroy_model_parallel()
+    full = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    want = attention_reference(*(t.transpose(0, 1) for t in full), alibi_slopes=get_alibi_slopes(HEADS))
+    want = want.transpose(0, 1).reshape(seq, 1, HIDDEN)
+    (want * probe).sum().backward()
+    return {
+        "output": (ours - want[rows]).abs().max().item(),
+        "grads": max((g - t.grad).abs().max().item() for g, t in zip(grads, full)),
+        "refusal": refusal,
+        "scale": want.abs().max().item(),
+    }
+
+
 def _mask_constructions() -> list[tuple[int, int]]:
     """``(built, reused)`` masks of two packed forwards of the ALiBi GPT (a new ``cu_seqlens`` each)."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -129,9 +174,10 @@ def _check(rank: int, world_size: int, bloom: dict[str, torch.Tensor]) -> dict[s
         reference = run_reference(MODEL, batches)
         summary = check_layout(MODEL, ParallelSizes(tp=2), batches, reference, "tp2")
         masks = _mask_constructions()
+        ulysses = _ulysses_gap(rank)
     finally:
         unadapt()
-    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads), "masks": masks}
+    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads), "masks": masks, "ulysses": ulysses}
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +205,11 @@ def test_tp2_alibi_gpt_equals_single_rank(results: list[dict[str, Any]]) -> None
 def test_one_mask_per_microbatch_shared_by_all_layers(results: list[dict[str, Any]]) -> None:
     # 4 layers: one construction and 3 reuses per forward (per layer it would be 4 constructions).
     assert results[0]["masks"] == [(1, MODEL.num_layers - 1)] * 2
+
+
+@pytest.mark.distributed
+def test_ulysses_cp2_alibi_equals_single_rank(results: list[dict[str, Any]]) -> None:
+    for out in results:
+        gap = out["ulysses"]
+        assert gap["scale"] > 0.1 and gap["output"] < 1e-5 and gap["grads"] < 1e-5, gap
+        assert "needs Ulysses" in gap["refusal"], gap["refusal"]

@@ -40,15 +40,15 @@ class AlibiFeature(Feature):
         return f"the model's position embedding is {ctx.model.position_embedding_type!r}, not 'alibi'"
 
     def validate(self, cfg: FeatureConfig, ctx: BuildContext) -> None:
-        """An ALiBi model, no context parallelism, heads that the tensor-parallel size divides."""
+        """An ALiBi model with heads that the tensor-parallel size divides.
+
+        Context parallelism is checked where its algorithm is known: the attention layers take
+        Ulysses and refuse the ring and hybrid algorithms at build time.
+        """
         kind = ctx.model.position_embedding_type
         if kind is not None and kind != ALIBI:
             raise self.invalid(
                 f"the model's position_embedding_type is {kind!r}", "use position_embedding_type 'alibi'"
-            )
-        if ctx.parallel.cp > 1:
-            raise self.invalid(
-                f"ALiBi under context parallelism (cp={ctx.parallel.cp}) is not implemented", "use parallel cp=1"
             )
         heads = ctx.model.extra.get("num_attention_heads")
         if heads is not None and int(heads) % ctx.parallel.tp:

@@ -153,6 +153,11 @@ class RegistryAttention(MegatronModule):
         self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
         if alibi:
             features = (*features, FEATURE_ALIBI)
+            if self.cp is not None and self.cp.algo != ULYSSES:
+                raise ValueError(
+                    f"ALiBi under context parallelism needs Ulysses (cp_comm_type 'a2a', context_parallel_algo "
+                    f"ulysses_cp_algo), not {self.cp.algo}: the ring would need every block's global positions"
+                )
         self.kernel = resolve_kernel("attention", impl, features=features)
 
     def forward(
@@ -186,6 +191,7 @@ class RegistryAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 kernel=self.kernel,
                 impl=self.impl,
+                **self._alibi_kwargs(query.device, self.cp.ulysses_group),
             )
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         # [s, b, n, d] -> [b, s, n, d] for the kernel, and back to megatron's [s, b, n * d].
@@ -224,6 +230,11 @@ class RegistryAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
+            if self.alibi_slopes is not None:
+                raise ValueError(
+                    "packed sequences with ALiBi under context parallelism are not supported; "
+                    "use context_parallel_size=1 or unpacked sequences"
+                )
             out = self.cp.attend_packed(
                 query.unsqueeze(0),
                 key.unsqueeze(0),
@@ -247,21 +258,22 @@ class RegistryAttention(MegatronModule):
         )
         return out.squeeze(0).reshape(query.shape[0], -1)
 
-    def _alibi_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _alibi_kwargs(self, device: torch.device, ulysses_group: Any = None) -> dict[str, torch.Tensor]:
         """``{"alibi_slopes": ...}`` on ``device`` in fp32 for an ALiBi layer, else nothing.
 
-        Not a buffer (``Float16Module`` would cast it to half precision); one tensor per
-        (heads, rank, device) shared by all layers, so their bias is built once a step.
+        Under Ulysses, the slopes of the heads this rank attends after the all-to-all (rank
+        ``j`` of ``U`` gets the ``j``-th ``1/U`` of its tensor-parallel heads). Not a buffer
+        (``Float16Module`` would cast it to half precision); one tensor per (heads, ranks,
+        device) shared by all layers, so their bias is built once a step.
         """
         if self.alibi_slopes is None:
             return {}
-        return {"alibi_slopes": _slopes_on(*self.alibi_slopes, device)}
+        part, parts = (0, 1) if ulysses_group is None else (ulysses_group.rank(), ulysses_group.size())
+        return {"alibi_slopes": _slopes_on(*self.alibi_slopes, device, part, parts)}
 
 
 def _alibi_slopes(config: Any, pg_collection: Any) -> tuple[int, int, int]:
     """``(heads, tp rank, tp size)`` of this rank's ALiBi slopes (checked; see :func:`_slopes_on`)."""
-    if config.context_parallel_size > 1:
-        raise ValueError("ALiBi is not supported under context parallelism; use context_parallel_size=1")
     tp_group = getattr(pg_collection, "tp", None)
     if tp_group is None:
         from megatron.core import parallel_state
@@ -273,9 +285,10 @@ def _alibi_slopes(config: Any, pg_collection: Any) -> tuple[int, int, int]:
 
 
 @functools.cache
-def _slopes_on(heads: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
-    """Rank ``rank`` of ``size``'s consecutive heads' ALiBi slopes, fp32 on ``device`` (one tensor per key)."""
-    return shard_alibi_slopes(heads, rank, size).to(device)
+def _slopes_on(heads: int, rank: int, size: int, device: torch.device, part: int = 0, parts: int = 1) -> torch.Tensor:
+    """ALiBi slopes, fp32 on ``device`` (one tensor per key): of tensor-parallel rank ``rank`` of
+    ``size``'s consecutive heads, and of those the ``part``-th of ``parts`` (Ulysses)."""
+    return shard_alibi_slopes(heads, rank, size).chunk(parts)[part].contiguous().to(device)
 
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
@@ -368,8 +381,13 @@ class _ContextParallel:
         softmax_scale: float | None,
         kernel: Any,
         impl: str,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out."""
+        """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out.
+
+        ``alibi_slopes`` (Ulysses only): the slopes of the heads this rank attends after the
+        all-to-all; the sorted rows are the whole sequence in position order, so the bias is exact.
+        """
         seq_len = q.shape[1] * self.cp_size
         if seq_len % (2 * self.cp_size):
             raise ValueError(
@@ -391,6 +409,7 @@ class _ContextParallel:
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         sort, unsort = self._order(seq_len, q.device)
         ring_group = self.ring_group
+        alibi = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
 
         def attend_sorted(
             q: torch.Tensor,
@@ -403,7 +422,7 @@ class _ContextParallel:
         ) -> torch.Tensor:
             q, k, v = (t.index_select(1, sort) for t in (q, k, v))
             if ring_group is None or ring_group.size() == 1:
-                out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale)
+                out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale, **alibi)
             else:
                 out = context_parallel_attention(
                     q,
