@@ -66,7 +66,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def _activation(shape: ModelShape) -> Any:
     if shape.swiglu:
         return torch.nn.functional.silu
-    return gelu_tanh if shape.geglu else torch.nn.functional.gelu
+    return gelu_tanh if shape.geglu or shape.gelu_tanh else torch.nn.functional.gelu
 
 
 def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any) -> Any:

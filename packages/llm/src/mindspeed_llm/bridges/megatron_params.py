@@ -14,6 +14,10 @@ from enum import Enum
 
 from mindspeed_llm.bridges.shape import ModelShape
 
+#: The embedding norm's module name under megatron's ``embedding`` (``mindspeed.megatron.variants``'s;
+#: not imported from there, which would import megatron-core).
+EMBEDDING_NORM = "word_embeddings_layernorm"
+
 
 class Split(str, Enum):  # noqa: UP042  (StrEnum would change str(): kept as is)
     """How a tensor-parallel layout cuts a parameter (megatron's layer types)."""
@@ -101,35 +105,59 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
     d, groups = shape.kv_channels, shape.num_query_groups
     qkv_rows = (heads + 2 * groups) * d
     add("linear_qkv.weight", (qkv_rows, h), Split.COLUMN)
-    if shape.add_qkv_bias:
+    if shape.add_qkv_bias or shape.add_bias_linear:
         add("linear_qkv.bias", (qkv_rows,), Split.COLUMN)
     if shape.qk_layernorm:
         add("q_layernorm.weight", (d,), Split.REPLICATED)
         add("k_layernorm.weight", (d,), Split.REPLICATED)
     add("linear_proj.weight", (h, heads * d), Split.ROW)
+    if shape.add_bias_linear:  # a row-parallel bias is added after the reduction: whole on every rank
+        add("linear_proj.bias", (h,), Split.REPLICATED)
     return out
 
 
-def _mlp(prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None) -> list[MegatronParam]:
-    return [
-        MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), Split.GLU, layer, expert),
-        MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert),
-    ]
+def _mlp(
+    prefix: str,
+    hidden: int,
+    ffn: int,
+    layer: int | None,
+    expert: int | None = None,
+    gated: bool = True,
+    bias: bool = False,
+) -> list[MegatronParam]:
+    fc1_rows, fc1_split = (2 * ffn, Split.GLU) if gated else (ffn, Split.COLUMN)
+    params = [MegatronParam(f"{prefix}linear_fc1.weight", (fc1_rows, hidden), fc1_split, layer, expert)]
+    if bias:
+        params.append(MegatronParam(f"{prefix}linear_fc1.bias", (fc1_rows,), fc1_split, layer, expert))
+    params.append(MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), Split.ROW, layer, expert))
+    if bias:
+        params.append(MegatronParam(f"{prefix}linear_fc2.bias", (hidden,), Split.REPLICATED, layer, expert))
+    return params
+
+
+def _norm(shape: ModelShape, name: str, layer: int | None) -> list[MegatronParam]:
+    """A norm's weight, and its bias for LayerNorm."""
+    h = shape.hidden_size
+    params = [MegatronParam(name + ".weight", (h,), Split.REPLICATED, layer)]
+    if shape.normalization == "LayerNorm":
+        params.append(MegatronParam(name + ".bias", (h,), Split.REPLICATED, layer))
+    return params
 
 
 def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list[MegatronParam]:
     # One transformer layer: a decoder layer (``layer`` its index) or the transformer layer of a
     # multi-token-prediction layer (``layer`` None: it sits with the output layer, see .layout).
     h = shape.hidden_size
-    params = [MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer)]
+    params = _norm(shape, prefix + "input_layernorm", layer)
     params += _attention(shape, prefix + "self_attention.", layer)
     if shape.post_norm:  # mindspeed.megatron.variants: the attention output's norm
         params.append(
             MegatronParam(prefix + "self_attention.linear_proj.post_layernorm.weight", (h,), Split.REPLICATED, layer)
         )
-    params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
+    params += _norm(shape, prefix + "pre_mlp_layernorm", layer)
     if not moe:
-        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer)
+        gated = shape.swiglu or shape.geglu
+        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer, gated=gated, bias=shape.add_bias_linear)
         if shape.post_norm:  # and the MLP output's
             params.append(MegatronParam(prefix + "mlp.linear_fc2.post_layernorm.weight", (h,), Split.REPLICATED, layer))
         return params
@@ -175,9 +203,11 @@ def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
     """
     h = shape.hidden_size
     params = [MegatronParam("embedding.word_embeddings.weight", (shape.vocab_size, h), Split.VOCAB)]
+    if shape.embedding_layernorm:  # mindspeed.megatron.variants: the embedding output's norm
+        params += _norm(shape, f"embedding.{EMBEDDING_NORM}", None)
     for layer in range(shape.num_layers):
         params += _layer(shape, f"decoder.layers.{layer}.", layer, shape.is_moe_layer(layer))
-    params.append(MegatronParam("decoder.final_layernorm.weight", (h,), Split.REPLICATED))
+    params += _norm(shape, "decoder.final_layernorm", None)
     params += mtp_params(shape)
     if shape.num_labels:  # a score head (a reward model or a critic): replicated over tensor-parallel ranks
         params.append(MegatronParam("output_layer.weight", (shape.num_labels, h), Split.REPLICATED))

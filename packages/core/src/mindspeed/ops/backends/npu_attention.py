@@ -96,9 +96,17 @@ def attention_npu(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``npu_fusion_attention``; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`."""
+    """``npu_fusion_attention``; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`.
+
+    ALiBi is not mapped onto the kernel's ``pse`` input yet: it raises, and resolving the op
+    with ``features=("alibi",)`` on an NPU picks the ``sdpa`` kernel instead.
+    """
     import torch_npu
+
+    if alibi_slopes is not None:
+        raise ValueError("attention impl 'npu' does not take alibi_slopes yet; resolve the op with features=('alibi',)")
 
     check_attention_inputs(q, k, v, window_size, cu_seqlens)
     seq_q, heads = q.shape[1], q.shape[2]
