@@ -55,6 +55,23 @@ def test_bit_exact_tolerant_and_missing(tmp_path: Path, monkeypatch: pytest.Monk
     (tmp_path / "other" / "elsewhere-X-torch0.json").write_text(json.dumps(other))
     with pytest.warns(GoldenWarning, match="no file for device"):
         check_golden(OTHER, losses, threads=2)
+    # Chaotic series: only this key's file compares; another thread count (or machine) warns.
+    with pytest.raises(AssertionError, match="bit for bit"):
+        check_golden(DEMO, one_ulp, threads=2, chaotic=True)
+    with pytest.warns(GoldenWarning, match="amplify rounding"):
+        check_golden(DEMO, {**losses, "loss": [9.0, 9.0, 9.0]}, threads=1, chaotic=True)
+
+
+def test_cpu_kind_is_vendor_family_model(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+    )
+    assert golden.cpu_kind(info) == "AuthenticAMD.26.2"
+    assert golden.cpu_kind(tmp_path / "missing") == "unknown"
+    info.write_text("processor\t: 0\n")
+    assert golden.cpu_kind(info) == "unknown"
+    assert golden_key()["key"].startswith(f"{golden_key()['device']}-{golden_key()['cpu_capability']}-")
 
 
 def test_first_steps_reads_the_training_records(tmp_path: Path) -> None:

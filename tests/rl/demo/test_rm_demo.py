@@ -84,7 +84,12 @@ def test_reward_model_demo_learns_and_grpo_with_it_raises_the_accuracy(tmp_path:
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "rm-run" / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
-    check_golden("llm_rm_demo", {k: [r[k] for r in train[:5]] for k in ("loss", "accuracy")}, threads=DEFAULT_THREADS)
+    check_golden(
+        "llm_rm_demo",
+        {k: [r[k] for r in train[:5]] for k in ("loss", "accuracy")},
+        threads=DEFAULT_THREADS,
+        chaotic=True,
+    )
     accuracy = {r["step"]: r["accuracy"] for r in records if r["kind"] == "eval"}
     assert accuracy[max(accuracy)] >= 0.9, accuracy
     assert accuracy[max(accuracy)] > accuracy[min(accuracy)], accuracy

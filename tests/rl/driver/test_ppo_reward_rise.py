@@ -8,9 +8,11 @@ demo policy build), with the held-out evaluation (64 ``demo-test`` prompts never
 sampled responses each, seeds fixed for the run) before the first step and after the last. The
 reference is the starting policy's own measured numbers: the mean reward of the last steps must
 beat the first steps' by a margin, and the held-out accuracy after the last step must beat the
-starting policy's. The margins (0.1 each) are below what seeds 1234, 1 and 2 measured: reward
-+0.24, +0.20, +0.27 and held-out +0.25, +0.31, +0.25; with ``actor.lr=1e-12`` (no learning)
--0.01 and 0.00 (docs/rl/ppo.md, "The demo").
+starting policy's. The margins (reward 0.1, held-out 0.05) are below what seeds 1234, 1 and 2
+measured: reward +0.24, +0.20, +0.27 and held-out +0.25, +0.31, +0.25; with ``actor.lr=1e-12`` (no
+learning) -0.01 and 0.00 (docs/rl/ppo.md, "The demo"). The rollouts differ from one CPU kind to
+another (tests/golden: ``chaotic``): on an AMD EPYC of family 26 the shipped seed measured held-out
+0.219 -> 0.287 (+0.068), hence the lower held-out margin.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def test_ppo_raises_the_reward_of_the_demo_policy(tmp_path: Path, demo_policy_ca
     steps = [line for line in lines if "reward_mean" in line]
     assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
     check_golden(
-        "rl_ppo_demo", {k: [line[k] for line in steps[:5]] for k in ("reward_mean", "critic/vf_loss")}, threads=1
+        "rl_ppo_demo",
+        {k: [line[k] for line in steps[:5]] for k in ("reward_mean", "critic/vf_loss")},
+        threads=1,
+        chaotic=True,
     )
     assert all(line["critic/vf_loss"] > 0 and line["critic/grad_norm"] > 0 for line in steps)  # the critic trains
     rewards = [line["reward_mean"] for line in steps]
@@ -59,4 +64,4 @@ def test_ppo_raises_the_reward_of_the_demo_policy(tmp_path: Path, demo_policy_ca
     assert last > first + 0.1, rewards
     held_out = {int(line["step"]): line["eval/reward_mean"] for line in lines if "eval/reward_mean" in line}
     assert list(held_out) == [0, STEPS], held_out  # the start and the end
-    assert held_out[STEPS] > held_out[0] + 0.1, held_out
+    assert held_out[STEPS] > held_out[0] + 0.05, held_out

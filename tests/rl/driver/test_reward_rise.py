@@ -42,7 +42,9 @@ def test_grpo_raises_the_reward_of_the_demo_policy(tmp_path: Path, demo_policy_c
     steps = [line for line in lines if "reward_mean" in line]
     assert [line["step"] for line in steps] == list(range(1, 61))
     rewards = [line["reward_mean"] for line in steps]
-    check_golden("rl_grpo_demo", {k: [line[k] for line in steps[:5]] for k in ("loss", "reward_mean")}, threads=1)
+    check_golden(
+        "rl_grpo_demo", {k: [line[k] for line in steps[:5]] for k in ("loss", "reward_mean")}, threads=1, chaotic=True
+    )
     first, last = sum(rewards[:K]) / K, sum(rewards[-K:]) / K
     assert last > first + 0.1, rewards
     held_out = {int(line["step"]): line["eval/reward_mean"] for line in lines if "eval/reward_mean" in line}

@@ -70,7 +70,7 @@ def _activation(shape: ModelShape) -> Any:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         return quick_gelu
-    return gelu_tanh if shape.geglu else torch.nn.functional.gelu
+    return gelu_tanh if shape.geglu or shape.gelu_tanh else torch.nn.functional.gelu
 
 
 def expert_tensor_parallel_size(shape: ModelShape, etp: int | None) -> int | None:

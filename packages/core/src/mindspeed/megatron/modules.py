@@ -7,6 +7,7 @@ it in place of megatron's own; the kernel is resolved once at construction (``im
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -20,7 +21,8 @@ from torch import nn
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
-from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
+from mindspeed.ops.alibi import shard_alibi_slopes
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
     HYBRID,
     RING,
@@ -107,6 +109,10 @@ class RegistryAttention(MegatronModule):
     split zig-zag on its own (megatron's THD layout, ``cu_seqlens`` global, each length a
     multiple of ``2 * C``).
 
+    With ``alibi=True`` (the spec of an ALiBi model) the scores get ALiBi's bias; this rank's
+    slopes are those of its tensor-parallel heads (megatron gives rank ``r`` of ``T`` the heads
+    ``r * n / T .. (r + 1) * n / T - 1``). Not under context parallelism nor shared-prefix packing.
+
     ``config.softmax_type='learnable'`` (GPT-OSS's attention sinks) gives it megatron's
     ``softmax_offset`` parameter, one logit per local head, passed to the kernel as ``sinks``
     (megatron's own ``DotProductAttention`` allocates it on a CUDA device, so it cannot run
@@ -124,6 +130,7 @@ class RegistryAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         impl: str = "auto",
+        alibi: bool = False,
     ) -> None:
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -149,6 +156,14 @@ class RegistryAttention(MegatronModule):
             self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
             # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
             features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
+        self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
+        if alibi:
+            features = (*features, FEATURE_ALIBI)
+            if self.cp is not None and self.cp.algo != ULYSSES:
+                raise ValueError(
+                    f"ALiBi under context parallelism needs Ulysses (cp_comm_type 'a2a', context_parallel_algo "
+                    f"ulysses_cp_algo), not {self.cp.algo}: the ring would need every block's global positions"
+                )
         self.kernel = resolve_kernel("attention", impl, features=features)
         self.softmax_offset = self._make_sinks(config, pg_collection)
 
@@ -214,6 +229,7 @@ class RegistryAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 kernel=self.kernel,
                 impl=self.impl,
+                **self._alibi_kwargs(query.device, self.cp.ulysses_group),
             )
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
         # [s, b, n, d] -> [b, s, n, d] for the kernel, and back to megatron's [s, b, n * d].
@@ -225,6 +241,7 @@ class RegistryAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             window_size=self.window_size,
             **self._sinks(),
+            **self._alibi_kwargs(query.device),
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
@@ -244,9 +261,16 @@ class RegistryAttention(MegatronModule):
             )
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
-            if self.cp is not None or not causal or self.window_size != (-1, -1) or self.softmax_offset is not None:
+            if (
+                self.cp is not None
+                or not causal
+                or self.window_size != (-1, -1)
+                or self.alibi_slopes is not None
+                or self.softmax_offset is not None
+            ):
                 raise ValueError(
-                    "shared-prefix packing needs causal attention without context parallelism, a window or sinks; "
+                    "shared-prefix packing needs causal attention without context parallelism, a window, ALiBi "
+                    "or sinks; "
                     "pack each sequence on its own"
                 )
             out = attend_shared_prefix(self.kernel, query, key, value, params, self.softmax_scale)
@@ -255,6 +279,11 @@ class RegistryAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
+            if self.alibi_slopes is not None:
+                raise ValueError(
+                    "packed sequences with ALiBi under context parallelism are not supported; "
+                    "use context_parallel_size=1 or unpacked sequences"
+                )
             out = self.cp.attend_packed(
                 query.unsqueeze(0),
                 key.unsqueeze(0),
@@ -275,8 +304,41 @@ class RegistryAttention(MegatronModule):
             window_size=self.window_size,
             cu_seqlens=cu_q,
             **self._sinks(),
+            **self._alibi_kwargs(query.device),
         )
         return out.squeeze(0).reshape(query.shape[0], -1)
+
+    def _alibi_kwargs(self, device: torch.device, ulysses_group: Any = None) -> dict[str, torch.Tensor]:
+        """``{"alibi_slopes": ...}`` on ``device`` in fp32 for an ALiBi layer, else nothing.
+
+        Under Ulysses, the slopes of the heads this rank attends after the all-to-all (rank
+        ``j`` of ``U`` gets the ``j``-th ``1/U`` of its tensor-parallel heads). Not a buffer
+        (``Float16Module`` would cast it to half precision); one tensor per (heads, ranks,
+        device) shared by all layers, so their bias is built once a step.
+        """
+        if self.alibi_slopes is None:
+            return {}
+        part, parts = (0, 1) if ulysses_group is None else (ulysses_group.rank(), ulysses_group.size())
+        return {"alibi_slopes": _slopes_on(*self.alibi_slopes, device, part, parts)}
+
+
+def _alibi_slopes(config: Any, pg_collection: Any) -> tuple[int, int, int]:
+    """``(heads, tp rank, tp size)`` of this rank's ALiBi slopes (checked; see :func:`_slopes_on`)."""
+    tp_group = getattr(pg_collection, "tp", None)
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    heads, rank, size = config.num_attention_heads, tp_group.rank(), tp_group.size()
+    shard_alibi_slopes(heads, rank, size)  # raises now, at build time, if the heads do not split
+    return heads, rank, size
+
+
+@functools.cache
+def _slopes_on(heads: int, rank: int, size: int, device: torch.device, part: int = 0, parts: int = 1) -> torch.Tensor:
+    """ALiBi slopes, fp32 on ``device`` (one tensor per key): of tensor-parallel rank ``rank`` of
+    ``size``'s consecutive heads, and of those the ``part``-th of ``parts`` (Ulysses)."""
+    return shard_alibi_slopes(heads, rank, size).chunk(parts)[part].contiguous().to(device)
 
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
@@ -369,8 +431,13 @@ class _ContextParallel:
         softmax_scale: float | None,
         kernel: Any,
         impl: str,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out."""
+        """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out.
+
+        ``alibi_slopes`` (Ulysses only): the slopes of the heads this rank attends after the
+        all-to-all; the sorted rows are the whole sequence in position order, so the bias is exact.
+        """
         seq_len = q.shape[1] * self.cp_size
         if seq_len % (2 * self.cp_size):
             raise ValueError(
@@ -392,6 +459,7 @@ class _ContextParallel:
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         sort, unsort = self._order(seq_len, q.device)
         ring_group = self.ring_group
+        alibi = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
 
         def attend_sorted(
             q: torch.Tensor,
@@ -404,7 +472,7 @@ class _ContextParallel:
         ) -> torch.Tensor:
             q, k, v = (t.index_select(1, sort) for t in (q, k, v))
             if ring_group is None or ring_group.size() == 1:
-                out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale)
+                out = kernel(q, k, v, causal=causal, softmax_scale=softmax_scale, **alibi)
             else:
                 out = context_parallel_attention(
                     q,

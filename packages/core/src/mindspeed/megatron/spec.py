@@ -49,8 +49,12 @@ class MindSpeedSpecProvider(LocalSpecProvider):
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:
         return ModuleSpec(module=RegistryNorm, params={"impl": self.impls["rms_norm" if rms_norm else "layer_norm"]})
 
-    def core_attention(self) -> ModuleSpec:
-        return ModuleSpec(module=RegistryAttention, params={"impl": self.impls["attention"]})
+    def core_attention(self, alibi: bool = False) -> ModuleSpec:
+        """The registry attention; ``alibi``: with ALiBi's biases (this rank's heads' slopes)."""
+        params: dict[str, Any] = {"impl": self.impls["attention"]}
+        if alibi:
+            params["alibi"] = True
+        return ModuleSpec(module=RegistryAttention, params=params)
 
     def activation_func(self) -> ModuleSpec:
         return ModuleSpec(module=RegistrySwiGLU, params={"impl": self.impls["swiglu"]})
@@ -78,6 +82,7 @@ def get_gpt_layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     swiglu: bool = True,
+    alibi: bool = False,
 ) -> ModuleSpec:
     """A GPT transformer-layer spec built from registry kernels.
 
@@ -101,6 +106,8 @@ def get_gpt_layer_spec(
             have ``gated_linear_unit=True``, ``activation_func=F.silu`` and
             ``use_te_activation_func=True``: the flag only tells megatron's MLP to call the
             spec's activation module, no Transformer Engine is involved).
+        alibi: ALiBi biases in the core attention (build the ``GPTModel`` with
+            ``position_embedding_type="none"``).
     """
     provider = MindSpeedSpecProvider(impls)
     # Always megatron's local spec with SequentialMLP: its GroupedMLP needs the grouped_gemm
@@ -113,7 +120,7 @@ def get_gpt_layer_spec(
     sub.input_layernorm = norm
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
-    attn.core_attention = provider.core_attention()
+    attn.core_attention = provider.core_attention(alibi=alibi)
     if qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = norm
     if swiglu:

@@ -120,13 +120,30 @@ def apply_layer_variants(spec: ModuleSpec, shape: ModelShape, norm: ModuleSpec) 
     return spec
 
 
-def add_model_variants(model: Any, shape: ModelShape) -> Any:
-    """Hook the embedding scale and the logit soft-cap of ``shape`` into a built ``GPTModel`` chunk.
+#: The embedding norm's module name under ``GPTModel.embedding`` (BLOOM's ``word_embeddings_layernorm``).
+EMBEDDING_NORM = "word_embeddings_layernorm"
 
-    The scale multiplies the embedding output by ``embedding_multiplier_scale`` in the
-    activation dtype (as transformers' Gemma does); the soft-cap maps the output layer's logits
-    (vocabulary-parallel shards: elementwise) to ``cap * tanh(logits / cap)``.
+
+def add_model_variants(model: Any, shape: ModelShape, norm: ModuleSpec | None = None) -> Any:
+    """Hook the embedding norm and scale and the logit soft-cap of ``shape`` into a built ``GPTModel`` chunk.
+
+    The embedding norm (``shape.embedding_layernorm``, built from ``norm``) becomes the
+    embedding's submodule :data:`EMBEDDING_NORM`, so its parameters are the model's
+    (``embedding.word_embeddings_layernorm.weight``) and it normalises the embedding output
+    (whole per token, under sequence parallelism too). The scale multiplies the embedding
+    output by ``embedding_multiplier_scale`` in the activation dtype (as transformers' Gemma
+    does); the soft-cap maps the output layer's logits (vocabulary-parallel shards:
+    elementwise) to ``cap * tanh(logits / cap)``.
     """
+    if shape.embedding_layernorm and getattr(model, "pre_process", False):
+        if norm is None:
+            raise ValueError("an embedding norm needs the norm's spec: add_model_variants(model, shape, norm)")
+        config = model.config
+        model.embedding.add_module(
+            EMBEDDING_NORM,
+            build_module(norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon),
+        )
+        model.embedding.register_forward_hook(lambda module, args, out: getattr(module, EMBEDDING_NORM)(out))
     scale = shape.embedding_multiplier_scale
     if scale is not None and getattr(model, "pre_process", False):
         model.embedding.register_forward_hook(

@@ -48,6 +48,9 @@ class ModelShape:
         normalization: ``RMSNorm`` or ``LayerNorm``.
         swiglu: gated SiLU MLP (three matrices); false: a plain GeLU MLP (two).
         geglu: gated MLP with the tanh-approximated GeLU (Gemma; with ``swiglu`` false).
+        gelu_tanh: the plain (not gated) MLP's GeLU is tanh-approximated (BLOOM).
+        embedding_layernorm: the word embeddings are normalised before the first layer (BLOOM's
+            ``word_embeddings_layernorm``; a norm of ``normalization``'s kind).
         apply_layernorm_1p: every norm scales by ``1 + weight`` (weights zero-centred; Gemma).
         post_norm: attention and MLP outputs are normalised before the residual add (Gemma's
             ``post_attention_layernorm`` / ``post_feedforward_layernorm``).
@@ -73,7 +76,8 @@ class ModelShape:
             ``truncate``; GPT-OSS sets false), with ``position_embedding_type='yarn'``.
         add_bias_linear: biases in every linear layer.
         position_embedding_type: ``rope``, ``yarn`` (rope with YaRN scaling, the MLA fields
-            below: ``rotary_scaling_factor`` ...), ``learned_absolute`` or ``none``.
+            below: ``rotary_scaling_factor`` ...), ``learned_absolute``, ``alibi`` (biases in
+            attention, :mod:`mindspeed.ops.alibi`) or ``none``.
         num_experts: routed experts of MoE layers (``None``: dense model).
         moe_ffn_hidden_size: width of one routed expert.
         moe_router_topk: experts per token.
@@ -127,6 +131,8 @@ class ModelShape:
     normalization: str = "RMSNorm"
     swiglu: bool = True
     geglu: bool = False
+    gelu_tanh: bool = False
+    embedding_layernorm: bool = False
     apply_layernorm_1p: bool = False
     post_norm: bool = False
     embedding_multiplier_scale: float | None = None

@@ -13,7 +13,9 @@ Masks follow flash-attn's conventions so that every backend agrees:
 - ``window_size=(left, right)`` keeps keys within ``left`` before and ``right`` after it
   (``-1``: unbounded); a Mistral sliding window of ``W`` tokens is ``(W - 1, 0)``;
 - ``cu_seqlens`` packs several sequences into one row (``batch == 1``, ``seq_q == seq_k``): a
-  token sees only its own segment, and causal/window apply inside it.
+  token sees only its own segment, and causal/window apply inside it;
+- ``alibi_slopes`` (``[heads_q]`` fp32) adds ALiBi's ``-slope * |pos_q - pos_k|`` to the scaled
+  scores (:mod:`mindspeed.ops.alibi`), inside each segment of packed sequences.
 
 A query row that sees no key outputs zeros and has ``lse = -inf``; its gradients are zero.
 
@@ -29,11 +31,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mindspeed.log import get_logger, log_once
+from mindspeed.ops.alibi import alibi_bias, check_alibi_slopes, get_alibi_slopes
+from mindspeed.ops.mask_cache import shared_mask
 from mindspeed.ops.registry import Case, OpSpec, Tolerance, register_kernel, register_op
 
 logger = get_logger(__name__)
@@ -42,6 +47,7 @@ logger = get_logger(__name__)
 FEATURE_LSE = "lse"
 FEATURE_WINDOW = "window"
 FEATURE_VARLEN = "varlen"
+FEATURE_ALIBI = "alibi"
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,6 +58,7 @@ def check_attention_inputs(
     v: torch.Tensor,
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` with the fix when the inputs break the op's contract.
@@ -63,6 +70,7 @@ def check_attention_inputs(
         window_size: ``(left, right)``, each ``>= -1``.
         cu_seqlens: packed-sequence boundaries; checking their values reads them on the host
             (one small sync, only for packed sequences).
+        alibi_slopes: ``[heads_q]`` float ALiBi slopes.
         sinks: ``[heads_q]`` per-head sink logits.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -75,6 +83,8 @@ def check_attention_inputs(
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
         raise ValueError(f"window_size must be (left, right) with each >= -1 (-1 = unbounded); got {window_size}")
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, q.shape[2])
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"sinks must be one logit per query head, [{q.shape[2]}]; got {list(sinks.shape)}")
     if cu_seqlens is None:
@@ -101,7 +111,7 @@ def visible_keys_mask(
     cu_seqlens: torch.Tensor | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor | None:
-    """Which keys each query sees, from index arithmetic.
+    """Which keys each query sees, from index arithmetic; built once per step and shared by the layers.
 
     Args:
         seq_q: number of queries.
@@ -112,11 +122,30 @@ def visible_keys_mask(
         device: where to build the mask.
 
     Returns:
-        A bool ``[seq_q, seq_k]`` mask (True = attend), or ``None`` when every key is visible.
+        A bool ``[seq_q, seq_k]`` mask (True = attend; shared: do not modify it), or ``None``
+        when every key is visible.
     """
     left, right = (int(w) for w in window_size)
     if not causal and left < 0 and right < 0 and cu_seqlens is None:
         return None
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return shared_mask(
+        ("visible", seq_q, seq_k, causal, (left, right), device),
+        cu_seqlens,
+        lambda: _build_visible(seq_q, seq_k, causal, (left, right), cu_seqlens, device),
+    )
+
+
+def _build_visible(
+    seq_q: int,
+    seq_k: int,
+    causal: bool,
+    window_size: Sequence[int],
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device | str | None,
+) -> torch.Tensor:
+    """The mask of :func:`visible_keys_mask`, freshly built (all True where nothing is hidden)."""
+    left, right = (int(w) for w in window_size)
     q_pos = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
     k_pos = torch.arange(seq_k, device=device)[None, :]
     visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
@@ -168,6 +197,7 @@ def attention_reference(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the whole score matrix materialised, in fp32.
@@ -180,7 +210,8 @@ def attention_reference(
         softmax_scale: score scale (default ``1 / sqrt(dim)``).
         window_size: ``(left, right)`` local window, ``-1`` = unbounded.
         cu_seqlens: ``[num_seqs + 1]`` cumulative boundaries of packed sequences (``batch == 1``).
-        return_lse: also return the log-sum-exp of the scaled scores.
+        return_lse: also return the log-sum-exp of the scaled (and biased) scores.
+        alibi_slopes: ``[heads_q]`` ALiBi slopes (see :mod:`mindspeed.ops.alibi`).
         sinks: ``[heads_q]`` sink logits: one more softmax column per row, dropped after the
             softmax (``None``: no sink).
 
@@ -189,7 +220,7 @@ def attention_reference(
         the fp32 ``lse`` ``[batch, heads_q, seq_q]`` of the keys alone (``-inf`` on rows that
         see no key).
     """
-    check_attention_inputs(q, k, v, window_size, cu_seqlens, sinks)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, alibi_slopes, sinks)
     seq_q, heads_q, dim = q.shape[1], q.shape[2], q.shape[3]
     seq_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
@@ -200,6 +231,8 @@ def attention_reference(
     k32 = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
     v32 = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seq_q, seq_k, q.device)
     visible = visible_keys_mask(
         seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
     )
@@ -338,7 +371,27 @@ def _attention_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
         return (2 * torch.randn(heads, generator=gen)).to(device)
 
     lse, window, varlen = frozenset({FEATURE_LSE}), frozenset({FEATURE_WINDOW}), frozenset({FEATURE_VARLEN})
+    alibi = frozenset({FEATURE_ALIBI})
+
+    def slopes(heads: int) -> torch.Tensor:
+        return get_alibi_slopes(heads).to(device)
+
+    alibi_cases = [
+        Case("alibi causal 6 heads", qkv(2, 9, 9, 6, 6, 16), {"alibi_slopes": slopes(6)}, features=alibi),
+        Case("alibi gqa full", qkv(1, 7, 7, 4, 2, 16), {"causal": False, "alibi_slopes": slopes(4)}, features=alibi),
+        Case("alibi decode sq<sk", qkv(1, 3, 8, 3, 3, 16), {"alibi_slopes": slopes(3)}, features=alibi),
+        Case(
+            "alibi varlen window",
+            qkv(1, 12, 12, 5, 5, 16),
+            {"window_size": (3, 0), "cu_seqlens": cu(0, 5, 12), "alibi_slopes": slopes(5)},
+            features=alibi | window | varlen,
+        ),
+        Case(
+            "alibi lse", qkv(1, 6, 6, 6, 3, 16), {"return_lse": True, "alibi_slopes": slopes(6)}, features=alibi | lse
+        ),
+    ]
     return [
+        *alibi_cases,
         Case("causal", qkv(2, 7, 7, 4, 4, 16)),
         Case("full odd shape", qkv(1, 9, 9, 3, 3, 24), {"causal": False}),
         Case("gqa causal", qkv(2, 11, 11, 6, 2, 16)),
@@ -402,7 +455,7 @@ register_op(
     OpSpec(
         name="attention",
         reference=attention_reference,
-        doc="BSND attention with GQA, bottom-right causal, sliding window, packed sequences and lse",
+        doc="BSND attention with GQA, bottom-right causal, sliding window, packed sequences, ALiBi and lse",
         cases=_attention_cases,
         bench_case=_attention_bench,
         # Fused kernels (FlashAttention, NPU) round the probabilities to bf16 before the
@@ -445,18 +498,29 @@ def _segmented_cost(bounds: Sequence[int], groups: list[list[int]], call_cost: f
     return sum(len(group) * m * m + call_cost for group, m in zip(groups, longest))
 
 
-def _attention_segmented(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bounds: Sequence[int],
-    groups: list[list[int]],
-    *,
-    causal: bool,
-    softmax_scale: float | None,
-    window_size: Sequence[int],
-) -> torch.Tensor:
-    """Packed attention one padded batch of segments at a time (see :func:`attention_sdpa`).
+@dataclass(frozen=True)
+class _SegmentPlan:
+    """How :func:`_attention_segmented` runs one packed row: index tensors and per-group masks.
+
+    Attributes:
+        index: the row's token of every slot of the groups' padded batches (``seq``: padding).
+        inverse: where each token's output lies in the concatenated group outputs.
+        in_place: the segments are in row order without padding (no gathers needed).
+        padded: some slot reads the appended zero token.
+        groups: per group ``(segments, longest, mask, is_causal)``.
+    """
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+    in_place: bool
+    padded: bool
+    groups: tuple[tuple[int, int, torch.Tensor | None, bool], ...]
+
+
+def _plan_segments(
+    bounds: Sequence[int], groups: list[list[int]], *, causal: bool, window_size: Sequence[int], device: torch.device
+) -> _SegmentPlan:
+    """The gathers and masks of the segment-wise path (built once per step: see :mod:`~mindspeed.ops.mask_cache`).
 
     Each group gathers its segments into ``[segments, longest, heads, dim]``, right-padded with
     a zero token. Causal attention needs no mask: a padded key sits after every real query of
@@ -464,35 +528,26 @@ def _attention_segmented(
     that no row is empty (SDPA would give NaN, which the backward spreads to the real keys);
     their outputs are dropped, so they get and give no gradient.
     """
-    seq, device, gqa = q.shape[1], q.device, q.shape[2] != k.shape[2]
+    seq = bounds[-1]
     starts_all = torch.tensor(bounds[:-1], dtype=torch.long)
     lengths_all = torch.tensor(bounds[1:], dtype=torch.long) - starts_all
     # One gather for all groups and one scatter back: every indexing op's backward allocates
     # a zero tensor the size of the whole row, which per group would cost more than the attention.
-    shapes, valids, indices = [], [], []
+    valids, indices = [], []
     for group in groups:
         starts, lengths = starts_all[group], lengths_all[group]
         cols = torch.arange(int(lengths.max()))
         valid = cols[None, :] < lengths[:, None]  # [segments, longest]
         indices.append(torch.where(valid, starts[:, None] + cols[None, :], seq).flatten())
-        shapes.append(valid.shape)
         valids.append(valid)
     index = torch.cat(indices)
     real = torch.cat([valid.flatten() for valid in valids])
     # Where each real token's output lands in the concatenation of the groups' outputs.
     inverse = torch.empty(seq, dtype=torch.long)
     inverse[index[real]] = torch.arange(index.numel())[real]
-    sources = (q[0], k[0], v[0])
-    # Segments already in row order without padding (equal lengths, or one) need no gathers.
-    in_place = index.numel() == seq and bool((index == torch.arange(seq)).all())
-    if not bool(real.all()):  # padding reads a zero token appended at index ``seq``
-        sources = tuple(torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in sources)
-    index = index.to(device)
-    sizes = [n * m for n, m in shapes]
-    gathered = [(x if in_place else x.index_select(0, index)).split(sizes) for x in sources]
-    pieces = []
-    for (n, longest), valid, qg, kg, vg in zip(shapes, valids, *gathered):
-        qg, kg, vg = (x.view(n, longest, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))
+    planned = []
+    for valid in valids:
+        n, longest = valid.shape
         ragged = not bool(valid.all())
         # A bound as wide as the group's longest segment hides nothing, nor does a right bound
         # under causal; a lone right bound of 0 is causal. Dropping them drops the mask.
@@ -501,20 +556,56 @@ def _attention_segmented(
         window = (left, -1 if is_causal else right)
         windowed, valid = window != (-1, -1), valid.to(device)
         if windowed:
-            mask = visible_keys_mask(longest, longest, causal=is_causal, window_size=window, device=device)
-            if ragged and mask is not None:  # never None under a window
+            mask = _build_visible(longest, longest, is_causal, window, None, device)
+            if ragged:
                 mask = ((mask[None] & valid[:, None, :]) | ~valid[:, :, None])[:, None]
         else:
             mask = valid[:, None, None, :] if ragged and not is_causal else None
+        planned.append((n, longest, mask, is_causal and not windowed))
+    return _SegmentPlan(
+        index=index.to(device),
+        inverse=inverse.to(device),
+        # Segments already in row order without padding (equal lengths, or one) need no gathers.
+        in_place=index.numel() == seq and bool((index == torch.arange(seq)).all()),
+        padded=not bool(real.all()),
+        groups=tuple(planned),
+    )
+
+
+def _attention_segmented(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SegmentPlan, softmax_scale: float | None
+) -> torch.Tensor:
+    """Packed attention one padded batch of segments at a time (see :func:`attention_sdpa`)."""
+    gqa = q.shape[2] != k.shape[2]
+    sources = (q[0], k[0], v[0])
+    if plan.padded:  # padding reads a zero token appended at index ``seq``
+        sources = tuple(torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in sources)
+    sizes = [n * m for n, m, _, _ in plan.groups]
+    gathered = [(x if plan.in_place else x.index_select(0, plan.index)).split(sizes) for x in sources]
+    pieces = []
+    for (n, longest, mask, is_causal), qg, kg, vg in zip(plan.groups, *gathered):
+        qg, kg, vg = (x.view(n, longest, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))
         out = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=mask, is_causal=is_causal and not windowed, scale=softmax_scale, enable_gqa=gqa
+            qg, kg, vg, attn_mask=mask, is_causal=is_causal, scale=softmax_scale, enable_gqa=gqa
         )
         pieces.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [tokens, heads, dim]
     joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return (joined if in_place else joined.index_select(0, inverse.to(device))).unsqueeze(0)
+    return (joined if plan.in_place else joined.index_select(0, plan.inverse)).unsqueeze(0)
 
 
-@register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN))
+def _packed_plan(
+    cu_seqlens: torch.Tensor, width: int, seq: int, *, causal: bool, window_size: Sequence[int], device: torch.device
+) -> _SegmentPlan | None:
+    """The segment-wise plan of a packed row, or ``None`` where one dense mask is estimated cheaper."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    call_cost = _CALL_COST / width
+    groups = _segment_groups(bounds, call_cost)
+    if _segmented_cost(bounds, groups, call_cost) >= _DENSE_COST * seq * seq:
+        return None
+    return _plan_segments(bounds, groups, causal=causal, window_size=window_size, device=device)
+
+
+@register_kernel("attention", "sdpa", priority=5, features=(FEATURE_WINDOW, FEATURE_VARLEN, FEATURE_ALIBI))
 def attention_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -525,6 +616,7 @@ def attention_sdpa(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch's ``scaled_dot_product_attention`` (fused kernels where torch has them).
@@ -535,39 +627,100 @@ def attention_sdpa(
     boolean mask. Packed sequences run segment by segment, batched by similar length, with
     ``is_causal`` (a mask only for windows and padding); a dense block-diagonal mask over the
     whole row costs ``seq ** 2`` and is used only where the estimate says it is cheaper.
+    ALiBi (``alibi_slopes``) passes the bias as a float mask (dense, packed sequences included).
     """
     if return_lse:
         raise ValueError("attention impl 'sdpa' cannot return lse; resolve the op with features=('lse',)")
     if sinks is not None:
-        kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+        kwargs = dict(
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            cu_seqlens=cu_seqlens,
+            alibi_slopes=alibi_slopes,
+        )
         return attention_with_sinks("sdpa", None, q, k, v, sinks, **kwargs)
-    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, alibi_slopes)
     seq_q, seq_k = q.shape[1], k.shape[1]
     gqa = q.shape[2] != k.shape[2]
+    if alibi_slopes is not None:
+        return _attention_sdpa_biased(
+            q,
+            k,
+            v,
+            alibi_slopes,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            cu_seqlens=cu_seqlens,
+        )
     if cu_seqlens is not None:
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        call_cost = _CALL_COST / (q.shape[2] * q.shape[3])
-        groups = _segment_groups(bounds, call_cost)
-        if _segmented_cost(bounds, groups, call_cost) < _DENSE_COST * seq_q * seq_k:
-            return _attention_segmented(
-                q, k, v, bounds, groups, causal=causal, softmax_scale=softmax_scale, window_size=window_size
-            )
+        window, width = tuple(int(w) for w in window_size), q.shape[2] * q.shape[3]
+        plan = shared_mask(
+            ("sdpa packed plan", seq_q, width, causal, window, q.device),
+            cu_seqlens,
+            lambda: _packed_plan(cu_seqlens, width, seq_q, causal=causal, window_size=window, device=q.device),
+        )
+        if plan is not None:
+            return _attention_segmented(q, k, v, plan, softmax_scale)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     plain = cu_seqlens is None and tuple(int(w) for w in window_size) == (-1, -1)
     if plain and (not causal or seq_q == seq_k):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
         return out.transpose(1, 2)
 
-    mask = visible_keys_mask(
-        seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
-    )
     empty = num_empty_rows(seq_q, seq_k, causal=causal, window_size=window_size)
-    if empty:
-        # SDPA gives NaN (forward or backward, depending on the kernel) for rows without keys:
-        # let those rows see every key, then zero their output, which also zeroes their gradients.
-        mask[:empty] = True
+
+    def build() -> torch.Tensor:
+        mask = _build_visible(seq_q, seq_k, causal, window_size, cu_seqlens, q.device)
+        if empty:
+            # SDPA gives NaN (forward or backward, depending on the kernel) for rows without keys:
+            # let those rows see every key, then zero their output, which also zeroes their gradients.
+            mask[:empty] = True
+        return mask
+
+    window = tuple(int(w) for w in window_size)
+    mask = shared_mask(("sdpa mask", seq_q, seq_k, causal, window, q.device), cu_seqlens, build)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
     out = out.transpose(1, 2)
+    if empty:
+        rows = torch.arange(seq_q, device=q.device) < empty
+        out = out.masked_fill(rows[None, :, None, None], 0)
+    return out
+
+
+def _attention_sdpa_biased(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi_slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    window_size: Sequence[int],
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA with the ALiBi bias as a float ``[heads, seq_q, seq_k]`` mask (-inf where a key is hidden)."""
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    empty = num_empty_rows(seq_q, seq_k, causal=causal, window_size=window_size)
+    window = tuple(int(w) for w in window_size)
+
+    def build() -> torch.Tensor:
+        bias = alibi_bias(alibi_slopes, seq_q, seq_k, q.device)
+        if causal or window != (-1, -1) or cu_seqlens is not None:
+            visible = _build_visible(seq_q, seq_k, causal, window, cu_seqlens, q.device)
+            bias = bias.masked_fill(~visible, float("-inf"))
+        if empty:  # as in attention_sdpa: rows without keys see every key, then their output is zeroed
+            bias[:, :empty] = 0.0
+        return bias.to(q.dtype)
+
+    # Every layer of a tensor-parallel rank holds the same slopes tensor (``shard_alibi_slopes``).
+    key = ("sdpa alibi", seq_q, seq_k, causal, window, q.dtype, q.device)
+    bias = shared_mask(key, (alibi_slopes, cu_seqlens), build)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=bias, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2]
+    ).transpose(1, 2)
     if empty:
         rows = torch.arange(seq_q, device=q.device) < empty
         out = out.masked_fill(rows[None, :, None, None], 0)

@@ -120,7 +120,8 @@ def build_gpt(
         sizes: the layout, already initialised with :func:`init_parallel`.
         ddp_config: a ``DistributedDataParallelConfig`` (default: no overlap, no distributed optimizer).
         layer_spec: the transformer-layer ``ModuleSpec`` (default: megatron's local spec with
-            ``SequentialMLP`` experts).
+            ``SequentialMLP`` experts; for ``position_embedding_type="alibi"`` the registry spec
+            with ALiBi in its core attention).
         **config_overrides: extra ``TransformerConfig`` fields.
 
     Returns:
@@ -140,6 +141,11 @@ def build_gpt(
     config = transformer_config(
         model, sizes, moe_token_dispatcher_type=model.moe_token_dispatcher_type, **config_overrides
     )
+    alibi = model.position_embedding_type == "alibi"
+    if layer_spec is None and alibi:  # ALiBi lives in the registry's core attention
+        from mindspeed.megatron.spec import get_gpt_layer_spec
+
+        layer_spec = get_gpt_layer_spec(num_experts=model.num_experts, moe_grouped_gemm=False, swiglu=False, alibi=True)
     spec = layer_spec or get_gpt_layer_local_spec(
         num_experts=model.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
     )
@@ -152,7 +158,7 @@ def build_gpt(
             transformer_layer_spec=spec,
             vocab_size=model.vocab_size,
             max_sequence_length=model.seq_length,
-            position_embedding_type="rope",
+            position_embedding_type="none" if alibi else "rope",
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=model.tie_embeddings,

@@ -63,6 +63,7 @@ def _layer_spec(
             normalization=shape.normalization,
             swiglu=shape.swiglu,
             moe_grouped_gemm=moe_grouped_gemm,
+            alibi=shape.position_embedding_type == "alibi",
         )
         norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
         return apply_layer_variants(spec, shape, norm)
@@ -79,6 +80,7 @@ def _layer_spec(
             normalization=shape.normalization,
             swiglu=shape.swiglu,
             moe_grouped_gemm=moe_grouped_gemm,
+            alibi=shape.position_embedding_type == "alibi",
         )
     # MLA: megatron's local spec (its q/kv norms need qk_layernorm), with a core attention that
     # takes MLA's distinct value width; norms and activation from the registry unless asked not to.
@@ -296,7 +298,8 @@ def _build_chunk(
         mtp_block_spec=mtp,
         vocab_size=vocab_size,
         max_sequence_length=shape.max_position_embeddings,
-        position_embedding_type=shape.position_embedding_type,
+        # ALiBi lives in the core attention (the layer spec); the model adds no position embedding.
+        position_embedding_type="none" if shape.position_embedding_type == "alibi" else shape.position_embedding_type,
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rotary_percent=shape.rotary_percent,
         rope_scaling=shape.use_rope_scaling,
@@ -308,4 +311,5 @@ def _build_chunk(
         vp_stage=vp_stage,
         **extra,
     )
-    return add_model_variants(model, shape)
+    norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")
+    return add_model_variants(model, shape, norm)

@@ -14,6 +14,10 @@ from enum import Enum
 
 from mindspeed_llm.bridges.shape import ModelShape
 
+#: The embedding norm's module name under megatron's ``embedding`` (``mindspeed.megatron.variants``'s;
+#: not imported from there, which would import megatron-core).
+EMBEDDING_NORM = "word_embeddings_layernorm"
+
 
 class Split(str, Enum):  # noqa: UP042  (StrEnum would change str(): kept as is)
     """How a tensor-parallel layout cuts a parameter (megatron's layer types)."""
@@ -109,24 +113,41 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
         add("q_layernorm.weight", (d,), Split.REPLICATED)
         add("k_layernorm.weight", (d,), Split.REPLICATED)
     add("linear_proj.weight", (h, heads * d), Split.ROW)
-    if shape.add_bias_linear:  # a row-parallel layer's bias is added after the reduction: whole on every rank
+    if shape.add_bias_linear:  # a row-parallel bias is added after the reduction: whole on every rank
         add("linear_proj.bias", (h,), Split.REPLICATED)
     return out
 
 
 def _mlp(
-    prefix: str, hidden: int, ffn: int, layer: int | None, expert: int | None = None, bias: bool = False
+    prefix: str,
+    hidden: int,
+    ffn: int,
+    layer: int | None,
+    expert: int | None = None,
+    gated: bool = True,
+    bias: bool = False,
 ) -> list[MegatronParam]:
-    # megatron's experts take biases only without expert tensor parallelism (ETP 1, which the core's
-    # transformer_config sets): such experts are whole on every tensor-parallel rank.
-    whole = bias and expert is not None
-    glu, row = (Split.REPLICATED, Split.REPLICATED) if whole else (Split.GLU, Split.ROW)
-    params = [MegatronParam(f"{prefix}linear_fc1.weight", (2 * ffn, hidden), glu, layer, expert)]
+    fc1_rows, fc1_split = (2 * ffn, Split.GLU) if gated else (ffn, Split.COLUMN)
+    fc2_split = Split.ROW
+    if bias and expert is not None:
+        # megatron's experts take biases only without expert tensor parallelism (ETP 1, which the
+        # core's transformer_config sets): such experts are whole on every tensor-parallel rank.
+        fc1_split = fc2_split = Split.REPLICATED
+    params = [MegatronParam(f"{prefix}linear_fc1.weight", (fc1_rows, hidden), fc1_split, layer, expert)]
     if bias:
-        params.append(MegatronParam(f"{prefix}linear_fc1.bias", (2 * ffn,), glu, layer, expert))
-    params.append(MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), row, layer, expert))
+        params.append(MegatronParam(f"{prefix}linear_fc1.bias", (fc1_rows,), fc1_split, layer, expert))
+    params.append(MegatronParam(f"{prefix}linear_fc2.weight", (hidden, ffn), fc2_split, layer, expert))
     if bias:
         params.append(MegatronParam(f"{prefix}linear_fc2.bias", (hidden,), Split.REPLICATED, layer, expert))
+    return params
+
+
+def _norm(shape: ModelShape, name: str, layer: int | None) -> list[MegatronParam]:
+    """A norm's weight, and its bias for LayerNorm."""
+    h = shape.hidden_size
+    params = [MegatronParam(name + ".weight", (h,), Split.REPLICATED, layer)]
+    if shape.normalization == "LayerNorm":
+        params.append(MegatronParam(name + ".bias", (h,), Split.REPLICATED, layer))
     return params
 
 
@@ -134,15 +155,16 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
     # One transformer layer: a decoder layer (``layer`` its index) or the transformer layer of a
     # multi-token-prediction layer (``layer`` None: it sits with the output layer, see .layout).
     h = shape.hidden_size
-    params = [MegatronParam(prefix + "input_layernorm.weight", (h,), Split.REPLICATED, layer)]
+    params = _norm(shape, prefix + "input_layernorm", layer)
     params += _attention(shape, prefix + "self_attention.", layer)
     if shape.post_norm:  # mindspeed.megatron.variants: the attention output's norm
         params.append(
             MegatronParam(prefix + "self_attention.linear_proj.post_layernorm.weight", (h,), Split.REPLICATED, layer)
         )
-    params.append(MegatronParam(prefix + "pre_mlp_layernorm.weight", (h,), Split.REPLICATED, layer))
+    params += _norm(shape, prefix + "pre_mlp_layernorm", layer)
     if not moe:
-        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer, bias=shape.add_bias_linear)
+        gated = shape.swiglu or shape.geglu or shape.quick_geglu
+        params += _mlp(prefix + "mlp.", h, shape.ffn_hidden_size, layer, gated=gated, bias=shape.add_bias_linear)
         if shape.post_norm:  # and the MLP output's
             params.append(MegatronParam(prefix + "mlp.linear_fc2.post_layernorm.weight", (h,), Split.REPLICATED, layer))
         return params
@@ -203,9 +225,11 @@ def megatron_params(shape: ModelShape) -> dict[str, MegatronParam]:
     """
     h = shape.hidden_size
     params = [MegatronParam("embedding.word_embeddings.weight", (shape.vocab_size, h), Split.VOCAB)]
+    if shape.embedding_layernorm:  # mindspeed.megatron.variants: the embedding output's norm
+        params += _norm(shape, f"embedding.{EMBEDDING_NORM}", None)
     for layer in range(shape.num_layers):
         params += _layer(shape, f"decoder.layers.{layer}.", layer, shape.is_moe_layer(layer))
-    params.append(MegatronParam("decoder.final_layernorm.weight", (h,), Split.REPLICATED))
+    params += _norm(shape, "decoder.final_layernorm", None)
     params += mtp_params(shape)
     if shape.num_labels:  # a score head (a reward model or a critic): replicated over tensor-parallel ranks
         params.append(MegatronParam("output_layer.weight", (shape.num_labels, h), Split.REPLICATED))

@@ -165,6 +165,17 @@ def tiny_gemma3() -> Any:
     )
 
 
+@TINY_CONFIGS.register("bloom")
+def tiny_bloom() -> Any:
+    """BLOOM-style: ALiBi over 6 heads (not a power of two: the interleaved slopes), LayerNorms with
+    biases (one after the embeddings), biases everywhere, tanh-GeLU MLP, tied embeddings."""
+    from transformers import BloomConfig
+
+    return BloomConfig(
+        vocab_size=128, hidden_size=96, n_layer=4, n_head=6, layer_norm_epsilon=1e-5, architectures=["BloomForCausalLM"]
+    )
+
+
 @TINY_CONFIGS.register("deepseek3")
 def tiny_deepseek_v3() -> Any:
     """DeepSeek-V3-style: MLA, layer 0 dense, 4 sigmoid-routed experts in 2 groups, a shared expert

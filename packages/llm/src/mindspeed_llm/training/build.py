@@ -19,6 +19,7 @@ Builders take their own sections and the process groups as values, never a recip
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import torch
 from mindspeed.device import get_accelerator
 from mindspeed.features import ModelFacts
 from mindspeed.model.shape import ModelShape
+from mindspeed.ops.attention import FEATURE_ALIBI
 from mindspeed_llm.training.model import build_model, default_groups
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler
 from mindspeed_llm.training.sections import OptimizerConfig, ParallelConfig, SchedulerConfig
@@ -104,7 +106,7 @@ def model_facts(transformer: Any, shape: ModelShape, precision: str, distributed
         distributed_optimizer: whether the optimizer state is sharded over data parallelism.
         extra: more facts (``noop_layers``).
     """
-    return ModelFacts.from_transformer_config(
+    facts = ModelFacts.from_transformer_config(
         transformer,
         position_embedding_type=shape.position_embedding_type,
         precision=precision,
@@ -112,6 +114,9 @@ def model_facts(transformer: Any, shape: ModelShape, precision: str, distributed
         distributed_optimizer=distributed_optimizer,
         **extra,
     )
+    if shape.position_embedding_type == "alibi":  # the attention kernel must take alibi_slopes
+        facts = dataclasses.replace(facts, attention_features=(*facts.attention_features, FEATURE_ALIBI))
+    return facts
 
 
 def seed_everything(seed: int, groups: Any = None) -> None:

@@ -39,7 +39,8 @@ class ModelConfig:
         normalization: ``RMSNorm`` or ``LayerNorm``.
         norm_epsilon: epsilon of the norms.
         swiglu: gated SiLU MLP (Llama); false: a plain GeLU MLP.
-        position_embedding_type: ``rope``, ``learned_absolute`` or ``none``.
+        position_embedding_type: ``rope``, ``learned_absolute``, ``alibi`` (MindSpeed's
+            ``--position-embedding-type alibi``: the ``alibi`` feature) or ``none``.
         rotary_base: rope base frequency.
         rope_scaling: Llama 3.1's rope frequency scaling.
         rope_scaling_factor: its factor.
@@ -83,7 +84,7 @@ class ModelConfig:
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = True
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    position_embedding_type: Literal["rope", "learned_absolute", "alibi", "none"] = "rope"
     rotary_base: float = 10000
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0

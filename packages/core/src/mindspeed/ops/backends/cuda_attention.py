@@ -2,7 +2,8 @@
 
 flash-attn shares the op's conventions: BSND layout, GQA with consecutive q heads per kv head,
 bottom-right aligned causal masks, ``window_size=(left, right)`` with ``-1`` unbounded, and
-packed sequences through ``cu_seqlens``. Two gaps are closed here:
+packed sequences through ``cu_seqlens``, and ALiBi through ``alibi_slopes`` (fp32, one per head,
+the bias ``-slope * |i + seq_k - seq_q - j|``). Two gaps are closed here:
 
 - its ``softmax_lse`` gets no gradient from flash-attn's autograd (its backward ignores that
   output), which ring attention needs: :func:`attach_lse_grad` adds it with two more
@@ -22,6 +23,7 @@ import torch
 
 from mindspeed.log import get_logger, log_once
 from mindspeed.ops.attention import (
+    FEATURE_ALIBI,
     FEATURE_LSE,
     FEATURE_VARLEN,
     FEATURE_WINDOW,
@@ -59,7 +61,7 @@ def _flash_window(causal: bool, window_size: Sequence[int]) -> tuple[int, int]:
     devices=("cuda",),
     priority=20,
     available=_flash_attn_usable,
-    features=(FEATURE_LSE, FEATURE_WINDOW, FEATURE_VARLEN),
+    features=(FEATURE_LSE, FEATURE_WINDOW, FEATURE_VARLEN, FEATURE_ALIBI),
 )
 def attention_flash_attn(
     q: torch.Tensor,
@@ -71,12 +73,18 @@ def attention_flash_attn(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash-attn 2; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`
     (``sinks`` through flash-attn's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`)."""
     kwargs = dict(
-        causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens, sinks=sinks
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        cu_seqlens=cu_seqlens,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     supported = (
         q.device.type == "cuda"
@@ -106,15 +114,24 @@ def flash_attention(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The flash-attn calls, for inputs flash-attn supports (no dtype or device checks here)."""
     if sinks is not None:
-        kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
+        kwargs = dict(
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            cu_seqlens=cu_seqlens,
+            alibi_slopes=alibi_slopes,
+        )
         return attention_with_sinks("flash_attn", flash_attention, q, k, v, sinks, return_lse=return_lse, **kwargs)
-    check_attention_inputs(q, k, v, window_size, cu_seqlens)
+    check_attention_inputs(q, k, v, window_size, cu_seqlens, alibi_slopes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     call = dict(softmax_scale=scale, causal=causal, window_size=_flash_window(causal, window_size))
+    if alibi_slopes is not None:  # flash-attn takes fp32 slopes on the inputs' device
+        call["alibi_slopes"] = alibi_slopes.to(device=q.device, dtype=torch.float32)
 
     if cu_seqlens is None:
         from flash_attn import flash_attn_func

@@ -97,12 +97,19 @@ def attention_npu(
     window_size: Sequence[int] = (-1, -1),
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``npu_fusion_attention``; same arguments and results as :func:`mindspeed.ops.attention.attention_reference`
-    (``sinks`` through the kernel's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`)."""
+    (``sinks`` through the kernel's log-sum-exp, :func:`mindspeed.ops.attention.apply_sinks`).
+
+    ALiBi is not mapped onto the kernel's ``pse`` input yet: it raises, and resolving the op
+    with ``features=("alibi",)`` on an NPU picks the ``sdpa`` kernel instead.
+    """
     import torch_npu
 
+    if alibi_slopes is not None:
+        raise ValueError("attention impl 'npu' does not take alibi_slopes yet; resolve the op with features=('alibi',)")
     if sinks is not None:
         kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens)
         return attention_with_sinks("npu", attention_npu, q, k, v, sinks, return_lse=return_lse, **kwargs)
