@@ -6,8 +6,12 @@ import os
 
 import pytest
 
-from mindspeed.device import available_accelerators
-from tests.golden import UPDATE_ENV
+# Before any test module imports ray: under `uv run` (the README's test command) Ray would otherwise
+# start every worker of an in-process instance through `uv run` (mindspeed_rl.driver.ray_runtime).
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+from mindspeed.device import available_accelerators  # noqa: E402
+from tests.golden import UPDATE_ENV  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -103,12 +103,15 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **options:
     defaults = {**RAY_ENV_DEFAULTS, **({} if address else LOCAL_RAY_ENV_DEFAULTS)}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-    if "ray" in sys.modules and os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
-        logger.warning(
-            "ray was imported before init_ray: if this process runs under `uv run`, set "
-            "RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 before importing ray, or workers start very slowly"
-        )
+    imported_before = "ray" in sys.modules
     import ray
+
+    if imported_before and os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
+        # Ray read the variable when it was imported (before this call): its constant still says
+        # "uv run every worker". ray.init reads the constant at call time, so it is set here too.
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        if constants is not None and getattr(constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", False):
+            constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
 
     if ray.is_initialized():
         return ray
