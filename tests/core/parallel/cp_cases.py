@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from mindspeed.ops.alibi import get_alibi_slopes
 from mindspeed.ops.attention import attention_reference
 from mindspeed.parallel.context_parallel import (
     HYBRID,
+    KVALLGATHER,
     RING,
     ULYSSES,
     ContextParallelAttention,
@@ -46,6 +48,8 @@ class CpCase:
     impl: str = "reference"
     overlap: bool = True
     dtype: str = "float32"
+    window: int = -1  # a causal sliding window's left bound (kvallgather_cp_algo)
+    alibi: bool = False
 
     @property
     def name(self) -> str:
@@ -61,6 +65,10 @@ class CpCase:
             parts.append("no-overlap")
         if self.dtype != "float32":
             parts.append(self.dtype)
+        if self.window >= 0:
+            parts.append(f"window{self.window}")
+        if self.alibi:
+            parts.append("alibi")
         return " ".join(parts)
 
 
@@ -76,8 +84,13 @@ def _run_case(case: CpCase, index: int, rank: int, world_size: int, groups_cache
     grad_out = rand(case.heads_q)
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
 
+    masks = {}
+    if case.window >= 0:
+        masks["window_size"] = (case.window, 0)
+    if case.alibi:
+        masks["alibi_slopes"] = get_alibi_slopes(case.heads_q)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref_out = attention_reference(*leaves, causal=case.causal, cu_seqlens=cu)
+    ref_out = attention_reference(*leaves, causal=case.causal, cu_seqlens=cu, **masks)
     ref_grads = torch.autograd.grad(ref_out, leaves, grad_out)
 
     key = (case.algo, case.ulysses_degree)
@@ -103,6 +116,7 @@ def _run_case(case: CpCase, index: int, rank: int, world_size: int, groups_cache
         seq_len=None if case.seq_len % (2 * world_size) == 0 else case.seq_len,
         impl=case.impl,
         overlap=case.overlap,
+        **masks,
     )
     grads = torch.autograd.grad(out, local, split(grad_out))
     # The full output, gathered back from the shards (the data side's inverse of the split).
@@ -166,6 +180,18 @@ def _check_extras(rank: int, world_size: int) -> list[dict]:
             "hybrid without groups",
             lambda: context_parallel_attention(*shards, algo=HYBRID, cp_group=group),
             "build_context_parallel_groups",
+        ),
+        (
+            "window with the ring",
+            lambda: context_parallel_attention(*shards, algo=RING, cp_group=group, window_size=(3, 0)),
+            "kvallgather_cp_algo",
+        ),
+        (
+            "window without a causal mask",
+            lambda: context_parallel_attention(
+                *shards, algo=KVALLGATHER, cp_group=group, causal=False, window_size=(3, 0)
+            ),
+            "only under a causal mask",
         ),
         (
             "heads not divisible",

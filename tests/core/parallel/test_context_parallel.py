@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed.parallel.context_parallel import HYBRID, RING, ULYSSES
+from mindspeed.parallel.context_parallel import HYBRID, KVALLGATHER, RING, ULYSSES
 from mindspeed.testing.distributed import run_distributed
 from tests.core.parallel.cp_cases import CpCase, case_dicts, check_cases
 
@@ -41,6 +41,16 @@ TWO_RANKS = [
     CpCase(HYBRID, 16, heads_kv=2, ulysses_degree=2),  # 2 x 1: Ulysses only
     CpCase(HYBRID, 22, ulysses_degree=1, cu_seqlens=PACKED_22),  # 1 x 2: ring only
     CpCase(HYBRID, 13, ulysses_degree=2, causal=False),
+    CpCase(KVALLGATHER, 16),
+    CpCase(KVALLGATHER, 13, heads_kv=1),  # unaligned, MQA
+    CpCase(KVALLGATHER, 16, heads_kv=2, causal=False),
+    CpCase(KVALLGATHER, 16, heads_kv=2, window=3),  # window inside a chunk and across chunks
+    CpCase(KVALLGATHER, 22, cu_seqlens=PACKED_22),
+    CpCase(KVALLGATHER, 30, heads_kv=2, cu_seqlens=PACKED_30, window=4),
+    CpCase(KVALLGATHER, 30, causal=False, cu_seqlens=PACKED_30),
+    CpCase(KVALLGATHER, 16, heads_kv=2, alibi=True),
+    CpCase(KVALLGATHER, 22, heads_q=6, heads_kv=2, cu_seqlens=PACKED_22, window=2, alibi=True),
+    CpCase(KVALLGATHER, 16, heads_kv=2, dtype="bfloat16"),
 ]
 
 FOUR_RANKS = [
@@ -59,6 +69,9 @@ FOUR_RANKS = [
     CpCase(HYBRID, 23, ulysses_degree=2, causal=False, cu_seqlens=(0, 4, 15, 23)),
     CpCase(HYBRID, 16, ulysses_degree=4),  # 4 x 1
     CpCase(HYBRID, 16, heads_kv=2, ulysses_degree=1),  # 1 x 4
+    CpCase(KVALLGATHER, 16, heads_kv=2, window=5),
+    CpCase(KVALLGATHER, 27, heads_kv=1, cu_seqlens=(0, 9, 20, 27)),
+    CpCase(KVALLGATHER, 30, causal=False, cu_seqlens=PACKED_30),
 ]
 
 

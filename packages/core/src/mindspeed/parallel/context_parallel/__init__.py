@@ -1,10 +1,11 @@
 """Context parallelism: attention over a sequence sharded across ranks.
 
-Three algorithms under MindSpeed's names (``context_parallel_algo``):
+Four algorithms under MindSpeed's names (``context_parallel_algo``):
 
 - ``ulysses_cp_algo``: all-to-all from sequence shards to head shards and back;
 - ``megatron_cp_algo``: ring attention over zig-zag shards, online-softmax merge;
-- ``hybrid_cp_algo``: Ulysses inside each ring step's shard (``ulysses_degree_in_cp``).
+- ``hybrid_cp_algo``: Ulysses inside each ring step's shard (``ulysses_degree_in_cp``);
+- ``kvallgather_cp_algo``: zig-zag queries against all-gathered keys and values.
 
 All are plain torch.distributed code with process groups passed as values, usable from a
 megatron-core attention module and from plain PyTorch modules. See docs/core/context-parallel.md.
@@ -16,6 +17,7 @@ from mindspeed.parallel.context_parallel.groups import ContextParallelGroups, bu
 from mindspeed.parallel.context_parallel.layout import (
     ALGOS,
     HYBRID,
+    KVALLGATHER,
     RING,
     ULYSSES,
     gather_from_context_parallel,
@@ -28,6 +30,7 @@ from mindspeed.parallel.context_parallel.layout import (
 __all__ = [
     "ALGOS",
     "HYBRID",
+    "KVALLGATHER",
     "RING",
     "ULYSSES",
     "ContextParallelAttention",

@@ -19,12 +19,14 @@ import torch.distributed as dist
 
 from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
-from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN, FEATURE_WINDOW
 from mindspeed.parallel.context_parallel.config import ContextParallelConfig
 from mindspeed.parallel.context_parallel.groups import ContextParallelGroups
 from mindspeed.parallel.context_parallel.hybrid import hybrid_attention
+from mindspeed.parallel.context_parallel.kv_allgather import kv_allgather_attention
 from mindspeed.parallel.context_parallel.layout import (
     HYBRID,
+    KVALLGATHER,
     RING,
     ULYSSES,
     check_algo,
@@ -66,6 +68,8 @@ def _resolve_groups(
         return group, None, dist.get_rank(cp_group), dist.get_world_size(group)
     if algo == RING:
         return None, cp_group if ring_group is None else ring_group, dist.get_rank(cp_group), 1
+    if algo == KVALLGATHER:
+        return None, None, dist.get_rank(cp_group), 1
     if ulysses_group is None or ring_group is None:
         raise ValueError(
             "hybrid_cp_algo needs ulysses_group and ring_group; build them with build_context_parallel_groups"
@@ -99,6 +103,8 @@ def context_parallel_attention(
     seq_len: int | None = None,
     impl: str = "auto",
     overlap: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a context-parallel group.
 
@@ -106,7 +112,8 @@ def context_parallel_attention(
         q: ``[batch, s_local, heads_q, dim]``, this rank's shard in ``algo``'s layout.
         k: ``[batch, s_local, heads_kv, dim]``, ``heads_q % heads_kv == 0``.
         v: same shape as ``k``.
-        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (ring) or ``hybrid_cp_algo``.
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (ring), ``hybrid_cp_algo`` or
+            ``kvallgather_cp_algo`` (KV all-gather).
         cp_group: the CP group; its rank is the CP rank the data was split with.
         ulysses_group: for ``hybrid_cp_algo`` (required); Ulysses uses ``cp_group`` by default.
         ring_group: for ``hybrid_cp_algo`` (required); ring uses ``cp_group`` by default.
@@ -118,6 +125,9 @@ def context_parallel_attention(
             ``s_local * C``; pass it when the length is not divisible (uneven shards).
         impl: the ``attention`` kernel (``"auto"`` picks the best one with the features needed).
         overlap: overlap ring transfers with compute.
+        window_size: ``(left, right)`` sliding window by global position (``kvallgather_cp_algo``
+            only, causal; a Mistral window of ``W`` tokens is ``(W - 1, 0)``).
+        alibi_slopes: ``[heads_q]`` ALiBi slopes (``kvallgather_cp_algo`` only, causal).
 
     Returns:
         ``[batch, s_local, heads_q, dim]``: this rank's rows of the output.
@@ -128,6 +138,9 @@ def context_parallel_attention(
     """
     check_algo(algo)
     _check_qkv(q, k, v)
+    masked = tuple(window_size) != (-1, -1) or alibi_slopes is not None
+    if masked and algo != KVALLGATHER:
+        raise ValueError(f"window_size and alibi_slopes need context_parallel_algo {KVALLGATHER}, not {algo}")
     ulysses_group, ring_group, cp_rank, degree = _resolve_groups(algo, cp_group, ulysses_group, ring_group)
     cp_size = dist.get_world_size(cp_group)
     bounds = None
@@ -153,6 +166,23 @@ def context_parallel_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     device = get_accelerator().name  # what resolve_kernel picks for; only the cache key here
     varlen = (FEATURE_VARLEN,) if bounds is not None else ()
+    if algo == KVALLGATHER:
+        masks = ((FEATURE_WINDOW,) if tuple(window_size) != (-1, -1) else ()) + (
+            (FEATURE_ALIBI,) if alibi_slopes is not None else ()
+        )
+        return kv_allgather_attention(
+            q,
+            k,
+            v,
+            group=cp_group,
+            seq_len=seq_len,
+            causal=causal,
+            softmax_scale=scale,
+            bounds=bounds,
+            attend=_kernel("attention", impl, (*masks, *varlen), device),
+            window_size=window_size,
+            alibi_slopes=alibi_slopes,
+        )
     if algo == ULYSSES:
         attend = _kernel("attention", impl, varlen, device)
         return ulysses_attention(
@@ -199,7 +229,7 @@ class ContextParallelAttention:
         self.config, self.groups = config, groups
         # Resolve (and log) the kernel now, so that a kernel that cannot serve the algorithm
         # (ring needs lse) fails at build time; calls reuse the same cached resolution.
-        needs_lse = config.context_parallel_algo != ULYSSES
+        needs_lse = config.context_parallel_algo in (RING, HYBRID)
         features = (FEATURE_LSE,) if needs_lse else ()
         self.kernel = _kernel("attention", config.attention_impl, features, get_accelerator().name)
 

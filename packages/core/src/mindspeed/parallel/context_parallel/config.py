@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mindspeed.parallel.context_parallel.layout import HYBRID, RING, ULYSSES, check_degrees
+from mindspeed.parallel.context_parallel.layout import HYBRID, KVALLGATHER, RING, ULYSSES, check_degrees
 from mindspeed.parallel.context_parallel.ulysses import check_ulysses_heads
 
-Algo = Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo"]
+Algo = Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo"]
 
 
 @dataclass
@@ -19,7 +19,8 @@ class ContextParallelConfig:
         context_parallel_size: CP degree ``C`` (``--context-parallel-size``).
         context_parallel_algo: ``ulysses_cp_algo`` (all-to-all over heads),
             ``megatron_cp_algo`` (ring attention, MindSpeed's default) or ``hybrid_cp_algo``
-            (Ulysses inside a ring) (``--context-parallel-algo``).
+            (Ulysses inside a ring) or ``kvallgather_cp_algo`` (zig-zag queries against the
+            all-gathered keys and values) (``--context-parallel-algo``).
         ulysses_degree_in_cp: Ulysses degree ``U`` of ``hybrid_cp_algo``; the ring degree is
             ``C / U`` (``--ulysses-degree-in-cp``).
         use_cp_send_recv_overlap: overlap each ring transfer with the current block's compute
@@ -51,7 +52,9 @@ class ContextParallelConfig:
 
     @property
     def ring_degree(self) -> int:
-        """Ranks in the ring: ``C`` for ring, ``C / U`` for hybrid, 1 for Ulysses."""
+        """Ranks in the ring: ``C`` for ring, ``C / U`` for hybrid, 1 for Ulysses and KV all-gather."""
+        if self.context_parallel_algo == KVALLGATHER:
+            return 1
         return self.context_parallel_size // self.ulysses_degree
 
     def check_heads(self, num_heads: int, num_kv_heads: int, tensor_parallel_size: int = 1) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mindspeed.parallel.context_parallel.layout import HYBRID, RING, ULYSSES, check_degrees
+from mindspeed.parallel.context_parallel.layout import HYBRID, KVALLGATHER, RING, ULYSSES, check_degrees
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class ContextParallelGroups:
         ulysses_group: the group that splits heads (the CP group for Ulysses, ``U``
             consecutive CP ranks for hybrid, ``None`` for ring).
         ring_group: the ring (the CP group for ring, the CP ranks with this rank's Ulysses rank
-            for hybrid, ``None`` for Ulysses).
+            for hybrid, ``None`` for Ulysses and KV all-gather, which use ``cp_group`` itself).
     """
 
     cp_group: dist.ProcessGroup
@@ -49,7 +49,7 @@ def build_context_parallel_groups(
 
     Args:
         cp_group: this rank's CP group.
-        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` or ``hybrid_cp_algo``.
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo``, ``hybrid_cp_algo`` or ``kvallgather_cp_algo``.
         ulysses_degree: ``U`` for ``hybrid_cp_algo``.
 
     Returns:
@@ -61,6 +61,8 @@ def build_context_parallel_groups(
         return ContextParallelGroups(cp_group, ulysses_group=cp_group)
     if algo == RING:
         return ContextParallelGroups(cp_group, ring_group=cp_group)
+    if algo == KVALLGATHER:
+        return ContextParallelGroups(cp_group)
     assert algo == HYBRID
     if ulysses_degree is None:
         raise ValueError("hybrid_cp_algo needs ulysses_degree (ulysses_degree_in_cp)")

@@ -7,6 +7,7 @@ Every algorithm shards the sequence dimension; they differ in how:
   ``r`` holds chunks ``r`` and ``2 * C - 1 - r``, in that order. Under a causal mask the
   early chunks see few keys and the late ones many; pairing them gives every rank the same
   work.
+- ``kvallgather_cp_algo`` (KV all-gather): the ring's zig-zag, for the same balance.
 - ``hybrid_cp_algo``: the ring's zig-zag over the ``R = C / U`` ring ranks, then each ring
   rank's two chunks (concatenated) are cut contiguously among its ``U`` Ulysses ranks. CP rank
   ``r`` is ring rank ``r // U`` and Ulysses rank ``r % U`` (Ulysses groups are consecutive CP
@@ -33,8 +34,11 @@ import torch.distributed as dist
 ULYSSES = "ulysses_cp_algo"
 RING = "megatron_cp_algo"
 HYBRID = "hybrid_cp_algo"
+KVALLGATHER = "kvallgather_cp_algo"
 #: MindSpeed's ``--context-parallel-algo`` names that this package implements.
-ALGOS = (ULYSSES, RING, HYBRID)
+ALGOS = (ULYSSES, RING, HYBRID, KVALLGATHER)
+#: Algorithms that shard the sequence zig-zag (the ring's load-balanced layout).
+ZIGZAG_ALGOS = (RING, KVALLGATHER)
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -120,7 +124,7 @@ def shard_ranges(seq_len: int, cp_rank: int, cp_size: int, algo: str, ulysses_de
         raise ValueError(f"cp_rank {cp_rank} is outside the CP group of size {cp_size}")
     if algo == ULYSSES:
         return (_chunk_ranges(seq_len, cp_size)[cp_rank],)
-    if algo == RING:
+    if algo in ZIGZAG_ALGOS:
         return zigzag_ranges(seq_len, cp_rank, cp_size)
     ring_size = cp_size // ulysses_degree
     ring_rank, ulysses_rank = divmod(cp_rank, ulysses_degree)
