@@ -5,7 +5,11 @@ RotaryEmbedding, DDP and optimizer) for 5 Adam steps on the whole sequence, then
 the same weights with CP=2 under every algorithm, the config fields coming from the
 ``context_parallel`` feature: ``ulysses_cp_algo``, ``megatron_cp_algo`` and
 ``hybrid_cp_algo`` in both degenerate forms on 2 ranks (Ulysses 2 x ring 1, Ulysses 1 x
-ring 2). Per-step losses and the final parameters must agree to fp32 round-off.
+ring 2), and ``kvallgather_cp_algo`` (megatron's ``cp_comm_type="all_gather"``). Per-step
+losses and the final parameters must agree to fp32 round-off. The same group checks
+``RegistryAttention`` under ``all_gather`` against the single-rank layer (output and q/k/v
+gradients) where the GPT does not reach: a sliding window, packed sequences (megatron's THD
+layout, each sequence split zig-zag) with a window, and ALiBi on packed sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ ALGOS: dict[str, dict[str, Any]] = {
     "ring": {"context_parallel_algo": "megatron_cp_algo"},
     "hybrid-u2r1": {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 2},
     "hybrid-u1r2": {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 1},
+    "all_gather": {"context_parallel_algo": "kvallgather_cp_algo"},
+}
+#: RegistryAttention cases under all_gather: label -> (window_size, packed boundaries or None, ALiBi).
+LAYER_CASES: dict[str, tuple[tuple[int, int] | None, tuple[int, ...] | None, bool]] = {
+    "window": ((5, 0), None, False),
+    "packed window": ((4, 0), (0, 8, 20, 32), False),
+    "packed alibi": (None, (0, 12, 16, 32), True),
 }
 
 
@@ -134,6 +145,57 @@ def _run(
         ps.destroy_model_parallel()
 
 
+def _layer_gaps(rank: int) -> dict[str, Any]:
+    """RegistryAttention at CP2 ``all_gather`` vs the single-rank layer: rows of the output, q/k/v grads."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed.megatron.config import ParallelSizes, transformer_config
+    from mindspeed.megatron.modules import RegistryAttention
+    from mindspeed.parallel.context_parallel import RING, shard_ranges
+    from mindspeed.parallel.context_parallel.layout import packed_shard_ranges
+
+    seq, heads, groups = MODEL.seq_length, MODEL.num_attention_heads, MODEL.num_query_groups
+    dim = MODEL.hidden_size // heads
+    comparison = Comparison("all_gather layer", atol=2e-6, rtol=1e-5)
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        for index, (label, (window, bounds, alibi)) in enumerate(LAYER_CASES.items()):
+            torch.manual_seed(100 + index)  # the same full tensors on both ranks; megatron's [s, b, n, d]
+            q = torch.randn(seq, 1, heads, dim)
+            k, v = (torch.randn(seq, 1, groups, dim) for _ in range(2))
+            probe = torch.randn(seq, 1, heads * dim)
+            if bounds is None:
+                rows, params = torch.cat([torch.arange(a, b) for a, b in shard_ranges(seq, rank, 2, RING)]), None
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in packed_shard_ranges(bounds, rank, 2)])
+                cu = torch.tensor(bounds, dtype=torch.int32)
+                params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            outs, grads = [], []
+            for cp, take in ((2, rows), (1, torch.arange(seq))):
+                config = transformer_config(MODEL, ParallelSizes(cp=cp), window_size=window)
+                attn = RegistryAttention(
+                    config, 1, AttnMaskType.causal, "self", cp_comm_type="all_gather", impl="reference", alibi=alibi
+                )
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                inputs = [t[take] if params is None else t[take].squeeze(1) for t in leaves]
+                out = attn(*inputs, None, packed_seq_params=params).reshape(len(take), 1, -1)
+                (out * probe[take]).sum().backward()
+                grad = [t.grad for t in leaves]
+                if cp == 2:  # each rank has the gradient of its rows' loss: sum them
+                    for g in grad:
+                        dist.all_reduce(g, group=ps.get_context_parallel_group())
+                outs.append(out.detach()[:, 0] if cp == 2 else out.detach()[rows, 0])
+                grads.append(grad)
+            comparison.add(f"{label} out", outs[0], outs[1])
+            for name, got, want in zip("qkv", *grads):
+                comparison.add(f"{label} d{name}", got, want)
+    finally:
+        ps.destroy_model_parallel()
+    return comparison.summary()
+
+
 def _check(rank: int, world_size: int) -> list[dict[str, Any]]:
     from mindspeed.megatron import adapt, unadapt
 
@@ -152,6 +214,7 @@ def _check(rank: int, world_size: int) -> list[dict[str, Any]]:
                 comparison.add(f"param {name}", value, final[name])
             comparison.extra["moved"] = max((final[n] - initial[n]).abs().max().item() for n in final)
             summaries.append(comparison.summary())
+        summaries.append(_layer_gaps(rank))
     finally:
         unadapt()
     return summaries
@@ -170,3 +233,10 @@ def test_cp2_training_matches_single_rank(results: dict[str, dict[str, Any]], la
     assert len([name for name in result["names"] if name.startswith("loss")]) == STEPS
     # Training moved the weights well beyond the tolerance, so equal final params mean something.
     assert result["moved"] > 1e-3
+
+
+@pytest.mark.distributed
+def test_all_gather_attention_layer_matches_single_rank(results: dict[str, dict[str, Any]]) -> None:
+    result = results["all_gather layer"]
+    assert not result["failures"], "all_gather RegistryAttention differs:\n" + "\n".join(result["failures"])
+    assert len(result["names"]) == 4 * len(LAYER_CASES)

@@ -3,7 +3,7 @@
 The algorithms live in :mod:`mindspeed.parallel.context_parallel`; inside megatron-core they
 run in :class:`~mindspeed.megatron.modules.RegistryAttention`, which picks the algorithm from
 megatron's own per-layer setting ``cp_comm_type`` ("p2p": ring, "a2a": Ulysses, "a2a+p2p":
-hybrid with ``hierarchical_context_parallel_sizes = [U, R]``). This feature translates
+hybrid with ``hierarchical_context_parallel_sizes = [U, R]``, "all_gather": KV all-gather). This feature translates
 MindSpeed's names into those ``TransformerConfig`` fields, so nothing else needs to know them.
 """
 
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
-from mindspeed.parallel.context_parallel import HYBRID, RING, ULYSSES, ContextParallelConfig
+from mindspeed.parallel.context_parallel import HYBRID, KVALLGATHER, RING, ULYSSES, ContextParallelConfig
 
 #: MindSpeed's ``context_parallel_algo`` -> megatron-core's ``cp_comm_type`` (the same map as
 #: ``mindspeed.megatron.modules.CP_ALGO_COMM_TYPES``, kept here so that listing features does
 #: not import megatron-core).
-COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p"}
+COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather"}
 
 
 @dataclass
@@ -28,8 +28,8 @@ class ContextParallelFeatureConfig(FeatureConfig):
     Attributes:
         enabled: see :class:`FeatureConfig`.
         context_parallel_size: CP degree ``C``; ``None`` takes ``parallel.cp`` of the build.
-        context_parallel_algo: ``megatron_cp_algo`` (ring, default), ``ulysses_cp_algo`` or
-            ``hybrid_cp_algo``.
+        context_parallel_algo: ``megatron_cp_algo`` (ring, default), ``ulysses_cp_algo``,
+            ``hybrid_cp_algo`` or ``kvallgather_cp_algo`` (KV all-gather: megatron's ``all_gather``).
         ulysses_degree_in_cp: Ulysses degree ``U`` of ``hybrid_cp_algo`` (ring degree ``C / U``).
     """
 
@@ -39,7 +39,7 @@ class ContextParallelFeatureConfig(FeatureConfig):
 
 
 class ContextParallelFeature(Feature):
-    """Shard the sequence over ``C`` ranks; attention by Ulysses, ring or both.
+    """Shard the sequence over ``C`` ranks; attention by Ulysses, ring, both, or KV all-gather.
 
     The model facts may carry ``extra["num_attention_heads"]`` and ``extra["num_query_groups"]``
     (per model, before TP); then the heads are checked against the Ulysses degree.
@@ -49,7 +49,7 @@ class ContextParallelFeature(Feature):
     Config = ContextParallelFeatureConfig
     level = 2
     flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
-    description = "long sequences: Ulysses, ring (zig-zag) or hybrid attention over the CP group"
+    description = "long sequences: Ulysses, ring (zig-zag), hybrid or KV all-gather attention over the CP group"
     targets = (
         "config_overrides.context_parallel_size",
         "config_overrides.cp_comm_type",

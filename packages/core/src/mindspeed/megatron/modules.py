@@ -25,6 +25,7 @@ from mindspeed.ops.alibi import shard_alibi_slopes
 from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
     HYBRID,
+    KVALLGATHER,
     RING,
     ULYSSES,
     ContextParallelGroups,
@@ -33,15 +34,16 @@ from mindspeed.parallel.context_parallel import (
     shard_ranges,
 )
 from mindspeed.parallel.context_parallel.api import _kernel
+from mindspeed.parallel.context_parallel.kv_allgather import kv_allgather_attention
 from mindspeed.parallel.context_parallel.layout import packed_shard_ranges
 from mindspeed.parallel.context_parallel.ring import ring_attention
 from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
 
 #: megatron-core's ``cp_comm_type`` (the per-layer CP setting it hands to core attention) ->
 #: MindSpeed's ``context_parallel_algo``. ``None`` is megatron's default, the ring ("p2p").
-CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID}
+CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": KVALLGATHER}
 #: The reverse, for the ``context_parallel`` feature.
-CP_ALGO_COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p"}
+CP_ALGO_COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather"}
 
 
 class RegistryNorm(nn.Module):
@@ -111,7 +113,8 @@ class RegistryAttention(MegatronModule):
 
     With ``alibi=True`` (the spec of an ALiBi model) the scores get ALiBi's bias; this rank's
     slopes are those of its tensor-parallel heads (megatron gives rank ``r`` of ``T`` the heads
-    ``r * n / T .. (r + 1) * n / T - 1``). Not under context parallelism nor shared-prefix packing.
+    ``r * n / T .. (r + 1) * n / T - 1``). Under context parallelism with Ulysses or KV all-gather
+    (``cp_comm_type='all_gather'``, which also takes ``window_size``); not with shared-prefix packing.
 
     ``config.softmax_type='learnable'`` (GPT-OSS's attention sinks) gives it megatron's
     ``softmax_offset`` parameter, one logit per local head, passed to the kernel as ``sinks``
@@ -149,21 +152,24 @@ class RegistryAttention(MegatronModule):
         self.impl = impl
         self.cp: _ContextParallel | None = None
         if config.context_parallel_size > 1:
-            if window is not None:
-                raise ValueError(
-                    "window_size is not supported under context parallelism; unset it or use context_parallel_size=1"
-                )
             self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
-            # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
-            features = (FEATURE_LSE,) if self.cp.algo != ULYSSES else ()
+            if window is not None and self.cp.algo != KVALLGATHER:
+                raise ValueError(
+                    f"window_size under context parallelism needs cp_comm_type 'all_gather' (kvallgather_cp_algo), "
+                    f"not {self.cp.algo}; unset it, use all_gather or context_parallel_size=1"
+                )
+            if self.cp.algo in (RING, HYBRID):
+                # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
+                features = (FEATURE_LSE,)
         self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
         if alibi:
             features = (*features, FEATURE_ALIBI)
-            if self.cp is not None and self.cp.algo != ULYSSES:
+            if self.cp is not None and self.cp.algo not in (ULYSSES, KVALLGATHER):
                 raise ValueError(
-                    f"ALiBi under context parallelism needs Ulysses (cp_comm_type 'a2a', context_parallel_algo "
-                    f"ulysses_cp_algo), not {self.cp.algo}: the ring would need every block's global positions"
+                    f"ALiBi under context parallelism needs Ulysses or KV all-gather (cp_comm_type 'a2a' or "
+                    f"'all_gather'), not {self.cp.algo}: the ring would need every block's global positions"
                 )
+        self.features = features
         self.kernel = resolve_kernel("attention", impl, features=features)
         self.softmax_offset = self._make_sinks(config, pg_collection)
 
@@ -229,6 +235,7 @@ class RegistryAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 kernel=self.kernel,
                 impl=self.impl,
+                window_size=self.window_size,
                 **self._alibi_kwargs(query.device, self.cp.ulysses_group),
             )
             return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
@@ -279,10 +286,10 @@ class RegistryAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
-            if self.alibi_slopes is not None:
+            if self.alibi_slopes is not None and self.cp.algo != KVALLGATHER:
                 raise ValueError(
                     "packed sequences with ALiBi under context parallelism are not supported; "
-                    "use context_parallel_size=1 or unpacked sequences"
+                    "use context_parallel_size=1, unpacked sequences or cp_comm_type 'all_gather'"
                 )
             out = self.cp.attend_packed(
                 query.unsqueeze(0),
@@ -293,6 +300,9 @@ class RegistryAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 kernel=self.kernel,
                 impl=self.impl,
+                features=self.features,
+                window_size=self.window_size,
+                **self._alibi_kwargs(query.device),
             )
             return out.squeeze(0).reshape(query.shape[0], -1)
         out = self.kernel(
@@ -378,7 +388,7 @@ class _ContextParallel:
             raise ValueError(
                 f"cp_comm_type={cp_comm_type!r} is not supported by RegistryAttention; "
                 f"use one of {sorted(k for k in CP_COMM_TYPES if k)} (p2p: ring, a2a: Ulysses, "
-                "a2a+p2p: hybrid)"
+                "a2a+p2p: hybrid, all_gather: KV all-gather)"
             )
         cp_group = getattr(pg_collection, "cp", None)
         if cp_group is None:
@@ -431,18 +441,36 @@ class _ContextParallel:
         softmax_scale: float | None,
         kernel: Any,
         impl: str,
+        window_size: tuple[int, int] = (-1, -1),
         alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out.
 
-        ``alibi_slopes`` (Ulysses only): the slopes of the heads this rank attends after the
-        all-to-all; the sorted rows are the whole sequence in position order, so the bias is exact.
+        ``alibi_slopes`` (Ulysses and KV all-gather): the slopes of the heads this rank attends
+        (after Ulysses' all-to-all, its part of them); Ulysses' sorted rows are the whole sequence
+        in position order and KV all-gather aligns every call by global position, so the bias is
+        exact. ``window_size``: KV all-gather only (the caller checks).
         """
         seq_len = q.shape[1] * self.cp_size
         if seq_len % (2 * self.cp_size):
             raise ValueError(
                 f"sequence length {seq_len} must be divisible by 2 * context_parallel_size "
                 f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs"
+            )
+        if self.algo == KVALLGATHER:
+            # Megatron's zig-zag is exactly this algorithm's layout: no reordering.
+            return kv_allgather_attention(
+                q,
+                k,
+                v,
+                group=self.cp_group,
+                seq_len=seq_len,
+                causal=causal,
+                softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
+                bounds=None,
+                attend=kernel,
+                window_size=window_size,
+                alibi_slopes=alibi_slopes,
             )
         if self.algo == RING:
             return context_parallel_attention(
@@ -528,8 +556,14 @@ class _ContextParallel:
         softmax_scale: float | None,
         kernel: Any,
         impl: str,
+        features: tuple[str, ...] = (),
+        window_size: tuple[int, int] = (-1, -1),
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed (THD) attention; ``[1, t_local, n, d]`` shards split zig-zag per sequence (megatron's layout).
+
+        KV all-gather runs on those shards directly too (with the layer's kernel features, its
+        window and ALiBi slopes, which only it takes here).
 
         The ring runs on the per-sequence shards directly (they ascend in global position). Ulysses
         gathers its group's shards, sorts them into position order (the whole row for Ulysses;
@@ -540,6 +574,21 @@ class _ContextParallel:
         seq_len = bounds[-1]
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         device = get_accelerator().name
+        if self.algo == KVALLGATHER:
+            return kv_allgather_attention(
+                q,
+                k,
+                v,
+                group=self.cp_group,
+                seq_len=seq_len,
+                causal=causal,
+                softmax_scale=scale,
+                bounds=bounds,
+                attend=_kernel("attention", impl, (*features, FEATURE_VARLEN), device),
+                window_size=window_size,
+                alibi_slopes=alibi_slopes,
+                per_sequence=True,
+            )
         ring_group = self.cp_group if self.algo == RING else self.ring_group
         lse_kernel = update = None
         if ring_group is not None and ring_group.size() > 1:  # only the ring merges blocks by their lse

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mindspeed.features import ModelFacts
 from mindspeed.model.shape import ModelShape
 from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
-from mindspeed.parallel.context_parallel import RING, ULYSSES, split_for_context_parallel
+from mindspeed.parallel.context_parallel import HYBRID, RING, split_for_context_parallel
 from mindspeed.parallel.context_parallel.layout import split_packed_for_context_parallel
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.steps import LM_LOSS, LossFunc
@@ -54,7 +54,7 @@ def context_parallel_facts(facts: ModelFacts, config: PretrainConfig, shape: Mod
     within ``cu_seqlens`` (``varlen``). The attention-kernel feature picks a kernel that has both.
     """
     needs = set(facts.attention_features)
-    if context_parallel_algo(config) != ULYSSES:
+    if context_parallel_algo(config) in (RING, HYBRID):
         needs.add(FEATURE_LSE)
     if config.stage != "pretrain":
         needs.add(FEATURE_VARLEN)
