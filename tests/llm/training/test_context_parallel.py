@@ -11,7 +11,9 @@ and Ulysses 1 x ring 2), through the real trainer:
 - SFT on packed instruction rows (THD: every sample is its own ``cu_seqlens`` segment, padded
   to a multiple of 2 x CP and split zig-zag sample by sample);
 - EOD-reset pretraining (``data.reset_attention_mask``: documents packed as THD sequences, each
-  padded to a multiple of 2 x CP) under the ring and Ulysses;
+  padded to a multiple of 2 x CP) under the ring, Ulysses and KV all-gather
+  (``kvallgather_cp_algo``, megatron's ``all_gather``; only here, to keep the group short: the
+  core's tests prove it unpacked);
 - resume across CP sizes: a CP2 run saves at step 2 and a CP1 run resumes it to step 4, and the
   reverse; steps 3 and 4 must be the reference's.
 
@@ -43,8 +45,10 @@ ALGOS = {
         "features.settings.context_parallel.ulysses_degree_in_cp=1",
     ],
 }
+#: Run only on EOD-reset pretraining (packed documents, THD).
+RESET_ONLY = {"all_gather": ["features.settings.context_parallel.context_parallel_algo=kvallgather_cp_algo"]}
 #: EOD-reset pretraining (packed documents, THD) at CP2 is checked under these.
-RESET_ALGOS = ("ring", "ulysses")
+RESET_ALGOS = ("ring", "ulysses", "all_gather")
 MODEL = [
     "model.vocab_size=128",
     "model.num_layers=2",
@@ -98,8 +102,8 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
         ("eod-reset", reset),
     ):
         out[f"{stage}/cp1"] = _run(*data, *start)
-        for name, algo in ALGOS.items():
-            if stage != "eod-reset" or name in RESET_ALGOS:
+        for name, algo in {**ALGOS, **RESET_ONLY}.items():
+            if (stage != "eod-reset" and name in ALGOS) or (stage == "eod-reset" and name in RESET_ALGOS):
                 out[f"{stage}/{name}"] = _run(*data, *start, "parallel.cp=2", *algo)
     # Resume across CP sizes: save at step 2 at one size, finish at the other.
     data = _pretrain_data(pretrain_data)
