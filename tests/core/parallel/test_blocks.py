@@ -1,4 +1,4 @@
-"""The ring's block plan covers exactly the visible (query, key) pairs, checked by brute force."""
+"""The ring's block plan and KV all-gather's calls cover exactly the visible (query, key) pairs (brute force)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from mindspeed.ops.attention import visible_keys_mask
 from mindspeed.parallel.context_parallel.blocks import Block, plan_blocks
+from mindspeed.parallel.context_parallel.kv_allgather import plan_kv_allgather
 from mindspeed.parallel.context_parallel.layout import zigzag_ranges
 from mindspeed.parallel.context_parallel.ring import plan_ring
 
@@ -79,3 +80,29 @@ def test_one_call_per_step_without_packing_or_with_a_causal_mask() -> None:
     assert plan.steps[1] == (Block(4, 8, 0, 8),)
     plan = plan_ring(16, 1, 2, True, None)  # rank 0's first chunk is seen in full by all queries
     assert plan.steps[1] == (Block(0, 8, 0, 4),)
+
+
+def test_kv_allgather_calls_cover_each_visible_pair_exactly_once() -> None:
+    """KV all-gather's calls, by the op's bottom-right mask of each call, see exactly the visible pairs."""
+    rng = random.Random(1)
+    for _ in range(300):
+        size, seq_len, causal = rng.choice([1, 2, 3, 4]), rng.randint(1, 33), rng.random() < 0.5
+        left = rng.choice([-1, 0, 2, 5]) if causal else -1
+        bounds = _random_bounds(rng, seq_len)
+        for rank in range(size):
+            shards, calls = plan_kv_allgather(seq_len, rank, size, causal, bounds, left=left)
+            q_pos = _positions(shards[rank])
+            want = _expected(q_pos, list(range(seq_len)), causal, bounds)
+            if left >= 0:
+                want &= (torch.arange(seq_len)[None, :] >= torch.tensor(q_pos, dtype=torch.long)[:, None] - left).int()
+            got = torch.zeros(len(q_pos), seq_len, dtype=torch.int)
+            for call in calls:
+                sq, sk = call.q_stop - call.q_start, call.k_stop - call.k_start
+                cu = None if call.cu_seqlens is None else torch.tensor(call.cu_seqlens)
+                mask = visible_keys_mask(sq, sk, causal=causal, window_size=(left, -1), cu_seqlens=cu)
+                got[call.q_start : call.q_stop, call.k_start : call.k_stop] += 1 if mask is None else mask.int()
+            assert torch.equal(got, want), (size, seq_len, causal, left, bounds, rank)
+            # Rows in local order, each once; at most two calls per zig-zag chunk under a causal mask.
+            assert [c.q_start for c in calls] == sorted(c.q_start for c in calls)
+            if causal:
+                assert len(calls) <= 2 * len(shards[rank])

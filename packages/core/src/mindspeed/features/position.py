@@ -43,7 +43,7 @@ class AlibiFeature(Feature):
         """An ALiBi model with heads that the tensor-parallel size divides.
 
         Context parallelism is checked where its algorithm is known: the attention layers take
-        Ulysses and refuse the ring and hybrid algorithms at build time.
+        Ulysses and KV all-gather and refuse the ring and hybrid algorithms at build time.
         """
         kind = ctx.model.position_embedding_type
         if kind is not None and kind != ALIBI:
