@@ -85,6 +85,7 @@ def _recompute_run(install: Any, bf16: bool, **megatron: Any) -> dict[str, Any]:
 
     from mindspeed.megatron.spec import get_gpt_layer_spec
     from mindspeed.metrics.memory import StorageTracker
+    from mindspeed.ops.mask_cache import clear_masks
     from mindspeed.testing.megatron import (
         ParallelSizes,
         TinyGPTConfig,
@@ -116,6 +117,7 @@ def _recompute_run(install: Any, bf16: bool, **megatron: Any) -> dict[str, Any]:
         installed = install(chunks) if install is not None else None
         batch = local_batches(make_batches(model, 1, MICRO_BATCH))[0]
         gpt = unwrap(chunks[0])
+        clear_masks()  # every run builds (and counts) its own shared attention mask, none inherits one
         tracker = StorageTracker()
         with tracker:
             loss = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean()
