@@ -393,10 +393,12 @@ def test_ppo_update_tp2_equals_tp1(run2: list[dict[str, Any]]) -> None:
         for layout in ("critic_tp2", "critic_dp2"):
             for a, b in zip(out[layout]["values"], out[layout]["plain"]):
                 assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5), (layout, a, b)
-    for key in ("values", "after"):
+    # After one Adam step the values move by the update, which Adam's normalisation makes sensitive
+    # to last-bit gradient differences (measured up to 2.2e-5 on an AMD EPYC): a looser bound there.
+    for key, tol in (("values", 1e-5), ("after", 1e-4)):
         for out in run2:
             for a, b in zip(out["critic_tp2"][key], tp1[key]):
-                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5), (key, a, b)
+                assert torch.allclose(torch.from_numpy(a), torch.from_numpy(b), rtol=tol, atol=tol), (key, a, b)
     tp2 = run2[0]["critic_tp2"]
     assert max(abs(a - b).max() for a, b in zip(tp2["after"], tp2["values"])) > 1e-3  # the update moved them
     for out in run2:  # critic.load: the TP2 checkpoint's values in a TP1 critic whose own head was other
