@@ -27,8 +27,6 @@ the script cannot rot; its numbers mean nothing. Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +37,6 @@ from typing import Any
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
 import pretrain
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -53,18 +49,6 @@ class Part:
     what: str
     goal: str
     run: Callable[[argparse.Namespace, Path], list[dict[str, Any]]]
-
-
-def run_bench(script: str, argv: Sequence[str], work: Path) -> Any:
-    """Run ``tools/bench/<script> argv --json`` in a fresh interpreter; its JSON (stdout in a log)."""
-    out, log = work / f"{Path(script).stem}.json", work / f"{Path(script).stem}.log"
-    with open(log, "w") as sink:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / script), *argv, "--json", str(out)], stdout=sink, stderr=subprocess.STDOUT
-        )
-    if proc.returncode not in (0, 2) or not out.is_file():  # 2: a busy machine (no table written)
-        raise RuntimeError(f"{script} failed (exit status {proc.returncode}); its log: {log}")
-    return json.loads(out.read_text())
 
 
 # ----------------------------------------------------------------------------- parts
@@ -131,7 +115,7 @@ def vlm_argv(dry_run: bool) -> list[str]:
 def vlm_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Our Qwen2.5-VL full fine-tuning step vs Hugging Face Trainer (vlm.py), tokens/s."""
     argv = [*vlm_argv(args.dry_run), "--workdir", str(work / "vlm")]
-    ours, hf = list(run_bench("vlm.py", argv, work)["results"].values())[:2]
+    ours, hf = list(_child.run_bench("vlm.py", argv, work)["results"].values())[:2]
     return [_ratio_row("VLM full step vs HF Trainer", ours["tokens_per_s"] / hf["tokens_per_s"], "tokens/s")]
 
 
@@ -148,7 +132,7 @@ def dit_argv(dry_run: bool) -> list[str]:
 def dit_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Our Wan DiT step (compiled blocks; eager in a dry run) vs the diffusers loop (dit.py part 1)."""
     argv = [*dit_argv(args.dry_run), "--workdir", str(work / "dit")]
-    ours, ref = run_bench("dit.py", argv, work)["part1"]["results"].values()
+    ours, ref = _child.run_bench("dit.py", argv, work)["part1"]["results"].values()
     mode = "eager (dry run)" if args.dry_run else "compiled blocks"
     return [_ratio_row(f"DiT step ({mode}) vs diffusers loop", ref["step_s"] / ours["step_s"], "steps/s")]
 
@@ -172,7 +156,7 @@ def generate_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
             "tokens/s",
             f"same tokens {r['same_tokens']}",
         )
-        for r in run_bench("generate.py", generate_argv(args.dry_run), work)
+        for r in _child.run_bench("generate.py", generate_argv(args.dry_run), work)
     ]
 
 
@@ -190,7 +174,7 @@ def grpo_argv(dry_run: bool) -> list[str]:
 def grpo_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Our GRPO step vs TRL's GRPOTrainer (grpo.py, sync), step rate."""
     argv = [*grpo_argv(args.dry_run), "--workdir", str(work / "grpo")]
-    results = run_bench("grpo.py", argv, work)["results"]
+    results = _child.run_bench("grpo.py", argv, work)["results"]
     return [_ratio_row("GRPO step vs TRL", results["trl"]["step_s"] / results["ours"]["step_s"], "steps/s")]
 
 
