@@ -38,14 +38,18 @@ def test_benches_accept_the_suites_arguments(suite, dry_run):
     assert set(suite.PARTS) == {"pretrain_mfu", *suite.BENCH_ARGV}
 
 
-def test_1b_shape_is_a_1b_llama_in_bf16(suite):
-    spec = {"size": "1b", "dataset": "/nonexistent/demo", "seq_length": 2048, "micro_batch": 4, "grad_accum": 1}
-    config = suite.pretrain.load_config({**spec, "workdir": "/nonexistent", "precision": "bf16"}, 8, 2)
-    assert config.train.precision == "bf16"
-    m = config.model
-    layer = 4 * m.hidden_size * m.hidden_size * (1 + m.num_query_groups / m.num_attention_heads) / 2
-    layer += 3 * m.hidden_size * m.ffn_hidden_size
-    assert 0.9e9 < m.num_layers * layer < 1.1e9  # without the (demo-sized) vocabulary
+def test_1b_mfu_is_tokens_times_a_hand_count_over_the_peak(suite):
+    spec = {"size": "1b", "dataset": "/nonexistent/demo", "workdir": "/nonexistent", "precision": "bf16"}
+    spec.update(seq_length=2048, micro_batch=4, grad_accum=1, steps=8, level=2, vocab_size=1792)
+    shape, tokens_per_s, flops, peak, value = suite.measure_mfu(spec, [9.0, 2.0, 1.0], 500.0)
+    h, f, s, v = shape.hidden_size, shape.ffn_hidden_size, 2048, 1792
+    kv = shape.num_query_groups * h // shape.num_attention_heads
+    layer = 2 * h * (h + 2 * kv) + 2 * h * h + 4 * s * h + 3 * 2 * h * f  # projections, attention, SwiGLU
+    assert 0.9e9 < shape.num_layers * (layer - 4 * s * h) / 2 < 1.1e9  # a 1 B Llama (without the vocabulary)
+    assert shape.params_dtype == "bfloat16" and peak.source == "override"
+    assert tokens_per_s == 4 * 2048 / 2.0  # the median step
+    expected = 3 * (shape.num_layers * layer + 2 * h * v) * tokens_per_s
+    assert abs(flops / expected - 1) < 1e-12 and abs(value - expected / 500e12) < 1e-12
 
 
 def test_bad_arguments_exit_2(suite, capsys):
@@ -63,5 +67,7 @@ def test_dry_run_writes_the_table_and_rows(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"] for r in rows] == ["generate batch 1 vs transformers"]
-    assert rows[0]["value"] > 0 and rows[0]["note"] == "same tokens True" and rows[0]["goal"] == ">= 2x transformers"
+    assert (
+        rows[0]["value"] > 0 and rows[0]["note"] == "fp32; same tokens True" and rows[0]["goal"] == ">= 2x transformers"
+    )
     assert "| generate | generate batch 1 vs transformers |" in proc.stdout

@@ -14,7 +14,8 @@ Parts (each reuses a bench of this folder; nothing here re-implements a side):
 - ``generate``: ``generate.py`` (our engine vs transformers' ``generate``), tokens/s ratio per batch;
 - ``grpo``: ``grpo.py --no-buffer-modes`` (our step vs TRL's ``GRPOTrainer``), step-rate ratio.
 
-The ratio benches are CPU benches as of this writing (fp32, both sides on the host): on an
+``generate.py`` runs both sides on the accelerator (its ``--device``, fp32). ``vlm.py``, ``dit.py``
+and ``grpo.py`` are CPU benches as of this writing (fp32, both sides on the host): on an
 accelerator host they still measure the host, and their rows say ``cpu`` in the device column.
 ``--dry-run`` runs every part at its smallest size on the CPU (fp32 for the MFU part), so that
 the script cannot rot; its numbers mean nothing. Usage::
@@ -27,6 +28,7 @@ the script cannot rot; its numbers mean nothing. Usage::
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -57,8 +59,6 @@ class Part:
 def pretrain_mfu(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """MFU of our pretrain step (pretrain.py's children), from its timed loop periods."""
     from mindspeed.device import get_accelerator
-    from mindspeed.metrics.flops import training_flops_per_token
-    from mindspeed.metrics.peak import mfu, peak_flops
 
     device = get_accelerator().name
     dry = args.dry_run or device == "cpu"
@@ -78,12 +78,7 @@ def pretrain_mfu(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     spec.update(pretrain.run_child("prepare", spec, work / "pretrain_prepare.log"))
     run = pretrain.run_child("ours", spec, work / "pretrain_ours.log")
-    config = pretrain.load_config(spec, spec["steps"], spec["level"])
-    shape = config.model.to_shape(spec["vocab_size"], spec["seq_length"], precision)
-    tokens_per_s = spec["micro_batch"] * spec["seq_length"] / _median(run["periods"])
-    flops = training_flops_per_token(shape, spec["seq_length"]) * tokens_per_s
-    peak = peak_flops(precision, args.peak_tflops)
-    value = mfu(flops, peak, 1)
+    shape, tokens_per_s, flops, peak, value = measure_mfu(spec, run["periods"], args.peak_tflops)
     note = (
         f"{spec['size']} Llama {shape.num_layers} layers, hidden {shape.hidden_size}, seq {spec['seq_length']}, "
         f"micro batch {spec['micro_batch']}, {precision}, eager (the LLM trainer has no train.compile yet); "
@@ -101,9 +96,18 @@ def pretrain_mfu(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+def measure_mfu(spec: dict[str, Any], periods: Sequence[float], peak_tflops: float | None) -> tuple[Any, ...]:
+    """The model shape of ``spec``'s run, its tokens/s and model FLOP/s over the median step of
+    ``periods``, the device's peak and the MFU (``None`` without a peak)."""
+    from mindspeed.metrics.flops import training_flops_per_token
+    from mindspeed.metrics.peak import mfu, peak_flops
+
+    config = pretrain.load_config(spec, spec["steps"], spec["level"])
+    shape = config.model.to_shape(spec["vocab_size"], spec["seq_length"], spec["precision"])
+    tokens_per_s = spec["micro_batch"] * spec["grad_accum"] * spec["seq_length"] / statistics.median(periods)
+    flops = training_flops_per_token(shape, spec["seq_length"]) * tokens_per_s
+    peak = peak_flops(spec["precision"], peak_tflops)
+    return shape, tokens_per_s, flops, peak, mfu(flops, peak, 1)
 
 
 def vlm_argv(dry_run: bool) -> list[str]:
@@ -140,22 +144,28 @@ def dit_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 def generate_argv(dry_run: bool) -> list[str]:
     """generate.py's arguments: its default model and batches 1 and 8, or a one-layer model for a dry run."""
     if not dry_run:
-        return ["--repeat", "2"]
+        return ["--repeat", "2", "--device", _device()]
     return [
         *("--layers", "1", "--hidden", "64", "--vocab", "128", "--prompt-len", "4", "--new-tokens", "4"),
         *("--batch-sizes", "1", "--repeat", "1"),
     ]
 
 
+def _device() -> str:
+    """The accelerator's torch device (``cpu`` without one)."""
+    from mindspeed.device import get_accelerator
+
+    return str(get_accelerator().device())
+
+
 def generate_ratio(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Our inference engine vs transformers' generate (generate.py), tokens/s per batch size."""
     return [
-        _ratio_row(
-            f"generate batch {r['batch']} vs transformers",
-            r["speedup_wall"],
-            "tokens/s",
-            f"same tokens {r['same_tokens']}",
-        )
+        {
+            **_ratio_row(f"generate batch {r['batch']} vs transformers", r["speedup_wall"], "tokens/s"),
+            "device": "cpu" if args.dry_run else _device(),
+            "note": f"fp32; same tokens {r['same_tokens']}",
+        }
         for r in _child.run_bench("generate.py", generate_argv(args.dry_run), work)
     ]
 
