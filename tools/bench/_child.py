@@ -290,6 +290,21 @@ def run_child(
     return result
 
 
+def run_bench(script: str, argv: Sequence[str], work: Path) -> Any:
+    """Run ``tools/bench/<script> argv --json`` in a fresh interpreter; its JSON (stdout in a log)."""
+    out, log = work / f"{Path(script).stem}.json", work / f"{Path(script).stem}.log"
+    out.unlink(missing_ok=True)  # a stale result must not pass for this run's
+    with open(log, "w") as sink:
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve().parent / script), *argv, "--json", str(out)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    if proc.returncode not in (0, 2) or not out.is_file():  # 2: a busy machine (no table written)
+        raise RuntimeError(f"{script} failed (exit status {proc.returncode}); its log: {log}")
+    return json.loads(out.read_text())
+
+
 def child_main(children: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]], kind: str, spec_file: str) -> int:
     """The child side of :func:`run_child`: run ``children[kind]`` and print its result line."""
     result = children[kind](json.loads(Path(spec_file).read_text()))

@@ -1,7 +1,7 @@
 """Benchmark the built-in inference engine against transformers' ``model.generate``.
 
 Builds one random-weight Llama (default 4 layers, hidden 256, 8 heads in 4 kv groups, vocab 2048)
-as a Hugging Face directory, loads it into both (fp32, the same device), and generates greedily
+as a Hugging Face directory, loads it into both (fp32, the same device: ``--device``, default the CPU), and generates greedily
 for the same random prompts at each batch size, the end-of-sequence token ignored so that every
 request produces exactly ``--new-tokens`` tokens. transformers runs with its default attention
 (SDPA) and dynamic KV cache; prompts in a batch have one length, so it needs no padding. Each
@@ -71,6 +71,11 @@ def main() -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of both sides (default cpu; device_suite.py passes the accelerator's)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     _child.add_record_args(parser)
     args = parser.parse_args()
@@ -85,8 +90,10 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), args.layers, args.hidden, args.vocab)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        ours = InferenceEngine.from_pretrained(tmp, dtype="float32", max_batch_size=max(args.batch_sizes))
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(args.device).eval()
+        ours = InferenceEngine.from_pretrained(
+            tmp, dtype="float32", max_batch_size=max(args.batch_sizes), device=args.device
+        )
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         generator = torch.Generator().manual_seed(1)
         for batch in args.batch_sizes:
@@ -96,8 +103,8 @@ def main() -> int:
             def run_hf():
                 with torch.inference_mode():
                     out = hf.generate(
-                        prompts,
-                        attention_mask=torch.ones_like(prompts),
+                        prompts.to(args.device),
+                        attention_mask=torch.ones_like(prompts).to(args.device),
                         do_sample=False,
                         max_new_tokens=args.new_tokens,
                         min_new_tokens=args.new_tokens,

@@ -67,9 +67,17 @@ SIZES = {
         "model.num_attention_heads": 8,
         "model.num_query_groups": 4,
     },
+    # ~1.1 B parameters with a 32k vocabulary (TinyLlama's shape): for tools/bench/device_suite.py's MFU.
+    "1b": {
+        "model.num_layers": 22,
+        "model.hidden_size": 2048,
+        "model.ffn_hidden_size": 5632,
+        "model.num_attention_heads": 32,
+        "model.num_query_groups": 4,
+    },
 }
 #: Default steps per run of each size.
-STEPS = {"tiny": 40, "small": 12}
+STEPS = {"tiny": 40, "small": 12, "1b": 8}
 #: The name of the Hugging Face run in the table.
 HF = "Hugging Face Trainer"
 #: The line a child prints its result on.
@@ -100,6 +108,8 @@ def recipe_overrides(spec: dict[str, Any], steps: int, level: int, full_logging:
         "logging.dir": str(Path(spec["workdir"]) / "logs") if full_logging else "null",
         "features.optimization_level": level,
     }
+    if spec.get("precision"):  # default: the recipe's (fp32); device_suite.py asks for bf16
+        overrides["train.precision"] = spec["precision"]
     if spec.get("vocab_size"):
         overrides["model.vocab_size"] = spec["vocab_size"]
     return [f"{key}={value}" for key, value in overrides.items()]
@@ -428,7 +438,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--size",
         choices=sorted(SIZES),
         default="tiny",
-        help="tiny: examples/llm/tiny_cpu.yaml (4 layers, hidden 128); small: 8 layers, hidden 512",
+        help="tiny: examples/llm/tiny_cpu.yaml (4 layers, hidden 128); small: 8 layers, hidden 512; 1b: 22 layers, hidden 2048 (for an accelerator)",
     )
     parser.add_argument(
         "--steps",

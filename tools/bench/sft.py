@@ -243,7 +243,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import megatron.core.models.gpt  # noqa: F401  (imported before the baseline RSS, like transformers there)
     import megatron.core.optimizer  # noqa: F401
 
-    import mindspeed_llm.training.trainer as trainer_module
+    import mindspeed_llm.training.trainer_load as trainer_module  # where the trainer calls apply_lora
     from mindspeed.launch import launch
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.qlora import quantized_bytes
