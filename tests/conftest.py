@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from mindspeed.device import available_accelerators  # noqa: E402
+from mindspeed.testing.distributed import start_fork_server  # noqa: E402
 from tests.golden import UPDATE_ENV  # noqa: E402
 
 
@@ -28,6 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.option.collectonly and any(
+        "run_distributed" in getattr(getattr(item, "module", None), "__dict__", {}) for item in items
+    ):
+        # The gloo groups' ranks fork from one server that imported torch and megatron-core once; started
+        # here, before any test sets a run's marker in this process's environment.
+        start_fork_server()
     present = set(available_accelerators())
     for item in items:
         for marker, device in (("gpu", "cuda"), ("npu", "npu")):

@@ -7,19 +7,54 @@ its traceback; a rank that hangs (a collective nobody joins) fails it after ``ti
 seconds instead of hanging CI. Processes are always reaped.
 
 On a 2-core machine each rank costs seconds of imports: check many things inside one group.
+Ranks start from a fork server that has imported torch, megatron-core and transformers once
+(:data:`PRELOAD`), so a rank pays only for what its test imports beyond those; each rank gets the
+caller's current environment, working directory and ``sys.path``, as a spawned one would.
+``MINDSPEED_TEST_START_METHOD=spawn`` starts every rank from scratch instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+#: Third-party modules every rank imports, loaded once into the fork server the ranks start from.
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers")
+#: Set to ``spawn`` to start every rank as a fresh interpreter.
+START_METHOD_ENV = "MINDSPEED_TEST_START_METHOD"
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from: a preloaded fork server where the platform has one."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Only takes effect when the server starts (the first group of the process); later calls are no-ops.
+    ctx.set_forkserver_preload([name for name in PRELOAD if importlib.util.find_spec(name.split(".")[0])])
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the ranks' fork server now, with this process's environment (it preloads in the background).
+
+    Call it early (a test session's start): the server's own environment is the one it starts
+    with, and a process scanning ``/proc`` for the markers of a later run must not find it.
+    """
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def find_free_port() -> int:
@@ -39,7 +74,14 @@ def _rank_main(
     env: dict[str, str],
     results: mp.Queue,
     timeout: float,
+    caller: tuple[dict[str, str], str, list[str]],
 ) -> None:
+    # A forked rank inherits the fork server's state: take the caller's as a spawned rank would.
+    environ, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(env)
     os.environ.update(
         {
@@ -52,7 +94,7 @@ def _rank_main(
         }
     )
     try:
-        # Imported in the rank, after its environment (threads, rendezvous) is set above.
+        # Loaded already in a rank forked from the server; the thread count is set explicitly below.
         import torch
         import torch.distributed as dist
 
@@ -107,14 +149,15 @@ def run_distributed(
     Raises:
         DistributedTestError: with the failing ranks' tracebacks, or naming the ranks that hung.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = find_free_port()
     rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    caller = (dict(os.environ), os.getcwd(), list(sys.path))
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, backend, args, rank_env, results, timeout),
+            args=(fn, rank, world_size, port, backend, args, rank_env, results, timeout, caller),
             name=f"rank{rank}",
             daemon=True,
         )
