@@ -24,6 +24,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.device.cuda_shim import SHIMMED_ACCELERATORS
 from mindspeed.megatron.modules import RegistryNorm
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.megatron.shared_prefix import SharedPrefixParams
 from mindspeed.megatron.spec import MindSpeedSpecProvider
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.gated_delta_net import DeltaNetHeads, gated_delta_net_mix
@@ -173,24 +174,48 @@ class RegistryGatedDeltaNet(GatedDeltaNet):
         inference_params: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h]`` -> (output ``[s, b, h]``, bias); causal over each whole row (no padding mask)."""
+        """``[s, b, h]`` -> (output ``[s, b, h]``, bias): causal over each row (no padding mask), or
+        over each packed sequence of ``packed_seq_params`` (THD, ``[t, 1, h]``)."""
         if inference_context is not None or inference_params is not None:
             raise ValueError(
                 "RegistryGatedDeltaNet has no megatron inference context; generate with the inference engine"
             )
-        if packed_seq_params is not None:
-            raise ValueError("Gated DeltaNet layers do not support packed sequences; set data packing off")
         projected, _ = self.in_proj(hidden_states)
-        mixed, _, _ = gated_delta_net_mix(
-            projected.transpose(0, 1),
-            self.heads,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
-            self.out_norm,
-            self.kernel,
+        projected = projected.transpose(0, 1)
+        bounds = [0, projected.shape[1]]
+        if packed_seq_params is not None:
+            bounds = _segments(packed_seq_params, projected.shape[1])
+        mixed = torch.cat(
+            [
+                gated_delta_net_mix(
+                    projected[:, start:end],
+                    self.heads,
+                    self.conv1d.weight,
+                    self.A_log,
+                    self.dt_bias,
+                    self.out_norm,
+                    self.kernel,
+                )[0]
+                for start, end in zip(bounds[:-1], bounds[1:])
+            ],
+            dim=1,
         )
         return self.out_proj(mixed.transpose(0, 1).contiguous())
+
+
+def _segments(params: Any, tokens: int) -> list[int]:
+    """Segment boundaries of packed (THD) sequences: each runs its own recurrence from zero state;
+    tokens after the last sequence (padding) form one more segment."""
+    if isinstance(params, SharedPrefixParams):
+        raise ValueError(
+            "shared-prefix packing is not supported by Gated DeltaNet layers; pack each sequence on its own"
+        )
+    if getattr(params, "qkv_format", "thd") != "thd" or getattr(params, "cu_seqlens_q", None) is None:
+        raise ValueError("Gated DeltaNet layers take packed sequences only as qkv_format='thd' with cu_seqlens_q")
+    bounds = [int(x) for x in params.cu_seqlens_q.tolist()]
+    if bounds[-1] < tokens:
+        bounds.append(tokens)
+    return sorted(set(bounds))
 
 
 def get_registry_gated_delta_net_spec(impls: Mapping[str, str] | None = None, impl: str = "auto") -> ModuleSpec:
