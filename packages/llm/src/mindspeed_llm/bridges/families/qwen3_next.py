@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, register_bridge
+from mindspeed_llm.bridges.base import Bridge, Capabilities, ConfigKey, head_dim_default, register_bridge
 from mindspeed_llm.bridges.common import (
     EMBEDDING_RULES,
     HF,
@@ -63,7 +63,9 @@ class Qwen3NextBridge(Bridge):
     hf_architectures = ("Qwen3NextForCausalLM",)
     hf_model_type = "qwen3_next"
     config_keys = (
-        *LLAMA_CONFIG_KEYS,
+        # Qwen3NextConfig defaults head_dim to 256 (not hidden / heads): always written.
+        *(key for key in LLAMA_CONFIG_KEYS if key.mg != "kv_channels"),
+        ConfigKey("kv_channels", "head_dim", default=head_dim_default),
         # Qwen3NextConfig defaults partial_rotary_factor to 0.25.
         ConfigKey("rotary_percent", "rope_parameters.partial_rotary_factor", default=0.25),
         ConfigKey("num_experts", "num_experts"),
@@ -84,7 +86,7 @@ class Qwen3NextBridge(Bridge):
         "moe_shared_expert_gate": True,
     }
     requires = (*LLAMA_REQUIRES, ("attention_bias", False))
-    capabilities = Capabilities(moe=True, shared_experts=True, infers=False)
+    capabilities = Capabilities(moe=True, shared_experts=True)
     rules = (
         *EMBEDDING_RULES,
         *MIXER_RULES,
