@@ -8,6 +8,11 @@ names to the registry's ``gated_delta_rule`` (``impl``: ``"auto"`` is FLA itself
 is installed, the chunked reference elsewhere) and to FLA's l2norm definition. The layer's
 linear layers and output norm do have a seam: :func:`get_gated_delta_net_spec` builds them
 from megatron's local linears and the registry norm.
+
+What the models build (the Qwen3-Next bridge, the trainer) is :class:`RegistryGatedDeltaNet`: the
+same class with a forward on the registry kernel (:func:`get_registry_gated_delta_net_spec`), so
+nothing of megatron's module is rebound while a model runs; the patches stay for running
+megatron's own class unchanged.
 """
 
 from __future__ import annotations
