@@ -1,5 +1,6 @@
 """megatron-core's GatedDeltaNet runs on the CPU on the registry's gated_delta_rule and equals
-transformers' Qwen3NextGatedDeltaNet with the same weights (forward and backward)."""
+transformers' Qwen3NextGatedDeltaNet with the same weights (forward and backward): through the
+patches of megatron's module names, and as our RegistryGatedDeltaNet (no name rebound at run time)."""
 
 from __future__ import annotations
 
@@ -55,13 +56,13 @@ def _megatron_state(hf) -> dict[str, torch.Tensor]:
     }
 
 
-def _megatron_layer(impl: str):
+def _megatron_layer(impl: str, registry: bool = False):
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
-    from mindspeed.megatron.gated_delta_net import get_gated_delta_net_spec
+    from mindspeed.megatron.gated_delta_net import get_gated_delta_net_spec, get_registry_gated_delta_net_spec
 
     config = TransformerConfig(
         num_layers=1,
@@ -83,6 +84,8 @@ def _megatron_layer(impl: str):
         attention_dropout=0.0,
     )
     spec = get_gated_delta_net_spec({"rms_norm": "reference"})
+    if registry:  # our subclass: the kernel by the spec's impl, nothing of megatron's rebound
+        spec = get_registry_gated_delta_net_spec({"rms_norm": "reference"}, impl)
     return build_module(
         spec, config=config, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
     )
@@ -110,13 +113,15 @@ def _compare(rank: int, world_size: int) -> dict:
     hf_out.backward(cotangent)
     hf_grads = {"A_log": hf.A_log.grad, "dt_bias": hf.dt_bias.grad, "conv1d.weight": hf.conv1d.weight.grad}
     results = {}
-    for impl in ("reference", "recurrent"):
-        patches = PatchSet(gated_delta_net_patches(impl))
+    for impl in ("reference", "recurrent", "registry"):
+        registry = impl == "registry"
+        patches = PatchSet([] if registry else gated_delta_net_patches(impl))
         patches.apply(get_accelerator())
         try:
-            layer = _megatron_layer(impl)
+            layer = _megatron_layer("reference" if registry else impl, registry)
             missing = layer.load_state_dict(_megatron_state(hf), strict=False)
-            kernel = gdn_module.chunk_gated_delta_rule.kernel.name
+            kernel = "registry" if registry and layer.kernel.name == "reference" else None
+            kernel = kernel or gdn_module.chunk_gated_delta_rule.kernel.name
             ours_x = x.transpose(0, 1).clone().requires_grad_(True)  # megatron's [s, b, h]
             out, bias = layer(ours_x, attention_mask=None)
             out.backward(cotangent.transpose(0, 1))

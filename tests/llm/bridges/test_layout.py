@@ -84,6 +84,30 @@ def test_split_matches_megatron_and_merges_back(split: Split, dim: int, stride: 
     assert torch.equal(merge_tensors(param, ours), full)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sections_give_each_rank_its_block_of_every_section(tp: int) -> None:
+    """The Gated DeltaNet's in_proj ``[q | k | v | z | b | a]``: megatron's rank r computes its own
+    heads of every section (``torch.split`` of its local rows by section / tp), views included."""
+    from mindspeed.checkpointing.blocks import Blocks
+    from mindspeed_llm.bridges.layout import merge_blocks, split_blocks
+
+    sections = (8, 8, 12, 12, 4, 4)
+    full = torch.randn(sum(sections), 6)
+    param = MegatronParam("in_proj.weight", tuple(full.shape), Split.SECTIONS, sections=sections)
+    pieces = split_tensor(param, full, tp)
+    for rank, piece in enumerate(pieces):
+        local = piece.split([size // tp for size in sections])
+        for part, whole in zip(local, full.split(list(sections))):
+            assert torch.equal(part, whole.chunk(tp)[rank])
+        assert tuple(piece.shape) == piece_shape(param, tp)
+    assert torch.equal(merge_tensors(param, pieces), full)
+    views = split_blocks(param, Blocks.of(full), tp)
+    assert all(torch.equal(view.tensor(), piece) for view, piece in zip(views, pieces))
+    assert torch.equal(merge_blocks(param, pieces).tensor(), full)
+    with pytest.raises(ValueError, match="sections"):
+        split_tensor(param, full, 8)
+
+
 def test_replicated_pieces_must_agree() -> None:
     param = MegatronParam("decoder.final_layernorm.weight", (4,), Split.REPLICATED)
     with pytest.raises(ValueError, match="rank 1 holds a different copy"):

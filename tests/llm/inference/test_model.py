@@ -68,7 +68,9 @@ def _greedy(n: int):
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", ["llama2", "qwen3-moe", "qwen2-moe", "deepseek3", "gemma3", "glm45-moe", "gpt-oss"])
+@pytest.mark.parametrize(
+    "family", ["llama2", "qwen3-moe", "qwen2-moe", "deepseek3", "gemma3", "glm45-moe", "gpt-oss", "qwen3-next"]
+)
 def test_greedy_equals_transformers_generate(engine, hf_model, family: str) -> None:
     prompts = random_prompts((5, 11, 2), seed=3)
     model = hf_model(family)

@@ -24,7 +24,7 @@ def _run(eng, prompts, params, sharing: bool) -> tuple[list, list[int]]:
         eng.prefix_sharing, eng.model.hidden = True, hidden
 
 
-@pytest.mark.parametrize("family", ["llama2", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["llama2", "qwen3-moe", "qwen3-next"])  # qwen3-next: recurrent states move too
 def test_shared_prefill_equals_the_unshared_path(engine, family: str) -> None:
     eng = engine(family, max_batch_size=6)
     a, b, c = random_prompts((9, 5, 12), seed=30)

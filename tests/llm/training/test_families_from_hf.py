@@ -9,7 +9,11 @@ Each tiny model trains in one spawned gloo group of two ranks, in the layout tha
   channels rotate), head_dim not hidden / heads, a dense first layer, sigmoid routing with a
   non-zero expert bias over two expert groups, routed scaling factor 2.5, a shared expert;
 - GPT-OSS at EP2: attention sinks (the registry attention's), a sliding-window layer then a full
-  one, YaRN, q/k/v/o biases, router and expert biases (experts at ETP 1), the clamped SwiGLU.
+  one, YaRN, q/k/v/o biases, router and expert biases (experts at ETP 1), the clamped SwiGLU;
+- Qwen3-Next at TP2 (sequence-parallel, as MoE at TP > 1 is): Gated DeltaNet layers (in_proj and
+  conv1d cut section by section, the recurrence per packed sample in SFT) around gated full
+  attention, QK norm, partial rotary, (1 + w) norms, a dense first layer, renormalised top-2
+  routing, a shared expert with its sigmoid gate.
 
 The parent recomputes with transformers:
 
@@ -41,11 +45,12 @@ from tests.llm.training.test_deepseek_v3 import _batch, _hf, _loss, _sft_loss
 pytestmark = pytest.mark.slow
 
 SEQ, MBS, GBS = 32, 2, 8
-#: Family -> (its layout, learning rate, steps): enough for the loss to fall by 0.05.
+#: Family -> (its layout (space-separated overrides), learning rate, steps): enough for the loss to fall by 0.05.
 FAMILIES = {
     "gemma3": ("parallel.tp=2", 3e-3, 3),
     "glm45-moe": ("parallel.ep=2", 1e-2, 5),
     "gpt-oss": ("parallel.ep=2", 1e-2, 4),
+    "qwen3-next": ("parallel.tp=2 parallel.sequence_parallel=true", 1e-2, 2),
 }
 
 
@@ -63,7 +68,7 @@ def _overrides(root: str, family: str, *extra: str) -> list[str]:
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.loss_curve=false",
-        layout,
+        *layout.split(),
         *extra,
     ]
 

@@ -148,6 +148,18 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
     )
     if shape.mtp_num_layers:
         fields["mtp_num_layers"] = shape.mtp_num_layers
+    if shape.attention_output_gate:
+        fields["attention_output_gate"] = True
+    if shape.linear_attention_freq:  # Gated DeltaNet layers (mindspeed.megatron.gated_delta_net)
+        fields.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=list(shape.linear_attention_freq),
+            linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
+            linear_key_head_dim=shape.linear_key_head_dim,
+            linear_value_head_dim=shape.linear_value_head_dim,
+            linear_num_key_heads=shape.linear_num_key_heads,
+            linear_num_value_heads=shape.linear_num_value_heads,
+        )
     if shape.num_experts:  # expert-parallel sizes mean nothing (and megatron refuses them) without experts
         fields["expert_model_parallel_size"] = sizes.ep
         etp = expert_tensor_parallel_size(shape, sizes.etp)

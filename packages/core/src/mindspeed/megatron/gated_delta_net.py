@@ -8,6 +8,11 @@ names to the registry's ``gated_delta_rule`` (``impl``: ``"auto"`` is FLA itself
 is installed, the chunked reference elsewhere) and to FLA's l2norm definition. The layer's
 linear layers and output norm do have a seam: :func:`get_gated_delta_net_spec` builds them
 from megatron's local linears and the registry norm.
+
+What the models build (the Qwen3-Next bridge, the trainer) is :class:`RegistryGatedDeltaNet`: the
+same class with a forward on the registry kernel (:func:`get_registry_gated_delta_net_spec`), so
+nothing of megatron's module is rebound while a model runs; the patches stay for running
+megatron's own class unchanged.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mindspeed.device import get_accelerator
 from mindspeed.device.cuda_shim import SHIMMED_ACCELERATORS
+from mindspeed.megatron.modules import RegistryNorm
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
+from mindspeed.megatron.shared_prefix import SharedPrefixParams
 from mindspeed.megatron.spec import MindSpeedSpecProvider
 from mindspeed.ops import resolve_kernel
+from mindspeed.ops.gated_delta_net import DeltaNetHeads, gated_delta_net_mix
 from mindspeed.ops.gated_delta_rule import l2norm
-from mindspeed.patching import UpstreamPatch
+from mindspeed.patching import PatchSet, UpstreamPatch
 
 _GDN = "megatron.core.ssm.gated_delta_net"
 
@@ -66,6 +75,17 @@ def _eager(original: Any, acc: Any) -> Any:
     return getattr(original, "_torchdynamo_orig_callable", original)
 
 
+def _have_fla_patch() -> UpstreamPatch:
+    return UpstreamPatch(
+        name="gdn-have-fla",
+        target=f"{_GDN}.HAVE_FLA",
+        make=lambda original, acc: True,
+        reason="GatedDeltaNet's constructor refuses to build without FLA; its kernel is bound above",
+        distribution="megatron-core",
+        versions=MEGATRON_VERSIONS,
+    )
+
+
 def gated_delta_net_patches(impl: str = "auto") -> list[UpstreamPatch]:
     """Patches that let megatron's ``GatedDeltaNet`` build and run on the registry kernel ``impl``.
 
@@ -90,13 +110,7 @@ def gated_delta_net_patches(impl: str = "auto") -> list[UpstreamPatch]:
             allow_missing=True,
             **common,
         ),
-        UpstreamPatch(
-            name="gdn-have-fla",
-            target=f"{_GDN}.HAVE_FLA",
-            make=lambda original, acc: True,
-            reason="GatedDeltaNet's constructor refuses to build without FLA; its kernel is bound above",
-            **common,
-        ),
+        _have_fla_patch(),
         UpstreamPatch(
             name="gdn-gated-norm-eager",
             target=f"{_GDN}.GatedDeltaNet._apply_gated_norm",
@@ -123,5 +137,101 @@ def get_gated_delta_net_spec(impls: Mapping[str, str] | None = None) -> ModuleSp
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear, out_norm=provider.layer_norm(rms_norm=True), out_proj=RowParallelLinear
         ),
+        metainfo={"fuse_input_layernorm": False},
+    )
+
+
+class RegistryGatedDeltaNet(GatedDeltaNet):
+    """megatron's ``GatedDeltaNet`` (same parameters, sharding and checkpoints) whose forward runs
+    :func:`mindspeed.ops.gated_delta_net.gated_delta_net_mix` on the registry's ``gated_delta_rule``.
+
+    No module-level name of megatron is rebound while it runs: only its constructor's FLA check is
+    lifted, for the duration of the constructor (a reverted patch). Sequence parallelism works as
+    upstream (the input projection gathers the sequence, the output projection scatters it back).
+
+    Args:
+        impl: the ``gated_delta_rule`` implementation ("auto", "reference", "recurrent", ...).
+        *args, **kwargs: megatron's ``GatedDeltaNet`` arguments.
+    """
+
+    def __init__(self, *args: Any, impl: str = "auto", **kwargs: Any) -> None:
+        patches = PatchSet([_have_fla_patch()])
+        patches.apply(get_accelerator())
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            patches.revert()
+        self.kernel = resolve_kernel("gated_delta_rule", impl)
+        self.heads = DeltaNetHeads(
+            self.num_key_heads // self.tp_size, self.num_v_heads_local_tp, self.key_head_dim, self.value_head_dim
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Any = None,
+        key_value_states: Any = None,
+        inference_context: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: Any = None,
+        *,
+        inference_params: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h]`` -> (output ``[s, b, h]``, bias): causal over each row (no padding mask), or
+        over each packed sequence of ``packed_seq_params`` (THD, ``[t, 1, h]``)."""
+        if inference_context is not None or inference_params is not None:
+            raise ValueError(
+                "RegistryGatedDeltaNet has no megatron inference context; generate with the inference engine"
+            )
+        projected, _ = self.in_proj(hidden_states)
+        projected = projected.transpose(0, 1)
+        bounds = [0, projected.shape[1]]
+        if packed_seq_params is not None:
+            bounds = _segments(packed_seq_params, projected.shape[1])
+        mixed = torch.cat(
+            [
+                gated_delta_net_mix(
+                    projected[:, start:end],
+                    self.heads,
+                    self.conv1d.weight,
+                    self.A_log,
+                    self.dt_bias,
+                    self.out_norm,
+                    self.kernel,
+                )[0]
+                for start, end in zip(bounds[:-1], bounds[1:])
+            ],
+            dim=1,
+        )
+        return self.out_proj(mixed.transpose(0, 1).contiguous())
+
+
+def _segments(params: Any, tokens: int) -> list[int]:
+    """Segment boundaries of packed (THD) sequences: each runs its own recurrence from zero state;
+    tokens after the last sequence (padding) form one more segment."""
+    if isinstance(params, SharedPrefixParams):
+        raise ValueError(
+            "shared-prefix packing is not supported by Gated DeltaNet layers; pack each sequence on its own"
+        )
+    if getattr(params, "qkv_format", "thd") != "thd" or getattr(params, "cu_seqlens_q", None) is None:
+        raise ValueError("Gated DeltaNet layers take packed sequences only as qkv_format='thd' with cu_seqlens_q")
+    bounds = [int(x) for x in params.cu_seqlens_q.tolist()]
+    if bounds[-1] < tokens:
+        bounds.append(tokens)
+    return sorted(set(bounds))
+
+
+def get_registry_gated_delta_net_spec(impls: Mapping[str, str] | None = None, impl: str = "auto") -> ModuleSpec:
+    """The spec of :class:`RegistryGatedDeltaNet`: local linears, a plain-weight registry RMSNorm
+    as the gated output norm (also in models whose other norms are zero-centred), the
+    ``gated_delta_rule`` kernel ``impl``."""
+    provider = MindSpeedSpecProvider(impls)
+    norm = ModuleSpec(module=RegistryNorm, params={"impl": provider.impls["rms_norm"], "zero_centered": False})
+    return ModuleSpec(
+        module=RegistryGatedDeltaNet,
+        params={"impl": impl},
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
         metainfo={"fuse_input_layernorm": False},
     )

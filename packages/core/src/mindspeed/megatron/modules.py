@@ -54,7 +54,15 @@ class RegistryNorm(nn.Module):
     over the tensor-parallel group.
     """
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, impl: str = "auto", **_: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        impl: str = "auto",
+        zero_centered: bool | None = None,
+        **_: Any,
+    ) -> None:
         super().__init__()
         if config.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(
@@ -63,8 +71,9 @@ class RegistryNorm(nn.Module):
         self.rms = config.normalization == "RMSNorm"
         self.eps = eps
         # Zero-centred gamma (megatron's --apply-layernorm-1p, Gemma's RMSNorm): the weight is
-        # stored as w and the norm scales by 1 + w.
-        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        # stored as w and the norm scales by 1 + w. ``zero_centered`` overrides the config for one
+        # norm (Qwen3-Next's gated output norm keeps a plain weight in a (1 + w) model).
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma if zero_centered is None else zero_centered)
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))

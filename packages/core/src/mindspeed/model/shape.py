@@ -104,6 +104,17 @@ class ModelShape:
         beta_fast: YaRN beta_fast.
         beta_slow: YaRN beta_slow.
         original_max_position_embeddings: YaRN's original context length.
+        attention_output_gate: the query projection also emits a per-channel gate; the attention
+            output is multiplied by its sigmoid before the output projection (Qwen3-Next's gated
+            attention; megatron's ``attention_output_gate``).
+        linear_attention_freq: one flag per layer, 1 for the Gated DeltaNet (linear-attention)
+            layers, 0 for softmax-attention ones (``None``: no linear layers; megatron's
+            ``linear_attention_freq`` list with ``experimental_attention_variant='gated_delta_net'``).
+        linear_conv_kernel_dim: width of the linear layers' causal depthwise convolution.
+        linear_key_head_dim: width of a linear layer's query/key head.
+        linear_value_head_dim: width of its value head.
+        linear_num_key_heads: its query/key heads.
+        linear_num_value_heads: its value heads (a multiple of the key heads).
         mtp_num_layers: multi-token-prediction layers after the decoder (``None``: none); each is
             a transformer layer of the last decoder layer's kind (megatron's ``--mtp-num-layers``).
         params_dtype: dtype of the weights ("float32", "bfloat16", "float16").
@@ -174,6 +185,13 @@ class ModelShape:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 4096
+    attention_output_gate: bool = False
+    linear_attention_freq: tuple[int, ...] | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
     mtp_num_layers: int | None = None
     params_dtype: str = "float32"
     num_labels: int | None = None
@@ -191,12 +209,16 @@ class ModelShape:
             object.__setattr__(self, "mtp_num_layers", None)
         if self.num_experts and self.moe_layer_freq is None:
             object.__setattr__(self, "moe_layer_freq", (1,) * self.num_layers)
-        for name in ("window_size", "window_attn_skip_freq"):
+        for name in ("window_size", "window_attn_skip_freq", "linear_attention_freq"):
             if getattr(self, name) is not None:  # lists from a checkpoint's args
                 object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
         if self.window_attn_skip_freq is not None and len(self.window_attn_skip_freq) != self.num_layers:
             raise ValueError(
                 f"window_attn_skip_freq has {len(self.window_attn_skip_freq)} entries for {self.num_layers} layers"
+            )
+        if self.linear_attention_freq is not None and len(self.linear_attention_freq) != self.num_layers:
+            raise ValueError(
+                f"linear_attention_freq has {len(self.linear_attention_freq)} entries for {self.num_layers} layers"
             )
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
@@ -208,6 +230,10 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) has routed experts."""
         return bool(self.num_experts and self.moe_layer_freq and self.moe_layer_freq[layer])
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) is a Gated DeltaNet (linear-attention) layer."""
+        return bool(self.linear_attention_freq and self.linear_attention_freq[layer])
 
     def is_window_layer(self, layer: int) -> bool:
         """Whether ``layer`` (0-based) attends within ``window_size`` (megatron's rule)."""
@@ -257,7 +283,7 @@ class ModelShape:
         """The megatron arguments this shape implies (plain values, for a checkpoint's ``args``)."""
         args = dataclasses.asdict(self)
         args["moe_layer_freq"] = list(self.moe_layer_freq) if self.moe_layer_freq else 1
-        for name in ("window_size", "window_attn_skip_freq"):
+        for name in ("window_size", "window_attn_skip_freq", "linear_attention_freq"):
             if args[name] is not None:
                 args[name] = list(args[name])
         args.update(

@@ -241,10 +241,18 @@ def split_tensor(param: MegatronParam, tensor: torch.Tensor, tp: int) -> list[to
         raise ValueError(
             f"{param.name}: dim {dim} of size {tensor.shape[dim]} cannot be cut in {tp} tensor-parallel pieces"
         )
-    if param.split is Split.GLU:
-        gate, up = tensor.chunk(2, dim=0)
-        return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+    if param.split in (Split.GLU, Split.SECTIONS):
+        parts = [part.chunk(tp) for part in tensor.split(list(_sections(param, tp)), dim=0)]
+        return [torch.cat([part[index] for part in parts]) for index in range(tp)]
     return list(tensor.chunk(tp, dim=dim))
+
+
+def _sections(param: MegatronParam, tp: int) -> tuple[int, ...]:
+    """Row counts of the sections of a GLU / SECTIONS parameter, each checked to cut in ``tp`` blocks."""
+    sections = param.sections or (param.shape[0] // 2,) * 2
+    if any(size % tp for size in sections):
+        raise ValueError(f"{param.name}: sections {list(sections)} cannot each be cut in {tp} tensor-parallel pieces")
+    return sections
 
 
 def merge_tensors(param: MegatronParam, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -262,9 +270,10 @@ def merge_tensors(param: MegatronParam, pieces: list[torch.Tensor]) -> torch.Ten
         return pieces[0]
     if param.split is Split.VOCAB:
         return torch.cat(pieces)[: param.shape[0]]
-    if param.split is Split.GLU:
-        halves = [piece.chunk(2, dim=0) for piece in pieces]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if param.split in (Split.GLU, Split.SECTIONS):
+        local = [size // len(pieces) for size in _sections(param, len(pieces))]
+        parts = [piece.split(local, dim=0) for piece in pieces]
+        return torch.cat([part[index] for index in range(len(local)) for part in parts])
     return torch.cat(pieces, dim=1 if param.split is Split.ROW else 0)
 
 
@@ -295,12 +304,15 @@ def split_blocks(param: MegatronParam, blocks: Blocks, tp: int) -> list[Blocks]:
     if param.split is Split.ROW:
         per = blocks.shape[1] // tp
         return [blocks.columns(index * per, (index + 1) * per) for index in range(tp)]
-    if param.split is Split.GLU:
-        half = rows // 2
-        per = half // tp
+    if param.split in (Split.GLU, Split.SECTIONS):
+        sections = _sections(param, tp)
+        starts = [sum(sections[:i]) for i in range(len(sections))]
         return [
             Blocks.stack(
-                [blocks.rows(index * per, (index + 1) * per), blocks.rows(half + index * per, half + (index + 1) * per)]
+                [
+                    blocks.rows(start + index * (size // tp), start + (index + 1) * (size // tp))
+                    for start, size in zip(starts, sections)
+                ]
             )
             for index in range(tp)
         ]
@@ -318,9 +330,10 @@ def merge_blocks(param: MegatronParam, pieces: list[torch.Tensor]) -> Blocks:
         return Blocks.of(merge_tensors(param, pieces))
     if param.split is Split.ROW:
         return Blocks([pieces])
-    if param.split is Split.GLU:
-        halves = [piece.chunk(2, dim=0) for piece in pieces]
-        return Blocks([[h[0]] for h in halves] + [[h[1]] for h in halves])
+    if param.split in (Split.GLU, Split.SECTIONS):
+        local = [size // len(pieces) for size in _sections(param, len(pieces))]
+        parts = [piece.split(local, dim=0) for piece in pieces]
+        return Blocks([[part[index]] for index in range(len(local)) for part in parts])
     blocks = Blocks([[piece] for piece in pieces])
     return blocks.rows(0, param.shape[0]) if param.split is Split.VOCAB else blocks
 

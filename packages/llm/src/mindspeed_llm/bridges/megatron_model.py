@@ -8,6 +8,7 @@ for ``layout``.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -102,6 +103,20 @@ def _layer_spec(
             if hasattr(subs, "activation_func"):
                 subs.activation_func = provider.activation_func()
     return spec
+
+
+def with_gated_delta_net(spec: Any, impls: Mapping[str, str] | None) -> Any:
+    """A copy of layer ``spec`` whose token mixer is megatron's Gated DeltaNet on the registry
+    (:class:`mindspeed.megatron.gated_delta_net.RegistryGatedDeltaNet`, the ``gated_delta_rule``
+    kernel ``impls`` chooses) instead of softmax attention; norms and MLP stay as they are."""
+    from mindspeed.megatron.gated_delta_net import get_registry_gated_delta_net_spec
+    from mindspeed.megatron.spec import MindSpeedSpecProvider
+
+    impl = MindSpeedSpecProvider(impls).kernels.kernel_for("gated_delta_rule")
+    linear = copy.copy(spec)
+    linear.submodules = copy.copy(spec.submodules)
+    linear.submodules.self_attention = get_registry_gated_delta_net_spec(impls, impl)
+    return linear
 
 
 def has_layer_variants(shape: ModelShape) -> bool:
@@ -236,6 +251,9 @@ def build_gpt_chunks(
     dense = _layer_spec(shape, None, impls, megatron_modules, moe_grouped_gemm)
     moe = _layer_spec(shape, shape.num_experts, impls, megatron_modules, moe_grouped_gemm)
     layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
+    if shape.linear_attention_freq:
+        linear = {id(spec): with_gated_delta_net(spec, impls) for spec in (dense, moe)}
+        layer_specs = [linear[id(spec)] if shape.is_linear_layer(i) else spec for i, spec in enumerate(layer_specs)]
     rows = vocab_size or -(-shape.vocab_size // sizes.tp) * sizes.tp
     patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
     patches.apply(get_accelerator())

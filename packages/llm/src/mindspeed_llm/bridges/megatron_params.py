@@ -31,6 +31,10 @@ class Split(str, Enum):  # noqa: UP042  (StrEnum would change str(): kept as is)
     #: linear_fc1 of a gated MLP: ``[gate; up]`` with rank r holding ``[gate_r; up_r]``
     #: (megatron's partition_stride 2), not a contiguous block of the fused tensor.
     GLU = "glu"
+    #: Rows made of sections (``MegatronParam.sections``: the Gated DeltaNet's ``in_proj``
+    #: ``[q | k | v | z | b | a]``, its ``conv1d`` ``[q | k | v]``) each cut in TP blocks, rank r
+    #: holding its block of every section in order (GLU is the case of two equal sections).
+    SECTIONS = "sections"
     #: VocabParallelEmbedding and the output layer: rows cut in TP blocks after padding the
     #: vocabulary to a multiple of TP.
     VOCAB = "vocab"
@@ -47,6 +51,7 @@ class MegatronParam:
         layer: the global decoder layer index (``None`` outside the decoder layers, e.g. in the
             multi-token-prediction layers).
         expert: the global expert index (``None`` for non-expert parameters).
+        sections: row counts of the sections of a ``Split.SECTIONS`` parameter.
     """
 
     name: str
@@ -54,6 +59,7 @@ class MegatronParam:
     split: Split
     layer: int | None = None
     expert: int | None = None
+    sections: tuple[int, ...] | None = None
 
     @property
     def module(self) -> str:
@@ -75,6 +81,8 @@ LINEAR_MODULES = (
     "linear_kv_up_proj",
     "output_layer",
     "eh_proj",
+    "in_proj",
+    "out_proj",
 )
 
 
@@ -103,7 +111,8 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
         add("linear_proj.weight", (h, heads * shape.v_head_dim), Split.ROW)
         return out
     d, groups = shape.kv_channels, shape.num_query_groups
-    qkv_rows = (heads + 2 * groups) * d
+    # With an output gate each group's query heads are followed by as many gate heads.
+    qkv_rows = ((2 if shape.attention_output_gate else 1) * heads + 2 * groups) * d
     add("linear_qkv.weight", (qkv_rows, h), Split.COLUMN)
     if shape.add_qkv_bias or shape.add_bias_linear:
         add("linear_qkv.bias", (qkv_rows,), Split.COLUMN)
@@ -116,6 +125,31 @@ def _attention(shape: ModelShape, prefix: str, layer: int | None) -> list[Megatr
     if shape.add_bias_linear:  # a row-parallel bias is added after the reduction: whole on every rank
         add("linear_proj.bias", (h,), Split.REPLICATED)
     return out
+
+
+def _gated_delta_net(shape: ModelShape, prefix: str, layer: int | None) -> list[MegatronParam]:
+    """megatron's ``GatedDeltaNet`` (:mod:`mindspeed.megatron.gated_delta_net`): the input projection
+    ``[q | k | v | z | b | a]``, the depthwise convolution over ``[q | k | v]``, per-value-head
+    decay parameters, the gated output norm (one value head wide) and the output projection."""
+    h = shape.hidden_size
+    qk = shape.linear_num_key_heads * shape.linear_key_head_dim
+    v, heads = shape.linear_num_value_heads * shape.linear_value_head_dim, shape.linear_num_value_heads
+    in_sections = (qk, qk, v, v, heads, heads)
+    return [
+        MegatronParam(prefix + "in_proj.weight", (sum(in_sections), h), Split.SECTIONS, layer, None, in_sections),
+        MegatronParam(
+            prefix + "conv1d.weight",
+            (2 * qk + v, 1, shape.linear_conv_kernel_dim),
+            Split.SECTIONS,
+            layer,
+            None,
+            (qk, qk, v),
+        ),
+        MegatronParam(prefix + "dt_bias", (heads,), Split.COLUMN, layer),
+        MegatronParam(prefix + "A_log", (heads,), Split.COLUMN, layer),
+        MegatronParam(prefix + "out_norm.weight", (shape.linear_value_head_dim,), Split.REPLICATED, layer),
+        MegatronParam(prefix + "out_proj.weight", (h, v), Split.ROW, layer),
+    ]
 
 
 def _mlp(
@@ -156,7 +190,10 @@ def _layer(shape: ModelShape, prefix: str, layer: int | None, moe: bool) -> list
     # multi-token-prediction layer (``layer`` None: it sits with the output layer, see .layout).
     h = shape.hidden_size
     params = _norm(shape, prefix + "input_layernorm", layer)
-    params += _attention(shape, prefix + "self_attention.", layer)
+    if layer is not None and shape.is_linear_layer(layer):
+        params += _gated_delta_net(shape, prefix + "self_attention.", layer)
+    else:
+        params += _attention(shape, prefix + "self_attention.", layer)
     if shape.post_norm:  # mindspeed.megatron.variants: the attention output's norm
         params.append(
             MegatronParam(prefix + "self_attention.linear_proj.post_layernorm.weight", (h,), Split.REPLICATED, layer)

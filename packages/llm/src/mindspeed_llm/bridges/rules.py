@@ -29,8 +29,9 @@ from mindspeed_llm.bridges.shape import ModelShape
 
 Shape = tuple[int, ...]
 
-#: Values of ``ParamRule.layers``: every layer, only layers with a dense MLP, only MoE layers.
-LAYER_SCOPES = ("all", "dense", "moe")
+#: Values of ``ParamRule.layers``: every layer, only layers with a dense MLP, only MoE layers,
+#: only Gated DeltaNet (linear-attention) layers, only softmax-attention layers.
+LAYER_SCOPES = ("all", "dense", "moe", "linear", "attention")
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,13 @@ def _slots(rule: ParamRule, shape: ModelShape, template: str) -> list[tuple[int 
         return [(None, index) for index in range(shape.mtp_num_layers or 0)]
     if "{layer}" not in template:
         return [(None, None)]
-    keep = {"all": lambda i: True, "dense": lambda i: not shape.is_moe_layer(i), "moe": shape.is_moe_layer}[scope]
+    keep = {
+        "all": lambda i: True,
+        "dense": lambda i: not shape.is_moe_layer(i),
+        "moe": shape.is_moe_layer,
+        "linear": shape.is_linear_layer,
+        "attention": lambda i: not shape.is_linear_layer(i),
+    }[scope]
     return [(i, None) for i in range(shape.num_layers) if keep(i)]
 
 
@@ -460,3 +467,103 @@ class InterleavedGateUp(Rename):
 
     def hf_shapes(self, mg_shape, shape):
         return [tuple(reversed(mg_shape)) if self.transposed else tuple(mg_shape)]
+
+
+class FuseGatedQKV(ParamRule):
+    """Gated attention (Qwen3-Next): the query projection emits, per head, the query then its output
+    gate (``[q_h; gate_h]``); megatron's ``linear_qkv`` with ``attention_output_gate`` holds per
+    query group its query heads, then their gate heads, then the key head and the value head."""
+
+    def __init__(self, mg: str, q: str, k: str, v: str, layers: str = "all") -> None:
+        super().__init__(mg, (q, k, v), layers)
+
+    @staticmethod
+    def _sizes(shape: ModelShape) -> tuple[int, int, int]:
+        groups = shape.num_query_groups
+        return groups, shape.num_attention_heads // groups, shape.kv_channels
+
+    def to_megatron(self, tensors, shape):
+        q, k, v = tensors
+        groups, per, d = self._sizes(shape)
+        rest = q.shape[1:]
+        q = q.reshape(groups, per, 2, d, *rest)
+        fused = torch.cat(
+            [
+                q[:, :, 0].reshape(groups, per * d, *rest),
+                q[:, :, 1].reshape(groups, per * d, *rest),
+                k.reshape(groups, d, *rest),
+                v.reshape(groups, d, *rest),
+            ],
+            dim=1,
+        )
+        return fused.reshape(-1, *rest)
+
+    def to_hf(self, tensor, shape):
+        groups, per, d = self._sizes(shape)
+        rest = tensor.shape[1:]
+        query, gate, k, v = tensor.reshape(groups, 2 * per * d + 2 * d, *rest).split([per * d, per * d, d, d], dim=1)
+        q = torch.stack([query.reshape(groups, per, d, *rest), gate.reshape(groups, per, d, *rest)], dim=2)
+        return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
+
+    def megatron_shape(self, hf_shapes, shape):
+        groups, per, d = self._sizes(shape)
+        expected = [(groups * per * 2 * d,), (groups * d,), (groups * d,)]
+        for got, want, role in zip(hf_shapes, expected, "qkv"):
+            if tuple(got[:1]) != want or tuple(got[1:]) != tuple(hf_shapes[0][1:]):
+                raise ValueError(
+                    f"{role} has shape {tuple(got)} but num_attention_heads={shape.num_attention_heads} (each with "
+                    f"its gate), num_key_value_heads={groups}, head_dim={d} give {want[0]} rows"
+                )
+        return (groups * (2 * per + 2) * d, *hf_shapes[0][1:])
+
+    def hf_shapes(self, mg_shape, shape):
+        groups, per, d = self._sizes(shape)
+        rest = tuple(mg_shape[1:])
+        return [(groups * per * 2 * d, *rest), (groups * d, *rest), (groups * d, *rest)]
+
+
+class FuseDeltaNetInProj(ParamRule):
+    """Gated DeltaNet's input projections: transformers' ``in_proj_qkvz`` (per key head: its query,
+    key, and its value heads' values and output gates) and ``in_proj_ba`` (per key head: its value
+    heads' ``b`` then ``a``) as megatron's ``in_proj`` ``[q | k | v | z | b | a]`` (heads in order)."""
+
+    def __init__(self, mg: str, qkvz: str, ba: str, layers: str = "linear") -> None:
+        super().__init__(mg, (qkvz, ba), layers)
+
+    @staticmethod
+    def _sizes(shape: ModelShape) -> tuple[int, list[int], list[int]]:
+        groups = shape.linear_num_key_heads
+        ratio = shape.linear_num_value_heads // groups
+        key, value = shape.linear_key_head_dim, ratio * shape.linear_value_head_dim
+        return groups, [key, key, value, value], [ratio, ratio]
+
+    def to_megatron(self, tensors, shape):
+        qkvz, ba = tensors
+        groups, cuts, ba_cuts = self._sizes(shape)
+        rest = qkvz.shape[1:]
+        parts = qkvz.reshape(groups, sum(cuts), *rest).split(cuts, dim=1)
+        parts += ba.reshape(groups, sum(ba_cuts), *rest).split(ba_cuts, dim=1)
+        return torch.cat([part.reshape(-1, *rest) for part in parts])
+
+    def to_hf(self, tensor, shape):
+        groups, cuts, ba_cuts = self._sizes(shape)
+        rest = tensor.shape[1:]
+        parts = [part.reshape(groups, -1, *rest) for part in tensor.split([groups * c for c in cuts + ba_cuts])]
+        return [torch.cat(parts[:4], dim=1).reshape(-1, *rest), torch.cat(parts[4:], dim=1).reshape(-1, *rest)]
+
+    def megatron_shape(self, hf_shapes, shape):
+        groups, cuts, ba_cuts = self._sizes(shape)
+        for got, rows, name in zip(
+            hf_shapes, (groups * sum(cuts), groups * sum(ba_cuts)), ("in_proj_qkvz", "in_proj_ba")
+        ):
+            if got[0] != rows:
+                raise ValueError(
+                    f"{name} has shape {tuple(got)} but linear_num_key_heads={groups}, linear_num_value_heads="
+                    f"{shape.linear_num_value_heads} and the linear head dims give {rows} rows"
+                )
+        return (groups * (sum(cuts) + sum(ba_cuts)), *hf_shapes[0][1:])
+
+    def hf_shapes(self, mg_shape, shape):
+        groups, cuts, ba_cuts = self._sizes(shape)
+        rest = tuple(mg_shape[1:])
+        return [(groups * sum(cuts), *rest), (groups * sum(ba_cuts), *rest)]

@@ -77,6 +77,7 @@ class ContinuousBatching:
             spec.windows,
             self.model.dtype,
             self.model.device,
+            self.model.recurrent_states(slots),
         )
         logger.debug("KV cache: %d slots x %d tokens, %.1f MB", slots, length, self.cache.nbytes / 1e6)
 
@@ -116,7 +117,9 @@ class ContinuousBatching:
         for row, request in enumerate(leaders):
             tokens[row, : lengths[row]] = torch.tensor(request.prompt)
         positions = torch.arange(seq).repeat(len(leaders))
-        step = PrefillStep(model.attention, model.spec.windows, model.scale, len(leaders), seq, self.cache, start)
+        step = PrefillStep(
+            model.attention, model.spec.windows, model.scale, len(leaders), seq, self.cache, start, lengths
+        )
         hidden = model.hidden(tokens.view(-1).to(device), positions.to(device), step)
         self.cache.close_rows(start, lengths)
         for row in range(len(leaders), len(requests)):  # the shared prompts' keys and values

@@ -36,6 +36,58 @@ class AttentionStep(Protocol):
         ...
 
 
+#: What a linear-attention layer hands a step: ``mix(x, conv_state, recurrent_state, keep_state)`` ->
+#: ``(out, conv_state, recurrent_state)`` over ``x`` ``[rows, seq, width]`` (see
+#: :func:`mindspeed.ops.gated_delta_net.gated_delta_net_mix`).
+Mix = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+
+
+class RecurrentStates:
+    """The carried state of the linear-attention (Gated DeltaNet) layers, per layer and slot: the
+    convolution's last ``K - 1`` inputs and the delta-rule state (fp32).
+
+    Args:
+        layers: the linear-attention layers.
+        num_slots: sequences held at once.
+        conv_shape: ``(channels, K - 1)``.
+        state_shape: ``(value_heads, key_dim, value_dim)``.
+        dtype: dtype of the convolution inputs (the model's).
+        device: where they live.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        num_slots: int,
+        conv_shape: tuple[int, int],
+        state_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        self.conv = torch.zeros(len(layers), num_slots, *conv_shape, dtype=dtype, device=device)
+        self.state = torch.zeros(len(layers), num_slots, *state_shape, dtype=torch.float32, device=device)
+
+    def write(self, layer: int, slots: slice, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Store the states of ``slots`` after a step of ``layer``."""
+        self.conv[self.index[layer], slots] = conv
+        self.state[self.index[layer], slots] = state
+
+    def read(self, layer: int, slots: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of ``slots`` before a step of ``layer``."""
+        return self.conv[self.index[layer], slots], self.state[self.index[layer], slots]
+
+    def move(self, source: int, target: int) -> None:
+        """Copy slot ``source``'s states into slot ``target``."""
+        self.conv[:, target] = self.conv[:, source]
+        self.state[:, target] = self.state[:, source]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both states."""
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size()
+
+
 class KVCache:
     """Keys and values of up to ``num_slots`` sequences, every layer in one tensor.
 
@@ -50,6 +102,8 @@ class KVCache:
         windows: per layer, its sliding window (``None``: full attention).
         dtype: dtype of the cache (the model's).
         device: where it lives.
+        recurrent: the linear-attention layers' states (:class:`RecurrentStates`, the same slots),
+            moved with the keys and values.
     """
 
     def __init__(
@@ -62,8 +116,10 @@ class KVCache:
         windows: Sequence[int | None],
         dtype: torch.dtype,
         device: torch.device,
+        recurrent: RecurrentStates | None = None,
     ) -> None:
         self.num_slots, self.max_len, self.head_dim = num_slots, max_len, head_dim
+        self.recurrent = recurrent
         # Stored head-major ([..., kv_heads, max_len, dim]: one head's keys are contiguous, as
         # attention kernels read them) and used through sequence-major views, the op's BSND layout.
         size = (num_layers, num_slots, num_kv_heads, max_len, head_dim + 1)
@@ -107,11 +163,14 @@ class KVCache:
         self.keys[:, target, :length] = self.keys[:, source, :length]
         self.values[:, target, :length] = self.values[:, source, :length]
         self.keys[:, target, length:, :, self.head_dim] = float("-inf")
+        if self.recurrent is not None:
+            self.recurrent.move(source, target)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values."""
-        return 2 * self.keys.numel() * self.keys.element_size()
+        """Bytes of keys and values (and recurrent states)."""
+        extra = 0 if self.recurrent is None else self.recurrent.nbytes
+        return 2 * self.keys.numel() * self.keys.element_size() + extra
 
 
 class CausalStep:
@@ -152,6 +211,12 @@ class CausalStep:
         """
         return self._attend(layer, *self.split(qk, v), sinks)
 
+    def mix(self, layer: int, x: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """A linear-attention layer's mixer over ``x`` ``[tokens, width]`` from zero state, row by row
+        (right padding follows the real tokens, so they do not see it); ``[tokens, out]``."""
+        out, _, _ = mix(x.view(self.rows, self.seq, -1), None, None, False)
+        return out.reshape(self.rows * self.seq, -1)
+
     def _attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -174,6 +239,8 @@ class PrefillStep(CausalStep):
         seq: tokens per prompt (padded).
         cache: the cache.
         start: slot of the first row (rows go to ``start, start + 1, ...``).
+        lengths: each row's prompt length (default ``seq``): a linear-attention layer's state is
+            the one after the row's last real token.
     """
 
     def __init__(
@@ -185,9 +252,22 @@ class PrefillStep(CausalStep):
         seq: int,
         cache: KVCache,
         start: int,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         super().__init__(attention, windows, scale, rows, seq)
         self.cache, self.start = cache, start
+        self.lengths = list(lengths) if lengths is not None else [seq] * rows
+
+    def mix(self, layer: int, x: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """As :meth:`CausalStep.mix`, each row over its real tokens, keeping its states in its slot
+        (the outputs at padding positions are zeros)."""
+        rows = x.view(self.rows, self.seq, -1)
+        outputs = []
+        for row, length in enumerate(self.lengths):
+            out, conv, state = mix(rows[row : row + 1, :length], None, None, True)
+            self.cache.recurrent.write(layer, slice(self.start + row, self.start + row + 1), conv, state)
+            outputs.append(torch.constant_pad_nd(out, (0, 0, 0, self.seq - length)))
+        return torch.cat(outputs).reshape(self.rows * self.seq, -1)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.split(qk, v)
@@ -213,12 +293,20 @@ class DecodeStep:
         self, attention: Attention, scale: float, cache: KVCache, positions: torch.Tensor, kv_len: int
     ) -> None:
         rows = positions.shape[0]
-        self.attention, self.scale = attention, scale
+        self.attention, self.scale, self.cache, self.running = attention, scale, cache, rows
         self.index = (torch.arange(rows, device=positions.device), positions)
         cache.slide_windows(self.index[0], positions)
         # Per layer, the [rows, kv_len] block every query of this step attends over (views).
         self.keys = cache.keys[:, :rows, :kv_len].unbind(0)
         self.values = cache.values[:, :rows, :kv_len].unbind(0)
+
+    def mix(self, layer: int, x: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """A linear-attention layer's mixer on one token per slot, from and back into the slot's states."""
+        slots = slice(0, self.running)
+        conv, state = self.cache.recurrent.read(layer, slots)
+        out, conv, state = mix(x.view(self.running, 1, -1), conv, state, True)
+        self.cache.recurrent.write(layer, slots, conv, state)
+        return out.reshape(self.running, -1)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer (same contract as :meth:`CausalStep.attend`, one token per row)."""

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed.ops import resolve_kernel
+from mindspeed.ops.gated_delta_net import DeltaNetHeads, gated_delta_net_mix
 from mindspeed_llm.bridges import megatron_params
-from mindspeed_llm.inference.cache import AttentionStep
+from mindspeed_llm.inference.cache import AttentionStep, RecurrentStates
 from mindspeed_llm.inference.mla import MLAAttention
 from mindspeed_llm.inference.routing import route
 from mindspeed_llm.inference.spec import DecoderSpec
@@ -89,12 +90,43 @@ class DecoderLayer:
             self.fc1_bias = stacks.get("linear_fc1.bias", {}).get(index)
             self.fc2_bias = stacks.get("linear_fc2.bias", {}).get(index)
         self.mla = MLAAttention(model, get) if model.spec.shape.multi_latent_attention else None
+        # Gated DeltaNet (Qwen3-Next's linear attention) in megatron's layout.
+        self.in_proj = get("self_attention.in_proj.weight")
+        if self.in_proj is not None:
+            self.conv, self.a_log = get("self_attention.conv1d.weight"), get("self_attention.A_log")
+            self.dt_bias, self.out_norm = get("self_attention.dt_bias"), get("self_attention.out_norm.weight")
+            self.out_proj = get("self_attention.out_proj.weight")
+
+    def _mixer(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        if self.in_proj is not None:
+            return self._linear_attention(h, step)
+        return self.mla.forward(h, cos, sin, self.index, step) if self.mla else self._attention(h, cos, sin, step)
+
+    def _linear_attention(self, h: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        # The mixer runs over sequences (rows) the step lays out, from and into its carried states.
+        m = self.model
+
+        def mix(x: torch.Tensor, conv: torch.Tensor | None, state: torch.Tensor | None, keep: bool):
+            return gated_delta_net_mix(
+                x,
+                m.delta_net_heads,
+                self.conv,
+                self.a_log,
+                self.dt_bias,
+                lambda y: m.rms_norm(y, self.out_norm, m.spec.norm_eps),  # a plain weight, not 1 + w
+                m.gated_delta_rule,
+                conv,
+                state,
+                keep,
+            )
+
+        return F.linear(step.mix(self.index, F.linear(h, self.in_proj), mix), self.out_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` -> the layer's output, same shape (``cos``/``sin`` ``[tokens, 1, 1, dim]``)."""
         m = self.model
         h = m.norm(x, self.attn_norm)
-        attention = self.mla.forward(h, cos, sin, self.index, step) if self.mla else self._attention(h, cos, sin, step)
+        attention = self._mixer(h, cos, sin, step)
         if self.post_attn_norm is not None:
             attention = m.norm(attention, self.post_attn_norm)
         x = x + attention
@@ -116,14 +148,20 @@ class DecoderLayer:
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         m, spec = self.model, self.model.spec
         group = spec.group_size
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(h.shape[0], spec.num_kv_heads, group + 2, spec.head_dim)
+        gates = group if spec.shape.attention_output_gate else 0  # Qwen3-Next: gate heads after the queries
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(
+            h.shape[0], spec.num_kv_heads, group + gates + 2, spec.head_dim
+        )
         # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
-        qk = qkv[:, :, : group + 1]
+        qk = qkv[:, :, : group + 1] if not gates else torch.cat((qkv[:, :, :group], qkv[:, :, -2:-1]), dim=2)
         if self.q_norm is not None:
             qk = torch.cat((m.norm(qk[:, :, :group], self.q_norm), m.norm(qk[:, :, group:], self.k_norm)), dim=2)
         qk = m.rotary(qk, cos, sin)
         extra = {} if self.sinks is None else {"sinks": self.sinks}
-        return F.linear(step.attend(self.index, qk, qkv[:, :, group + 1], **extra), self.proj, self.proj_bias)
+        out = step.attend(self.index, qk, qkv[:, :, -1], **extra)
+        if gates:
+            out = out * torch.sigmoid(qkv[:, :, group : 2 * group].reshape(out.shape))
+        return F.linear(out, self.proj, self.proj_bias)
 
     def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
         # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts
@@ -184,6 +222,15 @@ class Decoder:
         self.inv_freq = spec.inv_freq.to(device)
         self.local_inv_freq = None if spec.local_inv_freq is None else spec.local_inv_freq.to(device)
         self.local_rope_layers = spec.local_rope_layers
+        if shape.linear_attention_freq:  # Qwen3-Next's Gated DeltaNet layers
+            impl = impls.get("gated_delta_rule", "auto")
+            self.gated_delta_rule = resolve_kernel("gated_delta_rule", impl).fn
+            self.delta_net_heads = DeltaNetHeads(
+                shape.linear_num_key_heads,
+                shape.linear_num_value_heads,
+                shape.linear_key_head_dim,
+                shape.linear_value_head_dim,
+            )
         self._weights = self._allocate()
         self.embedding = self._weights["embedding.word_embeddings.weight"]
         self.final_norm = self._weights["decoder.final_layernorm.weight"]
@@ -207,6 +254,21 @@ class Decoder:
                 stack[param.layer] = empty((shape.num_experts, *param.shape))
             weights[name] = stack[param.layer][param.expert]
         return weights
+
+    def recurrent_states(self, num_slots: int) -> RecurrentStates | None:
+        """Empty carried states of the linear-attention layers for ``num_slots`` sequences (``None``: none)."""
+        shape = self.spec.shape
+        if not shape.linear_attention_freq:
+            return None
+        heads = self.delta_net_heads
+        return RecurrentStates(
+            [i for i in range(shape.num_layers) if shape.is_linear_layer(i)],
+            num_slots,
+            (heads.conv_channels, shape.linear_conv_kernel_dim - 1),
+            (heads.value_heads, heads.key_dim, heads.value_dim),
+            self.dtype,
+            self.device,
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Megatron name -> the tensor holding it (copy into it to change the weights)."""

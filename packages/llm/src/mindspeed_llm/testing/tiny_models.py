@@ -267,6 +267,34 @@ def tiny_gpt_oss() -> Any:
     )
 
 
+@TINY_CONFIGS.register("qwen3-next")
+def tiny_qwen3_next() -> Any:
+    """Qwen3-Next-style: Gated DeltaNet layers (2 key heads of 16, 4 value heads of 8, conv width 4)
+    with gated full attention every second layer (QK norm, a quarter of each head rotating), (1 + w)
+    norms, layer 0 dense, 4 experts top-2 renormalised plus a gated shared expert of width 48."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_DENSE,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        partial_rotary_factor=0.25,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+
+
 #: Families whose persistent buffers (the expert selection bias) get noise too. Not deepseek3:
 #: with a non-zero bias, transformers' DeepseekV3 ``generate`` (cached decode) leaves its own
 #: uncached forward on the tiny model (prompt seed 3: token 39 where the forward's argmax is 1,
