@@ -17,7 +17,7 @@ penalty (so the reference is :class:`~mindspeed_rl.models.actor_lora.AdapterOffR
   the RNG; no base weight), loaded into a freshly built LoRA actor whose base comes from the model
   path, and two more updates give bit-identical log-probs and parameters to the same two updates of
   the uninterrupted actor; it is smaller than the whole-model checkpoint, and loading it into an
-  actor without LoRA is one line;
+  actor without LoRA, or into one built on other base weights, is one line;
 - export: the PEFT adapter it writes, loaded by peft over the transformers base, gives the actor's
   log-probs (1e-5) (the fused ``linear_qkv`` / ``linear_fc1`` factors split into q/k/v, gate/up).
 
@@ -105,6 +105,7 @@ def _resume(actor: Any, root: str) -> dict[str, Any]:
 
     from mindspeed.config import ConfigError
     from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
     from mindspeed_rl.models.actor import Actor
 
     full = save_model_checkpoint(f"{root}/ckpt_full", 5, actor)
@@ -113,12 +114,17 @@ def _resume(actor: Any, root: str) -> dict[str, Any]:
     out["keys"] = sorted(load_tensors_metadata(str(path)))
     resumed = Actor(f"{root}/hf", actor.settings)  # the base from the model path, then the checkpoint
     load_model_checkpoint(Path(path), resumed)
-    plain = Actor(f"{root}/hf", replace(actor.settings, lora=None))
-    try:
-        load_model_checkpoint(Path(path), plain)
-    except ConfigError as err:
-        out["no_lora_error"] = str(err)
-    plain.close()
+    save_tiny_checkpoint("llama2", Path(root) / "hf_other", seed=1)
+    for key, model_dir, settings in (
+        ("no_lora_error", "hf", replace(actor.settings, lora=None)),
+        ("other_base_error", "hf_other", actor.settings),
+    ):
+        wrong = Actor(f"{root}/{model_dir}", settings)
+        try:
+            load_model_checkpoint(Path(path), wrong)
+        except ConfigError as err:
+            out[key] = str(err)
+        wrong.close()
     for name, model in (("straight", actor), ("resumed", resumed)):
         for _ in range(2):
             _update(model)
@@ -250,6 +256,7 @@ def test_resume_from_adapters_only_checkpoint_is_bit_exact(run: dict[str, Any]) 
     assert any(k.startswith("optimizer.") and "exp_avg_sq" in k for k in r["keys"]), r["keys"]
     assert r["bytes"]["adapters"] < r["bytes"]["full"] / 2, r["bytes"]
     assert "holds LoRA adapters only" in r["no_lora_error"] and "\n" not in r["no_lora_error"]
+    assert "trained on other base weights" in r["other_base_error"] and "\n" not in r["other_base_error"]
     assert torch.equal(torch.from_numpy(r["straight"]), torch.from_numpy(r["resumed"]))
     for name, value in r["straight_params"].items():
         assert (value == r["resumed_params"][name]).all(), name

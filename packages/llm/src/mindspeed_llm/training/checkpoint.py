@@ -191,6 +191,29 @@ def _model_state(chunks: list[Any], adapters_only: bool = False) -> dict[str, An
     return dict(zip(_model_keys(len(chunks)), states))
 
 
+def _base_sums(chunks: list[Any]) -> list[float]:
+    """A fingerprint of this rank's frozen weights (an adapters-only checkpoint's base): each one's float64 sum."""
+    return [
+        float(param.detach().double().sum())
+        for chunk in chunks
+        for param in unwrap(chunk).parameters()
+        if not param.requires_grad
+    ]
+
+
+def _check_base(path: Path, saved: list[float], chunks: list[Any]) -> None:
+    """Raise on every rank when some rank's frozen weights differ from those an adapters-only checkpoint was trained on."""
+    ours = _base_sums(chunks)
+    same = len(saved) == len(ours) and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(saved, ours))
+    flag = torch.tensor([0.0 if same else 1.0], device=get_accelerator().device())
+    dist.all_reduce(flag)
+    if float(flag) > 0:
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters trained on other base weights than this model's; "
+            f"give the base model the run started from (its recipe: {path / 'config.yaml'})"
+        )
+
+
 def _layout(config: PretrainConfig) -> dict[str, Any]:
     p = config.parallel
     return {
@@ -285,6 +308,8 @@ def write_checkpoint(
         )
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    if adapters_only:  # what a resume checks the base it rebuilt against (at the same layout)
+        sharded["base_sums"] = ShardedObject("base_sums", _base_sums(chunks), (world,), (rank,), replica_id=0)
     sharded.update(
         train_state=asdict(state),
         # The warmup's start too (megatron's state leaves it out): a resume compares it with the recipe's.
@@ -470,6 +495,62 @@ def load_checkpoint(
     check_dist_checkpoint(path)  # nothing in it runs code: a refused file is one line, before megatron reads it
     with trusted_dist_loads():
         common = dist_checkpointing.load_common_state_dict(str(path))
+    adapters_only = common.get("model_contents") == ADAPTERS
+    template = _model_template(path, common, chunks, family, weights_only)
+    with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
+    winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
+    # An optimizer that never stepped (every update skipped as non-finite, or none yet) saved no
+    # moments: the fresh one is the same; its schedule position is still restored.
+    with_moments = with_optimizer and _holds_optimizer_state(path)
+    if with_moments:
+        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
+    layout = common.get("layout", {})
+    with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
+    with_base_check = adapters_only and layout == _layout(config)
+    if with_base_check:
+        template["base_sums"] = ShardedObject(
+            "base_sums", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
+    if with_rng:
+        template["rng_state"] = ShardedObject(
+            "rng_state", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
+    elif not weights_only and ck.load_rng:
+        logger.warning(
+            "checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
+            path,
+            layout.get("world_size", "an unknown number of"),
+            dist.get_world_size(),
+        )
+    with trusted_dist_loads():
+        loaded = dist_checkpointing.load(template, str(path))
+    if with_base_check:
+        _check_base(path, loaded["base_sums"], chunks)
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        _load_model_state(unwrap(chunk), loaded[key], adapters_only)
+    if weights_only:
+        logger.info("loaded model weights from %s", path)
+        return TrainState()
+    if with_optimizer:
+        built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+        recipe = (scheduler.max_lr, scheduler.min_lr)
+        if with_moments:
+            optimizer.load_state_dict(loaded["optimizer"])
+        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
+    if with_rng:
+        _set_rng_state(loaded["rng_state"])
+    state = TrainState(**loaded.get("train_state", {}))
+    logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
+    return state
+
+
+def _model_template(
+    path: Path, common: dict[str, Any], chunks: list[Any], family: str | None, weights_only: bool
+) -> dict[str, Any]:
+    """What :func:`load_checkpoint` loads of the model: all of it, its base (``weights_only``: a base
+    checkpoint into a LoRA model) or its LoRA factors (an adapters-only checkpoint); shapes checked."""
+    from mindspeed_llm.training.lora import split_lora_state
+
     saved_family = getattr(common.get("args"), "model_type_hf", None)
     if family is not None and saved_family is not None and saved_family != family:
         raise ConfigError(
@@ -488,47 +569,8 @@ def load_checkpoint(
         check_shapes(path, template)
     if weights_only and not adapters_only:
         # A base checkpoint has no LoRA factors: they keep their initial values.
-        from mindspeed_llm.training.lora import split_lora_state
-
         template = {key: split_lora_state(state)[0] for key, state in template.items()}
-    with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
-    winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
-    # An optimizer that never stepped (every update skipped as non-finite, or none yet) saved no
-    # moments: the fresh one is the same; its schedule position is still restored.
-    with_moments = with_optimizer and _holds_optimizer_state(path)
-    if with_moments:
-        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
-    layout = common.get("layout", {})
-    with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
-    if with_rng:
-        template["rng_state"] = ShardedObject(
-            "rng_state", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
-        )
-    elif not weights_only and ck.load_rng:
-        logger.warning(
-            "checkpoint %s was saved by %s ranks, this run has %d: random-number states are not restored",
-            path,
-            layout.get("world_size", "an unknown number of"),
-            dist.get_world_size(),
-        )
-    with trusted_dist_loads():
-        loaded = dist_checkpointing.load(template, str(path))
-    for key, chunk in zip(_model_keys(len(chunks)), chunks):
-        _load_model_state(unwrap(chunk), loaded[key], adapters_only)
-    if weights_only:
-        logger.info("loaded model weights from %s", path)
-        return TrainState()
-    if with_optimizer:
-        built = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
-        recipe = (scheduler.max_lr, scheduler.min_lr)
-        if with_moments:
-            optimizer.load_state_dict(loaded["optimizer"])
-        _load_schedule(scheduler, optimizer, loaded["opt_param_scheduler"], winner, built, recipe)
-    if with_rng:
-        _set_rng_state(loaded["rng_state"])
-    state = TrainState(**loaded.get("train_state", {}))
-    logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_train_samples)
-    return state
+    return template
 
 
 def save_model_checkpoint(
