@@ -9,6 +9,8 @@ import pytest
 
 from mindspeed_rl.config.grpo import load_grpo_config
 from mindspeed_rl.config.ppo import load_ppo_config
+from mindspeed_rl.demo.model import DEMO_MODELS
+from mindspeed_rl.demo.tools_model import TOOLS_DEMO_MODEL
 
 LOADERS = {"grpo": load_grpo_config, "ppo": load_ppo_config}
 
@@ -26,7 +28,8 @@ def test_recipe_checks_and_names_its_command(path: Path, tmp_path: Path) -> None
     load = LOADERS[named[0][0]]
     config = load(path)
     (tmp_path / "config.json").write_text("{}")  # the check wants model directories: stand one in
-    if config.actor.model == "demo":  # (nothing is built)
+    assert TOOLS_DEMO_MODEL in DEMO_MODELS
+    if config.actor.model in DEMO_MODELS:  # demo, demo-tools (nothing is built)
         config = load(path, [f"actor.model={tmp_path}"])
     if config.reward.model is not None:  # a reward model trained first (grpo_rm_tiny_cpu.yaml)
         config = load(path, [f"actor.model={config.actor.model}", f"reward.model={tmp_path}"])

@@ -1,4 +1,5 @@
-"""The tool demo's warm-start rows are exactly what the agent loop produces on the calculator path.
+"""The tool demo's warm start: its rows are exactly what the agent loop produces on the calculator path,
+its loss weights teach the tool path and not the decision, and ``demo-tools`` resolves to it.
 
 The fit shows the policy conversations in the agent loop's own token layout: an engine that writes
 the fitted call turn and answer turn, run through :class:`~mindspeed_rl.rollout.agent.AgentLoop` with
@@ -7,6 +8,8 @@ fit's labels (1 where the fit teaches, 0 on the prompt and the appended tool res
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from mindspeed_llm.engine import GenerationOutput, SamplingParams
 from mindspeed_rl.data import load_prompts
@@ -41,3 +44,29 @@ def test_fitted_rows_are_the_agent_loops_layout() -> None:
         assert prompt + got.token_ids == ids
         assert got.loss_mask == [int(label != -100) for label in labels[len(prompt) :]]
         assert len(ids) < 64, "short sequences: a fast fit and fast rollouts"
+
+
+def test_fit_weights_the_tool_path_not_the_decision_and_demo_tools_resolves(tmp_path, monkeypatch) -> None:
+    import mindspeed_rl.demo.tools_model as tools_model
+    from mindspeed_rl.demo.model import DemoPolicySettings, resolve_model
+
+    tokenizer = build_tools_tokenizer()
+    call = tokenizer("<tool_call>" + CALL_HEAD + "37 * 59" + CALL_TAIL + "</tool_call>", add_special_tokens=False)
+    assert len(call["input_ids"]) == 9, "the call's fixed text is one token each"
+    settings = tools_model.ToolDemoSettings(call_fraction=0.5, call_weight=3.0, direct_weight=0.25)
+    records = load_prompts("demo-products-test")[:8]
+    ids, target, weight = tools_model._fit_tensors(tokenizer, records, settings)
+    for i in range(len(records)):
+        learnt = (target[i] != -100).nonzero().flatten()
+        assert bool((weight[i][target[i] == -100] == 0).all())
+        decision = tokenizer.convert_ids_to_tokens(int(target[i, learnt[0]]))
+        assert weight[i, learnt[0]] == 1.0 and decision in ("<tool_call>", " #### ")
+        assert set(weight[i, learnt[1:]].tolist()) == {3.0 if decision == "<tool_call>" else 0.25}
+    quick = tools_model.ToolDemoSettings(DemoPolicySettings(32, 64, 1, 2, fit_steps=2, batch_size=4))
+    real = tools_model.build_tools_policy
+    monkeypatch.setattr(
+        tools_model, "build_tools_policy", lambda out, seed=0: real(out, "demo-products-test", seed, quick)
+    )
+    path = resolve_model(tools_model.TOOLS_DEMO_MODEL, tmp_path)
+    assert Path(path).name == f"tools-policy-v{tools_model.TOOLS_BUILDER_VERSION}-seed0"
+    assert (Path(path) / "config.json").is_file() and resolve_model(tools_model.TOOLS_DEMO_MODEL, tmp_path) == path

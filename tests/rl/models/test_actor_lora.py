@@ -13,8 +13,11 @@ penalty (so the reference is :class:`~mindspeed_rl.models.actor_lora.AdapterOffR
   ``W + (alpha / r) B A`` computed here from the checkpoint's W and the factors (float64, 1e-6), the
   built-in engine loaded with it gives the actor's logits (1e-5), and the live base weights are
   the checkpoint's again afterwards;
-- resume: a checkpoint at update k, loaded into a freshly built LoRA actor, and two more updates
-  give bit-identical log-probs to the same two updates of the uninterrupted actor;
+- resume: an adapters-only checkpoint at update k (the factors, their Adam moments, the schedule,
+  the RNG; no base weight), loaded into a freshly built LoRA actor whose base comes from the model
+  path, and two more updates give bit-identical log-probs and parameters to the same two updates of
+  the uninterrupted actor; it is smaller than the whole-model checkpoint, and loading it into an
+  actor without LoRA, or into one built on other base weights, is one line;
 - export: the PEFT adapter it writes, loaded by peft over the transformers base, gives the actor's
   log-probs (1e-5) (the fused ``linear_qkv`` / ``linear_fc1`` factors split into q/k/v, gate/up).
 
@@ -89,15 +92,39 @@ def _merged_check(actor: Any, base: dict[str, torch.Tensor], root: str) -> dict[
     }
 
 
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def _resume(actor: Any, root: str) -> dict[str, Any]:
-    """Checkpoint at update k, resume into a fresh actor: two more updates equal the uninterrupted ones."""
+    """An adapters-only checkpoint at update k (and a whole-model one to compare sizes), resumed into a
+    fresh actor built on the base: two more updates equal the uninterrupted ones."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    from mindspeed.config import ConfigError
     from mindspeed_llm.engine import load_model_checkpoint, save_model_checkpoint
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
     from mindspeed_rl.models.actor import Actor
 
-    path = save_model_checkpoint(f"{root}/ckpt", 5, actor)
-    resumed = Actor(f"{root}/hf", actor.settings)
+    full = save_model_checkpoint(f"{root}/ckpt_full", 5, actor)
+    path = actor.save_checkpoint(f"{root}/ckpt", 5)
+    out: dict[str, Any] = {"bytes": {"full": _bytes(full), "adapters": _bytes(path)}}
+    out["keys"] = sorted(load_tensors_metadata(str(path)))
+    resumed = Actor(f"{root}/hf", actor.settings)  # the base from the model path, then the checkpoint
     load_model_checkpoint(Path(path), resumed)
-    out = {}
+    save_tiny_checkpoint("llama2", Path(root) / "hf_other", seed=1)
+    for key, model_dir, settings in (
+        ("no_lora_error", "hf", replace(actor.settings, lora=None)),
+        ("other_base_error", "hf_other", actor.settings),
+    ):
+        wrong = Actor(f"{root}/{model_dir}", settings)
+        try:
+            load_model_checkpoint(Path(path), wrong)
+        except ConfigError as err:
+            out[key] = str(err)
+        wrong.close()
     for name, model in (("straight", actor), ("resumed", resumed)):
         for _ in range(2):
             _update(model)
@@ -221,8 +248,15 @@ def test_rollout_weights_are_merged(run: dict[str, Any]) -> None:
     )
 
 
-def test_resume_is_bit_exact(run: dict[str, Any]) -> None:
+def test_resume_from_adapters_only_checkpoint_is_bit_exact(run: dict[str, Any]) -> None:
     r = run["resume"]
+    # The checkpoint holds the factors and their Adam moments, not one base weight.
+    model_keys = [k for k in r["keys"] if not k.startswith("optimizer.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys
+    assert any(k.startswith("optimizer.") and "exp_avg_sq" in k for k in r["keys"]), r["keys"]
+    assert r["bytes"]["adapters"] < r["bytes"]["full"] / 2, r["bytes"]
+    assert "holds LoRA adapters only" in r["no_lora_error"] and "\n" not in r["no_lora_error"]
+    assert "trained on other base weights" in r["other_base_error"] and "\n" not in r["other_base_error"]
     assert torch.equal(torch.from_numpy(r["straight"]), torch.from_numpy(r["resumed"]))
     for name, value in r["straight_params"].items():
         assert (value == r["resumed_params"][name]).all(), name

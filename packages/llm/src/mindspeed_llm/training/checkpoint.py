@@ -177,10 +177,41 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _model_state(chunks: list[Any]) -> dict[str, Any]:
-    if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+#: ``model_contents`` of the common state of a checkpoint that holds the LoRA factors and not the base.
+ADAPTERS = "adapters"
+
+
+def _model_state(chunks: list[Any], adapters_only: bool = False) -> dict[str, Any]:
+    """The chunks' sharded state dicts (only their LoRA factors with ``adapters_only``)."""
+    from mindspeed_llm.training.lora import split_lora_state
+
+    states = [unwrap(chunk).sharded_state_dict() for chunk in chunks]
+    if adapters_only:
+        states = [split_lora_state(state)[1] for state in states]
+    return dict(zip(_model_keys(len(chunks)), states))
+
+
+def _base_sums(chunks: list[Any]) -> list[float]:
+    """A fingerprint of this rank's frozen weights (an adapters-only checkpoint's base): each one's float64 sum."""
+    return [
+        float(param.detach().double().sum())
+        for chunk in chunks
+        for param in unwrap(chunk).parameters()
+        if not param.requires_grad
+    ]
+
+
+def _check_base(path: Path, saved: list[float], chunks: list[Any]) -> None:
+    """Raise on every rank when some rank's frozen weights differ from those an adapters-only checkpoint was trained on."""
+    ours = _base_sums(chunks)
+    same = len(saved) == len(ours) and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(saved, ours))
+    flag = torch.tensor([0.0 if same else 1.0], device=get_accelerator().device())
+    dist.all_reduce(flag)
+    if float(flag) > 0:
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters trained on other base weights than this model's; "
+            f"give the base model the run started from (its recipe: {path / 'config.yaml'})"
+        )
 
 
 def _layout(config: PretrainConfig) -> dict[str, Any]:
@@ -250,12 +281,14 @@ def write_checkpoint(
     args: Any,
     extra_files: dict[str, str] | None,
     async_save: bool = False,
+    adapters_only: bool = False,
 ) -> Any:
     """Write the checkpoint of ``state`` into ``tmp`` and complete it as ``final``; collective.
 
     ``async_save``: plan the save (collectives) and write the common state here, then return
     megatron's ``AsyncRequest`` whose files the caller writes and completes later
-    (:mod:`mindspeed_llm.training.async_save`); ``None`` otherwise.
+    (:mod:`mindspeed_llm.training.async_save`); ``None`` otherwise. ``adapters_only``: the model's
+    LoRA factors and not its frozen base (see :func:`save_checkpoint`).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -268,15 +301,22 @@ def write_checkpoint(
         tmp.mkdir()
     dist.barrier()
     fault_point("save.start", state.step)
-    sharded = _model_state(chunks)
+    sharded = _model_state(chunks, adapters_only)
+    if adapters_only and not any(sharded.values()):
+        raise ValueError(
+            "an adapters-only checkpoint of a model without LoRA factors; apply LoRA or save the whole model"
+        )
     sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False, metadata=OPTIMIZER_METADATA)
     sharded["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    if adapters_only:  # what a resume checks the base it rebuilt against (at the same layout)
+        sharded["base_sums"] = ShardedObject("base_sums", _base_sums(chunks), (world,), (rank,), replica_id=0)
     sharded.update(
         train_state=asdict(state),
         # The warmup's start too (megatron's state leaves it out): a resume compares it with the recipe's.
         opt_param_scheduler={**scheduler.state_dict(), "init_lr": scheduler.init_lr},
         layout=_layout(config),
         config=to_dict(config),
+        model_contents=ADAPTERS if adapters_only else "full",
     )
     if args is not None:
         import copy
@@ -323,6 +363,7 @@ def save_checkpoint(
     args: Any = None,
     extra_files: dict[str, str] | None = None,
     keep_last: int | None = None,
+    adapters_only: bool = False,
 ) -> Path:
     """Save everything a resume needs as ``root/iter_<step>``; atomic, collective.
 
@@ -340,6 +381,10 @@ def save_checkpoint(
             (the RL driver's run state).
         keep_last: rotation (default ``config.checkpoint.keep_last``): only complete
             checkpoints are counted and deleted, never the newest complete one nor this one.
+        adapters_only: of a LoRA model, save its factors (with their optimizer state, the
+            schedule and the RNG) and not the frozen base weights, which a resume reads again
+            from their source before :func:`load_checkpoint` (recorded as ``model_contents:
+            adapters`` in the common state; :func:`load_checkpoint` then loads the factors only).
 
     Returns:
         The checkpoint directory.
@@ -355,7 +400,19 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     # A full disk anywhere in here (the forked writers included) is one line, and the .tmp goes.
     with save_guard(root, final, remove_tmp=rank == 0):
-        write_checkpoint(root, final, tmp, state, chunks, optimizer, scheduler, config, args, extra_files)
+        write_checkpoint(
+            root,
+            final,
+            tmp,
+            state,
+            chunks,
+            optimizer,
+            scheduler,
+            config,
+            args,
+            extra_files,
+            adapters_only=adapters_only,
+        )
     if rank == 0:
         rotate(root, config.checkpoint.keep_last if keep_last is None else keep_last, final)
     dist.barrier()
@@ -438,21 +495,8 @@ def load_checkpoint(
     check_dist_checkpoint(path)  # nothing in it runs code: a refused file is one line, before megatron reads it
     with trusted_dist_loads():
         common = dist_checkpointing.load_common_state_dict(str(path))
-    saved_family = getattr(common.get("args"), "model_type_hf", None)
-    if family is not None and saved_family is not None and saved_family != family:
-        raise ConfigError(
-            f"checkpoint {path} holds a {saved_family} model and this recipe builds a {family} model; "
-            f"use a {family} checkpoint or the recipe the checkpoint was trained with "
-            f"({path / 'config.yaml'})"
-        )
-    template = _model_state(chunks)
-    with trusted_dist_loads():
-        check_shapes(path, template)
-    if weights_only:
-        # A base checkpoint has no LoRA factors: they keep their initial values.
-        from mindspeed_llm.training.lora import split_lora_state
-
-        template = {key: split_lora_state(state)[0] for key, state in template.items()}
+    adapters_only = common.get("model_contents") == ADAPTERS
+    template = _model_template(path, common, chunks, family, weights_only)
     with_optimizer = not weights_only and ck.load_optimizer and "optimizer" in _saved_keys(common)
     winner = _schedule_winner(path, common, scheduler, config) if with_optimizer else None
     # An optimizer that never stepped (every update skipped as non-finite, or none yet) saved no
@@ -462,6 +506,11 @@ def load_checkpoint(
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=OPTIMIZER_METADATA)
     layout = common.get("layout", {})
     with_rng = not weights_only and ck.load_rng and layout.get("world_size") == dist.get_world_size()
+    with_base_check = adapters_only and layout == _layout(config)
+    if with_base_check:
+        template["base_sums"] = ShardedObject(
+            "base_sums", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
     if with_rng:
         template["rng_state"] = ShardedObject(
             "rng_state", None, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
@@ -475,8 +524,10 @@ def load_checkpoint(
         )
     with trusted_dist_loads():
         loaded = dist_checkpointing.load(template, str(path))
+    if with_base_check:
+        _check_base(path, loaded["base_sums"], chunks)
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
-        _load_model_state(unwrap(chunk), loaded[key])
+        _load_model_state(unwrap(chunk), loaded[key], adapters_only)
     if weights_only:
         logger.info("loaded model weights from %s", path)
         return TrainState()
@@ -493,8 +544,42 @@ def load_checkpoint(
     return state
 
 
+def _model_template(
+    path: Path, common: dict[str, Any], chunks: list[Any], family: str | None, weights_only: bool
+) -> dict[str, Any]:
+    """What :func:`load_checkpoint` loads of the model: all of it, its base (``weights_only``: a base
+    checkpoint into a LoRA model) or its LoRA factors (an adapters-only checkpoint); shapes checked."""
+    from mindspeed_llm.training.lora import split_lora_state
+
+    saved_family = getattr(common.get("args"), "model_type_hf", None)
+    if family is not None and saved_family is not None and saved_family != family:
+        raise ConfigError(
+            f"checkpoint {path} holds a {saved_family} model and this recipe builds a {family} model; "
+            f"use a {family} checkpoint or the recipe the checkpoint was trained with "
+            f"({path / 'config.yaml'})"
+        )
+    adapters_only = common.get("model_contents") == ADAPTERS
+    template = _model_state(chunks, adapters_only)
+    if adapters_only and not any(template.values()):
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters only and this model has none; build it with the LoRA "
+            f"settings it was saved with ({path / 'config.yaml'}) on its base model"
+        )
+    with trusted_dist_loads():
+        check_shapes(path, template)
+    if weights_only and not adapters_only:
+        # A base checkpoint has no LoRA factors: they keep their initial values.
+        template = {key: split_lora_state(state)[0] for key, state in template.items()}
+    return template
+
+
 def save_model_checkpoint(
-    root: str | Path, step: int, model: Any, extra_files: dict[str, str] | None = None, keep_last: int | None = None
+    root: str | Path,
+    step: int,
+    model: Any,
+    extra_files: dict[str, str] | None = None,
+    keep_last: int | None = None,
+    adapters_only: bool = False,
 ) -> Path:
     """:func:`save_checkpoint` of a built model that holds its pieces (the RL actor and critic).
 
@@ -504,6 +589,7 @@ def save_model_checkpoint(
         model: anything with ``chunks``, ``optimizer``, ``scheduler`` and ``config`` (the recipe).
         extra_files: written into the checkpoint before it is marked complete.
         keep_last: rotate complete checkpoints.
+        adapters_only: a LoRA model's factors, not its frozen base (see :func:`save_checkpoint`).
     """
     state = TrainState(step=step)
     return save_checkpoint(
@@ -515,6 +601,7 @@ def save_model_checkpoint(
         model.config,
         extra_files=extra_files,
         keep_last=keep_last,
+        adapters_only=adapters_only,
     )
 
 
@@ -606,12 +693,12 @@ def _model_keys(count: int) -> list[str]:
     return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
 
 
-def _load_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    # Strict, except for LoRA factors a base checkpoint does not hold.
+def _load_model_state(model: torch.nn.Module, state: dict[str, Any], adapters_only: bool = False) -> None:
+    # Strict, except for LoRA factors a base checkpoint does not hold, or the base an adapters-only one does not.
     from mindspeed_llm.training.lora import is_lora_key
 
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not is_lora_key(k) and not k.endswith("_extra_state")]
+    missing = [k for k in missing if is_lora_key(k) == adapters_only and not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(
             f"the checkpoint does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]}"

@@ -16,7 +16,8 @@ chat template that renders exactly the plain format ``<s>Question: {prompt}\\nAn
 
 ``actor.model: demo`` stands for this policy: :func:`resolve_model` builds it once into a cache
 directory (default :data:`DEFAULT_CACHE_DIR`, relative to the working directory) and returns
-its path.
+its path. Other demo policies register in :data:`DEMO_MODELS` (``demo-tools``:
+:mod:`mindspeed_rl.demo.tools_model`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 
 from mindspeed.evaluation.math_answer import reference_answer
 from mindspeed.log import get_logger
+from mindspeed.registry import Registry
 from mindspeed_llm.engine import SamplingParams
 from mindspeed_rl.data import PromptFormat, encode_prompts, load_prompts
 from mindspeed_rl.rewards.math import MathVerifier
@@ -242,24 +244,33 @@ def build_demo_policy(out_dir: str | Path, seed: int = 0, settings: DemoPolicySe
     return out
 
 
+#: Demo policies by the name a recipe's ``actor.model`` gives: (cache folder stem, ``build(out_dir, seed)``).
+DEMO_MODELS: Registry[tuple[str, Callable[[Path, int], Path]]] = Registry("demo model")
+DEMO_MODELS.register(
+    DEMO_MODEL, (f"demo-policy-v{BUILDER_VERSION}", lambda out, seed: build_demo_policy(out, seed=seed))
+)
+
+
 def resolve_model(path_or_demo: str, cache_dir: str | Path | None = None, seed: int = 0) -> str:
-    """``demo`` -> the demo policy's directory (built on first use); anything else as given.
+    """A demo policy's name (``demo``, see :data:`DEMO_MODELS`) -> its directory (built on first use);
+    anything else as given.
 
     Args:
-        path_or_demo: ``actor.model``: a model directory or checkpoint, or ``demo``.
+        path_or_demo: ``actor.model``: a model directory or checkpoint, or a demo policy's name.
         cache_dir: where the demo policy is kept (default :data:`DEFAULT_CACHE_DIR`).
         seed: the demo policy's seed.
 
     Returns:
         A path the actor and the rollout engine can open.
     """
-    if path_or_demo != DEMO_MODEL:
+    if path_or_demo not in DEMO_MODELS:
         return path_or_demo
-    target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"demo-policy-v{BUILDER_VERSION}-seed{seed}"
+    stem, build = DEMO_MODELS.get(path_or_demo)
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{stem}-seed{seed}"
     if not (target / "config.json").is_file():
-        logger.info("building the demo policy into %s (once)", target)
+        logger.info("building the %s policy into %s (once)", path_or_demo, target)
         try:
-            build_demo_policy(target, seed=seed)
+            build(target, seed)
         except (OSError, ValueError):
             # Another process (a second rank, a parallel run) finished the same build first.
             if not (target / "config.json").is_file():
@@ -309,6 +320,7 @@ def evaluate_accuracy(
 __all__ = [
     "DEFAULT_CACHE_DIR",
     "DEMO_MODEL",
+    "DEMO_MODELS",
     "DemoPolicySettings",
     "answer_text",
     "build_demo_policy",

@@ -55,6 +55,8 @@ from mindspeed_rl.buffer import BufferClient, create_buffer_actor
 from mindspeed_rl.buffer.replay import StalenessError
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.data import load_prompts
+from mindspeed_rl.demo import tools_model as _tools_model  # noqa: F401 (registers demo-tools in DEMO_MODELS)
+from mindspeed_rl.demo.model import DEMO_MODELS
 from mindspeed_rl.demo.model import resolve_model as resolve_demo
 from mindspeed_rl.driver.ray_runtime import init_ray
 from mindspeed_rl.driver.runner_checkpoints import RL_STATE, RunnerCheckpoints
@@ -93,9 +95,10 @@ ASYNC_TIS_CAP = 2.0
 
 
 def resolve_model(config: GRPOConfig) -> str:
-    """The actor's model directory (``demo`` is built once and cached; see :mod:`mindspeed_rl.demo.model`)."""
+    """The actor's model directory (a demo policy, ``demo`` or ``demo-tools``, is built once and cached;
+    see :mod:`mindspeed_rl.demo.model`)."""
     model = config.actor.model
-    if model == "demo":
+    if model in DEMO_MODELS:
         return str(resolve_demo(model))
     return str(model)
 
@@ -194,7 +197,7 @@ class GRPORunner(RunnerCheckpoints):
     def __init__(self, config: GRPOConfig) -> None:
         from transformers import AutoTokenizer
 
-        if config.actor.model == "demo":
+        if config.actor.model in DEMO_MODELS:
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()
         config = absolute_paths(config)

@@ -12,7 +12,10 @@ chunks after the base weights are loaded, so megatron's DDP and optimizer only s
   in a new storage: the base ``W`` is put back untouched afterwards (bit for bit), and the tensors
   a weight export took from the merged storages stay valid after the block;
 - :meth:`ActorLora.export_peft`: the adapter as a PEFT directory for the Hugging Face base
-  (:func:`~mindspeed_llm.engine.export_peft`).
+  (:func:`~mindspeed_llm.engine.export_peft`);
+- :meth:`ActorLora.save_checkpoint`: the run's checkpoint; under LoRA adapters-only (the factors,
+  their Adam moments, the schedule and the RNG, not the frozen base): a resume builds the actor
+  from its model path (the base) and loads the factors with ``load_model_checkpoint``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from typing import Any
 
 import torch
 
-from mindspeed_llm.engine import export_peft, lora_delta_weight, lora_disabled, lora_layers, unwrap
+from mindspeed_llm.engine import (
+    export_peft,
+    lora_delta_weight,
+    lora_disabled,
+    lora_layers,
+    save_model_checkpoint,
+    unwrap,
+)
 
 Pair = tuple[Sequence[int], Sequence[int]]
 
@@ -72,6 +82,17 @@ class ActorLora:
         if not self.lora:
             raise ValueError("this actor has no LoRA adapters (set actor.lora.target_modules)")
         export_peft(self.chunks, directory, self.shape, self.hf_dir, self.settings.lora, self.groups)
+
+    def save_checkpoint(
+        self, root: str | Path, step: int, extra_files: dict[str, str] | None = None, keep_last: int | None = None
+    ) -> Path:
+        """Save ``root/iter_<step>`` (collective): the whole actor, or under LoRA its adapters only.
+
+        An adapters-only checkpoint holds the factors, their optimizer state, the schedule and the
+        RNG; the frozen base is not written: the actor a resume builds reads it from its model path
+        (``actor.model``), then ``load_model_checkpoint`` loads the rest.
+        """
+        return save_model_checkpoint(root, step, self, extra_files, keep_last, adapters_only=self.lora)
 
     def trainable_parameters(self) -> int:
         """Elements of this rank's trained parameters (the LoRA factors under LoRA)."""

@@ -232,9 +232,10 @@ class ActorWorker:
         """Save the actor (weights, optimizer, scheduler, RNG) as ``root/iter_<step>`` (collective).
 
         ``extra_files`` (the driver's run state) are written into the checkpoint before it is
-        marked complete; ``keep_last`` rotates complete checkpoints.
+        marked complete; ``keep_last`` rotates complete checkpoints. A LoRA actor saves its adapters
+        only (``Actor.save_checkpoint``); a resume rebuilds the base from ``actor.model``.
         """
-        return str(save_model_checkpoint(root, step, self.actor, extra_files=extra_files, keep_last=keep_last))
+        return str(self.actor.save_checkpoint(root, step, extra_files=extra_files, keep_last=keep_last))
 
     def load(
         self,
