@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,9 @@ def _collectives(rank: int, world_size: int, scale: float) -> dict:
         "sum": value.item(),
         "gathered": [g.item() for g in gathered],
         "backend": dist.get_backend(),
+        "tensor": value,  # a tensor comes back by value, after the rank has exited
+        "cwd": os.getcwd(),
+        "marker": os.environ.get("MINDSPEED_TEST_CALLER_MARKER"),
     }
 
 
@@ -36,13 +41,19 @@ def _hang_on_rank_one(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_results_in_rank_order() -> None:
+def test_results_in_rank_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks see the caller's current directory and environment (they fork from a server started earlier).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINDSPEED_TEST_CALLER_MARKER", "set-after-the-server-started")
     results = run_distributed(_collectives, 2, 0.5)
     expected_sum = sum((r + 1) * 0.5 for r in range(2))
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == expected_sum for r in results)
     assert all(r["gathered"] == [0.0, 1.0] for r in results)
     assert results[0]["backend"] == "gloo"
+    assert all(torch.equal(r["tensor"], torch.tensor([expected_sum])) for r in results)
+    assert {r["cwd"] for r in results} == {str(tmp_path)}
+    assert {r["marker"] for r in results} == {"set-after-the-server-started"}
 
 
 @pytest.mark.distributed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -115,7 +116,8 @@ def _rank_main(
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with the rank.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -203,7 +205,7 @@ def run_distributed(
         failures = _failures(outcomes)
         if failures:
             raise DistributedTestError("a rank failed" + failures)
-        return [outcomes[rank][1] for rank in range(world_size)]
+        return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
     finally:
         for proc in procs:
             proc.join(timeout=5)
