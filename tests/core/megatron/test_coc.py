@@ -148,3 +148,8 @@ def test_feature_refuses_without_tp_and_sequence_parallel() -> None:
     report = apply_features(FeaturesConfig(settings={"coc": {"enabled": True, "coc_parallel_num": 4}}), ctx)
     assert ctx.kernel_impls["all_gather_matmul"] == ctx.kernel_impls["matmul_reduce_scatter"] == "chunked"
     assert "coc" in report.order
+    layer = torch.nn.Linear(2, 2)
+    layer.coc_num_chunks = 2
+    (hook,) = ctx.hooks["post_model_build"]
+    hook([torch.nn.Sequential(layer)])
+    assert layer.coc_num_chunks == 4

@@ -16,11 +16,17 @@ from typing import Any
 
 from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
-from mindspeed.ops import resolve_kernel
+from mindspeed.ops import available_kernels
 
 COC_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
-#: The implementation ``coc_fused_kernel`` asks for (a vendor kernel fusing the pair).
-FUSED = "npu"
+#: The device-agnostic implementations; any other one of the ops is a vendor kernel fusing the pair.
+UNFUSED = ("reference", "chunked")
+
+
+def fused_kernel(op: str, accelerator: str) -> str | None:
+    """The best available vendor kernel of ``op`` on ``accelerator`` (``None``: there is none)."""
+    fused = [impl.name for impl in available_kernels(op, accelerator) if impl.name not in UNFUSED]
+    return fused[0] if fused else None
 
 
 @dataclass
@@ -39,9 +45,11 @@ class CoCChunks:
         self.num_chunks = num_chunks
 
     def __call__(self, model: Any) -> None:
-        from mindspeed.megatron.coc import set_num_chunks  # megatron is imported only where a model is built
-
-        set_num_chunks(self.num_chunks)(model)
+        # Duck-typed (the layers' ``coc_num_chunks``): the features do not import the megatron adaptor.
+        for chunk in model if isinstance(model, (list, tuple)) else [model]:
+            for module in chunk.modules():
+                if hasattr(module, "coc_num_chunks"):
+                    module.coc_num_chunks = self.num_chunks
 
     def __repr__(self) -> str:
         return f"CoCChunks({self.num_chunks})"
@@ -70,18 +78,19 @@ class CoCFeature(Feature):
             raise self.invalid(f"settings.coc.coc_parallel_num={cfg.coc_parallel_num}", "use 1, 2, 4 or 8")
         if cfg.coc_fused_kernel:
             for op in COC_OPS:
-                try:
-                    resolve_kernel(op, FUSED, device=ctx.accelerator)
-                except ValueError as err:
+                if fused_kernel(op, ctx.accelerator) is None:
                     raise self.invalid(
-                        f"no fused {op} kernel on {ctx.accelerator} ({err})", "set coc_fused_kernel=false"
-                    ) from None
+                        f"no fused {op} kernel on {ctx.accelerator} (torch_npu's MC2 kernels)",
+                        "set coc_fused_kernel=false (the chunked pipeline)",
+                    )
 
     def apply(self, cfg: CoCConfig, ctx: BuildContext) -> list[Change]:
         """Choose the two ops' kernels (the spec then builds the CoC linears) and set the chunk count."""
-        impl = FUSED if cfg.coc_fused_kernel else "chunked"
         why = "--coc-fused-kernel" if cfg.coc_fused_kernel else f"--coc-parallel-num {cfg.coc_parallel_num}"
-        changes = [ctx.set_kernel(op, impl, reason=f"--use-ascend-coc: {why}") for op in COC_OPS]
+        changes = []
+        for op in COC_OPS:
+            impl = fused_kernel(op, ctx.accelerator) if cfg.coc_fused_kernel else "chunked"
+            changes.append(ctx.set_kernel(op, impl, reason=f"--use-ascend-coc: {why}"))
         hook = CoCChunks(cfg.coc_parallel_num)
         changes.append(ctx.add_hook("post_model_build", hook, f"{cfg.coc_parallel_num} sequence chunks per linear"))
         return changes

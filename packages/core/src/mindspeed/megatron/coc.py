@@ -120,16 +120,3 @@ def apply_coc(spec: ModuleSpec, column_impl: str, row_impl: str, num_chunks: int
         if target.linear_fc2 is RowParallelLinear:
             target.linear_fc2 = row
     return spec
-
-
-def set_num_chunks(num_chunks: int) -> Any:
-    """A ``post_model_build`` hook that sets the pipeline depth of every CoC layer of the model chunks."""
-
-    def install(model: Any) -> None:
-        for chunk in model if isinstance(model, (list, tuple)) else [model]:
-            for module in chunk.modules():
-                if isinstance(module, (CoCColumnParallelLinear, CoCRowParallelLinear)):
-                    module.coc_num_chunks = num_chunks
-
-    install.__qualname__ = f"set_coc_num_chunks[{num_chunks}]"
-    return install
