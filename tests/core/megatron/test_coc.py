@@ -8,7 +8,8 @@ One spawned 2-rank gloo group checks, bit for bit in fp32 (``torch.equal``):
 - the model: the tiny GPT (2 layers) at TP2 + sequence parallelism built with the CoC linears
   (every QKV / projection / fc1 / fc2 through the chunked ops, counted) against the same model
   built with megatron's linears: the first step's gradients of every parameter and the losses
-  of 3 optimizer steps.
+  of 3 optimizer steps; once plain and once with megatron's gradient-accumulation fusion (the
+  weight gradients added into ``main_grad`` through ``matmul_add_fp32``, counted, either way).
 
 The feature's one-line refusals (no TP, no sequence parallelism) are checked in-process.
 """
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from mindspeed.testing.distributed import run_distributed
+from mindspeed.testing.kernels import calls_of
 
 LAYERS, STEPS = 2, 3
 
@@ -52,7 +54,8 @@ def _run(fn: Any, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, group: Any,
     return out.detach(), x.grad, w.grad
 
 
-def _train(coc: bool) -> dict[str, Any]:
+def _train(coc: bool, fusion: bool, kernels: Any) -> dict[str, Any]:
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mindspeed.megatron.spec import get_gpt_layer_spec
@@ -72,13 +75,19 @@ def _train(coc: bool) -> dict[str, Any]:
         unwrap,
     )
 
-    kernels = {"all_gather_matmul": "chunked", "matmul_reduce_scatter": "chunked"} if coc else {}
+    kernels = {**kernels, "attention": "reference"}
+    if coc:
+        kernels.update(all_gather_matmul="chunked", matmul_reduce_scatter="chunked")
     model = TinyGPTConfig(num_layers=LAYERS)
     sizes = ParallelSizes(tp=2, sequence_parallel=True)
     init_parallel(sizes, model.seed)
     try:
         chunks = build_gpt(
-            model, sizes, layer_spec=get_gpt_layer_spec({"attention": "reference", **kernels}, swiglu=False)
+            model,
+            sizes,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            layer_spec=get_gpt_layer_spec(kernels, swiglu=False),
+            gradient_accumulation_fusion=fusion,
         )
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), chunks)
         steps = [local_batches(make_batches(model, 2, 2))] * STEPS
@@ -93,32 +102,35 @@ def _train(coc: bool) -> dict[str, Any]:
         destroy_parallel()
 
 
-def _group(rank: int, world_size: int) -> dict[str, Any]:
-    import time
+def _compare(plain: dict[str, Any], coc: dict[str, Any]) -> dict[str, Any]:
+    """Compared in the rank: tensors do not travel back from the ranks."""
+    return {
+        "losses": (plain["losses"], coc["losses"]),
+        "grads": len(plain["grads"]),
+        "grads_differ": {
+            n: (g - coc["grads"][n]).abs().max().item()
+            for n, g in plain["grads"].items()
+            if not torch.equal(g, coc["grads"][n])
+        },
+        "calls": (plain["calls"], coc["calls"]),
+    }
 
+
+def _group(rank: int, world_size: int) -> dict[str, Any]:
+    from mindspeed.features import FeaturesConfig
     from mindspeed.megatron import adapt, unadapt
 
     out: dict[str, Any] = {"ops": _op_pairs(torch.distributed.group.WORLD)}
-    adapt("cpu")
+    # Gradient-accumulation fusion's kernel is bound (the feature); each model asks for it or not.
+    report = adapt(
+        "cpu", features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True})
+    )
     try:
-        runs, timings = {}, {}
-        for coc in (False, True):
-            start = time.perf_counter()
-            runs[coc] = _train(coc)
-            timings[coc] = (time.perf_counter() - start) / STEPS
+        for fusion in (False, True):
+            runs = [_train(coc, fusion, report.kernels) for coc in (False, True)]
+            out["fused" if fusion else "plain"] = _compare(*runs)
     finally:
         unadapt()
-    plain, coc = runs[False], runs[True]
-    # Compared here: tensors do not travel back from the ranks.
-    out["losses"] = (plain["losses"], coc["losses"])
-    out["grads"] = len(plain["grads"])
-    out["grads_differ"] = {
-        n: (g - coc["grads"][n]).abs().max().item()
-        for n, g in plain["grads"].items()
-        if not torch.equal(g, coc["grads"][n])
-    }
-    out["calls"] = (plain["calls"], coc["calls"])
-    out["seconds_per_step"] = timings
     return out
 
 
@@ -126,15 +138,19 @@ def _group(rank: int, world_size: int) -> dict[str, Any]:
 def test_coc_equals_the_unfused_pairs_bit_for_bit() -> None:
     for out in run_distributed(_group, 2, timeout=300):
         assert out["ops"] == []
-        plain_losses, coc_losses = out["losses"]
-        assert coc_losses == plain_losses
-        assert out["grads"] > 10 and out["grads_differ"] == {}
-        plain_calls, coc_calls = out["calls"]
-        # qkv + fc1 (proj + fc2) per layer, each forward of 2 microbatches x 3 steps
-        assert coc_calls[("all_gather_matmul", "chunked")] == 2 * LAYERS * 2 * STEPS
-        assert coc_calls[("matmul_reduce_scatter", "chunked")] == 2 * LAYERS * 2 * STEPS
-        assert ("all_gather_matmul", "chunked") not in plain_calls
-        print("coc losses", coc_losses, "seconds per step (off, on)", out["seconds_per_step"])
+        for fusion in ("plain", "fused"):
+            run = out[fusion]
+            plain_losses, coc_losses = run["losses"]
+            assert coc_losses == plain_losses, fusion
+            assert run["grads"] > 10 and run["grads_differ"] == {}, fusion
+            plain_calls, coc_calls = run["calls"]
+            # qkv + fc1 (proj + fc2) per layer, each forward of 2 microbatches x 3 steps
+            assert coc_calls[("all_gather_matmul", "chunked")] == 2 * LAYERS * 2 * STEPS
+            assert coc_calls[("matmul_reduce_scatter", "chunked")] == 2 * LAYERS * 2 * STEPS
+            assert ("all_gather_matmul", "chunked") not in plain_calls
+            # with the fusion, every linear's weight gradient went through the kernel either way
+            accumulations = [calls_of(calls, "matmul_add_fp32") for calls in (plain_calls, coc_calls)]
+            assert accumulations == ([(4 * LAYERS + 1) * 2 * STEPS] * 2 if fusion == "fused" else [0, 0]), fusion
 
 
 def test_feature_refuses_without_tp_and_sequence_parallel() -> None:
