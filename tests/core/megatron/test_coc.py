@@ -8,8 +8,9 @@ One spawned 2-rank gloo group checks, bit for bit in fp32 (``torch.equal``):
 - the model: the tiny GPT (2 layers) at TP2 + sequence parallelism built with the CoC linears
   (every QKV / projection / fc1 / fc2 through the chunked ops, counted) against the same model
   built with megatron's linears: the first step's gradients of every parameter and the losses
-  of 3 optimizer steps; once plain and once with megatron's gradient-accumulation fusion (the
-  weight gradients added into ``main_grad`` through ``matmul_add_fp32``, counted, either way).
+  of 3 optimizer steps; once plain and once with biases in every linear and megatron's
+  gradient-accumulation fusion (the weight gradients added into ``main_grad`` through
+  ``matmul_add_fp32``, counted, either way).
 
 The feature's one-line refusals (no TP, no sequence parallelism) are checked in-process.
 """
@@ -78,7 +79,7 @@ def _train(coc: bool, fusion: bool, kernels: Any) -> dict[str, Any]:
     kernels = {**kernels, "attention": "reference"}
     if coc:
         kernels.update(all_gather_matmul="chunked", matmul_reduce_scatter="chunked")
-    model = TinyGPTConfig(num_layers=LAYERS)
+    model = TinyGPTConfig(num_layers=LAYERS, add_bias_linear=fusion)  # biases in the second pair of runs
     sizes = ParallelSizes(tp=2, sequence_parallel=True)
     init_parallel(sizes, model.seed)
     try:

@@ -48,6 +48,19 @@ def accumulate_main_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_o
     return make(weight.main_grad.shape, dtype=total_input.dtype, device=total_input.device)
 
 
+class _AddBias(torch.autograd.Function):
+    """``x + bias`` whose bias gradient is summed over the flattened tokens, as megatron's linear
+    sums it (``grad_output.view(-1, out).sum(dim=0)``): the same summation order by construction."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+
+
 class CoCColumnParallelLinear(ColumnParallelLinear):
     """megatron's ``ColumnParallelLinear`` whose sequence all-gather + GEMM is ``all_gather_matmul``.
 
@@ -63,12 +76,13 @@ class CoCColumnParallelLinear(ColumnParallelLinear):
         self.coc_num_chunks = num_chunks
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or not kwargs.get("sequence_parallel") or not weight.requires_grad or kwargs.get("grad_output_buffer"):
+        deferred = kwargs.get("grad_output_buffer") is not None
+        if args or deferred or not kwargs.get("sequence_parallel") or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         fn = accumulate_main_grad if kwargs.get("gradient_accumulation_fusion") else None
         output = self.coc_kernel(input, weight, kwargs["tp_group"], self.coc_num_chunks, fn)
         bias = kwargs.get("bias")
-        return output if bias is None else output + bias
+        return output if bias is None else _AddBias.apply(output, bias)
 
 
 class CoCRowParallelLinear(RowParallelLinear):
