@@ -1,9 +1,11 @@
-"""Matmul fused with its tensor-parallel collective: ``all_gather_matmul``, ``matmul_reduce_scatter``.
+"""Matmul fused with its tensor-parallel collective: ``all_gather_matmul``, ``matmul_reduce_scatter``,
+``matmul_all_reduce``.
 
 Under tensor + sequence parallelism a column-parallel linear all-gathers its input along the
 sequence dim (dim 0, megatron's ``[s, b, h]``) before its GEMM, and a row-parallel linear
-reduce-scatters its output along the sequence dim after it. MindSpeed's compute-communication
-overlap (CoC, ``--use-ascend-coc``) splits the sequence into ``num_chunks`` pieces and overlaps
+reduce-scatters its output along the sequence dim after it (without sequence parallelism it
+all-reduces it: ``matmul_all_reduce``). MindSpeed's compute-communication overlap (CoC,
+``--use-ascend-coc``) splits the sequence into ``num_chunks`` pieces and overlaps
 the collective of one piece with the GEMM of another; its MC2 kernels (``--use-ascend-mc2``)
 fuse the pair inside one vendor kernel.
 
@@ -106,6 +108,23 @@ class _MatmulReduceScatterRef(torch.autograd.Function):
         return grad_input, _grad_weight(ctx.grad_weight_fn, weight, x, total_grad), None, None
 
 
+class _MatmulAllReduceRef(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, grad_weight_fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.grad_weight_fn = grad_weight_fn
+        out = torch.matmul(x, weight.t())
+        if _world(group) > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # The all-reduce's backward is the identity (megatron's reduce_from_tensor_model_parallel_region).
+        x, weight = ctx.saved_tensors
+        return grad.matmul(weight), _grad_weight(ctx.grad_weight_fn, weight, x, grad), None, None
+
+
 def all_gather_matmul_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -148,6 +167,27 @@ def matmul_reduce_scatter_reference(
     """
     _check("matmul_reduce_scatter", x, weight, group, num_chunks, full=True)
     return _MatmulReduceScatterRef.apply(x, weight, group, grad_weight_fn)
+
+
+def matmul_all_reduce_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any = None,
+    num_chunks: int = 1,
+    grad_weight_fn: GradWeightFn | None = None,
+) -> torch.Tensor:
+    """``x @ weight^T``, then all-reduce (sum) over ``group``: a row-parallel linear without
+    sequence parallelism.
+
+    Args:
+        x: ``[s, ..., in]`` (this rank's row shard of the features).
+        weight, group, num_chunks, grad_weight_fn: as in :func:`all_gather_matmul_reference`.
+
+    Returns:
+        ``[s, ..., out]``, the same on every rank.
+    """
+    _check("matmul_all_reduce", x, weight, group, num_chunks, full=False)
+    return _MatmulAllReduceRef.apply(x, weight, group, grad_weight_fn)
 
 
 # -- the chunked pipelines ---------------------------------------------------------------------
@@ -200,6 +240,26 @@ def _matmul_scattered(x: torch.Tensor, weight: torch.Tensor, group: Any, num_chu
         if handle is not None:
             handle.wait()
     return torch.cat([part for part, _ in pending])
+
+
+class _MatmulAllReduceChunked(_MatmulAllReduceRef):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any) -> Any:
+        ctx.save_for_backward(x, weight)
+        ctx.grad_weight_fn = fn
+        pending = []
+        for piece in _chunks(x.shape[0], num_chunks):
+            product = torch.matmul(x[piece], weight.t())
+            handle = dist.all_reduce(product, group=group, async_op=True) if _world(group) > 1 else None
+            pending.append((product, handle))
+        for _, handle in pending:
+            if handle is not None:
+                handle.wait()
+        return torch.cat([part for part, _ in pending])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (*_MatmulAllReduceRef.backward(ctx, grad), None)
 
 
 class _AllGatherMatmulChunked(torch.autograd.Function):
@@ -269,6 +329,19 @@ def matmul_reduce_scatter_chunked(
     return _MatmulReduceScatterChunked.apply(x, weight, group, num_chunks, grad_weight_fn)
 
 
+def matmul_all_reduce_chunked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any = None,
+    num_chunks: int = 1,
+    grad_weight_fn: GradWeightFn | None = None,
+) -> torch.Tensor:
+    """:func:`matmul_all_reduce_reference` as a pipeline: the all-reduce of chunk ``i`` overlaps
+    the GEMM of chunk ``i + 1`` (the backward has no communication)."""
+    _check("matmul_all_reduce", x, weight, group, num_chunks, full=False)
+    return _MatmulAllReduceChunked.apply(x, weight, group, num_chunks, grad_weight_fn)
+
+
 def _cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
     def make(s: int, b: int, n_in: int, n_out: int, chunks: int, name: str) -> Case:
         x = torch.randn(s, b, n_in, dtype=dtype, device=device)
@@ -306,5 +379,15 @@ register_op(
         bench_case=_bench,
     )
 )
+register_op(
+    OpSpec(
+        name="matmul_all_reduce",
+        reference=matmul_all_reduce_reference,
+        doc="x @ W^T, then all-reduce over the TP group (CoC / MC2 slot, TP without sequence parallelism)",
+        cases=_cases,
+        bench_case=_bench,
+    )
+)
 register_kernel("all_gather_matmul", "chunked", priority=10)(all_gather_matmul_chunked)
+register_kernel("matmul_all_reduce", "chunked", priority=10)(matmul_all_reduce_chunked)
 register_kernel("matmul_reduce_scatter", "chunked", priority=10)(matmul_reduce_scatter_chunked)

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.ops.backends.npu_basic import _has, _torch_npu
-from mindspeed.ops.coc import GradWeightFn, _grad_weight, all_gather_matmul_chunked, matmul_reduce_scatter_chunked
+from mindspeed.ops.coc import (
+    GradWeightFn,
+    _grad_weight,
+    _MatmulAllReduceRef,
+    all_gather_matmul_chunked,
+    matmul_all_reduce_chunked,
+    matmul_reduce_scatter_chunked,
+)
 from mindspeed.ops.registry import register_kernel
 
 _NPU = ("npu",)
@@ -97,3 +104,26 @@ def matmul_reduce_scatter_npu(
     if group is None or dist.get_world_size(group) == 1:
         return matmul_reduce_scatter_chunked(x, weight, group, num_chunks, grad_weight_fn)
     return _MatmulReduceScatterNpu.apply(x, weight, group, grad_weight_fn)
+
+
+class _MatmulAllReduceNpu(_MatmulAllReduceRef):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.grad_weight_fn = fn
+        out = _torch_npu().npu_mm_all_reduce_base(x.reshape(-1, x.shape[-1]), weight.t(), _hcom(group))
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@register_kernel("matmul_all_reduce", "npu", devices=_NPU, priority=20, available=_has("npu_mm_all_reduce_base"))
+def matmul_all_reduce_npu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any = None,
+    num_chunks: int = 1,
+    grad_weight_fn: GradWeightFn | None = None,
+) -> torch.Tensor:
+    """``npu_mm_all_reduce_base`` (the backward has no communication); one rank: the chunked path."""
+    if group is None or dist.get_world_size(group) == 1:
+        return matmul_all_reduce_chunked(x, weight, group, num_chunks, grad_weight_fn)
+    return _MatmulAllReduceNpu.apply(x, weight, group, grad_weight_fn)
