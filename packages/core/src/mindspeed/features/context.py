@@ -150,8 +150,9 @@ class ModelFacts:
         """
         activation = getattr(getattr(config, "activation_func", None), "__name__", None)
         gated = getattr(config, "gated_linear_unit", None)
-        # Megatron's own recompute, which the layer-recompute features check themselves against.
-        for key in ("recompute_granularity", "recompute_method"):
+        # Megatron's own recompute, which the layer-recompute features check themselves against,
+        # and sequence parallelism, which compute-communication overlap needs.
+        for key in ("recompute_granularity", "recompute_method", "sequence_parallel"):
             extra.setdefault(key, getattr(config, key, None))
         return cls(
             normalization=getattr(config, "normalization", None),

@@ -23,6 +23,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mindspeed.features.context import KernelChoices
+from mindspeed.megatron.coc import apply_coc
 from mindspeed.megatron.modules import RegistryAttention, RegistryNorm, RegistrySwiGLU
 from mindspeed.megatron.moe import RegistryGroupedMLP
 from mindspeed.megatron.patches import MEGATRON_VERSIONS
@@ -31,6 +32,9 @@ from mindspeed.patching import UpstreamPatch
 
 #: Registry ops the spec consumes, with their implementation chosen by ``impls``.
 SPEC_OPS = ("rms_norm", "layer_norm", "attention", "swiglu")
+#: The compute-communication overlap ops: chosen (the ``coc`` feature), they put
+#: :mod:`mindspeed.megatron.coc`'s linears into the layer.
+COC_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 
 class MindSpeedSpecProvider(LocalSpecProvider):
@@ -135,6 +139,9 @@ def get_gpt_layer_spec(
             targets.append(shared.submodules)
         for target in targets:
             target.activation_func = provider.activation_func()
+    if COC_OPS[0] in provider.kernels or COC_OPS[1] in provider.kernels:
+        kernels = provider.kernels
+        apply_coc(spec, kernels.kernel_for(COC_OPS[0]), kernels.kernel_for(COC_OPS[1]))
     if num_experts and ("grouped_matmul" in provider.kernels if moe_grouped_gemm is None else moe_grouped_gemm):
         sub.mlp.submodules.experts = provider.grouped_experts()
     return spec

@@ -17,6 +17,7 @@ from mindspeed.ops import (  # noqa: F401
     activations,
     adamw,
     attention,
+    coc,
     ema_adamw,
     gated_delta_rule,
     grouped_matmul,
@@ -27,7 +28,7 @@ from mindspeed.ops import (  # noqa: F401
     ring_attention,
     rotary,
 )
-from mindspeed.ops.backends import bnb_quant, cuda_attention, cuda_fla, npu_attention, npu_basic, npu_moe  # noqa: F401
+from mindspeed.ops.backends import bnb_quant, cuda_attention, cuda_fla, npu_attention, npu_basic, npu_coc, npu_moe  # noqa: F401
 from mindspeed.ops.backends.compile import register_compiled_kernels
 from mindspeed.ops.registry import (
     KERNELS,

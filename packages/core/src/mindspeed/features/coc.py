@@ -1,0 +1,96 @@
+"""Compute-communication overlap (MindSpeed's CoC, ``--use-ascend-coc``; its MC2 kernels, ``--use-ascend-mc2``).
+
+Under tensor + sequence parallelism the column-parallel linears all-gather their input along the
+sequence before the GEMM and the row-parallel linears reduce-scatter after it. With this feature
+the layer spec builds them as :mod:`mindspeed.megatron.coc`'s linears, which run the pairs as the
+registry ops ``all_gather_matmul`` / ``matmul_reduce_scatter``: the ``chunked`` pipeline of
+``coc_parallel_num`` sequence chunks (MindSpeed's script-side CoC), or with ``coc_fused_kernel``
+the vendor kernel that fuses the pair (torch_npu's ``npu_all_gather_base_mm`` /
+``npu_mm_reduce_scatter_base``: MindSpeed's fused CoC and MC2 kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mindspeed.features.base import Change, Feature, FeatureConfig
+from mindspeed.features.context import BuildContext
+from mindspeed.ops import available_kernels
+
+COC_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: The device-agnostic implementations; any other one of the ops is a vendor kernel fusing the pair.
+UNFUSED = ("reference", "chunked")
+
+
+def fused_kernel(op: str, accelerator: str) -> str | None:
+    """The best available vendor kernel of ``op`` on ``accelerator`` (``None``: there is none)."""
+    fused = [impl.name for impl in available_kernels(op, accelerator) if impl.name not in UNFUSED]
+    return fused[0] if fused else None
+
+
+@dataclass
+class CoCConfig(FeatureConfig):
+    """Knobs: ``coc_parallel_num`` (sequence chunks of the pipeline, MindSpeed's 2/4/8) and
+    ``coc_fused_kernel`` (the vendor's fused matmul + collective kernel instead of the pipeline)."""
+
+    coc_parallel_num: int = 2
+    coc_fused_kernel: bool = False
+
+
+class CoCChunks:
+    """``post_model_build`` hook: set the pipeline depth of every CoC linear of the model chunks."""
+
+    def __init__(self, num_chunks: int) -> None:
+        self.num_chunks = num_chunks
+
+    def __call__(self, model: Any) -> None:
+        # Duck-typed (the layers' ``coc_num_chunks``): the features do not import the megatron adaptor.
+        for chunk in model if isinstance(model, (list, tuple)) else [model]:
+            for module in chunk.modules():
+                if hasattr(module, "coc_num_chunks"):
+                    module.coc_num_chunks = self.num_chunks
+
+    def __repr__(self) -> str:
+        return f"CoCChunks({self.num_chunks})"
+
+
+class CoCFeature(Feature):
+    """The TP linears' collectives overlapped with their GEMMs, chunk by chunk (or fused by the vendor)."""
+
+    name = "coc"
+    Config = CoCConfig
+    level = 2
+    flags = ("--use-ascend-coc", "--coc-parallel-num", "--coc-fused-kernel", "--use-ascend-mc2")
+    description = "TP+SP linears: all-gather/reduce-scatter overlapped with the GEMM in sequence chunks (MC2 fused)"
+    targets = ("kernel_impls.all_gather_matmul", "kernel_impls.matmul_reduce_scatter", "hooks.post_model_build")
+
+    def validate(self, cfg: CoCConfig, ctx: BuildContext) -> None:
+        """TP > 1 with sequence parallelism, a positive chunk count, the fused kernel only where it exists."""
+        sp = ctx.model.extra.get("sequence_parallel")
+        if ctx.parallel.tp < 2 or sp is False:
+            raise self.invalid(
+                f"it overlaps the sequence-parallel collectives of TP, and the run has tp={ctx.parallel.tp}, "
+                f"sequence_parallel={sp}",
+                "use parallel.tp >= 2 with parallel.sequence_parallel=true",
+            )
+        if cfg.coc_parallel_num < 1:
+            raise self.invalid(f"settings.coc.coc_parallel_num={cfg.coc_parallel_num}", "use 1, 2, 4 or 8")
+        if cfg.coc_fused_kernel:
+            for op in COC_OPS:
+                if fused_kernel(op, ctx.accelerator) is None:
+                    raise self.invalid(
+                        f"no fused {op} kernel on {ctx.accelerator} (torch_npu's MC2 kernels)",
+                        "set coc_fused_kernel=false (the chunked pipeline)",
+                    )
+
+    def apply(self, cfg: CoCConfig, ctx: BuildContext) -> list[Change]:
+        """Choose the two ops' kernels (the spec then builds the CoC linears) and set the chunk count."""
+        why = "--coc-fused-kernel" if cfg.coc_fused_kernel else f"--coc-parallel-num {cfg.coc_parallel_num}"
+        changes = []
+        for op in COC_OPS:
+            impl = fused_kernel(op, ctx.accelerator) if cfg.coc_fused_kernel else "chunked"
+            changes.append(ctx.set_kernel(op, impl, reason=f"--use-ascend-coc: {why}"))
+        hook = CoCChunks(cfg.coc_parallel_num)
+        changes.append(ctx.add_hook("post_model_build", hook, f"{cfg.coc_parallel_num} sequence chunks per linear"))
+        return changes
