@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import socket
 import sys
@@ -116,8 +115,10 @@ def _rank_main(
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with the rank.
-        results.put((rank, True, pickle.dumps(value)))
+        # Tensors travel as shared-memory files kept by torch's manager, not as file descriptors
+        # that die with the rank (it exits right after this).
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        results.put((rank, True, value))
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -205,7 +206,7 @@ def run_distributed(
         failures = _failures(outcomes)
         if failures:
             raise DistributedTestError("a rank failed" + failures)
-        return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
+        return [outcomes[rank][1] for rank in range(world_size)]
     finally:
         for proc in procs:
             proc.join(timeout=5)
