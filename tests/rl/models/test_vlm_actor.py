@@ -120,3 +120,52 @@ def test_one_update_equals_the_grpo_formula(vlm_setup: dict) -> None:
         checked += 1
     assert checked > 10 and any(n.startswith("model.visual") for n, p in hf.named_parameters() if p.grad is not None)
     assert metrics["skipped"] == 0.0 and actor.version == 1
+
+
+def _sp_ranks(rank: int, world_size: int, model_dir: str, data: str) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from mindspeed_mm.inference.prompts import read_prompt_file
+    from mindspeed_rl.algorithms.losses import policy_loss_config
+    from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
+    from mindspeed_rl.rollout.vlm import VisionRolloutEngine
+
+    engine = VisionRolloutEngine(model_dir, 784, 3136)
+    prompts = [engine.encode(p) for p in read_prompt_file(data)[:4]]
+    pairs = [(prompts[0], [72, 105, 33]), (prompts[1], [98, 121, 101, 10]), (prompts[3], [111, 107])]
+    pairs.append((prompts[2], [110, 111, 112, 113, 114]))
+    advantages = torch.tensor([0.5, -1.0, 1.2, -0.3])
+    settings = VisionActorSettings(
+        lr=1e-3, clip_grad=0.0, micro_batch_size=3, loss_config=policy_loss_config("ppo_clip", kl_coef=0.0)
+    )
+    one, two = VisionActor(model_dir, settings), VisionActor(model_dir, settings, group=dist.group.WORLD)
+    worst = {"logp": 0.0, "grad": 0.0, "loss": 0.0}
+    _, here = two.forward(pairs, 5)  # this rank's share of the response tokens: a part, not all
+    worst["share"] = float(here.sum()) / sum(len(r) for _, r in pairs)
+    for a, b in zip(one.compute_logprobs(pairs), two.compute_logprobs(pairs)):
+        worst["logp"] = max(worst["logp"], float(((a - b).abs() / a.abs().clamp(min=1e-6)).max()))
+    old = torch.stack([torch.nn.functional.pad(lp, (0, 5 - len(lp))) for lp in one.compute_logprobs(pairs)])
+    old = old + torch.tensor([[-0.3], [0.3], [0.0], [-0.1]])
+    m1 = one.update(pairs, old, advantages, None, None)  # old log-probs off the policy: ratios != 1, clipping on
+    m2 = two.update(pairs, old, advantages, None, None)
+    worst["loss"] = abs(m1["loss"] - m2["loss"]) / abs(m1["loss"])
+    worst["clipfrac"] = abs(m1["pg_clipfrac"] - m2["pg_clipfrac"])
+    worst["clipped"] = m1["pg_clipfrac"]
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        if p1.grad is not None:
+            scale = float(p1.grad.abs().max()) or 1.0
+            worst["grad"] = max(worst["grad"], float((p1.grad - p2.grad).abs().max()) / scale)
+    return worst
+
+
+def test_sequence_parallel_two_ranks_equal_one(tiny_vlm_rl: tuple[Path, Path]) -> None:
+    """SP2 = SP1: a Ulysses group of 2 (each rank half of every packed row) gives the log-probs, the loss and the
+    gradient of the unsplit actor (one spawned gloo group; the second actor of each rank is the reference)."""
+    from mindspeed.testing.distributed import run_distributed
+
+    model_dir, data = tiny_vlm_rl
+    for worst in run_distributed(_sp_ranks, 2, str(model_dir), str(data)):
+        assert worst["logp"] < 1e-5 and worst["loss"] < 1e-5 and worst["clipfrac"] < 1e-6, worst
+        assert worst["grad"] < 1e-5, worst
+        assert 0.0 < worst["share"] < 1.0, worst
+        assert worst["clipped"] > 0.0, worst  # the clip is exercised

@@ -100,13 +100,12 @@ class VisionRolloutEngine:
         )
         config = generation_config(self.loaded, settings)
         config.suppress_tokens = self.suppressed
+        config.output_logits, config.return_dict_in_generate = True, True
         inputs = batch_inputs([prompt.encoded for prompt in prompts], self.loaded)
         if p.seed is not None:
             torch.manual_seed(p.seed)
         with torch.no_grad():
-            out = self.loaded.model.generate(
-                **inputs, generation_config=config, output_logits=True, return_dict_in_generate=True
-            )
+            out = self.loaded.model.generate(**inputs, generation_config=config)
         start = inputs["input_ids"].shape[1]
         new = out.sequences[:, start:]
         # The raw logits (before temperature and filters): the policy's log-probs, as the actor computes them.
