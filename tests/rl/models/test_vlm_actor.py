@@ -151,7 +151,7 @@ def _sp_ranks(rank: int, world_size: int, model_dir: str, data: str) -> dict[str
     worst["loss"] = abs(m1["loss"] - m2["loss"]) / abs(m1["loss"])
     worst["clipfrac"] = abs(m1["pg_clipfrac"] - m2["pg_clipfrac"])
     worst["clipped"] = m1["pg_clipfrac"]
-    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+    for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
         if p1.grad is not None:
             scale = float(p1.grad.abs().max()) or 1.0
             worst["grad"] = max(worst["grad"], float((p1.grad - p2.grad).abs().max()) / scale)
