@@ -226,6 +226,7 @@ class VisionActor:
         num_tokens, num_seqs = float(mask.sum()), float(len(pairs))
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2 + len(VLM_UPDATE_METRICS), dtype=torch.float64)  # loss, tokens, metric sums
+        seen: set[str] = set()  # the metrics the loss reports (kl_loss only with a reference)
         for part in self._micro(pairs):
             logp, here = self.forward(pairs[part], width)
             local = mask[part] * here  # the response tokens this rank computed
@@ -244,6 +245,7 @@ class VisionActor:
             tokens = float(local.sum())
             sums[0] += float(out.loss.detach())
             sums[1] += tokens
+            seen.update(out.metrics)
             for i, name in enumerate(VLM_UPDATE_METRICS):
                 if name in out.metrics:
                     sums[2 + i] += float(out.metrics[name]) * tokens
@@ -251,9 +253,9 @@ class VisionActor:
             for param in self.model.parameters():
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=self.group)
-        return self._step(self._sum(sums), pairs)
+        return self._step(self._sum(sums), pairs, seen)
 
-    def _step(self, sums: torch.Tensor, pairs: Sequence[Pair]) -> dict[str, float]:
+    def _step(self, sums: torch.Tensor, pairs: Sequence[Pair], seen: set[str]) -> dict[str, float]:
         clip = self.settings.clip_grad or float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         loss, tokens = float(sums[0]), max(float(sums[1]), 1.0)
@@ -263,7 +265,7 @@ class VisionActor:
         self.streak = 0 if finite else self.streak + 1
         self.version += 1
         metrics = {"loss": loss}
-        metrics.update({name: float(sums[2 + i]) / tokens for i, name in enumerate(VLM_UPDATE_METRICS)})
+        metrics.update({name: float(sums[2 + i]) / tokens for i, name in enumerate(VLM_UPDATE_METRICS) if name in seen})
         metrics.update(
             grad_norm=norm,
             lr=float(self.optimizer.param_groups[0]["lr"]),
