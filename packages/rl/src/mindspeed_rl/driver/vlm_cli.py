@@ -32,7 +32,7 @@ def run_vlm_grpo(config: GRPOConfig) -> int:
         sink.log(record)
 
     try:
-        records = train_vlm_grpo(config, on_step)
+        records = train_vlm_grpo(config, on_step, sink.log_samples)
     finally:
         progress.close()
         curve = sink.close()

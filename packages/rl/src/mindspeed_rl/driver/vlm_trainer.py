@@ -177,12 +177,13 @@ def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, Visio
     return out
 
 
-def train_vlm_grpo(config: GRPOConfig, on_step: Any = None) -> list[dict[str, float]]:
+def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
     """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process.
 
     Args:
         config: the recipe (``actor.model_type: vlm``; demo names are resolved here).
         on_step: called with each record (the held-out evaluation of the starting policy first, as step 0).
+        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
 
     Returns:
         The metrics of every step.
@@ -192,15 +193,19 @@ def train_vlm_grpo(config: GRPOConfig, on_step: Any = None) -> list[dict[str, fl
     cache: dict[str, VisionPrompt] = {}
     held_out = read_vlm_prompts(str(config.data.eval_path)) if config.train.eval_interval else []
     report = on_step or (lambda record: None)
+    samples = on_samples or (lambda step, rows: None)
     if held_out:
         start = {"step": 0.0, **evaluate_vlm(ctx, held_out, cache)}
         logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
         report(start)
+        samples(0, ctx.eval_samples)
     for _ in range(config.train.steps):
         record = vlm_step(ctx, cache)
         if held_out and eval_due(ctx.step, config.train):
             record.update(evaluate_vlm(ctx, held_out, cache))
         report(record)
+        if "eval/reward_mean" in record:
+            samples(ctx.step, ctx.eval_samples)
         if ctx.step % max(config.logging.interval, 1) == 0:
             logger.info(
                 "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
