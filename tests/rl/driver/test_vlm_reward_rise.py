@@ -1,7 +1,7 @@
 """Vision-language GRPO learns: ``mindspeed-rl grpo --config examples/rl/grpo_vlm_tiny_cpu.yaml``.
 
 The command as a user runs it (in a fresh working directory, where it builds the demo once: the
-multimodal suite's shapes demo and the tiny Qwen2.5-VL warm-started for 20 supervised steps). The
+multimodal suite's shapes demo and the tiny Qwen2.5-VL warm-started for 40 supervised steps). The
 reference is the starting policy's own measured held-out accuracy (``eval/reward_mean`` at step 0:
 120 questions on pictures used by neither the warm start nor GRPO, each answered twice, sampled as
 the rollout samples, seeds fixed for the run): after the 30 steps it must be higher by a margin,

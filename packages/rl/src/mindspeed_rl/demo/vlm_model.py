@@ -32,7 +32,7 @@ logger = get_logger(__name__)
 
 DEFAULT_VLM_CACHE_DIR = Path("runs/rl-vlm-demo")
 #: Supervised steps of 8 questions each (lr 3e-3, AdamW): answers in the demo's words, near chance accuracy.
-WARM_STEPS = 20
+WARM_STEPS = 40
 #: The demo's image bounds (56 x 56 pictures: 4 image tokens each).
 DEMO_MIN_PIXELS, DEMO_MAX_PIXELS = 784, 3136
 
@@ -69,7 +69,7 @@ def vlm_demo_paths(cache_dir: str | Path | None = None) -> dict[str, Path]:
     paths = demo_paths(root / "mm")
     model = root / f"warm{WARM_STEPS}"
     if not (model / "config.json").is_file():
-        logger.info("warm-starting the vision-language demo policy into %s (once, ~20 s)", model)
+        logger.info("warm-starting the vision-language demo policy into %s (once, ~40 s)", model)
         tmp = root / f"warm{WARM_STEPS}.tmp"
         warm_start(paths["model"], paths["train"], tmp, WARM_STEPS)
         settle(tmp, model, "config.json")
