@@ -9,6 +9,7 @@ import pytest
 
 from mindspeed_rl.config.grpo import load_grpo_config
 from mindspeed_rl.config.ppo import load_ppo_config
+from mindspeed_rl.config.vlm import check_vlm
 from mindspeed_rl.demo.model import DEMO_MODELS
 from mindspeed_rl.demo.tools_model import TOOLS_DEMO_MODEL
 
@@ -33,5 +34,10 @@ def test_recipe_checks_and_names_its_command(path: Path, tmp_path: Path) -> None
         config = load(path, [f"actor.model={tmp_path}"])
     if config.reward.model is not None:  # a reward model trained first (grpo_rm_tiny_cpu.yaml)
         config = load(path, [f"actor.model={config.actor.model}", f"reward.model={tmp_path}"])
+    if config.actor.model_type == "vlm":  # the demo's mllm_format files are built on first use: stand one in
+        (tmp_path / "questions.jsonl").write_text("")
+        data = tmp_path / "questions.jsonl"
+        config = load(path, [f"actor.model={tmp_path}", f"data.path={data}", f"data.eval_path={data}"])
+        check_vlm(config)
     config.check()
     assert config.train.steps > 0

@@ -17,7 +17,7 @@ buffer; data the prompt datasets; rewards the verifiers and the reward model; to
 may call in a multi-turn rollout (the tool registry, the sandbox, the call parser); rollout the
 generation engines and the multi-turn agent loop, which runs the tools (a floor above them). config holds the recipe's typed sections and their checks. models is
 what a worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's
-translation into their settings. demo writes the tiny demo policy. workers are the Ray actors that
+translation into their settings, and the vision-language actor (a ``mindspeed_mm`` model). demo writes the tiny demo policy. workers are the Ray actors that
 host the models and rollout engines. driver is the one process that runs a job: the in-process
 trainer (one GRPO/PPO step's pieces), the Ray runners, their checkpoints, metrics and commands.
 cli is the ``mindspeed-rl`` entry point.

@@ -78,6 +78,8 @@ class ActorConfig:
         lora: LoRA RL (``mindspeed-llm sft``'s ``lora`` keys: ``target_modules``, ``r``, ``alpha``,
             ``dropout``, ``save_peft``): only the adapters train, the reference is the actor with
             its adapters off, the rollout engine gets the merged weights (docs/rl/lora.md).
+        model_type: ``llm`` (megatron-core through the LLM suite) or ``vlm`` (a vision-language model
+            of ``mindspeed_mm``, prompts with images in mllm_format: docs/rl/vlm.md).
     """
 
     model: str | None = None
@@ -102,6 +104,7 @@ class ActorConfig:
     offload_optimizer: bool = True
     offload_grad: bool = True
     lora: RLLoraConfig = field(default_factory=RLLoraConfig)
+    model_type: Literal["llm", "vlm"] = "llm"
 
     def world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""
@@ -510,6 +513,8 @@ class PromptDataConfig:
         instruction: appended to every prompt.
         system: a system message (chat format).
         shuffle: draw prompts in a seeded random order.
+        image_min_pixels: vision-language prompts (``actor.model_type: vlm``): images are resized to at
+            least this many pixels. image_max_pixels: and to at most this many (``mindspeed-mm``'s keys).
     """
 
     path: str = "demo"
@@ -520,6 +525,8 @@ class PromptDataConfig:
     instruction: str = ""
     system: str | None = None
     shuffle: bool = True
+    image_min_pixels: int = 3136
+    image_max_pixels: int = 262144
 
     def check(self) -> None:
         """Check the files, the field names and the prompt format (raises ``ConfigError`` naming the key)."""

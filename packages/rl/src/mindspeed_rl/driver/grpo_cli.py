@@ -64,6 +64,13 @@ def run_grpo(args: argparse.Namespace) -> int:
     if args.print_config:  # before any check, model or worker: what the recipe and the overrides say
         sys.stdout.write(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
+    if config.actor.model_type == "vlm":  # a vision-language policy: one process (docs/rl/vlm.md)
+        from mindspeed_rl.driver.vlm_cli import run_vlm_grpo
+
+        try:
+            return run_vlm_grpo(config)
+        except ConfigError as err:
+            raise ValueError(str(err)) from err
     # One run per save directory: the driver holds its lock from before the resume to the end.
     with run_lock(config.checkpoint.save):
         return _run_grpo(config)

@@ -197,6 +197,11 @@ class GRPORunner(RunnerCheckpoints):
     def __init__(self, config: GRPOConfig) -> None:
         from transformers import AutoTokenizer
 
+        if config.actor.model_type != "llm":
+            raise ConfigError(
+                f"actor.model_type={config.actor.model_type}: the Ray runner trains text policies; run the recipe "
+                "with mindspeed-rl grpo (one process: mindspeed_rl.driver.vlm_trainer.train_vlm_grpo)"
+            )
         if config.actor.model in DEMO_MODELS:
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))
         config.check()

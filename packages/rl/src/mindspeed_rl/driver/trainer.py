@@ -518,6 +518,11 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     from transformers import AutoTokenizer
 
     config.check()
+    if config.actor.model_type != "llm":
+        raise ValueError(
+            f"actor.model_type={config.actor.model_type}: build_context builds text policies; use "
+            "mindspeed_rl.driver.vlm_trainer.train_vlm_grpo"
+        )
     _ensure_group()
     a = config.actor
     settings = actor_settings(config)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mindspeed.registry import Registry
+from mindspeed_rl.rewards.exact import ExactVerifier
 from mindspeed_rl.rewards.format import FormatVerifier
 from mindspeed_rl.rewards.math import MathVerifier
 
@@ -30,6 +31,7 @@ class RewardFunction(Protocol):
 VERIFIERS: Registry[Callable[..., RewardFunction]] = Registry("reward verifier")
 VERIFIERS.register("math", MathVerifier)
 VERIFIERS.register("format", FormatVerifier)
+VERIFIERS.register("exact", ExactVerifier)
 
 
 def build_verifier(name: str, **options: Any) -> RewardFunction:

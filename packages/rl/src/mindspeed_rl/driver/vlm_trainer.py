@@ -1,0 +1,218 @@
+"""Vision-language GRPO in one process (``actor.model_type: vlm``): the GRPO step of
+:mod:`mindspeed_rl.driver.trainer` with a ``mindspeed_mm`` policy.
+
+One step::
+
+    image questions (mllm_format) -> VisionRolloutEngine.generate (rollout.n samples each, KV cache)
+        -> rule rewards on the answer -> train_on_batch (the GRPO advantages, old / reference
+        log-probs and the registered policy loss, as for a text policy) -> weights to the engine
+
+Only the rollout differs from the text path: prompts are conversations with images, encoded as the
+multimodal trainer encodes them (:class:`~mindspeed_rl.rollout.vlm.VisionPrompt`). The actor is a
+:class:`~mindspeed_rl.models.vlm_actor.VisionActor`; the engine is a second copy of the model in the
+same process (weights copied after every update; ``rollout_logp_diff`` in the metrics says they match).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_llm.engine import SamplingParams
+from mindspeed_mm.inference.prompts import Prompt, read_prompt_file
+from mindspeed_rl.config.grpo import GRPOConfig
+from mindspeed_rl.config.vlm import check_vlm
+from mindspeed_rl.data import PromptFormat, PromptSampler
+from mindspeed_rl.demo.vlm_model import resolve_vlm_names
+from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch, eval_due, finish_record, train_on_batch
+from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
+from mindspeed_rl.rewards import build_reward
+from mindspeed_rl.rollout.vlm import VisionPrompt, VisionRolloutEngine
+
+logger = get_logger(__name__)
+
+
+def resolve_vlm_config(config: GRPOConfig) -> GRPOConfig:
+    """The recipe with the demo names replaced (``actor.model: demo``, ``data.path: demo``, ``data.eval_path: demo-heldout``)."""
+    a, d = config.actor, config.data
+    model, path, eval_path = resolve_vlm_names(a.model, d.path, d.eval_path)
+    return replace(config, actor=replace(a, model=model), data=replace(d, path=path, eval_path=eval_path))
+
+
+def vision_actor_settings(config: GRPOConfig) -> VisionActorSettings:
+    """The actor's optimizer, batching and loss from a recipe."""
+    a, algo = config.actor, config.algorithm
+    return VisionActorSettings(
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        clip_grad=a.clip_grad,
+        micro_batch_size=a.micro_batch_size,
+        loss=algo.loss,
+        loss_config=replace(algo.loss_config(), norm_length=algo.norm_length or config.rollout.max_new_tokens),
+        seed=config.train.seed,
+    )
+
+
+def question(prompt: Prompt) -> str:
+    """The text a reward reads as the prompt: the last user turn."""
+    return prompt.messages[-1]["content"]
+
+
+def read_vlm_prompts(path: str) -> list[Prompt]:
+    """The image questions of an mllm_format file, each with its reference answer (the last assistant turn)."""
+    prompts = read_prompt_file(path)
+    missing = [p.source for p in prompts if p.reference is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: no reference answer (an assistant turn after the question); add one")
+    return prompts
+
+
+def build_vlm_context(config: GRPOConfig) -> GRPOContext:
+    """Actor, reference (with a KL penalty), engine, rewards and prompts of a vision-language recipe.
+
+    Raises:
+        ConfigError / ValueError: the recipe's first problem.
+    """
+    config.check()
+    check_vlm(config)
+    a, d = config.actor, config.data
+    settings = vision_actor_settings(config)
+    actor = VisionActor(a.model, settings)
+    reference = (
+        VisionActor(config.reference.model or a.model, settings, trainable=False) if config.needs_reference() else None
+    )
+    engine = VisionRolloutEngine(a.model, d.image_min_pixels, d.image_max_pixels, config.rollout.max_num_seqs)
+    engine.load_weights(actor.hf_state())
+    records = read_vlm_prompts(d.path)
+    sampler = PromptSampler(len(records), config.train.global_batch, config.train.seed, d.shuffle)
+    reward = build_reward(config.reward.verifiers, config.reward.weights, config.reward.options)
+    fmt = PromptFormat(style="chat")
+    return GRPOContext(config, actor, engine, engine.tokenizer, reward, records, sampler, fmt, reference)  # type: ignore[arg-type]
+
+
+def encoded(ctx: GRPOContext, prompt: Prompt, cache: dict[str, VisionPrompt]) -> VisionPrompt:
+    """The prompt's tokens and vision inputs (encoded once per source line)."""
+    key = f"{prompt.source}|{prompt.images}"
+    if key not in cache:
+        cache[key] = ctx.engine.encode(prompt)
+    return cache[key]
+
+
+def vlm_round(ctx: GRPOContext, cache: dict[str, VisionPrompt]) -> RolloutBatch:
+    """Generate and score one step's experience: ``train.global_batch`` questions x ``rollout.n`` answers."""
+    cfg, r = ctx.config, ctx.config.rollout
+    chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
+    rows = [p for p in chosen for _ in range(r.n)]
+    prompts = [encoded(ctx, p, cache) for p in rows]
+    base = cfg.train.seed * 1_000_003 + ctx.step * 65_537
+    params = [
+        SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=base + i
+        )
+        for i in range(len(prompts))
+    ]
+    outputs = ctx.engine.generate(prompts, params)
+    texts = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    questions, references = [question(p) for p in rows], [p.reference for p in rows]
+    rewards, parts = ctx.reward.score_batch(questions, texts, references)
+    return RolloutBatch(
+        [(p, list(o.token_ids)) for p, o in zip(prompts, outputs)],
+        questions,
+        references,
+        [torch.tensor(o.logprobs, dtype=torch.float32) for o in outputs],
+        rewards,
+        parts,
+    )
+
+
+def vlm_step(ctx: GRPOContext, cache: dict[str, VisionPrompt]) -> dict[str, float]:
+    """One GRPO step; its metrics (as :func:`mindspeed_rl.driver.trainer.grpo_step`'s)."""
+    start = time.perf_counter()
+    batch = vlm_round(ctx, cache)
+    rollout_time = time.perf_counter() - start
+    record = train_on_batch(ctx, batch)
+    record["time/rollout"] = rollout_time
+    mark = time.perf_counter()
+    ctx.engine.load_weights(ctx.actor.hf_state())
+    record["time/weight_sync"] = time.perf_counter() - mark
+    return finish_record(ctx, batch, record, time.perf_counter() - start)
+
+
+def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, VisionPrompt]) -> dict[str, float]:
+    """The engine's answers to held-out questions scored by the run's rewards (``eval/reward_mean``: the accuracy).
+
+    Greedy by default; ``train.eval_temperature`` > 0 samples ``train.eval_n`` answers each, seeds fixed for the run.
+    """
+    r, t = ctx.config.rollout, ctx.config.train
+    n = t.eval_n if t.eval_temperature > 0 else 1
+    rows = [p for p in prompts for _ in range(n)]
+    params = [
+        SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=t.eval_temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            seed=t.seed * 7_919 + i,
+        )
+        for i in range(len(rows))
+    ]
+    outputs = ctx.engine.generate([encoded(ctx, p, cache) for p in rows], params)
+    texts = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    rewards, parts = ctx.reward.score_batch([question(p) for p in rows], texts, [p.reference for p in rows])
+    ctx.eval_samples = [
+        {"prompt": question(p), "response": text, "reward": float(v)}
+        for p, text, v in zip(rows, texts, rewards.tolist())
+    ]
+    out = {
+        "eval/reward_mean": float(rewards.mean()),
+        "eval/response_length": sum(len(o.token_ids) for o in outputs) / len(outputs),
+    }
+    out.update({f"eval/reward/{name}": float(v.mean()) for name, v in parts.items()})
+    return out
+
+
+def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
+    """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process.
+
+    Args:
+        config: the recipe (``actor.model_type: vlm``; demo names are resolved here).
+        on_step: called with each record (the held-out evaluation of the starting policy first, as step 0).
+        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+
+    Returns:
+        The metrics of every step.
+    """
+    config = resolve_vlm_config(config)
+    ctx = build_vlm_context(config)
+    cache: dict[str, VisionPrompt] = {}
+    held_out = read_vlm_prompts(str(config.data.eval_path)) if config.train.eval_interval else []
+    report = on_step or (lambda record: None)
+    samples = on_samples or (lambda step, rows: None)
+    if held_out:
+        start = {"step": 0.0, **evaluate_vlm(ctx, held_out, cache)}
+        logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
+        report(start)
+        samples(0, ctx.eval_samples)
+    for _ in range(config.train.steps):
+        record = vlm_step(ctx, cache)
+        if held_out and eval_due(ctx.step, config.train):
+            record.update(evaluate_vlm(ctx, held_out, cache))
+        report(record)
+        if "eval/reward_mean" in record:
+            samples(ctx.step, ctx.eval_samples)
+        if ctx.step % max(config.logging.interval, 1) == 0:
+            logger.info(
+                "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
+                ctx.step,
+                record["reward_mean"],
+                record["response_length"],
+                record.get("loss", float("nan")),
+                record["time/step"],
+            )
+    return ctx.history

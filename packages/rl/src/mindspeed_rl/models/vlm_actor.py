@@ -1,0 +1,294 @@
+"""The vision-language GRPO actor: a ``mindspeed_mm`` transformers VLM (Qwen2.5-VL, Qwen3-VL) with its
+AdamW, scored and updated with the registered policy losses of :mod:`mindspeed_rl.algorithms`.
+
+It serves the in-process GRPO step (:func:`mindspeed_rl.driver.trainer.train_on_batch`) as the megatron
+:class:`~mindspeed_rl.models.actor.Actor` does: ``compute_logprobs(pairs)``, ``update(pairs, old_logp,
+advantages, ref_logp, rollout_logp)``, ``version``, ``hf_state()``, ``close()``. A pair's prompt is a
+:class:`~mindspeed_rl.rollout.vlm.VisionPrompt` (token ids with the image inputs attached).
+
+A microbatch is ``micro_batch_size`` sequences ``prompt + response`` packed into one row as the
+multimodal trainer packs samples (:func:`mindspeed_mm.data.packing.pack_samples`: each row's own M-RoPE
+positions, attention kept inside each row by the suite's packed attention, images concatenated in row
+order); the log-prob of response token ``t`` is read from the logits at the position before it, and only
+those positions reach the head. With a Ulysses group (``group``) each rank runs its shard of the row
+(:class:`~mindspeed_mm.trainer.sequence_parallel.SequenceParallel`, the trainer's hook) and the
+gradients are summed over the group. The loss is the registered loss over the whole mini-batch
+(``num_tokens`` / ``num_seqs`` of the mini-batch: microbatch losses add up to the mini-batch's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mindspeed.device import get_accelerator
+from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample
+from mindspeed_mm.data.packing import PackedBatch, pack_samples
+from mindspeed_mm.models import family_of, load_model
+from mindspeed_mm.models.family import VLMFamily
+from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
+from mindspeed_rl.algorithms.functional import logprobs_from_logits
+from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
+from mindspeed_rl.rollout.vlm import VisionPrompt
+
+Pair = tuple[VisionPrompt, list[int]]
+#: Metrics the update reports (token-weighted means over the mini-batch).
+VLM_UPDATE_METRICS = ("pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class VisionActorSettings:
+    """Optimizer, batching and loss of the vision-language actor (the recipe's ``actor`` / ``algorithm``)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 1.0
+    micro_batch_size: int = 8
+    loss: str = "ppo_clip"
+    loss_config: PolicyLossConfig | None = None
+    seed: int = 1234
+
+
+def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """``[rows, width]`` float32, each row's values first, zeros after."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def pack_pairs(pairs: Sequence[Pair], model: Any, family: VLMFamily) -> PackedBatch:
+    """``prompt + response`` rows packed into one sequence as the multimodal trainer packs samples (the
+    response tokens are the targets; each row's own M-RoPE positions; images concatenated in row order)."""
+    samples = []
+    for prompt, response in pairs:
+        e, tail = prompt.encoded, torch.tensor(list(response), dtype=torch.long)
+        samples.append(
+            EncodedSample(
+                input_ids=torch.cat([e.input_ids, tail]),
+                labels=torch.cat([torch.full_like(e.input_ids, IGNORE_INDEX), tail]),
+                mm_token_type_ids=torch.cat(
+                    [e.mm_token_type_ids, torch.zeros(len(tail), dtype=e.mm_token_type_ids.dtype)]
+                ),
+                vision=e.vision,
+                source=e.source,
+            )
+        )
+    return pack_samples(samples, model, family)
+
+
+def response_slots(pairs: Sequence[Pair]) -> torch.Tensor:
+    """``[L, 2]`` for the packed row of ``pairs``: at a position predicting a response token, its (row, index)."""
+    slots = torch.full((sum(len(p) + len(r) for p, r in pairs), 2), -1, dtype=torch.long)
+    offset = 0
+    for row, (prompt, response) in enumerate(pairs):
+        first = offset + len(prompt) - 1  # the position whose logits predict the response's first token
+        slots[first : first + len(response), 0] = row
+        slots[first : first + len(response), 1] = torch.arange(len(response))
+        offset += len(prompt) + len(response)
+    return slots
+
+
+class PackedForward:
+    """Log-probs of ``prompt + response`` rows from one packed forward, split over a Ulysses group.
+
+    The rows are packed into one sequence (attention kept inside each row by the multimodal suite's
+    packed attention); with a group of ``U`` ranks each rank runs its contiguous ``1/U`` of the
+    sequence (:class:`~mindspeed_mm.trainer.sequence_parallel.SequenceParallel`) and fills the
+    response log-probs that fall in it. Only the positions that predict response tokens reach the head.
+    """
+
+    def __init__(self, model: Any, family: VLMFamily, group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.family, self.group = model, family, group
+        self.sequence = SequenceParallel(model, family, group)
+
+    def __call__(self, pairs: Sequence[Pair], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp, here)``: ``[rows, width]`` log-probs of this rank's response tokens (zero elsewhere) and the
+        ``[rows, width]`` mask of the tokens this rank computed (every response token on one rank)."""
+        batch = pack_pairs(pairs, self.model, self.family)
+        start, end = self.sequence.begin(batch.sample_index)
+        slots = response_slots(pairs)[start:end]
+        keep = (slots[:, 0] >= 0).nonzero().squeeze(1)
+        targets = batch.targets[start:end][keep]
+        device = next(self.model.parameters()).device
+        logits = self.model(**batch.model_inputs(device), logits_to_keep=keep.to(device)).logits[0]
+        local = logprobs_from_logits(logits.float(), targets.to(device)).cpu()
+        rows, cols = slots[keep, 0], slots[keep, 1]
+        logp = torch.zeros(len(pairs), width).index_put((rows, cols), local)
+        here = torch.zeros(len(pairs), width).index_put((rows, cols), torch.ones(len(keep)))
+        return logp, here
+
+
+class VisionActor:
+    """The policy (trainable) or a frozen reference: the family's transformers model loaded by ``mindspeed_mm``.
+
+    Args:
+        model_dir: a Hugging Face directory of a registered ``mindspeed_mm`` family.
+        settings: optimizer, batching and loss.
+        trainable: False for a frozen reference (no optimizer).
+        group: a Ulysses sequence-parallel group (None: one rank). Its ranks hold the same weights and get
+            the same pairs; each runs its shard of every packed microbatch, and the gradients (and the
+            log-probs) are summed over the group.
+
+    Raises:
+        ValueError: with a group, a loss whose value is not a sum over tokens (``seq-mean-token-mean``,
+            ``ratio_level: sequence``: a rank does not see a whole sequence), or a head count the group
+            does not divide.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: VisionActorSettings,
+        trainable: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        torch.manual_seed(settings.seed)
+        self.settings = settings
+        self.loss_config = settings.loss_config or POLICY_LOSSES.get(settings.loss).defaults
+        family = family_of(model_dir)
+        self.model = load_model(model_dir, family).to(get_accelerator().device())
+        self.model.train(trainable)
+        self.model.requires_grad_(trainable)
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        if self.group is not None:
+            check_sequence_parallel(self.model.config, self.loss_config, dist.get_world_size(self.group))
+        self.forward = PackedForward(self.model, family, self.group)
+        self.optimizer = (
+            torch.optim.AdamW(
+                self.model.parameters(),
+                lr=settings.lr,
+                betas=(settings.adam_beta1, settings.adam_beta2),
+                weight_decay=settings.weight_decay,
+            )
+            if trainable
+            else None
+        )
+        self.version = 0
+        self.streak = 0
+        self.lora = None  # the LoRA actor's reference is not offered here
+
+    def _micro(self, pairs: Sequence[Pair]) -> list[slice]:
+        size = self.settings.micro_batch_size
+        return [slice(i, i + size) for i in range(0, len(pairs), size)]
+
+    def _sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the sequence-parallel group (itself on one rank)."""
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
+        """Per row, the log-probs of its response tokens (no gradient)."""
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for part in self._micro(pairs):
+                rows = pairs[part]
+                logp, _ = self.forward(rows, max(len(r) for _, r in rows))
+                logp = self._sum(logp.contiguous())
+                out += [logp[i, : len(r)].clone() for i, (_, r) in enumerate(rows)]
+        return out
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The weights under their Hugging Face names (for the rollout engine)."""
+        return {name: value.detach() for name, value in self.model.state_dict().items()}
+
+    def update(
+        self,
+        pairs: Sequence[Pair],
+        old_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        rollout_logp: torch.Tensor | None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on a mini-batch; its metrics (``loss``, ``grad_norm``, ``pg_clipfrac``, ...).
+
+        A non-finite loss or gradient norm skips the step (``skipped`` 1, ``nonfinite_streak`` counts them).
+        """
+        if self.optimizer is None:
+            raise ValueError("a frozen reference actor has no update; build it with trainable=True")
+        width = max(len(r) for _, r in pairs)
+        for given in (old_logp, ref_logp, rollout_logp, loss_mask):
+            width = max(width, given.shape[-1]) if given is not None else width
+        mask = pad_rows([torch.ones(len(r)) for _, r in pairs], width)
+        if loss_mask is not None:
+            mask = mask * loss_mask
+        adv = advantages if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
+        num_tokens, num_seqs = float(mask.sum()), float(len(pairs))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(2 + len(VLM_UPDATE_METRICS), dtype=torch.float64)  # loss, tokens, metric sums
+        seen: set[str] = set()  # the metrics the loss reports (kl_loss only with a reference)
+        for part in self._micro(pairs):
+            logp, here = self.forward(pairs[part], width)
+            local = mask[part] * here  # the response tokens this rank computed
+            inputs = PolicyLossInputs(
+                logp=logp,
+                old_logp=(old_logp[part] if old_logp is not None else logp.detach()).float(),
+                advantages=adv[part].float(),
+                mask=local,
+                ref_logp=None if ref_logp is None else ref_logp[part].float(),
+                rollout_logp=None if rollout_logp is None else rollout_logp[part].float(),
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            out = compute_policy_loss(self.settings.loss, inputs, self.loss_config)
+            out.loss.backward()
+            tokens = float(local.sum())
+            sums[0] += float(out.loss.detach())
+            sums[1] += tokens
+            seen.update(out.metrics)
+            for i, name in enumerate(VLM_UPDATE_METRICS):
+                if name in out.metrics:
+                    sums[2 + i] += float(out.metrics[name]) * tokens
+        if self.group is not None:  # each rank's gradient is that of its tokens: the sum is the whole batch's
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=self.group)
+        return self._step(self._sum(sums), pairs, seen)
+
+    def _step(self, sums: torch.Tensor, pairs: Sequence[Pair], seen: set[str]) -> dict[str, float]:
+        clip = self.settings.clip_grad or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        loss, tokens = float(sums[0]), max(float(sums[1]), 1.0)
+        finite = math.isfinite(norm) and math.isfinite(loss)
+        if finite:
+            self.optimizer.step()
+        self.streak = 0 if finite else self.streak + 1
+        self.version += 1
+        metrics = {"loss": loss}
+        metrics.update({name: float(sums[2 + i]) / tokens for i, name in enumerate(VLM_UPDATE_METRICS) if name in seen})
+        metrics.update(
+            grad_norm=norm,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            skipped=0.0 if finite else 1.0,
+            nonfinite_streak=float(self.streak),
+            update_tokens=float(sum(len(p) + len(r) for p, r in pairs)),
+        )
+        return metrics
+
+    def close(self) -> None:
+        """Remove the packed-attention hook from the model."""
+        self.forward.sequence.remove()
+
+
+def check_sequence_parallel(model_config: Any, loss: PolicyLossConfig, size: int) -> None:
+    """Raise ValueError when a Ulysses group of ``size`` cannot split this model or this loss."""
+    heads = int(getattr(model_config, "text_config", model_config).num_attention_heads)
+    if heads % size:
+        raise ValueError(
+            f"a sequence-parallel group of {size} does not divide the {heads} attention heads; use a divisor"
+        )
+    if loss.loss_agg_mode == "seq-mean-token-mean" or loss.ratio_level == "sequence":
+        raise ValueError(
+            f"loss_agg_mode={loss.loss_agg_mode!r} / ratio_level={loss.ratio_level!r} need whole sequences on a rank; "
+            "use token-mean or seq-mean-token-sum with token ratios under sequence parallelism"
+        )
