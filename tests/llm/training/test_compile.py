@@ -38,12 +38,16 @@ BASE = [
 ]
 
 
-def _train(rank: int, world_size: int) -> dict[str, Any]:
+def _train(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
+    from pathlib import Path
+
+    from mindspeed.log import RUN_LOG_FILE, setup_logging
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.trainer import pretrain
 
+    setup_logging()  # as the CLI does: the run log (report.txt) gets the trainer's lines
     runs: dict[str, Any] = {}
-    for name, extra in (("eager", []), ("compiled", ["train.compile=true"])):
+    for name, extra in (("eager", []), ("compiled", ["train.compile=true", f"logging.dir={log_dir}"])):
         result = pretrain(load_pretrain_config(None, [*BASE, *extra]))
         runs[name] = {
             "losses": [r["loss"] for r in result.records],
@@ -55,6 +59,7 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
                 if f["name"] == "gradient_accumulation_fusion"
             ),
         }
+    runs["run_log"] = (Path(log_dir) / RUN_LOG_FILE).read_text()
     try:
         pretrain(
             load_pretrain_config(
@@ -68,8 +73,8 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
-    (result,) = run_distributed(_train, 1, timeout=600)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    (result,) = run_distributed(_train, 1, str(tmp_path_factory.mktemp("logs")), timeout=600)
     return result
 
 
@@ -88,6 +93,7 @@ def test_one_graph_no_recompile_and_reported(runs: dict[str, Any]) -> None:
     assert report["graphs_after_first_step"] == 0
     assert report["seconds"] > 0
     assert runs["eager"]["compile"] == {}
+    assert "compile: 2 TransformerLayer forwards, 1 graphs compiled in " in runs["run_log"]
 
 
 def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> None:
