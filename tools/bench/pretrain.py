@@ -37,6 +37,7 @@ Usage::
     uv run --frozen python tools/bench/pretrain.py                    # tiny_cpu shape, 3 repeats
     uv run --frozen python tools/bench/pretrain.py --size small       # 8 layers, hidden 512
     uv run --frozen python tools/bench/pretrain.py --quick            # a smoke run (< 1 min)
+    uv run --frozen python tools/bench/pretrain.py --compile          # + ours with train.compile=true
 """
 
 from __future__ import annotations
@@ -231,10 +232,12 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             profiler.step_started(step)
         return losses
 
-    config = load_config(spec, spec["steps"], spec["level"], spec.get("full_logging", False))
+    extra = ["train.compile=true"] if spec.get("compile") else []
+    config = load_config(spec, spec["steps"], spec["level"], spec.get("full_logging", False), extra)
     result = launch(pretrain, (config, TrainerHooks(loss_transform=stamp)), nproc_per_node=1)
     records = [r for r in result.records if r["kind"] == "train"]
     return {
+        "compile": result.compile,
         **_periods(starts, spec["warmup"]),
         "losses": [r["loss"] for r in records],
         "inner_s": [r["step_time_s"] for r in records[spec["warmup"] :]],
@@ -429,6 +432,9 @@ def summarize(runs: list[dict[str, Any]], tokens_per_step: int, reference: list[
         "threads": sorted({r["threads"] for r in runs}),
         "runs_tokens_per_s": [round(tokens_per_step / statistics.median(r["periods"])) for r in runs],
         "load": _child.load_range(runs),
+        # train.compile's dynamo + Inductor seconds (in the untimed first step), graphs after step 1.
+        "compile_s": [r["compile"]["seconds"] for r in runs if r.get("compile")],
+        "recompiled_graphs": [r["compile"]["graphs_after_first_step"] for r in runs if r.get("compile")],
     }
 
 
@@ -461,6 +467,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--full-logging",
         action="store_true",
         help="also run ours (first level) with progress bar, metrics.jsonl and TensorBoard",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run ours (first level) with train.compile=true (each TransformerLayer compiled; the compile "
+        "falls in the untimed first step)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating (default 3)")
     parser.add_argument(
@@ -535,6 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "level": args.levels[0],
             "full_logging": True,
         }
+    if args.compile:
+        variants[f"ours (optimization_level {args.levels[0]}, compile)"] = {
+            "kind": "ours",
+            "level": args.levels[0],
+            "compile": True,
+        }
     variants[HF] = {"kind": "hf"}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
@@ -557,6 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{runs[HF][0]['optim']}; torch {version('torch')}, transformers {version('transformers')}; "
         f"{load.header(noisy)}; {time.perf_counter() - started:.0f} s; workdir {work}"
     )
+    compiled = {name: r for name, r in results.items() if r["compile_s"]}
+    for name, r in compiled.items():
+        header += (
+            f"; {name}: compile {', '.join(f'{v:.1f}' for v in r['compile_s'])} s in the untimed first step, "
+            f"graphs compiled after it {r['recompiled_graphs']}"
+        )
     table = report(results, header)
     sys.stdout.write(table)
     if args.json:

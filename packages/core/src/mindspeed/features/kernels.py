@@ -193,6 +193,16 @@ class GradientAccumulationFusionFeature(KernelFeature):
             ctx.set_config("gradient_accumulation_fusion", True, reason="weight gradients into main_grad"),
         ]
 
+    def model_problem(self, ctx: BuildContext) -> tuple[str, str] | None:
+        if ctx.model.extra.get("compiled_layers"):
+            # Its backward assigns and accumulates ``weight.main_grad`` in place, a side effect dynamo
+            # refuses inside the compiled layer's autograd.Function (megatron's linear layers).
+            return (
+                "train.compile traces the layers, and this backward mutates weight.main_grad in place",
+                "set train.compile=false to fuse the weight-gradient accumulation",
+            )
+        return None
+
 
 class MoEFeature(KernelFeature):
     """A kernel feature for MoE layers: ruled out on a model known to be dense."""

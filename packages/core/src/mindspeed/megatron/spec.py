@@ -158,6 +158,13 @@ def check_config_for_spec(config: Any, swiglu: bool = True) -> None:
         raise ValueError("set TransformerConfig(attention_dropout=0.0): the registry attention kernels have no dropout")
 
 
+def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos.to(dtype), sin.to(dtype)
+
+
 def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
     kernel = resolve_kernel("rotary_pos_emb", impl)
     # Every layer rotates its queries and keys with the same freqs tensor (built once per forward):
@@ -165,12 +172,11 @@ def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
     cached: list[Any] = [None, None]
 
     def tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # inside a compiled layer: computed in the graph (Inductor fuses it)
+            return _cos_sin(freqs, mscale, dtype)
         key = (freqs._version, mscale, dtype, torch.is_grad_enabled())
         if cached[0] is not freqs or cached[1][0] != key:
-            cos, sin = torch.cos(freqs), torch.sin(freqs)
-            if mscale != 1.0:
-                cos, sin = cos * mscale, sin * mscale
-            cached[0], cached[1] = freqs, (key, cos.to(dtype), sin.to(dtype))
+            cached[0], cached[1] = freqs, (key, *_cos_sin(freqs, mscale, dtype))
         return cached[1][1], cached[1][2]
 
     def apply_rotary_pos_emb(

@@ -111,7 +111,8 @@ class SwiGLUFunction(torch.autograd.Function):
         return grad_x
 
 
-@register_kernel("swiglu", "native", priority=5)
+# Not traceable: its backward writes into views of the gradient with ``out=`` (the reference runs under compile).
+@register_kernel("swiglu", "native", priority=5, traceable=False)
 def swiglu_native(x: torch.Tensor) -> torch.Tensor:
     """The reference's math with a backward that saves only ``x`` (see :class:`SwiGLUFunction`)."""
     check_swiglu_input(x)

@@ -42,6 +42,9 @@ class KernelImpl:
         priority: higher wins under ``impl="auto"``; the reference has priority 0.
         available: probe, called at resolve time (e.g. "is flash_attn importable").
         features: optional features it supports (e.g. ``{"lse", "varlen"}``); ``None`` = all.
+        traceable: whether ``torch.compile`` can trace it into a graph; one that cannot (it writes
+            into views with ``out=``, or calls a library dynamo does not know) runs the op's
+            reference while dynamo traces (``train.compile``), which Inductor then fuses.
     """
 
     op: str
@@ -51,6 +54,7 @@ class KernelImpl:
     priority: int = 0
     available: Callable[[], bool] = _always
     features: frozenset[str] | None = None
+    traceable: bool = True
 
     def runs_on(self, device: str) -> bool:
         """Whether this implementation runs on accelerator ``device``."""
@@ -68,6 +72,8 @@ class KernelImpl:
             return False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.traceable and torch.compiler.is_compiling():  # a constant while dynamo traces
+            return OPS.get(self.op).reference(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
 
@@ -155,6 +161,7 @@ def register_kernel(
     priority: int = 10,
     available: Callable[[], bool] = _always,
     features: Iterable[str] | None = None,
+    traceable: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator that adds implementation ``name`` of ``op``.
 
@@ -165,6 +172,8 @@ def register_kernel(
         priority: higher is preferred under ``impl="auto"`` (reference: 0).
         available: probe for its library.
         features: the optional features it supports (``None``: all of them).
+        traceable: ``False`` for a kernel dynamo cannot trace: the reference runs in its place
+            inside a compiled region (:attr:`KernelImpl.traceable`).
     """
     OPS.get(op)  # fail early on a typo in the op name
 
@@ -177,6 +186,7 @@ def register_kernel(
             priority=priority,
             available=available,
             features=None if features is None else frozenset(features),
+            traceable=traceable,
         )
         KERNELS.register((op, name), impl)
         return fn

@@ -222,7 +222,8 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: 
     return out
 
 
-@register_kernel("rotary_pos_emb", "native", priority=5)
+# Not traceable: dynamo refuses ``out=`` into the output's non-contiguous views (the reference runs under compile).
+@register_kernel("rotary_pos_emb", "native", priority=5, traceable=False)
 def rotary_pos_emb_native(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:

@@ -32,6 +32,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.features import ModelFacts
 from mindspeed.model.shape import ModelShape
 from mindspeed.ops.attention import FEATURE_ALIBI
+from mindspeed_llm.training.compile import compile_layers
 from mindspeed_llm.training.model import build_model, default_groups
 from mindspeed_llm.training.optim import build_optimizer, build_scheduler
 from mindspeed_llm.training.sections import OptimizerConfig, ParallelConfig, SchedulerConfig
@@ -62,6 +63,8 @@ class BuildSpec:
         reference: also build a frozen copy (DPO's reference) right after the model, with its
             own ``TransformerConfig`` (``perform_initialization=False``; the trained model's
             carries the DDP hooks the schedule calls).
+        compile: ``torch.compile`` each ``TransformerLayer``'s forward in this mode (a
+            ``mindspeed.compile.MODES`` key; ``None``: eager); the frozen reference stays eager.
     """
 
     shape: ModelShape
@@ -75,6 +78,7 @@ class BuildSpec:
     bridged: bool = False
     overrides: Mapping[str, Any] = field(default_factory=dict)
     reference: bool = False
+    compile: str | None = None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Engine:
         optimizer: megatron's optimizer (``None`` for a frozen model).
         scheduler: its ``OptimizerParamScheduler`` (``None`` for a frozen model).
         reference: the frozen reference's chunks (``BuildSpec.reference``), else ``None``.
+        compiled: the compiled layers' names (``BuildSpec.compile``; empty: eager).
     """
 
     transformer: Any
@@ -94,6 +99,7 @@ class Engine:
     optimizer: Any = None
     scheduler: Any = None
     reference: list[Any] | None = None
+    compiled: list[str] = field(default_factory=list)
 
 
 def model_facts(transformer: Any, shape: ModelShape, precision: str, distributed_optimizer: bool, **extra: Any) -> Any:
@@ -168,6 +174,8 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
 
     transformer = spec.transformer(overrides=overrides)
     engine = Engine(transformer, build(transformer, spec.prepare, trainable))
+    if spec.compile is not None:  # before the features' hooks: what they wrap around a layer stays eager
+        engine.compiled = compile_layers(engine.chunks, spec.compile)
     if spec.reference:
         frozen = spec.transformer(overrides={**overrides, "perform_initialization": False})
         engine.reference = build(frozen, None, False)

@@ -23,6 +23,9 @@ class TrainResult:
             (after saving a checkpoint); ``None`` otherwise.
         exit_code: the exit status the command should end with (0; 143 / 130 after a signal).
         checkpoint: the newest checkpoint the run wrote or resumed from.
+        compile: ``train.compile`` as used (empty for an eager run): ``mode``, ``layers`` compiled,
+            ``graphs`` dynamo compiled and ``seconds`` spent compiling in the first step, and
+            ``graphs_after_first_step`` (0: no recompilation).
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -34,3 +37,4 @@ class TrainResult:
     preempted: str | None = None
     exit_code: int = 0
     checkpoint: str | None = None
+    compile: dict[str, Any] = field(default_factory=dict)

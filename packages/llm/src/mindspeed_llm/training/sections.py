@@ -225,6 +225,7 @@ class ParallelConfig:
         "max_nonfinite_steps",
         "exit_duration_mins",
         "deterministic",
+        "compile",
     ),
 )
 @dataclass
@@ -245,6 +246,10 @@ class LLMTrainConfig(OptimizerTrainConfig):
         lr_warmup_init: learning rate at step 0 of the warmup.
         lr_decay_steps: steps from 0 to the end of the decay (default ``steps``).
         sgd_momentum: SGD momentum.
+        compile: regional compilation (:mod:`mindspeed_llm.training.compile`): ``torch.compile`` of
+            each megatron ``TransformerLayer``'s forward (``fullgraph``, static shapes), torchtitan's
+            way: ``true`` (or ``default``), ``max-autotune``; ``false``: eager. It pays once the steps
+            outlast the compile (seconds a layer class on a CPU, logged and in ``docs/llm/pretrain.md``).
     """
 
     global_batch_size: int | None = None
@@ -252,6 +257,7 @@ class LLMTrainConfig(OptimizerTrainConfig):
     lr_warmup_init: float = 0.0
     lr_decay_steps: int | None = None
     sgd_momentum: float = 0.9
+    compile: bool | Literal["default", "max-autotune"] = False
 
     NON_NEGATIVE = ("min_lr", "lr_warmup_init", "weight_decay", "adam_eps", "sgd_momentum", "clip_grad")
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import Preemption, SkipCounter, checkpoint_dir, fault_armed, fault_point, plant_nan
+from mindspeed.compile import CompileWatch, compile_mode
 from mindspeed.config import to_dict
 from mindspeed.device import deterministic_mode, get_accelerator
 from mindspeed.features.context import ParallelSizes
@@ -92,6 +93,7 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         config.train.precision,
         config.parallel.distributed_optimizer,
         noop_layers=list(noop),
+        compiled_layers=bool(config.train.compile),
     )
     if config.parallel.cp > 1:
         facts = context_parallel_facts(facts, config, shape)
@@ -206,8 +208,11 @@ class Trainer(TrainerLoading, TrainerSaving):
             prepare=self._prepare,
             bridged=bool(config.checkpoint.load_hf or config.checkpoint.save_hf),
             reference=self.stage.needs_reference,
+            compile=compile_mode(config.train.compile),
         )
+        self.compile_watch = CompileWatch()  # dynamo's counters from here: this run's graphs and compile time
         built = build_engine(spec, self.report, self.groups)
+        self.compiled = built.compiled
         self.transformer, self.chunks, self.reference = built.transformer, built.chunks, built.reference
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         self.num_parameters = count_parameters(self.chunks, self.groups)
@@ -261,6 +266,8 @@ class Trainer(TrainerLoading, TrainerSaving):
                         self._preempt(stop, result)
                         break
                     result.records.append(record)
+                    if len(result.records) == 1:
+                        self._compiled_first_step(result)
                     step = state.step
                     if config.eval.interval and step % config.eval.interval == 0:
                         result.evals.append(self._evaluate(step, metrics, reporter))
@@ -282,11 +289,31 @@ class Trainer(TrainerLoading, TrainerSaving):
             if curve is not None:
                 logger.info("loss curve: %s", curve)
         result.state = asdict(state)
+        if result.compile:
+            result.compile["graphs_after_first_step"] = self.compile_watch.graphs() - result.compile["graphs"]
         if self.hooks.after_train is not None:
             self.hooks.after_train(self.chunks)
         if result.checkpoint is None and config.checkpoint.save and self.saved_step is not None:
             result.checkpoint = str(checkpoint_dir(config.checkpoint.save, self.saved_step))
         return result
+
+    def _compiled_first_step(self, result: TrainResult) -> None:
+        """Report ``train.compile`` after the run's first step (it compiled there): what, how many graphs, how long."""
+        if not self.compiled:
+            return
+        watch = self.compile_watch
+        result.compile = {
+            "mode": compile_mode(self.config.train.compile),
+            "layers": len(self.compiled),
+            "graphs": watch.graphs(),
+            "seconds": round(watch.seconds(), 3),
+        }
+        logger.info(
+            "compile: %d TransformerLayer forwards, %d graphs compiled in %.1f s (in the first step)",
+            len(self.compiled),
+            watch.graphs(),
+            watch.seconds(),
+        )
 
     def _step(self, state: TrainState, gbs: int, num_micro: int) -> dict[str, Any]:
         step = state.step + 1

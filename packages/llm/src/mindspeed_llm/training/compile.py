@@ -1,0 +1,50 @@
+"""``train.compile`` for megatron-core models: each ``TransformerLayer``'s forward compiled once (regional).
+
+torchtitan's regional compilation on megatron-core: :func:`compile_layers` replaces the
+``forward`` of every ``TransformerLayer`` of the model chunks with its ``torch.compile``
+(:func:`mindspeed.compile.compile_forwards`: ``fullgraph=True``, static shapes). The layers of a
+chunk run the same code on the same shapes, so dynamo compiles one graph for all of them (a
+guard on the layer number's Python int aside, which does not change the graph); megatron's
+``TransformerBlock`` (recompute, the final norm), the embedding, the output layer, the loss and
+DDP's hooks stay eager around them, and the parameter names (checkpoints, exports) do not change.
+The registry kernels the layer spec plugs in (``mindspeed.ops``: their reference
+implementations on the CPU) are traced into the graph with the layer. Inductor fuses the
+element-wise work (RMSNorm, rotary, SwiGLU, the residual adds and their backward) that eager
+runs op by op.
+
+The trainer and the RL actor build through :func:`mindspeed_llm.training.build.build_engine`,
+which calls this with ``BuildSpec.compile``, so every stage (pretrain, sft, dpo, rm) gets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspeed.compile import compile_forwards
+from mindspeed.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def compile_layers(chunks: list[Any], mode: str) -> list[str]:
+    """Compile the forward of every megatron ``TransformerLayer`` in ``chunks`` (``mode``: a ``mindspeed.compile.MODES`` key).
+
+    Returns:
+        the compiled layers' module names (``<chunk>.<path>``).
+
+    Raises:
+        ValueError: the chunks hold no ``TransformerLayer``.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [
+        (f"{index}.{name}", module)
+        for index, chunk in enumerate(chunks)
+        for name, module in chunk.named_modules()
+        if isinstance(module, TransformerLayer)
+    ]
+    if not layers:
+        raise ValueError(f"train.compile={mode}: the model has no megatron TransformerLayer; set train.compile=false")
+    names = compile_forwards(layers, mode)
+    logger.info("compile (%s): %d TransformerLayer forwards (fullgraph, static shapes)", mode, len(names))
+    return names
