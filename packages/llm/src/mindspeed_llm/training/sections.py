@@ -224,8 +224,8 @@ class ParallelConfig:
         "clip_grad",
         "max_nonfinite_steps",
         "exit_duration_mins",
-        "deterministic",
         "compile",
+        "deterministic",
     ),
 )
 @dataclass
