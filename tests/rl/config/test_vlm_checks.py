@@ -25,7 +25,7 @@ def _config(tmp_path: Path, *overrides: str) -> GRPOConfig:
         ("actor.tp=2", "actor.tp"),
         ("actor.dp=2", "actor.dp"),
         ("rollout.engine=vllm", "rollout.engine"),
-        ("checkpoint.save=/tmp/x", "checkpoint.save"),
+        ("rollout.colocate=false", "rollout.colocate"),
         ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
     ],
 )

@@ -16,10 +16,12 @@ same process (weights copied after every update; ``rollout_logp_diff`` in the me
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import SamplingParams
@@ -29,6 +31,7 @@ from mindspeed_rl.config.vlm import check_vlm
 from mindspeed_rl.data import PromptFormat, PromptSampler
 from mindspeed_rl.demo.vlm_model import resolve_vlm_names
 from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch, eval_due, finish_record, train_on_batch
+from mindspeed_rl.driver.vlm_checkpoint import export_vlm, resume_vlm, save_due, save_vlm_checkpoint
 from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
 from mindspeed_rl.rewards import build_reward
 from mindspeed_rl.rollout.vlm import VisionPrompt, VisionRolloutEngine
@@ -177,32 +180,67 @@ def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, Visio
     return out
 
 
-def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
-    """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process.
+@dataclass
+class VisionRun:
+    """A vision-language GRPO run, built (and resumed) but not yet stepped.
 
-    Args:
-        config: the recipe (``actor.model_type: vlm``; demo names are resolved here).
-        on_step: called with each record (the held-out evaluation of the starting policy first, as step 0).
-        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+    Attributes:
+        ctx: the GRPO context (``ctx.step``: the step the run resumes after, 0 for a new run).
+        held_out: the held-out questions (empty without ``train.eval_interval``).
+        cache: the encoded prompts, by source line.
+        resumed_from: the checkpoint the run continues from (None: a new run).
+    """
 
-    Returns:
-        The metrics of every step.
+    ctx: GRPOContext
+    held_out: list[Prompt]
+    cache: dict[str, VisionPrompt] = field(default_factory=dict)
+    resumed_from: Path | None = None
+
+
+def start_vlm_run(config: GRPOConfig) -> VisionRun:
+    """Build the run of ``config`` (demo names resolved) and resume it from ``checkpoint.save``'s newest checkpoint.
+
+    With ``checkpoint.save`` or ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
     """
     config = resolve_vlm_config(config)
     ctx = build_vlm_context(config)
-    cache: dict[str, VisionPrompt] = {}
+    c = config.checkpoint
+    if (c.save or c.save_hf) and not dist.is_initialized():
+        raise ValueError(
+            "checkpoint.save / checkpoint.save_hf need a process group; run through mindspeed-rl grpo "
+            "(or mindspeed.launch.launch)"
+        )
+    resumed = resume_vlm(ctx) if c.save else None
     held_out = read_vlm_prompts(str(config.data.eval_path)) if config.train.eval_interval else []
+    return VisionRun(ctx, held_out, resumed_from=resumed)
+
+
+def run_vlm_steps(run: VisionRun, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
+    """Step ``run`` to ``train.steps``, saving as ``checkpoint.save`` / ``interval`` say, then ``checkpoint.save_hf``.
+
+    Args:
+        run: from :func:`start_vlm_run`.
+        on_step: called with each record (a new run's held-out evaluation of the starting policy first, as step 0).
+        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+
+    Returns:
+        The metrics of the steps this call ran.
+    """
+    ctx, held_out, cache = run.ctx, run.held_out, run.cache
+    config = ctx.config
     report = on_step or (lambda record: None)
     samples = on_samples or (lambda step, rows: None)
-    if held_out:
+    if held_out and ctx.step == 0:
         start = {"step": 0.0, **evaluate_vlm(ctx, held_out, cache)}
         logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
         report(start)
         samples(0, ctx.eval_samples)
-    for _ in range(config.train.steps):
+    while ctx.step < config.train.steps:
         record = vlm_step(ctx, cache)
         if held_out and eval_due(ctx.step, config.train):
             record.update(evaluate_vlm(ctx, held_out, cache))
+        if save_due(ctx):
+            save_vlm_checkpoint(ctx)
         report(record)
         if "eval/reward_mean" in record:
             samples(ctx.step, ctx.eval_samples)
@@ -215,4 +253,12 @@ def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = No
                 record.get("loss", float("nan")),
                 record["time/step"],
             )
+    if config.checkpoint.save_hf:
+        export_vlm(ctx)
     return ctx.history
+
+
+def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
+    """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process (:func:`start_vlm_run`,
+    :func:`run_vlm_steps`); returns the metrics of the steps run."""
+    return run_vlm_steps(start_vlm_run(config), on_step, on_samples)
