@@ -1,7 +1,9 @@
 """``mindspeed-rl grpo`` for a vision-language recipe (``actor.model_type: vlm``): one process, no Ray.
 
-The run holds ``checkpoint.save``'s run lock and runs as one rank of a process group started by
-the core's launcher (:func:`mindspeed.launch.launch`; the checkpoints are collectives). It resumes
+The run holds ``checkpoint.save``'s run lock and runs as the ranks the core's launcher starts
+(:func:`mindspeed.launch.launch`: ``--nproc-per-node``, torchrun's flags): one Ulysses group of
+``actor.ulysses_parallel_size`` ranks, each generating the same rollouts (same seeds, same
+weights) and running its share of every packed microbatch; rank 0 writes the metrics. It resumes
 from the newest complete checkpoint in ``checkpoint.save`` (the same command continues a stopped
 run), saves every ``checkpoint.interval`` steps and after the last, and writes the policy to
 ``checkpoint.save_hf`` at the end (:mod:`mindspeed_rl.driver.vlm_checkpoint`).
@@ -16,24 +18,43 @@ from __future__ import annotations
 
 import sys
 
+import torch.distributed as dist
+
 from mindspeed.checkpointing import run_lock
 from mindspeed.config import to_dict
 from mindspeed.launch import launch
+from mindspeed.nodes import Nodes
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.driver.metrics import ProgressLine, RLMetricsLog
 from mindspeed_rl.driver.vlm_trainer import run_vlm_steps, start_vlm_run
 
 
-def run_vlm_grpo(config: GRPOConfig) -> int:
-    """Run a vision-language recipe; returns the exit status (0)."""
-    with run_lock(config.checkpoint.save):
-        return launch(_vlm_rank, (config,), nproc_per_node=1)
+def run_vlm_grpo(config: GRPOConfig, nodes: Nodes | None = None, nproc_per_node: int = 1) -> int:
+    """Run a vision-language recipe on ``nproc_per_node`` ranks (x ``nodes``); returns the exit status (0).
+
+    Raises:
+        ValueError: the ranks are not one Ulysses group of ``actor.ulysses_parallel_size``.
+    """
+    nodes = nodes or Nodes()
+    world = nodes.world_size(nproc_per_node)
+    sp = config.actor.ulysses_parallel_size
+    if world != sp:
+        raise ValueError(
+            f"{world} ranks and actor.ulysses_parallel_size={sp}: a vision-language run is one Ulysses group "
+            f"(data parallelism is not offered yet); start {sp} ranks (--nproc-per-node {sp}) or set "
+            f"actor.ulysses_parallel_size={world}"
+        )
+    with run_lock(config.checkpoint.save, node_rank=nodes.node_rank):
+        result = launch(_vlm_rank, (config,), nproc_per_node=nproc_per_node, nodes=nodes)
+    return int(result or 0)
 
 
 def _vlm_rank(config: GRPOConfig) -> int:
-    """The run on this rank: build and resume, step with the metrics log, write the summary line."""
-    run = start_vlm_run(config)
+    """The run on this rank: build and resume, step (rank 0 writes the metrics and the summary line)."""
+    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    run = start_vlm_run(config, group)
     config = run.ctx.config
+    rank0 = dist.get_rank() == 0
     log_dir = config.log_dir()
     sink = RLMetricsLog(
         log_dir,
@@ -41,9 +62,13 @@ def _vlm_rank(config: GRPOConfig) -> int:
         resume_step=run.ctx.step,
         settings=config.logging,
         config=to_dict(config),
+        enabled=rank0,
     )
     progress = ProgressLine(
-        config.train.steps, bar=config.logging.progress, interval=config.logging.interval, start=run.ctx.step
+        config.train.steps,
+        bar=config.logging.progress and rank0,
+        interval=config.logging.interval if rank0 else 10**9,
+        start=run.ctx.step,
     )
     held_out: list[float] = []
 
@@ -59,6 +84,8 @@ def _vlm_rank(config: GRPOConfig) -> int:
     finally:
         progress.close()
         curve = sink.close()
+    if not rank0:
+        return 0
     if not records:
         sys.stdout.write(f"nothing to do: the run is already at train.steps={config.train.steps}\n")
         return 0

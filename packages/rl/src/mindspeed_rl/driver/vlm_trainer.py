@@ -76,8 +76,10 @@ def read_vlm_prompts(path: str) -> list[Prompt]:
     return prompts
 
 
-def build_vlm_context(config: GRPOConfig) -> GRPOContext:
+def build_vlm_context(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> GRPOContext:
     """Actor, reference (with a KL penalty), engine, rewards and prompts of a vision-language recipe.
+
+    ``group``: the Ulysses sequence-parallel group the actor and reference split their forwards over.
 
     Raises:
         ConfigError / ValueError: the recipe's first problem.
@@ -86,9 +88,11 @@ def build_vlm_context(config: GRPOConfig) -> GRPOContext:
     check_vlm(config)
     a, d = config.actor, config.data
     settings = vision_actor_settings(config)
-    actor = VisionActor(a.model, settings)
+    actor = VisionActor(a.model, settings, group=group)
     reference = (
-        VisionActor(config.reference.model or a.model, settings, trainable=False) if config.needs_reference() else None
+        VisionActor(config.reference.model or a.model, settings, trainable=False, group=group)
+        if config.needs_reference()
+        else None
     )
     engine = VisionRolloutEngine(a.model, d.image_min_pixels, d.image_max_pixels, config.rollout.max_num_seqs)
     engine.load_weights(actor.hf_state())
@@ -197,13 +201,14 @@ class VisionRun:
     resumed_from: Path | None = None
 
 
-def start_vlm_run(config: GRPOConfig) -> VisionRun:
+def start_vlm_run(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> VisionRun:
     """Build the run of ``config`` (demo names resolved) and resume it from ``checkpoint.save``'s newest checkpoint.
 
-    With ``checkpoint.save`` or ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
+    ``group``: the Ulysses group (every rank of it runs this). With ``checkpoint.save`` or
+    ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
     """
     config = resolve_vlm_config(config)
-    ctx = build_vlm_context(config)
+    ctx = build_vlm_context(config, group)
     c = config.checkpoint
     if (c.save or c.save_hf) and not dist.is_initialized():
         raise ValueError(

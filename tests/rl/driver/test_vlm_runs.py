@@ -1,5 +1,6 @@
-"""Checkpoints of a vision-language GRPO run: a resumed run equals the uninterrupted one bit for bit, and
-``checkpoint.save_hf`` is a transformers directory that gives the trained actor's log-probs.
+"""Vision-language GRPO runs from the recipe: a resumed run equals the uninterrupted one bit for bit,
+``checkpoint.save_hf`` is a transformers directory that gives the trained actor's log-probs, and a
+2-rank Ulysses run (``--nproc-per-node 2 actor.ulysses_parallel_size=2``) equals the 1-rank run.
 
 All through ``mindspeed-rl grpo`` on the tiny Qwen2.5-VL (built in code), 2 questions x 4 samples a
 step, a reward that varies on the untrained model (a vowel or digit in the reply), so every step
@@ -14,7 +15,11 @@ has advantages, a loss gradient and an AdamW step:
   step equals A's exactly; the two HF exports are equal tensor for tensor;
 - the export loads in transformers with no missing or unexpected key, and its log-probs of a
   sequence (image tokens included) equal those of a ``VisionActor`` restored from B's step-3
-  checkpoint (the trained actor) within rel 1e-5.
+  checkpoint (the trained actor) within rel 1e-5;
+- run C: ``mindspeed-rl grpo --nproc-per-node 2 ... actor.ulysses_parallel_size=2`` (two spawned
+  gloo ranks, one Ulysses group): the same replies (rewards, lengths, held-out rewards exactly) and
+  the same updates as A (grad norm within rel 1e-6, loss within 1e-7: on-policy GRPO's loss is 0 up
+  to float32 rounding) at every step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "rl" / "grpo_vlm_tiny_cpu.yaml"
@@ -42,11 +48,14 @@ def _numbers(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("time/") and not k.endswith("_tps")}
 
 
-def test_resumed_run_equals_uninterrupted_and_save_hf_gives_actor_logprobs(tmp_path: Path, capsys) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Run A: 3 steps on one rank, ``save_hf`` at the end (``mindspeed-rl grpo`` dispatches ``model_type: vlm``)."""
     from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model
 
-    model = write_tiny_model(tmp_path / "model")
-    data = write_tiny_dataset(tmp_path / "data", num_samples=4)
+    root = tmp_path_factory.mktemp("vlm-runs")
+    model = write_tiny_model(root / "model")
+    data = write_tiny_dataset(root / "data", num_samples=4)
     common = [
         f"actor.model={model}",
         f"data.path={data}",
@@ -59,15 +68,28 @@ def test_resumed_run_equals_uninterrupted_and_save_hf_gives_actor_logprobs(tmp_p
         "reward.verifiers=[format]",
         "reward.options.format.pattern=a|e|i|o|u|[0-9]",
     ]
-    a, b = tmp_path / "A", tmp_path / "B"
+    a = root / "A"
     assert _grpo(*common, "train.steps=3", f"logging.dir={a}", f"checkpoint.save_hf={a / 'hf'}") == 0
+    return {"model": model, "data": data, "common": common, "dir": a}
+
+
+def test_resumed_run_equals_uninterrupted_and_save_hf_gives_actor_logprobs(
+    uninterrupted: dict, tmp_path: Path, capsys
+) -> None:
+    model, data, common, a = (uninterrupted[k] for k in ("model", "data", "common", "dir"))
+    whole = _records(a)  # the metrics log of a one-process run: held-out step 0, then each step's update
+    assert "eval/reward_mean" in whole[0] and "eval/reward_mean" in whole[3] and "eval/reward_mean" not in whole[1]
+    assert [r["policy_version"] for r in whole[1:]] == [1.0, 2.0, 3.0] and whole[3]["skipped_updates"] == 0.0
+    assert {"loss", "grad_norm", "reward_mean", "time/rollout", "time/update", "time/weight_sync"} <= set(whole[1])
+    b = tmp_path / "B"
     run_b = [*common, f"logging.dir={b}", f"checkpoint.save={b / 'ck'}", f"checkpoint.save_hf={b / 'hf'}"]
     assert _grpo(*run_b, "train.steps=1") == 0
     assert _grpo(*run_b, "train.steps=3", "checkpoint.interval=1", "checkpoint.keep_last=2") == 0
     assert _grpo(*run_b, "train.steps=3") == 0
-    assert "nothing to do" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the summary lines of the three starts
+    assert "1 steps: reward" in out and "2 steps: reward" in out and "nothing to do" in out
 
-    whole, resumed = _records(a), _records(b)
+    resumed = _records(b)
     assert [r["step"] for r in resumed] == [0.0, 1.0, 2.0, 3.0]
     assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in whole[1:]), "every step must update"
     for x, y in zip(whole, resumed):  # B's step 1 also evaluated (the last step of its first start)
@@ -108,3 +130,17 @@ def _check_export(model: Path, data: Path, export: Path, other: Path, checkpoint
     ref = torch.log_softmax(logits[n - 1 : n + len(response) - 1].double(), dim=-1)
     ref = ref.gather(-1, torch.tensor(response)[:, None])[:, 0]
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_two_rank_ulysses_run_equals_one_rank(uninterrupted: dict, tmp_path: Path) -> None:
+    c = tmp_path / "C"
+    overrides = [*uninterrupted["common"], "train.steps=3", "actor.ulysses_parallel_size=2", f"logging.dir={c}"]
+    assert _grpo("--nproc-per-node", "2", *overrides) == 0
+    one, two = _records(uninterrupted["dir"]), _records(c)
+    assert [r["step"] for r in two] == [0.0, 1.0, 2.0, 3.0]
+    for x, y in zip(one, two):
+        x, y = _numbers(x), _numbers(y)
+        assert x.keys() == y.keys()
+        for key in x:
+            tol = {"grad_norm": (1e-6, 0.0), "loss": (0.0, 1e-7)}.get(key, (0.0, 0.0))
+            assert y[key] == pytest.approx(x[key], rel=tol[0], abs=tol[1]), f"step {x.get('step')}: {key}"
