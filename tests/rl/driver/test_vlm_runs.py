@@ -16,7 +16,7 @@ has advantages, a loss gradient and an AdamW step:
 - the export loads in transformers with no missing or unexpected key, and its log-probs of a
   sequence (image tokens included) equal those of a ``VisionActor`` restored from B's step-3
   checkpoint (the trained actor) within rel 1e-5;
-- run C: ``mindspeed-rl grpo --nproc-per-node 2 ... actor.ulysses_parallel_size=2`` (two spawned
+- run C (slow): ``mindspeed-rl grpo --nproc-per-node 2 ... actor.ulysses_parallel_size=2`` (two spawned
   gloo ranks, one Ulysses group): the same replies (rewards, lengths, held-out rewards exactly) and
   the same updates as A (grad norm within rel 1e-6, loss within 1e-7: on-policy GRPO's loss is 0 up
   to float32 rounding) at every step.
@@ -132,6 +132,7 @@ def _check_export(model: Path, data: Path, export: Path, other: Path, checkpoint
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two spawned interpreters: ~20 s at load 3, over the fast tests' budget
 def test_two_rank_ulysses_run_equals_one_rank(uninterrupted: dict, tmp_path: Path) -> None:
     c = tmp_path / "C"
     overrides = [*uninterrupted["common"], "train.steps=3", "actor.ulysses_parallel_size=2", f"logging.dir={c}"]

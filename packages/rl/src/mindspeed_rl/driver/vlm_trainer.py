@@ -1,4 +1,4 @@
-"""Vision-language GRPO in one process (``actor.model_type: vlm``): the GRPO step of
+"""Vision-language GRPO on the ranks of one Ulysses group (``actor.model_type: vlm``): the GRPO step of
 :mod:`mindspeed_rl.driver.trainer` with a ``mindspeed_mm`` policy.
 
 One step::
