@@ -7,8 +7,9 @@ step, a reward that varies on the untrained model (a vowel or digit in the reply
 has advantages, a loss gradient and an AdamW step:
 
 - run A: 3 steps uninterrupted, ``save_hf`` at the end;
-- run B: 1 step with ``checkpoint.save`` (killed there, in effect), then the same command with
-  ``train.steps=3 checkpoint.interval=1 checkpoint.keep_last=2`` resumes after step 1 (model,
+- run B: ``train.steps=3`` with ``checkpoint.save`` gets SIGTERM at the end of step 1 (the core's
+  fault point ``rl.step_end@1=SIGTERM``): it saves step 1 and exits 143 (no ``save_hf``); the same
+  command with ``checkpoint.interval=1 checkpoint.keep_last=2`` resumes after step 1 (model,
   AdamW state, torch's random state, the prompt sampler's position, the policy version) and runs
   steps 2-3; a third start has nothing to do. B's ``metrics.jsonl`` reads as one run, and every
   metric but the timings (rewards, loss, grad norm, KL, clip fraction, held-out reward) of every
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mindspeed.checkpointing import EXIT_SIGTERM, FAULT_ENV
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "rl" / "grpo_vlm_tiny_cpu.yaml"
 
@@ -83,11 +86,14 @@ def test_resumed_run_equals_uninterrupted_and_save_hf_gives_actor_logprobs(
     assert {"loss", "grad_norm", "reward_mean", "time/rollout", "time/update", "time/weight_sync"} <= set(whole[1])
     b = tmp_path / "B"
     run_b = [*common, f"logging.dir={b}", f"checkpoint.save={b / 'ck'}", f"checkpoint.save_hf={b / 'hf'}"]
-    assert _grpo(*run_b, "train.steps=1") == 0
+    with pytest.MonkeyPatch.context() as patch:  # SIGTERM at the end of step 1: saved, exit 143
+        patch.setenv(FAULT_ENV, "rl.step_end@1=SIGTERM")
+        assert _grpo(*run_b, "train.steps=3") == EXIT_SIGTERM
+    assert not (b / "hf").exists()
     assert _grpo(*run_b, "train.steps=3", "checkpoint.interval=1", "checkpoint.keep_last=2") == 0
     assert _grpo(*run_b, "train.steps=3") == 0
-    out = capsys.readouterr().out  # the summary lines of the three starts
-    assert "1 steps: reward" in out and "2 steps: reward" in out and "nothing to do" in out
+    out = capsys.readouterr().out  # the summary lines of the last two starts
+    assert "2 steps: reward" in out and "nothing to do" in out
 
     resumed = _records(b)
     assert [r["step"] for r in resumed] == [0.0, 1.0, 2.0, 3.0]

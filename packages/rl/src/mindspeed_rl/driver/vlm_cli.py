@@ -11,7 +11,9 @@ run), saves every ``checkpoint.interval`` steps and after the last, and writes t
 The metrics go where a text run writes them (``logging.dir``: ``metrics.jsonl``, TensorBoard,
 ``reward.png``, the held-out answers as a table; a resumed run drops the records after its
 checkpoint's step), one line a step on the console, and the summary line
-``N steps: reward a -> b, held-out c -> d``.
+``N steps: reward a -> b, held-out c -> d``. SIGTERM, the first Ctrl-C and ``train.exit_duration_mins``
+stop the run after the step under way, saved first (exit 143 / 130 / 0, one line naming the
+checkpoint), as ``mindspeed-mm train`` and the text driver do.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import sys
 
 import torch.distributed as dist
 
-from mindspeed.checkpointing import run_lock
+from mindspeed.checkpointing import Preemption, resume_hint, run_lock
 from mindspeed.config import to_dict
 from mindspeed.launch import launch
+from mindspeed.log import get_logger
 from mindspeed.nodes import Nodes
+from mindspeed_mm.trainer.checkpoint import step_dir
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.driver.metrics import ProgressLine, RLMetricsLog
 from mindspeed_rl.driver.vlm_trainer import run_vlm_steps, start_vlm_run
+
+logger = get_logger(__name__)
 
 
 def run_vlm_grpo(config: GRPOConfig, nodes: Nodes | None = None, nproc_per_node: int = 1) -> int:
@@ -80,10 +86,22 @@ def _vlm_rank(config: GRPOConfig) -> int:
         sink.log(record)
 
     try:
-        records = run_vlm_steps(run, on_step, sink.log_samples)
+        with Preemption(config.train.exit_duration_mins, config.checkpoint.save) as preemption:
+            records = run_vlm_steps(run, on_step, sink.log_samples, preemption)
     finally:
         progress.close()
         curve = sink.close()
+    if run.stopped is not None:
+        save = config.checkpoint.save
+        if rank0:
+            logger.warning(
+                "stopped by %s after step %d of %d: %s",
+                run.stopped.reason,
+                run.ctx.step,
+                config.train.steps,
+                resume_hint(str(step_dir(save, run.ctx.step)) if save else None),
+            )
+        return run.stopped.exit_code
     if not rank0:
         return 0
     if not records:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.checkpointing import Preemption, StopRequest, fault_point
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import SamplingParams
 from mindspeed_mm.inference.prompts import Prompt, read_prompt_file
@@ -193,12 +195,14 @@ class VisionRun:
         held_out: the held-out questions (empty without ``train.eval_interval``).
         cache: the encoded prompts, by source line.
         resumed_from: the checkpoint the run continues from (None: a new run).
+        stopped: why :func:`run_vlm_steps` stopped before ``train.steps`` (a signal, the time limit; None: it did not).
     """
 
     ctx: GRPOContext
     held_out: list[Prompt]
     cache: dict[str, VisionPrompt] = field(default_factory=dict)
     resumed_from: Path | None = None
+    stopped: StopRequest | None = None
 
 
 def start_vlm_run(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> VisionRun:
@@ -220,13 +224,17 @@ def start_vlm_run(config: GRPOConfig, group: dist.ProcessGroup | None = None) ->
     return VisionRun(ctx, held_out, resumed_from=resumed)
 
 
-def run_vlm_steps(run: VisionRun, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
+def run_vlm_steps(
+    run: VisionRun, on_step: Any = None, on_samples: Any = None, preemption: Preemption | None = None
+) -> list[dict[str, float]]:
     """Step ``run`` to ``train.steps``, saving as ``checkpoint.save`` / ``interval`` say, then ``checkpoint.save_hf``.
 
     Args:
         run: from :func:`start_vlm_run`.
         on_step: called with each record (a new run's held-out evaluation of the starting policy first, as step 0).
         on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+        preemption: SIGTERM / Ctrl-C / ``train.exit_duration_mins``: after the step under way the run
+            saves (unless that step is saved already), sets ``run.stopped`` and returns (no ``save_hf``).
 
     Returns:
         The metrics of the steps this call ran.
@@ -240,27 +248,41 @@ def run_vlm_steps(run: VisionRun, on_step: Any = None, on_samples: Any = None) -
         logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
         report(start)
         samples(0, ctx.eval_samples)
+    saved = ctx.step if run.resumed_from is not None else None
     while ctx.step < config.train.steps:
+        stop = preemption.agree(ctx.actor.group, get_accelerator().device()) if preemption is not None else None
+        if stop is not None:
+            run.stopped = stop
+            if config.checkpoint.save and saved != ctx.step and ctx.step > 0:
+                save_vlm_checkpoint(ctx)
+            return ctx.history
         record = vlm_step(ctx, cache)
         if held_out and eval_due(ctx.step, config.train):
             record.update(evaluate_vlm(ctx, held_out, cache))
         if save_due(ctx):
             save_vlm_checkpoint(ctx)
+            saved = ctx.step
         report(record)
         if "eval/reward_mean" in record:
             samples(ctx.step, ctx.eval_samples)
-        if ctx.step % max(config.logging.interval, 1) == 0:
-            logger.info(
-                "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
-                ctx.step,
-                record["reward_mean"],
-                record["response_length"],
-                record.get("loss", float("nan")),
-                record["time/step"],
-            )
+        log_step(ctx, record)
+        fault_point("rl.step_end", ctx.step)  # the reliability tests' SIGTERM / SIGKILL at the end of a step
     if config.checkpoint.save_hf:
         export_vlm(ctx)
     return ctx.history
+
+
+def log_step(ctx: GRPOContext, record: dict[str, float]) -> None:
+    """One console line every ``logging.interval`` steps."""
+    if ctx.step % max(ctx.config.logging.interval, 1) == 0:
+        logger.info(
+            "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
+            ctx.step,
+            record["reward_mean"],
+            record["response_length"],
+            record.get("loss", float("nan")),
+            record["time/step"],
+        )
 
 
 def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
