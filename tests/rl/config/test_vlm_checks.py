@@ -25,7 +25,7 @@ def _config(tmp_path: Path, *overrides: str) -> GRPOConfig:
         ("actor.tp=2", "actor.tp"),
         ("actor.dp=2", "actor.dp"),
         ("rollout.engine=vllm", "rollout.engine"),
-        ("checkpoint.save=/tmp/x", "checkpoint.save"),
+        ("rollout.colocate=false", "rollout.colocate"),
         ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
     ],
 )
@@ -49,3 +49,21 @@ def test_exact_verifier() -> None:
     assert exact("q", "red square", "red") == 0.0
     assert exact("q", "red", None) == 0.0
     assert build_verifier("exact", case_sensitive=True)("q", "Red", "red") == 0.0
+
+
+def test_ulysses_is_for_vlm_and_must_match_the_ranks(tmp_path: Path) -> None:
+    from mindspeed_rl.driver.vlm_cli import run_vlm_grpo
+
+    with pytest.raises(ConfigError, match="^actor.ulysses_parallel_size=2 is for actor.model_type=vlm"):
+        _config(tmp_path, "actor.model_type=llm", "actor.ulysses_parallel_size=2").check()
+    with pytest.raises(ValueError, match=r"^1 ranks and actor.ulysses_parallel_size=2: .*\(--nproc-per-node 2\)"):
+        run_vlm_grpo(_config(tmp_path, "actor.ulysses_parallel_size=2"))
+
+
+def test_launcher_flags_are_refused_for_a_text_run(tmp_path: Path, capsys) -> None:
+    from mindspeed_rl.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    args = ["grpo", "--nproc-per-node", "2", "--config", str(RECIPE), f"actor.model={tmp_path}", "actor.model_type=llm"]
+    assert main(args) == 2
+    assert "--nproc-per-node / --nnodes start the ranks of an actor.model_type=vlm run" in capsys.readouterr().err

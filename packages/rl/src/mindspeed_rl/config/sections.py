@@ -80,6 +80,9 @@ class ActorConfig:
             its adapters off, the rollout engine gets the merged weights (docs/rl/lora.md).
         model_type: ``llm`` (megatron-core through the LLM suite) or ``vlm`` (a vision-language model
             of ``mindspeed_mm``, prompts with images in mllm_format: docs/rl/vlm.md).
+        ulysses_parallel_size: ``model_type: vlm`` only: ranks of the Ulysses sequence-parallel group
+            that shares each packed microbatch (``mindspeed-mm``'s ``parallel.ulysses_parallel_size``;
+            ``mindspeed-rl grpo --nproc-per-node`` starts them).
     """
 
     model: str | None = None
@@ -105,6 +108,7 @@ class ActorConfig:
     offload_grad: bool = True
     lora: RLLoraConfig = field(default_factory=RLLoraConfig)
     model_type: Literal["llm", "vlm"] = "llm"
+    ulysses_parallel_size: int = 1
 
     def world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""
@@ -112,7 +116,12 @@ class ActorConfig:
 
     def check(self) -> None:
         """Check the section's own values (raises ``ConfigError`` naming the key and the fix)."""
-        check_counts("actor", self, ("tp", "pp", "dp", "micro_batch_size", "ppo_epochs"))
+        check_counts("actor", self, ("tp", "pp", "dp", "micro_batch_size", "ppo_epochs", "ulysses_parallel_size"))
+        if self.ulysses_parallel_size != 1 and self.model_type != "vlm":
+            raise ConfigError(
+                f"actor.ulysses_parallel_size={self.ulysses_parallel_size} is for actor.model_type=vlm; a text "
+                "policy's context parallelism is not offered here, leave it at 1"
+            )
         check_counts("actor", self, ("max_tokens_per_micro_batch", "mini_batch_size"), optional=True)
         check_model_dir(
             "actor.model",

@@ -30,13 +30,12 @@ def check_vlm(config: RecipeSections) -> None:
         "rollout.tools": bool(r.tools),
         "buffer.mode": config.buffer.mode != "sync",
         "algorithm.dynamic_sampling": config.algorithm.dynamic_sampling,
-        "checkpoint.save": config.checkpoint.save is not None,
     }
     for key, wrong in unsupported.items():
         if wrong:
             raise ConfigError(
                 f"{key}: actor.model_type=vlm runs in one process (one device, co-located built-in engine, "
-                f"sync, single-turn, no checkpoints yet); leave {key} at its default"
+                f"sync, single-turn); leave {key} at its default"
             )
     if not 0 < d.image_min_pixels <= d.image_max_pixels:
         raise ConfigError(

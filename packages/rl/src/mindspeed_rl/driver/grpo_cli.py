@@ -26,6 +26,7 @@ import yaml
 from mindspeed.checkpointing import Preemption, resume_hint, run_lock
 from mindspeed.config import ConfigError, to_dict
 from mindspeed.log import DETAIL, RUN_LOG_FILE, get_logger, open_run_log, run_log_path
+from mindspeed.nodes import add_launch_arguments, nodes_from_args
 from mindspeed_rl.workers.deaths import describe_death, find_actor_error
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def add_grpo(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", help="the recipe (YAML)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
+    # actor.model_type=vlm runs as torchrun-style ranks (Ulysses SP); a text run places its workers with Ray.
+    add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. rollout.n=4")
     parser.set_defaults(func=run_grpo)
 
@@ -68,9 +71,14 @@ def run_grpo(args: argparse.Namespace) -> int:
         from mindspeed_rl.driver.vlm_cli import run_vlm_grpo
 
         try:
-            return run_vlm_grpo(config)
+            return run_vlm_grpo(config, nodes_from_args(args), args.nproc_per_node)
         except ConfigError as err:
             raise ValueError(str(err)) from err
+    if args.nproc_per_node != 1 or args.nnodes != 1:
+        raise ValueError(
+            "--nproc-per-node / --nnodes start the ranks of an actor.model_type=vlm run; a text run places its "
+            "workers with Ray (actor.tp / pp / dp, ray.*): drop them"
+        )
     # One run per save directory: the driver holds its lock from before the resume to the end.
     with run_lock(config.checkpoint.save):
         return _run_grpo(config)

@@ -1,4 +1,4 @@
-"""Vision-language GRPO in one process (``actor.model_type: vlm``): the GRPO step of
+"""Vision-language GRPO on the ranks of one Ulysses group (``actor.model_type: vlm``): the GRPO step of
 :mod:`mindspeed_rl.driver.trainer` with a ``mindspeed_mm`` policy.
 
 One step::
@@ -16,11 +16,15 @@ same process (weights copied after every update; ``rollout_logp_diff`` in the me
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from mindspeed.checkpointing import Preemption, StopRequest, fault_point
+from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_llm.engine import SamplingParams
 from mindspeed_mm.inference.prompts import Prompt, read_prompt_file
@@ -29,6 +33,7 @@ from mindspeed_rl.config.vlm import check_vlm
 from mindspeed_rl.data import PromptFormat, PromptSampler
 from mindspeed_rl.demo.vlm_model import resolve_vlm_names
 from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch, eval_due, finish_record, train_on_batch
+from mindspeed_rl.driver.vlm_checkpoint import export_vlm, resume_vlm, save_due, save_vlm_checkpoint
 from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
 from mindspeed_rl.rewards import build_reward
 from mindspeed_rl.rollout.vlm import VisionPrompt, VisionRolloutEngine
@@ -73,8 +78,10 @@ def read_vlm_prompts(path: str) -> list[Prompt]:
     return prompts
 
 
-def build_vlm_context(config: GRPOConfig) -> GRPOContext:
+def build_vlm_context(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> GRPOContext:
     """Actor, reference (with a KL penalty), engine, rewards and prompts of a vision-language recipe.
+
+    ``group``: the Ulysses sequence-parallel group the actor and reference split their forwards over.
 
     Raises:
         ConfigError / ValueError: the recipe's first problem.
@@ -83,9 +90,11 @@ def build_vlm_context(config: GRPOConfig) -> GRPOContext:
     check_vlm(config)
     a, d = config.actor, config.data
     settings = vision_actor_settings(config)
-    actor = VisionActor(a.model, settings)
+    actor = VisionActor(a.model, settings, group=group)
     reference = (
-        VisionActor(config.reference.model or a.model, settings, trainable=False) if config.needs_reference() else None
+        VisionActor(config.reference.model or a.model, settings, trainable=False, group=group)
+        if config.needs_reference()
+        else None
     )
     engine = VisionRolloutEngine(a.model, d.image_min_pixels, d.image_max_pixels, config.rollout.max_num_seqs)
     engine.load_weights(actor.hf_state())
@@ -177,42 +186,106 @@ def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, Visio
     return out
 
 
-def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
-    """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process.
+@dataclass
+class VisionRun:
+    """A vision-language GRPO run, built (and resumed) but not yet stepped.
 
-    Args:
-        config: the recipe (``actor.model_type: vlm``; demo names are resolved here).
-        on_step: called with each record (the held-out evaluation of the starting policy first, as step 0).
-        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+    Attributes:
+        ctx: the GRPO context (``ctx.step``: the step the run resumes after, 0 for a new run).
+        held_out: the held-out questions (empty without ``train.eval_interval``).
+        cache: the encoded prompts, by source line.
+        resumed_from: the checkpoint the run continues from (None: a new run).
+        stopped: why :func:`run_vlm_steps` stopped before ``train.steps`` (a signal, the time limit; None: it did not).
+    """
 
-    Returns:
-        The metrics of every step.
+    ctx: GRPOContext
+    held_out: list[Prompt]
+    cache: dict[str, VisionPrompt] = field(default_factory=dict)
+    resumed_from: Path | None = None
+    stopped: StopRequest | None = None
+
+
+def start_vlm_run(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> VisionRun:
+    """Build the run of ``config`` (demo names resolved) and resume it from ``checkpoint.save``'s newest checkpoint.
+
+    ``group``: the Ulysses group (every rank of it runs this). With ``checkpoint.save`` or
+    ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
     """
     config = resolve_vlm_config(config)
-    ctx = build_vlm_context(config)
-    cache: dict[str, VisionPrompt] = {}
+    ctx = build_vlm_context(config, group)
+    c = config.checkpoint
+    if (c.save or c.save_hf) and not dist.is_initialized():
+        raise ValueError(
+            "checkpoint.save / checkpoint.save_hf need a process group; run through mindspeed-rl grpo "
+            "(or mindspeed.launch.launch)"
+        )
+    resumed = resume_vlm(ctx) if c.save else None
     held_out = read_vlm_prompts(str(config.data.eval_path)) if config.train.eval_interval else []
+    return VisionRun(ctx, held_out, resumed_from=resumed)
+
+
+def run_vlm_steps(
+    run: VisionRun, on_step: Any = None, on_samples: Any = None, preemption: Preemption | None = None
+) -> list[dict[str, float]]:
+    """Step ``run`` to ``train.steps``, saving as ``checkpoint.save`` / ``interval`` say, then ``checkpoint.save_hf``.
+
+    Args:
+        run: from :func:`start_vlm_run`.
+        on_step: called with each record (a new run's held-out evaluation of the starting policy first, as step 0).
+        on_samples: called with ``(step, rows)`` after each held-out evaluation (``prompt``, ``response``, ``reward``).
+        preemption: SIGTERM / Ctrl-C / ``train.exit_duration_mins``: after the step under way the run
+            saves (unless that step is saved already), sets ``run.stopped`` and returns (no ``save_hf``).
+
+    Returns:
+        The metrics of the steps this call ran.
+    """
+    ctx, held_out, cache = run.ctx, run.held_out, run.cache
+    config = ctx.config
     report = on_step or (lambda record: None)
     samples = on_samples or (lambda step, rows: None)
-    if held_out:
+    if held_out and ctx.step == 0:
         start = {"step": 0.0, **evaluate_vlm(ctx, held_out, cache)}
         logger.info("step 0: held-out reward %.3f", start["eval/reward_mean"])
         report(start)
         samples(0, ctx.eval_samples)
-    for _ in range(config.train.steps):
+    saved = ctx.step if run.resumed_from is not None else None
+    while ctx.step < config.train.steps:
+        stop = preemption.agree(ctx.actor.group, get_accelerator().device()) if preemption is not None else None
+        if stop is not None:
+            run.stopped = stop
+            if config.checkpoint.save and saved != ctx.step and ctx.step > 0:
+                save_vlm_checkpoint(ctx)
+            return ctx.history
         record = vlm_step(ctx, cache)
         if held_out and eval_due(ctx.step, config.train):
             record.update(evaluate_vlm(ctx, held_out, cache))
+        if save_due(ctx):
+            save_vlm_checkpoint(ctx)
+            saved = ctx.step
         report(record)
         if "eval/reward_mean" in record:
             samples(ctx.step, ctx.eval_samples)
-        if ctx.step % max(config.logging.interval, 1) == 0:
-            logger.info(
-                "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
-                ctx.step,
-                record["reward_mean"],
-                record["response_length"],
-                record.get("loss", float("nan")),
-                record["time/step"],
-            )
+        log_step(ctx, record)
+        fault_point("rl.step_end", ctx.step)  # the reliability tests' SIGTERM / SIGKILL at the end of a step
+    if config.checkpoint.save_hf:
+        export_vlm(ctx)
     return ctx.history
+
+
+def log_step(ctx: GRPOContext, record: dict[str, float]) -> None:
+    """One console line every ``logging.interval`` steps."""
+    if ctx.step % max(ctx.config.logging.interval, 1) == 0:
+        logger.info(
+            "step %d: reward %.3f, length %.1f, loss %.4g, %.2f s",
+            ctx.step,
+            record["reward_mean"],
+            record["response_length"],
+            record.get("loss", float("nan")),
+            record["time/step"],
+        )
+
+
+def train_vlm_grpo(config: GRPOConfig, on_step: Any = None, on_samples: Any = None) -> list[dict[str, float]]:
+    """Run ``train.steps`` vision-language GRPO steps of ``config`` in this process (:func:`start_vlm_run`,
+    :func:`run_vlm_steps`); returns the metrics of the steps run."""
+    return run_vlm_steps(start_vlm_run(config), on_step, on_samples)
