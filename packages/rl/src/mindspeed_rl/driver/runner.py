@@ -200,7 +200,7 @@ class GRPORunner(RunnerCheckpoints):
         if config.actor.model_type != "llm":
             raise ConfigError(
                 f"actor.model_type={config.actor.model_type}: the Ray runner trains text policies; run the recipe "
-                "with mindspeed-rl grpo (one process: mindspeed_rl.driver.vlm_trainer.train_vlm_grpo)"
+                "with mindspeed-rl grpo (the launcher's ranks, no Ray: mindspeed_rl.driver.vlm_trainer.train_vlm_grpo)"
             )
         if config.actor.model in DEMO_MODELS:
             config = replace(config, actor=replace(config.actor, model=resolve_model(config)))

@@ -1,4 +1,4 @@
-"""``mindspeed-rl grpo`` for a vision-language recipe (``actor.model_type: vlm``): one process, no Ray.
+"""``mindspeed-rl grpo`` for a vision-language recipe (``actor.model_type: vlm``): the launcher's ranks, no Ray.
 
 The run holds ``checkpoint.save``'s run lock and runs as the ranks the core's launcher starts
 (:func:`mindspeed.launch.launch`: ``--nproc-per-node``, torchrun's flags): one Ulysses group of
