@@ -24,6 +24,7 @@ chunked or not (the single-process parity cases use this).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,55 +75,115 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chu
         raise ValueError(f"{name}: sequence dim {x.shape[0]} does not split over {_world(group)} ranks")
 
 
-# -- the references: the unfused pair ---------------------------------------------------------
+# -- the three ways of doing each pair (reference, chunked pipeline, a vendor's fused kernel) --
 
 
-class _AllGatherMatmulRef(torch.autograd.Function):
+@dataclass(frozen=True)
+class CocKernels:
+    """How one kernel family multiplies and communicates; the autograd Functions below are shared.
+
+    ``gather_matmul(x, w, group, num_chunks, keep) -> (gather(x) @ w^T, gather(x) or None)``: the
+    gathered input comes back when ``keep`` asks for it, or always where the kernel makes it anyway
+    (``keeps_gathered``: it is then saved for the weight gradient instead of being re-gathered).
+    ``matmul_scatter(x, w, group, num_chunks) -> reduce_scatter(x @ w^T)``.
+    ``matmul_all_reduce(x, w, group, num_chunks) -> all_reduce(x @ w^T)``.
+    Each op's backward is the other op of its pair: an all-gather-matmul's input gradient is a
+    matmul-reduce-scatter of the output gradient, and the other way round.
+    """
+
+    gather_matmul: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    matmul_scatter: Callable[..., torch.Tensor]
+    matmul_all_reduce: Callable[..., torch.Tensor]
+    keeps_gathered: bool = False
+
+
+class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, grad_weight_fn: Any) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.grad_weight_fn = group, grad_weight_fn
-        total, _ = _gather(x, group)
-        return torch.matmul(total, weight.t())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        total, _ = _gather(x, ctx.group)  # re-gathered, as megatron does (the gathered input is not kept)
-        grad_input, _ = _reduce_scatter(grad.matmul(weight), ctx.group)
-        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, total, grad), None, None
-
-
-class _MatmulReduceScatterRef(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, grad_weight_fn: Any) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.grad_weight_fn = group, grad_weight_fn
-        return _reduce_scatter(torch.matmul(x, weight.t()), group)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        total_grad, _ = _gather(grad, ctx.group)
-        grad_input = total_grad.matmul(weight)
-        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, x, total_grad), None, None
-
-
-class _MatmulAllReduceRef(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, grad_weight_fn: Any) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.grad_weight_fn = grad_weight_fn
-        out = torch.matmul(x, weight.t())
-        if _world(group) > 1:
-            dist.all_reduce(out, group=group)
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any, kernels: Any
+    ) -> Any:
+        out, total = kernels.gather_matmul(x, weight, group, num_chunks, False)
+        ctx.kept = kernels.keeps_gathered and total is not None
+        ctx.save_for_backward(total if ctx.kept else x, weight)
+        ctx.group, ctx.num_chunks, ctx.grad_weight_fn, ctx.kernels = group, num_chunks, fn, kernels
         return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved, weight = ctx.saved_tensors
+        # Unless the kernel kept it, the whole input for the weight gradient is re-gathered (as
+        # megatron does: the gathered input is not kept), in flight during the input gradient.
+        total, handle = (saved, None) if ctx.kept else _gather(saved, ctx.group, async_op=True)
+        grad_input = ctx.kernels.matmul_scatter(grad, weight.t(), ctx.group, ctx.num_chunks)
+        if handle is not None:
+            handle.wait()
+        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, total, grad), None, None, None, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any, kernels: Any
+    ) -> Any:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.num_chunks, ctx.grad_weight_fn, ctx.kernels = group, num_chunks, fn, kernels
+        return kernels.matmul_scatter(x, weight, group, num_chunks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        # The gathered output gradient is kept whole for the weight gradient.
+        grad_input, total_grad = ctx.kernels.gather_matmul(grad, weight.t(), ctx.group, ctx.num_chunks, True)
+        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, x, total_grad), None, None, None, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any, kernels: Any
+    ) -> Any:
+        ctx.save_for_backward(x, weight)
+        ctx.grad_weight_fn = fn
+        return kernels.matmul_all_reduce(x, weight, group, num_chunks)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # The all-reduce's backward is the identity (megatron's reduce_from_tensor_model_parallel_region).
         x, weight = ctx.saved_tensors
-        return grad.matmul(weight), _grad_weight(ctx.grad_weight_fn, weight, x, grad), None, None
+        return grad.matmul(weight), _grad_weight(ctx.grad_weight_fn, weight, x, grad), None, None, None, None
+
+
+def run_coc(
+    op: str, kernels: CocKernels, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any
+) -> Any:
+    """Check the operands of ``op`` and run it with ``kernels`` (the registered kernels' common body)."""
+    _check(op, x, weight, group, num_chunks, full=op == "matmul_reduce_scatter")
+    function = {"all_gather_matmul": _AllGatherMatmul, "matmul_reduce_scatter": _MatmulReduceScatter}.get(
+        op, _MatmulAllReduce
+    )
+    return function.apply(x, weight, group, num_chunks, fn, kernels)
+
+
+# -- the references: the unfused pair ---------------------------------------------------------
+
+
+def _ref_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Any, num_chunks: int, keep: bool) -> Any:
+    total, _ = _gather(x, group)
+    return torch.matmul(total, w.t()), total if keep else None
+
+
+def _ref_matmul_scatter(x: torch.Tensor, w: torch.Tensor, group: Any, num_chunks: int) -> torch.Tensor:
+    return _reduce_scatter(torch.matmul(x, w.t()), group)[0]
+
+
+def _ref_matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, group: Any, num_chunks: int) -> torch.Tensor:
+    out = torch.matmul(x, w.t())
+    if _world(group) > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+REFERENCE = CocKernels(_ref_gather_matmul, _ref_matmul_scatter, _ref_matmul_all_reduce)
 
 
 def all_gather_matmul_reference(
@@ -144,8 +205,7 @@ def all_gather_matmul_reference(
     Returns:
         ``[world * s, ..., out]``.
     """
-    _check("all_gather_matmul", x, weight, group, num_chunks, full=False)
-    return _AllGatherMatmulRef.apply(x, weight, group, grad_weight_fn)
+    return run_coc("all_gather_matmul", REFERENCE, x, weight, group, num_chunks, grad_weight_fn)
 
 
 def matmul_reduce_scatter_reference(
@@ -165,8 +225,7 @@ def matmul_reduce_scatter_reference(
     Returns:
         this rank's summed sequence shard ``[s, ..., out]``.
     """
-    _check("matmul_reduce_scatter", x, weight, group, num_chunks, full=True)
-    return _MatmulReduceScatterRef.apply(x, weight, group, grad_weight_fn)
+    return run_coc("matmul_reduce_scatter", REFERENCE, x, weight, group, num_chunks, grad_weight_fn)
 
 
 def matmul_all_reduce_reference(
@@ -186,8 +245,7 @@ def matmul_all_reduce_reference(
     Returns:
         ``[s, ..., out]``, the same on every rank.
     """
-    _check("matmul_all_reduce", x, weight, group, num_chunks, full=False)
-    return _MatmulAllReduceRef.apply(x, weight, group, grad_weight_fn)
+    return run_coc("matmul_all_reduce", REFERENCE, x, weight, group, num_chunks, grad_weight_fn)
 
 
 # -- the chunked pipelines ---------------------------------------------------------------------
@@ -242,58 +300,21 @@ def _matmul_scattered(x: torch.Tensor, weight: torch.Tensor, group: Any, num_chu
     return torch.cat([part for part, _ in pending])
 
 
-class _MatmulAllReduceChunked(_MatmulAllReduceRef):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any) -> Any:
-        ctx.save_for_backward(x, weight)
-        ctx.grad_weight_fn = fn
-        pending = []
-        for piece in _chunks(x.shape[0], num_chunks):
-            product = torch.matmul(x[piece], weight.t())
-            handle = dist.all_reduce(product, group=group, async_op=True) if _world(group) > 1 else None
-            pending.append((product, handle))
-        for _, handle in pending:
-            if handle is not None:
-                handle.wait()
-        return torch.cat([part for part, _ in pending])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (*_MatmulAllReduceRef.backward(ctx, grad), None)
-
-
-class _AllGatherMatmulChunked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any) -> Any:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.num_chunks, ctx.grad_weight_fn = group, num_chunks, fn
-        return _gathered_matmul(x, weight, group, num_chunks)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        # The whole input for the weight gradient is re-gathered while the input gradient is
-        # computed and reduce-scattered chunk by chunk.
-        total, handle = _gather(x, ctx.group, async_op=True)
-        grad_input = _matmul_scattered(grad, weight.t(), ctx.group, ctx.num_chunks)
+def _matmul_all_reduced(x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int) -> torch.Tensor:
+    """``all_reduce(x @ weight^T)`` in pipelined chunks: chunk ``i``'s all-reduce runs while chunk
+    ``i + 1`` is multiplied."""
+    pending = []
+    for piece in _chunks(x.shape[0], num_chunks):
+        product = torch.matmul(x[piece], weight.t())
+        handle = dist.all_reduce(product, group=group, async_op=True) if _world(group) > 1 else None
+        pending.append((product, handle))
+    for _, handle in pending:
         if handle is not None:
             handle.wait()
-        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, total, grad), None, None, None
+    return torch.cat([part for part, _ in pending])
 
 
-class _MatmulReduceScatterChunked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any, num_chunks: int, fn: Any) -> Any:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.num_chunks, ctx.grad_weight_fn = group, num_chunks, fn
-        return _matmul_scattered(x, weight, group, num_chunks)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        # The gathered chunks are kept whole for the weight gradient.
-        grad_input, total_grad = _gathered_matmul(grad, weight.t(), ctx.group, ctx.num_chunks, keep=True)
-        return grad_input, _grad_weight(ctx.grad_weight_fn, weight, x, total_grad), None, None, None
+CHUNKED = CocKernels(_gathered_matmul, _matmul_scattered, _matmul_all_reduced)
 
 
 def all_gather_matmul_chunked(
@@ -309,8 +330,7 @@ def all_gather_matmul_chunked(
     input-gradient GEMM of chunk ``i + 1`` overlaps the reduce-scatter of chunk ``i``, and the
     re-gather of the whole input (for the weight gradient) overlaps both.
     """
-    _check("all_gather_matmul", x, weight, group, num_chunks, full=False)
-    return _AllGatherMatmulChunked.apply(x, weight, group, num_chunks, grad_weight_fn)
+    return run_coc("all_gather_matmul", CHUNKED, x, weight, group, num_chunks, grad_weight_fn)
 
 
 def matmul_reduce_scatter_chunked(
@@ -325,8 +345,7 @@ def matmul_reduce_scatter_chunked(
     Forward: the reduce-scatter of chunk ``i`` overlaps the GEMM of chunk ``i + 1``. Backward:
     the gather of the output gradient's chunk ``i + 1`` overlaps the GEMM of chunk ``i``.
     """
-    _check("matmul_reduce_scatter", x, weight, group, num_chunks, full=True)
-    return _MatmulReduceScatterChunked.apply(x, weight, group, num_chunks, grad_weight_fn)
+    return run_coc("matmul_reduce_scatter", CHUNKED, x, weight, group, num_chunks, grad_weight_fn)
 
 
 def matmul_all_reduce_chunked(
@@ -338,8 +357,7 @@ def matmul_all_reduce_chunked(
 ) -> torch.Tensor:
     """:func:`matmul_all_reduce_reference` as a pipeline: the all-reduce of chunk ``i`` overlaps
     the GEMM of chunk ``i + 1`` (the backward has no communication)."""
-    _check("matmul_all_reduce", x, weight, group, num_chunks, full=False)
-    return _MatmulAllReduceChunked.apply(x, weight, group, num_chunks, grad_weight_fn)
+    return run_coc("matmul_all_reduce", CHUNKED, x, weight, group, num_chunks, grad_weight_fn)
 
 
 def _cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
