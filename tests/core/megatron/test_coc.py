@@ -59,7 +59,7 @@ def _run(fn: Any, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, group: Any,
     return out.detach(), x.grad, w.grad
 
 
-def _train(coc: bool, fusion: bool, kernels: Any) -> dict[str, Any]:
+def _train(coc: bool, fusion: bool, kernels: Any, sp: bool = True) -> dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -82,9 +82,9 @@ def _train(coc: bool, fusion: bool, kernels: Any) -> dict[str, Any]:
 
     kernels = {**kernels, "attention": "reference"}
     if coc:
-        kernels.update(all_gather_matmul="chunked", matmul_reduce_scatter="chunked")
+        kernels.update(all_gather_matmul="chunked", matmul_reduce_scatter="chunked", matmul_all_reduce="chunked")
     model = TinyGPTConfig(num_layers=LAYERS, add_bias_linear=fusion)  # biases in the second pair of runs
-    sizes = ParallelSizes(tp=2, sequence_parallel=True)
+    sizes = ParallelSizes(tp=2, sequence_parallel=sp)
     init_parallel(sizes, model.seed)
     try:
         chunks = build_gpt(
@@ -134,6 +134,8 @@ def _group(rank: int, world_size: int) -> dict[str, Any]:
         for fusion in (False, True):
             runs = [_train(coc, fusion, report.kernels) for coc in (False, True)]
             out["fused" if fusion else "plain"] = _compare(*runs)
+        # Without sequence parallelism: the row-parallel linears' GEMM + all-reduce is matmul_all_reduce.
+        out["no_sp"] = _compare(*[_train(coc, True, report.kernels, sp=False) for coc in (False, True)])
     finally:
         unadapt()
     return out
@@ -143,13 +145,21 @@ def _group(rank: int, world_size: int) -> dict[str, Any]:
 def test_coc_equals_the_unfused_pairs_bit_for_bit() -> None:
     for out in run_distributed(_group, 2, timeout=300):
         assert out["ops"] == []
-        for fusion in ("plain", "fused"):
+        for fusion in ("plain", "fused", "no_sp"):
             run = out[fusion]
             plain_losses, coc_losses = run["losses"]
             assert coc_losses == plain_losses, fusion
             assert run["grads"] > 10 and run["grads_differ"] == {}, fusion
             plain_calls, coc_calls = run["calls"]
+            linears = 2 * LAYERS * 2 * STEPS  # proj + fc2 (qkv + fc1) per layer, 2 microbatches x 3 steps
+            if fusion == "no_sp":
+                assert coc_calls[("matmul_all_reduce", "chunked")] == linears
+                assert ("all_gather_matmul", "chunked") not in coc_calls
+                assert ("matmul_all_reduce", "chunked") not in plain_calls
+                assert calls_of(coc_calls, "matmul_add_fp32") == calls_of(plain_calls, "matmul_add_fp32") > 0
+                continue
             # qkv + fc1 (proj + fc2) per layer, each forward of 2 microbatches x 3 steps
+            assert ("matmul_all_reduce", "chunked") not in coc_calls
             assert coc_calls[("all_gather_matmul", "chunked")] == 2 * LAYERS * 2 * STEPS
             assert coc_calls[("matmul_reduce_scatter", "chunked")] == 2 * LAYERS * 2 * STEPS
             assert ("all_gather_matmul", "chunked") not in plain_calls
@@ -158,16 +168,21 @@ def test_coc_equals_the_unfused_pairs_bit_for_bit() -> None:
             assert accumulations == ([(4 * LAYERS + 1) * 2 * STEPS] * 2 if fusion == "fused" else [0, 0]), fusion
 
 
-def test_feature_refuses_without_tp_and_sequence_parallel() -> None:
+def test_feature_refuses_without_tp_and_picks_the_ops_of_the_run() -> None:
     from mindspeed.features import BuildContext, FeaturesConfig, ModelFacts, ParallelSizes, apply_features
 
-    for tp, sp in ((1, True), (2, False)):
-        ctx = BuildContext(parallel=ParallelSizes(tp=tp), model=ModelFacts(extra={"sequence_parallel": sp}))
-        with pytest.raises(ValueError, match="feature 'coc'.*sequence_parallel=true"):
-            apply_features(FeaturesConfig(settings={"coc": True}), ctx)
+    ctx = BuildContext(parallel=ParallelSizes(tp=1), model=ModelFacts(extra={"sequence_parallel": True}))
+    with pytest.raises(ValueError, match="feature 'coc'.*tp=1.*parallel.tp >= 2"):
+        apply_features(FeaturesConfig(settings={"coc": True}), ctx)
+    # Without sequence parallelism only the row-parallel linears' all-reduce is overlapped.
+    ctx = BuildContext(parallel=ParallelSizes(tp=2), model=ModelFacts(extra={"sequence_parallel": False}))
+    apply_features(FeaturesConfig(settings={"coc": True}), ctx)
+    assert ctx.kernel_impls["matmul_all_reduce"] == "chunked"
+    assert "all_gather_matmul" not in ctx.kernel_impls and "matmul_reduce_scatter" not in ctx.kernel_impls
     ctx = BuildContext(parallel=ParallelSizes(tp=2), model=ModelFacts(extra={"sequence_parallel": True}))
     report = apply_features(FeaturesConfig(settings={"coc": {"enabled": True, "coc_parallel_num": 4}}), ctx)
     assert ctx.kernel_impls["all_gather_matmul"] == ctx.kernel_impls["matmul_reduce_scatter"] == "chunked"
+    assert "matmul_all_reduce" not in ctx.kernel_impls
     assert "coc" in report.order
     layer = torch.nn.Linear(2, 2)
     layer.coc_num_chunks = 2

@@ -1,14 +1,15 @@
 """Compute-communication overlap (CoC) in megatron-core's tensor-parallel linear layers.
 
 Under sequence parallelism megatron's ``ColumnParallelLinear`` all-gathers its input along the
-sequence before its GEMM and ``RowParallelLinear`` reduce-scatters its output after it. The
-subclasses here run those pairs as the registry ops ``all_gather_matmul`` and
-``matmul_reduce_scatter`` (the ``chunked`` pipeline, or torch_npu's fused MC2 kernels), so the
-collective of one sequence chunk overlaps the GEMM of another. The layer spec names them for
+sequence before its GEMM and ``RowParallelLinear`` reduce-scatters its output after it (without
+sequence parallelism it all-reduces it). The subclasses here run those pairs as the registry ops
+``all_gather_matmul``, ``matmul_reduce_scatter`` and ``matmul_all_reduce`` (the ``chunked``
+pipeline, or torch_npu's fused MC2 kernels), so the collective of one sequence chunk overlaps the
+GEMM of another. The layer spec names them for
 the attention's ``linear_qkv`` / ``linear_proj`` and the dense MLP's ``linear_fc1`` / ``linear_fc2``
-(:func:`apply_coc`); parameters, checkpoints and everything else stay megatron's. Where the
-layer is not under sequence parallelism (or the weight is frozen, or megatron defers the
-weight gradient), megatron's own path runs. Megatron's gradient-accumulation fusion is kept:
+(:func:`apply_coc`); parameters, checkpoints and everything else stay megatron's. Where a column
+layer is not under sequence parallelism (its forward has no collective), or the weight is frozen,
+or megatron defers the weight gradient, megatron's own path runs. Megatron's gradient-accumulation fusion is kept:
 the weight gradient is added into ``main_grad`` through the same module function megatron calls.
 """
 
@@ -86,37 +87,53 @@ class CoCColumnParallelLinear(ColumnParallelLinear):
 
 
 class CoCRowParallelLinear(RowParallelLinear):
-    """megatron's ``RowParallelLinear`` whose GEMM + sequence reduce-scatter is ``matmul_reduce_scatter``.
+    """megatron's ``RowParallelLinear`` whose GEMM + sequence reduce-scatter is ``matmul_reduce_scatter``
+    (without sequence parallelism: whose GEMM + all-reduce is ``matmul_all_reduce``).
 
     Args:
         impl: the ``matmul_reduce_scatter`` implementation.
         num_chunks: sequence chunks of the pipeline.
+        all_reduce_impl: the ``matmul_all_reduce`` implementation.
         *args, **kwargs: megatron's arguments.
     """
 
-    def __init__(self, *args: Any, impl: str = "auto", num_chunks: int = DEFAULT_NUM_CHUNKS, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        impl: str = "auto",
+        num_chunks: int = DEFAULT_NUM_CHUNKS,
+        all_reduce_impl: str = "auto",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.coc_kernel = resolve_kernel("matmul_reduce_scatter", impl)
+        self.coc_all_reduce_kernel = resolve_kernel("matmul_all_reduce", all_reduce_impl)
         self.coc_num_chunks = num_chunks
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """megatron's forward with the GEMM and the reduce-scatter as one pipelined op."""
-        if not (self.sequence_parallel and self.input_is_parallel) or self.explicit_expert_comm:
-            return super().forward(input_)
-        if not self.weight.requires_grad:
+        """megatron's forward with the GEMM and the reduce-scatter (all-reduce) as one pipelined op."""
+        if not self.input_is_parallel or self.explicit_expert_comm or not self.weight.requires_grad:
             return super().forward(input_)
         fn = accumulate_main_grad if self.gradient_accumulation_fusion else None
-        output = self.coc_kernel(input_, self.weight, self.tp_group, self.coc_num_chunks, fn)
+        kernel = self.coc_kernel if self.sequence_parallel else self.coc_all_reduce_kernel
+        output = kernel(input_, self.weight, self.tp_group, self.coc_num_chunks, fn)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None
 
 
-def apply_coc(spec: ModuleSpec, column_impl: str, row_impl: str, num_chunks: int = DEFAULT_NUM_CHUNKS) -> ModuleSpec:
+def apply_coc(
+    spec: ModuleSpec,
+    column_impl: str,
+    row_impl: str,
+    all_reduce_impl: str = "auto",
+    num_chunks: int = DEFAULT_NUM_CHUNKS,
+) -> ModuleSpec:
     """Put the CoC linears into a GPT layer spec (in place; returned): attention's QKV and
     projection, and the dense MLP's (or the shared experts') fc1 and fc2."""
     column = ModuleSpec(module=CoCColumnParallelLinear, params={"impl": column_impl, "num_chunks": num_chunks})
-    row = ModuleSpec(module=CoCRowParallelLinear, params={"impl": row_impl, "num_chunks": num_chunks})
+    row_params = {"impl": row_impl, "num_chunks": num_chunks, "all_reduce_impl": all_reduce_impl}
+    row = ModuleSpec(module=CoCRowParallelLinear, params=row_params)
     sub = spec.submodules
     attn = sub.self_attention.submodules
     if attn.linear_qkv is ColumnParallelLinear:

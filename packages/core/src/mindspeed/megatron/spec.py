@@ -34,7 +34,7 @@ from mindspeed.patching import UpstreamPatch
 SPEC_OPS = ("rms_norm", "layer_norm", "attention", "swiglu")
 #: The compute-communication overlap ops: chosen (the ``coc`` feature), they put
 #: :mod:`mindspeed.megatron.coc`'s linears into the layer.
-COC_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+COC_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
 class MindSpeedSpecProvider(LocalSpecProvider):
@@ -139,9 +139,8 @@ def get_gpt_layer_spec(
             targets.append(shared.submodules)
         for target in targets:
             target.activation_func = provider.activation_func()
-    if COC_OPS[0] in provider.kernels or COC_OPS[1] in provider.kernels:
-        kernels = provider.kernels
-        apply_coc(spec, kernels.kernel_for(COC_OPS[0]), kernels.kernel_for(COC_OPS[1]))
+    if any(op in provider.kernels for op in COC_OPS):
+        apply_coc(spec, *(provider.kernels.kernel_for(op) for op in COC_OPS))
     if num_experts and ("grouped_matmul" in provider.kernels if moe_grouped_gemm is None else moe_grouped_gemm):
         sub.mlp.submodules.experts = provider.grouped_experts()
     return spec
