@@ -92,7 +92,7 @@ def build_agent(config: GRPOConfig, tokenizer: Any) -> AgentLoop | None:
     if not r.tools:
         return None
     tools = build_tools(r.tools, r.tool_options)
-    settings = AgentSettings(tools, r.max_turns, r.response_budget(), r.max_parallel, r.tool_timeout_s)
+    settings = AgentSettings(tools, r.max_turns, r.response_budget(), r.max_parallel, r.tool_timeout_s, r.tool_overlap)
     return AgentLoop(tokenizer, settings)
 
 
@@ -110,7 +110,7 @@ def generate_responses(
         outputs = ctx.engine.generate(prompts, params)
         return outputs, [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs], {}
     conversations = [ctx.prompt_format.messages(rec.prompt) for rec in records]
-    outputs = ctx.agent.generate(ctx.engine.generate, prompts, params, conversations)
+    outputs = ctx.agent.run(ctx.engine, prompts, params, conversations)
     answers = [next((m["content"] for m in reversed(o.messages) if m["role"] == "assistant"), "") for o in outputs]
     return outputs, answers, agent_metrics(outputs)
 
