@@ -169,6 +169,15 @@ def test_overlapped_equals_barrier_on_the_engine() -> None:
         else:
             assert during == 0, "the barrier never decodes while a tool runs"
 
+    # The in-process trainer's engine (an InferenceEngine itself) takes the overlapped path too.
+    engine = rollout.engine
+    engine.generate = lambda *a, **k: pytest.fail("the overlapped loop never calls generate")
+    try:
+        runs["engine"] = loop.run(engine, prompts, params, conversations)
+    finally:
+        del engine.generate
+    assert [o.token_ids for o in runs["engine"]] == [o.token_ids for o in runs[True]]
+
     barrier, overlapped = runs[False], runs[True]
     for i, (b, o) in enumerate(zip(barrier, overlapped)):
         assert o.token_ids == b.token_ids, i

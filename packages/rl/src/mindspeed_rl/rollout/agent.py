@@ -12,8 +12,8 @@ One call of :meth:`AgentLoop.run` runs every sample turn by turn::
 Two schedules give the same samples (a sample's turns depend on its own seed, advanced per
 turn, and its tool results only):
 
-- *overlapped* (:meth:`AgentLoop.generate_overlapped`, engines with a ``session``: the built-in
-  one): one continuous batch for the whole rollout; a sample's calls go to the tool pool the
+- *overlapped* (:meth:`AgentLoop.generate_overlapped`, the built-in engine: an
+  ``InferenceEngine`` or a ``BuiltinRollout``, in the process that runs the loop): one continuous batch for the whole rollout; a sample's calls go to the tool pool the
   step its turn closes, and its next turn joins the batch the moment its results are back,
   while the other samples go on decoding;
 - *barrier* (:meth:`AgentLoop.generate`, any ``generate(prompt_ids, params)``: vLLM, the Ray
@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mindspeed_llm.engine import GenerationOutput, SamplingParams
+from mindspeed_llm.engine import GenerationOutput, GenerationSession, InferenceEngine, SamplingParams
 from mindspeed_rl.tools import (
     Tool,
     ToolExecutor,
@@ -163,9 +163,15 @@ class AgentLoop:
         params: Sequence[SamplingParams],
         messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
     ) -> list[AgentOutput]:
-        """The multi-turn responses on ``engine``: overlapped where it has a ``session`` (and
-        ``settings.overlap``), else with a barrier per turn over its ``generate``. Same samples either way."""
+        """The multi-turn responses on ``engine``: overlapped where it has a ``session`` or is an
+        :class:`~mindspeed_llm.engine.InferenceEngine` (and ``settings.overlap``), else with a
+        barrier per turn over its ``generate``. Same samples either way."""
         open_session = getattr(engine, "session", None)
+        if isinstance(engine, InferenceEngine):  # the in-process trainer's engine itself
+
+            def open_session(slots: int, max_len: int) -> Session:
+                return GenerationSession(engine, slots, max_len)
+
         if self.settings.overlap and callable(open_session):
             return self.generate_overlapped(open_session, prompt_ids, params, messages)
         return self.generate(engine.generate, prompt_ids, params, messages)
