@@ -150,10 +150,14 @@ class ActorWorker:
         return out
 
     def update_critic(
-        self, pairs: Sequence[tuple[list[int], list[int]]], values: torch.Tensor, returns: torch.Tensor
+        self,
+        pairs: Sequence[tuple[list[int], list[int]]],
+        values: torch.Tensor,
+        returns: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One critic step on this rank's share of a mini-batch (collective)."""
-        return self._critic().update(pairs, values, returns)
+        return self._critic().update(pairs, values, returns, loss_mask)
 
     def _critic(self) -> Any:
         if self.critic is None:
