@@ -27,34 +27,52 @@ from mindspeed_rl.rollout.builtin import BuiltinRollout
 from mindspeed_rl.tools import QWEN25_TOOLS_TEMPLATE, Tool
 
 PIECE, TAIL = '{"name": "sleepy", "arguments": {"x": "', '"}}'
-SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", PIECE, TAIL]
+#: The calculator's call (``{"expression": "<digit>"}``), for a checkpoint the Ray workers load.
+CALCULATOR_PIECE = '{"name": "calculator", "arguments": {"expression": "'
 
 
-def automaton_tokenizer() -> Any:
+def automaton_tokenizer(piece: str = PIECE) -> Any:
     """Characters, Qwen2.5's special tokens and the call's two fixed pieces (each one token)."""
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", piece, TAIL]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *chars])}
+    vocab = {token: i for i, token in enumerate([*specials, *chars])}
     core = Tokenizer(BPE(vocab, [], unk_token="<unk>"))
-    core.add_special_tokens(SPECIALS)
+    core.add_special_tokens(specials)
     core.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<unk>")
     fast.chat_template = QWEN25_TOOLS_TEMPLATE
     return fast
 
 
-def automaton_policy(tokenizer: Any, max_batch_size: int = 16, seed: int = 0, filler: float = 0.9) -> BuiltinRollout:
-    """The built-in engine on the automaton Llama (see the module docstring); ``filler``: the logit
-    of one more dot after a dot (against 0.5 for a call, 0 for the answer)."""
+def save_automaton(path: Any, piece: str = CALCULATOR_PIECE, seed: int = 0) -> None:
+    """The automaton Llama (calling the calculator) as a Hugging Face directory with its tokenizer."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    tokenizer = automaton_tokenizer(piece)
+    config, state = automaton_weights(tokenizer, seed, piece=piece)
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state)
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=config.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def automaton_weights(
+    tokenizer: Any, seed: int = 0, filler: float = 0.9, piece: str = PIECE
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The automaton Llama's transformers config and Hugging Face-named weights (see the module
+    docstring); ``filler``: the logit of one more dot after a dot (against 0.5 for a call, 0 for
+    the answer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ids = tokenizer.convert_tokens_to_ids
     newline, dot, answer = ids("\n"), ids("."), ids("A")
     digits = [ids(str(d)) for d in range(10)]
-    call, piece, tail, close, eos = ids("<tool_call>"), ids(PIECE), ids(TAIL), ids("</tool_call>"), ids("<|im_end|>")
+    call, piece, tail, close, eos = ids("<tool_call>"), ids(piece), ids(TAIL), ids("</tool_call>"), ids("<|im_end|>")
     # state token -> {next token: logit}; the unlisted tokens get -30
     rules = {
         newline: {dot: 1.0, call: 0.8, answer: 0.2},
@@ -93,6 +111,13 @@ def automaton_policy(tokenizer: Any, max_batch_size: int = 16, seed: int = 0, fi
         for target, logit in nexts.items():
             head[target, dim] = logit / 8
     state["lm_head.weight"] = head
+    return config, state
+
+
+def automaton_policy(tokenizer: Any, max_batch_size: int = 16, seed: int = 0, filler: float = 0.9) -> BuiltinRollout:
+    """The built-in engine on the automaton Llama (see :func:`automaton_weights`)."""
+    config, state = automaton_weights(tokenizer, seed, filler)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     engine = InferenceEngine.from_config(
         config, torch.float32, max_batch_size, 4096, tokenizer=tokenizer, eos_token_ids=[eos], device="cpu"
     )

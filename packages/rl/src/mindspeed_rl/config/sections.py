@@ -177,8 +177,9 @@ class RolloutConfig:
             (with ``tools``; default ``max_turns * max_new_tokens``); ``max_new_tokens`` bounds each turn.
         max_parallel: tool calls run at once. tool_timeout_s: wall seconds per tool call.
         tool_overlap: run a sample's tool calls while the others generate, and start its next turn
-            when its results are back (the ``builtin`` engine in the driver process; vLLM and the
-            Ray rollout workers keep a barrier per turn); the samples are the same either way.
+            when its results are back (the ``builtin`` engine; on Ray the loop and the tools run in
+            the rollout workers); false, and with vLLM: a barrier per turn. The samples are the
+            same either way.
     """
 
     engine: Literal["builtin", "vllm"] = "builtin"

@@ -16,9 +16,12 @@ turn, and its tool results only):
   ``InferenceEngine`` or a ``BuiltinRollout``, in the process that runs the loop): one continuous batch for the whole rollout; a sample's calls go to the tool pool the
   step its turn closes, and its next turn joins the batch the moment its results are back,
   while the other samples go on decoding;
-- *barrier* (:meth:`AgentLoop.generate`, any ``generate(prompt_ids, params)``: vLLM, the Ray
-  rollout workers): per turn, one ``generate`` call for every unfinished sample, then the
+- *barrier* (:meth:`AgentLoop.generate`, any ``generate(prompt_ids, params)``: vLLM, or
+  ``overlap`` off): per turn, one ``generate`` call for every unfinished sample, then the
   calls of all of them at once.
+
+On Ray (an engine with ``agent_generate``: the co-located workers or a rollout pool), the loop
+itself is shipped to the workers, each running it on its share with its own engine and tools.
 
 The response of a sample is everything after its prompt: its generated tokens *and* the
 appended ones. :attr:`AgentOutput.loss_mask` is 1 on the generated tokens and 0 on the appended
@@ -166,6 +169,9 @@ class AgentLoop:
         """The multi-turn responses on ``engine``: overlapped where it has a ``session`` or is an
         :class:`~mindspeed_llm.engine.InferenceEngine` (and ``settings.overlap``), else with a
         barrier per turn over its ``generate``. Same samples either way."""
+        remote = getattr(engine, "agent_generate", None)
+        if self.settings.overlap and callable(remote):  # Ray rollout workers: the loop runs in each worker
+            return remote(self, prompt_ids, params, self._start(prompt_ids, params, messages)[1])
         open_session = getattr(engine, "session", None)
         if isinstance(engine, InferenceEngine):  # the in-process trainer's engine itself
 
