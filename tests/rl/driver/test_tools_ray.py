@@ -12,11 +12,13 @@ two steps each:
 
 The workers' runs went through ``agent_generate`` (counted on the driver) and their steps equal the
 barrier's: the rewards, response lengths, tool metrics exactly (the same samples), the losses and
-gradient norms to 1e-6.
+gradient norms to 1e-6. Then ``mindspeed-rl ppo`` with the same tools for two steps (the loss mask
+through the co-located critic's workers): the critic's loss and gradient norm are finite and it learns.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ def _recipe(root: Path, *extra: str) -> list[str]:
 
 
 def test_the_loop_in_the_workers_equals_the_drivers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mindspeed_rl.cli import main
     from mindspeed_rl.config.grpo import load_grpo_config
     from mindspeed_rl.driver.ray_runtime import init_ray
     from mindspeed_rl.driver.runner import GRPORunner
@@ -85,9 +88,17 @@ def test_the_loop_in_the_workers_equals_the_drivers(tmp_path: Path, monkeypatch:
                 runs[name] = runner.run()
             finally:
                 runner.shutdown()
+        # mindspeed-rl ppo with tools: the loss mask reaches the co-located critic through the workers.
+        ppo = _recipe(tmp_path, "critic.lr=1e-3", f"logging.dir={tmp_path}/ppo")
+        assert main(["ppo", *[o for o in ppo if not o.startswith("algorithm.kl_coef")]]) == 0
     finally:
         ray.shutdown()
-    assert calls == ["ColocatedRollout"] * 2 + ["RolloutPool"] * 2, calls
+    records = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0]
+    assert len(steps) == 2 and all(r["tools/calls"] > 0 for r in steps), steps
+    for r in steps:
+        assert r["critic/vf_loss"] > 0 and math.isfinite(r["critic/grad_norm"]) and math.isfinite(r["loss"]), r
+    assert calls == ["ColocatedRollout"] * 2 + ["RolloutPool"] * 2 + ["ColocatedRollout"] * 2, calls  # grpo x2, ppo
     barrier = runs["barrier"]
     assert sum(r["tools/calls"] for r in barrier) > 0 and 0 < barrier[0]["reward_mean"] < 1, barrier
     for name in ("colocated", "pool"):
