@@ -16,6 +16,9 @@ One spawned single-rank group:
   on the same weights: the gradient w.r.t. each tool-response position's log-prob is exactly zero,
   the generated positions' is not, the loss equals the actor's and the model's gradient norm equals
   the actor's (rel 1e-4), and differs from the unmasked loss's gradient norm (the mask mattered);
+- PPO's critic on those samples: with the loss mask its value loss is the token mean over the
+  generated tokens (the formula) and values and returns at the tool tokens change neither the loss
+  nor the gradient norm (zero weight, zero gradient), without it they count;
 - runs ``train_grpo`` for two steps with ``rollout.tools=[calculator]``, ``max_turns=2``: the tool
   metrics are logged, every sample made one call, and the engine's log-probs equal the actor's
   on the generated tokens after the weight sync (``rollout_logp_diff`` over the masked tokens).
@@ -134,11 +137,37 @@ def _rollout_and_update(root: str) -> dict[str, Any]:
     }
 
 
+def _critic_masked(root: str, pairs: list[Any], mask: torch.Tensor) -> dict[str, Any]:
+    """PPO's critic on the multi-turn samples: value-loss updates with and without the loss mask, and
+    with the values and returns at the tool tokens changed. A learning rate of 1e-30 leaves the weights
+    bit-equal (Adam's step is ~lr), so every update starts from the same critic."""
+    from mindspeed_rl.models.critic import Critic, CriticSettings
+
+    critic = Critic(f"{root}/hf", CriticSettings.adamw(lr=1e-30, micro_batch_size=2, clip_grad=0.0, head_std=0.5))
+    width = mask.shape[1]
+    lengths = torch.tensor([len(r) for _, r in pairs])
+    inside = (torch.arange(width)[None] < lengths[:, None]).float()
+    tools = inside * (1 - mask)
+    values = torch.zeros(len(pairs), width)
+    for i, row in enumerate(critic.compute_values(pairs)):
+        values[i, : len(row)] = row
+    returns = torch.randn(values.shape, generator=torch.Generator().manual_seed(5)) * inside
+    return {
+        "values": values.numpy(),
+        "returns": returns.numpy(),
+        "masked": critic.update(pairs, values, returns, mask),
+        "tools_changed": critic.update(pairs, values + 3.0 * tools, returns - 50.0 * tools, mask),
+        "unmasked": critic.update(pairs, values, returns),
+        "after": [v.numpy() for v in critic.compute_values(pairs)],
+    }
+
+
 def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from mindspeed_rl.config.grpo import load_grpo_config
     from mindspeed_rl.driver import trainer
 
     out = {"rollout": _rollout_and_update(root)}
+    out["critic"] = _critic_masked(root, out["rollout"]["pairs"], torch.from_numpy(out["rollout"]["mask"]))
     data = Path(root) / "prompts.jsonl"
     data.write_text("".join(f'{{"question": "What is {a} * 7?", "answer": "#### {a * 7}"}}\n' for a in range(10, 20)))
     config = load_grpo_config(
@@ -251,6 +280,26 @@ def test_masked_update_gradient_against_autograd(run: dict[str, Any]) -> None:
     loss_of(full).backward()
     unmasked = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
     assert abs(float(unmasked) - float(norm)) > 1e-3 * float(norm), "the mask changes the gradient"
+
+
+def test_critic_value_loss_skips_tool_tokens(run: dict[str, Any]) -> None:
+    """PPO's critic: with the loss mask, the value loss is the token mean over the generated tokens only
+    (the formula, rel 1e-5), and values and returns at the tool tokens change neither the loss nor the
+    gradient norm (bit-equal): zero weight, zero gradient there; without the mask they would count."""
+    got, mask = run["critic"], torch.from_numpy(run["rollout"]["mask"])
+    values, returns = torch.from_numpy(got["values"]), torch.from_numpy(got["returns"])
+    for row, after in zip(values, got["after"]):  # the 1e-30 steps left the critic as it was
+        assert torch.equal(row[: len(after)], torch.from_numpy(after))
+    masked, changed, unmasked = got["masked"], got["tools_changed"], got["unmasked"]
+    inside = (values != 0).float()  # the values of a random critic are never exactly 0
+    # The new predictions equal the scored values (same weights), so the clipped loss is 0.5 (v - G)^2.
+    want = float(0.5 * ((values - returns).square() * mask).sum() / mask.sum())
+    assert math.isclose(masked["vf_loss"], want, rel_tol=1e-5), (masked["vf_loss"], want)
+    full = float(0.5 * ((values - returns).square() * inside).sum() / inside.sum())
+    assert math.isclose(unmasked["vf_loss"], full, rel_tol=1e-5), (unmasked["vf_loss"], full)
+    assert abs(full - want) > 1e-3 * want, "the tool tokens would count without the mask"
+    assert changed["vf_loss"] == masked["vf_loss"] and changed["grad_norm"] == masked["grad_norm"]
+    assert masked["grad_norm"] > 0 and unmasked["grad_norm"] != masked["grad_norm"]
 
 
 def test_grpo_with_tools_end_to_end(run: dict[str, Any]) -> None:

@@ -59,6 +59,37 @@ class Scripted:
         )
 
 
+class StepwiseScripted:
+    """The scripted engine behind both interfaces: ``generate`` (barrier) and ``session`` (overlapped).
+
+    A session step finishes the oldest waiting request only, so the samples' turns close one at a
+    time and their tools run while the others are still "decoding".
+    """
+
+    def __init__(self, engine: Scripted) -> None:
+        self.engine, self.generate = engine, engine
+        self.queue: list[tuple[int, list[int], SamplingParams]] = []
+        self.submitted = 0
+        self.opened: list[tuple[int, int]] = []
+
+    def session(self, slots: int, max_len: int) -> StepwiseScripted:
+        self.opened.append((slots, max_len))
+        return self
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> int:
+        self.queue.append((self.submitted, list(prompt), params))
+        self.submitted += 1
+        return self.submitted - 1
+
+    def step(self) -> list[tuple[int, GenerationOutput]]:
+        key, prompt, params = self.queue.pop(0)
+        return [(key, self.engine([prompt], [params])[0])]
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return byte_tokenizer(QWEN25_TOOLS_TEMPLATE)
@@ -80,10 +111,13 @@ def register_test_tools() -> None:
             TOOLS.register(name, lambda name=name, fn=fn: Tool(name, name, {"type": "object", "properties": {}}, fn))
 
 
-def test_turns_masks_and_failures_against_the_template(tokenizer: Any) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["barrier", "overlapped"])
+def test_turns_masks_and_failures_against_the_template(tokenizer: Any, overlap: bool) -> None:
     register_test_tools()
     tools = build_tools(["calculator", "python", "boom", "slow", "picky"])
-    settings = AgentSettings(tools, max_turns=4, max_response_length=800, max_parallel=4, timeout_s=0.3)
+    settings = AgentSettings(
+        tools, max_turns=4, max_response_length=800, max_parallel=4, timeout_s=0.3, overlap=overlap
+    )
     loop = AgentLoop(tokenizer, settings)
     answer = "The answer is 2183.<|im_end|>"
     scripts = [
@@ -99,9 +133,10 @@ def test_turns_masks_and_failures_against_the_template(tokenizer: Any) -> None:
     questions = [f"question {i}" for i in range(len(scripts))]
     conversations = [[{"role": "user", "content": q}] for q in questions]
     prompts = [tokenizer(loop.prompt_text(c), add_special_tokens=False)["input_ids"] for c in conversations]
-    engine = Scripted(tokenizer, scripts, prompts)
+    engine = StepwiseScripted(Scripted(tokenizer, scripts, prompts))
     params = [SamplingParams(max_new_tokens=300, temperature=1.0, seed=i) for i in range(len(prompts))]
-    outputs = loop.generate(engine, prompts, params, conversations)
+    outputs = loop.run(engine, prompts, params, conversations)
+    assert engine.opened == ([(len(prompts), max(map(len, prompts)) + 800)] if overlap else [])
 
     eos = tokenizer.eos_token_id
     for i, out in enumerate(outputs):
@@ -151,7 +186,8 @@ def test_turns_masks_and_failures_against_the_template(tokenizer: Any) -> None:
     assert metrics["tools/errors/malformed_call"] > 0 and metrics["tools/time_s"] > 0
 
 
-def test_calls_of_a_turn_run_at_once_across_samples(tokenizer: Any) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["barrier", "overlapped"])
+def test_calls_run_at_once_across_samples(tokenizer: Any, overlap: bool) -> None:
     active, peak, lock = [0], [0], threading.Lock()
 
     def wait(arguments: dict) -> str:
@@ -164,14 +200,15 @@ def test_calls_of_a_turn_run_at_once_across_samples(tokenizer: Any) -> None:
         return "ok"
 
     tools = {"wait": Tool("wait", "w", {"type": "object", "properties": {}}, wait)}
-    loop = AgentLoop(tokenizer, AgentSettings(tools, max_turns=2, max_parallel=3, timeout_s=5))
+    loop = AgentLoop(tokenizer, AgentSettings(tools, max_turns=2, max_parallel=3, timeout_s=5, overlap=overlap))
     scripts = [[call("wait", "{}"), "done<|im_end|>"] for _ in range(4)]
     prompts = [tokenizer(loop.prompt_text([{"role": "user", "content": f"q{i}"}]))["input_ids"] for i in range(4)]
-    engine = Scripted(tokenizer, scripts, prompts)
+    engine = StepwiseScripted(Scripted(tokenizer, scripts, prompts))
     start = time.perf_counter()
-    outputs = loop.generate(engine, prompts, [SamplingParams(max_new_tokens=100)] * 4)
+    outputs = loop.run(engine, prompts, [SamplingParams(max_new_tokens=100)] * 4)
     assert [o.finish_reason for o in outputs] == ["stop"] * 4
-    assert engine.calls == 2, "one engine call per turn for all samples"
+    # barrier: one engine call per turn for all samples; overlapped: one per sample and turn
+    assert engine.engine.calls == (8 if overlap else 2)
     assert peak[0] == 3, "the 4 calls ran 3 at a time"
     assert time.perf_counter() - start < 0.75
 

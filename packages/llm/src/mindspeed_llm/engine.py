@@ -27,7 +27,8 @@ LoRA (an RL actor whose adapters train; :mod:`mindspeed_llm.training.lora`):
     :func:`lora_delta_weight` (``B @ A * alpha / r`` of a layer), :func:`export_peft` (a PEFT
     adapter directory for the Hugging Face base).
 Inference (the built-in engine):
-    :class:`InferenceEngine`, :class:`SamplingParams`, :class:`GenerationOutput`.
+    :class:`InferenceEngine`, :class:`SamplingParams`, :class:`GenerationOutput`,
+    :class:`GenerationSession` (requests submitted while others decode: multi-turn rollouts).
 
 Importing this module imports neither megatron-core nor torch.distributed's process groups
 (the builders import megatron when called).
@@ -36,7 +37,7 @@ Importing this module imports neither megatron-core nor torch.distributed's proc
 from __future__ import annotations
 
 from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion
-from mindspeed_llm.inference import GenerationOutput, InferenceEngine, SamplingParams
+from mindspeed_llm.inference import GenerationOutput, GenerationSession, InferenceEngine, SamplingParams
 from mindspeed_llm.training.build import BuildSpec, Engine, build_engine, model_facts, seed_everything
 from mindspeed_llm.training.checkpoint import load_model_checkpoint, save_model_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
@@ -104,4 +105,5 @@ __all__ = [
     "InferenceEngine",
     "SamplingParams",
     "GenerationOutput",
+    "GenerationSession",
 ]

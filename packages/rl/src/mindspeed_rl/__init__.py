@@ -5,15 +5,17 @@ only what stands on lower floors, in module-level and function-level imports ali
 folders import each other and a Ray worker never imports the driver
 (tests/sanity/test_rl_layers.py reads this table and holds the imports to it):
 
-    floor 5  cli
-    floor 4  driver
-    floor 3  workers
-    floor 2  models, demo
-    floor 1  config, rollout
-    floor 0  algorithms, buffer, data, rewards, tools
+    floor 6  cli
+    floor 5  driver
+    floor 4  workers
+    floor 3  models, demo
+    floor 2  config, rollout
+    floor 1  rewards
+    floor 0  algorithms, buffer, data, tools
 
 algorithms are the losses, advantages and KL pieces (pure functions on tensors); buffer the replay
-buffer; data the prompt datasets; rewards the verifiers and the reward model; tools what a policy
+buffer; data the prompt datasets; rewards the verifiers and the reward model (a floor above tools: the per-turn format reward
+parses tool calls); tools what a policy
 may call in a multi-turn rollout (the tool registry, the sandbox, the call parser); rollout the
 generation engines and the multi-turn agent loop, which runs the tools (a floor above them). config holds the recipe's typed sections and their checks. models is
 what a worker runs: the megatron actor and its parts, the critic, their memory handling and the recipe's

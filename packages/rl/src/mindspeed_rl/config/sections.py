@@ -176,6 +176,10 @@ class RolloutConfig:
         max_response_length: response tokens per sample, generated and tool tokens together
             (with ``tools``; default ``max_turns * max_new_tokens``); ``max_new_tokens`` bounds each turn.
         max_parallel: tool calls run at once. tool_timeout_s: wall seconds per tool call.
+        tool_overlap: run a sample's tool calls while the others generate, and start its next turn
+            when its results are back (the ``builtin`` engine; on Ray the loop and the tools run in
+            the rollout workers); false, and with vLLM: a barrier per turn. The samples are the
+            same either way.
     """
 
     engine: Literal["builtin", "vllm"] = "builtin"
@@ -197,6 +201,7 @@ class RolloutConfig:
     max_response_length: int | None = None
     max_parallel: int = 4
     tool_timeout_s: float = 30.0
+    tool_overlap: bool = True
 
     def response_budget(self) -> int:
         """Response tokens per sample at most (all turns and tool responses)."""

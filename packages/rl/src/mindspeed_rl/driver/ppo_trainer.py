@@ -11,6 +11,12 @@ the rollout and the rewards, as GRPO's ``train_on_batch``)::
     -> actor update(s) with the policy-loss registry (skipped during critic.warmup_steps)
     -> critic update(s): critic.ppo_epochs x the actor's mini-batches, the value loss against the returns
 
+A multi-turn batch's loss mask (0 on the tool responses) is the response mask of every piece:
+the KL penalty and the outcome reward sit on generated tokens, GAE passes over the tool tokens
+(the GAE of the generated tokens alone), the advantages are whitened over the generated tokens and
+0 on the tool tokens, and the critic's value loss skips them (tests/rl/driver/test_ppo_tool_mask.py,
+tests/rl/driver/test_tool_rollout.py).
+
 The step's record adds verl's critic metrics (``critic/vf_loss``, ``critic/vpred_mean``,
 ``critic/vf_clipfrac``, ``critic/vf_explained_var``, ``critic/returns_mean``,
 ``critic/values_mean``, ``critic/advantages_mean``, ``critic/grad_norm``, ``critic/lr``) and the
@@ -44,15 +50,23 @@ class PPOContext(GRPOContext):
     kl_ctrl: KLController | None = None
 
 
-def update_critic(ctx: PPOContext, pairs: list[Any], values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-    """``critic.ppo_epochs`` passes of the actor's mini-batches through the critic's value loss."""
+def update_critic(
+    ctx: PPOContext,
+    pairs: list[Any],
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """``critic.ppo_epochs`` passes of the actor's mini-batches through the critic's value loss
+    (``loss_mask``: 0 on a multi-turn rollout's tool tokens, which carry no value loss)."""
     cfg = ctx.config
     mini = (cfg.actor.mini_batch_size or cfg.train.global_batch) * cfg.rollout.n
     seen: dict[str, list[float]] = {}
     for _ in range(cfg.critic.ppo_epochs):
         for first in range(0, len(pairs), mini):
             part = slice(first, first + mini)
-            for key, value in ctx.critic.update(pairs[part], values[part], returns[part]).items():
+            mask = None if loss_mask is None else loss_mask[part]
+            for key, value in ctx.critic.update(pairs[part], values[part], returns[part], mask).items():
                 seen.setdefault(key, []).append(value)
     out = {f"critic/{k}": sum(seen[k]) / len(seen[k]) for k in _CRITIC_MEANS if k in seen}
     out["critic/lr"] = seen["lr"][0]
@@ -109,7 +123,7 @@ def ppo_train_on_batch(ctx: PPOContext, batch: RolloutBatch) -> dict[str, float]
         advantages = advantages * loss_mask
     update = {} if warmup else update_actor(ctx, pairs, old_logp, advantages, ref_logp, rollout_logp, loss_mask)
     lap("update")
-    extra.update(update_critic(ctx, pairs, values, returns))
+    extra.update(update_critic(ctx, pairs, values, returns, loss_mask))
     lap("critic_update")
     extra["critic/vf_explained_var"] = explained_variance(returns, values, mask)
     extra["critic/returns_mean"] = float(masked_mean(returns, mask))

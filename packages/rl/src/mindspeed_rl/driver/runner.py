@@ -242,7 +242,9 @@ class GRPORunner(RunnerCheckpoints):
         self.held_out = load_prompts(d.eval_path, d.map_keys or None) if config.train.eval_interval else []
         reference = ReferenceView(self.group) if config.needs_reference() else None
         self.ctx = self._context(config, self.group, self.rollout, tokenizer, reward, records, sampler, fmt, reference)
-        self.ctx.agent = build_agent(config, tokenizer)  # multi-turn rollouts with rollout.tools (on the driver)
+        # Multi-turn rollouts with rollout.tools: the loop runs in the rollout workers (tool_overlap)
+        # or on the driver, one generate call per turn (the barrier).
+        self.ctx.agent = build_agent(config, tokenizer)
         # The producer's view: its own step counter (the batch index, which seeds sampling), shared sampler.
         self.pctx = copy.copy(self.ctx)
         self.rows = config.rows_per_step()

@@ -92,7 +92,7 @@ def build_agent(config: GRPOConfig, tokenizer: Any) -> AgentLoop | None:
     if not r.tools:
         return None
     tools = build_tools(r.tools, r.tool_options)
-    settings = AgentSettings(tools, r.max_turns, r.response_budget(), r.max_parallel, r.tool_timeout_s)
+    settings = AgentSettings(tools, r.max_turns, r.response_budget(), r.max_parallel, r.tool_timeout_s, r.tool_overlap)
     return AgentLoop(tokenizer, settings)
 
 
@@ -110,9 +110,16 @@ def generate_responses(
         outputs = ctx.engine.generate(prompts, params)
         return outputs, [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs], {}
     conversations = [ctx.prompt_format.messages(rec.prompt) for rec in records]
-    outputs = ctx.agent.generate(ctx.engine.generate, prompts, params, conversations)
+    outputs = ctx.agent.run(ctx.engine, prompts, params, conversations)
     answers = [next((m["content"] for m in reversed(o.messages) if m["role"] == "assistant"), "") for o in outputs]
     return outputs, answers, agent_metrics(outputs)
+
+
+def assistant_turns(ctx: GRPOContext, outputs: list[Any]) -> list[list[str]] | None:
+    """Each sample's assistant turns (multi-turn rollouts; None without tools), for per-turn rewards."""
+    if ctx.agent is None:
+        return None
+    return [[m["content"] for m in o.messages if m["role"] == "assistant"] for o in outputs]
 
 
 def render_prompt(ctx: GRPOContext, record: PromptRecord) -> str:
@@ -197,7 +204,7 @@ def _one_round(ctx: GRPOContext, round_index: int) -> RolloutBatch:
     pairs = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outputs)]
     prompt_texts = [texts[kept[k]] for k in range(len(kept)) for _ in range(r.n)]
     references = [rec.reference for rec in rows]
-    rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references)
+    rewards, parts = ctx.reward.score_batch(prompt_texts, responses, references, assistant_turns(ctx, outputs))
     if algo.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifiers
         lengths = torch.tensor([len(resp) for _, resp in pairs], dtype=torch.float32)
         penalty = overlong_penalty(lengths, r.response_budget(), algo.overlong_buffer, algo.overlong_penalty_factor)
@@ -452,7 +459,9 @@ def evaluate(ctx: GRPOContext, records: list[PromptRecord]) -> dict[str, float]:
     outputs, responses, metrics = generate_responses(
         ctx, [p for p in ids for _ in range(n)], params, [records[k] for k in rows]
     )
-    rewards, parts = ctx.reward.score_batch([texts[k] for k in rows], responses, [records[k].reference for k in rows])
+    rewards, parts = ctx.reward.score_batch(
+        [texts[k] for k in rows], responses, [records[k].reference for k in rows], assistant_turns(ctx, outputs)
+    )
     ctx.eval_samples = [
         {"prompt": texts[k], "response": response, "reward": float(reward)}
         for k, response, reward in zip(rows, responses, rewards.tolist())

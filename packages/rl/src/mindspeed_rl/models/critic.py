@@ -194,6 +194,8 @@ class Critic(Actor):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         s = self.settings
         mask = batch["resp_mask"]
+        if batch.get("resp_loss_mask") is not None:  # a multi-turn rollout's tool tokens: no value loss
+            mask = mask * batch["resp_loss_mask"]
         inputs = ValueLossInputs(
             vpreds=self._values(batch, output),
             values=batch["values"],
@@ -211,7 +213,7 @@ class Critic(Actor):
         return out.loss, mask.sum().to(torch.int), metrics
 
     def update(  # type: ignore[override]
-        self, pairs: Sequence[Pair], values: torch.Tensor, returns: torch.Tensor
+        self, pairs: Sequence[Pair], values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor | None = None
     ) -> dict[str, float]:
         """One optimizer step of the value loss over all ``pairs`` (collective).
 
@@ -219,6 +221,9 @@ class Critic(Actor):
             pairs: ``(prompt ids, response ids)`` per sequence.
             values: ``[n, width]`` the critic's values when the batch was scored (the clip centre).
             returns: ``[n, width]`` the regression targets (GAE's returns).
+            loss_mask: ``[n, width]`` 1 on the response tokens the policy generated, 0 on those it
+                did not (a multi-turn rollout's tool responses): those carry no value loss and
+                do not count in the token mean (None: every response token counts).
 
         Returns:
             ``vf_loss`` (the batch's token-mean loss), ``vf_clipfrac``, ``vpred_mean``,
@@ -232,6 +237,10 @@ class Critic(Actor):
                     f"values {tuple(values.shape)} and returns {tuple(returns.shape)} do not fit the pairs"
                 )
             extra = {"values": values.float(), "returns": returns.float()}
+            if loss_mask is not None:
+                if loss_mask.shape != values.shape:
+                    raise ValueError(f"loss_mask {tuple(loss_mask.shape)} does not fit values {tuple(values.shape)}")
+                extra["resp_loss_mask"] = loss_mask.float()  # not "loss_mask": the packed batch has one
             batches = self._microbatches(pairs, width, extra)
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()

@@ -20,6 +20,7 @@ from mindspeed_rl.rewards.base import (
 from mindspeed_rl.rewards.format import FORMAT_PRESETS, FormatVerifier
 from mindspeed_rl.rewards.math import MathVerifier
 from mindspeed_rl.rewards.model import RewardModel
+from mindspeed_rl.rewards.turns import TurnFormatVerifier
 
 __all__ = [
     "FORMAT_PRESETS",
@@ -28,6 +29,7 @@ __all__ = [
     "MathVerifier",
     "RewardFunction",
     "RewardModel",
+    "TurnFormatVerifier",
     "WeightedReward",
     "answers_equal",
     "build_reward",

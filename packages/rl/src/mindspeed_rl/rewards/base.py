@@ -18,6 +18,7 @@ from mindspeed.registry import Registry
 from mindspeed_rl.rewards.exact import ExactVerifier
 from mindspeed_rl.rewards.format import FormatVerifier
 from mindspeed_rl.rewards.math import MathVerifier
+from mindspeed_rl.rewards.turns import TurnFormatVerifier
 
 
 @runtime_checkable
@@ -32,6 +33,7 @@ VERIFIERS: Registry[Callable[..., RewardFunction]] = Registry("reward verifier")
 VERIFIERS.register("math", MathVerifier)
 VERIFIERS.register("format", FormatVerifier)
 VERIFIERS.register("exact", ExactVerifier)
+VERIFIERS.register("turn_format", TurnFormatVerifier)
 
 
 def build_verifier(name: str, **options: Any) -> RewardFunction:
@@ -48,9 +50,16 @@ def build_verifier(name: str, **options: Any) -> RewardFunction:
 
 
 def score_batch(
-    fn: RewardFunction, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str | None] | None = None
+    fn: RewardFunction,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    references: Sequence[str | None] | None = None,
+    turns: Sequence[Sequence[str]] | None = None,
 ) -> list[float]:
     """``fn`` over a batch; ``references`` default to None for every row.
+
+    ``turns`` (multi-turn rollouts: each row's assistant turns) go to the functions that score
+    turns (``fn.score_turns(turns)``, e.g. ``turn_format``); the others read ``responses``.
 
     Raises:
         ValueError: if the sequences have different lengths.
@@ -61,6 +70,11 @@ def score_batch(
             f"{len(prompts)} prompts, {len(responses)} responses and {len(references)} references: "
             "give one of each per sample"
         )
+    per_turn = getattr(fn, "score_turns", None)
+    if turns is not None and callable(per_turn):
+        if len(turns) != len(responses):
+            raise ValueError(f"{len(turns)} turn lists for {len(responses)} responses: give one per sample")
+        return [float(per_turn(t)) for t in turns]
     batched = getattr(fn, "score_batch", None)
     if callable(batched):  # a reward model scores a whole batch in one forward
         return [float(v) for v in batched(prompts, responses, references)]
@@ -90,11 +104,16 @@ class WeightedReward:
             )
 
     def score_batch(
-        self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str | None] | None = None
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        references: Sequence[str | None] | None = None,
+        turns: Sequence[Sequence[str]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Total rewards ``[batch]`` (float32) and each function's own scores by name."""
+        """Total rewards ``[batch]`` (float32) and each function's own scores by name (``turns``:
+        each row's assistant turns, for the per-turn functions, see :func:`score_batch`)."""
         parts = {
-            name: torch.tensor(score_batch(fn, prompts, responses, references), dtype=torch.float32)
+            name: torch.tensor(score_batch(fn, prompts, responses, references, turns), dtype=torch.float32)
             for name, fn in self.functions.items()
         }
         weights = self.weights or {}

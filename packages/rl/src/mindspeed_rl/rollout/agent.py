@@ -1,13 +1,27 @@
 """Multi-turn, tool-using rollouts over any engine's ``generate``: the agent loop.
 
-One call of :func:`agent_generate` runs every sample turn by turn::
+One call of :meth:`AgentLoop.run` runs every sample turn by turn::
 
     generate (until </tool_call> closes, the end of the turn, or the turn's token limit)
       -> parse the calls of the generated turn only (the tools prompt holds <tool_call> examples)
-      -> execute the calls of every sample of the turn at once (a thread pool)
+      -> execute the calls (a thread pool)
       -> append the chat template's tokens for the results (end of the assistant turn, the tool
          messages, the next assistant header)
       -> generate again, until an answer, ``max_turns`` or ``max_response_length``
+
+Two schedules give the same samples (a sample's turns depend on its own seed, advanced per
+turn, and its tool results only):
+
+- *overlapped* (:meth:`AgentLoop.generate_overlapped`, the built-in engine: an
+  ``InferenceEngine`` or a ``BuiltinRollout``, in the process that runs the loop): one continuous batch for the whole rollout; a sample's calls go to the tool pool the
+  step its turn closes, and its next turn joins the batch the moment its results are back,
+  while the other samples go on decoding;
+- *barrier* (:meth:`AgentLoop.generate`, any ``generate(prompt_ids, params)``: vLLM, or
+  ``overlap`` off): per turn, one ``generate`` call for every unfinished sample, then the
+  calls of all of them at once.
+
+On Ray (an engine with ``agent_generate``: the co-located workers or a rollout pool), the loop
+itself is shipped to the workers, each running it on its share with its own engine and tools.
 
 The response of a sample is everything after its prompt: its generated tokens *and* the
 appended ones. :attr:`AgentOutput.loss_mask` is 1 on the generated tokens and 0 on the appended
@@ -16,9 +30,8 @@ ones (the template's and the tools' text), which carry no loss and no advantage;
 appended ones. A malformed call, an unknown tool, a timeout or a tool's exception is a result
 the model reads (``mindspeed_rl.tools``), never an exception here.
 
-The loop only calls ``generate(prompt_ids, params)``, so it runs on the built-in engine, vLLM or a
-Ray worker group alike; each turn re-sends the whole context (the built-in engine prefills it
-again: no prefix cache across turns).
+Each turn re-sends the whole context (the built-in engine prefills it again: no prefix cache
+across turns).
 """
 
 from __future__ import annotations
@@ -27,11 +40,12 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from mindspeed_llm.engine import SamplingParams
+from mindspeed_llm.engine import GenerationOutput, GenerationSession, InferenceEngine, SamplingParams
 from mindspeed_rl.tools import (
     Tool,
+    ToolExecutor,
     ToolResult,
     execute_calls,
     parse_tool_calls,
@@ -45,6 +59,21 @@ from mindspeed_rl.tools.parse import CLOSE
 Generate = Callable[[list[list[int]], list[SamplingParams]], list[Any]]
 
 
+class Session(Protocol):
+    """Step-wise generation (:class:`mindspeed_llm.engine.GenerationSession`): requests join between steps."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> int: ...
+
+    def step(self) -> list[tuple[int, GenerationOutput]]: ...
+
+
+#: ``open_session(slots, max_len) -> Session`` (:meth:`BuiltinRollout.session`).
+OpenSession = Callable[[int, int], Session]
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     """How the agent loop runs.
@@ -53,8 +82,10 @@ class AgentSettings:
         tools: the offered tools by name (:func:`mindspeed_rl.tools.build_tools`).
         max_turns: assistant turns per sample at most (a turn's calls after the last are not run).
         max_response_length: response tokens per sample at most, generated and appended together.
-        max_parallel: tool calls run at once (across the samples of a turn).
+        max_parallel: tool calls run at once (across the samples).
         timeout_s: wall seconds per tool call.
+        overlap: run tools while other samples generate where the engine allows it
+            (:meth:`AgentLoop.run`); the samples are the same either way.
     """
 
     tools: Mapping[str, Tool]
@@ -62,6 +93,7 @@ class AgentSettings:
     max_response_length: int = 512
     max_parallel: int = 4
     timeout_s: float = 30.0
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_response_length < 1:
@@ -127,6 +159,29 @@ class AgentLoop:
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
 
+    def run(
+        self,
+        engine: Any,
+        prompt_ids: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    ) -> list[AgentOutput]:
+        """The multi-turn responses on ``engine``: overlapped where it has a ``session`` or is an
+        :class:`~mindspeed_llm.engine.InferenceEngine` (and ``settings.overlap``), else with a
+        barrier per turn over its ``generate``. Same samples either way."""
+        remote = getattr(engine, "agent_generate", None)
+        if self.settings.overlap and callable(remote):  # Ray rollout workers: the loop runs in each worker
+            return remote(self, prompt_ids, params, self._start(prompt_ids, params, messages)[1])
+        open_session = getattr(engine, "session", None)
+        if isinstance(engine, InferenceEngine):  # the in-process trainer's engine itself
+
+            def open_session(slots: int, max_len: int) -> Session:
+                return GenerationSession(engine, slots, max_len)
+
+        if self.settings.overlap and callable(open_session):
+            return self.generate_overlapped(open_session, prompt_ids, params, messages)
+        return self.generate(engine.generate, prompt_ids, params, messages)
+
     def generate(
         self,
         generate: Generate,
@@ -134,7 +189,7 @@ class AgentLoop:
         params: Sequence[SamplingParams],
         messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
     ) -> list[AgentOutput]:
-        """The multi-turn responses of ``prompt_ids``.
+        """The multi-turn responses of ``prompt_ids``, one ``generate`` call per turn (a barrier).
 
         Args:
             generate: the engine's ``generate``.
@@ -148,40 +203,103 @@ class AgentLoop:
         Returns:
             One :class:`AgentOutput` per prompt, in order.
         """
+        outputs, base = self._start(prompt_ids, params, messages)
+        active = list(range(len(prompt_ids)))
+        while active:
+            requests = [self._turn_params(params[i], outputs[i]) for i in active]
+            results = generate([outputs[i].prompt_token_ids + outputs[i].token_ids for i in active], requests)
+            calling = []
+            for i, result in zip(active, results):
+                closed = self._close_turn(outputs[i], result)
+                if closed is not None:
+                    calling.append((i, *closed))
+            flat = [call for _, _, calls in calling for call in calls]
+            done = execute_calls(flat, self.settings.tools, self.settings.max_parallel, self.settings.timeout_s)
+            active, first = [], 0
+            for i, text, calls in calling:
+                mine, first = done[first : first + len(calls)], first + len(calls)
+                if self._continue(outputs[i], base[i], text, mine):
+                    active.append(i)
+        return outputs
+
+    def generate_overlapped(
+        self,
+        open_session: OpenSession,
+        prompt_ids: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    ) -> list[AgentOutput]:
+        """:meth:`generate` with tool calls overlapped with the other samples' generation.
+
+        One session (continuous batch) serves every turn: between two engine steps, the samples
+        whose turn closed send their calls to the tool pool and the samples whose results came
+        back are appended to and rejoin the batch. When no sample is decoding, the loop waits for
+        the next result. A sample's turns are those :meth:`generate` gives it (same seeds, same
+        contexts); only the order in which samples are served differs.
+
+        Args:
+            open_session: ``open_session(slots, max_len)`` of the engine (``BuiltinRollout.session``).
+            prompt_ids, params, messages: as in :meth:`generate`.
+        """
+        outputs, base = self._start(prompt_ids, params, messages)
+        if not outputs:
+            return outputs
+        longest = max(len(p) for p in prompt_ids) + self.settings.max_response_length
+        session = open_session(len(prompt_ids), longest)
+        sample_of: dict[int, int] = {}  # session request -> sample
+        closed: dict[int, tuple[int, str]] = {}  # tool batch -> (sample, its turn's text)
+
+        def submit(i: int) -> None:
+            out = outputs[i]
+            sample_of[session.submit(out.prompt_token_ids + out.token_ids, self._turn_params(params[i], out))] = i
+
+        for i in range(len(outputs)):
+            submit(i)
+        with ToolExecutor(self.settings.tools, self.settings.max_parallel, self.settings.timeout_s) as executor:
+            while session.busy or executor.busy:
+                for request, result in session.step() if session.busy else []:
+                    i = sample_of.pop(request)
+                    turn = self._close_turn(outputs[i], result)
+                    if turn is not None:
+                        closed[executor.submit(turn[1])] = (i, turn[0])
+                # Block for a result only when nothing decodes.
+                for batch, results in executor.poll(wait_s=0.0 if session.busy else 0.05):
+                    i, text = closed.pop(batch)
+                    if self._continue(outputs[i], base[i], text, results):
+                        submit(i)
+        return outputs
+
+    def _start(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        messages: Sequence[Sequence[Mapping[str, Any]]] | None,
+    ) -> tuple[list[AgentOutput], list[list[Any]]]:
         if len(params) != len(prompt_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts; pass one per prompt")
         start = (
             [list(m) for m in messages]
             if messages is not None
-            else [[{"role": "user", "content": ""}]] * len(prompt_ids)
+            else [[{"role": "user", "content": ""}] for _ in prompt_ids]
         )
-        outputs = [AgentOutput(list(map(int, p))) for p in prompt_ids]
-        base = [list(m) for m in start]
-        active = list(range(len(prompt_ids)))
-        turn = 0
-        while active:
-            requests = [self._turn_params(params[i], outputs[i], turn) for i in active]
-            results = generate([outputs[i].prompt_token_ids + outputs[i].token_ids for i in active], requests)
-            calling: list[tuple[int, str, list[Any]]] = []
-            for i, result in zip(active, results):
-                out = outputs[i]
-                out.append(result.token_ids, result.logprobs)
-                out.turns += 1
-                text = self._turn_text(result.token_ids)
-                calls = parse_tool_calls(text)  # the generated turn only
-                if not calls:
-                    out.finish_reason = "stop" if result.finish_reason == "stop" else "length"
-                elif len(out.token_ids) >= self.settings.max_response_length:
-                    out.finish_reason = "length"
-                elif out.turns >= self.settings.max_turns:
-                    out.finish_reason = "max_turns"
-                else:
-                    calling.append((i, text, calls))
-                    continue
-                out.messages.append({"role": "assistant", "content": text})
-            active = self._run_calls(calling, outputs, base)
-            turn += 1
-        return outputs
+        return [AgentOutput(list(map(int, p))) for p in prompt_ids], start
+
+    def _close_turn(self, out: AgentOutput, result: Any) -> tuple[str, list[Any]] | None:
+        """Append a generated turn; its text and calls when they are to run, else None (the sample is done)."""
+        out.append(result.token_ids, result.logprobs)
+        out.turns += 1
+        text = self._turn_text(result.token_ids)
+        calls = parse_tool_calls(text)  # the generated turn only
+        if not calls:
+            out.finish_reason = "stop" if result.finish_reason == "stop" else "length"
+        elif len(out.token_ids) >= self.settings.max_response_length:
+            out.finish_reason = "length"
+        elif out.turns >= self.settings.max_turns:
+            out.finish_reason = "max_turns"
+        else:
+            return text, calls
+        out.messages.append({"role": "assistant", "content": text})
+        return None
 
     def prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The prompt of a conversation with the tools rendered in (the chat template's ``tools=``)."""
@@ -189,7 +307,8 @@ class AgentLoop:
             list(messages), tools=self.schemas, tokenize=False, add_generation_prompt=True
         )
 
-    def _turn_params(self, params: SamplingParams, out: AgentOutput, turn: int) -> SamplingParams:
+    def _turn_params(self, params: SamplingParams, out: AgentOutput) -> SamplingParams:
+        turn = out.turns  # the seed of a sample's k-th turn is its own, whoever else is generating
         room = self.settings.max_response_length - len(out.token_ids)
         stops = params.stop_token_ids + ((self.close_id,) if self.close_id is not None else ())
         return dataclasses.replace(
@@ -205,32 +324,22 @@ class AgentLoop:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _run_calls(
-        self, calling: list[tuple[int, str, list[Any]]], outputs: list[AgentOutput], base: list[list[Any]]
-    ) -> list[int]:
-        """Run the turn's calls of every sample at once, append their rendered results; the samples that go on."""
-        flat = [call for _, _, calls in calling for call in calls]
-        results = execute_calls(flat, self.settings.tools, self.settings.max_parallel, self.settings.timeout_s)
-        going = []
-        first = 0
-        for i, text, calls in calling:
-            mine, first = results[first : first + len(calls)], first + len(calls)
-            out = outputs[i]
-            self._count(out, mine)
-            ended_by_eos = out.token_ids[-1] in self.eos_ids
-            assistant = {"role": "assistant", "content": text}
-            conversation = [*base[i], *out.messages, assistant]
-            appended = self._closing(conversation, text, ended_by_eos)
-            appended += render_continuation(self.tokenizer, conversation, tool_messages(mine), self.schemas)
-            out.messages.extend([assistant, *tool_messages(mine)])
-            ids = self.tokenizer(appended, add_special_tokens=False)["input_ids"]
-            room = self.settings.max_response_length - len(out.token_ids)
-            out.append(ids[:room], None)
-            if len(ids) >= room:  # no room left to answer in
-                out.finish_reason = "length"
-            else:
-                going.append(i)
-        return going
+    def _continue(self, out: AgentOutput, base: list[Any], text: str, results: Sequence[ToolResult]) -> bool:
+        """Append a turn's tool results as the template renders them; whether the sample goes on."""
+        self._count(out, results)
+        ended_by_eos = out.token_ids[-1] in self.eos_ids
+        assistant = {"role": "assistant", "content": text}
+        conversation = [*base, *out.messages, assistant]
+        appended = self._closing(conversation, text, ended_by_eos)
+        appended += render_continuation(self.tokenizer, conversation, tool_messages(results), self.schemas)
+        out.messages.extend([assistant, *tool_messages(results)])
+        ids = self.tokenizer(appended, add_special_tokens=False)["input_ids"]
+        room = self.settings.max_response_length - len(out.token_ids)
+        out.append(ids[:room], None)
+        if len(ids) >= room:  # no room left to answer in
+            out.finish_reason = "length"
+            return False
+        return True
 
     def _closing(self, conversation: list[Mapping[str, Any]], text: str, ended_by_eos: bool) -> str:
         """The template's text after the assistant's content (``<|im_end|>\\n``), less an end-of-turn

@@ -9,13 +9,13 @@ before temperature / top-k / top-p, the quantity the trainer's old log-probs mea
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mindspeed_llm.engine import InferenceEngine, SamplingParams
+from mindspeed_llm.engine import GenerationOutput, GenerationSession, InferenceEngine, SamplingParams
 from mindspeed_rl.rollout.base import ROLLOUT_ENGINES, RolloutOutput, check_params
 
 
@@ -92,13 +92,24 @@ class BuiltinRollout:
         params = check_params(prompt_ids, params)
         if self.asleep:
             self.wake_up()
-        seeded = [
-            p
-            if p.greedy or p.seed is not None
-            else dataclasses.replace(p, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
-            for p in params
-        ]
-        return self.engine.generate(prompt_ids, seeded)
+        return self.engine.generate(prompt_ids, [self._seeded(p) for p in params])
+
+    def session(self, slots: int, max_len: int) -> BuiltinSession:
+        """A step-wise generation session (requests join between steps; the agent loop's overlapped
+        mode); wakes a sleeping engine. Requests without a seed get one as in :meth:`generate`.
+
+        Args:
+            slots: requests decoded at once (capped by ``max_num_seqs``).
+            max_len: prompt plus generated tokens of any request (capped by ``max_model_len``).
+        """
+        if self.asleep:
+            self.wake_up()
+        return BuiltinSession(GenerationSession(self.engine, slots, max_len), self._seeded)
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        if params.greedy or params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace weights from Hugging Face-named tensors (any subset, e.g. one bucket per call).
@@ -116,6 +127,26 @@ class BuiltinRollout:
     def wake_up(self) -> None:
         """Mark the engine awake (the next ``generate`` allocates its cache)."""
         self.asleep = False
+
+
+class BuiltinSession:
+    """A :class:`~mindspeed_llm.engine.GenerationSession` whose requests are seeded as :class:`BuiltinRollout` seeds them."""
+
+    def __init__(self, session: GenerationSession, seeded: Callable[[SamplingParams], SamplingParams]) -> None:
+        self._session, self._seeded = session, seeded
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self._session.busy
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request (see :meth:`GenerationSession.submit`); returns its id."""
+        return self._session.submit(prompt, self._seeded(params))
+
+    def step(self) -> list[tuple[int, GenerationOutput]]:
+        """One engine iteration; the requests it finished as ``(id, output)``."""
+        return self._session.step()
 
 
 @ROLLOUT_ENGINES.register("builtin")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mindspeed_rl.tools.base import TOOLS, Tool, ToolError, ToolResult, build_tools, call_tool
 from mindspeed_rl.tools.calculator import build_calculator, evaluate
-from mindspeed_rl.tools.execute import execute_call, execute_calls
+from mindspeed_rl.tools.execute import ToolExecutor, execute_call, execute_calls
 from mindspeed_rl.tools.parse import ToolCall, has_open_call, parse_tool_calls
 from mindspeed_rl.tools.python_tool import build_python
 from mindspeed_rl.tools.render import (
@@ -41,6 +41,7 @@ __all__ = [
     "evaluate",
     "execute_call",
     "execute_calls",
+    "ToolExecutor",
     "has_open_call",
     "parse_tool_calls",
     "render_continuation",

@@ -150,10 +150,14 @@ class ActorWorker:
         return out
 
     def update_critic(
-        self, pairs: Sequence[tuple[list[int], list[int]]], values: torch.Tensor, returns: torch.Tensor
+        self,
+        pairs: Sequence[tuple[list[int], list[int]]],
+        values: torch.Tensor,
+        returns: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One critic step on this rank's share of a mini-batch (collective)."""
-        return self._critic().update(pairs, values, returns)
+        return self._critic().update(pairs, values, returns, loss_mask)
 
     def _critic(self) -> Any:
         if self.critic is None:
@@ -183,6 +187,16 @@ class ActorWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """Generate with the co-located engine (the actor's training state offloaded meanwhile)."""
+        return self._with_engine(lambda engine: engine.generate(list(prompts), list(params)))
+
+    def agent_generate(
+        self, agent: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], conversations: Sequence[Any]
+    ) -> list[Any]:
+        """Multi-turn rollouts of the driver's agent loop on the co-located engine, the tools run here
+        (overlapped with the generation on the built-in engine; see ``AgentLoop.run``)."""
+        return self._with_engine(lambda engine: agent.run(engine, list(prompts), list(params), list(conversations)))
+
+    def _with_engine(self, work: Any) -> list[Any]:
         if self.engine is None:
             raise ValueError(f"actor rank {self.rank} holds no rollout engine")
         start = time.perf_counter()
@@ -190,7 +204,7 @@ class ActorWorker:
         self.stats["time/offload"] = time.perf_counter() - start
         self.stats["memory/actor_offloaded_gib"] = self.actor.memory()["offloaded_bytes"] / 2**30
         try:
-            outputs = self.engine.generate(list(prompts), list(params))
+            outputs = work(self.engine)
             self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
         finally:
             self.engine.sleep()  # the KV cache (vLLM: also the weights) leaves the device for the update

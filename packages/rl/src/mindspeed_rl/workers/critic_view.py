@@ -34,12 +34,15 @@ class CriticView:
                 out[i] = values
         return out
 
-    def update(self, pairs: Sequence[Pair], values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    def update(
+        self, pairs: Sequence[Pair], values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """One critic step over all ``pairs``, each replica on its share (gradients all-reduced)."""
         g = self.group
         shares = g._split(pairs)
         args = []
         for share in shares:
             pick = torch.tensor(share, dtype=torch.long)
-            args.append(([pairs[i] for i in share], values[pick], returns[pick]))
+            mask = None if loss_mask is None else loss_mask[pick]
+            args.append(([pairs[i] for i in share], values[pick], returns[pick], mask))
         return g.merge_metrics(g._run("update_critic", args))

@@ -159,6 +159,25 @@ def _generate_over(workers: Sequence[Any], prompts: Sequence[Sequence[int]], par
     return [out for part in ray.get(refs) for out in part]
 
 
+def _agent_over(
+    workers: Sequence[Any],
+    agent: Any,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[Any],
+    conversations: Sequence[Any],
+) -> list[Any]:
+    import ray
+
+    shares = _shares(len(prompts), len(workers))
+    loop = ray.put(agent)  # its tokenizer and tools, shipped once per call
+    refs = [
+        w.agent_generate.remote(loop, [prompts[i] for i in s], [params[i] for i in s], [conversations[i] for i in s])
+        for w, s in zip(workers, shares)
+        if s
+    ]
+    return [out for part in ray.get(refs) for out in part]
+
+
 class ColocatedRollout:
     """The engines inside the actor workers (co-located mode), as one engine."""
 
@@ -168,6 +187,12 @@ class ColocatedRollout:
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """Generate on the replicas' engines (their training state offloaded meanwhile)."""
         return _generate_over(self.group.engine_workers, prompts, params)
+
+    def agent_generate(
+        self, agent: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], conversations: Sequence[Any]
+    ) -> list[Any]:
+        """Multi-turn rollouts: each replica runs ``agent`` (the driver's ``AgentLoop``) on its share."""
+        return _agent_over(self.group.engine_workers, agent, prompts, params, conversations)
 
     def sync(self, version: int) -> float:
         """Load the actor's weights into the co-located engines (collective); the seconds it took."""
@@ -234,6 +259,12 @@ class RolloutPool:
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """Generate on the pool's engines (a worker that dies is restarted and the call runs again)."""
         return self._with_recovery(lambda: _generate_over(self.workers, prompts, params))
+
+    def agent_generate(
+        self, agent: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], conversations: Sequence[Any]
+    ) -> list[Any]:
+        """Multi-turn rollouts: each worker runs ``agent`` (the driver's ``AgentLoop``) on its share."""
+        return self._with_recovery(lambda: _agent_over(self.workers, agent, prompts, params, conversations))
 
     def load_weights(self, state: list[Any], version: int) -> float:
         """Push weights (``[ObjectRef]`` from ``ActorWorker.export_weights``) into every engine; seconds taken."""

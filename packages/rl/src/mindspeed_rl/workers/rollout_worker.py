@@ -80,6 +80,15 @@ class RolloutWorker:
         self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
         return outputs
 
+    def agent_generate(
+        self, agent: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], conversations: Sequence[Any]
+    ) -> list[Any]:
+        """Multi-turn rollouts of the driver's agent loop on this engine, the tools run here
+        (overlapped with the generation on the built-in engine; see ``AgentLoop.run``)."""
+        outputs = agent.run(self.engine, list(prompts), list(params), list(conversations))
+        self.stats.update({f"memory/rollout_{k}": v for k, v in memory_gib().items()})
+        return outputs
+
     def phase_stats(self) -> dict[str, float]:
         """Memory of the last generation."""
         return dict(self.stats)
