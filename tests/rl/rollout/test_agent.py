@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -95,7 +96,13 @@ def tokenizer() -> Any:
     return byte_tokenizer(QWEN25_TOOLS_TEMPLATE)
 
 
-def register_test_tools() -> None:
+TEST_TOOLS = ("boom", "slow", "picky")
+
+
+@pytest.fixture
+def test_tools() -> Iterator[None]:
+    """The failing tools, registered for one test only (other tests read the registry's names)."""
+
     def boom(arguments: dict) -> str:
         raise RuntimeError("the tool broke")
 
@@ -106,14 +113,17 @@ def register_test_tools() -> None:
     def picky(arguments: dict) -> str:
         raise ToolError("error: picky refuses", "refused")
 
-    for name, fn in (("boom", boom), ("slow", slow), ("picky", picky)):
-        if name not in TOOLS:
-            TOOLS.register(name, lambda name=name, fn=fn: Tool(name, name, {"type": "object", "properties": {}}, fn))
+    for name, fn in zip(TEST_TOOLS, (boom, slow, picky)):
+        TOOLS.register(name, lambda name=name, fn=fn: Tool(name, name, {"type": "object", "properties": {}}, fn))
+    try:
+        yield
+    finally:
+        for name in TEST_TOOLS:
+            TOOLS.unregister(name)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["barrier", "overlapped"])
-def test_turns_masks_and_failures_against_the_template(tokenizer: Any, overlap: bool) -> None:
-    register_test_tools()
+def test_turns_masks_and_failures_against_the_template(tokenizer: Any, overlap: bool, test_tools: None) -> None:
     tools = build_tools(["calculator", "python", "boom", "slow", "picky"])
     settings = AgentSettings(
         tools, max_turns=4, max_response_length=800, max_parallel=4, timeout_s=0.3, overlap=overlap
