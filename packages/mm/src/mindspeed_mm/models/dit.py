@@ -63,8 +63,9 @@ class DiTFamily:
         conditions: per-sample tensors besides latents and text that the cache holds and ``model_inputs``
             takes, with ``(model config) -> whether the model takes it`` (Wan I2V: ``image_latents``,
             and ``image_embeds`` where the config has ``image_dim``).
-        encode_conditions: ``(encoder set, one sample's pixels [3, F, H, W] in [-1, 1]) -> conditions``
-            as the pipeline computes them (extract-features and training from raw media).
+        image_conditions: ``(pipeline parts by folder name, a PIL image, frames, height, width) -> one
+            sample's conditions`` as the pipeline computes them from its input image (``generate --image``;
+            extract-features and training from raw media give it each video's first frame).
         condition_folders: pipeline folders the conditions need beyond the VAE, with ``(model config) ->
             whether needed`` (Wan2.1 I2V: ``image_encoder`` and ``image_processor``).
     """
@@ -90,7 +91,7 @@ class DiTFamily:
     variant: str = ""
     select_variant: Callable[[dict[str, Any]], str] | None = None
     conditions: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
-    encode_conditions: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
+    image_conditions: Callable[[dict[str, Any], Any, int, int, int], dict[str, torch.Tensor]] | None = None
     condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
 
     @property

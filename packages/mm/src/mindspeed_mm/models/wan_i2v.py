@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.models.dit import DIT_FAMILIES, register_dit
-from mindspeed_mm.models.encoders import encode_first_frame, first_frame_image
+from mindspeed_mm.models.encoders import encode_first_frame
 
 #: Wan's text-to-video family, which this one extends.
 WAN = DIT_FAMILIES.get("WanTransformer3DModel")
@@ -73,13 +73,6 @@ def _inputs(
     return inputs
 
 
-def _encode_conditions(encoders: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The conditions of one sample's pixels ``[3, F, H, W]``: those of its first frame, as the pipeline's image."""
-    frames, height, width = pixels.shape[1:]
-    parts = {"vae": encoders.vae, **encoders.condition_parts}
-    return encode_first_frame(parts, first_frame_image(pixels), frames, height, width)
-
-
 def _takes_image_embeds(config: Any) -> bool:
     return config.get("image_dim") is not None
 
@@ -94,7 +87,7 @@ WAN_I2V = register_dit(
         # and a CLIP image embedding of 16 features projected into the blocks' cross-attention.
         tiny_config={**WAN.tiny_config, "in_channels": 12, "image_dim": 16, "added_kv_proj_dim": 24},
         conditions=(("image_latents", lambda config: True), ("image_embeds", _takes_image_embeds)),
-        encode_conditions=_encode_conditions,
+        image_conditions=encode_first_frame,
         condition_folders=(("image_encoder", _takes_image_embeds), ("image_processor", _takes_image_embeds)),
     )
 )
