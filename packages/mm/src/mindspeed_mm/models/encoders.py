@@ -114,7 +114,8 @@ def encode_first_frame(
     out = {"image_latents": ((z - mean) * inverse_std)[0]}
     if parts.get("image_encoder") is not None:
         encoder = parts["image_encoder"]
-        inputs = parts["image_processor"](images=image, return_tensors="pt").to(next(encoder.parameters()).device)
+        weight = next(encoder.parameters())
+        inputs = parts["image_processor"](images=image, return_tensors="pt").to(weight.device, weight.dtype)
         out["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2][0]
     return out
 
