@@ -153,3 +153,27 @@ def test_i2v_loss_and_gradients_equal_diffusers(i2v_run) -> None:
     fp32, bf16 = results["bf16"]["fp32"], results["bf16"]["bf16"]
     print(f"wan2.1 I2V: fp32 loss {fp32:.6f}, bf16 (FSDP2) {bf16:.6f}")
     assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32
+
+
+def _train_export(model_dir, features, target) -> list[dict]:
+    from mindspeed_mm.trainer.loop import train
+
+    extra = {"train.steps": 2, "train.lr": 1e-3, "train.micro_batch_size": 2, "checkpoint.save_hf": str(target)}
+    return train(load_mm_config(None, _overrides(model_dir, features, **extra))).records
+
+
+def test_i2v_training_export_loads_in_diffusers(i2v_run, tmp_path) -> None:
+    """Two steps of ``train``; ``checkpoint.save_hf`` is an I2V transformer that diffusers loads with no missing,
+    unexpected or mismatched keys, holding trained weights."""
+    from diffusers import WanTransformer3DModel
+
+    model_dir, _, features = i2v_run
+    records = launch(_train_export, (model_dir, features, tmp_path / "export"))
+    assert [r["step"] for r in records] == [1, 2] and all(r["loss"] > 0 for r in records)
+    loaded, info = WanTransformer3DModel.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert loaded.config.image_dim == 16 and loaded.config.in_channels == 12
+    assert dit_family_of(tmp_path / "export").key == I2V
+    before = WanTransformer3DModel.from_pretrained(model_dir).state_dict()
+    changed = [n for n, w in loaded.state_dict().items() if not torch.equal(before[n], w)]
+    assert any("image_embedder" in n for n in changed) and any("add_k_proj" in n for n in changed)
