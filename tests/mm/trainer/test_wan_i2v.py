@@ -7,10 +7,14 @@
   ``prepare_latents``' mask over the latent frames, then the cached first-frame latents), and the
   cached image features as ``encoder_hidden_states_image`` (Wan2.1 I2V); and with a Wan2.2 I2V
   configuration (no image encoder: ``image_dim`` unset). Text dropout leaves the image condition.
+- Wan2.2 I2V A14B's two experts (``diffusion.expert=both``): each sample goes to the expert of its timestep
+  with its own condition; loss and every gradient of both experts equal diffusers' experts routed by hand.
 - Under bf16 (FSDP2's policy) the loss stays within 2% of fp32's.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -22,6 +26,8 @@ from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.trainer.task import TASKS
 
 I2V = "WanTransformer3DModel:i2v"
+#: Wan2.2 I2V A14B's boundary_ratio
+RATIO = 0.9
 #: Wan2.1 I2V's attention takes the context's last 512 tokens as the text.
 TEXT_LEN = 512
 
@@ -32,6 +38,9 @@ def i2v_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan-i2v")
     model, features = write_tiny_dit_run(root, I2V, num_samples=6)
     wan22 = write_tiny_dit(root / "wan22", I2V, seed=3, image_dim=None, added_kv_proj_dim=None)
+    for folder, seed in (("transformer", 4), ("transformer_2", 5)):  # a Wan2.2 I2V A14B-style pair
+        write_tiny_dit(root / "pair" / folder, I2V, seed=seed, image_dim=None, added_kv_proj_dim=None)
+    (root / "pair" / "model_index.json").write_text(json.dumps({"boundary_ratio": RATIO}))
     return model, wan22, features
 
 
@@ -79,7 +88,9 @@ def _pipeline_mask(batch: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
     return condition[:, : condition.shape[1] - channels]
 
 
-def _reference(task, batch) -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(task, batch, pair: bool = False) -> tuple[float, dict[str, torch.Tensor], list[str]]:
+    """Loss and gradients of diffusers models called as the pipeline calls them (with ``pair``: both experts,
+    each sample routed by hand, ``t >= boundary``: ``transformer``); the experts the samples went to."""
     from diffusers import WanTransformer3DModel
 
     indices, latents, noise = batch.draw.indices, batch.latents, batch.draw.noise
@@ -87,32 +98,46 @@ def _reference(task, batch) -> tuple[float, dict[str, torch.Tensor]]:
     shaped = sigmas.reshape(-1, 1, 1, 1, 1)
     noisy = (1.0 - shaped) * latents + shaped * noise
     text, _ = task.model_text(batch)
-    condition = torch.cat(
-        [_pipeline_mask(len(indices), tuple(latents.shape[1:])), batch.conditions["image_latents"]], 1
-    )
-    model = WanTransformer3DModel.from_pretrained(task.source)
-    pred = model(
-        hidden_states=torch.cat([noisy, condition], dim=1),
-        timestep=sigmas * 1000.0,
-        encoder_hidden_states=text,
-        encoder_hidden_states_image=batch.conditions.get("image_embeds"),
-        return_dict=False,
-    )[0]
+    mask = _pipeline_mask(len(indices), tuple(latents.shape[1:]))
+    inputs = torch.cat([noisy, mask, batch.conditions["image_latents"]], dim=1)
+    image = batch.conditions.get("image_embeds")
+    folders = ("transformer", "transformer_2") if pair else (task.source.name,)
+    models = {name: WanTransformer3DModel.from_pretrained(task.source.parent / name) for name in folders}
+    routed = [folders[0] if not pair or t >= RATIO * 1000 else folders[1] for t in (sigmas * 1000.0).tolist()]
+    pred = torch.zeros_like(latents)
+    for name, model in models.items():
+        rows = [i for i, expert in enumerate(routed) if expert == name]
+        if rows:
+            pred[rows] = model(
+                hidden_states=inputs[rows],
+                timestep=sigmas[rows] * 1000.0,
+                encoder_hidden_states=text[rows],
+                encoder_hidden_states_image=image[rows] if image is not None else None,
+                return_dict=False,
+            )[0]
     loss = ((pred.float() - (noise - latents).float()) ** 2).reshape(len(indices), -1).mean(1).mean()
     loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+    prefix = (lambda name: f"{name}.") if pair else (lambda name: "")
+    grads = {prefix(name) + n: p.grad for name, model in models.items() for n, p in model.named_parameters()}
+    return float(loss.detach()), grads, routed
 
 
-def _parity(model_dir, wan22_dir, features) -> dict:
+def _parity(model_dir, wan22_dir, pair_dir, features) -> dict:
     results = {}
-    for name, path in (("wan2.1", model_dir), ("wan2.2", wan22_dir)):
-        extra = {"train.micro_batch_size": 3, "diffusion.loss_weighting": "none", "diffusion.text_dropout": 0.7}
+    cases = (("wan2.1", model_dir, 3, "none"), ("wan2.2", wan22_dir, 3, "none"), ("pair", pair_dir, 6, "both"))
+    for name, path, micro, expert in cases:
+        extra = {
+            "train.micro_batch_size": micro,
+            "diffusion.loss_weighting": "none",
+            "diffusion.text_dropout": 0.7,
+            "diffusion.expert": expert,
+        }
         task = TASKS.get("dit")(load_mm_config(None, _overrides(path, features, **extra)), 1)
         batch = task.microbatches(1, 0)[0]
         loss, _ = task.loss(batch, torch.zeros(2))
         loss.backward()
         ours = {n: p.grad for n, p in task.model.named_parameters()}
-        expected, grads = _reference(task, batch)
+        expected, grads, routed = _reference(task, batch, pair=expert == "both")
         results[name] = {
             "family": task.family.key,
             "loss": float(loss.detach()),
@@ -123,6 +148,7 @@ def _parity(model_dir, wan22_dir, features) -> dict:
             ),
             "conditions": sorted(batch.conditions),
             "dropped": batch.draw.drop.tolist(),
+            "routed": routed,
         }
     losses = {}
     for precision in ("fp32", "bf16"):
@@ -138,12 +164,15 @@ def _parity(model_dir, wan22_dir, features) -> dict:
 def test_i2v_loss_and_gradients_equal_diffusers(i2v_run) -> None:
     model_dir, wan22_dir, features = i2v_run
     assert dit_family_of(model_dir).key == dit_family_of(wan22_dir).key == I2V
-    results = launch(_parity, (model_dir, wan22_dir, features))
-    for name, conditions in (("wan2.1", ["image_embeds", "image_latents"]), ("wan2.2", ["image_latents"])):
+    pair_dir = wan22_dir.parent / "pair" / "transformer"
+    results = launch(_parity, (model_dir, wan22_dir, pair_dir, features))
+    assert set(results["pair"]["routed"]) == {"transformer", "transformer_2"}  # one microbatch on both experts
+    cases = (("wan2.1", ["image_embeds", "image_latents"]), ("wan2.2", ["image_latents"]), ("pair", ["image_latents"]))
+    for name, conditions in cases:
         result = results[name]
         print(
             f"{name} I2V: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative gradient "
-            f"error {result['grad_error']:.1e}, text dropped {result['dropped']}"
+            f"error {result['grad_error']:.1e}, text dropped {result['dropped']}, experts {result['routed']}"
         )
         assert result["family"] == I2V and result["conditions"] == conditions
         assert result["names"], name
