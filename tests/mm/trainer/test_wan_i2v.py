@@ -206,3 +206,28 @@ def test_i2v_training_export_loads_in_diffusers(i2v_run, tmp_path) -> None:
     before = WanTransformer3DModel.from_pretrained(model_dir).state_dict()
     changed = [n for n, w in loaded.state_dict().items() if not torch.equal(before[n], w)]
     assert any("image_embedder" in n for n in changed) and any("add_k_proj" in n for n in changed)
+
+
+def test_i2v_input_errors() -> None:
+    from mindspeed_mm.models.dit import DIT_FAMILIES
+
+    family = DIT_FAMILIES.get(I2V)
+    config = dict(family.tiny_config)
+    noisy, sigmas = torch.zeros(1, 4, 3, 4, 4), torch.ones(1)
+    text, image_latents, embeds = torch.zeros(1, TEXT_LEN, 16), torch.zeros(1, 4, 3, 4, 4), torch.zeros(1, 5, 16)
+    inputs = family.model_inputs(
+        config, noisy, sigmas, text, None, 1.0, image_latents=image_latents, image_embeds=embeds
+    )
+    mask = inputs["hidden_states"][:, 4:8]
+    assert inputs["hidden_states"].shape == (1, 12, 3, 4, 4) and inputs["encoder_hidden_states_image"] is embeds
+    assert mask[:, :, 0].eq(1).all() and mask[:, :, 1:].eq(0).all()
+    with pytest.raises(ValueError, match="set data.text_len .* to 512"):
+        family.model_inputs(
+            config, noisy, sigmas, text[:, :8], None, 1.0, image_latents=image_latents, image_embeds=embeds
+        )
+    with pytest.raises(ValueError, match="needs the first frame's latents"):
+        family.model_inputs(config, noisy, sigmas, text, None, 1.0)
+    with pytest.raises(ValueError, match="needs the image encoder's features"):
+        family.model_inputs(config, noisy, sigmas, text, None, 1.0, image_latents=image_latents)
+    with pytest.raises(ValueError, match="leaves no mask channel"):
+        family.model_inputs({**config, "in_channels": 8}, noisy, sigmas, text, None, 1.0, image_latents=image_latents)
