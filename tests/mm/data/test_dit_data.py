@@ -244,3 +244,53 @@ def test_flux_raw_training_equals_cached(tmp_path) -> None:
     raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
     assert cached == raw and all(np.isfinite(cached))
     print("flux losses", cached, raw)
+
+
+def test_wan_i2v_extract_caches_first_frame_conditions_and_trains(tmp_path) -> None:
+    """Wan I2V: ``extract-features`` caches each video's ``image_latents`` and ``image_embeds``, equal to what
+    ``WanImageToVideoPipeline`` computes from the video's first frame as its image (``prepare_latents``'
+    latent condition, ``encode_image``); training from the cache equals training from the raw media."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts
+
+    pipeline = tmp_path / "i2v"
+    WanImageToVideoPipeline(**tiny_i2v_parts()).save_pretrained(pipeline)
+    records, videos = [], []
+    for i in range(3):
+        videos.append(_noise(30 + i, 9, 16, 16, 3))
+        write_video(tmp_path / f"media/v{i}.mov", videos[-1], fps=8)
+        records.append({"path": f"v{i}.mov", "cap": f"clip {i} turns"})
+    (tmp_path / "videos.json").write_text(json.dumps(records))
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'videos.json'}]",
+        f"data.image_dir={tmp_path / 'media'}",
+        "data.resolutions=[[16,16]]",
+        "data.frame_counts=[9]",
+        "data.fps=8",
+        "data.text_len=512",
+    ]
+    cache = tmp_path / "features"
+    result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
+    assert result.samples == 3
+    tensors = _cache(cache)[1]
+    reference = WanImageToVideoPipeline.from_pretrained(pipeline)
+    for i, video in enumerate(videos):
+        image = Image.fromarray(video[0])
+        pixels = reference.video_processor.preprocess(image, height=16, width=16)
+        with torch.no_grad():
+            _, condition = reference.prepare_latents(pixels, 1, 4, 16, 16, 9, torch.float32, torch.device("cpu"))
+            embeds = reference.encode_image(image, torch.device("cpu"))
+        latents = tensors[f"shard-00000.safetensors/{i:06d}.image_latents"]
+        assert latents.shape == (4, 3, 2, 2) and tensors[f"shard-00000.safetensors/{i:06d}.image_embeds"].shape == (
+            17,
+            16,
+        )
+        torch.testing.assert_close(latents, condition[0, 4:], rtol=0, atol=0)
+        torch.testing.assert_close(tensors[f"shard-00000.safetensors/{i:06d}.image_embeds"], embeds[0], rtol=0, atol=0)
+    cached = launch(_train, (load_mm_config(None, [*args, *TRAIN, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
+    assert cached == raw and all(np.isfinite(cached))
+    print("wan i2v losses", cached, raw)

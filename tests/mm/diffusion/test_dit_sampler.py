@@ -214,3 +214,92 @@ def test_wan22_two_experts_equal_wan_pipeline() -> None:
     assert (single - ours_latents).abs().max() > 1e-3
     with pytest.raises(ValueError, match="needs boundary_ratio"):
         sample_latents(experts[0], family, scheduler, latents, text, 4, model_2=experts[1])
+
+
+@pytest.mark.parametrize(
+    ("image_dim", "pair"),
+    [(16, False), (None, False), (None, True)],
+    ids=["wan2.1-i2v", "wan2.2-i2v", "wan2.2-i2v-pair"],
+)
+def test_wan_i2v_sampler_equals_wan_image_to_video_pipeline(image_dim, pair) -> None:
+    """Wan I2V: ``WanImageToVideoPipeline(image=...)`` and our loop on the conditions of
+    :func:`~mindspeed_mm.models.encoders.encode_first_frame` (the family's ``image_conditions``); with ``pair``
+    Wan2.2 I2V A14B's two experts (``transformer_2``, ``boundary_ratio`` 0.9, ``guidance_scale_2`` 3)."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts
+
+    family = DIT_FAMILIES.get("WanTransformer3DModel:i2v")
+    parts = tiny_i2v_parts(image_dim=image_dim)
+    scheduler = build_scheduler(family, flow_shift=3.0)
+    gen = torch.Generator().manual_seed(9)
+    image = Image.fromarray((torch.rand(24, 20, 3, generator=gen) * 255).to(torch.uint8).numpy())  # resized to 16
+    latents = torch.randn(2, 4, 3, 2, 2, generator=gen)  # 9 frames of 16 x 16 pixels
+    text, negative = torch.randn(2, 512, 16, generator=gen), torch.randn(2, 512, 16, generator=gen)
+    experts = {}
+    if pair:
+        torch.manual_seed(7)
+        config = {**family.tiny_config, "image_dim": None, "added_kv_proj_dim": None}
+        experts = {"transformer_2": family.load_class()(**config).eval(), "boundary_ratio": 0.9}
+    calls = []
+    if pair:  # both experts denoise some steps
+        experts["transformer_2"].register_forward_pre_hook(lambda module, args: calls.append(1))
+    pipe = WanImageToVideoPipeline(**{**parts, **experts, "scheduler": copy.deepcopy(scheduler)})
+    pair_kwargs = {"guidance_scale_2": 3.0} if pair else {}
+    kwargs = {
+        **pair_kwargs,
+        "image": image,
+        "prompt_embeds": text,
+        "negative_prompt_embeds": negative,
+        "latents": latents,
+        "height": 16,
+        "width": 16,
+        "num_frames": 9,
+        "num_inference_steps": 4,
+        "guidance_scale": 4.0,
+    }
+    theirs_latents = pipe(**kwargs, output_type="latent").frames
+    theirs_video = pipe(**kwargs, output_type="pt").frames
+    assert bool(calls) == pair and len(calls) < 2 * 2 * 4  # transformer_2 ran, not on every step
+
+    one = family.image_conditions(parts, image, 9, 16, 16)
+    assert sorted(one) == (["image_embeds", "image_latents"] if image_dim else ["image_latents"])
+    conditions = {key: value[None].expand(2, *value.shape) for key, value in one.items()}
+    ours_latents = sample_latents(
+        parts["transformer"],
+        family,
+        scheduler,
+        latents,
+        text,
+        4,
+        negative_text=negative,
+        guidance_scale=4.0,
+        conditions=conditions,
+        model_2=experts.get("transformer_2"),
+        boundary_ratio=experts.get("boundary_ratio"),
+        **pair_kwargs,
+    )
+    torch.testing.assert_close(ours_latents, theirs_latents, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(decode_latents(parts["vae"], ours_latents), theirs_video, rtol=1e-6, atol=1e-6)
+    # the image matters: another first frame gives another video
+    other = family.image_conditions(parts, image.transpose(Image.Transpose.FLIP_LEFT_RIGHT), 9, 16, 16)
+    flipped = sample_latents(
+        parts["transformer"],
+        family,
+        scheduler,
+        latents,
+        text,
+        4,
+        negative_text=negative,
+        guidance_scale=4.0,
+        conditions={key: value[None].expand(2, *value.shape) for key, value in other.items()},
+        model_2=experts.get("transformer_2"),
+        boundary_ratio=experts.get("boundary_ratio"),
+        **pair_kwargs,
+    )
+    print(
+        f"I2V ({'image_dim' if image_dim else 'no image encoder'}{', two experts' if pair else ''}): max |ours - pipeline| "
+        f"{(ours_latents - theirs_latents).abs().max():.1e}, flipped image moves {(flipped - ours_latents).abs().max():.2f}"
+    )
+    assert (flipped - ours_latents).abs().max() > 1e-3

@@ -282,3 +282,84 @@ def test_generate_wan22_two_experts(tmp_path, capsys) -> None:
     single = ["generate", "--load-dir", str(tmp_path / "alone"), "--pipeline-dir", str(pipe)]
     assert main([*single, "--output-dir", str(tmp_path / "b"), *flags]) == 2
     assert "--guidance-scale-2 applies to a Wan2.2 pipeline" in capsys.readouterr().err
+
+
+def test_generate_wan_i2v_equals_wan_image_to_video_pipeline(tmp_path, capsys) -> None:
+    """``generate --image`` on a tiny Wan2.1 I2V pipeline directory (UMT5, CLIP vision, VAE, UniPC) writes the
+    videos that diffusers' ``WanImageToVideoPipeline.from_pretrained`` of the same directory makes from the same
+    prompts, image, seed noise and empty negative prompt (written through the same GIF writer).
+
+    The prompts go in encoded by ``WanPipeline.encode_prompt`` on the same components: diffusers 0.42's
+    ``pipeline_wan_i2v.basic_clean`` calls ftfy unguarded (``WanPipeline``'s checks ``is_ftfy_available``),
+    and the I2V pipeline's ``encode_prompt`` is marked a copy of ``WanPipeline``'s."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from mindspeed_mm.diffusion import media
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts, write_image
+
+    pipe = tmp_path / "pipe"
+    WanImageToVideoPipeline(**tiny_i2v_parts()).save_pretrained(pipe)
+    pixels = (np.random.default_rng(3).random((20, 24, 3)) * 255).astype(np.uint8)
+    image = write_image(tmp_path / "first.png", pixels)
+    prompts = ["a red square moving left", "a blue circle moving up"]
+    flags = ["--num-frames", "9", "--height", "16", "--width", "16", "--num-inference-steps", "3"]
+    flags += ["--guidance-scale", "3", "--seed", "7", "--image", str(image)]
+    out = tmp_path / "out"
+    assert (
+        main(
+            [
+                "generate",
+                "--load-dir",
+                str(pipe),
+                "--output-dir",
+                str(out),
+                *flags,
+                "--prompt",
+                prompts[0],
+                "--prompt",
+                prompts[1],
+            ]
+        )
+        == 0
+    )
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["image"] for r in rows] == [str(image)] * 2 and [r["seed"] for r in rows] == [7, 8]
+
+    reference = WanImageToVideoPipeline.from_pretrained(pipe)
+    text_pipe = WanPipeline(
+        tokenizer=reference.tokenizer,
+        text_encoder=reference.text_encoder,
+        vae=reference.vae,
+        scheduler=reference.scheduler,
+        transformer=reference.transformer,
+    )
+    for index, prompt in enumerate(prompts):
+        text, negative = text_pipe.encode_prompt(prompt, negative_prompt="", max_sequence_length=512)
+        noise = torch.randn((4, 3, 2, 2), generator=torch.Generator().manual_seed(7 + index))[None]
+        frames = reference(
+            image=Image.open(image).convert("RGB"),
+            prompt_embeds=text,
+            negative_prompt_embeds=negative,
+            latents=noise,
+            height=16,
+            width=16,
+            num_frames=9,
+            num_inference_steps=3,
+            guidance_scale=3.0,
+            output_type="pt",
+        ).frames[0]
+        theirs = _gif_frames(media.write_gif(tmp_path / f"theirs-{index}.gif", frames))
+        ours = _gif_frames(out / f"{index:03d}-{prompt.replace(' ', '-')}.gif")
+        assert ours.shape == (9, 16, 16, 3)
+        np.testing.assert_array_equal(ours, theirs)
+    # an I2V model needs an image; one image or one per prompt; a text-to-video model refuses one
+    capsys.readouterr()
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(out), *flags[:-2], "--prompt", "x"]) == 2
+    assert "give --image FILE" in capsys.readouterr().err
+    twice = [*flags, "--image", str(image), "--image", str(image)]
+    assert main(["generate", "--load-dir", str(pipe), "--output-dir", str(out), *twice, "--prompt", "x"]) == 2
+    assert "--image given 3 times for 1 prompts" in capsys.readouterr().err
+    t2v = write_demo_pipeline(tmp_path / "t2v")
+    assert main(["generate", "--load-dir", str(t2v), "--output-dir", str(out), *FLAGS, "--image", str(image)]) == 2
+    assert "generates from text only" in capsys.readouterr().err

@@ -25,7 +25,8 @@ def test_every_manifest_entry_is_the_family_its_module_registers() -> None:
         assert sorted(registry) == sorted(modules)
         for name, module in modules.items():
             family = registry.get(name)
-            assert family.architecture == name and sys.modules[module] is not None
+            key = getattr(family, "key", family.architecture)  # DiT variants: ``architecture:variant``
+            assert key == name and sys.modules[module] is not None
 
 
 def test_a_lookup_imports_its_module_once_and_an_unknown_name_lists_all(tmp_path, monkeypatch) -> None:

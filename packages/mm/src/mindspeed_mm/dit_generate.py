@@ -1,4 +1,4 @@
-"""``mindspeed-mm generate`` for diffusion transformers: text to video (Wan) or image (FLUX) files.
+"""``mindspeed-mm generate`` for diffusion transformers: text (and image) to video (Wan) or image (FLUX) files.
 
 ``generate_cli.run_generate`` hands over here when ``--load-dir`` (or ``--base-dir``) is a
 diffusers model (:func:`~mindspeed_mm.inference.dit_pipeline.is_dit_source`). Each prompt is encoded
@@ -10,6 +10,10 @@ ranks) every rank holds each prompt's latents; the ranks then decode a share of 
 (:func:`~mindspeed_mm.diffusion.sampler.decode_shared`) and rank 0 writes. ``--output-dir`` receives ``NNN-<words>.png`` per image or ``.gif`` (and ``.mp4``
 where PyAV is installed) per video, ``contact_sheet.png`` (and ``contact_sheet.gif`` for videos)
 of all prompts, and ``samples.jsonl`` (prompt, seed, settings, files).
+
+An image-to-video model (Wan I2V: a family with ``image_conditions``) takes ``--image FILE``: one image for
+every prompt, or one per prompt in order; it is the video's first frame, conditioned on as
+``WanImageToVideoPipeline`` does (resized to ``--height`` x ``--width``).
 """
 
 from __future__ import annotations
@@ -127,8 +131,11 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
     prompts = list(args.prompt) + (read_prompts(args.prompts_file, args.max_samples) if args.prompts_file else [])
     if not prompts:
         raise ValueError("nothing to generate: give --prompt TEXT or --prompts-file FILE")
-    if args.image:
-        raise ValueError("--image: a diffusion transformer generates from text only; remove --image")
+    if args.image and len(args.image) not in (1, len(prompts)):
+        raise ValueError(
+            f"--image given {len(args.image)} times for {len(prompts)} prompts; give one image for every prompt or "
+            "one per prompt"
+        )
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     for key in ("num_inference_steps", "num_frames", "fps", "scale", "ulysses_parallel_size", "ring_attention_size"):
@@ -175,6 +182,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         )
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
+    images = _read_images(args.image, family, len(prompts))
     group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         if family.sequence_plan is None:
@@ -209,6 +217,13 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         scheduler = build_scheduler(family, loaded.pipeline_dir, sample.sampler, sample.flow_shift)
         neg_text = negative[0].expand(len(batch), -1, -1) if negative is not None else None
         neg_pooled = negative[1].expand(len(batch), -1) if negative is not None and negative[1] is not None else None
+        conditions = None
+        if images:
+            per_prompt = [
+                family.image_conditions(loaded.parts, images[start + i], sample.num_frames, height, width)
+                for i in range(len(batch))
+            ]
+            conditions = {key: torch.stack([c[key] for c in per_prompt]) for key in per_prompt[0]}
         latents = sample_latents(
             loaded.model,
             family,
@@ -224,6 +239,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             model_2,
             boundary_ratio,
             sample.guidance_scale_2,
+            conditions,
         )
         sampled.append(latents)
     if group is None:  # one batch at a time, as sampled
@@ -235,7 +251,10 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     pixels_all, rows = list(decoded.float().cpu()), []
     for index, (prompt, item) in enumerate(zip(prompts, pixels_all)):
         files = _write_sample(output / f"{index:03d}-{_slug(prompt)}", item, sample, media)
-        rows.append({"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]})
+        row = {"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]}
+        if args.image:
+            row["image"] = args.image[index if len(args.image) > 1 else 0]
+        rows.append(row)
     sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
     settings = {
         **asdict(sample),
@@ -257,6 +276,31 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         ", ".join(p.name for p in sheets),
     )
     return 0
+
+
+def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
+    """The ``count`` prompts' input images (RGB PIL images), or none for a text-only model.
+
+    Raises:
+        ValueError: an image for a model that takes none, none for an image-to-video model, or a file that is
+            not an image.
+    """
+    if family.image_conditions is None:
+        if paths:
+            raise ValueError(f"--image: {family.key} generates from text only; remove --image")
+        return []
+    if not paths:
+        raise ValueError(f"{family.key} is an image-to-video model: give --image FILE (the first frame)")
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as error:
+            raise ValueError(f"--image {path!r} is not a readable image ({error}); give a PNG or JPEG file") from None
+    return images * count if len(images) == 1 else images
 
 
 def _write_sample(stem: Path, pixels: Any, sample: DiTSampleConfig, media: Any) -> list[Path]:

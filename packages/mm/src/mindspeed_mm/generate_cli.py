@@ -112,7 +112,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="FILE",
         help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
-        "else the images come first)",
+        "else the images come first); for an image-to-video diffusion transformer (Wan I2V): the first frame, "
+        "one for every prompt or one per prompt",
     )
     parser.add_argument(
         "--video",

@@ -2,7 +2,8 @@
 
 A pipeline directory holds ``vae/`` (a diffusers VAE: ``_class_name`` in its config.json),
 ``text_encoder/`` and ``tokenizer/`` (transformers), and for FLUX ``text_encoder_2/`` and
-``tokenizer_2/``. Which text encoders a transformer needs, and how their outputs become the
+``tokenizer_2/``; an image-to-video family names more folders (Wan2.1 I2V: ``image_encoder/`` and
+``image_processor/``, loaded as the pipeline's ``model_index.json`` records them). Which text encoders a transformer needs, and how their outputs become the
 cache's ``text`` / ``pooled``, is registered per transformer class in :data:`TEXT_ENCODINGS`
 (:mod:`mindspeed_mm.models.encoders` computes them as the pipelines do).
 """
@@ -74,6 +75,21 @@ def _load_transformers(directory: Path, dtype: torch.dtype) -> Any:
     return cls.from_pretrained(str(directory), torch_dtype=dtype, local_files_only=True)
 
 
+def _load_part(directory: Path, name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The pipeline folder ``name`` as its ``model_index.json`` records its class (else a transformers model)."""
+    folder = directory / name
+    if not folder.is_dir():
+        raise ValueError(f"{folder} does not exist; data.encoders must hold the pipeline's {name} folder")
+    index = directory / "model_index.json"
+    spec = json.loads(index.read_text()).get(name) if index.is_file() else None
+    if not isinstance(spec, list) or spec[0] is None:
+        return _load_transformers(folder, dtype).to(device).eval()
+    cls = getattr(importlib.import_module(spec[0]), spec[1])
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):  # a processor
+        return cls.from_pretrained(str(folder), local_files_only=True)
+    return cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True).to(device).eval()
+
+
 class EncoderSet:
     """A pipeline's VAE and text encoder(s) in eval mode on ``device``.
 
@@ -81,7 +97,9 @@ class EncoderSet:
         directory: the pipeline directory (``data.encoders``).
         architecture: the transformer's ``_class_name`` (picks the text encoders).
         max_length: text tokens (``data.text_len``).
-        vae_dtype: the VAE's dtype. text_dtype: the text encoders'.
+        vae_dtype: the VAE's dtype. text_dtype: the text encoders' (and an image encoder's).
+        condition_folders: further pipeline folders the family's conditions need, loaded into
+            :attr:`condition_parts` by folder name.
 
     Raises:
         ValueError: a missing folder or an unknown class (naming the path).
@@ -95,6 +113,7 @@ class EncoderSet:
         device: torch.device,
         vae_dtype: torch.dtype = torch.float32,
         text_dtype: torch.dtype = torch.float32,
+        condition_folders: tuple[str, ...] = (),
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -112,6 +131,9 @@ class EncoderSet:
                 AutoTokenizer.from_pretrained(str(self.directory / tokenizer), local_files_only=True),
                 _load_transformers(self.directory / encoder, text_dtype).to(device).eval(),
             ]
+        self.condition_parts = {
+            name: _load_part(self.directory, name, text_dtype, device) for name in condition_folders
+        }
 
     def time_stride(self) -> int:
         """Frames the VAE folds into one latent frame (4 for Wan's; 1 for an image VAE)."""

@@ -139,7 +139,7 @@ def extract_features(config: MMConfig, after_shard: Callable[[int], None] | None
     world, rank = dist.get_world_size(), dist.get_rank()
     family = dit_family_of(config.model.path)
     directory = Path(d.features)
-    manifest = _manifest(config, family.architecture)
+    manifest = _manifest(config, family.key)
     recorded = directory / MANIFEST
     if recorded.is_file() and json.loads(recorded.read_text()) != manifest:
         raise ValueError(

@@ -4,7 +4,9 @@
 (``len``, ``[i]``, ``shapes``, ``null``, ``entries``, ``directory``), so the DiT task trains straight
 from ``data.files`` when ``data.features`` is unset; ``extract-features`` writes its samples to a
 cache. Sample ``i``'s latents are the VAE's of its decoded pixels, its text the text encoders' of
-its caption, each encoded alone (so a cache and the raw run hold the same numbers).
+its caption, each encoded alone (so a cache and the raw run hold the same numbers). For a family
+with conditions (Wan I2V) the sample's first frame, as an 8-bit image, is the pipeline's input image
+(:attr:`~mindspeed_mm.models.dit.DiTFamily.image_conditions`: ``image_latents``, ``image_embeds``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mindspeed_mm.data.decode import load_pixels
 from mindspeed_mm.data.encoder_set import EncoderSet
 from mindspeed_mm.data.media import MediaSample, plan_media, read_listing
 from mindspeed_mm.models.dit import DiTFamily
+from mindspeed_mm.models.encoders import first_frame_image
 
 
 def encoders_dir(config: MMConfig) -> Path:
@@ -38,6 +41,10 @@ class MediaFeatures:
         d = config.data
         self.family = family
         self.directory = encoders_dir(config)
+        model_config = family.load_class().load_config(str(config.model.path))
+        #: the conditions the model takes (computed from each sample's first frame)
+        self.condition_keys = family.condition_keys(model_config)
+        folders = tuple(name for name, used in family.condition_folders if used(model_config))
         self.encoders = EncoderSet(
             self.directory,
             family.architecture,
@@ -45,6 +52,7 @@ class MediaFeatures:
             get_accelerator().device(),
             getattr(torch, d.vae_dtype),
             getattr(torch, d.text_encoder_dtype),
+            folders,
         )
         images_only = family.latent_dims == 3
         stride = self.encoders.time_stride()
@@ -71,11 +79,18 @@ class MediaFeatures:
         return pixels[:, 0] if self.family.latent_dims == 3 else pixels
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index``'s ``latents``, ``text`` (and ``pooled``)."""
-        return {
-            "latents": self.encoders.encode_pixels(self.pixels(index)),
+        """Sample ``index``'s ``latents``, ``text`` (and ``pooled``, and the family's conditions)."""
+        pixels = self.pixels(index)
+        sample = {
+            "latents": self.encoders.encode_pixels(pixels),
             **self.encoders.encode_text(self.samples[index].caption),
         }
+        if self.condition_keys:
+            parts = {"vae": self.encoders.vae, **self.encoders.condition_parts}
+            frames, height, width = pixels.shape[1:]
+            conditions = self.family.image_conditions(parts, first_frame_image(pixels), frames, height, width)
+            sample.update({key: conditions[key].float().cpu() for key in self.condition_keys})
+        return sample
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each sample's bucket ``(frames, height, width)`` (one bucket per latent shape)."""

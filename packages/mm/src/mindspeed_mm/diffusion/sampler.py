@@ -102,6 +102,7 @@ def sample_latents(
     model_2: Any = None,
     boundary_ratio: float | None = None,
     guidance_scale_2: float | None = None,
+    conditions: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Denoise ``latents`` (pure noise, ``[B, ...]`` in the family's latent layout) into clean latents.
 
@@ -123,6 +124,9 @@ def sample_latents(
         boundary_ratio: the experts' switch (required with ``model_2``).
         guidance_scale_2: the guidance of ``model_2``'s steps (None: ``guidance_scale``); guidance is on
             for both experts when ``guidance_scale > 1``, as in ``WanPipeline``.
+        conditions: the family's conditions ``[B, ...]`` by name (Wan I2V: the first frame's
+            ``image_latents`` and ``image_embeds``), the same for the guided and the unguided call, as
+            ``WanImageToVideoPipeline`` gives them.
     """
     shape = tuple(latents.shape)
     scheduler.set_timesteps(steps, device=latents.device, **family.timestep_kwargs(scheduler.config, steps, shape))
@@ -133,14 +137,22 @@ def sample_latents(
         raise ValueError("a second expert (transformer_2) needs boundary_ratio; give --boundary-ratio")
     boundary = boundary_ratio * scheduler.config.num_train_timesteps if model_2 is not None else None
     scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+    conditions = {key: value.to(latents.device, dtype) for key, value in (conditions or {}).items()}
     for t in scheduler.timesteps:
         low = boundary is not None and t < boundary  # WanPipeline: t >= boundary runs `transformer`
         current, scale = (model_2, scale_2) if low else (model, guidance_scale)
         timestep = t.expand(shape[0]).to(torch.float32) / family.timestep_divisor
-        velocity = _velocity(current, family, latents.to(dtype), timestep, text, pooled, distilled_guidance)
+        velocity = _velocity(current, family, latents.to(dtype), timestep, text, pooled, distilled_guidance, conditions)
         if guided:
             uncond = _velocity(
-                current, family, latents.to(dtype), timestep, negative_text, negative_pooled, distilled_guidance
+                current,
+                family,
+                latents.to(dtype),
+                timestep,
+                negative_text,
+                negative_pooled,
+                distilled_guidance,
+                conditions,
             )
             velocity = uncond + scale * (velocity - uncond)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
@@ -155,11 +167,11 @@ def _velocity(
     text: torch.Tensor,
     pooled: torch.Tensor | None,
     guidance: float,
+    conditions: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     dtype = latents.dtype
-    inputs = family.model_inputs(
-        model.config, latents, timestep, text.to(dtype), pooled.to(dtype) if pooled is not None else None, guidance
-    )
+    pooled = pooled.to(dtype) if pooled is not None else None
+    inputs = family.model_inputs(model.config, latents, timestep, text.to(dtype), pooled, guidance, **conditions)
     inputs["timestep"] = timestep
     return family.prediction(model(**inputs), tuple(latents.shape))
 

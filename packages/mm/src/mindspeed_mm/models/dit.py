@@ -33,7 +33,8 @@ class DiTFamily:
         fsdp_plan: module-name patterns wrapped as FSDP2 units (innermost first; ``{*}`` matches one name part).
         latent_dims: dimensions of one sample's latents: 4 (``C, F, H, W``, video) or 3 (``C, H, W``, image).
         model_inputs: ``(model config, noisy latents [B, ...], sigmas [B], text [B, L, D], pooled [B, P] or
-            None, guidance scale) -> forward kwargs``.
+            None, guidance scale, **conditions) -> forward kwargs`` (``conditions``: the batch's tensors of
+            the :attr:`conditions` keys).
         prediction: ``(model output, latents' shape) -> velocity in the latents' layout``.
         tokens: ``(model config, one sample's latent shape) -> tokens`` the transformer sees.
         tiny_config: the constructor arguments of a tiny model (CPU tests and demos).
@@ -55,6 +56,18 @@ class DiTFamily:
             (:mod:`mindspeed_mm.models.dit_parallel`); None: not supported.
         lora_targets: the linears ``lora.target_modules: [default]`` adapts, by the last parts of their
             module names (the attention projections diffusers' LoRA training scripts target).
+        variant: the family's name beside its class (Wan image-to-video: ``i2v``); it is registered as
+            ``architecture:variant`` (:attr:`key`).
+        select_variant: ``config.json as a dict -> variant or ""``: which family of the class a model
+            directory is (Wan: ``i2v`` when its input has more channels than its output).
+        conditions: per-sample tensors besides latents and text that the cache holds and ``model_inputs``
+            takes, with ``(model config) -> whether the model takes it`` (Wan I2V: ``image_latents``,
+            and ``image_embeds`` where the config has ``image_dim``).
+        image_conditions: ``(pipeline parts by folder name, a PIL image, frames, height, width) -> one
+            sample's conditions`` as the pipeline computes them from its input image (``generate --image``;
+            extract-features and training from raw media give it each video's first frame).
+        condition_folders: pipeline folders the conditions need beyond the VAE, with ``(model config) ->
+            whether needed`` (Wan2.1 I2V: ``image_encoder`` and ``image_processor``).
     """
 
     architecture: str
@@ -75,6 +88,20 @@ class DiTFamily:
     encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     sequence_plan: SequencePlan | None = None
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    variant: str = ""
+    select_variant: Callable[[dict[str, Any]], str] | None = None
+    conditions: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
+    image_conditions: Callable[[dict[str, Any], Any, int, int, int], dict[str, torch.Tensor]] | None = None
+    condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The registry key: ``architecture``, or ``architecture:variant``."""
+        return f"{self.architecture}:{self.variant}" if self.variant else self.architecture
+
+    def condition_keys(self, config: Any) -> tuple[str, ...]:
+        """The conditions a model of ``config`` takes."""
+        return tuple(name for name, used in self.conditions if used(config))
 
     def load_class(self) -> type:
         """The diffusers model class."""
@@ -87,13 +114,14 @@ DIT_FAMILIES: ManifestRegistry[DiTFamily] = ManifestRegistry("diffusion transfor
 
 
 def register_dit(family: DiTFamily) -> DiTFamily:
-    """Add ``family`` to :data:`DIT_FAMILIES` under its class name."""
-    DIT_FAMILIES.register(family.architecture, family)
+    """Add ``family`` to :data:`DIT_FAMILIES` under its :attr:`~DiTFamily.key`."""
+    DIT_FAMILIES.register(family.key, family)
     return family
 
 
 def dit_family_of(path: str | Path) -> DiTFamily:
-    """The family of the diffusers directory ``path``, from its config.json's ``_class_name``.
+    """The family of the diffusers directory ``path``, from its config.json's ``_class_name`` (and the
+    variant the class's family selects from the rest of the config).
 
     Raises:
         ValueError: no config.json, no ``_class_name``, or a class not registered.
@@ -104,10 +132,13 @@ def dit_family_of(path: str | Path) -> DiTFamily:
             f"{str(path)!r} has no config.json; give a local diffusers model directory (the "
             "transformer folder of a pipeline)"
         )
-    name = json.loads(config.read_text()).get("_class_name")
+    values = json.loads(config.read_text())
+    name = values.get("_class_name")
     if not name:
         raise ValueError(f"{config} has no `_class_name`; give a diffusers transformer directory")
-    return DIT_FAMILIES.get(name)
+    family = DIT_FAMILIES.get(name)
+    variant = family.select_variant(values) if family.select_variant is not None else ""
+    return DIT_FAMILIES.get(f"{name}:{variant}") if variant else family
 
 
 def load_dit(path: str | Path, family: DiTFamily) -> Any:
@@ -123,7 +154,8 @@ def build_meta_dit(path: str | Path, family: DiTFamily) -> Any:
 
 
 def write_tiny_dit(directory: str | Path, architecture: str, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random model of the family (diffusers' ``save_pretrained`` layout) into ``directory``."""
+    """Write a tiny random model of the family ``architecture`` (a registry key, :attr:`DiTFamily.key`) in
+    diffusers' ``save_pretrained`` layout into ``directory``."""
     family = DIT_FAMILIES.get(architecture)
     torch.manual_seed(seed)
     model = family.load_class()(**{**family.tiny_config, **overrides})

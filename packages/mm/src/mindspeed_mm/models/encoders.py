@@ -75,3 +75,54 @@ def encode_t5_clip(
     )
     text = t5(t5_inputs.input_ids.to(next(t5.parameters()).device), output_hidden_states=False)[0]
     return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
+
+
+def _first_frame_video(image: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """``[B, 3, num_frames, H, W]``: the image ``[B, 3, H, W]`` as the first frame, zeros after it."""
+    rest = image.new_zeros(image.shape[0], image.shape[1], num_frames - 1, *image.shape[2:])
+    return torch.cat([image[:, :, None], rest], dim=2)
+
+
+@torch.no_grad()
+def encode_first_frame(
+    parts: dict[str, Any], image: Any, num_frames: int, height: int, width: int
+) -> dict[str, torch.Tensor]:
+    """The image-to-video conditions of one image, as ``WanImageToVideoPipeline`` computes them.
+
+    ``image_latents`` ``[C, F, H', W']``: the VAE's posterior mode of the video ``[image, zeros x
+    (num_frames - 1)]`` (the image resized by diffusers' ``VideoProcessor``), normalised with the
+    pipeline's arithmetic ``(z - latents_mean) x (1 / latents_std)``; ``image_embeds`` ``[N, D]`` (when
+    ``parts`` has an ``image_encoder``): the CLIP vision model's penultimate hidden states of the image
+    through the pipeline's ``image_processor``.
+
+    Args:
+        parts: the pipeline's ``vae`` and, for Wan2.1 I2V, ``image_encoder`` and ``image_processor``.
+        image: a PIL image.
+    """
+    from diffusers.video_processor import VideoProcessor
+
+    vae = parts["vae"]
+    pixels = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial).preprocess(
+        image, height=height, width=width
+    )
+    device = next(vae.parameters()).device
+    video = _first_frame_video(pixels.to(torch.float32), num_frames).to(device, vae.dtype)
+    z = vae.encode(video).latent_dist.mode().float()
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+    out = {"image_latents": ((z - mean) * inverse_std)[0]}
+    if parts.get("image_encoder") is not None:
+        encoder = parts["image_encoder"]
+        weight = next(encoder.parameters())
+        inputs = parts["image_processor"](images=image, return_tensors="pt").to(weight.device, weight.dtype)
+        out["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2][0]
+    return out
+
+
+def first_frame_image(pixels: torch.Tensor) -> Any:
+    """The first frame of ``pixels`` ``[3, F, H, W]`` in [-1, 1] as an 8-bit PIL image (what the pipeline takes)."""
+    from PIL import Image
+
+    frame = ((pixels[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return Image.fromarray(frame.permute(1, 2, 0).cpu().numpy())

@@ -27,7 +27,11 @@ VLM_MODULES = {
     "InternVLForConditionalGeneration": "mindspeed_mm.models.internvl",
 }
 #: diffusers ``_class_name`` -> the module declaring the diffusion-transformer family.
-DIT_MODULES = {"WanTransformer3DModel": "mindspeed_mm.models.wan", "FluxTransformer2DModel": "mindspeed_mm.models.flux"}
+DIT_MODULES = {
+    "WanTransformer3DModel": "mindspeed_mm.models.wan",
+    "WanTransformer3DModel:i2v": "mindspeed_mm.models.wan_i2v",
+    "FluxTransformer2DModel": "mindspeed_mm.models.flux",
+}
 
 
 class ManifestRegistry(Registry[T]):

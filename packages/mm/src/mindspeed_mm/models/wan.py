@@ -1,5 +1,7 @@
 """Wan2.1 / Wan2.2 text-to-video: diffusers' ``WanTransformer3DModel``.
 
+(Its image-to-video configurations are the ``i2v`` variant, :mod:`mindspeed_mm.models.wan_i2v`.)
+
 Latents ``[B, C, F, H, W]`` go in as they are; the timestep is ``sigma x 1000`` (the grid's
 timestep, as ``WanPipeline`` passes it); the UMT5 text embeddings are zero-padded to 512 tokens
 as ``WanPipeline`` pads them. FSDP2 wraps each block (MindSpeed-MM's Wan2.2 plan
@@ -33,6 +35,13 @@ def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[
 
     rows = encode_umt5(parts["tokenizer"], parts["text_encoder"], captions, text_len)
     return torch.stack([torch.cat([r, r.new_zeros(text_len - r.shape[0], r.shape[1])]) for r in rows]), None
+
+
+def _variant(config: dict[str, Any]) -> str:
+    """``i2v`` for an image-to-video transformer: its input holds the mask and the first-frame latents too
+    (Wan2.1 / Wan2.2 I2V: 36 input channels, 16 output)."""
+    out = config.get("out_channels") or config.get("in_channels")
+    return "i2v" if config.get("in_channels", out) != out else ""
 
 
 def _tokens(config: Any, shape: tuple[int, ...]) -> int:
@@ -87,5 +96,6 @@ WAN = register_dit(
         ),
         # self- and cross-attention of every block (attn1 / attn2), as diffusers' Wan LoRA trainers target
         lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+        select_variant=_variant,
     )
 )

@@ -92,11 +92,15 @@ class ExpertPair(torch.nn.Module):
             empty = index.numel() == 0
             if empty:
                 index = torch.zeros(1, dtype=torch.long, device=timestep.device)
+            rows_kwargs = {  # per-sample inputs (Wan I2V's image features) follow their samples
+                k: v[index] if isinstance(v, torch.Tensor) and v.shape[:1] == hidden_states.shape[:1] else v
+                for k, v in kwargs.items()
+            }
             pred = expert(
                 hidden_states=hidden_states[index],
                 timestep=timestep[index],
                 encoder_hidden_states=encoder_hidden_states[index],
-                **kwargs,
+                **rows_kwargs,
             )[0]
             if out is None:
                 out = pred.new_zeros((hidden_states.shape[0], *pred.shape[1:]))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mindspeed_mm.data.features import write_features
 from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
+
+#: condition name -> ``(model config, latent shape, generator) -> a random value`` of one sample.
+RANDOM_CONDITIONS: dict[str, Callable[[dict[str, Any], tuple[int, ...], torch.Generator], torch.Tensor]] = {
+    "image_latents": lambda config, shape, gen: torch.randn(shape, generator=gen),
+    "image_embeds": lambda config, shape, gen: torch.randn(5, config["image_dim"], generator=gen),
+}
 
 
 def write_tiny_dit_run(
@@ -19,8 +27,8 @@ def write_tiny_dit_run(
 ) -> tuple[Path, Path]:
     """``(model directory, feature cache)``: a tiny random model of ``architecture`` and ``num_samples``
     random samples for it (latents of the shapes of ``latent_shapes`` in turn, default one shape;
-    text embeddings of 2-5 tokens; pooled embeddings where the model takes them; an empty
-    caption's embedding of 1 token).
+    text embeddings of 2-5 tokens; pooled embeddings where the model takes them; the family's
+    conditions where it takes some (:data:`RANDOM_CONDITIONS`); an empty caption's embedding of 1 token).
     """
     directory = Path(directory)
     family = DIT_FAMILIES.get(architecture)
@@ -28,7 +36,8 @@ def write_tiny_dit_run(
     config = family.tiny_config
     text_dim = config.get("text_dim") or config["joint_attention_dim"]
     if latent_shapes is None:
-        channels = config["in_channels"] if family.latent_dims == 4 else config["in_channels"] // 4
+        channels = config.get("out_channels") or config["in_channels"]
+        channels = channels if family.latent_dims == 4 else config["in_channels"] // 4
         latent_shapes = [(channels, 3, 4, 4) if family.latent_dims == 4 else (channels, 4, 4)]
     gen = torch.Generator().manual_seed(seed + 1)
     samples = []
@@ -39,6 +48,8 @@ def write_tiny_dit_run(
         }
         if family.needs_pooled:
             sample["pooled"] = torch.randn(config["pooled_projection_dim"], generator=gen)
+        for key in family.condition_keys(config):
+            sample[key] = RANDOM_CONDITIONS[key](config, tuple(sample["latents"].shape), gen)
         samples.append(sample)
     null = {"text": torch.randn(1, text_dim, generator=gen)}
     if family.needs_pooled:

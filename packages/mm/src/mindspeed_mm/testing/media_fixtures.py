@@ -116,3 +116,53 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
     _tokenizer(directory / "tokenizer", 10)
     _tokenizer(directory / "tokenizer_2", 512)
     return directory
+
+
+def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16) -> dict:
+    """The components of a tiny ``WanImageToVideoPipeline``, built in code: the I2V family's tiny transformer,
+    a tiny ``AutoencoderKLWan`` (4 latent channels, time stride 4, space stride 8), a tiny UMT5 with a byte
+    tokenizer, a tiny CLIP vision model (``image_dim`` features; none with ``image_dim=None``, Wan2.2 I2V) and
+    its image processor, and Wan's UniPC scheduler."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+
+    from mindspeed_mm.models.dit import DIT_FAMILIES
+
+    family = DIT_FAMILIES.get("WanTransformer3DModel:i2v")
+    torch.manual_seed(seed)
+    config = {**family.tiny_config}
+    if image_dim is None:
+        config.update(image_dim=None, added_kv_proj_dim=None)
+    parts = {"transformer": family.load_class()(**config).eval()}
+    parts["vae"] = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.5, 2.0, 1.0],
+    ).eval()
+    tokenizer = build_byte_tokenizer(["<pad>", "</s>"], eos_token="</s>", pad_token="<pad>", chat_template="")
+    tokenizer.model_max_length = 512
+    parts["tokenizer"] = tokenizer
+    parts["text_encoder"] = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=258, d_model=config["text_dim"], d_kv=8, d_ff=32, num_layers=1, num_heads=2, pad_token_id=256
+        )
+    ).eval()
+    parts["image_encoder"], parts["image_processor"] = None, None
+    if image_dim is not None:
+        parts["image_encoder"] = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=image_dim,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+            )
+        ).eval()
+        parts["image_processor"] = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
+    parts["scheduler"] = UniPCMultistepScheduler(**family.scheduler[1])
+    return parts

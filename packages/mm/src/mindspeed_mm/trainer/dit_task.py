@@ -13,7 +13,7 @@ the mean over the global batch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,8 @@ class DiTBatch:
         pooled: pooled text embeddings ``[B, P]`` (models that take one), else None.
         draw: the timesteps' grid indices, the noise and the text dropout.
         tokens: tokens the transformer sees over the microbatch.
+        conditions: the family's per-sample conditions ``[B, ...]`` by name (Wan I2V: ``image_latents``,
+            ``image_embeds``), kept through the text dropout.
     """
 
     indices: list[int]
@@ -134,6 +136,7 @@ class DiTBatch:
     pooled: torch.Tensor | None
     draw: FlowDraw
     tokens: int
+    conditions: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DiTTask:
@@ -252,9 +255,17 @@ class DiTTask:
                     "embeddings (`ID.pooled`); extract features for this model"
                 )
             pooled = torch.stack([s["pooled"].float() for s in samples])
+        conditions = {}
+        for key in self.family.condition_keys(self.model.config):
+            if any(key not in s for s in samples):
+                raise ValueError(
+                    f"{self.features.directory}: {self.family.key} needs `ID.{key}` in every sample; extract "
+                    "features for this model"
+                )
+            conditions[key] = torch.stack([s[key].float() for s in samples])
         draw = self.flow.draw(self.flow.generator(self.config.train.seed, microbatch), tuple(latents.shape))
         tokens = self.family.tokens(self.model.config, shape) * len(indices)
-        return DiTBatch(indices, latents, text, pooled, draw, tokens)
+        return DiTBatch(indices, latents, text, pooled, draw, tokens, conditions)
 
     def _read(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The samples; from raw media under sequence parallelism each group rank encodes every ``U``-th one."""
@@ -305,8 +316,9 @@ class DiTTask:
         noisy = self.flow.noisy(latents, noise, indices)
         sigmas = self.flow.sigmas[indices].to(self.device)
         text, pooled = self.model_text(batch)
+        conditions = {key: value.to(self.device) for key, value in batch.conditions.items()}
         inputs = self.family.model_inputs(
-            self.model.config, noisy, sigmas, text, pooled, self.config.diffusion.guidance_scale
+            self.model.config, noisy, sigmas, text, pooled, self.config.diffusion.guidance_scale, **conditions
         )
         self._fp32 = {name: inputs[name].float() for name in self.family.fp32_inputs if inputs.get(name) is not None}
         prediction = self.family.prediction(self.model(**inputs), tuple(latents.shape))
