@@ -108,3 +108,44 @@ def test_compile_refuses_routed_experts_and_unknown_modes(tiny_checkpoints) -> N
         InferenceEngine.from_pretrained(tiny_checkpoints["qwen3-moe"], compile=True)
     with pytest.raises(ValueError, match="compile='fastest': use True, False or a mode"):
         InferenceEngine.from_pretrained(tiny_checkpoints[FAMILY], compile="fastest")
+
+
+@pytest.mark.slow  # two more graphs (buckets 1 and 2 of another model)
+def test_compiled_sliding_window_equals_transformers(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
+
+    config = TINY_CONFIGS.get("mistral")()
+    config.sliding_window = 4  # shorter than the sequences: keys leave the window during decoding
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(tmp_path)
+    compiled = InferenceEngine.from_pretrained(tmp_path, max_batch_size=2, compile=True)
+    prompts = random_prompts((9, 3, 6), seed=2)  # three prompts on two slots
+    steps, step = [], compiled.compiled.logits
+    compiled.compiled.logits = lambda *args: steps.append(len(args[1])) or step(*args)
+    outs = compiled.generate(prompts, _greedy(8))
+    assert [o.token_ids for o in outs] == [_transformers(model, p, 8) for p in prompts]
+    assert sum(steps) == 3 * 7  # every decoded token came from the compiled step (the first from the prefill)
+
+
+def test_generate_cli_compile_flag_reaches_the_engine(monkeypatch) -> None:
+    import argparse
+
+    from mindspeed_llm.inference import cli
+
+    seen: dict = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli.InferenceEngine, "from_pretrained", from_pretrained)
+    parser = argparse.ArgumentParser()
+    cli.add_generate(parser.add_subparsers())
+    for flags, want in (([], False), (["--compile"], True)):
+        args = parser.parse_args(["generate", "--load-dir", "x", "--prompt", "hi", *flags])
+        with pytest.raises(ValueError, match="stop here"):
+            cli.run_generate(args)
+        assert seen["compile"] is want

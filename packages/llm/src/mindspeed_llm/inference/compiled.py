@@ -12,8 +12,8 @@ the rows past ``n`` padded (token 0 at position 0 of a free cache slot, whose co
 prefill or slot move rewrites). Positions are a tensor input, and the attended length (the
 longest running sequence; shorter rows' empty positions carry the cache's ``-inf`` key bias,
 :class:`~.cache.KVCache`) is the graph's one dynamic dimension, so one graph serves every step
-of a bucket, whatever the lengths; a new graph is compiled only for a new bucket or a cache of
-another length (a call that needs a longer one). The prefill stays eager, as does sampling, so
+of a bucket, whatever the lengths; a new graph is compiled only for a new bucket (or, at most,
+a cache of another size: a call that needs a longer one). The prefill stays eager, as does sampling, so
 tokens, log-probabilities and random streams are those of the eager step up to the
 floating-point order Inductor picks.
 """
