@@ -163,9 +163,18 @@ class CompiledDecode:
             return self._graph(tokens_t, positions_t, keys, values)[:rows]
         torch._dynamo.mark_dynamic(keys, 2)
         torch._dynamo.mark_dynamic(values, 2)
+        graphs, seconds = self.watch.graphs(), self.watch.seconds()
         with self._config[0], self._config[1]:
             logits = self._graph(tokens_t, positions_t, keys, values)
         self._compiled.add(layout)
+        logger.info(
+            "compiled decode step: bucket %d (%d graph(s), %.1f s); %d graph(s), %.1f s in all",
+            size,
+            self.watch.graphs() - graphs,
+            self.watch.seconds() - seconds,
+            self.watch.graphs(),
+            self.watch.seconds(),
+        )
         return logits[:rows]
 
     def _forward(
