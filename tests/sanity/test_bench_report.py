@@ -42,8 +42,10 @@ def test_rows_are_the_ratios_in_wall_and_cpu_time(report):
     (row,) = report.rows_of("grpo", grpo, "cmd", "d")
     assert (row["ratio_wall"], row["ratio_cpu"], row["goal"]) == (2.5, 1.5, report.BENCHES["grpo"].goal)
     gen = [{"batch": 8, "ours_wall_tok_s": 30.0, "hf_wall_tok_s": 10.0, "ours_cpu_tok_s": 8.0, "hf_cpu_tok_s": 4.0}]
-    (row,) = report.rows_of("generate", gen, "cmd", "d")
-    assert (row["row"], row["ratio_wall"], row["ratio_cpu"]) == ("engine, batch 8", 3.0, 2.0)
+    gen.append(gen[0] | {"engine": "compile", "ours_wall_tok_s": 50.0})  # generate.py --compile's row
+    plain, compiled = report.rows_of("generate", gen, "cmd", "d")
+    assert (plain["row"], plain["ratio_wall"], plain["ratio_cpu"]) == ("engine, batch 8", 3.0, 2.0)
+    assert (compiled["row"], compiled["ratio_wall"]) == ("engine, compile, batch 8", 5.0)
     vlm = {
         "results": {
             "ours full": {"tokens_per_s": 2.0, "cpu_tokens_per_s": 1.0},

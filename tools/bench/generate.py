@@ -10,11 +10,15 @@ run so that a noisy neighbour hits both alike. Wall time and CPU time (user + sy
 process: less sensitive to neighbours on a shared machine) are both reported. Both run with
 ``--threads`` intra-op threads (default 1: models this small gain nothing from more, and on a
 busy machine a second thread mostly waits). It also checks that both produce the same tokens.
+``--compile`` adds the engine with its decode step compiled (``compile=True``: one graph per batch
+bucket, compiled in the warm-up run, whose seconds are reported) as rows of their own, named
+``compile``, against the same transformers runs.
 
 Usage::
 
     uv run --frozen python tools/bench/generate.py
     uv run --frozen python tools/bench/generate.py --batch-sizes 1 8 32 --new-tokens 256 --json gen.json
+    uv run --frozen python tools/bench/generate.py --compile      # also the compiled decode step
     uv run --frozen python tools/bench/generate.py --table generate.md   # refused (exit 2) on a busy machine
 """
 
@@ -76,6 +80,7 @@ def main() -> int:
         default="cpu",
         help="torch device of both sides (default cpu; device_suite.py passes the accelerator's)",
     )
+    parser.add_argument("--compile", action="store_true", help="also the engine with its decode step compiled")
     parser.add_argument("--json", type=Path, help="also write the results here")
     _child.add_record_args(parser)
     args = parser.parse_args()
@@ -84,6 +89,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from mindspeed.compile import CompileWatch
     from mindspeed_llm.inference import InferenceEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -93,6 +99,13 @@ def main() -> int:
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(args.device).eval()
         ours = InferenceEngine.from_pretrained(
             tmp, dtype="float32", max_batch_size=max(args.batch_sizes), device=args.device
+        )
+        compiled = (
+            InferenceEngine.from_pretrained(
+                tmp, dtype="float32", max_batch_size=max(args.batch_sizes), device=args.device, compile=True
+            )
+            if args.compile
+            else None
         )
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         generator = torch.Generator().manual_seed(1)
@@ -115,28 +128,43 @@ def main() -> int:
             def run_ours():
                 return [o.token_ids for o in ours.generate(prompts.tolist(), params)]
 
+            def run_compiled():
+                return [o.token_ids for o in compiled.generate(prompts.tolist(), params)]
+
+            sides = {"hf": run_hf, "ours": run_ours} | ({"compile": run_compiled} if compiled else {})
+            watch = CompileWatch()
+            compile_wall, _, _ = timed(run_compiled) if compiled else (0.0, 0.0, None)  # compiles this batch's graphs
             run_hf(), run_ours()  # warm-up
-            times: dict[str, list[tuple[float, float]]] = {"hf": [], "ours": []}
-            for _ in range(args.repeat):  # interleaved: a noisy neighbour slows both alike
-                wall, cpu, hf_tokens = timed(run_hf)
-                times["hf"].append((wall, cpu))
-                wall, cpu, our_tokens = timed(run_ours)
-                times["ours"].append((wall, cpu))
+            graphs, compile_s = watch.graphs(), watch.seconds()
+            times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+            tokens: dict[str, object] = {}
+            after = CompileWatch()
+            for _ in range(args.repeat):  # interleaved: a noisy neighbour slows all alike
+                for name, run in sides.items():
+                    wall, cpu, tokens[name] = timed(run)
+                    times[name].append((wall, cpu))
             generated = batch * args.new_tokens
-            row = {
-                "batch": batch,
-                "new_tokens": args.new_tokens,
-                "prompt_len": args.prompt_len,
-                "same_tokens": hf_tokens == our_tokens,
-            }
-            for name, pairs in times.items():
-                row[f"{name}_wall_tok_s"] = generated / min(w for w, _ in pairs)
-                row[f"{name}_cpu_tok_s"] = generated / min(c for _, c in pairs)
-            row["speedup_wall"] = row["ours_wall_tok_s"] / row["hf_wall_tok_s"]
-            row["speedup_cpu"] = row["ours_cpu_tok_s"] / row["hf_cpu_tok_s"]
-            row["load_around"] = [load_before, _child.load_average()]
-            row["noisy"] = record.noisy([row])
-            rows.append(row)
+            load_around = [load_before, _child.load_average()]
+            for side in [s for s in sides if s != "hf"]:
+                row = {
+                    "engine": "compile" if side == "compile" else "eager",
+                    "batch": batch,
+                    "new_tokens": args.new_tokens,
+                    "prompt_len": args.prompt_len,
+                    "same_tokens": tokens["hf"] == tokens[side],
+                }
+                for name, who in (("hf", "hf"), (side, "ours")):
+                    row[f"{who}_wall_tok_s"] = generated / min(w for w, _ in times[name])
+                    row[f"{who}_cpu_tok_s"] = generated / min(c for _, c in times[name])
+                row["speedup_wall"] = row["ours_wall_tok_s"] / row["hf_wall_tok_s"]
+                row["speedup_cpu"] = row["ours_cpu_tok_s"] / row["hf_cpu_tok_s"]
+                if side == "compile":
+                    # the warm-up call that compiled (wall), dynamo + Inductor seconds, graphs; none after it
+                    row["compile"] = {"first_call_s": compile_wall, "compile_s": compile_s, "graphs": graphs}
+                    row["graphs_after_warmup"] = after.graphs()
+                row["load_around"] = load_around
+                row["noisy"] = record.noisy([row])
+                rows.append(row)
 
     noisy = any(row["noisy"] for row in rows)
     header = (
@@ -158,7 +186,7 @@ def main() -> int:
     )
     cells = [
         (
-            _child.mark(str(row["batch"]), row["noisy"]),
+            _child.mark(f"{row['batch']}{', compile' if row['engine'] == 'compile' else ''}", row["noisy"]),
             f"{row['hf_wall_tok_s']:.0f}",
             f"{row['ours_wall_tok_s']:.0f}",
             f"{row['speedup_wall']:.2f}x",
@@ -170,6 +198,13 @@ def main() -> int:
         )
         for row in rows
     ]
+    compiled_rows = [row for row in rows if row["engine"] == "compile"]
+    if compiled_rows:
+        header += "; compile: " + ", ".join(
+            f"batch {r['batch']} {r['compile']['graphs']} graph(s) in {r['compile']['compile_s']:.0f} s "
+            f"(first call {r['compile']['first_call_s']:.0f} s), {r['graphs_after_warmup']} after warm-up"
+            for r in compiled_rows
+        )
     table = _child.markdown(header, columns, cells)
     sys.stdout.write(table)
     if args.json:

@@ -70,7 +70,10 @@ def _generate_pairs(payload: Any) -> list[Pair]:
     def side(row: dict[str, Any], who: str) -> dict[str, Any]:
         return {"tokens_per_s": row[f"{who}_wall_tok_s"], "cpu_tokens_per_s": row[f"{who}_cpu_tok_s"], **row}
 
-    return [(f"engine, batch {row['batch']}", side(row, "ours"), side(row, "hf")) for row in payload]
+    def label(row: dict[str, Any]) -> str:
+        return f"engine{', compile' if row.get('engine') == 'compile' else ''}, batch {row['batch']}"
+
+    return [(label(row), side(row, "ours"), side(row, "hf")) for row in payload]
 
 
 #: The benches, in the order of the table. Extend by adding an entry.
@@ -92,7 +95,11 @@ BENCHES: dict[str, Bench] = {
     "vlm": Bench("vlm.py", ("--quick",), (), _vlm_pairs, ">= 1.5x HF Trainer"),
     "dit": Bench("dit.py", ("--quick", "--parts", "1"), ("--parts", "1"), _dit_pairs, ">= 1.2x the diffusers loop"),
     "generate": Bench(
-        "generate.py", ("--new-tokens", "32", "--repeat", "1"), (), _generate_pairs, ">= 2x transformers generate"
+        "generate.py",
+        ("--new-tokens", "32", "--repeat", "1"),
+        ("--compile",),
+        _generate_pairs,
+        ">= 2x transformers generate",
     ),
     "grpo": Bench(
         "grpo.py",

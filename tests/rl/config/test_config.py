@@ -192,3 +192,16 @@ def test_kl_in_reward_replaces_the_loss_kl(recipe) -> None:
     # Dr. GRPO's constant: rollout.max_new_tokens unless algorithm.norm_length says otherwise.
     assert actor_settings(plain).loss_config.norm_length == 64
     assert actor_settings(load_grpo_config(path, ["algorithm.norm_length=40"])).loss_config.norm_length == 40
+
+
+def test_rollout_compile_reaches_the_builtin_engine(recipe, monkeypatch) -> None:
+    from mindspeed_rl.workers import rollout_worker
+
+    seen: list[dict] = []
+    monkeypatch.setattr(rollout_worker, "build_rollout", lambda name, model_dir, **kwargs: seen.append(kwargs))
+    path, model = recipe
+    for overrides in ([], ["rollout.compile=true"]):
+        rollout_worker.build_engine(load_grpo_config(path, overrides), str(model))
+    assert "compile" not in seen[0] and seen[1]["compile"] is True
+    with pytest.raises(ConfigError, match="rollout.compile=true compiles the builtin engine"):
+        load_grpo_config(path, ["rollout.compile=true", "rollout.engine=vllm"]).rollout.check()

@@ -95,3 +95,32 @@ def test_registry_and_settings_errors(tiny_dirs) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             build_rollout("builtin", tiny_dirs["old"], **bad)
+
+
+@pytest.mark.slow  # cold, the two graphs take ~30 s to compile on a busy 2-core machine
+def test_compiled_rollout_gives_the_uncompiled_tokens(tiny_dirs) -> None:
+    from mindspeed.compile import CompileWatch
+    from mindspeed_rl.config.sections import RolloutConfig
+
+    # ``rollout.compile``: the builtin engine's option; another engine refuses it in one line.
+    with pytest.raises(Exception, match="rollout.compile=true compiles the builtin engine"):
+        RolloutConfig(engine="vllm", compile=True).check()
+    rollout = build_rollout("builtin", tiny_dirs["old"], max_num_seqs=2, max_model_len=40, seed=5, compile=True)
+    plain = build_rollout("builtin", tiny_dirs["old"], max_num_seqs=2, max_model_len=40, seed=5)
+    assert rollout.engine.compiled is not None and plain.engine.compiled is None
+    prompts, params = prompts_and_params()
+    got, want = rollout.generate(prompts, params), plain.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    # After a weight sync (asleep, in place), the new model's tokens, and no graph compiled again.
+    watch = CompileWatch()
+    state = read_state(tiny_dirs["new"])
+    for engine in (rollout, plain):
+        engine.sleep()
+        engine.load_weights(state)
+    assert outputs(rollout.generate(prompts, params))[0][1] != want[0].token_ids
+    assert [o.token_ids for o in rollout.generate(prompts, params)] == [
+        o.token_ids for o in plain.generate(prompts, params)
+    ]
+    assert watch.graphs() == 0

@@ -59,6 +59,7 @@ class ContinuousBatching:
     max_seq_len: int
     max_prefill_tokens: int
     prefix_sharing: bool
+    compiled: Any
 
     def _ensure_cache(self, slots: int, length: int) -> None:
         length = min(self.max_seq_len, -(-length // _CACHE_ROUND) * _CACHE_ROUND)
@@ -131,6 +132,10 @@ class ContinuousBatching:
         self._advance(requests, logits, stream)
 
     def _decode(self, running: list[Request], stream: Stream | None) -> None:
+        if self.compiled is not None:
+            logits = self.compiled.logits(self.cache, [r.tokens[-1] for r in running], [r.cached for r in running])
+            self._advance(running, logits, stream)
+            return
         model, device = self.model, self.model.device
         tokens = torch.tensor([r.tokens[-1] for r in running], device=device)
         cached = [r.cached for r in running]

@@ -56,6 +56,8 @@ class GenerateConfig:
         dtype: compute dtype: float32, bfloat16 or float16 (default: the checkpoint's).
         output: write the results here as JSON Lines (prompt, completion, token ids, logprobs).
         stream: print a single prompt's tokens as they are produced.
+        compile: run the decode step under torch.compile (dense models; one graph per batch bucket,
+            compiled on first use: worth it for long or many generations, not for one short reply).
     """
 
     load_dir: Path
@@ -75,6 +77,7 @@ class GenerateConfig:
     dtype: str | None = None
     output: Path | None = None
     stream: bool = True
+    compile: bool = False
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -128,6 +131,7 @@ def run_generate(args: argparse.Namespace) -> int:
         config.max_seq_len,
         hf_cfg_dir=config.hf_cfg_dir,
         model_type_hf=config.model_type_hf,
+        compile=config.compile,
     )
     tokenizer = engine.tokenizer
     if tokenizer is None:

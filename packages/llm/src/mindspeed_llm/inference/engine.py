@@ -29,6 +29,7 @@ from mindspeed.log import get_logger
 from mindspeed_llm.bridges import Bridge, bridge_for_architectures
 from mindspeed_llm.inference.batching import ContinuousBatching, Request, Stream
 from mindspeed_llm.inference.cache import CausalStep, KVCache
+from mindspeed_llm.inference.compiled import CompiledDecode
 from mindspeed_llm.inference.loading import open_checkpoint, parse_dtype
 from mindspeed_llm.inference.model import Decoder
 from mindspeed_llm.inference.sampling import Sampler, SamplingParams
@@ -89,6 +90,8 @@ class InferenceEngine(ContinuousBatching):
         prefix_sharing: requests admitted together with the same prompt (an RL group's samples)
             prefill it once; the others get a copy of its keys and values (the tokens, log-probs
             and sampling streams are those of the unshared path).
+        compile: run the decode step under ``torch.compile`` (:mod:`.compiled`: one graph per batch
+            bucket, the prefill eager); ``True`` or a ``mindspeed.compile.MODES`` key. Dense models only.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class InferenceEngine(ContinuousBatching):
         max_seq_len: int | None = None,
         max_prefill_tokens: int = 8192,
         prefix_sharing: bool = True,
+        compile: bool | str = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -116,6 +120,7 @@ class InferenceEngine(ContinuousBatching):
         self.sampler = Sampler(model.device)
         self.cache: KVCache | None = None
         self._loader: WeightLoader | None = None
+        self.compiled = CompiledDecode(model, max_batch_size, compile) if compile else None
 
     @classmethod
     def from_pretrained(
@@ -129,6 +134,7 @@ class InferenceEngine(ContinuousBatching):
         model_type_hf: str | None = None,
         device: str | torch.device | None = None,
         kernels: dict[str, str] | None = None,
+        compile: bool | str = False,
     ) -> InferenceEngine:
         """An engine on the weights of a Hugging Face directory or a Megatron checkpoint.
 
@@ -143,6 +149,7 @@ class InferenceEngine(ContinuousBatching):
             model_type_hf: family override (``llama2``, ``mistral``, ``qwen25``, ``qwen3``, ``mixtral``, ``qwen3-moe``).
             device: where to run (default: the current accelerator, the CPU without one).
             kernels: registry implementation per op (default ``auto``).
+            compile: compile the decode step (see :class:`InferenceEngine`).
 
         Raises:
             ValueError: a missing or unreadable checkpoint, an unsupported family or dtype.
@@ -164,7 +171,7 @@ class InferenceEngine(ContinuousBatching):
             model.device,
             time.perf_counter() - started,
         )
-        return cls(model, opened.bridge, opened.config, tokenizer, eos, max_batch_size, max_seq_len)
+        return cls(model, opened.bridge, opened.config, tokenizer, eos, max_batch_size, max_seq_len, compile=compile)
 
     @classmethod
     def from_config(
@@ -178,6 +185,7 @@ class InferenceEngine(ContinuousBatching):
         eos_token_ids: Sequence[int] | None = None,
         device: str | torch.device | None = None,
         kernels: dict[str, str] | None = None,
+        compile: bool | str = False,
     ) -> InferenceEngine:
         """An engine with zero weights for a transformers config; fill it with :meth:`load_weights`.
 
@@ -192,6 +200,7 @@ class InferenceEngine(ContinuousBatching):
             eos_token_ids: stop ids (default: the config's, else the tokenizer's).
             device: where to run (default: the current accelerator).
             kernels: registry implementation per op (default ``auto``).
+            compile: compile the decode step (see :class:`InferenceEngine`).
 
         Raises:
             ValueError: an unsupported architecture or configuration.
@@ -205,7 +214,7 @@ class InferenceEngine(ContinuousBatching):
             kernels,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else stop_token_ids(None, config, tokenizer)
-        return cls(model, bridge, config, tokenizer, eos, max_batch_size, max_seq_len)
+        return cls(model, bridge, config, tokenizer, eos, max_batch_size, max_seq_len, compile=compile)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -241,7 +250,8 @@ class InferenceEngine(ContinuousBatching):
         if not requests:
             return []
         longest = max(len(r.prompt) + r.limit - 1 for r in requests)
-        self._ensure_cache(min(len(requests), self.max_batch_size), longest)
+        # Compiled: every slot, so that the cache's strides (which the graphs are specialised on) stay put.
+        self._ensure_cache(self.max_batch_size if self.compiled else min(len(requests), self.max_batch_size), longest)
         waiting, running = collections.deque(requests), []
         while waiting or running:
             if waiting and len(running) < self.max_batch_size:

@@ -17,11 +17,14 @@ cache slots, or one decode token per slot.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.gated_delta_net import DeltaNetHeads, gated_delta_net_mix
+from mindspeed.ops.registry import OPS
 from mindspeed_llm.bridges import megatron_params
 from mindspeed_llm.inference.cache import AttentionStep, RecurrentStates
 from mindspeed_llm.inference.mla import MLAAttention
@@ -30,6 +33,8 @@ from mindspeed_llm.inference.spec import DecoderSpec
 
 #: Registry ops the decoder uses.
 KERNEL_OPS = ("rms_norm", "rotary_pos_emb", "attention", "swiglu")
+#: The :class:`Decoder` attribute holding each op's kernel.
+_KERNEL_ATTRS = {"rms_norm": "rms_norm", "rotary_pos_emb": "rotary", "attention": "attention", "swiglu": "swiglu"}
 
 
 def _geglu(x: torch.Tensor) -> torch.Tensor:
@@ -200,19 +205,16 @@ class Decoder:
     ) -> None:
         self.spec, self.dtype, self.device = spec, dtype, device
         impls = {op: "auto" for op in KERNEL_OPS} | (kernels or {})
-        self.rms_norm = resolve_kernel("rms_norm", impls["rms_norm"]).fn
-        self.rotary = resolve_kernel("rotary_pos_emb", impls["rotary_pos_emb"]).fn
-        self.attention = resolve_kernel("attention", impls["attention"]).fn
-        swiglu = resolve_kernel("swiglu", impls["swiglu"])
-        if swiglu.name == "native" and impls["swiglu"] == "auto":
+        # The resolved implementations (:meth:`traceable` swaps the ones dynamo cannot trace).
+        self.kernel_impls = {op: resolve_kernel(op, impls[op]) for op in KERNEL_OPS}
+        if self.kernel_impls["swiglu"].name == "native" and impls["swiglu"] == "auto":
             # 'native' is the reference's math behind a custom autograd function that saves
             # activation memory for the backward pass; without a backward it only adds overhead.
-            swiglu = resolve_kernel("swiglu", "reference")
-        self.swiglu = swiglu.fn
+            self.kernel_impls["swiglu"] = resolve_kernel("swiglu", "reference")
+        for op, attr in _KERNEL_ATTRS.items():
+            setattr(self, attr, self.kernel_impls[op].fn)
+        self._set_activation()
         shape = spec.shape
-        self.activation = _geglu if shape.geglu else self.swiglu
-        if shape.quick_geglu:
-            self.activation = _clamped_quick_geglu(shape.activation_clamp, shape.glu_linear_offset)
         # Gemma: norms scale by 1 + w; embeddings by sqrt(hidden) (in the model dtype, as
         # transformers does); logits soft-capped.
         self.norm_offset = 1.0 if shape.apply_layernorm_1p else 0.0
@@ -236,6 +238,24 @@ class Decoder:
         self.final_norm = self._weights["decoder.final_layernorm.weight"]
         self.output = self._weights.get("output_layer.weight", self.embedding)
         self.layers = [DecoderLayer(self, i, self._weights) for i in range(spec.num_layers)]
+
+    def _set_activation(self) -> None:
+        shape = self.spec.shape
+        self.activation = _geglu if shape.geglu else self.swiglu
+        if shape.quick_geglu:
+            self.activation = _clamped_quick_geglu(shape.activation_clamp, shape.glu_linear_offset)
+
+    def traceable(self) -> Decoder:
+        """This decoder (the same weight tensors) with kernels ``torch.compile`` can trace: an
+        implementation registered ``traceable=False`` is replaced by its op's reference, which
+        Inductor then fuses (as :class:`~mindspeed.ops.registry.KernelImpl` does under ``train.compile``)."""
+        clone = copy.copy(self)
+        for op, attr in _KERNEL_ATTRS.items():
+            if not self.kernel_impls[op].traceable:
+                setattr(clone, attr, OPS.get(op).reference)
+        clone._set_activation()
+        clone.layers = [DecoderLayer(clone, i, self._weights) for i in range(self.spec.num_layers)]
+        return clone
 
     def _allocate(self) -> dict[str, torch.Tensor]:
         shape = self.spec.shape

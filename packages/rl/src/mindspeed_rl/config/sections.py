@@ -168,6 +168,9 @@ class RolloutConfig:
         num_devices: devices of a separated rollout pool.
         max_num_seqs: sequences the engine decodes at once.
         gpu_memory_utilization: vLLM's share of device memory.
+        compile: the ``builtin`` engine runs its decode step under ``torch.compile`` (one graph per
+            batch bucket, compiled in the first rollout; dense models; off by default: see
+            docs/llm/generate.md for when it pays).
         stop: strings that end a response.
         tools: tool names a multi-turn rollout offers (``mindspeed_rl.tools.TOOLS``: ``calculator``,
             ``python``); empty: single-turn rollouts.
@@ -194,6 +197,7 @@ class RolloutConfig:
     num_devices: int | None = None
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.5
+    compile: bool = False
     stop: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=list)
     tool_options: dict[str, Any] = field(default_factory=dict)
@@ -225,6 +229,11 @@ class RolloutConfig:
             raise ConfigError(f"need 0 < rollout.top_p <= 1 and rollout.top_k >= 0 (got {self.top_p}, {self.top_k})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.compile and self.engine != "builtin":
+            raise ConfigError(
+                f"rollout.compile=true compiles the builtin engine's decode step; rollout.engine={self.engine} "
+                "compiles its own: unset rollout.compile or set rollout.engine=builtin"
+            )
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "rollout.engine=vllm but vllm is not installed: install mindspeed-rl[vllm] (vllm-ascend on "

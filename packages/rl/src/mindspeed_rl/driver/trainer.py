@@ -537,7 +537,9 @@ def build_context(config: GRPOConfig) -> GRPOContext:
     settings = actor_settings(config)
     actor = Actor(a.model, settings, tp=a.tp, pp=a.pp, features=config.features)
     reference = build_reference(config, actor, a.model)
-    engine = InferenceEngine.from_pretrained(a.model, max_batch_size=config.rollout.max_num_seqs)
+    engine = InferenceEngine.from_pretrained(
+        a.model, max_batch_size=config.rollout.max_num_seqs, compile=config.rollout.compile
+    )
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     records, sampler, fmt, reward = prompt_pieces(config)
     ctx = GRPOContext(config, actor, engine, tokenizer, reward, records, sampler, fmt, reference)

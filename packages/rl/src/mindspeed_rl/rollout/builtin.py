@@ -62,7 +62,8 @@ class BuiltinRollout:
             gpu_memory_utilization: ignored.
             seed: seed of the per-request seeds.
             max_model_len: prompt plus response tokens per request.
-            options: :meth:`InferenceEngine.from_pretrained` keywords (``dtype``, ``device``, ``kernels``, ...).
+            options: :meth:`InferenceEngine.from_pretrained` keywords (``dtype``, ``device``, ``kernels``,
+                ``compile`` (``rollout.compile``: the decode step under ``torch.compile``), ...).
 
         Raises:
             ValueError: ``tp`` above 1, or a checkpoint the engine cannot read.

@@ -36,6 +36,7 @@ def build_engine(config: Any, model_dir: str) -> Any:
         gpu_memory_utilization=r.gpu_memory_utilization,
         seed=config.train.seed,
         max_model_len=r.max_prompt_length + r.max_new_tokens,
+        **({"compile": True} if r.compile else {}),  # the builtin engine's option (RolloutConfig.check)
     )
 
 

@@ -1,0 +1,151 @@
+"""``compile=True``: the decode step under ``torch.compile`` gives the eager engine's tokens and transformers' ones.
+
+One compiled engine (tiny Llama, 4 slots: buckets 1, 2, 4) serves the whole module, so its
+graphs are compiled once (about 3 graphs; tens of seconds on a 2-core machine):
+
+- greedy tokens of one prompt, and of seven prompts of different lengths and lengths of output
+  on four slots (requests join as others leave; the running count goes 4, 3, 2, 1, so the
+  padded bucket 4 and buckets 2 and 1 all run), equal the eager engine's and transformers'
+  ``generate``'s; log-probabilities within 1e-5;
+- sampled tokens with per-request seeds equal the eager engine's: the sampler's noise is
+  counter-based per request (:mod:`mindspeed_llm.inference.sampling`), so a request's tokens
+  depend on its seed and its logits only, not on the padded bucket it ran in;
+- after the first call compiled the buckets' graphs, running the same mixed workload again,
+  and after new weights (RL weight sync, in place), compiles nothing (dynamo's counters);
+- models with routed experts and unknown modes are refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed.compile import CompileWatch
+from mindspeed_llm.inference import InferenceEngine, SamplingParams
+from tests.llm.inference.conftest import random_prompts
+
+FAMILY = "llama2"
+#: Seven prompts, each its own output length, on four slots.
+LENGTHS, NEW_TOKENS = (7, 2, 11, 4, 9, 3, 6), (9, 3, 7, 5, 6, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints) -> tuple[InferenceEngine, InferenceEngine]:
+    """The eager engine and the compiled one on the same checkpoint."""
+    path = tiny_checkpoints[FAMILY]
+    return (
+        InferenceEngine.from_pretrained(path, max_batch_size=4),
+        InferenceEngine.from_pretrained(path, max_batch_size=4, compile=True),
+    )
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def _transformers(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow  # cold, the three graphs take ~1 min to compile on a busy 2-core machine
+def test_compiled_decode_equals_eager_and_transformers_without_recompiling(engines, hf_model) -> None:
+    eager, compiled = engines
+    model = hf_model(FAMILY)
+    assert compiled.compiled.buckets == (1, 2, 4) and eager.compiled is None
+
+    (prompt,) = random_prompts((6,), seed=20)
+    watch = CompileWatch()
+    (one,) = compiled.generate([prompt], _greedy(12))
+    assert watch.graphs() == 1 and compiled.cache.num_slots == 4  # bucket 1; every slot, so the strides stay
+    assert one.token_ids == eager.generate([prompt], _greedy(12))[0].token_ids == _transformers(model, prompt, 12)
+
+    prompts = random_prompts(LENGTHS, seed=21)
+    params = [_greedy(n) for n in NEW_TOKENS]
+    first = CompileWatch()
+    got = compiled.generate(prompts, params)
+    assert first.graphs() == 2  # buckets 4 and 2 (1 is compiled already)
+    want = eager.generate(prompts, params)
+    for index, (prompt, n, a, b) in enumerate(zip(prompts, NEW_TOKENS, got, want)):
+        assert a.token_ids == b.token_ids == _transformers(model, prompt, n), f"request {index}"
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+    again = CompileWatch()
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in got]
+    assert again.graphs() == 0
+
+    # Sampling: per-request seeds give the eager engine's tokens, whichever bucket a request ran in.
+    sampled = [
+        SamplingParams(max_new_tokens=n, temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i, n in enumerate(NEW_TOKENS)
+    ]
+    assert [o.token_ids for o in compiled.generate(prompts, sampled)] == [
+        o.token_ids for o in eager.generate(prompts, sampled)
+    ]
+
+    # New weights arrive in place (RL weight sync): the graphs read them, nothing is compiled again.
+    generator = torch.Generator().manual_seed(22)
+    state = {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in model.state_dict().items()
+        if name.endswith("mlp.down_proj.weight")
+    }
+    for engine in engines:
+        engine.load_weights(state)
+    assert (
+        [o.token_ids for o in compiled.generate(prompts, params)]
+        == [o.token_ids for o in eager.generate(prompts, params)]
+        != [o.token_ids for o in got]
+    )
+    assert again.graphs() == 0
+
+
+def test_compile_refuses_routed_experts_and_unknown_modes(tiny_checkpoints) -> None:
+    with pytest.raises(ValueError, match="compile=True needs a dense model"):
+        InferenceEngine.from_pretrained(tiny_checkpoints["qwen3-moe"], compile=True)
+    with pytest.raises(ValueError, match="compile='fastest': use True, False or a mode"):
+        InferenceEngine.from_pretrained(tiny_checkpoints[FAMILY], compile="fastest")
+
+
+@pytest.mark.slow  # two more graphs (buckets 1 and 2 of another model)
+def test_compiled_sliding_window_equals_transformers(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_llm.testing.tiny_models import TINY_CONFIGS
+
+    config = TINY_CONFIGS.get("mistral")()
+    config.sliding_window = 4  # shorter than the sequences: keys leave the window during decoding
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(tmp_path)
+    compiled = InferenceEngine.from_pretrained(tmp_path, max_batch_size=2, compile=True)
+    prompts = random_prompts((9, 3, 6), seed=2)  # three prompts on two slots
+    steps, step = [], compiled.compiled.logits
+    compiled.compiled.logits = lambda *args: steps.append(len(args[1])) or step(*args)
+    outs = compiled.generate(prompts, _greedy(8))
+    assert [o.token_ids for o in outs] == [_transformers(model, p, 8) for p in prompts]
+    assert sum(steps) == 3 * 7  # every decoded token came from the compiled step (the first from the prefill)
+
+
+def test_generate_cli_compile_flag_reaches_the_engine(monkeypatch) -> None:
+    import argparse
+
+    from mindspeed_llm.inference import cli
+
+    seen: dict = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli.InferenceEngine, "from_pretrained", from_pretrained)
+    parser = argparse.ArgumentParser()
+    cli.add_generate(parser.add_subparsers())
+    for flags, want in (([], False), (["--compile"], True)):
+        args = parser.parse_args(["generate", "--load-dir", "x", "--prompt", "hi", *flags])
+        with pytest.raises(ValueError, match="stop here"):
+            cli.run_generate(args)
+        assert seen["compile"] is want
