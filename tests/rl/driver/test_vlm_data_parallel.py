@@ -12,7 +12,8 @@ a KL penalty so the frozen reference runs too, a reward that varies on the untra
 
 Over 2 steps (rollout, rewards, advantages, old / reference log-probs, 2 updates, weight sync) the
 replies, rewards and lengths are the 1-rank run's exactly, every other metric within rel 1e-5, and the
-policy's weights after the 2 steps equal. The engine's replies do not depend on the batch they are
+policy's weights after the 2 steps equal. One update of a mini-batch whose halves differ in having images
+(rank 0's share has, rank 1's has not) equals the 1-rank update too. The engine's replies do not depend on the batch they are
 decoded in (each request its own random stream): 8 prompts in one batch = one at a time.
 """
 
@@ -101,6 +102,7 @@ def _ranks(rank: int, world_size: int, model: str, data: str, save: str) -> dict
             }
             again.actor.close()
         out["seconds"][name] = time.perf_counter() - mark
+    out["mixed"] = _mixed_update(model, data)
     for name in ("dp2", "fsdp2"):  # compare here: only numbers go back
         one, other = out["one"], out[name]
         worst = {"metric": 0.0, "weight": 0.0, "engine": 0.0, "exact": True, "keys": True}
@@ -139,6 +141,48 @@ def _ranks(rank: int, world_size: int, model: str, data: str, save: str) -> dict
     return out
 
 
+def _mixed_update(model: str, data: str) -> dict:
+    """One off-policy update of a mini-batch whose first half (rank 0's share) has images and whose second half
+    (rank 1's) is text only: the ranks' gradients differ in which parameters they reach (the vision tower)."""
+    import torch.distributed as dist
+
+    from mindspeed_mm.inference.prompts import read_prompt_file
+    from mindspeed_rl.algorithms.losses import policy_loss_config
+    from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
+    from mindspeed_rl.rollout.vlm import VisionRolloutEngine
+
+    engine = VisionRolloutEngine(model, 784, 3136)
+    image, text = (engine.encode(p) for p in (read_prompt_file(data)[0], read_prompt_file(data)[3]))
+    assert image.encoded.vision and not text.encoded.vision
+    pairs = [(image, [72, 105, 33]), (image, [98, 121, 101, 10]), (text, [111, 107]), (text, [110, 111, 112])]
+    advantages = torch.tensor([0.5, -1.0, 1.2, -0.3])
+    settings = VisionActorSettings(lr=1e-3, micro_batch_size=1, loss_config=policy_loss_config("ppo_clip", kl_coef=0.0))
+    actors = {
+        "one": VisionActor(model, settings),
+        "dp2": VisionActor(model, settings, dp_group=dist.group.WORLD),
+        "fsdp2": VisionActor(model, settings, dp_group=dist.group.WORLD, fsdp=True),
+    }
+    old = torch.stack([torch.nn.functional.pad(lp, (0, 4 - len(lp))) for lp in actors["one"].compute_logprobs(pairs)])
+    old = old + torch.tensor([[-0.3], [0.3], [0.0], [-0.1]])
+    metrics = {name: actor.update(pairs, old, advantages, None, None) for name, actor in actors.items()}
+    states = {name: actor.hf_state() for name, actor in actors.items()}
+    out = {}
+    for name in ("dp2", "fsdp2"):
+        out[name] = {
+            "loss": abs(metrics[name]["loss"] - metrics["one"]["loss"]) / abs(metrics["one"]["loss"]),
+            "grad_norm": abs(metrics[name]["grad_norm"] - metrics["one"]["grad_norm"]) / metrics["one"]["grad_norm"],
+            "weight": max(
+                float((states[name][k] - v).abs().max()) / (float(v.abs().max()) or 1.0)
+                for k, v in states["one"].items()
+            ),
+        }
+    visual = [p for n, p in actors["one"].model.named_parameters() if n.startswith("model.visual.")]
+    out["vision_trained"] = all(p.grad is not None for p in visual) and metrics["one"]["pg_clipfrac"] > 0
+    for actor in actors.values():
+        actor.close()
+    return out
+
+
 def test_two_data_parallel_ranks_equal_one_and_fsdp2_resumes_exactly(tmp_path: Path) -> None:
     from mindspeed.testing.distributed import run_distributed
     from mindspeed_mm.testing import write_tiny_dataset, write_tiny_model
@@ -146,6 +190,10 @@ def test_two_data_parallel_ranks_equal_one_and_fsdp2_resumes_exactly(tmp_path: P
     model = write_tiny_model(tmp_path / "model")
     data = write_tiny_dataset(tmp_path / "data", num_samples=4)
     for result in run_distributed(_ranks, 2, str(model), str(data), str(tmp_path / "ck"), timeout=300.0):
+        mixed = result["mixed"]
+        assert mixed["vision_trained"], mixed
+        for name in ("dp2", "fsdp2"):
+            assert max(mixed[name].values()) < 1e-5, (name, mixed)
         assert result["resume"] == {"resumed": True, "record": True, "weights": True}, result["resume"]
         assert result["batch_independent"] and result["distinct_replies"] > 1, result
         for name in ("dp2", "fsdp2"):
