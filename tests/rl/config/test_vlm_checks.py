@@ -43,6 +43,19 @@ def test_the_shipped_recipe_passes_and_a_model_without_config_is_refused(tmp_pat
         check_vlm(config)
 
 
+def test_data_parallel_shares_must_be_whole_responses(tmp_path: Path) -> None:
+    """The shipped recipe's 8 x 8 responses over actor.dp=2 (32 a rank, packed up to 64 a forward) pass;
+    a mini-batch the data-parallel ranks cannot share evenly is refused (the text path's check)."""
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}\n')
+    files = [f"data.path={data}", f"data.eval_path={data}"]
+    config = _config(tmp_path, *files, "actor.dp=2", "actor.fsdp=true")
+    config.check()
+    check_vlm(config)
+    with pytest.raises(ConfigError, match=r"= 24 responses does not split over actor.dp=5 ranks"):
+        _config(tmp_path, *files, "actor.dp=5", "train.global_batch=3").check()
+
+
 def test_exact_verifier() -> None:
     exact = build_verifier("exact")
     assert exact("q", " Red.", "red") == 1.0

@@ -83,11 +83,13 @@ def gather_rows(local: torch.Tensor, count: int, group: dist.ProcessGroup | None
         return local
     size = dist.get_world_size(group)
     rows = -(-count // size)
-    padded = torch.zeros(rows, local.shape[1], dtype=local.dtype)
+    padded = torch.zeros(
+        rows, local.shape[1], dtype=local.dtype, device=get_accelerator().device()
+    )  # NCCL: on the device
     padded[: len(local)] = local
     pieces = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(pieces, padded, group=group)
-    return torch.cat([piece[: len(range(count)[share])] for piece, share in zip(pieces, _shares(count, size))])
+    return torch.cat([piece[: len(range(count)[share])] for piece, share in zip(pieces, _shares(count, size))]).cpu()
 
 
 def _shares(count: int, size: int) -> list[slice]:
@@ -242,9 +244,11 @@ class VisionActor:
         return [slice(i, i + size) for i in range(0, len(pairs), size)]
 
     def _sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """``tensor`` summed over ``group`` (itself without one)."""
+        """``tensor`` summed over ``group`` (itself without one; reduced on the accelerator, as NCCL / HCCL need)."""
         if group is not None:
-            dist.all_reduce(tensor, group=group)
+            moved = tensor.to(get_accelerator().device())
+            dist.all_reduce(moved, group=group)
+            tensor.copy_(moved)
         return tensor
 
     def _share(self, count: int) -> slice:
@@ -345,7 +349,7 @@ class VisionActor:
         """
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if self.fsdp:
-            flag = torch.tensor([float(vision)])
+            flag = torch.tensor([float(vision)], device=get_accelerator().device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.all_group)
             prefix = self.forward.family.vision_module
             if not flag.item() and prefix:
@@ -353,7 +357,7 @@ class VisionActor:
                     if name.startswith(prefix + "."):
                         param.grad = None
             return
-        has = torch.tensor([float(p.grad is not None) for _, p in params])
+        has = torch.tensor([float(p.grad is not None) for _, p in params], device=get_accelerator().device())
         dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.all_group)
         for (_, param), used in zip(params, has.tolist()):
             if used:
