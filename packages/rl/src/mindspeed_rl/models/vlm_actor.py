@@ -50,8 +50,10 @@ from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, Poli
 from mindspeed_rl.rollout.vlm import VisionPrompt
 
 Pair = tuple[VisionPrompt, list[int]]
-#: Metrics the update reports (token-weighted means over the mini-batch).
+#: Metrics the update reports (token-weighted means over the mini-batch, but SUMMED_METRICS).
 VLM_UPDATE_METRICS = ("pg_clipfrac", "ppo_kl", "approx_kl", "kl_loss", "ratio_mean")
+#: Of those, the ones that are (like the loss) the microbatch's share of the mini-batch's value: summed, not averaged.
+SUMMED_METRICS = ("kl_loss",)
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ class VisionActor:
 
     def _micro(self, pairs: Sequence[Pair]) -> list[slice]:
         size = self.settings.micro_batch_size
-        return [slice(i, i + size) for i in range(0, len(pairs), size)]
+        return [slice(i, min(i + size, len(pairs))) for i in range(0, len(pairs), size)]  # bounded: offsets add
 
     def _sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """``tensor`` summed over ``group`` (itself without one; reduced on the accelerator, as NCCL / HCCL need)."""
@@ -332,7 +334,8 @@ class VisionActor:
             seen.update(out.metrics)
             for i, name in enumerate(VLM_UPDATE_METRICS):
                 if name in out.metrics:
-                    sums[2 + i] += float(out.metrics[name]) * tokens
+                    value = float(out.metrics[name])
+                    sums[2 + i] += value if name in SUMMED_METRICS else value * tokens
         if self.all_group is not None:
             self._reduce_gradients(vision)
         return self._step(self._sum(sums, self.all_group), pairs, seen)
@@ -375,7 +378,13 @@ class VisionActor:
         self.streak = 0 if finite else self.streak + 1
         self.version += 1
         metrics = {"loss": loss}
-        metrics.update({name: float(sums[2 + i]) / tokens for i, name in enumerate(VLM_UPDATE_METRICS) if name in seen})
+        metrics.update(
+            {
+                name: float(sums[2 + i]) / (1.0 if name in SUMMED_METRICS else tokens)
+                for i, name in enumerate(VLM_UPDATE_METRICS)
+                if name in seen
+            }
+        )
         metrics.update(
             grad_norm=norm,
             lr=float(self.optimizer.param_groups[0]["lr"]),
