@@ -233,8 +233,8 @@ def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, Visio
         for i in range(len(rows))
     ]
     share = dp_share(len(rows), ctx.actor.dp_group)  # a rank encodes only the questions it answers
-    prompts = [encoded(ctx, p, cache) if share.start <= i < share.stop else VisionPrompt() for i, p in enumerate(rows)]
-    done = generate_shared(ctx, rows, prompts, params)
+    inputs = [encoded(ctx, p, cache) if share.start <= i < share.stop else VisionPrompt() for i, p in enumerate(rows)]
+    done = generate_shared(ctx, rows, inputs, params)
     outputs, texts, rewards, parts = done.outputs, done.texts, done.rewards, done.parts
     ctx.eval_samples = [
         {"prompt": question(p), "response": text, "reward": float(v)}

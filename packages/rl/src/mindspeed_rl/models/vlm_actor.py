@@ -85,9 +85,8 @@ def gather_rows(local: torch.Tensor, count: int, group: dist.ProcessGroup | None
         return local
     size = dist.get_world_size(group)
     rows = -(-count // size)
-    padded = torch.zeros(
-        rows, local.shape[1], dtype=local.dtype, device=get_accelerator().device()
-    )  # NCCL: on the device
+    # On the accelerator: NCCL / HCCL gather no host tensors.
+    padded = torch.zeros(rows, local.shape[1], dtype=local.dtype, device=get_accelerator().device())
     padded[: len(local)] = local
     pieces = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(pieces, padded, group=group)
@@ -255,7 +254,7 @@ class VisionActor:
 
     def _share(self, count: int) -> slice:
         """This rank's rows of a (mini-)batch of ``count``; FSDP2 needs equal shares (the same forwards everywhere)."""
-        if self.fsdp and count % dist.get_world_size(self.dp_group or self.all_group):
+        if self.fsdp and self.dp_group is not None and count % dist.get_world_size(self.dp_group):
             raise ValueError(f"{count} rows do not split evenly over the data-parallel ranks of an FSDP2 actor")
         return dp_share(count, self.dp_group)
 
