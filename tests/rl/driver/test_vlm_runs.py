@@ -20,7 +20,9 @@ has advantages, a loss gradient and an AdamW step:
 - run C (slow): ``mindspeed-rl grpo --nproc-per-node 2 ... actor.ulysses_parallel_size=2`` (two spawned
   gloo ranks, one Ulysses group): the same replies (rewards, lengths, held-out rewards exactly) and
   the same updates as A (grad norm within rel 1e-6, loss within 1e-7: on-policy GRPO's loss is 0 up
-  to float32 rounding) at every step.
+  to float32 rounding) at every step; and ``actor.dp=2 actor.fsdp=true`` (two data-parallel ranks, the
+  policy under FSDP2): the same replies and held-out rewards exactly, the update's numbers within rel
+  1e-5 (abs 1e-6), the HF export (written from the sharded model) within 1e-5 of each tensor's largest entry.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "rollout.max_new_tokens=4",
         "reward.verifiers=[format]",
         "reward.options.format.pattern=a|e|i|o|u|[0-9]",
+        "train.seed=5",  # every step's rewards vary (some seeds give a step of equal rewards: no update)
     ]
     a = root / "A"
     assert _grpo(*common, "train.steps=3", f"logging.dir={a}", f"checkpoint.save_hf={a / 'hf'}") == 0
@@ -138,10 +141,26 @@ def _check_export(model: Path, data: Path, export: Path, other: Path, checkpoint
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+EXACT = ("reward", "response_length", "eval/", "policy_version", "step", "skipped", "nonfinite_streak", "lr")
+
+
 @pytest.mark.slow  # two spawned interpreters: ~20 s at load 3, over the fast tests' budget
-def test_two_rank_ulysses_run_equals_one_rank(uninterrupted: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["ulysses", "dp_fsdp"])
+def test_two_rank_run_equals_one_rank(uninterrupted: dict, tmp_path: Path, layout: str) -> None:
+    """``--nproc-per-node 2`` as one Ulysses group, or as two data-parallel ranks with the policy under FSDP2
+    (each generating half of every step's and of the held-out answers; ``save_hf`` from the sharded model)."""
     c = tmp_path / "C"
-    overrides = [*uninterrupted["common"], "train.steps=3", "actor.ulysses_parallel_size=2", f"logging.dir={c}"]
+    extra = {
+        "ulysses": ["actor.ulysses_parallel_size=2"],
+        "dp_fsdp": ["actor.dp=2", "actor.fsdp=true", "actor.micro_batch_size=4"],
+    }[layout]
+    overrides = [
+        *uninterrupted["common"],
+        "train.steps=3",
+        *extra,
+        f"logging.dir={c}",
+        f"checkpoint.save_hf={c / 'hf'}",
+    ]
     assert _grpo("--nproc-per-node", "2", *overrides) == 0
     one, two = _records(uninterrupted["dir"]), _records(c)
     assert [r["step"] for r in two] == [0.0, 1.0, 2.0, 3.0]
@@ -149,5 +168,18 @@ def test_two_rank_ulysses_run_equals_one_rank(uninterrupted: dict, tmp_path: Pat
         x, y = _numbers(x), _numbers(y)
         assert x.keys() == y.keys()
         for key in x:
-            tol = {"grad_norm": (1e-6, 0.0), "loss": (0.0, 1e-7)}.get(key, (0.0, 0.0))
+            if layout == "ulysses":
+                tol = {"grad_norm": (1e-6, 0.0), "loss": (0.0, 1e-7)}.get(key, (0.0, 0.0))
+            else:  # the rewards, lengths and held-out rewards exactly; the update's numbers to float32 rounding
+                tol = (0.0, 0.0) if key.startswith(EXACT) else (1e-5, 1e-6)
             assert y[key] == pytest.approx(x[key], rel=tol[0], abs=tol[1]), f"step {x.get('step')}: {key}"
+    from safetensors.torch import load_file
+
+    mine, theirs = (
+        load_file(str(uninterrupted["dir"] / "hf" / "model.safetensors")),
+        load_file(str(c / "hf" / "model.safetensors")),
+    )
+    assert mine.keys() == theirs.keys()
+    for key, value in mine.items():
+        # AdamW turns float32 rounding of near-zero gradient entries into steps of up to lr: 1e-6 absolute more
+        torch.testing.assert_close(theirs[key], value, rtol=0.0, atol=1e-5 * float(value.abs().max()) + 1e-6, msg=key)

@@ -52,11 +52,17 @@ def tiny_vlm_rl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _hf_model(model_dir: Path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """The plain transformers class named by the directory's ``config.json`` (eager attention)."""
+    import json
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True
-    ).eval()
+    import transformers
+
+    architecture = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    return (
+        getattr(transformers, architecture)
+        .from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True)
+        .eval()
+    )
 
 
 def _hf_logprobs(model, prompt, response: list[int]) -> torch.Tensor:
@@ -70,15 +76,36 @@ def _hf_logprobs(model, prompt, response: list[int]) -> torch.Tensor:
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_logprobs_of_sampled_responses_equal_transformers(vlm_setup: dict) -> None:
-    engine, actor, encoded = vlm_setup["engine"], vlm_setup["actor"], vlm_setup["encoded"]
+@pytest.fixture(scope="module")
+def qwen3_vl_setup(tiny_vlm_rl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same questions with a tiny Qwen3-VL (``mindspeed_mm``'s registered family)."""
+    from mindspeed_mm.inference.prompts import read_prompt_file
+    from mindspeed_mm.testing import write_tiny_model
+    from mindspeed_rl.algorithms.losses import policy_loss_config
+    from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
+    from mindspeed_rl.rollout.vlm import VisionRolloutEngine
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("rl-vlm3") / "qwen3_vl", "Qwen3VLForConditionalGeneration")
+    engine = VisionRolloutEngine(model_dir, 784, 3136, max_batch_size=8)
+    settings = VisionActorSettings(micro_batch_size=3, loss_config=policy_loss_config("ppo_clip", kl_coef=0.0))
+    actor = VisionActor(model_dir, settings, trainable=False)
+    engine.load_weights(actor.hf_state())
+    chosen = read_prompt_file(tiny_vlm_rl[1])[:4]
+    return {"engine": engine, "actor": actor, "encoded": [engine.encode(p) for p in chosen], "dir": model_dir}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_logprobs_of_sampled_responses_equal_transformers(family: str, request: pytest.FixtureRequest) -> None:
+    setup = request.getfixturevalue("vlm_setup" if family == "qwen2_5_vl" else "qwen3_vl_setup")
+    engine, actor, encoded = setup["engine"], setup["actor"], setup["encoded"]
     params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=11) for _ in encoded]
     outputs = engine.generate(encoded, params)
     assert {len(o.token_ids) for o in outputs} != {0}
     assert len({p.encoded.input_ids.numel() for p in encoded}) > 1, "rows of different lengths: padding exercised"
     pairs = [(p, o.token_ids) for p, o in zip(encoded, outputs)]
     ours = actor.compute_logprobs(pairs)
-    hf = _hf_model(vlm_setup["dir"])
+    hf = _hf_model(setup["dir"])
+    assert type(hf).__name__ == {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[family] + "ForConditionalGeneration"
     image_rows = 0
     with torch.no_grad():
         for (prompt, response), mine, out in zip(pairs, ours, outputs):

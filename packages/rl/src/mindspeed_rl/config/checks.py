@@ -46,7 +46,8 @@ def _check_batches(config: RecipeSections) -> None:
             f"over actor.dp={a.dp} ranks; change train.global_batch, actor.mini_batch_size or rollout.n"
         )
     per_rank = rows // a.dp
-    if a.max_tokens_per_micro_batch is None and per_rank % a.micro_batch_size:
+    # A vision-language actor packs up to micro_batch_size rows per forward, the last pack holding the rest.
+    if a.model_type != "vlm" and a.max_tokens_per_micro_batch is None and per_rank % a.micro_batch_size:
         raise ConfigError(
             f"{per_rank} responses per rank and mini-batch are not divisible by actor.micro_batch_size="
             f"{a.micro_batch_size}; change it or set actor.max_tokens_per_micro_batch"

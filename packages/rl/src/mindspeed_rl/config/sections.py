@@ -83,6 +83,8 @@ class ActorConfig:
         ulysses_parallel_size: ``model_type: vlm`` only: ranks of the Ulysses sequence-parallel group
             that shares each packed microbatch (``mindspeed-mm``'s ``parallel.ulysses_parallel_size``;
             ``mindspeed-rl grpo --nproc-per-node`` starts them).
+        fsdp: ``model_type: vlm`` only: shard the policy with the multimodal trainer's FSDP2 plan over all
+            its ranks (``actor.dp`` x ``actor.ulysses_parallel_size``); the rollout engine gets the gathered weights.
     """
 
     model: str | None = None
@@ -109,6 +111,7 @@ class ActorConfig:
     lora: RLLoraConfig = field(default_factory=RLLoraConfig)
     model_type: Literal["llm", "vlm"] = "llm"
     ulysses_parallel_size: int = 1
+    fsdp: bool = False
 
     def world_size(self) -> int:
         """Devices of the actor: ``tp x pp x dp``."""
@@ -121,6 +124,11 @@ class ActorConfig:
             raise ConfigError(
                 f"actor.ulysses_parallel_size={self.ulysses_parallel_size} is for actor.model_type=vlm; a text "
                 "policy's context parallelism is not offered here, leave it at 1"
+            )
+        if self.fsdp and self.model_type != "vlm":
+            raise ConfigError(
+                "actor.fsdp is for actor.model_type=vlm (the multimodal trainer's FSDP2); a text policy shards "
+                "with megatron's distributed optimizer, leave actor.fsdp at false"
             )
         check_counts("actor", self, ("max_tokens_per_micro_batch", "mini_batch_size"), optional=True)
         check_model_dir(

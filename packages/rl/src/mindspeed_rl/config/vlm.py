@@ -1,7 +1,8 @@
 """The checks of a vision-language GRPO recipe (``actor.model_type: vlm``), after :meth:`GRPOConfig.check`.
 
-The vision-language path runs in one process (actor, rollout engine and rewards co-located, no Ray
-workers): what needs more than that is refused with the key and the fix.
+The vision-language path runs as the launcher's ranks (``actor.dp`` x ``actor.ulysses_parallel_size``),
+each with its actor, rollout engine and rewards co-located (no Ray workers): what needs more than that is
+refused with the key and the fix.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ def check_vlm(config: RecipeSections) -> None:
     unsupported = {
         "actor.tp": a.tp != 1,
         "actor.pp": a.pp != 1,
-        "actor.dp": a.dp != 1,
         "actor.lora": a.lora.enabled,
         "rollout.engine": r.engine != "builtin",
         "rollout.colocate": not r.colocate,
@@ -34,8 +34,8 @@ def check_vlm(config: RecipeSections) -> None:
     for key, wrong in unsupported.items():
         if wrong:
             raise ConfigError(
-                f"{key}: actor.model_type=vlm runs in one process (one device, co-located built-in engine, "
-                f"sync, single-turn); leave {key} at its default"
+                f"{key}: actor.model_type=vlm runs data- and sequence-parallel ranks only (co-located built-in "
+                f"engine, sync, single-turn); leave {key} at its default"
             )
     if not 0 < d.image_min_pixels <= d.image_max_pixels:
         raise ConfigError(

@@ -1,9 +1,11 @@
 """``mindspeed-rl grpo`` for a vision-language recipe (``actor.model_type: vlm``): the launcher's ranks, no Ray.
 
 The run holds ``checkpoint.save``'s run lock and runs as the ranks the core's launcher starts
-(:func:`mindspeed.launch.launch`: ``--nproc-per-node``, torchrun's flags): one Ulysses group of
-``actor.ulysses_parallel_size`` ranks, each generating the same rollouts (same seeds, same
-weights) and running its share of every packed microbatch; rank 0 writes the metrics. It resumes
+(:func:`mindspeed.launch.launch`: ``--nproc-per-node``, torchrun's flags): ``actor.dp`` data-parallel
+replicas of a Ulysses group of ``actor.ulysses_parallel_size`` consecutive ranks (the multimodal
+trainer's ``(dp, sp)`` mesh). Each replica generates and scores its share of the step's requests,
+the results are gathered, and each trains on its share of every mini-batch; the ranks of a Ulysses
+group run their shares of every packed microbatch; rank 0 writes the metrics. It resumes
 from the newest complete checkpoint in ``checkpoint.save`` (the same command continues a stopped
 run), saves every ``checkpoint.interval`` steps and after the last, and writes the policy to
 ``checkpoint.save_hf`` at the end (:mod:`mindspeed_rl.driver.vlm_checkpoint`).
@@ -28,6 +30,7 @@ from mindspeed.launch import launch
 from mindspeed.log import get_logger
 from mindspeed.nodes import Nodes
 from mindspeed_mm.trainer.checkpoint import step_dir
+from mindspeed_mm.trainer.fsdp import build_sp_mesh
 from mindspeed_rl.config.grpo import GRPOConfig
 from mindspeed_rl.driver.metrics import ProgressLine, RLMetricsLog
 from mindspeed_rl.driver.vlm_trainer import run_vlm_steps, start_vlm_run
@@ -39,26 +42,32 @@ def run_vlm_grpo(config: GRPOConfig, nodes: Nodes | None = None, nproc_per_node:
     """Run a vision-language recipe on ``nproc_per_node`` ranks (x ``nodes``); returns the exit status (0).
 
     Raises:
-        ValueError: the ranks are not one Ulysses group of ``actor.ulysses_parallel_size``.
+        ValueError: the ranks are not ``actor.dp`` x ``actor.ulysses_parallel_size``.
     """
     nodes = nodes or Nodes()
     world = nodes.world_size(nproc_per_node)
-    sp = config.actor.ulysses_parallel_size
-    if world != sp:
+    dp, sp = config.actor.dp, config.actor.ulysses_parallel_size
+    if world != dp * sp:
         raise ValueError(
-            f"{world} ranks and actor.ulysses_parallel_size={sp}: a vision-language run is one Ulysses group "
-            f"(data parallelism is not offered yet); start {sp} ranks (--nproc-per-node {sp}) or set "
-            f"actor.ulysses_parallel_size={world}"
+            f"{world} ranks and actor.dp={dp} x actor.ulysses_parallel_size={sp} = {dp * sp}: start "
+            f"{dp * sp} ranks (--nproc-per-node {dp * sp}) or set actor.dp={max(world // sp, 1)}"
         )
     with run_lock(config.checkpoint.save, node_rank=nodes.node_rank):
         result = launch(_vlm_rank, (config,), nproc_per_node=nproc_per_node, nodes=nodes)
     return int(result or 0)
 
 
+def vlm_groups(dp: int, sp: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ``(Ulysses group, data-parallel group)`` of the ``(dp, sp)`` mesh (None for a size of 1)."""
+    if dp * sp == 1:
+        return None, None
+    mesh = build_sp_mesh(dp * sp, sp)
+    return (mesh["sp"].get_group() if sp > 1 else None), (mesh["dp"].get_group() if dp > 1 else None)
+
+
 def _vlm_rank(config: GRPOConfig) -> int:
     """The run on this rank: build and resume, step (rank 0 writes the metrics and the summary line)."""
-    group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    run = start_vlm_run(config, group)
+    run = start_vlm_run(config, *vlm_groups(config.actor.dp, config.actor.ulysses_parallel_size))
     config = run.ctx.config
     rank0 = dist.get_rank() == 0
     log_dir = config.log_dir()

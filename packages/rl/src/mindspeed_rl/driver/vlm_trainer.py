@@ -1,4 +1,4 @@
-"""Vision-language GRPO on the ranks of one Ulysses group (``actor.model_type: vlm``): the GRPO step of
+"""Vision-language GRPO on the launcher's ranks (``actor.model_type: vlm``): the GRPO step of
 :mod:`mindspeed_rl.driver.trainer` with a ``mindspeed_mm`` policy.
 
 One step::
@@ -11,6 +11,14 @@ Only the rollout differs from the text path: prompts are conversations with imag
 multimodal trainer encodes them (:class:`~mindspeed_rl.rollout.vlm.VisionPrompt`). The actor is a
 :class:`~mindspeed_rl.models.vlm_actor.VisionActor`; the engine is a second copy of the model in the
 same process (weights copied after every update; ``rollout_logp_diff`` in the metrics says they match).
+
+Ranks: ``actor.dp`` data-parallel replicas x ``actor.ulysses_parallel_size`` (a Ulysses group each).
+Every rank draws the same questions (the sampler's seed is the run's) and encodes them all; each
+data-parallel rank generates and scores its contiguous share of the step's requests (every request
+its own seed, so the replies do not depend on the sharding) and the replies, their log-probs and
+rewards are gathered, so every rank holds the whole batch: the advantages, the metrics and the loss
+normalisation are the whole batch's, as on one rank, and the actor trains on its share of each
+mini-batch (:class:`~mindspeed_rl.models.vlm_actor.VisionActor`).
 """
 
 from __future__ import annotations
@@ -34,9 +42,9 @@ from mindspeed_rl.data import PromptFormat, PromptSampler
 from mindspeed_rl.demo.vlm_model import resolve_vlm_names
 from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch, eval_due, finish_record, train_on_batch
 from mindspeed_rl.driver.vlm_checkpoint import export_vlm, resume_vlm, save_due, save_vlm_checkpoint
-from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings
+from mindspeed_rl.models.vlm_actor import VisionActor, VisionActorSettings, dp_share
 from mindspeed_rl.rewards import build_reward
-from mindspeed_rl.rollout.vlm import VisionPrompt, VisionRolloutEngine
+from mindspeed_rl.rollout.vlm import VisionOutput, VisionPrompt, VisionRolloutEngine
 
 logger = get_logger(__name__)
 
@@ -78,10 +86,13 @@ def read_vlm_prompts(path: str) -> list[Prompt]:
     return prompts
 
 
-def build_vlm_context(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> GRPOContext:
+def build_vlm_context(
+    config: GRPOConfig, group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None
+) -> GRPOContext:
     """Actor, reference (with a KL penalty), engine, rewards and prompts of a vision-language recipe.
 
-    ``group``: the Ulysses sequence-parallel group the actor and reference split their forwards over.
+    ``group``: the Ulysses sequence-parallel group the actor and reference split their forwards over;
+    ``dp_group``: the data-parallel group the rollouts and the mini-batches are shared over.
 
     Raises:
         ConfigError / ValueError: the recipe's first problem.
@@ -90,9 +101,9 @@ def build_vlm_context(config: GRPOConfig, group: dist.ProcessGroup | None = None
     check_vlm(config)
     a, d = config.actor, config.data
     settings = vision_actor_settings(config)
-    actor = VisionActor(a.model, settings, group=group)
+    actor = VisionActor(a.model, settings, group=group, dp_group=dp_group, fsdp=a.fsdp)
     reference = (
-        VisionActor(config.reference.model or a.model, settings, trainable=False, group=group)
+        VisionActor(config.reference.model or a.model, settings, trainable=False, group=group, dp_group=dp_group)
         if config.needs_reference()
         else None
     )
@@ -113,8 +124,59 @@ def encoded(ctx: GRPOContext, prompt: Prompt, cache: dict[str, VisionPrompt]) ->
     return cache[key]
 
 
+@dataclass
+class SharedRollout:
+    """The replies to every row of a batch (:func:`generate_shared`), their text and rewards."""
+
+    outputs: list[VisionOutput]
+    texts: list[str]
+    rewards: torch.Tensor
+    parts: dict[str, torch.Tensor]
+
+
+def generate_shared(
+    ctx: GRPOContext, rows: list[Prompt], prompts: list[VisionPrompt], params: list[SamplingParams]
+) -> SharedRollout:
+    """Each data-parallel rank generates and scores its share of the rows; every rank returns all of them.
+
+    The rows' seeds are their own (the engine samples each row from its own stream), so the replies are
+    the ones one rank generating every row gets. Without a data-parallel group: all rows here.
+    """
+    group = ctx.actor.dp_group
+    share = dp_share(len(rows), group)
+    outputs = ctx.engine.generate(prompts[share], params[share]) if share.stop > share.start else []
+    texts = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    mine = rows[share]
+    rewards, parts = (
+        ctx.reward.score_batch([question(p) for p in mine], texts, [p.reference for p in mine])
+        if mine
+        else (torch.zeros(0), {})
+    )
+    if group is None:
+        return SharedRollout(outputs, texts, rewards, parts)
+    local = (
+        [(o.token_ids, o.logprobs) for o in outputs],
+        texts,
+        rewards.tolist(),
+        {k: v.tolist() for k, v in parts.items()},
+    )
+    shares: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, local, group=group)
+    names = next((list(s[3]) for s in shares if s[3]), [])
+    return SharedRollout(
+        [VisionOutput(list(t), list(lp)) for s in shares for t, lp in s[0]],
+        [text for s in shares for text in s[1]],
+        torch.tensor([v for s in shares for v in s[2]], dtype=rewards.dtype),
+        {k: torch.tensor([v for s in shares for v in s[3].get(k, [])], dtype=rewards.dtype) for k in names},
+    )
+
+
 def vlm_round(ctx: GRPOContext, cache: dict[str, VisionPrompt]) -> RolloutBatch:
-    """Generate and score one step's experience: ``train.global_batch`` questions x ``rollout.n`` answers."""
+    """Generate and score one step's experience: ``train.global_batch`` questions x ``rollout.n`` answers.
+
+    Every rank encodes every question of the step (the actor trains on any row of a mini-batch); the
+    data-parallel ranks share the generation and the scoring (:func:`generate_shared`).
+    """
     cfg, r = ctx.config, ctx.config.rollout
     chosen = [ctx.records[i] for i in ctx.sampler.next_batch()]
     rows = [p for p in chosen for _ in range(r.n)]
@@ -126,10 +188,9 @@ def vlm_round(ctx: GRPOContext, cache: dict[str, VisionPrompt]) -> RolloutBatch:
         )
         for i in range(len(prompts))
     ]
-    outputs = ctx.engine.generate(prompts, params)
-    texts = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+    done = generate_shared(ctx, rows, prompts, params)
+    outputs, rewards, parts = done.outputs, done.rewards, done.parts
     questions, references = [question(p) for p in rows], [p.reference for p in rows]
-    rewards, parts = ctx.reward.score_batch(questions, texts, references)
     return RolloutBatch(
         [(p, list(o.token_ids)) for p, o in zip(prompts, outputs)],
         questions,
@@ -171,9 +232,10 @@ def evaluate_vlm(ctx: GRPOContext, prompts: list[Prompt], cache: dict[str, Visio
         )
         for i in range(len(rows))
     ]
-    outputs = ctx.engine.generate([encoded(ctx, p, cache) for p in rows], params)
-    texts = [ctx.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
-    rewards, parts = ctx.reward.score_batch([question(p) for p in rows], texts, [p.reference for p in rows])
+    share = dp_share(len(rows), ctx.actor.dp_group)  # a rank encodes only the questions it answers
+    inputs = [encoded(ctx, p, cache) if share.start <= i < share.stop else VisionPrompt() for i, p in enumerate(rows)]
+    done = generate_shared(ctx, rows, inputs, params)
+    outputs, texts, rewards, parts = done.outputs, done.texts, done.rewards, done.parts
     ctx.eval_samples = [
         {"prompt": question(p), "response": text, "reward": float(v)}
         for p, text, v in zip(rows, texts, rewards.tolist())
@@ -205,14 +267,16 @@ class VisionRun:
     stopped: StopRequest | None = None
 
 
-def start_vlm_run(config: GRPOConfig, group: dist.ProcessGroup | None = None) -> VisionRun:
+def start_vlm_run(
+    config: GRPOConfig, group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None
+) -> VisionRun:
     """Build the run of ``config`` (demo names resolved) and resume it from ``checkpoint.save``'s newest checkpoint.
 
-    ``group``: the Ulysses group (every rank of it runs this). With ``checkpoint.save`` or
-    ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
+    ``group``: this rank's Ulysses group, ``dp_group``: its data-parallel group (every rank runs this).
+    With ``checkpoint.save`` or ``checkpoint.save_hf`` it must run inside a process group (``mindspeed.launch``).
     """
     config = resolve_vlm_config(config)
-    ctx = build_vlm_context(config, group)
+    ctx = build_vlm_context(config, group, dp_group)
     c = config.checkpoint
     if (c.save or c.save_hf) and not dist.is_initialized():
         raise ValueError(
@@ -250,7 +314,7 @@ def run_vlm_steps(
         samples(0, ctx.eval_samples)
     saved = ctx.step if run.resumed_from is not None else None
     while ctx.step < config.train.steps:
-        stop = preemption.agree(ctx.actor.group, get_accelerator().device()) if preemption is not None else None
+        stop = preemption.agree(ctx.actor.all_group, get_accelerator().device()) if preemption is not None else None
         if stop is not None:
             run.stopped = stop
             if config.checkpoint.save and saved != ctx.step and ctx.step > 0:

@@ -9,6 +9,10 @@ dict (co-located in one process: a copy of 0.2 M parameters for the demo).
 
 The engine never samples the vision placeholder tokens (``suppress_tokens``): a reply holding one
 would ask the model for image features it does not have.
+
+Every row draws from its own random stream, seeded with its request's seed (:class:`RowSampler`), so
+a reply does not depend on the rows it is batched with: data-parallel ranks that each generate a share
+of a step's requests sample what one rank generating them all samples.
 """
 
 from __future__ import annotations
@@ -18,11 +22,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
 from mindspeed_mm.data.encode import EncodedSample
 from mindspeed_mm.inference.generation import SamplingSettings, batch_inputs, eos_token_ids, generation_config
 from mindspeed_mm.inference.loading import InferenceModel, load_inference_model
 from mindspeed_mm.inference.prompts import Prompt, encode_prompt
+
+
+class RowSampler:
+    """A transformers logits processor that samples each row from its own generator (seeded per request).
+
+    The scores are warped by transformers' own warpers (temperature, top-k, top-p, in ``generate``'s
+    order), each row's token is drawn from its own ``torch.Generator``, and the returned scores are
+    ``-inf`` but at the drawn token, so ``generate`` in greedy mode picks it. The rows' draws are then
+    independent of the batch they are decoded in (a batched ``multinomial`` draws every row from one stream).
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, device: torch.device) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        warpers: list[Any] = []
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
+        picks = torch.stack([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
+        return torch.full_like(scores, float("-inf")).scatter_(1, picks, 0.0)
+
+
+def row_seeds(params: list[Any]) -> list[int]:
+    """Each row's seed (a row without one draws its seed from torch's global generator)."""
+    return [int(p.seed) if p.seed is not None else int(torch.randint(0, 2**62, ())) for p in params]
 
 
 class VisionPrompt(list):
@@ -84,8 +122,8 @@ class VisionRolloutEngine:
     def generate(self, prompts: list[VisionPrompt], params: list[Any]) -> list[VisionOutput]:
         """Replies to ``prompts`` (``params``: the rollout's sampling parameters, one per row).
 
-        Rows are decoded ``max_batch_size`` at a time, left-padded; each batch draws from one random
-        stream seeded with its first row's seed (a batch regenerated with the same seeds is the same).
+        Rows are decoded ``max_batch_size`` at a time, left-padded; each row draws from its own random
+        stream seeded with its own seed (:class:`RowSampler`): a reply is the same whatever rows share its batch.
         """
         outputs: list[VisionOutput] = []
         for first in range(0, len(prompts), self.max_batch_size):
@@ -95,17 +133,19 @@ class VisionRolloutEngine:
 
     def _generate_batch(self, prompts: list[VisionPrompt], params: list[Any]) -> list[VisionOutput]:
         p = params[0]
-        settings = SamplingSettings(
-            max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed
-        )
+        # Greedy in transformers' loop; sampling (temperature > 0) is the RowSampler's, one stream per row.
+        settings = SamplingSettings(max_new_tokens=p.max_new_tokens, temperature=0.0)
         config = generation_config(self.loaded, settings)
         config.suppress_tokens = self.suppressed
         config.output_logits, config.return_dict_in_generate = True, True
         inputs = batch_inputs([prompt.encoded for prompt in prompts], self.loaded)
-        if p.seed is not None:
-            torch.manual_seed(p.seed)
+        processors = LogitsProcessorList(
+            [RowSampler(row_seeds(params), p.temperature, p.top_k, p.top_p, inputs["input_ids"].device)]
+            if p.temperature > 0
+            else []
+        )
         with torch.no_grad():
-            out = self.loaded.model.generate(**inputs, generation_config=config)
+            out = self.loaded.model.generate(**inputs, generation_config=config, logits_processor=processors)
         start = inputs["input_ids"].shape[1]
         new = out.sequences[:, start:]
         # The raw logits (before temperature and filters): the policy's log-probs, as the actor computes them.
