@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.models.dit import DiTFamily, register_dit
+from mindspeed_mm.models.dit_parallel import SequencePlan, Split
 
 #: The CLIP tokens of the pipeline's tokenizers (``tokenizer_max_length``) plus its default ``max_sequence_length``.
 TEXT_LEN = 77 + 256
@@ -112,6 +113,15 @@ SD3 = register_dit(
         scheduler=("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0}),
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
+        # The joint attention's image tokens (after the patch and position embedding) and text tokens (after
+        # the context projection) are both split; every block attends over both streams' shards; the image
+        # tokens are gathered after proj_out. (SD3.5's dual-attention layers, an image-only second attention,
+        # are not covered: their sequence is not the joint one.)
+        sequence_plan=SequencePlan(
+            splits=(Split("pos_embed", None, 1, "image"), Split("context_embedder", None, 1, "text")),
+            gather=("proj_out", 1, "image"),
+            cross_attention_local=False,
+        ),
         # train_dreambooth_lora_sd3.py's targets: both streams' attention projections
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         latent_channels=lambda config: config.get("out_channels") or config["in_channels"],
