@@ -6,7 +6,7 @@ an ``AutoencoderKL``, the family's tiny ``SD3Transformer2DModel``):
   ``prompt_embeds`` and ``pooled_prompt_embeds`` (CLIP penultimate states padded to T5's width, T5's output after
   them; both CLIPs' pooled outputs);
 - sampling: our loop with classifier-free guidance gives the pipeline's latents and decoded image from the same
-  embeddings and initial latents;
+  embeddings and initial latents (SD3's shift 3, and a dynamically shifted scheduler: the pipeline's ``mu``);
 - ``mindspeed-mm generate`` on the saved pipeline directory writes the images that the pipeline loaded with
   ``from_pretrained`` makes from the same prompts, empty negative prompt and seed noise.
 """
@@ -130,12 +130,17 @@ def test_sd3_prompts_and_extracted_text_equal_pipeline(tmp_path) -> None:
         family.encode_prompts(parts, PROMPTS, CLIP_LEN)
 
 
-def test_sd3_sampler_equals_pipeline() -> None:
-    from diffusers import StableDiffusion3Pipeline
+@pytest.mark.parametrize("dynamic", [False, True], ids=["shift-3", "dynamic-shift"])
+def test_sd3_sampler_equals_pipeline(dynamic) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     family = DIT_FAMILIES.get(SD3)
     parts = _tiny_parts()
     model, vae, scheduler = parts["transformer"], parts["vae"], parts["scheduler"]
+    if dynamic:  # the pipeline's resolution-dependent mu (image tokens over patch 2)
+        config = {**family.scheduler[1], "use_dynamic_shifting": True, "base_image_seq_len": 4, "max_image_seq_len": 64}
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        assert family.timestep_kwargs(scheduler.config, 3, (2, 4, 8, 8))["mu"] != 0.5
     pipe = StableDiffusion3Pipeline(**{**parts, "scheduler": copy.deepcopy(scheduler)})
     gen = torch.Generator().manual_seed(6)
     latents = torch.randn(2, 4, 8, 8, generator=gen)
