@@ -7,7 +7,8 @@
 - Wan: a 1-rank extraction (the CLI), and a 2-rank extraction whose rank 1 was SIGKILLed after each rank
   recorded a shard, then resumed on 1 rank, hold the same index and tensors bit for bit: the shards
   written at 2 ranks equal those at 1, the resumed run skipped the recorded shards and redid the torn one.
-- The first losses of training from the cache equal those of training from the raw media (Wan, FLUX).
+- The first losses of training from the cache equal those of training from the raw media (Wan, FLUX, SD3);
+  SD3's cached text and pooled embeddings equal `StableDiffusion3Pipeline.encode_prompt`'s.
 """
 
 from __future__ import annotations
@@ -294,3 +295,60 @@ def test_wan_i2v_extract_caches_first_frame_conditions_and_trains(tmp_path) -> N
     raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
     assert cached == raw and all(np.isfinite(cached))
     print("wan i2v losses", cached, raw)
+
+
+def test_sd3_extract_caches_pipeline_text_and_trains(tmp_path) -> None:
+    """SD3: ``extract-features`` caches per image the three encoders' text (CLIP + CLIP + T5 on the sequence) and
+    the two CLIPs' pooled outputs as ``StableDiffusion3Pipeline.encode_prompt`` computes them (on the pipeline
+    folders' own parts), and ``(z - shift) x scale`` latents; training from the cache equals training from the
+    raw media."""
+    from diffusers import AutoencoderKL, StableDiffusion3Pipeline
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+    pipeline = write_tiny_pipeline(tmp_path / "sd3", "SD3Transformer2DModel")
+    for i in range(3):
+        write_image(tmp_path / f"media/{i}.png", _noise(40 + i, 16, 16, 3))
+    captions = [f"image {i}" for i in range(3)]
+    (tmp_path / "images.jsonl").write_text(
+        "".join(json.dumps({"path": f"media/{i}.png", "cap": c}) + "\n" for i, c in enumerate(captions))
+    )
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'images.jsonl'}]",
+        "data.resolutions=[[16,16]]",
+        "data.text_len=14",  # CLIP's 10 + T5's 4
+    ]
+    cache = tmp_path / "features"
+    result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
+    assert result.samples == 3
+    tensors = _cache(cache)[1]
+
+    def load(cls, name):
+        return cls.from_pretrained(pipeline / name).eval()
+
+    reference = StableDiffusion3Pipeline(
+        transformer=None,
+        scheduler=None,
+        vae=load(AutoencoderKL, "vae"),
+        text_encoder=load(CLIPTextModelWithProjection, "text_encoder"),
+        text_encoder_2=load(CLIPTextModelWithProjection, "text_encoder_2"),
+        text_encoder_3=load(T5EncoderModel, "text_encoder_3"),
+        tokenizer=AutoTokenizer.from_pretrained(pipeline / "tokenizer"),
+        tokenizer_2=AutoTokenizer.from_pretrained(pipeline / "tokenizer_2"),
+        tokenizer_3=AutoTokenizer.from_pretrained(pipeline / "tokenizer_3"),
+    )
+    for i, caption in enumerate(captions):
+        (text,) = [v for k, v in tensors.items() if k.endswith(f"{i:06d}.text")]
+        (pooled,) = [v for k, v in tensors.items() if k.endswith(f"{i:06d}.pooled")]
+        (latents,) = [v for k, v in tensors.items() if k.endswith(f"{i:06d}.latents")]
+        with torch.no_grad():
+            theirs, _, theirs_pooled, _ = reference.encode_prompt(
+                caption, None, None, do_classifier_free_guidance=False, max_sequence_length=4
+            )
+        assert text.shape == (14, 48) and pooled.shape == (32,) and latents.shape == (4, 8, 8)
+        torch.testing.assert_close(text, theirs[0], rtol=0, atol=0)
+        torch.testing.assert_close(pooled, theirs_pooled[0], rtol=0, atol=0)
+    cached = launch(_train, (load_mm_config(None, [*args, *TRAIN, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
+    assert cached == raw and all(np.isfinite(cached))
+    print("sd3 losses", cached, raw)

@@ -2,7 +2,7 @@
 
 A pipeline directory holds ``vae/`` (a diffusers VAE: ``_class_name`` in its config.json),
 ``text_encoder/`` and ``tokenizer/`` (transformers), and for FLUX ``text_encoder_2/`` and
-``tokenizer_2/``; an image-to-video family names more folders (Wan2.1 I2V: ``image_encoder/`` and
+``tokenizer_2/`` (SD3: ``_3`` too); an image-to-video family names more folders (Wan2.1 I2V: ``image_encoder/`` and
 ``image_processor/``, loaded as the pipeline's ``model_index.json`` records them). Which text encoders a transformer needs, and how their outputs become the
 cache's ``text`` / ``pooled``, is registered per transformer class in :data:`TEXT_ENCODINGS`
 (:mod:`mindspeed_mm.models.encoders` computes them as the pipelines do).
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mindspeed.registry import Registry
-from mindspeed_mm.models.encoders import encode_latents, encode_t5_clip, encode_umt5
+from mindspeed_mm.models.encoders import encode_latents, encode_sd3, encode_t5_clip, encode_umt5
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,13 @@ TEXT_ENCODINGS.register("WanTransformer3DModel", TextEncoding((("text_encoder", 
 TEXT_ENCODINGS.register(
     "FluxTransformer2DModel",
     TextEncoding((("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")), encode_t5_clip),
+)
+TEXT_ENCODINGS.register(
+    "SD3Transformer2DModel",
+    TextEncoding(
+        (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"), ("text_encoder_3", "tokenizer_3")),
+        encode_sd3,
+    ),
 )
 
 

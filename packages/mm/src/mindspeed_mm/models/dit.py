@@ -68,6 +68,9 @@ class DiTFamily:
             extract-features and training from raw media give it each video's first frame).
         condition_folders: pipeline folders the conditions need beyond the VAE, with ``(model config) ->
             whether needed`` (Wan2.1 I2V: ``image_encoder`` and ``image_processor``).
+        latent_channels: ``(model config as a dict) -> channels of the latents`` the VAE gives it (FLUX
+            packs 2x2 patches: a quarter of ``in_channels``; SD3 patchifies inside: its ``in_channels``);
+            None: its ``out_channels`` (else ``in_channels``).
     """
 
     architecture: str
@@ -93,6 +96,7 @@ class DiTFamily:
     conditions: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
     image_conditions: Callable[[dict[str, Any], Any, int, int, int], dict[str, torch.Tensor]] | None = None
     condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
+    latent_channels: Callable[[Any], int] | None = None
 
     @property
     def key(self) -> str:

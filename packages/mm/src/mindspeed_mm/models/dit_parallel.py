@@ -199,6 +199,13 @@ class SequenceParallel:
                 f"({key.shape[1]} key heads); use a divisor of the head count"
             )
         sizes = self.attention_sizes()
+        if query.shape[2] != sizes[self.rank]:
+            raise ValueError(
+                f"an attention over {query.shape[2]} local tokens where the plan's splits give this rank "
+                f"{sizes[self.rank]}: the model attends over a sequence the plan does not split (e.g. SD3.5's "
+                "dual-attention layers, image tokens only); set parallel.ulysses_parallel_size=1 and "
+                "parallel.ring_attention_size=1 for this model"
+            )
         softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
         device = get_accelerator().name
         self.calls += 1

@@ -9,7 +9,9 @@ The cache (:mod:`mindspeed_mm.data.features`) holds exactly what training feeds 
 - Wan text: UMT5's output for the caption's real tokens (``WanPipeline`` pads the rest with zeros,
   which the trainer does from ``data.text_len``);
 - FLUX text: T5's output over all ``max_length`` tokens, padding included and no attention mask
-  (as ``FluxPipeline``), and CLIP's pooled output over its tokenizer's ``model_max_length``.
+  (as ``FluxPipeline``), and CLIP's pooled output over its tokenizer's ``model_max_length``;
+- SD3 text: two CLIPs' penultimate hidden states (padded to T5's width) then T5's output, and the
+  two CLIPs' pooled outputs concatenated (as ``StableDiffusion3Pipeline``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,50 @@ def encode_t5_clip(
         captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
     )
     text = t5(t5_inputs.input_ids.to(next(t5.parameters()).device), output_hidden_states=False)[0]
+    return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
+
+
+@torch.no_grad()
+def encode_sd3(
+    clip_tokenizer: Any,
+    clip: Any,
+    clip_tokenizer_2: Any,
+    clip_2: Any,
+    t5_tokenizer: Any,
+    t5: Any,
+    captions: list[str],
+    max_length: int = 333,
+) -> list[dict[str, torch.Tensor]]:
+    """Per caption ``{"text": [max_length, D], "pooled": [P1 + P2]}`` as ``StableDiffusion3Pipeline.encode_prompt``
+    computes them: each CLIP's penultimate hidden states over its ``model_max_length`` tokens, the two
+    concatenated on features and zero-padded to T5's width ``D``, then T5's output over the remaining
+    ``max_length - model_max_length`` tokens (its ``max_sequence_length``) on the sequence; pooled: the
+    two CLIPs' projected outputs concatenated.
+
+    Raises:
+        ValueError: ``max_length`` leaves no T5 token beside the CLIP tokens.
+    """
+    clip_len = clip_tokenizer.model_max_length
+    t5_len = max_length - clip_len
+    if t5_len < 1:
+        raise ValueError(
+            f"text length {max_length} leaves no T5 token beside CLIP's {clip_len}; set data.text_len "
+            f"(--text-len) to {clip_len} + T5's tokens (SD3's pipeline: {clip_len} + 256)"
+        )
+    hidden, pooled = [], []
+    for tokenizer, encoder in ((clip_tokenizer, clip), (clip_tokenizer_2, clip_2)):
+        ids = tokenizer(captions, padding="max_length", max_length=clip_len, truncation=True, return_tensors="pt")
+        out = encoder(ids.input_ids.to(next(encoder.parameters()).device), output_hidden_states=True)
+        pooled.append(out[0])
+        hidden.append(out.hidden_states[-2])
+    t5_ids = t5_tokenizer(
+        captions, padding="max_length", max_length=t5_len, truncation=True, add_special_tokens=True, return_tensors="pt"
+    )
+    t5_text = t5(t5_ids.input_ids.to(next(t5.parameters()).device))[0]
+    clip_text = torch.cat(hidden, dim=-1)
+    clip_text = torch.nn.functional.pad(clip_text, (0, t5_text.shape[-1] - clip_text.shape[-1]))
+    text = torch.cat([clip_text.to(t5_text.device, t5_text.dtype), t5_text], dim=-2)
+    pooled = torch.cat(pooled, dim=-1)
     return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
 
 

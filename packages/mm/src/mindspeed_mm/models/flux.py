@@ -144,5 +144,6 @@ FLUX = register_dit(
         # train_dreambooth_lora_flux.py's attention targets: both streams' projections (the single
         # blocks have no to_out: their attention output goes through proj_out with the MLP's)
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        latent_channels=lambda config: config["in_channels"] // 4,
     )
 )

@@ -37,7 +37,7 @@ def write_tiny_dit_run(
     text_dim = config.get("text_dim") or config["joint_attention_dim"]
     if latent_shapes is None:
         channels = config.get("out_channels") or config["in_channels"]
-        channels = channels if family.latent_dims == 4 else config["in_channels"] // 4
+        channels = family.latent_channels(config) if family.latent_channels is not None else channels
         latent_shapes = [(channels, 3, 4, 4) if family.latent_dims == 4 else (channels, 4, 4)]
     gen = torch.Generator().manual_seed(seed + 1)
     samples = []

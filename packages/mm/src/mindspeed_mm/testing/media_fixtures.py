@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mindspeed_mm.models.dit import write_tiny_dit
+from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 
 
@@ -48,7 +48,8 @@ def _tokenizer(directory: Path, max_length: int) -> None:
 
 def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0) -> Path:
     """A diffusers-layout pipeline directory with tiny random parts: ``transformer``, ``vae``, ``text_encoder``,
-    ``tokenizer`` (and FLUX's ``text_encoder_2``, ``tokenizer_2``), matching the transformer's tiny config."""
+    ``tokenizer`` (and FLUX's ``text_encoder_2``, ``tokenizer_2``; SD3's three text encoders and tokenizers),
+    matching the transformer's tiny config."""
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     directory = Path(directory)
@@ -80,15 +81,48 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
 
     model_dir = write_tiny_dit(directory / "transformer", architecture, seed)
     tiny = json.loads((model_dir / "config.json").read_text())
+    family = DIT_FAMILIES.get(architecture)
     AutoencoderKL(
         block_out_channels=(8, 8),
         down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=tiny["in_channels"] // 4,
+        latent_channels=family.latent_channels(tiny),
         norm_num_groups=4,
         shift_factor=0.1159,
         scaling_factor=0.3611,
     ).save_pretrained(str(directory / "vae"))
+    if architecture == "SD3Transformer2DModel":  # two CLIPs with projection (pooled: both), a T5 of the joint width
+        from transformers import CLIPTextModelWithProjection
+
+        for name in ("text_encoder", "text_encoder_2"):
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=vocab,
+                    hidden_size=16,
+                    projection_dim=tiny["pooled_projection_dim"] // 2,
+                    intermediate_size=37,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    max_position_embeddings=10,
+                    bos_token_id=257,
+                    eos_token_id=257,
+                    pad_token_id=256,
+                )
+            ).save_pretrained(str(directory / name))
+        T5EncoderModel(
+            T5Config(
+                vocab_size=vocab,
+                d_model=tiny["joint_attention_dim"],
+                d_kv=8,
+                d_ff=37,
+                num_layers=1,
+                num_heads=2,
+                pad_token_id=256,
+            )
+        ).save_pretrained(str(directory / "text_encoder_3"))
+        for name, length in (("tokenizer", 10), ("tokenizer_2", 10), ("tokenizer_3", 512)):
+            _tokenizer(directory / name, length)
+        return directory
     CLIPTextModel(
         CLIPTextConfig(
             vocab_size=vocab,
