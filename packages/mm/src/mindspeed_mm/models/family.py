@@ -61,6 +61,8 @@ class VLMFamily:
         audio_token: the token of that placeholder that :attr:`audio_inputs` expands.
         audio_inputs: ``feature extractor output -> (audio inputs of the model's forward, audio tokens
             per clip)``, as the family's transformers processor counts them.
+        dummy_audio_inputs: ``model config -> kwargs`` of ``get_audio_features`` for the shortest clip
+            (a rank without audio in its microbatch runs it when the data holds audio).
     """
 
     architecture: str
@@ -83,6 +85,7 @@ class VLMFamily:
     audio_placeholder: str = ""
     audio_token: str = ""
     audio_inputs: Callable[[Any], tuple[dict[str, torch.Tensor], list[int]]] | None = None
+    dummy_audio_inputs: Callable[[Any], dict[str, torch.Tensor]] | None = None
 
     def load_class(self) -> type:
         """The transformers model class."""

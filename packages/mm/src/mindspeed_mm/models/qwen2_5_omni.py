@@ -77,6 +77,12 @@ def dummy_video_inputs(config: Any) -> dict[str, torch.Tensor]:
     return {"pixel_values_videos": inputs["pixel_values"], "video_grid_thw": inputs["image_grid_thw"]}
 
 
+def dummy_audio_inputs(config: Any) -> dict[str, torch.Tensor]:
+    """Four zero feature frames (one audio token: the audio tower's smallest input)."""
+    mels = config.audio_config.num_mel_bins
+    return {"input_features": torch.zeros(1, mels, 4), "feature_attention_mask": torch.ones(1, 4, dtype=torch.long)}
+
+
 def rope_positions(model: Any, sample: Any) -> torch.Tensor:
     """[4, 1, L]: the text positions, then transformers' ``get_rope_index`` (audio lengths from the feature mask)."""
     ids = sample.input_ids[None]
@@ -205,5 +211,6 @@ QWEN2_5_OMNI = register_family(
         audio_placeholder="<|audio_bos|><|AUDIO|><|audio_eos|>",
         audio_token="<|AUDIO|>",
         audio_inputs=audio_inputs,
+        dummy_audio_inputs=dummy_audio_inputs,
     )
 )

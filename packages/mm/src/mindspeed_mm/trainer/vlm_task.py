@@ -160,6 +160,7 @@ class VLMTask:
         )
         if self.vision_sync is not None:
             self.vision_sync.videos = videos
+            self.vision_sync.audio = audios
         self.order = SampleOrder(
             len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world // self.sp, t.seed, d.shuffle
         )
