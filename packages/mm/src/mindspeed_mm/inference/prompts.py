@@ -31,6 +31,7 @@ class Prompt:
         reference: the assistant turn that followed in the prompts file (None: none).
         source: where it came from (``file:line``, or ``--prompt``).
         videos: videos (a file, a frame folder, or a tuple of frame paths), in placeholder order.
+        audios: audio clips (.wav), in placeholder order (Qwen2.5-Omni).
     """
 
     messages: tuple[dict[str, str], ...]
@@ -38,6 +39,7 @@ class Prompt:
     reference: str | None = None
     source: str = "--prompt"
     videos: tuple[str | tuple[str, ...], ...] = ()
+    audios: tuple[str, ...] = ()
 
 
 def prompt_from_text(
@@ -94,7 +96,12 @@ def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples
             )
         prompts.append(
             Prompt(
-                messages=messages, images=sample.images, reference=reference, source=sample.source, videos=sample.videos
+                messages=messages,
+                images=sample.images,
+                reference=reference,
+                source=sample.source,
+                videos=sample.videos,
+                audios=sample.audios,
             )
         )
     return prompts
@@ -119,7 +126,7 @@ def encode_with_answer(
     """
     messages = prompt.messages + ({"role": "assistant", "content": answer},)
     whole = encode_sample(
-        MllmSample(messages, prompt.images, prompt.source, prompt.videos),
+        MllmSample(messages, prompt.images, prompt.source, prompt.videos, prompt.audios),
         loaded.tokenizer,
         loaded.processor,
         loaded.family,
@@ -127,6 +134,7 @@ def encode_with_answer(
         mask_history=True,
         video_processor=loaded.video_processor() if prompt.videos else None,
         video_settings=loaded.video_settings,
+        audio_processor=loaded.audio_processor() if prompt.audios else None,
     )
     learned = (whole.labels != IGNORE_INDEX).nonzero()
     start = int(learned[0]) if len(learned) else whole.input_ids.numel()
