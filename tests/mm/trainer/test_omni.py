@@ -5,7 +5,9 @@
 - First step: the trainer's first loss and gradient norm equal transformers' own loss computed
   sample by sample (its own 3-D positions from ``get_rope_index`` with the audio lengths, its own
   label shift), and every gradient of the packed forward through the suite's attention equals the
-  sum of the per-sample reference gradients; a packed row without sample boundaries misses it.
+  sum of the per-sample reference gradients (a video + audio sample among them: four frames, not
+  interleaved, ``use_audio_in_video=False``); a packed row without sample boundaries, or with 1-D
+  positions, misses it.
 - Bad input: a count mismatch between ``<audio>`` and ``audios``, a missing clip, a file that is not
   a .wav, and an audio sample for a family without audio are each a one-line ``ValueError``.
 """
@@ -25,6 +27,7 @@ from mindspeed_mm.data import pack_samples, read_mllm_files
 from mindspeed_mm.data.audio import decode_audio
 from mindspeed_mm.data.mllm_check import check_mllm_media
 from mindspeed_mm.data.preprocess import EncodeSettings, Processing
+from mindspeed_mm.data.video import VideoSettings, decode_video
 from mindspeed_mm.models import family_of, load_audio_processor, load_model, load_processing, load_video_processor
 from mindspeed_mm.testing import write_tiny_audio_dataset, write_tiny_model
 from mindspeed_mm.trainer.loop import train
@@ -32,18 +35,21 @@ from mindspeed_mm.trainer.loss import token_losses
 from mindspeed_mm.trainer.sequence_parallel import SequenceParallel
 
 OMNI = "Qwen2_5OmniThinkerForConditionalGeneration"
-SAMPLES = 6  # audio, audio, image + audio, text only, audio, image + audio
+SAMPLES = 7  # audio, audio, image + audio, text only, audio, image + audio, video + audio (4 frames)
 
 
 @pytest.fixture(scope="module")
 def tiny_omni(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny-omni")
-    return write_tiny_model(root / "omni", OMNI), write_tiny_audio_dataset(root / "data", num_samples=SAMPLES)
+    return write_tiny_model(root / "omni", OMNI), write_tiny_audio_dataset(
+        root / "data", num_samples=SAMPLES, video_every=7
+    )
 
 
 def _processing(model_dir: Path) -> Processing:
     tokenizer, processor = load_processing(model_dir, 28 * 28, 112 * 112)
-    return Processing(tokenizer, processor, family_of(model_dir), None, load_audio_processor(model_dir))
+    family = family_of(model_dir)
+    return Processing(tokenizer, processor, family, load_video_processor(model_dir), load_audio_processor(model_dir))
 
 
 def test_encoding_equals_qwen2_5_omni_processor(tiny_omni) -> None:
@@ -57,9 +63,10 @@ def test_encoding_equals_qwen2_5_omni_processor(tiny_omni) -> None:
     tokenizer, family = processing.tokenizer, processing.family
     for name, token in TOKEN_ATTRIBUTES.items():  # the released tokenizer's extra special tokens
         setattr(tokenizer, name, token)
+    videos = load_video_processor(model_dir)
     processor = Qwen2_5OmniProcessor(
         image_processor=processing.image_processor,
-        video_processor=load_video_processor(model_dir),
+        video_processor=videos,
         feature_extractor=processing.audio_processor,
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
@@ -73,23 +80,29 @@ def test_encoding_equals_qwen2_5_omni_processor(tiny_omni) -> None:
                 "role": m["role"],
                 "content": m["content"]
                 .replace("<audio>", family.audio_placeholder)
-                .replace("<image>", family.image_placeholder),
+                .replace("<image>", family.image_placeholder)
+                .replace("<video>", family.video_placeholder),
             }
             for m in sample.messages
         ]
+        clips = [decode_video(video, VideoSettings(), sample.source) for video in sample.videos]
         theirs = processor(
             text=[tokenizer.apply_chat_template(messages, tokenize=False)],
             audio=[decode_audio(path, rate, sample.source) for path in sample.audios] or None,
             images=[Image.open(path).convert("RGB") for path in sample.images] or None,
+            videos=[clip.frames for clip in clips] or None,
+            video_metadata=[clip.metadata() for clip in clips] or None,
+            do_sample_frames=False,
+            videos_kwargs={"size": dict(videos.size)},  # the directory's bounds, not the 7B's call default
             return_tensors="pt",
         )
         assert torch.equal(theirs["input_ids"][0], ours.input_ids), sample.source
-        expected = {
-            k for k in ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw") if k in theirs
-        }
+        keys = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+        keys += ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")
+        expected = {k for k in keys if k in theirs}
         assert set(ours.vision) == expected, sample.source
         for key in expected:
-            assert torch.equal(theirs[key], ours.vision[key]), (sample.source, key)
+            assert torch.equal(torch.as_tensor(theirs[key]).to(ours.vision[key].dtype), ours.vision[key]), key
         audio_tokens.append(int((ours.mm_token_type_ids == 3).sum()))
     print(f"audio tokens per sample: {audio_tokens}")
     assert len({n for n in audio_tokens if n}) > 1  # clips of different lengths
@@ -170,9 +183,13 @@ def test_first_step_equals_transformers(tiny_omni, tmp_path) -> None:
         inputs = {**batch.model_inputs(torch.device("cpu"))}
         inputs["position_ids"] = inputs["position_ids"][1:]  # no text row: transformers builds one causal mask
         unbounded = token_losses(ref_model(**inputs).logits[0], batch.targets).sum() / batch.num_label_tokens
+        inputs["position_ids"] = batch.position_ids[:1].expand(4, -1, -1)  # text positions on the rotary axes
+        one_d = token_losses(ref_model(**inputs).logits[0], batch.targets).sum() / batch.num_label_tokens
+    assert abs(float(one_d) - per_token) > 1e-4  # the image and video grid positions matter
     print(
         f"Omni packed loss {per_token:.6f}, grad norm {norm:.6f}, worst gradient error {worst:.2e}, "
-        f"error without boundaries {abs(float(unbounded) - per_token):.2e}"
+        f"error without boundaries {abs(float(unbounded) - per_token):.2e}, with 1-D positions "
+        f"{abs(float(one_d) - per_token):.2e}"
     )
     assert abs(float(unbounded) - per_token) > 1e-4
 

@@ -129,12 +129,14 @@ def write_tiny_audio_dataset(
     image_every: int = 3,
     text_only_every: int = 4,
     sampling_rate: int = 16000,
+    video_every: int = 0,
 ) -> Path:
     """``directory/data.jsonl`` plus 16-bit .wav tones: "Which pitch is this?" answered ``low`` or ``high``.
 
     Each clip is a sine tone (0.3-1.2 s, its frequency drawn within the class's band, a little noise);
     every ``image_every``-th sample adds a PNG before the audio ("<image><audio>"), every
-    ``text_only_every``-th has no media (0: never).
+    ``video_every``-th a video of 4 PNG frames instead ("<video><audio>", a frame list; 0: never),
+    every ``text_only_every``-th has no media (0: never).
     """
     from PIL import Image
 
@@ -165,7 +167,15 @@ def write_tiny_audio_dataset(
             ],
             "audios": [f"audio/{audio.name}"],
         }
-        if image_every and i % image_every == image_every - 1:
+        if video_every and i % video_every == video_every - 1:
+            frames = []
+            for k in range(4):
+                path = directory / "images" / f"{i:04d}-frame{k}.png"
+                Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(path)
+                frames.append(f"images/{path.name}")
+            record["messages"][0]["content"] = "<video>" + record["messages"][0]["content"]
+            record["videos"] = [frames]
+        elif image_every and i % image_every == image_every - 1:
             side = int(rng.choice([28, 56]))
             path = directory / "images" / f"{i:04d}.png"
             Image.fromarray(rng.integers(0, 255, (side, side * 2, 3), dtype=np.uint8)).save(path)
