@@ -81,7 +81,8 @@ class VisionSync:
     def _audio_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self.needed_audio:
             return None
-        device = kwargs["input_ids"].device if kwargs.get("input_ids") is not None else None
+        given = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        device = given.device if given is not None else self.audio_inputs["input_features"].device
         out = self.audio_features(**{k: v.to(device) for k, v in self.audio_inputs.items()})
         self.audio_zero = sum(t.float().sum() for t in _tensors(out)) * 0.0
         return None
