@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample, read_mllm_files
+from mindspeed_mm.data.mllm import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample, read_mllm_files
 from mindspeed_mm.inference.loading import InferenceModel
 
 
@@ -43,10 +43,14 @@ class Prompt:
 
 
 def prompt_from_text(
-    text: str, images: list[str], system: str | None = None, videos: list[str] | tuple[str, ...] = ()
+    text: str,
+    images: list[str],
+    system: str | None = None,
+    videos: list[str] | tuple[str, ...] = (),
+    audios: list[str] | tuple[str, ...] = (),
 ) -> Prompt:
     """A one-turn prompt; images (videos) without an ``<image>`` (``<video>``) in ``text`` are put before it,
-    images first (as LLaMA-Factory does).
+    images first, then videos, then audio clips (as LLaMA-Factory does).
 
     Raises:
         ValueError: an image or video that does not exist, or placeholders that do not match them.
@@ -57,8 +61,15 @@ def prompt_from_text(
     for video in videos:
         if not Path(video).exists():
             raise ValueError(f"--video {video!r} does not exist; give a video file or a folder of frame images")
+    for audio in audios:
+        if not Path(audio).is_file():
+            raise ValueError(f"--audio {audio!r} does not exist; give the path of a .wav file")
     prefix = ""
-    for placeholder, flag, media in ((IMAGE_PLACEHOLDER, "--image", images), (VIDEO_PLACEHOLDER, "--video", videos)):
+    for placeholder, flag, media in (
+        (IMAGE_PLACEHOLDER, "--image", images),
+        (VIDEO_PLACEHOLDER, "--video", videos),
+        (AUDIO_PLACEHOLDER, "--audio", audios),
+    ):
         placeholders = text.count(placeholder)
         if placeholders == 0:
             prefix += placeholder * len(media)
@@ -73,6 +84,7 @@ def prompt_from_text(
         messages=tuple(messages),
         images=tuple(str(Path(i).resolve()) for i in images),
         videos=tuple(str(Path(v).resolve()) for v in videos),
+        audios=tuple(str(Path(a).resolve()) for a in audios),
     )
 
 
