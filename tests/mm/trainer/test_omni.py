@@ -4,7 +4,7 @@
   and grids) equals ``Qwen2_5OmniProcessor``'s output for the same conversation and decoded clips.
 - First step: the trainer's first loss and gradient norm equal transformers' own loss computed
   sample by sample (its own 3-D positions from ``get_rope_index`` with the audio lengths, its own
-  label shift), and every gradient of the packed forward through the suite's attention equals the
+  label shift), also when encoded by 2 worker processes into ``data.cache_dir`` and read back; and every gradient of the packed forward through the suite's attention equals the
   sum of the per-sample reference gradients (a video + audio sample among them: four frames, not
   interleaved, ``use_audio_in_video=False``); a packed row without sample boundaries, or with 1-D
   positions, misses it.
@@ -140,25 +140,26 @@ def test_first_step_equals_transformers(tiny_omni, tmp_path) -> None:
     expected = {name: sum(g[name] for g in grads) / n for name in grads[0]}
     norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in expected.values())))
 
-    config = load_mm_config(
-        None,
-        [
-            f"model.path={model_dir}",
-            f"data.files=[{data}]",
-            "data.shuffle=false",
-            "train.steps=1",
-            f"train.micro_batch_size={SAMPLES}",
-            "train.precision=fp32",
-            "train.clip_grad=0",
-            "logging.progress=false",
-            "data.image_min_pixels=784",
-            "data.image_max_pixels=12544",
-            f"logging.dir={tmp_path}",
-        ],
-    )
-    record = launch(_train_rank, (config,)).records[0]
-    assert record["loss"] == pytest.approx(per_token, rel=1e-6)
-    assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    common = [
+        f"model.path={model_dir}",
+        f"data.files=[{data}]",
+        "data.shuffle=false",
+        "train.steps=1",
+        f"train.micro_batch_size={SAMPLES}",
+        "train.precision=fp32",
+        "train.clip_grad=0",
+        "logging.progress=false",
+        "data.image_min_pixels=784",
+        "data.image_max_pixels=12544",
+        f"logging.dir={tmp_path}",
+    ]
+    # encoded in this process, and in 2 worker processes into a cache (then read back from it)
+    cache = ["data.workers=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    for overrides in (common, common + cache, common + cache):
+        record = launch(_train_rank, (load_mm_config(None, overrides),)).records[0]
+        assert record["loss"] == pytest.approx(per_token, rel=1e-6)
+        assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
 
     # Every gradient: the packed row through the suite's attention (sample boundaries from the trainer's hook).
     model = load_model(model_dir, processing.family)
@@ -220,6 +221,12 @@ def test_bad_audio_input_is_one_line(tiny_omni, tmp_path) -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="cannot be read as a PCM .wav"):
         decode_audio(str(not_wav), 16000, "x")
+    from mindspeed_mm.inference.prompts import prompt_from_text
+
+    with pytest.raises(ValueError, match="--audio 'nowhere.wav' does not exist"):
+        prompt_from_text("Which pitch?", [], None, (), ["nowhere.wav"])
+    with pytest.raises(ValueError, match="1 <audio> placeholder"):
+        prompt_from_text("<audio>Which pitch?", [], None, (), [clip, clip])
     # A Qwen2.5-VL model takes no audio.
     vl = write_tiny_model(tmp_path / "vl")
     with pytest.raises(ValueError, match="takes no audio"):
