@@ -221,6 +221,11 @@ def test_bad_audio_input_is_one_line(tiny_omni, tmp_path) -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="cannot be read as a PCM .wav"):
         decode_audio(str(not_wav), 16000, "x")
+    processing = _processing(model_dir)
+    audio_only = read_mllm_files([str(sample({"messages": turns, "audios": [clip]}))])[0]
+    with pytest.raises(ValueError, match="audio tokens end at token .* beyond data.cutoff_len=8") as info:
+        processing.encode(audio_only, EncodeSettings(cutoff_len=8))
+    assert "\n" not in str(info.value)
     from mindspeed_mm.inference.prompts import prompt_from_text
 
     with pytest.raises(ValueError, match="--audio 'nowhere.wav' does not exist"):

@@ -199,9 +199,9 @@ def encode_sample(
     media_positions = types.nonzero()
     if len(media_positions) and int(media_positions[-1]) >= cutoff_len:
         raise ValueError(
-            f"{sample.source}: its image/video tokens end at token {int(media_positions[-1]) + 1}, beyond "
+            f"{sample.source}: its image/video/audio tokens end at token {int(media_positions[-1]) + 1}, beyond "
             f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels "
-            "(data.video_max_pixels, data.video_maxlen)"
+            "(data.video_max_pixels, data.video_maxlen; shorter audio clips)"
         )
     input_ids, target = input_ids[:cutoff_len], torch.tensor(labels[:cutoff_len], dtype=torch.long)
     return EncodedSample(
