@@ -123,6 +123,14 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         help="a video (a file or a folder of frame images) for every --prompt (repeatable; put <video> in the "
         "prompt where it goes, else the videos come first, after the images)",
     )
+    parser.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an audio clip (.wav) for every --prompt, for a model that takes audio (Qwen2.5-Omni) (repeatable; "
+        "put <audio> in the prompt where it goes, else the clips come first, after the images and videos)",
+    )
     add_dataclass_flags(parser, GenerateConfig)
     add_renamed_flag(parser, "--hf-cfg-dir", "--base-dir")  # its earlier name (mindspeed-llm's spelling)
     dit = parser.add_argument_group("diffusion transformers (a diffusers --load-dir: text to video / image files)")
@@ -158,14 +166,14 @@ def run_generate(args: argparse.Namespace) -> int:
     settings.check()
     if config.batch_size < 1:
         raise ValueError(f"--batch-size {config.batch_size} must be at least 1")
-    prompts = [prompt_from_text(text, args.image, config.system, args.video) for text in args.prompt]
+    prompts = [prompt_from_text(text, args.image, config.system, args.video, args.audio) for text in args.prompt]
     if config.prompts_file is not None:
         prompts += read_prompt_file(config.prompts_file, config.image_dir, config.max_samples)
     conversation = not prompts and config.chat
     if not prompts and not conversation:
         raise ValueError("nothing to generate: give --prompt TEXT (with --image FILE), --prompts-file FILE, or --chat")
     if conversation:
-        prompt_from_text("", args.image, None, args.video)  # the same checks of --image and --video
+        prompt_from_text("", args.image, None, args.video, args.audio)  # the same checks of the media flags
     if config.output is not None and Path(config.output).is_dir():
         raise ValueError(f"--output {config.output} is a directory; give a file name")
     loaded = load_inference_model(
@@ -178,7 +186,7 @@ def run_generate(args: argparse.Namespace) -> int:
         VideoSettings(config.video_fps, config.video_maxlen, config.video_max_pixels, config.video_min_pixels),
     )
     if conversation:
-        return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty(), args.video)
+        return _chat_loop(loaded, settings, config, args.image, sys.stdin.isatty(), args.video, args.audio)
     return _generate_all(loaded, prompts, settings, config)
 
 
@@ -255,10 +263,16 @@ def _next_turn(interactive: bool) -> str | None:
 
 
 def _chat_loop(
-    loaded: Any, settings: Any, config: GenerateConfig, images: list[str], interactive: bool, videos: list[str] = ()
+    loaded: Any,
+    settings: Any,
+    config: GenerateConfig,
+    images: list[str],
+    interactive: bool,
+    videos: list[str] = (),
+    audios: list[str] = (),
 ) -> int:
     """One conversation, a turn per line (``you>`` / ``model>`` in a terminal; from a pipe the replies are
-    printed one per line). ``--image`` and ``--video`` go with the first turn; ``/reset`` starts over."""
+    printed one per line). ``--image``, ``--video`` and ``--audio`` go with the first turn; ``/reset`` starts over."""
     from mindspeed_mm.inference import TextStreamer, encode_prompt, generate_tokens, prompt_from_text
     from mindspeed_mm.inference.prompts import Prompt
 
@@ -273,7 +287,7 @@ def _chat_loop(
             conversation = None
             continue
         if conversation is None:
-            turn = prompt_from_text(line, images, config.system, videos)
+            turn = prompt_from_text(line, images, config.system, videos, audios)
         elif "<image>" in line or "<video>" in line:
             _write("(error: images and videos go with the first turn (--image, --video); ask without them)\n")
             continue

@@ -9,7 +9,9 @@ does (once per merged patch for Qwen-VL, ``image_seq_length`` per tile for Inter
 becomes the family's video placeholder, whose video token is replaced by the text the family's
 processor puts there (:attr:`~mindspeed_mm.models.family.VLMFamily.video_inputs`: merged patches
 for Qwen2.5-VL, timestamped frames for Qwen3-VL, ``Frame{i}:`` tiles for InternVL); videos are
-decoded by :mod:`mindspeed_mm.data.video`.
+decoded by :mod:`mindspeed_mm.data.video`. ``<audio>`` becomes the family's audio placeholder
+(Qwen2.5-Omni), whose audio token is repeated once per audio encoder frame; clips are decoded by
+:mod:`mindspeed_mm.data.audio` at the feature extractor's rate and go through it one by one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample
+from mindspeed_mm.data.audio import decode_audio
+from mindspeed_mm.data.mllm import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample
 from mindspeed_mm.data.video import VideoSettings, decode_video
 from mindspeed_mm.models.family import VLMFamily
 
@@ -34,10 +37,10 @@ class EncodedSample:
     Attributes:
         input_ids: [L] token ids.
         labels: [L] the token itself where it is learned, -100 elsewhere (not shifted).
-        mm_token_type_ids: [L] 0 text, 1 image token, 2 video token.
+        mm_token_type_ids: [L] 0 text, 1 image token, 2 video token, 3 audio token.
         vision: the model's vision inputs (``pixel_values``, and ``image_grid_thw`` for Qwen-VL; videos:
             ``pixel_values_videos``, ``video_grid_thw`` (and ``second_per_grid_ts``), InternVL's frames in
-            ``pixel_values``); empty: no media.
+            ``pixel_values``; audio: ``input_features``, ``feature_attention_mask``); empty: no media.
         source: where the sample came from.
     """
 
@@ -93,6 +96,7 @@ def encode_sample(
     mask_history: bool = False,
     video_processor: Any = None,
     video_settings: VideoSettings | None = None,
+    audio_processor: Any = None,
 ) -> EncodedSample:
     """Tokenize ``sample``, process its images and decode and process its videos.
 
@@ -106,8 +110,8 @@ def encode_sample(
     from PIL import Image
 
     pieces: list[dict[str, torch.Tensor]] = []
-    texts: dict[str, list[str]] = {"image": [], "video": []}
-    counters = {"image": 0, "video": 0}
+    texts: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
+    counters = {"image": 0, "video": 0, "audio": 0}
     for kind in _media_order(sample):
         index = counters[kind]
         counters[kind] += 1
@@ -120,6 +124,19 @@ def encode_sample(
                 raise ValueError(f"{sample.source}: image {path} cannot be read ({err}); fix or remove it") from err
             vision, counts = family.image_inputs(image_processor(images=[image], return_tensors="pt"), image_processor)
             texts["image"].append(family.image_token * counts[0])
+        elif kind == "audio":
+            if family.audio_inputs is None or audio_processor is None:
+                raise ValueError(
+                    f"{sample.source}: an <audio> sample, but {family.architecture} takes no audio here; "
+                    "remove the sample or use a model with a feature extractor (Qwen2.5-Omni)"
+                )
+            rate = int(audio_processor.sampling_rate)
+            waveform = decode_audio(sample.audios[index], rate, sample.source)
+            out = audio_processor(
+                [waveform], sampling_rate=rate, padding="max_length", return_attention_mask=True, return_tensors="pt"
+            )
+            vision, counts = family.audio_inputs(out)
+            texts["audio"].append(family.audio_token * counts[0])
         else:
             if family.video_inputs is None or video_processor is None:
                 raise ValueError(
@@ -144,7 +161,8 @@ def encode_sample(
             "role": m["role"],
             "content": m["content"]
             .replace(IMAGE_PLACEHOLDER, family.image_placeholder)
-            .replace(VIDEO_PLACEHOLDER, family.video_placeholder or VIDEO_PLACEHOLDER),
+            .replace(VIDEO_PLACEHOLDER, family.video_placeholder or VIDEO_PLACEHOLDER)
+            .replace(AUDIO_PLACEHOLDER, family.audio_placeholder or AUDIO_PLACEHOLDER),
         }
         for m in sample.messages
     ]
@@ -153,10 +171,12 @@ def encode_sample(
     tokens_of = {family.image_token: "image"}
     if family.video_token:
         tokens_of[family.video_token] = "video"
+    if family.audio_token:
+        tokens_of[family.audio_token] = "audio"
     pattern = re.compile("|".join(re.escape(token) for token in tokens_of))
     ids: list[int] = []
     labels: list[int] = []
-    taken = {"image": 0, "video": 0}
+    taken = {"image": 0, "video": 0, "audio": 0}
     for i, (kind, text) in enumerate(segments):
         expanded, at = "", 0
         for match in pattern.finditer(text):
@@ -174,12 +194,14 @@ def encode_sample(
     types = (input_ids == tokenizer.convert_tokens_to_ids(family.image_token)).to(torch.int32)
     if any(family.video_token in text for text in texts["video"]):  # Qwen-VL's video tokens (InternVL's are tiles)
         types[input_ids == tokenizer.convert_tokens_to_ids(family.video_token)] = 2
+    if family.audio_token:
+        types[input_ids == tokenizer.convert_tokens_to_ids(family.audio_token)] = 3
     media_positions = types.nonzero()
     if len(media_positions) and int(media_positions[-1]) >= cutoff_len:
         raise ValueError(
-            f"{sample.source}: its image/video tokens end at token {int(media_positions[-1]) + 1}, beyond "
+            f"{sample.source}: its image/video/audio tokens end at token {int(media_positions[-1]) + 1}, beyond "
             f"data.cutoff_len={cutoff_len}; raise data.cutoff_len or lower data.image_max_pixels "
-            "(data.video_max_pixels, data.video_maxlen)"
+            "(data.video_max_pixels, data.video_maxlen; shorter audio clips)"
         )
     input_ids, target = input_ids[:cutoff_len], torch.tensor(labels[:cutoff_len], dtype=torch.long)
     return EncodedSample(
@@ -188,10 +210,7 @@ def encode_sample(
 
 
 def _media_order(sample: MllmSample) -> list[str]:
-    """``"image"`` / ``"video"`` in the order the placeholders appear in the messages."""
-    pattern = re.compile(f"{re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)}")
-    return [
-        "image" if match.group() == IMAGE_PLACEHOLDER else "video"
-        for message in sample.messages
-        for match in pattern.finditer(message["content"])
-    ]
+    """``"image"`` / ``"video"`` / ``"audio"`` in the order the placeholders appear in the messages."""
+    kinds = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video", AUDIO_PLACEHOLDER: "audio"}
+    pattern = re.compile("|".join(re.escape(placeholder) for placeholder in kinds))
+    return [kinds[match.group()] for message in sample.messages for match in pattern.finditer(message["content"])]

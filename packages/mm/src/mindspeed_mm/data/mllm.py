@@ -4,7 +4,8 @@ A sample is ``{"messages": [{"role": "user", "content": "<image>What is it?"},
 {"role": "assistant", "content": "A cat."}], "images": ["cat.jpg"]}``: one ``<image>``
 placeholder per entry of ``images`` and one ``<video>`` placeholder per entry of ``videos`` (a
 video file, a folder of frame images, or a list of frame image paths), paths relative to
-``data.image_dir`` or the file's folder; samples without media are allowed. A ``.jsonl`` file holds one sample a line, a
+``data.image_dir`` or the file's folder; one ``<audio>`` placeholder per entry of ``audios`` (a
+.wav file, for families that take audio: Qwen2.5-Omni); samples without media are allowed. A ``.jsonl`` file holds one sample a line, a
 ``.json`` file a list of samples. Every problem is a ``ValueError`` naming the file, the line
 (or the list item) and the fix; nothing is decoded here, so checking a large set is cheap.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
+AUDIO_PLACEHOLDER = "<audio>"
 ROLES = ("system", "user", "assistant")
 
 
@@ -31,12 +33,14 @@ class MllmSample:
         source: ``file:line`` (or ``file[item]``) it came from, for error messages.
         videos: per video, in placeholder order: an absolute video file path, a frame folder's
             path, or a tuple of absolute frame image paths.
+        audios: absolute audio (.wav) paths, in placeholder order.
     """
 
     messages: tuple[dict[str, str], ...]
     images: tuple[str, ...]
     source: str
     videos: tuple[str | tuple[str, ...], ...] = ()
+    audios: tuple[str, ...] = ()
 
 
 def read_mllm_files(
@@ -107,7 +111,12 @@ def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> 
         raise ValueError(f"{where}: no assistant turn; a training sample needs at least one answer")
     images = _media_list(record, "images", where)
     videos = _media_list(record, "videos", where)
-    for placeholder, key, listed in ((IMAGE_PLACEHOLDER, "images", images), (VIDEO_PLACEHOLDER, "videos", videos)):
+    audios = _media_list(record, "audios", where)
+    for placeholder, key, listed in (
+        (IMAGE_PLACEHOLDER, "images", images),
+        (VIDEO_PLACEHOLDER, "videos", videos),
+        (AUDIO_PLACEHOLDER, "audios", audios),
+    ):
         placeholders = sum(m["content"].count(placeholder) for m in checked)
         if placeholders != len(listed):
             noun = key[:-1]
@@ -129,7 +138,8 @@ def _check(record: Any, where: str, base: Path, require_answer: bool = True) -> 
             clips.append(tuple(_resolve(frame, base, where, "video frame") for frame in video))
         else:
             clips.append(_resolve(video, base, where, "video", folder_ok=True))
-    return MllmSample(messages=tuple(checked), images=tuple(resolved), source=where, videos=tuple(clips))
+    sounds = tuple(_resolve(audio, base, where, "audio") for audio in audios)
+    return MllmSample(messages=tuple(checked), images=tuple(resolved), source=where, videos=tuple(clips), audios=sounds)
 
 
 def _media_list(record: dict, key: str, where: str) -> list:

@@ -2,7 +2,7 @@
 
 Every image of every sample is opened and checked (:meth:`PIL.Image.Image.verify`: the header and,
 for PNG, every chunk's checksum; nothing is decoded), every video file's container is probed
-(:func:`~mindspeed_mm.data.media.probe_media`), every frame of a frame-list video opened. A bad
+(:func:`~mindspeed_mm.data.media.probe_media`), every frame of a frame-list video opened, every audio clip's ``.wav`` header read. A bad
 sample is, as for the diffusion data (:func:`~mindspeed_mm.data.media.plan_media`), one line naming
 its file and line and the fix, or with ``data.skip_bad`` a warning per sample, left out, and one
 summary line with the count. A sample that passes these checks and still fails when it is encoded
@@ -32,6 +32,18 @@ def _check_image(path: str) -> None:
         raise BadSample(f"image {path} cannot be read ({type(error).__name__}: {error})") from None
 
 
+def _check_audio(path: str) -> None:
+    import wave
+
+    if not Path(path).is_file():
+        raise BadSample(f"audio {path} does not exist")
+    try:
+        with wave.open(path, "rb") as clip:
+            clip.getparams()
+    except (OSError, EOFError, wave.Error) as error:
+        raise BadSample(f"audio {path} cannot be read as a PCM .wav ({type(error).__name__}: {error})") from None
+
+
 def _check_video(video: str | tuple[str, ...]) -> None:
     if isinstance(video, str) and Path(video).is_dir():
         video = tuple(sorted(str(p) for p in Path(video).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES))
@@ -58,6 +70,8 @@ def check_mllm_media(
                 _check_image(path)
             for video in sample.videos:
                 _check_video(video)
+            for path in sample.audios:
+                _check_audio(path)
         except BadSample as error:
             if not skip_bad:
                 raise BadSample(

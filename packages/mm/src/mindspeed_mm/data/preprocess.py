@@ -51,6 +51,7 @@ PROCESSING_FILES = (
     "processor_config.json",
     "vocab.json",
     "merges.txt",
+    "audio_processor/preprocessor_config.json",
 )
 #: Bumped when the stored layout or the encoding itself changes.
 CACHE_FORMAT = 2  # 2: InternVL images cut into tiles as InternVLProcessor cuts them
@@ -74,6 +75,7 @@ class Processing:
     image_processor: Any
     family: VLMFamily
     video_processor: Any = None
+    audio_processor: Any = None
 
     def encode(self, sample: MllmSample, settings: EncodeSettings) -> EncodedSample:
         """``sample`` encoded with these processors."""
@@ -87,6 +89,7 @@ class Processing:
             settings.mask_history,
             video_processor=self.video_processor,
             video_settings=settings.video,
+            audio_processor=self.audio_processor,
         )
 
 
@@ -114,7 +117,7 @@ def cache_key(
             digest.update(name.encode())
             digest.update(hashlib.sha256(path.read_bytes()).digest())
     for sample in samples:
-        media = list(sample.images)
+        media = list(sample.images) + list(sample.audios)
         for video in sample.videos:
             media += list(video) if isinstance(video, tuple) else _video_files(video)
         for path in media:

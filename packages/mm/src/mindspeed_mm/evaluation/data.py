@@ -14,11 +14,11 @@ VLMEvalKit distributes): a header row, then one question a row, tab separated, c
 **JSON / JSONL**: a list of objects (``.json``) or one object a line (``.jsonl``), each with
 ``question``, ``answer``, ``image`` (a path) or ``images`` (paths), ``video`` (one video) or
 ``videos`` (a list; a video is a file, a folder of frame images, or a list of frame paths, as in
-training data; paths relative to the file's folder or ``--image-dir``), and optionally
+training data), ``audio`` / ``audios`` (.wav clips, Qwen2.5-Omni; paths relative to the file's folder or ``--image-dir``), and optionally
 ``options`` (a list, lettered A, B, ... in order, or an object letter -> text; then ``answer`` is
 a letter or an option's text: multiple choice; without options: short answer, ``answer`` a
 string or a list of accepted strings), ``hint``, ``category``, ``index``. An mllm_format sample
-(``messages`` + ``images`` / ``videos``, the training format) is a short-answer item: the last
+(``messages`` + ``images`` / ``videos`` / ``audios``, the training format) is a short-answer item: the last
 user turn is the question, the last assistant turn the answer.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mindspeed_mm.data.mllm import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 #: Option letters in the order MMBench uses them.
 LETTERS = tuple(string.ascii_uppercase[:9])
@@ -58,6 +58,7 @@ class VQAItem:
         category: the group it is counted in ("" for none).
         source: ``file:line`` for messages.
         videos: videos (a file or a frame folder, or a tuple of frame paths), in placeholder order.
+        audios: audio clips (.wav), in placeholder order.
     """
 
     index: str
@@ -69,6 +70,7 @@ class VQAItem:
     category: str = ""
     source: str = ""
     videos: tuple[str | tuple[str, ...], ...] = ()
+    audios: tuple[str, ...] = ()
 
     @property
     def multiple_choice(self) -> bool:
@@ -236,6 +238,14 @@ def _videos(record: dict[str, Any], where: str, base: Path) -> tuple[str | tuple
     )
 
 
+def _audios(record: dict[str, Any], where: str, base: Path) -> tuple[str, ...]:
+    audios = record.get("audios", record.get("audio", []))
+    audios = [audios] if isinstance(audios, str) else audios
+    if not isinstance(audios, list) or not all(isinstance(a, str) for a in audios):
+        raise ValueError(f"{where}: `audio` must be a path or `audios` a list of paths, got {audios!r}")
+    return tuple(_resolve(audio, base, where, "audio") for audio in audios)
+
+
 def _resolve(name: str, base: Path, where: str, what: str, folder_ok: bool = False) -> str:
     full = Path(name) if Path(name).is_absolute() else base / name
     if not (full.is_file() or (folder_ok and full.is_dir())):
@@ -246,9 +256,13 @@ def _resolve(name: str, base: Path, where: str, what: str, folder_ok: bool = Fal
     return str(full)
 
 
-def _check_placeholders(text: str, images: tuple, videos: tuple, where: str, always: bool) -> None:
-    """One placeholder per image (video) where the text has any (``always``: also where it has none)."""
-    for placeholder, media, noun in ((IMAGE_PLACEHOLDER, images, "image"), (VIDEO_PLACEHOLDER, videos, "video")):
+def _check_placeholders(text: str, images: tuple, videos: tuple, where: str, always: bool, audios: tuple = ()) -> None:
+    """One placeholder per image (video, audio) where the text has any (``always``: also where it has none)."""
+    for placeholder, media, noun in (
+        (IMAGE_PLACEHOLDER, images, "image"),
+        (VIDEO_PLACEHOLDER, videos, "video"),
+        (AUDIO_PLACEHOLDER, audios, "audio"),
+    ):
         count = text.count(placeholder)
         if (count or always) and count != len(media):
             raise ValueError(
@@ -271,13 +285,14 @@ def _from_record(record: dict[str, Any], where: str, base: Path, position: int) 
         options = {str(k).strip().upper(): str(v) for k, v in options.items()}
     elif options is not None:
         raise ValueError(f"{where}: `options` must be a list of texts or an object letter -> text")
-    images, videos = _images(record, where, base), _videos(record, where, base)
-    _check_placeholders(question, images, videos, where, always=False)
+    images, videos, audios = _images(record, where, base), _videos(record, where, base), _audios(record, where, base)
+    _check_placeholders(question, images, videos, where, always=False, audios=audios)
     common = {
         "index": str(record.get("index", record.get("id", position))),
         "question": question.strip(),
         "images": images,
         "videos": videos,
+        "audios": audios,
         "hint": str(record.get("hint") or ""),
         "category": str(record.get("category") or ""),
         "source": where,
@@ -305,13 +320,14 @@ def _from_messages(record: dict[str, Any], where: str, base: Path, position: int
     if not users or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
         raise ValueError(f"{where}: an mllm_format question needs a user turn followed by the assistant's answer")
     question, answer = str(users[-1].get("content", "")), str(messages[-1].get("content", ""))
-    images, videos = _images(record, where, base), _videos(record, where, base)
-    _check_placeholders(question, images, videos, where, always=True)
+    images, videos, audios = _images(record, where, base), _videos(record, where, base), _audios(record, where, base)
+    _check_placeholders(question, images, videos, where, always=True, audios=audios)
     return VQAItem(
         index=str(record.get("index", position)),
         question=question,
         images=images,
         videos=videos,
+        audios=audios,
         answers=(answer,),
         category=str(record.get("category") or ""),
         source=where,

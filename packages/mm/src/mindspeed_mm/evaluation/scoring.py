@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.data.encode import IGNORE_INDEX
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mindspeed_mm.data.mllm import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from mindspeed_mm.evaluation.data import VQAItem
 from mindspeed_mm.inference.generation import model_inputs
 from mindspeed_mm.inference.loading import InferenceModel
@@ -49,6 +49,7 @@ def question_text(item: VQAItem, style: str) -> str:
         text += "\n" + LETTER_INSTRUCTION
     prefix = "" if IMAGE_PLACEHOLDER in text else IMAGE_PLACEHOLDER * len(item.images)
     prefix += "" if VIDEO_PLACEHOLDER in text else VIDEO_PLACEHOLDER * len(item.videos)
+    prefix += "" if AUDIO_PLACEHOLDER in text else AUDIO_PLACEHOLDER * len(item.audios)
     return prefix + text
 
 
@@ -59,6 +60,7 @@ def item_prompt(item: VQAItem, style: str) -> Prompt:
         images=item.images,
         source=item.source,
         videos=item.videos,
+        audios=item.audios,
     )
 
 

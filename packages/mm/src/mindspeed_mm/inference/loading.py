@@ -38,7 +38,7 @@ from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
 from mindspeed_mm.config import MMLoraConfig
 from mindspeed_mm.data.video import VideoSettings
-from mindspeed_mm.models import family_of, load_processing, load_video_processor
+from mindspeed_mm.models import family_of, load_audio_processor, load_processing, load_video_processor
 from mindspeed_mm.models.family import VLMFamily
 from mindspeed_mm.models.lora import (
     ADAPTER_CONFIG,
@@ -83,6 +83,17 @@ class InferenceModel:
     device: torch.device
     video_settings: VideoSettings = VideoSettings()
     _video_processor: Any = None
+    _audio_processor: Any = None
+
+    def audio_processor(self) -> Any:
+        """The audio feature extractor of :attr:`source` (loaded when first asked for).
+
+        Raises:
+            ValueError: the family takes no audio, or the directory has none.
+        """
+        if self._audio_processor is None:
+            self._audio_processor = load_audio_processor(self.source)
+        return self._audio_processor
 
     def video_processor(self) -> Any:
         """The video processor of :attr:`source` (loaded when first asked for; None: the family takes no videos)."""

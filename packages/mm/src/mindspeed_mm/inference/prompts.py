@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_mm.data.encode import IGNORE_INDEX, EncodedSample, encode_sample
-from mindspeed_mm.data.mllm import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample, read_mllm_files
+from mindspeed_mm.data.mllm import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MllmSample, read_mllm_files
 from mindspeed_mm.inference.loading import InferenceModel
 
 
@@ -31,6 +31,7 @@ class Prompt:
         reference: the assistant turn that followed in the prompts file (None: none).
         source: where it came from (``file:line``, or ``--prompt``).
         videos: videos (a file, a frame folder, or a tuple of frame paths), in placeholder order.
+        audios: audio clips (.wav), in placeholder order (Qwen2.5-Omni).
     """
 
     messages: tuple[dict[str, str], ...]
@@ -38,13 +39,18 @@ class Prompt:
     reference: str | None = None
     source: str = "--prompt"
     videos: tuple[str | tuple[str, ...], ...] = ()
+    audios: tuple[str, ...] = ()
 
 
 def prompt_from_text(
-    text: str, images: list[str], system: str | None = None, videos: list[str] | tuple[str, ...] = ()
+    text: str,
+    images: list[str],
+    system: str | None = None,
+    videos: list[str] | tuple[str, ...] = (),
+    audios: list[str] | tuple[str, ...] = (),
 ) -> Prompt:
     """A one-turn prompt; images (videos) without an ``<image>`` (``<video>``) in ``text`` are put before it,
-    images first (as LLaMA-Factory does).
+    images first, then videos, then audio clips (as LLaMA-Factory does).
 
     Raises:
         ValueError: an image or video that does not exist, or placeholders that do not match them.
@@ -55,8 +61,15 @@ def prompt_from_text(
     for video in videos:
         if not Path(video).exists():
             raise ValueError(f"--video {video!r} does not exist; give a video file or a folder of frame images")
+    for audio in audios:
+        if not Path(audio).is_file():
+            raise ValueError(f"--audio {audio!r} does not exist; give the path of a .wav file")
     prefix = ""
-    for placeholder, flag, media in ((IMAGE_PLACEHOLDER, "--image", images), (VIDEO_PLACEHOLDER, "--video", videos)):
+    for placeholder, flag, media in (
+        (IMAGE_PLACEHOLDER, "--image", images),
+        (VIDEO_PLACEHOLDER, "--video", videos),
+        (AUDIO_PLACEHOLDER, "--audio", audios),
+    ):
         placeholders = text.count(placeholder)
         if placeholders == 0:
             prefix += placeholder * len(media)
@@ -71,6 +84,7 @@ def prompt_from_text(
         messages=tuple(messages),
         images=tuple(str(Path(i).resolve()) for i in images),
         videos=tuple(str(Path(v).resolve()) for v in videos),
+        audios=tuple(str(Path(a).resolve()) for a in audios),
     )
 
 
@@ -94,7 +108,12 @@ def read_prompt_file(path: str | Path, image_dir: str | None = None, max_samples
             )
         prompts.append(
             Prompt(
-                messages=messages, images=sample.images, reference=reference, source=sample.source, videos=sample.videos
+                messages=messages,
+                images=sample.images,
+                reference=reference,
+                source=sample.source,
+                videos=sample.videos,
+                audios=sample.audios,
             )
         )
     return prompts
@@ -119,7 +138,7 @@ def encode_with_answer(
     """
     messages = prompt.messages + ({"role": "assistant", "content": answer},)
     whole = encode_sample(
-        MllmSample(messages, prompt.images, prompt.source, prompt.videos),
+        MllmSample(messages, prompt.images, prompt.source, prompt.videos, prompt.audios),
         loaded.tokenizer,
         loaded.processor,
         loaded.family,
@@ -127,6 +146,7 @@ def encode_with_answer(
         mask_history=True,
         video_processor=loaded.video_processor() if prompt.videos else None,
         video_settings=loaded.video_settings,
+        audio_processor=loaded.audio_processor() if prompt.audios else None,
     )
     learned = (whole.labels != IGNORE_INDEX).nonzero()
     start = int(learned[0]) if len(learned) else whole.input_ids.numel()

@@ -9,13 +9,20 @@ registers nothing by itself.
 """
 
 from mindspeed_mm.models.family import FAMILIES, VLMFamily, family_of
-from mindspeed_mm.models.loading import freeze_parts, load_model, load_processing, load_video_processor
+from mindspeed_mm.models.loading import (
+    freeze_parts,
+    load_audio_processor,
+    load_model,
+    load_processing,
+    load_video_processor,
+)
 
 __all__ = [
     "FAMILIES",
     "VLMFamily",
     "family_of",
     "freeze_parts",
+    "load_audio_processor",
     "load_model",
     "load_processing",
     "load_video_processor",

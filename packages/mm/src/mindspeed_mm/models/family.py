@@ -56,6 +56,13 @@ class VLMFamily:
             transformers processor builds them (``replace_video_token``).
         dummy_video_inputs: ``model config -> kwargs`` of ``get_video_features`` for the smallest
             video (a rank without a video in its microbatch runs it when the data holds videos).
+        audio_placeholder: what replaces ``<audio>`` in a message before the chat template (empty:
+            the family takes no audio).
+        audio_token: the token of that placeholder that :attr:`audio_inputs` expands.
+        audio_inputs: ``feature extractor output -> (audio inputs of the model's forward, audio tokens
+            per clip)``, as the family's transformers processor counts them.
+        dummy_audio_inputs: ``model config -> kwargs`` of ``get_audio_features`` for the shortest clip
+            (a rank without audio in its microbatch runs it when the data holds audio).
     """
 
     architecture: str
@@ -75,6 +82,10 @@ class VLMFamily:
     video_token: str = ""
     video_inputs: Callable[[Any, Any], tuple[dict[str, torch.Tensor], list[str]]] | None = None
     dummy_video_inputs: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    audio_placeholder: str = ""
+    audio_token: str = ""
+    audio_inputs: Callable[[Any], tuple[dict[str, torch.Tensor], list[int]]] | None = None
+    dummy_audio_inputs: Callable[[Any], dict[str, torch.Tensor]] | None = None
 
     def load_class(self) -> type:
         """The transformers model class."""

@@ -115,6 +115,32 @@ def load_video_processor(path: str | Path) -> Any:
     return processor
 
 
+def load_audio_processor(path: str | Path) -> Any:
+    """The audio feature extractor of ``path`` (``audio_processor/preprocessor_config.json``, else the
+    directory's own ``preprocessor_config.json`` when it is a feature extractor's).
+
+    Raises:
+        ValueError: the family takes no audio, or the directory has no feature extractor.
+    """
+    import json
+
+    from transformers import AutoFeatureExtractor
+
+    from mindspeed_mm.models.family import family_of
+
+    family = family_of(path)
+    if family.audio_inputs is None:
+        raise ValueError(f"{family.architecture} takes no audio; remove the <audio> samples or use Qwen2.5-Omni")
+    for folder in (Path(path) / "audio_processor", Path(path)):
+        config = folder / "preprocessor_config.json"
+        if config.is_file() and "feature_extractor_type" in json.loads(config.read_text()):
+            return AutoFeatureExtractor.from_pretrained(str(folder), local_files_only=True)
+    raise ValueError(
+        f"{path}: no audio feature extractor; add audio_processor/preprocessor_config.json "
+        "(a WhisperFeatureExtractor's, as Qwen2.5-Omni ships it)"
+    )
+
+
 def freeze_parts(model: torch.nn.Module, family: VLMFamily, freeze: list[str]) -> list[str]:
     """Turn off the gradients of the named parts (or module-name prefixes); returns the frozen parameter names.
 

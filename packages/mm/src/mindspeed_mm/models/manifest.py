@@ -25,6 +25,7 @@ VLM_MODULES = {
     "Qwen2_5_VLForConditionalGeneration": "mindspeed_mm.models.qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "mindspeed_mm.models.qwen3_vl",
     "InternVLForConditionalGeneration": "mindspeed_mm.models.internvl",
+    "Qwen2_5OmniThinkerForConditionalGeneration": "mindspeed_mm.models.qwen2_5_omni",
 }
 #: diffusers ``_class_name`` -> the module declaring the diffusion-transformer family.
 DIT_MODULES = {

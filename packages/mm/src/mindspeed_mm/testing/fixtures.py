@@ -116,3 +116,72 @@ def write_tiny_video_dataset(directory: str | Path) -> Path:
     target = directory / "video.jsonl"
     target.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return target
+
+
+#: The pitch classes of :func:`write_tiny_audio_dataset` (name -> frequency band in Hz).
+PITCHES = {"low": (150.0, 300.0), "high": (1500.0, 3000.0)}
+
+
+def write_tiny_audio_dataset(
+    directory: str | Path,
+    num_samples: int = 8,
+    seed: int = 0,
+    image_every: int = 3,
+    text_only_every: int = 4,
+    sampling_rate: int = 16000,
+    video_every: int = 0,
+) -> Path:
+    """``directory/data.jsonl`` plus 16-bit .wav tones: "Which pitch is this?" answered ``low`` or ``high``.
+
+    Each clip is a sine tone (0.3-1.2 s, its frequency drawn within the class's band, a little noise);
+    every ``image_every``-th sample adds a PNG before the audio ("<image><audio>"), every
+    ``video_every``-th a video of 4 PNG frames instead ("<video><audio>", a frame list; 0: never),
+    every ``text_only_every``-th has no media (0: never).
+    """
+    from PIL import Image
+
+    from mindspeed_mm.data.audio import write_wav
+
+    directory = Path(directory)
+    (directory / "audio").mkdir(parents=True, exist_ok=True)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(num_samples):
+        name = list(PITCHES)[i % 2]
+        if text_only_every and i % text_only_every == text_only_every - 1:
+            lines.append(
+                {"messages": [{"role": "user", "content": f"Say {name}."}, {"role": "assistant", "content": name}]}
+            )
+            continue
+        low, high = PITCHES[name]
+        frequency = float(rng.uniform(low, high))
+        t = np.arange(int(sampling_rate * rng.uniform(0.3, 1.2))) / sampling_rate
+        wave_ = 0.5 * np.sin(2 * np.pi * frequency * t + rng.uniform(0, 2 * np.pi)) + rng.normal(0, 0.02, t.size)
+        audio = directory / "audio" / f"{i:04d}.wav"
+        write_wav(str(audio), wave_, sampling_rate)
+        record = {
+            "messages": [
+                {"role": "user", "content": "<audio>Which pitch is this?"},
+                {"role": "assistant", "content": name},
+            ],
+            "audios": [f"audio/{audio.name}"],
+        }
+        if video_every and i % video_every == video_every - 1:
+            frames = []
+            for k in range(4):
+                path = directory / "images" / f"{i:04d}-frame{k}.png"
+                Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(path)
+                frames.append(f"images/{path.name}")
+            record["messages"][0]["content"] = "<video>" + record["messages"][0]["content"]
+            record["videos"] = [frames]
+        elif image_every and i % image_every == image_every - 1:
+            side = int(rng.choice([28, 56]))
+            path = directory / "images" / f"{i:04d}.png"
+            Image.fromarray(rng.integers(0, 255, (side, side * 2, 3), dtype=np.uint8)).save(path)
+            record["messages"][0]["content"] = "<image>" + record["messages"][0]["content"]
+            record["images"] = [f"images/{path.name}"]
+        lines.append(record)
+    target = directory / "data.jsonl"
+    target.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return target

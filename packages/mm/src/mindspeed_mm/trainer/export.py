@@ -27,6 +27,8 @@ logger = get_logger(__name__)
 #: Files of the source directory that the export does not copy (the export writes its own).
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _OWN = ("config.json", "generation_config.json", "model.safetensors.index.json")
+#: Folders of the source directory that the export copies (Qwen2.5-Omni's feature extractor).
+_PROCESSOR_DIRS = ("audio_processor",)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -70,6 +72,8 @@ def save_hf(
         for item in Path(source).iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHTS) and item.name not in _OWN:
                 shutil.copy2(item, tmp / item.name)
+            elif item.is_dir() and item.name in _PROCESSOR_DIRS:
+                shutil.copytree(item, tmp / item.name)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     logger.info("saved Hugging Face model to %s", target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,14 @@ from mindspeed_mm.data.order import SampleOrder
 from mindspeed_mm.data.packing import PackedBatch, pack_samples
 from mindspeed_mm.data.preprocess import EncodeSettings, Processing, preprocess
 from mindspeed_mm.data.video import VideoSettings
-from mindspeed_mm.models import family_of, freeze_parts, load_model, load_processing, load_video_processor
+from mindspeed_mm.models import (
+    family_of,
+    freeze_parts,
+    load_audio_processor,
+    load_model,
+    load_processing,
+    load_video_processor,
+)
 from mindspeed_mm.models.loading import build_meta_model
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config, write_peft_adapter
 from mindspeed_mm.trainer.export import full_state, save_hf
@@ -117,6 +125,7 @@ class VLMTask:
         self.source = Path(config.model.path)
         self.family, self.model = build_model(config, world)
         self.device = get_accelerator().device()
+        self.keeps_logits = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
         self.vision_sync = VisionSync(self.model, self.family) if world > 1 else None
         group = build_sp_mesh(world, self.sp)["sp"].get_group() if self.sp > 1 else None
         if group is not None:
@@ -135,8 +144,13 @@ class VLMTask:
         self.skipped += skipped
         tokenizer, processor = load_processing(config.model.path, d.image_min_pixels, d.image_max_pixels)
         videos = any(sample.videos for sample in self.samples + self.valid_samples)
+        audios = any(sample.audios for sample in self.samples + self.valid_samples)
         self.processing = Processing(
-            tokenizer, processor, self.family, load_video_processor(config.model.path) if videos else None
+            tokenizer,
+            processor,
+            self.family,
+            load_video_processor(config.model.path) if videos else None,
+            load_audio_processor(config.model.path) if audios else None,
         )
         self.settings = EncodeSettings(
             d.cutoff_len,
@@ -146,6 +160,7 @@ class VLMTask:
         )
         if self.vision_sync is not None:
             self.vision_sync.videos = videos
+            self.vision_sync.audio = audios
         self.order = SampleOrder(
             len(self.samples), t.micro_batch_size, t.gradient_accumulation_steps, world // self.sp, t.seed, d.shuffle
         )
@@ -289,7 +304,10 @@ class VLMTask:
         keep = mask[start:end].nonzero().squeeze(1)
         targets = batch.targets[start:end][keep].to(self.device)
         keep = keep.to(self.device)
-        logits = self.model(**batch.model_inputs(self.device), logits_to_keep=keep).logits[0]
+        if self.keeps_logits:
+            logits = self.model(**batch.model_inputs(self.device), logits_to_keep=keep).logits[0]
+        else:  # a head without ``logits_to_keep`` (Qwen2.5-Omni's thinker): every position's logits, then the kept
+            logits = self.model(**batch.model_inputs(self.device)).logits[0][keep]
         losses = token_losses(logits, targets)
         return reduce_loss(
             losses,
