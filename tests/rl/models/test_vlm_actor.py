@@ -116,6 +116,32 @@ def test_logprobs_of_sampled_responses_equal_transformers(family: str, request: 
     assert image_rows == 3
 
 
+def test_video_questions_logprobs_equal_transformers(vlm_setup: dict, tmp_path: Path) -> None:
+    """Questions with videos (an .mp4, an image beside an .mp4, a folder of frames) in mllm_format: the
+    engine samples, the actor's packed log-probs and the engine's equal transformers' forward of each
+    sequence alone, video tokens included."""
+    from mindspeed_mm.inference.prompts import read_prompt_file
+    from mindspeed_mm.testing import write_tiny_video_dataset
+
+    engine, actor = vlm_setup["engine"], vlm_setup["actor"]
+    engine.load_weights(actor.hf_state())  # whatever ran before in the module
+    prompts = read_prompt_file(write_tiny_video_dataset(tmp_path / "video"))
+    encoded = [engine.encode(prompts[i]) for i in (0, 1, 3)]
+    assert all("pixel_values_videos" in e.encoded.vision for e in encoded)
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=7 + i) for i in range(len(encoded))]
+    outputs = engine.generate(encoded, params)
+    assert {len(o.token_ids) for o in outputs} != {0}
+    pairs = [(p, o.token_ids) for p, o in zip(encoded, outputs)]
+    ours = actor.compute_logprobs(pairs)
+    hf = _hf_model(vlm_setup["dir"])
+    hf.load_state_dict(actor.hf_state())
+    with torch.no_grad():
+        for (prompt, response), mine, out in zip(pairs, ours, outputs):
+            ref = _hf_logprobs(hf, prompt, response)
+            torch.testing.assert_close(mine.double(), ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(out.logprobs).double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_one_update_equals_the_grpo_formula(vlm_setup: dict) -> None:
     actor, encoded = vlm_setup["actor"], vlm_setup["encoded"]
     hf = _hf_model(vlm_setup["dir"])
