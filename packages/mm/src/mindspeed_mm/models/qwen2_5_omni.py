@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from mindspeed_mm.models.family import VLMFamily, register_family
-from mindspeed_mm.models.qwen2_5_vl import CHAT_TEMPLATE, dummy_vision_inputs, image_inputs, pixel_bounds
+from mindspeed_mm.models.qwen2_5_vl import (
+    CHAT_TEMPLATE,
+    dummy_video_inputs,
+    dummy_vision_inputs,
+    image_inputs,
+    pixel_bounds,
+    video_inputs_for,
+)
 from mindspeed_mm.models.tiny_tokenizer import build_byte_tokenizer
 
 SPECIAL_TOKENS = [
@@ -58,23 +65,8 @@ def audio_inputs(out: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
     )
 
 
-def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Patches, grids and ``video_second_per_grid`` (``temporal_patch_size / sampled fps``); one ``<|VIDEO|>`` per merged patch."""
-    merge = int(getattr(video_processor, "merge_size", 1))
-    grid = out["video_grid_thw"]
-    seconds = [video_processor.temporal_patch_size / m.sampled_fps for m in out["video_metadata"]]
-    vision = {
-        "pixel_values_videos": out["pixel_values_videos"],
-        "video_grid_thw": grid,
-        "video_second_per_grid": torch.tensor(seconds, dtype=torch.float32),
-    }
-    return vision, ["<|VIDEO|>" * (int(g.prod()) // merge**2) for g in grid]
-
-
-def dummy_video_inputs(config: Any) -> dict[str, torch.Tensor]:
-    """One merged patch of one temporal patch."""
-    inputs = dummy_vision_inputs(config)
-    return {"pixel_values_videos": inputs["pixel_values"], "video_grid_thw": inputs["image_grid_thw"]}
+#: ``Qwen2_5OmniProcessor``'s rule: ``video_second_per_grid``, one ``<|VIDEO|>`` per merged patch.
+video_inputs = video_inputs_for("<|VIDEO|>", "video_second_per_grid")
 
 
 def dummy_audio_inputs(config: Any) -> dict[str, torch.Tensor]:

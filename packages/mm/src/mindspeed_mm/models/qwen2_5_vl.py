@@ -38,18 +38,27 @@ def image_inputs(out: Any, image_processor: Any) -> tuple[dict[str, torch.Tensor
     return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, [int(g.prod()) // merge**2 for g in grid]
 
 
-def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Patches, grids and ``second_per_grid_ts`` (``temporal_patch_size / sampled fps``, as
-    ``Qwen2_5_VLProcessor``); one video token per merged patch."""
-    merge = int(getattr(video_processor, "merge_size", 1))
-    grid = out["video_grid_thw"]
-    seconds = [video_processor.temporal_patch_size / m.sampled_fps for m in out["video_metadata"]]
-    vision = {
-        "pixel_values_videos": out["pixel_values_videos"],
-        "video_grid_thw": grid,
-        "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32),
-    }
-    return vision, ["<|video_pad|>" * (int(g.prod()) // merge**2) for g in grid]
+def video_inputs_for(token: str, seconds_key: str) -> Any:
+    """The family's ``video_inputs``: patches, grids and the seconds per temporal grid step under
+    ``seconds_key`` (``temporal_patch_size / sampled fps``, as the Qwen processors compute it); one
+    ``token`` per merged patch."""
+
+    def video_inputs(out: Any, video_processor: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+        merge = int(getattr(video_processor, "merge_size", 1))
+        grid = out["video_grid_thw"]
+        seconds = [video_processor.temporal_patch_size / m.sampled_fps for m in out["video_metadata"]]
+        vision = {
+            "pixel_values_videos": out["pixel_values_videos"],
+            "video_grid_thw": grid,
+            seconds_key: torch.tensor(seconds, dtype=torch.float32),
+        }
+        return vision, [token * (int(g.prod()) // merge**2) for g in grid]
+
+    return video_inputs
+
+
+#: ``Qwen2_5_VLProcessor``'s rule: ``second_per_grid_ts``, one ``<|video_pad|>`` per merged patch.
+video_inputs = video_inputs_for("<|video_pad|>", "second_per_grid_ts")
 
 
 def dummy_video_inputs(config: Any) -> dict[str, torch.Tensor]:
