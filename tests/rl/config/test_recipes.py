@@ -1,4 +1,4 @@
-"""Every shipped RL recipe is a valid recipe of the command it names (``grpo`` or ``ppo``)."""
+"""Every shipped RL recipe is a valid recipe of the command it names (``grpo``, ``ppo`` or ``flow-grpo``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed.config import load_config
 from mindspeed_rl.config.grpo import load_grpo_config
 from mindspeed_rl.config.ppo import load_ppo_config
 from mindspeed_rl.config.vlm import check_vlm
 from mindspeed_rl.demo.model import DEMO_MODELS
 from mindspeed_rl.demo.tools_model import TOOLS_DEMO_MODEL
+from mindspeed_rl.driver.flow_grpo import FlowGRPOConfig
 
 LOADERS = {"grpo": load_grpo_config, "ppo": load_ppo_config}
 
@@ -24,8 +26,13 @@ def test_there_are_recipes() -> None:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_recipe_checks_and_names_its_command(path: Path, tmp_path: Path) -> None:
-    named = re.findall(r"mindspeed-rl (grpo|ppo) --config (\S+)", path.read_text())
+    named = re.findall(r"mindspeed-rl (grpo|ppo|flow-grpo) --config (\S+)", path.read_text())
     assert [file for _, file in named] == [f"examples/rl/{path.name}"]
+    if named[0][0] == "flow-grpo":
+        flow = load_config(FlowGRPOConfig, path)
+        flow.validate()
+        assert flow.iterations > 0
+        return
     load = LOADERS[named[0][0]]
     config = load(path)
     (tmp_path / "config.json").write_text("{}")  # the check wants model directories: stand one in

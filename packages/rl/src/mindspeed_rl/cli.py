@@ -12,6 +12,7 @@ import sys
 from mindspeed.suite_cli import AddCommand, build_suite_parser, run_suite
 from mindspeed_rl.data.cli import add_make_data
 from mindspeed_rl.demo.cli import add_make_demo_model
+from mindspeed_rl.driver.flow_grpo_cli import add_flow_grpo
 from mindspeed_rl.driver.grpo_cli import add_grpo
 from mindspeed_rl.driver.ppo_cli import add_ppo
 
@@ -21,6 +22,7 @@ COMMANDS: dict[str, AddCommand] = {
     "make-demo-model": add_make_demo_model,
     "grpo": add_grpo,
     "ppo": add_ppo,
+    "flow-grpo": add_flow_grpo,
 }
 
 

@@ -1,0 +1,282 @@
+"""Flow-GRPO / DanceGRPO training of a diffusion transformer, in one process: sample, score, update.
+
+One iteration (:meth:`FlowGRPORun.iteration`):
+
+1. draw ``prompts_per_iteration`` training captions and ``group_size`` noises each;
+2. sample them along the SDE (:class:`~mindspeed_rl.models.dit_policy.DiTPolicy`, guidance included),
+   recording each step's log-probability; decode with the pipeline's VAE; score with the registered image
+   reward (:mod:`mindspeed_rl.rewards.image`);
+3. group-relative advantages (``grpo``, :mod:`mindspeed_rl.algorithms.advantages`) clipped to
+   ``[-adv_clip, adv_clip]``;
+4. draw the trained steps (``timestep_fraction`` of them, :func:`~mindspeed_rl.algorithms.flow_grpo.select_steps`)
+   and take ``mini_batches`` AdamW steps over the samples, each on the clipped objective of
+   :func:`~mindspeed_rl.algorithms.flow_grpo.flow_grpo_loss` (the later mini-batches are off-policy by the
+   earlier steps, where the clip acts), with the KL of the step means to the frozen start when ``kl_coef > 0``.
+
+Every draw of iteration ``i`` comes from one generator seeded by ``(seed, i)``, so a run stopped after any
+iteration and resumed from its state file (the weights, AdamW's state and the iteration, saved to a
+temporary name then renamed) continues as the uninterrupted run does. The held-out check
+(:meth:`FlowGRPORun.evaluate`) samples the demo's held-out captions with the ODE (Euler, as the demo's
+learning check does) and scores colour and position.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed.log import get_logger
+from mindspeed_mm.demos.scene import COLOURS, SHAPES
+from mindspeed_mm.demos.t2i import POSITIONS, caption, heldout_combinations, score_images, t2i_paths
+from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents
+from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
+from mindspeed_rl.algorithms.advantages import compute_advantages
+from mindspeed_rl.algorithms.flow_grpo import STEP_SELECTIONS, flow_grpo_loss, gaussian_kl, select_steps
+from mindspeed_rl.algorithms.losses import policy_loss_config
+from mindspeed_rl.models.dit_policy import DiTPolicy, PromptBatch, schedule
+from mindspeed_rl.rewards.image import build_image_reward
+
+logger = get_logger(__name__)
+STATE_FILE = "flow_grpo_state.pt"
+
+
+@dataclass(frozen=True)
+class FlowGRPOConfig:
+    """A Flow-GRPO run on the text-to-image shapes demo (defaults: Flow-GRPO's settings where they apply).
+
+    Attributes:
+        load_dir: the starting transformer (a diffusers directory: the demo's SFT export).
+        pipeline_dir: its pipeline (VAE, text encoders, scheduler); None: the demo's.
+        reward: a key of :data:`~mindspeed_rl.rewards.image.IMAGE_REWARDS`.
+        iterations: sample-score-update rounds.
+        prompts_per_iteration / group_size: captions per round and samples per caption.
+        mini_batches: optimizer steps per round (the samples split evenly).
+        sampling_steps: denoising steps of a sample.
+        noise_level: the SDE's ``a`` (Flow-GRPO 0.7).
+        guidance_scale: classifier-free guidance in sampling and training (1: none).
+        timestep_fraction / step_selection: the share of steps trained on, ``random`` (DanceGRPO) or ``first``.
+        clip_eps: the ratio clip (Flow-GRPO and DanceGRPO: 1e-4; log-probs are per-element means).
+        adv_clip: advantages are clipped to ``[-adv_clip, adv_clip]`` (Flow-GRPO: 5).
+        kl_coef: weight of the KL of the step means to the starting policy (Flow-GRPO: 0.04; 0: none).
+        lr / weight_decay / clip_grad: AdamW and the gradient-norm clip (0: none).
+        seed: seeds every draw (per iteration).
+        text_len: text tokens (the demo's 10).
+        eval_seeds / eval_steps / eval_guidance: the held-out check's samples per caption, Euler steps, guidance.
+    """
+
+    load_dir: str = "runs/mm-t2i-tiny-cpu/hf"
+    pipeline_dir: str | None = None
+    reward: str = "shapes"
+    iterations: int = 20
+    prompts_per_iteration: int = 8
+    group_size: int = 4
+    mini_batches: int = 2
+    sampling_steps: int = 10
+    noise_level: float = 0.7
+    guidance_scale: float = 4.0
+    timestep_fraction: float = 0.6
+    step_selection: str = "random"
+    clip_eps: float = 1e-4
+    adv_clip: float = 5.0
+    kl_coef: float = 0.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    seed: int = 0
+    text_len: int = 10
+    eval_seeds: int = 4
+    eval_steps: int = 10
+    eval_guidance: float = 4.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the setting that is out of range."""
+        if self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size}: group-relative advantages need at least 2 samples")
+        batch = self.prompts_per_iteration * self.group_size
+        if self.mini_batches < 1 or batch % self.mini_batches:
+            raise ValueError(f"mini_batches={self.mini_batches} must divide the {batch} samples of a round")
+        if self.step_selection not in STEP_SELECTIONS:
+            raise ValueError(f"step_selection={self.step_selection!r}; use one of {', '.join(STEP_SELECTIONS)}")
+        if self.noise_level <= 0:
+            raise ValueError(f"noise_level={self.noise_level} must be > 0 (the SDE's log-probs; 0.7 in Flow-GRPO)")
+
+
+def training_captions() -> list[str]:
+    """The demo's 40 training captions (every colour, shape and quadrant but the held-out combinations)."""
+    held = set(heldout_combinations())
+    return [caption(*c) for c in itertools.product(COLOURS, SHAPES, POSITIONS) if c not in held]
+
+
+class FlowGRPORun:
+    """The policy, its optimizer, the reference, the encoded captions and the iteration counter of one run."""
+
+    def __init__(self, config: FlowGRPOConfig) -> None:
+        config.validate()
+        self.config = config
+        pipeline = Path(config.pipeline_dir) if config.pipeline_dir else t2i_paths()["pipeline"]
+        self.pipeline = pipeline
+        loaded = load_dit_pipeline(config.load_dir, pipeline_dir=pipeline)
+        self.family, self.parts, self.model = loaded.family, loaded.parts, loaded.model.train()
+        self.device = next(self.model.parameters()).device
+        self.policy = DiTPolicy(self.model, self.family, config.noise_level, config.guidance_scale)
+        self.reference = (
+            DiTPolicy(copy.deepcopy(self.model).eval(), self.family, config.noise_level, config.guidance_scale)
+            if config.kl_coef
+            else None
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.reward = build_image_reward(config.reward)
+        self.shape = latent_shape(self.parts["vae"], self.family, 1, 32, 32)
+        self.sigmas, self.timesteps = schedule(
+            self.family, build_scheduler(self.family, pipeline), config.sampling_steps, (1, *self.shape)
+        )
+        self.captions = training_captions()
+        self.text, self.pooled = self._encode(self.captions)
+        self.negative, self.negative_pooled = self._encode([""])
+        self.iteration_done = 0
+
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.no_grad():
+            text, pooled = self.family.encode_prompts(self.parts, captions, self.config.text_len)
+        return text.to(self.device), pooled.to(self.device) if pooled is not None else None
+
+    def _prompts(self, text: torch.Tensor, pooled: torch.Tensor | None) -> PromptBatch:
+        n = text.shape[0]
+        negative_pooled = self.negative_pooled.expand(n, -1) if self.negative_pooled is not None else None
+        return PromptBatch(text, pooled, self.negative.expand(n, -1, -1), negative_pooled)
+
+    def iteration(self) -> dict[str, float]:
+        """One sample-score-update round; returns its metrics (``reward``, ``colour``, ``position``, ``loss``, ...)."""
+        c, it = self.config, self.iteration_done
+        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + it)
+        chosen = torch.randperm(len(self.captions), generator=generator)[: c.prompts_per_iteration]
+        rows = chosen.repeat_interleave(c.group_size)
+        captions = [self.captions[i] for i in rows.tolist()]
+        prompts = self._prompts(self.text[rows], self.pooled[rows] if self.pooled is not None else None)
+        noise = torch.randn((len(rows), *self.shape), generator=generator).to(self.device)
+        self.model.eval()
+        trajectory = self.policy.sample(noise, prompts, self.sigmas, self.timesteps, generator)
+        images = decode_latents(self.parts["vae"], trajectory.latents[:, -1])
+        rewards = self.reward(images, captions).float()
+        checks = score_images(images, captions)
+        advantages = compute_advantages("grpo", rewards, c.group_size).clamp(-c.adv_clip, c.adv_clip).to(self.device)
+        steps = select_steps(c.sampling_steps, c.timestep_fraction, generator, c.step_selection)
+        order = torch.randperm(len(rows), generator=generator)
+        loss_config = policy_loss_config("ppo_clip", kl_coef=0.0, clip_eps_low=c.clip_eps, clip_eps_high=c.clip_eps)
+        self.model.train()
+        sums: dict[str, float] = {}
+        for part in order.chunk(c.mini_batches):
+            batch = prompts.rows(part)
+            log_probs, means, scales = self.policy.log_probs(trajectory, steps, batch, rows=part)
+            kl = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    _, ref_means, _ = self.reference.log_probs(trajectory, steps, batch, rows=part)
+                kl = torch.stack([gaussian_kl(means[:, k], ref_means[:, k], scales[k]) for k in range(len(steps))], 1)
+            old = trajectory.log_probs[part][:, steps]
+            out = flow_grpo_loss(log_probs, old, advantages[part], loss_config, kl=kl, kl_coef=c.kl_coef)
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if c.clip_grad:
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip_grad)
+                out.metrics["grad_norm"] = norm.detach()
+            self.optimizer.step()
+            for key in ("loss", "pg_clipfrac", "ratio_mean", "approx_kl", "kl", "grad_norm"):
+                if key in out.metrics:
+                    sums[key] = sums.get(key, 0.0) + float(out.metrics[key]) / c.mini_batches
+        self.iteration_done += 1
+        return {"iteration": self.iteration_done, "reward": float(rewards.mean()), **checks, **sums}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out colour and position accuracy: each held-out caption from ``eval_seeds`` noises (seeds 0, 1, ...),
+        Euler (the ODE) with ``eval_steps`` steps and guidance ``eval_guidance``, as the demo's learning check."""
+        c = self.config
+        captions = [caption(*h) for h in heldout_combinations() for _ in range(c.eval_seeds)]
+        text, pooled = self._encode(captions)
+        noise = torch.stack(
+            [
+                torch.randn(self.shape, generator=torch.Generator().manual_seed(i % c.eval_seeds))
+                for i in range(len(captions))
+            ]
+        ).to(self.device)
+        sigmas, timesteps = schedule(
+            self.family, build_scheduler(self.family, self.pipeline), c.eval_steps, (1, *self.shape)
+        )
+        ode = DiTPolicy(self.model, self.family, noise_level=0.0, guidance_scale=c.eval_guidance)
+        self.model.eval()
+        latents = ode.sample(noise, self._prompts(text, pooled), sigmas, timesteps, torch.Generator()).latents[:, -1]
+        return score_images(decode_latents(self.parts["vae"], latents), captions)
+
+    def save(self, directory: Path) -> Path:
+        """The weights, AdamW's state and the iteration into ``directory/flow_grpo_state.pt`` (written, then renamed)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path, tmp = directory / STATE_FILE, directory / (STATE_FILE + ".tmp")
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "iteration": self.iteration_done,
+        }
+        torch.save(state, tmp)
+        tmp.replace(path)
+        return path
+
+    def load(self, path: Path) -> None:
+        """Restore :meth:`save`'s state (tensors only: ``weights_only``)."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.iteration_done = int(state["iteration"])
+
+
+def train_flow_grpo(
+    config: FlowGRPOConfig,
+    out_dir: str | Path,
+    stop_after: int | None = None,
+    evaluate: bool = True,
+    eval_interval: int = 0,
+) -> list[dict[str, Any]]:
+    """Run (or resume, from ``out_dir``'s state file) a Flow-GRPO run; append each iteration's metrics to
+    ``out_dir/metrics.jsonl`` and save the state after each. ``stop_after``: stop after that many iterations
+    in all (a planned interruption). With ``evaluate`` the held-out check runs before the first and after the
+    last iteration, and every ``eval_interval`` iterations (records with ``"eval"``).
+
+    Returns:
+        the records written by this call.
+    """
+    out = Path(out_dir)
+    run = FlowGRPORun(config)
+    state = out / STATE_FILE
+    if state.is_file():
+        run.load(state)
+        logger.info("resumed Flow-GRPO from %s at iteration %d", state, run.iteration_done)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    records: list[dict[str, Any]] = []
+
+    def write(record: dict[str, Any]) -> None:
+        records.append(record)
+        with (out / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    if evaluate and run.iteration_done == 0:
+        write({"eval": "start", "iteration": 0, **run.evaluate()})
+    last = config.iterations if stop_after is None else min(stop_after, config.iterations)
+    while run.iteration_done < last:
+        record = run.iteration()
+        logger.info("iteration %d: %s", record["iteration"], ", ".join(f"{k} {v:.4g}" for k, v in record.items()))
+        run.save(out)
+        write(record)
+        done = run.iteration_done
+        if evaluate and eval_interval and done % eval_interval == 0 and done < config.iterations:
+            write({"eval": "interval", "iteration": done, **run.evaluate()})
+    if evaluate and run.iteration_done == config.iterations:
+        write({"eval": "end", "iteration": run.iteration_done, **run.evaluate()})
+    return records
