@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,10 @@ class VLMFamily:
             per clip)``, as the family's transformers processor counts them.
         dummy_audio_inputs: ``model config -> kwargs`` of ``get_audio_features`` for the shortest clip
             (a rank without audio in its microbatch runs it when the data holds audio).
+        encoders: input kind (``image``, ``video``, ``audio``) -> the module-name prefixes its encoder
+            call runs (tower, projector, mergers): exactly the parameters that get no gradient in a
+            step without that input on one rank; the FSDP2 trainer drops the gradients of zeros the
+            dummy calls give them (:meth:`~mindspeed_mm.trainer.vlm_task.VLMTask.finish_gradients`).
     """
 
     architecture: str
@@ -86,6 +90,7 @@ class VLMFamily:
     audio_token: str = ""
     audio_inputs: Callable[[Any], tuple[dict[str, torch.Tensor], list[int]]] | None = None
     dummy_audio_inputs: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    encoders: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def load_class(self) -> type:
         """The transformers model class."""

@@ -126,6 +126,7 @@ INTERNVL = register_family(
     VLMFamily(
         architecture="InternVLForConditionalGeneration",
         model_class="transformers:InternVLForConditionalGeneration",
+        encoders={"image": ("model.vision_tower", "model.multi_modal_projector")},
         parts={
             "vision_tower": ("model.vision_tower",),
             "projector": ("model.multi_modal_projector",),

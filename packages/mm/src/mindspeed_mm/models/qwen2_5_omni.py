@@ -181,6 +181,7 @@ QWEN2_5_OMNI = register_family(
     VLMFamily(
         architecture="Qwen2_5OmniThinkerForConditionalGeneration",
         model_class="transformers:Qwen2_5OmniThinkerForConditionalGeneration",
+        encoders={"image": ("visual",), "video": ("visual",), "audio": ("audio_tower",)},
         parts={
             "vision_tower": ("visual.patch_embed", "visual.blocks", "audio_tower"),
             "projector": ("visual.merger",),

@@ -159,6 +159,7 @@ QWEN2_5_VL = register_family(
     VLMFamily(
         architecture="Qwen2_5_VLForConditionalGeneration",
         model_class="transformers:Qwen2_5_VLForConditionalGeneration",
+        encoders={"image": ("model.visual",), "video": ("model.visual",)},
         parts={
             "vision_tower": ("model.visual.patch_embed", "model.visual.blocks"),
             "projector": ("model.visual.merger",),

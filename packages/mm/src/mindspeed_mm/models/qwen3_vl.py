@@ -130,6 +130,7 @@ QWEN3_VL = register_family(
     VLMFamily(
         architecture="Qwen3VLForConditionalGeneration",
         model_class="transformers:Qwen3VLForConditionalGeneration",
+        encoders={"image": ("model.visual",), "video": ("model.visual",)},
         parts={
             "vision_tower": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
             "projector": ("model.visual.merger", "model.visual.deepstack_merger_list"),

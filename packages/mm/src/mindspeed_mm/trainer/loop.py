@@ -303,6 +303,9 @@ def _train_step(
         reported += share
     if several:
         dist.all_reduce(reported)
+    finish = getattr(task, "finish_gradients", None)
+    if finish is not None:
+        finish(totals)
     if fault_armed("train.grad_nan", step) and rank == 0:
         plant_nan(next(p.grad for p in trainable if p.grad is not None))
     grad_norm = clip_gradients(trainable, t.clip_grad)

@@ -43,6 +43,9 @@ class TrainTask(Protocol):
     def step_tokens(self, totals: torch.Tensor) -> int:
         """Tokens the step processed over all ranks (for tokens/s)."""
 
+    # Optional: ``finish_gradients(totals)``, called after the step's backward passes and before
+    # clipping, to drop gradients one rank running the whole step would not have (the VLM task's).
+
     def export(self) -> dict[str, str]:
         """Write the exports the recipe asks for at the end (a collective); rank 0 returns ``{kind: path}``."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ from mindspeed_mm.trainer.vision_balance import VisionBalance
 from mindspeed_mm.trainer.vision_sync import VisionSync
 
 logger = get_logger(__name__)
+
+
+#: input kind (:attr:`VisionSync.paths`) -> the microbatch's key of its encoder input
+MEDIA = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
 
 
 def build_model(config: MMConfig, world: int) -> tuple[Any, torch.nn.Module]:
@@ -231,19 +236,41 @@ class VLMTask:
         return out
 
     def counts(self, microbatches: list[PackedBatch]) -> torch.Tensor:
-        """[predicted tokens, samples with predicted tokens, tokens, microbatches] of this rank's shards
-        (samples and microbatches counted on the sequence-parallel group's first rank)."""
-        counts = torch.zeros(4, dtype=torch.float64)
+        """[predicted tokens, samples with predicted tokens, tokens, microbatches, microbatches with images,
+        with videos, with audio] of this rank's shards (samples and microbatches counted on the
+        sequence-parallel group's first rank; the last three on every rank: only whether they are 0 is read)."""
+        counts = torch.zeros(4 + len(MEDIA), dtype=torch.float64)
         first = self.sequence.rank == 0
         for batch in microbatches:
             mask = batch.targets != IGNORE_INDEX
             per_sample = torch.zeros(batch.num_samples).index_add(0, batch.sample_index, mask.float())
             start, end = self.sequence.begin(batch.sample_index)
             samples = float((per_sample > 0).sum()) if first else 0.0
+            media = [float(key in batch.vision) for key in MEDIA.values()]
             counts += torch.tensor(
-                [float(mask[start:end].sum()), samples, float(end - start), float(first)], dtype=torch.float64
+                [float(mask[start:end].sum()), samples, float(end - start), float(first), *media], dtype=torch.float64
             )
         return counts.to(self.device)
+
+    def finish_gradients(self, totals: torch.Tensor) -> None:
+        """Drop the gradients of zeros that only the dummy encoder calls gave (:class:`VisionSync`).
+
+        ``totals`` (:meth:`counts` summed over ranks) says which inputs a rank had: an encoder
+        (:attr:`~mindspeed_mm.models.family.VLMFamily.encoders`) no rank's input ran keeps no gradient,
+        so AdamW skips it (its momentum and weight decay included), as on one rank.
+        """
+        if self.vision_sync is None or not self.family.encoders:
+            return
+        used = {kind for i, kind in enumerate(MEDIA) if totals[4 + i] > 0}
+
+        def under(name: str, kinds: Iterable[str]) -> bool:
+            prefixes = [p for kind in kinds for p in self.family.encoders.get(kind, ())]
+            return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+        unused = [kind for kind in self.family.encoders if kind not in used]
+        for name, param in self.model.named_parameters():
+            if param.grad is not None and under(name, unused) and not under(name, used):
+                param.grad = None
 
     def loss(self, batch: PackedBatch, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of the microbatch (of this rank's shard of it) under ``train.loss_type``."""
