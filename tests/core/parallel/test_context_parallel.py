@@ -53,7 +53,7 @@ TWO_RANKS = [
     CpCase(KVALLGATHER, 16, heads_kv=2, dtype="bfloat16"),
     CpCase(ADAPTIVE, 16, heads_kv=2),  # -> ring
     CpCase(ADAPTIVE, 16, cu_seqlens=(0, 4, 9, 12, 16)),  # documents inside chunks -> local
-    CpCase(ADAPTIVE, 22, causal=False, cu_seqlens=PACKED_22),  # -> ring
+    CpCase(ADAPTIVE, 22, causal=False, cu_seqlens=PACKED_22),  # every document inside one rank -> local
     CpCase(ADAPTIVE, 16, heads_kv=2, window=3),  # -> KV all-gather
 ]
 
