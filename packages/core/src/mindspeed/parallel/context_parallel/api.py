@@ -162,6 +162,14 @@ def context_parallel_attention(
         )
     ulysses_group, ring_group, cp_rank, degree = _resolve_groups(algo, cp_group, ulysses_group, ring_group)
     cp_size = dist.get_world_size(cp_group)
+    if inner_ring_group is not None:
+        width, windows = dist.get_world_size(inner_ring_group), dist.get_world_size(outer_ring_group)
+        position = dist.get_rank(outer_ring_group) * width + dist.get_rank(inner_ring_group)
+        if width < 2 or windows < 2 or width * windows != cp_size or position != cp_rank:
+            raise ValueError(
+                f"the double ring's groups ({windows} windows of {width}; this rank at {position}) do not match "
+                f"CP rank {cp_rank} of {cp_size}; build them with build_context_parallel_groups(..., cp_window_size=w)"
+            )
     bounds = None
     if cu_seqlens is not None:
         if q.shape[0] != 1:
