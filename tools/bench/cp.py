@@ -72,6 +72,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp", default="1,2,4", help="comma-separated CP degrees (1 is the baseline)")
     parser.add_argument("--algos", default=",".join(ALGOS), help="comma-separated algorithms")
     parser.add_argument("--ulysses-degree", type=int, default=2, help="ulysses_degree_in_cp of hybrid_cp_algo")
+    parser.add_argument(
+        "--cp-window-size",
+        type=int,
+        default=1,
+        help="also run the double ring (megatron_cp_algo with this window) where it divides the CP degree",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -96,19 +102,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: The double ring's row label (``megatron_cp_algo`` with ``--cp-window-size``).
+DOUBLE_RING = "megatron_cp_algo (double ring)"
+
+
 def _algos_for(cp: int, args: argparse.Namespace) -> list[str]:
     if cp == 1:
         return [RING]  # a ring of one is plain attention through the same entry
-    return [a for a in args.algos if a != HYBRID or (cp % args.ulysses_degree == 0 and cp > args.ulysses_degree)]
+    algos = [a for a in args.algos if a != HYBRID or (cp % args.ulysses_degree == 0 and cp > args.ulysses_degree)]
+    window = getattr(args, "cp_window_size", 1)
+    if RING in algos and 1 < window < cp and cp % window == 0:
+        algos.append(DOUBLE_RING)
+    return algos
 
 
 def bench_rank(rank: int, world_size: int, settings: dict) -> list[dict]:
     """Measure every algorithm and length on this rank (runs inside the spawned group)."""
     args = argparse.Namespace(**settings)
     results = []
-    for algo in _algos_for(world_size, args):
+    for label in _algos_for(world_size, args):
+        algo = RING if label == DOUBLE_RING else label
         degree = args.ulysses_degree if algo == HYBRID else 1
-        groups = build_context_parallel_groups(dist.group.WORLD, algo, degree)
+        window = args.cp_window_size if label == DOUBLE_RING else 1
+        groups = build_context_parallel_groups(dist.group.WORLD, algo, degree, cp_window_size=window)
         for seq_len in args.seq_lens:
             local = shard_lengths(seq_len, world_size, algo, degree)[groups.cp_rank]
             gen = torch.Generator().manual_seed(rank)
@@ -126,6 +142,8 @@ def bench_rank(rank: int, world_size: int, settings: dict) -> list[dict]:
                     cp_group=groups.cp_group,
                     ulysses_group=groups.ulysses_group,
                     ring_group=groups.ring_group,
+                    inner_ring_group=groups.inner_ring_group,
+                    outer_ring_group=groups.outer_ring_group,
                     causal=args.causal,
                     seq_len=seq_len,
                     impl=args.impl,
@@ -146,7 +164,7 @@ def bench_rank(rank: int, world_size: int, settings: dict) -> list[dict]:
                 step()
             results.append(
                 {
-                    "algo": algo,
+                    "algo": label,
                     "seq_len": seq_len,
                     "local_seq": local,
                     "peak_mib": mem.peak_bytes / MIB,
@@ -167,6 +185,8 @@ def collect(args: argparse.Namespace) -> list[Row]:
             ranks = [results[index] for results in per_rank]
             algo = BASELINE if cp == 1 else first["algo"]
             layout = f"U{args.ulysses_degree} x R{cp // args.ulysses_degree}" if first["algo"] == HYBRID else ""
+            if first["algo"] == DOUBLE_RING:
+                layout = f"{cp // args.cp_window_size} windows x {args.cp_window_size}"
             rows.append(
                 Row(
                     algo=algo,

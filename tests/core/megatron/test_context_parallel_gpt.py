@@ -9,7 +9,9 @@ ring 2), and ``kvallgather_cp_algo`` (megatron's ``cp_comm_type="all_gather"``).
 losses and the final parameters must agree to fp32 round-off. The same group checks
 ``RegistryAttention`` under ``all_gather`` against the single-rank layer (output and q/k/v
 gradients) where the GPT does not reach: a sliding window, packed sequences (megatron's THD
-layout, each sequence split zig-zag) with a window, and ALiBi on packed sequences.
+layout, each sequence split zig-zag) with a window, and ALiBi on packed sequences; and the same
+three under adaptive CP (``cp_comm_type="p2p"`` with the feature's ``cp_adaptive``), which runs
+window and ALiBi layers through the KV all-gather.
 """
 
 from __future__ import annotations
@@ -146,13 +148,14 @@ def _run(
 
 
 def _layer_gaps(rank: int) -> dict[str, Any]:
-    """RegistryAttention at CP2 ``all_gather`` vs the single-rank layer: rows of the output, q/k/v grads."""
+    """RegistryAttention at CP2 vs the single-rank layer: rows of the output, q/k/v grads.
+
+    Under ``all_gather``, and under adaptive CP (``cp_comm_type="p2p"``, ``cp_adaptive``), which
+    runs these window / ALiBi layers through the KV all-gather.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
 
-    from mindspeed.megatron.config import ParallelSizes, transformer_config
-    from mindspeed.megatron.modules import RegistryAttention
     from mindspeed.parallel.context_parallel import RING, shard_ranges
     from mindspeed.parallel.context_parallel.layout import packed_shard_ranges
 
@@ -172,28 +175,42 @@ def _layer_gaps(rank: int) -> dict[str, Any]:
                 rows = torch.cat([torch.arange(a, b) for a, b in packed_shard_ranges(bounds, rank, 2)])
                 cu = torch.tensor(bounds, dtype=torch.int32)
                 params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-            outs, grads = [], []
-            for cp, take in ((2, rows), (1, torch.arange(seq))):
-                config = transformer_config(MODEL, ParallelSizes(cp=cp), window_size=window)
-                attn = RegistryAttention(
-                    config, 1, AttnMaskType.causal, "self", cp_comm_type="all_gather", impl="reference", alibi=alibi
-                )
-                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-                inputs = [t[take] if params is None else t[take].squeeze(1) for t in leaves]
-                out = attn(*inputs, None, packed_seq_params=params).reshape(len(take), 1, -1)
-                (out * probe[take]).sum().backward()
-                grad = [t.grad for t in leaves]
-                if cp == 2:  # each rank has the gradient of its rows' loss: sum them
-                    for g in grad:
-                        dist.all_reduce(g, group=ps.get_context_parallel_group())
-                outs.append(out.detach()[:, 0] if cp == 2 else out.detach()[rows, 0])
-                grads.append(grad)
-            comparison.add(f"{label} out", outs[0], outs[1])
-            for name, got, want in zip("qkv", *grads):
-                comparison.add(f"{label} d{name}", got, want)
+            for mode, comm, extra in (("", "all_gather", {}), ("adaptive ", "p2p", {"cp_adaptive": True})):
+                _compare_layer(comparison, f"{mode}{label}", (q, k, v, probe), rows, params, window, alibi, comm, extra)
     finally:
         ps.destroy_model_parallel()
     return comparison.summary()
+
+
+def _compare_layer(comparison, label, tensors, rows, params, window, alibi, comm, extra) -> None:
+    """One RegistryAttention case at CP2 (``comm``, config ``extra``) against CP1: output rows and q/k/v grads."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed.megatron.config import ParallelSizes, transformer_config
+    from mindspeed.megatron.modules import RegistryAttention
+
+    q, k, v, probe = tensors
+    seq = q.shape[0]
+    outs, grads = [], []
+    for cp, take in ((2, rows), (1, torch.arange(seq))):
+        config = transformer_config(MODEL, ParallelSizes(cp=cp), window_size=window, **(extra if cp == 2 else {}))
+        attn = RegistryAttention(
+            config, 1, AttnMaskType.causal, "self", cp_comm_type=comm, impl="reference", alibi=alibi
+        )
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        inputs = [t[take] if params is None else t[take].squeeze(1) for t in leaves]
+        out = attn(*inputs, None, packed_seq_params=params).reshape(len(take), 1, -1)
+        (out * probe[take]).sum().backward()
+        grad = [t.grad for t in leaves]
+        if cp == 2:  # each rank has the gradient of its rows' loss: sum them
+            for g in grad:
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+        outs.append(out.detach()[:, 0] if cp == 2 else out.detach()[rows, 0])
+        grads.append(grad)
+    comparison.add(f"{label} out", outs[0], outs[1])
+    for name, got, want in zip("qkv", *grads):
+        comparison.add(f"{label} d{name}", got, want)
 
 
 def _check(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -239,4 +256,4 @@ def test_cp2_training_matches_single_rank(results: dict[str, dict[str, Any]], la
 def test_all_gather_attention_layer_matches_single_rank(results: dict[str, dict[str, Any]]) -> None:
     result = results["all_gather layer"]
     assert not result["failures"], "all_gather RegistryAttention differs:\n" + "\n".join(result["failures"])
-    assert len(result["names"]) == 4 * len(LAYER_CASES)
+    assert len(result["names"]) == 2 * 4 * len(LAYER_CASES)  # all_gather, and adaptive (which picks it)

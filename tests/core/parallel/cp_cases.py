@@ -17,6 +17,7 @@ import torch.distributed as dist
 from mindspeed.ops.alibi import get_alibi_slopes
 from mindspeed.ops.attention import attention_reference
 from mindspeed.parallel.context_parallel import (
+    ADAPTIVE,
     HYBRID,
     KVALLGATHER,
     RING,
@@ -24,6 +25,7 @@ from mindspeed.parallel.context_parallel import (
     ContextParallelAttention,
     ContextParallelConfig,
     build_context_parallel_groups,
+    choose_cp_algo,
     context_parallel_attention,
     gather_from_context_parallel,
     split_for_context_parallel,
@@ -50,12 +52,15 @@ class CpCase:
     dtype: str = "float32"
     window: int = -1  # a causal sliding window's left bound (kvallgather_cp_algo)
     alibi: bool = False
+    cp_window: int = 1  # the double ring's window (cp_window_size)
 
     @property
     def name(self) -> str:
         parts = [self.algo.replace("_cp_algo", "")]
         if self.algo == HYBRID:
             parts.append(f"u{self.ulysses_degree}")
+        if self.cp_window > 1:
+            parts.append(f"window-of-{self.cp_window}-ranks")
         parts += [f"s{self.seq_len}", f"h{self.heads_q}/{self.heads_kv}", "causal" if self.causal else "full"]
         if self.cu_seqlens is not None:
             parts.append(f"packed{list(self.cu_seqlens)}")
@@ -93,9 +98,11 @@ def _run_case(case: CpCase, index: int, rank: int, world_size: int, groups_cache
     ref_out = attention_reference(*leaves, causal=case.causal, cu_seqlens=cu, **masks)
     ref_grads = torch.autograd.grad(ref_out, leaves, grad_out)
 
-    key = (case.algo, case.ulysses_degree)
+    key = (case.algo, case.ulysses_degree, case.cp_window)
     if key not in groups_cache:
-        groups_cache[key] = build_context_parallel_groups(dist.group.WORLD, case.algo, case.ulysses_degree)
+        groups_cache[key] = build_context_parallel_groups(
+            dist.group.WORLD, case.algo, case.ulysses_degree, cp_window_size=case.cp_window
+        )
     groups = groups_cache[key]
 
     def split(t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +123,8 @@ def _run_case(case: CpCase, index: int, rank: int, world_size: int, groups_cache
         seq_len=None if case.seq_len % (2 * world_size) == 0 else case.seq_len,
         impl=case.impl,
         overlap=case.overlap,
+        inner_ring_group=groups.inner_ring_group,
+        outer_ring_group=groups.outer_ring_group,
         **masks,
     )
     grads = torch.autograd.grad(out, local, split(grad_out))
@@ -130,7 +139,18 @@ def _run_case(case: CpCase, index: int, rank: int, world_size: int, groups_cache
         ("dv", grads[2], split(ref_grads[2])),
         ("gathered", gathered, ref_out),
     ]
-    return _report(case.name, pairs, *TOLERANCES[dtype])
+    name = case.name
+    if case.algo == ADAPTIVE:  # which algorithm the mask chose, for the report
+        choice = choose_cp_algo(
+            case.seq_len,
+            world_size,
+            case.causal,
+            case.cu_seqlens,
+            tuple(masks.get("window_size", (-1, -1))),
+            case.alibi,
+        )
+        name += f" -> {choice.algo}"
+    return _report(name, pairs, *TOLERANCES[dtype])
 
 
 def _check_extras(rank: int, world_size: int) -> list[dict]:

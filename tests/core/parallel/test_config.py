@@ -36,6 +36,13 @@ def test_invalid_configs_name_the_fix() -> None:
         ContextParallelConfig(4, "hybrid_cp_algo", ulysses_degree_in_cp=3)
     with pytest.raises(ValueError, match="divisible by the Ulysses degree"):
         ContextParallelConfig(8, "ulysses_cp_algo").check_heads(num_heads=12, num_kv_heads=4)
+    with pytest.raises(ValueError, match="must divide context_parallel_size=6 and be below it"):
+        ContextParallelConfig(6, "megatron_cp_algo", cp_window_size=4)
+    with pytest.raises(ValueError, match="must divide context_parallel_size=4 and be below it"):
+        ContextParallelConfig(4, "megatron_cp_algo", cp_window_size=4)
+    with pytest.raises(ValueError, match="needs megatron_cp_algo, not ulysses_cp_algo"):
+        ContextParallelConfig(4, "ulysses_cp_algo", cp_window_size=2)
+    assert ContextParallelConfig(8, "megatron_cp_algo", cp_window_size=2).cp_window_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ContextParallelConfig(2, "ulysses_cp_algo").check_heads(num_heads=6, num_kv_heads=3, tensor_parallel_size=2)
     ContextParallelConfig(4, "ulysses_cp_algo").check_heads(num_heads=8, num_kv_heads=1)  # GQA: kv < U is fine

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed.parallel.context_parallel import HYBRID, KVALLGATHER, RING, ULYSSES
+from mindspeed.parallel.context_parallel import ADAPTIVE, HYBRID, KVALLGATHER, RING, ULYSSES
 from mindspeed.testing.distributed import run_distributed
 from tests.core.parallel.cp_cases import CpCase, case_dicts, check_cases
 
@@ -51,6 +51,10 @@ TWO_RANKS = [
     CpCase(KVALLGATHER, 16, heads_kv=2, alibi=True),
     CpCase(KVALLGATHER, 22, heads_q=6, heads_kv=2, cu_seqlens=PACKED_22, window=2, alibi=True),
     CpCase(KVALLGATHER, 16, heads_kv=2, dtype="bfloat16"),
+    CpCase(ADAPTIVE, 16, heads_kv=2),  # -> ring
+    CpCase(ADAPTIVE, 16, cu_seqlens=(0, 4, 9, 12, 16)),  # documents inside chunks -> local
+    CpCase(ADAPTIVE, 22, causal=False, cu_seqlens=PACKED_22),  # every document inside one rank -> local
+    CpCase(ADAPTIVE, 16, heads_kv=2, window=3),  # -> KV all-gather
 ]
 
 FOUR_RANKS = [
@@ -72,6 +76,21 @@ FOUR_RANKS = [
     CpCase(KVALLGATHER, 16, heads_kv=2, window=5),
     CpCase(KVALLGATHER, 27, heads_kv=1, cu_seqlens=(0, 9, 20, 27)),
     CpCase(KVALLGATHER, 30, causal=False, cu_seqlens=PACKED_30),
+    # The double ring: 2 windows of 2 ranks.
+    CpCase(RING, 16, cp_window=2),
+    CpCase(RING, 13, heads_kv=2, causal=False, cp_window=2),
+    CpCase(RING, 30, cu_seqlens=PACKED_30, cp_window=2),
+    CpCase(RING, 30, causal=False, cu_seqlens=PACKED_30, cp_window=2),
+    CpCase(RING, 27, heads_kv=1, cu_seqlens=(0, 9, 20, 27), cp_window=2),
+    CpCase(RING, 16, overlap=False, cp_window=2),
+    CpCase(RING, 16, heads_kv=2, dtype="bfloat16", cp_window=2),
+    # Adaptive on each mask kind (the chosen algorithm is in the report's case name).
+    CpCase(ADAPTIVE, 32, heads_kv=2),  # causal -> ring
+    CpCase(ADAPTIVE, 32, cu_seqlens=(0, 4, 8, 10, 12, 16, 20, 24, 28, 32)),  # inside chunks -> local
+    CpCase(ADAPTIVE, 32, cu_seqlens=(0, 2, 6, 8, 12, 16, 20, 24, 28, 32)),  # 1 of 3 steps -> KV all-gather
+    CpCase(ADAPTIVE, 30, cu_seqlens=PACKED_30, cp_window=2),  # -> double ring
+    CpCase(ADAPTIVE, 16, heads_kv=2, window=5),  # -> KV all-gather
+    CpCase(ADAPTIVE, 16, causal=False),  # -> ring
 ]
 
 

@@ -17,6 +17,12 @@ and Ulysses 1 x ring 2), through the real trainer:
 - resume across CP sizes: a CP2 run saves at step 2 and a CP1 run resumes it to step 4, and the
   reverse; steps 3 and 4 must be the reference's.
 
+A second group of four ranks trains the double ring (``megatron_cp_algo`` with
+``cp_window_size=2``: two windows of two ranks) and ``adaptive_cp_algo`` at CP4 against CP1
+(data-parallel 4): the double ring on plain and on EOD-reset pretraining, adaptive CP on
+EOD-reset pretraining (per microbatch its documents pick the ring, the KV all-gather or no
+communication; unpacked causal rows always take the ring).
+
 Per-step losses and gradient norms must agree to rel 1e-5, and the token counts must be the
 same (CP does not multiply them).
 """
@@ -116,6 +122,39 @@ def _group(rank: int, world_size: int, root: str, pretrain_data: str, sft_data: 
     return out
 
 
+#: CP4 on four ranks: the double ring (2 windows of 2) and adaptive CP.
+FOUR_RANK_ALGOS = {
+    "double-ring": [
+        "features.settings.context_parallel.context_parallel_algo=megatron_cp_algo",
+        "features.settings.context_parallel.cp_window_size=2",
+    ],
+    "adaptive": ["features.settings.context_parallel.context_parallel_algo=adaptive_cp_algo"],
+}
+
+
+def _group4(rank: int, world_size: int, root: str, pretrain_data: str) -> dict[str, Any]:
+    init = f"{root}/init4"
+    _run(*_pretrain_data(pretrain_data), "train.steps=0", f"checkpoint.save={init}")
+    start = [f"checkpoint.load={init}", "checkpoint.finetune=true", f"train.steps={STEPS}"]
+    reset = [*_pretrain_data(pretrain_data), "data.reset_attention_mask=true", "data.reset_position_ids=true"]
+    out: dict[str, Any] = {}
+    for stage, data in (("pretrain", _pretrain_data(pretrain_data)), ("eod-reset", reset)):
+        out[f"{stage}/cp1"] = _run(*data, *start)
+        for name, algo in FOUR_RANK_ALGOS.items():
+            if stage == "eod-reset" or name != "adaptive":  # unpacked causal rows: adaptive runs the ring
+                out[f"{stage}/{name}"] = _run(*data, *start, "parallel.cp=4", *algo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root: Path = tmp_path_factory.mktemp("cp4")
+    pretrain_data = write_indexed_dataset(root / "data" / "docs", 120, seed=3)
+    results = run_distributed(_group4, 4, str(root), pretrain_data, timeout=900)
+    assert all(r == results[0] for r in results), "ranks disagree on the logged metrics"
+    return results[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root: Path = tmp_path_factory.mktemp("cp")
@@ -157,3 +196,13 @@ def test_eod_reset_cp2_matches_cp1(runs: dict[str, Any], algo: str) -> None:
 def test_resume_across_cp_sizes(runs: dict[str, Any], case: str) -> None:
     got = runs[f"resume/{case}"]
     _same(got, runs["pretrain/cp1"][2:], case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("stage", "algo"), [("pretrain", "double-ring"), ("eod-reset", "double-ring"), ("eod-reset", "adaptive")]
+)
+def test_cp4_double_ring_and_adaptive_match_cp1(runs4: dict[str, Any], stage: str, algo: str) -> None:
+    ref = runs4[f"{stage}/cp1"]
+    assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn"
+    _same(runs4[f"{stage}/{algo}"], ref, f"{stage} {algo}")

@@ -4,7 +4,9 @@ The algorithms live in :mod:`mindspeed.parallel.context_parallel`; inside megatr
 run in :class:`~mindspeed.megatron.modules.RegistryAttention`, which picks the algorithm from
 megatron's own per-layer setting ``cp_comm_type`` ("p2p": ring, "a2a": Ulysses, "a2a+p2p":
 hybrid with ``hierarchical_context_parallel_sizes = [U, R]``, "all_gather": KV all-gather). This feature translates
-MindSpeed's names into those ``TransformerConfig`` fields, so nothing else needs to know them.
+MindSpeed's names into those ``TransformerConfig`` fields, so nothing else needs to know them. The
+double ring (``--cp-window-size``) and ``adaptive_cp_algo`` run on the ring's layout ("p2p") and
+reach the layers as the attributes ``cp_window_size`` and ``cp_adaptive``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from dataclasses import dataclass
 
 from mindspeed.features.base import Change, Feature, FeatureConfig
 from mindspeed.features.context import BuildContext
-from mindspeed.parallel.context_parallel import HYBRID, KVALLGATHER, RING, ULYSSES, ContextParallelConfig
+from mindspeed.parallel.context_parallel import ADAPTIVE, HYBRID, KVALLGATHER, RING, ULYSSES, ContextParallelConfig
 
 #: MindSpeed's ``context_parallel_algo`` -> megatron-core's ``cp_comm_type`` (the same map as
 #: ``mindspeed.megatron.modules.CP_ALGO_COMM_TYPES``, kept here so that listing features does
 #: not import megatron-core).
-COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather"}
+COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather", ADAPTIVE: "p2p"}
 
 
 @dataclass
@@ -29,13 +31,19 @@ class ContextParallelFeatureConfig(FeatureConfig):
         enabled: see :class:`FeatureConfig`.
         context_parallel_size: CP degree ``C``; ``None`` takes ``parallel.cp`` of the build.
         context_parallel_algo: ``megatron_cp_algo`` (ring, default), ``ulysses_cp_algo``,
-            ``hybrid_cp_algo`` or ``kvallgather_cp_algo`` (KV all-gather: megatron's ``all_gather``).
+            ``hybrid_cp_algo``, ``kvallgather_cp_algo`` (KV all-gather: megatron's ``all_gather``)
+            or ``adaptive_cp_algo`` (ring, KV all-gather or no communication, chosen per call
+            from the mask's non-empty blocks).
         ulysses_degree_in_cp: Ulysses degree ``U`` of ``hybrid_cp_algo`` (ring degree ``C / U``).
+        cp_window_size: ``w > 1``: the ring as a double ring, an inner ring in each window of
+            ``w`` consecutive CP ranks and an outer ring over the ``C / w`` windows
+            (``--cp-window-size``; ``megatron_cp_algo`` or ``adaptive_cp_algo``).
     """
 
     context_parallel_size: int | None = None
     context_parallel_algo: str = RING
     ulysses_degree_in_cp: int | None = None
+    cp_window_size: int = 1
 
 
 class ContextParallelFeature(Feature):
@@ -48,12 +56,17 @@ class ContextParallelFeature(Feature):
     name = "context_parallel"
     Config = ContextParallelFeatureConfig
     level = 2
-    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
-    description = "long sequences: Ulysses, ring (zig-zag), hybrid or KV all-gather attention over the CP group"
+    flags = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp", "--cp-window-size")
+    description = (
+        "long sequences: Ulysses, ring (zig-zag; double ring with a window), hybrid, KV all-gather "
+        "or adaptive attention over the CP group"
+    )
     targets = (
         "config_overrides.context_parallel_size",
         "config_overrides.cp_comm_type",
         "config_overrides.hierarchical_context_parallel_sizes",
+        "config_overrides.cp_window_size",
+        "config_overrides.cp_adaptive",
     )
 
     def default_enabled(self, ctx: BuildContext) -> bool:
@@ -88,6 +101,7 @@ class ContextParallelFeature(Feature):
                 context_parallel_size=size,
                 context_parallel_algo=cfg.context_parallel_algo,
                 ulysses_degree_in_cp=cfg.ulysses_degree_in_cp,
+                cp_window_size=cfg.cp_window_size,
             )
             heads = ctx.model.extra.get("num_attention_heads")
             if heads is not None:
@@ -100,7 +114,7 @@ class ContextParallelFeature(Feature):
             raise self.invalid(str(error), "change the CP settings or the parallel sizes") from error
 
     def apply(self, cfg: FeatureConfig, ctx: BuildContext) -> list[Change]:
-        """Set ``context_parallel_size``, ``cp_comm_type`` and, for hybrid, ``[U, R]``."""
+        """Set ``context_parallel_size``, ``cp_comm_type``; for hybrid ``[U, R]``; the window; adaptive."""
         assert isinstance(cfg, ContextParallelFeatureConfig)
         size, algo = self._size(cfg, ctx), cfg.context_parallel_algo
         changes = [
@@ -116,4 +130,14 @@ class ContextParallelFeature(Feature):
                     f"--ulysses-degree-in-cp {degree}: Ulysses x ring",
                 )
             )
+        if cfg.cp_window_size > 1:
+            changes.append(
+                ctx.set_config(
+                    "cp_window_size",
+                    cfg.cp_window_size,
+                    f"--cp-window-size {cfg.cp_window_size}: double ring, {size // cfg.cp_window_size} windows",
+                )
+            )
+        if algo == ADAPTIVE:
+            changes.append(ctx.set_config("cp_adaptive", True, "adaptive_cp_algo: algorithm chosen from the mask"))
         return changes

@@ -88,6 +88,11 @@ def expert_tensor_parallel_size(shape: ModelShape, etp: int | None) -> int | Non
     return 1
 
 
+#: ``TransformerConfig`` attributes that are not megatron fields: the ``context_parallel``
+#: feature's double-ring window and adaptive CP, read by ``RegistryAttention``.
+EXTRA_CONFIG_ATTRIBUTES = ("cp_window_size", "cp_adaptive")
+
+
 def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any) -> Any:
     """The megatron ``TransformerConfig`` (``MLATransformerConfig`` for MLA) of ``shape`` on ``sizes``.
 
@@ -203,7 +208,12 @@ def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any
             original_max_position_embeddings=shape.original_max_position_embeddings,
         )
     fields.update(overrides)
+    # MindSpeed settings megatron's TransformerConfig has no field for: set as attributes (the
+    # layers read them with getattr, as GPTModel reads the YaRN ones below).
+    extra = {name: fields.pop(name) for name in EXTRA_CONFIG_ATTRIBUTES if name in fields}
     config = cls(**fields)
+    for name, value in extra.items():
+        setattr(config, name, value)
     if shape.position_embedding_type == "yarn" and not shape.multi_latent_attention:
         # GPTModel reads its YaRN settings with getattr (TransformerConfig has no such fields).
         config.yarn_rotary_scaling_factor = shape.rotary_scaling_factor

@@ -24,6 +24,7 @@ from mindspeed.ops import resolve_kernel
 from mindspeed.ops.alibi import shard_alibi_slopes
 from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
+    ADAPTIVE,
     HYBRID,
     KVALLGATHER,
     RING,
@@ -33,7 +34,10 @@ from mindspeed.parallel.context_parallel import (
     context_parallel_attention,
     shard_ranges,
 )
+from mindspeed.parallel.context_parallel.adaptive import LOCAL, choose_cp_algo
 from mindspeed.parallel.context_parallel.api import _kernel
+from mindspeed.parallel.context_parallel.blocks import local_cu_seqlens
+from mindspeed.parallel.context_parallel.double_ring import double_ring_attention
 from mindspeed.parallel.context_parallel.kv_allgather import kv_allgather_attention
 from mindspeed.parallel.context_parallel.layout import packed_shard_ranges
 from mindspeed.parallel.context_parallel.ring import ring_attention
@@ -43,7 +47,7 @@ from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
 #: MindSpeed's ``context_parallel_algo``. ``None`` is megatron's default, the ring ("p2p").
 CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": KVALLGATHER}
 #: The reverse, for the ``context_parallel`` feature.
-CP_ALGO_COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather"}
+CP_ALGO_COMM_TYPES = {RING: "p2p", ULYSSES: "a2a", HYBRID: "a2a+p2p", KVALLGATHER: "all_gather", ADAPTIVE: "p2p"}
 
 
 class RegistryNorm(nn.Module):
@@ -162,18 +166,19 @@ class RegistryAttention(MegatronModule):
         self.cp: _ContextParallel | None = None
         if config.context_parallel_size > 1:
             self.cp = _ContextParallel(config, cp_comm_type, pg_collection)
-            if window is not None and self.cp.algo != KVALLGATHER:
+            if window is not None and self.cp.algo != KVALLGATHER and not self.cp.adaptive:
                 raise ValueError(
                     f"window_size under context parallelism needs cp_comm_type 'all_gather' (kvallgather_cp_algo), "
-                    f"not {self.cp.algo}; unset it, use all_gather or context_parallel_size=1"
+                    f"not {self.cp.algo}; unset it, use all_gather, adaptive_cp_algo or context_parallel_size=1"
                 )
-            if self.cp.algo in (RING, HYBRID):
+            if self.cp.algo in (RING, HYBRID) and not (self.cp.adaptive and (window is not None or alibi)):
                 # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
+                # (Adaptive CP runs a window or ALiBi layer by the KV all-gather, which needs none.)
                 features = (FEATURE_LSE,)
         self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
         if alibi:
             features = (*features, FEATURE_ALIBI)
-            if self.cp is not None and self.cp.algo not in (ULYSSES, KVALLGATHER):
+            if self.cp is not None and self.cp.algo not in (ULYSSES, KVALLGATHER) and not self.cp.adaptive:
                 raise ValueError(
                     f"ALiBi under context parallelism needs Ulysses or KV all-gather (cp_comm_type 'a2a' or "
                     f"'all_gather'), not {self.cp.algo}: the ring would need every block's global positions"
@@ -295,7 +300,7 @@ class RegistryAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
-            if self.alibi_slopes is not None and self.cp.algo != KVALLGATHER:
+            if self.alibi_slopes is not None and self.cp.algo != KVALLGATHER and not self.cp.adaptive:
                 raise ValueError(
                     "packed sequences with ALiBi under context parallelism are not supported; "
                     "use context_parallel_size=1, unpacked sequences or cp_comm_type 'all_gather'"
@@ -362,14 +367,18 @@ def _slopes_on(heads: int, rank: int, size: int, device: torch.device, part: int
 
 #: Hybrid sub-groups per (CP group, Ulysses degree): every layer of a model shares them, and
 #: ``new_group`` is collective, so they are created once (at the first layer's construction).
-_HYBRID_GROUPS: dict[tuple[int, int], ContextParallelGroups] = {}
+_HYBRID_GROUPS: dict[tuple[int, int, int], ContextParallelGroups] = {}
 
 
-def _hybrid_groups(cp_group: Any, degree: int) -> ContextParallelGroups:
-    key = (id(cp_group), degree)
+def _hybrid_groups(cp_group: Any, degree: int, cp_window_size: int = 1) -> ContextParallelGroups:
+    """Hybrid's sub-groups (``degree``), or the double ring's (``cp_window_size > 1``), once per CP group."""
+    algo = HYBRID if cp_window_size == 1 else RING
+    key = (id(cp_group), degree, cp_window_size)
     groups = _HYBRID_GROUPS.get(key)
     if groups is None or groups.cp_group is not cp_group:  # an id reused after a group was destroyed
-        groups = _HYBRID_GROUPS[key] = build_context_parallel_groups(cp_group, HYBRID, degree)
+        groups = _HYBRID_GROUPS[key] = build_context_parallel_groups(
+            cp_group, algo, degree, cp_window_size=cp_window_size
+        )
     return groups
 
 
@@ -410,6 +419,21 @@ class _ContextParallel:
         self.algo = CP_COMM_TYPES[cp_comm_type]
         self.ulysses_group: Any = None
         self.ring_group: Any = None
+        # MindSpeed's settings that megatron's TransformerConfig has no field for (the
+        # context_parallel feature sets them as attributes): the double ring's window and
+        # adaptive CP, both on the ring's zig-zag layout ("p2p").
+        self.window = int(getattr(config, "cp_window_size", 1) or 1)
+        self.adaptive = bool(getattr(config, "cp_adaptive", False))
+        self.inner_ring_group: Any = None
+        self.outer_ring_group: Any = None
+        if (self.window > 1 or self.adaptive) and self.algo != RING:
+            raise ValueError(
+                f"cp_window_size / adaptive CP run on the ring's layout: they need cp_comm_type 'p2p', not "
+                f"{cp_comm_type!r}; set cp_window_size=1 and cp_adaptive=False or use the ring"
+            )
+        if self.window > 1:
+            groups = _hybrid_groups(cp_group, 1, self.window)
+            self.inner_ring_group, self.outer_ring_group = groups.inner_ring_group, groups.outer_ring_group
         if self.algo == ULYSSES:
             self.ulysses_group = cp_group
         elif self.algo == HYBRID:
@@ -466,7 +490,11 @@ class _ContextParallel:
                 f"sequence length {seq_len} must be divisible by 2 * context_parallel_size "
                 f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs"
             )
-        if self.algo == KVALLGATHER:
+        algo = self.algo
+        if self.adaptive:  # unpacked rows are one sequence: the ring, or the all-gather for a window / ALiBi
+            algo = choose_cp_algo(seq_len, self.cp_size, causal, None, tuple(window_size), alibi_slopes is not None)
+            algo = algo.algo
+        if algo == KVALLGATHER:
             # Megatron's zig-zag is exactly this algorithm's layout: no reordering.
             return kv_allgather_attention(
                 q,
@@ -481,7 +509,7 @@ class _ContextParallel:
                 window_size=window_size,
                 alibi_slopes=alibi_slopes,
             )
-        if self.algo == RING:
+        if algo == RING:
             return context_parallel_attention(
                 q,
                 k,
@@ -492,6 +520,8 @@ class _ContextParallel:
                 softmax_scale=softmax_scale,
                 seq_len=seq_len,
                 impl=impl,
+                inner_ring_group=self.inner_ring_group,
+                outer_ring_group=self.outer_ring_group,
             )
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         sort, unsort = self._order(seq_len, q.device)
@@ -583,7 +613,17 @@ class _ContextParallel:
         seq_len = bounds[-1]
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         device = get_accelerator().name
-        if self.algo == KVALLGATHER:
+        algo = self.algo
+        if self.adaptive:  # per microbatch: its documents decide (see mindspeed.parallel.context_parallel.adaptive)
+            algo = choose_cp_algo(
+                seq_len, self.cp_size, causal, bounds, tuple(window_size), alibi_slopes is not None, per_sequence=True
+            ).algo
+        if algo == LOCAL:  # every document inside one rank's chunks: nothing to communicate
+            cu = local_cu_seqlens(packed_shard_ranges(bounds, self.cp_group.rank(), self.cp_size), bounds)
+            local = _kernel("attention", impl, (*features, FEATURE_VARLEN), device)
+            cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
+            return local(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu)
+        if algo == KVALLGATHER:
             return kv_allgather_attention(
                 q,
                 k,
@@ -603,7 +643,22 @@ class _ContextParallel:
         if ring_group is not None and ring_group.size() > 1:  # only the ring merges blocks by their lse
             lse_kernel = _kernel("attention", impl, (FEATURE_LSE, FEATURE_VARLEN), device)
             update = _kernel("ring_attention_update", "auto", (), device)
-        if self.algo == RING:
+        if algo == RING and self.inner_ring_group is not None:
+            return double_ring_attention(
+                q,
+                k,
+                v,
+                inner_group=self.inner_ring_group,
+                outer_group=self.outer_ring_group,
+                seq_len=seq_len,
+                causal=causal,
+                softmax_scale=scale,
+                bounds=bounds,
+                attend=lse_kernel,
+                update=update,
+                per_sequence=True,
+            )
+        if algo == RING:
             return ring_attention(
                 q,
                 k,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mindspeed.features import ModelFacts
 from mindspeed.model.shape import ModelShape
 from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
-from mindspeed.parallel.context_parallel import HYBRID, RING, split_for_context_parallel
+from mindspeed.parallel.context_parallel import ADAPTIVE, HYBRID, RING, split_for_context_parallel
 from mindspeed.parallel.context_parallel.layout import split_packed_for_context_parallel
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.steps import LM_LOSS, LossFunc
@@ -50,11 +50,11 @@ def context_parallel_algo(config: PretrainConfig) -> str:
 def context_parallel_facts(facts: ModelFacts, config: PretrainConfig, shape: ModelShape) -> ModelFacts:
     """``facts`` with what CP needs of the attention kernel and the heads the feature checks.
 
-    Ring and hybrid merge blocks by their log-sum-exp (``lse``); packed stages (sft) attend
+    Ring, hybrid and adaptive (which may run the ring) merge blocks by their log-sum-exp (``lse``); packed stages (sft) attend
     within ``cu_seqlens`` (``varlen``). The attention-kernel feature picks a kernel that has both.
     """
     needs = set(facts.attention_features)
-    if context_parallel_algo(config) in (RING, HYBRID):
+    if context_parallel_algo(config) in (RING, HYBRID, ADAPTIVE):
         needs.add(FEATURE_LSE)
     if config.stage != "pretrain":
         needs.add(FEATURE_VARLEN)

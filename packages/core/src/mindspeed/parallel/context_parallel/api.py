@@ -20,11 +20,15 @@ import torch.distributed as dist
 from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN, FEATURE_WINDOW
+from mindspeed.parallel.context_parallel.adaptive import LOCAL, choose_cp_algo
+from mindspeed.parallel.context_parallel.blocks import local_cu_seqlens
 from mindspeed.parallel.context_parallel.config import ContextParallelConfig
+from mindspeed.parallel.context_parallel.double_ring import double_ring_attention
 from mindspeed.parallel.context_parallel.groups import ContextParallelGroups
 from mindspeed.parallel.context_parallel.hybrid import hybrid_attention
 from mindspeed.parallel.context_parallel.kv_allgather import kv_allgather_attention
 from mindspeed.parallel.context_parallel.layout import (
+    ADAPTIVE,
     HYBRID,
     KVALLGATHER,
     RING,
@@ -32,6 +36,7 @@ from mindspeed.parallel.context_parallel.layout import (
     check_algo,
     check_cu_seqlens,
     shard_lengths,
+    zigzag_ranges,
 )
 from mindspeed.parallel.context_parallel.ring import ring_attention
 from mindspeed.parallel.context_parallel.ulysses import ulysses_attention
@@ -66,7 +71,7 @@ def _resolve_groups(
     if algo == ULYSSES:
         group = cp_group if ulysses_group is None else ulysses_group
         return group, None, dist.get_rank(cp_group), dist.get_world_size(group)
-    if algo == RING:
+    if algo in (RING, ADAPTIVE):
         return None, cp_group if ring_group is None else ring_group, dist.get_rank(cp_group), 1
     if algo == KVALLGATHER:
         return None, None, dist.get_rank(cp_group), 1
@@ -105,6 +110,8 @@ def context_parallel_attention(
     overlap: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     alibi_slopes: torch.Tensor | None = None,
+    inner_ring_group: dist.ProcessGroup | None = None,
+    outer_ring_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a context-parallel group.
 
@@ -112,8 +119,10 @@ def context_parallel_attention(
         q: ``[batch, s_local, heads_q, dim]``, this rank's shard in ``algo``'s layout.
         k: ``[batch, s_local, heads_kv, dim]``, ``heads_q % heads_kv == 0``.
         v: same shape as ``k``.
-        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (ring), ``hybrid_cp_algo`` or
-            ``kvallgather_cp_algo`` (KV all-gather).
+        algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (ring), ``hybrid_cp_algo``,
+            ``kvallgather_cp_algo`` (KV all-gather) or ``adaptive_cp_algo`` (one of ring, KV
+            all-gather or no communication, chosen from the mask by
+            :func:`~mindspeed.parallel.context_parallel.adaptive.choose_cp_algo`).
         cp_group: the CP group; its rank is the CP rank the data was split with.
         ulysses_group: for ``hybrid_cp_algo`` (required); Ulysses uses ``cp_group`` by default.
         ring_group: for ``hybrid_cp_algo`` (required); ring uses ``cp_group`` by default.
@@ -126,8 +135,11 @@ def context_parallel_attention(
         impl: the ``attention`` kernel (``"auto"`` picks the best one with the features needed).
         overlap: overlap ring transfers with compute.
         window_size: ``(left, right)`` sliding window by global position (``kvallgather_cp_algo``
-            only, causal; a Mistral window of ``W`` tokens is ``(W - 1, 0)``).
-        alibi_slopes: ``[heads_q]`` ALiBi slopes (``kvallgather_cp_algo`` only, causal).
+            and ``adaptive_cp_algo`` only, causal; a Mistral window of ``W`` tokens is ``(W - 1, 0)``).
+        alibi_slopes: ``[heads_q]`` ALiBi slopes (``kvallgather_cp_algo`` and ``adaptive_cp_algo``, causal).
+        inner_ring_group: with ``outer_ring_group``, makes the ring a double ring (``cp_window_size > 1``;
+            ``build_context_parallel_groups`` builds both): the window of consecutive CP ranks.
+        outer_ring_group: the CP ranks with this rank's inner rank (stride ``cp_window_size``).
 
     Returns:
         ``[batch, s_local, heads_q, dim]``: this rank's rows of the output.
@@ -139,10 +151,25 @@ def context_parallel_attention(
     check_algo(algo)
     _check_qkv(q, k, v)
     masked = tuple(window_size) != (-1, -1) or alibi_slopes is not None
-    if masked and algo != KVALLGATHER:
+    if masked and algo not in (KVALLGATHER, ADAPTIVE):
         raise ValueError(f"window_size and alibi_slopes need context_parallel_algo {KVALLGATHER}, not {algo}")
+    if (inner_ring_group is None) != (outer_ring_group is None) or (
+        inner_ring_group is not None and algo not in (RING, ADAPTIVE)
+    ):
+        raise ValueError(
+            "the double ring needs both inner_ring_group and outer_ring_group, with megatron_cp_algo or "
+            "adaptive_cp_algo; build them with build_context_parallel_groups(..., cp_window_size=w)"
+        )
     ulysses_group, ring_group, cp_rank, degree = _resolve_groups(algo, cp_group, ulysses_group, ring_group)
     cp_size = dist.get_world_size(cp_group)
+    if inner_ring_group is not None:
+        width, windows = dist.get_world_size(inner_ring_group), dist.get_world_size(outer_ring_group)
+        position = dist.get_rank(outer_ring_group) * width + dist.get_rank(inner_ring_group)
+        if width < 2 or windows < 2 or width * windows != cp_size or position != cp_rank:
+            raise ValueError(
+                f"the double ring's groups ({windows} windows of {width}; this rank at {position}) do not match "
+                f"CP rank {cp_rank} of {cp_size}; build them with build_context_parallel_groups(..., cp_window_size=w)"
+            )
     bounds = None
     if cu_seqlens is not None:
         if q.shape[0] != 1:
@@ -166,6 +193,15 @@ def context_parallel_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     device = get_accelerator().name  # what resolve_kernel picks for; only the cache key here
     varlen = (FEATURE_VARLEN,) if bounds is not None else ()
+    if algo == ADAPTIVE:
+        algo = choose_cp_algo(seq_len, cp_size, causal, bounds, tuple(window_size), alibi_slopes is not None).algo
+        if algo == LOCAL:
+            # No block off the diagonal: the shard's own keys are all it attends (nothing moves).
+            ranges = zigzag_ranges(seq_len, cp_rank, cp_size)
+            cu = local_cu_seqlens(ranges, bounds)
+            cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
+            attend = _kernel("attention", impl, varlen, device)
+            return attend(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu)
     if algo == KVALLGATHER:
         masks = ((FEATURE_WINDOW,) if tuple(window_size) != (-1, -1) else ()) + (
             (FEATURE_ALIBI,) if alibi_slopes is not None else ()
@@ -199,6 +235,10 @@ def context_parallel_attention(
     attend = _kernel("attention", impl, (FEATURE_LSE, *varlen), device)
     update = _kernel("ring_attention_update", "auto", (), device)
     common = dict(seq_len=seq_len, causal=causal, softmax_scale=scale, bounds=bounds, attend=attend, update=update)
+    if algo == RING and inner_ring_group is not None:
+        return double_ring_attention(
+            q, k, v, inner_group=inner_ring_group, outer_group=outer_ring_group, overlap=overlap, **common
+        )
     if algo == RING:
         return ring_attention(q, k, v, group=ring_group, overlap=overlap, **common)
     assert algo == HYBRID
@@ -226,10 +266,16 @@ class ContextParallelAttention:
             raise ValueError(
                 f"the CP group has {groups.cp_size} ranks but context_parallel_size is {config.context_parallel_size}"
             )
+        if (config.cp_window_size > 1) != (groups.inner_ring_group is not None):
+            raise ValueError(
+                f"cp_window_size={config.cp_window_size} but the groups were built "
+                f"{'with' if groups.inner_ring_group is not None else 'without'} a double ring's window; "
+                "pass the same cp_window_size to build_context_parallel_groups"
+            )
         self.config, self.groups = config, groups
         # Resolve (and log) the kernel now, so that a kernel that cannot serve the algorithm
         # (ring needs lse) fails at build time; calls reuse the same cached resolution.
-        needs_lse = config.context_parallel_algo in (RING, HYBRID)
+        needs_lse = config.context_parallel_algo in (RING, HYBRID, ADAPTIVE)
         features = (FEATURE_LSE,) if needs_lse else ()
         self.kernel = _kernel("attention", config.attention_impl, features, get_accelerator().name)
 
@@ -259,4 +305,6 @@ class ContextParallelAttention:
             seq_len=seq_len,
             impl=self.config.attention_impl,
             overlap=self.config.use_cp_send_recv_overlap,
+            inner_ring_group=self.groups.inner_ring_group,
+            outer_ring_group=self.groups.outer_ring_group,
         )

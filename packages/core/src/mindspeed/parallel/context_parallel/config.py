@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mindspeed.parallel.context_parallel.layout import HYBRID, KVALLGATHER, RING, ULYSSES, check_degrees
+from mindspeed.parallel.context_parallel.layout import (
+    HYBRID,
+    KVALLGATHER,
+    RING,
+    ULYSSES,
+    check_degrees,
+    check_window_size,
+)
 from mindspeed.parallel.context_parallel.ulysses import check_ulysses_heads
 
-Algo = Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo"]
+Algo = Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo", "adaptive_cp_algo"]
 
 
 @dataclass
@@ -20,9 +27,14 @@ class ContextParallelConfig:
         context_parallel_algo: ``ulysses_cp_algo`` (all-to-all over heads),
             ``megatron_cp_algo`` (ring attention, MindSpeed's default) or ``hybrid_cp_algo``
             (Ulysses inside a ring) or ``kvallgather_cp_algo`` (zig-zag queries against the
-            all-gathered keys and values) (``--context-parallel-algo``).
+            all-gathered keys and values) or ``adaptive_cp_algo`` (ring, KV all-gather or no
+            communication, chosen per call from the mask's non-empty blocks)
+            (``--context-parallel-algo``).
         ulysses_degree_in_cp: Ulysses degree ``U`` of ``hybrid_cp_algo``; the ring degree is
             ``C / U`` (``--ulysses-degree-in-cp``).
+        cp_window_size: ``w > 1`` runs the ring as a double ring: windows of ``w`` consecutive
+            CP ranks (an inner ring, usually one node) and an outer ring over the windows
+            (``--cp-window-size``; must divide ``C`` and be below it; 1 is the plain ring).
         use_cp_send_recv_overlap: overlap each ring transfer with the current block's compute
             (``--use-cp-send-recv-overlap``; on by default here: turning it off only helps to
             measure what the overlap buys).
@@ -33,6 +45,7 @@ class ContextParallelConfig:
     context_parallel_size: int = 1
     context_parallel_algo: Algo = RING
     ulysses_degree_in_cp: int | None = None
+    cp_window_size: int = 1
     use_cp_send_recv_overlap: bool = True
     attention_impl: str = "auto"
 
@@ -40,6 +53,7 @@ class ContextParallelConfig:
         if self.context_parallel_algo == HYBRID and self.ulysses_degree_in_cp is None:
             raise ValueError("hybrid_cp_algo needs ulysses_degree_in_cp (the Ulysses degree; ring degree = C / U)")
         check_degrees(self.context_parallel_size, self.context_parallel_algo, self.ulysses_degree)
+        check_window_size(self.context_parallel_size, self.context_parallel_algo, self.cp_window_size)
 
     @property
     def ulysses_degree(self) -> int:

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mindspeed.parallel.context_parallel.layout import HYBRID, KVALLGATHER, RING, ULYSSES, check_degrees
+from mindspeed.parallel.context_parallel.layout import (
+    ADAPTIVE,
+    HYBRID,
+    KVALLGATHER,
+    RING,
+    ULYSSES,
+    check_degrees,
+    check_window_size,
+)
 
 
 @dataclass(frozen=True)
@@ -19,11 +27,17 @@ class ContextParallelGroups:
             consecutive CP ranks for hybrid, ``None`` for ring).
         ring_group: the ring (the CP group for ring, the CP ranks with this rank's Ulysses rank
             for hybrid, ``None`` for Ulysses and KV all-gather, which use ``cp_group`` itself).
+        inner_ring_group: the double ring's window (``cp_window_size`` consecutive CP ranks),
+            ``None`` without a window.
+        outer_ring_group: the double ring's outer ring (the CP ranks with this rank's inner
+            rank, stride ``cp_window_size``), ``None`` without a window.
     """
 
     cp_group: dist.ProcessGroup
     ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
+    inner_ring_group: dist.ProcessGroup | None = None
+    outer_ring_group: dist.ProcessGroup | None = None
 
     @property
     def cp_rank(self) -> int:
@@ -36,8 +50,14 @@ class ContextParallelGroups:
         return dist.get_world_size(self.cp_group)
 
 
+def _subgroup(cp_group: dist.ProcessGroup, members: list[int]) -> dist.ProcessGroup:
+    if members == dist.get_process_group_ranks(cp_group):
+        return cp_group
+    return dist.new_group(members, use_local_synchronization=True)
+
+
 def build_context_parallel_groups(
-    cp_group: dist.ProcessGroup, algo: str, ulysses_degree: int | None = None
+    cp_group: dist.ProcessGroup, algo: str, ulysses_degree: int | None = None, cp_window_size: int = 1
 ) -> ContextParallelGroups:
     """The Ulysses and ring groups of ``cp_group`` for ``algo``.
 
@@ -51,16 +71,29 @@ def build_context_parallel_groups(
         cp_group: this rank's CP group.
         algo: ``ulysses_cp_algo``, ``megatron_cp_algo``, ``hybrid_cp_algo`` or ``kvallgather_cp_algo``.
         ulysses_degree: ``U`` for ``hybrid_cp_algo``.
+        cp_window_size: ``w > 1`` makes the ring (``megatron_cp_algo``, ``adaptive_cp_algo``) a
+            double ring: windows of ``w`` consecutive CP ranks (the inner rings) and outer rings
+            of stride ``w``, the same arrangement as hybrid's Ulysses and ring groups.
 
     Returns:
         The groups of this rank.
     """
     cp_size = dist.get_world_size(cp_group)
     check_degrees(cp_size, algo, ulysses_degree or 1)
+    check_window_size(cp_size, algo, cp_window_size)
     if algo == ULYSSES:
         return ContextParallelGroups(cp_group, ulysses_group=cp_group)
-    if algo == RING:
-        return ContextParallelGroups(cp_group, ring_group=cp_group)
+    if algo in (RING, ADAPTIVE):
+        if cp_window_size == 1:
+            return ContextParallelGroups(cp_group, ring_group=cp_group)
+        ranks = dist.get_process_group_ranks(cp_group)
+        window, inner = divmod(dist.get_rank(cp_group), cp_window_size)
+        # Every rank creates its window first, then its outer ring: members agree on the order.
+        inner_group = _subgroup(cp_group, ranks[window * cp_window_size : (window + 1) * cp_window_size])
+        outer_group = _subgroup(cp_group, ranks[inner::cp_window_size])
+        return ContextParallelGroups(
+            cp_group, ring_group=cp_group, inner_ring_group=inner_group, outer_ring_group=outer_group
+        )
     if algo == KVALLGATHER:
         return ContextParallelGroups(cp_group)
     assert algo == HYBRID
@@ -71,10 +104,7 @@ def build_context_parallel_groups(
     ulysses_ranks = ranks[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
     ring_ranks = ranks[ulysses_rank::ulysses_degree]
 
-    def subgroup(members: list[int]) -> dist.ProcessGroup:
-        if members == ranks:
-            return cp_group
-        return dist.new_group(members, use_local_synchronization=True)
-
     # Every rank creates its Ulysses group first, then its ring group: members agree on the order.
-    return ContextParallelGroups(cp_group, ulysses_group=subgroup(ulysses_ranks), ring_group=subgroup(ring_ranks))
+    return ContextParallelGroups(
+        cp_group, ulysses_group=_subgroup(cp_group, ulysses_ranks), ring_group=_subgroup(cp_group, ring_ranks)
+    )

@@ -35,10 +35,12 @@ ULYSSES = "ulysses_cp_algo"
 RING = "megatron_cp_algo"
 HYBRID = "hybrid_cp_algo"
 KVALLGATHER = "kvallgather_cp_algo"
+ADAPTIVE = "adaptive_cp_algo"
 #: MindSpeed's ``--context-parallel-algo`` names that this package implements.
-ALGOS = (ULYSSES, RING, HYBRID, KVALLGATHER)
-#: Algorithms that shard the sequence zig-zag (the ring's load-balanced layout).
-ZIGZAG_ALGOS = (RING, KVALLGATHER)
+ALGOS = (ULYSSES, RING, HYBRID, KVALLGATHER, ADAPTIVE)
+#: Algorithms that shard the sequence zig-zag (the ring's load-balanced layout); adaptive
+#: chooses among algorithms of this layout per call, so the data split never changes.
+ZIGZAG_ALGOS = (RING, KVALLGATHER, ADAPTIVE)
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -103,6 +105,21 @@ def check_degrees(cp_size: int, algo: str, ulysses_degree: int) -> None:
     if algo == HYBRID and (ulysses_degree < 1 or cp_size % ulysses_degree != 0):
         raise ValueError(
             f"hybrid_cp_algo needs ulysses_degree_in_cp ({ulysses_degree}) to divide context_parallel_size ({cp_size})"
+        )
+
+
+def check_window_size(cp_size: int, algo: str, cp_window_size: int) -> None:
+    """Raise ``ValueError`` when the double ring's window ``cp_window_size`` does not fit ``cp_size`` and ``algo``."""
+    if cp_window_size == 1:
+        return
+    if algo not in (RING, ADAPTIVE):
+        raise ValueError(
+            f"cp_window_size={cp_window_size} (double ring) needs megatron_cp_algo, not {algo}; set it to 1"
+        )
+    if not 1 < cp_window_size < cp_size or cp_size % cp_window_size:
+        raise ValueError(
+            f"cp_window_size={cp_window_size} must divide context_parallel_size={cp_size} and be below it "
+            "(1 is the plain ring)"
         )
 
 
