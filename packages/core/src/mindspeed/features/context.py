@@ -32,6 +32,8 @@ HOOK_POINTS: dict[str, str] = {
     "post_optimizer_build": "fn(optimizer) -> optimizer or None (a wrapper replaces it)",
     "pre_step": "fn(step: int) before each training step",
     "post_step": "fn(step: int) after each training step",
+    "pipeline_schedule": "fn(chunks, num_microbatches) -> None or a wrapper of one training pass of the pipeline "
+    "schedule (its forward step function and p2p communicator)",
 }
 
 #: Owner of changes made outside :func:`~mindspeed.features.apply_features`.
