@@ -1,13 +1,19 @@
-"""``--recompute-in-bubble`` on megatron's interleaved schedule: bit-identical to the run without it, less held.
+"""Recompute-independent pipelining on megatron's interleaved schedule: each feature equals its reference bit for bit.
 
-One spawned group of 2 ranks, PP2 x VPP2 (4 layers, one per chunk), tiny fp32 GPT, 8
-microbatches of 2 x 64 tokens, 3 Adam steps through the LLM trainer's ``run_schedule``. The
-reference runs the same steps with a measuring wrapper that keeps every activation and counts
-the saved bytes through the same hooks; the feature (its hook from ``adapt``, bound ``pp * vpp =
-4``) and a bound of 2 must give the same losses and every gradient bit for bit, hold fewer saved
-bytes at the peak on the first pipeline rank (5 chunk-forwards in flight there without the
-feature), and regenerate every dropped chunk at a scheduler point (none inline in the
-backward). A dropout of 0.1 checks that the recompute replays the RNG states.
+One spawned group of 2 ranks, PP2 x VPP2, tiny fp32 GPT with dropout 0.1 (the recompute must
+replay the RNG states), 8 microbatches of 2 x 64 tokens, 3 Adam steps through the LLM trainer's
+``run_schedule``:
+
+- ``recompute_in_bubble`` (4 layers, one per chunk): the reference runs the same steps with a
+  measuring wrapper that keeps every activation and counts the saved bytes through the same
+  hooks; the feature (its hook from ``adapt``, bound ``pp * vpp = 4``) and a bound of 2 give the
+  same losses and every gradient bit for bit, hold fewer saved bytes at the peak on the first
+  pipeline rank (5 chunk-forwards in flight there without the feature) and regenerate every
+  dropped chunk-forward before its backward (none inline in the backward).
+- ``recompute_in_advance`` (8 layers, 2 per chunk): against megatron's block recompute of 2
+  layers per chunk, bit for bit; the model's last layer is not recomputed.
+- From recipes (``pretrain``, 2 steps): each feature's records equal its reference's (no
+  recompute; megatron's block recompute), and each logs what its first pass did.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 
 STEPS, MICROBATCHES, MICRO_BATCH, SEQ = 3, 8, 2, 64
+#: recompute_in_advance: 8 layers (2 per chunk), megatron's block recompute of 2 per chunk.
+ADVANCE_LAYERS = 2
 
 
-def _train(hook: Any) -> dict[str, Any]:
+def _train(hook: Any, install: Any = None, num_layers: int = 4, **megatron: Any) -> dict[str, Any]:
+    """STEPS Adam steps of the PP2 x VPP2 tiny GPT with the schedule ``hook`` (``None``: none)."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -38,11 +47,13 @@ def _train(hook: Any) -> dict[str, Any]:
     from mindspeed_llm.training.model import default_groups
     from mindspeed_llm.training.steps import forward_backward
 
-    model = TinyGPTConfig(seq_length=SEQ)
+    model = TinyGPTConfig(seq_length=SEQ, num_layers=num_layers)
     sizes = ParallelSizes(pp=2, vpp=2)
     init_parallel(sizes, model.seed)
     try:
-        chunks = build_gpt(model, sizes, hidden_dropout=0.1, attention_dropout=0.1)
+        chunks = build_gpt(model, sizes, hidden_dropout=0.1, attention_dropout=0.1, **megatron)
+        if install is not None:
+            install(chunks)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), chunks)
         groups = default_groups()
         losses, grads, peaks = [], [], []
@@ -55,7 +66,8 @@ def _train(hook: Any) -> dict[str, Any]:
                 batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float)
             tracker = StorageTracker()
             with tracker:
-                losses.append(forward_backward(chunks, batches, groups=groups, schedule_hooks=(hook,)))
+                hooks = (hook,) if hook is not None else ()
+                losses.append(forward_backward(chunks, batches, groups=groups, schedule_hooks=hooks))
             peaks.append(tracker.peak_bytes)
             grads.append(
                 {
@@ -66,7 +78,7 @@ def _train(hook: Any) -> dict[str, Any]:
             )
             ok, _, _ = optimizer.step()
             assert ok
-        stats = hook.__self__.passes
+        stats = hook.__self__.passes if hook is not None else []
         return {
             "losses": losses,
             "grads": grads,
@@ -107,23 +119,34 @@ def _pretrain(data: str, *extra: str) -> list[dict[str, Any]]:
 
 
 def _recipe(data: str) -> dict[str, Any]:
-    """The feature from a recipe through the trainer: the same records, and its pass log line on rank 0."""
+    """The features from a recipe through the trainer: the same records as their references, in-bubble's log line."""
     import logging
 
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("mindspeed.memory.ripipe")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    logs = [logging.getLogger(f"mindspeed.memory.{name}") for name in ("ripipe", "ripipe_advance")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    block = ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1")
     try:
         plain = _pretrain(data)
         featured = _pretrain(data, "features.settings.recompute_in_bubble.enabled=true")
+        megatron_block = _pretrain(data, *block)
+        advance = _pretrain(data, *block, "features.settings.recompute_in_advance.enabled=true")
     finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return {"records_equal": plain == featured, "records": featured, "log": lines}
+        for log, level in zip(logs, levels):
+            log.removeHandler(handler)
+            log.setLevel(level)
+    return {
+        "records_equal": plain == featured,
+        "records": featured,
+        "log": lines,
+        "advance_equal": advance == megatron_block,
+        "advance_records": advance,
+    }
 
 
 def _ripipe(rank: int, world_size: int, data: str) -> dict[str, Any]:
@@ -155,8 +178,46 @@ def _ripipe(rank: int, world_size: int, data: str) -> dict[str, Any]:
             }
     finally:
         unadapt()
+    out["advance"] = _advance()
     out["recipe"] = _recipe(data)
     return out
+
+
+def _compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    return {
+        "losses_equal": run["losses"] == ref["losses"],
+        "grads_equal": all(
+            sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(run["grads"], ref["grads"])
+        ),
+        **{k: v for k, v in run.items() if k != "grads"},
+    }
+
+
+def _advance() -> dict[str, Any]:
+    """recompute_in_advance (its hooks and config override from ``adapt``) against megatron's block recompute."""
+    from mindspeed.features import FeaturesConfig, ModelFacts, ParallelSizes
+    from mindspeed.megatron import adapt, unadapt
+
+    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=ADVANCE_LAYERS)
+    features = FeaturesConfig(optimization_level=0, settings={"recompute_in_advance": True})
+    facts = ModelFacts(num_moe_experts=0, extra=block)
+    report = adapt("cpu", features=features, parallel=ParallelSizes(pp=2, vpp=2), model=facts)
+    try:
+        (install,), (hook,) = report.hooks["post_model_build"], report.hooks["pipeline_schedule"]
+        overrides = report.config_overrides
+        reference = _train(None, num_layers=8, **block)
+        run = _train(hook, install, num_layers=8, **{**block, **overrides})
+        return {
+            "enabled": report.features.enabled,
+            "overrides": dict(overrides),
+            "hooked_layers": len(install.__self__.layers),
+            **_compare(run, reference),
+        }
+    finally:
+        unadapt()
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +256,33 @@ def test_recompute_in_bubble_is_bit_identical_and_holds_less(outs: list[dict[str
 
 
 @pytest.mark.distributed
-def test_recompute_in_bubble_from_a_recipe_trains_like_the_run_without_it(outs: list[dict[str, Any]]) -> None:
+def test_recompute_in_advance_is_bit_identical_to_megatron_block_recompute(outs: list[dict[str, Any]]) -> None:
+    for out in outs:
+        run = out["advance"]
+        assert run["enabled"] == ["recompute_in_advance"] and run["overrides"] == {"recompute_granularity": None}
+        assert run["losses_equal"] and run["grads_equal"], (out["rank"], run["losses"])
+        assert run["inline"] == [0] * STEPS and run["saved_end"] == [0] * STEPS, run
+        # Every chunk-forward (16 per pass) recomputes layers; all regenerated before their backward.
+        assert run["dropped"] == [16] * STEPS, run
+        assert [a + b for a, b in zip(run["scheduled"], run["at_backward"])] == run["dropped"], run
+    first, last = outs[0]["advance"], outs[1]["advance"]
+    # 2 of each chunk's 2 layers, less the model's last layer on the last stage.
+    assert first["hooked_layers"] == 4 and last["hooked_layers"] == 3
+    assert all(n > 0 for n in first["scheduled"]), first
+
+
+@pytest.mark.distributed
+def test_both_from_a_recipe_train_like_their_references(outs: list[dict[str, Any]]) -> None:
     first, last = outs[0]["recipe"], outs[1]["recipe"]
     assert first["records_equal"] and last["records_equal"], first["records"]
     assert [r["step"] for r in first["records"]] == [1, 2]
+    # recompute_in_advance from a recipe (block recompute of 1 layer per chunk) = megatron's block recompute.
+    assert first["advance_equal"] and last["advance_equal"], first["advance_records"]
     # Rank 0 (first pipeline stage) dropped chunk-forwards and regenerated them in the bubbles.
-    assert any(line.startswith("recompute_in_bubble: 3 of 16") for line in first["log"]), first["log"]
-    assert all(line.startswith("recompute_in_bubble: 0 of 16") for line in last["log"]), last["log"]
+    assert "recompute_in_bubble: 3 of 16" in first["log"][0], first["log"]
+    assert "recompute_in_bubble: 0 of 16" in last["log"][0], last["log"]
+    # recompute_in_advance ran (megatron's recompute off): both layers of rank 0, rank 1's first
+    # chunk's layer (its last chunk holds only the model's last layer, not recomputed).
+    assert "recompute_in_advance: 16 of 16 chunk-forwards recompute layers (2 hooked" in first["log"][1], first["log"]
+    assert "recompute_in_advance: 8 of 16 chunk-forwards recompute layers (1 hooked" in last["log"][1], last["log"]
+    assert len(first["log"]) == len(last["log"]) == 2

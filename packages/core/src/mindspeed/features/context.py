@@ -154,7 +154,7 @@ class ModelFacts:
         gated = getattr(config, "gated_linear_unit", None)
         # Megatron's own recompute, which the layer-recompute features check themselves against,
         # and sequence parallelism, which compute-communication overlap needs.
-        for key in ("recompute_granularity", "recompute_method", "sequence_parallel"):
+        for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "sequence_parallel"):
             extra.setdefault(key, getattr(config, key, None))
         return cls(
             normalization=getattr(config, "normalization", None),

@@ -253,19 +253,24 @@ class BubbleRecompute:
             chunk = self._chunk_of(model)
             key = (chunk, self._forwards[chunk])
             self._forwards[chunk] += 1
-            if self.measure_only or self._holding() < self.kept_chunks:
-                self._units[key] = None
-                with torch.autograd.graph.saved_tensors_hooks(self._hold, lambda held: held.tensor):
-                    output, loss_func = forward_step_func(data_iterator, model, *args)
-            else:
-                unit = RecomputeUnit(forward_step_func, model, self.stats)
-                self._units[key] = unit
-                self.stats.dropped += 1
-                output, loss_func = unit.run_forward(data_iterator, *args)
+            output, loss_func = self._forward(forward_step_func, key, data_iterator, model, *args)
             self._watch_backward(output, key)
             return output, loss_func
 
         return forward_step
+
+    def _forward(
+        self, forward_step_func: Callable[..., Any], key: tuple[int, int], data_iterator: Any, model: nn.Module, *args
+    ) -> Any:
+        """Run one chunk-forward, keeping its activations or as a :class:`RecomputeUnit`."""
+        if self.measure_only or self._holding() < self.kept_chunks:
+            self._units[key] = None
+            with torch.autograd.graph.saved_tensors_hooks(self._hold, lambda held: held.tensor):
+                return forward_step_func(data_iterator, model, *args)
+        unit = RecomputeUnit(forward_step_func, model, self.stats)
+        self._units[key] = unit
+        self.stats.dropped += 1
+        return unit.run_forward(data_iterator, *args)
 
     def _hold(self, t: torch.Tensor) -> _Held:
         return _Held(t, self.stats.saved)
@@ -330,17 +335,20 @@ class BubbleRecompute:
         if self._units and torch.is_grad_enabled():
             raise RuntimeError(f"{len(self._units)} chunk-forwards ended the pass without a backward")
         if self.log and not self.measure_only:
-            s = self.stats
-            logger.info(
-                "recompute_in_bubble: %d of %d chunk-forwards kept only inputs (bound %d); regenerated %d before a "
-                "gradient receive, %d at their backward; peak saved activations %.1f MiB",
-                s.dropped,
-                len(self.order),
-                self.kept_chunks,
-                s.scheduled,
-                s.at_backward,
-                s.saved.peak / 2**20,
-            )
+            self._log()
+
+    def _log(self) -> None:
+        s = self.stats
+        logger.info(
+            "recompute_in_bubble: %d of %d chunk-forwards kept only inputs (bound %d); regenerated %d before a "
+            "gradient receive, %d at their backward; peak saved activations %.1f MiB",
+            s.dropped,
+            len(self.order),
+            self.kept_chunks,
+            s.scheduled,
+            s.at_backward,
+            s.saved.peak / 2**20,
+        )
 
 
 class RecomputeInBubble:
