@@ -45,10 +45,21 @@ from mindspeed.log import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["BubbleRecompute", "RecomputeUnit", "SavedBytes", "backward_order"]
+__all__ = [
+    "BubbleRecompute",
+    "PassStats",
+    "RecomputeInBubble",
+    "RecomputeUnit",
+    "SavedBytes",
+    "backward_order",
+    "rng_states",
+    "saved_nbytes",
+    "set_rng_states",
+]
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def saved_nbytes(t: torch.Tensor) -> int:
+    """Bytes a saved tensor holds beyond the model: its size, 0 for a parameter."""
     return 0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()
 
 
@@ -82,20 +93,22 @@ class _Held:
     __slots__ = ("tensor", "_bytes", "_ledger")
 
     def __init__(self, tensor: torch.Tensor, ledger: SavedBytes) -> None:
-        self.tensor, self._bytes, self._ledger = tensor, _nbytes(tensor), ledger
+        self.tensor, self._bytes, self._ledger = tensor, saved_nbytes(tensor), ledger
         ledger.add(self._bytes)
 
     def __del__(self) -> None:
         self._ledger.add(-self._bytes)
 
 
-def _rng_states() -> tuple[Any, Any, Any]:
+def rng_states() -> tuple[Any, Any, Any]:
+    """torch's, the accelerator's and megatron's tracker RNG states (what a checkpoint replays)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     return torch.get_rng_state(), get_accelerator().get_rng_state(), get_cuda_rng_tracker().get_states()
 
 
-def _set_rng_states(states: tuple[Any, Any, Any]) -> None:
+def set_rng_states(states: tuple[Any, Any, Any]) -> None:
+    """Restore :func:`rng_states`."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(states[0])
@@ -132,7 +145,7 @@ class RecomputeUnit:
         """Megatron's forward step with its saved tensors dropped (indices kept)."""
         current = _decoder(self.model).input_tensor
         self.input_tensor = current.detach().requires_grad_(current.requires_grad) if current is not None else None
-        self.rng, self.args = _rng_states(), args
+        self.rng, self.args = rng_states(), args
 
         def reading() -> Iterator[Any]:
             for batch in data_iterator:
@@ -164,22 +177,22 @@ class RecomputeUnit:
             raise RuntimeError("a recompute's own graph is never run backward")
 
         block = _decoder(self.model)
-        previous, caller_rng = block.input_tensor, _rng_states()
-        _set_rng_states(self.rng)
+        previous, caller_rng = block.input_tensor, rng_states()
+        set_rng_states(self.rng)
         try:
             block.set_input_tensor(self.input_tensor)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 self.forward(iter(self.batches), self.model, *self.args)
         finally:
             block.set_input_tensor(previous)
-            _set_rng_states(caller_rng)
+            set_rng_states(caller_rng)
         if len(tensors) != self.count:
             raise RuntimeError(
                 f"the recompute saved {len(tensors)} tensors, the forward {self.count}: the chunk's forward is not "
                 "deterministic in what it saves; turn recompute_in_bubble off"
             )
         self.tensors = tensors
-        self.stats.saved.add(sum(_nbytes(t) for t in tensors))
+        self.stats.saved.add(sum(saved_nbytes(t) for t in tensors))
 
     def _unpack(self, index: int) -> torch.Tensor:
         if self.tensors is None:  # nothing regenerated it before the backward: a plain checkpoint
@@ -189,7 +202,7 @@ class RecomputeUnit:
         if tensor is None:
             raise RuntimeError("a saved tensor of a recompute-in-bubble unit was read twice (retain_graph)")
         self.tensors[index] = None  # released as the backward consumes it
-        self.stats.saved.add(-_nbytes(tensor))
+        self.stats.saved.add(-saved_nbytes(tensor))
         return tensor
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from mindspeed.log import get_logger
 from mindspeed.memory.recompute import transformer_layers
-from mindspeed.memory.ripipe import BubbleRecompute, PassStats, _nbytes, _rng_states, _set_rng_states
+from mindspeed.memory.ripipe import BubbleRecompute, PassStats, rng_states, saved_nbytes, set_rng_states
 
 __all__ = ["AdvanceRecompute", "LayerUnit", "RecomputeInAdvance"]
 
@@ -42,7 +42,7 @@ class _LayerCall:
     """One layer call of a chunk-forward: what replays it and, once regenerated, its saved tensors."""
 
     def __init__(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, _rng_states()
+        self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng_states()
         self.count = 0
         self.tensors: list[torch.Tensor | None] | None = None
 
@@ -81,13 +81,13 @@ class LayerUnit:
 
     def recompute(self) -> None:
         """Regenerate every layer's saved tensors (under :attr:`replaying`, which mutes the layer hooks)."""
-        caller_rng = _rng_states()
+        caller_rng = rng_states()
         try:
             for call in self.calls:
                 if call.tensors is not None:
                     continue
                 tensors: list[torch.Tensor] = []
-                _set_rng_states(call.rng)
+                set_rng_states(call.rng)
                 with (
                     self.replaying(),
                     torch.enable_grad(),
@@ -100,9 +100,9 @@ class LayerUnit:
                         "turn recompute_in_advance off"
                     )
                 call.tensors = tensors
-                self.stats.saved.add(sum(_nbytes(t) for t in tensors))
+                self.stats.saved.add(sum(saved_nbytes(t) for t in tensors))
         finally:
-            _set_rng_states(caller_rng)
+            set_rng_states(caller_rng)
 
     def _unpack(self, packed: tuple[int, int]) -> torch.Tensor:
         index, position = packed
@@ -114,7 +114,7 @@ class LayerUnit:
         if tensor is None:
             raise RuntimeError("a saved tensor of a recompute-in-advance layer was read twice (retain_graph)")
         call.tensors[position] = None
-        self.stats.saved.add(-_nbytes(tensor))
+        self.stats.saved.add(-saved_nbytes(tensor))
         return tensor
 
     #: A context that mutes the layer hooks while the layers replay (set by the scheduler).
