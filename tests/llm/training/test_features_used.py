@@ -37,6 +37,9 @@ NOT_IN_PRETRAIN = {
     # no master copy to reuse or swap (and the two conflict).
     "reuse_fp32_param": "needs bf16 training",
     "swap_optimizer": "needs the distributed optimizer",
+    # Proven (with pretrain) in test_ripipe.py: it needs PP x VPP and a dense model.
+    "recompute_in_bubble": "needs the interleaved schedule (pp x vpp) and a dense model",
+    "recompute_in_advance": "needs the interleaved schedule and megatron's block recompute",
 }
 
 

@@ -32,6 +32,8 @@ HOOK_POINTS: dict[str, str] = {
     "post_optimizer_build": "fn(optimizer) -> optimizer or None (a wrapper replaces it)",
     "pre_step": "fn(step: int) before each training step",
     "post_step": "fn(step: int) after each training step",
+    "pipeline_schedule": "fn(chunks, num_microbatches) -> None or a wrapper of one training pass of the pipeline "
+    "schedule (its forward step function and p2p communicator)",
 }
 
 #: Owner of changes made outside :func:`~mindspeed.features.apply_features`.
@@ -152,7 +154,7 @@ class ModelFacts:
         gated = getattr(config, "gated_linear_unit", None)
         # Megatron's own recompute, which the layer-recompute features check themselves against,
         # and sequence parallelism, which compute-communication overlap needs.
-        for key in ("recompute_granularity", "recompute_method", "sequence_parallel"):
+        for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "sequence_parallel"):
             extra.setdefault(key, getattr(config, key, None))
         return cls(
             normalization=getattr(config, "normalization", None),

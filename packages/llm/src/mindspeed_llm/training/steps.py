@@ -10,7 +10,8 @@ stage and over data-parallel ranks, so every rank sees the same number.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -104,7 +105,12 @@ def reduce_metrics(
 
 
 def run_schedule(
-    chunks: list[Any], batches: list[dict[str, Any]], loss_fn: LossFunc, forward_only: bool = False, groups: Any = None
+    chunks: list[Any],
+    batches: list[dict[str, Any]],
+    loss_fn: LossFunc,
+    forward_only: bool = False,
+    groups: Any = None,
+    schedule_hooks: Sequence[Callable[..., Any]] = (),
 ) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.
 
@@ -115,6 +121,9 @@ def run_schedule(
         forward_only: evaluation (no backward, no gradient reduction).
         groups: the process groups (``model.default_groups()``; ``None``: read them here): the
             schedule, its pipeline messages and the gradient finalisation use them.
+        schedule_hooks: the features' ``pipeline_schedule`` hooks: ``hook(chunks, num_microbatches)``
+            returns ``None`` or a wrapper of this pass (``wrap_forward_step``, ``communicator``,
+            ``finishing``: recompute-in-bubble), at most one.
 
     Returns:
         :func:`reduce_metrics` of the pass.
@@ -126,17 +135,29 @@ def run_schedule(
     groups = groups if groups is not None else default_groups()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     schedule = get_forward_backward_func(pp_size=groups.pp.size(), vp_size=len(chunks) if len(chunks) > 1 else None)
-    outputs = schedule(
-        forward_step_func=partial(_forward_step, loss_fn),
-        data_iterator=[iter(batches) for _ in chunks],
-        model=chunks,
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-        pg_collection=groups,
-        p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=get_model_config(chunks[0])),
-    )
+    forward_step_func = partial(_forward_step, loss_fn)
+    config = get_model_config(chunks[0])
+    wrappers = [w for hook in ([] if forward_only else schedule_hooks) if (w := hook(chunks, len(batches)))]
+    if len(wrappers) > 1:
+        raise ValueError(f"{len(wrappers)} features wrap the pipeline schedule; enable at most one of them")
+    wrapper = wrappers[0] if wrappers else None
+    if wrapper is not None:
+        forward_step_func = wrapper.wrap_forward_step(forward_step_func)
+        communicator = wrapper.communicator(groups.pp, config)
+    else:
+        communicator = P2PCommunicator(pp_group=groups.pp, config=config)
+    with wrapper.finishing() if wrapper is not None else contextlib.nullcontext():
+        outputs = schedule(
+            forward_step_func=forward_step_func,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            pg_collection=groups,
+            p2p_communicator=communicator,
+        )
     return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)), groups)
 
 
@@ -146,9 +167,10 @@ def forward_backward(
     forward_only: bool = False,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     groups: Any = None,
+    schedule_hooks: Sequence[Callable[..., Any]] = (),
 ) -> tuple[float, int]:
     """The language-model loss pass of :func:`run_schedule`: ``(mean per-token loss, tokens)``."""
-    return run_schedule(chunks, batches, lm_loss(transform), forward_only, groups)[LM_LOSS]
+    return run_schedule(chunks, batches, lm_loss(transform), forward_only, groups, schedule_hooks)[LM_LOSS]
 
 
 def evaluate(

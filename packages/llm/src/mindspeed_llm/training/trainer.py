@@ -328,7 +328,13 @@ class Trainer(TrainerLoading, TrainerSaving):
         transform = (lambda losses: hook(step, losses)) if hook is not None else None
         lr = current_lr(self.optimizer)
         self.stage.prepare(self.reference, batches)
-        metrics = run_schedule(self.chunks, batches, self._loss_fn(transform), groups=self.groups)
+        metrics = run_schedule(
+            self.chunks,
+            batches,
+            self._loss_fn(transform),
+            groups=self.groups,
+            schedule_hooks=self.feature_hooks.get("pipeline_schedule", ()),
+        )
         loss, tokens = metrics[self.stage.metric]
         if fault_armed("train.grad_nan", step) and dist.get_rank() == 0:
             plant_nan(self._first_main_grad())
