@@ -279,7 +279,8 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
 
 
 def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
-    """The ``count`` prompts' input images (RGB PIL images), or none for a text-only model.
+    """The ``count`` prompts' input images (RGB PIL images), or none for a text-only model (and for Wan2.2
+    TI2V without ``--image``: text to video).
 
     Raises:
         ValueError: an image for a model that takes none, none for an image-to-video model, or a file that is
@@ -290,6 +291,8 @@ def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
             raise ValueError(f"--image: {family.key} generates from text only; remove --image")
         return []
     if not paths:
+        if family.first_frame_condition:  # Wan2.2 TI2V: text-to-video without an image
+            return []
         raise ValueError(f"{family.key} is an image-to-video model: give --image FILE (the first frame)")
     from PIL import Image, UnidentifiedImageError
 
