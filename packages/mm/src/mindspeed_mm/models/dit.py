@@ -75,6 +75,8 @@ class DiTFamily:
             TI2V: ``image_latents`` ``[B, C, 1, H, W]`` replace it, its tokens at timestep 0): training draws
             which samples (``diffusion.first_frame_ratio``) and leaves that frame out of their loss, sampling
             puts the image's latents back at the end, and an image is optional in ``generate``.
+        last_frame: the conditions are of the first and the last frame (FLF2V): ``image_conditions`` takes
+            ``last_image=`` (``generate --last-image``; the video's last frame in extract-features and training).
         timestep_tokens: ``(model config, timestep [B], latent shape, first_frame [B] or None) -> [B, S]``:
             the per-token timesteps the model takes (Wan2.2 TI2V); None: one timestep per sample.
     """
@@ -104,6 +106,7 @@ class DiTFamily:
     condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
     latent_channels: Callable[[Any], int] | None = None
     first_frame_condition: bool = False
+    last_frame: bool = False
     timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
 
     @property

@@ -153,17 +153,18 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
     return directory
 
 
-def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16) -> dict:
-    """The components of a tiny ``WanImageToVideoPipeline``, built in code: the I2V family's tiny transformer,
-    a tiny ``AutoencoderKLWan`` (4 latent channels, time stride 4, space stride 8), a tiny UMT5 with a byte
-    tokenizer, a tiny CLIP vision model (``image_dim`` features; none with ``image_dim=None``, Wan2.2 I2V) and
-    its image processor, and Wan's UniPC scheduler."""
+def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16, flf2v: bool = False) -> dict:
+    """The components of a tiny ``WanImageToVideoPipeline``, built in code: the I2V family's tiny transformer
+    (with ``flf2v`` the FLF2V family's: position embeddings over two images' features), a tiny ``AutoencoderKLWan``
+    (4 latent channels, time stride 4, space stride 8), a tiny UMT5 with a byte tokenizer, a tiny CLIP vision model
+    (``image_dim`` features; none with ``image_dim=None``, Wan2.2 I2V) and its image processor, and Wan's UniPC
+    scheduler."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from mindspeed_mm.models.dit import DIT_FAMILIES
 
-    family = DIT_FAMILIES.get("WanTransformer3DModel:i2v")
+    family = DIT_FAMILIES.get("WanTransformer3DModel:flf2v" if flf2v else "WanTransformer3DModel:i2v")
     torch.manual_seed(seed)
     config = {**family.tiny_config}
     if image_dim is None:
