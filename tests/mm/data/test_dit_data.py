@@ -297,6 +297,58 @@ def test_wan_i2v_extract_caches_first_frame_conditions_and_trains(tmp_path) -> N
     print("wan i2v losses", cached, raw)
 
 
+def test_wan_flf2v_extract_caches_first_and_last_frame_conditions(tmp_path) -> None:
+    """Wan FLF2V: ``extract-features`` caches each video's ``image_latents`` and ``image_embeds`` as
+    ``WanImageToVideoPipeline`` computes them from the video's first frame as ``image`` and its last as
+    ``last_image`` (``prepare_latents(..., last_image=...)``'s latent condition, ``encode_image([image, last])``);
+    training from the cache equals training from the raw media."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts
+
+    pipeline = tmp_path / "flf2v"
+    WanImageToVideoPipeline(**tiny_i2v_parts(flf2v=True)).save_pretrained(pipeline)
+    records, videos = [], []
+    for i in range(2):
+        videos.append(_noise(50 + i, 9, 16, 16, 3))
+        write_video(tmp_path / f"media/v{i}.mov", videos[-1], fps=8)
+        records.append({"path": f"v{i}.mov", "cap": f"clip {i} turns"})
+    (tmp_path / "videos.json").write_text(json.dumps(records))
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'videos.json'}]",
+        f"data.image_dir={tmp_path / 'media'}",
+        "data.resolutions=[[16,16]]",
+        "data.frame_counts=[9]",
+        "data.fps=8",
+        "data.text_len=512",
+    ]
+    cache = tmp_path / "features"
+    assert launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),)).samples == 2
+    tensors = _cache(cache)[1]
+    reference = WanImageToVideoPipeline.from_pretrained(pipeline)
+    for i, video in enumerate(videos):
+        first, last = Image.fromarray(video[0]), Image.fromarray(video[-1])
+        pixels, last_pixels = (reference.video_processor.preprocess(x, height=16, width=16) for x in (first, last))
+        with torch.no_grad():
+            _, condition = reference.prepare_latents(
+                pixels, 1, 4, 16, 16, 9, torch.float32, torch.device("cpu"), last_image=last_pixels
+            )
+            embeds = reference.encode_image([first, last], torch.device("cpu"))
+        torch.testing.assert_close(
+            tensors[f"shard-00000.safetensors/{i:06d}.image_latents"], condition[0, 4:], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            tensors[f"shard-00000.safetensors/{i:06d}.image_embeds"], embeds.flatten(0, 1), rtol=0, atol=0
+        )
+    train_args = [*args, *TRAIN, "train.micro_batch_size=1"]
+    cached = launch(_train, (load_mm_config(None, [*train_args, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, train_args),))
+    assert cached == raw and all(np.isfinite(cached))
+    print("wan flf2v losses", cached, raw)
+
+
 def test_wan_ti2v_extract_with_the_wan22_vae_and_trains(tmp_path) -> None:
     """Wan2.2 TI2V-5B (a ``WanPipeline`` with ``expand_timesteps`` and the Wan2.2 VAE: 48 channels, patch 2,
     residual): ``extract-features`` caches the video's latents, whose first latent frame is what
