@@ -297,6 +297,110 @@ def test_wan_i2v_extract_caches_first_frame_conditions_and_trains(tmp_path) -> N
     print("wan i2v losses", cached, raw)
 
 
+def test_wan_flf2v_extract_caches_first_and_last_frame_conditions(tmp_path) -> None:
+    """Wan FLF2V: ``extract-features`` caches each video's ``image_latents`` and ``image_embeds`` as
+    ``WanImageToVideoPipeline`` computes them from the video's first frame as ``image`` and its last as
+    ``last_image`` (``prepare_latents(..., last_image=...)``'s latent condition, ``encode_image([image, last])``);
+    training from the cache equals training from the raw media."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts
+
+    pipeline = tmp_path / "flf2v"
+    WanImageToVideoPipeline(**tiny_i2v_parts(flf2v=True)).save_pretrained(pipeline)
+    records, videos = [], []
+    for i in range(2):
+        videos.append(_noise(50 + i, 9, 16, 16, 3))
+        write_video(tmp_path / f"media/v{i}.mov", videos[-1], fps=8)
+        records.append({"path": f"v{i}.mov", "cap": f"clip {i} turns"})
+    (tmp_path / "videos.json").write_text(json.dumps(records))
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'videos.json'}]",
+        f"data.image_dir={tmp_path / 'media'}",
+        "data.resolutions=[[16,16]]",
+        "data.frame_counts=[9]",
+        "data.fps=8",
+        "data.text_len=512",
+    ]
+    cache = tmp_path / "features"
+    assert launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),)).samples == 2
+    tensors = _cache(cache)[1]
+    reference = WanImageToVideoPipeline.from_pretrained(pipeline)
+    for i, video in enumerate(videos):
+        first, last = Image.fromarray(video[0]), Image.fromarray(video[-1])
+        pixels, last_pixels = (reference.video_processor.preprocess(x, height=16, width=16) for x in (first, last))
+        with torch.no_grad():
+            _, condition = reference.prepare_latents(
+                pixels, 1, 4, 16, 16, 9, torch.float32, torch.device("cpu"), last_image=last_pixels
+            )
+            embeds = reference.encode_image([first, last], torch.device("cpu"))
+        torch.testing.assert_close(
+            tensors[f"shard-00000.safetensors/{i:06d}.image_latents"], condition[0, 4:], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            tensors[f"shard-00000.safetensors/{i:06d}.image_embeds"], embeds.flatten(0, 1), rtol=0, atol=0
+        )
+    train_args = [*args, *TRAIN, "train.micro_batch_size=1"]
+    cached = launch(_train, (load_mm_config(None, [*train_args, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, train_args),))
+    assert cached == raw and all(np.isfinite(cached))
+    print("wan flf2v losses", cached, raw)
+
+
+def test_wan_ti2v_extract_with_the_wan22_vae_and_trains(tmp_path) -> None:
+    """Wan2.2 TI2V-5B (a ``WanPipeline`` with ``expand_timesteps`` and the Wan2.2 VAE: 48 channels, patch 2,
+    residual): ``extract-features`` caches the video's latents, whose first latent frame is what
+    ``WanImageToVideoPipeline(expand_timesteps=True).prepare_latents`` makes of the video's first frame as its
+    image (the VAE encodes the first frame alone), so training uses it as the image condition; training from the
+    cache (half the samples image-to-video) equals training from the raw media."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from mindspeed_mm.models.dit import dit_family_of
+    from mindspeed_mm.testing.media_fixtures import tiny_ti2v_parts
+
+    pipeline = tmp_path / "ti2v"
+    WanPipeline(**tiny_ti2v_parts(), expand_timesteps=True).save_pretrained(pipeline)
+    assert dit_family_of(pipeline / "transformer").key == "WanTransformer3DModel:ti2v"
+    records, videos = [], []
+    for i in range(3):
+        videos.append(_noise(40 + i, 9, 32, 64, 3))
+        write_video(tmp_path / f"media/v{i}.mov", videos[-1], fps=8)
+        records.append({"path": f"v{i}.mov", "cap": f"clip {i} turns"})
+    (tmp_path / "videos.json").write_text(json.dumps(records))
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'videos.json'}]",
+        f"data.image_dir={tmp_path / 'media'}",
+        "data.resolutions=[[32,64]]",
+        "data.frame_counts=[9]",
+        "data.fps=8",
+        "data.text_len=16",
+    ]
+    cache = tmp_path / "features"
+    result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
+    assert result.samples == 3
+    tensors = _cache(cache)[1]
+    reference = WanImageToVideoPipeline.from_pretrained(pipeline)
+    assert reference.config.expand_timesteps
+    worst = 0.0
+    for i, video in enumerate(videos):
+        pixels = reference.video_processor.preprocess(Image.fromarray(video[0]), height=32, width=64)
+        with torch.no_grad():
+            _, condition, _ = reference.prepare_latents(pixels, 1, 48, 32, 64, 9, torch.float32, torch.device("cpu"))
+        latents = tensors[f"shard-00000.safetensors/{i:06d}.latents"]
+        assert latents.shape == (48, 3, 2, 4) and condition.shape == (1, 48, 1, 2, 4)
+        torch.testing.assert_close(latents[:, :1], condition[0], rtol=0, atol=1e-6)
+        worst = max(worst, float((latents[:, :1] - condition[0]).abs().max()))
+    train_args = [*args, *TRAIN, "diffusion.first_frame_ratio=0.5"]
+    cached = launch(_train, (load_mm_config(None, [*train_args, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, train_args),))
+    assert cached == raw and all(np.isfinite(cached))
+    print(f"wan ti2v: first latent frame vs the pipeline's image latents {worst:.1e}; losses {cached} {raw}")
+
+
 def test_sd3_extract_caches_pipeline_text_and_trains(tmp_path) -> None:
     """SD3: ``extract-features`` caches per image the three encoders' text (CLIP + CLIP + T5 on the sequence) and
     the two CLIPs' pooled outputs as ``StableDiffusion3Pipeline.encode_prompt`` computes them (on the pipeline

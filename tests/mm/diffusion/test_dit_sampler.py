@@ -303,3 +303,129 @@ def test_wan_i2v_sampler_equals_wan_image_to_video_pipeline(image_dim, pair) -> 
         f"{(ours_latents - theirs_latents).abs().max():.1e}, flipped image moves {(flipped - ours_latents).abs().max():.2f}"
     )
     assert (flipped - ours_latents).abs().max() > 1e-3
+
+
+def test_wan22_ti2v_sampler_equals_pipelines() -> None:
+    """Wan2.2 TI2V-5B (``expand_timesteps``, the Wan2.2 VAE: 48 channels, patch 2, residual): our loop equals
+    ``WanPipeline(expand_timesteps=True)`` without an image (text to video: every token at ``t``) and
+    ``WanImageToVideoPipeline(expand_timesteps=True)(image=...)`` with one (the image's latents as the first latent
+    frame at timestep 0, put back at the end), in latents and decoded video."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_ti2v_parts
+
+    family = DIT_FAMILIES.get("WanTransformer3DModel:ti2v")
+    parts = tiny_ti2v_parts()
+    scheduler = build_scheduler(family, flow_shift=3.0)
+    gen = torch.Generator().manual_seed(9)
+    image = Image.fromarray((torch.rand(40, 70, 3, generator=gen) * 255).to(torch.uint8).numpy())  # to 32 x 64
+    latents = torch.randn(2, 48, 3, 2, 4, generator=gen)  # 9 frames of 32 x 64 pixels
+    text, negative = torch.randn(2, 512, 16, generator=gen), torch.randn(2, 512, 16, generator=gen)
+    kwargs = {
+        "prompt_embeds": text,
+        "negative_prompt_embeds": negative,
+        "latents": latents,
+        "height": 32,
+        "width": 64,
+        "num_frames": 9,
+        "num_inference_steps": 4,
+        "guidance_scale": 4.0,
+    }
+    pipes = {"text-to-video": (WanPipeline, {}), "image-to-video": (WanImageToVideoPipeline, {"image": image})}
+    results = {}
+    for name, (cls, extra) in pipes.items():
+        seen = []
+        handle = parts["transformer"].register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["timestep"].clone()), with_kwargs=True
+        )
+        pipe = cls(**{**parts, "scheduler": copy.deepcopy(scheduler)}, expand_timesteps=True)
+        theirs_latents = pipe(**kwargs, **extra, output_type="latent").frames
+        theirs_video = pipe(**kwargs, **extra, output_type="pt").frames
+        conditions = None
+        if extra:
+            one = family.image_conditions(parts, image, 9, 32, 64)
+            assert one["image_latents"].shape == (48, 1, 2, 4)
+            conditions = {key: value[None].expand(2, *value.shape) for key, value in one.items()}
+        seen.clear()
+        ours_latents = sample_latents(
+            parts["transformer"],
+            family,
+            scheduler,
+            latents,
+            text,
+            4,
+            negative_text=negative,
+            guidance_scale=4.0,
+            conditions=conditions,
+        )
+        handle.remove()
+        torch.testing.assert_close(ours_latents, theirs_latents, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(decode_latents(parts["vae"], ours_latents), theirs_video, rtol=1e-6, atol=1e-6)
+        assert seen[0].shape == (2, 3 * 2) and len(seen) == 8  # a timestep per token, cond + uncond x 4 steps
+        assert bool((seen[0][:, :2] == 0).all()) == bool(extra) and bool((seen[0][:, 2:] > 0).all())
+        results[name] = ours_latents
+        print(f"TI2V {name}: max |ours - pipeline| {(ours_latents - theirs_latents).abs().max():.1e}")
+    # the image is the first latent frame; the rest of the video differs from text-to-video's
+    torch.testing.assert_close(results["image-to-video"][:, :, :1], conditions["image_latents"])
+    assert (results["image-to-video"][:, :, 1:] - results["text-to-video"][:, :, 1:]).abs().max() > 1e-3
+
+
+def test_wan_flf2v_sampler_equals_wan_image_to_video_pipeline() -> None:
+    """Wan2.1 FLF2V: ``WanImageToVideoPipeline(image=..., last_image=...)`` and our loop on the family's
+    ``image_conditions(..., last_image=...)`` (the video ``[first, zeros, last]``'s latents, both frames' CLIP
+    features): the same latents and decoded video; another last frame changes them."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts
+
+    family = DIT_FAMILIES.get("WanTransformer3DModel:flf2v")
+    parts = tiny_i2v_parts(flf2v=True)
+    scheduler = build_scheduler(family, flow_shift=3.0)
+    gen = torch.Generator().manual_seed(11)
+    first, last = (Image.fromarray((torch.rand(24, 20, 3, generator=gen) * 255).to(torch.uint8).numpy()) for _ in "ab")
+    latents = torch.randn(2, 4, 3, 2, 2, generator=gen)  # 9 frames of 16 x 16 pixels
+    text, negative = torch.randn(2, 512, 16, generator=gen), torch.randn(2, 512, 16, generator=gen)
+    pipe = WanImageToVideoPipeline(**{**parts, "scheduler": copy.deepcopy(scheduler)})
+    kwargs = {
+        "image": first,
+        "last_image": last,
+        "prompt_embeds": text,
+        "negative_prompt_embeds": negative,
+        "latents": latents,
+        "height": 16,
+        "width": 16,
+        "num_frames": 9,
+        "num_inference_steps": 4,
+        "guidance_scale": 4.0,
+    }
+    theirs_latents = pipe(**kwargs, output_type="latent").frames
+    theirs_video = pipe(**kwargs, output_type="pt").frames
+
+    def ours(last_image):
+        one = family.image_conditions(parts, first, 9, 16, 16, last_image=last_image)
+        assert one["image_embeds"].shape == (34, 16)  # two images of 17 tokens
+        conditions = {key: value[None].expand(2, *value.shape) for key, value in one.items()}
+        return sample_latents(
+            parts["transformer"],
+            family,
+            scheduler,
+            latents,
+            text,
+            4,
+            negative_text=negative,
+            guidance_scale=4.0,
+            conditions=conditions,
+        )
+
+    ours_latents = ours(last)
+    torch.testing.assert_close(ours_latents, theirs_latents, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(decode_latents(parts["vae"], ours_latents), theirs_video, rtol=1e-6, atol=1e-6)
+    moved = (ours(last.transpose(Image.Transpose.FLIP_LEFT_RIGHT)) - ours_latents).abs().max()
+    print(
+        f"FLF2V: max |ours - pipeline| {(ours_latents - theirs_latents).abs().max():.1e}, flipped last frame moves {moved:.2f}"
+    )
+    assert moved > 1e-3
+    with pytest.raises(ValueError, match="needs the last frame too"):
+        family.image_conditions(parts, first, 9, 16, 16)

@@ -363,3 +363,97 @@ def test_generate_wan_i2v_equals_wan_image_to_video_pipeline(tmp_path, capsys) -
     t2v = write_demo_pipeline(tmp_path / "t2v")
     assert main(["generate", "--load-dir", str(t2v), "--output-dir", str(out), *FLAGS, "--image", str(image)]) == 2
     assert "generates from text only" in capsys.readouterr().err
+
+
+def _pipeline_gif(tmp_path, name, pipe, prompt, seed, shape, **kwargs) -> np.ndarray:
+    """The GIF frames of diffusers' ``pipe`` on ``prompt`` (encoded by ``WanPipeline.encode_prompt`` on its parts,
+    empty negative prompt) from the seed noise our ``generate`` draws."""
+    from diffusers import WanPipeline
+
+    from mindspeed_mm.diffusion import media
+
+    text_pipe = WanPipeline(
+        tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler
+    )
+    text, negative = text_pipe.encode_prompt(prompt, negative_prompt="", max_sequence_length=512)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))[None]
+    frames = pipe(
+        prompt_embeds=text, negative_prompt_embeds=negative, latents=noise, output_type="pt", **kwargs
+    ).frames[0]
+    return _gif_frames(media.write_gif(tmp_path / f"{name}.gif", frames))
+
+
+def test_generate_wan22_ti2v_and_flf2v_equal_pipelines(tmp_path, capsys) -> None:
+    """``generate`` on a tiny Wan2.2 TI2V-5B pipeline (``expand_timesteps``, the Wan2.2 VAE) without ``--image``
+    writes ``WanPipeline.from_pretrained``'s video, with ``--image`` ``WanImageToVideoPipeline.from_pretrained``'s
+    (the same directory); ``generate --image A --last-image B`` on a tiny Wan2.1 FLF2V pipeline writes
+    ``WanImageToVideoPipeline(image=A, last_image=B)``'s. A FLF2V model without ``--last-image``, or
+    ``--last-image`` for another model: one-line errors."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from mindspeed_mm.testing.media_fixtures import tiny_i2v_parts, tiny_ti2v_parts, write_image
+
+    rng = np.random.default_rng(5)
+    first = write_image(tmp_path / "first.png", (rng.random((40, 70, 3)) * 255).astype(np.uint8))
+    last = write_image(tmp_path / "last.png", (rng.random((40, 70, 3)) * 255).astype(np.uint8))
+    prompt = "a red square moving left"
+    steps = ["--num-inference-steps", "3", "--guidance-scale", "3", "--seed", "7", "--num-frames", "9", "--scale", "1"]
+    ti2v = tmp_path / "ti2v"
+    WanPipeline(**tiny_ti2v_parts(), expand_timesteps=True).save_pretrained(ti2v)
+    flags = [*steps, "--height", "32", "--width", "64", "--prompt", prompt]
+    video = {"height": 32, "width": 64, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 3.0}
+    stem = f"000-{prompt.replace(' ', '-')}.gif"
+    for name, extra, cls, kwargs in (
+        ("t2v", [], WanPipeline, {}),
+        ("i2v", ["--image", str(first)], WanImageToVideoPipeline, {"image": Image.open(first).convert("RGB")}),
+    ):
+        out = tmp_path / f"out-{name}"
+        assert main(["generate", "--load-dir", str(ti2v), "--output-dir", str(out), *flags, *extra]) == 0
+        reference = cls.from_pretrained(ti2v)
+        assert reference.config.expand_timesteps
+        theirs = _pipeline_gif(tmp_path, name, reference, prompt, 7, (48, 3, 2, 4), **video, **kwargs)
+        ours = _gif_frames(out / stem)
+        assert ours.shape == (9, 32, 64, 3)
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.array_equal(_gif_frames(tmp_path / "out-t2v" / stem), _gif_frames(tmp_path / "out-i2v" / stem))
+
+    flf2v = tmp_path / "flf2v"
+    WanImageToVideoPipeline(**tiny_i2v_parts(flf2v=True)).save_pretrained(flf2v)
+    flags = [*steps, "--height", "16", "--width", "16", "--prompt", prompt, "--image", str(first)]
+    out = tmp_path / "out-flf2v"
+    assert (
+        main(["generate", "--load-dir", str(flf2v), "--output-dir", str(out), *flags, "--last-image", str(last)]) == 0
+    )
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert rows[0]["image"] == str(first) and rows[0]["last_image"] == str(last)
+    images = {"image": Image.open(first).convert("RGB"), "last_image": Image.open(last).convert("RGB")}
+    video = {**video, "height": 16, "width": 16}
+    reference = WanImageToVideoPipeline.from_pretrained(flf2v)
+    theirs = _pipeline_gif(tmp_path, "flf2v", reference, prompt, 7, (4, 3, 2, 2), **video, **images)
+    np.testing.assert_array_equal(_gif_frames(out / stem), theirs)
+    capsys.readouterr()
+    assert main(["generate", "--load-dir", str(flf2v), "--output-dir", str(out), *flags]) == 2
+    assert "give --last-image FILE" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "generate",
+                "--load-dir",
+                str(ti2v),
+                "--output-dir",
+                str(out),
+                *steps,
+                "--prompt",
+                "x",
+                "--height",
+                "32",
+                "--width",
+                "64",
+                "--last-image",
+                str(last),
+            ]
+        )
+        == 2
+    )
+    assert "takes no last frame" in capsys.readouterr().err

@@ -54,9 +54,10 @@ from mindspeed_mm.trainer.loop import train
 from mindspeed_mm.trainer.task import TASKS
 
 WAN, FLUX, I2V = "WanTransformer3DModel", "FluxTransformer2DModel", "WanTransformer3DModel:i2v"
+TI2V = "WanTransformer3DModel:ti2v"
 SD3 = "SD3Transformer2DModel"
 #: one latent shape per family: 3 x 2 x 2 = 12 Wan tokens, 3 x 3 = 9 FLUX and SD3 image tokens
-SHAPES = {WAN: (4, 3, 4, 4), FLUX: (4, 6, 6), SD3: (4, 6, 6)}
+SHAPES = {WAN: (4, 3, 4, 4), TI2V: (4, 3, 4, 4), FLUX: (4, 6, 6), SD3: (4, 6, 6)}
 
 
 LORA = ["lora.target_modules=[default]", "lora.r=4", "lora.alpha=8"]
@@ -107,8 +108,11 @@ def _step(overrides: list[str]) -> dict:
     return {"loss": float(reported), "grads": grads, "calls": calls, "totals": totals.tolist()}
 
 
-def _sample(arch: str, model_dir: Path, algo: str = "ulysses_cp_algo", ulysses: int | None = None) -> dict:
-    """Latents sampled without and then with sequence parallelism (the same model, noise and texts)."""
+def _sample(
+    arch: str, model_dir: Path, algo: str = "ulysses_cp_algo", ulysses: int | None = None, image: bool = False
+) -> dict:
+    """Latents sampled without and then with sequence parallelism (the same model, noise and texts; with ``image``
+    Wan2.2 TI2V's first-frame latents)."""
     from mindspeed_mm.diffusion.sampler import build_scheduler, sample_latents
     from mindspeed_mm.models.dit import DIT_FAMILIES, load_dit
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
@@ -121,10 +125,15 @@ def _sample(arch: str, model_dir: Path, algo: str = "ulysses_cp_algo", ulysses: 
     dim = config.get("text_dim") or config["joint_attention_dim"]
     text, negative = torch.randn(2, 8, dim, generator=gen), torch.randn(2, 8, dim, generator=gen)
     pooled = torch.randn(2, config["pooled_projection_dim"], generator=gen) if family.needs_pooled else None
+    conditions = (
+        {"image_latents": torch.randn(2, noise.shape[1], 1, *noise.shape[3:], generator=gen)} if image else None
+    )
 
     def sample() -> torch.Tensor:
         scheduler = build_scheduler(family, sampler="euler", flow_shift=3.0)
-        return sample_latents(model, family, scheduler, noise, text, 3, pooled, negative, pooled, 4.0)
+        return sample_latents(
+            model, family, scheduler, noise, text, 3, pooled, negative, pooled, 4.0, conditions=conditions
+        )
 
     one = sample()
     parallel = apply_sequence_parallel(model, family.sequence_plan, dist.group.WORLD, algo, ulysses)
@@ -163,6 +172,8 @@ def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
     out = {arch: _step(_overrides(runs[arch], 2)) for arch in (WAN, FLUX)}
     out["ring"] = _step([*_overrides(runs[WAN], 2), "parallel.context_parallel_algo=megatron_cp_algo"])
     out[I2V] = _step(_overrides(runs[I2V], 2, "data.text_len=512"))
+    out[TI2V] = _step(_overrides(runs[TI2V], 2, "diffusion.first_frame_ratio=0.5"))
+    out["sample_ti2v"] = {image: _sample(TI2V, runs[TI2V][0], image=image) for image in (False, True)}
     out["lora"] = _step(_overrides(runs[WAN], 2, *LORA))
     out["train"] = {arch: train(load_mm_config(None, _overrides(runs[arch], 2))).records for arch in (WAN, FLUX)}
     out["sample"] = {arch: _sample(arch, runs[arch][0]) for arch in (WAN, FLUX, SD3)}
@@ -179,6 +190,7 @@ def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
 def _sp1(runs: dict, recipe: Path) -> dict:
     out = {arch: _step(_overrides(runs[arch], 1)) for arch in (WAN, FLUX)}
     out[I2V] = _step(_overrides(runs[I2V], 1, "data.text_len=512"))
+    out[TI2V] = _step(_overrides(runs[TI2V], 1, "diffusion.first_frame_ratio=0.5"))
     out[SD3] = _step(_overrides(runs[SD3], 1))
     out["lora"] = _step(_overrides(runs[WAN], 1, *LORA))
     out["train"] = {arch: train(load_mm_config(None, _overrides(runs[arch], 1))).records for arch in (WAN, FLUX)}
@@ -253,6 +265,8 @@ def tiny(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dit-sp")
     runs = {arch: write_tiny_dit_run(root / arch, arch, latent_shapes=[SHAPES[arch]]) for arch in (WAN, FLUX)}
     runs[I2V] = write_tiny_dit_run(root / "i2v", I2V, latent_shapes=[SHAPES[WAN]])
+    runs[TI2V] = write_tiny_dit_run(root / "ti2v", TI2V, latent_shapes=[SHAPES[TI2V]])
+    (root / "ti2v" / "model_index.json").write_text(json.dumps({"expand_timesteps": True}))
     runs[SD3] = write_tiny_dit_run(root / "sd3", SD3, latent_shapes=[SHAPES[SD3]])
     runs["sd35"] = write_tiny_dit_run(root / "sd35", SD3, latent_shapes=[SHAPES[SD3]])
     write_tiny_dit(runs["sd35"][0], SD3, dual_attention_layers=(0,), qk_norm="rms_norm")
@@ -307,6 +321,18 @@ def test_sp2_equals_sp1(tiny) -> None:
     print(
         f"Wan I2V SP2: loss {b['loss']:.6f} (SP1 {a['loss']:.6f}), worst gradient {_close_grads(a, b, 1e-4, 'i2v', 1e-2):.1e}"
     )
+    # Wan2.2 TI2V: per-token timesteps split as the tokens (the first frame's 4 tokens, at timestep 0 where
+    # the draw gives the frame, all on rank 0), the first frame left out of those samples' loss
+    a, b = one[TI2V], two[0][TI2V]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["calls"] == 2 and b["totals"] == a["totals"]
+    print(
+        f"Wan TI2V SP2: loss {b['loss']:.6f} (SP1 {a['loss']:.6f}), worst gradient {_close_grads(a, b, 1e-5, 'ti2v'):.1e}"
+    )
+    for image, sample in two[0]["sample_ti2v"].items():
+        np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
+        assert sample["calls"] == 2 * 3 * 2, image
+    with_image, without = two[0]["sample_ti2v"][True]["one"], two[0]["sample_ti2v"][False]["one"]
+    assert np.abs(with_image[:, :, 1:] - without[:, :, 1:]).max() > 1e-3  # the image conditioned the rest
     # SD3: joint attention over both streams' shards (9 image + 8 text tokens: uneven), 2 blocks
     a, b = one[SD3], two[0][SD3]
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["calls"] == 2 and b["totals"] == a["totals"]

@@ -225,6 +225,7 @@ def _train_both(pipe, features, root, accumulation: int, name: str) -> list[dict
             "train.lr": 1e-3,
             "data.shuffle": "true",
             "checkpoint.save_hf": str(root / name),
+            "checkpoint.save": str(root / f"{name}-dcp"),
         },
     )
     records = train(load_mm_config(None, overrides)).records
@@ -256,6 +257,39 @@ def test_both_experts_dp2_equals_dp1_and_pipeline_export(pipeline, tmp_path) -> 
         assert any(not torch.equal(before[n], w) for n, w in weights.items()), folder  # it trained
         for n, w in weights.items():
             torch.testing.assert_close(w, dp1_weights[n], rtol=1e-4, atol=1e-6)
+    # `convert` of DP1's last DCP checkpoint (dcp -> hf, --base-dir: the run's model.path) writes the same pair
+    from mindspeed_mm.convert.config import ConvertConfig
+    from mindspeed_mm.convert.convert import convert
+
+    converted = tmp_path / "converted"
+    report = convert(
+        ConvertConfig(
+            load_format="dcp",
+            save_format="hf",
+            load_dir=tmp_path / "dp1-dcp",
+            save_dir=converted,
+            base_dir=pipe / "transformer",
+            progress=False,
+        )
+    )
+    print(report.describe())
+    assert json.loads((converted / "model_index.json").read_text())["boundary_ratio"] == RATIO
+    for folder in ("transformer", "transformer_2"):
+        loaded, info = WanTransformer3DModel.from_pretrained(converted / folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        exported = WanTransformer3DModel.from_pretrained(tmp_path / "dp1" / folder).state_dict()
+        assert all(torch.equal(w, exported[n]) for n, w in loaded.state_dict().items()), folder
+    with pytest.raises(ValueError, match="holds a Wan2.2 expert pair"):
+        convert(
+            ConvertConfig(
+                load_format="dcp",
+                save_format="hf",
+                load_dir=tmp_path / "dp1-dcp",
+                save_dir=tmp_path / "wrong",
+                base_dir=pipe / "transformer_2",
+                progress=False,
+            )
+        )
     for folder in ("vae", "scheduler"):  # the pipeline's other parts, copied beside the experts
         shutil.copytree(pipe / folder, export / folder)
     loaded = WanPipeline.from_pretrained(export, tokenizer=None, text_encoder=None)

@@ -26,6 +26,7 @@ from mindspeed_mm.testing.dit_fixtures import write_tiny_dit_run
 from mindspeed_mm.trainer.task import TASKS
 
 I2V = "WanTransformer3DModel:i2v"
+FLF2V = "WanTransformer3DModel:flf2v"
 #: Wan2.2 I2V A14B's boundary_ratio
 RATIO = 0.9
 #: Wan2.1 I2V's attention takes the context's last 512 tokens as the text.
@@ -57,8 +58,9 @@ def _overrides(model_dir, features, **extra) -> list[str]:
     ]
 
 
-def _pipeline_mask(batch: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
-    """``WanImageToVideoPipeline.prepare_latents``' mask channels for latents of ``latent_shape`` (``C, F, H, W``)."""
+def _pipeline_mask(batch: int, latent_shape: tuple[int, ...], last: bool = False) -> torch.Tensor:
+    """``WanImageToVideoPipeline.prepare_latents``' mask channels for latents of ``latent_shape`` (``C, F, H, W``);
+    with ``last`` given a ``last_image`` too (FLF2V)."""
     from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
     channels, frames, height, width = latent_shape
@@ -83,7 +85,15 @@ def _pipeline_mask(batch: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
     image = torch.zeros(1, 3, height * 8, width * 8)  # one image, repeated over the batch by the pipeline
     with torch.no_grad():
         _, condition = pipe.prepare_latents(
-            image, batch, channels, height * 8, width * 8, (frames - 1) * 4 + 1, torch.float32, torch.device("cpu")
+            image,
+            batch,
+            channels,
+            height * 8,
+            width * 8,
+            (frames - 1) * 4 + 1,
+            torch.float32,
+            torch.device("cpu"),
+            last_image=image if last else None,
         )
     return condition[:, : condition.shape[1] - channels]
 
@@ -98,9 +108,12 @@ def _reference(task, batch, pair: bool = False) -> tuple[float, dict[str, torch.
     shaped = sigmas.reshape(-1, 1, 1, 1, 1)
     noisy = (1.0 - shaped) * latents + shaped * noise
     text, _ = task.model_text(batch)
-    mask = _pipeline_mask(len(indices), tuple(latents.shape[1:]))
+    last = task.family.last_frame  # FLF2V: the mask of WanImageToVideoPipeline(last_image=...)
+    mask = _pipeline_mask(len(indices), tuple(latents.shape[1:]), last)
     inputs = torch.cat([noisy, mask, batch.conditions["image_latents"]], dim=1)
     image = batch.conditions.get("image_embeds")
+    if last:  # the pipeline's encode_image([image, last_image]).repeat(batch, 1, 1): [first, last] rows per sample
+        image = image.reshape(-1, image.shape[1] // 2, image.shape[2])
     folders = ("transformer", "transformer_2") if pair else (task.source.name,)
     models = {name: WanTransformer3DModel.from_pretrained(task.source.parent / name) for name in folders}
     routed = [folders[0] if not pair or t >= RATIO * 1000 else folders[1] for t in (sigmas * 1000.0).tolist()]
@@ -108,11 +121,12 @@ def _reference(task, batch, pair: bool = False) -> tuple[float, dict[str, torch.
     for name, model in models.items():
         rows = [i for i, expert in enumerate(routed) if expert == name]
         if rows:
+            image_rows = [2 * r + k for r in rows for k in range(2)] if last else rows
             pred[rows] = model(
                 hidden_states=inputs[rows],
                 timestep=sigmas[rows] * 1000.0,
                 encoder_hidden_states=text[rows],
-                encoder_hidden_states_image=image[rows] if image is not None else None,
+                encoder_hidden_states_image=image[image_rows] if image is not None else None,
                 return_dict=False,
             )[0]
     loss = ((pred.float() - (noise - latents).float()) ** 2).reshape(len(indices), -1).mean(1).mean()
@@ -231,3 +245,50 @@ def test_i2v_input_errors() -> None:
         family.model_inputs(config, noisy, sigmas, text, None, 1.0, image_latents=image_latents)
     with pytest.raises(ValueError, match="leaves no mask channel"):
         family.model_inputs({**config, "in_channels": 8}, noisy, sigmas, text, None, 1.0, image_latents=image_latents)
+
+
+def _flf2v_parity(model_dir, features) -> dict:
+    extra = {"train.micro_batch_size": 3, "diffusion.text_dropout": 0.7}
+    task = TASKS.get("dit")(load_mm_config(None, _overrides(model_dir, features, **extra)), 1)
+    batch = task.microbatches(1, 0)[0]
+    loss, _ = task.loss(batch, torch.zeros(2))
+    loss.backward()
+    ours = {n: p.grad for n, p in task.model.named_parameters()}
+    expected, grads, _ = _reference(task, batch)
+    return {
+        "family": task.family.key,
+        "loss": float(loss.detach()),
+        "expected": expected,
+        "names": set(ours) == set(grads) and all(g is not None for g in grads.values()),
+        "grad_error": max(float((ours[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads.items()),
+        "pos_embed_grad": float(ours["condition_embedder.image_embedder.pos_embed"].abs().max()),
+        "mask": task.family.model_inputs(
+            task.model.config,
+            batch.latents,
+            task.flow.sigmas[batch.draw.indices],
+            batch.text,
+            None,
+            1.0,
+            **batch.conditions,
+        )["hidden_states"][:, 4:8],
+    }
+
+
+def test_flf2v_loss_and_gradients_equal_diffusers(tmp_path) -> None:
+    """Wan2.1 FLF2V (``pos_embed_seq_len``: the ``flf2v`` variant): the input's mask is
+    ``WanImageToVideoPipeline.prepare_latents(..., last_image=...)``'s (the first latent frame and the last one's last
+    channel), the two frames' image features go in as the pipeline's ``[first, last]`` rows; loss and every gradient
+    equal diffusers' (the position embedding of the two images' features trains)."""
+    model_dir, features = write_tiny_dit_run(tmp_path, FLF2V, num_samples=3)
+    assert dit_family_of(model_dir).key == FLF2V
+    result = launch(_flf2v_parity, (model_dir, features))
+    print(
+        f"FLF2V: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative gradient error "
+        f"{result['grad_error']:.1e}"
+    )
+    assert result["family"] == FLF2V and result["names"]
+    assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+    assert result["grad_error"] < 1e-5 and result["pos_embed_grad"] > 0
+    mask = result["mask"]
+    assert mask[:, :, 0].eq(1).all() and mask[:, :3, 1:].eq(0).all() and mask[:, 3, 1].eq(0).all()
+    assert mask[:, 3, -1].eq(1).all()

@@ -390,6 +390,8 @@ class DiffusionConfig:
         text_dropout: probability that a sample's text embedding is replaced by the empty
             caption's (classifier-free guidance); MindSpeed-MM's ``cfg``.
         guidance_scale: the guidance a guidance-distilled model (FLUX.1-dev) is trained with.
+        first_frame_ratio: Wan2.2 TI2V: share of samples trained image-to-video (their first latent frame
+            given clean at timestep 0, left out of their loss); the others train text-to-video.
     """
 
     num_train_timesteps: int = 1000
@@ -406,6 +408,7 @@ class DiffusionConfig:
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap", "bsmntw"] = "none"
     text_dropout: float = 0.0
     guidance_scale: float = 1.0
+    first_frame_ratio: float = 0.0
 
     def check(self) -> None:
         """Check the values (raises ``ConfigError`` naming the key and the fix)."""
@@ -427,6 +430,8 @@ class DiffusionConfig:
             raise ConfigError(f"diffusion.boundary_ratio={self.boundary_ratio} must be in (0, 1) (Wan2.2 T2V: 0.875)")
         if not 0 <= self.text_dropout <= 1:
             raise ConfigError(f"diffusion.text_dropout={self.text_dropout} must be in [0, 1]")
+        if not 0 <= self.first_frame_ratio <= 1:
+            raise ConfigError(f"diffusion.first_frame_ratio={self.first_frame_ratio} must be in [0, 1]")
         if self.logit_std <= 0:
             raise ConfigError(f"diffusion.logit_std={self.logit_std} must be positive")
 

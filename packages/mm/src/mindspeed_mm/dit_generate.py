@@ -13,7 +13,9 @@ of all prompts, and ``samples.jsonl`` (prompt, seed, settings, files).
 
 An image-to-video model (Wan I2V: a family with ``image_conditions``) takes ``--image FILE``: one image for
 every prompt, or one per prompt in order; it is the video's first frame, conditioned on as
-``WanImageToVideoPipeline`` does (resized to ``--height`` x ``--width``).
+``WanImageToVideoPipeline`` does (resized to ``--height`` x ``--width``). A first-last-frame model (Wan
+FLF2V) takes ``--last-image FILE`` too; Wan2.2 TI2V-5B generates from text alone or, with ``--image``,
+from text and its first frame.
 """
 
 from __future__ import annotations
@@ -131,11 +133,12 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
     prompts = list(args.prompt) + (read_prompts(args.prompts_file, args.max_samples) if args.prompts_file else [])
     if not prompts:
         raise ValueError("nothing to generate: give --prompt TEXT or --prompts-file FILE")
-    if args.image and len(args.image) not in (1, len(prompts)):
-        raise ValueError(
-            f"--image given {len(args.image)} times for {len(prompts)} prompts; give one image for every prompt or "
-            "one per prompt"
-        )
+    for flag, given in (("--image", args.image), ("--last-image", getattr(args, "last_image", []))):
+        if given and len(given) not in (1, len(prompts)):
+            raise ValueError(
+                f"{flag} given {len(given)} times for {len(prompts)} prompts; give one image for every prompt or "
+                "one per prompt"
+            )
     if args.dtype is not None and args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     for key in ("num_inference_steps", "num_frames", "fps", "scale", "ulysses_parallel_size", "ring_attention_size"):
@@ -183,6 +186,14 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
     images = _read_images(args.image, family, len(prompts))
+    last_paths = getattr(args, "last_image", [])
+    if bool(last_paths) != family.last_frame:
+        raise ValueError(
+            f"{family.key} takes the last frame: give --last-image FILE"
+            if family.last_frame
+            else f"--last-image: {family.key} takes no last frame (a Wan FLF2V model does); remove --last-image"
+        )
+    last_images = _read_images(last_paths, family, len(prompts)) if last_paths else []
     group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         if family.sequence_plan is None:
@@ -220,7 +231,14 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         conditions = None
         if images:
             per_prompt = [
-                family.image_conditions(loaded.parts, images[start + i], sample.num_frames, height, width)
+                family.image_conditions(
+                    loaded.parts,
+                    images[start + i],
+                    sample.num_frames,
+                    height,
+                    width,
+                    **({"last_image": last_images[start + i]} if last_images else {}),
+                )
                 for i in range(len(batch))
             ]
             conditions = {key: torch.stack([c[key] for c in per_prompt]) for key in per_prompt[0]}
@@ -254,6 +272,8 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         row = {"index": index, "prompt": prompt, "seed": seed + index, "files": [str(f) for f in files]}
         if args.image:
             row["image"] = args.image[index if len(args.image) > 1 else 0]
+        if last_paths:
+            row["last_image"] = last_paths[index if len(last_paths) > 1 else 0]
         rows.append(row)
     sheets = media.write_contact_sheets(output, pixels_all, prompts, sample.fps, sample.scale)
     settings = {
@@ -279,7 +299,8 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
 
 
 def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
-    """The ``count`` prompts' input images (RGB PIL images), or none for a text-only model.
+    """The ``count`` prompts' input images (RGB PIL images), or none for a text-only model (and for Wan2.2
+    TI2V without ``--image``: text to video).
 
     Raises:
         ValueError: an image for a model that takes none, none for an image-to-video model, or a file that is
@@ -290,6 +311,8 @@ def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
             raise ValueError(f"--image: {family.key} generates from text only; remove --image")
         return []
     if not paths:
+        if family.first_frame_condition:  # Wan2.2 TI2V: text-to-video without an image
+            return []
         raise ValueError(f"{family.key} is an image-to-video model: give --image FILE (the first frame)")
     from PIL import Image, UnidentifiedImageError
 

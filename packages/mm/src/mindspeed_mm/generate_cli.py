@@ -116,6 +116,14 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "one for every prompt or one per prompt",
     )
     parser.add_argument(
+        "--last-image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="for a first-last-frame-to-video diffusion transformer (Wan FLF2V): the last frame, one for every "
+        "prompt or one per prompt (as --image)",
+    )
+    parser.add_argument(
         "--video",
         action="append",
         default=[],

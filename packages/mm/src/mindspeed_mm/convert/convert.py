@@ -36,6 +36,7 @@ from mindspeed.log import get_logger
 from mindspeed.progress import StatusProgress
 from mindspeed_mm.convert.config import CONVERSIONS, DTYPES, FORMATS, NEEDS_BASE, ConvertConfig
 from mindspeed_mm.convert.dcp_io import DCPModel, write_dcp
+from mindspeed_mm.convert.experts import ExpertView, dcp_pair_to_hf, is_expert_pair
 from mindspeed_mm.convert.names import ModelNames, model_names
 from mindspeed_mm.models.diffusers_lora import read_diffusers_lora, write_diffusers_lora
 from mindspeed_mm.models.lora import (
@@ -228,8 +229,10 @@ def _averages(source: DCPModel) -> str:
     return ", raw weights (--no-ema)" if source.has_ema else ""
 
 
-def _dcp_to_hf(config: ConvertConfig) -> ConvertReport:
-    source = DCPModel(config.load_dir, ema=config.ema)
+def _dcp_to_hf(config: ConvertConfig, source: DCPModel | ExpertView | None = None) -> ConvertReport:
+    source = source if source is not None else DCPModel(config.load_dir, ema=config.ema)
+    if is_expert_pair(source):  # a Wan2.2 `diffusion.expert=both` run: both experts' folders
+        return dcp_pair_to_hf(config, source, _dcp_to_hf)
     names = model_names(config.base_dir)
     adapted = set(adapted_modules(source.tensors))
     alpha = lora_alpha(config, source.path) if adapted else None

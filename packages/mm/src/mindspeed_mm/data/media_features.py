@@ -88,7 +88,8 @@ class MediaFeatures:
         if self.condition_keys:
             parts = {"vae": self.encoders.vae, **self.encoders.condition_parts}
             frames, height, width = pixels.shape[1:]
-            conditions = self.family.image_conditions(parts, first_frame_image(pixels), frames, height, width)
+            last = {"last_image": first_frame_image(pixels, -1)} if self.family.last_frame else {}
+            conditions = self.family.image_conditions(parts, first_frame_image(pixels), frames, height, width, **last)
             sample.update({key: conditions[key].float().cpu() for key in self.condition_keys})
         return sample
 

@@ -59,11 +59,14 @@ class FlowDraw:
         indices: grid index of each sample ``[B]`` (int64; 0 is pure noise).
         noise: standard normal noise shaped as the latents ``[B, ...]``.
         drop: whether each sample's text is replaced by the empty caption's ``[B]`` (bool).
+        first_frame: whether each sample's first latent frame is given clean ``[B]`` (bool; Wan2.2 TI2V,
+            ``first_frame_ratio``; drawn last, so the draws before it do not depend on it).
     """
 
     indices: torch.Tensor
     noise: torch.Tensor
     drop: torch.Tensor
+    first_frame: torch.Tensor | None = None
 
 
 class FlowMatching:
@@ -118,7 +121,8 @@ class FlowMatching:
             indices = (u * c.num_train_timesteps).long().clamp(0, c.num_train_timesteps - 1).expand(batch).clone()
         noise = torch.randn(latent_shape, generator=generator)
         drop = torch.rand(batch, generator=generator) < c.text_dropout
-        return FlowDraw(indices, noise, drop)
+        first_frame = torch.rand(batch, generator=generator) < c.first_frame_ratio
+        return FlowDraw(indices, noise, drop, first_frame)
 
     def noisy(self, latents: torch.Tensor, noise: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``x_t = (1 - s) x0 + s noise`` at the sigmas of ``indices``."""
@@ -126,12 +130,21 @@ class FlowMatching:
         return (1 - sigma) * latents + sigma * noise
 
     def loss(
-        self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, indices: torch.Tensor
+        self,
+        prediction: torch.Tensor,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        indices: torch.Tensor,
+        skip_first_frame: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per sample: the mean over its elements of ``weight x (prediction - (noise - x0))^2`` (float32) ``[B]``."""
+        """Per sample: the mean over its elements of ``weight x (prediction - (noise - x0))^2`` (float32) ``[B]``;
+        over the frames after the first for the samples of ``skip_first_frame`` ``[B]`` (given that frame)."""
         target = (noise - latents).float()
         error = (prediction.float() - target) ** 2
         per_sample = error.reshape(error.shape[0], -1).mean(dim=1)
+        if skip_first_frame is not None and bool(skip_first_frame.any()):
+            rest = error[:, :, 1:].reshape(error.shape[0], -1).mean(dim=1)
+            per_sample = torch.where(skip_first_frame.to(per_sample.device).bool(), rest, per_sample)
         return per_sample * self.weights(indices).to(per_sample.device)
 
     def weights(self, indices: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,9 @@ def sample_latents(
             for both experts when ``guidance_scale > 1``, as in ``WanPipeline``.
         conditions: the family's conditions ``[B, ...]`` by name (Wan I2V: the first frame's
             ``image_latents`` and ``image_embeds``), the same for the guided and the unguided call, as
-            ``WanImageToVideoPipeline`` gives them.
+            ``WanImageToVideoPipeline`` gives them. Wan2.2 TI2V (``first_frame_condition``): the image's
+            ``image_latents`` ``[B, C, 1, H, W]`` are the model input's first frame at timestep 0 and the
+            result's first frame; without them it samples text-to-video with per-token timesteps.
     """
     shape = tuple(latents.shape)
     scheduler.set_timesteps(steps, device=latents.device, **family.timestep_kwargs(scheduler.config, steps, shape))
@@ -156,6 +158,8 @@ def sample_latents(
             )
             velocity = uncond + scale * (velocity - uncond)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    if family.first_frame_condition and "image_latents" in conditions:  # WanImageToVideoPipeline (TI2V)
+        latents = torch.cat([conditions["image_latents"].to(latents.dtype), latents[:, :, 1:]], dim=2)
     return latents
 
 
@@ -173,6 +177,9 @@ def _velocity(
     pooled = pooled.to(dtype) if pooled is not None else None
     inputs = family.model_inputs(model.config, latents, timestep, text.to(dtype), pooled, guidance, **conditions)
     inputs["timestep"] = timestep
+    if family.timestep_tokens is not None:  # Wan2.2 TI2V: per token, 0 on a given first frame
+        first_frame = torch.ones(latents.shape[0], dtype=torch.bool) if "image_latents" in conditions else None
+        inputs["timestep"] = family.timestep_tokens(model.config, timestep, tuple(latents.shape), first_frame)
     return family.prediction(model(**inputs), tuple(latents.shape))
 
 

@@ -260,7 +260,9 @@ def latent_shape(vae: Any, family: DiTFamily, num_frames: int, height: int, widt
     config = vae.config
     temporal = getattr(config, "temperal_downsample", None)
     if temporal is not None:  # AutoencoderKLWan: 2x per downsampling level, 2x in time where marked
-        spatial, time = 2 ** len(temporal), 2 ** sum(bool(t) for t in temporal)
+        # (the Wan2.2 VAE folds patch_size x patch_size pixels into channels first: 16x in space)
+        spatial = 2 ** len(temporal) * (getattr(config, "patch_size", None) or 1)
+        time = 2 ** sum(bool(t) for t in temporal)
         channels = config.z_dim
     elif getattr(config, "block_out_channels", None) is not None:  # AutoencoderKL: 2x per level after the first
         spatial, time, channels = 2 ** (len(config.block_out_channels) - 1), 1, config.latent_channels

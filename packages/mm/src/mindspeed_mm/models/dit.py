@@ -71,6 +71,14 @@ class DiTFamily:
         latent_channels: ``(model config as a dict) -> channels of the latents`` the VAE gives it (FLUX
             packs 2x2 patches: a quarter of ``in_channels``; SD3 patchifies inside: its ``in_channels``);
             None: its ``out_channels`` (else ``in_channels``).
+        first_frame_condition: the first latent frame may be given clean in place of the noisy one (Wan2.2
+            TI2V: ``image_latents`` ``[B, C, 1, H, W]`` replace it, its tokens at timestep 0): training draws
+            which samples (``diffusion.first_frame_ratio``) and leaves that frame out of their loss, sampling
+            puts the image's latents back at the end, and an image is optional in ``generate``.
+        last_frame: the conditions are of the first and the last frame (FLF2V): ``image_conditions`` takes
+            ``last_image=`` (``generate --last-image``; the video's last frame in extract-features and training).
+        timestep_tokens: ``(model config, timestep [B], latent shape, first_frame [B] or None) -> [B, S]``:
+            the per-token timesteps the model takes (Wan2.2 TI2V); None: one timestep per sample.
     """
 
     architecture: str
@@ -97,6 +105,9 @@ class DiTFamily:
     image_conditions: Callable[[dict[str, Any], Any, int, int, int], dict[str, torch.Tensor]] | None = None
     condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
     latent_channels: Callable[[Any], int] | None = None
+    first_frame_condition: bool = False
+    last_frame: bool = False
+    timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
 
     @property
     def key(self) -> str:
@@ -141,6 +152,9 @@ def dit_family_of(path: str | Path) -> DiTFamily:
     if not name:
         raise ValueError(f"{config} has no `_class_name`; give a diffusers transformer directory")
     family = DIT_FAMILIES.get(name)
+    index = Path(path).parent / "model_index.json"  # the pipeline's settings (Wan2.2 TI2V: expand_timesteps)
+    if index.is_file():
+        values["_pipeline"] = json.loads(index.read_text())
     variant = family.select_variant(values) if family.select_variant is not None else ""
     return DIT_FAMILIES.get(f"{name}:{variant}") if variant else family
 

@@ -56,12 +56,15 @@ class Split:
         dim: the token dimension.
         name: the tokens it holds, when they are tokens of the attention sequence (``video``,
             ``text``, ``image``): their shard sizes make the attention's sizes and size the gather.
+        ndim: split only a tensor of this many dimensions (Wan2.2 TI2V's timestep: ``[B, S]`` per token,
+            ``[B]`` per sample left whole); None: always.
     """
 
     module: str
     arg: str | int | None
     dim: int
     name: str | None = None
+    ndim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,12 @@ class SequenceParallel:
         if split.name is not None:
             self.sizes[split.name] = sizes
         return tensor.narrow(split.dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def split_model_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` of the model's ``forward`` with the plan's splits of the model's own inputs applied (for
+        inputs put back after the split hooks ran: the task's float32 timesteps)."""
+        splits = [s for s in self.plan.splits if s.module == "" and isinstance(s.arg, str)]
+        return _split_inputs(self, splits, None, (), dict(kwargs))[1]
 
     def attention_sizes(self) -> list[int]:
         """Every rank's length of the attention sequence (the sum over the named splits of this forward)."""
@@ -299,11 +308,15 @@ class SequenceParallelProcessor:
 def _split_inputs(parallel: SequenceParallel, splits: list[Split], module: Any, args: tuple, kwargs: dict) -> Any:
     args = list(args)
     for split in splits:
-        if isinstance(split.arg, int) and split.arg < len(args):
+        if isinstance(split.arg, int) and split.arg < len(args) and _splits(split, args[split.arg]):
             args[split.arg] = parallel.split(args[split.arg], split)
-        elif isinstance(split.arg, str) and kwargs.get(split.arg) is not None:
+        elif isinstance(split.arg, str) and kwargs.get(split.arg) is not None and _splits(split, kwargs[split.arg]):
             kwargs[split.arg] = parallel.split(kwargs[split.arg], split)
     return tuple(args), kwargs
+
+
+def _splits(split: Split, tensor: torch.Tensor) -> bool:
+    return split.ndim is None or tensor.ndim == split.ndim
 
 
 def _split_outputs(parallel: SequenceParallel, split: Split, module: Any, args: tuple, output: Any) -> Any:

@@ -123,15 +123,19 @@ def encode_sd3(
     return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
 
 
-def _first_frame_video(image: torch.Tensor, num_frames: int) -> torch.Tensor:
-    """``[B, 3, num_frames, H, W]``: the image ``[B, 3, H, W]`` as the first frame, zeros after it."""
-    rest = image.new_zeros(image.shape[0], image.shape[1], num_frames - 1, *image.shape[2:])
-    return torch.cat([image[:, :, None], rest], dim=2)
+def _first_frame_video(image: torch.Tensor, num_frames: int, last: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 3, num_frames, H, W]``: the image ``[B, 3, H, W]`` as the first frame, zeros after it (and ``last``
+    as the last frame)."""
+    if last is None:
+        rest = image.new_zeros(image.shape[0], image.shape[1], num_frames - 1, *image.shape[2:])
+        return torch.cat([image[:, :, None], rest], dim=2)
+    rest = image.new_zeros(image.shape[0], image.shape[1], num_frames - 2, *image.shape[2:])
+    return torch.cat([image[:, :, None], rest, last[:, :, None]], dim=2)
 
 
 @torch.no_grad()
 def encode_first_frame(
-    parts: dict[str, Any], image: Any, num_frames: int, height: int, width: int
+    parts: dict[str, Any], image: Any, num_frames: int, height: int, width: int, last_image: Any = None
 ) -> dict[str, torch.Tensor]:
     """The image-to-video conditions of one image, as ``WanImageToVideoPipeline`` computes them.
 
@@ -141,18 +145,24 @@ def encode_first_frame(
     ``parts`` has an ``image_encoder``): the CLIP vision model's penultimate hidden states of the image
     through the pipeline's ``image_processor``.
 
+    With ``last_image`` (first-last-frame to video, ``WanImageToVideoPipeline(last_image=...)``): the video is
+    ``[image, zeros x (num_frames - 2), last_image]`` and ``image_embeds`` ``[2 N, D]`` the two images' hidden
+    states, the first image's tokens first.
+
     Args:
         parts: the pipeline's ``vae`` and, for Wan2.1 I2V, ``image_encoder`` and ``image_processor``.
         image: a PIL image.
+        last_image: the last frame's PIL image (FLF2V), or None.
     """
     from diffusers.video_processor import VideoProcessor
 
     vae = parts["vae"]
-    pixels = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial).preprocess(
-        image, height=height, width=width
-    )
+    processor = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial)
+    pixels = processor.preprocess(image, height=height, width=width)
+    last = None if last_image is None else processor.preprocess(last_image, height=height, width=width)
     device = next(vae.parameters()).device
-    video = _first_frame_video(pixels.to(torch.float32), num_frames).to(device, vae.dtype)
+    last = None if last is None else last.to(torch.float32)
+    video = _first_frame_video(pixels.to(torch.float32), num_frames, last).to(device, vae.dtype)
     z = vae.encode(video).latent_dist.mode().float()
     shape = (1, -1, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
@@ -161,14 +171,16 @@ def encode_first_frame(
     if parts.get("image_encoder") is not None:
         encoder = parts["image_encoder"]
         weight = next(encoder.parameters())
-        inputs = parts["image_processor"](images=image, return_tensors="pt").to(weight.device, weight.dtype)
-        out["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2][0]
+        images = image if last_image is None else [image, last_image]
+        inputs = parts["image_processor"](images=images, return_tensors="pt").to(weight.device, weight.dtype)
+        out["image_embeds"] = encoder(**inputs, output_hidden_states=True).hidden_states[-2].flatten(0, 1)
     return out
 
 
-def first_frame_image(pixels: torch.Tensor) -> Any:
-    """The first frame of ``pixels`` ``[3, F, H, W]`` in [-1, 1] as an 8-bit PIL image (what the pipeline takes)."""
+def first_frame_image(pixels: torch.Tensor, index: int = 0) -> Any:
+    """The first (or ``index``) frame of ``pixels`` ``[3, F, H, W]`` in [-1, 1] as an 8-bit PIL image (what the
+    pipeline takes)."""
     from PIL import Image
 
-    frame = ((pixels[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    frame = ((pixels[:, index].float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
     return Image.fromarray(frame.permute(1, 2, 0).cpu().numpy())

@@ -31,6 +31,8 @@ VLM_MODULES = {
 DIT_MODULES = {
     "WanTransformer3DModel": "mindspeed_mm.models.wan",
     "WanTransformer3DModel:i2v": "mindspeed_mm.models.wan_i2v",
+    "WanTransformer3DModel:ti2v": "mindspeed_mm.models.wan_ti2v",
+    "WanTransformer3DModel:flf2v": "mindspeed_mm.models.wan_i2v",
     "FluxTransformer2DModel": "mindspeed_mm.models.flux",
     "SD3Transformer2DModel": "mindspeed_mm.models.sd3",
 }

@@ -39,9 +39,13 @@ def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[
 
 def _variant(config: dict[str, Any]) -> str:
     """``i2v`` for an image-to-video transformer: its input holds the mask and the first-frame latents too
-    (Wan2.1 / Wan2.2 I2V: 36 input channels, 16 output)."""
+    (Wan2.1 / Wan2.2 I2V: 36 input channels, 16 output), ``flf2v`` for one that also takes the last frame
+    (Wan2.1 FLF2V: ``pos_embed_seq_len`` for its two images' features); ``ti2v`` for one whose pipeline gives per-token
+    timesteps (Wan2.2 TI2V-5B: ``expand_timesteps`` in ``model_index.json``, read into ``_pipeline``)."""
     out = config.get("out_channels") or config.get("in_channels")
-    return "i2v" if config.get("in_channels", out) != out else ""
+    if config.get("in_channels", out) != out:  # FLF2V: two images' features, position-embedded
+        return "flf2v" if config.get("pos_embed_seq_len") else "i2v"
+    return "ti2v" if config.get("_pipeline", {}).get("expand_timesteps") else ""
 
 
 def _tokens(config: Any, shape: tuple[int, ...]) -> int:

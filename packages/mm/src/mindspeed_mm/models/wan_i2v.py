@@ -5,7 +5,9 @@ concatenated on channels with the mask over the latent frames (1 on the first, 0
 channel per frame the VAE folds into a latent frame, so ``in_channels - 2 C`` of them) and the
 normalised latents of the video ``[first frame, zeros ...]`` (``image_latents``); Wan2.1 I2V
 (``image_dim`` in the config) also takes the CLIP vision encoder's penultimate hidden states of the
-first frame (``image_embeds``) as ``encoder_hidden_states_image``. Both are computed per sample by
+first frame (``image_embeds``) as ``encoder_hidden_states_image``. Wan2.1 FLF2V (the ``flf2v`` variant:
+``pos_embed_seq_len`` in the config) gives the last frame too: the video ``[first, zeros ..., last]``, the mask
+also on the last frame, and both frames' features. Both are computed per sample by
 :func:`~mindspeed_mm.models.encoders.encode_first_frame` and cached by ``extract-features``; the
 mask is built from the latents' shape. Everything else (timestep, text, FSDP2 plan, sequence
 parallelism, LoRA targets) is Wan's (:mod:`mindspeed_mm.models.wan`).
@@ -28,8 +30,10 @@ WAN = DIT_FAMILIES.get("WanTransformer3DModel")
 IMAGE_TEXT_LEN = 512
 
 
-def first_frame_mask(config: Any, noisy: torch.Tensor, image_latents: torch.Tensor) -> torch.Tensor:
-    """``[B, M, F, H, W]``: 1 over the first latent frame, 0 elsewhere (``M = in_channels - 2 C``).
+def first_frame_mask(config: Any, noisy: torch.Tensor, image_latents: torch.Tensor, last: bool = False) -> torch.Tensor:
+    """``[B, M, F, H, W]``: 1 over the first latent frame, 0 elsewhere (``M = in_channels - 2 C``); with ``last``
+    (FLF2V) also 1 on the last latent frame's last channel: the mask is one channel per video frame the VAE folds
+    into a latent frame, and only the video's last frame of that latent frame is given.
 
     Raises:
         ValueError: a configuration with no channel left for the mask.
@@ -42,6 +46,8 @@ def first_frame_mask(config: Any, noisy: torch.Tensor, image_latents: torch.Tens
         )
     mask = image_latents.new_zeros(image_latents.shape[0], channels, *image_latents.shape[2:])
     mask[:, :, 0] = 1.0
+    if last:
+        mask[:, -1, -1] = 1.0
     return mask
 
 
@@ -57,7 +63,9 @@ def _inputs(
 ) -> dict[str, Any]:
     if image_latents is None:
         raise ValueError("a Wan I2V transformer needs the first frame's latents (image_latents); give an image")
-    condition = torch.cat([first_frame_mask(config, noisy, image_latents), image_latents], dim=1).to(noisy.dtype)
+    last = config.get("pos_embed_seq_len") is not None  # FLF2V
+    mask = first_frame_mask(config, noisy, image_latents, last)
+    condition = torch.cat([mask, image_latents], dim=1).to(noisy.dtype)
     inputs = WAN.model_inputs(config, torch.cat([noisy, condition], dim=1), sigmas, text, pooled, guidance)
     if config.get("image_dim") is not None:
         if image_embeds is None:
@@ -69,6 +77,8 @@ def _inputs(
                 f"text of {text.shape[1]} tokens: Wan2.1 I2V's attention takes the last {IMAGE_TEXT_LEN} tokens "
                 f"of its context as the text; set data.text_len (--text-len) to {IMAGE_TEXT_LEN}"
             )
+        if last:  # the pipeline's [first, last] rows of N tokens each, per sample (the model views them as 2 N)
+            image_embeds = image_embeds.reshape(image_embeds.shape[0] * 2, -1, image_embeds.shape[-1])
         inputs["encoder_hidden_states_image"] = image_embeds.to(noisy.dtype)
     return inputs
 
@@ -89,5 +99,28 @@ WAN_I2V = register_dit(
         conditions=(("image_latents", lambda config: True), ("image_embeds", _takes_image_embeds)),
         image_conditions=encode_first_frame,
         condition_folders=(("image_encoder", _takes_image_embeds), ("image_processor", _takes_image_embeds)),
+    )
+)
+
+
+def _encode_first_last(
+    parts: dict[str, Any], image: Any, num_frames: int, height: int, width: int, last_image: Any = None
+) -> dict[str, torch.Tensor]:
+    if last_image is None:
+        raise ValueError("a Wan FLF2V transformer needs the last frame too; give --last-image FILE")
+    return encode_first_frame(parts, image, num_frames, height, width, last_image)
+
+
+#: Wan2.1 FLF2V (first-last-frame to video): the I2V input with the last frame given too, and both frames'
+#: CLIP features (``pos_embed_seq_len = 2 N`` position embeddings over them), as ``WanImageToVideoPipeline(image=...,
+#: last_image=...)`` conditions it.
+WAN_FLF2V = register_dit(
+    dataclasses.replace(
+        WAN_I2V,
+        variant="flf2v",
+        # two images of the tiny CLIP's 17 tokens (2 x 2 patches of 8 in 32 x 32, and the class token)
+        tiny_config={**WAN_I2V.tiny_config, "pos_embed_seq_len": 34},
+        image_conditions=_encode_first_last,
+        last_frame=True,
     )
 )

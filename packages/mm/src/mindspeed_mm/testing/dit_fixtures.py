@@ -14,7 +14,9 @@ from mindspeed_mm.models.dit import DIT_FAMILIES, write_tiny_dit
 #: condition name -> ``(model config, latent shape, generator) -> a random value`` of one sample.
 RANDOM_CONDITIONS: dict[str, Callable[[dict[str, Any], tuple[int, ...], torch.Generator], torch.Tensor]] = {
     "image_latents": lambda config, shape, gen: torch.randn(shape, generator=gen),
-    "image_embeds": lambda config, shape, gen: torch.randn(5, config["image_dim"], generator=gen),
+    "image_embeds": lambda config, shape, gen: torch.randn(
+        config.get("pos_embed_seq_len") or 5, config["image_dim"], generator=gen
+    ),
 }
 
 

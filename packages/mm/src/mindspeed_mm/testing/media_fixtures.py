@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -152,17 +153,18 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
     return directory
 
 
-def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16) -> dict:
-    """The components of a tiny ``WanImageToVideoPipeline``, built in code: the I2V family's tiny transformer,
-    a tiny ``AutoencoderKLWan`` (4 latent channels, time stride 4, space stride 8), a tiny UMT5 with a byte
-    tokenizer, a tiny CLIP vision model (``image_dim`` features; none with ``image_dim=None``, Wan2.2 I2V) and
-    its image processor, and Wan's UniPC scheduler."""
+def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16, flf2v: bool = False) -> dict:
+    """The components of a tiny ``WanImageToVideoPipeline``, built in code: the I2V family's tiny transformer
+    (with ``flf2v`` the FLF2V family's: position embeddings over two images' features), a tiny ``AutoencoderKLWan``
+    (4 latent channels, time stride 4, space stride 8), a tiny UMT5 with a byte tokenizer, a tiny CLIP vision model
+    (``image_dim`` features; none with ``image_dim=None``, Wan2.2 I2V) and its image processor, and Wan's UniPC
+    scheduler."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from mindspeed_mm.models.dit import DIT_FAMILIES
 
-    family = DIT_FAMILIES.get("WanTransformer3DModel:i2v")
+    family = DIT_FAMILIES.get("WanTransformer3DModel:flf2v" if flf2v else "WanTransformer3DModel:i2v")
     torch.manual_seed(seed)
     config = {**family.tiny_config}
     if image_dim is None:
@@ -198,5 +200,54 @@ def tiny_i2v_parts(seed: int = 0, image_dim: int | None = 16) -> dict:
             )
         ).eval()
         parts["image_processor"] = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
+    parts["scheduler"] = UniPCMultistepScheduler(**family.scheduler[1])
+    return parts
+
+
+def tiny_wan22_vae(seed: int = 1, z_dim: int = 48) -> Any:
+    """A tiny ``AutoencoderKLWan`` in the Wan2.2 (TI2V-5B) configuration as diffusers ships it: residual
+    blocks (``is_residual``), 2 x 2 pixel patches in and out (``patch_size`` 2, 12 channels), space stride 16,
+    time stride 4, ``z_dim`` 48 with per-channel ``latents_mean`` / ``latents_std``; 8 base channels."""
+    from diffusers import AutoencoderKLWan
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=(torch.randn(z_dim, generator=gen) * 0.1).tolist(),
+        latents_std=(torch.rand(z_dim, generator=gen) + 0.5).tolist(),
+    ).eval()
+
+
+def tiny_ti2v_parts(seed: int = 0) -> dict:
+    """The components of a tiny Wan2.2 TI2V-5B pipeline (``WanPipeline`` / ``WanImageToVideoPipeline`` with
+    ``expand_timesteps``), built in code: the ``ti2v`` family's tiny transformer with the VAE's 48 channels in and
+    out, :func:`tiny_wan22_vae`, a tiny UMT5 with a byte tokenizer and Wan's UniPC scheduler."""
+    from diffusers import UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from mindspeed_mm.models.dit import DIT_FAMILIES
+
+    family = DIT_FAMILIES.get("WanTransformer3DModel:ti2v")
+    torch.manual_seed(seed)
+    config = {**family.tiny_config, "in_channels": 48, "out_channels": 48}
+    parts = {"transformer": family.load_class()(**config).eval(), "vae": tiny_wan22_vae(seed + 1)}
+    tokenizer = build_byte_tokenizer(["<pad>", "</s>"], eos_token="</s>", pad_token="<pad>", chat_template="")
+    tokenizer.model_max_length = 512
+    parts["tokenizer"] = tokenizer
+    parts["text_encoder"] = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=258, d_model=config["text_dim"], d_kv=8, d_ff=32, num_layers=1, num_heads=2, pad_token_id=256
+        )
+    ).eval()
     parts["scheduler"] = UniPCMultistepScheduler(**family.scheduler[1])
     return parts

@@ -317,12 +317,18 @@ class DiTTask:
         sigmas = self.flow.sigmas[indices].to(self.device)
         text, pooled = self.model_text(batch)
         conditions = {key: value.to(self.device) for key, value in batch.conditions.items()}
+        skip = None
+        if self.family.first_frame_condition:  # Wan2.2 TI2V: the drawn samples get x0's first frame, clean
+            skip = batch.draw.first_frame
+            conditions.update(image_latents=latents[:, :, :1], first_frame=skip.to(self.device))
         inputs = self.family.model_inputs(
             self.model.config, noisy, sigmas, text, pooled, self.config.diffusion.guidance_scale, **conditions
         )
         self._fp32 = {name: inputs[name].float() for name in self.family.fp32_inputs if inputs.get(name) is not None}
+        if self.sequence is not None:  # put back after the split hooks: split as they split the model's inputs
+            self._fp32 = self.sequence.split_model_inputs(self._fp32)
         prediction = self.family.prediction(self.model(**inputs), tuple(latents.shape))
-        loss = self.flow.loss(prediction, latents, noise, indices).mean()
+        loss = self.flow.loss(prediction, latents, noise, indices, skip).mean()
         # Every rank of a sequence-parallel group computes the whole loss and the gradient of its tokens.
         return loss * self.sp / accumulation, loss.detach() / (accumulation * self.world)
 
