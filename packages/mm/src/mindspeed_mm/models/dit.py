@@ -71,6 +71,9 @@ class DiTFamily:
         latent_channels: ``(model config as a dict) -> channels of the latents`` the VAE gives it (FLUX
             packs 2x2 patches: a quarter of ``in_channels``; SD3 patchifies inside: its ``in_channels``);
             None: its ``out_channels`` (else ``in_channels``).
+        combine_guidance: ``(conditional velocity, unconditional velocity, scale) -> guided velocity`` in the
+            latents' layout, as the pipeline combines them (Qwen-Image: true CFG rescaled to the conditional
+            norm); None: ``uncond + scale (cond - uncond)``.
     """
 
     architecture: str
@@ -97,6 +100,7 @@ class DiTFamily:
     image_conditions: Callable[[dict[str, Any], Any, int, int, int], dict[str, torch.Tensor]] | None = None
     condition_folders: tuple[tuple[str, Callable[[Any], bool]], ...] = ()
     latent_channels: Callable[[Any], int] | None = None
+    combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     @property
     def key(self) -> str:
