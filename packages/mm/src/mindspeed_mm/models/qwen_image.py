@@ -145,8 +145,9 @@ QWEN_IMAGE = register_dit(
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
         combine_guidance=_combine_guidance,
-        # train_dreambooth_lora_qwen_image.py's targets: the image stream's attention projections
-        lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+        # both streams' attention projections, as for FLUX and SD3 (DiffSynth-Studio's Qwen-Image LoRA
+        # recipes add the MLPs and modulations: name them in lora.target_modules)
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         latent_channels=lambda config: config["in_channels"] // 4,
     )
 )
