@@ -13,7 +13,9 @@ them to ``data.text_len``. :func:`_inputs` cuts a batch back to its longest real
 model ``encoder_hidden_states_mask`` over the real tokens (padding rows are the all-zero rows: a
 Qwen2.5-VL hidden state after its final RMSNorm is never all zero), None when every token is real,
 which is what the pipeline passes for the same prompts. Guidance is the pipeline's ``true_cfg_scale``
-with its norm rescale (:func:`_combine_guidance`). Every block is an FSDP2 unit.
+with its norm rescale (:func:`_combine_guidance`). Every block is an FSDP2 unit. Under Ulysses
+sequence parallelism the joint text + image sequence is split (the plan of diffusers' ``_cp_plan``)
+and the text mask's keys are gathered with the keys (ring attention takes no mask: refused).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from mindspeed_mm.models.dit import DiTFamily, register_dit
+from mindspeed_mm.models.dit_parallel import SequencePlan, Split
 from mindspeed_mm.models.flux import pack_latents, unpack_latents
 
 #: ``QwenImagePipeline``'s default ``max_sequence_length`` (the text tokens after the template's are dropped).
@@ -91,6 +94,15 @@ def _timestep_kwargs(config: Any, steps: int, shape: tuple[int, ...]) -> dict[st
     return {"sigmas": sigmas, "mu": mu}
 
 
+def _rotary_tables(model: Any) -> None:
+    """The rotary embedding's frequency tables (plain attributes, not buffers) computed on the CPU again."""
+    for module in model.modules():
+        if isinstance(getattr(module, "pos_freqs", None), torch.Tensor) and module.pos_freqs.is_meta:
+            with torch.device("cpu"):
+                fresh = type(module)(module.theta, module.axes_dim, module.scale_rope)
+            module.pos_freqs, module.neg_freqs = fresh.pos_freqs, fresh.neg_freqs
+
+
 def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, None]:
     """``QwenImagePipeline.encode_prompt``'s text, zero-padded to ``text_len`` tokens ``[B, text_len, D]``."""
     from mindspeed_mm.models.encoders import encode_qwen_image
@@ -145,6 +157,21 @@ QWEN_IMAGE = register_dit(
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
         combine_guidance=_combine_guidance,
+        materialize_tables=_rotary_tables,
+        # diffusers' own _cp_plan of the class: the image and text tokens are split at the first block, the text
+        # mask at every block, the rotary tables (image and text) as they leave pos_embed; every block attends
+        # over both streams' shards (the masked text keys gathered with them); the image tokens are gathered
+        # after proj_out.
+        sequence_plan=SequencePlan(
+            splits=(
+                Split("transformer_blocks.0", "hidden_states", 1, "image"),
+                Split("transformer_blocks.0", "encoder_hidden_states", 1, "text"),
+                Split("transformer_blocks.{*}", "encoder_hidden_states_mask", 1),
+                Split("pos_embed", None, 0),
+            ),
+            gather=("proj_out", 1, "image"),
+            cross_attention_local=False,
+        ),
         # both streams' attention projections, as for FLUX and SD3 (DiffSynth-Studio's Qwen-Image LoRA
         # recipes add the MLPs and modulations: name them in lora.target_modules)
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
