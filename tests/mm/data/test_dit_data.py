@@ -7,8 +7,9 @@
 - Wan: a 1-rank extraction (the CLI), and a 2-rank extraction whose rank 1 was SIGKILLed after each rank
   recorded a shard, then resumed on 1 rank, hold the same index and tensors bit for bit: the shards
   written at 2 ranks equal those at 1, the resumed run skipped the recorded shards and redid the torn one.
-- The first losses of training from the cache equal those of training from the raw media (Wan, FLUX, SD3);
-  SD3's cached text and pooled embeddings equal `StableDiffusion3Pipeline.encode_prompt`'s.
+- The first losses of training from the cache equal those of training from the raw media (Wan, FLUX, SD3,
+  Qwen-Image); SD3's cached text and pooled embeddings equal `StableDiffusion3Pipeline.encode_prompt`'s,
+  Qwen-Image's cached text `QwenImagePipeline.encode_prompt`'s.
 """
 
 from __future__ import annotations
@@ -456,3 +457,59 @@ def test_sd3_extract_caches_pipeline_text_and_trains(tmp_path) -> None:
     raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
     assert cached == raw and all(np.isfinite(cached))
     print("sd3 losses", cached, raw)
+
+
+def test_qwen_image_extract_caches_pipeline_text_and_trains(tmp_path) -> None:
+    """Qwen-Image: ``extract-features`` caches per image the real tokens of ``QwenImagePipeline.encode_prompt``
+    (on the pipeline folders' own parts) and the 3-D VAE's one-frame latents normalised with ``latents_mean`` /
+    ``latents_std`` (the frame axis dropped); training from the cache equals training from the raw media."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from mindspeed_mm.diffusion.sampler import decode_latents
+
+    pipeline = write_tiny_pipeline(tmp_path / "qwen-image", "QwenImageTransformer2DModel")
+    for i in range(3):
+        write_image(tmp_path / f"media/{i}.png", _noise(50 + i, 16, 16, 3))
+    captions = ["image 0", "a longer caption of image 1", "2"]
+    (tmp_path / "images.jsonl").write_text(
+        "".join(json.dumps({"path": f"media/{i}.png", "cap": c}) + "\n" for i, c in enumerate(captions))
+    )
+    args = [
+        f"model.path={pipeline / 'transformer'}",
+        f"data.files=[{tmp_path / 'images.jsonl'}]",
+        "data.resolutions=[[16,16]]",
+        "data.text_len=256",
+    ]
+    cache = tmp_path / "features"
+    result = launch(_extract, (load_mm_config(None, [*args, f"data.features={cache}"]),))
+    assert result.samples == 3
+    tensors = _cache(cache)[1]
+    vae = AutoencoderKLQwenImage.from_pretrained(pipeline / "vae").eval()
+    reference = QwenImagePipeline(
+        transformer=None,
+        scheduler=None,
+        vae=vae,
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(pipeline / "text_encoder").eval(),
+        tokenizer=AutoTokenizer.from_pretrained(pipeline / "tokenizer"),
+    )
+    lengths = []
+    for i, caption in enumerate(captions):
+        (text,) = [v for k, v in tensors.items() if k.endswith(f"{i:06d}.text")]
+        (latents,) = [v for k, v in tensors.items() if k.endswith(f"{i:06d}.latents")]
+        with torch.no_grad():
+            theirs, mask = reference.encode_prompt(caption, max_sequence_length=256)
+        assert mask is None and latents.shape == (4, 4, 4)
+        torch.testing.assert_close(text, theirs[0], rtol=0, atol=0)
+        lengths.append(text.shape[0])
+        # the pipeline's decode of the cached latents (its un-normalisation, one frame) is ours
+        z = latents[None, :, None] * torch.tensor(vae.config.latents_std).view(1, 4, 1, 1, 1)
+        z = z + torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1, 1)
+        with torch.no_grad():
+            pixels = (vae.decode(z, return_dict=False)[0][:, :, 0] * 0.5 + 0.5).clamp(0, 1)
+        torch.testing.assert_close(decode_latents(vae, latents[None]), pixels, rtol=1e-6, atol=1e-6)
+    assert len(set(lengths)) == 3  # three text lengths: training pads and masks them
+    cached = launch(_train, (load_mm_config(None, [*args, *TRAIN, f"data.features={cache}"]),))
+    raw = launch(_train, (load_mm_config(None, [*args, *TRAIN]),))
+    assert cached == raw and all(np.isfinite(cached))
+    print("qwen-image losses", cached, raw)

@@ -240,7 +240,7 @@ class MediaDataConfig:
             that a diffusion transformer trains from; ``mindspeed-mm extract-features`` writes it from
             ``files``. Unset: a diffusion transformer trains straight from the media of ``files``.
         text_len: text embeddings are zero-padded to this many tokens, as the pipelines pad them
-            (default: the model family's, 512 for Wan and FLUX; SD3's counts CLIP's 77 and T5's 256: 333).
+            (default: the model family's, 512 for Wan, FLUX and Qwen-Image; SD3's counts CLIP's 77 and T5's 256: 333).
         encoders: a diffusers pipeline directory holding the VAE and text encoder(s) (``vae``,
             ``text_encoder``, ``tokenizer``, FLUX's ``text_encoder_2``, ``tokenizer_2``, SD3's ``_2`` and ``_3``) that turn
             media of ``files`` into features (default: the folder above ``model.path``).
@@ -483,7 +483,7 @@ class MMLoraConfig(LoraConfig):
     ``target_modules`` are matched on the last parts of a module's name: ``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj`` (MindSpeed-MM's set for the
     language model), or ``self_attn.q_proj``; for a diffusion transformer ``default`` (its attention
-    projections: Wan ``to_q``, ``to_k``, ``to_v``, ``to_out.0``; FLUX and SD3 those and ``add_q_proj`` ...
+    projections: Wan ``to_q``, ``to_k``, ``to_v``, ``to_out.0``; FLUX, SD3 and Qwen-Image those and ``add_q_proj`` ...
     ``to_add_out``). ``save_peft`` writes a PEFT directory for a vision-language model
     (``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the model of ``model.path``), a
     diffusers LoRA (``pytorch_lora_weights.safetensors``) for a diffusion transformer

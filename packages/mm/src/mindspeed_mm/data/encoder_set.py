@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mindspeed.registry import Registry
-from mindspeed_mm.models.encoders import encode_latents, encode_sd3, encode_t5_clip, encode_umt5
+from mindspeed_mm.models.encoders import encode_latents, encode_qwen_image, encode_sd3, encode_t5_clip, encode_umt5
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,10 @@ TEXT_ENCODINGS.register(
         (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"), ("text_encoder_3", "tokenizer_3")),
         encode_sd3,
     ),
+)
+
+TEXT_ENCODINGS.register(
+    "QwenImageTransformer2DModel", TextEncoding((("text_encoder", "tokenizer"),), encode_qwen_image)
 )
 
 

@@ -7,7 +7,8 @@ family and sequence-parallel sampling (a model under
 
 1. ``scheduler.set_timesteps(steps, **family.timestep_kwargs(...))`` (FLUX: its sigmas and ``mu``);
 2. per timestep ``t``: the model's velocity for the text, and with guidance (``guidance_scale > 1``
-   and a negative text) for the negative text, combined as ``uncond + g (cond - uncond)``;
+   and a negative text) for the negative text, combined as ``uncond + g (cond - uncond)`` (or as the
+   family's ``combine_guidance`` says: Qwen-Image's norm-rescaled true CFG);
 3. ``scheduler.step``; the model sees ``t / family.timestep_divisor`` (Wan ``t``, FLUX ``t / 1000``).
 
 The schedulers are diffusers' own: Euler (``FlowMatchEulerDiscreteScheduler``) and UniPC
@@ -156,7 +157,10 @@ def sample_latents(
                 distilled_guidance,
                 conditions,
             )
-            velocity = uncond + scale * (velocity - uncond)
+            if family.combine_guidance is not None:
+                velocity = family.combine_guidance(velocity, uncond, scale)
+            else:
+                velocity = uncond + scale * (velocity - uncond)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
     if family.first_frame_condition and "image_latents" in conditions:  # WanImageToVideoPipeline (TI2V)
         latents = torch.cat([conditions["image_latents"].to(latents.dtype), latents[:, :, 1:]], dim=2)
@@ -189,7 +193,8 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
 
     The inverse of :func:`mindspeed_mm.models.encoders.encode_latents` followed by the VAE's
     decoder, with the pipelines' arithmetic (Wan: ``z / (1 / std) + mean``; ``AutoencoderKL``:
-    ``z / scaling_factor + shift_factor``) and their post-processing (``x / 2 + 0.5`` clamped).
+    ``z / scaling_factor + shift_factor``) and their post-processing (``x / 2 + 0.5`` clamped); image
+    latents of a causal 3-D VAE (Qwen-Image's) are decoded as one frame, as ``QwenImagePipeline`` does.
     """
     config = vae.config
     dtype = next(vae.parameters()).dtype
@@ -201,7 +206,9 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
         latents = latents / inverse_std + mean
     else:
         latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
-    pixels = vae.decode(latents, return_dict=False)[0]
+    frames = latents.ndim == 4 and getattr(config, "temperal_downsample", None) is not None  # Qwen-Image's VAE
+    pixels = vae.decode(latents[:, :, None] if frames else latents, return_dict=False)[0]
+    pixels = pixels[:, :, 0] if frames else pixels
     pixels = (pixels * 0.5 + 0.5).clamp(0, 1)
     return pixels.transpose(1, 2) if pixels.ndim == 5 else pixels
 

@@ -79,6 +79,12 @@ class DiTFamily:
             ``last_image=`` (``generate --last-image``; the video's last frame in extract-features and training).
         timestep_tokens: ``(model config, timestep [B], latent shape, first_frame [B] or None) -> [B, S]``:
             the per-token timesteps the model takes (Wan2.2 TI2V); None: one timestep per sample.
+        combine_guidance: ``(conditional velocity, unconditional velocity, scale) -> guided velocity`` in the
+            latents' layout, as the pipeline combines them (Qwen-Image: true CFG rescaled to the conditional
+            norm); None: ``uncond + scale (cond - uncond)``.
+        materialize_tables: ``(model built on the meta device) -> None`` recomputes the tensors the model keeps
+            outside its parameters and buffers (Qwen-Image's rotary tables), which the ranks' shards and rank
+            0's buffers do not carry.
     """
 
     architecture: str
@@ -108,6 +114,8 @@ class DiTFamily:
     first_frame_condition: bool = False
     last_frame: bool = False
     timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
+    combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    materialize_tables: Callable[[Any], None] | None = None
 
     @property
     def key(self) -> str:
@@ -168,7 +176,10 @@ def build_meta_dit(path: str | Path, family: DiTFamily) -> Any:
     """The family's model with the configuration of ``path`` on the meta device (no memory, no weights)."""
     cls = family.load_class()
     with torch.device("meta"):
-        return cls.from_config(cls.load_config(str(path)))
+        model = cls.from_config(cls.load_config(str(path)))
+    if family.materialize_tables is not None:
+        family.materialize_tables(model)
+    return model
 
 
 def write_tiny_dit(directory: str | Path, architecture: str, seed: int = 0, **overrides: Any) -> Path:

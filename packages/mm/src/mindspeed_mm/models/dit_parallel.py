@@ -28,6 +28,8 @@ group is the unsplit model's (FSDP2 sums it: the task scales its loss by ``U``).
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +53,8 @@ class Split:
     """A per-token tensor to cut along ``dim``: an input (``arg``: keyword name or position) or the output (None).
 
     Attributes:
-        module: the module's name in the model (``""``: the model itself).
+        module: the module's name in the model (``""``: the model itself; ``{*}`` matches one name part, so
+            ``transformer_blocks.{*}`` cuts that input of every block).
         arg: the keyword (or positional index) of the input; None: every tensor of the output.
         dim: the token dimension.
         name: the tokens it holds, when they are tokens of the attention sequence (``video``,
@@ -196,10 +199,12 @@ class SequenceParallel:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """``scaled_dot_product_attention``'s signature (``[B, heads, S_local, D]``) over the whole sequence."""
-        if attn_mask is not None or dropout_p > 0.0 or is_causal:
+        key_mask = attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.shape[1:3] == (1, 1)
+        if (attn_mask is not None and not (key_mask and self.algo == ULYSSES)) or dropout_p > 0.0 or is_causal:
             raise ValueError(
-                "sequence parallelism of a diffusion transformer needs attention without a mask, dropout or "
-                "causality; set parallel.ulysses_parallel_size=1 for this model"
+                "sequence parallelism of a diffusion transformer needs attention without dropout or causality, "
+                "and a mask only as a boolean key mask under Ulysses (parallel.context_parallel_algo="
+                f"{ULYSSES}); set parallel.ulysses_parallel_size=1 and parallel.ring_attention_size=1 for this model"
             )
         heads = query.shape[1]
         if heads % self.ulysses_degree or key.shape[1] != heads:
@@ -221,7 +226,13 @@ class SequenceParallel:
         if self.algo in (RING, HYBRID):
             return self._ring(query, key, value, sizes, softmax_scale, device)
         q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
-        out = _kernel("attention", device)(q, k, v, causal=False, softmax_scale=softmax_scale)
+        if attn_mask is not None:  # every rank's keys, in the group order seq_to_heads gathered them
+            mask = _gather_key_mask(attn_mask, sizes, self.group)
+            out = F.scaled_dot_product_attention(
+                *(x.transpose(1, 2) for x in (q, k, v)), attn_mask=mask, scale=softmax_scale
+            ).transpose(1, 2)
+        else:
+            out = _kernel("attention", device)(q, k, v, causal=False, softmax_scale=softmax_scale)
         return heads_to_seq([out], self.group, sizes)[0].transpose(1, 2)
 
     def _ring(
@@ -264,6 +275,15 @@ class SequenceParallel:
         self.handles.clear()
 
 
+def _gather_key_mask(mask: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """A boolean key mask ``[B, 1, 1, S_local]`` of this rank's tokens -> ``[B, 1, 1, sum(sizes)]`` of the group's."""
+    widest = max(sizes)
+    padded = torch.cat([mask, mask.new_zeros(*mask.shape[:3], widest - mask.shape[3])], dim=3)
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[..., :n] for p, n in zip(pieces, sizes)], dim=3)
+
+
 class _UlyssesSDPA(TorchFunctionMode):
     """Hands ``F.scaled_dot_product_attention`` calls to :meth:`SequenceParallel.attend`; everything else runs as is."""
 
@@ -288,6 +308,14 @@ class SequenceParallelProcessor:
         self.processor, self.parallel = processor, parallel
         if hasattr(processor, "_attention_backend"):
             processor._attention_backend = AttentionBackendName.NATIVE  # the path that calls SDPA
+
+        # diffusers' Attention.forward drops the keywords its processor's __call__ does not name (Qwen-Image's
+        # encoder_hidden_states_mask and image_rotary_emb): the wrapper shows the wrapped processor's signature.
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return type(self).__call__(self, *args, **kwargs)
+
+        call.__signature__ = inspect.signature(processor.__call__)  # type: ignore[attr-defined]
+        self.__call__ = call
 
     def __call__(
         self, attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None, *args, **kwargs
@@ -323,6 +351,14 @@ def _split_outputs(parallel: SequenceParallel, split: Split, module: Any, args: 
     if isinstance(output, torch.Tensor):
         return parallel.split(output, split)
     return type(output)(parallel.split(x, split) if isinstance(x, torch.Tensor) else x for x in output)
+
+
+def _modules(model: torch.nn.Module, pattern: str) -> list[str]:
+    """The module names ``pattern`` names (``{*}`` matches one name part: ``transformer_blocks.{*}``: every block)."""
+    if "{*}" not in pattern:
+        return [pattern]
+    regex = re.compile(re.escape(pattern).replace(re.escape("{*}"), r"[^.]+"))
+    return [name for name, _ in model.named_modules() if regex.fullmatch(name)]
 
 
 def apply_sequence_parallel(
@@ -363,11 +399,12 @@ def apply_sequence_parallel(
         )
     inputs: dict[str, list[Split]] = {}
     for split in plan.splits:
-        if split.arg is None:
-            hook = functools.partial(_split_outputs, parallel, split)
-            parallel.handles.append(model.get_submodule(split.module).register_forward_hook(hook))
-        else:
-            inputs.setdefault(split.module, []).append(split)
+        for name in _modules(model, split.module):
+            if split.arg is None:
+                hook = functools.partial(_split_outputs, parallel, split)
+                parallel.handles.append(model.get_submodule(name).register_forward_hook(hook))
+            else:
+                inputs.setdefault(name, []).append(split)
     for name, splits in inputs.items():
         hook = functools.partial(_split_inputs, parallel, splits)
         parallel.handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))

@@ -11,7 +11,12 @@ The cache (:mod:`mindspeed_mm.data.features`) holds exactly what training feeds 
 - FLUX text: T5's output over all ``max_length`` tokens, padding included and no attention mask
   (as ``FluxPipeline``), and CLIP's pooled output over its tokenizer's ``model_max_length``;
 - SD3 text: two CLIPs' penultimate hidden states (padded to T5's width) then T5's output, and the
-  two CLIPs' pooled outputs concatenated (as ``StableDiffusion3Pipeline``).
+  two CLIPs' pooled outputs concatenated (as ``StableDiffusion3Pipeline``);
+- Qwen-Image text: Qwen2.5-VL's last hidden state of the caption's real tokens after the template's
+  (``QwenImagePipeline.encode_prompt``; the trainer pads with zeros and masks them).
+
+A causal 3-D VAE (Wan's, Qwen-Image's ``AutoencoderKLQwenImage``: a ``temperal_downsample`` in its
+config) takes an image ``[B, 3, H, W]`` as a one-frame video; its latents lose the frame axis again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ def encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a VAE whose config has neither ``latents_mean``/``latents_std`` nor ``scaling_factor``.
     """
-    z = vae.encode(pixels).latent_dist.mode()
+    frames = pixels.ndim == 4 and getattr(vae.config, "temperal_downsample", None) is not None
+    z = vae.encode(pixels[:, :, None] if frames else pixels).latent_dist.mode()
+    z = z[:, :, 0] if frames else z
     config = vae.config
     if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
         shape = (1, -1) + (1,) * (z.ndim - 2)
@@ -121,6 +128,23 @@ def encode_sd3(
     text = torch.cat([clip_text.to(t5_text.device, t5_text.dtype), t5_text], dim=-2)
     pooled = torch.cat(pooled, dim=-1)
     return [{"text": t, "pooled": p} for t, p in zip(text, pooled)]
+
+
+@torch.no_grad()
+def encode_qwen_image(
+    tokenizer: Any, encoder: Any, captions: list[str], max_length: int = 512
+) -> list[dict[str, torch.Tensor]]:
+    """Per caption ``{"text": [len_i, D]}``: ``QwenImagePipeline.encode_prompt``'s embeddings of its real tokens.
+
+    The pipeline's own method runs (its prompt template, the dropped template tokens, Qwen2.5-VL's last
+    hidden state, truncation to ``max_length``); each caption keeps the rows its mask marks real.
+    """
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer, transformer=None)
+    text, mask = pipe.encode_prompt(captions, device=next(encoder.parameters()).device, max_sequence_length=max_length)
+    lengths = mask.sum(dim=1).tolist() if mask is not None else [text.shape[1]] * len(captions)
+    return [{"text": t[:n]} for t, n in zip(text, lengths)]
 
 
 def _first_frame_video(image: torch.Tensor, num_frames: int, last: torch.Tensor | None = None) -> torch.Tensor:

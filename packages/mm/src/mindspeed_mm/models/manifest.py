@@ -35,6 +35,7 @@ DIT_MODULES = {
     "WanTransformer3DModel:flf2v": "mindspeed_mm.models.wan_i2v",
     "FluxTransformer2DModel": "mindspeed_mm.models.flux",
     "SD3Transformer2DModel": "mindspeed_mm.models.sd3",
+    "QwenImageTransformer2DModel": "mindspeed_mm.models.qwen_image",
 }
 
 

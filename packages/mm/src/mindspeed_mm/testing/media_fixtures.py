@@ -49,8 +49,8 @@ def _tokenizer(directory: Path, max_length: int) -> None:
 
 def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0) -> Path:
     """A diffusers-layout pipeline directory with tiny random parts: ``transformer``, ``vae``, ``text_encoder``,
-    ``tokenizer`` (and FLUX's ``text_encoder_2``, ``tokenizer_2``; SD3's three text encoders and tokenizers),
-    matching the transformer's tiny config."""
+    ``tokenizer`` (and FLUX's ``text_encoder_2``, ``tokenizer_2``; SD3's three text encoders and tokenizers;
+    Qwen-Image's tiny Qwen2.5-VL and ``AutoencoderKLQwenImage``), matching the transformer's tiny config."""
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     directory = Path(directory)
@@ -77,6 +77,25 @@ def write_tiny_pipeline(directory: str | Path, architecture: str, seed: int = 0)
             )
         ).save_pretrained(str(directory / "text_encoder"))
         _tokenizer(directory / "tokenizer", 512)
+        return directory
+    if architecture == "QwenImageTransformer2DModel":  # the suite's tiny Qwen2.5-VL, its VAE with normalisation
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import AutoTokenizer
+
+        from mindspeed_mm.models.qwen2_5_vl import write_tiny
+
+        write_tiny_dit(directory / "transformer", architecture, seed)
+        AutoencoderKLQwenImage(
+            base_dim=24,
+            z_dim=4,
+            dim_mult=[1, 2, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 1.0],
+        ).save_pretrained(str(directory / "vae"))
+        write_tiny(directory / "text_encoder", seed)
+        AutoTokenizer.from_pretrained(str(directory / "text_encoder")).save_pretrained(str(directory / "tokenizer"))
         return directory
     from diffusers import AutoencoderKL
 
