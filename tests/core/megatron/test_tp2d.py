@@ -259,6 +259,38 @@ def _train(
         destroy_parallel()
 
 
+def _pretrain(tp2d: bool) -> dict[str, Any]:
+    """The LLM pretrain recipe at TP4, 1D or with the ``tp_2d`` feature (2x2)."""
+    from mindspeed_llm.training.config import load_pretrain_config
+    from mindspeed_llm.training.trainer import pretrain
+
+    config = load_pretrain_config(
+        None,
+        [
+            "data.mock=true",
+            "data.seq_length=32",
+            "model.vocab_size=128",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=8",
+            "model.num_query_groups=4",
+            "model.ffn_hidden_size=128",
+            "parallel.tp=4",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            f"train.steps={STEPS}",
+            "train.lr=1e-3",
+            "logging.progress=false",
+        ],
+    )
+    config.features.optimization_level = 0
+    if tp2d:
+        config.features.settings = {"tp_2d": {"enabled": True, "tp_x": 2, "tp_y": 2}}
+    result = pretrain(config)
+    on = [f["name"] for f in (result.features or {}).get("features", []) if f.get("enabled")]
+    return {"losses": [r["loss"] for r in result.records], "on": on}
+
+
 def _group(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
@@ -271,6 +303,7 @@ def _group(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         unadapt()
     out["losses"] = {"one": one["losses"], "1d": tp1d["losses"], "2d": tp2d["losses"]}
+    out["pretrain"] = {"1d": _pretrain(False), "2d": _pretrain(True)}
     out["boundaries"] = tp2d["boundaries"]
     out["sharded"] = tp2d["sharded"]
     out["init_equals_1d"] = max(tp2d["init_equals_1d"].values())
@@ -295,6 +328,11 @@ def test_tp2d_2x2_equals_tp4_and_one_rank() -> None:
             for step, (a, b) in enumerate(zip(losses["one"], losses[label])):
                 assert abs(a - b) <= TOL, f"rank {rank} {label} step {step}: loss {b} != one rank's {a}"
         assert out["boundaries"] == 1
+        recipe = out["pretrain"]
+        assert recipe["1d"]["on"] == [] and recipe["2d"]["on"] == ["tp_2d"], recipe
+        assert len(recipe["2d"]["losses"]) == STEPS
+        for step, (a, b) in enumerate(zip(recipe["1d"]["losses"], recipe["2d"]["losses"])):
+            assert abs(a - b) <= TOL, f"rank {rank} pretrain step {step}: 2D loss {b} != 1D's {a}"
         assert out["init_keys"] > 10 and out["init_equals_1d"] == 0.0, out["init_equals_1d"]
         assert out["load_roundtrip"] == []
         count, unmatched, differ = out["sharded"]
@@ -306,3 +344,31 @@ def test_tp2d_2x2_equals_tp4_and_one_rank() -> None:
             assert not bad, f"rank {rank} {label}: gradients differ from one rank's: {bad}"
         bad = {k: v for k, v in out["final"].items() if v > WEIGHT_TOL}
         assert len(out["final"]) >= 12 and not bad, f"rank {rank}: 2D weights after {STEPS} steps differ from 1D: {bad}"
+
+
+def test_tp2d_feature_refusals() -> None:
+    from mindspeed.features import FEATURES, BuildContext, FeaturesConfig, ModelFacts, ParallelSizes, apply_features
+
+    def run(parallel: ParallelSizes, tp_x: int = 2, tp_y: int = 2, **facts: Any) -> Any:
+        ctx = BuildContext("cpu", parallel, ModelFacts(**facts))
+        settings = {"tp_2d": {"enabled": True, "tp_x": tp_x, "tp_y": tp_y}}
+        return apply_features(FeaturesConfig(optimization_level=0, settings=settings), ctx), ctx
+
+    report, ctx = run(ParallelSizes(tp=4), num_moe_experts=0)
+    assert dict(ctx.config_overrides) == {"tp_x": 2, "tp_y": 2}
+    assert "tp_2d" in FEATURES.keys()
+    for parallel, kwargs, words in (
+        (ParallelSizes(tp=4), {"tp_x": 4, "tp_y": 1}, "both > 1"),
+        (ParallelSizes(tp=8), {}, "must equal parallel.tp=8"),
+        (ParallelSizes(tp=4), {"num_moe_experts": 4}, "experts"),
+        (ParallelSizes(tp=4), {"extra": {"sequence_parallel": True}}, "sequence parallelism"),
+        (ParallelSizes(tp=4, pp=2), {}, "pp=2"),
+        (ParallelSizes(tp=4, cp=2), {}, "cp=2"),
+    ):
+        with pytest.raises(ValueError, match=words) as error:
+            run(parallel, **kwargs)
+        assert "\n" not in str(error.value) and "tp_2d" in str(error.value)
+    with pytest.raises(ValueError, match="coc"):
+        ctx = BuildContext("cpu", ParallelSizes(tp=4), ModelFacts(extra={"sequence_parallel": False}))
+        settings = {"tp_2d": {"enabled": True, "tp_x": 2, "tp_y": 2}, "coc": True}
+        apply_features(FeaturesConfig(optimization_level=0, settings=settings), ctx)
