@@ -189,6 +189,11 @@ def enter_2d(x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
     The backward gathers the blocks' gradients over the grid, so every rank gets the whole
     gradient, as a replicated tensor's gradient is in 1D tensor parallelism.
     """
+    if x.shape[0] % groups.tp_x or x.shape[-1] % groups.tp_y:
+        raise ValueError(
+            f"2D TP: hidden states {tuple(x.shape)} do not split into {groups.tp_x} sequence x {groups.tp_y} hidden "
+            "blocks; use a sequence length divisible by tp_x and a hidden size divisible by tp_y"
+        )
     return _Enter.apply(x, groups)
 
 
