@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 
@@ -50,6 +51,7 @@ from mindspeed.parallel.tp2d import (
 
 __all__ = [
     "Tp2dColumnParallelLinear",
+    "Tp2dMLP",
     "Tp2dNorm",
     "Tp2dRowParallelLinear",
     "apply_tp2d",
@@ -109,18 +111,20 @@ def _mark(param: nn.Parameter, kind: str, stride: int = 1) -> None:
 
 
 class _Tp2dLinear(nn.Module):
-    """What both 2D linears share: the 1D TP layout of their weight for checkpoints.
+    """What both 2D linears share: checkpoints in the global (1D TP) layout.
 
-    ``state_dict`` holds the 2D block; ``sharded_state_dict`` (megatron's distributed
-    checkpoints) hands megatron this TP rank's 1D shard, so a 2D run saves the checkpoint a 1D
-    run saves (and SwiGLU's fc1 factory applies unchanged); loading accepts the 1D shard (any
-    weight of the 1D shape is converted) as well as the 2D block.
+    ``sharded_state_dict`` (megatron's distributed checkpoints, what the trainer saves) declares
+    the weight as this rank's 2D block of the same global tensor 1D TP declares (two sharded
+    axes; SwiGLU's fc1 as a gate block and an up block of megatron's ``[gate; up]`` layout), so
+    the optimizer's moments follow the weights and distributed checkpointing reshards between
+    1D and 2D runs. ``load_state_dict`` accepts this rank's 2D block or its TP rank's 1D shard.
     """
 
     tp2d: Tp2dGroups
     weight: nn.Parameter
     #: The weight dimension megatron's 1D TP splits (0 column, 1 row).
     partition_dim: int = 0
+    stride: int = 1
 
     def weight_1d(self) -> torch.Tensor:
         """This TP rank's 1D shard of the weight (collective over the y group)."""
@@ -134,17 +138,78 @@ class _Tp2dLinear(nn.Module):
         gathered = _gather(shard.contiguous(), self.partition_dim, g.y_group)
         return _block(gathered, 1 - self.partition_dim, g.y_rank, g.tp_y)
 
+    def get_extra_state(self) -> None:
+        """As megatron's linears (their ``_extra_state`` entry), so state dicts have the same keys."""
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore."""
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
-        """megatron's sharded state of the 1D linear this one stands for (collective over TP)."""
+        """The weight as its 2D block of megatron's global tensor; bias and extra state as megatron's."""
+        from megatron.core.dist_checkpointing import ShardedTensor
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        state: dict[str, Any] = {"weight": self.weight_1d(), "_extra_state": None}
+        if (metadata or {}).get("singleton_local_shards"):
+            raise ValueError("2D TP checkpoints: singleton_local_shards is not supported; save without it")
+        rest: dict[str, Any] = {"_extra_state": None}
         if self.bias is not None:
-            state["bias"] = self.bias
-        axes = {"weight": self.partition_dim}
-        if self.partition_dim == 0:
-            axes["bias"] = 0
-        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets)
+            rest["bias"] = self.bias
+        out = make_sharded_tensors_for_checkpoint(
+            rest, prefix, {"bias": 0} if self.partition_dim == 0 else {}, sharded_offsets
+        )
+        g, key, axis = self.tp2d, f"{prefix}weight", len(sharded_offsets)
+        if self.partition_dim == 0:  # column: output rows over x, input columns over y
+            rows, cols = (g.x_rank, g.tp_x), (g.y_rank, g.tp_y)
+        else:  # row: output rows over y, input columns over x
+            rows, cols = (g.y_rank, g.tp_y), (g.x_rank, g.tp_x)
+        if self.stride == 2:
+            out[key] = self._glu_factory(key, sharded_offsets)
+        else:
+            out[key] = ShardedTensor.from_rank_offsets(
+                key,
+                self.weight,
+                *sharded_offsets,
+                (axis, *rows),
+                (axis + 1, *cols),
+                replica_id=_replica_id(),
+                prepend_axis_num=axis,
+            )
+        return out
+
+    def _glu_factory(self, key: str, sharded_offsets: tuple) -> Any:
+        # The local rows are [gate_r; up_r] for r = x * tp_y + 0 .. tp_y - 1; megatron's global
+        # fc1 is [gate (all ranks); up (all ranks)], where this rank's gates are block x of
+        # 2 * tp_x rows and its ups block tp_x + x.
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        g, axis = self.tp2d, len(sharded_offsets)
+
+        @torch.no_grad()
+        def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> list[Any]:
+            if flattened_range is not None:
+                raise ValueError("2D TP checkpoints: flattened optimizer shards are not supported")
+            pieces = t.chunk(2 * g.tp_y, dim=0)
+            halves = (torch.cat(pieces[0::2]), torch.cat(pieces[1::2]))
+            return [
+                ShardedTensor.from_rank_offsets(
+                    key,
+                    half,
+                    *sharded_offsets,
+                    (axis, g.x_rank + i * g.tp_x, 2 * g.tp_x),
+                    (axis + 1, g.y_rank, g.tp_y),
+                    replica_id=replica_id,
+                    prepend_axis_num=axis,
+                )
+                for i, half in enumerate(halves)
+            ]
+
+        def merge(parts: list[torch.Tensor]) -> torch.Tensor:
+            gate, up = (part.chunk(g.tp_y, dim=0) for part in parts)
+            return torch.cat([piece for pair in zip(gate, up) for piece in pair])
+
+        return ShardedTensorFactory(key, self.weight, build, merge, _replica_id())
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         key = prefix + "weight"
@@ -152,6 +217,32 @@ class _Tp2dLinear(nn.Module):
         if isinstance(value, torch.Tensor) and value.shape != self.weight.shape:
             state_dict[key] = self.weight_from_1d(value.to(self.weight.dtype))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _replica_id() -> tuple[int, int, int]:
+    # As megatron's TP-sharded tensors: one copy per data-parallel (and context-parallel) rank.
+    from megatron.core import parallel_state as ps
+
+    return (0, 0, ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+class Tp2dMLP(MLP):
+    """megatron's ``MLP`` whose 2D fc1 declares its own SwiGLU checkpoint layout (megatron's
+    ``apply_swiglu_sharded_factory`` assumes a 1D shard; it still serves fc1's 1D-sharded bias)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+        """megatron's, without the SwiGLU factory around the 2D fc1 weight."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out: dict[str, Any] = {}
+        for name, module in self._modules.items():
+            sub = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+            bias = f"{prefix}{name}.bias"
+            if self.config.gated_linear_unit and name == "linear_fc1" and bias in sub:
+                sub[bias] = apply_swiglu_sharded_factory(sub[bias], sharded_offsets)
+            out.update(sub)
+        return out
 
 
 class Tp2dColumnParallelLinear(_Tp2dLinear):
@@ -311,6 +402,8 @@ def apply_tp2d(spec: ModuleSpec, tp_x: int, tp_y: int) -> ModuleSpec:
     mlp.linear_fc1 = ModuleSpec(module=Tp2dColumnParallelLinear, params=params)
     mlp.linear_fc2 = ModuleSpec(module=Tp2dRowParallelLinear, params=params)
     sub.input_layernorm = sub.pre_mlp_layernorm = ModuleSpec(module=Tp2dNorm, params=params)
+    if sub.mlp.module is MLP:
+        sub.mlp.module = Tp2dMLP
     return spec
 
 
