@@ -26,6 +26,7 @@ convert a model's state to and from the 1D TP layout (same parameter names).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ from mindspeed.parallel.tp2d import (
     Tp2dGroups,
     _block,
     _gather,
-    all_gather_along,
+    _reduce_scatter,
     all_reduce_along,
     build_tp2d_groups,
     enter_2d,
@@ -51,7 +52,6 @@ from mindspeed.parallel.tp2d import (
 
 __all__ = [
     "Tp2dColumnParallelLinear",
-    "Tp2dMLP",
     "Tp2dNorm",
     "Tp2dRowParallelLinear",
     "apply_tp2d",
@@ -96,18 +96,19 @@ def _tp_group(tp_group: Any) -> Any:
 def _full_weight(config: Any, init_method: Any, rows: int, cols: int) -> torch.Tensor:
     # As megatron's CPU initialisation: the whole weight from the default generator, then cut;
     # a 2D model therefore starts from the weights of the 1D (and the single-rank) model.
+    if not config.perform_initialization:  # weights come from a checkpoint: no values to draw
+        return torch.empty(rows, cols, dtype=config.params_dtype)
     full = torch.empty(rows, cols, dtype=torch.float32)
-    if config.perform_initialization:
-        init_method(full)
+    init_method(full)
     return full.to(config.params_dtype)
 
 
-def _mark(param: nn.Parameter, kind: str, stride: int = 1) -> None:
-    # Unique per TP rank (megatron counts it in the gradient norm on every rank).
+def _mark(param: nn.Parameter) -> None:
+    # Unique per TP rank: megatron counts it in the gradient norm on every rank. (Its 1D
+    # partition attributes do not describe a 2D block; nothing in megatron's step reads them.)
     param.tensor_model_parallel = True
     param.partition_dim = 0
     param.partition_stride = 1
-    param.tp2d = (kind, stride)
 
 
 class _Tp2dLinear(nn.Module):
@@ -226,23 +227,41 @@ def _replica_id() -> tuple[int, int, int]:
     return (0, 0, ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-class Tp2dMLP(MLP):
-    """megatron's ``MLP`` whose 2D fc1 declares its own SwiGLU checkpoint layout (megatron's
-    ``apply_swiglu_sharded_factory`` assumes a 1D shard; it still serves fc1's 1D-sharded bias)."""
+def _mlp_sharded_state_dict(mlp: Any, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+    """megatron's ``MLP.sharded_state_dict`` without its SwiGLU factory around the 2D fc1 weight
+    (the factory assumes a 1D shard; it still serves fc1's 1D-sharded bias)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import sharded_state_dict_default
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
-        """megatron's, without the SwiGLU factory around the 2D fc1 weight."""
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-        from megatron.core.transformer.utils import sharded_state_dict_default
+    out: dict[str, Any] = {}
+    for name, module in mlp._modules.items():
+        sub = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+        bias = f"{prefix}{name}.bias"
+        if mlp.config.gated_linear_unit and name == "linear_fc1" and bias in sub:
+            sub[bias] = apply_swiglu_sharded_factory(sub[bias], sharded_offsets)
+        out.update(sub)
+    return out
 
-        out: dict[str, Any] = {}
-        for name, module in self._modules.items():
-            sub = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
-            bias = f"{prefix}{name}.bias"
-            if self.config.gated_linear_unit and name == "linear_fc1" and bias in sub:
-                sub[bias] = apply_swiglu_sharded_factory(sub[bias], sharded_offsets)
-            out.update(sub)
-        return out
+
+class _GatheredLinear(torch.autograd.Function):
+    """``all_gather(x, dim, group) @ w^T`` keeping only the local ``x`` for the backward, which
+    gathers it again (as megatron's sequence-parallel linears do): the gathered input, ``tp_x``
+    (column: the sequence) or ``tp_y`` (row: the features) times the local one, lives only
+    inside the forward and the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, dim, group), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        total = _gather(x, ctx.dim, ctx.group)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_input = _reduce_scatter(grad.matmul(weight), ctx.dim, ctx.group)
+        return grad_input, grad_weight, None, None
 
 
 class Tp2dColumnParallelLinear(_Tp2dLinear):
@@ -275,7 +294,7 @@ class Tp2dColumnParallelLinear(_Tp2dLinear):
         self.stride, self.skip_bias_add, self.config = stride, skip_bias_add, config
         full = _full_weight(config, init_method, output_size, input_size)
         self.weight = nn.Parameter(column_block(full, self.tp2d, stride))
-        _mark(self.weight, "column", stride)
+        _mark(self.weight)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size // self.tp2d.tp, dtype=config.params_dtype))
@@ -283,8 +302,7 @@ class Tp2dColumnParallelLinear(_Tp2dLinear):
 
     def forward(self, input_: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, Any]:
         g = self.tp2d
-        full_sequence = all_gather_along(input_, 0, g.x_group)
-        output = reduce_scatter_along(F.linear(full_sequence, self.weight), -1, g.y_group)
+        output = reduce_scatter_along(_GatheredLinear.apply(input_, self.weight, 0, g.x_group), -1, g.y_group)
         if self.skip_bias_add or self.bias is None:
             return output, self.bias
         return output + self.bias, None
@@ -321,14 +339,13 @@ class Tp2dRowParallelLinear(_Tp2dLinear):
         self.skip_bias_add, self.config = skip_bias_add, config
         full = _full_weight(config, init_method, output_size, input_size)
         self.weight = nn.Parameter(row_block(full, self.tp2d))
-        _mark(self.weight, "row")
+        _mark(self.weight)
         # Whole on every rank as in 1D TP (same checkpoint entry); each rank adds its hidden block.
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Any]:
         g = self.tp2d
-        features = all_gather_along(input_, -1, g.y_group)
-        output = reduce_scatter_along(F.linear(features, self.weight), 0, g.x_group)
+        output = reduce_scatter_along(_GatheredLinear.apply(input_, self.weight, -1, g.y_group), 0, g.x_group)
         if self.bias is None:
             return output, None
         bias = slice_with_reduced_grad(self.bias, g.y_rank, g.tp_y, g.tp_group)
@@ -402,8 +419,6 @@ def apply_tp2d(spec: ModuleSpec, tp_x: int, tp_y: int) -> ModuleSpec:
     mlp.linear_fc1 = ModuleSpec(module=Tp2dColumnParallelLinear, params=params)
     mlp.linear_fc2 = ModuleSpec(module=Tp2dRowParallelLinear, params=params)
     sub.input_layernorm = sub.pre_mlp_layernorm = ModuleSpec(module=Tp2dNorm, params=params)
-    if sub.mlp.module is MLP:
-        sub.mlp.module = Tp2dMLP
     return spec
 
 
@@ -435,7 +450,8 @@ def _exit_hook(groups: Tp2dGroups) -> Any:
 
 
 def install_tp2d_boundaries(chunks: Iterable[nn.Module]) -> int:
-    """Enter the 2D layout at each chunk's first decoder layer and leave it after its last.
+    """Enter the 2D layout at each chunk's first decoder layer and leave it after its last (and
+    give each 2D MLP its fc1's checkpoint layout); call it on every model built with :func:`apply_tp2d`.
 
     Idempotent; chunks without 2D layers are left alone. Returns the number of chunks changed.
     """
@@ -452,6 +468,11 @@ def install_tp2d_boundaries(chunks: Iterable[nn.Module]) -> int:
             continue
         layers[0].register_forward_pre_hook(_enter_hook(groups), with_kwargs=True)
         layers[-1].register_forward_hook(_exit_hook(groups), with_kwargs=True)
+        for module in gpt.modules():
+            # The spec keeps megatron's MLP class (its TransformerLayer passes the TP group only
+            # to that class); each 2D MLP instance gets the checkpoint layout of its 2D fc1.
+            if isinstance(module, MLP) and isinstance(module.linear_fc1, Tp2dColumnParallelLinear):
+                module.sharded_state_dict = types.MethodType(_mlp_sharded_state_dict, module)
         gpt._tp2d_boundaries = True
         changed += 1
     return changed
