@@ -40,6 +40,9 @@ NOT_IN_PRETRAIN = {
     # Proven (with pretrain) in test_ripipe.py: it needs PP x VPP and a dense model.
     "recompute_in_bubble": "needs the interleaved schedule (pp x vpp) and a dense model",
     "recompute_in_advance": "needs the interleaved schedule and megatron's block recompute",
+    # Proven in tests/core/megatron/test_tp2d.py (its pretrain runs check the report and config):
+    # this MoE recipe at TP2 with sequence parallelism is what 2D TP refuses.
+    "tp_2d": "needs tp >= 4, a dense model and no sequence parallelism",
 }
 
 

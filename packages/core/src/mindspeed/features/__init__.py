@@ -15,7 +15,7 @@ Importing this package registers the features listed below into :data:`FEATURES`
 nothing else.
 """
 
-from mindspeed.features import coc, context_parallel, kernels, memory, moe, pipeline, position, ripipe
+from mindspeed.features import coc, context_parallel, kernels, memory, moe, pipeline, position, ripipe, tp2d
 from mindspeed.features.base import FEATURES, LEVELS, Change, Feature, FeatureConfig, register_feature
 from mindspeed.features.context import HOOK_POINTS, BuildContext, KernelChoices, ModelFacts, ParallelSizes
 from mindspeed.features.manager import FeaturesConfig, apply_features, order_features, resolve_features
@@ -40,6 +40,7 @@ _MANIFEST: tuple[type[Feature], ...] = (
     moe.MoEExpertLoadMetricsFeature,
     context_parallel.ContextParallelFeature,
     coc.CoCFeature,
+    tp2d.Tp2dFeature,
     pipeline.NoopLayersFeature,
     *memory.MEMORY_FEATURES,
     *ripipe.RIPIPE_FEATURES,

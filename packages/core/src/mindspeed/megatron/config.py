@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mindspeed.features.tp2d import TP2D_FIELDS
 from mindspeed.model.shape import ModelShape
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,8 +90,9 @@ def expert_tensor_parallel_size(shape: ModelShape, etp: int | None) -> int | Non
 
 
 #: ``TransformerConfig`` attributes that are not megatron fields: the ``context_parallel``
-#: feature's double-ring window and adaptive CP, read by ``RegistryAttention``.
-EXTRA_CONFIG_ATTRIBUTES = ("cp_window_size", "cp_adaptive")
+#: feature's double-ring window and adaptive CP, read by ``RegistryAttention``; the ``tp_2d``
+#: feature's grid, read by the model builder (``mindspeed.megatron.tp2d``).
+EXTRA_CONFIG_ATTRIBUTES = ("cp_window_size", "cp_adaptive", *TP2D_FIELDS)
 
 
 def transformer_config(shape: ModelShape, sizes: ParallelSizes, **overrides: Any) -> Any:

@@ -250,6 +250,13 @@ def build_gpt_chunks(
         transformer = transformer_config(shape, sizes, **overrides)
     dense = _layer_spec(shape, None, impls, megatron_modules, moe_grouped_gemm)
     moe = _layer_spec(shape, shape.num_experts, impls, megatron_modules, moe_grouped_gemm)
+    grid = (getattr(transformer, "tp_x", 1), getattr(transformer, "tp_y", 1))
+    if grid != (1, 1):  # the tp_2d feature: 2D linears and norms in the dense layers
+        from mindspeed.megatron.tp2d import apply_tp2d
+
+        if shape.num_experts:
+            raise ValueError("2D tensor parallelism covers dense models; turn the tp_2d feature off for MoE")
+        dense = apply_tp2d(dense, *grid)
     layer_specs = [moe if shape.is_moe_layer(i) else dense for i in range(shape.num_layers)]
     if shape.linear_attention_freq:
         linear = {id(spec): with_gated_delta_net(spec, impls) for spec in (dense, moe)}
@@ -258,12 +265,17 @@ def build_gpt_chunks(
     patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
     patches.apply(get_accelerator())
     try:
-        return [
+        chunks = [
             _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups, impls)
             for stage in range(sizes.vpp or 1)
         ]
     finally:
         patches.revert()
+    if grid != (1, 1):
+        from mindspeed.megatron.tp2d import install_tp2d_boundaries
+
+        install_tp2d_boundaries(chunks)
+    return chunks
 
 
 def _build_chunk(
