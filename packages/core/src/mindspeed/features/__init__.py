@@ -42,6 +42,7 @@ _MANIFEST: tuple[type[Feature], ...] = (
     coc.CoCFeature,
     tp2d.Tp2dFeature,
     pipeline.NoopLayersFeature,
+    pipeline.DualPipeVFeature,
     *memory.MEMORY_FEATURES,
     *ripipe.RIPIPE_FEATURES,
 )

@@ -141,3 +141,92 @@ class NoopLayersFeature(Feature):
         layout = noop_layer_layout(noop, total, ctx.parallel.pp, ctx.parallel.vpp)
         flag = ",".join(map(str, noop))
         return [ctx.set_config("pipeline_model_parallel_layout", layout, f"--noop-layers {flag}: {total} layers")]
+
+
+@dataclass
+class DualPipeVConfig(FeatureConfig):
+    """Settings of DualPipeV (none beyond ``enabled``: MindSpeed's ``--schedules-method dualpipev``)."""
+
+
+class DualPipeVFeature(Feature):
+    """``--schedules-method dualpipev``: DeepSeek's V-shaped schedule over two chunks per pipeline rank.
+
+    Reads the parallel sizes and the model facts ``extra`` entries ``num_layers``,
+    ``tie_embeddings``, ``mtp_num_layers``, ``num_microbatches``, ``overlap_grad_reduce``,
+    ``variable_seq_lengths``, ``hf_weights`` and ``lora`` (unknown ones are not checked); sets megatron's
+    ``virtual_pipeline_model_parallel_size`` to 2, and the trainer builds the V's chunks and
+    runs :func:`mindspeed.megatron.dualpipev.forward_backward_dualpipev`.
+    """
+
+    name = "dualpipev"
+    Config = DualPipeVConfig
+    level = 2
+    flags = ("--schedules-method dualpipev",)
+    # As MindSpeed's validation (swap_attention, tp_2d): swap_attention's prefetch follows one chunk's backward order;
+    # the recompute-pipelining features wrap megatron's interleaved schedule, which the V does not run.
+    conflicts = ("noop_layers", "swap_attention", "recompute_in_bubble", "recompute_in_advance", "tp_2d")
+    description = "DualPipeV: V-shaped pipeline, two chunks per rank, forward/backward pairs of two microbatches"
+    targets = ("config_overrides.virtual_pipeline_model_parallel_size", "schedule")
+
+    def validate(self, cfg: FeatureConfig, ctx: BuildContext) -> None:
+        """PP >= 2 without VPP or CP, layers in 2 x pp chunks, enough microbatches, what composes."""
+        p, extra = ctx.parallel, ctx.model.extra
+        if p.pp < 2:
+            raise self.invalid(f"it is a pipeline schedule and the run has pp={p.pp}", "set parallel.pp >= 2")
+        if p.vpp > 1:
+            raise self.invalid(
+                f"parallel.vpp={p.vpp} is set, and the V makes its own two chunks per rank", "unset parallel.vpp"
+            )
+        if ctx.accelerator != "cpu":
+            # Its messages are told apart by tag; an accelerator's collective library matches
+            # point-to-point messages by order, and the V's links carry two kinds each way.
+            raise self.invalid(
+                f"its point-to-point exchange is proven on the CPU (gloo) only, and this run is on {ctx.accelerator}",
+                "use the 1F1B schedule there for now",
+            )
+        if p.cp > 1:
+            raise self.invalid(f"context parallelism (cp={p.cp}) is not composed with it yet", "use parallel.cp=1")
+        if ctx.model.is_moe:
+            raise self.invalid("MoE models are not proven with it yet", "use parallel.pp with the 1F1B schedule")
+        layers = extra.get("num_layers")
+        if layers is not None and int(layers) % (2 * p.pp):
+            raise self.invalid(
+                f"model.num_layers={layers} does not split into 2 x pp = {2 * p.pp} chunks",
+                "change model.num_layers or parallel.pp",
+            )
+        micro = extra.get("num_microbatches")
+        if micro is not None and int(micro) < 2 * p.pp:
+            raise self.invalid(
+                f"{micro} microbatches per step, it needs >= 2 x pp = {2 * p.pp}",
+                "raise train.global_batch_size or lower train.micro_batch_size",
+            )
+        refused = {
+            "tie_embeddings": (
+                "tied embeddings (the embedding and output layer are both on rank 0)",
+                "set model.tie_embeddings=false",
+            ),
+            "mtp_num_layers": ("multi-token prediction layers", "drop model.mtp_num_layers"),
+            "overlap_grad_reduce": (
+                "parallel.overlap_grad_reduce (it reduces gradients once, after the step)",
+                "set parallel.overlap_grad_reduce=false",
+            ),
+            "variable_seq_lengths": (
+                "variable sequence lengths through the pipeline",
+                "set data.variable_seq_lengths=false",
+            ),
+            # Their layer maps read megatron's interleaved order, not the V's (chunk 1 is stage 2P-1-r).
+            "hf_weights": (
+                "Hugging Face imports and exports (checkpoint.load_hf / save_hf)",
+                "convert the megatron checkpoint afterwards",
+            ),
+            "lora": ("LoRA adapters", "set lora.enabled=false"),
+        }
+        for key, (what, fix) in refused.items():
+            if extra.get(key):
+                raise self.invalid(f"{what} are not composed with it yet", fix)
+
+    def apply(self, cfg: FeatureConfig, ctx: BuildContext) -> list[Change]:
+        """Two chunks per rank (megatron's VPP=2 layer numbering); the trainer runs the V schedule."""
+        pp = ctx.parallel.pp
+        why = f"--schedules-method dualpipev: chunks r and {2 * pp - 1}-r on each of {pp} pipeline ranks"
+        return [ctx.set_config("virtual_pipeline_model_parallel_size", 2, why)]

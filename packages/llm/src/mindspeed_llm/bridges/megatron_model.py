@@ -9,6 +9,7 @@ for ``layout``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.config import ParallelSizes, transformer_config
+from mindspeed.megatron.dualpipev import mirrored_groups
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.bridges.layout import ParallelLayout
 from mindspeed_llm.bridges.shape import ModelShape
@@ -219,6 +221,7 @@ def build_gpt_chunks(
     transformer: Any = None,
     moe_grouped_gemm: bool | None = None,
     groups: Any = None,
+    dualpipev: bool = False,
     **overrides: Any,
 ) -> list[Any]:
     """This rank's bare ``GPTModel`` chunks (one per virtual pipeline stage) for ``shape`` on ``layout``.
@@ -239,6 +242,9 @@ def build_gpt_chunks(
         moe_grouped_gemm: experts as one grouped GEMM (``None``: the ``moe_grouped_gemm`` feature decides).
         groups: the process groups (a ``ProcessGroupCollection``) given to ``GPTModel`` and deciding
             the pipeline stages (``None``: megatron's parallel state).
+        dualpipev: build DualPipeV's V (``mindspeed.megatron.dualpipev``): two chunks per rank,
+            the second one numbered as megatron's virtual stage 1 of the mirrored rank (needs
+            ``groups`` and a ``transformer`` with ``virtual_pipeline_model_parallel_size=2``).
         **overrides: extra ``TransformerConfig`` fields (without ``transformer``).
     """
     sizes = layout if isinstance(layout, ParallelSizes) else parallel_sizes(shape, layout)
@@ -265,10 +271,13 @@ def build_gpt_chunks(
     patches = PatchSet([mla_without_te_patch()] if shape.multi_latent_attention else [])
     patches.apply(get_accelerator())
     try:
-        chunks = [
-            _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups, impls)
-            for stage in range(sizes.vpp or 1)
-        ]
+        if dualpipev:
+            chunks = _build_v_chunks(shape, sizes, transformer, layer_specs, rows, groups, impls)
+        else:
+            chunks = [
+                _build_chunk(shape, sizes, transformer, layer_specs, stage, rows, groups, impls)
+                for stage in range(sizes.vpp or 1)
+            ]
     finally:
         patches.revert()
     if grid != (1, 1):
@@ -276,6 +285,27 @@ def build_gpt_chunks(
 
         install_tp2d_boundaries(chunks)
     return chunks
+
+
+def _build_v_chunks(
+    shape: ModelShape,
+    sizes: ParallelSizes,
+    config: Any,
+    layer_specs: list[Any],
+    vocab_size: int,
+    groups: Any,
+    impls: Mapping[str, str] | None,
+) -> list[Any]:
+    # DualPipeV's V: chunk 0 is megatron's virtual stage 0 of this rank (the embedding on rank 0),
+    # chunk 1 its virtual stage 1 of the mirrored rank (the loss on rank 0).
+    if groups is None or config.virtual_pipeline_model_parallel_size != 2:
+        raise ValueError("dualpipev chunks need the process groups and virtual_pipeline_model_parallel_size=2")
+    sizes = dataclasses.replace(sizes, vpp=2)
+    first = groups.pp.rank() == 0
+    return [
+        _build_chunk(shape, sizes, config, layer_specs, 0, vocab_size, groups, impls, (first, False)),
+        _build_chunk(shape, sizes, config, layer_specs, 1, vocab_size, mirrored_groups(groups), impls, (False, first)),
+    ]
 
 
 def _build_chunk(
@@ -287,6 +317,7 @@ def _build_chunk(
     vocab_size: int,
     groups: Any = None,
     impls: Mapping[str, str] | None = None,
+    ends: tuple[bool, bool] | None = None,
 ) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -309,6 +340,8 @@ def _build_chunk(
         pre_process = is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, sizes.vpp)
         post_process = is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, sizes.vpp)
         extra = {"pg_collection": groups}
+    if ends is not None:  # set by the caller (DualPipeV's V)
+        pre_process, post_process = ends
     final_norm = None
     if shape.apply_layernorm_1p:  # megatron's local norms have no (1 + w)
         final_norm = MindSpeedSpecProvider(impls).layer_norm(rms_norm=shape.normalization == "RMSNorm")

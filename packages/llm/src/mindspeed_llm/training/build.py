@@ -65,6 +65,9 @@ class BuildSpec:
             carries the DDP hooks the schedule calls).
         compile: ``torch.compile`` each ``TransformerLayer``'s forward in this mode (a
             ``mindspeed.compile.MODES`` key; ``None``: eager); the frozen reference stays eager.
+        runs_dualpipev: the caller runs DualPipeV's schedule on the chunks when the ``dualpipev``
+            feature is on (the LLM trainer); other callers run megatron's schedules, which
+            cannot run the V, and the build refuses the feature.
     """
 
     shape: ModelShape
@@ -79,6 +82,7 @@ class BuildSpec:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     reference: bool = False
     compile: str | None = None
+    runs_dualpipev: bool = False
 
 
 @dataclass
@@ -125,6 +129,12 @@ def model_facts(transformer: Any, shape: ModelShape, precision: str, distributed
     return facts
 
 
+def uses_dualpipev(adaptation: Any) -> bool:
+    """Whether the ``dualpipev`` feature is on in ``adapt``'s report (the V build and schedule)."""
+    features = getattr(adaptation, "features", None)
+    return features is not None and "dualpipev" in features.enabled
+
+
 def seed_everything(seed: int, groups: Any = None) -> None:
     """Seed as megatron does: one seed per pipeline stage for the host generators (python, numpy,
     torch, the accelerator), and the tracker's tensor-parallel streams derived from the base seed.
@@ -156,6 +166,12 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
         The built :class:`Engine` (collective: every rank of ``groups`` calls it).
     """
     kernels, hooks = adaptation.kernels, adaptation.hooks
+    if uses_dualpipev(adaptation) and (not spec.runs_dualpipev or spec.reference):
+        who = "a frozen reference model (DPO)" if spec.reference else "this runner"
+        raise ValueError(
+            f"features.settings.dualpipev: {who} runs megatron's own schedules, which cannot run the V; "
+            "set features.settings.dualpipev.enabled=false"
+        )
     overrides = {**adaptation.config_overrides, **spec.overrides}
     trainable = spec.optimizer is not None
 
@@ -170,6 +186,7 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
             bridged=spec.bridged,
             kernels=kernels,
             groups=groups,
+            dualpipev=uses_dualpipev(adaptation),
         )
 
     transformer = spec.transformer(overrides=overrides)

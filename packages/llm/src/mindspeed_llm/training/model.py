@@ -157,6 +157,7 @@ def build_model(
     bridged: bool = False,
     kernels: Mapping[str, str] | None = None,
     groups: Any = None,
+    dualpipev: bool = False,
 ) -> list[Any]:
     """This rank's model chunks, each a DDP-wrapped (and for bf16 ``Float16Module``-cast) ``GPTModel``.
 
@@ -178,6 +179,7 @@ def build_model(
             as megatron's SequentialMLP does (otherwise the ``moe_grouped_gemm`` feature decides).
         groups: the process groups (:func:`default_groups`; ``None``: read them here), given
             to ``GPTModel`` and megatron's DDP and deciding the pipeline stages.
+        dualpipev: DualPipeV's V layout (two chunks per rank; the ``dualpipev`` feature).
 
     Returns:
         One chunk per virtual pipeline stage (one without interleaving).
@@ -206,6 +208,7 @@ def build_model(
         transformer=transformer,
         moe_grouped_gemm=False if bridged else None,
         groups=groups,
+        dualpipev=dualpipev,
     )
     models = [gpt.to(device) for gpt in models]
     if prepare is not None:

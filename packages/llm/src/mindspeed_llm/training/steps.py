@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed.megatron.dualpipev import forward_backward_dualpipev
 from mindspeed_llm.training.model import default_groups
 
 #: ``(step, per-token losses) -> per-token losses``: a seam for tests (inject a NaN) and experiments.
@@ -111,6 +112,7 @@ def run_schedule(
     forward_only: bool = False,
     groups: Any = None,
     schedule_hooks: Sequence[Callable[..., Any]] = (),
+    dualpipev: bool = False,
 ) -> dict[str, tuple[float, int]]:
     """One pass of megatron's schedule over this rank's microbatches of a step.
 
@@ -124,6 +126,7 @@ def run_schedule(
         schedule_hooks: the features' ``pipeline_schedule`` hooks: ``hook(chunks, num_microbatches)``
             returns ``None`` or a wrapper of this pass (``wrap_forward_step``, ``communicator``,
             ``finishing``: recompute-in-bubble), at most one.
+        dualpipev: run DualPipeV's schedule (``mindspeed.megatron.dualpipev``) over the V's two chunks.
 
     Returns:
         :func:`reduce_metrics` of the pass.
@@ -134,6 +137,19 @@ def run_schedule(
 
     groups = groups if groups is not None else default_groups()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
+    metric_names = getattr(loss_fn, "metrics", (LM_LOSS,))
+    if dualpipev:
+        outputs = forward_backward_dualpipev(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            pg_collection=groups,
+        )
+        return reduce_metrics(outputs, metric_names, groups)
     schedule = get_forward_backward_func(pp_size=groups.pp.size(), vp_size=len(chunks) if len(chunks) > 1 else None)
     forward_step_func = partial(_forward_step, loss_fn)
     config = get_model_config(chunks[0])
@@ -158,7 +174,7 @@ def run_schedule(
             pg_collection=groups,
             p2p_communicator=communicator,
         )
-    return reduce_metrics(outputs or [], getattr(loss_fn, "metrics", (LM_LOSS,)), groups)
+    return reduce_metrics(outputs or [], metric_names, groups)
 
 
 def forward_backward(
@@ -193,7 +209,11 @@ def evaluate(
 
 
 def evaluate_metrics(
-    chunks: list[Any], steps: list[list[dict[str, Any]]], loss_fn: LossFunc | None = None, groups: Any = None
+    chunks: list[Any],
+    steps: list[list[dict[str, Any]]],
+    loss_fn: LossFunc | None = None,
+    groups: Any = None,
+    dualpipev: bool = False,
 ) -> dict[str, tuple[float, int]]:
     """Every metric of ``loss_fn`` averaged over several global batches of validation data (collective).
 
@@ -202,6 +222,7 @@ def evaluate_metrics(
         steps: per global batch, this rank's microbatches.
         loss_fn: the stage's loss (default: the language-model loss).
         groups: the process groups (``model.default_groups()``; ``None``: read them here).
+        dualpipev: the chunks are DualPipeV's V (its schedule runs the forwards).
 
     Returns:
         metric -> ``(mean, count)``, each mean weighted by its per-batch count.
@@ -214,7 +235,7 @@ def evaluate_metrics(
         with torch.no_grad():
             for batches in steps:
                 for name, (value, n) in run_schedule(
-                    chunks, batches, loss_fn, forward_only=True, groups=groups
+                    chunks, batches, loss_fn, forward_only=True, groups=groups, dualpipev=dualpipev
                 ).items():
                     total = sums.setdefault(name, [0.0, 0])
                     total[0] += value * n

@@ -33,7 +33,7 @@ from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
 from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.model.shape import ModelShape
-from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything
+from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything, uses_dualpipev
 from mindspeed_llm.training.checkpoint import TrainState
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.context_parallel import ContextParallelReader, context_parallel_facts, context_parallel_loss
@@ -87,13 +87,22 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         else None
     )
     # The memory features check the precision, the optimizer and the layer count against these.
+    transformer = recipe_transformer_config(config, shape, layout)
     facts = model_facts(
-        recipe_transformer_config(config, shape, layout),
+        transformer,
         shape,
         config.train.precision,
         config.parallel.distributed_optimizer,
         noop_layers=list(noop),
         compiled_layers=bool(config.train.compile),
+        # What the pipeline schedule (dualpipev) checks the run against.
+        tie_embeddings=shape.tie_embeddings,
+        mtp_num_layers=shape.mtp_num_layers or 0,
+        num_microbatches=config.num_microbatches(world),
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        variable_seq_lengths=bool(transformer.variable_seq_lengths),
+        hf_weights=bool(config.checkpoint.load_hf or config.checkpoint.save_hf),
+        lora=config.lora.enabled,
     )
     if config.parallel.cp > 1:
         facts = context_parallel_facts(facts, config, shape)
@@ -209,6 +218,7 @@ class Trainer(TrainerLoading, TrainerSaving):
             bridged=bool(config.checkpoint.load_hf or config.checkpoint.save_hf),
             reference=self.stage.needs_reference,
             compile=compile_mode(config.train.compile),
+            runs_dualpipev=True,
         )
         self.compile_watch = CompileWatch()  # dynamo's counters from here: this run's graphs and compile time
         built = build_engine(spec, self.report, self.groups)
@@ -334,6 +344,7 @@ class Trainer(TrainerLoading, TrainerSaving):
             self._loss_fn(transform),
             groups=self.groups,
             schedule_hooks=self.feature_hooks.get("pipeline_schedule", ()),
+            dualpipev=uses_dualpipev(self.report),
         )
         loss, tokens = metrics[self.stage.metric]
         if fault_armed("train.grad_nan", step) and dist.get_rank() == 0:
@@ -400,7 +411,9 @@ class Trainer(TrainerLoading, TrainerSaving):
         for batches in steps:
             self.stage.prepare(self.reference, batches)
         with fast_path():
-            values = evaluate_metrics(self.chunks, steps, self._loss_fn(), self.groups)
+            values = evaluate_metrics(
+                self.chunks, steps, self._loss_fn(), self.groups, dualpipev=uses_dualpipev(self.report)
+            )
         loss, tokens = values[self.stage.metric]
         record = {"kind": "eval", "step": step, "loss": loss, "tokens": tokens}
         record.update({name: value for name, (value, _) in values.items() if name not in (LM_LOSS, self.stage.metric)})

@@ -1,0 +1,217 @@
+"""DualPipeV (``features.settings.dualpipev.enabled=true``) trains as megatron's 1F1B and as one rank.
+
+One rank writes the tiny model's initial weights (a run of 0 steps that saves) and trains 3
+steps from them: the reference. Then, from that checkpoint, each layout trains the same 3 steps
+with megatron's 1F1B and with DualPipeV: PP2 on 2 ranks; PP4, PP2 x TP2 (sequence parallel) and
+PP2 x DP2 (distributed optimizer) on 4 ranks. Every step's loss and gradient norm, and the
+evaluation after step 3 (the V's forward-only pass), must match the reference's and 1F1B's
+(fp32: 1e-6 absolute on the loss, 1e-6 relative on the norm: the reductions over pipeline ranks
+add in another order), and the final weights of DualPipeV and 1F1B must be equal within 1e-6.
+Each DualPipeV run reports the V's global layer numbers (rank r: chunks r and 2P-1-r), and the
+PP2 run saves after step 2: a DualPipeV run resuming from it, and a 1F1B run (the checkpoint
+holds megatron's usual layer numbering), log the uninterrupted run's step 3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mindspeed.testing.distributed import run_distributed
+from tests.llm.training.datasets import write_indexed_dataset
+
+STEPS = 3
+LAYERS = 8
+DPV = "features.settings.dualpipev.enabled=true"
+
+
+def _overrides(data: str, *extra: str) -> list[str]:
+    return [
+        f"data.prefixes=[{data}]",
+        "data.seq_length=32",
+        "data.split=90,10,0",
+        "model.vocab_size=128",
+        f"model.num_layers={LAYERS}",
+        "model.hidden_size=64",
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=128",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=16",
+        "train.lr=3e-3",
+        "train.lr_warmup_init=1e-3",
+        "train.lr_warmup_steps=1",
+        "train.clip_grad=0.5",
+        "eval.interval=3",
+        "eval.iters=1",
+        "logging.progress=false",
+        *extra,
+    ]
+
+
+def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: list | None = None) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_llm.training.config import load_pretrain_config
+    from mindspeed_llm.training.model import unwrap
+    from mindspeed_llm.training.trainer import TrainerHooks, pretrain
+
+    def after(chunks: list[Any]) -> None:
+        tp = ps.get_tensor_model_parallel_rank()
+        for chunk in chunks:
+            gpt = unwrap(chunk)
+            if layers is not None:
+                layers.append([layer.layer_number - 1 for layer in gpt.decoder.layers])
+            if weights is None:
+                continue
+            # Keyed by TP rank and global layer number: the two schedules place the layers differently.
+            for name, value in gpt.state_dict().items():
+                if value is None or "_extra_state" in name:
+                    continue
+                if name.startswith("decoder.layers."):
+                    index, rest = name[len("decoder.layers.") :].split(".", 1)
+                    name = f"layer{gpt.decoder.layers[int(index)].layer_number - 1}.{rest}"
+                weights[f"tp{tp}.{name}"] = value.detach().clone()
+
+    result = pretrain(load_pretrain_config(None, _overrides(data, *extra)), TrainerHooks(after_train=after))
+    return {
+        "records": [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in result.records],
+        "evals": [e["loss"] for e in result.evals],
+        "features": result.features.get("order", []),
+        "step_time_s": [r["step_time_s"] for r in result.records],
+    }
+
+
+def _reference(rank: int, world_size: int, data: str, init: str) -> dict[str, Any]:
+    _run(data, "train.steps=0", f"checkpoint.save={init}")
+    return _run(data, f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true")
+
+
+def _layouts(rank: int, world_size: int, data: str, init: str, root: str, layouts: dict[str, list[str]]) -> dict:
+    start = (f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true")
+    out: dict[str, Any] = {}
+    for name, extra in layouts.items():
+        plain: dict[str, Any] = {}
+        dual: dict[str, Any] = {}
+        layers: list[list[int]] = []
+        save = (f"checkpoint.save={root}/{name}-dpv", "checkpoint.interval=2", "checkpoint.save_at_end=false")
+        save = save if name == "pp2" else ()
+        out[name] = {
+            "1f1b": _run(data, *start, *extra, weights=plain),
+            "dualpipev": _run(data, *start, *extra, DPV, *save, weights=dual, layers=layers),
+            "weights": (plain, dual),
+            "layers": layers,
+        }
+        if save:
+            resume = (f"train.steps={STEPS}", f"checkpoint.load={root}/{name}-dpv")
+            out[name]["resumed_dualpipev"] = _run(data, *resume, *extra, DPV)
+            out[name]["resumed_1f1b"] = _run(data, *resume, *extra)
+    return out
+
+
+def _merge(ranks: list[dict[str, Any]], name: str, which: int) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for rank in ranks:
+        merged.update(rank[name]["weights"][which])
+    return merged
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root: Path = tmp_path_factory.mktemp("dualpipev")
+    data = write_indexed_dataset(root / "data" / "a", 200, seed=1)
+    init = str(root / "init")
+    (reference,) = run_distributed(_reference, 1, data, init, timeout=600)
+    ranks = run_distributed(_layouts, 2, data, init, str(root), {"pp2": ["parallel.pp=2"]}, timeout=900)
+    ranks += run_distributed(_layouts, 4, data, init, str(root), FOUR_RANKS, timeout=900)
+    out: dict[str, Any] = {"reference": reference["records"], "reference_evals": reference["evals"], "layouts": {}}
+    for name in ("pp2", *FOUR_RANKS):
+        group = [r for r in ranks if name in r]
+        plain, dual = _merge(group, name, 0), _merge(group, name, 1)
+        same = sorted(plain) == sorted(dual)
+        out["layouts"][name] = {
+            **{k: v for k, v in group[0][name].items() if k != "weights"},
+            "ranks": [{k: v for k, v in r[name].items() if k != "weights"} for r in group],
+            "tensors": len(plain),
+            "weights_diff": max((plain[k] - dual[k]).abs().max().item() for k in plain) if same else None,
+        }
+        got = out["layouts"][name]
+        pairs = list(zip(reference["records"], got["1f1b"]["records"], got["dualpipev"]["records"]))
+        # The proof table of docs/core/dualpipev.md (shown with pytest -s).
+        print(
+            f"dualpipev {name}: max |loss - 1F1B| {max(abs(d['loss'] - p['loss']) for _, p, d in pairs):.2e}, "
+            f"|loss - 1 rank| {max(abs(d['loss'] - o['loss']) for o, _, d in pairs):.2e}, "
+            f"grad-norm rel vs 1F1B {max(abs(d['grad_norm'] / p['grad_norm'] - 1) for _, p, d in pairs):.2e}, "
+            f"vs 1 rank {max(abs(d['grad_norm'] / o['grad_norm'] - 1) for o, _, d in pairs):.2e}, "
+            f"weights vs 1F1B {got['weights_diff']:.2e} over {got['tensors']} tensors"
+        )
+    return out
+
+
+FOUR_RANKS = {
+    "pp4": ["parallel.pp=4"],
+    "pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2-dp2-distopt": ["parallel.pp=2", "parallel.distributed_optimizer=true"],
+}
+PP = {"pp2": 2, "pp4": 4, "pp2-tp2-sp": 2, "pp2-dp2-distopt": 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(PP))
+def test_dualpipev_matches_1f1b_and_one_rank(runs: dict[str, Any], layout: str) -> None:
+    ref, got = runs["reference"], runs["layouts"][layout]
+    assert ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn: the check would be vacuous"
+    for rank in got["ranks"]:  # every rank logs the same, reduced numbers
+        assert rank["dualpipev"]["records"] == got["dualpipev"]["records"]
+    assert "dualpipev" in got["dualpipev"]["features"] and "dualpipev" not in got["1f1b"]["features"]
+    for one, plain, dual in zip(ref, got["1f1b"]["records"], got["dualpipev"]["records"]):
+        step = one["step"]
+        assert dual["step"] == plain["step"] == step
+        assert abs(dual["loss"] - plain["loss"]) < 1e-6 and abs(dual["loss"] - one["loss"]) < 1e-6, (layout, step)
+        assert dual["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6), (layout, step)
+        assert dual["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6), (layout, step)
+    # The evaluation after step 3 runs the V forward-only.
+    (one,), (plain,), (dual,) = runs["reference_evals"], got["1f1b"]["evals"], got["dualpipev"]["evals"]
+    assert abs(dual - plain) < 1e-6 and abs(dual - one) < 1e-6, (layout, dual, plain, one)
+    assert got["tensors"] > 0 and got["weights_diff"] is not None, "the layouts hold other tensors"
+    assert got["weights_diff"] < 1e-6, f"{layout}: final weights differ by {got['weights_diff']}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(PP))
+def test_each_rank_holds_the_v(runs: dict[str, Any], layout: str) -> None:
+    p, n = PP[layout], LAYERS // (2 * PP[layout])
+    got = [rank["layers"] for rank in runs["layouts"][layout]["ranks"]]
+    tp = len(got) // p  # ranks are ordered TP-fastest
+    expected = [[list(range(r * n, (r + 1) * n)), list(range((2 * p - 1 - r) * n, (2 * p - r) * n))] for r in range(p)]
+    assert got == [expected[i // tp] for i in range(len(got))]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_dualpipev_checkpoint_resumes_under_both_schedules(runs: dict[str, Any]) -> None:
+    got = runs["layouts"]["pp2"]
+    last = got["dualpipev"]["records"][-1]
+    for schedule in ("resumed_dualpipev", "resumed_1f1b"):
+        (record,) = got[schedule]["records"]
+        assert record["step"] == last["step"] == STEPS
+        assert abs(record["loss"] - last["loss"]) < 1e-6, (schedule, record, last)
+        assert record["grad_norm"] == pytest.approx(last["grad_norm"], rel=1e-6), schedule
+
+
+def test_runners_on_megatron_schedules_refuse_the_v() -> None:
+    # The RL actor and DPO's frozen reference run megatron's schedules: their builds refuse the feature.
+    from types import SimpleNamespace
+
+    from mindspeed_llm.training.build import BuildSpec, build_engine
+
+    report = SimpleNamespace(kernels={}, hooks={}, features=SimpleNamespace(enabled=["dualpipev"]))
+    spec = BuildSpec(shape=None, parallel=None, vocab=0, transformer=None)
+    with pytest.raises(ValueError, match=r"this runner runs megatron's own schedules.*dualpipev.enabled=false"):
+        build_engine(spec, report, groups=None)
+    dpo = BuildSpec(shape=None, parallel=None, vocab=0, transformer=None, reference=True, runs_dualpipev=True)
+    with pytest.raises(ValueError, match=r"a frozen reference model \(DPO\)"):
+        build_engine(dpo, report, groups=None)
