@@ -65,6 +65,8 @@ class BuildSpec:
             carries the DDP hooks the schedule calls).
         compile: ``torch.compile`` each ``TransformerLayer``'s forward in this mode (a
             ``mindspeed.compile.MODES`` key; ``None``: eager); the frozen reference stays eager.
+        compile_dynamic_tokens: the compiled layers take the token count as a dynamic size
+            (microbatches of varying length, as the RL actor's: one graph instead of one per length).
     """
 
     shape: ModelShape
@@ -79,6 +81,7 @@ class BuildSpec:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     reference: bool = False
     compile: str | None = None
+    compile_dynamic_tokens: bool = False
 
 
 @dataclass
@@ -175,7 +178,7 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
     transformer = spec.transformer(overrides=overrides)
     engine = Engine(transformer, build(transformer, spec.prepare, trainable))
     if spec.compile is not None:  # before the features' hooks: what they wrap around a layer stays eager
-        engine.compiled = compile_layers(engine.chunks, spec.compile)
+        engine.compiled = compile_layers(engine.chunks, spec.compile, spec.compile_dynamic_tokens)
     if spec.reference:
         frozen = spec.transformer(overrides={**overrides, "perform_initialization": False})
         engine.reference = build(frozen, None, False)
