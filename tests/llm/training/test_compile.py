@@ -73,6 +73,19 @@ def _train(rank: int, world_size: int, log_dir: str, data_dir: str) -> dict[str,
             ),
         }
     runs["run_log"] = (Path(log_dir) / RUN_LOG_FILE).read_text()
+    # megatron's full recompute: every layer checkpointed, the compiled forward run again in the backward.
+    for name, extra in (("recompute_eager", []), ("recompute_compiled", ["train.compile=true"])):
+        recompute = [
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ]
+        result = pretrain(load_pretrain_config(None, [*BASE, *recompute, *extra]))
+        runs[name] = {
+            "losses": [r["loss"] for r in result.records],
+            "grad_norms": [r["grad_norm"] for r in result.records],
+            "compile": result.compile,
+        }
     # sft, dpo and rm: packed (THD) microbatches of a tiny Llama through the compiled layers.
     for stage, data in (("sft", "packed"), ("dpo", "pairs"), ("rm", "pairs")):
         for name, extra in ((f"{stage}_eager", []), (f"{stage}_compiled", ["train.compile=true"])):
@@ -116,6 +129,18 @@ def test_compiled_layers_train_as_eager(runs: dict[str, Any]) -> None:
             assert value == pytest.approx(ref, rel=1e-6, abs=0), (key, compiled[key], eager[key])
 
 
+def test_compiled_layers_under_full_recompute(runs: dict[str, Any]) -> None:
+    eager, compiled = runs["recompute_eager"], runs["recompute_compiled"]
+    for key in ("losses", "grad_norms"):
+        for value, ref in zip(compiled[key], eager[key], strict=True):
+            assert value == pytest.approx(ref, rel=1e-6, abs=0), (key, compiled[key], eager[key])
+        for value, ref in zip(eager[key], runs["eager"][key], strict=True):  # recompute changes no number
+            assert value == pytest.approx(ref, rel=1e-6, abs=0), key
+    # The checkpointed forward runs without gradients, its recomputation with: one graph each, then none.
+    report = compiled["compile"]
+    assert report["graphs"] <= 2 and report["graphs_after_first_step"] == 0, report
+
+
 @pytest.mark.parametrize("stage", ["sft", "dpo", "rm"])
 def test_compiled_stages_train_as_eager(runs: dict[str, Any], stage: str) -> None:
     """Packed microbatches (one sample per cu_seqlens segment; DPO/RM: chosen and rejected) as eager."""
@@ -153,7 +178,10 @@ def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> Non
     [
         (["parallel.tp=2"], "parallel.tp"),
         (["parallel.cp=2"], "parallel.cp"),
-        (["parallel.tp=2", "model.recompute_granularity=full"], "parallel.tp, model.recompute_granularity"),
+        (
+            ["parallel.tp=2", "model.recompute_granularity=selective"],
+            "parallel.tp, model.recompute_granularity=selective",
+        ),
         (["parallel.pp=2", "model.num_moe_experts=4", "model.moe_router_topk=2"], "parallel.pp, model.num_moe_experts"),
     ],
 )
