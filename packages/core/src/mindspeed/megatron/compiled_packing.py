@@ -1,4 +1,4 @@
-"""Packed (THD) microbatches for compiled ``TransformerLayer``\\ s: the packing as tensors of the token count.
+"""Packed (THD) microbatches for compiled ``TransformerLayer``\\ s: nothing in the graph sized by the packing.
 
 A compiled layer (``train.compile``, ``fullgraph=True``) cannot trace megatron's THD paths:
 its THD rope splits the tokens per ``cu_seqlens`` segment on the host (``.tolist()``, ``.item()``),
@@ -7,45 +7,43 @@ and a shared-prefix microbatch loops over its groups' host lengths. Each would b
 and ``cu_seqlens`` (one entry per sample) or the groups would recompile it whenever a microbatch
 packs a different number of samples.
 
-:func:`compiled_layer_inputs` runs eagerly before every compiled layer and rewrites its inputs
-(one rewrite per microbatch, shared by the layers and the recomputation) so that everything the
-graph reads is a tensor sized by the token count ``T`` only:
+:func:`compiled_layer_inputs` runs eagerly before every compiled layer (one rewrite per
+microbatch, shared by the layers and megatron's recompute) so that the graph reads only tensors
+sized by the token count ``T``:
 
 - the rope table is gathered at each token's position in its own sequence (``[T, 1, 1, dim]``:
   positions restart at each ``cu_seqlens`` segment, or follow the shared-prefix layout's
   ``token_positions``), which megatron's THD rope defines as its "exact mapping" case and which
-  :func:`mindspeed.megatron.spec` applies as a per-token table;
-- the packing becomes :class:`CompiledPackedParams`: no ``cu_seqlens``, and a ``[T, T]`` bool
-  ``visible`` mask (same segment and causal; for shared-prefix groups: the prompt, and the
-  token's own response) that the registry attention hands to SDPA in the graph.
+  :mod:`mindspeed.megatron.spec` applies as a per-token table;
+- the packing becomes :class:`CompiledPackedParams` (no boundaries), and ``RegistryAttention``
+  calls :func:`packed_attention`: one custom op, opaque to dynamo and Inductor (a fake kernel gives
+  its shape), whose kernel runs the eager per-segment attention (the registry kernel with
+  ``cu_seqlens``, or :func:`~mindspeed.megatron.shared_prefix.attend_shared_prefix`) on the
+  microbatch's packing, recorded here when the first layer ran; its backward op recomputes that
+  attention under ``torch.func.vjp`` (an extra attention forward in the backward).
 
-The attention is then a dense masked SDPA over the microbatch (``T x T`` scores where the eager
-kernels compute one block per segment): the same numbers (each row's softmax sees the same keys),
-more score FLOPs, which is small beside the layers' GEMMs for the short packed sequences of
-SFT/DPO/RM/RL microbatches. Sliding windows, ALiBi, attention sinks and context parallelism are
-not covered and raise (``RegistryAttention``).
+A dense ``[T, T]`` mask in the graph would do as well for the numbers but costs ~4x the segmented
+attention at the RL actor's sizes (docs/rl/benchmark.md). Sliding windows, ALiBi, attention sinks
+and context parallelism are not covered and raise (``RegistryAttention``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from mindspeed.megatron.shared_prefix import SharedPrefixParams
+from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
+from mindspeed.ops import resolve_kernel
 
 
 @dataclass
 class CompiledPackedParams(PackedSeqParams):
-    """THD params of a microbatch inside compiled layers (:func:`compiled_layer_inputs`).
-
-    Attributes:
-        visible: ``[T, T]`` bool, True where query ``i`` attends key ``j`` (causality included).
-    """
-
-    visible: torch.Tensor | None = None
+    """THD params of a microbatch inside compiled layers (:func:`compiled_layer_inputs`): no boundaries
+    for the graph to read; the attention op reads the eager packing at run time."""
 
 
 #: The last microbatch's rewrite: (its params, its rope table, the rewritten params, the gathered table).
@@ -79,13 +77,12 @@ def compiled_layer_inputs(kwargs: dict[str, Any], dynamic_tokens: bool = False) 
     else:
         new_params, new_table = _rewrite(params, table)
         _last[:] = [params, table, new_params, new_table]
+    _current[0] = params
     out = dict(kwargs, packed_seq_params=new_params)
     if table is not None:
         out["rotary_pos_emb"] = new_table
     if dynamic_tokens:
         torch._dynamo.mark_dynamic(out["hidden_states"], 0)
-        torch._dynamo.mark_dynamic(new_params.visible, 0)
-        torch._dynamo.mark_dynamic(new_params.visible, 1)
         if table is not None:
             torch._dynamo.mark_dynamic(new_table, 0)
     return out
@@ -101,37 +98,76 @@ def _rewrite(params: PackedSeqParams, table: torch.Tensor | None) -> tuple[Compi
         )
     cu = params.cu_seqlens_q.long()
     tokens = int(cu[-1])
-    device = cu.device
-    index = torch.arange(tokens, device=device)
-    segment = torch.bucketize(index, cu[1:], right=True)  # each token's segment
-    causal = index[None, :] <= index[:, None]
-    if isinstance(params, SharedPrefixParams):
-        positions = params.token_positions.to(device)
-        # Sub-sequence id: -1 for a group's prompt, else the token's response (numbered over the microbatch).
-        part, count = [], 0
-        for prompt, responses in params.groups:
-            part.append(torch.full((prompt,), -1, dtype=torch.long))
-            for n in responses:
-                part.append(torch.full((n,), count, dtype=torch.long))
-                count += 1
-        part_id = torch.cat(part).to(device)
-        own = (part_id[None, :] == -1) | (part_id[None, :] == part_id[:, None])
-        visible = causal & (segment[None, :] == segment[:, None]) & own
-    else:
-        positions = index - cu[segment]
-        visible = causal & (segment[None, :] == segment[:, None])
-    new_params = CompiledPackedParams(qkv_format="thd", visible=visible)
+    new_params = CompiledPackedParams(qkv_format="thd")
     if table is None or table.size(0) == tokens and isinstance(params, SharedPrefixParams):
         return new_params, table  # no rope, or already per token (shared prefix: gathered by the model)
+    index = torch.arange(tokens, device=cu.device)
+    positions = index - cu[torch.bucketize(index, cu[1:], right=True)]  # restart at each segment
     return new_params, table[positions]
 
 
-def attend_compiled_packed(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: CompiledPackedParams, scale: float | None
+#: The eager packing of the microbatch the compiled layers run now (set by :func:`compiled_layer_inputs`),
+#: read by the opaque per-segment attention op at run time (megatron runs a microbatch's backward
+#: before the next microbatch's forward at pp = 1, the only layout the actor compiles).
+_current: list[Any] = [None]
+
+
+@functools.cache
+def _attention_kernel(impl: str) -> Any:
+    return resolve_kernel("attention", impl)
+
+
+def _attend_segments(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str
 ) -> torch.Tensor:
-    """Attention of a rewritten packed microbatch: ``[T, heads, dim]`` in, ``[T, heads, dim]`` out (SDPA, masked)."""
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, T, dim]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=params.visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out[0].transpose(0, 1)
+    """The eager packed attention (per ``cu_seqlens`` segment, or per shared-prefix group) of the current microbatch."""
+    params, kernel = _current[0], _attention_kernel(impl)
+    if params is None or int(params.cu_seqlens_q[-1]) != query.shape[0]:
+        raise RuntimeError("the packed attention op ran without its microbatch's packing (compiled_layer_inputs)")
+    if isinstance(params, SharedPrefixParams):
+        return attend_shared_prefix(kernel, query, key, value, params, scale)
+    out = kernel(query[None], key[None], value[None], causal=True, softmax_scale=scale, cu_seqlens=params.cu_seqlens_q)
+    return out[0]
+
+
+@torch.library.custom_op("mindspeed::packed_attention", mutates_args=())
+def packed_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str
+) -> torch.Tensor:
+    """Causal attention of the current packed microbatch, ``[T, heads, dim]``, segment by segment (opaque to the graph)."""
+    return _attend_segments(query, key, value, scale, impl).contiguous()
+
+
+@packed_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str) -> torch.Tensor:
+    return torch.empty(query.shape[:-1] + value.shape[-1:], dtype=query.dtype, device=query.device)
+
+
+@torch.library.custom_op("mindspeed::packed_attention_backward", mutates_args=())
+def packed_attention_backward(
+    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`packed_attention` (its forward recomputed with autograd, segment by segment)."""
+    # torch.func: autograd is excluded inside an op's kernel, the functional transform brings its own.
+    _, vjp = torch.func.vjp(lambda q, k, v: _attend_segments(q, k, v, scale, impl), query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@packed_attention_backward.register_fake
+def _(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    query, key, value, scale, impl = inputs
+    ctx.save_for_backward(query, key, value)
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    query, key, value = ctx.saved_tensors
+    dq, dk, dv = packed_attention_backward(grad.contiguous(), query, key, value, ctx.scale, ctx.impl)
+    return dq, dk, dv, None, None
+
+
+packed_attention.register_autograd(_backward, setup_context=_setup)
