@@ -42,6 +42,7 @@ Usage::
     uv run --frozen python tools/bench/grpo.py --no-trl     # sync vs async only
     uv run --frozen python tools/bench/grpo.py --long --no-buffer-modes  # 512-token prompts, 8 x 128 tokens
     uv run --frozen python tools/bench/grpo.py --long --no-buffer-modes --no-share-prompt  # A/B of actor.share_prompt
+    uv run --frozen python tools/bench/grpo.py --no-buffer-modes --compile  # ours with actor.compile and rollout.compile
 
 Results and their reading: ``docs/rl/benchmark.md``. The TRL side lives in ``grpo_trl.py``, the
 step clocks both sides use in ``grpo_clock.py``.
@@ -187,6 +188,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             "logging.tensorboard=false",
             "logging.reward_curve=false",
             *([] if spec["share_prompt"] else ["actor.share_prompt=false"]),
+            *(["actor.compile=true", "rollout.compile=true"] if spec.get("compile") else []),
         ],
     )
     ctx = build_context(config)
@@ -549,6 +551,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="our update runs a group's shared prompt once (actor.share_prompt; default: on; "
         "--no-share-prompt for A/B)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="ours with actor.compile=true and rollout.compile=true (compiled in the untimed first step)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -605,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "prefix_sharing": args.prefix_sharing,
         "share_prompt": args.share_prompt,
+        "compile": args.compile,
     }
     started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
@@ -637,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
         f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
         f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; "
-        f"shared prompts in the update {'on' if args.share_prompt else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+        f"shared prompts in the update {'on' if args.share_prompt else 'off'}; ours compiled (actor and rollout) {'on' if args.compile else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
         f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
         f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
         f"{version('transformers')}, trl {version('trl')}; {load.header(noisy)}; "

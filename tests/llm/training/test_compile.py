@@ -38,7 +38,20 @@ BASE = [
 ]
 
 
-def _train(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
+STAGE = [
+    "data.seq_length=32",
+    "data.split=100,0,0",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.lr=1e-4",
+    "train.steps=3",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.loss_curve=false",
+]
+
+
+def _train(rank: int, world_size: int, log_dir: str, data_dir: str) -> dict[str, Any]:
     from pathlib import Path
 
     from mindspeed.log import RUN_LOG_FILE, setup_logging
@@ -60,6 +73,29 @@ def _train(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
             ),
         }
     runs["run_log"] = (Path(log_dir) / RUN_LOG_FILE).read_text()
+    # megatron's full recompute: every layer checkpointed, the compiled forward run again in the backward.
+    for name, extra in (("recompute_eager", []), ("recompute_compiled", ["train.compile=true"])):
+        recompute = [
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ]
+        result = pretrain(load_pretrain_config(None, [*BASE, *recompute, *extra]))
+        runs[name] = {
+            "losses": [r["loss"] for r in result.records],
+            "grad_norms": [r["grad_norm"] for r in result.records],
+            "compile": result.compile,
+        }
+    # sft, dpo and rm: packed (THD) microbatches of a tiny Llama through the compiled layers.
+    for stage, data in (("sft", "packed"), ("dpo", "pairs"), ("rm", "pairs")):
+        for name, extra in ((f"{stage}_eager", []), (f"{stage}_compiled", ["train.compile=true"])):
+            stage_cfg = [f"stage={stage}", f"checkpoint.load_hf={data_dir}/hf", f"data.prefixes=[{data_dir}/{data}]"]
+            result = pretrain(load_pretrain_config(None, [*STAGE, *stage_cfg, *extra]))
+            runs[name] = {
+                "losses": [r["loss"] for r in result.records],
+                "grad_norms": [r["grad_norm"] for r in result.records],
+                "compile": result.compile,
+            }
     try:
         pretrain(
             load_pretrain_config(
@@ -74,7 +110,14 @@ def _train(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    (result,) = run_distributed(_train, 1, str(tmp_path_factory.mktemp("logs")), timeout=600)
+    from mindspeed_llm.testing.tiny_models import save_tiny_checkpoint
+    from tests.llm.training.finetune_data import make_samples, write_instruction, write_pairwise
+
+    data = tmp_path_factory.mktemp("stages")
+    save_tiny_checkpoint("llama2", data / "hf", seed=0)
+    write_instruction(str(data / "packed"), make_samples(60, seed=0, vocab=128), pack_to=32)
+    write_pairwise(str(data / "pairs"), 40, seed=0, vocab=128)
+    (result,) = run_distributed(_train, 1, str(tmp_path_factory.mktemp("logs")), str(data), timeout=900)
     return result
 
 
@@ -84,6 +127,33 @@ def test_compiled_layers_train_as_eager(runs: dict[str, Any]) -> None:
     for key in ("losses", "grad_norms"):
         for value, ref in zip(compiled[key], eager[key]):
             assert value == pytest.approx(ref, rel=1e-6, abs=0), (key, compiled[key], eager[key])
+
+
+def test_compiled_layers_under_full_recompute(runs: dict[str, Any]) -> None:
+    eager, compiled = runs["recompute_eager"], runs["recompute_compiled"]
+    for key in ("losses", "grad_norms"):
+        for value, ref in zip(compiled[key], eager[key], strict=True):
+            assert value == pytest.approx(ref, rel=1e-6, abs=0), (key, compiled[key], eager[key])
+        for value, ref in zip(eager[key], runs["eager"][key], strict=True):  # recompute changes no number
+            assert value == pytest.approx(ref, rel=1e-6, abs=0), key
+    # The checkpointed forward runs without gradients, its recomputation with: one graph each, then none.
+    report = compiled["compile"]
+    assert report["graphs"] <= 2 and report["graphs_after_first_step"] == 0, report
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "rm"])
+def test_compiled_stages_train_as_eager(runs: dict[str, Any], stage: str) -> None:
+    """Packed microbatches (one sample per cu_seqlens segment; DPO/RM: chosen and rejected) as eager."""
+    eager, compiled = runs[f"{stage}_eager"], runs[f"{stage}_compiled"]
+    assert len(eager["losses"]) == 3 and eager["compile"] == {}
+    for key in ("losses", "grad_norms"):
+        for value, ref in zip(compiled[key], eager[key], strict=True):
+            assert value == pytest.approx(ref, rel=1e-6, abs=0), (stage, key, compiled[key], eager[key])
+    report = compiled["compile"]
+    assert report["layers"] == 4 and report["graphs_after_first_step"] == 0, report
+    # One graph for the four layers; DPO's and RM's microbatches (chosen + rejected: 128 tokens) are
+    # SFT's shape (64 tokens) twice: one graph more for the first of them, reused by the other.
+    assert report["graphs"] == {"sft": 1, "dpo": 1, "rm": 0}[stage], report
 
 
 def test_one_graph_no_recompile_and_reported(runs: dict[str, Any]) -> None:
@@ -108,7 +178,10 @@ def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> Non
     [
         (["parallel.tp=2"], "parallel.tp"),
         (["parallel.cp=2"], "parallel.cp"),
-        (["parallel.tp=2", "model.recompute_granularity=full"], "parallel.tp, model.recompute_granularity"),
+        (
+            ["parallel.tp=2", "model.recompute_granularity=selective"],
+            "parallel.tp, model.recompute_granularity=selective",
+        ),
         (["parallel.pp=2", "model.num_moe_experts=4", "model.moe_router_topk=2"], "parallel.pp, model.num_moe_experts"),
     ],
 )

@@ -71,6 +71,7 @@ def test_load_errors_suggest_the_key(recipe) -> None:
         (["actor.micro_batch_size=3"], "not divisible by actor.micro_batch_size=3"),
         (["actor.max_tokens_per_micro_batch=100"], "below the longest sequence"),
         (["actor.pp=2", "actor.share_prompt=true"], "actor.share_prompt=true needs actor.pp=1"),
+        (["actor.compile=true", "actor.tp=2"], "actor.compile=True is proven for a full-weight text policy"),
         (["actor.max_tokens_per_micro_batch=100000"], "not supported by the actor yet"),
         (["rollout.stop=[END]"], "stop strings are not supported"),
         (["rollout.max_turns=3"], "are for multi-turn rollouts: set rollout.tools"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,28 +44,40 @@ def compile_mode(value: bool | str) -> str | None:
     return mode
 
 
-def compile_forwards(modules: Iterable[tuple[str, torch.nn.Module]], mode: str) -> list[str]:
+def compile_forwards(
+    modules: Iterable[tuple[str, torch.nn.Module]],
+    mode: str,
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> list[str]:
     """Compile the ``forward`` of every ``(name, module)`` in place (``mode``: a key of :data:`MODES`).
+
+    Args:
+        modules: ``(name, module)`` pairs.
+        mode: a key of :data:`MODES`.
+        prepare: runs eagerly on each call's keyword arguments before the compiled forward and
+            returns the ones it gets (``mindspeed.megatron.compiled_packing``: packed microbatches
+            as tensors of the token count, so the graph neither breaks nor recompiles on them).
 
     Returns:
         the compiled modules' names.
     """
     names = []
     for name, module in modules:
-        module.forward = _ignoring_warnings(
-            torch.compile(module.forward, mode=MODES[mode], fullgraph=True, dynamic=False)
-        )
+        compiled = torch.compile(module.forward, mode=MODES[mode], fullgraph=True, dynamic=False)
+        module.forward = _ignoring_warnings(compiled, prepare)
         names.append(name)
     return names
 
 
-def _ignoring_warnings(compiled: Any) -> Any:
+def _ignoring_warnings(compiled: Any, prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Any:
     """``compiled`` with ``warnings.warn`` dropped from the traced code: dynamo cannot trace the C builtin
     (megatron-core warns of deprecations inside its linear layers), and would break the full graph on it."""
     patch = torch._dynamo.config.patch(ignore_logging_functions={warnings.warn})
 
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if prepare is not None:
+            kwargs = prepare(kwargs)
         with patch:
             return compiled(*args, **kwargs)
 

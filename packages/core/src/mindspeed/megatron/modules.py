@@ -19,6 +19,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 from torch import nn
 
 from mindspeed.device import get_accelerator
+from mindspeed.megatron.compiled_packing import CompiledPackedParams, packed_attention
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.alibi import shard_alibi_slopes
@@ -280,6 +281,21 @@ class RegistryAttention(MegatronModule):
                 f"packed sequences in qkv_format={params.qkv_format!r} are not supported by "
                 "RegistryAttention; use qkv_format='thd'"
             )
+        if isinstance(params, CompiledPackedParams):
+            # Inside a compiled layer: the eager per-segment attention as one opaque op (mindspeed.megatron.compiled_packing).
+            if (
+                self.cp is not None
+                or not causal
+                or self.window_size != (-1, -1)
+                or self.alibi_slopes is not None
+                or self.softmax_offset is not None
+            ):
+                raise ValueError(
+                    "compiled layers take packed microbatches with causal attention only (no context "
+                    "parallelism, window, ALiBi or sinks); set train.compile=false"
+                )
+            out = packed_attention(query, key, value, self.softmax_scale, self.impl)
+            return out.reshape(query.shape[0], -1)
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
             if (

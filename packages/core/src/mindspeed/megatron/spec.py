@@ -191,6 +191,10 @@ def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
         if cu_seqlens is not None or config.multi_latent_attention or config.apply_rope_fusion:
             return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         cos, sin = tables(freqs, mscale, t.dtype)
+        if t.dim() == 3 and cos.dim() == 4:
+            # A packed microbatch in a compiled layer (mindspeed.megatron.compiled_packing): [T, n, d]
+            # with one table row per token (megatron's THD "exact mapping"), applied as [T, 1, n, d].
+            return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config, None, mscale, cp_group).squeeze(1)
         if t.dim() == 4 and cos.dim() == 4:
             # Computed on [b, n, s, d] views, so the result (handed back as megatron's [s, b, n, d])
             # lies in memory heads-major: the layout attention reads queries and keys in, without

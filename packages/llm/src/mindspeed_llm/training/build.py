@@ -68,6 +68,8 @@ class BuildSpec:
         runs_dualpipev: the caller runs DualPipeV's schedule on the chunks when the ``dualpipev``
             feature is on (the LLM trainer); other callers run megatron's schedules, which
             cannot run the V, and the build refuses the feature.
+        compile_dynamic_tokens: the compiled layers take the token count as a dynamic size
+            (microbatches of varying length, as the RL actor's: one graph instead of one per length).
     """
 
     shape: ModelShape
@@ -83,6 +85,7 @@ class BuildSpec:
     reference: bool = False
     compile: str | None = None
     runs_dualpipev: bool = False
+    compile_dynamic_tokens: bool = False
 
 
 @dataclass
@@ -192,7 +195,7 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
     transformer = spec.transformer(overrides=overrides)
     engine = Engine(transformer, build(transformer, spec.prepare, trainable))
     if spec.compile is not None:  # before the features' hooks: what they wrap around a layer stays eager
-        engine.compiled = compile_layers(engine.chunks, spec.compile)
+        engine.compiled = compile_layers(engine.chunks, spec.compile, spec.compile_dynamic_tokens)
     if spec.reference:
         frozen = spec.transformer(overrides={**overrides, "perform_initialization": False})
         engine.reference = build(frozen, None, False)

@@ -18,16 +18,23 @@ which calls this with ``BuildSpec.compile``, so every stage (pretrain, sft, dpo,
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from mindspeed.compile import compile_forwards
 from mindspeed.log import get_logger
+from mindspeed.megatron.compiled_packing import compiled_layer_inputs
 
 logger = get_logger(__name__)
 
 
-def compile_layers(chunks: list[Any], mode: str) -> list[str]:
+def compile_layers(chunks: list[Any], mode: str, dynamic_tokens: bool = False) -> list[str]:
     """Compile the forward of every megatron ``TransformerLayer`` in ``chunks`` (``mode``: a ``mindspeed.compile.MODES`` key).
+
+    Packed (THD) microbatches reach the graph as tensors of the token count
+    (:func:`mindspeed.megatron.compiled_packing.compiled_layer_inputs`, run eagerly before each
+    layer); ``dynamic_tokens`` marks that count dynamic, for microbatches of varying length (the
+    RL actor's): one graph for every length instead of one per length.
 
     Returns:
         the compiled layers' module names (``<chunk>.<path>``).
@@ -45,6 +52,6 @@ def compile_layers(chunks: list[Any], mode: str) -> list[str]:
     ]
     if not layers:
         raise ValueError(f"train.compile={mode}: the model has no megatron TransformerLayer; set train.compile=false")
-    names = compile_forwards(layers, mode)
+    names = compile_forwards(layers, mode, partial(compiled_layer_inputs, dynamic_tokens=dynamic_tokens))
     logger.info("compile (%s): %d TransformerLayer forwards (fullgraph, static shapes)", mode, len(names))
     return names

@@ -289,7 +289,9 @@ def _check_compile(config: PretrainConfig) -> None:
         "parallel.pp": p.pp > 1,
         "parallel.cp": p.cp > 1,
         "model.num_moe_experts": bool(m.num_moe_experts),
-        "model.recompute_granularity": m.recompute_granularity is not None,
+        # full: megatron checkpoints whole layers around the compiled forward (proven); selective
+        # checkpoints inside the layer, which the graph would have to trace.
+        "model.recompute_granularity=selective": m.recompute_granularity == "selective",
     }
     refused = [key for key, on in untested.items() if on]
     if refused:

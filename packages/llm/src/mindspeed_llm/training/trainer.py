@@ -219,6 +219,8 @@ class Trainer(TrainerLoading, TrainerSaving):
             reference=self.stage.needs_reference,
             compile=compile_mode(config.train.compile),
             runs_dualpipev=True,
+            # Microbatches padded only to data.pad_to_multiple_of: one graph for every length.
+            compile_dynamic_tokens=config.data.variable_seq_lengths,
         )
         self.compile_watch = CompileWatch()  # dynamo's counters from here: this run's graphs and compile time
         built = build_engine(spec, self.report, self.groups)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from mindspeed.checkpointing.config import CheckpointConfig
+from mindspeed.compile import compile_mode
 from mindspeed.config import ConfigError, recipe_section
 from mindspeed.features import FeaturesConfig
 from mindspeed.log import get_logger
@@ -73,6 +74,10 @@ class ActorConfig:
             segment ``[prompt, r_1, ..., r_G]`` so the update runs the prompt once, not once per
             response (same log-probs and gradients). Unset: on where it applies (pp = 1, rope or
             learned positions, no MLA/MTP); true: on, an error where it cannot apply; false: off.
+        compile: ``torch.compile`` each megatron ``TransformerLayer`` of the actor and of its frozen
+            reference (the LLM suite's ``train.compile``: regional, one graph for the layers, packed
+            microbatches of any length through one graph; compiled in the first update and log-prob
+            pass; ``docs/rl/benchmark.md``). ``true``/``default`` or ``max-autotune``; tp/pp 1.
         offload_optimizer: co-location: optimizer state to host memory while the rollout generates.
         offload_grad: co-location: gradients to host memory while the rollout generates.
         lora: LoRA RL (``mindspeed-llm sft``'s ``lora`` keys: ``target_modules``, ``r``, ``alpha``,
@@ -106,6 +111,7 @@ class ActorConfig:
     mini_batch_size: int | None = None
     ppo_epochs: int = 1
     share_prompt: bool | None = None
+    compile: bool | Literal["default", "max-autotune"] = False
     offload_optimizer: bool = True
     offload_grad: bool = True
     lora: RLLoraConfig = field(default_factory=RLLoraConfig)
@@ -157,6 +163,17 @@ class ActorConfig:
                 f"actor.share_prompt=true needs actor.pp=1 (got {self.pp}: pipeline stages exchange fixed-shape "
                 "microbatches); set actor.share_prompt=false or leave it unset"
             )
+        if self.compile:
+            try:
+                compile_mode(self.compile)
+            except ValueError as error:
+                raise ConfigError(str(error).replace("train.compile", "actor.compile")) from None
+            if self.tp > 1 or self.pp > 1 or self.model_type != "llm" or self.lora.enabled:
+                raise ConfigError(
+                    f"actor.compile={self.compile} is proven for a full-weight text policy at tp=1, pp=1 (got "
+                    f"tp={self.tp}, pp={self.pp}, model_type={self.model_type}, lora.enabled={self.lora.enabled}); "
+                    "set actor.compile=false"
+                )
         self.lora.check()
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.checkpointing import SkipCounter
+from mindspeed.compile import CompileWatch, compile_mode
 from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig, ParallelSizes
 from mindspeed.log import get_logger
@@ -105,6 +106,10 @@ class ActorSettings:
             ``train.max_nonfinite_steps``).
         lora: LoRA RL (a trainable actor only): the LLM suite's LoRA on these megatron linears,
             only the factors train (:mod:`mindspeed_rl.models.actor_lora`); None: every weight trains.
+        compile: ``torch.compile`` each ``TransformerLayer`` (``mindspeed_llm.training.compile``:
+            ``True``/``"default"`` or ``"max-autotune"``; False: eager). The packed microbatches'
+            token count is dynamic in the graph: one graph serves every microbatch length (one more
+            for the log-prob passes without gradients).
     """
 
     optimizer: OptimizerConfig = field(
@@ -122,6 +127,7 @@ class ActorSettings:
     share_prompt: bool | None = None
     max_nonfinite_steps: int = 3
     lora: LoraSettings | None = None
+    compile: bool | str = False
 
     @classmethod
     def adamw(
@@ -166,7 +172,7 @@ class ActorSettings:
 
 
 def _ensure_megatron(
-    shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig, world: int
+    shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig, world: int, compiled: bool = False
 ) -> tuple[AdaptReport, bool, Any]:
     """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
 
@@ -189,6 +195,7 @@ def _ensure_megatron(
             shape,
             "bf16" if shape.params_dtype == "bfloat16" else "fp32",
             parallel.distributed_optimizer,
+            compiled_layers=compiled,  # compiled layers: no gradient_accumulation_fusion (its in-place backward)
         )
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True
@@ -250,7 +257,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         self.hf_vocab = shape.vocab_size
         self.vocab = padded_vocab_size(shape.vocab_size, 1, tp)
         self.adaptation, self._adapted, self.groups = _ensure_megatron(
-            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size()
+            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size(), bool(s.compile)
         )
         load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab, groups=self.groups)
         spec = BuildSpec(
@@ -266,8 +273,14 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             prepare=partial(_load_and_adapt, load=load, lora=s.lora) if trainable else None,
             bridged=True,
             overrides={} if trainable else {"perform_initialization": False},
+            compile=compile_mode(s.compile),
+            compile_dynamic_tokens=True,  # packed microbatches of every length: one graph
         )
+        #: dynamo's counters from the build: the graphs this actor's layers compiled (tests, reports).
+        self.compile_watch = CompileWatch()
         built = build_engine(spec, self.adaptation, self.groups)
+        #: the compiled layers' names (``settings.compile``; empty: eager).
+        self.compiled = built.compiled
         self.transformer, self.chunks = built.transformer, built.chunks
         self.optimizer, self.scheduler = built.optimizer, built.scheduler
         if not trainable:

@@ -35,6 +35,7 @@ def _optimizer_and_batching(section: Any, config: Any, epochs: int) -> dict[str,
         "precision": a.precision,
         "micro_batch_size": a.micro_batch_size,
         "share_prompt": a.share_prompt,
+        "compile": a.compile,
         "max_nonfinite_steps": t.max_nonfinite_steps,
         "seed": t.seed,
     }
