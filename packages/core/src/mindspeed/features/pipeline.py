@@ -177,13 +177,6 @@ class DualPipeVFeature(Feature):
             raise self.invalid(
                 f"parallel.vpp={p.vpp} is set, and the V makes its own two chunks per rank", "unset parallel.vpp"
             )
-        if ctx.accelerator != "cpu":
-            # Its messages are told apart by tag; an accelerator's collective library matches
-            # point-to-point messages by order, and the V's links carry two kinds each way.
-            raise self.invalid(
-                f"its point-to-point exchange is proven on the CPU (gloo) only, and this run is on {ctx.accelerator}",
-                "use the 1F1B schedule there for now",
-            )
         if p.cp > 1:
             raise self.invalid(f"context parallelism (cp={p.cp}) is not composed with it yet", "use parallel.cp=1")
         if ctx.model.is_moe:

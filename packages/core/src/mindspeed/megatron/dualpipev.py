@@ -15,9 +15,12 @@ Each rank runs its two chunks' forwards (F0, F1) and backwards (B1, B0) in the o
 the backward of another (an accelerator overlaps the pair's compute with the other pair's
 messages; on the CPU a pair runs in order), then cool-down backwards. The order is deadlock-free
 with non-blocking sends and receives waited where their data is needed (a test simulates every
-rank's plan for many ``P`` and microbatch counts). Messages are told apart by tag, which gloo
-matches; a library that matches point-to-point messages by order would mix the two kinds that
-share a link, so the feature runs on the CPU only for now.
+rank's plan for many ``P`` and microbatch counts). A link carries two kinds of message each way
+(chunk 0's activations and chunk 1's gradients downwards, say), and the receiver does not always
+want them in the order the sender sends them; NCCL and HCCL match point-to-point messages by
+order, not tag. So each kind travels on a process group of its own (:func:`message_groups`: four
+copies of the pipeline group), in which both ends send and receive in microbatch order, and no
+tags are used: gloo then matches by order as well, so the CPU tests run the accelerators' rule.
 
 The chunk of a microbatch runs through megatron's own ``forward_step`` / ``backward_step`` (loss
 division by tokens and microbatches, the optimizer's loss scale), gradients are reduced by
@@ -44,8 +47,30 @@ from mindspeed.device import get_accelerator
 #: A step of a rank's plan: ``("F", chunk)``, ``("B", chunk)`` or ``("FB", forward chunk, backward chunk)``.
 Op = tuple
 
-#: Message tags between neighbouring ranks: forward activations of chunk 0 / chunk 1, gradients of chunk 1 / chunk 0.
-TAG_ACT0, TAG_ACT1, TAG_GRAD1, TAG_GRAD0 = 10, 11, 12, 13
+#: The kinds of message between neighbouring ranks (each on its own group of :func:`message_groups`):
+#: forward activations of chunk 0 / chunk 1, gradients of chunk 1 / chunk 0.
+TAG_ACT0, TAG_ACT1, TAG_GRAD1, TAG_GRAD0 = 0, 1, 2, 3
+
+_MESSAGE_GROUPS: dict[tuple[int, ...], list[Any]] = {}
+
+
+def message_groups(pp: Any) -> list[Any]:
+    """Four process groups with the ranks of the pipeline group ``pp``, one per kind of message.
+
+    Built once per pipeline group, collectively: the first call enumerates every rank's pipeline
+    group over the world (an all-gather) and every rank creates the same groups in the same order.
+    """
+    ranks = tuple(dist.get_process_group_ranks(pp))
+    if ranks not in _MESSAGE_GROUPS:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ranks)
+        every = sorted({tuple(g) for g in gathered})
+        for _ in range(4):
+            for members in every:
+                group = dist.new_group(list(members))
+                if members == ranks:
+                    _MESSAGE_GROUPS.setdefault(ranks, []).append(group)
+    return _MESSAGE_GROUPS[ranks]
 
 
 def dualpipev_plan(rank: int, num_ranks: int, num_microbatches: int, forward_only: bool = False) -> list[Op]:
@@ -125,23 +150,24 @@ def mirrored_groups(groups: Any) -> Any:
 
 
 class _Links:
-    """The P2P messages of one rank with its pipeline neighbours (non-blocking, tagged by kind)."""
+    """The P2P messages of one rank with its pipeline neighbours (non-blocking, one group per kind)."""
 
     def __init__(self, group: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
         self.rank, self.size = group.rank(), group.size()
+        self.kinds = message_groups(group)
         self.sends: list[Any] = []
 
     def _peer(self, offset: int) -> int:
         return dist.get_global_rank(self.group, self.rank + offset)
 
-    def send(self, tensor: torch.Tensor, offset: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, offset: int, kind: int) -> None:
         data = tensor.detach().contiguous()
-        self.sends.append((dist.isend(data, self._peer(offset), group=self.group, tag=tag), data))
+        self.sends.append((dist.isend(data, self._peer(offset), group=self.kinds[kind]), data))
 
-    def recv(self, offset: int, tag: int, requires_grad: bool) -> torch.Tensor:
+    def recv(self, offset: int, kind: int, requires_grad: bool) -> torch.Tensor:
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, self._peer(offset), group=self.group, tag=tag).wait()
+        dist.irecv(buffer, self._peer(offset), group=self.kinds[kind]).wait()
         return buffer.requires_grad_(requires_grad)
 
     def wait_sends(self) -> None:
