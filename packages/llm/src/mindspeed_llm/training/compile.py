@@ -23,7 +23,6 @@ from typing import Any
 
 from mindspeed.compile import compile_forwards
 from mindspeed.log import get_logger
-from mindspeed.megatron.compiled_packing import compiled_layer_inputs
 
 logger = get_logger(__name__)
 
@@ -52,6 +51,9 @@ def compile_layers(chunks: list[Any], mode: str, dynamic_tokens: bool = False) -
     ]
     if not layers:
         raise ValueError(f"train.compile={mode}: the model has no megatron TransformerLayer; set train.compile=false")
+    # imported here: it imports megatron.core, whose import-time warnings belong after the run's logging is set up
+    from mindspeed.megatron.compiled_packing import compiled_layer_inputs
+
     names = compile_forwards(layers, mode, partial(compiled_layer_inputs, dynamic_tokens=dynamic_tokens))
     logger.info("compile (%s): %d TransformerLayer forwards (fullgraph, static shapes)", mode, len(names))
     return names
