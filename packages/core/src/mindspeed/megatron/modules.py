@@ -271,6 +271,17 @@ class RegistryAttention(MegatronModule):
     def _sinks(self) -> dict[str, torch.Tensor]:
         return {} if self.softmax_offset is None else {"sinks": self.softmax_offset}
 
+    def _plain_causal(self, causal: bool) -> bool:
+        """Causal attention with no context parallelism, window, ALiBi or sinks (what the packed paths
+        of compiled layers and shared prefixes take)."""
+        return (
+            causal
+            and self.cp is None
+            and self.window_size == (-1, -1)
+            and self.alibi_slopes is None
+            and self.softmax_offset is None
+        )
+
     def _attend_packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any, causal: bool
     ) -> torch.Tensor:
@@ -283,13 +294,7 @@ class RegistryAttention(MegatronModule):
             )
         if isinstance(params, CompiledPackedParams):
             # Inside a compiled layer: the eager per-segment attention as one opaque op (mindspeed.megatron.compiled_packing).
-            if (
-                self.cp is not None
-                or not causal
-                or self.window_size != (-1, -1)
-                or self.alibi_slopes is not None
-                or self.softmax_offset is not None
-            ):
+            if not self._plain_causal(causal):
                 raise ValueError(
                     "compiled layers take packed microbatches with causal attention only (no context "
                     "parallelism, window, ALiBi or sinks); set train.compile=false"
@@ -298,13 +303,7 @@ class RegistryAttention(MegatronModule):
             return out.reshape(query.shape[0], -1)
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.
-            if (
-                self.cp is not None
-                or not causal
-                or self.window_size != (-1, -1)
-                or self.alibi_slopes is not None
-                or self.softmax_offset is not None
-            ):
+            if not self._plain_causal(causal):
                 raise ValueError(
                     "shared-prefix packing needs causal attention without context parallelism, a window, ALiBi "
                     "or sinks; "
