@@ -47,10 +47,9 @@ class Bench:
 
 
 def _named_pairs(payload: Any, ours: str, peer: str) -> list[Pair]:
-    """One pair from ``payload["results"]``: the first result whose name starts with ``ours``, and ``peer``'s."""
+    """One pair per result of ``payload["results"]`` whose name starts with ``ours``, each against ``peer``'s."""
     results = payload["results"]
-    name = next(n for n in results if n.startswith(ours))
-    return [(name, results[name], results[peer])]
+    return [(name, results[name], results[peer]) for name in results if name.startswith(ours)]
 
 
 def _vlm_pairs(payload: Any) -> list[Pair]:
@@ -81,7 +80,7 @@ BENCHES: dict[str, Bench] = {
     "pretrain": Bench(
         "pretrain.py",
         ("--quick",),
-        (),
+        ("--compile",),
         lambda p: _named_pairs(p, "ours (optimization_level", "Hugging Face Trainer"),
         ">= 1.25x HF Trainer, wall and CPU",
     ),
