@@ -110,7 +110,10 @@ def mm_all_reduce_add_rms_norm_npu(
     matmul, the HCCL all-reduce, the residual add and the rms_norm; same arguments and results
     as :func:`mindspeed.ops.coc.mm_all_reduce_add_rms_norm_reference`.
 
-    The kernel takes the matmul's second operand as ``[in, hidden]`` (``weight^T``) and the
+    The argument order is MindSpeed's (``x1, x2, residual, gamma, hcom, reduce_op, epsilon``),
+    over CANN's ``aclnnMatmulAllReduceAddRmsNorm``; MindSpeed builds the binding as its own op,
+    so the probe offers this kernel only where the installed torch_npu exposes it. The kernel
+    takes the matmul's second operand as ``[in, hidden]`` (``weight^T``) and the
     residual as ``[b, s, hidden]``, so ``x`` is folded to 3-D with the last dim kept. The bias
     is folded into the residual (``y = (residual + bias) + all_reduce(x W^T)``: added once, as
     the reference adds it). The kernel has no backward: where a gradient is needed, and on a
