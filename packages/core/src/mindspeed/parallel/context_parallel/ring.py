@@ -19,6 +19,16 @@ backward recomputes each block with autograd on, pulls those two cotangents thro
 ``dk, dv`` accumulate in an fp32 buffer that travels around the ring with its key/value
 block and arrives home after ``R`` hops. The key/value transfer of the next step and the
 gradient buffer of the previous one both overlap the current block's compute.
+
+The block step (:class:`BlockKernels`, :func:`attend_block`, :func:`block_inputs`,
+:func:`fold_blocks`, :func:`block_grads`, :func:`backward_blocks`, :func:`start_exchange`) is
+public: the double ring (:mod:`~mindspeed.parallel.context_parallel.double_ring`) runs the same
+steps in another visiting order.
+
+ALiBi: the plan is then made of blocks of consecutive positions (``plan_ring(..., contiguous=True)``),
+and each block is called with ``alibi_offset`` (:meth:`~mindspeed.parallel.context_parallel.blocks.Block.alibi_offset`),
+so its bias is that of its rows' and keys' global positions; the block's ``lse`` includes the
+bias, so the merge and the backward are unchanged.
 """
 
 from __future__ import annotations
