@@ -5,8 +5,9 @@
   ``BloomAttention`` forward and input gradient, at TP1 and TP2;
 - a tiny ALiBi GPT (6 heads: slopes not all from one power of two) at TP2 equals the single-rank
   run, loss and every gradient: each rank adds the slopes of its own heads;
-- Ulysses context parallelism (CP2): each rank's rows of ALiBi attention, and the gradients
-  summed over the ranks, equal the single-rank attention; ring CP is refused with one line;
+- Ulysses and ring context parallelism (CP2): each rank's rows of ALiBi attention, and the
+  gradients summed over the ranks, equal the single-rank attention (the ring biases each block by
+  its rows' and keys' global positions); hybrid CP is refused with one line;
 - the shared mask: a packed forward of that GPT builds its attention mask (the ALiBi bias with
   the segments' -inf) once for all 4 layers, and again only for the next microbatch's ``cu_seqlens``.
 """
@@ -98,8 +99,9 @@ def _bloom_attention_gap(tp: int, bloom: dict[str, torch.Tensor]) -> dict[str, f
     }
 
 
-def _ulysses_gap(rank: int) -> dict[str, Any]:
-    """Largest |CP2 Ulysses - single rank| of ALiBi attention rows and input gradients; the ring's refusal."""
+def _cp_gaps(rank: int) -> dict[str, Any]:
+    """Largest |CP2 - single rank| of ALiBi attention rows and input gradients under Ulysses and the
+    ring (every block biased by its global positions); hybrid's refusal."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -112,33 +114,36 @@ def _ulysses_gap(rank: int) -> dict[str, Any]:
     torch.manual_seed(1)  # the same full tensors on both ranks; megatron's [s, b, n, d]
     q, k, v = (torch.randn(seq, 1, HEADS, HIDDEN // HEADS, requires_grad=True) for _ in range(3))
     probe = torch.randn(seq, 1, HIDDEN)
-    ps.initialize_model_parallel(context_parallel_size=2)
-    try:
-        config = transformer_config(MODEL, ParallelSizes(cp=2))
-        attn = RegistryAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="a2a", impl="sdpa", alibi=True)
-        rows = torch.cat([torch.arange(a, b) for a, b in shard_ranges(seq, rank, 2, RING)])
-        ours = attn(q[rows], k[rows], v[rows], None)
-        (ours * probe[rows]).sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v)]
-        for grad in grads:
-            torch.distributed.all_reduce(grad, group=ps.get_context_parallel_group())
-        try:
-            RegistryAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="p2p", alibi=True)
-            refusal = ""
-        except ValueError as error:
-            refusal = str(error)
-    finally:
-        ps.destroy_model_parallel()
     full = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     want = attention_reference(*(t.transpose(0, 1) for t in full), alibi_slopes=get_alibi_slopes(HEADS))
     want = want.transpose(0, 1).reshape(seq, 1, HIDDEN)
     (want * probe).sum().backward()
-    return {
-        "output": (ours - want[rows]).abs().max().item(),
-        "grads": max((g - t.grad).abs().max().item() for g, t in zip(grads, full)),
-        "refusal": refusal,
-        "scale": want.abs().max().item(),
-    }
+    rows = torch.cat([torch.arange(a, b) for a, b in shard_ranges(seq, rank, 2, RING)])
+    gaps: dict[str, Any] = {"scale": want.abs().max().item()}
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        config = transformer_config(MODEL, ParallelSizes(cp=2))
+        for comm, impl in (("a2a", "sdpa"), ("p2p", "auto")):
+            attn = RegistryAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type=comm, impl=impl, alibi=True)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            ours = attn(*(t[rows] for t in leaves), None)
+            (ours * probe[rows]).sum().backward()
+            grads = [t.grad for t in leaves]
+            for grad in grads:
+                torch.distributed.all_reduce(grad, group=ps.get_context_parallel_group())
+            gaps[comm] = {
+                "output": (ours - want[rows]).abs().max().item(),
+                "grads": max((g - t.grad).abs().max().item() for g, t in zip(grads, full)),
+            }
+        try:
+            hybrid = transformer_config(MODEL, ParallelSizes(cp=2), hierarchical_context_parallel_sizes=[2, 1])
+            RegistryAttention(hybrid, 1, AttnMaskType.causal, "self", cp_comm_type="a2a+p2p", alibi=True)
+            gaps["refusal"] = ""
+        except ValueError as error:
+            gaps["refusal"] = str(error)
+    finally:
+        ps.destroy_model_parallel()
+    return gaps
 
 
 def _mask_constructions() -> list[tuple[int, int]]:
@@ -174,10 +179,10 @@ def _check(rank: int, world_size: int, bloom: dict[str, torch.Tensor]) -> dict[s
         reference = run_reference(MODEL, batches)
         summary = check_layout(MODEL, ParallelSizes(tp=2), batches, reference, "tp2")
         masks = _mask_constructions()
-        ulysses = _ulysses_gap(rank)
+        cp = _cp_gaps(rank)
     finally:
         unadapt()
-    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads), "masks": masks, "ulysses": ulysses}
+    return {"gaps": gaps, "summary": summary, "names": sorted(reference.grads), "masks": masks, "cp": cp}
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +213,9 @@ def test_one_mask_per_microbatch_shared_by_all_layers(results: list[dict[str, An
 
 
 @pytest.mark.distributed
-def test_ulysses_cp2_alibi_equals_single_rank(results: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_ulysses_and_ring_cp2_alibi_equal_single_rank(results: list[dict[str, Any]], comm: str) -> None:
     for out in results:
-        gap = out["ulysses"]
-        assert gap["scale"] > 0.1 and gap["output"] < 1e-5 and gap["grads"] < 1e-5, gap
-        assert "needs Ulysses" in gap["refusal"], gap["refusal"]
+        gaps = out["cp"]
+        assert gaps["scale"] > 0.1 and gaps[comm]["output"] < 1e-5 and gaps[comm]["grads"] < 1e-5, gaps
+        assert "not hybrid" in gaps["refusal"], gaps["refusal"]

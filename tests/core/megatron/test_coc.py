@@ -13,6 +13,9 @@ One spawned 2-rank gloo group checks, bit for bit in fp32 (``torch.equal``):
   gradient-accumulation fusion (the weight gradients added into ``main_grad`` through
   ``matmul_add_fp32``, counted, either way).
 
+The same group checks MC2's fused ``mm_all_reduce_add_rms_norm`` slot: its reference against the
+unfused matmul, all-reduce, residual add and rms_norm (forward bit for bit, gradients to 1e-5).
+
 The feature's one-line refusals (no TP, no sequence parallelism) are checked in-process.
 """
 
@@ -49,6 +52,47 @@ def _op_pairs(group: Any) -> list[str]:
             for name, a, b in zip(("out", "dx", "dw"), expected, got):
                 if not torch.equal(a, b):
                     problems.append(f"{op} chunks={chunks} {name}: max diff {(a - b).abs().max().item()}")
+    return problems
+
+
+def _add_rms_norm(group: Any) -> list[str]:
+    """``mm_all_reduce_add_rms_norm`` (MC2's ``npu_mm_all_reduce_add_rms_norm`` slot): its reference
+    equals the unfused sequence written out here, bit for bit forward; gradients against the same
+    sequence with the other ranks' partial products as constants (the all-reduce's backward is the
+    identity in megatron's row-parallel linear)."""
+    from mindspeed.ops import resolve_kernel
+    from mindspeed.ops.norms import rms_norm_reference
+
+    op = resolve_kernel("mm_all_reduce_add_rms_norm", "reference")
+    problems = []
+    rank = torch.distributed.get_rank()
+    for bias in (False, True):
+        gen = torch.Generator().manual_seed(10 + rank)  # x and w are this rank's shards
+        x, w = torch.randn(5, 2, 16, generator=gen), torch.randn(24, 16, generator=gen) / 4
+        same = torch.Generator().manual_seed(20)  # residual, gamma, bias and cotangents: the same on every rank
+        residual, gamma = torch.randn(5, 2, 24, generator=same), 1 + 0.1 * torch.randn(24, generator=same)
+        b = 0.1 * torch.randn(24, generator=same) if bias else None
+        g_y, g_n = torch.randn(5, 2, 24, generator=same), torch.randn(5, 2, 24, generator=same)
+        leaves = [t.clone().requires_grad_() for t in (x, w, residual, gamma)]
+        y, normed = op(*leaves, group, 1e-5, b)
+        torch.autograd.backward((y, normed), (g_y, g_n))
+
+        product = torch.matmul(x, w.t())
+        reduced = product.clone()
+        torch.distributed.all_reduce(reduced, group=group)
+        want_y = residual + reduced if b is None else residual + reduced + b
+        want_n = rms_norm_reference(want_y, gamma, 1e-5)
+        for name, got, want in (("y", y, want_y), ("normed", normed, want_n)):
+            if not torch.equal(got.detach(), want):
+                problems.append(f"add_rms_norm bias={bias} {name}: max diff {(got - want).abs().max().item()}")
+        plain = [t.clone().requires_grad_() for t in (x, w, residual, gamma)]
+        local = torch.matmul(plain[0], plain[1].t())
+        py = plain[2] + (local + (reduced - local).detach())
+        py = py if b is None else py + b
+        torch.autograd.backward((py, rms_norm_reference(py, plain[3], 1e-5)), (g_y, g_n))
+        for name, got, want in zip(("dx", "dw", "dresidual", "dgamma"), leaves, plain):
+            if not torch.allclose(got.grad, want.grad, atol=1e-5, rtol=1e-5):
+                problems.append(f"add_rms_norm bias={bias} {name}: max diff {(got.grad - want.grad).abs().max()}")
     return problems
 
 
@@ -126,6 +170,7 @@ def _group(rank: int, world_size: int) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
 
     out: dict[str, Any] = {"ops": _op_pairs(torch.distributed.group.WORLD)}
+    out["ops"] += _add_rms_norm(torch.distributed.group.WORLD)
     # Gradient-accumulation fusion's kernel is bound (the feature); each model asks for it or not.
     report = adapt(
         "cpu", features=FeaturesConfig(optimization_level=0, settings={"gradient_accumulation_fusion": True})

@@ -11,11 +11,14 @@ losses and the final parameters must agree to fp32 round-off. The same group che
 gradients) where the GPT does not reach: a sliding window, packed sequences (megatron's THD
 layout, each sequence split zig-zag) with a window, and ALiBi on packed sequences; and the same
 three under adaptive CP (``cp_comm_type="p2p"`` with the feature's ``cp_adaptive``), which runs
-window and ALiBi layers through the KV all-gather.
+window layers through the KV all-gather and ALiBi by its block rule. An ALiBi GPT (BLOOM's
+position scheme) also trains 2 steps under the ring (``megatron_cp_algo``, every ring block
+biased by its global positions) against its single-rank run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -46,6 +49,9 @@ ALGOS: dict[str, dict[str, Any]] = {
     "hybrid-u1r2": {"context_parallel_algo": "hybrid_cp_algo", "ulysses_degree_in_cp": 1},
     "all_gather": {"context_parallel_algo": "kvallgather_cp_algo"},
 }
+#: The ALiBi GPT (registry spec with ALiBi, no rope) and what it trains under: label -> (settings, steps).
+ALIBI_MODEL = dataclasses.replace(MODEL, position_embedding_type="alibi")
+ALIBI_ALGOS: dict[str, tuple[dict[str, Any], int]] = {"alibi ring": ({"context_parallel_algo": "megatron_cp_algo"}, 2)}
 #: RegistryAttention cases under all_gather: label -> (window_size, packed boundaries or None, ALiBi).
 LAYER_CASES: dict[str, tuple[tuple[int, int] | None, tuple[int, ...] | None, bool]] = {
     "window": ((5, 0), None, False),
@@ -80,7 +86,7 @@ def _loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dic
 
 
 def _run(
-    overrides: dict[str, Any], steps: list[list[dict]], initial: dict | None
+    overrides: dict[str, Any], steps: list[list[dict]], initial: dict | None, model: TinyGPTConfig = MODEL
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Train ``steps`` at CP = ``overrides['context_parallel_size']`` (1 when absent).
 
@@ -100,11 +106,12 @@ def _run(
     ps.initialize_model_parallel(context_parallel_size=cp)
     torch.manual_seed(MODEL.seed)
     model_parallel_cuda_manual_seed(MODEL.seed)
+    alibi = model.position_embedding_type == "alibi"
     try:
         chunks = build_gpt(
-            MODEL,
+            model,
             Layout(),
-            layer_spec=get_gpt_layer_spec(impls={"attention": "reference"}),
+            layer_spec=get_gpt_layer_spec(impls={"attention": "reference"}, alibi=alibi),
             use_te_activation_func=True,
             bias_activation_fusion=False,
             **overrides,
@@ -112,7 +119,7 @@ def _run(
         if initial is None:
             broadcast_state(chunks)
         else:
-            load_full_state(chunks, MODEL, initial)
+            load_full_state(chunks, model, initial)
         start = full_state(chunks)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, clip_grad=1.0), chunks)
         rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
@@ -133,7 +140,7 @@ def _run(
                 data_iterator=iter(batches),
                 model=chunks,
                 num_microbatches=len(batches),
-                seq_length=MODEL.seq_length // cp,
+                seq_length=model.seq_length // cp,
                 micro_batch_size=MICRO_BATCH_SIZE,
             )
             # Each CP rank reports its shard's mean: average them (equal shards) for the sequence's.
@@ -175,7 +182,10 @@ def _layer_gaps(rank: int) -> dict[str, Any]:
                 rows = torch.cat([torch.arange(a, b) for a, b in packed_shard_ranges(bounds, rank, 2)])
                 cu = torch.tensor(bounds, dtype=torch.int32)
                 params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-            for mode, comm, extra in (("", "all_gather", {}), ("adaptive ", "p2p", {"cp_adaptive": True})):
+            modes = [("", "all_gather", {}), ("adaptive ", "p2p", {"cp_adaptive": True})]
+            if alibi:  # the ring takes ALiBi too (a window it does not)
+                modes.append(("ring ", "p2p", {}))
+            for mode, comm, extra in modes:
                 _compare_layer(comparison, f"{mode}{label}", (q, k, v, probe), rows, params, window, alibi, comm, extra)
     finally:
         ps.destroy_model_parallel()
@@ -221,8 +231,14 @@ def _check(rank: int, world_size: int) -> list[dict[str, Any]]:
         steps = [make_batches(MODEL, NUM_MICROBATCHES, MICRO_BATCH_SIZE, seed=step) for step in range(STEPS)]
         ref_losses, initial, final = _run({}, steps, None)
         summaries = []
-        for label, settings in ALGOS.items():
-            losses, _, params = _run(_cp_overrides(settings), steps, initial)
+        runs = [(label, settings, STEPS, MODEL) for label, settings in ALGOS.items()]
+        runs += [(label, settings, count, ALIBI_MODEL) for label, (settings, count) in ALIBI_ALGOS.items()]
+        references = {MODEL: (ref_losses, initial, final)}
+        for label, settings, count, model in runs:
+            if model not in references:
+                references[model] = _run({}, steps[:count], None, model)
+            ref_losses, initial, final = references[model]
+            losses, _, params = _run(_cp_overrides(settings), steps[:count], initial, model)
             comparison = Comparison(label, atol=2e-5, rtol=1e-4)
             for step, (loss, expected) in enumerate(zip(losses, ref_losses)):
                 comparison.add(f"loss step {step}", loss, expected, atol=1e-5, rtol=1e-6)
@@ -243,11 +259,12 @@ def results() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", list(ALGOS))
+@pytest.mark.parametrize("label", [*ALGOS, *ALIBI_ALGOS])
 def test_cp2_training_matches_single_rank(results: dict[str, dict[str, Any]], label: str) -> None:
     result = results[label]
     assert not result["failures"], f"{label} differs from the single-rank run:\n" + "\n".join(result["failures"])
-    assert len([name for name in result["names"] if name.startswith("loss")]) == STEPS
+    steps = ALIBI_ALGOS[label][1] if label in ALIBI_ALGOS else STEPS
+    assert len([name for name in result["names"] if name.startswith("loss")]) == steps
     # Training moved the weights well beyond the tolerance, so equal final params mean something.
     assert result["moved"] > 1e-3
 
@@ -256,4 +273,5 @@ def test_cp2_training_matches_single_rank(results: dict[str, dict[str, Any]], la
 def test_all_gather_attention_layer_matches_single_rank(results: dict[str, dict[str, Any]]) -> None:
     result = results["all_gather layer"]
     assert not result["failures"], "all_gather RegistryAttention differs:\n" + "\n".join(result["failures"])
-    assert len(result["names"]) == 2 * 4 * len(LAYER_CASES)  # all_gather, and adaptive (which picks it)
+    # all_gather, adaptive (which picks it or the ring), and the ring for the ALiBi cases
+    assert len(result["names"]) == 2 * 4 * len(LAYER_CASES) + 4 * sum(alibi for _, _, alibi in LAYER_CASES.values())

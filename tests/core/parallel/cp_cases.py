@@ -207,6 +207,13 @@ def _check_extras(rank: int, world_size: int) -> list[dict]:
             "kvallgather_cp_algo",
         ),
         (
+            "ALiBi with hybrid",
+            lambda: context_parallel_attention(
+                *shards, algo=HYBRID, cp_group=group, alibi_slopes=get_alibi_slopes(shards[0].shape[2])
+            ),
+            "megatron_cp_algo, kvallgather_cp_algo or adaptive_cp_algo",
+        ),
+        (
             "window without a causal mask",
             lambda: context_parallel_attention(
                 *shards, algo=KVALLGATHER, cp_group=group, causal=False, window_size=(3, 0)

@@ -26,6 +26,19 @@ def test_choice_by_counted_blocks(seq_len, cp, causal, bounds, window, algo, use
     assert all(choice.visible[r][r] for r in range(cp))  # every rank attends its own shard (causal diagonal)
 
 
+@pytest.mark.parametrize(
+    ("causal", "bounds", "algo"),
+    [
+        (True, None, RING),  # ALiBi in the ring's blocks (it went to the all-gather before)
+        (True, (0, 4, 8, 10, 12, 16, 20, 24, 28, 32), LOCAL),
+        (True, (0, 2, 6, 8, 12, 16, 20, 24, 28, 32), KVALLGATHER),  # 1 of 3 steps, causal: the all-gather
+        (False, (0, 2, 6, 8, 12, 16, 20, 24, 28, 32), RING),  # the all-gather takes ALiBi causal only
+    ],
+)
+def test_alibi_follows_the_block_rule(causal, bounds, algo) -> None:
+    assert choose_cp_algo(32, 4, causal, bounds, (-1, -1), True).algo == algo
+
+
 def test_visibility_matches_brute_force() -> None:
     """visible[r][s] is exactly "some query of r sees some key of s" by the mask itself."""
     from mindspeed.parallel.context_parallel import shard_ranges

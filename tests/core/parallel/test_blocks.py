@@ -65,6 +65,32 @@ def test_blocks_cover_each_visible_pair_exactly_once() -> None:
     assert checked > 1000
 
 
+def test_contiguous_blocks_cover_each_pair_once_at_their_global_positions() -> None:
+    """ALiBi's plans: the same coverage, and every block's rows and keys are consecutive positions
+    starting at ``q_pos`` / ``k_pos`` (so ``alibi_offset`` puts them where they are)."""
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(300):
+        size, seq_len, causal = rng.choice([1, 2, 3, 4]), rng.randint(1, 33), rng.random() < 0.5
+        bounds = _random_bounds(rng, seq_len)
+        shards = [zigzag_ranges(seq_len, r, size) for r in range(size)]
+        for r in range(size):
+            for s in range(size):
+                kwargs = dict(seq_len=seq_len, causal=causal, bounds=bounds)
+                blocks = plan_blocks(shards[r], shards[s], contiguous=True, **kwargs)
+                q_pos, k_pos = _positions(shards[r]), _positions(shards[s])
+                got = _covered(blocks, len(q_pos), len(k_pos))
+                assert torch.equal(got, _expected(q_pos, k_pos, causal, bounds)), (size, seq_len, causal, bounds, r, s)
+                for blk in blocks:
+                    rows, keys = q_pos[blk.q_start : blk.q_stop], k_pos[blk.k_start : blk.k_stop]
+                    assert rows == list(range(blk.q_pos, blk.q_pos + len(rows))), blk
+                    assert keys == list(range(blk.k_pos, blk.k_pos + len(keys))), blk
+                    # The op's query i sits at key index i + n_k - n_q + offset: key k_pos + that = q_pos + i.
+                    assert blk.k_pos + len(keys) - len(rows) + blk.alibi_offset() == blk.q_pos, blk
+                checked += 1
+    assert checked > 700
+
+
 def test_one_call_per_step_without_packing_or_with_a_causal_mask() -> None:
     """The merge recovers the classic zig-zag schedule; packed causal steps need one call too."""
     for size in (2, 3, 4):

@@ -5,6 +5,7 @@ Each group runs many configurations (one spawn per group: ranks cost seconds to 
 ``dq, dk, dv`` against ``attention_reference`` on the whole sequence, causal and full masks,
 grouped-query attention (kv heads fewer than the Ulysses degree too), lengths that do not
 divide by the CP degree, packed sequences whose boundaries fall inside and across shards,
+ALiBi (the ring's and double ring's blocks biased by their global positions, causal and full),
 fp32 and bf16.
 """
 
@@ -38,6 +39,12 @@ TWO_RANKS = [
     CpCase(RING, 27, cu_seqlens=(0, 9, 20, 27)),  # packed and unaligned
     CpCase(RING, 16, overlap=False),
     CpCase(RING, 16, heads_kv=2, dtype="bfloat16"),
+    # ALiBi in the ring: every block biased by its rows' and keys' global positions.
+    CpCase(RING, 16, heads_kv=2, alibi=True),
+    CpCase(RING, 13, heads_q=6, heads_kv=3, causal=False, alibi=True),  # unaligned, full mask, 6 heads
+    CpCase(RING, 30, heads_kv=2, cu_seqlens=PACKED_30, alibi=True),
+    CpCase(RING, 22, causal=False, cu_seqlens=PACKED_22, alibi=True),
+    CpCase(RING, 16, heads_kv=2, dtype="bfloat16", alibi=True),
     CpCase(HYBRID, 16, heads_kv=2, ulysses_degree=2),  # 2 x 1: Ulysses only
     CpCase(HYBRID, 22, ulysses_degree=1, cu_seqlens=PACKED_22),  # 1 x 2: ring only
     CpCase(HYBRID, 13, ulysses_degree=2, causal=False),
@@ -55,6 +62,7 @@ TWO_RANKS = [
     CpCase(ADAPTIVE, 16, cu_seqlens=(0, 4, 9, 12, 16)),  # documents inside chunks -> local
     CpCase(ADAPTIVE, 22, causal=False, cu_seqlens=PACKED_22),  # every document inside one rank -> local
     CpCase(ADAPTIVE, 16, heads_kv=2, window=3),  # -> KV all-gather
+    CpCase(ADAPTIVE, 16, heads_kv=2, alibi=True),  # -> ring
 ]
 
 FOUR_RANKS = [
@@ -67,6 +75,8 @@ FOUR_RANKS = [
     CpCase(RING, 30, causal=False, cu_seqlens=PACKED_30),
     CpCase(RING, 27, heads_kv=1, cu_seqlens=(0, 9, 20, 27)),
     CpCase(RING, 16, overlap=False),
+    CpCase(RING, 16, heads_kv=2, alibi=True),
+    CpCase(RING, 27, heads_kv=1, causal=False, cu_seqlens=(0, 9, 20, 27), alibi=True),
     CpCase(HYBRID, 16, heads_kv=1, ulysses_degree=2),  # 2 x 2, one kv head
     CpCase(HYBRID, 13, heads_kv=2, ulysses_degree=2, causal=False),
     CpCase(HYBRID, 22, ulysses_degree=2, cu_seqlens=PACKED_22),
@@ -84,6 +94,8 @@ FOUR_RANKS = [
     CpCase(RING, 27, heads_kv=1, cu_seqlens=(0, 9, 20, 27), cp_window=2),
     CpCase(RING, 16, overlap=False, cp_window=2),
     CpCase(RING, 16, heads_kv=2, dtype="bfloat16", cp_window=2),
+    CpCase(RING, 16, heads_kv=2, alibi=True, cp_window=2),
+    CpCase(RING, 30, causal=False, cu_seqlens=PACKED_30, alibi=True, cp_window=2),
     # Adaptive on each mask kind (the chosen algorithm is in the report's case name).
     CpCase(ADAPTIVE, 32, heads_kv=2),  # causal -> ring
     CpCase(ADAPTIVE, 32, cu_seqlens=(0, 4, 8, 10, 12, 16, 20, 24, 28, 32)),  # inside chunks -> local
@@ -91,6 +103,9 @@ FOUR_RANKS = [
     CpCase(ADAPTIVE, 30, cu_seqlens=PACKED_30, cp_window=2),  # -> double ring
     CpCase(ADAPTIVE, 16, heads_kv=2, window=5),  # -> KV all-gather
     CpCase(ADAPTIVE, 16, causal=False),  # -> ring
+    CpCase(ADAPTIVE, 32, heads_kv=2, alibi=True),  # causal -> ring, ALiBi in every block
+    CpCase(ADAPTIVE, 32, cu_seqlens=(0, 4, 8, 10, 12, 16, 20, 24, 28, 32), alibi=True),  # -> local
+    CpCase(ADAPTIVE, 32, causal=False, cu_seqlens=(0, 2, 6, 8, 12, 16, 20, 24, 28, 32), alibi=True),  # -> ring
 ]
 
 

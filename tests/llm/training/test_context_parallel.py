@@ -206,3 +206,30 @@ def test_cp4_double_ring_and_adaptive_match_cp1(runs4: dict[str, Any], stage: st
     ref = runs4[f"{stage}/cp1"]
     assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn"
     _same(runs4[f"{stage}/{algo}"], ref, f"{stage} {algo}")
+
+
+@pytest.mark.parametrize(
+    ("algo", "offset"),
+    [
+        ("megatron_cp_algo", True),
+        ("adaptive_cp_algo", True),
+        ("ulysses_cp_algo", False),
+        ("kvallgather_cp_algo", False),
+    ],
+)
+def test_alibi_model_asks_the_kernel_for_block_offsets_under_the_ring(algo: str, offset: bool) -> None:
+    """The ring biases each block by its global positions: the kernel the feature picks must take ``alibi_offset``."""
+    from types import SimpleNamespace
+
+    from mindspeed.features import ModelFacts
+    from mindspeed.model import ModelShape
+    from mindspeed_llm.training.context_parallel import context_parallel_facts
+
+    config = SimpleNamespace(
+        features=SimpleNamespace(settings={"context_parallel": {"context_parallel_algo": algo}}), stage="pretrain"
+    )
+    shape = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, vocab_size=8)
+    for alibi in (False, True):
+        facts = ModelFacts(attention_features=("alibi",) if alibi else ())
+        features = context_parallel_facts(facts, config, shape).attention_features
+        assert ("alibi_offset" in features) == (alibi and offset), (algo, alibi, features)

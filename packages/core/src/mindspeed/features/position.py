@@ -43,7 +43,8 @@ class AlibiFeature(Feature):
         """An ALiBi model with heads that the tensor-parallel size divides.
 
         Context parallelism is checked where its algorithm is known: the attention layers take
-        Ulysses and KV all-gather and refuse the ring and hybrid algorithms at build time.
+        the ring (and double ring), Ulysses, KV all-gather and adaptive CP, and refuse hybrid at
+        build time.
         """
         kind = ctx.model.position_embedding_type
         if kind is not None and kind != ALIBI:

@@ -23,7 +23,7 @@ from mindspeed.megatron.compiled_packing import CompiledPackedParams, packed_att
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.alibi import shard_alibi_slopes
-from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_ALIBI_OFFSET, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import (
     ADAPTIVE,
     HYBRID,
@@ -127,8 +127,10 @@ class RegistryAttention(MegatronModule):
 
     With ``alibi=True`` (the spec of an ALiBi model) the scores get ALiBi's bias; this rank's
     slopes are those of its tensor-parallel heads (megatron gives rank ``r`` of ``T`` the heads
-    ``r * n / T .. (r + 1) * n / T - 1``). Under context parallelism with Ulysses or KV all-gather
-    (``cp_comm_type='all_gather'``, which also takes ``window_size``); not with shared-prefix packing.
+    ``r * n / T .. (r + 1) * n / T - 1``). Under context parallelism with the ring or double ring
+    (``'p2p'``: every block biased by its global positions), Ulysses (``'a2a'``, unpacked), KV
+    all-gather (``cp_comm_type='all_gather'``, which also takes ``window_size``) or adaptive CP;
+    not with hybrid nor shared-prefix packing.
 
     ``config.softmax_type='learnable'`` (GPT-OSS's attention sinks) gives it megatron's
     ``softmax_offset`` parameter, one logit per local head, passed to the kernel as ``sinks``
@@ -172,18 +174,20 @@ class RegistryAttention(MegatronModule):
                     f"window_size under context parallelism needs cp_comm_type 'all_gather' (kvallgather_cp_algo), "
                     f"not {self.cp.algo}; unset it, use all_gather, adaptive_cp_algo or context_parallel_size=1"
                 )
-            if self.cp.algo in (RING, HYBRID) and not (self.cp.adaptive and (window is not None or alibi)):
+            if self.cp.algo in (RING, HYBRID) and not (self.cp.adaptive and window is not None):
                 # Ring and hybrid merge blocks by their lse: fail at build time if the kernel has none.
-                # (Adaptive CP runs a window or ALiBi layer by the KV all-gather, which needs none.)
+                # (Adaptive CP runs a window layer by the KV all-gather, which needs none.)
                 features = (FEATURE_LSE,)
         self.alibi_slopes = _alibi_slopes(config, pg_collection) if alibi else None
         if alibi:
             features = (*features, FEATURE_ALIBI)
-            if self.cp is not None and self.cp.algo not in (ULYSSES, KVALLGATHER) and not self.cp.adaptive:
+            if self.cp is not None and self.cp.algo == HYBRID:
                 raise ValueError(
-                    f"ALiBi under context parallelism needs Ulysses or KV all-gather (cp_comm_type 'a2a' or "
-                    f"'all_gather'), not {self.cp.algo}: the ring would need every block's global positions"
+                    "ALiBi under context parallelism needs the ring, Ulysses or KV all-gather (cp_comm_type "
+                    "'p2p', 'a2a' or 'all_gather'), not hybrid 'a2a+p2p'"
                 )
+            if self.cp is not None and self.cp.algo == RING and FEATURE_LSE in features:
+                features = (*features, FEATURE_ALIBI_OFFSET)  # each ring block is biased by its global positions
         self.features = features
         self.kernel = resolve_kernel("attention", impl, features=features)
         self.softmax_offset = self._make_sinks(config, pg_collection)
@@ -315,10 +319,10 @@ class RegistryAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("RegistryAttention needs cu_seqlens_q == cu_seqlens_kv for packed sequences")
         if self.cp is not None:
-            if self.alibi_slopes is not None and self.cp.algo != KVALLGATHER and not self.cp.adaptive:
+            if self.alibi_slopes is not None and self.cp.algo not in (RING, KVALLGATHER):
                 raise ValueError(
-                    "packed sequences with ALiBi under context parallelism are not supported; "
-                    "use context_parallel_size=1, unpacked sequences or cp_comm_type 'all_gather'"
+                    "packed sequences with ALiBi under context parallelism need cp_comm_type 'p2p' (ring) or "
+                    "'all_gather'; use one of them, context_parallel_size=1 or unpacked sequences"
                 )
             out = self.cp.attend_packed(
                 query.unsqueeze(0),
@@ -494,7 +498,7 @@ class _ContextParallel:
     ) -> torch.Tensor:
         """This rank's rows of attention over the whole sequence; BSND zig-zag shards in and out.
 
-        ``alibi_slopes`` (Ulysses and KV all-gather): the slopes of the heads this rank attends
+        ``alibi_slopes`` (ring, Ulysses and KV all-gather): the slopes of the heads this rank attends
         (after Ulysses' all-to-all, its part of them); Ulysses' sorted rows are the whole sequence
         in position order and KV all-gather aligns every call by global position, so the bias is
         exact. ``window_size``: KV all-gather only (the caller checks).
@@ -506,7 +510,7 @@ class _ContextParallel:
                 f"({2 * self.cp_size}), as megatron's zig-zag split of data and rope needs"
             )
         algo = self.algo
-        if self.adaptive:  # unpacked rows are one sequence: the ring, or the all-gather for a window / ALiBi
+        if self.adaptive:  # unpacked rows are one sequence: the ring, or the all-gather for a window
             algo = choose_cp_algo(seq_len, self.cp_size, causal, None, tuple(window_size), alibi_slopes is not None)
             algo = algo.algo
         if algo == KVALLGATHER:
@@ -537,6 +541,7 @@ class _ContextParallel:
                 impl=impl,
                 inner_ring_group=self.inner_ring_group,
                 outer_ring_group=self.outer_ring_group,
+                alibi_slopes=alibi_slopes,
             )
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         sort, unsort = self._order(seq_len, q.device)
@@ -637,7 +642,8 @@ class _ContextParallel:
             cu = local_cu_seqlens(packed_shard_ranges(bounds, self.cp_group.rank(), self.cp_size), bounds)
             local = _kernel("attention", impl, (*features, FEATURE_VARLEN), device)
             cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
-            return local(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu)
+            alibi = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}  # segments are consecutive
+            return local(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu, **alibi)
         if algo == KVALLGATHER:
             return kv_allgather_attention(
                 q,
@@ -656,7 +662,8 @@ class _ContextParallel:
         ring_group = self.cp_group if self.algo == RING else self.ring_group
         lse_kernel = update = None
         if ring_group is not None and ring_group.size() > 1:  # only the ring merges blocks by their lse
-            lse_kernel = _kernel("attention", impl, (FEATURE_LSE, FEATURE_VARLEN), device)
+            alibi = (FEATURE_ALIBI, FEATURE_ALIBI_OFFSET) if alibi_slopes is not None else ()
+            lse_kernel = _kernel("attention", impl, (FEATURE_LSE, FEATURE_VARLEN, *alibi), device)
             update = _kernel("ring_attention_update", "auto", (), device)
         if algo == RING and self.inner_ring_group is not None:
             return double_ring_attention(
@@ -672,6 +679,7 @@ class _ContextParallel:
                 attend=lse_kernel,
                 update=update,
                 per_sequence=True,
+                alibi_slopes=alibi_slopes,
             )
         if algo == RING:
             return ring_attention(
@@ -686,6 +694,7 @@ class _ContextParallel:
                 attend=lse_kernel,
                 update=update,
                 per_sequence=True,
+                alibi_slopes=alibi_slopes,
             )
         sort, unsort = self._packed_order(bounds, q.device)
         varlen = _kernel("attention", impl, (FEATURE_VARLEN,), device)

@@ -50,8 +50,10 @@ def shard_alibi_slopes(num_heads: int, rank: int, size: int) -> torch.Tensor:
     return get_alibi_slopes(num_heads)[rank * local : (rank + 1) * local]
 
 
-def alibi_bias(slopes: torch.Tensor, seq_q: int, seq_k: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The fp32 bias ``[heads, seq_q, seq_k]``: ``-slope * |i + seq_k - seq_q - j|``.
+def alibi_bias(
+    slopes: torch.Tensor, seq_q: int, seq_k: int, device: torch.device | str | None = None, offset: int = 0
+) -> torch.Tensor:
+    """The fp32 bias ``[heads, seq_q, seq_k]``: ``-slope * |i + seq_k - seq_q + offset - j|``.
 
     The slopes are constants of the model (no gradient flows to them, as in flash-attn).
 
@@ -60,9 +62,12 @@ def alibi_bias(slopes: torch.Tensor, seq_q: int, seq_k: int, device: torch.devic
         seq_q: number of queries.
         seq_k: number of keys.
         device: where to build it (default: the slopes').
+        offset: shifts the queries' positions against the keys' (the ``attention`` op's
+            ``alibi_offset``: a block of a longer sequence whose rows and keys are not aligned
+            bottom-right, as in ring attention).
     """
     device = slopes.device if device is None else device
-    q_pos = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+    q_pos = torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q + offset)
     k_pos = torch.arange(seq_k, device=device)[None, :]
     distance = (q_pos - k_pos).abs().float()
     return -slopes.detach().to(device=device, dtype=torch.float32)[:, None, None] * distance

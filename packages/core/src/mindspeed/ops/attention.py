@@ -15,7 +15,10 @@ Masks follow flash-attn's conventions so that every backend agrees:
 - ``cu_seqlens`` packs several sequences into one row (``batch == 1``, ``seq_q == seq_k``): a
   token sees only its own segment, and causal/window apply inside it;
 - ``alibi_slopes`` (``[heads_q]`` fp32) adds ALiBi's ``-slope * |pos_q - pos_k|`` to the scaled
-  scores (:mod:`mindspeed.ops.alibi`), inside each segment of packed sequences.
+  scores (:mod:`mindspeed.ops.alibi`), inside each segment of packed sequences;
+  ``alibi_offset`` (feature ``alibi_offset``) moves the queries by that many positions for the
+  bias only (``pos_q = i + seq_k - seq_q + alibi_offset``; the masks keep the bottom-right
+  alignment): a block of ring attention whose rows and keys lie apart in the whole sequence.
 
 A query row that sees no key outputs zeros and has ``lse = -inf``; its gradients are zero.
 
@@ -48,6 +51,7 @@ FEATURE_LSE = "lse"
 FEATURE_WINDOW = "window"
 FEATURE_VARLEN = "varlen"
 FEATURE_ALIBI = "alibi"
+FEATURE_ALIBI_OFFSET = "alibi_offset"
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -199,6 +203,7 @@ def attention_reference(
     return_lse: bool = False,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_offset: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the whole score matrix materialised, in fp32.
 
@@ -214,6 +219,7 @@ def attention_reference(
         alibi_slopes: ``[heads_q]`` ALiBi slopes (see :mod:`mindspeed.ops.alibi`).
         sinks: ``[heads_q]`` sink logits: one more softmax column per row, dropped after the
             softmax (``None``: no sink).
+        alibi_offset: ALiBi's query positions moved by this many keys (the bias only).
 
     Returns:
         The output ``[batch, seq_q, heads_q, dim]`` in ``q``'s dtype, and with ``return_lse``
@@ -232,7 +238,9 @@ def attention_reference(
     v32 = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
     if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, seq_q, seq_k, q.device)
+        scores = scores + alibi_bias(alibi_slopes, seq_q, seq_k, q.device, alibi_offset)
+    elif alibi_offset:
+        raise ValueError(f"alibi_offset={alibi_offset} without alibi_slopes; pass the slopes or leave the offset 0")
     visible = visible_keys_mask(
         seq_q, seq_k, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device
     )

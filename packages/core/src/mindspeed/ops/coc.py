@@ -409,3 +409,92 @@ register_op(
 register_kernel("all_gather_matmul", "chunked", priority=10)(all_gather_matmul_chunked)
 register_kernel("matmul_all_reduce", "chunked", priority=10)(matmul_all_reduce_chunked)
 register_kernel("matmul_reduce_scatter", "chunked", priority=10)(matmul_reduce_scatter_chunked)
+
+
+# -- MC2's matmul + all-reduce + residual add + rms_norm ----------------------------------------
+
+
+def _check_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor) -> None:
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"mm_all_reduce_add_rms_norm: x's last dim {x.shape[-1]} != weight's in-features {weight.shape[-1]}"
+        )
+    want = (*x.shape[:-1], weight.shape[0])
+    if tuple(residual.shape) != want:
+        raise ValueError(
+            f"mm_all_reduce_add_rms_norm: residual {list(residual.shape)} must have the product's shape {list(want)}"
+        )
+    if tuple(gamma.shape) != (weight.shape[0],):
+        raise ValueError(f"mm_all_reduce_add_rms_norm: gamma {list(gamma.shape)} must be [{weight.shape[0]}]")
+
+
+def mm_all_reduce_add_rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    group: Any = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-parallel linear's output added to the residual stream and normalised, unfused:
+    ``y = residual + all_reduce(x @ weight^T) (+ bias)``, ``rms_norm(y, gamma, eps)``.
+
+    MindSpeed's MC2 op ``npu_mm_all_reduce_add_rms_norm`` does the four in one vendor kernel (the
+    end of one transformer block and the start of the next: attention projection or fc2, the
+    TP all-reduce, the residual connection, the next pre-norm). Here each step is the registry's:
+    ``matmul_all_reduce``'s reference (its backward: the all-reduce's is the identity, as
+    megatron's), the add, and ``rms_norm``'s reference.
+
+    Args:
+        x: ``[..., in]``, this rank's shard of the features (row-parallel input).
+        weight: ``[hidden, in]`` (megatron's ``[out, in]``).
+        residual: ``[..., hidden]``, the residual stream (the same on every rank).
+        gamma: ``[hidden]`` rms_norm weight.
+        group: the tensor-parallel group (``None``: one rank, no communication).
+        eps: rms_norm's epsilon.
+        bias: ``[hidden]`` linear bias, added once after the all-reduce, or ``None``.
+
+    Returns:
+        ``(y, normed)``: the new residual stream ``y`` and ``rms_norm(y)``, both ``[..., hidden]``.
+    """
+    from mindspeed.ops.norms import rms_norm_reference
+
+    _check_add_rms_norm(x, weight, residual, gamma)
+    y = residual + matmul_all_reduce_reference(x, weight, group)
+    if bias is not None:
+        y = y + bias
+    return y, rms_norm_reference(y, gamma, eps)
+
+
+def _add_rms_norm_cases(dtype: torch.dtype, device: torch.device) -> list[Case]:
+    gen = torch.Generator().manual_seed(0)
+
+    def make(s: int, b: int, n_in: int, hidden: int, bias: bool, name: str) -> Case:
+        x = torch.randn(s, b, n_in, generator=gen).to(device, dtype)
+        w = (torch.randn(hidden, n_in, generator=gen) / n_in**0.5).to(device, dtype)
+        residual = torch.randn(s, b, hidden, generator=gen).to(device, dtype)
+        gamma = (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+        extra = {"eps": 1e-5, "bias": (0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)} if bias else {}
+        return Case(name, (x, w, residual, gamma), extra)
+
+    return [make(8, 2, 16, 24, False, "no bias"), make(7, 3, 33, 40, True, "odd shape, bias, eps 1e-5")]
+
+
+def _add_rms_norm_bench(dtype: torch.dtype, device: torch.device) -> Case:
+    x = torch.randn(512, 2, 1024, dtype=dtype, device=device)
+    w = torch.randn(1024, 1024, dtype=dtype, device=device) / 32
+    residual = torch.randn(512, 2, 1024, dtype=dtype, device=device)
+    gamma = torch.ones(1024, dtype=dtype, device=device)
+    return Case("seq 512 x 2, 1024 -> 1024 (one rank)", (x, w, residual, gamma))
+
+
+register_op(
+    OpSpec(
+        name="mm_all_reduce_add_rms_norm",
+        reference=mm_all_reduce_add_rms_norm_reference,
+        doc="x @ W^T, all-reduce over the TP group, + residual (+ bias), rms_norm: (y, normed) (MC2 slot)",
+        cases=_add_rms_norm_cases,
+        bench_case=_add_rms_norm_bench,
+    )
+)

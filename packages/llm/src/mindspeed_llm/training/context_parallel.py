@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mindspeed.features import ModelFacts
 from mindspeed.model.shape import ModelShape
-from mindspeed.ops.attention import FEATURE_LSE, FEATURE_VARLEN
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_ALIBI_OFFSET, FEATURE_LSE, FEATURE_VARLEN
 from mindspeed.parallel.context_parallel import ADAPTIVE, HYBRID, RING, split_for_context_parallel
 from mindspeed.parallel.context_parallel.layout import split_packed_for_context_parallel
 from mindspeed_llm.training.config import PretrainConfig
@@ -51,11 +51,14 @@ def context_parallel_facts(facts: ModelFacts, config: PretrainConfig, shape: Mod
     """``facts`` with what CP needs of the attention kernel and the heads the feature checks.
 
     Ring, hybrid and adaptive (which may run the ring) merge blocks by their log-sum-exp (``lse``); packed stages (sft) attend
-    within ``cu_seqlens`` (``varlen``). The attention-kernel feature picks a kernel that has both.
+    within ``cu_seqlens`` (``varlen``); an ALiBi model under the ring biases each block by its global positions
+    (``alibi_offset``). The attention-kernel feature picks a kernel that has them all.
     """
     needs = set(facts.attention_features)
     if context_parallel_algo(config) in (RING, HYBRID, ADAPTIVE):
         needs.add(FEATURE_LSE)
+    if FEATURE_ALIBI in needs and context_parallel_algo(config) in (RING, ADAPTIVE):
+        needs.add(FEATURE_ALIBI_OFFSET)
     if config.stage != "pretrain":
         needs.add(FEATURE_VARLEN)
     extra = {

@@ -89,3 +89,49 @@ matmul_reduce_scatter_npu = register_kernel(
 matmul_all_reduce_npu = register_kernel(
     "matmul_all_reduce", "npu", devices=_NPU, priority=20, available=_has("npu_mm_all_reduce_base")
 )(_on_npu("matmul_all_reduce", matmul_all_reduce_chunked))
+
+
+# -- npu_mm_all_reduce_add_rms_norm -------------------------------------------------------------
+
+
+@register_kernel(
+    "mm_all_reduce_add_rms_norm", "npu", devices=_NPU, priority=20, available=_has("npu_mm_all_reduce_add_rms_norm")
+)
+def mm_all_reduce_add_rms_norm_npu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    group: Any = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_mm_all_reduce_add_rms_norm`` (MindSpeed's MC2 kernel): one launch for the
+    matmul, the HCCL all-reduce, the residual add and the rms_norm; same arguments and results
+    as :func:`mindspeed.ops.coc.mm_all_reduce_add_rms_norm_reference`.
+
+    The argument order is MindSpeed's (``x1, x2, residual, gamma, hcom, reduce_op, epsilon``),
+    over CANN's ``aclnnMatmulAllReduceAddRmsNorm``; MindSpeed builds the binding as its own op,
+    so the probe offers this kernel only where the installed torch_npu exposes it. The kernel
+    takes the matmul's second operand as ``[in, hidden]`` (``weight^T``) and the
+    residual as ``[b, s, hidden]``, so ``x`` is folded to 3-D with the last dim kept. The bias
+    is folded into the residual (``y = (residual + bias) + all_reduce(x W^T)``: added once, as
+    the reference adds it). The kernel has no backward: where a gradient is needed, and on a
+    single rank, the registry's unfused ops run instead (the result is the reference's).
+    """
+    from mindspeed.ops.coc import mm_all_reduce_add_rms_norm_reference
+
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, residual, gamma, bias)
+    )
+    if needs_grad or group is None or dist.get_world_size(group) == 1:
+        return mm_all_reduce_add_rms_norm_reference(x, weight, residual, gamma, group, eps, bias)
+    hidden = weight.shape[0]
+    x3 = x.reshape(1, -1, x.shape[-1]) if x.dim() == 2 else x.reshape(-1, x.shape[-2], x.shape[-1])
+    residual3 = residual.reshape(*x3.shape[:-1], hidden)
+    if bias is not None:
+        residual3 = residual3 + bias
+    y, normed = _torch_npu().npu_mm_all_reduce_add_rms_norm(
+        x3, weight.t(), residual3, gamma, _hcom(group), reduce_op="sum", epsilon=eps
+    )
+    return y.view(*x.shape[:-1], hidden), normed.view(*x.shape[:-1], hidden)

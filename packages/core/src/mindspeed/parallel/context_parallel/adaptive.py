@@ -12,7 +12,10 @@ query of ``r`` may attend any key of ``s`` (the non-empty blocks of the ``C x C`
 the blocks of :func:`~mindspeed.parallel.context_parallel.blocks.plan_blocks` and a window's
 reach):
 
-1. a sliding window or ALiBi: ``kvallgather_cp_algo``, the one algorithm that takes them;
+1. a sliding window: ``kvallgather_cp_algo``, the one algorithm that takes one. ALiBi takes
+   the rule below like any mask (the ring biases every block by its global positions, the
+   KV all-gather and ``local`` by theirs), except that ALiBi without a causal mask goes to the
+   ring when the rule says KV all-gather (which takes ALiBi under a causal mask only);
 2. no non-empty block off the diagonal (every packed document lies inside one rank's
    chunk): ``local``, each rank attends its own shard and **nothing is communicated**;
 3. the ring's step ``d`` (every rank ``r`` meeting the keys of ``r - d``) is *used* when some
@@ -104,12 +107,17 @@ def choose_cp_algo(
             row.append(seen)
         visible.append(tuple(row))
     used = sum(any(visible[r][(r - d) % cp_size] for r in range(cp_size)) for d in range(1, cp_size))
-    if left >= 0 or alibi:
-        algo, reason = KVALLGATHER, "a sliding window or ALiBi: only the KV all-gather takes them"
+    if left >= 0:
+        algo, reason = KVALLGATHER, "a sliding window: only the KV all-gather takes one"
     elif used == 0:
         algo, reason = LOCAL, "no block off the diagonal is visible: each rank attends its own shard"
     elif 2 * used >= cp_size - 1:
         algo, reason = RING, f"{used} of {cp_size - 1} ring steps have blocks to compute"
+    elif alibi and not causal:
+        algo, reason = (
+            RING,
+            f"only {used} of {cp_size - 1} ring steps are used, but the KV all-gather takes ALiBi causal only",
+        )
     else:
         algo, reason = KVALLGATHER, f"only {used} of {cp_size - 1} ring steps have blocks to compute"
     return AdaptiveChoice(algo=algo, visible=tuple(visible), used_steps=used, reason=reason)

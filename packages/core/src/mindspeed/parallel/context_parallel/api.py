@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mindspeed.device import get_accelerator
 from mindspeed.ops import resolve_kernel
-from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_LSE, FEATURE_VARLEN, FEATURE_WINDOW
+from mindspeed.ops.attention import FEATURE_ALIBI, FEATURE_ALIBI_OFFSET, FEATURE_LSE, FEATURE_VARLEN, FEATURE_WINDOW
 from mindspeed.parallel.context_parallel.adaptive import LOCAL, choose_cp_algo
 from mindspeed.parallel.context_parallel.blocks import local_cu_seqlens
 from mindspeed.parallel.context_parallel.config import ContextParallelConfig
@@ -136,7 +136,9 @@ def context_parallel_attention(
         overlap: overlap ring transfers with compute.
         window_size: ``(left, right)`` sliding window by global position (``kvallgather_cp_algo``
             and ``adaptive_cp_algo`` only, causal; a Mistral window of ``W`` tokens is ``(W - 1, 0)``).
-        alibi_slopes: ``[heads_q]`` ALiBi slopes (``kvallgather_cp_algo`` and ``adaptive_cp_algo``, causal).
+        alibi_slopes: ``[heads_q]`` ALiBi slopes: ``megatron_cp_algo`` (ring and double ring, causal or
+            full mask: each block biased by its global positions), ``kvallgather_cp_algo`` (causal)
+            and ``adaptive_cp_algo``.
         inner_ring_group: with ``outer_ring_group``, makes the ring a double ring (``cp_window_size > 1``;
             ``build_context_parallel_groups`` builds both): the window of consecutive CP ranks.
         outer_ring_group: the CP ranks with this rank's inner rank (stride ``cp_window_size``).
@@ -150,9 +152,10 @@ def context_parallel_attention(
     """
     check_algo(algo)
     _check_qkv(q, k, v)
-    masked = tuple(window_size) != (-1, -1) or alibi_slopes is not None
-    if masked and algo not in (KVALLGATHER, ADAPTIVE):
-        raise ValueError(f"window_size and alibi_slopes need context_parallel_algo {KVALLGATHER}, not {algo}")
+    if tuple(window_size) != (-1, -1) and algo not in (KVALLGATHER, ADAPTIVE):
+        raise ValueError(f"window_size needs context_parallel_algo {KVALLGATHER} or {ADAPTIVE}, not {algo}")
+    if alibi_slopes is not None and algo not in (RING, KVALLGATHER, ADAPTIVE):
+        raise ValueError(f"alibi_slopes need context_parallel_algo {RING}, {KVALLGATHER} or {ADAPTIVE}, not {algo}")
     if (inner_ring_group is None) != (outer_ring_group is None) or (
         inner_ring_group is not None and algo not in (RING, ADAPTIVE)
     ):
@@ -200,8 +203,11 @@ def context_parallel_attention(
             ranges = zigzag_ranges(seq_len, cp_rank, cp_size)
             cu = local_cu_seqlens(ranges, bounds)
             cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
-            attend = _kernel("attention", impl, varlen, device)
-            return attend(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu)
+            # Each visible pair lies inside one chunk (and one packed segment), whose positions are
+            # consecutive: ALiBi's local distances are the global ones.
+            alibi = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+            attend = _kernel("attention", impl, ((FEATURE_ALIBI,) if alibi else ()) + varlen, device)
+            return attend(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu, **alibi)
     if algo == KVALLGATHER:
         masks = ((FEATURE_WINDOW,) if tuple(window_size) != (-1, -1) else ()) + (
             (FEATURE_ALIBI,) if alibi_slopes is not None else ()
@@ -232,15 +238,23 @@ def context_parallel_attention(
             cu_seqlens=cu_seqlens,
             attend=attend,
         )
-    attend = _kernel("attention", impl, (FEATURE_LSE, *varlen), device)
+    alibi = (FEATURE_ALIBI, FEATURE_ALIBI_OFFSET) if alibi_slopes is not None else ()
+    attend = _kernel("attention", impl, (FEATURE_LSE, *alibi, *varlen), device)
     update = _kernel("ring_attention_update", "auto", (), device)
     common = dict(seq_len=seq_len, causal=causal, softmax_scale=scale, bounds=bounds, attend=attend, update=update)
     if algo == RING and inner_ring_group is not None:
         return double_ring_attention(
-            q, k, v, inner_group=inner_ring_group, outer_group=outer_ring_group, overlap=overlap, **common
+            q,
+            k,
+            v,
+            inner_group=inner_ring_group,
+            outer_group=outer_ring_group,
+            overlap=overlap,
+            alibi_slopes=alibi_slopes,
+            **common,
         )
     if algo == RING:
-        return ring_attention(q, k, v, group=ring_group, overlap=overlap, **common)
+        return ring_attention(q, k, v, group=ring_group, overlap=overlap, alibi_slopes=alibi_slopes, **common)
     assert algo == HYBRID
     return hybrid_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, overlap=overlap, **common)
 

@@ -22,7 +22,7 @@ with the key at or before the query. This module turns that set into a few calls
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mindspeed.parallel.context_parallel.layout import Ranges
 
@@ -39,6 +39,9 @@ class Block:
         causal: causal mask by local index (only on the diagonal).
         cu_seqlens: local packed-sequence boundaries (only on the diagonal), ``None`` when the
             rows are one sequence.
+        q_pos: global position of the first row, set by ``plan_blocks(..., contiguous=True)``
+            (the rows are then consecutive positions), else ``None``.
+        k_pos: global position of the first key, likewise.
     """
 
     q_start: int
@@ -47,6 +50,19 @@ class Block:
     k_stop: int
     causal: bool = False
     cu_seqlens: tuple[int, ...] | None = None
+    q_pos: int | None = None
+    k_pos: int | None = None
+
+    def alibi_offset(self) -> int:
+        """The ``attention`` op's ``alibi_offset`` that puts this block's rows and keys at their global positions.
+
+        The op places query ``i`` of ``n_q`` at key index ``i + n_k - n_q + offset``; the block's
+        row ``i`` is at ``q_pos + i`` and key ``j`` at ``k_pos + j``, so the offset is
+        ``q_pos - k_pos - (n_k - n_q)``.
+        """
+        if self.q_pos is None or self.k_pos is None:
+            raise ValueError("the block has no global positions; plan it with plan_blocks(..., contiguous=True)")
+        return self.q_pos - self.k_pos - ((self.k_stop - self.k_start) - (self.q_stop - self.q_start))
 
 
 def _segment(bounds: tuple[int, ...], position: int) -> tuple[int, int]:
@@ -132,8 +148,36 @@ def _merge(blocks: list[Block]) -> list[Block]:
     return sorted(blocks, key=lambda blk: (blk.q_start, blk.k_start))
 
 
+def _placed(block: Block | None, x: tuple[int, int, int], y: tuple[int, int, int]) -> Block | None:
+    """``block`` of the chunk pair ``(x, y)`` with the global positions of its first row and key."""
+    if block is None:
+        return None
+    (xa, _, ox), (ya, _, oy) = x, y
+    return replace(block, q_pos=xa + block.q_start - ox, k_pos=ya + block.k_start - oy)
+
+
+def _contiguous_diagonal(ranges: Ranges, bounds: tuple[int, ...] | None, segments, causal: bool) -> list[Block]:
+    """The shard against its own keys, one block per chunk pair (each side consecutive positions)."""
+    blocks = []
+    for x in _chunks(ranges):
+        for y in _chunks(ranges):
+            if x == y:
+                (lo, hi, offset) = x
+                cu = local_cu_seqlens(((lo, hi),), bounds)
+                blocks.append(Block(offset, offset + hi - lo, offset, offset + hi - lo, causal, cu, lo, lo))
+            elif (blk := _placed(_pair_block(x, y, segments, causal), x, y)) is not None:
+                blocks.append(blk)
+    return blocks
+
+
 def plan_blocks(
-    q_ranges: Ranges, k_ranges: Ranges, *, seq_len: int, causal: bool, bounds: tuple[int, ...] | None = None
+    q_ranges: Ranges,
+    k_ranges: Ranges,
+    *,
+    seq_len: int,
+    causal: bool,
+    bounds: tuple[int, ...] | None = None,
+    contiguous: bool = False,
 ) -> list[Block]:
     """The attention calls that cover exactly the visible pairs of a query and a key shard.
 
@@ -143,6 +187,10 @@ def plan_blocks(
         seq_len: length of the whole sequence.
         causal: causal mask by global position.
         bounds: global packed-sequence boundaries (``None``: one sequence).
+        contiguous: one block per (query chunk, key chunk) pair, unmerged and the diagonal split
+            too, each with its global positions (``Block.q_pos``, ``Block.k_pos``): what a
+            position-dependent bias (ALiBi) needs, since a block's rows and keys are then
+            consecutive positions. More, smaller calls.
 
     Returns:
         Blocks whose rectangles are disjoint; every visible pair is in exactly one of them.
@@ -150,9 +198,16 @@ def plan_blocks(
     q_len = sum(hi - lo for lo, hi in q_ranges)
     if q_len == 0:
         return []
-    if tuple(q_ranges) == tuple(k_ranges):
-        return [Block(0, q_len, 0, q_len, causal=causal, cu_seqlens=local_cu_seqlens(q_ranges, bounds))]
     segments = bounds if bounds is not None else (0, seq_len)
+    if tuple(q_ranges) == tuple(k_ranges):
+        if contiguous:
+            return _contiguous_diagonal(q_ranges, bounds, segments, causal)
+        return [Block(0, q_len, 0, q_len, causal=causal, cu_seqlens=local_cu_seqlens(q_ranges, bounds))]
+    if contiguous:
+        placed = (
+            _placed(_pair_block(x, y, segments, causal), x, y) for x in _chunks(q_ranges) for y in _chunks(k_ranges)
+        )
+        return sorted((blk for blk in placed if blk is not None), key=lambda blk: (blk.q_start, blk.k_start))
     blocks = [
         blk
         for x in _chunks(q_ranges)

@@ -2,8 +2,10 @@
 
 The ``C`` CP ranks form ``n = C / w`` windows of ``w`` consecutive ranks (usually one node
 each). CP rank ``r`` is inner rank ``i = r % w`` of window ``m = r // w``. The layout, the
-per-block plan (:func:`~mindspeed.parallel.context_parallel.ring.plan_ring`) and the
-online-softmax merge are the ring's; only the order in which the key/value blocks visit a
+per-block plan (:func:`~mindspeed.parallel.context_parallel.ring.plan_ring`) and the block
+step (:func:`~mindspeed.parallel.context_parallel.ring.fold_blocks` forward,
+:func:`~mindspeed.parallel.context_parallel.ring.backward_blocks` backward, ALiBi included) are
+the ring's; only the order in which the key/value blocks visit a
 rank changes:
 
 - **outer step** ``j = 0 .. n-1``: rank ``(m, i)`` holds the block of rank ``(m - j, i)``
@@ -32,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 from mindspeed.parallel.context_parallel.comm import RingExchange
-from mindspeed.parallel.context_parallel.ring import RingPlan, _attend_block, _block_grads, _block_inputs, plan_ring
+from mindspeed.parallel.context_parallel.ring import (
+    BlockKernels,
+    RingPlan,
+    backward_blocks,
+    fold_blocks,
+    plan_ring,
+    start_exchange,
+)
 
 _INNER_KV_TAG, _INNER_DKV_TAG, _OUTER_KV_TAG, _OUTER_DKV_TAG = 21, 22, 23, 24
 
@@ -42,17 +51,9 @@ def _blocks(plan: RingPlan, source: int) -> tuple:
     return plan.steps[(plan.rank - source) % plan.size]
 
 
-def _start(exchange: RingExchange, send: torch.Tensor, recv: torch.Tensor, tag: int, overlap: bool) -> list:
-    pending = exchange.start(send, recv, tag=tag)
-    if not overlap:
-        exchange.wait(pending)
-        return []  # wait on a request once only: a second wait can block on gloo
-    return pending
-
-
 class _DoubleRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, inner_group, outer_group, plan, attend, update, scale, overlap):  # type: ignore[override]
+    def forward(ctx, q, k, v, inner_group, outer_group, plan, kernels, overlap):  # type: ignore[override]
         batch = q.shape[0]
         width, windows = dist.get_world_size(inner_group), dist.get_world_size(outer_group)
         inner, window = divmod(plan.rank, width)[::-1]
@@ -66,7 +67,7 @@ class _DoubleRingAttention(torch.autograd.Function):
             if j + 1 < windows:
                 length = plan.lengths[((window - j - 1) % windows) * width + inner]
                 outer_recv = outer_kv.new_empty((2 * batch, length, *outer_kv.shape[2:]))
-                outer_pending = _start(outer_ex, outer_kv, outer_recv, _OUTER_KV_TAG, overlap)
+                outer_pending = start_exchange(outer_ex, outer_kv, outer_recv, _OUTER_KV_TAG, overlap)
             kv = outer_kv
             for t in range(width):
                 source = home * width + (inner - t) % width
@@ -74,11 +75,8 @@ class _DoubleRingAttention(torch.autograd.Function):
                 if t + 1 < width:
                     length = plan.lengths[home * width + (inner - t - 1) % width]
                     recv = kv.new_empty((2 * batch, length, *kv.shape[2:]))
-                    pending = _start(inner_ex, kv, recv, _INNER_KV_TAG, overlap)
-                for block in _blocks(plan, source):
-                    part_out, part_lse = _attend_block(attend, *_block_inputs(block, q, kv, batch), block, scale)
-                    rows = slice(block.q_start, block.q_stop)
-                    out[:, rows], lse[:, :, rows] = update(out[:, rows], lse[:, :, rows], part_out, part_lse)
+                    pending = start_exchange(inner_ex, kv, recv, _INNER_KV_TAG, overlap)
+                out, lse = fold_blocks(kernels, _blocks(plan, source), q, kv, out, lse)
                 if recv is not None:
                     inner_ex.wait(pending)
                     kv = recv
@@ -87,19 +85,13 @@ class _DoubleRingAttention(torch.autograd.Function):
                 outer_kv = outer_recv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.groups, ctx.plan, ctx.attend, ctx.scale, ctx.overlap = (
-            (inner_group, outer_group),
-            plan,
-            attend,
-            scale,
-            overlap,
-        )
+        ctx.groups, ctx.plan, ctx.kernels, ctx.overlap = (inner_group, outer_group), plan, kernels, overlap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        plan, attend, scale, overlap = ctx.plan, ctx.attend, ctx.scale, ctx.overlap
+        plan, kernels, overlap = ctx.plan, ctx.kernels, ctx.overlap
         inner_group, outer_group = ctx.groups
         batch = q.shape[0]
         width, windows = dist.get_world_size(inner_group), dist.get_world_size(outer_group)
@@ -115,7 +107,7 @@ class _DoubleRingAttention(torch.autograd.Function):
             if j + 1 < windows:
                 length = plan.lengths[((window - j - 1) % windows) * width + inner]
                 outer_recv = outer_kv.new_empty((2 * batch, length, *outer_kv.shape[2:]))
-                outer_pending = _start(outer_ex, outer_kv, outer_recv, _OUTER_KV_TAG, overlap)
+                outer_pending = start_exchange(outer_ex, outer_kv, outer_recv, _OUTER_KV_TAG, overlap)
             kv = outer_kv
             grad_recv, grad_pending = None, None
             for t in range(width):
@@ -124,16 +116,8 @@ class _DoubleRingAttention(torch.autograd.Function):
                 if t + 1 < width:
                     length = plan.lengths[home * width + (inner - t - 1) % width]
                     recv = kv.new_empty((2 * batch, length, *kv.shape[2:]))
-                    pending = _start(inner_ex, kv, recv, _INNER_KV_TAG, overlap)
-                grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-                for block in _blocks(plan, source):
-                    gq, gk, gv = _block_grads(
-                        attend, _block_inputs(block, q, kv, batch), block, scale, out, lse, grad_out
-                    )
-                    keys = slice(block.k_start, block.k_stop)
-                    grad_q[:, block.q_start : block.q_stop] += gq
-                    grad_kv[:batch, keys] += gk
-                    grad_kv[batch:, keys] += gv
+                    pending = start_exchange(inner_ex, kv, recv, _INNER_KV_TAG, overlap)
+                grad_kv = backward_blocks(kernels, _blocks(plan, source), q, kv, out, lse, grad_out, grad_q)
                 if grad_pending is not None:
                     inner_ex.wait(grad_pending)  # this block's gradient from the window ranks that held it before
                     grad_kv += grad_recv
@@ -159,7 +143,7 @@ class _DoubleRingAttention(torch.autograd.Function):
                 outer_kv = outer_recv
         outer_ex.wait(total_pending)
         grad_k, grad_v = total_recv[:batch], total_recv[batch:]
-        return (grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 7))
+        return (grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 5))
 
 
 def double_ring_attention(
@@ -177,6 +161,7 @@ def double_ring_attention(
     update: Callable,
     overlap: bool = True,
     per_sequence: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention whose blocks travel an inner ring (the window) and then an outer one.
 
@@ -194,16 +179,18 @@ def double_ring_attention(
         update: the ``ring_attention_update`` kernel.
         overlap: post each transfer before the compute it overlaps (``False``: wait first).
         per_sequence: packed sequences are each split zig-zag (megatron's THD layout).
+        alibi_slopes: ``[heads_q]`` ALiBi slopes, each block biased by its global positions (as the ring).
 
     Returns:
         ``[b, s_local, heads_q, d]``: this rank's rows of attention over the whole sequence.
     """
     width, windows = dist.get_world_size(inner_group), dist.get_world_size(outer_group)
     rank = dist.get_rank(outer_group) * width + dist.get_rank(inner_group)
-    plan = plan_ring(seq_len, rank, width * windows, causal, bounds, per_sequence)
+    plan = plan_ring(seq_len, rank, width * windows, causal, bounds, per_sequence, alibi_slopes is not None)
     if q.shape[1] != plan.lengths[rank]:
         raise ValueError(
             f"CP rank {rank} of {width * windows} holds {q.shape[1]} positions, but the zig-zag layout of a "
             f"{seq_len}-token sequence gives it {plan.lengths[rank]}; split inputs with split_for_context_parallel"
         )
-    return _DoubleRingAttention.apply(q, k, v, inner_group, outer_group, plan, attend, update, softmax_scale, overlap)
+    kernels = BlockKernels(attend=attend, update=update, scale=softmax_scale, alibi_slopes=alibi_slopes)
+    return _DoubleRingAttention.apply(q, k, v, inner_group, outer_group, plan, kernels, overlap)
