@@ -159,9 +159,9 @@ def test_feature_accepts_accelerators() -> None:
     apply_features(ON, _ctx(accelerator="gpu"))
 
 
-def test_feature_refuses_moe_noop_layers_and_swap_attention() -> None:
-    with pytest.raises(ValueError, match="feature 'dualpipev': MoE models are not proven"):
-        apply_features(ON, _ctx(moe=4))
+def test_feature_accepts_moe_and_refuses_noop_layers_and_swap_attention() -> None:
+    # MoE / EP: proven against 1F1B and one rank in tests/llm/training/test_dualpipev.py.
+    assert "dualpipev" in apply_features(ON, _ctx({"ep": 2}, moe=4)).enabled
     both = FeaturesConfig(settings={"dualpipev": {"enabled": True}, "noop_layers": {"enabled": True}})
     with pytest.raises(ValueError, match="dualpipev.*noop_layers|noop_layers.*dualpipev"):
         apply_features(both, _ctx(noop_layers=[0]))
