@@ -11,7 +11,7 @@ Each DualPipeV run reports the V's global layer numbers (rank r: chunks r and 2P
 PP2 run saves after step 2: a DualPipeV run resuming from it, and a 1F1B run (the checkpoint
 holds megatron's usual layer numbering), log the uninterrupted run's step 3.
 
-A tiny MoE GPT (4 experts, top-2, megatron's load-balancing loss, all-to-all dispatch) trains the
+A tiny MoE GPT with tied embeddings (4 experts, top-2, megatron's load-balancing loss, all-to-all dispatch) trains the
 same way at PP2 (2 ranks) and PP2 x EP2 (4 ranks) against its own one-rank run; megatron's
 per-layer auxiliary-loss tracker (keyed by global layer number) and the expert-load metrics
 (``moe_expert_load_metrics``: tokens per expert per layer) must match 1F1B's too.
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mindspeed.testing.distributed import run_distributed
 from tests.llm.training.datasets import write_indexed_dataset
@@ -36,6 +37,8 @@ MOE = (
     "model.moe_aux_loss_coeff=0.01",
     "model.moe_token_dispatcher_type=alltoall",
     "features.settings.moe_expert_load_metrics.enabled=true",
+    # Tied too: rank 0 holds the embedding (chunk 0) and the output layer (chunk 1); no run of its own.
+    "model.tie_embeddings=true",
 )
 
 
@@ -166,10 +169,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (reference,) = run_distributed(_reference, 1, data, init, timeout=600)
     ranks = run_distributed(_layouts, 2, data, init, str(root), TWO_RANKS, timeout=900)
     ranks += run_distributed(_layouts, 4, data, init, str(root), FOUR_RANKS, timeout=900)
-    out: dict[str, Any] = {"reference": reference, "layouts": {}}
+    out: dict[str, Any] = {"reference": reference, "layouts": {}, "tied": {}}
     for name in (*TWO_RANKS, *FOUR_RANKS):
         group = [r for r in ranks if name in r]
         plain, dual = _merge(group, name, 0), _merge(group, name, 1)
+        out["tied"][name] = [
+            (weights[f"tp{tp}.embedding.word_embeddings.weight"], weights[f"tp{tp}.output_layer.weight"])
+            for weights in (r[name]["weights"][1] for r in group)
+            for tp in range(2)
+            if f"tp{tp}.output_layer.weight" in weights and f"tp{tp}.embedding.word_embeddings.weight" in weights
+        ]
         same = sorted(plain) == sorted(dual)
         out["layouts"][name] = {
             **{k: v for k, v in group[0][name].items() if k != "weights"},
@@ -222,6 +231,10 @@ def test_dualpipev_matches_1f1b_and_one_rank(runs: dict[str, Any], layout: str) 
     assert abs(dual - plain) < 1e-6 and abs(dual - one) < 1e-6, (layout, dual, plain, one)
     assert got["tensors"] > 0 and got["weights_diff"] is not None, "the layouts hold other tensors"
     assert got["weights_diff"] < 1e-6, f"{layout}: final weights differ by {got['weights_diff']}"
+    if "model.tie_embeddings=true" in FOUR_RANKS.get(layout, TWO_RANKS.get(layout)):
+        # Rank 0's two copies of the tied embedding (chunk 0's input, chunk 1's output layer) stay equal.
+        weights = runs["tied"][layout]
+        assert weights and all(torch.equal(embedding, output) for embedding, output in weights), layout
 
 
 def _sum_aux(ranks: list[dict[str, Any]], schedule: str) -> dict[str, list[float]]:
