@@ -152,7 +152,8 @@ class DualPipeVFeature(Feature):
     """``--schedules-method dualpipev``: DeepSeek's V-shaped schedule over two chunks per pipeline rank.
 
     Composes with MoE and expert parallelism (megatron keys its per-layer MoE bookkeeping by global
-    layer number, which the V's chunks carry) and with tied embeddings (rank 0 holds both copies). Reads the parallel sizes and the model facts ``extra`` entries ``num_layers``,
+    layer number, which the V's chunks carry) and with tied embeddings (rank 0 holds both copies).
+    Reads the parallel sizes and the model facts ``extra`` entries ``num_layers``,
     ``mtp_num_layers``, ``num_microbatches``, ``overlap_grad_reduce``,
     ``variable_seq_lengths``, ``hf_weights`` and ``lora`` (unknown ones are not checked); sets megatron's
     ``virtual_pipeline_model_parallel_size`` to 2, and the trainer builds the V's chunks and
