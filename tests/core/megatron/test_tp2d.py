@@ -12,6 +12,10 @@ One spawned 4-rank gloo group (fp32) checks:
 - checkpoints: the 2D model starts from noise, loads 1D TP4's initial state
   (``load_1d_state_into_tp2d``), and its export (``tp2d_to_1d_state``) equals that state exactly;
   megatron's sharded state declares the same keys as 1D's;
+- pipeline and sequence parallelism: PP2 x TP2 as 1D TP and as the 2D grids 2x1, 1x2 and 1x2
+  with megatron's SP (each axis alone; 2x2 at PP2 needs 8 ranks, checked by hand,
+  docs/core/tensor-parallel-2d.md): 3 Adam steps, equal losses and gradient norms; 2x2 with SP
+  (the chunk's input and output in SP's ``[s / tp, b, h]``) against one rank's losses;
 - the ``mindspeed-llm pretrain`` recipe (TP4, constant learning rate): 1D trains 4 steps saving at
   2 and 4; a ``tp_2d`` run resumes from 1D's step-2 distributed checkpoint (optimizer included)
   and saves step 3; a 1D run resumes from that for step 4: the losses of steps 3 and 4 equal the
@@ -260,6 +264,58 @@ def _train(
         destroy_parallel()
 
 
+def _train_grid(grid: tuple[int, int] | None, pp: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The tiny GPT, 3 Adam steps, at PP ``pp`` x TP ``tp_x * tp_y`` (1D TP2 for ``grid=None``).
+
+    Each pipeline stage's chunk enters the 2D layout at its first layer and leaves it after its
+    last, so the pipeline messages are megatron's ``[s, b, h]`` (``[s / tp, b, h]`` with SP).
+    PP1 runs the one-rank run's batches; PP2 four microbatches (1F1B's steady state runs).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from mindspeed.megatron.config import ParallelSizes
+    from mindspeed.megatron.tp2d import apply_tp2d, install_tp2d_boundaries
+    from mindspeed.testing.megatron import build_gpt, destroy_parallel, init_parallel, make_batches, train_step, unwrap
+
+    model = _model()
+    sizes = ParallelSizes(tp=grid[0] * grid[1] if grid else 2, pp=pp)
+    init_parallel(sizes, model.seed)
+    try:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if grid is not None:
+            spec = apply_tp2d(spec, *grid)
+        chunks = build_gpt(model, sizes, layer_spec=spec, sequence_parallel=sequence_parallel)
+        entering: list[int] = []  # the sequence length the chunk's first layer receives (before the 2D entry)
+        unwrap(chunks[0]).decoder.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: entering.append(kwargs.get("hidden_states", args and args[0]).shape[0]),
+            with_kwargs=True,
+        )
+        boundaries = install_tp2d_boundaries(chunks) if grid is not None else 0
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), chunks)
+        batches = make_batches(model, 2, 4 if pp > 1 else 2)
+        steps = [train_step(chunks, optimizer, batches) for _ in range(STEPS)]
+        return {
+            "losses": [loss for loss, _ in steps],
+            "norms": [norm for _, norm in steps],
+            "boundaries": boundaries,
+            "entering": sorted(set(entering)),
+            "seq": batches[0]["tokens"].shape[1] // (sizes.tp if sequence_parallel else 1),
+        }
+    finally:
+        destroy_parallel()
+
+
+#: The runs of :func:`_train_grid` in the 4-rank group: (grid, pp, sequence parallel).
+GRID_RUNS = {
+    "pp2 1d": (None, 2, False),
+    "pp2 2x1": ((2, 1), 2, False),
+    "pp2 1x2": ((1, 2), 2, False),
+    "pp2 1x2 sp": ((1, 2), 2, True),
+    "2x2 sp": ((2, 2), 1, True),
+}
+
+
 def _pretrain(tp2d: bool, save: str | None = None, steps: int = STEPS) -> dict[str, Any]:
     """The LLM pretrain recipe at TP4, 1D or with the ``tp_2d`` feature (2x2); ``save``: checkpoints
     there every 2 steps (and resume from the newest)."""
@@ -328,6 +384,7 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
         one = _train(1, False)
         tp1d = _train(4, False)
         tp2d = _train(4, True, start=tp1d["state0"], sharded=tp1d["sharded0"])
+        out["grids"] = {name: _train_grid(*args) for name, args in GRID_RUNS.items()}
     finally:
         unadapt()
     out["losses"] = {"one": one["losses"], "1d": tp1d["losses"], "2d": tp2d["losses"]}
@@ -374,6 +431,21 @@ def test_tp2d_2x2_equals_tp4_and_one_rank(tmp_path: Any) -> None:
             assert not bad, f"rank {rank} {label}: gradients differ from one rank's: {bad}"
         bad = {k: v for k, v in out["final"].items() if v > WEIGHT_TOL}
         assert len(out["final"]) >= 12 and not bad, f"rank {rank}: 2D weights after {STEPS} steps differ from 1D: {bad}"
+        # PP2 x TP2: the 2D grids 2x1 and 1x2 (each axis alone; with SP too) train as 1D TP2 at PP2;
+        # 2x2 with SP (chunk input and output [s / tp, b, h]) as one rank.
+        grids = out["grids"]
+        assert [grids[name]["boundaries"] for name in GRID_RUNS] == [0, 1, 1, 1, 1], grids
+        # SP ran: the chunk's first layer received s / tp rows (s without SP).
+        assert all(grids[name]["entering"] == [grids[name]["seq"]] for name in GRID_RUNS), grids
+        assert grids["2x2 sp"]["seq"] < grids["pp2 1x2"]["seq"]
+        reference = grids["pp2 1d"]
+        assert reference["losses"][-1] < reference["losses"][0], "PP2 did not learn: the check would be vacuous"
+        for name in ("pp2 2x1", "pp2 1x2", "pp2 1x2 sp"):
+            for step in range(STEPS):
+                assert abs(grids[name]["losses"][step] - reference["losses"][step]) <= TOL, (rank, name, step, grids)
+                assert grids[name]["norms"][step] == pytest.approx(reference["norms"][step], rel=1e-6), (rank, name)
+        for step, (a, b) in enumerate(zip(losses["one"], grids["2x2 sp"]["losses"])):
+            assert abs(a - b) <= TOL, f"rank {rank} 2x2 + SP step {step}: loss {b} != one rank's {a}"
 
 
 def test_tp2d_feature_refusals() -> None:
@@ -386,13 +458,13 @@ def test_tp2d_feature_refusals() -> None:
 
     report, ctx = run(ParallelSizes(tp=4), num_moe_experts=0)
     assert dict(ctx.config_overrides) == {"tp_x": 2, "tp_y": 2}
+    # PP and SP compose (proven at PP2 x 2x1 / 1x2 and 2x2 + SP above).
+    run(ParallelSizes(tp=4, pp=2), num_moe_experts=0, extra={"sequence_parallel": True})
     assert "tp_2d" in FEATURES.keys()
     for parallel, kwargs, words in (
         (ParallelSizes(tp=4), {"tp_x": 4, "tp_y": 1}, "both > 1"),
         (ParallelSizes(tp=8), {}, "must equal parallel.tp=8"),
         (ParallelSizes(tp=4), {"num_moe_experts": 4}, "experts"),
-        (ParallelSizes(tp=4), {"extra": {"sequence_parallel": True}}, "sequence parallelism"),
-        (ParallelSizes(tp=4, pp=2), {}, "pp=2"),
         (ParallelSizes(tp=4, cp=2), {}, "cp=2"),
     ):
         with pytest.raises(ValueError, match=words) as error:

@@ -10,6 +10,11 @@ add in another order), and the final weights of DualPipeV and 1F1B must be equal
 Each DualPipeV run reports the V's global layer numbers (rank r: chunks r and 2P-1-r), and the
 PP2 run saves after step 2: a DualPipeV run resuming from it, and a 1F1B run (the checkpoint
 holds megatron's usual layer numbering), log the uninterrupted run's step 3.
+
+A tiny MoE GPT with tied embeddings (4 experts, top-2, megatron's load-balancing loss, all-to-all dispatch) trains the
+same way at PP2 (2 ranks) and PP2 x EP2 (4 ranks) against its own one-rank run; megatron's
+per-layer auxiliary-loss tracker (keyed by global layer number) and the expert-load metrics
+(``moe_expert_load_metrics``: tokens per expert per layer) must match 1F1B's too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mindspeed.testing.distributed import run_distributed
 from tests.llm.training.datasets import write_indexed_dataset
@@ -25,6 +31,15 @@ from tests.llm.training.datasets import write_indexed_dataset
 STEPS = 3
 LAYERS = 8
 DPV = "features.settings.dualpipev.enabled=true"
+MOE = (
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.moe_token_dispatcher_type=alltoall",
+    "features.settings.moe_expert_load_metrics.enabled=true",
+    # Tied too: rank 0 holds the embedding (chunk 0) and the output layer (chunk 1); no run of its own.
+    "model.tie_embeddings=true",
+)
 
 
 def _overrides(data: str, *extra: str) -> list[str]:
@@ -52,13 +67,19 @@ def _overrides(data: str, *extra: str) -> list[str]:
 
 def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: list | None = None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
+    from mindspeed.metrics.moe import ExpertLoadTracker
     from mindspeed_llm.training.config import load_pretrain_config
     from mindspeed_llm.training.model import unwrap
     from mindspeed_llm.training.trainer import TrainerHooks, pretrain
 
     def after(chunks: list[Any]) -> None:
-        tp = ps.get_tensor_model_parallel_rank()
+        tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        # megatron's per-layer auxiliary losses of the run (this rank's layers, summed over its microbatches).
+        tracker = get_moe_layer_wise_logging_tracker()
+        aux.update({name: entry["values"].tolist() for name, entry in tracker.items()})
+        tracker.clear()
         for chunk in chunks:
             gpt = unwrap(chunk)
             if layers is not None:
@@ -72,10 +93,28 @@ def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: 
                 if name.startswith("decoder.layers."):
                     index, rest = name[len("decoder.layers.") :].split(".", 1)
                     name = f"layer{gpt.decoder.layers[int(index)].layer_number - 1}.{rest}"
+                if ".experts." in name:  # expert-parallel ranks hold other experts
+                    name = f"ep{ep}.{name}"
                 weights[f"tp{tp}.{name}"] = value.detach().clone()
 
-    result = pretrain(load_pretrain_config(None, _overrides(data, *extra)), TrainerHooks(after_train=after))
+    aux: dict[str, list[float]] = {}
+    loads: list[dict[int, list[int]]] = []
+    log_step = ExpertLoadTracker.log_step
+
+    def record(self: ExpertLoadTracker, step: int) -> Any:
+        load = log_step(self, step)
+        if load is not None:
+            loads.append(load.counts)
+        return load
+
+    ExpertLoadTracker.log_step = record  # this spawned rank only: the tokens per expert of each step
+    try:
+        result = pretrain(load_pretrain_config(None, _overrides(data, *extra)), TrainerHooks(after_train=after))
+    finally:
+        ExpertLoadTracker.log_step = log_step
     return {
+        "aux": aux,
+        "expert_load": loads,
         "records": [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in result.records],
         "evals": [e["loss"] for e in result.evals],
         "features": result.features.get("order", []),
@@ -84,14 +123,19 @@ def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: 
 
 
 def _reference(rank: int, world_size: int, data: str, init: str) -> dict[str, Any]:
-    _run(data, "train.steps=0", f"checkpoint.save={init}")
-    return _run(data, f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true")
+    out = {}
+    for model, extra in (("dense", ()), ("moe", MOE)):
+        start = f"{init}-{model}"
+        _run(data, "train.steps=0", f"checkpoint.save={start}", *extra)
+        out[model] = _run(data, f"train.steps={STEPS}", f"checkpoint.load={start}", "checkpoint.finetune=true", *extra)
+    return out
 
 
 def _layouts(rank: int, world_size: int, data: str, init: str, root: str, layouts: dict[str, list[str]]) -> dict:
-    start = (f"train.steps={STEPS}", f"checkpoint.load={init}", "checkpoint.finetune=true")
     out: dict[str, Any] = {}
     for name, extra in layouts.items():
+        model = "moe" if name.startswith("moe") else "dense"
+        start = (f"train.steps={STEPS}", f"checkpoint.load={init}-{model}", "checkpoint.finetune=true")
         plain: dict[str, Any] = {}
         dual: dict[str, Any] = {}
         layers: list[list[int]] = []
@@ -123,12 +167,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data = write_indexed_dataset(root / "data" / "a", 200, seed=1)
     init = str(root / "init")
     (reference,) = run_distributed(_reference, 1, data, init, timeout=600)
-    ranks = run_distributed(_layouts, 2, data, init, str(root), {"pp2": ["parallel.pp=2"]}, timeout=900)
+    ranks = run_distributed(_layouts, 2, data, init, str(root), TWO_RANKS, timeout=900)
     ranks += run_distributed(_layouts, 4, data, init, str(root), FOUR_RANKS, timeout=900)
-    out: dict[str, Any] = {"reference": reference["records"], "reference_evals": reference["evals"], "layouts": {}}
-    for name in ("pp2", *FOUR_RANKS):
+    out: dict[str, Any] = {"reference": reference, "layouts": {}, "tied": {}}
+    for name in (*TWO_RANKS, *FOUR_RANKS):
         group = [r for r in ranks if name in r]
         plain, dual = _merge(group, name, 0), _merge(group, name, 1)
+        out["tied"][name] = [
+            (weights[f"tp{tp}.embedding.word_embeddings.weight"], weights[f"tp{tp}.output_layer.weight"])
+            for weights in (r[name]["weights"][1] for r in group)
+            for tp in range(2)
+            if f"tp{tp}.output_layer.weight" in weights and f"tp{tp}.embedding.word_embeddings.weight" in weights
+        ]
         same = sorted(plain) == sorted(dual)
         out["layouts"][name] = {
             **{k: v for k, v in group[0][name].items() if k != "weights"},
@@ -137,7 +187,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "weights_diff": max((plain[k] - dual[k]).abs().max().item() for k in plain) if same else None,
         }
         got = out["layouts"][name]
-        pairs = list(zip(reference["records"], got["1f1b"]["records"], got["dualpipev"]["records"]))
+        records = reference["moe" if name.startswith("moe") else "dense"]["records"]
+        pairs = list(zip(records, got["1f1b"]["records"], got["dualpipev"]["records"]))
         # The proof table of docs/core/dualpipev.md (shown with pytest -s).
         print(
             f"dualpipev {name}: max |loss - 1F1B| {max(abs(d['loss'] - p['loss']) for _, p, d in pairs):.2e}, "
@@ -149,19 +200,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+TWO_RANKS = {"pp2": ["parallel.pp=2"], "moe-pp2": ["parallel.pp=2", *MOE]}
 FOUR_RANKS = {
     "pp4": ["parallel.pp=4"],
     "pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2-dp2-distopt": ["parallel.pp=2", "parallel.distributed_optimizer=true"],
+    "moe-pp2-ep2": ["parallel.pp=2", "parallel.ep=2", *MOE],
 }
-PP = {"pp2": 2, "pp4": 4, "pp2-tp2-sp": 2, "pp2-dp2-distopt": 2}
+PP = {"pp2": 2, "pp4": 4, "pp2-tp2-sp": 2, "pp2-dp2-distopt": 2, "moe-pp2": 2, "moe-pp2-ep2": 2}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(PP))
 def test_dualpipev_matches_1f1b_and_one_rank(runs: dict[str, Any], layout: str) -> None:
-    ref, got = runs["reference"], runs["layouts"][layout]
+    reference = runs["reference"]["moe" if layout.startswith("moe") else "dense"]
+    ref, got = reference["records"], runs["layouts"][layout]
     assert ref[-1]["loss"] < ref[0]["loss"], "the reference did not learn: the check would be vacuous"
     for rank in got["ranks"]:  # every rank logs the same, reduced numbers
         assert rank["dualpipev"]["records"] == got["dualpipev"]["records"]
@@ -173,10 +227,41 @@ def test_dualpipev_matches_1f1b_and_one_rank(runs: dict[str, Any], layout: str) 
         assert dual["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6), (layout, step)
         assert dual["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6), (layout, step)
     # The evaluation after step 3 runs the V forward-only.
-    (one,), (plain,), (dual,) = runs["reference_evals"], got["1f1b"]["evals"], got["dualpipev"]["evals"]
+    (one,), (plain,), (dual,) = reference["evals"], got["1f1b"]["evals"], got["dualpipev"]["evals"]
     assert abs(dual - plain) < 1e-6 and abs(dual - one) < 1e-6, (layout, dual, plain, one)
     assert got["tensors"] > 0 and got["weights_diff"] is not None, "the layouts hold other tensors"
     assert got["weights_diff"] < 1e-6, f"{layout}: final weights differ by {got['weights_diff']}"
+    if "model.tie_embeddings=true" in FOUR_RANKS.get(layout, TWO_RANKS.get(layout)):
+        # Rank 0's two copies of the tied embedding (chunk 0's input, chunk 1's output layer) stay equal.
+        weights = runs["tied"][layout]
+        assert weights and all(torch.equal(embedding, output) for embedding, output in weights), layout
+
+
+def _sum_aux(ranks: list[dict[str, Any]], schedule: str) -> dict[str, list[float]]:
+    total: dict[str, list[float]] = {}
+    for rank in ranks:
+        for name, values in rank[schedule]["aux"].items():
+            total[name] = [a + b for a, b in zip(total.get(name, [0.0] * len(values)), values)]
+    return total
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in PP if name.startswith("moe")])
+def test_moe_aux_losses_and_expert_load_match(runs: dict[str, Any], layout: str) -> None:
+    # megatron's aux-loss tracker is keyed by global layer number; the V's chunks carry those numbers.
+    reference, got = runs["reference"]["moe"], runs["layouts"][layout]
+    (one,) = reference["aux"].values()
+    plain, dual = _sum_aux(got["ranks"], "1f1b"), _sum_aux(got["ranks"], "dualpipev")
+    assert sorted(plain) == sorted(dual) == ["load_balancing_loss"], (plain, dual)
+    assert len(one) == LAYERS and all(value > 0 for value in one), "no aux loss on some layer: a vacuous check"
+    for name in plain:
+        assert dual[name] == pytest.approx(plain[name], rel=1e-5), (layout, name)
+        assert dual[name] == pytest.approx(one, rel=1e-5), (layout, name)
+    # Tokens per expert per layer and step (collected over all ranks), as the logs print them.
+    loads = got["ranks"][0]["dualpipev"]["expert_load"]
+    assert len(loads) == STEPS and sorted(loads[0]) == list(range(1, LAYERS + 1)), loads
+    assert loads == got["ranks"][0]["1f1b"]["expert_load"] == reference["expert_load"], layout
 
 
 @pytest.mark.distributed

@@ -41,8 +41,8 @@ NOT_IN_PRETRAIN = {
     "recompute_in_bubble": "needs the interleaved schedule (pp x vpp) and a dense model",
     "recompute_in_advance": "needs the interleaved schedule and megatron's block recompute",
     # Proven in tests/core/megatron/test_tp2d.py (its pretrain runs check the report and config):
-    # this MoE recipe at TP2 with sequence parallelism is what 2D TP refuses.
-    "tp_2d": "needs tp >= 4, a dense model and no sequence parallelism",
+    # this MoE recipe at TP2 is what 2D TP refuses (experts, tp < 4).
+    "tp_2d": "needs tp >= 4 and a dense model (see test_tp2d.py)",
     # A pipeline schedule: this run has no pipeline (proven, with its V layout and report, in
     # test_dualpipev.py).
     "dualpipev": "needs parallel.pp >= 2 (see test_dualpipev.py)",

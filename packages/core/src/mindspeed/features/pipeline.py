@@ -151,8 +151,10 @@ class DualPipeVConfig(FeatureConfig):
 class DualPipeVFeature(Feature):
     """``--schedules-method dualpipev``: DeepSeek's V-shaped schedule over two chunks per pipeline rank.
 
+    Composes with MoE and expert parallelism (megatron keys its per-layer MoE bookkeeping by global
+    layer number, which the V's chunks carry) and with tied embeddings (rank 0 holds both copies).
     Reads the parallel sizes and the model facts ``extra`` entries ``num_layers``,
-    ``tie_embeddings``, ``mtp_num_layers``, ``num_microbatches``, ``overlap_grad_reduce``,
+    ``mtp_num_layers``, ``num_microbatches``, ``overlap_grad_reduce``,
     ``variable_seq_lengths``, ``hf_weights`` and ``lora`` (unknown ones are not checked); sets megatron's
     ``virtual_pipeline_model_parallel_size`` to 2, and the trainer builds the V's chunks and
     runs :func:`mindspeed.megatron.dualpipev.forward_backward_dualpipev`.
@@ -179,8 +181,6 @@ class DualPipeVFeature(Feature):
             )
         if p.cp > 1:
             raise self.invalid(f"context parallelism (cp={p.cp}) is not composed with it yet", "use parallel.cp=1")
-        if ctx.model.is_moe:
-            raise self.invalid("MoE models are not proven with it yet", "use parallel.pp with the 1F1B schedule")
         layers = extra.get("num_layers")
         if layers is not None and int(layers) % (2 * p.pp):
             raise self.invalid(
@@ -194,10 +194,6 @@ class DualPipeVFeature(Feature):
                 "raise train.global_batch_size or lower train.micro_batch_size",
             )
         refused = {
-            "tie_embeddings": (
-                "tied embeddings (the embedding and output layer are both on rank 0)",
-                "set model.tie_embeddings=false",
-            ),
             "mtp_num_layers": ("multi-token prediction layers", "drop model.mtp_num_layers"),
             "overlap_grad_reduce": (
                 "parallel.overlap_grad_reduce (it reduces gradients once, after the step)",

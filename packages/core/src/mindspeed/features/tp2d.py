@@ -41,7 +41,12 @@ class Tp2dFeature(Feature):
     targets = tuple(f"config_overrides.{name}" for name in TP2D_FIELDS)
 
     def validate(self, cfg: Tp2dConfig, ctx: BuildContext) -> None:
-        """A grid of the run's TP, each axis > 1; dense models without SP, CP or PP (not covered)."""
+        """A grid of the run's TP, each axis > 1; dense models without CP (not covered).
+
+        With megatron's sequence parallelism the chunks enter and leave the 2D layout from SP's
+        ``[s / tp, b, h]`` (inside the layers the layout is the same), and PP composes (each
+        stage's chunk enters and leaves it).
+        """
         tp = ctx.parallel.tp
         if cfg.tp_x < 2 or cfg.tp_y < 2 or cfg.tp_x * cfg.tp_y != tp:
             raise self.invalid(
@@ -50,11 +55,8 @@ class Tp2dFeature(Feature):
             )
         if ctx.model.is_moe:
             raise self.invalid("the model has experts (2D TP covers dense layers, as MindSpeed's)", "use 1D TP")
-        if ctx.model.extra.get("sequence_parallel"):
-            raise self.invalid("sequence parallelism (2D TP splits the sequence itself)", "set sequence_parallel=false")
-        for axis in ("cp", "pp"):
-            if getattr(ctx.parallel, axis) > 1:
-                raise self.invalid(f"{axis}={getattr(ctx.parallel, axis)} is not covered by 2D TP yet", f"use {axis}=1")
+        if ctx.parallel.cp > 1:
+            raise self.invalid(f"cp={ctx.parallel.cp} is not covered by 2D TP yet", "use cp=1")
 
     def apply(self, cfg: Tp2dConfig, ctx: BuildContext) -> list[Change]:
         """Set the grid on the model config (the builder puts the 2D layers in)."""

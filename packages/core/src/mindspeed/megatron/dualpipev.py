@@ -149,6 +149,50 @@ def mirrored_groups(groups: Any) -> Any:
     return mirrored
 
 
+_SELF_GROUP: list[Any] = []
+
+
+def local_embedding_groups(groups: Any, model_build: bool = True) -> Any:
+    """A shallow copy of a ``ProcessGroupCollection`` whose embedding group holds this rank alone.
+
+    The V puts the embedding (chunk 0) and the output layer (chunk 1) on pipeline rank 0, so a
+    tied embedding is kept tied on that rank (:func:`sum_tied_embedding_grads`), not by megatron's
+    all-reduce between the first and the last stage. The model takes ``embd=None`` (no all-reduce
+    at build); ``finalize_model_grads`` reads ``None`` as "megatron's global group", so it gets a
+    one-rank group (``model_build=False``), built by this rank alone.
+    """
+    local = copy.copy(groups)
+    if model_build:
+        local.embd = None
+    else:
+        if not _SELF_GROUP:
+            _SELF_GROUP.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        local.embd = _SELF_GROUP[0]
+    return local
+
+
+def sum_tied_embedding_grads(model: list[Any]) -> None:
+    """Rank 0 of a tied-embedding V: both copies get the sum of the two chunks' gradients.
+
+    What megatron's ``_allreduce_word_embedding_grads`` does between the first and last stage,
+    done locally between chunk 0's embedding and chunk 1's output layer (before the data-parallel
+    reduction, which is linear). A no-op without tied embeddings or off rank 0.
+    """
+    from megatron.core.utils import get_attr_wrapped_model
+
+    chunks = [get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True) for chunk in model]
+    if not (chunks[0].pre_process and chunks[1].post_process and chunks[1].share_embeddings_and_output_weights):
+        return
+    weights = [chunk.shared_embedding_or_output_weight() for chunk in chunks]
+    attr = "main_grad" if hasattr(weights[0], "main_grad") else "grad"
+    grads = [getattr(weight, attr) for weight in weights]
+    if any(grad is None for grad in grads):  # a frozen embedding
+        return
+    total = grads[0] + grads[1]
+    for grad in grads:
+        grad.copy_(total)
+
+
 class _Links:
     """The P2P messages of one rank with its pipeline neighbours (non-blocking, one group per kind)."""
 
@@ -295,7 +339,10 @@ def forward_backward_dualpipev(
                 run_backward(op[2])
     links.wait_sends()
     if not forward_only and config.finalize_model_grads_func is not None:
+        sum_tied_embedding_grads(model)
         config.finalize_model_grads_func(
-            model, total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
+            model,
+            total_tokens if config.calculate_per_token_loss else None,
+            pg_collection=local_embedding_groups(pg_collection, model_build=False),
         )
     return store

@@ -429,22 +429,22 @@ def _groups_of(module: nn.Module) -> Tp2dGroups | None:
     return None
 
 
-def _enter_hook(groups: Tp2dGroups) -> Any:
+def _enter_hook(groups: Tp2dGroups, sequence_parallel: bool) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = enter_2d(kwargs["hidden_states"], groups)
+            kwargs["hidden_states"] = enter_2d(kwargs["hidden_states"], groups, sequence_parallel)
         else:
-            args = (enter_2d(args[0], groups), *args[1:])
+            args = (enter_2d(args[0], groups, sequence_parallel), *args[1:])
         return args, kwargs
 
     return hook
 
 
-def _exit_hook(groups: Tp2dGroups) -> Any:
+def _exit_hook(groups: Tp2dGroups, sequence_parallel: bool) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (exit_2d(output[0], groups), *output[1:])
-        return exit_2d(output, groups)
+            return (exit_2d(output[0], groups, sequence_parallel), *output[1:])
+        return exit_2d(output, groups, sequence_parallel)
 
     return hook
 
@@ -452,6 +452,9 @@ def _exit_hook(groups: Tp2dGroups) -> Any:
 def install_tp2d_boundaries(chunks: Iterable[nn.Module]) -> int:
     """Enter the 2D layout at each chunk's first decoder layer and leave it after its last (and
     give each 2D MLP its fc1's checkpoint layout); call it on every model built with :func:`apply_tp2d`.
+
+    Outside the layers the hidden states are megatron's: ``[s, b, h]`` on every TP rank, or
+    ``[s / tp, b, h]`` when the chunk's config has ``sequence_parallel``.
 
     Idempotent; chunks without 2D layers are left alone. Returns the number of chunks changed.
     """
@@ -466,8 +469,11 @@ def install_tp2d_boundaries(chunks: Iterable[nn.Module]) -> int:
         groups = _groups_of(layers[0])
         if groups is None:
             continue
-        layers[0].register_forward_pre_hook(_enter_hook(groups), with_kwargs=True)
-        layers[-1].register_forward_hook(_exit_hook(groups), with_kwargs=True)
+        # With megatron's sequence parallelism the chunk's input and output are [s / tp, b, h]
+        # (embedding, final norm, output layer and pipeline messages as megatron's SP).
+        sequence_parallel = bool(getattr(gpt.config, "sequence_parallel", False))
+        layers[0].register_forward_pre_hook(_enter_hook(groups, sequence_parallel), with_kwargs=True)
+        layers[-1].register_forward_hook(_exit_hook(groups, sequence_parallel), with_kwargs=True)
         for module in gpt.modules():
             # The spec keeps megatron's MLP class (its TransformerLayer passes the TP group only
             # to that class); each 2D MLP instance gets the checkpoint layout of its 2D fc1.

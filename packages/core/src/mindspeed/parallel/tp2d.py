@@ -183,23 +183,60 @@ class _Exit(torch.autograd.Function):
         return _block(_block(grad, 0, g.x_rank, g.tp_x), -1, g.y_rank, g.tp_y), None
 
 
-def enter_2d(x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
+def _sequence_to_hidden(x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
+    # [s / tp, b, h] (TP rank x * tp_y + y holds sequence block x * tp_y + y) -> [s / tp_x, b, h / tp_y]:
+    # the y group's sequence blocks are block x of tp_x; keep hidden block y (an all-to-all along y).
+    return _block(_gather(x, 0, groups.y_group), -1, groups.y_rank, groups.tp_y)
+
+
+def _hidden_to_sequence(x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
+    # The inverse: [s / tp_x, b, h / tp_y] -> [s / tp, b, h] (sequence block y of the y group's rows).
+    return _block(_gather(x, -1, groups.y_group), 0, groups.y_rank, groups.tp_y)
+
+
+class _EnterFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
+        ctx.groups = groups
+        return _sequence_to_hidden(x, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _hidden_to_sequence(grad, ctx.groups), None
+
+
+class _ExitToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
+        ctx.groups = groups
+        return _hidden_to_sequence(x, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _sequence_to_hidden(grad, ctx.groups), None
+
+
+def enter_2d(x: torch.Tensor, groups: Tp2dGroups, sequence_parallel: bool = False) -> torch.Tensor:
     """``[s, b, h]`` held whole by every TP rank -> this rank's ``[s / tp_x, b, h / tp_y]`` block.
 
     The backward gathers the blocks' gradients over the grid, so every rank gets the whole
-    gradient, as a replicated tensor's gradient is in 1D tensor parallelism.
+    gradient, as a replicated tensor's gradient is in 1D tensor parallelism. With
+    ``sequence_parallel`` the input is megatron's sequence-parallel ``[s / tp, b, h]`` (TP rank
+    ``r`` holds sequence block ``r``): an all-to-all along y, nothing along x.
     """
-    if x.shape[0] % groups.tp_x or x.shape[-1] % groups.tp_y:
+    s = x.shape[0] * (groups.tp if sequence_parallel else 1)
+    if s % groups.tp_x or x.shape[-1] % groups.tp_y:
         raise ValueError(
             f"2D TP: hidden states {tuple(x.shape)} do not split into {groups.tp_x} sequence x {groups.tp_y} hidden "
             "blocks; use a sequence length divisible by tp_x and a hidden size divisible by tp_y"
         )
-    return _Enter.apply(x, groups)
+    return _EnterFromSequenceParallel.apply(x, groups) if sequence_parallel else _Enter.apply(x, groups)
 
 
-def exit_2d(x: torch.Tensor, groups: Tp2dGroups) -> torch.Tensor:
-    """The inverse of :func:`enter_2d`: gather the blocks into ``[s, b, h]`` on every TP rank."""
-    return _Exit.apply(x, groups)
+def exit_2d(x: torch.Tensor, groups: Tp2dGroups, sequence_parallel: bool = False) -> torch.Tensor:
+    """The inverse of :func:`enter_2d`: gather the blocks into ``[s, b, h]`` on every TP rank
+    (with ``sequence_parallel``: into megatron's ``[s / tp, b, h]``)."""
+    return _ExitToSequenceParallel.apply(x, groups) if sequence_parallel else _Exit.apply(x, groups)
 
 
 class _SliceReduceGrad(torch.autograd.Function):

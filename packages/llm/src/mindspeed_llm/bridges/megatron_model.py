@@ -18,7 +18,7 @@ import torch
 
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.config import ParallelSizes, transformer_config
-from mindspeed.megatron.dualpipev import mirrored_groups
+from mindspeed.megatron.dualpipev import local_embedding_groups, mirrored_groups
 from mindspeed.patching import PatchSet, UpstreamPatch
 from mindspeed_llm.bridges.layout import ParallelLayout
 from mindspeed_llm.bridges.shape import ModelShape
@@ -302,10 +302,20 @@ def _build_v_chunks(
         raise ValueError("dualpipev chunks need the process groups and virtual_pipeline_model_parallel_size=2")
     sizes = dataclasses.replace(sizes, vpp=2)
     first = groups.pp.rank() == 0
-    return [
+    # Rank 0 holds both the embedding (chunk 0) and the output layer (chunk 1): there is no
+    # embedding group between stages (megatron's would pair rank 0 with rank P-1, which holds neither).
+    groups = local_embedding_groups(groups)
+    chunks = [
         _build_chunk(shape, sizes, config, layer_specs, 0, vocab_size, groups, impls, (first, False)),
         _build_chunk(shape, sizes, config, layer_specs, 1, vocab_size, mirrored_groups(groups), impls, (False, first)),
     ]
+    if first and shape.tie_embeddings:
+        # megatron zeroes the output layer's copy of a tied embedding and fills it by an all-reduce
+        # over the embedding group; here the copy is local (dualpipev.sum_tied_embedding_grads keeps it tied).
+        embedding, output = (chunk.shared_embedding_or_output_weight() for chunk in chunks)
+        with torch.no_grad():
+            output.copy_(embedding)
+    return chunks
 
 
 def _build_chunk(
