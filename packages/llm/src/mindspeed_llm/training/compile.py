@@ -52,8 +52,11 @@ def compile_layers(chunks: list[Any], mode: str, dynamic_tokens: bool = False) -
     if not layers:
         raise ValueError(f"train.compile={mode}: the model has no megatron TransformerLayer; set train.compile=false")
     # imported here: it imports megatron.core, whose import-time warnings belong after the run's logging is set up
+    from mindspeed.megatron.compiled_linear import use_traceable_linears
     from mindspeed.megatron.compiled_packing import compiled_layer_inputs
 
+    for _, layer in layers:  # tensor parallelism: megatron's async collectives swapped for traceable ones
+        use_traceable_linears(layer)
     names = compile_forwards(layers, mode, partial(compiled_layer_inputs, dynamic_tokens=dynamic_tokens))
     logger.info("compile (%s): %d TransformerLayer forwards (fullgraph, static shapes)", mode, len(names))
     return names
