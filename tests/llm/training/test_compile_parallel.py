@@ -1,4 +1,4 @@
-"""``train.compile`` composed with model parallelism: TP, TP + SP, PP and CP train the numbers of eager.
+"""``train.compile`` composed with model parallelism: TP, TP + SP, PP, CP and MoE (EP) train the numbers of eager.
 
 One spawned group of 2 ranks trains the tiny 2-layer GPT of ``test_compile.py`` (seq 32, hidden
 64, 3 steps of 2 microbatches) eager and compiled in four layouts, one after the other (the
@@ -10,7 +10,9 @@ trainer sets megatron's model-parallel state up and tears it down per run):
   reduce-scatter of its gradient in the graph;
 - ``parallel.pp=2``: one layer per stage compiled, megatron's schedule and its send/receive eager;
 - ``parallel.cp=2`` (the ring): the attention as one opaque op around the eager ring
-  (``mindspeed.megatron.compiled_attention``), everything else of the layer in the graph.
+  (``mindspeed.megatron.compiled_attention``), everything else of the layer in the graph;
+- MoE with 4 experts, top-2, ``parallel.ep=2``: each layer's attention half compiled, the
+  router, the token dispatch (all-to-all over the expert group) and the experts eager.
 
 In each: losses and gradient norms within rel 1e-6 of eager (Inductor fuses the reductions of
 the norms in its own order; docs/llm/pretrain.md has the measured differences), one graph
@@ -33,6 +35,7 @@ LAYOUTS = {
     "tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp": ["parallel.pp=2"],
     "cp": ["parallel.cp=2"],
+    "moe_ep": ["model.num_moe_experts=4", "model.moe_router_topk=2", "parallel.ep=2"],
 }
 
 

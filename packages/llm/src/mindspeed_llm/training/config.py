@@ -288,7 +288,6 @@ def _check_compile(config: PretrainConfig) -> None:
         # unpacked (pretrain) microbatches only: the compiled packing gathers the rope table by
         # position within each sequence, which megatron's zig-zag CP split of THD rope does not match.
         "parallel.cp with packed microbatches (sft, dpo, rm)": p.cp > 1 and config.stage != "pretrain",
-        "model.num_moe_experts": bool(m.num_moe_experts),
         # full: megatron checkpoints whole layers around the compiled forward (proven); selective
         # checkpoints inside the layer, which the graph would have to trace.
         "model.recompute_granularity=selective": m.recompute_granularity == "selective",
