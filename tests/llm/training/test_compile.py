@@ -10,8 +10,8 @@ microbatches, eager and with ``train.compile=true``:
   (dynamo's counters scoped to the run: ``TrainResult.compile``), and the compile time is reported;
 - the eager run reports no compile; ``gradient_accumulation_fusion`` (whose backward mutates
   ``weight.main_grad``, which dynamo refuses) is off under compile, and asking for it is refused;
-- the layouts not proven yet (selective recompute, CP with packed microbatches) and unknown
-  modes are refused in one line (TP, SP, PP, CP and MoE: ``test_compile_parallel.py``).
+- the layouts not proven yet (selective recompute of more than core_attn, CP with packed microbatches) and unknown
+  modes are refused in one line (TP, SP, PP, CP, MoE and selective core_attn recompute: ``test_compile_parallel.py``).
 """
 
 from __future__ import annotations
@@ -177,7 +177,10 @@ def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        (["parallel.tp=2", "model.recompute_granularity=selective"], "model.recompute_granularity=selective"),
+        (
+            ["parallel.tp=2", "model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"],
+            "model.recompute_modules other than core_attn",
+        ),
         (["stage=sft", "parallel.cp=2"], r"parallel.cp with packed microbatches \(sft, dpo, rm\)"),
     ],
 )

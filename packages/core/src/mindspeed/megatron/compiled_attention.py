@@ -22,6 +22,7 @@ entry, so they share one graph too (a per-layer constant would specialise a grap
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +140,49 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 eager_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def use_traceable_checkpoint(module: torch.nn.Module) -> int:
+    """Selective recompute (``core_attn``) of every megatron ``Attention`` under ``module`` through
+    ``torch.utils.checkpoint`` (non-reentrant), which dynamo traces as a checkpointed region of the
+    graph; megatron's ``tensor_parallel.checkpoint`` saves and restores the RNG states with
+    ``get_rng_state``, which dynamo refuses to trace. The recomputed core attention draws no random
+    numbers (the registry attention has no dropout), so nothing of the RNG bookkeeping is lost.
+
+    Returns:
+        how many attentions it changed.
+    """
+    count = 0
+    for attention in module.modules():
+        if getattr(attention, "checkpoint_core_attention", False) and hasattr(attention, "core_attention"):
+            attention._checkpointed_attention_forward = functools.partial(_checkpointed_core_attention, attention)
+            count += 1
+    return count
+
+
+def _checkpointed_core_attention(
+    attention: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    rotary_pos_emb: Any = None,
+    attn_mask_type: Any = None,
+    attention_bias: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+) -> torch.Tensor:
+    """megatron's ``Attention._checkpointed_attention_forward`` with ``torch.utils.checkpoint``."""
+    mask_type = attention.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention.core_attention(
+            q,
+            k,
+            v,
+            attention_mask,
+            attn_mask_type=mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
+
+    return torch.utils.checkpoint.checkpoint(run, query, key, value, use_reentrant=False)

@@ -59,11 +59,13 @@ def compile_layers(chunks: list[Any], mode: str, dynamic_tokens: bool = False) -
     if not layers:
         raise ValueError(f"train.compile={mode}: the model has no megatron TransformerLayer; set train.compile=false")
     # imported here: it imports megatron.core, whose import-time warnings belong after the run's logging is set up
+    from mindspeed.megatron.compiled_attention import use_traceable_checkpoint
     from mindspeed.megatron.compiled_linear import use_traceable_linears
     from mindspeed.megatron.compiled_packing import compiled_layer_inputs
 
-    for _, layer in layers:  # tensor parallelism: megatron's async collectives swapped for traceable ones
-        use_traceable_linears(layer)
+    for _, layer in layers:
+        use_traceable_linears(layer)  # tensor parallelism: megatron's async collectives swapped for traceable ones
+        use_traceable_checkpoint(layer)  # selective recompute of core_attn: torch.utils.checkpoint in the graph
     prepare = partial(compiled_layer_inputs, dynamic_tokens=dynamic_tokens)
     # MoE layers: the attention half (norm, attention, residual) compiled; the MLP half (router, token
     # dispatch, experts) stays eager: the dispatcher sizes its buffers from per-expert counts read on

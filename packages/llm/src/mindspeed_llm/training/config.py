@@ -288,9 +288,12 @@ def _check_compile(config: PretrainConfig) -> None:
         # unpacked (pretrain) microbatches only: the compiled packing gathers the rope table by
         # position within each sequence, which megatron's zig-zag CP split of THD rope does not match.
         "parallel.cp with packed microbatches (sft, dpo, rm)": p.cp > 1 and config.stage != "pretrain",
-        # full: megatron checkpoints whole layers around the compiled forward (proven); selective
-        # checkpoints inside the layer, which the graph would have to trace.
-        "model.recompute_granularity=selective": m.recompute_granularity == "selective",
+        # full: megatron checkpoints whole layers around the compiled forward; selective core_attn:
+        # torch.utils.checkpoint inside the graph (mindspeed.megatron.compiled_attention). The other
+        # selective modules checkpoint with megatron's RNG-saving CheckpointWithoutOutput, not traced.
+        "model.recompute_modules other than core_attn": m.recompute_granularity == "selective"
+        and m.recompute_modules is not None
+        and set(m.recompute_modules) != {"core_attn"},
     }
     refused = [key for key, on in untested.items() if on]
     if refused:
