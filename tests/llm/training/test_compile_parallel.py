@@ -12,7 +12,8 @@ trainer sets megatron's model-parallel state up and tears it down per run):
   megatron's schedule and its send/receive eager; the core attention checkpointed inside the
   graph (``torch.utils.checkpoint``: megatron's RNG-saving checkpoint does not trace);
 - ``parallel.cp=2`` (the ring): the attention as one opaque op around the eager ring
-  (``mindspeed.megatron.compiled_attention``), everything else of the layer in the graph;
+  (``mindspeed.megatron.compiled_attention``), everything else of the layer in the graph; the
+  same with Ulysses (all-to-alls inside the op);
 - MoE with 4 experts, top-2, ``parallel.ep=2``: each layer's attention half compiled, the
   router, the token dispatch (all-to-all over the expert group) and the experts eager.
 
@@ -37,6 +38,7 @@ LAYOUTS = {
     "tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp_selective": ["parallel.pp=2", "model.recompute_granularity=selective"],
     "cp": ["parallel.cp=2"],
+    "cp_ulysses": ["parallel.cp=2", "features.settings.context_parallel.context_parallel_algo=ulysses_cp_algo"],
     "moe_ep": ["model.num_moe_experts=4", "model.moe_router_topk=2", "parallel.ep=2"],
 }
 
