@@ -182,6 +182,7 @@ def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> Non
             "model.recompute_modules other than core_attn",
         ),
         (["stage=sft", "parallel.cp=2"], r"parallel.cp with packed microbatches \(sft, dpo, rm\)"),
+        (["stage=dpo", "parallel.pp=2"], r"parallel.pp with packed microbatches \(sft, dpo, rm\)"),
     ],
 )
 def test_refused_layouts(extra: list[str], named: str) -> None:

@@ -288,6 +288,9 @@ def _check_compile(config: PretrainConfig) -> None:
         # unpacked (pretrain) microbatches only: the compiled packing gathers the rope table by
         # position within each sequence, which megatron's zig-zag CP split of THD rope does not match.
         "parallel.cp with packed microbatches (sft, dpo, rm)": p.cp > 1 and config.stage != "pretrain",
+        # the packed attention op's backward reads the packing of the microbatch that ran forward last:
+        # right at pp = 1 (each backward follows its forward), not under 1F1B's interleaving.
+        "parallel.pp with packed microbatches (sft, dpo, rm)": p.pp > 1 and config.stage != "pretrain",
         # full: megatron checkpoints whole layers around the compiled forward; selective core_attn:
         # torch.utils.checkpoint inside the graph (mindspeed.megatron.compiled_attention). The other
         # selective modules checkpoint with megatron's RNG-saving CheckpointWithoutOutput, not traced.
