@@ -20,8 +20,9 @@ arithmetic split differently: megatron's own blocking mappings
 
 which is what the fused function computes. The row-parallel linears already reduce their
 output with those mappings after their (collective-free) GEMM and are left as they are. The
-overlap of the input-gradient collective with the weight-gradient GEMM is the scheduler's now
-(Inductor's, which reorders collectives on accelerators). The weight gradient is autograd's
+overlap of the input-gradient collective with the weight-gradient GEMM that megatron arranges by
+hand is left to Inductor's scheduler (its compute/communication reordering,
+``torch._inductor.config.reorder_for_compute_comm_overlap``, is off by default; not measured). The weight gradient is autograd's
 ``weight.grad``, which megatron's DDP hook adds to ``main_grad``: the path megatron takes with
 ``gradient_accumulation_fusion`` off, which compiled layers already need.
 """
