@@ -8,9 +8,10 @@ trainer sets megatron's model-parallel state up and tears it down per run):
   the graph (``mindspeed.megatron.compiled_linear``: the all-reduce of the input gradient);
 - ``parallel.tp=2`` with sequence parallelism: the all-gather of the sequence and the
   reduce-scatter of its gradient in the graph;
-- ``parallel.pp=2`` with selective recompute (``core_attn``): one layer per stage compiled,
-  megatron's schedule and its send/receive eager; the core attention checkpointed inside the
-  graph (``torch.utils.checkpoint``: megatron's RNG-saving checkpoint does not trace);
+- ``parallel.pp=2`` with 2 virtual stages (4 layers: one per model chunk) and selective
+  recompute (``core_attn``): each rank's two chunks compiled, megatron's interleaved schedule and
+  its send/receive eager; the core attention checkpointed inside the graph
+  (``torch.utils.checkpoint``: megatron's RNG-saving checkpoint does not trace);
 - ``parallel.cp=2`` (the ring): the attention as one opaque op around the eager ring
   (``mindspeed.megatron.compiled_attention``), everything else of the layer in the graph; the
   same with Ulysses (all-to-alls inside the op);
@@ -36,7 +37,12 @@ from tests.llm.training.test_compile import BASE
 LAYOUTS = {
     "tp": ["parallel.tp=2"],
     "tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp_selective": ["parallel.pp=2", "model.recompute_granularity=selective"],
+    "pp_vpp_selective": [
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "model.num_layers=4",
+        "model.recompute_granularity=selective",
+    ],
     "cp": ["parallel.cp=2"],
     "cp_ulysses": ["parallel.cp=2", "features.settings.context_parallel.context_parallel_algo=ulysses_cp_algo"],
     "moe_ep": ["model.num_moe_experts=4", "model.moe_router_topk=2", "parallel.ep=2"],
@@ -82,8 +88,8 @@ def test_compiled_layers_train_as_eager_under(ranks: list[dict[str, Any]], layou
         for value, ref in zip(compiled[key], eager[key], strict=True):
             assert value == pytest.approx(ref, rel=1e-6, abs=0), (layout, key, compiled[key], eager[key])
     report = compiled["compile"]
-    # pp: one layer per stage; the others: both layers share one graph. None compiled after step 1.
-    assert report["layers"] == (1 if layout.startswith("pp") else 2), report
+    # Two layers per rank (pp: one per virtual stage) share one graph; none compiled after step 1.
+    assert report["layers"] == 2, report
     assert report["graphs"] == 1 and report["graphs_after_first_step"] == 0, report
     # The loss is the whole model's on every rank (PP: the last stage's, broadcast).
     assert ranks[1][f"{layout}_compiled"]["losses"] == compiled["losses"]
