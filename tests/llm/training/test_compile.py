@@ -10,7 +10,8 @@ microbatches, eager and with ``train.compile=true``:
   (dynamo's counters scoped to the run: ``TrainResult.compile``), and the compile time is reported;
 - the eager run reports no compile; ``gradient_accumulation_fusion`` (whose backward mutates
   ``weight.main_grad``, which dynamo refuses) is off under compile, and asking for it is refused;
-- the layouts not proven yet (TP, PP, CP, MoE, recompute) and unknown modes are refused in one line.
+- the layouts not proven yet (selective recompute of more than core_attn, CP with packed microbatches) and unknown
+  modes are refused in one line (TP, SP, PP, CP, MoE and selective core_attn recompute: ``test_compile_parallel.py``).
 """
 
 from __future__ import annotations
@@ -176,13 +177,12 @@ def test_grad_accumulation_fusion_off_under_compile(runs: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        (["parallel.tp=2"], "parallel.tp"),
-        (["parallel.cp=2"], "parallel.cp"),
         (
-            ["parallel.tp=2", "model.recompute_granularity=selective"],
-            "parallel.tp, model.recompute_granularity=selective",
+            ["parallel.tp=2", "model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"],
+            "model.recompute_modules other than core_attn",
         ),
-        (["parallel.pp=2", "model.num_moe_experts=4", "model.moe_router_topk=2"], "parallel.pp, model.num_moe_experts"),
+        (["stage=sft", "parallel.cp=2"], r"parallel.cp with packed microbatches \(sft, dpo, rm\)"),
+        (["stage=dpo", "parallel.pp=2"], r"parallel.pp with packed microbatches \(sft, dpo, rm\)"),
     ],
 )
 def test_refused_layouts(extra: list[str], named: str) -> None:

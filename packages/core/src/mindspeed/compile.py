@@ -48,8 +48,9 @@ def compile_forwards(
     modules: Iterable[tuple[str, torch.nn.Module]],
     mode: str,
     prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    method: str = "forward",
 ) -> list[str]:
-    """Compile the ``forward`` of every ``(name, module)`` in place (``mode``: a key of :data:`MODES`).
+    """Compile the ``forward`` (or ``method``) of every ``(name, module)`` in place (``mode``: a key of :data:`MODES`).
 
     Args:
         modules: ``(name, module)`` pairs.
@@ -57,14 +58,16 @@ def compile_forwards(
         prepare: runs eagerly on each call's keyword arguments before the compiled forward and
             returns the ones it gets (``mindspeed.megatron.compiled_packing``: packed microbatches
             as tensors of the token count, so the graph neither breaks nor recompiles on them).
+        method: the bound method compiled instead of ``forward`` (megatron's MoE layers compile
+            ``_forward_attention``: the token dispatch after it sizes its buffers on the host).
 
     Returns:
         the compiled modules' names.
     """
     names = []
     for name, module in modules:
-        compiled = torch.compile(module.forward, mode=MODES[mode], fullgraph=True, dynamic=False)
-        module.forward = _ignoring_warnings(compiled, prepare)
+        compiled = torch.compile(getattr(module, method), mode=MODES[mode], fullgraph=True, dynamic=False)
+        setattr(module, method, _ignoring_warnings(compiled, prepare))
         names.append(name)
     return names
 

@@ -53,6 +53,9 @@ class Tp2dFeature(Feature):
                 f"tp_x={cfg.tp_x} * tp_y={cfg.tp_y} must equal parallel.tp={tp} with both > 1",
                 "set settings.tp_2d.tp_x and tp_y (e.g. 2 and 2 for tp=4)",
             )
+        if ctx.model.extra.get("compiled_layers"):
+            # not traced yet: their collectives are async / chunked inside autograd.Functions (docs/llm/pretrain.md)
+            raise self.invalid("train.compile does not trace 2D TP's linears yet", "set train.compile=false")
         if ctx.model.is_moe:
             raise self.invalid("the model has experts (2D TP covers dense layers, as MindSpeed's)", "use 1D TP")
         if ctx.parallel.cp > 1:

@@ -19,6 +19,7 @@ from megatron.core.transformer.utils import is_layer_window_attention, make_shar
 from torch import nn
 
 from mindspeed.device import get_accelerator
+from mindspeed.megatron.compiled_attention import config_key, eager_attention, register_call
 from mindspeed.megatron.compiled_packing import CompiledPackedParams, packed_attention
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
@@ -191,6 +192,7 @@ class RegistryAttention(MegatronModule):
         self.features = features
         self.kernel = resolve_kernel("attention", impl, features=features)
         self.softmax_offset = self._make_sinks(config, pg_collection)
+        self._cp_calls = self._register_cp_calls() if self.cp is not None else {}
 
     def _make_sinks(self, config: Any, pg_collection: Any) -> nn.Parameter | None:
         kind = getattr(config, "softmax_type", "vanilla")
@@ -246,18 +248,10 @@ class RegistryAttention(MegatronModule):
         if self.cp is not None:
             if not causal and attention_mask is not None:
                 raise ValueError("an explicit attention mask is not supported under context parallelism")
-            out = self.cp.attend(
-                query.transpose(0, 1),
-                key.transpose(0, 1),
-                value.transpose(0, 1),
-                causal=causal,
-                softmax_scale=self.softmax_scale,
-                kernel=self.kernel,
-                impl=self.impl,
-                window_size=self.window_size,
-                **self._alibi_kwargs(query.device, self.cp.ulysses_group),
-            )
-            return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+            if torch.compiler.is_compiling():
+                # A compiled layer: the eager algorithm as one opaque op (mindspeed.megatron.compiled_attention).
+                return eager_attention(query, key, value, self._cp_calls[causal])
+            return self._attend_cp(query, key, value, causal)
         # [s, b, n, d] -> [b, s, n, d] for the kernel, and back to megatron's [s, b, n * d].
         out = self.kernel(
             query.transpose(0, 1),
@@ -271,6 +265,32 @@ class RegistryAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(sq, b, -1)
+
+    def _attend_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Context-parallel attention of megatron's ``[s, b, n, d]`` shards: ``[s, b, n * d]``."""
+        out = self.cp.attend(
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            kernel=self.kernel,
+            impl=self.impl,
+            window_size=self.window_size,
+            **self._alibi_kwargs(query.device, self.cp.ulysses_group),
+        )
+        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _register_cp_calls(self) -> dict[bool, int]:
+        """:meth:`_attend_cp` (causal and not) as indices for the compiled layers' opaque op; layers
+        configured alike share them (and so one graph)."""
+        calls = {}
+        for causal in (True, False):
+            key = config_key(
+                self.cp, causal, self.softmax_scale, self.kernel, self.impl, self.window_size, self.alibi_slopes
+            )
+            calls[causal] = register_call(key, functools.partial(self._attend_cp, causal=causal))
+        return calls
 
     def _sinks(self) -> dict[str, torch.Tensor]:
         return {} if self.softmax_offset is None else {"sinks": self.softmax_offset}

@@ -285,13 +285,18 @@ def _check_compile(config: PretrainConfig) -> None:
     p, m = config.parallel, config.model
     # Not proven yet under compiled layers (docs/llm/pretrain.md, "Compiled layers"): refused, not guessed.
     untested = {
-        "parallel.tp": p.tp > 1,
-        "parallel.pp": p.pp > 1,
-        "parallel.cp": p.cp > 1,
-        "model.num_moe_experts": bool(m.num_moe_experts),
-        # full: megatron checkpoints whole layers around the compiled forward (proven); selective
-        # checkpoints inside the layer, which the graph would have to trace.
-        "model.recompute_granularity=selective": m.recompute_granularity == "selective",
+        # unpacked (pretrain) microbatches only: the compiled packing gathers the rope table by
+        # position within each sequence, which megatron's zig-zag CP split of THD rope does not match.
+        "parallel.cp with packed microbatches (sft, dpo, rm)": p.cp > 1 and config.stage != "pretrain",
+        # the packed attention op's backward reads the packing of the microbatch that ran forward last:
+        # right at pp = 1 (each backward follows its forward), not under 1F1B's interleaving.
+        "parallel.pp with packed microbatches (sft, dpo, rm)": p.pp > 1 and config.stage != "pretrain",
+        # full: megatron checkpoints whole layers around the compiled forward; selective core_attn:
+        # torch.utils.checkpoint inside the graph (mindspeed.megatron.compiled_attention). The other
+        # selective modules checkpoint with megatron's RNG-saving CheckpointWithoutOutput, not traced.
+        "model.recompute_modules other than core_attn": m.recompute_granularity == "selective"
+        and m.recompute_modules is not None
+        and set(m.recompute_modules) != {"core_attn"},
     }
     refused = [key for key, on in untested.items() if on]
     if refused:
