@@ -105,7 +105,8 @@ def _step(overrides: list[str]) -> dict:
         if p.grad is not None
     }
     calls = task.sequence.calls if task.sequence is not None else 0
-    return {"loss": float(reported), "grads": grads, "calls": calls, "totals": totals.tolist()}
+    masked = task.sequence.masked_calls if task.sequence is not None else 0
+    return {"loss": float(reported), "grads": grads, "calls": calls, "masked": masked, "totals": totals.tolist()}
 
 
 def _sample(

@@ -11,7 +11,8 @@
   newest step), weights only: ``base_dir`` names the transformer (or pipeline) directory it
   was trained from, whose config builds the model; the checkpoint's tensors must match it exactly
   (a LoRA run's factors are merged into ``base_dir``'s weights; a ``train.ema`` run's gives its
-  moving averages);
+  moving averages; a Wan2.2 ``diffusion.expert=both`` run's holds both experts: ``base_dir`` is the
+  pipeline's ``transformer`` folder, whose sibling ``transformer_2`` and ``boundary_ratio`` complete the pair);
 - a demo name (:data:`mindspeed_mm.demos.names.DEMOS`), resolved by ``generate`` before it calls this module
   (:func:`mindspeed_mm.demos.names.resolve_demo_dir`): the embedded demo's untrained pipeline.
 """
@@ -40,6 +41,7 @@ from mindspeed_mm.models.lora import (
     merged_state,
     recorded_lora_alpha,
 )
+from mindspeed_mm.models.wan_experts import EXPERT_FOLDERS, pipeline_boundary_ratio, second_expert_path
 from mindspeed_mm.trainer.checkpoint import newest_checkpoint
 
 logger = get_logger(__name__)
@@ -59,6 +61,8 @@ class DiTPipeline:
         pipeline_dir: the pipeline directory the parts and the scheduler came from (None: none).
         weights: where the transformer's weights came from.
         device: the device the models are on.
+        second: a Wan2.2 pair's training checkpoint (``diffusion.expert=both``): ``(transformer_2, boundary_ratio)``
+            read from it with the first expert (None: :func:`load_second_expert` looks beside the weights).
     """
 
     family: DiTFamily
@@ -67,6 +71,7 @@ class DiTPipeline:
     pipeline_dir: Path | None
     weights: Path
     device: torch.device
+    second: tuple[Any, float] | None = None
 
 
 def transformer_dir(path: Path) -> Path | None:
@@ -108,7 +113,7 @@ def load_dit_pipeline(
 ) -> DiTPipeline:
     """The transformer of ``load_dir`` (see the module docstring) and its pipeline's parts.
 
-    ``ema`` and ``lora_alpha`` apply to a training checkpoint (:func:`_load_dcp`).
+    ``ema`` and ``lora_alpha`` apply to a training checkpoint (:func:`_load_dcp_models`).
 
     Raises:
         ValueError: a path that is none of the formats, a DCP checkpoint without ``base_dir`` or
@@ -134,8 +139,18 @@ def load_dit_pipeline(
             raise ValueError(f"--base-dir {str(base_dir)!r} is not a diffusers transformer or pipeline directory")
     family = dit_family_of(source)
     device = get_accelerator().device()
+    second = None
     if checkpoint is not None:
-        model = _load_dcp(checkpoint, source, family, ema, lora_alpha)
+        models = _load_dcp_models(checkpoint, source, family, ema, lora_alpha)
+        model = models[0]
+        if len(models) == 2:
+            ratio = pipeline_boundary_ratio(source)
+            if ratio is None:
+                raise ValueError(
+                    f"{checkpoint} holds a Wan2.2 expert pair and {source.parent}/{MODEL_INDEX} records no "
+                    "boundary_ratio; give --base-dir as the transformer folder of the run's pipeline"
+                )
+            second = (_to(models[1], device, dtype).eval(), float(ratio))
     else:
         model = family.load_class().from_pretrained(str(source), torch_dtype=torch.float32, local_files_only=True)
     model = _to(model, device, dtype).eval()
@@ -151,7 +166,7 @@ def load_dit_pipeline(
         pipeline,
         device,
     )
-    return DiTPipeline(family, model, parts, pipeline, weights, device)
+    return DiTPipeline(family, model, parts, pipeline, weights, device, second)
 
 
 def load_second_expert(loaded: DiTPipeline, dtype: torch.dtype) -> tuple[Any, float | None]:
@@ -163,6 +178,8 @@ def load_second_expert(loaded: DiTPipeline, dtype: torch.dtype) -> tuple[Any, fl
     Returns:
         ``(transformer_2, boundary_ratio)``, or ``(None, None)``.
     """
+    if loaded.second is not None:
+        return loaded.second
     pipeline = loaded.pipeline_dir
     if pipeline is None or Path(loaded.weights) != pipeline / "transformer":
         return None, None
@@ -202,7 +219,16 @@ def _to(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> to
 def _load_dcp(
     checkpoint: Path, source: Path, family: DiTFamily, ema: bool = True, lora_alpha: float | None = None
 ) -> Any:
-    """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes match).
+    """The (first) model of :func:`_load_dcp_models`."""
+    return _load_dcp_models(checkpoint, source, family, ema, lora_alpha)[0]
+
+
+def _load_dcp_models(
+    checkpoint: Path, source: Path, family: DiTFamily, ema: bool = True, lora_alpha: float | None = None
+) -> list[Any]:
+    """The model of ``source``'s config with the weights of the DCP checkpoint (strict: names and shapes match);
+    a Wan2.2 pair's checkpoint (``transformer.`` and ``transformer_2.`` tensors) gives both experts, the second
+    of the config beside ``source``.
 
     A ``train.ema`` run's checkpoint gives the moving averages of its trained weights unless ``ema``
     is false; a LoRA run's has its factors merged (``W + alpha / r B A``, alpha as the run recorded
@@ -212,6 +238,23 @@ def _load_dcp(
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         saved = reader.read(sorted(reader.tensors))
+    if reader.ema_names:
+        logger.info("%s: the moving averages of %d trained tensors (train.ema)", checkpoint, len(reader.ema_names))
+    if {name.split(".", 1)[0] for name in saved} != set(EXPERT_FOLDERS):
+        return [_model_of(saved, checkpoint, source, family, lora_alpha)]
+    sources = (source, second_expert_path(source))
+    models = []
+    for folder, folder_source in zip(EXPERT_FOLDERS, sources):
+        part = {k[len(folder) + 1 :]: v for k, v in saved.items() if k.startswith(folder + ".")}
+        models.append(_model_of(part, checkpoint, folder_source, family, lora_alpha))
+    logger.info("%s: a Wan2.2 expert pair (%s and %s)", checkpoint, *sources)
+    return models
+
+
+def _model_of(
+    saved: dict[str, torch.Tensor], checkpoint: Path, source: Path, family: DiTFamily, lora_alpha: float | None
+) -> Any:
+    """``source``'s model holding ``saved`` (a LoRA run's factors merged)."""
     adapted = adapted_modules(saved)
     if adapted:
         alpha = recorded_lora_alpha(checkpoint, lora_alpha)
@@ -236,8 +279,6 @@ def _load_dcp(
             "--base-dir the run trained from"
         )
     model.load_state_dict(saved, strict=True)
-    if reader.ema_names:
-        logger.info("%s: the moving averages of %d trained tensors (train.ema)", checkpoint, len(reader.ema_names))
     return model.float()
 
 

@@ -14,7 +14,9 @@ changes nothing in the model's code; it adds, from the family's :class:`Sequence
    ``attention`` op, :func:`~mindspeed.parallel.context_parallel.comm.heads_to_seq`): each rank
    attends over the whole sequence for ``1/U`` of the heads. Or to the core's ring attention over the
    group (``megatron_cp_algo``), or to its hybrid (``hybrid_cp_algo``, USP: Ulysses inside groups of
-   ``U`` consecutive ranks, the ring across them). The attention is not causal, so contiguous shards
+   ``U`` consecutive ranks, the ring across them). A boolean key mask (Qwen-Image's text mask) is gathered with
+   the keys under Ulysses, and travels with the keys as an additive bias channel under the ring and USP
+   (:func:`_key_bias_channels`). The attention is not causal, so contiguous shards
    serve the ring's layouts as long as every rank holds as many tokens as the layout gives it (the
    splits cut by those lengths). Cross-attention to replicated text
    (Wan's ``attn2``) stays local: each rank's queries see all the text keys;
@@ -124,6 +126,7 @@ class SequenceParallel:
         plan: the family's plan.
         sizes: shard sizes over the group of each named split of the current forward.
         calls: sequence-parallel attention calls so far (tests check it ran).
+        masked_calls: those with a key mask.
         algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` (the core's ring attention over the group:
             non-causal, so the contiguous shards serve as well as its zig-zag ones when all are as long)
             or ``hybrid_cp_algo`` (USP: :attr:`groups` holds its Ulysses and ring groups).
@@ -136,8 +139,10 @@ class SequenceParallel:
     groups: ContextParallelGroups | None = None
     sizes: dict[str, list[int]] = field(default_factory=dict)
     calls: int = 0
+    masked_calls: int = 0
     handles: list[Any] = field(default_factory=list)
-    processors: dict[str, Any] = field(default_factory=dict)
+    processors: list[dict[str, Any]] = field(default_factory=list)
+    nested: bool = False
 
     @property
     def size(self) -> int:
@@ -179,7 +184,10 @@ class SequenceParallel:
 
     def split_model_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` of the model's ``forward`` with the plan's splits of the model's own inputs applied (for
-        inputs put back after the split hooks ran: the task's float32 timesteps)."""
+        inputs put back after the split hooks ran: the task's float32 timesteps). A Wan2.2 pair's experts split
+        their own inputs after the pair's hooks: nothing to do there."""
+        if self.nested:
+            return kwargs
         splits = [s for s in self.plan.splits if s.module == "" and isinstance(s.arg, str)]
         return _split_inputs(self, splits, None, (), dict(kwargs))[1]
 
@@ -200,11 +208,11 @@ class SequenceParallel:
     ) -> torch.Tensor:
         """``scaled_dot_product_attention``'s signature (``[B, heads, S_local, D]``) over the whole sequence."""
         key_mask = attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.shape[1:3] == (1, 1)
-        if (attn_mask is not None and not (key_mask and self.algo == ULYSSES)) or dropout_p > 0.0 or is_causal:
+        if (attn_mask is not None and not key_mask) or dropout_p > 0.0 or is_causal:
             raise ValueError(
                 "sequence parallelism of a diffusion transformer needs attention without dropout or causality, "
-                "and a mask only as a boolean key mask under Ulysses (parallel.context_parallel_algo="
-                f"{ULYSSES}); set parallel.ulysses_parallel_size=1 and parallel.ring_attention_size=1 for this model"
+                "and a mask only as a boolean key mask ([B, 1, 1, S]); set parallel.ulysses_parallel_size=1 and "
+                "parallel.ring_attention_size=1 for this model"
             )
         heads = query.shape[1]
         if heads % self.ulysses_degree or key.shape[1] != heads:
@@ -223,8 +231,13 @@ class SequenceParallel:
         softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
         device = get_accelerator().name
         self.calls += 1
+        self.masked_calls += attn_mask is not None
         if self.algo in (RING, HYBRID):
-            return self._ring(query, key, value, sizes, softmax_scale, device)
+            if attn_mask is None:
+                return self._ring(query, key, value, sizes, softmax_scale, device)
+            width = value.shape[-1]
+            biased = _key_bias_channels(query, key, value, attn_mask, softmax_scale)
+            return self._ring(*biased, sizes, softmax_scale, device)[..., :width]
         q, k, v = seq_to_heads([x.transpose(1, 2) for x in (query, key, value)], self.group, sizes)
         if attn_mask is not None:  # every rank's keys, in the group order seq_to_heads gathered them
             mask = _gather_key_mask(attn_mask, sizes, self.group)
@@ -271,8 +284,41 @@ class SequenceParallel:
         """Undo :func:`apply_sequence_parallel`: the hooks and the model's own processors come back."""
         for handle in self.handles:
             handle.remove()
-        model.set_attn_processor(dict(self.processors))
+        for root, processors in zip(_roots(model), self.processors):
+            root.set_attn_processor(dict(processors))
         self.handles.clear()
+        self.processors.clear()
+
+
+#: The score a masked key gets under ring attention: ``exp`` of it underflows to 0 in float32 (as ``-inf`` does).
+_MASKED_SCORE = -1.0e4
+#: Channels added to the head dimension for the key bias (a multiple of 8, as fused attention kernels want).
+_BIAS_CHANNELS = 8
+
+
+def _key_bias_channels(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v`` ``[B, H, S, D]`` with :data:`_BIAS_CHANNELS` more channels that add a per-key bias to the scores.
+
+    A boolean key mask ``[B, 1, 1, S_local]`` of this rank's keys becomes the additive bias 0 (kept) or
+    :data:`_MASKED_SCORE` (masked) that ring attention's kernels take as one more product in ``q . k``: the
+    queries' first extra channel is ``scale^-1/2``, the keys' is ``bias scale^-1/2`` (so ``scale x q . k`` gains
+    exactly ``bias``), the other extra channels and the values' are zero. The keys' bias channel travels
+    around the ring (and through USP's all-to-all) with its keys; a masked key's weight is ``exp(-1e4)``,
+    0 in float32, and a kept key's score is unchanged (its extra products are zeros). The caller drops the
+    output's extra channels.
+    """
+    root = scale**-0.5
+    bias = torch.where(mask.reshape(mask.shape[0], 1, -1, 1), 0.0, _MASKED_SCORE * root).to(key.dtype)
+    extra = [_BIAS_CHANNELS - 1]
+    q_extra = torch.cat([query.new_full((*query.shape[:3], 1), root), query.new_zeros(*query.shape[:3], *extra)], -1)
+    k_extra = torch.cat([bias.expand(*key.shape[:3], 1), key.new_zeros(*key.shape[:3], *extra)], -1)
+    return (
+        torch.cat([query, q_extra], -1),
+        torch.cat([key, k_extra], -1),
+        torch.cat([value, value.new_zeros(*value.shape[:3], _BIAS_CHANNELS)], -1),
+    )
 
 
 def _gather_key_mask(mask: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -361,6 +407,11 @@ def _modules(model: torch.nn.Module, pattern: str) -> list[str]:
     return [name for name, _ in model.named_modules() if regex.fullmatch(name)]
 
 
+def _roots(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The diffusers transformers inside ``model``: a Wan2.2 pair's two experts, else the model itself."""
+    return tuple(getattr(model, "experts", None) or (model,))
+
+
 def apply_sequence_parallel(
     model: torch.nn.Module,
     plan: SequencePlan,
@@ -371,7 +422,8 @@ def apply_sequence_parallel(
     """Make ``model`` (a diffusers transformer, sharded or not) split its tokens over ``group`` (see the module doc).
 
     Args:
-        model: the diffusers transformer.
+        model: the diffusers transformer, or a Wan2.2 :class:`~mindspeed_mm.models.wan_experts.ExpertPair`
+            (each expert gets the plan, sharing one state: the experts run one after the other).
         plan: its family's :class:`SequencePlan`.
         group: the sequence-parallel group.
         algo: ``ulysses_cp_algo``, ``megatron_cp_algo`` or ``hybrid_cp_algo``.
@@ -385,8 +437,9 @@ def apply_sequence_parallel(
     if algo not in (ULYSSES, RING, HYBRID):
         raise ValueError(f"parallel.context_parallel_algo={algo!r}: use {ULYSSES}, {RING} or {HYBRID}")
     groups = build_context_parallel_groups(group, algo, ulysses_degree) if algo == HYBRID else None
-    parallel = SequenceParallel(group, plan, algo=algo, groups=groups)
-    if getattr(model, "gradient_checkpointing", False):
+    roots = _roots(model)
+    parallel = SequenceParallel(group, plan, algo=algo, groups=groups, nested=roots[0] is not model)
+    if any(getattr(root, "gradient_checkpointing", False) for root in roots):
         raise ValueError(
             "sequence parallelism with diffusers' gradient checkpointing would split the recomputed blocks' "
             "inputs twice; use train.recompute_modules instead"
@@ -397,6 +450,13 @@ def apply_sequence_parallel(
             f"parallel.ulysses_parallel_size={parallel.ulysses_degree} does not divide the model's {heads} attention "
             "heads; use a divisor of the head count"
         )
+    for root in roots:
+        _hook(root, plan, parallel)
+    return parallel
+
+
+def _hook(model: torch.nn.Module, plan: SequencePlan, parallel: SequenceParallel) -> None:
+    """The plan's split and gather hooks and the wrapped attention processors, on one diffusers transformer."""
     inputs: dict[str, list[Split]] = {}
     for split in plan.splits:
         for name in _modules(model, split.module):
@@ -410,6 +470,6 @@ def apply_sequence_parallel(
         parallel.handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     gathered = model.get_submodule(plan.gather[0])
     parallel.handles.append(gathered.register_forward_hook(lambda module, args, output: parallel.gather(output)))
-    parallel.processors = dict(model.attn_processors)
-    model.set_attn_processor({name: SequenceParallelProcessor(p, parallel) for name, p in parallel.processors.items()})
-    return parallel
+    processors = dict(model.attn_processors)
+    parallel.processors.append(processors)
+    model.set_attn_processor({name: SequenceParallelProcessor(p, parallel) for name, p in processors.items()})

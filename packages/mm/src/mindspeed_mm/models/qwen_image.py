@@ -13,9 +13,10 @@ them to ``data.text_len``. :func:`_inputs` cuts a batch back to its longest real
 model ``encoder_hidden_states_mask`` over the real tokens (padding rows are the all-zero rows: a
 Qwen2.5-VL hidden state after its final RMSNorm is never all zero), None when every token is real,
 which is what the pipeline passes for the same prompts. Guidance is the pipeline's ``true_cfg_scale``
-with its norm rescale (:func:`_combine_guidance`). Every block is an FSDP2 unit. Under Ulysses
+with its norm rescale (:func:`_combine_guidance`). Every block is an FSDP2 unit. Under
 sequence parallelism the joint text + image sequence is split (the plan of diffusers' ``_cp_plan``)
-and the text mask's keys are gathered with the keys (ring attention takes no mask: refused).
+and the text mask's keys are gathered with the keys (under ring attention and USP they travel with the keys
+as a bias channel: :func:`~mindspeed_mm.models.dit_parallel._key_bias_channels`).
 """
 
 from __future__ import annotations

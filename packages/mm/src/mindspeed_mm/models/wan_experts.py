@@ -81,6 +81,16 @@ class ExpertPair(torch.nn.Module):
         """The high-noise expert's configuration (the experts share their shapes)."""
         return self.transformer.config
 
+    @property
+    def experts(self) -> tuple[Any, Any]:
+        """``(transformer, transformer_2)``: LoRA and sequence parallelism go into each as into one model."""
+        return self.transformer, self.transformer_2
+
+    @property
+    def _repeated_blocks(self) -> list[str]:
+        """The experts' repeated block classes (``train.compile`` compiles the blocks of both)."""
+        return list(getattr(self.transformer, "_repeated_blocks", None) or ())
+
     def forward(
         self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, **kwargs: Any
     ) -> tuple[torch.Tensor]:

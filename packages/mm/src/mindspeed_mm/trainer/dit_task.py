@@ -33,7 +33,7 @@ from mindspeed_mm.models.dit_compile import compile_blocks
 from mindspeed_mm.models.dit_parallel import SequenceParallel, apply_sequence_parallel
 from mindspeed_mm.models.loading import freeze_parts
 from mindspeed_mm.models.lora import apply_lora, merged_state, write_adapter_config
-from mindspeed_mm.models.wan_experts import load_pair, pair_plan, resolve_boundary_ratio
+from mindspeed_mm.models.wan_experts import EXPERT_FOLDERS, load_pair, pair_plan, resolve_boundary_ratio
 from mindspeed_mm.trainer.dit_export import save_diffusers, save_expert_pair, write_dit_lora
 from mindspeed_mm.trainer.export import full_state as gather_state
 from mindspeed_mm.trainer.fsdp import (
@@ -70,14 +70,14 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
         if dist.get_rank() == 0:
             loaded = load()
             if lora.enabled:
-                apply_lora(loaded, lora, family)
+                _each_expert(loaded, apply_lora, lora, family)
             full_state, buffers = loaded.state_dict(), dict(loaded.named_buffers())
             del loaded
         model = build_meta()
     if lora.enabled:
-        apply_lora(model, lora, family)
+        _each_expert(model, apply_lora, lora, family)
     if m.freeze:
-        freeze_parts(model, family, m.freeze)
+        _each_expert(model, freeze_parts, family, m.freeze)
     compile_blocks(model, config.train.compile)  # before recompute and FSDP2: their wrappers stay eager
     recomputed = apply_recompute(model, config.train.recompute_modules)
     apply_swap(model, config.train.swap_modules, recomputed)
@@ -95,18 +95,17 @@ def build_dit(config: MMConfig, world: int) -> tuple[DiTFamily, torch.nn.Module]
     return family, model
 
 
+def _each_expert(model: torch.nn.Module, apply: Callable[..., Any], *args: Any) -> None:
+    """``apply(expert, *args)`` on each expert of a Wan2.2 pair (module names as in one transformer), else on ``model``."""
+    for expert in getattr(model, "experts", None) or (model,):
+        apply(expert, *args)
+
+
 def _loaders(config: MMConfig, family: DiTFamily) -> tuple[Callable[[], Any], Callable[[], Any], tuple[str, ...]]:
     """``(load, build on meta, FSDP2 plan)``: of ``model.path``, or with ``diffusion.expert=both`` of both experts."""
     m, d = config.model, config.diffusion
     if d.expert != "both":
         return (lambda: load_dit(m.path, family)), (lambda: build_meta_dit(m.path, family)), family.fsdp_plan
-    p = config.parallel
-    if config.lora.enabled or p.sequence_parallel_size > 1 or config.train.compile:
-        raise ValueError(
-            "diffusion.expert=both trains the experts in full, without sequence parallelism or compile; "
-            "set lora.enabled=false, parallel.ulysses_parallel_size=1, parallel.ring_attention_size=1 and "
-            "train.compile=false, or train each expert alone (diffusion.expert=high_noise / low_noise)"
-        )
     boundary = resolve_boundary_ratio(d.boundary_ratio, m.path, d.expert) * d.num_train_timesteps
     return (
         lambda: load_pair(m.path, family, boundary),
@@ -345,7 +344,13 @@ class DiTTask:
         state = gather_state(self.model)
         written: dict[str, str] = {}
         if lora.save_peft and state is not None:
-            written["save_peft"] = str(write_dit_lora(state, lora, self.family, lora.save_peft))
+            if self.config.diffusion.expert == "both":  # one diffusers LoRA per expert: SAVE/transformer{,_2}
+                for folder in EXPERT_FOLDERS:
+                    part = {k[len(folder) + 1 :]: v for k, v in state.items() if k.startswith(folder + ".")}
+                    write_dit_lora(part, lora, self.family, Path(lora.save_peft) / folder)
+                written["save_peft"] = lora.save_peft
+            else:
+                written["save_peft"] = str(write_dit_lora(state, lora, self.family, lora.save_peft))
         if ck.save_hf:
             if lora.enabled and state is not None:
                 state = merged_state(state, lora)
