@@ -56,6 +56,11 @@ def _run_actor(root: str, schedule: str) -> dict[str, Any]:
             metrics.append(actor.update(PAIRS, _pad(logp), torch.tensor(ADV)))
         out["logp"], out["metrics"] = logps, metrics
         out["state2"] = {k: v.clone().numpy() for k, v in actor.hf_state().items()}
+        if schedule == "dualpipev":  # 2 microbatches at PP2: refused in one line, before any work
+            try:
+                actor.update(PAIRS[:2], _pad(logp[:2]), torch.tensor(ADV[:2]))
+            except ValueError as err:
+                out["few_error"] = str(err)
     finally:
         actor.close()
     return out
@@ -105,6 +110,11 @@ def test_actor_dualpipev_equals_1f1b(runs: tuple[Path, list[dict[str, Any]]]) ->
             )
         moved = max(float(abs(plain["state2"][n] - plain["state0"][n]).max()) for n in want)
         assert moved > 1e-3, moved  # the two updates moved the weights
+    for out in ranks:
+        assert (
+            "2 microbatches, it needs >= 2 x actor.pp = 4; lower actor.micro_batch_size"
+            in out["dualpipev"]["few_error"]
+        )
     # The numbers of docs/core/dualpipev.md (shown with pytest -s).
     plain, dual = ranks[0]["1f1b"], ranks[0]["dualpipev"]
     logp = max(float(abs(a - b).max()) for s in range(2) for a, b in zip(dual["logp"][s], plain["logp"][s]))

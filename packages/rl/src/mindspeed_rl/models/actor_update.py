@@ -131,6 +131,11 @@ class ActorUpdate:
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
         batches = self._microbatches(pairs, width, extra)
+        if self.dualpipev and len(batches) < 2 * self.parallel.pp:
+            raise ValueError(
+                f"dualpipev: the update has {len(batches)} microbatches, it needs >= 2 x actor.pp = "
+                f"{2 * self.parallel.pp}; lower actor.micro_batch_size or update more sequences at once"
+            )
         logits = (
             self.settings.compute_entropy
             or bool(config.entropy_coef)
