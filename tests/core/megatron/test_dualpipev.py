@@ -142,7 +142,7 @@ def test_feature_is_opt_in_and_sets_two_chunks() -> None:
         ({}, {"overlap_grad_reduce": True}, r"set parallel.overlap_grad_reduce=false"),
         ({}, {"variable_seq_lengths": True}, r"set data.variable_seq_lengths=false"),
         ({}, {"mtp_num_layers": 1}, r"multi-token prediction"),
-        ({}, {"hf_weights": True}, r"Hugging Face imports and exports.*; convert the megatron checkpoint afterwards"),
+        ({}, {"hf_weights": True}, r"Hugging Face exports.*; convert the megatron checkpoint afterwards"),
         ({}, {"lora": True}, r"LoRA adapters.*; set lora.enabled=false"),
     ],
 )

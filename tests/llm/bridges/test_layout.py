@@ -176,3 +176,28 @@ def test_experts_are_renumbered_per_expert_rank() -> None:
 def test_bad_layouts_name_the_flag(layout: ParallelLayout, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         layout.check(SHAPE)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dualpipev_layout_is_the_v(pp: int) -> None:
+    """DualPipeV's V: rank r holds layer chunks r and 2P-1-r, rank 0 the embedding and (chunk 1) the head."""
+    from mindspeed.megatron.dualpipev import dualpipev_chunks
+
+    layout = ParallelLayout(tp=2, pp=pp, dualpipev=True)
+    held: dict[tuple[int, int], set[int]] = {}
+    seen: set[tuple] = set()
+    for param in megatron_params(SHAPE).values():
+        for piece in layout.place(param, SHAPE):
+            key = (piece.rank, piece.chunk, piece.name)
+            assert key not in seen, key
+            seen.add(key)
+            if param.layer is not None:
+                held.setdefault((piece.rank.pp, piece.chunk), set()).add(param.layer)
+            elif param.name.startswith("embedding."):
+                assert (piece.rank.pp, piece.chunk) in ((0, 0), (0, 1))  # the tied copy on rank 0's chunk 1
+            else:
+                assert (piece.rank.pp, piece.chunk) == (0, 1), param.name
+    for rank, chunks in enumerate(dualpipev_chunks(SHAPE.num_layers, pp)):
+        assert [sorted(held[(rank, c)]) for c in (0, 1)] == [list(r) for r in chunks]
+    assert layout.num_chunks(SHAPE) == 2 and layout.last_stage(SHAPE) == (0, 1)
+    assert any(k[0].pp == 0 and k[1] == 1 and k[2] == "output_layer.weight" for k in seen)

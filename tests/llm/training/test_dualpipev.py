@@ -288,7 +288,7 @@ def test_a_dualpipev_checkpoint_resumes_under_both_schedules(runs: dict[str, Any
 
 
 def test_runners_on_megatron_schedules_refuse_the_v() -> None:
-    # The RL actor and DPO's frozen reference run megatron's schedules: their builds refuse the feature.
+    # A runner on megatron's schedules (PPO's critic) refuses the feature at build time.
     from types import SimpleNamespace
 
     from mindspeed_llm.training.build import BuildSpec, build_engine
@@ -297,6 +297,3 @@ def test_runners_on_megatron_schedules_refuse_the_v() -> None:
     spec = BuildSpec(shape=None, parallel=None, vocab=0, transformer=None)
     with pytest.raises(ValueError, match=r"this runner runs megatron's own schedules.*dualpipev.enabled=false"):
         build_engine(spec, report, groups=None)
-    dpo = BuildSpec(shape=None, parallel=None, vocab=0, transformer=None, reference=True, runs_dualpipev=True)
-    with pytest.raises(ValueError, match=r"a frozen reference model \(DPO\)"):
-        build_engine(dpo, report, groups=None)

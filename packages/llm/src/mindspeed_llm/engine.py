@@ -7,7 +7,7 @@ A name added here is a promise to keep it; add one only for a need of another su
 
 Build (the one build sequence, shared with the LLM ``Trainer``: :mod:`mindspeed_llm.training.build`):
     :class:`BuildSpec`, :class:`Engine`, :func:`build_engine`, :func:`model_facts`,
-    :func:`seed_everything`, :func:`build_transformer_config`, :func:`default_groups`,
+    :func:`seed_everything`, :func:`uses_dualpipev`, :func:`build_transformer_config`, :func:`default_groups`,
     :func:`padded_vocab_size`, :func:`attach_score_head` (a scalar head in place of the output
     layer: a reward model's score head, a critic's value head).
 Recipe sections the builders take:
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from mindspeed_llm.bridges import ParallelLayout, megatron_to_hf, merge_tensors, plan_conversion
 from mindspeed_llm.inference import GenerationOutput, GenerationSession, InferenceEngine, SamplingParams
-from mindspeed_llm.training.build import BuildSpec, Engine, build_engine, model_facts, seed_everything
+from mindspeed_llm.training.build import BuildSpec, Engine, build_engine, model_facts, seed_everything, uses_dualpipev
 from mindspeed_llm.training.checkpoint import load_model_checkpoint, save_model_checkpoint
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.finetune_data import PackSettings, pack_microbatch
@@ -64,6 +64,7 @@ __all__ = [
     "build_engine",
     "model_facts",
     "seed_everything",
+    "uses_dualpipev",
     "build_transformer_config",
     "default_groups",
     "padded_vocab_size",

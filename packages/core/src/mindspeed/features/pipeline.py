@@ -203,11 +203,8 @@ class DualPipeVFeature(Feature):
                 "variable sequence lengths through the pipeline",
                 "set data.variable_seq_lengths=false",
             ),
-            # Their layer maps read megatron's interleaved order, not the V's (chunk 1 is stage 2P-1-r).
-            "hf_weights": (
-                "Hugging Face imports and exports (checkpoint.load_hf / save_hf)",
-                "convert the megatron checkpoint afterwards",
-            ),
+            # The export's layer map reads megatron's interleaved order, not the V's (chunk 1 is stage 2P-1-r).
+            "hf_weights": ("Hugging Face exports (checkpoint.save_hf)", "convert the megatron checkpoint afterwards"),
             "lora": ("LoRA adapters", "set lora.enabled=false"),
         }
         for key, (what, fix) in refused.items():

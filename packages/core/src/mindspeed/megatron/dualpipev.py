@@ -340,6 +340,10 @@ def forward_backward_dualpipev(
     links.wait_sends()
     if not forward_only and config.finalize_model_grads_func is not None:
         sum_tied_embedding_grads(model)
+        if config.calculate_per_token_loss:
+            # The V's loss is on rank 0; finalize_model_grads broadcasts the token count from the
+            # last pipeline rank, which counted none: give every rank rank 0's count.
+            dist.all_reduce(total_tokens, group=pp)
         config.finalize_model_grads_func(
             model,
             total_tokens if config.calculate_per_token_loss else None,

@@ -10,7 +10,9 @@ following megatron's own rules:
 - a gated ``linear_fc1`` (``[gate; up]``) gives rank r ``[gate_r; up_r]``;
 - embedding and output layer rows are cut after padding the vocabulary to a multiple of TP;
 - pipeline stages own consecutive layer ranges (``num_layer_list`` or equal shares); with
-  virtual stages, model chunk i of pipeline rank p owns global chunk ``i * pp + p``;
+  virtual stages, model chunk i of pipeline rank p owns global chunk ``i * pp + p``; DualPipeV's
+  V (``dualpipev``): rank p owns global chunks ``p`` and ``2 pp - 1 - p``, and the final norm and
+  the output layer sit on rank 0's second chunk;
 - expert-parallel rank e owns experts ``[e * E / ep, (e + 1) * E / ep)``, renumbered from 0;
 - a tied output layer is a copy of the embedding on the last stage when PP > 1;
 - multi-token-prediction layers (``mtp.layers.N``) sit on the last stage, with a copy of the
@@ -67,6 +69,8 @@ class ParallelLayout:
         ep: expert-parallel size.
         vpp_layers: layers per virtual pipeline stage (``--num-layers-per-virtual-pipeline-stage``).
         num_layer_list: layers of each pipeline stage (``--num-layer-list``), for uneven stages.
+        dualpipev: DualPipeV's V (``mindspeed.megatron.dualpipev``): ``2 pp`` equal chunks, rank
+            ``p`` holding chunks ``p`` and ``2 pp - 1 - p`` (megatron's VPP=2 numbering, mirrored).
     """
 
     tp: int = 1
@@ -74,6 +78,7 @@ class ParallelLayout:
     ep: int = 1
     vpp_layers: int | None = None
     num_layer_list: tuple[int, ...] | None = None
+    dualpipev: bool = False
 
     def check(self, shape: ModelShape) -> None:
         """Raise a ``ValueError`` naming the flag and the model size that do not fit.
@@ -146,6 +151,8 @@ class ParallelLayout:
 
     def num_chunks(self, shape: ModelShape) -> int:
         """Model chunks per pipeline rank (1 without virtual stages)."""
+        if self.dualpipev:
+            return 2
         return shape.num_layers // (self.pp * self.vpp_layers) if self.vpp_layers else 1
 
     def ranks(self) -> list[RankKey]:
@@ -154,6 +161,9 @@ class ParallelLayout:
 
     def layer_place(self, shape: ModelShape, layer: int) -> tuple[int, int, int]:
         """(pipeline rank, model chunk, local index) of global ``layer``."""
+        if self.dualpipev:
+            chunk, local = divmod(layer, shape.num_layers // (2 * self.pp))
+            return (chunk, 0, local) if chunk < self.pp else (2 * self.pp - 1 - chunk, 1, local)
         if self.vpp_layers:
             chunk, local = divmod(layer, self.vpp_layers)
             return chunk % self.pp, chunk // self.pp, local
@@ -171,6 +181,8 @@ class ParallelLayout:
 
     def last_stage(self, shape: ModelShape) -> tuple[int, int]:
         """(pipeline rank, chunk) holding the final norm and the output layer."""
+        if self.dualpipev:
+            return 0, 1
         return self.pp - 1, self.num_chunks(shape) - 1
 
     def place(self, param: MegatronParam, shape: ModelShape) -> list[Piece]:
@@ -214,7 +226,7 @@ class ParallelLayout:
     def describe(self) -> str:
         """Short label, e.g. ``tp2-pp2-vpp1`` or ``tp1-pp2[3,1]-ep2``."""
         pp = f"pp{self.pp}" + (f"[{','.join(map(str, self.num_layer_list))}]" if self.num_layer_list else "")
-        vpp = f"-vpp{self.vpp_layers}" if self.vpp_layers else ""
+        vpp = f"-vpp{self.vpp_layers}" if self.vpp_layers else ("-dualpipev" if self.dualpipev else "")
         return f"tp{self.tp}-{pp}{vpp}-ep{self.ep}"
 
 

@@ -66,7 +66,7 @@ class BuildSpec:
         compile: ``torch.compile`` each ``TransformerLayer``'s forward in this mode (a
             ``mindspeed.compile.MODES`` key; ``None``: eager); the frozen reference stays eager.
         runs_dualpipev: the caller runs DualPipeV's schedule on the chunks when the ``dualpipev``
-            feature is on (the LLM trainer); other callers run megatron's schedules, which
+            feature is on (the LLM trainer, its DPO reference, the RL actor); other callers run megatron's schedules, which
             cannot run the V, and the build refuses the feature.
         compile_dynamic_tokens: the compiled layers take the token count as a dynamic size
             (microbatches of varying length, as the RL actor's: one graph instead of one per length).
@@ -169,10 +169,9 @@ def build_engine(spec: BuildSpec, adaptation: Any, groups: Any) -> Engine:
         The built :class:`Engine` (collective: every rank of ``groups`` calls it).
     """
     kernels, hooks = adaptation.kernels, adaptation.hooks
-    if uses_dualpipev(adaptation) and (not spec.runs_dualpipev or spec.reference):
-        who = "a frozen reference model (DPO)" if spec.reference else "this runner"
+    if uses_dualpipev(adaptation) and not spec.runs_dualpipev:
         raise ValueError(
-            f"features.settings.dualpipev: {who} runs megatron's own schedules, which cannot run the V; "
+            "features.settings.dualpipev: this runner runs megatron's own schedules, which cannot run the V; "
             "set features.settings.dualpipev.enabled=false"
         )
     overrides = {**adaptation.config_overrides, **spec.overrides}

@@ -146,19 +146,25 @@ def _forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[
     return output, partial(_collect_logps, batch)
 
 
-def reference_logps(chunks: list[Any], batches: list[dict[str, Any]]) -> None:
+def reference_logps(
+    chunks: list[Any], batches: list[dict[str, Any]], groups: Any = None, dualpipev: bool = False
+) -> None:
     """Run the reference model over ``batches`` and store ``batch["ref_logps"]`` (collective).
 
-    The log-probabilities exist on the last pipeline stage, where the loss is computed; the
-    other stages leave the batches as they are.
+    The log-probabilities exist on the stage where the loss is computed (the last pipeline stage;
+    rank 0 under DualPipeV, ``dualpipev``: the chunks are the V, its forward-only schedule runs
+    them over the process groups ``groups``); the other stages leave the batches as they are.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mindspeed.megatron.dualpipev import forward_backward_dualpipev
 
     for chunk in chunks:
         chunk.eval()
     micro_batch_size, seq_length = batches[0]["tokens"].shape
+    schedule = partial(forward_backward_dualpipev, pg_collection=groups) if dualpipev else get_forward_backward_func()
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
+        outputs = schedule(
             forward_step_func=_forward_step,
             data_iterator=[iter(batches) for _ in chunks],
             model=chunks,

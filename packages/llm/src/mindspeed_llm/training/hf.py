@@ -137,8 +137,10 @@ def _layout(config: PretrainConfig) -> Any:
     return _parallel_layout(config.parallel, config.model.num_layers - len(noop), noop)
 
 
-def _parallel_layout(p: ParallelConfig, num_layers: int, noop: tuple[int, ...] = ()) -> Any:
+def _parallel_layout(p: ParallelConfig, num_layers: int, noop: tuple[int, ...] = (), dualpipev: bool = False) -> Any:
     """The bridges' layout of ``num_layers`` real layers on ``p`` (with ``noop`` layers among them)."""
+    if dualpipev:  # the feature refuses noop layers and parallel.vpp alongside the V
+        return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, dualpipev=True)
     if not noop or p.pp == 1:
         return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, vpp_layers=num_layers // (p.pp * p.vpp) if p.vpp else None)
     # Noop layers: each stage holds its real layers (megatron's layout), an uneven split.
@@ -169,6 +171,7 @@ def load_hf_weights(
     groups: Any = None,
     noop_layers: tuple[int, ...] = (),
     keep: tuple[str, ...] = (),
+    dualpipev: bool = False,
 ) -> None:
     """Load this rank's pieces of the Hugging Face weights in ``path`` into ``chunks`` (collective).
 
@@ -184,6 +187,7 @@ def load_hf_weights(
         keep: megatron names left as initialised unless the directory has a tensor of their
             shape (a reward model's score head started from a language model, whose
             ``lm_head`` it does not take).
+        dualpipev: the chunks are DualPipeV's V (``build_gpt_chunks(dualpipev=True)``).
 
     Raises:
         ConfigError: the directory's tensors do not match its config, or leave a parameter of
@@ -195,7 +199,8 @@ def load_hf_weights(
     except ValueError as err:
         raise ConfigError(f"checkpoint.load_hf: {err}") from err
     groups = groups if groups is not None else default_groups()
-    layout, me = _parallel_layout(parallel, source.shape.num_layers, noop_layers), _my_rank(groups)
+    layout = _parallel_layout(parallel, source.shape.num_layers, noop_layers, dualpipev)
+    me = _my_rank(groups)
     states = [unwrap(chunk).state_dict(keep_vars=True) for chunk in chunks]
     expected = {(i, name) for i, state in enumerate(states) for name in state if not name.endswith("_extra_state")}
     loaded = set()

@@ -66,8 +66,11 @@ class Stage:
         """The loss of one microbatch."""
         return lm_loss(transform)
 
-    def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
-        """Work on a step's microbatches before the training pass (collective)."""
+    def prepare(
+        self, reference: list[Any] | None, batches: list[dict[str, Any]], groups: Any = None, dualpipev: bool = False
+    ) -> None:
+        """Work on a step's microbatches before the training pass (collective; ``groups``: the process
+        groups, ``dualpipev``: the chunks are DualPipeV's V)."""
 
     def adapt_model(self, models: list[Any], config: PretrainConfig) -> None:
         """Change this rank's bare model chunks before their weights are loaded (and before LoRA and DDP)."""
@@ -223,8 +226,10 @@ class DpoStage(_FinetuneStage):
             raise ValueError("loss transforms apply to the language-model loss, not to dpo")
         return dpo_loss_func(config.dpo.beta, config.dpo.label_smoothing, config.dpo.loss_type)
 
-    def prepare(self, reference: list[Any] | None, batches: list[dict[str, Any]]) -> None:
-        reference_logps(reference, batches)
+    def prepare(
+        self, reference: list[Any] | None, batches: list[dict[str, Any]], groups: Any = None, dualpipev: bool = False
+    ) -> None:
+        reference_logps(reference, batches, groups, dualpipev)
 
 
 @STAGES.register("rm")

@@ -101,7 +101,7 @@ def pretrain(config: PretrainConfig, hooks: TrainerHooks | None = None) -> Train
         num_microbatches=config.num_microbatches(world),
         overlap_grad_reduce=p.overlap_grad_reduce,
         variable_seq_lengths=bool(transformer.variable_seq_lengths),
-        hf_weights=bool(config.checkpoint.load_hf or config.checkpoint.save_hf),
+        hf_weights=bool(config.checkpoint.save_hf),  # the export (the import loads the V's layout)
         lora=config.lora.enabled,
     )
     if config.parallel.cp > 1:
@@ -339,7 +339,7 @@ class Trainer(TrainerLoading, TrainerSaving):
         hook = self.hooks.loss_transform
         transform = (lambda losses: hook(step, losses)) if hook is not None else None
         lr = current_lr(self.optimizer)
-        self.stage.prepare(self.reference, batches)
+        self.stage.prepare(self.reference, batches, self.groups, uses_dualpipev(self.report))
         metrics = run_schedule(
             self.chunks,
             batches,
@@ -411,7 +411,7 @@ class Trainer(TrainerLoading, TrainerSaving):
         gbs, num_micro = self.config.global_batch_size(self.world), self.config.num_microbatches(self.world)
         steps = [self.valid_reader.step(i * gbs, num_micro) for i in range(self.config.eval.iters)]
         for batches in steps:
-            self.stage.prepare(self.reference, batches)
+            self.stage.prepare(self.reference, batches, self.groups, uses_dualpipev(self.report))
         with fast_path():
             values = evaluate_metrics(
                 self.chunks, steps, self._loss_fn(), self.groups, dualpipev=uses_dualpipev(self.report)

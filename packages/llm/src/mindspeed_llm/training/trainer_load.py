@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mindspeed.checkpointing import find_resume, holds_checkpoints
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
+from mindspeed_llm.training.build import uses_dualpipev
 from mindspeed_llm.training.checkpoint import TrainState, find_checkpoint, load_checkpoint
 from mindspeed_llm.training.hf import load_hf_weights
 from mindspeed_llm.training.lora import LoraSettings, apply_lora
@@ -93,6 +94,7 @@ class TrainerLoading:
                 self.groups,
                 self.config.model.noop_indices(),
                 keep=self.stage.fresh_params,
+                dualpipev=uses_dualpipev(self.report),
             )
         if lora.enabled:
             settings = self.lora_settings()
@@ -134,7 +136,13 @@ class TrainerLoading:
             hf = (Path(source) / "config.json").is_file()
         if hf:
             load_hf_weights(
-                self.reference, source, self.config.parallel, self.vocab, self.groups, self.config.model.noop_indices()
+                self.reference,
+                source,
+                self.config.parallel,
+                self.vocab,
+                self.groups,
+                self.config.model.noop_indices(),
+                dualpipev=uses_dualpipev(self.report),
             )
             return
         found = find_checkpoint(source, what="dpo.ref_model")

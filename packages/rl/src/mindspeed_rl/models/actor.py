@@ -68,6 +68,7 @@ from mindspeed_llm.engine import (
     read_hf_shape,
     seed_everything,
     unwrap,
+    uses_dualpipev,
 )
 from mindspeed_rl.algorithms.losses import PolicyLossConfig
 from mindspeed_rl.models.actor_lora import ActorLora
@@ -172,7 +173,13 @@ class ActorSettings:
 
 
 def _ensure_megatron(
-    shape: ModelShape, parallel: ParallelConfig, seed: int, features: FeaturesConfig, world: int, compiled: bool = False
+    shape: ModelShape,
+    parallel: ParallelConfig,
+    seed: int,
+    features: FeaturesConfig,
+    world: int,
+    compiled: bool = False,
+    lora: bool = False,
 ) -> tuple[AdaptReport, bool, Any]:
     """Adapt megatron-core with ``features`` and initialise its parallel state, once per process.
 
@@ -196,6 +203,7 @@ def _ensure_megatron(
             "bf16" if shape.params_dtype == "bfloat16" else "fp32",
             parallel.distributed_optimizer,
             compiled_layers=compiled,  # compiled layers: no gradient_accumulation_fusion (its in-place backward)
+            lora=lora,  # the dualpipev feature refuses LoRA
         )
         sizes = ParallelSizes(tp=p.tp, pp=p.pp, dp=max(1, world // (p.tp * p.pp)))
         report, made = adapt(features=features, model=facts, parallel=sizes), True
@@ -257,9 +265,18 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         self.hf_vocab = shape.vocab_size
         self.vocab = padded_vocab_size(shape.vocab_size, 1, tp)
         self.adaptation, self._adapted, self.groups = _ensure_megatron(
-            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size(), bool(s.compile)
+            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size(), bool(s.compile), bool(s.lora)
         )
-        load = partial(load_hf_weights, path=self.hf_dir, parallel=parallel, vocab_rows=self.vocab, groups=self.groups)
+        #: DualPipeV (the ``dualpipev`` feature): the V's two chunks per rank, its schedule, the loss on stage 0.
+        self.dualpipev = uses_dualpipev(self.adaptation)
+        load = partial(
+            load_hf_weights,
+            path=self.hf_dir,
+            parallel=parallel,
+            vocab_rows=self.vocab,
+            groups=self.groups,
+            dualpipev=self.dualpipev,
+        )
         spec = BuildSpec(
             shape=shape,
             parallel=parallel,
@@ -275,6 +292,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             overrides={} if trainable else {"perform_initialization": False},
             compile=compile_mode(s.compile),
             compile_dynamic_tokens=True,  # packed microbatches of every length: one graph
+            runs_dualpipev=True,  # _schedule runs DualPipeV's schedule on the V's chunks
         )
         #: dynamo's counters from the build: the graphs this actor's layers compiled (tests, reports).
         self.compile_watch = CompileWatch()
@@ -331,10 +349,13 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
     def _schedule(
         self, batches: list[dict[str, Any]], loss_fn: Any, forward_only: bool, logits: bool = False
     ) -> list[dict[str, Any]]:
-        """Run megatron's schedule; the last stage's output is the per-token CE, or the
-        (vocab-parallel) logits ``[1, T, V_local]`` with ``logits``."""
+        """Run megatron's schedule (DualPipeV's with :attr:`dualpipev`); the loss stage's output
+        (:attr:`loss_stage`) is the per-token CE, or the (vocab-parallel) logits ``[1, T, V_local]``
+        with ``logits``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        from mindspeed.megatron.dualpipev import forward_backward_dualpipev
 
         def forward_step(data_iterator: Iterator[dict[str, Any]], model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data_iterator)
@@ -348,6 +369,17 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             return output, partial(loss_fn, batch)
 
         micro, seq = batches[0]["tokens"].shape
+        if self.dualpipev:
+            return forward_backward_dualpipev(
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in self.chunks],
+                model=self.chunks,
+                num_microbatches=len(batches),
+                seq_length=seq,
+                micro_batch_size=micro,
+                forward_only=forward_only,
+                pg_collection=self.groups,
+            )
         schedule = get_forward_backward_func(pp_size=self.groups.pp.size())
         return (
             schedule(
@@ -384,13 +416,17 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         mask = batch["resp_mask"]
         return logp * mask, entropy * mask
 
-    def _broadcast_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` of the last pipeline stage on every stage (same shape and dtype everywhere)."""
+    @property
+    def loss_stage(self) -> int:
+        """The pipeline stage that computes the outputs: the last one, or 0 under DualPipeV (the V's end)."""
+        return 0 if self.dualpipev else self.parallel.pp - 1
 
-        pp = self.parallel.pp
-        if pp == 1:
+    def _broadcast_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` of the loss stage (:attr:`loss_stage`) on every stage (same shape and dtype everywhere)."""
+
+        if self.parallel.pp == 1:
             return tensor
-        return broadcast_from_stage(tensor, pp - 1, self.groups.pp)
+        return broadcast_from_stage(tensor, self.loss_stage, self.groups.pp)
 
     def compute_logprobs(self, pairs: Sequence[Pair]) -> list[torch.Tensor]:
         """Per-token log-probs of each response given its prompt (forward only, collective).
@@ -508,7 +544,9 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         p = self.parallel
         # LoRA: the merged weights W + (alpha / r) B A (the tensors taken stay valid after the block).
         with self.merged_weights() if self.lora else contextlib.nullcontext():
-            return gather_hf_state(self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups)
+            return gather_hf_state(
+                self.chunks, self.bridge, self.shape, p.tp, p.pp, self.hf_vocab, self.groups, self.dualpipev
+            )
 
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` of one sequence (tp = pp = 1; for checks against the engine)."""

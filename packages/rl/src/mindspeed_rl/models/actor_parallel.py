@@ -76,7 +76,7 @@ def broadcast_from_stage(tensor: torch.Tensor, stage: int, group: Any) -> torch.
 
 
 def gather_hf_state(
-    chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int, groups: Any
+    chunks: list[Any], bridge: Any, shape: Any, tp: int, pp: int, hf_vocab: int, groups: Any, dualpipev: bool = False
 ) -> dict[str, torch.Tensor]:
     """The full model under Hugging Face names on every rank (collective over TP and PP).
 
@@ -91,10 +91,11 @@ def gather_hf_state(
         tp, pp: the layout.
         hf_vocab: the tokenizer's vocabulary (padding rows are cut off).
         groups: the process groups (a megatron ``ProcessGroupCollection``: ``tp``, ``pp``).
+        dualpipev: the chunks are DualPipeV's V (two per rank, :class:`ParallelLayout` ``dualpipev``).
     """
 
     plan = plan_conversion(bridge, shape)
-    layout = ParallelLayout(tp=tp, pp=pp)
+    layout = ParallelLayout(tp=tp, pp=pp, dualpipev=dualpipev)
     stage = groups.pp.rank() if pp > 1 else 0
     states = [
         {n: t.detach() for n, t in unwrap(c).state_dict().items() if not n.endswith("_extra_state")} for c in chunks

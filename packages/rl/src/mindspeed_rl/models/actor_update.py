@@ -44,7 +44,7 @@ UPDATE_METRICS = (
 
 class ActorUpdate:
     """The policy loss and the optimizer step of the actor (reads its settings, chunks,
-    optimizer, scheduler, groups, skips and version; packs and runs with its ``_microbatches``,
+    optimizer, scheduler, groups, skips, version and loss_stage; packs and runs with its ``_microbatches``,
     ``_schedule``, ``_gather`` and ``_logp_entropy``)."""
 
     settings: Any
@@ -131,6 +131,11 @@ class ActorUpdate:
         if ref_logp is None and config.kl_coef:
             raise ValueError(f"kl_coef={config.kl_coef}: pass ref_logp (from a reference actor)")
         batches = self._microbatches(pairs, width, extra)
+        if self.dualpipev and len(batches) < 2 * self.parallel.pp:
+            raise ValueError(
+                f"dualpipev: the update has {len(batches)} microbatches, it needs >= 2 x actor.pp = "
+                f"{2 * self.parallel.pp}; lower actor.micro_batch_size or update more sequences at once"
+            )
         logits = (
             self.settings.compute_entropy
             or bool(config.entropy_coef)
@@ -182,7 +187,7 @@ class ActorUpdate:
         if pp > 1:
             group = self.groups.pp
             box = [totals]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, pp - 1), group=group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, self.loss_stage), group=group)
             totals = box[0]
         dp = getattr(self.groups, "dp", None)
         if dp is not None and dist.get_world_size(dp) > 1:  # every replica reports the whole batch's means

@@ -100,6 +100,8 @@ class Critic(Actor):
     ) -> None:
         self.settings = s = settings or CriticSettings()
         self.hf_dir, self.trainable = str(hf_dir), True
+        # build_engine refuses the dualpipev feature here (the value head is not placed on the V's end).
+        self.dualpipev = False
         self.parallel = parallel = ParallelConfig(tp=tp, pp=pp)
         self.config = PretrainConfig(stage="sft", parallel=parallel, checkpoint=CheckpointConfig(load_hf=self.hf_dir))
         source = read_critic_source(self.hf_dir)
