@@ -2,7 +2,7 @@
 
 ``packed_attention_saved`` keeps the pullback of its forward for the backward: its outputs and its
 query, key and value gradients must equal the eager per-segment attention's autograd exactly (the
-same kernels run), eagerly and inside a compiled graph (AOT autograd moves the handle from the
+same kernels run), eagerly and inside an Inductor graph (AOT autograd moves the handle from the
 forward to the backward graph), for plain THD packing and for shared-prefix groups; the backward
 must not run the attention forward again; a pullback dropped at the next microbatch falls back to
 recomputing (same numbers). The model-level numbers are in ``tests/rl/models/test_actor_compile.py``.
@@ -64,7 +64,7 @@ def test_saved_pullback_backward_equals_eager_attention(kind: str, monkeypatch) 
     monkeypatch.setattr(packing, "_attend_segments", counted)
     eager = _grads(saved_op, q, k, v, cotangent)
     assert len(calls) == 1, "the backward ran the attention forward again"
-    compiled = _grads(torch.compile(saved_op, backend="aot_eager", fullgraph=True, dynamic=False), q, k, v, cotangent)
+    compiled = _grads(torch.compile(saved_op, backend="inductor", fullgraph=True, dynamic=False), q, k, v, cotangent)
     assert len(calls) == 2, "the compiled backward ran the attention forward again"
     for got in (eager, compiled):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
