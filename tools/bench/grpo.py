@@ -74,6 +74,8 @@ from grpo_clock import SIZES, Profiler, memory_status, now, periods
 from grpo_trl import run_trl
 
 SIDES = ("ours", "trl")
+#: ``--compile`` modes: which of our parts run compiled (the actor's layers, the engine's decode step).
+COMPILED = {"none": (), "rollout": ("rollout",), "actor": ("actor",), "both": ("actor", "rollout")}
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -188,7 +190,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
             "logging.tensorboard=false",
             "logging.reward_curve=false",
             *([] if spec["share_prompt"] else ["actor.share_prompt=false"]),
-            *(["actor.compile=true", "rollout.compile=true"] if spec.get("compile") else []),
+            *(f"{part}.compile=true" for part in COMPILED[spec.get("compile") or "none"]),
         ],
     )
     ctx = build_context(config)
@@ -445,6 +447,24 @@ def report(results: dict[str, dict[str, Any]], header: str) -> str:
     return "".join(lines)
 
 
+def report_ab(results: dict[str, dict[str, Any]], mode: str, ab_mode: str) -> str:
+    """Ours with two ``--compile`` modes, interleaved runs, each against the same TRL runs."""
+    trl = results["trl"]
+    out = (
+        f"\nA/B of ours (--compile {mode} vs {ab_mode}), best run of each, TRL / ours:\n\n"
+        "| --compile | step s | CPU s / step | generation CPU s | update CPU s | TRL / ours wall | TRL / ours CPU "
+        "| step s of each run | load |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    for label, side in ((mode, results["ours"]), (ab_mode, results["ours_ab"])):
+        out += (
+            f"| {_child.mark(label, side['noisy'])} | {side['step_s']:.2f} | {side['cpu_step_s']:.2f} "
+            f"| {side['cpu_gen_s']:.2f} | {side['cpu_update_s']:.2f} | {trl['step_s'] / side['step_s']:.2f} "
+            f"| {trl['cpu_step_s'] / side['cpu_step_s']:.2f} | {side['runs_step_s']} "
+            f"| {side['load'][0]:.1f}-{side['load'][1]:.1f} |\n"
+        )
+    return out
+
+
 def where_the_step_goes(ours: dict[str, Any], trl: dict[str, Any]) -> str:
     """Each side's step split into generation, scoring and log-prob passes, the update, and the rest
     (median s, wall and CPU; TRL's update is the step outside ``_generate_and_score_completions``)."""
@@ -553,8 +573,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
-        help="ours with actor.compile=true and rollout.compile=true (compiled in the untimed first step)",
+        nargs="?",
+        const="both",
+        default="none",
+        choices=sorted(COMPILED),
+        help="ours with actor.compile=true and/or rollout.compile=true (bare --compile: both; compiled in "
+        "the untimed first step)",
+    )
+    parser.add_argument(
+        "--ab-compile",
+        default=None,
+        choices=sorted(COMPILED),
+        help="also run ours with this --compile mode, interleaved with the other runs (an A/B in one table)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, 2 prompts x 4, 16 tokens, 1 repeat")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a temporary directory)")
@@ -614,13 +644,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "share_prompt": args.share_prompt,
         "compile": args.compile,
     }
+    sides = (*SIDES, "ours_ab") if args.ab_compile else SIDES
     started, load = time.perf_counter(), _child.LoadRecord(args.max_load)
     facts = prepare(spec)
     spec.update(model_dir=facts["model_dir"], records=facts["records"], prompts_path=facts["prompts_path"])
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for repeat in range(args.repeats if args.trl else 0):
-        for side in SIDES[::-1] if args.trl_first else SIDES:
-            runs[side].append(run_child(side, spec, work / f"run_{repeat}_{side}.log"))
+        for side in sides[::-1] if args.trl_first else sides:
+            side_spec = {**spec, "compile": args.ab_compile} if side == "ours_ab" else spec
+            runs[side].append(run_child(side.removesuffix("_ab"), side_spec, work / f"run_{repeat}_{side}.log"))
     if not args.allow_eos:  # the equal-work premise: every response exactly --max-new-tokens long on both sides
         want = args.global_batch * args.n * args.max_new_tokens
         for side, side_runs in runs.items():
@@ -645,13 +677,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.global_batch} prompts x {args.n} responses per step, {args.max_new_tokens} new tokens "
         f"{'at most' if args.allow_eos else 'each (EOS ignored)'}, prompts {facts['prompt_tokens_mean']:.1f} "
         f"tokens on average; prefix sharing {'on' if args.prefix_sharing else 'off'}; "
-        f"shared prompts in the update {'on' if args.share_prompt else 'off'}; ours compiled (actor and rollout) {'on' if args.compile else 'off'}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
+        f"shared prompts in the update {'on' if args.share_prompt else 'off'}; ours compiled: {args.compile}; micro batch {args.micro_batch}; beta {args.beta:g}; {args.steps} steps "
         f"({args.warmup} untimed), best of {args.repeats} run(s) of the median step; torch threads "
         f"{args.threads} on {os.cpu_count()} cores; torch {version('torch')}, transformers "
         f"{version('transformers')}, trl {version('trl')}; {load.header(noisy)}; "
         f"{time.perf_counter() - started:.0f} s; workdir {work}"
     )
     table = report(results, header) if results else header + "\n"
+    if "ours_ab" in results:
+        table += report_ab(results, args.compile, args.ab_compile)
     if runner_results:
         table += report_runner(runner_results)
     sys.stdout.write(table)

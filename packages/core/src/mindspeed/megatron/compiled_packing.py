@@ -19,8 +19,14 @@ sized by the token count ``T``:
   calls :func:`packed_attention`: one custom op, opaque to dynamo and Inductor (a fake kernel gives
   its shape), whose kernel runs the eager per-segment attention (the registry kernel with
   ``cu_seqlens``, or :func:`~mindspeed.megatron.shared_prefix.attend_shared_prefix`) on the
-  microbatch's packing, recorded here when the first layer ran; its backward op recomputes that
-  attention under ``torch.func.vjp`` (an extra attention forward in the backward).
+  microbatch's packing, recorded here when the first layer ran. Where gradients are wanted the
+  layer calls :func:`packed_attention_saved` instead: its kernel runs the same attention under
+  ``torch.func.vjp`` and keeps the pullback (what the eager kernel's autograd saves: the inputs,
+  the outputs and, for SDPA's fused kernels, the log-sum-exp) under a handle the graph carries to
+  the backward op, which runs the eager backward kernels on it: no attention forward is recomputed
+  in the backward, and the gradients are those of the eager path. Pullbacks left over when the
+  next microbatch starts (a forward without backward) are dropped; a backward whose pullback was
+  dropped recomputes the forward.
 
 A dense ``[T, T]`` mask in the graph would do as well for the numbers but costs ~4x the segmented
 attention at the RL actor's sizes (docs/rl/benchmark.md). Sliding windows, ALiBi, attention sinks
@@ -29,7 +35,9 @@ and context parallelism are not covered and raise (``RegistryAttention``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +85,8 @@ def compiled_layer_inputs(kwargs: dict[str, Any], dynamic_tokens: bool = False) 
     else:
         new_params, new_table = _rewrite(params, table)
         _last[:] = [params, table, new_params, new_table]
+    if _current[0] is not params:
+        _saved.clear()  # a new microbatch: the last one's backward has run (pp = 1), or never will
     _current[0] = params
     out = dict(kwargs, packed_seq_params=new_params)
     if table is not None:
@@ -171,3 +181,85 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 packed_attention.register_autograd(_backward, setup_context=_setup)
+
+
+_FUNCTORCH_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("FuncTorchGradWrapper", "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode")
+)
+
+
+def _functorch_keys_included() -> Any:
+    """A guard that takes torch.func's dispatch keys off the thread's excluded keys for its block."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not any(exclude.has(key) for key in _FUNCTORCH_KEYS):
+        return contextlib.nullcontext()
+    for key in _FUNCTORCH_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+#: Pullbacks of :func:`packed_attention_saved` awaiting their backward, by handle (one microbatch's layers at most).
+_saved: dict[int, Any] = {}
+_handles = itertools.count()
+
+
+@torch.library.custom_op("mindspeed::packed_attention_saved", mutates_args=())
+def packed_attention_saved(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`packed_attention` for a graph that will run its backward: also returns the handle of
+    the saved pullback (a 0-d int64 tensor) that :func:`packed_attention_saved_backward` takes."""
+    # torch.func: autograd is excluded inside an op's kernel, the functional transform brings its own.
+    # With the transform's dispatch keys on: AOT autograd's first call runs the op under an aliasing
+    # check that excludes them (the transform's wrapped tensors would not dispatch).
+    with _functorch_keys_included():
+        out, pullback = torch.func.vjp(lambda q, k, v: _attend_segments(q, k, v, scale, impl), query, key, value)
+    handle = next(_handles)
+    _saved[handle] = pullback
+    return out.contiguous(), torch.tensor(handle, dtype=torch.int64)
+
+
+@packed_attention_saved.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, impl: str):
+    out = torch.empty(query.shape[:-1] + value.shape[-1:], dtype=query.dtype, device=query.device)
+    return out, torch.empty((), dtype=torch.int64, device=query.device)
+
+
+@torch.library.custom_op("mindspeed::packed_attention_saved_backward", mutates_args=())
+def packed_attention_saved_backward(
+    grad: torch.Tensor,
+    handle: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`packed_attention_saved` from its saved pullback (``query``, ``key``,
+    ``value``: recomputed from them only where the pullback was dropped)."""
+    pullback = _saved.pop(int(handle), None)
+    if pullback is None:
+        return packed_attention_backward(grad, query, key, value, scale, impl)
+    return tuple(g.contiguous() for g in pullback(grad))
+
+
+@packed_attention_saved_backward.register_fake
+def _(grad, handle, query, key, value, scale, impl):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_saved(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    query, key, value, scale, impl = inputs
+    ctx.save_for_backward(output[1], query, key, value)
+    ctx.mark_non_differentiable(output[1])
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _backward_saved(ctx: Any, grad: torch.Tensor, _grad_handle: Any) -> tuple[Any, ...]:
+    handle, query, key, value = ctx.saved_tensors
+    dq, dk, dv = packed_attention_saved_backward(grad.contiguous(), handle, query, key, value, ctx.scale, ctx.impl)
+    return dq, dk, dv, None, None
+
+
+packed_attention_saved.register_autograd(_backward_saved, setup_context=_setup_saved)

@@ -20,7 +20,7 @@ from torch import nn
 
 from mindspeed.device import get_accelerator
 from mindspeed.megatron.compiled_attention import config_key, eager_attention, register_call
-from mindspeed.megatron.compiled_packing import CompiledPackedParams, packed_attention
+from mindspeed.megatron.compiled_packing import CompiledPackedParams, packed_attention, packed_attention_saved
 from mindspeed.megatron.shared_prefix import SharedPrefixParams, attend_shared_prefix
 from mindspeed.ops import resolve_kernel
 from mindspeed.ops.alibi import shard_alibi_slopes
@@ -323,7 +323,11 @@ class RegistryAttention(MegatronModule):
                     "compiled layers take packed microbatches with causal attention only (no context "
                     "parallelism, window, ALiBi or sinks); set train.compile=false"
                 )
-            out = packed_attention(query, key, value, self.softmax_scale, self.impl)
+            if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+                # Keep what the backward needs (no attention forward recomputed in it).
+                out, _ = packed_attention_saved(query, key, value, self.softmax_scale, self.impl)
+            else:
+                out = packed_attention(query, key, value, self.softmax_scale, self.impl)
             return out.reshape(query.shape[0], -1)
         if isinstance(params, SharedPrefixParams):
             # One prompt and its responses in one segment (GRPO groups): see mindspeed.megatron.shared_prefix.

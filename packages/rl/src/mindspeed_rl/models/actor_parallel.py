@@ -49,15 +49,19 @@ def vocab_parallel_logp_entropy(
 
     z = logits.float()
     local = z.shape[-1]
-    ids = torch.arange(vocab_start, vocab_start + local, device=z.device)
-    valid = ids < vocab_size
-    # Padding columns are zeroed (not -inf): exp and products stay finite, so no NaN gradients.
-    z = torch.where(valid, z, torch.zeros((), dtype=z.dtype, device=z.device))
+    # Without padding columns on this rank the masks below change nothing (bit for bit): three
+    # passes over the logits and their backward saved.
+    padded = vocab_start + local > vocab_size
+    if padded:
+        ids = torch.arange(vocab_start, vocab_start + local, device=z.device)
+        valid = ids < vocab_size
+        # Padding columns are zeroed (not -inf): exp and products stay finite, so no NaN gradients.
+        z = torch.where(valid, z, torch.zeros((), dtype=z.dtype, device=z.device))
     with torch.no_grad():
-        m = z.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)
+        m = (z.masked_fill(~valid, float("-inf")) if padded else z).amax(-1, keepdim=True)
         if parallel:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(z - m) * valid
+    e = torch.exp(z - m) * valid if padded else torch.exp(z - m)
     total = reduce(e.sum(-1))
     log_z = m.squeeze(-1) + torch.log(total)
     entropy = log_z - reduce((e * z).sum(-1)) / total
