@@ -5,8 +5,8 @@ Parts (each reuses a bench of this folder; nothing here re-implements a side):
 - ``pretrain_mfu``: MFU of our pretrain step (``pretrain.py``'s ``prepare`` and ``ours``
   children) on a ~1 B Llama (``pretrain.py --size 1b``: 22 layers, hidden 2048, TinyLlama's
   shape; the demo tokenizer's padded vocabulary), bf16 on an accelerator, the registry's kernels
-  as ``features.optimization_level`` 2 resolves them. The LLM trainer has no ``train.compile``
-  yet (issue 30 item 1), so the blocks run eager; the row says so. MFU = measured tokens/s x
+  as ``features.optimization_level`` 2 resolves them, each ``TransformerLayer`` compiled
+  (``train.compile``, compiled in the untimed first steps; eager in a ``--dry-run``). MFU = measured tokens/s x
   :func:`mindspeed.metrics.flops.training_flops_per_token` / the device's dense peak
   (:mod:`mindspeed.metrics.peak`'s table by device name, or ``--peak-tflops``);
 - ``vlm``: ``vlm.py`` (ours vs Hugging Face ``Trainer``, full fine-tuning), tokens/s ratio;
@@ -74,6 +74,7 @@ def pretrain_mfu(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         "threads": 2 if dry else 8,
         "level": 2,
         "precision": precision,
+        "compile": not args.dry_run,
     }
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     spec.update(pretrain.run_child("prepare", spec, work / "pretrain_prepare.log"))
@@ -81,7 +82,8 @@ def pretrain_mfu(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     shape, tokens_per_s, flops, peak, value = measure_mfu(spec, run["periods"], args.peak_tflops)
     note = (
         f"{spec['size']} Llama {shape.num_layers} layers, hidden {shape.hidden_size}, seq {spec['seq_length']}, "
-        f"micro batch {spec['micro_batch']}, {precision}, eager (the LLM trainer has no train.compile yet); "
+        f"micro batch {spec['micro_batch']}, {precision}, "
+        f"{'compiled layers' if spec['compile'] else 'eager layers (dry run)'}; "
         f"{tokens_per_s:,.0f} tokens/s, {flops / 1e12:.3g} TFLOP/s; peak "
         f"{peak.describe() if peak else 'unknown: pass --peak-tflops'}"
     )
