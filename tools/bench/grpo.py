@@ -694,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dumps(
                 {
                     "header": header,
+                    "compile": {"ours": args.compile, "ours_ab": args.ab_compile},
                     "results": results,
                     "runs": runs,
                     "buffer_modes": runner_results,

@@ -103,8 +103,16 @@ BENCHES: dict[str, Bench] = {
     "grpo": Bench(
         "grpo.py",
         ("--quick", "--no-buffer-modes"),
-        ("--no-buffer-modes",),
-        lambda p: [("ours (sync)", p["results"]["ours"], p["results"]["trl"])],
+        ("--no-buffer-modes", "--repeats", "3", "--compile", "rollout", "--ab-compile", "none"),
+        lambda p: [
+            (
+                f"ours (sync, compile {p.get('compile', {}).get(side) or 'none'})",
+                p["results"][side],
+                p["results"]["trl"],
+            )
+            for side in ("ours", "ours_ab")
+            if side in p["results"]
+        ],
         ">= 1.5x TRL sync, wall and CPU",
     ),
 }
