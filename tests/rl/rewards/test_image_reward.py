@@ -68,7 +68,7 @@ def test_soft_shapes_reward_is_the_checker_on_drawn_pictures_and_dense_between()
     m_dim = f_dim * max(0.0, 1 - float((dim - red).norm()) / 0.33)
     named = 40 + 20 * m_dim
     colour_expected = named / (40 + 20 + 20 * f_dim)
-    position_expected = 30 / named
+    position_expected = (30 / named - 0.25) / 0.75  # corrected for chance
     colour, position = soft_shapes_score(image[None], ["a red square in the top left"])
     assert colour.item() == pytest.approx(colour_expected, rel=1e-5)
     assert position.item() == pytest.approx(position_expected, rel=1e-5)
@@ -80,6 +80,11 @@ def test_soft_shapes_reward_is_the_checker_on_drawn_pictures_and_dense_between()
     speck = torch.zeros(1, 3, 32, 32)
     speck[0, :, 3, 3] = red
     assert soft_shapes_score(speck, ["a red x in the top left"])[0].item() == pytest.approx(1 / 16)
+    # Colour spread evenly over the quadrants (noise) gets no position credit; uncorrected, a quarter.
+    even = torch.zeros(1, 3, 32, 32)
+    even[0, :, ::2, ::2] = red[:, None, None]
+    assert soft_shapes_score(even, ["a red x in the top left"])[1].item() == 0.0
+    assert soft_shapes_score(even, ["a red x in the top left"], position_chance=0.0)[1].item() == pytest.approx(0.25)
     with pytest.raises(ValueError, match="names no demo colour"):
         reward(images[:1], ["a purple circle in the top left"])
     with pytest.raises(ValueError, match="one caption an image"):

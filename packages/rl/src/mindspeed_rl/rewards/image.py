@@ -51,6 +51,7 @@ def soft_shapes_score(
     bright: float = 0.4,
     colour_radius: float = 0.33,
     min_area: float = 16.0,
+    position_chance: float = 0.25,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense colour and position scores ``[N]`` each, in [0, 1], of ``images`` (``[N, 3, H, W]`` in [0, 1]).
 
@@ -58,8 +59,11 @@ def soft_shapes_score(
     backgrounds are at most 40 / 255, its colours at least 0.82 in one channel); named colour
     ``m = f * clamp(1 - |x - c| / colour_radius, 0, 1)`` with ``c`` the caption's palette colour (0.33: half
     the nearest two palette colours' distance, so no pixel counts for two colours). Colour score:
-    ``sum m / max(sum f, min_area)``; position score: ``sum of m over the caption's quadrant / max(sum m,
-    min_area)`` (``min_area`` pixels, below the smallest drawn shape's, keep a nearly blank image near 0).
+    ``sum m / max(sum f, min_area)``; position score: the share ``s = sum of m over the caption's quadrant /
+    max(sum m, min_area)`` (``min_area`` pixels, below the smallest drawn shape's, keep a nearly blank image near
+    0) corrected for chance, ``clamp((s - position_chance) / (1 - position_chance), 0, 1)``: colour spread
+    evenly over the picture (noise) has a share of 1/4 and scores 0 (without the correction,
+    ``position_chance=0``, a Flow-GRPO run learnt to paint noise: docs/mm/dit-rl.md).
     """
     if images.shape[0] != len(captions):
         raise ValueError(f"{images.shape[0]} images but {len(captions)} captions: give one caption an image")
@@ -84,7 +88,8 @@ def soft_shapes_score(
         quadrant[i, rows, columns] = 1
     named = match.sum((1, 2))
     colour_score = named / foreground.sum((1, 2)).clamp_min(min_area)
-    position_score = (match * quadrant).sum((1, 2)) / named.clamp_min(min_area)
+    share = (match * quadrant).sum((1, 2)) / named.clamp_min(min_area)
+    position_score = ((share - position_chance) / (1 - position_chance)).clamp(0, 1)
     return colour_score, position_score
 
 
