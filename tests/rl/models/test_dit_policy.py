@@ -22,7 +22,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from mindspeed_mm.diffusion.sampler import build_scheduler, sample_latents
 from mindspeed_mm.models.flux import FLUX
-from mindspeed_rl.algorithms.flow_grpo import flow_grpo_loss, gaussian_kl, select_steps
+from mindspeed_rl.algorithms.flow_grpo import flow_grpo_loss, gaussian_kl, per_prompt_advantages, select_steps
 from mindspeed_rl.algorithms.losses import policy_loss_config
 from mindspeed_rl.models.dit_policy import DiTPolicy, PromptBatch, schedule
 
@@ -163,3 +163,25 @@ def test_step_selection() -> None:
     assert select_steps(10, 0.3, torch.Generator(), how="first").tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="timestep_fraction"):
         select_steps(10, 0.0, torch.Generator())
+
+
+def test_per_prompt_stat_tracking() -> None:
+    """Flow-GRPO's per-prompt advantages by hand: prompt mean, population std of the round (or the prompt) + 1e-4."""
+    prompts = ["a", "b", "a", "c", "b", "a", "c", "c"]
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 4.0, 4.0])
+    values = rewards.tolist()
+    mean_all = sum(values) / len(values)
+    std_all = (sum((v - mean_all) ** 2 for v in values) / len(values)) ** 0.5 + 1e-4
+    means = {p: sum(v for q, v in zip(prompts, values) if q == p) / prompts.count(p) for p in "abc"}
+    stds = {
+        p: (sum((v - means[p]) ** 2 for q, v in zip(prompts, values) if q == p) / prompts.count(p)) ** 0.5 + 1e-4
+        for p in "abc"
+    }
+    expected_global = [(v - means[p]) / std_all for p, v in zip(prompts, values)]
+    expected_local = [(v - means[p]) / stds[p] for p, v in zip(prompts, values)]
+    torch.testing.assert_close(per_prompt_advantages(rewards, prompts), torch.tensor(expected_global))
+    torch.testing.assert_close(per_prompt_advantages(rewards, prompts, global_std=False), torch.tensor(expected_local))
+    assert per_prompt_advantages(rewards, prompts)[[3, 6, 7]].tolist() == [0.0, 0.0, 0.0]  # prompt c: all equal
+    assert per_prompt_advantages(torch.ones(4), ["a", "a", "b", "b"]).tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="one prompt a reward"):
+        per_prompt_advantages(rewards, prompts[:3])

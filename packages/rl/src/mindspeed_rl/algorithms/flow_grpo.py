@@ -34,6 +34,30 @@ from mindspeed_rl.algorithms.losses import PolicyLossConfig, PolicyLossInputs, P
 STEP_SELECTIONS = ("random", "first")
 
 
+def per_prompt_advantages(
+    rewards: torch.Tensor, prompts: list[str], global_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Flow-GRPO's per-prompt stat tracking (its ``PerPromptStatTracker``, cleared every round): each reward
+    minus the mean of the round's rewards of its prompt, over the std (population, ``+ eps``) of the round's
+    rewards, all of them with ``global_std`` (Flow-GRPO's default ``sample.global_std = True``) or its
+    prompt's. A prompt whose rewards are all equal gets 0 with ``global_std`` (and when the round's rewards are
+    all equal).
+
+    Raises:
+        ValueError: a prompt count other than the rewards'.
+    """
+    if rewards.dim() != 1 or rewards.numel() != len(prompts):
+        raise ValueError(f"{tuple(rewards.shape)} rewards for {len(prompts)} prompts: give one prompt a reward")
+    rewards = rewards.double()
+    advantages = torch.zeros_like(rewards)
+    for prompt in dict.fromkeys(prompts):
+        mask = torch.tensor([p == prompt for p in prompts])
+        group = rewards[mask]
+        std = (rewards if global_std else group).std(correction=0) + eps
+        advantages[mask] = (group - group.mean()) / std
+    return advantages.float()
+
+
 def sde_noise_scale(
     sigma: torch.Tensor, sigma_next: torch.Tensor, sigma_max: float, noise_level: float
 ) -> torch.Tensor:

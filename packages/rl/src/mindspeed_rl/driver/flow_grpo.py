@@ -6,8 +6,10 @@ One iteration (:meth:`FlowGRPORun.iteration`):
 2. sample them along the SDE (:class:`~mindspeed_rl.models.dit_policy.DiTPolicy`, guidance included),
    recording each step's log-probability; decode with the pipeline's VAE; score with the registered image
    reward (:mod:`mindspeed_rl.rewards.image`);
-3. group-relative advantages (``grpo``, :mod:`mindspeed_rl.algorithms.advantages`) clipped to
-   ``[-adv_clip, adv_clip]``;
+3. advantages clipped to ``[-adv_clip, adv_clip]``: Flow-GRPO's per-prompt stat tracking
+   (:func:`~mindspeed_rl.algorithms.flow_grpo.per_prompt_advantages`, ``advantage: per_prompt``, with the
+   round's std when ``global_std``) or a registered group estimator (``grpo``, ...,
+   :mod:`mindspeed_rl.algorithms.advantages`);
 4. draw the trained steps (``timestep_fraction`` of them, :func:`~mindspeed_rl.algorithms.flow_grpo.select_steps`)
    and take ``mini_batches`` AdamW steps over the samples, each on the clipped objective of
    :func:`~mindspeed_rl.algorithms.flow_grpo.flow_grpo_loss` (the later mini-batches are off-policy by the
@@ -36,8 +38,14 @@ from mindspeed_mm.demos.scene import COLOURS, SHAPES
 from mindspeed_mm.demos.t2i import POSITIONS, caption, heldout_combinations, score_images, t2i_paths
 from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents
 from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
-from mindspeed_rl.algorithms.advantages import compute_advantages
-from mindspeed_rl.algorithms.flow_grpo import STEP_SELECTIONS, flow_grpo_loss, gaussian_kl, select_steps
+from mindspeed_rl.algorithms.advantages import ADVANTAGES, compute_advantages
+from mindspeed_rl.algorithms.flow_grpo import (
+    STEP_SELECTIONS,
+    flow_grpo_loss,
+    gaussian_kl,
+    per_prompt_advantages,
+    select_steps,
+)
 from mindspeed_rl.algorithms.losses import policy_loss_config
 from mindspeed_rl.models.dit_policy import DiTPolicy, PromptBatch, schedule
 from mindspeed_rl.rewards.image import build_image_reward
@@ -62,6 +70,12 @@ class FlowGRPOConfig:
         guidance_scale: classifier-free guidance in sampling and training (1: none).
         timestep_fraction / step_selection: the share of steps trained on, ``random`` (DanceGRPO) or ``first``.
         clip_eps: the ratio clip (Flow-GRPO and DanceGRPO: 1e-4; log-probs are per-element means).
+        advantage: ``per_prompt`` (Flow-GRPO's per-prompt stat tracking) or a key of
+            :data:`~mindspeed_rl.algorithms.advantages.ADVANTAGES` (``grpo``: group mean and sample std).
+        global_std: with ``per_prompt``, divide by the std of the whole round (Flow-GRPO's default) rather
+            than the prompt's.
+        same_noise: the samples of a caption start from one noise (DanceGRPO; Flow-GRPO's ``same_latent``);
+            they differ by the SDE's noise only.
         adv_clip: advantages are clipped to ``[-adv_clip, adv_clip]`` (Flow-GRPO: 5).
         kl_coef: weight of the KL of the step means to the starting policy (Flow-GRPO: 0.04; 0: none).
         lr / weight_decay / clip_grad: AdamW and the gradient-norm clip (0: none).
@@ -83,6 +97,9 @@ class FlowGRPOConfig:
     timestep_fraction: float = 0.6
     step_selection: str = "random"
     clip_eps: float = 1e-4
+    advantage: str = "per_prompt"
+    global_std: bool = True
+    same_noise: bool = False
     adv_clip: float = 5.0
     kl_coef: float = 0.0
     lr: float = 1e-4
@@ -103,6 +120,8 @@ class FlowGRPOConfig:
             raise ValueError(f"mini_batches={self.mini_batches} must divide the {batch} samples of a round")
         if self.step_selection not in STEP_SELECTIONS:
             raise ValueError(f"step_selection={self.step_selection!r}; use one of {', '.join(STEP_SELECTIONS)}")
+        if self.advantage != "per_prompt" and self.advantage not in ADVANTAGES:
+            raise ValueError(f"advantage={self.advantage!r}; use per_prompt or one of {', '.join(ADVANTAGES)}")
         if self.noise_level <= 0:
             raise ValueError(f"noise_level={self.noise_level} must be > 0 (the SDE's log-probs; 0.7 in Flow-GRPO)")
 
@@ -159,13 +178,21 @@ class FlowGRPORun:
         rows = chosen.repeat_interleave(c.group_size)
         captions = [self.captions[i] for i in rows.tolist()]
         prompts = self._prompts(self.text[rows], self.pooled[rows] if self.pooled is not None else None)
-        noise = torch.randn((len(rows), *self.shape), generator=generator).to(self.device)
+        if c.same_noise:
+            noise = torch.randn((len(chosen), *self.shape), generator=generator).repeat_interleave(c.group_size, 0)
+        else:
+            noise = torch.randn((len(rows), *self.shape), generator=generator)
+        noise = noise.to(self.device)
         self.model.eval()
         trajectory = self.policy.sample(noise, prompts, self.sigmas, self.timesteps, generator)
         images = decode_latents(self.parts["vae"], trajectory.latents[:, -1])
         rewards = self.reward(images, captions).float()
         checks = score_images(images, captions)
-        advantages = compute_advantages("grpo", rewards, c.group_size).clamp(-c.adv_clip, c.adv_clip).to(self.device)
+        if c.advantage == "per_prompt":
+            advantages = per_prompt_advantages(rewards, captions, c.global_std)
+        else:
+            advantages = compute_advantages(c.advantage, rewards, c.group_size)
+        advantages = advantages.clamp(-c.adv_clip, c.adv_clip).to(self.device)
         steps = select_steps(c.sampling_steps, c.timestep_fraction, generator, c.step_selection)
         order = torch.randperm(len(rows), generator=generator)
         loss_config = policy_loss_config("ppo_clip", kl_coef=0.0, clip_eps_low=c.clip_eps, clip_eps_high=c.clip_eps)
@@ -195,8 +222,9 @@ class FlowGRPORun:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out colour and position accuracy: each held-out caption from ``eval_seeds`` noises (seeds 0, 1, ...),
-        Euler (the ODE) with ``eval_steps`` steps and guidance ``eval_guidance``, as the demo's learning check."""
+        """Held-out colour and position accuracy and the run's reward (mean and standard error): each held-out caption from
+        ``eval_seeds`` noises (seeds 0, 1, ...), Euler (the ODE) with ``eval_steps`` steps and guidance
+        ``eval_guidance``, as the demo's learning check."""
         c = self.config
         captions = [caption(*h) for h in heldout_combinations() for _ in range(c.eval_seeds)]
         text, pooled = self._encode(captions)
@@ -212,7 +240,10 @@ class FlowGRPORun:
         ode = DiTPolicy(self.model, self.family, noise_level=0.0, guidance_scale=c.eval_guidance)
         self.model.eval()
         latents = ode.sample(noise, self._prompts(text, pooled), sigmas, timesteps, torch.Generator()).latents[:, -1]
-        return score_images(decode_latents(self.parts["vae"], latents), captions)
+        images = decode_latents(self.parts["vae"], latents)
+        rewards = self.reward(images, captions).float()
+        standard_error = float(rewards.std() / len(rewards) ** 0.5) if len(rewards) > 1 else 0.0
+        return {**score_images(images, captions), "reward": float(rewards.mean()), "reward_se": standard_error}
 
     def save(self, directory: Path) -> Path:
         """The weights, AdamW's state and the iteration into ``directory/flow_grpo_state.pt`` (written, then renamed)."""
