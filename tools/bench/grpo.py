@@ -437,7 +437,8 @@ def report(results: dict[str, dict[str, Any]], header: str) -> str:
         "|---|---|---|---|\n"
     )
     for label, key, fmt, _ in rows:
-        write(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {trl[key] / ours[key]:.2f} |\n")
+        ratio = f"{trl[key] / ours[key]:.2f}" if ours[key] else "-"  # a quiet run waits 0 s for a core
+        write(f"| {label} | {fmt.format(ours[key])} | {fmt.format(trl[key])} | {ratio} |\n")
     write(f"| step time of each run s | {ours['runs_step_s']} | {trl['runs_step_s']} | |\n")
     write(
         f"| load average (min start - max end) | {ours['load'][0]:.1f}-{ours['load'][1]:.1f} "
