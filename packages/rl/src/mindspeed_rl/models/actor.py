@@ -369,31 +369,21 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             return output, partial(loss_fn, batch)
 
         micro, seq = batches[0]["tokens"].shape
+        common = {
+            "forward_step_func": forward_step,
+            "data_iterator": [iter(batches) for _ in self.chunks],
+            "model": self.chunks,
+            "num_microbatches": len(batches),
+            "seq_length": seq,
+            "micro_batch_size": micro,
+            "forward_only": forward_only,
+            "pg_collection": self.groups,
+        }
         if self.dualpipev:
-            return forward_backward_dualpipev(
-                forward_step_func=forward_step,
-                data_iterator=[iter(batches) for _ in self.chunks],
-                model=self.chunks,
-                num_microbatches=len(batches),
-                seq_length=seq,
-                micro_batch_size=micro,
-                forward_only=forward_only,
-                pg_collection=self.groups,
-            )
+            return forward_backward_dualpipev(**common)
         schedule = get_forward_backward_func(pp_size=self.groups.pp.size())
         return (
-            schedule(
-                forward_step_func=forward_step,
-                data_iterator=[iter(batches) for _ in self.chunks],
-                model=self.chunks,
-                num_microbatches=len(batches),
-                seq_length=seq,
-                micro_batch_size=micro,
-                forward_only=forward_only,
-                pg_collection=self.groups,
-                p2p_communicator=P2PCommunicator(pp_group=self.groups.pp, config=self.transformer),
-            )
-            or []
+            schedule(**common, p2p_communicator=P2PCommunicator(pp_group=self.groups.pp, config=self.transformer)) or []
         )
 
     # -- log-probs ---------------------------------------------------------------------------
