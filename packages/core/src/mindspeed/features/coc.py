@@ -86,7 +86,7 @@ class CoCFeature(Feature):
             for op in self.ops(ctx):
                 if fused_kernel(op, ctx.accelerator) is None:
                     raise self.invalid(
-                        f"no fused {op} kernel on {ctx.accelerator} (torch_npu's MC2 kernels)",
+                        f"no fused {op} kernel registered for {ctx.accelerator}",
                         "set coc_fused_kernel=false (the chunked pipeline)",
                     )
 

@@ -21,6 +21,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mindspeed.megatron.grad_accum import bound_wgrad_accumulators
 from mindspeed.ops import resolve_kernel
 
 #: Chunks of the sequence a CoC layer pipelines by default (MindSpeed's ``--coc-parallel-num``).
@@ -30,18 +31,18 @@ DEFAULT_NUM_CHUNKS = 2
 def accumulate_main_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor) -> Any:
     """Megatron's gradient-accumulation fusion for a weight gradient (its backward's branch).
 
-    ``main_grad += grad_output^T @ total_input`` through the module megatron calls
-    (``adapt()`` binds it to the registry's ``matmul_add_fp32``); returns the dummy gradient DDP
+    ``main_grad += grad_output^T @ total_input`` through the accumulators ``adapt()`` bound
+    megatron's linear layers to (the registry's ``matmul_add_fp32``:
+    :func:`~mindspeed.megatron.grad_accum.bound_wgrad_accumulators`); returns the dummy gradient DDP
     skips (``grad_added_to_main_grad``), or ``None``.
     """
-    from megatron.core.tensor_parallel import layers
-
     if not hasattr(weight, "main_grad"):
         return grad_output.t().matmul(total_input)
+    accumulators = bound_wgrad_accumulators()
     if weight.main_grad.dtype == torch.float32:
-        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+        accumulators.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
     else:
-        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
+        accumulators.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

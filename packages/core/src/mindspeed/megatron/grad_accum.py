@@ -49,6 +49,26 @@ def wgrad_accumulators(impl: str = "auto") -> SimpleNamespace:
     )
 
 
+#: The accumulators megatron's linear layers were last bound to (``None``: not adapted yet).
+_BOUND: SimpleNamespace | None = None
+
+
+def bound_wgrad_accumulators() -> SimpleNamespace:
+    """The accumulators :func:`gradient_accumulation_fusion_patches` bound megatron's linear layers to
+    (the registry's default kernel before any run bound them): layers that run megatron's backward
+    branch themselves (CoC) accumulate through the same kernel."""
+    global _BOUND
+    if _BOUND is None:
+        _BOUND = wgrad_accumulators()
+    return _BOUND
+
+
+def _bind(impl: str) -> SimpleNamespace:
+    global _BOUND
+    _BOUND = wgrad_accumulators(impl)
+    return _BOUND
+
+
 def gradient_accumulation_fusion_patches(impl: str = "auto") -> list[UpstreamPatch]:
     """Patches that make megatron's ``gradient_accumulation_fusion`` run the registry kernel ``impl``.
 
@@ -60,7 +80,7 @@ def gradient_accumulation_fusion_patches(impl: str = "auto") -> list[UpstreamPat
         UpstreamPatch(
             "grad-accum-fusion-kernel",
             f"{_LAYERS}.fused_weight_gradient_mlp_cuda",
-            lambda original, acc: wgrad_accumulators(impl),
+            lambda original, acc: _bind(impl),
             allow_missing=True,
             reason="the linear layers' backward calls Apex's fused_weight_gradient_mlp_cuda by module "
             "name; no spec seam reaches it",
