@@ -301,6 +301,49 @@ def _tracker_counts() -> dict[str, Any]:
     return out
 
 
+def _aux_losses() -> dict[str, Any]:
+    """A step's aux losses as the trainer reads them (moe_aux_losses) and as megatron's track_moe_metrics logs them."""
+    import copy
+
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+
+    from mindspeed.metrics.moe import aux_loss_names, moe_aux_losses, moe_layer_count
+
+    config = _config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss")
+    layers = [_moe_layer(config, grouped=True) for _ in range(2)]
+    for number, layer in enumerate(layers, start=1):
+        layer.set_layer_number(number)
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+
+    def step() -> None:
+        for micro in range(3):  # three microbatches add up in the tracker
+            h = torch.randn(10, 2, HIDDEN, generator=torch.Generator().manual_seed(micro), requires_grad=True)
+            for layer in layers:
+                h = layer(h)[0]
+            h.sum().backward()
+
+    step()
+    snapshot = copy.deepcopy({name: {"values": entry["values"]} for name, entry in tracker.items()})
+    ours = moe_aux_losses(config, 3, "cpu")
+    cleared = {name: entry["values"].abs().sum().item() for name, entry in tracker.items()}
+    tracker.clear()
+    tracker.update(snapshot)
+    theirs: dict[str, torch.Tensor] = {}
+    track_moe_metrics(1 / 3, 0, total_loss_dict=theirs, num_layers=config.num_layers, moe_layer_freq=1)
+    step()  # a second step reads its own losses, not the sum of both
+    second = moe_aux_losses(config, 3, "cpu")
+    return {
+        "names": aux_loss_names(config),
+        "layers": moe_layer_count(config),
+        "ours": ours,
+        "theirs": {name: value.item() for name, value in theirs.items()},
+        "cleared": cleared,
+        "second": second,
+        "dense": moe_aux_losses(_config(num_moe_experts=None, moe_router_topk=2), 3, "cpu"),
+    }
+
+
 def _megatron_checks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     from mindspeed.megatron import adapt, unadapt
     from mindspeed.testing.megatron import ParallelSizes as Sizes
@@ -315,6 +358,7 @@ def _megatron_checks(rank: int, world_size: int, directory: str) -> dict[str, An
             "spec": _spec_follows_features(),
             "checkpoint": _checkpoint_crosses_modules(directory),
             "tracker": _tracker_counts(),
+            "aux": _aux_losses(),
         }
     finally:
         destroy_parallel()
@@ -483,3 +527,19 @@ def test_expert_load_summary() -> None:
     assert scalars["moe/layer_1/expert_3_tokens"] == 40.0
     assert load.describe().splitlines()[0].startswith("expert load at step 7: max/mean 2.000 (layer 1)")
     assert ExpertLoad(step=0).max_imbalance == 1.0
+
+
+@pytest.mark.distributed
+def test_aux_losses_read_as_megatron_logs_them(megatron_results: dict[str, Any]) -> None:
+    # The trainer's train records carry these (mindspeed_llm.training.trainer: moe_aux_losses each step).
+    aux = megatron_results["aux"]
+    assert aux["names"] == ["load_balancing_loss", "z_loss"] and aux["layers"] == 2
+    assert sorted(aux["ours"]) == sorted(aux["theirs"]) == aux["names"], aux
+    for name, value in aux["theirs"].items():
+        assert value > 0, f"{name}: no loss tracked, a vacuous check"
+        assert aux["ours"][name] == pytest.approx(value, rel=1e-6), name
+    assert all(v == 0 for v in aux["cleared"].values()), "the tracker was not cleared after the read"
+    # A second step with other inputs is read alone (the tracker does not add up over a run).
+    for name, value in aux["second"].items():
+        assert 0 < value < 2 * aux["ours"][name], (name, value)
+    assert aux["dense"] == {}

@@ -31,6 +31,7 @@ import pytest
 from mindspeed.testing.distributed import run_distributed
 
 LEVEL_0_MOE = ("moe_shared_experts", "moe_expert_load_metrics")
+BALANCING_NAME = "load_balancing_loss"  # megatron's tracked name of the aux_loss type
 NOT_IN_PRETRAIN = {
     "context_parallel": "TP2 on two ranks leaves no CP group (see test_context_parallel.py)",
     # Proven in tests/core/memory; this fp32 recipe without the distributed optimizer has
@@ -163,6 +164,9 @@ def _run(level: int, settings: dict[str, Any]) -> dict[str, Any]:
             {k: v for k, v in c.items() if isinstance(v, (bool, int, float, str, type(None)))} for c in configs
         ],
         "losses": [r["loss"] for r in result.records],
+        "aux": [
+            {k: v for k, v in r.items() if k.endswith("load_balancing_loss") or k == "z_loss"} for r in result.records
+        ],
     }
 
 
@@ -218,6 +222,13 @@ def test_every_feature_on_is_used_by_the_pretrain_step(runs: list[dict[str, Any]
         assert on == expected, sorted(on ^ expected)
         assert _unused(run) == []
         assert all(loss == loss for loss in run["losses"])  # finite: the features train together
+    # moe_load_balancing (aux_loss here) puts megatron's logged aux loss in every train record,
+    # reduced over the ranks (tests/core/megatron/test_moe_modules.py checks the value against megatron's);
+    # level 0 has no balancing loss and logs none.
+    all_aux = [rank_out["all"]["aux"] for rank_out in runs]
+    assert all_aux[0] == all_aux[1] and len(all_aux[0]) == len(runs[0]["all"]["losses"]), all_aux
+    assert all(sorted(a) == [BALANCING_NAME] and a[BALANCING_NAME] > 0 for a in all_aux[0]), all_aux[0]
+    assert all(a == {} for a in runs[0]["level0"]["aux"])
 
 
 @pytest.mark.distributed

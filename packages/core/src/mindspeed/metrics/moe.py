@@ -194,3 +194,91 @@ def _in_backward() -> bool:
     # recomputation re-runs forwards; outside a backward it is -1.
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
+
+
+def moe_layer_count(config: Any) -> int:
+    """The MoE layers of a megatron ``TransformerConfig`` (``moe_layer_freq`` as megatron reads it, MTP included).
+
+    Returns:
+        0 for a dense model.
+    """
+    if not getattr(config, "num_moe_experts", None):
+        return 0
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        count = sum(1 for i in range(config.num_layers) if i % freq == 0)
+    else:
+        count = sum(freq)
+    return count + (getattr(config, "mtp_num_layers", None) or 0)
+
+
+def read_aux_losses(
+    num_microbatches: int,
+    num_layers: int = 1,
+    names: Iterable[str] | None = None,
+    total_layers: int | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """megatron's MoE auxiliary losses tracked since the last read (``load_balancing_loss``, ``z_loss`` ...), then cleared.
+
+    Each is summed over layers, reduced over pipeline stages and megatron's reduce group (the
+    tensor-parallel shards of a sequence), averaged over data-parallel ranks and divided by the
+    microbatches this rank ran and by ``num_layers``: with ``num_layers`` the model's MoE layers
+    (:func:`moe_layer_count`) this is the value megatron's ``track_moe_metrics`` logs (the mean per
+    layer and microbatch, without the coefficient); with 1, the sum over layers. Collective: every
+    rank calls it. Clearing also keeps the tracker from adding up over a whole run.
+
+    Args:
+        names: the losses to read (:func:`aux_loss_names`); a rank that tracked none of one (a
+            pipeline stage of dense layers) adds zeros of ``total_layers`` on ``device`` so that
+            every rank runs the same collectives. None: what this rank's tracker holds.
+
+    Returns:
+        name -> value; empty when no router tracked a loss (dense models, balancing ``none``).
+    """
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = sorted(tracker) if names is None else list(names)
+    for name in names:  # a stage whose layers are all dense still takes part in the collectives
+        if name not in tracker:
+            tracker[name] = {"values": torch.zeros(total_layers or 1, device=device)}
+    if not names:
+        return {}
+    reduce_aux_losses_tracker_across_ranks(names)
+    scale = num_microbatches * num_layers
+    values = {name: tracker[name]["values"].sum().item() / scale for name in names}
+    clear_aux_losses_tracker()
+    return values
+
+
+def aux_loss_names(config: Any) -> list[str]:
+    """The names megatron's routers track for a ``TransformerConfig``: its balancing losses with a
+    non-zero coefficient (``aux_loss`` -> ``load_balancing_loss``, ``seq_aux_loss`` ->
+    ``seq_load_balancing_loss``, ``global_aux_loss`` -> ``global_load_balancing_loss``) and ``z_loss``."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    types = config.moe_router_load_balancing_type
+    types = [types] if isinstance(types, str) else list(types)
+    coeffs = config.moe_aux_loss_coeff
+    coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+    names["global_aux_loss"] = "global_load_balancing_loss"
+    out = [names[kind] for kind, coeff in zip(types, coeffs) if kind in names and coeff > 0]
+    if getattr(config, "moe_z_loss_coeff", None):
+        out.append("z_loss")
+    return out
+
+
+def moe_aux_losses(config: Any, num_microbatches: int, device: torch.device | str) -> dict[str, float]:
+    """The step's MoE auxiliary losses as megatron's training loop logs them (mean per MoE layer and
+    microbatch, without the coefficient), then cleared; ``{}`` for a model with none. Collective."""
+    names = aux_loss_names(config)
+    if not names:
+        return {}
+    total = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+    return read_aux_losses(num_microbatches, moe_layer_count(config), names, total, device)

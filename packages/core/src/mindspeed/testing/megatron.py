@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from mindspeed.megatron import fast_path
 from mindspeed.megatron.config import ParallelSizes, transformer_config
+from mindspeed.metrics.moe import read_aux_losses
 from mindspeed.model.shape import ModelShape
 
 #: Layer index in megatron's local parameter names (``decoder.layers.<i>.``).
@@ -672,30 +673,6 @@ def reset_aux_losses() -> None:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()
-
-
-def read_aux_losses(num_microbatches: int) -> dict[str, float]:
-    """The auxiliary losses megatron tracked since the last read, then cleared.
-
-    Each is summed over layers, reduced over pipeline stages and megatron's reduce group (the
-    tensor-parallel shards of a sequence), averaged over data-parallel ranks and divided by the
-    microbatches this rank ran: the per-microbatch mean of the whole batch. Collective.
-
-    Returns:
-        name (``"load_balancing_loss"``, ...) -> value, without the coefficient.
-    """
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-        reduce_aux_losses_tracker_across_ranks,
-    )
-
-    tracker = get_moe_layer_wise_logging_tracker()
-    names = sorted(tracker)
-    reduce_aux_losses_tracker_across_ranks(names)
-    values = {name: tracker[name]["values"].sum().item() / num_microbatches for name in names}
-    clear_aux_losses_tracker()
-    return values
 
 
 @dataclass

@@ -26,6 +26,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+#: The MoE auxiliary losses a train record may carry (``mindspeed.metrics.moe.aux_loss_names``).
+MOE_AUX_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
 class RunReporter:
     """Progress bar and log lines of one run (rank 0 draws and logs).
 
@@ -100,7 +104,9 @@ class RunReporter:
                 f"acc {_fmt(record['rewards/accuracies'], '.2f')}",
                 f"margin {_fmt(record['rewards/margins'], '.3f')}",
             ]
-        status = " ".join(fields + dpo)
+        # megatron's MoE auxiliary losses (without their coefficients), as its log line names them.
+        moe = [f"{name} {_fmt(record[name], '.4g')}" for name in MOE_AUX_LOSSES if name in record]
+        status = " ".join(fields + dpo + moe)
         # The bar's fields, most important first: a narrow terminal keeps the first ones.
         self.bar.update(status=fields[:1] + dpo + fields[1:])
         # A skipped step has its own warning line (the trainer's); here it is marked at the interval.

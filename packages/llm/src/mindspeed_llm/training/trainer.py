@@ -31,6 +31,7 @@ from mindspeed.log import RUN_LOG_FILE, get_logger, open_run_log
 from mindspeed.megatron import adapt, fast_path, unadapt
 from mindspeed.megatron.config import expert_tensor_parallel_size
 from mindspeed.metrics.log import LOSS_CURVE, write_loss_curve
+from mindspeed.metrics.moe import moe_aux_losses
 from mindspeed.metrics.trackers import Tracking, open_tracking
 from mindspeed.model.shape import ModelShape
 from mindspeed_llm.training.build import BuildSpec, build_engine, model_facts, seed_everything, uses_dualpipev
@@ -349,6 +350,7 @@ class Trainer(TrainerLoading, TrainerSaving):
             dualpipev=uses_dualpipev(self.report),
         )
         loss, tokens = metrics[self.stage.metric]
+        aux_losses = moe_aux_losses(self.transformer, num_micro, get_accelerator().device())
         if fault_armed("train.grad_nan", step) and dist.get_rank() == 0:
             plant_nan(self._first_main_grad())
         # A NaN/Inf loss or gradient norm on any rank: no update, no schedule step (as megatron
@@ -379,6 +381,7 @@ class Trainer(TrainerLoading, TrainerSaving):
             "step_time_s": time.perf_counter() - start,
         }
         record.update({name: value for name, (value, _) in metrics.items() if name not in (LM_LOSS, self.stage.metric)})
+        record.update(aux_losses)
         if "sequence_index" in batches[0]:
             record["step_tokens"] = self._step_tokens(batches)
         return record
