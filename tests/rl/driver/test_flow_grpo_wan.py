@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from mindspeed_mm.demos.t2v import write_demo_pipeline
 from mindspeed_mm.models.wan import WAN
 from mindspeed_rl.cli import main
-from mindspeed_rl.driver.flow_grpo import STATE_FILE, FlowGRPOConfig, FlowGRPORun, train_flow_grpo
+from mindspeed_rl.driver.flow_grpo import STATE_FILE, FlowGRPOConfig, FlowGRPORun, check_policy_family, train_flow_grpo
 
 
 def test_wan_lora_run_resumes_bit_exact_and_exports_merged(tmp_path) -> None:
@@ -82,3 +83,14 @@ def test_wan_lora_run_resumes_bit_exact_and_exports_merged(tmp_path) -> None:
         torch.testing.assert_close(value, base[name] + update, rtol=1e-6, atol=1e-7, msg=name)
         changed += bool(update.abs().max() > 0)
     assert changed == len(factors) // 2  # every adapted linear moved
+
+
+def test_image_conditioned_wan_is_refused() -> None:
+    from mindspeed_mm.models.wan_i2v import WAN_I2V
+    from mindspeed_mm.models.wan_ti2v import WAN_TI2V
+
+    for family in (WAN_I2V, WAN_TI2V):
+        config = family.load_class().from_config(family.tiny_config).config
+        with pytest.raises(ValueError, match="text-to-image and text-to-video transformers only"):
+            check_policy_family(family, config, "some/dir")
+    check_policy_family(WAN, WAN.load_class().from_config(WAN.tiny_config).config, "some/dir")

@@ -169,6 +169,20 @@ def training_captions() -> list[str]:
     return [caption(*c) for c in itertools.product(COLOURS, SHAPES, POSITIONS) if c not in held]
 
 
+def check_policy_family(family: Any, model_config: Any, load_dir: str) -> None:
+    """Refuse a transformer the policy cannot sample: one that takes image conditions (Wan I2V / FLF2V) or per-token
+    timesteps (Wan2.2 TI2V); text-to-image and text-to-video ones (FLUX, Wan T2V, ...) pass.
+
+    Raises:
+        ValueError: naming ``load_dir``'s family and what Flow-GRPO takes.
+    """
+    if family.condition_keys(model_config) or family.timestep_tokens is not None or family.first_frame_condition:
+        raise ValueError(
+            f"load_dir={load_dir!r} is a {family.key} (image-conditioned or per-token timesteps): Flow-GRPO here "
+            "samples text-to-image and text-to-video transformers only (FLUX, Wan T2V); give one of those"
+        )
+
+
 class FlowGRPORun:
     """The policy, its optimizer, the reference, the encoded captions and the iteration counter of one run."""
 
@@ -180,6 +194,7 @@ class FlowGRPORun:
         self.pipeline = pipeline
         loaded = load_dit_pipeline(config.load_dir, pipeline_dir=pipeline)
         self.family, self.parts, self.model = loaded.family, loaded.parts, loaded.model.train()
+        check_policy_family(self.family, self.model.config, config.load_dir)
         self.device = next(self.model.parameters()).device
         self.lora = (
             policy_lora_config(config.lora_rank, config.lora_alpha, config.lora_target_modules) if config.lora else None
