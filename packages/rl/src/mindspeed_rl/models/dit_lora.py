@@ -119,4 +119,5 @@ def merged_transformer(model: torch.nn.Module, family: DiTFamily, lora: MMLoraCo
     cls = family.load_class()
     merged = cls.from_config(model.config)
     merged.load_state_dict(state, strict=True)
-    return merged.to(next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    return merged if next(merged.parameters()).dtype == dtype else merged.to(dtype)
