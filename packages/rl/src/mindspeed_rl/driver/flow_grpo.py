@@ -20,6 +20,11 @@ iteration and resumed from its state file (the weights, AdamW's state and the it
 temporary name then renamed) continues as the uninterrupted run does. The held-out check
 (:meth:`FlowGRPORun.evaluate`) samples the demo's held-out captions with the ODE (Euler, as the demo's
 learning check does) and scores colour and position.
+
+The demo (``demo``: :mod:`~mindspeed_rl.driver.flow_grpo_demos`) sets the captions, the sample size and the
+checks: ``t2i`` (tiny FLUX, images) or ``t2v`` (tiny Wan, video latents ``[B, C, F, H, W]``, colour and direction).
+With ``lora_target_modules`` the policy is LoRA-adapted (:mod:`~mindspeed_rl.models.dit_lora`): AdamW gets the
+factors only, the KL reference is the model with its adapters off, the state file holds the factors.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from dataclasses import asdict, dataclass
+import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_mm.demos.scene import COLOURS, SHAPES
-from mindspeed_mm.demos.t2i import POSITIONS, caption, heldout_combinations, score_images, t2i_paths
+from mindspeed_mm.demos.t2i import POSITIONS, caption, heldout_combinations
 from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents
 from mindspeed_mm.inference.dit_pipeline import latent_shape, load_dit_pipeline
 from mindspeed_rl.algorithms.advantages import ADVANTAGES, compute_advantages
@@ -47,7 +53,18 @@ from mindspeed_rl.algorithms.flow_grpo import (
     select_steps,
 )
 from mindspeed_rl.algorithms.losses import policy_loss_config
+from mindspeed_rl.driver.flow_grpo_demos import FLOW_GRPO_DEMOS
+from mindspeed_rl.models.dit_lora import (
+    AdapterOffPolicy,
+    adapter_state,
+    apply_policy_lora,
+    load_adapter_state,
+    merged_transformer,
+    policy_lora_config,
+    trainable_parameters,
+)
 from mindspeed_rl.models.dit_policy import DiTPolicy, PromptBatch, schedule
+from mindspeed_rl.rewards import video as _video_rewards  # noqa: F401  (registers the video rewards)
 from mindspeed_rl.rewards.image import build_image_reward
 
 logger = get_logger(__name__)
@@ -82,6 +99,13 @@ class FlowGRPOConfig:
         seed: seeds every draw (per iteration).
         text_len: text tokens (the demo's 10).
         eval_seeds / eval_steps / eval_guidance: the held-out check's samples per caption, Euler steps, guidance.
+        demo: the captions, sample size and checks (:data:`~mindspeed_rl.driver.flow_grpo_demos.FLOW_GRPO_DEMOS`:
+            ``t2i``, the FLUX shapes demo; ``t2v``, the Wan text-to-video demo, with ``text_len: 8``).
+        lora_rank / lora_alpha / lora_target_modules: LoRA on the transformer (``mindspeed-mm train``'s
+            ``lora.r`` / ``lora.alpha`` / ``lora.target_modules``; ``[default]``: the family's attention
+            projections); empty targets: full weights. Only the factors train; the KL reference is the model with
+            its adapters off; the state file holds the factors and AdamW's state.
+        export_dir: at the end, the transformer (LoRA merged into its weights) as a diffusers directory here.
     """
 
     load_dir: str = "runs/mm-t2i-tiny-cpu/hf"
@@ -110,6 +134,11 @@ class FlowGRPOConfig:
     eval_seeds: int = 4
     eval_steps: int = 10
     eval_guidance: float = 4.0
+    demo: str = "t2i"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = field(default_factory=list)
+    export_dir: str | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the setting that is out of range."""
@@ -124,6 +153,14 @@ class FlowGRPOConfig:
             raise ValueError(f"advantage={self.advantage!r}; use per_prompt or one of {', '.join(ADVANTAGES)}")
         if self.noise_level <= 0:
             raise ValueError(f"noise_level={self.noise_level} must be > 0 (the SDE's log-probs; 0.7 in Flow-GRPO)")
+        FLOW_GRPO_DEMOS.get(self.demo)
+        if self.lora_target_modules:
+            policy_lora_config(self.lora_rank, self.lora_alpha, self.lora_target_modules)
+
+    @property
+    def lora(self) -> bool:
+        """Whether the policy is LoRA-adapted."""
+        return bool(self.lora_target_modules)
 
 
 def training_captions() -> list[str]:
@@ -132,30 +169,58 @@ def training_captions() -> list[str]:
     return [caption(*c) for c in itertools.product(COLOURS, SHAPES, POSITIONS) if c not in held]
 
 
+def check_policy_family(family: Any, model_config: Any, load_dir: str) -> None:
+    """Refuse a transformer the policy cannot sample: one that takes image conditions (Wan I2V / FLF2V) or per-token
+    timesteps (Wan2.2 TI2V); text-to-image and text-to-video ones (FLUX, Wan T2V, ...) pass.
+
+    Raises:
+        ValueError: naming ``load_dir``'s family and what Flow-GRPO takes.
+    """
+    if family.condition_keys(model_config) or family.timestep_tokens is not None or family.first_frame_condition:
+        raise ValueError(
+            f"load_dir={load_dir!r} is a {family.key} (image-conditioned or per-token timesteps): Flow-GRPO here "
+            "samples text-to-image and text-to-video transformers only (FLUX, Wan T2V); give one of those"
+        )
+
+
 class FlowGRPORun:
     """The policy, its optimizer, the reference, the encoded captions and the iteration counter of one run."""
 
     def __init__(self, config: FlowGRPOConfig) -> None:
         config.validate()
         self.config = config
-        pipeline = Path(config.pipeline_dir) if config.pipeline_dir else t2i_paths()["pipeline"]
+        self.demo = FLOW_GRPO_DEMOS.get(config.demo)
+        pipeline = Path(config.pipeline_dir) if config.pipeline_dir else self.demo.pipeline()
         self.pipeline = pipeline
         loaded = load_dit_pipeline(config.load_dir, pipeline_dir=pipeline)
         self.family, self.parts, self.model = loaded.family, loaded.parts, loaded.model.train()
+        check_policy_family(self.family, self.model.config, config.load_dir)
         self.device = next(self.model.parameters()).device
+        self.lora = (
+            policy_lora_config(config.lora_rank, config.lora_alpha, config.lora_target_modules) if config.lora else None
+        )
+        if self.lora is not None:  # the factors' random start from the run's seed (a resumed run loads them)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                apply_policy_lora(self.model, self.family, self.lora)
         self.policy = DiTPolicy(self.model, self.family, config.noise_level, config.guidance_scale)
         self.reference = (
             DiTPolicy(copy.deepcopy(self.model).eval(), self.family, config.noise_level, config.guidance_scale)
-            if config.kl_coef
+            if config.kl_coef and self.lora is None
             else None
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        if config.kl_coef and self.lora is not None:  # the base: the same module with its adapters off, no copy
+            self.reference = AdapterOffPolicy(self.model, self.family, config.noise_level, config.guidance_scale)
+        self.optimizer = torch.optim.AdamW(
+            trainable_parameters(self.model), lr=config.lr, weight_decay=config.weight_decay
+        )
         self.reward = build_image_reward(config.reward)
-        self.shape = latent_shape(self.parts["vae"], self.family, 1, 32, 32)
+        d = self.demo
+        self.shape = latent_shape(self.parts["vae"], self.family, d.frames, d.height, d.width)
         self.sigmas, self.timesteps = schedule(
             self.family, build_scheduler(self.family, pipeline), config.sampling_steps, (1, *self.shape)
         )
-        self.captions = training_captions()
+        self.captions = d.training_captions()
         self.text, self.pooled = self._encode(self.captions)
         self.negative, self.negative_pooled = self._encode([""])
         self.iteration_done = 0
@@ -187,7 +252,7 @@ class FlowGRPORun:
         trajectory = self.policy.sample(noise, prompts, self.sigmas, self.timesteps, generator)
         images = decode_latents(self.parts["vae"], trajectory.latents[:, -1])
         rewards = self.reward(images, captions).float()
-        checks = score_images(images, captions)
+        checks = self.demo.checks(images, captions)
         if c.advantage == "per_prompt":
             advantages = per_prompt_advantages(rewards, captions, c.global_std)
         else:
@@ -226,7 +291,7 @@ class FlowGRPORun:
         ``eval_seeds`` noises (seeds 0, 1, ...), Euler (the ODE) with ``eval_steps`` steps and guidance
         ``eval_guidance``, as the demo's learning check."""
         c = self.config
-        captions = [caption(*h) for h in heldout_combinations() for _ in range(c.eval_seeds)]
+        captions = [text for text in self.demo.heldout_captions() for _ in range(c.eval_seeds)]
         text, pooled = self._encode(captions)
         noise = torch.stack(
             [
@@ -243,14 +308,14 @@ class FlowGRPORun:
         images = decode_latents(self.parts["vae"], latents)
         rewards = self.reward(images, captions).float()
         standard_error = float(rewards.std() / len(rewards) ** 0.5) if len(rewards) > 1 else 0.0
-        return {**score_images(images, captions), "reward": float(rewards.mean()), "reward_se": standard_error}
+        return {**self.demo.checks(images, captions), "reward": float(rewards.mean()), "reward_se": standard_error}
 
     def save(self, directory: Path) -> Path:
         """The weights, AdamW's state and the iteration into ``directory/flow_grpo_state.pt`` (written, then renamed)."""
         directory.mkdir(parents=True, exist_ok=True)
         path, tmp = directory / STATE_FILE, directory / (STATE_FILE + ".tmp")
         state = {
-            "model": self.model.state_dict(),
+            "model": self.model.state_dict() if self.lora is None else adapter_state(self.model),
             "optimizer": self.optimizer.state_dict(),
             "iteration": self.iteration_done,
         }
@@ -261,9 +326,25 @@ class FlowGRPORun:
     def load(self, path: Path) -> None:
         """Restore :meth:`save`'s state (tensors only: ``weights_only``)."""
         state = torch.load(path, map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self.lora is None:
+            self.model.load_state_dict(state["model"])
+        else:
+            load_adapter_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration_done = int(state["iteration"])
+
+    def export(self, directory: str | Path) -> Path:
+        """Write the transformer (LoRA merged: ``W + (alpha / r) B A``) as a diffusers directory (``config.json`` +
+        safetensors: what ``from_pretrained`` and a pipeline's ``transformer`` folder load), written to a temporary
+        name, then renamed."""
+        target = Path(directory)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = merged_transformer(self.model, self.family, self.lora) if self.lora is not None else self.model
+        model.save_pretrained(str(tmp))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.replace(target)
+        return target
 
 
 def train_flow_grpo(
@@ -310,4 +391,6 @@ def train_flow_grpo(
             write({"eval": "interval", "iteration": done, **run.evaluate()})
     if evaluate and run.iteration_done == config.iterations:
         write({"eval": "end", "iteration": run.iteration_done, **run.evaluate()})
+    if config.export_dir and run.iteration_done == config.iterations:
+        logger.info("wrote the trained transformer into %s", run.export(config.export_dir))
     return records

@@ -16,7 +16,7 @@ def add_flow_grpo(sub: argparse._SubParsersAction) -> None:
     """Add ``flow-grpo`` to the ``mindspeed-rl`` subcommands."""
     parser = sub.add_parser(
         "flow-grpo",
-        help="Flow-GRPO / DanceGRPO on the tiny FLUX shapes demo",
+        help="Flow-GRPO / DanceGRPO on the tiny FLUX shapes demo or the Wan text-to-video demo",
         description="Sample along the flow-matching SDE recording each step's log-probability, score the images "
         "with a registered image reward, and update the transformer with the clipped objective on a fraction "
         "of the denoising steps. Resumes from the output directory's state file.",
@@ -42,8 +42,8 @@ def run_flow_grpo(args: argparse.Namespace) -> int:
     evals = [r for r in records if "eval" in r]
     if len(evals) >= 2:
         first, last = evals[0], evals[-1]
+        checks = [k for k in first if k not in ("eval", "iteration", "reward", "reward_se") and k in last]
         sys.stdout.write(
-            f"held-out colour {first['colour']:.3f} -> {last['colour']:.3f}, "
-            f"position {first['position']:.3f} -> {last['position']:.3f}\n"
-        )
+            "held-out " + ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in checks) + "\n"
+        )  # t2i: colour, position; t2v: colour, direction
     return 0
