@@ -261,7 +261,7 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target(spec: dict[str, Any]) -> dict[str, Any]:
-    extra = ["train.compile=true"] if spec["compile"] else []
+    extra = [f"train.compile={spec['compile']}"] if spec["compile"] else []
     config = pretrain.load_config(spec, spec["steps"], spec["level"], extra=extra)
     return _child.steps_in_trainer(config, lambda trainer: _alternate(trainer, spec), spec["threads"])
 
@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         "--by-thread", action="store_true", help="CPU ms per step of each thread of the process, both sides"
     )
     parser.add_argument(
-        "--compile", action="store_true", help="ours with train.compile=true (compiled in the first warmup step)"
+        "--compile",
+        nargs="?",
+        const="true",
+        default=None,
+        help="ours with train.compile=MODE (true, default when given alone; max-autotune), compiled in the first warmup step",
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
