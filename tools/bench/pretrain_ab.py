@@ -21,10 +21,13 @@ backward, DDP finalize, loss reduction, grad norm + clip, optimizer, scheduler),
 wrapping the functions that do them; ``--profile ours|hf|both`` adds ``torch.profiler`` tables
 (CPU self time by op) of the timed steps; ``--cprofile DIR`` writes a CPU-time cProfile of each
 side (``ab_ours.prof``, ``ab_hf.prof``; it inflates ours, which makes 3.6x HF's Python calls).
-``--workdir`` keeps the prepared data and initial weights for the next run. Usage::
+``--compile [MODE]`` runs ours with ``train.compile`` (compiled in the first warmup pair);
+``--by-thread`` prints the CPU ms per step of every thread of the process (main, OpenMP workers,
+gloo's), both sides. ``--workdir`` keeps the prepared data and initial weights for the next run. Usage::
 
     uv run --frozen python tools/bench/pretrain_ab.py --size tiny --rounds 20
     uv run --frozen python tools/bench/pretrain_ab.py --size small --rounds 6
+    uv run --frozen python tools/bench/pretrain_ab.py --size tiny --rounds 12 --compile --parts --by-thread
 """
 
 from __future__ import annotations
