@@ -88,6 +88,7 @@ def one_gloo_device(world_size: int, backend: str) -> Iterator[bool]:
         logger.info("gloo: one device per process group (%s)", err)
         yield False
         return
+    logger.debug("gloo: %s (%s)", patch.name, patch.reason)
     try:
         yield True
     finally:
