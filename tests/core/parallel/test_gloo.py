@@ -79,6 +79,6 @@ def test_reference_torch_devices_one_loop_per_group() -> None:
 
 def test_other_backends_are_left_alone() -> None:
     original = c10d.ProcessGroupGloo
-    with one_gloo_device(1, "nccl") as applied:
+    with one_gloo_device(1, "mpi") as applied:
         assert not applied
         assert c10d.ProcessGroupGloo is original
