@@ -21,10 +21,13 @@ backward, DDP finalize, loss reduction, grad norm + clip, optimizer, scheduler),
 wrapping the functions that do them; ``--profile ours|hf|both`` adds ``torch.profiler`` tables
 (CPU self time by op) of the timed steps; ``--cprofile DIR`` writes a CPU-time cProfile of each
 side (``ab_ours.prof``, ``ab_hf.prof``; it inflates ours, which makes 3.6x HF's Python calls).
-``--workdir`` keeps the prepared data and initial weights for the next run. Usage::
+``--compile [MODE]`` runs ours with ``train.compile`` (compiled in the first warmup pair);
+``--by-thread`` prints the CPU ms per step of every thread of the process (main, OpenMP workers,
+gloo's), both sides. ``--workdir`` keeps the prepared data and initial weights for the next run. Usage::
 
     uv run --frozen python tools/bench/pretrain_ab.py --size tiny --rounds 20
     uv run --frozen python tools/bench/pretrain_ab.py --size small --rounds 6
+    uv run --frozen python tools/bench/pretrain_ab.py --size tiny --rounds 12 --compile --parts --by-thread
 """
 
 from __future__ import annotations
@@ -158,6 +161,18 @@ def _wrap_ours(trainer: Any, parts: Parts) -> None:
     parts.wrap(trainer.scheduler, "step", "scheduler")
 
 
+def _thread_cpu() -> dict[int, tuple[str, int]]:
+    """CPU nanoseconds each thread of this process has run (``/proc/self/task/*/schedstat``), with its name."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            found[int(task.name)] = (name, int((task / "schedstat").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile, or no schedstat (not Linux)
+            continue
+    return found
+
+
 def _norm_types(model: Any) -> list[type]:
     return list({type(m) for name, m in model.named_modules() if "norm" in type(m).__name__.lower()})
 
@@ -176,9 +191,12 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     steps = spec["steps"]
     sides = ("ours", "hf")
     times: dict[str, list[float]] = {side: [] for side in sides}
+    walls: dict[str, list[float]] = {side: [] for side in sides}
     losses: dict[str, list[float]] = {side: [] for side in sides}
     profiles = {side: cProfile.Profile(time.process_time) for side in sides} if spec["cprofile"] else {}
     torch_profs: dict[str, Any] = {}
+    # --by-thread: CPU seconds of each thread (main, OpenMP workers, gloo's, ...) during each side's timed steps.
+    by_thread: dict[str, dict[str, float]] = {side: {} for side in sides}
     if spec["profile"]:
         from torch.profiler import ProfilerActivity, profile
 
@@ -197,20 +215,26 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
         if profiled:
             torch_prof.start()
         parts[side].active = timed
-        start = time.process_time()
+        before = _thread_cpu() if timed and spec["by_thread"] else {}
+        start, wall_start = time.process_time(), time.perf_counter()
         with fast_path():  # both sides outside the device redirect (the trainer's loop runs its steps so)
             if side == "ours":
                 state.consumed_train_samples = k * gbs  # step k's batch: the samples of HF's step k
                 loss = trainer._step(state, gbs, num_micro)["loss"]
             else:
                 loss = hf_step(k, parts[side])
-        elapsed = time.process_time() - start
+        elapsed, wall = time.process_time() - start, time.perf_counter() - wall_start
+        for tid, (name, ns) in (_thread_cpu() if before else {}).items():
+            key = "main" if tid == os.getpid() else f"{name} ({tid})"
+            used = (ns - before.get(tid, (name, 0))[1]) / 1e9
+            by_thread[side][key] = by_thread[side].get(key, 0.0) + used
         if profiled:
             torch_prof.stop()
         if timed and side in profiles:
             profiles[side].disable()
         if timed:
             times[side].append(elapsed)
+            walls[side].append(wall)
         losses[side].append(loss)
 
     for r in range(spec["warmup"] + spec["rounds"]):
@@ -228,11 +252,20 @@ def _alternate(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
             )
             sys.stdout.write(f"by input shapes, {side}:\n{table}\n")
     parts_per_step = {side: {n: v / spec["rounds"] for n, v in p.totals.items()} for side, p in parts.items()}
-    return {"times": times, "losses": losses, "threads": torch.get_num_threads(), "parts": parts_per_step}
+    threads_per_step = {side: {n: v / spec["rounds"] for n, v in t.items() if v > 0} for side, t in by_thread.items()}
+    return {
+        "times": times,
+        "walls": walls,
+        "losses": losses,
+        "threads": torch.get_num_threads(),
+        "parts": parts_per_step,
+        "by_thread": threads_per_step,
+    }
 
 
 def _target(spec: dict[str, Any]) -> dict[str, Any]:
-    config = pretrain.load_config(spec, spec["steps"], spec["level"])
+    extra = [f"train.compile={spec['compile']}"] if spec["compile"] else []
+    config = pretrain.load_config(spec, spec["steps"], spec["level"], extra=extra)
     return _child.steps_in_trainer(config, lambda trainer: _alternate(trainer, spec), spec["threads"])
 
 
@@ -252,6 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cprofile", default=None, help="write ab_ours.prof / ab_hf.prof to this folder")
     parser.add_argument("--parts", action="store_true", help="CPU ms per part of a step, both sides")
     parser.add_argument("--workdir", default=None, help="reuse this folder's prepared data and weights")
+    parser.add_argument(
+        "--by-thread", action="store_true", help="CPU ms per step of each thread of the process, both sides"
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="true",
+        default=None,
+        help="ours with train.compile=MODE (true, default when given alone; max-autotune), compiled in the first warmup step",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pretrain-ab-"))
@@ -273,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "cprofile": args.cprofile,
         "parts": args.parts,
         "shapes": args.shapes,
+        "compile": args.compile,
+        "by_thread": args.by_thread,
     }
     facts = work / f"facts_{args.size}.json"  # the prepared data and weights of a --workdir, reused
     if facts.is_file():
@@ -294,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         f"size {args.size}, {args.threads} thread(s), {args.rounds} timed rounds: mean CPU s per step ours "
         f"{ours:.4f}, HF {hf:.4f}; HF / ours {hf / ours:.3f} (median {statistics.median(out['times']['hf']) / statistics.median(out['times']['ours']):.3f}); "
         f"first losses ours {out['losses']['ours'][0]:.6f} HF {out['losses']['hf'][0]:.6f}; load "
-        f"{load[0]:.1f}-{load[1]:.1f}\nours each: {each['ours']}\nHF each: {each['hf']}\n"
+        f"{load[0]:.1f}-{load[1]:.1f}\nmean wall s per step ours {statistics.mean(out['walls']['ours']):.4f}, "
+        f"HF {statistics.mean(out['walls']['hf']):.4f}; HF / ours {statistics.mean(out['walls']['hf']) / statistics.mean(out['walls']['ours']):.3f}"
+        f"\nours each: {each['ours']}\nHF each: {each['hf']}\n"
     )
     if args.parts:
         names = list(dict.fromkeys([*out["parts"]["ours"], *out["parts"]["hf"]]))
@@ -303,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"{out['parts'][s][name] * 1e3:.1f}" if name in out["parts"][s] else "-" for s in ("ours", "hf")]
             sys.stdout.write(f"| {name} | {cells[0]} | {cells[1]} |\n")
         sys.stdout.write(f"| whole step | {ours * 1e3:.1f} | {hf * 1e3:.1f} |\n")
+    if args.by_thread:
+        sys.stdout.write("| thread | ours ms | HF ms |\n| --- | --- | --- |\n")
+        names = list(dict.fromkeys([*out["by_thread"]["ours"], *out["by_thread"]["hf"]]))
+        for name in names:
+            cells = [f"{out['by_thread'][s].get(name, 0.0) * 1e3:.1f}" for s in ("ours", "hf")]
+            sys.stdout.write(f"| {name} | {cells[0]} | {cells[1]} |\n")
     return 0
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,6 +21,7 @@ from mindspeed_llm.tokenizer import (
     demo_tokenizer_path,
     iter_corpus_texts,
     load_tokenizer,
+    tokenizer_sizes,
     train_demo_tokenizer,
 )
 
@@ -73,3 +77,35 @@ def test_missing_or_empty_tokenizer_directory_is_a_clear_error(tmp_path) -> None
         load_tokenizer(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="holds no tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def _reference_sizes(path) -> tuple[int, int | None]:
+    reference = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return len(reference), reference.eos_token_id
+
+
+def test_sizes_without_transformers_match_autotokenizer(tok_dir, tmp_path) -> None:
+    assert tokenizer_sizes(tok_dir) == _reference_sizes(tok_dir)
+    # the eos token in its dict form, and the config split over special_tokens_map.json
+    variant = tmp_path / "dict_eos"
+    shutil.copytree(tok_dir, variant)
+    config = json.loads((variant / "tokenizer_config.json").read_text())
+    eos = config.pop("eos_token")
+    (variant / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": eos, "special": True}}))
+    (variant / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_sizes(variant) == _reference_sizes(variant) == tokenizer_sizes(tok_dir)
+    # read without importing transformers (the ~180 MB the pretrain benchmark's peak RSS saves)
+    code = f"import sys; from mindspeed_llm.tokenizer import tokenizer_sizes; print(tokenizer_sizes({str(tok_dir)!r})); print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == [str(tokenizer_sizes(tok_dir)), "False"]
+
+
+def test_sizes_of_a_token_transformers_adds_come_from_transformers(tok_dir, tmp_path) -> None:
+    variant = tmp_path / "new_eos"
+    shutil.copytree(tok_dir, variant)
+    config = json.loads((variant / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|a_token_not_in_the_vocabulary|>"
+    (variant / "tokenizer_config.json").write_text(json.dumps(config))
+    sizes = tokenizer_sizes(variant)
+    assert sizes == _reference_sizes(variant)
+    assert sizes[1] is not None and sizes != tokenizer_sizes(tok_dir)

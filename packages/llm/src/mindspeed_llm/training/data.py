@@ -20,7 +20,7 @@ import torch
 
 from mindspeed.config import ConfigError
 from mindspeed.log import get_logger
-from mindspeed_llm.tokenizer import load_tokenizer
+from mindspeed_llm.tokenizer import tokenizer_sizes
 from mindspeed_llm.training.config import PretrainConfig
 from mindspeed_llm.training.data_check import check_indexed_dataset
 from mindspeed_llm.training.model import padded_vocab_size
@@ -65,12 +65,12 @@ def read_tokenizer(config: PretrainConfig) -> TokenIds:
     vocab, eod = config.model.vocab_size, config.data.eod_token_id
     if config.data.tokenizer and (vocab is None or eod is None):
         try:
-            tokenizer = load_tokenizer(config.data.tokenizer)
+            size, eos = tokenizer_sizes(config.data.tokenizer)
         except ValueError as err:
             raise ConfigError(f"data.tokenizer: {err}") from err
-        vocab = vocab if vocab is not None else len(tokenizer)
+        vocab = vocab if vocab is not None else size
         if eod is None:
-            eod = tokenizer.eos_token_id
+            eod = eos
     if vocab is None:
         raise ConfigError("model.vocab_size is unset; set it or give data.tokenizer")
     return TokenIds(vocab_size=vocab, eod=eod if eod is not None else 0)
