@@ -16,6 +16,11 @@ of a bucket, whatever the lengths; a new graph is compiled only for a new bucket
 a cache of another size: a call that needs a longer one). The prefill stays eager, as does sampling, so
 tokens, log-probabilities and random streams are those of the eager step up to the
 floating-point order Inductor picks.
+
+Two CPU levers on top (:class:`CompiledDecode`): the GEMMs of buckets of at least 4 rows multiply
+by MKL-packed weights (:mod:`.packed`), and when every running request is greedy a second graph per
+bucket runs :data:`DEFAULT_CHUNK` steps per call with the argmax inside (:meth:`CompiledDecode.greedy_steps`),
+which pays the call's guards and Python once per chunk.
 """
 
 from __future__ import annotations
