@@ -107,10 +107,11 @@ def test_compiled_decode_equals_eager_and_transformers_without_recompiling(engin
     assert again.graphs() == 0
 
 
-@pytest.mark.slow  # the two graphs of bucket 1 (two steps a call, and one)
-def test_greedy_chunks_equal_eager_and_transformers(tiny_checkpoints, hf_model) -> None:
-    """Several greedy steps per graph call (argmax inside the graph): the eager engine's and transformers'
-    tokens, a stop token inside a chunk drops the chunk's later tokens, nothing compiled after warm-up."""
+@pytest.mark.slow  # the three graphs of bucket 1 (two greedy steps a call, two sampled, and one)
+def test_chunks_equal_eager_and_transformers(tiny_checkpoints, hf_model) -> None:
+    """Several decode steps per graph call (the token choice inside the graph): greedy, the eager engine's and
+    transformers' tokens; a stop token inside a chunk drops the chunk's later tokens; seeded sampling
+    (temperature, top-k, top-p), the eager engine's tokens; nothing compiled after warm-up."""
     path = tiny_checkpoints[FAMILY]
     eager = InferenceEngine.from_pretrained(path, max_batch_size=1)
     engine = InferenceEngine.from_pretrained(path, max_batch_size=1, compile=True)
@@ -134,8 +135,25 @@ def test_greedy_chunks_equal_eager_and_transformers(tiny_checkpoints, hf_model) 
     (out,) = engine.generate(prompts[:1], stopped)
     assert out.token_ids == got[0].token_ids[:first] == eager.generate(prompts[:1], stopped)[0].token_ids
     assert out.finish_reason == "stop" and len(out.logprobs) == first
+    # Sampled requests (a greedy one among them): drawn inside the graph, the eager sampler's tokens.
+    sampled = [
+        SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=100, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.3, seed=101, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, top_p=0.8, temperature=0.7, seed=102, ignore_eos=True),
+        _greedy(10),
+    ]
+    drawn = []
+    sampled_chunks = engine.compiled.sampled_steps
+    engine.compiled.sampled_steps = lambda *args: drawn.append(args[3]) or sampled_chunks(*args)
+    prompts4 = prompts + random_prompts((5, 8), seed=24)
+    got_sampled = engine.generate(prompts4, sampled)
+    assert drawn == [2] * 12 and watch.graphs() == 3  # 3 sampled requests x 4 chunks; one more graph
+    for a, b in zip(got_sampled, eager.generate(prompts4, sampled)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     again = CompileWatch()
     assert [o.token_ids for o in engine.generate(prompts, _greedy(10))] == [o.token_ids for o in got]
+    assert [o.token_ids for o in engine.generate(prompts4, sampled)] == [o.token_ids for o in got_sampled]
     assert again.graphs() == 0
 
 

@@ -19,6 +19,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_llm.inference.cache import DecodeStep, KVCache, PrefillStep
+from mindspeed_llm.inference.compiled import SampleSettings
 from mindspeed_llm.inference.sampling import SamplingParams
 
 logger = get_logger("mindspeed_llm.inference.engine")
@@ -134,11 +135,19 @@ class ContinuousBatching:
     def _decode(self, running: list[Request], stream: Stream | None) -> None:
         compiled = self.compiled
         if compiled is not None and compiled.chunk > 1 and not self.cache.window_layers:
-            # Greedy rows with room for a whole chunk: several steps, the argmax inside one graph call.
-            if all(r.params.greedy and r.limit - len(r.tokens) >= compiled.chunk for r in running):
-                chosen, logprobs = compiled.greedy_steps(
-                    self.cache, [r.tokens[-1] for r in running], [r.cached for r in running], compiled.chunk
-                )
+            # Rows with room for a whole chunk: several steps, the token choice inside one graph call.
+            if all(r.limit - len(r.tokens) >= compiled.chunk for r in running):
+                last, cached = [r.tokens[-1] for r in running], [r.cached for r in running]
+                if all(r.params.greedy for r in running):
+                    chosen, logprobs = compiled.greedy_steps(self.cache, last, cached, compiled.chunk)
+                else:
+                    settings = SampleSettings(
+                        [r.params for r in running],
+                        [r.generator for r in running],
+                        [len(r.tokens) for r in running],
+                        self.model.device,
+                    )
+                    chosen, logprobs = compiled.sampled_steps(self.cache, last, cached, compiled.chunk, settings)
                 for request, tokens, values in zip(running, chosen, logprobs):
                     for token, logprob in zip(tokens, values):
                         if self._append(request, token, logprob, stream):

@@ -13,13 +13,14 @@ prefill or slot move rewrites). Positions are a tensor input, and the attended l
 longest running sequence; shorter rows' empty positions carry the cache's ``-inf`` key bias,
 :class:`~.cache.KVCache`) is the graph's one dynamic dimension, so one graph serves every step
 of a bucket, whatever the lengths; a new graph is compiled only for a new bucket (or, at most,
-a cache of another size: a call that needs a longer one). The prefill stays eager, as does sampling, so
+a cache of another size: a call that needs a longer one). The prefill stays eager, as does sampling of one-step calls, so
 tokens, log-probabilities and random streams are those of the eager step up to the
 floating-point order Inductor picks.
 
 Two CPU levers on top (:class:`CompiledDecode`): the GEMMs of buckets of at least 4 rows multiply
-by MKL-packed weights (:mod:`.packed`), and when every running request is greedy a second graph per
-bucket runs :data:`DEFAULT_CHUNK` steps per call with the argmax inside (:meth:`CompiledDecode.greedy_steps`),
+by MKL-packed weights (:mod:`.packed`), and when every running request has room for them, another
+graph per bucket runs :data:`DEFAULT_CHUNK` steps per call with the token choice inside (the argmax,
+:meth:`CompiledDecode.greedy_steps`, or the eager sampler's draw, :meth:`CompiledDecode.sampled_steps`),
 which pays the call's guards and Python once per chunk.
 """
 
@@ -40,11 +41,12 @@ from mindspeed_llm.inference.packed import (
     estimate_bytes,
     mkl_packing_available,
 )
+from mindspeed_llm.inference.sampling import sample_static
 
 logger = get_logger("mindspeed_llm.inference.engine")
 
 
-#: Greedy decode steps per call of the chunk graph (:meth:`CompiledDecode.greedy_steps`).
+#: Decode steps per call of the chunk graphs (:meth:`CompiledDecode.greedy_steps`, :meth:`CompiledDecode.sampled_steps`).
 DEFAULT_CHUNK = 4
 
 
@@ -128,7 +130,8 @@ class CompiledDecode:
         prepack: multiply by MKL-packed weights (:mod:`.packed`; CPU, fp32): ``None`` (default) where
             available and the packs (a copy of the weights per bucket, several times their size) take at most
             :data:`~.packed.AUTO_MAX_BYTES`; ``True`` where available whatever their size; ``False``: never.
-        chunk: greedy decode steps per graph call (:meth:`greedy_steps`; 1: one step a call, sampling outside).
+        chunk: decode steps per call of the chunk graphs (:meth:`greedy_steps`, :meth:`sampled_steps`; 1: one step a
+            call, sampling outside the graph).
 
     Raises:
         ValueError: an unknown mode, or a model :func:`check_compilable` refuses.
@@ -162,6 +165,9 @@ class CompiledDecode:
         self.chunk = chunk
         self._chunk_graph = (
             torch.compile(self._forward_chunk, mode=MODES[self.mode], fullgraph=True) if chunk > 1 else None
+        )
+        self._sampled_graph = (
+            torch.compile(self._forward_sampled, mode=MODES[self.mode], fullgraph=True) if chunk > 1 else None
         )
         # Every bucket (and every cache size) is a new graph of the same code: room for all of them. Shapes
         # are static but for the attended length (marked dynamic), never made dynamic by a recompile.
@@ -239,7 +245,23 @@ class CompiledDecode:
         chosen, logprobs = self._call(self._chunk_graph, cache, tokens, positions, steps)
         return chosen[:rows].tolist(), logprobs[:rows].tolist()
 
-    def _call(self, graph, cache: KVCache, tokens: list[int], positions: list[int], steps: int):
+    def sampled_steps(
+        self, cache: KVCache, tokens: list[int], positions: list[int], steps: int, settings: SampleSettings
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """As :meth:`greedy_steps`, each step's token drawn inside the graph as the eager sampler draws it
+        (:func:`~.sampling.sample_static`: temperature, top-k, top-p, the request's counter-based noise).
+
+        Args:
+            settings: per running row, its sampling settings and noise state (:class:`SampleSettings`).
+        """
+        if steps != self.chunk or cache.window_layers:
+            raise ValueError(f"sampled_steps runs chunks of {self.chunk} steps without sliding windows, got {steps}")
+        rows = len(tokens)
+        size = self.bucket(rows)
+        chosen, logprobs = self._call(self._sampled_graph, cache, tokens, positions, steps, settings.tensors(size))
+        return chosen[:rows].tolist(), logprobs[:rows].tolist()
+
+    def _call(self, graph, cache: KVCache, tokens: list[int], positions: list[int], steps: int, extra=()):
         rows, device = len(tokens), self.model.device
         size = self.bucket(rows)
         pad = [0] * (size - rows)
@@ -249,14 +271,14 @@ class CompiledDecode:
         # dimension of one graph; shorter rows' later positions carry the cache's -inf key bias.
         length = max(positions) + steps
         keys, values = cache.keys[:, :size, :length], cache.values[:, :size, :length]
-        layout = (steps, size, keys.stride(), cache.keys.dtype)
+        layout = (graph, steps, size, keys.stride(), cache.keys.dtype)
         if layout in self._compiled:  # its graph exists: no config to set (~50 us a step on the CPU)
-            return graph(tokens_t, positions_t, keys, values)
+            return graph(tokens_t, positions_t, keys, values, *extra)
         torch._dynamo.mark_dynamic(keys, 2)
         torch._dynamo.mark_dynamic(values, 2)
         graphs, seconds = self.watch.graphs(), self.watch.seconds()
         with self._config[0], self._config[1]:
-            out = graph(tokens_t, positions_t, keys, values)
+            out = graph(tokens_t, positions_t, keys, values, *extra)
         self._compiled.add(layout)
         logger.info(
             "compiled decode step: bucket %d, %d step(s) a call (%d graph(s), %.1f s); %d graph(s), %.1f s in all",
@@ -286,3 +308,48 @@ class CompiledDecode:
             chosen.append(tokens)
             logprobs.append(logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0])
         return torch.stack(chosen, dim=1), torch.stack(logprobs, dim=1)
+
+    def _forward_sampled(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *settings: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sampled, temperature, top_k, top_p, noise_keys, counters = settings
+        chosen, logprobs = [], []
+        for offset in range(self.chunk):
+            logits = self._forward(tokens, positions + offset, keys, values)
+            tokens, logprob = sample_static(logits, sampled, temperature, top_k, top_p, noise_keys, counters + offset)
+            chosen.append(tokens)
+            logprobs.append(logprob)
+        return torch.stack(chosen, dim=1), torch.stack(logprobs, dim=1)
+
+
+class SampleSettings:
+    """The running rows' sampling settings and noise state, as the sampled chunk graph takes them.
+
+    Args:
+        params: per row, its :class:`~.sampling.SamplingParams`.
+        keys: per row, its noise key (``None``: greedy).
+        steps: per row, the tokens it has drawn so far.
+        device: where the graph runs.
+    """
+
+    def __init__(self, params: list, keys: list[int | None], steps: list[int], device: torch.device) -> None:
+        self.params, self.keys, self.steps, self.device = params, keys, steps, device
+
+    def tensors(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``(sampled, temperature, top_k, top_p, keys, steps)``, padded to ``size`` rows (greedy padding)."""
+        pad = size - len(self.params)
+        greedy = [p.greedy for p in self.params] + [True] * pad
+        make = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        return (
+            make([not g for g in greedy], torch.bool),
+            make([1.0 if p.greedy else p.temperature for p in self.params] + [1.0] * pad, torch.float32),
+            make([p.top_k for p in self.params] + [0] * pad, torch.int64),
+            make([p.top_p for p in self.params] + [1.0] * pad, torch.float32),
+            make([k or 0 for k in self.keys] + [0] * pad, torch.int64),
+            make(self.steps + [0] * pad, torch.int64),
+        )
