@@ -146,7 +146,7 @@ class CompiledDecode:
         chunk: int = DEFAULT_CHUNK,
     ) -> None:
         if chunk < 1:
-            raise ValueError(f"chunk={chunk}: the greedy decode steps per graph call must be at least 1")
+            raise ValueError(f"chunk={chunk}: the decode steps per call of the chunk graphs must be at least 1")
         if mode is not True and mode not in MODES:
             raise ValueError(f"compile={mode!r}: use True, False or a mode ({', '.join(MODES)})")
         check_compilable(model)
@@ -177,7 +177,9 @@ class CompiledDecode:
             torch.fx.experimental._config.patch(use_duck_shape=False),
         )
 
-        self._compiled: set[tuple] = set()  # (bucket, cache strides, dtype) already run under the settings above
+        self._compiled: set[tuple] = (
+            set()
+        )  # (graph, steps, bucket, cache strides, dtype) already run with the settings above
 
     def _pack(self, prepack: bool | None) -> PackedLinear | None:
         model = self.model
