@@ -12,13 +12,16 @@ process: less sensitive to neighbours on a shared machine) are both reported. Bo
 busy machine a second thread mostly waits). It also checks that both produce the same tokens.
 ``--compile`` adds the engine with its decode step compiled (``compile=True``: one graph per batch
 bucket, compiled in the warm-up run, whose seconds are reported) as rows of their own, named
-``compile``, against the same transformers runs.
+``compile``, against the same transformers runs. ``--ab`` adds the compiled step without its CPU levers
+(no prepacked weights, one step a graph call: the compiled step before them) as rows ``compile, plain``,
+measured interleaved with the others, so the levers' gain is a ratio from one run.
 
 Usage::
 
     uv run --frozen python tools/bench/generate.py
     uv run --frozen python tools/bench/generate.py --batch-sizes 1 8 32 --new-tokens 256 --json gen.json
     uv run --frozen python tools/bench/generate.py --compile      # also the compiled decode step
+    uv run --frozen python tools/bench/generate.py --compile --ab # and the compiled step without its levers
     uv run --frozen python tools/bench/generate.py --table generate.md   # refused (exit 2) on a busy machine
 """
 
@@ -34,6 +37,9 @@ import time
 from pathlib import Path
 
 import _child  # tools/bench/_child.py: the script's folder is on sys.path
+
+#: Row label after the batch size, per engine.
+ENGINE_LABELS = {"eager": "", "compile": ", compile", "compile-plain": ", compile, plain"}
 
 
 def build_model(path: Path, layers: int, hidden: int, vocab: int) -> None:
@@ -81,6 +87,9 @@ def main() -> int:
         help="torch device of both sides (default cpu; device_suite.py passes the accelerator's)",
     )
     parser.add_argument("--compile", action="store_true", help="also the engine with its decode step compiled")
+    parser.add_argument(
+        "--ab", action="store_true", help="with --compile: also the compiled step without prepacking and chunks"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     _child.add_record_args(parser)
     args = parser.parse_args()
@@ -91,6 +100,7 @@ def main() -> int:
 
     from mindspeed.compile import CompileWatch
     from mindspeed_llm.inference import InferenceEngine, SamplingParams
+    from mindspeed_llm.inference.compiled import CompiledDecode
 
     torch.set_num_threads(args.threads)
     rows = []
@@ -107,6 +117,12 @@ def main() -> int:
             if args.compile
             else None
         )
+        plain = None
+        if compiled is not None and args.ab:
+            plain = InferenceEngine.from_pretrained(
+                tmp, dtype="float32", max_batch_size=max(args.batch_sizes), device=args.device
+            )
+            plain.compiled = CompiledDecode(plain.model, max(args.batch_sizes), prepack=False, chunk=1)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         generator = torch.Generator().manual_seed(1)
         for batch in args.batch_sizes:
@@ -131,11 +147,17 @@ def main() -> int:
             def run_compiled():
                 return [o.token_ids for o in compiled.generate(prompts.tolist(), params)]
 
+            def run_plain():
+                return [o.token_ids for o in plain.generate(prompts.tolist(), params)]
+
             sides = {"hf": run_hf, "ours": run_ours} | ({"compile": run_compiled} if compiled else {})
+            sides |= {"compile-plain": run_plain} if plain else {}
             watch = CompileWatch()
             compile_wall, _, _ = timed(run_compiled) if compiled else (0.0, 0.0, None)  # compiles this batch's graphs
-            run_hf(), run_ours()  # warm-up
             graphs, compile_s = watch.graphs(), watch.seconds()
+            run_hf(), run_ours()  # warm-up
+            if plain:
+                run_plain()
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
             tokens: dict[str, object] = {}
             after = CompileWatch()
@@ -147,7 +169,7 @@ def main() -> int:
             load_around = [load_before, _child.load_average()]
             for side in [s for s in sides if s != "hf"]:
                 row = {
-                    "engine": "compile" if side == "compile" else "eager",
+                    "engine": {"ours": "eager"}.get(side, side),
                     "batch": batch,
                     "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len,
@@ -186,7 +208,7 @@ def main() -> int:
     )
     cells = [
         (
-            _child.mark(f"{row['batch']}{', compile' if row['engine'] == 'compile' else ''}", row["noisy"]),
+            _child.mark(f"{row['batch']}{ENGINE_LABELS[row['engine']]}", row["noisy"]),
             f"{row['hf_wall_tok_s']:.0f}",
             f"{row['ours_wall_tok_s']:.0f}",
             f"{row['speedup_wall']:.2f}x",

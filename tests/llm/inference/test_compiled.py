@@ -22,6 +22,8 @@ import torch
 
 from mindspeed.compile import CompileWatch
 from mindspeed_llm.inference import InferenceEngine, SamplingParams
+from mindspeed_llm.inference.compiled import CompiledDecode
+from mindspeed_llm.inference.packed import PackedLinear, mkl_packing_available
 from tests.llm.inference.conftest import random_prompts
 
 FAMILY = "llama2"
@@ -31,12 +33,12 @@ LENGTHS, NEW_TOKENS = (7, 2, 11, 4, 9, 3, 6), (9, 3, 7, 5, 6, 4, 8)
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints) -> tuple[InferenceEngine, InferenceEngine]:
-    """The eager engine and the compiled one on the same checkpoint."""
+    """The eager engine and the compiled one on the same checkpoint (one decode step a graph call: the
+    multi-step greedy graphs have a test of their own, whose compile time this one need not pay)."""
     path = tiny_checkpoints[FAMILY]
-    return (
-        InferenceEngine.from_pretrained(path, max_batch_size=4),
-        InferenceEngine.from_pretrained(path, max_batch_size=4, compile=True),
-    )
+    compiled = InferenceEngine.from_pretrained(path, max_batch_size=4, compile=True)
+    compiled.compiled = CompiledDecode(compiled.model, 4, chunk=1)
+    return InferenceEngine.from_pretrained(path, max_batch_size=4), compiled
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -56,6 +58,8 @@ def test_compiled_decode_equals_eager_and_transformers_without_recompiling(engin
     eager, compiled = engines
     model = hf_model(FAMILY)
     assert compiled.compiled.buckets == (1, 2, 4) and eager.compiled is None
+    # Bucket 4 multiplies by MKL-packed weights (buckets 1 and 2 keep the plain GEMM); the new weights below are repacked.
+    assert compiled.compiled.packed is not None and compiled.compiled.packed.rows == (4,)
 
     (prompt,) = random_prompts((6,), seed=20)
     watch = CompileWatch()
@@ -101,6 +105,74 @@ def test_compiled_decode_equals_eager_and_transformers_without_recompiling(engin
         != [o.token_ids for o in got]
     )
     assert again.graphs() == 0
+
+
+@pytest.mark.slow  # the three graphs of bucket 1 (two greedy steps a call, two sampled, and one)
+def test_chunks_equal_eager_and_transformers(tiny_checkpoints, hf_model) -> None:
+    """Several decode steps per graph call (the token choice inside the graph): greedy, the eager engine's and
+    transformers' tokens; a stop token inside a chunk drops the chunk's later tokens; seeded sampling
+    (temperature, top-k, top-p), the eager engine's tokens; nothing compiled after warm-up."""
+    path = tiny_checkpoints[FAMILY]
+    eager = InferenceEngine.from_pretrained(path, max_batch_size=1)
+    engine = InferenceEngine.from_pretrained(path, max_batch_size=1, compile=True)
+    engine.compiled = CompiledDecode(engine.model, 1, chunk=2)
+    calls: list[int] = []
+    chunked = engine.compiled.greedy_steps
+    engine.compiled.greedy_steps = lambda *args: calls.append(args[3]) or chunked(*args)
+    model = hf_model(FAMILY)
+    prompts = random_prompts((6, 3), seed=23)
+    watch = CompileWatch()
+    got = engine.generate(prompts, _greedy(10))  # one request at a time: 9 decode steps, 4 chunks + 1 step
+    assert watch.graphs() == 2 and calls == [2] * 8
+    want = eager.generate(prompts, _greedy(10))
+    for prompt, a, b in zip(prompts, got, want):
+        assert a.token_ids == b.token_ids == _transformers(model, prompt, 10)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    # A stop token at the first step of a chunk: the request ends there, as in the eager engine.
+    stop = got[0].token_ids[3]  # the 4th token: step 1 of the second chunk
+    first = got[0].token_ids.index(stop) + 1
+    stopped = SamplingParams(max_new_tokens=10, stop_token_ids=(stop,), ignore_eos=True)
+    (out,) = engine.generate(prompts[:1], stopped)
+    assert out.token_ids == got[0].token_ids[:first] == eager.generate(prompts[:1], stopped)[0].token_ids
+    assert out.finish_reason == "stop" and len(out.logprobs) == first
+    # Sampled requests (a greedy one among them): drawn inside the graph, the eager sampler's tokens.
+    sampled = [
+        SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=100, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.3, seed=101, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, top_p=0.8, temperature=0.7, seed=102, ignore_eos=True),
+        _greedy(10),
+    ]
+    drawn = []
+    sampled_chunks = engine.compiled.sampled_steps
+    engine.compiled.sampled_steps = lambda *args: drawn.append(args[3]) or sampled_chunks(*args)
+    prompts4 = prompts + random_prompts((5, 8), seed=24)
+    got_sampled = engine.generate(prompts4, sampled)
+    assert drawn == [2] * 12 and watch.graphs() == 3  # 3 sampled requests x 4 chunks; one more graph
+    for a, b in zip(got_sampled, eager.generate(prompts4, sampled)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    again = CompileWatch()
+    assert [o.token_ids for o in engine.generate(prompts, _greedy(10))] == [o.token_ids for o in got]
+    assert [o.token_ids for o in engine.generate(prompts4, sampled)] == [o.token_ids for o in got_sampled]
+    assert again.graphs() == 0
+
+
+@pytest.mark.skipif(not mkl_packing_available(torch.device("cpu"), torch.float32), reason="torch without MKL")
+def test_packed_linear_equals_linear_and_follows_new_weights() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(48, 32, generator=generator), torch.randn(48, generator=generator)
+    packed = PackedLinear([weight, weight], rows=(4, 8))
+    assert list(packed.packs) == [weight] and packed.nbytes > 0
+    for rows in (4, 8, 3):  # 3 rows: no pack, the plain GEMM
+        x = torch.randn(rows, 32, generator=generator)
+        torch.testing.assert_close(packed(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    with torch.no_grad():
+        weight.mul_(-2.0)
+    x = torch.randn(8, 32, generator=generator)
+    stale = packed(x, weight)
+    packed.repack()
+    torch.testing.assert_close(packed(x, weight), torch.nn.functional.linear(x, weight))
+    assert not torch.allclose(stale, packed(x, weight))  # the old pack was the old weight
 
 
 def test_compile_refuses_routed_experts_and_unknown_modes(tiny_checkpoints) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from mindspeed.log import get_logger
 from mindspeed_llm.inference.cache import DecodeStep, KVCache, PrefillStep
+from mindspeed_llm.inference.compiled import SampleSettings
 from mindspeed_llm.inference.sampling import SamplingParams
 
 logger = get_logger("mindspeed_llm.inference.engine")
@@ -132,7 +133,27 @@ class ContinuousBatching:
         self._advance(requests, logits, stream)
 
     def _decode(self, running: list[Request], stream: Stream | None) -> None:
-        if self.compiled is not None:
+        compiled = self.compiled
+        if compiled is not None and compiled.chunk > 1 and not self.cache.window_layers:
+            # Rows with room for a whole chunk: several steps, the token choice inside one graph call.
+            if all(r.limit - len(r.tokens) >= compiled.chunk for r in running):
+                last, cached = [r.tokens[-1] for r in running], [r.cached for r in running]
+                if all(r.params.greedy for r in running):
+                    chosen, logprobs = compiled.greedy_steps(self.cache, last, cached, compiled.chunk)
+                else:
+                    settings = SampleSettings(
+                        [r.params for r in running],
+                        [r.generator for r in running],
+                        [len(r.tokens) for r in running],
+                        self.model.device,
+                    )
+                    chosen, logprobs = compiled.sampled_steps(self.cache, last, cached, compiled.chunk, settings)
+                for request, tokens, values in zip(running, chosen, logprobs):
+                    for token, logprob in zip(tokens, values):
+                        if self._append(request, token, logprob, stream):
+                            break  # its later tokens are dropped
+                return
+        if compiled is not None:
             logits = self.compiled.logits(self.cache, [r.tokens[-1] for r in running], [r.cached for r in running])
             self._advance(running, logits, stream)
             return
@@ -148,14 +169,20 @@ class ContinuousBatching:
             logits, [r.params for r in requests], [r.generator for r in requests], [len(r.tokens) for r in requests]
         )
         for request, token, logprob in zip(requests, tokens, logprobs):
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            if stream is not None:
-                stream(request.index, token)
-            if token in request.stops:
-                request.finish_reason = "stop"
-            elif len(request.tokens) >= request.limit:
-                request.finish_reason = "length"
+            self._append(request, token, logprob, stream)
+
+    @staticmethod
+    def _append(request: Request, token: int, logprob: float, stream: Stream | None) -> bool:
+        """Give ``request`` its next token; whether that finished it."""
+        request.tokens.append(token)
+        request.logprobs.append(logprob)
+        if stream is not None:
+            stream(request.index, token)
+        if token in request.stops:
+            request.finish_reason = "stop"
+        elif len(request.tokens) >= request.limit:
+            request.finish_reason = "length"
+        return request.finish_reason is not None
 
     def _retire(self, running: list[Request]) -> None:
         # Finished requests leave; the last running request moves into each hole, so the

@@ -390,3 +390,5 @@ class InferenceEngine(ContinuousBatching):
         if self._loader is None:
             self._loader = WeightLoader(self.bridge, self.model.spec.shape, self.model.tensors())
         self._loader.load(hf_state)
+        if self.compiled is not None:
+            self.compiled.weights_changed()

@@ -148,13 +148,14 @@ class DecoderLayer:
     def _mlp(
         self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, b1: torch.Tensor | None = None, b2=None
     ) -> torch.Tensor:
-        return F.linear(self.model.activation(F.linear(h, fc1, b1)), fc2, b2)
+        linear = self.model.linear
+        return linear(self.model.activation(linear(h, fc1, b1)), fc2, b2)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         m, spec = self.model, self.model.spec
         group = spec.group_size
         gates = group if spec.shape.attention_output_gate else 0  # Qwen3-Next: gate heads after the queries
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).view(
+        qkv = m.linear(h, self.qkv_weight, self.qkv_bias).view(
             h.shape[0], spec.num_kv_heads, group + gates + 2, spec.head_dim
         )
         # [tokens, kv_heads, group + 1, dim]: each group's query heads then its key head, rotated in one call.
@@ -166,7 +167,7 @@ class DecoderLayer:
         out = step.attend(self.index, qk, qkv[:, :, -1], **extra)
         if gates:
             out = out * torch.sigmoid(qkv[:, :, group : 2 * group].reshape(out.shape))
-        return F.linear(out, self.proj, self.proj_bias)
+        return m.linear(out, self.proj, self.proj_bias)
 
     def _experts(self, tokens: torch.Tensor) -> torch.Tensor:
         # The routed experts (transformers' routing, :mod:`.routing`), plus the shared experts
@@ -214,6 +215,9 @@ class Decoder:
         for op, attr in _KERNEL_ATTRS.items():
             setattr(self, attr, self.kernel_impls[op].fn)
         self._set_activation()
+        # The dense GEMMs (q/k/v, output projection, MLP, output layer): the compiled decode step
+        # swaps in prepacked weights (:mod:`.packed`).
+        self.linear = F.linear
         shape = spec.shape
         # Gemma: norms scale by 1 + w; embeddings by sqrt(hidden) (in the model dtype, as
         # transformers does); logits soft-capped.
@@ -328,7 +332,7 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[..., vocab]`` of final hidden states."""
-        logits = F.linear(self.norm(hidden, self.final_norm), self.output)
+        logits = self.linear(self.norm(hidden, self.final_norm), self.output)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()

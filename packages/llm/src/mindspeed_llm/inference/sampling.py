@@ -127,6 +127,50 @@ def filter_logits(
     return scores
 
 
+def sample_static(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Sampler.sample` without data-dependent branches or host reads (what a compiled graph can hold).
+
+    Every row goes through temperature, top-k and top-p (a row without them has temperature 1, top-k
+    0 and top-p 1, which change nothing: the same ops :func:`filter_logits` skips when no row uses
+    them) and the exponential race; greedy rows then take the argmax. Per row the result is the
+    eager sampler's.
+
+    Args:
+        logits: ``[rows, vocab]`` fp32.
+        sampled: ``[rows]`` bool, False for greedy rows.
+        temperature: ``[rows]`` (> 0; greedy rows: 1).
+        top_k: ``[rows]`` int64, 0 = off.
+        top_p: ``[rows]``, 1 = off.
+        keys: ``[rows]`` int64 noise keys (greedy rows: any).
+        steps: ``[rows]`` int64 tokens each request has drawn before.
+
+    Returns:
+        ``(tokens, logprobs)``: ``[rows]`` int64 and the log-probability of each under the unmodified logits.
+    """
+    scores = logits / temperature[:, None]
+    vocab = scores.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = torch.sort(scores, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    ascending, order = torch.sort(scores, dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    remove = (cumulative <= (1 - top_p)[:, None]) & (top_p < 1)[:, None]
+    remove[:, -1] = False
+    scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    race = exponential_noise(keys, steps, vocab)
+    drawn = (scores.softmax(dim=-1).double() / race).argmax(dim=-1)
+    tokens = torch.where(sampled, drawn, logits.argmax(dim=-1))
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
 class Sampler:
     """Picks the next token of a batch of requests, each with its own settings and random stream.
 
