@@ -19,9 +19,12 @@ the loss is then a *sum* (over tokens, or over sequences), returned with its cou
 the gradients of the global batch's aggregated loss, however it is split into microbatches.
 
 When the update wants the policy's entropy (``compute_entropy``, or an entropy bonus), the model
-runs without labels and the loss computes log-probs and entropy from the (vocab-parallel)
-logits of the response positions (:mod:`mindspeed_rl.models.actor_parallel`); ``compute_logprobs``
-keeps megatron's fused cross-entropy unless the embedding has padding rows.
+runs without labels and the loss computes log-probs and entropy from the logits: on one
+tensor-parallel rank without padding columns and without an entropy bonus by the fused head
+(:mod:`mindspeed_rl.models.logp_head`: the entropy a metric without gradient), else from the
+vocab-parallel logits of the response positions (:mod:`mindspeed_rl.models.actor_parallel`).
+Shared prompts need the logits too; ``compute_logprobs`` otherwise keeps megatron's fused
+cross-entropy unless the embedding has padding rows.
 
 Co-location (:meth:`Actor.offload` / :meth:`Actor.onload`): the optimizer state, the DDP
 gradient buffers and the weights can move to host memory while a rollout engine uses the
