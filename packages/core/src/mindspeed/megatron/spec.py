@@ -198,6 +198,7 @@ def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
             and freqs.dim() == 4
             and freqs.shape[0] == t.shape[0]
             and (cp_group is None or cp_group.size() == 1)
+            and int(cu_seqlens[-1]) == t.shape[0]  # megatron's own test (it reads the lengths from the device too)
         )
         if (cu_seqlens is not None and not exact) or config.multi_latent_attention or config.apply_rope_fusion:
             return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
