@@ -195,6 +195,50 @@ def test_registry_rotary_returns_heads_major_memory() -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+def test_registry_rotary_on_packed_tokens_equals_megatron_thd() -> None:
+    """Packed (thd) tokens with one table row per token (megatron's "exact mapping", what shared-prefix
+    packing gathers) take the registry kernel: values and gradients equal megatron's THD rope; a table
+    of segment positions (one row per position, not per token) and context parallelism stay with megatron."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from mindspeed.megatron.spec import _rotary
+
+    config = types.SimpleNamespace(multi_latent_attention=False, apply_rope_fusion=False, rotary_interleaved=False)
+    cp1 = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append(kwargs["cu_seqlens"])
+        return apply_rotary_pos_emb(*args, **kwargs)
+
+    rotate = _rotary(original, None, "native")
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    positions = torch.cat([torch.arange(5), torch.arange(3, 10), torch.arange(4)])
+    table = torch.randn(10, 1, 1, 8, generator=gen)
+    freqs = table[positions]  # [T, 1, 1, d]: per token
+    x = torch.randn(16, 3, 8, generator=gen, requires_grad=True)
+    out = rotate(x, freqs, config, cu_seqlens=cu, cp_group=cp1)
+    assert not calls, "the exact-mapping case went to megatron's THD rope"
+    want = apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu, cp_group=cp1)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    grad = torch.randn(out.shape, generator=gen)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (ref,) = torch.autograd.grad(want, x, grad)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    # A wrong table (segment positions from 0) would move the values: the test sees the mapping.
+    assert (
+        rotate(x, table[torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)])], config, cu, cp_group=cp1) - out
+    ).abs().max() > 1e-3
+    rotate(x, table, config, cu_seqlens=cu, cp_group=cp1)  # [max_s] rows: megatron numbers each segment
+    cp2 = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    try:
+        rotate(x, freqs, config, cu_seqlens=cu, cp_group=cp2)
+    except Exception:  # megatron's CP split of these odd lengths may refuse; what matters is who was asked
+        pass
+    assert len(calls) == 2, calls
+
+
 # -- the patch machinery itself, on a stand-in module (no megatron, no devices) --------------
 
 

@@ -116,19 +116,29 @@ def attend_shared_prefix(
         q_p, k_p, v_p = query[start:stop], key[start:stop], value[start:stop]
         pieces.append(kernel(q_p[None], k_p[None], v_p[None], causal=True, softmax_scale=softmax_scale)[0])
         count, width = len(responses), max(responses)
-        index = []
-        offset = stop
-        for n in responses:
-            # Padding rows repeat the response's last token: in range, never seen by a real row.
-            rows = torch.arange(offset, offset + width, device=query.device).clamp_max(offset + n - 1)
-            index.append(rows)
-            offset += n
-        rows = torch.stack(index)  # [G, R]
-        q_r = query[rows]
-        k_r = torch.cat([k_p[None].expand(count, -1, -1, -1), key[rows]], dim=1)
-        v_r = torch.cat([v_p[None].expand(count, -1, -1, -1), value[rows]], dim=1)
+        offset = stop + sum(responses)
+        equal = min(responses) == width
+        if equal:
+            # Responses of one length (GRPO with a fixed budget): [G, R] is a reshape of the tokens, and
+            # the output one block: no gathers, and no G zero-padded slices summed in the backward.
+            q_r, k_new, v_new = (x[stop:offset].reshape(count, width, *x.shape[1:]) for x in (query, key, value))
+        else:
+            index, first = [], stop
+            for n in responses:
+                # Padding rows repeat the response's last token: in range, never seen by a real row.
+                index.append(torch.arange(first, first + width, device=query.device).clamp_max(first + n - 1))
+                first += n
+            rows = torch.stack(index)  # [G, R]
+            q_r, k_new, v_new = query[rows], key[rows], value[rows]
+        k_r = torch.cat([k_p[None].expand(count, -1, -1, -1), k_new], dim=1)
+        v_r = torch.cat([v_p[None].expand(count, -1, -1, -1), v_new], dim=1)
         out = kernel(q_r, k_r, v_r, causal=True, softmax_scale=softmax_scale)  # [G, R, heads, dim]
-        pieces.extend(out[j, :n] for j, n in enumerate(responses))
+        flat = out.reshape(count * width, *out.shape[2:])
+        if equal:
+            pieces.append(flat)
+        else:  # the real rows in one gather (its backward one scatter, not G zero-padded slices)
+            real = [j * width + i for j, n in enumerate(responses) for i in range(n)]
+            pieces.append(flat[torch.tensor(real, device=query.device)])
         start = offset
     if start != query.shape[0]:
         raise ValueError(f"the shared-prefix groups cover {start} tokens but the microbatch has {query.shape[0]}")

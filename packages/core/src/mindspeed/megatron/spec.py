@@ -186,9 +186,21 @@ def _rotary(original: Any, acc: Any, impl: str = "auto") -> Any:
         mscale: float = 1.0,
         cp_group: Any = None,
     ) -> torch.Tensor:
-        # The registry kernel covers the bshd layout; MLA's permuted layout, packed (thd)
-        # sequences and fused TE paths stay with megatron's own implementation.
-        if cu_seqlens is not None or config.multi_latent_attention or config.apply_rope_fusion:
+        # The registry kernel covers the bshd layout, and packed (thd) sequences whose table has one
+        # row per token without context parallelism (megatron's THD "exact mapping": the model
+        # gathered it per token, as shared-prefix packing does; megatron splits the tokens per
+        # segment, reads each offset from the device and applies the rows in order, i.e. the bshd
+        # math on [T, 1, n, d]). MLA's permuted layout, other packed tables, CP and fused TE paths stay
+        # with megatron's own implementation.
+        exact = (
+            cu_seqlens is not None
+            and t.dim() == 3
+            and freqs.dim() == 4
+            and freqs.shape[0] == t.shape[0]
+            and (cp_group is None or cp_group.size() == 1)
+            and int(cu_seqlens[-1]) == t.shape[0]  # megatron's own test (it reads the lengths from the device too)
+        )
+        if (cu_seqlens is not None and not exact) or config.multi_latent_attention or config.apply_rope_fusion:
             return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         cos, sin = tables(freqs, mscale, t.dtype)
         if t.dim() == 3 and cos.dim() == 4:

@@ -19,9 +19,12 @@ the loss is then a *sum* (over tokens, or over sequences), returned with its cou
 the gradients of the global batch's aggregated loss, however it is split into microbatches.
 
 When the update wants the policy's entropy (``compute_entropy``, or an entropy bonus), the model
-runs without labels and the loss computes log-probs and entropy from the (vocab-parallel)
-logits of the response positions (:mod:`mindspeed_rl.models.actor_parallel`); ``compute_logprobs``
-keeps megatron's fused cross-entropy unless the embedding has padding rows.
+runs without labels and the loss computes log-probs and entropy from the logits: on one
+tensor-parallel rank without padding columns and without an entropy bonus by the fused head
+(:mod:`mindspeed_rl.models.logp_head`: the entropy a metric without gradient), else from the
+vocab-parallel logits of the response positions (:mod:`mindspeed_rl.models.actor_parallel`).
+Shared prompts need the logits too; ``compute_logprobs`` otherwise keeps megatron's fused
+cross-entropy unless the embedding has padding rows.
 
 Co-location (:meth:`Actor.offload` / :meth:`Actor.onload`): the optimizer state, the DDP
 gradient buffers and the weights can move to host memory while a rollout engine uses the
@@ -76,6 +79,7 @@ from mindspeed_rl.models.actor_memory import OFFLOAD_CATEGORIES, ActorMemory
 from mindspeed_rl.models.actor_packing import Pair, pack_microbatches, resolve_share_prompt
 from mindspeed_rl.models.actor_parallel import broadcast_from_stage, gather_hf_state, vocab_parallel_logp_entropy
 from mindspeed_rl.models.actor_update import UPDATE_METRICS, ActorUpdate
+from mindspeed_rl.models.logp_head import packed_logp_entropy
 from mindspeed_rl.models.memory import StorageOffloader
 
 logger = get_logger(__name__)
@@ -393,17 +397,27 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         logp = -output.float().reshape(-1)
         return logp[batch["resp_index"]] * batch["resp_mask"]
 
-    def _logp_entropy(self, batch: dict[str, Any], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, width]`` log-probs and entropies of the response tokens from the model's logits."""
+    def _logp_entropy(
+        self, batch: dict[str, Any], logits: torch.Tensor, entropy_grad: bool = True, entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, width]`` log-probs and entropies of the response tokens from the model's logits.
+
+        Without ``entropy_grad`` the entropy has no gradient, and on one tensor-parallel rank
+        without padding columns the fused head (:mod:`mindspeed_rl.models.logp_head`) computes
+        both; it skips the entropy (None) without ``entropy``.
+        """
 
         local = logits.shape[-1]
-        rows = logits.reshape(-1, local)[batch["resp_index"]]
         targets = batch["resp_targets"]
         tp = self.parallel.tp
+        mask = batch["resp_mask"]
+        if tp == 1 and local <= self.hf_vocab and not entropy_grad:
+            logp, ent = packed_logp_entropy(logits, batch["resp_index"], targets, entropy)
+            return logp * mask, None if ent is None else ent * mask
+        rows = logits.reshape(-1, local)[batch["resp_index"]]
         group = self.groups.tp if tp > 1 else None
         start = self.groups.tp.rank() * local if tp > 1 else 0
         logp, entropy = vocab_parallel_logp_entropy(rows, targets, start, self.hf_vocab, group)
-        mask = batch["resp_mask"]
         return logp * mask, entropy * mask
 
     @property
@@ -444,7 +458,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         padded = self.vocab != self.hf_vocab or self.share_prompt
 
         def collect(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            logp = self._logp_entropy(batch, output)[0] if padded else self._gather(batch, output)
+            logp = self._logp_entropy(batch, output, False, False)[0] if padded else self._gather(batch, output)
             return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": logp.detach()}
 
         for chunk in self.chunks:

@@ -66,7 +66,12 @@ class ActorUpdate:
         mask = batch["resp_mask"]
         if batch.get("resp_loss_mask") is not None:  # a multi-turn rollout's tool tokens: context, no loss
             mask = mask * batch["resp_loss_mask"]
-        logp, entropy = self._logp_entropy(batch, output) if logits else (self._gather(batch, output), None)
+        if logits:
+            # The entropy is a metric (compute_entropy) or a bonus (entropy_coef, with gradient).
+            bonus = bool(config.entropy_coef)
+            logp, entropy = self._logp_entropy(batch, output, bonus, bonus or self.settings.compute_entropy)
+        else:
+            logp, entropy = self._gather(batch, output), None
         if entropy is not None and not config.entropy_coef:
             entropy = entropy.detach()  # a metric only: no graph through it
         old = batch.get("old_logp")
