@@ -46,4 +46,11 @@ def run_flow_grpo(args: argparse.Namespace) -> int:
             f"held-out colour {first['colour']:.3f} -> {last['colour']:.3f}, "
             f"position {first['position']:.3f} -> {last['position']:.3f}\n"
         )
+        for prefix in ("", "train_"):
+            if f"{prefix}reward_gain" in last:
+                gains = ", ".join(
+                    f"{key} {last[f'{prefix}{key}_gain']:+.4f} (SE {last[f'{prefix}{key}_gain_se']:.4f})"
+                    for key in ("reward", "colour", "position")
+                )
+                sys.stdout.write(f"{'training' if prefix else 'held-out'} captions, paired change: {gains}\n")
     return 0
