@@ -1,6 +1,6 @@
 """Flow-GRPO runs (``mindspeed-rl flow-grpo``) drawn from their ``metrics.jsonl``: training reward and checks.
 
-    uv run --frozen python tools/flow_grpo_curves.py --run "window=runs/w02-lr5e-4" \\
+    uv run --frozen python tools/flow_grpo_curves.py --run "window [0,2], lr 2e-4=runs/w02-lr2e-4" \\
         --out docs/mm/flow_grpo_window_reward.png
 
 Each ``--run LABEL=DIR`` names a run's output directory (or its ``metrics.jsonl``). The top panel draws each
