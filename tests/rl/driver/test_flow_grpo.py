@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from mindspeed_mm.demos.t2i import write_t2i_pipeline
@@ -94,3 +95,49 @@ def test_flow_grpo_moves_the_held_out_reward_its_way(tmp_path) -> None:
     assert end["reward"] > start["reward"] + margin, (start, end)
     assert -down_end["reward"] < start["reward"] - margin, (start, down_end)  # darkness rose: brightness fell
     assert down_start["reward"] == -start["reward"]
+
+
+def test_sde_window_rounds_and_paired_checks(tmp_path) -> None:
+    """With ``sde_window_size`` each round draws its window inside ``sde_window_range`` (recorded as
+    ``sde_window_start``), the CLI takes the range as ``[start, end]``, bad windows are refused with the fix, and the
+    checks' paired changes are the per-sample differences of the start and end checks (mean and SE by hand)."""
+    pipeline = write_t2i_pipeline(tmp_path / "pipeline")
+    config = FlowGRPOConfig(
+        load_dir=str(pipeline / "transformer"),
+        pipeline_dir=str(pipeline),
+        reward="test_brightness",
+        iterations=2,
+        prompts_per_iteration=2,
+        group_size=2,
+        mini_batches=1,
+        sampling_steps=4,
+        same_noise=True,
+        sde_window_size=1,
+        sde_window_range=(1, 3),
+        lr=3e-3,
+        eval_seeds=2,
+        eval_steps=2,
+        eval_train_seeds=1,
+    )
+    for bad in ({"sde_window_size": 5}, {"sde_window_range": (2, 6)}, {"sde_window_range": (2,)}):
+        with pytest.raises(ValueError, match="sde_window"):
+            dataclasses.replace(config, **bad).validate()
+    IMAGE_REWARDS.register("test_brightness", brightness)
+    try:
+        overrides = [f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "sde_window_range"]
+        assert main(["flow-grpo", "--output-dir", str(tmp_path / "run"), *overrides, "sde_window_range=[1, 3]"]) == 0
+    finally:
+        IMAGE_REWARDS.unregister("test_brightness")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if "eval" not in r]
+    assert len(rounds) == 2 and all(r["sde_window_start"] in (1, 2) for r in rounds)
+    start, end = (r for r in records if "eval" in r)
+    assert len(start["samples"]["reward"]) == 8 * 2 and len(start["train_samples"]["colour"]) == 40
+    for prefix in ("", "train_"):
+        for key in ("reward", "colour", "position"):
+            diff = torch.tensor(end[prefix + "samples"][key], dtype=torch.float64) - torch.tensor(
+                start[prefix + "samples"][key], dtype=torch.float64
+            )
+            assert end[f"{prefix}{key}_gain"] == pytest.approx(float(diff.mean()), abs=1e-12)
+            assert end[f"{prefix}{key}_gain_se"] == pytest.approx(float(diff.std()) / len(diff) ** 0.5, abs=1e-12)
+    assert end["reward_gain"] != 0 and end["reward_gain"] == pytest.approx(end["reward"] - start["reward"], abs=1e-6)

@@ -60,7 +60,8 @@ def test_wan_lora_run_resumes_bit_exact_and_exports_merged(tmp_path) -> None:
     assert {n for n, p in run.model.named_parameters() if any(p is q for q in trained)} == factors
     assert run.shape == (12, 4, 12, 12) and len(factors) == 2 * 4 * 2 * 3
     held_out = run.evaluate()  # the t2v demo's checks on its 8 held-out captions
-    assert set(held_out) == {"colour", "direction", "reward", "reward_se"}
+    assert set(held_out) == {"colour", "direction", "reward", "reward_se", "samples"}
+    assert sorted(held_out["samples"]) == ["colour", "direction", "reward"]  # per sample, for paired gains
     del run
 
     whole = train_flow_grpo(config, tmp_path / "whole", evaluate=False)

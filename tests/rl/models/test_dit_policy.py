@@ -157,6 +157,38 @@ def test_recorded_log_probs_and_the_loss_gradient_equal_the_formulas(tiny) -> No
     assert float(out.metrics["kl"]) > 0
 
 
+@pytest.mark.parametrize("window", [(0, 2), (1, 3)])
+def test_sde_window_steps_are_ode_outside_and_their_log_probs_recompute(tiny, window) -> None:
+    """Flow-GRPO-Fast / MixGRPO: SDE steps only in ``[start, end)``; the others are the ODE's (our ODE sampler's
+    Euler steps, from the same latents) and record no log-probability; the window's recorded log-probs equal the
+    paper's formula and :meth:`DiTPolicy.log_probs`' re-computation."""
+    model, prompts, noise = tiny["model"], tiny["prompts"], tiny["noise"]
+    sigmas, timesteps = schedule(FLUX, build_scheduler(FLUX), STEPS, tuple(noise.shape))
+    policy = DiTPolicy(model, FLUX, noise_level=NOISE, guidance_scale=GUIDANCE)
+    ode = DiTPolicy(model, FLUX, noise_level=0.0, guidance_scale=GUIDANCE)
+    sde_steps = torch.arange(*window)
+    trajectory = policy.sample(noise, prompts, sigmas, timesteps, torch.Generator().manual_seed(7), sde_steps=sde_steps)
+    reference = ode.sample(noise, prompts, sigmas, timesteps, torch.Generator()).latents
+    start, end = window
+    # before the window: exactly the ODE sampler's trajectory (itself = sample_latents, test above)
+    torch.testing.assert_close(trajectory.latents[:, : start + 1], reference[:, : start + 1], rtol=0, atol=0)
+    # after the window: the ODE sampler continued from where the window left the latents
+    if end < STEPS:
+        rest = ode.sample(trajectory.latents[:, end], prompts, sigmas[end:], timesteps[end:], torch.Generator())
+        torch.testing.assert_close(trajectory.latents[:, end:], rest.latents, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        for i in range(STEPS):
+            if start <= i < end:
+                mean, std = hand_step(model, trajectory.latents[:, i], i, sigmas, timesteps, prompts)
+                expected = hand_log_prob(trajectory.latents[:, i + 1], mean, std)
+                torch.testing.assert_close(trajectory.log_probs[:, i], expected, rtol=1e-6, atol=1e-6)
+                assert not torch.allclose(trajectory.latents[:, i + 1], reference[:, i + 1], atol=1e-3), "no noise"
+            else:
+                assert trajectory.log_probs[:, i].abs().max() == 0
+        recomputed, _, _ = policy.log_probs(trajectory, sde_steps, prompts)
+    torch.testing.assert_close(recomputed, trajectory.log_probs[:, start:end], rtol=1e-6, atol=1e-6)
+
+
 def test_step_selection() -> None:
     drawn = select_steps(10, 0.3, torch.Generator().manual_seed(0))
     assert len(drawn) == 3 and bool((drawn[1:] > drawn[:-1]).all()) and int(drawn.max()) < 10

@@ -106,6 +106,13 @@ class FlowGRPOConfig:
             projections); empty targets: full weights. Only the factors train; the KL reference is the model with
             its adapters off; the state file holds the factors and AdamW's state.
         export_dir: at the end, the transformer (LoRA merged into its weights) as a diffusers directory here.
+        eval_train_seeds: the check samples each of the 40 training captions from this many noises as well
+            (seeds 0, 1, ...; keys ``train_*``; 0: not).
+        sde_window_size / sde_window_range: Flow-GRPO-Fast's (and MixGRPO's) window: with a size ``> 0`` only
+            that many consecutive steps are SDE steps, the others the ODE's (Euler), and only the window's steps
+            are trained on (``timestep_fraction`` / ``step_selection`` unused); each round draws the window's
+            first step uniformly so that the window lies in ``[start, end)`` of the range (None: all the steps).
+            0: every step is an SDE step (the default).
     """
 
     load_dir: str = "runs/mm-t2i-tiny-cpu/hf"
@@ -139,6 +146,9 @@ class FlowGRPOConfig:
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(default_factory=list)
     export_dir: str | None = None
+    eval_train_seeds: int = 0
+    sde_window_size: int = 0
+    sde_window_range: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the setting that is out of range."""
@@ -156,6 +166,20 @@ class FlowGRPOConfig:
         FLOW_GRPO_DEMOS.get(self.demo)
         if self.lora_target_modules:
             policy_lora_config(self.lora_rank, self.lora_alpha, self.lora_target_modules)
+        start, end = self.window_range()
+        if self.sde_window_size < 0 or not 0 <= start <= start + self.sde_window_size <= end <= self.sampling_steps:
+            raise ValueError(
+                f"sde_window_size={self.sde_window_size} with sde_window_range={self.sde_window_range} must fit in "
+                f"[0, sampling_steps={self.sampling_steps}): give e.g. sde_window_size=2 sde_window_range=[0,2]"
+            )
+
+    def window_range(self) -> tuple[int, int]:
+        """The steps ``[start, end)`` the SDE window is drawn in (all the steps when ``sde_window_range`` is None)."""
+        if self.sde_window_range is None:
+            return 0, self.sampling_steps
+        if len(self.sde_window_range) != 2:
+            raise ValueError(f"sde_window_range={self.sde_window_range} must be two steps [start, end), e.g. [0, 2]")
+        return int(self.sde_window_range[0]), int(self.sde_window_range[1])
 
     @property
     def lora(self) -> bool:
@@ -248,8 +272,13 @@ class FlowGRPORun:
         else:
             noise = torch.randn((len(rows), *self.shape), generator=generator)
         noise = noise.to(self.device)
+        window = None
+        if c.sde_window_size:
+            start, end = c.window_range()
+            first = int(torch.randint(start, end - c.sde_window_size + 1, (1,), generator=generator))
+            window = torch.arange(first, first + c.sde_window_size)
         self.model.eval()
-        trajectory = self.policy.sample(noise, prompts, self.sigmas, self.timesteps, generator)
+        trajectory = self.policy.sample(noise, prompts, self.sigmas, self.timesteps, generator, sde_steps=window)
         images = decode_latents(self.parts["vae"], trajectory.latents[:, -1])
         rewards = self.reward(images, captions).float()
         checks = self.demo.checks(images, captions)
@@ -258,7 +287,10 @@ class FlowGRPORun:
         else:
             advantages = compute_advantages(c.advantage, rewards, c.group_size)
         advantages = advantages.clamp(-c.adv_clip, c.adv_clip).to(self.device)
-        steps = select_steps(c.sampling_steps, c.timestep_fraction, generator, c.step_selection)
+        if window is None:
+            steps = select_steps(c.sampling_steps, c.timestep_fraction, generator, c.step_selection)
+        else:
+            steps = window
         order = torch.randperm(len(rows), generator=generator)
         loss_config = policy_loss_config("ppo_clip", kl_coef=0.0, clip_eps_low=c.clip_eps, clip_eps_high=c.clip_eps)
         self.model.train()
@@ -283,21 +315,22 @@ class FlowGRPORun:
                 if key in out.metrics:
                     sums[key] = sums.get(key, 0.0) + float(out.metrics[key]) / c.mini_batches
         self.iteration_done += 1
-        return {"iteration": self.iteration_done, "reward": float(rewards.mean()), **checks, **sums}
+        record = {"iteration": self.iteration_done, "reward": float(rewards.mean()), **checks, **sums}
+        if window is not None:
+            record["sde_window_start"] = int(window[0])
+        return record
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out colour and position accuracy and the run's reward (mean and standard error): each held-out caption from
-        ``eval_seeds`` noises (seeds 0, 1, ...), Euler (the ODE) with ``eval_steps`` steps and guidance
-        ``eval_guidance``, as the demo's learning check."""
+    def sample_checks(self, captions: list[str], seeds: int) -> dict[str, torch.Tensor]:
+        """Per-sample ``reward``, ``colour`` and ``position`` (1 right, 0 wrong) ``[N]`` of ``captions`` (each
+        ``seeds`` times in a row: seeds 0, 1, ...) sampled by Euler (the ODE) with ``eval_steps`` steps and
+        guidance ``eval_guidance``, as the demo's learning check: the same noises at every check, so that two
+        checks of one run are paired sample by sample."""
         c = self.config
-        captions = [text for text in self.demo.heldout_captions() for _ in range(c.eval_seeds)]
+        captions = [name for name in captions for _ in range(seeds)]
         text, pooled = self._encode(captions)
         noise = torch.stack(
-            [
-                torch.randn(self.shape, generator=torch.Generator().manual_seed(i % c.eval_seeds))
-                for i in range(len(captions))
-            ]
+            [torch.randn(self.shape, generator=torch.Generator().manual_seed(i % seeds)) for i in range(len(captions))]
         ).to(self.device)
         sigmas, timesteps = schedule(
             self.family, build_scheduler(self.family, self.pipeline), c.eval_steps, (1, *self.shape)
@@ -306,9 +339,30 @@ class FlowGRPORun:
         self.model.eval()
         latents = ode.sample(noise, self._prompts(text, pooled), sigmas, timesteps, torch.Generator()).latents[:, -1]
         images = decode_latents(self.parts["vae"], latents)
-        rewards = self.reward(images, captions).float()
-        standard_error = float(rewards.std() / len(rewards) ** 0.5) if len(rewards) > 1 else 0.0
-        return {**self.demo.checks(images, captions), "reward": float(rewards.mean()), "reward_se": standard_error}
+        checks = [self.demo.checks(image[None], [text]) for image, text in zip(images, captions)]
+        return {
+            "reward": self.reward(images, captions).float(),
+            **{key: torch.tensor([float(r[key]) for r in checks]) for key in checks[0]},
+        }
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out check: the demo's held-out captions x ``eval_seeds`` (:meth:`sample_checks`): the demo's
+        checks (t2i: colour and position accuracy; t2v: colour and direction), the run's reward with its standard
+        error (``reward_se``) and every sample's values (``samples``, for paired differences: :func:`paired_gains`).
+        With ``eval_train_seeds`` the same for the demo's training captions (keys ``train_*``)."""
+        c = self.config
+        groups = {"": (self.demo.heldout_captions(), c.eval_seeds)}
+        if c.eval_train_seeds:
+            groups["train_"] = (self.captions, c.eval_train_seeds)
+        record: dict[str, Any] = {}
+        for prefix, (names, seeds) in groups.items():
+            values = self.sample_checks(names, seeds)
+            for key, value in values.items():
+                record[prefix + key] = float(value.mean())
+            rewards = values["reward"]
+            record[prefix + "reward_se"] = float(rewards.std() / len(rewards) ** 0.5) if len(rewards) > 1 else 0.0
+            record[prefix + "samples"] = {key: value.tolist() for key, value in values.items()}
+        return record
 
     def save(self, directory: Path) -> Path:
         """The weights, AdamW's state and the iteration into ``directory/flow_grpo_state.pt`` (written, then renamed)."""
@@ -347,6 +401,32 @@ class FlowGRPORun:
         return target
 
 
+def paired_gains(start: dict[str, Any], later: dict[str, Any]) -> dict[str, float]:
+    """The paired change of each per-sample value of two checks (:meth:`FlowGRPORun.evaluate` records of one run,
+    the same samples' noises): ``{prefix}{key}_gain`` (mean of the differences) and ``{prefix}{key}_gain_se`` (their
+    standard error, sample std over sqrt N) for ``reward``, ``colour`` and ``position``.
+
+    Raises:
+        ValueError: checks of different sample counts (not paired: another ``eval_seeds``).
+    """
+    gains: dict[str, float] = {}
+    for prefix in ("", "train_"):
+        before, after = start.get(prefix + "samples"), later.get(prefix + "samples")
+        if before is None or after is None:
+            continue
+        for key in before:
+            a, b = torch.tensor(before[key], dtype=torch.float64), torch.tensor(after[key], dtype=torch.float64)
+            if a.shape != b.shape:
+                raise ValueError(
+                    f"{prefix}samples.{key}: {len(a)} samples before and {len(b)} after are not paired; "
+                    "compare checks of one run (the same eval_seeds)"
+                )
+            diff = b - a
+            gains[f"{prefix}{key}_gain"] = float(diff.mean())
+            gains[f"{prefix}{key}_gain_se"] = float(diff.std() / len(diff) ** 0.5) if len(diff) > 1 else 0.0
+    return gains
+
+
 def train_flow_grpo(
     config: FlowGRPOConfig,
     out_dir: str | Path,
@@ -372,8 +452,18 @@ def train_flow_grpo(
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     records: list[dict[str, Any]] = []
+    start: dict[str, Any] | None = None
+    if (out / "metrics.jsonl").is_file():
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            if line.strip() and json.loads(line).get("eval") == "start":
+                start = json.loads(line)
 
     def write(record: dict[str, Any]) -> None:
+        nonlocal start
+        if record.get("eval") == "start":
+            start = record
+        elif "eval" in record and start is not None:
+            record.update(paired_gains(start, record))
         records.append(record)
         with (out / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps(record) + "\n")

@@ -42,8 +42,21 @@ def run_flow_grpo(args: argparse.Namespace) -> int:
     evals = [r for r in records if "eval" in r]
     if len(evals) >= 2:
         first, last = evals[0], evals[-1]
-        checks = [k for k in first if k not in ("eval", "iteration", "reward", "reward_se") and k in last]
+        checks = [
+            k
+            for k, v in first.items()
+            if k not in ("eval", "iteration", "reward", "reward_se") and k in last and isinstance(v, float)
+            if not k.startswith("train_") and not k.endswith(("_gain", "_gain_se"))
+        ]
         sys.stdout.write(
             "held-out " + ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in checks) + "\n"
         )  # t2i: colour, position; t2v: colour, direction
+        for prefix in ("", "train_"):
+            keys = [k[len(prefix) : -len("_gain")] for k in last if k.startswith(prefix) and k.endswith("_gain")]
+            keys = [k for k in keys if prefix or not k.startswith("train_")]
+            if keys:
+                gains = ", ".join(
+                    f"{k} {last[f'{prefix}{k}_gain']:+.4f} (SE {last[f'{prefix}{k}_gain_se']:.4f})" for k in keys
+                )
+                sys.stdout.write(f"{'training' if prefix else 'held-out'} captions, paired change: {gains}\n")
     return 0

@@ -104,14 +104,22 @@ class DiTPolicy:
         return velocity
 
     def step(
-        self, latents: torch.Tensor, index: int, sigmas: torch.Tensor, timesteps: torch.Tensor, prompts: PromptBatch
+        self,
+        latents: torch.Tensor,
+        index: int,
+        sigmas: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompts: PromptBatch,
+        stochastic: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean, noise scale)`` of SDE step ``index`` from ``latents`` (``[B, ...]``, ``[]``)."""
+        """``(mean, noise scale)`` of SDE step ``index`` from ``latents`` (``[B, ...]``, ``[]``); with
+        ``stochastic=False`` the ODE's (Euler) step and a scale of 0."""
         batch = latents.shape[0]
         timestep = timesteps[index].expand(batch).to(latents.device) / self.family.timestep_divisor
         velocity = self.velocity(latents, timestep, prompts)
         sigma, sigma_next = sigmas[index], sigmas[index + 1]
-        scale = sde_noise_scale(sigma, sigma_next, float(sigmas[1]), self.noise_level)
+        noise_level = self.noise_level if stochastic else 0.0
+        scale = sde_noise_scale(sigma, sigma_next, float(sigmas[1]), noise_level)
         mean = sde_step_mean(
             latents, velocity, sigma.to(latents.device), sigma_next.to(latents.device), scale.to(latents.device)
         )
@@ -125,16 +133,21 @@ class DiTPolicy:
         sigmas: torch.Tensor,
         timesteps: torch.Tensor,
         generator: torch.Generator,
+        sde_steps: torch.Tensor | None = None,
     ) -> Trajectory:
         """Denoise ``noise`` ``[B, ...]`` along the SDE, drawing each step's noise from ``generator`` (on the CPU).
 
-        Each step's log-probability is recorded as :meth:`log_probs` re-computes it.
+        Each step's log-probability is recorded as :meth:`log_probs` re-computes it. ``sde_steps``: only these
+        step indices are SDE steps, the others the ODE's (Euler, log-probability 0, no draw): Flow-GRPO-Fast's
+        and MixGRPO's window. None: every step (the default).
         """
         latents = noise.float()
         states, log_probs = [latents], []
+        stochastic = set(range(len(timesteps)) if sde_steps is None else sde_steps.tolist())
         for index in range(len(timesteps)):
-            mean, scale = self.step(latents, index, sigmas, timesteps, prompts)
-            if self.noise_level > 0:
+            sde = index in stochastic
+            mean, scale = self.step(latents, index, sigmas, timesteps, prompts, stochastic=sde)
+            if self.noise_level > 0 and sde:
                 eps = torch.randn(latents.shape, generator=generator).to(latents.device)
                 latents = mean + scale * eps
                 log_probs.append(gaussian_log_prob(latents, mean, scale))
