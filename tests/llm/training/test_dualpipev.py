@@ -67,6 +67,7 @@ def _overrides(data: str, *extra: str) -> list[str]:
 
 def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: list | None = None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     from mindspeed.metrics.moe import ExpertLoadTracker
@@ -76,10 +77,7 @@ def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: 
 
     def after(chunks: list[Any]) -> None:
         tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-        # megatron's per-layer auxiliary losses of the run (this rank's layers, summed over its microbatches).
-        tracker = get_moe_layer_wise_logging_tracker()
-        aux.update({name: entry["values"].tolist() for name, entry in tracker.items()})
-        tracker.clear()
+        get_moe_layer_wise_logging_tracker().clear()
         for chunk in chunks:
             gpt = unwrap(chunk)
             if layers is not None:
@@ -107,15 +105,29 @@ def _run(data: str, *extra: str, weights: dict[str, Any] | None = None, layers: 
             loads.append(load.counts)
         return load
 
+    reduce = moe_utils.reduce_aux_losses_tracker_across_ranks
+
+    def snapshot(names: Any = None, *args: Any, **kwargs: Any) -> None:
+        # megatron's per-layer auxiliary losses of the run (this rank's layers, summed over its microbatches and
+        # steps), taken before the trainer's per-step read (mindspeed.metrics.moe) reduces them over the stages.
+        tracker = get_moe_layer_wise_logging_tracker()
+        for name in names if names is not None else list(tracker):
+            values = tracker[name]["values"].tolist()
+            aux[name] = [a + b for a, b in zip(aux.get(name, [0.0] * len(values)), values)]
+        reduce(names, *args, **kwargs)
+
     ExpertLoadTracker.log_step = record  # this spawned rank only: the tokens per expert of each step
+    moe_utils.reduce_aux_losses_tracker_across_ranks = snapshot
     try:
         result = pretrain(load_pretrain_config(None, _overrides(data, *extra)), TrainerHooks(after_train=after))
     finally:
         ExpertLoadTracker.log_step = log_step
+        moe_utils.reduce_aux_losses_tracker_across_ranks = reduce
     return {
         "aux": aux,
         "expert_load": loads,
         "records": [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in result.records],
+        "logged_aux": [r.get("load_balancing_loss") for r in result.records],
         "evals": [e["loss"] for e in result.evals],
         "features": result.features.get("order", []),
         "step_time_s": [r["step_time_s"] for r in result.records],
@@ -258,6 +270,12 @@ def test_moe_aux_losses_and_expert_load_match(runs: dict[str, Any], layout: str)
     for name in plain:
         assert dual[name] == pytest.approx(plain[name], rel=1e-5), (layout, name)
         assert dual[name] == pytest.approx(one, rel=1e-5), (layout, name)
+    # The value each train record logs (reduced over the stages, megatron's per-layer mean), on every rank.
+    logged = reference["logged_aux"]
+    assert len(logged) == STEPS and all(value > 0 for value in logged), logged
+    for rank in got["ranks"]:
+        for schedule in ("1f1b", "dualpipev"):
+            assert rank[schedule]["logged_aux"] == pytest.approx(logged, rel=1e-5), (layout, schedule)
     # Tokens per expert per layer and step (collected over all ranks), as the logs print them.
     loads = got["ranks"][0]["dualpipev"]["expert_load"]
     assert len(loads) == STEPS and sorted(loads[0]) == list(range(1, LAYERS + 1)), loads

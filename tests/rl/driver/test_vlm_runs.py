@@ -175,11 +175,17 @@ def test_two_rank_run_equals_one_rank(uninterrupted: dict, tmp_path: Path, layou
             assert y[key] == pytest.approx(x[key], rel=tol[0], abs=tol[1]), f"step {x.get('step')}: {key}"
     from safetensors.torch import load_file
 
-    mine, theirs = (
+    mine, theirs, start = (
         load_file(str(uninterrupted["dir"] / "hf" / "model.safetensors")),
         load_file(str(c / "hf" / "model.safetensors")),
+        load_file(str(uninterrupted["model"] / "model.safetensors")),
     )
     assert mine.keys() == theirs.keys()
     for key, value in mine.items():
-        # AdamW turns float32 rounding of near-zero gradient entries into steps of up to lr: 1e-6 absolute more
-        torch.testing.assert_close(theirs[key], value, rtol=0.0, atol=1e-5 * float(value.abs().max()) + 1e-6, msg=key)
+        # AdamW turns float32 rounding of near-zero gradient entries into steps of up to lr: 1e-6 absolute more,
+        # and 5 % of the entry's own movement in the 3 steps (an Intel AVX-512 host gave 2-3 entries of a tensor
+        # 1-3 % of their movement apart, 1.9e-5 on a 7.3e-4 step; a missing or doubled reduction moves every entry
+        # by the order of its whole step).
+        bound = 1e-5 * float(value.abs().max()) + 1e-6 + 0.05 * (value - start[key]).abs()
+        over = (theirs[key] - value).abs() > bound
+        assert not over.any(), f"{key}: {int(over.sum())} entries differ by more than the bound"
