@@ -124,7 +124,9 @@ def test_sde_window_rounds_and_paired_checks(tmp_path) -> None:
             dataclasses.replace(config, **bad).validate()
     IMAGE_REWARDS.register("test_brightness", brightness)
     try:
-        overrides = [f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "sde_window_range"]
+        overrides = [
+            f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "sde_window_range" and v is not None
+        ]
         assert main(["flow-grpo", "--output-dir", str(tmp_path / "run"), *overrides, "sde_window_range=[1, 3]"]) == 0
     finally:
         IMAGE_REWARDS.unregister("test_brightness")
