@@ -249,6 +249,12 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         ConfigError: an unreadable directory or an unsupported model.
     """
 
+    #: The model's name in skip lines and learning-rate keys (``actor.lr``); the critic's is ``critic``.
+    role = "actor"
+    #: Whether the model runs DualPipeV's schedule when the feature is on (the critic does not:
+    #: ``build_engine`` refuses the feature for it, its value head is not placed on the V's end).
+    runs_dualpipev = True
+
     def __init__(
         self,
         hf_dir: str,
@@ -258,10 +264,13 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         pp: int = 1,
         features: FeaturesConfig | None = None,
     ) -> None:
+        # The one construction of the actor, the reference and the critic (Critic(Actor) changes
+        # only what its hooks return: _prepare_chunks, _engine_options, role, runs_dualpipev), so
+        # every attribute an actor method reads exists on each of them.
         self.settings = s = settings or ActorSettings()
         self.hf_dir, self.trainable = str(hf_dir), trainable
         self.parallel = parallel = ParallelConfig(tp=tp, pp=pp)
-        #: What the actor's checkpoints record as their recipe (the layout and the source model).
+        #: What the model's checkpoints record as their recipe (the layout and the source model).
         self.config = PretrainConfig(stage="sft", parallel=parallel, checkpoint=CheckpointConfig(load_hf=self.hf_dir))
         shape = hf_model_shape(self.hf_dir, s.precision)
         # The Hugging Face embedding's rows, padded only as tensor parallelism needs (the logits
@@ -272,7 +281,7 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size(), bool(s.compile), bool(s.lora)
         )
         #: DualPipeV (the ``dualpipev`` feature): the V's two chunks per rank, its schedule, the loss on stage 0.
-        self.dualpipev = uses_dualpipev(self.adaptation)
+        self.dualpipev = self.runs_dualpipev and uses_dualpipev(self.adaptation)
         load = partial(
             load_hf_weights,
             path=self.hf_dir,
@@ -291,14 +300,13 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
             scheduler=s.scheduler,
             # One scheduler position per update; the decay ends at lr_decay_steps (default: warmup + 1).
             scheduler_steps=s.scheduler.lr_warmup_steps + 1,
-            prepare=partial(_load_and_adapt, load=load, lora=s.lora) if trainable else None,
+            prepare=self._prepare_chunks(load),
             bridged=True,
             overrides={} if trainable else {"perform_initialization": False},
-            compile=compile_mode(s.compile),
-            compile_dynamic_tokens=True,  # packed microbatches of every length: one graph
-            runs_dualpipev=True,  # _schedule runs DualPipeV's schedule on the V's chunks
+            runs_dualpipev=self.runs_dualpipev,  # _schedule runs DualPipeV's schedule on the V's chunks
+            **self._engine_options(),
         )
-        #: dynamo's counters from the build: the graphs this actor's layers compiled (tests, reports).
+        #: dynamo's counters from the build: the graphs this model's layers compiled (tests, reports).
         self.compile_watch = CompileWatch()
         built = build_engine(spec, self.adaptation, self.groups)
         #: the compiled layers' names (``settings.compile``; empty: eager).
@@ -312,18 +320,27 @@ class Actor(ActorUpdate, ActorMemory, ActorLora):
         self.share_prompt = resolve_share_prompt(s.share_prompt, pp, shape, self.chunks)
         self.version = 0
         #: Updates refused for a NaN/Inf loss or gradient norm (in all, and in a row).
-        self.skips = SkipCounter(s.max_nonfinite_steps, lr_key="actor.lr", unit="actor update")
+        self.skips = SkipCounter(s.max_nonfinite_steps, lr_key=f"{self.role}.lr", unit=f"{self.role} update")
         acc = get_accelerator()
         self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
-        logger.info(
-            "actor (%s) from %s: %s, tp=%d pp=%d, shared prompts %s",
-            "trainable" if trainable else "frozen",
-            self.hf_dir,
-            self.bridge.family,
-            tp,
-            pp,
-            "on" if self.share_prompt else "off",
-        )
+        logger.info("%s, tp=%d pp=%d, shared prompts %s", self._summary(), tp, pp, "on" if self.share_prompt else "off")
+
+    def _prepare_chunks(self, load: Any) -> Any:
+        """What turns the bare chunks into this model before DDP wraps them (``BuildSpec.prepare``):
+        the Hugging Face weights and LoRA for a trainable actor; None for a frozen one (loaded after)."""
+        return partial(_load_and_adapt, load=load, lora=self.settings.lora) if self.trainable else None
+
+    def _engine_options(self) -> dict[str, Any]:
+        """``BuildSpec`` fields of this model's kind: the actor's compiled layers."""
+        return {
+            "compile": compile_mode(self.settings.compile),
+            "compile_dynamic_tokens": True,  # packed microbatches of every length: one graph
+        }
+
+    def _summary(self) -> str:
+        """The build's log line (before the layout)."""
+        kind = "trainable" if self.trainable else "frozen"
+        return f"actor ({kind}) from {self.hf_dir}: {self.bridge.family}"
 
     @property
     def features(self) -> Any:

@@ -1,7 +1,9 @@
 """PPO's critic: a megatron-core GPT whose output layer is a scalar value head.
 
-The critic is built like the actor (:func:`mindspeed_llm.engine.build_engine`: the model, its own
-optimizer and schedule, any TP/PP layout), and its ``prepare`` step turns the fresh chunks into a
+The critic is built by the actor's own constructor (:func:`mindspeed_llm.engine.build_engine`: the
+model, its own optimizer and schedule, any TP/PP layout; the critic overrides only the hooks
+``_prepare_chunks``, ``_engine_options``, ``role`` and ``runs_dualpipev``, so it holds every attribute
+the actor's methods read), and its ``prepare`` step turns the fresh chunks into a
 value model before they are wrapped (:func:`~mindspeed_rl.models.critic_init.init_value_model`: a reward
 model's score head, or a seeded fresh head on a language model's decoder). It packs the
 ``(prompt ids, response ids)`` pairs exactly as the actor packs them for its log-probs
@@ -21,39 +23,21 @@ are the actor's (:class:`~mindspeed_rl.models.actor_memory.ActorMemory`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mindspeed.checkpointing import SkipCounter
 from mindspeed.device import get_accelerator
 from mindspeed.features import FeaturesConfig
-from mindspeed.log import get_logger
 from mindspeed.megatron import fast_path
-from mindspeed_llm.engine import (
-    BuildSpec,
-    CheckpointConfig,
-    ParallelConfig,
-    PretrainConfig,
-    build_engine,
-    build_transformer_config,
-    guarded_step,
-    hf_model_shape,
-    load_model_checkpoint,
-    padded_vocab_size,
-    read_hf_shape,
-)
+from mindspeed_llm.engine import guarded_step, load_model_checkpoint
 from mindspeed_rl.algorithms.value_loss import ValueLossInputs, compute_value_loss
-from mindspeed_rl.models.actor import Actor, ActorSettings, _ensure_megatron
-from mindspeed_rl.models.actor_packing import Pair, resolve_share_prompt
+from mindspeed_rl.models.actor import Actor, ActorSettings
+from mindspeed_rl.models.actor_packing import Pair
 from mindspeed_rl.models.critic_init import init_value_model, read_critic_source
-from mindspeed_rl.models.memory import StorageOffloader
-
-logger = get_logger(__name__)
 
 #: Metrics :meth:`Critic.update` reports (token-weighted means over the step), verl's names without ``critic/``.
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
@@ -77,8 +61,9 @@ class CriticSettings(ActorSettings):
 class Critic(Actor):
     """A value model built from a Hugging Face directory (a reward model or a language model).
 
-    Shares the actor's packing, schedule, pipeline broadcast and co-location memory; its own
-    optimizer and schedule come from ``settings``.
+    Shares the actor's construction, packing, schedule, pipeline broadcast, co-location memory and
+    MoE aux-loss read; its own optimizer and schedule come from ``settings`` (its layers run eager
+    and every weight trains: ``settings.compile`` and ``settings.lora`` are ignored).
 
     Args:
         hf_dir: a ``*ForSequenceClassification`` (num_labels 1) or ``*ForCausalLM`` directory.
@@ -90,6 +75,9 @@ class Critic(Actor):
         ConfigError: an unreadable directory, a classifier with more than one label.
     """
 
+    role = "critic"
+    runs_dualpipev = False  # build_engine refuses the dualpipev feature (the value head is not on the V's end)
+
     def __init__(
         self,
         hf_dir: str,
@@ -98,49 +86,31 @@ class Critic(Actor):
         pp: int = 1,
         features: FeaturesConfig | None = None,
     ) -> None:
-        self.settings = s = settings or CriticSettings()
-        self.hf_dir, self.trainable = str(hf_dir), True
-        # build_engine refuses the dualpipev feature here (the value head is not placed on the V's end).
-        self.dualpipev = False
-        self.parallel = parallel = ParallelConfig(tp=tp, pp=pp)
-        self.config = PretrainConfig(stage="sft", parallel=parallel, checkpoint=CheckpointConfig(load_hf=self.hf_dir))
-        source = read_critic_source(self.hf_dir)
-        shape = hf_model_shape(self.hf_dir, s.precision)
-        self.hf_vocab = shape.vocab_size
-        self.vocab = padded_vocab_size(shape.vocab_size, 1, tp)
-        self.adaptation, self._adapted, self.groups = _ensure_megatron(
-            shape, parallel, s.seed, features or FeaturesConfig(), dist.get_world_size()
-        )
-        prepare = partial(
+        #: The value head's source: a reward model's score head, or a language model's decoder.
+        self.source = read_critic_source(str(hf_dir))
+        # Every weight trains, eagerly: ``compile`` and ``lora`` are the actor's settings (a PPO
+        # recipe's shared batching section carries them), not the critic's.
+        s = replace(settings or CriticSettings(), compile=False, lora=None)
+        super().__init__(hf_dir, s, trainable=True, tp=tp, pp=pp, features=features)
+
+    def _prepare_chunks(self, load: Any) -> Any:
+        """The value model from the fresh chunks: the source's weights and its (or a seeded fresh) head."""
+        s = self.settings
+        return partial(
             init_value_model,
-            source=source,
-            parallel=parallel,
+            source=self.source,
+            parallel=self.parallel,
             vocab_rows=self.vocab,
             groups=self.groups,
             std=s.head_std,
             seed=s.seed,
         )
-        spec = BuildSpec(
-            shape=shape,
-            parallel=parallel,
-            vocab=self.vocab,
-            transformer=partial(build_transformer_config, shape, parallel, per_token_loss=True),
-            optimizer=s.optimizer,
-            scheduler=s.scheduler,
-            scheduler_steps=s.scheduler.lr_warmup_steps + 1,
-            prepare=prepare,
-            bridged=True,
-        )
-        built = build_engine(spec, self.adaptation, self.groups)
-        self.transformer, self.chunks = built.transformer, built.chunks
-        self.optimizer, self.scheduler = built.optimizer, built.scheduler
-        self.bridge, self.shape, _ = read_hf_shape(self.hf_dir)
-        self.share_prompt = resolve_share_prompt(s.share_prompt, pp, shape, self.chunks)
-        self.version = 0
-        self.skips = SkipCounter(s.max_nonfinite_steps, lr_key="critic.lr", unit="critic update")
-        acc = get_accelerator()
-        self._offloader = StorageOffloader(acc.device(), pin=acc.supports("pinned_memory"))
-        logger.info("critic from %s (%s head): %s, tp=%d pp=%d", self.hf_dir, source.kind, self.bridge.family, tp, pp)
+
+    def _engine_options(self) -> dict[str, Any]:
+        return {}  # eager layers (see __init__)
+
+    def _summary(self) -> str:
+        return f"critic from {self.hf_dir} ({self.source.kind} head): {self.bridge.family}"
 
     def load_weights(self, path: str | Path) -> None:
         """Start from the weights of the Megatron checkpoint ``path`` (``critic.load``; collective).
@@ -229,7 +199,9 @@ class Critic(Actor):
 
         Returns:
             ``vf_loss`` (the batch's token-mean loss), ``vf_clipfrac``, ``vpred_mean``,
-            ``grad_norm``, ``lr``, ``skipped``; the same on every rank.
+            ``grad_norm``, ``lr``, ``skipped``, ``update_tokens`` and, for a MoE critic, its
+            routers' auxiliary losses (``load_balancing_loss``, ``z_loss``: see
+            :meth:`~mindspeed_rl.models.actor_update.ActorUpdate._aux_losses`); the same on every rank.
         """
         self.onload()
         with fast_path():
@@ -251,6 +223,7 @@ class Critic(Actor):
             lr = float(self.optimizer.param_groups[0]["lr"])
             totals = self._metric_totals(outputs)
             metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
+            metrics.update(self._aux_losses(len(batches)))  # a MoE critic's routers' (read and cleared)
             outcome = guarded_step(self.optimizer, metrics.get("vf_loss", 0.0), get_accelerator().device())
             if outcome.applied:
                 self.scheduler.step(increment=1)
