@@ -119,6 +119,8 @@ def test_format_step_line() -> None:
         "step 3/10 | reward 0.300+-0.150 | len 13.0 | loss -0.03 | kl 0.003 | ent 1.234 | clip 0.020 | "
         "stale 0.50 | calls 1.25 | 1200 tok/s | 5.00 s"
     )
+    moe = format_step({**record, "load_balancing_loss": 1.01234}, 10)  # a MoE policy's
+    assert moe == line.replace("clip 0.020 | ", "clip 0.020 | lb 1.012 | ")
     sparse = format_step({"step": 2, "reward_mean": 1.0, "loss": float("nan")}, 0)
     assert sparse == "step 2 | reward 1.000"
 

@@ -12,6 +12,15 @@ and gradient norm (the features change kernels, not numbers: 1e-5). Last, the me
 reach the actor's training: with ``recompute_activation_function`` (level 0 otherwise) two GRPO
 updates give the level-0 actor's losses and gradient norms bit for bit, while the activation
 outputs of every layer were discarded in each forward.
+
+Then a MoE policy (a tiny Qwen3-MoE, ``moe_load_balancing`` with an aux loss and a z-loss) and a
+MoE critic on it in the same process: each of two updates (other pairs the second time) reports
+``load_balancing_loss`` and ``z_loss`` equal to the values recomputed by hand from the router
+logits of that update's own training forwards (forward hooks on every router: the Switch loss
+``E * sum_e(P_e * f_e)`` and ``mean(logsumexp^2)``, the mean over layers and microbatches, as
+megatron logs them) and leaves megatron's tracker cleared (so the second is not the sum of both);
+the dense actor's updates report neither. The critic is built through the actor's construction:
+it has every attribute the actor has.
 """
 
 from __future__ import annotations
@@ -25,6 +34,12 @@ from mindspeed.testing.distributed import run_distributed
 
 PAIRS = [([1, 5, 9, 14], [20, 21, 7]), ([3, 4], [30, 31, 32, 33, 2]), ([8, 9, 10, 11, 12], [40])]
 ADV = torch.tensor([1.0, -1.0, 0.5])
+#: The second MoE update's pairs (another batch: its own aux losses).
+PAIRS2 = [([2, 6, 7], [11, 12, 13, 14]), ([9], [15, 3]), ([17, 18], [19]), ([4, 4, 4], [5, 6])]
+AUX = ("load_balancing_loss", "z_loss")
+MOE_FEATURES = {
+    "moe_load_balancing": {"enabled": True, "type": "aux_loss", "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
+}
 ON = ("fused_swiglu", "fused_adamw", "gradient_accumulation_fusion")
 
 
@@ -44,6 +59,7 @@ def _update(actor: Any) -> dict[str, Any]:
         "fused_adam": {bool(g.get("fused")) for g in groups},
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
+        "metric_names": sorted(metrics),
         "linears": sum(1 for m in actor.chunks[0].modules() if type(m).__name__.endswith("ParallelLinear")),
     }
 
@@ -76,6 +92,75 @@ def _group(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["recompute"]["layers"] = sum(i.layers for i in installed)
     out["recompute"]["model_layers"] = sum(len(unwrap(chunk).decoder.layers) for chunk in actor.chunks)
     actor.close()
+    out["moe"] = _moe(root, settings)
+    return out
+
+
+def _hand_aux_losses(chunks: list[Any]) -> tuple[dict[str, list[float]], list[Any]]:
+    """Forward hooks on every router that recompute its aux losses from its logits (training forwards only)."""
+    from megatron.core.transformer.moe.router import Router
+
+    seen: dict[str, list[float]] = {name: [] for name in AUX}
+
+    def hook(router: Any, args: tuple[Any, ...], output: Any) -> None:
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            hidden = args[0].reshape(-1, args[0].shape[-1]).double()
+            logits = hidden @ router.weight.double().T
+            if router.bias is not None:
+                logits = logits + router.bias.double()
+            probs = torch.softmax(logits, -1)
+            chosen = torch.zeros_like(probs).scatter(1, probs.topk(router.topk, dim=1).indices, 1.0)
+            tokens, experts = probs.shape
+            # Switch: E * sum_e (mean prob of e) * (fraction of the top-k picks that go to e).
+            balance = experts * (probs.sum(0) * chosen.sum(0)).sum() / (router.topk * tokens * tokens)
+            seen["load_balancing_loss"].append(float(balance))
+            seen["z_loss"].append(float(torch.logsumexp(logits, -1).square().mean()))
+
+    modules = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    return seen, [m.register_forward_hook(hook) for m in modules]
+
+
+def _moe_update(model: Any, seen: dict[str, list[float]], call: Any) -> dict[str, Any]:
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    for values in seen.values():
+        values.clear()
+    metrics = call()
+    tracker = get_moe_layer_wise_logging_tracker()
+    return {
+        "metrics": metrics,
+        "hand": {name: sum(values) / len(values) for name, values in seen.items()},
+        "forwards": len(seen["z_loss"]),
+        "left": {name: float(entry["values"].abs().sum()) for name, entry in tracker.items()},
+    }
+
+
+def _moe(root: str, settings: Any) -> dict[str, Any]:
+    """Two updates of a MoE actor and of a MoE critic, with their routers' aux losses by hand."""
+    from mindspeed.features import FeaturesConfig
+    from mindspeed_rl.models.actor import Actor
+    from mindspeed_rl.models.critic import Critic, CriticSettings
+
+    features = FeaturesConfig(optimization_level=0, settings=MOE_FEATURES)
+    actor = Actor(f"{root}/moe", settings, features=features)
+    seen, handles = _hand_aux_losses(actor.chunks)
+    out: dict[str, Any] = {"routers": len(handles), "on": actor.features.enabled}
+    batches = ((PAIRS, ADV), (PAIRS2, torch.tensor([0.5, -1.0, 1.0, -0.5])))
+    out["actor"] = [_moe_update(actor, seen, lambda p=p, a=a: actor.update(p, None, a)) for p, a in batches]
+    critic = Critic(f"{root}/moe", CriticSettings.adamw(lr=1e-2, micro_batch_size=2, clip_grad=0.0), features=features)
+    seen, _ = _hand_aux_losses(critic.chunks)
+    out["critic"] = []
+    for pairs, _ in batches:
+        width = max(len(r) for _, r in pairs)
+        values = torch.zeros(len(pairs), width)
+        for i, v in enumerate(critic.compute_values(pairs)):
+            values[i, : len(v)] = v
+        out["critic"].append(_moe_update(critic, seen, lambda p=pairs, v=values: critic.update(p, v, v + 0.5)))
+    out["attributes"] = {"actor": sorted(vars(actor)), "critic": sorted(vars(critic))}
+    out["critic_compiled"] = list(critic.compiled)
+    actor.close()
     return out
 
 
@@ -90,6 +175,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("actor-features")
     save_tiny_checkpoint("llama2", root / "hf", seed=0)
+    save_tiny_checkpoint("qwen3-moe", root / "moe", seed=0)
     return run_distributed(_group, 1, str(root), timeout=300)[0]
 
 
@@ -125,3 +211,31 @@ def test_activation_recompute_in_the_actor_gives_the_same_updates_bit_for_bit(ru
     microbatches = -(-len(PAIRS) // 2)
     assert recompute["layers"] == recompute["model_layers"] > 0
     assert recompute["discarded"] == 2 * microbatches * recompute["layers"]
+
+
+def test_moe_updates_report_their_own_aux_losses(run: dict[str, Any]) -> None:
+    moe = run["moe"]
+    assert moe["on"] == ["moe_load_balancing"] and moe["routers"] > 0
+    for role in ("actor", "critic"):
+        first, second = moe[role]
+        for update, pairs in ((first, PAIRS), (second, PAIRS2)):
+            # One forward per router per microbatch (2 pairs a microbatch): the hooks saw this update's.
+            assert update["forwards"] == moe["routers"] * -(-len(pairs) // 2), (role, update["forwards"])
+            for name in AUX:
+                got, want = update["metrics"][name], update["hand"][name]
+                assert got == pytest.approx(want, rel=1e-5), (role, name, got, want)
+            assert set(update["left"]) >= set(AUX) and not any(update["left"].values()), update["left"]
+        # Other batches, other values: the second is its own, not the running sum.
+        balance = [u["metrics"]["load_balancing_loss"] for u in (first, second)]
+        assert abs(balance[1] - balance[0]) > 1e-4 and balance[1] < 0.9 * sum(balance), (role, balance)
+    # A dense policy reports no aux loss.
+    for key in ("featured", "level0"):
+        assert not set(AUX) & set(run[key]["metric_names"]), run[key]["metric_names"]
+    assert "update_tokens" in run["level0"]["metric_names"]
+
+
+def test_a_critic_has_every_attribute_of_an_actor(run: dict[str, Any]) -> None:
+    attributes = run["moe"]["attributes"]
+    assert set(attributes["actor"]) <= set(attributes["critic"]), set(attributes["actor"]) - set(attributes["critic"])
+    assert {"compile_watch", "compiled", "dualpipev", "transformer"} <= set(attributes["critic"])
+    assert run["moe"]["critic_compiled"] == []

@@ -105,6 +105,7 @@ def step_fields(record: Mapping[str, Any], total_steps: int) -> list[str]:
         ("kl_loss", "kl", None),
         ("entropy", "ent", None),
         ("pg_clipfrac", "clip", "{:.3f}"),
+        ("load_balancing_loss", "lb", "{:.3f}"),
         ("staleness_mean", "stale", "{:.2f}"),
         ("tools/calls", "calls", "{:.2f}"),
     ):
@@ -124,9 +125,10 @@ def format_step(record: Mapping[str, Any], total_steps: int) -> str:
     """A one-line summary of a step for the console.
 
     ``step 3/100 | reward 0.512+-0.301 | len 87.3 | loss 0.0123 | kl 0.0012 | ent 1.23 | clip 0.031 |
-    stale 0.5 | calls 1.25 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are left out:
-    ``eval`` (after the reward) is the held-out ``eval/reward_mean`` where the step evaluated, ``kl`` is
-    ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``stale``
+    lb 1.012 | stale 0.5 | calls 1.25 | 1234 tok/s | 12.3 s``; fields the record lacks (or holds as NaN) are
+    left out: ``eval`` (after the reward) is the held-out ``eval/reward_mean`` where the step evaluated, ``kl`` is
+    ``kl_loss`` (to the reference), ``ent`` ``entropy``, ``clip`` ``pg_clipfrac``, ``lb`` a MoE
+    policy's ``load_balancing_loss`` (1 is an even load under the Switch loss), ``stale``
     ``staleness_mean``, ``calls`` ``tools/calls`` (multi-turn rollouts), ``tok/s`` ``e2e_tps`` and the last field ``time/step``.
 
     Args:

@@ -19,8 +19,9 @@ tests/rl/driver/test_tool_rollout.py).
 
 The step's record adds verl's critic metrics (``critic/vf_loss``, ``critic/vpred_mean``,
 ``critic/vf_clipfrac``, ``critic/vf_explained_var``, ``critic/returns_mean``,
-``critic/values_mean``, ``critic/advantages_mean``, ``critic/grad_norm``, ``critic/lr``) and the
-KL controller's ``kl_in_reward`` / ``kl_coef``.
+``critic/values_mean``, ``critic/advantages_mean``, ``critic/grad_norm``, ``critic/lr``; a MoE
+critic's ``critic/load_balancing_loss`` / ``critic/z_loss``) and the KL controller's
+``kl_in_reward`` / ``kl_coef``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from mindspeed_rl.algorithms.reinforce import token_rewards_with_outcome
 from mindspeed_rl.algorithms.value_loss import explained_variance
 from mindspeed_rl.driver.trainer import GRPOContext, RolloutBatch, _pad, step_record, update_actor
 
-#: Critic metrics averaged over the step's critic updates (the others are the last update's).
-_CRITIC_MEANS = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm")
+#: Critic update metrics that are not averaged over the step's critic updates (every other one is:
+#: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``grad_norm``, a MoE critic's ``load_balancing_loss`` ...).
+_CRITIC_NOT_MEANS = ("lr", "skipped", "update_tokens")
 
 
 @dataclass
@@ -68,7 +70,7 @@ def update_critic(
             mask = None if loss_mask is None else loss_mask[part]
             for key, value in ctx.critic.update(pairs[part], values[part], returns[part], mask).items():
                 seen.setdefault(key, []).append(value)
-    out = {f"critic/{k}": sum(seen[k]) / len(seen[k]) for k in _CRITIC_MEANS if k in seen}
+    out = {f"critic/{k}": sum(v) / len(v) for k, v in seen.items() if k not in _CRITIC_NOT_MEANS}
     out["critic/lr"] = seen["lr"][0]
     out["critic/skipped_updates"] = sum(seen.get("skipped", [0.0]))
     return out

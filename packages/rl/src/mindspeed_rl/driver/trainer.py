@@ -404,7 +404,8 @@ def grpo_step(ctx: GRPOContext) -> dict[str, float]:
 
     Returns:
         Metrics: ``reward_mean``/``reward_std`` (and per reward function), ``response_length``,
-        the update's loss metrics (``loss``, ``pg_clipfrac``, ``kl_loss``, ...), ``rollout_logp_diff``
+        the update's loss metrics (``loss``, ``pg_clipfrac``, ``kl_loss``, ...; a MoE policy's
+        ``load_balancing_loss`` / ``z_loss``; each averaged over the step's updates), ``rollout_logp_diff``
         (mean |engine - actor| log-prob of the samples: the sync's health), ``time/<phase>``
         seconds and ``rollout_tps``, ``update_tps``, ``e2e_tps`` (tokens per second).
 

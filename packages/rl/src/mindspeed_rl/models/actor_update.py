@@ -6,6 +6,11 @@ gathers the response tokens of each sequence into ``[sequences, max response len
 calls the registered :func:`~mindspeed_rl.algorithms.compute_policy_loss` with
 ``num_tokens=1`` / ``num_seqs=1``: a *sum*, returned with its count, which megatron divides the
 gradients by over the whole step (``calculate_per_token_loss``).
+
+A MoE policy's routers add their auxiliary losses (``load_balancing_loss``, ``z_loss`` ...) to
+megatron-core's process-wide tracker in every training forward; the update reads them after its
+schedule and clears the tracker (:meth:`ActorUpdate._aux_losses`, as the LLM trainer's step does),
+so each update reports its own forwards' values and nothing adds up over a run.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from mindspeed.checkpointing import fault_armed, plant_nan
 from mindspeed.device import get_accelerator
 from mindspeed.log import get_logger
+from mindspeed.metrics.moe import moe_aux_losses
 from mindspeed_llm.engine import guarded_step
 from mindspeed_rl.algorithms.losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 from mindspeed_rl.models.actor_packing import Pair
@@ -51,6 +57,7 @@ class ActorUpdate:
     parallel: Any
     groups: Any
     chunks: list[Any]
+    transformer: Any
     optimizer: Any
     scheduler: Any
     adaptation: Any
@@ -157,6 +164,7 @@ class ActorUpdate:
         lr = float(self.optimizer.param_groups[0]["lr"])
         totals = self._metric_totals(outputs)
         metrics = {name: (sm / n if n else float("nan")) for name, (sm, n) in totals.items()}
+        metrics.update(self._aux_losses(len(batches)))
         update = self.version + 1
         if fault_armed("train.grad_nan", update) and dist.get_rank() == 0:
             plant_nan(self.chunks[0].buffers[0].grad_data)  # rank 0's own shard, as the LLM trainer's
@@ -178,6 +186,17 @@ class ActorUpdate:
         metrics["lr"] = lr
         metrics["update_tokens"] = float(sum(len(p) + len(r) for p, r in pairs))
         return metrics
+
+    def _aux_losses(self, num_microbatches: int) -> dict[str, float]:
+        """The MoE auxiliary losses of this update's forwards, then cleared (collective: every rank).
+
+        megatron's logged values (the mean per MoE layer and microbatch, without the coefficient,
+        reduced over the pipeline stages and averaged over the data-parallel replicas), under
+        megatron's names (``load_balancing_loss``, ``seq_load_balancing_loss``,
+        ``global_load_balancing_loss``, ``z_loss``); ``{}`` for a dense model or one without
+        balancing losses.
+        """
+        return moe_aux_losses(self.transformer, num_microbatches, get_accelerator().device())
 
     def _metric_totals(self, outputs: list[dict[str, Any]]) -> dict[str, list[float]]:
         """``name -> [sum, weight]`` over the microbatches, sent from the last stage to all and summed over
