@@ -114,13 +114,14 @@ SD3 = register_dit(
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
         # The joint attention's image tokens (after the patch and position embedding) and text tokens (after
-        # the context projection) are both split; every block attends over both streams' shards; the image
-        # tokens are gathered after proj_out. (SD3.5's dual-attention layers, an image-only second attention,
-        # are not covered: their sequence is not the joint one.)
+        # the context projection) are both split; every block attends over both streams' shards; SD3.5's
+        # dual-attention layers' second attention (attn2, called without the text) over the image shards
+        # only; the image tokens are gathered after proj_out.
         sequence_plan=SequencePlan(
             splits=(Split("pos_embed", None, 1, "image"), Split("context_embedder", None, 1, "text")),
             gather=("proj_out", 1, "image"),
             cross_attention_local=False,
+            self_attention=("image",),
         ),
         # train_dreambooth_lora_sd3.py's targets: both streams' attention projections
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
