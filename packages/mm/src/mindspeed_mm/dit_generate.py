@@ -66,6 +66,12 @@ class DiTSampleConfig:
             ``ulysses_parallel_size x ring_attention_size`` ranks, Ulysses inside groups of
             ``ulysses_parallel_size`` consecutive ranks and ring attention across them (USP); under torchrun
             the Ulysses degree is the world size over it.
+        skip_guidance_layers: skip-layer guidance (SD3 / SD3.5, as StableDiffusion3Pipeline's
+            skip_guidance_layers): comma-separated indices of the blocks skipped in one more prediction per step,
+            e.g. 7,8,9 (SD3.5 Medium's recommendation); needs --guidance-scale above 1.
+        skip_layer_guidance_scale: the scale of the skipped-layer guidance.
+        skip_layer_guidance_start: the fraction of the steps after which skip-layer guidance applies.
+        skip_layer_guidance_stop: the fraction of the steps before which skip-layer guidance applies.
         ema: a training checkpoint of a train.ema run samples with the moving averages of its weights (the
             default); --no-ema: with its raw trained weights.
     """
@@ -87,7 +93,32 @@ class DiTSampleConfig:
     scale: int = 1
     ulysses_parallel_size: int = 1
     ring_attention_size: int = 1
+    skip_guidance_layers: str | None = None
+    skip_layer_guidance_scale: float = 2.8
+    skip_layer_guidance_start: float = 0.01
+    skip_layer_guidance_stop: float = 0.2
     ema: bool = True
+
+
+def skip_layer_guidance(sample: DiTSampleConfig) -> Any:
+    """The :class:`~mindspeed_mm.diffusion.sampler.SkipLayerGuidance` of the ``--skip-*`` flags; None without
+    ``--skip-guidance-layers``.
+
+    Raises:
+        ValueError: indices that are not integers.
+    """
+    if sample.skip_guidance_layers is None:
+        return None
+    from mindspeed_mm.diffusion.sampler import SkipLayerGuidance
+
+    text = sample.skip_guidance_layers
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--skip-guidance-layers {text!r}: give comma-separated block indices, e.g. 7,8,9") from None
+    return SkipLayerGuidance(
+        layers, sample.skip_layer_guidance_scale, sample.skip_layer_guidance_start, sample.skip_layer_guidance_stop
+    )
 
 
 def read_prompts(path: str, max_samples: int | None) -> list[str]:
@@ -146,6 +177,7 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+    skip_layer_guidance(sample)  # malformed indices fail before loading anything
     ranks = sample.ulysses_parallel_size * sample.ring_attention_size
     if ranks > 1:
         from mindspeed.launch import launch
@@ -258,6 +290,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             boundary_ratio,
             sample.guidance_scale_2,
             conditions,
+            skip_layer_guidance(sample),
         )
         sampled.append(latents)
     if group is None:  # one batch at a time, as sampled

@@ -85,6 +85,8 @@ class DiTFamily:
         materialize_tables: ``(model built on the meta device) -> None`` recomputes the tensors the model keeps
             outside its parameters and buffers (Qwen-Image's rotary tables), which the ranks' shards and rank
             0's buffers do not carry.
+        skip_layers: ``(model config) -> blocks`` where the model's ``forward`` takes ``skip_layers`` (SD3), which
+            skip-layer guidance (:class:`~mindspeed_mm.diffusion.sampler.SkipLayerGuidance`) needs; None: not supported.
     """
 
     architecture: str
@@ -116,6 +118,7 @@ class DiTFamily:
     timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
     combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     materialize_tables: Callable[[Any], None] | None = None
+    skip_layers: Callable[[Any], int] | None = None
 
     @property
     def key(self) -> str:

@@ -126,5 +126,6 @@ SD3 = register_dit(
         # train_dreambooth_lora_sd3.py's targets: both streams' attention projections
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         latent_channels=lambda config: config.get("out_channels") or config["in_channels"],
+        skip_layers=lambda config: config.num_layers,
     )
 )
