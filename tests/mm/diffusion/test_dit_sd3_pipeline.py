@@ -137,6 +137,17 @@ def test_sd3_prompts_and_extracted_text_equal_pipeline(tmp_path) -> None:
         torch.testing.assert_close(row["pooled"], theirs_pooled[i], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="leaves no T5 token beside CLIP's 6"):
         family.encode_prompts(parts, PROMPTS, CLIP_LEN)
+    # clip_skip 1: the CLIPs' features one layer before the penultimate (the first layer's of 2)
+    with torch.no_grad():
+        skipped, _, skipped_pooled, _ = pipe.encode_prompt(
+            PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=T5_LEN, clip_skip=1
+        )
+    text_1, pooled_1 = family.encode_prompts(parts, PROMPTS, TEXT_LEN, clip_skip=1)
+    torch.testing.assert_close(text_1, skipped, rtol=0, atol=0)
+    torch.testing.assert_close(pooled_1, skipped_pooled, rtol=0, atol=0)
+    assert (text_1[:, :CLIP_LEN] - text[:2, :CLIP_LEN]).abs().amax() > 1e-2
+    with pytest.raises(ValueError, match=r"^--clip-skip 2: the CLIP encoders have 2 layers; give 0 to 1$"):
+        family.encode_prompts(parts, PROMPTS, TEXT_LEN, clip_skip=2)
 
 
 @pytest.mark.parametrize(
@@ -233,8 +244,31 @@ def test_sd3_skip_layer_guidance_refuses_bad_input() -> None:
     assert guide == SkipLayerGuidance((7, 8, 9), 2.8, 0.01, 0.5)
 
 
+def test_generate_refuses_sd3_flags_for_flux(tmp_path, capsys) -> None:
+    """--skip-guidance-layers and --clip-skip on a FLUX pipeline: one line each, naming the flag and the fix."""
+    from mindspeed_mm.cli import main
+    from mindspeed_mm.demos.t2i import write_t2i_pipeline
+
+    pipe_dir = write_t2i_pipeline(tmp_path / "flux")
+    flags = ["--load-dir", str(pipe_dir), "--output-dir", str(tmp_path / "out"), "--prompt", "a red square"]
+    flags += ["--height", "8", "--width", "8", "--num-inference-steps", "2", "--text-len", "10"]
+    capsys.readouterr()
+    for flag, message in (
+        (["--clip-skip", "1"], "--clip-skip: FluxTransformer2DModel's prompts take no clip_skip (SD3's do); remove"),
+        (
+            ["--guidance-scale", "2", "--skip-guidance-layers", "0"],
+            "--skip-guidance-layers: FluxTransformer2DModel has",
+        ),
+    ):
+        assert main(["generate", *flags, *flag]) != 0
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(f"mindspeed-mm: error: {message}"), errors
+
+
 @pytest.mark.parametrize("slg", [False, True], ids=["sd3", "sd3.5-slg"])
 def test_generate_sd3_equals_pipeline(tmp_path, slg) -> None:
+    """``generate`` = the pipeline from the same directory; with ``slg``: SD3.5's blocks, skip-layer guidance and
+    ``clip_skip`` 1 (the prompts' CLIP features; the negative prompt's stay the penultimate's, as the pipeline's)."""
     from diffusers import StableDiffusion3Pipeline
     from PIL import Image
 
@@ -249,6 +283,7 @@ def test_generate_sd3_equals_pipeline(tmp_path, slg) -> None:
     if slg:
         flags += ["--skip-guidance-layers", "0", "--skip-layer-guidance-scale", "2.8"]
         flags += ["--skip-layer-guidance-start", "0.01", "--skip-layer-guidance-stop", str(SLG_STOP)]
+        flags += ["--clip-skip", "1"]
     out = tmp_path / "out"
     assert main(["generate", "--load-dir", str(pipe_dir), "--output-dir", str(out), *flags]) == 0
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -267,7 +302,7 @@ def test_generate_sd3_equals_pipeline(tmp_path, slg) -> None:
             guidance_scale=3.0,
             max_sequence_length=T5_LEN,
             output_type="pt",
-            **({**SLG, "skip_layer_guidance_stop": SLG_STOP} if slg else {}),
+            **({**SLG, "skip_layer_guidance_stop": SLG_STOP, "clip_skip": 1} if slg else {}),
         ).images
         with Image.open(row["files"][0]) as written:
             np.testing.assert_array_equal(np.asarray(written.convert("RGB")), to_uint8(image)[0])

@@ -72,6 +72,8 @@ class DiTSampleConfig:
         skip_layer_guidance_scale: the scale of the skipped-layer guidance.
         skip_layer_guidance_start: the fraction of the steps after which skip-layer guidance applies.
         skip_layer_guidance_stop: the fraction of the steps before which skip-layer guidance applies.
+        clip_skip: SD3 / SD3.5: the prompts' CLIP features from this many layers before the penultimate, as
+            StableDiffusion3Pipeline's clip_skip (the negative prompt's stay the penultimate's, as there).
         ema: a training checkpoint of a train.ema run samples with the moving averages of its weights (the
             default); --no-ema: with its raw trained weights.
     """
@@ -97,6 +99,7 @@ class DiTSampleConfig:
     skip_layer_guidance_scale: float = 2.8
     skip_layer_guidance_start: float = 0.01
     skip_layer_guidance_stop: float = 0.2
+    clip_skip: int | None = None
     ema: bool = True
 
 
@@ -217,6 +220,9 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         )
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
+    options = {"clip_skip": sample.clip_skip} if sample.clip_skip is not None else {}
+    if any(key not in family.encode_options for key in options):
+        raise ValueError(f"--clip-skip: {family.key}'s prompts take no clip_skip (SD3's do); remove --clip-skip")
     images = _read_images(args.image, family, len(prompts))
     last_paths = getattr(args, "last_image", [])
     if bool(last_paths) != family.last_frame:
@@ -253,7 +259,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     sampled = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
-        text, pooled = family.encode_prompts(loaded.parts, batch, text_len)
+        text, pooled = family.encode_prompts(loaded.parts, batch, text_len, **options)
         noise = torch.stack(
             [torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i)) for i in range(len(batch))]
         ).to(loaded.device)

@@ -52,6 +52,7 @@ class DiTFamily:
         encode_prompts: ``(pipeline parts, captions, text length) -> (text [B, L, D], pooled [B, P] or
             None)`` as the pipeline encodes prompts (the parts are the pipeline directory's text
             encoders and tokenizers, by folder name).
+        encode_options: keywords ``encode_prompts`` also takes, as ``generate`` flags (SD3: ``clip_skip``).
         sequence_plan: where its tokens are split and gathered under sequence parallelism
             (:mod:`mindspeed_mm.models.dit_parallel`); None: not supported.
         lora_targets: the linears ``lora.target_modules: [default]`` adapts, by the last parts of their
@@ -105,6 +106,7 @@ class DiTFamily:
     scheduler: tuple[str, dict[str, Any]] = ("FlowMatchEulerDiscreteScheduler", {})
     timestep_kwargs: Callable[[Any, int, tuple[int, ...]], dict[str, Any]] = lambda config, steps, shape: {}
     encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    encode_options: tuple[str, ...] = ()
     sequence_plan: SequencePlan | None = None
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     variant: str = ""
