@@ -20,7 +20,7 @@ SP2 (both ranks hold each microbatch, each holds half of its video / image token
 - SD3 (joint attention over both streams' shards, 9 image + 8 text tokens): the loss rel 1e-5 and every
   gradient rel 1e-5; sampling with guidance; SD3.5's blocks (``dual_attention_layers=(0,)``, QK RMSNorm): block
   0's image-only ``attn2`` through its own all-to-all over the 9 image tokens' shards, the loss and every
-  gradient rel 1e-5;
+  gradient rel 1e-5, and sampling with guidance and skip-layer guidance (block 0 skipped on 2 of 3 steps);
 - LoRA on Wan (r 4, alpha 8, the family's default targets; FSDP2 over the 2 ranks): the loss and every LoRA
   factor's gradient rel 1e-5;
 - training from raw media: each rank encodes half of the samples (VAE and text encoder), the
@@ -114,11 +114,16 @@ def _step(overrides: list[str]) -> dict:
 
 
 def _sample(
-    arch: str, model_dir: Path, algo: str = "ulysses_cp_algo", ulysses: int | None = None, image: bool = False
+    arch: str,
+    model_dir: Path,
+    algo: str = "ulysses_cp_algo",
+    ulysses: int | None = None,
+    image: bool = False,
+    skip_layers: tuple[int, ...] = (),
 ) -> dict:
     """Latents sampled without and then with sequence parallelism (the same model, noise and texts; with ``image``
-    Wan2.2 TI2V's first-frame latents)."""
-    from mindspeed_mm.diffusion.sampler import build_scheduler, sample_latents
+    Wan2.2 TI2V's first-frame latents; with ``skip_layers`` SD3's skip-layer guidance on steps 1 and 2 of 3)."""
+    from mindspeed_mm.diffusion.sampler import SkipLayerGuidance, build_scheduler, sample_latents
     from mindspeed_mm.models.dit import DIT_FAMILIES, load_dit
     from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
 
@@ -136,8 +141,20 @@ def _sample(
 
     def sample() -> torch.Tensor:
         scheduler = build_scheduler(family, sampler="euler", flow_shift=3.0)
+        guide = SkipLayerGuidance(skip_layers, 2.8, 0.01, 0.9) if skip_layers else None
         return sample_latents(
-            model, family, scheduler, noise, text, 3, pooled, negative, pooled, 4.0, conditions=conditions
+            model,
+            family,
+            scheduler,
+            noise,
+            text,
+            3,
+            pooled,
+            negative,
+            pooled,
+            4.0,
+            conditions=conditions,
+            skip_guidance=guide,
         )
 
     one = sample()
@@ -184,6 +201,7 @@ def _sp2(rank: int, world: int, runs: dict, recipe: Path) -> dict:
     out["sample"] = {arch: _sample(arch, runs[arch][0]) for arch in (WAN, FLUX, SD3)}
     out[SD3] = _step(_overrides(runs[SD3], 2))
     out[SD35] = _step(_overrides(runs[SD35], 2))
+    out["sample_sd35"] = _sample(SD3, runs[SD35][0], skip_layers=(0,))
     out["raw"] = _raw(recipe, 2)
     return out
 
@@ -352,6 +370,12 @@ def test_sp2_equals_sp1(tiny) -> None:
     print(
         f"SD3.5 SP2: loss {b['loss']:.6f} (SP1 {a['loss']:.6f}), worst gradient {_close_grads(a, b, 1e-5, 'sd35'):.1e}"
     )
+    # SD3.5 sampling with guidance and skip-layer guidance (block 0 skipped on steps 1 and 2 of 3): 3 steps of
+    # 2 x 3 attentions, and the 2 skipped-layer calls' 1 (block 1's joint attention)
+    sample = two[0]["sample_sd35"]
+    np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
+    assert sample["calls"] == 3 * 2 * 3 + 2
+    print(f"SD3.5 SP2 sampling with SLG: worst error {np.abs(sample['two'] - sample['one']).max():.1e}")
     # ring attention (the core's megatron_cp_algo over the same group): Wan's 12 tokens, 6 a rank
     ring, a = two[0]["ring"], one[WAN]
     assert ring["loss"] == pytest.approx(a["loss"], rel=1e-5) and ring["calls"] == 4
