@@ -66,6 +66,14 @@ class DiTSampleConfig:
             ``ulysses_parallel_size x ring_attention_size`` ranks, Ulysses inside groups of
             ``ulysses_parallel_size`` consecutive ranks and ring attention across them (USP); under torchrun
             the Ulysses degree is the world size over it.
+        skip_guidance_layers: skip-layer guidance (SD3 / SD3.5, as StableDiffusion3Pipeline's
+            skip_guidance_layers): comma-separated indices of the blocks skipped in one more prediction per step,
+            e.g. 7,8,9 (SD3.5 Medium's recommendation); needs --guidance-scale above 1.
+        skip_layer_guidance_scale: the scale of the skipped-layer guidance.
+        skip_layer_guidance_start: the fraction of the steps after which skip-layer guidance applies.
+        skip_layer_guidance_stop: the fraction of the steps before which skip-layer guidance applies.
+        clip_skip: SD3 / SD3.5: the prompts' CLIP features from this many layers before the penultimate, as
+            StableDiffusion3Pipeline's clip_skip (the negative prompt's stay the penultimate's, as there).
         ema: a training checkpoint of a train.ema run samples with the moving averages of its weights (the
             default); --no-ema: with its raw trained weights.
     """
@@ -87,7 +95,33 @@ class DiTSampleConfig:
     scale: int = 1
     ulysses_parallel_size: int = 1
     ring_attention_size: int = 1
+    skip_guidance_layers: str | None = None
+    skip_layer_guidance_scale: float = 2.8
+    skip_layer_guidance_start: float = 0.01
+    skip_layer_guidance_stop: float = 0.2
+    clip_skip: int | None = None
     ema: bool = True
+
+
+def skip_layer_guidance(sample: DiTSampleConfig) -> Any:
+    """The :class:`~mindspeed_mm.diffusion.sampler.SkipLayerGuidance` of the ``--skip-*`` flags; None without
+    ``--skip-guidance-layers``.
+
+    Raises:
+        ValueError: indices that are not integers.
+    """
+    if sample.skip_guidance_layers is None:
+        return None
+    from mindspeed_mm.diffusion.sampler import SkipLayerGuidance
+
+    text = sample.skip_guidance_layers
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--skip-guidance-layers {text!r}: give comma-separated block indices, e.g. 7,8,9") from None
+    return SkipLayerGuidance(
+        layers, sample.skip_layer_guidance_scale, sample.skip_layer_guidance_start, sample.skip_layer_guidance_stop
+    )
 
 
 def read_prompts(path: str, max_samples: int | None) -> list[str]:
@@ -146,6 +180,7 @@ def run_dit_generate(args: Any, sample: DiTSampleConfig) -> int:
             raise ValueError(f"--{key.replace('_', '-')} {getattr(sample, key)} must be at least 1")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+    skip_layer_guidance(sample)  # malformed indices fail before loading anything
     ranks = sample.ulysses_parallel_size * sample.ring_attention_size
     if ranks > 1:
         from mindspeed.launch import launch
@@ -185,6 +220,9 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
         )
     if family.encode_prompts is None:
         raise ValueError(f"{family.architecture}: the suite cannot encode prompts for it yet")
+    options = {"clip_skip": sample.clip_skip} if sample.clip_skip is not None else {}
+    if any(key not in family.encode_options for key in options):
+        raise ValueError(f"--clip-skip: {family.key}'s prompts take no clip_skip (SD3's do); remove --clip-skip")
     images = _read_images(args.image, family, len(prompts))
     last_paths = getattr(args, "last_image", [])
     if bool(last_paths) != family.last_frame:
@@ -221,7 +259,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     sampled = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
-        text, pooled = family.encode_prompts(loaded.parts, batch, text_len)
+        text, pooled = family.encode_prompts(loaded.parts, batch, text_len, **options)
         noise = torch.stack(
             [torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i)) for i in range(len(batch))]
         ).to(loaded.device)
@@ -258,6 +296,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             boundary_ratio,
             sample.guidance_scale_2,
             conditions,
+            skip_layer_guidance(sample),
         )
         sampled.append(latents)
     if group is None:  # one batch at a time, as sampled

@@ -8,7 +8,10 @@ family and sequence-parallel sampling (a model under
 1. ``scheduler.set_timesteps(steps, **family.timestep_kwargs(...))`` (FLUX: its sigmas and ``mu``);
 2. per timestep ``t``: the model's velocity for the text, and with guidance (``guidance_scale > 1``
    and a negative text) for the negative text, combined as ``uncond + g (cond - uncond)`` (or as the
-   family's ``combine_guidance`` says: Qwen-Image's norm-rescaled true CFG);
+   family's ``combine_guidance`` says: Qwen-Image's norm-rescaled true CFG); with skip-layer guidance
+   (:class:`SkipLayerGuidance`, SD3.5's: a family with ``skip_layers``) a third call for the text with the
+   given blocks skipped, added as ``+ s_slg (cond - skipped)`` on the steps ``StableDiffusion3Pipeline``
+   applies it to;
 3. ``scheduler.step``; the model sees ``t / family.timestep_divisor`` (Wan ``t``, FLUX ``t / 1000``).
 
 The schedulers are diffusers' own: Euler (``FlowMatchEulerDiscreteScheduler``) and UniPC
@@ -20,6 +23,7 @@ runs the VAE's decoder.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,52 @@ UNIPC_FLOW = {
     "solver_type": "bh2",
     "final_sigmas_type": "zero",
 }
+
+
+@dataclass(frozen=True)
+class SkipLayerGuidance:
+    """Skip-layer guidance as ``StableDiffusion3Pipeline.__call__`` runs it (its ``skip_guidance_layers`` and
+    ``skip_layer_guidance_scale / _start / _stop``, the same defaults).
+
+    On step ``i`` of ``N`` with ``start x N < i < stop x N`` (strictly, as the pipeline compares), the guided
+    velocity gains ``scale x (cond - skipped)``, ``skipped`` the model's velocity for the text with the
+    ``layers`` blocks left out (the transformer's ``skip_layers``). Only with classifier-free guidance.
+
+    Attributes:
+        layers: indices of the blocks skipped (SD3.5 Medium's recommended ``(7, 8, 9)``).
+        scale: the guidance scale of the skipped-layer prediction.
+        start: the fraction of the steps after which it applies.
+        stop: the fraction of the steps before which it applies.
+    """
+
+    layers: tuple[int, ...]
+    scale: float = 2.8
+    start: float = 0.01
+    stop: float = 0.2
+
+    def applies(self, step: int, steps: int) -> bool:
+        """Whether step ``step`` (0-based) of ``steps`` is guided with the skipped layers."""
+        return steps * self.start < step < steps * self.stop
+
+    def check(self, family: DiTFamily, model: Any, guided: bool) -> None:
+        """Raise a one-line ValueError where ``family`` / ``model`` cannot take it or guidance is off."""
+        if family.skip_layers is None:
+            raise ValueError(
+                f"--skip-guidance-layers: {family.key} has no skip-layer guidance (SD3 / SD3.5's transformer "
+                "takes skip_layers); remove --skip-guidance-layers"
+            )
+        blocks = family.skip_layers(model.config)
+        wrong = [layer for layer in self.layers if not 0 <= layer < blocks]
+        if wrong or not self.layers:
+            raise ValueError(
+                f"--skip-guidance-layers {','.join(map(str, self.layers))}: the model has {blocks} blocks; give "
+                f"comma-separated indices from 0 to {blocks - 1}"
+            )
+        if not guided:
+            raise ValueError(
+                "--skip-guidance-layers adds to classifier-free guidance; give --guidance-scale above 1 (and a "
+                "negative text), or remove --skip-guidance-layers"
+            )
 
 
 def scheduler_config(family: DiTFamily, pipeline_dir: str | Path | None) -> tuple[str, dict[str, Any]]:
@@ -104,6 +154,7 @@ def sample_latents(
     boundary_ratio: float | None = None,
     guidance_scale_2: float | None = None,
     conditions: dict[str, torch.Tensor] | None = None,
+    skip_guidance: SkipLayerGuidance | None = None,
 ) -> torch.Tensor:
     """Denoise ``latents`` (pure noise, ``[B, ...]`` in the family's latent layout) into clean latents.
 
@@ -130,6 +181,11 @@ def sample_latents(
             ``WanImageToVideoPipeline`` gives them. Wan2.2 TI2V (``first_frame_condition``): the image's
             ``image_latents`` ``[B, C, 1, H, W]`` are the model input's first frame at timestep 0 and the
             result's first frame; without them it samples text-to-video with per-token timesteps.
+        skip_guidance: skip-layer guidance on top of classifier-free guidance (SD3.5; :class:`SkipLayerGuidance`).
+
+    Raises:
+        ValueError: a second expert without ``boundary_ratio``; skip-layer guidance for a family without
+            ``skip_layers``, with a block index out of range, or without classifier-free guidance.
     """
     shape = tuple(latents.shape)
     scheduler.set_timesteps(steps, device=latents.device, **family.timestep_kwargs(scheduler.config, steps, shape))
@@ -138,14 +194,17 @@ def sample_latents(
     guided = guidance_scale > 1.0 and negative_text is not None
     if model_2 is not None and boundary_ratio is None:
         raise ValueError("a second expert (transformer_2) needs boundary_ratio; give --boundary-ratio")
+    if skip_guidance is not None:
+        skip_guidance.check(family, model, guided)
     boundary = boundary_ratio * scheduler.config.num_train_timesteps if model_2 is not None else None
     scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
     conditions = {key: value.to(latents.device, dtype) for key, value in (conditions or {}).items()}
-    for t in scheduler.timesteps:
+    for step, t in enumerate(scheduler.timesteps):
         low = boundary is not None and t < boundary  # WanPipeline: t >= boundary runs `transformer`
         current, scale = (model_2, scale_2) if low else (model, guidance_scale)
         timestep = t.expand(shape[0]).to(torch.float32) / family.timestep_divisor
         velocity = _velocity(current, family, latents.to(dtype), timestep, text, pooled, distilled_guidance, conditions)
+        conditional = velocity
         if guided:
             uncond = _velocity(
                 current,
@@ -161,6 +220,19 @@ def sample_latents(
                 velocity = family.combine_guidance(velocity, uncond, scale)
             else:
                 velocity = uncond + scale * (velocity - uncond)
+            if skip_guidance is not None and skip_guidance.applies(step, steps):
+                skipped = _velocity(
+                    current,
+                    family,
+                    latents.to(dtype),
+                    timestep,
+                    text,
+                    pooled,
+                    distilled_guidance,
+                    conditions,
+                    skip_layers=list(skip_guidance.layers),
+                )
+                velocity = velocity + skip_guidance.scale * (conditional - skipped)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
     if family.first_frame_condition and "image_latents" in conditions:  # WanImageToVideoPipeline (TI2V)
         latents = torch.cat([conditions["image_latents"].to(latents.dtype), latents[:, :, 1:]], dim=2)
@@ -176,11 +248,14 @@ def _velocity(
     pooled: torch.Tensor | None,
     guidance: float,
     conditions: dict[str, torch.Tensor],
+    skip_layers: list[int] | None = None,
 ) -> torch.Tensor:
     dtype = latents.dtype
     pooled = pooled.to(dtype) if pooled is not None else None
     inputs = family.model_inputs(model.config, latents, timestep, text.to(dtype), pooled, guidance, **conditions)
     inputs["timestep"] = timestep
+    if skip_layers is not None:
+        inputs["skip_layers"] = skip_layers
     if family.timestep_tokens is not None:  # Wan2.2 TI2V: per token, 0 on a given first frame
         first_frame = torch.ones(latents.shape[0], dtype=torch.bool) if "image_latents" in conditions else None
         inputs["timestep"] = family.timestep_tokens(model.config, timestep, tuple(latents.shape), first_frame)

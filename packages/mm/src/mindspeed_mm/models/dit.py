@@ -52,6 +52,7 @@ class DiTFamily:
         encode_prompts: ``(pipeline parts, captions, text length) -> (text [B, L, D], pooled [B, P] or
             None)`` as the pipeline encodes prompts (the parts are the pipeline directory's text
             encoders and tokenizers, by folder name).
+        encode_options: keywords ``encode_prompts`` also takes, as ``generate`` flags (SD3: ``clip_skip``).
         sequence_plan: where its tokens are split and gathered under sequence parallelism
             (:mod:`mindspeed_mm.models.dit_parallel`); None: not supported.
         lora_targets: the linears ``lora.target_modules: [default]`` adapts, by the last parts of their
@@ -85,6 +86,8 @@ class DiTFamily:
         materialize_tables: ``(model built on the meta device) -> None`` recomputes the tensors the model keeps
             outside its parameters and buffers (Qwen-Image's rotary tables), which the ranks' shards and rank
             0's buffers do not carry.
+        skip_layers: ``(model config) -> blocks`` where the model's ``forward`` takes ``skip_layers`` (SD3), which
+            skip-layer guidance (:class:`~mindspeed_mm.diffusion.sampler.SkipLayerGuidance`) needs; None: not supported.
     """
 
     architecture: str
@@ -103,6 +106,7 @@ class DiTFamily:
     scheduler: tuple[str, dict[str, Any]] = ("FlowMatchEulerDiscreteScheduler", {})
     timestep_kwargs: Callable[[Any, int, tuple[int, ...]], dict[str, Any]] = lambda config, steps, shape: {}
     encode_prompts: Callable[[dict[str, Any], list[str], int], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    encode_options: tuple[str, ...] = ()
     sequence_plan: SequencePlan | None = None
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     variant: str = ""
@@ -116,6 +120,7 @@ class DiTFamily:
     timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
     combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     materialize_tables: Callable[[Any], None] | None = None
+    skip_layers: Callable[[Any], int] | None = None
 
     @property
     def key(self) -> str:

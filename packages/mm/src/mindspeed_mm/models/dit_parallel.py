@@ -19,7 +19,10 @@ changes nothing in the model's code; it adds, from the family's :class:`Sequence
    (:func:`_key_bias_channels`). The attention is not causal, so contiguous shards
    serve the ring's layouts as long as every rank holds as many tokens as the layout gives it (the
    splits cut by those lengths). Cross-attention to replicated text
-   (Wan's ``attn2``) stays local: each rank's queries see all the text keys;
+   (Wan's ``attn2``) stays local: each rank's queries see all the text keys. A self-attention over
+   only some of the split streams (SD3.5's dual-attention ``attn2``: the image tokens, called without
+   ``encoder_hidden_states``) runs over those streams' shards (:attr:`SequencePlan.self_attention`): its
+   own all-to-all (or ring) with the image shards' sizes;
 3. a forward hook that gathers the output projection's tokens from the group (its backward
    keeps this rank's rows), so the model returns the whole prediction on every rank.
 
@@ -83,11 +86,15 @@ class SequencePlan:
         cross_attention_local: attention with ``encoder_hidden_states`` (Wan's cross-attention to the
             replicated text) runs on the local queries without communication; False: every attention is
             over the split sequence (FLUX's joint text + image attention).
+        self_attention: the named splits whose tokens an attention called without ``encoder_hidden_states``
+            attends over (SD3's ``("image",)``: SD3.5's dual-attention ``attn2`` sees the image stream only, where
+            the joint ``attn`` sees both); None: all of them (FLUX's single-stream blocks, Wan's self-attention).
     """
 
     splits: tuple[Split, ...]
     gather: tuple[str, int, str]
     cross_attention_local: bool = True
+    self_attention: tuple[str, ...] | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -191,9 +198,11 @@ class SequenceParallel:
         splits = [s for s in self.plan.splits if s.module == "" and isinstance(s.arg, str)]
         return _split_inputs(self, splits, None, (), dict(kwargs))[1]
 
-    def attention_sizes(self) -> list[int]:
-        """Every rank's length of the attention sequence (the sum over the named splits of this forward)."""
-        return [sum(column) for column in zip(*self.sizes.values())]
+    def attention_sizes(self, names: tuple[str, ...] | None = None) -> list[int]:
+        """Every rank's length of the attention sequence: the sum over the named splits of this forward (``names``:
+        those splits only)."""
+        columns = self.sizes.values() if names is None else [self.sizes[name] for name in names]
+        return [sum(column) for column in zip(*columns)]
 
     def attend(
         self,
@@ -205,8 +214,11 @@ class SequenceParallel:
         is_causal: bool = False,
         scale: float | None = None,
         enable_gqa: bool = False,
+        *,
+        names: tuple[str, ...] | None = None,
     ) -> torch.Tensor:
-        """``scaled_dot_product_attention``'s signature (``[B, heads, S_local, D]``) over the whole sequence."""
+        """``scaled_dot_product_attention``'s signature (``[B, heads, S_local, D]``) over the whole sequence (``names``:
+        over those named splits' tokens only, see :attr:`SequencePlan.self_attention`)."""
         key_mask = attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.shape[1:3] == (1, 1)
         if (attn_mask is not None and not key_mask) or dropout_p > 0.0 or is_causal:
             raise ValueError(
@@ -220,13 +232,13 @@ class SequenceParallel:
                 f"parallel.ulysses_parallel_size={self.ulysses_degree} does not divide the {heads} attention heads "
                 f"({key.shape[1]} key heads); use a divisor of the head count"
             )
-        sizes = self.attention_sizes()
+        sizes = self.attention_sizes(names)
         if query.shape[2] != sizes[self.rank]:
             raise ValueError(
-                f"an attention over {query.shape[2]} local tokens where the plan's splits give this rank "
-                f"{sizes[self.rank]}: the model attends over a sequence the plan does not split (e.g. SD3.5's "
-                "dual-attention layers, image tokens only); set parallel.ulysses_parallel_size=1 and "
-                "parallel.ring_attention_size=1 for this model"
+                f"an attention over {query.shape[2]} local tokens where the plan's splits "
+                f"({'all' if names is None else ', '.join(names)}) give this rank {sizes[self.rank]}: the model "
+                "attends over a sequence its family's sequence plan does not describe; set "
+                "parallel.ulysses_parallel_size=1 and parallel.ring_attention_size=1 for this model"
             )
         softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
         device = get_accelerator().name
@@ -333,15 +345,15 @@ def _gather_key_mask(mask: torch.Tensor, sizes: list[int], group: dist.ProcessGr
 class _UlyssesSDPA(TorchFunctionMode):
     """Hands ``F.scaled_dot_product_attention`` calls to :meth:`SequenceParallel.attend`; everything else runs as is."""
 
-    def __init__(self, parallel: SequenceParallel) -> None:
+    def __init__(self, parallel: SequenceParallel, names: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.parallel, self.calls = parallel, 0
+        self.parallel, self.names, self.calls = parallel, names, 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-            return self.parallel.attend(*args, **kwargs)
+            return self.parallel.attend(*args, **kwargs, names=self.names)
         return func(*args, **kwargs)
 
 
@@ -368,7 +380,8 @@ class SequenceParallelProcessor:
     ) -> Any:
         if encoder_hidden_states is not None and self.parallel.plan.cross_attention_local:
             return self.processor(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
-        mode = _UlyssesSDPA(self.parallel)
+        plan = self.parallel.plan
+        mode = _UlyssesSDPA(self.parallel, plan.self_attention if encoder_hidden_states is None else None)
         with mode:
             out = self.processor(attn, hidden_states, encoder_hidden_states, *args, **kwargs)
         if mode.calls == 0:

@@ -96,15 +96,18 @@ def encode_sd3(
     t5: Any,
     captions: list[str],
     max_length: int = 333,
+    *,
+    clip_skip: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Per caption ``{"text": [max_length, D], "pooled": [P1 + P2]}`` as ``StableDiffusion3Pipeline.encode_prompt``
-    computes them: each CLIP's penultimate hidden states over its ``model_max_length`` tokens, the two
-    concatenated on features and zero-padded to T5's width ``D``, then T5's output over the remaining
+    computes them: each CLIP's penultimate hidden states over its ``model_max_length`` tokens (with
+    ``clip_skip``, the pipeline's: ``clip_skip`` layers before the penultimate), the two concatenated on
+    features and zero-padded to T5's width ``D``, then T5's output over the remaining
     ``max_length - model_max_length`` tokens (its ``max_sequence_length``) on the sequence; pooled: the
     two CLIPs' projected outputs concatenated.
 
     Raises:
-        ValueError: ``max_length`` leaves no T5 token beside the CLIP tokens.
+        ValueError: ``max_length`` leaves no T5 token beside the CLIP tokens; ``clip_skip`` outside the CLIPs' layers.
     """
     clip_len = clip_tokenizer.model_max_length
     t5_len = max_length - clip_len
@@ -113,12 +116,16 @@ def encode_sd3(
             f"text length {max_length} leaves no T5 token beside CLIP's {clip_len}; set data.text_len "
             f"(--text-len) to {clip_len} + T5's tokens (SD3's pipeline: {clip_len} + 256)"
         )
+    skip = clip_skip or 0
+    layers = min(clip.config.num_hidden_layers, clip_2.config.num_hidden_layers)
+    if not 0 <= skip < layers:
+        raise ValueError(f"--clip-skip {clip_skip}: the CLIP encoders have {layers} layers; give 0 to {layers - 1}")
     hidden, pooled = [], []
     for tokenizer, encoder in ((clip_tokenizer, clip), (clip_tokenizer_2, clip_2)):
         ids = tokenizer(captions, padding="max_length", max_length=clip_len, truncation=True, return_tensors="pt")
         out = encoder(ids.input_ids.to(next(encoder.parameters()).device), output_hidden_states=True)
         pooled.append(out[0])
-        hidden.append(out.hidden_states[-2])
+        hidden.append(out.hidden_states[-(skip + 2)])
     t5_ids = t5_tokenizer(
         captions, padding="max_length", max_length=t5_len, truncation=True, add_special_tokens=True, return_tensors="pt"
     )

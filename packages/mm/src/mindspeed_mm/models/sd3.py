@@ -66,8 +66,11 @@ def _timestep_kwargs(config: Any, steps: int, shape: tuple[int, ...]) -> dict[st
     return {"mu": mu}
 
 
-def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``StableDiffusion3Pipeline.encode_prompt``'s text ``[B, text_len, D]`` and pooled ``[B, P]``."""
+def _encode(
+    parts: dict[str, Any], captions: list[str], text_len: int, clip_skip: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``StableDiffusion3Pipeline.encode_prompt``'s text ``[B, text_len, D]`` and pooled ``[B, P]`` (and its
+    ``clip_skip``)."""
     from mindspeed_mm.models.encoders import encode_sd3
 
     rows = encode_sd3(
@@ -79,6 +82,7 @@ def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[
         parts["text_encoder_3"],
         captions,
         text_len,
+        clip_skip=clip_skip,
     )
     return torch.stack([r["text"] for r in rows]), torch.stack([r["pooled"] for r in rows])
 
@@ -113,17 +117,20 @@ SD3 = register_dit(
         scheduler=("FlowMatchEulerDiscreteScheduler", {"num_train_timesteps": 1000, "shift": 3.0}),
         timestep_kwargs=_timestep_kwargs,
         encode_prompts=_encode,
+        encode_options=("clip_skip",),
         # The joint attention's image tokens (after the patch and position embedding) and text tokens (after
-        # the context projection) are both split; every block attends over both streams' shards; the image
-        # tokens are gathered after proj_out. (SD3.5's dual-attention layers, an image-only second attention,
-        # are not covered: their sequence is not the joint one.)
+        # the context projection) are both split; every block attends over both streams' shards; SD3.5's
+        # dual-attention layers' second attention (attn2, called without the text) over the image shards
+        # only; the image tokens are gathered after proj_out.
         sequence_plan=SequencePlan(
             splits=(Split("pos_embed", None, 1, "image"), Split("context_embedder", None, 1, "text")),
             gather=("proj_out", 1, "image"),
             cross_attention_local=False,
+            self_attention=("image",),
         ),
         # train_dreambooth_lora_sd3.py's targets: both streams' attention projections
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         latent_channels=lambda config: config.get("out_channels") or config["in_channels"],
+        skip_layers=lambda config: config.num_layers,
     )
 )
