@@ -85,6 +85,9 @@ class DiTFamily:
         materialize_tables: ``(model built on the meta device) -> None`` recomputes the tensors the model keeps
             outside its parameters and buffers (Qwen-Image's rotary tables), which the ranks' shards and rank
             0's buffers do not carry.
+        image_prompts: ``encode_prompts`` takes the batch's source images too (``images=`` a list of PIL images:
+            Qwen-Image-Edit encodes the instruction with its image), and extract-features reads each record's
+            ``condition_image`` as the source image (its ``path`` is the target).
     """
 
     architecture: str
@@ -116,6 +119,7 @@ class DiTFamily:
     timestep_tokens: Callable[[Any, torch.Tensor, tuple[int, ...], torch.Tensor | None], torch.Tensor] | None = None
     combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     materialize_tables: Callable[[Any], None] | None = None
+    image_prompts: bool = False
 
     @property
     def key(self) -> str:

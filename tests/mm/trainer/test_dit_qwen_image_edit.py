@@ -1,0 +1,139 @@
+"""Qwen-Image-Edit training against diffusers: loss and every gradient.
+
+A tiny ``QwenImageTransformer2DModel`` in a directory whose ``model_index.json`` names ``QwenImageEditPipeline``
+is the ``edit`` family; a cache of target latents ``[4, 4, 4]``, source-image latents of another shape
+``[4, 6, 4]`` and texts of 2-5 tokens trains it. The microbatch's loss and every parameter's gradient equal a
+reference computed with a separately loaded diffusers model called as ``QwenImageEditPipeline`` calls it: the
+noisy target packed with ``_pack_latents``, the source latents packed and concatenated after it on the sequence,
+``img_shapes`` ``[(1, 2, 2), (1, 3, 2)]`` per sample, ``timestep`` ``t / 1000``, the texts zero-padded with
+their mask, the output's first 4 (target) tokens unpacked; loss ``noise - x0`` on those tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mindspeed.launch import launch
+from mindspeed_mm.config import load_mm_config
+from mindspeed_mm.data.features import write_features
+from mindspeed_mm.models.dit import DIT_FAMILIES, dit_family_of, write_tiny_dit
+from mindspeed_mm.trainer.task import TASKS
+
+EDIT = "QwenImageTransformer2DModel:edit"
+TEXT_LEN = 8
+DIFFUSION = {"shift": 3.0, "timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt"}
+
+
+def _write_run(directory) -> tuple:
+    model_dir = write_tiny_dit(directory / "transformer", EDIT)
+    (directory / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
+    gen = torch.Generator().manual_seed(1)
+    samples = [
+        {
+            "latents": torch.randn(4, 4, 4, generator=gen),
+            "text": torch.randn(2 + i % 4, 64, generator=gen),
+            "image_latents": torch.randn(4, 6, 4, generator=gen),
+        }
+        for i in range(6)
+    ]
+    features = write_features(directory / "features", samples, [f"edit {i}" for i in range(6)])
+    return model_dir, features
+
+
+def _reference(model_dir, task, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageTransformer2DModel
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    c = task.config.diffusion
+    latents, noise, indices = batch.latents, batch.draw.noise, batch.draw.indices
+    source = batch.conditions["image_latents"]
+    b, channels, height, width = latents.shape
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
+    timesteps, sigmas = scheduler.timesteps[indices], scheduler.sigmas[indices]
+    s = sigmas.reshape(b, 1, 1, 1)
+    noisy = (1.0 - s) * latents + s * noise
+    texts = [task.features[i]["text"] for i in batch.indices]
+    longest = max(len(t) for t in texts)
+    text = torch.stack([torch.cat([t, t.new_zeros(longest - len(t), t.shape[1])]) for t in texts])
+    mask = torch.stack([torch.arange(longest) < len(t) for t in texts]).long()
+    assert not bool(mask.all())
+    model = QwenImageTransformer2DModel.from_pretrained(model_dir)
+    packed = QwenImageEditPipeline._pack_latents(noisy, b, channels, height, width)
+    packed_source = QwenImageEditPipeline._pack_latents(source, b, channels, *source.shape[-2:])
+    pred = model(
+        hidden_states=torch.cat([packed, packed_source], dim=1),
+        timestep=timesteps / 1000,
+        encoder_hidden_states=text,
+        encoder_hidden_states_mask=mask,
+        img_shapes=[[(1, height // 2, width // 2), (1, source.shape[-2] // 2, source.shape[-1] // 2)]] * b,
+        return_dict=False,
+    )[0]
+    pred = pred[:, : packed.size(1)]
+    pred = QwenImageEditPipeline._unpack_latents(pred, height * 8, width * 8, 8)[:, :, 0]
+    weighting = compute_loss_weighting_for_sd3(c.loss_weighting, sigmas).reshape(b, 1, 1, 1)
+    loss = torch.mean((weighting * (pred - (noise - latents)) ** 2).reshape(b, -1), 1).mean()
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _parity(run) -> dict:
+    overrides = [
+        f"model.path={run[0]}",
+        f"data.features={run[1]}",
+        f"data.text_len={TEXT_LEN}",
+        "data.shuffle=false",
+        "logging.progress=false",
+        "train.micro_batch_size=3",
+        "train.precision=fp32",
+    ] + [f"diffusion.{k}={v}" for k, v in DIFFUSION.items()]
+    task = TASKS.get("dit")(load_mm_config(None, overrides), 1)
+    batch = task.microbatches(1, 0)[0]
+    seen = {}
+    task.model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    loss, _ = task.loss(batch, torch.zeros(2))
+    loss.backward()
+    ours = {name: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for name, p in task.model.named_parameters()}
+    expected, grads = _reference(run[0], task, batch)
+    errors = {
+        n: float((ours[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads.items() if g is not None
+    }
+    return {
+        "family": task.family.key,
+        "loss": float(loss.detach()),
+        "expected": expected,
+        "grad_error": max(errors.values()),
+        "worst": max(errors, key=errors.get),
+        "same_unused": sorted(n for n, g in grads.items() if g is None)
+        == sorted(n for n, g in ours.items() if g is None),
+        "nonzero": sum(bool(g.abs().max() > 0) for g in grads.values() if g is not None),
+        "params": len(grads),
+        "indices": batch.draw.indices.tolist(),
+        "tokens": seen["hidden_states"].shape[1],
+        "img_shapes": seen["img_shapes"],
+    }
+
+
+def test_qwen_image_edit_loss_and_gradients_equal_diffusers_reference(tmp_path) -> None:
+    run = _write_run(tmp_path / "edit")
+    assert dit_family_of(run[0]).key == EDIT  # picked by the pipeline's model_index.json
+    result = launch(_parity, (run,))
+    print(
+        f"Qwen-Image-Edit {DIFFUSION}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
+        f"gradient error {result['grad_error']:.1e} ({result['worst']}) over {result['params']} parameters "
+        f"({result['nonzero']} nonzero), timesteps {result['indices']}, tokens {result['tokens']}"
+    )
+    assert result["family"] == EDIT and result["same_unused"]
+    assert result["tokens"] == 4 + 6 and result["img_shapes"][0] == [(1, 2, 2), (1, 3, 2)]
+    assert result["loss"] == pytest.approx(result["expected"], rel=1e-6)
+    # diffusers' t / 1000 differs from our grid's sigma by up to an ulp (as in the Qwen-Image test)
+    assert result["grad_error"] < 5e-5
+    assert result["nonzero"] > result["params"] // 2
+
+
+def test_qwen_image_edit_without_source_latents_names_the_fix() -> None:
+    family = DIT_FAMILIES.get(EDIT)
+    with pytest.raises(ValueError, match="give --image SRC to generate, or `condition_image`"):
+        family.model_inputs(family.tiny_config, torch.zeros(1, 4, 4, 4), torch.ones(1), torch.ones(1, 2, 64), None, 1.0)
