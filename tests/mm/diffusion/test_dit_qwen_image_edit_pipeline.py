@@ -227,3 +227,78 @@ def test_generate_qwen_image_edit_equals_pipeline(tmp_path, capsys) -> None:
     assert main(["generate", "--load-dir", str(pipe_dir), "--output-dir", str(tmp_path / "none"), *flags[:-2]]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors[-1].endswith("is an image-editing model: give --image SRC (the image to edit)")
+
+
+def test_extract_features_caches_edit_records_as_the_pipeline_encodes_them(tmp_path) -> None:
+    """``extract-features`` on (source, target, instruction) records: the cache's ``text`` is ``encode_prompt``'s
+    of the instruction with the resized source image (its real tokens), ``image_latents`` ``_encode_vae_image``'s
+    of the source and ``latents`` the target's; a record without ``condition_image`` is a one-line error naming
+    the field; training one step from the cache runs on the source tokens."""
+    from diffusers import QwenImageEditPipeline
+    from PIL import Image
+
+    from mindspeed.launch import launch
+    from mindspeed_mm.cli import main
+    from mindspeed_mm.config import load_mm_config
+    from mindspeed_mm.data.features import FeatureSet
+    from mindspeed_mm.models.encoders import encode_latents
+
+    pipe_dir = tmp_path / "pipe"
+    pipe = QwenImageEditPipeline(**_tiny_parts(tmp_path))
+    pipe.save_pretrained(pipe_dir)
+    media = tmp_path / "media"
+    (media / "src").mkdir(parents=True)
+    targets = []
+    for i in range(2):
+        _source(10 + i).save(media / "src" / f"s{i}.png")
+        targets.append((np.random.RandomState(20 + i).rand(32, 32, 3) * 255).astype("uint8"))
+        Image.fromarray(targets[-1]).save(media / f"t{i}.png")
+    records = [{"path": f"t{i}.png", "cap": PROMPTS[i], "condition_image": f"src/s{i}.png"} for i in range(2)]
+    (media / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = [
+        f"model.path={pipe_dir / 'transformer'}",
+        f"data.files=[{media / 'edits.jsonl'}]",
+        "data.resolutions=[[32,32]]",
+        f"data.text_len={TEXT_LEN}",
+        f"data.features={tmp_path / 'features'}",
+    ]
+    assert main(["extract-features", *args]) == 0
+    cache = FeatureSet(tmp_path / "features")
+    for i in range(2):
+        with Image.open(media / "src" / f"s{i}.png") as opened:
+            resized, pixels = _pipeline_image(pipe, opened.convert("RGB"))
+        with torch.no_grad():
+            text, mask = pipe.encode_prompt([PROMPTS[i]], image=[resized])
+            source = pipe._encode_vae_image(pixels, None)[0, :, 0]
+            target = encode_latents(pipe.vae, torch.tensor(targets[i]).permute(2, 0, 1)[None].float() / 127.5 - 1)
+        assert mask is None and torch.equal(cache[i]["text"], text[0])
+        assert torch.equal(cache[i]["image_latents"], source)
+        torch.testing.assert_close(cache[i]["latents"], target[0], rtol=1e-6, atol=1e-6)
+    overrides = [*args, "train.micro_batch_size=2", "train.precision=fp32", "logging.progress=false"]
+    task = launch(_one_step, (load_mm_config(None, overrides),))
+    assert task["family"] == "QwenImageTransformer2DModel:edit" and task["tokens"] == 16 + 48 and task["finite"]
+
+    (media / "bad.jsonl").write_text(json.dumps({"path": "t0.png", "cap": "no source"}) + "\n")
+    bad = [*args[:1], f"data.files=[{media / 'bad.jsonl'}]", *args[2:4], f"data.features={tmp_path / 'bad'}"]
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .* add `condition_image` \(the image to edit\)"):
+        _plan(bad)
+
+
+def _plan(overrides) -> None:
+    from mindspeed_mm.config import load_mm_config
+    from mindspeed_mm.data.media_features import MediaFeatures
+    from mindspeed_mm.models.dit import dit_family_of
+
+    config = load_mm_config(None, overrides)
+    MediaFeatures(config, dit_family_of(config.model.path))
+
+
+def _one_step(config) -> dict:
+    from mindspeed_mm.trainer.task import TASKS
+
+    task = TASKS.get("dit")(config, 1)
+    seen = {}
+    task.model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    loss, _ = task.loss(task.microbatches(1, 0)[0], torch.zeros(2))
+    loss.backward()
+    return {"family": task.family.key, "tokens": seen["hidden_states"].shape[1], "finite": bool(loss.isfinite())}

@@ -6,7 +6,9 @@ from ``data.files`` when ``data.features`` is unset; ``extract-features`` writes
 cache. Sample ``i``'s latents are the VAE's of its decoded pixels, its text the text encoders' of
 its caption, each encoded alone (so a cache and the raw run hold the same numbers). For a family
 with conditions (Wan I2V) the sample's first frame, as an 8-bit image, is the pipeline's input image
-(:attr:`~mindspeed_mm.models.dit.DiTFamily.image_conditions`: ``image_latents``, ``image_embeds``).
+(:attr:`~mindspeed_mm.models.dit.DiTFamily.image_conditions`: ``image_latents``, ``image_embeds``). For an
+image-editing family (Qwen-Image-Edit: ``image_prompts``) the record's ``condition_image`` is the source image:
+its ``image_latents``, and the caption encoded together with it as the sample's ``text``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,15 @@ class MediaFeatures:
                     f"{self.directory / 'vae'} needs (its time stride is {stride}); e.g. {4 * stride + 1}"
                 )
         self.samples: list[MediaSample] = plan_media(
-            d.files, d.image_dir, d.resolutions, d.hw_stride, d.frame_counts, d.fps, d.skip_bad, images_only
+            d.files,
+            d.image_dir,
+            d.resolutions,
+            d.hw_stride,
+            d.frame_counts,
+            d.fps,
+            d.skip_bad,
+            images_only,
+            family.image_prompts,
         )
         self.entries = [{"id": f"{i:06d}", "caption": s.caption, "where": s.where} for i, s in enumerate(self.samples)]
         #: listed samples left out by ``data.skip_bad`` before decoding
@@ -85,13 +95,31 @@ class MediaFeatures:
             "latents": self.encoders.encode_pixels(pixels),
             **self.encoders.encode_text(self.samples[index].caption),
         }
-        if self.condition_keys:
+        if self.family.image_prompts:  # an editing record: the instruction encoded with its source image
+            sample.update(self._edit_conditions(self.samples[index]))
+        elif self.condition_keys:
             parts = {"vae": self.encoders.vae, **self.encoders.condition_parts}
             frames, height, width = pixels.shape[1:]
             last = {"last_image": first_frame_image(pixels, -1)} if self.family.last_frame else {}
             conditions = self.family.image_conditions(parts, first_frame_image(pixels), frames, height, width, **last)
             sample.update({key: conditions[key].float().cpu() for key in self.condition_keys})
         return sample
+
+    def _edit_conditions(self, media: MediaSample) -> dict[str, torch.Tensor]:
+        """``text`` (the caption's real tokens encoded with the source image) and the source image's conditions."""
+        from PIL import Image
+
+        with Image.open(media.condition) as opened:
+            image = opened.convert("RGB")
+        tokenizer, encoder = self.encoders.text_parts[:2]
+        parts = {"vae": self.encoders.vae, "tokenizer": tokenizer, "text_encoder": encoder}
+        parts.update(self.encoders.condition_parts)
+        text = self.family.encode_prompts(parts, [media.caption], self.encoders.max_length, images=[image])[0][0]
+        real = text.ne(0).any(dim=-1).nonzero()
+        out = {"text": text[: int(real.max()) + 1 if len(real) else 0].float().cpu()}
+        conditions = self.family.image_conditions(parts, image, 1, media.height, media.width)
+        out.update({key: conditions[key].float().cpu() for key in self.condition_keys})
+        return out
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Each sample's bucket ``(frames, height, width)`` (one bucket per latent shape)."""

@@ -261,6 +261,12 @@ class DiTTask:
                     f"{self.features.directory}: {self.family.key} needs `ID.{key}` in every sample; extract "
                     "features for this model"
                 )
+            shapes = sorted({tuple(s[key].shape) for s in samples})
+            if len(shapes) > 1:  # Qwen-Image-Edit: source images of different aspect ratios in one microbatch
+                raise ValueError(
+                    f"{self.features.directory}: `{key}` of shapes {shapes} in one microbatch; set "
+                    "train.micro_batch_size=1 or give sources of one aspect ratio"
+                )
             conditions[key] = torch.stack([s[key].float() for s in samples])
         draw = self.flow.draw(self.flow.generator(self.config.train.seed, microbatch), tuple(latents.shape))
         tokens = self.family.tokens(self.model.config, shape) * len(indices)
