@@ -137,3 +137,14 @@ def test_qwen_image_edit_without_source_latents_names_the_fix() -> None:
     family = DIT_FAMILIES.get(EDIT)
     with pytest.raises(ValueError, match="give --image SRC to generate, or `condition_image`"):
         family.model_inputs(family.tiny_config, torch.zeros(1, 4, 4, 4), torch.ones(1), torch.ones(1, 2, 64), None, 1.0)
+
+
+def test_qwen_image_edit_text_dropout_names_the_fix(tmp_path) -> None:
+    run = _write_run(tmp_path / "edit")
+    overrides = [f"model.path={run[0]}", f"data.features={run[1]}", "diffusion.text_dropout=0.1"]
+    with pytest.raises(ValueError, match=r"set diffusion.text_dropout=0$"):
+        launch(_build, (load_mm_config(None, overrides),))
+
+
+def _build(config) -> None:
+    TASKS.get("dit")(config, 1)

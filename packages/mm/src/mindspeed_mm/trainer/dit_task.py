@@ -198,6 +198,12 @@ class DiTTask:
             write_adapter_config(config.lora, self.family, self.source, config.checkpoint.save)
 
     def _null_text(self) -> dict[str, torch.Tensor]:
+        if self.family.image_prompts and self.config.diffusion.text_dropout > 0:
+            # Qwen-Image-Edit's empty prompt is encoded with each sample's source image: no one null text
+            raise ValueError(
+                f"diffusion.text_dropout={self.config.diffusion.text_dropout}: {self.family.key} encodes the empty "
+                "prompt with each source image, which the cache does not hold; set diffusion.text_dropout=0"
+            )
         null = self.features.null()
         if null is None:
             if self.config.diffusion.text_dropout > 0:
