@@ -13,9 +13,10 @@ image is resized to about :data:`CONDITION_AREA` pixels at its own aspect ratio 
   inside the prompt), the first ``prompt_template_encode_start_idx`` (64) states dropped: the text
   (``QwenImageEditPipeline.encode_prompt``'s own method runs), which then includes the image's tokens.
 
-Everything else (timestep, text mask, true CFG with the norm rescale, FSDP2 plan, LoRA targets) is Qwen-Image's
-(:mod:`mindspeed_mm.models.qwen_image`). Sequence parallelism is not declared for this family (untested with the
-condition tokens).
+Everything else (timestep, text mask, true CFG with the norm rescale, FSDP2 plan, LoRA targets, sequence plan) is
+Qwen-Image's (:mod:`mindspeed_mm.models.qwen_image`): under sequence parallelism the joint sequence of target and
+source tokens is split as one image stream (its rotary table is the two shapes' concatenated) and gathered
+whole after ``proj_out``, before the target's tokens are kept.
 """
 
 from __future__ import annotations
@@ -167,6 +168,5 @@ QWEN_IMAGE_EDIT = register_dit(
         conditions=(("image_latents", lambda config: True),),
         image_conditions=encode_source_image,
         condition_folders=(("processor", lambda config: True),),
-        sequence_plan=None,
     )
 )
