@@ -27,8 +27,8 @@ TEXT_LEN = 8
 DIFFUSION = {"shift": 3.0, "timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt"}
 
 
-def _write_run(directory) -> tuple:
-    model_dir = write_tiny_dit(directory / "transformer", EDIT)
+def _write_run(directory, **overrides) -> tuple:
+    model_dir = write_tiny_dit(directory / "transformer", EDIT, **overrides)
     (directory / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
     gen = torch.Generator().manual_seed(1)
     samples = [
@@ -116,12 +116,14 @@ def _parity(run) -> dict:
     }
 
 
-def test_qwen_image_edit_loss_and_gradients_equal_diffusers_reference(tmp_path) -> None:
-    run = _write_run(tmp_path / "edit")
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_qwen_image_edit_loss_and_gradients_equal_diffusers_reference(tmp_path, zero_cond_t) -> None:
+    # zero_cond_t (Qwen-Image-Edit-2511's config): the model gives the source tokens timestep 0 itself, from img_shapes
+    run = _write_run(tmp_path / "edit", zero_cond_t=zero_cond_t)
     assert dit_family_of(run[0]).key == EDIT  # picked by the pipeline's model_index.json
     result = launch(_parity, (run,))
     print(
-        f"Qwen-Image-Edit {DIFFUSION}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
+        f"Qwen-Image-Edit zero_cond_t={zero_cond_t} {DIFFUSION}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
         f"gradient error {result['grad_error']:.1e} ({result['worst']}) over {result['params']} parameters "
         f"({result['nonzero']} nonzero), timesteps {result['indices']}, tokens {result['tokens']}"
     )
