@@ -196,3 +196,81 @@ def test_qwen_image_edit_sp2_equals_sp1(tmp_path) -> None:
         worst = _close_grads(one, b, 1e-5, f"qwen-image-edit sp2 {algo}")
         print(f"Qwen-Image-Edit SP2 {algo}: loss {b['loss']:.6f} (SP1 {one['loss']:.6f}), worst gradient {worst:.1e}")
     assert len(one["grads"]) > 60
+
+
+def _train_lora(root, run) -> None:
+    from mindspeed_mm.trainer.loop import train
+
+    overrides = [
+        f"model.path={run[0]}",
+        f"data.features={run[1]}",
+        f"data.text_len={TEXT_LEN}",
+        "train.precision=fp32",
+        "train.steps=2",
+        "train.micro_batch_size=2",
+        "train.lr=0.05",
+        "logging.progress=false",
+        "lora.target_modules=[default]",
+        "lora.r=4",
+        "lora.alpha=8",
+        f"lora.save_peft={root / 'lora'}",
+        f"checkpoint.save_hf={root / 'merged'}",
+        f"checkpoint.save={root / 'ckpt'}",
+    ]
+    train(load_mm_config(None, overrides))
+
+
+def _edit_output(model) -> torch.Tensor:
+    family = DIT_FAMILIES.get(EDIT)
+    gen = torch.Generator().manual_seed(3)
+    latents, source = torch.randn(2, 4, 4, 4, generator=gen), torch.randn(2, 4, 6, 4, generator=gen)
+    text = torch.randn(2, 8, 64, generator=gen)
+    text[1, 5:] = 0
+    inputs = family.model_inputs(model.config, latents, torch.tensor([0.3, 0.8]), text, None, 1.0, image_latents=source)
+    with torch.no_grad():
+        return family.prediction(model.eval()(**inputs), tuple(latents.shape))
+
+
+def test_qwen_image_edit_lora_loads_in_the_edit_pipeline(tmp_path, capsys) -> None:
+    """2 LoRA steps (r 4, alpha 8, Qwen-Image's default targets) on the edit family: ``lora.save_peft`` loaded by
+    ``QwenImageEditPipeline.load_lora_weights`` and the merged ``checkpoint.save_hf`` give the run's prediction."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageTransformer2DModel
+
+    from mindspeed_mm.config import MMLoraConfig
+    from mindspeed_mm.models.dit import load_dit
+    from mindspeed_mm.models.lora import apply_lora
+    from tests.mm.models.test_dit_lora import _state
+
+    family = DIT_FAMILIES.get(EDIT)
+    run = _write_run(tmp_path / "edit")
+    root = tmp_path / "runs"
+    launch(_train_lora, (root, run))
+    ours = load_dit(run[0], family)
+    apply_lora(ours, MMLoraConfig(target_modules=["default"], r=4, alpha=8.0), family)
+    saved = _state(root / "ckpt" / "step_00000002", tmp_path / "lora.pt")["model"]
+    missing, unexpected = ours.load_state_dict(saved, strict=False)
+    assert saved and not unexpected and all(".lora_" not in name for name in missing)
+    expected = _edit_output(ours)
+    pipe = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+        transformer=load_dit(run[0], family),
+    )
+    pipe.load_lora_weights(str(root / "lora"))
+    diffusers_lora = _edit_output(pipe.transformer)
+    merged, info = QwenImageTransformer2DModel.from_pretrained(root / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    merged = _edit_output(merged)
+    base = _edit_output(load_dit(run[0], family))
+    with capsys.disabled():
+        print(
+            f"Qwen-Image-Edit LoRA: |load_lora_weights - run| {float((diffusers_lora - expected).abs().max()):.2e}, "
+            f"|merged - run| {float((merged - expected).abs().max()):.2e}, |run - base| "
+            f"{float((expected - base).abs().max()):.2e}"
+        )
+    torch.testing.assert_close(diffusers_lora, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-5)
+    assert float((expected - base).abs().max()) > 1e-2  # the LoRA trained
