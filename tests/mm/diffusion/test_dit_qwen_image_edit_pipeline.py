@@ -232,7 +232,8 @@ def test_generate_qwen_image_edit_equals_pipeline(tmp_path, capsys) -> None:
 def test_extract_features_caches_edit_records_as_the_pipeline_encodes_them(tmp_path) -> None:
     """``extract-features`` on (source, target, instruction) records: the cache's ``text`` is ``encode_prompt``'s
     of the instruction with the resized source image (its real tokens), ``image_latents`` ``_encode_vae_image``'s
-    of the source and ``latents`` the target's; a record without ``condition_image`` is a one-line error naming
+    of the source, ``null_text`` (with text dropout) ``encode_prompt``'s of the empty prompt with the source and
+    ``latents`` the target's; a record without ``condition_image`` is a one-line error naming
     the field; training one step from the cache runs on the source tokens."""
     from diffusers import QwenImageEditPipeline
     from PIL import Image
@@ -261,6 +262,7 @@ def test_extract_features_caches_edit_records_as_the_pipeline_encodes_them(tmp_p
         "data.resolutions=[[32,32]]",
         f"data.text_len={TEXT_LEN}",
         f"data.features={tmp_path / 'features'}",
+        "diffusion.text_dropout=0.5",
     ]
     assert main(["extract-features", *args]) == 0
     cache = FeatureSet(tmp_path / "features")
@@ -269,9 +271,11 @@ def test_extract_features_caches_edit_records_as_the_pipeline_encodes_them(tmp_p
             resized, pixels = _pipeline_image(pipe, opened.convert("RGB"))
         with torch.no_grad():
             text, mask = pipe.encode_prompt([PROMPTS[i]], image=[resized])
+            null, null_mask = pipe.encode_prompt([""], image=[resized])
             source = pipe._encode_vae_image(pixels, None)[0, :, 0]
             target = encode_latents(pipe.vae, torch.tensor(targets[i]).permute(2, 0, 1)[None].float() / 127.5 - 1)
         assert mask is None and torch.equal(cache[i]["text"], text[0])
+        assert null_mask is None and torch.equal(cache[i]["null_text"], null[0]) and len(null[0]) < len(text[0])
         assert torch.equal(cache[i]["image_latents"], source)
         torch.testing.assert_close(cache[i]["latents"], target[0], rtol=1e-6, atol=1e-6)
     overrides = [*args, "train.micro_batch_size=2", "train.precision=fp32", "logging.progress=false"]

@@ -2,11 +2,12 @@
 
 A tiny ``QwenImageTransformer2DModel`` in a directory whose ``model_index.json`` names ``QwenImageEditPipeline``
 is the ``edit`` family; a cache of target latents ``[4, 4, 4]``, source-image latents of another shape
-``[4, 6, 4]`` and texts of 2-5 tokens trains it. The microbatch's loss and every parameter's gradient equal a
+``[4, 6, 4]``, texts of 2-5 tokens and each sample's own null text (the empty prompt encoded with its source
+image, 1-3 tokens, which text dropout 0.5 substitutes) trains it. The microbatch's loss and every parameter's gradient equal a
 reference computed with a separately loaded diffusers model called as ``QwenImageEditPipeline`` calls it: the
 noisy target packed with ``_pack_latents``, the source latents packed and concatenated after it on the sequence,
 ``img_shapes`` ``[(1, 2, 2), (1, 3, 2)]`` per sample, ``timestep`` ``t / 1000``, the texts zero-padded with
-their mask, the output's first 4 (target) tokens unpacked; loss ``noise - x0`` on those tokens only.
+their mask (a dropped sample's own null text), the output's first 4 (target) tokens unpacked; loss ``noise - x0`` on those tokens only.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from mindspeed_mm.trainer.task import TASKS
 
 EDIT = "QwenImageTransformer2DModel:edit"
 TEXT_LEN = 8
-DIFFUSION = {"shift": 3.0, "timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt"}
+DIFFUSION = {"shift": 3.0, "timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt", "text_dropout": 0.5}
 
 
-def _write_run(directory, **overrides) -> tuple:
+def _write_run(directory, null_text: bool = True, **overrides) -> tuple:
     model_dir = write_tiny_dit(directory / "transformer", EDIT, **overrides)
     (directory / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
     gen = torch.Generator().manual_seed(1)
@@ -36,6 +37,8 @@ def _write_run(directory, **overrides) -> tuple:
             "latents": torch.randn(4, 4, 4, generator=gen),
             "text": torch.randn(2 + i % 4, 64, generator=gen),
             "image_latents": torch.randn(4, 6, 4, generator=gen),
+            # the empty prompt encoded with this sample's source image (what text dropout substitutes)
+            **({"null_text": torch.randn(1 + i % 3, 64, generator=gen)} if null_text else {}),
         }
         for i in range(6)
     ]
@@ -55,7 +58,8 @@ def _reference(model_dir, task, batch) -> tuple[float, dict[str, torch.Tensor]]:
     timesteps, sigmas = scheduler.timesteps[indices], scheduler.sigmas[indices]
     s = sigmas.reshape(b, 1, 1, 1)
     noisy = (1.0 - s) * latents + s * noise
-    texts = [task.features[i]["text"] for i in batch.indices]
+    drop = batch.draw.drop.tolist()
+    texts = [task.features[i]["null_text" if d else "text"] for i, d in zip(batch.indices, drop)]
     longest = max(len(t) for t in texts)
     text = torch.stack([torch.cat([t, t.new_zeros(longest - len(t), t.shape[1])]) for t in texts])
     mask = torch.stack([torch.arange(longest) < len(t) for t in texts]).long()
@@ -111,6 +115,7 @@ def _parity(run) -> dict:
         "nonzero": sum(bool(g.abs().max() > 0) for g in grads.values() if g is not None),
         "params": len(grads),
         "indices": batch.draw.indices.tolist(),
+        "dropped": int(batch.draw.drop.sum()),
         "tokens": seen["hidden_states"].shape[1],
         "img_shapes": seen["img_shapes"],
     }
@@ -125,7 +130,7 @@ def test_qwen_image_edit_loss_and_gradients_equal_diffusers_reference(tmp_path, 
     print(
         f"Qwen-Image-Edit zero_cond_t={zero_cond_t} {DIFFUSION}: loss {result['loss']:.6f} (diffusers {result['expected']:.6f}), max relative "
         f"gradient error {result['grad_error']:.1e} ({result['worst']}) over {result['params']} parameters "
-        f"({result['nonzero']} nonzero), timesteps {result['indices']}, tokens {result['tokens']}"
+        f"({result['nonzero']} nonzero), timesteps {result['indices']}, dropped {result['dropped']}, tokens {result['tokens']}"
     )
     assert result["family"] == EDIT and result["same_unused"]
     assert result["tokens"] == 4 + 6 and result["img_shapes"][0] == [(1, 2, 2), (1, 3, 2)]
@@ -133,6 +138,7 @@ def test_qwen_image_edit_loss_and_gradients_equal_diffusers_reference(tmp_path, 
     # diffusers' t / 1000 differs from our grid's sigma by up to an ulp (as in the Qwen-Image test)
     assert result["grad_error"] < 5e-5
     assert result["nonzero"] > result["params"] // 2
+    assert 0 < result["dropped"] < 3  # each sample's own null text and real texts in one microbatch
 
 
 def test_qwen_image_edit_without_source_latents_names_the_fix() -> None:
@@ -141,15 +147,15 @@ def test_qwen_image_edit_without_source_latents_names_the_fix() -> None:
         family.model_inputs(family.tiny_config, torch.zeros(1, 4, 4, 4), torch.ones(1), torch.ones(1, 2, 64), None, 1.0)
 
 
-def test_qwen_image_edit_text_dropout_names_the_fix(tmp_path) -> None:
-    run = _write_run(tmp_path / "edit")
+def test_qwen_image_edit_text_dropout_without_null_texts_names_the_fix(tmp_path) -> None:
+    run = _write_run(tmp_path / "edit", null_text=False)
     overrides = [f"model.path={run[0]}", f"data.features={run[1]}", "diffusion.text_dropout=0.1"]
-    with pytest.raises(ValueError, match=r"set diffusion.text_dropout=0$"):
-        launch(_build, (load_mm_config(None, overrides),))
+    with pytest.raises(ValueError, match=r"lacks; extract features with the same diffusion.text_dropout, or set"):
+        launch(_first_batch, (load_mm_config(None, overrides),))
 
 
-def _build(config) -> None:
-    TASKS.get("dit")(config, 1)
+def _first_batch(config) -> None:
+    TASKS.get("dit")(config, 1).microbatches(1, 0)
 
 
 def _sp_overrides(run, sp: int, *extra: str) -> list[str]:

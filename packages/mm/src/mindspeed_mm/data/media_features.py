@@ -8,7 +8,8 @@ its caption, each encoded alone (so a cache and the raw run hold the same number
 with conditions (Wan I2V) the sample's first frame, as an 8-bit image, is the pipeline's input image
 (:attr:`~mindspeed_mm.models.dit.DiTFamily.image_conditions`: ``image_latents``, ``image_embeds``). For an
 image-editing family (Qwen-Image-Edit: ``image_prompts``) the record's ``condition_image`` is the source image:
-its ``image_latents``, and the caption encoded together with it as the sample's ``text``.
+its ``image_latents``, and the caption encoded together with it as the sample's ``text`` (with
+``diffusion.text_dropout`` also the empty prompt encoded with it, ``null_text``, which the dropout substitutes).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class MediaFeatures:
     def __init__(self, config: MMConfig, family: DiTFamily) -> None:
         d = config.data
         self.family = family
+        #: an editing family with text dropout: each sample's empty prompt encoded with its source image too
+        self.null_per_sample = family.image_prompts and config.diffusion.text_dropout > 0
         self.directory = encoders_dir(config)
         model_config = family.load_class().load_config(str(config.model.path))
         #: the conditions the model takes (computed from each sample's first frame)
@@ -114,9 +117,12 @@ class MediaFeatures:
         tokenizer, encoder = self.encoders.text_parts[:2]
         parts = {"vae": self.encoders.vae, "tokenizer": tokenizer, "text_encoder": encoder}
         parts.update(self.encoders.condition_parts)
-        text = self.family.encode_prompts(parts, [media.caption], self.encoders.max_length, images=[image])[0][0]
-        real = text.ne(0).any(dim=-1).nonzero()
-        out = {"text": text[: int(real.max()) + 1 if len(real) else 0].float().cpu()}
+        captions = [media.caption, ""] if self.null_per_sample else [media.caption]
+        # one prompt a call: a batch would pad the shorter prompt for the text encoder (last-bit differences)
+        texts = [
+            self.family.encode_prompts(parts, [c], self.encoders.max_length, images=[image])[0][0] for c in captions
+        ]
+        out = {name: _real_rows(text) for name, text in zip(("text", "null_text"), texts)}
         conditions = self.family.image_conditions(parts, image, 1, media.height, media.width)
         out.update({key: conditions[key].float().cpu() for key in self.condition_keys})
         return out
@@ -128,3 +134,9 @@ class MediaFeatures:
     def null(self) -> dict[str, torch.Tensor]:
         """The empty caption's ``text`` (and ``pooled``)."""
         return self.encoders.encode_text("")
+
+
+def _real_rows(text: torch.Tensor) -> torch.Tensor:
+    """``text`` ``[L, D]`` without its trailing all-zero (padding) rows, float32 on the CPU."""
+    real = text.ne(0).any(dim=-1).nonzero()
+    return text[: int(real.max()) + 1 if len(real) else 0].float().cpu()
