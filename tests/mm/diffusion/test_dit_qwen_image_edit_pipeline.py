@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from mindspeed_mm.diffusion.sampler import build_scheduler, decode_latents, sample_latents
-from mindspeed_mm.models import qwen_image_edit
 from mindspeed_mm.models.dit import DIT_FAMILIES
 from mindspeed_mm.models.flux import pack_latents, unpack_latents
 from mindspeed_mm.models.qwen_image import text_mask
@@ -42,7 +41,7 @@ def small_area(monkeypatch):
 
     original = pipeline_qwenimage_edit.calculate_dimensions
     monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: original(AREA, ratio))
-    monkeypatch.setattr(qwen_image_edit, "CONDITION_AREA", AREA)
+    monkeypatch.setattr("mindspeed_mm.models.qwen_image_edit.CONDITION_AREA", AREA)
 
 
 def _source(seed: int):
