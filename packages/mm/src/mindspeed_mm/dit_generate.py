@@ -236,7 +236,7 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
             [torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i)) for i in range(len(batch))]
         ).to(loaded.device)
         scheduler = build_scheduler(family, loaded.pipeline_dir, sample.sampler, sample.flow_shift)
-        neg_text = negative[0].expand(len(batch), -1, -1).contiguous() if negative is not None else None
+        neg_text = negative[0].expand(len(batch), -1, -1) if negative is not None else None
         neg_pooled = negative[1].expand(len(batch), -1) if negative is not None and negative[1] is not None else None
         conditions = None
         if images:

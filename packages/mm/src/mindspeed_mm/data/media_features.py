@@ -94,13 +94,12 @@ class MediaFeatures:
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """Sample ``index``'s ``latents``, ``text`` (and ``pooled``, and the family's conditions)."""
         pixels = self.pixels(index)
-        sample = {
-            "latents": self.encoders.encode_pixels(pixels),
-            **self.encoders.encode_text(self.samples[index].caption),
-        }
+        sample = {"latents": self.encoders.encode_pixels(pixels)}
         if self.family.image_prompts:  # an editing record: the instruction encoded with its source image
             sample.update(self._edit_conditions(self.samples[index]))
-        elif self.condition_keys:
+            return sample
+        sample.update(self.encoders.encode_text(self.samples[index].caption))
+        if self.condition_keys:
             parts = {"vae": self.encoders.vae, **self.encoders.condition_parts}
             frames, height, width = pixels.shape[1:]
             last = {"last_image": first_frame_image(pixels, -1)} if self.family.last_frame else {}
