@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,10 +173,38 @@ def _sp_overrides(run, sp: int, *extra: str) -> list[str]:
     ]
 
 
+def _sp_sample(model_dir) -> dict:
+    """Latents sampled with true CFG without and then with sequence parallelism (the same model, noise, texts and
+    source latents)."""
+    import torch.distributed as dist
+
+    from mindspeed_mm.diffusion.sampler import build_scheduler, sample_latents
+    from mindspeed_mm.models.dit import load_dit
+    from mindspeed_mm.models.dit_parallel import apply_sequence_parallel
+
+    family = DIT_FAMILIES.get(EDIT)
+    model = load_dit(model_dir, family).eval()
+    gen = torch.Generator().manual_seed(3)
+    noise, source = torch.randn(2, 4, 4, 4, generator=gen), torch.randn(2, 4, 6, 4, generator=gen)
+    text, negative = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 8, 64, generator=gen)
+    text[0, 5:] = 0  # a masked conditional text
+
+    def sample() -> torch.Tensor:
+        conditions = {"image_latents": source}
+        return sample_latents(
+            model, family, build_scheduler(family), noise, text, 3, None, negative, None, 4.0, conditions=conditions
+        )
+
+    one = sample()
+    parallel = apply_sequence_parallel(model, family.sequence_plan, dist.group.WORLD)
+    two = sample()
+    return {"one": one.numpy(), "two": two.numpy(), "calls": parallel.calls}
+
+
 def _sp2(rank: int, world: int, run) -> dict:
     from tests.mm.trainer.test_dit_sequence_parallel import _step
 
-    return {"ulysses": _step(_sp_overrides(run, 2))}
+    return {"ulysses": _step(_sp_overrides(run, 2)), "sample": _sp_sample(run[0])}
 
 
 def _sp1(run) -> dict:
@@ -188,7 +217,8 @@ def _sp1(run) -> dict:
 @pytest.mark.slow  # two spawned gloo ranks: 39 s wall alone at load 9.8 (the ranks import torch), 7.6 s after another spawn
 def test_qwen_image_edit_sp2_equals_sp1(tmp_path) -> None:
     """Two gloo Ulysses ranks split the joint sequence of 4 target and 6 source image tokens (5 each) and the masked
-    texts: the training step's loss and every gradient equal one rank's. (Ring attention needs every share as
+    texts: the training step's loss and every gradient equal one rank's, and sampling with true CFG (3 steps) equals
+    the unsplit model's. (Ring attention needs every share as
     its layout gives it, as for Qwen-Image: 15 tokens of uneven text here are refused with that message.)"""
     from mindspeed.testing.distributed import run_distributed
     from tests.mm.trainer.test_dit_sequence_parallel import _close_grads
@@ -202,6 +232,11 @@ def test_qwen_image_edit_sp2_equals_sp1(tmp_path) -> None:
         worst = _close_grads(one, b, 1e-5, f"qwen-image-edit sp2 {algo}")
         print(f"Qwen-Image-Edit SP2 {algo}: loss {b['loss']:.6f} (SP1 {one['loss']:.6f}), worst gradient {worst:.1e}")
     assert len(one["grads"]) > 60
+    sample = two[0]["sample"]
+    np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
+    assert sample["calls"] == 2 * 3 * 2  # 2 blocks, 3 steps, conditional and unconditional
+    np.testing.assert_array_equal(two[1]["sample"]["two"], sample["two"])
+    print(f"Qwen-Image-Edit SP2 sampling: max |SP2 - SP1| {float(np.abs(sample['two'] - sample['one']).max()):.1e}")
 
 
 def _train_lora(root, run) -> None:
