@@ -29,14 +29,14 @@ TEXT_LEN = 8
 DIFFUSION = {"shift": 3.0, "timestep_sampling": "logit_normal", "loss_weighting": "sigma_sqrt", "text_dropout": 0.5}
 
 
-def _write_run(directory, null_text: bool = True, **overrides) -> tuple:
+def _write_run(directory, null_text: bool = True, text_lengths: tuple[int, ...] = (2, 3, 4, 5), **overrides) -> tuple:
     model_dir = write_tiny_dit(directory / "transformer", EDIT, **overrides)
     (directory / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
     gen = torch.Generator().manual_seed(1)
     samples = [
         {
             "latents": torch.randn(4, 4, 4, generator=gen),
-            "text": torch.randn(2 + i % 4, 64, generator=gen),
+            "text": torch.randn(text_lengths[i % len(text_lengths)], 64, generator=gen),
             "image_latents": torch.randn(4, 6, 4, generator=gen),
             # the empty prompt encoded with this sample's source image (what text dropout substitutes)
             **({"null_text": torch.randn(1 + i % 3, 64, generator=gen)} if null_text else {}),
@@ -201,10 +201,15 @@ def _sp_sample(model_dir) -> dict:
     return {"one": one.numpy(), "two": two.numpy(), "calls": parallel.calls}
 
 
-def _sp2(rank: int, world: int, run) -> dict:
+def _sp2(rank: int, world: int, run, even) -> dict:
     from tests.mm.trainer.test_dit_sequence_parallel import _step
 
-    return {"ulysses": _step(_sp_overrides(run, 2)), "sample": _sp_sample(run[0])}
+    ring = _step(_sp_overrides(even, 2, "parallel.context_parallel_algo=megatron_cp_algo"))
+    return {"ulysses": _step(_sp_overrides(run, 2)), "sample": _sp_sample(run[0]), "ring": ring}
+
+
+def _sp1_both(run, even) -> dict:
+    return {"run": _sp1(run), "even": _sp1(even)}
 
 
 def _sp1(run) -> dict:
@@ -214,24 +219,27 @@ def _sp1(run) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # two spawned gloo ranks: 39 s wall alone at load 9.8 (the ranks import torch), 7.6 s after another spawn
+@pytest.mark.slow  # two spawned gloo ranks: 17-39 s wall alone at load 5-10 (the ranks start up), 7.6 s after another spawn
 def test_qwen_image_edit_sp2_equals_sp1(tmp_path) -> None:
     """Two gloo Ulysses ranks split the joint sequence of 4 target and 6 source image tokens (5 each) and the masked
     texts: the training step's loss and every gradient equal one rank's, and sampling with true CFG (3 steps) equals
-    the unsplit model's. (Ring attention needs every share as
-    its layout gives it, as for Qwen-Image: 15 tokens of uneven text here are refused with that message.)"""
+    the unsplit model's. Ring attention (``megatron_cp_algo``) with masked texts of 2 and 4 tokens too (it needs
+    every share as its layout gives it, as for Qwen-Image: uneven text shares are refused with that message)."""
     from mindspeed.testing.distributed import run_distributed
     from tests.mm.trainer.test_dit_sequence_parallel import _close_grads
 
     run = _write_run(tmp_path / "edit")
-    one = launch(_sp1, (run,))
-    two = run_distributed(_sp2, 2, run, timeout=600)
-    for algo in ("ulysses",):
+    # texts of 2 and 4 tokens (a microbatch cuts to 4, masked): text and image shares even, as ring attention needs
+    even = _write_run(tmp_path / "even", text_lengths=(2, 4))
+    ones = launch(_sp1_both, (run, even))
+    two = run_distributed(_sp2, 2, run, even, timeout=600)
+    for algo, one in (("ulysses", ones["run"]), ("ring", ones["even"])):
         b = two[0][algo]
         assert b["loss"] == pytest.approx(one["loss"], rel=1e-5) and b["calls"] == 2, algo
         worst = _close_grads(one, b, 1e-5, f"qwen-image-edit sp2 {algo}")
         print(f"Qwen-Image-Edit SP2 {algo}: loss {b['loss']:.6f} (SP1 {one['loss']:.6f}), worst gradient {worst:.1e}")
-    assert len(one["grads"]) > 60
+        assert len(one["grads"]) > 60
+    assert two[0]["ring"]["masked"] == 2  # the text mask travelled with the keys in both blocks
     sample = two[0]["sample"]
     np.testing.assert_allclose(sample["two"], sample["one"], rtol=0, atol=1e-5 * np.abs(sample["one"]).max())
     assert sample["calls"] == 2 * 3 * 2  # 2 blocks, 3 steps, conditional and unconditional
