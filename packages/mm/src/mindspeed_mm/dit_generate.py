@@ -15,7 +15,9 @@ An image-to-video model (Wan I2V: a family with ``image_conditions``) takes ``--
 every prompt, or one per prompt in order; it is the video's first frame, conditioned on as
 ``WanImageToVideoPipeline`` does (resized to ``--height`` x ``--width``). A first-last-frame model (Wan
 FLF2V) takes ``--last-image FILE`` too; Wan2.2 TI2V-5B generates from text alone or, with ``--image``,
-from text and its first frame.
+from text and its first frame. An image-editing model (Qwen-Image-Edit) takes ``--image SRC``, the image
+to edit: each prompt and the negative prompt are encoded with it, and its latents condition every step, as
+``QwenImageEditPipeline`` does.
 """
 
 from __future__ import annotations
@@ -255,11 +257,19 @@ def _sample_all(args: Any, sample: DiTSampleConfig, prompts: list[str]) -> int:
     output = Path(sample.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    negative = family.encode_prompts(loaded.parts, [sample.negative_prompt], text_len) if guidance > 1 else None
+    negative = None
+    if guidance > 1 and not family.image_prompts:
+        negative = family.encode_prompts(loaded.parts, [sample.negative_prompt], text_len)
     sampled = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
-        text, pooled = family.encode_prompts(loaded.parts, batch, text_len, **options)
+        # Qwen-Image-Edit: each prompt (and the negative prompt) is encoded with its source image
+        with_images = {"images": images[start : start + len(batch)]} if family.image_prompts else {}
+        text, pooled = family.encode_prompts(loaded.parts, batch, text_len, **options, **with_images)
+        if guidance > 1 and family.image_prompts:
+            negative = family.encode_prompts(
+                loaded.parts, [sample.negative_prompt] * len(batch), text_len, **with_images
+            )
         noise = torch.stack(
             [torch.randn(shape, generator=torch.Generator().manual_seed(seed + start + i)) for i in range(len(batch))]
         ).to(loaded.device)
@@ -352,6 +362,8 @@ def _read_images(paths: list[str], family: Any, count: int) -> list[Any]:
     if not paths:
         if family.first_frame_condition:  # Wan2.2 TI2V: text-to-video without an image
             return []
+        if family.image_prompts:
+            raise ValueError(f"{family.key} is an image-editing model: give --image SRC (the image to edit)")
         raise ValueError(f"{family.key} is an image-to-video model: give --image FILE (the first frame)")
     from PIL import Image, UnidentifiedImageError
 

@@ -113,7 +113,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="an image for every --prompt (repeatable; put <image> in the prompt where it goes, "
         "else the images come first); for an image-to-video diffusion transformer (Wan I2V): the first frame, "
-        "one for every prompt or one per prompt",
+        "one for every prompt or one per prompt; for an image-editing one (Qwen-Image-Edit): the image to edit",
     )
     parser.add_argument(
         "--last-image",

@@ -7,7 +7,9 @@ Layout of a cache directory (MindSpeed-MM's feature-extraction flow, in safetens
     shard-00000.safetensors     per sample ``ID.latents`` ([C, F, H, W] video or [C, H, W] image,
                                 normalised as the model expects), ``ID.text`` ([L, D], the text
                                 encoder's output for the caption's L real tokens) and, for models
-                                with a pooled text input, ``ID.pooled`` ([P])
+                                with a pooled text input, ``ID.pooled`` ([P]); a family's conditions
+                                (``ID.image_latents`` ...) and, for an editing family with text
+                                dropout, ``ID.null_text`` (the empty prompt with the sample's source)
     null.safetensors            optional: ``text`` (and ``pooled``) of the empty caption, which
                                 ``diffusion.text_dropout`` substitutes (zeros when absent)
 

@@ -18,8 +18,14 @@ buckets are known before anything is decoded:
 - resolution: the ``data.resolutions`` bucket of the closest aspect ratio (or the source's size
   floored to ``data.hw_stride``), reached by resizing to cover it and cropping the centre.
 
-A bad sample (unreadable file, too few frames, no caption) is an error naming the data file and
-line, or, with ``data.skip_bad``, left out and counted.
+An image-editing model (Qwen-Image-Edit) trains on (source image, target image, instruction) records: ``path``
+is the target, ``cap`` the instruction and ``condition_image`` the source image (relative to the same folder
+as ``path``)::
+
+    {"path": "edited/y.png", "cap": "make the circle red", "condition_image": "source/y.png"}
+
+A bad sample (unreadable file, too few frames, no caption, no source image for an editing model) is an error
+naming the data file and line, or, with ``data.skip_bad``, left out and counted.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class MediaSample:
         is_image: a still image (one frame).
         frames: source frame indices to take (``[0]`` for an image).
         height: target height. width: target width.
+        condition: the source image of an editing record (``condition_image``), or None.
     """
 
     path: Path
@@ -61,6 +68,7 @@ class MediaSample:
     frames: tuple[int, ...]
     height: int
     width: int
+    condition: Path | None = None
 
     def key(self) -> tuple[int, int, int]:
         """The bucket: ``(frames, height, width)``."""
@@ -169,6 +177,22 @@ def pick_resolution(height: int, width: int, resolutions: list[list[int]], strid
     return max(stride, height // stride * stride), max(stride, width // stride * stride)
 
 
+def _condition_path(record: dict, path: Path) -> Path:
+    """The record's ``condition_image``, relative to the folder its ``path`` is relative to.
+
+    Raises:
+        BadSample: no ``condition_image``, or not a file.
+    """
+    name = record.get("condition_image")
+    if not isinstance(name, str) or not name:
+        raise BadSample(f"{path} has no source image: add `condition_image` (the image to edit) to the record")
+    base = path.parents[len(Path(record["path"]).parts) - 1] if not Path(record["path"]).is_absolute() else Path()
+    condition = base / name
+    if not condition.is_file():
+        raise BadSample(f"condition_image {condition} does not exist")
+    return condition
+
+
 def plan_media(
     files: list[str],
     media_dir: str | None,
@@ -178,11 +202,14 @@ def plan_media(
     fps: float,
     skip_bad: bool,
     images_only: bool = False,
+    needs_condition: bool = False,
 ) -> list[MediaSample]:
     """Every usable sample of ``files`` with its target shape (see the module docstring).
 
     Args:
         images_only: the model takes images (FLUX): a video is a bad sample.
+        needs_condition: the model edits a source image: a record without a readable ``condition_image`` is a
+            bad sample.
 
     Raises:
         BadSample: the first bad sample, naming its file and line (unless ``skip_bad``).
@@ -199,6 +226,7 @@ def plan_media(
             is_image, count, source_fps, height, width = probe_media(path, record)
             if images_only and not is_image:
                 raise BadSample(f"{path} is a video; this model trains on images")
+            condition = _condition_path(record, path) if needs_condition else None
             frames = (0,) if is_image else sample_frames(count, source_fps, frame_counts, fps)
             if frames is None:
                 raise BadSample(
@@ -212,7 +240,7 @@ def plan_media(
             logger.warning("skipping %s: %s", where, error)
             continue
         target = pick_resolution(height, width, resolutions, stride)
-        samples.append(MediaSample(path, caption, where, is_image, frames, *target))
+        samples.append(MediaSample(path, caption, where, is_image, frames, *target, condition))
     if bad:
         logger.warning("data.skip_bad: %d of %d samples skipped", bad, bad + len(samples))
     if not samples:

@@ -88,6 +88,9 @@ class DiTFamily:
             0's buffers do not carry.
         skip_layers: ``(model config) -> blocks`` where the model's ``forward`` takes ``skip_layers`` (SD3), which
             skip-layer guidance (:class:`~mindspeed_mm.diffusion.sampler.SkipLayerGuidance`) needs; None: not supported.
+        image_prompts: ``encode_prompts`` takes the batch's source images too (``images=`` a list of PIL images:
+            Qwen-Image-Edit encodes the instruction with its image), and extract-features reads each record's
+            ``condition_image`` as the source image (its ``path`` is the target).
     """
 
     architecture: str
@@ -121,6 +124,7 @@ class DiTFamily:
     combine_guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     materialize_tables: Callable[[Any], None] | None = None
     skip_layers: Callable[[Any], int] | None = None
+    image_prompts: bool = False
 
     @property
     def key(self) -> str:

@@ -36,6 +36,7 @@ DIT_MODULES = {
     "FluxTransformer2DModel": "mindspeed_mm.models.flux",
     "SD3Transformer2DModel": "mindspeed_mm.models.sd3",
     "QwenImageTransformer2DModel": "mindspeed_mm.models.qwen_image",
+    "QwenImageTransformer2DModel:edit": "mindspeed_mm.models.qwen_image_edit",
 }
 
 

@@ -115,6 +115,11 @@ def _encode(parts: dict[str, Any], captions: list[str], text_len: int) -> tuple[
     ), None
 
 
+def _select_variant(values: dict[str, Any]) -> str:
+    """``edit`` in a ``QwenImageEditPipeline`` directory (its model_index.json), else the text-to-image family."""
+    return "edit" if (values.get("_pipeline") or {}).get("_class_name") == "QwenImageEditPipeline" else ""
+
+
 QWEN_IMAGE = register_dit(
     DiTFamily(
         architecture="QwenImageTransformer2DModel",
@@ -177,5 +182,6 @@ QWEN_IMAGE = register_dit(
         # recipes add the MLPs and modulations: name them in lora.target_modules)
         lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
         latent_channels=lambda config: config["in_channels"] // 4,
+        select_variant=_select_variant,
     )
 )

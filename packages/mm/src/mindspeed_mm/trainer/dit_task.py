@@ -127,6 +127,8 @@ class DiTBatch:
         tokens: tokens the transformer sees over the microbatch.
         conditions: the family's per-sample conditions ``[B, ...]`` by name (Wan I2V: ``image_latents``,
             ``image_embeds``), kept through the text dropout.
+        null_text: each sample's own empty-prompt embedding ``[B, L, D]`` that the text dropout substitutes
+            (Qwen-Image-Edit: the empty prompt encoded with the sample's source image), else None (the cache's one).
     """
 
     indices: list[int]
@@ -136,6 +138,7 @@ class DiTBatch:
     draw: FlowDraw
     tokens: int
     conditions: dict[str, torch.Tensor] = field(default_factory=dict)
+    null_text: torch.Tensor | None = None
 
 
 class DiTTask:
@@ -261,10 +264,28 @@ class DiTTask:
                     f"{self.features.directory}: {self.family.key} needs `ID.{key}` in every sample; extract "
                     "features for this model"
                 )
+            shapes = sorted({tuple(s[key].shape) for s in samples})
+            if len(shapes) > 1:  # Qwen-Image-Edit: source images of different aspect ratios in one microbatch
+                raise ValueError(
+                    f"{self.features.directory}: `{key}` of shapes {shapes} in one microbatch; set "
+                    "train.micro_batch_size=1 or give sources of one aspect ratio"
+                )
             conditions[key] = torch.stack([s[key].float() for s in samples])
+        null_text = None
+        if self.family.image_prompts and self.config.diffusion.text_dropout > 0:
+            # Qwen-Image-Edit's empty prompt is encoded with each sample's source image
+            if any("null_text" not in s for s in samples):
+                raise ValueError(
+                    f"diffusion.text_dropout={self.config.diffusion.text_dropout}: {self.family.key} drops to the "
+                    f"empty prompt encoded with each source image (`ID.null_text`), which {self.features.directory} "
+                    "lacks; extract features with the same diffusion.text_dropout, or set diffusion.text_dropout=0"
+                )
+            null_text = torch.stack(
+                [self._pad(s["null_text"].float(), self.features.entries[i]["id"]) for i, s in zip(indices, samples)]
+            )
         draw = self.flow.draw(self.flow.generator(self.config.train.seed, microbatch), tuple(latents.shape))
         tokens = self.family.tokens(self.model.config, shape) * len(indices)
-        return DiTBatch(indices, latents, text, pooled, draw, tokens, conditions)
+        return DiTBatch(indices, latents, text, pooled, draw, tokens, conditions, null_text)
 
     def _read(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The samples; from raw media under sequence parallelism each group rank encodes every ``U``-th one."""
@@ -301,7 +322,8 @@ class DiTTask:
     def model_text(self, batch: DiTBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The text (and pooled) embeddings after the text dropout, on the device."""
         drop = batch.draw.drop.to(self.device)
-        text = torch.where(drop[:, None, None], self.null["text"].to(self.device), batch.text.to(self.device))
+        null = self.null["text"] if batch.null_text is None else batch.null_text
+        text = torch.where(drop[:, None, None], null.to(self.device), batch.text.to(self.device))
         pooled = batch.pooled
         if pooled is not None:
             pooled = torch.where(drop[:, None], self.null["pooled"].to(self.device), pooled.to(self.device))
