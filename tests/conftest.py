@@ -51,3 +51,19 @@ def _quiet_console_env(monkeypatch: pytest.MonkeyPatch) -> None:
     run as subprocesses) print the detail, and the one-line-error checks fail by order.
     """
     monkeypatch.delenv("MINDSPEED_VERBOSE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def t2i_sft_run(tmp_path_factory: pytest.TempPathFactory):
+    """The text-to-image demo's SFT run (``examples/mm/t2i_tiny_cpu.yaml`` as shipped, 300 steps, ~40 s) into a
+    session directory: its DCP checkpoint and ``metrics.jsonl`` there, the diffusers export in ``hf/``. Trained once
+    for the MM demo test (which checks it) and the Flow-GRPO demo test (which starts from it)."""
+    from pathlib import Path
+
+    from mindspeed_mm.cli import main
+
+    root = tmp_path_factory.mktemp("t2i_sft")
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "mm" / "t2i_tiny_cpu.yaml"
+    overrides = [f"checkpoint.save={root}", f"logging.dir={root}", f"checkpoint.save_hf={root / 'hf'}"]
+    assert main(["train", "--config", str(recipe), *overrides, "logging.progress=false"]) == 0
+    return root

@@ -24,6 +24,7 @@ class TrainSection:
     data_paths: list[str] = field(default_factory=list)
     resume: bool = False
     name: str | None = None
+    window: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -62,3 +63,16 @@ def test_wrong_types_name_the_key(tmp_path) -> None:
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(Recipe, bad)
+
+
+def test_none_and_comma_lists_on_the_command_line() -> None:
+    """``key=None`` (Python's spelling) is None for an optional setting as ``key=null`` is (it used to be the string
+    'None': a path setting wrote a ./None directory); ``key=0,2`` gives the items' types as ``key=[0,2]`` does."""
+    cfg = load_config(Recipe, None, ["train.name=x", "train.window=0,2", "train.data_paths=a,b"])
+    assert cfg.train.name == "x" and cfg.train.window == (0, 2) and cfg.train.data_paths == ["a", "b"]
+    for spelling in ("None", "null", "~"):
+        cfg = load_config(Recipe, None, [f"train.name={spelling}", f"train.window={spelling}"])
+        assert cfg.train.name is None and cfg.train.window is None, spelling
+    assert load_config(Recipe, None, ["train.window=[1, 3]"]).train.window == (1, 3)
+    with pytest.raises(ConfigError, match=r"train.window\[1\]: expected an integer"):
+        load_config(Recipe, None, ["train.window=0,x"])

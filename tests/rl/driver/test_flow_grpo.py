@@ -61,42 +61,6 @@ def test_killed_and_resumed_run_is_bit_exact(tmp_path) -> None:
     assert whole[1]["kl"] > 0 and whole[0]["pg_clipfrac"] > 0  # the second mini-batch is off-policy
 
 
-def test_flow_grpo_moves_the_held_out_reward_its_way(tmp_path) -> None:
-    """A few Flow-GRPO rounds (per-prompt stat tracking, shared noise per caption) raise the registered
-    ``brightness`` reward of the held-out captions (sampled by the ODE from fixed noises) and, with the reward
-    negated, lower it: the direction comes from the reward, not from drift. On the untrained demo transformer
-    (an SFT checkpoint takes minutes; the shapes reward's rise is measured in docs/mm/dit-rl.md). Margin: the
-    held-out reward's standard error over its 16 samples, times 3."""
-    pipeline = write_t2i_pipeline(tmp_path / "pipeline")
-    config = FlowGRPOConfig(
-        load_dir=str(pipeline / "transformer"),
-        pipeline_dir=str(pipeline),
-        reward="brightness",
-        iterations=4,
-        prompts_per_iteration=2,
-        group_size=4,
-        mini_batches=1,
-        sampling_steps=4,
-        timestep_fraction=0.5,
-        advantage="per_prompt",
-        same_noise=True,
-        lr=3e-3,
-        eval_seeds=2,
-        eval_steps=4,
-    )
-    IMAGE_REWARDS.register("test_darkness", lambda: lambda images, captions: -images.mean(dim=(1, 2, 3)))
-    try:
-        up = train_flow_grpo(config, tmp_path / "up")
-        down = train_flow_grpo(dataclasses.replace(config, reward="test_darkness"), tmp_path / "down")
-    finally:
-        IMAGE_REWARDS.unregister("test_darkness")
-    (start, end), (down_start, down_end) = ([r for r in run if "eval" in r] for run in (up, down))
-    margin = 3 * start["reward_se"]
-    assert end["reward"] > start["reward"] + margin, (start, end)
-    assert -down_end["reward"] < start["reward"] - margin, (start, down_end)  # darkness rose: brightness fell
-    assert down_start["reward"] == -start["reward"]
-
-
 def test_sde_window_rounds_and_paired_checks(tmp_path) -> None:
     """With ``sde_window_size`` each round draws its window inside ``sde_window_range`` (recorded as
     ``sde_window_start``), the CLI takes the range as ``[start, end]``, bad windows are refused with the fix, and the

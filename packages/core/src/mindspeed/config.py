@@ -89,7 +89,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return value
     if origin in (Union, types.UnionType):
         options = get_args(hint)
-        if value is None and type(None) in options:
+        if type(None) in options and (value is None or value == "None"):  # YAML's null; Python's spelling too
             return None
         errors = []
         for option in (o for o in options if o is not type(None)):
@@ -109,12 +109,12 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping of {hint.__name__} fields, got {value!r}")
         return from_dict(hint, value, key + ".")
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
-        if isinstance(value, str):  # "a,b" on the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
         args = get_args(hint)
         item = args[0] if args else Any
+        if isinstance(value, str):  # "a,b" on the command line: items as written for strings, else YAML scalars
+            value = [v.strip() if item is str else yaml.safe_load(v) for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
         items = [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple or hint is tuple else items
     if origin in (dict, Mapping) or hint is dict:

@@ -6,7 +6,7 @@ parallelism the row-parallel linears all-reduce after it. With this feature the 
 them as :mod:`mindspeed.megatron.coc`'s linears, which run the pairs as the registry ops
 ``all_gather_matmul`` / ``matmul_reduce_scatter`` / ``matmul_all_reduce``: the ``chunked``
 pipeline of ``coc_parallel_num`` sequence chunks (MindSpeed's script-side CoC), or with
-``coc_fused_kernel`` the vendor kernel that fuses the pair (torch_npu's ``npu_all_gather_base_mm`` /
+``coc_fused_kernel`` the vendor kernel that fuses the pair (the Ascend extension's ``npu_all_gather_base_mm`` /
 ``npu_mm_reduce_scatter_base`` / ``npu_mm_all_reduce_base``: MindSpeed's fused CoC and MC2 kernels).
 """
 

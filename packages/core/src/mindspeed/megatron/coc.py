@@ -4,7 +4,7 @@ Under sequence parallelism megatron's ``ColumnParallelLinear`` all-gathers its i
 sequence before its GEMM and ``RowParallelLinear`` reduce-scatters its output after it (without
 sequence parallelism it all-reduces it). The subclasses here run those pairs as the registry ops
 ``all_gather_matmul``, ``matmul_reduce_scatter`` and ``matmul_all_reduce`` (the ``chunked``
-pipeline, or torch_npu's fused MC2 kernels), so the collective of one sequence chunk overlaps the
+pipeline, or the Ascend extension's fused MC2 kernels), so the collective of one sequence chunk overlaps the
 GEMM of another. The layer spec names them for
 the attention's ``linear_qkv`` / ``linear_proj`` and the dense MLP's ``linear_fc1`` / ``linear_fc2``
 (:func:`apply_coc`); parameters, checkpoints and everything else stay megatron's. Where a column
