@@ -66,6 +66,6 @@ def test_failing_rank_reports_its_traceback() -> None:
 def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
     # Rank 0 usually finishes first; on a loaded machine both may still be starting up.
-    with pytest.raises(DistributedTestError, match=r"ranks \[(0, )?1\] did not finish within 15 s"):
-        run_distributed(_hang_on_rank_one, 2, timeout=15)
+    with pytest.raises(DistributedTestError, match=r"ranks \[(0, )?1\] did not finish within 5 s"):
+        run_distributed(_hang_on_rank_one, 2, timeout=5)
     assert time.monotonic() - start < 60  # killed at the deadline, not after rank 1's 600 s
