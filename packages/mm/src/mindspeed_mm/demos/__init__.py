@@ -5,7 +5,8 @@
 - :mod:`~mindspeed_mm.demos.t2v`: ``demo-t2v``, a tiny Wan drawing moving shapes;
   :mod:`~mindspeed_mm.demos.t2v_long`: ``demo-t2v-long``, long random latents for sequence parallelism's memory;
 - :mod:`~mindspeed_mm.demos.t2i`: ``demo-t2i``, a tiny FLUX drawing shapes in corners;
-- :mod:`~mindspeed_mm.demos.scene`: what the two drawing demos share (the coloured shapes, the
+- :mod:`~mindspeed_mm.demos.i2v`: ``demo-i2v``, a tiny Wan I2V moving a given first frame's shape;
+- :mod:`~mindspeed_mm.demos.scene`: what the drawing demos share (the coloured shapes, the
   held-out combinations, the cache they are built into once, sampling the held-out captions);
 - :mod:`~mindspeed_mm.demos.names`: the names above, resolved to their files by the command-line entry points.
 

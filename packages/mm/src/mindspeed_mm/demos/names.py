@@ -1,6 +1,7 @@
 """The embedded demos by name: ``demo`` (the vision-language demo: a tiny Qwen2.5-VL and its image
 questions, ``demo-heldout`` its held-out set), ``demo-t2v`` (Wan text-to-video), ``demo-t2i`` (FLUX
-text-to-image) and ``demo-t2v-long`` (a Wan on long random latents, for sequence parallelism's memory;
+text-to-image), ``demo-i2v`` (Wan image-to-video; its held-out first frames are ``i2v_paths()["images"]``) and
+``demo-t2v-long`` (a Wan on long random latents, for sequence parallelism's memory;
 training only).
 
 A recipe's ``model.path`` / ``data.files`` / ``data.valid_files`` / ``data.features``, ``generate``'s
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from mindspeed_mm.config import MMConfig
 from mindspeed_mm.demos import vlm
+from mindspeed_mm.demos.i2v import I2V, i2v_paths
 from mindspeed_mm.demos.mmbench import DEMO_TASK, demo_mmbench_tsv
 from mindspeed_mm.demos.t2i import T2I, t2i_paths
 from mindspeed_mm.demos.t2v import T2V, demo_paths
@@ -26,7 +28,7 @@ from mindspeed_mm.evaluation.config import EvaluateConfig
 
 #: demo name -> the function that builds it once and returns its paths
 #: (``{"pipeline", "transformer", "features", "heldout"}``).
-DEMO_BUILDERS = {T2V: demo_paths, T2I: t2i_paths}
+DEMO_BUILDERS = {T2V: demo_paths, T2I: t2i_paths, I2V: i2v_paths}
 DEMOS = tuple(DEMO_BUILDERS)
 #: demos a training recipe may name (``{"transformer", "features"}`` at least): the above and the long-video one.
 TRAINING_BUILDERS = {**DEMO_BUILDERS, T2V_LONG: long_demo_paths}

@@ -7,7 +7,8 @@ of its own before the transformer can learn anything, more than the demo's minut
 allow, and a half-trained one would blur exactly what the learning check measures. With this one
 every colour and motion in a sample comes from the diffusion transformer. It has the interface the
 suite uses of diffusers' VAEs (``encode(x).latent_dist.mode()``, ``decode(z, return_dict=False)``,
-``latents_mean`` / ``latents_std`` in its config) and saves and loads as a diffusers model.
+``latents_mean`` / ``latents_std`` and ``scale_factor_spatial`` in its config, which the image-to-video
+conditions read) and saves and loads as a diffusers model.
 """
 
 from __future__ import annotations
@@ -49,11 +50,14 @@ class PatchVAE(ModelMixin, ConfigMixin):
         in_channels: int = 3,
         latents_mean: list[float] | None = None,
         latents_std: list[float] | None = None,
+        scale_factor_spatial: int | None = None,  # always patch_size: taken so that a saved config loads as saved
     ) -> None:
         super().__init__()
         channels = in_channels * patch_size * patch_size
         self.register_to_config(
-            latents_mean=list(latents_mean or [0.0] * channels), latents_std=list(latents_std or [1.0] * channels)
+            latents_mean=list(latents_mean or [0.0] * channels),
+            latents_std=list(latents_std or [1.0] * channels),
+            scale_factor_spatial=patch_size,  # as AutoencoderKLWan's: what the pipelines' VideoProcessor resizes by
         )
         # ModelMixin wants a parameter to tell the device and dtype; it is never used.
         self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
