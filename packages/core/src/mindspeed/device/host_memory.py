@@ -25,6 +25,12 @@ logger = get_logger(__name__)
 #: glibc's ``mallopt`` parameters (malloc.h) and their documented defaults.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 DEFAULT_TRIM_THRESHOLD = DEFAULT_MMAP_THRESHOLD = 128 * 1024
+#: What the thresholds become on exit: where glibc's on-the-fly raising ends on 64-bit hosts
+#: (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB; the trim threshold twice the mmap threshold, as that raising sets it).
+#: Any ``mallopt`` of the mmap threshold turns the raising off for good, so restoring the 128 KiB defaults would
+#: leave the process mapping and faulting in every block above 128 KiB for the rest of its life (measured: a
+#: Flow-GRPO run after an in-process ``mindspeed-mm train`` took 287 s instead of ~140 s, half of it in the kernel).
+EXIT_MMAP_THRESHOLD, EXIT_TRIM_THRESHOLD = 32 * 2**20, 64 * 2**20
 
 
 def _mallopt() -> ctypes._CFuncPtr | None:
@@ -48,8 +54,9 @@ def retain_freed_host_memory(
     Yields:
         whether the setting is on (False: ``enabled`` false, or not glibc).
 
-    On exit the thresholds go back to glibc's defaults (128 KiB); glibc's on-the-fly raising of the mmap
-    threshold, which any ``mallopt`` of it turns off, stays off.
+    On exit the thresholds become :data:`EXIT_MMAP_THRESHOLD` / :data:`EXIT_TRIM_THRESHOLD`, where glibc's own
+    on-the-fly raising of them ends (which any ``mallopt`` of the mmap threshold turns off for good): blocks above
+    32 MiB are mapped afresh again, smaller ones reused, as in a process that never called this.
     """
     mallopt = _mallopt() if enabled else None
     if mallopt is None:
@@ -57,7 +64,7 @@ def retain_freed_host_memory(
         return
     if not (mallopt(M_MMAP_THRESHOLD, mmap_threshold) and mallopt(M_TRIM_THRESHOLD, trim_threshold)):
         logger.warning("host memory: glibc's mallopt refused the thresholds; freed memory goes back to the kernel")
-        mallopt(M_MMAP_THRESHOLD, DEFAULT_MMAP_THRESHOLD)
+        mallopt(M_MMAP_THRESHOLD, EXIT_MMAP_THRESHOLD)
         yield False
         return
     logger.info(
@@ -68,5 +75,5 @@ def retain_freed_host_memory(
     try:
         yield True
     finally:
-        mallopt(M_MMAP_THRESHOLD, DEFAULT_MMAP_THRESHOLD)
-        mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        mallopt(M_MMAP_THRESHOLD, EXIT_MMAP_THRESHOLD)
+        mallopt(M_TRIM_THRESHOLD, EXIT_TRIM_THRESHOLD)
